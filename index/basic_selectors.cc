@@ -1,0 +1,38 @@
+#include "index/basic_selectors.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "kernels/cpu/attention.h"
+
+namespace kvrecall {
+
+void AppendStaticSet(int64_t tokens, int sinks, int recent, std::vector<int32_t>* ids) {
+  const int64_t sink_end = std::min<int64_t>(sinks, tokens);
+  const int64_t recent_begin = std::max<int64_t>(sink_end, tokens - recent);
+  for (int64_t t = 0; t < sink_end; ++t) ids->push_back(static_cast<int32_t>(t));
+  for (int64_t t = recent_begin; t < tokens; ++t) ids->push_back(static_cast<int32_t>(t));
+}
+
+void FullSelector::Select(int, const float*, const KvView& kv, HeadSelection* out) {
+  out->support.resize(kv.tokens);
+  std::iota(out->support.begin(), out->support.end(), 0);
+  out->path = SelectionPath::kExact;
+  out->candidates = static_cast<int32_t>(kv.tokens);
+}
+
+void ExactTopKSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {
+  cpu::ExactTopK(q, kv, KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads), shape_.scale, top_k_,
+                 &out->support);
+  out->path = SelectionPath::kExact;
+  out->candidates = static_cast<int32_t>(kv.tokens);
+}
+
+void StreamingSelector::Select(int, const float*, const KvView& kv, HeadSelection* out) {
+  out->support.clear();
+  AppendStaticSet(kv.tokens, sinks_, recent_, &out->support);
+  out->path = SelectionPath::kExact;
+  out->candidates = 0;
+}
+
+}  // namespace kvrecall

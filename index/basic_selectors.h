@@ -1,0 +1,50 @@
+// The selectors that need no index: full attention, exact top-K by full scan, and streaming
+// (attention sinks + a recent window).
+#ifndef KVRECALL_INDEX_BASIC_SELECTORS_H_
+#define KVRECALL_INDEX_BASIC_SELECTORS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "index/support_selector.h"
+
+namespace kvrecall {
+
+// Every token: exact attention.
+class FullSelector : public SupportSelector {
+ public:
+  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
+};
+
+// The K highest-scoring tokens under the current query, by a full scan.
+class ExactTopKSelector : public SupportSelector {
+ public:
+  ExactTopKSelector(const LayerShape& shape, int top_k) : shape_(shape), top_k_(top_k) {}
+  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
+
+ private:
+  LayerShape shape_;
+  int top_k_;
+};
+
+// The first `sinks` and the last `recent` tokens (StreamingLLM's static set).
+class StreamingSelector : public SupportSelector {
+ public:
+  StreamingSelector(int sinks, int recent) : sinks_(sinks), recent_(recent) {}
+  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
+
+ private:
+  int sinks_;
+  int recent_;
+};
+
+// Appends the static set {0..sinks) ∪ [tokens - recent, tokens) to *ids, each token once.
+// Shared by the streaming selector and the tiered/index policies.
+void AppendStaticSet(int64_t tokens, int sinks, int recent, std::vector<int32_t>* ids);
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_INDEX_BASIC_SELECTORS_H_

@@ -1,0 +1,74 @@
+#include "index/support_selector.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "index/basic_selectors.h"
+
+namespace kvrecall {
+
+const char* SelectorKindName(SelectorKind kind) {
+  switch (kind) {
+    case SelectorKind::kFull: return "full";
+    case SelectorKind::kExactTopK: return "exact_topk";
+    case SelectorKind::kStreaming: return "streaming";
+    case SelectorKind::kIndex: return "index";
+    case SelectorKind::kReTopK: return "retopk";
+  }
+  return "unknown";
+}
+
+absl::Status SelectorParams::Validate() const {
+  auto invalid = [](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(parts...));
+  };
+  if (top_k < 1) return invalid("policy.top_k must be >= 1, got ", top_k);
+  if (sinks < 0) return invalid("policy.sinks must be >= 0, got ", sinks);
+  if (recent < 0) return invalid("policy.recent must be >= 0, got ", recent);
+  if (kind == SelectorKind::kStreaming && sinks + recent < 1) {
+    return invalid("policy.sinks + policy.recent must be >= 1 for the streaming selector");
+  }
+  const ReTopKParams& r = retopk;
+  if (r.cache_capacity < 1) {
+    return invalid("policy.retopk.cache_capacity must be >= 1, got ", r.cache_capacity);
+  }
+  if (r.reuse_neighbors < 1 || r.reuse_neighbors > r.cache_capacity) {
+    return invalid("policy.retopk.reuse_neighbors must be in [1, cache_capacity=",
+                   r.cache_capacity, "], got ", r.reuse_neighbors);
+  }
+  if (r.recent_window < 0) {
+    return invalid("policy.retopk.recent_window must be >= 0, got ", r.recent_window);
+  }
+  if (!std::isfinite(r.tau)) return invalid("policy.retopk.tau must be finite");
+  if (r.refresh_interval < 0) {
+    return invalid("policy.retopk.refresh_interval must be >= 0, got ", r.refresh_interval);
+  }
+  if (r.auto_tau && !(r.target_recall > 0.0f && r.target_recall <= 1.0f)) {
+    return invalid("policy.retopk.target_recall must be in (0, 1], got ", r.target_recall);
+  }
+  const GraphIndexParams& g = index;
+  if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0) {
+    return invalid("policy.index parameters must be >= 0 (0 takes the default)");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SupportSelector>> MakeSelector(const SelectorParams& params,
+                                                              const LayerShape& shape) {
+  if (absl::Status s = params.Validate(); !s.ok()) return s;
+  switch (params.kind) {
+    case SelectorKind::kFull:
+      return std::make_unique<FullSelector>();
+    case SelectorKind::kExactTopK:
+      return std::make_unique<ExactTopKSelector>(shape, params.top_k);
+    case SelectorKind::kStreaming:
+      return std::make_unique<StreamingSelector>(params.sinks, params.recent);
+    case SelectorKind::kIndex:
+    case SelectorKind::kReTopK:
+      break;
+  }
+  return absl::UnimplementedError(
+      absl::StrCat("selector '", SelectorKindName(params.kind), "' is not available yet"));
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,65 @@
+// The support-selector abstraction: per layer, chooses the tokens each query head of a decode
+// step attends to. Full, exact top-K, streaming, the graph index and ReTopK implement it.
+#ifndef KVRECALL_INDEX_SUPPORT_SELECTOR_H_
+#define KVRECALL_INDEX_SUPPORT_SELECTOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "index/selector_params.h"
+#include "kernels/kv_view.h"
+
+namespace kvrecall {
+
+// How a head's support was chosen in one step (mirrors kvrecall.v1.Path).
+enum class SelectionPath { kExact, kReuse, kFallback, kRefresh };
+
+// The outcome of selecting for one query head in one step.
+struct HeadSelection {
+  std::vector<int32_t> support;  // token positions attended to, each once, in any order
+  SelectionPath path = SelectionPath::kExact;
+  int32_t candidates = 0;        // tokens scored to choose the support
+  float best_cosine = 0.0f;      // ReTopK only
+};
+
+// Shapes the selector is built for. Layout of queries: [tokens, q_heads, head_dim].
+struct LayerShape {
+  int q_heads = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+  float scale = 0.0f;  // softmax scale applied to <q, k>
+};
+
+// One instance serves one layer of one session. The call order is:
+//   Build (once, after the prompt is committed) then, per decode step,
+//   OnAppend (once, after the step's token was appended) and Select (once per query head,
+//   possibly from several threads at once for different heads).
+class SupportSelector {
+ public:
+  virtual ~SupportSelector() = default;
+
+  // Builds state from the committed prompt. kv holds the prompt's T tokens;
+  // prompt_queries: [T, q_heads, head_dim], post-RoPE.
+  virtual absl::Status Build(const KvView& kv, const float* prompt_queries) = 0;
+
+  // Sees the KV after a decode token was appended (kv.tokens includes it).
+  virtual void OnAppend(const KvView& kv) {}
+
+  // Chooses the support of query head `q_head` for query q [head_dim] over kv (which includes
+  // the current token). Heads are independent: calls for different heads may run in parallel.
+  virtual void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) = 0;
+
+  // Host bytes held by the selector itself (indexes, caches), not counting the KV.
+  virtual int64_t MemoryBytes() const { return 0; }
+};
+
+// Makes the selector `params.kind` for one layer of the given shape.
+absl::StatusOr<std::unique_ptr<SupportSelector>> MakeSelector(const SelectorParams& params,
+                                                              const LayerShape& shape);
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_INDEX_SUPPORT_SELECTOR_H_

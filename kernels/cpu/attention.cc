@@ -1,0 +1,133 @@
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "kernels/attention_state.h"
+
+namespace kvrecall::cpu {
+namespace {
+
+// Scores are a per-call scratch; thread_local keeps the hot path free of allocations once warm.
+std::vector<float>& ScoreScratch(size_t n) {
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < n) scratch.resize(n);
+  return scratch;
+}
+
+// Turns scaled scores into softmax weights in place and returns their log-sum-exp.
+float SoftmaxInPlace(float* scores, size_t n) {
+  if (n == 0) return kEmptyLse;
+  float max_score = scores[0];
+  for (size_t i = 1; i < n; ++i) max_score = std::max(max_score, scores[i]);
+  float sum = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    scores[i] = std::exp(scores[i] - max_score);
+    sum += scores[i];
+  }
+  const float inv = 1.0f / sum;
+  for (size_t i = 0; i < n; ++i) scores[i] *= inv;
+  return max_score + std::log(sum);
+}
+
+// o = sum_i weights[i] * value(token_of(i)).
+template <typename TokenOf>
+void WeightedValueSum(const float* weights, size_t n, TokenOf token_of, const KvView& kv,
+                      int kv_head, float* o) {
+  const int d = kv.head_dim;
+  std::fill(o, o + d, 0.0f);
+  for (size_t i = 0; i < n; ++i) {
+    const float w = weights[i];
+    const float* v = kv.value(token_of(i), kv_head);
+#pragma omp simd
+    for (int j = 0; j < d; ++j) o[j] += w * v[j];
+  }
+}
+
+}  // namespace
+
+float DotProduct(const float* a, const float* b, int n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
+                 float scale, float* scores) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    scores[i] = scale * DotProduct(q, kv.key(ids[i], kv_head), kv.head_dim);
+  }
+}
+
+void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,
+                float scale, float* scores) {
+  for (int64_t t = begin; t < end; ++t) {
+    scores[t - begin] = scale * DotProduct(q, kv.key(t, kv_head), kv.head_dim);
+  }
+}
+
+void TopKPositions(std::span<const float> scores, int k, std::vector<int32_t>* positions) {
+  const size_t n = scores.size();
+  const size_t keep = std::min(static_cast<size_t>(std::max(k, 0)), n);
+  positions->resize(n);
+  std::iota(positions->begin(), positions->end(), 0);
+  auto higher = [&](int32_t a, int32_t b) {
+    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
+  };
+  if (keep < n) {
+    std::nth_element(positions->begin(), positions->begin() + keep, positions->end(), higher);
+    positions->resize(keep);
+  }
+  std::sort(positions->begin(), positions->end(), higher);
+}
+
+void ExactTopK(const float* q, const KvView& kv, int kv_head, float scale, int k,
+               std::vector<int32_t>* ids) {
+  std::vector<float>& scores = ScoreScratch(kv.tokens);
+  ScoreRange(q, kv, kv_head, 0, kv.tokens, scale, scores.data());
+  // Positions in a full-range scan are token ids.
+  TopKPositions(std::span<const float>(scores.data(), kv.tokens), k, ids);
+}
+
+void PartialAttention(const float* q, const KvView& kv, int kv_head,
+                      std::span<const int32_t> ids, float scale, float* o, float* lse) {
+  std::vector<float>& weights = ScoreScratch(ids.size());
+  ScoreTokens(q, kv, kv_head, ids, scale, weights.data());
+  *lse = SoftmaxInPlace(weights.data(), ids.size());
+  WeightedValueSum(weights.data(), ids.size(), [&](size_t i) { return ids[i]; }, kv, kv_head, o);
+}
+
+void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_t begin,
+                           int64_t end, float scale, float* o, float* lse) {
+  const size_t n = end > begin ? static_cast<size_t>(end - begin) : 0;
+  std::vector<float>& weights = ScoreScratch(n);
+  ScoreRange(q, kv, kv_head, begin, begin + static_cast<int64_t>(n), scale, weights.data());
+  *lse = SoftmaxInPlace(weights.data(), n);
+  WeightedValueSum(weights.data(), n, [&](size_t i) { return begin + static_cast<int64_t>(i); },
+                   kv, kv_head, o);
+}
+
+void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,
+                        std::span<const std::vector<int32_t>> supports, float scale, float* o,
+                        float* lse) {
+  const int d = kv.head_dim;
+#pragma omp parallel for schedule(static) if (q_heads > 1)
+  for (int h = 0; h < q_heads; ++h) {
+    PartialAttention(q + h * d, kv, KvHeadOf(h, q_heads, kv.kv_heads), supports[h], scale,
+                     o + h * d, lse + h);
+  }
+}
+
+void MultiHeadFullAttention(const float* q, int q_heads, const KvView& kv, float scale, float* o,
+                            float* lse) {
+  const int d = kv.head_dim;
+#pragma omp parallel for schedule(static) if (q_heads > 1)
+  for (int h = 0; h < q_heads; ++h) {
+    PartialAttentionRange(q + h * d, kv, KvHeadOf(h, q_heads, kv.kv_heads), 0, kv.tokens, scale,
+                          o + h * d, lse + h);
+  }
+}
+
+}  // namespace kvrecall::cpu

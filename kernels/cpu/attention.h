@@ -1,0 +1,55 @@
+// CPU attention kernels: exact scoring, top-K selection and partial attention returning
+// attention states, over a KvView. The CUDA backend in kernels/cuda mirrors these.
+#ifndef KVRECALL_KERNELS_CPU_ATTENTION_H_
+#define KVRECALL_KERNELS_CPU_ATTENTION_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/kv_view.h"
+
+namespace kvrecall::cpu {
+
+// <a, b> over n floats.
+float DotProduct(const float* a, const float* b, int n);
+
+// scores[i] = scale * <q, key(ids[i], kv_head)>. q: [head_dim]; scores: [ids.size()].
+void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
+                 float scale, float* scores);
+
+// scores[t - begin] = scale * <q, key(t, kv_head)> for t in [begin, end).
+void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,
+                float scale, float* scores);
+
+// Positions (into `scores`) of the min(k, scores.size()) largest scores, highest first; equal
+// scores are ordered by position so that every backend breaks ties the same way.
+void TopKPositions(std::span<const float> scores, int k, std::vector<int32_t>* positions);
+
+// The exact top-k tokens of [0, kv.tokens) for q by a full scan, highest score first.
+void ExactTopK(const float* q, const KvView& kv, int kv_head, float scale, int k,
+               std::vector<int32_t>* ids);
+
+// The attention state of q over the tokens `ids` (kernels/attention_state.h).
+// o: [head_dim]; *lse gets the natural-log sum of exp of the scaled scores.
+void PartialAttention(const float* q, const KvView& kv, int kv_head,
+                      std::span<const int32_t> ids, float scale, float* o, float* lse);
+
+// The attention state of q over the contiguous tokens [begin, end).
+void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_t begin,
+                           int64_t end, float scale, float* o, float* lse);
+
+// Multi-head attention of one decode step over per-head supports, heads in parallel.
+// q: [q_heads, head_dim]; supports[h] are the tokens query head h attends to;
+// o: [q_heads, head_dim]; lse: [q_heads].
+void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,
+                        std::span<const std::vector<int32_t>> supports, float scale, float* o,
+                        float* lse);
+
+// Full (exact) multi-head attention over every token of kv; shapes as MultiHeadAttention.
+void MultiHeadFullAttention(const float* q, int q_heads, const KvView& kv, float scale, float* o,
+                            float* lse);
+
+}  // namespace kvrecall::cpu
+
+#endif  // KVRECALL_KERNELS_CPU_ATTENTION_H_

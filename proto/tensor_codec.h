@@ -1,0 +1,46 @@
+// Decoding and encoding of kvrecall.v1.Tensor: raw little-endian bytes of a dtype (the fast
+// path) or plain float values (for people debugging with JSON), to and from f32 arrays.
+#ifndef KVRECALL_PROTO_TENSOR_CODEC_H_
+#define KVRECALL_PROTO_TENSOR_CODEC_H_
+
+#include <cstdint>
+#include <span>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvrecall/v1/kvrecall.pb.h"
+
+namespace kvrecall {
+
+// Bytes per element of `dtype`; 0 for DTYPE_UNSPECIFIED.
+size_t DTypeSize(v1::DType dtype);
+const char* DTypeName(v1::DType dtype);
+
+// What a request tensor must look like. `row_shape` is the shape of one row; with
+// `rows_free` the tensor is [n, row_shape...] for any n >= 1, otherwise it is row_shape
+// (or [1, row_shape...]). Raw data must be in `dtype` (the session's dtype).
+struct TensorSpec {
+  absl::string_view field;  // named in every error, e.g. "steps[0].q"
+  std::span<const int64_t> row_shape;
+  bool rows_free = false;
+  v1::DType dtype = v1::DTYPE_F32;
+};
+
+// The number of rows of `t` (1 unless rows_free), or INVALID_ARGUMENT naming the field when
+// the shape, dtype or byte size is wrong. Touches no data.
+absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec);
+
+// Converts a tensor that passed CheckTensor into f32 at `out` (rows * prod(row_shape)
+// floats). INVALID_ARGUMENT naming the field if any value is NaN or infinite; `out` may then
+// hold partial data, so decode into staging memory, never into committed state.
+absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* out);
+
+// Writes `data` with `shape` into `out`: raw bytes of `dtype`, or plain values when as_values.
+void EncodeTensor(std::span<const float> data, std::span<const int64_t> shape, v1::DType dtype,
+                  bool as_values, v1::Tensor* out);
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_PROTO_TENSOR_CODEC_H_

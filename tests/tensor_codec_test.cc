@@ -1,0 +1,106 @@
+#include "proto/tensor_codec.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+
+namespace kvrecall {
+namespace {
+
+constexpr int64_t kRow[] = {2, 3};
+
+TEST(TensorCodecTest, RoundTripsEveryDType) {
+  const std::vector<float> data = {0.5f, -1.25f, 3.0f, 1e-3f, -7.0f, 2.0f};
+  for (v1::DType dtype : {v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16}) {
+    v1::Tensor t;
+    EncodeTensor(data, kRow, dtype, /*as_values=*/false, &t);
+    std::vector<float> back(6);
+    ASSERT_TRUE(DecodeTensor(t, {"x", kRow, false, dtype}, back.data()).ok());
+    for (size_t i = 0; i < data.size(); ++i) {
+      EXPECT_NEAR(back[i], data[i], dtype == v1::DTYPE_F32 ? 0 : 1e-2 * std::abs(data[i]));
+    }
+  }
+}
+
+TEST(TensorCodecTest, ValuesAreAcceptedWhateverTheSessionDType) {
+  v1::Tensor t;
+  EncodeTensor(std::vector<float>{1, 2, 3, 4, 5, 6}, kRow, v1::DTYPE_BF16, /*as_values=*/true, &t);
+  std::vector<float> back(6);
+  ASSERT_TRUE(DecodeTensor(t, {"x", kRow, false, v1::DTYPE_BF16}, back.data()).ok());
+  EXPECT_EQ(back, (std::vector<float>{1, 2, 3, 4, 5, 6}));
+}
+
+TEST(TensorCodecTest, LeadingRowsAreCountedWhenFree) {
+  v1::Tensor t;
+  EncodeTensor(std::vector<float>(24, 1.0f), std::vector<int64_t>{4, 2, 3}, v1::DTYPE_F32, false,
+               &t);
+  absl::StatusOr<int64_t> rows = CheckTensor(t, {"x", kRow, true, v1::DTYPE_F32});
+  ASSERT_TRUE(rows.ok());
+  EXPECT_EQ(*rows, 4);
+  // A fixed-shape field accepts [1, row...] but not [4, row...].
+  EXPECT_EQ(CheckTensor(t, {"x", kRow, false, v1::DTYPE_F32}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TensorCodecTest, ErrorsNameTheField) {
+  v1::Tensor t;
+  EncodeTensor(std::vector<float>(6, 1.0f), kRow, v1::DTYPE_F16, false, &t);
+  absl::Status s = CheckTensor(t, {"steps[0].q", kRow, false, v1::DTYPE_BF16}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("steps[0].q has dtype f16"), std::string::npos) << s;
+
+  t.mutable_data()->pop_back();
+  s = CheckTensor(t, {"k", kRow, false, v1::DTYPE_F16}).status();
+  EXPECT_NE(s.message().find("k has 11 bytes"), std::string::npos) << s;
+
+  v1::Tensor wrong_shape;
+  EncodeTensor(std::vector<float>(6, 1.0f), std::vector<int64_t>{3, 2}, v1::DTYPE_F32, false,
+               &wrong_shape);
+  s = CheckTensor(wrong_shape, {"v_new", kRow, false, v1::DTYPE_F32}).status();
+  EXPECT_NE(s.message().find("v_new has shape [3, 2], want [2, 3]"), std::string::npos) << s;
+
+  v1::Tensor empty;
+  empty.add_shape(2);
+  empty.add_shape(3);
+  s = CheckTensor(empty, {"q", kRow, false, v1::DTYPE_F32}).status();
+  EXPECT_NE(s.message().find("exactly one of data"), std::string::npos) << s;
+}
+
+TEST(TensorCodecTest, NonFiniteValuesAreRejected) {
+  std::vector<float> data(6, 1.0f);
+  data[4] = std::numeric_limits<float>::quiet_NaN();
+  for (bool as_values : {false, true}) {
+    v1::Tensor t;
+    EncodeTensor(data, kRow, v1::DTYPE_F32, as_values, &t);
+    std::vector<float> out(6);
+    absl::Status s = DecodeTensor(t, {"q", kRow, false, v1::DTYPE_F32}, out.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("q holds a non-finite value"), std::string::npos) << s;
+  }
+  data[4] = std::numeric_limits<float>::infinity();
+  v1::Tensor t;
+  EncodeTensor(data, kRow, v1::DTYPE_BF16, false, &t);
+  std::vector<float> out(6);
+  EXPECT_FALSE(DecodeTensor(t, {"q", kRow, false, v1::DTYPE_BF16}, out.data()).ok());
+}
+
+TEST(DTypeTest, HalfConversionsMatchKnownBitPatterns) {
+  EXPECT_EQ(FloatToF16(1.0f), 0x3c00);
+  EXPECT_EQ(FloatToF16(-2.0f), 0xc000);
+  EXPECT_EQ(FloatToF16(65504.0f), 0x7bff);
+  EXPECT_EQ(FloatToF16(1e6f), 0x7c00);
+  EXPECT_EQ(FloatToF16(5.960464477539063e-08f), 0x0001);
+  EXPECT_FLOAT_EQ(F16ToFloat(0x0001), 5.960464477539063e-08f);
+  EXPECT_FLOAT_EQ(F16ToFloat(0x3555), 0.333251953125f);
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_FLOAT_EQ(Bf16ToFloat(0x4049), 3.140625f);
+  for (uint32_t h = 0; h < 0x7c00; ++h) {  // every finite positive half round-trips
+    ASSERT_EQ(FloatToF16(F16ToFloat(static_cast<uint16_t>(h))), h);
+  }
+}
+
+}  // namespace
+}  // namespace kvrecall

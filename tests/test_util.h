@@ -1,0 +1,41 @@
+// Shared test fixtures: random KV data and brute-force double-precision references.
+#ifndef KVRECALL_TESTS_TEST_UTIL_H_
+#define KVRECALL_TESTS_TEST_UTIL_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kernels/kv_view.h"
+
+namespace kvrecall::testing {
+
+// n floats from N(0, stddev^2), reproducible from `seed`.
+std::vector<float> RandomNormal(size_t n, uint64_t seed, float stddev = 1.0f);
+
+// Owns one layer's KV ([tokens, kv_heads, head_dim] each) and hands out views of it.
+struct RandomKv {
+  RandomKv(int64_t tokens, int kv_heads, int head_dim, uint64_t seed);
+  KvView view() const;
+  std::vector<float> keys;
+  std::vector<float> values;
+  int64_t tokens;
+  int kv_heads;
+  int head_dim;
+};
+
+// Attention of q over kv's tokens `ids` for one KV head, in double precision.
+// o: [head_dim]; returns the natural-log log-sum-exp (-inf for an empty set).
+double ReferenceAttention(const float* q, const KvView& kv, int kv_head,
+                          std::span<const int32_t> ids, double scale, std::vector<double>* o);
+
+// All token ids [0, tokens).
+std::vector<int32_t> AllTokens(int64_t tokens);
+
+// The k highest-scoring tokens by brute force in double precision, ties by lower id.
+std::vector<int32_t> ReferenceTopK(const float* q, const KvView& kv, int kv_head, double scale,
+                                   int k);
+
+}  // namespace kvrecall::testing
+
+#endif  // KVRECALL_TESTS_TEST_UTIL_H_
