@@ -1,0 +1,268 @@
+"""Client of the kvrecall.v1 service for model runners: sessions, chunked prefill and decode
+steps over one long-lived bidirectional Decode stream, batching several sequences per step.
+
+Shapes (row-major, as in the .proto): prompt q [T, q_heads, head_dim], prompt k/v
+[T, kv_heads, head_dim]; a decode step's q [q_heads, head_dim], k_new/v_new
+[kv_heads, head_dim]; its output [q_heads, head_dim] and lse [q_heads]. Arrays are numpy arrays
+or torch tensors; outputs are float32 numpy arrays. Every failed call raises KvRecallError with
+the gRPC status code and message.
+
+    with Client("127.0.0.1:50051") as c:
+        s = c.create_session(make_geometry(6, 8, 2, 64), make_policy("retopk", top_k=512))
+        s.prefill([(q0, k0, v0), (q1, k1, v1), ...])          # one (q, k, v) per layer
+        out = s.attend(layer, q, k_new, v_new).output         # [q_heads, head_dim]
+        outs = c.attend_batch(layer, [(s1, q1, k1, v1), (s2, q2, k2, v2)])
+"""
+import dataclasses
+import queue
+import threading
+
+import grpc
+import numpy as np
+
+from kvrecall import tensors
+from kvrecall.v1 import kvrecall_pb2 as pb
+from kvrecall.v1 import kvrecall_pb2_grpc as pb_grpc
+
+SELECTORS = {"full": pb.SELECTOR_FULL, "exact_topk": pb.SELECTOR_EXACT_TOPK,
+             "streaming": pb.SELECTOR_STREAMING, "index": pb.SELECTOR_INDEX,
+             "retopk": pb.SELECTOR_RETOPK}
+PLACEMENTS = {"cpu": pb.PLACEMENT_CPU, "gpu": pb.PLACEMENT_GPU, "tiered": pb.PLACEMENT_TIERED}
+PATH_NAMES = {pb.PATH_EXACT: "exact", pb.PATH_REUSE: "reuse", pb.PATH_FALLBACK: "fallback",
+              pb.PATH_REFRESH: "refresh"}
+
+
+class KvRecallError(Exception):
+    """A failed kvrecall call: `code` is the grpc.StatusCode, `message` the server's text."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, e):
+        return cls(e.code(), e.details())
+
+
+def make_geometry(layers, q_heads, kv_heads, head_dim, dtype="f32", softmax_scale=0.0):
+    return pb.Geometry(layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                       dtype=tensors.dtype_of(dtype), softmax_scale=softmax_scale)
+
+
+def make_policy(selector="full", placement="cpu", top_k=0, sinks=0, recent=0, retopk=None,
+                index=None):
+    """A pb.Policy from names ('full' | 'exact_topk' | 'streaming' | 'index' | 'retopk';
+    'cpu' | 'gpu' | 'tiered'); `retopk` and `index` are dicts of ReTopKParams / IndexParams
+    fields. Zero values ask for the server's defaults."""
+    try:
+        sel, place = SELECTORS[selector], PLACEMENTS[placement]
+    except KeyError as e:
+        raise ValueError(f"unknown selector or placement {e.args[0]!r}; selectors: "
+                         f"{sorted(SELECTORS)}, placements: {sorted(PLACEMENTS)}") from None
+    p = pb.Policy(placement=place, selector=sel, top_k=top_k, sinks=sinks, recent=recent)
+    if retopk:
+        p.retopk.CopyFrom(pb.ReTopKParams(**retopk))
+    if index:
+        p.index.CopyFrom(pb.IndexParams(**index))
+    return p
+
+
+@dataclasses.dataclass
+class SequenceResult:
+    """One sequence's answer to one decode step of one layer."""
+    session_id: str
+    output: np.ndarray        # [q_heads, head_dim], float32
+    lse: np.ndarray | None    # [q_heads], when return_lse
+    heads: list               # pb.HeadDiagnostics per query head, when diagnostics/compare_exact
+    position: int             # position of the token just appended in this layer
+
+
+class DecodeStream:
+    """One Decode call kept open: requests go through a queue that the call's request iterator
+    drains, replies are read in lock step. After an error the stream is `broken` (the server
+    ended the call) and Client opens a new one for the next step."""
+
+    def __init__(self, stub):
+        self._requests = queue.Queue()
+        self._responses = stub.Decode(iter(self._requests.get, None))
+        self._lock = threading.Lock()
+        self._next_id = 1
+        self.broken = False
+        self.last_server_micros = 0.0
+
+    def step(self, layer, steps, return_lse=False, diagnostics=False, compare_exact=False):
+        """Sends one layer of one decode step for several sequences.
+
+        steps: [(session, q, k_new, v_new), ...]; returns one SequenceResult per step, in order.
+        """
+        req = pb.DecodeRequest(layer=layer, return_lse=return_lse, diagnostics=diagnostics,
+                               compare_exact=compare_exact)
+        for session, q, k, v in steps:
+            g = session.geometry
+            s = req.steps.add(session_id=session.id)
+            tensors.to_tensor(q, g.dtype, (g.q_heads, g.head_dim), out=s.q)
+            tensors.to_tensor(k, g.dtype, (g.kv_heads, g.head_dim), out=s.k_new)
+            tensors.to_tensor(v, g.dtype, (g.kv_heads, g.head_dim), out=s.v_new)
+        with self._lock:
+            if self.broken:
+                raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION, "decode stream is closed")
+            req.request_id = self._next_id
+            self._next_id += 1
+            self._requests.put(req)
+            try:
+                resp = next(self._responses)
+            except grpc.RpcError as e:
+                self.broken = True
+                raise KvRecallError.from_rpc_error(e) from None
+            except StopIteration:
+                self.broken = True
+                raise KvRecallError(grpc.StatusCode.UNKNOWN,
+                                    "decode stream ended without a reply") from None
+        if resp.request_id != req.request_id or len(resp.results) != len(steps):
+            self.broken = True
+            raise KvRecallError(grpc.StatusCode.INTERNAL,
+                                f"reply {resp.request_id} with {len(resp.results)} results "
+                                f"to request {req.request_id} with {len(steps)} steps")
+        self.last_server_micros = resp.server_micros
+        return [SequenceResult(r.session_id, tensors.from_tensor(r.output),
+                               tensors.from_tensor(r.lse) if r.HasField("lse") else None,
+                               list(r.heads), r.position) for r in resp.results]
+
+    def close(self):
+        """Half-closes the call and waits for the server to end it."""
+        with self._lock:
+            if self.broken:
+                return
+            self.broken = True
+            self._requests.put(None)
+            try:
+                for _ in self._responses:
+                    pass
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED:
+                    raise KvRecallError.from_rpc_error(e) from None
+
+
+class Session:
+    """One sequence's KV cache in the service. Create with Client.create_session."""
+
+    def __init__(self, client, session_id, geometry, policy):
+        self.client = client
+        self.id = session_id
+        self.geometry = geometry
+        self.policy = policy  # the effective policy, defaults filled in by the server
+
+    def _chunks(self, layers, chunk_tokens):
+        g = self.geometry
+        first = True
+        for layer, (q, k, v) in layers:
+            n = q.shape[0]
+            if k.shape[0] != n or v.shape[0] != n:
+                raise ValueError(f"layer {layer}: q, k and v have {n}, {k.shape[0]} and "
+                                 f"{v.shape[0]} tokens")
+            for off in range(0, n, chunk_tokens):
+                e = min(n, off + chunk_tokens)
+                c = pb.PrefillChunk(session_id=self.id if first else "", layer=layer, offset=off)
+                first = False
+                tensors.to_tensor(q[off:e], g.dtype, (e - off, g.q_heads, g.head_dim), out=c.q)
+                tensors.to_tensor(k[off:e], g.dtype, (e - off, g.kv_heads, g.head_dim), out=c.k)
+                tensors.to_tensor(v[off:e], g.dtype, (e - off, g.kv_heads, g.head_dim), out=c.v)
+                yield c
+
+    def prefill(self, layers, chunk_tokens=None):
+        """Streams the prompt of several layers in one Prefill call, chunked under the message
+        limit. `layers`: a list of (q, k, v), one per layer from 0, or a dict {layer: (q, k, v)};
+        q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim]. Returns pb.PrefillResponse."""
+        items = sorted(layers.items()) if isinstance(layers, dict) else list(enumerate(layers))
+        if chunk_tokens is None:
+            g = self.geometry
+            bytes_per_token = (g.q_heads + 2 * g.kv_heads) * g.head_dim * \
+                (4 if g.dtype == pb.DTYPE_F32 else 2)
+            chunk_tokens = max(1, self.client.prefill_chunk_bytes // bytes_per_token)
+        try:
+            return self.client.stub.Prefill(self._chunks(items, chunk_tokens))
+        except grpc.RpcError as e:
+            raise KvRecallError.from_rpc_error(e) from None
+
+    def attend(self, layer, q, k_new, v_new, **options):
+        """Attention of one decode step of one layer (options: return_lse, diagnostics,
+        compare_exact); k_new/v_new are appended first. Returns a SequenceResult."""
+        return self.client.attend_batch(layer, [(self, q, k_new, v_new)], **options)[0]
+
+    def info(self):
+        return self.client.call("GetSession", pb.GetSessionRequest(session_id=self.id))
+
+    def close(self):
+        self.client.call("CloseSession", pb.CloseSessionRequest(session_id=self.id))
+
+
+class Client:
+    """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; prefill chunks
+    are kept under `prefill_chunk_bytes` (the server's default receive limit is 4 MiB)."""
+
+    def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=2 << 20,
+                 wait_ready_s=10.0):
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)])
+        self.stub = pb_grpc.KvRecallStub(self.channel)
+        self.prefill_chunk_bytes = prefill_chunk_bytes
+        self._stream = None
+        if wait_ready_s:
+            try:
+                grpc.channel_ready_future(self.channel).result(timeout=wait_ready_s)
+            except grpc.FutureTimeoutError:
+                self.channel.close()
+                raise KvRecallError(grpc.StatusCode.UNAVAILABLE,
+                                    f"no kvrecalld answered at {target} within {wait_ready_s} s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def call(self, method, request):
+        """A unary call by name; gRPC errors become KvRecallError."""
+        try:
+            return getattr(self.stub, method)(request)
+        except grpc.RpcError as e:
+            raise KvRecallError.from_rpc_error(e) from None
+
+    def create_session(self, geometry, policy=None, label=""):
+        resp = self.call("CreateSession", pb.CreateSessionRequest(
+            geometry=geometry, policy=policy or make_policy(), label=label))
+        return Session(self, resp.session_id, geometry, resp.policy)
+
+    def list_sessions(self):
+        return list(self.call("ListSessions", pb.ListSessionsRequest()).sessions)
+
+    @property
+    def decode_stream(self):
+        """The shared Decode stream, (re)opened on first use and after a failed step."""
+        if self._stream is None or self._stream.broken:
+            self._stream = DecodeStream(self.stub)
+        return self._stream
+
+    def attend_batch(self, layer, steps, **options):
+        """One layer of one decode step for several sessions: steps [(session, q, k, v)]."""
+        return self.decode_stream.step(layer, steps, **options)
+
+    def close(self):
+        if self._stream is not None:
+            try:
+                self._stream.close()
+            finally:
+                self._stream = None
+                self.channel.close()
+        else:
+            self.channel.close()
+
+
+def path_mix(info):
+    """Share of head-steps per path from a pb.SessionInfo: {'exact': ..., 'reuse': ...}."""
+    p = info.paths
+    counts = {"exact": p.exact, "reuse": p.reuse, "fallback": p.fallback, "refresh": p.refresh}
+    total = sum(counts.values())
+    return {k: (v / total if total else 0.0) for k, v in counts.items()}
