@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Prints the Debian packages that own the shared libraries the given binaries load, one per
+# line, so the image's runtime stage installs exactly those (and nothing of the toolchain).
+# Usage: deploy/runtime-packages.sh BINARY...   Fails naming any library no package owns.
+set -euo pipefail
+[ $# -gt 0 ] || { echo "usage: $0 BINARY..." >&2; exit 2; }
+
+# Mounted into the container from the host driver by the NVIDIA container runtime; never
+# installed in the image.
+host_provided='^\s*(libcuda\.so\.1|libnvidia-ml\.so\.1) => not found'
+
+# dpkg records a library under the path its package shipped; on a merged-/usr system ldd may
+# report the other spelling (/lib vs /usr/lib) or a symlink (the libblas.so.3 alternative), so
+# every spelling is tried.
+owner_of() {
+  local lib="$1" real candidate
+  real="$(readlink -f "$lib")"
+  for candidate in "$lib" "$real" "/usr${lib}" "/usr${real}" "${lib#/usr}" "${real#/usr}"; do
+    if out="$(dpkg-query -S "$candidate" 2>/dev/null)"; then
+      # "libfoo1:amd64: /path" -> "libfoo1".
+      out="${out%%: *}"
+      echo "${out%%:*}"
+      return 0
+    fi
+  done
+  return 1
+}
+
+libs="$(for bin in "$@"; do
+  out="$(ldd "$bin")" || { echo "ldd failed on $bin" >&2; exit 1; }
+  unresolved="$(grep "not found" <<<"$out" | grep -Ev "$host_provided" || true)"
+  if [ -n "$unresolved" ]; then
+    echo "$bin has unresolved libraries:" >&2; echo "$unresolved" >&2; exit 1
+  fi
+  # "libx.so.1 => /path (0x..)" or "/lib64/ld-linux-x86-64.so.2 (0x..)"; linux-vdso has no file.
+  awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' <<<"$out"
+done | sort -u)"
+
+packages=()
+missing=0
+for lib in $libs; do
+  if pkg="$(owner_of "$lib")"; then packages+=("$pkg"); else
+    echo "no Debian package owns $lib" >&2; missing=1
+  fi
+done
+[ "$missing" -eq 0 ] || exit 1
+printf '%s\n' "${packages[@]}" | sort -u
