@@ -1,0 +1,327 @@
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "client/trace/safetensors.h"
+#include "client/trace/trace.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A path under the test's temporary directory, removed at destruction.
+class TempPath {
+ public:
+  explicit TempPath(const std::string& name)
+      : path_(::testing::TempDir() + "/" + name + "." + std::to_string(::getpid())) {}
+  ~TempPath() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A safetensors file made of a raw header text and `data_bytes` zero bytes of data.
+std::string RawFile(const std::string& header, size_t data_bytes) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + header + std::string(data_bytes, '\0');
+}
+
+absl::Status ParseStatus(const std::string& bytes) {
+  return SafetensorsFile::FromBytes(bytes, "bad.safetensors").status();
+}
+
+float RoundTo(v1::DType dtype, float x) {
+  if (dtype == v1::DTYPE_BF16) return Bf16ToFloat(FloatToBf16(x));
+  if (dtype == v1::DTYPE_F16) return F16ToFloat(FloatToF16(x));
+  return x;
+}
+
+TEST(SafetensorsTest, StreamingWriterRoundTripsEveryDTypeAcrossChunkBoundaries) {
+  const std::vector<SafetensorsTensorSpec> specs = {
+      {"a", v1::DTYPE_F32, {3, 4}}, {"b", v1::DTYPE_BF16, {5}}, {"c", v1::DTYPE_F16, {2, 2, 2}}};
+  const std::vector<float> all = testing::RandomNormal(12 + 5 + 8, 7);
+  TempPath tmp("st_roundtrip");
+  auto writer = SafetensorsWriter::Create(tmp.path(), specs, {{"source", "test"}});
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  // Chunks of 7 end mid-tensor and span tensor boundaries.
+  for (size_t at = 0; at < all.size(); at += 7) {
+    const size_t n = std::min<size_t>(7, all.size() - at);
+    ASSERT_TRUE((*writer)->Append(std::span<const float>(all).subspan(at, n)).ok());
+  }
+  EXPECT_EQ((*writer)->remaining_elements(), 0);
+  ASSERT_TRUE((*writer)->Finish().ok());
+
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(tmp.path());
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_EQ(file->metadata().at("source"), "test");
+  size_t at = 0;
+  for (const SafetensorsTensorSpec& spec : specs) {
+    const SafetensorsTensor* t = *file->Find(spec.name);
+    EXPECT_EQ(t->dtype, spec.dtype);
+    EXPECT_EQ(t->shape, spec.shape);
+    absl::StatusOr<std::vector<float>> got = file->ReadF32(spec.name);
+    ASSERT_TRUE(got.ok());
+    for (size_t i = 0; i < got->size(); ++i) {
+      EXPECT_EQ((*got)[i], RoundTo(spec.dtype, all[at + i])) << spec.name << "[" << i << "]";
+    }
+    at += got->size();
+  }
+  // The in-memory serializer writes the same bytes.
+  std::vector<std::span<const float>> data = {std::span<const float>(all).subspan(0, 12),
+                                              std::span<const float>(all).subspan(12, 5),
+                                              std::span<const float>(all).subspan(17, 8)};
+  absl::StatusOr<std::string> bytes = SerializeSafetensors(specs, data, {{"source", "test"}});
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_EQ(*bytes, ReadAll(tmp.path()));
+}
+
+TEST(SafetensorsTest, ReadRowsReadsARangeAndRejectsOutOfRange) {
+  const std::vector<float> values = {0, 1, 2, 3, 4, 5, 6, 7};
+  const std::vector<SafetensorsTensorSpec> specs = {{"x", v1::DTYPE_F32, {4, 2}}};
+  const std::span<const float> data[] = {values};
+  absl::StatusOr<SafetensorsFile> file =
+      SafetensorsFile::FromBytes(*SerializeSafetensors(specs, data, {}), "mem");
+  ASSERT_TRUE(file.ok()) << file.status();
+  float rows[4];
+  ASSERT_TRUE(file->ReadRows("x", 1, 2, rows).ok());
+  EXPECT_THAT(rows, ::testing::ElementsAre(2, 3, 4, 5));
+  absl::Status s = file->ReadRows("x", 3, 2, rows);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(s.message(), HasSubstr("rows [3, 5) of tensor 'x' with 4 rows"));
+  EXPECT_EQ(file->ReadF32("y").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SafetensorsTest, MovedFromBytesFileKeepsValidDataPointers) {
+  const std::vector<float> values = {1.5f, -2.0f};
+  const std::vector<SafetensorsTensorSpec> specs = {{"x", v1::DTYPE_F32, {2}}};
+  const std::span<const float> data[] = {values};
+  absl::StatusOr<SafetensorsFile> file =
+      SafetensorsFile::FromBytes(*SerializeSafetensors(specs, data, {}), "mem");
+  ASSERT_TRUE(file.ok());
+  SafetensorsFile moved = *std::move(file);
+  EXPECT_THAT(*moved.ReadF32("x"), ::testing::ElementsAre(1.5f, -2.0f));
+}
+
+TEST(SafetensorsTest, RejectsCorruptFilesWithClearErrors) {
+  struct Case {
+    std::string bytes;
+    std::string message;
+  };
+  const std::string ok_entry = R"("x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  std::string huge_len = RawFile("{}", 0);
+  huge_len[0] = static_cast<char>(0xff);
+  const Case cases[] = {
+      {"abc", "shorter than 8"},
+      {huge_len, "runs past the end of the file"},
+      {RawFile("{not json", 0), "header is not a JSON object"},
+      {RawFile("[1,2]", 0), "header is not a JSON object"},
+      {RawFile(R"({"x":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}})", 8),
+       "dtype I32 is not supported"},
+      {RawFile(R"({"x":{"shape":[2],"data_offsets":[0,8]}})", 8), "dtype missing"},
+      {RawFile(R"({"x":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8),
+       "not a list of non-negative integers"},
+      {RawFile(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", 8),
+       "data_offsets must be two non-negative integers"},
+      {RawFile(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8),
+       "lie outside the data region of 8 bytes"},
+      {RawFile(R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+       "data_offsets span 8 bytes, shape [3] of F32 needs 12"},
+      {RawFile("{" + ok_entry + R"(,"y":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+       "overlaps the tensor before it"},
+      {RawFile(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+       "data region has a hole at bytes [0, 4)"},
+      {RawFile("{" + ok_entry + "}", 12), "4 bytes after the last tensor"},
+      {RawFile("{" + ok_entry + R"(,"__metadata__":{"n":3}})", 8),
+       "__metadata__.n is not a string"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ParseStatus(c.bytes);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(s.message(), HasSubstr(c.message));
+    EXPECT_THAT(s.message(), HasSubstr("bad.safetensors"));
+  }
+}
+
+TEST(SafetensorsTest, OpenReportsAMissingFile) {
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open("/nonexistent/x.safetensors");
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(file.status().message(), HasSubstr("/nonexistent/x.safetensors"));
+}
+
+TEST(SafetensorsTest, WriterRejectsMisuse) {
+  TempPath tmp("st_misuse");
+  EXPECT_THAT(SafetensorsWriter::Create(tmp.path(),
+                                        {{"a", v1::DTYPE_F32, {1}}, {"a", v1::DTYPE_F32, {1}}}, {})
+                  .status()
+                  .message(),
+              HasSubstr("tensor 'a' declared twice"));
+  EXPECT_THAT(
+      SafetensorsWriter::Create(tmp.path(), {{"__metadata__", v1::DTYPE_F32, {1}}}, {})
+          .status()
+          .message(),
+      HasSubstr("invalid tensor name"));
+  EXPECT_THAT(SafetensorsWriter::Create(tmp.path(), {{"a", v1::DTYPE_F32, {-1}}}, {})
+                  .status()
+                  .message(),
+              HasSubstr("invalid shape [-1]"));
+
+  auto writer = SafetensorsWriter::Create(tmp.path(), {{"a", v1::DTYPE_F32, {2}}}, {});
+  ASSERT_TRUE(writer.ok());
+  const float three[] = {1, 2, 3};
+  absl::Status s = (*writer)->Append(std::span<const float>(three).first(1));
+  ASSERT_TRUE(s.ok());
+  s = (*writer)->Finish();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("1 elements not written, starting in tensor 'a'"));
+  auto writer2 = SafetensorsWriter::Create(tmp.path(), {{"a", v1::DTYPE_F32, {2}}}, {});
+  s = (*writer2)->Append(three);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("1 values appended past the last declared tensor"));
+}
+
+TraceGeometry SmallGeometry() {
+  TraceGeometry g;
+  g.layers = 2;
+  g.q_heads = 4;
+  g.kv_heads = 2;
+  g.head_dim = 8;
+  g.context = 5;
+  g.decode_steps = 3;
+  g.dtype = v1::DTYPE_BF16;
+  return g;
+}
+
+// A file of `specs` whose tensor i holds random values seeded by i.
+std::string RandomFile(const std::vector<SafetensorsTensorSpec>& specs,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<std::vector<float>> values;
+  std::vector<std::span<const float>> data;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    int64_t n = 1;
+    for (int64_t d : specs[i].shape) n *= d;
+    values.push_back(testing::RandomNormal(n, 100 + i));
+  }
+  for (const auto& v : values) data.emplace_back(v);
+  return *SerializeSafetensors(specs, data, metadata);
+}
+
+TEST(TraceTest, WriterAndReaderRoundTrip) {
+  const TraceGeometry g = SmallGeometry();
+  TempPath tmp("trace_roundtrip");
+  auto writer = CreateTraceWriter(tmp.path(), g, {{"source", "unit test"}});
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  std::vector<std::vector<float>> written;
+  for (const SafetensorsTensorSpec& spec : TraceTensorSpecs(g)) {
+    written.push_back(testing::RandomNormal(spec.shape[0] * spec.shape[1] * spec.shape[2],
+                                            written.size()));
+    ASSERT_TRUE((*writer)->Append(written.back()).ok());
+  }
+  ASSERT_TRUE((*writer)->Finish().ok());
+
+  absl::StatusOr<Trace> trace = Trace::Open(tmp.path());
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  const TraceGeometry& r = trace->geometry();
+  EXPECT_EQ(r.layers, 2);
+  EXPECT_EQ(r.q_heads, 4);
+  EXPECT_EQ(r.kv_heads, 2);
+  EXPECT_EQ(r.head_dim, 8);
+  EXPECT_EQ(r.context, 5);
+  EXPECT_EQ(r.decode_steps, 3);
+  EXPECT_EQ(r.dtype, v1::DTYPE_BF16);
+  EXPECT_EQ(trace->metadata().at("source"), "unit test");
+  // Writer order is layer-major, prefill q, k, v then decode q, k, v: layer1.prefill.k is 7th.
+  absl::StatusOr<std::vector<float>> k = trace->Read(1, TracePhase::kPrefill, TraceTensor::kK);
+  ASSERT_TRUE(k.ok());
+  ASSERT_EQ(k->size(), written[7].size());
+  for (size_t i = 0; i < k->size(); ++i) {
+    EXPECT_EQ((*k)[i], RoundTo(v1::DTYPE_BF16, written[7][i]));
+  }
+  std::vector<float> step(4 * 8);
+  ASSERT_TRUE(trace->ReadRows(0, TracePhase::kDecode, TraceTensor::kQ, 2, 1, step.data()).ok());
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(step[i], RoundTo(v1::DTYPE_BF16, written[3][64 + i]));
+  EXPECT_EQ(trace->Read(2, TracePhase::kPrefill, TraceTensor::kQ).status().code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+TEST(TraceTest, RejectsInconsistentTraces) {
+  const TraceGeometry g = SmallGeometry();
+  struct Case {
+    std::string what;
+    std::vector<SafetensorsTensorSpec> specs;
+    std::map<std::string, std::string> metadata;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  {
+    auto specs = TraceTensorSpecs(g);
+    specs.erase(specs.begin() + 8);  // layer1.prefill.v
+    cases.push_back({"missing", specs, {}, "tensor 'layer1.prefill.v' is missing"});
+  }
+  {
+    auto specs = TraceTensorSpecs(g);
+    specs[6].shape[0] = 6;  // layer1.prefill.q has 6 tokens, layer 0 has 5
+    cases.push_back({"tokens", specs, {}, "tensor 'layer1.prefill.q' has shape [6, 4, 8]"});
+  }
+  {
+    auto specs = TraceTensorSpecs(g);
+    specs[10].shape[1] = 3;  // layer1.decode.k with 3 kv heads
+    cases.push_back({"heads", specs, {}, "want [3, 2, 8]"});
+  }
+  {
+    auto specs = TraceTensorSpecs(g);
+    specs[4].dtype = v1::DTYPE_F32;
+    cases.push_back({"dtype", specs, {}, "tensor 'layer0.decode.k' is f32"});
+  }
+  {
+    auto specs = TraceTensorSpecs(g);
+    specs[1].shape = {5, 16};
+    cases.push_back({"rank", specs, {}, "tensor 'layer0.prefill.k' has rank 2"});
+  }
+  {
+    TraceGeometry odd = g;
+    odd.kv_heads = 3;
+    cases.push_back({"gqa", TraceTensorSpecs(odd), {}, "must be >= 1 and divide q_heads"});
+  }
+  cases.push_back({"metadata", TraceTensorSpecs(g), {{"context", "512"}},
+                   "__metadata__.context is \"512\" but the tensors say 5"});
+  cases.push_back({"no layers", {{"x", v1::DTYPE_F32, {1}}}, {}, "not a kvrecall trace"});
+  for (Case& c : cases) {
+    absl::StatusOr<SafetensorsFile> file =
+        SafetensorsFile::FromBytes(RandomFile(c.specs, c.metadata), "t.safetensors");
+    ASSERT_TRUE(file.ok()) << c.what << ": " << file.status();
+    absl::Status s = Trace::FromFile(*std::move(file)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_THAT(s.message(), HasSubstr(c.message)) << c.what;
+    EXPECT_THAT(s.message(), HasSubstr("t.safetensors")) << c.what;
+  }
+}
+
+TEST(TraceTest, WriterRejectsAnInvalidGeometry) {
+  TraceGeometry g = SmallGeometry();
+  g.context = 0;
+  absl::Status s = CreateTraceWriter("/tmp/never-written", g, {}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("context must be >= 1 token, got 0"));
+}
+
+}  // namespace
+}  // namespace kvrecall
