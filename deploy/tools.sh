@@ -1,0 +1,36 @@
+# Sourced by the deploy scripts and tests: finds helm and node with the npm packages that
+# scripts/install_deps.sh puts in .tools/, and keeps Helm's cache and config out of $HOME.
+deploy_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+deploy_tools="${KVRECALL_TOOLS_DIR:-$deploy_root/.tools}"
+export KVRECALL_TOOLS_DIR="$deploy_tools"
+
+HELM=""
+if [ -x "$deploy_tools/bin/helm" ]; then HELM="$deploy_tools/bin/helm"
+elif command -v helm >/dev/null 2>&1; then HELM="$(command -v helm)"; fi
+NODE="$(command -v node || true)"
+
+deploy_helm_home="$(mktemp -d)"
+trap 'rm -rf "$deploy_helm_home"' EXIT
+export HELM_CACHE_HOME="$deploy_helm_home/cache" HELM_CONFIG_HOME="$deploy_helm_home/config" \
+       HELM_DATA_HOME="$deploy_helm_home/data"
+
+# Exit code CTest reads as "skipped" (SKIP_RETURN_CODE in deploy/CMakeLists.txt).
+DEPLOY_SKIP=77
+require_helm() {
+  [ -n "$HELM" ] || { echo "SKIP: helm not found (scripts/install_deps.sh installs it into .tools/bin)"; exit "$DEPLOY_SKIP"; }
+}
+require_node_models() {
+  if [ -z "$NODE" ] || [ ! -d "$deploy_tools/node_modules/kubernetes-models" ] \
+      || [ ! -d "$deploy_tools/node_modules/yaml" ]; then
+    echo "SKIP: node with kubernetes-models and yaml not found (scripts/install_deps.sh installs them into .tools)"
+    exit "$DEPLOY_SKIP"
+  fi
+}
+
+# The two configurations the repository ships manifests for: name and extra helm arguments.
+chart_dir="$deploy_root/deploy/helm/kvrecall"
+render_chart() {  # render_chart default|gpu
+  local extra=()
+  [ "$1" = gpu ] && extra=(-f "$chart_dir/values-gpu.yaml")
+  "$HELM" template kvrecall "$chart_dir" "${extra[@]}"
+}
