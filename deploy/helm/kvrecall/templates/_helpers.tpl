@@ -107,9 +107,13 @@ memory limit, or the kernel would kill the pod before the budget refuses a reque
 {{- end }}
 - --max_message_mb={{ .Values.server.maxMessageMb }}
 - --host_memory_budget_gb={{ include "kvrecall.hostMemoryBudgetGiB" . }}
+{{- if ge (float64 .Values.server.shutdownGraceSeconds) (float64 .Values.terminationGracePeriodSeconds) }}
+{{- fail (printf "server.shutdownGraceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the kubelet kills the container then" .Values.server.shutdownGraceSeconds .Values.terminationGracePeriodSeconds) }}
+{{- end }}
+- --shutdown_grace_seconds={{ .Values.server.shutdownGraceSeconds }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}
