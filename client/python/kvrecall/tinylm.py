@@ -248,7 +248,7 @@ def run_ppl(a):
     return result
 
 
-def main(argv=None):
+def parser():
     ap = argparse.ArgumentParser(prog="python3 -m kvrecall.tinylm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["ppl"])
@@ -275,7 +275,11 @@ def main(argv=None):
     ap.add_argument("--check-local", action="store_true",
                     help="also compute the S predictions with exact local attention")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     from kvrecall.client import KvRecallError
     try:
         r = run_ppl(a)

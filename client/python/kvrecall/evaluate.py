@@ -1,0 +1,141 @@
+"""Quality-vs-speed evaluation of decode policies on a real model: runs `kvrecall.tinylm ppl`
+for a list of policies over one text window (sharing one cached prefill), appends each JSON
+result to a .jsonl file, and renders a Markdown table and a PNG plot (matplotlib) from it.
+
+  PYTHONPATH=client/python python3 -m kvrecall.evaluate run --server ADDR \
+      --model ../shared/models/tinylm-a.npz --text /usr/lib/python3.11 --offset 2000000 \
+      --ctx 16384 --suffix 512 --runs full exact_topk:512 streaming:512 retopk:2048 \
+      --jsonl bench/results/ppl_tinylm_16k.jsonl
+  PYTHONPATH=client/python python3 -m kvrecall.evaluate render \
+      --jsonl bench/results/ppl_tinylm_16k.jsonl --md bench/results/ppl_tinylm_16k.md \
+      --png bench/results/ppl_tinylm_16k.png
+
+A run is `selector[:K][@placement]`; streaming:K keeps 128 sinks and K-128 recent tokens, so
+its budget equals the top-K selectors'.
+"""
+import argparse
+import json
+import shlex
+import sys
+
+from kvrecall import tinylm
+
+
+def run_args(spec, common):
+    """tinylm ppl arguments for one run spec 'selector[:K][@placement]'."""
+    spec, _, placement = spec.partition("@")
+    selector, _, k = spec.partition(":")
+    args = common + ["--policy", selector, "--placement", placement or "cpu"]
+    if k and selector == "streaming":
+        args += ["--sinks", "128", "--recent", str(int(k) - 128)]
+    elif k:
+        args += ["--k", k]
+    return args
+
+
+def cmd_run(a):
+    common = ["ppl", "--server", a.server, "--model", a.model, "--text", *a.text,
+              "--offset", str(a.offset), "--ctx", str(a.ctx), "--suffix", str(a.suffix), "--json"]
+    if a.cache_dir is not None:
+        common += ["--cache-dir", a.cache_dir]
+    failures = 0
+    for spec in a.runs:
+        args = run_args(spec, common)
+        command = "PYTHONPATH=client/python python3 -m kvrecall.tinylm " + shlex.join(args)
+        try:
+            r = tinylm.run_ppl(tinylm.parser().parse_args(args))
+        except Exception as e:  # one policy failing (not served yet) must not stop the others
+            failures += 1
+            r = {"run": spec, "error": f"{type(e).__name__}: {e}"}
+        r["run"], r["command"] = spec, command
+        print(json.dumps(r), flush=True)
+        with open(a.jsonl, "a") as f:
+            f.write(json.dumps(r) + "\n")
+    return 1 if failures else 0
+
+
+def load(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def label(r):
+    k = r["run"].partition(":")[2].partition("@")[0]
+    return r["policy"] + (f" K={k}" if k else "")
+
+
+def cmd_render(a):
+    rows = load(a.jsonl)
+    ok = [r for r in rows if "error" not in r]
+    full = next((r["bits_per_byte"] for r in ok if r["policy"] == "full"), None)
+    lines = ["| run | placement | bits/byte | Δ vs full | path mix (exact/reuse/fallback/refresh) "
+             "| mean candidates | layer-step p50 ms (client) | server ms/layer-step | ms/token |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in ok:
+        pm = r["path_mix"]
+        delta = f"{r['bits_per_byte'] - full:+.4f}" if full is not None else "n/a"
+        lines.append(f"| {label(r)} | {r['placement']} | {r['bits_per_byte']:.4f} | {delta} | "
+                     f"{pm['exact']:.2f}/{pm['reuse']:.2f}/{pm['fallback']:.2f}/{pm['refresh']:.2f} | "
+                     f"{r['mean_candidates']:.0f} | {r['layer_step_ms_p50']:.2f} | "
+                     f"{r['server_layer_step_ms_mean']:.2f} | {r['token_ms_mean']:.1f} |")
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['run']} | — | not run: {r['error'].splitlines()[0]} | | | | | | |")
+    first = ok[0] if ok else {}
+    md = [f"# {a.title}", "",
+          f"Model {first.get('model')}, text {first.get('text')} at byte {first.get('offset')}, "
+          f"ctx {first.get('ctx')} bytes prefilled, {first.get('suffix')} bytes teacher-forced "
+          "with every layer's attention computed by kvrecalld (f32).", ""] + lines + \
+         ["", "Commands (one per row, from the repository root):", "", "```"] + \
+         [r["command"] for r in rows] + ["```", ""]
+    if a.notes:
+        md += [a.notes, ""]
+    with open(a.md, "w") as f:
+        f.write("\n".join(md))
+    if a.png and ok:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in ok:
+            ax.scatter(r["server_layer_step_ms_mean"], r["bits_per_byte"])
+            ax.annotate(label(r), (r["server_layer_step_ms_mean"], r["bits_per_byte"]),
+                        textcoords="offset points", xytext=(5, 4), fontsize=8)
+        if full is not None:
+            ax.axhline(full, color="gray", linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("server compute per layer-step (ms, log scale)")
+        ax.set_ylabel("bits per byte (lower is better)")
+        ax.set_title(a.title, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=120)
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python3 -m kvrecall.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--server", required=True)
+    r.add_argument("--model", required=True)
+    r.add_argument("--text", nargs="+", required=True)
+    r.add_argument("--offset", type=int, default=0)
+    r.add_argument("--ctx", type=int, default=16384)
+    r.add_argument("--suffix", type=int, default=512)
+    r.add_argument("--cache-dir")
+    r.add_argument("--runs", nargs="+", required=True, help="selector[:K][@placement] ...")
+    r.add_argument("--jsonl", required=True)
+    d = sub.add_parser("render")
+    d.add_argument("--jsonl", required=True)
+    d.add_argument("--md", required=True)
+    d.add_argument("--png")
+    d.add_argument("--title", default="tinylm-a: bits per byte vs decode cost, by policy")
+    d.add_argument("--notes", default="")
+    a = ap.parse_args(argv)
+    return cmd_run(a) if a.cmd == "run" else cmd_render(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

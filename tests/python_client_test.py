@@ -1,0 +1,197 @@
+"""Tests of the Python client (client/python/kvrecall) against a real kvrecalld on loopback:
+chunked prefill, decode steps over one stream, batching, errors, and the tinylm runner's
+agreement with exact local attention. Run by CTest (client/python/CMakeLists.txt) as
+`python3 -m unittest -v python_client_test` with KVRECALLD and PYTHONPATH set."""
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import grpc
+import numpy as np
+
+import kvrecall
+from kvrecall import tensors, tinylm
+from kvrecall.client import make_geometry, make_policy
+
+SOURCE_DIR = os.environ.get("KVRECALL_SOURCE_DIR",
+                            os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODELS_DIR = os.path.join(os.path.dirname(SOURCE_DIR), "shared", "models")
+
+
+def reference_attention(q, k, v, scale):
+    """Full GQA attention of one query per head over all keys: q [Hq, D], k/v [T, Hkv, D]."""
+    group = q.shape[0] // k.shape[1]
+    out, lse = np.empty_like(q), np.empty(q.shape[0], dtype=np.float64)
+    for h in range(q.shape[0]):
+        s = k[:, h // group].astype(np.float64) @ q[h].astype(np.float64) * scale
+        m = s.max()
+        p = np.exp(s - m)
+        lse[h] = m + math.log(p.sum())
+        out[h] = (p / p.sum()) @ v[:, h // group]
+    return out, lse
+
+
+class ServerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        binary = os.environ.get("KVRECALLD", os.path.join(SOURCE_DIR, "build", "server", "kvrecalld"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cls.address = f"127.0.0.1:{port}"
+        cls.log = tempfile.TemporaryFile()
+        cls.server = subprocess.Popen([binary, f"--address={cls.address}"], stdout=cls.log,
+                                      stderr=subprocess.STDOUT)
+        try:
+            cls.client = kvrecall.Client(cls.address, wait_ready_s=30)
+        except Exception:
+            cls.server.kill()
+            cls.log.seek(0)
+            sys.stderr.write(cls.log.read().decode(errors="replace"))
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.terminate()
+        try:
+            cls.server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            cls.server.kill()
+        cls.log.close()
+
+
+class ClientTest(ServerTest):
+    L, HQ, HKV, D, T = 2, 4, 2, 16, 300
+
+    def prompt(self, seed):
+        rng = np.random.default_rng(seed)
+        return [(rng.standard_normal((self.T, self.HQ, self.D), dtype=np.float32),
+                 rng.standard_normal((self.T, self.HKV, self.D), dtype=np.float32),
+                 rng.standard_normal((self.T, self.HKV, self.D), dtype=np.float32))
+                for _ in range(self.L)]
+
+    def new_session(self, dtype="f32", seed=0, chunk_tokens=64):
+        g = make_geometry(self.L, self.HQ, self.HKV, self.D, dtype)
+        s = self.client.create_session(g, make_policy("full"), label="python test")
+        self.addCleanup(s.close)
+        layers = self.prompt(seed)
+        r = s.prefill(layers, chunk_tokens=chunk_tokens)  # 5 chunks per layer
+        self.assertEqual((r.layers_committed, r.tokens), (self.L, self.T))
+        return s, layers
+
+    def step_inputs(self, seed):
+        rng = np.random.default_rng(seed)
+        return (rng.standard_normal((self.HQ, self.D), dtype=np.float32),
+                rng.standard_normal((self.HKV, self.D), dtype=np.float32),
+                rng.standard_normal((self.HKV, self.D), dtype=np.float32))
+
+    def test_chunked_prefill_then_decode_steps_match_full_attention(self):
+        s, layers = self.new_session()
+        scale = 1 / math.sqrt(self.D)
+        for step in range(3):
+            for layer in range(self.L):
+                q, k, v = self.step_inputs(100 * step + layer)
+                r = s.attend(layer, q, k, v, return_lse=True)
+                _, kl, vl = layers[layer]
+                kl, vl = np.concatenate([kl, k[None]]), np.concatenate([vl, v[None]])
+                layers[layer] = (None, kl, vl)
+                want, want_lse = reference_attention(q, kl, vl, scale)
+                np.testing.assert_allclose(r.output, want, rtol=0, atol=2e-5)
+                np.testing.assert_allclose(r.lse, want_lse, rtol=0, atol=2e-5)
+                self.assertEqual(r.position, self.T + step)
+        info = s.info()
+        self.assertEqual(info.tokens, self.T + 3)
+        self.assertEqual(info.decode_steps, 3 * self.L)
+
+    def test_batch_of_two_sessions_in_one_request(self):
+        (a, la), (b, lb) = self.new_session(seed=1), self.new_session(seed=2)
+        qa, ka, va = self.step_inputs(7)
+        qb, kb, vb = self.step_inputs(8)
+        ra, rb = self.client.attend_batch(1, [(a, qa, ka, va), (b, qb, kb, vb)])
+        scale = 1 / math.sqrt(self.D)
+        for r, s, (q, k, v), layers in ((ra, a, (qa, ka, va), la), (rb, b, (qb, kb, vb), lb)):
+            self.assertEqual(r.session_id, s.id)
+            want, _ = reference_attention(q, np.concatenate([layers[1][1], k[None]]),
+                                          np.concatenate([layers[1][2], v[None]]), scale)
+            np.testing.assert_allclose(r.output, want, rtol=0, atol=2e-5)
+
+    def test_bf16_session_returns_bf16_outputs(self):
+        s, layers = self.new_session(dtype="bf16", chunk_tokens=1000)
+        q, k, v = self.step_inputs(3)
+        r = s.attend(0, q, k, v)
+        as_bf16 = lambda a: tensors.bf16_bits_to_f32(tensors.f32_to_bf16_bits(a)).reshape(a.shape)
+        want, _ = reference_attention(as_bf16(q), np.concatenate([as_bf16(layers[0][1]), as_bf16(k)[None]]),
+                                      np.concatenate([as_bf16(layers[0][2]), as_bf16(v)[None]]),
+                                      1 / math.sqrt(self.D))
+        np.testing.assert_allclose(r.output, want, rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(r.output, as_bf16(r.output))  # travelled as bf16
+
+    def test_errors_carry_status_code_and_message_and_the_stream_recovers(self):
+        s, _ = self.new_session()
+        q, k, v = self.step_inputs(4)
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            self.client.decode_stream.step(0, [(s, q[:, :8], k, v)])
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("q", e.exception.message)
+        r = s.attend(0, q, k, v)  # a new stream; the rejected step appended nothing
+        self.assertEqual(r.position, self.T)
+
+        gone = self.client.create_session(make_geometry(self.L, self.HQ, self.HKV, self.D))
+        gone.close()
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            gone.attend(0, q, k, v)
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        self.assertIn(gone.id, e.exception.message)
+
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            self.client.create_session(make_geometry(self.L, 4, 3, self.D))
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("kv_heads", e.exception.message)
+
+    def test_policy_names_are_checked_here(self):
+        with self.assertRaises(ValueError) as e:
+            make_policy("nearest")
+        self.assertIn("nearest", str(e.exception))
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(MODELS_DIR, "tinylm-a.npz")),
+                     f"no tinylm-a.npz in {MODELS_DIR}")
+class TinyLMTest(ServerTest):
+    MODEL = os.path.join(MODELS_DIR, "tinylm-a.npz")
+    TEXT = os.path.join(MODELS_DIR)  # README.md, tinylm.py, tinylm_np.py: real text
+
+    def test_read_text_reads_what_the_reference_tool_reads(self):
+        sys.path.insert(0, MODELS_DIR)
+        try:
+            import tinylm_np
+        finally:
+            sys.path.pop(0)
+        np.testing.assert_array_equal(tinylm.read_text([self.TEXT], 1 << 20),
+                                      tinylm_np.read_text([self.TEXT], 1 << 20))
+
+    def test_ppl_with_full_attention_through_the_service_matches_local(self):
+        with tempfile.TemporaryDirectory() as cache:
+            args = ["ppl", "--server", self.address, "--model", self.MODEL, "--text", self.TEXT,
+                    "--offset", "1000", "--ctx", "384", "--suffix", "24", "--policy", "full",
+                    "--cache-dir", cache, "--check-local", "--json"]
+            t = time.perf_counter()
+            first = tinylm.run_ppl(tinylm.parser().parse_args(args))
+            again = tinylm.run_ppl(tinylm.parser().parse_args(args))  # prefill read back from the cache
+        print(f"\n  service {first['bits_per_byte']:.6f} bits/byte, local "
+              f"{first['local_bits_per_byte']:.6f} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
+        self.assertLess(abs(first["bits_per_byte"] - first["local_bits_per_byte"]), 1e-3)
+        self.assertFalse(first["prefill_cached"])
+        self.assertTrue(again["prefill_cached"])
+        self.assertAlmostEqual(again["bits_per_byte"], first["bits_per_byte"], places=5)
+        self.assertEqual(first["path_mix"]["exact"], 1.0)
+        self.assertEqual((first["ctx"], first["suffix"], first["policy"]), (384, 24, "full"))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
