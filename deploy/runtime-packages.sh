@@ -9,23 +9,6 @@ set -euo pipefail
 # installed in the image.
 host_provided='^\s*(libcuda\.so\.1|libnvidia-ml\.so\.1) => not found'
 
-# dpkg records a library under the path its package shipped; on a merged-/usr system ldd may
-# report the other spelling (/lib vs /usr/lib) or a symlink (the libblas.so.3 alternative), so
-# every spelling is tried.
-owner_of() {
-  local lib="$1" real candidate
-  real="$(readlink -f "$lib")"
-  for candidate in "$lib" "$real" "/usr${lib}" "/usr${real}" "${lib#/usr}" "${real#/usr}"; do
-    if out="$(dpkg-query -S "$candidate" 2>/dev/null)"; then
-      # "libfoo1:amd64: /path" -> "libfoo1".
-      out="${out%%: *}"
-      echo "${out%%:*}"
-      return 0
-    fi
-  done
-  return 1
-}
-
 libs="$(for bin in "$@"; do
   out="$(ldd "$bin")" || { echo "ldd failed on $bin" >&2; exit 1; }
   unresolved="$(grep "not found" <<<"$out" | grep -Ev "$host_provided" || true)"
@@ -36,10 +19,27 @@ libs="$(for bin in "$@"; do
   awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// {print $1}' <<<"$out"
 done | sort -u)"
 
+# dpkg records a library under the path its package shipped; on a merged-/usr system ldd may
+# report the other spelling (/lib vs /usr/lib) or a symlink (the libblas.so.3 alternative), so
+# every spelling is asked about, in one dpkg-query call (each call reads dpkg's whole database).
+spellings() {
+  local lib="$1" real
+  real="$(readlink -f "$lib")"
+  printf '%s\n' "$lib" "$real" "/usr${lib}" "/usr${real}" "${lib#/usr}" "${real#/usr}"
+}
+# "libfoo1:amd64: /path" -> "/path libfoo1"
+owners="$(for lib in $libs; do spellings "$lib"; done | sort -u \
+  | xargs dpkg-query -S 2>/dev/null | sed -n 's/^\([^:,]*\)\(:[^:]*\)\?: \(\/.*\)$/\3 \1/p' || true)"
+
 packages=()
 missing=0
 for lib in $libs; do
-  if pkg="$(owner_of "$lib")"; then packages+=("$pkg"); else
+  pkg=""
+  for path in $(spellings "$lib"); do
+    pkg="$(awk -v p="$path" '$1 == p {print $2; exit}' <<<"$owners")"
+    [ -z "$pkg" ] || break
+  done
+  if [ -n "$pkg" ]; then packages+=("$pkg"); else
     echo "no Debian package owns $lib" >&2; missing=1
   fi
 done

@@ -23,4 +23,13 @@ done <<<"$packages"
 # The failure paths the Docker build relies on to stop early.
 if "$script" /nonexistent 2>/dev/null; then fail "a missing binary was accepted"; fi
 if "$script" "$script" 2>/dev/null; then fail "a script (not a dynamic binary) was accepted"; fi
+# A binary that loads a library no package owns (as a hand-installed one would be).
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+echo 'int unpackaged(void) { return 7; }' >"$scratch/unpackaged.c"
+echo 'int unpackaged(void); int main(void) { return unpackaged(); }' >"$scratch/main.c"
+cc -shared -fPIC -o "$scratch/libunpackaged.so" "$scratch/unpackaged.c"
+cc -o "$scratch/main" "$scratch/main.c" -L"$scratch" -lunpackaged -Wl,-rpath,"$scratch"
+if out="$("$script" "$scratch/main" 2>&1)"; then fail "an unpackaged library was accepted: $out"; fi
+grep -qF "no Debian package owns $scratch/libunpackaged.so" <<<"$out" || fail "unexpected message: $out"
 echo "PASS: deploy runtime packages"
