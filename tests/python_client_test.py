@@ -94,6 +94,7 @@ class ClientTest(ServerTest):
     def test_chunked_prefill_then_decode_steps_match_full_attention(self):
         s, layers = self.new_session()
         scale = 1 / math.sqrt(self.D)
+        stream = self.client.decode_stream
         for step in range(3):
             for layer in range(self.L):
                 q, k, v = self.step_inputs(100 * step + layer)
@@ -105,6 +106,7 @@ class ClientTest(ServerTest):
                 np.testing.assert_allclose(r.output, want, rtol=0, atol=2e-5)
                 np.testing.assert_allclose(r.lse, want_lse, rtol=0, atol=2e-5)
                 self.assertEqual(r.position, self.T + step)
+        self.assertIs(self.client.decode_stream, stream)  # every step went over one stream
         info = s.info()
         self.assertEqual(info.tokens, self.T + 3)
         self.assertEqual(info.decode_steps, 3 * self.L)
@@ -135,10 +137,15 @@ class ClientTest(ServerTest):
     def test_errors_carry_status_code_and_message_and_the_stream_recovers(self):
         s, _ = self.new_session()
         q, k, v = self.step_inputs(4)
+        with self.assertRaises(ValueError) as e:  # a wrong shape never leaves the client
+            s.attend(0, q[:, :8], k, v)
+        self.assertIn("does not fit shape [4, 16]", str(e.exception))
+        bad = q.copy()
+        bad[1, 3] = np.nan
         with self.assertRaises(kvrecall.KvRecallError) as e:
-            self.client.decode_stream.step(0, [(s, q[:, :8], k, v)])
+            s.attend(0, bad, k, v)
         self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
-        self.assertIn("q", e.exception.message)
+        self.assertIn("steps[0].q", e.exception.message)
         r = s.attend(0, q, k, v)  # a new stream; the rejected step appended nothing
         self.assertEqual(r.position, self.T)
 
