@@ -1,0 +1,251 @@
+#include "server/decode.h"
+
+#include <algorithm>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/fidelity.h"
+#include "proto/tensor_codec.h"
+
+namespace kvrecall {
+namespace {
+
+v1::Path PathToProto(SelectionPath path) {
+  switch (path) {
+    case SelectionPath::kExact: return v1::PATH_EXACT;
+    case SelectionPath::kReuse: return v1::PATH_REUSE;
+    case SelectionPath::kFallback: return v1::PATH_FALLBACK;
+    case SelectionPath::kRefresh: return v1::PATH_REFRESH;
+  }
+  return v1::PATH_UNSPECIFIED;
+}
+
+void CountPath(SelectionPath path, DecodeCounters* counters) {
+  switch (path) {
+    case SelectionPath::kExact: ++counters->path_exact; break;
+    case SelectionPath::kReuse: ++counters->path_reuse; break;
+    case SelectionPath::kFallback: ++counters->path_fallback; break;
+    case SelectionPath::kRefresh: ++counters->path_refresh; break;
+  }
+}
+
+// Holds the locks of a request's sessions, taken in address order so that two requests
+// naming the same sessions in different orders cannot deadlock.
+class SessionsLock {
+ public:
+  explicit SessionsLock(std::vector<Session*> sessions) : sessions_(std::move(sessions)) {
+    std::sort(sessions_.begin(), sessions_.end());
+    for (Session* s : sessions_) s->mu().Lock();
+  }
+  ~SessionsLock() {
+    for (auto it = sessions_.rbegin(); it != sessions_.rend(); ++it) (*it)->mu().Unlock();
+  }
+  SessionsLock(const SessionsLock&) = delete;
+  SessionsLock& operator=(const SessionsLock&) = delete;
+
+ private:
+  std::vector<Session*> sessions_;
+};
+
+// The fields of step i, named in every error about it.
+struct StepFields {
+  explicit StepFields(int i)
+      : q(absl::StrCat("steps[", i, "].q")),
+        k_new(absl::StrCat("steps[", i, "].k_new")),
+        v_new(absl::StrCat("steps[", i, "].v_new")) {}
+  std::string q, k_new, v_new;
+};
+
+}  // namespace
+
+absl::Status DecodeStream::Serve(const v1::DecodeRequest& request,
+                                 v1::DecodeResponse* response) {
+  const absl::Time start = absl::Now();
+  response->set_request_id(request.request_id());
+  response->set_layer(request.layer());
+  const int n = request.steps_size();
+  const int layer = request.layer();
+
+  sessions_.clear();
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(
+        request.steps(i).session_id(), absl::StrCat("steps[", i, "].session_id"));
+    if (!session.ok()) return session.status();
+    for (int j = 0; j < i; ++j) {
+      if (sessions_[j] == *session) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "steps[", i, "].session_id '", (*session)->id(), "' repeats steps[", j,
+            "]: a request carries one token per sequence"));
+      }
+    }
+    sessions_.push_back(*std::move(session));
+  }
+
+  std::vector<Session*> to_lock;
+  to_lock.reserve(n);
+  for (const auto& s : sessions_) to_lock.push_back(s.get());
+  SessionsLock lock(std::move(to_lock));
+
+  // Phase 1: everything that can be checked without touching data.
+  std::vector<StepFields> fields;
+  fields.reserve(n);
+  query_offsets_.assign(n + 1, 0);
+  for (int i = 0; i < n; ++i) {
+    Session& session = *sessions_[i];
+    if (absl::Status s = session.CheckDecodable(layer); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("steps[", i, "]: ", s.message()));
+    }
+    const v1::Geometry& g = session.geometry();
+    const int64_t q_row[] = {g.q_heads(), g.head_dim()};
+    const int64_t kv_row[] = {g.kv_heads(), g.head_dim()};
+    fields.emplace_back(i);
+    const v1::SequenceStep& step = request.steps(i);
+    for (auto [tensor, spec] : {
+             std::pair{&step.q(), TensorSpec{fields[i].q, q_row, false, g.dtype()}},
+             std::pair{&step.k_new(), TensorSpec{fields[i].k_new, kv_row, false, g.dtype()}},
+             std::pair{&step.v_new(), TensorSpec{fields[i].v_new, kv_row, false, g.dtype()}}}) {
+      if (absl::StatusOr<int64_t> rows = CheckTensor(*tensor, spec); !rows.ok()) {
+        return rows.status();
+      }
+    }
+    query_offsets_[i + 1] = query_offsets_[i] + int64_t{g.q_heads()} * g.head_dim();
+  }
+
+  // Phase 2: room for each new token, then the data, decoded into that room (uncommitted, so
+  // an error here still leaves every session as it was).
+  for (int i = 0; i < n; ++i) {
+    Session& session = *sessions_[i];
+    if (absl::Status s = session.layer(layer).kv.Reserve(
+            1, absl::StrCat("steps[", i, "] (session '", session.id(), "', layer ", layer, ")"));
+        !s.ok()) {
+      return s;
+    }
+  }
+  queries_.resize(query_offsets_[n]);
+  for (int i = 0; i < n; ++i) {
+    Session& session = *sessions_[i];
+    const v1::Geometry& g = session.geometry();
+    const int64_t q_row[] = {g.q_heads(), g.head_dim()};
+    const int64_t kv_row[] = {g.kv_heads(), g.head_dim()};
+    const v1::SequenceStep& step = request.steps(i);
+    LayerKvStore& kv = session.layer(layer).kv;
+    if (absl::Status s = DecodeTensor(step.q(), {fields[i].q, q_row, false, g.dtype()},
+                                      queries_.data() + query_offsets_[i]);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = DecodeTensor(step.k_new(), {fields[i].k_new, kv_row, false, g.dtype()},
+                                      kv.key_tail());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = DecodeTensor(step.v_new(), {fields[i].v_new, kv_row, false, g.dtype()},
+                                      kv.value_tail());
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  // Phase 3: the request is valid; nothing below can fail.
+  for (int i = 0; i < n; ++i) {
+    Session& session = *sessions_[i];
+    session.layer(layer).kv.Commit(1);
+    Attend(session, layer, queries_.data() + query_offsets_[i], request,
+           request.steps(i).q().values_size() > 0, response->add_results());
+  }
+  response->set_server_micros(absl::ToDoubleMicroseconds(absl::Now() - start));
+  return absl::OkStatus();
+}
+
+void DecodeStream::Attend(Session& session, int layer_index, const float* q,
+                          const v1::DecodeRequest& request, bool as_values,
+                          v1::SequenceResult* result) {
+  Session::Layer& layer = session.layer(layer_index);
+  const LayerShape& shape = session.shape();
+  const int heads = shape.q_heads;
+  const int d = shape.head_dim;
+  const KvView kv = layer.kv.view();
+
+  layer.selector->OnAppend(kv);
+  SupportSelector* selector = layer.selector.get();
+#pragma omp parallel for schedule(static) if (heads > 1)
+  for (int h = 0; h < heads; ++h) {
+    HeadSelection& selection = layer.selections[h];
+    // The support buffers travel between the selection and `supports` (the attention
+    // kernel's input) by swapping, so their capacity is reused from step to step.
+    std::swap(selection.support, layer.supports[h]);
+    selection.path = SelectionPath::kExact;
+    selection.candidates = 0;
+    selection.best_cosine = 0.0f;
+    selector->Select(h, q + static_cast<int64_t>(h) * d, kv, &selection);
+    std::swap(selection.support, layer.supports[h]);
+  }
+
+  output_.resize(static_cast<size_t>(heads) * d);
+  lse_.resize(heads);
+  cpu::MultiHeadAttention(q, heads, kv, layer.supports, shape.scale, output_.data(), lse_.data());
+
+  DecodeCounters& counters = session.counters();
+  ++counters.layer_steps;
+  counters.head_steps += heads;
+  for (const HeadSelection& selection : layer.selections) {
+    counters.candidates += selection.candidates;
+    CountPath(selection.path, &counters);
+  }
+  session.ChargeSelectorBytes(layer);
+
+  result->set_session_id(session.id());
+  result->set_position(kv.tokens - 1);
+  const int64_t out_shape[] = {heads, d};
+  EncodeTensor(output_, out_shape, session.geometry().dtype(), as_values,
+               result->mutable_output());
+  if (request.return_lse()) {
+    const int64_t lse_shape[] = {heads};
+    EncodeTensor(lse_, lse_shape, v1::DTYPE_F32, as_values, result->mutable_lse());
+  }
+  if (request.diagnostics() || request.compare_exact()) {
+    for (int h = 0; h < heads; ++h) {
+      const HeadSelection& selection = layer.selections[h];
+      v1::HeadDiagnostics* head = result->add_heads();
+      head->set_path(PathToProto(selection.path));
+      head->set_candidates(selection.candidates);
+      head->set_support(static_cast<int32_t>(layer.supports[h].size()));
+      head->set_best_cosine(selection.best_cosine);
+    }
+  }
+  if (request.compare_exact()) CompareExact(session, layer, q, result);
+}
+
+void DecodeStream::CompareExact(const Session& session, const Session::Layer& layer,
+                                const float* q, v1::SequenceResult* result) {
+  const LayerShape& shape = session.shape();
+  const int heads = shape.q_heads;
+  const int d = shape.head_dim;
+  const int top_k = session.policy().selector.top_k;
+  const KvView kv = layer.kv.view();
+  full_output_.resize(static_cast<size_t>(heads) * d);
+  full_lse_.resize(heads);
+  cpu::MultiHeadFullAttention(q, heads, kv, shape.scale, full_output_.data(), full_lse_.data());
+#pragma omp parallel for schedule(static) if (heads > 1)
+  for (int h = 0; h < heads; ++h) {
+    thread_local std::vector<int32_t> exact;
+    thread_local std::vector<uint8_t> marks;
+    const float* q_h = q + static_cast<int64_t>(h) * d;
+    cpu::ExactTopK(q_h, kv, KvHeadOf(h, heads, shape.kv_heads), shape.scale, top_k, &exact);
+    v1::HeadDiagnostics* head = result->mutable_heads(h);
+    head->set_support_recall(
+        static_cast<float>(SupportRecall(layer.supports[h], exact, kv.tokens, &marks)));
+    head->set_retained_mass(static_cast<float>(RetainedMass(lse_[h], full_lse_[h])));
+    const float* o = output_.data() + static_cast<int64_t>(h) * d;
+    const float* o_full = full_output_.data() + static_cast<int64_t>(h) * d;
+    head->set_output_cosine(static_cast<float>(OutputCosine(o, o_full, d)));
+    head->set_rel_l2(static_cast<float>(RelativeL2(o, o_full, d)));
+  }
+}
+
+}  // namespace kvrecall

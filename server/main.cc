@@ -1,0 +1,74 @@
+// kvrecalld: the kvrecall server. Serves kvrecall.v1.KvRecall, grpc.health.v1.Health and
+// server reflection on --address until SIGTERM or SIGINT, then shuts down cleanly.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, address, "0.0.0.0:50051", "HOST:PORT to listen on; port 0 picks one");
+ABSL_FLAG(int, worker_threads, 0,
+          "upper bound on gRPC server threads (each open stream holds one); 0: gRPC's default");
+ABSL_FLAG(int, max_message_mb, 64,
+          "largest gRPC message accepted or sent, in MiB; larger ones get RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, host_memory_budget_gb, 0,
+          "host memory (GiB) that sessions may hold: KV, staged prompts and selector state; "
+          "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
+ABSL_FLAG(double, shutdown_grace_seconds, 5,
+          "on SIGTERM/SIGINT, how long calls in flight may finish before they are cancelled");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "kvrecalld --address=HOST:PORT: decode-time attention as a gRPC service (kvrecall.v1)");
+  absl::ParseCommandLine(argc, argv);
+
+  const double budget_gb = absl::GetFlag(FLAGS_host_memory_budget_gb);
+  const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  if (!(budget_gb >= 0) || !std::isfinite(budget_gb)) {
+    std::fprintf(stderr, "kvrecalld: --host_memory_budget_gb must be >= 0\n");
+    return 2;
+  }
+  if (max_message_mb < 1 || max_message_mb > 2047) {
+    std::fprintf(stderr, "kvrecalld: --max_message_mb must be in [1, 2047]\n");
+    return 2;
+  }
+  kvrecall::ServerOptions options;
+  options.address = absl::GetFlag(FLAGS_address);
+  options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
+  options.max_message_bytes = int64_t{max_message_mb} << 20;
+  options.host_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
+
+  // Block the shutdown signals in every thread (gRPC's threads inherit this mask) so that
+  // this thread alone receives them, synchronously, through sigwait.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<kvrecall::RunningServer>> server =
+      kvrecall::StartServer(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvrecalld: %s\n", std::string(server.status().message()).c_str());
+    return 1;
+  }
+  // Scripts and tests wait for this line (and read the port from it when they asked for 0).
+  std::printf("kvrecalld listening on %s\n", (*server)->address().c_str());
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  std::printf("kvrecalld: received %s, shutting down\n", strsignal(signal_number));
+  std::fflush(stdout);
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  (*server)->Wait();
+  std::printf("kvrecalld: stopped\n");
+  return 0;
+}

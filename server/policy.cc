@@ -1,0 +1,114 @@
+#include "server/policy.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvrecall {
+namespace {
+
+// Proto3 scalars cannot say "unset", so the API defines 0 as "take the default".
+int OrDefault(int value, int fallback) { return value == 0 ? fallback : value; }
+
+absl::StatusOr<SelectorKind> SelectorKindFromProto(v1::Selector selector) {
+  switch (selector) {
+    case v1::SELECTOR_UNSPECIFIED:
+    case v1::SELECTOR_FULL: return SelectorKind::kFull;
+    case v1::SELECTOR_EXACT_TOPK: return SelectorKind::kExactTopK;
+    case v1::SELECTOR_STREAMING: return SelectorKind::kStreaming;
+    case v1::SELECTOR_INDEX: return SelectorKind::kIndex;
+    case v1::SELECTOR_RETOPK: return SelectorKind::kReTopK;
+    default: break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("policy.selector has the unknown value ", static_cast<int>(selector)));
+}
+
+v1::Selector SelectorKindToProto(SelectorKind kind) {
+  switch (kind) {
+    case SelectorKind::kFull: return v1::SELECTOR_FULL;
+    case SelectorKind::kExactTopK: return v1::SELECTOR_EXACT_TOPK;
+    case SelectorKind::kStreaming: return v1::SELECTOR_STREAMING;
+    case SelectorKind::kIndex: return v1::SELECTOR_INDEX;
+    case SelectorKind::kReTopK: return v1::SELECTOR_RETOPK;
+  }
+  return v1::SELECTOR_UNSPECIFIED;
+}
+
+absl::StatusOr<v1::Placement> PlacementFromProto(v1::Placement placement) {
+  switch (placement) {
+    case v1::PLACEMENT_UNSPECIFIED:
+    case v1::PLACEMENT_CPU: return v1::PLACEMENT_CPU;
+    case v1::PLACEMENT_GPU:
+    case v1::PLACEMENT_TIERED:
+      return absl::FailedPreconditionError(absl::StrCat(
+          "policy.placement ", v1::Placement_Name(placement),
+          " is not served by this build of kvrecalld: only PLACEMENT_CPU is implemented so far"));
+    default: break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("policy.placement has the unknown value ", static_cast<int>(placement)));
+}
+
+}  // namespace
+
+absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
+  EffectivePolicy out;
+  absl::StatusOr<v1::Placement> placement = PlacementFromProto(policy.placement());
+  if (!placement.ok()) return placement.status();
+  out.placement = *placement;
+  absl::StatusOr<SelectorKind> kind = SelectorKindFromProto(policy.selector());
+  if (!kind.ok()) return kind.status();
+
+  SelectorParams& p = out.selector;
+  const SelectorParams defaults;
+  p.kind = *kind;
+  p.top_k = OrDefault(policy.top_k(), defaults.top_k);
+  p.sinks = OrDefault(policy.sinks(), defaults.sinks);
+  p.recent = OrDefault(policy.recent(), defaults.recent);
+
+  const v1::ReTopKParams& r = policy.retopk();
+  p.retopk.cache_capacity = OrDefault(r.cache_capacity(), defaults.retopk.cache_capacity);
+  p.retopk.reuse_neighbors = OrDefault(r.reuse_neighbors(), defaults.retopk.reuse_neighbors);
+  p.retopk.recent_window = OrDefault(r.recent_window(), defaults.retopk.recent_window);
+  p.retopk.tau = r.has_tau() ? r.tau() : defaults.retopk.tau;
+  p.retopk.refresh_interval =
+      r.has_refresh_interval() ? r.refresh_interval() : defaults.retopk.refresh_interval;
+  p.retopk.auto_tau = r.auto_tau();
+  p.retopk.target_recall = r.target_recall() == 0.0f ? defaults.retopk.target_recall
+                                                      : r.target_recall();
+
+  // The index keeps 0 as "its own default", so these pass through unchanged.
+  const v1::IndexParams& g = policy.index();
+  p.index.build_queries = g.build_queries();
+  p.index.build_topk = g.build_topk();
+  p.index.max_degree = g.max_degree();
+  p.index.search_list_size = g.search_list_size();
+
+  if (absl::Status s = p.Validate(); !s.ok()) return s;
+  return out;
+}
+
+v1::Policy PolicyToProto(const EffectivePolicy& policy) {
+  const SelectorParams& p = policy.selector;
+  v1::Policy out;
+  out.set_placement(policy.placement);
+  out.set_selector(SelectorKindToProto(p.kind));
+  out.set_top_k(p.top_k);
+  out.set_sinks(p.sinks);
+  out.set_recent(p.recent);
+  v1::ReTopKParams* r = out.mutable_retopk();
+  r->set_cache_capacity(p.retopk.cache_capacity);
+  r->set_reuse_neighbors(p.retopk.reuse_neighbors);
+  r->set_recent_window(p.retopk.recent_window);
+  r->set_tau(p.retopk.tau);
+  r->set_refresh_interval(p.retopk.refresh_interval);
+  r->set_auto_tau(p.retopk.auto_tau);
+  r->set_target_recall(p.retopk.target_recall);
+  v1::IndexParams* g = out.mutable_index();
+  g->set_build_queries(p.index.build_queries);
+  g->set_build_topk(p.index.build_topk);
+  g->set_max_degree(p.index.max_degree);
+  g->set_search_list_size(p.index.search_list_size);
+  return out;
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,28 @@
+// Conversion between the API's Policy message and the selector knobs (SelectorParams), with
+// defaults filled in and the placements this build serves checked.
+#ifndef KVRECALL_SERVER_POLICY_H_
+#define KVRECALL_SERVER_POLICY_H_
+
+#include "absl/status/statusor.h"
+#include "index/selector_params.h"
+#include "kvrecall/v1/kvrecall.pb.h"
+
+namespace kvrecall {
+
+// A session's policy after defaults were applied and every knob was validated.
+struct EffectivePolicy {
+  v1::Placement placement = v1::PLACEMENT_CPU;
+  SelectorParams selector;
+};
+
+// Fills zero/unset knobs with their defaults (index/selector_params.h) and validates the result.
+// INVALID_ARGUMENT naming the field (e.g. "policy.retopk.reuse_neighbors") for a bad knob or an
+// unknown enum value; FAILED_PRECONDITION for a placement this build does not serve.
+absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy);
+
+// The policy as the API spells it, every knob explicit (echoed by CreateSession/GetSession).
+v1::Policy PolicyToProto(const EffectivePolicy& policy);
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_POLICY_H_

@@ -1,0 +1,386 @@
+// Test fixtures for anything that talks to a kvrecall server: an in-process server on
+// 127.0.0.1 (port 0) with a stub, the real kvrecalld binary as a subprocess on a free loopback
+// port, and small helpers to create sessions, stream prompts and drive a Decode stream.
+// Header-only so that every tests/*_test.cc can include it without build changes.
+#ifndef KVRECALL_TESTS_SERVER_FIXTURE_H_
+#define KVRECALL_TESTS_SERVER_FIXTURE_H_
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "kvrecall/v1/kvrecall.grpc.pb.h"
+#include "proto/tensor_codec.h"
+#include "server/server.h"
+
+namespace kvrecall::testing {
+
+// gRPC and absl share the canonical status codes, number for number.
+inline absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+// A channel to `address` whose messages may be as large as the server's default limit and
+// beyond (so that tests of the server's limit are not stopped by the client's).
+inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                                  int max_message_bytes = 256 << 20) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  args.SetMaxSendMessageSize(max_message_bytes);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+// A kvrecall server running inside the test process on 127.0.0.1 with a free port.
+class InProcessServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<InProcessServer>> Start(ServerOptions options = {}) {
+    options.address = "127.0.0.1:0";
+    absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+    if (!server.ok()) return server.status();
+    return std::unique_ptr<InProcessServer>(new InProcessServer(*std::move(server)));
+  }
+
+  const std::string& address() const { return server_->address(); }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+  v1::KvRecall::Stub& stub() { return *stub_; }
+  RunningServer& server() { return *server_; }
+
+ private:
+  explicit InProcessServer(std::unique_ptr<RunningServer> server)
+      : server_(std::move(server)),
+        channel_(MakeChannel(server_->address())),
+        stub_(v1::KvRecall::NewStub(channel_)) {}
+
+  std::unique_ptr<RunningServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvRecall::Stub> stub_;
+};
+
+// A GoogleTest fixture whose tests each get a fresh in-process server. Override Options() to
+// configure it.
+class ServerTest : public ::testing::Test {
+ protected:
+  virtual ServerOptions Options() const { return {}; }
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(Options());
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+  v1::KvRecall::Stub& stub() { return server_->stub(); }
+  InProcessServer& server() { return *server_; }
+
+  std::unique_ptr<InProcessServer> server_;
+};
+
+// The real kvrecalld binary of this build, started on 127.0.0.1 with a port it picks itself
+// (it prints the address it listens on; that line is awaited), its output captured.
+class KvrecalldProcess {
+ public:
+  static std::string BinaryPath() {
+#ifdef KVRECALL_BINARY_DIR
+    return std::string(KVRECALL_BINARY_DIR) + "/server/kvrecalld";
+#else
+    return "kvrecalld";
+#endif
+  }
+
+  // Starts kvrecalld --address=127.0.0.1:0 plus `flags` and waits up to `timeout` for it to
+  // listen.
+  static absl::StatusOr<std::unique_ptr<KvrecalldProcess>> Start(
+      std::vector<std::string> flags = {}, absl::Duration timeout = absl::Seconds(30)) {
+    int out[2];
+    if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
+    std::vector<std::string> args = {BinaryPath(), "--address=127.0.0.1:0"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t pid = fork();
+    if (pid < 0) return absl::InternalError("fork failed");
+    if (pid == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      dup2(out[1], STDERR_FILENO);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    std::unique_ptr<KvrecalldProcess> process(new KvrecalldProcess(pid, out[0]));
+    const std::string marker = "kvrecalld listening on ";
+    absl::MutexLock lock(&process->mu_);
+    auto listening = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(process->mu_) {
+      return process->output_.find('\n', process->output_.find(marker)) != std::string::npos &&
+             process->output_.find(marker) != std::string::npos;
+    };
+    auto ready_or_gone = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(process->mu_) {
+      return listening() || process->eof_;
+    };
+    process->mu_.AwaitWithTimeout(absl::Condition(&ready_or_gone), timeout);
+    if (!listening()) {
+      return absl::UnavailableError(absl::StrCat(
+          args[0], " did not report listening within ", absl::FormatDuration(timeout),
+          "; its output: ", process->output_));
+    }
+    const size_t begin = process->output_.find(marker) + marker.size();
+    process->address_ = process->output_.substr(begin, process->output_.find('\n', begin) - begin);
+    return process;
+  }
+
+  ~KvrecalldProcess() {
+    if (!exited_) {
+      kill(pid_, SIGKILL);
+      int status;
+      waitpid(pid_, &status, 0);
+    }
+    reader_.join();
+    close(fd_);
+  }
+
+  pid_t pid() const { return pid_; }
+  const std::string& address() const { return address_; }
+  std::string output() const {
+    absl::MutexLock lock(&mu_);
+    return output_;
+  }
+
+  // Sends `signal` and waits up to `timeout` for the process to exit; returns its wait status
+  // (check with WIFEXITED/WEXITSTATUS), or DEADLINE_EXCEEDED when it kept running.
+  absl::StatusOr<int> Stop(int signal = SIGTERM, absl::Duration timeout = absl::Seconds(30)) {
+    kill(pid_, signal);
+    const absl::Time deadline = absl::Now() + timeout;
+    while (absl::Now() < deadline) {
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        exited_ = true;
+        return status;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return absl::DeadlineExceededError(absl::StrCat("kvrecalld (pid ", pid_, ") still runs ",
+                                                    absl::FormatDuration(timeout),
+                                                    " after signal ", signal));
+  }
+
+ private:
+  KvrecalldProcess(pid_t pid, int fd) : pid_(pid), fd_(fd), reader_([this] { Drain(); }) {}
+
+  // Collects the child's output until it closes its end, so the child never blocks on a full
+  // pipe and the output stays available to assertions.
+  void Drain() {
+    char buffer[4096];
+    while (true) {
+      const ssize_t n = read(fd_, buffer, sizeof buffer);
+      if (n < 0 && errno == EINTR) continue;
+      absl::MutexLock lock(&mu_);
+      if (n <= 0) {
+        eof_ = true;
+        return;
+      }
+      output_.append(buffer, n);
+    }
+  }
+
+  const pid_t pid_;
+  const int fd_;
+  bool exited_ = false;
+  std::string address_;
+  mutable absl::Mutex mu_;
+  std::string output_ ABSL_GUARDED_BY(mu_);
+  bool eof_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread reader_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Request helpers.
+
+inline v1::Geometry MakeGeometry(int layers, int q_heads, int kv_heads, int head_dim,
+                                 v1::DType dtype = v1::DTYPE_F32) {
+  v1::Geometry g;
+  g.set_layers(layers);
+  g.set_q_heads(q_heads);
+  g.set_kv_heads(kv_heads);
+  g.set_head_dim(head_dim);
+  g.set_dtype(dtype);
+  return g;
+}
+
+inline v1::Policy MakePolicy(v1::Selector selector, int top_k = 0, int sinks = 0,
+                             int recent = 0) {
+  v1::Policy p;
+  p.set_placement(v1::PLACEMENT_CPU);
+  p.set_selector(selector);
+  p.set_top_k(top_k);
+  p.set_sinks(sinks);
+  p.set_recent(recent);
+  return p;
+}
+
+// A tensor of `shape` holding `data` as raw bytes of `dtype` (or as plain values).
+inline v1::Tensor MakeTensor(std::span<const float> data, std::vector<int64_t> shape,
+                             v1::DType dtype, bool as_values = false) {
+  v1::Tensor t;
+  EncodeTensor(data, shape, dtype, as_values, &t);
+  return t;
+}
+
+// The f32 contents of a reply tensor (raw bytes of its own dtype, or values).
+inline std::vector<float> TensorValues(const v1::Tensor& t) {
+  int64_t count = 1;
+  for (int64_t d : t.shape()) count *= d;
+  std::vector<float> out(count);
+  const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  const absl::Status s = DecodeTensor(t, {"reply", shape, false, t.dtype()}, out.data());
+  EXPECT_TRUE(s.ok()) << s;
+  return out;
+}
+
+// `data` as the server sees it after the trip through `dtype` (the reference must use this).
+inline std::vector<float> RoundTrip(std::span<const float> data, v1::DType dtype) {
+  const std::vector<int64_t> shape = {static_cast<int64_t>(data.size())};
+  return TensorValues(MakeTensor(data, shape, dtype));
+}
+
+inline absl::StatusOr<std::string> CreateSession(v1::KvRecall::Stub& stub,
+                                                 const v1::Geometry& geometry,
+                                                 const v1::Policy& policy,
+                                                 v1::CreateSessionResponse* response = nullptr) {
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = geometry;
+  *request.mutable_policy() = policy;
+  v1::CreateSessionResponse local;
+  v1::CreateSessionResponse* out = response != nullptr ? response : &local;
+  grpc::ClientContext context;
+  if (absl::Status s = FromGrpc(stub.CreateSession(&context, request, out)); !s.ok()) return s;
+  return out->session_id();
+}
+
+inline absl::StatusOr<v1::SessionInfo> GetSession(v1::KvRecall::Stub& stub,
+                                                  const std::string& id) {
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  v1::SessionInfo info;
+  grpc::ClientContext context;
+  if (absl::Status s = FromGrpc(stub.GetSession(&context, request, &info)); !s.ok()) return s;
+  return info;
+}
+
+// Streams `chunks` as one Prefill call and returns the server's answer.
+inline absl::StatusOr<v1::PrefillResponse> Prefill(v1::KvRecall::Stub& stub,
+                                                   std::span<const v1::PrefillChunk> chunks) {
+  grpc::ClientContext context;
+  v1::PrefillResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::PrefillChunk>> writer =
+      stub.Prefill(&context, &response);
+  for (const v1::PrefillChunk& chunk : chunks) {
+    if (!writer->Write(chunk)) break;  // the server already answered; Finish says why
+  }
+  writer->WritesDone();
+  if (absl::Status s = FromGrpc(writer->Finish()); !s.ok()) return s;
+  return response;
+}
+
+// One layer's prompt: q [tokens, q_heads, head_dim], k/v [tokens, kv_heads, head_dim], f32.
+struct PromptLayer {
+  std::vector<float> q, k, v;
+};
+
+// Cuts a layer's prompt into chunks of at most `chunk_tokens` tokens, encoded in `dtype`.
+inline std::vector<v1::PrefillChunk> PromptChunks(const std::string& session_id,
+                                                  const v1::Geometry& g, int layer,
+                                                  const PromptLayer& prompt, int64_t chunk_tokens,
+                                                  bool as_values = false) {
+  const int64_t q_row = int64_t{g.q_heads()} * g.head_dim();
+  const int64_t kv_row = int64_t{g.kv_heads()} * g.head_dim();
+  const int64_t tokens = static_cast<int64_t>(prompt.k.size()) / kv_row;
+  std::vector<v1::PrefillChunk> chunks;
+  for (int64_t begin = 0; begin < tokens; begin += chunk_tokens) {
+    const int64_t n = std::min(chunk_tokens, tokens - begin);
+    v1::PrefillChunk c;
+    c.set_session_id(session_id);
+    c.set_layer(layer);
+    c.set_offset(begin);
+    auto slice = [&](const std::vector<float>& x, int64_t row) {
+      return std::span<const float>(x).subspan(begin * row, n * row);
+    };
+    *c.mutable_q() = MakeTensor(slice(prompt.q, q_row), {n, g.q_heads(), g.head_dim()},
+                                g.dtype(), as_values);
+    *c.mutable_k() = MakeTensor(slice(prompt.k, kv_row), {n, g.kv_heads(), g.head_dim()},
+                                g.dtype(), as_values);
+    *c.mutable_v() = MakeTensor(slice(prompt.v, kv_row), {n, g.kv_heads(), g.head_dim()},
+                                g.dtype(), as_values);
+    chunks.push_back(std::move(c));
+  }
+  return chunks;
+}
+
+// A SequenceStep of session `id`: q [q_heads, head_dim], k_new/v_new [kv_heads, head_dim].
+inline v1::SequenceStep MakeStep(const std::string& id, const v1::Geometry& g,
+                                 std::span<const float> q, std::span<const float> k_new,
+                                 std::span<const float> v_new, bool as_values = false) {
+  v1::SequenceStep step;
+  step.set_session_id(id);
+  *step.mutable_q() = MakeTensor(q, {g.q_heads(), g.head_dim()}, g.dtype(), as_values);
+  *step.mutable_k_new() = MakeTensor(k_new, {g.kv_heads(), g.head_dim()}, g.dtype(), as_values);
+  *step.mutable_v_new() = MakeTensor(v_new, {g.kv_heads(), g.head_dim()}, g.dtype(), as_values);
+  return step;
+}
+
+// A client's side of one Decode stream: a request in, its reply out. Once the server ended
+// the stream with an error, every later call returns that error.
+class DecodeClient {
+ public:
+  explicit DecodeClient(v1::KvRecall::Stub& stub) : stream_(stub.Decode(&context_)) {}
+  ~DecodeClient() {
+    if (!finished_) Finish().IgnoreError();
+  }
+
+  absl::StatusOr<v1::DecodeResponse> Step(const v1::DecodeRequest& request) {
+    if (finished_) return status_;
+    v1::DecodeResponse response;
+    if (stream_->Write(request) && stream_->Read(&response)) return response;
+    if (absl::Status s = Finish(); !s.ok()) return s;
+    return absl::UnknownError("the server ended the Decode stream without an error or a reply");
+  }
+
+  // Half-closes the stream and returns the server's final status.
+  absl::Status Finish() {
+    if (!finished_) {
+      stream_->WritesDone();
+      status_ = FromGrpc(stream_->Finish());
+      finished_ = true;
+    }
+    return status_;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+  bool finished_ = false;
+  absl::Status status_;
+};
+
+}  // namespace kvrecall::testing
+
+#endif  // KVRECALL_TESTS_SERVER_FIXTURE_H_
