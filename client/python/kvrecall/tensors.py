@@ -1,7 +1,8 @@
 """Conversion between kvrecall.v1.Tensor (raw little-endian bytes of a dtype) and arrays.
 
-Arrays are numpy arrays or, when torch is installed, torch tensors (moved to the CPU); what
-comes back from the service is always a float32 numpy array of the tensor's shape.
+Arrays are numpy arrays or, when torch is installed, torch tensors (moved to the CPU); a uint16
+numpy array sent as bf16 is taken as bf16 bit patterns. What comes back from the service is
+always a float32 numpy array of the tensor's shape.
 """
 import numpy as np
 
@@ -46,6 +47,8 @@ def _raw_bytes(x, dtype):
         return t.numpy().tobytes()
     a = np.asarray(x)
     if dtype == pb.DTYPE_BF16:
+        if a.dtype == np.uint16:  # already bf16 bit patterns (as safetensors stores them)
+            return np.ascontiguousarray(a, dtype="<u2").tobytes()
         return f32_to_bf16_bits(a).tobytes()
     return np.ascontiguousarray(a, dtype=np.float16 if dtype == pb.DTYPE_F16 else "<f4").tobytes()
 

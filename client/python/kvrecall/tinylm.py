@@ -226,7 +226,8 @@ def run_ppl(a):
         finally:
             session.close()
     result = {
-        "policy": a.policy, "placement": a.placement, "k": int(session.policy.top_k),
+        "policy": a.policy, "placement": a.placement,
+        "k": int(session.policy.top_k) if a.policy in ("exact_topk", "index", "retopk") else None,
         "ctx": a.ctx, "suffix": a.suffix, "offset": a.offset, "text": a.text,
         "model": os.path.basename(a.model),
         "bits_per_byte": float(-logprob.mean() / math.log(2)),
