@@ -4,9 +4,10 @@ deploy_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 deploy_tools="${KVRECALL_TOOLS_DIR:-$deploy_root/.tools}"
 export KVRECALL_TOOLS_DIR="$deploy_tools"
 
+# Only the pinned helm: deploy/k8s/ is compared byte for byte with its output, and the tests
+# match its error messages.
 HELM=""
-if [ -x "$deploy_tools/bin/helm" ]; then HELM="$deploy_tools/bin/helm"
-elif command -v helm >/dev/null 2>&1; then HELM="$(command -v helm)"; fi
+[ -x "$deploy_tools/bin/helm" ] && HELM="$deploy_tools/bin/helm"
 NODE="$(command -v node || true)"
 
 deploy_helm_home="$(mktemp -d)"
@@ -17,7 +18,7 @@ export HELM_CACHE_HOME="$deploy_helm_home/cache" HELM_CONFIG_HOME="$deploy_helm_
 # Exit code CTest reads as "skipped" (SKIP_RETURN_CODE in deploy/CMakeLists.txt).
 DEPLOY_SKIP=77
 require_helm() {
-  [ -n "$HELM" ] || { echo "SKIP: helm not found (scripts/install_deps.sh installs it into .tools/bin)"; exit "$DEPLOY_SKIP"; }
+  [ -n "$HELM" ] || { echo "SKIP: $deploy_tools/bin/helm not found (scripts/install_deps.sh installs it)"; exit "$DEPLOY_SKIP"; }
 }
 require_node_models() {
   if [ -z "$NODE" ] || [ ! -d "$deploy_tools/node_modules/kubernetes-models" ] \

@@ -5,6 +5,7 @@
 #   rejects       deploy/validate.mjs rejects each defect in deploy_invalid_manifests.yaml
 #   up_to_date    deploy/k8s/ equals a fresh render of the chart
 #   values        derived values (memory budget, GPU limit) and the chart's refusals
+#                 (its own checks and values.schema.json)
 # Exits 77 (CTest's skip) when helm or the node packages are missing.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -80,6 +81,7 @@ case "$case_name" in
     [ "$(rendered_budget --set resources.limits.memory=1500Mi)" = "1.17" ] || fail "1500Mi budget, expected 1.17"
     [ "$(rendered_budget --set resources.limits.memory=10G)" = "7.45" ] || fail "10G budget, expected 7.45"
     [ "$(rendered_budget --set server.hostMemoryBudget.gib=7.5)" = "7.50" ] || fail "explicit budget, expected 7.50"
+    [ "$(rendered_budget --set server.hostMemoryBudget.fractionOfLimit=0.5)" = "4.00" ] || fail "half of 8Gi, expected 4.00"
     gpu_limit="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-gpu.yaml" | grep -c '^ *nvidia.com/gpu: 1$')"
     [ "$gpu_limit" = 1 ] || fail "GPU render must carry one nvidia.com/gpu: 1 limit, found $gpu_limit"
     if "$HELM" template kvrecall "$chart_dir" | grep -q 'nvidia.com/gpu'; then
@@ -97,6 +99,12 @@ case "$case_name" in
       --set "server.extraArgs={--max_message_mb=8}"
     expect_render_error "server.shutdownGraceSeconds (30) must be below terminationGracePeriodSeconds (30)" \
       --set server.shutdownGraceSeconds=30
+    # values.schema.json: unknown keys and out-of-range values are refused, not ignored.
+    expect_render_error "at '': additional properties 'replicas' not allowed" --set replicas=3
+    expect_render_error "at '/probes/readiness': additional properties 'sevice' not allowed" \
+      --set probes.readiness.sevice=kvrecall.v1.KvRecall
+    expect_render_error "at '/server/port': maximum: got 70,000, want 65,535" --set server.port=70000
+    expect_render_error "at '/server/extraArgs/0': 'oops' does not match pattern" --set "server.extraArgs={oops}"
     ;;
   *)
     fail "unknown case $case_name"

@@ -11,7 +11,6 @@ Usage: deploy_server_test.py KVRECALLD   (exits 77, CTest's skip, when helm is m
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -26,8 +25,7 @@ import yaml
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CHART = os.path.join(REPO, "deploy", "helm", "kvrecall")
 TOOLS = os.environ.get("KVRECALL_TOOLS_DIR", os.path.join(REPO, ".tools"))
-HELM = (os.path.join(TOOLS, "bin", "helm") if os.access(os.path.join(TOOLS, "bin", "helm"), os.X_OK)
-        else shutil.which("helm"))
+HELM = os.path.join(TOOLS, "bin", "helm")  # the pinned one scripts/install_deps.sh installs
 KVRECALLD = None  # set from argv
 
 VARIANTS = {"default": [], "gpu": ["-f", os.path.join(CHART, "values-gpu.yaml")]}
@@ -188,7 +186,7 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: deploy_server_test.py KVRECALLD")
     KVRECALLD = sys.argv.pop(1)
-    if HELM is None:
-        print("SKIP: helm not found (scripts/install_deps.sh installs it into .tools/bin)")
+    if not os.access(HELM, os.X_OK):
+        print(f"SKIP: {HELM} not found (scripts/install_deps.sh installs it)")
         sys.exit(77)
     unittest.main(verbosity=2)
