@@ -25,7 +25,8 @@ function modelClass(apiVersion, kind) {
   let module;
   try {
     module = requireTool(`kubernetes-models/${apiVersion}/${kind}`);
-  } catch {
+  } catch (error) {
+    if (error.code !== "MODULE_NOT_FOUND") throw error;  // a broken install, not an unknown kind
     throw new Error(`no schema for ${apiVersion} ${kind} in kubernetes-models`);
   }
   return module[kind];

