@@ -87,6 +87,12 @@ case "$case_name" in
     if "$HELM" template kvrecall "$chart_dir" | grep -q 'nvidia.com/gpu'; then
       fail "the default render asks for a GPU"
     fi
+    # OMP_NUM_THREADS follows the CPU request, and without one is left to OpenMP.
+    grep -q 'name: OMP_NUM_THREADS' <<<"$("$HELM" template kvrecall "$chart_dir")" \
+      || fail "the default render does not set OMP_NUM_THREADS"
+    if "$HELM" template kvrecall "$chart_dir" --set resources.requests.cpu=null | grep -q OMP_NUM_THREADS; then
+      fail "OMP_NUM_THREADS is set without a CPU request (the downward API would give 0)"
+    fi
     expect_render_error "server.hostMemoryBudget.gib (9) must be below resources.limits.memory (8Gi = 8 GiB)" \
       --set server.hostMemoryBudget.gib=9
     expect_render_error "set resources.limits.memory (the host memory budget is derived from it) or server.hostMemoryBudget.gib" \
