@@ -250,13 +250,11 @@ class Client:
         return self.decode_stream.step(layer, steps, **options)
 
     def close(self):
-        if self._stream is not None:
-            try:
+        try:
+            if self._stream is not None:
                 self._stream.close()
-            finally:
-                self._stream = None
-                self.channel.close()
-        else:
+        finally:
+            self._stream = None
             self.channel.close()
 
 
