@@ -22,11 +22,28 @@ struct ReTopKParams {
   float target_recall = 0.9f; // support recall that auto_tau keeps
 };
 
+// The largest out-degree the graph index accepts for max_degree.
+inline constexpr int kMaxGraphDegree = 256;
+
+// The query-aware graph index (index/graph_index.h). A zero field means "the default below"
+// (the API sends zeros for unset knobs); WithDefaults() resolves them.
 struct GraphIndexParams {
-  int build_queries = 0;      // 0: the index's own default
-  int build_topk = 0;
-  int max_degree = 0;
-  int search_list_size = 0;
+  // Prefill queries of a head, evenly spaced over the prompt, whose exact top-k keys shape the
+  // graph. More queries cover more keys with query-aware edges but cost a GEMM of
+  // build_queries x bulk keys per head.
+  int build_queries = 4096;
+  // Exact top-k keys per sampled query: the query->key links projected onto the key graph.
+  int build_topk = 100;
+  // Out-degree cap of the key-key graph; memory is 4 bytes x max_degree per key and head.
+  int max_degree = 32;
+  // Candidate list of the decode-time beam search (>= the k searched for): larger lists score
+  // more keys for more recall.
+  int search_list_size = 200;
+  // Keys appended after the build wait in a tail that every search scans exactly until this
+  // many have gathered; then they are linked into the graph in one incremental step.
+  int link_threshold = 256;
+
+  GraphIndexParams WithDefaults() const;
 };
 
 struct SelectorParams {

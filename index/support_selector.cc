@@ -18,6 +18,18 @@ const char* SelectorKindName(SelectorKind kind) {
   return "unknown";
 }
 
+GraphIndexParams GraphIndexParams::WithDefaults() const {
+  const GraphIndexParams defaults;
+  auto pick = [](int value, int fallback) { return value == 0 ? fallback : value; };
+  GraphIndexParams out;
+  out.build_queries = pick(build_queries, defaults.build_queries);
+  out.build_topk = pick(build_topk, defaults.build_topk);
+  out.max_degree = pick(max_degree, defaults.max_degree);
+  out.search_list_size = pick(search_list_size, defaults.search_list_size);
+  out.link_threshold = pick(link_threshold, defaults.link_threshold);
+  return out;
+}
+
 absl::Status SelectorParams::Validate() const {
   auto invalid = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(parts...));
@@ -47,8 +59,14 @@ absl::Status SelectorParams::Validate() const {
     return invalid("policy.retopk.target_recall must be in (0, 1], got ", r.target_recall);
   }
   const GraphIndexParams& g = index;
-  if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0) {
+  if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||
+      g.link_threshold < 0) {
     return invalid("policy.index parameters must be >= 0 (0 takes the default)");
+  }
+  if (g.build_topk == 1) return invalid("policy.index.build_topk must be >= 2, got 1");
+  if (g.max_degree > kMaxGraphDegree) {
+    return invalid("policy.index.max_degree must be <= ", kMaxGraphDegree, ", got ",
+                   g.max_degree);
   }
   return absl::OkStatus();
 }

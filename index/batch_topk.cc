@@ -1,0 +1,152 @@
+#include "index/batch_topk.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <limits>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+// OpenBLAS's thread control, when the BLAS linked is OpenBLAS; weak so that any other BLAS
+// links too.
+extern "C" void openblas_set_num_threads(int num_threads) __attribute__((weak));
+
+namespace kvrecall {
+namespace {
+
+// A block of queries times a block of keys is one GEMM; 64 x 4096 scores (1 MiB) stay in L2.
+constexpr int kQueryBlock = 64;
+constexpr int64_t kKeyBlock = 4096;
+
+// Our OpenMP loops call sgemm from every core; BLAS threads on top would oversubscribe them.
+void UseSingleThreadedBlas() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (openblas_set_num_threads != nullptr) openblas_set_num_threads(1);
+  });
+}
+
+struct Scored {
+  float score;
+  int32_t id;
+};
+
+bool Better(const Scored& a, const Scored& b) {
+  return a.score > b.score || (a.score == b.score && a.id < b.id);
+}
+
+// Keeps the best k of a stream of scores: candidates above the running threshold accumulate
+// and are cut back to k when the buffer fills, which raises the threshold.
+class RunningTopK {
+ public:
+  explicit RunningTopK(int k) : k_(k) { buffer_.reserve(4 * static_cast<size_t>(k)); }
+
+  void Reset() {
+    buffer_.clear();
+    threshold_ = -std::numeric_limits<float>::infinity();
+  }
+
+  void Offer(const float* scores, int64_t n, int64_t first_id) {
+    float threshold = threshold_;
+    for (int64_t j = 0; j < n; ++j) {
+      if (scores[j] > threshold) {
+        buffer_.push_back({scores[j], static_cast<int32_t>(first_id + j)});
+        if (buffer_.size() == buffer_.capacity()) {
+          Shrink();
+          threshold = threshold_;
+        }
+      }
+    }
+  }
+
+  // Writes the best k, best first, to out (-1 past the candidates seen).
+  void Finish(int32_t* out) {
+    Shrink();
+    std::sort(buffer_.begin(), buffer_.end(), Better);
+    for (int i = 0; i < k_; ++i) out[i] = i < static_cast<int>(buffer_.size()) ? buffer_[i].id : -1;
+  }
+
+ private:
+  void Shrink() {
+    if (buffer_.size() <= static_cast<size_t>(k_)) return;
+    std::nth_element(buffer_.begin(), buffer_.begin() + (k_ - 1), buffer_.end(), Better);
+    threshold_ = buffer_[k_ - 1].score;
+    buffer_.resize(k_);
+  }
+
+  int k_;
+  std::vector<Scored> buffer_;
+  float threshold_ = -std::numeric_limits<float>::infinity();
+};
+
+}  // namespace
+
+absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys, int k,
+                                std::span<const int64_t> visible) {
+  if (k < 1) return absl::InvalidArgumentError(absl::StrCat("top-k needs k >= 1, got ", k));
+  if (queries.dim != keys.dim) {
+    return absl::InvalidArgumentError(absl::StrCat("query dim ", queries.dim,
+                                                   " differs from key dim ", keys.dim));
+  }
+  if (keys.count > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top-k over ", keys.count, " keys: ids must fit in int32"));
+  }
+  if (!visible.empty() && static_cast<int64_t>(visible.size()) != queries.count) {
+    return absl::InvalidArgumentError(absl::StrCat("causal mask of ", visible.size(),
+                                                   " counts for ", queries.count, " queries"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
+                          TopKLists* out, std::span<const int64_t> visible) {
+  if (absl::Status s = CheckBatchTopKArgs(queries, keys, k, visible); !s.ok()) return s;
+  auto visible_of = [&](int64_t query) {
+    return visible.empty() ? keys.count : std::clamp<int64_t>(visible[query], 0, keys.count);
+  };
+  out->k = static_cast<int>(std::min<int64_t>(k, keys.count));
+  out->queries = queries.count;
+  out->ids.assign(static_cast<size_t>(out->queries) * out->k, 0);
+  if (out->k == 0 || queries.count == 0) return absl::OkStatus();
+  UseSingleThreadedBlas();
+
+  const int64_t query_blocks = (queries.count + kQueryBlock - 1) / kQueryBlock;
+  const int64_t key_block = std::min(kKeyBlock, keys.count);
+#pragma omp parallel
+  {
+    std::vector<float> block_scores(static_cast<size_t>(kQueryBlock) * key_block);
+    std::vector<RunningTopK> selectors(kQueryBlock, RunningTopK(out->k));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < query_blocks; ++b) {
+      const int64_t q0 = b * kQueryBlock;
+      const int rows = static_cast<int>(std::min<int64_t>(kQueryBlock, queries.count - q0));
+      int64_t block_visible = 0;
+      for (int i = 0; i < rows; ++i) {
+        selectors[i].Reset();
+        block_visible = std::max(block_visible, visible_of(q0 + i));
+      }
+      for (int64_t k0 = 0; k0 < block_visible; k0 += key_block) {
+        const int cols = static_cast<int>(std::min(key_block, block_visible - k0));
+        // block_scores[rows, cols] = Q[q0:q0+rows] * K[k0:k0+cols]^T.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, keys.dim, 1.0f,
+                    queries.row(q0), static_cast<int>(queries.stride), keys.row(k0),
+                    static_cast<int>(keys.stride), 0.0f, block_scores.data(), cols);
+        for (int i = 0; i < rows; ++i) {
+          const int64_t seen = std::min<int64_t>(cols, visible_of(q0 + i) - k0);
+          if (seen > 0) {
+            selectors[i].Offer(block_scores.data() + static_cast<size_t>(i) * cols, seen, k0);
+          }
+        }
+      }
+      for (int i = 0; i < rows; ++i) {
+        selectors[i].Finish(out->ids.data() + (q0 + i) * out->k);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,49 @@
+// Exact top-k keys of many queries at once: the step of the query-aware graph build that needs
+// real arithmetic, kept behind one function type so that a GPU (cuBLAS) version can replace the
+// CPU one.
+#ifndef KVRECALL_INDEX_BATCH_TOPK_H_
+#define KVRECALL_INDEX_BATCH_TOPK_H_
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "index/key_index.h"
+
+namespace kvrecall {
+
+// The top-k lists of a batch of queries: ids[i * k + j] is the j-th best key of query i, by
+// <q, key> with the highest first and ties broken by the lower id.
+struct TopKLists {
+  int k = 0;                 // entries per query: min(requested k, keys.count)
+  int64_t queries = 0;
+  std::vector<int32_t> ids;  // [queries, k]
+
+  const int32_t* list(int64_t query) const { return ids.data() + query * k; }
+};
+
+// Computes the exact top-k keys of every query. queries and keys have the same dim;
+// keys.count must fit in int32. `visible` is empty (every query sees every key) or holds one
+// count per query: query i sees only keys [0, visible[i]) (a causal mask), and its list is
+// min(k, visible[i]) long, padded with -1.
+using BatchTopKFunction =
+    std::function<absl::Status(const VectorSet& queries, const VectorSet& keys, int k,
+                               TopKLists* out, std::span<const int64_t> visible)>;
+
+// The argument checks every backend applies: INVALID_ARGUMENT when k < 1, the dims differ,
+// keys.count exceeds int32 or `visible` is neither empty nor one count per query.
+absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys, int k,
+                                std::span<const int64_t> visible);
+
+// The CPU backend: scores blocks of queries against blocks of keys with cblas_sgemm (both read
+// in place through their strides) and keeps each query's best k with a running threshold, query
+// blocks in parallel with OpenMP. BLAS runs single-threaded inside (the parallelism is ours).
+// Errors: CheckBatchTopKArgs.
+absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
+                          TopKLists* out, std::span<const int64_t> visible = {});
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_INDEX_BATCH_TOPK_H_

@@ -1,0 +1,486 @@
+#include "index/graph_index.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/attention.h"
+
+namespace kvrecall {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// One entry of a beam search's candidate list.
+struct Candidate {
+  float score;
+  int32_t id;
+  bool expanded;
+};
+
+// Per-thread search state, reused across searches (and indexes) so that a search allocates
+// nothing once warm: a visit tag per key (a key is visited when its tag equals the epoch) and
+// the candidate list.
+struct SearchScratch {
+  std::vector<uint32_t> tags;
+  uint32_t epoch = 0;
+  std::vector<Candidate> pool;
+  std::vector<int32_t> fresh;  // unvisited neighbors of the node being expanded
+
+  void Begin(int64_t nodes) {
+    if (tags.size() < static_cast<size_t>(nodes)) tags.resize(nodes, 0);
+    if (++epoch == 0) {  // wrapped: old tags could collide with the new epoch
+      std::fill(tags.begin(), tags.end(), 0);
+      epoch = 1;
+    }
+  }
+  bool Visit(int32_t id) {
+    if (tags[id] == epoch) return false;
+    tags[id] = epoch;
+    return true;
+  }
+};
+
+SearchScratch& ThreadScratch() {
+  thread_local SearchScratch scratch;
+  return scratch;
+}
+
+void PrefetchVector(const float* v, int dim) {
+  const char* p = reinterpret_cast<const char*>(v);
+  for (int offset = 0; offset < dim * static_cast<int>(sizeof(float)); offset += 64) {
+    __builtin_prefetch(p + offset);
+  }
+}
+
+// Inserts c into the list (best first, at most `capacity` long) unless it is no better than a
+// full list's last entry. Returns the position it took, or the list size when it was dropped.
+size_t InsertCandidate(std::vector<Candidate>* pool, size_t capacity, Candidate c) {
+  if (pool->size() >= capacity && c.score <= pool->back().score) return pool->size();
+  auto pos = std::upper_bound(pool->begin(), pool->end(), c.score,
+                              [](float s, const Candidate& e) { return s > e.score; });
+  const size_t index = pos - pool->begin();
+  pool->insert(pos, c);
+  if (pool->size() > capacity) pool->pop_back();
+  return index;
+}
+
+// Dissimilarity of two keys for the occlusion rule: the negated inner product, the metric the
+// queries search by (RoarGraph prunes inner-product graphs the same way).
+// Dissimilarity of two keys for the occlusion rule: squared L2. (The negated inner product,
+// which RoarGraph uses for inner-product data, lets one long key occlude everything; attention
+// keys carry large common offsets and norms, and L2 gave more recall per key scored on tinylm.)
+float KeyDistance(const VectorSet& keys, int32_t a, int32_t b) {
+  const float* x = keys.row(a);
+  const float* y = keys.row(b);
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < keys.dim; ++i) {
+    const float t = x[i] - y[i];
+    acc += t * t;
+  }
+  return acc;
+}
+
+// Chooses at most `degree` of `candidates` (distinct, not `node`) as node's neighbors: nearest
+// first, dropping a candidate that is closer to an already chosen neighbor than to the node,
+// then filling the remaining slots with the nearest dropped ones.
+void PruneNeighbors(const VectorSet& keys, int32_t node, std::span<const int32_t> candidates,
+                    int degree, std::vector<int32_t>* out) {
+  thread_local std::vector<std::pair<float, int32_t>> by_distance;
+  by_distance.clear();
+  for (int32_t c : candidates) by_distance.push_back({KeyDistance(keys, node, c), c});
+  std::sort(by_distance.begin(), by_distance.end());
+  out->clear();
+  for (const auto& [distance, c] : by_distance) {
+    if (out->size() >= static_cast<size_t>(degree)) break;
+    bool occluded = false;
+    for (int32_t kept : *out) {
+      if (KeyDistance(keys, c, kept) < distance) {
+        occluded = true;
+        break;
+      }
+    }
+    if (!occluded) out->push_back(c);
+  }
+  for (const auto& [distance, c] : by_distance) {
+    if (out->size() >= static_cast<size_t>(degree)) break;
+    if (std::find(out->begin(), out->end(), c) == out->end()) out->push_back(c);
+  }
+}
+
+}  // namespace
+
+GraphIndex::GraphIndex(const GraphIndexParams& params, BatchTopKFunction batch_topk)
+    : params_(params.WithDefaults()), batch_topk_(std::move(batch_topk)) {}
+
+int64_t GraphIndex::MemoryBytes() const {
+  return static_cast<int64_t>(adjacency_.capacity() * sizeof(int32_t) +
+                              degree_.capacity() * sizeof(uint16_t));
+}
+
+void GraphIndex::Reserve(int64_t nodes) {
+  adjacency_.resize(static_cast<size_t>(nodes) * params_.max_degree);
+  degree_.resize(nodes, 0);
+}
+
+absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_queries) {
+  const Clock::time_point start = Clock::now();
+  if (params_.max_degree < 1 || params_.max_degree > kMaxGraphDegree) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "graph index max_degree must be in [1, ", kMaxGraphDegree, "], got ", params_.max_degree));
+  }
+  if (params_.build_topk < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("graph index build_topk must be >= 2, got ", params_.build_topk));
+  }
+  if (keys.count > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("graph index over ", keys.count, " keys: ids must fit in int32"));
+  }
+  const VectorSet& given = build_queries.queries;
+  if (given.count > 0 && given.dim != keys.dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("build query dim ", given.dim, " differs from key dim ", keys.dim));
+  }
+  build_stats_ = GraphBuildStats();
+  adjacency_.clear();
+  degree_.clear();
+  size_ = linked_ = keys.count;
+  entry_ = -1;
+  Reserve(keys.count);
+  if (keys.count == 0) return absl::OkStatus();
+
+  // Without queries the keys stand in for them (the graph is then a key-key graph).
+  const bool have_queries = given.count > 0;
+  const VectorSet& source = have_queries ? given : keys;
+  const int64_t sampled = std::min<int64_t>(params_.build_queries, source.count);
+  std::vector<float> queries(static_cast<size_t>(sampled) * keys.dim);
+  std::vector<int64_t> visible;
+  for (int64_t i = 0; i < sampled; ++i) {
+    const int64_t position = i * source.count / sampled;
+    const float* q = source.row(position);
+    std::copy(q, q + keys.dim, queries.begin() + i * keys.dim);
+    if (have_queries && build_queries.causal) {
+      visible.push_back(position - build_queries.first_key_position + 1);
+    }
+  }
+  const VectorSet query_set{queries.data(), sampled, keys.dim, keys.dim};
+  TopKLists lists;
+  if (absl::Status s = batch_topk_(query_set, keys, params_.build_topk, &lists, visible);
+      !s.ok()) {
+    return s;
+  }
+  build_stats_.build_queries = sampled;
+  build_stats_.topk_seconds = SecondsSince(start);
+
+  const Clock::time_point graph_start = Clock::now();
+  std::vector<Edge> edges;
+  edges.reserve(static_cast<size_t>(sampled) * lists.k + 2 * keys.count);
+  std::vector<uint8_t> covered(keys.count, 0);
+  std::vector<uint8_t> is_pivot(keys.count, 0);
+  for (int64_t i = 0; i < sampled; ++i) {
+    const int32_t* list = lists.list(i);
+    int length = 0;  // causal lists of early queries are shorter (padded with -1)
+    while (length < lists.k && list[length] >= 0) ++length;
+    if (length < 2) continue;
+    int pivot_rank = 0;
+    while (pivot_rank < length && is_pivot[list[pivot_rank]]) ++pivot_rank;
+    if (pivot_rank == length) pivot_rank = 0;
+    const int32_t pivot = list[pivot_rank];
+    is_pivot[pivot] = 1;
+    for (int j = 0; j < length; ++j) {
+      covered[list[j]] = 1;
+      if (j != pivot_rank) edges.push_back({pivot, list[j]});
+    }
+  }
+  for (uint8_t c : covered) build_stats_.covered_keys += c;
+  for (int32_t t = 0; t + 1 < keys.count; ++t) {
+    edges.push_back({t, t + 1});
+    edges.push_back({t + 1, t});
+  }
+  MergeEdges(keys, &edges);
+  AddReverseEdges(keys, 0, linked_);
+  ChooseEntry(keys, query_set);
+  build_stats_.repaired_keys = RepairConnectivity(keys, &build_stats_.unreachable_keys);
+  int64_t degree_sum = 0;
+  for (int64_t i = 0; i < linked_; ++i) degree_sum += degree_[i];
+  build_stats_.average_degree = static_cast<double>(degree_sum) / linked_;
+  build_stats_.graph_seconds = SecondsSince(graph_start);
+  return absl::OkStatus();
+}
+
+void GraphIndex::ChooseEntry(const VectorSet& keys, const VectorSet& queries) {
+  std::vector<float> mean(keys.dim, 0.0f);
+  for (int64_t i = 0; i < queries.count; ++i) {
+    const float* q = queries.row(i);
+    for (int j = 0; j < keys.dim; ++j) mean[j] += q[j];
+  }
+  std::vector<int32_t> best;
+  cpu::ExactTopK(mean.data(), keys.Slice(0, linked_).AsKeyView(), 0, 1.0f, 1, &best);
+  entry_ = best.empty() ? -1 : best[0];
+}
+
+void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
+  // Group targets by source (a counting sort keeps the edges' order, so results do not depend
+  // on the thread count).
+  std::vector<int64_t> offsets(linked_ + 1, 0);
+  for (const Edge& e : *edges) ++offsets[e.from + 1];
+  for (int64_t i = 0; i < linked_; ++i) offsets[i + 1] += offsets[i];
+  std::vector<int32_t> targets(edges->size());
+  {
+    std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
+    for (const Edge& e : *edges) targets[cursor[e.from]++] = e.to;
+  }
+  edges->clear();
+  edges->shrink_to_fit();
+
+  const int degree = params_.max_degree;
+#pragma omp parallel
+  {
+    std::vector<int32_t> candidates;
+    std::vector<int32_t> pruned;
+#pragma omp for schedule(dynamic, 64)
+    for (int64_t node = 0; node < linked_; ++node) {
+      if (offsets[node] == offsets[node + 1]) continue;
+      int32_t* row = adjacency_.data() + node * degree;
+      candidates.assign(row, row + degree_[node]);
+      candidates.insert(candidates.end(), targets.begin() + offsets[node],
+                        targets.begin() + offsets[node + 1]);
+      std::sort(candidates.begin(), candidates.end());
+      candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+      candidates.erase(std::remove(candidates.begin(), candidates.end(), node),
+                       candidates.end());
+      const std::vector<int32_t>* chosen = &candidates;
+      if (candidates.size() > static_cast<size_t>(degree)) {
+        PruneNeighbors(keys, static_cast<int32_t>(node), candidates, degree, &pruned);
+        chosen = &pruned;
+      }
+      std::copy(chosen->begin(), chosen->end(), row);
+      degree_[node] = static_cast<uint16_t>(chosen->size());
+    }
+  }
+}
+
+void GraphIndex::AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end) {
+  std::vector<Edge> edges;
+  for (int64_t u = begin; u < end; ++u) {
+    for (int32_t v : neighbors(u)) edges.push_back({v, static_cast<int32_t>(u)});
+  }
+  MergeEdges(keys, &edges);
+}
+
+int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable) {
+  auto unreachable_nodes = [&] {
+    std::vector<uint8_t> reached(linked_, 0);
+    std::vector<int32_t> frontier = {entry_};
+    reached[entry_] = 1;
+    while (!frontier.empty()) {
+      const int32_t u = frontier.back();
+      frontier.pop_back();
+      for (int32_t v : neighbors(u)) {
+        if (!reached[v]) {
+          reached[v] = 1;
+          frontier.push_back(v);
+        }
+      }
+    }
+    std::vector<int32_t> out;
+    for (int64_t i = 0; i < linked_; ++i) {
+      if (!reached[i]) out.push_back(static_cast<int32_t>(i));
+    }
+    return out;
+  };
+
+  // Each unreachable key is linked both ways to the best keys its own search reaches; a few
+  // links each, so that pruning at a crowded target rarely cuts a key off again.
+  constexpr int kLinksPerKey = 4;
+  constexpr int kRounds = 3;
+  int64_t repaired = 0;
+  std::vector<int32_t> unreachable = unreachable_nodes();
+  for (int round = 0; round < kRounds && !unreachable.empty(); ++round) {
+    repaired += static_cast<int64_t>(unreachable.size());
+    std::vector<Edge> edges(unreachable.size() * 2 * kLinksPerKey, Edge{-1, -1});
+#pragma omp parallel
+    {
+      std::vector<std::pair<float, int32_t>> found;
+      SearchStats ignored;
+#pragma omp for schedule(dynamic, 16)
+      for (size_t i = 0; i < unreachable.size(); ++i) {
+        const int32_t x = unreachable[i];
+        SearchGraph(keys, keys.row(x), params_.max_degree, &found, &ignored);
+        const size_t links = std::min<size_t>(kLinksPerKey, found.size());
+        for (size_t j = 0; j < links; ++j) {
+          edges[(i * kLinksPerKey + j) * 2] = {x, found[j].second};
+          edges[(i * kLinksPerKey + j) * 2 + 1] = {found[j].second, x};
+        }
+      }
+    }
+    edges.erase(std::remove_if(edges.begin(), edges.end(), [](const Edge& e) { return e.from < 0; }),
+                edges.end());
+    MergeEdges(keys, &edges);
+    unreachable = unreachable_nodes();
+  }
+  *still_unreachable = static_cast<int64_t>(unreachable.size());
+  return repaired;
+}
+
+void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_size,
+                             std::vector<std::pair<float, int32_t>>* list,
+                             SearchStats* stats) const {
+  list->clear();
+  if (linked_ == 0) return;
+  SearchScratch& scratch = ThreadScratch();
+  scratch.Begin(linked_);
+  std::vector<Candidate>& pool = scratch.pool;
+  pool.clear();
+  const size_t capacity = static_cast<size_t>(list_size);
+  auto score = [&](int32_t id) { return cpu::DotProduct(q, keys.row(id), keys.dim); };
+
+  scratch.Visit(entry_);
+  InsertCandidate(&pool, capacity, {score(entry_), entry_, false});
+  ++stats->scored;
+  size_t next = 0;  // the best unexpanded candidate
+  while (next < pool.size()) {
+    pool[next].expanded = true;
+    const int32_t node = pool[next].id;
+    ++stats->hops;
+    scratch.fresh.clear();
+    for (int32_t v : neighbors(node)) {
+      if (scratch.Visit(v)) {
+        scratch.fresh.push_back(v);
+        PrefetchVector(keys.row(v), keys.dim);
+      }
+    }
+    stats->scored += static_cast<int64_t>(scratch.fresh.size());
+    size_t lowest = next + 1;
+    for (int32_t v : scratch.fresh) {
+      lowest = std::min(lowest, InsertCandidate(&pool, capacity, {score(v), v, false}));
+    }
+    next = lowest;
+    while (next < pool.size() && pool[next].expanded) ++next;
+  }
+  list->reserve(pool.size());
+  for (const Candidate& c : pool) list->push_back({c.score, c.id});
+}
+
+void GraphIndex::Search(const VectorSet& keys, const float* q, int k, const SearchParams& params,
+                        SearchResult* out) const {
+  out->ids.clear();
+  out->scores.clear();
+  out->stats = SearchStats();
+  if (k < 1 || size_ == 0) return;
+  const int list_size =
+      std::max(k, params.list_size > 0 ? params.list_size : params_.search_list_size);
+  thread_local std::vector<std::pair<float, int32_t>> found;
+  SearchGraph(keys, q, list_size, &found, &out->stats);
+
+  // The tail is scanned exactly, then merged with the graph's candidates.
+  for (int64_t t = linked_; t < size_; ++t) {
+    found.push_back({cpu::DotProduct(q, keys.row(t), keys.dim), static_cast<int32_t>(t)});
+  }
+  out->stats.scored += size_ - linked_;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<int32_t> positions;
+  scores.clear();
+  for (const auto& f : found) scores.push_back(f.first);
+  cpu::TopKPositions(scores, k, &positions);
+  for (int32_t p : positions) {
+    out->ids.push_back(found[p].second);
+    out->scores.push_back(found[p].first);
+  }
+}
+
+absl::Status GraphIndex::Add(const VectorSet& keys, const VectorSet& recent_queries) {
+  if (keys.count < size_) {
+    return absl::InvalidArgumentError(absl::StrCat("graph index holds ", size_,
+                                                   " keys; Add got a set of ", keys.count));
+  }
+  if (keys.count > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("graph index over ", keys.count, " keys: ids must fit in int32"));
+  }
+  if (recent_queries.count > 0 && recent_queries.dim != keys.dim) {
+    return absl::InvalidArgumentError(absl::StrCat("recent query dim ", recent_queries.dim,
+                                                   " differs from key dim ", keys.dim));
+  }
+  size_ = keys.count;
+  if (size_ - linked_ >= params_.link_threshold) LinkTail(keys, recent_queries);
+  return absl::OkStatus();
+}
+
+void GraphIndex::LinkTail(const VectorSet& keys, const VectorSet& recent_queries) {
+  const int64_t begin = linked_;
+  const int64_t end = size_;
+  const int64_t tail = end - begin;
+  const int degree = params_.max_degree;
+  // Per new key, 2 * degree slots: the linked keys its own search finds, then its nearest
+  // (L2) fellow tail keys, scored exactly since the tail is small.
+  std::vector<Edge> edges(static_cast<size_t>(tail) * 2 * degree, Edge{-1, -1});
+#pragma omp parallel
+  {
+    std::vector<std::pair<float, int32_t>> found;
+    std::vector<float> closeness(tail);
+    std::vector<int32_t> positions;
+    SearchStats ignored;
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t i = 0; i < tail; ++i) {
+      const int32_t x = static_cast<int32_t>(begin + i);
+      Edge* slot = edges.data() + i * 2 * degree;
+      SearchGraph(keys, keys.row(x), degree, &found, &ignored);
+      for (size_t j = 0; j < found.size(); ++j) slot[j] = {x, found[j].second};
+      for (int64_t t = 0; t < tail; ++t) {
+        closeness[t] = t == i ? -std::numeric_limits<float>::infinity()
+                              : -KeyDistance(keys, x, static_cast<int32_t>(begin + t));
+      }
+      cpu::TopKPositions(closeness, static_cast<int>(std::min<int64_t>(degree, tail - 1)),
+                         &positions);
+      for (size_t j = 0; j < positions.size(); ++j) {
+        slot[degree + j] = {x, static_cast<int32_t>(begin + positions[j])};
+      }
+    }
+  }
+  edges.erase(std::remove_if(edges.begin(), edges.end(), [](const Edge& e) { return e.from < 0; }),
+              edges.end());
+  // Projection by the recent queries, now that their top-k may include new keys: a query's
+  // pivot (its best key) links to its other top keys where either end is new.
+  const int build_k = static_cast<int>(std::min<int64_t>(params_.build_topk, size_));
+  std::vector<std::vector<Edge>> projected(recent_queries.count);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < recent_queries.count; ++i) {
+    SearchResult result;
+    Search(keys, recent_queries.row(i), build_k, SearchParams(), &result);
+    if (result.ids.empty()) continue;
+    const int32_t pivot = result.ids[0];
+    for (size_t j = 1; j < result.ids.size(); ++j) {
+      if (pivot >= begin || result.ids[j] >= begin) projected[i].push_back({pivot, result.ids[j]});
+    }
+  }
+  for (const std::vector<Edge>& p : projected) edges.insert(edges.end(), p.begin(), p.end());
+  // Token neighbors, including the last linked key.
+  for (int64_t t = std::max<int64_t>(begin, 1); t < end; ++t) {
+    edges.push_back({static_cast<int32_t>(t - 1), static_cast<int32_t>(t)});
+  }
+  // Every edge also goes the other way, so that searches reach the new keys.
+  const size_t forward = edges.size();
+  for (size_t i = 0; i < forward; ++i) edges.push_back({edges[i].to, edges[i].from});
+
+  Reserve(end);
+  linked_ = end;
+  if (entry_ < 0) {
+    if (recent_queries.count > 0) {
+      ChooseEntry(keys, recent_queries);
+    } else {
+      entry_ = static_cast<int32_t>(begin);
+    }
+  }
+  MergeEdges(keys, &edges);
+}
+
+}  // namespace kvrecall

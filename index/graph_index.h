@@ -1,0 +1,108 @@
+// The query-aware key graph of RetrievalAttention (arXiv 2409.10516, Sec. 3.2), built the
+// RoarGraph way: query->key links found by exact top-k of sampled prefill queries are projected
+// onto a key-key graph that decode queries walk with a beam search.
+#ifndef KVRECALL_INDEX_GRAPH_INDEX_H_
+#define KVRECALL_INDEX_GRAPH_INDEX_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "index/batch_topk.h"
+#include "index/key_index.h"
+#include "index/selector_params.h"
+
+namespace kvrecall {
+
+// What a build did, for benchmarks and tests.
+struct GraphBuildStats {
+  int64_t build_queries = 0;     // sampled queries whose top-k lists were projected
+  int64_t covered_keys = 0;      // keys in at least one sampled query's top-k list
+  int64_t repaired_keys = 0;     // keys the connectivity pass had to link
+  int64_t unreachable_keys = 0;  // keys still unreachable from the entry point afterwards
+  double average_degree = 0.0;
+  double topk_seconds = 0.0;     // exact top-k of the sampled queries
+  double graph_seconds = 0.0;    // projection, reverse edges, connectivity
+};
+
+// Keys are a KV head's tokens in token order (key j is token first_key_position + j).
+//
+// Build (per query head):
+//   1. sample `build_queries` of the head's prompt queries, evenly spaced, and find each one's
+//      exact top-`build_topk` keys (BatchTopKFunction: a blocked GEMM on the CPU), among the
+//      keys it attended to when the queries are causal;
+//   2. projection: each query picks a pivot, its best key not yet a pivot (the best key alone
+//      would make every query pivot on the attention sinks), and the pivot gets edges to the
+//      query's other top keys: keys that the same query wants become one hop apart;
+//   3. neighboring tokens are linked (a positional chain: attention reads passages);
+//   4. every edge u->v adds v->u; a node over `max_degree` keeps its closest candidates in L2
+//      that are not occluded (a candidate closer to an already kept neighbor than to the node
+//      is dropped, keeping edges that leave in different directions), then fills up with the
+//      closest remaining ones;
+//   5. connectivity: keys not reachable from the entry point (the key with the highest score
+//      for the mean sampled query) are searched for with themselves as the query and linked
+//      both ways to what the search finds.
+// Search: best-first beam search over the graph from the entry point with a candidate list of
+// `list_size`, plus an exact scan of the tail (keys added but not linked yet).
+// Growth: Add puts keys in the tail; when it holds `link_threshold` keys, each is linked to its
+// token neighbors, to the keys its own search finds, to its nearest fellow tail keys, and,
+// projection-style, to the pivots of the recent queries whose top-k now includes it; the edges'
+// targets get reverse edges. Nothing is rebuilt.
+class GraphIndex : public KeyIndex {
+ public:
+  // params: zeros take the defaults (GraphIndexParams::WithDefaults).
+  explicit GraphIndex(const GraphIndexParams& params,
+                      BatchTopKFunction batch_topk = CpuBatchTopK);
+
+  const char* name() const override { return "graph"; }
+  absl::Status Build(const VectorSet& keys, const BuildQueries& build_queries) override;
+  absl::Status Add(const VectorSet& keys, const VectorSet& recent_queries) override;
+  void Search(const VectorSet& keys, const float* q, int k, const SearchParams& params,
+              SearchResult* out) const override;
+  int64_t size() const override { return size_; }
+  int64_t MemoryBytes() const override;
+
+  const GraphBuildStats& build_stats() const { return build_stats_; }
+  // Keys linked into the graph; [linked(), size()) is the tail.
+  int64_t linked() const { return linked_; }
+  // Out-neighbors of a linked key.
+  std::span<const int32_t> neighbors(int64_t node) const {
+    return {adjacency_.data() + node * params_.max_degree, degree_[node]};
+  }
+
+ private:
+  struct Edge {
+    int32_t from;
+    int32_t to;
+  };
+
+  // Beam search over the linked keys only; `list` receives the candidates found, best first,
+  // as (score, id).
+  void SearchGraph(const VectorSet& keys, const float* q, int list_size,
+                   std::vector<std::pair<float, int32_t>>* list, SearchStats* stats) const;
+  // Merges edges into the graph: each node's current neighbors plus its new targets, pruned to
+  // max_degree when over it. Nodes in parallel.
+  void MergeEdges(const VectorSet& keys, std::vector<Edge>* edges);
+  // Adds v->u for every edge u->v of the nodes [begin, end).
+  void AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end);
+  // Links keys unreachable from the entry point; returns how many it linked.
+  int64_t RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable);
+  // Links the tail [linked_, size_) into the graph.
+  void LinkTail(const VectorSet& keys, const VectorSet& recent_queries);
+  // Sets entry_ to the linked key with the highest score for the mean of `queries`.
+  void ChooseEntry(const VectorSet& keys, const VectorSet& queries);
+  void Reserve(int64_t nodes);
+
+  GraphIndexParams params_;
+  BatchTopKFunction batch_topk_;
+  int64_t size_ = 0;
+  int64_t linked_ = 0;
+  std::vector<int32_t> adjacency_;  // [capacity, max_degree]; row i holds degree_[i] ids
+  std::vector<uint16_t> degree_;
+  int32_t entry_ = -1;              // -1 while no key is linked
+  GraphBuildStats build_stats_;
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_INDEX_GRAPH_INDEX_H_
