@@ -93,24 +93,35 @@ def cmd_render(a):
     with open(a.md, "w") as f:
         f.write("\n".join(md))
     if a.png and ok:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in ok:
-            ax.scatter(r["server_layer_step_ms_mean"], r["bits_per_byte"])
-            ax.annotate(label(r), (r["server_layer_step_ms_mean"], r["bits_per_byte"]),
-                        textcoords="offset points", xytext=(5, 4), fontsize=8)
+        plot(ok, full, a.title, a.png)
+    print("\n".join(lines))
+    return 0
+
+
+def plot(rows, full, title, path):
+    """bits/byte against server time per layer-step; the right panel zooms in around full."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    markers = {"full": "*", "exact_topk": "o", "streaming": "s", "index": "^", "retopk": "D"}
+    near = [r for r in rows if full is None or abs(r["bits_per_byte"] - full) < 0.02]
+    for ax, subset in zip(axes, (rows, near)):
+        for r in subset:
+            ax.scatter(r["server_layer_step_ms_mean"], r["bits_per_byte"], s=60, color=f"C{rows.index(r)}",
+                       marker=markers.get(r["policy"], "o"),
+                       label=f"{label(r)}: {r['bits_per_byte']:.4f}")
         if full is not None:
             ax.axhline(full, color="gray", linestyle=":", linewidth=1)
         ax.set_xscale("log")
         ax.set_xlabel("server compute per layer-step (ms, log scale)")
-        ax.set_ylabel("bits per byte (lower is better)")
-        ax.set_title(a.title, fontsize=10)
-        fig.tight_layout()
-        fig.savefig(a.png, dpi=120)
-    print("\n".join(lines))
-    return 0
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("bits per byte (lower is better)")
+    axes[0].legend(fontsize=8)
+    axes[1].set_title("zoom: within 0.02 bits/byte of full", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None):
