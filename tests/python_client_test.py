@@ -2,6 +2,7 @@
 chunked prefill, decode steps over one stream, batching, errors, and the tinylm runner's
 agreement with exact local attention. Run by CTest (client/python/CMakeLists.txt) as
 `python3 -m unittest -v python_client_test` with KVRECALLD and PYTHONPATH set."""
+import json
 import math
 import os
 import socket
@@ -198,6 +199,24 @@ class TinyLMTest(ServerTest):
         self.assertAlmostEqual(again["bits_per_byte"], first["bits_per_byte"], places=5)
         self.assertEqual(first["path_mix"]["exact"], 1.0)
         self.assertEqual((first["ctx"], first["suffix"], first["policy"]), (384, 24, "full"))
+
+    def test_ppl_command_prints_one_json_object_and_reports_errors(self):
+        with tempfile.TemporaryDirectory() as cache:
+            base = [sys.executable, "-m", "kvrecall.tinylm", "ppl", "--server", self.address,
+                    "--model", self.MODEL, "--text", self.TEXT, "--ctx", "128", "--suffix", "4",
+                    "--cache-dir", cache, "--json"]
+            out = subprocess.run(base + ["--policy", "exact_topk", "--k", "16"],
+                                 capture_output=True, text=True, timeout=300)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            r = json.loads(out.stdout)
+            self.assertEqual((r["policy"], r["placement"], r["k"], r["ctx"], r["suffix"]),
+                             ("exact_topk", "cpu", 16, 128, 4))
+            self.assertGreater(r["bits_per_byte"], 0)
+            self.assertEqual(r["path_mix"]["exact"], 1.0)
+            bad = subprocess.run(base + ["--policy", "retopk", "--auto-tau", "--target-recall", "1.5"],
+                                 capture_output=True, text=True, timeout=300)
+            self.assertEqual(bad.returncode, 1)
+            self.assertIn("kvrecall.tinylm: INVALID_ARGUMENT: policy.retopk.target_recall", bad.stderr)
 
 
 if __name__ == "__main__":

@@ -284,8 +284,8 @@ def main(argv=None):
     from kvrecall.client import KvRecallError
     try:
         r = run_ppl(a)
-    except KvRecallError as e:
-        print(f"kvrecall: {e}", file=sys.stderr)
+    except (KvRecallError, ValueError) as e:
+        print(f"kvrecall.tinylm: {e}", file=sys.stderr)
         return 1
     if a.json:
         print(json.dumps(r))
