@@ -3,11 +3,11 @@
 # fresh copy of a minimal Debian 12 root (debootstrap --variant=minbase, what
 # debian:bookworm-slim is made of), used as a chroot, and the same scripts the Dockerfile runs:
 #   build stage   (--build only) scripts/install_deps.sh and deploy/build-binaries.sh on the
-#                 committed tree (git archive HEAD, what a clone would build)
+#                 working tree less deploy/Dockerfile.dockerignore, as docker build sends it
 #   runtime stage deploy/install-runtime.sh
 # Then kvrecalld runs in the runtime root as user 10001, must answer Health/Check SERVING for
 # "" and kvrecall.v1.KvRecall, and must exit 0 on SIGTERM. Needs root, debootstrap and the
-# Debian mirror; takes minutes (a quarter of an hour with --build), so it is a manual check,
+# Debian mirror; takes minutes (about half an hour with --build on 2 cores): a manual check,
 # not a CTest. CPU variant only: NVIDIA's repository is not reachable from the dev machines.
 # Usage: deploy/check-image-stages.sh --build | --prebuilt BUILD_DIR
 #   --prebuilt stages server/kvrecalld and client/kvrecall from a local build instead.
@@ -34,27 +34,35 @@ server=""
 cleanup() {
   [ -z "$server" ] || kill "$server" 2>/dev/null || true
   for root in "${roots[@]}"; do
-    umount "$root/proc" "$root/dev" 2>/dev/null || true
+    # Never remove a root whose /dev is still the host's: --one-file-system alone would skip it,
+    # but stopping here is plainer.
+    umount "$root/proc" "$root/dev" || { echo "could not unmount in $root; left in place" >&2; continue; }
     rm -rf --one-file-system "$root"
   done
 }
 trap cleanup EXIT
-new_root() {  # prints the path of a fresh copy of the base root, /proc and /dev mounted
-  local root
-  root="$(mktemp -d /tmp/kvrecall-stage.XXXXXX)"
-  roots+=("$root")
-  cp -a "$base/." "$root/"
-  cp /etc/resolv.conf "$root/etc/resolv.conf"
-  mount -t proc proc "$root/proc"
-  mount --bind /dev "$root/dev"
-  echo "$root"
+# Sets $new_root to a fresh copy of the base root with /proc and /dev mounted. Not called in
+# a subshell: `roots` must record it for the cleanup.
+new_root() {
+  new_root="$(mktemp -d /tmp/kvrecall-stage.XXXXXX)"
+  roots+=("$new_root")
+  cp -a "$base/." "$new_root/"
+  cp /etc/resolv.conf "$new_root/etc/resolv.conf"
+  mount -t proc proc "$new_root/proc"
+  mount --bind /dev "$new_root/dev"
 }
 
-runtime="$(new_root)"
+new_root
+runtime="$new_root"
 if [ "$mode" = build ]; then
-  build_root="$(new_root)"
+  new_root
+  build_root="$new_root"
   mkdir -p "$build_root/src"
-  git -C "$repo" archive HEAD | tar -x -C "$build_root/src"
+  # The build context: the ignore file's patterns (comments and blank lines dropped), anchored
+  # at the repository root as Docker reads them.
+  grep -Ev '^(#|$)' "$deploy/Dockerfile.dockerignore" >"$build_root/context-excludes"
+  (cd "$repo" && tar --anchored --exclude-from="$build_root/context-excludes" -cf - -- * .[!.]*) \
+    | tar -x -C "$build_root/src"
   echo "== build stage: scripts/install_deps.sh"
   chroot "$build_root" /src/scripts/install_deps.sh
   echo "== build stage: deploy/build-binaries.sh"
