@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "index/basic_selectors.h"
+#include "index/retopk.h"
 
 namespace kvrecall {
 
@@ -81,8 +82,9 @@ absl::StatusOr<std::unique_ptr<SupportSelector>> MakeSelector(const SelectorPara
       return std::make_unique<ExactTopKSelector>(shape, params.top_k);
     case SelectorKind::kStreaming:
       return std::make_unique<StreamingSelector>(params.sinks, params.recent);
-    case SelectorKind::kIndex:
     case SelectorKind::kReTopK:
+      return std::make_unique<ReTopKSelector>(shape, params.top_k, params.retopk);
+    case SelectorKind::kIndex:
       break;
   }
   return absl::UnimplementedError(

@@ -68,6 +68,17 @@ void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, in
   }
 }
 
+void DotProducts(const float* x, const float* rows, int64_t n_rows, int n, float* out) {
+  for (int64_t i = 0; i < n_rows; ++i) out[i] = DotProduct(x, rows + i * n, n);
+}
+
+float Normalize(const float* x, int n, float* unit) {
+  const float norm = std::sqrt(DotProduct(x, x, n));
+  const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+  for (int i = 0; i < n; ++i) unit[i] = x[i] * inv;
+  return norm;
+}
+
 void TopKPositions(std::span<const float> scores, int k, std::vector<int32_t>* positions) {
   const size_t n = scores.size();
   const size_t keep = std::min(static_cast<size_t>(std::max(k, 0)), n);

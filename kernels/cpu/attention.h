@@ -22,6 +22,13 @@ void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const 
 void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,
                 float scale, float* scores);
 
+// out[i] = <x, rows + i * n> for i in [0, n_rows): x [n] against the row-major [n_rows, n] rows.
+void DotProducts(const float* x, const float* rows, int64_t n_rows, int n, float* out);
+
+// unit = x / ||x||_2 over n floats (unit may alias x); returns ||x||_2. A zero x gives a zero unit
+// vector, so its cosine with anything is 0.
+float Normalize(const float* x, int n, float* unit);
+
 // Positions (into `scores`) of the min(k, scores.size()) largest scores, highest first; equal
 // scores are ordered by position so that every backend breaks ties the same way.
 void TopKPositions(std::span<const float> scores, int k, std::vector<int32_t>* positions);

@@ -1,0 +1,268 @@
+#include "index/retopk.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "index/basic_selectors.h"
+#include "index/batch_topk.h"
+#include "index/key_index.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/fidelity.h"
+
+namespace kvrecall {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The top k of `candidates` (token ids, ascending and distinct) under q, highest first; ties go
+// to the lower id because positions follow id order.
+void TopKOfCandidates(const float* q, const KvView& kv, int kv_head, float scale, int k,
+                      std::span<const int32_t> candidates, std::vector<float>* scores,
+                      std::vector<int32_t>* positions, std::vector<int32_t>* support) {
+  scores->resize(candidates.size());
+  cpu::ScoreTokens(q, kv, kv_head, candidates, scale, scores->data());
+  cpu::TopKPositions(*scores, k, positions);
+  support->resize(positions->size());
+  for (size_t i = 0; i < positions->size(); ++i) (*support)[i] = candidates[(*positions)[i]];
+}
+
+// kv restricted to its first `tokens` tokens: what a prompt query at position tokens - 1 sees.
+KvView Prefix(const KvView& kv, int64_t tokens) {
+  KvView prefix = kv;
+  prefix.tokens = tokens;
+  return prefix;
+}
+
+}  // namespace
+
+SelectionPath ChooseReTopKPath(int cached_entries, float best_cosine, float tau,
+                               int64_t decode_step, int refresh_interval) {
+  if (refresh_interval > 0 && decode_step % refresh_interval == 0) {
+    return SelectionPath::kRefresh;
+  }
+  // Written as !(best >= tau) so that a NaN cosine takes the exact path.
+  if (cached_entries == 0 || !(best_cosine >= tau)) return SelectionPath::kFallback;
+  return SelectionPath::kReuse;
+}
+
+QuerySupportCache::QuerySupportCache(int capacity, int head_dim)
+    : capacity_(capacity),
+      head_dim_(head_dim),
+      queries_(static_cast<size_t>(capacity) * head_dim),
+      supports_(capacity) {}
+
+const float* QuerySupportCache::query(int age) const {
+  return queries_.data() + static_cast<size_t>(Slot(age)) * head_dim_;
+}
+
+std::span<const int32_t> QuerySupportCache::support(int age) const {
+  return supports_[Slot(age)];
+}
+
+void QuerySupportCache::Push(const float* unit_query, std::span<const int32_t> support) {
+  int slot;
+  if (size_ < capacity_) {
+    slot = Slot(size_);
+    ++size_;
+  } else {
+    slot = oldest_;
+    oldest_ = (oldest_ + 1) % capacity_;
+  }
+  std::copy(unit_query, unit_query + head_dim_,
+            queries_.begin() + static_cast<size_t>(slot) * head_dim_);
+  supports_[slot].assign(support.begin(), support.end());
+}
+
+void QuerySupportCache::Cosines(const float* unit_query, float* cosines) const {
+  // Ages [0, size) occupy slots [oldest, capacity) then [0, ...): two contiguous passes.
+  const int first = std::min(size_, capacity_ - oldest_);
+  cpu::DotProducts(unit_query, query(0), first, head_dim_, cosines);
+  cpu::DotProducts(unit_query, queries_.data(), size_ - first, head_dim_, cosines + first);
+}
+
+int64_t QuerySupportCache::MemoryBytes() const {
+  int64_t bytes = static_cast<int64_t>(queries_.capacity()) * sizeof(float);
+  for (const std::vector<int32_t>& s : supports_) {
+    bytes += static_cast<int64_t>(s.capacity()) * sizeof(int32_t);
+  }
+  return bytes;
+}
+
+ReTopKHead::ReTopKHead(const ReTopKHeadParams& params, int cache_capacity, int head_dim)
+    : params_(params),
+      cache_(cache_capacity, head_dim),
+      unit_query_(head_dim),
+      cosines_(cache_capacity) {}
+
+void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
+                      HeadSelection* out) {
+  cpu::Normalize(q, cache_.head_dim(), unit_query_.data());
+  const int entries = cache_.size();
+  cache_.Cosines(unit_query_.data(), cosines_.data());
+  float best = -kInf;
+  for (int i = 0; i < entries; ++i) best = std::max(best, cosines_[i]);
+  out->best_cosine = best;
+  out->path = ChooseReTopKPath(entries, best, params_.tau, decode_step, params_.refresh_interval);
+
+  if (out->path == SelectionPath::kReuse) {
+    cpu::TopKPositions(std::span<const float>(cosines_.data(), entries), params_.reuse_neighbors,
+                       &neighbors_);
+    candidates_.clear();
+    for (int32_t age : neighbors_) {
+      std::span<const int32_t> s = cache_.support(age);
+      candidates_.insert(candidates_.end(), s.begin(), s.end());
+    }
+    AppendStaticSet(kv.tokens, /*sinks=*/0, params_.recent_window, &candidates_);
+    std::sort(candidates_.begin(), candidates_.end());
+    candidates_.erase(std::unique(candidates_.begin(), candidates_.end()), candidates_.end());
+    TopKOfCandidates(q, kv, kv_head, params_.scale, params_.top_k, candidates_, &scores_,
+                     &positions_, &out->support);
+    out->candidates = static_cast<int32_t>(candidates_.size());
+  } else {
+    cpu::ExactTopK(q, kv, kv_head, params_.scale, params_.top_k, &out->support);
+    out->candidates = static_cast<int32_t>(kv.tokens);
+  }
+  cache_.Push(unit_query_.data(), out->support);
+}
+
+int64_t ReTopKHead::MemoryBytes() const {
+  auto bytes = [](const auto& v) {
+    return static_cast<int64_t>(v.capacity() * sizeof(v[0]));
+  };
+  return cache_.MemoryBytes() + bytes(unit_query_) + bytes(cosines_) + bytes(neighbors_) +
+         bytes(candidates_) + bytes(scores_) + bytes(positions_);
+}
+
+float CalibrateTau(std::span<const ReuseSample> samples, float target_recall,
+                   float fallback_tau) {
+  if (samples.empty()) return fallback_tau;
+  std::vector<ReuseSample> sorted(samples.begin(), samples.end());
+  std::sort(sorted.begin(), sorted.end(), [](const ReuseSample& a, const ReuseSample& b) {
+    return a.best_cosine < b.best_cosine;
+  });
+  const size_t n = sorted.size();
+  // suffix[i]: summed recall of the samples that reuse when tau = sorted[i].best_cosine.
+  std::vector<double> suffix(n + 1, 0.0);
+  for (size_t i = n; i-- > 0;) suffix[i] = suffix[i + 1] + sorted[i].recall;
+  // Raising tau turns reuse steps (recall <= 1) into exact ones (recall 1), so the estimate only
+  // grows with i: the first i that meets the target gives the lowest tau. Equal cosines reuse
+  // together, so only the first of a run is a possible threshold.
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0 && sorted[i].best_cosine == sorted[i - 1].best_cosine) continue;
+    const double mean_recall = (static_cast<double>(i) + suffix[i]) / static_cast<double>(n);
+    if (mean_recall >= target_recall) return sorted[i].best_cosine;
+  }
+  return kInf;
+}
+
+ReTopKSelector::ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params)
+    : shape_(shape), top_k_(top_k), params_(params) {
+  const ReTopKHeadParams head_params{top_k, params.reuse_neighbors, params.recent_window,
+                                     params.refresh_interval, params.tau, shape.scale};
+  heads_.assign(shape.q_heads, ReTopKHead(head_params, params.cache_capacity, shape.head_dim));
+}
+
+absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries) {
+  if (kv.kv_heads != shape_.kv_heads || kv.head_dim != shape_.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "retopk: KV has ", kv.kv_heads, " heads of dim ", kv.head_dim, ", the layer expects ",
+        shape_.kv_heads, " of dim ", shape_.head_dim));
+  }
+  if (kv.tokens > 0 && prompt_queries == nullptr) {
+    return absl::InvalidArgumentError("retopk: the prompt queries are required to seed the cache");
+  }
+  const int64_t tokens = kv.tokens;
+  const int capacity = params_.cache_capacity;
+  const int d = shape_.head_dim;
+  const int64_t query_stride = static_cast<int64_t>(shape_.q_heads) * d;
+  // Prompt positions whose exact top-K is needed: the last C (seeding) and, with auto_tau, the
+  // replayed window and its warm-up before them.
+  const int64_t needed = params_.auto_tau ? int64_t{kCalibrationQueries} + capacity : capacity;
+  const int64_t begin = std::max<int64_t>(0, tokens - needed);
+
+  // Exact top-K of query p over keys [0, p]: one batched top-K (GEMM) over the keys before
+  // `begin` for all needed queries, then per query an exact rescoring of that list together
+  // with the keys [begin, p].
+  std::vector<TopKLists> head_lists(shape_.q_heads);
+  for (int h = 0; h < shape_.q_heads; ++h) {
+    const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
+    const VectorSet queries{prompt_queries + begin * query_stride + static_cast<int64_t>(h) * d,
+                            tokens - begin, query_stride, d};
+    if (absl::Status s =
+            CpuBatchTopK(queries, VectorSet::KeysOf(kv, kv_head, 0, begin), top_k_,
+                         &head_lists[h]);
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  prompt_tokens_ = tokens;
+  const ReTopKHeadParams head_params{top_k_, params_.reuse_neighbors, params_.recent_window,
+                                     params_.refresh_interval, params_.tau, shape_.scale};
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int h = 0; h < shape_.q_heads; ++h) {
+    const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
+    const TopKLists& lists = head_lists[h];
+    auto query_at = [&](int64_t p) { return prompt_queries + p * query_stride + h * d; };
+    std::vector<std::vector<int32_t>> exact(tokens - begin);
+    std::vector<int32_t> candidates, positions;
+    std::vector<float> scores;
+    for (int64_t p = begin; p < tokens; ++p) {
+      const int32_t* list = lists.list(p - begin);
+      candidates.assign(list, list + lists.k);
+      std::sort(candidates.begin(), candidates.end());
+      for (int64_t t = begin; t <= p; ++t) candidates.push_back(static_cast<int32_t>(t));
+      TopKOfCandidates(query_at(p), kv, kv_head, shape_.scale, top_k_, candidates, &scores,
+                       &positions, &exact[p - begin]);
+    }
+
+    std::vector<float> unit(d);
+    auto push_exact = [&](QuerySupportCache* cache, int64_t p) {
+      cpu::Normalize(query_at(p), d, unit.data());
+      cache->Push(unit.data(), exact[p - begin]);
+    };
+
+    ReTopKHeadParams params = head_params;
+    if (params_.auto_tau) {
+      ReTopKHeadParams always_reuse = head_params;
+      always_reuse.tau = -kInf;
+      always_reuse.refresh_interval = 0;
+      ReTopKHead replay(always_reuse, capacity, d);
+      const int64_t warm_end = std::min(begin + capacity, tokens);
+      for (int64_t p = begin; p < warm_end; ++p) push_exact(replay.mutable_cache(), p);
+      std::vector<ReuseSample> samples;
+      std::vector<uint8_t> marks;
+      HeadSelection selection;
+      for (int64_t p = warm_end; p < tokens; ++p) {
+        replay.Step(query_at(p), Prefix(kv, p + 1), kv_head, /*decode_step=*/1, &selection);
+        samples.push_back(
+            {selection.best_cosine,
+             static_cast<float>(SupportRecall(selection.support, exact[p - begin], p + 1,
+                                              &marks))});
+      }
+      params.tau = CalibrateTau(samples, params_.target_recall, params_.tau);
+    }
+
+    ReTopKHead head(params, capacity, d);
+    for (int64_t p = std::max<int64_t>(begin, tokens - capacity); p < tokens; ++p) {
+      push_exact(head.mutable_cache(), p);
+    }
+    heads_[h] = std::move(head);
+  }
+  return absl::OkStatus();
+}
+
+void ReTopKSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {
+  heads_[q_head].Step(q, kv, KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads),
+                      kv.tokens - prompt_tokens_, out);
+}
+
+int64_t ReTopKSelector::MemoryBytes() const {
+  int64_t bytes = 0;
+  for (const ReTopKHead& head : heads_) bytes += head.MemoryBytes();
+  return bytes;
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,164 @@
+// ReTopK (arXiv 2607.27692): per query head, reuses the top-K supports of similar past queries
+// instead of scanning the whole history, plus the per-head calibration of its threshold tau.
+//
+// The per-head decode step is the reference the fused CUDA path mirrors. For query head h with
+// post-RoPE query q at decode step s (s = 1 for the first decoded token) over n tokens (the
+// current one included):
+//   1. q̄ = q / ||q||; cos[i] = <q̄, cached query i> for the cached entries in age order
+//      (i = 0 is the oldest); best = max cos (-inf when the cache is empty).
+//   2. Path (ChooseReTopKPath): refresh if Tr > 0 and s % Tr == 0; else fallback if the cache is
+//      empty or best < tau (or best is NaN); else reuse.
+//   3. Reuse: candidates = the supports of the R entries with the highest cos (ties: older
+//      first) ∪ the last W positions [n - W, n), deduplicated and sorted by token id; each is
+//      scored exactly with the current q (scale * <q, k>); the support is their top K, highest
+//      score first, ties by lower token id. candidates = the number of distinct tokens scored.
+//      Refresh / fallback: the exact top-K of all n tokens (cpu::ExactTopK), candidates = n.
+//   4. (q̄, support) enters the FIFO after either path, evicting the oldest entry when full.
+// Only token ids are reused: scores, weights and outputs always come from the current query.
+// Because the candidates are sorted by id before the top-K, a reuse step whose candidates contain
+// the exact top-K support returns exactly the exact path's support, in the same order.
+#ifndef KVRECALL_INDEX_RETOPK_H_
+#define KVRECALL_INDEX_RETOPK_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "index/selector_params.h"
+#include "index/support_selector.h"
+#include "kernels/kv_view.h"
+
+namespace kvrecall {
+
+// Step 2 above: the path of one head's decode step. decode_step counts from 1; a
+// refresh_interval of 0 disables refresh.
+SelectionPath ChooseReTopKPath(int cached_entries, float best_cosine, float tau,
+                               int64_t decode_step, int refresh_interval);
+
+// One query head's FIFO of (unit-norm query [head_dim], support of at most K token ids).
+// Storage is slot-major ([capacity, head_dim] queries) so the cosines are one pass over
+// contiguous memory; entries are addressed by age (0 = oldest).
+class QuerySupportCache {
+ public:
+  QuerySupportCache(int capacity, int head_dim);
+
+  int capacity() const { return capacity_; }
+  int size() const { return size_; }
+  int head_dim() const { return head_dim_; }
+
+  // The entry of age `age` in [0, size()): its unit query [head_dim] and its support.
+  const float* query(int age) const;
+  std::span<const int32_t> support(int age) const;
+
+  // Appends an entry as the newest, evicting the oldest when full.
+  void Push(const float* unit_query, std::span<const int32_t> support);
+
+  // cosines[age] = <unit_query, query(age)> for age in [0, size()).
+  void Cosines(const float* unit_query, float* cosines) const;
+
+  int64_t MemoryBytes() const;
+
+ private:
+  int Slot(int age) const { return (oldest_ + age) % capacity_; }
+
+  int capacity_;
+  int head_dim_;
+  int size_ = 0;
+  int oldest_ = 0;                               // slot of age 0
+  std::vector<float> queries_;                   // [capacity, head_dim], by slot
+  std::vector<std::vector<int32_t>> supports_;   // [capacity], by slot
+};
+
+// The knobs one head steps with (tau is per head under auto_tau).
+struct ReTopKHeadParams {
+  int top_k = 512;            // K
+  int reuse_neighbors = 4;    // R
+  int recent_window = 32;     // W
+  int refresh_interval = 128; // Tr, 0 disables
+  float tau = 0.85f;
+  float scale = 1.0f;         // softmax scale of <q, k>; only its sign matters for the ranking
+};
+
+// One query head's ReTopK state and its decode step (steps 1-4 above). Not thread-safe: a
+// selector owns one per query head, and heads step in parallel.
+class ReTopKHead {
+ public:
+  ReTopKHead(const ReTopKHeadParams& params, int cache_capacity, int head_dim);
+
+  // One decode step for q [head_dim] over kv (which includes the current token), through KV head
+  // kv_head. Fills out->support, path, candidates and best_cosine, then updates the cache.
+  void Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
+            HeadSelection* out);
+
+  float tau() const { return params_.tau; }
+  const QuerySupportCache& cache() const { return cache_; }
+  QuerySupportCache* mutable_cache() { return &cache_; }
+
+  int64_t MemoryBytes() const;
+
+ private:
+  ReTopKHeadParams params_;
+  QuerySupportCache cache_;
+  // Per-step scratch, kept so that a warm step allocates nothing.
+  std::vector<float> unit_query_;
+  std::vector<float> cosines_;
+  std::vector<int32_t> neighbors_;
+  std::vector<int32_t> candidates_;
+  std::vector<float> scores_;
+  std::vector<int32_t> positions_;
+};
+
+// One prompt query replayed through the reuse path during calibration.
+struct ReuseSample {
+  float best_cosine = 0.0f;  // the step's best cosine with the simulated cache
+  float recall = 0.0f;       // support recall of the reuse path against the exact top-K
+};
+
+// The per-head tau of auto_tau: the lowest observed best cosine b such that, if the samples with
+// best_cosine >= b reused (at their simulated recall) and the rest ran the exact path (recall 1),
+// the mean recall over all samples would be >= target_recall. +inf (never reuse) when only the
+// exact path on every sample meets the target; fallback_tau when there are no samples.
+float CalibrateTau(std::span<const ReuseSample> samples, float target_recall, float fallback_tau);
+
+// Prompt queries that auto_tau replays per head: the last kCalibrationQueries of the prompt.
+// Calibration costs one exact top-K per replayed query (a blocked GEMM against the prompt keys,
+// shared with seeding) plus one reuse step each, so beyond that one scan its cost does not grow
+// with the prompt.
+inline constexpr int kCalibrationQueries = 256;
+
+// The ReTopK selector of one layer: one ReTopKHead per query head (heads of a GQA group share
+// the KV, not the cache).
+//
+// Build seeds each head's cache with the last C prompt queries, each with its exact top-K over
+// the keys up to its own position. With auto_tau it first calibrates each head's tau: the last
+// kCalibrationQueries prompt queries are replayed in order through a copy of the head that always
+// reuses (tau = -inf, no refresh), its cache warmed with the C queries before them and their
+// exact supports (a shorter prompt gives the warm-up its C queries first and replays the rest);
+// each replayed step's best cosine and support recall against its exact top-K feed CalibrateTau.
+// Always reusing makes the simulated cache staler than the real one at any tau (which also holds
+// exact supports), so the recall estimate errs low and the chosen tau errs high (safe). A prompt
+// of at most C tokens leaves nothing to replay and keeps the fixed tau.
+class ReTopKSelector : public SupportSelector {
+ public:
+  ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params);
+
+  absl::Status Build(const KvView& kv, const float* prompt_queries) override;
+  void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
+  int64_t MemoryBytes() const override;
+
+  // The state of query head q_head, for tests and diagnostics.
+  const ReTopKHead& head(int q_head) const { return heads_[q_head]; }
+  int64_t prompt_tokens() const { return prompt_tokens_; }
+
+ private:
+  LayerShape shape_;
+  int top_k_;
+  ReTopKParams params_;
+  int64_t prompt_tokens_ = 0;
+  std::vector<ReTopKHead> heads_;
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_INDEX_RETOPK_H_
