@@ -32,9 +32,7 @@ v1::DType ParseSafetensorsDType(const std::string& name) {
 }
 
 // a * b, or false when it overflows int64.
-bool CheckedMul(int64_t a, int64_t b, int64_t* out) {
-  return !__builtin_mul_overflow(a, b, out);
-}
+bool CheckedMul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
 std::string ShapeString(std::span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -43,8 +41,8 @@ std::string ShapeString(std::span<const int64_t> shape) {
 // The JSON header of `tensors` laid out back to back in order, padded with spaces to a multiple
 // of 8 bytes so the data region is aligned.
 absl::StatusOr<std::string> BuildHeader(std::span<const SafetensorsTensorSpec> tensors,
-                                         const std::map<std::string, std::string>& metadata,
-                                         std::vector<int64_t>* elements) {
+                                        const std::map<std::string, std::string>& metadata,
+                                        std::vector<int64_t>* elements) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header[kMetadataKey] = metadata;
   int64_t offset = 0;
@@ -60,22 +58,19 @@ absl::StatusOr<std::string> BuildHeader(std::span<const SafetensorsTensorSpec> t
     }
     const char* dtype_name = SafetensorsDTypeName(t.dtype);
     if (dtype_name == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("safetensors writer: tensor '", t.name,
-                                                     "' has unsupported dtype ",
-                                                     DTypeName(t.dtype)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "safetensors writer: tensor '", t.name, "' has unsupported dtype ", DTypeName(t.dtype)));
     }
     int64_t count = 1;
     for (int64_t d : t.shape) {
       if (d < 0 || !CheckedMul(count, d, &count)) {
-        return absl::InvalidArgumentError(absl::StrCat("safetensors writer: tensor '", t.name,
-                                                       "' has invalid shape ",
-                                                       ShapeString(t.shape)));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "safetensors writer: tensor '", t.name, "' has invalid shape ", ShapeString(t.shape)));
       }
     }
     const int64_t bytes = count * static_cast<int64_t>(DTypeSize(t.dtype));
-    header[t.name] = {{"dtype", dtype_name},
-                      {"shape", t.shape},
-                      {"data_offsets", {offset, offset + bytes}}};
+    header[t.name] = {
+        {"dtype", dtype_name}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
     elements->push_back(count);
   }
@@ -92,10 +87,14 @@ absl::StatusOr<std::string> BuildHeader(std::span<const SafetensorsTensorSpec> t
 
 const char* SafetensorsDTypeName(v1::DType dtype) {
   switch (dtype) {
-    case v1::DTYPE_F32: return "F32";
-    case v1::DTYPE_F16: return "F16";
-    case v1::DTYPE_BF16: return "BF16";
-    default: return nullptr;
+    case v1::DTYPE_F32:
+      return "F32";
+    case v1::DTYPE_F16:
+      return "F16";
+    case v1::DTYPE_BF16:
+      return "BF16";
+    default:
+      return nullptr;
   }
 }
 
@@ -209,8 +208,8 @@ absl::Status SafetensorsFile::Parse() {
     header_len |= static_cast<uint64_t>(static_cast<unsigned char>(base_[i])) << (8 * i);
   }
   if (header_len > kMaxHeaderBytes || header_len > size_ - 8) {
-    return invalid("header length ", header_len, " runs past the end of the file (",
-                   size_, " bytes)");
+    return invalid("header length ", header_len, " runs past the end of the file (", size_,
+                   " bytes)");
   }
   const nlohmann::json header =
       nlohmann::json::parse(base_ + 8, base_ + 8 + header_len, nullptr, /*allow_exceptions=*/false);
@@ -266,14 +265,14 @@ absl::Status SafetensorsFile::Parse() {
     const uint64_t begin = (*offsets_it)[0].get<uint64_t>();
     const uint64_t end = (*offsets_it)[1].get<uint64_t>();
     if (begin > end || end > data_size) {
-      return bad("data_offsets [", begin, ", ", end, "] lie outside the data region of ",
-                 data_size, " bytes");
+      return bad("data_offsets [", begin, ", ", end, "] lie outside the data region of ", data_size,
+                 " bytes");
     }
     int64_t want = 0;
     if (!CheckedMul(count, static_cast<int64_t>(DTypeSize(t.dtype)), &want) ||
         static_cast<uint64_t>(want) != end - begin) {
-      return bad("data_offsets span ", end - begin, " bytes, shape ", ShapeString(t.shape),
-                 " of ", dtype_name, " needs ", want);
+      return bad("data_offsets span ", end - begin, " bytes, shape ", ShapeString(t.shape), " of ",
+                 dtype_name, " needs ", want);
     }
     t.bytes = want;
     t.data = data_begin + begin;
@@ -315,13 +314,12 @@ absl::Status SafetensorsFile::ReadRows(absl::string_view name, int64_t row_begin
   if (!t.ok()) return t.status();
   const int64_t total_rows = (*t)->shape.empty() ? 1 : (*t)->shape[0];
   if (row_begin < 0 || rows < 0 || row_begin + rows > total_rows) {
-    return absl::OutOfRangeError(absl::StrCat(label_, ": rows [", row_begin, ", ",
-                                              row_begin + rows, ") of tensor '", name,
-                                              "' with ", total_rows, " rows"));
+    return absl::OutOfRangeError(absl::StrCat(label_, ": rows [", row_begin, ", ", row_begin + rows,
+                                              ") of tensor '", name, "' with ", total_rows,
+                                              " rows"));
   }
   const int64_t row = (*t)->row_elements();
-  ConvertToF32((*t)->data + row_begin * row * DTypeSize((*t)->dtype), (*t)->dtype, rows * row,
-               out);
+  ConvertToF32((*t)->data + row_begin * row * DTypeSize((*t)->dtype), (*t)->dtype, rows * row, out);
   return absl::OkStatus();
 }
 

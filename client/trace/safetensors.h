@@ -68,8 +68,7 @@ class SafetensorsFile {
 
   // Rows [row_begin, row_begin + rows) of `name` (along its first dimension) as f32, written to
   // `out` (rows * row_elements floats). OUT_OF_RANGE when the rows exceed the tensor.
-  absl::Status ReadRows(absl::string_view name, int64_t row_begin, int64_t rows,
-                        float* out) const;
+  absl::Status ReadRows(absl::string_view name, int64_t row_begin, int64_t rows, float* out) const;
   // The whole tensor as f32.
   absl::StatusOr<std::vector<float>> ReadF32(absl::string_view name) const;
 
@@ -80,8 +79,8 @@ class SafetensorsFile {
   std::string label_;
   const char* base_ = nullptr;  // the whole file
   size_t size_ = 0;
-  void* mapping_ = nullptr;     // set when base_ is an mmap
-  std::string owned_;           // set when base_ is an in-memory copy
+  void* mapping_ = nullptr;  // set when base_ is an mmap
+  std::string owned_;        // set when base_ is an in-memory copy
   std::map<std::string, std::string> metadata_;
   std::map<std::string, SafetensorsTensor> tensors_;
 };
@@ -121,7 +120,7 @@ class SafetensorsWriter {
   std::vector<int64_t> elements_;  // per tensor
   size_t current_ = 0;             // tensor being written
   int64_t written_in_current_ = 0;
-  std::vector<char> scratch_;      // converted bytes of one Append
+  std::vector<char> scratch_;  // converted bytes of one Append
 };
 
 // The complete file (header + data) in memory, for small files and tests.

@@ -4,9 +4,9 @@
 #include <utility>
 
 #include "absl/strings/numbers.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "proto/tensor_codec.h"
 
 namespace kvrecall {
@@ -21,8 +21,7 @@ absl::Status CheckGeometry(const TraceGeometry& g, absl::string_view where) {
   };
   if (g.layers < 1) return invalid("layers must be >= 1, got ", g.layers);
   if (g.q_heads < 1 || g.kv_heads < 1 || g.q_heads % g.kv_heads != 0) {
-    return invalid("kv_heads (", g.kv_heads, ") must be >= 1 and divide q_heads (", g.q_heads,
-                   ")");
+    return invalid("kv_heads (", g.kv_heads, ") must be >= 1 and divide q_heads (", g.q_heads, ")");
   }
   if (g.head_dim < 1) return invalid("head_dim must be >= 1, got ", g.head_dim);
   if (g.context < 1) return invalid("context must be >= 1 token, got ", g.context);
@@ -124,26 +123,24 @@ absl::Status Trace::Validate() {
         const int64_t want[3] = {phase == TracePhase::kPrefill ? g.context : g.decode_steps,
                                  g.heads(which), g.head_dim};
         if (shape[0] != want[0] || shape[1] != want[1] || shape[2] != want[2]) {
-          return invalid("tensor '", name, "' has shape [", absl::StrJoin(shape, ", "),
-                         "], want [", absl::StrJoin(want, ", "), "] (T=", g.context,
-                         ", N=", g.decode_steps, ", q_heads=", g.q_heads,
-                         ", kv_heads=", g.kv_heads, ", head_dim=", g.head_dim,
-                         " from layer 0)");
+          return invalid("tensor '", name, "' has shape [", absl::StrJoin(shape, ", "), "], want [",
+                         absl::StrJoin(want, ", "), "] (T=", g.context, ", N=", g.decode_steps,
+                         ", q_heads=", g.q_heads, ", kv_heads=", g.kv_heads,
+                         ", head_dim=", g.head_dim, " from layer 0)");
         }
       }
     }
   }
   if (absl::Status s = CheckGeometry(g, file_.label()); !s.ok()) return s;
   const std::pair<const char*, int64_t> declared[] = {
-      {"layers", g.layers},     {"q_heads", g.q_heads},  {"kv_heads", g.kv_heads},
-      {"head_dim", g.head_dim}, {"context", g.context},  {"decode", g.decode_steps}};
+      {"layers", g.layers},     {"q_heads", g.q_heads}, {"kv_heads", g.kv_heads},
+      {"head_dim", g.head_dim}, {"context", g.context}, {"decode", g.decode_steps}};
   for (const auto& [key, actual] : declared) {
     const auto it = file_.metadata().find(key);
     if (it == file_.metadata().end()) continue;
     int64_t value = 0;
     if (!absl::SimpleAtoi(it->second, &value) || value != actual) {
-      return invalid("__metadata__.", key, " is \"", it->second, "\" but the tensors say ",
-                     actual);
+      return invalid("__metadata__.", key, " is \"", it->second, "\" but the tensors say ", actual);
     }
   }
   return absl::OkStatus();
@@ -152,8 +149,8 @@ absl::Status Trace::Validate() {
 absl::StatusOr<std::vector<float>> Trace::Read(int layer, TracePhase phase,
                                                TraceTensor tensor) const {
   if (layer < 0 || layer >= geometry_.layers) {
-    return absl::OutOfRangeError(absl::StrCat(file_.label(), ": layer ", layer, " of ",
-                                              geometry_.layers));
+    return absl::OutOfRangeError(
+        absl::StrCat(file_.label(), ": layer ", layer, " of ", geometry_.layers));
   }
   return file_.ReadF32(TraceTensorName(layer, phase, tensor));
 }
@@ -161,8 +158,8 @@ absl::StatusOr<std::vector<float>> Trace::Read(int layer, TracePhase phase,
 absl::Status Trace::ReadRows(int layer, TracePhase phase, TraceTensor tensor, int64_t row_begin,
                              int64_t rows, float* out) const {
   if (layer < 0 || layer >= geometry_.layers) {
-    return absl::OutOfRangeError(absl::StrCat(file_.label(), ": layer ", layer, " of ",
-                                              geometry_.layers));
+    return absl::OutOfRangeError(
+        absl::StrCat(file_.label(), ": layer ", layer, " of ", geometry_.layers));
   }
   return file_.ReadRows(TraceTensorName(layer, phase, tensor), row_begin, rows, out);
 }
@@ -173,8 +170,8 @@ std::vector<SafetensorsTensorSpec> TraceTensorSpecs(const TraceGeometry& g) {
     for (TracePhase phase : kPhases) {
       const int64_t rows = phase == TracePhase::kPrefill ? g.context : g.decode_steps;
       for (TraceTensor which : kTensors) {
-        specs.push_back({TraceTensorName(l, phase, which), g.dtype,
-                         {rows, g.heads(which), g.head_dim}});
+        specs.push_back(
+            {TraceTensorName(l, phase, which), g.dtype, {rows, g.heads(which), g.head_dim}});
       }
     }
   }

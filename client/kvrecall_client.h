@@ -1,0 +1,173 @@
+// The C++ client of kvrecall.v1: sessions, prompts streamed in chunks under gRPC's message
+// limit, and one long-lived Decode stream per model runner.
+//
+// Arrays are f32, row-major: prompt q [T, q_heads, head_dim], prompt k/v [T, kv_heads,
+// head_dim]; decode q [q_heads, head_dim], k_new/v_new [kv_heads, head_dim]; outputs
+// [batch, q_heads, head_dim]. On the wire they travel as raw bytes of the session's dtype.
+// Every error is an absl::Status carrying the gRPC code and the server's message.
+#ifndef KVRECALL_CLIENT_KVRECALL_CLIENT_H_
+#define KVRECALL_CLIENT_KVRECALL_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/sync_stream.h"
+#include "kvrecall/v1/kvrecall.grpc.pb.h"
+#include "kvrecall/v1/kvrecall.pb.h"
+
+namespace kvrecall::client {
+
+// The gRPC status as an absl::Status with the same code and message (the code spaces agree).
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// Lower-case names of the API's enums as the CLI and reports spell them ("exact_topk", "cpu",
+// "bf16"), and their parsers, which answer INVALID_ARGUMENT listing the accepted names.
+std::string SelectorName(v1::Selector selector);
+std::string PlacementName(v1::Placement placement);
+std::string DTypeLowerName(v1::DType dtype);
+absl::StatusOr<v1::Selector> ParseSelector(absl::string_view name);
+absl::StatusOr<v1::Placement> ParsePlacement(absl::string_view name);
+absl::StatusOr<v1::DType> ParseDType(absl::string_view name);
+
+// A session as the client needs it to shape tensors: its id, geometry and effective policy.
+struct SessionHandle {
+  std::string id;
+  v1::Geometry geometry;
+  v1::Policy policy;
+};
+
+struct PrefillProgress {
+  int layer = 0;
+  int64_t layer_tokens_sent = 0;
+  int64_t layer_tokens = 0;
+  int64_t bytes_sent = 0;  // tensor bytes sent on this stream so far, all layers
+};
+
+struct PrefillOptions {
+  // Tensor bytes (q + k + v) per chunk. gRPC servers accept 4 MiB messages by default; 1 MiB
+  // keeps well under that while making per-message overhead negligible.
+  int64_t max_chunk_bytes = 1 << 20;
+  // Called after every chunk is written.
+  std::function<void(const PrefillProgress&)> progress;
+};
+
+// One Prefill call: layers are sent one after another (each cut into chunks), and Finish
+// closes the stream, upon which the server commits every layer sent. A failed stream stays
+// failed: later calls return its status. Not thread-safe.
+class PrefillStream {
+ public:
+  ~PrefillStream();
+
+  // q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim]; T >= 1.
+  absl::Status SendLayer(int layer, std::span<const float> q, std::span<const float> k,
+                         std::span<const float> v);
+  absl::StatusOr<v1::PrefillResponse> Finish();
+
+ private:
+  friend class Client;
+  PrefillStream(v1::KvRecall::Stub& stub, SessionHandle session, PrefillOptions options);
+  // Ends the stream and remembers the server's status.
+  absl::Status Fail();
+
+  SessionHandle session_;
+  PrefillOptions options_;
+  grpc::ClientContext context_;
+  v1::PrefillResponse response_;
+  std::unique_ptr<grpc::ClientWriter<v1::PrefillChunk>> writer_;
+  v1::PrefillChunk chunk_;  // reused for every chunk
+  int64_t bytes_sent_ = 0;
+  bool finished_ = false;
+  absl::Status status_;
+};
+
+// One sequence's input to a decode step. Spans must stay valid during Step.
+struct SequenceInput {
+  absl::string_view session_id;
+  std::span<const float> q;      // [q_heads, head_dim]
+  std::span<const float> k_new;  // [kv_heads, head_dim]
+  std::span<const float> v_new;  // [kv_heads, head_dim]
+};
+
+struct StepOptions {
+  bool return_lse = false;
+  bool diagnostics = false;    // per-head path and candidate counts
+  bool compare_exact = false;  // also fidelity against full attention, per head
+};
+
+// The outcome of one Step. Buffers are reused from step to step; pass the same object back.
+struct StepResult {
+  std::vector<float> output;  // [batch, q_heads, head_dim]
+  std::vector<float> lse;     // [batch, q_heads], when return_lse
+  // The server's reply (per-head diagnostics, positions, server_micros); owned by the stream
+  // and valid until its next Step.
+  const v1::DecodeResponse* response = nullptr;
+};
+
+// One long-lived, bidirectional Decode stream for sessions of one model geometry: each Step
+// sends one layer of one token for a batch of sequences and waits for its reply. Request and
+// reply messages are reused, so a warm stream allocates little per step. The server ends the
+// stream on a rejected step: that Step and every later one return its status (open a new
+// stream to continue). Not thread-safe; use one stream per thread.
+class DecodeStream {
+ public:
+  ~DecodeStream();
+
+  // An empty `batch` sends a request with no steps (a no-op round trip on the stream).
+  absl::Status Step(int layer, std::span<const SequenceInput> batch, const StepOptions& options,
+                    StepResult* result);
+  // Half-closes the stream and returns the server's final status.
+  absl::Status Close();
+
+ private:
+  friend class Client;
+  DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry);
+  absl::Status Fail();
+
+  v1::Geometry geometry_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+  v1::DecodeRequest request_;
+  v1::DecodeResponse response_;
+  uint64_t next_request_id_ = 1;
+  bool finished_ = false;
+  absl::Status status_;
+};
+
+// Connects to kvrecalld. Thread-safe: the channel and stub may be shared.
+class Client {
+ public:
+  explicit Client(std::shared_ptr<grpc::Channel> channel);
+  // An insecure channel to HOST:PORT accepting replies up to max_message_bytes.
+  static std::unique_ptr<Client> Connect(const std::string& address,
+                                         int max_message_bytes = 64 << 20);
+
+  absl::StatusOr<SessionHandle> CreateSession(const v1::Geometry& geometry,
+                                              const v1::Policy& policy,
+                                              absl::string_view label = "");
+  absl::StatusOr<std::unique_ptr<PrefillStream>> StartPrefill(const SessionHandle& session,
+                                                              PrefillOptions options = {});
+  absl::StatusOr<std::unique_ptr<DecodeStream>> OpenDecodeStream(const v1::Geometry& geometry);
+  absl::StatusOr<v1::SessionInfo> GetSession(absl::string_view session_id);
+  absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions();
+  absl::Status CloseSession(absl::string_view session_id);
+
+  v1::KvRecall::Stub& stub() { return *stub_; }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvRecall::Stub> stub_;
+};
+
+}  // namespace kvrecall::client
+
+#endif  // KVRECALL_CLIENT_KVRECALL_CLIENT_H_
