@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 import kvrecall
-from kvrecall import tensors, tinylm
+from kvrecall import needles, tensors, tinylm
 from kvrecall.client import make_geometry, make_policy
 
 SOURCE_DIR = os.environ.get("KVRECALL_SOURCE_DIR",
@@ -217,6 +217,32 @@ class TinyLMTest(ServerTest):
                                  capture_output=True, text=True, timeout=300)
             self.assertEqual(bad.returncode, 1)
             self.assertIn("kvrecall.tinylm: INVALID_ARGUMENT: policy.retopk.target_recall", bad.stderr)
+
+
+CLI = os.environ.get("KVRECALL_CLI", "")
+
+
+@unittest.skipUnless(os.path.exists(CLI) and
+                     os.path.exists(os.path.join(SOURCE_DIR, "client", "cli", "synth.cc")),
+                     "needs the kvrecall CLI with its synth subcommand (KVRECALL_CLI)")
+class NeedleTest(ServerTest):
+    def test_needles_are_found_by_exact_selectors_and_missed_by_a_short_window(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "needles.safetensors")
+            subprocess.run([CLI, "synth", f"--out={trace}", "--context=2048", "--decode_steps=32",
+                            "--layers=1", "--needles=2", "--seed=3"], check=True,
+                           capture_output=True, timeout=120)
+            t = needles.read_safetensors(trace)
+            self.assertEqual(len(json.loads(t[1]["needles"])), 2)
+            full = needles.replay(self.client, t, "full")
+            topk = needles.replay(self.client, t, "exact_topk:64")
+            window = needles.replay(self.client, t, "streaming:256")
+        print(f"\n  needles found: full {full['found']}, exact_topk K=64 {topk['found']}, "
+              f"streaming 128+128 {window['found']}", file=sys.stderr)
+        self.assertEqual(full["found"], 1.0)
+        self.assertAlmostEqual(full["retained_mass_mean"], 1.0, places=5)
+        self.assertEqual(topk["found"], 1.0)
+        self.assertLess(window["found"], 0.5)  # needles sit in the prompt's middle, out of the window
 
 
 if __name__ == "__main__":

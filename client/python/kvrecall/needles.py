@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from kvrecall.client import Client, make_geometry, make_policy
+from kvrecall.client import PATH_NAMES, Client, make_geometry, make_policy
 
 _DTYPES = {"BF16": ("<u2", "bf16"), "F16": ("<f2", "f16"), "F32": ("<f4", "f32")}
 
@@ -63,7 +63,7 @@ def replay(client, trace, spec):
         s.prefill([(t[f"layer{l}.prefill.q"], t[f"layer{l}.prefill.k"], t[f"layer{l}.prefill.v"])
                    for l in range(layers)])
         prefill_s = time.perf_counter() - t0
-        mass, cosine, step_s = [], [], []
+        mass, cosine, paths, step_s = [], [], [], []
         for step in range(n_steps):
             for l in range(layers):
                 q, k, v = (t[f"layer{l}.decode.{x}"][step] for x in "qkv")
@@ -73,6 +73,7 @@ def replay(client, trace, spec):
                 if step in needles:
                     mass += [h.retained_mass for h in r.heads]
                     cosine += [h.output_cosine for h in r.heads]
+                    paths += [PATH_NAMES.get(h.path, "unspecified") for h in r.heads]
         info = s.info()
     finally:
         s.close()
@@ -80,6 +81,7 @@ def replay(client, trace, spec):
     return {"run": spec, "context": T, "needles": len(needles), "layers": layers,
             "found": float((mass > 0.5).mean()), "retained_mass_mean": float(mass.mean()),
             "output_cosine_mean": float(np.mean(cosine)),
+            "needle_step_paths": {p: paths.count(p) / len(paths) for p in sorted(set(paths))},
             "mean_candidates": info.mean_candidates,
             "layer_step_ms_p50": 1e3 * float(np.median(step_s)), "prefill_s": prefill_s,
             "effective_policy": str(s.policy).replace("\n", " ").strip()}
