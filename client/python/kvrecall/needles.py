@@ -108,12 +108,20 @@ def render(jsonl, md_path, commands):
         lines.append(f"| {run} | " + " | ".join(
             f"{g['found']:.3f} ({g['retained_mass_mean']:.3f})" if g else "—" for g in got) +
             f" | {paths} |")
+    times = ["| run | " + " | ".join(f"{c // 1024}K" for c in contexts) + " |",
+             "|---" * (len(contexts) + 1) + "|"]
+    for run in runs:
+        got = [cell.get((run, c)) for c in contexts]
+        if any(got):
+            times.append(f"| {run} | " + " | ".join(
+                f"{g['layer_step_ms_p50']:.2f}" if g else "—" for g in got) + " |")
     with open(md_path, "w") as f:
         f.write("\n".join(["# Needles in a haystack: synthetic traces, every selector", "",
                            "Cell: share of (needle, layer, query head) whose support keeps > 1/2 of "
                            "the softmax mass full attention gives the needle step (mean retained "
-                           "mass in brackets).", ""] + lines + ["", "Commands:", "", "```"] +
-                          commands + ["```", ""]))
+                           "mass in brackets).", ""] + lines +
+                          ["", "Median time per layer-step, ms (client side, end to end):", ""] +
+                          times + ["", "Commands:", "", "```"] + commands + ["```", ""]))
     print("\n".join(lines))
 
 
