@@ -51,6 +51,29 @@ inline double SupportRecall(std::span<const int32_t> support, std::span<const in
   return static_cast<double>(hits) / static_cast<double>(exact.size());
 }
 
+// Attention-weighted support recall: the share of the exact support's softmax mass that `support`
+// keeps, sum over exact ∩ support of exp(s) / sum over exact of exp(s), where exact_scores[i] is
+// the scaled score s of exact[i]. Unlike SupportRecall, missing a tail token of negligible weight
+// costs almost nothing and missing a dominant one almost everything. 1 when exact is empty.
+// `marks` is caller-owned scratch, all zero on entry and on return.
+inline double WeightedSupportRecall(std::span<const int32_t> support,
+                                    std::span<const int32_t> exact,
+                                    std::span<const float> exact_scores, int64_t tokens,
+                                    std::vector<uint8_t>* marks) {
+  if (exact.empty()) return 1.0;
+  if (static_cast<int64_t>(marks->size()) < tokens) marks->resize(tokens, 0);
+  const float max_score = *std::max_element(exact_scores.begin(), exact_scores.end());
+  for (int32_t t : support) (*marks)[t] = 1;
+  double kept = 0, total = 0;
+  for (size_t i = 0; i < exact.size(); ++i) {
+    const double w = std::exp(static_cast<double>(exact_scores[i]) - max_score);
+    total += w;
+    if ((*marks)[exact[i]]) kept += w;
+  }
+  for (int32_t t : support) (*marks)[t] = 0;
+  return kept / total;
+}
+
 // The softmax mass of a support under full attention, from the log-sum-exp of its scores and
 // that of all tokens: exp(lse_support - lse_full). Rounding can push it a hair above 1.
 inline double RetainedMass(float lse_support, float lse_full) {

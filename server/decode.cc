@@ -5,32 +5,46 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
 #include "proto/tensor_codec.h"
+#include "server/status_util.h"
 
 namespace kvrecall {
 namespace {
 
 v1::Path PathToProto(SelectionPath path) {
   switch (path) {
-    case SelectionPath::kExact: return v1::PATH_EXACT;
-    case SelectionPath::kReuse: return v1::PATH_REUSE;
-    case SelectionPath::kFallback: return v1::PATH_FALLBACK;
-    case SelectionPath::kRefresh: return v1::PATH_REFRESH;
+    case SelectionPath::kExact:
+      return v1::PATH_EXACT;
+    case SelectionPath::kReuse:
+      return v1::PATH_REUSE;
+    case SelectionPath::kFallback:
+      return v1::PATH_FALLBACK;
+    case SelectionPath::kRefresh:
+      return v1::PATH_REFRESH;
   }
   return v1::PATH_UNSPECIFIED;
 }
 
 void CountPath(SelectionPath path, DecodeCounters* counters) {
   switch (path) {
-    case SelectionPath::kExact: ++counters->path_exact; break;
-    case SelectionPath::kReuse: ++counters->path_reuse; break;
-    case SelectionPath::kFallback: ++counters->path_fallback; break;
-    case SelectionPath::kRefresh: ++counters->path_refresh; break;
+    case SelectionPath::kExact:
+      ++counters->path_exact;
+      break;
+    case SelectionPath::kReuse:
+      ++counters->path_reuse;
+      break;
+    case SelectionPath::kFallback:
+      ++counters->path_fallback;
+      break;
+    case SelectionPath::kRefresh:
+      ++counters->path_refresh;
+      break;
   }
 }
 
@@ -38,117 +52,99 @@ void CountPath(SelectionPath path, DecodeCounters* counters) {
 // naming the same sessions in different orders cannot deadlock.
 class SessionsLock {
  public:
-  explicit SessionsLock(std::vector<Session*> sessions) : sessions_(std::move(sessions)) {
-    std::sort(sessions_.begin(), sessions_.end());
-    for (Session* s : sessions_) s->mu().Lock();
+  explicit SessionsLock(std::span<const std::shared_ptr<Session>> sessions) {
+    for (const auto& s : sessions) sorted_.push_back(s.get());
+    std::sort(sorted_.begin(), sorted_.end());
+    for (Session* s : sorted_) s->mu().Lock();
   }
   ~SessionsLock() {
-    for (auto it = sessions_.rbegin(); it != sessions_.rend(); ++it) (*it)->mu().Unlock();
+    for (auto it = sorted_.rbegin(); it != sorted_.rend(); ++it) (*it)->mu().Unlock();
   }
   SessionsLock(const SessionsLock&) = delete;
   SessionsLock& operator=(const SessionsLock&) = delete;
 
  private:
-  std::vector<Session*> sessions_;
+  // Requests batch a handful of sequences; up to 16 are locked without allocating.
+  absl::InlinedVector<Session*, 16> sorted_;
 };
 
-// The fields of step i, named in every error about it.
-struct StepFields {
-  explicit StepFields(int i)
-      : q(absl::StrCat("steps[", i, "].q")),
-        k_new(absl::StrCat("steps[", i, "].k_new")),
-        v_new(absl::StrCat("steps[", i, "].v_new")) {}
-  std::string q, k_new, v_new;
+// What q, k_new and v_new of a step must look like for a session. Field names are bare
+// ("q"): errors get their "steps[i]." prefix where they are raised.
+struct StepSpecs {
+  explicit StepSpecs(const v1::Geometry& g)
+      : q_row{g.q_heads(), g.head_dim()},
+        kv_row{g.kv_heads(), g.head_dim()},
+        q{"q", q_row, false, g.dtype()},
+        k_new{"k_new", kv_row, false, g.dtype()},
+        v_new{"v_new", kv_row, false, g.dtype()} {}
+  const int64_t q_row[2];
+  const int64_t kv_row[2];
+  const TensorSpec q, k_new, v_new;
 };
 
 }  // namespace
 
-absl::Status DecodeStream::Serve(const v1::DecodeRequest& request,
-                                 v1::DecodeResponse* response) {
+absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response) {
   const absl::Time start = absl::Now();
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
   const int n = request.steps_size();
   const int layer = request.layer();
 
+  // Field names ("steps[3].q") are formatted only into errors: a valid request allocates none.
   sessions_.clear();
   for (int i = 0; i < n; ++i) {
-    absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(
-        request.steps(i).session_id(), absl::StrCat("steps[", i, "].session_id"));
-    if (!session.ok()) return session.status();
+    absl::StatusOr<std::shared_ptr<Session>> session =
+        registry_->Find(request.steps(i).session_id());
+    if (!session.ok()) return PrefixStatus(session.status(), "steps[", i, "].session_id: ");
     for (int j = 0; j < i; ++j) {
       if (sessions_[j] == *session) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "steps[", i, "].session_id '", (*session)->id(), "' repeats steps[", j,
-            "]: a request carries one token per sequence"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("steps[", i, "].session_id '", (*session)->id(), "' repeats steps[", j,
+                         "]: a request carries one token per sequence"));
       }
     }
     sessions_.push_back(*std::move(session));
   }
-
-  std::vector<Session*> to_lock;
-  to_lock.reserve(n);
-  for (const auto& s : sessions_) to_lock.push_back(s.get());
-  SessionsLock lock(std::move(to_lock));
+  SessionsLock lock(sessions_);
 
   // Phase 1: everything that can be checked without touching data.
-  std::vector<StepFields> fields;
-  fields.reserve(n);
   query_offsets_.assign(n + 1, 0);
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
     if (absl::Status s = session.CheckDecodable(layer); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("steps[", i, "]: ", s.message()));
+      return PrefixStatus(s, "steps[", i, "]: ");
     }
-    const v1::Geometry& g = session.geometry();
-    const int64_t q_row[] = {g.q_heads(), g.head_dim()};
-    const int64_t kv_row[] = {g.kv_heads(), g.head_dim()};
-    fields.emplace_back(i);
+    const StepSpecs specs(session.geometry());
     const v1::SequenceStep& step = request.steps(i);
-    for (auto [tensor, spec] : {
-             std::pair{&step.q(), TensorSpec{fields[i].q, q_row, false, g.dtype()}},
-             std::pair{&step.k_new(), TensorSpec{fields[i].k_new, kv_row, false, g.dtype()}},
-             std::pair{&step.v_new(), TensorSpec{fields[i].v_new, kv_row, false, g.dtype()}}}) {
-      if (absl::StatusOr<int64_t> rows = CheckTensor(*tensor, spec); !rows.ok()) {
-        return rows.status();
+    for (auto [tensor, spec] :
+         {std::pair{&step.q(), &specs.q}, std::pair{&step.k_new(), &specs.k_new},
+          std::pair{&step.v_new(), &specs.v_new}}) {
+      if (absl::StatusOr<int64_t> rows = CheckTensor(*tensor, *spec); !rows.ok()) {
+        return PrefixStatus(rows.status(), "steps[", i, "].");
       }
     }
-    query_offsets_[i + 1] = query_offsets_[i] + int64_t{g.q_heads()} * g.head_dim();
+    query_offsets_[i + 1] = query_offsets_[i] + int64_t{specs.q_row[0]} * specs.q_row[1];
   }
 
   // Phase 2: room for each new token, then the data, decoded into that room (uncommitted, so
   // an error here still leaves every session as it was).
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
-    if (absl::Status s = session.layer(layer).kv.Reserve(
-            1, absl::StrCat("steps[", i, "] (session '", session.id(), "', layer ", layer, ")"));
-        !s.ok()) {
-      return s;
+    if (absl::Status s = session.layer(layer).kv.Reserve(1, "the new token"); !s.ok()) {
+      return PrefixStatus(s, "steps[", i, "] (session '", session.id(), "', layer ", layer, "): ");
     }
   }
   queries_.resize(query_offsets_[n]);
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
-    const v1::Geometry& g = session.geometry();
-    const int64_t q_row[] = {g.q_heads(), g.head_dim()};
-    const int64_t kv_row[] = {g.kv_heads(), g.head_dim()};
+    const StepSpecs specs(session.geometry());
     const v1::SequenceStep& step = request.steps(i);
     LayerKvStore& kv = session.layer(layer).kv;
-    if (absl::Status s = DecodeTensor(step.q(), {fields[i].q, q_row, false, g.dtype()},
-                                      queries_.data() + query_offsets_[i]);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = DecodeTensor(step.k_new(), {fields[i].k_new, kv_row, false, g.dtype()},
-                                      kv.key_tail());
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = DecodeTensor(step.v_new(), {fields[i].v_new, kv_row, false, g.dtype()},
-                                      kv.value_tail());
-        !s.ok()) {
-      return s;
-    }
+    absl::Status s = DecodeTensor(step.q(), specs.q, queries_.data() + query_offsets_[i]);
+    if (s.ok()) s = DecodeTensor(step.k_new(), specs.k_new, kv.key_tail());
+    if (s.ok()) s = DecodeTensor(step.v_new(), specs.v_new, kv.value_tail());
+    if (!s.ok()) return PrefixStatus(s, "steps[", i, "].");
   }
 
   // Phase 3: the request is valid; nothing below can fail.
@@ -202,8 +198,7 @@ void DecodeStream::Attend(Session& session, int layer_index, const float* q,
   result->set_session_id(session.id());
   result->set_position(kv.tokens - 1);
   const int64_t out_shape[] = {heads, d};
-  EncodeTensor(output_, out_shape, session.geometry().dtype(), as_values,
-               result->mutable_output());
+  EncodeTensor(output_, out_shape, session.geometry().dtype(), as_values, result->mutable_output());
   if (request.return_lse()) {
     const int64_t lse_shape[] = {heads};
     EncodeTensor(lse_, lse_shape, v1::DTYPE_F32, as_values, result->mutable_lse());
@@ -221,8 +216,8 @@ void DecodeStream::Attend(Session& session, int layer_index, const float* q,
   if (request.compare_exact()) CompareExact(session, layer, q, result);
 }
 
-void DecodeStream::CompareExact(const Session& session, const Session::Layer& layer,
-                                const float* q, v1::SequenceResult* result) {
+void DecodeStream::CompareExact(const Session& session, const Session::Layer& layer, const float* q,
+                                v1::SequenceResult* result) {
   const LayerShape& shape = session.shape();
   const int heads = shape.q_heads;
   const int d = shape.head_dim;

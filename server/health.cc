@@ -36,8 +36,7 @@ grpc::Status HealthService::Check(grpc::ServerContext*, const HealthCheckRequest
   return grpc::Status::OK;
 }
 
-grpc::Status HealthService::Watch(grpc::ServerContext* context,
-                                  const HealthCheckRequest* request,
+grpc::Status HealthService::Watch(grpc::ServerContext* context, const HealthCheckRequest* request,
                                   grpc::ServerWriter<HealthCheckResponse>* writer) {
   // The sync API has no cancellation callback, so the wait wakes periodically to notice a
   // client that went away; status changes wake it at once.
@@ -54,8 +53,9 @@ grpc::Status HealthService::Watch(grpc::ServerContext* context,
       mu_.Lock();
       if (!written) break;
       sent = now;
+      continue;  // the status may have changed while the lock was released
     }
-    if (shut_down_) break;
+    if (shut_down_) break;  // NOT_SERVING was the last word
     mu_.AwaitWithTimeout(absl::Condition(&shut_down_), kCancellationPoll);
   }
   return grpc::Status::OK;

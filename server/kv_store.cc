@@ -17,26 +17,47 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
   return *this;
 }
 
-absl::Status BudgetedRows::Reserve(int64_t more, absl::string_view what) {
-  const int64_t needed = rows_ + more;
-  if (needed <= capacity_rows_) return absl::OkStatus();
+absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
+                         absl::string_view what) {
+  const int64_t needed = arrays[0]->rows_ + more;
+  int64_t largest = 0;
+  for (const BudgetedRows* a : arrays) largest = std::max(largest, a->capacity_rows_);
+  if (std::all_of(arrays.begin(), arrays.end(),
+                  [&](const BudgetedRows* a) { return needed <= a->capacity_rows_; })) {
+    return absl::OkStatus();
+  }
   // Geometric growth keeps appends amortized O(1); when the budget cannot afford the slack,
   // the exact size may still fit.
-  const int64_t grown = std::max({needed, capacity_rows_ + capacity_rows_ / 2, int64_t{16}});
-  if (Reallocate(grown, what).ok()) return absl::OkStatus();
-  return Reallocate(needed, what);
+  const int64_t grown = std::max({needed, largest + largest / 2, int64_t{16}});
+  absl::Status status;
+  for (const int64_t capacity : {grown, needed}) {
+    int64_t extra_bytes = 0;
+    for (const BudgetedRows* a : arrays) {
+      extra_bytes += std::max<int64_t>(capacity - a->capacity_rows_, 0) * a->row_width_ *
+                     int64_t{sizeof(float)};
+    }
+    HostMemoryBudget* budget = arrays[0]->budget_;
+    status = budget != nullptr ? budget->Reserve(extra_bytes, what) : absl::OkStatus();
+    if (status.ok()) {
+      for (BudgetedRows* a : arrays) {
+        if (a->capacity_rows_ < capacity) a->Reallocate(capacity);
+      }
+      return status;
+    }
+  }
+  return status;
 }
 
-absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view what) {
-  const int64_t extra_bytes = (capacity_rows - capacity_rows_) * row_width_ * int64_t{sizeof(float)};
-  if (budget_ != nullptr) {
-    if (absl::Status s = budget_->Reserve(extra_bytes, what); !s.ok()) return s;
-  }
+absl::Status BudgetedRows::Reserve(int64_t more, absl::string_view what) {
+  BudgetedRows* const self[] = {this};
+  return ReserveRows(self, more, what);
+}
+
+void BudgetedRows::Reallocate(int64_t capacity_rows) {
   auto grown = std::make_unique_for_overwrite<float[]>(capacity_rows * row_width_);
   if (rows_ > 0) std::memcpy(grown.get(), data_.get(), rows_ * row_width_ * sizeof(float));
   data_ = std::move(grown);
   capacity_rows_ = capacity_rows;
-  return absl::OkStatus();
 }
 
 void BudgetedRows::Free() {
@@ -47,8 +68,8 @@ void BudgetedRows::Free() {
 }
 
 absl::Status LayerKvStore::Reserve(int64_t more, absl::string_view what) {
-  if (absl::Status s = keys_.Reserve(more, what); !s.ok()) return s;
-  return values_.Reserve(more, what);
+  BudgetedRows* const arrays[] = {&keys_, &values_};
+  return ReserveRows(arrays, more, what);
 }
 
 }  // namespace kvrecall

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -26,9 +27,7 @@ class BudgetedRows {
   BudgetedRows& operator=(BudgetedRows&& other) noexcept;
   ~BudgetedRows() { Free(); }
 
-  // Makes room for `more` rows beyond the committed ones, growing the allocation by at least
-  // half when it must grow. RESOURCE_EXHAUSTED (naming `what`) when the budget refuses even
-  // the exact size; the content is unchanged either way.
+  // Makes room for `more` rows beyond the committed ones (see ReserveRows).
   absl::Status Reserve(int64_t more, absl::string_view what);
 
   // Where the next row goes; valid for the rows reserved, until the next Reserve.
@@ -45,7 +44,11 @@ class BudgetedRows {
   int64_t allocated_bytes() const { return capacity_rows_ * row_width_ * int64_t{sizeof(float)}; }
 
  private:
-  absl::Status Reallocate(int64_t capacity_rows, absl::string_view what);
+  friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
+                                  absl::string_view what);
+  // Moves the content to an allocation of `capacity_rows` (>= rows) that the caller has
+  // already charged to the budget.
+  void Reallocate(int64_t capacity_rows);
 
   int64_t row_width_ = 0;
   HostMemoryBudget* budget_ = nullptr;
@@ -53,6 +56,13 @@ class BudgetedRows {
   int64_t rows_ = 0;
   int64_t capacity_rows_ = 0;
 };
+
+// Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
+// budget), all growing to one capacity: at least half again the largest current one, or —
+// when the budget cannot afford that slack — exactly the rows needed. RESOURCE_EXHAUSTED
+// (naming `what`) when not even that fits; then nothing changed.
+absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
+                         absl::string_view what);
 
 // One layer's KV cache: keys and values, [tokens, kv_heads, head_dim] each, row-major f32 —
 // exactly the layout of KvView. Appends are two-phase as in BudgetedRows.

@@ -53,8 +53,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  absl::StatusOr<std::unique_ptr<kvrecall::RunningServer>> server =
-      kvrecall::StartServer(options);
+  absl::StatusOr<std::unique_ptr<kvrecall::RunningServer>> server = kvrecall::StartServer(options);
   if (!server.ok()) {
     std::fprintf(stderr, "kvrecalld: %s\n", std::string(server.status().message()).c_str());
     return 1;

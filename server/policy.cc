@@ -11,12 +11,18 @@ int OrDefault(int value, int fallback) { return value == 0 ? fallback : value; }
 absl::StatusOr<SelectorKind> SelectorKindFromProto(v1::Selector selector) {
   switch (selector) {
     case v1::SELECTOR_UNSPECIFIED:
-    case v1::SELECTOR_FULL: return SelectorKind::kFull;
-    case v1::SELECTOR_EXACT_TOPK: return SelectorKind::kExactTopK;
-    case v1::SELECTOR_STREAMING: return SelectorKind::kStreaming;
-    case v1::SELECTOR_INDEX: return SelectorKind::kIndex;
-    case v1::SELECTOR_RETOPK: return SelectorKind::kReTopK;
-    default: break;
+    case v1::SELECTOR_FULL:
+      return SelectorKind::kFull;
+    case v1::SELECTOR_EXACT_TOPK:
+      return SelectorKind::kExactTopK;
+    case v1::SELECTOR_STREAMING:
+      return SelectorKind::kStreaming;
+    case v1::SELECTOR_INDEX:
+      return SelectorKind::kIndex;
+    case v1::SELECTOR_RETOPK:
+      return SelectorKind::kReTopK;
+    default:
+      break;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("policy.selector has the unknown value ", static_cast<int>(selector)));
@@ -24,11 +30,16 @@ absl::StatusOr<SelectorKind> SelectorKindFromProto(v1::Selector selector) {
 
 v1::Selector SelectorKindToProto(SelectorKind kind) {
   switch (kind) {
-    case SelectorKind::kFull: return v1::SELECTOR_FULL;
-    case SelectorKind::kExactTopK: return v1::SELECTOR_EXACT_TOPK;
-    case SelectorKind::kStreaming: return v1::SELECTOR_STREAMING;
-    case SelectorKind::kIndex: return v1::SELECTOR_INDEX;
-    case SelectorKind::kReTopK: return v1::SELECTOR_RETOPK;
+    case SelectorKind::kFull:
+      return v1::SELECTOR_FULL;
+    case SelectorKind::kExactTopK:
+      return v1::SELECTOR_EXACT_TOPK;
+    case SelectorKind::kStreaming:
+      return v1::SELECTOR_STREAMING;
+    case SelectorKind::kIndex:
+      return v1::SELECTOR_INDEX;
+    case SelectorKind::kReTopK:
+      return v1::SELECTOR_RETOPK;
   }
   return v1::SELECTOR_UNSPECIFIED;
 }
@@ -36,13 +47,15 @@ v1::Selector SelectorKindToProto(SelectorKind kind) {
 absl::StatusOr<v1::Placement> PlacementFromProto(v1::Placement placement) {
   switch (placement) {
     case v1::PLACEMENT_UNSPECIFIED:
-    case v1::PLACEMENT_CPU: return v1::PLACEMENT_CPU;
+    case v1::PLACEMENT_CPU:
+      return v1::PLACEMENT_CPU;
     case v1::PLACEMENT_GPU:
     case v1::PLACEMENT_TIERED:
       return absl::FailedPreconditionError(absl::StrCat(
           "policy.placement ", v1::Placement_Name(placement),
           " is not served by this build of kvrecalld: only PLACEMENT_CPU is implemented so far"));
-    default: break;
+    default:
+      break;
   }
   return absl::InvalidArgumentError(
       absl::StrCat("policy.placement has the unknown value ", static_cast<int>(placement)));
@@ -73,15 +86,15 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   p.retopk.refresh_interval =
       r.has_refresh_interval() ? r.refresh_interval() : defaults.retopk.refresh_interval;
   p.retopk.auto_tau = r.auto_tau();
-  p.retopk.target_recall = r.target_recall() == 0.0f ? defaults.retopk.target_recall
-                                                      : r.target_recall();
+  p.retopk.target_recall =
+      r.target_recall() == 0.0f ? defaults.retopk.target_recall : r.target_recall();
 
-  // The index keeps 0 as "its own default", so these pass through unchanged.
   const v1::IndexParams& g = policy.index();
   p.index.build_queries = g.build_queries();
   p.index.build_topk = g.build_topk();
   p.index.max_degree = g.max_degree();
   p.index.search_list_size = g.search_list_size();
+  p.index = p.index.WithDefaults();
 
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   return out;

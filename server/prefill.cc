@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "proto/tensor_codec.h"
+#include "server/status_util.h"
 
 namespace kvrecall {
 
@@ -18,9 +19,8 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, ".session_id is required in the first chunk of a stream"));
     }
-    absl::StatusOr<std::shared_ptr<Session>> session =
-        registry_->Find(chunk.session_id(), absl::StrCat(prefix, ".session_id"));
-    if (!session.ok()) return session.status();
+    absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(chunk.session_id());
+    if (!session.ok()) return PrefixStatus(session.status(), prefix, ".session_id: ");
     session_ = *std::move(session);
   } else if (!chunk.session_id().empty() && chunk.session_id() != session_->id()) {
     return absl::InvalidArgumentError(
@@ -31,8 +31,8 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   const v1::Geometry& g = session_->geometry();
   const int layer = chunk.layer();
   if (layer < 0 || layer >= g.layers()) {
-    return absl::InvalidArgumentError(absl::StrCat(prefix, ".layer ", layer,
-                                                   " is out of range [0, ", g.layers(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, ".layer ", layer, " is out of range [0, ", g.layers(), ")"));
   }
   auto it = layers_.find(layer);
   if (it == layers_.end()) {
@@ -40,11 +40,12 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
       absl::ReaderMutexLock lock(&session_->mu());
       if (absl::Status s = session_->CheckPrefillable(layer); !s.ok()) return s;
     }
-    it = layers_
-             .emplace(layer, Staging{LayerKvStore(g.kv_heads(), g.head_dim(), session_->budget()),
-                                     BudgetedRows(int64_t{g.q_heads()} * g.head_dim(),
-                                                  session_->budget())})
-             .first;
+    it =
+        layers_
+            .emplace(layer,
+                     Staging{LayerKvStore(g.kv_heads(), g.head_dim(), session_->budget()),
+                             BudgetedRows(int64_t{g.q_heads()} * g.head_dim(), session_->budget())})
+            .first;
   }
   Staging& staging = it->second;
   const int64_t received = staging.kv.tokens();
@@ -69,9 +70,9 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   absl::StatusOr<int64_t> v_rows = CheckTensor(chunk.v(), v_spec);
   if (!v_rows.ok()) return v_rows.status();
   if (*k_rows != *q_rows || *v_rows != *q_rows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        prefix, " carries ", *q_rows, " tokens of q, ", *k_rows, " of k and ", *v_rows,
-        " of v: they must be the same tokens"));
+    return absl::InvalidArgumentError(absl::StrCat(prefix, " carries ", *q_rows, " tokens of q, ",
+                                                   *k_rows, " of k and ", *v_rows,
+                                                   " of v: they must be the same tokens"));
   }
   const int64_t n = *q_rows;
 
@@ -98,10 +99,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
     for (const auto& [layer, staging] : layers_) {
       if (absl::Status s = session_->CheckPrefillable(layer); !s.ok()) return s;
       if (tokens != 0 && staging.kv.tokens() != tokens) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "layer ", layer, " received ", staging.kv.tokens(), " prompt tokens, other layers of ",
-            "session '", session_->id(), "' have ", tokens,
-            ": every layer's prompt must have one length"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", layer, " received ", staging.kv.tokens(),
+                         " prompt tokens, other layers of ", "session '", session_->id(), "' have ",
+                         tokens, ": every layer's prompt must have one length"));
       }
       tokens = staging.kv.tokens();
     }
@@ -128,8 +129,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
   for (int i = 0; i < count; ++i) {
     if (!built[i].ok()) {
       return absl::Status(built[i].code(), absl::StrCat("building the selector of layer ",
-                                                        staged[i].layer, ": ",
-                                                        built[i].message()));
+                                                        staged[i].layer, ": ", built[i].message()));
     }
   }
 

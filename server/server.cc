@@ -3,6 +3,7 @@
 #include <climits>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
@@ -14,8 +15,8 @@ namespace {
 // "host:0" with the bound port in place of the requested one.
 std::string WithPort(const std::string& address, int port) {
   const size_t colon = address.rfind(':');
-  return absl::StrCat(address.substr(0, colon == std::string::npos ? address.size() : colon),
-                      ":", port);
+  return absl::StrCat(address.substr(0, colon == std::string::npos ? address.size() : colon), ":",
+                      port);
 }
 
 }  // namespace
@@ -60,6 +61,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &running->port_);
+  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would then start and
+  // silently take a share of the connections instead of failing.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   if (options.worker_threads > 0) {

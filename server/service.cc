@@ -5,24 +5,14 @@
 
 #include "server/decode.h"
 #include "server/prefill.h"
+#include "server/status_util.h"
 
 namespace kvrecall {
-namespace {
-
-// absl and gRPC share the canonical status codes, number for number.
-grpc::Status ToGrpc(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                      std::string(status.message()));
-}
-
-}  // namespace
-
 grpc::Status KvRecallService::CreateSession(grpc::ServerContext*,
                                             const v1::CreateSessionRequest* request,
                                             v1::CreateSessionResponse* response) {
   absl::StatusOr<std::shared_ptr<Session>> session = registry_->Create(*request);
-  if (!session.ok()) return ToGrpc(session.status());
+  if (!session.ok()) return ToGrpcStatus(session.status());
   response->set_session_id((*session)->id());
   *response->mutable_policy() = PolicyToProto((*session)->policy());
   return grpc::Status::OK;
@@ -34,14 +24,14 @@ grpc::Status KvRecallService::Prefill(grpc::ServerContext* context,
   PrefillStream stream(registry_);
   v1::PrefillChunk chunk;
   for (int64_t index = 0; reader->Read(&chunk); ++index) {
-    if (absl::Status s = stream.Add(chunk, index); !s.ok()) return ToGrpc(s);
+    if (absl::Status s = stream.Add(chunk, index); !s.ok()) return ToGrpcStatus(s);
   }
   // Read() also returns false when the client cancelled: then nothing may be committed.
   if (context->IsCancelled()) {
     return grpc::Status(grpc::StatusCode::CANCELLED, "the Prefill stream was cancelled");
   }
   absl::StatusOr<v1::PrefillResponse> committed = stream.Commit();
-  if (!committed.ok()) return ToGrpc(committed.status());
+  if (!committed.ok()) return ToGrpcStatus(committed.status());
   *response = *std::move(committed);
   return grpc::Status::OK;
 }
@@ -54,18 +44,16 @@ grpc::Status KvRecallService::Decode(
   v1::DecodeResponse response;
   while (stream->Read(&request)) {
     response.Clear();
-    if (absl::Status s = decoder.Serve(request, &response); !s.ok()) return ToGrpc(s);
+    if (absl::Status s = decoder.Serve(request, &response); !s.ok()) return ToGrpcStatus(s);
     if (!stream->Write(response)) break;
   }
   return grpc::Status::OK;
 }
 
-grpc::Status KvRecallService::GetSession(grpc::ServerContext*,
-                                         const v1::GetSessionRequest* request,
+grpc::Status KvRecallService::GetSession(grpc::ServerContext*, const v1::GetSessionRequest* request,
                                          v1::SessionInfo* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session =
-      registry_->Find(request->session_id(), "session_id");
-  if (!session.ok()) return ToGrpc(session.status());
+  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(request->session_id());
+  if (!session.ok()) return ToGrpcStatus(PrefixStatus(session.status(), "session_id: "));
   absl::ReaderMutexLock lock(&(*session)->mu());
   *response = (*session)->Info();
   return grpc::Status::OK;
@@ -86,7 +74,7 @@ grpc::Status KvRecallService::ListSessions(grpc::ServerContext*, const v1::ListS
 grpc::Status KvRecallService::CloseSession(grpc::ServerContext*,
                                            const v1::CloseSessionRequest* request,
                                            v1::CloseSessionResponse*) {
-  return ToGrpc(registry_->Close(request->session_id()));
+  return ToGrpcStatus(registry_->Close(request->session_id()));
 }
 
 }  // namespace kvrecall

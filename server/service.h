@@ -12,22 +12,18 @@ class KvRecallService final : public v1::KvRecall::Service {
  public:
   explicit KvRecallService(SessionRegistry* registry) : registry_(registry) {}
 
-  grpc::Status CreateSession(grpc::ServerContext* context,
-                             const v1::CreateSessionRequest* request,
+  grpc::Status CreateSession(grpc::ServerContext* context, const v1::CreateSessionRequest* request,
                              v1::CreateSessionResponse* response) override;
-  grpc::Status Prefill(grpc::ServerContext* context,
-                       grpc::ServerReader<v1::PrefillChunk>* reader,
+  grpc::Status Prefill(grpc::ServerContext* context, grpc::ServerReader<v1::PrefillChunk>* reader,
                        v1::PrefillResponse* response) override;
-  grpc::Status Decode(grpc::ServerContext* context,
-                      grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream)
-      override;
+  grpc::Status Decode(
+      grpc::ServerContext* context,
+      grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) override;
   grpc::Status GetSession(grpc::ServerContext* context, const v1::GetSessionRequest* request,
                           v1::SessionInfo* response) override;
-  grpc::Status ListSessions(grpc::ServerContext* context,
-                            const v1::ListSessionsRequest* request,
+  grpc::Status ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* request,
                             v1::ListSessionsResponse* response) override;
-  grpc::Status CloseSession(grpc::ServerContext* context,
-                            const v1::CloseSessionRequest* request,
+  grpc::Status CloseSession(grpc::ServerContext* context, const v1::CloseSessionRequest* request,
                             v1::CloseSessionResponse* response) override;
 
  private:

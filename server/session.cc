@@ -36,20 +36,19 @@ absl::Status ValidateGeometry(const v1::Geometry& g) {
   if (absl::Status s = CheckRange("q_heads", g.q_heads(), 1, kMaxHeads); !s.ok()) return s;
   if (absl::Status s = CheckRange("kv_heads", g.kv_heads(), 1, kMaxHeads); !s.ok()) return s;
   if (g.q_heads() % g.kv_heads() != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("geometry.kv_heads (", g.kv_heads(), ") must divide geometry.q_heads (",
-                     g.q_heads(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.kv_heads (", g.kv_heads(), ") must divide geometry.q_heads (", g.q_heads(), ")"));
   }
   if (absl::Status s = CheckRange("head_dim", g.head_dim(), 1, kMaxHeadDim); !s.ok()) return s;
   if (DTypeSize(g.dtype()) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16, got ",
-        static_cast<int>(g.dtype())));
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16, got ",
+                     static_cast<int>(g.dtype())));
   }
   if (!std::isfinite(g.softmax_scale()) || g.softmax_scale() < 0.0f) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got ",
-        g.softmax_scale()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got ",
+                     g.softmax_scale()));
   }
   return absl::OkStatus();
 }
@@ -116,8 +115,7 @@ absl::Status Session::CheckDecodable(int layer) const {
   if (closed_) return absl::NotFoundError(absl::StrCat("session '", id_, "' was closed"));
   if (layer < 0 || layer >= geometry_.layers()) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is out of range [0, ",
-                                                   geometry_.layers(), ") of session '", id_,
-                                                   "'"));
+                                                   geometry_.layers(), ") of session '", id_, "'"));
   }
   if (layers_[layer].selector == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -185,8 +183,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   // Selectors are made per layer when a prompt commits; making one now surfaces a selector
   // this build cannot make at CreateSession rather than at the first Prefill.
   const v1::Geometry& g = request.geometry();
-  absl::StatusOr<std::unique_ptr<SupportSelector>> probe = MakeSelector(
-      policy->selector, LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), 1.0f});
+  absl::StatusOr<std::unique_ptr<SupportSelector>> probe =
+      MakeSelector(policy->selector, LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), 1.0f});
   if (!probe.ok()) return probe.status();
 
   thread_local absl::BitGen gen;
@@ -200,14 +198,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   return session;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view id,
-                                                               absl::string_view field) const {
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view id) const {
+  if (id.empty()) return absl::InvalidArgumentError("must name a session, it is empty");
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
-    if (id.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
-    return absl::NotFoundError(absl::StrCat(field, ": no session '", id, "'"));
-  }
+  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("no session '", id, "'"));
   return it->second;
 }
 

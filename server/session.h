@@ -31,16 +31,16 @@ absl::Status ValidateGeometry(const v1::Geometry& geometry);
 // A prompt layer assembled by a Prefill stream, handed to Session::CommitPrompt.
 struct StagedLayer {
   int layer = 0;
-  LayerKvStore kv;                             // the prompt's keys and values
-  std::unique_ptr<SupportSelector> selector;   // built on kv
+  LayerKvStore kv;                            // the prompt's keys and values
+  std::unique_ptr<SupportSelector> selector;  // built on kv
 };
 
 // Counters of the decode work a session has served (reported by GetSession).
 struct DecodeCounters {
-  int64_t layer_steps = 0;      // one per layer per token
-  int64_t head_steps = 0;       // one per query head per layer-step
-  int64_t candidates = 0;       // tokens scored by selectors, summed over head-steps
-  int64_t path_exact = 0;       // head-steps per path
+  int64_t layer_steps = 0;  // one per layer per token
+  int64_t head_steps = 0;   // one per query head per layer-step
+  int64_t candidates = 0;   // tokens scored by selectors, summed over head-steps
+  int64_t path_exact = 0;   // head-steps per path
   int64_t path_reuse = 0;
   int64_t path_fallback = 0;
   int64_t path_refresh = 0;
@@ -52,8 +52,8 @@ class Session {
   struct Layer {
     LayerKvStore kv;
     std::unique_ptr<SupportSelector> selector;
-    int64_t selector_bytes = 0;           // what was last charged to the budget for it
-    std::vector<HeadSelection> selections;  // per query head, reused across steps
+    int64_t selector_bytes = 0;                  // what was last charged to the budget for it
+    std::vector<HeadSelection> selections;       // per query head, reused across steps
     std::vector<std::vector<int32_t>> supports;  // per query head, reused across steps
   };
 
@@ -117,9 +117,9 @@ class SessionRegistry {
 
   // Validates geometry and policy, then registers a new session.
   absl::StatusOr<std::shared_ptr<Session>> Create(const v1::CreateSessionRequest& request);
-  // NOT_FOUND naming `field` (e.g. "steps[2].session_id") when there is no such session.
-  absl::StatusOr<std::shared_ptr<Session>> Find(absl::string_view id,
-                                                absl::string_view field) const;
+  // NOT_FOUND when there is no such session, INVALID_ARGUMENT for an empty id. The message
+  // names the id, not the field: callers prefix it (PrefixStatus).
+  absl::StatusOr<std::shared_ptr<Session>> Find(absl::string_view id) const;
   // Unregisters and frees the session; NOT_FOUND when there is none.
   absl::Status Close(absl::string_view id);
   std::vector<std::shared_ptr<Session>> List() const;

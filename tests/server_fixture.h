@@ -6,13 +6,13 @@
 #define KVRECALL_TESTS_SERVER_FIXTURE_H_
 
 #include <fcntl.h>
-#include <poll.h>
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -30,17 +31,30 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "kernels/kv_view.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
 #include "proto/tensor_codec.h"
 #include "server/server.h"
+#include "tests/test_util.h"
 
 namespace kvrecall::testing {
 
 // gRPC and absl share the canonical status codes, number for number.
 inline absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+// Success when `status` has `code` and its message contains `substring`; use as
+// EXPECT_TRUE(HasStatus(...)) so that failures report the line of the expectation.
+inline ::testing::AssertionResult HasStatus(const absl::Status& status, absl::StatusCode code,
+                                            absl::string_view substring) {
+  if (status.code() == code && absl::StrContains(status.message(), substring)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+         << "got " << status << "; want " << absl::StatusCodeToString(code)
+         << " with a message containing \"" << substring << "\"";
 }
 
 // A channel to `address` whose messages may be as large as the server's default limit and
@@ -139,9 +153,9 @@ class KvrecalldProcess {
     };
     process->mu_.AwaitWithTimeout(absl::Condition(&ready_or_gone), timeout);
     if (!listening()) {
-      return absl::UnavailableError(absl::StrCat(
-          args[0], " did not report listening within ", absl::FormatDuration(timeout),
-          "; its output: ", process->output_));
+      return absl::UnavailableError(absl::StrCat(args[0], " did not report listening within ",
+                                                 absl::FormatDuration(timeout),
+                                                 "; its output: ", process->output_));
     }
     const size_t begin = process->output_.find(marker) + marker.size();
     process->address_ = process->output_.substr(begin, process->output_.find('\n', begin) - begin);
@@ -179,8 +193,8 @@ class KvrecalldProcess {
       absl::SleepFor(absl::Milliseconds(10));
     }
     return absl::DeadlineExceededError(absl::StrCat("kvrecalld (pid ", pid_, ") still runs ",
-                                                    absl::FormatDuration(timeout),
-                                                    " after signal ", signal));
+                                                    absl::FormatDuration(timeout), " after signal ",
+                                                    signal));
   }
 
  private:
@@ -226,8 +240,7 @@ inline v1::Geometry MakeGeometry(int layers, int q_heads, int kv_heads, int head
   return g;
 }
 
-inline v1::Policy MakePolicy(v1::Selector selector, int top_k = 0, int sinks = 0,
-                             int recent = 0) {
+inline v1::Policy MakePolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0) {
   v1::Policy p;
   p.set_placement(v1::PLACEMENT_CPU);
   p.set_selector(selector);
@@ -276,8 +289,7 @@ inline absl::StatusOr<std::string> CreateSession(v1::KvRecall::Stub& stub,
   return out->session_id();
 }
 
-inline absl::StatusOr<v1::SessionInfo> GetSession(v1::KvRecall::Stub& stub,
-                                                  const std::string& id) {
+inline absl::StatusOr<v1::SessionInfo> GetSession(v1::KvRecall::Stub& stub, const std::string& id) {
   v1::GetSessionRequest request;
   request.set_session_id(id);
   v1::SessionInfo info;
@@ -291,8 +303,7 @@ inline absl::StatusOr<v1::PrefillResponse> Prefill(v1::KvRecall::Stub& stub,
                                                    std::span<const v1::PrefillChunk> chunks) {
   grpc::ClientContext context;
   v1::PrefillResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::PrefillChunk>> writer =
-      stub.Prefill(&context, &response);
+  std::unique_ptr<grpc::ClientWriter<v1::PrefillChunk>> writer = stub.Prefill(&context, &response);
   for (const v1::PrefillChunk& chunk : chunks) {
     if (!writer->Write(chunk)) break;  // the server already answered; Finish says why
   }
@@ -324,12 +335,12 @@ inline std::vector<v1::PrefillChunk> PromptChunks(const std::string& session_id,
     auto slice = [&](const std::vector<float>& x, int64_t row) {
       return std::span<const float>(x).subspan(begin * row, n * row);
     };
-    *c.mutable_q() = MakeTensor(slice(prompt.q, q_row), {n, g.q_heads(), g.head_dim()},
-                                g.dtype(), as_values);
-    *c.mutable_k() = MakeTensor(slice(prompt.k, kv_row), {n, g.kv_heads(), g.head_dim()},
-                                g.dtype(), as_values);
-    *c.mutable_v() = MakeTensor(slice(prompt.v, kv_row), {n, g.kv_heads(), g.head_dim()},
-                                g.dtype(), as_values);
+    *c.mutable_q() =
+        MakeTensor(slice(prompt.q, q_row), {n, g.q_heads(), g.head_dim()}, g.dtype(), as_values);
+    *c.mutable_k() =
+        MakeTensor(slice(prompt.k, kv_row), {n, g.kv_heads(), g.head_dim()}, g.dtype(), as_values);
+    *c.mutable_v() =
+        MakeTensor(slice(prompt.v, kv_row), {n, g.kv_heads(), g.head_dim()}, g.dtype(), as_values);
     chunks.push_back(std::move(c));
   }
   return chunks;
@@ -345,6 +356,130 @@ inline v1::SequenceStep MakeStep(const std::string& id, const v1::Geometry& g,
   *step.mutable_k_new() = MakeTensor(k_new, {g.kv_heads(), g.head_dim()}, g.dtype(), as_values);
   *step.mutable_v_new() = MakeTensor(v_new, {g.kv_heads(), g.head_dim()}, g.dtype(), as_values);
   return step;
+}
+
+// The KV a session should hold, exactly as the server decodes what it is sent (after the trip
+// through the wire dtype), and the answers it owes in double precision. Prompt tensors are
+// random: q ~ N(0, 1.5^2), k, v ~ N(0, 1).
+class ReferenceSession {
+ public:
+  ReferenceSession(const v1::Geometry& g, int64_t prompt_tokens, uint64_t seed) : g_(g) {
+    for (int l = 0; l < g.layers(); ++l) {
+      PromptLayer p;
+      const uint64_t s = seed + 100 * l;
+      p.q = RandomNormal(prompt_tokens * g.q_heads() * g.head_dim(), s, 1.5f);
+      p.k = RandomNormal(prompt_tokens * g.kv_heads() * g.head_dim(), s + 1);
+      p.v = RandomNormal(prompt_tokens * g.kv_heads() * g.head_dim(), s + 2);
+      keys_.push_back(RoundTrip(p.k, g.dtype()));
+      values_.push_back(RoundTrip(p.v, g.dtype()));
+      prompts_.push_back(std::move(p));
+    }
+  }
+
+  const v1::Geometry& geometry() const { return g_; }
+  const PromptLayer& prompt(int layer) const { return prompts_[layer]; }
+  int64_t tokens(int layer) const {
+    return static_cast<int64_t>(keys_[layer].size()) / (g_.kv_heads() * g_.head_dim());
+  }
+  KvView view(int layer) const {
+    return KvView{keys_[layer].data(), values_[layer].data(), tokens(layer), g_.kv_heads(),
+                  g_.head_dim()};
+  }
+  double scale() const { return 1.0 / std::sqrt(static_cast<double>(g_.head_dim())); }
+
+  // The f32 inputs of one decode token, before encoding.
+  struct Token {
+    std::vector<float> q, k, v;
+  };
+  Token MakeToken(uint64_t seed) const {
+    return {RandomNormal(g_.q_heads() * g_.head_dim(), seed, 1.5f),
+            RandomNormal(g_.kv_heads() * g_.head_dim(), seed + 1),
+            RandomNormal(g_.kv_heads() * g_.head_dim(), seed + 2)};
+  }
+  v1::SequenceStep Step(const std::string& id, const Token& token, bool as_values = false) const {
+    return MakeStep(id, g_, token.q, token.k, token.v, as_values);
+  }
+  // Appends the token's k/v to `layer` as the server decodes them; returns q as it decodes it.
+  std::vector<float> Record(int layer, const Token& token, bool as_values = false) {
+    const v1::DType wire = as_values ? v1::DTYPE_F32 : g_.dtype();
+    const std::vector<float> k = RoundTrip(token.k, wire);
+    const std::vector<float> v = RoundTrip(token.v, wire);
+    keys_[layer].insert(keys_[layer].end(), k.begin(), k.end());
+    values_[layer].insert(values_[layer].end(), v.begin(), v.end());
+    return RoundTrip(token.q, wire);
+  }
+  // A random next token of `layer`, recorded; *q_seen gets q as the server decodes it.
+  v1::SequenceStep NextStep(const std::string& id, int layer, uint64_t seed,
+                            std::vector<float>* q_seen, bool as_values = false) {
+    const Token token = MakeToken(seed);
+    *q_seen = Record(layer, token, as_values);
+    return Step(id, token, as_values);
+  }
+
+  // Attention of every query head over its support, double precision: [q_heads, head_dim].
+  std::vector<double> Attention(int layer, const std::vector<float>& q,
+                                const std::vector<std::vector<int32_t>>& supports,
+                                std::vector<double>* lse = nullptr) const {
+    const int d = g_.head_dim();
+    std::vector<double> out;
+    for (int h = 0; h < g_.q_heads(); ++h) {
+      std::vector<double> o;
+      const double l =
+          ReferenceAttention(q.data() + h * d, view(layer),
+                             KvHeadOf(h, g_.q_heads(), g_.kv_heads()), supports[h], scale(), &o);
+      out.insert(out.end(), o.begin(), o.end());
+      if (lse != nullptr) lse->push_back(l);
+    }
+    return out;
+  }
+  // Attention of every query head over every token of `layer`.
+  std::vector<double> FullAttention(int layer, const std::vector<float>& q,
+                                    std::vector<double>* lse = nullptr) const {
+    return Attention(
+        layer, q, std::vector<std::vector<int32_t>>(g_.q_heads(), AllTokens(tokens(layer))), lse);
+  }
+
+  // Every layer's prompt in chunks of `chunk_tokens`, layers interleaved chunk by chunk.
+  std::vector<v1::PrefillChunk> InterleavedPrompt(const std::string& id,
+                                                  int64_t chunk_tokens) const {
+    std::vector<std::vector<v1::PrefillChunk>> per_layer;
+    for (int l = 0; l < g_.layers(); ++l) {
+      per_layer.push_back(PromptChunks(id, g_, l, prompts_[l], chunk_tokens));
+    }
+    std::vector<v1::PrefillChunk> interleaved;
+    for (size_t c = 0; c < per_layer[0].size(); ++c) {
+      for (auto& chunks : per_layer) interleaved.push_back(chunks[c]);
+    }
+    return interleaved;
+  }
+
+ private:
+  v1::Geometry g_;
+  std::vector<PromptLayer> prompts_;
+  std::vector<std::vector<float>> keys_;
+  std::vector<std::vector<float>> values_;
+};
+
+// Absolute tolerance of an output element of magnitude |x| returned in `dtype`: its rounding
+// on the way out plus f32 arithmetic.
+inline double OutputTolerance(v1::DType dtype, double x) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return std::abs(x) * 0x1p-8 + 1e-5;
+    case v1::DTYPE_F16:
+      return std::abs(x) * 0x1p-10 + 1e-5;
+    default:
+      return std::abs(x) * 1e-5 + 1e-5;
+  }
+}
+
+// Asserts got[i] == want[i] within OutputTolerance for every element.
+inline void ExpectOutputNear(const std::vector<float>& got, const std::vector<double>& want,
+                             v1::DType dtype, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], OutputTolerance(dtype, want[i])) << what << " element " << i;
+  }
 }
 
 // A client's side of one Decode stream: a request in, its reply out. Once the server ended

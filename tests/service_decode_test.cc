@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "index/selector_params.h"
+#include "kernels/fidelity.h"
 #include "kernels/kv_view.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
@@ -18,108 +20,16 @@ namespace {
 using ::kvrecall::testing::AllTokens;
 using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::ExpectOutputNear;
 using ::kvrecall::testing::GetSession;
 using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
-using ::kvrecall::testing::MakeStep;
 using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
-using ::kvrecall::testing::PromptLayer;
-using ::kvrecall::testing::RandomNormal;
-using ::kvrecall::testing::ReferenceAttention;
+using ::kvrecall::testing::ReferenceSession;
 using ::kvrecall::testing::ReferenceTopK;
-using ::kvrecall::testing::RoundTrip;
 using ::kvrecall::testing::ServerTest;
 using ::kvrecall::testing::TensorValues;
-
-// The KV a session should hold, as the server saw it (after the trip through the dtype), and
-// the requests that put it there.
-class ReferenceSession {
- public:
-  ReferenceSession(const v1::Geometry& g, int64_t prompt_tokens, uint64_t seed) : g_(g) {
-    for (int l = 0; l < g.layers(); ++l) {
-      PromptLayer p;
-      const uint64_t s = seed + 100 * l;
-      p.q = RandomNormal(prompt_tokens * g.q_heads() * g.head_dim(), s, 1.5f);
-      p.k = RandomNormal(prompt_tokens * g.kv_heads() * g.head_dim(), s + 1);
-      p.v = RandomNormal(prompt_tokens * g.kv_heads() * g.head_dim(), s + 2);
-      keys_.push_back(RoundTrip(p.k, g.dtype()));
-      values_.push_back(RoundTrip(p.v, g.dtype()));
-      prompts_.push_back(std::move(p));
-    }
-  }
-
-  const v1::Geometry& geometry() const { return g_; }
-  const PromptLayer& prompt(int layer) const { return prompts_[layer]; }
-  int64_t tokens(int layer) const {
-    return static_cast<int64_t>(keys_[layer].size()) / (g_.kv_heads() * g_.head_dim());
-  }
-  KvView view(int layer) const {
-    return KvView{keys_[layer].data(), values_[layer].data(), tokens(layer), g_.kv_heads(),
-                  g_.head_dim()};
-  }
-  double scale() const { return 1.0 / std::sqrt(static_cast<double>(g_.head_dim())); }
-
-  // Random q, k_new, v_new for the next token of `layer`, appended to the reference.
-  v1::SequenceStep NextStep(const std::string& id, int layer, uint64_t seed,
-                            std::vector<float>* q_seen, bool as_values = false) {
-    const std::vector<float> q = RandomNormal(g_.q_heads() * g_.head_dim(), seed, 1.5f);
-    const std::vector<float> k = RandomNormal(g_.kv_heads() * g_.head_dim(), seed + 1);
-    const std::vector<float> v = RandomNormal(g_.kv_heads() * g_.head_dim(), seed + 2);
-    const v1::DType wire = as_values ? v1::DTYPE_F32 : g_.dtype();
-    *q_seen = RoundTrip(q, wire);
-    const std::vector<float> k_seen = RoundTrip(k, wire);
-    const std::vector<float> v_seen = RoundTrip(v, wire);
-    keys_[layer].insert(keys_[layer].end(), k_seen.begin(), k_seen.end());
-    values_[layer].insert(values_[layer].end(), v_seen.begin(), v_seen.end());
-    return MakeStep(id, g_, q, k, v, as_values);
-  }
-
-  // Attention of every query head over its support, double precision: [q_heads, head_dim].
-  std::vector<double> Attention(int layer, const std::vector<float>& q,
-                                const std::vector<std::vector<int32_t>>& supports,
-                                std::vector<double>* lse = nullptr) const {
-    const int d = g_.head_dim();
-    std::vector<double> out;
-    for (int h = 0; h < g_.q_heads(); ++h) {
-      std::vector<double> o;
-      const double l = ReferenceAttention(q.data() + h * d, view(layer),
-                                          KvHeadOf(h, g_.q_heads(), g_.kv_heads()), supports[h],
-                                          scale(), &o);
-      out.insert(out.end(), o.begin(), o.end());
-      if (lse != nullptr) lse->push_back(l);
-    }
-    return out;
-  }
-
- private:
-  v1::Geometry g_;
-  std::vector<PromptLayer> prompts_;
-  std::vector<std::vector<float>> keys_;
-  std::vector<std::vector<float>> values_;
-};
-
-// Absolute tolerance of an output element of magnitude |x| returned in `dtype`.
-double Tolerance(v1::DType dtype, double x) {
-  switch (dtype) {
-    case v1::DTYPE_BF16: return std::abs(x) * 0x1p-8 + 1e-5;
-    case v1::DTYPE_F16: return std::abs(x) * 0x1p-10 + 1e-5;
-    default: return std::abs(x) * 1e-5 + 1e-5;
-  }
-}
-
-void ExpectOutputNear(const std::vector<float>& got, const std::vector<double>& want,
-                      v1::DType dtype, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], want[i], Tolerance(dtype, want[i])) << what << " element " << i;
-  }
-}
-
-std::vector<std::vector<int32_t>> FullSupports(const ReferenceSession& ref, int layer) {
-  return std::vector<std::vector<int32_t>>(ref.geometry().q_heads(),
-                                           AllTokens(ref.tokens(layer)));
-}
 
 class ServiceDecodeTest : public ServerTest {
  protected:
@@ -129,14 +39,7 @@ class ServiceDecodeTest : public ServerTest {
     absl::StatusOr<std::string> id = CreateSession(stub(), ref.geometry(), policy);
     EXPECT_TRUE(id.ok()) << id.status();
     if (!id.ok()) return "";
-    std::vector<std::vector<v1::PrefillChunk>> per_layer;
-    for (int l = 0; l < ref.geometry().layers(); ++l) {
-      per_layer.push_back(PromptChunks(*id, ref.geometry(), l, ref.prompt(l), chunk_tokens));
-    }
-    std::vector<v1::PrefillChunk> interleaved;
-    for (size_t c = 0; c < per_layer[0].size(); ++c) {
-      for (auto& chunks : per_layer) interleaved.push_back(chunks[c]);
-    }
+    const std::vector<v1::PrefillChunk> interleaved = ref.InterleavedPrompt(*id, chunk_tokens);
     absl::StatusOr<v1::PrefillResponse> prefilled = Prefill(stub(), interleaved);
     EXPECT_TRUE(prefilled.ok()) << prefilled.status();
     if (prefilled.ok()) {
@@ -181,7 +84,7 @@ TEST_P(FullAttentionByDType, EveryStepEqualsBruteForceOverTheWholeContext) {
       EXPECT_EQ(result.output().dtype(), dtype);
       EXPECT_EQ(result.heads_size(), 0);  // no diagnostics asked for
       std::vector<double> want_lse;
-      const std::vector<double> want = ref.Attention(layer, q, FullSupports(ref, layer), &want_lse);
+      const std::vector<double> want = ref.FullAttention(layer, q, &want_lse);
       ExpectOutputNear(TensorValues(result.output()), want, dtype,
                        absl::StrCat("step ", step, " layer ", layer));
       const std::vector<float> lse = TensorValues(result.lse());
@@ -208,6 +111,281 @@ TEST_P(FullAttentionByDType, EveryStepEqualsBruteForceOverTheWholeContext) {
 INSTANTIATE_TEST_SUITE_P(DTypes, FullAttentionByDType,
                          ::testing::Values(v1::DTYPE_F32, v1::DTYPE_BF16, v1::DTYPE_F16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+// Decodes one token of `layer` for the reference session and returns the reply's only result.
+absl::StatusOr<v1::SequenceResult> DecodeOne(DecodeClient& decode, ReferenceSession& ref,
+                                             const std::string& id, int layer, uint64_t seed,
+                                             std::vector<float>* q, bool diagnostics,
+                                             bool compare_exact, bool as_values = false) {
+  v1::DecodeRequest request;
+  request.set_layer(layer);
+  request.set_diagnostics(diagnostics);
+  request.set_compare_exact(compare_exact);
+  request.set_return_lse(true);
+  *request.add_steps() = ref.NextStep(id, layer, seed, q, as_values);
+  absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+  if (!reply.ok()) return reply.status();
+  if (reply->results_size() != 1) return absl::InternalError("expected one result");
+  return reply->results(0);
+}
+
+TEST_F(ServiceDecodeTest, ExactTopKAttendsTheBruteForceTopK) {
+  constexpr int kTopK = 16;
+  ReferenceSession ref(MakeGeometry(2, 8, 2, 32), 120, 7);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_EXACT_TOPK, kTopK), 50);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  for (int step = 0; step < 3; ++step) {
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<float> q;
+      absl::StatusOr<v1::SequenceResult> result =
+          DecodeOne(decode, ref, id, layer, 500 + 10 * step + layer, &q, true, true);
+      ASSERT_TRUE(result.ok()) << result.status();
+      const int64_t tokens = ref.tokens(layer);
+      std::vector<std::vector<int32_t>> supports;
+      for (int h = 0; h < 8; ++h) {
+        supports.push_back(ReferenceTopK(q.data() + h * 32, ref.view(layer), KvHeadOf(h, 8, 2),
+                                         ref.scale(), kTopK));
+      }
+      std::vector<double> lse;
+      const std::vector<double> want = ref.Attention(layer, q, supports, &lse);
+      ExpectOutputNear(TensorValues(result->output()), want, v1::DTYPE_F32, "exact_topk");
+      std::vector<double> full_lse;
+      const std::vector<double> full = ref.FullAttention(layer, q, &full_lse);
+      ASSERT_EQ(result->heads_size(), 8);
+      for (int h = 0; h < 8; ++h) {
+        const v1::HeadDiagnostics& head = result->heads(h);
+        EXPECT_EQ(head.path(), v1::PATH_EXACT);
+        EXPECT_EQ(head.candidates(), tokens);
+        EXPECT_EQ(head.support(), kTopK);
+        // The fidelity shadow compares against the exact top-K: this selector is that.
+        EXPECT_FLOAT_EQ(head.support_recall(), 1.0f);
+        EXPECT_NEAR(head.retained_mass(), std::exp(lse[h] - full_lse[h]), 1e-5);
+        EXPECT_LT(head.retained_mass(), 1.0f);
+        const std::vector<float> o(want.begin() + h * 32, want.begin() + (h + 1) * 32);
+        const std::vector<float> o_full(full.begin() + h * 32, full.begin() + (h + 1) * 32);
+        EXPECT_NEAR(head.output_cosine(), OutputCosine(o.data(), o_full.data(), 32), 1e-5);
+        EXPECT_NEAR(head.rel_l2(), RelativeL2(o.data(), o_full.data(), 32), 1e-4);
+      }
+    }
+  }
+}
+
+TEST_F(ServiceDecodeTest, StreamingAttendsSinksAndRecentWindow) {
+  constexpr int kSinks = 4;
+  constexpr int kRecent = 8;
+  ReferenceSession ref(MakeGeometry(1, 4, 1, 16, v1::DTYPE_BF16), 40, 11);
+  const std::string id =
+      CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_STREAMING, 0, kSinks, kRecent), 16);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, id, 0, 900 + step, &q, /*diagnostics=*/true, false);
+    ASSERT_TRUE(result.ok()) << result.status();
+    std::vector<int32_t> support(kSinks);
+    std::iota(support.begin(), support.end(), 0);
+    for (int64_t t = ref.tokens(0) - kRecent; t < ref.tokens(0); ++t) support.push_back(t);
+    const std::vector<double> want =
+        ref.Attention(0, q, std::vector<std::vector<int32_t>>(4, support));
+    ExpectOutputNear(TensorValues(result->output()), want, v1::DTYPE_BF16, "streaming");
+    ASSERT_EQ(result->heads_size(), 4);
+    for (const v1::HeadDiagnostics& head : result->heads()) {
+      EXPECT_EQ(head.path(), v1::PATH_EXACT);
+      EXPECT_EQ(head.support(), kSinks + kRecent);
+      EXPECT_EQ(head.candidates(), 0);
+      EXPECT_EQ(head.retained_mass(), 0.0f);  // not measured without compare_exact
+    }
+  }
+}
+
+TEST_F(ServiceDecodeTest, CompareExactOfFullAttentionIsPerfect) {
+  ReferenceSession ref(MakeGeometry(1, 4, 2, 16), 30, 13);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL, 8), 30);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  std::vector<float> q;
+  absl::StatusOr<v1::SequenceResult> result = DecodeOne(decode, ref, id, 0, 77, &q, false, true);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->heads_size(), 4);
+  for (const v1::HeadDiagnostics& head : result->heads()) {
+    EXPECT_EQ(head.support(), 31);
+    EXPECT_FLOAT_EQ(head.support_recall(), 1.0f);
+    EXPECT_NEAR(head.retained_mass(), 1.0f, 1e-6);
+    EXPECT_NEAR(head.output_cosine(), 1.0f, 1e-6);
+    EXPECT_NEAR(head.rel_l2(), 0.0f, 1e-6);
+  }
+}
+
+TEST_F(ServiceDecodeTest, ValuesInGiveValuesOut) {
+  ReferenceSession ref(MakeGeometry(1, 2, 1, 8, v1::DTYPE_BF16), 12, 17);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 5);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  std::vector<float> q;
+  absl::StatusOr<v1::SequenceResult> result =
+      DecodeOne(decode, ref, id, 0, 3, &q, false, false, /*as_values=*/true);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->output().values_size(), 2 * 8);
+  EXPECT_TRUE(result->output().data().empty());
+  EXPECT_EQ(result->lse().values_size(), 2);
+  // Values travel as f32, so the output carries no bf16 rounding.
+  ExpectOutputNear(TensorValues(result->output()), ref.FullAttention(0, q), v1::DTYPE_F32,
+                   "values");
+}
+
+TEST_F(ServiceDecodeTest, OneRequestDecodesSeveralSessions) {
+  ReferenceSession a(MakeGeometry(2, 8, 2, 32), 25, 21);
+  ReferenceSession b(MakeGeometry(2, 4, 4, 16, v1::DTYPE_F16), 40, 22);
+  ReferenceSession c(MakeGeometry(2, 6, 3, 8, v1::DTYPE_BF16), 10, 23);
+  const std::string id_a = CreateAndPrefill(a, MakePolicy(v1::SELECTOR_FULL), 25);
+  const std::string id_b = CreateAndPrefill(b, MakePolicy(v1::SELECTOR_STREAMING, 0, 2, 5), 7);
+  const std::string id_c = CreateAndPrefill(c, MakePolicy(v1::SELECTOR_FULL), 3);
+  ASSERT_FALSE(id_a.empty() || id_b.empty() || id_c.empty());
+  DecodeClient decode(stub());
+  for (int step = 0; step < 2; ++step) {
+    for (int layer = 0; layer < 2; ++layer) {
+      v1::DecodeRequest request;
+      request.set_layer(layer);
+      std::vector<float> qa, qb, qc;
+      *request.add_steps() = a.NextStep(id_a, layer, 40 + step * 7 + layer, &qa);
+      *request.add_steps() = b.NextStep(id_b, layer, 50 + step * 7 + layer, &qb);
+      *request.add_steps() = c.NextStep(id_c, layer, 60 + step * 7 + layer, &qc);
+      absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      ASSERT_EQ(reply->results_size(), 3);
+      EXPECT_EQ(reply->results(0).session_id(), id_a);
+      EXPECT_EQ(reply->results(1).session_id(), id_b);
+      EXPECT_EQ(reply->results(2).session_id(), id_c);
+      EXPECT_EQ(reply->results(0).position(), 25 + step);
+      EXPECT_EQ(reply->results(1).position(), 40 + step);
+      EXPECT_EQ(reply->results(2).position(), 10 + step);
+      ExpectOutputNear(TensorValues(reply->results(0).output()), a.FullAttention(layer, qa),
+                       v1::DTYPE_F32, "a");
+      std::vector<int32_t> b_support = {0, 1};
+      for (int64_t t = b.tokens(layer) - 5; t < b.tokens(layer); ++t) b_support.push_back(t);
+      ExpectOutputNear(TensorValues(reply->results(1).output()),
+                       b.Attention(layer, qb, std::vector<std::vector<int32_t>>(4, b_support)),
+                       v1::DTYPE_F16, "b");
+      ExpectOutputNear(TensorValues(reply->results(2).output()), c.FullAttention(layer, qc),
+                       v1::DTYPE_BF16, "c");
+    }
+  }
+}
+
+TEST_F(ServiceDecodeTest, EmptyRequestGetsEmptyReply) {
+  DecodeClient decode(stub());
+  v1::DecodeRequest request;
+  request.set_request_id(42);
+  request.set_layer(3);
+  absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->request_id(), 42u);
+  EXPECT_EQ(reply->results_size(), 0);
+  EXPECT_TRUE(decode.Finish().ok());
+}
+
+TEST_F(ServiceDecodeTest, LayersPrefilledInSeparateStreamsAndChunkSizes) {
+  ReferenceSession ref(MakeGeometry(3, 4, 2, 16), 23, 31);
+  absl::StatusOr<std::string> id =
+      CreateSession(stub(), ref.geometry(), MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Layer 0 one token per chunk, as plain values.
+  absl::StatusOr<v1::PrefillResponse> first =
+      Prefill(stub(), PromptChunks(*id, ref.geometry(), 0, ref.prompt(0), 1, /*as_values=*/true));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->layers_committed(), 1);
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layers_prefilled(), 1);
+  EXPECT_EQ(info->prompt_tokens(), 23);
+  // Layers 2 then 1, whole, in a second stream; later chunks omit the session id.
+  std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, ref.geometry(), 2, ref.prompt(2), 23);
+  for (v1::PrefillChunk& c : PromptChunks(*id, ref.geometry(), 1, ref.prompt(1), 10)) {
+    c.clear_session_id();
+    chunks.push_back(std::move(c));
+  }
+  absl::StatusOr<v1::PrefillResponse> second = Prefill(stub(), chunks);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->layers_committed(), 2);
+  EXPECT_EQ(second->tokens(), 23);
+
+  DecodeClient decode(stub());
+  for (int layer = 0; layer < 3; ++layer) {
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, *id, layer, 300 + layer, &q, false, false);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ExpectOutputNear(TensorValues(result->output()), ref.FullAttention(layer, q), v1::DTYPE_F32,
+                     absl::StrCat("layer ", layer));
+  }
+}
+
+TEST_F(ServiceDecodeTest, ListAndCloseSessionsFreeTheirMemory) {
+  ReferenceSession a(MakeGeometry(1, 2, 2, 8), 10, 41);
+  ReferenceSession b(MakeGeometry(1, 2, 2, 8), 10, 42);
+  const std::string id_a = CreateAndPrefill(a, MakePolicy(v1::SELECTOR_FULL), 10);
+  const std::string id_b = CreateAndPrefill(b, MakePolicy(v1::SELECTOR_FULL), 10);
+  EXPECT_GT(server().server().budget().used(), 0);
+
+  v1::ListSessionsResponse list;
+  {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub().ListSessions(&context, {}, &list).ok());
+  }
+  ASSERT_EQ(list.sessions_size(), 2);
+  std::vector<std::string> ids = {list.sessions(0).session_id(), list.sessions(1).session_id()};
+  std::sort(ids.begin(), ids.end());
+  std::vector<std::string> want = {id_a, id_b};
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(ids, want);
+
+  for (const std::string& id : {id_a, id_b}) {
+    grpc::ClientContext context;
+    v1::CloseSessionRequest request;
+    request.set_session_id(id);
+    v1::CloseSessionResponse response;
+    ASSERT_TRUE(stub().CloseSession(&context, request, &response).ok());
+  }
+  EXPECT_EQ(server().server().budget().used(), 0);
+  EXPECT_EQ(GetSession(stub(), id_a).status().code(), absl::StatusCode::kNotFound);
+  grpc::ClientContext context;
+  v1::ListSessionsResponse empty;
+  ASSERT_TRUE(stub().ListSessions(&context, {}, &empty).ok());
+  EXPECT_EQ(empty.sessions_size(), 0);
+}
+
+TEST_F(ServiceDecodeTest, CreateSessionEchoesTheEffectivePolicy) {
+  v1::CreateSessionResponse response;
+  v1::Policy policy = MakePolicy(v1::SELECTOR_UNSPECIFIED);
+  policy.set_placement(v1::PLACEMENT_UNSPECIFIED);
+  ASSERT_TRUE(CreateSession(stub(), MakeGeometry(1, 2, 1, 8), policy, &response).ok());
+  const v1::Policy& p = response.policy();
+  EXPECT_EQ(p.placement(), v1::PLACEMENT_CPU);
+  EXPECT_EQ(p.selector(), v1::SELECTOR_FULL);
+  EXPECT_EQ(p.top_k(), 512);
+  EXPECT_EQ(p.sinks(), 128);
+  EXPECT_EQ(p.recent(), 512);
+  EXPECT_EQ(p.retopk().cache_capacity(), 32);
+  EXPECT_EQ(p.retopk().reuse_neighbors(), 4);
+  EXPECT_EQ(p.retopk().recent_window(), 32);
+  ASSERT_TRUE(p.retopk().has_tau());
+  EXPECT_FLOAT_EQ(p.retopk().tau(), 0.85f);
+  ASSERT_TRUE(p.retopk().has_refresh_interval());
+  EXPECT_EQ(p.retopk().refresh_interval(), 128);
+  const GraphIndexParams index_defaults;
+  EXPECT_EQ(p.index().build_queries(), index_defaults.build_queries);
+  EXPECT_EQ(p.index().build_topk(), index_defaults.build_topk);
+  EXPECT_EQ(p.index().max_degree(), index_defaults.max_degree);
+  EXPECT_EQ(p.index().search_list_size(), index_defaults.search_list_size);
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), response.session_id());
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->policy().SerializeAsString(), p.SerializeAsString());
+  EXPECT_FLOAT_EQ(info->geometry().softmax_scale(), 1.0f / std::sqrt(8.0f));
+  EXPECT_EQ(info->layers_prefilled(), 0);
+  EXPECT_EQ(info->tokens(), 0);
+}
 
 }  // namespace
 }  // namespace kvrecall

@@ -1,0 +1,565 @@
+// Bad input to the service: every case gets the right status code and a message naming the
+// field, changes nothing (the session's length and later answers are as if it never came), and
+// leaves the server serving other sessions.
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::ExpectOutputNear;
+using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::MakeStep;
+using ::kvrecall::testing::MakeTensor;
+using ::kvrecall::testing::Prefill;
+using ::kvrecall::testing::PromptChunks;
+using ::kvrecall::testing::PromptLayer;
+using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::ReferenceSession;
+using ::kvrecall::testing::ServerTest;
+using ::kvrecall::testing::TensorValues;
+using ::testing::HasSubstr;
+
+constexpr int kLayers = 2;
+constexpr int kQHeads = 4;
+constexpr int kKvHeads = 2;
+constexpr int kHeadDim = 16;
+constexpr int64_t kPrompt = 20;
+
+// A reference session together with its id on the server.
+struct TrackedSession {
+  std::string id;
+  std::unique_ptr<ReferenceSession> ref;
+  uint64_t seed = 0;
+
+  const v1::Geometry& geometry() const { return ref->geometry(); }
+  ReferenceSession::Token NextToken() { return ref->MakeToken(seed += 3); }
+};
+
+class ServiceErrorsTest : public ServerTest {
+ protected:
+  void SetUp() override {
+    ServerTest::SetUp();
+    victim_ = NewSession(100);
+    bystander_ = NewSession(200);
+  }
+
+  // A full-attention f32 session with a committed prompt of kPrompt tokens on every layer.
+  TrackedSession NewSession(uint64_t seed) {
+    TrackedSession s;
+    s.seed = seed * 1000;
+    s.ref = std::make_unique<ReferenceSession>(MakeGeometry(kLayers, kQHeads, kKvHeads, kHeadDim),
+                                               kPrompt, seed);
+    absl::StatusOr<std::string> id =
+        CreateSession(stub(), s.geometry(), MakePolicy(v1::SELECTOR_FULL));
+    EXPECT_TRUE(id.ok()) << id.status();
+    s.id = *id;
+    EXPECT_TRUE(Prefill(stub(), s.ref->InterleavedPrompt(s.id, 8)).ok());
+    return s;
+  }
+
+  // A session shaped like the victim's, without a prompt yet.
+  absl::StatusOr<std::string> FreshSession() {
+    return CreateSession(stub(), victim_.geometry(), MakePolicy(v1::SELECTOR_FULL));
+  }
+  // A random prompt layer of kPrompt tokens for fresh sessions.
+  static PromptLayer FreshPrompt() {
+    return {RandomNormal(kPrompt * kQHeads * kHeadDim, 1),
+            RandomNormal(kPrompt * kKvHeads * kHeadDim, 2),
+            RandomNormal(kPrompt * kKvHeads * kHeadDim, 3)};
+  }
+
+  // Decodes one valid token on every layer of `s` and checks the positions and outputs.
+  void ExpectServesCorrectly(TrackedSession& s) {
+    DecodeClient decode(stub());
+    for (int layer = 0; layer < kLayers; ++layer) {
+      v1::DecodeRequest request;
+      request.set_layer(layer);
+      std::vector<float> q;
+      *request.add_steps() = s.ref->NextStep(s.id, layer, s.seed += 3, &q);
+      absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      ASSERT_EQ(reply->results_size(), 1);
+      EXPECT_EQ(reply->results(0).position(), s.ref->tokens(layer) - 1);
+      ExpectOutputNear(TensorValues(reply->results(0).output()), s.ref->FullAttention(layer, q),
+                       v1::DTYPE_F32, absl::StrCat("layer ", layer));
+    }
+  }
+
+  // After a rejected request: the victim kept its length on every layer and answers exactly,
+  // and the bystander is served too.
+  void ExpectNothingChanged() {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), victim_.id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), victim_.ref->tokens(0));
+    EXPECT_EQ(info->layers_prefilled(), kLayers);
+    ExpectServesCorrectly(victim_);
+    ExpectServesCorrectly(bystander_);
+  }
+
+  // Sends one request on a fresh stream; the stream must end with the error.
+  absl::Status DecodeError(const v1::DecodeRequest& request) {
+    DecodeClient decode(stub());
+    absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+    if (reply.ok()) return absl::InternalError("the request was accepted");
+    return reply.status();
+  }
+
+  // A valid request for the victim's next token (which is not recorded: it must be refused).
+  v1::DecodeRequest VictimRequest(int layer = 0) {
+    v1::DecodeRequest request;
+    request.set_layer(layer);
+    *request.add_steps() = victim_.ref->Step(victim_.id, victim_.NextToken());
+    return request;
+  }
+
+  TrackedSession victim_;
+  TrackedSession bystander_;
+};
+
+TEST_F(ServiceErrorsTest, UnknownSessionIsNotFound) {
+  v1::DecodeRequest request = VictimRequest();
+  request.mutable_steps(0)->set_session_id("s-nonexistent");
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kNotFound,
+                        "steps[0].session_id: no session 's-nonexistent'"));
+  EXPECT_TRUE(HasStatus(GetSession(stub(), "s-nonexistent").status(), absl::StatusCode::kNotFound,
+                        "no session 's-nonexistent'"));
+  grpc::ClientContext context;
+  v1::CloseSessionRequest close;
+  close.set_session_id("s-nonexistent");
+  v1::CloseSessionResponse closed;
+  EXPECT_TRUE(HasStatus(testing::FromGrpc(stub().CloseSession(&context, close, &closed)),
+                        absl::StatusCode::kNotFound, "no session 's-nonexistent'"));
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, ABatchWithOneUnknownSessionAppendsNothing) {
+  v1::DecodeRequest request = VictimRequest();
+  *request.add_steps() = bystander_.ref->Step(bystander_.id, bystander_.NextToken());
+  request.mutable_steps(1)->set_session_id("s-gone");
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kNotFound, "steps[1].session_id"));
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, EmptyOrRepeatedSessionIdIsInvalid) {
+  v1::DecodeRequest request = VictimRequest();
+  request.mutable_steps(0)->clear_session_id();
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[0].session_id: must name a session, it is empty"));
+  request = VictimRequest();
+  *request.add_steps() = victim_.ref->Step(victim_.id, victim_.NextToken());
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[1].session_id '" + victim_.id + "' repeats steps[0]"));
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, WrongTensorShapesAndSizes) {
+  v1::DecodeRequest request = VictimRequest();
+  *request.mutable_steps(0)->mutable_q() =
+      MakeTensor(RandomNormal(3 * kHeadDim, 1), {3, kHeadDim}, v1::DTYPE_F32);
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[0].q has shape [3, 16], want [4, 16]"));
+
+  request = VictimRequest();
+  request.mutable_steps(0)->mutable_k_new()->mutable_data()->resize(7);
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[0].k_new has 7 bytes of data, its shape and dtype need 128"));
+
+  request = VictimRequest();
+  request.mutable_steps(0)->mutable_v_new()->clear_data();
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[0].v_new must carry exactly one of data (raw bytes) or values"));
+
+  request = VictimRequest();
+  *request.mutable_steps(0)->mutable_v_new() =
+      MakeTensor(RandomNormal(kKvHeads * kHeadDim, 1), {kKvHeads, kHeadDim}, v1::DTYPE_F32,
+                 /*as_values=*/true);
+  request.mutable_steps(0)->mutable_v_new()->mutable_values()->RemoveLast();
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[0].v_new has 31 values, its shape needs 32"));
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, DTypeMismatch) {
+  v1::DecodeRequest request = VictimRequest();
+  const ReferenceSession::Token token = victim_.NextToken();
+  *request.mutable_steps(0)->mutable_v_new() =
+      MakeTensor(token.v, {kKvHeads, kHeadDim}, v1::DTYPE_BF16);
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[0].v_new has dtype bf16, the session's is f32"));
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, NaNAndInfAreRejectedForTheWholeBatch) {
+  for (const float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    v1::DecodeRequest request = VictimRequest();
+    ReferenceSession::Token token = bystander_.NextToken();
+    token.k[5] = bad;
+    *request.add_steps() = bystander_.ref->Step(bystander_.id, token);
+    EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                          "steps[1].k_new holds a non-finite value"));
+
+    request = VictimRequest(1);
+    token = victim_.NextToken();
+    token.q[0] = -bad;
+    *request.mutable_steps(0)->mutable_q() =
+        MakeTensor(token.q, {kQHeads, kHeadDim}, v1::DTYPE_F32, /*as_values=*/true);
+    EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                          "steps[0].q holds a non-finite value"));
+  }
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, LayerOutOfRange) {
+  for (int layer : {kLayers, -1}) {
+    EXPECT_TRUE(HasStatus(DecodeError(VictimRequest(layer)), absl::StatusCode::kInvalidArgument,
+                          absl::StrCat("steps[0]: layer ", layer, " is out of range [0, 2)")));
+  }
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, DecodeBeforePrefill) {
+  absl::StatusOr<std::string> fresh = FreshSession();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  v1::DecodeRequest request = VictimRequest();
+  request.mutable_steps(0)->set_session_id(*fresh);
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kFailedPrecondition,
+                        "layer 0 of session '" + *fresh + "' has no prompt yet"));
+  // Prefilled on layer 0 only: layer 1 is still refused.
+  const PromptLayer p = FreshPrompt();
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*fresh, victim_.geometry(), 0, p, 20)).ok());
+  request.set_layer(1);
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kFailedPrecondition,
+                        "layer 1 of session '" + *fresh + "' has no prompt yet"));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *fresh);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layers_prefilled(), 1);
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, SecondPrefillOfALayerCommitsNothing) {
+  absl::StatusOr<std::string> fresh = FreshSession();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  const PromptLayer p = FreshPrompt();
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*fresh, victim_.geometry(), 0, p, 20)).ok());
+  // Layer 1 (new) and layer 0 (again) in one stream: the stream fails, layer 1 stays empty.
+  std::vector<v1::PrefillChunk> chunks = PromptChunks(*fresh, victim_.geometry(), 1, p, 20);
+  chunks.push_back(PromptChunks(*fresh, victim_.geometry(), 0, p, 20)[0]);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kFailedPrecondition,
+                        "layer 0 of session '" + *fresh + "' is already prefilled"));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *fresh);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layers_prefilled(), 1);
+  EXPECT_EQ(info->tokens(), kPrompt);
+  // The victim's layers are committed: prefilling them again is refused too.
+  EXPECT_TRUE(
+      HasStatus(Prefill(stub(), PromptChunks(victim_.id, victim_.geometry(), 1, p, 20)).status(),
+                absl::StatusCode::kFailedPrecondition, "layer 1 of session '" + victim_.id));
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, BadPrefillStreamsCommitNothing) {
+  absl::StatusOr<std::string> fresh = FreshSession();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  const v1::Geometry g = victim_.geometry();
+  const PromptLayer p = FreshPrompt();
+  const std::vector<v1::PrefillChunk> good0 = PromptChunks(*fresh, g, 0, p, 5);
+  const std::vector<v1::PrefillChunk> good1 = PromptChunks(*fresh, g, 1, p, 5);
+
+  std::vector<v1::PrefillChunk> chunks = good0;
+  chunks.erase(chunks.begin() + 1);  // offsets 0, 10, ...
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[1].offset is 10 but layer 0 has received 5 tokens in this stream"));
+
+  chunks = good0;
+  chunks[0].clear_session_id();
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[0].session_id is required in the first chunk"));
+
+  chunks = good0;
+  chunks[0].set_session_id("s-nope");
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kNotFound,
+                        "chunks[0].session_id: no session 's-nope'"));
+
+  chunks = good0;
+  chunks[2].set_session_id(victim_.id);
+  EXPECT_TRUE(
+      HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                "chunks[2].session_id '" + victim_.id + "' differs from the stream's session"));
+
+  chunks = good0;
+  chunks[3].set_layer(kLayers);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[3].layer 2 is out of range [0, 2)"));
+
+  chunks = good0;
+  *chunks[1].mutable_k() =
+      MakeTensor(std::vector<float>(5 * 3 * kHeadDim, 1.0f), {5, 3, kHeadDim}, v1::DTYPE_F32);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[1].k has shape [5, 3, 16], want [n, 2, 16]"));
+
+  chunks = good0;
+  *chunks[1].mutable_v() = MakeTensor(std::vector<float>(4 * kKvHeads * kHeadDim, 1.0f),
+                                      {4, kKvHeads, kHeadDim}, v1::DTYPE_F32);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[1] carries 5 tokens of q, 5 of k and 4 of v"));
+
+  chunks = good0;
+  *chunks[2].mutable_q() = MakeTensor(std::vector<float>(5 * kQHeads * kHeadDim, 1.0f),
+                                      {5, kQHeads, kHeadDim}, v1::DTYPE_F16);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[2].q has dtype f16, the session's is f32"));
+
+  // A NaN in the last chunk of layer 1 sinks the whole stream, layer 0 included.
+  chunks = good0;
+  chunks.insert(chunks.end(), good1.begin(), good1.end());
+  std::vector<float> poisoned(5 * kKvHeads * kHeadDim, 0.5f);
+  poisoned[17] = std::numeric_limits<float>::quiet_NaN();
+  *chunks.back().mutable_v() = MakeTensor(poisoned, {5, kKvHeads, kHeadDim}, v1::DTYPE_F32);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[7].v holds a non-finite value (nan) at element 17"));
+
+  // Layers of one session have one prompt length.
+  chunks = good0;
+  chunks.insert(chunks.end(), good1.begin(), good1.end() - 1);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "every layer's prompt must have one length"));
+
+  EXPECT_TRUE(HasStatus(Prefill(stub(), {}).status(), absl::StatusCode::kInvalidArgument,
+                        "the Prefill stream carried no chunks"));
+
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *fresh);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layers_prefilled(), 0);
+  EXPECT_EQ(info->tokens(), 0);
+  // Nothing was half-committed: the very same prompt now goes through.
+  chunks = good0;
+  chunks.insert(chunks.end(), good1.begin(), good1.end());
+  absl::StatusOr<v1::PrefillResponse> ok = Prefill(stub(), chunks);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->layers_committed(), 2);
+  EXPECT_EQ(ok->tokens(), kPrompt);
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, CancelledPrefillCommitsNothing) {
+  absl::StatusOr<std::string> fresh = FreshSession();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  const PromptLayer p = FreshPrompt();
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*fresh, victim_.geometry(), 0, p, 5);
+  {
+    grpc::ClientContext context;
+    v1::PrefillResponse response;
+    auto writer = stub().Prefill(&context, &response);
+    for (const v1::PrefillChunk& c : chunks) ASSERT_TRUE(writer->Write(c));
+    context.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  // Had the cancelled stream committed, this prefill of the same layer would be refused.
+  absl::StatusOr<v1::PrefillResponse> again = Prefill(stub(), chunks);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tokens(), kPrompt);
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, BadGeometryIsInvalid) {
+  struct Case {
+    v1::Geometry geometry;
+    std::string message;
+  };
+  v1::Geometry nan_scale = MakeGeometry(1, 4, 2, 16);
+  nan_scale.set_softmax_scale(std::numeric_limits<float>::quiet_NaN());
+  v1::Geometry negative_scale = MakeGeometry(1, 4, 2, 16);
+  negative_scale.set_softmax_scale(-1.0f);
+  const std::vector<Case> cases = {
+      {MakeGeometry(1, 8, 3, 16), "geometry.kv_heads (3) must divide geometry.q_heads (8)"},
+      {MakeGeometry(0, 8, 2, 16), "geometry.layers must be in [1, 1024], got 0"},
+      {MakeGeometry(2, 0, 2, 16), "geometry.q_heads must be in [1, 1024], got 0"},
+      {MakeGeometry(2, 8, -2, 16), "geometry.kv_heads must be in [1, 1024], got -2"},
+      {MakeGeometry(2, 8, 2, 0), "geometry.head_dim must be in [1, 1024], got 0"},
+      {MakeGeometry(2, 8, 2, 4096), "geometry.head_dim must be in [1, 1024], got 4096"},
+      {MakeGeometry(2, 8, 2, 16, v1::DTYPE_UNSPECIFIED),
+       "geometry.dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16, got 0"},
+      {nan_scale, "geometry.softmax_scale must be finite and >= 0"},
+      {negative_scale, "geometry.softmax_scale must be finite and >= 0"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_TRUE(HasStatus(CreateSession(stub(), c.geometry, MakePolicy(v1::SELECTOR_FULL)).status(),
+                          absl::StatusCode::kInvalidArgument, c.message));
+  }
+  grpc::ClientContext context;
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub().ListSessions(&context, {}, &list).ok());
+  EXPECT_EQ(list.sessions_size(), 2);  // the victim and the bystander only
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, BadPolicyKnobs) {
+  struct Case {
+    v1::Policy policy;
+    absl::StatusCode code;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  auto add = [&](absl::StatusCode code, std::string message, auto edit) {
+    v1::Policy p = MakePolicy(v1::SELECTOR_EXACT_TOPK);
+    edit(p);
+    cases.push_back({p, code, std::move(message)});
+  };
+  const auto invalid = absl::StatusCode::kInvalidArgument;
+  add(invalid, "policy.top_k must be >= 1, got -5", [](v1::Policy& p) { p.set_top_k(-5); });
+  add(invalid, "policy.sinks must be >= 0, got -1", [](v1::Policy& p) { p.set_sinks(-1); });
+  add(invalid, "policy.recent must be >= 0, got -3", [](v1::Policy& p) { p.set_recent(-3); });
+  add(invalid, "policy.retopk.reuse_neighbors must be in [1, cache_capacity=8], got 9",
+      [](v1::Policy& p) {
+        p.mutable_retopk()->set_cache_capacity(8);
+        p.mutable_retopk()->set_reuse_neighbors(9);
+      });
+  add(invalid, "policy.retopk.tau must be finite",
+      [](v1::Policy& p) { p.mutable_retopk()->set_tau(std::numeric_limits<float>::infinity()); });
+  add(invalid, "policy.retopk.refresh_interval must be >= 0, got -1",
+      [](v1::Policy& p) { p.mutable_retopk()->set_refresh_interval(-1); });
+  add(invalid, "policy.retopk.target_recall must be in (0, 1], got 1.5", [](v1::Policy& p) {
+    p.mutable_retopk()->set_auto_tau(true);
+    p.mutable_retopk()->set_target_recall(1.5f);
+  });
+  add(invalid, "policy.index.max_degree must be <= 256, got 300",
+      [](v1::Policy& p) { p.mutable_index()->set_max_degree(300); });
+  add(invalid, "policy.index parameters must be >= 0",
+      [](v1::Policy& p) { p.mutable_index()->set_search_list_size(-2); });
+  add(invalid, "policy.selector has the unknown value 99",
+      [](v1::Policy& p) { p.set_selector(static_cast<v1::Selector>(99)); });
+  add(invalid, "policy.placement has the unknown value 7",
+      [](v1::Policy& p) { p.set_placement(static_cast<v1::Placement>(7)); });
+  add(absl::StatusCode::kFailedPrecondition,
+      "policy.placement PLACEMENT_GPU is not served by this build of kvrecalld",
+      [](v1::Policy& p) { p.set_placement(v1::PLACEMENT_GPU); });
+  add(absl::StatusCode::kFailedPrecondition,
+      "policy.placement PLACEMENT_TIERED is not served by this build of kvrecalld",
+      [](v1::Policy& p) { p.set_placement(v1::PLACEMENT_TIERED); });
+  for (const Case& c : cases) {
+    EXPECT_TRUE(HasStatus(CreateSession(stub(), MakeGeometry(1, 4, 2, 16), c.policy).status(),
+                          c.code, c.message));
+  }
+  grpc::ClientContext context;
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub().ListSessions(&context, {}, &list).ok());
+  EXPECT_EQ(list.sessions_size(), 2);
+  ExpectNothingChanged();
+}
+
+// A server whose messages are capped at 1 MiB.
+class ServiceMessageLimitTest : public ServiceErrorsTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.max_message_bytes = 1 << 20;
+    return options;
+  }
+};
+
+TEST_F(ServiceMessageLimitTest, OversizeMessagesAreResourceExhausted) {
+  // 9000 tokens x (4 + 2 + 2) heads x 16 x 4 bytes: about 4.4 MiB in one chunk.
+  constexpr int64_t kBig = 9000;
+  PromptLayer p{RandomNormal(kBig * kQHeads * kHeadDim, 1),
+                RandomNormal(kBig * kKvHeads * kHeadDim, 2),
+                RandomNormal(kBig * kKvHeads * kHeadDim, 3)};
+  absl::StatusOr<std::string> fresh = FreshSession();
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_TRUE(
+      HasStatus(Prefill(stub(), PromptChunks(*fresh, victim_.geometry(), 0, p, kBig)).status(),
+                absl::StatusCode::kResourceExhausted, "larger than max"));
+  // The same prompt in chunks under the limit is fine.
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*fresh, victim_.geometry(), 0, p, 1000)).ok());
+
+  v1::DecodeRequest request = VictimRequest();
+  request.mutable_steps(0)->mutable_q()->mutable_data()->resize(2 << 20);
+  EXPECT_TRUE(
+      HasStatus(DecodeError(request), absl::StatusCode::kResourceExhausted, "larger than max"));
+  ExpectNothingChanged();
+}
+
+// A server with a host memory budget of 64 KiB.
+class ServiceMemoryBudgetTest : public ServerTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.host_memory_budget_bytes = 64 << 10;
+    return options;
+  }
+};
+
+TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
+  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
+  // A prompt of 400 tokens needs 400 x (4 + 2 + 2) x 16 x 4 bytes = 200 KiB while staged.
+  absl::StatusOr<std::string> big = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(big.ok());
+  PromptLayer p{RandomNormal(400 * kQHeads * kHeadDim, 1),
+                RandomNormal(400 * kKvHeads * kHeadDim, 2),
+                RandomNormal(400 * kKvHeads * kHeadDim, 3)};
+  EXPECT_TRUE(HasStatus(Prefill(stub(), PromptChunks(*big, g, 0, p, 50)).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "host memory budget exceeded: the prompt of layer 0 needs"));
+  EXPECT_EQ(server().server().budget().used(), 0);  // the failed stream released its staging
+
+  // 60 tokens fit (60 x 256 bytes of KV once committed); decoding grows it to the limit.
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok());
+  p.q.resize(60 * kQHeads * kHeadDim);
+  p.k.resize(60 * kKvHeads * kHeadDim);
+  p.v.resize(60 * kKvHeads * kHeadDim);
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*id, g, 0, p, 60)).ok());
+  DecodeClient decode(stub());
+  absl::Status refused;
+  int64_t tokens = 60;
+  for (int step = 0; step < 1000 && refused.ok(); ++step) {
+    const std::vector<float> q = RandomNormal(kQHeads * kHeadDim, 10 + step);
+    const std::vector<float> kv = RandomNormal(kKvHeads * kHeadDim, 5000 + step);
+    v1::DecodeRequest request;
+    *request.add_steps() = MakeStep(*id, g, q, kv, kv);
+    absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+    if (reply.ok()) {
+      EXPECT_EQ(reply->results(0).position(), tokens);
+      ++tokens;
+    } else {
+      refused = reply.status();
+    }
+  }
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "steps[0] (session '" + *id +
+                            "', layer 0): host memory budget exceeded: the new token needs"));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("65536-byte budget"));
+  EXPECT_LE(server().server().budget().used(), 64 << 10);
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tokens(), tokens);  // the refused step appended nothing
+  EXPECT_GT(tokens, 200);             // the budget, not something else, stopped it
+
+  // Closing the session returns its memory: a new prompt fits again.
+  grpc::ClientContext context;
+  v1::CloseSessionRequest close;
+  close.set_session_id(*id);
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(stub().CloseSession(&context, close, &closed).ok());
+  EXPECT_EQ(server().server().budget().used(), 0);
+  absl::StatusOr<std::string> again = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(Prefill(stub(), PromptChunks(*again, g, 0, p, 60)).ok());
+}
+
+}  // namespace
+}  // namespace kvrecall

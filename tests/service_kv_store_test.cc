@@ -1,0 +1,135 @@
+// The server's host KV store and memory budget: two-phase appends keep content exact through
+// growth, growth is geometric while the budget allows and exact when it does not, a refused
+// reservation changes nothing, and every byte is given back.
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/host_memory_budget.h"
+#include "server/kv_store.h"
+#include "tests/server_fixture.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::HasStatus;
+
+// Appends n rows of `width` floats whose values encode (row, column).
+void AppendRows(BudgetedRows& rows, int64_t n) {
+  ASSERT_TRUE(rows.Reserve(n, "test rows").ok());
+  float* tail = rows.tail();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < rows.row_width(); ++c) {
+      tail[r * rows.row_width() + c] = static_cast<float>((rows.rows() + r) * 1000 + c);
+    }
+  }
+  rows.Commit(n);
+}
+
+void ExpectRowsIntact(const BudgetedRows& rows) {
+  for (int64_t r = 0; r < rows.rows(); ++r) {
+    for (int64_t c = 0; c < rows.row_width(); ++c) {
+      ASSERT_EQ(rows.data()[r * rows.row_width() + c], static_cast<float>(r * 1000 + c));
+    }
+  }
+}
+
+TEST(KvStoreTest, GrowsGeometricallyAndKeepsContent) {
+  HostMemoryBudget budget(0);
+  BudgetedRows rows(3, &budget);
+  int reallocations = 0;
+  int64_t last_bytes = 0;
+  for (int i = 0; i < 1000; ++i) {
+    AppendRows(rows, 1);
+    if (rows.allocated_bytes() != last_bytes) ++reallocations;
+    last_bytes = rows.allocated_bytes();
+    EXPECT_EQ(budget.used(), rows.allocated_bytes());
+  }
+  ExpectRowsIntact(rows);
+  EXPECT_EQ(rows.rows(), 1000);
+  // 16, 24, 36, ... : amortized O(1) appends take O(log n) reallocations.
+  EXPECT_LE(reallocations, 15);
+  EXPECT_LE(rows.allocated_bytes(), 1000 * 3 * 4 * 3 / 2 + 3 * 4 * 16);
+  rows.Free();
+  EXPECT_EQ(budget.used(), 0);
+  EXPECT_EQ(rows.rows(), 0);
+}
+
+TEST(KvStoreTest, UncommittedRowsAreNotContent) {
+  BudgetedRows rows(2, nullptr);
+  AppendRows(rows, 5);
+  ASSERT_TRUE(rows.Reserve(3, "test").ok());
+  std::fill(rows.tail(), rows.tail() + 6, -1.0f);  // written, never committed
+  EXPECT_EQ(rows.rows(), 5);
+  AppendRows(rows, 2);  // overwrites the abandoned tail
+  ExpectRowsIntact(rows);
+}
+
+TEST(KvStoreTest, BudgetRefusalChangesNothingAndFallsBackToExactGrowth) {
+  // Keys and values of 2 floats per token: 16 bytes per token for the pair.
+  HostMemoryBudget budget(16 * 40);
+  LayerKvStore kv(1, 2, &budget);
+  std::vector<float> token(2);
+  int64_t appended = 0;
+  absl::Status refused;
+  while (refused.ok() && appended < 100) {
+    refused = kv.Reserve(1, "the new token");
+    if (!refused.ok()) break;
+    token[0] = static_cast<float>(appended);
+    token[1] = -static_cast<float>(appended);
+    std::memcpy(kv.key_tail(), token.data(), sizeof(float) * 2);
+    std::memcpy(kv.value_tail(), token.data(), sizeof(float) * 2);
+    kv.Commit(1);
+    ++appended;
+  }
+  // Growth 16 -> 24 -> 36 -> exactly 37..40 when 54 no longer fits: the budget is used to
+  // the last token.
+  EXPECT_EQ(appended, 40);
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "host memory budget exceeded: the new token needs 16 more bytes, 640 of "
+                        "the 640-byte budget"));
+  EXPECT_EQ(kv.tokens(), 40);
+  EXPECT_EQ(budget.used(), 640);
+  const KvView view = kv.view();
+  for (int64_t t = 0; t < view.tokens; ++t) {
+    EXPECT_EQ(view.key(t, 0)[0], static_cast<float>(t));
+    EXPECT_EQ(view.value(t, 0)[1], -static_cast<float>(t));
+  }
+  kv.Free();
+  EXPECT_EQ(budget.used(), 0);
+}
+
+TEST(KvStoreTest, MovingTransfersTheChargeOnce) {
+  HostMemoryBudget budget(0);
+  {
+    BudgetedRows a(4, &budget);
+    AppendRows(a, 10);
+    const int64_t charged = budget.used();
+    BudgetedRows b = std::move(a);
+    EXPECT_EQ(budget.used(), charged);
+    EXPECT_EQ(b.rows(), 10);
+    ExpectRowsIntact(b);
+    BudgetedRows c(4, &budget);
+    AppendRows(c, 3);
+    c = std::move(b);  // c's own rows are released
+    EXPECT_EQ(budget.used(), charged);
+    ExpectRowsIntact(c);
+  }
+  EXPECT_EQ(budget.used(), 0);
+}
+
+TEST(KvStoreTest, BudgetChargesBeyondTheLimitOnlyWhenForced) {
+  HostMemoryBudget budget(100);
+  EXPECT_TRUE(budget.Reserve(60, "a").ok());
+  EXPECT_TRUE(HasStatus(budget.Reserve(41, "b"), absl::StatusCode::kResourceExhausted,
+                        "b needs 41 more bytes, 60 of the 100-byte budget"));
+  budget.Charge(50);  // state that exists already, e.g. a built index
+  EXPECT_EQ(budget.used(), 110);
+  EXPECT_FALSE(budget.Reserve(1, "c").ok());
+  budget.Release(110);
+  EXPECT_TRUE(budget.Reserve(100, "d").ok());
+}
+
+}  // namespace
+}  // namespace kvrecall

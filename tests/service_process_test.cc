@@ -1,0 +1,224 @@
+// The real kvrecalld binary: it listens where it says, answers health checks and reflection
+// (also through buf curl where buf is installed), serves decode steps, and shuts down cleanly
+// on SIGTERM and SIGINT — turning NOT_SERVING for health watchers first.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using grpc::health::v1::Health;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::KvrecalldProcess;
+using ::kvrecall::testing::MakeChannel;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::MakeStep;
+using ::kvrecall::testing::Prefill;
+using ::kvrecall::testing::PromptChunks;
+using ::kvrecall::testing::PromptLayer;
+using ::kvrecall::testing::RandomNormal;
+using ::testing::HasSubstr;
+
+std::unique_ptr<KvrecalldProcess> StartOrFail(std::vector<std::string> flags = {}) {
+  absl::StatusOr<std::unique_ptr<KvrecalldProcess>> process =
+      KvrecalldProcess::Start(std::move(flags));
+  EXPECT_TRUE(process.ok()) << process.status();
+  return process.ok() ? *std::move(process) : nullptr;
+}
+
+// Runs `command` through the shell; returns its stdout and stderr, *exit_code its exit status.
+std::string RunCommand(const std::string& command, int* exit_code) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  std::string output;
+  if (pipe == nullptr) return output;
+  char buffer[512];
+  while (fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
+  *exit_code = WEXITSTATUS(pclose(pipe));
+  return output;
+}
+
+HealthCheckResponse::ServingStatus CheckHealth(const std::string& address,
+                                               const std::string& service = "") {
+  auto stub = Health::NewStub(MakeChannel(address));
+  grpc::ClientContext context;
+  HealthCheckRequest request;
+  request.set_service(service);
+  HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response.status();
+}
+
+// Creates a 1-layer session, prefills it and decodes one step through `address`.
+void ServeOneStep(const std::string& address) {
+  auto stub = v1::KvRecall::NewStub(MakeChannel(address));
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 16);
+  absl::StatusOr<std::string> id = CreateSession(*stub, g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  PromptLayer p{RandomNormal(10 * 4 * 16, 1), RandomNormal(10 * 2 * 16, 2),
+                RandomNormal(10 * 2 * 16, 3)};
+  ASSERT_TRUE(Prefill(*stub, PromptChunks(*id, g, 0, p, 4)).ok());
+  DecodeClient decode(*stub);
+  v1::DecodeRequest request;
+  *request.add_steps() =
+      MakeStep(*id, g, RandomNormal(4 * 16, 4), RandomNormal(2 * 16, 5), RandomNormal(2 * 16, 6));
+  absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->results(0).position(), 10);
+}
+
+TEST(KvrecalldProcessTest, ServesAndStopsCleanlyOnSigterm) {
+  std::unique_ptr<KvrecalldProcess> server = StartOrFail();
+  ASSERT_NE(server, nullptr);
+  EXPECT_THAT(server->address(), ::testing::StartsWith("127.0.0.1:"));
+  EXPECT_EQ(CheckHealth(server->address()), HealthCheckResponse::SERVING);
+  EXPECT_EQ(CheckHealth(server->address(), "kvrecall.v1.KvRecall"), HealthCheckResponse::SERVING);
+  ServeOneStep(server->address());
+
+  absl::StatusOr<int> status = server->Stop(SIGTERM);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFEXITED(*status));
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << server->output();
+  EXPECT_THAT(server->output(), HasSubstr("shutting down"));
+  EXPECT_THAT(server->output(), HasSubstr("kvrecalld: stopped"));
+}
+
+TEST(KvrecalldProcessTest, SigintWithAnOpenStreamStopsAfterTheGracePeriod) {
+  std::unique_ptr<KvrecalldProcess> server = StartOrFail({"--shutdown_grace_seconds=0.5"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::KvRecall::NewStub(MakeChannel(server->address()));
+  DecodeClient idle(*stub);  // an open Decode stream the client never closes
+  v1::DecodeRequest empty;
+  ASSERT_TRUE(idle.Step(empty).ok());
+
+  absl::StatusOr<int> status = server->Stop(SIGINT, absl::Seconds(20));
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(WIFEXITED(*status));
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << server->output();
+  // The stream was cut by the shutdown, not left hanging.
+  EXPECT_FALSE(idle.Step(empty).ok());
+}
+
+TEST(KvrecalldProcessTest, HealthWatchSeesNotServingOnShutdown) {
+  std::unique_ptr<KvrecalldProcess> server = StartOrFail();
+  ASSERT_NE(server, nullptr);
+  auto stub = Health::NewStub(MakeChannel(server->address()));
+  grpc::ClientContext context;
+  HealthCheckRequest request;
+  auto watch = stub->Watch(&context, request);
+  HealthCheckResponse response;
+  ASSERT_TRUE(watch->Read(&response));
+  EXPECT_EQ(response.status(), HealthCheckResponse::SERVING);
+
+  kill(server->pid(), SIGTERM);
+  ASSERT_TRUE(watch->Read(&response)) << watch->Finish().error_message() << server->output();
+  EXPECT_EQ(response.status(), HealthCheckResponse::NOT_SERVING);
+  EXPECT_FALSE(watch->Read(&response));
+  absl::StatusOr<int> status = server->Stop(SIGTERM);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(WEXITSTATUS(*status), 0);
+}
+
+TEST(KvrecalldProcessTest, UnknownHealthServiceIsNotFound) {
+  std::unique_ptr<KvrecalldProcess> server = StartOrFail();
+  ASSERT_NE(server, nullptr);
+  auto stub = Health::NewStub(MakeChannel(server->address()));
+  grpc::ClientContext context;
+  HealthCheckRequest request;
+  request.set_service("no.such.Service");
+  HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(status.error_message(), HasSubstr("unknown service 'no.such.Service'"));
+}
+
+TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
+  std::unique_ptr<KvrecalldProcess> server = StartOrFail();
+  ASSERT_NE(server, nullptr);
+  const std::string taken = absl::StrCat("--address=", server->address());
+  int code = -1;
+  const std::string output =
+      RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", taken), &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_THAT(output, HasSubstr("could not listen on " + server->address()));
+
+  const std::string bad =
+      absl::StrCat(KvrecalldProcess::BinaryPath(), " --max_message_mb=0 2>&1 >/dev/null");
+  EXPECT_EQ(WEXITSTATUS(std::system(bad.c_str())), 2);
+}
+
+// buf (installed by scripts/install_deps.sh into .tools/) speaks reflection: no .proto needed.
+std::string FindBuf() {
+  const std::string local = std::string(KVRECALL_SOURCE_DIR) + "/.tools/node_modules/.bin/buf";
+  if (std::filesystem::exists(local)) return local;
+  if (std::system("command -v buf >/dev/null 2>&1") == 0) return "buf";
+  return "";
+}
+
+TEST(KvrecalldProcessTest, BufCurlWorksThroughReflection) {
+  const std::string buf = FindBuf();
+  if (buf.empty()) GTEST_SKIP() << "buf is not installed (scripts/install_deps.sh installs it)";
+  std::unique_ptr<KvrecalldProcess> server = StartOrFail();
+  ASSERT_NE(server, nullptr);
+  const std::string base = absl::StrCat(buf, " curl --protocol grpc --http2-prior-knowledge ");
+  const std::string url = absl::StrCat("http://", server->address());
+  int code = -1;
+
+  std::string out = RunCommand(base + "--list-services " + url, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("kvrecall.v1.KvRecall"));
+  EXPECT_THAT(out, HasSubstr("grpc.health.v1.Health"));
+  EXPECT_THAT(out, HasSubstr("grpc.reflection.v1alpha.ServerReflection"));
+
+  out = RunCommand(base + url + "/grpc.health.v1.Health/Check", &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"status\": \"SERVING\""));
+
+  // A person debugging with JSON: create a session, then read it back.
+  out = RunCommand(base +
+                       "-d '{\"geometry\": {\"layers\": 2, \"qHeads\": 4, \"kvHeads\": 2, "
+                       "\"headDim\": 8, \"dtype\": \"DTYPE_BF16\"}, \"policy\": {\"selector\": "
+                       "\"SELECTOR_STREAMING\", \"sinks\": 4, \"recent\": 16}}' " +
+                       url + "/kvrecall.v1.KvRecall/CreateSession",
+                   &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"selector\": \"SELECTOR_STREAMING\""));
+  const size_t at = out.find("\"sessionId\": \"");
+  ASSERT_NE(at, std::string::npos) << out;
+  const size_t begin = at + std::string("\"sessionId\": \"").size();
+  const std::string id = out.substr(begin, out.find('"', begin) - begin);
+
+  out = RunCommand(
+      base + "-d '{\"sessionId\": \"" + id + "\"}' " + url + "/kvrecall.v1.KvRecall/GetSession",
+      &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"headDim\": 8"));
+
+  // Errors come back with their code and message.
+  out = RunCommand(
+      base + "-d '{\"sessionId\": \"s-missing\"}' " + url + "/kvrecall.v1.KvRecall/GetSession",
+      &code);
+  EXPECT_NE(code, 0);
+  EXPECT_THAT(out, HasSubstr("not_found"));
+  EXPECT_THAT(out, HasSubstr("no session 's-missing'"));
+}
+
+}  // namespace
+}  // namespace kvrecall
