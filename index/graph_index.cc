@@ -13,6 +13,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Edges into a new (or repaired) key from the best keys its own search finds that survive
+// pruning: enough ways in, few enough to leave the rest of the graph to the projection.
+constexpr int kKeptLinksPerKey = 4;
+
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -151,6 +155,7 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   }
   build_stats_ = GraphBuildStats();
   adjacency_.clear();
+  key_mean_.clear();
   degree_.clear();
   size_ = linked_ = keys.count;
   entry_ = -1;
@@ -208,6 +213,12 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   MergeEdges(keys, &edges);
   AddReverseEdges(keys, 0, linked_);
   ChooseEntry(keys, query_set);
+  key_mean_.assign(keys.dim, 0.0f);
+  for (int64_t i = 0; i < keys.count; ++i) {
+    const float* k = keys.row(i);
+    for (int j = 0; j < keys.dim; ++j) key_mean_[j] += k[j] / static_cast<float>(keys.count);
+  }
+  LinkOutliers(keys);
   build_stats_.repaired_keys = RepairConnectivity(keys, &build_stats_.unreachable_keys);
   int64_t degree_sum = 0;
   for (int64_t i = 0; i < linked_; ++i) degree_sum += degree_[i];
@@ -234,9 +245,13 @@ void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
   for (const Edge& e : *edges) ++offsets[e.from + 1];
   for (int64_t i = 0; i < linked_; ++i) offsets[i + 1] += offsets[i];
   std::vector<int32_t> targets(edges->size());
+  std::vector<uint8_t> kept(edges->size());
   {
     std::vector<int64_t> cursor(offsets.begin(), offsets.end() - 1);
-    for (const Edge& e : *edges) targets[cursor[e.from]++] = e.to;
+    for (const Edge& e : *edges) {
+      kept[cursor[e.from]] = e.keep;
+      targets[cursor[e.from]++] = e.to;
+    }
   }
   edges->clear();
   edges->shrink_to_fit();
@@ -246,6 +261,7 @@ void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
   {
     std::vector<int32_t> candidates;
     std::vector<int32_t> pruned;
+    std::vector<int32_t> must_keep;
 #pragma omp for schedule(dynamic, 64)
     for (int64_t node = 0; node < linked_; ++node) {
       if (offsets[node] == offsets[node + 1]) continue;
@@ -257,10 +273,32 @@ void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
       candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
       candidates.erase(std::remove(candidates.begin(), candidates.end(), node),
                        candidates.end());
-      const std::vector<int32_t>* chosen = &candidates;
+      std::vector<int32_t>* chosen = &candidates;
       if (candidates.size() > static_cast<size_t>(degree)) {
         PruneNeighbors(keys, static_cast<int32_t>(node), candidates, degree, &pruned);
         chosen = &pruned;
+        // Kept targets displace the last (least useful) unkept choices.
+        // Token neighbors are always kept: the chain keeps every key reachable.
+        must_keep.clear();
+        for (int32_t c : candidates) {
+          if (c == node - 1 || c == node + 1) must_keep.push_back(c);
+        }
+        for (int64_t e = offsets[node]; e < offsets[node + 1]; ++e) {
+          if (kept[e] && targets[e] != node) must_keep.push_back(targets[e]);
+        }
+        std::sort(must_keep.begin(), must_keep.end());
+        must_keep.erase(std::unique(must_keep.begin(), must_keep.end()), must_keep.end());
+        if (must_keep.size() > static_cast<size_t>(degree)) must_keep.resize(degree);
+        auto is_kept = [&](int32_t id) {
+          return std::binary_search(must_keep.begin(), must_keep.end(), id);
+        };
+        size_t slot = pruned.size();
+        for (int32_t id : must_keep) {
+          if (std::find(pruned.begin(), pruned.end(), id) != pruned.end()) continue;
+          while (slot > 0 && is_kept(pruned[slot - 1])) --slot;
+          if (slot == 0) break;
+          pruned[--slot] = id;
+        }
       }
       std::copy(chosen->begin(), chosen->end(), row);
       degree_[node] = static_cast<uint16_t>(chosen->size());
@@ -274,6 +312,58 @@ void GraphIndex::AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t e
     for (int32_t v : neighbors(u)) edges.push_back({v, static_cast<int32_t>(u)});
   }
   MergeEdges(keys, &edges);
+}
+
+void GraphIndex::LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes) {
+  std::vector<Edge> edges(nodes.size() * 2 * kKeptLinksPerKey, Edge{-1, -1});
+#pragma omp parallel
+  {
+    std::vector<std::pair<float, int32_t>> found;
+    std::vector<float> centered(keys.dim);
+    SearchStats ignored;
+#pragma omp for schedule(dynamic, 16)
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      const int32_t x = nodes[i];
+      CenteredKey(keys, x, centered.data());
+      SearchGraph(keys, centered.data(), 2 * params_.max_degree, &found, &ignored);
+      size_t links = 0;
+      for (size_t j = 0; j < found.size() && links < kKeptLinksPerKey; ++j) {
+        if (found[j].second == x) continue;
+        edges[(i * kKeptLinksPerKey + links) * 2] = {x, found[j].second};
+        edges[(i * kKeptLinksPerKey + links) * 2 + 1] = {found[j].second, x, true};
+        ++links;
+      }
+    }
+  }
+  edges.erase(std::remove_if(edges.begin(), edges.end(), [](const Edge& e) { return e.from < 0; }),
+              edges.end());
+  MergeEdges(keys, &edges);
+}
+
+void GraphIndex::CenteredKey(const VectorSet& keys, int32_t node, float* out) const {
+  const float* k = keys.row(node);
+  for (int j = 0; j < keys.dim; ++j) out[j] = k[j] - key_mean_[j];
+}
+
+void GraphIndex::LinkOutliers(const VectorSet& keys) {
+  // A key no prefill query wanted (a needle that only a later query asks for) has projection
+  // edges only by chance; to win a softmax against every other key it must stand out, far from
+  // the mean key. The farthest keys get the links their own search finds, so that a query
+  // along one walks up to it.
+  const int64_t count =
+      std::min<int64_t>(linked_, std::clamp<int64_t>(linked_ / 100, 64, 4096));
+  std::vector<std::pair<float, int32_t>> by_distance(linked_);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < linked_; ++i) {
+    const float* k = keys.row(i);
+    float distance = 0.0f;
+    for (int j = 0; j < keys.dim; ++j) distance += (k[j] - key_mean_[j]) * (k[j] - key_mean_[j]);
+    by_distance[i] = {-distance, static_cast<int32_t>(i)};
+  }
+  std::partial_sort(by_distance.begin(), by_distance.begin() + count, by_distance.end());
+  std::vector<int32_t> nodes(count);
+  for (int64_t i = 0; i < count; ++i) nodes[i] = by_distance[i].second;
+  LinkByOwnSearch(keys, nodes);
 }
 
 int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable) {
@@ -297,34 +387,14 @@ int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, int64_t* still_unr
     }
     return out;
   };
-
-  // Each unreachable key is linked both ways to the best keys its own search reaches; a few
-  // links each, so that pruning at a crowded target rarely cuts a key off again.
-  constexpr int kLinksPerKey = 4;
+  // The token chain keeps every key reachable, so this is a safety net: each unreachable key is
+  // linked both ways to the best keys its own search reaches (the links into it are kept).
   constexpr int kRounds = 3;
   int64_t repaired = 0;
   std::vector<int32_t> unreachable = unreachable_nodes();
   for (int round = 0; round < kRounds && !unreachable.empty(); ++round) {
     repaired += static_cast<int64_t>(unreachable.size());
-    std::vector<Edge> edges(unreachable.size() * 2 * kLinksPerKey, Edge{-1, -1});
-#pragma omp parallel
-    {
-      std::vector<std::pair<float, int32_t>> found;
-      SearchStats ignored;
-#pragma omp for schedule(dynamic, 16)
-      for (size_t i = 0; i < unreachable.size(); ++i) {
-        const int32_t x = unreachable[i];
-        SearchGraph(keys, keys.row(x), params_.max_degree, &found, &ignored);
-        const size_t links = std::min<size_t>(kLinksPerKey, found.size());
-        for (size_t j = 0; j < links; ++j) {
-          edges[(i * kLinksPerKey + j) * 2] = {x, found[j].second};
-          edges[(i * kLinksPerKey + j) * 2 + 1] = {found[j].second, x};
-        }
-      }
-    }
-    edges.erase(std::remove_if(edges.begin(), edges.end(), [](const Edge& e) { return e.from < 0; }),
-                edges.end());
-    MergeEdges(keys, &edges);
+    LinkByOwnSearch(keys, unreachable);
     unreachable = unreachable_nodes();
   }
   *still_unreachable = static_cast<int64_t>(unreachable.size());
@@ -420,36 +490,9 @@ void GraphIndex::LinkTail(const VectorSet& keys, const VectorSet& recent_queries
   const int64_t end = size_;
   const int64_t tail = end - begin;
   const int degree = params_.max_degree;
-  // Per new key, 2 * degree slots: the linked keys its own search finds, then its nearest
-  // (L2) fellow tail keys, scored exactly since the tail is small.
-  std::vector<Edge> edges(static_cast<size_t>(tail) * 2 * degree, Edge{-1, -1});
-#pragma omp parallel
-  {
-    std::vector<std::pair<float, int32_t>> found;
-    std::vector<float> closeness(tail);
-    std::vector<int32_t> positions;
-    SearchStats ignored;
-#pragma omp for schedule(dynamic, 8)
-    for (int64_t i = 0; i < tail; ++i) {
-      const int32_t x = static_cast<int32_t>(begin + i);
-      Edge* slot = edges.data() + i * 2 * degree;
-      SearchGraph(keys, keys.row(x), degree, &found, &ignored);
-      for (size_t j = 0; j < found.size(); ++j) slot[j] = {x, found[j].second};
-      for (int64_t t = 0; t < tail; ++t) {
-        closeness[t] = t == i ? -std::numeric_limits<float>::infinity()
-                              : -KeyDistance(keys, x, static_cast<int32_t>(begin + t));
-      }
-      cpu::TopKPositions(closeness, static_cast<int>(std::min<int64_t>(degree, tail - 1)),
-                         &positions);
-      for (size_t j = 0; j < positions.size(); ++j) {
-        slot[degree + j] = {x, static_cast<int32_t>(begin + positions[j])};
-      }
-    }
-  }
-  edges.erase(std::remove_if(edges.begin(), edges.end(), [](const Edge& e) { return e.from < 0; }),
-              edges.end());
   // Projection by the recent queries, now that their top-k may include new keys: a query's
-  // pivot (its best key) links to its other top keys where either end is new.
+  // pivot (its best key) links to its other top keys where either end is new. (Searched before
+  // the new keys join the graph, while they are still scanned exactly.)
   const int build_k = static_cast<int>(std::min<int64_t>(params_.build_topk, size_));
   std::vector<std::vector<Edge>> projected(recent_queries.count);
 #pragma omp parallel for schedule(dynamic, 1)
@@ -462,15 +505,43 @@ void GraphIndex::LinkTail(const VectorSet& keys, const VectorSet& recent_queries
       if (pivot >= begin || result.ids[j] >= begin) projected[i].push_back({pivot, result.ids[j]});
     }
   }
+  // Each new key's nearest (L2) fellow tail keys, scored exactly since the tail is small.
+  std::vector<Edge> edges(static_cast<size_t>(tail) * degree, Edge{-1, -1});
+#pragma omp parallel
+  {
+    std::vector<float> closeness(tail);
+    std::vector<int32_t> positions;
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t i = 0; i < tail; ++i) {
+      const int32_t x = static_cast<int32_t>(begin + i);
+      for (int64_t t = 0; t < tail; ++t) {
+        closeness[t] = t == i ? -std::numeric_limits<float>::infinity()
+                              : -KeyDistance(keys, x, static_cast<int32_t>(begin + t));
+      }
+      cpu::TopKPositions(closeness, static_cast<int>(std::min<int64_t>(degree, tail - 1)),
+                         &positions);
+      for (size_t j = 0; j < positions.size(); ++j) {
+        edges[i * degree + j] = {x, static_cast<int32_t>(begin + positions[j])};
+      }
+    }
+  }
+  edges.erase(std::remove_if(edges.begin(), edges.end(), [](const Edge& e) { return e.from < 0; }),
+              edges.end());
   for (const std::vector<Edge>& p : projected) edges.insert(edges.end(), p.begin(), p.end());
   // Token neighbors, including the last linked key.
   for (int64_t t = std::max<int64_t>(begin, 1); t < end; ++t) {
     edges.push_back({static_cast<int32_t>(t - 1), static_cast<int32_t>(t)});
   }
-  // Every edge also goes the other way, so that searches reach the new keys.
+  // Every edge also goes the other way.
   const size_t forward = edges.size();
   for (size_t i = 0; i < forward; ++i) edges.push_back({edges[i].to, edges[i].from});
 
+  if (key_mean_.empty()) {  // built over no keys: the first tail sets the mean
+    key_mean_.assign(keys.dim, 0.0f);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int j = 0; j < keys.dim; ++j) key_mean_[j] += keys.row(t)[j] / static_cast<float>(tail);
+    }
+  }
   Reserve(end);
   linked_ = end;
   if (entry_ < 0) {
@@ -481,6 +552,11 @@ void GraphIndex::LinkTail(const VectorSet& keys, const VectorSet& recent_queries
     }
   }
   MergeEdges(keys, &edges);
+  // Last, the new keys' own searches over the graph they are now part of, with kept edges in:
+  // what keeps each new key findable.
+  std::vector<int32_t> nodes(tail);
+  for (int64_t i = 0; i < tail; ++i) nodes[i] = static_cast<int32_t>(begin + i);
+  LinkByOwnSearch(keys, nodes);
 }
 
 }  // namespace kvrecall

@@ -39,15 +39,17 @@ struct GraphBuildStats {
 //      that are not occluded (a candidate closer to an already kept neighbor than to the node
 //      is dropped, keeping edges that leave in different directions), then fills up with the
 //      closest remaining ones;
-//   5. connectivity: keys not reachable from the entry point (the key with the highest score
-//      for the mean sampled query) are searched for with themselves as the query and linked
-//      both ways to what the search finds.
+//   5. outliers: the keys farthest from the mean key (1%), which can win a query that no prefill
+//      query resembled (a needle), are searched for with themselves (minus the mean key) as
+//      the query and linked both ways to the best keys found, and so are any keys not reachable
+//      from the entry point (the key with the highest score for the mean sampled query; the
+//      token chain makes these rare).
 // Search: best-first beam search over the graph from the entry point with a candidate list of
 // `list_size`, plus an exact scan of the tail (keys added but not linked yet).
 // Growth: Add puts keys in the tail; when it holds `link_threshold` keys, each is linked to its
-// token neighbors, to the keys its own search finds, to its nearest fellow tail keys, and,
-// projection-style, to the pivots of the recent queries whose top-k now includes it; the edges'
-// targets get reverse edges. Nothing is rebuilt.
+// token neighbors, to the keys its own (centered) search finds, to its nearest fellow tail keys,
+// and, projection-style, to the pivots of the recent queries whose top-k now includes it; the
+// edges' targets get reverse edges. Nothing is rebuilt.
 class GraphIndex : public KeyIndex {
  public:
   // params: zeros take the defaults (GraphIndexParams::WithDefaults).
@@ -74,6 +76,9 @@ class GraphIndex : public KeyIndex {
   struct Edge {
     int32_t from;
     int32_t to;
+    // A kept edge survives pruning at `from` (it displaces an unkept neighbor): the edges that
+    // keep keys reachable (token chain, links to new or repaired keys) are kept.
+    bool keep = false;
   };
 
   // Beam search over the linked keys only; `list` receives the candidates found, best first,
@@ -85,6 +90,14 @@ class GraphIndex : public KeyIndex {
   void MergeEdges(const VectorSet& keys, std::vector<Edge>* edges);
   // Adds v->u for every edge u->v of the nodes [begin, end).
   void AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end);
+  // Links each of `nodes` both ways to the best keys its own (centered) search finds, the edges
+  // into it kept.
+  void LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes);
+  // LinkByOwnSearch for the 1% of the keys farthest from the mean key (64 to 4096 keys).
+  void LinkOutliers(const VectorSet& keys);
+  // key(node) - key_mean_: a key's own search looks along what sets it apart, not along the
+  // offset that all keys share.
+  void CenteredKey(const VectorSet& keys, int32_t node, float* out) const;
   // Links keys unreachable from the entry point; returns how many it linked.
   int64_t RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable);
   // Links the tail [linked_, size_) into the graph.
@@ -100,6 +113,7 @@ class GraphIndex : public KeyIndex {
   std::vector<int32_t> adjacency_;  // [capacity, max_degree]; row i holds degree_[i] ids
   std::vector<uint16_t> degree_;
   int32_t entry_ = -1;              // -1 while no key is linked
+  std::vector<float> key_mean_;     // [dim]: mean of the keys at build time
   GraphBuildStats build_stats_;
 };
 

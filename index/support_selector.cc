@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "index/basic_selectors.h"
+#include "index/index_selector.h"
 #include "index/retopk.h"
 
 namespace kvrecall {
@@ -85,7 +86,7 @@ absl::StatusOr<std::unique_ptr<SupportSelector>> MakeSelector(const SelectorPara
     case SelectorKind::kReTopK:
       return std::make_unique<ReTopKSelector>(shape, params.top_k, params.retopk);
     case SelectorKind::kIndex:
-      break;
+      return std::make_unique<IndexSelector>(shape, params);
   }
   return absl::UnimplementedError(
       absl::StrCat("selector '", SelectorKindName(params.kind), "' is not available yet"));

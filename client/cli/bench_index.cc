@@ -1,0 +1,349 @@
+// `kvrecall bench-index --trace FILE [--k 100] [--lists 100,200,...] [--json]`: the index
+// benchmark of issue 4. Per layer and query head it indexes the trace's prefill keys (the bulk
+// [--sinks, T - --recent) as the index selector would; everything by default) with the query-
+// aware graph (built from the head's prefill queries), hnswlib (keys only, one per KV head) and
+// the flat scan, searches with the trace's decode queries, and prints, per method, recall@k
+// against the exact top-k over the same keys and the fraction of keys scored, as a curve over
+// the search-list size, plus build time and memory. Figures are averaged over layers, heads and
+// decode steps.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/flags/declare.h"
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "client/cli/common.h"
+#include "client/cli/subcommands.h"
+#include "client/trace/trace.h"
+#include "index/flat_index.h"
+#include "index/graph_index.h"
+#include "index/hnsw_index.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/fidelity.h"
+#include "nlohmann/json.hpp"
+
+// Shared with replay and the policy flags.
+ABSL_DECLARE_FLAG(std::string, trace);
+ABSL_DECLARE_FLAG(int32_t, k);
+ABSL_DECLARE_FLAG(int32_t, sinks);
+ABSL_DECLARE_FLAG(int32_t, recent);
+ABSL_DECLARE_FLAG(int32_t, build_queries);
+ABSL_DECLARE_FLAG(int32_t, build_topk);
+ABSL_DECLARE_FLAG(int32_t, max_degree);
+
+ABSL_FLAG(std::string, lists, "100,150,200,300,500,800,1200",
+          "bench-index: search-list sizes of the recall curve (graph list, hnsw ef)");
+ABSL_FLAG(std::string, methods, "graph,hnsw,flat", "bench-index: methods to measure");
+ABSL_FLAG(std::string, index_layers, "", "bench-index: layers to measure, e.g. 0,3 (empty: all)");
+ABSL_FLAG(int32_t, hnsw_m, 16, "bench-index: hnswlib M");
+ABSL_FLAG(int32_t, hnsw_ef_construction, 200, "bench-index: hnswlib ef_construction");
+
+namespace kvrecall::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+absl::StatusOr<std::vector<int>> ParseInts(const std::string& flag, const std::string& text) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int value;
+    if (!absl::SimpleAtoi(part, &value) || value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, " takes non-negative integers separated by commas, got '",
+                       text, "'"));
+    }
+    out.push_back(value);
+  }
+  return out;
+}
+
+// One curve point summed over (layer, head, step) samples.
+struct PointSums {
+  double recall = 0, scanned = 0, hops = 0, seconds = 0;
+  int64_t samples = 0;
+};
+
+struct MethodSums {
+  std::vector<PointSums> points;
+  double build_seconds = 0;
+  int64_t memory_bytes = 0;
+  int64_t indexes = 0;
+  GraphBuildStats graph_stats;  // summed, graph only
+};
+
+// The data of one layer, as f32.
+struct LayerData {
+  std::vector<float> prefill_q, prefill_k, decode_q;
+};
+
+class IndexBench {
+ public:
+  IndexBench(const Trace& trace, int k, int64_t sinks, int64_t recent, std::vector<int> lists)
+      : trace_(trace), g_(trace.geometry()), k_(k), lists_(std::move(lists)) {
+    key_begin_ = std::min<int64_t>(sinks, g_.context);
+    key_end_ = std::max<int64_t>(key_begin_, g_.context - recent);
+  }
+
+  int64_t keys() const { return key_end_ - key_begin_; }
+
+  absl::Status RunLayer(int layer, const std::vector<std::string>& methods,
+                        const GraphIndexParams& graph_params, const HnswParams& hnsw_params) {
+    LayerData data;
+    for (auto [phase, tensor, out] :
+         {std::tuple{TracePhase::kPrefill, TraceTensor::kQ, &data.prefill_q},
+          std::tuple{TracePhase::kPrefill, TraceTensor::kK, &data.prefill_k},
+          std::tuple{TracePhase::kDecode, TraceTensor::kQ, &data.decode_q}}) {
+      absl::StatusOr<std::vector<float>> read = trace_.Read(layer, phase, tensor);
+      if (!read.ok()) return read.status();
+      *out = std::move(*read);
+    }
+    const KvView kv{data.prefill_k.data(), nullptr, g_.context, g_.kv_heads, g_.head_dim};
+    const int64_t q_stride = static_cast<int64_t>(g_.q_heads) * g_.head_dim;
+    const int group = g_.q_heads / g_.kv_heads;
+
+    // Ground truth: the exact top-k of every (head, step) over the same keys.
+    std::vector<std::vector<int32_t>> exact(g_.q_heads * g_.decode_steps);
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t i = 0; i < static_cast<int64_t>(exact.size()); ++i) {
+      const int h = static_cast<int>(i / g_.decode_steps);
+      const int64_t step = i % g_.decode_steps;
+      const VectorSet keys = KeySet(kv, h / group);
+      cpu::ExactTopK(data.decode_q.data() + step * q_stride + h * g_.head_dim,
+                     keys.AsKeyView(), 0, 1.0f, k_, &exact[i]);
+    }
+
+    for (const std::string& method : methods) {
+      // Query-agnostic indexes are built once per KV head and shared by its query heads.
+      const bool per_kv_head = method != "graph";
+      const int index_count = per_kv_head ? g_.kv_heads : g_.q_heads;
+      std::vector<std::unique_ptr<KeyIndex>> indexes;
+      const Clock::time_point build_start = Clock::now();
+      for (int i = 0; i < index_count; ++i) {
+        std::unique_ptr<KeyIndex> index;
+        if (method == "graph") {
+          index = std::make_unique<GraphIndex>(graph_params);
+        } else if (method == "hnsw") {
+          index = std::make_unique<HnswIndex>(hnsw_params);
+        } else {
+          index = std::make_unique<FlatIndex>();
+        }
+        BuildQueries queries;
+        if (!per_kv_head) {
+          queries.queries = VectorSet{data.prefill_q.data() + i * g_.head_dim, g_.context,
+                                      q_stride, g_.head_dim};
+          queries.causal = true;
+          queries.first_key_position = key_begin_;
+        }
+        if (absl::Status s = index->Build(KeySet(kv, per_kv_head ? i : i / group), queries);
+            !s.ok()) {
+          return s;
+        }
+        indexes.push_back(std::move(index));
+      }
+      MethodSums& sums = sums_[method];
+      sums.build_seconds += SecondsSince(build_start);
+      for (const auto& index : indexes) {
+        sums.memory_bytes += index->MemoryBytes();
+        ++sums.indexes;
+        if (method == "graph") {
+          const GraphBuildStats& s = static_cast<const GraphIndex&>(*index).build_stats();
+          sums.graph_stats.build_queries += s.build_queries;
+          sums.graph_stats.covered_keys += s.covered_keys;
+          sums.graph_stats.repaired_keys += s.repaired_keys;
+          sums.graph_stats.unreachable_keys += s.unreachable_keys;
+          sums.graph_stats.average_degree += s.average_degree;
+          sums.graph_stats.topk_seconds += s.topk_seconds;
+          sums.graph_stats.graph_seconds += s.graph_seconds;
+        }
+      }
+
+      const std::vector<int> flat_lists = {0};
+      const std::vector<int>& lists = method == "flat" ? flat_lists : lists_;
+      sums.points.resize(lists.size());
+      for (size_t p = 0; p < lists.size(); ++p) {
+        double recall = 0, scanned = 0, hops = 0, seconds = 0;
+#pragma omp parallel reduction(+ : recall, scanned, hops, seconds)
+        {
+          std::vector<uint8_t> marks;
+          SearchResult result;
+#pragma omp for schedule(dynamic, 4)
+          for (int64_t i = 0; i < static_cast<int64_t>(exact.size()); ++i) {
+            const int h = static_cast<int>(i / g_.decode_steps);
+            const int64_t step = i % g_.decode_steps;
+            const int kv_head = h / group;
+            const KeyIndex& index = *indexes[per_kv_head ? kv_head : h];
+            const Clock::time_point start = Clock::now();
+            index.Search(KeySet(kv, kv_head),
+                         data.decode_q.data() + step * q_stride + h * g_.head_dim, k_,
+                         SearchParams{lists[p]}, &result);
+            seconds += SecondsSince(start);
+            recall += SupportRecall(result.ids, exact[i], keys(), &marks);
+            scanned += static_cast<double>(result.stats.scored) / keys();
+            hops += static_cast<double>(result.stats.hops);
+          }
+        }
+        PointSums& total = sums.points[p];
+        total.recall += recall;
+        total.scanned += scanned;
+        total.hops += hops;
+        total.seconds += seconds;
+        total.samples += static_cast<int64_t>(exact.size());
+      }
+      sums_lists_[method] = lists;
+    }
+    ++layers_;
+    return absl::OkStatus();
+  }
+
+  nlohmann::json Report(const std::vector<std::string>& methods) const {
+    nlohmann::json out;
+    for (const std::string& method : methods) {
+      const MethodSums& sums = sums_.at(method);
+      const std::vector<int>& lists = sums_lists_.at(method);
+      nlohmann::json points = nlohmann::json::array();
+      for (size_t p = 0; p < lists.size(); ++p) {
+        const PointSums& s = sums.points[p];
+        points.push_back({{"list_size", lists[p]},
+                          {"recall", s.recall / s.samples},
+                          {"scanned_fraction", s.scanned / s.samples},
+                          {"hops", s.hops / s.samples},
+                          {"search_microseconds", 1e6 * s.seconds / s.samples}});
+      }
+      nlohmann::json m = {{"points", points},
+                          {"build_seconds", sums.build_seconds},
+                          {"build_seconds_per_layer", sums.build_seconds / layers_},
+                          {"memory_bytes", sums.memory_bytes},
+                          {"memory_bytes_per_layer", sums.memory_bytes / layers_},
+                          {"indexes", sums.indexes}};
+      if (method == "graph") {
+        const GraphBuildStats& s = sums.graph_stats;
+        const double n = static_cast<double>(sums.indexes);
+        m["graph"] = {{"build_queries_per_head", s.build_queries / n},
+                      {"covered_key_fraction", s.covered_keys / n / keys()},
+                      {"repaired_keys_per_head", s.repaired_keys / n},
+                      {"unreachable_keys", s.unreachable_keys},
+                      {"average_degree", s.average_degree / n},
+                      {"topk_seconds", s.topk_seconds},
+                      {"graph_seconds", s.graph_seconds}};
+      }
+      out[method] = m;
+    }
+    return out;
+  }
+
+  int layers() const { return layers_; }
+
+ private:
+  VectorSet KeySet(const KvView& kv, int kv_head) const {
+    return VectorSet::KeysOf(kv, kv_head, key_begin_, key_end_);
+  }
+
+  const Trace& trace_;
+  TraceGeometry g_;
+  int k_;
+  std::vector<int> lists_;
+  int64_t key_begin_ = 0;
+  int64_t key_end_ = 0;
+  int layers_ = 0;
+  std::map<std::string, MethodSums> sums_;
+  std::map<std::string, std::vector<int>> sums_lists_;
+};
+
+}  // namespace
+
+int RunBenchIndex(const std::vector<char*>& args) {
+  if (!args.empty()) return UsageError("bench-index", "takes no arguments, only flags");
+  const std::string path = absl::GetFlag(FLAGS_trace);
+  if (path.empty()) return UsageError("bench-index", "--trace FILE is required");
+  const int k = absl::GetFlag(FLAGS_k) > 0 ? absl::GetFlag(FLAGS_k) : 100;
+  absl::StatusOr<std::vector<int>> lists = ParseInts("lists", absl::GetFlag(FLAGS_lists));
+  if (!lists.ok()) return UsageError("bench-index", lists.status().message());
+  std::vector<std::string> methods = absl::StrSplit(absl::GetFlag(FLAGS_methods), ',',
+                                                    absl::SkipEmpty());
+  for (const std::string& m : methods) {
+    if (m != "graph" && m != "hnsw" && m != "flat") {
+      return UsageError("bench-index", absl::StrCat("--methods: unknown method '", m,
+                                                    "' (graph, hnsw, flat)"));
+    }
+  }
+  absl::StatusOr<Trace> trace = Trace::Open(path);
+  if (!trace.ok()) return ReportError("bench-index", trace.status());
+  const TraceGeometry& g = trace->geometry();
+  std::vector<int> layers;
+  if (absl::GetFlag(FLAGS_index_layers).empty()) {
+    for (int l = 0; l < g.layers; ++l) layers.push_back(l);
+  } else {
+    absl::StatusOr<std::vector<int>> chosen =
+        ParseInts("index_layers", absl::GetFlag(FLAGS_index_layers));
+    if (!chosen.ok()) return UsageError("bench-index", chosen.status().message());
+    layers = *chosen;
+    for (int l : layers) {
+      if (l >= g.layers) {
+        return UsageError("bench-index", absl::StrCat("--index_layers: the trace has ",
+                                                      g.layers, " layers, got ", l));
+      }
+    }
+  }
+  if (g.decode_steps == 0) return UsageError("bench-index", "the trace has no decode steps");
+
+  GraphIndexParams graph_params;
+  graph_params.build_queries = absl::GetFlag(FLAGS_build_queries);
+  graph_params.build_topk = absl::GetFlag(FLAGS_build_topk);
+  graph_params.max_degree = absl::GetFlag(FLAGS_max_degree);
+  graph_params = graph_params.WithDefaults();
+  HnswParams hnsw_params;
+  hnsw_params.m = absl::GetFlag(FLAGS_hnsw_m);
+  hnsw_params.ef_construction = absl::GetFlag(FLAGS_hnsw_ef_construction);
+
+  IndexBench bench(*trace, k, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent), *lists);
+  if (bench.keys() < k) {
+    return UsageError("bench-index", absl::StrCat("only ", bench.keys(), " keys to index for k=", k));
+  }
+  TerminalProgress progress;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    progress.Update("bench-index", static_cast<double>(i) / layers.size(),
+                    absl::StrFormat("layer %d", layers[i]));
+    if (absl::Status s = bench.RunLayer(layers[i], methods, graph_params, hnsw_params); !s.ok()) {
+      progress.Done();
+      return ReportError("bench-index", s);
+    }
+  }
+  progress.Done();
+  const nlohmann::json report = {
+      {"trace", path},
+      {"k", k},
+      {"keys", bench.keys()},
+      {"context", g.context},
+      {"decode_steps", g.decode_steps},
+      {"layers", layers},
+      {"q_heads", g.q_heads},
+      {"kv_heads", g.kv_heads},
+      {"head_dim", g.head_dim},
+      {"threads", omp_get_max_threads()},
+      {"graph_params",
+       {{"build_queries", graph_params.build_queries},
+        {"build_topk", graph_params.build_topk},
+        {"max_degree", graph_params.max_degree}}},
+      {"hnsw_params", {{"m", hnsw_params.m}, {"ef_construction", hnsw_params.ef_construction}}},
+      {"methods", bench.Report(methods)},
+  };
+  std::printf("%s\n", report.dump(absl::GetFlag(FLAGS_json) ? -1 : 2).c_str());
+  return 0;
+}
+
+}  // namespace kvrecall::cli

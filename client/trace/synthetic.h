@@ -1,0 +1,123 @@
+// A generator of synthetic replay traces with the statistics that make sparse attention hard
+// (DESIGN.md, "A real workload"), for contexts (64K-1M tokens) and needle tests that the real
+// tinylm cannot reach.
+//
+// The model, per layer and KV head (every vector is head_dim long; the first rotary_dims are
+// rotated by RoPE at the token's position, the rest are not, as in partial-rotary models):
+//  * the prompt is a run of segments (mean `mean_segment` tokens), each on one of `topics` latent
+//    topics (Zipf-distributed); a key carries its topic's direction, plus noise;
+//  * queries and keys come from different distributions: keys carry a large common offset and
+//    large "nuisance" noise in dimensions that queries do not use, so the keys nearest to a key
+//    say little about which keys a query scores highest (Q->K is out of distribution);
+//  * attention sinks: the first `sinks` tokens have keys along a direction that every query
+//    shares a component of, so they collect softmax mass from every query;
+//  * RoPE recency: queries and keys share a component in mid-frequency rotary pairs, so nearby
+//    tokens score higher and the bonus fades over hundreds of tokens;
+//  * prefill queries mostly attend their own segment's topic and sometimes an earlier one;
+//    decode queries drift: their topic moves to a new one every `drift_period` steps,
+//    interpolating between the two;
+//  * needles: `needles` prompt positions get a key (and a distinctive value) along a direction
+//    of their own that no prefill query uses; one decode step per needle asks for it strongly,
+//    making the needle that query's highest-scoring key in every layer and head.
+// Query heads of a KV group share its key space but attend differently: each head has its own
+// share of own-topic versus earlier-topic queries and its own decode drift. Everything is a
+// pure function of (params, layer, row), so any rows can be generated in any order.
+#ifndef KVRECALL_CLIENT_TRACE_SYNTHETIC_H_
+#define KVRECALL_CLIENT_TRACE_SYNTHETIC_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "client/trace/trace.h"
+
+namespace kvrecall {
+
+struct SyntheticTraceParams {
+  int layers = 1;
+  int q_heads = 8;
+  int kv_heads = 2;
+  int head_dim = 64;
+  int64_t context = 65536;      // prompt tokens (T)
+  int64_t decode_steps = 256;   // N
+  uint64_t seed = 1;
+  int sinks = 4;                // attention-sink tokens at the start of the prompt
+  int topics = 64;
+  int mean_segment = 512;       // mean tokens per topic segment of the prompt
+  int drift_period = 32;        // decode steps between topic changes
+  int needles = 8;              // placed in the prompt's middle 90%, asked for by decode steps
+  int rotary_dims = 32;         // leading dims under RoPE (even, < head_dim)
+  double rope_base = 500000.0;
+  v1::DType dtype = v1::DTYPE_BF16;  // of the written file
+
+  // INVALID_ARGUMENT naming the field when out of its domain.
+  absl::Status Validate() const;
+};
+
+// A planted key/value pair and the decode step whose queries must find it.
+struct Needle {
+  int64_t position = 0;     // prompt token holding the needle's key and value
+  int64_t decode_step = 0;  // decode step (0-based) whose queries ask for it
+};
+
+class SyntheticTrace {
+ public:
+  // INVALID_ARGUMENT from params.Validate().
+  static absl::StatusOr<SyntheticTrace> Create(const SyntheticTraceParams& params);
+
+  const SyntheticTraceParams& params() const { return params_; }
+  TraceGeometry geometry() const;
+  const std::vector<Needle>& needles() const { return needles_; }
+  // Topic of each prompt token (0 for sinks), for tests.
+  const std::vector<int32_t>& prompt_topics() const { return prompt_topics_; }
+  // The trace's __metadata__: "source", "generator", "seed", "sinks", "rotary_dims",
+  // "rope_base" and "needles" (a JSON list of {"position", "decode_step"} objects).
+  std::map<std::string, std::string> Metadata() const;
+
+  // Rows [row_begin, row_begin + rows) of one tensor as f32, [rows, heads, head_dim] into out
+  // (prefill rows are prompt positions, decode rows are steps).
+  void GenerateRows(int layer, TracePhase phase, TraceTensor tensor, int64_t row_begin,
+                    int64_t rows, float* out) const;
+
+  // Writes the whole trace to `path` in params.dtype, generating it in bounded chunks.
+  absl::Status Write(const std::string& path) const;
+
+ private:
+  // Directions of one (layer, KV head): every vector head_dim long.
+  struct KeySpace {
+    std::vector<float> sink;       // shared by the sink keys and (weakly) every query
+    std::vector<float> offset;     // common to all keys, unused by queries
+    std::vector<float> recency;    // rotary component shared by queries and keys
+    std::vector<float> topics;     // [topics, head_dim]
+    std::vector<float> needles;    // [needles, head_dim]
+    std::vector<float> values;     // [topics, head_dim]: value centre per topic
+  };
+
+  explicit SyntheticTrace(const SyntheticTraceParams& params) : params_(params) {}
+  const KeySpace& space(int layer, int kv_head) const {
+    return spaces_[layer * params_.kv_heads + kv_head];
+  }
+  void KeyRow(int layer, int kv_head, int64_t position, int32_t topic, int needle,
+              uint64_t stream, float* out) const;
+  void ValueRow(int layer, int kv_head, int32_t topic, int needle, uint64_t stream,
+                float* out) const;
+  void QueryRow(int layer, int q_head, TracePhase phase, int64_t row, uint64_t stream,
+                float* out) const;
+  void ApplyRope(int64_t position, float* v) const;
+
+  SyntheticTraceParams params_;
+  std::vector<KeySpace> spaces_;          // [layers * kv_heads]
+  std::vector<int32_t> prompt_topics_;    // [context]
+  // [q_heads, decode_steps / drift_period + 2]: a head's topic in each drift period.
+  std::vector<int32_t> decode_topics_;
+  std::vector<Needle> needles_;
+  std::vector<int32_t> needle_at_position_;  // [context]: needle index or -1
+  std::vector<int32_t> needle_at_step_;      // [decode_steps]: needle index or -1
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_CLIENT_TRACE_SYNTHETIC_H_

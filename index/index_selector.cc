@@ -1,0 +1,113 @@
+#include "index/index_selector.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "index/basic_selectors.h"
+
+namespace kvrecall {
+
+IndexSelector::IndexSelector(const LayerShape& shape, const SelectorParams& params)
+    : shape_(shape),
+      top_k_(params.top_k),
+      sinks_(params.sinks),
+      recent_(params.recent),
+      index_params_(params.index.WithDefaults()) {
+  heads_.reserve(shape.q_heads);
+  for (int h = 0; h < shape.q_heads; ++h) heads_.emplace_back(index_params_);
+}
+
+int64_t IndexSelector::BulkEnd(int64_t tokens) const {
+  return std::max<int64_t>(sinks_, tokens - recent_);
+}
+
+VectorSet IndexSelector::BulkKeys(const KvView& kv, int kv_head, int64_t end) const {
+  if (end <= sinks_) return VectorSet{kv.keys, 0, kv.token_stride(), kv.head_dim};
+  return VectorSet::KeysOf(kv, kv_head, sinks_, end);
+}
+
+VectorSet IndexSelector::RecentQueries(const Head& head) const {
+  const int64_t held = std::min<int64_t>(head.queries_seen, kRecentQueries);
+  return VectorSet{head.recent_queries.data(), held, shape_.head_dim, shape_.head_dim};
+}
+
+absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries) {
+  if (kv.head_dim != shape_.head_dim || kv.kv_heads != shape_.kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "index selector built for kv_heads=", shape_.kv_heads, " head_dim=", shape_.head_dim,
+        " got a KV of kv_heads=", kv.kv_heads, " head_dim=", kv.head_dim));
+  }
+  const int64_t bulk_end = BulkEnd(kv.tokens);
+  const int64_t query_stride = static_cast<int64_t>(shape_.q_heads) * shape_.head_dim;
+  // Heads one after another: each build is parallel inside (query blocks, nodes).
+  for (int h = 0; h < shape_.q_heads; ++h) {
+    Head& head = heads_[h];
+    const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
+    BuildQueries queries;
+    queries.queries =
+        VectorSet{prompt_queries + h * shape_.head_dim, kv.tokens, query_stride, shape_.head_dim};
+    queries.causal = true;
+    queries.first_key_position = sinks_;
+    if (absl::Status s = head.index.Build(BulkKeys(kv, kv_head, bulk_end),
+                                          queries);
+        !s.ok()) {
+      return s;
+    }
+    head.recent_queries.assign(static_cast<size_t>(kRecentQueries) * shape_.head_dim, 0.0f);
+    head.queries_seen = 0;
+  }
+  return absl::OkStatus();
+}
+
+void IndexSelector::OnAppend(const KvView& kv) {
+  const int64_t bulk_end = BulkEnd(kv.tokens);
+  for (int h = 0; h < shape_.q_heads; ++h) {
+    Head& head = heads_[h];
+    if (sinks_ + head.index.size() >= bulk_end) continue;
+    const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
+    // Add fails only for a key set smaller than the index's; Select then attends the
+    // unindexed bulk tokens directly, so the output stays exact for them.
+    (void)head.index.Add(BulkKeys(kv, kv_head, bulk_end), RecentQueries(head));
+  }
+}
+
+void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {
+  Head& head = heads_[q_head];
+  const int kv_head = KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads);
+  const int64_t bulk_end = BulkEnd(kv.tokens);
+  const int64_t indexed = std::min<int64_t>(head.index.size(), bulk_end - sinks_);
+  out->support.clear();
+  AppendStaticSet(kv.tokens, sinks_, recent_, &out->support);
+  out->path = SelectionPath::kExact;
+  out->candidates = 0;
+  if (indexed > 0) {
+    SearchParams params;
+    params.list_size = index_params_.search_list_size;
+    thread_local SearchResult result;
+    head.index.Search(BulkKeys(kv, kv_head, sinks_ + head.index.size()), q,
+                      top_k_, params, &result);
+    for (int32_t id : result.ids) {
+      if (id < indexed) out->support.push_back(static_cast<int32_t>(sinks_ + id));
+    }
+    out->candidates = static_cast<int32_t>(result.stats.scored);
+  }
+  for (int64_t t = sinks_ + indexed; t < bulk_end; ++t) {
+    out->support.push_back(static_cast<int32_t>(t));
+  }
+  // Remember the query for placing the keys that join the bulk later.
+  float* slot = head.recent_queries.data() +
+                (head.queries_seen % kRecentQueries) * static_cast<int64_t>(shape_.head_dim);
+  std::copy(q, q + shape_.head_dim, slot);
+  ++head.queries_seen;
+}
+
+int64_t IndexSelector::MemoryBytes() const {
+  int64_t bytes = 0;
+  for (const Head& head : heads_) {
+    bytes += head.index.MemoryBytes() +
+             static_cast<int64_t>(head.recent_queries.capacity() * sizeof(float));
+  }
+  return bytes;
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,60 @@
+// The RetrievalAttention policy as a support selector for the CPU placement: every head attends
+// to the static set (attention sinks + the recent window) and to the top-K keys of the bulk (the
+// tokens in between) that its query-aware graph index finds.
+#ifndef KVRECALL_INDEX_INDEX_SELECTOR_H_
+#define KVRECALL_INDEX_INDEX_SELECTOR_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "index/graph_index.h"
+#include "index/support_selector.h"
+
+namespace kvrecall {
+
+// Per query head: a GraphIndex over its KV head's bulk keys [sinks, tokens - recent), read in
+// place from the layer's KV, built from the head's prompt queries (causally: a prompt query saw
+// only the keys before it). Tokens that leave the recent window as decode appends tokens join the
+// bulk through GraphIndex::Add (a tail scanned exactly until linked), with the head's latest
+// decode queries to place them. The support is the static set plus the index's top `top_k`
+// bulk tokens; bulk tokens the index does not hold yet are attended to directly.
+class IndexSelector : public SupportSelector {
+ public:
+  // params.index zeros take GraphIndexParams defaults.
+  IndexSelector(const LayerShape& shape, const SelectorParams& params);
+
+  absl::Status Build(const KvView& kv, const float* prompt_queries) override;
+  void OnAppend(const KvView& kv) override;
+  void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
+  int64_t MemoryBytes() const override;
+
+  const GraphIndex& head_index(int q_head) const { return heads_[q_head].index; }
+
+ private:
+  // Decode queries a head keeps for linking new bulk keys.
+  static constexpr int kRecentQueries = 32;
+
+  struct Head {
+    explicit Head(const GraphIndexParams& params) : index(params) {}
+    GraphIndex index;
+    std::vector<float> recent_queries;  // ring of [kRecentQueries, head_dim]
+    int64_t queries_seen = 0;
+  };
+
+  // The first token after the bulk for a layer of `tokens` tokens.
+  int64_t BulkEnd(int64_t tokens) const;
+  // Keys [sinks, end) of a KV head (an empty set when end <= sinks).
+  VectorSet BulkKeys(const KvView& kv, int kv_head, int64_t end) const;
+  VectorSet RecentQueries(const Head& head) const;
+
+  LayerShape shape_;
+  int top_k_;
+  int sinks_;
+  int recent_;
+  GraphIndexParams index_params_;
+  std::vector<Head> heads_;
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_INDEX_INDEX_SELECTOR_H_

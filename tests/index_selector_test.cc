@@ -1,0 +1,213 @@
+#include "index/index_selector.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "client/trace/synthetic.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "index/basic_selectors.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/fidelity.h"
+
+namespace kvrecall {
+namespace {
+
+using ::testing::IsSupersetOf;
+
+// One layer of a synthetic trace (sinks, recency, topics, queries out of distribution for the
+// keys), its prompt and decode steps held as f32 with room for the decode tokens.
+struct Layer {
+  explicit Layer(const SyntheticTraceParams& params) : trace(*SyntheticTrace::Create(params)) {
+    const TraceGeometry g = trace.geometry();
+    const int64_t total = g.context + g.decode_steps;
+    const int64_t kv_row = static_cast<int64_t>(g.kv_heads) * g.head_dim;
+    const int64_t q_row = static_cast<int64_t>(g.q_heads) * g.head_dim;
+    keys.resize(total * kv_row);
+    values.resize(total * kv_row);
+    prompt_q.resize(g.context * q_row);
+    decode_q.resize(g.decode_steps * q_row);
+    trace.GenerateRows(0, TracePhase::kPrefill, TraceTensor::kK, 0, g.context, keys.data());
+    trace.GenerateRows(0, TracePhase::kPrefill, TraceTensor::kV, 0, g.context, values.data());
+    trace.GenerateRows(0, TracePhase::kPrefill, TraceTensor::kQ, 0, g.context, prompt_q.data());
+    trace.GenerateRows(0, TracePhase::kDecode, TraceTensor::kK, 0, g.decode_steps,
+                       keys.data() + g.context * kv_row);
+    trace.GenerateRows(0, TracePhase::kDecode, TraceTensor::kV, 0, g.decode_steps,
+                       values.data() + g.context * kv_row);
+    trace.GenerateRows(0, TracePhase::kDecode, TraceTensor::kQ, 0, g.decode_steps,
+                       decode_q.data());
+    shape = LayerShape{g.q_heads, g.kv_heads, g.head_dim,
+                       1.0f / std::sqrt(static_cast<float>(g.head_dim))};
+  }
+  KvView view(int64_t tokens) const {
+    return KvView{keys.data(), values.data(), tokens, shape.kv_heads, shape.head_dim};
+  }
+  const float* decode_query(int64_t step, int head) const {
+    return decode_q.data() + (step * shape.q_heads + head) * shape.head_dim;
+  }
+
+  SyntheticTrace trace;
+  LayerShape shape;
+  std::vector<float> keys, values, prompt_q, decode_q;
+};
+
+SyntheticTraceParams SmallTrace() {
+  SyntheticTraceParams p;
+  p.context = 6144;
+  p.decode_steps = 40;
+  p.q_heads = 4;
+  p.kv_heads = 2;
+  p.needles = 4;
+  p.seed = 17;
+  return p;
+}
+
+SelectorParams IndexParams(int list_size) {
+  SelectorParams params;
+  params.kind = SelectorKind::kIndex;
+  params.top_k = 64;
+  params.sinks = 16;
+  params.recent = 128;
+  params.index.build_queries = 2048;
+  params.index.search_list_size = list_size;
+  params.index.link_threshold = 16;
+  return params;
+}
+
+TEST(IndexSelectorTest, SupportIsTheStaticSetPlusTheIndexResults) {
+  const Layer layer(SmallTrace());
+  const SelectorParams params = IndexParams(128);
+  absl::StatusOr<std::unique_ptr<SupportSelector>> made = MakeSelector(params, layer.shape);
+  ASSERT_TRUE(made.ok()) << made.status();
+  auto* selector = dynamic_cast<IndexSelector*>(made->get());
+  ASSERT_NE(selector, nullptr);
+  const int64_t prompt = layer.trace.geometry().context;
+  ASSERT_TRUE(selector->Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  EXPECT_GT(selector->MemoryBytes(), 0);
+
+  const KvView kv = layer.view(prompt + 1);
+  selector->OnAppend(kv);
+  for (int h = 0; h < layer.shape.q_heads; ++h) {
+    HeadSelection selection;
+    selector->Select(h, layer.decode_query(0, h), kv, &selection);
+    std::vector<int32_t> static_set;
+    AppendStaticSet(kv.tokens, params.sinks, params.recent, &static_set);
+    // The index over the bulk [sinks, tokens - recent), searched the same way.
+    const int64_t bulk_end = kv.tokens - params.recent;
+    const GraphIndex& index = selector->head_index(h);
+    ASSERT_EQ(index.size(), bulk_end - params.sinks);
+    SearchResult result;
+    index.Search(VectorSet::KeysOf(kv, KvHeadOf(h, 4, 2), params.sinks, bulk_end),
+                 layer.decode_query(0, h), params.top_k, SearchParams{128}, &result);
+    std::vector<int32_t> expected = static_set;
+    for (int32_t id : result.ids) expected.push_back(static_cast<int32_t>(params.sinks + id));
+    std::vector<int32_t> support = selection.support;
+    std::sort(support.begin(), support.end());
+    std::sort(expected.begin(), expected.end());
+    EXPECT_EQ(support, expected) << "head " << h;
+    EXPECT_EQ(std::set<int32_t>(support.begin(), support.end()).size(), support.size());
+    EXPECT_EQ(selection.candidates, result.stats.scored);
+    EXPECT_EQ(selection.path, SelectionPath::kExact);
+  }
+}
+
+// With a generous list the index policy is the RetrievalAttention policy with an exact search:
+// its output matches that of the static set plus the exact top-K of the bulk (computed by a
+// scan), and the retrieved tokens bring it much closer to full attention than the static set
+// alone (streaming).
+TEST(IndexSelectorTest, WithAGenerousListItsOutputIsCloseToExactTopK) {
+  const Layer layer(SmallTrace());
+  const LayerShape& shape = layer.shape;
+  const SelectorParams params = IndexParams(1024);
+  std::unique_ptr<SupportSelector> selector = *MakeSelector(params, shape);
+  SelectorParams streaming_params = params;
+  streaming_params.kind = SelectorKind::kStreaming;
+  std::unique_ptr<SupportSelector> streaming = *MakeSelector(streaming_params, shape);
+  const int64_t prompt = layer.trace.geometry().context;
+  ASSERT_TRUE(selector->Build(layer.view(prompt), layer.prompt_q.data()).ok());
+
+  const int d = shape.head_dim;
+  const int steps = 40;
+  std::vector<float> o_index(shape.q_heads * d), o_oracle(shape.q_heads * d);
+  std::vector<float> o_static(shape.q_heads * d), o_full(shape.q_heads * d), lse(shape.q_heads);
+  std::vector<uint8_t> marks;
+  double worst_cosine = 1.0, bulk_recall = 0, index_error = 0, static_error = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    const KvView kv = layer.view(prompt + step + 1);
+    selector->OnAppend(kv);
+    const int64_t bulk_end = kv.tokens - params.recent;
+    std::vector<std::vector<int32_t>> index_supports(shape.q_heads),
+        oracle_supports(shape.q_heads), static_supports(shape.q_heads);
+    for (int h = 0; h < shape.q_heads; ++h) {
+      const float* q = layer.decode_query(step, h);
+      HeadSelection selection;
+      selector->Select(h, q, kv, &selection);
+      index_supports[h] = selection.support;
+      streaming->Select(h, q, kv, &selection);
+      static_supports[h] = selection.support;
+      // The exact top-K of the bulk, by a scan.
+      std::vector<int32_t> bulk_top;
+      const VectorSet bulk = VectorSet::KeysOf(kv, KvHeadOf(h, 4, 2), params.sinks, bulk_end);
+      cpu::ExactTopK(q, bulk.AsKeyView(), 0, 1.0f, params.top_k, &bulk_top);
+      for (int32_t& t : bulk_top) t += params.sinks;
+      bulk_recall += SupportRecall(index_supports[h], bulk_top, kv.tokens, &marks);
+      AppendStaticSet(kv.tokens, params.sinks, params.recent, &bulk_top);
+      oracle_supports[h] = bulk_top;
+    }
+    const float* q = layer.decode_query(step, 0);
+    cpu::MultiHeadAttention(q, shape.q_heads, kv, index_supports, shape.scale, o_index.data(),
+                            lse.data());
+    cpu::MultiHeadAttention(q, shape.q_heads, kv, oracle_supports, shape.scale, o_oracle.data(),
+                            lse.data());
+    cpu::MultiHeadAttention(q, shape.q_heads, kv, static_supports, shape.scale, o_static.data(),
+                            lse.data());
+    cpu::MultiHeadFullAttention(q, shape.q_heads, kv, shape.scale, o_full.data(), lse.data());
+    for (int h = 0; h < shape.q_heads; ++h) {
+      worst_cosine = std::min(worst_cosine,
+                              OutputCosine(o_index.data() + h * d, o_oracle.data() + h * d, d));
+      index_error += RelativeL2(o_index.data() + h * d, o_full.data() + h * d, d);
+      static_error += RelativeL2(o_static.data() + h * d, o_full.data() + h * d, d);
+    }
+  }
+  const int samples = steps * shape.q_heads;
+  EXPECT_GE(bulk_recall / samples, 0.98);
+  EXPECT_GE(worst_cosine, 0.99);
+  EXPECT_LE(index_error, 0.5 * static_error);
+}
+
+TEST(IndexSelectorTest, TokensLeavingTheRecentWindowJoinTheIndex) {
+  const Layer layer(SmallTrace());
+  std::unique_ptr<SupportSelector> selector = *MakeSelector(IndexParams(256), layer.shape);
+  const int64_t prompt = layer.trace.geometry().context;
+  ASSERT_TRUE(selector->Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  auto* index_selector = dynamic_cast<IndexSelector*>(selector.get());
+  for (int64_t step = 0; step < 40; ++step) {
+    const KvView kv = layer.view(prompt + step + 1);
+    selector->OnAppend(kv);
+    for (int h = 0; h < layer.shape.q_heads; ++h) {
+      EXPECT_EQ(index_selector->head_index(h).size(), kv.tokens - 128 - 16);
+      HeadSelection selection;
+      selector->Select(h, layer.decode_query(step, h), kv, &selection);
+      // The token that just left the recent window is findable: a query along its key
+      // (scaled up) gets it.
+      const int32_t newest_bulk = static_cast<int32_t>(kv.tokens - 128 - 1);
+      std::vector<float> q(kv.key(newest_bulk, KvHeadOf(h, 4, 2)),
+                           kv.key(newest_bulk, KvHeadOf(h, 4, 2)) + layer.shape.head_dim);
+      for (float& x : q) x *= 10.0f;
+      selector->Select(h, q.data(), kv, &selection);
+      std::vector<int32_t> best;
+      cpu::ExactTopK(q.data(), KvView{kv.keys, nullptr, newest_bulk + 1, 2, 64},
+                     KvHeadOf(h, 4, 2), 1.0f, 1, &best);
+      if (best[0] >= 16) {
+        EXPECT_THAT(selection.support, IsSupersetOf({best[0]})) << "step " << step;
+      }
+    }
+  }
+  EXPECT_GT(index_selector->head_index(0).linked(), prompt - 128 - 16);
+}
+
+}  // namespace
+}  // namespace kvrecall

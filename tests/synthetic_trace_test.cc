@@ -1,0 +1,204 @@
+#include "client/trace/synthetic.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/attention.h"
+#include "nlohmann/json.hpp"
+
+namespace kvrecall {
+namespace {
+
+using ::testing::HasSubstr;
+
+SyntheticTraceParams Small() {
+  SyntheticTraceParams p;
+  p.layers = 2;
+  p.q_heads = 4;
+  p.kv_heads = 2;
+  p.head_dim = 64;
+  p.context = 8192;
+  p.decode_steps = 64;
+  p.needles = 4;
+  p.seed = 3;
+  return p;
+}
+
+struct Tensors {
+  std::vector<float> q, k, decode_q;
+};
+
+Tensors Generate(const SyntheticTrace& trace, int layer) {
+  const TraceGeometry g = trace.geometry();
+  Tensors t;
+  t.q.resize(g.context * g.q_heads * g.head_dim);
+  t.k.resize(g.context * g.kv_heads * g.head_dim);
+  t.decode_q.resize(g.decode_steps * g.q_heads * g.head_dim);
+  trace.GenerateRows(layer, TracePhase::kPrefill, TraceTensor::kQ, 0, g.context, t.q.data());
+  trace.GenerateRows(layer, TracePhase::kPrefill, TraceTensor::kK, 0, g.context, t.k.data());
+  trace.GenerateRows(layer, TracePhase::kDecode, TraceTensor::kQ, 0, g.decode_steps,
+                     t.decode_q.data());
+  return t;
+}
+
+// Softmax weights of q over keys [0, tokens) of one KV head.
+std::vector<double> Attention(const float* q, const KvView& kv, int kv_head, int64_t tokens) {
+  std::vector<double> w(tokens);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(kv.head_dim));
+  for (int64_t t = 0; t < tokens; ++t) w[t] = scale * cpu::DotProduct(q, kv.key(t, kv_head), kv.head_dim);
+  const double m = *std::max_element(w.begin(), w.end());
+  double sum = 0;
+  for (double& x : w) sum += (x = std::exp(x - m));
+  for (double& x : w) x /= sum;
+  return w;
+}
+
+double Cosine(const float* a, const float* b, int n) {
+  double ab = 0, aa = 0, bb = 0;
+  for (int i = 0; i < n; ++i) ab += a[i] * b[i], aa += a[i] * a[i], bb += b[i] * b[i];
+  return ab / std::sqrt(aa * bb);
+}
+
+TEST(SyntheticTraceTest, SinksCollectMassAndRecentTokensOutscoreFarOnes) {
+  const SyntheticTrace trace = *SyntheticTrace::Create(Small());
+  const TraceGeometry g = trace.geometry();
+  const Tensors t = Generate(trace, 1);
+  const KvView kv{t.k.data(), nullptr, g.context, g.kv_heads, g.head_dim};
+  double sink_mass = 0, recent_mass = 0;
+  int samples = 0;
+  for (int64_t position = 2048; position < g.context; position += 512) {
+    for (int h = 0; h < g.q_heads; ++h) {
+      const float* q = t.q.data() + (position * g.q_heads + h) * g.head_dim;
+      const std::vector<double> w = Attention(q, kv, KvHeadOf(h, g.q_heads, g.kv_heads),
+                                              position + 1);
+      sink_mass += std::accumulate(w.begin(), w.begin() + trace.params().sinks, 0.0);
+      recent_mass += std::accumulate(w.end() - 64, w.end(), 0.0);
+      ++samples;
+    }
+  }
+  // 4 sinks among thousands of tokens take a large share; the last 64 tokens far more than
+  // their uniform share (64 / position <= 3%).
+  EXPECT_GE(sink_mass / samples, 0.2);
+  EXPECT_GE(recent_mass / samples, 0.1);
+}
+
+TEST(SyntheticTraceTest, EachNeedleIsTheTopKeyOfItsDecodeQueryInEveryLayerAndHead) {
+  const SyntheticTrace trace = *SyntheticTrace::Create(Small());
+  const TraceGeometry g = trace.geometry();
+  ASSERT_EQ(trace.needles().size(), 4u);
+  for (int layer = 0; layer < g.layers; ++layer) {
+    const Tensors t = Generate(trace, layer);
+    const KvView kv{t.k.data(), nullptr, g.context, g.kv_heads, g.head_dim};
+    for (const Needle& needle : trace.needles()) {
+      EXPECT_GE(needle.position, g.context / 20);
+      EXPECT_LT(needle.position, g.context * 9 / 10);
+      for (int h = 0; h < g.q_heads; ++h) {
+        const float* q = t.decode_q.data() + (needle.decode_step * g.q_heads + h) * g.head_dim;
+        std::vector<int32_t> best;
+        cpu::ExactTopK(q, kv, KvHeadOf(h, g.q_heads, g.kv_heads), 1.0f, 1, &best);
+        EXPECT_EQ(best[0], needle.position) << "layer " << layer << " head " << h;
+        // ... and only for the step that asks: the step before wants something else.
+        if (needle.decode_step > 0) {
+          cpu::ExactTopK(q - g.q_heads * g.head_dim, kv, KvHeadOf(h, g.q_heads, g.kv_heads),
+                         1.0f, 1, &best);
+          EXPECT_NE(best[0], needle.position);
+        }
+      }
+    }
+  }
+}
+
+TEST(SyntheticTraceTest, QueriesAreOutOfDistributionForKeysAndDecodeQueriesDrift) {
+  const SyntheticTrace trace = *SyntheticTrace::Create(Small());
+  const TraceGeometry g = trace.geometry();
+  const Tensors t = Generate(trace, 0);
+  const int d = g.head_dim;
+  // Keys share a large common offset: two keys point the same way; a query and a key do not.
+  double key_key = 0, query_key = 0;
+  int n = 0;
+  for (int64_t i = 100; i < g.context; i += 97, ++n) {
+    const float* k1 = t.k.data() + i * g.kv_heads * d;
+    const float* k2 = t.k.data() + ((i * 7919) % (g.context - 100) + 100) * g.kv_heads * d;
+    const float* q = t.q.data() + i * g.q_heads * d;
+    key_key += Cosine(k1, k2, d);
+    query_key += Cosine(q, k2, d);
+  }
+  EXPECT_GE(key_key / n, 0.4);
+  EXPECT_LE(std::abs(query_key / n), 0.15);
+
+  // Consecutive decode queries of a head are alike; 32 steps (a drift period) apart, less so.
+  double adjacent = 0, apart = 0;
+  for (int64_t s = 0; s + 32 < g.decode_steps; ++s) {
+    const float* q = t.decode_q.data() + s * g.q_heads * d;
+    adjacent += Cosine(q, q + g.q_heads * d, d);
+    apart += Cosine(q, q + 32 * g.q_heads * d, d);
+  }
+  EXPECT_GT(adjacent, apart + 0.1 * (g.decode_steps - 32));
+}
+
+TEST(SyntheticTraceTest, RowsDoNotDependOnChunking) {
+  const SyntheticTrace trace = *SyntheticTrace::Create(Small());
+  const int row = trace.params().kv_heads * trace.params().head_dim;
+  std::vector<float> whole(300 * row), parts(300 * row);
+  trace.GenerateRows(1, TracePhase::kPrefill, TraceTensor::kK, 1000, 300, whole.data());
+  trace.GenerateRows(1, TracePhase::kPrefill, TraceTensor::kK, 1000, 7, parts.data());
+  trace.GenerateRows(1, TracePhase::kPrefill, TraceTensor::kK, 1007, 293, parts.data() + 7 * row);
+  EXPECT_EQ(whole, parts);
+  const SyntheticTrace same = *SyntheticTrace::Create(Small());
+  same.GenerateRows(1, TracePhase::kPrefill, TraceTensor::kK, 1000, 300, parts.data());
+  EXPECT_EQ(whole, parts);
+}
+
+TEST(SyntheticTraceTest, WritesAReplayTraceThatReadsBack) {
+  SyntheticTraceParams p = Small();
+  p.context = 1024;
+  p.decode_steps = 16;
+  p.dtype = v1::DTYPE_F32;
+  const SyntheticTrace trace = *SyntheticTrace::Create(p);
+  const std::string path =
+      ::testing::TempDir() + "/synthetic_" + std::to_string(getpid()) + ".safetensors";
+  ASSERT_TRUE(trace.Write(path).ok());
+  absl::StatusOr<Trace> read = Trace::Open(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->geometry().layers, 2);
+  EXPECT_EQ(read->geometry().context, 1024);
+  EXPECT_EQ(read->geometry().decode_steps, 16);
+  const nlohmann::json needles = nlohmann::json::parse(read->metadata().at("needles"));
+  ASSERT_EQ(needles.size(), trace.needles().size());
+  EXPECT_EQ(needles[0]["position"].get<int64_t>(), trace.needles()[0].position);
+  EXPECT_EQ(needles[0]["decode_step"].get<int64_t>(), trace.needles()[0].decode_step);
+  absl::StatusOr<std::vector<float>> decode_k = read->Read(1, TracePhase::kDecode, TraceTensor::kK);
+  ASSERT_TRUE(decode_k.ok());
+  std::vector<float> expected(decode_k->size());
+  trace.GenerateRows(1, TracePhase::kDecode, TraceTensor::kK, 0, 16, expected.data());
+  EXPECT_EQ(*decode_k, expected);
+  std::remove(path.c_str());
+}
+
+TEST(SyntheticTraceTest, RejectsInvalidParameters) {
+  SyntheticTraceParams p = Small();
+  p.q_heads = 3;
+  absl::StatusOr<SyntheticTrace> made = SyntheticTrace::Create(p);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(made.status().message(), HasSubstr("q_heads (3) must be a positive multiple of kv_heads (2)"));
+  p = Small();
+  p.needles = 65;
+  made = SyntheticTrace::Create(p);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(made.status().message(), HasSubstr("needles must be in [0, min(decode_steps"));
+  p = Small();
+  p.rotary_dims = 62;
+  made = SyntheticTrace::Create(p);
+  EXPECT_THAT(made.status().message(), HasSubstr("rotary_dims must be even and in [0, head_dim - 4]"));
+}
+
+}  // namespace
+}  // namespace kvrecall
