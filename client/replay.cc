@@ -110,8 +110,10 @@ absl::StatusOr<ReplayReport> Replay(Client& client, const Trace& trace,
     absl::StatusOr<v1::PrefillResponse> prefilled =
         PrefillFromTrace(client, *session, trace, options.prefill, &kv);
     if (!prefilled.ok()) return prefilled.status();
-    report.prefill_build_seconds = prefilled->build_seconds();
-    if (session == &*probe) report.prefill_seconds = MicrosSince(prefill_start) * 1e-6;
+    if (session == &*probe) {
+      report.prefill_seconds = MicrosSince(prefill_start) * 1e-6;
+      report.prefill_build_seconds = prefilled->build_seconds();
+    }
   }
 
   absl::StatusOr<std::unique_ptr<DecodeStream>> stream = client.OpenDecodeStream(geometry);

@@ -234,13 +234,18 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
       for (int64_t p = begin; p < warm_end; ++p) push_exact(replay.mutable_cache(), p);
       std::vector<ReuseSample> samples;
       std::vector<uint8_t> marks;
+      std::vector<float> exact_scores;
       HeadSelection selection;
       for (int64_t p = warm_end; p < tokens; ++p) {
-        replay.Step(query_at(p), Prefix(kv, p + 1), kv_head, /*decode_step=*/1, &selection);
-        samples.push_back(
-            {selection.best_cosine,
-             static_cast<float>(SupportRecall(selection.support, exact[p - begin], p + 1,
-                                              &marks))});
+        const KvView prefix = Prefix(kv, p + 1);
+        const std::vector<int32_t>& exact_support = exact[p - begin];
+        replay.Step(query_at(p), prefix, kv_head, /*decode_step=*/1, &selection);
+        exact_scores.resize(exact_support.size());
+        cpu::ScoreTokens(query_at(p), prefix, kv_head, exact_support, shape_.scale,
+                         exact_scores.data());
+        samples.push_back({selection.best_cosine,
+                           static_cast<float>(WeightedSupportRecall(
+                               selection.support, exact_support, exact_scores, p + 1, &marks))});
       }
       params.tau = CalibrateTau(samples, params_.target_recall, params_.tau);
     }

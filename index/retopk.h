@@ -112,7 +112,9 @@ class ReTopKHead {
 // One prompt query replayed through the reuse path during calibration.
 struct ReuseSample {
   float best_cosine = 0.0f;  // the step's best cosine with the simulated cache
-  float recall = 0.0f;       // support recall of the reuse path against the exact top-K
+  // Attention-weighted support recall (WeightedSupportRecall in kernels/fidelity.h) of the
+  // reuse path's support against the exact top-K.
+  float recall = 0.0f;
 };
 
 // The per-head tau of auto_tau: the lowest observed best cosine b such that, if the samples with
@@ -135,8 +137,11 @@ inline constexpr int kCalibrationQueries = 256;
 // kCalibrationQueries prompt queries are replayed in order through a copy of the head that always
 // reuses (tau = -inf, no refresh), its cache warmed with the C queries before them and their
 // exact supports (a shorter prompt gives the warm-up its C queries first and replays the rest);
-// each replayed step's best cosine and support recall against its exact top-K feed CalibrateTau.
-// Always reusing makes the simulated cache staler than the real one at any tau (which also holds
+// each replayed step's best cosine and attention-weighted support recall against its exact top-K
+// feed CalibrateTau. The recall is weighted by softmax mass because plain support recall counts
+// a near-zero tail token like the dominant one: calibrated on it, tau over-restricts heads whose
+// mass sits in a few stable tokens and under-restricts diffuse ones, which measured no better than
+// a fixed tau (bench/results/retopk_tinylm16k.md). Always reusing makes the simulated cache staler than the real one at any tau (which also holds
 // exact supports), so the recall estimate errs low and the chosen tau errs high (safe). A prompt
 // of at most C tokens leaves nothing to replay and keeps the fixed tau.
 class ReTopKSelector : public SupportSelector {

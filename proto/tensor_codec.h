@@ -37,6 +37,12 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
 // hold partial data, so decode into staging memory, never into committed state.
 absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* out);
 
+// Element-wise conversion between f32 and the raw little-endian bytes of `dtype` (bf16 and f16
+// narrowing round to nearest even); `bytes` holds count * DTypeSize(dtype) bytes. One loop per
+// dtype, so that the loops vectorize: they run on every request and reply.
+void ConvertToF32(const void* bytes, v1::DType dtype, int64_t count, float* out);
+void ConvertFromF32(std::span<const float> values, v1::DType dtype, void* bytes);
+
 // Writes `data` with `shape` into `out`: raw bytes of `dtype`, or plain values when as_values.
 void EncodeTensor(std::span<const float> data, std::span<const int64_t> shape, v1::DType dtype,
                   bool as_values, v1::Tensor* out);

@@ -82,6 +82,21 @@ TEST(ReTopKKernelsTest, DotProductsAndNormalizeMatchScalarReferences) {
   for (float v : unit) EXPECT_EQ(v, 0.0f);
 }
 
+TEST(ReTopKKernelsTest, WeightedSupportRecallCountsSoftmaxMass) {
+  const std::vector<int32_t> exact = {4, 9, 2};
+  const std::vector<float> scores = {2.0f, 1.0f, 0.0f};
+  std::vector<uint8_t> marks;
+  const double total = 1.0 + std::exp(-1.0) + std::exp(-2.0);
+  EXPECT_DOUBLE_EQ(WeightedSupportRecall(std::vector<int32_t>{9, 7, 2}, exact, scores, 10, &marks),
+                   (std::exp(-1.0) + std::exp(-2.0)) / total);
+  EXPECT_DOUBLE_EQ(WeightedSupportRecall(std::vector<int32_t>{4}, exact, scores, 10, &marks),
+                   1.0 / total);
+  EXPECT_DOUBLE_EQ(WeightedSupportRecall(exact, exact, scores, 10, &marks), 1.0);
+  EXPECT_DOUBLE_EQ(WeightedSupportRecall(std::vector<int32_t>{}, exact, scores, 10, &marks), 0.0);
+  EXPECT_DOUBLE_EQ(WeightedSupportRecall(exact, {}, {}, 10, &marks), 1.0);
+  EXPECT_EQ(std::count(marks.begin(), marks.end(), 1), 0);
+}
+
 TEST(ReTopKPathTest, RefreshWinsThenSimilarityDecides) {
   EXPECT_EQ(ChooseReTopKPath(4, 0.99f, 0.85f, 128, 128), SelectionPath::kRefresh);
   EXPECT_EQ(ChooseReTopKPath(4, 0.99f, 0.85f, 256, 128), SelectionPath::kRefresh);
@@ -460,7 +475,8 @@ TEST(CalibrateTauTest, PicksTheLowestCosineThatKeepsTheMeanRecall) {
 // A planted two-regime layer: head 0's queries barely move (cosines near 0.99, stable top-K, reuse
 // is safe) while head 1's queries jump between random directions (cosines near 0.4, a reused
 // support misses most of the exact one). No single tau fits both scales; the calibrated taus must
-// let head 0 reuse nearly every step and head 1 rarely, each keeping the target recall.
+// let head 0 reuse nearly every step and head 1 rarely, each keeping the target (weighted)
+// recall over the decode steps.
 TEST(ReTopKSelectorTest, AutoTauMeetsTheTargetPerHeadOnAPlantedCase) {
   const int q_heads = 2, d = 32, top_k = 32;
   const LayerShape shape = Shape(q_heads, 1, d);
@@ -490,10 +506,12 @@ TEST(ReTopKSelectorTest, AutoTauMeetsTheTargetPerHeadOnAPlantedCase) {
     int reused = 0;
     for (int s = 0; s < steps; ++s) {
       const KvView view = Prefix(kv.view(), prompt + s + 1);
+      const float* q = queries.data() + ((prompt + s) * q_heads + h) * d;
       std::vector<int32_t> exact;
-      cpu::ExactTopK(queries.data() + ((prompt + s) * q_heads + h) * d, view, 0, shape.scale,
-                     top_k, &exact);
-      recall += SupportRecall(run.supports[s][h], exact, view.tokens, &marks);
+      cpu::ExactTopK(q, view, 0, shape.scale, top_k, &exact);
+      std::vector<float> scores(exact.size());
+      cpu::ScoreTokens(q, view, 0, exact, shape.scale, scores.data());
+      recall += WeightedSupportRecall(run.supports[s][h], exact, scores, view.tokens, &marks);
       reused += run.paths[s][h] == SelectionPath::kReuse;
     }
     recall /= steps;

@@ -171,6 +171,91 @@ TEST_F(ServiceDecodeTest, ExactTopKAttendsTheBruteForceTopK) {
   }
 }
 
+// ReTopK through the service (its semantics: index/retopk.h). With tau = -2 every non-refresh
+// step reuses (a cosine is >= -1) and with refresh_interval = 2 every even decode step is
+// exact: the paths must alternate per head, which holds only if the server calls OnAppend once
+// per step and Select once per head. Exact steps must attend the brute-force top-K.
+TEST_F(ServiceDecodeTest, ReTopKPathsFollowThePolicyAndExactStepsAttendTheTopK) {
+  constexpr int kTopK = 12;
+  ReferenceSession ref(MakeGeometry(1, 4, 2, 16), 150, 9);
+  v1::Policy policy = MakePolicy(v1::SELECTOR_RETOPK, kTopK);
+  policy.mutable_retopk()->set_tau(-2.0f);
+  policy.mutable_retopk()->set_refresh_interval(2);
+  policy.mutable_retopk()->set_recent_window(8);
+  const std::string id = CreateAndPrefill(ref, policy, 64);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  for (int step = 1; step <= 4; ++step) {
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, id, 0, 700 + step, &q, /*diagnostics=*/true, /*compare=*/true);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->heads_size(), 4);
+    const bool refresh = step % 2 == 0;
+    for (int h = 0; h < 4; ++h) {
+      const v1::HeadDiagnostics& head = result->heads(h);
+      EXPECT_EQ(head.path(), refresh ? v1::PATH_REFRESH : v1::PATH_REUSE) << "step " << step;
+      EXPECT_EQ(head.support(), kTopK);
+      EXPECT_GE(head.support_recall(), 0.0f);
+      EXPECT_LE(head.support_recall(), 1.0f);
+      EXPECT_GE(head.best_cosine(), -1.0f - 1e-5f);
+      EXPECT_LE(head.best_cosine(), 1.0f + 1e-5f);
+      if (refresh) {
+        EXPECT_EQ(head.candidates(), ref.tokens(0));
+        EXPECT_FLOAT_EQ(head.support_recall(), 1.0f);
+      } else {
+        EXPECT_LT(head.candidates(), ref.tokens(0));
+      }
+    }
+    if (refresh) {
+      std::vector<std::vector<int32_t>> supports;
+      for (int h = 0; h < 4; ++h) {
+        supports.push_back(
+            ReferenceTopK(q.data() + h * 16, ref.view(0), KvHeadOf(h, 4, 2), ref.scale(), kTopK));
+      }
+      ExpectOutputNear(TensorValues(result->output()), ref.Attention(0, q, supports), v1::DTYPE_F32,
+                       absl::StrCat("refresh step ", step));
+    }
+  }
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->paths().reuse(), 2 * 4);
+  EXPECT_EQ(info->paths().refresh(), 2 * 4);
+  EXPECT_EQ(info->paths().fallback(), 0);
+  EXPECT_EQ(info->paths().exact(), 0);
+  EXPECT_GT(info->selector_bytes(), 0);  // the query-support caches
+  EXPECT_GE(info->host_bytes(), info->selector_bytes());
+}
+
+// With tau above any cosine every step falls back to the exact path.
+TEST_F(ServiceDecodeTest, ReTopKFallsBackToExactTopKBelowTau) {
+  constexpr int kTopK = 10;
+  ReferenceSession ref(MakeGeometry(1, 4, 4, 16, v1::DTYPE_BF16), 80, 19);
+  v1::Policy policy = MakePolicy(v1::SELECTOR_RETOPK, kTopK);
+  policy.mutable_retopk()->set_tau(2.0f);
+  policy.mutable_retopk()->set_refresh_interval(0);
+  const std::string id = CreateAndPrefill(ref, policy, 80);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, id, 0, 800 + step, &q, /*diagnostics=*/true, false);
+    ASSERT_TRUE(result.ok()) << result.status();
+    std::vector<std::vector<int32_t>> supports;
+    for (int h = 0; h < 4; ++h) {
+      EXPECT_EQ(result->heads(h).path(), v1::PATH_FALLBACK);
+      supports.push_back(ReferenceTopK(q.data() + h * 16, ref.view(0), h, ref.scale(), kTopK));
+    }
+    ExpectOutputNear(TensorValues(result->output()), ref.Attention(0, q, supports), v1::DTYPE_BF16,
+                     absl::StrCat("fallback step ", step));
+  }
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->paths().fallback(), 3 * 4);
+  EXPECT_DOUBLE_EQ(info->mean_candidates(), (81 + 82 + 83) / 3.0);
+}
+
 TEST_F(ServiceDecodeTest, StreamingAttendsSinksAndRecentWindow) {
   constexpr int kSinks = 4;
   constexpr int kRecent = 8;

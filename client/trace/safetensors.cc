@@ -13,7 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/dtype.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 
@@ -95,31 +94,6 @@ const char* SafetensorsDTypeName(v1::DType dtype) {
       return "BF16";
     default:
       return nullptr;
-  }
-}
-
-void ConvertToF32(const void* bytes, v1::DType dtype, int64_t count, float* out) {
-  if (dtype == v1::DTYPE_F32) {
-    std::memcpy(out, bytes, count * sizeof(float));
-    return;
-  }
-  const auto* p = static_cast<const char*>(bytes);
-  for (int64_t i = 0; i < count; ++i) {
-    uint16_t h;
-    std::memcpy(&h, p + 2 * i, 2);
-    out[i] = dtype == v1::DTYPE_BF16 ? Bf16ToFloat(h) : F16ToFloat(h);
-  }
-}
-
-void ConvertFromF32(std::span<const float> values, v1::DType dtype, void* bytes) {
-  if (dtype == v1::DTYPE_F32) {
-    std::memcpy(bytes, values.data(), values.size() * sizeof(float));
-    return;
-  }
-  auto* p = static_cast<char*>(bytes);
-  for (size_t i = 0; i < values.size(); ++i) {
-    const uint16_t h = dtype == v1::DTYPE_BF16 ? FloatToBf16(values[i]) : FloatToF16(values[i]);
-    std::memcpy(p + 2 * i, &h, 2);
   }
 }
 

@@ -26,11 +26,6 @@ namespace kvrecall {
 // The safetensors spelling of a dtype ("F32", "F16", "BF16"); nullptr for others.
 const char* SafetensorsDTypeName(v1::DType dtype);
 
-// Element-wise conversion between f32 and the raw little-endian bytes of `dtype`.
-// `bytes` holds count * DTypeSize(dtype) bytes.
-void ConvertToF32(const void* bytes, v1::DType dtype, int64_t count, float* out);
-void ConvertFromF32(std::span<const float> values, v1::DType dtype, void* bytes);
-
 // One tensor of an open file: where its bytes are and how to read them.
 struct SafetensorsTensor {
   std::string name;

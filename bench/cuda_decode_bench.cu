@@ -1,0 +1,313 @@
+// Per layer-step latency of the CUDA decode kernels on the GPU — full attention (split-K),
+// exact top-K (full scan + selection + attention over K) and the ReTopK reuse path in steady
+// state — for Llama-3-8B geometry (32 query / 8 KV heads, d = 128, bf16) over batches and
+// contexts, with the bytes each step must move and the bandwidth that implies. Prints one JSON
+// document (stdout and --out); bench/cuda_torch_baseline.py measures PyTorch on the same shapes
+// and bench/cuda_plot.py puts them side by side.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "index/selector_params.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/decode_types.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/exact_topk.h"
+#include "kernels/cuda/partial_attention.h"
+#include "kernels/cuda/retopk.h"
+
+ABSL_FLAG(std::string, batches, "1,8", "batch sizes");
+ABSL_FLAG(std::string, contexts, "16384,32768,65536,131072,262144,1048576", "context lengths");
+ABSL_FLAG(int, top_k, 512, "K of the exact top-K and ReTopK paths");
+ABSL_FLAG(int, reps, 40, "timed replays per measurement (the median is reported)");
+ABSL_FLAG(std::string, out, "", "also write the JSON here");
+
+namespace kvrecall::cuda {
+namespace {
+
+constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
+// Measured device-to-device copy bandwidth of the H200 here (KINDS.md), the memory floor.
+constexpr double kCopyBandwidth = 4.3e12;
+
+#define CHECK_OK(expr)                                                         \
+  do {                                                                         \
+    const absl::Status _s = (expr);                                            \
+    if (!_s.ok()) {                                                            \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, _s.ToString().c_str()); \
+      std::exit(1);                                                            \
+    }                                                                          \
+  } while (false)
+#define CHECK_CUDA(expr) CHECK_OK(CudaStatus((expr), #expr))
+
+template <typename T>
+T ValueOrDie(absl::StatusOr<T> v) {
+  CHECK_OK(v.status());
+  return *std::move(v);
+}
+
+// Standard normal bf16 values from a counter hash (Box-Muller), so 32 GiB fill in milliseconds.
+__global__ void FillNormal(__nv_bfloat16* x, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    const float u1 = ((h >> 40) + 1) * (1.0f / 16777217.0f);
+    const float u2 = ((h >> 16) & 0xffffff) * (1.0f / 16777216.0f);
+    x[i] = __float2bfloat16(sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2));
+  }
+}
+
+struct Stats {
+  double median_us = 0, p10_us = 0, p90_us = 0;
+};
+
+// Captures launch() in a CUDA graph and times `reps` replays, each between two events, after
+// `warmup` untimed ones; before(i) runs untimed stream work ahead of replay i (i counts warmups).
+// One eager launch first sets kernel attributes outside the capture.
+Stats TimeGraph(cudaStream_t stream, int warmup, int reps, const std::function<void()>& launch,
+                const std::function<void(int)>& before) {
+  before(0);
+  launch();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  launch();
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<cudaEvent_t> events(2 * reps);
+  for (cudaEvent_t& e : events) CHECK_CUDA(cudaEventCreate(&e));
+  for (int i = 0; i < warmup; ++i) {
+    before(i);
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  }
+  for (int i = 0; i < reps; ++i) {
+    before(warmup + i);
+    CHECK_CUDA(cudaEventRecord(events[2 * i], stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(events[2 * i + 1], stream));
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> us(reps);
+  for (int i = 0; i < reps; ++i) {
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]));
+    us[i] = 1000.0 * ms;
+  }
+  for (cudaEvent_t& e : events) cudaEventDestroy(e);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  std::sort(us.begin(), us.end());
+  return Stats{us[reps / 2], us[reps / 10], us[(9 * reps) / 10]};
+}
+
+// Queries of one sequence that drift the way decode queries do: consecutive queries of a head
+// have cosine ~0.97 ([steps, q_heads, head_dim]).
+std::vector<float> DriftingQueries(int steps, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> state(kQHeads * kDim);
+  for (float& x : state) x = 1.85f * normal(rng);
+  std::vector<float> out;
+  for (int t = 0; t < steps; ++t) {
+    for (float& x : state) {
+      x = 0.97f * x + 0.45f * normal(rng);
+      out.push_back(x);
+    }
+  }
+  return out;
+}
+
+std::string Record(int batch, int context, const char* kernel, const Stats& t, double bytes,
+                   const std::string& extra = "") {
+  const double seconds = t.median_us * 1e-6;
+  return absl::StrCat("{\"batch\": ", batch, ", \"context\": ", context, ", \"kernel\": \"",
+                      kernel, "\", \"median_us\": ", t.median_us, ", \"p10_us\": ", t.p10_us,
+                      ", \"p90_us\": ", t.p90_us, ", \"bytes\": ", bytes,
+                      ", \"achieved_tbps\": ", bytes / seconds / 1e12,
+                      ", \"floor_us\": ", bytes / kCopyBandwidth * 1e6, extra, "}");
+}
+
+int Main() {
+  std::vector<int> batches, contexts;
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
+    batches.push_back(std::stoi(std::string(s)));
+  }
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_contexts), ',')) {
+    contexts.push_back(std::stoi(std::string(s)));
+  }
+  const int top_k = absl::GetFlag(FLAGS_top_k);
+  const int reps = absl::GetFlag(FLAGS_reps);
+  constexpr int kWarmup = 8;
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const int max_context = *std::max_element(contexts.begin(), contexts.end());
+
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // One KV region per sequence slot, [max_context, kv_heads, head_dim] each.
+  const size_t seq_elems = static_cast<size_t>(max_context) * kKvHeads * kDim;
+  auto keys = ValueOrDie(DeviceBuffer<__nv_bfloat16>::Zeroed(seq_elems * max_batch));
+  auto values = ValueOrDie(DeviceBuffer<__nv_bfloat16>::Zeroed(seq_elems * max_batch));
+  FillNormal<<<4096, 256, 0, stream>>>(keys.data(), keys.size(), 1);
+  FillNormal<<<4096, 256, 0, stream>>>(values.data(), values.size(), 2);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+
+  const int max_rows = max_batch * kQHeads;
+  auto attention_ws = ValueOrDie(AttentionWorkspace::Create(max_rows));
+  auto topk_ws = ValueOrDie(TopKWorkspace::Create(max_rows, max_context));
+  auto d_seqs = ValueOrDie(DeviceBuffer<DeviceSeq>::Zeroed(max_batch));
+  auto d_q = ValueOrDie(DeviceBuffer<float>::Zeroed(static_cast<size_t>(max_rows) * kDim));
+  auto d_o = ValueOrDie(DeviceBuffer<float>::Zeroed(static_cast<size_t>(max_rows) * kDim));
+  auto d_lse = ValueOrDie(DeviceBuffer<float>::Zeroed(max_rows));
+  auto d_support = ValueOrDie(DeviceBuffer<int32_t>::Zeroed(static_cast<size_t>(max_rows) * top_k));
+  auto d_size = ValueOrDie(DeviceBuffer<int32_t>::Zeroed(max_rows));
+
+  ReTopKParams retopk;       // C = 32, R = 4, W = 32, tau = 0.85
+  retopk.refresh_interval = 0;  // the reuse path alone; refresh steps cost an exact top-K
+  const int steps = retopk.cache_capacity + kWarmup + reps;
+  const size_t row_floats = static_cast<size_t>(kQHeads) * kDim;
+  // Per sequence: C prompt queries then one per decode step, [steps][q_heads][d]; uploaded
+  // as [batch][steps][q_heads][d].
+  std::vector<float> stream_host;
+  for (int b = 0; b < max_batch; ++b) {
+    const std::vector<float> qs = DriftingQueries(steps, 100 + b);
+    stream_host.insert(stream_host.end(), qs.begin(), qs.end());
+  }
+  auto d_stream = ValueOrDie(DeviceBuffer<float>::Zeroed(stream_host.size()));
+  CHECK_CUDA(cudaMemcpy(d_stream.data(), stream_host.data(), stream_host.size() * sizeof(float),
+                        cudaMemcpyHostToDevice));
+  auto step_query = [&](int b, int t) {
+    return d_stream.data() + (static_cast<size_t>(b) * steps + t) * row_floats;
+  };
+
+  std::vector<std::string> records;
+  for (int batch : batches) {
+    const int rows = batch * kQHeads;
+    for (int context : contexts) {
+      const DecodeShape shape{batch, kQHeads, kKvHeads, kDim, KvDtype::kBf16,
+                              1.0f / std::sqrt(static_cast<float>(kDim))};
+      std::vector<DeviceSeq> seqs;
+      for (int b = 0; b < batch; ++b) {
+        seqs.push_back(DeviceSeq::Contiguous(keys.data() + b * seq_elems,
+                                             values.data() + b * seq_elems, context));
+      }
+      CHECK_CUDA(cudaMemcpy(d_seqs.data(), seqs.data(), batch * sizeof(DeviceSeq),
+                            cudaMemcpyHostToDevice));
+      // Full attention and exact top-K on the first decode query of each sequence.
+      for (int b = 0; b < batch; ++b) {
+        CHECK_CUDA(cudaMemcpy(d_q.data() + b * row_floats, step_query(b, retopk.cache_capacity),
+                              row_floats * sizeof(float), cudaMemcpyDeviceToDevice));
+      }
+      const double kv_bytes = 2.0 * batch * context * kKvHeads * kDim * sizeof(__nv_bfloat16);
+      const Stats full = TimeGraph(
+          stream, kWarmup, reps,
+          [&] {
+            CHECK_OK(PartialAttentionOverSeqs(shape, d_seqs.data(), d_q.data(), context,
+                                              attention_ws.get(), d_o.data(), d_lse.data(),
+                                              stream));
+          },
+          [](int) {});
+      const SplitPlan plan = ValueOrDie(PlanSeqAttention(shape, context, *attention_ws));
+      records.push_back(Record(batch, context, "own_full", full, kv_bytes,
+                               absl::StrCat(", \"splits\": ", plan.splits)));
+
+      const Stats exact = TimeGraph(
+          stream, kWarmup, reps,
+          [&] {
+            CHECK_OK(ExactTopKAttention(shape, d_seqs.data(), d_q.data(), context, top_k,
+                                        nullptr, topk_ws.get(), d_support.data(), d_size.data(),
+                                        d_o.data(), d_lse.data(), stream));
+          },
+          [](int) {});
+      const double exact_bytes = kv_bytes / 2 + 2.0 * rows * context * sizeof(float) +
+                                 static_cast<double>(rows) * top_k * kDim * sizeof(__nv_bfloat16);
+      records.push_back(Record(batch, context, "own_exact_topk", exact, exact_bytes));
+
+      // ReTopK: seed with the C queries before the timed ones, then step through the stream.
+      auto layer = ValueOrDie(ReTopKGpuLayer::Create(shape, top_k, retopk, context));
+      for (int b = 0; b < batch; ++b) {
+        CHECK_OK(layer->Seed(b, seqs[b], step_query(b, 0), retopk.cache_capacity, {}, stream));
+      }
+      const Stats reuse = TimeGraph(
+          stream, kWarmup, reps,
+          [&] {
+            CHECK_OK(layer->Step(batch, d_seqs.data(), d_q.data(), context, d_o.data(),
+                                 d_lse.data(), stream));
+          },
+          [&](int i) {
+            for (int b = 0; b < batch; ++b) {
+              CHECK_CUDA(cudaMemcpyAsync(d_q.data() + b * row_floats,
+                                         step_query(b, retopk.cache_capacity + i),
+                                         row_floats * sizeof(float), cudaMemcpyDeviceToDevice,
+                                         stream));
+            }
+          });
+      CHECK_OK(layer->errors().CheckAndClear(stream));
+      std::vector<uint8_t> paths(rows);
+      std::vector<int32_t> candidates(rows);
+      CHECK_CUDA(cudaMemcpy(paths.data(), layer->paths(), rows, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(candidates.data(), layer->candidates(), rows * sizeof(int32_t),
+                            cudaMemcpyDeviceToHost));
+      int reused = 0;
+      double candidate_sum = 0;
+      for (int r = 0; r < rows; ++r) {
+        if (paths[r] == 1) {
+          ++reused;
+          candidate_sum += candidates[r];
+        }
+      }
+      const double mean_candidates = reused > 0 ? candidate_sum / reused : 0.0;
+      // Per row: cached queries, R supports, candidate keys and ids and scores (written and
+      // read), the K selected values, the cache push.
+      const double per_row = retopk.cache_capacity * kDim * 4.0 +
+                             retopk.reuse_neighbors * top_k * 4.0 +
+                             mean_candidates * (kDim * 2.0 + 4 * 4.0) + top_k * kDim * 2.0 +
+                             kDim * 4.0 + top_k * 4.0 * 2;
+      records.push_back(Record(batch, context, "own_retopk_reuse", reuse, rows * per_row,
+                               absl::StrCat(", \"reuse_fraction\": ",
+                                            static_cast<double>(reused) / rows,
+                                            ", \"mean_candidates\": ", mean_candidates)));
+      std::fprintf(stderr, "batch %d context %d: full %.1f us, exact top-K %.1f us, reuse %.1f us\n",
+                   batch, context, full.median_us, exact.median_us, reuse.median_us);
+    }
+  }
+  const std::string json = absl::StrCat(
+      "{\"device\": \"", prop.name, "\", \"sms\": ", prop.multiProcessorCount,
+      ", \"q_heads\": ", kQHeads, ", \"kv_heads\": ", kKvHeads, ", \"head_dim\": ", kDim,
+      ", \"dtype\": \"bf16\", \"top_k\": ", top_k, ", \"reps\": ", reps,
+      ", \"copy_bandwidth_tbps\": ", kCopyBandwidth / 1e12, ", \"records\": [\n  ",
+      absl::StrJoin(records, ",\n  "), "\n]}\n");
+  std::fputs(json.c_str(), stdout);
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) {
+    std::ofstream(out) << json;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvrecall::cuda
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return kvrecall::cuda::Main();
+}

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Puts cuda_decode_bench's figures beside the PyTorch baselines of cuda_torch_baseline.py
+(same device, same run): a PNG of per layer-step latency against context, and a summary with
+the ratios the targets are stated in (own full / SDPA <= 1.1; own exact top-K / SDPA <= 0.6
+from 128K; ReTopK reuse step <= 20 us) and each kernel's distance from the memory floor."""
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+STYLE = {
+    "torch_sdpa": ("PyTorch SDPA (full)", "tab:gray", "--"),
+    "own_full": ("own full (split-K)", "tab:blue", "-"),
+    "torch_topk": ("torch.topk exact top-K", "tab:brown", "--"),
+    "own_exact_topk": ("own exact top-K", "tab:orange", "-"),
+    "own_retopk_reuse": ("own ReTopK reuse step", "tab:green", "-"),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--own", required=True)
+    parser.add_argument("--torch", required=True)
+    parser.add_argument("--png", required=True)
+    parser.add_argument("--summary", required=True)
+    args = parser.parse_args()
+    own = json.load(open(args.own))
+    base = json.load(open(args.torch))
+    records = own["records"] + base["records"]
+    at = {(r["batch"], r["context"], r["kernel"]): r for r in records}
+    batches = sorted({r["batch"] for r in records})
+    contexts = sorted({r["context"] for r in records})
+
+    fig, axes = plt.subplots(1, len(batches), figsize=(6.5 * len(batches), 5), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for kernel, (label, color, line) in STYLE.items():
+            xs = [c for c in contexts if (batch, c, kernel) in at]
+            ys = [at[(batch, c, kernel)]["median_us"] for c in xs]
+            ax.plot(xs, ys, line, color=color, marker="o", label=label)
+        ax.axhline(20, color="tab:green", linestyle=":", linewidth=1, label="20 us target")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(contexts)
+        ax.set_xticklabels([f"{c // 1024}K" if c < 1 << 20 else f"{c >> 20}M" for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("per layer-step latency (us, median)")
+        ax.set_title(f"{own['device']}, batch {batch}: 32q/8kv heads, d=128, bf16, K={own['top_k']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            def us(kernel):
+                r = at.get((batch, context, kernel))
+                return r["median_us"] if r else float("nan")
+            sdpa = us("torch_sdpa")
+            row = dict(batch=batch, context=context, sdpa_us=sdpa,
+                       sdpa_backend=at.get((batch, context, "torch_sdpa"), {}).get("backend"),
+                       own_full_us=us("own_full"), torch_topk_us=us("torch_topk"),
+                       own_exact_topk_us=us("own_exact_topk"),
+                       reuse_us=us("own_retopk_reuse"))
+            row["full_over_sdpa"] = row["own_full_us"] / sdpa
+            row["exact_over_sdpa"] = row["own_exact_topk_us"] / sdpa
+            row["sdpa_over_reuse"] = sdpa / row["reuse_us"]
+            for kernel in ("own_full", "own_exact_topk", "own_retopk_reuse"):
+                r = at.get((batch, context, kernel))
+                if r:
+                    row[f"{kernel}_tbps"] = r["achieved_tbps"]
+                    row[f"{kernel}_floor_us"] = r["floor_us"]
+            reuse = at.get((batch, context, "own_retopk_reuse"), {})
+            row["reuse_fraction"] = reuse.get("reuse_fraction")
+            row["mean_candidates"] = reuse.get("mean_candidates")
+            row["target_full_within_10pct"] = row["full_over_sdpa"] <= 1.10
+            row["target_exact_le_0.6_sdpa"] = (row["exact_over_sdpa"] <= 0.6
+                                               if context >= 131072 else None)
+            row["target_reuse_le_20us"] = row["reuse_us"] <= 20.0
+            rows.append(row)
+    summary = dict(device=own["device"], torch=base.get("torch"),
+                   measured_copy_tbps=base.get("copy_tbps"), rows=rows)
+    with open(args.summary, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"copy bandwidth measured by torch: {base.get('copy_tbps', float('nan')):.2f} TB/s")
+    print("batch context |  sdpa  own_full ratio | torch_topk own_exact ratio | reuse  sdpa/reuse"
+          " cand | TB/s full exact reuse")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['context']:7d} | {r['sdpa_us']:7.1f} {r['own_full_us']:8.1f}"
+              f" {r['full_over_sdpa']:5.2f} | {r['torch_topk_us']:9.1f} {r['own_exact_topk_us']:9.1f}"
+              f" {r['exact_over_sdpa']:5.2f} | {r['reuse_us']:6.1f} {r['sdpa_over_reuse']:9.1f}"
+              f" {r['mean_candidates'] or 0:5.0f} | {r.get('own_full_tbps', 0):4.2f}"
+              f" {r.get('own_exact_topk_tbps', 0):4.2f} {r.get('own_retopk_reuse_tbps', 0):4.2f}")
+
+
+if __name__ == "__main__":
+    main()

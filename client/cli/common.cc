@@ -1,0 +1,116 @@
+#include "client/cli/common.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "google/protobuf/util/json_util.h"
+
+ABSL_FLAG(std::string, server, "localhost:50051", "kvrecalld address, HOST:PORT");
+ABSL_FLAG(bool, json, false, "print machine-readable JSON (one object per line)");
+
+ABSL_FLAG(std::string, placement, "cpu", "where the KV lives: cpu, gpu or tiered");
+ABSL_FLAG(std::string, policy, "full",
+          "the selector: full, exact_topk, streaming, index or retopk");
+ABSL_FLAG(int32_t, k, 0, "K for exact_topk, index and retopk (0: server default, 512)");
+ABSL_FLAG(int32_t, sinks, 0, "attention-sink tokens kept by streaming and index (0: default)");
+ABSL_FLAG(int32_t, recent, 0, "recent tokens kept by streaming and index (0: default)");
+ABSL_FLAG(int32_t, C, 0, "retopk: cached (query, support) entries per head (0: default)");
+ABSL_FLAG(int32_t, R, 0, "retopk: most similar cached supports unioned (0: default)");
+ABSL_FLAG(int32_t, W, 0, "retopk: recent positions added to the candidates (0: default)");
+ABSL_FLAG(float, tau, NAN, "retopk: reuse when the best cosine >= tau (unset: default 0.85)");
+ABSL_FLAG(int32_t, refresh, -1,
+          "retopk: every N-th decode step runs the exact path; 0 disables (unset: default)");
+ABSL_FLAG(bool, auto_tau, false, "retopk: calibrate tau per head from the prefill queries");
+ABSL_FLAG(float, target_recall, 0, "retopk with --auto_tau: support recall to keep (0: 0.9)");
+ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per head (0: default)");
+ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
+ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
+ABSL_FLAG(int32_t, search_list, 0, "index: beam size of the decode-time search (0: default)");
+
+namespace kvrecall::cli {
+
+using client::Client;
+using client::ParsePlacement;
+using client::ParseSelector;
+
+std::unique_ptr<Client> ConnectToServer() { return Client::Connect(absl::GetFlag(FLAGS_server)); }
+
+absl::StatusOr<v1::Policy> PolicyFromFlags() {
+  v1::Policy policy;
+  absl::StatusOr<v1::Placement> placement = ParsePlacement(absl::GetFlag(FLAGS_placement));
+  if (!placement.ok()) return placement.status();
+  absl::StatusOr<v1::Selector> selector = ParseSelector(absl::GetFlag(FLAGS_policy));
+  if (!selector.ok()) return selector.status();
+  policy.set_placement(*placement);
+  policy.set_selector(*selector);
+  policy.set_top_k(absl::GetFlag(FLAGS_k));
+  policy.set_sinks(absl::GetFlag(FLAGS_sinks));
+  policy.set_recent(absl::GetFlag(FLAGS_recent));
+  v1::ReTopKParams* retopk = policy.mutable_retopk();
+  retopk->set_cache_capacity(absl::GetFlag(FLAGS_C));
+  retopk->set_reuse_neighbors(absl::GetFlag(FLAGS_R));
+  retopk->set_recent_window(absl::GetFlag(FLAGS_W));
+  if (const float tau = absl::GetFlag(FLAGS_tau); !std::isnan(tau)) retopk->set_tau(tau);
+  if (const int refresh = absl::GetFlag(FLAGS_refresh); refresh >= 0) {
+    retopk->set_refresh_interval(refresh);
+  }
+  retopk->set_auto_tau(absl::GetFlag(FLAGS_auto_tau));
+  retopk->set_target_recall(absl::GetFlag(FLAGS_target_recall));
+  v1::IndexParams* index = policy.mutable_index();
+  index->set_build_queries(absl::GetFlag(FLAGS_build_queries));
+  index->set_build_topk(absl::GetFlag(FLAGS_build_topk));
+  index->set_max_degree(absl::GetFlag(FLAGS_max_degree));
+  index->set_search_list_size(absl::GetFlag(FLAGS_search_list));
+  return policy;
+}
+
+int ReportError(absl::string_view subcommand, const absl::Status& status) {
+  std::fprintf(stderr, "kvrecall %s: %s\n", std::string(subcommand).c_str(),
+               status.ToString().c_str());
+  return 1;
+}
+
+int UsageError(absl::string_view subcommand, absl::string_view message) {
+  std::fprintf(stderr, "kvrecall %s: %s\n", std::string(subcommand).c_str(),
+               std::string(message).c_str());
+  return 2;
+}
+
+std::string MessageJson(const google::protobuf::Message& message, bool pretty) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = pretty;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string out;
+  // Printing a well-formed message cannot fail (no Any fields in kvrecall.v1).
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+TerminalProgress::TerminalProgress() : enabled_(::isatty(STDERR_FILENO) == 1) {}
+
+TerminalProgress::~TerminalProgress() { Done(); }
+
+void TerminalProgress::Update(absl::string_view label, double fraction, absl::string_view detail) {
+  if (!enabled_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (drawn_ && fraction < 1.0 && now - last_ < std::chrono::milliseconds(100)) return;
+  last_ = now;
+  drawn_ = true;
+  std::fprintf(stderr, "\r\033[K%s %5.1f%% %s", std::string(label).c_str(), 100.0 * fraction,
+               std::string(detail).c_str());
+  std::fflush(stderr);
+}
+
+void TerminalProgress::Done() {
+  if (!drawn_) return;
+  std::fputc('\n', stderr);
+  drawn_ = false;
+}
+
+}  // namespace kvrecall::cli

@@ -1,0 +1,58 @@
+// What the `kvrecall` subcommands share: the --server and --json flags, the policy flags, error
+// reporting with exit codes, JSON printing of API messages and terminal progress.
+#ifndef KVRECALL_CLIENT_CLI_COMMON_H_
+#define KVRECALL_CLIENT_CLI_COMMON_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/flags/declare.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "client/kvrecall_client.h"
+#include "google/protobuf/message.h"
+#include "kvrecall/v1/kvrecall.pb.h"
+
+ABSL_DECLARE_FLAG(std::string, server);
+ABSL_DECLARE_FLAG(bool, json);
+
+namespace kvrecall::cli {
+
+// A client of --server.
+std::unique_ptr<client::Client> ConnectToServer();
+
+// The policy that --placement, --policy, --k, --sinks, --recent, the ReTopK flags (--C, --R,
+// --W, --tau, --refresh, --auto_tau, --target_recall) and the index flags describe; unset knobs
+// stay zero/unset so the server fills in its defaults. INVALID_ARGUMENT for unknown names.
+absl::StatusOr<v1::Policy> PolicyFromFlags();
+
+// Prints "kvrecall <subcommand>: <CODE>: <message>" to stderr and returns 1.
+int ReportError(absl::string_view subcommand, const absl::Status& status);
+// Prints "kvrecall <subcommand>: <message>" to stderr and returns 2.
+int UsageError(absl::string_view subcommand, absl::string_view message);
+
+// An API message as JSON with the .proto field names; pretty spreads it over lines.
+std::string MessageJson(const google::protobuf::Message& message, bool pretty);
+
+// A single status line on stderr, redrawn at most ten times a second, shown only when stderr
+// is a terminal (so logs and pipes stay clean).
+class TerminalProgress {
+ public:
+  TerminalProgress();
+  ~TerminalProgress();
+  // `fraction` in [0, 1]; `detail` follows the percentage.
+  void Update(absl::string_view label, double fraction, absl::string_view detail);
+  // Ends the line (if one was drawn).
+  void Done();
+
+ private:
+  bool enabled_;
+  bool drawn_ = false;
+  std::chrono::steady_clock::time_point last_;
+};
+
+}  // namespace kvrecall::cli
+
+#endif  // KVRECALL_CLIENT_CLI_COMMON_H_

@@ -1,0 +1,46 @@
+// `kvrecall create`: creates a session from geometry and policy flags and prints its id.
+#include <cstdio>
+
+#include "absl/flags/flag.h"
+#include "client/cli/common.h"
+#include "client/cli/subcommands.h"
+
+ABSL_FLAG(int32_t, layers, 1, "create: model layers");
+ABSL_FLAG(int32_t, q_heads, 8, "create: query heads");
+ABSL_FLAG(int32_t, kv_heads, 2, "create: key/value heads (must divide q_heads)");
+ABSL_FLAG(int32_t, head_dim, 64, "create: head dimension");
+ABSL_FLAG(std::string, dtype, "bf16", "create: the model's dtype: bf16, f16 or f32");
+ABSL_FLAG(std::string, label, "", "create: free text shown by get and list");
+
+namespace kvrecall::cli {
+
+using client::ParseDType;
+using client::SessionHandle;
+
+int RunCreate(const std::vector<char*>& args) {
+  if (!args.empty()) return UsageError("create", "takes no arguments, only flags");
+  absl::StatusOr<v1::Policy> policy = PolicyFromFlags();
+  if (!policy.ok()) return UsageError("create", policy.status().message());
+  absl::StatusOr<v1::DType> dtype = ParseDType(absl::GetFlag(FLAGS_dtype));
+  if (!dtype.ok()) return UsageError("create", dtype.status().message());
+  v1::Geometry geometry;
+  geometry.set_layers(absl::GetFlag(FLAGS_layers));
+  geometry.set_q_heads(absl::GetFlag(FLAGS_q_heads));
+  geometry.set_kv_heads(absl::GetFlag(FLAGS_kv_heads));
+  geometry.set_head_dim(absl::GetFlag(FLAGS_head_dim));
+  geometry.set_dtype(*dtype);
+  absl::StatusOr<SessionHandle> session =
+      ConnectToServer()->CreateSession(geometry, *policy, absl::GetFlag(FLAGS_label));
+  if (!session.ok()) return ReportError("create", session.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    v1::CreateSessionResponse response;
+    response.set_session_id(session->id);
+    *response.mutable_policy() = session->policy;
+    std::printf("%s\n", MessageJson(response, /*pretty=*/false).c_str());
+  } else {
+    std::printf("%s\n", session->id.c_str());
+  }
+  return 0;
+}
+
+}  // namespace kvrecall::cli

@@ -1,0 +1,80 @@
+// kvrecall: the command-line client of kvrecalld (demo, sessions, trace replay).
+// `kvrecall SUBCOMMAND [--flags] [args]`; flags may be spelled with dashes or underscores.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/cli/subcommands.h"
+
+namespace kvrecall::cli {
+namespace {
+
+struct Subcommand {
+  const char* name;
+  const char* summary;
+  int (*run)(const std::vector<char*>& args);
+};
+
+constexpr Subcommand kSubcommands[] = {
+    {"demo", "a synthetic session through several policies; prints fidelity and latency", RunDemo},
+    {"create", "create a session (--layers --q_heads --kv_heads --head_dim --dtype + policy)",
+     RunCreate},
+    {"get", "show a session: kvrecall get SESSION_ID", RunGet},
+    {"list", "list the server's sessions", RunList},
+    {"close", "close sessions: kvrecall close SESSION_ID...", RunClose},
+    {"replay", "replay a trace: --trace FILE --policy P [knobs] [--steps N] [--json]", RunReplay},
+    {"synth", "write a synthetic trace: --out FILE [--context T --decode_steps N ...]", RunSynth},
+    {"bench-index", "graph vs hnsw vs flat index: --trace FILE [--k 100] [--json]",
+     RunBenchIndex},
+};
+
+// absl flags are identifiers; accept the CLI convention --auto-tau for --auto_tau.
+std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
+  std::vector<std::string> out(argv, argv + argc);
+  for (std::string& arg : out) {
+    if (arg == "--") break;
+    if (arg.size() < 3 || arg.compare(0, 2, "--") != 0) continue;
+    const size_t end = std::min(arg.find('='), arg.size());
+    for (size_t i = 2; i < end; ++i) {
+      if (arg[i] == '-') arg[i] = '_';
+    }
+  }
+  return out;
+}
+
+int Main(int argc, char** argv) {
+  std::string usage = "kvrecall SUBCOMMAND [--flags] [args]\n\nsubcommands:\n";
+  for (const Subcommand& s : kSubcommands) {
+    absl::StrAppend(&usage, absl::StrFormat("  %-12s %s\n", s.name, s.summary));
+  }
+  absl::StrAppend(&usage, "\n--helpfull lists every flag.");
+  absl::SetProgramUsageMessage(usage);
+
+  std::vector<std::string> storage = UnderscoreFlagNames(argc, argv);
+  std::vector<char*> args;
+  for (std::string& s : storage) args.push_back(s.data());
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (positional.size() < 2) {
+    std::fprintf(stderr, "%s\n", usage.c_str());
+    return 2;
+  }
+  for (const Subcommand& s : kSubcommands) {
+    if (std::strcmp(positional[1], s.name) == 0) {
+      return s.run(std::vector<char*>(positional.begin() + 2, positional.end()));
+    }
+  }
+  std::fprintf(stderr, "kvrecall: unknown subcommand '%s'\n\n%s\n", positional[1], usage.c_str());
+  return 2;
+}
+
+}  // namespace
+}  // namespace kvrecall::cli
+
+int main(int argc, char** argv) { return kvrecall::cli::Main(argc, argv); }

@@ -1,0 +1,46 @@
+// The GPU version of the index build's batch top-k (index/batch_topk.h): exact top-k keys of
+// many prefill queries at once, with one cuBLAS SGEMM per block of queries against all keys and
+// the GPU row selection of topk_select.cuh.
+#ifndef KVRECALL_KERNELS_CUDA_BATCH_TOPK_H_
+#define KVRECALL_KERNELS_CUDA_BATCH_TOPK_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "index/batch_topk.h"
+#include "index/key_index.h"
+
+namespace kvrecall::cuda {
+
+// Scores are f32 with f32 arithmetic (cuBLAS pedantic math: no TF32), so lists match
+// CpuBatchTopK's up to f32 summation order, with the same order: highest <q, key> first, ties
+// to the lower id. Device memory grows to the largest call (keys, one block of queries and its
+// score rows, at most `max_score_bytes` of scores at a time) and is kept for the next.
+class GpuBatchTopK {
+ public:
+  static absl::StatusOr<std::unique_ptr<GpuBatchTopK>> Create(int64_t max_score_bytes = 512
+                                                                                     << 20);
+  ~GpuBatchTopK();
+  GpuBatchTopK(const GpuBatchTopK&) = delete;
+  GpuBatchTopK& operator=(const GpuBatchTopK&) = delete;
+
+  // BatchTopKFunction's contract (causal `visible` counts included); synchronous.
+  // INVALID_ARGUMENT as CpuBatchTopK.
+  absl::Status Run(const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
+                   std::span<const int64_t> visible = {});
+
+ private:
+  struct Impl;
+  explicit GpuBatchTopK(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// A BatchTopKFunction backed by one GpuBatchTopK (calls are serialized), for the graph index.
+absl::StatusOr<BatchTopKFunction> MakeGpuBatchTopKFunction();
+
+}  // namespace kvrecall::cuda
+
+#endif  // KVRECALL_KERNELS_CUDA_BATCH_TOPK_H_

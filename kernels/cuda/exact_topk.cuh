@@ -1,0 +1,155 @@
+// Templated kernels of the exact top-K decode path: a full-history key scan that scores every
+// key once for all query heads sharing it and builds the selection histogram on the way, and
+// the attention over the selected tokens that ends the collect pass (topk_select.cuh).
+#ifndef KVRECALL_KERNELS_CUDA_EXACT_TOPK_CUH_
+#define KVRECALL_KERNELS_CUDA_EXACT_TOPK_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/partial_attention.cuh"
+#include "kernels/cuda/selected_attention.cuh"
+#include "kernels/cuda/topk_select.cuh"
+
+namespace kvrecall::cuda {
+
+struct ScoreKeysParams {
+  DecodeBatch batch;
+  int splits;
+  int chunk;              // keys per block, a multiple of the tile
+  float* scores;          // [rows, score_stride]
+  RowTopKParams rows;     // histogram, state, active rows, k, score_stride
+  unsigned* errors;
+};
+
+template <typename T, typename Shape, int kGroup>
+constexpr size_t ScoreKeysSmemBytes() {
+  constexpr int kHeadDim = Shape::kLanes * kVecElems;
+  return static_cast<size_t>(Shape::kStages) * Shape::kTile * kHeadDim * sizeof(T) +
+         Shape::kStages * Shape::kTile + kGroup * Shape::kTile * 4 + kGroup * kBins * 4;
+}
+
+// One block: the kGroup query heads q0.. of one KV head over one split of one sequence.
+// grid = (splits, q_heads / kGroup, batch). Writes each active row's scores and adds them to
+// its histogram; the last block of the split group locates each row's threshold bin.
+template <typename T, typename Shape, int kGroup>
+__global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKeysParams p) {
+  constexpr int kHeadDim = Shape::kLanes * kVecElems;
+  constexpr int kTile = Shape::kTile;
+  constexpr int kStages = Shape::kStages;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* k_tiles = reinterpret_cast<T*>(smem);
+  uint8_t* valid = reinterpret_cast<uint8_t*>(k_tiles + kStages * kTile * kHeadDim);
+  float* staged = reinterpret_cast<float*>(valid + kStages * kTile);  // [kGroup][kTile]
+  uint32_t* hist = reinterpret_cast<uint32_t*>(staged + kGroup * kTile);  // [kGroup][kBins]
+  __shared__ uint32_t scratch[32];
+  __shared__ bool last;
+
+  const int split = blockIdx.x;
+  const int q0 = blockIdx.y * kGroup;
+  const int b = blockIdx.z;
+  const int kv_head = q0 / (p.batch.q_heads / p.batch.kv_heads);
+  const int64_t row0 = static_cast<int64_t>(b) * p.batch.q_heads + q0;
+  uint32_t active = 0;
+#pragma unroll
+  for (int h = 0; h < kGroup; ++h) active |= RowActive(p.rows, row0 + h) ? 1u << h : 0u;
+  if (active == 0) return;
+
+  for (int i = threadIdx.x; i < kGroup * kBins; i += Shape::kThreads) hist[i] = 0;
+  __syncthreads();
+  const DeviceSeq seq = p.batch.seqs[b];
+  const T* keys = static_cast<const T*>(seq.keys);
+  // Scores of longer sequences would not fit their rows: cut (RowLength cuts the same way).
+  const int32_t n = min(SeqSize(seq), p.rows.max_length);
+  if (SeqSize(seq) > p.rows.max_length && threadIdx.x == 0 && split == 0) {
+    atomicOr(p.errors, kErrorSeqTooLong);
+  }
+  const int32_t begin = split * p.chunk;
+  const int32_t end = min(begin + p.chunk, n);
+  const int num_tiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
+  const RangeTokens tokens{seq, end};
+
+  float q[kGroup][kVecElems];
+  LoadQueries<Shape::kLanes, kGroup>(p.batch.q + row0 * kHeadDim, kHeadDim, p.batch.scale_log2,
+                                     q);
+
+  auto issue = [&](int tile) {
+    const int stage = tile % kStages;
+    IssueTile<T, Shape, false>(tokens, begin + tile * kTile, keys, keys, kv_head, p.batch.kv_heads,
+                               k_tiles + stage * kTile * kHeadDim, nullptr,
+                               valid + stage * kTile);
+  };
+  const int part = threadIdx.x % Shape::kLanes;
+  const int row = threadIdx.x / Shape::kLanes;
+  RunTilePipeline<kStages>(num_tiles, issue, [&](int tile) {
+    const int stage = tile % kStages;
+    // Each lane stages the totals TransposeReduce left with it (validity is checked below).
+    constexpr int kValues = Shape::kTokensPerLane * kGroup;
+    constexpr int kKept = kValues >= Shape::kLanes ? kValues / Shape::kLanes : 1;
+    constexpr int kSpread = kValues >= Shape::kLanes ? 1 : Shape::kLanes / kValues;
+    float flat[kValues];
+    ReduceStagedTileScores<T, Shape, kGroup>(k_tiles + stage * kTile * kHeadDim, q, flat);
+    if (part % kSpread == 0) {
+#pragma unroll
+      for (int i = 0; i < kKept; ++i) {
+        const int v = (part / kSpread) * kKept + i;
+        staged[(v % kGroup) * kTile + row + (v / kGroup) * Shape::kRows] = flat[i];
+      }
+    }
+    __syncthreads();
+    // Coalesced score rows, and the histograms.
+    const int32_t tile_begin = begin + tile * kTile;
+    for (int e = threadIdx.x; e < kGroup * kTile; e += Shape::kThreads) {
+      const int h = e / kTile;
+      const int32_t pos = tile_begin + e % kTile;
+      if (pos < end && (active >> h & 1u)) {
+        const float score = staged[e];
+        p.scores[(row0 + h) * p.rows.score_stride + pos] = score;
+        atomicAdd(&hist[h * kBins + BinOf(score)], 1u);
+      }
+    }
+  });
+  for (int h = 0; h < kGroup; ++h) {
+    if (active >> h & 1u) {
+      FlushHistogram<Shape::kThreads>(hist + h * kBins,
+                                      p.rows.hist + (row0 + h) * static_cast<int64_t>(kBins));
+    }
+  }
+  if (!FinishedLast(&p.rows.state[row0].blocks_done, gridDim.x, &last)) return;
+  for (int h = 0; h < kGroup; ++h) {
+    if (active >> h & 1u) {
+      FindThresholdBin<Shape::kThreads>(p.rows.hist + (row0 + h) * static_cast<int64_t>(kBins),
+                                        min(p.rows.k, n), &p.rows.state[row0 + h], scratch);
+    }
+  }
+  if (threadIdx.x == 0) p.rows.state[row0].blocks_done = 0;
+}
+
+// Finishes a row of the collect pass with the attention state over its selected tokens, whose
+// scores (log2 domain) are still in the score rows.
+template <typename T, int kDim, int kThreads>
+struct AttendFinish {
+  static constexpr int kSmemFloats = AttendSelectedSmemFloats<kDim, kThreads>();
+  const DeviceSeq* seqs;
+  int q_heads;
+  int kv_heads;
+  float* o;    // [rows, kDim]
+  float* lse;  // [rows]
+
+  __device__ void operator()(const RowTopKParams& p, int row, const int32_t* support, int count,
+                             float* smem) const {
+    const int b = row / q_heads;
+    const int kv_head = (row % q_heads) / (q_heads / kv_heads);
+    const float* scores = p.scores + row * p.score_stride;
+    AttendSelected<T, kDim, kThreads>(
+        count, [&](int i) { return __ldcg(support + i); },
+        [&](int i) { return __ldg(scores + __ldcg(support + i)); }, seqs[b], kv_head, kv_heads,
+        o + static_cast<int64_t>(row) * kDim, lse + row, smem);
+  }
+};
+
+}  // namespace kvrecall::cuda
+
+#endif  // KVRECALL_KERNELS_CUDA_EXACT_TOPK_CUH_

@@ -1,0 +1,39 @@
+// A device word in which kernels record violated preconditions of inputs that live on the GPU
+// (ids, counts, lengths), which the host cannot check before a launch without synchronizing.
+#ifndef KVRECALL_KERNELS_CUDA_KERNEL_ERRORS_H_
+#define KVRECALL_KERNELS_CUDA_KERNEL_ERRORS_H_
+
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+#include "kernels/cuda/device_buffer.h"
+
+namespace kvrecall::cuda {
+
+// Bits of the error word.
+inline constexpr unsigned kErrorIndexOutOfRange = 1u;  // an id outside [0, sequence size)
+inline constexpr unsigned kErrorCountOutOfRange = 2u;  // a count above its stated maximum
+inline constexpr unsigned kErrorSeqTooLong = 4u;       // a sequence longer than max_tokens
+
+// Kernels skip the offending element (it is neither read nor attended) and set a bit here;
+// the owner checks the word where a synchronization is acceptable (tests, the end of a request)
+// and turns it into INVALID_ARGUMENT. A step never synchronizes on it.
+class KernelErrors {
+ public:
+  static absl::StatusOr<KernelErrors> Create();
+
+  unsigned* device_word() const { return word_.data(); }
+
+  // Synchronizes `stream`, then reads and clears the word: OK, or INVALID_ARGUMENT naming every
+  // violated precondition seen since the last check.
+  absl::Status CheckAndClear(cudaStream_t stream) const;
+
+ private:
+  DeviceBuffer<unsigned> word_;
+};
+
+}  // namespace kvrecall::cuda
+
+#endif  // KVRECALL_KERNELS_CUDA_KERNEL_ERRORS_H_

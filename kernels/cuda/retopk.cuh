@@ -1,0 +1,419 @@
+// Templated kernels of ReTopK's GPU step (index/retopk.h is the reference):
+//   1. ReTopKSelectKernel: normalize q, cosines with the C cached queries, the path, and for
+//      reuse the top-R entries' supports ∪ the last W positions, deduplicated exactly;
+//   2. IndexedScoreKernel: scores the candidates with the current query where the keys lie (no
+//      gathered copy);
+//   3. ReTopKFinishKernel: the top K of the candidates, softmax·V over them, and the FIFO update
+//      of the cache on every path (refresh and fallback rows come from the exact top-K kernels).
+#ifndef KVRECALL_KERNELS_CUDA_RETOPK_CUH_
+#define KVRECALL_KERNELS_CUDA_RETOPK_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/partial_attention.cuh"
+#include "kernels/cuda/selected_attention.cuh"
+#include "kernels/cuda/topk_select.cuh"
+
+namespace kvrecall::cuda {
+
+// Path codes on the device: the values of SelectionPath (index/support_selector.h).
+inline constexpr uint8_t kPathExact = 0;
+inline constexpr uint8_t kPathReuse = 1;
+inline constexpr uint8_t kPathFallback = 2;
+inline constexpr uint8_t kPathRefresh = 3;
+
+// The largest cache capacity C the kernels serve (cosines live in shared memory, neighbors are
+// picked with a 64-bit mask).
+inline constexpr int kMaxCacheCapacity = 64;
+
+// Per (sequence slot, query head) cache state and the per-row scratch of a step, device memory.
+// A row is one (sequence b, query head h) pair: row = b * q_heads + h.
+struct ReTopKDeviceState {
+  int q_heads;
+  int kv_heads;
+  int capacity;        // C
+  int neighbors;       // R
+  int window;          // W
+  int top_k;           // K
+  int refresh_interval;
+  int max_candidates;  // R * K + W
+  float scale_log2;
+  float* cache_queries;    // [rows, C, head_dim] unit queries, by slot
+  int32_t* cache_supports; // [rows, C, K], by slot
+  int32_t* cache_sizes;    // [rows, C] support sizes, by slot
+  int32_t* cache_count;    // [rows] entries held
+  int32_t* cache_oldest;   // [rows] slot of the oldest entry
+  float* tau;              // [rows]
+  int32_t* prompt_tokens;  // [sequence slots]: decode step = n - prompt_tokens
+  // Step scratch and results.
+  float* unit_q;           // [rows, head_dim]
+  uint8_t* paths;          // [rows]
+  uint8_t* exact_rows;     // [rows]: 1 when the exact kernels serve the row
+  float* best_cosine;      // [rows]
+  int32_t* candidates;     // [rows, max_candidates]
+  int32_t* candidate_count;// [rows]: tokens scored to choose the support
+  float* candidate_scores; // [rows, max_candidates] (log2 domain)
+  int32_t* support;        // [rows, K]
+  int32_t* support_size;   // [rows]
+};
+
+// unit[0:kDim] (shared) = x / ||x|| (zero for a zero x), as cpu::Normalize. One whole block.
+template <int kDim, int kThreads>
+__device__ void NormalizeToShared(const float* x, float* unit, float* scratch) {
+  static_assert(kThreads >= kDim);
+  const float v = threadIdx.x < kDim ? x[threadIdx.x] : 0.0f;
+  const float norm = sqrtf(BlockSum<kThreads>(v * v, scratch));
+  const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+  if (threadIdx.x < kDim) unit[threadIdx.x] = v * inv;
+  __syncthreads();
+}
+
+// Inserts key (>= 0) into an open-addressing set of `slots` (a power of two) in shared memory,
+// empty = -1. Safe under concurrent inserts from the whole block.
+__device__ __forceinline__ void HashInsert(int32_t* table, int log2_slots, int32_t key) {
+  const uint32_t mask = (1u << log2_slots) - 1;
+  uint32_t h = (static_cast<uint32_t>(key) * 2654435761u) >> (32 - log2_slots);
+  while (true) {
+    const int32_t prev = atomicCAS(table + h, -1, key);
+    if (prev == -1 || prev == key) return;
+    h = (h + 1) & mask;
+  }
+}
+
+struct ReTopKStepParams {
+  ReTopKDeviceState state;
+  const DeviceSeq* seqs;  // [batch]
+  const float* q;         // [batch, q_heads, head_dim]
+  int log2_hash_slots;
+};
+
+// One block per row. Dynamic shared memory: the hash set, 4 << log2_hash_slots bytes. Loads
+// are issued in batches before their first use: a step is a chain of dependent round trips
+// to memory, and their number, not bytes, sets its time.
+template <int kDim, int kThreads>
+__global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepParams p) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kAgesPerWarp = kMaxCacheCapacity / kWarps;
+  constexpr int kPerLane = kDim / 32;
+  constexpr int kInsertBatch = 8;
+  extern __shared__ int32_t table[];
+  __shared__ float unit[kDim];
+  __shared__ float cosines[kMaxCacheCapacity];
+  __shared__ float scratch[32];
+  __shared__ uint32_t scan_scratch[32];
+  __shared__ int32_t neighbor_slots[kMaxCacheCapacity];
+  __shared__ int32_t neighbor_sizes[kMaxCacheCapacity];
+  __shared__ uint8_t path;
+  __shared__ int neighbor_count;
+  const ReTopKDeviceState& s = p.state;
+  const int row = blockIdx.x;
+  const int b = row / s.q_heads;
+  const int32_t n = SeqSize(p.seqs[b]);
+  const int64_t step = static_cast<int64_t>(n) - s.prompt_tokens[b];
+  const int entries = s.cache_count[row];
+  const int oldest = s.cache_oldest[row];
+
+  NormalizeToShared<kDim, kThreads>(p.q + static_cast<int64_t>(row) * kDim, unit, scratch);
+  if (threadIdx.x < kDim) s.unit_q[static_cast<int64_t>(row) * kDim + threadIdx.x] = unit[threadIdx.x];
+
+  // Cosines: warp w takes ages w, w + kWarps, ...; all its loads are in flight at once.
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const float* cached = s.cache_queries + static_cast<int64_t>(row) * s.capacity * kDim;
+  float e[kAgesPerWarp][kPerLane];
+#pragma unroll
+  for (int a = 0; a < kAgesPerWarp; ++a) {
+    const int age = warp + a * kWarps;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      e[a][j] = age < entries
+                    ? cached[static_cast<int64_t>((oldest + age) % s.capacity) * kDim + lane + 32 * j]
+                    : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < kAgesPerWarp; ++a) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) dot = fmaf(unit[lane + 32 * j], e[a][j], dot);
+    dot = GroupSum<32>(dot);
+    const int age = warp + a * kWarps;
+    if (lane == 0 && age < entries) cosines[age] = dot;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Lane l holds ages l and l + 32 (C <= 64).
+    float c0 = lane < entries ? cosines[lane] : -INFINITY;
+    float c1 = lane + 32 < entries ? cosines[lane + 32] : -INFINITY;
+    const float best = GroupMax<32>(fmaxf(c0, c1));
+    // ChooseReTopKPath: refresh first; !(best >= tau) sends NaN to the exact path too.
+    uint8_t chosen = kPathReuse;
+    if (s.refresh_interval > 0 && step % s.refresh_interval == 0) {
+      chosen = kPathRefresh;
+    } else if (entries == 0 || !(best >= s.tau[row])) {
+      chosen = kPathFallback;
+    }
+    // The R most similar entries, ties to the older (cpu::TopKPositions over ages): R rounds of
+    // a warp argmax on (cosine, -age).
+    const int r = min(s.neighbors, entries);
+    for (int i = 0; i < r; ++i) {
+      const bool second = c1 > c0;  // on a tie the younger age (l + 32) loses
+      float value = second ? c1 : c0;
+      int age = second ? lane + 32 : lane;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        const float other_value = __shfl_xor_sync(0xffffffffu, value, offset);
+        const int other_age = __shfl_xor_sync(0xffffffffu, age, offset);
+        if (other_value > value || (other_value == value && other_age < age)) {
+          value = other_value;
+          age = other_age;
+        }
+      }
+      if (lane == 0) neighbor_slots[i] = (oldest + age) % s.capacity;
+      if (age == lane) c0 = -INFINITY;
+      if (age == lane + 32) c1 = -INFINITY;
+    }
+    if (lane == 0) {
+      path = chosen;
+      neighbor_count = chosen == kPathReuse ? r : 0;
+      s.paths[row] = chosen;
+      s.exact_rows[row] = chosen != kPathReuse;
+      s.best_cosine[row] = best;
+      // Nothing to score on the exact path (the finish kernel reports n candidates there).
+      if (chosen != kPathReuse) s.candidate_count[row] = 0;
+    }
+  }
+  __syncthreads();
+  if (path != kPathReuse) return;
+
+  const int slots = 1 << p.log2_hash_slots;
+  for (int i = threadIdx.x; i < slots; i += kThreads) table[i] = -1;
+  if (threadIdx.x < neighbor_count) {
+    neighbor_sizes[threadIdx.x] =
+        s.cache_sizes[static_cast<int64_t>(row) * s.capacity + neighbor_slots[threadIdx.x]];
+  }
+  __syncthreads();
+  // The union: all neighbor supports as one flat index space, kInsertBatch loads in flight.
+  const int32_t* supports = s.cache_supports + static_cast<int64_t>(row) * s.capacity * s.top_k;
+  const int flat = neighbor_count * s.top_k;
+  for (int base = threadIdx.x; base < flat; base += kThreads * kInsertBatch) {
+    int32_t id[kInsertBatch];
+#pragma unroll
+    for (int u = 0; u < kInsertBatch; ++u) {
+      const int f = base + u * kThreads;
+      const int i = f / s.top_k;
+      const int j = f - i * s.top_k;
+      id[u] = f < flat && j < neighbor_sizes[i]
+                  ? supports[static_cast<int64_t>(neighbor_slots[i]) * s.top_k + j]
+                  : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kInsertBatch; ++u) {
+      if (id[u] >= 0) HashInsert(table, p.log2_hash_slots, id[u]);
+    }
+  }
+  for (int32_t t = max(0, n - s.window) + threadIdx.x; t < n; t += kThreads) {
+    HashInsert(table, p.log2_hash_slots, t);
+  }
+  __syncthreads();
+  // Compact the set: each thread owns a contiguous run of slots.
+  const int per_thread = (slots + kThreads - 1) / kThreads;
+  const int first = threadIdx.x * per_thread;
+  uint32_t mine = 0;
+  for (int i = first; i < min(first + per_thread, slots); ++i) mine += table[i] >= 0;
+  const uint32_t through = BlockInclusiveScan<kThreads>(mine, scan_scratch);
+  int32_t* out = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
+  uint32_t at = through - mine;
+  for (int i = first; i < min(first + per_thread, slots); ++i) {
+    if (table[i] >= 0) out[at++] = table[i];
+  }
+  if (threadIdx.x == kThreads - 1) s.candidate_count[row] = static_cast<int32_t>(through);
+}
+
+// Scores the candidates of reuse rows where their keys lie (other rows have no candidates).
+// grid = (chunks, rows), kThreads threads; each block scores kPerBlock candidates, all of a lane
+// group's loads in flight at once.
+template <typename T, int kDim, int kThreads, int kPerBlock>
+__global__ void __launch_bounds__(kThreads) IndexedScoreKernel(const ReTopKStepParams p) {
+  constexpr int kLanes = kDim / kVecElems;
+  constexpr int kGroups = kThreads / kLanes;
+  constexpr int kPerGroup = kPerBlock / kGroups;
+  static_assert(kPerBlock % kGroups == 0);
+  const ReTopKDeviceState& s = p.state;
+  const int row = blockIdx.y;
+  const int count = s.candidate_count[row];
+  const int begin = blockIdx.x * kPerBlock;
+  if (begin >= count) return;
+  const int b = row / s.q_heads;
+  const int kv_head = (row % s.q_heads) / (s.q_heads / s.kv_heads);
+  const DeviceSeq seq = p.seqs[b];
+  const T* keys = static_cast<const T*>(seq.keys);
+  float q[1][kVecElems];
+  LoadQueries<kLanes, 1>(p.q + static_cast<int64_t>(row) * kDim, kDim, s.scale_log2, q);
+  const int group = threadIdx.x / kLanes;
+  const int part = threadIdx.x % kLanes;
+  const int32_t* ids = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
+  int32_t id[kPerGroup];
+#pragma unroll
+  for (int u = 0; u < kPerGroup; ++u) {
+    const int i = begin + group + u * kGroups;
+    id[u] = i < count ? ids[i] : -1;
+  }
+  uint4 raw[kPerGroup];
+#pragma unroll
+  for (int u = 0; u < kPerGroup; ++u) {
+    raw[u] = make_uint4(0, 0, 0, 0);
+    if (id[u] >= 0) {
+      raw[u] = LoadKv16(keys + KvOffset(SlotOf(seq, id[u]), kv_head, s.kv_heads, kDim) +
+                        part * kVecElems);
+    }
+  }
+  float* out = s.candidate_scores + static_cast<int64_t>(row) * s.max_candidates;
+#pragma unroll
+  for (int u = 0; u < kPerGroup; ++u) {
+    float k[kVecElems];
+    Widen8<T>(raw[u], k);
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) acc = fmaf(q[0][j], k[j], acc);
+    acc = GroupSum<kLanes>(acc);
+    const int i = begin + group + u * kGroups;
+    if (part == 0 && i < count) out[i] = acc;
+  }
+}
+
+// Appends (unit query, support[0:size]) of a row as its newest cache entry, evicting the
+// oldest when full (QuerySupportCache::Push). One whole block; `unit` and `support` may be
+// shared or global memory and must be complete.
+template <int kThreads>
+__device__ void PushCacheEntry(const ReTopKDeviceState& s, int row, int head_dim,
+                               const float* unit, const int32_t* support, int size) {
+  const int entries = s.cache_count[row];
+  const int oldest = s.cache_oldest[row];
+  __syncthreads();  // every thread has read the FIFO state before thread 0 advances it
+  const int slot = entries < s.capacity ? (oldest + entries) % s.capacity : oldest;
+  const int64_t entry = static_cast<int64_t>(row) * s.capacity + slot;
+  for (int j = threadIdx.x; j < head_dim; j += kThreads) {
+    s.cache_queries[entry * head_dim + j] = unit[j];
+  }
+  for (int j = threadIdx.x; j < size; j += kThreads) {
+    s.cache_supports[entry * s.top_k + j] = support[j];
+  }
+  if (threadIdx.x == 0) {
+    s.cache_sizes[entry] = size;
+    if (entries < s.capacity) {
+      s.cache_count[row] = entries + 1;
+    } else {
+      s.cache_oldest[row] = (oldest + 1) % s.capacity;
+    }
+  }
+}
+
+// Dynamic shared memory of ReTopKFinishKernel: the selected positions and scores.
+inline size_t FinishSmemBytes(int top_k) { return static_cast<size_t>(top_k) * 8; }
+
+// One block per row: for reuse rows, the exact top K of the scored candidates (ties to the
+// lower position), softmax·V over them; for every row, the cache update.
+template <typename T, int kDim, int kThreads>
+__global__ void __launch_bounds__(kThreads) ReTopKFinishKernel(const ReTopKStepParams p, float* o,
+                                                               float* lse) {
+  constexpr int kPoolBytes =
+      kSmemCandidates * 8 > AttendSelectedSmemFloats<kDim, kThreads>() * 4
+          ? kSmemCandidates * 8
+          : AttendSelectedSmemFloats<kDim, kThreads>() * 4;
+  __shared__ __align__(16) unsigned char pool[kPoolBytes];
+  __shared__ RadixSelectSmem radix;
+  __shared__ float unit[kDim];
+  __shared__ uint32_t appended;
+  extern __shared__ int32_t selected[];  // [top_k] positions, then [top_k] scores
+  const ReTopKDeviceState& s = p.state;
+  const int row = blockIdx.x;
+  const int b = row / s.q_heads;
+  const DeviceSeq seq = p.seqs[b];
+  const uint8_t path = s.paths[row];
+  const int count = s.candidate_count[row];
+  for (int j = threadIdx.x; j < kDim; j += kThreads) {
+    unit[j] = s.unit_q[static_cast<int64_t>(row) * kDim + j];
+  }
+  int32_t* support = s.support + static_cast<int64_t>(row) * s.top_k;
+  if (path != kPathReuse) {
+    // The exact kernels chose this row's support; cache it.
+    if (threadIdx.x == 0) s.candidate_count[row] = SeqSize(seq);
+    __syncthreads();
+    PushCacheEntry<kThreads>(s, row, kDim, unit, support, s.support_size[row]);
+    return;
+  }
+  float* selected_scores = reinterpret_cast<float*>(selected + s.top_k);
+  const int k = min(s.top_k, count);
+  const int32_t* ids = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
+  const float* scores = s.candidate_scores + static_cast<int64_t>(row) * s.max_candidates;
+  uint64_t* cached = reinterpret_cast<uint64_t*>(pool);
+  const bool fits = count <= kSmemCandidates;
+  auto fresh_key = [&](int i) { return RankKey(scores[i], ids[i]); };
+  if (fits) {
+    for (int i = threadIdx.x; i < count; i += kThreads) cached[i] = fresh_key(i);
+  }
+  if (threadIdx.x == 0) appended = 0;
+  __syncthreads();
+  auto key_at = [&](int i) { return fits ? cached[i] : fresh_key(i); };
+  if (k > 0) {
+    const RadixThreshold t =
+        BlockRadixSelect<kThreads>(count, static_cast<uint32_t>(k), 64, key_at, &radix);
+    for (int base = 0; base < count; base += kThreads) {
+      const int i = base + threadIdx.x;
+      const uint64_t key = i < count ? key_at(i) : 0;
+      const bool keep = i < count && (key & t.mask) >= t.prefix;
+      const uint32_t at = WarpReserve(keep, &appended);
+      if (keep) {
+        const int32_t position = PositionOfRankKey(key);
+        selected[at] = position;
+        selected_scores[at] = __uint_as_float(OrderKeyToBits(static_cast<uint32_t>(key >> 32)));
+        support[at] = position;
+      }
+    }
+  }
+  if (threadIdx.x == 0) s.support_size[row] = k;
+  __syncthreads();
+  AttendSelected<T, kDim, kThreads>(
+      k, [&](int i) { return selected[i]; }, [&](int i) { return selected_scores[i]; }, seq,
+      (row % s.q_heads) / (s.q_heads / s.kv_heads), s.kv_heads,
+      o + static_cast<int64_t>(row) * kDim, lse + row, reinterpret_cast<float*>(pool));
+  PushCacheEntry<kThreads>(s, row, kDim, unit, selected, k);
+}
+
+// Seeding: entry c of every head of sequence slot b from prompt query c (of `count`, oldest
+// first) and its exact support (support [count, q_heads, K], sizes [count, q_heads]).
+// grid = (count, q_heads).
+template <int kDim, int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    ReTopKSeedKernel(const ReTopKDeviceState s, int b, const float* queries, int count,
+                     const int32_t* support, const int32_t* support_size, int32_t prompt_tokens) {
+  __shared__ float unit[kDim];
+  __shared__ float scratch[32];
+  const int c = blockIdx.x;
+  const int h = blockIdx.y;
+  const int64_t src = static_cast<int64_t>(c) * s.q_heads + h;
+  NormalizeToShared<kDim, kThreads>(queries + src * kDim, unit, scratch);
+  const int row = b * s.q_heads + h;
+  const int64_t entry = static_cast<int64_t>(row) * s.capacity + c;
+  if (threadIdx.x < kDim) s.cache_queries[entry * kDim + threadIdx.x] = unit[threadIdx.x];
+  const int size = support_size[src];
+  for (int j = threadIdx.x; j < size; j += kThreads) {
+    s.cache_supports[entry * s.top_k + j] = support[src * s.top_k + j];
+  }
+  if (threadIdx.x == 0) {
+    s.cache_sizes[entry] = size;
+    if (c == 0) {
+      s.cache_count[row] = count;
+      s.cache_oldest[row] = 0;
+      if (h == 0) s.prompt_tokens[b] = prompt_tokens;
+    }
+  }
+}
+
+}  // namespace kvrecall::cuda
+
+#endif  // KVRECALL_KERNELS_CUDA_RETOPK_CUH_

@@ -1,0 +1,86 @@
+#include "kernels/cuda/topk_select.cuh"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/topk_workspace.h"
+
+namespace kvrecall::cuda {
+
+absl::StatusOr<std::unique_ptr<TopKWorkspace>> TopKWorkspace::Create(int max_rows,
+                                                                    int max_tokens) {
+  if (max_rows < 1 || max_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_rows and max_tokens must be >= 1, got ", max_rows, " and ", max_tokens));
+  }
+  std::unique_ptr<TopKWorkspace> ws(new TopKWorkspace());
+  ws->max_rows_ = max_rows;
+  ws->max_tokens_ = max_tokens;
+  const size_t cells = static_cast<size_t>(max_rows) * max_tokens;
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(cells, &ws->scores_));
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(cells, &ws->candidates_));
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      AllocateZeroed(static_cast<size_t>(max_rows) * kBins, &ws->histograms_));
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(max_rows, &ws->states_));
+  absl::StatusOr<KernelErrors> errors = KernelErrors::Create();
+  if (!errors.ok()) return errors.status();
+  ws->errors_ = *std::move(errors);
+  return ws;
+}
+
+absl::Status TopKWorkspace::CheckFits(int rows, int tokens) const {
+  if (rows > max_rows_ || tokens > max_tokens_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        rows, " rows of ", tokens, " tokens exceed the top-K workspace's ", max_rows_,
+        " rows of ", max_tokens_, " tokens"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int length,
+                           const int32_t* lengths, int k, TopKWorkspace* ws, int32_t* support,
+                           int support_stride, int32_t* support_size, float* support_scores,
+                           cudaStream_t stream) {
+  if (ws == nullptr) return absl::InvalidArgumentError("a TopKWorkspace is required");
+  if (rows < 0 || length < 0 || k < 1 || stride < length || support_stride < std::min(k, length)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "need rows >= 0, length >= 0, k >= 1, stride >= length and support_stride >= "
+        "min(k, length); got rows=", rows, " length=", length, " k=", k, " stride=", stride,
+        " support_stride=", support_stride));
+  }
+  KVRECALL_CUDA_RETURN_IF_ERROR(ws->CheckFits(rows, 1));
+  if (rows == 0) return absl::OkStatus();
+  if (scores == nullptr || support == nullptr || support_size == nullptr) {
+    return absl::InvalidArgumentError("scores, support and support_size must be device pointers");
+  }
+  const absl::StatusOr<int> sms = MultiprocessorCount();
+  if (!sms.ok()) return sms.status();
+  RowTopKParams p{};
+  p.scores = scores;
+  p.score_stride = stride;
+  p.lengths = lengths;
+  p.length = length;
+  p.max_length = length;
+  p.k = k;
+  p.hist = ws->histograms();
+  p.state = ws->states();
+  // Candidates need a row of `stride` entries; the workspace's rows are max_tokens long.
+  if (stride > ws->max_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("score rows of stride ", stride,
+                                                   " exceed the workspace's max_tokens ",
+                                                   ws->max_tokens()));
+  }
+  p.candidates = ws->candidates();
+  p.support = support;
+  p.support_stride = support_stride;
+  p.support_size = support_size;
+  p.support_scores = support_scores;
+  PlanRowPasses(rows, length, *sms, &p);
+  const dim3 grid(p.splits, rows);
+  RowHistogramKernel<kRowPassThreads><<<grid, kRowPassThreads, 0, stream>>>(p);
+  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("RowHistogramKernel"));
+  RowCollectKernel<kRowPassThreads, NoFinish><<<grid, kRowPassThreads, 0, stream>>>(p, NoFinish{});
+  return LaunchStatus("RowCollectKernel");
+}
+
+}  // namespace kvrecall::cuda

@@ -1,0 +1,378 @@
+// Exact top-K selection over rows of f32 scores on the GPU, the shared machinery of the exact
+// top-K decode path, the ReTopK reuse path and the batch top-k of the index build.
+//
+// Order: a larger score first, equal scores by the lower position (RankKey in common.cuh), the
+// order of cpu::TopKPositions. A row is selected by radix select:
+//   1. a histogram of each score's top kBinBits order-key bits (built while scoring, or by
+//      HistogramKernel) locates the threshold bin holding the K-th largest score;
+//   2. a pass over the row appends positions above that bin to the output and the threshold
+//      bin's positions to a candidate list;
+//   3. one block radix-selects the missing ones among the candidates on the remaining bits of
+//      the unique 64-bit RankKey, so the result is exact whatever the ties.
+// Per-row state and histograms live in a workspace that starts zeroed and is left zeroed by
+// the last block of each row (no memset inside a step; CUDA-graph friendly).
+#ifndef KVRECALL_KERNELS_CUDA_TOPK_SELECT_CUH_
+#define KVRECALL_KERNELS_CUDA_TOPK_SELECT_CUH_
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/topk_workspace.h"
+
+namespace kvrecall::cuda {
+
+inline constexpr int kBinBits = 11;
+inline constexpr int kBins = 1 << kBinBits;
+inline constexpr int kBinShift = 32 - kBinBits;
+// RankKey bits below the threshold bin's: 21 order-key bits and 32 position bits.
+inline constexpr int kBitsBelowBin = 64 - kBinBits;
+inline constexpr uint32_t kNoThreshold = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t BinOf(float score) { return OrderKey(score) >> kBinShift; }
+
+// Block-wide sum / max; every thread gets the result. `scratch`: 32 floats of shared memory,
+// free on entry and on return.
+template <int kThreads>
+__device__ float BlockSum(float x, float* scratch) {
+  static_assert(kThreads % 32 == 0);
+  x = GroupSum<32>(x);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = x;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+template <int kThreads>
+__device__ float BlockMax(float x, float* scratch) {
+  x = GroupMax<32>(x);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) scratch[warp] = x;
+  __syncthreads();
+  float best = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) best = fmaxf(best, scratch[w]);
+  __syncthreads();
+  return best;
+}
+
+// Block-wide inclusive prefix sum of one value per thread. `scratch`: 32 words of shared memory.
+template <int kThreads>
+__device__ uint32_t BlockInclusiveScan(uint32_t x, uint32_t* scratch) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const uint32_t y = __shfl_up_sync(0xffffffffu, x, offset);
+    if (lane >= offset) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  uint32_t before = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) before += w < warp ? scratch[w] : 0u;
+  __syncthreads();
+  return x + before;
+}
+
+// Reserves one slot of a list grown through *counter for every lane with `keep`, with one
+// atomic per warp; returns the lane's slot (unspecified without `keep`). Call with all lanes.
+__device__ __forceinline__ uint32_t WarpReserve(bool keep, uint32_t* counter) {
+  const unsigned mask = __ballot_sync(0xffffffffu, keep);
+  if (mask == 0) return 0;
+  const int lane = threadIdx.x % 32;
+  const int leader = __ffs(mask) - 1;
+  uint32_t base = 0;
+  if (lane == leader) base = atomicAdd(counter, static_cast<uint32_t>(__popc(mask)));
+  base = __shfl_sync(0xffffffffu, base, leader);
+  return base + __popc(mask & ((1u << lane) - 1));
+}
+
+// Appends `value` to the list grown through *counter for every lane with `keep`.
+__device__ __forceinline__ void WarpAppend(bool keep, int32_t value, uint32_t* counter,
+                                           int32_t* list) {
+  const uint32_t slot = WarpReserve(keep, counter);
+  if (keep) list[slot] = value;
+}
+
+// Adds a block's shared-memory histogram into the row's global one, skipping empty bins.
+template <int kThreads>
+__device__ __forceinline__ void FlushHistogram(const uint32_t* block_hist, uint32_t* row_hist) {
+  for (int bin = threadIdx.x; bin < kBins; bin += kThreads) {
+    const uint32_t c = block_hist[bin];
+    if (c != 0) atomicAdd(row_hist + bin, c);
+  }
+}
+
+// Signals that this block finished its share of a pass; true in the one block that finishes
+// last, which then sees every other block's writes. Call with all threads; `flag`: shared.
+__device__ __forceinline__ bool FinishedLast(uint32_t* counter, uint32_t blocks, bool* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == blocks - 1;
+  __syncthreads();
+  if (*flag) __threadfence();
+  return *flag;
+}
+
+// Locates the threshold bin of the k-th largest score from a complete row histogram and writes
+// state->threshold_bin / need. Called by one whole block. `scratch`: 32 words of shared memory.
+template <int kThreads>
+__device__ void FindThresholdBin(const uint32_t* row_hist, uint32_t k, TopKRowState* state,
+                                 uint32_t* scratch) {
+  static_assert(kBins % kThreads == 0);
+  constexpr int kPerThread = kBins / kThreads;
+  // Thread i owns bins counted from the top: i * kPerThread ... (descending score).
+  uint32_t counts[kPerThread];
+  uint32_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    counts[j] = __ldcg(row_hist + (kBins - 1 - (threadIdx.x * kPerThread + j)));
+    mine += counts[j];
+  }
+  const uint32_t through = BlockInclusiveScan<kThreads>(mine, scratch);
+  uint32_t above = through - mine;  // elements in higher bins than this thread's
+  if (threadIdx.x == 0 && k == 0) {
+    state->threshold_bin = kNoThreshold;
+    state->need = 0;
+  }
+  if (k == 0 || above >= k || through < k) return;
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    if (above < k && above + counts[j] >= k) {
+      state->threshold_bin = kBins - 1 - (threadIdx.x * kPerThread + j);
+      state->need = k - above;
+    }
+    above += counts[j];
+  }
+}
+
+// The result of a radix select: element i is in the top `need` iff (key & mask) >= prefix.
+struct RadixThreshold {
+  uint64_t prefix;
+  uint64_t mask;
+};
+
+// Shared memory of BlockRadixSelect.
+struct RadixSelectSmem {
+  uint32_t hist[256];
+  uint32_t scratch[32];
+  uint64_t prefix;
+  uint64_t mask;
+  uint32_t remaining;
+  uint32_t done;
+};
+
+// Finds the threshold of the `need` largest keys among `count` unique 64-bit keys that all
+// share their bits above `low_bits` (0 < need <= count). key_at(i) returns key i. One whole
+// block calls it; it reads each key once per 8-bit digit, stopping as soon as the threshold
+// digit's bucket is exactly what is missing.
+template <int kThreads, typename KeyAt>
+__device__ RadixThreshold BlockRadixSelect(int count, uint32_t need, int low_bits, KeyAt key_at,
+                                           RadixSelectSmem* smem) {
+  static_assert(kThreads >= 256);
+  if (threadIdx.x == 0) {
+    // All keys share the bits above low_bits; take them from key 0.
+    smem->mask = low_bits >= 64 ? 0 : ~((uint64_t{1} << low_bits) - 1);
+    smem->prefix = key_at(0) & smem->mask;
+    smem->remaining = need;
+    smem->done = need == static_cast<uint32_t>(count);
+  }
+  __syncthreads();
+  int bits = low_bits;
+  while (!smem->done && bits > 0) {
+    const int width = bits >= 8 ? 8 : bits;
+    const int shift = bits - width;
+    const uint64_t prefix = smem->prefix;
+    const uint64_t mask = smem->mask;
+    for (int b = threadIdx.x; b < 256; b += kThreads) smem->hist[b] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < count; i += kThreads) {
+      const uint64_t key = key_at(i);
+      if ((key & mask) == prefix) {
+        atomicAdd(&smem->hist[(key >> shift) & ((1u << width) - 1)], 1u);
+      }
+    }
+    __syncthreads();
+    // Digit d such that count(digits > d) < remaining <= count(digits >= d), scanning from 255.
+    const uint32_t c = threadIdx.x < 256 ? smem->hist[255 - threadIdx.x] : 0u;
+    const uint32_t through = BlockInclusiveScan<kThreads>(c, smem->scratch);
+    const uint32_t remaining = smem->remaining;
+    const uint32_t above = through - c;
+    const bool found = threadIdx.x < 256 && c > 0 && above < remaining && through >= remaining;
+    __syncthreads();
+    if (found) {
+      const uint64_t digit = 255 - threadIdx.x;
+      smem->prefix = prefix | (digit << shift);
+      smem->mask = mask | (uint64_t{(1u << width) - 1} << shift);
+      smem->remaining = remaining - above;
+      smem->done = c == remaining - above;  // the whole bucket is taken
+    }
+    __syncthreads();
+    bits = shift;
+  }
+  return RadixThreshold{smem->prefix, smem->mask};
+}
+
+// Rows of scores to select from, and where the selection goes.
+struct RowTopKParams {
+  const float* scores;         // [rows, score_stride]; position p of row r at r * stride + p
+  int64_t score_stride;
+  const uint8_t* active;       // [rows], or null for all: inactive rows are left untouched
+  const DeviceSeq* seqs;       // row r has SeqSize(seqs[r / q_heads]) scores, or
+  int q_heads;
+  const int32_t* lengths;      //   lengths[r] when seqs is null, or
+  int length;                  //   `length` when both are null;
+  int max_length;              // longer rows are cut here (the score rows' capacity)
+  int k;
+  int splits;                  // blocks per row of the histogram and collect passes
+  int chunk;                   // positions per block
+  uint32_t* hist;              // [rows, kBins], zero between steps
+  TopKRowState* state;         // [rows], zero between steps
+  int32_t* candidates;         // [rows, score_stride]
+  int32_t* support;            // [rows, support_stride]: the top min(k, length) positions,
+  int support_stride;          //   in no particular order
+  int32_t* support_size;       // [rows]
+  float* support_scores;       // [rows, support_stride] or null: their scores, aligned
+};
+
+__device__ __forceinline__ int RowLength(const RowTopKParams& p, int row) {
+  const int n = p.seqs != nullptr      ? SeqSize(p.seqs[row / p.q_heads])
+                : p.lengths != nullptr ? p.lengths[row]
+                                       : p.length;
+  return max(0, min(n, p.max_length));
+}
+__device__ __forceinline__ bool RowActive(const RowTopKParams& p, int row) {
+  return p.active == nullptr || p.active[row] != 0;
+}
+
+// Pass 1 for rows of given scores: histogram, then the last block of each row locates the
+// threshold bin. grid = (splits, rows).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) RowHistogramKernel(const RowTopKParams p) {
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t scratch[32];
+  __shared__ bool last;
+  const int row = blockIdx.y;
+  if (!RowActive(p, row)) return;
+  for (int b = threadIdx.x; b < kBins; b += kThreads) hist[b] = 0;
+  __syncthreads();
+  const int n = RowLength(p, row);
+  const int begin = blockIdx.x * p.chunk;
+  const int end = min(begin + p.chunk, n);
+  const float* scores = p.scores + row * p.score_stride;
+  for (int i = begin + threadIdx.x; i < end; i += kThreads) {
+    atomicAdd(&hist[BinOf(__ldg(scores + i))], 1u);
+  }
+  __syncthreads();
+  uint32_t* row_hist = p.hist + static_cast<int64_t>(row) * kBins;
+  FlushHistogram<kThreads>(hist, row_hist);
+  if (!FinishedLast(&p.state[row].blocks_done, gridDim.x, &last)) return;
+  FindThresholdBin<kThreads>(row_hist, min(p.k, n), &p.state[row], scratch);
+  if (threadIdx.x == 0) p.state[row].blocks_done = 0;
+}
+
+// The default finishing step of a row's selection: nothing beyond the support itself.
+struct NoFinish {
+  static constexpr int kSmemFloats = 0;
+  __device__ void operator()(const RowTopKParams&, int, const int32_t*, int, float*) const {}
+};
+
+// Candidates whose keys fit in shared memory skip re-reading scores on every radix pass.
+inline constexpr int kSmemCandidates = 4096;
+
+// Pass 2: appends each row's positions above the threshold bin to the support and the
+// threshold bin's to the candidates; the last block of the row radix-selects the missing
+// ones, calls finish(p, row, support_row, count, smem), and zeroes the row's state and
+// histogram. grid = (splits, rows).
+template <int kThreads, typename Finish>
+__global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams p,
+                                                             const Finish finish) {
+  constexpr int kPoolBytes = kSmemCandidates * 8 > Finish::kSmemFloats * 4
+                                 ? kSmemCandidates * 8
+                                 : Finish::kSmemFloats * 4;
+  __shared__ __align__(16) unsigned char pool[kPoolBytes];
+  __shared__ RadixSelectSmem radix;
+  __shared__ uint32_t appended;
+  __shared__ bool last;
+  const int row = blockIdx.y;
+  if (!RowActive(p, row)) return;
+  const int n = RowLength(p, row);
+  const int k = min(p.k, n);
+  TopKRowState* state = p.state + row;
+  const float* scores = p.scores + row * p.score_stride;
+  int32_t* support = p.support + static_cast<int64_t>(row) * p.support_stride;
+  int32_t* candidates = p.candidates + row * p.score_stride;
+  const uint32_t threshold = state->threshold_bin;
+  if (k > 0) {
+    const int begin = blockIdx.x * p.chunk;
+    const int end = min(begin + p.chunk, n);
+    for (int base = begin; base < end; base += kThreads) {
+      const int i = base + threadIdx.x;
+      const uint32_t bin = i < end ? BinOf(__ldg(scores + i)) : 0u;
+      WarpAppend(i < end && bin > threshold, i, &state->selected, support);
+      WarpAppend(i < end && bin == threshold, i, &state->candidates, candidates);
+    }
+  }
+  if (!FinishedLast(&state->blocks_done, gridDim.x, &last)) return;
+
+  const uint32_t need = state->need;
+  if (threadIdx.x == 0) appended = __ldcg(&state->selected);
+  __syncthreads();
+  const int count = static_cast<int>(__ldcg(&state->candidates));
+  if (need > 0 && count > 0) {
+    uint64_t* cached = reinterpret_cast<uint64_t*>(pool);
+    const bool fits = count <= kSmemCandidates;
+    auto fresh_key = [&](int i) {
+      const int32_t pos = __ldcg(candidates + i);
+      return RankKey(__ldg(scores + pos), pos);
+    };
+    if (fits) {
+      for (int i = threadIdx.x; i < count; i += kThreads) cached[i] = fresh_key(i);
+      __syncthreads();
+    }
+    auto key_at = [&](int i) { return fits ? cached[i] : fresh_key(i); };
+    const RadixThreshold t =
+        BlockRadixSelect<kThreads>(count, need, kBitsBelowBin, key_at, &radix);
+    for (int base = 0; base < count; base += kThreads) {
+      const int i = base + threadIdx.x;
+      const uint64_t key = i < count ? key_at(i) : 0;
+      WarpAppend(i < count && (key & t.mask) >= t.prefix, PositionOfRankKey(key), &appended,
+                 support);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.support_size[row] = k;
+  if (p.support_scores != nullptr) {
+    float* out = p.support_scores + static_cast<int64_t>(row) * p.support_stride;
+    for (int j = threadIdx.x; j < k; j += kThreads) out[j] = __ldg(scores + __ldcg(support + j));
+  }
+  __syncthreads();
+  finish(p, row, support, k, reinterpret_cast<float*>(pool));
+  // Leave the row's workspace as it was found: zero.
+  uint32_t* row_hist = p.hist + static_cast<int64_t>(row) * kBins;
+  for (int b = threadIdx.x; b < kBins; b += kThreads) row_hist[b] = 0;
+  if (threadIdx.x == 0) *state = TopKRowState{};
+}
+
+// Block size of the row passes.
+inline constexpr int kRowPassThreads = 512;
+
+// Splits rows of `length` positions for the row passes: one wave of the four blocks of
+// kRowPassThreads a multiprocessor holds, none reading fewer than 2048 positions.
+inline void PlanRowPasses(int rows, int length, int sms, RowTopKParams* p) {
+  constexpr int kMinChunk = 2048;
+  const int splits = std::max(1, std::min(4 * sms / rows, CeilDiv(length, kMinChunk)));
+  p->chunk = std::max(1, CeilDiv(length, splits));
+  p->splits = std::max(1, CeilDiv(length, p->chunk));
+}
+
+}  // namespace kvrecall::cuda
+
+#endif  // KVRECALL_KERNELS_CUDA_TOPK_SELECT_CUH_

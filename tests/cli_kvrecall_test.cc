@@ -1,0 +1,366 @@
+// The `kvrecall` binary against the real `kvrecalld` binary on loopback: replay of a real
+// tinylm trace (generated at test time), the session subcommands, the demo, errors (non-zero
+// exit with the server's code and message), and a prompt + decode step sent as plain float
+// JSON through `buf curl` and server reflection.
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::KvrecalldProcess;
+using ::testing::HasSubstr;
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+// Runs argv[0] with `argv`, collecting stdout and stderr separately.
+ProcessResult RunProcess(const std::vector<std::string>& argv) {
+  int out[2], err[2];
+  ProcessResult result;
+  if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) return result;
+  std::vector<std::string> storage = argv;
+  std::vector<char*> args;
+  for (std::string& a : storage) args.push_back(a.data());
+  args.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    dup2(err[1], STDERR_FILENO);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  close(out[1]);
+  close(err[1]);
+  pollfd fds[] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  std::string* sinks[] = {&result.out, &result.err};
+  int open_fds = 2;
+  while (open_fds > 0 && poll(fds, 2, -1) > 0) {
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      char buffer[4096];
+      const ssize_t n = read(fds[i].fd, buffer, sizeof buffer);
+      if (n > 0) {
+        sinks[i]->append(buffer, n);
+      } else {
+        close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+      }
+    }
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+std::string KvrecallBinary() { return std::string(KVRECALL_BINARY_DIR) + "/client/kvrecall"; }
+
+class CliTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<KvrecalldProcess>> server = KvrecalldProcess::Start();
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = server->release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+
+  // kvrecall SUBCOMMAND --server=<the test's kvrecalld> ARGS...
+  static ProcessResult Kvrecall(const std::string& subcommand, std::vector<std::string> args) {
+    std::vector<std::string> argv = {KvrecallBinary(), subcommand,
+                                     "--server=" + server_->address()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunProcess(argv);
+  }
+
+  static KvrecalldProcess* server_;
+};
+
+KvrecalldProcess* CliTest::server_ = nullptr;
+
+// A real trace of the tinylm model (6 layers, 8 q / 2 kv heads, d=64): 512 prompt tokens and
+// 8 decode steps, generated once per test binary by ../shared/models/tinylm_np.py.
+class CliReplayTest : public CliTest {
+ protected:
+  static void SetUpTestSuite() {
+    CliTest::SetUpTestSuite();
+    const std::filesystem::path models =
+        std::filesystem::path(KVRECALL_SOURCE_DIR) / ".." / "shared" / "models";
+    if (!std::filesystem::exists(models / "tinylm_np.py") ||
+        !std::filesystem::exists(models / "tinylm-a.npz")) {
+      skip_reason_ = new std::string(absl::StrCat(
+          "no real model at ", models.string(),
+          " (CI and the dev machines have ../shared beside the clone); the replay tests need it"));
+      return;
+    }
+    trace_ = new std::string(absl::StrCat(::testing::TempDir(), "/cli_tinylm_512.", getpid(),
+                                          ".safetensors"));
+    const ProcessResult made = RunProcess(
+        {"/usr/bin/python3", (models / "tinylm_np.py").string(), "trace", "--model",
+         (models / "tinylm-a.npz").string(), "--text", "/usr/lib/python3/dist-packages", "--ctx",
+         "512", "--decode", "8", "--out", *trace_});
+    ASSERT_EQ(made.exit_code, 0) << made.out << made.err;
+  }
+  static void TearDownTestSuite() {
+    if (trace_ != nullptr) std::filesystem::remove(*trace_);
+    delete trace_;
+    trace_ = nullptr;
+    CliTest::TearDownTestSuite();
+  }
+  void SetUp() override {
+    if (skip_reason_ != nullptr) GTEST_SKIP() << *skip_reason_;
+  }
+
+  // The single JSON object `kvrecall replay --json` printed.
+  static nlohmann::json ReplayJson(std::vector<std::string> flags) {
+    flags.push_back("--trace=" + *trace_);
+    flags.push_back("--json");
+    const ProcessResult r = Kvrecall("replay", flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
+    return nlohmann::json::parse(r.out, nullptr, /*allow_exceptions=*/false);
+  }
+
+  static std::string* trace_;
+  static std::string* skip_reason_;
+};
+
+std::string* CliReplayTest::trace_ = nullptr;
+std::string* CliReplayTest::skip_reason_ = nullptr;
+
+TEST_F(CliReplayTest, FullAttentionOnARealTraceIsExact) {
+  const nlohmann::json j = ReplayJson({"--policy=full"});
+  ASSERT_TRUE(j.is_object());
+  for (const char* key :
+       {"policy", "layers", "q_heads", "kv_heads", "head_dim", "context", "steps",
+        "support_recall", "retained_mass", "output_cosine", "output_cosine_p05", "rel_l2",
+        "path_mix", "latency_us", "mean_candidates", "server_us"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["policy"], "full");
+  EXPECT_EQ(j["layers"], 6);
+  EXPECT_EQ(j["q_heads"], 8);
+  EXPECT_EQ(j["kv_heads"], 2);
+  EXPECT_EQ(j["head_dim"], 64);
+  EXPECT_EQ(j["context"], 512);
+  EXPECT_EQ(j["steps"], 8);
+  EXPECT_GE(j["output_cosine"].get<double>(), 0.9999);
+  EXPECT_GE(j["output_cosine_p05"].get<double>(), 0.9999);
+  EXPECT_LT(j["rel_l2"].get<double>(), 1e-2);  // outputs travel as bf16
+  EXPECT_DOUBLE_EQ(j["support_recall"].get<double>(), 1.0);
+  EXPECT_NEAR(j["retained_mass"].get<double>(), 1.0, 1e-5);
+  for (const char* path : {"reuse", "fallback", "refresh"}) {
+    EXPECT_EQ(j["path_mix"][path].get<double>(), 0.0) << path;
+  }
+  EXPECT_GT(j["latency_us"]["p50"].get<double>(), 0.0);
+  EXPECT_GE(j["latency_us"]["p99"].get<double>(), j["latency_us"]["p50"].get<double>());
+  EXPECT_GT(j["server_us"]["p50"].get<double>(), 0.0);
+}
+
+TEST_F(CliReplayTest, ExactTopKAndStreamingReportTheirFigures) {
+  const nlohmann::json topk = ReplayJson({"--policy=exact_topk", "--k=64", "--steps=4"});
+  ASSERT_TRUE(topk.is_object());
+  EXPECT_EQ(topk["policy"], "exact_topk");
+  EXPECT_EQ(topk["top_k"], 64);
+  EXPECT_EQ(topk["steps"], 4);
+  // The support is the reference's own top-64: full recall, most of the mass.
+  EXPECT_DOUBLE_EQ(topk["support_recall"].get<double>(), 1.0);
+  EXPECT_GT(topk["retained_mass"].get<double>(), 0.5);
+  EXPECT_LT(topk["retained_mass"].get<double>(), 1.0);
+  EXPECT_LT(topk["output_cosine"].get<double>(), 0.99999);
+  EXPECT_GT(topk["output_cosine"].get<double>(), 0.9);
+  EXPECT_DOUBLE_EQ(topk["mean_support"].get<double>(), 64);
+
+  // Dashed flag names work too.
+  const nlohmann::json streaming =
+      ReplayJson({"--policy=streaming", "--sinks=16", "--recent=48", "--k=64", "--steps=4"});
+  ASSERT_TRUE(streaming.is_object());
+  EXPECT_EQ(streaming["policy"], "streaming");
+  EXPECT_LT(streaming["support_recall"].get<double>(), 1.0);
+  EXPECT_GT(streaming["support_recall"].get<double>(), 0.0);
+  EXPECT_LT(streaming["retained_mass"].get<double>(), topk["retained_mass"].get<double>());
+  EXPECT_DOUBLE_EQ(streaming["mean_support"].get<double>(), 64);
+  EXPECT_EQ(streaming["mean_candidates"].get<double>(), 0.0);
+}
+
+TEST_F(CliReplayTest, ServerRejectionsExitNonZeroWithTheServersMessage) {
+  ProcessResult r = Kvrecall("replay", {"--trace=" + *trace_, "--policy=exact_topk", "--k=-5"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall replay: INVALID_ARGUMENT: "));
+  EXPECT_THAT(r.err, HasSubstr("policy.top_k must be >= 1, got -5"));
+  EXPECT_EQ(r.out, "");
+
+  r = Kvrecall("replay", {"--trace=" + *trace_, "--steps=9"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("steps (9) exceeds the 8 decode steps"));
+}
+
+TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
+  ProcessResult r = Kvrecall("create", {"--layers=3", "--q-heads=8", "--kv-heads=2",
+                                        "--head-dim=32", "--dtype=f16", "--policy=exact_topk",
+                                        "--k=16", "--label=cli test", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json created = nlohmann::json::parse(r.out);
+  const std::string id = created["session_id"];
+  EXPECT_EQ(created["policy"]["top_k"], 16);
+
+  r = Kvrecall("get", {id, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json info = nlohmann::json::parse(r.out);
+  EXPECT_EQ(info["geometry"]["layers"], 3);
+  EXPECT_EQ(info["geometry"]["head_dim"], 32);
+  EXPECT_EQ(info["geometry"]["dtype"], "DTYPE_F16");
+  EXPECT_EQ(info["label"], "cli test");
+
+  r = Kvrecall("list", {});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("SESSION"));
+  EXPECT_THAT(r.out, HasSubstr(id));
+  EXPECT_THAT(r.out, HasSubstr("exact_topk"));
+  EXPECT_THAT(r.out, HasSubstr("3 x 8/2 x 32"));
+
+  r = Kvrecall("close", {id});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "closed " + id + "\n");
+
+  r = Kvrecall("get", {id});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "kvrecall get: NOT_FOUND: session_id: no session '" + id + "'\n");
+}
+
+TEST_F(CliTest, ErrorsExitNonZeroWithTheServersCodeAndMessage) {
+  ProcessResult r = Kvrecall("create", {"--q_heads=8", "--kv_heads=3"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall create: INVALID_ARGUMENT: "));
+  EXPECT_THAT(r.err, HasSubstr("kv_heads"));
+
+  r = Kvrecall("close", {"no-such-session"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "kvrecall close: NOT_FOUND: session_id: no session 'no-such-session'\n");
+
+  // Usage errors are 2, found before anything is sent.
+  r = Kvrecall("create", {"--policy=fastest"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown selector 'fastest'; want one of full, exact_topk"));
+  r = Kvrecall("frobnicate", {});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown subcommand 'frobnicate'"));
+  r = Kvrecall("replay", {"--trace=/nonexistent.safetensors"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("NOT_FOUND: cannot open /nonexistent.safetensors"));
+
+  // No server at all.
+  r = RunProcess({KvrecallBinary(), "list", "--server=127.0.0.1:1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall list: UNAVAILABLE: "));
+}
+
+TEST_F(CliTest, DemoPrintsATableOfPolicies) {
+  const ProcessResult r = Kvrecall("demo", {"--context=1024", "--decode_steps=4"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("1024 prompt tokens, 4 decode steps"));
+  for (const char* row : {"full", "exact_topk K=128", "streaming 16+256", "index K=128",
+                          "retopk K=128"}) {
+    EXPECT_THAT(r.out, HasSubstr(row));
+  }
+  // The full row: recall and mass 1, cosine 1.
+  EXPECT_THAT(r.out, ::testing::ContainsRegex("\nfull +1\\.000 +1\\.000 +1\\.0000"));
+}
+
+// buf (installed by scripts/install_deps.sh into .tools/) speaks reflection: no .proto needed.
+std::string FindBuf() {
+  const std::string local = std::string(KVRECALL_SOURCE_DIR) + "/.tools/node_modules/.bin/buf";
+  return std::filesystem::exists(local) ? local : "";
+}
+
+std::string JsonFloats(const std::vector<float>& v) {
+  return absl::StrCat("[", absl::StrJoin(v, ", "), "]");
+}
+
+TEST_F(CliTest, PlainFloatJsonPrefillAndDecodeThroughBufCurl) {
+  const std::string buf = FindBuf();
+  if (buf.empty()) GTEST_SKIP() << "buf is not installed (scripts/install_deps.sh installs it)";
+  const std::string url = "http://" + server_->address() + "/kvrecall.v1.KvRecall/";
+  auto curl = [&](const std::string& method, const std::string& data) {
+    return RunProcess({buf, "curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d", data,
+                       url + method});
+  };
+  // 1 layer, 2 query heads sharing 1 KV head of dim 4; a 3-token prompt in two chunks.
+  ProcessResult r = curl("CreateSession",
+                         R"({"geometry": {"layers": 1, "q_heads": 2, "kv_heads": 1,
+                             "head_dim": 4, "dtype": "DTYPE_BF16"},
+                             "policy": {"selector": "SELECTOR_FULL"}})");
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const std::string id = nlohmann::json::parse(r.out)["sessionId"];
+
+  const std::vector<float> keys = {0.5f, -1, 0.25f, 2, 1, 0, -0.5f, 0.75f, -2, 1.5f, 1, 0,
+                                   0.125f, 0.5f, -0.25f, 1};
+  const std::vector<float> values = {1, 2, 3, 4, -1, 0, 1, 0, 0.5f, 0.5f, -2, 1, 3, -1, 0, 2};
+  const std::vector<float> prompt_q(3 * 2 * 4, 0.5f);
+  auto slice = [](const std::vector<float>& v, size_t begin, size_t n) {
+    return std::vector<float>(v.begin() + begin, v.begin() + begin + n);
+  };
+  const std::string chunk0 = absl::StrCat(
+      R"({"session_id": ")", id, R"(", "layer": 0, "offset": 0, "q": {"shape": [2, 2, 4], "values": )",
+      JsonFloats(slice(prompt_q, 0, 16)), R"(}, "k": {"shape": [2, 1, 4], "values": )",
+      JsonFloats(slice(keys, 0, 8)), R"(}, "v": {"shape": [2, 1, 4], "values": )",
+      JsonFloats(slice(values, 0, 8)), "}}");
+  const std::string chunk1 = absl::StrCat(
+      R"({"layer": 0, "offset": 2, "q": {"shape": [1, 2, 4], "values": )",
+      JsonFloats(slice(prompt_q, 16, 8)), R"(}, "k": {"shape": [1, 1, 4], "values": )",
+      JsonFloats(slice(keys, 8, 4)), R"(}, "v": {"shape": [1, 1, 4], "values": )",
+      JsonFloats(slice(values, 8, 4)), "}}");
+  r = curl("Prefill", chunk0 + "\n" + chunk1);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["tokens"], "3");  // int64 is a JSON string
+
+  const std::vector<float> q = {1, 0.5f, -1, 0.25f, -0.5f, 2, 0, 1};
+  r = curl("Decode",
+           absl::StrCat(R"({"request_id": 7, "layer": 0, "return_lse": true, "steps": [{"session_id": ")",
+                        id, R"(", "q": {"shape": [2, 4], "values": )", JsonFloats(q),
+                        R"(}, "k_new": {"shape": [1, 4], "values": )", JsonFloats(slice(keys, 12, 4)),
+                        R"(}, "v_new": {"shape": [1, 4], "values": )",
+                        JsonFloats(slice(values, 12, 4)), "}}]}"));
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const nlohmann::json reply = nlohmann::json::parse(r.out);
+  EXPECT_EQ(reply["requestId"], "7");
+  const nlohmann::json& result = reply["results"][0];
+  EXPECT_EQ(result["position"], "3");
+  const std::vector<float> output = result["output"]["values"].get<std::vector<float>>();
+  ASSERT_EQ(output.size(), 8u);
+  // Every number above is exact in bf16, so the server attends over exactly these keys.
+  const KvView kv{keys.data(), values.data(), 4, 1, 4};
+  for (int h = 0; h < 2; ++h) {
+    std::vector<double> want;
+    const double lse = testing::ReferenceAttention(q.data() + 4 * h, kv, 0,
+                                                   testing::AllTokens(4), 0.5, &want);
+    for (int i = 0; i < 4; ++i) EXPECT_NEAR(output[4 * h + i], want[i], 1e-5) << h << "," << i;
+    EXPECT_NEAR(result["lse"]["values"][h].get<double>(), lse, 1e-5);
+  }
+}
+
+}  // namespace
+}  // namespace kvrecall
