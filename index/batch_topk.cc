@@ -16,9 +16,9 @@ extern "C" void openblas_set_num_threads(int num_threads) __attribute__((weak));
 namespace kvrecall {
 namespace {
 
-// A block of queries times a block of keys is one GEMM; 64 x 4096 scores (1 MiB) stay in L2.
+// A block of queries times a block of keys is one GEMM; 64 x 2048 scores (512 KiB) stay in L2.
 constexpr int kQueryBlock = 64;
-constexpr int64_t kKeyBlock = 4096;
+constexpr int64_t kKeyBlock = 2048;
 
 // Our OpenMP loops call sgemm from every core; BLAS threads on top would oversubscribe them.
 void UseSingleThreadedBlas() {
@@ -41,23 +41,37 @@ bool Better(const Scored& a, const Scored& b) {
 // and are cut back to k when the buffer fills, which raises the threshold.
 class RunningTopK {
  public:
-  explicit RunningTopK(int k) : k_(k) { buffer_.reserve(4 * static_cast<size_t>(k)); }
+  explicit RunningTopK(int k) : k_(k), limit_(4 * static_cast<size_t>(k)) {}
 
   void Reset() {
     buffer_.clear();
+    buffer_.reserve(limit_);
     threshold_ = -std::numeric_limits<float>::infinity();
   }
 
   void Offer(const float* scores, int64_t n, int64_t first_id) {
     float threshold = threshold_;
-    for (int64_t j = 0; j < n; ++j) {
-      if (scores[j] > threshold) {
-        buffer_.push_back({scores[j], static_cast<int32_t>(first_id + j)});
-        if (buffer_.size() == buffer_.capacity()) {
-          Shrink();
-          threshold = threshold_;
-        }
-      }
+    int64_t j = 0;
+    // Once the threshold is up, almost no score passes: a vectorized max over a run of scores
+    // skips the run.
+    for (; j + kRun <= n; j += kRun) {
+      float run_max = scores[j];
+#pragma omp simd reduction(max : run_max)
+      for (int i = 1; i < kRun; ++i) run_max = std::max(run_max, scores[j + i]);
+      if (run_max <= threshold) continue;
+      for (int i = 0; i < kRun; ++i) Take(scores[j + i], first_id + j + i, &threshold);
+    }
+    for (; j < n; ++j) Take(scores[j], first_id + j, &threshold);
+  }
+
+  static constexpr int kRun = 16;
+
+  void Take(float score, int64_t id, float* threshold) {
+    if (score <= *threshold) return;
+    buffer_.push_back({score, static_cast<int32_t>(id)});
+    if (buffer_.size() >= limit_) {
+      Shrink();
+      *threshold = threshold_;
     }
   }
 
@@ -77,6 +91,7 @@ class RunningTopK {
   }
 
   int k_;
+  size_t limit_;  // candidates held before cutting back to k
   std::vector<Scored> buffer_;
   float threshold_ = -std::numeric_limits<float>::infinity();
 };

@@ -75,8 +75,6 @@ size_t InsertCandidate(std::vector<Candidate>* pool, size_t capacity, Candidate 
   return index;
 }
 
-// Dissimilarity of two keys for the occlusion rule: the negated inner product, the metric the
-// queries search by (RoarGraph prunes inner-product graphs the same way).
 // Dissimilarity of two keys for the occlusion rule: squared L2. (The negated inner product,
 // which RoarGraph uses for inner-product data, lets one long key occlude everything; attention
 // keys carry large common offsets and norms, and L2 gave more recall per key scored on tinylm.)
