@@ -27,11 +27,12 @@ for step in "$@"; do
       tail -n 15 "$logs/torch.log"
       python3 bench/cuda_plot.py --own="$out/cuda_decode_own.json" \
         --torch="$out/cuda_decode_torch.json" --png="$out/cuda_decode.png" \
-        --summary="$out/cuda_decode_summary.json" || status=1 ;;
+        --summary="$out/cuda_decode_summary.json" --markdown="$out/cuda_decode_table.md" \
+        || status=1 ;;
     profile)
       # Per-kernel times of one configuration of every path (ncu works on this machine type).
       for b in 1 8; do
-        ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+        ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
           "$bin/cuda_decode_bench" --batches=$b --contexts=131072 --reps=3 \
           > "$logs/ncu_b$b.csv" 2> "$logs/ncu_b$b.err" || status=1
         echo "batch $b, context 131072:"

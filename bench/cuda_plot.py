@@ -26,6 +26,7 @@ def main():
     parser.add_argument("--torch", required=True)
     parser.add_argument("--png", required=True)
     parser.add_argument("--summary", required=True)
+    parser.add_argument("--markdown", help="also write the table as markdown here")
     args = parser.parse_args()
     own = json.load(open(args.own))
     base = json.load(open(args.torch))
@@ -85,6 +86,20 @@ def main():
                    measured_copy_tbps=base.get("copy_tbps"), rows=rows)
     with open(args.summary, "w") as f:
         json.dump(summary, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("| batch | context | SDPA us (backend) | own full us | full/SDPA | torch.topk us"
+                    " | own exact top-K us | exact/SDPA | reuse step us | SDPA/reuse"
+                    " | reuse candidates | TB/s full / exact / reuse |\n")
+            f.write("|" + " --- |" * 12 + "\n")
+            for r in rows:
+                f.write(f"| {r['batch']} | {r['context']} | {r['sdpa_us']:.1f} ({r['sdpa_backend']})"
+                        f" | {r['own_full_us']:.1f} | {r['full_over_sdpa']:.2f}"
+                        f" | {r['torch_topk_us']:.1f} | {r['own_exact_topk_us']:.1f}"
+                        f" | {r['exact_over_sdpa']:.2f} | {r['reuse_us']:.1f}"
+                        f" | {r['sdpa_over_reuse']:.1f} | {r['mean_candidates'] or 0:.0f}"
+                        f" | {r.get('own_full_tbps', 0):.2f} / {r.get('own_exact_topk_tbps', 0):.2f}"
+                        f" / {r.get('own_retopk_reuse_tbps', 0):.2f} |\n")
     print(f"copy bandwidth measured by torch: {base.get('copy_tbps', float('nan')):.2f} TB/s")
     print("batch context |  sdpa  own_full ratio | torch_topk own_exact ratio | reuse  sdpa/reuse"
           " cand | TB/s full exact reuse")

@@ -37,9 +37,10 @@ inline absl::Status LaunchStatus(absl::string_view kernel) {
 
 }  // namespace kvrecall::cuda
 
-#define KVRECALL_CUDA_RETURN_IF_ERROR(expr)                               \
+// Variadic so that an expression holding template arguments (commas) needs no extra parentheses.
+#define KVRECALL_CUDA_RETURN_IF_ERROR(...)                                \
   do {                                                                    \
-    const absl::Status _kvrecall_status = (expr);                         \
+    const absl::Status _kvrecall_status = (__VA_ARGS__);                  \
     if (!_kvrecall_status.ok()) return _kvrecall_status;                  \
   } while (false)
 

@@ -9,8 +9,10 @@
 namespace kvrecall::cuda {
 namespace {
 
+// Two stages (one tile in flight while one is scored) leave room for three blocks of eight
+// warps per multiprocessor beside their histograms.
 template <int kDim>
-using ScanTile = TileShape<kDim, 4, 256>;
+using ScanTile = TileShape<kDim, 2, 256>;
 
 template <typename T, int kDim, int kGroup>
 absl::Status LaunchExactTopK(const DecodeShape& shape, ScoreKeysParams params, int max_tokens,

@@ -11,26 +11,50 @@ namespace {
 
 // Merges the `splits` partial states of each row into its final state, one block per row and
 // one thread per element of head_dim; MergeStateInto is the same exact merge the CPU uses.
+// Merges the `splits` partial states of each row into its final state with MergeStateInto, the
+// same exact merge the CPU uses, one thread per element of head_dim: kMergeChains threads per
+// element each merge every kMergeChains-th split, then the chains merge as a tree, so the
+// dependent merges per thread are splits / kMergeChains + log2(kMergeChains).
+// block = (head_dim, kMergeChains), one block per row.
+constexpr int kMergeChains = 8;
+
 __global__ void MergeSplitsKernel(const float* partial_o, const float* partial_lse, int splits,
                                   int head_dim, float* o, float* lse) {
-  constexpr int kInFlight = 16;  // splits loaded before any is merged, to hide load latency
+  constexpr int kInFlight = 4;  // splits of a chain loaded before any is merged
+  extern __shared__ float chain_o[];  // [kMergeChains][head_dim]
+  __shared__ float chain_lse[kMergeChains];
   const int64_t row = blockIdx.x;
   const int dim = threadIdx.x;
+  const int chain = threadIdx.y;
   float acc_o = 0.0f;
   float acc_lse = kEmptyLse;
-  for (int s0 = 0; s0 < splits; s0 += kInFlight) {
+  for (int s0 = chain; s0 < splits; s0 += kMergeChains * kInFlight) {
     float part_o[kInFlight], part_lse[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      const int s = s0 + u;
+      const int s = s0 + u * kMergeChains;
       part_o[u] = s < splits ? partial_o[(row * splits + s) * head_dim + dim] : 0.0f;
       part_lse[u] = s < splits ? partial_lse[row * splits + s] : kEmptyLse;  // merges as a no-op
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) MergeStateInto(&part_o[u], part_lse[u], &acc_o, &acc_lse, 1);
   }
-  o[row * head_dim + dim] = acc_o;
-  if (dim == 0) lse[row] = acc_lse;
+  for (int stride = kMergeChains / 2; stride > 0; stride /= 2) {
+    if (chain >= stride && chain < 2 * stride) {
+      chain_o[chain * head_dim + dim] = acc_o;
+      if (dim == 0) chain_lse[chain] = acc_lse;
+    }
+    __syncthreads();
+    if (chain < stride) {
+      MergeStateInto(&chain_o[(chain + stride) * head_dim + dim], chain_lse[chain + stride],
+                     &acc_o, &acc_lse, 1);
+    }
+    __syncthreads();
+  }
+  if (chain == 0) {
+    o[row * head_dim + dim] = acc_o;
+    if (dim == 0) lse[row] = acc_lse;
+  }
 }
 
 // (o, lse) <- merge((o, lse), (o_other, lse_other)) for every row, in place.
@@ -46,8 +70,10 @@ __global__ void MergeStatesKernel(const float* o_other, const float* lse_other, 
 }
 
 
+// Three stages (two tiles in flight) leave room for four blocks per multiprocessor: the
+// kernel is bound by latency more than by bytes in flight, so warps count most.
 template <int kDim>
-using AttentionTile = TileShape<kDim, 4>;
+using AttentionTile = TileShape<kDim, 3>;
 
 absl::Status CheckCall(const DecodeShape& shape, const AttentionWorkspace* ws, const void* seqs,
                        const void* q, const void* o, const void* lse) {
@@ -91,7 +117,8 @@ struct AttentionKernel {
     kKernel<<<grid, Shape::kThreads, kSmem, stream>>>(params);
     KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PartialAttentionKernel"));
     if (plan->splits > 1) {
-      MergeSplitsKernel<<<shape.rows(), kDim, 0, stream>>>(
+      MergeSplitsKernel<<<shape.rows(), dim3(kDim, kMergeChains),
+                          kMergeChains * kDim * sizeof(float), stream>>>(
           params.partial_o, params.partial_lse, plan->splits, kDim, params.o, params.lse);
       KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("MergeSplitsKernel"));
     }

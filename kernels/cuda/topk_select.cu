@@ -15,8 +15,9 @@ absl::StatusOr<std::unique_ptr<TopKWorkspace>> TopKWorkspace::Create(int max_row
   }
   std::unique_ptr<TopKWorkspace> ws(new TopKWorkspace());
   ws->max_rows_ = max_rows;
-  ws->max_tokens_ = max_tokens;
-  const size_t cells = static_cast<size_t>(max_rows) * max_tokens;
+  // Rows padded to 16 bytes, so that every score row can be read with 16-byte loads.
+  ws->max_tokens_ = CeilDiv(max_tokens, 4) * 4;
+  const size_t cells = static_cast<size_t>(max_rows) * ws->max_tokens_;
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(cells, &ws->scores_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(cells, &ws->candidates_));
   KVRECALL_CUDA_RETURN_IF_ERROR(

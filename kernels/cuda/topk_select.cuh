@@ -252,6 +252,51 @@ __device__ __forceinline__ bool RowActive(const RowTopKParams& p, int row) {
   return p.active == nullptr || p.active[row] != 0;
 }
 
+// Positions a row-pass thread reads per iteration: kScoreUnroll 16-byte loads of 4 scores,
+// all in flight before the first is used.
+inline constexpr int kScoreUnroll = 4;
+inline constexpr int kScoresPerThread = 4 * kScoreUnroll;
+
+// scores[i, i + 4) of a row into v; positions at or past `end` read as -inf (never loaded).
+// `aligned`: the row starts on 16 bytes (then, i being a multiple of 4, so does every load).
+__device__ __forceinline__ void LoadScores4(const float* row, int i, int end, bool aligned,
+                                            float (&v)[4]) {
+  if (aligned && i + 3 < end) {
+    const float4 f = __ldg(reinterpret_cast<const float4*>(row + i));
+    v[0] = f.x;
+    v[1] = f.y;
+    v[2] = f.z;
+    v[3] = f.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = i + j < end ? __ldg(row + i + j) : -INFINITY;
+  }
+}
+
+// Calls visit(position, score) for the positions [begin, end) of a score row, every thread
+// of the block taking part in every call (block-uniform trip count; positions past `end` come
+// with in_range = false), kScoresPerThread positions per thread per iteration.
+template <int kThreads, typename Visit>
+__device__ __forceinline__ void ForEachScore(const float* row, int begin, int end,
+                                             const Visit& visit) {
+  const bool aligned = (reinterpret_cast<uintptr_t>(row) & 15) == 0;
+  for (int base = begin; base < end; base += kThreads * kScoresPerThread) {
+    float v[kScoreUnroll][4];
+#pragma unroll
+    for (int u = 0; u < kScoreUnroll; ++u) {
+      LoadScores4(row, base + (u * kThreads + threadIdx.x) * 4, end, aligned, v[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kScoreUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = base + (u * kThreads + threadIdx.x) * 4 + j;
+        visit(i, v[u][j], i < end);
+      }
+    }
+  }
+}
+
 // Pass 1 for rows of given scores: histogram, then the last block of each row locates the
 // threshold bin. grid = (splits, rows).
 template <int kThreads>
@@ -266,10 +311,10 @@ __global__ void __launch_bounds__(kThreads) RowHistogramKernel(const RowTopKPara
   const int n = RowLength(p, row);
   const int begin = blockIdx.x * p.chunk;
   const int end = min(begin + p.chunk, n);
-  const float* scores = p.scores + row * p.score_stride;
-  for (int i = begin + threadIdx.x; i < end; i += kThreads) {
-    atomicAdd(&hist[BinOf(__ldg(scores + i))], 1u);
-  }
+  ForEachScore<kThreads>(p.scores + row * p.score_stride, begin, end,
+                         [&](int, float score, bool in_range) {
+                           if (in_range) atomicAdd(&hist[BinOf(score)], 1u);
+                         });
   __syncthreads();
   uint32_t* row_hist = p.hist + static_cast<int64_t>(row) * kBins;
   FlushHistogram<kThreads>(hist, row_hist);
@@ -312,13 +357,13 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   const uint32_t threshold = state->threshold_bin;
   if (k > 0) {
     const int begin = blockIdx.x * p.chunk;
-    const int end = min(begin + p.chunk, n);
-    for (int base = begin; base < end; base += kThreads) {
-      const int i = base + threadIdx.x;
-      const uint32_t bin = i < end ? BinOf(__ldg(scores + i)) : 0u;
-      WarpAppend(i < end && bin > threshold, i, &state->selected, support);
-      WarpAppend(i < end && bin == threshold, i, &state->candidates, candidates);
-    }
+    ForEachScore<kThreads>(scores, begin, min(begin + p.chunk, n),
+                           [&](int i, float score, bool in_range) {
+                             const uint32_t bin = BinOf(score);
+                             WarpAppend(in_range && bin > threshold, i, &state->selected, support);
+                             WarpAppend(in_range && bin == threshold, i, &state->candidates,
+                                        candidates);
+                           });
   }
   if (!FinishedLast(&state->blocks_done, gridDim.x, &last)) return;
 
@@ -369,7 +414,8 @@ inline constexpr int kRowPassThreads = 512;
 inline void PlanRowPasses(int rows, int length, int sms, RowTopKParams* p) {
   constexpr int kMinChunk = 2048;
   const int splits = std::max(1, std::min(4 * sms / rows, CeilDiv(length, kMinChunk)));
-  p->chunk = std::max(1, CeilDiv(length, splits));
+  // Chunks start on 16-byte boundaries of their rows, for LoadScores4.
+  p->chunk = std::max(4, CeilDiv(CeilDiv(length, splits), 4) * 4);
   p->splits = std::max(1, CeilDiv(length, p->chunk));
 }
 

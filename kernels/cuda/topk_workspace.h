@@ -32,7 +32,7 @@ class TopKWorkspace {
   static absl::StatusOr<std::unique_ptr<TopKWorkspace>> Create(int max_rows, int max_tokens);
 
   int max_rows() const { return max_rows_; }
-  int max_tokens() const { return max_tokens_; }
+  int max_tokens() const { return max_tokens_; }  // the requested one rounded up to 4
   float* scores() const { return scores_.data(); }             // [max_rows, max_tokens]
   int32_t* candidates() const { return candidates_.data(); }   // [max_rows, max_tokens]
   uint32_t* histograms() const { return histograms_.data(); }  // [max_rows, bins]
