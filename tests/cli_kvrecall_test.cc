@@ -116,12 +116,12 @@ class CliReplayTest : public CliTest {
           " (CI and the dev machines have ../shared beside the clone); the replay tests need it"));
       return;
     }
-    trace_ = new std::string(absl::StrCat(::testing::TempDir(), "/cli_tinylm_512.", getpid(),
-                                          ".safetensors"));
-    const ProcessResult made = RunProcess(
-        {"/usr/bin/python3", (models / "tinylm_np.py").string(), "trace", "--model",
-         (models / "tinylm-a.npz").string(), "--text", "/usr/lib/python3/dist-packages", "--ctx",
-         "512", "--decode", "8", "--out", *trace_});
+    trace_ = new std::string(
+        absl::StrCat(::testing::TempDir(), "/cli_tinylm_512.", getpid(), ".safetensors"));
+    const ProcessResult made =
+        RunProcess({"/usr/bin/python3", (models / "tinylm_np.py").string(), "trace", "--model",
+                    (models / "tinylm-a.npz").string(), "--text", "/usr/lib/python3/dist-packages",
+                    "--ctx", "512", "--decode", "8", "--out", *trace_});
     ASSERT_EQ(made.exit_code, 0) << made.out << made.err;
   }
   static void TearDownTestSuite() {
@@ -154,10 +154,9 @@ std::string* CliReplayTest::skip_reason_ = nullptr;
 TEST_F(CliReplayTest, FullAttentionOnARealTraceIsExact) {
   const nlohmann::json j = ReplayJson({"--policy=full"});
   ASSERT_TRUE(j.is_object());
-  for (const char* key :
-       {"policy", "layers", "q_heads", "kv_heads", "head_dim", "context", "steps",
-        "support_recall", "retained_mass", "output_cosine", "output_cosine_p05", "rel_l2",
-        "path_mix", "latency_us", "mean_candidates", "server_us"}) {
+  for (const char* key : {"policy", "layers", "q_heads", "kv_heads", "head_dim", "context", "steps",
+                          "support_recall", "retained_mass", "output_cosine", "output_cosine_p05",
+                          "rel_l2", "path_mix", "latency_us", "mean_candidates", "server_us"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["policy"], "full");
@@ -219,9 +218,9 @@ TEST_F(CliReplayTest, ServerRejectionsExitNonZeroWithTheServersMessage) {
 }
 
 TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
-  ProcessResult r = Kvrecall("create", {"--layers=3", "--q-heads=8", "--kv-heads=2",
-                                        "--head-dim=32", "--dtype=f16", "--policy=exact_topk",
-                                        "--k=16", "--label=cli test", "--json"});
+  ProcessResult r = Kvrecall(
+      "create", {"--layers=3", "--q-heads=8", "--kv-heads=2", "--head-dim=32", "--dtype=f16",
+                 "--policy=exact_topk", "--k=16", "--label=cli test", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json created = nlohmann::json::parse(r.out);
   const std::string id = created["session_id"];
@@ -282,8 +281,8 @@ TEST_F(CliTest, DemoPrintsATableOfPolicies) {
   const ProcessResult r = Kvrecall("demo", {"--context=1024", "--decode_steps=4"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("1024 prompt tokens, 4 decode steps"));
-  for (const char* row : {"full", "exact_topk K=128", "streaming 16+256", "index K=128",
-                          "retopk K=128"}) {
+  for (const char* row :
+       {"full", "exact_topk K=128", "streaming 16+256", "index K=128", "retopk K=128"}) {
     EXPECT_THAT(r.out, HasSubstr(row));
   }
   // The full row: recall and mass 1, cosine 1.
@@ -305,8 +304,8 @@ TEST_F(CliTest, PlainFloatJsonPrefillAndDecodeThroughBufCurl) {
   if (buf.empty()) GTEST_SKIP() << "buf is not installed (scripts/install_deps.sh installs it)";
   const std::string url = "http://" + server_->address() + "/kvrecall.v1.KvRecall/";
   auto curl = [&](const std::string& method, const std::string& data) {
-    return RunProcess({buf, "curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d", data,
-                       url + method});
+    return RunProcess(
+        {buf, "curl", "--protocol", "grpc", "--http2-prior-knowledge", "-d", data, url + method});
   };
   // 1 layer, 2 query heads sharing 1 KV head of dim 4; a 3-token prompt in two chunks.
   ProcessResult r = curl("CreateSession",
@@ -316,34 +315,36 @@ TEST_F(CliTest, PlainFloatJsonPrefillAndDecodeThroughBufCurl) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const std::string id = nlohmann::json::parse(r.out)["sessionId"];
 
-  const std::vector<float> keys = {0.5f, -1, 0.25f, 2, 1, 0, -0.5f, 0.75f, -2, 1.5f, 1, 0,
-                                   0.125f, 0.5f, -0.25f, 1};
+  const std::vector<float> keys = {0.5f, -1,   0.25f, 2, 1,      0,    -0.5f,  0.75f,
+                                   -2,   1.5f, 1,     0, 0.125f, 0.5f, -0.25f, 1};
   const std::vector<float> values = {1, 2, 3, 4, -1, 0, 1, 0, 0.5f, 0.5f, -2, 1, 3, -1, 0, 2};
   const std::vector<float> prompt_q(3 * 2 * 4, 0.5f);
   auto slice = [](const std::vector<float>& v, size_t begin, size_t n) {
     return std::vector<float>(v.begin() + begin, v.begin() + begin + n);
   };
-  const std::string chunk0 = absl::StrCat(
-      R"({"session_id": ")", id, R"(", "layer": 0, "offset": 0, "q": {"shape": [2, 2, 4], "values": )",
-      JsonFloats(slice(prompt_q, 0, 16)), R"(}, "k": {"shape": [2, 1, 4], "values": )",
-      JsonFloats(slice(keys, 0, 8)), R"(}, "v": {"shape": [2, 1, 4], "values": )",
-      JsonFloats(slice(values, 0, 8)), "}}");
-  const std::string chunk1 = absl::StrCat(
-      R"({"layer": 0, "offset": 2, "q": {"shape": [1, 2, 4], "values": )",
-      JsonFloats(slice(prompt_q, 16, 8)), R"(}, "k": {"shape": [1, 1, 4], "values": )",
-      JsonFloats(slice(keys, 8, 4)), R"(}, "v": {"shape": [1, 1, 4], "values": )",
-      JsonFloats(slice(values, 8, 4)), "}}");
+  const std::string chunk0 =
+      absl::StrCat(R"({"session_id": ")", id,
+                   R"(", "layer": 0, "offset": 0, "q": {"shape": [2, 2, 4], "values": )",
+                   JsonFloats(slice(prompt_q, 0, 16)), R"(}, "k": {"shape": [2, 1, 4], "values": )",
+                   JsonFloats(slice(keys, 0, 8)), R"(}, "v": {"shape": [2, 1, 4], "values": )",
+                   JsonFloats(slice(values, 0, 8)), "}}");
+  const std::string chunk1 =
+      absl::StrCat(R"({"layer": 0, "offset": 2, "q": {"shape": [1, 2, 4], "values": )",
+                   JsonFloats(slice(prompt_q, 16, 8)), R"(}, "k": {"shape": [1, 1, 4], "values": )",
+                   JsonFloats(slice(keys, 8, 4)), R"(}, "v": {"shape": [1, 1, 4], "values": )",
+                   JsonFloats(slice(values, 8, 4)), "}}");
   r = curl("Prefill", chunk0 + "\n" + chunk1);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["tokens"], "3");  // int64 is a JSON string
 
   const std::vector<float> q = {1, 0.5f, -1, 0.25f, -0.5f, 2, 0, 1};
-  r = curl("Decode",
-           absl::StrCat(R"({"request_id": 7, "layer": 0, "return_lse": true, "steps": [{"session_id": ")",
-                        id, R"(", "q": {"shape": [2, 4], "values": )", JsonFloats(q),
-                        R"(}, "k_new": {"shape": [1, 4], "values": )", JsonFloats(slice(keys, 12, 4)),
-                        R"(}, "v_new": {"shape": [1, 4], "values": )",
-                        JsonFloats(slice(values, 12, 4)), "}}]}"));
+  r = curl(
+      "Decode",
+      absl::StrCat(
+          R"({"request_id": 7, "layer": 0, "return_lse": true, "steps": [{"session_id": ")", id,
+          R"(", "q": {"shape": [2, 4], "values": )", JsonFloats(q),
+          R"(}, "k_new": {"shape": [1, 4], "values": )", JsonFloats(slice(keys, 12, 4)),
+          R"(}, "v_new": {"shape": [1, 4], "values": )", JsonFloats(slice(values, 12, 4)), "}}]}"));
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const nlohmann::json reply = nlohmann::json::parse(r.out);
   EXPECT_EQ(reply["requestId"], "7");
@@ -355,8 +356,8 @@ TEST_F(CliTest, PlainFloatJsonPrefillAndDecodeThroughBufCurl) {
   const KvView kv{keys.data(), values.data(), 4, 1, 4};
   for (int h = 0; h < 2; ++h) {
     std::vector<double> want;
-    const double lse = testing::ReferenceAttention(q.data() + 4 * h, kv, 0,
-                                                   testing::AllTokens(4), 0.5, &want);
+    const double lse =
+        testing::ReferenceAttention(q.data() + 4 * h, kv, 0, testing::AllTokens(4), 0.5, &want);
     for (int i = 0; i < 4; ++i) EXPECT_NEAR(output[4 * h + i], want[i], 1e-5) << h << "," << i;
     EXPECT_NEAR(result["lse"]["values"][h].get<double>(), lse, 1e-5);
   }

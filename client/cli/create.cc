@@ -5,11 +5,11 @@
 #include "client/cli/common.h"
 #include "client/cli/subcommands.h"
 
-ABSL_FLAG(int32_t, layers, 1, "create: model layers");
-ABSL_FLAG(int32_t, q_heads, 8, "create: query heads");
-ABSL_FLAG(int32_t, kv_heads, 2, "create: key/value heads (must divide q_heads)");
-ABSL_FLAG(int32_t, head_dim, 64, "create: head dimension");
-ABSL_FLAG(std::string, dtype, "bf16", "create: the model's dtype: bf16, f16 or f32");
+ABSL_FLAG(int32_t, layers, 1, "create, synth: model layers");
+ABSL_FLAG(int32_t, q_heads, 8, "create, synth: query heads");
+ABSL_FLAG(int32_t, kv_heads, 2, "create, synth: key/value heads (must divide q_heads)");
+ABSL_FLAG(int32_t, head_dim, 64, "create, synth: head dimension");
+ABSL_FLAG(std::string, dtype, "bf16", "create, synth: the model's dtype: bf16, f16 or f32");
 ABSL_FLAG(std::string, label, "", "create: free text shown by get and list");
 
 namespace kvrecall::cli {

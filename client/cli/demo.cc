@@ -15,8 +15,8 @@
 #include "client/trace/synthetic.h"
 #include "client/trace/trace.h"
 
-ABSL_FLAG(int64_t, context, 4096, "demo: prompt tokens of the synthetic trace");
-ABSL_FLAG(int64_t, decode_steps, 32, "demo: decode steps of the synthetic trace");
+ABSL_FLAG(int64_t, context, 4096, "demo, synth: prompt tokens of the synthetic trace");
+ABSL_FLAG(int64_t, decode_steps, 32, "demo, synth: decode steps of the synthetic trace");
 
 namespace kvrecall::cli {
 

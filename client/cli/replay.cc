@@ -11,7 +11,8 @@
 #include "client/trace/trace.h"
 #include "proto/tensor_codec.h"
 
-ABSL_FLAG(std::string, trace, "", "replay: the trace (safetensors, DESIGN.md's format)");
+ABSL_FLAG(std::string, trace, "",
+          "replay, bench-index: the trace (safetensors, DESIGN.md's format)");
 ABSL_FLAG(int64_t, steps, -1, "replay: decode steps to replay (-1: all of the trace's)");
 
 namespace kvrecall::cli {
