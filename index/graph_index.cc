@@ -17,6 +17,17 @@ using Clock = std::chrono::steady_clock;
 // pruning: enough ways in, few enough to leave the rest of the graph to the projection.
 constexpr int kKeptLinksPerKey = 4;
 
+// Random links from each member of a sampled query's top-k list to others of the list.
+constexpr int kListLinks = 4;
+
+// SplitMix64's finalizer: the deterministic "random" choice of list links.
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -201,6 +212,13 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
     for (int j = 0; j < length; ++j) {
       covered[list[j]] = 1;
       if (j != pivot_rank) edges.push_back({pivot, list[j]});
+      // A few random fellow members: without them a member's only way on is back to its
+      // pivots, and with few sampled queries most keys would have no projected edges at all.
+      for (int f = 0; f < kListLinks; ++f) {
+        const int other = static_cast<int>(Mix(static_cast<uint64_t>(i) << 32 | j << 8 | f) %
+                                           static_cast<uint64_t>(length));
+        if (other != j) edges.push_back({list[j], list[other]});
+      }
     }
   }
   for (uint8_t c : covered) build_stats_.covered_keys += c;

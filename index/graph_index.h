@@ -33,7 +33,9 @@ struct GraphBuildStats {
 //      keys it attended to when the queries are causal;
 //   2. projection: each query picks a pivot, its best key not yet a pivot (the best key alone
 //      would make every query pivot on the attention sinks), and the pivot gets edges to the
-//      query's other top keys: keys that the same query wants become one hop apart;
+//      query's other top keys: keys that the same query wants become one hop apart; each list
+//      member also links to a few random members of the same list (with sampled queries most
+//      keys are pivots of none, and these links give them projected edges of their own);
 //   3. neighboring tokens are linked (a positional chain: attention reads passages);
 //   4. every edge u->v adds v->u; a node over `max_degree` keeps its closest candidates in L2
 //      that are not occluded (a candidate closer to an already kept neighbor than to the node
