@@ -36,11 +36,13 @@ ABSL_FLAG(std::string, contexts, "16384,32768,65536,131072,262144,1048576", "con
 ABSL_FLAG(int, top_k, 512, "K of the exact top-K and ReTopK paths");
 ABSL_FLAG(int, reps, 40, "timed replays per measurement (the median is reported)");
 ABSL_FLAG(std::string, out, "", "also write the JSON here");
+ABSL_FLAG(int, q_heads, 32, "query heads (Llama-3-8B: 32)");
+ABSL_FLAG(int, kv_heads, 8, "KV heads (Llama-3-8B: 8)");
 
 namespace kvrecall::cuda {
 namespace {
 
-constexpr int kQHeads = 32, kKvHeads = 8, kDim = 128;
+constexpr int kDim = 128;
 // Measured device-to-device copy bandwidth of the H200 here (KINDS.md), the memory floor.
 constexpr double kCopyBandwidth = 4.3e12;
 
@@ -120,10 +122,10 @@ Stats TimeGraph(cudaStream_t stream, int warmup, int reps, const std::function<v
 
 // Queries of one sequence that drift the way decode queries do: consecutive queries of a head
 // have cosine ~0.97 ([steps, q_heads, head_dim]).
-std::vector<float> DriftingQueries(int steps, uint64_t seed) {
+std::vector<float> DriftingQueries(int steps, int q_heads, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> state(kQHeads * kDim);
+  std::vector<float> state(q_heads * kDim);
   for (float& x : state) x = 1.85f * normal(rng);
   std::vector<float> out;
   for (int t = 0; t < steps; ++t) {
@@ -154,6 +156,8 @@ int Main() {
     contexts.push_back(std::stoi(std::string(s)));
   }
   const int top_k = absl::GetFlag(FLAGS_top_k);
+  const int q_heads = absl::GetFlag(FLAGS_q_heads);
+  const int kv_heads = absl::GetFlag(FLAGS_kv_heads);
   const int reps = absl::GetFlag(FLAGS_reps);
   constexpr int kWarmup = 8;
   const int max_batch = *std::max_element(batches.begin(), batches.end());
@@ -165,15 +169,15 @@ int Main() {
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   // One KV region per sequence slot, [max_context, kv_heads, head_dim] each.
-  const size_t seq_elems = static_cast<size_t>(max_context) * kKvHeads * kDim;
+  const size_t seq_elems = static_cast<size_t>(max_context) * kv_heads * kDim;
   auto keys = ValueOrDie(DeviceBuffer<__nv_bfloat16>::Zeroed(seq_elems * max_batch));
   auto values = ValueOrDie(DeviceBuffer<__nv_bfloat16>::Zeroed(seq_elems * max_batch));
   FillNormal<<<4096, 256, 0, stream>>>(keys.data(), keys.size(), 1);
   FillNormal<<<4096, 256, 0, stream>>>(values.data(), values.size(), 2);
   CHECK_CUDA(cudaStreamSynchronize(stream));
 
-  const int max_rows = max_batch * kQHeads;
-  auto attention_ws = ValueOrDie(AttentionWorkspace::Create(max_rows));
+  const int max_rows = max_batch * q_heads;
+  auto attention_ws = ValueOrDie(AttentionWorkspace::Create(max_rows, /*max_splits=*/512));
   auto topk_ws = ValueOrDie(TopKWorkspace::Create(max_rows, max_context));
   auto d_seqs = ValueOrDie(DeviceBuffer<DeviceSeq>::Zeroed(max_batch));
   auto d_q = ValueOrDie(DeviceBuffer<float>::Zeroed(static_cast<size_t>(max_rows) * kDim));
@@ -185,12 +189,12 @@ int Main() {
   ReTopKParams retopk;       // C = 32, R = 4, W = 32, tau = 0.85
   retopk.refresh_interval = 0;  // the reuse path alone; refresh steps cost an exact top-K
   const int steps = retopk.cache_capacity + kWarmup + reps;
-  const size_t row_floats = static_cast<size_t>(kQHeads) * kDim;
+  const size_t row_floats = static_cast<size_t>(q_heads) * kDim;
   // Per sequence: C prompt queries then one per decode step, [steps][q_heads][d]; uploaded
   // as [batch][steps][q_heads][d].
   std::vector<float> stream_host;
   for (int b = 0; b < max_batch; ++b) {
-    const std::vector<float> qs = DriftingQueries(steps, 100 + b);
+    const std::vector<float> qs = DriftingQueries(steps, q_heads, 100 + b);
     stream_host.insert(stream_host.end(), qs.begin(), qs.end());
   }
   auto d_stream = ValueOrDie(DeviceBuffer<float>::Zeroed(stream_host.size()));
@@ -202,9 +206,9 @@ int Main() {
 
   std::vector<std::string> records;
   for (int batch : batches) {
-    const int rows = batch * kQHeads;
+    const int rows = batch * q_heads;
     for (int context : contexts) {
-      const DecodeShape shape{batch, kQHeads, kKvHeads, kDim, KvDtype::kBf16,
+      const DecodeShape shape{batch, q_heads, kv_heads, kDim, KvDtype::kBf16,
                               1.0f / std::sqrt(static_cast<float>(kDim))};
       std::vector<DeviceSeq> seqs;
       for (int b = 0; b < batch; ++b) {
@@ -218,7 +222,7 @@ int Main() {
         CHECK_CUDA(cudaMemcpy(d_q.data() + b * row_floats, step_query(b, retopk.cache_capacity),
                               row_floats * sizeof(float), cudaMemcpyDeviceToDevice));
       }
-      const double kv_bytes = 2.0 * batch * context * kKvHeads * kDim * sizeof(__nv_bfloat16);
+      const double kv_bytes = 2.0 * batch * context * kv_heads * kDim * sizeof(__nv_bfloat16);
       const Stats full = TimeGraph(
           stream, kWarmup, reps,
           [&] {
@@ -293,7 +297,7 @@ int Main() {
   }
   const std::string json = absl::StrCat(
       "{\"device\": \"", prop.name, "\", \"sms\": ", prop.multiProcessorCount,
-      ", \"q_heads\": ", kQHeads, ", \"kv_heads\": ", kKvHeads, ", \"head_dim\": ", kDim,
+      ", \"q_heads\": ", q_heads, ", \"kv_heads\": ", kv_heads, ", \"head_dim\": ", kDim,
       ", \"dtype\": \"bf16\", \"top_k\": ", top_k, ", \"reps\": ", reps,
       ", \"copy_bandwidth_tbps\": ", kCopyBandwidth / 1e12, ", \"records\": [\n  ",
       absl::StrJoin(records, ",\n  "), "\n]}\n");

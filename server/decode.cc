@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/fidelity.h"
 #include "proto/tensor_codec.h"
 #include "server/status_util.h"
@@ -169,7 +170,11 @@ void DecodeStream::Attend(Session& session, int layer_index, const float* q,
 
   layer.selector->OnAppend(kv);
   SupportSelector* selector = layer.selector.get();
-#pragma omp parallel for schedule(static) if (heads > 1)
+  const int64_t predicted_tokens = layer.last_scored_tokens >= 0
+                                       ? layer.last_scored_tokens
+                                       : static_cast<int64_t>(heads) * kv.tokens;
+#pragma omp parallel for schedule(static) \
+    if (heads > 1 && cpu::WorthParallel(predicted_tokens * d))
   for (int h = 0; h < heads; ++h) {
     HeadSelection& selection = layer.selections[h];
     // The support buffers travel between the selection and `supports` (the attention
@@ -189,8 +194,10 @@ void DecodeStream::Attend(Session& session, int layer_index, const float* q,
   DecodeCounters& counters = session.counters();
   ++counters.layer_steps;
   counters.head_steps += heads;
+  layer.last_scored_tokens = 0;
   for (const HeadSelection& selection : layer.selections) {
     counters.candidates += selection.candidates;
+    layer.last_scored_tokens += selection.candidates;
     CountPath(selection.path, &counters);
   }
   session.ChargeSelectorBytes(layer);
@@ -226,7 +233,8 @@ void DecodeStream::CompareExact(const Session& session, const Session::Layer& la
   full_output_.resize(static_cast<size_t>(heads) * d);
   full_lse_.resize(heads);
   cpu::MultiHeadFullAttention(q, heads, kv, shape.scale, full_output_.data(), full_lse_.data());
-#pragma omp parallel for schedule(static) if (heads > 1)
+#pragma omp parallel for schedule(static) \
+    if (heads > 1 && cpu::WorthParallel(static_cast<int64_t>(heads) * kv.tokens * d))
   for (int h = 0; h < heads; ++h) {
     thread_local std::vector<int32_t> exact;
     thread_local std::vector<uint8_t> marks;

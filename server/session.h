@@ -55,6 +55,9 @@ class Session {
     int64_t selector_bytes = 0;                  // what was last charged to the budget for it
     std::vector<HeadSelection> selections;       // per query head, reused across steps
     std::vector<std::vector<int32_t>> supports;  // per query head, reused across steps
+    // Tokens the selector scored at the previous step, summed over heads (-1: no step yet);
+    // predicts whether the next selection is worth running heads in parallel.
+    int64_t last_scored_tokens = -1;
   };
 
   // `geometry` must have passed ValidateGeometry.

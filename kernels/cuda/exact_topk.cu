@@ -40,8 +40,10 @@ absl::Status LaunchExactTopK(const DecodeShape& shape, ScoreKeysParams params, i
   using Finish = AttendFinish<T, kDim, kRowPassThreads>;
   const Finish finish{params.batch.seqs, shape.q_heads, shape.kv_heads, o, lse};
   const dim3 collect_grid(rows.splits, shape.rows());
-  RowCollectKernel<kRowPassThreads, Finish>
-      <<<collect_grid, kRowPassThreads, 0, stream>>>(rows, finish);
+  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
+  const size_t collect_smem = RowCollectSmemBytes(rows.k);
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kCollect>(collect_smem));
+  kCollect<<<collect_grid, kRowPassThreads, collect_smem, stream>>>(rows, finish);
   return LaunchStatus("RowCollectKernel");
 }
 

@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
   if (threadIdx.x == 0) p.rows.state[row0].blocks_done = 0;
 }
 
-// Finishes a row of the collect pass with the attention state over its selected tokens, whose
-// scores (log2 domain) are still in the score rows.
+// Finishes a row of the collect pass with the attention state over its selected tokens (the
+// positions and log2-domain scores the collect pass gathered in shared memory).
 template <typename T, int kDim, int kThreads>
 struct AttendFinish {
   static constexpr int kSmemFloats = AttendSelectedSmemFloats<kDim, kThreads>();
@@ -138,15 +138,13 @@ struct AttendFinish {
   float* o;    // [rows, kDim]
   float* lse;  // [rows]
 
-  __device__ void operator()(const RowTopKParams& p, int row, const int32_t* support, int count,
-                             float* smem) const {
+  __device__ void operator()(const RowTopKParams&, int row, const int32_t* positions,
+                             const float* scores, int count, float* smem) const {
     const int b = row / q_heads;
     const int kv_head = (row % q_heads) / (q_heads / kv_heads);
-    const float* scores = p.scores + row * p.score_stride;
     AttendSelected<T, kDim, kThreads>(
-        count, [&](int i) { return __ldcg(support + i); },
-        [&](int i) { return __ldg(scores + __ldcg(support + i)); }, seqs[b], kv_head, kv_heads,
-        o + static_cast<int64_t>(row) * kDim, lse + row, smem);
+        count, [&](int i) { return positions[i]; }, [&](int i) { return scores[i]; }, seqs[b],
+        kv_head, kv_heads, o + static_cast<int64_t>(row) * kDim, lse + row, smem);
   }
 };
 

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "absl/status/statusor.h"
 #include "kernels/cuda/cuda_status.h"
@@ -47,6 +48,28 @@ absl::StatusOr<int> PrepareKernel(int threads, size_t smem_bytes) {
     return std::max(per_sm, 1);
   }();
   return blocks;
+}
+
+// Makes sure kKernel may launch with `bytes` of dynamic shared memory, raising its limit when
+// needed (never lowering it, so callers with different sizes coexist). The limit is read from
+// the device only when a larger size than any before is asked for.
+template <auto kKernel>
+absl::Status AllowDynamicSharedMemory(size_t bytes) {
+  static std::atomic<size_t> allowed{0};
+  if (bytes <= allowed.load(std::memory_order_relaxed)) return absl::OkStatus();
+  cudaFuncAttributes attrs{};
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaFuncGetAttributes(&attrs, kKernel), "reading kernel attributes"));
+  if (static_cast<size_t>(attrs.maxDynamicSharedSizeBytes) < bytes) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(bytes)),
+        "raising a kernel's dynamic shared-memory limit"));
+  }
+  size_t seen = allowed.load(std::memory_order_relaxed);
+  while (seen < bytes && !allowed.compare_exchange_weak(seen, bytes)) {
+  }
+  return absl::OkStatus();
 }
 
 // Blocks of kKernel the whole device holds at once (PrepareKernel's count times the

@@ -14,23 +14,11 @@ namespace {
 constexpr int kSelectThreads = 256;
 constexpr int kScoreThreads = 128;
 constexpr int kScorePerBlock = 128;
+constexpr int kScoreBlocksPerRow = 4;
 constexpr int kFinishThreads = 512;
 constexpr int kSeedThreads = 128;
 // The candidate set lives in shared memory at most half full: 2^15 slots (128 KB).
 constexpr int kMaxLog2HashSlots = 15;
-
-// Raises a kernel's dynamic shared-memory limit to at least `bytes` (never lowers it, so
-// layers of different sizes coexist).
-template <auto kKernel>
-absl::Status EnsureSharedMemory(int bytes) {
-  cudaFuncAttributes attrs{};
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaFuncGetAttributes(&attrs, kKernel), "reading kernel attributes"));
-  if (attrs.maxDynamicSharedSizeBytes >= bytes) return absl::OkStatus();
-  return CudaStatus(
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-      "raising a ReTopK kernel's shared-memory limit");
-}
 
 }  // namespace
 
@@ -135,9 +123,9 @@ absl::StatusOr<std::unique_ptr<ReTopKGpuLayer>> ReTopKGpuLayer::Create(
   KVRECALL_CUDA_RETURN_IF_ERROR(KVRECALL_DISPATCH_KV_DTYPE(shape.dtype, KvT, [&] {
     return KVRECALL_DISPATCH_HEAD_DIM(shape.head_dim, kDim, [&]() -> absl::Status {
       KVRECALL_CUDA_RETURN_IF_ERROR(
-          EnsureSharedMemory<&ReTopKSelectKernel<kDim, kSelectThreads>>(hash_bytes));
-      return EnsureSharedMemory<&ReTopKFinishKernel<KvT, kDim, kFinishThreads>>(
-          static_cast<int>(FinishSmemBytes(top_k)));
+          AllowDynamicSharedMemory<&ReTopKSelectKernel<kDim, kSelectThreads>>(hash_bytes));
+      return AllowDynamicSharedMemory<&ReTopKFinishKernel<KvT, kDim, kFinishThreads>>(
+          FinishSmemBytes(top_k));
     });
   }));
   return layer;
@@ -250,7 +238,8 @@ absl::Status ReTopKGpuLayer::Step(int batch, const DeviceSeq* seqs, const float*
                                                        exact_rows_.data(), exact_ws_.get(),
                                                        support_.data(), support_size_.data(), o,
                                                        lse, stream));
-      const dim3 score_grid(CeilDiv(max_candidates_, kScorePerBlock), rows);
+      const dim3 score_grid(std::min(kScoreBlocksPerRow, CeilDiv(max_candidates_, kScorePerBlock)),
+                            rows);
       IndexedScoreKernel<KvT, kDim, kScoreThreads, kScorePerBlock>
           <<<score_grid, kScoreThreads, 0, stream>>>(params);
       KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("IndexedScoreKernel"));

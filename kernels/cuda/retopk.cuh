@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
   __shared__ float unit[kDim];
   __shared__ float cosines[kMaxCacheCapacity];
   __shared__ float scratch[32];
-  __shared__ uint32_t scan_scratch[32];
+  __shared__ uint32_t compacted;
   __shared__ int32_t neighbor_slots[kMaxCacheCapacity];
   __shared__ int32_t neighbor_sizes[kMaxCacheCapacity];
   __shared__ uint8_t path;
@@ -218,24 +218,25 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
   for (int32_t t = max(0, n - s.window) + threadIdx.x; t < n; t += kThreads) {
     HashInsert(table, p.log2_hash_slots, t);
   }
+  if (threadIdx.x == 0) compacted = 0;
   __syncthreads();
-  // Compact the set: each thread owns a contiguous run of slots.
-  const int per_thread = (slots + kThreads - 1) / kThreads;
-  const int first = threadIdx.x * per_thread;
-  uint32_t mine = 0;
-  for (int i = first; i < min(first + per_thread, slots); ++i) mine += table[i] >= 0;
-  const uint32_t through = BlockInclusiveScan<kThreads>(mine, scan_scratch);
+  // Compact the set (in no particular order): consecutive threads read consecutive slots, so
+  // the reads are free of bank conflicts; one atomic per warp and pass reserves the outputs.
   int32_t* out = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
-  uint32_t at = through - mine;
-  for (int i = first; i < min(first + per_thread, slots); ++i) {
-    if (table[i] >= 0) out[at++] = table[i];
+  for (int i = threadIdx.x; i < slots; i += kThreads) {
+    const int32_t key = table[i];
+    const uint32_t at = WarpReserve(key >= 0, &compacted);
+    if (key >= 0) out[at] = key;
   }
-  if (threadIdx.x == kThreads - 1) s.candidate_count[row] = static_cast<int32_t>(through);
+  __syncthreads();
+  if (threadIdx.x == 0) s.candidate_count[row] = static_cast<int32_t>(compacted);
 }
 
 // Scores the candidates of reuse rows where their keys lie (other rows have no candidates).
-// grid = (chunks, rows), kThreads threads; each block scores kPerBlock candidates, all of a lane
-// group's loads in flight at once.
+// grid = (kScoreBlocksPerRow, rows), kThreads threads; each block scores batches of kPerBlock
+// candidates, all of a lane group's loads of a batch in flight at once. A few blocks per row
+// that loop, rather than one block per batch: most rows hold far fewer candidates than the
+// bound, and empty blocks still cost launch slots.
 template <typename T, int kDim, int kThreads, int kPerBlock>
 __global__ void __launch_bounds__(kThreads) IndexedScoreKernel(const ReTopKStepParams p) {
   constexpr int kLanes = kDim / kVecElems;
@@ -245,8 +246,7 @@ __global__ void __launch_bounds__(kThreads) IndexedScoreKernel(const ReTopKStepP
   const ReTopKDeviceState& s = p.state;
   const int row = blockIdx.y;
   const int count = s.candidate_count[row];
-  const int begin = blockIdx.x * kPerBlock;
-  if (begin >= count) return;
+  if (static_cast<int>(blockIdx.x) * kPerBlock >= count) return;
   const int b = row / s.q_heads;
   const int kv_head = (row % s.q_heads) / (s.q_heads / s.kv_heads);
   const DeviceSeq seq = p.seqs[b];
@@ -256,32 +256,34 @@ __global__ void __launch_bounds__(kThreads) IndexedScoreKernel(const ReTopKStepP
   const int group = threadIdx.x / kLanes;
   const int part = threadIdx.x % kLanes;
   const int32_t* ids = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
-  int32_t id[kPerGroup];
-#pragma unroll
-  for (int u = 0; u < kPerGroup; ++u) {
-    const int i = begin + group + u * kGroups;
-    id[u] = i < count ? ids[i] : -1;
-  }
-  uint4 raw[kPerGroup];
-#pragma unroll
-  for (int u = 0; u < kPerGroup; ++u) {
-    raw[u] = make_uint4(0, 0, 0, 0);
-    if (id[u] >= 0) {
-      raw[u] = LoadKv16(keys + KvOffset(SlotOf(seq, id[u]), kv_head, s.kv_heads, kDim) +
-                        part * kVecElems);
-    }
-  }
   float* out = s.candidate_scores + static_cast<int64_t>(row) * s.max_candidates;
+  for (int begin = blockIdx.x * kPerBlock; begin < count; begin += gridDim.x * kPerBlock) {
+    int32_t id[kPerGroup];
 #pragma unroll
-  for (int u = 0; u < kPerGroup; ++u) {
-    float k[kVecElems];
-    Widen8<T>(raw[u], k);
-    float acc = 0.0f;
+    for (int u = 0; u < kPerGroup; ++u) {
+      const int i = begin + group + u * kGroups;
+      id[u] = i < count ? ids[i] : -1;
+    }
+    uint4 raw[kPerGroup];
 #pragma unroll
-    for (int j = 0; j < kVecElems; ++j) acc = fmaf(q[0][j], k[j], acc);
-    acc = GroupSum<kLanes>(acc);
-    const int i = begin + group + u * kGroups;
-    if (part == 0 && i < count) out[i] = acc;
+    for (int u = 0; u < kPerGroup; ++u) {
+      raw[u] = make_uint4(0, 0, 0, 0);
+      if (id[u] >= 0) {
+        raw[u] = LoadKv16(keys + KvOffset(SlotOf(seq, id[u]), kv_head, s.kv_heads, kDim) +
+                          part * kVecElems);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPerGroup; ++u) {
+      float k[kVecElems];
+      Widen8<T>(raw[u], k);
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) acc = fmaf(q[0][j], k[j], acc);
+      acc = GroupSum<kLanes>(acc);
+      const int i = begin + group + u * kGroups;
+      if (part == 0 && i < count) out[i] = acc;
+    }
   }
 }
 

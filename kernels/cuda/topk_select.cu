@@ -80,7 +80,10 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   const dim3 grid(p.splits, rows);
   RowHistogramKernel<kRowPassThreads><<<grid, kRowPassThreads, 0, stream>>>(p);
   KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("RowHistogramKernel"));
-  RowCollectKernel<kRowPassThreads, NoFinish><<<grid, kRowPassThreads, 0, stream>>>(p, NoFinish{});
+  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, NoFinish>;
+  const size_t collect_smem = RowCollectSmemBytes(k);
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kCollect>(collect_smem));
+  kCollect<<<grid, kRowPassThreads, collect_smem, stream>>>(p, NoFinish{});
   return LaunchStatus("RowCollectKernel");
 }
 

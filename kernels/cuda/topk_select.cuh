@@ -326,16 +326,21 @@ __global__ void __launch_bounds__(kThreads) RowHistogramKernel(const RowTopKPara
 // The default finishing step of a row's selection: nothing beyond the support itself.
 struct NoFinish {
   static constexpr int kSmemFloats = 0;
-  __device__ void operator()(const RowTopKParams&, int, const int32_t*, int, float*) const {}
+  __device__ void operator()(const RowTopKParams&, int, const int32_t*, const float*, int,
+                             float*) const {}
 };
 
 // Candidates whose keys fit in shared memory skip re-reading scores on every radix pass.
 inline constexpr int kSmemCandidates = 4096;
 
+// Dynamic shared memory of RowCollectKernel: the selected positions and scores.
+inline size_t RowCollectSmemBytes(int k) { return static_cast<size_t>(k) * 8; }
+
 // Pass 2: appends each row's positions above the threshold bin to the support and the
-// threshold bin's to the candidates; the last block of the row radix-selects the missing
-// ones, calls finish(p, row, support_row, count, smem), and zeroes the row's state and
-// histogram. grid = (splits, rows).
+// threshold bin's to the candidates; the last block of the row radix-selects the missing ones,
+// gathers the whole selection (positions and scores) in shared memory, calls
+// finish(p, row, positions, scores, count, smem) on it, and zeroes the row's state and
+// histogram. grid = (splits, rows); dynamic shared memory RowCollectSmemBytes(p.k).
 template <int kThreads, typename Finish>
 __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams p,
                                                              const Finish finish) {
@@ -346,6 +351,7 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   __shared__ RadixSelectSmem radix;
   __shared__ uint32_t appended;
   __shared__ bool last;
+  extern __shared__ int32_t chosen[];  // [p.k] positions, then [p.k] scores
   const int row = blockIdx.y;
   if (!RowActive(p, row)) return;
   const int n = RowLength(p, row);
@@ -367,10 +373,18 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   }
   if (!FinishedLast(&state->blocks_done, gridDim.x, &last)) return;
 
+  // The positions above the threshold bin, which every block appended, with their scores.
+  float* chosen_scores = reinterpret_cast<float*>(chosen + p.k);
   const uint32_t need = state->need;
-  if (threadIdx.x == 0) appended = __ldcg(&state->selected);
-  __syncthreads();
+  const int above = static_cast<int>(__ldcg(&state->selected));
   const int count = static_cast<int>(__ldcg(&state->candidates));
+  for (int j = threadIdx.x; j < above; j += kThreads) {
+    const int32_t pos = __ldcg(support + j);
+    chosen[j] = pos;
+    chosen_scores[j] = __ldg(scores + pos);
+  }
+  if (threadIdx.x == 0) appended = above;
+  __syncthreads();
   if (need > 0 && count > 0) {
     uint64_t* cached = reinterpret_cast<uint64_t*>(pool);
     const bool fits = count <= kSmemCandidates;
@@ -388,18 +402,23 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
     for (int base = 0; base < count; base += kThreads) {
       const int i = base + threadIdx.x;
       const uint64_t key = i < count ? key_at(i) : 0;
-      WarpAppend(i < count && (key & t.mask) >= t.prefix, PositionOfRankKey(key), &appended,
-                 support);
+      const bool keep = i < count && (key & t.mask) >= t.prefix;
+      const uint32_t at = WarpReserve(keep, &appended);
+      if (keep) {
+        const int32_t pos = PositionOfRankKey(key);
+        chosen[at] = pos;
+        chosen_scores[at] = __uint_as_float(OrderKeyToBits(static_cast<uint32_t>(key >> 32)));
+        support[at] = pos;
+      }
     }
     __syncthreads();
   }
   if (threadIdx.x == 0) p.support_size[row] = k;
   if (p.support_scores != nullptr) {
     float* out = p.support_scores + static_cast<int64_t>(row) * p.support_stride;
-    for (int j = threadIdx.x; j < k; j += kThreads) out[j] = __ldg(scores + __ldcg(support + j));
+    for (int j = threadIdx.x; j < k; j += kThreads) out[j] = chosen_scores[j];
   }
-  __syncthreads();
-  finish(p, row, support, k, reinterpret_cast<float*>(pool));
+  finish(p, row, chosen, chosen_scores, k, reinterpret_cast<float*>(pool));
   // Leave the row's workspace as it was found: zero.
   uint32_t* row_hist = p.hist + static_cast<int64_t>(row) * kBins;
   for (int b = threadIdx.x; b < kBins; b += kThreads) row_hist[b] = 0;

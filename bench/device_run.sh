@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine through the device tool, from the repository root, with the binaries
+# bundled here by ../shared/tools/device-bundle into .device/bundle (or shipped compressed as
+# .device/ship/bundle.tar.xz, which is unpacked first; bench/results/*.md have the commands):
+#   bench/device_run.sh [tests] [bench] [profile] [stride] [sanitize] [rpc] [index]
+# tests/bench/profile/stride/sanitize: the CUDA kernels; rpc: the RPC overhead of a layer-step on
+# the host's idle cores; index: bench-index on a 128K-token synthetic trace (16-core build time).
+# Logs go to $OUT/logs.tgz; the benchmarks' JSON, summaries and plots to $OUT directly.
+set -uo pipefail
+if [ ! -x .device/bundle/bin/kvrecalld ] && [ -f .device/ship/bundle.tar.xz ]; then
+  tar -C .device -xJf .device/ship/bundle.tar.xz
+fi
+export LD_LIBRARY_PATH=$PWD/.device/bundle/lib
+bin=$PWD/.device/bundle/bin
+out=${OUT:-/tmp/out}
+logs=$(mktemp -d)/logs
+mkdir -p "$out" "$logs"
+status=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
+for step in "$@"; do
+  case $step in
+    tests)
+      for t in cuda_partial_attention_test cuda_exact_topk_test cuda_retopk_test; do
+        "$bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 || status=1
+        tail -n 25 "$logs/$t.log"
+      done ;;
+    bench)
+      "$bin/cuda_decode_bench" --out="$out/cuda_decode_own.json" > "$logs/bench.log" 2>&1 \
+        || status=1
+      tail -n 15 "$logs/bench.log"
+      PYTHONUNBUFFERED=1 python3 bench/cuda_torch_baseline.py \
+        --out="$out/cuda_decode_torch.json" > "$logs/torch.log" 2>&1 || status=1
+      tail -n 15 "$logs/torch.log"
+      python3 bench/cuda_plot.py --own="$out/cuda_decode_own.json" \
+        --torch="$out/cuda_decode_torch.json" --png="$out/cuda_decode.png" \
+        --summary="$out/cuda_decode_summary.json" --markdown="$out/cuda_decode_table.md" \
+        || status=1 ;;
+    profile)
+      # Per-kernel times of one configuration of every path (ncu works on this machine type).
+      for b in 1 8; do
+        ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+          "$bin/cuda_decode_bench" --batches=$b --contexts=131072 --reps=3 \
+          > "$logs/ncu_b$b.csv" 2> "$logs/ncu_b$b.err" || status=1
+        echo "batch $b, context 131072:"
+        python3 bench/cuda_kernel_times.py "$logs/ncu_b$b.csv"
+      done | tee "$out/cuda_kernel_times.txt" ;;
+    stride)
+      # Is the [tokens, kv_heads, head_dim] stride what bounds the key-reading kernels? The same
+      # bytes with one KV head (each token's key contiguous with the next) for comparison.
+      "$bin/cuda_decode_bench" --batches=1 --contexts=131072 --reps=20 \
+        --out="$logs/stride_8kv.json" > /dev/null 2>&1 || status=1
+      "$bin/cuda_decode_bench" --batches=1 --contexts=1048576 --q_heads=4 --kv_heads=1 --reps=20 \
+        --out="$logs/stride_1kv.json" > /dev/null 2>&1 || status=1
+      grep -hE "own_full|own_exact" "$logs/stride_8kv.json" "$logs/stride_1kv.json" ;;
+    sanitize)
+      # One geometry per kernel family plus the edge-case tests, each run bounded in time.
+      for tool in memcheck racecheck; do
+        for spec in "cuda_partial_attention_test:*q16kv4d128bf16*:CudaMerge*:*Errors*" \
+                    "cuda_exact_topk_test:*q16kv4d64f16*:*Ties*:*ActiveRows*:*Errors*:CudaRowTopK*" \
+                    "cuda_retopk_test:*q8kv8d64f16*:CudaBatchTopK*"; do
+          t=${spec%%:*}
+          timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/$t" \
+            --gtest_filter="${spec#*:}" --gtest_brief=1 > "$logs/${tool}_$t.log" 2>&1
+          rc=$?
+          [ $rc -eq 0 ] || status=1
+          echo "$tool $t (rc $rc): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' \
+            "$logs/${tool}_$t.log" | tr '\n' ' ')"
+        done
+      done ;;
+    rpc)
+      # Three runs against a separate kvrecalld (default flags), one with the server in process.
+      "$bin/kvrecalld" --address=127.0.0.1:0 > "$logs/kvrecalld.log" 2>&1 &
+      server=$!
+      for _ in $(seq 100); do grep -q listening "$logs/kvrecalld.log" && break; sleep 0.1; done
+      address=$(sed -n 's/^kvrecalld listening on //p' "$logs/kvrecalld.log")
+      for run in 1 2 3; do
+        "$bin/rpc_overhead" --server="$address" --iterations=20000 \
+          --json_out="$logs/rpc_server_$run.json" 2>&1 | tee "$logs/rpc_server_$run.log" \
+          || status=1
+      done
+      kill "$server"; wait "$server"
+      "$bin/rpc_overhead" --iterations=20000 --json_out="$logs/rpc_inprocess.json" 2>&1 \
+        | tee "$logs/rpc_inprocess.log" || status=1
+      python3 -c 'import json,sys; print(json.dumps({f: json.load(open(f)) for f in sys.argv[1:]}))' \
+        "$logs"/rpc_*.json > "$out/rpc_overhead_device.json" || status=1 ;;
+    index)
+      # tinylm's geometry (8 query / 2 KV heads, d = 64), 128K prompt tokens, 2 layers.
+      trace=$(mktemp -d)/synth128k.safetensors
+      "$bin/kvrecall" synth --out="$trace" --context=131072 --decode_steps=64 \
+        --layers=2 > "$logs/synth.log" 2>&1 || status=1
+      "$bin/kvrecall" bench-index --trace="$trace" --k=100 --json \
+        --lists=100,150,200,300,500,800,1200,2000 > "$out/index_synth128k.json" \
+        2> "$logs/bench_index.log" || status=1
+      tail -n 25 "$logs/bench_index.log"
+      head -c 3000 "$out/index_synth128k.json"; echo ;;
+  esac
+done
+tar czf "$out/logs.tgz" -C "$(dirname "$logs")" logs
+exit $status
