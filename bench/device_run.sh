@@ -7,11 +7,13 @@
 # the host's idle cores; index: bench-index on a 128K-token synthetic trace (16-core build time).
 # Logs go to $OUT/logs.tgz; the benchmarks' JSON, summaries and plots to $OUT directly.
 set -uo pipefail
-if [ ! -x .device/bundle/bin/kvrecalld ] && [ -f .device/ship/bundle.tar.xz ]; then
+# BUNDLE: another bundle folder (say, one of the CUDA programs alone).
+bundle=$PWD/${BUNDLE:-.device/bundle}
+if [ ! -d "$bundle/bin" ] && [ -f .device/ship/bundle.tar.xz ]; then
   tar -C .device -xJf .device/ship/bundle.tar.xz
 fi
-export LD_LIBRARY_PATH=$PWD/.device/bundle/lib
-bin=$PWD/.device/bundle/bin
+export LD_LIBRARY_PATH=$bundle/lib
+bin=$bundle/bin
 out=${OUT:-/tmp/out}
 logs=$(mktemp -d)/logs
 mkdir -p "$out" "$logs"
@@ -54,7 +56,7 @@ for step in "$@"; do
       grep -hE "own_full|own_exact" "$logs/stride_8kv.json" "$logs/stride_1kv.json" ;;
     sanitize)
       # One geometry per kernel family plus the edge-case tests, each run bounded in time.
-      for tool in memcheck racecheck; do
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
         for spec in "cuda_partial_attention_test:*q16kv4d128bf16*:CudaMerge*:*Errors*" \
                     "cuda_exact_topk_test:*q16kv4d64f16*:*Ties*:*ActiveRows*:*Errors*:CudaRowTopK*" \
                     "cuda_retopk_test:*q8kv8d64f16*:CudaBatchTopK*"; do
@@ -68,21 +70,23 @@ for step in "$@"; do
         done
       done ;;
     rpc)
-      # Three runs against a separate kvrecalld (default flags), one with the server in process.
-      "$bin/kvrecalld" --address=127.0.0.1:0 > "$logs/kvrecalld.log" 2>&1 &
+      # Three runs against a separate kvrecalld (default flags), one with the server in process;
+      # RPC_TAG names the variant (an environment the caller set, say) in the output file.
+      tag=${RPC_TAG:-default}
+      "$bin/kvrecalld" --address=127.0.0.1:0 > "$logs/kvrecalld_$tag.log" 2>&1 &
       server=$!
-      for _ in $(seq 100); do grep -q listening "$logs/kvrecalld.log" && break; sleep 0.1; done
-      address=$(sed -n 's/^kvrecalld listening on //p' "$logs/kvrecalld.log")
+      for _ in $(seq 100); do grep -q listening "$logs/kvrecalld_$tag.log" && break; sleep 0.1; done
+      address=$(sed -n 's/^kvrecalld listening on //p' "$logs/kvrecalld_$tag.log")
       for run in 1 2 3; do
         "$bin/rpc_overhead" --server="$address" --iterations=20000 \
-          --json_out="$logs/rpc_server_$run.json" 2>&1 | tee "$logs/rpc_server_$run.log" \
+          --json_out="$logs/rpc_${tag}_server_$run.json" 2>&1 | tee "$logs/rpc_${tag}_server_$run.log" \
           || status=1
       done
       kill "$server"; wait "$server"
-      "$bin/rpc_overhead" --iterations=20000 --json_out="$logs/rpc_inprocess.json" 2>&1 \
-        | tee "$logs/rpc_inprocess.log" || status=1
+      "$bin/rpc_overhead" --iterations=20000 --json_out="$logs/rpc_${tag}_inprocess.json" 2>&1 \
+        | tee "$logs/rpc_${tag}_inprocess.log" || status=1
       python3 -c 'import json,sys; print(json.dumps({f: json.load(open(f)) for f in sys.argv[1:]}))' \
-        "$logs"/rpc_*.json > "$out/rpc_overhead_device.json" || status=1 ;;
+        "$logs"/rpc_"$tag"_*.json > "$out/rpc_overhead_$tag.json" || status=1 ;;
     index)
       # tinylm's geometry (8 query / 2 KV heads, d = 64), 128K prompt tokens, 2 layers.
       trace=$(mktemp -d)/synth128k.safetensors
@@ -95,5 +99,5 @@ for step in "$@"; do
       head -c 3000 "$out/index_synth128k.json"; echo ;;
   esac
 done
-tar czf "$out/logs.tgz" -C "$(dirname "$logs")" logs
+tar czf "$out/${LOGS_NAME:-logs}.tgz" -C "$(dirname "$logs")" logs
 exit $status
