@@ -28,12 +28,13 @@ template <typename T, typename Shape, int kGroup>
 constexpr size_t ScoreKeysSmemBytes() {
   constexpr int kHeadDim = Shape::kLanes * kVecElems;
   return static_cast<size_t>(Shape::kStages) * Shape::kTile * kHeadDim * sizeof(T) +
-         Shape::kStages * Shape::kTile + kGroup * Shape::kTile * 4 + kGroup * kBins * 4;
+         Shape::kStages * Shape::kTile + kGroup * kBins * 4;
 }
 
 // One block: the kGroup query heads q0.. of one KV head over one split of one sequence.
 // grid = (splits, q_heads / kGroup, batch). Writes each active row's scores and adds them to
 // its histogram; the last block of the split group locates each row's threshold bin.
+// RunTilePipeline's barriers keep the histogram complete before it is flushed.
 template <typename T, typename Shape, int kGroup>
 __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKeysParams p) {
   constexpr int kHeadDim = Shape::kLanes * kVecElems;
@@ -42,8 +43,7 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
   extern __shared__ __align__(16) unsigned char smem[];
   T* k_tiles = reinterpret_cast<T*>(smem);
   uint8_t* valid = reinterpret_cast<uint8_t*>(k_tiles + kStages * kTile * kHeadDim);
-  float* staged = reinterpret_cast<float*>(valid + kStages * kTile);  // [kGroup][kTile]
-  uint32_t* hist = reinterpret_cast<uint32_t*>(staged + kGroup * kTile);  // [kGroup][kBins]
+  uint32_t* hist = reinterpret_cast<uint32_t*>(valid + kStages * kTile);  // [kGroup][kBins]
   __shared__ uint32_t scratch[32];
   __shared__ bool last;
 
@@ -71,9 +71,9 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
   const int num_tiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
   const RangeTokens tokens{seq, end};
 
-  float q[kGroup][kVecElems];
-  LoadQueries<Shape::kLanes, kGroup>(p.batch.q + row0 * kHeadDim, kHeadDim, p.batch.scale_log2,
-                                     q);
+  uint32_t q_frag[kHeadDim / 16][4];
+  LoadQueryFragments<T, kGroup, kHeadDim>(p.batch.q + row0 * kHeadDim, p.batch.scale_log2,
+                                          q_frag);
 
   auto issue = [&](int tile) {
     const int stage = tile % kStages;
@@ -81,33 +81,26 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
                                k_tiles + stage * kTile * kHeadDim, nullptr,
                                valid + stage * kTile);
   };
-  const int part = threadIdx.x % Shape::kLanes;
-  const int row = threadIdx.x / Shape::kLanes;
+  const int warp = threadIdx.x / 32;
+  const int g = (threadIdx.x % 32) / 4;
+  const bool scores_row = g < kGroup && (active >> g & 1u);
+  float* score_row = scores_row ? p.scores + (row0 + g) * p.rows.score_stride : nullptr;
+  uint32_t* row_hist = hist + min(g, kGroup - 1) * kBins;
   RunTilePipeline<kStages>(num_tiles, issue, [&](int tile) {
-    const int stage = tile % kStages;
-    // Each lane stages the totals TransposeReduce left with it (validity is checked below).
-    constexpr int kValues = Shape::kTokensPerLane * kGroup;
-    constexpr int kKept = kValues >= Shape::kLanes ? kValues / Shape::kLanes : 1;
-    constexpr int kSpread = kValues >= Shape::kLanes ? 1 : Shape::kLanes / kValues;
-    float flat[kValues];
-    ReduceStagedTileScores<T, Shape, kGroup>(k_tiles + stage * kTile * kHeadDim, q, flat);
-    if (part % kSpread == 0) {
+    // Each warp scores its 16 tokens on tensor cores; lane (g, t) stores head g's scores of its
+    // four tokens (a quad covers 8 consecutive positions) and counts them in g's histogram.
+    const int first = warp * 16;
+    float s[4];
+    MmaScores<T, kHeadDim>(k_tiles + (tile % kStages * kTile + first) * kHeadDim, q_frag, s);
+    if (scores_row) {
+      const int32_t tile_begin = begin + tile * kTile + first;
 #pragma unroll
-      for (int i = 0; i < kKept; ++i) {
-        const int v = (part / kSpread) * kKept + i;
-        staged[(v % kGroup) * kTile + row + (v / kGroup) * Shape::kRows] = flat[i];
-      }
-    }
-    __syncthreads();
-    // Coalesced score rows, and the histograms.
-    const int32_t tile_begin = begin + tile * kTile;
-    for (int e = threadIdx.x; e < kGroup * kTile; e += Shape::kThreads) {
-      const int h = e / kTile;
-      const int32_t pos = tile_begin + e % kTile;
-      if (pos < end && (active >> h & 1u)) {
-        const float score = staged[e];
-        p.scores[(row0 + h) * p.rows.score_stride + pos] = score;
-        atomicAdd(&hist[h * kBins + BinOf(score)], 1u);
+      for (int i = 0; i < 4; ++i) {
+        const int32_t pos = tile_begin + MmaScoreToken(i);
+        if (pos < end) {
+          score_row[pos] = s[i];
+          atomicAdd(&row_hist[BinOf(s[i])], 1u);
+        }
       }
     }
   });

@@ -11,22 +11,24 @@
 
 #include "kernels/attention_state.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/mma.cuh"
 
 namespace kvrecall::cuda {
 
-// How a block of kThreads threads walks tokens: kLanes lanes share one token (each holds 8 of
-// its head_dim elements), kRows tokens per pass, kTokensPerLane passes per pipeline stage.
-// Every stage is staged in shared memory by cp.async, kStages deep.
+// How a block of kThreads threads stages and scores tokens: a tile holds 16 tokens per warp
+// (the token columns of two m16n8k16 products, mma.cuh), staged in shared memory by cp.async
+// kStages deep, swizzled (SwizzledOffset); kLanes threads copy the kLanes 16-byte chunks of
+// one token row, kRows rows per pass.
 template <int kHeadDim, int kStages_, int kThreads_ = 128>
 struct TileShape {
   static constexpr int kThreads = kThreads_;
+  static constexpr int kWarps = kThreads / 32;
   static constexpr int kLanes = kHeadDim / kVecElems;
   static constexpr int kRows = kThreads / kLanes;
-  static constexpr int kTokensPerLane = 4;
-  static constexpr int kTile = kRows * kTokensPerLane;
+  static constexpr int kTile = 16 * kWarps;
   static constexpr int kStages = kStages_;
-  static constexpr int kCopiesPerThread = kTile * kLanes / kThreads;  // 16-byte copies per tensor
-  static_assert(kThreads % kLanes == 0 && kLanes <= 32);
+  static constexpr int kCopiesPerThread = kTile / kRows;  // 16-byte copies per tensor
+  static_assert(kThreads % 32 == 0 && kTile % kRows == 0);
 };
 
 // The logical positions [0, end) of a DeviceSeq; a block reads a sub-range of it.
@@ -61,8 +63,8 @@ struct IndexedTokens {
 };
 
 // Issues the cp.async copies of one tile (tokens tile_begin + [0, kTile) of `tokens`) of one KV
-// head into a pipeline stage: keys (and values) [kTile, kHeadDim], plus a validity byte per
-// token. Invalid tokens are zero-filled.
+// head into a pipeline stage: keys (and values) [kTile, kHeadDim] swizzled, plus a validity
+// byte per token. Invalid tokens are zero-filled.
 template <typename T, typename Shape, bool kWithValues, typename Tokens>
 __device__ __forceinline__ void IssueTile(const Tokens& tokens, int32_t tile_begin, const T* keys,
                                           const T* values, int kv_head, int kv_heads, T* k_stage,
@@ -75,57 +77,10 @@ __device__ __forceinline__ void IssueTile(const Tokens& tokens, int32_t tile_beg
     int32_t slot = 0;
     const bool ok = tokens.Resolve(tile_begin + r, &slot);
     const int64_t offset = KvOffset(slot, kv_head, kv_heads, kHeadDim) + part * kVecElems;
-    CpAsync16(k_stage + r * kHeadDim + part * kVecElems, keys + offset, ok);
-    if constexpr (kWithValues) {
-      CpAsync16(v_stage + r * kHeadDim + part * kVecElems, values + offset, ok);
-    }
+    const int staged = SwizzledOffset<kHeadDim>(r, part);
+    CpAsync16(k_stage + staged, keys + offset, ok);
+    if constexpr (kWithValues) CpAsync16(v_stage + staged, values + offset, ok);
     if (part == 0) valid_stage[r] = ok;
-  }
-}
-
-// Partial dot products of this lane's 8 elements of its kTokensPerLane tokens of a staged tile
-// with kGroup queries, flattened as partial[t * kGroup + h], then summed over the lane group by
-// TransposeReduce (see there for where each total lands). Queries are pre-multiplied by
-// scale * log2(e), so totals are scores in the log2 domain.
-template <typename T, typename Shape, int kGroup>
-__device__ __forceinline__ void ReduceStagedTileScores(
-    const T* k_stage, const float (&q)[kGroup][kVecElems],
-    float (&partial)[Shape::kTokensPerLane * kGroup]) {
-  constexpr int kHeadDim = Shape::kLanes * kVecElems;
-  const int part = threadIdx.x % Shape::kLanes;
-  const int row = threadIdx.x / Shape::kLanes;
-#pragma unroll
-  for (int t = 0; t < Shape::kTokensPerLane; ++t) {
-    const int r = row + t * Shape::kRows;
-    float k[kVecElems];
-    Widen8<T>(*reinterpret_cast<const uint4*>(k_stage + r * kHeadDim + part * kVecElems), k);
-#pragma unroll
-    for (int h = 0; h < kGroup; ++h) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kVecElems; ++j) acc = fmaf(q[h][j], k[j], acc);
-      partial[t * kGroup + h] = acc;
-    }
-  }
-  TransposeReduce<Shape::kTokensPerLane * kGroup, Shape::kLanes>(partial);
-}
-
-// Every lane's scores of its kTokensPerLane tokens of a staged tile against kGroup queries, in
-// the log2 domain; invalid tokens score -inf.
-template <typename T, typename Shape, int kGroup>
-__device__ __forceinline__ void ScoreStagedTile(const T* k_stage, const uint8_t* valid_stage,
-                                                const float (&q)[kGroup][kVecElems],
-                                                float (&s)[Shape::kTokensPerLane][kGroup]) {
-  constexpr int kValues = Shape::kTokensPerLane * kGroup;
-  float flat[kValues];
-  ReduceStagedTileScores<T, Shape, kGroup>(k_stage, q, flat);
-  AllGather<kValues, Shape::kLanes>(flat);
-  const int row = threadIdx.x / Shape::kLanes;
-#pragma unroll
-  for (int t = 0; t < Shape::kTokensPerLane; ++t) {
-    const bool valid = valid_stage[row + t * Shape::kRows];
-#pragma unroll
-    for (int h = 0; h < kGroup; ++h) s[t][h] = valid ? flat[t * kGroup + h] : -INFINITY;
   }
 }
 
@@ -210,13 +165,14 @@ constexpr size_t PartialAttentionSmemBytes() {
   constexpr int kHeadDim = Shape::kLanes * kVecElems;
   constexpr size_t tiles = 2ull * Shape::kStages * Shape::kTile * kHeadDim * sizeof(T);
   constexpr size_t valid = Shape::kStages * Shape::kTile;
-  constexpr size_t reduce = (Shape::kRows * kGroup * kHeadDim + 2 * Shape::kRows * kGroup) * 4;
+  constexpr size_t reduce = (Shape::kWarps * kGroup * kHeadDim + 2 * Shape::kWarps * kGroup) * 4;
   return (tiles + valid) > reduce ? tiles + valid : reduce;
 }
 
-// One block: kGroup query heads that share KV head (q0 / group), one split of one sequence.
-// grid = (splits, q_heads / kGroup, batch). Online softmax per lane group over the staged tiles,
-// then a merge of the kRows lane groups through shared memory.
+// One block: kGroup (<= 8) query heads that share KV head (q0 / group), one split of one
+// sequence. grid = (splits, q_heads / kGroup, batch). Each warp keeps an online softmax over its
+// 16 tokens of every staged tile, scores and P V on tensor cores (mma.cuh); the warps' states
+// merge through shared memory at the end.
 template <typename T, typename Shape, int kGroup, bool kIndexed>
 __global__ void __launch_bounds__(Shape::kThreads)
     PartialAttentionKernel(const PartialAttentionParams p) {
@@ -263,18 +219,14 @@ __global__ void __launch_bounds__(Shape::kThreads)
     }
   }();
 
-  float q[kGroup][kVecElems];
-  LoadQueries<Shape::kLanes, kGroup>(p.batch.q + row0 * kHeadDim, kHeadDim, p.batch.scale_log2,
-                                     q);
-
-  float m[kGroup], l[kGroup], o[kGroup][kVecElems];
-#pragma unroll
-  for (int h = 0; h < kGroup; ++h) {
-    m[h] = -INFINITY;
-    l[h] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kVecElems; ++j) o[h][j] = 0.0f;
-  }
+  uint32_t q_frag[kHeadDim / 16][4];
+  LoadQueryFragments<T, kGroup, kHeadDim>(p.batch.q + row0 * kHeadDim, p.batch.scale_log2,
+                                          q_frag);
+  // Lane (g, t) holds head g's state: m (log2 domain) and l agree over the lanes of a quad,
+  // l summed over it only at the end; acc as MmaAccumulatePV leaves it.
+  float m = -INFINITY;
+  float l = 0.0f;
+  float acc[kHeadDim / 8][4] = {};
 
   auto issue = [&](int tile) {
     const int stage = tile % kStages;
@@ -282,55 +234,57 @@ __global__ void __launch_bounds__(Shape::kThreads)
                               k_tiles + stage * kTile * kHeadDim,
                               v_tiles + stage * kTile * kHeadDim, valid + stage * kTile);
   };
-  const int part = threadIdx.x % Shape::kLanes;
-  const int row = threadIdx.x / Shape::kLanes;
+  const int warp = threadIdx.x / 32;
   RunTilePipeline<kStages>(num_tiles, issue, [&](int tile) {
-    const int stage = tile % kStages;
-    const T* k_stage = k_tiles + stage * kTile * kHeadDim;
-    const T* v_stage = v_tiles + stage * kTile * kHeadDim;
-    float s[Shape::kTokensPerLane][kGroup];
-    ScoreStagedTile<T, Shape, kGroup>(k_stage, valid + stage * kTile, q, s);
-
+    const int first = tile % kStages * kTile + warp * 16;  // the warp's first staged token
+    float s[4];
+    MmaScores<T, kHeadDim>(k_tiles + first * kHeadDim, q_frag, s);
+    float mx = m;
 #pragma unroll
-    for (int h = 0; h < kGroup; ++h) {
-      float mx = m[h];
-#pragma unroll
-      for (int t = 0; t < Shape::kTokensPerLane; ++t) mx = fmaxf(mx, s[t][h]);
-      if (mx != m[h]) {  // only ever raised; m = -inf -> alpha = 0 on zero state
-        const float alpha = exp2f(m[h] - mx);
-        l[h] *= alpha;
-#pragma unroll
-        for (int j = 0; j < kVecElems; ++j) o[h][j] *= alpha;
-        m[h] = mx;
-      }
+    for (int i = 0; i < 4; ++i) {
+      if (!valid[first + MmaScoreToken(i)]) s[i] = -INFINITY;
+      mx = fmaxf(mx, s[i]);
     }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    if (mx != m) {  // only ever raised; m = -inf -> alpha = 0 on zero state
+      const float alpha = exp2f(m - mx);
+      l *= alpha;
 #pragma unroll
-    for (int t = 0; t < Shape::kTokensPerLane; ++t) {
-      const int r = row + t * Shape::kRows;
-      float v[kVecElems];
-      Widen8<T>(*reinterpret_cast<const uint4*>(v_stage + r * kHeadDim + part * kVecElems), v);
+      for (int j = 0; j < kHeadDim / 8; ++j) {
 #pragma unroll
-      for (int h = 0; h < kGroup; ++h) {
-        const float w = m[h] == -INFINITY ? 0.0f : exp2f(s[t][h] - m[h]);
-        l[h] += w;
-#pragma unroll
-        for (int j = 0; j < kVecElems; ++j) o[h][j] = fmaf(w, v[j], o[h][j]);
+        for (int c = 0; c < 4; ++c) acc[j][c] *= alpha;
       }
+      m = mx;
     }
+    float w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[i] = m == -INFINITY ? 0.0f : exp2f(s[i] - m);
+      l += w[i];
+    }
+    MmaAccumulatePV<T, kHeadDim>(v_tiles + first * kHeadDim, w, acc);
   });
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
 
-  // Merge the kRows lane groups.
-  float* red_o = reinterpret_cast<float*>(smem);  // [kRows][kGroup][kHeadDim]
-  float* red_m = red_o + Shape::kRows * kGroup * kHeadDim;
-  float* red_l = red_m + Shape::kRows * kGroup;
+  // Merge the warps' states.
+  constexpr int kWarps = Shape::kWarps;
+  float* red_o = reinterpret_cast<float*>(smem);  // [kWarps][kGroup][kHeadDim]
+  float* red_m = red_o + kWarps * kGroup * kHeadDim;
+  float* red_l = red_m + kWarps * kGroup;
+  const int g = (threadIdx.x % 32) / 4;
+  const int t = threadIdx.x % 4;
+  if (g < kGroup) {
+    float* dst = red_o + (warp * kGroup + g) * kHeadDim + 2 * t;
 #pragma unroll
-  for (int h = 0; h < kGroup; ++h) {
-    float* dst = red_o + (row * kGroup + h) * kHeadDim + part * kVecElems;
-    reinterpret_cast<float4*>(dst)[0] = make_float4(o[h][0], o[h][1], o[h][2], o[h][3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(o[h][4], o[h][5], o[h][6], o[h][7]);
-    if (part == 0) {
-      red_m[row * kGroup + h] = m[h];
-      red_l[row * kGroup + h] = l[h];
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+      *reinterpret_cast<float2*>(dst + 8 * j) =
+          make_float2(acc[j][0] + acc[j][2], acc[j][1] + acc[j][3]);
+    }
+    if (t == 0) {
+      red_m[warp * kGroup + g] = m;
+      red_l[warp * kGroup + g] = l;
     }
   }
   __syncthreads();
@@ -338,12 +292,12 @@ __global__ void __launch_bounds__(Shape::kThreads)
     const int h = e / kHeadDim;
     const int dim = e % kHeadDim;
     float big = -INFINITY;
-    for (int r = 0; r < Shape::kRows; ++r) big = fmaxf(big, red_m[r * kGroup + h]);
+    for (int r = 0; r < kWarps; ++r) big = fmaxf(big, red_m[r * kGroup + h]);
     float out_o = 0.0f;
     float out_lse = kEmptyLse;
     if (big != -INFINITY) {
       float sum_l = 0.0f, sum_o = 0.0f;
-      for (int r = 0; r < Shape::kRows; ++r) {
+      for (int r = 0; r < kWarps; ++r) {
         const float w = exp2f(red_m[r * kGroup + h] - big);
         sum_l += red_l[r * kGroup + h] * w;
         sum_o += red_o[(r * kGroup + h) * kHeadDim + dim] * w;

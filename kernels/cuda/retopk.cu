@@ -12,9 +12,6 @@ namespace kvrecall::cuda {
 namespace {
 
 constexpr int kSelectThreads = 256;
-constexpr int kScoreThreads = 128;
-constexpr int kScorePerBlock = 128;
-constexpr int kScoreBlocksPerRow = 4;
 constexpr int kFinishThreads = 512;
 constexpr int kSeedThreads = 128;
 // The candidate set lives in shared memory at most half full: 2^15 slots (128 KB).
@@ -238,11 +235,6 @@ absl::Status ReTopKGpuLayer::Step(int batch, const DeviceSeq* seqs, const float*
                                                        exact_rows_.data(), exact_ws_.get(),
                                                        support_.data(), support_size_.data(), o,
                                                        lse, stream));
-      const dim3 score_grid(std::min(kScoreBlocksPerRow, CeilDiv(max_candidates_, kScorePerBlock)),
-                            rows);
-      IndexedScoreKernel<KvT, kDim, kScoreThreads, kScorePerBlock>
-          <<<score_grid, kScoreThreads, 0, stream>>>(params);
-      KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("IndexedScoreKernel"));
       ReTopKFinishKernel<KvT, kDim, kFinishThreads>
           <<<rows, kFinishThreads, FinishSmemBytes(top_k_), stream>>>(params, o, lse);
       return LaunchStatus("ReTopKFinishKernel");

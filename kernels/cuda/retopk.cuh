@@ -1,10 +1,9 @@
 // Templated kernels of ReTopK's GPU step (index/retopk.h is the reference):
 //   1. ReTopKSelectKernel: normalize q, cosines with the C cached queries, the path, and for
 //      reuse the top-R entries' supports ∪ the last W positions, deduplicated exactly;
-//   2. IndexedScoreKernel: scores the candidates with the current query where the keys lie (no
-//      gathered copy);
-//   3. ReTopKFinishKernel: the top K of the candidates, softmax·V over them, and the FIFO update
-//      of the cache on every path (refresh and fallback rows come from the exact top-K kernels).
+//   2. ReTopKFinishKernel: scores the candidates with the current query where the keys lie (no
+//      gathered copy), takes their top K, softmax·V over them, and updates the cache FIFO on
+//      every path (refresh and fallback rows come from the exact top-K kernels).
 #ifndef KVRECALL_KERNELS_CUDA_RETOPK_CUH_
 #define KVRECALL_KERNELS_CUDA_RETOPK_CUH_
 
@@ -72,13 +71,15 @@ __device__ void NormalizeToShared(const float* x, float* unit, float* scratch) {
 }
 
 // Inserts key (>= 0) into an open-addressing set of `slots` (a power of two) in shared memory,
-// empty = -1. Safe under concurrent inserts from the whole block.
-__device__ __forceinline__ void HashInsert(int32_t* table, int log2_slots, int32_t key) {
+// empty = -1; true for the one call that added it. Safe under concurrent inserts from the whole
+// block.
+__device__ __forceinline__ bool HashInsert(int32_t* table, int log2_slots, int32_t key) {
   const uint32_t mask = (1u << log2_slots) - 1;
   uint32_t h = (static_cast<uint32_t>(key) * 2654435761u) >> (32 - log2_slots);
   while (true) {
     const int32_t prev = atomicCAS(table + h, -1, key);
-    if (prev == -1 || prev == key) return;
+    if (prev == -1) return true;
+    if (prev == key) return false;
     h = (h + 1) & mask;
   }
 }
@@ -103,9 +104,9 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
   __shared__ float unit[kDim];
   __shared__ float cosines[kMaxCacheCapacity];
   __shared__ float scratch[32];
-  __shared__ uint32_t compacted;
+  __shared__ uint32_t candidate_total;
   __shared__ int32_t neighbor_slots[kMaxCacheCapacity];
-  __shared__ int32_t neighbor_sizes[kMaxCacheCapacity];
+  __shared__ int32_t slot_sizes[kMaxCacheCapacity];
   __shared__ uint8_t path;
   __shared__ int neighbor_count;
   const ReTopKDeviceState& s = p.state;
@@ -115,14 +116,17 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
   const int64_t step = static_cast<int64_t>(n) - s.prompt_tokens[b];
   const int entries = s.cache_count[row];
   const int oldest = s.cache_oldest[row];
+  const float tau = s.tau[row];
 
-  NormalizeToShared<kDim, kThreads>(p.q + static_cast<int64_t>(row) * kDim, unit, scratch);
-  if (threadIdx.x < kDim) s.unit_q[static_cast<int64_t>(row) * kDim + threadIdx.x] = unit[threadIdx.x];
-
-  // Cosines: warp w takes ages w, w + kWarps, ...; all its loads are in flight at once.
+  // Cosines: warp w takes ages w, w + kWarps, ...; all its loads are in flight at once, while
+  // the query is normalized.
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const float* cached = s.cache_queries + static_cast<int64_t>(row) * s.capacity * kDim;
+  // Support sizes of every entry, read now so the union below waits on no further round trip.
+  if (threadIdx.x < s.capacity) {
+    slot_sizes[threadIdx.x] = s.cache_sizes[static_cast<int64_t>(row) * s.capacity + threadIdx.x];
+  }
   float e[kAgesPerWarp][kPerLane];
 #pragma unroll
   for (int a = 0; a < kAgesPerWarp; ++a) {
@@ -134,6 +138,8 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
                     : 0.0f;
     }
   }
+  NormalizeToShared<kDim, kThreads>(p.q + static_cast<int64_t>(row) * kDim, unit, scratch);
+  if (threadIdx.x < kDim) s.unit_q[static_cast<int64_t>(row) * kDim + threadIdx.x] = unit[threadIdx.x];
 #pragma unroll
   for (int a = 0; a < kAgesPerWarp; ++a) {
     float dot = 0.0f;
@@ -153,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
     uint8_t chosen = kPathReuse;
     if (s.refresh_interval > 0 && step % s.refresh_interval == 0) {
       chosen = kPathRefresh;
-    } else if (entries == 0 || !(best >= s.tau[row])) {
+    } else if (entries == 0 || !(best >= tau)) {
       chosen = kPathFallback;
     }
     // The R most similar entries, ties to the older (cpu::TopKPositions over ages): R rounds of
@@ -191,73 +197,61 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
 
   const int slots = 1 << p.log2_hash_slots;
   for (int i = threadIdx.x; i < slots; i += kThreads) table[i] = -1;
-  if (threadIdx.x < neighbor_count) {
-    neighbor_sizes[threadIdx.x] =
-        s.cache_sizes[static_cast<int64_t>(row) * s.capacity + neighbor_slots[threadIdx.x]];
-  }
+  if (threadIdx.x == 0) candidate_total = 0;
   __syncthreads();
-  // The union: all neighbor supports as one flat index space, kInsertBatch loads in flight.
+  // The union: all neighbor supports as one flat index space, kInsertBatch loads in flight,
+  // then the last W positions. The call that adds a key to the set appends it to the candidates
+  // (in no particular order), one atomic per warp and batch reserving the outputs; trip counts
+  // are block-uniform so that whole warps reserve together.
+  int32_t* out = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
+  auto add = [&](bool valid, int32_t id) {
+    const bool added = valid && HashInsert(table, p.log2_hash_slots, id);
+    const uint32_t at = WarpReserve(added, &candidate_total);
+    if (added) out[at] = id;
+  };
   const int32_t* supports = s.cache_supports + static_cast<int64_t>(row) * s.capacity * s.top_k;
   const int flat = neighbor_count * s.top_k;
-  for (int base = threadIdx.x; base < flat; base += kThreads * kInsertBatch) {
+  for (int base = 0; base < flat; base += kThreads * kInsertBatch) {
     int32_t id[kInsertBatch];
 #pragma unroll
     for (int u = 0; u < kInsertBatch; ++u) {
-      const int f = base + u * kThreads;
+      const int f = base + threadIdx.x + u * kThreads;
       const int i = f / s.top_k;
       const int j = f - i * s.top_k;
-      id[u] = f < flat && j < neighbor_sizes[i]
+      id[u] = f < flat && j < slot_sizes[neighbor_slots[i]]
                   ? supports[static_cast<int64_t>(neighbor_slots[i]) * s.top_k + j]
                   : -1;
     }
 #pragma unroll
-    for (int u = 0; u < kInsertBatch; ++u) {
-      if (id[u] >= 0) HashInsert(table, p.log2_hash_slots, id[u]);
-    }
+    for (int u = 0; u < kInsertBatch; ++u) add(id[u] >= 0, id[u]);
   }
-  for (int32_t t = max(0, n - s.window) + threadIdx.x; t < n; t += kThreads) {
-    HashInsert(table, p.log2_hash_slots, t);
-  }
-  if (threadIdx.x == 0) compacted = 0;
-  __syncthreads();
-  // Compact the set (in no particular order): consecutive threads read consecutive slots, so
-  // the reads are free of bank conflicts; one atomic per warp and pass reserves the outputs.
-  int32_t* out = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
-  for (int i = threadIdx.x; i < slots; i += kThreads) {
-    const int32_t key = table[i];
-    const uint32_t at = WarpReserve(key >= 0, &compacted);
-    if (key >= 0) out[at] = key;
+  for (int32_t t0 = max(0, n - s.window); t0 < n; t0 += kThreads) {
+    const int32_t t = t0 + static_cast<int32_t>(threadIdx.x);
+    add(t < n, t);
   }
   __syncthreads();
-  if (threadIdx.x == 0) s.candidate_count[row] = static_cast<int32_t>(compacted);
+  if (threadIdx.x == 0) s.candidate_count[row] = static_cast<int32_t>(candidate_total);
 }
 
-// Scores the candidates of reuse rows where their keys lie (other rows have no candidates).
-// grid = (kScoreBlocksPerRow, rows), kThreads threads; each block scores batches of kPerBlock
-// candidates, all of a lane group's loads of a batch in flight at once. A few blocks per row
-// that loop, rather than one block per batch: most rows hold far fewer candidates than the
-// bound, and empty blocks still cost launch slots.
-template <typename T, int kDim, int kThreads, int kPerBlock>
-__global__ void __launch_bounds__(kThreads) IndexedScoreKernel(const ReTopKStepParams p) {
+// Scores the ids[0:count) (logical positions of seq) with one query (f32 [kDim], times
+// scale_log2) where their keys lie, no gathered copy, and calls store(i, id, score) once per i
+// (score in the log2 domain). One whole block; kPerGroup keys per lane group in flight at once.
+template <typename T, int kDim, int kThreads, typename Store>
+__device__ __forceinline__ void ScoreCandidates(const DeviceSeq& seq, int kv_head, int kv_heads,
+                                                const float* query, float scale_log2,
+                                                const int32_t* ids, int count,
+                                                const Store& store) {
   constexpr int kLanes = kDim / kVecElems;
   constexpr int kGroups = kThreads / kLanes;
-  constexpr int kPerGroup = kPerBlock / kGroups;
-  static_assert(kPerBlock % kGroups == 0);
-  const ReTopKDeviceState& s = p.state;
-  const int row = blockIdx.y;
-  const int count = s.candidate_count[row];
-  if (static_cast<int>(blockIdx.x) * kPerBlock >= count) return;
-  const int b = row / s.q_heads;
-  const int kv_head = (row % s.q_heads) / (s.q_heads / s.kv_heads);
-  const DeviceSeq seq = p.seqs[b];
+  // 9: a typical reuse step's ~520 candidates (K = 512) in at most two rounds of 512 threads.
+  constexpr int kPerGroup = 9;
   const T* keys = static_cast<const T*>(seq.keys);
   float q[1][kVecElems];
-  LoadQueries<kLanes, 1>(p.q + static_cast<int64_t>(row) * kDim, kDim, s.scale_log2, q);
+  LoadQueries<kLanes, 1>(query, kDim, scale_log2, q);
   const int group = threadIdx.x / kLanes;
   const int part = threadIdx.x % kLanes;
-  const int32_t* ids = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
-  float* out = s.candidate_scores + static_cast<int64_t>(row) * s.max_candidates;
-  for (int begin = blockIdx.x * kPerBlock; begin < count; begin += gridDim.x * kPerBlock) {
+  // A block-uniform trip count: every lane takes part in each GroupSum.
+  for (int begin = 0; begin < count; begin += kGroups * kPerGroup) {
     int32_t id[kPerGroup];
 #pragma unroll
     for (int u = 0; u < kPerGroup; ++u) {
@@ -269,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) IndexedScoreKernel(const ReTopKStepP
     for (int u = 0; u < kPerGroup; ++u) {
       raw[u] = make_uint4(0, 0, 0, 0);
       if (id[u] >= 0) {
-        raw[u] = LoadKv16(keys + KvOffset(SlotOf(seq, id[u]), kv_head, s.kv_heads, kDim) +
+        raw[u] = LoadKv16(keys + KvOffset(SlotOf(seq, id[u]), kv_head, kv_heads, kDim) +
                           part * kVecElems);
       }
     }
@@ -282,7 +276,7 @@ __global__ void __launch_bounds__(kThreads) IndexedScoreKernel(const ReTopKStepP
       for (int j = 0; j < kVecElems; ++j) acc = fmaf(q[0][j], k[j], acc);
       acc = GroupSum<kLanes>(acc);
       const int i = begin + group + u * kGroups;
-      if (part == 0 && i < count) out[i] = acc;
+      if (part == 0 && i < count) store(i, id[u], acc);
     }
   }
 }
@@ -317,7 +311,7 @@ __device__ void PushCacheEntry(const ReTopKDeviceState& s, int row, int head_dim
 // Dynamic shared memory of ReTopKFinishKernel: the selected positions and scores.
 inline size_t FinishSmemBytes(int top_k) { return static_cast<size_t>(top_k) * 8; }
 
-// One block per row: for reuse rows, the exact top K of the scored candidates (ties to the
+// One block per row: for reuse rows, the candidates' scores, their exact top K (ties to the
 // lower position), softmax·V over them; for every row, the cache update.
 template <typename T, int kDim, int kThreads>
 __global__ void __launch_bounds__(kThreads) ReTopKFinishKernel(const ReTopKStepParams p, float* o,
@@ -351,13 +345,22 @@ __global__ void __launch_bounds__(kThreads) ReTopKFinishKernel(const ReTopKStepP
   float* selected_scores = reinterpret_cast<float*>(selected + s.top_k);
   const int k = min(s.top_k, count);
   const int32_t* ids = s.candidates + static_cast<int64_t>(row) * s.max_candidates;
-  const float* scores = s.candidate_scores + static_cast<int64_t>(row) * s.max_candidates;
+  // Rank keys of the scored candidates: in shared memory when they fit, else from scores kept
+  // in the row's global scratch.
+  float* scores = s.candidate_scores + static_cast<int64_t>(row) * s.max_candidates;
   uint64_t* cached = reinterpret_cast<uint64_t*>(pool);
   const bool fits = count <= kSmemCandidates;
+  const int kv_head = (row % s.q_heads) / (s.q_heads / s.kv_heads);
+  ScoreCandidates<T, kDim, kThreads>(seq, kv_head, s.kv_heads,
+                                     p.q + static_cast<int64_t>(row) * kDim, s.scale_log2, ids,
+                                     count, [&](int i, int32_t id, float score) {
+                                       if (fits) {
+                                         cached[i] = RankKey(score, id);
+                                       } else {
+                                         scores[i] = score;
+                                       }
+                                     });
   auto fresh_key = [&](int i) { return RankKey(scores[i], ids[i]); };
-  if (fits) {
-    for (int i = threadIdx.x; i < count; i += kThreads) cached[i] = fresh_key(i);
-  }
   if (threadIdx.x == 0) appended = 0;
   __syncthreads();
   auto key_at = [&](int i) { return fits ? cached[i] : fresh_key(i); };
@@ -381,8 +384,8 @@ __global__ void __launch_bounds__(kThreads) ReTopKFinishKernel(const ReTopKStepP
   __syncthreads();
   AttendSelected<T, kDim, kThreads>(
       k, [&](int i) { return selected[i]; }, [&](int i) { return selected_scores[i]; }, seq,
-      (row % s.q_heads) / (s.q_heads / s.kv_heads), s.kv_heads,
-      o + static_cast<int64_t>(row) * kDim, lse + row, reinterpret_cast<float*>(pool));
+      kv_head, s.kv_heads, o + static_cast<int64_t>(row) * kDim, lse + row,
+      reinterpret_cast<float*>(pool));
   PushCacheEntry<kThreads>(s, row, kDim, unit, selected, k);
 }
 

@@ -54,8 +54,10 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   if (scores == nullptr || support == nullptr || support_size == nullptr) {
     return absl::InvalidArgumentError("scores, support and support_size must be device pointers");
   }
-  const absl::StatusOr<int> sms = MultiprocessorCount();
-  if (!sms.ok()) return sms.status();
+  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, NoFinish>;
+  // Registers, not shared memory, bound how many collect blocks a multiprocessor holds.
+  const absl::StatusOr<int> slots = DeviceBlockSlots<kCollect>(kRowPassThreads, 0);
+  if (!slots.ok()) return slots.status();
   RowTopKParams p{};
   p.scores = scores;
   p.score_stride = stride;
@@ -76,11 +78,10 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   p.support_stride = support_stride;
   p.support_size = support_size;
   p.support_scores = support_scores;
-  PlanRowPasses(rows, length, *sms, &p);
+  PlanRowPasses(rows, length, *slots, &p);
   const dim3 grid(p.splits, rows);
   RowHistogramKernel<kRowPassThreads><<<grid, kRowPassThreads, 0, stream>>>(p);
   KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("RowHistogramKernel"));
-  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, NoFinish>;
   const size_t collect_smem = RowCollectSmemBytes(k);
   KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kCollect>(collect_smem));
   kCollect<<<grid, kRowPassThreads, collect_smem, stream>>>(p, NoFinish{});

@@ -428,11 +428,11 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
 // Block size of the row passes.
 inline constexpr int kRowPassThreads = 512;
 
-// Splits rows of `length` positions for the row passes: one wave of the four blocks of
-// kRowPassThreads a multiprocessor holds, none reading fewer than 2048 positions.
-inline void PlanRowPasses(int rows, int length, int sms, RowTopKParams* p) {
+// Splits rows of `length` positions for the row passes over a device that holds `slots` of
+// their blocks at once: one wave, no block reading fewer than 2048 positions.
+inline void PlanRowPasses(int rows, int length, int slots, RowTopKParams* p) {
   constexpr int kMinChunk = 2048;
-  const int splits = std::max(1, std::min(4 * sms / rows, CeilDiv(length, kMinChunk)));
+  const int splits = std::max(1, std::min(slots / rows, CeilDiv(length, kMinChunk)));
   // Chunks start on 16-byte boundaries of their rows, for LoadScores4.
   p->chunk = std::max(4, CeilDiv(CeilDiv(length, splits), 4) * 4);
   p->splits = std::max(1, CeilDiv(length, p->chunk));
