@@ -59,7 +59,7 @@ for step in "$@"; do
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
         for spec in "cuda_partial_attention_test:*q16kv4d128bf16*:CudaMerge*:*Errors*" \
                     "cuda_exact_topk_test:*q16kv4d64f16*:*Ties*:*ActiveRows*:*Errors*:CudaRowTopK*" \
-                    "cuda_retopk_test:*q8kv8d64f16*:CudaBatchTopK*"; do
+                    "cuda_retopk_test:*q8kv8d64f16*:*q64kv8d128bf16*:CudaBatchTopK*"; do
           t=${spec%%:*}
           timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin/$t" \
             --gtest_filter="${spec#*:}" --gtest_brief=1 > "$logs/${tool}_$t.log" 2>&1

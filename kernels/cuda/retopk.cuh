@@ -243,8 +243,9 @@ __device__ __forceinline__ void ScoreCandidates(const DeviceSeq& seq, int kv_hea
                                                 const Store& store) {
   constexpr int kLanes = kDim / kVecElems;
   constexpr int kGroups = kThreads / kLanes;
-  // 9: a typical reuse step's ~520 candidates (K = 512) in at most two rounds of 512 threads.
-  constexpr int kPerGroup = 9;
+  // A typical reuse step's ~520 candidates (K = 512) in at most two rounds (head_dim 128).
+  static_assert(512 % kThreads == 0);
+  constexpr int kPerGroup = 9 * (512 / kThreads);
   const T* keys = static_cast<const T*>(seq.keys);
   float q[1][kVecElems];
   LoadQueries<kLanes, 1>(query, kDim, scale_log2, q);
@@ -313,9 +314,10 @@ inline size_t FinishSmemBytes(int top_k) { return static_cast<size_t>(top_k) * 8
 
 // One block per row: for reuse rows, the candidates' scores, their exact top K (ties to the
 // lower position), softmax·V over them; for every row, the cache update.
+// Blocks of 256 threads keep to 128 registers so that two share a multiprocessor.
 template <typename T, int kDim, int kThreads>
-__global__ void __launch_bounds__(kThreads) ReTopKFinishKernel(const ReTopKStepParams p, float* o,
-                                                               float* lse) {
+__global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 2 : 1)
+    ReTopKFinishKernel(const ReTopKStepParams p, float* o, float* lse) {
   constexpr int kPoolBytes =
       kSmemCandidates * 8 > AttendSelectedSmemFloats<kDim, kThreads>() * 4
           ? kSmemCandidates * 8
