@@ -173,8 +173,8 @@ void DecodeStream::Attend(Session& session, int layer_index, const float* q,
   const int64_t predicted_tokens = layer.last_scored_tokens >= 0
                                        ? layer.last_scored_tokens
                                        : static_cast<int64_t>(heads) * kv.tokens;
-#pragma omp parallel for schedule(static) \
-    if (heads > 1 && cpu::WorthParallel(predicted_tokens * d))
+  const int threads = cpu::ThreadsFor(predicted_tokens * d, heads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int h = 0; h < heads; ++h) {
     HeadSelection& selection = layer.selections[h];
     // The support buffers travel between the selection and `supports` (the attention
@@ -233,8 +233,8 @@ void DecodeStream::CompareExact(const Session& session, const Session::Layer& la
   full_output_.resize(static_cast<size_t>(heads) * d);
   full_lse_.resize(heads);
   cpu::MultiHeadFullAttention(q, heads, kv, shape.scale, full_output_.data(), full_lse_.data());
-#pragma omp parallel for schedule(static) \
-    if (heads > 1 && cpu::WorthParallel(static_cast<int64_t>(heads) * kv.tokens * d))
+  const int threads = cpu::ThreadsFor(static_cast<int64_t>(heads) * kv.tokens * d, heads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int h = 0; h < heads; ++h) {
     thread_local std::vector<int32_t> exact;
     thread_local std::vector<uint8_t> marks;

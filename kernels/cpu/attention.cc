@@ -128,7 +128,8 @@ void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,
   int64_t tokens = 0;
   for (int h = 0; h < q_heads; ++h) tokens += static_cast<int64_t>(supports[h].size());
   // Scores and the weighted value sum: two multiply-adds per token and dimension.
-#pragma omp parallel for schedule(static) if (q_heads > 1 && WorthParallel(2 * tokens * d))
+  const int threads = ThreadsFor(2 * tokens * d, q_heads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int h = 0; h < q_heads; ++h) {
     PartialAttention(q + h * d, kv, KvHeadOf(h, q_heads, kv.kv_heads), supports[h], scale,
                      o + h * d, lse + h);
@@ -138,8 +139,8 @@ void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,
 void MultiHeadFullAttention(const float* q, int q_heads, const KvView& kv, float scale, float* o,
                             float* lse) {
   const int d = kv.head_dim;
-#pragma omp parallel for schedule(static) \
-    if (q_heads > 1 && WorthParallel(2 * int64_t{q_heads} * kv.tokens * d))
+  const int threads = ThreadsFor(2 * int64_t{q_heads} * kv.tokens * d, q_heads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int h = 0; h < q_heads; ++h) {
     PartialAttentionRange(q + h * d, kv, KvHeadOf(h, q_heads, kv.kv_heads), 0, kv.tokens, scale,
                           o + h * d, lse + h);
