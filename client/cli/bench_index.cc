@@ -33,6 +33,10 @@
 #include "kernels/fidelity.h"
 #include "nlohmann/json.hpp"
 
+#ifdef KVRECALL_WITH_CUDA
+#include "kernels/cuda/batch_topk.h"
+#endif
+
 // Shared with replay and the policy flags.
 ABSL_DECLARE_FLAG(std::string, trace);
 ABSL_DECLARE_FLAG(int32_t, k);
@@ -48,6 +52,9 @@ ABSL_FLAG(std::string, methods, "graph,hnsw,flat", "bench-index: methods to meas
 ABSL_FLAG(std::string, index_layers, "", "bench-index: layers to measure, e.g. 0,3 (empty: all)");
 ABSL_FLAG(int32_t, hnsw_m, 16, "bench-index: hnswlib M");
 ABSL_FLAG(int32_t, hnsw_ef_construction, 200, "bench-index: hnswlib ef_construction");
+ABSL_FLAG(std::string, graph_topk, "cpu",
+          "bench-index: where the graph build's exact top-k lists are computed: cpu (OpenBLAS) "
+          "or gpu (cuBLAS; needs a CUDA build and a device)");
 
 namespace kvrecall::cli {
 namespace {
@@ -56,6 +63,21 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// The graph build's batch top-k for --graph_topk.
+absl::StatusOr<BatchTopKFunction> MakeGraphTopK(const std::string& where) {
+  if (where == "cpu") return BatchTopKFunction(CpuBatchTopK);
+  if (where != "gpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--graph_topk must be cpu or gpu, got '", where, "'"));
+  }
+#ifdef KVRECALL_WITH_CUDA
+  return cuda::MakeGpuBatchTopKFunction();
+#else
+  return absl::FailedPreconditionError(
+      "--graph_topk=gpu: this kvrecall was built without CUDA (KVRECALL_WITH_CUDA=OFF)");
+#endif
 }
 
 absl::StatusOr<std::vector<int>> ParseInts(const std::string& flag, const std::string& text) {
@@ -102,7 +124,8 @@ class IndexBench {
   int64_t keys() const { return key_end_ - key_begin_; }
 
   absl::Status RunLayer(int layer, const std::vector<std::string>& methods,
-                        const GraphIndexParams& graph_params, const HnswParams& hnsw_params) {
+                        const GraphIndexParams& graph_params, const HnswParams& hnsw_params,
+                        const BatchTopKFunction& graph_topk) {
     LayerData data;
     for (auto [phase, tensor, out] :
          {std::tuple{TracePhase::kPrefill, TraceTensor::kQ, &data.prefill_q},
@@ -136,7 +159,7 @@ class IndexBench {
       for (int i = 0; i < index_count; ++i) {
         std::unique_ptr<KeyIndex> index;
         if (method == "graph") {
-          index = std::make_unique<GraphIndex>(graph_params);
+          index = std::make_unique<GraphIndex>(graph_params, graph_topk);
         } else if (method == "hnsw") {
           index = std::make_unique<HnswIndex>(hnsw_params);
         } else {
@@ -310,6 +333,9 @@ int RunBenchIndex(const std::vector<char*>& args) {
   hnsw_params.m = absl::GetFlag(FLAGS_hnsw_m);
   hnsw_params.ef_construction = absl::GetFlag(FLAGS_hnsw_ef_construction);
 
+  absl::StatusOr<BatchTopKFunction> graph_topk = MakeGraphTopK(absl::GetFlag(FLAGS_graph_topk));
+  if (!graph_topk.ok()) return ReportError("bench-index", graph_topk.status());
+
   IndexBench bench(*trace, k, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent), *lists);
   if (bench.keys() < k) {
     return UsageError("bench-index", absl::StrCat("only ", bench.keys(), " keys to index for k=", k));
@@ -318,7 +344,7 @@ int RunBenchIndex(const std::vector<char*>& args) {
   for (size_t i = 0; i < layers.size(); ++i) {
     progress.Update("bench-index", static_cast<double>(i) / layers.size(),
                     absl::StrFormat("layer %d", layers[i]));
-    if (absl::Status s = bench.RunLayer(layers[i], methods, graph_params, hnsw_params); !s.ok()) {
+    if (absl::Status s = bench.RunLayer(layers[i], methods, graph_params, hnsw_params, *graph_topk); !s.ok()) {
       progress.Done();
       return ReportError("bench-index", s);
     }
@@ -335,6 +361,7 @@ int RunBenchIndex(const std::vector<char*>& args) {
       {"kv_heads", g.kv_heads},
       {"head_dim", g.head_dim},
       {"threads", omp_get_max_threads()},
+      {"graph_topk", absl::GetFlag(FLAGS_graph_topk)},
       {"graph_params",
        {{"build_queries", graph_params.build_queries},
         {"build_topk", graph_params.build_topk},

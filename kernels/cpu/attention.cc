@@ -4,6 +4,10 @@
 #include <cmath>
 #include <numeric>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include "kernels/attention_state.h"
 #include "kernels/cpu/parallel.h"
 
@@ -32,13 +36,24 @@ float SoftmaxInPlace(float* scores, size_t n) {
   return max_score + std::log(sum);
 }
 
-// o = sum_i weights[i] * value(token_of(i)).
+// o = sum_i weights[i] * value(token_of(i)). Four tokens per pass over o, so that o is loaded
+// and stored once per four value rows rather than once per row (the loop is bound by those).
 template <typename TokenOf>
 void WeightedValueSum(const float* weights, size_t n, TokenOf token_of, const KvView& kv,
                       int kv_head, float* o) {
   const int d = kv.head_dim;
   std::fill(o, o + d, 0.0f);
-  for (size_t i = 0; i < n; ++i) {
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const float w0 = weights[i], w1 = weights[i + 1], w2 = weights[i + 2], w3 = weights[i + 3];
+    const float* v0 = kv.value(token_of(i), kv_head);
+    const float* v1 = kv.value(token_of(i + 1), kv_head);
+    const float* v2 = kv.value(token_of(i + 2), kv_head);
+    const float* v3 = kv.value(token_of(i + 3), kv_head);
+#pragma omp simd
+    for (int j = 0; j < d; ++j) o[j] += (w0 * v0[j] + w1 * v1[j]) + (w2 * v2[j] + w3 * v3[j]);
+  }
+  for (; i < n; ++i) {
     const float w = weights[i];
     const float* v = kv.value(token_of(i), kv_head);
 #pragma omp simd
@@ -49,9 +64,27 @@ void WeightedValueSum(const float* weights, size_t n, TokenOf token_of, const Kv
 }  // namespace
 
 float DotProduct(const float* a, const float* b, int n) {
+  int i = 0;
   float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int i = 0; i < n; ++i) acc += a[i] * b[i];
+#if defined(__AVX2__) && defined(__FMA__)
+  // Two independent accumulators hide the FMA latency, and the lanes are summed in registers:
+  // scoring is a chain of short (head_dim) dot products, so both costs are per token.
+  __m256 sum0 = _mm256_setzero_ps();
+  __m256 sum1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+    sum1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), sum1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+  }
+  const __m256 sum = _mm256_add_ps(sum0, sum1);
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  acc = _mm_cvtss_f32(half);
+#endif
+  for (; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
 
