@@ -95,6 +95,13 @@ for step in "$@"; do
       "$bin/kvrecall" bench-index --trace="$trace" --k=100 --json \
         --lists=100,150,200,300,500,800,1200,2000 > "$out/index_synth128k.json" \
         2> "$logs/bench_index.log" || status=1
+      # The graph alone with its top-k lists from cuBLAS, with the default and 4x the sampled
+      # prefill queries.
+      for queries in 4096 16384; do
+        "$bin/kvrecall" bench-index --trace="$trace" --k=100 --json --methods=graph \
+          --graph_topk=gpu --build_queries=$queries --lists=100,150,200,300,500,800,1200,2000 \
+          > "$out/index_synth128k_gpu_q$queries.json" 2>> "$logs/bench_index.log" || status=1
+      done
       tail -n 25 "$logs/bench_index.log"
       head -c 3000 "$out/index_synth128k.json"; echo ;;
   esac

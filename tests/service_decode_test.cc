@@ -9,6 +9,8 @@
 
 #include "gtest/gtest.h"
 #include "index/selector_params.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
 #include "kernels/kv_view.h"
 #include "tests/server_fixture.h"
@@ -167,6 +169,46 @@ TEST_F(ServiceDecodeTest, ExactTopKAttendsTheBruteForceTopK) {
         EXPECT_NEAR(head.output_cosine(), OutputCosine(o.data(), o_full.data(), 32), 1e-5);
         EXPECT_NEAR(head.rel_l2(), RelativeL2(o.data(), o_full.data(), 32), 1e-4);
       }
+    }
+  }
+}
+
+// The index selector (RetrievalAttention) through the service. A search list longer than the
+// bulk makes the graph search exhaustive, so every head must attend exactly the static set
+// (sinks + recent window) plus the brute-force top-K of the bulk between them, also once decode
+// tokens have pushed prompt tokens out of the recent window into the index's growth tail.
+TEST_F(ServiceDecodeTest, IndexAttendsTheStaticSetPlusTheBulkTopK) {
+  constexpr int kTopK = 16, kSinks = 4, kRecent = 16, kQHeads = 8, kKvHeads = 2, kDim = 32;
+  ReferenceSession ref(MakeGeometry(2, kQHeads, kKvHeads, kDim), 300, 11);
+  v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, kTopK, kSinks, kRecent);
+  policy.mutable_index()->set_search_list_size(1000);
+  const std::string id = CreateAndPrefill(ref, policy, 64);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  for (int step = 0; step < kRecent + 8; ++step) {
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<float> q;
+      absl::StatusOr<v1::SequenceResult> result =
+          DecodeOne(decode, ref, id, layer, 700 + 10 * step + layer, &q, true, false);
+      ASSERT_TRUE(result.ok()) << result.status();
+      const KvView kv = ref.view(layer);
+      const int64_t bulk_end = kv.tokens - kRecent;
+      std::vector<std::vector<int32_t>> supports(kQHeads);
+      for (int h = 0; h < kQHeads; ++h) {
+        std::vector<float> scores(bulk_end - kSinks);
+        cpu::ScoreRange(q.data() + h * kDim, kv, KvHeadOf(h, kQHeads, kKvHeads), kSinks,
+                        bulk_end, 1.0f, scores.data());
+        std::vector<int32_t> top;
+        cpu::TopKPositions(scores, kTopK, &top);
+        for (int32_t t = 0; t < kSinks; ++t) supports[h].push_back(t);
+        for (int32_t p : top) supports[h].push_back(kSinks + p);
+        for (int64_t t = bulk_end; t < kv.tokens; ++t) supports[h].push_back(t);
+        EXPECT_EQ(result->heads(h).support(), kSinks + kTopK + kRecent) << "head " << h;
+      }
+      std::vector<double> lse;
+      const std::vector<double> want = ref.Attention(layer, q, supports, &lse);
+      ExpectOutputNear(TensorValues(result->output()), want, v1::DTYPE_F32,
+                       absl::StrCat("index, step ", step, ", layer ", layer));
     }
   }
 }
