@@ -460,6 +460,28 @@ class ReferenceSession {
   std::vector<std::vector<float>> values_;
 };
 
+// A server test whose sessions start from a ReferenceSession's prompt.
+class PrefilledSessionTest : public ServerTest {
+ protected:
+  // Creates a session for `ref` and streams its prompt, layers interleaved chunk by chunk.
+  std::string CreateAndPrefill(const ReferenceSession& ref, const v1::Policy& policy,
+                               int64_t chunk_tokens) {
+    absl::StatusOr<std::string> id = CreateSession(stub(), ref.geometry(), policy);
+    EXPECT_TRUE(id.ok()) << id.status();
+    if (!id.ok()) return "";
+    const std::vector<v1::PrefillChunk> interleaved = ref.InterleavedPrompt(*id, chunk_tokens);
+    absl::StatusOr<v1::PrefillResponse> prefilled = Prefill(stub(), interleaved);
+    EXPECT_TRUE(prefilled.ok()) << prefilled.status();
+    if (prefilled.ok()) {
+      EXPECT_EQ(prefilled->session_id(), *id);
+      EXPECT_EQ(prefilled->layers_committed(), ref.geometry().layers());
+      EXPECT_EQ(prefilled->tokens(), ref.tokens(0));
+      EXPECT_GE(prefilled->build_seconds(), 0.0);
+    }
+    return *id;
+  }
+};
+
 // Absolute tolerance of an output element of magnitude |x| returned in `dtype`: its rounding
 // on the way out plus f32 arithmetic.
 inline double OutputTolerance(v1::DType dtype, double x) {

@@ -13,27 +13,16 @@
 namespace kvrecall {
 namespace {
 
-using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::ExpectOutputNear;
 using ::kvrecall::testing::GetSession;
 using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
-using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::ReferenceSession;
-using ::kvrecall::testing::ServerTest;
+using ::kvrecall::testing::PrefilledSessionTest;
 using ::kvrecall::testing::TensorValues;
 
-class ServiceConcurrencyTest : public ServerTest {
- protected:
-  std::string CreateAndPrefill(const ReferenceSession& ref) {
-    absl::StatusOr<std::string> id =
-        CreateSession(stub(), ref.geometry(), MakePolicy(v1::SELECTOR_FULL));
-    EXPECT_TRUE(id.ok()) << id.status();
-    EXPECT_TRUE(Prefill(stub(), ref.InterleavedPrompt(*id, 16)).ok());
-    return id.value_or("");
-  }
-};
+class ServiceConcurrencyTest : public PrefilledSessionTest {};
 
 TEST_F(ServiceConcurrencyTest, SessionsOnSeparateStreamsDecodeIndependently) {
   constexpr int kSessions = 6;
@@ -44,7 +33,7 @@ TEST_F(ServiceConcurrencyTest, SessionsOnSeparateStreamsDecodeIndependently) {
     const v1::DType dtype = i % 2 == 0 ? v1::DTYPE_F32 : v1::DTYPE_BF16;
     refs.push_back(
         std::make_unique<ReferenceSession>(MakeGeometry(2, 4, 2, 16, dtype), 30 + i, 1000 * i));
-    ids.push_back(CreateAndPrefill(*refs.back()));
+    ids.push_back(CreateAndPrefill(*refs.back(), MakePolicy(v1::SELECTOR_FULL), 16));
   }
   // Each thread keeps its own stream; failures are collected and asserted afterwards.
   std::vector<std::string> failures(kSessions);
@@ -97,7 +86,7 @@ TEST_F(ServiceConcurrencyTest, StreamsSharingASessionSerialize) {
   constexpr int kSteps = 20;
   constexpr int64_t kPrompt = 25;
   ReferenceSession ref(MakeGeometry(1, 4, 2, 16), kPrompt, 5);
-  const std::string id = CreateAndPrefill(ref);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 16);
   ASSERT_FALSE(id.empty());
 
   // Every stream sends its own tokens; the reply says where each one landed.
