@@ -2,8 +2,23 @@
 # Prints the Debian packages that own the shared libraries the given binaries load, one per
 # line, so the image's runtime stage installs exactly those (and nothing of the toolchain).
 # Usage: deploy/runtime-packages.sh BINARY...   Fails naming any library no package owns.
+# KVRECALL_UNPACKAGED_PREFIXES (colon-separated directories, unset in the image build): libraries
+# under them that no package owns are reported and left out instead of failing, for a machine
+# whose CUDA toolkit is NVIDIA's tarball (the image installs NVIDIA's packages, which dpkg knows).
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 BINARY..." >&2; exit 2; }
+
+under_unpackaged_prefix() {
+  local lib="$1" real prefix
+  real="$(readlink -f "$lib")"
+  IFS=: read -ra prefixes <<<"${KVRECALL_UNPACKAGED_PREFIXES:-}"
+  for prefix in "${prefixes[@]}"; do
+    [ -n "$prefix" ] || continue
+    case "$lib/" in "${prefix%/}"/*) return 0 ;; esac
+    case "$real/" in "${prefix%/}"/*) return 0 ;; esac
+  done
+  return 1
+}
 
 # Mounted into the container from the host driver by the NVIDIA container runtime; never
 # installed in the image.
@@ -39,7 +54,10 @@ for lib in $libs; do
     pkg="$(awk -v p="$path" '$1 == p {print $2; exit}' <<<"$owners")"
     [ -z "$pkg" ] || break
   done
-  if [ -n "$pkg" ]; then packages+=("$pkg"); else
+  if [ -n "$pkg" ]; then packages+=("$pkg")
+  elif under_unpackaged_prefix "$lib"; then
+    echo "left out (under KVRECALL_UNPACKAGED_PREFIXES): $lib" >&2
+  else
     echo "no Debian package owns $lib" >&2; missing=1
   fi
 done

@@ -7,6 +7,12 @@ here="$(cd "$(dirname "$0")" && pwd)"
 script="$here/../deploy/runtime-packages.sh"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
+# With CUDA on, the binaries load this machine's CUDA toolkit, NVIDIA's tarball under
+# /usr/local/cuda that no package owns; the image installs NVIDIA's packages instead.
+cuda_root="$(readlink -f /usr/local/cuda 2>/dev/null || true)"
+if [ -n "$cuda_root" ] && ! dpkg-query -S "$cuda_root" >/dev/null 2>&1; then
+  export KVRECALL_UNPACKAGED_PREFIXES="/usr/local/cuda:$cuda_root"
+fi
 packages="$("$script" "$@")" || fail "runtime-packages.sh failed on $*"
 echo "$packages"
 # kvrecalld links gRPC, protobuf, Abseil, OpenMP and BLAS; each must come with its package.
