@@ -73,10 +73,9 @@ for step in "$@"; do
       # Three runs against a separate kvrecalld (default flags), one with the server in process;
       # RPC_TAG names the variant (an environment the caller set, say) in the output file.
       tag=${RPC_TAG:-default}
-      "$bin/kvrecalld" --address=127.0.0.1:0 > "$logs/kvrecalld_$tag.log" 2>&1 &
-      server=$!
-      for _ in $(seq 100); do grep -q listening "$logs/kvrecalld_$tag.log" && break; sleep 0.1; done
-      address=$(sed -n 's/^kvrecalld listening on //p' "$logs/kvrecalld_$tag.log")
+      . scripts/kvrecalld.sh
+      start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_$tag.log" --address=127.0.0.1:0 || status=1
+      server=$kvrecalld_pid address=$kvrecalld_address
       for run in 1 2 3; do
         "$bin/rpc_overhead" --server="$address" --iterations=20000 \
           --json_out="$logs/rpc_${tag}_server_$run.json" 2>&1 | tee "$logs/rpc_${tag}_server_$run.log" \

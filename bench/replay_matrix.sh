@@ -9,12 +9,11 @@ set -euo pipefail
 trace=$1 out=$2; shift 2
 build=${BUILD:-build}
 log=$(mktemp)
-"$build/server/kvrecalld" --address=127.0.0.1:0 > "$log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null; rm -f "$log"' EXIT
-for _ in $(seq 100); do grep -q listening "$log" && break; sleep 0.1; done
-address=$(sed -n 's/^kvrecalld listening on //p' "$log")
-[ -n "$address" ] || { cat "$log" >&2; exit 1; }
+kvrecalld_pid=""
+trap 'kill "$kvrecalld_pid" 2>/dev/null; rm -f "$log"' EXIT
+. "$(dirname "$0")/../scripts/kvrecalld.sh"
+start_kvrecalld "$build/server/kvrecalld" "$log" --address=127.0.0.1:0
+address=$kvrecalld_address
 for flags in "$@"; do
   echo "replay $flags" >&2
   # shellcheck disable=SC2086  # the flags are words on purpose

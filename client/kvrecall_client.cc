@@ -86,6 +86,16 @@ absl::StatusOr<v1::DType> ParseDType(absl::string_view name) {
   return static_cast<v1::DType>(*v);
 }
 
+v1::Policy CpuPolicy(v1::Selector selector, int top_k, int sinks, int recent) {
+  v1::Policy policy;
+  policy.set_placement(v1::PLACEMENT_CPU);
+  policy.set_selector(selector);
+  policy.set_top_k(top_k);
+  policy.set_sinks(sinks);
+  policy.set_recent(recent);
+  return policy;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 PrefillStream::PrefillStream(v1::KvRecall::Stub& stub, SessionHandle session,

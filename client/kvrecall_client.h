@@ -38,6 +38,9 @@ absl::StatusOr<v1::Selector> ParseSelector(absl::string_view name);
 absl::StatusOr<v1::Placement> ParsePlacement(absl::string_view name);
 absl::StatusOr<v1::DType> ParseDType(absl::string_view name);
 
+// A CPU-placement policy of `selector` with its K and static set (0: the server's defaults).
+v1::Policy CpuPolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0);
+
 // A session as the client needs it to shape tensors: its id, geometry and effective policy.
 struct SessionHandle {
   std::string id;

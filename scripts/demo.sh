@@ -9,13 +9,9 @@ port="${KVRECALL_PORT:-50051}"
 KVRECALL_BUILD_DIR="$build" "$root/scripts/build.sh"
 
 log="$(mktemp)"
-"$build/server/kvrecalld" --address="127.0.0.1:$port" >"$log" 2>&1 &
-server=$!
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null || true; rm -f "$log"' EXIT
-for _ in $(seq 100); do
-  grep -q "listening" "$log" && break
-  kill -0 "$server" 2>/dev/null || { cat "$log"; exit 1; }
-  sleep 0.1
-done
-echo "kvrecalld is serving on 127.0.0.1:$port (pid $server)"
-"$build/client/kvrecall" demo --server="127.0.0.1:$port"
+kvrecalld_pid=""
+trap 'kill "$kvrecalld_pid" 2>/dev/null; wait "$kvrecalld_pid" 2>/dev/null || true; rm -f "$log"' EXIT
+. "$root/scripts/kvrecalld.sh"
+start_kvrecalld "$build/server/kvrecalld" "$log" --address="127.0.0.1:$port"
+echo "kvrecalld is serving on $kvrecalld_address (pid $kvrecalld_pid)"
+"$build/client/kvrecall" demo --server="$kvrecalld_address"

@@ -31,6 +31,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
+#include "client/kvrecall_client.h"
 #include "kernels/kv_view.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
 #include "proto/tensor_codec.h"
@@ -241,13 +242,7 @@ inline v1::Geometry MakeGeometry(int layers, int q_heads, int kv_heads, int head
 }
 
 inline v1::Policy MakePolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0) {
-  v1::Policy p;
-  p.set_placement(v1::PLACEMENT_CPU);
-  p.set_selector(selector);
-  p.set_top_k(top_k);
-  p.set_sinks(sinks);
-  p.set_recent(recent);
-  return p;
+  return client::CpuPolicy(selector, top_k, sinks, recent);
 }
 
 // A tensor of `shape` holding `data` as raw bytes of `dtype` (or as plain values).

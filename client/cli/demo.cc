@@ -21,6 +21,7 @@ ABSL_FLAG(int64_t, decode_steps, 32, "demo, synth: decode steps of the synthetic
 namespace kvrecall::cli {
 
 using client::Client;
+using client::CpuPolicy;
 using client::Replay;
 using client::ReplayOptions;
 using client::ReplayReport;
@@ -41,16 +42,6 @@ absl::StatusOr<Trace> MakeDemoTrace(const SyntheticTraceParams& params) {
   absl::StatusOr<Trace> trace = written.ok() ? Trace::Open(path) : written;
   ::unlink(path.c_str());
   return trace;
-}
-
-v1::Policy DemoPolicy(v1::Selector selector, int top_k, int sinks, int recent) {
-  v1::Policy p;
-  p.set_placement(v1::PLACEMENT_CPU);
-  p.set_selector(selector);
-  p.set_top_k(top_k);
-  p.set_sinks(sinks);
-  p.set_recent(recent);
-  return p;
 }
 
 }  // namespace
@@ -87,11 +78,11 @@ int RunDemo(const std::vector<char*>& args) {
     v1::Policy policy;
   };
   const Row rows[] = {
-      {"full", DemoPolicy(v1::SELECTOR_FULL, 128, 0, 0)},
-      {"exact_topk K=128", DemoPolicy(v1::SELECTOR_EXACT_TOPK, 128, 0, 0)},
-      {"streaming 16+256", DemoPolicy(v1::SELECTOR_STREAMING, 128, 16, 256)},
-      {"index K=128", DemoPolicy(v1::SELECTOR_INDEX, 128, 16, 256)},
-      {"retopk K=128", DemoPolicy(v1::SELECTOR_RETOPK, 128, 0, 0)},
+      {"full", CpuPolicy(v1::SELECTOR_FULL, 128, 0, 0)},
+      {"exact_topk K=128", CpuPolicy(v1::SELECTOR_EXACT_TOPK, 128, 0, 0)},
+      {"streaming 16+256", CpuPolicy(v1::SELECTOR_STREAMING, 128, 16, 256)},
+      {"index K=128", CpuPolicy(v1::SELECTOR_INDEX, 128, 16, 256)},
+      {"retopk K=128", CpuPolicy(v1::SELECTOR_RETOPK, 128, 0, 0)},
   };
   std::unique_ptr<Client> client = ConnectToServer();
   int shown = 0;

@@ -369,18 +369,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 2 : 1)
   if (k > 0) {
     const RadixThreshold t =
         BlockRadixSelect<kThreads>(count, static_cast<uint32_t>(k), 64, key_at, &radix);
-    for (int base = 0; base < count; base += kThreads) {
-      const int i = base + threadIdx.x;
-      const uint64_t key = i < count ? key_at(i) : 0;
-      const bool keep = i < count && (key & t.mask) >= t.prefix;
-      const uint32_t at = WarpReserve(keep, &appended);
-      if (keep) {
-        const int32_t position = PositionOfRankKey(key);
-        selected[at] = position;
-        selected_scores[at] = __uint_as_float(OrderKeyToBits(static_cast<uint32_t>(key >> 32)));
-        support[at] = position;
-      }
-    }
+    AppendSelected<kThreads>(count, key_at, t, &appended, selected, selected_scores, support);
   }
   if (threadIdx.x == 0) s.support_size[row] = k;
   __syncthreads();

@@ -159,6 +159,27 @@ struct RadixThreshold {
   uint64_t mask;
 };
 
+// Appends every element whose rank key clears `t` (a BlockRadixSelect threshold over key_at(0..
+// count)), in no particular order, at slots reserved from *appended (shared): its position to
+// positions[] and support[], its score to scores[]. All threads of the block call it.
+template <int kThreads, typename KeyAt>
+__device__ void AppendSelected(int count, KeyAt key_at, const RadixThreshold& t,
+                               uint32_t* appended, int32_t* positions, float* scores,
+                               int32_t* support) {
+  for (int base = 0; base < count; base += kThreads) {
+    const int i = base + threadIdx.x;
+    const uint64_t key = i < count ? key_at(i) : 0;
+    const bool keep = i < count && (key & t.mask) >= t.prefix;
+    const uint32_t at = WarpReserve(keep, appended);
+    if (keep) {
+      const int32_t position = PositionOfRankKey(key);
+      positions[at] = position;
+      scores[at] = __uint_as_float(OrderKeyToBits(static_cast<uint32_t>(key >> 32)));
+      support[at] = position;
+    }
+  }
+}
+
 // Shared memory of BlockRadixSelect.
 struct RadixSelectSmem {
   uint32_t hist[256];
@@ -399,18 +420,7 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
     auto key_at = [&](int i) { return fits ? cached[i] : fresh_key(i); };
     const RadixThreshold t =
         BlockRadixSelect<kThreads>(count, need, kBitsBelowBin, key_at, &radix);
-    for (int base = 0; base < count; base += kThreads) {
-      const int i = base + threadIdx.x;
-      const uint64_t key = i < count ? key_at(i) : 0;
-      const bool keep = i < count && (key & t.mask) >= t.prefix;
-      const uint32_t at = WarpReserve(keep, &appended);
-      if (keep) {
-        const int32_t pos = PositionOfRankKey(key);
-        chosen[at] = pos;
-        chosen_scores[at] = __uint_as_float(OrderKeyToBits(static_cast<uint32_t>(key >> 32)));
-        support[at] = pos;
-      }
-    }
+    AppendSelected<kThreads>(count, key_at, t, &appended, chosen, chosen_scores, support);
     __syncthreads();
   }
   if (threadIdx.x == 0) p.support_size[row] = k;
