@@ -23,7 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "index/selector_params.h"
+#include "kernels/retopk_params.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/decode_types.h"
 #include "kernels/cuda/device_buffer.h"

@@ -14,16 +14,6 @@
 
 namespace kvrecall {
 
-// The top-k lists of a batch of queries: ids[i * k + j] is the j-th best key of query i, by
-// <q, key> with the highest first and ties broken by the lower id.
-struct TopKLists {
-  int k = 0;                 // entries per query: min(requested k, keys.count)
-  int64_t queries = 0;
-  std::vector<int32_t> ids;  // [queries, k]
-
-  const int32_t* list(int64_t query) const { return ids.data() + query * k; }
-};
-
 // Computes the exact top-k keys of every query. queries and keys have the same dim;
 // keys.count must fit in int32. `visible` is empty (every query sees every key) or holds one
 // count per query: query i sees only keys [0, visible[i]) (a causal mask), and its list is

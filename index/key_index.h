@@ -8,37 +8,9 @@
 
 #include "absl/status/status.h"
 #include "kernels/kv_view.h"
+#include "kernels/vector_set.h"
 
 namespace kvrecall {
-
-// `count` vectors of `dim` floats; vector i starts at data + i * stride. Keys of one KV head
-// ([tokens, kv_heads, head_dim] storage, stride kv_heads * head_dim) and queries of one query
-// head ([tokens, q_heads, head_dim], stride q_heads * head_dim) are read in place this way, so
-// no index copies the keys it serves (hnswlib, the baseline, keeps its own copy).
-struct VectorSet {
-  const float* data = nullptr;
-  int64_t count = 0;
-  int64_t stride = 0;
-  int dim = 0;
-
-  const float* row(int64_t i) const { return data + i * stride; }
-
-  // The vectors [begin, end) of this set.
-  VectorSet Slice(int64_t begin, int64_t end) const {
-    return VectorSet{data + begin * stride, end - begin, stride, dim};
-  }
-
-  // Keys [begin, end) of KV head `kv_head`.
-  static VectorSet KeysOf(const KvView& kv, int kv_head, int64_t begin, int64_t end) {
-    return VectorSet{kv.key(begin, kv_head), end - begin, kv.token_stride(), kv.head_dim};
-  }
-
-  // This set as the keys of head 0 of a KvView (no values), for the kernels/cpu routines.
-  // Requires stride to be a multiple of dim, which both layouts above satisfy.
-  KvView AsKeyView() const {
-    return KvView{data, nullptr, count, static_cast<int>(stride / dim), dim};
-  }
-};
 
 // The queries a query-aware index learns the query distribution from: typically one query
 // head's prompt queries, query i issued at token position i.

@@ -5,22 +5,13 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/retopk_params.h"
 
 namespace kvrecall {
 
 enum class SelectorKind { kFull, kExactTopK, kStreaming, kIndex, kReTopK };
 
 const char* SelectorKindName(SelectorKind kind);
-
-struct ReTopKParams {
-  int cache_capacity = 32;    // C: cached (query, support) entries per query head, FIFO
-  int reuse_neighbors = 4;    // R: most similar cached entries whose supports are unioned
-  int recent_window = 32;     // W: most recent positions added to the candidates
-  float tau = 0.85f;          // reuse when the best cosine >= tau
-  int refresh_interval = 128; // Tr: every Tr-th decode step is exact; 0 disables
-  bool auto_tau = false;      // calibrate tau per head from the prefill queries
-  float target_recall = 0.9f; // support recall that auto_tau keeps
-};
 
 // The largest out-degree the graph index accepts for max_degree.
 inline constexpr int kMaxGraphDegree = 256;

@@ -11,11 +11,9 @@
 #include "absl/status/statusor.h"
 #include "index/selector_params.h"
 #include "kernels/kv_view.h"
+#include "kernels/selection_path.h"
 
 namespace kvrecall {
-
-// How a head's support was chosen in one step (mirrors kvrecall.v1.Path).
-enum class SelectionPath { kExact, kReuse, kFallback, kRefresh };
 
 // The outcome of selecting for one query head in one step.
 struct HeadSelection {

@@ -16,7 +16,7 @@
 #include "index/batch_topk.h"
 #include "index/retopk.h"
 #include "kernels/cpu/attention.h"
-#include "kernels/cuda/batch_topk.h"
+#include "index/gpu_batch_topk.h"
 #include "kernels/cuda/retopk.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
@@ -266,7 +266,7 @@ TEST(CudaBatchTopKTest, MatchesCpuBatchTopKUpToNearTies) {
   const VectorSet query_set{queries.data() + 3 * kDim, kQueries, 4 * kDim, kDim};
   TopKLists want, got;
   ASSERT_TRUE(CpuBatchTopK(query_set, key_set, kTopK, &want).ok());
-  auto gpu = cuda::MakeGpuBatchTopKFunction();
+  auto gpu = MakeGpuBatchTopKFunction();
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   ASSERT_TRUE((*gpu)(query_set, key_set, kTopK, &got, {}).ok());
   ASSERT_EQ(got.k, want.k);

@@ -34,7 +34,7 @@
 #include "nlohmann/json.hpp"
 
 #ifdef KVRECALL_WITH_CUDA
-#include "kernels/cuda/batch_topk.h"
+#include "index/gpu_batch_topk.h"
 #endif
 
 // Shared with replay and the policy flags.
@@ -73,7 +73,7 @@ absl::StatusOr<BatchTopKFunction> MakeGraphTopK(const std::string& where) {
         absl::StrCat("--graph_topk must be cpu or gpu, got '", where, "'"));
   }
 #ifdef KVRECALL_WITH_CUDA
-  return cuda::MakeGpuBatchTopKFunction();
+  return MakeGpuBatchTopKFunction();
 #else
   return absl::FailedPreconditionError(
       "--graph_topk=gpu: this kvrecall was built without CUDA (KVRECALL_WITH_CUDA=OFF)");

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <mutex>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -177,23 +176,6 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
     }
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<BatchTopKFunction> MakeGpuBatchTopKFunction() {
-  absl::StatusOr<std::unique_ptr<GpuBatchTopK>> gpu = GpuBatchTopK::Create();
-  if (!gpu.ok()) return gpu.status();
-  struct Shared {
-    std::mutex mu;
-    std::unique_ptr<GpuBatchTopK> gpu;
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->gpu = *std::move(gpu);
-  return BatchTopKFunction(
-      [shared](const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
-               std::span<const int64_t> visible) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        return shared->gpu->Run(queries, keys, k, out, visible);
-      });
 }
 
 }  // namespace kvrecall::cuda

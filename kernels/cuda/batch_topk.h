@@ -1,5 +1,5 @@
-// The GPU version of the index build's batch top-k (index/batch_topk.h): exact top-k keys of
-// many prefill queries at once, with one cuBLAS SGEMM per block of queries against all keys and
+// The GPU version of the index build's batch top-k (index/batch_topk.h adapts it): exact top-k
+// keys of many prefill queries at once, with one cuBLAS SGEMM per block of queries against all keys and
 // the GPU row selection of topk_select.cuh.
 #ifndef KVRECALL_KERNELS_CUDA_BATCH_TOPK_H_
 #define KVRECALL_KERNELS_CUDA_BATCH_TOPK_H_
@@ -10,8 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "index/batch_topk.h"
-#include "index/key_index.h"
+#include "kernels/vector_set.h"
 
 namespace kvrecall::cuda {
 
@@ -27,8 +26,9 @@ class GpuBatchTopK {
   GpuBatchTopK(const GpuBatchTopK&) = delete;
   GpuBatchTopK& operator=(const GpuBatchTopK&) = delete;
 
-  // BatchTopKFunction's contract (causal `visible` counts included); synchronous.
-  // INVALID_ARGUMENT as CpuBatchTopK.
+  // index/batch_topk.h's BatchTopKFunction contract: the top-k lists of every query, causal
+  // `visible` counts included; synchronous. INVALID_ARGUMENT when k < 1, the dims differ,
+  // keys.count exceeds int32 or `visible` is neither empty nor one count per query.
   absl::Status Run(const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
                    std::span<const int64_t> visible = {});
 
@@ -37,9 +37,6 @@ class GpuBatchTopK {
   explicit GpuBatchTopK(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
-
-// A BatchTopKFunction backed by one GpuBatchTopK (calls are serialized), for the graph index.
-absl::StatusOr<BatchTopKFunction> MakeGpuBatchTopKFunction();
 
 }  // namespace kvrecall::cuda
 

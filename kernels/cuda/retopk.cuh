@@ -15,14 +15,15 @@
 #include "kernels/cuda/partial_attention.cuh"
 #include "kernels/cuda/selected_attention.cuh"
 #include "kernels/cuda/topk_select.cuh"
+#include "kernels/selection_path.h"
 
 namespace kvrecall::cuda {
 
-// Path codes on the device: the values of SelectionPath (index/support_selector.h).
-inline constexpr uint8_t kPathExact = 0;
-inline constexpr uint8_t kPathReuse = 1;
-inline constexpr uint8_t kPathFallback = 2;
-inline constexpr uint8_t kPathRefresh = 3;
+// Path codes on the device: the values of SelectionPath.
+inline constexpr uint8_t kPathExact = static_cast<uint8_t>(SelectionPath::kExact);
+inline constexpr uint8_t kPathReuse = static_cast<uint8_t>(SelectionPath::kReuse);
+inline constexpr uint8_t kPathFallback = static_cast<uint8_t>(SelectionPath::kFallback);
+inline constexpr uint8_t kPathRefresh = static_cast<uint8_t>(SelectionPath::kRefresh);
 
 // The largest cache capacity C the kernels serve (cosines live in shared memory, neighbors are
 // picked with a 64-bit mask).

@@ -17,7 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "index/selector_params.h"
+#include "kernels/retopk_params.h"
 #include "kernels/cuda/decode_types.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/topk_workspace.h"
