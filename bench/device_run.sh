@@ -3,8 +3,9 @@
 # bundled here by ../shared/tools/device-bundle into .device/bundle (or shipped compressed as
 # .device/ship/bundle.tar.xz, which is unpacked first; bench/results/*.md have the commands):
 #   bench/device_run.sh [tests] [bench] [profile] [stride] [sanitize] [rpc] [index]
-# tests/bench/profile/stride/sanitize: the CUDA kernels; rpc: the RPC overhead of a layer-step on
-# the host's idle cores; index: bench-index on a 128K-token synthetic trace (16-core build time).
+# tests/bench/profile/stride/sanitize: the CUDA kernels; rpc: a layer-step's round trip against
+# the transport's floor on the host's idle cores; index: bench-index on a 128K-token synthetic
+# trace (16-core build time).
 # Logs go to $OUT/logs.tgz; the benchmarks' JSON, summaries and plots to $OUT directly.
 set -uo pipefail
 # BUNDLE: another bundle folder (say, one of the CUDA programs alone).
@@ -70,22 +71,26 @@ for step in "$@"; do
         done
       done ;;
     rpc)
-      # Three runs against a separate kvrecalld (default flags), one with the server in process;
-      # RPC_TAG names the variant (an environment the caller set, say) in the output file.
+      # The transport's floor beside kvrecalld (bench/echo_floor.sh): echo_floor in the sync and
+      # the callback API and kvrecalld, over TCP loopback and a Unix socket, C++ and Python
+      # clients, with CPU time per round trip. The bundle's python/ holds the generated Python
+      # modules (python/_gen as client/python/kvrecall/_gen, python/bench/echo_floor_pb2.py).
+      # RPC_TAG names the run; RPC_VARIANTS="name:VAR=value,VAR=value ..." adds kvrecalld runs
+      # (C++ client) under other environments, e.g. "omp1:OMP_NUM_THREADS=1".
       tag=${RPC_TAG:-default}
-      . scripts/kvrecalld.sh
-      start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_$tag.log" --address=127.0.0.1:0 || status=1
-      server=$kvrecalld_pid address=$kvrecalld_address
-      for run in 1 2 3; do
-        "$bin/rpc_overhead" --server="$address" --iterations=20000 \
-          --json_out="$logs/rpc_${tag}_server_$run.json" 2>&1 | tee "$logs/rpc_${tag}_server_$run.log" \
-          || status=1
+      if [ ! -d client/python/kvrecall/_gen ] && [ -d "$bundle/python/_gen" ]; then
+        cp -r "$bundle/python/_gen" client/python/kvrecall/_gen
+      fi
+      ITERATIONS=${RPC_ITERATIONS:-10000} PY_ITERATIONS=${RPC_PY_ITERATIONS:-4000} \
+        bash bench/echo_floor.sh "$bin" "$bundle/python" "$logs/rpc_$tag" || status=1
+      for variant in ${RPC_VARIANTS:-}; do
+        env ${variant#*:} SERVERS=kvrecalld CLIENTS=c++ ITERATIONS=${RPC_ITERATIONS:-10000} \
+          bash bench/echo_floor.sh "$bin" "" "$logs/rpc_${tag}_${variant%%:*}" || status=1
       done
-      kill "$server"; wait "$server"
-      "$bin/rpc_overhead" --iterations=20000 --json_out="$logs/rpc_${tag}_inprocess.json" 2>&1 \
-        | tee "$logs/rpc_${tag}_inprocess.log" || status=1
-      python3 -c 'import json,sys; print(json.dumps({f: json.load(open(f)) for f in sys.argv[1:]}))' \
-        "$logs"/rpc_"$tag"_*.json > "$out/rpc_overhead_$tag.json" || status=1 ;;
+      python3 -c 'import json, os, sys
+print(json.dumps({os.path.relpath(f, sys.argv[1]): json.load(open(f)) for f in sys.argv[2:]}))' \
+        "$logs" "$logs"/rpc_"$tag"*/*_*_*.json > "$out/rpc_floor_$tag.json" || status=1
+      cat "$logs"/rpc_"$tag"*/rpc_floor_table.md > "$out/rpc_floor_$tag.md" ;;
     index)
       # tinylm's geometry (8 query / 2 KV heads, d = 64), 128K prompt tokens, 2 layers.
       trace=$(mktemp -d)/synth128k.safetensors

@@ -13,7 +13,9 @@
 #include "absl/time/time.h"
 #include "server/server.h"
 
-ABSL_FLAG(std::string, address, "0.0.0.0:50051", "HOST:PORT to listen on; port 0 picks one");
+ABSL_FLAG(std::string, address, "0.0.0.0:50051",
+          "HOST:PORT to listen on (port 0 picks one), or unix:PATH (a Unix domain socket for a "
+          "runner on the same host); several separated by commas");
 ABSL_FLAG(int, worker_threads, 0,
           "upper bound on gRPC server threads (each open stream holds one); 0: gRPC's default");
 ABSL_FLAG(int, max_message_mb, 64,
@@ -60,6 +62,9 @@ int main(int argc, char** argv) {
   }
   // Scripts and tests wait for this line (and read the port from it when they asked for 0).
   std::printf("kvrecalld listening on %s\n", (*server)->address().c_str());
+  for (size_t i = 1; i < (*server)->addresses().size(); ++i) {
+    std::printf("kvrecalld also listening on %s\n", (*server)->addresses()[i].c_str());
+  }
   std::fflush(stdout);
 
   int signal_number = 0;

@@ -1,8 +1,15 @@
 #include "server/server.h"
 
-#include <climits>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <climits>
+#include <cstring>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/resource_quota.h"
@@ -19,7 +26,29 @@ std::string WithPort(const std::string& address, int port) {
                       port);
 }
 
+// True when a server accepts connections on the socket file of `address` (unix:PATH or
+// unix:///PATH). gRPC unlinks an existing socket file before it binds, so without this check a
+// second server would silently take the path from a live one.
+bool UnixSocketInUse(absl::string_view address) {
+  absl::string_view path = address;
+  if (!absl::ConsumePrefix(&path, "unix:")) return false;  // unix-abstract: binding fails itself
+  if (absl::StartsWith(path, "///")) path.remove_prefix(2);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof sa.sun_path) return false;  // gRPC rejects it
+  std::memcpy(sa.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool in_use = connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
+  close(fd);
+  return in_use;
+}
+
 }  // namespace
+
+bool IsUnixSocketAddress(absl::string_view address) {
+  return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
+}
 
 RunningServer::RunningServer(const ServerOptions& options)
     : budget_(options.host_memory_budget_bytes),
@@ -59,8 +88,16 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   std::unique_ptr<RunningServer> running(new RunningServer(options));
 
+  const std::vector<std::string> addresses = absl::StrSplit(options.address, ',');
+  std::vector<int> ports(addresses.size(), 0);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &running->port_);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (UnixSocketInUse(addresses[i])) {
+      return absl::UnavailableError(absl::StrCat("could not listen on ", addresses[i],
+                                                 ": another server listens on that socket"));
+    }
+    builder.AddListeningPort(addresses[i], grpc::InsecureServerCredentials(), &ports[i]);
+  }
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would then start and
   // silently take a share of the connections instead of failing.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
@@ -74,11 +111,16 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   builder.RegisterService(&running->service_);
   builder.RegisterService(&running->health_);
   running->server_ = builder.BuildAndStart();
-  if (running->server_ == nullptr || running->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("could not listen on ", options.address, " (address in use or invalid?)"));
+  // gRPC reports port 1 for a Unix socket it bound, 0 for an address it could not bind.
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (running->server_ == nullptr || ports[i] == 0) {
+      return absl::UnavailableError(absl::StrCat("could not listen on ", addresses[i],
+                                                 " (address in use or invalid?)"));
+    }
+    const bool unix_socket = IsUnixSocketAddress(addresses[i]);
+    running->addresses_.push_back(unix_socket ? addresses[i] : WithPort(addresses[i], ports[i]));
+    if (i == 0) running->port_ = unix_socket ? 0 : ports[i];
   }
-  running->address_ = WithPort(options.address, running->port_);
   return running;
 }
 

@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/health.h"
@@ -18,7 +20,9 @@
 namespace kvrecall {
 
 struct ServerOptions {
-  // HOST:PORT to listen on (insecure); port 0 picks a free port (see RunningServer::address).
+  // Where to listen (insecure): HOST:PORT, where port 0 picks a free port, or unix:PATH, a Unix
+  // domain socket for a runner on the same host (unix:///ABSOLUTE and unix-abstract:NAME too);
+  // several separated by commas ("0.0.0.0:50051,unix:/run/kvrecall/kvrecall.sock").
   std::string address = "0.0.0.0:50051";
   // Upper bound on gRPC's server threads (each open stream holds one); 0: gRPC's default.
   int worker_threads = 0;
@@ -35,8 +39,11 @@ class RunningServer {
   RunningServer(const RunningServer&) = delete;
   RunningServer& operator=(const RunningServer&) = delete;
 
-  // The address actually listened on: the requested host with the bound port.
-  const std::string& address() const { return address_; }
+  // The first address listened on: the requested host with the bound port, or the Unix socket
+  // address as requested; addresses() holds every one, in the order of ServerOptions::address.
+  const std::string& address() const { return addresses_.front(); }
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // The bound port of the first address; 0 when it is a Unix socket.
   int port() const { return port_; }
 
   // Health turns NOT_SERVING, then the server stops accepting calls and waits up to `grace`
@@ -57,11 +64,14 @@ class RunningServer {
   KvRecallService service_;
   HealthService health_;
   std::unique_ptr<grpc::Server> server_;
-  std::string address_;
+  std::vector<std::string> addresses_;
   int port_ = 0;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
+
+// Whether `address` names a Unix domain socket (unix:PATH or unix-abstract:NAME) for gRPC.
+bool IsUnixSocketAddress(absl::string_view address);
 
 // Builds and starts a server; INVALID_ARGUMENT for bad options, UNAVAILABLE when the address
 // cannot be bound.

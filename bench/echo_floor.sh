@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The transport's floor and kvrecalld side by side, in one run (bench/results/rpc_floor.md):
+# echo_floor in the sync and the callback API and kvrecalld, each listening on TCP loopback and
+# on a Unix socket, each measured by the C++ client (rpc_overhead) and the Python client
+# (rpc_overhead.py with numpy inputs, and with torch bf16 inputs where torch imports).
+#
+#   bench/echo_floor.sh BIN_DIR PY_DIR OUT_DIR
+#
+# BIN_DIR holds echo_floor, kvrecalld and rpc_overhead; PY_DIR the Python modules the build
+# generates (kvrecall/v1/*_pb2*.py from client/python/kvrecall/_gen and bench/echo_floor_pb2.py);
+# empty PY_DIR: no Python runs. Environment: ITERATIONS (pairs per C++ run, default 10000),
+# PY_ITERATIONS (default 4000), SERVERS (default "echo-sync echo-callback kvrecalld"),
+# CLIENTS (default "c++ python-numpy python-torch"), KVRECALLD_FLAGS (more kvrecalld flags).
+# Writes OUT_DIR/<server>_<transport>_<client>.json, logs beside them, and
+# OUT_DIR/rpc_floor_table.md (bench/echo_floor_table.py).
+set -uo pipefail
+bin=${1:?usage: echo_floor.sh BIN_DIR PY_DIR OUT_DIR}
+py=${2?usage: echo_floor.sh BIN_DIR PY_DIR OUT_DIR}
+out=${3:?usage: echo_floor.sh BIN_DIR PY_DIR OUT_DIR}
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+iterations=${ITERATIONS:-10000}
+py_iterations=${PY_ITERATIONS:-4000}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+sockets=$(mktemp -d)
+. "$root/scripts/kvrecalld.sh"
+status=0
+
+clients=${CLIENTS:-c++ python-numpy python-torch}
+if [ -z "$py" ]; then
+  clients=${clients//python-numpy/}
+  clients=${clients//python-torch/}
+elif ! "$python" -c 'import torch' 2>/dev/null; then
+  clients=${clients//python-torch/}
+fi
+export PYTHONPATH="$root/client/python${py:+:$py}${PYTHONPATH:+:$PYTHONPATH}"
+
+# start SERVER TRANSPORT: starts one server; sets pid and address.
+start() {
+  local server=$1 transport=$2 listen log=$out/${1}_$2.server.log
+  if [ "$transport" = unix ]; then listen=unix:$sockets/$server.sock; else listen=127.0.0.1:0; fi
+  case $server in
+    kvrecalld)
+      # shellcheck disable=SC2086
+      start_kvrecalld "$bin/kvrecalld" "$log" --address="$listen" ${KVRECALLD_FLAGS:-} || return 1
+      pid=$kvrecalld_pid address=$kvrecalld_address ;;
+    echo-*)
+      "$bin/echo_floor" --api="${server#echo-}" --address="$listen" >"$log" 2>&1 &
+      pid=$!
+      address=
+      for _ in $(seq 100); do
+        address=$(sed -n 's/^echo_floor listening on \([^ ]*\).*/\1/p' "$log")
+        [ -z "$address" ] && kill -0 "$pid" 2>/dev/null && sleep 0.1 && continue
+        break
+      done
+      [ -n "$address" ] || { cat "$log" >&2; return 1; } ;;
+  esac
+}
+
+for transport in tcp unix; do
+  for server in ${SERVERS:-echo-sync echo-callback kvrecalld}; do
+    start "$server" "$transport" || { status=1; continue; }
+    protocol=echo
+    [ "$server" = kvrecalld ] && protocol=kvrecall
+    for client in $clients; do
+      name=${server}_${transport}_${client}
+      case $client in
+        c++)
+          "$bin/rpc_overhead" --protocol=$protocol --server="$address" --server_pid="$pid" \
+            --label="$server" --iterations="$iterations" --json_out="$out/$name.json" \
+            > "$out/$name.log" 2>&1 ;;
+        python-*)
+          PYTHONUNBUFFERED=1 "$python" "$here/rpc_overhead.py" --protocol=$protocol \
+            --server="$address" --server_pid="$pid" --label="$server" \
+            --inputs="${client#python-}" --iterations="$py_iterations" \
+            --json_out="$out/$name.json" > "$out/$name.log" 2>&1 ;;
+      esac
+      rc=$?
+      [ $rc -eq 0 ] || status=1
+      echo "== $name (rc $rc)"
+      grep -vE '^\{' "$out/$name.log" | head -n 12
+    done
+    kill "$pid"
+    wait "$pid" 2>/dev/null
+  done
+done
+rm -rf "$sockets"
+"$python" "$here/echo_floor_table.py" "$out"/*_*_*.json > "$out/rpc_floor_table.md" || status=1
+cat "$out/rpc_floor_table.md"
+exit $status

@@ -1,0 +1,220 @@
+// kvrecall over a Unix domain socket (--address=unix:PATH), for a runner on the same host: the
+// server listens there (alone or beside a TCP port), reports the address as given, serves
+// decode steps that match brute-force attention through the C++ client, refuses a path another
+// server listens on, replaces a stale socket file, and kvrecalld and the CLI work over it.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/kvrecall_client.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using grpc::health::v1::Health;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::KvrecalldProcess;
+using ::kvrecall::testing::MakeChannel;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::RandomNormal;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+// A fresh directory for socket files (sun_path holds ~107 bytes, so it stays short).
+class UnixSocketTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/kvrecall-unix-XXXXXX";
+    ASSERT_NE(mkdtemp(dir), nullptr);
+    dir_ = dir;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string SocketPath(const std::string& name) const { return dir_ + "/" + name; }
+
+  std::string dir_;
+};
+
+absl::StatusOr<std::unique_ptr<RunningServer>> StartOn(const std::string& address) {
+  ServerOptions options;
+  options.address = address;
+  return StartServer(options);
+}
+
+HealthCheckResponse::ServingStatus CheckHealth(const std::string& address) {
+  auto stub = Health::NewStub(MakeChannel(address));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  HealthCheckResponse response;
+  const grpc::Status s = stub->Check(&context, HealthCheckRequest(), &response);
+  EXPECT_TRUE(s.ok()) << address << ": " << s.error_message();
+  return response.status();
+}
+
+// Creates a session through `address` with the C++ client, prefills `prompt` tokens, decodes
+// one step and checks its output against double-precision attention over prompt + new token.
+void DecodeMatchesReference(const std::string& address) {
+  constexpr int kHq = 4, kHkv = 2, kD = 16, kT = 40;
+  std::unique_ptr<client::Client> c = client::Client::Connect(address);
+  const v1::Geometry g = MakeGeometry(1, kHq, kHkv, kD);
+  absl::StatusOr<client::SessionHandle> session =
+      c->CreateSession(g, MakePolicy(v1::SELECTOR_FULL), "unix socket test");
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<float> q_prompt = RandomNormal(kT * kHq * kD, 1);
+  std::vector<float> keys = RandomNormal(kT * kHkv * kD, 2);
+  std::vector<float> values = RandomNormal(kT * kHkv * kD, 3);
+  {
+    absl::StatusOr<std::unique_ptr<client::PrefillStream>> prefill = c->StartPrefill(*session);
+    ASSERT_TRUE(prefill.ok()) << prefill.status();
+    ASSERT_TRUE((*prefill)->SendLayer(0, q_prompt, keys, values).ok());
+    absl::StatusOr<v1::PrefillResponse> committed = (*prefill)->Finish();
+    ASSERT_TRUE(committed.ok()) << committed.status();
+  }
+  const std::vector<float> q = RandomNormal(kHq * kD, 4);
+  const std::vector<float> k_new = RandomNormal(kHkv * kD, 5);
+  const std::vector<float> v_new = RandomNormal(kHkv * kD, 6);
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream = c->OpenDecodeStream(g);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const client::SequenceInput input{session->id, q, k_new, v_new};
+  client::StepResult result;
+  ASSERT_TRUE((*stream)->Step(0, {&input, 1}, {.return_lse = true}, &result).ok());
+  EXPECT_EQ(result.response->results(0).position(), kT);
+
+  keys.insert(keys.end(), k_new.begin(), k_new.end());
+  values.insert(values.end(), v_new.begin(), v_new.end());
+  const KvView kv{keys.data(), values.data(), kT + 1, kHkv, kD};
+  const std::vector<int32_t> all = ::kvrecall::testing::AllTokens(kT + 1);
+  for (int h = 0; h < kHq; ++h) {
+    std::vector<double> o;
+    const double lse = ::kvrecall::testing::ReferenceAttention(
+        q.data() + h * kD, kv, KvHeadOf(h, kHq, kHkv), all, 1.0 / std::sqrt(kD), &o);
+    EXPECT_NEAR(result.lse[h], lse, 1e-4) << "head " << h;
+    for (int j = 0; j < kD; ++j) {
+      EXPECT_NEAR(result.output[h * kD + j], o[j], 1e-5) << "head " << h << " dim " << j;
+    }
+  }
+  EXPECT_TRUE((*stream)->Close().ok());
+  EXPECT_TRUE(c->CloseSession(session->id).ok());
+}
+
+TEST_F(UnixSocketTest, ServesDecodeStepsThroughTheClientLibrary) {
+  const std::string address = "unix:" + SocketPath("kv.sock");
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartOn(address);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->address(), address);
+  EXPECT_EQ((*server)->port(), 0);
+  EXPECT_TRUE(IsUnixSocketAddress((*server)->address()));
+  EXPECT_TRUE(std::filesystem::is_socket(SocketPath("kv.sock")));
+  EXPECT_EQ(CheckHealth(address), HealthCheckResponse::SERVING);
+  DecodeMatchesReference(address);
+}
+
+TEST_F(UnixSocketTest, ListensOnTcpAndUnixSocketTogether) {
+  const std::string unix_address = "unix://" + SocketPath("both.sock");  // unix:///ABSOLUTE
+  absl::StatusOr<std::unique_ptr<RunningServer>> server =
+      StartOn(absl::StrCat("127.0.0.1:0,", unix_address));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_EQ((*server)->addresses().size(), 2u);
+  EXPECT_THAT((*server)->address(), StartsWith("127.0.0.1:"));
+  EXPECT_NE((*server)->port(), 0);
+  EXPECT_EQ((*server)->addresses()[1], unix_address);
+  for (const std::string& address : (*server)->addresses()) {
+    EXPECT_EQ(CheckHealth(address), HealthCheckResponse::SERVING);
+    DecodeMatchesReference(address);
+  }
+}
+
+TEST_F(UnixSocketTest, RefusesASocketAnotherServerListensOn) {
+  const std::string address = "unix:" + SocketPath("taken.sock");
+  absl::StatusOr<std::unique_ptr<RunningServer>> first = StartOn(address);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<std::unique_ptr<RunningServer>> second = StartOn(address);
+  EXPECT_TRUE(HasStatus(second.status(), absl::StatusCode::kUnavailable,
+                        "could not listen on " + address +
+                            ": another server listens on that socket"));
+  // The first server still has its socket (gRPC would have unlinked it for the second).
+  EXPECT_EQ(CheckHealth(address), HealthCheckResponse::SERVING);
+}
+
+TEST_F(UnixSocketTest, ReplacesAStaleSocketFile) {
+  // A socket file nobody listens on, as a killed server leaves behind.
+  const std::string path = SocketPath("stale.sock");
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_un sa{};
+  sa.sun_family = AF_UNIX;
+  std::strncpy(sa.sun_path, path.c_str(), sizeof sa.sun_path - 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa), 0);
+  close(fd);
+  ASSERT_TRUE(std::filesystem::is_socket(path));
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartOn("unix:" + path);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ(CheckHealth("unix:" + path), HealthCheckResponse::SERVING);
+}
+
+TEST_F(UnixSocketTest, FailsOnAPathThatIsNotASocket) {
+  const std::string path = SocketPath("plain-file");
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartOn("unix:" + path);
+  EXPECT_TRUE(HasStatus(server.status(), absl::StatusCode::kUnavailable,
+                        "could not listen on unix:" + path + " (address in use or invalid?)"));
+  EXPECT_TRUE(std::filesystem::is_regular_file(path));  // left as it was
+  // And a directory that does not exist.
+  server = StartOn("unix:" + dir_ + "/missing/kv.sock");
+  EXPECT_TRUE(HasStatus(server.status(), absl::StatusCode::kUnavailable, "could not listen on"));
+}
+
+// The real binaries: kvrecalld reports the socket it listens on, the CLI reaches it there, and
+// a clean shutdown removes the socket file.
+TEST_F(UnixSocketTest, KvrecalldAndTheCliOverTheSocket) {
+  const std::string path = SocketPath("kvrecalld.sock");
+  absl::StatusOr<std::unique_ptr<KvrecalldProcess>> process =
+      KvrecalldProcess::Start({"--address=unix:" + path});
+  ASSERT_TRUE(process.ok()) << process.status();
+  EXPECT_EQ((*process)->address(), "unix:" + path);
+  DecodeMatchesReference((*process)->address());
+  {
+    std::unique_ptr<client::Client> c = client::Client::Connect((*process)->address());
+    ASSERT_TRUE(c->CreateSession(MakeGeometry(1, 2, 1, 8), MakePolicy(v1::SELECTOR_FULL),
+                                 "listed over the socket")
+                    .ok());
+  }
+  const std::string command = absl::StrCat(KVRECALL_BINARY_DIR, "/client/kvrecall list --server=",
+                                           (*process)->address(), " 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buffer[512];
+  while (fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
+  const int status = pclose(pipe);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  EXPECT_THAT(output, HasSubstr("listed over the socket"));
+
+  absl::StatusOr<int> stopped = (*process)->Stop(SIGTERM);
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*process)->output();
+  EXPECT_FALSE(std::filesystem::exists(path)) << "kvrecalld left its socket file behind";
+}
+
+}  // namespace
+}  // namespace kvrecall
