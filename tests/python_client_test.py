@@ -2,6 +2,7 @@
 chunked prefill, decode steps over one stream, batching, errors, and the tinylm runner's
 agreement with exact local attention. Run by CTest (client/python/CMakeLists.txt) as
 `python3 -m unittest -v python_client_test` with KVRECALLD and PYTHONPATH set."""
+import importlib.util
 import json
 import math
 import os
@@ -46,7 +47,8 @@ class ServerTest(unittest.TestCase):
             port = s.getsockname()[1]
         cls.address = f"127.0.0.1:{port}"
         cls.log = tempfile.TemporaryFile()
-        cls.server = subprocess.Popen([binary, f"--address={cls.address}"], stdout=cls.log,
+        cls.server = subprocess.Popen([binary, f"--address={cls.address}",
+                                       "--metrics_address=127.0.0.1:0"], stdout=cls.log,
                                       stderr=subprocess.STDOUT)
         try:
             cls.client = kvrecall.Client(cls.address, wait_ready_s=30)
@@ -243,6 +245,113 @@ class NeedleTest(ServerTest):
         self.assertAlmostEqual(full["retained_mass_mean"], 1.0, places=5)
         self.assertEqual(topk["found"], 1.0)
         self.assertLess(window["found"], 0.5)  # needles sit in the prompt's middle, out of the window
+
+
+class WireTest(unittest.TestCase):
+    """The decode path's encoding (tensors.WireBuffer, client._StepWire) against protobuf's."""
+
+    def test_wire_buffers_hold_the_bytes_to_tensor_writes(self):
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((8, 16)).astype(np.float32)
+        u = x.view(np.uint32)  # specials, a subnormal and exact bf16 ties (both parities)
+        u.flat[:9] = [0x7F800000, 0xFF800000, 0x7FC00000, 0, 0x80000000, 0x00000001,
+                      0x3F808000, 0x3F818000, 0xBF808000]
+        for dtype in ("f32", "f16", "bf16"):
+            w = tensors.WireBuffer(dtype, (8, 16))
+            want = tensors.to_tensor(x, dtype).data
+            for variant in (x, np.asfortranarray(x), x.astype(np.float64), x[None], x.ravel()):
+                self.assertEqual(bytes(w.view(variant)), want, (dtype, variant.shape))
+            with self.assertRaisesRegex(ValueError, r"shape \[8, 15\] does not fit shape \[8, 16\]"):
+                w.view(x[:, :15])
+        bits = tensors.f32_to_bf16_bits(x)
+        self.assertEqual(list(bits.flat[6:9]), [0x3F80, 0x3F82, 0xBF80])  # ties to even
+
+    def test_inputs_already_in_the_wire_dtype_are_not_copied(self):
+        w = tensors.WireBuffer("bf16", (4, 8))
+        bits = tensors.f32_to_bf16_bits(np.ones((4, 8), np.float32))
+        self.assertIs(w.view(bits), bits)
+        converted = w.view(np.ones((4, 8), np.float32))
+        self.assertIs(w.view(np.zeros((4, 8), np.float32)), converted)  # one buffer, reused
+        f32 = tensors.WireBuffer("f32", (4, 8))
+        a = np.arange(32, dtype=np.float32).reshape(4, 8)
+        self.assertIs(f32.view(a), a)
+
+    @unittest.skipUnless(importlib.util.find_spec("torch"), "torch is not installed")
+    def test_torch_tensors(self):
+        import torch
+        x = torch.randn(8, 16)
+        for dtype, tdt in (("f32", torch.float32), ("f16", torch.float16), ("bf16", torch.bfloat16)):
+            w = tensors.WireBuffer(dtype, (8, 16))
+            want = tensors.to_tensor(x, dtype).data
+            for variant in (x, x.t().contiguous().t(), x.to(tdt)):
+                self.assertEqual(bytes(w.view(variant)), want, (dtype, variant.dtype))
+            same = x.to(tdt)
+            self.assertEqual(w.view(same).ctypes.data, same.data_ptr())  # no copy
+        # numpy float32 to bf16 through torch (loaded) rounds as f32_to_bf16_bits does.
+        a = np.random.default_rng(6).standard_normal((8, 16)).astype(np.float32)
+        self.assertEqual(bytes(tensors.WireBuffer("bf16", (8, 16)).view(a)),
+                         tensors.f32_to_bf16_bits(a).tobytes())
+
+    def test_pre_serialized_requests_parse_as_protobuf_builds_them(self):
+        from kvrecall.client import Session, _StepWire
+        from kvrecall.v1 import kvrecall_pb2 as pb
+        rng = np.random.default_rng(7)
+        sessions = [Session(None, "a" * 32, make_geometry(1, 4, 2, 8, "bf16"), None),
+                    Session(None, "b", make_geometry(1, 6, 3, 16, "f32"), None),
+                    Session(None, "", make_geometry(1, 2, 1, 4, "f16"), None)]
+        want = pb.DecodeRequest(request_id=2 ** 40 + 3, layer=5, return_lse=True,
+                                compare_exact=True)
+        pieces = [pb.DecodeRequest(request_id=2 ** 40 + 3, layer=5, return_lse=True,
+                                   compare_exact=True).SerializeToString()]
+        for s in sessions:
+            g = s.geometry
+            q = rng.standard_normal((g.q_heads, g.head_dim)).astype(np.float32)
+            k = rng.standard_normal((g.kv_heads, g.head_dim)).astype(np.float32)
+            v = rng.standard_normal((g.kv_heads, g.head_dim)).astype(np.float32)
+            step = want.steps.add(session_id=s.id)
+            tensors.to_tensor(q, g.dtype, out=step.q)
+            tensors.to_tensor(k, g.dtype, out=step.k_new)
+            tensors.to_tensor(v, g.dtype, out=step.v_new)
+            s.step_wire().append(pieces, q, k, v)
+        self.assertEqual(pb.DecodeRequest.FromString(b"".join(pieces)), want)
+        self.assertIsInstance(sessions[0].step_wire(), _StepWire)
+
+
+class UnixSocketTest(unittest.TestCase):
+    """The Python client reaches a kvrecalld listening on a Unix domain socket."""
+
+    def test_decode_over_a_unix_socket_matches_full_attention(self):
+        binary = os.environ.get("KVRECALLD", os.path.join(SOURCE_DIR, "build", "server", "kvrecalld"))
+        with tempfile.TemporaryDirectory(prefix="kvrecall-py-") as d:
+            address = f"unix:{d}/kvrecalld.sock"
+            log = tempfile.TemporaryFile()
+            server = subprocess.Popen([binary, f"--address={address}",
+                                       "--metrics_address=127.0.0.1:0"], stdout=log,
+                                      stderr=subprocess.STDOUT)
+            try:
+                with kvrecall.Client(address, wait_ready_s=30) as c:
+                    g = make_geometry(1, 4, 2, 16)
+                    s = c.create_session(g, make_policy("full"))
+                    rng = np.random.default_rng(9)
+                    k0 = rng.standard_normal((20, 2, 16), dtype=np.float32)
+                    v0 = rng.standard_normal((20, 2, 16), dtype=np.float32)
+                    s.prefill([(rng.standard_normal((20, 4, 16), dtype=np.float32), k0, v0)])
+                    q = rng.standard_normal((4, 16), dtype=np.float32)
+                    k = rng.standard_normal((2, 16), dtype=np.float32)
+                    v = rng.standard_normal((2, 16), dtype=np.float32)
+                    r = s.attend(0, q, k, v)
+                    want, _ = reference_attention(q, np.concatenate([k0, k[None]]),
+                                                  np.concatenate([v0, v[None]]), 1 / math.sqrt(16))
+                    np.testing.assert_allclose(r.output, want, rtol=0, atol=2e-5)
+                    self.assertEqual(r.position, 20)
+            finally:
+                server.terminate()
+                server.wait(timeout=20)
+                log.seek(0)
+                output = log.read().decode(errors="replace")
+                log.close()
+            self.assertIn(f"kvrecalld listening on {address}", output)
+            self.assertEqual(server.returncode, 0, output)
 
 
 if __name__ == "__main__":

@@ -78,14 +78,51 @@ class SequenceResult:
     position: int             # position of the token just appended in this layer
 
 
+class _StepWire:
+    """One session's SequenceStep on the wire, as the serialized bytes around its q, k_new and
+    v_new data: protobuf serializes the fields (and the DecodeRequest.steps framing) once, with
+    placeholder data of the geometry's size; a step then joins those pieces with the three
+    tensors' bytes (tensors.WireBuffer), so the data is copied once, into the request bytes."""
+
+    def __init__(self, session):
+        g = session.geometry
+        self.buffers = [tensors.WireBuffer(g.dtype, (g.q_heads, g.head_dim)),
+                        tensors.WireBuffer(g.dtype, (g.kv_heads, g.head_dim)),
+                        tensors.WireBuffer(g.dtype, (g.kv_heads, g.head_dim))]
+        placeholders = {name: pb.Tensor(dtype=g.dtype, shape=b.shape, data=bytes(b.nbytes))
+                        for name, b in zip(("q", "k_new", "v_new"), self.buffers)}
+        parts = [pb.SequenceStep(session_id=session.id).SerializeToString()] + [
+            pb.SequenceStep(**{name: t}).SerializeToString() for name, t in placeholders.items()]
+        step = pb.SequenceStep(session_id=session.id, **placeholders)
+        # Known fields serialize in field-number order, so the whole step is its fields' parts
+        # in a row; each part ends with its tensor's data (Tensor.data is its last field set).
+        if b"".join(parts) != step.SerializeToString():
+            raise RuntimeError("protobuf serialized a SequenceStep out of field order")
+        framed = pb.DecodeRequest(steps=[step]).SerializeToString()
+        frame = framed[:len(framed) - len(b"".join(parts))]
+        cut = [len(p) - b.nbytes for p, b in zip(parts[1:], self.buffers)]
+        self.heads = [frame + parts[0] + parts[1][:cut[0]], parts[2][:cut[1]], parts[3][:cut[2]]]
+
+    def append(self, pieces, q, k, v):
+        """Appends the step's pieces to `pieces`; the views stay valid until the next append."""
+        for head, buffer, x in zip(self.heads, self.buffers, (q, k, v)):
+            pieces.append(head)
+            pieces.append(buffer.view(x))
+
+
 class DecodeStream:
     """One Decode call kept open: requests go through a queue that the call's request iterator
-    drains, replies are read in lock step. After an error the stream is `broken` (the server
-    ended the call) and Client opens a new one for the next step."""
+    drains, replies are read in lock step. Requests travel pre-serialized (_StepWire), replies
+    are parsed by protobuf. After an error the stream is `broken` (the server ended the call)
+    and Client opens a new one for the next step."""
 
-    def __init__(self, stub):
+    _METHOD = "/{}/Decode".format(pb.DESCRIPTOR.services_by_name["KvRecall"].full_name)
+
+    def __init__(self, channel):
         self._requests = queue.Queue()
-        self._responses = stub.Decode(iter(self._requests.get, None))
+        decode = channel.stream_stream(self._METHOD, request_serializer=None,
+                                       response_deserializer=pb.DecodeResponse.FromString)
+        self._responses = decode(iter(self._requests.get, None))
         self._lock = threading.Lock()
         self._next_id = 1
         self.broken = False
@@ -96,20 +133,17 @@ class DecodeStream:
 
         steps: [(session, q, k_new, v_new), ...]; returns one SequenceResult per step, in order.
         """
-        req = pb.DecodeRequest(layer=layer, return_lse=return_lse, diagnostics=diagnostics,
-                               compare_exact=compare_exact)
-        for session, q, k, v in steps:
-            g = session.geometry
-            s = req.steps.add(session_id=session.id)
-            tensors.to_tensor(q, g.dtype, (g.q_heads, g.head_dim), out=s.q)
-            tensors.to_tensor(k, g.dtype, (g.kv_heads, g.head_dim), out=s.k_new)
-            tensors.to_tensor(v, g.dtype, (g.kv_heads, g.head_dim), out=s.v_new)
         with self._lock:
             if self.broken:
                 raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION, "decode stream is closed")
-            req.request_id = self._next_id
+            request_id = self._next_id
+            pieces = [pb.DecodeRequest(request_id=request_id, layer=layer, return_lse=return_lse,
+                                       diagnostics=diagnostics,
+                                       compare_exact=compare_exact).SerializeToString()]
+            for session, q, k, v in steps:
+                session.step_wire().append(pieces, q, k, v)
             self._next_id += 1
-            self._requests.put(req)
+            self._requests.put(b"".join(pieces))
             try:
                 resp = next(self._responses)
             except grpc.RpcError as e:
@@ -119,11 +153,11 @@ class DecodeStream:
                 self.broken = True
                 raise KvRecallError(grpc.StatusCode.UNKNOWN,
                                     "decode stream ended without a reply") from None
-        if resp.request_id != req.request_id or len(resp.results) != len(steps):
+        if resp.request_id != request_id or len(resp.results) != len(steps):
             self.broken = True
             raise KvRecallError(grpc.StatusCode.INTERNAL,
                                 f"reply {resp.request_id} with {len(resp.results)} results "
-                                f"to request {req.request_id} with {len(steps)} steps")
+                                f"to request {request_id} with {len(steps)} steps")
         self.last_server_micros = resp.server_micros
         return [SequenceResult(r.session_id, tensors.from_tensor(r.output),
                                tensors.from_tensor(r.lse) if r.HasField("lse") else None,
@@ -152,6 +186,13 @@ class Session:
         self.id = session_id
         self.geometry = geometry
         self.policy = policy  # the effective policy, defaults filled in by the server
+        self._step_wire = None
+
+    def step_wire(self):
+        """This session's decode-step encoder (built on first use)."""
+        if self._step_wire is None:
+            self._step_wire = _StepWire(self)
+        return self._step_wire
 
     def _chunks(self, layers, chunk_tokens):
         g = self.geometry
@@ -242,7 +283,7 @@ class Client:
     def decode_stream(self):
         """The shared Decode stream, (re)opened on first use and after a failed step."""
         if self._stream is None or self._stream.broken:
-            self._stream = DecodeStream(self.stub)
+            self._stream = DecodeStream(self.channel)
         return self._stream
 
     def attend_batch(self, layer, steps, **options):

@@ -3,13 +3,22 @@
 Arrays are numpy arrays or, when torch is installed, torch tensors (moved to the CPU); a uint16
 numpy array sent as bf16 is taken as bf16 bit patterns. What comes back from the service is
 always a float32 numpy array of the tensor's shape.
+
+The decode path (`WireBuffer`) hands the client an array whose memory already holds the wire
+bytes: the input itself when it is a contiguous CPU array of the wire dtype (no copy), otherwise
+the input converted into a buffer kept from step to step (no allocation).
 """
+import sys
+
 import numpy as np
 
 from kvrecall.v1 import kvrecall_pb2 as pb
 
 DTYPES = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
 _ITEM_BYTES = {pb.DTYPE_F32: 4, pb.DTYPE_F16: 2, pb.DTYPE_BF16: 2}
+# numpy's array type holding each wire dtype's bytes (bf16: its bit patterns).
+_WIRE_NUMPY = {pb.DTYPE_F32: np.dtype("<f4"), pb.DTYPE_F16: np.dtype("<f2"),
+               pb.DTYPE_BF16: np.dtype("<u2")}
 
 
 def dtype_of(name_or_enum):
@@ -26,14 +35,40 @@ def _is_torch(x):
     return type(x).__module__.startswith("torch")
 
 
-def f32_to_bf16_bits(a):
-    """bf16 bit patterns (uint16) of float32 values, rounded to nearest even."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+_U32_16, _U32_1, _U32_ROUND = np.uint32(16), np.uint32(1), np.uint32(0x7FFF)
+
+
+def f32_to_bf16_bits(a, out=None, scratch=None):
+    """bf16 bit patterns (uint16) of float32 values, rounded to nearest even.
+
+    With `out` (uint16, a's shape) and `scratch` (uint32, shape (2,) + a.shape) nothing is
+    allocated; the calls are few and cast nothing: each costs more than its 4K elements do."""
+    if out is None:
+        u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    if a.dtype == np.float32 and a.flags.c_contiguous:
+        u = a.view(np.uint32)
+    else:
+        np.copyto(scratch[1].view(np.float32), a, casting="unsafe")
+        u = scratch[1]
+    r = np.right_shift(u, _U32_16, out=scratch[0])
+    np.bitwise_and(r, _U32_1, out=r)
+    np.add(r, _U32_ROUND, out=r)
+    np.add(r, u, out=r)
+    if np.little_endian:  # the rounded value's high half is the bf16
+        np.copyto(out, r.view(np.uint16)[..., 1::2])
+    else:
+        np.right_shift(r, _U32_16, out=r)
+        np.copyto(out, r, casting="unsafe")
+    return out
 
 
 def bf16_bits_to_f32(bits):
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    """float32 values of bf16 bit patterns: each pattern is the high half of its float32."""
+    bits = np.asarray(bits, dtype=np.uint16)
+    w = np.zeros(2 * bits.size, np.uint16)
+    w[1 if np.little_endian else 0::2] = bits.reshape(-1)
+    return w.view(np.float32).reshape(bits.shape)
 
 
 def _raw_bytes(x, dtype):
@@ -51,6 +86,77 @@ def _raw_bytes(x, dtype):
             return np.ascontiguousarray(a, dtype="<u2").tobytes()
         return f32_to_bf16_bits(a).tobytes()
     return np.ascontiguousarray(a, dtype=np.float16 if dtype == pb.DTYPE_F16 else "<f4").tobytes()
+
+
+class WireBuffer:
+    """The wire bytes of one tensor slot of fixed `shape` and `dtype` (a decode step's q, k_new
+    or v_new), reused from step to step.
+
+    view(x) returns a contiguous numpy array holding x's bytes in the wire dtype: x itself
+    (a view, no copy) when x is a contiguous CPU numpy array or torch tensor of that dtype, else
+    x converted into this buffer's own memory (one pass, nothing allocated). The result is valid
+    until the next view(); copy it out (b"".join does) before then."""
+
+    def __init__(self, dtype, shape):
+        self.dtype = dtype_of(dtype)
+        self.shape = tuple(int(d) for d in shape)
+        self.count = int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes = self.count * _ITEM_BYTES[self.dtype]
+        self._wire = np.empty(self.shape, dtype=_WIRE_NUMPY[self.dtype])
+        # bf16 rounding works on the float32 bit patterns in a uint32 scratch.
+        self._scratch = (np.empty((2,) + self.shape, np.uint32) if self.dtype == pb.DTYPE_BF16
+                         else None)
+        self._torch_wire = None
+
+    def _fits(self, x):
+        n = 1
+        for d in x.shape:
+            n *= int(d)
+        if n != self.count:
+            raise ValueError(f"tensor of shape {list(x.shape)} does not fit shape "
+                             f"{list(self.shape)}")
+
+    def view(self, x):
+        self._fits(x)
+        if _is_torch(x):
+            return self._view_torch(x)
+        a = np.asarray(x)
+        want = _WIRE_NUMPY[self.dtype]
+        if a.dtype == want or (self.dtype == pb.DTYPE_BF16 and a.dtype == np.uint16):
+            if a.flags.c_contiguous and a.dtype.byteorder in "<=|":
+                return a
+            np.copyto(self._wire, a.reshape(self.shape))
+            return self._wire
+        if self.dtype == pb.DTYPE_BF16:
+            torch = sys.modules.get("torch")
+            if torch is not None and a.flags.writeable and a.dtype.kind == "f":
+                # Loaded anyway (a model runner): one conversion call instead of five.
+                self._torch_view(torch).copy_(torch.from_numpy(a.reshape(self.shape)))
+                return self._wire
+            return f32_to_bf16_bits(a.reshape(self.shape), out=self._wire, scratch=self._scratch)
+        np.copyto(self._wire, a.reshape(self.shape), casting="unsafe")
+        return self._wire
+
+    def _view_torch(self, x):
+        import torch
+        want = {pb.DTYPE_F32: torch.float32, pb.DTYPE_F16: torch.float16,
+                pb.DTYPE_BF16: torch.bfloat16}[self.dtype]
+        t = x.detach()
+        if t.device.type == "cpu" and t.dtype == want and t.is_contiguous():
+            # bf16 has no numpy type: its bytes are read through an int16 view.
+            return t.view(torch.int16).numpy() if want == torch.bfloat16 else t.numpy()
+        # One copy (from the device, converting, or gathering strides) into the buffer.
+        self._torch_view(torch).copy_(t.reshape(self.shape))
+        return self._wire
+
+    def _torch_view(self, torch):
+        """This buffer as a torch tensor of the wire dtype (sharing its memory)."""
+        if self._torch_wire is None:
+            if self.dtype == pb.DTYPE_BF16:
+                self._torch_wire = torch.from_numpy(self._wire.view(np.int16)).view(torch.bfloat16)
+            else:
+                self._torch_wire = torch.from_numpy(self._wire)
+        return self._torch_wire
 
 
 def to_tensor(x, dtype, shape=None, out=None):
