@@ -4,8 +4,8 @@
 #   validate      every object helm renders (default and GPU) against the Kubernetes schemas
 #   rejects       deploy/validate.mjs rejects each defect in deploy_invalid_manifests.yaml
 #   up_to_date    deploy/k8s/ equals a fresh render of the chart
-#   values        derived values (memory budget, GPU limit) and the chart's refusals
-#                 (its own checks and values.schema.json)
+#   values        derived values (memory budget, GPU limit, the co-located runner's socket)
+#                 and the chart's refusals (its own checks and values.schema.json)
 # Exits 77 (CTest's skip) when helm or the node packages are missing.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -47,6 +47,10 @@ case "$case_name" in
         grep -q "^kind: $kind$" <<<"$rendered" || fail "$variant render has no $kind"
       done
     done
+    echo "== colocated runner"
+    "$HELM" template kvrecall "$chart_dir" --set colocatedRunner.enabled=true \
+      --set colocatedRunner.image=runner:1 --set 'colocatedRunner.args={python3,-m,runner}' \
+      | "$NODE" "$deploy_root/deploy/validate.mjs" -
     ;;
   rejects)
     require_node_models
@@ -105,6 +109,22 @@ case "$case_name" in
       --set "server.extraArgs={--max_message_mb=8}"
     expect_render_error "server.shutdownGraceSeconds (30) must be below terminationGracePeriodSeconds (30)" \
       --set server.shutdownGraceSeconds=30
+    # colocatedRunner: a second container beside kvrecalld sharing an emptyDir with its socket.
+    if "$HELM" template kvrecall "$chart_dir" | grep -qE 'unix:|kvrecall-socket|emptyDir'; then
+      fail "the default render has a Unix socket or a volume"
+    fi
+    colocated="$("$HELM" template kvrecall "$chart_dir" --set colocatedRunner.enabled=true \
+      --set colocatedRunner.image=runner:1 --set colocatedRunner.socketDir=/sock)"
+    grep -qF -- '- --address=0.0.0.0:50051,unix:/sock/kvrecall.sock' <<<"$colocated" \
+      || fail "colocated render: kvrecalld does not listen on the port and unix:/sock/kvrecall.sock"
+    [ "$(grep -c 'mountPath: /sock$' <<<"$colocated")" = 2 ] \
+      || fail "colocated render: both containers must mount the socket directory"
+    grep -qF 'value: "unix:/sock/kvrecall.sock"' <<<"$colocated" \
+      || fail "colocated render: the runner gets no KVRECALL_ADDRESS"
+    grep -qE '^        - name: runner$' <<<"$colocated" || fail "colocated render: no runner container"
+    expect_render_error "colocatedRunner.image: set the runner's image" --set colocatedRunner.enabled=true
+    expect_render_error "at '/colocatedRunner/socketDir': 'run/kvrecall' does not match pattern" \
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=r --set colocatedRunner.socketDir=run/kvrecall
     # values.schema.json: unknown keys and out-of-range values are refused, not ignored.
     expect_render_error "at '': additional properties 'replicas' not allowed" --set replicas=3
     expect_render_error "at '/probes/readiness': additional properties 'sevice' not allowed" \

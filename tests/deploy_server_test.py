@@ -162,6 +162,40 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                         server.kill()
                         server.communicate()
 
+    def test_colocated_runner_reaches_kvrecalld_over_the_socket(self):
+        # colocatedRunner: the runner's KVRECALL_ADDRESS is a Unix socket that kvrecalld,
+        # started with the chart's arguments, answers on (the socket directory is the emptyDir's
+        # mount point; here a temporary directory stands in for it).
+        with tempfile.TemporaryDirectory(prefix="kvrecall-sock-") as socket_dir:
+            objects = render(["--set", "colocatedRunner.enabled=true", "--set",
+                              "colocatedRunner.image=runner:1", "--set",
+                              f"colocatedRunner.socketDir={socket_dir}"])
+            pod = only(objects, "StatefulSet")["spec"]["template"]
+            containers = {c["name"]: c for c in pod["spec"]["containers"]}
+            self.assertEqual(set(containers), {"kvrecalld", "runner"})
+            (volume,) = pod["spec"]["volumes"]
+            for c in containers.values():
+                self.assertIn({"name": volume["name"], "mountPath": socket_dir}, c["volumeMounts"])
+            runner_env = {e["name"]: e["value"] for e in containers["runner"]["env"]}
+            socket_address = runner_env["KVRECALL_ADDRESS"]
+            port = free_port()
+            args = [re.sub(r"^--address=[^,]*", f"--address=127.0.0.1:{port}", a)
+                    for a in containers["kvrecalld"]["args"]]
+            self.assertIn(f"--address=127.0.0.1:{port},{socket_address}", args)
+            server = subprocess.Popen([KVRECALLD, *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            try:
+                self.assert_probes_pass(server, f"127.0.0.1:{port}", containers["kvrecalld"])
+                self.assertEqual(health_check(socket_address, "kvrecall.v1.KvRecall", 5), SERVING)
+                server.send_signal(signal.SIGTERM)
+                output, _ = server.communicate(timeout=pod["spec"]["terminationGracePeriodSeconds"])
+                self.assertEqual(server.returncode, 0, output)
+                self.assertIn(f"kvrecalld also listening on {socket_address}", output)
+            finally:
+                if server.poll() is None:
+                    server.kill()
+                    server.communicate()
+
     def assert_probes_pass(self, server, address, container):
         probes = {name: container[name]["grpc"].get("service", "")
                   for name in ("readinessProbe", "livenessProbe")}

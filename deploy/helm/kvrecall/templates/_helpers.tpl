@@ -99,9 +99,14 @@ memory limit, or the kernel would kill the pod before the budget refuses a reque
 {{- printf "%.2f" (divf (floor (mulf $gib 100)) 100) }}
 {{- end }}
 
+{{/* The Unix socket a co-located runner reaches kvrecalld on (colocatedRunner). */}}
+{{- define "kvrecall.socketAddress" -}}
+unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
+{{- end }}
+
 {{/* kvrecalld's command line (the container's args; the image's entrypoint is kvrecalld). */}}
 {{- define "kvrecall.args" -}}
-- --address=0.0.0.0:{{ .Values.server.port }}
+- --address=0.0.0.0:{{ .Values.server.port }}{{ if .Values.colocatedRunner.enabled }},{{ include "kvrecall.socketAddress" . }}{{ end }}
 {{- if .Values.server.workerThreads }}
 - --worker_threads={{ .Values.server.workerThreads }}
 {{- end }}
