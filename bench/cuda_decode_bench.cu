@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -180,6 +181,7 @@ int Main() {
   auto attention_ws = ValueOrDie(AttentionWorkspace::Create(max_rows, /*max_splits=*/512));
   auto topk_ws = ValueOrDie(TopKWorkspace::Create(max_rows, max_context));
   auto d_seqs = ValueOrDie(DeviceBuffer<DeviceSeq>::Zeroed(max_batch));
+  auto d_caches = ValueOrDie(DeviceBuffer<ReTopKCachesView>::Zeroed(max_batch));
   auto d_q = ValueOrDie(DeviceBuffer<float>::Zeroed(static_cast<size_t>(max_rows) * kDim));
   auto d_o = ValueOrDie(DeviceBuffer<float>::Zeroed(static_cast<size_t>(max_rows) * kDim));
   auto d_lse = ValueOrDie(DeviceBuffer<float>::Zeroed(max_rows));
@@ -247,16 +249,25 @@ int Main() {
                                  static_cast<double>(rows) * top_k * kDim * sizeof(__nv_bfloat16);
       records.push_back(Record(batch, context, "own_exact_topk", exact, exact_bytes));
 
-      // ReTopK: seed with the C queries before the timed ones, then step through the stream.
-      auto layer = ValueOrDie(ReTopKGpuLayer::Create(shape, top_k, retopk, context));
+      // ReTopK: each sequence's caches seeded with the C queries before the timed ones, then
+      // steps through the stream.
+      auto retopk_ws = ValueOrDie(ReTopKWorkspace::Create(shape, top_k, retopk, context));
+      std::vector<std::unique_ptr<ReTopKCaches>> caches;
+      std::vector<ReTopKCachesView> views;
       for (int b = 0; b < batch; ++b) {
-        CHECK_OK(layer->Seed(b, seqs[b], step_query(b, 0), retopk.cache_capacity, {}, stream));
+        caches.push_back(ValueOrDie(ReTopKCaches::Create(q_heads, kDim, top_k, retopk)));
+        CHECK_OK(SeedReTopKCaches(shape, top_k, retopk, seqs[b], step_query(b, 0),
+                                  retopk.cache_capacity, {}, retopk_ws.get(),
+                                  caches.back().get(), stream));
+        views.push_back(caches.back()->view());
       }
+      CHECK_CUDA(cudaMemcpy(d_caches.data(), views.data(), batch * sizeof(ReTopKCachesView),
+                            cudaMemcpyHostToDevice));
       const Stats reuse = TimeGraph(
           stream, kWarmup, reps,
           [&] {
-            CHECK_OK(layer->Step(batch, d_seqs.data(), d_q.data(), context, d_o.data(),
-                                 d_lse.data(), stream));
+            CHECK_OK(ReTopKStep(shape, top_k, retopk, d_seqs.data(), d_caches.data(), d_q.data(),
+                                context, retopk_ws.get(), d_o.data(), d_lse.data(), stream));
           },
           [&](int i) {
             for (int b = 0; b < batch; ++b) {
@@ -266,11 +277,11 @@ int Main() {
                                          stream));
             }
           });
-      CHECK_OK(layer->errors().CheckAndClear(stream));
+      CHECK_OK(retopk_ws->errors().CheckAndClear(stream));
       std::vector<uint8_t> paths(rows);
       std::vector<int32_t> candidates(rows);
-      CHECK_CUDA(cudaMemcpy(paths.data(), layer->paths(), rows, cudaMemcpyDeviceToHost));
-      CHECK_CUDA(cudaMemcpy(candidates.data(), layer->candidates(), rows * sizeof(int32_t),
+      CHECK_CUDA(cudaMemcpy(paths.data(), retopk_ws->paths(), rows, cudaMemcpyDeviceToHost));
+      CHECK_CUDA(cudaMemcpy(candidates.data(), retopk_ws->candidates(), rows * sizeof(int32_t),
                             cudaMemcpyDeviceToHost));
       int reused = 0;
       double candidate_sum = 0;

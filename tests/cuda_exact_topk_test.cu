@@ -92,6 +92,10 @@ TEST_P(CudaExactTopKTest, RaggedBatchMatchesCpuExactTopK) {
   const std::vector<float> q = RandomNormal(shape.rows() * g.head_dim, 3, 2.0f);
   auto ws = cuda::TopKWorkspace::Create(shape.rows(), 12000);
   ASSERT_TRUE(ws.ok()) << ws.status();
+  // What a caller charges before allocating is what was allocated.
+  EXPECT_EQ((*ws)->device_bytes(), cuda::TopKWorkspace::DeviceBytesFor(shape.rows(), 12000));
+  EXPECT_GE((*ws)->device_bytes(), int64_t{8} * shape.rows() * 12000);
+  EXPECT_EQ(cuda::TopKWorkspace::DeviceBytesFor(shape.rows(), 0), 0);
   auto d_seqs = ToDevice(seqs);
   auto d_q = ToDevice(q);
   StepOutputs out(shape.rows(), g.head_dim, kTopK);

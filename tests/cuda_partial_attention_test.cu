@@ -81,6 +81,10 @@ TEST_P(CudaPartialAttentionTest, RangesOfARaggedBatchMatchCpu) {
   const std::vector<float> q = RandomNormal(shape.rows() * g.head_dim, 5, 2.0f);
   auto ws = cuda::AttentionWorkspace::Create(shape.rows());
   ASSERT_TRUE(ws.ok()) << ws.status();
+  // What a caller charges before allocating is what was allocated.
+  EXPECT_EQ((*ws)->device_bytes(), cuda::AttentionWorkspace::DeviceBytesFor(shape.rows()));
+  EXPECT_GE((*ws)->device_bytes(), int64_t{128} * 4 * shape.rows() * (*ws)->max_splits());
+  EXPECT_EQ(cuda::AttentionWorkspace::DeviceBytesFor(0), 0);
   auto d_seqs = ToDevice(seqs);
   auto d_q = ToDevice(q);
   StepOutputs out(shape.rows(), g.head_dim);

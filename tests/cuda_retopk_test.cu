@@ -1,13 +1,15 @@
 // The fused ReTopK GPU step against the CPU reference selector (index/retopk.h), decision for
 // decision: seeded caches, path (reuse / fallback / refresh), best cosine, candidates scored,
-// supports up to near-ties and outputs to tolerance, over a ragged batch stepped many times;
-// the same steps replayed from a captured CUDA graph; and the cuBLAS batch top-k against the
-// CPU one.
+// supports up to near-ties and outputs to tolerance, over a ragged batch of sequences with
+// separately allocated caches stepped many times, also batched in changing subsets and orders;
+// workspace sizing and misfit errors; the same steps replayed from a captured CUDA graph; and
+// the cuBLAS batch top-k against the CPU one.
 #include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -55,111 +57,116 @@ std::vector<float> DriftingQueries(int64_t tokens, int q_heads, int head_dim, ui
 // falls below tau, so they take the fallback path.
 constexpr int kJumpSteps[] = {3, 9};
 
-struct Sequence {
-  Sequence(int64_t prompt, int steps, const Geometry& g, uint64_t seed)
-      : prompt(prompt),
-        kv(prompt + steps, g.kv_heads, g.head_dim, g.dtype, seed),
-        queries(DriftingQueries(prompt + steps, g.q_heads, g.head_dim, seed + 7)) {
-    const int row = g.q_heads * g.head_dim;
-    for (int step : kJumpSteps) {
-      if (step > steps) continue;
-      const std::vector<float> fresh = RandomNormal(row, seed + 100 + step, 2.0f);
-      std::copy(fresh.begin(), fresh.end(), queries.begin() + (prompt + step - 1) * row);
+// Sequences with their own GPU caches (allocated separately, as sessions hold them), a CPU
+// reference selector each, and one step workspace: steps a batch of any of them, in any order,
+// and checks every row against the CPU decision for decision.
+class ReTopKHarness {
+ public:
+  ReTopKHarness(const Geometry& g, int top_k, const ReTopKParams& params,
+                std::vector<int64_t> prompts, int steps, int max_batch)
+      : g_(g), top_k_(top_k), params_(params), steps_(steps) {
+    int64_t longest = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      seqs_.push_back(std::make_unique<Sequence>(prompts[i], steps, g, 11 + i));
+      longest = std::max(longest, prompts[i]);
+    }
+    max_tokens_ = static_cast<int>(longest) + steps;
+    auto ws = cuda::ReTopKWorkspace::Create(g.Shape(max_batch), top_k, params, max_tokens_);
+    EXPECT_TRUE(ws.ok()) << ws.status();
+    if (ws.ok()) ws_ = *std::move(ws);
+    d_seqs_ = ToDevice(std::vector<DeviceSeq>(max_batch));
+    d_caches_ = ToDevice(std::vector<cuda::ReTopKCachesView>(max_batch));
+    d_q_ = ToDevice(std::vector<float>(max_batch * RowFloats()));
+  }
+
+  int RowFloats() const { return g_.q_heads * g_.head_dim; }
+  int size() const { return static_cast<int>(seqs_.size()); }
+  int max_tokens() const { return max_tokens_; }
+  cuda::ReTopKWorkspace* ws() { return ws_.get(); }
+
+  // Builds every CPU selector and seeds every sequence's GPU caches from its prompt.
+  void Seed() {
+    const LayerShape layer{g_.q_heads, g_.kv_heads, g_.head_dim, g_.Shape(1).scale};
+    for (auto& s : seqs_) {
+      KvView prompt_view = s->kv.host.view();
+      prompt_view.tokens = s->prompt;
+      s->cpu = std::make_unique<ReTopKSelector>(layer, top_k_, params_);
+      ASSERT_TRUE(s->cpu->Build(prompt_view, s->queries.data()).ok());
+      auto caches = cuda::ReTopKCaches::Create(g_.q_heads, g_.head_dim, top_k_, params_);
+      ASSERT_TRUE(caches.ok()) << caches.status();
+      s->caches = *std::move(caches);
+      EXPECT_EQ(s->caches->device_bytes(),
+                cuda::ReTopKCaches::DeviceBytesFor(g_.q_heads, g_.head_dim, top_k_, params_));
+      const int count = std::min<int>(params_.cache_capacity, s->prompt);
+      auto last = ToDevice(std::vector<float>(s->queries.begin() + (s->prompt - count) * RowFloats(),
+                                              s->queries.begin() + s->prompt * RowFloats()));
+      const absl::Status seeded = cuda::SeedReTopKCaches(
+          g_.Shape(1), top_k_, params_, s->kv.Contiguous(s->prompt), last.data(), count, {},
+          ws_.get(), s->caches.get(), nullptr);
+      ASSERT_TRUE(seeded.ok()) << seeded;
     }
   }
-  int64_t prompt;
-  DeviceKv kv;
-  std::vector<float> queries;  // [prompt + steps, q_heads, head_dim]: the prompt's, then decode
-};
 
-class CudaReTopKTest : public ::testing::TestWithParam<Geometry> {};
-
-TEST_P(CudaReTopKTest, StepsMatchTheCpuSelectorDecisionForDecision) {
-  KVRECALL_SKIP_WITHOUT_GPU();
-  const Geometry g = GetParam();
-  constexpr int kTopK = 64, kSteps = 14;
-  ReTopKParams params;
-  params.cache_capacity = 8;
-  params.reuse_neighbors = 3;
-  params.recent_window = 16;
-  params.tau = 0.9f;
-  params.refresh_interval = 5;
-  const float scale = g.Shape(1).scale;
-  const LayerShape layer{g.q_heads, g.kv_heads, g.head_dim, scale};
-  // A ragged batch; the second prompt is shorter than C + K.
-  std::vector<std::unique_ptr<Sequence>> seqs;
-  seqs.push_back(std::make_unique<Sequence>(3000, kSteps, g, 11));
-  seqs.push_back(std::make_unique<Sequence>(70, kSteps, g, 12));
-  seqs.push_back(std::make_unique<Sequence>(1500, kSteps, g, 13));
-  const int batch = static_cast<int>(seqs.size());
-  const cuda::DecodeShape shape = g.Shape(batch);
-  const int max_tokens = 3000 + kSteps;
-  auto gpu = cuda::ReTopKGpuLayer::Create(shape, kTopK, params, max_tokens);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-
-  const int row_floats = g.q_heads * g.head_dim;
-  std::vector<std::unique_ptr<ReTopKSelector>> cpu;
-  for (int b = 0; b < batch; ++b) {
-    Sequence& s = *seqs[b];
-    KvView prompt_view = s.kv.host.view();
-    prompt_view.tokens = s.prompt;
-    cpu.push_back(std::make_unique<ReTopKSelector>(layer, kTopK, params));
-    ASSERT_TRUE(cpu.back()->Build(prompt_view, s.queries.data()).ok());
-    const int count = std::min<int>(params.cache_capacity, s.prompt);
-    auto last = ToDevice(std::vector<float>(
-        s.queries.begin() + (s.prompt - count) * row_floats,
-        s.queries.begin() + s.prompt * row_floats));
-    ASSERT_TRUE((*gpu)->Seed(b, s.kv.Contiguous(s.prompt), last.data(), count, {}, nullptr).ok());
-  }
-
-  auto d_seqs = ToDevice(std::vector<DeviceSeq>(batch));
-  auto d_q = ToDevice(std::vector<float>(batch * row_floats));
-  StepOutputs out(shape.rows(), g.head_dim);
-  int paths_seen[4] = {0, 0, 0, 0};
-  for (int step = 1; step <= kSteps; ++step) {
+  // One decode step of the sequences `order` (a batch in this order), each advancing by one
+  // token; checks every row against the CPU selector and counts the paths taken.
+  void Step(const std::vector<int>& order, int (&paths_seen)[kSelectionPaths]) {
+    const int batch = static_cast<int>(order.size());
+    const cuda::DecodeShape shape = g_.Shape(batch);
     std::vector<DeviceSeq> host_seqs;
+    std::vector<cuda::ReTopKCachesView> views;
     std::vector<float> q;
-    for (const auto& s : seqs) {
-      host_seqs.push_back(s->kv.Contiguous(static_cast<int32_t>(s->prompt + step)));
-      const float* qs = s->queries.data() + (s->prompt + step - 1) * row_floats;
-      q.insert(q.end(), qs, qs + row_floats);
+    for (int i : order) {
+      Sequence& s = *seqs_[i];
+      ++s.steps_taken;
+      ASSERT_LE(s.steps_taken, steps_);
+      host_seqs.push_back(s.kv.Contiguous(static_cast<int32_t>(s.prompt + s.steps_taken)));
+      views.push_back(s.caches->view());
+      const float* qs = s.queries.data() + (s.prompt + s.steps_taken - 1) * RowFloats();
+      q.insert(q.end(), qs, qs + RowFloats());
     }
-    ASSERT_EQ(cudaMemcpy(d_seqs.data(), host_seqs.data(), batch * sizeof(DeviceSeq),
+    ASSERT_EQ(cudaMemcpy(d_seqs_.data(), host_seqs.data(), batch * sizeof(DeviceSeq),
                          cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(d_q.data(), q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice),
+    ASSERT_EQ(cudaMemcpy(d_caches_.data(), views.data(), batch * sizeof(views[0]),
+                         cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d_q_.data(), q.data(), q.size() * sizeof(float), cudaMemcpyHostToDevice),
               cudaSuccess);
-    ASSERT_TRUE((*gpu)->Step(batch, d_seqs.data(), d_q.data(), max_tokens, out.o.data(),
-                             out.lse.data(), nullptr)
-                    .ok());
-    ASSERT_TRUE((*gpu)->errors().CheckAndClear(nullptr).ok());
-    const std::vector<uint8_t> paths = ToHost((*gpu)->paths(), shape.rows());
-    const std::vector<int32_t> supports = ToHost((*gpu)->supports(), shape.rows() * kTopK);
-    const std::vector<int32_t> sizes = ToHost((*gpu)->support_sizes(), shape.rows());
-    const std::vector<int32_t> candidates = ToHost((*gpu)->candidates(), shape.rows());
-    const std::vector<float> best = ToHost((*gpu)->best_cosines(), shape.rows());
+    StepOutputs out(shape.rows(), g_.head_dim);
+    const absl::Status stepped =
+        cuda::ReTopKStep(shape, top_k_, params_, d_seqs_.data(), d_caches_.data(), d_q_.data(),
+                         max_tokens_, ws_.get(), out.o.data(), out.lse.data(), nullptr);
+    ASSERT_TRUE(stepped.ok()) << stepped;
+    ASSERT_TRUE(ws_->errors().CheckAndClear(nullptr).ok());
+    const int rows = shape.rows();
+    const std::vector<uint8_t> paths = ToHost(ws_->paths(), rows);
+    const std::vector<int32_t> supports = ToHost(ws_->supports(), rows * top_k_);
+    const std::vector<int32_t> sizes = ToHost(ws_->support_sizes(), rows);
+    const std::vector<int32_t> candidates = ToHost(ws_->candidates(), rows);
+    const std::vector<float> best = ToHost(ws_->best_cosines(), rows);
     const std::vector<float> o = out.HostO();
     const std::vector<float> lse = out.HostLse();
+    const float scale = shape.scale;
     for (int b = 0; b < batch; ++b) {
-      Sequence& s = *seqs[b];
+      Sequence& s = *seqs_[order[b]];
       KvView view = s.kv.host.view();
-      view.tokens = s.prompt + step;
-      for (int h = 0; h < g.q_heads; ++h) {
-        SCOPED_TRACE(absl::StrCat("step=", step, " b=", b, " h=", h));
-        const int row = b * g.q_heads + h;
-        const float* qh = q.data() + row * g.head_dim;
+      view.tokens = s.prompt + s.steps_taken;
+      for (int h = 0; h < g_.q_heads; ++h) {
+        SCOPED_TRACE(absl::StrCat("sequence ", order[b], " (batch row ", b, ") step ",
+                                  s.steps_taken, " h=", h));
+        const int row = b * g_.q_heads + h;
+        const float* qh = q.data() + row * g_.head_dim;
         HeadSelection want;
-        cpu[b]->Select(h, qh, view, &want);
+        s.cpu->Select(h, qh, view, &want);
         EXPECT_NEAR(best[row], want.best_cosine, 1e-5f);
-        if (std::abs(want.best_cosine - params.tau) < 1e-5f) continue;  // a coin flip
+        if (std::abs(want.best_cosine - params_.tau) < 1e-5f) continue;  // a coin flip
         ASSERT_EQ(paths[row], static_cast<uint8_t>(want.path));
         ++paths_seen[paths[row]];
         EXPECT_EQ(candidates[row], want.candidates);
         ASSERT_EQ(sizes[row], static_cast<int>(want.support.size()));
-        const int kv_head = KvHeadOf(h, g.q_heads, g.kv_heads);
+        const int kv_head = KvHeadOf(h, g_.q_heads, g_.kv_heads);
         std::vector<float> scores(view.tokens);
         cpu::ScoreRange(qh, view, kv_head, 0, view.tokens, scale, scores.data());
-        const std::vector<int32_t> got(supports.begin() + row * kTopK,
-                                       supports.begin() + row * kTopK + sizes[row]);
+        const std::vector<int32_t> got(supports.begin() + row * top_k_,
+                                       supports.begin() + row * top_k_ + sizes[row]);
         const std::set<int32_t> got_set(got.begin(), got.end()),
             want_set(want.support.begin(), want.support.end());
         ASSERT_EQ(got_set.size(), got.size());
@@ -169,20 +176,99 @@ TEST_P(CudaReTopKTest, StepsMatchTheCpuSelectorDecisionForDecision) {
             ASSERT_NEAR(scores[p], kth, kTieTolerance * std::max(1.0f, std::abs(kth))) << p;
           }
         }
-        std::vector<float> ref_o(g.head_dim);
+        std::vector<float> ref_o(g_.head_dim);
         float ref_lse;
         cpu::PartialAttention(qh, view, kv_head, got, scale, ref_o.data(), &ref_lse);
         EXPECT_NEAR(lse[row], ref_lse, kOutputTolerance * std::max(1.0f, std::abs(ref_lse)));
-        for (int j = 0; j < g.head_dim; ++j) {
-          ASSERT_NEAR(o[row * g.head_dim + j], ref_o[j], kOutputTolerance) << "j=" << j;
+        for (int j = 0; j < g_.head_dim; ++j) {
+          ASSERT_NEAR(o[row * g_.head_dim + j], ref_o[j], kOutputTolerance) << "j=" << j;
         }
       }
     }
   }
-  // The run exercised every path.
+
+ private:
+  struct Sequence {
+    Sequence(int64_t prompt, int steps, const Geometry& g, uint64_t seed)
+        : prompt(prompt),
+          kv(prompt + steps, g.kv_heads, g.head_dim, g.dtype, seed),
+          queries(DriftingQueries(prompt + steps, g.q_heads, g.head_dim, seed + 7)) {
+      const int row = g.q_heads * g.head_dim;
+      for (int step : kJumpSteps) {
+        if (step > steps) continue;
+        const std::vector<float> fresh = RandomNormal(row, seed + 100 + step, 2.0f);
+        std::copy(fresh.begin(), fresh.end(), queries.begin() + (prompt + step - 1) * row);
+      }
+    }
+    int64_t prompt;
+    DeviceKv kv;
+    std::vector<float> queries;  // [prompt + steps, q_heads, head_dim]: the prompt's, then decode
+    int steps_taken = 0;
+    std::unique_ptr<ReTopKSelector> cpu;
+    std::unique_ptr<cuda::ReTopKCaches> caches;
+  };
+
+  Geometry g_;
+  int top_k_;
+  ReTopKParams params_;
+  int steps_;
+  int max_tokens_ = 0;
+  std::vector<std::unique_ptr<Sequence>> seqs_;
+  std::unique_ptr<cuda::ReTopKWorkspace> ws_;
+  cuda::DeviceBuffer<DeviceSeq> d_seqs_;
+  cuda::DeviceBuffer<cuda::ReTopKCachesView> d_caches_;
+  cuda::DeviceBuffer<float> d_q_;
+};
+
+ReTopKParams TestParams() {
+  ReTopKParams params;
+  params.cache_capacity = 8;
+  params.reuse_neighbors = 3;
+  params.recent_window = 16;
+  params.tau = 0.9f;
+  params.refresh_interval = 5;
+  return params;
+}
+
+void ExpectEveryPath(const int (&paths_seen)[kSelectionPaths]) {
   EXPECT_GT(paths_seen[static_cast<int>(SelectionPath::kReuse)], 0);
   EXPECT_GT(paths_seen[static_cast<int>(SelectionPath::kFallback)], 0);
   EXPECT_GT(paths_seen[static_cast<int>(SelectionPath::kRefresh)], 0);
+}
+
+class CudaReTopKTest : public ::testing::TestWithParam<Geometry> {};
+
+TEST_P(CudaReTopKTest, StepsMatchTheCpuSelectorDecisionForDecision) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kTopK = 64, kSteps = 14;
+  // A ragged batch; the second prompt is shorter than C + K.
+  ReTopKHarness harness(GetParam(), kTopK, TestParams(), {3000, 70, 1500}, kSteps, 3);
+  ASSERT_NE(harness.ws(), nullptr);
+  ASSERT_NO_FATAL_FAILURE(harness.Seed());
+  int paths_seen[kSelectionPaths] = {};
+  for (int step = 1; step <= kSteps; ++step) {
+    ASSERT_NO_FATAL_FAILURE(harness.Step({0, 1, 2}, paths_seen));
+  }
+  ExpectEveryPath(paths_seen);
+}
+
+// Sessions hold their caches separately and a request batches any of them: each step here
+// batches a different subset in a different order (sequences outside it do not advance), so
+// each sequence's caches and decode step are its own, whatever batch row it lands in.
+TEST_P(CudaReTopKTest, BatchesOfSeparatelyAllocatedSequencesInAnyOrder) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kTopK = 64, kSteps = 12;
+  ReTopKHarness harness(GetParam(), kTopK, TestParams(), {2500, 40, 1200, 600}, kSteps, 4);
+  ASSERT_NE(harness.ws(), nullptr);
+  ASSERT_NO_FATAL_FAILURE(harness.Seed());
+  const std::vector<std::vector<int>> schedule = {
+      {0, 1, 2, 3}, {3, 2, 1, 0}, {2, 0}, {1, 3, 0}, {3}, {0, 2, 3, 1}, {1, 2},
+      {2, 3, 0, 1}, {0, 3}, {1, 0, 2, 3}, {3, 1}, {2, 1, 3, 0}, {0, 2}, {3, 0, 1, 2}};
+  int paths_seen[kSelectionPaths] = {};
+  for (const std::vector<int>& order : schedule) {
+    ASSERT_NO_FATAL_FAILURE(harness.Step(order, paths_seen));
+  }
+  ExpectEveryPath(paths_seen);
 }
 
 // The last geometry's 3 * 64 = 192 rows outnumber the H200's 132 multiprocessors, so its finish
@@ -194,6 +280,72 @@ INSTANTIATE_TEST_SUITE_P(Geometries, CudaReTopKTest,
                                            Geometry{64, 8, 128, KvDtype::kBf16}),
                          ::kvrecall::testing::GeometryName);
 
+// Device bytes are known before allocating, and steps or seedings that do not fit the
+// workspace or the caches are refused with INVALID_ARGUMENT before any launch.
+TEST(CudaReTopKWorkspaceTest, SizesKnownUpFrontAndMisfitsRefused) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  const Geometry g{16, 4, 128, KvDtype::kBf16};
+  const ReTopKParams params = TestParams();
+  constexpr int kTopK = 64, kTokens = 5000;
+  auto ws = cuda::ReTopKWorkspace::Create(g.Shape(2), kTopK, params, kTokens);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  EXPECT_EQ((*ws)->device_bytes(),
+            cuda::ReTopKWorkspace::DeviceBytesFor(g.Shape(2), kTopK, params, kTokens));
+  // The top-K scratch alone is 8 bytes per (row, token).
+  EXPECT_GT((*ws)->device_bytes(), int64_t{8} * g.Shape(2).rows() * kTokens);
+  EXPECT_EQ(cuda::ReTopKWorkspace::DeviceBytesFor(g.Shape(2), 0, params, kTokens), 0);
+  EXPECT_EQ(cuda::ReTopKWorkspace::Create(g.Shape(2), 0, params, kTokens).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ReTopKParams huge = params;
+  huge.cache_capacity = 65;
+  EXPECT_THAT(std::string(cuda::ReTopKCaches::Create(16, 128, kTopK, huge).status().message()),
+              ::testing::HasSubstr("cache_capacity must be in [1, 64]"));
+
+  auto caches = cuda::ReTopKCaches::Create(g.q_heads, g.head_dim, kTopK, params);
+  ASSERT_TRUE(caches.ok()) << caches.status();
+  auto d_seqs = ToDevice(std::vector<DeviceSeq>(3));
+  auto d_caches = ToDevice(std::vector<cuda::ReTopKCachesView>(3, (*caches)->view()));
+  auto d_q = ToDevice(std::vector<float>(3 * g.q_heads * g.head_dim));
+  StepOutputs out(3 * g.q_heads, g.head_dim);
+  auto step = [&](int batch, int top_k, int max_tokens) {
+    return cuda::ReTopKStep(g.Shape(batch), top_k, params, d_seqs.data(), d_caches.data(),
+                            d_q.data(), max_tokens, ws->get(), out.o.data(), out.lse.data(),
+                            nullptr);
+  };
+  absl::Status status = step(3, kTopK, kTokens);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("exceed the ReTopK workspace"));
+  status = step(2, kTopK, kTokens + 1);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("max_tokens must be in [1, 5000]"));
+  status = step(2, 2 * kTopK, kTokens);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("top_k 128"));
+  EXPECT_EQ(cuda::ReTopKStep(g.Shape(1), kTopK, params, d_seqs.data(), nullptr, d_q.data(),
+                             kTokens, ws->get(), out.o.data(), out.lse.data(), nullptr)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+
+  // Seeding checks the caches' geometry and the prompt against the workspace.
+  DeviceKv kv(kTokens + 10, g.kv_heads, g.head_dim, g.dtype, 3);
+  auto last = ToDevice(std::vector<float>(params.cache_capacity * g.q_heads * g.head_dim));
+  auto other = cuda::ReTopKCaches::Create(g.q_heads, g.head_dim, 2 * kTopK, params);
+  ASSERT_TRUE(other.ok());
+  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(100), last.data(),
+                                  params.cache_capacity, {}, ws->get(), other->get(), nullptr);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("the caches hold"));
+  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(kTokens + 10),
+                                  last.data(), params.cache_capacity, {}, ws->get(),
+                                  caches->get(), nullptr);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("max_tokens must be in"));
+  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(100), last.data(),
+                                  params.cache_capacity - 1, {}, ws->get(), caches->get(),
+                                  nullptr);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("last min(C, T) = 8"));
+  const std::vector<float> taus(3, 0.5f);
+  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(100), last.data(),
+                                  params.cache_capacity, taus, ws->get(), caches->get(), nullptr);
+  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("head_taus must have"));
+}
+
 // A step captured once in a CUDA graph and replayed with new lengths and queries (device data)
 // gives what direct steps give.
 TEST(CudaReTopKGraphTest, ReplayedStepsEqualDirectSteps) {
@@ -204,49 +356,65 @@ TEST(CudaReTopKGraphTest, ReplayedStepsEqualDirectSteps) {
   params.tau = 0.9f;
   params.refresh_interval = 4;
   const cuda::DecodeShape shape = g.Shape(1);
-  Sequence s(kPrompt, kSteps, g, 21);
+  DeviceKv kv(kPrompt + kSteps, g.kv_heads, g.head_dim, g.dtype, 21);
+  const std::vector<float> queries = DriftingQueries(kPrompt + kSteps, g.q_heads, g.head_dim, 28);
   const int row_floats = g.q_heads * g.head_dim;
   const int count = params.cache_capacity;
-  auto last = ToDevice(std::vector<float>(s.queries.begin() + (kPrompt - count) * row_floats,
-                                          s.queries.begin() + kPrompt * row_floats));
-  std::vector<std::unique_ptr<cuda::ReTopKGpuLayer>> layers;
+  auto last = ToDevice(std::vector<float>(queries.begin() + (kPrompt - count) * row_floats,
+                                          queries.begin() + kPrompt * row_floats));
+  // Two sequences' caches seeded alike, one stepped directly and one by the graph, each with
+  // its own workspace.
+  std::vector<std::unique_ptr<cuda::ReTopKCaches>> caches;
+  std::vector<std::unique_ptr<cuda::ReTopKWorkspace>> workspaces;
+  auto seed = [&](int i, cudaStream_t stream) {
+    return cuda::SeedReTopKCaches(shape, kTopK, params, kv.Contiguous(kPrompt), last.data(),
+                                  count, {}, workspaces[i].get(), caches[i].get(), stream);
+  };
   for (int i = 0; i < 2; ++i) {
-    auto layer = cuda::ReTopKGpuLayer::Create(shape, kTopK, params, kPrompt + kSteps);
-    ASSERT_TRUE(layer.ok()) << layer.status();
-    ASSERT_TRUE((*layer)->Seed(0, s.kv.Contiguous(kPrompt), last.data(), count, {}, nullptr).ok());
-    layers.push_back(*std::move(layer));
+    auto c = cuda::ReTopKCaches::Create(g.q_heads, g.head_dim, kTopK, params);
+    ASSERT_TRUE(c.ok()) << c.status();
+    caches.push_back(*std::move(c));
+    auto ws = cuda::ReTopKWorkspace::Create(shape, kTopK, params, kPrompt + kSteps);
+    ASSERT_TRUE(ws.ok()) << ws.status();
+    workspaces.push_back(*std::move(ws));
+    ASSERT_TRUE(seed(i, nullptr).ok());
   }
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  auto d_seqs = ToDevice(std::vector<DeviceSeq>{s.kv.Contiguous(kPrompt + 1)});
+  auto d_seqs = ToDevice(std::vector<DeviceSeq>{kv.Contiguous(kPrompt + 1)});
+  auto d_caches0 = ToDevice(std::vector<cuda::ReTopKCachesView>{caches[0]->view()});
+  auto d_caches1 = ToDevice(std::vector<cuda::ReTopKCachesView>{caches[1]->view()});
   auto d_q = ToDevice(std::vector<float>(row_floats));
   StepOutputs direct(g.q_heads, g.head_dim), replayed(g.q_heads, g.head_dim);
+  auto step = [&](int i, const cuda::DeviceBuffer<cuda::ReTopKCachesView>& views,
+                  StepOutputs& out) {
+    return cuda::ReTopKStep(shape, kTopK, params, d_seqs.data(), views.data(), d_q.data(),
+                            kPrompt + kSteps, workspaces[i].get(), out.o.data(), out.lse.data(),
+                            stream);
+  };
   // Warm up (kernel attributes are set on first use), then undo its cache push by reseeding.
-  ASSERT_TRUE(layers[1]->Step(1, d_seqs.data(), d_q.data(), kPrompt + kSteps, replayed.o.data(),
-                              replayed.lse.data(), stream).ok());
-  ASSERT_TRUE(layers[1]->Seed(0, s.kv.Contiguous(kPrompt), last.data(), count, {}, stream).ok());
+  ASSERT_TRUE(step(1, d_caches1, replayed).ok());
+  ASSERT_TRUE(seed(1, stream).ok());
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  ASSERT_TRUE(layers[1]->Step(1, d_seqs.data(), d_q.data(), kPrompt + kSteps, replayed.o.data(),
-                              replayed.lse.data(), stream).ok());
+  ASSERT_TRUE(step(1, d_caches1, replayed).ok());
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int step = 1; step <= kSteps; ++step) {
-    const std::vector<DeviceSeq> host_seqs{s.kv.Contiguous(kPrompt + step)};
+  for (int s = 1; s <= kSteps; ++s) {
+    const std::vector<DeviceSeq> host_seqs{kv.Contiguous(kPrompt + s)};
     ASSERT_EQ(cudaMemcpy(d_seqs.data(), host_seqs.data(), sizeof(DeviceSeq),
                          cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(d_q.data(), s.queries.data() + (kPrompt + step - 1) * row_floats,
+    ASSERT_EQ(cudaMemcpy(d_q.data(), queries.data() + (kPrompt + s - 1) * row_floats,
                          row_floats * sizeof(float), cudaMemcpyHostToDevice),
               cudaSuccess);
-    ASSERT_TRUE(layers[0]->Step(1, d_seqs.data(), d_q.data(), kPrompt + kSteps, direct.o.data(),
-                                direct.lse.data(), stream).ok());
+    ASSERT_TRUE(step(0, d_caches0, direct).ok());
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    SCOPED_TRACE(absl::StrCat("step ", step));
-    EXPECT_EQ(ToHost(layers[0]->paths(), g.q_heads), ToHost(layers[1]->paths(), g.q_heads));
-    EXPECT_EQ(ToHost(layers[0]->candidates(), g.q_heads),
-              ToHost(layers[1]->candidates(), g.q_heads));
+    SCOPED_TRACE(absl::StrCat("step ", s));
+    EXPECT_EQ(ToHost(workspaces[0]->paths(), g.q_heads), ToHost(workspaces[1]->paths(), g.q_heads));
+    EXPECT_EQ(ToHost(workspaces[0]->candidates(), g.q_heads),
+              ToHost(workspaces[1]->candidates(), g.q_heads));
     const std::vector<float> a = direct.HostO();
     const std::vector<float> b = replayed.HostO();
     for (int j = 0; j < row_floats; ++j) ASSERT_NEAR(a[j], b[j], 1e-6f) << j;

@@ -25,6 +25,7 @@ class KernelErrors {
   static absl::StatusOr<KernelErrors> Create();
 
   unsigned* device_word() const { return word_.data(); }
+  static constexpr int64_t kDeviceBytes = sizeof(unsigned);  // what Create allocates
 
   // Synchronizes `stream`, then reads and clears the word: OK, or INVALID_ARGUMENT naming every
   // violated precondition seen since the last check.

@@ -178,6 +178,17 @@ absl::StatusOr<std::unique_ptr<AttentionWorkspace>> AttentionWorkspace::Create(i
   return ws;
 }
 
+int64_t AttentionWorkspace::DeviceBytesFor(int max_rows, int max_splits) {
+  if (max_rows < 1 || max_splits < 1) return 0;
+  const int64_t states = static_cast<int64_t>(max_rows) * max_splits;
+  return states * (128 + 1) * sizeof(float) + KernelErrors::kDeviceBytes;
+}
+
+int64_t AttentionWorkspace::device_bytes() const {
+  return static_cast<int64_t>(partial_o_.bytes() + partial_lse_.bytes()) +
+         KernelErrors::kDeviceBytes;
+}
+
 absl::StatusOr<SplitPlan> PlanSeqAttention(const DecodeShape& shape, int max_tokens,
                                            const AttentionWorkspace& ws) {
   KVRECALL_CUDA_RETURN_IF_ERROR(shape.Validate());

@@ -27,6 +27,10 @@ class AttentionWorkspace {
  public:
   static absl::StatusOr<std::unique_ptr<AttentionWorkspace>> Create(int max_rows,
                                                                     int max_splits = 128);
+  // Exact device bytes Create(max_rows, max_splits) allocates, so that a caller can charge its
+  // GPU budget first (0 for arguments Create rejects).
+  static int64_t DeviceBytesFor(int max_rows, int max_splits = 128);
+  int64_t device_bytes() const;
 
   int max_rows() const { return max_rows_; }
   int max_splits() const { return max_splits_; }

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/partial_attention.cuh"
+#include "kernels/cuda/retopk.h"
 #include "kernels/cuda/selected_attention.cuh"
 #include "kernels/cuda/topk_select.cuh"
 #include "kernels/selection_path.h"
@@ -25,13 +26,9 @@ inline constexpr uint8_t kPathReuse = static_cast<uint8_t>(SelectionPath::kReuse
 inline constexpr uint8_t kPathFallback = static_cast<uint8_t>(SelectionPath::kFallback);
 inline constexpr uint8_t kPathRefresh = static_cast<uint8_t>(SelectionPath::kRefresh);
 
-// The largest cache capacity C the kernels serve (cosines live in shared memory, neighbors are
-// picked with a 64-bit mask).
-inline constexpr int kMaxCacheCapacity = 64;
-
-// Per (sequence slot, query head) cache state and the per-row scratch of a step, device memory.
-// A row is one (sequence b, query head h) pair: row = b * q_heads + h.
-struct ReTopKDeviceState {
+// The knobs of a step and the per-row scratch and results (a ReTopKWorkspace's), device
+// memory. A row is one (sequence b, query head h) pair: row = b * q_heads + h.
+struct ReTopKStepState {
   int q_heads;
   int kv_heads;
   int capacity;        // C
@@ -41,14 +38,6 @@ struct ReTopKDeviceState {
   int refresh_interval;
   int max_candidates;  // R * K + W
   float scale_log2;
-  float* cache_queries;    // [rows, C, head_dim] unit queries, by slot
-  int32_t* cache_supports; // [rows, C, K], by slot
-  int32_t* cache_sizes;    // [rows, C] support sizes, by slot
-  int32_t* cache_count;    // [rows] entries held
-  int32_t* cache_oldest;   // [rows] slot of the oldest entry
-  float* tau;              // [rows]
-  int32_t* prompt_tokens;  // [sequence slots]: decode step = n - prompt_tokens
-  // Step scratch and results.
   float* unit_q;           // [rows, head_dim]
   uint8_t* paths;          // [rows]
   uint8_t* exact_rows;     // [rows]: 1 when the exact kernels serve the row
@@ -59,6 +48,22 @@ struct ReTopKDeviceState {
   int32_t* support;        // [rows, K]
   int32_t* support_size;   // [rows]
 };
+
+// One query head's part of a sequence's caches (ReTopKCachesView).
+struct HeadCache {
+  float* queries;     // [C, head_dim], by slot
+  int32_t* supports;  // [C, K], by slot
+  int32_t* sizes;     // [C]
+  int32_t* count;
+  int32_t* oldest;
+};
+
+__device__ __forceinline__ HeadCache HeadCacheOf(const ReTopKCachesView& v, int h, int capacity,
+                                                 int top_k, int head_dim) {
+  const int64_t e = static_cast<int64_t>(h) * capacity;
+  return HeadCache{v.queries + e * head_dim, v.supports + e * top_k, v.sizes + e, v.count + h,
+                   v.oldest + h};
+}
 
 // unit[0:kDim] (shared) = x / ||x|| (zero for a zero x), as cpu::Normalize. One whole block.
 template <int kDim, int kThreads>
@@ -86,9 +91,10 @@ __device__ __forceinline__ bool HashInsert(int32_t* table, int log2_slots, int32
 }
 
 struct ReTopKStepParams {
-  ReTopKDeviceState state;
-  const DeviceSeq* seqs;  // [batch]
-  const float* q;         // [batch, q_heads, head_dim]
+  ReTopKStepState state;
+  const DeviceSeq* seqs;             // [batch]
+  const ReTopKCachesView* caches;    // [batch]
+  const float* q;                    // [batch, q_heads, head_dim]
   int log2_hash_slots;
 };
 
@@ -98,36 +104,37 @@ struct ReTopKStepParams {
 template <int kDim, int kThreads>
 __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepParams p) {
   constexpr int kWarps = kThreads / 32;
-  constexpr int kAgesPerWarp = kMaxCacheCapacity / kWarps;
+  constexpr int kAgesPerWarp = kMaxReTopKCacheCapacity / kWarps;
   constexpr int kPerLane = kDim / 32;
   constexpr int kInsertBatch = 8;
   extern __shared__ int32_t table[];
   __shared__ float unit[kDim];
-  __shared__ float cosines[kMaxCacheCapacity];
+  __shared__ float cosines[kMaxReTopKCacheCapacity];
   __shared__ float scratch[32];
   __shared__ uint32_t candidate_total;
-  __shared__ int32_t neighbor_slots[kMaxCacheCapacity];
-  __shared__ int32_t slot_sizes[kMaxCacheCapacity];
+  __shared__ int32_t neighbor_slots[kMaxReTopKCacheCapacity];
+  __shared__ int32_t slot_sizes[kMaxReTopKCacheCapacity];
   __shared__ uint8_t path;
   __shared__ int neighbor_count;
-  const ReTopKDeviceState& s = p.state;
+  const ReTopKStepState& s = p.state;
   const int row = blockIdx.x;
   const int b = row / s.q_heads;
+  const int h = row - b * s.q_heads;
   const int32_t n = SeqSize(p.seqs[b]);
-  const int64_t step = static_cast<int64_t>(n) - s.prompt_tokens[b];
-  const int entries = s.cache_count[row];
-  const int oldest = s.cache_oldest[row];
-  const float tau = s.tau[row];
+  const ReTopKCachesView view = p.caches[b];
+  const HeadCache cache = HeadCacheOf(view, h, s.capacity, s.top_k, kDim);
+  const int64_t step = static_cast<int64_t>(n) - view.prompt_tokens;
+  const int entries = *cache.count;
+  const int oldest = *cache.oldest;
+  const float tau = view.tau[h];
 
   // Cosines: warp w takes ages w, w + kWarps, ...; all its loads are in flight at once, while
   // the query is normalized.
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const float* cached = s.cache_queries + static_cast<int64_t>(row) * s.capacity * kDim;
+  const float* cached = cache.queries;
   // Support sizes of every entry, read now so the union below waits on no further round trip.
-  if (threadIdx.x < s.capacity) {
-    slot_sizes[threadIdx.x] = s.cache_sizes[static_cast<int64_t>(row) * s.capacity + threadIdx.x];
-  }
+  if (threadIdx.x < s.capacity) slot_sizes[threadIdx.x] = cache.sizes[threadIdx.x];
   float e[kAgesPerWarp][kPerLane];
 #pragma unroll
   for (int a = 0; a < kAgesPerWarp; ++a) {
@@ -210,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) ReTopKSelectKernel(const ReTopKStepP
     const uint32_t at = WarpReserve(added, &candidate_total);
     if (added) out[at] = id;
   };
-  const int32_t* supports = s.cache_supports + static_cast<int64_t>(row) * s.capacity * s.top_k;
+  const int32_t* supports = cache.supports;
   const int flat = neighbor_count * s.top_k;
   for (int base = 0; base < flat; base += kThreads * kInsertBatch) {
     int32_t id[kInsertBatch];
@@ -287,25 +294,24 @@ __device__ __forceinline__ void ScoreCandidates(const DeviceSeq& seq, int kv_hea
 // oldest when full (QuerySupportCache::Push). One whole block; `unit` and `support` may be
 // shared or global memory and must be complete.
 template <int kThreads>
-__device__ void PushCacheEntry(const ReTopKDeviceState& s, int row, int head_dim,
+__device__ void PushCacheEntry(const HeadCache& cache, int capacity, int top_k, int head_dim,
                                const float* unit, const int32_t* support, int size) {
-  const int entries = s.cache_count[row];
-  const int oldest = s.cache_oldest[row];
+  const int entries = *cache.count;
+  const int oldest = *cache.oldest;
   __syncthreads();  // every thread has read the FIFO state before thread 0 advances it
-  const int slot = entries < s.capacity ? (oldest + entries) % s.capacity : oldest;
-  const int64_t entry = static_cast<int64_t>(row) * s.capacity + slot;
+  const int slot = entries < capacity ? (oldest + entries) % capacity : oldest;
   for (int j = threadIdx.x; j < head_dim; j += kThreads) {
-    s.cache_queries[entry * head_dim + j] = unit[j];
+    cache.queries[static_cast<int64_t>(slot) * head_dim + j] = unit[j];
   }
   for (int j = threadIdx.x; j < size; j += kThreads) {
-    s.cache_supports[entry * s.top_k + j] = support[j];
+    cache.supports[static_cast<int64_t>(slot) * top_k + j] = support[j];
   }
   if (threadIdx.x == 0) {
-    s.cache_sizes[entry] = size;
-    if (entries < s.capacity) {
-      s.cache_count[row] = entries + 1;
+    cache.sizes[slot] = size;
+    if (entries < capacity) {
+      *cache.count = entries + 1;
     } else {
-      s.cache_oldest[row] = (oldest + 1) % s.capacity;
+      *cache.oldest = (oldest + 1) % capacity;
     }
   }
 }
@@ -328,10 +334,12 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 2 : 1)
   __shared__ float unit[kDim];
   __shared__ uint32_t appended;
   extern __shared__ int32_t selected[];  // [top_k] positions, then [top_k] scores
-  const ReTopKDeviceState& s = p.state;
+  const ReTopKStepState& s = p.state;
   const int row = blockIdx.x;
   const int b = row / s.q_heads;
+  const int h = row - b * s.q_heads;
   const DeviceSeq seq = p.seqs[b];
+  const HeadCache cache = HeadCacheOf(p.caches[b], h, s.capacity, s.top_k, kDim);
   const uint8_t path = s.paths[row];
   const int count = s.candidate_count[row];
   for (int j = threadIdx.x; j < kDim; j += kThreads) {
@@ -342,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 2 : 1)
     // The exact kernels chose this row's support; cache it.
     if (threadIdx.x == 0) s.candidate_count[row] = SeqSize(seq);
     __syncthreads();
-    PushCacheEntry<kThreads>(s, row, kDim, unit, support, s.support_size[row]);
+    PushCacheEntry<kThreads>(cache, s.capacity, s.top_k, kDim, unit, support,
+                             s.support_size[row]);
     return;
   }
   float* selected_scores = reinterpret_cast<float*>(selected + s.top_k);
@@ -353,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 2 : 1)
   float* scores = s.candidate_scores + static_cast<int64_t>(row) * s.max_candidates;
   uint64_t* cached = reinterpret_cast<uint64_t*>(pool);
   const bool fits = count <= kSmemCandidates;
-  const int kv_head = (row % s.q_heads) / (s.q_heads / s.kv_heads);
+  const int kv_head = h / (s.q_heads / s.kv_heads);
   ScoreCandidates<T, kDim, kThreads>(seq, kv_head, s.kv_heads,
                                      p.q + static_cast<int64_t>(row) * kDim, s.scale_log2, ids,
                                      count, [&](int i, int32_t id, float score) {
@@ -378,35 +387,34 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 2 : 1)
       k, [&](int i) { return selected[i]; }, [&](int i) { return selected_scores[i]; }, seq,
       kv_head, s.kv_heads, o + static_cast<int64_t>(row) * kDim, lse + row,
       reinterpret_cast<float*>(pool));
-  PushCacheEntry<kThreads>(s, row, kDim, unit, selected, k);
+  PushCacheEntry<kThreads>(cache, s.capacity, s.top_k, kDim, unit, selected, k);
 }
 
-// Seeding: entry c of every head of sequence slot b from prompt query c (of `count`, oldest
-// first) and its exact support (support [count, q_heads, K], sizes [count, q_heads]).
+// Seeding: entry c of every head of one sequence's caches from prompt query c (of `count`,
+// oldest first) and its exact support (support [count, q_heads, K], sizes [count, q_heads]).
 // grid = (count, q_heads).
 template <int kDim, int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    ReTopKSeedKernel(const ReTopKDeviceState s, int b, const float* queries, int count,
-                     const int32_t* support, const int32_t* support_size, int32_t prompt_tokens) {
+    ReTopKSeedKernel(const ReTopKCachesView caches, int q_heads, int capacity, int top_k,
+                     const float* queries, int count, const int32_t* support,
+                     const int32_t* support_size) {
   __shared__ float unit[kDim];
   __shared__ float scratch[32];
   const int c = blockIdx.x;
   const int h = blockIdx.y;
-  const int64_t src = static_cast<int64_t>(c) * s.q_heads + h;
+  const int64_t src = static_cast<int64_t>(c) * q_heads + h;
   NormalizeToShared<kDim, kThreads>(queries + src * kDim, unit, scratch);
-  const int row = b * s.q_heads + h;
-  const int64_t entry = static_cast<int64_t>(row) * s.capacity + c;
-  if (threadIdx.x < kDim) s.cache_queries[entry * kDim + threadIdx.x] = unit[threadIdx.x];
+  const HeadCache cache = HeadCacheOf(caches, h, capacity, top_k, kDim);
+  if (threadIdx.x < kDim) cache.queries[static_cast<int64_t>(c) * kDim + threadIdx.x] = unit[threadIdx.x];
   const int size = support_size[src];
   for (int j = threadIdx.x; j < size; j += kThreads) {
-    s.cache_supports[entry * s.top_k + j] = support[src * s.top_k + j];
+    cache.supports[static_cast<int64_t>(c) * top_k + j] = support[src * top_k + j];
   }
   if (threadIdx.x == 0) {
-    s.cache_sizes[entry] = size;
+    cache.sizes[c] = size;
     if (c == 0) {
-      s.cache_count[row] = count;
-      s.cache_oldest[row] = 0;
-      if (h == 0) s.prompt_tokens[b] = prompt_tokens;
+      *cache.count = count;
+      *cache.oldest = 0;
     }
   }
 }

@@ -7,6 +7,27 @@
 
 namespace kvrecall::cuda {
 
+namespace {
+
+// Rows padded to 16 bytes, so that every score row can be read with 16-byte loads.
+int PaddedTokens(int max_tokens) { return CeilDiv(max_tokens, 4) * 4; }
+
+}  // namespace
+
+int64_t TopKWorkspace::DeviceBytesFor(int max_rows, int max_tokens) {
+  if (max_rows < 1 || max_tokens < 1) return 0;
+  const int64_t cells = static_cast<int64_t>(max_rows) * PaddedTokens(max_tokens);
+  return cells * (sizeof(float) + sizeof(int32_t)) +
+         static_cast<int64_t>(max_rows) * (kBins * sizeof(uint32_t) + sizeof(TopKRowState)) +
+         KernelErrors::kDeviceBytes;
+}
+
+int64_t TopKWorkspace::device_bytes() const {
+  return static_cast<int64_t>(scores_.bytes() + candidates_.bytes() + histograms_.bytes() +
+                              states_.bytes()) +
+         KernelErrors::kDeviceBytes;
+}
+
 absl::StatusOr<std::unique_ptr<TopKWorkspace>> TopKWorkspace::Create(int max_rows,
                                                                     int max_tokens) {
   if (max_rows < 1 || max_tokens < 1) {
@@ -15,8 +36,7 @@ absl::StatusOr<std::unique_ptr<TopKWorkspace>> TopKWorkspace::Create(int max_row
   }
   std::unique_ptr<TopKWorkspace> ws(new TopKWorkspace());
   ws->max_rows_ = max_rows;
-  // Rows padded to 16 bytes, so that every score row can be read with 16-byte loads.
-  ws->max_tokens_ = CeilDiv(max_tokens, 4) * 4;
+  ws->max_tokens_ = PaddedTokens(max_tokens);
   const size_t cells = static_cast<size_t>(max_rows) * ws->max_tokens_;
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(cells, &ws->scores_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(cells, &ws->candidates_));

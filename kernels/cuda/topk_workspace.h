@@ -30,6 +30,10 @@ struct TopKRowState {
 class TopKWorkspace {
  public:
   static absl::StatusOr<std::unique_ptr<TopKWorkspace>> Create(int max_rows, int max_tokens);
+  // Exact device bytes Create(max_rows, max_tokens) allocates, so that a caller can charge its
+  // GPU budget first (0 for arguments Create rejects).
+  static int64_t DeviceBytesFor(int max_rows, int max_tokens);
+  int64_t device_bytes() const;
 
   int max_rows() const { return max_rows_; }
   int max_tokens() const { return max_tokens_; }  // the requested one rounded up to 4
