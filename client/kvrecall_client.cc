@@ -1,6 +1,8 @@
 #include "client/kvrecall_client.h"
 
 #include <algorithm>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -267,6 +269,63 @@ std::unique_ptr<Client> Client::Connect(const std::string& address, int max_mess
   args.SetMaxReceiveMessageSize(max_message_bytes);
   return std::make_unique<Client>(
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+}
+
+namespace {
+
+// A PEM file's text; `what` names it in errors ("ca_file").
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(what, ": cannot read ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!absl::StrContains(text.str(), "-----BEGIN ")) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", path, " is not a PEM file"));
+  }
+  return text.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const ChannelSecurity& security) {
+  if (!security.secure()) return grpc::InsecureChannelCredentials();
+  if (security.cert_file.empty() != security.key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "cert_file and key_file go together (a client certificate for mutual TLS)");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!security.ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPemFile(security.ca_file, "ca_file");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *std::move(ca);
+  }
+  if (!security.cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPemFile(security.cert_file, "cert_file");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPemFile(security.key_file, "key_file");
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *std::move(cert);
+    ssl.pem_private_key = *std::move(key);
+  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::SslCredentials(ssl);
+  if (!security.token.empty()) {
+    credentials = grpc::CompositeChannelCredentials(
+        credentials, grpc::AccessTokenCredentials(security.token));
+  }
+  return credentials;
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        const ChannelSecurity& security,
+                                                        int max_message_bytes) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(security);
+  if (!credentials.ok()) return credentials.status();
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  if (!security.server_name.empty()) args.SetSslTargetNameOverride(security.server_name);
+  return std::make_unique<Client>(grpc::CreateCustomChannel(address, *credentials, args));
 }
 
 absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry,

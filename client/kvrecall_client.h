@@ -20,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/support/sync_stream.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
 #include "kvrecall/v1/kvrecall.pb.h"
@@ -145,6 +146,27 @@ class DecodeStream {
   absl::Status status_;
 };
 
+// How a channel to kvrecalld is secured: plaintext (the default), TLS, mutual TLS, and a
+// bearer token for servers started with --auth_token_file. Paths name PEM files.
+struct ChannelSecurity {
+  bool tls = false;          // implied by any of the fields below
+  std::string ca_file;       // roots that signed the server's certificate; empty: system roots
+  std::string cert_file;     // the client's certificate chain and key, for mutual TLS
+  std::string key_file;
+  std::string server_name;   // checked against the server's certificate instead of the host
+  std::string token;         // sent as "authorization: Bearer TOKEN" with every call
+
+  bool secure() const {
+    return tls || !ca_file.empty() || !cert_file.empty() || !key_file.empty() ||
+           !server_name.empty() || !token.empty();
+  }
+};
+
+// The gRPC channel credentials for `security`, files read now: INVALID_ARGUMENT for a key
+// without a certificate (or the reverse) or a file that is not PEM, NOT_FOUND for a missing one.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
+    const ChannelSecurity& security);
+
 // Connects to kvrecalld. Thread-safe: the channel and stub may be shared.
 class Client {
  public:
@@ -152,6 +174,11 @@ class Client {
   // An insecure channel to HOST:PORT accepting replies up to max_message_bytes.
   static std::unique_ptr<Client> Connect(const std::string& address,
                                          int max_message_bytes = 64 << 20);
+  // A channel secured as `security` says; fails only when its files are unusable (the
+  // connection itself is made, and checked, by the first call).
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
+                                                         const ChannelSecurity& security,
+                                                         int max_message_bytes = 64 << 20);
 
   absl::StatusOr<SessionHandle> CreateSession(const v1::Geometry& geometry,
                                               const v1::Policy& policy,

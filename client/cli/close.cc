@@ -10,7 +10,9 @@ using client::Client;
 
 int RunClose(const std::vector<char*>& args) {
   if (args.empty()) return UsageError("close", "usage: kvrecall close SESSION_ID...");
-  std::unique_ptr<Client> client = ConnectToServer();
+  absl::StatusOr<std::unique_ptr<Client>> connected = ConnectToServer();
+  if (!connected.ok()) return ReportError("close", connected.status());
+  std::unique_ptr<Client> client = *std::move(connected);
   int exit_status = 0;
   for (const char* id : args) {
     if (absl::Status s = client->CloseSession(id); !s.ok()) {

@@ -4,14 +4,25 @@
 
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "google/protobuf/util/json_util.h"
 
-ABSL_FLAG(std::string, server, "localhost:50051", "kvrecalld address, HOST:PORT or unix:PATH");
+ABSL_FLAG(std::string, server, "localhost:50051", "kvrecalld address, HOST:PORT");
 ABSL_FLAG(bool, json, false, "print machine-readable JSON (one object per line)");
+
+ABSL_FLAG(bool, tls, false, "connect with TLS (implied by the other --tls_* flags and --token_file)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM roots that signed the server's certificate (default: system roots)");
+ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate chain, for servers that require mutual TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "the name to check the server's certificate against, when not --server's host");
+ABSL_FLAG(std::string, token_file, "",
+          "a file whose first line is the bearer token for servers started with --auth_token_file");
 
 ABSL_FLAG(std::string, placement, "cpu", "where the KV lives: cpu, gpu or tiered");
 ABSL_FLAG(std::string, policy, "full",
@@ -38,7 +49,32 @@ using client::Client;
 using client::ParsePlacement;
 using client::ParseSelector;
 
-std::unique_ptr<Client> ConnectToServer() { return Client::Connect(absl::GetFlag(FLAGS_server)); }
+absl::StatusOr<std::unique_ptr<Client>> ConnectToServer() {
+  client::ChannelSecurity security;
+  security.tls = absl::GetFlag(FLAGS_tls);
+  security.ca_file = absl::GetFlag(FLAGS_tls_ca);
+  security.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  security.key_file = absl::GetFlag(FLAGS_tls_key);
+  security.server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    std::ifstream in(path);
+    std::string line;
+    if (!in || !std::getline(in, line)) {
+      return absl::NotFoundError(absl::StrCat("--token_file: cannot read a line from ", path));
+    }
+    security.token = std::string(absl::StripAsciiWhitespace(line));
+    if (security.token.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token_file: ", path, " starts with an empty line"));
+    }
+  }
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      Client::Connect(absl::GetFlag(FLAGS_server), security);
+  if (!client.ok()) {
+    return absl::Status(client.status().code(),
+                        absl::StrCat("--tls_*: ", client.status().message()));
+  }
+  return client;
+}
 
 absl::StatusOr<v1::Policy> PolicyFromFlags() {
   v1::Policy policy;

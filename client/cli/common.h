@@ -20,8 +20,9 @@ ABSL_DECLARE_FLAG(bool, json);
 
 namespace kvrecall::cli {
 
-// A client of --server.
-std::unique_ptr<client::Client> ConnectToServer();
+// A client of --server, secured as --tls, --tls_ca, --tls_cert, --tls_key, --tls_server_name
+// and --token_file say; INVALID_ARGUMENT / NOT_FOUND naming the flag when a file is unusable.
+absl::StatusOr<std::unique_ptr<client::Client>> ConnectToServer();
 
 // The policy that --placement, --policy, --k, --sinks, --recent, the ReTopK flags (--C, --R,
 // --W, --tau, --refresh, --auto_tau, --target_recall) and the index flags describe; unset knobs

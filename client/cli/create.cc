@@ -29,8 +29,10 @@ int RunCreate(const std::vector<char*>& args) {
   geometry.set_kv_heads(absl::GetFlag(FLAGS_kv_heads));
   geometry.set_head_dim(absl::GetFlag(FLAGS_head_dim));
   geometry.set_dtype(*dtype);
+  absl::StatusOr<std::unique_ptr<client::Client>> client = ConnectToServer();
+  if (!client.ok()) return ReportError("create", client.status());
   absl::StatusOr<SessionHandle> session =
-      ConnectToServer()->CreateSession(geometry, *policy, absl::GetFlag(FLAGS_label));
+      (*client)->CreateSession(geometry, *policy, absl::GetFlag(FLAGS_label));
   if (!session.ok()) return ReportError("create", session.status());
   if (absl::GetFlag(FLAGS_json)) {
     v1::CreateSessionResponse response;

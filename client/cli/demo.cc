@@ -84,7 +84,9 @@ int RunDemo(const std::vector<char*>& args) {
       {"index K=128", CpuPolicy(v1::SELECTOR_INDEX, 128, 16, 256)},
       {"retopk K=128", CpuPolicy(v1::SELECTOR_RETOPK, 128, 0, 0)},
   };
-  std::unique_ptr<Client> client = ConnectToServer();
+  absl::StatusOr<std::unique_ptr<Client>> connected = ConnectToServer();
+  if (!connected.ok()) return ReportError("demo", connected.status());
+  std::unique_ptr<Client> client = *std::move(connected);
   int shown = 0;
   for (const Row& row : rows) {
     ReplayOptions options;

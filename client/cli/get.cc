@@ -9,7 +9,9 @@ namespace kvrecall::cli {
 
 int RunGet(const std::vector<char*>& args) {
   if (args.size() != 1) return UsageError("get", "usage: kvrecall get SESSION_ID");
-  absl::StatusOr<v1::SessionInfo> info = ConnectToServer()->GetSession(args[0]);
+  absl::StatusOr<std::unique_ptr<client::Client>> client = ConnectToServer();
+  if (!client.ok()) return ReportError("get", client.status());
+  absl::StatusOr<v1::SessionInfo> info = (*client)->GetSession(args[0]);
   if (!info.ok()) return ReportError("get", info.status());
   std::printf("%s\n", MessageJson(*info, /*pretty=*/!absl::GetFlag(FLAGS_json)).c_str());
   return 0;

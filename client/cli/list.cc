@@ -12,7 +12,9 @@ using client::SelectorName;
 
 int RunList(const std::vector<char*>& args) {
   if (!args.empty()) return UsageError("list", "takes no arguments");
-  absl::StatusOr<std::vector<v1::SessionInfo>> sessions = ConnectToServer()->ListSessions();
+  absl::StatusOr<std::unique_ptr<client::Client>> client = ConnectToServer();
+  if (!client.ok()) return ReportError("list", client.status());
+  absl::StatusOr<std::vector<v1::SessionInfo>> sessions = (*client)->ListSessions();
   if (!sessions.ok()) return ReportError("list", sessions.status());
   if (absl::GetFlag(FLAGS_json)) {
     v1::ListSessionsResponse response;

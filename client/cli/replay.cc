@@ -48,7 +48,9 @@ int RunReplay(const std::vector<char*>& args) {
     progress.Update("decode", static_cast<double>(done) / steps,
                     absl::StrFormat("step %d/%d", done, steps));
   };
-  absl::StatusOr<ReplayReport> report = Replay(*ConnectToServer(), *trace, options);
+  absl::StatusOr<std::unique_ptr<client::Client>> client = ConnectToServer();
+  if (!client.ok()) return ReportError("replay", client.status());
+  absl::StatusOr<ReplayReport> report = Replay(**client, *trace, options);
   progress.Done();
   if (!report.ok()) return ReportError("replay", report.status());
   const int indent = absl::GetFlag(FLAGS_json) ? -1 : 2;

@@ -1,0 +1,127 @@
+#include "server/auth.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "server/file_util.h"
+
+namespace kvrecall {
+namespace {
+
+constexpr absl::string_view kHealthPrefix = "/grpc.health.v1.Health/";
+
+bool IsTenantChar(char c) { return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-'; }
+
+// Equal length and content, in time that depends only on the lengths.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::string_view source) {
+  TokenTable table;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#') continue;
+    std::vector<absl::string_view> fields =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    auto error = [&](absl::string_view what) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ":", line_number, ": ", what));
+    };
+    if (fields.size() != 2) {
+      return error(absl::StrCat("expected 'TOKEN TENANT', got ", fields.size(), " fields"));
+    }
+    const absl::string_view token = fields[0];
+    const absl::string_view tenant = fields[1];
+    if (token.size() < kMinTokenLength) {
+      return error(absl::StrCat("token is ", token.size(), " characters, at least ",
+                                kMinTokenLength, " are required"));
+    }
+    for (char c : token) {
+      if (!absl::ascii_isgraph(c)) return error("token has a character that is not printable");
+    }
+    if (tenant.size() > kMaxTenantLength) {
+      return error(absl::StrCat("tenant is longer than ", kMaxTenantLength, " characters"));
+    }
+    for (char c : tenant) {
+      if (!IsTenantChar(c))
+        return error(absl::StrCat("tenant '", tenant, "' has a character not in [A-Za-z0-9._-]"));
+    }
+    for (const Entry& e : table.entries_) {
+      if (e.token == token)
+        return error("this token is already listed (each token names one tenant)");
+    }
+    table.entries_.push_back({std::string(token), std::string(tenant)});
+  }
+  if (table.entries_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": no 'TOKEN TENANT' line"));
+  }
+  return table;
+}
+
+absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) return text.status();
+  return Parse(*text, path);
+}
+
+const std::string* TokenTable::Find(absl::string_view token) const {
+  const std::string* found = nullptr;
+  for (const Entry& e : entries_) {
+    if (ConstantTimeEquals(e.token, token) && found == nullptr) found = &e.tenant;
+  }
+  return found;
+}
+
+grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
+                                         grpc::AuthContext* context,
+                                         OutputMetadata* consumed_auth_metadata, OutputMetadata*) {
+  auto path = auth_metadata.find(":path");
+  if (path != auth_metadata.end() &&
+      absl::StartsWith(absl::string_view(path->second.data(), path->second.size()),
+                       kHealthPrefix)) {
+    return grpc::Status::OK;
+  }
+  auto refuse = [this](const char* message) {
+    if (metrics_ != nullptr) metrics_->CountUnauthenticated();
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, message);
+  };
+  auto header = auth_metadata.find("authorization");
+  if (header == auth_metadata.end()) {
+    return refuse("this server requires a bearer token: send 'authorization: Bearer TOKEN'");
+  }
+  absl::string_view value(header->second.data(), header->second.size());
+  if (value.size() < 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "Bearer ")) {
+    return refuse("the authorization header must be 'Bearer TOKEN'");
+  }
+  const std::string* tenant = tokens_.Find(absl::StripAsciiWhitespace(value.substr(7)));
+  if (tenant == nullptr) return refuse("unknown bearer token");
+  context->AddProperty(kTenantProperty, *tenant);
+  context->SetPeerIdentityPropertyName(kTenantProperty);
+  consumed_auth_metadata->insert(
+      std::make_pair(std::string(header->first.data(), header->first.size()), std::string(value)));
+  return grpc::Status::OK;
+}
+
+std::string TenantOf(const grpc::ServerContextBase& context) {
+  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr) return "";
+  std::vector<grpc::string_ref> values = auth->FindPropertyValues(kTenantProperty);
+  if (values.empty()) return "";
+  return std::string(values.front().data(), values.front().size());
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,76 @@
+#include "server/credentials.h"
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "server/auth.h"
+#include "server/file_util.h"
+
+namespace kvrecall {
+namespace {
+
+// The file's PEM text when it holds a block of `kind` ("CERTIFICATE", "PRIVATE KEY" matches
+// "RSA PRIVATE KEY" and "EC PRIVATE KEY" too); `flag` names it in errors.
+absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view kind,
+                                    absl::string_view flag) {
+  absl::StatusOr<std::string> text = ReadFileToString(path);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(), absl::StrCat(flag, ": ", text.status().message()));
+  }
+  if (!absl::StrContains(*text, "-----BEGIN ") ||
+      !absl::StrContains(*text, absl::StrCat(kind, "-----"))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", path, " holds no PEM ", kind, " block"));
+  }
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
+    const SecurityOptions& options, ServerMetrics* metrics) {
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_cert and --tls_key go together: give both (TLS) or neither (plaintext)");
+  }
+  if (!options.tls()) {
+    if (!options.tls_client_ca_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key");
+    }
+    if (!options.auth_token_file.empty()) {
+      return absl::InvalidArgumentError(
+          "--auth_token_file needs --tls_cert and --tls_key: gRPC clients send bearer tokens "
+          "only over TLS, and a token sent in plaintext could be read on the way");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  absl::StatusOr<std::string> cert = ReadPem(options.tls_cert_file, "CERTIFICATE", "--tls_cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(options.tls_key_file, "PRIVATE KEY", "--tls_key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
+  if (!options.tls_client_ca_file.empty()) {
+    absl::StatusOr<std::string> ca =
+        ReadPem(options.tls_client_ca_file, "CERTIFICATE", "--tls_client_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *std::move(ca);
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::SslServerCredentials(ssl);
+  if (!options.auth_token_file.empty()) {
+    absl::StatusOr<TokenTable> tokens = TokenTable::Load(options.auth_token_file);
+    if (!tokens.ok()) {
+      return absl::Status(tokens.status().code(),
+                          absl::StrCat("--auth_token_file: ", tokens.status().message()));
+    }
+    credentials->SetAuthMetadataProcessor(
+        std::make_shared<TokenAuthProcessor>(*std::move(tokens), metrics));
+  }
+  return credentials;
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,338 @@
+#include "server/metrics.h"
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
+#include "prometheus/text_serializer.h"
+
+namespace kvrecall {
+namespace {
+
+using prometheus::Counter;
+using prometheus::Family;
+using prometheus::Gauge;
+using prometheus::Histogram;
+
+// The services whose methods get their own series.
+constexpr const char* kServedServices[] = {
+    "kvrecall.v1.KvRecall",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+};
+
+constexpr int kPlacements = 4;  // UNSPECIFIED, CPU, GPU, TIERED
+constexpr int kSelectorKinds = 5;
+
+// Boundaries b, b*f, b*f^2, ... up to and including `last` (rounded to 6 significant digits).
+Histogram::BucketBoundaries Geometric(double first, double factor, double last) {
+  Histogram::BucketBoundaries out;
+  for (double b = first; b <= last * 1.000001; b *= factor) {
+    const double scale = std::pow(10.0, 5 - std::floor(std::log10(b)));
+    out.push_back(std::round(b * scale) / scale);
+  }
+  return out;
+}
+
+// 10 us .. ~84 s for calls (unary calls are short, streams may last long).
+const Histogram::BucketBoundaries& CallBuckets() {
+  static const auto* b = new Histogram::BucketBoundaries(Geometric(1e-5, 2.0, 100.0));
+  return *b;
+}
+// 5 us .. ~2.6 s for one decode step.
+const Histogram::BucketBoundaries& StepBuckets() {
+  static const auto* b = new Histogram::BucketBoundaries(Geometric(5e-6, 2.0, 3.0));
+  return *b;
+}
+// 1 ms .. ~1000 s for prefills and index builds.
+const Histogram::BucketBoundaries& BuildBuckets() {
+  static const auto* b = new Histogram::BucketBoundaries(Geometric(1e-3, 2.0, 1100.0));
+  return *b;
+}
+// 1 .. 4^10 (~1M) tokens scored by one head's selector.
+const Histogram::BucketBoundaries& CandidateBuckets() {
+  static const auto* b = new Histogram::BucketBoundaries(Geometric(1.0, 4.0, 1048576.0));
+  return *b;
+}
+
+std::string PlacementLabel(v1::Placement placement) {
+  std::string name = v1::Placement_Name(placement);
+  if (absl::StartsWith(name, "PLACEMENT_")) name.erase(0, 10);
+  return absl::AsciiStrToLower(name);
+}
+
+const char* PathLabel(SelectionPath path) {
+  switch (path) {
+    case SelectionPath::kExact:
+      return "exact";
+    case SelectionPath::kReuse:
+      return "reuse";
+    case SelectionPath::kFallback:
+      return "fallback";
+    case SelectionPath::kRefresh:
+      return "refresh";
+  }
+  return "exact";
+}
+
+const char* CodeLabel(grpc::StatusCode code) {
+  static constexpr const char* kNames[] = {"OK",
+                                           "CANCELLED",
+                                           "UNKNOWN",
+                                           "INVALID_ARGUMENT",
+                                           "DEADLINE_EXCEEDED",
+                                           "NOT_FOUND",
+                                           "ALREADY_EXISTS",
+                                           "PERMISSION_DENIED",
+                                           "RESOURCE_EXHAUSTED",
+                                           "FAILED_PRECONDITION",
+                                           "ABORTED",
+                                           "OUT_OF_RANGE",
+                                           "UNIMPLEMENTED",
+                                           "INTERNAL",
+                                           "UNAVAILABLE",
+                                           "DATA_LOSS",
+                                           "UNAUTHENTICATED"};
+  const int index = static_cast<int>(code);
+  return index >= 0 && index < 17 ? kNames[index] : "UNKNOWN";
+}
+
+}  // namespace
+
+double BudgetGaugeValue(int64_t limit_bytes) {
+  return limit_bytes > 0 ? static_cast<double>(limit_bytes)
+                         : std::numeric_limits<double>::infinity();
+}
+
+MethodMetrics::MethodMetrics(std::string method, Family<Counter>* calls, Histogram* duration)
+    : method_(std::move(method)), calls_(calls), duration_(duration) {}
+
+void MethodMetrics::CountCall(grpc::StatusCode code, double seconds) {
+  duration_->Observe(seconds);
+  const int index = static_cast<int>(code);
+  const int slot = index >= 0 && index < 17 ? index : static_cast<int>(grpc::StatusCode::UNKNOWN);
+  Counter* counter;
+  {
+    absl::MutexLock lock(&mu_);
+    counter = by_code_[slot];
+    if (counter == nullptr) {
+      counter = &calls_->Add(
+          {{"method", method_}, {"code", CodeLabel(static_cast<grpc::StatusCode>(slot))}});
+      by_code_[slot] = counter;
+    }
+  }
+  counter->Increment();
+}
+
+void PolicyMetrics::CountLayerStep(std::span<const SelectionPath> head_paths,
+                                   std::span<const int64_t> candidates, double compute_seconds) {
+  series_.layer_steps->Increment();
+  std::array<int64_t, kSelectionPaths> by_path = {};
+  for (SelectionPath path : head_paths) ++by_path[static_cast<int>(path)];
+  CountHeadSteps(by_path);
+  if (!candidates.empty()) {
+    // One locked update of the histogram for all heads instead of one per head.
+    const auto& bounds = CandidateBuckets();
+    std::vector<double> increments(bounds.size() + 1, 0.0);
+    double sum = 0;
+    for (int64_t c : candidates) {
+      size_t bucket = 0;
+      while (bucket < bounds.size() && static_cast<double>(c) > bounds[bucket]) ++bucket;
+      increments[bucket] += 1;
+      sum += static_cast<double>(c);
+    }
+    series_.candidates->ObserveMultiple(increments, sum);
+  }
+  series_.layer_step_seconds->Observe(compute_seconds);
+}
+
+void PolicyMetrics::CountHeadSteps(const std::array<int64_t, kSelectionPaths>& by_path) {
+  for (int p = 0; p < kSelectionPaths; ++p) {
+    if (by_path[p] > 0) series_.head_steps[p]->Increment(static_cast<double>(by_path[p]));
+  }
+}
+
+void PolicyMetrics::ObserveIndexBuild(double seconds) {
+  series_.index_build_seconds->Observe(seconds);
+}
+
+ServerMetrics::ServerMetrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      rpcs_(prometheus::BuildCounter()
+                .Name("kvrecall_rpcs_total")
+                .Help("gRPC calls that finished, by method and status code")
+                .Register(*registry_)),
+      rpc_seconds_(prometheus::BuildHistogram()
+                       .Name("kvrecall_rpc_duration_seconds")
+                       .Help("Duration of gRPC calls, from their start to their status (streams "
+                             "last as long as the client keeps them open)")
+                       .Register(*registry_)),
+      layer_steps_(prometheus::BuildCounter()
+                       .Name("kvrecall_layer_steps_total")
+                       .Help("Decode layer-steps served: one per layer per token per sequence")
+                       .Register(*registry_)),
+      head_steps_(prometheus::BuildCounter()
+                      .Name("kvrecall_head_steps_total")
+                      .Help("Decode head-steps (one per query head per layer-step), by the "
+                            "path that chose the head's support")
+                      .Register(*registry_)),
+      candidates_(prometheus::BuildHistogram()
+                      .Name("kvrecall_head_step_candidates")
+                      .Help("Tokens scored by a query head's selector in one decode step")
+                      .Register(*registry_)),
+      layer_step_seconds_(prometheus::BuildHistogram()
+                              .Name("kvrecall_layer_step_seconds")
+                              .Help("Server compute time of one sequence's decode layer-step")
+                              .Register(*registry_)),
+      index_build_seconds_(prometheus::BuildHistogram()
+                               .Name("kvrecall_index_build_seconds")
+                               .Help("Building one layer's selector state after a prefill "
+                                     "(graph index, ReTopK seeding)")
+                               .Register(*registry_)),
+      refusals_(prometheus::BuildCounter()
+                    .Name("kvrecall_requests_refused_total")
+                    .Help("Requests refused because they would exceed a server limit")
+                    .Register(*registry_)) {
+  decode_request_seconds_ =
+      &prometheus::BuildHistogram()
+           .Name("kvrecall_decode_request_seconds")
+           .Help(
+               "Server-side latency of one Decode request (one layer of one token for a "
+               "batch of sequences): from its arrival to its reply being sent")
+           .Register(*registry_)
+           .Add({}, StepBuckets());
+  unauthenticated_ = &prometheus::BuildCounter()
+                          .Name("kvrecall_unauthenticated_requests_total")
+                          .Help(
+                              "Calls refused with UNAUTHENTICATED: no bearer token or an "
+                              "unknown one")
+                          .Register(*registry_)
+                          .Add({});
+  prefill_seconds_ = &prometheus::BuildHistogram()
+                          .Name("kvrecall_prefill_seconds")
+                          .Help(
+                              "Committed Prefill calls: from the stream's start to the commit, "
+                              "index builds included")
+                          .Register(*registry_)
+                          .Add({}, BuildBuckets());
+  auto gauge = [this](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add({});
+  };
+  sessions_open_ = gauge("kvrecall_sessions_open", "Sessions created and not closed");
+  tokens_held_ = gauge("kvrecall_tokens_held",
+                       "Tokens in the KV caches of open sessions "
+                       "(each session's sequence length, summed)");
+  host_bytes_held_ = gauge("kvrecall_host_memory_bytes",
+                           "Host memory held by sessions: KV, staged prompts, selector state");
+  host_bytes_budget_ = gauge("kvrecall_host_memory_budget_bytes",
+                             "The host memory budget (--host_memory_budget_gb); +Inf: unlimited");
+  gpu_bytes_held_ =
+      gauge("kvrecall_gpu_memory_bytes", "GPU memory held by sessions, summed over devices");
+  gpu_bytes_budget_ = gauge("kvrecall_gpu_memory_budget_bytes",
+                            "GPU memory budgets summed over devices; +Inf: unlimited");
+  prometheus::BuildGauge()
+      .Name("kvrecall_build_info")
+      .Help("Always 1; the labels describe the build")
+      .Register(*registry_)
+      .Add({{"cuda",
+#ifdef KVRECALL_WITH_CUDA
+             "true"
+#else
+             "false"
+#endif
+      }})
+      .Set(1);
+
+  // Every method of the served services, from the compiled-in descriptors.
+  const google::protobuf::DescriptorPool* pool = google::protobuf::DescriptorPool::generated_pool();
+  for (const char* service_name : kServedServices) {
+    const google::protobuf::ServiceDescriptor* service = pool->FindServiceByName(service_name);
+    if (service == nullptr) continue;  // reflection's descriptor is linked in by grpc++_reflection
+    for (int i = 0; i < service->method_count(); ++i) {
+      const std::string path = absl::StrCat("/", service_name, "/", service->method(i)->name());
+      const std::string label = absl::StrCat(service_name, "/", service->method(i)->name());
+      methods_.emplace(path,
+                       std::make_unique<MethodMetrics>(
+                           label, &rpcs_, &rpc_seconds_.Add({{"method", label}}, CallBuckets())));
+    }
+  }
+  auto unknown = std::make_unique<MethodMetrics>(
+      "unknown", &rpcs_, &rpc_seconds_.Add({{"method", "unknown"}}, CallBuckets()));
+  unknown_method_ = unknown.get();
+  methods_.emplace("", std::move(unknown));
+
+  absl::MutexLock lock(&mu_);
+  policies_.resize(kPlacements * kSelectorKinds);
+}
+
+MethodMetrics* ServerMetrics::ForMethod(absl::string_view path) {
+  auto it = methods_.find(path);
+  return it == methods_.end() ? unknown_method_ : it->second.get();
+}
+
+PolicyMetrics* ServerMetrics::ForPolicy(v1::Placement placement, SelectorKind selector) {
+  int p = static_cast<int>(placement);
+  if (p < 0 || p >= kPlacements) p = 0;
+  int s = static_cast<int>(selector);
+  if (s < 0 || s >= kSelectorKinds) s = 0;
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<PolicyMetrics>& slot = policies_[p * kSelectorKinds + s];
+  if (slot == nullptr) {
+    const prometheus::Labels labels = {
+        {"placement", PlacementLabel(static_cast<v1::Placement>(p))},
+        {"selector", SelectorKindName(static_cast<SelectorKind>(s))}};
+    PolicyMetrics::Series series;
+    series.layer_steps = &layer_steps_.Add(labels);
+    for (int path = 0; path < kSelectionPaths; ++path) {
+      prometheus::Labels with_path = labels;
+      with_path["path"] = PathLabel(static_cast<SelectionPath>(path));
+      series.head_steps[path] = &head_steps_.Add(with_path);
+    }
+    series.candidates = &candidates_.Add(labels, CandidateBuckets());
+    series.layer_step_seconds = &layer_step_seconds_.Add(labels, StepBuckets());
+    series.index_build_seconds = &index_build_seconds_.Add(labels, BuildBuckets());
+    slot = std::make_unique<PolicyMetrics>(series);
+  }
+  return slot.get();
+}
+
+void ServerMetrics::CountRefusal(absl::string_view limit) {
+  Counter* counter;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = refusals_by_limit_.try_emplace(limit, nullptr);
+    if (inserted) it->second = &refusals_.Add({{"limit", std::string(limit)}});
+    counter = it->second;
+  }
+  counter->Increment();
+}
+
+void ServerMetrics::SetGaugeSource(std::function<ServerGauges()> source) {
+  absl::MutexLock lock(&mu_);
+  gauge_source_ = std::move(source);
+}
+
+std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
+  ServerGauges gauges;
+  {
+    absl::MutexLock lock(&mu_);
+    if (gauge_source_) gauges = gauge_source_();
+  }
+  sessions_open_->Set(static_cast<double>(gauges.sessions_open));
+  tokens_held_->Set(static_cast<double>(gauges.tokens_held));
+  host_bytes_held_->Set(static_cast<double>(gauges.host_bytes_held));
+  host_bytes_budget_->Set(gauges.host_bytes_budget);
+  gpu_bytes_held_->Set(static_cast<double>(gauges.gpu_bytes_held));
+  gpu_bytes_budget_->Set(gauges.gpu_bytes_budget);
+  return registry_->Collect();
+}
+
+std::string ServerMetrics::TextFormat() const {
+  return prometheus::TextSerializer().Serialize(Collect());
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,164 @@
+// kvrecalld's Prometheus metrics: every metric family the server exports, the calls that record
+// into them, and the scrape-time gauges (prometheus-cpp; served by server/metrics_endpoint.h).
+//
+// Names follow Prometheus conventions: the `kvrecall_` prefix, base units (seconds, bytes),
+// `_total` for counters. Label values are bounded: gRPC methods of the services kvrecalld serves
+// (`unknown` for anything else), status code names, placement / selector / path names and the
+// limits of server/ that refuse requests.
+#ifndef KVRECALL_SERVER_METRICS_H_
+#define KVRECALL_SERVER_METRICS_H_
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "grpcpp/support/status.h"
+#include "index/selector_params.h"
+#include "kernels/selection_path.h"
+#include "kvrecall/v1/kvrecall.pb.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvrecall {
+
+// What the scrape-time gauges report; filled by the callback given to SetGaugeSource.
+struct ServerGauges {
+  int64_t sessions_open = 0;
+  int64_t tokens_held = 0;  // sequence length summed over open sessions
+  int64_t host_bytes_held = 0;
+  double host_bytes_budget = 0;  // +Inf: unlimited (see BudgetGaugeValue)
+  int64_t gpu_bytes_held = 0;    // summed over devices
+  double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf when one is unlimited
+};
+
+// A budget's limit as its gauge reads: limit_bytes <= 0 (unlimited) is +Inf, so that
+// `held / budget` reads 0 rather than dividing by zero.
+double BudgetGaugeValue(int64_t limit_bytes);
+
+// The metrics of one gRPC method: calls by status code and their duration.
+class MethodMetrics {
+ public:
+  MethodMetrics(std::string method, prometheus::Family<prometheus::Counter>* calls,
+                prometheus::Histogram* duration);
+  MethodMetrics(const MethodMetrics&) = delete;
+  MethodMetrics& operator=(const MethodMetrics&) = delete;
+
+  // One finished call: its status code and how long it lasted.
+  void CountCall(grpc::StatusCode code, double seconds);
+  const std::string& method() const { return method_; }
+
+ private:
+  const std::string method_;
+  prometheus::Family<prometheus::Counter>* const calls_;
+  prometheus::Histogram* const duration_;
+  absl::Mutex mu_;
+  // Indexed by status code (0..16); created on first use so that only codes seen are exported.
+  std::array<prometheus::Counter*, 17> by_code_ ABSL_GUARDED_BY(mu_) = {};
+};
+
+// The decode metrics of one (placement, selector) pair, resolved once so that recording a
+// layer-step touches no label map. Thread-safe.
+class PolicyMetrics {
+ public:
+  struct Series {
+    prometheus::Counter* layer_steps;
+    std::array<prometheus::Counter*, kSelectionPaths> head_steps;  // by SelectionPath
+    prometheus::Histogram* candidates;
+    prometheus::Histogram* layer_step_seconds;
+    prometheus::Histogram* index_build_seconds;
+  };
+  explicit PolicyMetrics(const Series& series) : series_(series) {}
+
+  // One layer-step of one sequence: the path each query head took, the tokens each head's
+  // selector scored (`candidates`, one entry per head; may be empty when not known), and the
+  // server's compute time for the step.
+  void CountLayerStep(std::span<const SelectionPath> head_paths,
+                      std::span<const int64_t> candidates, double compute_seconds);
+  // Head-steps by path without a per-head list (e.g. counts a batched backend summed up).
+  void CountHeadSteps(const std::array<int64_t, kSelectionPaths>& by_path);
+  // Building one layer's selector (graph index, ReTopK seeding) after a prefill.
+  void ObserveIndexBuild(double seconds);
+
+ private:
+  const Series series_;
+};
+
+class ServerMetrics final : public prometheus::Collectable {
+ public:
+  ServerMetrics();
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
+
+  // The metrics of a gRPC method by its full path ("/kvrecall.v1.KvRecall/Decode"); methods of
+  // services kvrecalld does not serve share the `unknown` series. Never null.
+  MethodMetrics* ForMethod(absl::string_view path);
+  // Server-side latency of one Decode request: from its arrival to its reply being sent.
+  void ObserveDecodeRequest(double seconds) { decode_request_seconds_->Observe(seconds); }
+  // A call turned away by the token check before it reached a service (server/auth.h).
+  void CountUnauthenticated() { unauthenticated_->Increment(); }
+
+  // The series of a session's placement and selector kind, created on first use (so a scrape
+  // shows the pairs that served sessions). Never null; stable for the metrics' lifetime. Call
+  // once per session, not per step: it takes a lock.
+  PolicyMetrics* ForPolicy(v1::Placement placement, SelectorKind selector);
+  // A committed Prefill: its wall time, stream start to commit.
+  void ObservePrefill(double seconds) { prefill_seconds_->Observe(seconds); }
+  // A request refused because of `limit` (e.g. "host_memory_budget"): a short snake_case name
+  // of a server knob. Thread-safe; the first call per limit creates its series.
+  void CountRefusal(absl::string_view limit);
+
+  // Called at every scrape to fill the gauges (sessions, tokens, bytes). Set it before the
+  // endpoint serves; without one the gauges stay zero.
+  void SetGaugeSource(std::function<ServerGauges()> source);
+
+  // prometheus::Collectable: refreshes the gauges, then every family.
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+  // The families as the Prometheus text format (what /metrics serves).
+  std::string TextFormat() const;
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& rpcs_;
+  prometheus::Family<prometheus::Histogram>& rpc_seconds_;
+  prometheus::Histogram* decode_request_seconds_;
+  prometheus::Counter* unauthenticated_;
+  prometheus::Family<prometheus::Counter>& layer_steps_;
+  prometheus::Family<prometheus::Counter>& head_steps_;
+  prometheus::Family<prometheus::Histogram>& candidates_;
+  prometheus::Family<prometheus::Histogram>& layer_step_seconds_;
+  prometheus::Family<prometheus::Histogram>& index_build_seconds_;
+  prometheus::Histogram* prefill_seconds_;
+  prometheus::Family<prometheus::Counter>& refusals_;
+  prometheus::Gauge* sessions_open_;
+  prometheus::Gauge* tokens_held_;
+  prometheus::Gauge* host_bytes_held_;
+  prometheus::Gauge* host_bytes_budget_;
+  prometheus::Gauge* gpu_bytes_held_;
+  prometheus::Gauge* gpu_bytes_budget_;
+
+  // Built in the constructor, read-only afterwards.
+  absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> methods_;
+  MethodMetrics* unknown_method_ = nullptr;
+
+  mutable absl::Mutex mu_;
+  std::function<ServerGauges()> gauge_source_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, prometheus::Counter*> refusals_by_limit_ ABSL_GUARDED_BY(mu_);
+  // [placement][selector], flattened; null until first used.
+  std::vector<std::unique_ptr<PolicyMetrics>> policies_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_METRICS_H_
