@@ -10,6 +10,12 @@ apt_packages=(
   python3-grpcio python3-numpy python3-protobuf
   nghttp2-client
   unzip python3-yaml
+  # Metrics: the Prometheus C++ client (its Exposer serves /metrics), and Prometheus itself for
+  # the tests (promtool checks a scrape; a real prometheus scrapes a real kvrecalld).
+  prometheus-cpp-dev prometheus
+  # TLS tests make their certificates with openssl; the package test pip-installs the Python
+  # client into a fresh virtual environment.
+  openssl python3-venv python3-pip python3-setuptools python3-wheel
 )
 
 missing=()
@@ -20,6 +26,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
+  # Installing the prometheus package must not start a system-wide Prometheus: the tests start
+  # their own. policy-rc.d exit 101 is Debian's way to say "start no service now"; only a
+  # missing one is put in place, and only for this install.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null
+    $SUDO chmod 755 "$policy"
+    trap '$SUDO rm -f "$policy"' EXIT
+  fi
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
