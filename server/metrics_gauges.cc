@@ -1,0 +1,23 @@
+#include "server/metrics_gauges.h"
+
+#include <memory>
+#include <vector>
+
+namespace kvrecall {
+
+ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget) {
+  ServerGauges gauges;
+  for (const std::shared_ptr<Session>& session : registry.List()) {
+    absl::ReaderMutexLock lock(&session->mu());
+    if (session->closed()) continue;
+    const v1::SessionInfo info = session->Info();
+    ++gauges.sessions_open;
+    gauges.tokens_held += info.tokens();
+    gauges.gpu_bytes_held += info.gpu_bytes();
+  }
+  gauges.host_bytes_held = host_budget.used();
+  gauges.host_bytes_budget = BudgetGaugeValue(host_budget.limit());
+  return gauges;
+}
+
+}  // namespace kvrecall
