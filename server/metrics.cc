@@ -1,6 +1,7 @@
 #include "server/metrics.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <utility>
 
@@ -28,34 +29,43 @@ constexpr const char* kServedServices[] = {
 constexpr int kPlacements = 4;  // UNSPECIFIED, CPU, GPU, TIERED
 constexpr int kSelectorKinds = 5;
 
-// Boundaries b, b*f, b*f^2, ... up to and including `last` (rounded to 6 significant digits).
-Histogram::BucketBoundaries Geometric(double first, double factor, double last) {
+// 1-2-5 boundaries from m1 x 10^e1 up to m2 x 10^e2, parsed from their decimal spelling so
+// that the text format shows them as written ("5e-05", not "5.000000000000001e-05").
+Histogram::BucketBoundaries OneTwoFive(int first_mantissa, int first_exponent, int last_mantissa,
+                                       int last_exponent) {
   Histogram::BucketBoundaries out;
-  for (double b = first; b <= last * 1.000001; b *= factor) {
-    const double scale = std::pow(10.0, 5 - std::floor(std::log10(b)));
-    out.push_back(std::round(b * scale) / scale);
+  for (int e = first_exponent; e <= last_exponent; ++e) {
+    for (int m : {1, 2, 5}) {
+      if (e == first_exponent && m < first_mantissa) continue;
+      if (e == last_exponent && m > last_mantissa) continue;
+      out.push_back(std::strtod(absl::StrCat(m, "e", e).c_str(), nullptr));
+    }
   }
   return out;
 }
 
-// 10 us .. ~84 s for calls (unary calls are short, streams may last long).
+// 10 us .. 100 s for calls (unary calls are short, streams may last long).
 const Histogram::BucketBoundaries& CallBuckets() {
-  static const auto* b = new Histogram::BucketBoundaries(Geometric(1e-5, 2.0, 100.0));
+  static const auto* b = new Histogram::BucketBoundaries(OneTwoFive(1, -5, 1, 2));
   return *b;
 }
-// 5 us .. ~2.6 s for one decode step.
+// 5 us .. 2 s for one decode step.
 const Histogram::BucketBoundaries& StepBuckets() {
-  static const auto* b = new Histogram::BucketBoundaries(Geometric(5e-6, 2.0, 3.0));
+  static const auto* b = new Histogram::BucketBoundaries(OneTwoFive(5, -6, 2, 0));
   return *b;
 }
-// 1 ms .. ~1000 s for prefills and index builds.
+// 1 ms .. 1000 s for prefills and index builds.
 const Histogram::BucketBoundaries& BuildBuckets() {
-  static const auto* b = new Histogram::BucketBoundaries(Geometric(1e-3, 2.0, 1100.0));
+  static const auto* b = new Histogram::BucketBoundaries(OneTwoFive(1, -3, 1, 3));
   return *b;
 }
-// 1 .. 4^10 (~1M) tokens scored by one head's selector.
+// 1, 4, 16, .. 4^10 (~1M) tokens scored by one head's selector.
 const Histogram::BucketBoundaries& CandidateBuckets() {
-  static const auto* b = new Histogram::BucketBoundaries(Geometric(1.0, 4.0, 1048576.0));
+  static const auto* b = [] {
+    auto* bounds = new Histogram::BucketBoundaries;
+    for (double v = 1; v <= 1048576; v *= 4) bounds->push_back(v);
+    return bounds;
+  }();
   return *b;
 }
 
