@@ -3,6 +3,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/dtype.h"
@@ -41,6 +45,74 @@ int64_t FirstNonFinite(const float* x, int64_t n) {
   }
   return -1;
 }
+
+#if defined(__AVX2__) && defined(__F16C__)
+// Vector forms of kernels/dtype.h's conversions, 16 elements a pass; each returns how many
+// elements it converted (a multiple of 16), the caller does the rest with the scalar form.
+// They give the scalar forms' bits for every input but NaN, which stays a NaN (F16C quiets
+// a signalling NaN's payload where the scalar form keeps it).
+
+int64_t Bf16ToF32Vector(const char* p, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i));
+    const __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16);
+    const __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 8), hi);
+  }
+  return i;
+}
+
+// FloatToBf16 on 8 floats: round to nearest even, a NaN keeps its top bits and turns quiet.
+__m256i RoundToBf16(__m256i u) {
+  const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  // Signed compare is right here: abs < 2^31.
+  const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+int64_t F32ToBf16Vector(const float* x, int64_t count, char* p) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256i a = RoundToBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    const __m256i b = RoundToBf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i + 8)));
+    // packus works within 128-bit lanes: a0-3 b0-3 a4-7 b4-7, put back in order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 2 * i), packed);
+  }
+  return i;
+}
+
+int64_t F16ToF32Vector(const char* p, int64_t count, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+    _mm256_storeu_ps(out + i + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
+  }
+  return i;
+}
+
+int64_t F32ToF16Vector(const float* x, int64_t count, char* p) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m128i a = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    const __m128i b = _mm256_cvtps_ph(_mm256_loadu_ps(x + i + 8), _MM_FROUND_TO_NEAREST_INT);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 2 * i), _mm256_set_m128i(b, a));
+  }
+  return i;
+}
+#else
+int64_t Bf16ToF32Vector(const char*, int64_t, float*) { return 0; }
+int64_t F32ToBf16Vector(const float*, int64_t, char*) { return 0; }
+int64_t F16ToF32Vector(const char*, int64_t, float*) { return 0; }
+int64_t F32ToF16Vector(const float*, int64_t, char*) { return 0; }
+#endif
 
 }  // namespace
 
@@ -132,10 +204,14 @@ void ConvertToF32(const void* bytes, v1::DType dtype, int64_t count, float* out)
       std::memcpy(out, p, count * sizeof(float));
       return;
     case v1::DTYPE_F16:
-      for (int64_t i = 0; i < count; ++i) out[i] = F16ToFloat(LoadU16(p + 2 * i));
+      for (int64_t i = F16ToF32Vector(p, count, out); i < count; ++i) {
+        out[i] = F16ToFloat(LoadU16(p + 2 * i));
+      }
       return;
     case v1::DTYPE_BF16:
-      for (int64_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(LoadU16(p + 2 * i));
+      for (int64_t i = Bf16ToF32Vector(p, count, out); i < count; ++i) {
+        out[i] = Bf16ToFloat(LoadU16(p + 2 * i));
+      }
       return;
     default:
       return;
@@ -144,18 +220,19 @@ void ConvertToF32(const void* bytes, v1::DType dtype, int64_t count, float* out)
 
 void ConvertFromF32(std::span<const float> values, v1::DType dtype, void* bytes) {
   auto* p = static_cast<char*>(bytes);
+  const int64_t n = static_cast<int64_t>(values.size());
   switch (dtype) {
     case v1::DTYPE_F32:
       std::memcpy(p, values.data(), values.size() * sizeof(float));
       return;
     case v1::DTYPE_F16:
-      for (size_t i = 0; i < values.size(); ++i) {
+      for (int64_t i = F32ToF16Vector(values.data(), n, p); i < n; ++i) {
         const uint16_t h = FloatToF16(values[i]);
         std::memcpy(p + 2 * i, &h, 2);
       }
       return;
     case v1::DTYPE_BF16:
-      for (size_t i = 0; i < values.size(); ++i) {
+      for (int64_t i = F32ToBf16Vector(values.data(), n, p); i < n; ++i) {
         const uint16_t h = FloatToBf16(values[i]);
         std::memcpy(p + 2 * i, &h, 2);
       }

@@ -38,8 +38,9 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
 absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* out);
 
 // Element-wise conversion between f32 and the raw little-endian bytes of `dtype` (bf16 and f16
-// narrowing round to nearest even); `bytes` holds count * DTypeSize(dtype) bytes. One loop per
-// dtype, so that the loops vectorize: they run on every request and reply.
+// narrowing round to nearest even); `bytes` holds count * DTypeSize(dtype) bytes. They run on
+// every request and reply: 16 elements a pass with AVX2 and F16C where the build targets them
+// (the same bits as kernels/dtype.h's scalar conversions, a NaN staying a NaN).
 void ConvertToF32(const void* bytes, v1::DType dtype, int64_t count, float* out);
 void ConvertFromF32(std::span<const float> values, v1::DType dtype, void* bytes);
 

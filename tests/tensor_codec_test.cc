@@ -1,7 +1,9 @@
 #include "proto/tensor_codec.h"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -99,6 +101,70 @@ TEST(DTypeTest, HalfConversionsMatchKnownBitPatterns) {
   EXPECT_FLOAT_EQ(Bf16ToFloat(0x4049), 3.140625f);
   for (uint32_t h = 0; h < 0x7c00; ++h) {  // every finite positive half round-trips
     ASSERT_EQ(FloatToF16(F16ToFloat(static_cast<uint16_t>(h))), h);
+  }
+}
+
+// ConvertToF32 / ConvertFromF32 run 16 elements a pass (AVX2, F16C) and the rest one by one:
+// every input gives the scalar conversions' bits, and a NaN stays a NaN.
+TEST(DTypeTest, BulkConversionsGiveTheScalarBits) {
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+  };
+  auto is_nan16 = [](uint16_t h, v1::DType dtype) {
+    return dtype == v1::DTYPE_F16 ? (h & 0x7fff) > 0x7c00 : (h & 0x7fff) > 0x7f80;
+  };
+  // Every 16-bit pattern, and 7 more so that a scalar tail runs too.
+  std::vector<uint16_t> halves(65536 + 7);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i * 40503u);
+  // Floats at, next to and halfway between representable halves and bf16s (the ties), and
+  // random bit patterns over every exponent.
+  std::vector<float> floats = {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(), 65520.0f, 65519.99f,
+                               std::numeric_limits<float>::quiet_NaN()};
+  for (uint32_t h = 0; h < 0x10000; h += 7) {
+    for (float f : {F16ToFloat(static_cast<uint16_t>(h)), Bf16ToFloat(static_cast<uint16_t>(h))}) {
+      if (!std::isfinite(f)) continue;
+      const float up = std::nextafter(f, std::numeric_limits<float>::infinity());
+      floats.insert(floats.end(), {f, up, std::nextafter(f, 0.0f), f + (up - f) / 2});
+      const uint32_t tie16 = bits(f) + 0x1000, tie_bf16 = bits(f) + 0x8000;  // exact ties
+      float t;
+      std::memcpy(&t, &tie16, sizeof t);
+      floats.push_back(t);
+      std::memcpy(&t, &tie_bf16, sizeof t);
+      floats.push_back(t);
+    }
+  }
+  std::mt19937 rng(12);
+  for (int i = 0; i < 100003; ++i) {
+    const uint32_t u = rng();
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    floats.push_back(f);
+  }
+  for (v1::DType dtype : {v1::DTYPE_F16, v1::DTYPE_BF16}) {
+    auto to_f32 = dtype == v1::DTYPE_F16 ? F16ToFloat : Bf16ToFloat;
+    auto from_f32 = dtype == v1::DTYPE_F16 ? FloatToF16 : FloatToBf16;
+    std::vector<float> wide(halves.size());
+    ConvertToF32(halves.data(), dtype, static_cast<int64_t>(halves.size()), wide.data());
+    for (size_t i = 0; i < halves.size(); ++i) {
+      if (is_nan16(halves[i], dtype)) {
+        ASSERT_TRUE(std::isnan(wide[i])) << DTypeName(dtype) << " " << halves[i];
+      } else {
+        ASSERT_EQ(bits(wide[i]), bits(to_f32(halves[i]))) << DTypeName(dtype) << " " << halves[i];
+      }
+    }
+    std::vector<uint16_t> narrow(floats.size());
+    ConvertFromF32(floats, dtype, narrow.data());
+    for (size_t i = 0; i < floats.size(); ++i) {
+      if (std::isnan(floats[i])) {
+        ASSERT_TRUE(is_nan16(narrow[i], dtype)) << DTypeName(dtype) << " " << narrow[i];
+      } else {
+        ASSERT_EQ(narrow[i], from_f32(floats[i]))
+            << DTypeName(dtype) << " of " << floats[i] << " (bits " << bits(floats[i]) << ")";
+      }
+    }
   }
 }
 
