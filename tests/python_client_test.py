@@ -265,6 +265,11 @@ class WireTest(unittest.TestCase):
                 w.view(x[:, :15])
         bits = tensors.f32_to_bf16_bits(x)
         self.assertEqual(list(bits.flat[6:9]), [0x3F80, 0x3F82, 0xBF80])  # ties to even
+        # A NaN whose mantissa is all ones stays a NaN (rounding it naively carries into ±0).
+        nan = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001], np.uint32).view(np.float32)
+        w = tensors.WireBuffer("bf16", (3,))
+        for b in (tensors.f32_to_bf16_bits(nan), w.view(nan), w.view(nan.astype(np.float64))):
+            self.assertTrue(np.isnan(tensors.bf16_bits_to_f32(b)).all(), [hex(v) for v in b])
 
     def test_inputs_already_in_the_wire_dtype_are_not_copied(self):
         w = tensors.WireBuffer("bf16", (4, 8))

@@ -38,19 +38,29 @@ def _is_torch(x):
 _U32_16, _U32_1, _U32_ROUND = np.uint32(16), np.uint32(1), np.uint32(0x7FFF)
 
 
+def _quiet_nans(a, u):
+    """u (a's float32 bits as uint32), with every NaN made the quiet NaN 0x7FC00000, whose
+    rounding cannot carry out of the exponent into ±0 as a NaN with a full mantissa would.
+    One reduction when there is no NaN (its sum is then finite or ±inf)."""
+    if np.isnan(np.add.reduce(a, axis=None)):
+        return np.where(np.isnan(a), np.uint32(0x7FC00000), u)
+    return u
+
+
 def f32_to_bf16_bits(a, out=None, scratch=None):
     """bf16 bit patterns (uint16) of float32 values, rounded to nearest even.
 
     With `out` (uint16, a's shape) and `scratch` (uint32, shape (2,) + a.shape) nothing is
     allocated; the calls are few and cast nothing: each costs more than its 4K elements do."""
     if out is None:
-        u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        u = _quiet_nans(a, a.view(np.uint32))
         return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     if a.dtype == np.float32 and a.flags.c_contiguous:
-        u = a.view(np.uint32)
+        u = _quiet_nans(a, a.view(np.uint32))
     else:
         np.copyto(scratch[1].view(np.float32), a, casting="unsafe")
-        u = scratch[1]
+        u = _quiet_nans(scratch[1].view(np.float32), scratch[1])
     r = np.right_shift(u, _U32_16, out=scratch[0])
     np.bitwise_and(r, _U32_1, out=r)
     np.add(r, _U32_ROUND, out=r)
