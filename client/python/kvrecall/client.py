@@ -238,15 +238,95 @@ class Session:
         self.client.call("CloseSession", pb.CloseSessionRequest(session_id=self.id))
 
 
+@dataclasses.dataclass
+class Tls:
+    """TLS for a channel to kvrecalld; paths name PEM files. `ca`: the roots that signed the
+    server's certificate (None: the system's); `cert` and `key`: the client's certificate and
+    key, for servers that require mutual TLS; `server_name`: the name checked against the
+    server's certificate instead of the target's host."""
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+
+def _read_pem(path, what):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{what}: {path} is not a PEM file")
+    return data
+
+
+def make_channel(target, options=(), tls=None, token=None):
+    """A gRPC channel to `target`: plaintext, or TLS when `tls` is a Tls (or True: system roots)
+    or a bearer `token` is given (servers started with --auth_token_file; gRPC sends call
+    credentials only over TLS). ValueError for unusable files."""
+    if tls is None and token is None:
+        return grpc.insecure_channel(target, options=list(options))
+    tls = Tls() if tls in (None, True) else tls
+    if (tls.cert is None) != (tls.key is None):
+        raise ValueError("Tls.cert and Tls.key go together (a client certificate for mutual TLS)")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(tls.ca, "Tls.ca") if tls.ca else None,
+        private_key=_read_pem(tls.key, "Tls.key") if tls.key else None,
+        certificate_chain=_read_pem(tls.cert, "Tls.cert") if tls.cert else None)
+    if token is not None:
+        credentials = grpc.composite_channel_credentials(
+            credentials, grpc.access_token_call_credentials(token))
+    options = list(options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def add_connection_arguments(parser, server_required=False):
+    """--server and the TLS / token flags of the kvrecall CLI, for a command-line tool's
+    argparse parser; `connection_from_args` turns them into Client keyword arguments."""
+    parser.add_argument("--server", required=server_required,
+                        help="kvrecalld address, HOST:PORT or unix:PATH")
+    parser.add_argument("--tls", action="store_true",
+                        help="connect with TLS (implied by the other --tls-* flags)")
+    parser.add_argument("--tls-ca", help="PEM roots that signed the server's certificate")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name",
+                        help="the name to check the server's certificate against")
+    parser.add_argument("--token-file",
+                        help="a file whose first line is the bearer token (--auth_token_file servers)")
+
+
+def connection_from_args(args):
+    """The tls= and token= keyword arguments of Client for add_connection_arguments' flags."""
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file) as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"--token-file: cannot read {args.token_file}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"--token-file: {args.token_file} starts with an empty line")
+    tls = None
+    if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
+        tls = Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+                  server_name=args.tls_server_name)
+    return {"tls": tls, "token": token}
+
+
 class Client:
     """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; prefill chunks
-    are kept under `prefill_chunk_bytes` (the server's default receive limit is 4 MiB)."""
+    are kept under `prefill_chunk_bytes` (the server's default receive limit is 4 MiB). `tls`
+    and `token` secure the channel (see make_channel)."""
 
     def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=2 << 20,
-                 wait_ready_s=10.0):
-        self.channel = grpc.insecure_channel(target, options=[
+                 wait_ready_s=10.0, tls=None, token=None):
+        self.channel = make_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+            ("grpc.max_receive_message_length", max_message_bytes)], tls=tls, token=token)
         self.stub = pb_grpc.KvRecallStub(self.channel)
         self.prefill_chunk_bytes = prefill_chunk_bytes
         self._stream = None
@@ -255,8 +335,11 @@ class Client:
                 grpc.channel_ready_future(self.channel).result(timeout=wait_ready_s)
             except grpc.FutureTimeoutError:
                 self.channel.close()
+                hint = "" if tls is None and token is None else (
+                    " (or the TLS handshake failed: check the CA, certificates and server name)")
                 raise KvRecallError(grpc.StatusCode.UNAVAILABLE,
-                                    f"no kvrecalld answered at {target} within {wait_ready_s} s")
+                                    f"no kvrecalld answered at {target} within {wait_ready_s} s"
+                                    + hint)
 
     def __enter__(self):
         return self

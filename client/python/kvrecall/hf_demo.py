@@ -13,8 +13,9 @@ import traceback
 
 
 def main(argv=None):
+    from kvrecall.client import add_connection_arguments, connection_from_args
     ap = argparse.ArgumentParser()
-    ap.add_argument("--server", required=True)
+    add_connection_arguments(ap, server_required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--text", nargs="+", required=True)
     ap.add_argument("--offset", type=int, default=0)
@@ -73,7 +74,7 @@ def run(a, report):
     hf.set_attn_implementation(model, hf.NAME)
     report["attn_implementation"] = model.config._attn_implementation
     runs = []
-    with Client(a.server) as client:
+    with Client(a.server, **connection_from_args(a)) as client:
         for spec in a.policies:
             selector, _, k = spec.partition(":")
             r = {"policy": selector, "k": int(k or 0)}

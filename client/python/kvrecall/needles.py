@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from kvrecall.client import PATH_NAMES, Client, make_geometry, make_policy
+from kvrecall.client import (PATH_NAMES, Client, add_connection_arguments, connection_from_args,
+                             make_geometry, make_policy)
 
 _DTYPES = {"BF16": ("<u2", "bf16"), "F16": ("<f2", "f16"), "F32": ("<f4", "f32")}
 
@@ -128,7 +129,7 @@ def render(jsonl, md_path, commands):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python3 -m kvrecall.needles", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server")
+    add_connection_arguments(ap)
     ap.add_argument("--trace")
     ap.add_argument("--runs", nargs="+", help="selector[:K] ...")
     ap.add_argument("--jsonl", help="append one JSON line per run")
@@ -142,7 +143,7 @@ def main(argv=None):
         ap.error("--server, --trace and --runs are required (unless --render-md)")
     trace = read_safetensors(a.trace)
     failures = 0
-    with Client(a.server) as client:
+    with Client(a.server, **connection_from_args(a)) as client:
         for spec in a.runs:
             try:
                 r = replay(client, trace, spec)

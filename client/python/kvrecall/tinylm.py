@@ -188,7 +188,7 @@ def policy_from_args(a):
 
 
 def run_ppl(a):
-    from kvrecall.client import Client, make_geometry, path_mix
+    from kvrecall.client import Client, connection_from_args, make_geometry, path_mix
     model = TinyLM(a.model)
     need = a.offset + a.ctx + a.suffix + 1
     data = read_text(a.text, need)
@@ -200,7 +200,7 @@ def run_ppl(a):
     prefill_compute_s = time.perf_counter() - t0
 
     geometry = make_geometry(model.layers, model.q_heads, model.kv_heads, model.head_dim, "f32")
-    with Client(a.server) as client:
+    with Client(a.server, **connection_from_args(a)) as client:
         session = client.create_session(geometry, policy_from_args(a), label=f"tinylm ppl {a.policy}")
         try:
             t0 = time.perf_counter()
@@ -253,7 +253,8 @@ def parser():
     ap = argparse.ArgumentParser(prog="python3 -m kvrecall.tinylm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=["ppl"])
-    ap.add_argument("--server", required=True, help="host:port of kvrecalld")
+    from kvrecall.client import add_connection_arguments
+    add_connection_arguments(ap, server_required=True)
     ap.add_argument("--model", required=True, help="tinylm .npz")
     ap.add_argument("--text", nargs="+", required=True, help="files or folders")
     ap.add_argument("--offset", type=int, default=0, help="first byte of the window in the text")
