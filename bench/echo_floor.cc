@@ -50,6 +50,11 @@ class SyncEcho final : public EchoFloor::Service {
     }
     return grpc::Status::OK;
   }
+  grpc::Status EchoOnce(grpc::ServerContext*, const EchoRequest* request,
+                        EchoReply* reply) override {
+    SizeReply(request->reply_bytes(), reply);
+    return grpc::Status::OK;
+  }
 };
 
 // One stream: read, write the reply, read again; gRPC runs each reaction on its own threads.
@@ -83,6 +88,13 @@ class CallbackEcho final : public EchoFloor::CallbackService {
  public:
   grpc::ServerBidiReactor<EchoRequest, EchoReply>* Echo(grpc::CallbackServerContext*) override {
     return new EchoReactor();
+  }
+  grpc::ServerUnaryReactor* EchoOnce(grpc::CallbackServerContext* context,
+                                     const EchoRequest* request, EchoReply* reply) override {
+    SizeReply(request->reply_bytes(), reply);
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
   }
 };
 

@@ -2,7 +2,9 @@
 # The transport's floor and kvrecalld side by side, in one run (bench/results/rpc_floor.md):
 # echo_floor in the sync and the callback API and kvrecalld, each listening on TCP loopback and
 # on a Unix socket, each measured by the C++ client (rpc_overhead) and the Python client
-# (rpc_overhead.py with numpy inputs, and with torch bf16 inputs where torch imports).
+# (rpc_overhead.py with numpy inputs; kvrecalld also with torch bf16 inputs where torch
+# imports). The sync echo server is also measured as one unary call per round trip (C++ and
+# Python) and through Python's grpc.aio: what other shapes of the API would cost.
 #
 #   bench/echo_floor.sh BIN_DIR PY_DIR OUT_DIR
 #
@@ -10,7 +12,8 @@
 # generates (kvrecall/v1/*_pb2*.py from client/python/kvrecall/_gen and bench/echo_floor_pb2.py);
 # empty PY_DIR: no Python runs. Environment: ITERATIONS (pairs per C++ run, default 10000),
 # PY_ITERATIONS (default 4000), SERVERS (default "echo-sync echo-callback kvrecalld"),
-# CLIENTS (default "c++ python-numpy python-torch"), KVRECALLD_FLAGS (more kvrecalld flags).
+# CLIENTS (default "c++ python-numpy python-torch c++-unary python-unary python-aio"; each
+# server runs those that apply to it), KVRECALLD_FLAGS (more kvrecalld flags).
 # Writes OUT_DIR/<server>_<transport>_<client>.json, logs beside them, and
 # OUT_DIR/rpc_floor_table.md (bench/echo_floor_table.py).
 set -uo pipefail
@@ -27,13 +30,21 @@ sockets=$(mktemp -d)
 . "$root/scripts/kvrecalld.sh"
 status=0
 
-clients=${CLIENTS:-c++ python-numpy python-torch}
-if [ -z "$py" ]; then
-  clients=${clients//python-numpy/}
-  clients=${clients//python-torch/}
-elif ! "$python" -c 'import torch' 2>/dev/null; then
-  clients=${clients//python-torch/}
-fi
+clients=${CLIENTS:-c++ python-numpy python-torch c++-unary python-unary python-aio}
+have_torch=0
+[ -n "$py" ] && "$python" -c 'import torch' 2>/dev/null && have_torch=1
+# applies SERVER CLIENT: whether the run is made.
+applies() {
+  case $2 in
+    python-*) [ -n "$py" ] || return 1 ;;
+  esac
+  case $1:$2 in
+    *:python-torch) [ "$1" = kvrecalld ] && [ $have_torch = 1 ] ;;
+    echo-sync:*-unary | echo-sync:python-aio) return 0 ;;
+    *:*-unary | *:python-aio) return 1 ;;
+    *) return 0 ;;
+  esac
+}
 export PYTHONPATH="$root/client/python${py:+:$py}${PYTHONPATH:+:$PYTHONPATH}"
 
 # start SERVER TRANSPORT: starts one server; sets pid and address.
@@ -64,17 +75,26 @@ for transport in tcp unix; do
     protocol=echo
     [ "$server" = kvrecalld ] && protocol=kvrecall
     for client in $clients; do
+      applies "$server" "$client" || continue
       name=${server}_${transport}_${client}
+      common=(--server="$address" --server_pid="$pid" --label="$server" --json_out="$out/$name.json")
       case $client in
         c++)
-          "$bin/rpc_overhead" --protocol=$protocol --server="$address" --server_pid="$pid" \
-            --label="$server" --iterations="$iterations" --json_out="$out/$name.json" \
+          "$bin/rpc_overhead" --protocol=$protocol "${common[@]}" --iterations="$iterations" \
             > "$out/$name.log" 2>&1 ;;
+        c++-unary)
+          "$bin/rpc_overhead" --protocol=echo-unary "${common[@]}" --iterations="$iterations" \
+            > "$out/$name.log" 2>&1 ;;
+        python-unary)
+          PYTHONUNBUFFERED=1 "$python" "$here/rpc_overhead.py" --protocol=echo-unary \
+            "${common[@]}" --iterations="$py_iterations" > "$out/$name.log" 2>&1 ;;
+        python-aio)
+          PYTHONUNBUFFERED=1 "$python" "$here/rpc_overhead.py" --protocol=echo --api=aio \
+            "${common[@]}" --iterations="$py_iterations" > "$out/$name.log" 2>&1 ;;
         python-*)
           PYTHONUNBUFFERED=1 "$python" "$here/rpc_overhead.py" --protocol=$protocol \
-            --server="$address" --server_pid="$pid" --label="$server" \
-            --inputs="${client#python-}" --iterations="$py_iterations" \
-            --json_out="$out/$name.json" > "$out/$name.log" 2>&1 ;;
+            "${common[@]}" --inputs="${client#python-}" --iterations="$py_iterations" \
+            > "$out/$name.log" 2>&1 ;;
       esac
       rc=$?
       [ $rc -eq 0 ] || status=1

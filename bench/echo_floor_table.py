@@ -51,8 +51,11 @@ def main(paths):
     for client in clients:
         for transport in ["tcp", "unix"]:
             k = runs.get(("kvrecalld", transport, client))
-            floors = [runs[(s, transport, client)] for s in SERVERS[:2]
-                      if (s, transport, client) in runs]
+            # The floor of a client is the echo through the same gRPC path (torch inputs or
+            # numpy, Python's echo is the same).
+            same = "python-numpy" if client == "python-torch" else client
+            floors = [runs[(s, transport, same)] for s in SERVERS[:2]
+                      if (s, transport, same) in runs]
             if k is None or not floors:
                 continue
             floor = min(floors, key=lambda j: j["empty_us"]["p50"])

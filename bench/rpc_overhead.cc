@@ -8,7 +8,8 @@
 // set (streaming selector), so the work per step does not grow; the server reports its own
 // compute for the step (server_micros), and the client library's tensor codec is timed alone.
 // --protocol=echo: bench/echo_floor's stream with the same message sizes and the same client
-// threading (one synchronous stream, write then read), which does nothing with the bytes.
+// threading (one synchronous stream, write then read), which does nothing with the bytes;
+// --protocol=echo-unary: the same exchange as one unary call per round trip.
 //
 //   rpc_overhead                                    # kvrecalld's server in this process
 //   rpc_overhead --server=127.0.0.1:PORT --server_pid=PID
@@ -47,7 +48,9 @@
 #include "proto/tensor_codec.h"
 #include "server/server.h"
 
-ABSL_FLAG(std::string, protocol, "kvrecall", "kvrecall (a Decode stream) or echo (echo_floor)");
+ABSL_FLAG(std::string, protocol, "kvrecall",
+          "kvrecall (a Decode stream), echo (echo_floor's stream) or echo-unary (one EchoOnce "
+          "call per round trip)");
 ABSL_FLAG(std::string, server, "",
           "server to measure, HOST:PORT or unix:PATH; empty: start kvrecalld's server in this "
           "process on 127.0.0.1 (kvrecall only)");
@@ -227,6 +230,38 @@ class EchoStream final : public StreamUnderTest {
   bench::EchoReply reply_;
 };
 
+// The same exchange as one unary EchoOnce call per round trip (a fresh ClientContext each).
+class EchoUnary final : public StreamUnderTest {
+ public:
+  EchoUnary(const std::string& address, const Geometry& g)
+      : stub_(bench::EchoFloor::NewStub(
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
+        payload_(g.request_bytes(), '\x33'),
+        reply_bytes_(static_cast<uint32_t>(g.reply_bytes())) {}
+
+  absl::Status RoundTrip(bool layer_step) override {
+    request_.mutable_payload()->assign(layer_step ? payload_ : std::string());
+    request_.set_reply_bytes(layer_step ? reply_bytes_ : 0);
+    grpc::ClientContext context;
+    if (absl::Status s = FromGrpcStatus(stub_->EchoOnce(&context, request_, &reply_)); !s.ok()) {
+      return s;
+    }
+    if (reply_.payload().size() != request_.reply_bytes()) {
+      return absl::InternalError(absl::StrCat("echo reply of ", reply_.payload().size(),
+                                              " bytes, asked for ", request_.reply_bytes()));
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Close() override { return absl::OkStatus(); }
+
+ private:
+  std::unique_ptr<bench::EchoFloor::Stub> stub_;
+  const std::string payload_;
+  const uint32_t reply_bytes_;
+  bench::EchoRequest request_;
+  bench::EchoReply reply_;
+};
+
 // CPU time per round trip over `n` round trips of one kind: the client process (all of its
 // threads, gRPC's included), its calling thread and, when pid > 0, the server process.
 absl::StatusOr<nlohmann::ordered_json> CpuPhase(StreamUnderTest& stream, bool layer_step, int n,
@@ -316,15 +351,15 @@ std::vector<double> AttentionMicros(const Geometry& g, int context, int threads,
 
 int Main() {
   const std::string protocol = absl::GetFlag(FLAGS_protocol);
-  if (protocol != "kvrecall" && protocol != "echo") {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("--protocol must be kvrecall or echo, got '", protocol, "'")));
+  if (protocol != "kvrecall" && protocol != "echo" && protocol != "echo-unary") {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--protocol must be kvrecall, echo or echo-unary, got '", protocol, "'")));
   }
   std::string address = absl::GetFlag(FLAGS_server);
   std::unique_ptr<RunningServer> in_process;
   if (address.empty()) {
     if (protocol != "kvrecall") {
-      return Fail(absl::InvalidArgumentError("--protocol=echo needs --server (echo_floor's)"));
+      return Fail(absl::InvalidArgumentError("--protocol=echo and echo-unary need --server (echo_floor's)"));
     }
     ServerOptions options;
     options.address = "127.0.0.1:0";
@@ -354,8 +389,10 @@ int Main() {
         KvRecallStream::Open(address, g, *selector, context);
     if (!s.ok()) return Fail(s.status());
     stream = *std::move(s);
-  } else {
+  } else if (protocol == "echo") {
     stream = std::make_unique<EchoStream>(address, g);
+  } else {
+    stream = std::make_unique<EchoUnary>(address, g);
   }
 
   const int warmup = absl::GetFlag(FLAGS_warmup);

@@ -7,7 +7,10 @@ kind each for the CPU time per round trip of this process (grpcio's threads incl
 --protocol=kvrecall: kvrecall.Client's Decode stream over a prefilled 64-token streaming session
 (32 query / 8 KV heads, d=128, bf16: 12 KiB in, 8 KiB out), inputs as numpy float32 or torch
 bf16 tensors (--inputs). --protocol=echo: bench/echo_floor with the same sizes and the client's
-threading (a queue-fed request iterator, replies read in lock step), doing nothing else.
+threading (a queue-fed request iterator, replies read in lock step), doing nothing else; with
+--api=aio the same stream through grpc.aio on an event loop run by the calling thread.
+--protocol=echo-unary: one EchoOnce call per round trip (grpcio runs a unary call on the
+calling thread).
 
     PYTHONPATH=client/python:build/bench/python /usr/bin/python3 bench/rpc_overhead.py \
         --protocol=kvrecall --server=unix:/tmp/k.sock --server_pid=PID --json_out=out.json
@@ -106,6 +109,79 @@ class EchoStream:
         self.channel.close()
 
 
+class EchoAio:
+    """echo_floor's stream through grpc.aio, its event loop run by the calling thread."""
+
+    def __init__(self, address, args):
+        import asyncio
+        import grpc.aio
+        from bench import echo_floor_pb2 as pb
+        self.pb = pb
+        self.loop = asyncio.new_event_loop()
+
+        async def open_stream():
+            channel = grpc.aio.insecure_channel(address)
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            echo = channel.stream_stream("/kvrecall.bench.EchoFloor/Echo",
+                                         request_serializer=pb.EchoRequest.SerializeToString,
+                                         response_deserializer=pb.EchoReply.FromString)
+            return channel, echo()
+        self.channel, self.call = self.loop.run_until_complete(open_stream())
+        item = 4 if args.dtype == "f32" else 2
+        self.payload = bytes((args.q_heads + 2 * args.kv_heads) * args.head_dim * item)
+        self.reply_bytes = args.q_heads * args.head_dim * item
+        self.server_micros = None
+
+    async def _exchange(self, req):
+        await self.call.write(req)
+        return await self.call.read()
+
+    def round_trip(self, layer_step):
+        req = self.pb.EchoRequest(payload=self.payload, reply_bytes=self.reply_bytes) \
+            if layer_step else self.pb.EchoRequest()
+        reply = self.loop.run_until_complete(self._exchange(req))
+        if len(reply.payload) != req.reply_bytes:
+            raise RuntimeError(f"echo reply of {len(reply.payload)} bytes, asked for "
+                               f"{req.reply_bytes}")
+        return reply
+
+    def close(self):
+        async def finish():
+            await self.call.done_writing()
+            await self.channel.close()
+        self.loop.run_until_complete(finish())
+        self.loop.close()
+
+
+class EchoUnary:
+    """One EchoOnce call per round trip."""
+
+    def __init__(self, address, args):
+        from bench import echo_floor_pb2 as pb
+        self.pb = pb
+        self.channel = grpc.insecure_channel(address)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.once = self.channel.unary_unary("/kvrecall.bench.EchoFloor/EchoOnce",
+                                             request_serializer=pb.EchoRequest.SerializeToString,
+                                             response_deserializer=pb.EchoReply.FromString)
+        item = 4 if args.dtype == "f32" else 2
+        self.payload = bytes((args.q_heads + 2 * args.kv_heads) * args.head_dim * item)
+        self.reply_bytes = args.q_heads * args.head_dim * item
+        self.server_micros = None
+
+    def round_trip(self, layer_step):
+        req = self.pb.EchoRequest(payload=self.payload, reply_bytes=self.reply_bytes) \
+            if layer_step else self.pb.EchoRequest()
+        reply = self.once(req)
+        if len(reply.payload) != req.reply_bytes:
+            raise RuntimeError(f"echo reply of {len(reply.payload)} bytes, asked for "
+                               f"{req.reply_bytes}")
+        return reply
+
+    def close(self):
+        self.channel.close()
+
+
 def cpu_phase(stream, layer_step, n, server_pid):
     s0 = process_cpu_us(server_pid) if server_pid else None
     p0, t0, w0 = time.process_time_ns(), time.thread_time_ns(), time.perf_counter_ns()
@@ -121,7 +197,9 @@ def cpu_phase(stream, layer_step, n, server_pid):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--protocol", choices=["kvrecall", "echo"], default="kvrecall")
+    ap.add_argument("--protocol", choices=["kvrecall", "echo", "echo-unary"], default="kvrecall")
+    ap.add_argument("--api", choices=["sync", "aio"], default="sync",
+                    help="grpcio's API for --protocol=echo")
     ap.add_argument("--server", required=True, help="HOST:PORT or unix:PATH")
     ap.add_argument("--server_pid", type=int, default=0)
     ap.add_argument("--label", default="")
@@ -138,7 +216,11 @@ def main():
     ap.add_argument("--json_out", default="")
     args = ap.parse_args()
 
-    stream = (KvRecallStream if args.protocol == "kvrecall" else EchoStream)(args.server, args)
+    if args.api == "aio" and args.protocol != "echo":
+        ap.error("--api=aio is for --protocol=echo")
+    kind = {"kvrecall": KvRecallStream, "echo-unary": EchoUnary,
+            "echo": EchoAio if args.api == "aio" else EchoStream}[args.protocol]
+    stream = kind(args.server, args)
     empty, step, server, transport = [], [], [], []
     clock = time.perf_counter_ns
     for i in range(args.warmup + args.iterations):
@@ -159,7 +241,8 @@ def main():
     stream.close()
 
     item = 4 if args.dtype == "f32" else 2
-    j = {"protocol": args.protocol, "label": args.label, "client": f"python ({args.inputs})",
+    client = f"python ({args.inputs})" if args.protocol == "kvrecall" else f"python ({args.api})"
+    j = {"protocol": args.protocol, "label": args.label, "client": client,
          "server": args.server, "transport": "unix" if args.server.startswith("unix:") else "tcp",
          "q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
          "dtype": args.dtype, "context": args.context, "iterations": args.iterations,
