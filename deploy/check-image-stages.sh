@@ -84,7 +84,7 @@ toolchain="$(chroot "$runtime" dpkg-query -W -f='${Package}\n' \
 port="$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 log="$runtime/kvrecalld.log"
 chroot --userspec=10001:10001 "$runtime" /usr/local/bin/kvrecalld --address="127.0.0.1:$port" \
-  >"$log" 2>&1 &
+  --metrics_address=127.0.0.1:0 >"$log" 2>&1 &
 server=$!
 /usr/bin/python3 - "$port" "$repo/tests" <<'EOF'
 import sys, time, grpc

@@ -22,16 +22,19 @@ require_helm() {
 }
 require_node_models() {
   if [ -z "$NODE" ] || [ ! -d "$deploy_tools/node_modules/kubernetes-models" ] \
-      || [ ! -d "$deploy_tools/node_modules/yaml" ]; then
-    echo "SKIP: node with kubernetes-models and yaml not found (scripts/install_deps.sh installs them into .tools)"
+      || [ ! -d "$deploy_tools/node_modules/yaml" ] \
+      || [ ! -d "$deploy_tools/node_modules/@kubernetes-models/prometheus-operator" ]; then
+    echo "SKIP: node with kubernetes-models, @kubernetes-models/prometheus-operator and yaml not found (scripts/install_deps.sh installs them into .tools)"
     exit "$DEPLOY_SKIP"
   fi
 }
 
-# The two configurations the repository ships manifests for: name and extra helm arguments.
+# The configurations the chart ships values for: default and gpu (rendered into deploy/k8s/),
+# secure (values-secure.yaml: TLS, tokens, ServiceMonitor; its Secrets are the operator's).
 chart_dir="$deploy_root/deploy/helm/kvrecall"
-render_chart() {  # render_chart default|gpu
+render_chart() {  # render_chart default|gpu|secure
   local extra=()
   [ "$1" = gpu ] && extra=(-f "$chart_dir/values-gpu.yaml")
+  [ "$1" = secure ] && extra=(-f "$chart_dir/values-secure.yaml")
   "$HELM" template kvrecall "$chart_dir" "${extra[@]}"
 }

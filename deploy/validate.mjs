@@ -16,18 +16,26 @@ const toolsDir = process.env.KVRECALL_TOOLS_DIR ?? path.join(repoRoot, ".tools")
 const requireTool = createRequire(path.join(toolsDir, "node_modules", "_"));
 const { parseAllDocuments } = requireTool("yaml");
 
+// API groups of custom resources the chart may render, and the kubernetes-models package that
+// holds their schemas (the Prometheus Operator's ServiceMonitor).
+const customResourcePackages = {
+  "monitoring.coreos.com": "@kubernetes-models/prometheus-operator",
+};
+
 // Loads the kubernetes-models class for an object: apiVersion "apps/v1" + kind "StatefulSet"
-// lives at kubernetes-models/apps/v1/StatefulSet, core "v1" at kubernetes-models/v1/<Kind>.
+// lives at kubernetes-models/apps/v1/StatefulSet, core "v1" at kubernetes-models/v1/<Kind>,
+// a custom resource's at <its package>/<group>/<version>/<Kind>.
 function modelClass(apiVersion, kind) {
   if (!/^[a-z0-9.]+(\/[a-z0-9]+)?$/.test(apiVersion) || !/^[A-Z][A-Za-z0-9]*$/.test(kind)) {
     throw new Error(`apiVersion ${JSON.stringify(apiVersion)} / kind ${JSON.stringify(kind)} is malformed`);
   }
+  const modelsPackage = customResourcePackages[apiVersion.split("/")[0]] ?? "kubernetes-models";
   let module;
   try {
-    module = requireTool(`kubernetes-models/${apiVersion}/${kind}`);
+    module = requireTool(`${modelsPackage}/${apiVersion}/${kind}`);
   } catch (error) {
     if (error.code !== "MODULE_NOT_FOUND") throw error;  // a broken install, not an unknown kind
-    throw new Error(`no schema for ${apiVersion} ${kind} in kubernetes-models`);
+    throw new Error(`no schema for ${apiVersion} ${kind} in ${modelsPackage}`);
   }
   return module[kind];
 }

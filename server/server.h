@@ -13,7 +13,10 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/health.h"
+#include "server/credentials.h"
 #include "server/host_memory_budget.h"
+#include "server/metrics.h"
+#include "server/metrics_endpoint.h"
 #include "server/service.h"
 #include "server/session.h"
 
@@ -30,6 +33,14 @@ struct ServerOptions {
   int64_t max_message_bytes = 64ll << 20;
   // Host memory that sessions may hold (KV, staged prompts, selector state); 0: unlimited.
   int64_t host_memory_budget_bytes = 0;
+  // TLS, mutual TLS and bearer tokens for every address above (server/credentials.h).
+  SecurityOptions security;
+  // HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none, and
+  // calls are not counted or timed (kvrecall_rpcs_total and the latency histograms stay empty).
+  std::string metrics_address;
+  // HOST:PORT of a plaintext port that serves grpc.health.v1 alone, for probes that cannot
+  // speak TLS (Kubernetes' gRPC probes); empty: none.
+  std::string health_address;
 };
 
 // A started server. Destroying it shuts it down.
@@ -53,16 +64,28 @@ class RunningServer {
   void Wait();
 
   SessionRegistry& sessions() { return registry_; }
+  ServerMetrics& metrics() { return *metrics_; }
+  // Where metrics and the plaintext health port are served (bound ports); empty when not.
+  const std::string& metrics_address() const { return metrics_address_; }
+  const std::string& health_address() const { return health_address_; }
   const HostMemoryBudget& budget() const { return budget_; }
 
  private:
   friend absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& options);
   explicit RunningServer(const ServerOptions& options);
+  // The metrics endpoint and the plaintext health port, when `options` ask for them.
+  absl::Status StartMetricsAndProbes(const ServerOptions& options);
 
   HostMemoryBudget budget_;
   SessionRegistry registry_;
   KvRecallService service_;
   HealthService health_;
+  std::shared_ptr<ServerMetrics> metrics_ = std::make_shared<ServerMetrics>();
+  std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
+  std::string metrics_address_;
+  HealthService probe_health_;  // the same answers as health_, on health_address
+  std::unique_ptr<grpc::Server> probe_server_;
+  std::string health_address_;
   std::unique_ptr<grpc::Server> server_;
   std::vector<std::string> addresses_;
   int port_ = 0;

@@ -35,15 +35,18 @@ case "$case_name" in
     require_helm
     "$HELM" lint --strict "$chart_dir"
     "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-gpu.yaml"
+    "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-secure.yaml"
     ;;
   validate)
     require_helm
     require_node_models
-    for variant in default gpu; do
+    for variant in default gpu secure; do
       rendered="$(render_chart "$variant")"
       echo "== $variant"
       "$NODE" "$deploy_root/deploy/validate.mjs" - <<<"$rendered"
-      for kind in StatefulSet Service ServiceAccount PodDisruptionBudget; do
+      kinds=(StatefulSet Service ServiceAccount PodDisruptionBudget)
+      [ "$variant" = secure ] && kinds+=(ServiceMonitor)
+      for kind in "${kinds[@]}"; do
         grep -q "^kind: $kind$" <<<"$rendered" || fail "$variant render has no $kind"
       done
     done
@@ -67,7 +70,8 @@ case "$case_name" in
       "PodDisruptionBudget/pdb-without-selector-type: data/spec/selector must be object"
       "Widget/unknown-kind: no schema for v1 Widget in kubernetes-models"
       "ServiceAccount/?: metadata.name is missing"
-      "7 objects checked, 7 invalid"
+      "ServiceMonitor/misspelt-scrape-timeout: spec.endpoints.0.scrapeTimout: field not in the schema"
+      "8 objects checked, 8 invalid"
     )
     for line in "${expected[@]}"; do
       grep -qF -- "$line" <<<"$out" || fail "validate.mjs did not report: $line"
@@ -125,6 +129,43 @@ case "$case_name" in
     expect_render_error "colocatedRunner.image: set the runner's image" --set colocatedRunner.enabled=true
     expect_render_error "at '/colocatedRunner/socketDir': 'run/kvrecall' does not match pattern" \
       --set colocatedRunner.enabled=true --set colocatedRunner.image=r --set colocatedRunner.socketDir=run/kvrecall
+    # Metrics, TLS and tokens: the flags and mounts they derive, and what cannot work together.
+    default_render="$("$HELM" template kvrecall "$chart_dir")"
+    for line in '- --metrics_address=0.0.0.0:9090' 'prometheus.io/scrape: "true"' \
+        'prometheus.io/port: "9090"' 'targetPort: metrics'; do
+      grep -qF -- "$line" <<<"$default_render" || fail "default render lacks: $line"
+    done
+    if grep -qE 'ServiceMonitor|--tls_|--auth_token_file|--health_address' <<<"$default_render"; then
+      fail "the default render enables TLS, tokens or a ServiceMonitor"
+    fi
+    no_metrics="$("$HELM" template kvrecall "$chart_dir" --set metrics.enabled=false)"
+    grep -qF -- '- --metrics_address=' <<<"$no_metrics" || fail "metrics.enabled=false must pass an empty --metrics_address"
+    if grep -qE 'prometheus.io|name: metrics|--metrics_address=0' <<<"$no_metrics"; then
+      fail "metrics.enabled=false still exposes metrics"
+    fi
+    secure="$(render_chart secure)"
+    for line in '- --tls_cert=/etc/kvrecall/tls/tls.crt' '- --tls_key=/etc/kvrecall/tls/tls.key' \
+        '- --tls_client_ca=/etc/kvrecall/tls/ca.crt' '- --health_address=0.0.0.0:50052' \
+        '- --auth_token_file=/etc/kvrecall/auth/tokens' 'secretName: kvrecall-tls' \
+        'secretName: kvrecall-tokens' 'mountPath: /etc/kvrecall/tls' 'release: kube-prometheus-stack'; do
+      grep -qF -- "$line" <<<"$secure" || fail "secure render lacks: $line"
+    done
+    # The kubelet's gRPC probes speak plaintext: with TLS both go to the health-only port.
+    [ "$(grep -cE '^ +port: 50052$' <<<"$secure")" = 2 ] || fail "secure render: probes must call port 50052"
+    expect_render_error "tls.secretName: name the kubernetes.io/tls Secret" --set tls.enabled=true
+    expect_render_error "tls.clientAuth (mutual TLS) needs tls.enabled" --set tls.clientAuth=true
+    expect_render_error "auth.tokenSecretName needs tls.enabled: clients send bearer tokens only over TLS" \
+      --set auth.tokenSecretName=tokens
+    expect_render_error "metrics.serviceMonitor.enabled needs metrics.enabled" \
+      --set metrics.enabled=false --set metrics.serviceMonitor.enabled=true
+    expect_render_error "server.port, metrics.port and tls.probePort must differ, got [50051 50051]" \
+      --set metrics.port=50051
+    expect_render_error "server.port, metrics.port and tls.probePort must differ, got [50051 9090 9090]" \
+      --set tls.enabled=true --set tls.secretName=s --set tls.probePort=9090
+    expect_render_error "server.extraArgs: --tls_cert is set by the chart; use its value under server.* instead" \
+      --set "server.extraArgs={--tls_cert=/x}"
+    expect_render_error "at '/metrics/serviceMonitor/interval': '15 seconds' does not match pattern" \
+      --set "metrics.serviceMonitor.interval=15 seconds"
     # values.schema.json: unknown keys and out-of-range values are refused, not ignored.
     expect_render_error "at '': additional properties 'replicas' not allowed" --set replicas=3
     expect_render_error "at '/probes/readiness': additional properties 'sevice' not allowed" \

@@ -1,10 +1,12 @@
 """Checks that the Helm chart drives the real kvrecalld the way Kubernetes would.
 
-For the default and the GPU values: the rendered ports, probes and Services agree with each
-other; every flag the chart passes is one kvrecalld declares (`--helpfull`); kvrecalld started
-with exactly the chart's arguments (the listen address moved to a free loopback port) answers
-the readiness and liveness probes' grpc.health.v1.Health/Check SERVING, and on SIGTERM it
-exits 0 within the pod's termination grace period.
+For the default, the GPU and the secure values (TLS, mutual TLS, tokens): the rendered ports,
+probes and Services agree with each other; every flag the chart passes is one kvrecalld
+declares (`--helpfull`); kvrecalld started with exactly the chart's arguments (listen addresses
+moved to free loopback ports, the Secrets' mount points to a folder of certificates made by
+openssl) answers the readiness and liveness probes' grpc.health.v1.Health/Check SERVING,
+serves /metrics where the pod's annotations say, takes a call over TLS with a token (secure),
+and on SIGTERM it exits 0 within the pod's termination grace period.
 
 Usage: deploy_server_test.py KVRECALLD   (exits 77, CTest's skip, when helm is missing)
 """
@@ -19,8 +21,13 @@ import tempfile
 import time
 import unittest
 
+import shutil
+import urllib.request
+
 import grpc
 import yaml
+
+from auth_pki import ALICE_TOKEN, make_pki
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CHART = os.path.join(REPO, "deploy", "helm", "kvrecall")
@@ -28,7 +35,8 @@ TOOLS = os.environ.get("KVRECALL_TOOLS_DIR", os.path.join(REPO, ".tools"))
 HELM = os.path.join(TOOLS, "bin", "helm")  # the pinned one scripts/install_deps.sh installs
 KVRECALLD = None  # set from argv
 
-VARIANTS = {"default": [], "gpu": ["-f", os.path.join(CHART, "values-gpu.yaml")]}
+VARIANTS = {"default": [], "gpu": ["-f", os.path.join(CHART, "values-gpu.yaml")],
+            "secure": ["-f", os.path.join(CHART, "values-secure.yaml")]}
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.ServingStatus
 
 
@@ -46,6 +54,11 @@ def only(objects, kind):
     found = [o for (k, _), o in objects.items() if k == kind]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
+
+
+def flag_value(args, flag):
+    (value,) = [a.split("=", 1)[1] for a in args if a.startswith(f"--{flag}=")]
+    return value
 
 
 def health_check(address, service, timeout_s):
@@ -103,24 +116,48 @@ class ChartDrivesKvrecalld(unittest.TestCase):
         for variant in VARIANTS:
             with self.subTest(variant=variant):
                 objects, statefulset, pod, container = self.chart(variant)
-                address = [a for a in container["args"] if a.startswith("--address=")]
-                self.assertEqual(len(address), 1, container["args"])
-                listen_port = int(address[0].rsplit(":", 1)[1])
-                (port,) = container["ports"]
-                self.assertEqual((port["name"], port["containerPort"]), ("grpc", listen_port))
+                args = container["args"]
+                listen_port = int(flag_value(args, "address").rsplit(":", 1)[1])
+                metrics_port = int(flag_value(args, "metrics_address").rsplit(":", 1)[1])
+                ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+                want = {"grpc": listen_port, "metrics": metrics_port}
+                tls = any(a.startswith("--tls_cert=") for a in args)
+                if tls:
+                    want["health"] = int(flag_value(args, "health_address").rsplit(":", 1)[1])
+                self.assertEqual(ports, want)
+                # The kubelet's gRPC probes cannot speak TLS: with it they call the health port.
                 for probe in ("readinessProbe", "livenessProbe"):
-                    self.assertEqual(container[probe]["grpc"]["port"], listen_port, probe)
+                    self.assertEqual(container[probe]["grpc"]["port"],
+                                     want["health"] if tls else listen_port, probe)
+                annotations = pod["metadata"]["annotations"]
+                self.assertEqual((annotations["prometheus.io/scrape"], annotations["prometheus.io/port"],
+                                  annotations["prometheus.io/path"]),
+                                 ("true", str(metrics_port), "/metrics"))
                 services = [o for (k, _), o in objects.items() if k == "Service"]
                 self.assertEqual(len(services), 2)
                 headless = [s for s in services if s["spec"].get("clusterIP") == "None"]
                 self.assertEqual([s["metadata"]["name"] for s in headless],
                                  [statefulset["spec"]["serviceName"]])
                 for service in services:
-                    (service_port,) = service["spec"]["ports"]
-                    self.assertEqual(service_port["targetPort"], "grpc")
-                    self.assertEqual(service_port["appProtocol"], "grpc")
+                    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+                    # The metrics port is on the ClusterIP Service only, so a ServiceMonitor
+                    # selecting both Services scrapes each pod once.
+                    names = {"grpc"} if service in headless else {"grpc", "metrics"}
+                    self.assertEqual(set(service_ports), names)
+                    self.assertEqual(service_ports["grpc"]["targetPort"], "grpc")
+                    self.assertEqual(service_ports["grpc"]["appProtocol"], "grpc")
+                    if "metrics" in service_ports:
+                        self.assertEqual(service_ports["metrics"]["targetPort"], "metrics")
+                        self.assertEqual(service_ports["metrics"]["port"], metrics_port)
                     self.assertEqual(service["spec"]["selector"].items()
                                      - pod["metadata"]["labels"].items(), set())
+                monitors = [o for (k, _), o in objects.items() if k == "ServiceMonitor"]
+                self.assertEqual(len(monitors), 1 if variant == "secure" else 0)
+                for monitor in monitors:
+                    (endpoint,) = monitor["spec"]["endpoints"]
+                    self.assertEqual((endpoint["port"], endpoint["path"]), ("metrics", "/metrics"))
+                    self.assertEqual(monitor["spec"]["selector"]["matchLabels"].items()
+                                     - services[0]["metadata"]["labels"].items(), set())
                 self.assertEqual(statefulset["spec"]["selector"]["matchLabels"].items()
                                  - pod["metadata"]["labels"].items(), set())
                 pdb = only(objects, "PodDisruptionBudget")
@@ -142,16 +179,26 @@ class ChartDrivesKvrecalld(unittest.TestCase):
         for variant in VARIANTS:
             with self.subTest(variant=variant):
                 _, _, pod, container = self.chart(variant)
-                port = free_port()
-                args = [f"--address=127.0.0.1:{port}" if a.startswith("--address=") else a
-                        for a in container["args"]]
+                port, metrics_port, health_port = free_port(), free_port(), free_port()
+                secrets = tempfile.TemporaryDirectory(prefix="kvrecall-secrets-")
+                self.addCleanup(secrets.cleanup)
+                args = self.local_args(container["args"], port, metrics_port, health_port,
+                                       secrets.name)
                 # What the downward API gives OMP_NUM_THREADS: requests.cpu rounded up.
                 cpus = str(-(-int(float(container["resources"]["requests"]["cpu"]))))
                 env = dict(os.environ, OMP_NUM_THREADS=cpus)
                 server = subprocess.Popen([KVRECALLD, *args], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True)
                 try:
-                    self.assert_probes_pass(server, f"127.0.0.1:{port}", container)
+                    tls = any(a.startswith("--tls_cert=") for a in args)
+                    probe_address = f"127.0.0.1:{health_port if tls else port}"
+                    self.assert_probes_pass(server, probe_address, container)
+                    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}"
+                                                f"{pod['metadata']['annotations']['prometheus.io/path']}",
+                                                timeout=10) as r:
+                        self.assertIn("\nkvrecall_build_info{", r.read().decode())
+                    if tls:
+                        self.assert_tls_and_token_required(f"127.0.0.1:{port}", secrets.name)
                     grace = pod["spec"]["terminationGracePeriodSeconds"]
                     server.send_signal(signal.SIGTERM)
                     output, _ = server.communicate(timeout=grace)
@@ -195,6 +242,54 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                 if server.poll() is None:
                     server.kill()
                     server.communicate()
+
+    @staticmethod
+    def local_args(args, port, metrics_port, health_port, secrets_dir):
+        """The chart's args with loopback ports and the Secrets' mounts under `secrets_dir`,
+        which then holds what the Secrets would: certificates made by openssl (auth_pki.py)
+        under tls/ (tls.crt, tls.key, ca.crt) and the token file under auth/."""
+        moved = {"address": f"127.0.0.1:{port}", "metrics_address": f"127.0.0.1:{metrics_port}",
+                 "health_address": f"127.0.0.1:{health_port}"}
+        out = []
+        for a in args:
+            flag = a[2:].split("=", 1)[0]
+            if flag in moved:
+                a = f"--{flag}={moved[flag]}"
+            out.append(a.replace("=/etc/kvrecall/", f"={secrets_dir}/"))
+        if any(a.startswith("--tls_cert=") for a in out):
+            pki_dir = os.path.join(secrets_dir, "pki")
+            os.makedirs(pki_dir)
+            pki = make_pki(pki_dir)
+            for name, source in (("tls/tls.crt", "server.pem"), ("tls/tls.key", "server.key"),
+                                 ("tls/ca.crt", "ca.pem"), ("auth/tokens", "tokens")):
+                os.makedirs(os.path.dirname(os.path.join(secrets_dir, name)), exist_ok=True)
+                shutil.copy(pki[source], os.path.join(secrets_dir, name))
+        return out
+
+    def assert_tls_and_token_required(self, address, secrets_dir):
+        """ListSessions over mutual TLS: OK with a tenant's token, UNAUTHENTICATED without."""
+        pki = os.path.join(secrets_dir, "pki")
+
+        def read(name):
+            with open(os.path.join(pki, name), "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_channel_credentials(read("ca.pem"), read("client.key"),
+                                                   read("client.pem"))
+        with_token = grpc.composite_channel_credentials(
+            credentials, grpc.access_token_call_credentials(ALICE_TOKEN))
+        for creds, code in ((with_token, grpc.StatusCode.OK),
+                            (credentials, grpc.StatusCode.UNAUTHENTICATED)):
+            with grpc.secure_channel(address, creds) as channel:
+                call = channel.unary_unary("/kvrecall.v1.KvRecall/ListSessions",
+                                           request_serializer=lambda b: b,
+                                           response_deserializer=lambda b: b)
+                try:
+                    call(b"", timeout=10)
+                    got = grpc.StatusCode.OK
+                except grpc.RpcError as error:
+                    got = error.code()
+                self.assertEqual(got, code)
 
     def assert_probes_pass(self, server, address, container):
         probes = {name: container[name]["grpc"].get("service", "")

@@ -122,13 +122,14 @@ class KvrecalldProcess {
 #endif
   }
 
-  // Starts kvrecalld --address=127.0.0.1:0 plus `flags` and waits up to `timeout` for it to
-  // listen.
+  // Starts kvrecalld --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 plus `flags` and waits
+  // up to `timeout` for it to listen.
   static absl::StatusOr<std::unique_ptr<KvrecalldProcess>> Start(
       std::vector<std::string> flags = {}, absl::Duration timeout = absl::Seconds(30)) {
     int out[2];
     if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-    std::vector<std::string> args = {BinaryPath(), "--address=127.0.0.1:0"};
+    std::vector<std::string> args = {BinaryPath(), "--address=127.0.0.1:0",
+                                     "--metrics_address=127.0.0.1:0"};
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());

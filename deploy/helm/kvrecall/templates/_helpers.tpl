@@ -104,6 +104,37 @@ memory limit, or the kernel would kill the pod before the budget refuses a reque
 unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 {{- end }}
 
+{{/* Where the TLS and token Secrets are mounted in the kvrecalld container. */}}
+{{- define "kvrecall.tlsDir" -}}/etc/kvrecall/tls{{- end }}
+{{- define "kvrecall.authDir" -}}/etc/kvrecall/auth{{- end }}
+
+{{/* The port the probes call: the plaintext health port with TLS, else the gRPC port. */}}
+{{- define "kvrecall.probePort" -}}
+{{- if .Values.tls.enabled }}{{ .Values.tls.probePort }}{{ else }}{{ .Values.server.port }}{{ end }}
+{{- end }}
+
+{{/* The metrics, TLS and token values that cannot work together are refused. */}}
+{{- define "kvrecall.checkOperateValues" -}}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
+{{- fail "tls.secretName: name the kubernetes.io/tls Secret (tls.crt, tls.key; ca.crt for tls.clientAuth) when tls.enabled is true" }}
+{{- end }}
+{{- if and .Values.tls.clientAuth (not .Values.tls.enabled) }}
+{{- fail "tls.clientAuth (mutual TLS) needs tls.enabled" }}
+{{- end }}
+{{- if and .Values.auth.tokenSecretName (not .Values.tls.enabled) }}
+{{- fail "auth.tokenSecretName needs tls.enabled: clients send bearer tokens only over TLS" }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.enabled" }}
+{{- end }}
+{{- $ports := list (int .Values.server.port) }}
+{{- if .Values.metrics.enabled }}{{ $ports = append $ports (int .Values.metrics.port) }}{{ end }}
+{{- if .Values.tls.enabled }}{{ $ports = append $ports (int .Values.tls.probePort) }}{{ end }}
+{{- if ne (len $ports) (len (uniq $ports)) }}
+{{- fail (printf "server.port, metrics.port and tls.probePort must differ, got %v" $ports) }}
+{{- end }}
+{{- end }}
+
 {{/* kvrecalld's command line (the container's args; the image's entrypoint is kvrecalld). */}}
 {{- define "kvrecall.args" -}}
 - --address=0.0.0.0:{{ .Values.server.port }}{{ if .Values.colocatedRunner.enabled }},{{ include "kvrecall.socketAddress" . }}{{ end }}
@@ -116,9 +147,22 @@ unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 {{- fail (printf "server.shutdownGraceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the kubelet kills the container then" .Values.server.shutdownGraceSeconds .Values.terminationGracePeriodSeconds) }}
 {{- end }}
 - --shutdown_grace_seconds={{ .Values.server.shutdownGraceSeconds }}
+{{- include "kvrecall.checkOperateValues" . }}
+- --metrics_address={{ if .Values.metrics.enabled }}0.0.0.0:{{ .Values.metrics.port }}{{ end }}
+{{- if .Values.tls.enabled }}
+- --tls_cert={{ include "kvrecall.tlsDir" . }}/tls.crt
+- --tls_key={{ include "kvrecall.tlsDir" . }}/tls.key
+{{- if .Values.tls.clientAuth }}
+- --tls_client_ca={{ include "kvrecall.tlsDir" . }}/ca.crt
+{{- end }}
+- --health_address=0.0.0.0:{{ .Values.tls.probePort }}
+{{- end }}
+{{- if .Values.auth.tokenSecretName }}
+- --auth_token_file={{ include "kvrecall.authDir" . }}/{{ .Values.auth.tokenSecretKey }}
+{{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}

@@ -1,0 +1,392 @@
+// TLS, mutual TLS and bearer-token tenants with real certificates that openssl makes for the
+// suite: an in-process kvrecall server reached through the C++ client, kvrecalld's flags, and
+// the kvrecall CLI against a real kvrecalld.
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/kvrecall_client.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "server/auth.h"
+#include "server/credentials.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using testing::HasStatus;
+using ::testing::HasSubstr;
+
+// The output (stdout and stderr) and exit status of a shell command.
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;
+};
+CommandResult RunCommand(const std::string& command) {
+  CommandResult result;
+  FILE* pipe = popen(absl::StrCat(command, " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) result.output.append(buffer, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+constexpr char kAliceToken[] = "alice-token-0123456789";
+constexpr char kBobToken[] = "bob-token-0123456789ab";
+
+// A certificate authority, a server certificate for 127.0.0.1 / localhost / kvrecall.test and a
+// client certificate signed by it, a second CA with its own client certificate (trusted by
+// nobody), and a token file naming two tenants; made once for the whole suite.
+class Pki {
+ public:
+  static const Pki& Get() {
+    static const Pki* pki = new Pki();
+    return *pki;
+  }
+  std::string Path(absl::string_view name) const { return absl::StrCat(dir_, "/", name); }
+  const std::string& error() const { return error_; }
+
+ private:
+  Pki() {
+    char pattern[] = "/tmp/kvrecall-pki-XXXXXX";
+    dir_ = mkdtemp(pattern);
+    static std::string* removed_at_exit = new std::string(dir_);
+    std::atexit([] { RunCommand("rm -rf " + *removed_at_exit); });
+    WriteFile(Path("server.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kvrecall.test\n");
+    WriteFile(Path("client.ext"), "extendedKeyUsage=clientAuth\n");
+    const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+    const std::vector<std::string> steps = {
+        absl::StrCat("openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 2",
+                     " -subj '/CN=kvrecall test CA'"),
+        absl::StrCat("openssl req -x509 ", key, " -keyout wrong-ca.key -out wrong-ca.pem -days 2",
+                     " -subj '/CN=another CA'"),
+        absl::StrCat("openssl req ", key,
+                     " -keyout server.key -out server.csr -subj '/CN=kvrecalld'"),
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2"
+        " -extfile server.ext -out server.pem",
+        absl::StrCat("openssl req ", key, " -keyout client.key -out client.csr -subj '/CN=runner'"),
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2"
+        " -extfile client.ext -out client.pem",
+        absl::StrCat("openssl req ", key,
+                     " -keyout stranger.key -out stranger.csr -subj '/CN=stranger'"),
+        "openssl x509 -req -in stranger.csr -CA wrong-ca.pem -CAkey wrong-ca.key -CAcreateserial"
+        " -days 2 -extfile client.ext -out stranger.pem",
+    };
+    for (const std::string& step : steps) {
+      CommandResult r = RunCommand(absl::StrCat("cd ", dir_, " && ", step));
+      if (r.exit_code != 0) {
+        error_ = absl::StrCat(step, " failed: ", r.output);
+        return;
+      }
+    }
+    WriteFile(Path("tokens"), absl::StrCat("# kvrecall test tenants\n", kAliceToken, " alice\n",
+                                           "\n", kBobToken, "\tbob\n"));
+    WriteFile(Path("alice.token"), absl::StrCat(kAliceToken, "\n"));
+    WriteFile(Path("not-pem"), "just text\n");
+  }
+
+  std::string dir_;
+  std::string error_;
+};
+
+class TlsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_EQ(Pki::Get().error(), ""); }
+  const Pki& pki() const { return Pki::Get(); }
+
+  SecurityOptions Tls() const {
+    SecurityOptions s;
+    s.tls_cert_file = pki().Path("server.pem");
+    s.tls_key_file = pki().Path("server.key");
+    return s;
+  }
+  SecurityOptions MutualTls() const {
+    SecurityOptions s = Tls();
+    s.tls_client_ca_file = pki().Path("ca.pem");
+    return s;
+  }
+  SecurityOptions WithTokens() const {
+    SecurityOptions s = Tls();
+    s.auth_token_file = pki().Path("tokens");
+    return s;
+  }
+  client::ChannelSecurity TrustingCa() const {
+    client::ChannelSecurity c;
+    c.ca_file = pki().Path("ca.pem");
+    return c;
+  }
+
+  void Start(const SecurityOptions& security) {
+    ServerOptions options;
+    options.security = security;
+    absl::StatusOr<std::unique_ptr<testing::InProcessServer>> server =
+        testing::InProcessServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+
+  // ListSessions over a channel secured as `security` says; the status is the call's.
+  absl::StatusOr<std::vector<v1::SessionInfo>> List(const client::ChannelSecurity& security) {
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect(server_->address(), security);
+    if (!c.ok()) return c.status();
+    return (*c)->ListSessions();
+  }
+
+  grpc::health::v1::HealthCheckResponse::ServingStatus Health(
+      const client::ChannelSecurity& security) {
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect(server_->address(), security);
+    EXPECT_TRUE(c.ok()) << c.status();
+    auto stub = grpc::health::v1::Health::NewStub((*c)->channel());
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status s = stub->Check(&context, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return response.status();
+  }
+
+  std::unique_ptr<testing::InProcessServer> server_;
+};
+
+// A session of full attention, one decode step through `c`, checked against the brute-force
+// reference over prompt plus the new token.
+void ExpectDecodeMatchesFullAttention(client::Client& c) {
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  const int64_t tokens = 12;
+  std::vector<float> q = testing::RandomNormal(tokens * 2 * 8, 1);
+  std::vector<float> k = testing::RandomNormal((tokens + 1) * 8, 2);
+  std::vector<float> v = testing::RandomNormal((tokens + 1) * 8, 3);
+  absl::StatusOr<client::SessionHandle> session =
+      c.CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<std::unique_ptr<client::PrefillStream>> prefill = c.StartPrefill(*session);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  ASSERT_TRUE((*prefill)
+                  ->SendLayer(0, q, std::span(k).first(tokens * 8), std::span(v).first(tokens * 8))
+                  .ok());
+  ASSERT_TRUE((*prefill)->Finish().ok());
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> decode = c.OpenDecodeStream(g);
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  const std::vector<float> q_t = testing::RandomNormal(2 * 8, 4);
+  const client::SequenceInput input{session->id, q_t, std::span(k).last(8), std::span(v).last(8)};
+  client::StepResult result;
+  const absl::Status step = (*decode)->Step(0, std::span(&input, 1), {}, &result);
+  ASSERT_TRUE(step.ok()) << step;
+  const KvView kv{k.data(), v.data(), tokens + 1, 1, 8};
+  for (int h = 0; h < 2; ++h) {
+    std::vector<double> want;
+    testing::ReferenceAttention(q_t.data() + h * 8, kv, 0, testing::AllTokens(tokens + 1),
+                                1.0 / std::sqrt(8.0), &want);
+    for (int d = 0; d < 8; ++d) EXPECT_NEAR(result.output[h * 8 + d], want[d], 1e-5);
+  }
+  EXPECT_TRUE((*decode)->Close().ok());
+  EXPECT_TRUE(c.CloseSession(session->id).ok());
+}
+
+TEST_F(TlsTest, DecodesOverTlsAndRefusesPlaintextAndUntrustedServers) {
+  Start(Tls());
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect(server_->address(), TrustingCa());
+  ASSERT_TRUE(c.ok()) << c.status();
+  ExpectDecodeMatchesFullAttention(**c);
+
+  // A plaintext client gets no answer from a TLS port.
+  EXPECT_EQ(List({}).status().code(), absl::StatusCode::kUnavailable);
+  // A client trusting another CA refuses the server's certificate.
+  client::ChannelSecurity wrong_ca;
+  wrong_ca.ca_file = pki().Path("wrong-ca.pem");
+  EXPECT_EQ(List(wrong_ca).status().code(), absl::StatusCode::kUnavailable);
+  // The certificate names kvrecall.test, not other.test.
+  client::ChannelSecurity named = TrustingCa();
+  named.server_name = "kvrecall.test";
+  EXPECT_TRUE(List(named).ok());
+  named.server_name = "other.test";
+  EXPECT_EQ(List(named).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(server_->server().sessions().List().empty());
+}
+
+TEST_F(TlsTest, MutualTlsNeedsAClientCertificateFromTheClientCa) {
+  Start(MutualTls());
+  client::ChannelSecurity with_cert = TrustingCa();
+  with_cert.cert_file = pki().Path("client.pem");
+  with_cert.key_file = pki().Path("client.key");
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect(server_->address(), with_cert);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ExpectDecodeMatchesFullAttention(**c);
+
+  EXPECT_EQ(List(TrustingCa()).status().code(), absl::StatusCode::kUnavailable);
+  client::ChannelSecurity stranger = TrustingCa();
+  stranger.cert_file = pki().Path("stranger.pem");
+  stranger.key_file = pki().Path("stranger.key");
+  EXPECT_EQ(List(stranger).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(TlsTest, TokensGateEveryServiceButHealth) {
+  Start(WithTokens());
+  EXPECT_TRUE(HasStatus(List(TrustingCa()).status(), absl::StatusCode::kUnauthenticated,
+                        "requires a bearer token"));
+  client::ChannelSecurity wrong = TrustingCa();
+  wrong.token = "not-a-token-of-this-server";
+  EXPECT_TRUE(
+      HasStatus(List(wrong).status(), absl::StatusCode::kUnauthenticated, "unknown bearer token"));
+  // A token that is a prefix of a real one is no token.
+  wrong.token = std::string(kAliceToken).substr(0, 20);
+  EXPECT_EQ(List(wrong).status().code(), absl::StatusCode::kUnauthenticated);
+  // Probes carry no token.
+  EXPECT_EQ(Health(TrustingCa()), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  client::ChannelSecurity alice = TrustingCa();
+  alice.token = kAliceToken;
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect(server_->address(), alice);
+  ASSERT_TRUE(c.ok());
+  ExpectDecodeMatchesFullAttention(**c);
+
+  const std::string text = server_->server().metrics().TextFormat();
+  EXPECT_THAT(text, HasSubstr("\nkvrecall_unauthenticated_requests_total 3\n"));
+}
+
+TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
+  auto start = [](const SecurityOptions& security) {
+    ServerOptions options;
+    options.address = "127.0.0.1:0";
+    options.security = security;
+    return StartServer(options).status();
+  };
+  SecurityOptions tokens_in_plaintext;
+  tokens_in_plaintext.auth_token_file = pki().Path("tokens");
+  EXPECT_TRUE(HasStatus(start(tokens_in_plaintext), absl::StatusCode::kInvalidArgument,
+                        "--auth_token_file needs --tls_cert and --tls_key"));
+  SecurityOptions cert_only = Tls();
+  cert_only.tls_key_file.clear();
+  EXPECT_TRUE(HasStatus(start(cert_only), absl::StatusCode::kInvalidArgument,
+                        "--tls_cert and --tls_key go together"));
+  SecurityOptions ca_only;
+  ca_only.tls_client_ca_file = pki().Path("ca.pem");
+  EXPECT_TRUE(HasStatus(start(ca_only), absl::StatusCode::kInvalidArgument,
+                        "--tls_client_ca (mutual TLS) needs --tls_cert"));
+  SecurityOptions missing = Tls();
+  missing.tls_cert_file = pki().Path("absent.pem");
+  EXPECT_TRUE(HasStatus(start(missing), absl::StatusCode::kNotFound, "--tls_cert: cannot read"));
+  SecurityOptions not_a_key = Tls();
+  not_a_key.tls_key_file = pki().Path("not-pem");
+  EXPECT_TRUE(HasStatus(start(not_a_key), absl::StatusCode::kInvalidArgument,
+                        "holds no PEM PRIVATE KEY block"));
+  SecurityOptions mismatched = Tls();
+  mismatched.tls_key_file = pki().Path("client.key");
+  EXPECT_TRUE(HasStatus(start(mismatched), absl::StatusCode::kUnavailable,
+                        "the TLS key does not match the certificate"));
+  WriteFile(pki().Path("bad-tokens"), "short alice\n");
+  SecurityOptions bad_tokens = WithTokens();
+  bad_tokens.auth_token_file = pki().Path("bad-tokens");
+  EXPECT_TRUE(HasStatus(start(bad_tokens), absl::StatusCode::kInvalidArgument,
+                        "--auth_token_file: " + pki().Path("bad-tokens") + ":1: token is 5"));
+}
+
+TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
+  absl::StatusOr<TokenTable> t = TokenTable::Parse(
+      "# comment\n\n  aaaaaaaaaaaaaaaa   team-a\nbbbbbbbbbbbbbbbb\tteam.b_2\r\n"
+      "cccccccccccccccc team-a\n",
+      "tokens");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->size(), 3u);
+  ASSERT_NE(t->Find("aaaaaaaaaaaaaaaa"), nullptr);
+  EXPECT_EQ(*t->Find("aaaaaaaaaaaaaaaa"), "team-a");
+  EXPECT_EQ(*t->Find("bbbbbbbbbbbbbbbb"), "team.b_2");
+  EXPECT_EQ(*t->Find("cccccccccccccccc"), "team-a");
+  EXPECT_EQ(t->Find("aaaaaaaaaaaaaaa"), nullptr);
+  EXPECT_EQ(t->Find("aaaaaaaaaaaaaaaaa"), nullptr);
+  EXPECT_EQ(t->Find(""), nullptr);
+
+  struct Case {
+    const char* text;
+    const char* error;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"aaaaaaaaaaaaaaaa\n", "f:1: expected 'TOKEN TENANT', got 1 fields"},
+           {"x y z\n", "f:1: expected 'TOKEN TENANT', got 3 fields"},
+           {"# only\n\naaaaaaa t\n", "f:3: token is 7 characters, at least 16 are required"},
+           {"aaaaaaaaaaaaaaaa t/x\n", "f:1: tenant 't/x' has a character not in [A-Za-z0-9._-]"},
+           {"aaaaaaaaaaaaaaaa t\naaaaaaaaaaaaaaaa u\n", "f:2: this token is already listed"},
+           {"# nothing\n", "f: no 'TOKEN TENANT' line"},
+       }) {
+    EXPECT_TRUE(HasStatus(TokenTable::Parse(c.text, "f").status(),
+                          absl::StatusCode::kInvalidArgument, c.error))
+        << c.text;
+  }
+  EXPECT_TRUE(HasStatus(TokenTable::Load("/nonexistent/tokens").status(),
+                        absl::StatusCode::kNotFound, "cannot read /nonexistent/tokens"));
+}
+
+// kvrecalld's flags and the kvrecall CLI's, end to end.
+class TlsProcessTest : public TlsTest {
+ protected:
+  static std::string Cli() { return absl::StrCat(KVRECALL_BINARY_DIR, "/client/kvrecall"); }
+};
+
+TEST_F(TlsProcessTest, KvrecalldServesTlsAndTokensToTheCli) {
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start(
+          {"--tls_cert=" + pki().Path("server.pem"), "--tls_key=" + pki().Path("server.key"),
+           "--tls_client_ca=" + pki().Path("ca.pem"), "--auth_token_file=" + pki().Path("tokens")});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string base =
+      absl::StrCat(Cli(), " --server=", (*server)->address(), " --tls_ca=", pki().Path("ca.pem"));
+  const std::string cert = absl::StrCat(" --tls_cert=", pki().Path("client.pem"),
+                                        " --tls_key=", pki().Path("client.key"));
+  const std::string token = absl::StrCat(" --token_file=", pki().Path("alice.token"));
+
+  CommandResult created = RunCommand(absl::StrCat(
+      base, cert, token, " create --layers=1 --q_heads=2 --kv_heads=1 --head_dim=8 --json"));
+  EXPECT_EQ(created.exit_code, 0) << created.output;
+  EXPECT_THAT(created.output, HasSubstr("session_id"));
+  CommandResult listed = RunCommand(absl::StrCat(base, cert, token, " list --json"));
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_THAT(listed.output, HasSubstr("session_id"));
+
+  CommandResult no_token = RunCommand(absl::StrCat(base, cert, " list"));
+  EXPECT_EQ(no_token.exit_code, 1);
+  EXPECT_THAT(no_token.output, HasSubstr("UNAUTHENTICATED"));
+  CommandResult no_cert = RunCommand(absl::StrCat(base, token, " list"));
+  EXPECT_EQ(no_cert.exit_code, 1);
+  EXPECT_THAT(no_cert.output, HasSubstr("UNAVAILABLE"));
+  CommandResult bad_file = RunCommand(absl::StrCat(base, " --tls_cert=", pki().Path("client.pem"),
+                                                   " --tls_key=/nonexistent.key list"));
+  EXPECT_EQ(bad_file.exit_code, 1);
+  EXPECT_THAT(bad_file.output, HasSubstr("key_file: cannot read /nonexistent.key"));
+  CommandResult empty_token =
+      RunCommand(absl::StrCat(base, cert, " --token_file=", pki().Path("not-a-file"), " list"));
+  EXPECT_EQ(empty_token.exit_code, 1);
+  EXPECT_THAT(empty_token.output, HasSubstr("--token_file: cannot read"));
+
+  absl::StatusOr<int> stopped = (*server)->Stop();
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0);
+}
+
+TEST_F(TlsProcessTest, KvrecalldRefusesTokensWithoutTls) {
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start({"--auth_token_file=" + pki().Path("tokens")});
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(std::string(server.status().message()),
+              HasSubstr("kvrecalld: --auth_token_file needs --tls_cert and --tls_key"));
+}
+
+}  // namespace
+}  // namespace kvrecall

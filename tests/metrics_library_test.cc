@@ -1,0 +1,195 @@
+// ServerMetrics' families as the Prometheus text format shows them, and MetricsEndpoint's
+// address handling; a real scrape of a real kvrecalld is tests/metrics_prometheus_test.py's.
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/metrics.h"
+#include "server/metrics_endpoint.h"
+#include "tests/server_fixture.h"
+
+namespace kvrecall {
+namespace {
+
+using testing::HasStatus;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// The value of the sample `series` (name and labels exactly as exported, labels sorted by name)
+// in `text`, or NaN when absent.
+double Sample(const std::string& text, absl::string_view series) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (absl::StartsWith(line, series) && line.size() > series.size() &&
+        line[series.size()] == ' ') {
+      const std::string value(line.substr(series.size() + 1));
+      if (value == "+Inf") return std::numeric_limits<double>::infinity();
+      return std::stod(value);
+    }
+  }
+  return std::nan("");
+}
+
+TEST(ServerMetricsTest, CountsCallsByMethodAndCode) {
+  ServerMetrics metrics;
+  MethodMetrics* create = metrics.ForMethod("/kvrecall.v1.KvRecall/CreateSession");
+  EXPECT_EQ(create->method(), "kvrecall.v1.KvRecall/CreateSession");
+  create->CountCall(grpc::StatusCode::OK, 0.001);
+  create->CountCall(grpc::StatusCode::OK, 0.003);
+  create->CountCall(grpc::StatusCode::INVALID_ARGUMENT, 0.5);
+  metrics.ForMethod("/grpc.health.v1.Health/Check")->CountCall(grpc::StatusCode::OK, 1e-4);
+  // Anything else shares one series, whatever its name.
+  EXPECT_EQ(metrics.ForMethod("/no.Such/Method"), metrics.ForMethod("/x/y"));
+  metrics.ForMethod("/no.Such/Method")->CountCall(grpc::StatusCode::UNIMPLEMENTED, 0);
+
+  const std::string text = metrics.TextFormat();
+  const std::string create_label = "method=\"kvrecall.v1.KvRecall/CreateSession\"";
+  EXPECT_EQ(Sample(text, "kvrecall_rpcs_total{code=\"OK\"," + create_label + "}"), 2);
+  EXPECT_EQ(Sample(text, "kvrecall_rpcs_total{code=\"INVALID_ARGUMENT\"," + create_label + "}"), 1);
+  EXPECT_EQ(Sample(text, "kvrecall_rpcs_total{code=\"OK\",method=\"grpc.health.v1.Health/Check\"}"),
+            1);
+  EXPECT_EQ(Sample(text, "kvrecall_rpcs_total{code=\"UNIMPLEMENTED\",method=\"unknown\"}"), 1);
+  EXPECT_EQ(Sample(text, "kvrecall_rpc_duration_seconds_count{" + create_label + "}"), 3);
+  EXPECT_NEAR(Sample(text, "kvrecall_rpc_duration_seconds_sum{" + create_label + "}"), 0.504,
+              1e-12);
+  // 1 ms and 3 ms fall at or below the 5 ms bucket, 1 ms alone at or below 1 ms, 0.5 s in none
+  // below 0.5 s.
+  EXPECT_EQ(Sample(text, "kvrecall_rpc_duration_seconds_bucket{" + create_label + ",le=\"0.001\"}"),
+            1);
+  EXPECT_EQ(Sample(text, "kvrecall_rpc_duration_seconds_bucket{" + create_label + ",le=\"0.005\"}"),
+            2);
+  EXPECT_EQ(Sample(text, "kvrecall_rpc_duration_seconds_bucket{" + create_label + ",le=\"0.2\"}"),
+            2);
+  EXPECT_EQ(Sample(text, "kvrecall_rpc_duration_seconds_bucket{" + create_label + ",le=\"0.5\"}"),
+            3);
+  EXPECT_EQ(Sample(text, "kvrecall_rpc_duration_seconds_bucket{" + create_label + ",le=\"+Inf\"}"),
+            3);
+  // Codes never seen are not exported; methods are, at zero.
+  EXPECT_THAT(text, Not(HasSubstr("code=\"NOT_FOUND\"")));
+  EXPECT_EQ(
+      Sample(text, "kvrecall_rpc_duration_seconds_count{method=\"kvrecall.v1.KvRecall/Decode\"}"),
+      0);
+}
+
+TEST(ServerMetricsTest, CountsLayerStepsHeadPathsAndCandidatesPerPolicy) {
+  ServerMetrics metrics;
+  PolicyMetrics* retopk = metrics.ForPolicy(v1::PLACEMENT_CPU, SelectorKind::kReTopK);
+  EXPECT_EQ(retopk, metrics.ForPolicy(v1::PLACEMENT_CPU, SelectorKind::kReTopK));
+  const std::vector<SelectionPath> paths = {SelectionPath::kReuse, SelectionPath::kReuse,
+                                            SelectionPath::kFallback, SelectionPath::kRefresh};
+  const std::vector<int64_t> candidates = {10, 70, 300, 5000};
+  retopk->CountLayerStep(paths, candidates, 2e-3);
+  retopk->CountLayerStep(paths, candidates, 4e-3);
+  metrics.ForPolicy(v1::PLACEMENT_CPU, SelectorKind::kFull)
+      ->CountLayerStep(std::vector<SelectionPath>(3, SelectionPath::kExact), {}, 1e-4);
+  retopk->ObserveIndexBuild(0.25);
+
+  const std::string text = metrics.TextFormat();
+  const std::string cpu_retopk = "placement=\"cpu\",selector=\"retopk\"";
+  EXPECT_EQ(Sample(text, "kvrecall_layer_steps_total{" + cpu_retopk + "}"), 2);
+  EXPECT_EQ(Sample(text, "kvrecall_layer_steps_total{placement=\"cpu\",selector=\"full\"}"), 1);
+  EXPECT_EQ(Sample(text, "kvrecall_head_steps_total{path=\"reuse\"," + cpu_retopk + "}"), 4);
+  EXPECT_EQ(Sample(text, "kvrecall_head_steps_total{path=\"fallback\"," + cpu_retopk + "}"), 2);
+  EXPECT_EQ(Sample(text, "kvrecall_head_steps_total{path=\"refresh\"," + cpu_retopk + "}"), 2);
+  EXPECT_EQ(Sample(text, "kvrecall_head_steps_total{path=\"exact\"," + cpu_retopk + "}"), 0);
+  EXPECT_EQ(
+      Sample(text, "kvrecall_head_steps_total{path=\"exact\",placement=\"cpu\",selector=\"full\"}"),
+      3);
+  // Buckets are powers of 4: 10 <= 16, 70 <= 256, 300 <= 1024, 5000 <= 16384.
+  for (const auto& [le, count] : std::vector<std::pair<std::string, double>>{
+           {"4", 0}, {"16", 2}, {"64", 2}, {"256", 4}, {"1024", 6}, {"4096", 6}, {"16384", 8}}) {
+    EXPECT_EQ(
+        Sample(text, "kvrecall_head_step_candidates_bucket{" + cpu_retopk + ",le=\"" + le + "\"}"),
+        count)
+        << le;
+  }
+  EXPECT_EQ(Sample(text, "kvrecall_head_step_candidates_sum{" + cpu_retopk + "}"), 2 * 5380);
+  EXPECT_EQ(
+      Sample(text, "kvrecall_head_step_candidates_count{placement=\"cpu\",selector=\"full\"}"), 0);
+  EXPECT_NEAR(Sample(text, "kvrecall_layer_step_seconds_sum{" + cpu_retopk + "}"), 6e-3, 1e-12);
+  EXPECT_EQ(Sample(text, "kvrecall_index_build_seconds_count{" + cpu_retopk + "}"), 1);
+  // Pairs no session used are not exported.
+  EXPECT_THAT(text, Not(HasSubstr("selector=\"index\"")));
+}
+
+TEST(ServerMetricsTest, GaugesComeFromTheSourceAtEveryScrape) {
+  ServerMetrics metrics;
+  const std::string before = metrics.TextFormat();
+  EXPECT_EQ(Sample(before, "kvrecall_sessions_open"), 0);
+  int scrapes = 0;
+  metrics.SetGaugeSource([&] {
+    ++scrapes;
+    ServerGauges g;
+    g.sessions_open = 2 * scrapes;
+    g.tokens_held = 1000;
+    g.host_bytes_held = 4096;
+    g.host_bytes_budget = BudgetGaugeValue(0);
+    g.gpu_bytes_held = 0;
+    g.gpu_bytes_budget = BudgetGaugeValue(1 << 30);
+    return g;
+  });
+  metrics.TextFormat();
+  const std::string text = metrics.TextFormat();
+  EXPECT_EQ(scrapes, 2);
+  EXPECT_EQ(Sample(text, "kvrecall_sessions_open"), 4);
+  EXPECT_EQ(Sample(text, "kvrecall_tokens_held"), 1000);
+  EXPECT_EQ(Sample(text, "kvrecall_host_memory_bytes"), 4096);
+  EXPECT_THAT(text, HasSubstr("\nkvrecall_host_memory_budget_bytes +Inf\n"));
+  EXPECT_EQ(Sample(text, "kvrecall_gpu_memory_budget_bytes"), 1 << 30);
+}
+
+TEST(ServerMetricsTest, CountsRefusalsByLimitAndTypesEveryFamily) {
+  ServerMetrics metrics;
+  metrics.CountRefusal("host_memory_budget");
+  metrics.CountRefusal("host_memory_budget");
+  metrics.CountRefusal("max_sessions");
+  metrics.ObservePrefill(1.5);
+  metrics.ObserveDecodeRequest(3e-5);
+  const std::string text = metrics.TextFormat();
+  EXPECT_EQ(Sample(text, "kvrecall_requests_refused_total{limit=\"host_memory_budget\"}"), 2);
+  EXPECT_EQ(Sample(text, "kvrecall_requests_refused_total{limit=\"max_sessions\"}"), 1);
+  EXPECT_EQ(Sample(text, "kvrecall_prefill_seconds_count"), 1);
+  EXPECT_EQ(Sample(text, "kvrecall_decode_request_seconds_count"), 1);
+  for (const char* family :
+       {"# TYPE kvrecall_rpc_duration_seconds histogram", "# TYPE kvrecall_sessions_open gauge",
+        "# TYPE kvrecall_prefill_seconds histogram",
+        "# TYPE kvrecall_decode_request_seconds histogram",
+        "# TYPE kvrecall_requests_refused_total counter", "# TYPE kvrecall_build_info gauge"}) {
+    EXPECT_THAT(text, HasSubstr(family));
+  }
+}
+
+TEST(MetricsEndpointTest, BindsAPortAndRefusesBadOrBusyAddresses) {
+  auto metrics = std::make_shared<ServerMetrics>();
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  EXPECT_GT((*endpoint)->port(), 0);
+  EXPECT_EQ((*endpoint)->address(), absl::StrCat("127.0.0.1:", (*endpoint)->port()));
+  EXPECT_TRUE(HasStatus(MetricsEndpoint::Start((*endpoint)->address(), metrics).status(),
+                        absl::StatusCode::kUnavailable, "could not serve metrics on"));
+  for (const char* bad : {"127.0.0.1", "127.0.0.1:http", "127.0.0.1:70000", ":9090", ""}) {
+    EXPECT_TRUE(HasStatus(MetricsEndpoint::Start(bad, metrics).status(),
+                          absl::StatusCode::kInvalidArgument, "must be HOST:PORT"))
+        << bad;
+  }
+}
+
+TEST(MetricsEndpointTest, ServerStartFailsWhenTheMetricsPortIsTaken) {
+  auto metrics = std::make_shared<ServerMetrics>();
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> taken =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics);
+  ASSERT_TRUE(taken.ok());
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.metrics_address = (*taken)->address();
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kUnavailable,
+                        "could not serve metrics on " + (*taken)->address()));
+}
+
+}  // namespace
+}  // namespace kvrecall
