@@ -15,6 +15,14 @@ const char* SelectorKindName(SelectorKind kind);
 
 // The largest out-degree the graph index accepts for max_degree.
 inline constexpr int kMaxGraphDegree = 256;
+// Upper bounds of the other size-like knobs (SelectorParams::Validate): K and the graph search
+// list; sinks, recent, ReTopK's window and the graph's link threshold; ReTopK's cache (C);
+// the graph build's sampled queries and their top-k.
+inline constexpr int kMaxTopK = 1 << 20;
+inline constexpr int kMaxWindowTokens = 1 << 24;
+inline constexpr int kMaxReTopKCacheCapacity = 4096;
+inline constexpr int kMaxGraphBuildQueries = 1 << 16;
+inline constexpr int kMaxGraphBuildTopK = 4096;
 
 // The query-aware graph index (index/graph_index.h). A zero field means "the default below"
 // (the API sends zeros for unset knobs); WithDefaults() resolves them.

@@ -1,5 +1,6 @@
 #include "index/support_selector.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -36,9 +37,17 @@ absl::Status SelectorParams::Validate() const {
   auto invalid = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(parts...));
   };
+  // Every size-like knob is bounded above too, so that no request can make a selector
+  // allocate without limit (and sums such as sinks + recent cannot overflow).
+  auto too_large = [&](const char* field, int64_t value, int64_t max) {
+    return invalid("policy.", field, " must be <= ", max, ", got ", value);
+  };
   if (top_k < 1) return invalid("policy.top_k must be >= 1, got ", top_k);
+  if (top_k > kMaxTopK) return too_large("top_k", top_k, kMaxTopK);
   if (sinks < 0) return invalid("policy.sinks must be >= 0, got ", sinks);
+  if (sinks > kMaxWindowTokens) return too_large("sinks", sinks, kMaxWindowTokens);
   if (recent < 0) return invalid("policy.recent must be >= 0, got ", recent);
+  if (recent > kMaxWindowTokens) return too_large("recent", recent, kMaxWindowTokens);
   if (kind == SelectorKind::kStreaming && sinks + recent < 1) {
     return invalid("policy.sinks + policy.recent must be >= 1 for the streaming selector");
   }
@@ -46,12 +55,18 @@ absl::Status SelectorParams::Validate() const {
   if (r.cache_capacity < 1) {
     return invalid("policy.retopk.cache_capacity must be >= 1, got ", r.cache_capacity);
   }
+  if (r.cache_capacity > kMaxReTopKCacheCapacity) {
+    return too_large("retopk.cache_capacity", r.cache_capacity, kMaxReTopKCacheCapacity);
+  }
   if (r.reuse_neighbors < 1 || r.reuse_neighbors > r.cache_capacity) {
     return invalid("policy.retopk.reuse_neighbors must be in [1, cache_capacity=",
                    r.cache_capacity, "], got ", r.reuse_neighbors);
   }
   if (r.recent_window < 0) {
     return invalid("policy.retopk.recent_window must be >= 0, got ", r.recent_window);
+  }
+  if (r.recent_window > kMaxWindowTokens) {
+    return too_large("retopk.recent_window", r.recent_window, kMaxWindowTokens);
   }
   if (!std::isfinite(r.tau)) return invalid("policy.retopk.tau must be finite");
   if (r.refresh_interval < 0) {
@@ -66,11 +81,35 @@ absl::Status SelectorParams::Validate() const {
     return invalid("policy.index parameters must be >= 0 (0 takes the default)");
   }
   if (g.build_topk == 1) return invalid("policy.index.build_topk must be >= 2, got 1");
+  if (g.build_queries > kMaxGraphBuildQueries) {
+    return too_large("index.build_queries", g.build_queries, kMaxGraphBuildQueries);
+  }
+  if (g.build_topk > kMaxGraphBuildTopK) {
+    return too_large("index.build_topk", g.build_topk, kMaxGraphBuildTopK);
+  }
+  if (g.search_list_size > kMaxTopK) {
+    return too_large("index.search_list_size", g.search_list_size, kMaxTopK);
+  }
+  if (g.link_threshold > kMaxWindowTokens) {
+    return too_large("index.link_threshold", g.link_threshold, kMaxWindowTokens);
+  }
   if (g.max_degree > kMaxGraphDegree) {
     return invalid("policy.index.max_degree must be <= ", kMaxGraphDegree, ", got ",
                    g.max_degree);
   }
   return absl::OkStatus();
+}
+
+int64_t PromptQueriesNeeded(const SelectorParams& params, int64_t tokens) {
+  switch (params.kind) {
+    case SelectorKind::kReTopK:
+      return std::min<int64_t>(tokens, int64_t{params.retopk.cache_capacity} +
+                                           (params.retopk.auto_tau ? kCalibrationQueries : 0));
+    case SelectorKind::kIndex:
+      return tokens;
+    default:
+      return 0;
+  }
 }
 
 absl::StatusOr<std::unique_ptr<SupportSelector>> MakeSelector(const SelectorParams& params,

@@ -30,18 +30,21 @@ uint16_t LoadU16(const char* p) {
   return v;
 }
 
-// Index of the first NaN or infinity in x[0, n), or -1. The common all-finite case is one
-// branch-free (vectorizable) pass over the exponent bits.
-int64_t FirstNonFinite(const float* x, int64_t n) {
-  uint32_t non_finite = 0;
+// Index of the first value in x[0, n) that is NaN, infinite or beyond kMaxTensorMagnitude, or
+// -1. The common case (none) is one branch-free (vectorizable) pass over the bits: |x| as an
+// unsigned integer orders like |x|, and NaN and infinity lie above every finite value.
+int64_t FirstOutOfRange(const float* x, int64_t n) {
+  uint32_t max_bits;
+  std::memcpy(&max_bits, &kMaxTensorMagnitude, sizeof max_bits);
+  uint32_t out = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
     std::memcpy(&u, x + i, sizeof u);
-    non_finite |= (u & 0x7f800000u) == 0x7f800000u;
+    out |= (u & 0x7fffffffu) > max_bits;
   }
-  if (non_finite == 0) return -1;
+  if (out == 0) return -1;
   for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return i;
+    if (!(std::abs(x[i]) <= kMaxTensorMagnitude)) return i;
   }
   return -1;
 }
@@ -146,12 +149,19 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
   } else if (shape.size() == rank && !spec.rows_free) {
     shape_ok = std::equal(spec.row_shape.begin(), spec.row_shape.end(), shape.begin());
   }
+  // A row count whose element count overflows int64 would wrap around to a small product that
+  // could match the bytes sent; no message can carry more than 2^31 bytes anyway.
+  const int64_t row_elements = Product(spec.row_shape);
+  if (shape_ok && row_elements > 0 && rows > (int64_t{1} << 31) / row_elements) {
+    shape_ok = false;
+  }
   if (!shape_ok) {
     return absl::InvalidArgumentError(absl::StrCat(
         spec.field, " has shape ", ShapeString(shape), ", want ",
-        spec.rows_free ? "[n, " : "", ShapeString(spec.row_shape).substr(spec.rows_free ? 1 : 0)));
+        spec.rows_free ? "[n, " : "", ShapeString(spec.row_shape).substr(spec.rows_free ? 1 : 0),
+        rows > 1 && spec.rows_free ? " with n * row elements <= 2^31" : ""));
   }
-  const int64_t count = rows * Product(spec.row_shape);
+  const int64_t count = rows * row_elements;
   const bool has_data = !t.data().empty();
   const bool has_values = t.values_size() > 0;
   if (has_data == has_values) {
@@ -190,9 +200,15 @@ absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* ou
   } else {
     ConvertToF32(t.data().data(), spec.dtype, count, out);
   }
-  if (const int64_t i = FirstNonFinite(out, count); i >= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(spec.field, " holds a non-finite value (", out[i], ") at element ", i));
+  if (const int64_t i = FirstOutOfRange(out, count); i >= 0) {
+    if (!std::isfinite(out[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(spec.field, " holds a non-finite value (", out[i], ") at element ", i));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        spec.field, " holds ", out[i], " at element ", i,
+        ", beyond the largest magnitude the service accepts (", kMaxTensorMagnitude,
+        "): products of such values overflow float32 attention scores"));
   }
   return absl::OkStatus();
 }

@@ -32,9 +32,15 @@ struct TensorSpec {
 // the shape, dtype or byte size is wrong. Touches no data.
 absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec);
 
+// The largest |value| a request tensor may hold: f16's largest finite value. Below it, a dot
+// product of two 1024-dim vectors (times any softmax scale up to 10^4) stays finite in f32,
+// so attention scores, their exponentials and the outputs cannot overflow.
+inline constexpr float kMaxTensorMagnitude = 65504.0f;
+
 // Converts a tensor that passed CheckTensor into f32 at `out` (rows * prod(row_shape)
-// floats). INVALID_ARGUMENT naming the field if any value is NaN or infinite; `out` may then
-// hold partial data, so decode into staging memory, never into committed state.
+// floats). INVALID_ARGUMENT naming the field if any value is NaN, infinite or beyond
+// kMaxTensorMagnitude; `out` may then hold partial data, so decode into staging memory, never
+// into committed state.
 absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* out);
 
 // Element-wise conversion between f32 and the raw little-endian bytes of `dtype` (bf16 and f16

@@ -3,62 +3,144 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/time/time.h"
+#include "server/raw_messages.h"
 
 namespace kvrecall {
 
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
+// One Watch call: sends the status now and again whenever it changes; ends after sending
+// NOT_SERVING at shutdown, or when the client goes away.
+class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  WatchCall(HealthService* health, std::string service)
+      : health_(health), service_(std::move(service)) {
+    absl::MutexLock lock(&health_->watches_mu_);
+    health_->watches_.insert(this);
+  }
+
+  // Sends the current status unless it was sent already or a write is pending (its completion
+  // looks again).
+  void Update() {
+    absl::MutexLock lock(&mu_);
+    UpdateLocked();
+  }
+
+  // Ends the call with `status` before anything was sent.
+  void FinishWith(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    FinishLocked(std::move(status));
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (finished_) return;
+    if (!ok) return FinishLocked(grpc::Status::CANCELLED);
+    UpdateLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    if (!finished_ && !writing_) FinishLocked(grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&health_->watches_mu_);
+      health_->watches_.erase(this);
+    }
+    delete this;
+  }
+
+ private:
+  void UpdateLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || writing_) return;
+    // After the shutdown nothing changes any more: what is sent then is the last word.
+    const bool last = health_->shut_down_.load();
+    const ServingStatus now = health_->StatusOf(service_);
+    if (now == sent_) {
+      if (last) FinishLocked(grpc::Status::OK);
+      return;
+    }
+    HealthCheckResponse response;
+    response.set_status(now);
+    SerializeRawMessage(response, &out_);
+    sent_ = now;
+    if (last) {
+      finished_ = true;
+      StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
+    } else {
+      writing_ = true;
+      StartWrite(&out_);
+    }
+  }
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    Finish(std::move(status));
+  }
+
+  HealthService* const health_;
+  const std::string service_;
+  absl::Mutex mu_;
+  grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);
+  ServingStatus sent_ ABSL_GUARDED_BY(mu_) = HealthCheckResponse::UNKNOWN;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
 HealthService::HealthService(std::vector<std::string> services) : services_(std::move(services)) {}
 
 void HealthService::Shutdown() {
-  absl::MutexLock lock(&mu_);
-  shut_down_ = true;
+  shut_down_.store(true);
+  absl::MutexLock lock(&watches_mu_);
+  for (WatchCall* watch : watches_) watch->Update();
 }
 
 HealthService::ServingStatus HealthService::StatusOf(const std::string& service) const {
   const bool known =
       service.empty() || std::find(services_.begin(), services_.end(), service) != services_.end();
   if (!known) return HealthCheckResponse::SERVICE_UNKNOWN;
-  return shut_down_ ? HealthCheckResponse::NOT_SERVING : HealthCheckResponse::SERVING;
+  return shut_down_.load() ? HealthCheckResponse::NOT_SERVING : HealthCheckResponse::SERVING;
 }
 
-grpc::Status HealthService::Check(grpc::ServerContext*, const HealthCheckRequest* request,
-                                  HealthCheckResponse* response) {
-  absl::ReaderMutexLock lock(&mu_);
-  const ServingStatus status = StatusOf(request->service());
+grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* context,
+                                               const grpc::ByteBuffer* request,
+                                               grpc::ByteBuffer* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  HealthCheckRequest parsed;
+  grpc::ByteBuffer bytes(*request);
+  if (!ParseRawMessage(&bytes, &parsed)) {
+    reactor->Finish(UnparsableStatus("the request", parsed));
+    return reactor;
+  }
+  const ServingStatus status = StatusOf(parsed.service());
   if (status == HealthCheckResponse::SERVICE_UNKNOWN) {
-    return grpc::Status(grpc::StatusCode::NOT_FOUND,
-                        "unknown service '" + request->service() + "'");
+    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
+                                 "unknown service '" + parsed.service() + "'"));
+    return reactor;
   }
-  response->set_status(status);
-  return grpc::Status::OK;
+  HealthCheckResponse answer;
+  answer.set_status(status);
+  SerializeRawMessage(answer, response);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
 }
 
-grpc::Status HealthService::Watch(grpc::ServerContext* context, const HealthCheckRequest* request,
-                                  grpc::ServerWriter<HealthCheckResponse>* writer) {
-  // The sync API has no cancellation callback, so the wait wakes periodically to notice a
-  // client that went away; status changes wake it at once.
-  constexpr absl::Duration kCancellationPoll = absl::Milliseconds(200);
-  ServingStatus sent = HealthCheckResponse::UNKNOWN;
-  absl::MutexLock lock(&mu_);
-  while (!context->IsCancelled()) {
-    const ServingStatus now = StatusOf(request->service());
-    if (now != sent) {
-      HealthCheckResponse response;
-      response.set_status(now);
-      mu_.Unlock();
-      const bool written = writer->Write(response);
-      mu_.Lock();
-      if (!written) break;
-      sent = now;
-      continue;  // the status may have changed while the lock was released
-    }
-    if (shut_down_) break;  // NOT_SERVING was the last word
-    mu_.AwaitWithTimeout(absl::Condition(&shut_down_), kCancellationPoll);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* HealthService::Watch(
+    grpc::CallbackServerContext*, const grpc::ByteBuffer* request) {
+  HealthCheckRequest parsed;
+  grpc::ByteBuffer bytes(*request);
+  const bool ok = ParseRawMessage(&bytes, &parsed);
+  auto* watch = new WatchCall(this, parsed.service());
+  if (!ok) {
+    // A write reactor that ends at once with the parse error.
+    watch->FinishWith(UnparsableStatus("the request", parsed));
+  } else {
+    watch->Update();
   }
-  return grpc::Status::OK;
+  return watch;
 }
 
 }  // namespace kvrecall

@@ -1,40 +1,51 @@
-// grpc.health.v1.Health for kvrecalld (Check and Watch), built on the health.proto compiled
-// into kvrecall_proto so that server reflection can describe it to schema-less clients.
+// grpc.health.v1.Health for kvrecalld (Check and Watch) on gRPC's callback API, built on the
+// health.proto compiled into kvrecall_proto so that server reflection can describe it to
+// schema-less clients. Check is answered on gRPC's own thread without waiting for anything the
+// KvRecall service does, so health checks answer however loaded the server is.
 #ifndef KVRECALL_SERVER_HEALTH_H_
 #define KVRECALL_SERVER_HEALTH_H_
 
+#include <atomic>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/server_callback.h"
 
 namespace kvrecall {
 
-class HealthService final : public grpc::health::v1::Health::Service {
+using HealthRawCallbackService = grpc::health::v1::Health::WithRawCallbackMethod_Check<
+    grpc::health::v1::Health::WithRawCallbackMethod_Watch<grpc::health::v1::Health::Service>>;
+
+class HealthService final : public HealthRawCallbackService {
  public:
   // Reports on the overall server ("") and on each of `services` (full names such as
   // "kvrecall.v1.KvRecall"), all SERVING from the start.
   explicit HealthService(std::vector<std::string> services);
 
-  // Every service becomes NOT_SERVING and every Watch call ends; call before the server stops
-  // so that load balancers and watchers see the shutdown coming.
+  // Every service becomes NOT_SERVING, every Watch call is told so and ends; call before the
+  // server stops so that load balancers and watchers see the shutdown coming.
   void Shutdown();
 
-  grpc::Status Check(grpc::ServerContext* context,
-                     const grpc::health::v1::HealthCheckRequest* request,
-                     grpc::health::v1::HealthCheckResponse* response) override;
-  grpc::Status Watch(grpc::ServerContext* context,
-                     const grpc::health::v1::HealthCheckRequest* request,
-                     grpc::ServerWriter<grpc::health::v1::HealthCheckResponse>* writer) override;
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Watch(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request) override;
 
  private:
   using ServingStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;
-  ServingStatus StatusOf(const std::string& service) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  class WatchCall;
+
+  ServingStatus StatusOf(const std::string& service) const;
 
   const std::vector<std::string> services_;
-  mutable absl::Mutex mu_;
-  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> shut_down_{false};
+  absl::Mutex watches_mu_;
+  absl::flat_hash_set<WatchCall*> watches_ ABSL_GUARDED_BY(watches_mu_);
 };
 
 }  // namespace kvrecall

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -17,14 +18,17 @@ ABSL_FLAG(std::string, address, "0.0.0.0:50051",
           "HOST:PORT to listen on (port 0 picks one), or unix:PATH (a Unix domain socket for a "
           "runner on the same host); several separated by commas");
 ABSL_FLAG(int, worker_threads, 0,
-          "upper bound on gRPC server threads (each open stream holds one); 0: gRPC's default");
+          "threads serving decode steps, prompt chunks and unary calls (as many again build "
+          "selectors); open streams hold no thread; 0: one per hardware thread");
 ABSL_FLAG(int, max_message_mb, 64,
           "largest gRPC message accepted or sent, in MiB; larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, host_memory_budget_gb, 0,
           "host memory (GiB) that sessions may hold: KV, staged prompts and selector state; "
           "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
 ABSL_FLAG(double, shutdown_grace_seconds, 5,
-          "on SIGTERM/SIGINT, how long calls in flight may finish before they are cancelled");
+          "on SIGTERM/SIGINT: health turns NOT_SERVING, new calls and steps get UNAVAILABLE, and "
+          "the calls in flight have this long to finish before they are cancelled and the "
+          "process exits");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
           "HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none");
 ABSL_FLAG(std::string, health_address, "",
@@ -99,5 +103,9 @@ int main(int argc, char** argv) {
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
   (*server)->Wait();
   std::printf("kvrecalld: stopped\n");
+  std::fflush(stdout);
+  // Work of calls cancelled at the end of the grace (a selector build, say) cannot be
+  // interrupted and nobody waits for its result: exit without waiting for it.
+  if ((*server)->busy()) std::_Exit(0);
   return 0;
 }

@@ -21,6 +21,10 @@
 namespace kvrecall {
 namespace {
 
+// Threads for the synchronous reflection service; a reflection call beyond them gets
+// RESOURCE_EXHAUSTED, no other service is affected.
+constexpr int kReflectionThreads = 4;
+
 // "host:0" with the bound port in place of the requested one.
 std::string WithPort(const std::string& address, int port) {
   const size_t colon = address.rfind(':');
@@ -55,7 +59,7 @@ bool IsUnixSocketAddress(absl::string_view address) {
 RunningServer::RunningServer(const ServerOptions& options)
     : budget_(options.host_memory_budget_bytes),
       registry_(&budget_),
-      service_(&registry_),
+      service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads}),
       health_({v1::KvRecall::service_full_name()}),
       probe_health_({v1::KvRecall::service_full_name()}) {}
 
@@ -70,11 +74,16 @@ void RunningServer::Shutdown(absl::Duration grace) {
     if (shut_down_) return;
     shut_down_ = true;
   }
+  const absl::Time deadline = absl::Now() + grace;
   health_.Shutdown();
   probe_health_.Shutdown();
+  service_.StartDrain();
   if (server_ == nullptr) return;  // never started
-  server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
-  if (probe_server_ != nullptr) probe_server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+  // Until the service is idle gRPC keeps serving, so that health checks read NOT_SERVING and
+  // late requests get the service's UNAVAILABLE; gRPC's shutdown then cancels what is left.
+  service_.AwaitIdle(deadline);
+  server_->Shutdown(absl::ToChronoTime(deadline));
+  if (probe_server_ != nullptr) probe_server_->Shutdown(absl::ToChronoTime(deadline));
 }
 
 void RunningServer::Wait() {
@@ -139,11 +148,11 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  if (options.worker_threads > 0) {
-    grpc::ResourceQuota quota("kvrecalld");
-    quota.SetMaxThreads(options.worker_threads);
-    builder.SetResourceQuota(quota);
-  }
+  // KvRecall and Health run on gRPC's callback threads; only server reflection (a stream per
+  // schema-less client, rarely more than one) is synchronous and needs threads of its own.
+  grpc::ResourceQuota quota("kvrecalld");
+  quota.SetMaxThreads(kReflectionThreads);
+  builder.SetResourceQuota(quota);
   builder.RegisterService(&running->service_);
   builder.RegisterService(&running->health_);
   // Calls are counted and timed only when someone can read the figures (the interceptor sits

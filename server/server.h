@@ -27,7 +27,8 @@ struct ServerOptions {
   // domain socket for a runner on the same host (unix:///ABSOLUTE and unix-abstract:NAME too);
   // several separated by commas ("0.0.0.0:50051,unix:/run/kvrecall/kvrecall.sock").
   std::string address = "0.0.0.0:50051";
-  // Upper bound on gRPC's server threads (each open stream holds one); 0: gRPC's default.
+  // Threads that serve decode steps, prompt chunks and unary calls (as many again build
+  // selectors); 0: one per hardware thread. Open streams hold no thread.
   int worker_threads = 0;
   // Largest message accepted or sent; larger ones fail with RESOURCE_EXHAUSTED.
   int64_t max_message_bytes = 64ll << 20;
@@ -57,13 +58,19 @@ class RunningServer {
   // The bound port of the first address; 0 when it is a Unix socket.
   int port() const { return port_; }
 
-  // Health turns NOT_SERVING, then the server stops accepting calls and waits up to `grace`
-  // for calls in flight before cancelling them. Idempotent.
+  // The drain: health turns NOT_SERVING (and keeps answering so), new calls and new steps get
+  // UNAVAILABLE, idle streams end, the steps and calls in flight finish; once none is left, or
+  // at the latest after `grace`, the server stops and cancels what still runs. Returns when the
+  // server has stopped. Idempotent.
   void Shutdown(absl::Duration grace = absl::Seconds(5));
+  // Whether work of cancelled calls still runs on the service's threads (it is dropped when
+  // done; destroying the server waits for it).
+  bool busy() const { return service_.busy(); }
   // Blocks until the server has shut down.
   void Wait();
 
   SessionRegistry& sessions() { return registry_; }
+  const KvRecallService& service() const { return service_; }
   ServerMetrics& metrics() { return *metrics_; }
   // Where metrics and the plaintext health port are served (bound ports); empty when not.
   const std::string& metrics_address() const { return metrics_address_; }

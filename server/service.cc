@@ -2,65 +2,477 @@
 
 #include <algorithm>
 #include <string>
+#include <thread>
+#include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "server/decode.h"
 #include "server/prefill.h"
+#include "server/raw_messages.h"
 #include "server/status_util.h"
 
 namespace kvrecall {
-grpc::Status KvRecallService::CreateSession(grpc::ServerContext*,
-                                            const v1::CreateSessionRequest* request,
-                                            v1::CreateSessionResponse* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Create(*request);
-  if (!session.ok()) return ToGrpcStatus(session.status());
+namespace {
+
+int ThreadsOrDefault(int threads, int fallback) {
+  if (threads > 0) return threads;
+  return std::max(1, fallback);
+}
+
+grpc::Status CancelledStatus() {
+  return grpc::Status(grpc::StatusCode::CANCELLED,
+                      "the call was cancelled (by the client, or its deadline passed)");
+}
+
+// Shared ownership of a call object between gRPC (until OnDone) and the work queue (while an
+// item is queued or running): whoever lets go last deletes it.
+template <typename Call>
+class CallRefs {
+ public:
+  void Ref() { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void Unref(Call* call) {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete call;
+  }
+
+ private:
+  std::atomic<int> refs_{1};
+};
+
+}  // namespace
+
+grpc::Status ShuttingDownStatus() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                      "kvrecalld is shutting down: this call or step was not served (steps "
+                      "answered before were committed); retry on another server");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Unary calls: parsed on gRPC's thread, served on the step queue, answered unless the call was
+// cancelled first. Nothing of gRPC's call is touched once it is finished.
+
+template <typename Request, typename Response>
+class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public WorkItem {
+ public:
+  using Handler = absl::Status (KvRecallService::*)(const Request&, Response*);
+
+  UnaryCall(KvRecallService* service, grpc::ByteBuffer* reply, Handler handler)
+      : service_(service), reply_(reply), handler_(handler) {
+    service_->CountUnary(1);
+  }
+
+  void Start(const grpc::ByteBuffer* request) {
+    if (service_->draining()) return FinishOnce(ShuttingDownStatus());
+    grpc::ByteBuffer bytes(*request);  // shares the slices
+    if (!ParseRawMessage(&bytes, &request_)) {
+      return FinishOnce(UnparsableStatus("the request", request_));
+    }
+    refs_.Ref();
+    service_->steps_.Push(this);
+  }
+
+  void Run() override {
+    bool skip;
+    {
+      absl::MutexLock lock(&mu_);
+      skip = finished_;
+    }
+    grpc::Status status;
+    if (!skip) {
+      status = service_->draining() ? ShuttingDownStatus()
+                                    : ToGrpcStatus((service_->*handler_)(request_, &response_));
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (!finished_) {
+        if (status.ok()) SerializeRawMessage(response_, reply_);
+        FinishLocked(std::move(status));
+      }
+    }
+    refs_.Unref(this);
+  }
+
+  void OnCancel() override { FinishOnce(CancelledStatus()); }
+  void OnDone() override {
+    service_->CountUnary(-1);
+    refs_.Unref(this);
+  }
+
+ private:
+  void FinishOnce(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (!finished_) FinishLocked(std::move(status));
+  }
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    Finish(std::move(status));
+  }
+
+  KvRecallService* const service_;
+  grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
+  const Handler handler_;
+  Request request_;
+  Response response_;
+  CallRefs<UnaryCall> refs_;
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* KvRecallService::StartUnary(
+    grpc::CallbackServerContext*, const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+    absl::Status (KvRecallService::*handler)(const Request&, Response*)) {
+  auto* call = new UnaryCall<Request, Response>(this, response, handler);
+  call->Start(request);
+  return call;
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the Prefill and Decode calls share: registration for the drain, the lock and flags that
+// order gRPC's reactions against the runs on a work queue, and the shared ownership.
+
+template <typename Reactor, typename Call>
+class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRecallService::Stream {
+ public:
+  void OnDone() override {
+    if (registered_) service_->Unregister(this);
+    Unref();
+  }
+
+ protected:
+  explicit StreamCall(KvRecallService* service) : service_(service) {}
+
+  // Registers for the drain and reads the first message into `in`, or, when the drain has
+  // begun, ends the call with UNAVAILABLE.
+  void Begin(grpc::ByteBuffer* in) {
+    registered_ = service_->Register(this);
+    absl::MutexLock lock(&mu_);
+    if (registered_) {
+      this->StartRead(in);
+    } else {
+      FinishLocked(ShuttingDownStatus());
+    }
+  }
+  // Ends the call. What the call holds for its work (a Prefill's staged prompt) is released
+  // first unless a run still uses it (that run releases it), so that a client that got the
+  // status sees the memory back.
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    if (!busy_) static_cast<Call*>(this)->ReleaseLocked();
+    this->Finish(std::move(status));
+  }
+  void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
+  // Queues a run of the call on `queue`.
+  void QueueLocked(WorkQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    busy_ = true;
+    refs_.Ref();
+    queue.Push(this);
+  }
+  // At the start of a run: false (and the run's reference dropped) when the call finished
+  // while the run was queued, so that the run must do nothing.
+  bool BeginRun() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!finished_) return true;
+      busy_ = false;
+    }
+    Unref();
+    return false;
+  }
+  void Unref() { refs_.Unref(static_cast<Call*>(this)); }
+
+  KvRecallService* const service_;
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a run of this call is queued or running
+
+ private:
+  bool registered_ = false;
+  CallRefs<Call> refs_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// A Prefill stream: each chunk is validated and staged on the step queue, then the next one is
+// read; when the client closes its side the selectors are built and the prompt committed on
+// the build queue. Any error, a cancellation or the drain ends the stream with nothing
+// committed (the staged prompt is freed with the call).
+
+class KvRecallService::PrefillCall final
+    : public StreamCall<grpc::ServerReadReactor<grpc::ByteBuffer>, PrefillCall> {
+ public:
+  PrefillCall(KvRecallService* service, grpc::ByteBuffer* reply)
+      : StreamCall(service), reply_(reply), stream_(service->registry_) {
+    Begin(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    if (service_->draining()) return FinishLocked(ShuttingDownStatus());
+    if (!ok && cancelled_) return FinishLocked(CancelledStatus());
+    // !ok: the client closed its side cleanly, so the prompt is complete.
+    committing_ = !ok;
+    QueueLocked(committing_ ? service_->builds_ : service_->steps_);
+  }
+
+  void Run() override {
+    if (!BeginRun()) return;
+    bool committing;
+    {
+      absl::MutexLock lock(&mu_);
+      committing = committing_;
+    }
+    grpc::Status status;
+    if (committing && service_->draining()) {
+      status = ShuttingDownStatus();  // the builds have not started: refuse them
+    } else if (!committing) {
+      if (!ParseRawMessage(&in_, &chunk_)) {
+        status = UnparsableStatus(absl::StrCat("chunks[", chunks_, "]"), chunk_);
+      } else {
+        status = ToGrpcStatus(stream_.Add(chunk_, chunks_));
+      }
+      ++chunks_;
+    } else {
+      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit();
+      if (committed.ok()) {
+        response_ = *std::move(committed);
+      } else {
+        status = ToGrpcStatus(committed.status());
+      }
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      busy_ = false;
+      if (finished_) {
+        ReleaseLocked();  // cancelled while this run worked
+      } else if (!status.ok()) {
+        FinishLocked(std::move(status));
+      } else if (committing) {
+        SerializeRawMessage(response_, reply_);
+        FinishLocked(grpc::Status::OK);
+      } else if (service_->draining()) {
+        FinishLocked(ShuttingDownStatus());
+      } else {
+        StartRead(&in_);
+      }
+    }
+    Unref();
+  }
+
+  void Drain() override {
+    absl::MutexLock lock(&mu_);
+    // A commit in flight finishes; a chunk in flight ends the stream when it is staged.
+    if (!finished_ && !busy_) FinishLocked(ShuttingDownStatus());
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    // Finished at once, even while a chunk or a commit runs: that work's result is dropped.
+    if (!finished_) FinishLocked(CancelledStatus());
+  }
+
+  // Frees the staged prompt (a commit has moved what it committed into the session).
+  void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    stream_ = PrefillStream(service_->registry_);
+  }
+
+ private:
+
+  grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
+  grpc::ByteBuffer in_;
+  v1::PrefillChunk chunk_;
+  v1::PrefillResponse response_;
+  PrefillStream stream_;
+  int64_t chunks_ = 0;
+  bool committing_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// A Decode stream: read a request, serve it on the step queue, write the reply, read the next.
+// One request is in flight per stream; the request and reply objects (and their allocations)
+// are reused for the whole stream. A request that fails (does not parse, or is refused by the
+// decode pipeline) ends the stream with its status and appends nothing.
+
+class KvRecallService::DecodeCall final
+    : public StreamCall<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>, DecodeCall> {
+ public:
+  explicit DecodeCall(KvRecallService* service)
+      : StreamCall(service), decoder_(service->registry_) {
+    Begin(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    // !ok: the client closed its side (or the call was cancelled): the stream ends.
+    if (!ok) return FinishLocked(cancelled_ ? CancelledStatus() : grpc::Status::OK);
+    if (service_->draining()) return FinishLocked(ShuttingDownStatus());
+    QueueLocked(service_->steps_);
+  }
+
+  void Run() override {
+    if (!BeginRun()) return;
+    const int64_t index = requests_++;
+    grpc::Status status;
+    if (!ParseRawMessage(&in_, &request_)) {
+      status = UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
+                                request_);
+    } else {
+      response_.Clear();
+      status = ToGrpcStatus(decoder_.Serve(request_, &response_));
+      if (status.ok()) SerializeRawMessage(response_, &out_);
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      busy_ = false;
+      if (!finished_) {
+        if (!status.ok()) {
+          FinishLocked(std::move(status));
+        } else if (service_->draining()) {
+          // The step in flight is answered; the stream ends with it.
+          finished_ = true;
+          StartWriteAndFinish(&out_, grpc::WriteOptions(), ShuttingDownStatus());
+        } else {
+          writing_ = true;
+          StartWrite(&out_);
+        }
+      }
+    }
+    Unref();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (finished_) return;
+    if (!ok) return FinishLocked(CancelledStatus());  // the stream broke under the reply
+    if (service_->draining()) return FinishLocked(ShuttingDownStatus());
+    StartRead(&in_);
+  }
+
+  void Drain() override {
+    absl::MutexLock lock(&mu_);
+    if (!finished_ && !busy_ && !writing_) FinishLocked(ShuttingDownStatus());
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    // With a write pending, OnWriteDone (not ok) finishes the stream.
+    if (!finished_ && !writing_) FinishLocked(CancelledStatus());
+  }
+
+ private:
+  grpc::ByteBuffer in_;
+  grpc::ByteBuffer out_;
+  v1::DecodeRequest request_;
+  v1::DecodeResponse response_;
+  DecodeStream decoder_;
+  int64_t requests_ = 0;  // touched by one run at a time
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the reply is being written
+};
+
+// ---------------------------------------------------------------------------------------------
+
+KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions& options)
+    : registry_(registry),
+      steps_(ThreadsOrDefault(options.worker_threads, std::thread::hardware_concurrency()),
+             "kvrecall-step"),
+      builds_(ThreadsOrDefault(options.build_threads, steps_.threads()), "kvrecall-build") {}
+
+KvRecallService::~KvRecallService() = default;
+
+void KvRecallService::StartDrain() {
+  draining_.store(true, std::memory_order_release);
+  absl::MutexLock lock(&calls_mu_);
+  for (Stream* stream : streams_) stream->Drain();
+}
+
+bool KvRecallService::AwaitIdle(absl::Time deadline) const {
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) {
+    return streams_.empty() && unary_calls_ == 0;
+  };
+  absl::MutexLock lock(&calls_mu_);
+  return calls_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
+int KvRecallService::open_streams() const {
+  absl::MutexLock lock(&calls_mu_);
+  return static_cast<int>(streams_.size());
+}
+
+bool KvRecallService::Register(Stream* stream) {
+  absl::MutexLock lock(&calls_mu_);
+  if (draining()) return false;
+  streams_.insert(stream);
+  return true;
+}
+
+void KvRecallService::Unregister(Stream* stream) {
+  absl::MutexLock lock(&calls_mu_);
+  streams_.erase(stream);
+}
+
+void KvRecallService::CountUnary(int delta) {
+  absl::MutexLock lock(&calls_mu_);
+  unary_calls_ += delta;
+}
+
+grpc::ServerUnaryReactor* KvRecallService::CreateSession(grpc::CallbackServerContext* context,
+                                                         const grpc::ByteBuffer* request,
+                                                         grpc::ByteBuffer* response) {
+  return StartUnary(context, request, response, &KvRecallService::DoCreateSession);
+}
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
+    grpc::CallbackServerContext*, grpc::ByteBuffer* response) {
+  return new PrefillCall(this, response);
+}
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::Decode(
+    grpc::CallbackServerContext*) {
+  return new DecodeCall(this);
+}
+
+grpc::ServerUnaryReactor* KvRecallService::GetSession(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* request,
+                                                      grpc::ByteBuffer* response) {
+  return StartUnary(context, request, response, &KvRecallService::DoGetSession);
+}
+
+grpc::ServerUnaryReactor* KvRecallService::ListSessions(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return StartUnary(context, request, response, &KvRecallService::DoListSessions);
+}
+
+grpc::ServerUnaryReactor* KvRecallService::CloseSession(grpc::CallbackServerContext* context,
+                                                        const grpc::ByteBuffer* request,
+                                                        grpc::ByteBuffer* response) {
+  return StartUnary(context, request, response, &KvRecallService::DoCloseSession);
+}
+
+absl::Status KvRecallService::DoCreateSession(const v1::CreateSessionRequest& request,
+                                              v1::CreateSessionResponse* response) {
+  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Create(request);
+  if (!session.ok()) return session.status();
   response->set_session_id((*session)->id());
   *response->mutable_policy() = PolicyToProto((*session)->policy());
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status KvRecallService::Prefill(grpc::ServerContext* context,
-                                      grpc::ServerReader<v1::PrefillChunk>* reader,
-                                      v1::PrefillResponse* response) {
-  PrefillStream stream(registry_);
-  v1::PrefillChunk chunk;
-  for (int64_t index = 0; reader->Read(&chunk); ++index) {
-    if (absl::Status s = stream.Add(chunk, index); !s.ok()) return ToGrpcStatus(s);
-  }
-  // Read() also returns false when the client cancelled: then nothing may be committed.
-  if (context->IsCancelled()) {
-    return grpc::Status(grpc::StatusCode::CANCELLED, "the Prefill stream was cancelled");
-  }
-  absl::StatusOr<v1::PrefillResponse> committed = stream.Commit();
-  if (!committed.ok()) return ToGrpcStatus(committed.status());
-  *response = *std::move(committed);
-  return grpc::Status::OK;
-}
-
-grpc::Status KvRecallService::Decode(
-    grpc::ServerContext*, grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
-  DecodeStream decoder(registry_);
-  // One request and one reply object per stream: Clear() keeps their allocations.
-  v1::DecodeRequest request;
-  v1::DecodeResponse response;
-  while (stream->Read(&request)) {
-    response.Clear();
-    if (absl::Status s = decoder.Serve(request, &response); !s.ok()) return ToGrpcStatus(s);
-    if (!stream->Write(response)) break;
-  }
-  return grpc::Status::OK;
-}
-
-grpc::Status KvRecallService::GetSession(grpc::ServerContext*, const v1::GetSessionRequest* request,
-                                         v1::SessionInfo* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(request->session_id());
-  if (!session.ok()) return ToGrpcStatus(PrefixStatus(session.status(), "session_id: "));
+absl::Status KvRecallService::DoGetSession(const v1::GetSessionRequest& request,
+                                           v1::SessionInfo* response) {
+  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(request.session_id());
+  if (!session.ok()) return PrefixStatus(session.status(), "session_id: ");
   absl::ReaderMutexLock lock(&(*session)->mu());
   *response = (*session)->Info();
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status KvRecallService::ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
-                                           v1::ListSessionsResponse* response) {
+absl::Status KvRecallService::DoListSessions(const v1::ListSessionsRequest&,
+                                             v1::ListSessionsResponse* response) {
   std::vector<std::shared_ptr<Session>> sessions = registry_->List();
   std::sort(sessions.begin(), sessions.end(),
             [](const auto& a, const auto& b) { return a->id() < b->id(); });
@@ -68,13 +480,12 @@ grpc::Status KvRecallService::ListSessions(grpc::ServerContext*, const v1::ListS
     absl::ReaderMutexLock lock(&session->mu());
     if (!session->closed()) *response->add_sessions() = session->Info();
   }
-  return grpc::Status::OK;
+  return absl::OkStatus();
 }
 
-grpc::Status KvRecallService::CloseSession(grpc::ServerContext*,
-                                           const v1::CloseSessionRequest* request,
-                                           v1::CloseSessionResponse*) {
-  return ToGrpcStatus(registry_->Close(request->session_id()));
+absl::Status KvRecallService::DoCloseSession(const v1::CloseSessionRequest& request,
+                                             v1::CloseSessionResponse*) {
+  return registry_->Close(request.session_id());
 }
 
 }  // namespace kvrecall

@@ -1,34 +1,133 @@
-// The gRPC service kvrecall.v1.KvRecall: sessions, Prefill streams and Decode streams over a
-// SessionRegistry (synchronous API: one server thread per open stream).
+// The gRPC service kvrecall.v1.KvRecall on gRPC's callback API: sessions, Prefill streams and
+// Decode streams over a SessionRegistry. An open stream holds no thread; the compute of every
+// call runs on the service's own work queues, so gRPC's threads stay free for I/O and health
+// checks under any load. Messages are taken raw (server/raw_messages.h) so that an undecodable
+// message gets INVALID_ARGUMENT and changes nothing.
 #ifndef KVRECALL_SERVER_SERVICE_H_
 #define KVRECALL_SERVER_SERVICE_H_
 
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/server_callback.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
 #include "server/session.h"
+#include "server/work_queue.h"
 
 namespace kvrecall {
 
-class KvRecallService final : public v1::KvRecall::Service {
- public:
-  explicit KvRecallService(SessionRegistry* registry) : registry_(registry) {}
+struct ServiceOptions {
+  // Threads that serve decode steps, prompt chunks and the short unary calls (FIFO, so every
+  // stream gets its turn); 0: one per hardware thread.
+  int worker_threads = 0;
+  // Threads that build selectors when a Prefill stream commits (seconds for long prompts; kept
+  // apart so that builds never queue decode steps behind them); 0: as many as worker_threads.
+  int build_threads = 0;
+};
 
-  grpc::Status CreateSession(grpc::ServerContext* context, const v1::CreateSessionRequest* request,
-                             v1::CreateSessionResponse* response) override;
-  grpc::Status Prefill(grpc::ServerContext* context, grpc::ServerReader<v1::PrefillChunk>* reader,
-                       v1::PrefillResponse* response) override;
-  grpc::Status Decode(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) override;
-  grpc::Status GetSession(grpc::ServerContext* context, const v1::GetSessionRequest* request,
-                          v1::SessionInfo* response) override;
-  grpc::Status ListSessions(grpc::ServerContext* context, const v1::ListSessionsRequest* request,
-                            v1::ListSessionsResponse* response) override;
-  grpc::Status CloseSession(grpc::ServerContext* context, const v1::CloseSessionRequest* request,
-                            v1::CloseSessionResponse* response) override;
+// Every method of kvrecall.v1.KvRecall, raw and callback-based.
+using KvRecallRawCallbackService = v1::KvRecall::WithRawCallbackMethod_CreateSession<
+    v1::KvRecall::WithRawCallbackMethod_Prefill<v1::KvRecall::WithRawCallbackMethod_Decode<
+        v1::KvRecall::WithRawCallbackMethod_GetSession<
+            v1::KvRecall::WithRawCallbackMethod_ListSessions<
+                v1::KvRecall::WithRawCallbackMethod_CloseSession<v1::KvRecall::Service>>>>>>;
+
+class KvRecallService final : public KvRecallRawCallbackService {
+ public:
+  KvRecallService(SessionRegistry* registry, const ServiceOptions& options);
+  // The gRPC server using the service must have shut down (every call is done).
+  ~KvRecallService() override;
+
+  // The first step of a drain: from now on new calls, new Decode steps and new Prefill chunks
+  // get UNAVAILABLE; a step or chunk in flight finishes (a Decode step's reply is sent with the
+  // stream's UNAVAILABLE status), idle streams end at once. Idempotent.
+  void StartDrain();
+  bool draining() const { return draining_.load(std::memory_order_acquire); }
+  // Waits until no call is open (streams and unary calls), or until `deadline`; true if none is.
+  bool AwaitIdle(absl::Time deadline) const;
+  // Whether work is queued or running on the service's threads (possibly for calls that were
+  // cancelled: their results are dropped).
+  bool busy() const { return steps_.active() + builds_.active() > 0; }
+  // Prefill commits (selector builds) queued or running.
+  int builds_in_flight() const { return builds_.active(); }
+
+  // Decode and Prefill streams open right now.
+  int open_streams() const;
+  int worker_threads() const { return steps_.threads(); }
+
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Prefill(grpc::CallbackServerContext* context,
+                                                     grpc::ByteBuffer* response) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Decode(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
 
  private:
+  // The unary methods' logic, on typed messages (run on a work queue).
+  absl::Status DoCreateSession(const v1::CreateSessionRequest& request,
+                               v1::CreateSessionResponse* response);
+  absl::Status DoGetSession(const v1::GetSessionRequest& request, v1::SessionInfo* response);
+  absl::Status DoListSessions(const v1::ListSessionsRequest& request,
+                              v1::ListSessionsResponse* response);
+  absl::Status DoCloseSession(const v1::CloseSessionRequest& request,
+                              v1::CloseSessionResponse* response);
+
+  // A Decode or Prefill stream, as the drain sees it.
+  class Stream {
+   public:
+    // Ends the stream with UNAVAILABLE when it is idle; otherwise after the work in flight.
+    virtual void Drain() = 0;
+
+   protected:
+    ~Stream() = default;
+  };
+
+  template <typename Request, typename Response>
+  class UnaryCall;
+  template <typename Reactor, typename Call>
+  class StreamCall;
+  class PrefillCall;
+  class DecodeCall;
+
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* StartUnary(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response,
+      absl::Status (KvRecallService::*handler)(const Request&, Response*));
+
+  // Streams register while open, so that StartDrain reaches them. Register returns false when
+  // the drain has begun (the stream must then end with UNAVAILABLE). Unary calls are counted.
+  bool Register(Stream* stream);
+  void Unregister(Stream* stream);
+  void CountUnary(int delta);
+
   SessionRegistry* registry_;
+  std::atomic<bool> draining_{false};
+  mutable absl::Mutex calls_mu_;
+  absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(calls_mu_);
+  int unary_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  WorkQueue steps_;
+  WorkQueue builds_;
 };
+
+// The status of work refused because the server is draining.
+grpc::Status ShuttingDownStatus();
 
 }  // namespace kvrecall
 

@@ -1,0 +1,58 @@
+// A fixed pool of threads that runs the service's compute (decode steps, prompt chunks, selector
+// builds) off gRPC's callback threads, so that those stay free for I/O and health checks however
+// busy the pool is. Work items are intrusive: queueing one allocates nothing.
+#ifndef KVRECALL_SERVER_WORK_QUEUE_H_
+#define KVRECALL_SERVER_WORK_QUEUE_H_
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+
+namespace kvrecall {
+
+// Something to run once on a pool thread. An item is in at most one queue at a time; whoever
+// pushes it keeps it alive until Run has returned.
+class WorkItem {
+ public:
+  virtual void Run() = 0;
+
+ protected:
+  ~WorkItem() = default;
+
+ private:
+  friend class WorkQueue;
+  WorkItem* next_ = nullptr;
+};
+
+class WorkQueue {
+ public:
+  // Starts `threads` (>= 1) threads named `name` (at most 15 characters show in ps/top).
+  WorkQueue(int threads, std::string name);
+  // Runs what is queued, then joins the threads.
+  ~WorkQueue();
+  WorkQueue(const WorkQueue&) = delete;
+  WorkQueue& operator=(const WorkQueue&) = delete;
+
+  // Queues `item` (first in, first out).
+  void Push(WorkItem* item);
+
+  int threads() const { return static_cast<int>(threads_.size()); }
+  // Items queued or running.
+  int active() const;
+
+ private:
+  void Loop();
+
+  mutable absl::Mutex mu_;
+  WorkItem* head_ ABSL_GUARDED_BY(mu_) = nullptr;
+  WorkItem* tail_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int active_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_WORK_QUEUE_H_

@@ -1,0 +1,559 @@
+// The service as a hostile but fair user tries it (issue 14): size-like knobs far beyond reason,
+// messages that do not parse (mid-stream and unary), tensor shapes whose element counts
+// overflow, finite inputs whose products overflow, many idle streams, health checks under
+// load, and SIGTERM while work is in flight. Each test failed before its fix.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/impl/codegen/client_unary_call.h"
+#include "grpcpp/impl/codegen/rpc_method.h"
+#include "grpcpp/impl/codegen/sync_stream.h"
+#include "gtest/gtest.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using grpc::health::v1::Health;
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::FromGrpc;
+using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::KvrecalldProcess;
+using ::kvrecall::testing::MakeChannel;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::MakeStep;
+using ::kvrecall::testing::MakeTensor;
+using ::kvrecall::testing::Prefill;
+using ::kvrecall::testing::PromptChunks;
+using ::kvrecall::testing::PromptLayer;
+using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::ServerTest;
+using ::testing::HasSubstr;
+
+constexpr int kQHeads = 4;
+constexpr int kKvHeads = 2;
+constexpr int kHeadDim = 16;
+
+v1::Geometry SmallGeometry(int layers = 1) {
+  return MakeGeometry(layers, kQHeads, kKvHeads, kHeadDim);
+}
+
+PromptLayer RandomPrompt(int64_t tokens, uint64_t seed, int q_heads = kQHeads,
+                         int kv_heads = kKvHeads, int head_dim = kHeadDim) {
+  return {RandomNormal(tokens * q_heads * head_dim, seed),
+          RandomNormal(tokens * kv_heads * head_dim, seed + 1),
+          RandomNormal(tokens * kv_heads * head_dim, seed + 2)};
+}
+
+// Bytes that parse as no protobuf message: field 1, length-delimited, with a length that runs
+// past the end of the message.
+grpc::ByteBuffer Garbage() {
+  static const char kBytes[] = "\x0a\xff\xff\xff\x0f\x01";
+  grpc::Slice slice(kBytes, sizeof kBytes - 1);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+grpc::ByteBuffer Bytes(const google::protobuf::Message& message) {
+  const std::string s = message.SerializeAsString();
+  grpc::Slice slice(s);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+template <typename Message>
+bool ParseBytes(grpc::ByteBuffer& buffer, Message* message) {
+  std::vector<grpc::Slice> slices;
+  if (!buffer.Dump(&slices).ok()) return false;
+  std::string s;
+  for (const grpc::Slice& slice : slices) s.append(slice.begin(), slice.end());
+  return message->ParseFromString(s);
+}
+
+// A unary call with raw bytes as the request, the way a client with a broken encoder makes one.
+grpc::Status RawUnary(grpc::Channel* channel, const std::string& method,
+                      const grpc::ByteBuffer& request, grpc::ByteBuffer* response) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  const grpc::internal::RpcMethod rpc(method.c_str(), grpc::internal::RpcMethod::NORMAL_RPC,
+                                      channel->shared_from_this());
+  return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel, rpc, &context, request, response);
+}
+
+// A bidirectional (or client-streaming) raw stream.
+class RawStream {
+ public:
+  RawStream(grpc::Channel* channel, const std::string& method, bool client_streaming)
+      : method_(method.c_str(),
+                client_streaming ? grpc::internal::RpcMethod::CLIENT_STREAMING
+                                 : grpc::internal::RpcMethod::BIDI_STREAMING,
+                channel->shared_from_this()) {
+    context_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    if (client_streaming) {
+      writer_.reset(grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+          channel, method_, &context_, &reply_));
+    } else {
+      stream_.reset(
+          grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+              channel, method_, &context_));
+    }
+  }
+  bool Write(const grpc::ByteBuffer& message) {
+    return writer_ != nullptr ? writer_->Write(message) : stream_->Write(message);
+  }
+  bool Read(grpc::ByteBuffer* message) { return stream_->Read(message); }
+  grpc::Status Finish() {
+    if (writer_ != nullptr) {
+      writer_->WritesDone();
+      return writer_->Finish();
+    }
+    stream_->WritesDone();
+    grpc::ByteBuffer ignored;
+    while (stream_->Read(&ignored)) {
+    }
+    return stream_->Finish();
+  }
+  grpc::ByteBuffer& reply() { return reply_; }
+
+ private:
+  grpc::internal::RpcMethod method_;
+  grpc::ClientContext context_;
+  grpc::ByteBuffer reply_;
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer_;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
+};
+
+class HardeningTest : public ServerTest {
+ protected:
+  // A session of SmallGeometry(layers) with a committed prompt of `tokens` tokens.
+  std::string PrefilledSession(int64_t tokens, int layers = 1) {
+    const v1::Geometry g = SmallGeometry(layers);
+    absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+    EXPECT_TRUE(id.ok()) << id.status();
+    std::vector<v1::PrefillChunk> chunks;
+    for (int l = 0; l < layers; ++l) {
+      for (v1::PrefillChunk& c : PromptChunks(*id, g, l, RandomPrompt(tokens, 10 + l), 8)) {
+        chunks.push_back(std::move(c));
+      }
+    }
+    EXPECT_TRUE(Prefill(stub(), chunks).ok());
+    return *id;
+  }
+  v1::DecodeRequest OneStep(const std::string& id, uint64_t seed, int layer = 0) {
+    const v1::Geometry g = SmallGeometry();
+    v1::DecodeRequest request;
+    request.set_layer(layer);
+    *request.add_steps() =
+        MakeStep(id, g, RandomNormal(kQHeads * kHeadDim, seed),
+                 RandomNormal(kKvHeads * kHeadDim, seed + 1), RandomNormal(kKvHeads * kHeadDim,
+                                                                           seed + 2));
+    return request;
+  }
+  int64_t Tokens(const std::string& id) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->tokens() : -1;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Size-like knobs: bounded, refused at once with INVALID_ARGUMENT naming the field and bound.
+
+TEST_F(HardeningTest, HugeSelectorKnobsAreRefusedAtOnce) {
+  struct Case {
+    std::string message;
+    void (*edit)(v1::Policy*);
+  };
+  const Case cases[] = {
+      {"policy.retopk.cache_capacity must be <= 4096, got 100000000",
+       [](v1::Policy* p) { p->mutable_retopk()->set_cache_capacity(100000000); }},
+      {"policy.retopk.cache_capacity must be <= 4096, got 1073741824",
+       [](v1::Policy* p) { p->mutable_retopk()->set_cache_capacity(1 << 30); }},
+      {"policy.top_k must be <= 1048576, got 2147483647",
+       [](v1::Policy* p) { p->set_top_k(std::numeric_limits<int32_t>::max()); }},
+      {"policy.sinks must be <= 16777216, got 2147483647",
+       [](v1::Policy* p) { p->set_sinks(std::numeric_limits<int32_t>::max()); }},
+      {"policy.recent must be <= 16777216, got 2147483647",
+       [](v1::Policy* p) { p->set_recent(std::numeric_limits<int32_t>::max()); }},
+      {"policy.retopk.recent_window must be <= 16777216, got 2147483647",
+       [](v1::Policy* p) {
+         p->mutable_retopk()->set_recent_window(std::numeric_limits<int32_t>::max());
+       }},
+      {"policy.index.build_queries must be <= 65536, got 1000000000",
+       [](v1::Policy* p) { p->mutable_index()->set_build_queries(1000000000); }},
+      {"policy.index.build_topk must be <= 4096, got 1000000000",
+       [](v1::Policy* p) { p->mutable_index()->set_build_topk(1000000000); }},
+      {"policy.index.search_list_size must be <= 1048576, got 1000000000",
+       [](v1::Policy* p) { p->mutable_index()->set_search_list_size(1000000000); }},
+  };
+  for (const v1::Selector selector : {v1::SELECTOR_RETOPK, v1::SELECTOR_INDEX,
+                                      v1::SELECTOR_STREAMING}) {
+    for (const Case& c : cases) {
+      v1::Policy policy = MakePolicy(selector);
+      c.edit(&policy);
+      v1::CreateSessionRequest request;
+      *request.mutable_geometry() = SmallGeometry();
+      *request.mutable_policy() = policy;
+      v1::CreateSessionResponse response;
+      grpc::ClientContext context;
+      // Before the bounds, 10^8 ran for over 30 s and grew past 20 GB: the deadline turns
+      // that into a failure instead of a hang.
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      const absl::Status status = FromGrpc(stub().CreateSession(&context, request, &response));
+      EXPECT_TRUE(HasStatus(status, absl::StatusCode::kInvalidArgument, c.message))
+          << v1::Selector_Name(selector);
+    }
+  }
+  // The bounds themselves are accepted.
+  v1::Policy edge = MakePolicy(v1::SELECTOR_RETOPK);
+  edge.mutable_retopk()->set_cache_capacity(4096);
+  edge.mutable_retopk()->set_reuse_neighbors(4096);
+  EXPECT_TRUE(CreateSession(stub(), SmallGeometry(), edge).ok());
+  grpc::ClientContext context;
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub().ListSessions(&context, {}, &list).ok());
+  EXPECT_EQ(list.sessions_size(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Messages that do not parse.
+
+TEST_F(HardeningTest, UndecodablePrefillChunkFailsTheStreamAndCommitsNothing) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPrompt(16, 1), 8);
+  ASSERT_EQ(chunks.size(), 2u);
+  {
+    RawStream stream(server().channel().get(), "/kvrecall.v1.KvRecall/Prefill",
+                     /*client_streaming=*/true);
+    stream.Write(Bytes(chunks[0]));
+    stream.Write(Garbage());
+    stream.Write(Bytes(chunks[1]));
+    EXPECT_TRUE(HasStatus(FromGrpc(stream.Finish()), absl::StatusCode::kInvalidArgument,
+                          "chunks[1] is not a valid kvrecall.v1.PrefillChunk"));
+  }
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layers_prefilled(), 0);
+  EXPECT_EQ(info->tokens(), 0);
+  // The layer can still be prefilled, in full.
+  absl::StatusOr<v1::PrefillResponse> prefilled = Prefill(stub(), chunks);
+  ASSERT_TRUE(prefilled.ok()) << prefilled.status();
+  EXPECT_EQ(prefilled->tokens(), 16);
+}
+
+TEST_F(HardeningTest, UndecodableDecodeRequestFailsTheStreamAndAppendsNothing) {
+  const std::string id = PrefilledSession(10);
+  RawStream stream(server().channel().get(), "/kvrecall.v1.KvRecall/Decode",
+                   /*client_streaming=*/false);
+  ASSERT_TRUE(stream.Write(Bytes(OneStep(id, 100))));
+  grpc::ByteBuffer reply;
+  ASSERT_TRUE(stream.Read(&reply));
+  v1::DecodeResponse response;
+  ASSERT_TRUE(ParseBytes(reply, &response));
+  EXPECT_EQ(response.results(0).position(), 10);
+  stream.Write(Garbage());
+  stream.Write(Bytes(OneStep(id, 200)));  // after the bad one: must not be served
+  EXPECT_FALSE(stream.Read(&reply));
+  EXPECT_TRUE(HasStatus(FromGrpc(stream.Finish()), absl::StatusCode::kInvalidArgument,
+                        "Decode request 1 of this stream is not a valid kvrecall.v1.DecodeRequest"));
+  EXPECT_EQ(Tokens(id), 11);
+}
+
+TEST_F(HardeningTest, InvalidUtf8InAStringFieldIsUndecodable) {
+  // proto3 strings must be UTF-8; the parser refuses the message as a whole.
+  v1::GetSessionRequest request;
+  request.set_session_id("s-\xff\xfe");
+  grpc::ByteBuffer response;
+  const grpc::Status status = RawUnary(server().channel().get(),
+                                       "/kvrecall.v1.KvRecall/GetSession", Bytes(request), &response);
+  EXPECT_TRUE(HasStatus(FromGrpc(status), absl::StatusCode::kInvalidArgument,
+                        "the request is not a valid kvrecall.v1.GetSessionRequest"));
+}
+
+TEST_F(HardeningTest, UndecodableUnaryRequestsGetInvalidArgument) {
+  const std::pair<const char*, const char*> methods[] = {
+      {"/kvrecall.v1.KvRecall/CreateSession", "kvrecall.v1.CreateSessionRequest"},
+      {"/kvrecall.v1.KvRecall/GetSession", "kvrecall.v1.GetSessionRequest"},
+      {"/kvrecall.v1.KvRecall/ListSessions", "kvrecall.v1.ListSessionsRequest"},
+      {"/kvrecall.v1.KvRecall/CloseSession", "kvrecall.v1.CloseSessionRequest"},
+      {"/grpc.health.v1.Health/Check", "grpc.health.v1.HealthCheckRequest"},
+  };
+  for (const auto& [method, type] : methods) {
+    grpc::ByteBuffer response;
+    const grpc::Status status = RawUnary(server().channel().get(), method, Garbage(), &response);
+    EXPECT_TRUE(HasStatus(FromGrpc(status), absl::StatusCode::kInvalidArgument,
+                          absl::StrCat("the request is not a valid ", type,
+                                       " (its bytes do not parse)")))
+        << method;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor shapes whose element count overflows int64 passed the byte-size check (the product
+// wrapped around to the bytes sent) and made the server reserve 2^58 rows: std::bad_alloc on a
+// gRPC thread, and the process died.
+
+TEST_F(HardeningTest, TensorShapeWhoseElementCountOverflowsIsRefused) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const int64_t rows = (int64_t{1} << 58) + 1;  // x 64 and x 32 elements per row wrap to 64, 32
+  v1::PrefillChunk chunk;
+  chunk.set_session_id(*id);
+  auto wrapped = [&](int heads) {
+    v1::Tensor t = MakeTensor(RandomNormal(heads * kHeadDim, 3), {1, heads, kHeadDim},
+                              v1::DTYPE_F32);
+    t.set_shape(0, rows);
+    return t;
+  };
+  *chunk.mutable_q() = wrapped(kQHeads);
+  *chunk.mutable_k() = wrapped(kKvHeads);
+  *chunk.mutable_v() = wrapped(kKvHeads);
+  const std::vector<v1::PrefillChunk> chunks = {chunk};
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[0].q has shape [288230376151711745, 4, 16]"));
+  // The server is alive and the session untouched.
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layers_prefilled(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Finite inputs whose products overflow f32 (q·k of 1e20s) made every later output NaN.
+
+TEST_F(HardeningTest, FiniteInputsWhoseProductsOverflowAreRefused) {
+  const std::string id = PrefilledSession(10);
+  DecodeClient decode(stub());
+  v1::DecodeRequest request = OneStep(id, 5);
+  const std::vector<float> huge(kQHeads * kHeadDim, 1e20f);
+  *request.mutable_steps(0)->mutable_q() =
+      MakeTensor(huge, {kQHeads, kHeadDim}, v1::DTYPE_F32);
+  EXPECT_TRUE(HasStatus(decode.Step(request).status(), absl::StatusCode::kInvalidArgument,
+                        "steps[0].q holds 1e+20 at element 0, beyond the largest magnitude"));
+  EXPECT_EQ(Tokens(id), 10);
+  // The session still answers finite outputs.
+  DecodeClient again(stub());
+  absl::StatusOr<v1::DecodeResponse> reply = again.Step(OneStep(id, 7));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  for (float x : ::kvrecall::testing::TensorValues(reply->results(0).output())) {
+    ASSERT_TRUE(std::isfinite(x));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Many idle streams: they hold no thread, and health checks and other calls keep answering.
+
+int ThreadsOf(pid_t pid) {
+  DIR* dir = opendir(absl::StrCat("/proc/", pid, "/task").c_str());
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = readdir(dir)) n += e->d_name[0] != '.';
+  closedir(dir);
+  return n;
+}
+
+std::unique_ptr<KvrecalldProcess> StartKvrecalld(std::vector<std::string> flags = {}) {
+  absl::StatusOr<std::unique_ptr<KvrecalldProcess>> process =
+      KvrecalldProcess::Start(std::move(flags));
+  EXPECT_TRUE(process.ok()) << process.status();
+  return process.ok() ? *std::move(process) : nullptr;
+}
+
+grpc::Status CheckHealth(const std::string& address, HealthCheckResponse* response,
+                         absl::Duration deadline = absl::Seconds(5)) {
+  auto stub = Health::NewStub(MakeChannel(address));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  return stub->Check(&context, HealthCheckRequest(), response);
+}
+
+// Opens `count` Decode streams over `channels` connections and leaves them idle.
+struct IdleStreams {
+  IdleStreams(const std::string& address, int count, int channels) {
+    for (int c = 0; c < channels; ++c) {
+      // Distinct channel arguments keep the channels from sharing one connection.
+      grpc::ChannelArguments args;
+      args.SetInt("kvrecall.test.channel", c);
+      stubs.push_back(v1::KvRecall::NewStub(
+          grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+    }
+    for (int i = 0; i < count; ++i) {
+      streams.push_back(std::make_unique<DecodeClient>(*stubs[i % channels]));
+    }
+    // An empty request answered on each stream: every stream is open on the server.
+    for (auto& s : streams) {
+      absl::StatusOr<v1::DecodeResponse> reply = s->Step(v1::DecodeRequest());
+      EXPECT_TRUE(reply.ok()) << reply.status();
+    }
+  }
+  std::vector<std::unique_ptr<v1::KvRecall::Stub>> stubs;
+  std::vector<std::unique_ptr<DecodeClient>> streams;
+};
+
+TEST(HardeningProcessTest, IdleStreamsDoNotStarveHealthOrOtherCalls) {
+  // Before: with --worker_threads=16, 15 idle Decode streams made Health/Check and
+  // CreateSession fail with RESOURCE_EXHAUSTED.
+  std::unique_ptr<KvrecalldProcess> server = StartKvrecalld({"--worker_threads=2"});
+  ASSERT_NE(server, nullptr);
+  IdleStreams idle(server->address(), 64, 4);
+  HealthCheckResponse health;
+  const grpc::Status status = CheckHealth(server->address(), &health);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(health.status(), HealthCheckResponse::SERVING);
+  auto stub = v1::KvRecall::NewStub(MakeChannel(server->address()));
+  EXPECT_TRUE(CreateSession(*stub, SmallGeometry(), MakePolicy(v1::SELECTOR_FULL)).ok());
+}
+
+TEST(HardeningProcessTest, IdleStreamsHoldNoThreads) {
+  // Before: 1500 idle streams made 1511 server threads.
+  std::unique_ptr<KvrecalldProcess> server = StartKvrecalld();
+  ASSERT_NE(server, nullptr);
+  const int before = ThreadsOf(server->pid());
+  ASSERT_GT(before, 0);
+  IdleStreams idle(server->address(), 1000, 8);
+  const int during = ThreadsOf(server->pid());
+  EXPECT_LE(during, before + 8) << "threads before " << before << ", with 1000 idle streams "
+                                << during;
+  HealthCheckResponse health;
+  EXPECT_TRUE(CheckHealth(server->address(), &health).ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIGTERM: NOT_SERVING first, work in flight finishes, new work gets UNAVAILABLE, and the
+// process exits within the grace.
+
+// A session whose Prefill commit takes a while: the index selector's build is a GEMM of
+// build_queries x prompt keys per head. Light: about 25 GFLOP (a second or more on a 2-core
+// machine); heavy: about 275 GFLOP (for work that must outlast a short grace).
+struct SlowPrefill {
+  static constexpr int kHeads = 4;
+  static constexpr int kDim = 64;
+  SlowPrefill(v1::KvRecall::Stub& stub, bool heavy = false)
+      : tokens(heavy ? 16384 : 12288), heads(heavy ? 8 : 4) {
+    g = MakeGeometry(1, heads, heads, kDim, heavy ? v1::DTYPE_BF16 : v1::DTYPE_F32);
+    v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, 64, 16, 64);
+    policy.mutable_index()->set_build_queries(heavy ? 16384 : 4096);
+    policy.mutable_index()->set_build_topk(64);
+    absl::StatusOr<std::string> created = CreateSession(stub, g, policy);
+    EXPECT_TRUE(created.ok()) << created.status();
+    id = *created;
+    chunks = PromptChunks(id, g, 0, RandomPrompt(tokens, 9, heads, heads, kDim), 2048);
+  }
+  const int64_t tokens;
+  const int heads;
+  v1::Geometry g;
+  std::string id;
+  std::vector<v1::PrefillChunk> chunks;
+};
+
+// Waits until the in-process server's commit of a Prefill stream runs (every chunk is staged).
+void AwaitCommit(RunningServer& server) {
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  while (server.service().builds_in_flight() == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_GT(server.service().builds_in_flight(), 0);
+  absl::SleepFor(absl::Milliseconds(20));  // queued -> running
+}
+
+// Streams `chunks` and half-closes, so that the commit starts (flow control holds the writes
+// back until the server has taken nearly all of them); Finish() waits for the answer.
+class PrefillInFlight {
+ public:
+  PrefillInFlight(v1::KvRecall::Stub& stub, const std::vector<v1::PrefillChunk>& chunks)
+      : writer_(stub.Prefill(&context_, &response_)) {
+    for (const v1::PrefillChunk& c : chunks) writer_->Write(c);
+    writer_->WritesDone();
+  }
+  void Cancel() { context_.TryCancel(); }
+  absl::StatusOr<v1::PrefillResponse> Finish() {
+    if (absl::Status s = FromGrpc(writer_->Finish()); !s.ok()) return s;
+    return response_;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  v1::PrefillResponse response_;
+  std::unique_ptr<grpc::ClientWriter<v1::PrefillChunk>> writer_;
+};
+
+TEST_F(HardeningTest, DrainAnswersNotServingRefusesNewWorkAndFinishesWorkInFlight) {
+  // Before: health never said NOT_SERVING during the drain (gRPC stopped answering at once),
+  // and open streams kept taking new steps until they were cut off.
+  const std::string id = PrefilledSession(10);
+  DecodeClient decode(stub());
+  ASSERT_TRUE(decode.Step(OneStep(id, 1)).ok());
+  auto health = Health::NewStub(server().channel());
+  grpc::ClientContext watch_context;
+  auto watch = health->Watch(&watch_context, HealthCheckRequest());
+  HealthCheckResponse watched;
+  ASSERT_TRUE(watch->Read(&watched));
+  EXPECT_EQ(watched.status(), HealthCheckResponse::SERVING);
+
+  SlowPrefill slow(stub());
+  PrefillInFlight prefill(stub(), slow.chunks);
+  AwaitCommit(server().server());
+  std::jthread drain([&] { server().server().Shutdown(absl::Seconds(120)); });
+
+  ASSERT_TRUE(watch->Read(&watched));
+  EXPECT_EQ(watched.status(), HealthCheckResponse::NOT_SERVING);
+  EXPECT_FALSE(watch->Read(&watched));  // the last word
+  HealthCheckResponse checked;
+  const grpc::Status status = CheckHealth(server().address(), &checked);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(checked.status(), HealthCheckResponse::NOT_SERVING);
+  EXPECT_TRUE(HasStatus(decode.Step(OneStep(id, 2)).status(), absl::StatusCode::kUnavailable,
+                        "kvrecalld is shutting down"));
+  EXPECT_TRUE(HasStatus(CreateSession(stub(), SmallGeometry(), MakePolicy(v1::SELECTOR_FULL))
+                            .status(),
+                        absl::StatusCode::kUnavailable, "kvrecalld is shutting down"));
+  EXPECT_TRUE(server().server().busy()) << "the commit finished before the checks";
+
+  // The commit in flight finishes and is answered.
+  absl::StatusOr<v1::PrefillResponse> committed = prefill.Finish();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->tokens(), slow.tokens);
+  drain.join();
+  EXPECT_EQ(server().server().sessions().List().size(), 2u);
+}
+
+TEST(HardeningProcessTest, ExitsWithinTheGraceWhileWorkStillRuns) {
+  // Before: a call in flight outlived the grace (gRPC's Shutdown waited for the handler).
+  std::unique_ptr<KvrecalldProcess> server = StartKvrecalld({"--shutdown_grace_seconds=0.5"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::KvRecall::NewStub(MakeChannel(server->address()));
+  SlowPrefill slow(*stub, /*heavy=*/true);
+  PrefillInFlight prefill(*stub, slow.chunks);
+  absl::SleepFor(absl::Seconds(2));  // the chunks are staged, the build runs
+  const absl::Time signalled = absl::Now();
+  absl::StatusOr<int> status = server->Stop(SIGTERM, absl::Seconds(60));
+  ASSERT_TRUE(status.ok()) << status.status();
+  const absl::Duration exit_time = absl::Now() - signalled;
+  EXPECT_EQ(WEXITSTATUS(*status), 0) << server->output();
+  EXPECT_LT(exit_time, absl::Seconds(2.5)) << server->output();
+  // The client learns that its prompt was not committed.
+  const absl::Status answer = prefill.Finish().status();
+  EXPECT_FALSE(answer.ok());
+}
+
+}  // namespace
+}  // namespace kvrecall
