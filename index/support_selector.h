@@ -54,6 +54,12 @@ class SupportSelector {
   virtual int64_t MemoryBytes() const { return 0; }
 };
 
+// How many of a prompt's last tokens must come with their queries for the selector `params`
+// to be built from a prompt of `tokens` tokens: none for full, exact_topk and streaming (they
+// never look at past queries), the seeds of its caches (and the calibration window under
+// auto_tau) for ReTopK, all of them for the query-aware graph index.
+int64_t PromptQueriesNeeded(const SelectorParams& params, int64_t tokens);
+
 // Makes the selector `params.kind` for one layer of the given shape.
 absl::StatusOr<std::unique_ptr<SupportSelector>> MakeSelector(const SelectorParams& params,
                                                               const LayerShape& shape);

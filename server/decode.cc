@@ -5,49 +5,15 @@
 #include <string>
 #include <utility>
 
-#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/parallel.h"
 #include "kernels/fidelity.h"
 #include "proto/tensor_codec.h"
 #include "server/status_util.h"
 
 namespace kvrecall {
 namespace {
-
-v1::Path PathToProto(SelectionPath path) {
-  switch (path) {
-    case SelectionPath::kExact:
-      return v1::PATH_EXACT;
-    case SelectionPath::kReuse:
-      return v1::PATH_REUSE;
-    case SelectionPath::kFallback:
-      return v1::PATH_FALLBACK;
-    case SelectionPath::kRefresh:
-      return v1::PATH_REFRESH;
-  }
-  return v1::PATH_UNSPECIFIED;
-}
-
-void CountPath(SelectionPath path, DecodeCounters* counters) {
-  switch (path) {
-    case SelectionPath::kExact:
-      ++counters->path_exact;
-      break;
-    case SelectionPath::kReuse:
-      ++counters->path_reuse;
-      break;
-    case SelectionPath::kFallback:
-      ++counters->path_fallback;
-      break;
-    case SelectionPath::kRefresh:
-      ++counters->path_refresh;
-      break;
-  }
-}
 
 // Holds the locks of a request's sessions, taken in address order so that two requests
 // naming the same sessions in different orders cannot deadlock.
@@ -83,7 +49,41 @@ struct StepSpecs {
   const TensorSpec q, k_new, v_new;
 };
 
+// Builds make(i) for the request's steps i in [0, n), those of one backend contiguous (in the
+// order backends first appear, request order within one), and calls run(backend, group) once per
+// backend: all sequences a backend serves step in one batch.
+template <typename Item, typename Make, typename Run>
+absl::Status RunByBackend(std::span<const std::shared_ptr<Session>> sessions,
+                          std::vector<Item>& items, Make make, Run run) {
+  absl::InlinedVector<AttentionBackend*, 2> backends;
+  for (const auto& session : sessions) {
+    if (std::find(backends.begin(), backends.end(), session->backend()) == backends.end()) {
+      backends.push_back(session->backend());
+    }
+  }
+  items.clear();
+  for (AttentionBackend* backend : backends) {
+    const size_t begin = items.size();
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      if (sessions[i]->backend() == backend) items.push_back(make(static_cast<int>(i)));
+    }
+    if (absl::Status s = run(backend, std::span<Item>(items.data() + begin, items.size() - begin));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+StepContext* DecodeStream::ContextFor(AttentionBackend* backend) {
+  for (auto& [b, context] : contexts_) {
+    if (b == backend) return context.get();
+  }
+  contexts_.emplace_back(backend, backend->NewStepContext());
+  return contexts_.back().second.get();
+}
 
 absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response) {
   const absl::Time start = absl::Now();
@@ -110,7 +110,9 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
   SessionsLock lock(sessions_);
 
   // Phase 1: everything that can be checked without touching data.
-  query_offsets_.assign(n + 1, 0);
+  q_offsets_.assign(n + 1, 0);
+  kv_offsets_.assign(n + 1, 0);
+  head_offsets_.assign(n + 1, 0);
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
     if (absl::Status s = session.CheckDecodable(layer); !s.ok()) {
@@ -125,130 +127,143 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
         return PrefixStatus(rows.status(), "steps[", i, "].");
       }
     }
-    query_offsets_[i + 1] = query_offsets_[i] + int64_t{specs.q_row[0]} * specs.q_row[1];
+    q_offsets_[i + 1] = q_offsets_[i] + specs.q_row[0] * specs.q_row[1];
+    kv_offsets_[i + 1] = kv_offsets_[i] + specs.kv_row[0] * specs.kv_row[1];
+    head_offsets_[i + 1] = head_offsets_[i] + specs.q_row[0];
   }
 
-  // Phase 2: room for each new token, then the data, decoded into that room (uncommitted, so
-  // an error here still leaves every session as it was).
+  // Phase 2: room for each new token on every tier, and the data decoded into this stream's
+  // scratch; an error here still leaves every session as it was.
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
-    if (absl::Status s = session.layer(layer).kv.Reserve(1, "the new token"); !s.ok()) {
+    if (absl::Status s = session.layer(layer).ReserveToken(); !s.ok()) {
       return PrefixStatus(s, "steps[", i, "] (session '", session.id(), "', layer ", layer, "): ");
     }
   }
-  queries_.resize(query_offsets_[n]);
+  queries_.resize(q_offsets_[n]);
+  keys_.resize(kv_offsets_[n]);
+  values_.resize(kv_offsets_[n]);
   for (int i = 0; i < n; ++i) {
-    Session& session = *sessions_[i];
-    const StepSpecs specs(session.geometry());
+    const StepSpecs specs(sessions_[i]->geometry());
     const v1::SequenceStep& step = request.steps(i);
-    LayerKvStore& kv = session.layer(layer).kv;
-    absl::Status s = DecodeTensor(step.q(), specs.q, queries_.data() + query_offsets_[i]);
-    if (s.ok()) s = DecodeTensor(step.k_new(), specs.k_new, kv.key_tail());
-    if (s.ok()) s = DecodeTensor(step.v_new(), specs.v_new, kv.value_tail());
+    absl::Status s = DecodeTensor(step.q(), specs.q, queries_.data() + q_offsets_[i]);
+    if (s.ok()) s = DecodeTensor(step.k_new(), specs.k_new, keys_.data() + kv_offsets_[i]);
+    if (s.ok()) s = DecodeTensor(step.v_new(), specs.v_new, values_.data() + kv_offsets_[i]);
     if (!s.ok()) return PrefixStatus(s, "steps[", i, "].");
   }
 
-  // Phase 3: the request is valid; nothing below can fail.
+  // Phase 3: the request is valid; each backend steps its sequences in one batch.
+  const bool shadow = request.compare_exact();
+  output_.resize(q_offsets_[n]);
+  lse_.resize(head_offsets_[n]);
+  heads_.resize(head_offsets_[n]);
+  if (shadow && supports_.size() < static_cast<size_t>(head_offsets_[n])) {
+    supports_.resize(head_offsets_[n]);
+  }
+  if (absl::Status s = RunByBackend(
+          sessions_, steps_,
+          [&](int i) {
+            return LayerStep{&sessions_[i]->layer(layer),         queries_.data() + q_offsets_[i],
+                             keys_.data() + kv_offsets_[i],       values_.data() + kv_offsets_[i],
+                             output_.data() + q_offsets_[i],      lse_.data() + head_offsets_[i],
+                             heads_.data() + head_offsets_[i],
+                             shadow ? supports_.data() + head_offsets_[i] : nullptr};
+          },
+          [&](AttentionBackend* backend, std::span<LayerStep> group) {
+            return backend->Step(group, ContextFor(backend));
+          });
+      !s.ok()) {
+    return PrefixStatus(s, "layer ", layer, ": ");
+  }
+
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
-    session.layer(layer).kv.Commit(1);
-    Attend(session, layer, queries_.data() + query_offsets_[i], request,
-           request.steps(i).q().values_size() > 0, response->add_results());
+    const v1::Geometry& g = session.geometry();
+    const int heads = g.q_heads();
+    DecodeCounters& counters = session.counters();
+    ++counters.layer_steps;
+    counters.head_steps += heads;
+    const HeadReport* reports = heads_.data() + head_offsets_[i];
+    for (int h = 0; h < heads; ++h) {
+      counters.candidates += reports[h].candidates;
+      ++counters.paths[static_cast<int>(reports[h].path)];
+    }
+
+    v1::SequenceResult* result = response->add_results();
+    result->set_session_id(session.id());
+    result->set_position(session.layer(layer).tokens() - 1);
+    const bool as_values = request.steps(i).q().values_size() > 0;
+    const int64_t out_shape[] = {heads, g.head_dim()};
+    EncodeTensor(std::span<const float>(output_.data() + q_offsets_[i],
+                                        q_offsets_[i + 1] - q_offsets_[i]),
+                 out_shape, g.dtype(), as_values, result->mutable_output());
+    if (request.return_lse()) {
+      const int64_t lse_shape[] = {heads};
+      EncodeTensor(std::span<const float>(lse_.data() + head_offsets_[i], heads), lse_shape,
+                   v1::DTYPE_F32, as_values, result->mutable_lse());
+    }
+    if (request.diagnostics() || request.compare_exact()) {
+      for (int h = 0; h < heads; ++h) {
+        v1::HeadDiagnostics* head = result->add_heads();
+        head->set_path(PathToProto(reports[h].path));
+        head->set_candidates(reports[h].candidates);
+        head->set_support(reports[h].support);
+        head->set_best_cosine(reports[h].best_cosine);
+      }
+    }
+  }
+  if (shadow) {
+    if (absl::Status s = CompareExact(request, response); !s.ok()) {
+      return PrefixStatus(s, "layer ", layer, " (compare_exact): ");
+    }
   }
   response->set_server_micros(absl::ToDoubleMicroseconds(absl::Now() - start));
   return absl::OkStatus();
 }
 
-void DecodeStream::Attend(Session& session, int layer_index, const float* q,
-                          const v1::DecodeRequest& request, bool as_values,
-                          v1::SequenceResult* result) {
-  Session::Layer& layer = session.layer(layer_index);
-  const LayerShape& shape = session.shape();
-  const int heads = shape.q_heads;
-  const int d = shape.head_dim;
-  const KvView kv = layer.kv.view();
-
-  layer.selector->OnAppend(kv);
-  SupportSelector* selector = layer.selector.get();
-  const int64_t predicted_tokens = layer.last_scored_tokens >= 0
-                                       ? layer.last_scored_tokens
-                                       : static_cast<int64_t>(heads) * kv.tokens;
-  const int threads = cpu::ThreadsFor(predicted_tokens * d, heads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int h = 0; h < heads; ++h) {
-    HeadSelection& selection = layer.selections[h];
-    // The support buffers travel between the selection and `supports` (the attention
-    // kernel's input) by swapping, so their capacity is reused from step to step.
-    std::swap(selection.support, layer.supports[h]);
-    selection.path = SelectionPath::kExact;
-    selection.candidates = 0;
-    selection.best_cosine = 0.0f;
-    selector->Select(h, q + static_cast<int64_t>(h) * d, kv, &selection);
-    std::swap(selection.support, layer.supports[h]);
+absl::Status DecodeStream::CompareExact(const v1::DecodeRequest& request,
+                                        v1::DecodeResponse* response) {
+  const int n = request.steps_size();
+  full_output_.resize(q_offsets_[n]);
+  full_lse_.resize(head_offsets_[n]);
+  if (exact_topk_.size() < static_cast<size_t>(head_offsets_[n])) {
+    exact_topk_.resize(head_offsets_[n]);
   }
-
-  output_.resize(static_cast<size_t>(heads) * d);
-  lse_.resize(heads);
-  cpu::MultiHeadAttention(q, heads, kv, layer.supports, shape.scale, output_.data(), lse_.data());
-
-  DecodeCounters& counters = session.counters();
-  ++counters.layer_steps;
-  counters.head_steps += heads;
-  layer.last_scored_tokens = 0;
-  for (const HeadSelection& selection : layer.selections) {
-    counters.candidates += selection.candidates;
-    layer.last_scored_tokens += selection.candidates;
-    CountPath(selection.path, &counters);
+  const int layer = request.layer();
+  if (absl::Status s = RunByBackend(
+          sessions_, shadows_,
+          [&](int i) {
+            return ShadowStep{&sessions_[i]->layer(layer), queries_.data() + q_offsets_[i],
+                              sessions_[i]->policy().selector.top_k,
+                              full_output_.data() + q_offsets_[i],
+                              full_lse_.data() + head_offsets_[i],
+                              exact_topk_.data() + head_offsets_[i]};
+          },
+          [&](AttentionBackend* backend, std::span<ShadowStep> group) {
+            return backend->Shadow(group, ContextFor(backend));
+          });
+      !s.ok()) {
+    return s;
   }
-  session.ChargeSelectorBytes(layer);
-
-  result->set_session_id(session.id());
-  result->set_position(kv.tokens - 1);
-  const int64_t out_shape[] = {heads, d};
-  EncodeTensor(output_, out_shape, session.geometry().dtype(), as_values, result->mutable_output());
-  if (request.return_lse()) {
-    const int64_t lse_shape[] = {heads};
-    EncodeTensor(lse_, lse_shape, v1::DTYPE_F32, as_values, result->mutable_lse());
-  }
-  if (request.diagnostics() || request.compare_exact()) {
+  thread_local std::vector<uint8_t> marks;
+  for (int i = 0; i < n; ++i) {
+    const int heads = sessions_[i]->geometry().q_heads();
+    const int d = sessions_[i]->geometry().head_dim();
+    const int64_t tokens = sessions_[i]->layer(layer).tokens();
+    v1::SequenceResult* result = response->mutable_results(i);
     for (int h = 0; h < heads; ++h) {
-      const HeadSelection& selection = layer.selections[h];
-      v1::HeadDiagnostics* head = result->add_heads();
-      head->set_path(PathToProto(selection.path));
-      head->set_candidates(selection.candidates);
-      head->set_support(static_cast<int32_t>(layer.supports[h].size()));
-      head->set_best_cosine(selection.best_cosine);
+      const int64_t row = head_offsets_[i] + h;
+      v1::HeadDiagnostics* head = result->mutable_heads(h);
+      head->set_support_recall(
+          static_cast<float>(SupportRecall(supports_[row], exact_topk_[row], tokens, &marks)));
+      head->set_retained_mass(static_cast<float>(RetainedMass(lse_[row], full_lse_[row])));
+      const float* o = output_.data() + q_offsets_[i] + static_cast<int64_t>(h) * d;
+      const float* o_full = full_output_.data() + q_offsets_[i] + static_cast<int64_t>(h) * d;
+      head->set_output_cosine(static_cast<float>(OutputCosine(o, o_full, d)));
+      head->set_rel_l2(static_cast<float>(RelativeL2(o, o_full, d)));
     }
   }
-  if (request.compare_exact()) CompareExact(session, layer, q, result);
-}
-
-void DecodeStream::CompareExact(const Session& session, const Session::Layer& layer, const float* q,
-                                v1::SequenceResult* result) {
-  const LayerShape& shape = session.shape();
-  const int heads = shape.q_heads;
-  const int d = shape.head_dim;
-  const int top_k = session.policy().selector.top_k;
-  const KvView kv = layer.kv.view();
-  full_output_.resize(static_cast<size_t>(heads) * d);
-  full_lse_.resize(heads);
-  cpu::MultiHeadFullAttention(q, heads, kv, shape.scale, full_output_.data(), full_lse_.data());
-  const int threads = cpu::ThreadsFor(static_cast<int64_t>(heads) * kv.tokens * d, heads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int h = 0; h < heads; ++h) {
-    thread_local std::vector<int32_t> exact;
-    thread_local std::vector<uint8_t> marks;
-    const float* q_h = q + static_cast<int64_t>(h) * d;
-    cpu::ExactTopK(q_h, kv, KvHeadOf(h, heads, shape.kv_heads), shape.scale, top_k, &exact);
-    v1::HeadDiagnostics* head = result->mutable_heads(h);
-    head->set_support_recall(
-        static_cast<float>(SupportRecall(layer.supports[h], exact, kv.tokens, &marks)));
-    head->set_retained_mass(static_cast<float>(RetainedMass(lse_[h], full_lse_[h])));
-    const float* o = output_.data() + static_cast<int64_t>(h) * d;
-    const float* o_full = full_output_.data() + static_cast<int64_t>(h) * d;
-    head->set_output_cosine(static_cast<float>(OutputCosine(o, o_full, d)));
-    head->set_rel_l2(static_cast<float>(RelativeL2(o, o_full, d)));
-  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvrecall

@@ -1,15 +1,19 @@
 // The decode pipeline of one Decode stream: validates a request (one layer of one token for
-// one or more sequences) in full, then appends each sequence's token, selects every query
-// head's support, attends, and fills the reply — optionally with the fidelity shadow.
+// one or more sequences) in full, reserves room for each sequence's token on every tier, then
+// hands the steps to their placements' attention backends — all steps of one backend in one
+// batch — and fills the reply, optionally with the fidelity shadow (compare_exact).
 #ifndef KVRECALL_SERVER_DECODE_H_
 #define KVRECALL_SERVER_DECODE_H_
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "kvrecall/v1/kvrecall.pb.h"
+#include "server/backends/attention_backend.h"
 #include "server/session.h"
 
 namespace kvrecall {
@@ -19,27 +23,38 @@ class DecodeStream {
   explicit DecodeStream(const SessionRegistry* registry) : registry_(registry) {}
 
   // Serves one request into `response` (which the caller cleared). A request with no steps
-  // gets an empty reply. On error nothing was appended for any sequence of the request.
-  // The sessions of a request are locked together, so streams sharing a session serialize.
+  // gets an empty reply. On a validation or budget error nothing was appended for any sequence
+  // of the request. The sessions of a request are locked together, so streams sharing a
+  // session serialize.
   absl::Status Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response);
 
  private:
-  // Selects, attends and reports for one sequence whose token is already appended.
-  void Attend(Session& session, int layer, const float* q, const v1::DecodeRequest& request,
-              bool as_values, v1::SequenceResult* result);
-  // Fills the fidelity fields of result->heads() against full attention over the same KV.
-  void CompareExact(const Session& session, const Session::Layer& layer, const float* q,
-                    v1::SequenceResult* result);
+  // The backend's per-stream context, made on first use.
+  StepContext* ContextFor(AttentionBackend* backend);
+  // Fills the fidelity fields of each result's heads against the shadow (full attention).
+  absl::Status CompareExact(const v1::DecodeRequest& request, v1::DecodeResponse* response);
 
   const SessionRegistry* registry_;
-  // Scratch reused across requests so that steady-state decoding allocates little.
+  absl::InlinedVector<std::pair<AttentionBackend*, std::unique_ptr<StepContext>>, 2> contexts_;
+  // Scratch reused across requests so that steady-state decoding allocates little; per step i
+  // of the request: queries_[q_offsets_[i]..], keys_/values_[kv_offsets_[i]..], output_
+  // like queries_, lse_ and heads_[i * q_heads ...] at head_offsets_[i].
   std::vector<std::shared_ptr<Session>> sessions_;
-  std::vector<int64_t> query_offsets_;
+  std::vector<int64_t> q_offsets_;
+  std::vector<int64_t> kv_offsets_;
+  std::vector<int64_t> head_offsets_;
   std::vector<float> queries_;
+  std::vector<float> keys_;
+  std::vector<float> values_;
   std::vector<float> output_;
   std::vector<float> lse_;
+  std::vector<HeadReport> heads_;
+  std::vector<std::vector<int32_t>> supports_;  // [head_offsets_[n]] with compare_exact
+  std::vector<LayerStep> steps_;                // grouped by backend
   std::vector<float> full_output_;
   std::vector<float> full_lse_;
+  std::vector<std::vector<int32_t>> exact_topk_;
+  std::vector<ShadowStep> shadows_;
 };
 
 }  // namespace kvrecall

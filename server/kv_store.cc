@@ -36,7 +36,7 @@ absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
       extra_bytes += std::max<int64_t>(capacity - a->capacity_rows_, 0) * a->row_width_ *
                      int64_t{sizeof(float)};
     }
-    HostMemoryBudget* budget = arrays[0]->budget_;
+    MemoryAccount* budget = arrays[0]->budget_;
     status = budget != nullptr ? budget->Reserve(extra_bytes, what) : absl::OkStatus();
     if (status.ok()) {
       for (BudgetedRows* a : arrays) {

@@ -1,5 +1,6 @@
 // Host storage of a session's per-layer KV cache (and of staged prompt tensors): growable
-// row-major f32 arrays whose allocations are charged to the server's HostMemoryBudget.
+// row-major f32 arrays whose allocations are charged to a MemoryAccount (the host budget, or a
+// session's grant on it).
 #ifndef KVRECALL_SERVER_KV_STORE_H_
 #define KVRECALL_SERVER_KV_STORE_H_
 
@@ -10,7 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "kernels/kv_view.h"
-#include "server/host_memory_budget.h"
+#include "server/memory_budget.h"
 
 namespace kvrecall {
 
@@ -21,7 +22,7 @@ namespace kvrecall {
 class BudgetedRows {
  public:
   BudgetedRows() = default;
-  BudgetedRows(int64_t row_width, HostMemoryBudget* budget)
+  BudgetedRows(int64_t row_width, MemoryAccount* budget)
       : row_width_(row_width), budget_(budget) {}
   BudgetedRows(BudgetedRows&& other) noexcept { *this = std::move(other); }
   BudgetedRows& operator=(BudgetedRows&& other) noexcept;
@@ -51,7 +52,7 @@ class BudgetedRows {
   void Reallocate(int64_t capacity_rows);
 
   int64_t row_width_ = 0;
-  HostMemoryBudget* budget_ = nullptr;
+  MemoryAccount* budget_ = nullptr;
   std::unique_ptr<float[]> data_;
   int64_t rows_ = 0;
   int64_t capacity_rows_ = 0;
@@ -69,7 +70,7 @@ absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
 class LayerKvStore {
  public:
   LayerKvStore() = default;
-  LayerKvStore(int kv_heads, int head_dim, HostMemoryBudget* budget)
+  LayerKvStore(int kv_heads, int head_dim, MemoryAccount* budget)
       : keys_(int64_t{kv_heads} * head_dim, budget),
         values_(int64_t{kv_heads} * head_dim, budget),
         kv_heads_(kv_heads),

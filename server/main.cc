@@ -25,6 +25,17 @@ ABSL_FLAG(int, max_message_mb, 64,
 ABSL_FLAG(double, host_memory_budget_gb, 0,
           "host memory (GiB) that sessions may hold: KV, staged prompts and selector state; "
           "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
+ABSL_FLAG(std::string, gpus, "all",
+          "CUDA devices that GPU placements may use: 'all' (every visible device), 'none', or a "
+          "comma-separated list of ordinals such as 0,2; each session lives on the one with the "
+          "most budget free");
+ABSL_FLAG(double, gpu_memory_budget_gb, -1,
+          "GPU memory (GiB) that sessions and decode workspaces may hold on each device; beyond it "
+          "requests get RESOURCE_EXHAUSTED; -1: what the device reports free at start minus "
+          "--gpu_memory_headroom_gb; 0: unlimited");
+ABSL_FLAG(double, gpu_memory_headroom_gb, 2,
+          "with --gpu_memory_budget_gb=-1, device memory left outside the budget for the CUDA "
+          "context, cuBLAS and kernel launch resources");
 ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "on SIGTERM/SIGINT: health turns NOT_SERVING, new calls and steps get UNAVAILABLE, and "
           "the calls in flight have this long to finish before they are cancelled and the "
@@ -62,6 +73,14 @@ int main(int argc, char** argv) {
   options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   options.max_message_bytes = int64_t{max_message_mb} << 20;
   options.host_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
+  absl::StatusOr<kvrecall::PlacementOptions> placements = kvrecall::PlacementOptionsFromFlags(
+      absl::GetFlag(FLAGS_gpus), absl::GetFlag(FLAGS_gpu_memory_budget_gb),
+      absl::GetFlag(FLAGS_gpu_memory_headroom_gb));
+  if (!placements.ok()) {
+    std::fprintf(stderr, "kvrecalld: %s\n", std::string(placements.status().message()).c_str());
+    return 2;
+  }
+  options.placements = *std::move(placements);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.health_address = absl::GetFlag(FLAGS_health_address);
   options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);

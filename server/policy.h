@@ -1,5 +1,5 @@
 // Conversion between the API's Policy message and the selector knobs (SelectorParams), with
-// defaults filled in and the placements this build serves checked.
+// defaults filled in (whether a placement is served here is server/backends/placements.h's call).
 #ifndef KVRECALL_SERVER_POLICY_H_
 #define KVRECALL_SERVER_POLICY_H_
 
@@ -17,7 +17,7 @@ struct EffectivePolicy {
 
 // Fills zero/unset knobs with their defaults (index/selector_params.h) and validates the result.
 // INVALID_ARGUMENT naming the field (e.g. "policy.retopk.reuse_neighbors") for a bad knob or an
-// unknown enum value; FAILED_PRECONDITION for a placement this build does not serve.
+// unknown enum value.
 absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy);
 
 // The policy as the API spells it, every knob explicit (echoed by CreateSession/GetSession).

@@ -40,15 +40,13 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
       absl::ReaderMutexLock lock(&session_->mu());
       if (absl::Status s = session_->CheckPrefillable(layer); !s.ok()) return s;
     }
-    it =
-        layers_
-            .emplace(layer,
-                     Staging{LayerKvStore(g.kv_heads(), g.head_dim(), session_->budget()),
-                             BudgetedRows(int64_t{g.q_heads()} * g.head_dim(), session_->budget())})
-            .first;
+    absl::StatusOr<std::unique_ptr<PromptStaging>> staging =
+        session_->backend()->NewPromptStaging(session_->layer_config(), session_->accounts());
+    if (!staging.ok()) return staging.status();
+    it = layers_.emplace(layer, Staged{*std::move(staging), 0}).first;
   }
-  Staging& staging = it->second;
-  const int64_t received = staging.kv.tokens();
+  PromptStaging& staging = *it->second.prompt;
+  const int64_t received = staging.tokens();
   if (chunk.offset() != received) {
     return absl::InvalidArgumentError(absl::StrCat(
         prefix, ".offset is ", chunk.offset(), " but layer ", layer, " has received ", received,
@@ -63,12 +61,14 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   const TensorSpec q_spec{q_field, q_row, /*rows_free=*/true, g.dtype()};
   const TensorSpec k_spec{k_field, kv_row, /*rows_free=*/true, g.dtype()};
   const TensorSpec v_spec{v_field, kv_row, /*rows_free=*/true, g.dtype()};
-  absl::StatusOr<int64_t> q_rows = CheckTensor(chunk.q(), q_spec);
-  if (!q_rows.ok()) return q_rows.status();
+  // q may be left out (no field at all) where the selector does not need it (Commit checks).
+  const bool with_queries = chunk.has_q();
   absl::StatusOr<int64_t> k_rows = CheckTensor(chunk.k(), k_spec);
   if (!k_rows.ok()) return k_rows.status();
   absl::StatusOr<int64_t> v_rows = CheckTensor(chunk.v(), v_spec);
   if (!v_rows.ok()) return v_rows.status();
+  absl::StatusOr<int64_t> q_rows = with_queries ? CheckTensor(chunk.q(), q_spec) : k_rows;
+  if (!q_rows.ok()) return q_rows.status();
   if (*k_rows != *q_rows || *v_rows != *q_rows) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, " carries ", *q_rows, " tokens of q, ",
                                                    *k_rows, " of k and ", *v_rows,
@@ -77,14 +77,15 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   const int64_t n = *q_rows;
 
   const std::string what = absl::StrCat("the prompt of layer ", layer);
-  if (absl::Status s = staging.kv.Reserve(n, what); !s.ok()) return s;
-  if (absl::Status s = staging.queries.Reserve(n, what); !s.ok()) return s;
+  if (absl::Status s = staging.Reserve(n, what); !s.ok()) return s;
   // Decoded straight into the reserved tails; a failure leaves them uncommitted.
-  if (absl::Status s = DecodeTensor(chunk.q(), q_spec, staging.queries.tail()); !s.ok()) return s;
-  if (absl::Status s = DecodeTensor(chunk.k(), k_spec, staging.kv.key_tail()); !s.ok()) return s;
-  if (absl::Status s = DecodeTensor(chunk.v(), v_spec, staging.kv.value_tail()); !s.ok()) return s;
-  staging.queries.Commit(n);
-  staging.kv.Commit(n);
+  if (with_queries) {
+    if (absl::Status s = DecodeTensor(chunk.q(), q_spec, staging.query_tail()); !s.ok()) return s;
+  }
+  if (absl::Status s = DecodeTensor(chunk.k(), k_spec, staging.key_tail()); !s.ok()) return s;
+  if (absl::Status s = DecodeTensor(chunk.v(), v_spec, staging.value_tail()); !s.ok()) return s;
+  if (absl::Status s = staging.Commit(n, with_queries); !s.ok()) return s;
+  if (!with_queries) it->second.queries_from = staging.tokens();
   return absl::OkStatus();
 }
 
@@ -96,40 +97,56 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
   {
     absl::ReaderMutexLock lock(&session_->mu());
     int64_t tokens = session_->prompt_tokens();
-    for (const auto& [layer, staging] : layers_) {
+    for (const auto& [layer, staged] : layers_) {
       if (absl::Status s = session_->CheckPrefillable(layer); !s.ok()) return s;
-      if (tokens != 0 && staging.kv.tokens() != tokens) {
+      const int64_t received = staged.prompt->tokens();
+      if (tokens != 0 && received != tokens) {
         return absl::InvalidArgumentError(
-            absl::StrCat("layer ", layer, " received ", staging.kv.tokens(),
+            absl::StrCat("layer ", layer, " received ", received,
                          " prompt tokens, other layers of ", "session '", session_->id(), "' have ",
                          tokens, ": every layer's prompt must have one length"));
       }
-      tokens = staging.kv.tokens();
+      tokens = received;
+      const SelectorParams& selector = session_->layer_config().selector;
+      const int64_t needed = PromptQueriesNeeded(selector, received);
+      if (received - staged.queries_from < needed) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", layer, ": the ", SelectorKindName(selector.kind),
+            " selector needs the queries (q) of the prompt's last ", needed,
+            " tokens, but chunks left q out up to token ", staged.queries_from));
+      }
     }
   }
 
   std::vector<StagedLayer> staged;
-  std::vector<const BudgetedRows*> queries;
-  staged.reserve(layers_.size());
+  std::vector<std::unique_ptr<PromptStaging>> prompts;
   for (auto& [layer, staging] : layers_) {
-    absl::StatusOr<std::unique_ptr<SupportSelector>> selector = session_->MakeLayerSelector();
-    if (!selector.ok()) return selector.status();
-    staged.push_back(StagedLayer{layer, std::move(staging.kv), *std::move(selector)});
-    queries.push_back(&staging.queries);
+    staged.push_back(StagedLayer{layer, nullptr});
+    prompts.push_back(std::move(staging.prompt));
   }
+  layers_.clear();
 
   const absl::Time build_start = absl::Now();
+  AttentionBackend* backend = session_->backend();
+  const LayerConfig& config = session_->layer_config();
+  const SessionAccounts accounts = session_->accounts();
   std::vector<absl::Status> built(staged.size());
   const int count = static_cast<int>(staged.size());
 #pragma omp parallel for schedule(dynamic) if (count > 1)
   for (int i = 0; i < count; ++i) {
-    built[i] = staged[i].selector->Build(staged[i].kv.view(), queries[i]->data());
+    absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
+        backend->BuildLayer(config, accounts, std::move(prompts[i]));
+    if (layer.ok()) {
+      staged[i].built = *std::move(layer);
+    } else {
+      built[i] = layer.status();
+    }
   }
   const double build_seconds = absl::ToDoubleSeconds(absl::Now() - build_start);
   for (int i = 0; i < count; ++i) {
     if (!built[i].ok()) {
-      return absl::Status(built[i].code(), absl::StrCat("building the selector of layer ",
-                                                        staged[i].layer, ": ", built[i].message()));
+      return absl::Status(built[i].code(), absl::StrCat("building layer ", staged[i].layer, ": ",
+                                                        built[i].message()));
     }
   }
 
@@ -139,7 +156,6 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
     if (absl::Status s = session_->CommitPrompt(staged); !s.ok()) return s;
     response.set_tokens(session_->prompt_tokens());
   }
-  layers_.clear();  // the prompt queries are not needed any more
   response.set_session_id(session_->id());
   response.set_layers_committed(count);
   response.set_build_seconds(build_seconds);

@@ -1,6 +1,7 @@
 // One Prefill stream: validates and stages the prompt chunks of a session's layers as they
-// arrive, then, when the stream closes cleanly, builds the layers' selectors and commits them
-// all at once. A stream that fails commits nothing.
+// arrive (in the PromptStaging of the session's backend: host memory, or on to a GPU), then,
+// when the stream closes cleanly, builds the layers and commits them all at once. A stream that
+// fails commits nothing.
 #ifndef KVRECALL_SERVER_PREFILL_H_
 #define KVRECALL_SERVER_PREFILL_H_
 
@@ -11,7 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvrecall/v1/kvrecall.pb.h"
-#include "server/kv_store.h"
+#include "server/backends/attention_backend.h"
 #include "server/session.h"
 
 namespace kvrecall {
@@ -25,22 +26,20 @@ class PrefillStream {
   // stream must be abandoned: nothing of it is committed.
   absl::Status Add(const v1::PrefillChunk& chunk, int64_t index);
 
-  // Builds every staged layer's selector from its prompt keys and queries (layers in
-  // parallel), then commits the layers to the session atomically. The staged queries are
-  // released afterwards: selectors that need them keep what they need.
+  // Builds every staged layer (indexes, caches; layers in parallel), then commits the layers to
+  // the session atomically. The staging is released afterwards.
   absl::StatusOr<v1::PrefillResponse> Commit();
 
  private:
-  // A layer's prompt as received so far: keys/values [n, kv_heads, head_dim] and post-RoPE
-  // queries [n, q_heads, head_dim].
-  struct Staging {
-    LayerKvStore kv;
-    BudgetedRows queries;
-  };
-
   const SessionRegistry* registry_;
   std::shared_ptr<Session> session_;
-  std::map<int, Staging> layers_;  // ordered, so commits and errors list layers in order
+  // A layer's prompt as received so far.
+  struct Staged {
+    std::unique_ptr<PromptStaging> prompt;
+    int64_t queries_from = 0;  // every token from here on came with its query
+  };
+  // Ordered, so that commits and errors list layers in order.
+  std::map<int, Staged> layers_;
 };
 
 }  // namespace kvrecall

@@ -56,9 +56,11 @@ bool IsUnixSocketAddress(absl::string_view address) {
   return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
 }
 
-RunningServer::RunningServer(const ServerOptions& options)
+RunningServer::RunningServer(const ServerOptions& options,
+                             std::unique_ptr<Placements> placements)
     : budget_(options.host_memory_budget_bytes),
-      registry_(&budget_),
+      placements_(std::move(placements)),
+      registry_(&budget_, placements_.get()),
       service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads}),
       health_({v1::KvRecall::service_full_name()}),
       probe_health_({v1::KvRecall::service_full_name()}) {}
@@ -128,7 +130,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
         absl::StrCat("worker_threads must be >= 0, got ", options.worker_threads));
   }
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  std::unique_ptr<RunningServer> running(new RunningServer(options));
+  absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(options.placements);
+  if (!placements.ok()) return placements.status();
+  std::unique_ptr<RunningServer> running(new RunningServer(options, *std::move(placements)));
 
   const std::vector<std::string> addresses = absl::StrSplit(options.address, ',');
   std::vector<int> ports(addresses.size(), 0);

@@ -14,7 +14,8 @@
 #include "grpcpp/server.h"
 #include "server/health.h"
 #include "server/credentials.h"
-#include "server/host_memory_budget.h"
+#include "server/backends/placements.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
 #include "server/service.h"
@@ -34,6 +35,8 @@ struct ServerOptions {
   int64_t max_message_bytes = 64ll << 20;
   // Host memory that sessions may hold (KV, staged prompts, selector state); 0: unlimited.
   int64_t host_memory_budget_bytes = 0;
+  // The GPUs sessions may be placed on, and their budgets.
+  PlacementOptions placements;
   // TLS, mutual TLS and bearer tokens for every address above (server/credentials.h).
   SecurityOptions security;
   // HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none, and
@@ -71,19 +74,21 @@ class RunningServer {
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
+  Placements& placements() { return *placements_; }
   ServerMetrics& metrics() { return *metrics_; }
   // Where metrics and the plaintext health port are served (bound ports); empty when not.
   const std::string& metrics_address() const { return metrics_address_; }
   const std::string& health_address() const { return health_address_; }
-  const HostMemoryBudget& budget() const { return budget_; }
+  const MemoryBudget& budget() const { return budget_; }
 
  private:
   friend absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& options);
-  explicit RunningServer(const ServerOptions& options);
+  RunningServer(const ServerOptions& options, std::unique_ptr<Placements> placements);
   // The metrics endpoint and the plaintext health port, when `options` ask for them.
   absl::Status StartMetricsAndProbes(const ServerOptions& options);
 
-  HostMemoryBudget budget_;
+  MemoryBudget budget_;
+  std::unique_ptr<Placements> placements_;
   SessionRegistry registry_;
   KvRecallService service_;
   HealthService health_;

@@ -29,6 +29,13 @@ v1::Geometry WithEffectiveScale(v1::Geometry g) {
   return g;
 }
 
+// The API's Path for a SelectionPath: the proto numbers them from 1 (0 is UNSPECIFIED).
+static_assert(v1::PATH_EXACT == 1 + static_cast<int>(SelectionPath::kExact));
+static_assert(v1::PATH_REUSE == 1 + static_cast<int>(SelectionPath::kReuse));
+static_assert(v1::PATH_FALLBACK == 1 + static_cast<int>(SelectionPath::kFallback));
+static_assert(v1::PATH_REFRESH == 1 + static_cast<int>(SelectionPath::kRefresh));
+static_assert(kSelectionPaths == 4);
+
 }  // namespace
 
 absl::Status ValidateGeometry(const v1::Geometry& g) {
@@ -53,20 +60,25 @@ absl::Status ValidateGeometry(const v1::Geometry& g) {
   return absl::OkStatus();
 }
 
+v1::Path PathToProto(SelectionPath path) {
+  return static_cast<v1::Path>(1 + static_cast<int>(path));
+}
+
 Session::Session(std::string id, std::string label, const v1::Geometry& geometry,
-                 const EffectivePolicy& policy, HostMemoryBudget* budget)
+                 const EffectivePolicy& policy, const LayerConfig& config,
+                 AttentionBackend* backend, MemoryBudget* host_budget)
     : id_(std::move(id)),
       label_(std::move(label)),
       geometry_(WithEffectiveScale(geometry)),
       policy_(policy),
-      shape_{geometry.q_heads(), geometry.kv_heads(), geometry.head_dim(),
-             EffectiveScale(geometry)},
-      budget_(budget) {
+      config_(config),
+      backend_(backend),
+      host_grant_(host_budget),
+      device_grant_(backend->device_budget() != nullptr
+                        ? std::make_unique<MemoryGrant>(backend->device_budget())
+                        : nullptr) {
   absl::MutexLock lock(&mu_);
   layers_.resize(geometry.layers());
-  for (Layer& layer : layers_) {
-    layer.kv = LayerKvStore(shape_.kv_heads, shape_.head_dim, budget_);
-  }
 }
 
 Session::~Session() {
@@ -74,13 +86,32 @@ Session::~Session() {
   Close();
 }
 
-absl::StatusOr<std::unique_ptr<SupportSelector>> Session::MakeLayerSelector() const {
-  return MakeSelector(policy_.selector, shape_);
+absl::Status Session::Admit() {
+  const int64_t tokens = config_.expected_tokens;
+  if (tokens <= 0) return absl::OkStatus();
+  const int layers = geometry_.layers();
+  if (device_grant_ != nullptr) {
+    const int64_t bytes = backend_->DeviceBytesFor(config_, tokens) * layers;
+    if (absl::Status s = device_grant_->SetAside(
+            bytes, absl::StrCat("max_tokens=", tokens, " of ", layers, " layers on ",
+                                backend_->device()));
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (backend_->placement() == v1::PLACEMENT_CPU) {
+    // Keys and values in f32 (the host store's layout).
+    const int64_t bytes = 2 * tokens * config_.shape.kv_heads * config_.shape.head_dim *
+                          int64_t{sizeof(float)} * layers;
+    return host_grant_.SetAside(bytes,
+                                absl::StrCat("max_tokens=", tokens, " of ", layers, " layers"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Session::CheckPrefillable(int layer) const {
   if (closed_) return absl::NotFoundError(absl::StrCat("session '", id_, "' was closed"));
-  if (layers_[layer].selector != nullptr) {
+  if (layers_[layer] != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("layer ", layer, " of session '", id_,
                      "' is already prefilled; a layer may be prefilled once"));
@@ -92,21 +123,14 @@ absl::Status Session::CommitPrompt(std::vector<StagedLayer>& staged) {
   int64_t tokens = prompt_tokens_;
   for (const StagedLayer& s : staged) {
     if (absl::Status st = CheckPrefillable(s.layer); !st.ok()) return st;
-    if (tokens != 0 && s.kv.tokens() != tokens) {
+    if (tokens != 0 && s.built->tokens() != tokens) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", s.layer, " has a prompt of ", s.kv.tokens(), " tokens, but session '", id_,
+          "layer ", s.layer, " has a prompt of ", s.built->tokens(), " tokens, but session '", id_,
           "' has prompts of ", tokens, " tokens: every layer's prompt must have one length"));
     }
-    tokens = s.kv.tokens();
+    tokens = s.built->tokens();
   }
-  for (StagedLayer& s : staged) {
-    Layer& layer = layers_[s.layer];
-    layer.kv = std::move(s.kv);
-    layer.selector = std::move(s.selector);
-    layer.selections.assign(shape_.q_heads, HeadSelection{});
-    layer.supports.assign(shape_.q_heads, {});
-    ChargeSelectorBytes(layer);
-  }
+  for (StagedLayer& s : staged) layers_[s.layer] = std::move(s.built);
   prompt_tokens_ = tokens;
   return absl::OkStatus();
 }
@@ -117,29 +141,18 @@ absl::Status Session::CheckDecodable(int layer) const {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is out of range [0, ",
                                                    geometry_.layers(), ") of session '", id_, "'"));
   }
-  if (layers_[layer].selector == nullptr) {
+  if (layers_[layer] == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "layer ", layer, " of session '", id_, "' has no prompt yet: Prefill it before Decode"));
   }
   return absl::OkStatus();
 }
 
-void Session::ChargeSelectorBytes(Layer& layer) {
-  const int64_t now = layer.selector != nullptr ? layer.selector->MemoryBytes() : 0;
-  if (now == layer.selector_bytes) return;
-  budget_->Charge(now - layer.selector_bytes);
-  layer.selector_bytes = now;
-}
-
 void Session::Close() {
   closed_ = true;
-  for (Layer& layer : layers_) {
-    layer.kv.Free();
-    layer.selector.reset();
-    ChargeSelectorBytes(layer);
-    layer.selections.clear();
-    layer.supports.clear();
-  }
+  for (std::unique_ptr<LayerBackend>& layer : layers_) layer.reset();
+  host_grant_.ReleaseSetAside();
+  if (device_grant_ != nullptr) device_grant_->ReleaseSetAside();
 }
 
 v1::SessionInfo Session::Info() const {
@@ -149,25 +162,29 @@ v1::SessionInfo Session::Info() const {
   *info.mutable_geometry() = geometry_;
   *info.mutable_policy() = PolicyToProto(policy_);
   info.set_prompt_tokens(prompt_tokens_);
-  int64_t kv_bytes = 0;
-  int64_t selector_bytes = 0;
+  info.set_device(backend_->device());
+  LayerMemory total;
   int layers_prefilled = 0;
-  for (const Layer& layer : layers_) {
-    kv_bytes += layer.kv.allocated_bytes();
-    selector_bytes += layer.selector_bytes;
-    layers_prefilled += layer.selector != nullptr;
+  for (const std::unique_ptr<LayerBackend>& layer : layers_) {
+    info.add_layer_tokens(layer != nullptr ? layer->tokens() : 0);
+    if (layer == nullptr) continue;
+    const LayerMemory m = layer->memory();
+    total.host_bytes += m.host_bytes;
+    total.device_bytes += m.device_bytes;
+    total.selector_bytes += m.selector_bytes;
+    ++layers_prefilled;
   }
-  info.set_tokens(layers_.empty() ? 0 : layers_[0].kv.tokens());
+  info.set_tokens(info.layer_tokens(0));
   info.set_layers_prefilled(layers_prefilled);
   info.set_decode_steps(counters_.layer_steps);
-  info.set_host_bytes(kv_bytes + selector_bytes);
-  info.set_gpu_bytes(0);  // the CPU placement keeps nothing on a GPU
-  info.set_selector_bytes(selector_bytes);
+  info.set_host_bytes(total.host_bytes);
+  info.set_gpu_bytes(total.device_bytes);
+  info.set_selector_bytes(total.selector_bytes);
   v1::PathCounts* paths = info.mutable_paths();
-  paths->set_exact(counters_.path_exact);
-  paths->set_reuse(counters_.path_reuse);
-  paths->set_fallback(counters_.path_fallback);
-  paths->set_refresh(counters_.path_refresh);
+  paths->set_exact(counters_.paths[static_cast<int>(SelectionPath::kExact)]);
+  paths->set_reuse(counters_.paths[static_cast<int>(SelectionPath::kReuse)]);
+  paths->set_fallback(counters_.paths[static_cast<int>(SelectionPath::kFallback)]);
+  paths->set_refresh(counters_.paths[static_cast<int>(SelectionPath::kRefresh)]);
   info.set_mean_candidates(counters_.head_steps == 0
                                ? 0.0
                                : static_cast<double>(counters_.candidates) /
@@ -180,20 +197,29 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   if (absl::Status s = ValidateGeometry(request.geometry()); !s.ok()) return s;
   absl::StatusOr<EffectivePolicy> policy = ResolvePolicy(request.policy());
   if (!policy.ok()) return policy.status();
-  // Selectors are made per layer when a prompt commits; making one now surfaces a selector
-  // this build cannot make at CreateSession rather than at the first Prefill.
+  if (request.max_tokens() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must be >= 0 (0: not announced), got ", request.max_tokens()));
+  }
   const v1::Geometry& g = request.geometry();
-  absl::StatusOr<std::unique_ptr<SupportSelector>> probe =
-      MakeSelector(policy->selector, LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), 1.0f});
-  if (!probe.ok()) return probe.status();
+  const LayerConfig config{
+      LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), EffectiveScale(g)}, g.dtype(),
+      policy->selector, request.max_tokens()};
+  absl::StatusOr<AttentionBackend*> backend = placements_->Choose(policy->placement, config);
+  if (!backend.ok()) return backend.status();
 
   thread_local absl::BitGen gen;
-  absl::MutexLock lock(&mu_);
   std::string id;
-  do {
-    id = absl::StrFormat("s-%016x", absl::Uniform<uint64_t>(gen));
-  } while (sessions_.contains(id));
-  auto session = std::make_shared<Session>(id, request.label(), g, *policy, budget_);
+  {
+    absl::MutexLock lock(&mu_);
+    do {
+      id = absl::StrFormat("s-%016x", absl::Uniform<uint64_t>(gen));
+    } while (sessions_.contains(id));
+  }
+  auto session =
+      std::make_shared<Session>(id, request.label(), g, *policy, config, *backend, host_budget_);
+  if (absl::Status s = session->Admit(); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
   sessions_.emplace(id, session);
   return session;
 }

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/host_memory_budget.h"
+#include "server/memory_budget.h"
 #include "server/kv_store.h"
 #include "tests/server_fixture.h"
 
@@ -36,7 +36,7 @@ void ExpectRowsIntact(const BudgetedRows& rows) {
 }
 
 TEST(KvStoreTest, GrowsGeometricallyAndKeepsContent) {
-  HostMemoryBudget budget(0);
+  MemoryBudget budget(0);
   BudgetedRows rows(3, &budget);
   int reallocations = 0;
   int64_t last_bytes = 0;
@@ -68,7 +68,7 @@ TEST(KvStoreTest, UncommittedRowsAreNotContent) {
 
 TEST(KvStoreTest, BudgetRefusalChangesNothingAndFallsBackToExactGrowth) {
   // Keys and values of 2 floats per token: 16 bytes per token for the pair.
-  HostMemoryBudget budget(16 * 40);
+  MemoryBudget budget(16 * 40);
   LayerKvStore kv(1, 2, &budget);
   std::vector<float> token(2);
   int64_t appended = 0;
@@ -101,7 +101,7 @@ TEST(KvStoreTest, BudgetRefusalChangesNothingAndFallsBackToExactGrowth) {
 }
 
 TEST(KvStoreTest, MovingTransfersTheChargeOnce) {
-  HostMemoryBudget budget(0);
+  MemoryBudget budget(0);
   {
     BudgetedRows a(4, &budget);
     AppendRows(a, 10);
@@ -120,7 +120,7 @@ TEST(KvStoreTest, MovingTransfersTheChargeOnce) {
 }
 
 TEST(KvStoreTest, BudgetChargesBeyondTheLimitOnlyWhenForced) {
-  HostMemoryBudget budget(100);
+  MemoryBudget budget(100);
   EXPECT_TRUE(budget.Reserve(60, "a").ok());
   EXPECT_TRUE(HasStatus(budget.Reserve(41, "b"), absl::StatusCode::kResourceExhausted,
                         "b needs 41 more bytes, 60 of the 100-byte budget"));

@@ -14,6 +14,7 @@
 
 #include "kvrecall/v1/kvrecall.pb.h"
 #include "proto/tensor_codec.h"
+#include "server/backends/placements.h"
 #include "server/prefill.h"
 #include "server/session.h"
 
@@ -103,7 +104,10 @@ class FuzzFixture {
   // service accepts.
   static constexpr int64_t kBudgetBytes = int64_t{256} << 20;
 
-  FuzzFixture() : budget_(kBudgetBytes), registry_(&budget_) {
+  FuzzFixture()
+      : budget_(kBudgetBytes),
+        placements_(CpuOnlyPlacements()),
+        registry_(&budget_, placements_.get()) {
     for (const FixtureSession& s : FixtureSessions()) {
       v1::CreateSessionRequest request;
       *request.mutable_geometry() = s.geometry;
@@ -128,7 +132,17 @@ class FuzzFixture {
   const std::string& id(int i) const { return ids_[i]; }
 
  private:
-  HostMemoryBudget budget_;
+  // The CPU placement alone: no device is probed (the fuzzed code is above the seam).
+  static std::unique_ptr<Placements> CpuOnlyPlacements() {
+    PlacementOptions options;
+    options.gpus.emplace();
+    absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(options);
+    Require(placements.status(), "placements");
+    return *std::move(placements);
+  }
+
+  MemoryBudget budget_;
+  std::unique_ptr<Placements> placements_;
   SessionRegistry registry_;
   std::vector<std::string> ids_;
 };

@@ -1,0 +1,161 @@
+// The seam between the decode pipeline and the placements: an AttentionBackend (one per
+// placement and device) builds the LayerBackend that each layer of a session holds — which owns
+// that layer's KV and selector state wherever they live — and steps batches of them, returning
+// an attention state (o, lse) per (sequence, query head) row.
+//
+// Life of a layer: the Prefill stream appends the prompt to a PromptStaging (two-phase, as
+// BudgetedRows), BuildLayer turns it into a LayerBackend (indexes, caches) outside the session's
+// lock, and the session installs the built layers atomically. A decode step first asks every
+// layer of the request to ReserveToken (a refusal leaves every layer as it was), then the
+// backend's Step appends each token and attends, for all of its layers of the request at once.
+#ifndef KVRECALL_SERVER_BACKENDS_ATTENTION_BACKEND_H_
+#define KVRECALL_SERVER_BACKENDS_ATTENTION_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "index/selector_params.h"
+#include "index/support_selector.h"
+#include "kernels/selection_path.h"
+#include "kvrecall/v1/kvrecall.pb.h"
+#include "server/memory_budget.h"
+
+namespace kvrecall {
+
+// What one layer of a session is built for.
+struct LayerConfig {
+  LayerShape shape;                   // q_heads, kv_heads, head_dim, softmax scale
+  v1::DType dtype = v1::DTYPE_F32;    // the model's dtype: device tiers keep KV in it
+  SelectorParams selector;
+  int64_t expected_tokens = 0;        // CreateSession's max_tokens; 0: not announced
+};
+
+// Where a session's memory is charged: host bytes and, for placements with a GPU part, the
+// bytes of that GPU (null for the CPU placement). Both outlive the session's layers.
+struct SessionAccounts {
+  MemoryAccount* host = nullptr;
+  MemoryAccount* device = nullptr;
+};
+
+// Bytes one layer holds, by tier.
+struct LayerMemory {
+  int64_t host_bytes = 0;      // KV and selector state in host memory
+  int64_t device_bytes = 0;    // KV and selector state in GPU memory
+  int64_t selector_bytes = 0;  // the part of both held by indexes and caches
+};
+
+// How one query head's support was chosen in a step.
+struct HeadReport {
+  SelectionPath path = SelectionPath::kExact;
+  int32_t candidates = 0;   // tokens scored to choose the support
+  int32_t support = 0;      // tokens attended to
+  float best_cosine = 0.0f; // ReTopK: the best cosine with a cached query
+};
+
+// A layer's prompt as a Prefill stream delivers it, f32 row-major: queries [n, q_heads, head_dim]
+// (post-RoPE), keys and values [n, kv_heads, head_dim]. Appends are two-phase: Reserve room,
+// write the rows at the tails, then Commit them; rows never committed are not part of it.
+class PromptStaging {
+ public:
+  virtual ~PromptStaging() = default;
+  // Room for `more` tokens beyond the committed ones; RESOURCE_EXHAUSTED naming `what` changes
+  // nothing.
+  virtual absl::Status Reserve(int64_t more, absl::string_view what) = 0;
+  // Where the reserved tokens go; valid until Commit or the next Reserve.
+  virtual float* query_tail() = 0;
+  virtual float* key_tail() = 0;
+  virtual float* value_tail() = 0;
+  // Makes the next n reserved tokens part of the prompt (may start copies to a device).
+  // with_queries false: the chunk came without queries and query_tail() holds nothing (the
+  // Prefill stream checks that the selector did not need them, PromptQueriesNeeded).
+  virtual absl::Status Commit(int64_t n, bool with_queries) = 0;
+  virtual int64_t tokens() const = 0;
+};
+
+// One layer of one session, built from its prompt. Not thread-safe: the session's lock guards it.
+class LayerBackend {
+ public:
+  virtual ~LayerBackend() = default;
+  // Tokens held: the prompt and every committed decode token.
+  virtual int64_t tokens() const = 0;
+  // Room for one more token on every tier the layer uses; RESOURCE_EXHAUSTED (a budget) leaves
+  // the layer as it was. Step consumes the reservation.
+  virtual absl::Status ReserveToken() = 0;
+  virtual LayerMemory memory() const = 0;
+};
+
+// One sequence's part of a batched decode step. Inputs and outputs are host memory.
+struct LayerStep {
+  LayerBackend* layer = nullptr;  // made by the backend that steps it; ReserveToken succeeded
+  const float* q = nullptr;       // [q_heads, head_dim] f32, post-RoPE
+  const float* k_new = nullptr;   // [kv_heads, head_dim] f32: appended before attending
+  const float* v_new = nullptr;   // [kv_heads, head_dim] f32
+  float* o = nullptr;             // out: [q_heads, head_dim] f32
+  float* lse = nullptr;           // out: [q_heads] (natural log)
+  HeadReport* heads = nullptr;    // out: [q_heads]
+  // out, when non-null: [q_heads] the token positions each head attended to (any order).
+  std::vector<int32_t>* supports = nullptr;
+};
+
+// Full attention over one layer's whole history, for compare_exact (no token is appended).
+struct ShadowStep {
+  const LayerBackend* layer = nullptr;
+  const float* q = nullptr;          // [q_heads, head_dim] f32
+  int top_k = 0;                     // K of the exact top-K to report
+  float* o = nullptr;                // out: [q_heads, head_dim] full attention
+  float* lse = nullptr;              // out: [q_heads]
+  std::vector<int32_t>* exact_topk = nullptr;  // out: [q_heads] the exact top-K positions
+};
+
+// Per-Decode-stream resources of a backend (a CUDA stream, pinned buffers, workspaces): one
+// stream steps one request at a time, so these are reused without locking.
+class StepContext {
+ public:
+  virtual ~StepContext() = default;
+};
+
+// A placement on one device. Thread-safe: any number of streams call it at once, each with its
+// own StepContext and with the locks of the sessions it steps.
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+
+  virtual v1::Placement placement() const = 0;
+  // Where its layers live: "cpu", "cuda:0", ... (GetSession reports it).
+  virtual const std::string& device() const = 0;
+  // The device's budget (null for the CPU placement): sessions are placed where most is free.
+  virtual MemoryBudget* device_budget() const { return nullptr; }
+
+  // INVALID_ARGUMENT naming the policy or geometry field when layers of `config` cannot be
+  // served here, with a message that says what is served. Checked at CreateSession, before
+  // anything is allocated.
+  virtual absl::Status CheckConfig(const LayerConfig& config) const = 0;
+  // Device bytes a layer of `config` holds for `tokens` tokens (KV and caches), for admission.
+  virtual int64_t DeviceBytesFor(const LayerConfig& config, int64_t tokens) const { return 0; }
+
+  virtual absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
+      const LayerConfig& config, const SessionAccounts& accounts) = 0;
+  // Builds a layer (indexes, caches) from a staged prompt, which it consumes. May take long;
+  // runs outside the session's lock, several layers in parallel.
+  virtual absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
+      const LayerConfig& config, const SessionAccounts& accounts,
+      std::unique_ptr<PromptStaging> prompt) = 0;
+
+  virtual std::unique_ptr<StepContext> NewStepContext() = 0;
+  // One decode step of `steps` (layers this backend built, of sessions the caller has locked,
+  // each with a token reserved): appends each step's token, selects, attends and reports.
+  // Errors here are the device's (INTERNAL): every input was validated before.
+  virtual absl::Status Step(std::span<LayerStep> steps, StepContext* context) = 0;
+  // Full attention and the exact top-K for each of `steps`, over the histories as they are.
+  virtual absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) = 0;
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_BACKENDS_ATTENTION_BACKEND_H_

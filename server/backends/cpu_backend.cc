@@ -1,0 +1,192 @@
+#include "server/backends/cpu_backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/parallel.h"
+#include "server/kv_store.h"
+
+namespace kvrecall {
+namespace {
+
+// The prompt in host memory as it arrives: the layer's KV store itself (it becomes the layer's)
+// and the queries, which only the selector's build reads.
+class CpuPromptStaging final : public PromptStaging {
+ public:
+  CpuPromptStaging(const LayerShape& shape, MemoryAccount* host)
+      : kv(shape.kv_heads, shape.head_dim, host),
+        queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
+
+  absl::Status Reserve(int64_t more, absl::string_view what) override {
+    if (absl::Status s = kv.Reserve(more, what); !s.ok()) return s;
+    return queries.Reserve(more, what);
+  }
+  float* query_tail() override { return queries.tail(); }
+  float* key_tail() override { return kv.key_tail(); }
+  float* value_tail() override { return kv.value_tail(); }
+  absl::Status Commit(int64_t n, bool with_queries) override {
+    if (!with_queries) std::fill_n(queries.tail(), n * queries.row_width(), 0.0f);
+    kv.Commit(n);
+    queries.Commit(n);
+    return absl::OkStatus();
+  }
+  int64_t tokens() const override { return kv.tokens(); }
+
+  LayerKvStore kv;
+  BudgetedRows queries;
+};
+
+class CpuLayer final : public LayerBackend {
+ public:
+  CpuLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
+           std::unique_ptr<SupportSelector> selector)
+      : shape_(config.shape),
+        host_(host),
+        kv_(std::move(kv)),
+        selector_(std::move(selector)),
+        selections_(config.shape.q_heads),
+        supports_(config.shape.q_heads) {
+    ChargeSelectorBytes();
+  }
+  ~CpuLayer() override {
+    if (selector_bytes_ != 0) host_->Release(selector_bytes_);
+  }
+
+  int64_t tokens() const override { return kv_.tokens(); }
+  absl::Status ReserveToken() override { return kv_.Reserve(1, "the new token"); }
+  LayerMemory memory() const override {
+    return LayerMemory{kv_.allocated_bytes() + selector_bytes_, 0, selector_bytes_};
+  }
+
+  // Appends the step's token, selects every head's support, attends and reports.
+  void Step(const LayerStep& step);
+  // Full attention and each head's exact top-K over the history.
+  void Shadow(const ShadowStep& step) const;
+
+ private:
+  // Re-charges the host account for the selector's state after it changed.
+  void ChargeSelectorBytes() {
+    const int64_t now = selector_->MemoryBytes();
+    if (now == selector_bytes_) return;
+    host_->Charge(now - selector_bytes_);
+    selector_bytes_ = now;
+  }
+
+  const LayerShape shape_;
+  MemoryAccount* const host_;
+  LayerKvStore kv_;
+  std::unique_ptr<SupportSelector> selector_;
+  int64_t selector_bytes_ = 0;  // what is charged to host_ for the selector
+  std::vector<HeadSelection> selections_;       // per query head, reused across steps
+  std::vector<std::vector<int32_t>> supports_;  // per query head, reused across steps
+  // Tokens the selector scored at the previous step, summed over heads (-1: no step yet);
+  // predicts whether the next selection is worth running heads in parallel.
+  int64_t last_scored_tokens_ = -1;
+};
+
+void CpuLayer::Step(const LayerStep& step) {
+  const int heads = shape_.q_heads;
+  const int d = shape_.head_dim;
+  const int64_t row = int64_t{shape_.kv_heads} * d;
+  std::memcpy(kv_.key_tail(), step.k_new, row * sizeof(float));
+  std::memcpy(kv_.value_tail(), step.v_new, row * sizeof(float));
+  kv_.Commit(1);
+  const KvView kv = kv_.view();
+
+  selector_->OnAppend(kv);
+  SupportSelector* selector = selector_.get();
+  const float* q = step.q;
+  const int64_t predicted_tokens =
+      last_scored_tokens_ >= 0 ? last_scored_tokens_ : static_cast<int64_t>(heads) * kv.tokens;
+  const int threads = cpu::ThreadsFor(predicted_tokens * d, heads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int h = 0; h < heads; ++h) {
+    HeadSelection& selection = selections_[h];
+    // The support buffers travel between the selection and `supports_` (the attention
+    // kernel's input) by swapping, so their capacity is reused from step to step.
+    std::swap(selection.support, supports_[h]);
+    selection.path = SelectionPath::kExact;
+    selection.candidates = 0;
+    selection.best_cosine = 0.0f;
+    selector->Select(h, q + static_cast<int64_t>(h) * d, kv, &selection);
+    std::swap(selection.support, supports_[h]);
+  }
+  cpu::MultiHeadAttention(q, heads, kv, supports_, shape_.scale, step.o, step.lse);
+
+  last_scored_tokens_ = 0;
+  for (int h = 0; h < heads; ++h) {
+    const HeadSelection& selection = selections_[h];
+    last_scored_tokens_ += selection.candidates;
+    step.heads[h] = HeadReport{selection.path, selection.candidates,
+                               static_cast<int32_t>(supports_[h].size()), selection.best_cosine};
+    if (step.supports != nullptr) step.supports[h] = supports_[h];
+  }
+  ChargeSelectorBytes();
+}
+
+void CpuLayer::Shadow(const ShadowStep& step) const {
+  const int heads = shape_.q_heads;
+  const int d = shape_.head_dim;
+  const KvView kv = kv_.view();
+  cpu::MultiHeadFullAttention(step.q, heads, kv, shape_.scale, step.o, step.lse);
+  const int threads = cpu::ThreadsFor(static_cast<int64_t>(heads) * kv.tokens * d, heads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int h = 0; h < heads; ++h) {
+    cpu::ExactTopK(step.q + static_cast<int64_t>(h) * d, kv, KvHeadOf(h, heads, shape_.kv_heads),
+                   shape_.scale, step.top_k, &step.exact_topk[h]);
+  }
+}
+
+}  // namespace
+
+absl::Status CpuBackend::CheckConfig(const LayerConfig& config) const {
+  // Making a selector surfaces one this build cannot make at CreateSession rather than at the
+  // first Prefill; selectors allocate nothing before Build.
+  return MakeSelector(config.selector, config.shape).status();
+}
+
+absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
+    const LayerConfig& config, const SessionAccounts& accounts) {
+  return std::make_unique<CpuPromptStaging>(config.shape, accounts.host);
+}
+
+absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
+    const LayerConfig& config, const SessionAccounts& accounts,
+    std::unique_ptr<PromptStaging> prompt) {
+  auto& staged = static_cast<CpuPromptStaging&>(*prompt);
+  absl::StatusOr<std::unique_ptr<SupportSelector>> selector =
+      MakeSelector(config.selector, config.shape);
+  if (!selector.ok()) return selector.status();
+  if (absl::Status s = (*selector)->Build(staged.kv.view(), staged.queries.data()); !s.ok()) {
+    return s;
+  }
+  // An announced length is reserved now, so that decoding up to it never reallocates.
+  if (config.expected_tokens > staged.kv.tokens()) {
+    if (absl::Status s = staged.kv.Reserve(config.expected_tokens - staged.kv.tokens(),
+                                           "the announced max_tokens");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return std::make_unique<CpuLayer>(config, accounts.host, std::move(staged.kv),
+                                    *std::move(selector));
+  // The staged queries are freed with `prompt`: selectors that need them kept what they need.
+}
+
+std::unique_ptr<StepContext> CpuBackend::NewStepContext() { return std::make_unique<StepContext>(); }
+
+absl::Status CpuBackend::Step(std::span<LayerStep> steps, StepContext*) {
+  for (const LayerStep& step : steps) static_cast<CpuLayer*>(step.layer)->Step(step);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Shadow(std::span<ShadowStep> steps, StepContext*) {
+  for (const ShadowStep& step : steps) static_cast<const CpuLayer*>(step.layer)->Shadow(step);
+  return absl::OkStatus();
+}
+
+}  // namespace kvrecall

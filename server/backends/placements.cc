@@ -1,0 +1,77 @@
+#include "server/backends/placements.h"
+
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace kvrecall {
+
+absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpus,
+                                                           double budget_gb, double headroom_gb) {
+  PlacementOptions options;
+  if (gpus == "none") {
+    options.gpus.emplace();
+  } else if (gpus != "all") {
+    options.gpus.emplace();
+    for (absl::string_view part : absl::StrSplit(gpus, ',')) {
+      int ordinal = 0;
+      if (!absl::SimpleAtoi(part, &ordinal) || ordinal < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--gpus must be 'all', 'none' or device ordinals such as 0,2; got '", gpus, "'"));
+      }
+      options.gpus->push_back(ordinal);
+    }
+  }
+  if (!std::isfinite(budget_gb) || (budget_gb < 0 && budget_gb != -1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gpu_memory_budget_gb must be >= 0 or -1, got ", budget_gb));
+  }
+  if (budget_gb >= 0) options.gpu_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
+  if (!std::isfinite(headroom_gb) || headroom_gb < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--gpu_memory_headroom_gb must be >= 0, got ", headroom_gb));
+  }
+  options.gpu_headroom_bytes = static_cast<int64_t>(headroom_gb * (1ll << 30));
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOptions& options) {
+  std::unique_ptr<Placements> placements(new Placements());
+  absl::StatusOr<GpuBackends> gpus = MakeGpuBackends(options);
+  if (!gpus.ok()) return gpus.status();
+  placements->gpu_ = std::move(gpus->backends);
+  placements->no_gpu_reason_ = std::move(gpus->unavailable);
+  return placements;
+}
+
+absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
+                                                     const LayerConfig& config) {
+  if (placement == v1::PLACEMENT_CPU) {
+    if (absl::Status s = cpu_.CheckConfig(config); !s.ok()) return s;
+    return &cpu_;
+  }
+  if (placement != v1::PLACEMENT_GPU) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("policy.placement ", v1::Placement_Name(placement),
+                     " is not served by this kvrecalld yet; PLACEMENT_CPU and PLACEMENT_GPU are"));
+  }
+  if (gpu_.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("policy.placement PLACEMENT_GPU cannot be served: ", no_gpu_reason_));
+  }
+  // Every device serves the same configurations; the check names what is served.
+  if (absl::Status s = gpu_.front()->CheckConfig(config); !s.ok()) return s;
+  AttentionBackend* best = nullptr;
+  for (const auto& backend : gpu_) {
+    if (best == nullptr ||
+        backend->device_budget()->available() > best->device_budget()->available()) {
+      best = backend.get();
+    }
+  }
+  return best;
+}
+
+}  // namespace kvrecall

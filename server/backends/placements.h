@@ -1,0 +1,67 @@
+// The backends a server places sessions on: the CPU placement always, and per GPU it was given
+// (--gpus) the GPU-resident placement, each with that device's memory budget. Chooses the backend
+// of a new session.
+#ifndef KVRECALL_SERVER_BACKENDS_PLACEMENTS_H_
+#define KVRECALL_SERVER_BACKENDS_PLACEMENTS_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/backends/attention_backend.h"
+#include "server/backends/cpu_backend.h"
+
+namespace kvrecall {
+
+struct PlacementOptions {
+  // CUDA devices to serve GPU placements on; unset: every visible device; empty: none.
+  std::optional<std::vector<int>> gpus;
+  // Per-device GPU memory budget in bytes; unset: what the device reports free at start minus
+  // gpu_headroom_bytes (for the CUDA context, cuBLAS and kernels' launch resources).
+  std::optional<int64_t> gpu_memory_budget_bytes;
+  int64_t gpu_headroom_bytes = int64_t{2} << 30;
+};
+
+// The options of kvrecalld's --gpus ("all", "none" or ordinals "0,2"), --gpu_memory_budget_gb
+// (-1: free minus headroom) and --gpu_memory_headroom_gb; INVALID_ARGUMENT naming the flag.
+absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpus,
+                                                           double budget_gb, double headroom_gb);
+
+class Placements {
+ public:
+  // INVALID_ARGUMENT for a device that does not exist; without CUDA (in the build or on the
+  // machine) only the CPU placement is served, and GPU placements answer why.
+  static absl::StatusOr<std::unique_ptr<Placements>> Create(const PlacementOptions& options);
+
+  // The backend for a new session of `layers` layers of `config` under `placement`: the CPU
+  // backend, or the device of that placement with the most budget free. FAILED_PRECONDITION
+  // when the placement has no device here ("no CUDA device"), INVALID_ARGUMENT from the
+  // backend's CheckConfig.
+  absl::StatusOr<AttentionBackend*> Choose(v1::Placement placement, const LayerConfig& config);
+
+  AttentionBackend* cpu() { return &cpu_; }
+  // Every GPU-resident backend, one per device.
+  const std::vector<std::unique_ptr<AttentionBackend>>& gpu() const { return gpu_; }
+
+ private:
+  Placements() = default;
+
+  CpuBackend cpu_;
+  std::vector<std::unique_ptr<AttentionBackend>> gpu_;
+  std::string no_gpu_reason_;  // why gpu_ is empty
+};
+
+// The GPU-resident backends of `options` (one per device) or why there are none: implemented by
+// server/backends/gpu_backend.cc in CUDA builds and by no_gpu_backend.cc otherwise.
+struct GpuBackends {
+  std::vector<std::unique_ptr<AttentionBackend>> backends;
+  std::string unavailable;  // set when `backends` is empty
+};
+absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options);
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_BACKENDS_PLACEMENTS_H_

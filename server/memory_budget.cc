@@ -1,0 +1,70 @@
+#include "server/memory_budget.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+
+namespace kvrecall {
+
+absl::Status MemoryBudget::Reserve(int64_t bytes, absl::string_view what) {
+  if (limit_ <= 0 || bytes <= 0) {
+    used_.fetch_add(bytes, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+  int64_t used = used_.load(std::memory_order_relaxed);
+  while (true) {
+    if (used + bytes > limit_) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s budget exceeded: %s needs %d more bytes, %d of the %d-byte budget "
+          "(%s=%.3f) are in use",
+          name_, what, bytes, used, limit_, flag_, static_cast<double>(limit_) / (1ll << 30)));
+    }
+    if (used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed)) {
+      return absl::OkStatus();
+    }
+  }
+}
+
+int64_t MemoryBudget::available() const {
+  if (limit_ <= 0) return std::numeric_limits<int64_t>::max();
+  return std::max<int64_t>(0, limit_ - used());
+}
+
+MemoryGrant::~MemoryGrant() { ReleaseSetAside(); }
+
+void MemoryGrant::ReleaseSetAside() {
+  budget_->Release(set_aside_.exchange(0, std::memory_order_relaxed));
+}
+
+absl::Status MemoryGrant::SetAside(int64_t bytes, absl::string_view what) {
+  if (bytes <= 0) return absl::OkStatus();
+  if (absl::Status s = budget_->Reserve(bytes, what); !s.ok()) return s;
+  set_aside_.fetch_add(bytes, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+int64_t MemoryGrant::Draw(int64_t bytes) {
+  int64_t have = set_aside_.load(std::memory_order_relaxed);
+  while (true) {
+    const int64_t take = std::clamp<int64_t>(bytes, 0, have);
+    if (take == 0) return 0;
+    if (set_aside_.compare_exchange_weak(have, have - take, std::memory_order_relaxed)) return take;
+  }
+}
+
+absl::Status MemoryGrant::Reserve(int64_t bytes, absl::string_view what) {
+  const int64_t drawn = Draw(bytes);
+  if (absl::Status s = budget_->Reserve(bytes - drawn, what); !s.ok()) {
+    set_aside_.fetch_add(drawn, std::memory_order_relaxed);  // give back what was drawn
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+void MemoryGrant::Charge(int64_t bytes) {
+  const int64_t drawn = Draw(bytes);
+  budget_->Charge(bytes - drawn);
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,93 @@
+// A server-wide account of the bytes sessions hold in one kind of memory (host DRAM, or one GPU),
+// checked against the operator's budget whenever a prefill or a decode step needs more.
+#ifndef KVRECALL_SERVER_MEMORY_BUDGET_H_
+#define KVRECALL_SERVER_MEMORY_BUDGET_H_
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace kvrecall {
+
+// What host and device stores charge their allocations to: a budget, or a session's grant on one.
+class MemoryAccount {
+ public:
+  virtual ~MemoryAccount() = default;
+  // Charges `bytes`, or charges nothing and returns RESOURCE_EXHAUSTED naming `what`.
+  virtual absl::Status Reserve(int64_t bytes, absl::string_view what) = 0;
+  // Charges memory that already exists (selector state after it was built), past any limit.
+  virtual void Charge(int64_t bytes) = 0;
+  virtual void Release(int64_t bytes) = 0;
+};
+
+class MemoryBudget final : public MemoryAccount {
+ public:
+  // limit_bytes <= 0 means unlimited. `name` says which memory ("host memory", "GPU 0 memory")
+  // and `flag` which setting bounds it ("host_memory_budget_gb"), for the refusal messages.
+  MemoryBudget(int64_t limit_bytes, std::string name, std::string flag)
+      : limit_(limit_bytes), name_(std::move(name)), flag_(std::move(flag)) {}
+  explicit MemoryBudget(int64_t limit_bytes)
+      : MemoryBudget(limit_bytes, "host memory", "host_memory_budget_gb") {}
+  MemoryBudget(const MemoryBudget&) = delete;
+  MemoryBudget& operator=(const MemoryBudget&) = delete;
+
+  // Charges `bytes`, or charges nothing and returns RESOURCE_EXHAUSTED naming the budget and
+  // `what` needed it when the charge would exceed the limit.
+  absl::Status Reserve(int64_t bytes, absl::string_view what) override;
+
+  // Charges memory that already exists (selector state after it was built): the account may
+  // then exceed the limit, and further Reserve calls fail until memory is released.
+  void Charge(int64_t bytes) override { used_.fetch_add(bytes, std::memory_order_relaxed); }
+  void Release(int64_t bytes) override { used_.fetch_sub(bytes, std::memory_order_relaxed); }
+
+  int64_t used() const { return used_.load(std::memory_order_relaxed); }
+  int64_t limit() const { return limit_; }
+  // What Reserve would still grant (INT64_MAX when unlimited).
+  int64_t available() const;
+  const std::string& name() const { return name_; }
+
+ private:
+  const int64_t limit_;
+  const std::string name_;
+  const std::string flag_;
+  std::atomic<int64_t> used_{0};
+};
+
+// A session's account on a budget: what the session announced at admission (CreateSession's
+// max_tokens) is set aside in the budget up front, and the session's allocations draw on that
+// before they ask the budget for more, so an admitted session cannot be starved later by
+// sessions admitted after it. Thread-safe; whatever is still set aside goes back on destruction.
+class MemoryGrant final : public MemoryAccount {
+ public:
+  explicit MemoryGrant(MemoryBudget* budget) : budget_(budget) {}
+  ~MemoryGrant() override;
+  MemoryGrant(const MemoryGrant&) = delete;
+  MemoryGrant& operator=(const MemoryGrant&) = delete;
+
+  // Sets `bytes` aside in the budget (RESOURCE_EXHAUSTED naming `what` when they do not fit).
+  absl::Status SetAside(int64_t bytes, absl::string_view what);
+
+  absl::Status Reserve(int64_t bytes, absl::string_view what) override;
+  void Charge(int64_t bytes) override;
+  void Release(int64_t bytes) override { budget_->Release(bytes); }
+
+  // Gives back to the budget whatever is still set aside (the session closed).
+  void ReleaseSetAside();
+
+  int64_t set_aside() const { return set_aside_.load(std::memory_order_relaxed); }
+  MemoryBudget* budget() const { return budget_; }
+
+ private:
+  // Takes up to `bytes` of what is set aside; returns how much it took.
+  int64_t Draw(int64_t bytes);
+
+  MemoryBudget* const budget_;
+  std::atomic<int64_t> set_aside_{0};
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_MEMORY_BUDGET_H_

@@ -1,0 +1,252 @@
+// The layer-backend seam on the CPU backend (server/backends/): a prompt staged in two phases,
+// a layer built from it, decode steps whose outputs and reports match brute force, the shadow of
+// compare_exact, token reservations that a budget refuses without changing anything, memory
+// charged and given back to the byte; MemoryGrant's set-aside; and the placements a server
+// without a CUDA device offers.
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "index/selector_params.h"
+#include "kernels/cpu/attention.h"
+#include "server/backends/cpu_backend.h"
+#include "server/backends/placements.h"
+#include "server/memory_budget.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::RandomKv;
+using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::ReferenceAttention;
+using ::kvrecall::testing::ReferenceTopK;
+
+constexpr int kQHeads = 4, kKvHeads = 2, kDim = 16;
+
+LayerConfig Config(SelectorKind kind, int top_k = 8) {
+  LayerConfig config;
+  config.shape = LayerShape{kQHeads, kKvHeads, kDim, 1.0f / std::sqrt(float{kDim})};
+  config.dtype = v1::DTYPE_F32;
+  config.selector.kind = kind;
+  config.selector.top_k = top_k;
+  config.selector.sinks = 4;
+  config.selector.recent = 8;
+  return config;
+}
+
+// Stages `kv` (and queries) in chunks of `chunk` tokens; a reservation beyond the last chunk is
+// never committed and must not count.
+std::unique_ptr<PromptStaging> Stage(CpuBackend& backend, const LayerConfig& config,
+                                     const SessionAccounts& accounts, const RandomKv& kv,
+                                     const std::vector<float>& queries, int64_t chunk) {
+  absl::StatusOr<std::unique_ptr<PromptStaging>> staging =
+      backend.NewPromptStaging(config, accounts);
+  EXPECT_TRUE(staging.ok()) << staging.status();
+  const int64_t kv_row = int64_t{kKvHeads} * kDim, q_row = int64_t{kQHeads} * kDim;
+  for (int64_t t = 0; t < kv.tokens; t += chunk) {
+    const int64_t n = std::min(chunk, kv.tokens - t);
+    EXPECT_TRUE((*staging)->Reserve(n, "test").ok());
+    std::copy_n(queries.data() + t * q_row, n * q_row, (*staging)->query_tail());
+    std::copy_n(kv.keys.data() + t * kv_row, n * kv_row, (*staging)->key_tail());
+    std::copy_n(kv.values.data() + t * kv_row, n * kv_row, (*staging)->value_tail());
+    EXPECT_TRUE((*staging)->Commit(n, /*with_queries=*/true).ok());
+  }
+  EXPECT_TRUE((*staging)->Reserve(5, "test").ok());  // reserved, written, never committed
+  std::fill_n((*staging)->key_tail(), 5 * kv_row, 1e6f);
+  EXPECT_EQ((*staging)->tokens(), kv.tokens);
+  return *std::move(staging);
+}
+
+class CpuBackendSeamTest : public ::testing::Test {
+ protected:
+  MemoryBudget budget_{0};
+  CpuBackend backend_;
+  SessionAccounts accounts_{&budget_, nullptr};
+};
+
+TEST_F(CpuBackendSeamTest, StepsOfABatchMatchBruteForceAndReportTheirPaths) {
+  constexpr int64_t kPrompt = 100;
+  const LayerConfig full = Config(SelectorKind::kFull);
+  const LayerConfig topk = Config(SelectorKind::kExactTopK, 8);
+  RandomKv kv_a(kPrompt + 1, kKvHeads, kDim, 1), kv_b(kPrompt + 1, kKvHeads, kDim, 2);
+  const std::vector<float> queries = RandomNormal((kPrompt + 1) * kQHeads * kDim, 3);
+  // The prompt is the first kPrompt tokens; token kPrompt arrives as a decode step.
+  RandomKv prompt_a = kv_a, prompt_b = kv_b;
+  prompt_a.tokens = prompt_b.tokens = kPrompt;
+  auto layer_a = backend_.BuildLayer(full, accounts_, Stage(backend_, full, accounts_, prompt_a,
+                                                            queries, 33));
+  auto layer_b = backend_.BuildLayer(topk, accounts_, Stage(backend_, topk, accounts_, prompt_b,
+                                                            queries, 100));
+  ASSERT_TRUE(layer_a.ok()) << layer_a.status();
+  ASSERT_TRUE(layer_b.ok()) << layer_b.status();
+  EXPECT_EQ((*layer_a)->tokens(), kPrompt);
+
+  const int64_t kv_row = int64_t{kKvHeads} * kDim;
+  const float* q = queries.data() + kPrompt * kQHeads * kDim;
+  std::vector<float> o(2 * kQHeads * kDim), lse(2 * kQHeads);
+  std::vector<HeadReport> heads(2 * kQHeads);
+  std::vector<std::vector<int32_t>> supports(2 * kQHeads);
+  std::vector<LayerStep> steps;
+  for (int b = 0; b < 2; ++b) {
+    LayerBackend* layer = b == 0 ? layer_a->get() : layer_b->get();
+    const RandomKv& kv = b == 0 ? kv_a : kv_b;
+    ASSERT_TRUE(layer->ReserveToken().ok());
+    steps.push_back(LayerStep{layer, q, kv.keys.data() + kPrompt * kv_row,
+                              kv.values.data() + kPrompt * kv_row, o.data() + b * kQHeads * kDim,
+                              lse.data() + b * kQHeads, heads.data() + b * kQHeads,
+                              supports.data() + b * kQHeads});
+  }
+  std::unique_ptr<StepContext> context = backend_.NewStepContext();
+  ASSERT_TRUE(backend_.Step(steps, context.get()).ok());
+
+  const double scale = full.shape.scale;
+  for (int b = 0; b < 2; ++b) {
+    const RandomKv& kv = b == 0 ? kv_a : kv_b;
+    EXPECT_EQ(steps[b].layer->tokens(), kPrompt + 1);
+    for (int h = 0; h < kQHeads; ++h) {
+      const float* q_h = q + h * kDim;
+      const int kv_head = KvHeadOf(h, kQHeads, kKvHeads);
+      const std::vector<int32_t> want =
+          b == 0 ? testing::AllTokens(kPrompt + 1) : ReferenceTopK(q_h, kv.view(), kv_head, scale, 8);
+      std::vector<double> o_ref;
+      const double lse_ref = ReferenceAttention(q_h, kv.view(), kv_head, want, scale, &o_ref);
+      const int row = b * kQHeads + h;
+      EXPECT_NEAR(lse[row], lse_ref, 1e-4);
+      for (int i = 0; i < kDim; ++i) EXPECT_NEAR(o[row * kDim + i], o_ref[i], 1e-5);
+      EXPECT_THAT(supports[row], ::testing::UnorderedElementsAreArray(want));
+      EXPECT_EQ(heads[row].path, SelectionPath::kExact);
+      EXPECT_EQ(heads[row].candidates, kPrompt + 1);
+      EXPECT_EQ(heads[row].support, static_cast<int32_t>(want.size()));
+    }
+  }
+
+  // The shadow: full attention and the exact top-K over the history as it now is.
+  std::vector<float> full_o(kQHeads * kDim), full_lse(kQHeads);
+  std::vector<std::vector<int32_t>> exact(kQHeads);
+  std::vector<ShadowStep> shadow{
+      ShadowStep{layer_b->get(), q, 8, full_o.data(), full_lse.data(), exact.data()}};
+  ASSERT_TRUE(backend_.Shadow(shadow, context.get()).ok());
+  for (int h = 0; h < kQHeads; ++h) {
+    const float* q_h = q + h * kDim;
+    const int kv_head = KvHeadOf(h, kQHeads, kKvHeads);
+    std::vector<double> o_ref;
+    const double lse_ref = ReferenceAttention(q_h, kv_b.view(), kv_head,
+                                              testing::AllTokens(kPrompt + 1), scale, &o_ref);
+    EXPECT_NEAR(full_lse[h], lse_ref, 1e-4);
+    for (int i = 0; i < kDim; ++i) EXPECT_NEAR(full_o[h * kDim + i], o_ref[i], 1e-5);
+    EXPECT_EQ(exact[h], ReferenceTopK(q_h, kv_b.view(), kv_head, scale, 8));
+  }
+}
+
+TEST_F(CpuBackendSeamTest, ARefusedReservationChangesNothingAndMemoryIsGivenBack) {
+  MemoryBudget small(64 << 10);
+  const SessionAccounts accounts{&small, nullptr};
+  LayerConfig config = Config(SelectorKind::kReTopK);
+  RandomKv kv(60, kKvHeads, kDim, 4);
+  const std::vector<float> queries = RandomNormal(60 * kQHeads * kDim, 5);
+  {
+    auto layer = backend_.BuildLayer(config, accounts, Stage(backend_, config, accounts, kv,
+                                                             queries, 60));
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    const LayerMemory before = (*layer)->memory();
+    EXPECT_GT(before.selector_bytes, 0);  // the ReTopK caches
+    EXPECT_EQ(small.used(), before.host_bytes);
+    // Fill the budget, so that the next growth of the KV does not fit.
+    const int64_t rest = small.limit() - small.used();
+    ASSERT_TRUE(small.Reserve(rest, "the test").ok());
+    // Step until the KV's capacity is used up and its growth does not fit.
+    absl::Status refused;
+    for (int i = 0; i < 10000; ++i) {
+      refused = (*layer)->ReserveToken();
+      if (!refused.ok()) break;
+      std::vector<float> o(kQHeads * kDim), lse(kQHeads);
+      std::vector<HeadReport> heads(kQHeads);
+      std::vector<LayerStep> step{LayerStep{layer->get(), queries.data(), kv.keys.data(),
+                                            kv.values.data(), o.data(), lse.data(), heads.data()}};
+      ASSERT_TRUE(backend_.Step(step, nullptr).ok());
+    }
+    EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                          "host memory budget exceeded: the new token needs"));
+    const int64_t tokens = (*layer)->tokens();
+    const LayerMemory at_refusal = (*layer)->memory();
+    EXPECT_FALSE((*layer)->ReserveToken().ok());
+    EXPECT_EQ((*layer)->tokens(), tokens);
+    EXPECT_EQ((*layer)->memory().host_bytes, at_refusal.host_bytes);
+    small.Release(rest);
+  }
+  EXPECT_EQ(small.used(), 0) << "every byte of the layer and its staging is given back";
+}
+
+TEST(MemoryGrantTest, SetAsideIsDrawnFirstAndGivenBack) {
+  MemoryBudget budget(1000);
+  {
+    MemoryGrant grant(&budget);
+    ASSERT_TRUE(grant.SetAside(600, "the announcement").ok());
+    EXPECT_EQ(budget.used(), 600);
+    EXPECT_TRUE(HasStatus(grant.SetAside(600, "a second one"),
+                          absl::StatusCode::kResourceExhausted, "a second one"));
+    // Another session cannot take what is set aside.
+    EXPECT_FALSE(budget.Reserve(500, "another session").ok());
+    ASSERT_TRUE(grant.Reserve(500, "a layer").ok());  // drawn from the set-aside
+    EXPECT_EQ(budget.used(), 600);
+    EXPECT_EQ(grant.set_aside(), 100);
+    ASSERT_TRUE(grant.Reserve(300, "growth").ok());  // 100 set aside + 200 from the budget
+    EXPECT_EQ(budget.used(), 800);
+    EXPECT_FALSE(grant.Reserve(300, "too much").ok());
+    EXPECT_EQ(budget.used(), 800) << "a refusal changes nothing";
+    grant.Release(800);
+    EXPECT_EQ(budget.used(), 0);
+    ASSERT_TRUE(grant.SetAside(50, "again").ok());
+  }
+  EXPECT_EQ(budget.used(), 0) << "what was still set aside goes back with the grant";
+}
+
+TEST(PlacementsTest, WithoutACudaDeviceGpuPlacementsSayWhy) {
+  absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create({});
+  ASSERT_TRUE(placements.ok()) << placements.status();
+  if (!(*placements)->gpu().empty()) GTEST_SKIP() << "this machine has a CUDA device";
+  absl::StatusOr<AttentionBackend*> gpu =
+      (*placements)->Choose(v1::PLACEMENT_GPU, Config(SelectorKind::kFull));
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(gpu.status().message(),
+              ::testing::AnyOf(::testing::HasSubstr("no CUDA device"),
+                               ::testing::HasSubstr("built without CUDA")));
+  absl::StatusOr<AttentionBackend*> cpu =
+      (*placements)->Choose(v1::PLACEMENT_CPU, Config(SelectorKind::kFull));
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ((*cpu)->device(), "cpu");
+  PlacementOptions named;
+  named.gpus = std::vector<int>{0};
+  EXPECT_TRUE(HasStatus(Placements::Create(named).status(), absl::StatusCode::kInvalidArgument,
+                        "--gpus names"));
+}
+
+TEST(PlacementsTest, FlagsParse) {
+  absl::StatusOr<PlacementOptions> all = PlacementOptionsFromFlags("all", -1, 2);
+  ASSERT_TRUE(all.ok());
+  EXPECT_FALSE(all->gpus.has_value());
+  EXPECT_FALSE(all->gpu_memory_budget_bytes.has_value());
+  EXPECT_EQ(all->gpu_headroom_bytes, int64_t{2} << 30);
+  absl::StatusOr<PlacementOptions> some = PlacementOptionsFromFlags("0,2", 1.5, 0);
+  ASSERT_TRUE(some.ok());
+  EXPECT_EQ(*some->gpus, (std::vector<int>{0, 2}));
+  EXPECT_EQ(*some->gpu_memory_budget_bytes, int64_t{3} << 29);
+  absl::StatusOr<PlacementOptions> none = PlacementOptionsFromFlags("none", -1, 2);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->gpus->empty());
+  EXPECT_TRUE(HasStatus(PlacementOptionsFromFlags("0,x", -1, 2).status(),
+                        absl::StatusCode::kInvalidArgument, "--gpus must be"));
+  EXPECT_TRUE(HasStatus(PlacementOptionsFromFlags("all", -3, 2).status(),
+                        absl::StatusCode::kInvalidArgument, "--gpu_memory_budget_gb"));
+  EXPECT_TRUE(HasStatus(PlacementOptionsFromFlags("all", -1, -1).status(),
+                        absl::StatusCode::kInvalidArgument, "--gpu_memory_headroom_gb"));
+}
+
+}  // namespace
+}  // namespace kvrecall

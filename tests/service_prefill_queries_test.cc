@@ -1,0 +1,76 @@
+// Prefill chunks may leave the prompt's queries out where the selector never reads them: a full
+// session prefilled without any q decodes exactly; a ReTopK session needs the queries of its
+// last cache_capacity tokens, and without them the whole Prefill is refused and commits nothing.
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/server_fixture.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::ExpectOutputNear;
+using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::Prefill;
+using ::kvrecall::testing::ReferenceSession;
+using ::kvrecall::testing::ServerTest;
+using ::kvrecall::testing::TensorValues;
+
+class PrefillQueriesTest : public ServerTest {
+ protected:
+  // The prompt of `ref` in chunks of `chunk` tokens; chunks that start before `q_from` carry no q.
+  static std::vector<v1::PrefillChunk> Chunks(const ReferenceSession& ref, const std::string& id,
+                                              int64_t chunk, int64_t q_from) {
+    std::vector<v1::PrefillChunk> chunks = ref.InterleavedPrompt(id, chunk);
+    for (v1::PrefillChunk& c : chunks) {
+      if (c.offset() < q_from) c.clear_q();
+    }
+    return chunks;
+  }
+};
+
+TEST_F(PrefillQueriesTest, AFullSessionNeedsNoQueries) {
+  const v1::Geometry g = MakeGeometry(2, 4, 2, 16, v1::DTYPE_BF16);
+  ReferenceSession ref(g, 200, 1);
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(Prefill(stub(), Chunks(ref, *id, 64, /*q_from=*/200)).ok());
+  DecodeClient client(stub());
+  std::vector<float> q;
+  v1::DecodeRequest request;
+  *request.add_steps() = ref.NextStep(*id, 0, 7, &q);
+  absl::StatusOr<v1::DecodeResponse> reply = client.Step(request);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ExpectOutputNear(TensorValues(reply->results(0).output()), ref.FullAttention(0, q), g.dtype(),
+                   "full attention after a prompt without queries");
+}
+
+TEST_F(PrefillQueriesTest, ReTopKNeedsTheQueriesOfItsSeeds) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 16, v1::DTYPE_F32);
+  ReferenceSession ref(g, 200, 2);
+  v1::Policy policy = MakePolicy(v1::SELECTOR_RETOPK, 16);
+  policy.mutable_retopk()->set_cache_capacity(32);
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, policy);
+  ASSERT_TRUE(id.ok());
+  // q only from token 192 on: the last 8 tokens, fewer than C = 32.
+  EXPECT_TRUE(HasStatus(Prefill(stub(), Chunks(ref, *id, 64, 192)).status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "layer 0: the retopk selector needs the queries (q) of the prompt's last "
+                        "32 tokens, but chunks left q out up to token 192"));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layers_prefilled(), 0) << "the refused Prefill committed nothing";
+  // q from token 128 on covers the seeds.
+  absl::StatusOr<v1::PrefillResponse> ok = Prefill(stub(), Chunks(ref, *id, 64, 128));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->tokens(), 200);
+}
+
+}  // namespace
+}  // namespace kvrecall
