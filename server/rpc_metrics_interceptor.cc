@@ -1,7 +1,9 @@
 #include "server/rpc_metrics_interceptor.h"
 
 #include <cstring>
+#include <deque>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/support/interceptor.h"
@@ -21,16 +23,26 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (is_decode_) {
-      // Decode replies to each request before it reads the next one, so a request's reply is
-      // the first message sent after it arrived.
+      // Decode answers every request with one reply, in order (a rejected request ends the
+      // stream), so the n-th reply sent answers the n-th request received, even when a client
+      // sends ahead of the replies.
       if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE) &&
           methods->GetRecvMessage() != nullptr) {
-        request_arrived_ = absl::Now();
+        absl::MutexLock lock(&mu_);
+        arrivals_.push_back(absl::Now());
       }
-      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE) &&
-          request_arrived_ != absl::InfinitePast()) {
-        metrics_->ObserveDecodeRequest(absl::ToDoubleSeconds(absl::Now() - request_arrived_));
-        request_arrived_ = absl::InfinitePast();
+      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
+        absl::Time arrived = absl::InfinitePast();
+        {
+          absl::MutexLock lock(&mu_);
+          if (!arrivals_.empty()) {
+            arrived = arrivals_.front();
+            arrivals_.pop_front();
+          }
+        }
+        if (arrived != absl::InfinitePast()) {
+          metrics_->ObserveDecodeRequest(absl::ToDoubleSeconds(absl::Now() - arrived));
+        }
       }
     }
     if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
@@ -45,7 +57,9 @@ class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
   MethodMetrics* const method_;
   const bool is_decode_;
   const absl::Time start_;
-  absl::Time request_arrived_ = absl::InfinitePast();
+  // Reads and writes of a stream may run on different threads in the callback API.
+  absl::Mutex mu_;
+  std::deque<absl::Time> arrivals_ ABSL_GUARDED_BY(mu_);  // requests not answered yet
 };
 
 class RpcMetricsInterceptorFactory final
