@@ -1,9 +1,11 @@
 // Per layer-step latency of the CUDA decode kernels on the GPU — full attention (split-K),
-// exact top-K (full scan + selection + attention over K) and the ReTopK reuse path in steady
-// state — for Llama-3-8B geometry (32 query / 8 KV heads, d = 128, bf16) over batches and
-// contexts, with the bytes each step must move and the bandwidth that implies. Prints one JSON
-// document (stdout and --out); bench/cuda_torch_baseline.py measures PyTorch on the same shapes
-// and bench/cuda_plot.py puts them side by side.
+// exact top-K (full scan + selection + attention over K), the ReTopK reuse path in steady
+// state, and the ReTopK step at the path mix of a recorded pattern (cuda_path_pattern: which
+// (step, head) reused, fell back or refreshed on a real or synthetic trace), mix-weighted —
+// for Llama-3-8B geometry (32 query / 8 KV heads, d = 128, bf16) over batches and contexts,
+// with the bytes each step must move and the bandwidth that implies. Prints one JSON document
+// (stdout and --out); bench/cuda_torch_baseline.py measures PyTorch on the same shapes and
+// bench/cuda_plot.py puts them side by side.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -13,6 +15,8 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <sstream>
+#include <utility>
 #include <random>
 #include <string>
 #include <vector>
@@ -25,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "kernels/retopk_params.h"
+#include "kernels/selection_path.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/decode_types.h"
 #include "kernels/cuda/device_buffer.h"
@@ -39,6 +44,9 @@ ABSL_FLAG(int, reps, 40, "timed replays per measurement (the median is reported)
 ABSL_FLAG(std::string, out, "", "also write the JSON here");
 ABSL_FLAG(int, q_heads, 32, "query heads (Llama-3-8B: 32)");
 ABSL_FLAG(int, kv_heads, 8, "KV heads (Llama-3-8B: 8)");
+ABSL_FLAG(std::string, patterns, "",
+          "NAME=FILE,...: path patterns (cuda_path_pattern) to run the ReTopK step at; each KV "
+          "head group of the bench takes one (layer, KV head) group of the pattern");
 
 namespace kvrecall::cuda {
 namespace {
@@ -81,6 +89,19 @@ struct Stats {
   double median_us = 0, p10_us = 0, p90_us = 0;
 };
 
+// Microseconds between events 2i and 2i + 1 (completed) for each i; destroys the events.
+std::vector<double> ElapsedUs(std::vector<cudaEvent_t>& events) {
+  std::vector<double> us(events.size() / 2);
+  for (size_t i = 0; i < us.size(); ++i) {
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]));
+    us[i] = 1000.0 * ms;
+  }
+  for (cudaEvent_t& e : events) cudaEventDestroy(e);
+  events.clear();
+  return us;
+}
+
 // Captures launch() in a CUDA graph and times `reps` replays, each between two events, after
 // `warmup` untimed ones; before(i) runs untimed stream work ahead of replay i (i counts warmups).
 // One eager launch first sets kernel attributes outside the capture.
@@ -108,13 +129,7 @@ Stats TimeGraph(cudaStream_t stream, int warmup, int reps, const std::function<v
     CHECK_CUDA(cudaEventRecord(events[2 * i + 1], stream));
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
-  std::vector<double> us(reps);
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]));
-    us[i] = 1000.0 * ms;
-  }
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
+  std::vector<double> us = ElapsedUs(events);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   std::sort(us.begin(), us.end());
@@ -148,6 +163,202 @@ std::string Record(int batch, int context, const char* kernel, const Stats& t, d
                       ", \"floor_us\": ", bytes / kCopyBandwidth * 1e6, extra, "}");
 }
 
+// A recorded path pattern: paths[(layer * steps + step) * q_heads + head] (SelectionPath codes).
+struct PathPattern {
+  std::string name;
+  int layers = 0, q_heads = 0, kv_heads = 0, steps = 0;
+  std::vector<uint8_t> paths;
+};
+
+PathPattern ReadPattern(const std::string& name, const std::string& file) {
+  std::ifstream in(file);
+  std::string magic, version, line;
+  PathPattern p;
+  p.name = name;
+  in >> magic >> version;
+  if (magic != "kvrecall-path-pattern" || version != "v1") {
+    std::fprintf(stderr, "%s: not a path pattern\n", file.c_str());
+    std::exit(1);
+  }
+  for (int* field : {&p.layers, &p.q_heads, &p.kv_heads, &p.steps}) {
+    std::string kv;
+    in >> kv;
+    *field = std::stoi(kv.substr(kv.find('=') + 1));
+  }
+  while (in >> line) {
+    if (static_cast<int>(line.size()) != p.q_heads) {
+      std::fprintf(stderr, "%s: a line of %zu paths, want %d\n", file.c_str(), line.size(),
+                   p.q_heads);
+      std::exit(1);
+    }
+    for (char c : line) p.paths.push_back(static_cast<uint8_t>(c - '0'));
+  }
+  if (static_cast<int64_t>(p.paths.size()) != int64_t{p.layers} * p.steps * p.q_heads) {
+    std::fprintf(stderr, "%s: %zu paths, want layers * steps * q_heads\n", file.c_str(),
+                 p.paths.size());
+    std::exit(1);
+  }
+  return p;
+}
+
+// The ReTopK step of `batch` sequences along a pattern: query head h of sequence b follows head
+// (g % G) * group + h % group of layer g / G of the pattern, g = (b * kv_heads + h / group) %
+// (layers * G) with G the pattern's KV heads: a step the pattern reused drifts the query on
+// (consecutive cosine ~0.97, above tau), one it fell back draws a fresh direction (cosine ~0.1
+// with every cached query); refresh steps come from the step count itself (Tr = 128), since each
+// step appends a token to a prompt of context - steps. Captured once in a graph; every step is
+// timed alone and the mean over the steps is the mix-weighted step.
+struct MixResult {
+  double mean_us = 0, median_us = 0, p10_us = 0, p90_us = 0;
+  double realized[kSelectionPaths] = {};  // share of rows per path, as the GPU chose
+  double wanted[kSelectionPaths] = {};    // as the pattern says
+  double steps_with_exact = 0;            // share of steps with any refresh/fallback row
+};
+
+MixResult RunPattern(const PathPattern& pat, const DecodeShape& shape, int top_k, int context,
+                     const DeviceBuffer<__nv_bfloat16>& keys,
+                     const DeviceBuffer<__nv_bfloat16>& values, size_t seq_elems,
+                     cudaStream_t stream) {
+  const int batch = shape.batch, q_heads = shape.q_heads, rows = shape.rows();
+  const int group = shape.group();
+  if (pat.q_heads / pat.kv_heads != group) {
+    std::fprintf(stderr, "pattern %s has GQA groups of %d, the bench %d\n", pat.name.c_str(),
+                 pat.q_heads / pat.kv_heads, group);
+    std::exit(1);
+  }
+  ReTopKParams retopk;  // C = 32, R = 4, W = 32, tau = 0.85, Tr = 128
+  const int steps = pat.steps;
+  const int prompt = context - steps;
+  const int c = retopk.cache_capacity;
+  const size_t row_floats = static_cast<size_t>(q_heads) * kDim;
+  // Queries: C seeding ones then one per step, [batch][c + steps][q_heads][d].
+  std::vector<uint8_t> want(static_cast<size_t>(steps) * rows);
+  std::vector<float> queries(static_cast<size_t>(batch) * (c + steps) * row_floats);
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < q_heads; ++h) {
+      const int g = (b * shape.kv_heads + h / group) % (pat.layers * pat.kv_heads);
+      const int layer = g / pat.kv_heads;
+      const int head = (g % pat.kv_heads) * group + h % group;
+      std::vector<float> x(kDim);
+      for (float& v : x) v = 1.85f * normal(rng);
+      for (int t = 0; t < c + steps; ++t) {
+        const uint8_t code =
+            t < c ? 1
+                  : pat.paths[(static_cast<size_t>(layer) * steps + (t - c)) * pat.q_heads + head];
+        if (t >= c) want[static_cast<size_t>(t - c) * rows + b * q_heads + h] = code;
+        for (float& v : x) {
+          const bool jump = code == static_cast<uint8_t>(SelectionPath::kFallback);
+          v = jump ? 1.85f * normal(rng) : 0.97f * v + 0.45f * normal(rng);
+        }
+        const size_t at = ((static_cast<size_t>(b) * (c + steps) + t) * q_heads + h) * kDim;
+        std::copy(x.begin(), x.end(), queries.begin() + at);
+      }
+    }
+  }
+  auto d_queries = ValueOrDie(DeviceBuffer<float>::Zeroed(queries.size()));
+  CHECK_CUDA(cudaMemcpy(d_queries.data(), queries.data(), queries.size() * sizeof(float),
+                        cudaMemcpyHostToDevice));
+  auto query_at = [&](int b, int t) {
+    return d_queries.data() + (static_cast<size_t>(b) * (c + steps) + t) * row_floats;
+  };
+  // Descriptors of step i (1-based): the prompt plus i tokens.
+  std::vector<DeviceSeq> all_seqs;
+  for (int i = 0; i <= steps; ++i) {
+    for (int b = 0; b < batch; ++b) {
+      all_seqs.push_back(DeviceSeq::Contiguous(keys.data() + b * seq_elems,
+                                               values.data() + b * seq_elems, prompt + i));
+    }
+  }
+  auto d_all_seqs = ValueOrDie(DeviceBuffer<DeviceSeq>::Zeroed(all_seqs.size()));
+  CHECK_CUDA(cudaMemcpy(d_all_seqs.data(), all_seqs.data(), all_seqs.size() * sizeof(DeviceSeq),
+                        cudaMemcpyHostToDevice));
+  auto ws = ValueOrDie(ReTopKWorkspace::Create(shape, top_k, retopk, context));
+  std::vector<std::unique_ptr<ReTopKCaches>> caches;
+  std::vector<ReTopKCachesView> views;
+  for (int b = 0; b < batch; ++b) {
+    caches.push_back(ValueOrDie(ReTopKCaches::Create(q_heads, kDim, top_k, retopk)));
+  }
+  auto seed = [&] {
+    views.clear();
+    for (int b = 0; b < batch; ++b) {
+      CHECK_OK(SeedReTopKCaches(shape, top_k, retopk, all_seqs[b], query_at(b, 0), c, {},
+                                ws.get(), caches[b].get(), stream));
+      views.push_back(caches[b]->view());
+    }
+  };
+  seed();
+  auto d_views = ValueOrDie(DeviceBuffer<ReTopKCachesView>::Zeroed(batch));
+  CHECK_CUDA(cudaMemcpy(d_views.data(), views.data(), batch * sizeof(ReTopKCachesView),
+                        cudaMemcpyHostToDevice));
+  auto d_seqs = ValueOrDie(DeviceBuffer<DeviceSeq>::Zeroed(batch));
+  auto d_q = ValueOrDie(DeviceBuffer<float>::Zeroed(rows * kDim));
+  auto d_o = ValueOrDie(DeviceBuffer<float>::Zeroed(rows * kDim));
+  auto d_lse = ValueOrDie(DeviceBuffer<float>::Zeroed(rows));
+  auto d_paths = ValueOrDie(DeviceBuffer<uint8_t>::Zeroed(static_cast<size_t>(steps) * rows));
+  auto prepare = [&](int i) {  // inputs of step i (1-based)
+    CHECK_CUDA(cudaMemcpyAsync(d_seqs.data(), d_all_seqs.data() + static_cast<size_t>(i) * batch,
+                               batch * sizeof(DeviceSeq), cudaMemcpyDeviceToDevice, stream));
+    for (int b = 0; b < batch; ++b) {
+      CHECK_CUDA(cudaMemcpyAsync(d_q.data() + b * row_floats, query_at(b, c + i - 1),
+                                 row_floats * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+    }
+  };
+  auto step = [&] {
+    CHECK_OK(ReTopKStep(shape, top_k, retopk, d_seqs.data(), d_views.data(), d_q.data(), context,
+                        ws.get(), d_o.data(), d_lse.data(), stream));
+  };
+  // One eager step sets kernel attributes outside the capture; reseeding undoes it.
+  prepare(1);
+  step();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  seed();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  step();
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<cudaEvent_t> events(2 * steps);
+  for (cudaEvent_t& e : events) CHECK_CUDA(cudaEventCreate(&e));
+  for (int i = 1; i <= steps; ++i) {
+    prepare(i);
+    CHECK_CUDA(cudaEventRecord(events[2 * (i - 1)], stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(events[2 * (i - 1) + 1], stream));
+    CHECK_CUDA(cudaMemcpyAsync(d_paths.data() + static_cast<size_t>(i - 1) * rows, ws->paths(),
+                               rows, cudaMemcpyDeviceToDevice, stream));
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_OK(ws->errors().CheckAndClear(stream));
+  std::vector<double> us = ElapsedUs(events);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  std::vector<uint8_t> got(static_cast<size_t>(steps) * rows);
+  CHECK_CUDA(cudaMemcpy(got.data(), d_paths.data(), got.size(), cudaMemcpyDeviceToHost));
+  MixResult r;
+  int exact_steps = 0;
+  for (int i = 0; i < steps; ++i) {
+    bool exact = false;
+    for (int row = 0; row < rows; ++row) {
+      const uint8_t path = got[static_cast<size_t>(i) * rows + row];
+      const double share = 1.0 / (static_cast<double>(steps) * rows);
+      r.realized[path] += share;
+      r.wanted[want[static_cast<size_t>(i) * rows + row]] += share;
+      exact |= path != static_cast<uint8_t>(SelectionPath::kReuse);
+    }
+    exact_steps += exact;
+  }
+  r.steps_with_exact = static_cast<double>(exact_steps) / steps;
+  for (double u : us) r.mean_us += u / steps;
+  std::sort(us.begin(), us.end());
+  r.median_us = us[steps / 2];
+  r.p10_us = us[steps / 10];
+  r.p90_us = us[(9 * steps) / 10];
+  return r;
+}
+
 int Main() {
   std::vector<int> batches, contexts;
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
@@ -157,6 +368,12 @@ int Main() {
     contexts.push_back(std::stoi(std::string(s)));
   }
   const int top_k = absl::GetFlag(FLAGS_top_k);
+  std::vector<PathPattern> patterns;
+  const std::string pattern_flag = absl::GetFlag(FLAGS_patterns);
+  for (absl::string_view spec : absl::StrSplit(pattern_flag, ',', absl::SkipEmpty())) {
+    const std::pair<std::string, std::string> kv = absl::StrSplit(spec, absl::MaxSplits('=', 1));
+    patterns.push_back(ReadPattern(kv.first, kv.second));
+  }
   const int q_heads = absl::GetFlag(FLAGS_q_heads);
   const int kv_heads = absl::GetFlag(FLAGS_kv_heads);
   const int reps = absl::GetFlag(FLAGS_reps);
@@ -302,8 +519,30 @@ int Main() {
                                absl::StrCat(", \"reuse_fraction\": ",
                                             static_cast<double>(reused) / rows,
                                             ", \"mean_candidates\": ", mean_candidates)));
-      std::fprintf(stderr, "batch %d context %d: full %.1f us, exact top-K %.1f us, reuse %.1f us\n",
+      std::fprintf(stderr,
+                   "batch %d context %d: full %.1f us, exact top-K %.1f us, reuse %.1f us\n",
                    batch, context, full.median_us, exact.median_us, reuse.median_us);
+      for (const PathPattern& pattern : patterns) {
+        const MixResult mix =
+            RunPattern(pattern, shape, top_k, context, keys, values, seq_elems, stream);
+        const Stats as_stats{mix.median_us, mix.p10_us, mix.p90_us};
+        records.push_back(Record(
+            batch, context, ("own_retopk_mix_" + pattern.name).c_str(), as_stats, 0.0,
+            absl::StrCat(", \"pattern\": \"", pattern.name, "\", \"mean_us\": ", mix.mean_us,
+                         ", \"steps\": ", pattern.steps, ", \"reuse_fraction\": ",
+                         mix.realized[1], ", \"fallback_fraction\": ", mix.realized[2],
+                         ", \"refresh_fraction\": ", mix.realized[3],
+                         ", \"pattern_reuse_fraction\": ", mix.wanted[1],
+                         ", \"pattern_fallback_fraction\": ", mix.wanted[2],
+                         ", \"pattern_refresh_fraction\": ", mix.wanted[3],
+                         ", \"steps_with_exact_rows\": ", mix.steps_with_exact)));
+        std::fprintf(stderr,
+                     "  mix %s: mean %.1f us (median %.1f), reuse %.3f fallback %.3f refresh %.3f "
+                     "(pattern %.3f %.3f %.3f), steps with exact rows %.2f\n",
+                     pattern.name.c_str(), mix.mean_us, mix.median_us, mix.realized[1],
+                     mix.realized[2], mix.realized[3], mix.wanted[1], mix.wanted[2],
+                     mix.wanted[3], mix.steps_with_exact);
+      }
     }
   }
   const std::string json = absl::StrCat(

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Per-kernel GPU time from an `ncu --csv --metrics gpu__time_duration.sum` log: launches and
-mean/total microseconds per kernel (template arguments shortened), to see where a step's time
+mean/median/max microseconds per kernel (idle launches, say of the exact path in a reuse step,
+pull the mean down; the max is the launch that did the work) (template arguments shortened), to see where a step's time
 goes on the GPU machine, where Nsight Systems does not run."""
 import collections
 import csv
@@ -24,7 +25,9 @@ def main():
     for r in rows:
         times[short(r[name_at])].append(float(r[value_at].replace(",", "")) * scale[r[unit_at]])
     for name, ts in sorted(times.items(), key=lambda kv: -sum(kv[1])):
-        print(f"{len(ts):5d} launches  mean {sum(ts) / len(ts):9.2f} us  {name}")
+        ordered = sorted(ts)
+        print(f"{len(ts):5d} launches  mean {sum(ts) / len(ts):9.2f} us  median "
+              f"{ordered[len(ordered) // 2]:9.2f} us  max {ordered[-1]:9.2f} us  {name}")
 
 
 if __name__ == "__main__":

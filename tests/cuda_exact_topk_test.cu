@@ -178,6 +178,7 @@ TEST(CudaExactTopKTiesTest, EqualScoresGoToTheLowerPositions) {
   }
 }
 
+// Active rows of a few head groups: the launch's blocks are shared out among those groups.
 TEST(CudaExactTopKActiveRowsTest, InactiveRowsAreNotWritten) {
   KVRECALL_SKIP_WITHOUT_GPU();
   constexpr int kTokens = 3000, kDim = 128, kTopK = 64;
@@ -199,11 +200,26 @@ TEST(CudaExactTopKActiveRowsTest, InactiveRowsAreNotWritten) {
                     .ok());
   }
   const std::vector<int32_t> sizes = out.HostSize();
+  const std::vector<int32_t> support = out.HostSupport();
   const std::vector<float> lse = out.HostLse();
+  const std::vector<DeviceSeq> seqs{kv.Contiguous(kTokens), kv.Contiguous(2000)};
   for (int row = 0; row < shape.rows(); ++row) {
     if (active[row]) {
-      EXPECT_EQ(sizes[row], kTopK) << row;
-      EXPECT_TRUE(std::isfinite(lse[row])) << row;
+      // The active rows' groups share the launch's blocks among them: still the exact top-K.
+      SCOPED_TRACE(absl::StrCat("row ", row));
+      EXPECT_EQ(sizes[row], kTopK);
+      EXPECT_TRUE(std::isfinite(lse[row]));
+      const LogicalKv logical(kv, seqs[row / shape.q_heads]);
+      const int kv_head = KvHeadOf(row % shape.q_heads, shape.q_heads, shape.kv_heads);
+      const float* qh = q.data() + row * kDim;
+      std::vector<int32_t> want;
+      cpu::ExactTopK(qh, logical.view, kv_head, shape.scale, kTopK, &want);
+      std::vector<float> scores(logical.view.tokens);
+      cpu::ScoreRange(qh, logical.view, kv_head, 0, logical.view.tokens, shape.scale,
+                      scores.data());
+      ExpectSameSupportUpToTies(std::vector<int32_t>(support.begin() + row * kTopK,
+                                                     support.begin() + (row + 1) * kTopK),
+                                want, scores);
     } else {
       EXPECT_EQ(sizes[row], -1) << row;
       EXPECT_TRUE(std::isnan(lse[row])) << row;

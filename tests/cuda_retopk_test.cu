@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -80,8 +81,6 @@ class ReTopKHarness {
   }
 
   int RowFloats() const { return g_.q_heads * g_.head_dim; }
-  int size() const { return static_cast<int>(seqs_.size()); }
-  int max_tokens() const { return max_tokens_; }
   cuda::ReTopKWorkspace* ws() { return ws_.get(); }
 
   // Builds every CPU selector and seeds every sequence's GPU caches from its prompt.
@@ -98,8 +97,8 @@ class ReTopKHarness {
       EXPECT_EQ(s->caches->device_bytes(),
                 cuda::ReTopKCaches::DeviceBytesFor(g_.q_heads, g_.head_dim, top_k_, params_));
       const int count = std::min<int>(params_.cache_capacity, s->prompt);
-      auto last = ToDevice(std::vector<float>(s->queries.begin() + (s->prompt - count) * RowFloats(),
-                                              s->queries.begin() + s->prompt * RowFloats()));
+      const auto prompt_end = s->queries.begin() + s->prompt * RowFloats();
+      auto last = ToDevice(std::vector<float>(prompt_end - count * RowFloats(), prompt_end));
       const absl::Status seeded = cuda::SeedReTopKCaches(
           g_.Shape(1), top_k_, params_, s->kv.Contiguous(s->prompt), last.data(), count, {},
           ws_.get(), s->caches.get(), nullptr);
@@ -220,6 +219,8 @@ class ReTopKHarness {
   cuda::DeviceBuffer<float> d_q_;
 };
 
+std::string Message(const absl::Status& status) { return std::string(status.message()); }
+
 ReTopKParams TestParams() {
   ReTopKParams params;
   params.cache_capacity = 8;
@@ -312,13 +313,12 @@ TEST(CudaReTopKWorkspaceTest, SizesKnownUpFrontAndMisfitsRefused) {
                             d_q.data(), max_tokens, ws->get(), out.o.data(), out.lse.data(),
                             nullptr);
   };
-  absl::Status status = step(3, kTopK, kTokens);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("exceed the ReTopK workspace"));
-  status = step(2, kTopK, kTokens + 1);
-  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("max_tokens must be in [1, 5000]"));
-  status = step(2, 2 * kTopK, kTokens);
-  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("top_k 128"));
+  EXPECT_EQ(step(3, kTopK, kTokens).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(Message(step(3, kTopK, kTokens)),
+              ::testing::HasSubstr("exceed the ReTopK workspace"));
+  EXPECT_THAT(Message(step(2, kTopK, kTokens + 1)),
+              ::testing::HasSubstr("max_tokens must be in [1, 5000]"));
+  EXPECT_THAT(Message(step(2, 2 * kTopK, kTokens)), ::testing::HasSubstr("top_k 128"));
   EXPECT_EQ(cuda::ReTopKStep(g.Shape(1), kTopK, params, d_seqs.data(), nullptr, d_q.data(),
                              kTokens, ws->get(), out.o.data(), out.lse.data(), nullptr)
                 .code(),
@@ -329,21 +329,18 @@ TEST(CudaReTopKWorkspaceTest, SizesKnownUpFrontAndMisfitsRefused) {
   auto last = ToDevice(std::vector<float>(params.cache_capacity * g.q_heads * g.head_dim));
   auto other = cuda::ReTopKCaches::Create(g.q_heads, g.head_dim, 2 * kTopK, params);
   ASSERT_TRUE(other.ok());
-  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(100), last.data(),
-                                  params.cache_capacity, {}, ws->get(), other->get(), nullptr);
-  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("the caches hold"));
-  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(kTokens + 10),
-                                  last.data(), params.cache_capacity, {}, ws->get(),
-                                  caches->get(), nullptr);
-  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("max_tokens must be in"));
-  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(100), last.data(),
-                                  params.cache_capacity - 1, {}, ws->get(), caches->get(),
-                                  nullptr);
-  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("last min(C, T) = 8"));
+  auto seed = [&](int32_t prompt, int count, std::span<const float> taus,
+                  cuda::ReTopKCaches* target) {
+    return Message(cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(prompt),
+                                          last.data(), count, taus, ws->get(), target, nullptr));
+  };
+  const int c = params.cache_capacity;
+  EXPECT_THAT(seed(100, c, {}, other->get()), ::testing::HasSubstr("the caches hold"));
+  EXPECT_THAT(seed(kTokens + 10, c, {}, caches->get()),
+              ::testing::HasSubstr("max_tokens must be in"));
+  EXPECT_THAT(seed(100, c - 1, {}, caches->get()), ::testing::HasSubstr("last min(C, T) = 8"));
   const std::vector<float> taus(3, 0.5f);
-  status = cuda::SeedReTopKCaches(g.Shape(1), kTopK, params, kv.Contiguous(100), last.data(),
-                                  params.cache_capacity, taus, ws->get(), caches->get(), nullptr);
-  EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("head_taus must have"));
+  EXPECT_THAT(seed(100, c, taus, caches->get()), ::testing::HasSubstr("head_taus must have"));
 }
 
 // A step captured once in a CUDA graph and replayed with new lengths and queries (device data)

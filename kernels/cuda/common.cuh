@@ -181,6 +181,17 @@ __device__ __forceinline__ int32_t PositionOfRankKey(uint64_t key) {
   return 0x7fffffff - static_cast<int32_t>(key & 0xffffffffu);
 }
 
+// Signals that this block finished its share of a pass; true in the one block that finishes
+// last, which then sees every other block's writes. Call with all threads; `flag`: shared.
+__device__ __forceinline__ bool FinishedLast(uint32_t* counter, uint32_t blocks, bool* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == blocks - 1;
+  __syncthreads();
+  if (*flag) __threadfence();
+  return *flag;
+}
+
 }  // namespace kvrecall::cuda
 
 // Runs `body` with `KvT` bound to the element type of `dtype` (a KvDtype).

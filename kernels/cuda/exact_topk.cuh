@@ -6,12 +6,19 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/launch.cuh"
 #include "kernels/cuda/partial_attention.cuh"
 #include "kernels/cuda/selected_attention.cuh"
 #include "kernels/cuda/topk_select.cuh"
+#include "kernels/cuda/topk_workspace.h"
 
 namespace kvrecall::cuda {
 
@@ -31,9 +38,35 @@ constexpr size_t ScoreKeysSmemBytes() {
          Shape::kStages * Shape::kTile + kGroup * kBins * 4;
 }
 
+// What scan block (x, y, z) serves: split x of head group y of sequence z as planned on the
+// host when every row is active (active == null); with active rows the launch's blocks are
+// shared out among the head groups that hold one (ShareBlocks), each part at least four tiles,
+// so that a step whose few rows are exact reads only their KV heads' keys, on every
+// multiprocessor.
+template <int kGroup, int kTile>
+__device__ BlockShare AssignScanBlock(const ScoreKeysParams& p) {
+  const int groups = gridDim.y * gridDim.z;
+  if (p.rows.active == nullptr || groups > kMaxSharedUnits) {
+    return BlockShare{static_cast<int>(blockIdx.z * gridDim.y + blockIdx.y),
+                      static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), p.chunk, true};
+  }
+  return ShareBlocks(
+      groups,
+      [&](int g) {
+        const int64_t row0 = static_cast<int64_t>(g / gridDim.y) * p.batch.q_heads +
+                             (g % gridDim.y) * kGroup;
+        bool any = false;
+#pragma unroll
+        for (int h = 0; h < kGroup; ++h) any |= p.rows.active[row0 + h] != 0;
+        return any;
+      },
+      p.rows.max_length, kTile, 4 * kTile);
+}
+
 // One block: the kGroup query heads q0.. of one KV head over one split of one sequence.
-// grid = (splits, q_heads / kGroup, batch). Writes each active row's scores and adds them to
-// its histogram; the last block of the split group locates each row's threshold bin.
+// grid = (splits, q_heads / kGroup, batch), as AssignScanBlock shares it out. Writes each
+// active row's scores and adds them to its histogram; the last block of the split group
+// locates each row's threshold bin.
 // RunTilePipeline's barriers keep the histogram complete before it is flushed.
 template <typename T, typename Shape, int kGroup>
 __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKeysParams p) {
@@ -47,9 +80,11 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
   __shared__ uint32_t scratch[32];
   __shared__ bool last;
 
-  const int split = blockIdx.x;
-  const int q0 = blockIdx.y * kGroup;
-  const int b = blockIdx.z;
+  const BlockShare job = AssignScanBlock<kGroup, kTile>(p);
+  if (!job.ok) return;
+  const int split = job.split;
+  const int b = job.unit / gridDim.y;
+  const int q0 = (job.unit - b * gridDim.y) * kGroup;
   const int kv_head = q0 / (p.batch.q_heads / p.batch.kv_heads);
   const int64_t row0 = static_cast<int64_t>(b) * p.batch.q_heads + q0;
   uint32_t active = 0;
@@ -66,8 +101,8 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
   if (SeqSize(seq) > p.rows.max_length && threadIdx.x == 0 && split == 0) {
     atomicOr(p.errors, kErrorSeqTooLong);
   }
-  const int32_t begin = split * p.chunk;
-  const int32_t end = min(begin + p.chunk, n);
+  const int32_t begin = split * job.chunk;
+  const int32_t end = min(begin + job.chunk, n);
   const int num_tiles = end > begin ? (end - begin + kTile - 1) / kTile : 0;
   const RangeTokens tokens{seq, end};
 
@@ -110,7 +145,7 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
                                       p.rows.hist + (row0 + h) * static_cast<int64_t>(kBins));
     }
   }
-  if (!FinishedLast(&p.rows.state[row0].blocks_done, gridDim.x, &last)) return;
+  if (!FinishedLast(&p.rows.state[row0].blocks_done, job.blocks, &last)) return;
   for (int h = 0; h < kGroup; ++h) {
     if (active >> h & 1u) {
       FindThresholdBin<Shape::kThreads>(p.rows.hist + (row0 + h) * static_cast<int64_t>(kBins),
@@ -140,6 +175,108 @@ struct AttendFinish {
         kv_head, kv_heads, o + static_cast<int64_t>(row) * kDim, lse + row, smem);
   }
 };
+
+// Host side of the exact top-K path, shared by ExactTopKAttention and callers that end each
+// row with their own Finish (ReTopK's exact rows also update their cache).
+
+// Four stages of 64 tokens (three in flight while one is scored) leave room for two blocks per
+// multiprocessor beside their histograms (GQA groups of up to 4). Five stages measured no faster.
+template <int kDim>
+using ScanTile = TileShape<kDim, 4, 128>;
+
+// Checks a call (ExactTopKAttention's contract) and fills the kernels' parameters.
+inline absl::StatusOr<ScoreKeysParams> ExactTopKParams(const DecodeShape& shape,
+                                                       const DeviceSeq* seqs, const float* q,
+                                                       int max_tokens, int k,
+                                                       const uint8_t* active_rows,
+                                                       TopKWorkspace* ws, int32_t* support,
+                                                       int32_t* support_size) {
+  KVRECALL_CUDA_RETURN_IF_ERROR(shape.Validate());
+  if (ws == nullptr) return absl::InvalidArgumentError("a TopKWorkspace is required");
+  if (k < 1 || max_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("need k >= 1 and max_tokens >= 0, got k=", k, " max_tokens=", max_tokens));
+  }
+  KVRECALL_CUDA_RETURN_IF_ERROR(ws->CheckFits(shape.rows(), max_tokens));
+  if (seqs == nullptr || q == nullptr || support == nullptr || support_size == nullptr) {
+    return absl::InvalidArgumentError(
+        "seqs, q, support, support_size, o and lse must be device pointers, got null");
+  }
+  ScoreKeysParams params{};
+  params.batch = MakeDecodeBatch(shape, seqs, q);
+  params.scores = ws->scores();
+  params.errors = ws->errors().device_word();
+  RowTopKParams& rows = params.rows;
+  rows.scores = ws->scores();
+  rows.score_stride = ws->max_tokens();
+  rows.active = active_rows;
+  rows.seqs = seqs;
+  rows.q_heads = shape.q_heads;
+  rows.k = k;
+  rows.max_length = max_tokens;
+  rows.hist = ws->histograms();
+  rows.state = ws->states();
+  rows.candidates = ws->candidates();
+  rows.support = support;
+  rows.support_stride = k;
+  rows.support_size = support_size;
+  return params;
+}
+
+template <typename T, int kDim, int kGroup, typename Finish>
+absl::Status LaunchExactTopKKernels(const DecodeShape& shape, ScoreKeysParams params,
+                                    int max_tokens, const Finish& finish, cudaStream_t stream) {
+  using Shape = ScanTile<kDim>;
+  constexpr auto kKernel = &ScoreKeysKernel<T, Shape, kGroup>;
+  constexpr size_t kSmem = ScoreKeysSmemBytes<T, Shape, kGroup>();
+  const absl::StatusOr<int> slots = DeviceBlockSlots<kKernel>(Shape::kThreads, kSmem);
+  if (!slots.ok()) return slots.status();
+  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
+  // Registers, not shared memory, bound how many collect blocks a multiprocessor holds.
+  const absl::StatusOr<int> collect_slots = DeviceBlockSlots<kCollect>(kRowPassThreads, 0);
+  if (!collect_slots.ok()) return collect_slots.status();
+
+  const int tokens = std::max(max_tokens, 1);
+  const SplitPlan plan = PlanKeySplits(tokens, Shape::kTile, shape.rows() / kGroup, *slots,
+                                       /*max_splits=*/1 << 16);
+  params.splits = plan.splits;
+  params.chunk = plan.chunk;
+  const dim3 scan_grid(params.splits, shape.q_heads / kGroup, shape.batch);
+  kKernel<<<scan_grid, Shape::kThreads, kSmem, stream>>>(params);
+  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("ScoreKeysKernel"));
+
+  // Collect, select the missing ones, finish.
+  RowTopKParams rows = params.rows;
+  PlanRowPasses(shape.rows(), tokens, *collect_slots, &rows);
+  const dim3 collect_grid(rows.splits, shape.rows());
+  const size_t collect_smem = RowCollectSmemBytes(rows.k);
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kCollect>(collect_smem));
+  kCollect<<<collect_grid, kRowPassThreads, collect_smem, stream>>>(rows, finish);
+  return LaunchStatus("RowCollectKernel");
+}
+
+// Launches the scan and the collect pass for `shape` (dtype, head_dim and GQA group dispatched
+// here); the collect pass ends each row with make_finish.template operator()<KvT, kDim>().
+template <typename MakeFinish>
+absl::Status LaunchExactTopK(const DecodeShape& shape, const ScoreKeysParams& params,
+                             int max_tokens, const MakeFinish& make_finish,
+                             cudaStream_t stream) {
+  return KVRECALL_DISPATCH_KV_DTYPE(shape.dtype, KvT, [&] {
+    return KVRECALL_DISPATCH_HEAD_DIM(shape.head_dim, kDim, [&] {
+      const auto finish = make_finish.template operator()<KvT, kDim>();
+      switch (HeadsPerBlock(shape.group())) {
+        case 8:
+          return LaunchExactTopKKernels<KvT, kDim, 8>(shape, params, max_tokens, finish, stream);
+        case 4:
+          return LaunchExactTopKKernels<KvT, kDim, 4>(shape, params, max_tokens, finish, stream);
+        case 2:
+          return LaunchExactTopKKernels<KvT, kDim, 2>(shape, params, max_tokens, finish, stream);
+        default:
+          return LaunchExactTopKKernels<KvT, kDim, 1>(shape, params, max_tokens, finish, stream);
+      }
+    });
+  });
+}
 
 }  // namespace kvrecall::cuda
 

@@ -1,6 +1,7 @@
 #include "kernels/cuda/retopk.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -11,20 +12,22 @@
 namespace kvrecall::cuda {
 namespace {
 
-constexpr int kSelectThreads = 256;
-// Finish blocks: 512 threads while every row has a multiprocessor to itself (one row's latency
+constexpr int kDecideThreads = 128;
+// Reuse blocks: 512 threads while every row has a multiprocessor to itself (one row's latency
 // is the step's), 256 when rows outnumber multiprocessors, so that two blocks share one and all
-// rows run in one wave (measured at batch 8: 40 -> 35 us; at batch 1 the 256-thread block is
-// slower, 16 -> 21 us).
-constexpr int kFinishThreadsFewRows = 512;
-constexpr int kFinishThreadsManyRows = 256;
+// rows run in one wave (measured with the earlier finish kernel at batch 8: 40 -> 35 us; at
+// batch 1 the 256-thread block was slower, 16 -> 21 us).
+constexpr int kReuseThreadsFewRows = 512;
+constexpr int kReuseThreadsManyRows = 256;
 constexpr int kSeedThreads = 128;
 // The candidate set lives in shared memory at most half full: 2^15 slots (128 KB).
 constexpr int kMaxLog2HashSlots = 15;
 
 // OK when the kernels serve these knobs and this geometry.
 absl::Status CheckKnobs(int q_heads, int head_dim, int top_k, const ReTopKParams& params) {
-  if (q_heads < 1) return absl::InvalidArgumentError(absl::StrCat("q_heads must be >= 1, got ", q_heads));
+  if (q_heads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("q_heads must be >= 1, got ", q_heads));
+  }
   if (head_dim != 64 && head_dim != 128) {
     return absl::InvalidArgumentError(
         absl::StrCat("head_dim must be 64 or 128 on the GPU, got ", head_dim));
@@ -73,12 +76,13 @@ struct CachesLayout {
 
 // Element counts of a ReTopKWorkspace's own buffers (its TopKWorkspace aside).
 struct WorkspaceLayout {
-  size_t rows, unit_q, candidates, support, batch, seed_support, seed_sizes;
+  size_t rows, unit_q, neighbors, candidates, support, batch, seed_support, seed_sizes;
   static WorkspaceLayout For(const DecodeShape& max_shape, int top_k, const ReTopKParams& params) {
     const size_t rows = max_shape.rows();
     const size_t c_heads = static_cast<size_t>(params.cache_capacity) * max_shape.q_heads;
     return WorkspaceLayout{rows,
                            rows * max_shape.head_dim,
+                           rows * (1 + static_cast<size_t>(params.cache_capacity)),
                            rows * static_cast<size_t>(MaxCandidates(top_k, params)),
                            rows * top_k,
                            static_cast<size_t>(max_shape.batch),
@@ -86,14 +90,25 @@ struct WorkspaceLayout {
                            c_heads};
   }
   int64_t Bytes() const {
-    // unit_q, paths, exact_rows, best_cosine, candidates, candidate_count, candidate_scores,
-    // support, support_size, seed_seqs, seed_o, seed_lse, seed_support, seed_sizes.
+    // unit_q, paths, exact_rows, best_cosine, neighbors, candidates, candidate_count,
+    // candidate_scores, support, support_size, seed_seqs, seed_o, seed_lse, seed_support,
+    // seed_sizes.
     return static_cast<int64_t>(
-        unit_q * 4 + rows + rows + rows * 4 + candidates * 4 + rows * 4 + candidates * 4 +
+        unit_q * 4 + rows + rows + rows * 4 + neighbors * 4 + candidates * 4 + rows * 4 +
+        candidates * 4 +
         support * 4 + rows * 4 + batch * sizeof(DeviceSeq) + unit_q * 4 + rows * 4 +
         seed_support * 4 + seed_sizes * 4);
   }
 };
+
+// Opts ReTopKReuseKernel in to its shared memory for these knobs; returns the pool's bytes.
+template <typename T, int kDim, int kThreads>
+absl::StatusOr<int> AllowReuseSmem(int log2_slots, int max_candidates, int top_k) {
+  const int pool = ReusePoolBytes<kDim, kThreads>(log2_slots, max_candidates);
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<&ReTopKReuseKernel<T, kDim, kThreads>>(
+      ReuseSmemBytes(pool, max_candidates, top_k)));
+  return pool;
+}
 
 template <typename T>
 int64_t Bytes(const DeviceBuffer<T>& b) {
@@ -120,6 +135,7 @@ struct ReTopKLaunch {
     s.paths = ws.paths_.data();
     s.exact_rows = ws.exact_rows_.data();
     s.best_cosine = ws.best_cosine_.data();
+    s.neighbors_of = ws.neighbors_.data();
     s.candidates = ws.candidates_.data();
     s.candidate_count = ws.candidate_count_.data();
     s.candidate_scores = ws.candidate_scores_.data();
@@ -217,6 +233,7 @@ absl::StatusOr<std::unique_ptr<ReTopKWorkspace>> ReTopKWorkspace::Create(
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(l.rows, &ws->paths_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(l.rows, &ws->exact_rows_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(l.rows, &ws->best_cosine_));
+  KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(l.neighbors, &ws->neighbors_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(l.candidates, &ws->candidates_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(l.rows, &ws->candidate_count_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(l.candidates, &ws->candidate_scores_));
@@ -231,25 +248,37 @@ absl::StatusOr<std::unique_ptr<ReTopKWorkspace>> ReTopKWorkspace::Create(
       TopKWorkspace::Create(max_shape.rows(), max_tokens);
   if (!exact.ok()) return exact.status();
   ws->exact_ws_ = *std::move(exact);
+  // The exact path of a step runs on a stream of the workspace's own, beside the reuse rows.
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaStreamCreateWithFlags(&ws->side_, cudaStreamNonBlocking), "creating a stream"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaEventCreateWithFlags(&ws->fork_, cudaEventDisableTiming), "creating an event"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaEventCreateWithFlags(&ws->join_, cudaEventDisableTiming), "creating an event"));
   // Kernel attributes are set here, outside any graph capture of a step.
-  const int hash_bytes = 4 << log2_slots;
   KVRECALL_CUDA_RETURN_IF_ERROR(KVRECALL_DISPATCH_KV_DTYPE(max_shape.dtype, KvT, [&] {
     return KVRECALL_DISPATCH_HEAD_DIM(max_shape.head_dim, kDim, [&]() -> absl::Status {
-      KVRECALL_CUDA_RETURN_IF_ERROR(
-          AllowDynamicSharedMemory<&ReTopKSelectKernel<kDim, kSelectThreads>>(hash_bytes));
-      KVRECALL_CUDA_RETURN_IF_ERROR(
-          AllowDynamicSharedMemory<&ReTopKFinishKernel<KvT, kDim, kFinishThreadsFewRows>>(
-              FinishSmemBytes(top_k)));
-      return AllowDynamicSharedMemory<&ReTopKFinishKernel<KvT, kDim, kFinishThreadsManyRows>>(
-          FinishSmemBytes(top_k));
+      KVRECALL_CUDA_RETURN_IF_ERROR(AllowReuseSmem<KvT, kDim, kReuseThreadsFewRows>(
+                                        log2_slots, static_cast<int>(candidates), top_k)
+                                        .status());
+      return AllowReuseSmem<KvT, kDim, kReuseThreadsManyRows>(
+                 log2_slots, static_cast<int>(candidates), top_k)
+          .status();
     });
   }));
   return ws;
 }
 
+ReTopKWorkspace::~ReTopKWorkspace() {
+  if (join_ != nullptr) cudaEventDestroy(join_);
+  if (fork_ != nullptr) cudaEventDestroy(fork_);
+  if (side_ != nullptr) cudaStreamDestroy(side_);
+}
+
 int64_t ReTopKWorkspace::device_bytes() const {
   return Bytes(unit_q_) + Bytes(paths_) + Bytes(exact_rows_) + Bytes(best_cosine_) +
-         Bytes(candidates_) + Bytes(candidate_count_) + Bytes(candidate_scores_) +
+         Bytes(neighbors_) + Bytes(candidates_) + Bytes(candidate_count_) +
+         Bytes(candidate_scores_) +
          Bytes(support_) + Bytes(support_size_) + Bytes(seed_seqs_) + Bytes(seed_o_) +
          Bytes(seed_lse_) + Bytes(seed_support_) + Bytes(seed_sizes_) +
          exact_ws_->device_bytes();
@@ -384,30 +413,49 @@ absl::Status ReTopKLaunch::Step(const DecodeShape& shape, int top_k, const ReTop
         "seqs, caches, q, o and lse must be device pointers, got null");
   }
   const int rows = shape.rows();
-  const int log2_slots = Log2HashSlots(MaxCandidates(top_k, params));
-  const ReTopKStepParams p{State(shape, top_k, params, *ws), seqs, caches, q, log2_slots};
+  const int max_candidates = static_cast<int>(MaxCandidates(top_k, params));
+  const int log2_slots = Log2HashSlots(max_candidates);
+  ReTopKStepParams p{State(shape, top_k, params, *ws), seqs, caches, q, log2_slots, 0};
   const absl::StatusOr<int> sms = MultiprocessorCount();
   if (!sms.ok()) return sms.status();
+  absl::StatusOr<ScoreKeysParams> exact =
+      ExactTopKParams(shape, seqs, q, max_tokens, top_k, ws->exact_rows_.data(),
+                      ws->exact_ws_.get(), ws->support_.data(), ws->support_size_.data());
+  if (!exact.ok()) return exact.status();
   return KVRECALL_DISPATCH_KV_DTYPE(shape.dtype, KvT, [&] {
     return KVRECALL_DISPATCH_HEAD_DIM(shape.head_dim, kDim, [&]() -> absl::Status {
-      constexpr auto kSelect = &ReTopKSelectKernel<kDim, kSelectThreads>;
-      KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kSelect>(4 << log2_slots));
-      kSelect<<<rows, kSelectThreads, 4 << log2_slots, stream>>>(p);
-      KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("ReTopKSelectKernel"));
-      KVRECALL_CUDA_RETURN_IF_ERROR(ExactTopKAttention(
-          shape, seqs, q, max_tokens, top_k, ws->exact_rows_.data(), ws->exact_ws_.get(),
-          ws->support_.data(), ws->support_size_.data(), o, lse, stream));
-      const size_t smem = FinishSmemBytes(top_k);
-      if (rows <= *sms) {
-        constexpr auto kFinish = &ReTopKFinishKernel<KvT, kDim, kFinishThreadsFewRows>;
-        KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kFinish>(smem));
-        kFinish<<<rows, kFinishThreadsFewRows, smem, stream>>>(p, o, lse);
-      } else {
-        constexpr auto kFinish = &ReTopKFinishKernel<KvT, kDim, kFinishThreadsManyRows>;
-        KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kFinish>(smem));
-        kFinish<<<rows, kFinishThreadsManyRows, smem, stream>>>(p, o, lse);
-      }
-      return LaunchStatus("ReTopKFinishKernel");
+      ReTopKDecideKernel<kDim, kDecideThreads><<<rows, kDecideThreads, 0, stream>>>(p);
+      KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("ReTopKDecideKernel"));
+      // Refresh and fallback rows on the side stream, reuse rows here, joined at the end.
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(ws->fork_, stream), "forking the exact path"));
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          CudaStatus(cudaStreamWaitEvent(ws->side_, ws->fork_, 0), "forking the exact path"));
+      KVRECALL_CUDA_RETURN_IF_ERROR(LaunchExactTopK(
+          shape, *exact, max_tokens,
+          [&]<typename T, int kD>() {
+            return ReTopKExactFinish<T, kD, kRowPassThreads>{
+                AttendFinish<T, kD, kRowPassThreads>{seqs, shape.q_heads, shape.kv_heads, o,
+                                                     lse},
+                caches, ws->unit_q_.data(), params.cache_capacity, top_k};
+          },
+          ws->side_));
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          CudaStatus(cudaEventRecord(ws->join_, ws->side_), "joining the exact path"));
+      auto reuse = [&](auto threads) -> absl::Status {
+        constexpr int kThreads = decltype(threads)::value;
+        const absl::StatusOr<int> pool =
+            AllowReuseSmem<KvT, kDim, kThreads>(log2_slots, max_candidates, top_k);
+        if (!pool.ok()) return pool.status();
+        p.pool_bytes = *pool;
+        ReTopKReuseKernel<KvT, kDim, kThreads>
+            <<<rows, kThreads, ReuseSmemBytes(*pool, max_candidates, top_k), stream>>>(p, o, lse);
+        return LaunchStatus("ReTopKReuseKernel");
+      };
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          rows <= *sms ? reuse(std::integral_constant<int, kReuseThreadsFewRows>{})
+                       : reuse(std::integral_constant<int, kReuseThreadsManyRows>{}));
+      return CudaStatus(cudaStreamWaitEvent(stream, ws->join_, 0), "joining the exact path");
     });
   });
 }

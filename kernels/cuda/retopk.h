@@ -3,7 +3,12 @@
 // index/retopk.h decision for decision: cosine against the C cached queries, path choice
 // (refresh / fallback / reuse), the top-R entries' supports ∪ the last W positions deduplicated
 // exactly, candidates scored in place, their top K (ties to the lower position), softmax·V, and
-// the cache update on every path. Refresh and fallback heads run the exact top-K kernels.
+// the cache update on every path. A step decides every row's path first (one small kernel);
+// the reuse rows then run in one fused kernel (union, tensor-core scoring of the candidates,
+// top K, softmax·V, cache push) while the refresh and fallback rows run the exact top-K kernels
+// beside it, on a stream of the workspace's own (forked and joined with events, so a captured
+// graph holds both branches). The exact kernels share their launch among the head groups that
+// have an exact row, so a step with few exact rows reads only those KV heads' keys.
 //
 // State is split by owner: ReTopKCaches holds one sequence's caches of one layer (a session's
 // layer owns one), ReTopKWorkspace the scratch of the steps of one stream. A step runs a batch
@@ -114,6 +119,9 @@ class ReTopKWorkspace {
   int top_k() const { return top_k_; }
   int max_candidates() const { return max_candidates_; }
   int64_t device_bytes() const;
+  ~ReTopKWorkspace();
+  ReTopKWorkspace(const ReTopKWorkspace&) = delete;
+  ReTopKWorkspace& operator=(const ReTopKWorkspace&) = delete;
 
   // OK when a step or seeding of `shape` with these knobs over histories of up to max_tokens
   // fits this workspace; else INVALID_ARGUMENT naming what exceeds it.
@@ -143,6 +151,7 @@ class ReTopKWorkspace {
   DeviceBuffer<uint8_t> paths_;            // [rows]
   DeviceBuffer<uint8_t> exact_rows_;       // [rows]: 1 when the exact kernels serve the row
   DeviceBuffer<float> best_cosine_;        // [rows]
+  DeviceBuffer<int32_t> neighbors_;        // [rows, 1 + C]: entries a reuse row unions
   DeviceBuffer<int32_t> candidates_;       // [rows, max_candidates]
   DeviceBuffer<int32_t> candidate_count_;  // [rows]
   DeviceBuffer<float> candidate_scores_;   // [rows, max_candidates]
@@ -154,6 +163,11 @@ class ReTopKWorkspace {
   DeviceBuffer<int32_t> seed_support_;     // [C, q_heads, K]
   DeviceBuffer<int32_t> seed_sizes_;       // [C, q_heads]
   std::unique_ptr<TopKWorkspace> exact_ws_;
+  // A step's refresh and fallback rows run on side_ (forked at fork_, joined at join_) while
+  // the reuse rows run on the caller's stream.
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr;
+  cudaEvent_t join_ = nullptr;
 };
 
 // Seeds one sequence's caches after its prompt, exactly as ReTopKSelector::Build does: entry i
@@ -176,6 +190,8 @@ absl::Status SeedReTopKCaches(const DecodeShape& shape, int top_k, const ReTopKP
 // into ws. Every sequence of the batch shares top_k and params (batch only such sequences);
 // tau is each cache's own. max_tokens bounds every history and must fit ws. Neither allocates
 // nor synchronizes (CUDA-graph capturable).
+// The launches run on `stream` and on the workspace's side stream, joined back into `stream`
+// before the call returns (ordered: a second step on `stream` follows the first).
 absl::Status ReTopKStep(const DecodeShape& shape, int top_k, const ReTopKParams& params,
                         const DeviceSeq* seqs, const ReTopKCachesView* caches, const float* q,
                         int max_tokens, ReTopKWorkspace* ws, float* o, float* lse,

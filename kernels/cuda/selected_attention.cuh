@@ -23,14 +23,14 @@ __host__ __device__ constexpr int AttendSelectedSmemFloats() {
 // The attention state over `count` selected tokens of `seq` for one query: pos_at(i) is the
 // logical position of token i, score_at(i) its score in the log2 domain (scale * log2(e) *
 // <q, k>). Writes o_out[0:kDim] and *lse_out (natural log; -inf and zeros when count == 0).
-// One whole block calls it; `smem`: AttendSelectedSmemFloats floats.
-template <typename T, int kDim, int kThreads, typename PosAt, typename ScoreAt>
+// One whole block calls it; `smem`: AttendSelectedSmemFloats floats. kUnroll value rows are
+// in flight per lane.
+template <typename T, int kDim, int kThreads, int kUnroll = 8, typename PosAt, typename ScoreAt>
 __device__ void AttendSelected(int count, PosAt pos_at, ScoreAt score_at, const DeviceSeq& seq,
                                int kv_head, int kv_heads, float* o_out, float* lse_out,
                                float* smem) {
   constexpr int kLanes = kDim / kVecElems;
   constexpr int kGroups = kThreads / kLanes;
-  constexpr int kUnroll = 8;  // value rows in flight per lane
   float* scratch = smem + kGroups * kDim;
 
   float mx = -INFINITY;

@@ -110,15 +110,68 @@ __device__ __forceinline__ void FlushHistogram(const uint32_t* block_hist, uint3
   }
 }
 
-// Signals that this block finished its share of a pass; true in the one block that finishes
-// last, which then sees every other block's writes. Call with all threads; `flag`: shared.
-__device__ __forceinline__ bool FinishedLast(uint32_t* counter, uint32_t blocks, bool* flag) {
-  __threadfence();
+// How a launch's blocks are shared out among the units (rows, or head groups) that have work.
+struct BlockShare {
+  int unit;    // the unit this block serves
+  int split;   // its part of the unit, of `blocks` parts of `chunk` positions
+  int blocks;
+  int chunk;
+  bool ok;     // false: nothing for this block
+};
+
+// The most units ShareBlocks shares out (64 ballot words).
+inline constexpr int kMaxSharedUnits = 64 * 32;
+
+// Shares the blocks of the launch among the units u in [0, units) with is_active(u), in order:
+// each gets as many parts of `length` positions as divide the launch, every part at least
+// min_chunk positions (but one) and a multiple of `align`. So a step whose few rows have work
+// spreads them over every multiprocessor instead of leaving the blocks planned for the others
+// idle. Called by the whole block; warp 0 decides. units <= kMaxSharedUnits.
+template <typename IsActive>
+__device__ BlockShare ShareBlocks(int units, const IsActive& is_active, int length, int align,
+                                  int min_chunk) {
+  __shared__ uint32_t words[kMaxSharedUnits / 32];
+  __shared__ BlockShare shared;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int active = 0;
+    for (int w = 0; w * 32 < units; ++w) {
+      const int u = w * 32 + lane;
+      const unsigned mask = __ballot_sync(0xffffffffu, u < units && is_active(u));
+      if (lane == 0) words[w] = mask;
+      active += __popc(mask);
+    }
+    if (lane == 0) {
+      BlockShare share{0, 0, 1, align, false};
+      if (active > 0) {
+        const int launch = gridDim.x * gridDim.y * gridDim.z;
+        const int linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int longest = max(length, 1);
+        const int per = max(1, min(launch / active, (longest + min_chunk - 1) / min_chunk));
+        const int chunk = ((longest + per - 1) / per + align - 1) / align * align;
+        const int blocks = (longest + chunk - 1) / chunk;
+        const int nth = linear / per;
+        const int split = linear - nth * per;
+        if (nth < active && split < blocks) {
+          int seen = 0;
+          for (int w = 0;; ++w) {  // the nth active unit
+            const uint32_t m = words[w];
+            const int c = __popc(m);
+            if (seen + c > nth) {
+              uint32_t rest = m;
+              for (int k = nth - seen; k > 0; --k) rest &= rest - 1;
+              share = BlockShare{w * 32 + __ffs(rest) - 1, split, blocks, chunk, true};
+              break;
+            }
+            seen += c;
+          }
+        }
+      }
+      shared = share;
+    }
+  }
   __syncthreads();
-  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == blocks - 1;
-  __syncthreads();
-  if (*flag) __threadfence();
-  return *flag;
+  return shared;
 }
 
 // Locates the threshold bin of the k-th largest score from a complete row histogram and writes
@@ -351,6 +404,9 @@ struct NoFinish {
                              float*) const {}
 };
 
+// The fewest positions one row-pass block reads.
+inline constexpr int kMinRowChunk = 2048;
+
 // Candidates whose keys fit in shared memory skip re-reading scores on every radix pass.
 inline constexpr int kSmemCandidates = 4096;
 
@@ -373,7 +429,15 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   __shared__ uint32_t appended;
   __shared__ bool last;
   extern __shared__ int32_t chosen[];  // [p.k] positions, then [p.k] scores
-  const int row = blockIdx.y;
+  // With active rows (and few enough of them) the launch's blocks serve only those rows.
+  BlockShare share{static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x),
+                   static_cast<int>(gridDim.x), p.chunk, true};
+  if (p.active != nullptr && static_cast<int>(gridDim.y) <= kMaxSharedUnits) {
+    share = ShareBlocks(
+        gridDim.y, [&](int r) { return p.active[r] != 0; }, p.max_length, 4, kMinRowChunk);
+    if (!share.ok) return;
+  }
+  const int row = share.unit;
   if (!RowActive(p, row)) return;
   const int n = RowLength(p, row);
   const int k = min(p.k, n);
@@ -383,8 +447,8 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   int32_t* candidates = p.candidates + row * p.score_stride;
   const uint32_t threshold = state->threshold_bin;
   if (k > 0) {
-    const int begin = blockIdx.x * p.chunk;
-    ForEachScore<kThreads>(scores, begin, min(begin + p.chunk, n),
+    const int begin = share.split * share.chunk;
+    ForEachScore<kThreads>(scores, begin, min(begin + share.chunk, n),
                            [&](int i, float score, bool in_range) {
                              const uint32_t bin = BinOf(score);
                              WarpAppend(in_range && bin > threshold, i, &state->selected, support);
@@ -392,7 +456,7 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
                                         candidates);
                            });
   }
-  if (!FinishedLast(&state->blocks_done, gridDim.x, &last)) return;
+  if (!FinishedLast(&state->blocks_done, share.blocks, &last)) return;
 
   // The positions above the threshold bin, which every block appended, with their scores.
   float* chosen_scores = reinterpret_cast<float*>(chosen + p.k);
@@ -439,10 +503,9 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
 inline constexpr int kRowPassThreads = 512;
 
 // Splits rows of `length` positions for the row passes over a device that holds `slots` of
-// their blocks at once: one wave, no block reading fewer than 2048 positions.
+// their blocks at once: one wave, no block reading fewer than kMinRowChunk positions.
 inline void PlanRowPasses(int rows, int length, int slots, RowTopKParams* p) {
-  constexpr int kMinChunk = 2048;
-  const int splits = std::max(1, std::min(slots / rows, CeilDiv(length, kMinChunk)));
+  const int splits = std::max(1, std::min(slots / rows, CeilDiv(length, kMinRowChunk)));
   // Chunks start on 16-byte boundaries of their rows, for LoadScores4.
   p->chunk = std::max(4, CeilDiv(CeilDiv(length, splits), 4) * 4);
   p->splits = std::max(1, CeilDiv(length, p->chunk));
