@@ -96,7 +96,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
   sessions_.clear();
   for (int i = 0; i < n; ++i) {
     absl::StatusOr<std::shared_ptr<Session>> session =
-        registry_->Find(request.steps(i).session_id());
+        registry_->Find(request.steps(i).session_id(), tenant_);
     if (!session.ok()) return PrefixStatus(session.status(), "steps[", i, "].session_id: ");
     for (int j = 0; j < i; ++j) {
       if (sessions_[j] == *session) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -20,7 +21,9 @@ namespace kvrecall {
 
 class DecodeStream {
  public:
-  explicit DecodeStream(const SessionRegistry* registry) : registry_(registry) {}
+  // Steps only sessions of `tenant` (SessionRegistry::Find).
+  explicit DecodeStream(const SessionRegistry* registry, std::string tenant = "")
+      : registry_(registry), tenant_(std::move(tenant)) {}
 
   // Serves one request into `response` (which the caller cleared). A request with no steps
   // gets an empty reply. On a validation or budget error nothing was appended for any sequence
@@ -35,6 +38,7 @@ class DecodeStream {
   absl::Status CompareExact(const v1::DecodeRequest& request, v1::DecodeResponse* response);
 
   const SessionRegistry* registry_;
+  const std::string tenant_;
   absl::InlinedVector<std::pair<AttentionBackend*, std::unique_ptr<StepContext>>, 2> contexts_;
   // Scratch reused across requests so that steady-state decoding allocates little; per step i
   // of the request: queries_[q_offsets_[i]..], keys_/values_[kv_offsets_[i]..], output_

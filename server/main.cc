@@ -51,7 +51,8 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM roots: clients must present a certificate they signed (mutual TLS)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of 'TOKEN TENANT' lines: every call but grpc.health.v1 needs 'authorization: "
-          "Bearer TOKEN' (else UNAUTHENTICATED); needs TLS");
+          "Bearer TOKEN' (else UNAUTHENTICATED), and a session belongs to the tenant that "
+          "created it (to others it does not exist); needs TLS");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(

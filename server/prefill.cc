@@ -19,7 +19,7 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, ".session_id is required in the first chunk of a stream"));
     }
-    absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(chunk.session_id());
+    absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(chunk.session_id(), tenant_);
     if (!session.ok()) return PrefixStatus(session.status(), prefix, ".session_id: ");
     session_ = *std::move(session);
   } else if (!chunk.session_id().empty() && chunk.session_id() != session_->id()) {

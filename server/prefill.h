@@ -19,7 +19,9 @@ namespace kvrecall {
 
 class PrefillStream {
  public:
-  explicit PrefillStream(const SessionRegistry* registry) : registry_(registry) {}
+  // Fills only sessions of `tenant` (SessionRegistry::Find).
+  explicit PrefillStream(const SessionRegistry* registry, std::string tenant = "")
+      : registry_(registry), tenant_(std::move(tenant)) {}
 
   // Validates chunk number `index` of the stream (session, layer, contiguous offset, tensor
   // shapes, dtype and finiteness, the memory budget) and stages its tensors. On error the
@@ -32,6 +34,7 @@ class PrefillStream {
 
  private:
   const SessionRegistry* registry_;
+  std::string tenant_;
   std::shared_ptr<Session> session_;
   // A layer's prompt as received so far.
   struct Staged {

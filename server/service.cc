@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/auth.h"
 #include "server/decode.h"
 #include "server/prefill.h"
 #include "server/raw_messages.h"
@@ -53,10 +54,10 @@ grpc::Status ShuttingDownStatus() {
 template <typename Request, typename Response>
 class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public WorkItem {
  public:
-  using Handler = absl::Status (KvRecallService::*)(const Request&, Response*);
+  using Handler = absl::Status (KvRecallService::*)(absl::string_view, const Request&, Response*);
 
-  UnaryCall(KvRecallService* service, grpc::ByteBuffer* reply, Handler handler)
-      : service_(service), reply_(reply), handler_(handler) {
+  UnaryCall(KvRecallService* service, grpc::ByteBuffer* reply, Handler handler, std::string tenant)
+      : service_(service), reply_(reply), handler_(handler), tenant_(std::move(tenant)) {
     service_->CountUnary(1);
   }
 
@@ -79,7 +80,8 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
     grpc::Status status;
     if (!skip) {
       status = service_->draining() ? ShuttingDownStatus()
-                                    : ToGrpcStatus((service_->*handler_)(request_, &response_));
+                                    : ToGrpcStatus((service_->*handler_)(tenant_, request_,
+                                                                         &response_));
     }
     {
       absl::MutexLock lock(&mu_);
@@ -110,6 +112,7 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   KvRecallService* const service_;
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   const Handler handler_;
+  const std::string tenant_;  // the caller's (server/auth.h)
   Request request_;
   Response response_;
   CallRefs<UnaryCall> refs_;
@@ -119,9 +122,10 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
 
 template <typename Request, typename Response>
 grpc::ServerUnaryReactor* KvRecallService::StartUnary(
-    grpc::CallbackServerContext*, const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-    absl::Status (KvRecallService::*handler)(const Request&, Response*)) {
-  auto* call = new UnaryCall<Request, Response>(this, response, handler);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response,
+    absl::Status (KvRecallService::*handler)(absl::string_view, const Request&, Response*)) {
+  auto* call = new UnaryCall<Request, Response>(this, response, handler, TenantOf(*context));
   call->Start(request);
   return call;
 }
@@ -200,8 +204,9 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
 class KvRecallService::PrefillCall final
     : public StreamCall<grpc::ServerReadReactor<grpc::ByteBuffer>, PrefillCall> {
  public:
-  PrefillCall(KvRecallService* service, grpc::ByteBuffer* reply)
-      : StreamCall(service), reply_(reply), stream_(service->registry_) {
+  PrefillCall(KvRecallService* service, grpc::ByteBuffer* reply, std::string tenant)
+      : StreamCall(service), reply_(reply), tenant_(std::move(tenant)),
+        stream_(service->registry_, tenant_) {
     Begin(&in_);
   }
 
@@ -274,12 +279,13 @@ class KvRecallService::PrefillCall final
 
   // Frees the staged prompt (a commit has moved what it committed into the session).
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    stream_ = PrefillStream(service_->registry_);
+    stream_ = PrefillStream(service_->registry_, tenant_);
   }
 
  private:
 
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
+  const std::string tenant_;       // the caller's (server/auth.h)
   grpc::ByteBuffer in_;
   v1::PrefillChunk chunk_;
   v1::PrefillResponse response_;
@@ -297,8 +303,8 @@ class KvRecallService::PrefillCall final
 class KvRecallService::DecodeCall final
     : public StreamCall<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>, DecodeCall> {
  public:
-  explicit DecodeCall(KvRecallService* service)
-      : StreamCall(service), decoder_(service->registry_) {
+  DecodeCall(KvRecallService* service, std::string tenant)
+      : StreamCall(service), decoder_(service->registry_, std::move(tenant)) {
     Begin(&in_);
   }
 
@@ -426,13 +432,13 @@ grpc::ServerUnaryReactor* KvRecallService::CreateSession(grpc::CallbackServerCon
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
-    grpc::CallbackServerContext*, grpc::ByteBuffer* response) {
-  return new PrefillCall(this, response);
+    grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
+  return new PrefillCall(this, response, TenantOf(*context));
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::Decode(
-    grpc::CallbackServerContext*) {
-  return new DecodeCall(this);
+    grpc::CallbackServerContext* context) {
+  return new DecodeCall(this, TenantOf(*context));
 }
 
 grpc::ServerUnaryReactor* KvRecallService::GetSession(grpc::CallbackServerContext* context,
@@ -453,27 +459,30 @@ grpc::ServerUnaryReactor* KvRecallService::CloseSession(grpc::CallbackServerCont
   return StartUnary(context, request, response, &KvRecallService::DoCloseSession);
 }
 
-absl::Status KvRecallService::DoCreateSession(const v1::CreateSessionRequest& request,
+absl::Status KvRecallService::DoCreateSession(absl::string_view tenant,
+                                              const v1::CreateSessionRequest& request,
                                               v1::CreateSessionResponse* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Create(request);
+  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Create(request, tenant);
   if (!session.ok()) return session.status();
   response->set_session_id((*session)->id());
   *response->mutable_policy() = PolicyToProto((*session)->policy());
   return absl::OkStatus();
 }
 
-absl::Status KvRecallService::DoGetSession(const v1::GetSessionRequest& request,
+absl::Status KvRecallService::DoGetSession(absl::string_view tenant,
+                                           const v1::GetSessionRequest& request,
                                            v1::SessionInfo* response) {
-  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(request.session_id());
+  absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(request.session_id(), tenant);
   if (!session.ok()) return PrefixStatus(session.status(), "session_id: ");
   absl::ReaderMutexLock lock(&(*session)->mu());
   *response = (*session)->Info();
   return absl::OkStatus();
 }
 
-absl::Status KvRecallService::DoListSessions(const v1::ListSessionsRequest&,
+absl::Status KvRecallService::DoListSessions(absl::string_view tenant,
+                                             const v1::ListSessionsRequest&,
                                              v1::ListSessionsResponse* response) {
-  std::vector<std::shared_ptr<Session>> sessions = registry_->List();
+  std::vector<std::shared_ptr<Session>> sessions = registry_->List(tenant);
   std::sort(sessions.begin(), sessions.end(),
             [](const auto& a, const auto& b) { return a->id() < b->id(); });
   for (const auto& session : sessions) {
@@ -483,9 +492,10 @@ absl::Status KvRecallService::DoListSessions(const v1::ListSessionsRequest&,
   return absl::OkStatus();
 }
 
-absl::Status KvRecallService::DoCloseSession(const v1::CloseSessionRequest& request,
+absl::Status KvRecallService::DoCloseSession(absl::string_view tenant,
+                                             const v1::CloseSessionRequest& request,
                                              v1::CloseSessionResponse*) {
-  return registry_->Close(request.session_id());
+  return registry_->Close(request.session_id(), tenant);
 }
 
 }  // namespace kvrecall

@@ -80,12 +80,14 @@ class KvRecallService final : public KvRecallRawCallbackService {
 
  private:
   // The unary methods' logic, on typed messages (run on a work queue).
-  absl::Status DoCreateSession(const v1::CreateSessionRequest& request,
+  // `tenant` is the caller's (server/auth.h's TenantOf).
+  absl::Status DoCreateSession(absl::string_view tenant, const v1::CreateSessionRequest& request,
                                v1::CreateSessionResponse* response);
-  absl::Status DoGetSession(const v1::GetSessionRequest& request, v1::SessionInfo* response);
-  absl::Status DoListSessions(const v1::ListSessionsRequest& request,
+  absl::Status DoGetSession(absl::string_view tenant, const v1::GetSessionRequest& request,
+                            v1::SessionInfo* response);
+  absl::Status DoListSessions(absl::string_view tenant, const v1::ListSessionsRequest& request,
                               v1::ListSessionsResponse* response);
-  absl::Status DoCloseSession(const v1::CloseSessionRequest& request,
+  absl::Status DoCloseSession(absl::string_view tenant, const v1::CloseSessionRequest& request,
                               v1::CloseSessionResponse* response);
 
   // A Decode or Prefill stream, as the drain sees it.
@@ -109,7 +111,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   grpc::ServerUnaryReactor* StartUnary(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
       grpc::ByteBuffer* response,
-      absl::Status (KvRecallService::*handler)(const Request&, Response*));
+      absl::Status (KvRecallService::*handler)(absl::string_view, const Request&,
+                                                                     Response*));
 
   // Streams register while open, so that StartDrain reaches them. Register returns false when
   // the drain has begun (the stream must then end with UNAVAILABLE). Unary calls are counted.

@@ -193,7 +193,7 @@ v1::SessionInfo Session::Info() const {
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
-    const v1::CreateSessionRequest& request) {
+    const v1::CreateSessionRequest& request, absl::string_view tenant) {
   if (absl::Status s = ValidateGeometry(request.geometry()); !s.ok()) return s;
   absl::StatusOr<EffectivePolicy> policy = ResolvePolicy(request.policy());
   if (!policy.ok()) return policy.status();
@@ -221,33 +221,47 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   if (absl::Status s = session->Admit(); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
   sessions_.emplace(id, session);
+  tenants_.emplace(id, tenant);
   return session;
 }
 
-absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view id) const {
+absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view id,
+                                                               absl::string_view tenant) const {
   if (id.empty()) return absl::InvalidArgumentError("must name a session, it is empty");
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end()) return absl::NotFoundError(absl::StrCat("no session '", id, "'"));
+  if (it == sessions_.end() || tenants_.at(id) != tenant) {
+    return absl::NotFoundError(absl::StrCat("no session '", id, "'"));
+  }
   return it->second;
 }
 
-absl::Status SessionRegistry::Close(absl::string_view id) {
+absl::Status SessionRegistry::Close(absl::string_view id, absl::string_view tenant) {
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(id);
-    if (it == sessions_.end()) {
+    if (it == sessions_.end() || tenants_.at(id) != tenant) {
       return absl::NotFoundError(absl::StrCat("session_id: no session '", id, "'"));
     }
     session = std::move(it->second);
     sessions_.erase(it);
+    tenants_.erase(id);
   }
   // Streams still holding the session see it closed; its memory is freed now, not when the
   // last of them lets go.
   absl::MutexLock lock(&session->mu());
   session->Close();
   return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<Session>> SessionRegistry::List(absl::string_view tenant) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (const auto& [id, session] : sessions_) {
+    if (tenants_.at(id) == tenant) out.push_back(session);
+  }
+  return out;
 }
 
 std::vector<std::shared_ptr<Session>> SessionRegistry::List() const {

@@ -115,13 +115,22 @@ class SessionRegistry {
   SessionRegistry(MemoryBudget* host_budget, Placements* placements)
       : host_budget_(host_budget), placements_(placements) {}
 
+  // Sessions belong to the tenant that created them (server/auth.h's TenantOf; "" when the
+  // server authenticates no one): to any other tenant, Find and Close answer NOT_FOUND as for
+  // an id nobody holds, and List leaves them out.
+
   // Validates geometry and policy, places the session on a backend, admits it, then registers it.
-  absl::StatusOr<std::shared_ptr<Session>> Create(const v1::CreateSessionRequest& request);
-  // NOT_FOUND when there is no such session, INVALID_ARGUMENT for an empty id. The message
-  // names the id, not the field: callers prefix it (PrefixStatus).
-  absl::StatusOr<std::shared_ptr<Session>> Find(absl::string_view id) const;
-  // Unregisters and frees the session; NOT_FOUND when there is none.
-  absl::Status Close(absl::string_view id);
+  absl::StatusOr<std::shared_ptr<Session>> Create(const v1::CreateSessionRequest& request,
+                                                  absl::string_view tenant = "");
+  // NOT_FOUND when there is no such session of `tenant`, INVALID_ARGUMENT for an empty id. The
+  // message names the id, not the field: callers prefix it (PrefixStatus).
+  absl::StatusOr<std::shared_ptr<Session>> Find(absl::string_view id,
+                                                absl::string_view tenant = "") const;
+  // Unregisters and frees the session; NOT_FOUND when `tenant` has none of that id.
+  absl::Status Close(absl::string_view id, absl::string_view tenant = "");
+  // The sessions of `tenant`.
+  std::vector<std::shared_ptr<Session>> List(absl::string_view tenant) const;
+  // Every session, of every tenant (the server's own accounting: metrics).
   std::vector<std::shared_ptr<Session>> List() const;
 
   MemoryBudget* budget() const { return host_budget_; }
@@ -132,6 +141,7 @@ class SessionRegistry {
   Placements* const placements_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::string> tenants_ ABSL_GUARDED_BY(mu_);  // by session id
 };
 
 }  // namespace kvrecall

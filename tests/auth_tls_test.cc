@@ -262,6 +262,72 @@ TEST_F(TlsTest, TokensGateEveryServiceButHealth) {
   EXPECT_THAT(text, HasSubstr("\nkvrecall_unauthenticated_requests_total 3\n"));
 }
 
+TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {
+  Start(WithTokens());
+  auto connect = [&](const char* token) {
+    client::ChannelSecurity security = TrustingCa();
+    security.token = token;
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect(server_->address(), security);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *std::move(c);
+  };
+  std::unique_ptr<client::Client> alice = connect(kAliceToken);
+  std::unique_ptr<client::Client> bob = connect(kBobToken);
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  absl::StatusOr<client::SessionHandle> session =
+      alice->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL), "alice's");
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<float> q = testing::RandomNormal(4 * 2 * 8, 1);
+  const std::vector<float> kv = testing::RandomNormal(4 * 8, 2);
+
+  // To bob, alice's session is a session that does not exist: the same code and message as
+  // an id nobody holds.
+  const std::string absent = "no-such-session";
+  auto as_absent = [&](absl::Status status) {
+    std::string message(status.message());
+    const size_t at = message.find(session->id);
+    if (at != std::string::npos) message.replace(at, session->id.size(), absent);
+    return absl::Status(status.code(), message);
+  };
+  const absl::Status absent_get = bob->GetSession(absent).status();
+  EXPECT_EQ(absent_get.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(as_absent(bob->GetSession(session->id).status()), absent_get);
+  EXPECT_EQ(as_absent(bob->CloseSession(session->id)), bob->CloseSession(absent));
+  absl::StatusOr<std::unique_ptr<client::PrefillStream>> prefill = bob->StartPrefill(*session);
+  ASSERT_TRUE(prefill.ok());
+  (void)(*prefill)->SendLayer(0, q, kv, kv);
+  EXPECT_EQ((*prefill)->Finish().status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<std::vector<v1::SessionInfo>> bobs = bob->ListSessions();
+  ASSERT_TRUE(bobs.ok());
+  EXPECT_TRUE(bobs->empty());
+
+  // Alice's session is untouched: she prefills it, decodes on it, lists and closes it; bob's
+  // decode step on it is NOT_FOUND and appends nothing.
+  absl::StatusOr<std::unique_ptr<client::PrefillStream>> own = alice->StartPrefill(*session);
+  ASSERT_TRUE(own.ok());
+  ASSERT_TRUE((*own)->SendLayer(0, q, kv, kv).ok());
+  ASSERT_TRUE((*own)->Finish().ok());
+  const std::vector<float> q_t = testing::RandomNormal(2 * 8, 3);
+  const std::vector<float> kv_t = testing::RandomNormal(8, 4);
+  const client::SequenceInput input{session->id, q_t, kv_t, kv_t};
+  client::StepResult result;
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> bob_stream = bob->OpenDecodeStream(g);
+  ASSERT_TRUE(bob_stream.ok());
+  EXPECT_TRUE(HasStatus((*bob_stream)->Step(0, std::span(&input, 1), {}, &result),
+                        absl::StatusCode::kNotFound, "no session"));
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> alice_stream = alice->OpenDecodeStream(g);
+  ASSERT_TRUE(alice_stream.ok());
+  ASSERT_TRUE((*alice_stream)->Step(0, std::span(&input, 1), {}, &result).ok());
+  EXPECT_TRUE((*alice_stream)->Close().ok());
+  absl::StatusOr<std::vector<v1::SessionInfo>> alices = alice->ListSessions();
+  ASSERT_TRUE(alices.ok());
+  ASSERT_EQ(alices->size(), 1u);
+  EXPECT_EQ((*alices)[0].session_id(), session->id);
+  EXPECT_EQ((*alices)[0].tokens(), 5);  // 4 prompt tokens and alice's step; bob's took none
+  EXPECT_TRUE(alice->CloseSession(session->id).ok());
+}
+
 TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
   auto start = [](const SecurityOptions& security) {
     ServerOptions options;
