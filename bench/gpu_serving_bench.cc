@@ -1,0 +1,336 @@
+// gpu_serving_bench: what a decode layer-step of a GPU-placed session costs end to end over
+// loopback gRPC, per selector, batch and context, against the server's own time for it. For
+// every (selector, context) it creates max(batches) one-layer sessions of the Llama-3-8B
+// geometry (32 query / 8 KV heads, d = 128, bf16) on --server, prefills them with random keys
+// and values (queries only where the selector needs them: ReTopK's seeds, which drift like the
+// decode queries), then times `--steps` requests of each batch size after `--warmup` untimed
+// ones. Decode queries drift (consecutive cosine ~0.97, as cuda_decode_bench's), so ReTopK
+// reuses most steps; the path mix it took is reported. Prints one JSON document.
+//
+//   gpu_serving_bench --server=127.0.0.1:PORT --out=gpu_serving.json
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/kvrecall_client.h"
+#include "client/stats.h"
+#include "grpcpp/create_channel.h"
+#include "kernels/dtype.h"
+#include "kvrecall/v1/kvrecall.grpc.pb.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(std::string, server, "127.0.0.1:50051", "kvrecalld to measure, HOST:PORT or unix:PATH");
+ABSL_FLAG(std::string, contexts, "16384,65536,131072,262144,1048576", "prompt tokens");
+ABSL_FLAG(std::string, batches, "1,8", "sequences per request");
+ABSL_FLAG(std::string, selectors, "full,exact_topk,retopk", "GPU selectors to time");
+ABSL_FLAG(std::string, placement, "gpu", "placement of the sessions: gpu or tiered");
+ABSL_FLAG(int32_t, top_k, 512, "K of exact_topk and retopk");
+ABSL_FLAG(int32_t, steps, 64, "timed requests per (selector, batch, context)");
+ABSL_FLAG(int32_t, warmup, 8, "untimed requests before them");
+ABSL_FLAG(int32_t, q_heads, 32, "query heads");
+ABSL_FLAG(int32_t, kv_heads, 8, "KV heads");
+ABSL_FLAG(int32_t, head_dim, 128, "head dimension");
+ABSL_FLAG(int32_t, prefill_threads, 8, "sessions prefilled at once, each on its own stream");
+ABSL_FLAG(std::string, out, "", "also write the JSON here");
+
+namespace kvrecall::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+std::vector<int> Ints(const std::string& text) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v)) {
+      std::fprintf(stderr, "gpu_serving_bench: not an integer list: %s\n", text.c_str());
+      std::exit(2);
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+void Check(const absl::Status& s, const std::string& what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "gpu_serving_bench: %s: %s\n", what.c_str(), s.ToString().c_str());
+    std::exit(1);
+  }
+}
+void Check(const grpc::Status& s, const std::string& what) {
+  Check(s.ok() ? absl::OkStatus()
+               : absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message()),
+        what);
+}
+
+// bf16 bytes of N(0, 1) values, made once and sliced for every session's keys and values.
+std::string RandomBf16(size_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::string out(count * 2, '\0');
+  for (size_t i = 0; i < count; ++i) {
+    const uint16_t b = FloatToBf16(normal(rng));
+    std::memcpy(out.data() + 2 * i, &b, 2);
+  }
+  return out;
+}
+
+// Queries that drift per head: q_{t+1} = 0.97 q_t + 0.45 n_t ([steps, q_heads, head_dim]).
+std::vector<float> DriftingQueries(int steps, int row, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> state(row), out;
+  for (float& x : state) x = 1.85f * normal(rng);
+  out.reserve(static_cast<size_t>(steps) * row);
+  for (int t = 0; t < steps; ++t) {
+    for (float& x : state) {
+      x = 0.97f * x + 0.45f * normal(rng);
+      out.push_back(x);
+    }
+  }
+  return out;
+}
+
+v1::Tensor Bf16Tensor(std::vector<int64_t> shape, std::string bytes) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_BF16);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_data(std::move(bytes));
+  return t;
+}
+
+std::string ToBf16(const float* x, size_t n) {
+  std::string out(2 * n, '\0');
+  for (size_t i = 0; i < n; ++i) {
+    const uint16_t b = FloatToBf16(x[i]);
+    std::memcpy(out.data() + 2 * i, &b, 2);
+  }
+  return out;
+}
+
+struct Geometry {
+  int q_heads, kv_heads, head_dim;
+  int q_row() const { return q_heads * head_dim; }
+  int kv_row() const { return kv_heads * head_dim; }
+};
+
+// Prefills one session's single layer with `context` tokens: keys and values sliced out of
+// `pool` at a per-session offset, queries only for the last `with_queries` tokens.
+void PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
+                    int64_t context, const std::string& pool, int64_t offset,
+                    const std::vector<float>& last_queries, int with_queries) {
+  grpc::ClientContext ctx;
+  v1::PrefillResponse response;
+  auto writer = stub.Prefill(&ctx, &response);
+  constexpr int64_t kChunk = 4096;  // tokens: 8 MiB of keys and values per message
+  const int64_t pool_tokens = static_cast<int64_t>(pool.size()) / (2 * g.kv_row());
+  v1::PrefillChunk chunk;
+  for (int64_t begin = 0; begin < context; begin += kChunk) {
+    const int64_t n = std::min(kChunk, context - begin);
+    chunk.Clear();
+    chunk.set_session_id(id);
+    chunk.set_layer(0);
+    chunk.set_offset(begin);
+    const int64_t at = (offset + begin) % (pool_tokens - n);
+    const size_t bytes = static_cast<size_t>(n) * g.kv_row() * 2;
+    *chunk.mutable_k() = Bf16Tensor({n, g.kv_heads, g.head_dim},
+                                    pool.substr(static_cast<size_t>(at) * g.kv_row() * 2, bytes));
+    *chunk.mutable_v() = Bf16Tensor(
+        {n, g.kv_heads, g.head_dim},
+        pool.substr(static_cast<size_t>(pool_tokens - n - at) * g.kv_row() * 2, bytes));
+    // Queries for the chunk's tokens among the last `with_queries` (all of them, random, when
+    // the chunk holds only part of that window: the selector reads only its seeds).
+    const int64_t q_from = context - with_queries;
+    if (begin + n > q_from) {
+      std::vector<float> q(static_cast<size_t>(n) * g.q_row(), 0.0f);
+      for (int64_t t = std::max(begin, q_from); t < begin + n; ++t) {
+        const int64_t i = t - q_from;  // index into last_queries
+        std::copy_n(last_queries.data() + i * g.q_row(), g.q_row(),
+                    q.data() + (t - begin) * g.q_row());
+      }
+      *chunk.mutable_q() = Bf16Tensor({n, g.q_heads, g.head_dim}, ToBf16(q.data(), q.size()));
+    }
+    if (!writer->Write(chunk)) break;
+  }
+  writer->WritesDone();
+  Check(writer->Finish(), absl::StrCat("prefilling ", id));
+}
+
+int Main() {
+  const std::vector<int> contexts = Ints(absl::GetFlag(FLAGS_contexts));
+  const std::vector<int> batches = Ints(absl::GetFlag(FLAGS_batches));
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
+  const Geometry g{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads),
+                   absl::GetFlag(FLAGS_head_dim)};
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int warmup = absl::GetFlag(FLAGS_warmup);
+  const int top_k = absl::GetFlag(FLAGS_top_k);
+  absl::StatusOr<v1::Placement> placement = client::ParsePlacement(absl::GetFlag(FLAGS_placement));
+  Check(placement.status(), "--placement");
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_server),
+                                           grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::KvRecall::NewStub(channel);
+  // One pool of random KV (64K tokens) that every session slices at its own offset.
+  const int64_t pool_tokens = 65536 + 4096;
+  const std::string pool = RandomBf16(static_cast<size_t>(pool_tokens) * g.kv_row(), 1);
+
+  json records = json::array();
+  for (const std::string& selector_name :
+       std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_selectors), ','))) {
+    absl::StatusOr<v1::Selector> selector = client::ParseSelector(selector_name);
+    Check(selector.status(), "--selectors");
+    for (int context : contexts) {
+      // Sessions: queries for ReTopK's seeds (the C = 32 before the decode steps).
+      const int with_queries = *selector == v1::SELECTOR_RETOPK ? 32 : 0;
+      v1::Policy policy = client::CpuPolicy(*selector, top_k);
+      policy.set_placement(*placement);
+      std::vector<std::string> ids(max_batch);
+      std::vector<std::vector<float>> queries(max_batch);
+      const int total_steps = with_queries + (warmup + steps) * static_cast<int>(batches.size());
+      for (int b = 0; b < max_batch; ++b) {
+        v1::CreateSessionRequest request;
+        v1::Geometry* geo = request.mutable_geometry();
+        geo->set_layers(1);
+        geo->set_q_heads(g.q_heads);
+        geo->set_kv_heads(g.kv_heads);
+        geo->set_head_dim(g.head_dim);
+        geo->set_dtype(v1::DTYPE_BF16);
+        *request.mutable_policy() = policy;
+        request.set_max_tokens(context + total_steps);
+        request.set_label(absl::StrCat("gpu_serving_bench ", selector_name, " ", context));
+        v1::CreateSessionResponse response;
+        grpc::ClientContext ctx;
+        Check(stub->CreateSession(&ctx, request, &response), "CreateSession");
+        ids[b] = response.session_id();
+        queries[b] = DriftingQueries(total_steps, g.q_row(), 100 + b);
+      }
+      const auto prefill_start = Clock::now();
+      {
+        std::vector<std::thread> threads;
+        const int parallel = std::max(1, absl::GetFlag(FLAGS_prefill_threads));
+        for (int t = 0; t < parallel; ++t) {
+          threads.emplace_back([&, t] {
+            for (int b = t; b < max_batch; b += parallel) {
+              PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b, queries[b],
+                             with_queries);
+            }
+          });
+        }
+        for (std::thread& th : threads) th.join();
+      }
+      const double prefill_s =
+          std::chrono::duration<double>(Clock::now() - prefill_start).count();
+
+      grpc::ClientContext ctx;
+      auto stream = stub->Decode(&ctx);
+      int step_index = with_queries;  // the drift continues from the seeds
+      v1::DecodeRequest request;
+      v1::DecodeResponse response;
+      std::vector<float> kv(g.kv_row());
+      std::mt19937_64 rng(context);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      for (int batch : batches) {
+        std::vector<double> e2e, server;
+        int64_t paths[5] = {};
+        for (int i = 0; i < warmup + steps; ++i, ++step_index) {
+          request.Clear();
+          request.set_layer(0);
+          request.set_diagnostics(*selector == v1::SELECTOR_RETOPK);
+          for (int b = 0; b < batch; ++b) {
+            v1::SequenceStep* s = request.add_steps();
+            s->set_session_id(ids[b]);
+            *s->mutable_q() =
+                Bf16Tensor({g.q_heads, g.head_dim},
+                           ToBf16(queries[b].data() + static_cast<size_t>(step_index) * g.q_row(),
+                                  g.q_row()));
+            for (float& x : kv) x = normal(rng);
+            *s->mutable_k_new() = Bf16Tensor({g.kv_heads, g.head_dim}, ToBf16(kv.data(), kv.size()));
+            *s->mutable_v_new() = Bf16Tensor({g.kv_heads, g.head_dim}, ToBf16(kv.data(), kv.size()));
+          }
+          const auto t0 = Clock::now();
+          if (!stream->Write(request) || !stream->Read(&response)) {
+            Check(stream->Finish(), "Decode");
+          }
+          const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          if (i < warmup) continue;
+          e2e.push_back(us);
+          server.push_back(response.server_micros());
+          for (const v1::SequenceResult& r : response.results()) {
+            for (const v1::HeadDiagnostics& h : r.heads()) ++paths[h.path()];
+          }
+        }
+        const double heads = static_cast<double>(steps) * batch * g.q_heads;
+        json rec = {{"selector", selector_name},
+                    {"placement", absl::GetFlag(FLAGS_placement)},
+                    {"context", context},
+                    {"batch", batch},
+                    {"steps", steps},
+                    {"e2e_p50_us", client::Percentile(e2e, 0.5)},
+                    {"e2e_p99_us", client::Percentile(e2e, 0.99)},
+                    {"server_p50_us", client::Percentile(server, 0.5)},
+                    {"server_p99_us", client::Percentile(server, 0.99)},
+                    {"prefill_seconds", prefill_s},
+                    {"sessions", max_batch}};
+        if (*selector == v1::SELECTOR_RETOPK) {
+          rec["path_mix"] = {{"reuse", paths[v1::PATH_REUSE] / heads},
+                             {"fallback", paths[v1::PATH_FALLBACK] / heads},
+                             {"refresh", paths[v1::PATH_REFRESH] / heads}};
+        }
+        std::fprintf(stderr, "%s %d x%d: e2e p50 %.1f us (p99 %.1f), server p50 %.1f us\n",
+                     selector_name.c_str(), context, batch, rec["e2e_p50_us"].get<double>(),
+                     rec["e2e_p99_us"].get<double>(), rec["server_p50_us"].get<double>());
+        records.push_back(rec);
+      }
+      stream->WritesDone();
+      Check(stream->Finish(), "Decode");
+      v1::GetSessionRequest get;
+      get.set_session_id(ids[0]);
+      v1::SessionInfo info;
+      grpc::ClientContext get_ctx;
+      Check(stub->GetSession(&get_ctx, get, &info), "GetSession");
+      records.back()["session_gpu_bytes"] = info.gpu_bytes();
+      records.back()["session_host_bytes"] = info.host_bytes();
+      for (const std::string& id : ids) {
+        v1::CloseSessionRequest close;
+        close.set_session_id(id);
+        v1::CloseSessionResponse closed;
+        grpc::ClientContext close_ctx;
+        Check(stub->CloseSession(&close_ctx, close, &closed), "CloseSession");
+      }
+    }
+  }
+  json doc = {{"q_heads", g.q_heads}, {"kv_heads", g.kv_heads}, {"head_dim", g.head_dim},
+              {"dtype", "bf16"},      {"top_k", top_k},          {"records", records}};
+  const std::string text = doc.dump(1);
+  std::puts(text.c_str());
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) std::ofstream(out) << text;
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvrecall::bench
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("gpu_serving_bench --server=HOST:PORT: GPU layer-steps over gRPC");
+  absl::ParseCommandLine(argc, argv);
+  return kvrecall::bench::Main();
+}

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool) from the repository root, with binaries bundled here into
+# .device/lead/bundle (shipped compressed as .device/lead/ship/bundle.tar.xz) and the tinylm-a
+# model copied to .device/lead/model (tinylm-a.npz, tinylm_np.py):
+#   bench/placement_device_run.sh [tests] [sanitize] [replay] [serving] [kernels]
+# tests: the server's GPU tests (gpu_placement_test) and the seam's; sanitize: the same under
+# compute-sanitizer memcheck; replay: `kvrecall replay` of a real tinylm-a trace (made here with
+# numpy) through kvrecalld, CPU and GPU placements side by side, checked by
+# bench/placement_check.py; serving: bench/gpu_serving_bench against kvrecalld (SERVING_FLAGS
+# passes its flags) beside PyTorch SDPA / torch.topk and the kernels alone (kernels).
+# Outputs go to $OUT; logs to $OUT/placement_logs.tgz.
+set -uo pipefail
+lead=$PWD/.device/lead
+bundle=$lead/bundle
+if [ ! -d "$bundle/bin" ] && [ -f "$lead/ship/bundle.tar.xz" ]; then
+  tar -C "$lead" -xJf "$lead/ship/bundle.tar.xz"
+fi
+export LD_LIBRARY_PATH=$bundle/lib
+bin=$bundle/bin
+out=${OUT:-/tmp/out}
+logs=$(mktemp -d)/placement_logs
+mkdir -p "$out" "$logs"
+status=0
+. scripts/kvrecalld.sh
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+for step in "$@"; do
+  case $step in
+    tests)
+      for t in gpu_placement_test backend_seam_test; do
+        timeout 400 "$bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 || status=1
+        tail -n 30 "$logs/$t.log"
+      done ;;
+    sanitize)
+      timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$bin/gpu_placement_test" --gtest_brief=1 \
+        --gtest_filter="${SANITIZE_FILTER:-*BruteForce*:*Eight*:*BadInputs*:*ReTopK*}" \
+        > "$logs/memcheck.log" 2>&1
+      rc=$?; [ $rc -eq 0 ] || status=1
+      echo "memcheck gpu_placement_test (rc $rc): $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$logs/memcheck.log" | tr '\n' ' ')" ;;
+    replay)
+      trace=$(mktemp -d)/tinylm.safetensors
+      text=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+      /usr/bin/time -f "trace made in %e s" python3 "$lead/model/tinylm_np.py" trace \
+        --model "$lead/model/tinylm-a.npz" --text "$text" --ctx "${TRACE_CTX:-16384}" \
+        --decode "${TRACE_DECODE:-256}" --offset "${TRACE_OFFSET:-20000000}" --out "$trace" \
+        > "$logs/trace.log" 2>&1 || { status=1; tail "$logs/trace.log"; }
+      tail -n 2 "$logs/trace.log"
+      start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_replay.log" --address=127.0.0.1:0 || status=1
+      server=$kvrecalld_pid
+      : > "$out/placement_replay.jsonl"
+      for placement in cpu gpu; do
+        for run in "full" "exact_topk --k=512" "retopk --k=512" "retopk --k=512 --auto_tau" \
+                   "streaming --sinks=128 --recent=512"; do
+          set -- $run
+          policy=$1; shift
+          "$bin/kvrecall" replay --server="$kvrecalld_address" --trace="$trace" --json \
+            --placement=$placement --policy=$policy "$@" >> "$out/placement_replay.jsonl" \
+            2>> "$logs/replay.log" || { status=1; echo "replay $placement $run failed"; tail -n 3 "$logs/replay.log"; }
+        done
+      done
+      kill "$server"; wait "$server"
+      python3 bench/placement_check.py "$out/placement_replay.jsonl" \
+        --markdown "$out/placement_replay.md" || status=1 ;;
+    serving)
+      start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_serving.log" --address=127.0.0.1:0 || status=1
+      server=$kvrecalld_pid
+      "$bin/gpu_serving_bench" --server="$kvrecalld_address" --out="$out/gpu_serving.json" \
+        ${SERVING_FLAGS:-} > /dev/null 2> "$logs/serving.log" || status=1
+      tail -n 40 "$logs/serving.log"
+      kill "$server"; wait "$server" ;;
+    kernels)
+      "$bin/cuda_decode_bench" --out="$out/cuda_decode_own.json" ${KERNEL_FLAGS:-} \
+        > "$logs/kernels.log" 2>&1 || status=1
+      tail -n 12 "$logs/kernels.log"
+      PYTHONUNBUFFERED=1 python3 bench/cuda_torch_baseline.py --out="$out/cuda_decode_torch.json" \
+        ${TORCH_FLAGS:-} > "$logs/torch.log" 2>&1 || status=1
+      tail -n 12 "$logs/torch.log" ;;
+  esac
+done
+tar czf "$out/placement_logs.tgz" -C "$(dirname "$logs")" placement_logs
+exit $status

@@ -1,0 +1,1070 @@
+// The GPU-resident placement (PLACEMENT_GPU): every layer's whole KV on one CUDA device in the
+// session's dtype, attended by the kernels of kernels/cuda — full attention (split-K), streaming
+// (sinks + recent as a ring view of the history), exact top-K (full key scan + selection), and
+// ReTopK with its query-support caches on the device. One GpuBackend per device; each Decode
+// stream has its own CUDA stream, pinned buffers and workspaces (GpuStepContext), and a step of a
+// batch costs one upload, the kernels and one download, for all sequences that share a kernel
+// configuration.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "index/basic_selectors.h"
+#include "index/retopk.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/decode_types.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/exact_topk.h"
+#include "kernels/cuda/kv_write.h"
+#include "kernels/cuda/partial_attention.h"
+#include "kernels/cuda/retopk.h"
+#include "kernels/cuda/topk_workspace.h"
+#include "server/backends/placements.h"
+#include "server/kv_store.h"
+
+namespace kvrecall {
+namespace {
+
+using cuda::CudaStatus;
+using cuda::DecodeShape;
+using cuda::DeviceBuffer;
+using cuda::DeviceSeq;
+using cuda::KvDtype;
+
+// Split-K partial states the full and streaming paths may use per row (flash-decoding):
+// enough for a 1M-token history to spread over every multiprocessor.
+constexpr int kMaxSplits = 512;
+
+// Makes `ordinal` the calling thread's current device for the scope (every entry point of the
+// backend runs on whichever thread gRPC gives it).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int ordinal) { status_ = CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"); }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+KvDtype KvDtypeOf(v1::DType dtype) {
+  return dtype == v1::DTYPE_F16 ? KvDtype::kF16 : KvDtype::kBf16;
+}
+
+int64_t RowElems(const LayerConfig& config) {
+  return int64_t{config.shape.kv_heads} * config.shape.head_dim;
+}
+
+DecodeShape ShapeOf(const LayerConfig& config, int batch) {
+  return DecodeShape{batch,
+                     config.shape.q_heads,
+                     config.shape.kv_heads,
+                     config.shape.head_dim,
+                     KvDtypeOf(config.dtype),
+                     config.shape.scale};
+}
+
+// Device bytes of the KV of `tokens` tokens: keys and values, 2 bytes an element.
+int64_t KvBytes(const LayerConfig& config, int64_t tokens) {
+  return 2 * tokens * RowElems(config) * 2;
+}
+
+// Pinned host memory, for the asynchronous copies of prompts and steps.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { Free(); }
+
+  // At least `bytes`, the content not kept; charged to `account` (may be null).
+  absl::Status Ensure(size_t bytes, MemoryAccount* account, absl::string_view what) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    Free();
+    const size_t grown = std::max(bytes, bytes_ + bytes_ / 2);
+    if (account != nullptr) {
+      if (absl::Status s = account->Reserve(static_cast<int64_t>(grown), what); !s.ok()) return s;
+    }
+    void* ptr = nullptr;
+    absl::Status s = CudaStatus(cudaHostAlloc(&ptr, grown, cudaHostAllocDefault),
+                                absl::StrCat("allocating ", grown, " pinned bytes for ", what));
+    if (!s.ok()) {
+      if (account != nullptr) account->Release(static_cast<int64_t>(grown));
+      return s;
+    }
+    data_ = static_cast<std::byte*>(ptr);
+    bytes_ = grown;
+    account_ = account;
+    return absl::OkStatus();
+  }
+  std::byte* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void Free() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    if (account_ != nullptr) account_->Release(static_cast<int64_t>(bytes_));
+    data_ = nullptr;
+    bytes_ = 0;
+    account_ = nullptr;
+  }
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+  MemoryAccount* account_ = nullptr;
+};
+
+// Device memory charged to a MemoryAccount for as long as it lives.
+template <typename T>
+class ChargedBuffer {
+ public:
+  ChargedBuffer() = default;
+  ChargedBuffer(ChargedBuffer&& other) noexcept { *this = std::move(other); }
+  ChargedBuffer& operator=(ChargedBuffer&& other) noexcept {
+    if (this != &other) {
+      Free();
+      buffer_ = std::move(other.buffer_);
+      account_ = std::exchange(other.account_, nullptr);
+    }
+    return *this;
+  }
+  ~ChargedBuffer() { Free(); }
+
+  // `count` zeroed elements, the previous content freed; RESOURCE_EXHAUSTED naming `what`.
+  absl::Status Allocate(size_t count, MemoryAccount* account, absl::string_view what) {
+    Free();
+    const int64_t bytes = static_cast<int64_t>(count * sizeof(T));
+    if (absl::Status s = account->Reserve(bytes, what); !s.ok()) return s;
+    absl::StatusOr<DeviceBuffer<T>> fresh = DeviceBuffer<T>::Zeroed(count);
+    if (!fresh.ok()) {
+      account->Release(bytes);
+      return fresh.status();
+    }
+    buffer_ = *std::move(fresh);
+    account_ = account;
+    return absl::OkStatus();
+  }
+  void Free() {
+    if (account_ != nullptr) account_->Release(static_cast<int64_t>(buffer_.bytes()));
+    buffer_ = DeviceBuffer<T>();
+    account_ = nullptr;
+  }
+  T* data() const { return buffer_.data(); }
+  size_t size() const { return buffer_.size(); }
+  size_t bytes() const { return buffer_.bytes(); }
+
+ private:
+  DeviceBuffer<T> buffer_;
+  MemoryAccount* account_ = nullptr;
+};
+
+// One layer's keys and values on the device, [capacity, kv_heads, head_dim] each in the KV
+// dtype, growing geometrically; appends are two-phase as in BudgetedRows.
+class DeviceKv {
+ public:
+  DeviceKv(const LayerConfig& config, MemoryAccount* account)
+      : row_elems_(RowElems(config)), account_(account) {}
+
+  // Room for `more` tokens beyond the committed ones: half again the capacity or, when the
+  // budget cannot afford that, exactly what is needed. Growth copies the content on the
+  // device (synchronously: no kernel of this layer is in flight between steps).
+  // RESOURCE_EXHAUSTED naming `what` changes nothing.
+  absl::Status Reserve(int64_t more, absl::string_view what) {
+    const int64_t needed = tokens_ + more;
+    if (needed <= capacity_) return absl::OkStatus();
+    if (needed > int64_t{INT32_MAX}) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(what, ": a layer on the GPU holds at most 2^31 - 1 tokens"));
+    }
+    const int64_t grown = std::min<int64_t>(
+        INT32_MAX, std::max({needed, capacity_ + capacity_ / 2, int64_t{256}}));
+    absl::Status status;
+    for (const int64_t capacity : {grown, needed}) {
+      ChargedBuffer<uint16_t> keys, values;
+      status = keys.Allocate(capacity * row_elems_, account_, what);
+      if (status.ok()) status = values.Allocate(capacity * row_elems_, account_, what);
+      if (!status.ok()) continue;
+      const size_t used = static_cast<size_t>(tokens_) * row_elems_ * 2;
+      if (used > 0) {
+        status = CudaStatus(cudaMemcpy(keys.data(), keys_.data(), used, cudaMemcpyDeviceToDevice),
+                            "moving keys to a larger allocation");
+        if (status.ok()) {
+          status = CudaStatus(
+              cudaMemcpy(values.data(), values_.data(), used, cudaMemcpyDeviceToDevice),
+              "moving values to a larger allocation");
+        }
+        if (!status.ok()) return status;
+      }
+      keys_ = std::move(keys);
+      values_ = std::move(values);
+      capacity_ = capacity;
+      return absl::OkStatus();
+    }
+    return status;
+  }
+  void Commit(int64_t n) { tokens_ += n; }
+
+  uint16_t* key_row(int64_t t) const { return keys_.data() + t * row_elems_; }
+  uint16_t* value_row(int64_t t) const { return values_.data() + t * row_elems_; }
+  int64_t tokens() const { return tokens_; }
+  int64_t capacity() const { return capacity_; }
+  int64_t bytes() const { return static_cast<int64_t>(keys_.bytes() + values_.bytes()); }
+
+  // The committed history plus `extra` reserved tokens, as the kernels see it.
+  DeviceSeq Seq(int64_t extra = 0) const {
+    return DeviceSeq::Contiguous(keys_.data(), values_.data(),
+                                 static_cast<int32_t>(tokens_ + extra));
+  }
+
+ private:
+  const int64_t row_elems_;
+  MemoryAccount* const account_;
+  ChargedBuffer<uint16_t> keys_;
+  ChargedBuffer<uint16_t> values_;
+  int64_t tokens_ = 0;
+  int64_t capacity_ = 0;
+};
+
+// The kernels' view of a streaming support over contiguous KV: the first `sinks` tokens and the
+// last `recent`, as a DeviceSeq whose ring is the tail of the history.
+DeviceSeq StreamingSeq(const DeviceSeq& all, int sinks, int recent) {
+  const int32_t n = all.head_count;
+  if (n <= sinks + recent) return all;
+  return DeviceSeq{all.keys, all.values, sinks, n - recent, recent, 0, recent};
+}
+
+// Prompt queries a ReTopK layer keeps from its prompt: the last C seed its caches.
+int KeptQueries(const LayerConfig& config) {
+  return config.selector.kind == SelectorKind::kReTopK ? config.selector.retopk.cache_capacity : 0;
+}
+
+// A prompt on its way to the device: each chunk is decoded into pinned memory, then copied
+// asynchronously (while the stream receives the next chunk) and converted to the KV dtype on the
+// device. Host memory keeps only the last C queries (ReTopK's seeds) — and, under auto_tau, the
+// f32 prompt that the CPU calibration replays, freed when the layer is built.
+class GpuPromptStaging final : public PromptStaging {
+ public:
+  GpuPromptStaging(int ordinal, const LayerConfig& config, const SessionAccounts& accounts)
+      : ordinal_(ordinal),
+        config_(config),
+        accounts_(accounts),
+        kv_(config, accounts.device) {
+    if (config.selector.kind == SelectorKind::kReTopK && config.selector.retopk.auto_tau) {
+      host_prompt_ = std::make_unique<CalibrationPrompt>(config.shape, accounts.host);
+    }
+  }
+  ~GpuPromptStaging() override {
+    DeviceScope scope(ordinal_);
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+  }
+
+  absl::Status Start() {
+    DeviceScope scope(ordinal_);
+    if (!scope.status().ok()) return scope.status();
+    return CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                      "creating a prefill stream");
+  }
+
+  absl::Status Reserve(int64_t more, absl::string_view what) override {
+    DeviceScope scope(ordinal_);
+    // The pinned and device staging of the previous chunk are reused: its copies must be done.
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamSynchronize(stream_), "copying a prompt chunk to the GPU"));
+    const int64_t q_row = int64_t{config_.shape.q_heads} * config_.shape.head_dim;
+    const int64_t kv_row = RowElems(config_);
+    if (absl::Status s = kv_.Reserve(more, what); !s.ok()) return s;
+    if (absl::Status s = pinned_.Ensure(more * (q_row + 2 * kv_row) * sizeof(float), accounts_.host,
+                                        what);
+        !s.ok()) {
+      return s;
+    }
+    if (static_cast<int64_t>(staged_.size()) < 2 * more * kv_row) {
+      if (absl::Status s = staged_.Allocate(2 * more * kv_row, accounts_.device, what); !s.ok()) {
+        return s;
+      }
+    }
+    if (host_prompt_ != nullptr) {
+      if (absl::Status s = host_prompt_->Reserve(more, what); !s.ok()) return s;
+    }
+    reserved_ = more;
+    return absl::OkStatus();
+  }
+  float* query_tail() override { return reinterpret_cast<float*>(pinned_.data()); }
+  float* key_tail() override {
+    return query_tail() + reserved_ * config_.shape.q_heads * config_.shape.head_dim;
+  }
+  float* value_tail() override { return key_tail() + reserved_ * RowElems(config_); }
+
+  absl::Status Commit(int64_t n, bool with_queries) override {
+    DeviceScope scope(ordinal_);
+    const int64_t kv_row = RowElems(config_);
+    const int64_t q_row = int64_t{config_.shape.q_heads} * config_.shape.head_dim;
+    // Keys and values: one copy of both (adjacent in pinned memory), then the conversion.
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(staged_.data(), key_tail(), 2 * n * kv_row * sizeof(float),
+                        cudaMemcpyHostToDevice, stream_),
+        "copying a prompt chunk to the GPU"));
+    const KvDtype dtype = KvDtypeOf(config_.dtype);
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ConvertToKv(staged_.data(), n * kv_row, dtype,
+                                                    kv_.key_row(kv_.tokens()), stream_));
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ConvertToKv(
+        staged_.data() + n * kv_row, n * kv_row, dtype, kv_.value_row(kv_.tokens()), stream_));
+    // The last C queries, oldest first.
+    const int keep = KeptQueries(config_);
+    if (!with_queries) {
+      std::fill_n(query_tail(), n * q_row, 0.0f);
+      last_queries_.clear();  // the seeds must come after the last chunk without queries
+    } else if (keep > 0) {
+      const float* q = query_tail();
+      last_queries_.insert(last_queries_.end(), q + std::max<int64_t>(0, n - keep) * q_row,
+                           q + n * q_row);
+      const int64_t excess = static_cast<int64_t>(last_queries_.size()) - keep * q_row;
+      if (excess > 0) last_queries_.erase(last_queries_.begin(), last_queries_.begin() + excess);
+    }
+    if (host_prompt_ != nullptr) host_prompt_->Append(query_tail(), key_tail(), n, q_row, kv_row);
+    kv_.Commit(n);
+    reserved_ = 0;
+    return absl::OkStatus();
+  }
+  int64_t tokens() const override { return kv_.tokens(); }
+
+  // What BuildLayer takes over.
+  DeviceKv& kv() { return kv_; }
+  cudaStream_t stream() const { return stream_; }
+  const std::vector<float>& last_queries() const { return last_queries_; }
+  // The f32 prompt keys and queries (auto_tau only; null otherwise).
+  struct CalibrationPrompt {
+    CalibrationPrompt(const LayerShape& shape, MemoryAccount* host)
+        : keys(int64_t{shape.kv_heads} * shape.head_dim, host),
+          queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
+    absl::Status Reserve(int64_t more, absl::string_view what) {
+      if (absl::Status s = keys.Reserve(more, what); !s.ok()) return s;
+      return queries.Reserve(more, what);
+    }
+    void Append(const float* q, const float* k, int64_t n, int64_t q_row, int64_t kv_row) {
+      std::memcpy(queries.tail(), q, n * q_row * sizeof(float));
+      std::memcpy(keys.tail(), k, n * kv_row * sizeof(float));
+      queries.Commit(n);
+      keys.Commit(n);
+    }
+    BudgetedRows keys;
+    BudgetedRows queries;
+  };
+  const CalibrationPrompt* host_prompt() const { return host_prompt_.get(); }
+
+ private:
+  const int ordinal_;
+  const LayerConfig config_;
+  const SessionAccounts accounts_;
+  cudaStream_t stream_ = nullptr;
+  DeviceKv kv_;
+  PinnedBuffer pinned_;                 // [reserved] q, then k, then v, f32
+  ChargedBuffer<float> staged_;         // [reserved] k then v, f32, on the device
+  int64_t reserved_ = 0;
+  std::vector<float> last_queries_;     // [<= C, q_heads, head_dim]
+  std::unique_ptr<CalibrationPrompt> host_prompt_;
+};
+
+// One layer of a GPU-resident session.
+class GpuLayer final : public LayerBackend {
+ public:
+  // `caches` (ReTopK only) are charged to `device` already; the layer gives them back.
+  GpuLayer(int ordinal, const LayerConfig& config, MemoryAccount* device, DeviceKv kv,
+           std::unique_ptr<cuda::ReTopKCaches> caches)
+      : ordinal_(ordinal),
+        config_(config),
+        device_(device),
+        kv_(std::move(kv)),
+        caches_(std::move(caches)) {}
+  ~GpuLayer() override {
+    DeviceScope scope(ordinal_);
+    if (caches_ != nullptr) device_->Release(caches_->device_bytes());
+    caches_.reset();
+  }
+
+  int64_t tokens() const override { return kv_.tokens(); }
+  absl::Status ReserveToken() override {
+    DeviceScope scope(ordinal_);
+    return kv_.Reserve(1, "the new token");
+  }
+  LayerMemory memory() const override {
+    const int64_t caches = caches_ != nullptr ? caches_->device_bytes() : 0;
+    return LayerMemory{0, kv_.bytes() + caches, caches};
+  }
+
+  const LayerConfig& config() const { return config_; }
+  DeviceKv& kv() { return kv_; }
+  const DeviceKv& kv() const { return kv_; }
+  cuda::ReTopKCaches* caches() const { return caches_.get(); }
+
+ private:
+  const int ordinal_;
+  const LayerConfig config_;
+  MemoryAccount* const device_;
+  DeviceKv kv_;
+  std::unique_ptr<cuda::ReTopKCaches> caches_;  // ReTopK only
+};
+
+// Whether two layers can step in one launch sequence: the same kernels with the same knobs.
+bool SameKernels(const LayerConfig& a, const LayerConfig& b) {
+  const SelectorParams& x = a.selector;
+  const SelectorParams& y = b.selector;
+  if (a.shape.q_heads != b.shape.q_heads || a.shape.kv_heads != b.shape.kv_heads ||
+      a.shape.head_dim != b.shape.head_dim || a.shape.scale != b.shape.scale ||
+      a.dtype != b.dtype || x.kind != y.kind) {
+    return false;
+  }
+  switch (x.kind) {
+    case SelectorKind::kExactTopK:
+      return x.top_k == y.top_k;
+    case SelectorKind::kStreaming:
+      return x.sinks == y.sinks && x.recent == y.recent;
+    case SelectorKind::kReTopK:
+      return x.top_k == y.top_k && x.retopk.cache_capacity == y.retopk.cache_capacity &&
+             x.retopk.reuse_neighbors == y.retopk.reuse_neighbors &&
+             x.retopk.recent_window == y.retopk.recent_window &&
+             x.retopk.refresh_interval == y.retopk.refresh_interval;
+    default:
+      return true;
+  }
+}
+
+// A Decode stream's resources on one device. Buffers grow to the largest batch and history the
+// stream has seen and are charged to the device's budget while the stream lives.
+class GpuStepContext final : public StepContext {
+ public:
+  GpuStepContext(int ordinal, MemoryBudget* budget) : ordinal_(ordinal), budget_(budget) {}
+  ~GpuStepContext() override {
+    DeviceScope scope(ordinal_);
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+    attention_ws_.reset();
+    topk_ws_.reset();
+    retopk_ws_.reset();
+    budget_->Release(workspace_bytes_);
+  }
+
+  absl::Status Start() {
+    if (stream_ != nullptr) return absl::OkStatus();
+    return CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                      "creating a decode stream");
+  }
+  cudaStream_t stream() const { return stream_; }
+
+  // Room for `bytes` of step input and output on both sides.
+  absl::Status EnsureIo(size_t in_bytes, size_t out_bytes) {
+    if (absl::Status s = pinned_in_.Ensure(in_bytes, nullptr, "step input"); !s.ok()) return s;
+    if (absl::Status s = pinned_out_.Ensure(out_bytes, nullptr, "step output"); !s.ok()) return s;
+    if (device_in_.bytes() < in_bytes) {
+      if (absl::Status s = device_in_.Allocate(pinned_in_.bytes(), budget_, "a step's input");
+          !s.ok()) {
+        return s;
+      }
+    }
+    if (device_out_.bytes() < out_bytes) {
+      if (absl::Status s = device_out_.Allocate(pinned_out_.bytes(), budget_, "a step's output");
+          !s.ok()) {
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+  std::byte* pinned_in() const { return pinned_in_.data(); }
+  std::byte* pinned_out() const { return pinned_out_.data(); }
+  std::byte* device_in() const { return device_in_.data(); }
+  std::byte* device_out() const { return device_out_.data(); }
+
+  absl::StatusOr<cuda::AttentionWorkspace*> AttentionWs(int rows) {
+    if (attention_ws_ == nullptr || attention_ws_->max_rows() < rows) {
+      const int64_t bytes = cuda::AttentionWorkspace::DeviceBytesFor(rows, kMaxSplits);
+      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&attention_bytes_, bytes, "a decode workspace"));
+      attention_ws_.reset();
+      absl::StatusOr<std::unique_ptr<cuda::AttentionWorkspace>> ws =
+          cuda::AttentionWorkspace::Create(rows, kMaxSplits);
+      if (!ws.ok()) return ws.status();
+      attention_ws_ = *std::move(ws);
+    }
+    return attention_ws_.get();
+  }
+  absl::StatusOr<cuda::TopKWorkspace*> TopKWs(int rows, int64_t tokens) {
+    if (topk_ws_ == nullptr || topk_ws_->max_rows() < rows || topk_ws_->max_tokens() < tokens) {
+      // Grown with slack in the history so that a growing session does not re-create it often.
+      const int64_t want_tokens =
+          std::min<int64_t>(INT32_MAX / 2, std::max<int64_t>(tokens, tokens + tokens / 4));
+      const int want_rows = std::max(rows, topk_ws_ != nullptr ? topk_ws_->max_rows() : 0);
+      const int64_t bytes =
+          cuda::TopKWorkspace::DeviceBytesFor(want_rows, static_cast<int>(want_tokens));
+      topk_ws_.reset();
+      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&topk_bytes_, bytes, "a top-K workspace"));
+      absl::StatusOr<std::unique_ptr<cuda::TopKWorkspace>> ws =
+          cuda::TopKWorkspace::Create(want_rows, static_cast<int>(want_tokens));
+      if (!ws.ok()) return ws.status();
+      topk_ws_ = *std::move(ws);
+    }
+    return topk_ws_.get();
+  }
+  absl::StatusOr<cuda::ReTopKWorkspace*> ReTopKWs(const LayerConfig& config, int batch,
+                                                  int64_t tokens) {
+    const SelectorParams& p = config.selector;
+    if (retopk_ws_ == nullptr || retopk_ws_->max_batch() < batch ||
+        retopk_ws_->max_tokens() < tokens || !SameKernels(retopk_config_, config)) {
+      const int64_t want_tokens =
+          std::min<int64_t>(INT32_MAX / 2, std::max<int64_t>(tokens, tokens + tokens / 4));
+      const int want_batch =
+          std::max(batch, retopk_ws_ != nullptr && SameKernels(retopk_config_, config)
+                              ? retopk_ws_->max_batch()
+                              : 0);
+      const DecodeShape shape = ShapeOf(config, want_batch);
+      retopk_ws_.reset();
+      const int64_t bytes = cuda::ReTopKWorkspace::DeviceBytesFor(shape, p.top_k, p.retopk,
+                                                                  static_cast<int>(want_tokens));
+      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&retopk_bytes_, bytes, "a ReTopK workspace"));
+      absl::StatusOr<std::unique_ptr<cuda::ReTopKWorkspace>> ws = cuda::ReTopKWorkspace::Create(
+          shape, p.top_k, p.retopk, static_cast<int>(want_tokens));
+      if (!ws.ok()) return ws.status();
+      retopk_ws_ = *std::move(ws);
+      retopk_config_ = config;
+    }
+    return retopk_ws_.get();
+  }
+
+ private:
+  // Moves the charge *held from its old value to `bytes` (RESOURCE_EXHAUSTED: nothing changed).
+  absl::Status Recharge(int64_t* held, int64_t bytes, absl::string_view what) {
+    if (bytes > *held) {
+      if (absl::Status s = budget_->Reserve(bytes - *held, what); !s.ok()) return s;
+    } else {
+      budget_->Release(*held - bytes);
+    }
+    workspace_bytes_ += bytes - *held;
+    *held = bytes;
+    return absl::OkStatus();
+  }
+
+  const int ordinal_;
+  MemoryBudget* const budget_;
+  cudaStream_t stream_ = nullptr;
+  PinnedBuffer pinned_in_;
+  PinnedBuffer pinned_out_;
+  ChargedBuffer<std::byte> device_in_;
+  ChargedBuffer<std::byte> device_out_;
+  std::unique_ptr<cuda::AttentionWorkspace> attention_ws_;
+  std::unique_ptr<cuda::TopKWorkspace> topk_ws_;
+  std::unique_ptr<cuda::ReTopKWorkspace> retopk_ws_;
+  LayerConfig retopk_config_;
+  int64_t attention_bytes_ = 0, topk_bytes_ = 0, retopk_bytes_ = 0;
+  int64_t workspace_bytes_ = 0;  // the sum of the three, charged to budget_
+};
+
+// Carves aligned arrays out of one contiguous buffer (the packed input or output of a step), so
+// that one copy moves them all.
+class Carver {
+ public:
+  explicit Carver(std::byte* base) : base_(base) {}
+  template <typename T>
+  size_t Take(size_t count) {
+    offset_ = (offset_ + 15) / 16 * 16;
+    const size_t at = offset_;
+    offset_ += count * sizeof(T);
+    return at;
+  }
+  size_t size() const { return offset_; }
+  template <typename T>
+  T* At(std::byte* base, size_t offset) const {
+    return reinterpret_cast<T*>(base + offset);
+  }
+
+ private:
+  std::byte* base_;
+  size_t offset_ = 0;
+};
+
+class GpuBackend final : public AttentionBackend {
+ public:
+  GpuBackend(int ordinal, int64_t budget_bytes)
+      : ordinal_(ordinal),
+        device_(absl::StrCat("cuda:", ordinal)),
+        budget_(budget_bytes, absl::StrCat("GPU ", ordinal, " memory"), "gpu_memory_budget_gb") {}
+
+  v1::Placement placement() const override { return v1::PLACEMENT_GPU; }
+  const std::string& device() const override { return device_; }
+  MemoryBudget* device_budget() const override { return &budget_; }
+
+  absl::Status CheckConfig(const LayerConfig& config) const override;
+  int64_t DeviceBytesFor(const LayerConfig& config, int64_t tokens) const override {
+    int64_t bytes = KvBytes(config, tokens);
+    if (config.selector.kind == SelectorKind::kReTopK) {
+      bytes += cuda::ReTopKCaches::DeviceBytesFor(config.shape.q_heads, config.shape.head_dim,
+                                                  config.selector.top_k, config.selector.retopk);
+    }
+    return bytes;
+  }
+  absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
+      const LayerConfig& config, const SessionAccounts& accounts) override {
+    auto staging = std::make_unique<GpuPromptStaging>(ordinal_, config, accounts);
+    if (absl::Status s = staging->Start(); !s.ok()) return s;
+    return staging;
+  }
+  absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
+      const LayerConfig& config, const SessionAccounts& accounts,
+      std::unique_ptr<PromptStaging> prompt) override;
+  std::unique_ptr<StepContext> NewStepContext() override {
+    return std::make_unique<GpuStepContext>(ordinal_, &budget_);
+  }
+  absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
+  absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
+
+ private:
+  // One launch sequence for `steps`, which share SameKernels.
+  absl::Status StepBatch(std::span<LayerStep> steps, GpuStepContext& ctx);
+
+  const int ordinal_;
+  const std::string device_;
+  mutable MemoryBudget budget_;
+};
+
+absl::Status GpuBackend::CheckConfig(const LayerConfig& config) const {
+  if (config.dtype != v1::DTYPE_BF16 && config.dtype != v1::DTYPE_F16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.dtype ", v1::DType_Name(config.dtype),
+        " is not served by PLACEMENT_GPU, which keeps the KV in the model's dtype: use "
+        "DTYPE_BF16 or DTYPE_F16 (or PLACEMENT_CPU for f32)"));
+  }
+  if (config.shape.head_dim != 64 && config.shape.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.head_dim ", config.shape.head_dim,
+                     " is not served by PLACEMENT_GPU: its kernels serve 64 and 128"));
+  }
+  const SelectorParams& p = config.selector;
+  if (p.kind == SelectorKind::kIndex) {
+    return absl::InvalidArgumentError(
+        "policy.selector SELECTOR_INDEX is not served by PLACEMENT_GPU: the graph index searches "
+        "host memory, so it belongs to PLACEMENT_TIERED; PLACEMENT_GPU serves full, exact_topk, "
+        "streaming and retopk");
+  }
+  if (p.kind == SelectorKind::kReTopK) {
+    const DecodeShape shape = ShapeOf(config, 1);
+    if (absl::Status s = cuda::ReTopKCaches::CheckParams(shape, p.top_k, p.retopk); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("policy.retopk is not served by PLACEMENT_GPU: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LayerBackend>> GpuBackend::BuildLayer(
+    const LayerConfig& config, const SessionAccounts& accounts,
+    std::unique_ptr<PromptStaging> prompt) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  auto& staged = static_cast<GpuPromptStaging&>(*prompt);
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(staged.stream()), "copying the prompt to the GPU"));
+  DeviceKv& kv = staged.kv();
+  const int64_t tokens = kv.tokens();
+  if (tokens > INT32_MAX - 1) {
+    return absl::InvalidArgumentError("a prompt on the GPU holds at most 2^31 - 2 tokens");
+  }
+  std::unique_ptr<cuda::ReTopKCaches> caches;
+  if (config.selector.kind == SelectorKind::kReTopK) {
+    const SelectorParams& p = config.selector;
+    // auto_tau: the CPU calibration of index/retopk.h on the host copy of the prompt, so that
+    // both placements choose the same tau per head.
+    std::vector<float> taus;
+    if (const auto* host = staged.host_prompt(); host != nullptr) {
+      ReTopKSelector calibration(config.shape, p.top_k, p.retopk);
+      const KvView view{host->keys.data(), nullptr, host->keys.rows(), config.shape.kv_heads,
+                        config.shape.head_dim};
+      if (absl::Status s = calibration.Build(view, host->queries.data()); !s.ok()) return s;
+      for (int h = 0; h < config.shape.q_heads; ++h) taus.push_back(calibration.head(h).tau());
+    }
+    const int64_t caches_bytes = cuda::ReTopKCaches::DeviceBytesFor(
+        config.shape.q_heads, config.shape.head_dim, p.top_k, p.retopk);
+    if (absl::Status s = accounts.device->Reserve(caches_bytes, "the ReTopK caches"); !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<std::unique_ptr<cuda::ReTopKCaches>> made =
+        cuda::ReTopKCaches::Create(config.shape.q_heads, config.shape.head_dim, p.top_k, p.retopk);
+    if (!made.ok()) {
+      accounts.device->Release(caches_bytes);
+      return made.status();
+    }
+    caches = *std::move(made);
+    const int count = static_cast<int>(
+        staged.last_queries().size() / (config.shape.q_heads * config.shape.head_dim));
+    ChargedBuffer<float> queries;
+    absl::Status seeded = queries.Allocate(std::max<size_t>(1, staged.last_queries().size()),
+                                           accounts.device, "the ReTopK seeds");
+    if (seeded.ok()) {
+      seeded = CudaStatus(cudaMemcpy(queries.data(), staged.last_queries().data(),
+                                     staged.last_queries().size() * sizeof(float),
+                                     cudaMemcpyHostToDevice),
+                          "uploading the ReTopK seeds");
+    }
+    std::unique_ptr<cuda::ReTopKWorkspace> ws;
+    if (seeded.ok()) {
+      // Seeding scans the prompt once per seed: its own workspace, freed right after.
+      const DecodeShape shape = ShapeOf(config, 1);
+      const int64_t bytes = cuda::ReTopKWorkspace::DeviceBytesFor(
+          shape, p.top_k, p.retopk, static_cast<int>(std::max<int64_t>(1, tokens)));
+      seeded = accounts.device->Reserve(bytes, "seeding the ReTopK caches");
+      if (seeded.ok()) {
+        absl::StatusOr<std::unique_ptr<cuda::ReTopKWorkspace>> made_ws =
+            cuda::ReTopKWorkspace::Create(shape, p.top_k, p.retopk,
+                                          static_cast<int>(std::max<int64_t>(1, tokens)));
+        seeded = made_ws.status();
+        if (made_ws.ok()) {
+          seeded = cuda::SeedReTopKCaches(shape, p.top_k, p.retopk, kv.Seq(), queries.data(),
+                                          count, taus, made_ws->get(), caches.get(),
+                                          staged.stream());
+        }
+        accounts.device->Release(bytes);
+      }
+    }
+    if (!seeded.ok()) {
+      accounts.device->Release(caches_bytes);
+      return seeded;
+    }
+  }
+  auto layer =
+      std::make_unique<GpuLayer>(ordinal_, config, accounts.device, std::move(kv), std::move(caches));
+  // An announced length is reserved now, so that decoding up to it never reallocates.
+  if (config.expected_tokens > tokens) {
+    if (absl::Status s =
+            layer->kv().Reserve(config.expected_tokens - tokens, "the announced max_tokens");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return layer;
+}
+
+absl::Status GpuBackend::Step(std::span<LayerStep> steps, StepContext* context) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  auto& ctx = static_cast<GpuStepContext&>(*context);
+  if (absl::Status s = ctx.Start(); !s.ok()) return s;
+  // Runs of steps that share kernels and knobs step together (usually the whole request).
+  std::vector<LayerStep> pending(steps.begin(), steps.end());
+  while (!pending.empty()) {
+    const LayerConfig& first = static_cast<GpuLayer*>(pending.front().layer)->config();
+    std::vector<LayerStep> batch, rest;
+    for (const LayerStep& step : pending) {
+      (SameKernels(static_cast<GpuLayer*>(step.layer)->config(), first) ? batch : rest)
+          .push_back(step);
+    }
+    if (absl::Status s = StepBatch(batch, ctx); !s.ok()) return s;
+    pending = std::move(rest);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& ctx) {
+  const LayerConfig& config = static_cast<GpuLayer*>(steps.front().layer)->config();
+  const SelectorParams& p = config.selector;
+  const int batch = static_cast<int>(steps.size());
+  const int q_heads = config.shape.q_heads;
+  const int d = config.shape.head_dim;
+  const int rows = batch * q_heads;
+  const int64_t kv_row = RowElems(config);
+  const DecodeShape shape = ShapeOf(config, batch);
+  int64_t max_tokens = 1;
+  for (const LayerStep& step : steps) {
+    max_tokens = std::max(max_tokens, static_cast<GpuLayer*>(step.layer)->kv().tokens() + 1);
+  }
+  const bool want_supports = steps.front().supports != nullptr;
+  const bool topk = p.kind == SelectorKind::kExactTopK;
+  const bool retopk = p.kind == SelectorKind::kReTopK;
+
+  // Workspaces first: a refusal here changes nothing.
+  cuda::AttentionWorkspace* attention_ws = nullptr;
+  cuda::TopKWorkspace* topk_ws = nullptr;
+  cuda::ReTopKWorkspace* retopk_ws = nullptr;
+  if (p.kind == SelectorKind::kFull || p.kind == SelectorKind::kStreaming) {
+    absl::StatusOr<cuda::AttentionWorkspace*> ws = ctx.AttentionWs(rows);
+    if (!ws.ok()) return ws.status();
+    attention_ws = *ws;
+  } else if (topk) {
+    absl::StatusOr<cuda::TopKWorkspace*> ws = ctx.TopKWs(rows, max_tokens);
+    if (!ws.ok()) return ws.status();
+    topk_ws = *ws;
+  } else {
+    absl::StatusOr<cuda::ReTopKWorkspace*> ws = ctx.ReTopKWs(config, batch, max_tokens);
+    if (!ws.ok()) return ws.status();
+    retopk_ws = *ws;
+  }
+
+  // One packed upload: queries, new keys and values, and the per-sequence descriptors.
+  Carver in(nullptr);
+  const size_t in_q = in.Take<float>(static_cast<size_t>(rows) * d);
+  const size_t in_k = in.Take<float>(batch * kv_row);
+  const size_t in_v = in.Take<float>(batch * kv_row);
+  const size_t in_seqs = in.Take<DeviceSeq>(batch);
+  const size_t in_rows = in.Take<cuda::TokenRows>(batch);
+  const size_t in_caches = in.Take<cuda::ReTopKCachesView>(retopk ? batch : 0);
+  // One packed download: outputs, and what the reports need.
+  Carver out(nullptr);
+  const size_t out_o = out.Take<float>(static_cast<size_t>(rows) * d);
+  const size_t out_lse = out.Take<float>(rows);
+  const size_t out_sizes = out.Take<int32_t>(topk ? rows : 0);
+  const size_t out_support = out.Take<int32_t>(topk ? static_cast<size_t>(rows) * p.top_k : 0);
+  if (absl::Status s = ctx.EnsureIo(in.size(), out.size()); !s.ok()) return s;
+  std::byte* host_in = ctx.pinned_in();
+  std::byte* dev_in = ctx.device_in();
+  std::byte* host_out = ctx.pinned_out();
+  std::byte* dev_out = ctx.device_out();
+  for (int b = 0; b < batch; ++b) {
+    const LayerStep& step = steps[b];
+    GpuLayer& layer = *static_cast<GpuLayer*>(step.layer);
+    std::memcpy(in.At<float>(host_in, in_q) + static_cast<int64_t>(b) * q_heads * d, step.q,
+                static_cast<size_t>(q_heads) * d * sizeof(float));
+    std::memcpy(in.At<float>(host_in, in_k) + b * kv_row, step.k_new, kv_row * sizeof(float));
+    std::memcpy(in.At<float>(host_in, in_v) + b * kv_row, step.v_new, kv_row * sizeof(float));
+    const DeviceSeq all = layer.kv().Seq(/*extra=*/1);
+    in.At<DeviceSeq>(host_in, in_seqs)[b] =
+        p.kind == SelectorKind::kStreaming ? StreamingSeq(all, p.sinks, p.recent) : all;
+    const int64_t n = layer.kv().tokens();
+    in.At<cuda::TokenRows>(host_in, in_rows)[b] =
+        cuda::TokenRows{layer.kv().key_row(n), layer.kv().value_row(n)};
+    if (retopk) in.At<cuda::ReTopKCachesView>(host_in, in_caches)[b] = layer.caches()->view();
+  }
+  cudaStream_t stream = ctx.stream();
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(dev_in, host_in, in.size(), cudaMemcpyHostToDevice, stream),
+      "uploading a decode step"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
+      batch, static_cast<int>(kv_row), shape.dtype, in.At<cuda::TokenRows>(dev_in, in_rows),
+      in.At<float>(dev_in, in_k), in.At<float>(dev_in, in_v), stream));
+  const DeviceSeq* seqs = in.At<DeviceSeq>(dev_in, in_seqs);
+  const float* q = in.At<float>(dev_in, in_q);
+  float* o = out.At<float>(dev_out, out_o);
+  float* lse = out.At<float>(dev_out, out_lse);
+  const int max_n = static_cast<int>(max_tokens);
+  if (attention_ws != nullptr) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        cuda::PartialAttentionOverSeqs(shape, seqs, q, max_n, attention_ws, o, lse, stream));
+  } else if (topk) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ExactTopKAttention(
+        shape, seqs, q, max_n, p.top_k, nullptr, topk_ws, out.At<int32_t>(dev_out, out_support),
+        out.At<int32_t>(dev_out, out_sizes), o, lse, stream));
+  } else {
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ReTopKStep(
+        shape, p.top_k, p.retopk, seqs, in.At<cuda::ReTopKCachesView>(dev_in, in_caches), q, max_n,
+        retopk_ws, o, lse, stream));
+  }
+  // Supports cross PCIe only when compare_exact asked for them.
+  const size_t out_bytes = want_supports || !topk ? out.size() : out_support;
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(host_out, dev_out, out_bytes, cudaMemcpyDeviceToHost, stream),
+      "downloading a decode step"));
+  std::vector<uint8_t> paths;
+  std::vector<int32_t> candidates, sizes, supports;
+  std::vector<float> best;
+  if (retopk) {
+    paths.resize(rows);
+    candidates.resize(rows);
+    sizes.resize(rows);
+    best.resize(rows);
+    auto down = [&](void* dst, const void* src, size_t bytes) {
+      return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream),
+                        "downloading ReTopK's reports");
+    };
+    KVRECALL_CUDA_RETURN_IF_ERROR(down(paths.data(), retopk_ws->paths(), rows));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        down(candidates.data(), retopk_ws->candidates(), rows * sizeof(int32_t)));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        down(sizes.data(), retopk_ws->support_sizes(), rows * sizeof(int32_t)));
+    KVRECALL_CUDA_RETURN_IF_ERROR(down(best.data(), retopk_ws->best_cosines(), rows * sizeof(float)));
+    if (want_supports) {
+      supports.resize(static_cast<size_t>(rows) * p.top_k);
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          down(supports.data(), retopk_ws->supports(), supports.size() * sizeof(int32_t)));
+    }
+  }
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(stream), "running a decode step on the GPU"));
+  // Device-side precondition violations would be this code's bug: every input was validated.
+  const cuda::KernelErrors& errors = attention_ws != nullptr ? attention_ws->errors()
+                                     : topk                  ? topk_ws->errors()
+                                                             : retopk_ws->errors();
+  if (absl::Status s = errors.CheckAndClear(stream); !s.ok()) {
+    return absl::InternalError(absl::StrCat("a decode step's kernels reported: ", s.message()));
+  }
+
+  const float* host_o = out.At<float>(host_out, out_o);
+  const float* host_lse = out.At<float>(host_out, out_lse);
+  for (int b = 0; b < batch; ++b) {
+    const LayerStep& step = steps[b];
+    GpuLayer& layer = *static_cast<GpuLayer*>(step.layer);
+    layer.kv().Commit(1);
+    const int64_t n = layer.kv().tokens();
+    std::memcpy(step.o, host_o + static_cast<int64_t>(b) * q_heads * d,
+                static_cast<size_t>(q_heads) * d * sizeof(float));
+    std::memcpy(step.lse, host_lse + b * q_heads, q_heads * sizeof(float));
+    for (int h = 0; h < q_heads; ++h) {
+      const int r = b * q_heads + h;
+      HeadReport& report = step.heads[h];
+      std::vector<int32_t>* support = step.supports != nullptr ? &step.supports[h] : nullptr;
+      if (support != nullptr) support->clear();
+      switch (p.kind) {
+        case SelectorKind::kFull:
+          report = HeadReport{SelectionPath::kExact, static_cast<int32_t>(n),
+                              static_cast<int32_t>(n), 0.0f};
+          if (support != nullptr) {
+            support->resize(n);
+            std::iota(support->begin(), support->end(), 0);
+          }
+          break;
+        case SelectorKind::kStreaming: {
+          const int64_t size = std::min<int64_t>(n, int64_t{p.sinks} + p.recent);
+          report = HeadReport{SelectionPath::kExact, 0, static_cast<int32_t>(size), 0.0f};
+          if (support != nullptr) AppendStaticSet(n, p.sinks, p.recent, support);
+          break;
+        }
+        case SelectorKind::kExactTopK: {
+          const int32_t size = out.At<int32_t>(host_out, out_sizes)[r];
+          report = HeadReport{SelectionPath::kExact, static_cast<int32_t>(n), size, 0.0f};
+          if (support != nullptr) {
+            const int32_t* ids = out.At<int32_t>(host_out, out_support) + int64_t{r} * p.top_k;
+            support->assign(ids, ids + size);
+          }
+          break;
+        }
+        default:  // ReTopK
+          report = HeadReport{static_cast<SelectionPath>(paths[r]), candidates[r], sizes[r],
+                              best[r]};
+          if (support != nullptr) {
+            const int32_t* ids = supports.data() + int64_t{r} * p.top_k;
+            support->assign(ids, ids + sizes[r]);
+          }
+          break;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status GpuBackend::Shadow(std::span<ShadowStep> steps, StepContext* context) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  auto& ctx = static_cast<GpuStepContext&>(*context);
+  if (absl::Status s = ctx.Start(); !s.ok()) return s;
+  cudaStream_t stream = ctx.stream();
+  // One sequence at a time: the shadow is a diagnostic, and sequences may differ in shape.
+  for (const ShadowStep& step : steps) {
+    const GpuLayer& layer = *static_cast<const GpuLayer*>(step.layer);
+    const LayerConfig& config = layer.config();
+    const int q_heads = config.shape.q_heads;
+    const int d = config.shape.head_dim;
+    const int64_t n = layer.kv().tokens();
+    const DecodeShape shape = ShapeOf(config, 1);
+    absl::StatusOr<cuda::AttentionWorkspace*> attention_ws = ctx.AttentionWs(q_heads);
+    if (!attention_ws.ok()) return attention_ws.status();
+    absl::StatusOr<cuda::TopKWorkspace*> topk_ws = ctx.TopKWs(q_heads, n);
+    if (!topk_ws.ok()) return topk_ws.status();
+    Carver in(nullptr);
+    const size_t in_q = in.Take<float>(static_cast<size_t>(q_heads) * d);
+    const size_t in_seq = in.Take<DeviceSeq>(1);
+    Carver out(nullptr);
+    const size_t out_o = out.Take<float>(static_cast<size_t>(q_heads) * d);
+    const size_t out_lse = out.Take<float>(q_heads);
+    const size_t out_sizes = out.Take<int32_t>(q_heads);
+    const size_t out_support = out.Take<int32_t>(static_cast<size_t>(q_heads) * step.top_k);
+    const size_t out_topk_o = out.Take<float>(static_cast<size_t>(q_heads) * d);
+    const size_t out_topk_lse = out.Take<float>(q_heads);
+    if (absl::Status s = ctx.EnsureIo(in.size(), out.size()); !s.ok()) return s;
+    std::memcpy(in.At<float>(ctx.pinned_in(), in_q), step.q,
+                static_cast<size_t>(q_heads) * d * sizeof(float));
+    in.At<DeviceSeq>(ctx.pinned_in(), in_seq)[0] = layer.kv().Seq();
+    std::byte* dev_in = ctx.device_in();
+    std::byte* dev_out = ctx.device_out();
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(dev_in, ctx.pinned_in(), in.size(), cudaMemcpyHostToDevice, stream),
+        "uploading a shadow step"));
+    const DeviceSeq* seq = in.At<DeviceSeq>(dev_in, in_seq);
+    const float* q = in.At<float>(dev_in, in_q);
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PartialAttentionOverSeqs(
+        shape, seq, q, static_cast<int>(n), *attention_ws, out.At<float>(dev_out, out_o),
+        out.At<float>(dev_out, out_lse), stream));
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ExactTopKAttention(
+        shape, seq, q, static_cast<int>(n), step.top_k, nullptr, *topk_ws,
+        out.At<int32_t>(dev_out, out_support), out.At<int32_t>(dev_out, out_sizes),
+        out.At<float>(dev_out, out_topk_o), out.At<float>(dev_out, out_topk_lse), stream));
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(ctx.pinned_out(), dev_out, out_topk_o, cudaMemcpyDeviceToHost, stream),
+        "downloading a shadow step"));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamSynchronize(stream), "running a shadow step on the GPU"));
+    std::memcpy(step.o, out.At<float>(ctx.pinned_out(), out_o),
+                static_cast<size_t>(q_heads) * d * sizeof(float));
+    std::memcpy(step.lse, out.At<float>(ctx.pinned_out(), out_lse), q_heads * sizeof(float));
+    for (int h = 0; h < q_heads; ++h) {
+      const int32_t size = out.At<int32_t>(ctx.pinned_out(), out_sizes)[h];
+      const int32_t* ids = out.At<int32_t>(ctx.pinned_out(), out_support) + int64_t{h} * step.top_k;
+      step.exact_topk[h].assign(ids, ids + size);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
+  GpuBackends out;
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    if (options.gpus.has_value() && !options.gpus->empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--gpus names CUDA devices, but this machine has none (", cudaGetErrorString(err), ")"));
+    }
+    cudaGetLastError();  // clear the sticky error of a machine without a driver
+    out.unavailable = absl::StrCat("no CUDA device (", cudaGetErrorName(err), ": ",
+                                   err == cudaSuccess ? "0 devices" : cudaGetErrorString(err),
+                                   "): only PLACEMENT_CPU is served");
+    return out;
+  }
+  std::vector<int> ordinals;
+  if (options.gpus.has_value()) {
+    ordinals = *options.gpus;
+  } else {
+    ordinals.resize(count);
+    std::iota(ordinals.begin(), ordinals.end(), 0);
+  }
+  for (int ordinal : ordinals) {
+    if (ordinal < 0 || ordinal >= count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--gpus names device ", ordinal, ", but this machine has ", count,
+                       " CUDA device(s): 0..", count - 1));
+    }
+    int64_t budget = 0;
+    if (options.gpu_memory_budget_bytes.has_value()) {
+      budget = *options.gpu_memory_budget_bytes;
+    } else {
+      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"));
+      size_t free_bytes = 0, total_bytes = 0;
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "reading the device's memory"));
+      budget = std::max<int64_t>(1, static_cast<int64_t>(free_bytes) - options.gpu_headroom_bytes);
+    }
+    out.backends.push_back(std::make_unique<GpuBackend>(ordinal, budget));
+  }
+  if (out.backends.empty()) out.unavailable = "--gpus is empty: only PLACEMENT_CPU is served";
+  return out;
+}
+
+
+}  // namespace kvrecall

@@ -1,0 +1,408 @@
+// PLACEMENT_GPU served by an in-process server over loopback gRPC (skipped without a CUDA
+// device): outputs against brute force (full, streaming, exact top-K) and against the CPU
+// placement fed the same tokens (ReTopK: path per head, path mix, output cosine); a batch of 8
+// sessions in one request equal to each stepped alone; the bad inputs of the CPU suite answered
+// with the same codes; what the GPU placement refuses at CreateSession; and the GPU memory budget
+// enforced at admission and at growth, a refused step leaving the session as it was.
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/fidelity.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::ExpectOutputNear;
+using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::Prefill;
+using ::kvrecall::testing::PrefilledSessionTest;
+using ::kvrecall::testing::ReferenceSession;
+using ::kvrecall::testing::ReferenceTopK;
+using ::kvrecall::testing::TensorValues;
+
+v1::Policy GpuPolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0) {
+  v1::Policy p = MakePolicy(selector, top_k, sinks, recent);
+  p.set_placement(v1::PLACEMENT_GPU);
+  return p;
+}
+
+class GpuPlacementTest : public PrefilledSessionTest {
+ protected:
+  void SetUp() override {
+    PrefilledSessionTest::SetUp();
+    if (server().server().placements().gpu().empty()) GTEST_SKIP() << "no CUDA device";
+  }
+
+  // One decode token of layer 0 for every session in `ids`, in one request.
+  absl::StatusOr<v1::DecodeResponse> StepAll(DecodeClient& client,
+                                              const std::vector<std::string>& ids,
+                                              const std::vector<ReferenceSession::Token>& tokens,
+                                              const ReferenceSession& ref, bool compare = false) {
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    request.set_return_lse(true);
+    request.set_diagnostics(true);
+    request.set_compare_exact(compare);
+    for (size_t i = 0; i < ids.size(); ++i) *request.add_steps() = ref.Step(ids[i], tokens[i]);
+    return client.Step(request);
+  }
+};
+
+// Geometries the GPU kernels serve: tinylm-a's and Llama-3-8B's.
+struct GpuGeometry {
+  int q_heads, kv_heads, head_dim;
+  v1::DType dtype;
+};
+constexpr GpuGeometry kGeometries[] = {{8, 2, 64, v1::DTYPE_BF16}, {32, 8, 128, v1::DTYPE_BF16},
+                                       {8, 8, 64, v1::DTYPE_F16}};
+
+TEST_F(GpuPlacementTest, FullStreamingAndExactTopKMatchBruteForce) {
+  for (const GpuGeometry& geo : kGeometries) {
+    const v1::Geometry g = MakeGeometry(2, geo.q_heads, geo.kv_heads, geo.head_dim, geo.dtype);
+    ReferenceSession ref(g, 1500, 11);
+    const std::vector<v1::Policy> policies = {GpuPolicy(v1::SELECTOR_FULL),
+                                              GpuPolicy(v1::SELECTOR_STREAMING, 0, 16, 64),
+                                              GpuPolicy(v1::SELECTOR_EXACT_TOPK, 64)};
+    std::vector<std::string> ids;
+    for (const v1::Policy& p : policies) ids.push_back(CreateAndPrefill(ref, p, 700));
+    for (const std::string& id : ids) {
+      absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->device(), "cuda:0");
+      EXPECT_GE(info->gpu_bytes(), 2 * 2 * 1500 * geo.kv_heads * geo.head_dim * 2);
+      EXPECT_EQ(info->host_bytes(), 0);
+    }
+    DecodeClient client(stub());
+    for (int step = 0; step < 6; ++step) {
+      // The same token for all three sessions; the reference records it once.
+      const ReferenceSession::Token token = ref.MakeToken(1000 + step);
+      const std::vector<float> q = ref.Record(0, token);
+      absl::StatusOr<v1::DecodeResponse> reply =
+          StepAll(client, ids, {token, token, token}, ref, /*compare=*/true);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      ASSERT_EQ(reply->results_size(), 3);
+      const int64_t n = ref.tokens(0);
+      for (int s = 0; s < 3; ++s) {
+        const v1::SequenceResult& result = reply->results(s);
+        EXPECT_EQ(result.position(), n - 1);
+        std::vector<std::vector<int32_t>> supports(g.q_heads());
+        for (int h = 0; h < g.q_heads(); ++h) {
+          const int kv_head = KvHeadOf(h, g.q_heads(), g.kv_heads());
+          if (s == 0) supports[h] = testing::AllTokens(n);
+          if (s == 1) {
+            for (int64_t t = 0; t < n; ++t) {
+              if (t < 16 || t >= n - 64) supports[h].push_back(static_cast<int32_t>(t));
+            }
+          }
+          if (s == 2) {
+            supports[h] = ReferenceTopK(q.data() + h * g.head_dim(), ref.view(0), kv_head,
+                                        ref.scale(), 64);
+          }
+          const v1::HeadDiagnostics& head = result.heads(h);
+          EXPECT_EQ(head.path(), v1::PATH_EXACT);
+          EXPECT_EQ(head.support(), static_cast<int32_t>(supports[h].size()));
+          if (s == 0) {
+            EXPECT_GT(head.output_cosine(), 0.99999f);
+            EXPECT_NEAR(head.retained_mass(), 1.0f, 1e-4f);
+          }
+          // The shadow's exact top-K is the support itself: recall 1 up to ties at the K-th.
+          if (s == 2) EXPECT_GE(head.support_recall(), 0.98f) << "head " << h;
+        }
+        ExpectOutputNear(TensorValues(result.output()), ref.Attention(0, q, supports), g.dtype(),
+                         absl::StrCat("geometry q", geo.q_heads, " d", geo.head_dim, " session ",
+                                      s, " step ", step));
+      }
+    }
+  }
+}
+
+// Decode queries that drift slowly (cosine ~0.95 step to step) and jump away once: reuse,
+// fallback and refresh steps all occur.
+std::vector<ReferenceSession::Token> DriftingTokens(const ReferenceSession& ref, int steps,
+                                                    uint64_t seed) {
+  const v1::Geometry& g = ref.geometry();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Start from the prompt's last query, so that the seeded caches are similar.
+  const int64_t q_row = int64_t{g.q_heads()} * g.head_dim();
+  std::vector<float> q(ref.prompt(0).q.end() - q_row, ref.prompt(0).q.end());
+  std::vector<ReferenceSession::Token> tokens;
+  for (int s = 0; s < steps; ++s) {
+    ReferenceSession::Token t = ref.MakeToken(seed + 10 * s);
+    for (float& x : q) x = 0.97f * x + 0.3f * normal(rng);
+    t.q = s == steps / 2 ? testing::RandomNormal(q_row, seed + 999, 1.5f) : q;
+    tokens.push_back(std::move(t));
+  }
+  return tokens;
+}
+
+TEST_F(GpuPlacementTest, ReTopKTakesTheCpuPlacementsPathsAndOutputs) {
+  for (const GpuGeometry& geo : kGeometries) {
+    const v1::Geometry g = MakeGeometry(1, geo.q_heads, geo.kv_heads, geo.head_dim, geo.dtype);
+    // Prompt queries that drift too, so that the seeded caches hold similar queries.
+    ReferenceSession ref(g, 2000, 21);
+    for (bool auto_tau : {false, true}) {
+      v1::Policy cpu = MakePolicy(v1::SELECTOR_RETOPK, 64);
+      cpu.mutable_retopk()->set_tau(0.6f);
+      cpu.mutable_retopk()->set_refresh_interval(16);
+      cpu.mutable_retopk()->set_auto_tau(auto_tau);
+      v1::Policy gpu = cpu;
+      gpu.set_placement(v1::PLACEMENT_GPU);
+      const std::string cpu_id = CreateAndPrefill(ref, cpu, 2000);
+      const std::string gpu_id = CreateAndPrefill(ref, gpu, 512);
+      const std::vector<ReferenceSession::Token> tokens = DriftingTokens(ref, 40, 77);
+      DecodeClient client(stub());
+      int same_path = 0, heads = 0;
+      for (const ReferenceSession::Token& token : tokens) {
+        absl::StatusOr<v1::DecodeResponse> reply =
+            StepAll(client, {cpu_id, gpu_id}, {token, token}, ref);
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        const std::vector<float> o_cpu = TensorValues(reply->results(0).output());
+        const std::vector<float> o_gpu = TensorValues(reply->results(1).output());
+        for (int h = 0; h < g.q_heads(); ++h) {
+          ++heads;
+          same_path += reply->results(0).heads(h).path() == reply->results(1).heads(h).path();
+          EXPECT_NEAR(reply->results(0).heads(h).best_cosine(),
+                      reply->results(1).heads(h).best_cosine(), 1e-4f);
+          EXPECT_GT(OutputCosine(o_cpu.data() + h * g.head_dim(), o_gpu.data() + h * g.head_dim(),
+                                 g.head_dim()),
+                    0.999)
+              << "head " << h;
+        }
+      }
+      EXPECT_GE(same_path, heads * 99 / 100) << "geometry q" << geo.q_heads;
+      absl::StatusOr<v1::SessionInfo> a = GetSession(stub(), cpu_id);
+      absl::StatusOr<v1::SessionInfo> b = GetSession(stub(), gpu_id);
+      ASSERT_TRUE(a.ok() && b.ok());
+      const double total = static_cast<double>(heads);
+      EXPECT_NEAR(a->paths().reuse() / total, b->paths().reuse() / total, 0.01);
+      EXPECT_NEAR(a->paths().fallback() / total, b->paths().fallback() / total, 0.01);
+      EXPECT_EQ(a->paths().refresh(), b->paths().refresh());
+      if (!auto_tau) EXPECT_GT(b->paths().reuse(), 0);  // random prompts may calibrate to never
+      EXPECT_GT(b->paths().fallback() + b->paths().refresh(), 0);
+      EXPECT_GT(b->selector_bytes(), 0) << "the caches live on the GPU";
+    }
+  }
+}
+
+TEST_F(GpuPlacementTest, ABatchOfEightEqualsEachSessionAlone) {
+  const v1::Geometry g = MakeGeometry(1, 32, 8, 128, v1::DTYPE_BF16);
+  for (v1::Selector selector : {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK, v1::SELECTOR_RETOPK}) {
+    std::vector<std::unique_ptr<ReferenceSession>> refs;
+    std::vector<std::string> batched, alone;
+    for (int b = 0; b < 8; ++b) {
+      refs.push_back(std::make_unique<ReferenceSession>(g, 600 + 97 * b, 300 + b));  // ragged
+      batched.push_back(CreateAndPrefill(*refs[b], GpuPolicy(selector, 64), 256));
+      alone.push_back(CreateAndPrefill(*refs[b], GpuPolicy(selector, 64), 256));
+    }
+    DecodeClient client(stub());
+    for (int step = 0; step < 5; ++step) {
+      std::vector<ReferenceSession::Token> tokens;
+      v1::DecodeRequest together;
+      together.set_diagnostics(true);
+      for (int b = 0; b < 8; ++b) {
+        tokens.push_back(refs[b]->MakeToken(5000 + 10 * step + b));
+        *together.add_steps() = refs[b]->Step(batched[b], tokens[b]);
+      }
+      absl::StatusOr<v1::DecodeResponse> all = client.Step(together);
+      ASSERT_TRUE(all.ok()) << all.status();
+      for (int b = 0; b < 8; ++b) {
+        v1::DecodeRequest one;
+        one.set_diagnostics(true);
+        *one.add_steps() = refs[b]->Step(alone[b], tokens[b]);
+        absl::StatusOr<v1::DecodeResponse> single = client.Step(one);
+        ASSERT_TRUE(single.ok()) << single.status();
+        const std::vector<float> x = TensorValues(all->results(b).output());
+        const std::vector<float> y = TensorValues(single->results(0).output());
+        ASSERT_EQ(x.size(), y.size());
+        for (size_t i = 0; i < x.size(); ++i) {
+          // One bf16 rounding step apart at most (the split plan depends on the batch).
+          ASSERT_NEAR(x[i], y[i], std::abs(y[i]) * 0x1p-7 + 1e-5)
+              << v1::Selector_Name(selector) << " sequence " << b << " element " << i;
+        }
+        for (int h = 0; h < g.q_heads(); ++h) {
+          EXPECT_EQ(all->results(b).heads(h).path(), single->results(0).heads(h).path());
+          EXPECT_EQ(all->results(b).heads(h).support(), single->results(0).heads(h).support());
+        }
+      }
+    }
+  }
+}
+
+TEST_F(GpuPlacementTest, BadInputsGetTheCodesOfTheCpuPlacement) {
+  const v1::Geometry g = MakeGeometry(2, 8, 2, 64, v1::DTYPE_BF16);
+  ReferenceSession ref(g, 300, 5);
+  const std::string cpu = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_EXACT_TOPK, 32), 300);
+  const std::string gpu = CreateAndPrefill(ref, GpuPolicy(v1::SELECTOR_EXACT_TOPK, 32), 300);
+  const ReferenceSession::Token token = ref.MakeToken(9);
+  struct Bad {
+    const char* what;
+    std::function<void(v1::DecodeRequest&)> spoil;
+  };
+  const std::vector<Bad> cases = {
+      {"layer out of range", [](v1::DecodeRequest& r) { r.set_layer(7); }},
+      {"q of the wrong shape", [](v1::DecodeRequest& r) { r.mutable_steps(0)->mutable_q()->set_shape(0, 3); }},
+      {"k_new of the wrong dtype",
+       [](v1::DecodeRequest& r) { r.mutable_steps(0)->mutable_k_new()->set_dtype(v1::DTYPE_F16); }},
+      {"v_new truncated",
+       [](v1::DecodeRequest& r) { r.mutable_steps(0)->mutable_v_new()->mutable_data()->resize(10); }},
+      {"a NaN in q",
+       [](v1::DecodeRequest& r) {
+         std::string& d = *r.mutable_steps(0)->mutable_q()->mutable_data();
+         d[0] = '\xc0';
+         d[1] = '\x7f';  // bf16 NaN
+       }},
+      {"an unknown session", [](v1::DecodeRequest& r) { r.mutable_steps(0)->set_session_id("s-0"); }},
+  };
+  for (const Bad& c : cases) {
+    absl::StatusCode codes[2];
+    for (int i = 0; i < 2; ++i) {
+      v1::DecodeRequest request;
+      *request.add_steps() = ref.Step(i == 0 ? cpu : gpu, token);
+      c.spoil(request);
+      DecodeClient client(stub());
+      codes[i] = client.Step(request).status().code();
+    }
+    EXPECT_EQ(codes[0], codes[1]) << c.what;
+    EXPECT_NE(codes[1], absl::StatusCode::kOk) << c.what;
+  }
+  // Nothing was appended by any of them.
+  for (const std::string& id : {cpu, gpu}) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok());
+    EXPECT_THAT(info->layer_tokens(), ::testing::ElementsAre(300, 300));
+  }
+  // A layer not prefilled yet, on the GPU as on the CPU.
+  absl::StatusOr<std::string> fresh = CreateSession(stub(), g, GpuPolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(fresh.ok());
+  v1::DecodeRequest request;
+  *request.add_steps() = ref.Step(*fresh, token);
+  DecodeClient client(stub());
+  EXPECT_TRUE(HasStatus(client.Step(request).status(), absl::StatusCode::kFailedPrecondition,
+                        "has no prompt yet"));
+}
+
+TEST_F(GpuPlacementTest, WhatTheGpuDoesNotServeIsRefusedAtCreateSession) {
+  struct Case {
+    v1::Geometry geometry;
+    v1::Policy policy;
+    const char* message;
+  };
+  v1::Policy big_cache = GpuPolicy(v1::SELECTOR_RETOPK, 64);
+  big_cache.mutable_retopk()->set_cache_capacity(65);
+  big_cache.mutable_retopk()->set_reuse_neighbors(4);
+  const std::vector<Case> cases = {
+      {MakeGeometry(1, 8, 2, 64, v1::DTYPE_F32), GpuPolicy(v1::SELECTOR_FULL), "geometry.dtype"},
+      {MakeGeometry(1, 8, 2, 96, v1::DTYPE_BF16), GpuPolicy(v1::SELECTOR_FULL),
+       "geometry.head_dim 96"},
+      {MakeGeometry(1, 8, 2, 64, v1::DTYPE_BF16), GpuPolicy(v1::SELECTOR_INDEX),
+       "policy.selector SELECTOR_INDEX"},
+      {MakeGeometry(1, 8, 2, 64, v1::DTYPE_BF16), big_cache, "policy.retopk"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_TRUE(HasStatus(CreateSession(stub(), c.geometry, c.policy).status(),
+                          absl::StatusCode::kInvalidArgument, c.message));
+  }
+  grpc::ClientContext context;
+  v1::ListSessionsResponse list;
+  ASSERT_TRUE(stub().ListSessions(&context, {}, &list).ok());
+  EXPECT_EQ(list.sessions_size(), 0);
+}
+
+// A server whose GPU budget is 128 MiB.
+class GpuBudgetTest : public GpuPlacementTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.placements.gpu_memory_budget_bytes = 128 << 20;
+    return options;
+  }
+};
+
+TEST_F(GpuBudgetTest, AdmissionAndGrowthAreRefusedAndChangeNothing) {
+  const v1::Geometry g = MakeGeometry(1, 8, 8, 128, v1::DTYPE_BF16);  // 4 KiB of KV a token
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = g;
+  *request.mutable_policy() = GpuPolicy(v1::SELECTOR_FULL);
+  request.set_max_tokens(100000);  // 410 MB
+  v1::CreateSessionResponse response;
+  grpc::ClientContext context;
+  EXPECT_TRUE(HasStatus(testing::FromGrpc(stub().CreateSession(&context, request, &response)),
+                        absl::StatusCode::kResourceExhausted, "GPU 0 memory budget exceeded"));
+
+  // A prompt of 8000 tokens (33 MB) fits; decoding grows the KV geometrically (with the old
+  // allocation held while the content moves) until a growth does not fit.
+  ReferenceSession ref(g, 8000, 3);
+  const std::string id = CreateAndPrefill(ref, GpuPolicy(v1::SELECTOR_FULL), 500);
+  absl::StatusOr<v1::SessionInfo> before = GetSession(stub(), id);
+  ASSERT_TRUE(before.ok());
+  absl::Status refused;
+  int steps = 0;
+  {
+    DecodeClient client(stub());
+    for (; steps < 20000 && refused.ok(); ++steps) {
+      v1::DecodeRequest step;
+      *step.add_steps() = ref.Step(id, ref.MakeToken(steps));
+      refused = client.Step(step).status();
+    }
+  }
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "GPU 0 memory budget exceeded"));
+  absl::StatusOr<v1::SessionInfo> after = GetSession(stub(), id);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tokens(), 8000 + steps - 1) << "the refused step appended nothing";
+  EXPECT_LE(after->gpu_bytes(), 128 << 20);
+  // The session still serves a step once memory is free again: close nothing, just retry on a
+  // new stream with a budget that now holds only this session — still refused, still intact.
+  DecodeClient client(stub());
+  v1::DecodeRequest step;
+  *step.add_steps() = ref.Step(id, ref.MakeToken(99999));
+  EXPECT_EQ(client.Step(step).status().code(), absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<v1::SessionInfo> still = GetSession(stub(), id);
+  ASSERT_TRUE(still.ok());
+  EXPECT_EQ(still->tokens(), after->tokens());
+
+  // Admission with an announced length that fits sets it aside; decoding up to it never fails.
+  grpc::ClientContext close_context;
+  v1::CloseSessionRequest close;
+  close.set_session_id(id);
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(stub().CloseSession(&close_context, close, &closed).ok());
+  ReferenceSession small(g, 1000, 4);
+  v1::CreateSessionRequest announced;
+  *announced.mutable_geometry() = g;
+  *announced.mutable_policy() = GpuPolicy(v1::SELECTOR_FULL);
+  announced.set_max_tokens(1100);
+  grpc::ClientContext create_context;
+  ASSERT_TRUE(stub().CreateSession(&create_context, announced, &response).ok());
+  ASSERT_TRUE(Prefill(stub(), small.InterleavedPrompt(response.session_id(), 1000)).ok());
+  absl::StatusOr<v1::SessionInfo> reserved = GetSession(stub(), response.session_id());
+  ASSERT_TRUE(reserved.ok());
+  EXPECT_GE(reserved->gpu_bytes(), 1100 * 4096);
+  DecodeClient decode(stub());
+  for (int s = 0; s < 100; ++s) {
+    v1::DecodeRequest r;
+    *r.add_steps() = small.Step(response.session_id(), small.MakeToken(s));
+    ASSERT_TRUE(decode.Step(r).ok()) << "step " << s;
+  }
+  absl::StatusOr<v1::SessionInfo> grown = GetSession(stub(), response.session_id());
+  ASSERT_TRUE(grown.ok());
+  EXPECT_EQ(grown->gpu_bytes(), reserved->gpu_bytes()) << "no reallocation up to max_tokens";
+}
+
+}  // namespace
+}  // namespace kvrecall
