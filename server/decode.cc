@@ -160,6 +160,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
   if (shadow && supports_.size() < static_cast<size_t>(head_offsets_[n])) {
     supports_.resize(head_offsets_[n]);
   }
+  const absl::Time compute_start = absl::Now();
   if (absl::Status s = RunByBackend(
           sessions_, steps_,
           [&](int i) {
@@ -175,6 +176,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
       !s.ok()) {
     return PrefixStatus(s, "layer ", layer, ": ");
   }
+  const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - compute_start);
 
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
@@ -187,6 +189,9 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     for (int h = 0; h < heads; ++h) {
       counters.candidates += reports[h].candidates;
       ++counters.paths[static_cast<int>(reports[h].path)];
+    }
+    if (PolicyMetrics* metrics = session.metrics(); metrics != nullptr) {
+      metrics->CountLayerStep(std::span<const HeadReport>(reports, heads), compute_seconds);
     }
 
     v1::SequenceResult* result = response->add_results();

@@ -4,6 +4,8 @@
 #include <limits>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "server/status_util.h"
 
 namespace kvrecall {
 
@@ -15,10 +17,15 @@ absl::Status MemoryBudget::Reserve(int64_t bytes, absl::string_view what) {
   int64_t used = used_.load(std::memory_order_relaxed);
   while (true) {
     if (used + bytes > limit_) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "%s budget exceeded: %s needs %d more bytes, %d of the %d-byte budget "
-          "(%s=%.3f) are in use",
-          name_, what, bytes, used, limit_, flag_, static_cast<double>(limit_) / (1ll << 30)));
+      // The limit is the flag without its unit: "host_memory_budget".
+      absl::string_view limit = flag_;
+      absl::ConsumeSuffix(&limit, "_gb");
+      return RefusedBy(
+          absl::ResourceExhaustedError(absl::StrFormat(
+              "%s budget exceeded: %s needs %d more bytes, %d of the %d-byte budget "
+              "(%s=%.3f) are in use",
+              name_, what, bytes, used, limit_, flag_, static_cast<double>(limit_) / (1ll << 30))),
+          limit);
     }
     if (used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed)) {
       return absl::OkStatus();

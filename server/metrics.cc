@@ -1,5 +1,6 @@
 #include "server/metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -138,37 +139,32 @@ void MethodMetrics::CountCall(grpc::StatusCode code, double seconds) {
   counter->Increment();
 }
 
-void PolicyMetrics::CountLayerStep(std::span<const SelectionPath> head_paths,
-                                   std::span<const int64_t> candidates, double compute_seconds) {
+void PolicyMetrics::CountLayerStep(std::span<const HeadReport> heads, double compute_seconds) {
   series_.layer_steps->Increment();
   std::array<int64_t, kSelectionPaths> by_path = {};
-  for (SelectionPath path : head_paths) ++by_path[static_cast<int>(path)];
-  CountHeadSteps(by_path);
-  if (!candidates.empty()) {
-    // One locked update of the histogram for all heads instead of one per head.
-    const auto& bounds = CandidateBuckets();
-    std::vector<double> increments(bounds.size() + 1, 0.0);
-    double sum = 0;
-    for (int64_t c : candidates) {
-      size_t bucket = 0;
-      while (bucket < bounds.size() && static_cast<double>(c) > bounds[bucket]) ++bucket;
-      increments[bucket] += 1;
-      sum += static_cast<double>(c);
-    }
-    series_.candidates->ObserveMultiple(increments, sum);
+  // One locked update of the candidates histogram for all heads instead of one per head.
+  const auto& bounds = CandidateBuckets();
+  thread_local std::vector<double> increments;
+  increments.assign(bounds.size() + 1, 0.0);
+  double sum = 0;
+  for (const HeadReport& head : heads) {
+    ++by_path[static_cast<int>(head.path)];
+    const double c = head.candidates;
+    increments[std::lower_bound(bounds.begin(), bounds.end(), c) - bounds.begin()] += 1;
+    sum += c;
   }
-  series_.layer_step_seconds->Observe(compute_seconds);
-}
-
-void PolicyMetrics::CountHeadSteps(const std::array<int64_t, kSelectionPaths>& by_path) {
   for (int p = 0; p < kSelectionPaths; ++p) {
     if (by_path[p] > 0) series_.head_steps[p]->Increment(static_cast<double>(by_path[p]));
   }
+  if (!heads.empty()) series_.candidates->ObserveMultiple(increments, sum);
+  series_.layer_step_seconds->Observe(compute_seconds);
 }
 
 void PolicyMetrics::ObserveIndexBuild(double seconds) {
   series_.index_build_seconds->Observe(seconds);
 }
+
+void PolicyMetrics::ObservePrefill(double seconds) { series_.prefill_seconds->Observe(seconds); }
 
 ServerMetrics::ServerMetrics()
     : registry_(std::make_shared<prometheus::Registry>()),
@@ -203,6 +199,11 @@ ServerMetrics::ServerMetrics()
                                .Help("Building one layer's selector state after a prefill "
                                      "(graph index, ReTopK seeding)")
                                .Register(*registry_)),
+      prefill_seconds_(prometheus::BuildHistogram()
+                           .Name("kvrecall_prefill_seconds")
+                           .Help("Committed Prefill calls: from the stream's first chunk to the "
+                                 "commit, selector builds included")
+                           .Register(*registry_)),
       refusals_(prometheus::BuildCounter()
                     .Name("kvrecall_requests_refused_total")
                     .Help("Requests refused because they would exceed a server limit")
@@ -222,13 +223,6 @@ ServerMetrics::ServerMetrics()
                               "unknown one")
                           .Register(*registry_)
                           .Add({});
-  prefill_seconds_ = &prometheus::BuildHistogram()
-                          .Name("kvrecall_prefill_seconds")
-                          .Help(
-                              "Committed Prefill calls: from the stream's start to the commit, "
-                              "index builds included")
-                          .Register(*registry_)
-                          .Add({}, BuildBuckets());
   auto gauge = [this](const char* name, const char* help) {
     return &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add({});
   };
@@ -305,6 +299,7 @@ PolicyMetrics* ServerMetrics::ForPolicy(v1::Placement placement, SelectorKind se
     series.candidates = &candidates_.Add(labels, CandidateBuckets());
     series.layer_step_seconds = &layer_step_seconds_.Add(labels, StepBuckets());
     series.index_build_seconds = &index_build_seconds_.Add(labels, BuildBuckets());
+    series.prefill_seconds = &prefill_seconds_.Add(labels, BuildBuckets());
     slot = std::make_unique<PolicyMetrics>(series);
   }
   return slot.get();

@@ -29,6 +29,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "server/backends/attention_backend.h"
 
 namespace kvrecall {
 
@@ -77,18 +78,18 @@ class PolicyMetrics {
     prometheus::Histogram* candidates;
     prometheus::Histogram* layer_step_seconds;
     prometheus::Histogram* index_build_seconds;
+    prometheus::Histogram* prefill_seconds;
   };
   explicit PolicyMetrics(const Series& series) : series_(series) {}
 
-  // One layer-step of one sequence: the path each query head took, the tokens each head's
-  // selector scored (`candidates`, one entry per head; may be empty when not known), and the
-  // server's compute time for the step.
-  void CountLayerStep(std::span<const SelectionPath> head_paths,
-                      std::span<const int64_t> candidates, double compute_seconds);
-  // Head-steps by path without a per-head list (e.g. counts a batched backend summed up).
-  void CountHeadSteps(const std::array<int64_t, kSelectionPaths>& by_path);
-  // Building one layer's selector (graph index, ReTopK seeding) after a prefill.
+  // One layer-step of one sequence: each query head's report (path, tokens its selector
+  // scored), and the server's compute time for the step (the backend's step of the request's
+  // batch, which this sequence's result waited for).
+  void CountLayerStep(std::span<const HeadReport> heads, double compute_seconds);
+  // Building one layer's selector state (graph index, ReTopK seeding) after a prefill.
   void ObserveIndexBuild(double seconds);
+  // A committed Prefill: its wall time, first chunk to commit (builds included).
+  void ObservePrefill(double seconds);
 
  private:
   const Series series_;
@@ -112,10 +113,9 @@ class ServerMetrics final : public prometheus::Collectable {
   // shows the pairs that served sessions). Never null; stable for the metrics' lifetime. Call
   // once per session, not per step: it takes a lock.
   PolicyMetrics* ForPolicy(v1::Placement placement, SelectorKind selector);
-  // A committed Prefill: its wall time, stream start to commit.
-  void ObservePrefill(double seconds) { prefill_seconds_->Observe(seconds); }
   // A request refused because of `limit` (e.g. "host_memory_budget"): a short snake_case name
-  // of a server knob. Thread-safe; the first call per limit creates its series.
+  // of a server knob. Thread-safe; the first call per limit creates its series. The service
+  // calls it for every answer that carries a limit (server/status_util.h's RefusedBy).
   void CountRefusal(absl::string_view limit);
 
   // Called at every scrape to fill the gauges (sessions, tokens, bytes). Set it before the
@@ -139,7 +139,7 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Family<prometheus::Histogram>& candidates_;
   prometheus::Family<prometheus::Histogram>& layer_step_seconds_;
   prometheus::Family<prometheus::Histogram>& index_build_seconds_;
-  prometheus::Histogram* prefill_seconds_;
+  prometheus::Family<prometheus::Histogram>& prefill_seconds_;
   prometheus::Family<prometheus::Counter>& refusals_;
   prometheus::Gauge* sessions_open_;
   prometheus::Gauge* tokens_held_;

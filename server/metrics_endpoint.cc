@@ -1,21 +1,40 @@
 #include "server/metrics_endpoint.h"
 
-#include <exception>
+#include <sys/socket.h>
+
+#include <chrono>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "httplib.h"
+#include "prometheus/text_serializer.h"
 
 namespace kvrecall {
 
-MetricsEndpoint::MetricsEndpoint(std::unique_ptr<prometheus::Exposer> exposer,
-                                 std::shared_ptr<ServerMetrics> metrics, std::string address,
+MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
+                                 std::unique_ptr<httplib::Server> http, std::string address,
                                  int port)
     : metrics_(std::move(metrics)),
-      exposer_(std::move(exposer)),
+      http_(std::move(http)),
       address_(std::move(address)),
-      port_(port) {}
+      port_(port) {
+  listener_ = std::thread([this] {
+    http_->listen_after_bind();
+    listen_returned_ = true;
+  });
+  // stop() only stops a server that is running: wait for it, or a destructor that came first
+  // would leave the listener running and block on the join.
+  while (!http_->is_running() && !listen_returned_) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+MetricsEndpoint::~MetricsEndpoint() {
+  http_->stop();
+  if (listener_.joinable()) listener_.join();
+}
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     const std::string& address, std::shared_ptr<ServerMetrics> metrics) {
@@ -27,22 +46,44 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     return absl::InvalidArgumentError(absl::StrCat(
         "metrics address '", address, "' must be HOST:PORT with a port in [0, 65535]"));
   }
-  std::unique_ptr<prometheus::Exposer> exposer;
-  try {
-    // One thread serves scrapes; a second lets a slow scraper not block another one.
-    exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
-  } catch (const std::exception& e) {
+  std::string host = address.substr(0, colon);
+  // [::1]:9090 names an IPv6 host; the socket calls want it bare.
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  auto http = std::make_unique<httplib::Server>();
+  // httplib's default also sets SO_REUSEPORT, which would let a second server (another
+  // kvrecalld) bind the same port and take half the scrapes; a busy port must be an error.
+  http->set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  // Two workers: one scrape at a time is the norm, a second keeps a slow scraper from blocking
+  // another one.
+  http->new_task_queue = [] { return new httplib::ThreadPool(2); };
+  std::weak_ptr<ServerMetrics> source = metrics;
+  http->Get("/metrics", [source](const httplib::Request&, httplib::Response& response) {
+    std::shared_ptr<ServerMetrics> collected = source.lock();
+    if (collected == nullptr) {
+      response.status = 503;
+      return;
+    }
+    response.set_content(prometheus::TextSerializer().Serialize(collected->Collect()),
+                         "text/plain; version=0.0.4; charset=utf-8");
+  });
+  int port = requested_port;
+  if (requested_port == 0) {
+    port = http->bind_to_any_port(host);
+  } else if (!http->bind_to_port(host, requested_port)) {
+    port = -1;
+  }
+  if (port <= 0) {
     return absl::UnavailableError(absl::StrCat("could not serve metrics on ", address,
-                                               " (address in use or invalid?): ", e.what()));
+                                               " (address in use or invalid?)"));
   }
-  const std::vector<int> ports = exposer->GetListeningPorts();
-  if (ports.empty()) {
-    return absl::UnavailableError(absl::StrCat("could not serve metrics on ", address));
-  }
-  exposer->RegisterCollectable(metrics, "/metrics");
-  const std::string bound = absl::StrCat(address.substr(0, colon), ":", ports[0]);
+  const std::string bound = absl::StrCat(address.substr(0, colon), ":", port);
   return std::unique_ptr<MetricsEndpoint>(
-      new MetricsEndpoint(std::move(exposer), std::move(metrics), bound, ports[0]));
+      new MetricsEndpoint(std::move(metrics), std::move(http), bound, port));
 }
 
 }  // namespace kvrecall

@@ -5,8 +5,8 @@
 
 namespace kvrecall {
 
-ServerGauges CollectServerGauges(const SessionRegistry& registry, int64_t host_used,
-                                 int64_t host_limit) {
+ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,
+                                 const Placements& placements) {
   ServerGauges gauges;
   for (const std::shared_ptr<Session>& session : registry.List()) {
     absl::ReaderMutexLock lock(&session->mu());
@@ -14,10 +14,15 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, int64_t host_u
     const v1::SessionInfo info = session->Info();
     ++gauges.sessions_open;
     gauges.tokens_held += info.tokens();
-    gauges.gpu_bytes_held += info.gpu_bytes();
   }
-  gauges.host_bytes_held = host_used;
-  gauges.host_bytes_budget = BudgetGaugeValue(host_limit);
+  gauges.host_bytes_held = host_budget.used();
+  gauges.host_bytes_budget = BudgetGaugeValue(host_budget.limit());
+  for (const std::unique_ptr<AttentionBackend>& backend : placements.gpu()) {
+    const MemoryBudget* budget = backend->device_budget();
+    if (budget == nullptr) continue;
+    gauges.gpu_bytes_held += budget->used();
+    gauges.gpu_bytes_budget += BudgetGaugeValue(budget->limit());
+  }
   return gauges;
 }
 

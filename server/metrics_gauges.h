@@ -1,19 +1,20 @@
 // The scrape-time gauges of ServerMetrics (sessions open, tokens held, host and GPU bytes held
-// and budgeted), read from the session registry and the memory budgets.
+// and budgeted), read from the session registry, the host budget and the GPU placements'
+// budgets.
 #ifndef KVRECALL_SERVER_METRICS_GAUGES_H_
 #define KVRECALL_SERVER_METRICS_GAUGES_H_
 
-#include <cstdint>
-
+#include "server/backends/placements.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/session.h"
 
 namespace kvrecall {
 
-// Sums over the open sessions of `registry`, with the host budget's account (`host_used` bytes
-// of `host_limit`, <= 0: unlimited). Takes each session's lock in shared mode, one at a time.
-ServerGauges CollectServerGauges(const SessionRegistry& registry, int64_t host_used,
-                                 int64_t host_limit);
+// Sums over the open sessions of `registry` (each session's lock taken in shared mode, one at
+// a time) and over the device budgets of `placements`' GPU backends.
+ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,
+                                 const Placements& placements);
 
 }  // namespace kvrecall
 

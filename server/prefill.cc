@@ -19,9 +19,11 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, ".session_id is required in the first chunk of a stream"));
     }
-    absl::StatusOr<std::shared_ptr<Session>> session = registry_->Find(chunk.session_id(), tenant_);
+    absl::StatusOr<std::shared_ptr<Session>> session =
+        registry_->Find(chunk.session_id(), tenant_);
     if (!session.ok()) return PrefixStatus(session.status(), prefix, ".session_id: ");
     session_ = *std::move(session);
+    started_ = absl::Now();
   } else if (!chunk.session_id().empty() && chunk.session_id() != session_->id()) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, ".session_id '", chunk.session_id(), "' differs from the stream's ",
@@ -62,13 +64,16 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   const TensorSpec k_spec{k_field, kv_row, /*rows_free=*/true, g.dtype()};
   const TensorSpec v_spec{v_field, kv_row, /*rows_free=*/true, g.dtype()};
   // q may be left out (no field at all) where the selector does not need it (Commit checks).
+  // Checked in field order (q, k, v), so that the first bad field is the one named.
   const bool with_queries = chunk.has_q();
+  absl::StatusOr<int64_t> q_rows =
+      with_queries ? CheckTensor(chunk.q(), q_spec) : absl::StatusOr<int64_t>(0);
+  if (!q_rows.ok()) return q_rows.status();
   absl::StatusOr<int64_t> k_rows = CheckTensor(chunk.k(), k_spec);
   if (!k_rows.ok()) return k_rows.status();
   absl::StatusOr<int64_t> v_rows = CheckTensor(chunk.v(), v_spec);
   if (!v_rows.ok()) return v_rows.status();
-  absl::StatusOr<int64_t> q_rows = with_queries ? CheckTensor(chunk.q(), q_spec) : k_rows;
-  if (!q_rows.ok()) return q_rows.status();
+  if (!with_queries) q_rows = *k_rows;
   if (*k_rows != *q_rows || *v_rows != *q_rows) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, " carries ", *q_rows, " tokens of q, ",
                                                    *k_rows, " of k and ", *v_rows,
@@ -134,9 +139,13 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
   const int count = static_cast<int>(staged.size());
 #pragma omp parallel for schedule(dynamic) if (count > 1)
   for (int i = 0; i < count; ++i) {
+    const absl::Time layer_start = absl::Now();
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         backend->BuildLayer(config, accounts, std::move(prompts[i]));
     if (layer.ok()) {
+      if (PolicyMetrics* metrics = session_->metrics(); metrics != nullptr) {
+        metrics->ObserveIndexBuild(absl::ToDoubleSeconds(absl::Now() - layer_start));
+      }
       staged[i].built = *std::move(layer);
     } else {
       built[i] = layer.status();
@@ -145,8 +154,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
   const double build_seconds = absl::ToDoubleSeconds(absl::Now() - build_start);
   for (int i = 0; i < count; ++i) {
     if (!built[i].ok()) {
-      return absl::Status(built[i].code(), absl::StrCat("building layer ", staged[i].layer, ": ",
-                                                        built[i].message()));
+      return PrefixStatus(built[i], "building layer ", staged[i].layer, ": ");
     }
   }
 
@@ -159,6 +167,9 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
   response.set_session_id(session_->id());
   response.set_layers_committed(count);
   response.set_build_seconds(build_seconds);
+  if (PolicyMetrics* metrics = session_->metrics(); metrics != nullptr) {
+    metrics->ObservePrefill(absl::ToDoubleSeconds(absl::Now() - started_));
+  }
   return response;
 }
 

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kvrecall/v1/kvrecall.pb.h"
 #include "server/backends/attention_backend.h"
 #include "server/session.h"
@@ -36,6 +37,7 @@ class PrefillStream {
   const SessionRegistry* registry_;
   std::string tenant_;
   std::shared_ptr<Session> session_;
+  absl::Time started_;  // when the first chunk arrived
   // A layer's prompt as received so far.
   struct Staged {
     std::unique_ptr<PromptStaging> prompt;

@@ -60,7 +60,7 @@ RunningServer::RunningServer(const ServerOptions& options,
                              std::unique_ptr<Placements> placements)
     : budget_(options.host_memory_budget_bytes),
       placements_(std::move(placements)),
-      registry_(&budget_, placements_.get()),
+      registry_(&budget_, placements_.get(), metrics_.get()),
       service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads}),
       health_({v1::KvRecall::service_full_name()}),
       probe_health_({v1::KvRecall::service_full_name()}) {}
@@ -95,7 +95,7 @@ void RunningServer::Wait() {
 
 absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) {
   metrics_->SetGaugeSource(
-      [this] { return CollectServerGauges(registry_, budget_.used(), budget_.limit()); });
+      [this] { return CollectServerGauges(registry_, budget_, *placements_); });
   if (!options.metrics_address.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
         MetricsEndpoint::Start(options.metrics_address, metrics_);

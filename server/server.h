@@ -13,11 +13,11 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/health.h"
-#include "server/credentials.h"
 #include "server/backends/placements.h"
-#include "server/memory_budget.h"
+#include "server/credentials.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
+#include "server/memory_budget.h"
 #include "server/service.h"
 #include "server/session.h"
 
@@ -74,11 +74,11 @@ class RunningServer {
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
-  Placements& placements() { return *placements_; }
   ServerMetrics& metrics() { return *metrics_; }
   // Where metrics and the plaintext health port are served (bound ports); empty when not.
   const std::string& metrics_address() const { return metrics_address_; }
   const std::string& health_address() const { return health_address_; }
+  Placements& placements() { return *placements_; }
   const MemoryBudget& budget() const { return budget_; }
 
  private:
@@ -89,10 +89,11 @@ class RunningServer {
 
   MemoryBudget budget_;
   std::unique_ptr<Placements> placements_;
+  // Before the registry, which records into it.
+  std::shared_ptr<ServerMetrics> metrics_ = std::make_shared<ServerMetrics>();
   SessionRegistry registry_;
   KvRecallService service_;
   HealthService health_;
-  std::shared_ptr<ServerMetrics> metrics_ = std::make_shared<ServerMetrics>();
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::string metrics_address_;
   HealthService probe_health_;  // the same answers as health_, on health_address

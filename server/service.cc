@@ -1,5 +1,9 @@
 #include "server/service.h"
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
 #include <algorithm>
 #include <string>
 #include <thread>
@@ -18,6 +22,15 @@ namespace {
 int ThreadsOrDefault(int threads, int fallback) {
   if (threads > 0) return threads;
   return std::max(1, fallback);
+}
+
+// Gives the pages of freed blocks back to the operating system. glibc keeps what a closed
+// session freed in its arenas (its mmap threshold grows with the first large block freed, so
+// KV arrays come from the arenas too), and the process's resident memory would not go down.
+void ReturnFreedMemory() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
 }
 
 grpc::Status CancelledStatus() {
@@ -80,8 +93,8 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
     grpc::Status status;
     if (!skip) {
       status = service_->draining() ? ShuttingDownStatus()
-                                    : ToGrpcStatus((service_->*handler_)(tenant_, request_,
-                                                                         &response_));
+                                    : service_->Answer((service_->*handler_)(tenant_, request_,
+                                                                             &response_));
     }
     {
       absl::MutexLock lock(&mu_);
@@ -234,7 +247,7 @@ class KvRecallService::PrefillCall final
       if (!ParseRawMessage(&in_, &chunk_)) {
         status = UnparsableStatus(absl::StrCat("chunks[", chunks_, "]"), chunk_);
       } else {
-        status = ToGrpcStatus(stream_.Add(chunk_, chunks_));
+        status = service_->Answer(stream_.Add(chunk_, chunks_));
       }
       ++chunks_;
     } else {
@@ -242,7 +255,7 @@ class KvRecallService::PrefillCall final
       if (committed.ok()) {
         response_ = *std::move(committed);
       } else {
-        status = ToGrpcStatus(committed.status());
+        status = service_->Answer(committed.status());
       }
     }
     {
@@ -326,7 +339,7 @@ class KvRecallService::DecodeCall final
                                 request_);
     } else {
       response_.Clear();
-      status = ToGrpcStatus(decoder_.Serve(request_, &response_));
+      status = service_->Answer(decoder_.Serve(request_, &response_));
       if (status.ok()) SerializeRawMessage(response_, &out_);
     }
     {
@@ -459,6 +472,15 @@ grpc::ServerUnaryReactor* KvRecallService::CloseSession(grpc::CallbackServerCont
   return StartUnary(context, request, response, &KvRecallService::DoCloseSession);
 }
 
+grpc::Status KvRecallService::Answer(const absl::Status& status) {
+  if (!status.ok() && registry_->metrics() != nullptr) {
+    if (std::string limit = RefusedLimit(status); !limit.empty()) {
+      registry_->metrics()->CountRefusal(limit);
+    }
+  }
+  return ToGrpcStatus(status);
+}
+
 absl::Status KvRecallService::DoCreateSession(absl::string_view tenant,
                                               const v1::CreateSessionRequest& request,
                                               v1::CreateSessionResponse* response) {
@@ -495,7 +517,9 @@ absl::Status KvRecallService::DoListSessions(absl::string_view tenant,
 absl::Status KvRecallService::DoCloseSession(absl::string_view tenant,
                                              const v1::CloseSessionRequest& request,
                                              v1::CloseSessionResponse*) {
-  return registry_->Close(request.session_id(), tenant);
+  absl::Status closed = registry_->Close(request.session_id(), tenant);
+  if (closed.ok()) ReturnFreedMemory();
+  return closed;
 }
 
 }  // namespace kvrecall

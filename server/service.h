@@ -80,6 +80,10 @@ class KvRecallService final : public KvRecallRawCallbackService {
 
  private:
   // The unary methods' logic, on typed messages (run on a work queue).
+  // The gRPC status of a call's or a step's outcome; a refusal by a limit (RefusedLimit) is
+  // counted in the metrics on the way.
+  grpc::Status Answer(const absl::Status& status);
+
   // `tenant` is the caller's (server/auth.h's TenantOf).
   absl::Status DoCreateSession(absl::string_view tenant, const v1::CreateSessionRequest& request,
                                v1::CreateSessionResponse* response);

@@ -219,6 +219,9 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   auto session =
       std::make_shared<Session>(id, request.label(), g, *policy, config, *backend, host_budget_);
   if (absl::Status s = session->Admit(); !s.ok()) return s;
+  if (metrics_ != nullptr) {
+    session->set_metrics(metrics_->ForPolicy(policy->placement, policy->selector.kind));
+  }
   absl::MutexLock lock(&mu_);
   sessions_.emplace(id, session);
   tenants_.emplace(id, tenant);

@@ -18,6 +18,7 @@
 #include "server/backends/attention_backend.h"
 #include "server/backends/placements.h"
 #include "server/memory_budget.h"
+#include "server/metrics.h"
 #include "server/policy.h"
 
 namespace kvrecall {
@@ -62,6 +63,10 @@ class Session {
   const EffectivePolicy& policy() const { return policy_; }
   const LayerConfig& layer_config() const { return config_; }
   AttentionBackend* backend() const { return backend_; }
+  // The metrics of the session's placement and selector (null when nobody records them); set
+  // by the registry before the session is published.
+  PolicyMetrics* metrics() const { return metrics_; }
+  void set_metrics(PolicyMetrics* metrics) { metrics_ = metrics; }
   // Where the session's memory is charged (its grants on the host and device budgets).
   SessionAccounts accounts() { return SessionAccounts{&host_grant_, device_grant_.get()}; }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(mu_) { return mu_; }
@@ -97,6 +102,7 @@ class Session {
   const EffectivePolicy policy_;
   const LayerConfig config_;
   AttentionBackend* const backend_;
+  PolicyMetrics* metrics_ = nullptr;
   // Declared before the layers, which charge them, so that they outlive the layers.
   MemoryGrant host_grant_;
   std::unique_ptr<MemoryGrant> device_grant_;  // null when the backend has no device budget
@@ -111,9 +117,11 @@ class Session {
 // Every live session, by id. Thread-safe.
 class SessionRegistry {
  public:
-  // `placements` chooses each session's backend; both outlive the registry.
-  SessionRegistry(MemoryBudget* host_budget, Placements* placements)
-      : host_budget_(host_budget), placements_(placements) {}
+  // `placements` chooses each session's backend; `metrics` (may be null) records what sessions
+  // do; all outlive the registry.
+  SessionRegistry(MemoryBudget* host_budget, Placements* placements,
+                  ServerMetrics* metrics = nullptr)
+      : host_budget_(host_budget), placements_(placements), metrics_(metrics) {}
 
   // Sessions belong to the tenant that created them (server/auth.h's TenantOf; "" when the
   // server authenticates no one): to any other tenant, Find and Close answer NOT_FOUND as for
@@ -135,10 +143,12 @@ class SessionRegistry {
 
   MemoryBudget* budget() const { return host_budget_; }
   Placements* placements() const { return placements_; }
+  ServerMetrics* metrics() const { return metrics_; }
 
  private:
   MemoryBudget* const host_budget_;
   Placements* const placements_;
+  ServerMetrics* const metrics_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> tenants_ ABSL_GUARDED_BY(mu_);  // by session id

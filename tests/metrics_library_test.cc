@@ -79,14 +79,16 @@ TEST(ServerMetricsTest, CountsLayerStepsHeadPathsAndCandidatesPerPolicy) {
   ServerMetrics metrics;
   PolicyMetrics* retopk = metrics.ForPolicy(v1::PLACEMENT_CPU, SelectorKind::kReTopK);
   EXPECT_EQ(retopk, metrics.ForPolicy(v1::PLACEMENT_CPU, SelectorKind::kReTopK));
-  const std::vector<SelectionPath> paths = {SelectionPath::kReuse, SelectionPath::kReuse,
-                                            SelectionPath::kFallback, SelectionPath::kRefresh};
-  const std::vector<int64_t> candidates = {10, 70, 300, 5000};
-  retopk->CountLayerStep(paths, candidates, 2e-3);
-  retopk->CountLayerStep(paths, candidates, 4e-3);
+  const std::vector<HeadReport> heads = {{SelectionPath::kReuse, 10},
+                                         {SelectionPath::kReuse, 70},
+                                         {SelectionPath::kFallback, 300},
+                                         {SelectionPath::kRefresh, 5000}};
+  retopk->CountLayerStep(heads, 2e-3);
+  retopk->CountLayerStep(heads, 4e-3);
   metrics.ForPolicy(v1::PLACEMENT_CPU, SelectorKind::kFull)
-      ->CountLayerStep(std::vector<SelectionPath>(3, SelectionPath::kExact), {}, 1e-4);
+      ->CountLayerStep(std::vector<HeadReport>(3, {SelectionPath::kExact, 16}), 1e-4);
   retopk->ObserveIndexBuild(0.25);
+  retopk->ObservePrefill(1.5);
 
   const std::string text = metrics.TextFormat();
   const std::string cpu_retopk = "placement=\"cpu\",selector=\"retopk\"";
@@ -109,9 +111,12 @@ TEST(ServerMetricsTest, CountsLayerStepsHeadPathsAndCandidatesPerPolicy) {
   }
   EXPECT_EQ(Sample(text, "kvrecall_head_step_candidates_sum{" + cpu_retopk + "}"), 2 * 5380);
   EXPECT_EQ(
-      Sample(text, "kvrecall_head_step_candidates_count{placement=\"cpu\",selector=\"full\"}"), 0);
+      Sample(text, "kvrecall_head_step_candidates_count{placement=\"cpu\",selector=\"full\"}"), 3);
+  EXPECT_EQ(Sample(text, "kvrecall_head_step_candidates_sum{placement=\"cpu\",selector=\"full\"}"),
+            48);
   EXPECT_NEAR(Sample(text, "kvrecall_layer_step_seconds_sum{" + cpu_retopk + "}"), 6e-3, 1e-12);
   EXPECT_EQ(Sample(text, "kvrecall_index_build_seconds_count{" + cpu_retopk + "}"), 1);
+  EXPECT_EQ(Sample(text, "kvrecall_prefill_seconds_sum{" + cpu_retopk + "}"), 1.5);
   // Pairs no session used are not exported.
   EXPECT_THAT(text, Not(HasSubstr("selector=\"index\"")));
 }
@@ -147,16 +152,13 @@ TEST(ServerMetricsTest, CountsRefusalsByLimitAndTypesEveryFamily) {
   metrics.CountRefusal("host_memory_budget");
   metrics.CountRefusal("host_memory_budget");
   metrics.CountRefusal("max_sessions");
-  metrics.ObservePrefill(1.5);
   metrics.ObserveDecodeRequest(3e-5);
   const std::string text = metrics.TextFormat();
   EXPECT_EQ(Sample(text, "kvrecall_requests_refused_total{limit=\"host_memory_budget\"}"), 2);
   EXPECT_EQ(Sample(text, "kvrecall_requests_refused_total{limit=\"max_sessions\"}"), 1);
-  EXPECT_EQ(Sample(text, "kvrecall_prefill_seconds_count"), 1);
   EXPECT_EQ(Sample(text, "kvrecall_decode_request_seconds_count"), 1);
   for (const char* family :
        {"# TYPE kvrecall_rpc_duration_seconds histogram", "# TYPE kvrecall_sessions_open gauge",
-        "# TYPE kvrecall_prefill_seconds histogram",
         "# TYPE kvrecall_decode_request_seconds histogram",
         "# TYPE kvrecall_requests_refused_total counter", "# TYPE kvrecall_build_info gauge"}) {
     EXPECT_THAT(text, HasSubstr(family));

@@ -1,0 +1,239 @@
+"""kvrecalld's /metrics with the real tools: `promtool check metrics` on a scrape of a running
+kvrecalld, and a real `prometheus` (Debian's package) scraping it on loopback, whose query API
+then reports the layer-steps that were sent. Run by CTest (client/python/CMakeLists.txt) with
+KVRECALLD and PYTHONPATH set."""
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+import urllib.parse
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+
+import kvrecall
+from kvrecall.client import make_geometry, make_policy
+from kvrecalld_process import Kvrecalld
+
+GEOMETRY = dict(layers=2, q_heads=4, kv_heads=2, head_dim=16)
+PROMPT_TOKENS = 64
+DECODE_TOKENS = 5
+
+
+def scrape(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.headers.get("Content-Type", ""), r.read().decode()
+
+
+def samples(text):
+    """{'name{labels}': value} of the text format, labels as exported."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            out[series] = float(value)
+    return out
+
+
+def run_workload(address):
+    """Two sessions (exact_topk, retopk) prefilled and decoded DECODE_TOKENS tokens per layer,
+    one bad CreateSession; returns the layer-steps sent."""
+    rng = np.random.default_rng(5)
+    g = make_geometry(**GEOMETRY)
+    layers, hq, hkv, d = (GEOMETRY[k] for k in ("layers", "q_heads", "kv_heads", "head_dim"))
+    steps = 0
+    with kvrecall.Client(address, wait_ready_s=30) as c:
+        try:
+            c.create_session(make_geometry(1, 3, 2, 16))  # kv_heads must divide q_heads
+        except kvrecall.KvRecallError as e:
+            assert e.code == grpc.StatusCode.INVALID_ARGUMENT, e
+        for policy in (make_policy("exact_topk", top_k=16), make_policy("retopk", top_k=16)):
+            s = c.create_session(g, policy)
+            s.prefill([(rng.standard_normal((PROMPT_TOKENS, hq, d), dtype=np.float32),
+                        rng.standard_normal((PROMPT_TOKENS, hkv, d), dtype=np.float32),
+                        rng.standard_normal((PROMPT_TOKENS, hkv, d), dtype=np.float32))
+                       for _ in range(layers)])
+            for _ in range(DECODE_TOKENS):
+                for layer in range(layers):
+                    s.attend(layer, rng.standard_normal((hq, d), dtype=np.float32),
+                             rng.standard_normal((hkv, d), dtype=np.float32),
+                             rng.standard_normal((hkv, d), dtype=np.float32))
+                    steps += 1
+            s.close()
+    return steps
+
+
+class ScrapeTest(unittest.TestCase):
+    def test_scrape_passes_promtool_and_counts_what_was_served(self):
+        with Kvrecalld() as server:
+            steps = run_workload(server.address)
+            content_type, text = scrape(server.metrics_url)
+        self.assertIn("text/plain", content_type)
+        check = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
+                               capture_output=True)
+        self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
+        self.assertEqual(check.stdout + check.stderr, "", "promtool found problems")
+
+        m = samples(text)
+        method = 'method="kvrecall.v1.KvRecall/{}"'
+        self.assertEqual(m[f'kvrecall_rpcs_total{{code="OK",{method.format("CreateSession")}}}'], 2)
+        self.assertEqual(
+            m[f'kvrecall_rpcs_total{{code="INVALID_ARGUMENT",{method.format("CreateSession")}}}'], 1)
+        self.assertEqual(m[f'kvrecall_rpcs_total{{code="OK",{method.format("Prefill")}}}'], 2)
+        self.assertEqual(m[f'kvrecall_rpcs_total{{code="OK",{method.format("CloseSession")}}}'], 2)
+        self.assertEqual(m['kvrecall_decode_request_seconds_count'], steps)
+        layer_steps = {k: v for k, v in m.items() if k.startswith("kvrecall_layer_steps_total{")}
+        self.assertEqual(layer_steps, {
+            'kvrecall_layer_steps_total{placement="cpu",selector="exact_topk"}': steps / 2,
+            'kvrecall_layer_steps_total{placement="cpu",selector="retopk"}': steps / 2})
+        head_steps = {k: v for k, v in m.items() if k.startswith("kvrecall_head_steps_total{")}
+        self.assertEqual(sum(head_steps.values()), steps * GEOMETRY["q_heads"])
+        self.assertEqual(
+            m['kvrecall_head_steps_total{path="exact",placement="cpu",selector="exact_topk"}'],
+            steps / 2 * GEOMETRY["q_heads"])
+        # exact_topk scores every token of the growing context on every head-step.
+        cpu_topk = 'placement="cpu",selector="exact_topk"'
+        self.assertEqual(m[f"kvrecall_head_step_candidates_count{{{cpu_topk}}}"],
+                         steps / 2 * GEOMETRY["q_heads"])
+        tokens_scored = sum(PROMPT_TOKENS + t + 1 for t in range(DECODE_TOKENS))
+        self.assertEqual(m[f"kvrecall_head_step_candidates_sum{{{cpu_topk}}}"],
+                         tokens_scored * GEOMETRY["layers"] * GEOMETRY["q_heads"])
+        for selector in ("exact_topk", "retopk"):
+            labels = f'placement="cpu",selector="{selector}"'
+            self.assertEqual(m[f"kvrecall_prefill_seconds_count{{{labels}}}"], 1)
+            self.assertEqual(m[f"kvrecall_index_build_seconds_count{{{labels}}}"],
+                             GEOMETRY["layers"])
+            self.assertEqual(m[f"kvrecall_layer_step_seconds_count{{{labels}}}"], steps / 2)
+        self.assertEqual(m["kvrecall_sessions_open"], 0)
+        self.assertEqual(m["kvrecall_host_memory_budget_bytes"], math.inf)
+
+    def test_other_paths_are_not_found_and_the_endpoint_keeps_serving(self):
+        # A probe of any other path once crashed kvrecalld (civetweb's file handler overflowed
+        # its worker's stack); it must answer 404 and leave /metrics and the server up.
+        with Kvrecalld() as server:
+            base = server.metrics_url.rsplit("/", 1)[0]
+            for path in ("/", "/nope", "/metrics/../etc/passwd", "/favicon.ico"):
+                with self.assertRaises(urllib.error.HTTPError) as caught:
+                    urllib.request.urlopen(base + path, timeout=10)
+                self.assertEqual(caught.exception.code, 404, path)
+            content_type, text = scrape(server.metrics_url)
+            self.assertIn("kvrecall_build_info", text)
+            with kvrecall.Client(server.address, wait_ready_s=30) as c:
+                self.assertEqual(c.list_sessions(), [])
+
+    def test_gauges_follow_open_sessions_and_the_budget(self):
+        with Kvrecalld("--host_memory_budget_gb=1") as server:
+            with kvrecall.Client(server.address, wait_ready_s=30) as c:
+                g = make_geometry(**GEOMETRY)
+                s = c.create_session(g, make_policy("full"))
+                hq, hkv, d = GEOMETRY["q_heads"], GEOMETRY["kv_heads"], GEOMETRY["head_dim"]
+                s.prefill([(np.ones((10, hq, d), np.float32), np.ones((10, hkv, d), np.float32),
+                            np.ones((10, hkv, d), np.float32))] * GEOMETRY["layers"])
+                m = samples(scrape(server.metrics_url)[1])
+                info = s.info()
+                s.close()
+        self.assertEqual(m["kvrecall_sessions_open"], 1)
+        self.assertEqual(m["kvrecall_tokens_held"], 10)
+        self.assertEqual(m["kvrecall_host_memory_budget_bytes"], 1 << 30)
+        self.assertGreaterEqual(m["kvrecall_host_memory_bytes"], info.host_bytes)
+        self.assertGreater(info.host_bytes, 0)
+
+    def test_a_request_the_budget_refuses_is_counted_by_its_limit(self):
+        # 64 KiB of host memory: one layer of 1000 prompt tokens (q, k, v in f32) does not fit.
+        with Kvrecalld(f"--host_memory_budget_gb={64 / (1 << 20)}") as server:
+            with kvrecall.Client(server.address, wait_ready_s=30) as c:
+                hq, hkv, d = GEOMETRY["q_heads"], GEOMETRY["kv_heads"], GEOMETRY["head_dim"]
+                s = c.create_session(make_geometry(1, hq, hkv, d), make_policy("full"))
+                with self.assertRaises(kvrecall.KvRecallError) as refused:
+                    s.prefill([(np.ones((1000, hq, d), np.float32),
+                                np.ones((1000, hkv, d), np.float32),
+                                np.ones((1000, hkv, d), np.float32))])
+                m = samples(scrape(server.metrics_url)[1])
+        self.assertEqual(refused.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertIn("host_memory_budget_gb", refused.exception.message)
+        self.assertEqual(m['kvrecall_requests_refused_total{limit="host_memory_budget"}'], 1)
+        self.assertEqual(
+            m['kvrecall_rpcs_total{code="RESOURCE_EXHAUSTED",method="kvrecall.v1.KvRecall/Prefill"}'],
+            1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@unittest.skipIf(shutil.which("prometheus") is None,
+                 "prometheus is not installed (scripts/install_deps.sh installs Debian's)")
+class PrometheusServerTest(unittest.TestCase):
+    def test_prometheus_scrapes_kvrecalld_and_counts_the_layer_steps_sent(self):
+        with tempfile.TemporaryDirectory(prefix="kvrecall-prometheus-") as tmp, \
+                Kvrecalld() as server:
+            target = urllib.parse.urlparse(server.metrics_url).netloc
+            config = os.path.join(tmp, "prometheus.yml")
+            with open(config, "w") as f:
+                f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                        "scrape_configs:\n  - job_name: kvrecalld\n"
+                        f"    static_configs:\n      - targets: ['{target}']\n")
+            check = subprocess.run(["promtool", "check", "config", config], capture_output=True,
+                                   text=True)
+            self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
+            port = free_port()
+            log = open(os.path.join(tmp, "prometheus.log"), "w+")
+            prometheus = subprocess.Popen(
+                ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
+                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+            api = f"http://127.0.0.1:{port}"
+            try:
+                self.wait_for(lambda: urllib.request.urlopen(f"{api}/-/ready", timeout=2).status
+                              == 200, "prometheus ready", log)
+                steps = run_workload(server.address)
+
+                def query(expr):
+                    url = f"{api}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+                    with urllib.request.urlopen(url, timeout=5) as r:
+                        body = json.load(r)
+                    self.assertEqual(body["status"], "success", body)
+                    return body["data"]["result"]
+
+                def counted():
+                    result = query("sum(kvrecall_layer_steps_total)")
+                    return result and float(result[0]["value"][1]) == steps
+
+                self.wait_for(counted, f"sum(kvrecall_layer_steps_total) == {steps}", log)
+                up = query('up{job="kvrecalld"}')
+                self.assertEqual(up[0]["value"][1], "1")
+                by_selector = {r["metric"]["selector"]: float(r["value"][1])
+                               for r in query("kvrecall_layer_steps_total")}
+                self.assertEqual(by_selector, {"exact_topk": steps / 2, "retopk": steps / 2})
+                created = query('kvrecall_rpcs_total{method="kvrecall.v1.KvRecall/CreateSession",'
+                                'code="OK"}')
+                self.assertEqual(float(created[0]["value"][1]), 2)
+            finally:
+                prometheus.terminate()
+                prometheus.wait(30)
+                log.close()
+
+    def wait_for(self, condition, what, log, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if condition():
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        log.seek(0)
+        self.fail(f"timed out waiting for {what}; prometheus said: {log.read()[-3000:]}")
+
+
+if __name__ == "__main__":
+    unittest.main()
