@@ -13,7 +13,8 @@
 # empty PY_DIR: no Python runs. Environment: ITERATIONS (pairs per C++ run, default 10000),
 # PY_ITERATIONS (default 4000), SERVERS (default "echo-sync echo-callback kvrecalld"),
 # CLIENTS (default "c++ python-numpy python-torch c++-unary python-unary python-aio"; each
-# server runs those that apply to it), KVRECALLD_FLAGS (more kvrecalld flags).
+# server runs those that apply to it), KVRECALLD_FLAGS (more kvrecalld flags), KVRECALLD (another
+# kvrecalld binary than BIN_DIR's, say an earlier build to compare with).
 # Writes OUT_DIR/<server>_<transport>_<client>.json, logs beside them, and
 # OUT_DIR/rpc_floor_table.md (bench/echo_floor_table.py).
 set -uo pipefail
@@ -54,7 +55,8 @@ start() {
   case $server in
     kvrecalld)
       # shellcheck disable=SC2086
-      start_kvrecalld "$bin/kvrecalld" "$log" --address="$listen" ${KVRECALLD_FLAGS:-} || return 1
+      start_kvrecalld "${KVRECALLD:-$bin/kvrecalld}" "$log" --address="$listen" \
+        ${KVRECALLD_FLAGS:-} || return 1
       pid=$kvrecalld_pid address=$kvrecalld_address ;;
     echo-*)
       "$bin/echo_floor" --api="${server#echo-}" --address="$listen" >"$log" 2>&1 &

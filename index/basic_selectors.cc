@@ -10,8 +10,11 @@ namespace kvrecall {
 void AppendStaticSet(int64_t tokens, int sinks, int recent, std::vector<int32_t>* ids) {
   const int64_t sink_end = std::min<int64_t>(sinks, tokens);
   const int64_t recent_begin = std::max<int64_t>(sink_end, tokens - recent);
-  for (int64_t t = 0; t < sink_end; ++t) ids->push_back(static_cast<int32_t>(t));
-  for (int64_t t = recent_begin; t < tokens; ++t) ids->push_back(static_cast<int32_t>(t));
+  // Sized once and filled by iota: it runs for every head of every step.
+  const size_t at = ids->size();
+  ids->resize(at + static_cast<size_t>(sink_end + tokens - recent_begin));
+  std::iota(ids->begin() + at, ids->begin() + at + sink_end, 0);
+  std::iota(ids->begin() + at + sink_end, ids->end(), static_cast<int32_t>(recent_begin));
 }
 
 void FullSelector::Select(int, const float*, const KvView& kv, HeadSelection* out) {

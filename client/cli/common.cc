@@ -12,7 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "google/protobuf/util/json_util.h"
 
-ABSL_FLAG(std::string, server, "localhost:50051", "kvrecalld address, HOST:PORT");
+ABSL_FLAG(std::string, server, "localhost:50051", "kvrecalld address, HOST:PORT or unix:PATH");
 ABSL_FLAG(bool, json, false, "print machine-readable JSON (one object per line)");
 
 ABSL_FLAG(bool, tls, false, "connect with TLS (implied by the other --tls_* flags and --token_file)");

@@ -103,8 +103,7 @@ void CpuLayer::Step(const LayerStep& step) {
   const int64_t predicted_tokens =
       last_scored_tokens_ >= 0 ? last_scored_tokens_ : static_cast<int64_t>(heads) * kv.tokens;
   const int threads = cpu::ThreadsFor(predicted_tokens * d, heads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int h = 0; h < heads; ++h) {
+  auto select = [&](int h) {
     HeadSelection& selection = selections_[h];
     // The support buffers travel between the selection and `supports_` (the attention
     // kernel's input) by swapping, so their capacity is reused from step to step.
@@ -114,6 +113,13 @@ void CpuLayer::Step(const LayerStep& step) {
     selection.best_cosine = 0.0f;
     selector->Select(h, q + static_cast<int64_t>(h) * d, kv, &selection);
     std::swap(selection.support, supports_[h]);
+  };
+  if (threads > 1) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int h = 0; h < heads; ++h) select(h);
+  } else {
+    // Not even an inactive OpenMP region: entering one costs more than a cheap selection.
+    for (int h = 0; h < heads; ++h) select(h);
   }
   cpu::MultiHeadAttention(q, heads, kv, supports_, shape_.scale, step.o, step.lse);
 
