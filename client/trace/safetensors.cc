@@ -207,7 +207,11 @@ absl::Status SafetensorsFile::Parse() {
       }
       continue;
     }
-    auto bad = [&](auto&&... parts) { return invalid("tensor '", name, "': ", parts...); };
+    // An init-capture, not the structured binding itself: clang 16 cannot capture bindings
+    // under -fopenmp (the sanitizer and fuzz builds).
+    auto bad = [&, &tensor = name](auto&&... parts) {
+      return invalid("tensor '", tensor, "': ", parts...);
+    };
     if (!entry.is_object()) return bad("entry is not an object");
     const auto dtype_it = entry.find("dtype");
     const auto shape_it = entry.find("shape");
