@@ -7,14 +7,16 @@
 
 namespace kvrecall {
 
-IndexSelector::IndexSelector(const LayerShape& shape, const SelectorParams& params)
+IndexSelector::IndexSelector(const LayerShape& shape, const SelectorParams& params,
+                             bool bulk_only, BatchTopKFunction batch_topk)
     : shape_(shape),
       top_k_(params.top_k),
       sinks_(params.sinks),
       recent_(params.recent),
-      index_params_(params.index.WithDefaults()) {
+      index_params_(params.index.WithDefaults()),
+      bulk_only_(bulk_only) {
   heads_.reserve(shape.q_heads);
-  for (int h = 0; h < shape.q_heads; ++h) heads_.emplace_back(index_params_);
+  for (int h = 0; h < shape.q_heads; ++h) heads_.emplace_back(index_params_, batch_topk);
 }
 
 int64_t IndexSelector::BulkEnd(int64_t tokens) const {
@@ -77,7 +79,7 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
   const int64_t bulk_end = BulkEnd(kv.tokens);
   const int64_t indexed = std::min<int64_t>(head.index.size(), bulk_end - sinks_);
   out->support.clear();
-  AppendStaticSet(kv.tokens, sinks_, recent_, &out->support);
+  if (!bulk_only_) AppendStaticSet(kv.tokens, sinks_, recent_, &out->support);
   out->path = SelectionPath::kExact;
   out->candidates = 0;
   if (indexed > 0) {

@@ -5,8 +5,10 @@
 #define KVRECALL_INDEX_INDEX_SELECTOR_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
+#include "index/batch_topk.h"
 #include "index/graph_index.h"
 #include "index/support_selector.h"
 
@@ -20,8 +22,11 @@ namespace kvrecall {
 // bulk tokens; bulk tokens the index does not hold yet are attended to directly.
 class IndexSelector : public SupportSelector {
  public:
-  // params.index zeros take GraphIndexParams defaults.
-  IndexSelector(const LayerShape& shape, const SelectorParams& params);
+  // params.index zeros take GraphIndexParams defaults. bulk_only: the support holds the bulk's
+  // tokens alone (the tiered placement attends the static set elsewhere). batch_topk: the exact
+  // top-k of the graph build's sampled queries (CpuBatchTopK, or the GPU's).
+  IndexSelector(const LayerShape& shape, const SelectorParams& params, bool bulk_only = false,
+                BatchTopKFunction batch_topk = CpuBatchTopK);
 
   absl::Status Build(const KvView& kv, const float* prompt_queries) override;
   void OnAppend(const KvView& kv) override;
@@ -35,7 +40,8 @@ class IndexSelector : public SupportSelector {
   static constexpr int kRecentQueries = 32;
 
   struct Head {
-    explicit Head(const GraphIndexParams& params) : index(params) {}
+    Head(const GraphIndexParams& params, BatchTopKFunction batch_topk)
+        : index(params, std::move(batch_topk)) {}
     GraphIndex index;
     std::vector<float> recent_queries;  // ring of [kRecentQueries, head_dim]
     int64_t queries_seen = 0;
@@ -52,6 +58,7 @@ class IndexSelector : public SupportSelector {
   int sinks_;
   int recent_;
   GraphIndexParams index_params_;
+  bool bulk_only_;
   std::vector<Head> heads_;
 };
 

@@ -157,8 +157,9 @@ float CalibrateTau(std::span<const ReuseSample> samples, float target_recall,
   return kInf;
 }
 
-ReTopKSelector::ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params)
-    : shape_(shape), top_k_(top_k), params_(params) {
+ReTopKSelector::ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params,
+                               int64_t query_lead)
+    : shape_(shape), top_k_(top_k), params_(params), query_lead_(query_lead) {
   const ReTopKHeadParams head_params{top_k, params.reuse_neighbors, params.recent_window,
                                      params.refresh_interval, params.tau, shape.scale};
   heads_.assign(shape.q_heads, ReTopKHead(head_params, params.cache_capacity, shape.head_dim));
@@ -206,6 +207,8 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     const TopKLists& lists = head_lists[h];
     auto query_at = [&](int64_t p) { return prompt_queries + p * query_stride + h * d; };
+    // The last key query p sees (its own position, shifted by the lead).
+    auto seen_until = [&](int64_t p) { return std::min(p + query_lead_, tokens - 1); };
     std::vector<std::vector<int32_t>> exact(tokens - begin);
     std::vector<int32_t> candidates, positions;
     std::vector<float> scores;
@@ -213,7 +216,9 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
       const int32_t* list = lists.list(p - begin);
       candidates.assign(list, list + lists.k);
       std::sort(candidates.begin(), candidates.end());
-      for (int64_t t = begin; t <= p; ++t) candidates.push_back(static_cast<int32_t>(t));
+      for (int64_t t = begin; t <= seen_until(p); ++t) {
+        candidates.push_back(static_cast<int32_t>(t));
+      }
       TopKOfCandidates(query_at(p), kv, kv_head, shape_.scale, top_k_, candidates, &scores,
                        &positions, &exact[p - begin]);
     }
@@ -237,15 +242,16 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
       std::vector<float> exact_scores;
       HeadSelection selection;
       for (int64_t p = warm_end; p < tokens; ++p) {
-        const KvView prefix = Prefix(kv, p + 1);
+        const KvView prefix = Prefix(kv, seen_until(p) + 1);
         const std::vector<int32_t>& exact_support = exact[p - begin];
         replay.Step(query_at(p), prefix, kv_head, /*decode_step=*/1, &selection);
         exact_scores.resize(exact_support.size());
         cpu::ScoreTokens(query_at(p), prefix, kv_head, exact_support, shape_.scale,
                          exact_scores.data());
         samples.push_back({selection.best_cosine,
-                           static_cast<float>(WeightedSupportRecall(
-                               selection.support, exact_support, exact_scores, p + 1, &marks))});
+                           static_cast<float>(WeightedSupportRecall(selection.support,
+                                                                    exact_support, exact_scores,
+                                                                    seen_until(p) + 1, &marks))});
       }
       params.tau = CalibrateTau(samples, params_.target_recall, params_.tau);
     }

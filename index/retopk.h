@@ -146,7 +146,12 @@ inline constexpr int kCalibrationQueries = 256;
 // of at most C tokens leaves nothing to replay and keeps the fixed tau.
 class ReTopKSelector : public SupportSelector {
  public:
-  ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params);
+  // query_lead: prompt query p sits query_lead positions after key p and sees keys
+  // [0, min(p + query_lead, T - 1)] (0: the prompt's own causal attention). The tiered placement
+  // builds over the bulk, which ends `recent` tokens before the prompt does: its queries (those of
+  // the last positions) see the whole bulk.
+  ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params,
+                 int64_t query_lead = 0);
 
   absl::Status Build(const KvView& kv, const float* prompt_queries) override;
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
@@ -160,6 +165,7 @@ class ReTopKSelector : public SupportSelector {
   LayerShape shape_;
   int top_k_;
   ReTopKParams params_;
+  int64_t query_lead_ = 0;
   int64_t prompt_tokens_ = 0;
   std::vector<ReTopKHead> heads_;
 };

@@ -1,0 +1,339 @@
+// What the CUDA halves of the placements share (server/backends/gpu_backend.cc, the GPU-resident
+// placement, and gpu_static_set.cc, the tiered placement's static set): the device scope of an
+// entry point, pinned and budget-charged device buffers, a Decode stream's CUDA resources, and the
+// packing of a step's arrays into one copy. CUDA builds only.
+#ifndef KVRECALL_SERVER_BACKENDS_GPU_SUPPORT_H_
+#define KVRECALL_SERVER_BACKENDS_GPU_SUPPORT_H_
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/decode_types.h"
+#include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/partial_attention.h"
+#include "kernels/cuda/retopk.h"
+#include "kernels/cuda/topk_workspace.h"
+#include "server/backends/attention_backend.h"
+#include "server/memory_budget.h"
+
+namespace kvrecall::gpu {
+
+using cuda::CudaStatus;
+using cuda::DecodeShape;
+using cuda::DeviceBuffer;
+using cuda::DeviceSeq;
+using cuda::KvDtype;
+
+// Split-K partial states the full and streaming paths may use per row (flash-decoding):
+// enough for a 1M-token history to spread over every multiprocessor.
+inline constexpr int kMaxSplits = 512;
+
+// Makes `ordinal` the calling thread's current device for the scope (every entry point of the
+// backend runs on whichever thread gRPC gives it).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int ordinal) { status_ = CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"); }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  absl::Status status_;
+};
+
+inline KvDtype KvDtypeOf(v1::DType dtype) {
+  return dtype == v1::DTYPE_F16 ? KvDtype::kF16 : KvDtype::kBf16;
+}
+
+inline int64_t RowElems(const LayerConfig& config) {
+  return int64_t{config.shape.kv_heads} * config.shape.head_dim;
+}
+
+inline DecodeShape ShapeOf(const LayerConfig& config, int batch) {
+  return DecodeShape{batch,
+                     config.shape.q_heads,
+                     config.shape.kv_heads,
+                     config.shape.head_dim,
+                     KvDtypeOf(config.dtype),
+                     config.shape.scale};
+}
+
+// Device bytes of the KV of `tokens` tokens: keys and values, 2 bytes an element.
+inline int64_t KvBytes(const LayerConfig& config, int64_t tokens) {
+  return 2 * tokens * RowElems(config) * 2;
+}
+
+// Pinned host memory, for the asynchronous copies of prompts and steps.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { Free(); }
+
+  // At least `bytes`, the content not kept; charged to `account` (may be null).
+  absl::Status Ensure(size_t bytes, MemoryAccount* account, absl::string_view what) {
+    if (bytes <= bytes_) return absl::OkStatus();
+    Free();
+    const size_t grown = std::max(bytes, bytes_ + bytes_ / 2);
+    if (account != nullptr) {
+      if (absl::Status s = account->Reserve(static_cast<int64_t>(grown), what); !s.ok()) return s;
+    }
+    void* ptr = nullptr;
+    absl::Status s = CudaStatus(cudaHostAlloc(&ptr, grown, cudaHostAllocDefault),
+                                absl::StrCat("allocating ", grown, " pinned bytes for ", what));
+    if (!s.ok()) {
+      if (account != nullptr) account->Release(static_cast<int64_t>(grown));
+      return s;
+    }
+    data_ = static_cast<std::byte*>(ptr);
+    bytes_ = grown;
+    account_ = account;
+    return absl::OkStatus();
+  }
+  std::byte* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void Free() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    if (account_ != nullptr) account_->Release(static_cast<int64_t>(bytes_));
+    data_ = nullptr;
+    bytes_ = 0;
+    account_ = nullptr;
+  }
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+  MemoryAccount* account_ = nullptr;
+};
+
+// Device memory charged to a MemoryAccount for as long as it lives.
+template <typename T>
+class ChargedBuffer {
+ public:
+  ChargedBuffer() = default;
+  ChargedBuffer(ChargedBuffer&& other) noexcept { *this = std::move(other); }
+  ChargedBuffer& operator=(ChargedBuffer&& other) noexcept {
+    if (this != &other) {
+      Free();
+      buffer_ = std::move(other.buffer_);
+      account_ = std::exchange(other.account_, nullptr);
+    }
+    return *this;
+  }
+  ~ChargedBuffer() { Free(); }
+
+  // `count` zeroed elements, the previous content freed; RESOURCE_EXHAUSTED naming `what`.
+  absl::Status Allocate(size_t count, MemoryAccount* account, absl::string_view what) {
+    Free();
+    const int64_t bytes = static_cast<int64_t>(count * sizeof(T));
+    if (absl::Status s = account->Reserve(bytes, what); !s.ok()) return s;
+    absl::StatusOr<DeviceBuffer<T>> fresh = DeviceBuffer<T>::Zeroed(count);
+    if (!fresh.ok()) {
+      account->Release(bytes);
+      return fresh.status();
+    }
+    buffer_ = *std::move(fresh);
+    account_ = account;
+    return absl::OkStatus();
+  }
+  void Free() {
+    if (account_ != nullptr) account_->Release(static_cast<int64_t>(buffer_.bytes()));
+    buffer_ = DeviceBuffer<T>();
+    account_ = nullptr;
+  }
+  T* data() const { return buffer_.data(); }
+  size_t size() const { return buffer_.size(); }
+  size_t bytes() const { return buffer_.bytes(); }
+
+ private:
+  DeviceBuffer<T> buffer_;
+  MemoryAccount* account_ = nullptr;
+};
+
+// Whether two layers can step in one launch sequence: the same kernels with the same knobs.
+inline bool SameKernels(const LayerConfig& a, const LayerConfig& b) {
+  const SelectorParams& x = a.selector;
+  const SelectorParams& y = b.selector;
+  if (a.shape.q_heads != b.shape.q_heads || a.shape.kv_heads != b.shape.kv_heads ||
+      a.shape.head_dim != b.shape.head_dim || a.shape.scale != b.shape.scale ||
+      a.dtype != b.dtype || x.kind != y.kind) {
+    return false;
+  }
+  switch (x.kind) {
+    case SelectorKind::kExactTopK:
+      return x.top_k == y.top_k;
+    case SelectorKind::kStreaming:
+      return x.sinks == y.sinks && x.recent == y.recent;
+    case SelectorKind::kReTopK:
+      return x.top_k == y.top_k && x.retopk.cache_capacity == y.retopk.cache_capacity &&
+             x.retopk.reuse_neighbors == y.retopk.reuse_neighbors &&
+             x.retopk.recent_window == y.retopk.recent_window &&
+             x.retopk.refresh_interval == y.retopk.refresh_interval;
+    default:
+      return true;
+  }
+}
+
+// A Decode stream's resources on one device. Buffers grow to the largest batch and history the
+// stream has seen and are charged to the device's budget while the stream lives.
+class GpuStepContext final : public StepContext {
+ public:
+  GpuStepContext(int ordinal, MemoryBudget* budget) : ordinal_(ordinal), budget_(budget) {}
+  ~GpuStepContext() override {
+    DeviceScope scope(ordinal_);
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);
+      cudaStreamDestroy(stream_);
+    }
+    attention_ws_.reset();
+    topk_ws_.reset();
+    retopk_ws_.reset();
+    budget_->Release(workspace_bytes_);
+  }
+
+  absl::Status Start() {
+    if (stream_ != nullptr) return absl::OkStatus();
+    return CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                      "creating a decode stream");
+  }
+  cudaStream_t stream() const { return stream_; }
+
+  // Room for `bytes` of step input and output on both sides.
+  absl::Status EnsureIo(size_t in_bytes, size_t out_bytes) {
+    if (absl::Status s = pinned_in_.Ensure(in_bytes, nullptr, "step input"); !s.ok()) return s;
+    if (absl::Status s = pinned_out_.Ensure(out_bytes, nullptr, "step output"); !s.ok()) return s;
+    if (device_in_.bytes() < in_bytes) {
+      if (absl::Status s = device_in_.Allocate(pinned_in_.bytes(), budget_, "a step's input");
+          !s.ok()) {
+        return s;
+      }
+    }
+    if (device_out_.bytes() < out_bytes) {
+      if (absl::Status s = device_out_.Allocate(pinned_out_.bytes(), budget_, "a step's output");
+          !s.ok()) {
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+  std::byte* pinned_in() const { return pinned_in_.data(); }
+  std::byte* pinned_out() const { return pinned_out_.data(); }
+  std::byte* device_in() const { return device_in_.data(); }
+  std::byte* device_out() const { return device_out_.data(); }
+
+  absl::StatusOr<cuda::AttentionWorkspace*> AttentionWs(int rows) {
+    if (attention_ws_ == nullptr || attention_ws_->max_rows() < rows) {
+      const int64_t bytes = cuda::AttentionWorkspace::DeviceBytesFor(rows, kMaxSplits);
+      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&attention_bytes_, bytes, "a decode workspace"));
+      attention_ws_.reset();
+      absl::StatusOr<std::unique_ptr<cuda::AttentionWorkspace>> ws =
+          cuda::AttentionWorkspace::Create(rows, kMaxSplits);
+      if (!ws.ok()) return ws.status();
+      attention_ws_ = *std::move(ws);
+    }
+    return attention_ws_.get();
+  }
+  absl::StatusOr<cuda::TopKWorkspace*> TopKWs(int rows, int64_t tokens) {
+    if (topk_ws_ == nullptr || topk_ws_->max_rows() < rows || topk_ws_->max_tokens() < tokens) {
+      // Grown with slack in the history so that a growing session does not re-create it often.
+      const int64_t want_tokens =
+          std::min<int64_t>(INT32_MAX / 2, std::max<int64_t>(tokens, tokens + tokens / 4));
+      const int want_rows = std::max(rows, topk_ws_ != nullptr ? topk_ws_->max_rows() : 0);
+      const int64_t bytes =
+          cuda::TopKWorkspace::DeviceBytesFor(want_rows, static_cast<int>(want_tokens));
+      topk_ws_.reset();
+      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&topk_bytes_, bytes, "a top-K workspace"));
+      absl::StatusOr<std::unique_ptr<cuda::TopKWorkspace>> ws =
+          cuda::TopKWorkspace::Create(want_rows, static_cast<int>(want_tokens));
+      if (!ws.ok()) return ws.status();
+      topk_ws_ = *std::move(ws);
+    }
+    return topk_ws_.get();
+  }
+  absl::StatusOr<cuda::ReTopKWorkspace*> ReTopKWs(const LayerConfig& config, int batch,
+                                                  int64_t tokens) {
+    const SelectorParams& p = config.selector;
+    if (retopk_ws_ == nullptr || retopk_ws_->max_batch() < batch ||
+        retopk_ws_->max_tokens() < tokens || !SameKernels(retopk_config_, config)) {
+      const int64_t want_tokens =
+          std::min<int64_t>(INT32_MAX / 2, std::max<int64_t>(tokens, tokens + tokens / 4));
+      const int want_batch =
+          std::max(batch, retopk_ws_ != nullptr && SameKernels(retopk_config_, config)
+                              ? retopk_ws_->max_batch()
+                              : 0);
+      const DecodeShape shape = ShapeOf(config, want_batch);
+      retopk_ws_.reset();
+      const int64_t bytes = cuda::ReTopKWorkspace::DeviceBytesFor(shape, p.top_k, p.retopk,
+                                                                  static_cast<int>(want_tokens));
+      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&retopk_bytes_, bytes, "a ReTopK workspace"));
+      absl::StatusOr<std::unique_ptr<cuda::ReTopKWorkspace>> ws = cuda::ReTopKWorkspace::Create(
+          shape, p.top_k, p.retopk, static_cast<int>(want_tokens));
+      if (!ws.ok()) return ws.status();
+      retopk_ws_ = *std::move(ws);
+      retopk_config_ = config;
+    }
+    return retopk_ws_.get();
+  }
+
+ private:
+  // Moves the charge *held from its old value to `bytes` (RESOURCE_EXHAUSTED: nothing changed).
+  absl::Status Recharge(int64_t* held, int64_t bytes, absl::string_view what) {
+    if (bytes > *held) {
+      if (absl::Status s = budget_->Reserve(bytes - *held, what); !s.ok()) return s;
+    } else {
+      budget_->Release(*held - bytes);
+    }
+    workspace_bytes_ += bytes - *held;
+    *held = bytes;
+    return absl::OkStatus();
+  }
+
+  const int ordinal_;
+  MemoryBudget* const budget_;
+  cudaStream_t stream_ = nullptr;
+  PinnedBuffer pinned_in_;
+  PinnedBuffer pinned_out_;
+  ChargedBuffer<std::byte> device_in_;
+  ChargedBuffer<std::byte> device_out_;
+  std::unique_ptr<cuda::AttentionWorkspace> attention_ws_;
+  std::unique_ptr<cuda::TopKWorkspace> topk_ws_;
+  std::unique_ptr<cuda::ReTopKWorkspace> retopk_ws_;
+  LayerConfig retopk_config_;
+  int64_t attention_bytes_ = 0, topk_bytes_ = 0, retopk_bytes_ = 0;
+  int64_t workspace_bytes_ = 0;  // the sum of the three, charged to budget_
+};
+
+// Carves aligned arrays out of one contiguous buffer (the packed input or output of a step), so
+// that one copy moves them all.
+class Carver {
+ public:
+  explicit Carver(std::byte* base) : base_(base) {}
+  template <typename T>
+  size_t Take(size_t count) {
+    offset_ = (offset_ + 15) / 16 * 16;
+    const size_t at = offset_;
+    offset_ += count * sizeof(T);
+    return at;
+  }
+  size_t size() const { return offset_; }
+  template <typename T>
+  T* At(std::byte* base, size_t offset) const {
+    return reinterpret_cast<T*>(base + offset);
+  }
+
+ private:
+  std::byte* base_;
+  size_t offset_ = 0;
+};
+
+}  // namespace kvrecall::gpu
+
+#endif  // KVRECALL_SERVER_BACKENDS_GPU_SUPPORT_H_
