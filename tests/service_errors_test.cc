@@ -451,9 +451,6 @@ TEST_F(ServiceErrorsTest, BadPolicyKnobs) {
         "policy.placement PLACEMENT_GPU cannot be served: ",
         [](v1::Policy& p) { p.set_placement(v1::PLACEMENT_GPU); });
   }
-  add(absl::StatusCode::kFailedPrecondition,
-      "policy.placement PLACEMENT_TIERED is not served by this kvrecalld yet",
-      [](v1::Policy& p) { p.set_placement(v1::PLACEMENT_TIERED); });
   for (const Case& c : cases) {
     EXPECT_TRUE(HasStatus(CreateSession(stub(), MakeGeometry(1, 4, 2, 16), c.policy).status(),
                           c.code, c.message));

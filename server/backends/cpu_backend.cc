@@ -13,33 +13,6 @@
 namespace kvrecall {
 namespace {
 
-// The prompt in host memory as it arrives: the layer's KV store itself (it becomes the layer's)
-// and the queries, which only the selector's build reads.
-class CpuPromptStaging final : public PromptStaging {
- public:
-  CpuPromptStaging(const LayerShape& shape, MemoryAccount* host)
-      : kv(shape.kv_heads, shape.head_dim, host),
-        queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
-
-  absl::Status Reserve(int64_t more, absl::string_view what) override {
-    if (absl::Status s = kv.Reserve(more, what); !s.ok()) return s;
-    return queries.Reserve(more, what);
-  }
-  float* query_tail() override { return queries.tail(); }
-  float* key_tail() override { return kv.key_tail(); }
-  float* value_tail() override { return kv.value_tail(); }
-  absl::Status Commit(int64_t n, bool with_queries) override {
-    if (!with_queries) std::fill_n(queries.tail(), n * queries.row_width(), 0.0f);
-    kv.Commit(n);
-    queries.Commit(n);
-    return absl::OkStatus();
-  }
-  int64_t tokens() const override { return kv.tokens(); }
-
-  LayerKvStore kv;
-  BudgetedRows queries;
-};
-
 class CpuLayer final : public LayerBackend {
  public:
   CpuLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
@@ -134,20 +107,33 @@ void CpuLayer::Step(const LayerStep& step) {
   ChargeSelectorBytes();
 }
 
-void CpuLayer::Shadow(const ShadowStep& step) const {
-  const int heads = shape_.q_heads;
-  const int d = shape_.head_dim;
-  const KvView kv = kv_.view();
-  cpu::MultiHeadFullAttention(step.q, heads, kv, shape_.scale, step.o, step.lse);
+void CpuLayer::Shadow(const ShadowStep& step) const { HostShadow(shape_, kv_.view(), step); }
+
+}  // namespace
+
+absl::Status HostPromptStaging::Reserve(int64_t more, absl::string_view what) {
+  if (absl::Status s = kv.Reserve(more, what); !s.ok()) return s;
+  return queries.Reserve(more, what);
+}
+
+absl::Status HostPromptStaging::Commit(int64_t n, bool with_queries) {
+  if (!with_queries) std::fill_n(queries.tail(), n * queries.row_width(), 0.0f);
+  kv.Commit(n);
+  queries.Commit(n);
+  return absl::OkStatus();
+}
+
+void HostShadow(const LayerShape& shape, const KvView& kv, const ShadowStep& step) {
+  const int heads = shape.q_heads;
+  const int d = shape.head_dim;
+  cpu::MultiHeadFullAttention(step.q, heads, kv, shape.scale, step.o, step.lse);
   const int threads = cpu::ThreadsFor(static_cast<int64_t>(heads) * kv.tokens * d, heads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int h = 0; h < heads; ++h) {
-    cpu::ExactTopK(step.q + static_cast<int64_t>(h) * d, kv, KvHeadOf(h, heads, shape_.kv_heads),
-                   shape_.scale, step.top_k, &step.exact_topk[h]);
+    cpu::ExactTopK(step.q + static_cast<int64_t>(h) * d, kv, KvHeadOf(h, heads, shape.kv_heads),
+                   shape.scale, step.top_k, &step.exact_topk[h]);
   }
 }
-
-}  // namespace
 
 absl::Status CpuBackend::CheckConfig(const LayerConfig& config) const {
   // Making a selector surfaces one this build cannot make at CreateSession rather than at the
@@ -157,13 +143,13 @@ absl::Status CpuBackend::CheckConfig(const LayerConfig& config) const {
 
 absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
-  return std::make_unique<CpuPromptStaging>(config.shape, accounts.host);
+  return std::make_unique<HostPromptStaging>(config.shape, accounts.host);
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
     const LayerConfig& config, const SessionAccounts& accounts,
     std::unique_ptr<PromptStaging> prompt) {
-  auto& staged = static_cast<CpuPromptStaging&>(*prompt);
+  auto& staged = static_cast<HostPromptStaging&>(*prompt);
   absl::StatusOr<std::unique_ptr<SupportSelector>> selector =
       MakeSelector(config.selector, config.shape);
   if (!selector.ok()) return selector.status();

@@ -8,8 +8,33 @@
 #include <string>
 
 #include "server/backends/attention_backend.h"
+#include "server/kv_store.h"
 
 namespace kvrecall {
+
+// A prompt in host memory as it arrives: the layer's KV store itself (it becomes the layer's)
+// and the queries, which only the selector's build reads. Shared by the placements that keep
+// the KV on the host (cpu, and the bulk of tiered).
+class HostPromptStaging final : public PromptStaging {
+ public:
+  HostPromptStaging(const LayerShape& shape, MemoryAccount* host)
+      : kv(shape.kv_heads, shape.head_dim, host),
+        queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
+
+  absl::Status Reserve(int64_t more, absl::string_view what) override;
+  float* query_tail() override { return queries.tail(); }
+  float* key_tail() override { return kv.key_tail(); }
+  float* value_tail() override { return kv.value_tail(); }
+  absl::Status Commit(int64_t n, bool with_queries) override;
+  int64_t tokens() const override { return kv.tokens(); }
+
+  LayerKvStore kv;
+  BudgetedRows queries;  // [tokens, q_heads, head_dim]; zeros where a chunk came without q
+};
+
+// Full attention and each head's exact top-K over the history `kv` (compare_exact's shadow of
+// every placement whose complete KV is on the host).
+void HostShadow(const LayerShape& shape, const KvView& kv, const ShadowStep& step);
 
 class CpuBackend final : public AttentionBackend {
  public:

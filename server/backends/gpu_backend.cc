@@ -31,6 +31,7 @@
 #include "kernels/cuda/topk_workspace.h"
 #include "server/backends/gpu_support.h"
 #include "server/backends/placements.h"
+#include "server/backends/tiered_backend.h"
 #include "server/kv_store.h"
 
 namespace kvrecall {
@@ -771,7 +772,13 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
           CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "reading the device's memory"));
       budget = std::max<int64_t>(1, static_cast<int64_t>(free_bytes) - options.gpu_headroom_bytes);
     }
-    out.backends.push_back(std::make_unique<GpuBackend>(ordinal, budget));
+    auto backend = std::make_unique<GpuBackend>(ordinal, budget);
+    // The tiered placement's static sets on the same device, charged to the same budget.
+    absl::StatusOr<std::unique_ptr<StaticSetTier>> tier =
+        MakeGpuStaticSetTier(ordinal, backend->device_budget());
+    if (!tier.ok()) return tier.status();
+    out.tiered.push_back(std::make_unique<TieredBackend>(*std::move(tier)));
+    out.backends.push_back(std::move(backend));
   }
   if (out.backends.empty()) out.unavailable = "--gpus is empty: only PLACEMENT_CPU is served";
   return out;

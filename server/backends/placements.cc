@@ -6,6 +6,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "server/backends/tiered_backend.h"
 
 namespace kvrecall {
 
@@ -43,7 +44,11 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
   absl::StatusOr<GpuBackends> gpus = MakeGpuBackends(options);
   if (!gpus.ok()) return gpus.status();
   placements->gpu_ = std::move(gpus->backends);
+  placements->tiered_ = std::move(gpus->tiered);
   placements->no_gpu_reason_ = std::move(gpus->unavailable);
+  if (placements->tiered_.empty()) {
+    placements->tiered_.push_back(std::make_unique<TieredBackend>(MakeHostStaticSetTier()));
+  }
   return placements;
 }
 
@@ -53,21 +58,25 @@ absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
     if (absl::Status s = cpu_.CheckConfig(config); !s.ok()) return s;
     return &cpu_;
   }
-  if (placement != v1::PLACEMENT_GPU) {
+  if (placement != v1::PLACEMENT_GPU && placement != v1::PLACEMENT_TIERED) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("policy.placement ", v1::Placement_Name(placement),
+                     " is not a placement; PLACEMENT_CPU, PLACEMENT_GPU and PLACEMENT_TIERED are"));
+  }
+  const auto& candidates = placement == v1::PLACEMENT_GPU ? gpu_ : tiered_;
+  if (candidates.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("policy.placement ", v1::Placement_Name(placement),
-                     " is not served by this kvrecalld yet; PLACEMENT_CPU and PLACEMENT_GPU are"));
-  }
-  if (gpu_.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("policy.placement PLACEMENT_GPU cannot be served: ", no_gpu_reason_));
+                     " cannot be served: ", no_gpu_reason_));
   }
   // Every device serves the same configurations; the check names what is served.
-  if (absl::Status s = gpu_.front()->CheckConfig(config); !s.ok()) return s;
+  if (absl::Status s = candidates.front()->CheckConfig(config); !s.ok()) return s;
+  // The device with the most budget free (a tier without a device budget has one candidate).
   AttentionBackend* best = nullptr;
-  for (const auto& backend : gpu_) {
-    if (best == nullptr ||
-        backend->device_budget()->available() > best->device_budget()->available()) {
+  for (const auto& backend : candidates) {
+    if (best == nullptr || (backend->device_budget() != nullptr &&
+                            backend->device_budget()->available() >
+                                best->device_budget()->available())) {
       best = backend.get();
     }
   }

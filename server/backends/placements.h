@@ -1,6 +1,7 @@
-// The backends a server places sessions on: the CPU placement always, and per GPU it was given
-// (--gpus) the GPU-resident placement, each with that device's memory budget. Chooses the backend
-// of a new session.
+// The backends a server places sessions on: the CPU placement always; per GPU it was given
+// (--gpus) the GPU-resident and the tiered placement, sharing that device's memory budget; and,
+// without a GPU, the tiered placement with its static sets in host memory. Chooses the backend of
+// a new session.
 #ifndef KVRECALL_SERVER_BACKENDS_PLACEMENTS_H_
 #define KVRECALL_SERVER_BACKENDS_PLACEMENTS_H_
 
@@ -45,19 +46,24 @@ class Placements {
   AttentionBackend* cpu() { return &cpu_; }
   // Every GPU-resident backend, one per device.
   const std::vector<std::unique_ptr<AttentionBackend>>& gpu() const { return gpu_; }
+  // Every tiered backend: one per device, or one whose static sets are in host memory.
+  const std::vector<std::unique_ptr<AttentionBackend>>& tiered() const { return tiered_; }
 
  private:
   Placements() = default;
 
   CpuBackend cpu_;
   std::vector<std::unique_ptr<AttentionBackend>> gpu_;
+  // After gpu_: they charge the budgets the GPU backends own, so they go first.
+  std::vector<std::unique_ptr<AttentionBackend>> tiered_;
   std::string no_gpu_reason_;  // why gpu_ is empty
 };
 
 // The GPU-resident backends of `options` (one per device) or why there are none: implemented by
 // server/backends/gpu_backend.cc in CUDA builds and by no_gpu_backend.cc otherwise.
 struct GpuBackends {
-  std::vector<std::unique_ptr<AttentionBackend>> backends;
+  std::vector<std::unique_ptr<AttentionBackend>> backends;  // PLACEMENT_GPU, one per device
+  std::vector<std::unique_ptr<AttentionBackend>> tiered;    // PLACEMENT_TIERED, one per device
   std::string unavailable;  // set when `backends` is empty
 };
 absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options);

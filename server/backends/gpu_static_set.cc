@@ -1,0 +1,273 @@
+// The tiered placement's static sets on a CUDA device: per layer, `sinks + recent` slots of keys
+// and values in the session's dtype — the first `sinks` tokens, then a ring of the last
+// `recent` — which the kernels of kernels/cuda/partial_attention.h read as a DeviceSeq (head +
+// ring). A step of a batch is one packed upload (queries, new rows, descriptors), the append
+// kernel, split-K attention over every static set and one packed download, all queued on the
+// Decode stream's CUDA stream in Start; Finish waits for it.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "index/basic_selectors.h"
+#include "index/gpu_batch_topk.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/kv_write.h"
+#include "kernels/cuda/partial_attention.h"
+#include "server/backends/gpu_support.h"
+#include "server/backends/tiered_backend.h"
+
+namespace kvrecall {
+namespace {
+
+using cuda::CudaStatus;
+using cuda::DeviceSeq;
+using gpu::Carver;
+using gpu::ChargedBuffer;
+using gpu::DeviceScope;
+using gpu::GpuStepContext;
+using gpu::KvDtypeOf;
+using gpu::RowElems;
+using gpu::ShapeOf;
+
+int Slots(const LayerConfig& config) { return config.selector.sinks + config.selector.recent; }
+
+// The slot of token position p.
+int64_t SlotOf(const LayerConfig& config, int64_t p) {
+  const int sinks = config.selector.sinks;
+  return p < sinks ? p : sinks + (p - sinks) % config.selector.recent;
+}
+
+class GpuStaticSet final : public StaticSet {
+ public:
+  GpuStaticSet(ChargedBuffer<uint16_t> keys, ChargedBuffer<uint16_t> values)
+      : keys_(std::move(keys)), values_(std::move(values)) {}
+  int64_t device_bytes() const override {
+    return static_cast<int64_t>(keys_.bytes() + values_.bytes());
+  }
+  uint16_t* key_slot(const LayerConfig& config, int64_t slot) const {
+    return keys_.data() + slot * RowElems(config);
+  }
+  uint16_t* value_slot(const LayerConfig& config, int64_t slot) const {
+    return values_.data() + slot * RowElems(config);
+  }
+  // The kernels' view of a static set holding the first `tokens` positions' static tokens.
+  DeviceSeq Seq(const LayerConfig& config, int64_t tokens) const {
+    const int sinks = config.selector.sinks;
+    const int recent = config.selector.recent;
+    const int64_t past_sinks = std::max<int64_t>(0, tokens - sinks);
+    const int32_t ring_count = static_cast<int32_t>(std::min<int64_t>(past_sinks, recent));
+    // The oldest live ring entry is position tokens - ring_count.
+    const int32_t ring_start =
+        ring_count < recent ? 0 : static_cast<int32_t>(past_sinks % recent);
+    return DeviceSeq{keys_.data(),
+                     values_.data(),
+                     static_cast<int32_t>(std::min<int64_t>(tokens, sinks)),
+                     sinks,
+                     recent,
+                     ring_start,
+                     ring_count};
+  }
+
+ private:
+  ChargedBuffer<uint16_t> keys_;
+  ChargedBuffer<uint16_t> values_;
+};
+
+class GpuStaticSetTier final : public StaticSetTier {
+ public:
+  GpuStaticSetTier(int ordinal, MemoryBudget* budget, BatchTopKFunction batch_topk)
+      : ordinal_(ordinal),
+        device_(absl::StrCat("cuda:", ordinal)),
+        budget_(budget),
+        batch_topk_(std::move(batch_topk)) {}
+
+  const std::string& device() const override { return device_; }
+  MemoryBudget* device_budget() const override { return budget_; }
+  absl::Status CheckConfig(const LayerConfig& config) const override;
+  int64_t DeviceBytesFor(const LayerConfig& config) const override {
+    return 2 * int64_t{Slots(config)} * RowElems(config) * 2;
+  }
+  absl::StatusOr<std::unique_ptr<StaticSet>> Build(const LayerConfig& config,
+                                                   MemoryAccount* device,
+                                                   const KvView& prompt) override;
+  std::unique_ptr<StepContext> NewStepContext() override {
+    return std::make_unique<StaticStepContext>(ordinal_, budget_);
+  }
+  absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) override;
+  absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) override;
+  BatchTopKFunction batch_topk() const override { return batch_topk_; }
+
+ private:
+  // The Decode stream's CUDA resources, and where Start left the step's outputs.
+  struct StaticStepContext final : StepContext {
+    StaticStepContext(int ordinal, MemoryBudget* budget) : gpu(ordinal, budget) {}
+    GpuStepContext gpu;
+    size_t out_o = 0, out_lse = 0;
+    cuda::AttentionWorkspace* ws = nullptr;
+  };
+
+  const int ordinal_;
+  const std::string device_;
+  MemoryBudget* const budget_;
+  const BatchTopKFunction batch_topk_;
+};
+
+absl::Status GpuStaticSetTier::CheckConfig(const LayerConfig& config) const {
+  if (config.dtype != v1::DTYPE_BF16 && config.dtype != v1::DTYPE_F16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.dtype ", v1::DType_Name(config.dtype),
+        " is not served by PLACEMENT_TIERED on a GPU, which keeps the static set in the model's "
+        "dtype: use DTYPE_BF16 or DTYPE_F16 (or PLACEMENT_CPU for f32)"));
+  }
+  if (config.shape.head_dim != 64 && config.shape.head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("geometry.head_dim ", config.shape.head_dim,
+                     " is not served by PLACEMENT_TIERED on a GPU: its kernels serve 64 and 128"));
+  }
+  return ShapeOf(config, 1).Validate();
+}
+
+absl::StatusOr<std::unique_ptr<StaticSet>> GpuStaticSetTier::Build(const LayerConfig& config,
+                                                                   MemoryAccount* device,
+                                                                   const KvView& prompt) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  const int slots = Slots(config);
+  const int64_t row = RowElems(config);
+  ChargedBuffer<uint16_t> keys, values;
+  if (absl::Status s = keys.Allocate(slots * row, device, "the static set"); !s.ok()) return s;
+  if (absl::Status s = values.Allocate(slots * row, device, "the static set"); !s.ok()) return s;
+  // The prompt's static tokens laid out by slot, f32, keys then values; converted on the device.
+  std::vector<float> host(2 * static_cast<size_t>(slots) * row, 0.0f);
+  std::vector<int32_t> ids;
+  AppendStaticSet(prompt.tokens, config.selector.sinks, config.selector.recent, &ids);
+  for (int32_t p : ids) {
+    const int64_t slot = SlotOf(config, p);
+    std::memcpy(host.data() + slot * row, prompt.key(p, 0), row * sizeof(float));
+    std::memcpy(host.data() + (slots + slot) * row, prompt.value(p, 0), row * sizeof(float));
+  }
+  ChargedBuffer<float> staged;
+  if (absl::Status s = staged.Allocate(host.size(), device, "staging the static set"); !s.ok()) {
+    return s;
+  }
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpy(staged.data(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice),
+      "uploading the static set"));
+  const cuda::KvDtype dtype = KvDtypeOf(config.dtype);
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      cuda::ConvertToKv(staged.data(), slots * row, dtype, keys.data(), /*stream=*/0));
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      cuda::ConvertToKv(staged.data() + slots * row, slots * row, dtype, values.data(), 0));
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(0), "converting the static set to the KV dtype"));
+  return std::make_unique<GpuStaticSet>(std::move(keys), std::move(values));
+}
+
+absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepContext* context) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  auto& state = static_cast<StaticStepContext&>(*context);
+  GpuStepContext& ctx = state.gpu;
+  if (absl::Status s = ctx.Start(); !s.ok()) return s;
+  const LayerConfig& config = *steps.front().config;
+  const int batch = static_cast<int>(steps.size());
+  const int q_heads = config.shape.q_heads;
+  const int d = config.shape.head_dim;
+  const int rows = batch * q_heads;
+  const int64_t row = RowElems(config);
+  absl::StatusOr<cuda::AttentionWorkspace*> ws = ctx.AttentionWs(rows);
+  if (!ws.ok()) return ws.status();
+  state.ws = *ws;
+
+  Carver in(nullptr);
+  const size_t in_q = in.Take<float>(static_cast<size_t>(rows) * d);
+  const size_t in_k = in.Take<float>(batch * row);
+  const size_t in_v = in.Take<float>(batch * row);
+  const size_t in_seqs = in.Take<DeviceSeq>(batch);
+  const size_t in_rows = in.Take<cuda::TokenRows>(batch);
+  Carver out(nullptr);
+  state.out_o = out.Take<float>(static_cast<size_t>(rows) * d);
+  state.out_lse = out.Take<float>(rows);
+  if (absl::Status s = ctx.EnsureIo(in.size(), out.size()); !s.ok()) return s;
+  std::byte* host_in = ctx.pinned_in();
+  std::byte* dev_in = ctx.device_in();
+  for (int b = 0; b < batch; ++b) {
+    const StaticSetStep& step = steps[b];
+    const auto& set = *static_cast<const GpuStaticSet*>(step.set);
+    const int64_t tokens = step.host_kv.tokens;  // the new token included
+    std::memcpy(in.At<float>(host_in, in_q) + static_cast<int64_t>(b) * q_heads * d, step.q,
+                static_cast<size_t>(q_heads) * d * sizeof(float));
+    std::memcpy(in.At<float>(host_in, in_k) + b * row, step.k_new, row * sizeof(float));
+    std::memcpy(in.At<float>(host_in, in_v) + b * row, step.v_new, row * sizeof(float));
+    in.At<DeviceSeq>(host_in, in_seqs)[b] = set.Seq(config, tokens);
+    const int64_t slot = SlotOf(config, tokens - 1);
+    in.At<cuda::TokenRows>(host_in, in_rows)[b] =
+        cuda::TokenRows{set.key_slot(config, slot), set.value_slot(config, slot)};
+  }
+  cudaStream_t stream = ctx.stream();
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(dev_in, host_in, in.size(), cudaMemcpyHostToDevice, stream),
+                 "uploading a static-set step"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
+      batch, static_cast<int>(row), KvDtypeOf(config.dtype),
+      in.At<cuda::TokenRows>(dev_in, in_rows), in.At<float>(dev_in, in_k),
+      in.At<float>(dev_in, in_v), stream));
+  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PartialAttentionOverSeqs(
+      ShapeOf(config, batch), in.At<DeviceSeq>(dev_in, in_seqs), in.At<float>(dev_in, in_q),
+      Slots(config), state.ws, out.At<float>(ctx.device_out(), state.out_o),
+      out.At<float>(ctx.device_out(), state.out_lse), stream));
+  return CudaStatus(cudaMemcpyAsync(ctx.pinned_out(), ctx.device_out(), out.size(),
+                                    cudaMemcpyDeviceToHost, stream),
+                    "downloading a static-set step");
+}
+
+absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, StepContext* context) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  auto& state = static_cast<StaticStepContext&>(*context);
+  GpuStepContext& ctx = state.gpu;
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
+                                           "attending the static sets on the GPU"));
+  // Device-side precondition violations would be this code's bug: every input was validated.
+  if (absl::Status s = state.ws->errors().CheckAndClear(ctx.stream()); !s.ok()) {
+    return absl::InternalError(absl::StrCat("a static-set step's kernels reported: ", s.message()));
+  }
+  const LayerConfig& config = *steps.front().config;
+  const int q_heads = config.shape.q_heads;
+  const int d = config.shape.head_dim;
+  const float* o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_o);
+  const float* lse = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_lse);
+  for (size_t b = 0; b < steps.size(); ++b) {
+    std::memcpy(steps[b].o, o + b * q_heads * d, static_cast<size_t>(q_heads) * d * sizeof(float));
+    std::memcpy(steps[b].lse, lse + b * q_heads, q_heads * sizeof(float));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
+                                                                    MemoryBudget* budget) {
+  DeviceScope scope(ordinal);
+  if (!scope.status().ok()) return scope.status();
+  absl::StatusOr<BatchTopKFunction> topk = MakeGpuBatchTopKFunction();
+  if (!topk.ok()) return topk.status();
+  // The graph build runs on whichever thread builds the layer: make it this tier's device.
+  BatchTopKFunction on_device = [ordinal, topk = *std::move(topk)](
+                                    const VectorSet& queries, const VectorSet& keys, int k,
+                                    TopKLists* out, std::span<const int64_t> visible) {
+    DeviceScope scope(ordinal);
+    if (!scope.status().ok()) return scope.status();
+    return topk(queries, keys, k, out, visible);
+  };
+  return std::make_unique<GpuStaticSetTier>(ordinal, budget, std::move(on_device));
+}
+
+}  // namespace kvrecall

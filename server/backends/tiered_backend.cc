@@ -1,0 +1,377 @@
+#include "server/backends/tiered_backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "index/basic_selectors.h"
+#include "index/index_selector.h"
+#include "index/retopk.h"
+#include "kernels/attention_state.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/parallel.h"
+#include "server/backends/cpu_backend.h"
+#include "server/kv_store.h"
+
+namespace kvrecall {
+namespace {
+
+// Tokens of the bulk of a layer of `tokens` tokens: [sinks, tokens - recent).
+int64_t BulkTokens(const SelectorParams& p, int64_t tokens) {
+  return std::max<int64_t>(0, tokens - p.recent - p.sinks);
+}
+
+// The bulk as a view of its own, positions relative to `sinks`: what the flat and ReTopK bulk
+// selectors see (the graph index takes the whole history and knows its bulk itself).
+KvView BulkView(const KvView& all, const SelectorParams& p) {
+  const int64_t offset = std::min<int64_t>(p.sinks, all.tokens) * all.token_stride();
+  return KvView{all.keys + offset, all.values + offset, BulkTokens(p, all.tokens), all.kv_heads,
+                all.head_dim};
+}
+
+// The selector over the bulk for `config`, and whether its positions are relative to the bulk
+// (true) or token positions (the graph index). Streaming has none: the static set is all.
+struct BulkSelector {
+  std::unique_ptr<SupportSelector> selector;
+  bool relative = true;
+};
+
+absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
+                                              const BatchTopKFunction& batch_topk) {
+  const SelectorParams& p = config.selector;
+  switch (p.kind) {
+    case SelectorKind::kStreaming:
+      return BulkSelector{};
+    case SelectorKind::kFull:
+      return BulkSelector{std::make_unique<FullSelector>(), true};
+    case SelectorKind::kExactTopK:
+      return BulkSelector{std::make_unique<ExactTopKSelector>(config.shape, p.top_k), true};
+    case SelectorKind::kReTopK:
+      // Bulk row r is token sinks + r; the prompt queries it is built from are offset so that
+      // query r is the one of token sinks + recent + r, which sees bulk rows [0, r + recent].
+      return BulkSelector{
+          std::make_unique<ReTopKSelector>(config.shape, p.top_k, p.retopk, p.recent), true};
+    case SelectorKind::kIndex:
+      return BulkSelector{std::make_unique<IndexSelector>(
+                              config.shape, p, /*bulk_only=*/true,
+                              batch_topk != nullptr ? batch_topk : BatchTopKFunction(CpuBatchTopK)),
+                          false};
+  }
+  return absl::InvalidArgumentError("policy.selector: unknown selector");
+}
+
+class TieredLayer final : public LayerBackend {
+ public:
+  TieredLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
+              BulkSelector bulk, std::unique_ptr<StaticSet> static_set)
+      : config_(config),
+        host_(host),
+        kv_(std::move(kv)),
+        bulk_(std::move(bulk)),
+        static_set_(std::move(static_set)),
+        selections_(config.shape.q_heads) {
+    bulk_tokens_seen_ = BulkTokens(config.selector, kv_.tokens());
+    ChargeSelectorBytes();
+  }
+  ~TieredLayer() override {
+    if (selector_bytes_ != 0) host_->Release(selector_bytes_);
+  }
+
+  int64_t tokens() const override { return kv_.tokens(); }
+  // The static set has a slot for every token it will ever hold; only the host store grows.
+  absl::Status ReserveToken() override { return kv_.Reserve(1, "the new token"); }
+  LayerMemory memory() const override {
+    return LayerMemory{kv_.allocated_bytes() + selector_bytes_, static_set_->device_bytes(),
+                       selector_bytes_};
+  }
+
+  const LayerConfig& config() const { return config_; }
+  StaticSet* static_set() const { return static_set_.get(); }
+  const LayerKvStore& kv() const { return kv_; }
+
+  // Writes the step's token into the reserved host row (not committed yet) and returns the
+  // history including it.
+  KvView StageToken(const LayerStep& step) {
+    const int64_t row = kv_.view().token_stride();
+    std::memcpy(kv_.key_tail(), step.k_new, row * sizeof(float));
+    std::memcpy(kv_.value_tail(), step.v_new, row * sizeof(float));
+    KvView all = kv_.view();
+    all.tokens += 1;
+    return all;
+  }
+  void CommitToken() { kv_.Commit(1); }
+
+  // Selects every head's bulk support and attends it: (o, lse) over the bulk per query head,
+  // and the reports (the static set's size added by the caller).
+  void AttendBulk(const LayerStep& step, const KvView& all, float* o, float* lse);
+
+ private:
+  void ChargeSelectorBytes() {
+    const int64_t now = bulk_.selector != nullptr ? bulk_.selector->MemoryBytes() : 0;
+    if (now == selector_bytes_) return;
+    host_->Charge(now - selector_bytes_);
+    selector_bytes_ = now;
+  }
+
+  const LayerConfig config_;
+  MemoryAccount* const host_;
+  LayerKvStore kv_;
+  BulkSelector bulk_;
+  std::unique_ptr<StaticSet> static_set_;
+  int64_t selector_bytes_ = 0;
+  int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
+  std::vector<HeadSelection> selections_;  // per query head, reused across steps
+  int64_t last_scored_tokens_ = -1;
+};
+
+void TieredLayer::AttendBulk(const LayerStep& step, const KvView& all, float* o, float* lse) {
+  const LayerShape& shape = config_.shape;
+  const SelectorParams& p = config_.selector;
+  const int heads = shape.q_heads;
+  const int d = shape.head_dim;
+  const KvView bulk = BulkView(all, p);
+  SupportSelector* selector = bulk_.selector.get();
+  if (selector != nullptr && bulk.tokens > bulk_tokens_seen_) {
+    // The token that left the ring joined the bulk.
+    selector->OnAppend(bulk_.relative ? bulk : all);
+    bulk_tokens_seen_ = bulk.tokens;
+  }
+  const int64_t offset = bulk_.relative ? std::min<int64_t>(p.sinks, all.tokens) : 0;
+  const int64_t predicted = last_scored_tokens_ >= 0 ? last_scored_tokens_
+                                                     : static_cast<int64_t>(heads) * bulk.tokens;
+  const int threads = cpu::ThreadsFor((predicted + int64_t{heads} * p.top_k) * d, heads);
+  auto head_step = [&](int h) {
+    HeadSelection& selection = selections_[h];
+    selection.support.clear();
+    selection.path = SelectionPath::kExact;
+    selection.candidates = 0;
+    selection.best_cosine = 0.0f;
+    const float* qh = step.q + static_cast<int64_t>(h) * d;
+    if (selector != nullptr && bulk.tokens > 0) {
+      selector->Select(h, qh, bulk_.relative ? bulk : all, &selection);
+      if (offset != 0) {
+        for (int32_t& id : selection.support) id += static_cast<int32_t>(offset);
+      }
+    }
+    cpu::PartialAttention(qh, all, KvHeadOf(h, heads, shape.kv_heads), selection.support,
+                          shape.scale, o + static_cast<int64_t>(h) * d, &lse[h]);
+  };
+  if (threads > 1) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int h = 0; h < heads; ++h) head_step(h);
+  } else {
+    for (int h = 0; h < heads; ++h) head_step(h);
+  }
+  last_scored_tokens_ = 0;
+  const int64_t static_size = all.tokens - bulk.tokens;
+  for (int h = 0; h < heads; ++h) {
+    const HeadSelection& selection = selections_[h];
+    last_scored_tokens_ += selection.candidates;
+    step.heads[h] = HeadReport{
+        selection.path, selection.candidates,
+        static_cast<int32_t>(selection.support.size() + static_size), selection.best_cosine};
+    if (step.supports != nullptr) {
+      std::vector<int32_t>& support = step.supports[h];
+      support.assign(selection.support.begin(), selection.support.end());
+      AppendStaticSet(all.tokens, p.sinks, p.recent, &support);
+    }
+  }
+  ChargeSelectorBytes();
+}
+
+// A Decode stream's resources: the static tier's, and the bulk states of the largest batch.
+class TieredStepContext final : public StepContext {
+ public:
+  explicit TieredStepContext(std::unique_ptr<StepContext> static_context)
+      : static_context(std::move(static_context)) {}
+  std::unique_ptr<StepContext> static_context;
+  std::vector<float> bulk_o, bulk_lse;
+  std::vector<StaticSetStep> static_steps;
+  std::vector<KvView> histories;
+};
+
+// Whether two layers' static sets step in one launch: the same shapes, dtype and static set.
+bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
+  return a.shape.q_heads == b.shape.q_heads && a.shape.kv_heads == b.shape.kv_heads &&
+         a.shape.head_dim == b.shape.head_dim && a.shape.scale == b.shape.scale &&
+         a.dtype == b.dtype && a.selector.sinks == b.selector.sinks &&
+         a.selector.recent == b.selector.recent;
+}
+
+}  // namespace
+
+absl::Status TieredBackend::CheckConfig(const LayerConfig& config) const {
+  const SelectorParams& p = config.selector;
+  if (p.recent < 1) {
+    return absl::InvalidArgumentError(
+        "policy.recent must be >= 1 in PLACEMENT_TIERED: the static set's ring holds the newest "
+        "token");
+  }
+  if (absl::Status s = tier_->CheckConfig(config); !s.ok()) return s;
+  // Making the selector surfaces knobs this build cannot serve; nothing is allocated before
+  // Build.
+  return MakeBulkSelector(config, nullptr).status();
+}
+
+absl::StatusOr<std::unique_ptr<PromptStaging>> TieredBackend::NewPromptStaging(
+    const LayerConfig& config, const SessionAccounts& accounts) {
+  return std::make_unique<HostPromptStaging>(config.shape, accounts.host);
+}
+
+absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
+    const LayerConfig& config, const SessionAccounts& accounts,
+    std::unique_ptr<PromptStaging> prompt) {
+  auto& staged = static_cast<HostPromptStaging&>(*prompt);
+  const SelectorParams& p = config.selector;
+  const KvView all = staged.kv.view();
+  absl::StatusOr<BulkSelector> bulk = MakeBulkSelector(config, tier_->batch_topk());
+  if (!bulk.ok()) return bulk.status();
+  if (bulk->selector != nullptr) {
+    const int64_t q_row = int64_t{config.shape.q_heads} * config.shape.head_dim;
+    absl::Status built;
+    if (bulk->relative) {
+      // Query of bulk row r: the prompt's query of token sinks + recent + r (see above).
+      const KvView view = BulkView(all, p);
+      const float* queries =
+          view.tokens > 0 ? staged.queries.data() + (int64_t{p.sinks} + p.recent) * q_row : nullptr;
+      built = bulk->selector->Build(view, queries);
+    } else {
+      built = bulk->selector->Build(all, staged.queries.data());
+    }
+    if (!built.ok()) return built;
+  }
+  absl::StatusOr<std::unique_ptr<StaticSet>> static_set =
+      tier_->Build(config, accounts.device, all);
+  if (!static_set.ok()) return static_set.status();
+  if (config.expected_tokens > staged.kv.tokens()) {
+    if (absl::Status s = staged.kv.Reserve(config.expected_tokens - staged.kv.tokens(),
+                                           "the announced max_tokens");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return std::make_unique<TieredLayer>(config, accounts.host, std::move(staged.kv),
+                                       *std::move(bulk), *std::move(static_set));
+}
+
+std::unique_ptr<StepContext> TieredBackend::NewStepContext() {
+  return std::make_unique<TieredStepContext>(tier_->NewStepContext());
+}
+
+absl::Status TieredBackend::Step(std::span<LayerStep> steps, StepContext* context) {
+  auto& ctx = static_cast<TieredStepContext&>(*context);
+  // Runs of steps whose static sets step together (usually the whole request).
+  std::vector<LayerStep> pending(steps.begin(), steps.end());
+  while (!pending.empty()) {
+    const LayerConfig& first = static_cast<TieredLayer*>(pending.front().layer)->config();
+    std::vector<LayerStep> batch, rest;
+    for (const LayerStep& step : pending) {
+      (SameStaticSet(static_cast<TieredLayer*>(step.layer)->config(), first) ? batch : rest)
+          .push_back(step);
+    }
+    const int heads = first.shape.q_heads;
+    const int d = first.shape.head_dim;
+    const size_t n = batch.size();
+    ctx.bulk_o.resize(n * heads * d);
+    ctx.bulk_lse.resize(n * heads);
+    ctx.static_steps.clear();
+    ctx.histories.clear();
+    for (const LayerStep& step : batch) {
+      auto& layer = *static_cast<TieredLayer*>(step.layer);
+      ctx.histories.push_back(layer.StageToken(step));
+      ctx.static_steps.push_back(StaticSetStep{&layer.config(), layer.static_set(),
+                                               ctx.histories.back(), step.q,
+                                               step.k_new, step.v_new, step.o, step.lse});
+    }
+    // The static sets on their tier while the CPU works through the bulk.
+    if (absl::Status s = tier_->Start(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
+      return s;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      static_cast<TieredLayer*>(batch[i].layer)
+          ->AttendBulk(batch[i], ctx.histories[i], ctx.bulk_o.data() + i * heads * d,
+                       ctx.bulk_lse.data() + i * heads);
+    }
+    if (absl::Status s = tier_->Finish(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
+      return s;
+    }
+    // The only place the tiers meet.
+    for (size_t i = 0; i < n; ++i) {
+      for (int h = 0; h < heads; ++h) {
+        MergeStateInto(ctx.bulk_o.data() + (i * heads + h) * d, ctx.bulk_lse[i * heads + h],
+                       batch[i].o + static_cast<int64_t>(h) * d, &batch[i].lse[h], d);
+      }
+      static_cast<TieredLayer*>(batch[i].layer)->CommitToken();
+    }
+    pending = std::move(rest);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TieredBackend::Shadow(std::span<ShadowStep> steps, StepContext*) {
+  // The host holds every token: the shadow is the CPU placement's.
+  for (const ShadowStep& step : steps) {
+    const auto& layer = *static_cast<const TieredLayer*>(step.layer);
+    HostShadow(layer.config().shape, layer.kv().view(), step);
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The host tier.
+
+namespace {
+
+class HostStaticSet final : public StaticSet {
+ public:
+  int64_t device_bytes() const override { return 0; }
+};
+
+class HostStaticSetTier final : public StaticSetTier {
+ public:
+  const std::string& device() const override { return device_; }
+  MemoryBudget* device_budget() const override { return nullptr; }
+  absl::Status CheckConfig(const LayerConfig&) const override { return absl::OkStatus(); }
+  int64_t DeviceBytesFor(const LayerConfig&) const override { return 0; }
+  absl::StatusOr<std::unique_ptr<StaticSet>> Build(const LayerConfig&, MemoryAccount*,
+                                                   const KvView&) override {
+    return std::make_unique<HostStaticSet>();
+  }
+  std::unique_ptr<StepContext> NewStepContext() override {
+    return std::make_unique<StepContext>();
+  }
+  // The static set is read from the host KV, which has the new token already.
+  absl::Status Start(std::span<const StaticSetStep>, StepContext*) override {
+    return absl::OkStatus();
+  }
+  absl::Status Finish(std::span<const StaticSetStep> steps, StepContext*) override;
+
+ private:
+  const std::string device_ = "cpu";
+};
+
+absl::Status HostStaticSetTier::Finish(std::span<const StaticSetStep> steps, StepContext*) {
+  thread_local std::vector<int32_t> ids;
+  for (const StaticSetStep& step : steps) {
+    const LayerShape& shape = step.config->shape;
+    const KvView& kv = step.host_kv;
+    ids.clear();
+    AppendStaticSet(kv.tokens, step.config->selector.sinks, step.config->selector.recent, &ids);
+    for (int h = 0; h < shape.q_heads; ++h) {
+      const int64_t at = static_cast<int64_t>(h) * shape.head_dim;
+      cpu::PartialAttention(step.q + at, kv, KvHeadOf(h, shape.q_heads, shape.kv_heads), ids,
+                            shape.scale, step.o + at, &step.lse[h]);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<StaticSetTier> MakeHostStaticSetTier() {
+  return std::make_unique<HostStaticSetTier>();
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,111 @@
+// The tiered placement (PLACEMENT_TIERED, RetrievalAttention composed with ReTopK): per layer a
+// small static set — the first `sinks` tokens and a ring of the last `recent` — on a device
+// tier (a GPU, in the session's dtype), and the complete KV in host memory, whose bulk
+// [sinks, T - recent) the CPU selects from (graph index, ReTopK, or a flat scan) and attends.
+// The two partial attention states merge exactly by log-sum-exp (kernels/attention_state.h):
+// the merge is the only place the tiers meet.
+//
+// One decode step of a batch: every new token goes into its host store (reserved before, so
+// nothing can fail there) and its static set's ring; the static tier starts attending every
+// query head over the static sets (asynchronously, on the GPU), the CPU meanwhile selects and
+// attends over the bulk, heads in parallel, and the two states are merged per row.
+#ifndef KVRECALL_SERVER_BACKENDS_TIERED_BACKEND_H_
+#define KVRECALL_SERVER_BACKENDS_TIERED_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "index/batch_topk.h"
+#include "kernels/kv_view.h"
+#include "server/backends/attention_backend.h"
+
+namespace kvrecall {
+
+// One layer's static set on the static tier.
+class StaticSet {
+ public:
+  virtual ~StaticSet() = default;
+  virtual int64_t device_bytes() const = 0;
+};
+
+// One sequence's part of a static-set step. Host memory.
+struct StaticSetStep {
+  const LayerConfig* config = nullptr;
+  StaticSet* set = nullptr;
+  // The layer's host KV including the step's new token (row tokens - 1), f32.
+  KvView host_kv;
+  const float* q = nullptr;      // [q_heads, head_dim]
+  const float* k_new = nullptr;  // [kv_heads, head_dim]: the token at position host_kv.tokens-1
+  const float* v_new = nullptr;
+  float* o = nullptr;            // out: [q_heads, head_dim], the state over the static set
+  float* lse = nullptr;          // out: [q_heads]
+};
+
+// Where static sets live: a GPU (server/backends/gpu_static_set.cc) or, on a machine without
+// one, host memory (the same arithmetic on the CPU, so that the placement composes everywhere).
+// Thread-safe as AttentionBackend.
+class StaticSetTier {
+ public:
+  virtual ~StaticSetTier() = default;
+  // "cuda:0", or "cpu" for the host tier.
+  virtual const std::string& device() const = 0;
+  // The device's budget; null for the host tier.
+  virtual MemoryBudget* device_budget() const = 0;
+  // INVALID_ARGUMENT naming the field when the tier cannot hold static sets of `config`.
+  virtual absl::Status CheckConfig(const LayerConfig& config) const = 0;
+  // Device bytes of one layer's static set (constant in the context length).
+  virtual int64_t DeviceBytesFor(const LayerConfig& config) const = 0;
+  // The static set of a prompt `prompt` (host f32, [T, kv_heads, head_dim]), charged to
+  // `device` (null for the host tier).
+  virtual absl::StatusOr<std::unique_ptr<StaticSet>> Build(const LayerConfig& config,
+                                                           MemoryAccount* device,
+                                                           const KvView& prompt) = 0;
+  virtual std::unique_ptr<StepContext> NewStepContext() = 0;
+  // Appends each step's token to its static set and starts attending; every step shares
+  // SameStaticSet. The results are in the steps' o and lse once Finish returned OK.
+  virtual absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) = 0;
+  virtual absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) = 0;
+  // The graph index build's batch top-k on this tier's device (null: on the CPU).
+  virtual BatchTopKFunction batch_topk() const { return nullptr; }
+};
+
+// The host tier: static sets are read from the layer's host KV, attended by kernels/cpu.
+std::unique_ptr<StaticSetTier> MakeHostStaticSetTier();
+// The tier of CUDA device `ordinal`, charging `budget` (the device's, shared with its GPU
+// placement); the graph index builds its top-k lists there. CUDA builds only
+// (server/backends/gpu_static_set.cc).
+absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
+                                                                    MemoryBudget* budget);
+
+class TieredBackend final : public AttentionBackend {
+ public:
+  explicit TieredBackend(std::unique_ptr<StaticSetTier> tier) : tier_(std::move(tier)) {}
+
+  v1::Placement placement() const override { return v1::PLACEMENT_TIERED; }
+  const std::string& device() const override { return tier_->device(); }
+  MemoryBudget* device_budget() const override { return tier_->device_budget(); }
+
+  absl::Status CheckConfig(const LayerConfig& config) const override;
+  int64_t DeviceBytesFor(const LayerConfig& config, int64_t) const override {
+    return tier_->DeviceBytesFor(config);
+  }
+  absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
+      const LayerConfig& config, const SessionAccounts& accounts) override;
+  absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
+      const LayerConfig& config, const SessionAccounts& accounts,
+      std::unique_ptr<PromptStaging> prompt) override;
+  std::unique_ptr<StepContext> NewStepContext() override;
+  absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
+  absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
+
+ private:
+  std::unique_ptr<StaticSetTier> tier_;
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_BACKENDS_TIERED_BACKEND_H_

@@ -1,0 +1,285 @@
+// PLACEMENT_TIERED served by an in-process server over loopback gRPC: the static set (sinks +
+// ring) on the server's static tier — the GPU where there is one, host memory otherwise — and
+// the bulk on the host, merged by log-sum-exp. Outputs against brute force: a bulk selector that
+// returns the whole bulk equals full attention (to 1e-5 in f32), the exact top-K of the bulk
+// plus the static set, streaming as the static set alone; ReTopK and the graph index select from
+// the bulk only (supports never larger than K plus the static set) and ReTopK reuses; GetSession
+// reports the tiers' bytes (GPU bytes constant in the context); a batch equals its sequences
+// stepped alone; what a GPU static tier refuses.
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/fidelity.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::ExpectOutputNear;
+using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::PrefilledSessionTest;
+using ::kvrecall::testing::ReferenceSession;
+using ::kvrecall::testing::ReferenceTopK;
+using ::kvrecall::testing::TensorValues;
+
+constexpr int kSinks = 16;
+constexpr int kRecent = 48;
+
+v1::Policy TieredPolicy(v1::Selector selector, int top_k = 0) {
+  v1::Policy p = MakePolicy(selector, top_k, kSinks, kRecent);
+  p.set_placement(v1::PLACEMENT_TIERED);
+  return p;
+}
+
+// Token positions of the static set of a layer of n tokens.
+std::vector<int32_t> StaticSet(int64_t n) {
+  std::vector<int32_t> ids;
+  for (int64_t t = 0; t < n; ++t) {
+    if (t < kSinks || t >= n - kRecent) ids.push_back(static_cast<int32_t>(t));
+  }
+  return ids;
+}
+
+class TieredPlacementTest : public PrefilledSessionTest {
+ protected:
+  bool gpu_tier() { return server().server().placements().tiered().front()->device() != "cpu"; }
+  // The dtypes the static tier serves: every one on the host, the model's on a GPU.
+  std::vector<v1::DType> Dtypes() {
+    if (gpu_tier()) return {v1::DTYPE_BF16, v1::DTYPE_F16};
+    return {v1::DTYPE_F32, v1::DTYPE_BF16};
+  }
+  absl::StatusOr<v1::DecodeResponse> StepAll(DecodeClient& client,
+                                              const std::vector<std::string>& ids,
+                                              const ReferenceSession::Token& token,
+                                              const ReferenceSession& ref, bool compare) {
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    request.set_return_lse(true);
+    request.set_diagnostics(true);
+    request.set_compare_exact(compare);
+    for (const std::string& id : ids) *request.add_steps() = ref.Step(id, token);
+    return client.Step(request);
+  }
+};
+
+// The exactness of the composition: full attention = static set (static tier) merged with the
+// whole bulk (host), for a prompt shorter than the static set too (an empty bulk) and while
+// tokens leave the ring into the bulk.
+TEST_F(TieredPlacementTest, BulkSelectorReturningTheWholeBulkEqualsFullAttention) {
+  for (const v1::DType dtype : Dtypes()) {
+    for (const int64_t prompt : {int64_t{40}, int64_t{500}}) {
+      const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype);
+      ReferenceSession ref(g, prompt, 5);
+      const std::string id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_FULL), 128);
+      DecodeClient client(stub());
+      double worst = 0.0;
+      for (int step = 0; step < 70; ++step) {
+        const ReferenceSession::Token token = ref.MakeToken(300 + step);
+        const std::vector<float> q = ref.Record(0, token);
+        absl::StatusOr<v1::DecodeResponse> reply =
+            StepAll(client, {id}, token, ref, /*compare=*/step % 10 == 0);
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        const int64_t n = ref.tokens(0);
+        const v1::SequenceResult& result = reply->results(0);
+        EXPECT_EQ(result.position(), n - 1);
+        const std::vector<std::vector<int32_t>> all(g.q_heads(), testing::AllTokens(n));
+        const std::vector<double> want = ref.Attention(0, q, all);
+        const std::vector<float> got = TensorValues(result.output());
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]));
+        ExpectOutputNear(got, want, dtype, absl::StrCat("prompt ", prompt, " step ", step));
+        for (int h = 0; h < g.q_heads(); ++h) {
+          EXPECT_EQ(result.heads(h).support(), n);
+          if (step % 10 == 0) EXPECT_GT(result.heads(h).output_cosine(), 0.99999f);
+        }
+      }
+      // f32 on both tiers: the merge is exact up to f32 arithmetic.
+      if (dtype == v1::DTYPE_F32) EXPECT_LE(worst, 1e-5) << "prompt " << prompt;
+      absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->device(), gpu_tier() ? "cuda:0" : "cpu");
+      EXPECT_EQ(info->paths().exact(), 70 * g.q_heads());
+    }
+  }
+}
+
+TEST_F(TieredPlacementTest, ExactTopKIsTheBulksTopKPlusTheStaticSet) {
+  for (const v1::DType dtype : Dtypes()) {
+    const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype);
+    ReferenceSession ref(g, 900, 9);
+    const int k = 40;
+    const std::string id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_EXACT_TOPK, k), 300);
+    DecodeClient client(stub());
+    for (int step = 0; step < 8; ++step) {
+      const ReferenceSession::Token token = ref.MakeToken(700 + step);
+      const std::vector<float> q = ref.Record(0, token);
+      absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {id}, token, ref, false);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      const int64_t n = ref.tokens(0);
+      // The bulk [sinks, n - recent) as a view of its own, positions offset by the sinks.
+      KvView bulk = ref.view(0);
+      bulk.keys += kSinks * bulk.token_stride();
+      bulk.values += kSinks * bulk.token_stride();
+      bulk.tokens = n - kSinks - kRecent;
+      std::vector<std::vector<int32_t>> supports(g.q_heads());
+      for (int h = 0; h < g.q_heads(); ++h) {
+        supports[h] = ReferenceTopK(q.data() + h * g.head_dim(), bulk,
+                                    KvHeadOf(h, g.q_heads(), g.kv_heads()), ref.scale(), k);
+        for (int32_t& t : supports[h]) t += kSinks;
+        const std::vector<int32_t> fixed = StaticSet(n);
+        supports[h].insert(supports[h].end(), fixed.begin(), fixed.end());
+        const v1::HeadDiagnostics& head = reply->results(0).heads(h);
+        EXPECT_EQ(head.support(), k + kSinks + kRecent);
+        EXPECT_EQ(head.candidates(), bulk.tokens) << "a flat scan scores the bulk alone";
+      }
+      ExpectOutputNear(TensorValues(reply->results(0).output()), ref.Attention(0, q, supports),
+                       dtype, absl::StrCat("step ", step));
+    }
+  }
+}
+
+TEST_F(TieredPlacementTest, StreamingIsTheStaticSetAlone) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
+  ReferenceSession ref(g, 600, 13);
+  const std::string id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_STREAMING), 256);
+  DecodeClient client(stub());
+  for (int step = 0; step < 5; ++step) {
+    const ReferenceSession::Token token = ref.MakeToken(900 + step);
+    const std::vector<float> q = ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {id}, token, ref, false);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    const std::vector<std::vector<int32_t>> supports(g.q_heads(), StaticSet(ref.tokens(0)));
+    ExpectOutputNear(TensorValues(reply->results(0).output()), ref.Attention(0, q, supports),
+                     g.dtype(), absl::StrCat("step ", step));
+    EXPECT_EQ(reply->results(0).heads(0).candidates(), 0);
+  }
+}
+
+// Decode queries that drift slowly from the prompt's last one (ReTopK reuses) and jump once.
+std::vector<ReferenceSession::Token> DriftingTokens(const ReferenceSession& ref, int steps,
+                                                    uint64_t seed) {
+  const v1::Geometry& g = ref.geometry();
+  const int64_t q_row = int64_t{g.q_heads()} * g.head_dim();
+  std::vector<float> q(ref.prompt(0).q.end() - q_row, ref.prompt(0).q.end());
+  std::vector<ReferenceSession::Token> tokens;
+  for (int s = 0; s < steps; ++s) {
+    ReferenceSession::Token t = ref.MakeToken(seed + 10 * s);
+    const std::vector<float> noise = testing::RandomNormal(q_row, seed + 5 * s + 1, 0.3f);
+    for (int64_t i = 0; i < q_row; ++i) q[i] = 0.97f * q[i] + noise[i];
+    t.q = s == steps / 2 ? testing::RandomNormal(q_row, seed + 999, 1.5f) : q;
+    tokens.push_back(std::move(t));
+  }
+  return tokens;
+}
+
+TEST_F(TieredPlacementTest, ReTopKAndTheGraphIndexSelectFromTheBulkOnly) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
+  ReferenceSession ref(g, 3000, 17);
+  const int k = 32;
+  v1::Policy retopk = TieredPolicy(v1::SELECTOR_RETOPK, k);
+  retopk.mutable_retopk()->set_tau(0.6f);
+  retopk.mutable_retopk()->set_refresh_interval(16);
+  const std::string retopk_id = CreateAndPrefill(ref, retopk, 1000);
+  const std::string index_id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_INDEX, k), 1000);
+  DecodeClient client(stub());
+  const std::vector<ReferenceSession::Token> tokens = DriftingTokens(ref, 40, 31);
+  for (const ReferenceSession::Token& token : tokens) {
+    const std::vector<float> q = ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply =
+        StepAll(client, {retopk_id, index_id}, token, ref, /*compare=*/true);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
+    for (const v1::SequenceResult& result : reply->results()) {
+      for (float x : TensorValues(result.output())) ASSERT_TRUE(std::isfinite(x));
+      for (const v1::HeadDiagnostics& head : result.heads()) {
+        // The static set always; at most K of the bulk besides, and never the whole bulk.
+        EXPECT_GE(head.support(), kSinks + kRecent);
+        EXPECT_LE(head.support(), kSinks + kRecent + k);
+        // ReTopK's reuse path and the graph search score a part of the bulk; ReTopK's exact
+        // path is a flat scan of the bulk (never of the static set).
+        if (&result == &reply->results(1) || head.path() == v1::PATH_REUSE) {
+          EXPECT_LT(head.candidates(), bulk) << "a search that scanned the whole bulk";
+        } else {
+          EXPECT_EQ(head.candidates(), bulk);
+        }
+        EXPECT_GT(head.retained_mass(), 0.0f);
+      }
+    }
+  }
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), retopk_id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_GT(info->paths().reuse(), 0);
+  EXPECT_GT(info->paths().fallback() + info->paths().refresh(), 0);
+  EXPECT_GT(info->selector_bytes(), 0);
+  absl::StatusOr<v1::SessionInfo> index = GetSession(stub(), index_id);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_GT(index->selector_bytes(), 0) << "the graph index lives on the host";
+}
+
+TEST_F(TieredPlacementTest, ABatchEqualsEachSequenceAloneAndGpuBytesStayConstant) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
+  ReferenceSession short_ref(g, 300, 41);
+  ReferenceSession long_ref(g, 1500, 43);
+  const v1::Policy policy = TieredPolicy(v1::SELECTOR_EXACT_TOPK, 24);
+  const std::string a = CreateAndPrefill(short_ref, policy, 300);
+  const std::string b = CreateAndPrefill(long_ref, policy, 500);
+  const std::string a_alone = CreateAndPrefill(short_ref, policy, 300);
+  const std::string b_alone = CreateAndPrefill(long_ref, policy, 500);
+  absl::StatusOr<v1::SessionInfo> short_info = GetSession(stub(), a);
+  absl::StatusOr<v1::SessionInfo> long_info = GetSession(stub(), b);
+  ASSERT_TRUE(short_info.ok() && long_info.ok());
+  EXPECT_EQ(short_info->gpu_bytes(), long_info->gpu_bytes()) << "the static set does not grow";
+  EXPECT_GT(long_info->host_bytes(), short_info->host_bytes());
+  if (gpu_tier()) {
+    EXPECT_EQ(long_info->gpu_bytes(), 2 * 2 * (kSinks + kRecent) * g.kv_heads() * g.head_dim());
+  } else {
+    EXPECT_EQ(long_info->gpu_bytes(), 0);
+  }
+  DecodeClient client(stub());
+  for (int step = 0; step < 4; ++step) {
+    const ReferenceSession::Token x = short_ref.MakeToken(50 + step);
+    const ReferenceSession::Token y = long_ref.MakeToken(70 + step);
+    v1::DecodeRequest both;
+    both.set_layer(0);
+    *both.add_steps() = short_ref.Step(a, x);
+    *both.add_steps() = long_ref.Step(b, y);
+    absl::StatusOr<v1::DecodeResponse> batched = client.Step(both);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    v1::DecodeRequest one;
+    one.set_layer(0);
+    *one.add_steps() = short_ref.Step(a_alone, x);
+    absl::StatusOr<v1::DecodeResponse> alone_a = client.Step(one);
+    one.clear_steps();
+    *one.add_steps() = long_ref.Step(b_alone, y);
+    absl::StatusOr<v1::DecodeResponse> alone_b = client.Step(one);
+    ASSERT_TRUE(alone_a.ok() && alone_b.ok());
+    EXPECT_EQ(TensorValues(batched->results(0).output()), TensorValues(alone_a->results(0).output()));
+    EXPECT_EQ(TensorValues(batched->results(1).output()), TensorValues(alone_b->results(0).output()));
+  }
+}
+
+TEST_F(TieredPlacementTest, AGpuStaticTierRefusesWhatItCannotHold) {
+  if (!gpu_tier()) GTEST_SKIP() << "the host tier holds every dtype";
+  EXPECT_TRUE(HasStatus(CreateSession(stub(), MakeGeometry(1, 8, 2, 64, v1::DTYPE_F32),
+                                      TieredPolicy(v1::SELECTOR_FULL))
+                            .status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "geometry.dtype DTYPE_F32 is not served by PLACEMENT_TIERED on a GPU"));
+  EXPECT_TRUE(HasStatus(CreateSession(stub(), MakeGeometry(1, 8, 2, 80, v1::DTYPE_BF16),
+                                      TieredPolicy(v1::SELECTOR_FULL))
+                            .status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "geometry.head_dim 80 is not served by PLACEMENT_TIERED on a GPU"));
+}
+
+}  // namespace
+}  // namespace kvrecall
