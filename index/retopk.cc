@@ -97,7 +97,7 @@ ReTopKHead::ReTopKHead(const ReTopKHeadParams& params, int cache_capacity, int h
       cosines_(cache_capacity) {}
 
 void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
-                      HeadSelection* out) {
+                      HeadSelection* out, SupportSelector* exact_search, int q_head) {
   cpu::Normalize(q, cache_.head_dim(), unit_query_.data());
   const int entries = cache_.size();
   cache_.Cosines(unit_query_.data(), cosines_.data());
@@ -120,6 +120,11 @@ void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t dec
     TopKOfCandidates(q, kv, kv_head, params_.scale, params_.top_k, candidates_, &scores_,
                      &positions_, &out->support);
     out->candidates = static_cast<int32_t>(candidates_.size());
+  } else if (exact_search != nullptr) {
+    const SelectionPath path = out->path;
+    exact_search->Select(q_head, q, kv, out);
+    out->path = path;
+    out->best_cosine = best;
   } else {
     cpu::ExactTopK(q, kv, kv_head, params_.scale, params_.top_k, &out->support);
     out->candidates = static_cast<int32_t>(kv.tokens);
@@ -173,6 +178,9 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
   }
   if (kv.tokens > 0 && prompt_queries == nullptr) {
     return absl::InvalidArgumentError("retopk: the prompt queries are required to seed the cache");
+  }
+  if (exact_search_ != nullptr) {
+    if (absl::Status s = exact_search_->Build(kv, prompt_queries); !s.ok()) return s;
   }
   const int64_t tokens = kv.tokens;
   const int capacity = params_.cache_capacity;
@@ -265,13 +273,17 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
   return absl::OkStatus();
 }
 
+void ReTopKSelector::OnAppend(const KvView& kv) {
+  if (exact_search_ != nullptr) exact_search_->OnAppend(kv);
+}
+
 void ReTopKSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {
   heads_[q_head].Step(q, kv, KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads),
-                      kv.tokens - prompt_tokens_, out);
+                      kv.tokens - prompt_tokens_, out, exact_search_.get(), q_head);
 }
 
 int64_t ReTopKSelector::MemoryBytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = exact_search_ != nullptr ? exact_search_->MemoryBytes() : 0;
   for (const ReTopKHead& head : heads_) bytes += head.MemoryBytes();
   return bytes;
 }

@@ -21,6 +21,7 @@
 #define KVRECALL_INDEX_RETOPK_H_
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -88,8 +89,10 @@ class ReTopKHead {
 
   // One decode step for q [head_dim] over kv (which includes the current token), through KV head
   // kv_head. Fills out->support, path, candidates and best_cosine, then updates the cache.
+  // exact_search (may be null): what the exact and refresh paths select with, as query head
+  // q_head over kv (the graph index's search); null: the flat scan, exact top-K.
   void Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
-            HeadSelection* out);
+            HeadSelection* out, SupportSelector* exact_search = nullptr, int q_head = 0);
 
   float tau() const { return params_.tau; }
   const QuerySupportCache& cache() const { return cache_; }
@@ -154,8 +157,15 @@ class ReTopKSelector : public SupportSelector {
                  int64_t query_lead = 0);
 
   absl::Status Build(const KvView& kv, const float* prompt_queries) override;
+  void OnAppend(const KvView& kv) override;
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
+
+  // The exact and refresh paths select with `search` (built, fed appends and counted with this
+  // selector) instead of a flat scan: the graph index in the tiered placement. Before Build.
+  void set_exact_search(std::unique_ptr<SupportSelector> search) {
+    exact_search_ = std::move(search);
+  }
 
   // The state of query head q_head, for tests and diagnostics.
   const ReTopKHead& head(int q_head) const { return heads_[q_head]; }
@@ -168,6 +178,7 @@ class ReTopKSelector : public SupportSelector {
   int64_t query_lead_ = 0;
   int64_t prompt_tokens_ = 0;
   std::vector<ReTopKHead> heads_;
+  std::unique_ptr<SupportSelector> exact_search_;  // null: the flat scan
 };
 
 }  // namespace kvrecall

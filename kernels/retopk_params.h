@@ -13,6 +13,9 @@ struct ReTopKParams {
   int refresh_interval = 128; // Tr: every Tr-th decode step is exact; 0 disables
   bool auto_tau = false;      // calibrate tau per head from the prefill queries
   float target_recall = 0.9f; // support recall that auto_tau keeps
+  // Host selectors of the tiered placement only: the exact path scans the bulk flatly instead
+  // of searching the graph index (the kernels always scan).
+  bool exact_flat_scan = false;
 };
 
 }  // namespace kvrecall

@@ -84,6 +84,7 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   p.retopk.refresh_interval =
       r.has_refresh_interval() ? r.refresh_interval() : defaults.retopk.refresh_interval;
   p.retopk.auto_tau = r.auto_tau();
+  p.retopk.exact_flat_scan = r.exact_flat_scan();
   p.retopk.target_recall =
       r.target_recall() == 0.0f ? defaults.retopk.target_recall : r.target_recall();
 
@@ -113,6 +114,7 @@ v1::Policy PolicyToProto(const EffectivePolicy& policy) {
   r->set_tau(p.retopk.tau);
   r->set_refresh_interval(p.retopk.refresh_interval);
   r->set_auto_tau(p.retopk.auto_tau);
+  r->set_exact_flat_scan(p.retopk.exact_flat_scan);
   r->set_target_recall(p.retopk.target_recall);
   v1::IndexParams* g = out.mutable_index();
   g->set_build_queries(p.index.build_queries);

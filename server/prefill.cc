@@ -113,7 +113,8 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
       }
       tokens = received;
       const SelectorParams& selector = session_->layer_config().selector;
-      const int64_t needed = PromptQueriesNeeded(selector, received);
+      const int64_t needed =
+          session_->backend()->PromptQueriesNeeded(session_->layer_config(), received);
       if (received - staged.queries_from < needed) {
         return absl::InvalidArgumentError(absl::StrCat(
             "layer ", layer, ": the ", SelectorKindName(selector.kind),

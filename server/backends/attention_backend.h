@@ -138,6 +138,12 @@ class AttentionBackend {
   virtual absl::Status CheckConfig(const LayerConfig& config) const = 0;
   // Device bytes a layer of `config` holds for `tokens` tokens (KV and caches), for admission.
   virtual int64_t DeviceBytesFor(const LayerConfig& config, int64_t tokens) const { return 0; }
+  // How many of a prompt's last tokens must come with their queries for a layer of `config`
+  // to be built (index/support_selector.h's PromptQueriesNeeded unless the placement's
+  // selectors read more).
+  virtual int64_t PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const {
+    return kvrecall::PromptQueriesNeeded(config.selector, tokens);
+  }
 
   virtual absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
       const LayerConfig& config, const SessionAccounts& accounts) = 0;

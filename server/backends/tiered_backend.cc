@@ -48,11 +48,23 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       return BulkSelector{std::make_unique<FullSelector>(), true};
     case SelectorKind::kExactTopK:
       return BulkSelector{std::make_unique<ExactTopKSelector>(config.shape, p.top_k), true};
-    case SelectorKind::kReTopK:
+    case SelectorKind::kReTopK: {
       // Bulk row r is token sinks + r; the prompt queries it is built from are offset so that
       // query r is the one of token sinks + recent + r, which sees bulk rows [0, r + recent].
-      return BulkSelector{
-          std::make_unique<ReTopKSelector>(config.shape, p.top_k, p.retopk, p.recent), true};
+      auto retopk = std::make_unique<ReTopKSelector>(config.shape, p.top_k, p.retopk, p.recent);
+      if (!p.retopk.exact_flat_scan) {
+        // The exact path searches a graph index over the bulk view (no static set of its own:
+        // the view is the bulk).
+        SelectorParams graph = p;
+        graph.kind = SelectorKind::kIndex;
+        graph.sinks = 0;
+        graph.recent = 0;
+        retopk->set_exact_search(std::make_unique<IndexSelector>(
+            config.shape, graph, /*bulk_only=*/true,
+            batch_topk != nullptr ? batch_topk : BatchTopKFunction(CpuBatchTopK)));
+      }
+      return BulkSelector{std::move(retopk), true};
+    }
     case SelectorKind::kIndex:
       return BulkSelector{std::make_unique<IndexSelector>(
                               config.shape, p, /*bulk_only=*/true,
@@ -201,6 +213,12 @@ bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
 }
 
 }  // namespace
+
+int64_t TieredBackend::PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const {
+  const SelectorParams& p = config.selector;
+  if (p.kind == SelectorKind::kReTopK && !p.retopk.exact_flat_scan) return tokens;
+  return kvrecall::PromptQueriesNeeded(p, tokens);
+}
 
 absl::Status TieredBackend::CheckConfig(const LayerConfig& config) const {
   const SelectorParams& p = config.selector;

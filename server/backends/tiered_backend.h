@@ -93,6 +93,8 @@ class TieredBackend final : public AttentionBackend {
   int64_t DeviceBytesFor(const LayerConfig& config, int64_t) const override {
     return tier_->DeviceBytesFor(config);
   }
+  // ReTopK's exact path searches the graph index, built from every prompt query.
+  int64_t PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const override;
   absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
       const LayerConfig& config, const SessionAccounts& accounts) override;
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
