@@ -60,8 +60,9 @@ RunningServer::RunningServer(const ServerOptions& options,
                              std::unique_ptr<Placements> placements)
     : budget_(options.host_memory_budget_bytes),
       placements_(std::move(placements)),
-      registry_(&budget_, placements_.get(), metrics_.get()),
-      service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads}),
+      registry_(&budget_, placements_.get(), metrics_.get(), options.limits),
+      service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads,
+                                          .inline_steps = options.inline_decode_steps}),
       health_({v1::KvRecall::service_full_name()}),
       probe_health_({v1::KvRecall::service_full_name()}) {}
 
@@ -125,10 +126,15 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1, ", INT_MAX,
                                                    "], got ", options.max_message_bytes));
   }
+  if (options.inline_decode_steps < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inline_decode_steps must be >= -1 (-1: the default), got ", options.inline_decode_steps));
+  }
   if (options.worker_threads < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("worker_threads must be >= 0, got ", options.worker_threads));
   }
+  if (absl::Status s = options.limits.Validate(); !s.ok()) return s;
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(options.placements);
   if (!placements.ok()) return placements.status();

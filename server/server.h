@@ -31,10 +31,16 @@ struct ServerOptions {
   // Threads that serve decode steps, prompt chunks and unary calls (as many again build
   // selectors); 0: one per hardware thread. Open streams hold no thread.
   int worker_threads = 0;
+  // Decode steps that may run at once on the gRPC thread that read them instead of a worker
+  // (ServiceOptions::inline_steps); -1: a quarter of the hardware threads; 0: none.
+  int inline_decode_steps = -1;
   // Largest message accepted or sent; larger ones fail with RESOURCE_EXHAUSTED.
   int64_t max_message_bytes = 64ll << 20;
   // Host memory that sessions may hold (KV, staged prompts, selector state); 0: unlimited.
   int64_t host_memory_budget_bytes = 0;
+  // Sessions open at once, tokens per layer of a session, and the idle time after which a
+  // session is closed (server/session.h); 0: none.
+  SessionLimits limits;
   // The GPUs sessions may be placed on, and their budgets.
   PlacementOptions placements;
   // TLS, mutual TLS and bearer tokens for every address above (server/credentials.h).

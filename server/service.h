@@ -1,7 +1,8 @@
 // The gRPC service kvrecall.v1.KvRecall on gRPC's callback API: sessions, Prefill streams and
 // Decode streams over a SessionRegistry. An open stream holds no thread; the compute of every
 // call runs on the service's own work queues, so gRPC's threads stay free for I/O and health
-// checks under any load. Messages are taken raw (server/raw_messages.h) so that an undecodable
+// checks under any load, except for a bounded number of Decode steps at once
+// (ServiceOptions::inline_steps), which run on the gRPC thread that read them. Messages are taken raw (server/raw_messages.h) so that an undecodable
 // message gets INVALID_ARGUMENT and changes nothing.
 #ifndef KVRECALL_SERVER_SERVICE_H_
 #define KVRECALL_SERVER_SERVICE_H_
@@ -29,6 +30,11 @@ struct ServiceOptions {
   // Threads that build selectors when a Prefill stream commits (seconds for long prompts; kept
   // apart so that builds never queue decode steps behind them); 0: as many as worker_threads.
   int build_threads = 0;
+  // Decode steps that may run at once on the gRPC thread that read them, saving the hand-off
+  // to worker_threads (a thread wake-up per step); further steps queue for worker_threads.
+  // Bounded so that gRPC's threads stay free for I/O and health checks. -1: a quarter of the
+  // hardware threads, at least 1; 0: every step queues.
+  int inline_steps = -1;
 };
 
 // Every method of kvrecall.v1.KvRecall, raw and callback-based.
@@ -53,7 +59,9 @@ class KvRecallService final : public KvRecallRawCallbackService {
   bool AwaitIdle(absl::Time deadline) const;
   // Whether work is queued or running on the service's threads (possibly for calls that were
   // cancelled: their results are dropped).
-  bool busy() const { return steps_.active() + builds_.active() > 0; }
+  bool busy() const {
+    return steps_.active() + builds_.active() + inline_steps_.load(std::memory_order_acquire) > 0;
+  }
   // Prefill commits (selector builds) queued or running.
   int builds_in_flight() const { return builds_.active(); }
 
@@ -123,6 +131,9 @@ class KvRecallService final : public KvRecallRawCallbackService {
   bool Register(Stream* stream);
   void Unregister(Stream* stream);
   void CountUnary(int delta);
+  // A slot to run a Decode step on gRPC's thread (ServiceOptions::inline_steps); false: queue it.
+  bool TakeInlineStep();
+  void ReturnInlineStep();
 
   SessionRegistry* registry_;
   std::atomic<bool> draining_{false};
@@ -131,6 +142,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   int unary_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
   WorkQueue steps_;
   WorkQueue builds_;
+  const int max_inline_steps_;
+  std::atomic<int> inline_steps_{0};
 };
 
 // The status of work refused because the server is draining.
