@@ -527,12 +527,19 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
   const size_t in_seqs = in.Take<DeviceSeq>(batch);
   const size_t in_rows = in.Take<cuda::TokenRows>(batch);
   const size_t in_caches = in.Take<cuda::ReTopKCachesView>(retopk ? batch : 0);
-  // One packed download: outputs, and what the reports need.
+  // One packed download: outputs, the kernels' error word, what the reports need, and last the
+  // supports (downloaded only when compare_exact asks for them). What ReTopK's kernels leave in
+  // their workspace is gathered into it on the device first.
   Carver out(nullptr);
   const size_t out_o = out.Take<float>(static_cast<size_t>(rows) * d);
   const size_t out_lse = out.Take<float>(rows);
-  const size_t out_sizes = out.Take<int32_t>(topk ? rows : 0);
-  const size_t out_support = out.Take<int32_t>(topk ? static_cast<size_t>(rows) * p.top_k : 0);
+  const size_t out_errors = out.Take<unsigned>(1);
+  const size_t out_sizes = out.Take<int32_t>(topk || retopk ? rows : 0);
+  const size_t out_paths = out.Take<uint8_t>(retopk ? rows : 0);
+  const size_t out_candidates = out.Take<int32_t>(retopk ? rows : 0);
+  const size_t out_best = out.Take<float>(retopk ? rows : 0);
+  const size_t out_support =
+      out.Take<int32_t>(topk || retopk ? static_cast<size_t>(rows) * p.top_k : 0);
   if (absl::Status s = ctx.EnsureIo(in.size(), out.size()); !s.ok()) return s;
   std::byte* host_in = ctx.pinned_in();
   std::byte* dev_in = ctx.device_in();
@@ -577,42 +584,40 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
         shape, p.top_k, p.retopk, seqs, in.At<cuda::ReTopKCachesView>(dev_in, in_caches), q, max_n,
         retopk_ws, o, lse, stream));
   }
-  // Supports cross PCIe only when compare_exact asked for them.
-  const size_t out_bytes = want_supports || !topk ? out.size() : out_support;
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(host_out, dev_out, out_bytes, cudaMemcpyDeviceToHost, stream),
-      "downloading a decode step"));
-  std::vector<uint8_t> paths;
-  std::vector<int32_t> candidates, sizes, supports;
-  std::vector<float> best;
-  if (retopk) {
-    paths.resize(rows);
-    candidates.resize(rows);
-    sizes.resize(rows);
-    best.resize(rows);
-    auto down = [&](void* dst, const void* src, size_t bytes) {
-      return CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream),
-                        "downloading ReTopK's reports");
-    };
-    KVRECALL_CUDA_RETURN_IF_ERROR(down(paths.data(), retopk_ws->paths(), rows));
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        down(candidates.data(), retopk_ws->candidates(), rows * sizeof(int32_t)));
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        down(sizes.data(), retopk_ws->support_sizes(), rows * sizeof(int32_t)));
-    KVRECALL_CUDA_RETURN_IF_ERROR(down(best.data(), retopk_ws->best_cosines(), rows * sizeof(float)));
-    if (want_supports) {
-      supports.resize(static_cast<size_t>(rows) * p.top_k);
-      KVRECALL_CUDA_RETURN_IF_ERROR(
-          down(supports.data(), retopk_ws->supports(), supports.size() * sizeof(int32_t)));
-    }
-  }
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaStreamSynchronize(stream), "running a decode step on the GPU"));
-  // Device-side precondition violations would be this code's bug: every input was validated.
   const cuda::KernelErrors& errors = attention_ws != nullptr ? attention_ws->errors()
                                      : topk                  ? topk_ws->errors()
                                                              : retopk_ws->errors();
-  if (absl::Status s = errors.CheckAndClear(stream); !s.ok()) {
+  auto gather = [&](size_t at, const void* src, size_t bytes) {
+    return CudaStatus(
+        cudaMemcpyAsync(dev_out + at, src, bytes, cudaMemcpyDeviceToDevice, stream),
+        "gathering a decode step's download");
+  };
+  KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_errors, errors.device_word(), sizeof(unsigned)));
+  if (retopk) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_paths, retopk_ws->paths(), rows));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        gather(out_candidates, retopk_ws->candidates(), rows * sizeof(int32_t)));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        gather(out_sizes, retopk_ws->support_sizes(), rows * sizeof(int32_t)));
+    KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_best, retopk_ws->best_cosines(), rows * sizeof(float)));
+    if (want_supports) {
+      KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_support, retopk_ws->supports(),
+                                           static_cast<size_t>(rows) * p.top_k * sizeof(int32_t)));
+    }
+  }
+  // Supports cross PCIe only when compare_exact asked for them.
+  const size_t out_bytes = want_supports ? out.size() : out_support;
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(host_out, dev_out, out_bytes, cudaMemcpyDeviceToHost, stream),
+      "downloading a decode step"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(stream), "running a decode step on the GPU"));
+  // Device-side precondition violations would be this code's bug: every input was validated.
+  // The word came down with the outputs; only when it is set does CheckAndClear (another
+  // synchronization) say what it holds and clear it.
+  if (*out.At<unsigned>(host_out, out_errors) != 0) {
+    absl::Status s = errors.CheckAndClear(stream);
+    if (s.ok()) s = absl::InternalError("the kernels' error word was set, then read as clear");
     return absl::InternalError(absl::StrCat("a decode step's kernels reported: ", s.message()));
   }
 
@@ -655,14 +660,17 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
           }
           break;
         }
-        default:  // ReTopK
-          report = HeadReport{static_cast<SelectionPath>(paths[r]), candidates[r], sizes[r],
-                              best[r]};
+        default: {  // ReTopK
+          const int32_t size = out.At<int32_t>(host_out, out_sizes)[r];
+          report = HeadReport{static_cast<SelectionPath>(out.At<uint8_t>(host_out, out_paths)[r]),
+                              out.At<int32_t>(host_out, out_candidates)[r], size,
+                              out.At<float>(host_out, out_best)[r]};
           if (support != nullptr) {
-            const int32_t* ids = supports.data() + int64_t{r} * p.top_k;
-            support->assign(ids, ids + sizes[r]);
+            const int32_t* ids = out.At<int32_t>(host_out, out_support) + int64_t{r} * p.top_k;
+            support->assign(ids, ids + size);
           }
           break;
+        }
       }
     }
   }
