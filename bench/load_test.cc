@@ -297,6 +297,14 @@ int Run() {
   out["layer_steps_per_second"] = load.count / decode_seconds;
   out["step_alone"] = ToJson(base);
   out["step_under_load"] = ToJson(load);
+  for (int kind = 0; kind < 5; ++kind) {
+    std::vector<double> of_kind;
+    for (int i = kind; i < sessions; i += 5) {
+      of_kind.insert(of_kind.end(), micros[i].begin(), micros[i].end());
+    }
+    out["step_under_load_by_selector"][v1::Selector_Name(SelectorOf(kind))] =
+        ToJson(Summarize(of_kind));
+  }
   out["p50_ratio_load_vs_alone"] = base.p50 > 0 ? load.p50 / base.p50 : 0;
   out["health"] = ToJson(health);
   out["health"]["failures"] = health_failures;
@@ -319,6 +327,12 @@ int Run() {
               "decode %.1f, after close %.1f\n",
               mib(rss["before"]), mib(rss["after_prefill"]), mib(rss_peak),
               mib(rss["end_of_decode"]), mib(rss["after_close"]));
+  for (const auto& item : out["step_under_load_by_selector"].items()) {
+    const nlohmann::json& p = item.value();
+    std::printf("    %-22s p50 %8.1f us  p99 %8.1f us  (%lld steps)\n", item.key().c_str(),
+                p["p50_us"].get<double>(), p["p99_us"].get<double>(),
+                static_cast<long long>(p["count"].get<int64_t>()));
+  }
   if (!error_messages.empty()) std::printf("  first error: %s\n", error_messages[0].c_str());
   const std::string json = absl::GetFlag(FLAGS_json);
   if (!json.empty()) std::ofstream(json) << out.dump(2) << "\n";

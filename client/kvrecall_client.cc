@@ -173,9 +173,20 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Finish() {
 // ---------------------------------------------------------------------------------------------
 
 DecodeStream::DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry)
-    : geometry_(geometry), stream_(stub.Decode(&context_)) {}
+    : stub_(&stub), geometry_(geometry) {
+  Open();
+}
 
 DecodeStream::~DecodeStream() { Close().IgnoreError(); }
+
+void DecodeStream::Open() {
+  stream_.reset();
+  context_ = std::make_unique<grpc::ClientContext>();
+  stream_ = stub_->Decode(context_.get());
+  ++streams_opened_;
+  finished_ = false;
+  status_ = absl::OkStatus();
+}
 
 absl::Status DecodeStream::Fail() {
   if (!finished_) {
@@ -186,6 +197,7 @@ absl::Status DecodeStream::Fail() {
 }
 
 absl::Status DecodeStream::Close() {
+  closed_ = true;
   if (!finished_) {
     stream_->WritesDone();
     status_ = FromGrpcStatus(stream_->Finish());
@@ -196,9 +208,8 @@ absl::Status DecodeStream::Close() {
 
 absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
                                 const StepOptions& options, StepResult* result) {
-  if (finished_) {
-    return status_.ok() ? absl::FailedPreconditionError("the Decode stream is closed") : status_;
-  }
+  if (closed_) return absl::FailedPreconditionError("the Decode stream is closed");
+  if (finished_) Open();  // the server ended the last one on a failed step: continue anew
   const v1::Geometry& g = geometry_;
   const int64_t q_row[] = {g.q_heads(), g.head_dim()};
   const int64_t kv_row[] = {g.kv_heads(), g.head_dim()};
@@ -231,6 +242,9 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
   if (!stream_->Write(request_) || !stream_->Read(&response_)) return Fail();
   if (response_.request_id() != request_id ||
       response_.results_size() != static_cast<int>(batch.size())) {
+    // Replies no longer pair with requests: this gRPC stream cannot be trusted any further.
+    context_->TryCancel();
+    Fail().IgnoreError();
     return absl::InternalError(absl::StrCat(
         "Decode reply mismatch: request_id ", response_.request_id(), " with ",
         response_.results_size(), " results for request ", request_id, " of ", batch.size()));
@@ -376,12 +390,19 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(absl::string_view session_id)
 }
 
 absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
-  v1::ListSessionsResponse response;
-  grpc::ClientContext context;
-  if (absl::Status s = FromGrpcStatus(stub_->ListSessions(&context, {}, &response)); !s.ok()) {
-    return s;
-  }
-  return std::vector<v1::SessionInfo>(response.sessions().begin(), response.sessions().end());
+  std::vector<v1::SessionInfo> sessions;
+  v1::ListSessionsRequest request;
+  do {
+    v1::ListSessionsResponse response;
+    grpc::ClientContext context;
+    if (absl::Status s = FromGrpcStatus(stub_->ListSessions(&context, request, &response));
+        !s.ok()) {
+      return s;
+    }
+    for (v1::SessionInfo& info : *response.mutable_sessions()) sessions.push_back(std::move(info));
+    request.set_page_token(response.next_page_token());
+  } while (!request.page_token().empty());
+  return sessions;
 }
 
 absl::Status Client::CloseSession(absl::string_view session_id) {

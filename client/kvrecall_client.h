@@ -119,8 +119,11 @@ struct StepResult {
 // One long-lived, bidirectional Decode stream for sessions of one model geometry: each Step
 // sends one layer of one token for a batch of sequences and waits for its reply. Request and
 // reply messages are reused, so a warm stream allocates little per step. The server ends the
-// stream on a rejected step: that Step and every later one return its status (open a new
-// stream to continue). Not thread-safe; use one stream per thread.
+// gRPC stream on a rejected step (kvrecall.proto, Decode): that Step returns its status, which
+// appended nothing, and the next Step opens a new gRPC stream and continues the sessions, as
+// they were before the failed step. (After a broken connection or a deadline the failed step
+// may have been committed in some layers: SequenceResult.position and GetSession's
+// layer_tokens tell a runner where each layer is.) Not thread-safe; use one stream per thread.
 class DecodeStream {
  public:
   ~DecodeStream();
@@ -128,17 +131,26 @@ class DecodeStream {
   // An empty `batch` sends a request with no steps (a no-op round trip on the stream).
   absl::Status Step(int layer, std::span<const SequenceInput> batch, const StepOptions& options,
                     StepResult* result);
-  // Half-closes the stream and returns the server's final status.
+  // Half-closes the stream and returns the server's final status; later Steps fail with
+  // FAILED_PRECONDITION.
   absl::Status Close();
+  // gRPC streams opened so far: 1, plus one per Step that followed a failed one.
+  int streams_opened() const { return streams_opened_; }
 
  private:
   friend class Client;
   DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry);
+  // Ends the gRPC stream after a failed write or read and returns the server's status.
   absl::Status Fail();
+  // Opens a new gRPC stream (the first, or one after a failure).
+  void Open();
 
+  v1::KvRecall::Stub* stub_;
   v1::Geometry geometry_;
-  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientContext> context_;  // one per gRPC stream
   std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+  int streams_opened_ = 0;
+  bool closed_ = false;  // by Close: no further stream
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
   uint64_t next_request_id_ = 1;
@@ -187,6 +199,7 @@ class Client {
                                                               PrefillOptions options = {});
   absl::StatusOr<std::unique_ptr<DecodeStream>> OpenDecodeStream(const v1::Geometry& geometry);
   absl::StatusOr<v1::SessionInfo> GetSession(absl::string_view session_id);
+  // Every session of the caller, by id (following ListSessions' pages).
   absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions();
   absl::Status CloseSession(absl::string_view session_id);
 

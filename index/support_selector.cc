@@ -33,6 +33,18 @@ GraphIndexParams GraphIndexParams::WithDefaults() const {
   return out;
 }
 
+int64_t SelectorStateBytesBound(const SelectorParams& params, int q_heads, int head_dim) {
+  if (params.kind != SelectorKind::kReTopK) return 0;
+  const ReTopKParams& r = params.retopk;
+  const int64_t c = r.cache_capacity;
+  const int64_t k = params.top_k;
+  // The cache (queries and supports), cosines, and the candidates of a reuse step (R supports
+  // and the recent window) with their scores and positions.
+  const int64_t candidates = int64_t{r.reuse_neighbors} * k + r.recent_window;
+  const int64_t per_head = 4 * (c * (head_dim + k) + c + head_dim + 3 * candidates);
+  return per_head * q_heads;
+}
+
 absl::Status SelectorParams::Validate() const {
   auto invalid = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(parts...));

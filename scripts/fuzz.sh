@@ -30,7 +30,9 @@ done
 [ ${#targets[@]} -gt 0 ] || targets=(request safetensors)
 build="${KVRECALL_ASAN_BUILD_DIR:-$root/build-asan}"
 
-"$root/scripts/sanitize.sh" asan --build-only
+# The fuzzers and their seed corpora alone, not the whole suite.
+"$root/scripts/sanitize.sh" asan --build-only --target=fuzz_seed_corpora \
+  --target=request_fuzzer_libfuzzer --target=safetensors_fuzzer_libfuzzer
 
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"

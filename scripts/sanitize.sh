@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the project and its tests with clang's sanitizers and runs the test suite under them.
 #
-#   scripts/sanitize.sh [asan] [tsan] [--build-only] [-R REGEX] [-E REGEX]
+#   scripts/sanitize.sh [asan] [tsan] [--build-only] [--target=TARGET]... [-R REGEX] [-E REGEX]
 #
 #   asan  AddressSanitizer + UndefinedBehaviorSanitizer (leaks included; UB aborts), in
 #         ${KVRECALL_ASAN_BUILD_DIR:-build-asan}. The build is also instrumented for libFuzzer
@@ -14,6 +14,7 @@
 #         with -Wl,--wrap), OpenMP is LLVM's libomp with its TSan tool (libarcher), and
 #         tests/sanitizers/tsan.supp names what remains outside the project's reach.
 #
+# --target builds only those CMake targets (scripts/fuzz.sh builds the fuzzers alone this way).
 # With neither, both run. -R/-E select tests (ctest regular expressions); the deploy tests
 # (helm, manifests) never run here. Sanitizer reports go to BUILD/sanitizer-logs/; the script
 # prints the tests that failed and the reports by kind, and exits non-zero on either.
@@ -23,12 +24,15 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 kinds=()
 build_only=0
 ctest_args=()
+build_targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
     asan | tsan) kinds+=("$1") ;;
     --build-only) build_only=1 ;;
+    --target=*) build_targets+=(--target "${1#*=}") ;;
     -R | -E) ctest_args+=("$1" "$2"); shift ;;
-    *) echo "usage: $0 [asan] [tsan] [--build-only] [-R REGEX] [-E REGEX]" >&2; exit 2 ;;
+    *) echo "usage: $0 [asan] [tsan] [--build-only] [--target=TARGET]... [-R REGEX] [-E REGEX]" >&2
+       exit 2 ;;
   esac
   shift
 done
@@ -76,7 +80,7 @@ configure_and_build() {  # KIND BUILD_DIR
     -DCMAKE_CXX_FLAGS="$flags -fno-omit-frame-pointer" \
     -DCMAKE_EXE_LINKER_FLAGS="$link_flags" -DCMAKE_SHARED_LINKER_FLAGS="$link_flags" \
     "${extra[@]}" >/dev/null
-  cmake --build "$build" -j"$jobs"
+  cmake --build "$build" -j"$jobs" ${build_targets[@]+"${build_targets[@]}"}
 }
 
 status=0

@@ -118,6 +118,11 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     if (absl::Status s = session.CheckDecodable(layer); !s.ok()) {
       return PrefixStatus(s, "steps[", i, "]: ");
     }
+    if (absl::Status s = registry_->limits().CheckContext(session.layer(layer).tokens() + 1,
+                                                          session.id(), layer);
+        !s.ok()) {
+      return PrefixStatus(s, "steps[", i, "]: ");
+    }
     const StepSpecs specs(session.geometry());
     const v1::SequenceStep& step = request.steps(i);
     for (auto [tensor, spec] :

@@ -29,6 +29,16 @@ ABSL_FLAG(int, max_message_mb, 64,
 ABSL_FLAG(double, host_memory_budget_gb, 0,
           "host memory (GiB) that sessions may hold: KV, staged prompts and selector state; "
           "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
+ABSL_FLAG(int64_t, max_sessions, 0,
+          "sessions open at once (of every tenant); CreateSession beyond it gets "
+          "RESOURCE_EXHAUSTED; 0: no limit");
+ABSL_FLAG(int64_t, max_context_tokens, 0,
+          "tokens (prompt + decoded) each layer of a session may hold; a CreateSession "
+          "announcing more, or a Prefill chunk or Decode step growing a layer past it, gets "
+          "RESOURCE_EXHAUSTED; 0: no limit");
+ABSL_FLAG(double, session_idle_ttl_seconds, 0,
+          "a session that no call used for this long is closed and its memory freed (its id "
+          "then answers NOT_FOUND saying it expired); 0: sessions never expire");
 ABSL_FLAG(std::string, gpus, "all",
           "CUDA devices that GPU placements may use: 'all' (every visible device), 'none', or a "
           "comma-separated list of ordinals such as 0,2; each session lives on the one with the "
@@ -79,6 +89,14 @@ int main(int argc, char** argv) {
   options.inline_decode_steps = absl::GetFlag(FLAGS_inline_decode_steps);
   options.max_message_bytes = int64_t{max_message_mb} << 20;
   options.host_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
+  options.limits.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.limits.max_context_tokens = absl::GetFlag(FLAGS_max_context_tokens);
+  const double ttl_seconds = absl::GetFlag(FLAGS_session_idle_ttl_seconds);
+  if (!(ttl_seconds >= 0) || !std::isfinite(ttl_seconds)) {
+    std::fprintf(stderr, "kvrecalld: --session_idle_ttl_seconds must be >= 0\n");
+    return 2;
+  }
+  options.limits.session_idle_ttl = absl::Seconds(ttl_seconds);
   absl::StatusOr<kvrecall::PlacementOptions> placements = kvrecall::PlacementOptionsFromFlags(
       absl::GetFlag(FLAGS_gpus), absl::GetFlag(FLAGS_gpu_memory_budget_gb),
       absl::GetFlag(FLAGS_gpu_memory_headroom_gb));

@@ -28,6 +28,8 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
     return absl::InvalidArgumentError(
         absl::StrCat(prefix, ".session_id '", chunk.session_id(), "' differs from the stream's ",
                      "session '", session_->id(), "': one stream prefills one session"));
+  } else {
+    session_->Touch();  // a long prompt keeps its session from expiring
   }
 
   const v1::Geometry& g = session_->geometry();
@@ -80,6 +82,10 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
                                                    " of v: they must be the same tokens"));
   }
   const int64_t n = *q_rows;
+  if (absl::Status s = registry_->limits().CheckContext(received + n, session_->id(), layer);
+      !s.ok()) {
+    return PrefixStatus(s, prefix, ": ");
+  }
 
   const std::string what = absl::StrCat("the prompt of layer ", layer);
   if (absl::Status s = staging.Reserve(n, what); !s.ok()) return s;
@@ -94,7 +100,7 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
+absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(const std::atomic<bool>* cancelled) {
   if (session_ == nullptr) {
     return absl::InvalidArgumentError("the Prefill stream carried no chunks");
   }
@@ -132,14 +138,43 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
   }
   layers_.clear();
 
+  auto is_cancelled = [cancelled] {
+    return cancelled != nullptr && cancelled->load(std::memory_order_acquire);
+  };
+  auto cancelled_status = [] {
+    return absl::CancelledError("the Prefill call was cancelled (or its deadline passed): "
+                                "nothing was committed");
+  };
   const absl::Time build_start = absl::Now();
   AttentionBackend* backend = session_->backend();
   const LayerConfig& config = session_->layer_config();
   const SessionAccounts accounts = session_->accounts();
+  // Host-held selector state is charged once built; what it may grow to is reserved on the
+  // budget first (not on the session's grant, whose set-aside is for its KV) and given back
+  // after the builds, which charge what they made: a policy whose state cannot fit is refused
+  // before anything is allocated.
+  const int64_t state_bound =
+      backend->placement() == v1::PLACEMENT_GPU
+          ? 0
+          : SelectorStateBytesBound(config.selector, config.shape.q_heads,
+                                    config.shape.head_dim) *
+                static_cast<int64_t>(staged.size());
+  if (state_bound > 0) {
+    if (absl::Status s = registry_->budget()->Reserve(
+            state_bound, absl::StrCat("the ", SelectorKindName(config.selector.kind),
+                                      " selector state of ", staged.size(), " layers"));
+        !s.ok()) {
+      return s;
+    }
+  }
   std::vector<absl::Status> built(staged.size());
   const int count = static_cast<int>(staged.size());
 #pragma omp parallel for schedule(dynamic) if (count > 1)
   for (int i = 0; i < count; ++i) {
+    if (is_cancelled()) {
+      built[i] = cancelled_status();
+      continue;
+    }
     const absl::Time layer_start = absl::Now();
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         backend->BuildLayer(config, accounts, std::move(prompts[i]));
@@ -152,6 +187,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
       built[i] = layer.status();
     }
   }
+  if (state_bound > 0) registry_->budget()->Release(state_bound);
   const double build_seconds = absl::ToDoubleSeconds(absl::Now() - build_start);
   for (int i = 0; i < count; ++i) {
     if (!built[i].ok()) {
@@ -162,9 +198,12 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit() {
   v1::PrefillResponse response;
   {
     absl::MutexLock lock(&session_->mu());
+    // Checked last, just before the layers are installed.
+    if (is_cancelled()) return cancelled_status();
     if (absl::Status s = session_->CommitPrompt(staged); !s.ok()) return s;
     response.set_tokens(session_->prompt_tokens());
   }
+  session_->Touch();
   response.set_session_id(session_->id());
   response.set_layers_committed(count);
   response.set_build_seconds(build_seconds);

@@ -5,6 +5,7 @@
 #ifndef KVRECALL_SERVER_PREFILL_H_
 #define KVRECALL_SERVER_PREFILL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -30,8 +31,10 @@ class PrefillStream {
   absl::Status Add(const v1::PrefillChunk& chunk, int64_t index);
 
   // Builds every staged layer (indexes, caches; layers in parallel), then commits the layers to
-  // the session atomically. The staging is released afterwards.
-  absl::StatusOr<v1::PrefillResponse> Commit();
+  // the session atomically. The staging is released afterwards. When `cancelled` (may be null)
+  // turns true before the layers are installed (the call was cancelled or its deadline passed),
+  // builds not yet started are skipped and nothing is committed (CANCELLED).
+  absl::StatusOr<v1::PrefillResponse> Commit(const std::atomic<bool>* cancelled = nullptr);
 
  private:
   const SessionRegistry* registry_;

@@ -60,7 +60,7 @@ RunningServer::RunningServer(const ServerOptions& options,
                              std::unique_ptr<Placements> placements)
     : budget_(options.host_memory_budget_bytes),
       placements_(std::move(placements)),
-      registry_(&budget_, placements_.get(), metrics_.get()),
+      registry_(&budget_, placements_.get(), metrics_.get(), options.limits),
       service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads,
                                           .inline_steps = options.inline_decode_steps}),
       health_({v1::KvRecall::service_full_name()}),
@@ -134,6 +134,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
     return absl::InvalidArgumentError(
         absl::StrCat("worker_threads must be >= 0, got ", options.worker_threads));
   }
+  if (absl::Status s = options.limits.Validate(); !s.ok()) return s;
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(options.placements);
   if (!placements.ok()) return placements.status();

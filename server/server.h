@@ -38,6 +38,9 @@ struct ServerOptions {
   int64_t max_message_bytes = 64ll << 20;
   // Host memory that sessions may hold (KV, staged prompts, selector state); 0: unlimited.
   int64_t host_memory_budget_bytes = 0;
+  // Sessions open at once, tokens per layer of a session, and the idle time after which a
+  // session is closed (server/session.h); 0: none.
+  SessionLimits limits;
   // The GPUs sessions may be placed on, and their budgets.
   PlacementOptions placements;
   // TLS, mutual TLS and bearer tokens for every address above (server/credentials.h).

@@ -1,13 +1,10 @@
 #include "server/service.h"
 
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
-
 #include <algorithm>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "server/auth.h"
@@ -22,15 +19,6 @@ namespace {
 int ThreadsOrDefault(int threads, int fallback) {
   if (threads > 0) return threads;
   return std::max(1, fallback);
-}
-
-// Gives the pages of freed blocks back to the operating system. glibc keeps what a closed
-// session freed in its arenas (its mmap threshold grows with the first large block freed, so
-// KV arrays come from the arenas too), and the process's resident memory would not go down.
-void ReturnFreedMemory() {
-#ifdef __GLIBC__
-  malloc_trim(0);
-#endif
 }
 
 grpc::Status CancelledStatus() {
@@ -252,7 +240,7 @@ class KvRecallService::PrefillCall final
       }
       ++chunks_;
     } else {
-      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit();
+      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit(&abandoned_);
       if (committed.ok()) {
         response_ = *std::move(committed);
       } else {
@@ -285,9 +273,11 @@ class KvRecallService::PrefillCall final
   }
 
   void OnCancel() override {
+    abandoned_.store(true, std::memory_order_release);
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
-    // Finished at once, even while a chunk or a commit runs: that work's result is dropped.
+    // Finished at once, even while a chunk or a commit runs: that work's result is dropped
+    // (a commit running skips the builds it has not started and installs nothing).
     if (!finished_) FinishLocked(CancelledStatus());
   }
 
@@ -306,6 +296,7 @@ class KvRecallService::PrefillCall final
   PrefillStream stream_;
   int64_t chunks_ = 0;
   bool committing_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> abandoned_{false};  // cancelled: a commit in flight must install nothing
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -529,12 +520,26 @@ absl::Status KvRecallService::DoGetSession(absl::string_view tenant,
 }
 
 absl::Status KvRecallService::DoListSessions(absl::string_view tenant,
-                                             const v1::ListSessionsRequest&,
+                                             const v1::ListSessionsRequest& request,
                                              v1::ListSessionsResponse* response) {
+  constexpr int kDefaultPageSize = 100;
+  constexpr int kMaxPageSize = 500;  // 500 sessions of 1024 layers: under 3 MiB
+  if (request.page_size() < 0 || request.page_size() > kMaxPageSize) {
+    return absl::InvalidArgumentError(absl::StrCat("page_size must be in [0, ", kMaxPageSize,
+                                                   "] (0: ", kDefaultPageSize, "), got ",
+                                                   request.page_size()));
+  }
+  const size_t page_size = request.page_size() == 0 ? kDefaultPageSize : request.page_size();
+  // The token is the last id of the previous page: the page goes on after it.
   std::vector<std::shared_ptr<Session>> sessions = registry_->List(tenant);
+  std::erase_if(sessions, [&](const auto& s) { return s->id() <= request.page_token(); });
   std::sort(sessions.begin(), sessions.end(),
             [](const auto& a, const auto& b) { return a->id() < b->id(); });
   for (const auto& session : sessions) {
+    if (static_cast<size_t>(response->sessions_size()) == page_size) {
+      response->set_next_page_token(response->sessions().rbegin()->session_id());
+      break;
+    }
     absl::ReaderMutexLock lock(&session->mu());
     if (!session->closed()) *response->add_sessions() = session->Info();
   }

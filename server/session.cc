@@ -1,5 +1,10 @@
 #include "server/session.h"
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -7,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "proto/tensor_codec.h"
+#include "server/status_util.h"
 
 namespace kvrecall {
 namespace {
@@ -58,6 +64,41 @@ absl::Status ValidateGeometry(const v1::Geometry& g) {
                      g.softmax_scale()));
   }
   return absl::OkStatus();
+}
+
+absl::Status SessionLimits::Validate() const {
+  if (max_sessions < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_sessions must be >= 0 (0: no limit), got ", max_sessions));
+  }
+  if (max_context_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_context_tokens must be >= 0 (0: no limit), got ", max_context_tokens));
+  }
+  if (session_idle_ttl < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_idle_ttl_seconds must be >= 0 (0: sessions never expire), got ",
+                     absl::ToDoubleSeconds(session_idle_ttl)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SessionLimits::CheckContext(int64_t tokens, absl::string_view id,
+                                         int layer) const {
+  if (max_context_tokens == 0 || tokens <= max_context_tokens) return absl::OkStatus();
+  std::string what = id.empty() ? "the session" : absl::StrCat("session '", id, "'");
+  if (layer >= 0) what = absl::StrCat("layer ", layer, " of ", what);
+  return RefusedBy(absl::ResourceExhaustedError(absl::StrCat(
+                       what, " would hold ", tokens, " tokens, beyond this server's limit of ",
+                       max_context_tokens, " tokens per layer (--max_context_tokens=",
+                       max_context_tokens, ")")),
+                   "max_context_tokens");
+}
+
+void ReturnFreedMemory() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
 }
 
 v1::Path PathToProto(SelectionPath path) {
@@ -201,6 +242,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens must be >= 0 (0: not announced), got ", request.max_tokens()));
   }
+  if (absl::Status s = limits_.CheckContext(request.max_tokens()); !s.ok()) {
+    return PrefixStatus(s, "max_tokens: ");
+  }
+  if (request.label().size() > kMaxLabelBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("label must be at most ", kMaxLabelBytes,
+                                                   " bytes, got ", request.label().size()));
+  }
   const v1::Geometry& g = request.geometry();
   const LayerConfig config{
       LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), EffectiveScale(g)}, g.dtype(),
@@ -212,20 +260,100 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   std::string id;
   {
     absl::MutexLock lock(&mu_);
+    const int64_t open = static_cast<int64_t>(sessions_.size()) + creating_;
+    if (limits_.max_sessions > 0 && open >= limits_.max_sessions) {
+      return RefusedBy(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "this server holds ", open, " sessions, its limit (--max_sessions=",
+              limits_.max_sessions, "): close one (CloseSession) or retry on another server")),
+          "max_sessions");
+    }
+    ++creating_;  // the slot is held while the session is admitted
     do {
       id = absl::StrFormat("s-%016x", absl::Uniform<uint64_t>(gen));
-    } while (sessions_.contains(id));
+    } while (sessions_.contains(id) || expired_.contains(id));
   }
   auto session =
       std::make_shared<Session>(id, request.label(), g, *policy, config, *backend, host_budget_);
-  if (absl::Status s = session->Admit(); !s.ok()) return s;
-  if (metrics_ != nullptr) {
+  const absl::Status admitted = session->Admit();
+  if (admitted.ok() && metrics_ != nullptr) {
     session->set_metrics(metrics_->ForPolicy(policy->placement, policy->selector.kind));
   }
   absl::MutexLock lock(&mu_);
+  --creating_;
+  if (!admitted.ok()) return admitted;
+  session->Touch();
   sessions_.emplace(id, session);
   tenants_.emplace(id, tenant);
   return session;
+}
+
+SessionRegistry::SessionRegistry(MemoryBudget* host_budget, Placements* placements,
+                                 ServerMetrics* metrics, const SessionLimits& limits)
+    : host_budget_(host_budget), placements_(placements), metrics_(metrics), limits_(limits) {
+  if (limits_.session_idle_ttl <= absl::ZeroDuration()) return;
+  // Sessions are closed within a tenth of the TTL (at most a second) of expiring.
+  const absl::Duration period =
+      std::clamp(limits_.session_idle_ttl / 10, absl::Milliseconds(10), absl::Seconds(1));
+  reaper_ = std::thread([this, period] {
+    auto stopping = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; };
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (mu_.AwaitWithTimeout(absl::Condition(&stopping), period)) return;
+      }
+      if (ExpireIdle(absl::Now()) > 0) ReturnFreedMemory();
+    }
+  });
+}
+
+SessionRegistry::~SessionRegistry() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (reaper_.joinable()) reaper_.join();
+}
+
+int SessionRegistry::ExpireIdle(absl::Time now) {
+  if (limits_.session_idle_ttl <= absl::ZeroDuration()) return 0;
+  std::vector<std::shared_ptr<Session>> expired;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      if (now - it->second->last_used() <= limits_.session_idle_ttl) {
+        ++it;
+        continue;
+      }
+      const std::string id = it->first;
+      expired.push_back(std::move(it->second));
+      sessions_.erase(it++);
+      auto tenant = tenants_.extract(id);
+      expired_order_.push_back(id);
+      expired_.emplace(id, std::move(tenant.mapped()));
+      if (expired_order_.size() > kExpiredRemembered) {
+        expired_.erase(expired_order_.front());
+        expired_order_.pop_front();
+      }
+    }
+  }
+  // As in Close: streams still holding a session see it closed, its memory is freed now.
+  for (const std::shared_ptr<Session>& session : expired) {
+    absl::MutexLock lock(&session->mu());
+    session->Close();
+  }
+  return static_cast<int>(expired.size());
+}
+
+absl::Status SessionRegistry::NotFound(absl::string_view id, absl::string_view tenant) const {
+  if (auto it = expired_.find(id); it != expired_.end() && it->second == tenant) {
+    return absl::NotFoundError(absl::StrCat(
+        "session '", id, "' expired: no call used it for ",
+        absl::FormatDuration(limits_.session_idle_ttl),
+        " (--session_idle_ttl_seconds=", absl::ToDoubleSeconds(limits_.session_idle_ttl),
+        "), so it was closed and its memory freed"));
+  }
+  return absl::NotFoundError(absl::StrCat("no session '", id, "'"));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view id,
@@ -233,9 +361,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view
   if (id.empty()) return absl::InvalidArgumentError("must name a session, it is empty");
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end() || tenants_.at(id) != tenant) {
-    return absl::NotFoundError(absl::StrCat("no session '", id, "'"));
-  }
+  if (it == sessions_.end() || tenants_.at(id) != tenant) return NotFound(id, tenant);
+  it->second->Touch();
   return it->second;
 }
 
@@ -245,7 +372,7 @@ absl::Status SessionRegistry::Close(absl::string_view id, absl::string_view tena
     absl::MutexLock lock(&mu_);
     auto it = sessions_.find(id);
     if (it == sessions_.end() || tenants_.at(id) != tenant) {
-      return absl::NotFoundError(absl::StrCat("session_id: no session '", id, "'"));
+      return PrefixStatus(NotFound(id, tenant), "session_id: ");
     }
     session = std::move(it->second);
     sessions_.erase(it);

@@ -4,15 +4,19 @@
 #ifndef KVRECALL_SERVER_SESSION_H_
 #define KVRECALL_SERVER_SESSION_H_
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kernels/selection_path.h"
 #include "kvrecall/v1/kvrecall.pb.h"
 #include "server/backends/attention_backend.h"
@@ -30,6 +34,36 @@ inline constexpr int kMaxLayers = 1024;
 inline constexpr int kMaxHeads = 1024;
 inline constexpr int kMaxHeadDim = 1024;
 absl::Status ValidateGeometry(const v1::Geometry& geometry);
+
+// The longest label a session may carry (CreateSessionRequest.label), in bytes.
+inline constexpr int kMaxLabelBytes = 256;
+
+// Limits a server puts on sessions (kvrecalld's --max_sessions, --max_context_tokens and
+// --session_idle_ttl_seconds); 0 leaves a limit off. Each refuses before anything is allocated,
+// with a status naming the limit (server/status_util.h's RefusedBy, counted by the metrics).
+struct SessionLimits {
+  // Sessions open at once, of every tenant: CreateSession beyond it gets RESOURCE_EXHAUSTED.
+  int64_t max_sessions = 0;
+  // Tokens per layer of a session (prompt + decoded): a CreateSession announcing more
+  // (max_tokens), a Prefill chunk or a Decode step that would grow a layer past it get
+  // RESOURCE_EXHAUSTED.
+  int64_t max_context_tokens = 0;
+  // A session that no call has used for this long is closed and its memory freed; its id then
+  // answers NOT_FOUND saying that it expired. Zero: sessions never expire.
+  absl::Duration session_idle_ttl = absl::ZeroDuration();
+
+  // INVALID_ARGUMENT for a negative limit.
+  absl::Status Validate() const;
+  // OK when a layer may hold `tokens` tokens; otherwise RESOURCE_EXHAUSTED naming
+  // max_context_tokens, its value, and `layer` of session `id` (when given). Formats nothing
+  // unless it refuses.
+  absl::Status CheckContext(int64_t tokens, absl::string_view id = "", int layer = -1) const;
+};
+
+// Gives the pages of freed blocks back to the operating system. glibc keeps what a closed
+// session freed in its arenas (its mmap threshold grows with the first large block freed, so
+// KV arrays come from the arenas too), and the process's resident memory would not go down.
+void ReturnFreedMemory();
 
 // The API's name of a path (kvrecall.v1.Path).
 v1::Path PathToProto(SelectionPath path);
@@ -71,6 +105,13 @@ class Session {
   SessionAccounts accounts() { return SessionAccounts{&host_grant_, device_grant_.get()}; }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(mu_) { return mu_; }
 
+  // Marks the session used now: idle sessions expire (SessionLimits::session_idle_ttl) counting
+  // from their last use. The registry's Find marks it; long-lived streams mark it per message.
+  void Touch() { last_used_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
+  absl::Time last_used() const {
+    return absl::FromUnixNanos(last_used_ns_.load(std::memory_order_relaxed));
+  }
+
   // Sets aside what the announced max_tokens needs for every layer on each tier
   // (RESOURCE_EXHAUSTED naming the budget when it does not fit). Called once, at admission.
   absl::Status Admit();
@@ -103,6 +144,7 @@ class Session {
   const LayerConfig config_;
   AttentionBackend* const backend_;
   PolicyMetrics* metrics_ = nullptr;
+  std::atomic<int64_t> last_used_ns_{absl::GetCurrentTimeNanos()};
   // Declared before the layers, which charge them, so that they outlive the layers.
   MemoryGrant host_grant_;
   std::unique_ptr<MemoryGrant> device_grant_;  // null when the backend has no device budget
@@ -119,9 +161,13 @@ class SessionRegistry {
  public:
   // `placements` chooses each session's backend; `metrics` (may be null) records what sessions
   // do; all outlive the registry.
+  // `limits` must have passed SessionLimits::Validate; with an idle TTL a thread of the
+  // registry closes the sessions that expire.
   SessionRegistry(MemoryBudget* host_budget, Placements* placements,
-                  ServerMetrics* metrics = nullptr)
-      : host_budget_(host_budget), placements_(placements), metrics_(metrics) {}
+                  ServerMetrics* metrics = nullptr, const SessionLimits& limits = {});
+  ~SessionRegistry();
+  SessionRegistry(const SessionRegistry&) = delete;
+  SessionRegistry& operator=(const SessionRegistry&) = delete;
 
   // Sessions belong to the tenant that created them (server/auth.h's TenantOf; "" when the
   // server authenticates no one): to any other tenant, Find and Close answer NOT_FOUND as for
@@ -130,16 +176,23 @@ class SessionRegistry {
   // Validates geometry and policy, places the session on a backend, admits it, then registers it.
   absl::StatusOr<std::shared_ptr<Session>> Create(const v1::CreateSessionRequest& request,
                                                   absl::string_view tenant = "");
-  // NOT_FOUND when there is no such session of `tenant`, INVALID_ARGUMENT for an empty id. The
-  // message names the id, not the field: callers prefix it (PrefixStatus).
+  // NOT_FOUND when there is no such session of `tenant` (saying so when it expired),
+  // INVALID_ARGUMENT for an empty id. The message names the id, not the field: callers prefix
+  // it (PrefixStatus). Marks the session used (Session::Touch).
   absl::StatusOr<std::shared_ptr<Session>> Find(absl::string_view id,
                                                 absl::string_view tenant = "") const;
-  // Unregisters and frees the session; NOT_FOUND when `tenant` has none of that id.
+  // Unregisters and frees the session; NOT_FOUND when `tenant` has none of that id (saying so
+  // when it expired).
   absl::Status Close(absl::string_view id, absl::string_view tenant = "");
   // The sessions of `tenant`.
   std::vector<std::shared_ptr<Session>> List(absl::string_view tenant) const;
   // Every session, of every tenant (the server's own accounting: metrics).
   std::vector<std::shared_ptr<Session>> List() const;
+  // Closes the sessions idle for longer than the TTL at `now` (the registry's thread calls it;
+  // tests may too) and returns how many it closed.
+  int ExpireIdle(absl::Time now);
+
+  const SessionLimits& limits() const { return limits_; }
 
   MemoryBudget* budget() const { return host_budget_; }
   Placements* placements() const { return placements_; }
@@ -149,9 +202,22 @@ class SessionRegistry {
   MemoryBudget* const host_budget_;
   Placements* const placements_;
   ServerMetrics* const metrics_;
+  const SessionLimits limits_;
+  // NOT_FOUND for `id`, saying that it expired when it did (of `tenant`).
+  absl::Status NotFound(absl::string_view id, absl::string_view tenant) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> tenants_ ABSL_GUARDED_BY(mu_);  // by session id
+  int64_t creating_ ABSL_GUARDED_BY(mu_) = 0;  // admissions in progress (count for max_sessions)
+  // Ids of expired sessions and their tenants, the latest kExpiredRemembered of them, so that
+  // their owners hear why they are gone.
+  static constexpr size_t kExpiredRemembered = 1 << 16;
+  absl::flat_hash_map<std::string, std::string> expired_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> expired_order_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread reaper_;  // with an idle TTL: runs ExpireIdle
 };
 
 }  // namespace kvrecall

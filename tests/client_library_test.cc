@@ -228,13 +228,61 @@ TEST_F(ClientTest, ErrorsCarryTheServersCodeAndMessage) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("decode batch[0]: q, k_new, v_new hold 32, 15, 16"));
 
-  // A step the server rejects ends the stream; every later step reports that status.
+  // A step the server rejects ends the gRPC stream and appends nothing; the next step goes on
+  // on a new stream (DecodeStreamRecoversAfterAFailedStep).
   const SequenceInput out_of_range{session.id, q, kv, kv};
   s = (*decode)->Step(5, {&out_of_range, 1}, {}, &result);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("layer 5 is out of range [0, 1)"));
-  EXPECT_EQ((*decode)->Step(0, {&out_of_range, 1}, {}, &result), s);
   EXPECT_EQ(client_->GetSession(session.id)->tokens(), 10);  // nothing was appended
+}
+
+TEST_F(ClientTest, DecodeStreamRecoversAfterAFailedStep) {
+  // Before: a failed step left the DecodeStream failed for good (every later Step returned the
+  // same status), although the proto says the client libraries continue on a new stream.
+  const v1::Geometry g = testing::MakeGeometry(2, 4, 2, 8);
+  RandomPrompt prompt(g, 12, 7);
+  const SessionHandle session = Prefilled(g, prompt);
+  absl::StatusOr<std::unique_ptr<DecodeStream>> decode = client_->OpenDecodeStream(g);
+  ASSERT_TRUE(decode.ok());
+  const std::vector<float> q = testing::RandomNormal(32, 8), kv = testing::RandomNormal(16, 9);
+  std::vector<float> nan_q = q;
+  nan_q[3] = std::nanf("");
+  const SequenceInput good{session.id, q, kv, kv};
+  const SequenceInput bad{session.id, nan_q, kv, kv};
+  StepResult result;
+  // Token 12 reaches layer 0; its layer-1 step is rejected (NaN), appending nothing.
+  ASSERT_TRUE((*decode)->Step(0, {&good, 1}, {}, &result).ok());
+  absl::Status failed = (*decode)->Step(1, {&bad, 1}, {}, &result);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInvalidArgument) << failed;
+  EXPECT_THAT(failed.message(), HasSubstr("steps[0].q"));
+  absl::StatusOr<v1::SessionInfo> info = client_->GetSession(session.id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_THAT(info->layer_tokens(), ::testing::ElementsAre(13, 12));
+  EXPECT_EQ((*decode)->streams_opened(), 1);
+
+  // The runner resends the layer-1 step: the same DecodeStream continues on a new gRPC stream.
+  ASSERT_TRUE((*decode)->Step(1, {&good, 1}, {}, &result).ok());
+  EXPECT_EQ((*decode)->streams_opened(), 2);
+  EXPECT_EQ(result.response->results(0).position(), 12);
+  prompt.k[1].insert(prompt.k[1].end(), kv.begin(), kv.end());
+  prompt.v[1].insert(prompt.v[1].end(), kv.begin(), kv.end());
+  std::vector<double> lse;
+  const std::vector<double> want = Reference(g, q.data(), prompt.k[1], prompt.v[1], 13, &lse);
+  for (size_t j = 0; j < want.size(); ++j) {
+    EXPECT_NEAR(result.output[j], want[j], 2e-5 * (1 + std::abs(want[j])));
+  }
+  ASSERT_TRUE((*decode)->Step(0, {&good, 1}, {}, &result).ok());  // and on, with the next token
+  EXPECT_EQ(result.response->results(0).position(), 13);
+  info = client_->GetSession(session.id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_THAT(info->layer_tokens(), ::testing::ElementsAre(14, 13));
+
+  // Once closed, a DecodeStream opens no new stream.
+  EXPECT_TRUE((*decode)->Close().ok());
+  EXPECT_EQ((*decode)->Step(0, {&good, 1}, {}, &result).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*decode)->streams_opened(), 2);
 }
 
 TEST_F(ClientTest, DecodeBeforePrefillIsAFailedPrecondition) {

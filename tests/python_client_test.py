@@ -164,6 +164,53 @@ class ClientTest(ServerTest):
         self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("kv_heads", e.exception.message)
 
+    def test_a_token_rejected_in_one_layer_is_resent_on_a_new_stream(self):
+        # Layer 0 takes the token, layer 1 rejects it (NaN): the session's layers are a token
+        # apart, GetSession's layer_tokens says so, and resending layer 1 continues the session.
+        s, layers = self.new_session(seed=5)
+        q, k, v = self.step_inputs(6)
+        self.assertEqual(s.attend(0, q, k, v).position, self.T)
+        first = self.client.decode_stream
+        bad = q.copy()
+        bad[0, 0] = np.nan
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            s.attend(1, bad, k, v)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertTrue(first.broken)
+        self.assertEqual(list(s.info().layer_tokens), [self.T + 1, self.T])
+        r = s.attend(1, q, k, v)
+        self.assertIsNot(self.client.decode_stream, first)  # a new stream
+        self.assertEqual(r.position, self.T)
+        want, _ = reference_attention(q, np.concatenate([layers[1][1], k[None]]),
+                                      np.concatenate([layers[1][2], v[None]]),
+                                      1 / math.sqrt(self.D))
+        np.testing.assert_allclose(r.output, want, rtol=1e-4, atol=1e-5)
+        self.assertEqual(list(s.info().layer_tokens), [self.T + 1, self.T + 1])
+
+    def test_list_sessions_follows_the_pages(self):
+        g = make_geometry(1, self.HQ, self.HKV, self.D)
+        before = {info.session_id for info in self.client.list_sessions()}
+        made = set()
+        for i in range(230):
+            session = self.client.create_session(g, label=f"page test {i}")
+            self.addCleanup(session.close)
+            made.add(session.id)
+        listed = [info.session_id for info in self.client.list_sessions()]
+        self.assertEqual(len(listed), len(set(listed)))
+        self.assertEqual(set(listed), before | made)
+        self.assertEqual(listed, sorted(listed))
+        first = self.client.call("ListSessions", kvrecall.client.pb.ListSessionsRequest())
+        self.assertEqual(len(first.sessions), 100)
+        self.assertTrue(first.next_page_token)
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            self.client.call("ListSessions", kvrecall.client.pb.ListSessionsRequest(page_size=501))
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("page_size", e.exception.message)
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            self.client.create_session(g, label="x" * 257)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("label must be at most 256 bytes", e.exception.message)
+
     def test_policy_names_are_checked_here(self):
         with self.assertRaises(ValueError) as e:
             make_policy("nearest")

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -230,6 +231,98 @@ TEST_F(HardeningTest, HugeSelectorKnobsAreRefusedAtOnce) {
   v1::ListSessionsResponse list;
   ASSERT_TRUE(stub().ListSessions(&context, {}, &list).ok());
   EXPECT_EQ(list.sessions_size(), 1);
+}
+
+// Selector state is reserved before it is built: with --host_memory_budget_gb=0.05, a ReTopK
+// policy whose cache may grow to gigabytes is refused at commit, before any of it exists.
+// Before: capacity 3*10^6 was accepted with 864 MB of selector state, charged only once built.
+class SmallBudgetTest : public HardeningTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.host_memory_budget_bytes = 50ll << 20;
+    return options;
+  }
+};
+
+TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
+  const v1::Geometry g = SmallGeometry();
+  v1::Policy huge = MakePolicy(v1::SELECTOR_RETOPK, /*top_k=*/65536);
+  huge.mutable_retopk()->set_cache_capacity(4096);  // up to 4 x 1 GiB of cached supports
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, huge);
+  ASSERT_TRUE(id.ok()) << id.status();
+  const absl::StatusOr<v1::PrefillResponse> refused =
+      Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(64, 4), 16));
+  EXPECT_TRUE(HasStatus(refused.status(), absl::StatusCode::kResourceExhausted,
+                        "host_memory_budget_gb"))
+      << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("retopk selector state of 1 layers"));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layers_prefilled(), 0);
+  EXPECT_EQ(server().server().budget().used(), 0);
+
+  // The paper's knobs fit easily.
+  v1::Policy usual = MakePolicy(v1::SELECTOR_RETOPK, /*top_k=*/32);
+  absl::StatusOr<std::string> ok = CreateSession(stub(), g, usual);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_TRUE(Prefill(stub(), PromptChunks(*ok, g, 0, RandomPrompt(64, 4), 16)).ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// ListSessions could be made to fail for every client: labels were unbounded, so two sessions
+// with 3 MiB labels made its one reply larger than the 4 MiB that gRPC clients accept by
+// default (RESOURCE_EXHAUSTED for everyone listing), and enough sessions of many layers (each
+// reply listing 1024 layer lengths) would do it without labels.
+
+TEST_F(HardeningTest, ListSessionsCannotBeMadeToFailForEveryone) {
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = SmallGeometry();
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_label(std::string(3 << 20, 'x'));
+  v1::CreateSessionResponse response;
+  {
+    grpc::ClientContext context;
+    EXPECT_TRUE(HasStatus(FromGrpc(stub().CreateSession(&context, request, &response)),
+                          absl::StatusCode::kInvalidArgument,
+                          "label must be at most 256 bytes, got 3145728"));
+  }
+  // The longest labels, on sessions of 1024 layers, listed a page at a time by a client with
+  // gRPC's default limits.
+  request.set_label(std::string(256, 'y'));
+  request.mutable_geometry()->set_layers(1024);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 230; ++i) {
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub().CreateSession(&context, request, &response).ok());
+    ids.push_back(response.session_id());
+  }
+  std::sort(ids.begin(), ids.end());
+  auto defaults = v1::KvRecall::NewStub(
+      grpc::CreateChannel(server().address(), grpc::InsecureChannelCredentials()));
+  std::vector<std::string> listed;
+  std::vector<int> pages;
+  v1::ListSessionsRequest list;
+  do {
+    grpc::ClientContext context;
+    v1::ListSessionsResponse page;
+    const grpc::Status status = defaults->ListSessions(&context, list, &page);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_LT(page.ByteSizeLong(), 1u << 20);
+    for (const v1::SessionInfo& info : page.sessions()) {
+      listed.push_back(info.session_id());
+      EXPECT_EQ(info.layer_tokens_size(), 1024);
+    }
+    pages.push_back(page.sessions_size());
+    list.set_page_token(page.next_page_token());
+  } while (!list.page_token().empty());
+  EXPECT_EQ(listed, ids);
+  EXPECT_THAT(pages, ::testing::ElementsAre(100, 100, 30));
+  list.set_page_size(501);
+  grpc::ClientContext context;
+  v1::ListSessionsResponse page;
+  EXPECT_TRUE(HasStatus(FromGrpc(defaults->ListSessions(&context, list, &page)),
+                        absl::StatusCode::kInvalidArgument, "page_size must be in [0, 500]"));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -534,6 +627,33 @@ TEST_F(HardeningTest, DrainAnswersNotServingRefusesNewWorkAndFinishesWorkInFligh
   EXPECT_EQ(committed->tokens(), slow.tokens);
   drain.join();
   EXPECT_EQ(server().server().sessions().List().size(), 2u);
+}
+
+TEST_F(HardeningTest, PrefillCancelledDuringItsCommitCommitsNothing) {
+  // Before: the client heard CANCELLED (or DEADLINE_EXCEEDED) at once, but the commit went on
+  // and installed the prompt, so the layer could never be prefilled again (a retry got
+  // FAILED_PRECONDITION "already prefilled").
+  SlowPrefill slow(stub());
+  PrefillInFlight prefill(stub(), slow.chunks);
+  AwaitCommit(server().server());
+  const absl::Time cancelled = absl::Now();
+  prefill.Cancel();
+  EXPECT_EQ(prefill.Finish().status().code(), absl::StatusCode::kCancelled);
+  EXPECT_LT(absl::Now() - cancelled, absl::Milliseconds(500));
+  // The build cannot be interrupted; once it has ended, nothing of it is installed and its
+  // memory is back.
+  const absl::Time until = absl::Now() + absl::Seconds(120);
+  while (server().server().busy() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_FALSE(server().server().busy());
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), slow.id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layers_prefilled(), 0);
+  EXPECT_EQ(info->tokens(), 0);
+  EXPECT_EQ(server().server().budget().used(), 0);
+  // The prompt can be sent again.
+  absl::StatusOr<v1::PrefillResponse> again = Prefill(stub(), slow.chunks);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tokens(), slow.tokens);
 }
 
 TEST(HardeningProcessTest, ExitsWithinTheGraceWhileWorkStillRuns) {

@@ -360,7 +360,14 @@ class Client:
         return Session(self, resp.session_id, geometry, resp.policy)
 
     def list_sessions(self):
-        return list(self.call("ListSessions", pb.ListSessionsRequest()).sessions)
+        """Every session of the caller, by id (following ListSessions' pages)."""
+        sessions, token = [], ""
+        while True:
+            reply = self.call("ListSessions", pb.ListSessionsRequest(page_token=token))
+            sessions.extend(reply.sessions)
+            token = reply.next_page_token
+            if not token:
+                return sessions
 
     @property
     def decode_stream(self):

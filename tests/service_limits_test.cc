@@ -1,0 +1,370 @@
+// The server's limits (issue 14), each on a real server on loopback: --max_sessions,
+// --max_context_tokens, --session_idle_ttl_seconds, deadlines on every kind of call, and the
+// prompt of a cancelled Prefill freed at once. Every limit refuses before allocating, with
+// RESOURCE_EXHAUSTED naming the limit and its value, counted by the metrics.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::FromGrpc;
+using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::MakeStep;
+using ::kvrecall::testing::Prefill;
+using ::kvrecall::testing::PromptChunks;
+using ::kvrecall::testing::PromptLayer;
+using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::ServerTest;
+using ::testing::HasSubstr;
+
+constexpr int kQHeads = 4;
+constexpr int kKvHeads = 2;
+constexpr int kHeadDim = 16;
+
+v1::Geometry SmallGeometry(int layers = 1) {
+  return MakeGeometry(layers, kQHeads, kKvHeads, kHeadDim);
+}
+
+PromptLayer RandomPrompt(int64_t tokens, uint64_t seed) {
+  return {RandomNormal(tokens * kQHeads * kHeadDim, seed),
+          RandomNormal(tokens * kKvHeads * kHeadDim, seed + 1),
+          RandomNormal(tokens * kKvHeads * kHeadDim, seed + 2)};
+}
+
+v1::DecodeRequest OneStep(const std::string& id, uint64_t seed, int layer = 0) {
+  const v1::Geometry g = SmallGeometry();
+  v1::DecodeRequest request;
+  request.set_layer(layer);
+  *request.add_steps() = MakeStep(id, g, RandomNormal(kQHeads * kHeadDim, seed),
+                                  RandomNormal(kKvHeads * kHeadDim, seed + 1),
+                                  RandomNormal(kKvHeads * kHeadDim, seed + 2));
+  return request;
+}
+
+// How often the server refused a request because of `limit` (kvrecall_requests_refused_total).
+int RefusalsCounted(RunningServer& server, absl::string_view limit) {
+  const std::string series = absl::StrCat("kvrecall_requests_refused_total{limit=\"", limit, "\"} ");
+  const std::string text = server.metrics().TextFormat();
+  const size_t at = text.find(series);
+  if (at == std::string::npos) return 0;
+  return std::stoi(text.substr(at + series.size()));
+}
+
+class LimitsTest : public ServerTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.limits = limits_;
+    options.worker_threads = 2;
+    return options;
+  }
+  // A session of SmallGeometry() with a committed prompt of `tokens` tokens.
+  std::string PrefilledSession(int64_t tokens) {
+    const v1::Geometry g = SmallGeometry();
+    absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+    EXPECT_TRUE(id.ok()) << id.status();
+    if (!id.ok()) return "";
+    const absl::StatusOr<v1::PrefillResponse> prefilled =
+        Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(tokens, 10), 8));
+    EXPECT_TRUE(prefilled.ok()) << prefilled.status();
+    return *id;
+  }
+  RunningServer& running() { return server().server(); }
+
+  SessionLimits limits_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+class MaxSessionsTest : public LimitsTest {
+ protected:
+  MaxSessionsTest() { limits_.max_sessions = 2; }
+};
+
+TEST_F(MaxSessionsTest, CreateSessionBeyondTheLimitIsRefusedBeforeAllocating) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> first = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string second = PrefilledSession(16);
+  const int64_t held = running().budget().used();
+
+  // A third, announcing a large context: refused before anything is set aside.
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = g;
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_max_tokens(1 << 20);
+  v1::CreateSessionResponse response;
+  grpc::ClientContext context;
+  const absl::Status refused = FromGrpc(stub().CreateSession(&context, request, &response));
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted, "--max_sessions=2"))
+      << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("holds 2 sessions"));
+  EXPECT_EQ(running().budget().used(), held);
+  EXPECT_EQ(running().sessions().List().size(), 2u);
+  EXPECT_EQ(RefusalsCounted(running(), "max_sessions"), 1);
+
+  // Closing one makes room.
+  grpc::ClientContext close_context;
+  v1::CloseSessionRequest close;
+  close.set_session_id(*first);
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE(stub().CloseSession(&close_context, close, &closed).ok());
+  EXPECT_TRUE(CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL)).ok());
+  EXPECT_TRUE(HasStatus(CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL)).status(),
+                        absl::StatusCode::kResourceExhausted, "--max_sessions=2"));
+  EXPECT_EQ(RefusalsCounted(running(), "max_sessions"), 2);
+}
+
+TEST_F(MaxSessionsTest, ConcurrentCreatesNeverExceedTheLimit) {
+  // Admissions in progress hold their slot: of 16 racing creates, exactly 2 succeed.
+  std::vector<absl::Status> statuses(16);
+  {
+    std::vector<std::jthread> threads;
+    for (absl::Status& status : statuses) {
+      threads.emplace_back([&] {
+        status = CreateSession(stub(), SmallGeometry(), MakePolicy(v1::SELECTOR_FULL)).status();
+      });
+    }
+  }
+  int ok = 0;
+  for (const absl::Status& status : statuses) {
+    if (status.ok()) {
+      ++ok;
+    } else {
+      EXPECT_TRUE(HasStatus(status, absl::StatusCode::kResourceExhausted, "--max_sessions=2"));
+    }
+  }
+  EXPECT_EQ(ok, 2);
+  EXPECT_EQ(running().sessions().List().size(), 2u);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class MaxContextTokensTest : public LimitsTest {
+ protected:
+  MaxContextTokensTest() { limits_.max_context_tokens = 32; }
+};
+
+TEST_F(MaxContextTokensTest, CreateSessionAnnouncingMoreIsRefused) {
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = SmallGeometry();
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_max_tokens(33);
+  v1::CreateSessionResponse response;
+  grpc::ClientContext context;
+  const absl::Status refused = FromGrpc(stub().CreateSession(&context, request, &response));
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted, "--max_context_tokens=32"))
+      << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("max_tokens"));
+  EXPECT_TRUE(running().sessions().List().empty());
+  EXPECT_EQ(running().budget().used(), 0);
+  EXPECT_EQ(RefusalsCounted(running(), "max_context_tokens"), 1);
+
+  request.set_max_tokens(32);
+  grpc::ClientContext again;
+  EXPECT_TRUE(stub().CreateSession(&again, request, &response).ok());
+}
+
+TEST_F(MaxContextTokensTest, PrefillPastTheLimitCommitsNothing) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Chunks of 8: chunks[4] would take the layer from 32 to 40 tokens.
+  const absl::StatusOr<v1::PrefillResponse> refused =
+      Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(40, 3), 8));
+  EXPECT_TRUE(HasStatus(refused.status(), absl::StatusCode::kResourceExhausted,
+                        "--max_context_tokens=32"))
+      << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("chunks[4]"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("would hold 40 tokens"));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layers_prefilled(), 0);
+  EXPECT_EQ(info->tokens(), 0);
+  EXPECT_EQ(RefusalsCounted(running(), "max_context_tokens"), 1);
+
+  // A prompt at the limit is fine.
+  EXPECT_TRUE(Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(32, 3), 8)).ok());
+}
+
+TEST_F(MaxContextTokensTest, DecodeStepPastTheLimitIsRefusedAndAppendsNothing) {
+  const std::string id = PrefilledSession(30);
+  DecodeClient decode(stub());
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<v1::DecodeResponse> step = decode.Step(OneStep(id, 100 + i));
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(step->results(0).position(), 30 + i);
+  }
+  const absl::StatusOr<v1::DecodeResponse> refused = decode.Step(OneStep(id, 200));
+  EXPECT_TRUE(HasStatus(refused.status(), absl::StatusCode::kResourceExhausted,
+                        "--max_context_tokens=32"))
+      << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr(absl::StrCat("steps[0]: layer 0 of session '", id, "' would hold 33")));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokens(), 32);
+  EXPECT_EQ(RefusalsCounted(running(), "max_context_tokens"), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class SessionIdleTtlTest : public LimitsTest {
+ protected:
+  SessionIdleTtlTest() { limits_.session_idle_ttl = absl::Milliseconds(600); }
+};
+
+TEST_F(SessionIdleTtlTest, IdleSessionsExpireAndTheirMemoryIsFreed) {
+  const std::string idle = PrefilledSession(64);
+  const int64_t one_session = running().budget().used();
+  ASSERT_GT(one_session, 0);
+  const std::string busy = PrefilledSession(64);
+  ASSERT_EQ(running().budget().used(), 2 * one_session);
+
+  // `busy` is used every 100 ms (decode steps and GetSession), `idle` never again.
+  DecodeClient decode(stub());
+  const absl::Time until = absl::Now() + absl::Seconds(2);
+  for (int i = 0; absl::Now() < until; ++i) {
+    if (i % 2 == 0) {
+      ASSERT_TRUE(decode.Step(OneStep(busy, 10 + i)).ok());
+    } else {
+      ASSERT_TRUE(GetSession(stub(), busy).ok());
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  const absl::Status expired = GetSession(stub(), idle).status();
+  EXPECT_TRUE(HasStatus(expired, absl::StatusCode::kNotFound, "expired")) << expired;
+  EXPECT_THAT(expired.message(), HasSubstr("--session_idle_ttl_seconds=0.6"));
+  EXPECT_THAT(expired.message(), HasSubstr(idle));
+  // Its memory went back to the budget; the session in use is untouched.
+  EXPECT_EQ(running().budget().used(), one_session);
+  EXPECT_EQ(running().sessions().List().size(), 1u);
+  ASSERT_TRUE(GetSession(stub(), busy).ok());
+
+  // Every call naming it hears why; a session that never existed does not "expire".
+  const absl::StatusOr<v1::DecodeResponse> step = decode.Step(OneStep(idle, 99));
+  EXPECT_TRUE(HasStatus(step.status(), absl::StatusCode::kNotFound, "expired")) << step.status();
+  v1::CloseSessionRequest close;
+  close.set_session_id(idle);
+  v1::CloseSessionResponse closed;
+  grpc::ClientContext close_context;
+  EXPECT_TRUE(HasStatus(FromGrpc(stub().CloseSession(&close_context, close, &closed)),
+                        absl::StatusCode::kNotFound, "expired"));
+  const absl::Status unknown = GetSession(stub(), "s-0000000000000000").status();
+  EXPECT_TRUE(HasStatus(unknown, absl::StatusCode::kNotFound, "no session"));
+  EXPECT_FALSE(absl::StrContains(unknown.message(), "expired"));
+}
+
+TEST_F(SessionIdleTtlTest, APromptStreamedSlowlyKeepsItsSessionAlive) {
+  // Every chunk counts as use: a Prefill stream longer than the TTL, whose chunks come more
+  // often than it, commits.
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  grpc::ClientContext context;
+  v1::PrefillResponse response;
+  auto writer = stub().Prefill(&context, &response);
+  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPrompt(64, 5), 4)) {
+    ASSERT_TRUE(writer->Write(chunk));
+    absl::SleepFor(absl::Milliseconds(100));  // 16 chunks: 1.6 s, well past the TTL
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.tokens(), 64);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deadlines: streams end at their deadline, and what they staged is freed then. (A unary
+// call's deadline: HardeningTest.HugeSelectorKnobsAreRefusedAtOnce; a Prefill cancelled while
+// its commit runs: HardeningTest.PrefillCancelledDuringItsCommitCommitsNothing.)
+
+class DeadlineTest : public LimitsTest {};
+
+TEST_F(DeadlineTest, AnIdleDecodeStreamEndsAtItsDeadline) {
+  const std::string id = PrefilledSession(8);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
+  auto stream = stub().Decode(&context);
+  ASSERT_TRUE(stream->Write(OneStep(id, 1)));
+  v1::DecodeResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(stream->Read(&response));  // the stream stays idle until its deadline
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // The server let go of the stream: none is open.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (running().service().open_streams() > 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(running().service().open_streams(), 0);
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tokens(), 9);  // the step answered before the deadline was committed
+}
+
+TEST_F(DeadlineTest, APrefillPastItsDeadlineFreesItsStagedPromptAtOnce) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok());
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
+  v1::PrefillResponse response;
+  auto writer = stub().Prefill(&context, &response);
+  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPrompt(4096, 8), 512)) {
+    ASSERT_TRUE(writer->Write(chunk));
+  }
+  // The chunks are staged (charged to the host budget) while the stream stays open.
+  absl::Time until = absl::Now() + absl::Seconds(5);
+  while (running().budget().used() == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_GT(running().budget().used(), 0);
+  const grpc::Status status = writer->Finish();  // the client never closes: the deadline does
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+  // Freed when the call ended (allow the server's side a moment to see the deadline).
+  until = absl::Now() + absl::Milliseconds(200);
+  while (running().budget().used() != 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_EQ(running().budget().used(), 0);
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layers_prefilled(), 0);
+}
+
+TEST(LimitsOptionsTest, NegativeLimitsAreRefusedAtStart) {
+  for (SessionLimits limits : {SessionLimits{.max_sessions = -1},
+                               SessionLimits{.max_context_tokens = -1},
+                               SessionLimits{.session_idle_ttl = absl::Seconds(-1)}}) {
+    ServerOptions options;
+    options.address = "127.0.0.1:0";
+    options.limits = limits;
+    const absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
+    EXPECT_THAT(server.status().message(), HasSubstr("must be >= 0"));
+  }
+}
+
+}  // namespace
+}  // namespace kvrecall
