@@ -2,8 +2,9 @@
 // Decode streams over a SessionRegistry. An open stream holds no thread; the compute of every
 // call runs on the service's own work queues, so gRPC's threads stay free for I/O and health
 // checks under any load, except for a bounded number of Decode steps at once
-// (ServiceOptions::inline_steps), which run on the gRPC thread that read them. Messages are taken raw (server/raw_messages.h) so that an undecodable
-// message gets INVALID_ARGUMENT and changes nothing.
+// (ServiceOptions::inline_steps), which run on the gRPC thread that read them. Messages are
+// taken raw (server/raw_messages.h) so that an undecodable message gets INVALID_ARGUMENT and
+// changes nothing.
 #ifndef KVRECALL_SERVER_SERVICE_H_
 #define KVRECALL_SERVER_SERVICE_H_
 
