@@ -9,6 +9,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <memory>
@@ -32,10 +33,17 @@ ABSL_FLAG(std::string, api, "sync", "sync (a thread per stream) or callback (rea
 namespace kvrecall::bench {
 namespace {
 
-// A reply of `bytes` bytes, grown only when a request asks for more than any before it.
-void SizeReply(uint32_t bytes, EchoReply* reply) {
+// A reply of the size `request` asks for (the string grown only when a request asks for more
+// than any before it), after busy-waiting its work_micros.
+void Answer(const EchoRequest& request, EchoReply* reply) {
+  if (request.work_micros() > 0) {
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::microseconds(request.work_micros());
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  }
   std::string* payload = reply->mutable_payload();
-  if (payload->size() != bytes) payload->assign(bytes, '\x5a');
+  if (payload->size() != request.reply_bytes()) payload->assign(request.reply_bytes(), '\x5a');
 }
 
 class SyncEcho final : public EchoFloor::Service {
@@ -45,14 +53,14 @@ class SyncEcho final : public EchoFloor::Service {
     EchoRequest request;
     EchoReply reply;
     while (stream->Read(&request)) {
-      SizeReply(request.reply_bytes(), &reply);
+      Answer(request, &reply);
       if (!stream->Write(reply)) break;
     }
     return grpc::Status::OK;
   }
   grpc::Status EchoOnce(grpc::ServerContext*, const EchoRequest* request,
                         EchoReply* reply) override {
-    SizeReply(request->reply_bytes(), reply);
+    Answer(*request, reply);
     return grpc::Status::OK;
   }
 };
@@ -67,7 +75,7 @@ class EchoReactor final : public grpc::ServerBidiReactor<EchoRequest, EchoReply>
       Finish(grpc::Status::OK);
       return;
     }
-    SizeReply(request_.reply_bytes(), &reply_);
+    Answer(request_, &reply_);
     StartWrite(&reply_);
   }
   void OnWriteDone(bool ok) override {
@@ -91,7 +99,7 @@ class CallbackEcho final : public EchoFloor::CallbackService {
   }
   grpc::ServerUnaryReactor* EchoOnce(grpc::CallbackServerContext* context,
                                      const EchoRequest* request, EchoReply* reply) override {
-    SizeReply(request->reply_bytes(), reply);
+    Answer(*request, reply);
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;

@@ -249,7 +249,7 @@ int Main() {
       std::mt19937_64 rng(context);
       std::normal_distribution<float> normal(0.0f, 1.0f);
       for (int batch : batches) {
-        std::vector<double> e2e, server;
+        std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         int64_t paths[5] = {};
         for (int i = 0; i < warmup + steps; ++i, ++step_index) {
           request.Clear();
@@ -274,6 +274,7 @@ int Main() {
           if (i < warmup) continue;
           e2e.push_back(us);
           server.push_back(response.server_micros());
+          beyond.push_back(us - response.server_micros());
           for (const v1::SequenceResult& r : response.results()) {
             for (const v1::HeadDiagnostics& h : r.heads()) ++paths[h.path()];
           }
@@ -288,6 +289,8 @@ int Main() {
                     {"e2e_p99_us", client::Percentile(e2e, 0.99)},
                     {"server_p50_us", client::Percentile(server, 0.5)},
                     {"server_p99_us", client::Percentile(server, 0.99)},
+                    {"e2e_minus_server_p50_us", client::Percentile(beyond, 0.5)},
+                    {"e2e_minus_server_p99_us", client::Percentile(beyond, 0.99)},
                     {"prefill_seconds", prefill_s},
                     {"sessions", max_batch}};
         if (*selector == v1::SELECTOR_RETOPK) {
@@ -295,9 +298,12 @@ int Main() {
                              {"fallback", paths[v1::PATH_FALLBACK] / heads},
                              {"refresh", paths[v1::PATH_REFRESH] / heads}};
         }
-        std::fprintf(stderr, "%s %d x%d: e2e p50 %.1f us (p99 %.1f), server p50 %.1f us\n",
+        std::fprintf(stderr,
+                     "%s %d x%d: e2e p50 %.1f us (p99 %.1f), server p50 %.1f us, e2e - server "
+                     "p50 %.1f us\n",
                      selector_name.c_str(), context, batch, rec["e2e_p50_us"].get<double>(),
-                     rec["e2e_p99_us"].get<double>(), rec["server_p50_us"].get<double>());
+                     rec["e2e_p99_us"].get<double>(), rec["server_p50_us"].get<double>(),
+                     rec["e2e_minus_server_p50_us"].get<double>());
         records.push_back(rec);
       }
       stream->WritesDone();

@@ -69,6 +69,9 @@ ABSL_FLAG(int32_t, iterations, 5000,
           "measured pairs (empty request, layer-step), and round trips of each CPU phase");
 ABSL_FLAG(int32_t, warmup, 500, "pairs run before measuring");
 ABSL_FLAG(std::string, json_out, "", "also write the figures as JSON to this file");
+ABSL_FLAG(int32_t, echo_work_us, 0,
+          "echo: microseconds the server busy-waits before answering each layer-step-sized "
+          "request, standing in for a step's compute (reported as its server time)");
 
 namespace kvrecall::client {
 namespace {
@@ -194,17 +197,19 @@ class KvRecallStream final : public StreamUnderTest {
 // the request, then read its reply, messages reused), nothing else.
 class EchoStream final : public StreamUnderTest {
  public:
-  EchoStream(const std::string& address, const Geometry& g)
+  EchoStream(const std::string& address, const Geometry& g, uint32_t work_micros)
       : stub_(bench::EchoFloor::NewStub(
             grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))),
         stream_(stub_->Echo(&context_)),
         payload_(g.request_bytes(), '\x33'),
-        reply_bytes_(static_cast<uint32_t>(g.reply_bytes())) {}
+        reply_bytes_(static_cast<uint32_t>(g.reply_bytes())),
+        work_micros_(work_micros) {}
 
   absl::Status RoundTrip(bool layer_step) override {
     // Assigning keeps the string's capacity, as the client library's tensor encode does.
     request_.mutable_payload()->assign(layer_step ? payload_ : std::string());
     request_.set_reply_bytes(layer_step ? reply_bytes_ : 0);
+    request_.set_work_micros(layer_step ? work_micros_ : 0);
     if (!stream_->Write(request_) || !stream_->Read(&reply_)) {
       const absl::Status s = FromGrpcStatus(stream_->Finish());
       return s.ok() ? absl::UnavailableError("the echo stream ended without a reply") : s;
@@ -214,6 +219,10 @@ class EchoStream final : public StreamUnderTest {
                                               " bytes, asked for ", request_.reply_bytes()));
     }
     return absl::OkStatus();
+  }
+  // The work it asked for (0: none, -1 as for no server time at all).
+  double ServerMicros() const override {
+    return work_micros_ > 0 ? static_cast<double>(work_micros_) : -1;
   }
   absl::Status Close() override {
     stream_->WritesDone();
@@ -226,6 +235,7 @@ class EchoStream final : public StreamUnderTest {
   std::unique_ptr<grpc::ClientReaderWriter<bench::EchoRequest, bench::EchoReply>> stream_;
   const std::string payload_;
   const uint32_t reply_bytes_;
+  const uint32_t work_micros_;
   bench::EchoRequest request_;
   bench::EchoReply reply_;
 };
@@ -390,7 +400,8 @@ int Main() {
     if (!s.ok()) return Fail(s.status());
     stream = *std::move(s);
   } else if (protocol == "echo") {
-    stream = std::make_unique<EchoStream>(address, g);
+    stream = std::make_unique<EchoStream>(
+        address, g, static_cast<uint32_t>(std::max(0, absl::GetFlag(FLAGS_echo_work_us))));
   } else {
     stream = std::make_unique<EchoUnary>(address, g);
   }
@@ -439,6 +450,7 @@ int Main() {
   j["iterations"] = iterations;
   j["request_bytes"] = g.request_bytes();
   j["reply_bytes"] = g.reply_bytes();
+  if (protocol == "echo") j["echo_work_us"] = absl::GetFlag(FLAGS_echo_work_us);
   j["empty_us"] = Quantiles(empty_us);
   j["layer_step_us"] = Quantiles(step_us);
   if (!server_us.empty()) {
