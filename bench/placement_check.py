@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Checks `kvrecall replay --json` runs of one trace in the CPU and GPU placements against each
-other (issue 13's fidelity criteria) and prints them side by side as a markdown table.
+"""Checks `kvrecall replay --json` runs of one trace in the CPU, GPU and tiered placements against
+each other (issue 13's fidelity criteria; tiered full against the trace) and prints them side by
+side as a markdown table.
 
   placement_check.py replay.jsonl [--markdown table.md]
 
@@ -11,6 +12,8 @@ Criteria, per policy present in both placements:
   retopk:     the CPU's path mix within 1 point (reuse, fallback, refresh) and output cosine
               within 0.001;
   streaming:  output cosine within 0.001 of the CPU's (same static set).
+Tiered (issue 15): full (static set merged with the whole bulk) output cosine >= 0.9999; the
+other tiered rows are reported beside tiered exact_topk of the same K (the "perfect index").
 Exits 1 when a criterion fails.
 """
 import argparse
@@ -20,7 +23,7 @@ import sys
 
 def key(r):
     rt = r.get("retopk", {})
-    return (r["policy"], r["top_k"] if r["policy"] in ("exact_topk", "retopk") else 0,
+    return (r["policy"], r["top_k"] if r["policy"] in ("exact_topk", "retopk", "index") else 0,
             bool(rt.get("auto_tau", False)))
 
 
@@ -66,7 +69,20 @@ def main():
             verdict = "ok" if not bad else "FAIL: " + "; ".join(bad)
             if bad:
                 failed.append(f"{label(k)}: {verdict}")
-        for placement, r in (("cpu", cpu), ("gpu", gpu)):
+        tiered = runs.get(("tiered", k))
+        tiered_verdict = ""
+        if tiered is not None:
+            if k[0] == "full":
+                ok = tiered["output_cosine"] >= 0.9999
+                tiered_verdict = "ok" if ok else "FAIL: cosine < 0.9999"
+                if not ok:
+                    failed.append(f"tiered {label(k)}: {tiered_verdict}")
+            else:
+                ref = runs.get(("tiered", ("exact_topk", k[1], False)))
+                if ref is not None and k[0] != "exact_topk":
+                    tiered_verdict = (f"cosine {tiered['output_cosine'] - ref['output_cosine']:+.4f} "
+                                      f"vs tiered exact_topk")
+        for placement, r in (("cpu", cpu), ("gpu", gpu), ("tiered", tiered)):
             if r is None:
                 continue
             m = r["path_mix"]
@@ -74,7 +90,7 @@ def main():
                         f"{r['support_recall']:.4f} | {m['reuse']:.3f}/{m['fallback']:.3f}/"
                         f"{m['refresh']:.3f} | {r['server_us']['p50']:.1f} | "
                         f"{r['latency_us']['p50']:.1f} | {r['prefill_seconds']:.2f} | "
-                        f"{verdict if placement == 'gpu' else ''} |")
+                        f"{verdict if placement == 'gpu' else tiered_verdict if placement == 'tiered' else ''} |")
     table = "\n".join(rows)
     print(table)
     if a.markdown:

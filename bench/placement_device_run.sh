@@ -3,9 +3,10 @@
 # .device/lead/bundle (shipped compressed as .device/lead/ship/bundle.tar.xz) and the tinylm-a
 # model copied to .device/lead/model (tinylm-a.npz, tinylm_np.py):
 #   bench/placement_device_run.sh [tests] [sanitize] [replay] [serving] [kernels]
-# tests: the server's GPU tests (gpu_placement_test) and the seam's; sanitize: the same under
-# compute-sanitizer memcheck; replay: `kvrecall replay` of a real tinylm-a trace (made here with
-# numpy) through kvrecalld, CPU and GPU placements side by side, checked by
+# tests: the server's GPU tests (gpu_placement_test, tiered_placement_test) and the seam's;
+# sanitize: the GPU ones under compute-sanitizer memcheck; replay: `kvrecall replay` of a real
+# tinylm-a trace (made here with numpy) through kvrecalld, CPU, GPU and tiered placements side by
+# side (TIERED_RUNS: the tiered rows), checked by
 # bench/placement_check.py; serving: bench/gpu_serving_bench against kvrecalld (SERVING_FLAGS
 # passes its flags) beside PyTorch SDPA / torch.topk and the kernels alone (kernels).
 # Outputs go to $OUT; logs to $OUT/placement_logs.tgz.
@@ -26,7 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 for step in "$@"; do
   case $step in
     tests)
-      for t in gpu_placement_test backend_seam_test; do
+      for t in gpu_placement_test tiered_placement_test backend_seam_test; do
         timeout 400 "$bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 || status=1
         tail -n 30 "$logs/$t.log"
       done ;;
@@ -36,7 +37,13 @@ for step in "$@"; do
         --gtest_filter="${SANITIZE_FILTER:-*BruteForce*:*Eight*:*BadInputs*:*ReTopK*}" \
         > "$logs/memcheck.log" 2>&1
       rc=$?; [ $rc -eq 0 ] || status=1
-      echo "memcheck gpu_placement_test (rc $rc): $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$logs/memcheck.log" | tr '\n' ' ')" ;;
+      echo "memcheck gpu_placement_test (rc $rc): $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$logs/memcheck.log" | tr '\n' ' ')"
+      timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$bin/tiered_placement_test" --gtest_brief=1 \
+        --gtest_filter="${SANITIZE_TIERED_FILTER:-*WholeBulk*:*StaticSetAlone*:*Batch*}" \
+        > "$logs/memcheck_tiered.log" 2>&1
+      rc=$?; [ $rc -eq 0 ] || status=1
+      echo "memcheck tiered_placement_test (rc $rc): $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$logs/memcheck_tiered.log" | tr '\n' ' ')" ;;
     replay)
       trace=$(mktemp -d)/tinylm.safetensors
       text=$(python3 -c 'import site; print(site.getsitepackages()[0])')
@@ -58,6 +65,21 @@ for step in "$@"; do
             2>> "$logs/replay.log" || { status=1; echo "replay $placement $run failed"; tail -n 3 "$logs/replay.log"; }
         done
       done
+      while read -r run; do
+        [ -n "$run" ] || continue
+        set -- $run
+        policy=$1; shift
+        "$bin/kvrecall" replay --server="$kvrecalld_address" --trace="$trace" --json \
+          --placement=tiered --policy=$policy "$@" >> "$out/placement_replay.jsonl" \
+          2>> "$logs/replay.log" || { status=1; echo "replay tiered $run failed"; tail -n 3 "$logs/replay.log"; }
+      done <<< "${TIERED_RUNS:-full
+exact_topk --k=512
+index --k=512
+retopk --k=512 --auto_tau
+exact_topk --k=2048
+index --k=2048
+retopk --k=2048 --auto_tau
+streaming --sinks=128 --recent=512}"
       kill "$server"; wait "$server"
       python3 bench/placement_check.py "$out/placement_replay.jsonl" \
         --markdown "$out/placement_replay.md" || status=1 ;;

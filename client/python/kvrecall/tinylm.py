@@ -178,7 +178,8 @@ def policy_from_args(a):
                                 ("reuse_neighbors", a.reuse_neighbors),
                                 ("recent_window", a.recent_window), ("tau", a.tau),
                                 ("refresh_interval", a.refresh_interval),
-                                ("auto_tau", a.auto_tau), ("target_recall", a.target_recall))
+                                ("auto_tau", a.auto_tau), ("target_recall", a.target_recall),
+                                ("exact_flat_scan", a.exact_flat_scan))
               if v is not None}
     index = {k: v for k, v in (("build_queries", a.build_queries), ("build_topk", a.build_topk),
                                ("max_degree", a.max_degree),
@@ -230,6 +231,9 @@ def run_ppl(a):
         "k": int(session.policy.top_k) if a.policy in ("exact_topk", "index", "retopk") else None,
         "ctx": a.ctx, "suffix": a.suffix, "offset": a.offset, "text": a.text,
         "model": os.path.basename(a.model),
+        "retopk": {"tau": session.policy.retopk.tau, "auto_tau": session.policy.retopk.auto_tau,
+                   "exact_flat_scan": session.policy.retopk.exact_flat_scan}
+                  if a.policy == "retopk" else None,
         "bits_per_byte": float(-logprob.mean() / math.log(2)),
         "path_mix": path_mix(info),
         "mean_candidates": info.mean_candidates,
@@ -271,6 +275,8 @@ def parser():
                       ("search-list-size", int)):
         ap.add_argument("--" + name, type=typ)
     ap.add_argument("--auto-tau", action="store_true", default=None)
+    ap.add_argument("--exact-flat-scan", action="store_true", default=None,
+                    help="tiered retopk: the exact path scans the bulk instead of the graph")
     ap.add_argument("--cache-dir", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvrecall"),
         help="where prefill q/k/v are cached per model and text window ('' disables)")
