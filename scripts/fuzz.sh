@@ -3,6 +3,7 @@
 # scripts/sanitize.sh (built here when needed):
 #
 #   scripts/fuzz.sh [--seconds=N] [--runs=N] [--target=request|safetensors]... [--json=FILE]
+#                   [--no-build]
 #
 # --seconds: the time each target runs (default 60); --runs: stop a target after N inputs
 # instead (the first bound reached ends it). Each target starts from its seed corpus (real
@@ -10,20 +11,23 @@
 # earlier runs grew in BUILD/fuzz-corpus/TARGET. An input that crashes, leaks, trips a sanitizer
 # or breaks an invariant is saved as BUILD/fuzz-artifacts/TARGET-crash-* (add it to
 # tests/fuzz/regressions/TARGET once fixed) and the script exits non-zero. It prints, and with
-# --json writes, each target's executions, time and coverage.
+# --json writes, each target's executions, time and coverage. --no-build runs the binaries
+# already built (while another build of that directory is under way, say).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 seconds=60
 runs=-1
 targets=()
 json=""
+build_first=1
 for arg in "$@"; do
   case "$arg" in
     --seconds=*) seconds="${arg#*=}" ;;
     --runs=*) runs="${arg#*=}" ;;
     --target=*) targets+=("${arg#*=}") ;;
     --json=*) json="${arg#*=}" ;;
-    *) echo "usage: $0 [--seconds=N] [--runs=N] [--target=request|safetensors]... [--json=FILE]" >&2
+    --no-build) build_first=0 ;;
+    *) echo "usage: $0 [--seconds=N] [--runs=N] [--target=request|safetensors]... [--json=FILE] [--no-build]" >&2
        exit 2 ;;
   esac
 done
@@ -31,7 +35,7 @@ done
 build="${KVRECALL_ASAN_BUILD_DIR:-$root/build-asan}"
 
 # The fuzzers and their seed corpora alone, not the whole suite.
-"$root/scripts/sanitize.sh" asan --build-only --target=fuzz_seed_corpora \
+[ "$build_first" = 0 ] || "$root/scripts/sanitize.sh" asan --build-only --target=fuzz_seed_corpora \
   --target=request_fuzzer_libfuzzer --target=safetensors_fuzzer_libfuzzer
 
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1"

@@ -60,9 +60,11 @@ configure_and_build() {  # KIND BUILD_DIR
       local wraps="$root/tests/sanitizers/absl_mutex_wrap.txt"
       local absl_sync
       absl_sync=$(ls /usr/lib/x86_64-linux-gnu/libabsl_synchronization.so.* 2>/dev/null | head -1)
+      local defined
+      defined=$(nm -D --defined-only "$absl_sync")  # read once (grep -q in a pipe: SIGPIPE)
       while read -r sym; do
         [ -n "$sym" ] || continue
-        if ! nm -D --defined-only "$absl_sync" | grep -q " $sym\$"; then
+        if ! grep -q " $sym\$" <<< "$defined"; then
           echo "sanitize.sh: $absl_sync has no $sym (another Abseil than Debian 12's?)" >&2
           exit 2
         fi
@@ -71,7 +73,11 @@ configure_and_build() {  # KIND BUILD_DIR
       mkdir -p "$build"
       "$cxx" -std=c++20 -O1 -g -fPIC -c "$root/tests/sanitizers/absl_mutex_tsan.cc" \
         -o "$build/absl_mutex_tsan.o"
-      link_flags+=" $build/absl_mutex_tsan.o"
+      # An archive at the end of every C++ link: its wrappers are pulled in only where the
+      # code references absl::Mutex (CMake's compiler probes do not, and would fail to link).
+      rm -f "$build/libabsl_mutex_tsan.a"
+      ar rcs "$build/libabsl_mutex_tsan.a" "$build/absl_mutex_tsan.o"
+      extra=(-DCMAKE_CXX_STANDARD_LIBRARIES="$build/libabsl_mutex_tsan.a $absl_sync")
       ;;
   esac
   cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \

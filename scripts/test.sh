@@ -8,3 +8,10 @@ build="${KVRECALL_BUILD_DIR:-$root/build}"
 KVRECALL_BUILD_DIR="$build" "$root/scripts/build.sh"
 cd "$build"
 ctest --output-on-failure -j"$(nproc)" --timeout 900
+# A short bounded fuzz run (issue 14) on an ASan + UBSan build of the fuzzers alone (under 11
+# minutes to build on the loaded 2-core dev machine; KVRECALL_CI_FUZZ_SECONDS=0 skips it). The seed
+# corpora are also replayed in every build above (fuzz_replay_*).
+fuzz_seconds="${KVRECALL_CI_FUZZ_SECONDS:-30}"
+if [ "$fuzz_seconds" -gt 0 ] && command -v clang++-16 >/dev/null; then
+  "$root/scripts/fuzz.sh" --seconds="$fuzz_seconds"
+fi
