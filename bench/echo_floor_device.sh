@@ -3,7 +3,9 @@
 # gpu_serving.md have the commands that make the bundle): run from the repository root with
 # the bundle shipped as .device/hop/ship/bundle.tar.xz (bin/: echo_floor, rpc_overhead,
 # kvrecalld, gpu_serving_bench; lib/; python/_gen and python/bench/echo_floor_pb2.py).
-#   bench/echo_floor_device.sh [floor] [queue] [work] [serving] [serving_queue]
+#   bench/echo_floor_device.sh [gputest] [floor] [queue] [work] [serving] [serving_queue]
+# gputest: the GPU placement's tests (gpu_placement_test, GPU_TEST_FILTER) on the bundle's
+# kvrecalld code;
 # floor: bench/echo_floor.sh (echo sync / callback / kvrecalld, TCP and Unix, C++ and Python);
 # queue: kvrecalld with --inline_decode_steps=0 (every step handed to a worker, as before),
 # C++ client; work: the echo floor with the server busy for WORK_US (default "100 300") per
@@ -59,6 +61,10 @@ for step in "$@"; do
     continue
   fi
   case $step in
+    gputest)
+      timeout "$(cap 90)" "$bin/gpu_placement_test" --gtest_brief=1 \
+        --gtest_filter="${GPU_TEST_FILTER:-*}" > "$logs/gpu_placement_test.log" 2>&1 || status=1
+      grep -E '^\[  (FAILED|PASSED) |^\[==========\]|Failure' "$logs/gpu_placement_test.log" | head -n 20 ;;
     floor)
       ITERATIONS=${ITERATIONS:-3000} PY_ITERATIONS=${PY_ITERATIONS:-1000} \
         CLIENTS=${CLIENTS:-c++ python-numpy} \
@@ -84,7 +90,7 @@ for step in "$@"; do
             --label="echo-$api work $w" --echo_work_us=$w --iterations=${WORK_ITERATIONS:-2000} \
             --json_out="$logs/work/echo-${api}_work$w.json" > "$logs/work/echo-${api}_work$w.log" \
             2>&1 || status=1
-          echo "echo-$api work $w us: $(grep -E 'layer-step  |minus' "$logs/work/echo-${api}_work$w.log" | tr -s ' ' | tr '\n' ';')"
+          echo "echo-$api work $w us: $(grep -E '^  layer-step' "$logs/work/echo-${api}_work$w.log" | tr -s ' ' | tr '\n' ';')"
         done
         kill $pid
         wait $pid 2>/dev/null
