@@ -256,10 +256,20 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
         exact_scores.resize(exact_support.size());
         cpu::ScoreTokens(query_at(p), prefix, kv_head, exact_support, shape_.scale,
                          exact_scores.data());
-        samples.push_back({selection.best_cosine,
-                           static_cast<float>(WeightedSupportRecall(selection.support,
-                                                                    exact_support, exact_scores,
-                                                                    seen_until(p) + 1, &marks))});
+        double recall = WeightedSupportRecall(selection.support, exact_support, exact_scores,
+                                              seen_until(p) + 1, &marks);
+        if (outside_lse_ && !exact_scores.empty()) {
+          // The mass outside the view is attended whatever this selector chooses: the recall
+          // of the whole attention is (kept + outside) / (exact + outside).
+          const double lse = outside_lse_(p, h);
+          const double top = std::max<double>(
+              lse, *std::max_element(exact_scores.begin(), exact_scores.end()));
+          double exact_mass = 0;
+          for (float s : exact_scores) exact_mass += std::exp(s - top);
+          const double outside = std::exp(lse - top);
+          recall = (recall * exact_mass + outside) / (exact_mass + outside);
+        }
+        samples.push_back({selection.best_cosine, static_cast<float>(recall)});
       }
       params.tau = CalibrateTau(samples, params_.target_recall, params_.tau);
     }

@@ -21,6 +21,7 @@
 #define KVRECALL_INDEX_RETOPK_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -166,6 +167,13 @@ class ReTopKSelector : public SupportSelector {
   void set_exact_search(std::unique_ptr<SupportSelector> search) {
     exact_search_ = std::move(search);
   }
+  // For a selector over part of the history (the tiered bulk): the log-sum-exp of prompt query
+  // p's (query head q_head's) scaled scores over the tokens it attends outside this selector's
+  // view. auto_tau then calibrates on the recall of the whole attention's mass, static set
+  // included, rather than of the part's alone. Valid during Build only (unset: none outside).
+  void set_outside_lse(std::function<float(int64_t p, int q_head)> outside_lse) {
+    outside_lse_ = std::move(outside_lse);
+  }
 
   // The state of query head q_head, for tests and diagnostics.
   const ReTopKHead& head(int q_head) const { return heads_[q_head]; }
@@ -179,6 +187,7 @@ class ReTopKSelector : public SupportSelector {
   int64_t prompt_tokens_ = 0;
   std::vector<ReTopKHead> heads_;
   std::unique_ptr<SupportSelector> exact_search_;  // null: the flat scan
+  std::function<float(int64_t, int)> outside_lse_;  // Build only; may be empty
 };
 
 }  // namespace kvrecall

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -518,6 +519,45 @@ TEST(ReTopKSelectorTest, AutoTauMeetsTheTargetPerHeadOnAPlantedCase) {
     EXPECT_GE(recall, 0.9) << "head " << h;
     if (h == 0) EXPECT_GE(reused, steps * 9 / 10);
     if (h == 1) EXPECT_LE(reused, steps / 5);
+  }
+}
+
+// A selector over part of the history (the tiered bulk) calibrates on the whole attention: mass
+// outside its view counts as kept. When nearly all of each query's mass lies outside the view,
+// any reuse keeps it, so tau drops (the jumping head 1 strictly: alone it reuses only at its
+// highest cosines); a negligible outside mass changes nothing.
+TEST(ReTopKSelectorTest, AutoTauCountsTheMassOutsideTheViewAsKept) {
+  const int q_heads = 2, d = 32, top_k = 32;
+  const LayerShape shape = Shape(q_heads, 1, d);
+  const int64_t prompt = 1500;
+  RandomKv kv(prompt, 1, d, 53);
+  std::vector<float> queries(prompt * q_heads * d);
+  const std::vector<float> stable = RandomNormal(d, 59, 3.0f);
+  for (int64_t t = 0; t < prompt; ++t) {
+    const std::vector<float> jitter = RandomNormal(d, 61 + t, 0.3f);
+    const std::vector<float> jump = RandomNormal(d, 1000003 + t, 3.0f);
+    for (int j = 0; j < d; ++j) {
+      queries[(t * q_heads + 0) * d + j] = stable[j] + jitter[j];
+      queries[(t * q_heads + 1) * d + j] = jump[j];
+    }
+  }
+  SelectorParams params = ReTopK(top_k, 0.85f, 0);
+  params.retopk.auto_tau = true;
+  params.retopk.target_recall = 0.9f;
+  auto calibrated = [&](std::function<float(int64_t, int)> outside) {
+    ReTopKSelector selector(shape, top_k, params.retopk);
+    if (outside) selector.set_outside_lse(std::move(outside));
+    EXPECT_TRUE(selector.Build(kv.view(), queries.data()).ok());
+    return std::vector<float>{selector.head(0).tau(), selector.head(1).tau()};
+  };
+  const std::vector<float> alone = calibrated(nullptr);
+  const std::vector<float> dominated = calibrated([](int64_t, int) { return 1e4f; });
+  const std::vector<float> negligible = calibrated([](int64_t, int) { return -1e4f; });
+  // The jumping head reuses only at its very highest cosines on its own.
+  EXPECT_LT(dominated[1], alone[1]);
+  for (int h = 0; h < q_heads; ++h) {
+    EXPECT_LE(dominated[h], alone[h]) << "head " << h;
+    EXPECT_EQ(negligible[h], alone[h]) << "head " << h;
   }
 }
 

@@ -1,6 +1,7 @@
 #include "server/backends/tiered_backend.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -254,7 +255,32 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
       const KvView view = BulkView(all, p);
       const float* queries =
           view.tokens > 0 ? staged.queries.data() + (int64_t{p.sinks} + p.recent) * q_row : nullptr;
+      auto* retopk = p.kind == SelectorKind::kReTopK
+                         ? static_cast<ReTopKSelector*>(bulk->selector.get())
+                         : nullptr;
+      if (retopk != nullptr) {
+        // auto_tau calibrates on the whole attention: what the static set of that prompt query
+        // held (the sinks and its own last `recent` tokens) counts as kept.
+        const LayerShape shape = config.shape;
+        const float* prompt_queries = staged.queries.data();
+        retopk->set_outside_lse([&all, shape, prompt_queries, q_row, p](int64_t row, int h) {
+          const int64_t at = row + p.sinks + p.recent;  // the query's own token
+          thread_local std::vector<int32_t> ids;
+          thread_local std::vector<float> scores;
+          ids.clear();
+          AppendStaticSet(at + 1, p.sinks, p.recent, &ids);
+          scores.resize(ids.size());
+          cpu::ScoreTokens(prompt_queries + at * q_row + int64_t{h} * shape.head_dim, all,
+                           KvHeadOf(h, shape.q_heads, shape.kv_heads), ids, shape.scale,
+                           scores.data());
+          const float top = *std::max_element(scores.begin(), scores.end());
+          double sum = 0;
+          for (float x : scores) sum += std::exp(static_cast<double>(x) - top);
+          return static_cast<float>(top + std::log(sum));
+        });
+      }
       built = bulk->selector->Build(view, queries);
+      if (retopk != nullptr) retopk->set_outside_lse(nullptr);
     } else {
       built = bulk->selector->Build(all, staged.queries.data());
     }
