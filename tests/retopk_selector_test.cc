@@ -478,13 +478,9 @@ TEST(CalibrateTauTest, PicksTheLowestCosineThatKeepsTheMeanRecall) {
 // support misses most of the exact one). No single tau fits both scales; the calibrated taus must
 // let head 0 reuse nearly every step and head 1 rarely, each keeping the target (weighted)
 // recall over the decode steps.
-TEST(ReTopKSelectorTest, AutoTauMeetsTheTargetPerHeadOnAPlantedCase) {
-  const int q_heads = 2, d = 32, top_k = 32;
-  const LayerShape shape = Shape(q_heads, 1, d);
-  const int64_t prompt = 1500;
-  const int steps = 200;
-  const int64_t tokens = prompt + steps;
-  RandomKv kv(tokens, 1, d, 53);
+// Queries [tokens, 2, d] of two planted heads: head 0 stays near one direction (small jitter),
+// head 1 jumps to a fresh random direction every token.
+std::vector<float> PlantedQueries(int64_t tokens, int q_heads, int d) {
   std::vector<float> queries(tokens * q_heads * d);
   const std::vector<float> stable = RandomNormal(d, 59, 3.0f);
   for (int64_t t = 0; t < tokens; ++t) {
@@ -495,6 +491,17 @@ TEST(ReTopKSelectorTest, AutoTauMeetsTheTargetPerHeadOnAPlantedCase) {
       queries[(t * q_heads + 1) * d + j] = jump[j];
     }
   }
+  return queries;
+}
+
+TEST(ReTopKSelectorTest, AutoTauMeetsTheTargetPerHeadOnAPlantedCase) {
+  const int q_heads = 2, d = 32, top_k = 32;
+  const LayerShape shape = Shape(q_heads, 1, d);
+  const int64_t prompt = 1500;
+  const int steps = 200;
+  const int64_t tokens = prompt + steps;
+  RandomKv kv(tokens, 1, d, 53);
+  const std::vector<float> queries = PlantedQueries(tokens, q_heads, d);
   SelectorParams params = ReTopK(top_k, 0.85f, 0);
   params.retopk.auto_tau = true;
   params.retopk.target_recall = 0.9f;
@@ -531,16 +538,7 @@ TEST(ReTopKSelectorTest, AutoTauCountsTheMassOutsideTheViewAsKept) {
   const LayerShape shape = Shape(q_heads, 1, d);
   const int64_t prompt = 1500;
   RandomKv kv(prompt, 1, d, 53);
-  std::vector<float> queries(prompt * q_heads * d);
-  const std::vector<float> stable = RandomNormal(d, 59, 3.0f);
-  for (int64_t t = 0; t < prompt; ++t) {
-    const std::vector<float> jitter = RandomNormal(d, 61 + t, 0.3f);
-    const std::vector<float> jump = RandomNormal(d, 1000003 + t, 3.0f);
-    for (int j = 0; j < d; ++j) {
-      queries[(t * q_heads + 0) * d + j] = stable[j] + jitter[j];
-      queries[(t * q_heads + 1) * d + j] = jump[j];
-    }
-  }
+  const std::vector<float> queries = PlantedQueries(prompt, q_heads, d);
   SelectorParams params = ReTopK(top_k, 0.85f, 0);
   params.retopk.auto_tau = true;
   params.retopk.target_recall = 0.9f;
