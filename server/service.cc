@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <utility>
@@ -206,8 +207,9 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
 class KvRecallService::PrefillCall final
     : public StreamCall<grpc::ServerReadReactor<grpc::ByteBuffer>, PrefillCall> {
  public:
-  PrefillCall(KvRecallService* service, grpc::ByteBuffer* reply, std::string tenant)
-      : StreamCall(service), reply_(reply), tenant_(std::move(tenant)),
+  PrefillCall(KvRecallService* service, grpc::CallbackServerContext* context,
+              grpc::ByteBuffer* reply, std::string tenant)
+      : StreamCall(service), context_(context), reply_(reply), tenant_(std::move(tenant)),
         stream_(service->registry_, tenant_) {
     Begin(&in_);
   }
@@ -216,7 +218,13 @@ class KvRecallService::PrefillCall final
     absl::MutexLock lock(&mu_);
     if (finished_) return;
     if (service_->draining()) return FinishLocked(ShuttingDownStatus());
-    if (!ok && cancelled_) return FinishLocked(CancelledStatus());
+    // A read also fails when the call is cancelled or its deadline passes, and that failure
+    // can reach here before OnCancel does: only a clean close of the client's side commits.
+    if (!ok && (cancelled_ || context_->IsCancelled() ||
+                std::chrono::system_clock::now() >= context_->deadline())) {
+      abandoned_.store(true, std::memory_order_release);
+      return FinishLocked(CancelledStatus());
+    }
     // !ok: the client closed its side cleanly, so the prompt is complete.
     committing_ = !ok;
     QueueLocked(committing_ ? service_->builds_ : service_->steps_);
@@ -288,6 +296,7 @@ class KvRecallService::PrefillCall final
 
  private:
 
+  grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   const std::string tenant_;       // the caller's (server/auth.h)
   grpc::ByteBuffer in_;
@@ -464,7 +473,7 @@ grpc::ServerUnaryReactor* KvRecallService::CreateSession(grpc::CallbackServerCon
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
-  return new PrefillCall(this, response, TenantOf(*context));
+  return new PrefillCall(this, context, response, TenantOf(*context));
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::Decode(
