@@ -147,6 +147,15 @@ unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 {{- fail (printf "server.shutdownGraceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the kubelet kills the container then" .Values.server.shutdownGraceSeconds .Values.terminationGracePeriodSeconds) }}
 {{- end }}
 - --shutdown_grace_seconds={{ .Values.server.shutdownGraceSeconds }}
+{{- if .Values.server.maxSessions }}
+- --max_sessions={{ .Values.server.maxSessions }}
+{{- end }}
+{{- if .Values.server.maxContextTokens }}
+- --max_context_tokens={{ int64 .Values.server.maxContextTokens }}
+{{- end }}
+{{- if .Values.server.sessionIdleTtlSeconds }}
+- --session_idle_ttl_seconds={{ .Values.server.sessionIdleTtlSeconds }}
+{{- end }}
 {{- include "kvrecall.checkOperateValues" . }}
 - --metrics_address={{ if .Values.metrics.enabled }}0.0.0.0:{{ .Values.metrics.port }}{{ end }}
 {{- if .Values.tls.enabled }}
@@ -162,7 +171,7 @@ unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 {{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}
