@@ -9,6 +9,7 @@
 //
 //   gpu_serving_bench --server=127.0.0.1:PORT --out=gpu_serving.json
 #include <algorithm>
+#include <cstring>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -130,10 +131,12 @@ struct Geometry {
 };
 
 // Prefills one session's single layer with `context` tokens: keys and values sliced out of
-// `pool` at a per-session offset, queries only for the last `with_queries` tokens.
+// `pool` at a per-session offset, queries for the last `with_queries` tokens (`last_queries`)
+// and, with `all_queries` (the graph index of the tiered placement is built from every prompt
+// query), before them each token's query heads copies of its own key (bf16 bytes as they are).
 void PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
                     int64_t context, const std::string& pool, int64_t offset,
-                    const std::vector<float>& last_queries, int with_queries) {
+                    const std::vector<float>& last_queries, int with_queries, bool all_queries) {
   grpc::ClientContext ctx;
   v1::PrefillResponse response;
   auto writer = stub.Prefill(&ctx, &response);
@@ -156,8 +159,37 @@ void PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geome
     // Queries for the chunk's tokens among the last `with_queries` (all of them, random, when
     // the chunk holds only part of that window: the selector reads only its seeds).
     const int64_t q_from = context - with_queries;
-    if (begin + n > q_from) {
+    if (all_queries && begin + n <= q_from) {
+      const std::string keys = pool.substr(static_cast<size_t>(at) * g.kv_row() * 2, bytes);
+      const int group = g.q_heads / g.kv_heads;
+      std::string q(static_cast<size_t>(n) * g.q_row() * 2, '\0');
+      for (int64_t t = 0; t < n; ++t) {
+        for (int h = 0; h < g.q_heads; ++h) {
+          std::memcpy(q.data() + (t * g.q_row() + int64_t{h} * g.head_dim) * 2,
+                      keys.data() + (t * g.kv_row() + int64_t{h / group} * g.head_dim) * 2,
+                      static_cast<size_t>(g.head_dim) * 2);
+        }
+      }
+      *chunk.mutable_q() = Bf16Tensor({n, g.q_heads, g.head_dim}, std::move(q));
+    } else if (begin + n > q_from) {
       std::vector<float> q(static_cast<size_t>(n) * g.q_row(), 0.0f);
+      if (all_queries) {
+        // The tokens of this chunk before the last `with_queries`: their keys, as above.
+        const int group = g.q_heads / g.kv_heads;
+        for (int64_t t = begin; t < q_from; ++t) {
+          for (int h = 0; h < g.q_heads; ++h) {
+            for (int j = 0; j < g.head_dim; ++j) {
+              uint16_t bits;
+              std::memcpy(&bits,
+                          pool.data() + ((at + t - begin) * g.kv_row() +
+                                         int64_t{h / group} * g.head_dim + j) * 2,
+                          2);
+              const uint32_t word = uint32_t{bits} << 16;
+              std::memcpy(&q[(t - begin) * g.q_row() + int64_t{h} * g.head_dim + j], &word, 4);
+            }
+          }
+        }
+      }
       for (int64_t t = std::max(begin, q_from); t < begin + n; ++t) {
         const int64_t i = t - q_from;  // index into last_queries
         std::copy_n(last_queries.data() + i * g.q_row(), g.q_row(),
@@ -201,6 +233,10 @@ int Main() {
     for (int context : contexts) {
       // Sessions: queries for ReTopK's seeds (the C = 32 before the decode steps).
       const int with_queries = *selector == v1::SELECTOR_RETOPK ? 32 : 0;
+      // The tiered graph index (the index selector, ReTopK's exact path) needs every query.
+      const bool all_queries =
+          *placement == v1::PLACEMENT_TIERED &&
+          (*selector == v1::SELECTOR_INDEX || *selector == v1::SELECTOR_RETOPK);
       v1::Policy policy = client::CpuPolicy(*selector, top_k);
       policy.set_placement(*placement);
       std::vector<std::string> ids(max_batch);
@@ -231,7 +267,7 @@ int Main() {
           threads.emplace_back([&, t] {
             for (int b = t; b < max_batch; b += parallel) {
               PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b, queries[b],
-                             with_queries);
+                             with_queries, all_queries);
             }
           });
         }
