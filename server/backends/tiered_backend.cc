@@ -200,6 +200,8 @@ class TieredStepContext final : public StepContext {
   explicit TieredStepContext(std::unique_ptr<StepContext> static_context)
       : static_context(std::move(static_context)) {}
   std::unique_ptr<StepContext> static_context;
+  // Reused from step to step, so that the steady state allocates nothing.
+  std::vector<LayerStep> pending, batch, rest;
   std::vector<float> bulk_o, bulk_lse;
   std::vector<StaticSetStep> static_steps;
   std::vector<KvView> histories;
@@ -307,10 +309,14 @@ std::unique_ptr<StepContext> TieredBackend::NewStepContext() {
 absl::Status TieredBackend::Step(std::span<LayerStep> steps, StepContext* context) {
   auto& ctx = static_cast<TieredStepContext&>(*context);
   // Runs of steps whose static sets step together (usually the whole request).
-  std::vector<LayerStep> pending(steps.begin(), steps.end());
+  std::vector<LayerStep>& pending = ctx.pending;
+  std::vector<LayerStep>& batch = ctx.batch;
+  std::vector<LayerStep>& rest = ctx.rest;
+  pending.assign(steps.begin(), steps.end());
   while (!pending.empty()) {
     const LayerConfig& first = static_cast<TieredLayer*>(pending.front().layer)->config();
-    std::vector<LayerStep> batch, rest;
+    batch.clear();
+    rest.clear();
     for (const LayerStep& step : pending) {
       (SameStaticSet(static_cast<TieredLayer*>(step.layer)->config(), first) ? batch : rest)
           .push_back(step);
@@ -349,7 +355,7 @@ absl::Status TieredBackend::Step(std::span<LayerStep> steps, StepContext* contex
       }
       static_cast<TieredLayer*>(batch[i].layer)->CommitToken();
     }
-    pending = std::move(rest);
+    pending.swap(rest);
   }
   return absl::OkStatus();
 }
