@@ -31,6 +31,7 @@
 #include "kernels/cuda/topk_workspace.h"
 #include "server/backends/gpu_support.h"
 #include "server/backends/placements.h"
+#include "server/backends/step_runs.h"
 #include "server/backends/tiered_backend.h"
 #include "server/kv_store.h"
 
@@ -470,18 +471,13 @@ absl::Status GpuBackend::Step(std::span<LayerStep> steps, StepContext* context) 
   auto& ctx = static_cast<GpuStepContext&>(*context);
   if (absl::Status s = ctx.Start(); !s.ok()) return s;
   // Runs of steps that share kernels and knobs step together (usually the whole request).
-  std::vector<LayerStep> pending(steps.begin(), steps.end());
-  while (!pending.empty()) {
-    const LayerConfig& first = static_cast<GpuLayer*>(pending.front().layer)->config();
-    std::vector<LayerStep> batch, rest;
-    for (const LayerStep& step : pending) {
-      (SameKernels(static_cast<GpuLayer*>(step.layer)->config(), first) ? batch : rest)
-          .push_back(step);
-    }
-    if (absl::Status s = StepBatch(batch, ctx); !s.ok()) return s;
-    pending = std::move(rest);
-  }
-  return absl::OkStatus();
+  return ForEachRun(
+      steps, ctx.runs,
+      [](const LayerStep& first, const LayerStep& step) {
+        return SameKernels(static_cast<GpuLayer*>(first.layer)->config(),
+                           static_cast<GpuLayer*>(step.layer)->config());
+      },
+      [&](std::span<LayerStep> batch) { return StepBatch(batch, ctx); });
 }
 
 absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& ctx) {

@@ -23,6 +23,7 @@
 #include "kernels/cuda/retopk.h"
 #include "kernels/cuda/topk_workspace.h"
 #include "server/backends/attention_backend.h"
+#include "server/backends/step_runs.h"
 #include "server/memory_budget.h"
 
 namespace kvrecall::gpu {
@@ -205,6 +206,7 @@ class GpuStepContext final : public StepContext {
                       "creating a decode stream");
   }
   cudaStream_t stream() const { return stream_; }
+  StepRuns runs;  // the backend's scratch for splitting a request into launches
 
   // Room for `bytes` of step input and output on both sides.
   absl::Status EnsureIo(size_t in_bytes, size_t out_bytes) {

@@ -14,6 +14,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
 #include "server/backends/cpu_backend.h"
+#include "server/backends/step_runs.h"
 #include "server/kv_store.h"
 
 namespace kvrecall {
@@ -194,19 +195,6 @@ void TieredLayer::AttendBulk(const LayerStep& step, const KvView& all, float* o,
   ChargeSelectorBytes();
 }
 
-// A Decode stream's resources: the static tier's, and the bulk states of the largest batch.
-class TieredStepContext final : public StepContext {
- public:
-  explicit TieredStepContext(std::unique_ptr<StepContext> static_context)
-      : static_context(std::move(static_context)) {}
-  std::unique_ptr<StepContext> static_context;
-  // Reused from step to step, so that the steady state allocates nothing.
-  std::vector<LayerStep> pending, batch, rest;
-  std::vector<float> bulk_o, bulk_lse;
-  std::vector<StaticSetStep> static_steps;
-  std::vector<KvView> histories;
-};
-
 // Whether two layers' static sets step in one launch: the same shapes, dtype and static set.
 bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
   return a.shape.q_heads == b.shape.q_heads && a.shape.kv_heads == b.shape.kv_heads &&
@@ -216,6 +204,19 @@ bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
 }
 
 }  // namespace
+
+// A Decode stream's resources: the static tier's, and the bulk states of the largest batch.
+class TieredStepContext final : public StepContext {
+ public:
+  explicit TieredStepContext(std::unique_ptr<StepContext> static_context)
+      : static_context(std::move(static_context)) {}
+  std::unique_ptr<StepContext> static_context;
+  // Reused from step to step, so that the steady state allocates nothing.
+  StepRuns runs;
+  std::vector<float> bulk_o, bulk_lse;
+  std::vector<StaticSetStep> static_steps;
+  std::vector<KvView> histories;
+};
 
 int64_t TieredBackend::PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const {
   const SelectorParams& p = config.selector;
@@ -309,53 +310,50 @@ std::unique_ptr<StepContext> TieredBackend::NewStepContext() {
 absl::Status TieredBackend::Step(std::span<LayerStep> steps, StepContext* context) {
   auto& ctx = static_cast<TieredStepContext&>(*context);
   // Runs of steps whose static sets step together (usually the whole request).
-  std::vector<LayerStep>& pending = ctx.pending;
-  std::vector<LayerStep>& batch = ctx.batch;
-  std::vector<LayerStep>& rest = ctx.rest;
-  pending.assign(steps.begin(), steps.end());
-  while (!pending.empty()) {
-    const LayerConfig& first = static_cast<TieredLayer*>(pending.front().layer)->config();
-    batch.clear();
-    rest.clear();
-    for (const LayerStep& step : pending) {
-      (SameStaticSet(static_cast<TieredLayer*>(step.layer)->config(), first) ? batch : rest)
-          .push_back(step);
+  return ForEachRun(
+      steps, ctx.runs,
+      [](const LayerStep& first, const LayerStep& step) {
+        return SameStaticSet(static_cast<TieredLayer*>(first.layer)->config(),
+                             static_cast<TieredLayer*>(step.layer)->config());
+      },
+      [&](std::span<LayerStep> batch) { return StepRun(batch, ctx); });
+}
+
+absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContext& ctx) {
+  const LayerConfig& first = static_cast<TieredLayer*>(batch.front().layer)->config();
+  const int heads = first.shape.q_heads;
+  const int d = first.shape.head_dim;
+  const size_t n = batch.size();
+  ctx.bulk_o.resize(n * heads * d);
+  ctx.bulk_lse.resize(n * heads);
+  ctx.static_steps.clear();
+  ctx.histories.clear();
+  for (const LayerStep& step : batch) {
+    auto& layer = *static_cast<TieredLayer*>(step.layer);
+    ctx.histories.push_back(layer.StageToken(step));
+    ctx.static_steps.push_back(StaticSetStep{&layer.config(), layer.static_set(),
+                                             ctx.histories.back(), step.q, step.k_new,
+                                             step.v_new, step.o, step.lse});
+  }
+  // The static sets on their tier while the CPU works through the bulk.
+  if (absl::Status s = tier_->Start(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
+    return s;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    static_cast<TieredLayer*>(batch[i].layer)
+        ->AttendBulk(batch[i], ctx.histories[i], ctx.bulk_o.data() + i * heads * d,
+                     ctx.bulk_lse.data() + i * heads);
+  }
+  if (absl::Status s = tier_->Finish(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
+    return s;
+  }
+  // The only place the tiers meet.
+  for (size_t i = 0; i < n; ++i) {
+    for (int h = 0; h < heads; ++h) {
+      MergeStateInto(ctx.bulk_o.data() + (i * heads + h) * d, ctx.bulk_lse[i * heads + h],
+                     batch[i].o + static_cast<int64_t>(h) * d, &batch[i].lse[h], d);
     }
-    const int heads = first.shape.q_heads;
-    const int d = first.shape.head_dim;
-    const size_t n = batch.size();
-    ctx.bulk_o.resize(n * heads * d);
-    ctx.bulk_lse.resize(n * heads);
-    ctx.static_steps.clear();
-    ctx.histories.clear();
-    for (const LayerStep& step : batch) {
-      auto& layer = *static_cast<TieredLayer*>(step.layer);
-      ctx.histories.push_back(layer.StageToken(step));
-      ctx.static_steps.push_back(StaticSetStep{&layer.config(), layer.static_set(),
-                                               ctx.histories.back(), step.q,
-                                               step.k_new, step.v_new, step.o, step.lse});
-    }
-    // The static sets on their tier while the CPU works through the bulk.
-    if (absl::Status s = tier_->Start(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
-      return s;
-    }
-    for (size_t i = 0; i < n; ++i) {
-      static_cast<TieredLayer*>(batch[i].layer)
-          ->AttendBulk(batch[i], ctx.histories[i], ctx.bulk_o.data() + i * heads * d,
-                       ctx.bulk_lse.data() + i * heads);
-    }
-    if (absl::Status s = tier_->Finish(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
-      return s;
-    }
-    // The only place the tiers meet.
-    for (size_t i = 0; i < n; ++i) {
-      for (int h = 0; h < heads; ++h) {
-        MergeStateInto(ctx.bulk_o.data() + (i * heads + h) * d, ctx.bulk_lse[i * heads + h],
-                       batch[i].o + static_cast<int64_t>(h) * d, &batch[i].lse[h], d);
-      }
-      static_cast<TieredLayer*>(batch[i].layer)->CommitToken();
-    }
-    pending.swap(rest);
+    static_cast<TieredLayer*>(batch[i].layer)->CommitToken();
   }
   return absl::OkStatus();
 }

@@ -81,6 +81,8 @@ std::unique_ptr<StaticSetTier> MakeHostStaticSetTier();
 absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
                                                                     MemoryBudget* budget);
 
+class TieredStepContext;
+
 class TieredBackend final : public AttentionBackend {
  public:
   explicit TieredBackend(std::unique_ptr<StaticSetTier> tier) : tier_(std::move(tier)) {}
@@ -105,6 +107,9 @@ class TieredBackend final : public AttentionBackend {
   absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
 
  private:
+  // One launch of the static tier and the bulk work for `batch`, whose static sets match.
+  absl::Status StepRun(std::span<LayerStep> batch, TieredStepContext& ctx);
+
   std::unique_ptr<StaticSetTier> tier_;
 };
 
