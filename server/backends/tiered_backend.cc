@@ -118,7 +118,7 @@ class TieredLayer final : public LayerBackend {
   void CommitToken() { kv_.Commit(1); }
 
   // Selects every head's bulk support and attends it: (o, lse) over the bulk per query head,
-  // and the reports (the static set's size added by the caller).
+  // and the step's reports (support sizes and supports include the static set).
   void AttendBulk(const LayerStep& step, const KvView& all, float* o, float* lse);
 
  private:
