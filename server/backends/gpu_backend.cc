@@ -350,17 +350,7 @@ class GpuBackend final : public AttentionBackend {
 };
 
 absl::Status GpuBackend::CheckConfig(const LayerConfig& config) const {
-  if (config.dtype != v1::DTYPE_BF16 && config.dtype != v1::DTYPE_F16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.dtype ", v1::DType_Name(config.dtype),
-        " is not served by PLACEMENT_GPU, which keeps the KV in the model's dtype: use "
-        "DTYPE_BF16 or DTYPE_F16 (or PLACEMENT_CPU for f32)"));
-  }
-  if (config.shape.head_dim != 64 && config.shape.head_dim != 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("geometry.head_dim ", config.shape.head_dim,
-                     " is not served by PLACEMENT_GPU: its kernels serve 64 and 128"));
-  }
+  if (absl::Status s = gpu::CheckGpuKv(config, "PLACEMENT_GPU", "the KV"); !s.ok()) return s;
   const SelectorParams& p = config.selector;
   if (p.kind == SelectorKind::kIndex) {
     return absl::InvalidArgumentError(

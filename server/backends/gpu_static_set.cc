@@ -120,16 +120,9 @@ class GpuStaticSetTier final : public StaticSetTier {
 };
 
 absl::Status GpuStaticSetTier::CheckConfig(const LayerConfig& config) const {
-  if (config.dtype != v1::DTYPE_BF16 && config.dtype != v1::DTYPE_F16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.dtype ", v1::DType_Name(config.dtype),
-        " is not served by PLACEMENT_TIERED on a GPU, which keeps the static set in the model's "
-        "dtype: use DTYPE_BF16 or DTYPE_F16 (or PLACEMENT_CPU for f32)"));
-  }
-  if (config.shape.head_dim != 64 && config.shape.head_dim != 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("geometry.head_dim ", config.shape.head_dim,
-                     " is not served by PLACEMENT_TIERED on a GPU: its kernels serve 64 and 128"));
+  if (absl::Status s = gpu::CheckGpuKv(config, "PLACEMENT_TIERED on a GPU", "the static set");
+      !s.ok()) {
+    return s;
   }
   return ShapeOf(config, 1).Validate();
 }

@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/decode_types.h"
 #include "kernels/cuda/device_buffer.h"
@@ -158,6 +159,25 @@ class ChargedBuffer {
   DeviceBuffer<T> buffer_;
   MemoryAccount* account_ = nullptr;
 };
+
+// INVALID_ARGUMENT naming the geometry field when the KV of `config` cannot live on a GPU: the
+// kernels keep it in the model's dtype (bf16 or f16) and serve head dims 64 and 128. `served_by`
+// names the placement ("PLACEMENT_GPU"), `what` what it keeps there ("the KV").
+inline absl::Status CheckGpuKv(const LayerConfig& config, absl::string_view served_by,
+                               absl::string_view what) {
+  if (config.dtype != v1::DTYPE_BF16 && config.dtype != v1::DTYPE_F16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.dtype ", v1::DType_Name(config.dtype), " is not served by ", served_by,
+        ", which keeps ", what, " in the model's dtype: use DTYPE_BF16 or DTYPE_F16 (or "
+        "PLACEMENT_CPU for f32)"));
+  }
+  if (config.shape.head_dim != 64 && config.shape.head_dim != 128) {
+    return absl::InvalidArgumentError(absl::StrCat("geometry.head_dim ", config.shape.head_dim,
+                                                   " is not served by ", served_by,
+                                                   ": its kernels serve 64 and 128"));
+  }
+  return absl::OkStatus();
+}
 
 // Whether two layers can step in one launch sequence: the same kernels with the same knobs.
 inline bool SameKernels(const LayerConfig& a, const LayerConfig& b) {
