@@ -48,10 +48,13 @@ for target in "${targets[@]}"; do
   corpus="$build/fuzz-corpus/$target"
   mkdir -p "$corpus"
   log="$build/fuzz-artifacts/$target.log"
+  # libFuzzer refuses a corpus directory that does not exist, and git keeps no empty one: a
+  # clean clone has no tests/fuzz/regressions/TARGET until an input is added there.
+  inputs=("$corpus" "$build/tests/fuzz/seeds/$target")
+  [ -d "$root/tests/fuzz/regressions/$target" ] && inputs+=("$root/tests/fuzz/regressions/$target")
   set +e
   "$binary" -max_total_time="$seconds" -runs="$runs" -print_final_stats=1 -rss_limit_mb=2048 \
-    -timeout=30 -artifact_prefix="$build/fuzz-artifacts/$target-" "$corpus" \
-    "$build/tests/fuzz/seeds/$target" "$root/tests/fuzz/regressions/$target" > "$log" 2>&1
+    -timeout=30 -artifact_prefix="$build/fuzz-artifacts/$target-" "${inputs[@]}" > "$log" 2>&1
   code=$?
   set -e
   execs=$(grep -oE "stat::number_of_executed_units: *[0-9]+" "$log" | grep -oE "[0-9]+$" || echo 0)
