@@ -3,12 +3,14 @@
 // on SIGTERM and SIGINT — turning NOT_SERVING for health watchers first.
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -162,6 +164,83 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
   const std::string bad =
       absl::StrCat(KvrecalldProcess::BinaryPath(), " --max_message_mb=0 2>&1 >/dev/null");
   EXPECT_EQ(WEXITSTATUS(std::system(bad.c_str())), 2);
+  const std::string output2 = RunCommand(
+      absl::StrCat(KvrecalldProcess::BinaryPath(), " --malloc_mmap_threshold_kb=-1"), &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(output2, HasSubstr("--malloc_mmap_threshold_kb must be in [0, 32768]"));
+}
+
+// The resident memory of a process, from /proc (0 when unreadable).
+int64_t ResidentBytes(pid_t pid) {
+  std::FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/statm").c_str(), "r");
+  if (f == nullptr) return 0;
+  long pages = 0, resident = 0;
+  const int read = std::fscanf(f, "%ld %ld", &pages, &resident);
+  std::fclose(f);
+  return read == 2 ? int64_t{resident} * sysconf(_SC_PAGESIZE) : 0;
+}
+
+// Closed sessions give their memory back to the OS while others stay open: 8 sessions of 4 MiB
+// KV arrays, opened concurrently, close while small ones opened beside them live on, twice. A
+// session whose memory outlives its close fails it, and so does KV that malloc keeps resident
+// after it was freed (with glibc's adaptive mmap threshold, --malloc_mmap_threshold_kb=0, this
+// workload kept 4-27 MiB; the load test 58-72 MiB: bench/results/hardening.md).
+TEST(KvrecalldProcessTest, ClosedSessionsGiveTheirMemoryBack) {
+  std::unique_ptr<KvrecalldProcess> server = StartOrFail();
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::KvRecall::NewStub(MakeChannel(server->address()));
+  const v1::Geometry g = MakeGeometry(2, 8, 8, 128);
+  constexpr int64_t kTokens = 1024;
+  const PromptLayer prompt{RandomNormal(kTokens * 8 * 128, 1), RandomNormal(kTokens * 8 * 128, 2),
+                           RandomNormal(kTokens * 8 * 128, 3)};
+  auto open_session = [&](int64_t tokens) -> std::string {
+    absl::StatusOr<std::string> id = CreateSession(*stub, g, MakePolicy(v1::SELECTOR_FULL));
+    EXPECT_TRUE(id.ok()) << id.status();
+    if (!id.ok()) return "";
+    const PromptLayer part{
+        std::vector<float>(prompt.q.begin(), prompt.q.begin() + tokens * 8 * 128),
+        std::vector<float>(prompt.k.begin(), prompt.k.begin() + tokens * 8 * 128),
+        std::vector<float>(prompt.v.begin(), prompt.v.begin() + tokens * 8 * 128)};
+    std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, part, 256);
+    for (v1::PrefillChunk& c : PromptChunks(*id, g, 1, part, 256)) chunks.push_back(std::move(c));
+    EXPECT_TRUE(Prefill(*stub, chunks).ok());
+    return *id;
+  };
+  auto close_session = [&](const std::string& id) {
+    grpc::ClientContext context;
+    v1::CloseSessionRequest request;
+    request.set_session_id(id);
+    v1::CloseSessionResponse response;
+    EXPECT_TRUE(stub->CloseSession(&context, request, &response).ok());
+  };
+  // A first session warms what a server keeps once it has served (threads, gRPC's buffers).
+  close_session(open_session(kTokens));
+  const int64_t before = ResidentBytes(server->pid());
+  absl::Mutex small_mu;
+  std::vector<std::string> small;  // small sessions that stay open
+  for (int round = 0; round < 2; ++round) {
+    // Opened concurrently, as runners do: the server's threads allocate from several arenas.
+    std::vector<std::string> ids(8);
+    std::vector<std::thread> openers;
+    for (int s = 0; s < 8; ++s) {
+      openers.emplace_back([&, s] {
+        ids[s] = open_session(kTokens);
+        if (s % 2 == 0) {
+          std::string id = open_session(16);
+          absl::MutexLock lock(&small_mu);
+          small.push_back(std::move(id));
+        }
+      });
+    }
+    for (std::thread& t : openers) t.join();
+    const int64_t held = ResidentBytes(server->pid());
+    EXPECT_GT(held - before, 8 * 2 * 2 * (int64_t{4} << 20)) << "the KV is resident while open";
+    for (const std::string& id : ids) close_session(id);
+    const int64_t after = ResidentBytes(server->pid());
+    EXPECT_LT(after - before, int64_t{24} << 20)
+        << "round " << round << ": " << (before >> 20) << " MiB before, " << (held >> 20)
+        << " MiB open, " << (after >> 20) << " MiB after closing";
+  }
 }
 
 // buf (installed by scripts/install_deps.sh into .tools/) speaks reflection: no .proto needed.
