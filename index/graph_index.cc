@@ -170,6 +170,8 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   degree_.clear();
   size_ = linked_ = keys.count;
   entry_ = -1;
+  projection_credit_ = projection_cursor_ = 0;
+  last_link_ = GraphLinkStats();
   Reserve(keys.count);
   if (keys.count == 0) return absl::OkStatus();
 
@@ -257,12 +259,43 @@ void GraphIndex::ChooseEntry(const VectorSet& keys, const VectorSet& queries) {
 }
 
 void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
+  const int64_t m = static_cast<int64_t>(edges->size());
+  if (m == 0) return;
+  if (m * 16 < linked_) {
+    // A few edges (an incremental link): sort them by source instead of counting over every
+    // node, whose O(linked keys) arrays would dominate linking one key into a large graph.
+    // Stable, so that a node's targets keep their order, as the counting sort keeps it. On one
+    // thread unless there are many sources: a parallel region costs more than a few merges
+    // (and the selector already links its heads in parallel).
+    std::stable_sort(edges->begin(), edges->end(),
+                     [](const Edge& x, const Edge& y) { return x.from < y.from; });
+    std::vector<int64_t> starts;
+    for (int64_t e = 0; e < m; ++e) {
+      if (e == 0 || (*edges)[e].from != (*edges)[e - 1].from) starts.push_back(e);
+    }
+    starts.push_back(m);
+    std::vector<int32_t> targets(m);
+    std::vector<uint8_t> kept(m);
+    for (int64_t e = 0; e < m; ++e) {
+      targets[e] = (*edges)[e].to;
+      kept[e] = (*edges)[e].keep;
+    }
+    const int64_t sources = static_cast<int64_t>(starts.size()) - 1;
+#pragma omp parallel for schedule(dynamic, 16) if (sources > 1024)
+    for (int64_t i = 0; i < sources; ++i) {
+      const int64_t begin = starts[i];
+      const int64_t count = starts[i + 1] - begin;
+      MergeNode(keys, (*edges)[begin].from, {targets.data() + begin, static_cast<size_t>(count)},
+                {kept.data() + begin, static_cast<size_t>(count)});
+    }
+    edges->clear();
+    return;
+  }
   // Group targets by source with a stable counting sort, in parallel: each thread counts and
   // then places one contiguous chunk of the edges, and a node's slots hold chunk 0's edges
   // first, then chunk 1's, ..., so the order (and the graph) does not depend on the thread
   // count. (Done serially, this grouping was most of a 128K-key build on 16 cores.)
   const int64_t n = linked_;
-  const int64_t m = static_cast<int64_t>(edges->size());
   const int chunks = static_cast<int>(std::clamp<int64_t>(m / 65536, 1, omp_get_max_threads()));
   auto chunk_begin = [&](int c) { return m * c / chunks; };
   std::vector<int64_t> cursor(static_cast<size_t>(chunks) * n, 0);  // [chunk, node]
@@ -301,54 +334,56 @@ void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
   edges->clear();
   edges->shrink_to_fit();
 
+#pragma omp parallel for schedule(dynamic, 64)
+  for (int64_t node = 0; node < linked_; ++node) {
+    if (offsets[node] == offsets[node + 1]) continue;
+    const size_t count = static_cast<size_t>(offsets[node + 1] - offsets[node]);
+    MergeNode(keys, node, {targets.data() + offsets[node], count},
+              {kept.data() + offsets[node], count});
+  }
+}
+
+void GraphIndex::MergeNode(const VectorSet& keys, int64_t node, std::span<const int32_t> targets,
+                           std::span<const uint8_t> kept) {
+  thread_local std::vector<int32_t> candidates;
+  thread_local std::vector<int32_t> pruned;
+  thread_local std::vector<int32_t> must_keep;
   const int degree = params_.max_degree;
-#pragma omp parallel
-  {
-    std::vector<int32_t> candidates;
-    std::vector<int32_t> pruned;
-    std::vector<int32_t> must_keep;
-#pragma omp for schedule(dynamic, 64)
-    for (int64_t node = 0; node < linked_; ++node) {
-      if (offsets[node] == offsets[node + 1]) continue;
-      int32_t* row = adjacency_.data() + node * degree;
-      candidates.assign(row, row + degree_[node]);
-      candidates.insert(candidates.end(), targets.begin() + offsets[node],
-                        targets.begin() + offsets[node + 1]);
-      std::sort(candidates.begin(), candidates.end());
-      candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
-      candidates.erase(std::remove(candidates.begin(), candidates.end(), node),
-                       candidates.end());
-      std::vector<int32_t>* chosen = &candidates;
-      if (candidates.size() > static_cast<size_t>(degree)) {
-        PruneNeighbors(keys, static_cast<int32_t>(node), candidates, degree, &pruned);
-        chosen = &pruned;
-        // Kept targets displace the last (least useful) unkept choices.
-        // Token neighbors are always kept: the chain keeps every key reachable.
-        must_keep.clear();
-        for (int32_t c : candidates) {
-          if (c == node - 1 || c == node + 1) must_keep.push_back(c);
-        }
-        for (int64_t e = offsets[node]; e < offsets[node + 1]; ++e) {
-          if (kept[e] && targets[e] != node) must_keep.push_back(targets[e]);
-        }
-        std::sort(must_keep.begin(), must_keep.end());
-        must_keep.erase(std::unique(must_keep.begin(), must_keep.end()), must_keep.end());
-        if (must_keep.size() > static_cast<size_t>(degree)) must_keep.resize(degree);
-        auto is_kept = [&](int32_t id) {
-          return std::binary_search(must_keep.begin(), must_keep.end(), id);
-        };
-        size_t slot = pruned.size();
-        for (int32_t id : must_keep) {
-          if (std::find(pruned.begin(), pruned.end(), id) != pruned.end()) continue;
-          while (slot > 0 && is_kept(pruned[slot - 1])) --slot;
-          if (slot == 0) break;
-          pruned[--slot] = id;
-        }
-      }
-      std::copy(chosen->begin(), chosen->end(), row);
-      degree_[node] = static_cast<uint16_t>(chosen->size());
+  int32_t* row = adjacency_.data() + node * degree;
+  candidates.assign(row, row + degree_[node]);
+  candidates.insert(candidates.end(), targets.begin(), targets.end());
+  std::sort(candidates.begin(), candidates.end());
+  candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+  candidates.erase(std::remove(candidates.begin(), candidates.end(), node), candidates.end());
+  std::vector<int32_t>* chosen = &candidates;
+  if (candidates.size() > static_cast<size_t>(degree)) {
+    PruneNeighbors(keys, static_cast<int32_t>(node), candidates, degree, &pruned);
+    chosen = &pruned;
+    // Kept targets displace the last (least useful) unkept choices.
+    // Token neighbors are always kept: the chain keeps every key reachable.
+    must_keep.clear();
+    for (int32_t c : candidates) {
+      if (c == node - 1 || c == node + 1) must_keep.push_back(c);
+    }
+    for (size_t e = 0; e < targets.size(); ++e) {
+      if (kept[e] && targets[e] != node) must_keep.push_back(targets[e]);
+    }
+    std::sort(must_keep.begin(), must_keep.end());
+    must_keep.erase(std::unique(must_keep.begin(), must_keep.end()), must_keep.end());
+    if (must_keep.size() > static_cast<size_t>(degree)) must_keep.resize(degree);
+    auto is_kept = [&](int32_t id) {
+      return std::binary_search(must_keep.begin(), must_keep.end(), id);
+    };
+    size_t slot = pruned.size();
+    for (int32_t id : must_keep) {
+      if (std::find(pruned.begin(), pruned.end(), id) != pruned.end()) continue;
+      while (slot > 0 && is_kept(pruned[slot - 1])) --slot;
+      if (slot == 0) break;
+      pruned[--slot] = id;
     }
   }
+  std::copy(chosen->begin(), chosen->end(), row);
+  degree_[node] = static_cast<uint16_t>(chosen->size());
 }
 
 void GraphIndex::AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end) {
@@ -361,7 +396,7 @@ void GraphIndex::AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t e
 
 void GraphIndex::LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes) {
   std::vector<Edge> edges(nodes.size() * 2 * kKeptLinksPerKey, Edge{-1, -1});
-#pragma omp parallel
+#pragma omp parallel if (nodes.size() >= 16)
   {
     std::vector<std::pair<float, int32_t>> found;
     std::vector<float> centered(keys.dim);
@@ -525,48 +560,76 @@ absl::Status GraphIndex::Add(const VectorSet& keys, const VectorSet& recent_quer
     return absl::InvalidArgumentError(absl::StrCat("recent query dim ", recent_queries.dim,
                                                    " differs from key dim ", keys.dim));
   }
+  const int64_t count = KeysToLink(keys.count);
   size_ = keys.count;
-  if (size_ - linked_ >= params_.link_threshold) LinkTail(keys, recent_queries);
+  last_link_ = GraphLinkStats();
+  if (count > 0) LinkOldest(keys, recent_queries, count);
   return absl::OkStatus();
 }
 
-void GraphIndex::LinkTail(const VectorSet& keys, const VectorSet& recent_queries) {
+int64_t GraphIndex::KeysToLink(int64_t key_count) const {
+  const int64_t added = std::max<int64_t>(0, key_count - size_);
+  const int64_t tail = size_ + added - linked_;
+  if (tail < params_.link_threshold) return 0;
+  if (params_.link_batch >= params_.link_threshold) return tail;  // the batch linking
+  // Linking at least as many keys as were appended keeps the tail under link_threshold after
+  // every Add; linking no more than max(link_batch, appended) bounds the Add's work.
+  return std::min<int64_t>(tail, std::max<int64_t>(params_.link_batch, added));
+}
+
+void GraphIndex::LinkOldest(const VectorSet& keys, const VectorSet& recent_queries,
+                            int64_t count) {
   const int64_t begin = linked_;
-  const int64_t end = size_;
-  const int64_t tail = end - begin;
+  const int64_t end = begin + count;
   const int degree = params_.max_degree;
-  // Projection by the recent queries, now that their top-k may include new keys: a query's
-  // pivot (its best key) links to its other top keys where either end is new. (Searched before
-  // the new keys join the graph, while they are still scanned exactly.)
+  const int64_t threshold = std::max(params_.link_threshold, 1);
+  // The window of fellow keys: the newest linked keys, these included. Linked in one batch of
+  // the whole tail, it is the batch itself.
+  const int64_t window_begin = std::max<int64_t>(0, end - std::max<int64_t>(threshold, count));
+  const int64_t window = end - window_begin;
+  // Projection by recent queries, now that their top-k may include new keys: a query's pivot
+  // (its best key) links to its other top keys where either end is in the window, both ends
+  // linked by now. (Searched before the new keys join the graph, while they are still scanned
+  // exactly.) Rationed: recent_queries.count searches per link_threshold keys linked, each
+  // query in turn, at most each query once.
+  projection_credit_ += count * recent_queries.count;
+  const int64_t searches = std::min(recent_queries.count, projection_credit_ / threshold);
+  projection_credit_ = std::min(projection_credit_ - searches * threshold, threshold - 1);
   const int build_k = static_cast<int>(std::min<int64_t>(params_.build_topk, size_));
-  std::vector<std::vector<Edge>> projected(recent_queries.count);
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < recent_queries.count; ++i) {
+  std::vector<std::vector<Edge>> projected(searches);
+#pragma omp parallel for schedule(dynamic, 1) if (searches >= 4)
+  for (int64_t i = 0; i < searches; ++i) {
     SearchResult result;
-    Search(keys, recent_queries.row(i), build_k, SearchParams(), &result);
-    if (result.ids.empty()) continue;
+    const int64_t query = (projection_cursor_ + i) % recent_queries.count;
+    Search(keys, recent_queries.row(query), build_k, SearchParams(), &result);
+    if (result.ids.empty() || result.ids[0] >= end) continue;
     const int32_t pivot = result.ids[0];
     for (size_t j = 1; j < result.ids.size(); ++j) {
-      if (pivot >= begin || result.ids[j] >= begin) projected[i].push_back({pivot, result.ids[j]});
+      const int32_t id = result.ids[j];
+      if (id < end && (pivot >= window_begin || id >= window_begin)) {
+        projected[i].push_back({pivot, id});
+      }
     }
   }
-  // Each new key's nearest (L2) fellow tail keys, scored exactly since the tail is small.
-  std::vector<Edge> edges(static_cast<size_t>(tail) * degree, Edge{-1, -1});
-#pragma omp parallel
+  if (searches > 0) projection_cursor_ = (projection_cursor_ + searches) % recent_queries.count;
+  // Each new key's nearest (L2) fellow keys in the window, scored exactly since it is small.
+  std::vector<Edge> edges(static_cast<size_t>(count) * degree, Edge{-1, -1});
+#pragma omp parallel if (count >= 16)
   {
-    std::vector<float> closeness(tail);
+    std::vector<float> closeness(window);
     std::vector<int32_t> positions;
 #pragma omp for schedule(dynamic, 8)
-    for (int64_t i = 0; i < tail; ++i) {
+    for (int64_t i = 0; i < count; ++i) {
       const int32_t x = static_cast<int32_t>(begin + i);
-      for (int64_t t = 0; t < tail; ++t) {
-        closeness[t] = t == i ? -std::numeric_limits<float>::infinity()
-                              : -KeyDistance(keys, x, static_cast<int32_t>(begin + t));
+      for (int64_t t = 0; t < window; ++t) {
+        const int32_t other = static_cast<int32_t>(window_begin + t);
+        closeness[t] = other == x ? -std::numeric_limits<float>::infinity()
+                                  : -KeyDistance(keys, x, other);
       }
-      cpu::TopKPositions(closeness, static_cast<int>(std::min<int64_t>(degree, tail - 1)),
+      cpu::TopKPositions(closeness, static_cast<int>(std::min<int64_t>(degree, window - 1)),
                          &positions);
       for (size_t j = 0; j < positions.size(); ++j) {
-        edges[i * degree + j] = {x, static_cast<int32_t>(begin + positions[j])};
+        edges[i * degree + j] = {x, static_cast<int32_t>(window_begin + positions[j])};
       }
     }
   }
@@ -583,8 +646,10 @@ void GraphIndex::LinkTail(const VectorSet& keys, const VectorSet& recent_queries
 
   if (key_mean_.empty()) {  // built over no keys: the first tail sets the mean
     key_mean_.assign(keys.dim, 0.0f);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int j = 0; j < keys.dim; ++j) key_mean_[j] += keys.row(t)[j] / static_cast<float>(tail);
+    for (int64_t t = begin; t < size_; ++t) {
+      for (int j = 0; j < keys.dim; ++j) {
+        key_mean_[j] += keys.row(t)[j] / static_cast<float>(size_ - begin);
+      }
     }
   }
   Reserve(end);
@@ -599,9 +664,10 @@ void GraphIndex::LinkTail(const VectorSet& keys, const VectorSet& recent_queries
   MergeEdges(keys, &edges);
   // Last, the new keys' own searches over the graph they are now part of, with kept edges in:
   // what keeps each new key findable.
-  std::vector<int32_t> nodes(tail);
-  for (int64_t i = 0; i < tail; ++i) nodes[i] = static_cast<int32_t>(begin + i);
+  std::vector<int32_t> nodes(count);
+  for (int64_t i = 0; i < count; ++i) nodes[i] = static_cast<int32_t>(begin + i);
   LinkByOwnSearch(keys, nodes);
+  last_link_ = GraphLinkStats{count, searches};
 }
 
 }  // namespace kvrecall

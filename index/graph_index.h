@@ -14,6 +14,12 @@
 
 namespace kvrecall {
 
+// What an Add linked, for benchmarks and tests: the work an Add did beyond appending.
+struct GraphLinkStats {
+  int64_t linked_keys = 0;         // tail keys linked into the graph
+  int64_t projection_queries = 0;  // recent queries searched to project their top keys
+};
+
 // What a build did, for benchmarks and tests.
 struct GraphBuildStats {
   int64_t build_queries = 0;     // sampled queries whose top-k lists were projected
@@ -48,10 +54,21 @@ struct GraphBuildStats {
 //      token chain makes these rare).
 // Search: best-first beam search over the graph from the entry point with a candidate list of
 // `list_size`, plus an exact scan of the tail (keys added but not linked yet).
-// Growth: Add puts keys in the tail; when it holds `link_threshold` keys, each is linked to its
-// token neighbors, to the keys its own (centered) search finds, to its nearest fellow tail keys,
-// and, projection-style, to the pivots of the recent queries whose top-k now includes it; the
-// edges' targets get reverse edges. Nothing is rebuilt.
+// Growth: Add puts keys in the tail. Once the tail holds `link_threshold` keys, an Add links its
+// oldest `link_batch` keys (at least as many as it appended, so the tail stays under
+// `link_threshold`). A decode step appends one key, so every step links `link_batch` keys
+// (default 1) instead of one step in `link_threshold` linking them all under the session's lock:
+// the work per step is a small constant. (Amortized rather than moved to a background thread,
+// which would need the graph to be read while it changes.) A linked key x gets edges to its
+// token neighbors; to its nearest (L2) keys among the newest max(link_threshold, link_batch)
+// linked keys, x's batch included (a window, so that a key linked alone meets as many fellow
+// keys as one linked in a batch); projection-style, from the pivot of a recent query to the
+// query's other top keys where either end is in that window; and to the keys its own (centered)
+// search finds. Every edge adds its reverse. The recent queries' searches are rationed to the
+// batch rate, `recent_queries` searches per `link_threshold` keys linked, the queries in turn.
+// link_batch >= link_threshold links the whole tail with every recent query at once: the batch
+// linking before issue 15. Either way the tail is scanned exactly by every search, and nothing is
+// rebuilt.
 class GraphIndex : public KeyIndex {
  public:
   // params: zeros take the defaults (GraphIndexParams::WithDefaults).
@@ -69,6 +86,10 @@ class GraphIndex : public KeyIndex {
   const GraphBuildStats& build_stats() const { return build_stats_; }
   // Keys linked into the graph; [linked(), size()) is the tail.
   int64_t linked() const { return linked_; }
+  // Keys an Add of a set of `key_count` keys would link (0: it would only append them).
+  int64_t KeysToLink(int64_t key_count) const;
+  // What the last Add linked (zeros when it only appended).
+  const GraphLinkStats& last_link() const { return last_link_; }
   // Out-neighbors of a linked key.
   std::span<const int32_t> neighbors(int64_t node) const {
     return {adjacency_.data() + node * params_.max_degree, degree_[node]};
@@ -88,8 +109,12 @@ class GraphIndex : public KeyIndex {
   void SearchGraph(const VectorSet& keys, const float* q, int list_size,
                    std::vector<std::pair<float, int32_t>>* list, SearchStats* stats) const;
   // Merges edges into the graph: each node's current neighbors plus its new targets, pruned to
-  // max_degree when over it. Nodes in parallel.
+  // max_degree when over it. Nodes in parallel. Costs O(linked keys) for many edges (a
+  // counting sort) but O(edges) for a few (a sort), as an incremental link has.
   void MergeEdges(const VectorSet& keys, std::vector<Edge>* edges);
+  // MergeEdges for one node: `targets` (with their keep marks) join its row.
+  void MergeNode(const VectorSet& keys, int64_t node, std::span<const int32_t> targets,
+                 std::span<const uint8_t> kept);
   // Adds v->u for every edge u->v of the nodes [begin, end).
   void AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end);
   // Links each of `nodes` both ways to the best keys its own (centered) search finds, the edges
@@ -102,8 +127,8 @@ class GraphIndex : public KeyIndex {
   void CenteredKey(const VectorSet& keys, int32_t node, float* out) const;
   // Links keys unreachable from the entry point; returns how many it linked.
   int64_t RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable);
-  // Links the tail [linked_, size_) into the graph.
-  void LinkTail(const VectorSet& keys, const VectorSet& recent_queries);
+  // Links the oldest `count` tail keys [linked_, linked_ + count) into the graph.
+  void LinkOldest(const VectorSet& keys, const VectorSet& recent_queries, int64_t count);
   // Sets entry_ to the linked key with the highest score for the mean of `queries`.
   void ChooseEntry(const VectorSet& keys, const VectorSet& queries);
   void Reserve(int64_t nodes);
@@ -116,7 +141,12 @@ class GraphIndex : public KeyIndex {
   std::vector<uint16_t> degree_;
   int32_t entry_ = -1;              // -1 while no key is linked
   std::vector<float> key_mean_;     // [dim]: mean of the keys at build time
+  // The recent-query ration: keys linked x recent queries since the last projection search,
+  // in units of 1 / link_threshold searches; and the next recent query to search.
+  int64_t projection_credit_ = 0;
+  int64_t projection_cursor_ = 0;
   GraphBuildStats build_stats_;
+  GraphLinkStats last_link_;
 };
 
 }  // namespace kvrecall

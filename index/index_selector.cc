@@ -63,6 +63,12 @@ absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries)
 
 void IndexSelector::OnAppend(const KvView& kv) {
   const int64_t bulk_end = BulkEnd(kv.tokens);
+  bool links = false;
+  for (const Head& head : heads_) links = links || head.index.KeysToLink(bulk_end - sinks_) > 0;
+  // Heads in parallel when any links: a decode step's Add links a few keys per head
+  // (GraphIndex's link_batch), too little work to spread over threads inside one index; an Add
+  // that only appends is cheaper than entering a parallel region.
+#pragma omp parallel for schedule(dynamic, 1) if (links && shape_.q_heads > 1)
   for (int h = 0; h < shape_.q_heads; ++h) {
     Head& head = heads_[h];
     if (sinks_ + head.index.size() >= bulk_end) continue;

@@ -17,8 +17,9 @@ namespace kvrecall {
 // Per query head: a GraphIndex over its KV head's bulk keys [sinks, tokens - recent), read in
 // place from the layer's KV, built from the head's prompt queries (causally: a prompt query saw
 // only the keys before it). Tokens that leave the recent window as decode appends tokens join the
-// bulk through GraphIndex::Add (a tail scanned exactly until linked), with the head's latest
-// decode queries to place them. The support is the static set plus the index's top `top_k`
+// bulk through GraphIndex::Add (a tail scanned exactly until linked, each step linking a bounded
+// number of keys per head: GraphIndexParams::link_batch), with the head's latest decode queries
+// to place them; OnAppend runs the heads' Adds in parallel when they link. The support is the static set plus the index's top `top_k`
 // bulk tokens; bulk tokens the index does not hold yet are attended to directly.
 class IndexSelector : public SupportSelector {
  public:

@@ -16,8 +16,8 @@ const char* SelectorKindName(SelectorKind kind);
 // The largest out-degree the graph index accepts for max_degree.
 inline constexpr int kMaxGraphDegree = 256;
 // Upper bounds of the other size-like knobs (SelectorParams::Validate): K and the graph search
-// list; sinks, recent, ReTopK's window and the graph's link threshold; ReTopK's cache (C);
-// the graph build's sampled queries and their top-k.
+// list; sinks, recent, ReTopK's window and the graph's link threshold and batch; ReTopK's cache
+// (C); the graph build's sampled queries and their top-k.
 inline constexpr int kMaxTopK = 1 << 20;
 inline constexpr int kMaxWindowTokens = 1 << 24;
 inline constexpr int kMaxReTopKCacheCapacity = 4096;
@@ -38,9 +38,15 @@ struct GraphIndexParams {
   // Candidate list of the decode-time beam search (>= the k searched for): larger lists score
   // more keys for more recall.
   int search_list_size = 200;
-  // Keys appended after the build wait in a tail that every search scans exactly until this
-  // many have gathered; then they are linked into the graph in one incremental step.
+  // Keys appended after the build wait in a tail that every search scans exactly; once it
+  // holds this many, each Add links its oldest keys into the graph (link_batch), so the tail
+  // stays under this size.
   int link_threshold = 256;
+  // Keys an Add links once the tail holds link_threshold (at least as many as the Add
+  // appended): a small constant keeps a decode step's linking work bounded; a value >=
+  // link_threshold links the whole tail in one step (the batch linking before issue 15, a
+  // latency spike every link_threshold steps).
+  int link_batch = 1;
 
   GraphIndexParams WithDefaults() const;
 };

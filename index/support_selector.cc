@@ -30,6 +30,7 @@ GraphIndexParams GraphIndexParams::WithDefaults() const {
   out.max_degree = pick(max_degree, defaults.max_degree);
   out.search_list_size = pick(search_list_size, defaults.search_list_size);
   out.link_threshold = pick(link_threshold, defaults.link_threshold);
+  out.link_batch = pick(link_batch, defaults.link_batch);
   return out;
 }
 
@@ -89,7 +90,7 @@ absl::Status SelectorParams::Validate() const {
   }
   const GraphIndexParams& g = index;
   if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||
-      g.link_threshold < 0) {
+      g.link_threshold < 0 || g.link_batch < 0) {
     return invalid("policy.index parameters must be >= 0 (0 takes the default)");
   }
   if (g.build_topk == 1) return invalid("policy.index.build_topk must be >= 2, got 1");
@@ -104,6 +105,9 @@ absl::Status SelectorParams::Validate() const {
   }
   if (g.link_threshold > kMaxWindowTokens) {
     return too_large("index.link_threshold", g.link_threshold, kMaxWindowTokens);
+  }
+  if (g.link_batch > kMaxWindowTokens) {
+    return too_large("index.link_batch", g.link_batch, kMaxWindowTokens);
   }
   if (g.max_degree > kMaxGraphDegree) {
     return invalid("policy.index.max_degree must be <= ", kMaxGraphDegree, ", got ",

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -133,8 +136,12 @@ TEST(GraphIndexTest, LargerListsScoreMoreAndFindMore) {
 }
 
 // Keys planted along their own strong directions, so that each is the top match of a query
-// along it; appended after the build, they must be found in the tail and once linked.
-TEST(GraphIndexTest, GrowthKeepsEveryAddedKeyFindable) {
+// along it; appended after the build, they must be found in the tail and once linked, whether
+// each Add links one key (the default) or the whole tail at the threshold (the old batch).
+class GraphGrowthTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(GraphGrowthTest, GrowthKeepsEveryAddedKeyFindable) {
+  const int link_batch = GetParam();
   const int d = 32;
   const int64_t prompt = 4096, added = 700;
   OodCase ood(prompt + added, 1024 + 64, d, 32, 5);
@@ -152,6 +159,7 @@ TEST(GraphIndexTest, GrowthKeepsEveryAddedKeyFindable) {
   GraphIndexParams params;
   params.build_queries = 1024;
   params.link_threshold = 256;
+  params.link_batch = link_batch;
   GraphIndex graph(params);
   ASSERT_TRUE(graph.Build(ood.key_set().Slice(0, prompt), BuildQueries{ood.query_set(0, 1024)})
                   .ok());
@@ -177,13 +185,124 @@ TEST(GraphIndexTest, GrowthKeepsEveryAddedKeyFindable) {
     }
   }
   EXPECT_GT(tail_checks, 0);
-  EXPECT_EQ(graph.linked(), prompt + 2 * 256);  // two link steps, 188 keys still in the tail
+  if (link_batch >= 256) {
+    EXPECT_EQ(graph.linked(), prompt + 2 * 256);  // two link steps, 188 keys still in the tail
+  } else {
+    EXPECT_EQ(graph.linked(), prompt + added - 255);  // the tail stays one under the threshold
+  }
   for (int64_t t = prompt; t < prompt + added; ++t) {
     EXPECT_TRUE(finds(t, upto)) << "token " << t << (t < graph.linked() ? " (linked)" : " (tail)");
   }
   for (int64_t t = prompt; t < graph.linked(); ++t) {
     EXPECT_FALSE(graph.neighbors(t).empty()) << "token " << t;
   }
+}
+
+INSTANTIATE_TEST_SUITE_P(LinkBatches, GraphGrowthTest, ::testing::Values(1, 256));
+
+// Issue 15: an Add's linking work is bounded. Once the tail holds link_threshold keys, every
+// one-key Add links exactly link_batch keys and searches at most one recent query (the batch
+// linking's rate, recent_queries per link_threshold keys), the tail never reaches the threshold
+// after an Add, and a burst links as many keys as it appended.
+TEST(GraphIndexTest, IncrementalLinkingBoundsEachAddAndTheTail) {
+  const int d = 32;
+  const int64_t prompt = 2048, added = 1200;
+  OodCase ood(prompt + added + 600, 512 + 32, d, 16, 11);
+  GraphIndexParams params;
+  params.build_queries = 512;
+  params.link_threshold = 64;
+  params.link_batch = 2;
+  GraphIndex graph(params);
+  ASSERT_TRUE(graph.Build(ood.key_set().Slice(0, prompt), BuildQueries{ood.query_set(0, 512)})
+                  .ok());
+  const VectorSet recent = ood.query_set(512, 512 + 32);
+  int64_t linked_total = 0, searches_total = 0;
+  for (int64_t upto = prompt + 1; upto <= prompt + added; ++upto) {
+    const int64_t tail_before = graph.size() - graph.linked();
+    const int64_t expected = tail_before + 1 >= 64 ? 2 : 0;
+    EXPECT_EQ(graph.KeysToLink(upto), expected);
+    ASSERT_TRUE(graph.Add(ood.key_set().Slice(0, upto), recent).ok());
+    const GraphLinkStats& link = graph.last_link();
+    EXPECT_EQ(link.linked_keys, expected) << "key " << upto - 1;
+    EXPECT_LE(link.projection_queries, 1);
+    EXPECT_LT(graph.size() - graph.linked(), 64);
+    linked_total += link.linked_keys;
+    searches_total += link.projection_queries;
+  }
+  // 32 recent queries per 64 keys linked: one search per 2 keys.
+  EXPECT_EQ(linked_total, graph.linked() - prompt);
+  EXPECT_NEAR(static_cast<double>(searches_total), linked_total / 2.0, 1.0);
+  // A burst of 600 keys links 600 (at least what it appended), with each recent query once.
+  const int64_t tail_before = graph.size() - graph.linked();
+  ASSERT_TRUE(graph.Add(ood.key_set(), recent).ok());
+  EXPECT_EQ(graph.last_link().linked_keys, 600);
+  EXPECT_EQ(graph.last_link().projection_queries, 32);
+  EXPECT_EQ(graph.size() - graph.linked(), tail_before);
+}
+
+// Issue 15: linking one key per Add finds what the batch linking finds. Two graphs over the
+// same prompt grow by the same 3000 keys, one key per Add with the latest 32 queries as a
+// decode step gives them; then held-out queries search both against a brute-force reference,
+// over every key and over the grown keys alone (what linking decides).
+TEST(GraphIndexTest, IncrementalLinkingRecallMatchesBatchLinking) {
+  const int d = 32, k = 10;
+  const int64_t prompt = 4096, added = 3000;
+  const int64_t tokens = prompt + added;
+  OodCase ood(tokens, 1024 + added + 200, d, 48, 21);
+  auto grow = [&](int link_batch) {
+    GraphIndexParams params;
+    params.build_queries = 1024;
+    params.link_batch = link_batch;
+    auto graph = std::make_unique<GraphIndex>(params);
+    EXPECT_TRUE(graph->Build(ood.key_set().Slice(0, prompt), BuildQueries{ood.query_set(0, 1024)})
+                    .ok());
+    for (int64_t i = 1; i <= added; ++i) {
+      const int64_t q_end = 1024 + i;
+      const VectorSet recent = ood.query_set(std::max<int64_t>(1024, q_end - 32), q_end);
+      EXPECT_TRUE(graph->Add(ood.key_set().Slice(0, prompt + i), recent).ok());
+    }
+    return graph;
+  };
+  const std::unique_ptr<GraphIndex> batch = grow(256);
+  const std::unique_ptr<GraphIndex> incremental = grow(1);
+  EXPECT_EQ(incremental->linked(), tokens - 255);
+  EXPECT_EQ(batch->linked(), prompt + 11 * 256);
+
+  // The grown keys alone: a query's top-k among them, searched as the top-k of all keys
+  // restricted to them would hide them behind prompt keys, so the reference and the index are
+  // both asked for the best 4k and scored on the grown ones.
+  std::vector<uint8_t> marks;
+  double recall[2] = {0, 0}, grown_recall[2] = {0, 0};
+  const VectorSet held_out = ood.query_set(1024 + added, 1024 + added + 200);
+  for (int64_t i = 0; i < held_out.count; ++i) {
+    const float* q = held_out.row(i);
+    const std::vector<int32_t> exact = testing::ReferenceTopK(q, ood.view(), 0, 1.0, k);
+    std::vector<int32_t> exact_grown;
+    for (int32_t id : testing::ReferenceTopK(q, ood.view(), 0, 1.0, 4 * k)) {
+      if (id >= prompt) exact_grown.push_back(id);
+    }
+    for (int g = 0; g < 2; ++g) {
+      const GraphIndex& graph = g == 0 ? *batch : *incremental;
+      SearchResult result;
+      graph.Search(ood.key_set(), q, k, SearchParams{64}, &result);
+      recall[g] += SupportRecall(result.ids, exact, tokens, &marks);
+      graph.Search(ood.key_set(), q, 4 * k, SearchParams{64}, &result);
+      grown_recall[g] += SupportRecall(result.ids, exact_grown, tokens, &marks);
+    }
+  }
+  for (int g = 0; g < 2; ++g) {
+    recall[g] /= held_out.count;
+    grown_recall[g] /= held_out.count;
+  }
+  RecordProperty("recall_batch", std::to_string(recall[0]));
+  RecordProperty("recall_incremental", std::to_string(recall[1]));
+  RecordProperty("grown_recall_batch", std::to_string(grown_recall[0]));
+  RecordProperty("grown_recall_incremental", std::to_string(grown_recall[1]));
+  std::printf("recall@%d batch %.4f incremental %.4f; grown keys batch %.4f incremental %.4f\n",
+              k, recall[0], recall[1], grown_recall[0], grown_recall[1]);
+  // Tolerance: one point of recall below the batch linking.
+  EXPECT_GE(recall[1], recall[0] - 0.01);
+  EXPECT_GE(grown_recall[1], grown_recall[0] - 0.01);
 }
 
 TEST(GraphIndexTest, BuildsWithoutQueriesAndOnEmptyKeys) {

@@ -188,7 +188,12 @@ TEST(IndexSelectorTest, TokensLeavingTheRecentWindowJoinTheIndex) {
     const KvView kv = layer.view(prompt + step + 1);
     selector->OnAppend(kv);
     for (int h = 0; h < layer.shape.q_heads; ++h) {
-      EXPECT_EQ(index_selector->head_index(h).size(), kv.tokens - 128 - 16);
+      const GraphIndex& index = index_selector->head_index(h);
+      EXPECT_EQ(index.size(), kv.tokens - 128 - 16);
+      // Issue 15: past the link threshold (16) each step links one key per head, no more, and
+      // the tail stays under the threshold.
+      EXPECT_LE(index.last_link().linked_keys, 1);
+      EXPECT_LT(index.size() - index.linked(), 16);
       HeadSelection selection;
       selector->Select(h, layer.decode_query(step, h), kv, &selection);
       // The token that just left the recent window is findable: a query along its key
@@ -206,7 +211,8 @@ TEST(IndexSelectorTest, TokensLeavingTheRecentWindowJoinTheIndex) {
       }
     }
   }
-  EXPECT_GT(index_selector->head_index(0).linked(), prompt - 128 - 16);
+  // 40 steps, 15 of them before the tail reached the threshold: 25 keys linked one per step.
+  EXPECT_EQ(index_selector->head_index(0).linked(), prompt - 128 - 16 + 40 - 15);
 }
 
 }  // namespace
