@@ -45,6 +45,14 @@ if [ -z "$cc" ] || [ -z "$cxx" ]; then
   exit 2
 fi
 jobs="${KVRECALL_JOBS:-$(nproc)}"
+# Reports name functions and lines only through llvm-symbolizer: clang-16's own, or whichever is
+# on the PATH (LLVM 14's reads clang-16's DWARF 5 too).
+symbolizer=""
+for s in /usr/lib/llvm-16/bin/llvm-symbolizer "$(command -v llvm-symbolizer-16 || true)" \
+  "$(command -v llvm-symbolizer || true)"; do
+  if [ -n "$s" ] && [ -x "$s" ]; then symbolizer=$s; break; fi
+done
+[ -n "$symbolizer" ] || echo "sanitize.sh: no llvm-symbolizer; reports will be unsymbolized" >&2
 export CCACHE_BASEDIR="$root"
 
 configure_and_build() {  # KIND BUILD_DIR
@@ -107,20 +115,24 @@ for kind in "${kinds[@]}"; do
   mkdir -p "$logs"
   case "$kind" in
     asan)
-      export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:log_path=$logs/asan"
-      export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan"
+      export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:log_path=$logs/asan${symbolizer:+:external_symbolizer_path=$symbolizer}"
+      export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan${symbolizer:+:external_symbolizer_path=$symbolizer}"
       export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp"
       unset TSAN_OPTIONS OMP_TOOL_LIBRARIES || true
       ;;
     tsan)
-      export TSAN_OPTIONS="halt_on_error=0:second_deadlock_stack=1:report_signal_unsafe=0:log_path=$logs/tsan:suppressions=$root/tests/sanitizers/tsan.supp"
+      export TSAN_OPTIONS="halt_on_error=0:second_deadlock_stack=1:report_signal_unsafe=0:log_path=$logs/tsan:suppressions=$root/tests/sanitizers/tsan.supp${symbolizer:+:external_symbolizer_path=$symbolizer}"
       export OMP_TOOL_LIBRARIES=/usr/lib/llvm-16/lib/libarcher.so
       export ARCHER_OPTIONS="verbose=0"
       unset ASAN_OPTIONS UBSAN_OPTIONS LSAN_OPTIONS || true
       ;;
   esac
   set +e
-  (cd "$build" && ctest --output-on-failure -j"$jobs" --timeout 1800 -E "deploy_" \
+  # Left out under ASan: ClosedSessionsGiveTheirMemoryBack measures kvrecalld's RSS falling
+  # after sessions close, which ASan's quarantine of freed blocks (256 MiB) prevents by design.
+  exclude="deploy_"
+  [ "$kind" = asan ] && exclude+="|KvrecalldProcessTest.ClosedSessionsGiveTheirMemoryBack"
+  (cd "$build" && ctest --output-on-failure -j"$jobs" --timeout 1800 -E "$exclude" \
     "${ctest_args[@]}" > "$logs/ctest.log" 2>&1)
   ctest_status=$?
   set -e
