@@ -240,6 +240,38 @@ TEST(GraphIndexTest, IncrementalLinkingBoundsEachAddAndTheTail) {
   EXPECT_EQ(graph.size() - graph.linked(), tail_before);
 }
 
+// link_batch >= link_threshold is the batch linking from before issue 15: an Add that brings the
+// tail to the threshold links all of it, whatever it appended, with every recent query.
+TEST(GraphIndexTest, BatchLinkingLinksTheWholeTail) {
+  const int d = 16;
+  const int64_t prompt = 1024;
+  OodCase ood(prompt + 400, 256 + 32, d, 8, 13);
+  GraphIndexParams params;
+  params.build_queries = 256;
+  params.link_threshold = 64;
+  params.link_batch = 64;
+  GraphIndex graph(params);
+  ASSERT_TRUE(graph.Build(ood.key_set().Slice(0, prompt), BuildQueries{ood.query_set(0, 256)})
+                  .ok());
+  const VectorSet recent = ood.query_set(256, 256 + 32);
+  for (int64_t upto = prompt + 1; upto <= prompt + 63; ++upto) {
+    ASSERT_TRUE(graph.Add(ood.key_set().Slice(0, upto), recent).ok());
+    EXPECT_EQ(graph.last_link().linked_keys, 0);
+  }
+  ASSERT_TRUE(graph.Add(ood.key_set().Slice(0, prompt + 64), recent).ok());
+  EXPECT_EQ(graph.last_link().linked_keys, 64);
+  EXPECT_EQ(graph.last_link().projection_queries, 32);
+  EXPECT_EQ(graph.linked(), prompt + 64);
+  // 50 keys wait; a burst of 100 links all 150 (the rationed rule would link its 100 alone).
+  ASSERT_TRUE(graph.Add(ood.key_set().Slice(0, prompt + 114), recent).ok());
+  EXPECT_EQ(graph.last_link().linked_keys, 0);
+  EXPECT_EQ(graph.KeysToLink(prompt + 214), 150);
+  ASSERT_TRUE(graph.Add(ood.key_set().Slice(0, prompt + 214), recent).ok());
+  EXPECT_EQ(graph.last_link().linked_keys, 150);
+  EXPECT_EQ(graph.last_link().projection_queries, 32);
+  EXPECT_EQ(graph.linked(), graph.size());
+}
+
 // Issue 15: linking one key per Add finds what the batch linking finds. Two graphs over the
 // same prompt grow by the same 3000 keys, one key per Add with the latest 32 queries as a
 // decode step gives them; then held-out queries search both against a brute-force reference,
