@@ -200,6 +200,21 @@ TEST_P(GraphGrowthTest, GrowthKeepsEveryAddedKeyFindable) {
 
 INSTANTIATE_TEST_SUITE_P(LinkBatches, GraphGrowthTest, ::testing::Values(1, 256));
 
+// A graph over the first `prompt` keys of `ood`, built from its first `build_queries` queries,
+// that links `link_batch` keys per Add once `link_threshold` wait.
+std::unique_ptr<GraphIndex> GrowingGraph(const OodCase& ood, int64_t prompt, int build_queries,
+                                         int link_threshold, int link_batch) {
+  GraphIndexParams params;
+  params.build_queries = build_queries;
+  params.link_threshold = link_threshold;
+  params.link_batch = link_batch;
+  auto graph = std::make_unique<GraphIndex>(params);
+  EXPECT_TRUE(graph->Build(ood.key_set().Slice(0, prompt),
+                           BuildQueries{ood.query_set(0, build_queries)})
+                  .ok());
+  return graph;
+}
+
 // Issue 15: an Add's linking work is bounded. Once the tail holds link_threshold keys, every
 // one-key Add links exactly link_batch keys and searches at most one recent query (the batch
 // linking's rate, recent_queries per link_threshold keys), the tail never reaches the threshold
@@ -208,13 +223,8 @@ TEST(GraphIndexTest, IncrementalLinkingBoundsEachAddAndTheTail) {
   const int d = 32;
   const int64_t prompt = 2048, added = 1200;
   OodCase ood(prompt + added + 600, 512 + 32, d, 16, 11);
-  GraphIndexParams params;
-  params.build_queries = 512;
-  params.link_threshold = 64;
-  params.link_batch = 2;
-  GraphIndex graph(params);
-  ASSERT_TRUE(graph.Build(ood.key_set().Slice(0, prompt), BuildQueries{ood.query_set(0, 512)})
-                  .ok());
+  const std::unique_ptr<GraphIndex> owned = GrowingGraph(ood, prompt, 512, 64, 2);
+  GraphIndex& graph = *owned;
   const VectorSet recent = ood.query_set(512, 512 + 32);
   int64_t linked_total = 0, searches_total = 0;
   for (int64_t upto = prompt + 1; upto <= prompt + added; ++upto) {
@@ -246,13 +256,8 @@ TEST(GraphIndexTest, BatchLinkingLinksTheWholeTail) {
   const int d = 16;
   const int64_t prompt = 1024;
   OodCase ood(prompt + 400, 256 + 32, d, 8, 13);
-  GraphIndexParams params;
-  params.build_queries = 256;
-  params.link_threshold = 64;
-  params.link_batch = 64;
-  GraphIndex graph(params);
-  ASSERT_TRUE(graph.Build(ood.key_set().Slice(0, prompt), BuildQueries{ood.query_set(0, 256)})
-                  .ok());
+  const std::unique_ptr<GraphIndex> owned = GrowingGraph(ood, prompt, 256, 64, 64);
+  GraphIndex& graph = *owned;
   const VectorSet recent = ood.query_set(256, 256 + 32);
   for (int64_t upto = prompt + 1; upto <= prompt + 63; ++upto) {
     ASSERT_TRUE(graph.Add(ood.key_set().Slice(0, upto), recent).ok());
@@ -282,12 +287,7 @@ TEST(GraphIndexTest, IncrementalLinkingRecallMatchesBatchLinking) {
   const int64_t tokens = prompt + added;
   OodCase ood(tokens, 1024 + added + 200, d, 48, 21);
   auto grow = [&](int link_batch) {
-    GraphIndexParams params;
-    params.build_queries = 1024;
-    params.link_batch = link_batch;
-    auto graph = std::make_unique<GraphIndex>(params);
-    EXPECT_TRUE(graph->Build(ood.key_set().Slice(0, prompt), BuildQueries{ood.query_set(0, 1024)})
-                    .ok());
+    std::unique_ptr<GraphIndex> graph = GrowingGraph(ood, prompt, 1024, 256, link_batch);
     for (int64_t i = 1; i <= added; ++i) {
       const int64_t q_end = 1024 + i;
       const VectorSet recent = ood.query_set(std::max<int64_t>(1024, q_end - 32), q_end);
