@@ -41,7 +41,10 @@ bool Better(const Scored& a, const Scored& b) {
 // and are cut back to k when the buffer fills, which raises the threshold.
 class RunningTopK {
  public:
-  explicit RunningTopK(int k) : k_(k), limit_(4 * static_cast<size_t>(k)) {}
+  // The buffer holds up to this many times k candidates before it is cut back to k.
+  static constexpr int kBufferFactor = 4;
+
+  explicit RunningTopK(int k) : k_(k), limit_(kBufferFactor * static_cast<size_t>(k)) {}
 
   void Reset() {
     buffer_.clear();
@@ -114,6 +117,14 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
                                                    " counts for ", queries.count, " queries"));
   }
   return absl::OkStatus();
+}
+
+int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int threads) {
+  const int64_t kept = std::min<int64_t>(k, keys);
+  const int64_t per_thread = kQueryBlock * (std::min(kKeyBlock, keys) * int64_t{sizeof(float)} +
+                                            RunningTopK::kBufferFactor * kept *
+                                                int64_t{sizeof(Scored)});
+  return std::max(1, threads) * per_thread;
 }
 
 absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,

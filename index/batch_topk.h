@@ -34,6 +34,10 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
 absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
                           TopKLists* out, std::span<const int64_t> visible = {});
 
+// The most CpuBatchTopK allocates beyond its output ([queries, k] ids) over `keys` keys with
+// `threads` OpenMP threads: each thread's block of scores and its query block's running top-k.
+int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int threads);
+
 }  // namespace kvrecall
 
 #endif  // KVRECALL_INDEX_BATCH_TOPK_H_

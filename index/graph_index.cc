@@ -140,6 +140,32 @@ int64_t GraphIndex::MemoryBytes() const {
                               degree_.capacity() * sizeof(uint16_t));
 }
 
+int64_t GraphIndex::GraphBytes(const GraphIndexParams& params, int64_t keys) {
+  const GraphIndexParams p = params.WithDefaults();
+  return keys * (int64_t{p.max_degree} * int64_t{sizeof(int32_t)} + int64_t{sizeof(uint16_t)});
+}
+
+int64_t GraphIndex::BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
+                                           int64_t queries, int dim, int threads) {
+  const GraphIndexParams p = params.WithDefaults();
+  if (keys == 0) return 0;
+  const int64_t sampled = std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys);
+  const int64_t k = std::min<int64_t>(p.build_topk, keys);
+  const int64_t t = std::max(1, threads);
+  // The sampled queries, their causal counts and top-k lists, and CpuBatchTopK's scratch (the
+  // GPU's lives on the device).
+  int64_t bytes = sampled * (int64_t{dim} * 4 + 8 + k * 4);
+  bytes += CpuBatchTopKScratchBytes(keys, static_cast<int>(k), static_cast<int>(t));
+  // The projection's edges (reserved at their most: every list member's pivot edge and fellow
+  // links, and the token chain), the covered and pivot flags, and MergeEdges' grouping while the
+  // edges still exist: per-chunk cursors, offsets, targets and kept flags.
+  const int64_t edges = sampled * k * (1 + kListLinks) + 2 * keys;
+  bytes += edges * (int64_t{sizeof(Edge)} + 4 + 1) + keys * (2 + 8 * (t + 1));
+  // The outliers' and repairs' own searches and edges (at most 4096 nodes at a time).
+  bytes += std::min<int64_t>(keys, 4096) * 2 * p.max_degree * int64_t{sizeof(Edge)} + keys * 16;
+  return bytes;
+}
+
 void GraphIndex::Reserve(int64_t nodes) {
   adjacency_.resize(static_cast<size_t>(nodes) * params_.max_degree);
   degree_.resize(nodes, 0);
@@ -200,7 +226,9 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
 
   const Clock::time_point graph_start = Clock::now();
   std::vector<Edge> edges;
-  edges.reserve(static_cast<size_t>(sampled) * lists.k + 2 * keys.count);
+  // At most: every list member's pivot edge and fellow links, and the token chain
+  // (BuildScratchBytesBound counts this reservation).
+  edges.reserve(static_cast<size_t>(sampled) * lists.k * (1 + kListLinks) + 2 * keys.count);
   std::vector<uint8_t> covered(keys.count, 0);
   std::vector<uint8_t> is_pivot(keys.count, 0);
   for (int64_t i = 0; i < sampled; ++i) {

@@ -83,6 +83,14 @@ class GraphIndex : public KeyIndex {
   int64_t size() const override { return size_; }
   int64_t MemoryBytes() const override;
 
+  // What a graph over `keys` keys of dimension `dim` holds (the adjacency; MemoryBytes after a
+  // Build), and the most a Build from `queries` prompt queries allocates beyond that on the way
+  // (sampled queries and their top-k lists, the projection's edges and their grouping), with
+  // `threads` OpenMP threads. The owner reserves their sum before building.
+  static int64_t GraphBytes(const GraphIndexParams& params, int64_t keys);
+  static int64_t BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
+                                        int64_t queries, int dim, int threads);
+
   const GraphBuildStats& build_stats() const { return build_stats_; }
   // Keys linked into the graph; [linked(), size()) is the tail.
   int64_t linked() const { return linked_; }

@@ -1,5 +1,7 @@
 #include "index/index_selector.h"
 
+#include <omp.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -46,13 +48,15 @@ absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries)
     Head& head = heads_[h];
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     BuildQueries queries;
-    queries.queries =
-        VectorSet{prompt_queries + h * shape_.head_dim, kv.tokens, query_stride, shape_.head_dim};
+    // No queries (an empty prompt: the tiered bulk before it has any token) is no query set;
+    // offsetting a null pointer would be undefined even unread.
+    if (prompt_queries != nullptr) {
+      queries.queries = VectorSet{prompt_queries + h * shape_.head_dim, kv.tokens, query_stride,
+                                  shape_.head_dim};
+    }
     queries.causal = true;
     queries.first_key_position = sinks_;
-    if (absl::Status s = head.index.Build(BulkKeys(kv, kv_head, bulk_end),
-                                          queries);
-        !s.ok()) {
+    if (absl::Status s = head.index.Build(BulkKeys(kv, kv_head, bulk_end), queries); !s.ok()) {
       return s;
     }
     head.recent_queries.assign(static_cast<size_t>(kRecentQueries) * shape_.head_dim, 0.0f);
@@ -107,6 +111,17 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
                 (head.queries_seen % kRecentQueries) * static_cast<int64_t>(shape_.head_dim);
   std::copy(q, q + shape_.head_dim, slot);
   ++head.queries_seen;
+}
+
+int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
+                                        int64_t tokens) {
+  const int64_t bulk =
+      std::max<int64_t>(params.sinks, tokens - params.recent) - params.sinks;
+  const int64_t per_head = GraphIndex::GraphBytes(params.index, bulk) +
+                           int64_t{kRecentQueries} * shape.head_dim * int64_t{sizeof(float)};
+  return per_head * shape.q_heads +
+         GraphIndex::BuildScratchBytesBound(params.index, bulk, tokens, shape.head_dim,
+                                            omp_get_max_threads());
 }
 
 int64_t IndexSelector::MemoryBytes() const {

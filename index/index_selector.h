@@ -19,8 +19,9 @@ namespace kvrecall {
 // only the keys before it). Tokens that leave the recent window as decode appends tokens join the
 // bulk through GraphIndex::Add (a tail scanned exactly until linked, each step linking a bounded
 // number of keys per head: GraphIndexParams::link_batch), with the head's latest decode queries
-// to place them; OnAppend runs the heads' Adds in parallel when they link. The support is the static set plus the index's top `top_k`
-// bulk tokens; bulk tokens the index does not hold yet are attended to directly.
+// to place them; OnAppend runs the heads' Adds in parallel when they link. The support is the
+// static set plus the index's top `top_k` bulk tokens; bulk tokens the index does not hold yet
+// are attended to directly.
 class IndexSelector : public SupportSelector {
  public:
   // params.index zeros take GraphIndexParams defaults. bulk_only: the support holds the bulk's
@@ -33,6 +34,12 @@ class IndexSelector : public SupportSelector {
   void OnAppend(const KvView& kv) override;
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
+
+  // What MemoryBytes() is, or a Build uses on the way, at most, for a selector of `params` built
+  // from a prompt of `tokens` tokens: every head's graph over the bulk and its ring of recent
+  // queries, and one head's build scratch (heads build one after another).
+  static int64_t MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
+                                  int64_t tokens);
 
   const GraphIndex& head_index(int q_head) const { return heads_[q_head].index; }
 

@@ -63,13 +63,6 @@ struct SelectorParams {
   absl::Status Validate() const;
 };
 
-// What the selector's per-query-head state of one layer may grow to, in bytes, whatever the
-// context: ReTopK's cache (C entries of a unit query and a support of up to K indices) and its
-// step scratch; 0 for selectors whose state is small or proportional to the KV (the index is
-// charged when built). Reserved before a layer is built, so that a policy whose state cannot
-// fit the memory budget is refused before anything is allocated.
-int64_t SelectorStateBytesBound(const SelectorParams& params, int q_heads, int head_dim);
-
 }  // namespace kvrecall
 
 #endif  // KVRECALL_INDEX_SELECTOR_PARAMS_H_

@@ -34,8 +34,14 @@ GraphIndexParams GraphIndexParams::WithDefaults() const {
   return out;
 }
 
-int64_t SelectorStateBytesBound(const SelectorParams& params, int q_heads, int head_dim) {
+int64_t SelectorStateBytesBound(const SelectorParams& params, const LayerShape& shape,
+                                int64_t tokens) {
+  if (params.kind == SelectorKind::kIndex) {
+    return IndexSelector::MemoryBytesBound(shape, params, tokens);
+  }
   if (params.kind != SelectorKind::kReTopK) return 0;
+  const int q_heads = shape.q_heads;
+  const int head_dim = shape.head_dim;
   const ReTopKParams& r = params.retopk;
   const int64_t c = r.cache_capacity;
   const int64_t k = params.top_k;

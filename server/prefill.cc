@@ -149,16 +149,14 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(const std::atomic<bool
   AttentionBackend* backend = session_->backend();
   const LayerConfig& config = session_->layer_config();
   const SessionAccounts accounts = session_->accounts();
-  // Host-held selector state is charged once built; what it may grow to is reserved on the
-  // budget first (not on the session's grant, whose set-aside is for its KV) and given back
-  // after the builds, which charge what they made: a policy whose state cannot fit is refused
-  // before anything is allocated.
-  const int64_t state_bound =
-      backend->placement() == v1::PLACEMENT_GPU
-          ? 0
-          : SelectorStateBytesBound(config.selector, config.shape.q_heads,
-                                    config.shape.head_dim) *
-                static_cast<int64_t>(staged.size());
+  // Host-held selector state is charged once built; what it and its builds may take is
+  // reserved on the budget first (not on the session's grant, whose set-aside is for its KV)
+  // and given back after the builds, which charge what they made: a policy whose state cannot
+  // fit is refused before anything is allocated.
+  int64_t state_bound = 0;
+  for (const std::unique_ptr<PromptStaging>& prompt : prompts) {
+    state_bound += backend->HostSelectorBytesBound(config, prompt->tokens());
+  }
   if (state_bound > 0) {
     if (absl::Status s = registry_->budget()->Reserve(
             state_bound, absl::StrCat("the ", SelectorKindName(config.selector.kind),

@@ -77,6 +77,36 @@ SelectorParams IndexParams(int list_size) {
   return params;
 }
 
+// The bound the Prefill reserves before building (SelectorStateBytesBound) covers what a build
+// holds: each head's graph is exactly GraphIndex::GraphBytes of its bulk once built, and the
+// bound adds the rings of recent queries and a build's scratch on top.
+TEST(IndexSelectorTest, MemoryBoundCoversWhatABuildHolds) {
+  const Layer layer(SmallTrace());
+  for (int max_degree : {16, 64}) {
+    for (int64_t prompt : {int64_t{0}, int64_t{100}, int64_t{6144}}) {
+      SCOPED_TRACE(testing::Message() << "max_degree " << max_degree << ", prompt " << prompt);
+      SelectorParams params = IndexParams(128);
+      params.index.max_degree = max_degree;
+      IndexSelector selector(layer.shape, params);
+      ASSERT_TRUE(selector.Build(layer.view(prompt), layer.prompt_q.data()).ok());
+      const int64_t bulk = std::max<int64_t>(0, prompt - params.recent - params.sinks);
+      for (int h = 0; h < layer.shape.q_heads; ++h) {
+        EXPECT_EQ(selector.head_index(h).MemoryBytes(),
+                  GraphIndex::GraphBytes(params.index, bulk));
+      }
+      const int64_t bound = SelectorStateBytesBound(params, layer.shape, prompt);
+      EXPECT_EQ(bound, IndexSelector::MemoryBytesBound(layer.shape, params, prompt));
+      EXPECT_LE(selector.MemoryBytes(), bound);
+      if (bulk > 0) {
+        // The projection's edges alone: every sampled query's list, five edges per member.
+        const int64_t sampled = std::min<int64_t>(params.index.build_queries, prompt);
+        const int64_t k = std::min<int64_t>(GraphIndexParams().build_topk, bulk);
+        EXPECT_GE(bound - selector.MemoryBytes(), sampled * k * 5 * 12);
+      }
+    }
+  }
+}
+
 TEST(IndexSelectorTest, SupportIsTheStaticSetPlusTheIndexResults) {
   const Layer layer(SmallTrace());
   const SelectorParams params = IndexParams(128);

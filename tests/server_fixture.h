@@ -294,6 +294,14 @@ inline absl::StatusOr<v1::SessionInfo> GetSession(v1::KvRecall::Stub& stub, cons
   return info;
 }
 
+inline absl::Status CloseSession(v1::KvRecall::Stub& stub, const std::string& id) {
+  v1::CloseSessionRequest request;
+  request.set_session_id(id);
+  v1::CloseSessionResponse response;
+  grpc::ClientContext context;
+  return FromGrpc(stub.CloseSession(&context, request, &response));
+}
+
 // Streams `chunks` as one Prefill call and returns the server's answer.
 inline absl::StatusOr<v1::PrefillResponse> Prefill(v1::KvRecall::Stub& stub,
                                                    std::span<const v1::PrefillChunk> chunks) {

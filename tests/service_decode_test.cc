@@ -20,6 +20,7 @@ namespace kvrecall {
 namespace {
 
 using ::kvrecall::testing::AllTokens;
+using ::kvrecall::testing::CloseSession;
 using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::ExpectOutputNear;
@@ -449,13 +450,7 @@ TEST_F(ServiceDecodeTest, ListAndCloseSessionsFreeTheirMemory) {
   std::sort(want.begin(), want.end());
   EXPECT_EQ(ids, want);
 
-  for (const std::string& id : {id_a, id_b}) {
-    grpc::ClientContext context;
-    v1::CloseSessionRequest request;
-    request.set_session_id(id);
-    v1::CloseSessionResponse response;
-    ASSERT_TRUE(stub().CloseSession(&context, request, &response).ok());
-  }
+  for (const std::string& id : {id_a, id_b}) ASSERT_TRUE(CloseSession(stub(), id).ok());
   EXPECT_EQ(server().server().budget().used(), 0);
   EXPECT_EQ(GetSession(stub(), id_a).status().code(), absl::StatusCode::kNotFound);
   grpc::ClientContext context;

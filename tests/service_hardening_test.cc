@@ -31,6 +31,7 @@ namespace {
 using grpc::health::v1::Health;
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
+using ::kvrecall::testing::CloseSession;
 using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::FromGrpc;
@@ -267,6 +268,50 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   absl::StatusOr<std::string> ok = CreateSession(stub(), g, usual);
   ASSERT_TRUE(ok.ok());
   EXPECT_TRUE(Prefill(stub(), PromptChunks(*ok, g, 0, RandomPrompt(64, 4), 16)).ok());
+}
+
+// The graph index's state and its build are reserved too: its knobs at their bounds (out-degree
+// 256, 65536 build queries of top-4096 each) make a build of a 2048-token prompt take some 200
+// MB on the way (the projection's edges), which a 50 MiB budget refuses before building — in the
+// CPU placement and in the tiered one, whose ReTopK searches a graph over the bulk. Before: it
+// was charged only once built, so the build's transient memory was never charged at all.
+TEST_F(SmallBudgetTest, GraphIndexStateIsReservedBeforeItIsBuilt) {
+  const v1::Geometry g = SmallGeometry();
+  struct Case {
+    v1::Selector selector;
+    v1::Placement placement;
+    const char* what;
+  };
+  for (const Case& c : {Case{v1::SELECTOR_INDEX, v1::PLACEMENT_CPU, "index selector state"},
+                        Case{v1::SELECTOR_INDEX, v1::PLACEMENT_TIERED, "index selector state"},
+                        Case{v1::SELECTOR_RETOPK, v1::PLACEMENT_TIERED, "retopk selector state"}}) {
+    SCOPED_TRACE(c.what);
+    v1::Policy huge = MakePolicy(c.selector, /*top_k=*/64);
+    huge.set_placement(c.placement);
+    huge.mutable_index()->set_max_degree(256);
+    huge.mutable_index()->set_build_queries(65536);
+    huge.mutable_index()->set_build_topk(4096);
+    absl::StatusOr<std::string> id = CreateSession(stub(), g, huge);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const absl::StatusOr<v1::PrefillResponse> refused =
+        Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(2048, 5), 512));
+    EXPECT_TRUE(HasStatus(refused.status(), absl::StatusCode::kResourceExhausted,
+                          "host_memory_budget_gb"))
+        << refused.status();
+    EXPECT_THAT(refused.status().message(), HasSubstr(c.what));
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->layers_prefilled(), 0);
+
+    // The default knobs fit.
+    v1::Policy usual = MakePolicy(c.selector, /*top_k=*/64);
+    usual.set_placement(c.placement);
+    absl::StatusOr<std::string> ok = CreateSession(stub(), g, usual);
+    ASSERT_TRUE(ok.ok());
+    EXPECT_TRUE(Prefill(stub(), PromptChunks(*ok, g, 0, RandomPrompt(2048, 5), 512)).ok());
+    for (const std::string& session : {*id, *ok}) ASSERT_TRUE(CloseSession(stub(), session).ok());
+  }
+  EXPECT_EQ(server().server().budget().used(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------

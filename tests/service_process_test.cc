@@ -25,6 +25,7 @@ namespace {
 using grpc::health::v1::Health;
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
+using ::kvrecall::testing::CloseSession;
 using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::KvrecalldProcess;
@@ -206,13 +207,7 @@ TEST(KvrecalldProcessTest, ClosedSessionsGiveTheirMemoryBack) {
     EXPECT_TRUE(Prefill(*stub, chunks).ok());
     return *id;
   };
-  auto close_session = [&](const std::string& id) {
-    grpc::ClientContext context;
-    v1::CloseSessionRequest request;
-    request.set_session_id(id);
-    v1::CloseSessionResponse response;
-    EXPECT_TRUE(stub->CloseSession(&context, request, &response).ok());
-  };
+  auto close_session = [&](const std::string& id) { EXPECT_TRUE(CloseSession(*stub, id).ok()); };
   // A first session warms what a server keeps once it has served (threads, gRPC's buffers).
   close_session(open_session(kTokens));
   const int64_t before = ResidentBytes(server->pid());

@@ -141,6 +141,10 @@ absl::Status CpuBackend::CheckConfig(const LayerConfig& config) const {
   return MakeSelector(config.selector, config.shape).status();
 }
 
+int64_t CpuBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t tokens) const {
+  return SelectorStateBytesBound(config.selector, config.shape, tokens);
+}
+
 absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
   return std::make_unique<HostPromptStaging>(config.shape, accounts.host);

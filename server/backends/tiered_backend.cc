@@ -33,6 +33,16 @@ KvView BulkView(const KvView& all, const SelectorParams& p) {
                 all.head_dim};
 }
 
+// What the graph index of ReTopK's exact path is built with: the policy's graph knobs over the
+// bulk view, which has no static set of its own (the view is the bulk).
+SelectorParams ExactPathGraphParams(const SelectorParams& p) {
+  SelectorParams graph = p;
+  graph.kind = SelectorKind::kIndex;
+  graph.sinks = 0;
+  graph.recent = 0;
+  return graph;
+}
+
 // The selector over the bulk for `config`, and whether its positions are relative to the bulk
 // (true) or token positions (the graph index). Streaming has none: the static set is all.
 struct BulkSelector {
@@ -55,14 +65,9 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       // query r is the one of token sinks + recent + r, which sees bulk rows [0, r + recent].
       auto retopk = std::make_unique<ReTopKSelector>(config.shape, p.top_k, p.retopk, p.recent);
       if (!p.retopk.exact_flat_scan) {
-        // The exact path searches a graph index over the bulk view (no static set of its own:
-        // the view is the bulk).
-        SelectorParams graph = p;
-        graph.kind = SelectorKind::kIndex;
-        graph.sinks = 0;
-        graph.recent = 0;
+        // The exact path searches a graph index over the bulk view.
         retopk->set_exact_search(std::make_unique<IndexSelector>(
-            config.shape, graph, /*bulk_only=*/true,
+            config.shape, ExactPathGraphParams(p), /*bulk_only=*/true,
             batch_topk != nullptr ? batch_topk : BatchTopKFunction(CpuBatchTopK)));
       }
       return BulkSelector{std::move(retopk), true};
@@ -222,6 +227,17 @@ int64_t TieredBackend::PromptQueriesNeeded(const LayerConfig& config, int64_t to
   const SelectorParams& p = config.selector;
   if (p.kind == SelectorKind::kReTopK && !p.retopk.exact_flat_scan) return tokens;
   return kvrecall::PromptQueriesNeeded(p, tokens);
+}
+
+int64_t TieredBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t tokens) const {
+  const SelectorParams& p = config.selector;
+  // The bulk selectors hold what the CPU placement's do (the graph index reads the whole
+  // history and knows its bulk), and ReTopK's exact path its graph over the bulk.
+  int64_t bytes = SelectorStateBytesBound(p, config.shape, tokens);
+  if (p.kind == SelectorKind::kReTopK && !p.retopk.exact_flat_scan) {
+    bytes += SelectorStateBytesBound(ExactPathGraphParams(p), config.shape, BulkTokens(p, tokens));
+  }
+  return bytes;
 }
 
 absl::Status TieredBackend::CheckConfig(const LayerConfig& config) const {
