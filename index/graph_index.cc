@@ -160,7 +160,8 @@ int64_t GraphIndex::BuildScratchBytesBound(const GraphIndexParams& params, int64
   // links, and the token chain), the covered and pivot flags, and MergeEdges' grouping while the
   // edges still exist: per-chunk cursors, offsets, targets and kept flags.
   const int64_t edges = sampled * k * (1 + kListLinks) + 2 * keys;
-  bytes += edges * (int64_t{sizeof(Edge)} + 4 + 1) + keys * (2 + 8 * (t + 1));
+  // (MergeEdges counts in up to omp_get_max_threads() chunks whatever runs it.)
+  bytes += edges * (int64_t{sizeof(Edge)} + 4 + 1) + keys * (2 + 8 * (omp_get_max_threads() + 1));
   // The outliers' and repairs' own searches and edges (at most 4096 nodes at a time).
   bytes += std::min<int64_t>(keys, 4096) * 2 * p.max_degree * int64_t{sizeof(Edge)} + keys * 16;
   return bytes;
@@ -415,7 +416,12 @@ void GraphIndex::MergeNode(const VectorSet& keys, int64_t node, std::span<const 
 }
 
 void GraphIndex::AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end) {
+  // Reserved at their count: no reallocation, so a Build's peak stays within
+  // BuildScratchBytesBound.
+  int64_t count = 0;
+  for (int64_t u = begin; u < end; ++u) count += degree_[u];
   std::vector<Edge> edges;
+  edges.reserve(static_cast<size_t>(count));
   for (int64_t u = begin; u < end; ++u) {
     for (int32_t v : neighbors(u)) edges.push_back({v, static_cast<int32_t>(u)});
   }

@@ -58,11 +58,12 @@ struct GraphBuildStats {
 // oldest `link_batch` keys (at least as many as it appended, so the tail stays under
 // `link_threshold`). A decode step appends one key, so every step links `link_batch` keys
 // (default 1) instead of one step in `link_threshold` linking them all under the session's lock:
-// the work per step is a small constant. (Amortized rather than moved to a background thread,
+// the linking work per step is a small constant (the adjacency still grows geometrically, an
+// amortized copy). (Amortized rather than moved to a background thread,
 // which would need the graph to be read while it changes.) A linked key x gets edges to its
-// token neighbors; to its nearest (L2) keys among the newest max(link_threshold, link_batch)
-// linked keys, x's batch included (a window, so that a key linked alone meets as many fellow
-// keys as one linked in a batch); projection-style, from the pivot of a recent query to the
+// token neighbors; to its nearest (L2) keys among the newest max(link_threshold, the keys this
+// Add links) linked keys, x's batch included (a window, so that a key linked alone meets as many
+// fellow keys as one linked in a batch); projection-style, from the pivot of a recent query to the
 // query's other top keys where either end is in that window; and to the keys its own (centered)
 // search finds. Every edge adds its reverse. The recent queries' searches are rationed to the
 // batch rate, `recent_queries` searches per `link_threshold` keys linked, the queries in turn.
@@ -83,10 +84,10 @@ class GraphIndex : public KeyIndex {
   int64_t size() const override { return size_; }
   int64_t MemoryBytes() const override;
 
-  // What a graph over `keys` keys of dimension `dim` holds (the adjacency; MemoryBytes after a
-  // Build), and the most a Build from `queries` prompt queries allocates beyond that on the way
+  // What a graph over `keys` keys holds (the adjacency; MemoryBytes after a Build), and the most
+  // a Build from `queries` prompt queries of dimension `dim` allocates beyond that on the way
   // (sampled queries and their top-k lists, the projection's edges and their grouping), with
-  // `threads` OpenMP threads. The owner reserves their sum before building.
+  // `threads` OpenMP threads for its batched top-k. The owner reserves their sum before building.
   static int64_t GraphBytes(const GraphIndexParams& params, int64_t keys);
   static int64_t BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
                                         int64_t queries, int dim, int threads);

@@ -114,14 +114,14 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
 }
 
 int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
-                                        int64_t tokens) {
+                                        int64_t tokens, int build_threads) {
   const int64_t bulk =
       std::max<int64_t>(params.sinks, tokens - params.recent) - params.sinks;
   const int64_t per_head = GraphIndex::GraphBytes(params.index, bulk) +
                            int64_t{kRecentQueries} * shape.head_dim * int64_t{sizeof(float)};
   return per_head * shape.q_heads +
          GraphIndex::BuildScratchBytesBound(params.index, bulk, tokens, shape.head_dim,
-                                            omp_get_max_threads());
+                                            build_threads);
 }
 
 int64_t IndexSelector::MemoryBytes() const {

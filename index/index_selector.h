@@ -35,11 +35,12 @@ class IndexSelector : public SupportSelector {
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
 
-  // What MemoryBytes() is, or a Build uses on the way, at most, for a selector of `params` built
-  // from a prompt of `tokens` tokens: every head's graph over the bulk and its ring of recent
-  // queries, and one head's build scratch (heads build one after another).
+  // What MemoryBytes() is, or a Build on `build_threads` OpenMP threads uses on the way, at
+  // most, for a selector of `params` built from a prompt of `tokens` tokens: every head's graph
+  // over the bulk and its ring of recent queries, and one head's build scratch (heads build one
+  // after another).
   static int64_t MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
-                                  int64_t tokens);
+                                  int64_t tokens, int build_threads);
 
   const GraphIndex& head_index(int q_head) const { return heads_[q_head].index; }
 

@@ -183,6 +183,12 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
     if (absl::Status s = exact_search_->Build(kv, prompt_queries); !s.ok()) return s;
   }
   const int64_t tokens = kv.tokens;
+  if (tokens == 0) {
+    // Nothing to seed the caches with (the tiered bulk before it holds a token); the queries
+    // may be null, and offsetting a null pointer would be undefined even unread.
+    prompt_tokens_ = 0;
+    return absl::OkStatus();
+  }
   const int capacity = params_.cache_capacity;
   const int d = shape_.head_dim;
   const int64_t query_stride = static_cast<int64_t>(shape_.q_heads) * d;

@@ -35,9 +35,9 @@ GraphIndexParams GraphIndexParams::WithDefaults() const {
 }
 
 int64_t SelectorStateBytesBound(const SelectorParams& params, const LayerShape& shape,
-                                int64_t tokens) {
+                                int64_t tokens, int build_threads) {
   if (params.kind == SelectorKind::kIndex) {
-    return IndexSelector::MemoryBytesBound(shape, params, tokens);
+    return IndexSelector::MemoryBytesBound(shape, params, tokens, build_threads);
   }
   if (params.kind != SelectorKind::kReTopK) return 0;
   const int q_heads = shape.q_heads;

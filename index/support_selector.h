@@ -61,13 +61,14 @@ class SupportSelector {
 int64_t PromptQueriesNeeded(const SelectorParams& params, int64_t tokens);
 
 // The most host bytes the selector `params` of one layer holds, or uses on the way, once built
-// from a prompt of `tokens` tokens: ReTopK's cache (C entries of a unit query and a support of
-// up to K indices) and its step scratch, whatever the context; the graph index's adjacency over
-// the prompt's bulk and its build's scratch (IndexSelector::MemoryBytesBound); 0 for the others.
+// from a prompt of `tokens` tokens on `build_threads` OpenMP threads: ReTopK's cache (C entries
+// of a unit query and a support of up to K indices) and its step scratch, whatever the context;
+// the graph index's adjacency over the prompt's bulk and its build's scratch
+// (IndexSelector::MemoryBytesBound); 0 for the others.
 // Reserved before a layer is built, so that a policy whose state cannot fit the memory budget
 // is refused before anything is allocated; what decoding adds later is charged as it grows.
 int64_t SelectorStateBytesBound(const SelectorParams& params, const LayerShape& shape,
-                                int64_t tokens);
+                                int64_t tokens, int build_threads);
 
 // Makes the selector `params.kind` for one layer of the given shape.
 absl::StatusOr<std::unique_ptr<SupportSelector>> MakeSelector(const SelectorParams& params,

@@ -1,5 +1,7 @@
 #include "server/prefill.h"
 
+#include <omp.h>
+
 #include <string>
 #include <utility>
 #include <vector>
@@ -153,9 +155,14 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(const std::atomic<bool
   // reserved on the budget first (not on the session's grant, whose set-aside is for its KV)
   // and given back after the builds, which charge what they made: a policy whose state cannot
   // fit is refused before anything is allocated.
+  const int count = static_cast<int>(staged.size());
+  // Several layers build in parallel, each on one thread then (a nested region is inactive
+  // unless OpenMP was told otherwise); a layer alone builds on the whole team.
+  const int build_threads =
+      count > 1 && omp_get_max_active_levels() <= 1 ? 1 : omp_get_max_threads();
   int64_t state_bound = 0;
   for (const std::unique_ptr<PromptStaging>& prompt : prompts) {
-    state_bound += backend->HostSelectorBytesBound(config, prompt->tokens());
+    state_bound += backend->HostSelectorBytesBound(config, prompt->tokens(), build_threads);
   }
   if (state_bound > 0) {
     if (absl::Status s = registry_->budget()->Reserve(
@@ -166,7 +173,6 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(const std::atomic<bool
     }
   }
   std::vector<absl::Status> built(staged.size());
-  const int count = static_cast<int>(staged.size());
 #pragma omp parallel for schedule(dynamic) if (count > 1)
   for (int i = 0; i < count; ++i) {
     if (is_cancelled()) {

@@ -1,5 +1,7 @@
 #include "index/index_selector.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -94,8 +96,9 @@ TEST(IndexSelectorTest, MemoryBoundCoversWhatABuildHolds) {
         EXPECT_EQ(selector.head_index(h).MemoryBytes(),
                   GraphIndex::GraphBytes(params.index, bulk));
       }
-      const int64_t bound = SelectorStateBytesBound(params, layer.shape, prompt);
-      EXPECT_EQ(bound, IndexSelector::MemoryBytesBound(layer.shape, params, prompt));
+      const int threads = omp_get_max_threads();
+      const int64_t bound = SelectorStateBytesBound(params, layer.shape, prompt, threads);
+      EXPECT_EQ(bound, IndexSelector::MemoryBytesBound(layer.shape, params, prompt, threads));
       EXPECT_LE(selector.MemoryBytes(), bound);
       if (bulk > 0) {
         // The projection's edges alone: every sampled query's list, five edges per member.

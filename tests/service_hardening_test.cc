@@ -272,11 +272,20 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
 
 // The graph index's state and its build are reserved too: its knobs at their bounds (out-degree
 // 256, 65536 build queries of top-4096 each) make a build of a 2048-token prompt take some 200
-// MB on the way (the projection's edges), which a 50 MiB budget refuses before building — in the
-// CPU placement and in the tiered one, whose ReTopK searches a graph over the bulk. Before: it
-// was charged only once built, so the build's transient memory was never charged at all.
+// MB a layer on the way (the projection's edges), which a 50 MiB budget refuses before building
+// — in the CPU placement and in the tiered one, whose ReTopK searches a graph over the bulk.
+// Before: it was charged only once built, so the build's transient memory was never charged at
+// all. Two layers build in parallel, one thread each, so what fits does not depend on the host's
+// core count.
 TEST_F(SmallBudgetTest, GraphIndexStateIsReservedBeforeItIsBuilt) {
-  const v1::Geometry g = SmallGeometry();
+  const v1::Geometry g = SmallGeometry(/*layers=*/2);
+  auto both_layers = [&](const std::string& id, int64_t tokens) {
+    std::vector<v1::PrefillChunk> chunks = PromptChunks(id, g, 0, RandomPrompt(tokens, 5), 512);
+    for (v1::PrefillChunk& c : PromptChunks(id, g, 1, RandomPrompt(tokens, 6), 512)) {
+      chunks.push_back(std::move(c));
+    }
+    return chunks;
+  };
   struct Case {
     v1::Selector selector;
     v1::Placement placement;
@@ -293,12 +302,11 @@ TEST_F(SmallBudgetTest, GraphIndexStateIsReservedBeforeItIsBuilt) {
     huge.mutable_index()->set_build_topk(4096);
     absl::StatusOr<std::string> id = CreateSession(stub(), g, huge);
     ASSERT_TRUE(id.ok()) << id.status();
-    const absl::StatusOr<v1::PrefillResponse> refused =
-        Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(2048, 5), 512));
+    const absl::StatusOr<v1::PrefillResponse> refused = Prefill(stub(), both_layers(*id, 2048));
     EXPECT_TRUE(HasStatus(refused.status(), absl::StatusCode::kResourceExhausted,
                           "host_memory_budget_gb"))
         << refused.status();
-    EXPECT_THAT(refused.status().message(), HasSubstr(c.what));
+    EXPECT_THAT(refused.status().message(), HasSubstr(absl::StrCat(c.what, " of 2 layers")));
     absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
     ASSERT_TRUE(info.ok());
     EXPECT_EQ(info->layers_prefilled(), 0);
@@ -308,7 +316,8 @@ TEST_F(SmallBudgetTest, GraphIndexStateIsReservedBeforeItIsBuilt) {
     usual.set_placement(c.placement);
     absl::StatusOr<std::string> ok = CreateSession(stub(), g, usual);
     ASSERT_TRUE(ok.ok());
-    EXPECT_TRUE(Prefill(stub(), PromptChunks(*ok, g, 0, RandomPrompt(2048, 5), 512)).ok());
+    const absl::StatusOr<v1::PrefillResponse> fits = Prefill(stub(), both_layers(*ok, 1024));
+    EXPECT_TRUE(fits.ok()) << fits.status();
     for (const std::string& session : {*id, *ok}) ASSERT_TRUE(CloseSession(stub(), session).ok());
   }
   EXPECT_EQ(server().server().budget().used(), 0);

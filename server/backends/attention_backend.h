@@ -144,11 +144,13 @@ class AttentionBackend {
   virtual int64_t PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const {
     return kvrecall::PromptQueriesNeeded(config.selector, tokens);
   }
-  // The most host bytes a layer of `config` built from a prompt of `tokens` tokens holds or
-  // uses on the way in selector state (indexes, caches; index/support_selector.h's
-  // SelectorStateBytesBound for the selectors the placement makes). The Prefill reserves it
-  // before any build, so that a policy whose state cannot fit is refused before it is made.
-  virtual int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens) const {
+  // The most host bytes a layer of `config` built from a prompt of `tokens` tokens on
+  // `build_threads` OpenMP threads holds or uses on the way in selector state (indexes, caches;
+  // index/support_selector.h's SelectorStateBytesBound for the selectors the placement makes).
+  // The Prefill reserves it before any build, so that a policy whose state cannot fit is
+  // refused before it is made.
+  virtual int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
+                                         int build_threads) const {
     return 0;
   }
 

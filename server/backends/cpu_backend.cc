@@ -141,8 +141,9 @@ absl::Status CpuBackend::CheckConfig(const LayerConfig& config) const {
   return MakeSelector(config.selector, config.shape).status();
 }
 
-int64_t CpuBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t tokens) const {
-  return SelectorStateBytesBound(config.selector, config.shape, tokens);
+int64_t CpuBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
+                                           int build_threads) const {
+  return SelectorStateBytesBound(config.selector, config.shape, tokens, build_threads);
 }
 
 absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(

@@ -43,7 +43,8 @@ class CpuBackend final : public AttentionBackend {
   v1::Placement placement() const override { return v1::PLACEMENT_CPU; }
   const std::string& device() const override { return device_; }
   absl::Status CheckConfig(const LayerConfig& config) const override;
-  int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens) const override;
+  int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
+                                 int build_threads) const override;
   absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
       const LayerConfig& config, const SessionAccounts& accounts) override;
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(

@@ -229,13 +229,15 @@ int64_t TieredBackend::PromptQueriesNeeded(const LayerConfig& config, int64_t to
   return kvrecall::PromptQueriesNeeded(p, tokens);
 }
 
-int64_t TieredBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t tokens) const {
+int64_t TieredBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
+                                              int build_threads) const {
   const SelectorParams& p = config.selector;
   // The bulk selectors hold what the CPU placement's do (the graph index reads the whole
   // history and knows its bulk), and ReTopK's exact path its graph over the bulk.
-  int64_t bytes = SelectorStateBytesBound(p, config.shape, tokens);
+  int64_t bytes = SelectorStateBytesBound(p, config.shape, tokens, build_threads);
   if (p.kind == SelectorKind::kReTopK && !p.retopk.exact_flat_scan) {
-    bytes += SelectorStateBytesBound(ExactPathGraphParams(p), config.shape, BulkTokens(p, tokens));
+    bytes += SelectorStateBytesBound(ExactPathGraphParams(p), config.shape, BulkTokens(p, tokens),
+                                     build_threads);
   }
   return bytes;
 }

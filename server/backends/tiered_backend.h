@@ -97,7 +97,8 @@ class TieredBackend final : public AttentionBackend {
   }
   // ReTopK's exact path searches the graph index, built from every prompt query.
   int64_t PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const override;
-  int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens) const override;
+  int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
+                                 int build_threads) const override;
   absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
       const LayerConfig& config, const SessionAccounts& accounts) override;
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
