@@ -9,16 +9,8 @@
 # Logs go to $OUT/logs.tgz; the benchmarks' JSON, summaries and plots to $OUT directly.
 set -uo pipefail
 # BUNDLE: another bundle folder (say, one of the CUDA programs alone).
-bundle=$PWD/${BUNDLE:-.device/bundle}
-if [ ! -d "$bundle/bin" ] && [ -f .device/ship/bundle.tar.xz ]; then
-  tar -C .device -xJf .device/ship/bundle.tar.xz
-fi
-export LD_LIBRARY_PATH=$bundle/lib
-bin=$bundle/bin
-out=${OUT:-/tmp/out}
-logs=$(mktemp -d)/logs
-mkdir -p "$out" "$logs"
-status=0
+. bench/device_env.sh
+device_env "$PWD/.device" "$PWD/${BUNDLE:-.device/bundle}" logs
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 for step in "$@"; do
   case $step in

@@ -17,16 +17,8 @@
 # logs to $OUT/hop_logs.tgz.
 set -uo pipefail
 hop=$PWD/.device/hop
-bundle=$hop/bundle
-if [ ! -d "$bundle/bin" ] && [ -f "$hop/ship/bundle.tar.xz" ]; then
-  tar -C "$hop" -xJf "$hop/ship/bundle.tar.xz"
-fi
-export LD_LIBRARY_PATH=$bundle/lib
-bin=$bundle/bin
-out=${OUT:-/tmp/out}
-logs=$(mktemp -d)/hop_logs
-mkdir -p "$out" "$logs"
-status=0
+. bench/device_env.sh
+device_env "$hop" "$hop/bundle" hop_logs
 . scripts/kvrecalld.sh
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 echo "host: $(nproc) CPUs, $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -n 1), $(uname -r)"

@@ -12,16 +12,8 @@
 # Outputs go to $OUT; logs to $OUT/placement_logs.tgz.
 set -uo pipefail
 lead=$PWD/.device/lead
-bundle=$lead/bundle
-if [ ! -d "$bundle/bin" ] && [ -f "$lead/ship/bundle.tar.xz" ]; then
-  tar -C "$lead" -xJf "$lead/ship/bundle.tar.xz"
-fi
-export LD_LIBRARY_PATH=$bundle/lib
-bin=$bundle/bin
-out=${OUT:-/tmp/out}
-logs=$(mktemp -d)/placement_logs
-mkdir -p "$out" "$logs"
-status=0
+. bench/device_env.sh
+device_env "$lead" "$lead/bundle" placement_logs
 . scripts/kvrecalld.sh
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 for step in "$@"; do
