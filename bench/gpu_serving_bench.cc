@@ -5,7 +5,8 @@
 // and values (queries only where the selector needs them: ReTopK's seeds, which drift like the
 // decode queries), then times `--steps` requests of each batch size after `--warmup` untimed
 // ones. Decode queries drift (consecutive cosine ~0.97, as cuda_decode_bench's), so ReTopK
-// reuses most steps; the path mix it took is reported. Prints one JSON document.
+// reuses most steps (--query_rho sets the drift); the path mix it took is reported. Prints one
+// JSON document.
 //
 //   gpu_serving_bench --server=127.0.0.1:PORT --out=gpu_serving.json
 #include <algorithm>
@@ -46,6 +47,10 @@ ABSL_FLAG(int32_t, q_heads, 32, "query heads");
 ABSL_FLAG(int32_t, kv_heads, 8, "KV heads");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension");
 ABSL_FLAG(int32_t, prefill_threads, 8, "sessions prefilled at once, each on its own stream");
+ABSL_FLAG(double, query_rho, 0.97,
+          "correlation of a head's decode query with its previous one (the drift: lower means "
+          "ReTopK reuses fewer steps)");
+ABSL_FLAG(bool, auto_tau, false, "ReTopK calibrates tau per head from the prefill queries");
 ABSL_FLAG(std::string, out, "", "also write the JSON here");
 
 namespace kvrecall::bench {
@@ -67,9 +72,24 @@ std::vector<int> Ints(const std::string& text) {
   return out;
 }
 
+// The JSON document printed at the end, or at the first failure with what failed as its
+// "error", so that a run that fails at its last context keeps the figures of the others.
+json& Doc() {
+  static json doc = json::object();
+  return doc;
+}
+
+void Emit() {
+  const std::string text = Doc().dump(1);
+  std::puts(text.c_str());
+  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) std::ofstream(out) << text;
+}
+
 void Check(const absl::Status& s, const std::string& what) {
   if (!s.ok()) {
     std::fprintf(stderr, "gpu_serving_bench: %s: %s\n", what.c_str(), s.ToString().c_str());
+    Doc()["error"] = absl::StrCat(what, ": ", s.ToString());
+    Emit();
     std::exit(1);
   }
 }
@@ -91,16 +111,19 @@ std::string RandomBf16(size_t count, uint64_t seed) {
   return out;
 }
 
-// Queries that drift per head: q_{t+1} = 0.97 q_t + 0.45 n_t ([steps, q_heads, head_dim]).
-std::vector<float> DriftingQueries(int steps, int row, uint64_t seed) {
+// Queries that drift per head: q_{t+1} = rho q_t + sqrt(1 - rho^2) 1.85 n_t, stationary at
+// N(0, 1.85^2) per coordinate ([steps, q_heads, head_dim]).
+std::vector<float> DriftingQueries(int steps, int row, double rho, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> state(row), out;
   for (float& x : state) x = 1.85f * normal(rng);
+  const float a = static_cast<float>(rho);
+  const float b = static_cast<float>(1.85 * std::sqrt(1.0 - rho * rho));
   out.reserve(static_cast<size_t>(steps) * row);
   for (int t = 0; t < steps; ++t) {
     for (float& x : state) {
-      x = 0.97f * x + 0.45f * normal(rng);
+      x = a * x + b * normal(rng);
       out.push_back(x);
     }
   }
@@ -225,20 +248,32 @@ int Main() {
   const int64_t pool_tokens = 65536 + 4096;
   const std::string pool = RandomBf16(static_cast<size_t>(pool_tokens) * g.kv_row(), 1);
 
-  json records = json::array();
+  json& doc = Doc();
+  doc = {{"q_heads", g.q_heads},
+         {"kv_heads", g.kv_heads},
+         {"head_dim", g.head_dim},
+         {"dtype", "bf16"},
+         {"top_k", top_k},
+         {"query_rho", absl::GetFlag(FLAGS_query_rho)},
+         {"auto_tau", absl::GetFlag(FLAGS_auto_tau)},
+         {"records", json::array()}};
+  json& records = doc["records"];
   for (const std::string& selector_name :
        std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_selectors), ','))) {
     absl::StatusOr<v1::Selector> selector = client::ParseSelector(selector_name);
     Check(selector.status(), "--selectors");
     for (int context : contexts) {
       // Sessions: queries for ReTopK's seeds (the C = 32 before the decode steps).
-      const int with_queries = *selector == v1::SELECTOR_RETOPK ? 32 : 0;
+      // auto_tau calibrates on 256 prompt queries more.
+      const int with_queries =
+          *selector == v1::SELECTOR_RETOPK ? (absl::GetFlag(FLAGS_auto_tau) ? 32 + 256 : 32) : 0;
       // The tiered graph index (the index selector, ReTopK's exact path) needs every query.
       const bool all_queries =
           *placement == v1::PLACEMENT_TIERED &&
           (*selector == v1::SELECTOR_INDEX || *selector == v1::SELECTOR_RETOPK);
       v1::Policy policy = client::CpuPolicy(*selector, top_k);
       policy.set_placement(*placement);
+      if (absl::GetFlag(FLAGS_auto_tau)) policy.mutable_retopk()->set_auto_tau(true);
       std::vector<std::string> ids(max_batch);
       std::vector<std::vector<float>> queries(max_batch);
       const int total_steps = with_queries + (warmup + steps) * static_cast<int>(batches.size());
@@ -257,7 +292,7 @@ int Main() {
         grpc::ClientContext ctx;
         Check(stub->CreateSession(&ctx, request, &response), "CreateSession");
         ids[b] = response.session_id();
-        queries[b] = DriftingQueries(total_steps, g.q_row(), 100 + b);
+        queries[b] = DriftingQueries(total_steps, g.q_row(), absl::GetFlag(FLAGS_query_rho), 100 + b);
       }
       const auto prefill_start = Clock::now();
       {
@@ -360,11 +395,7 @@ int Main() {
       }
     }
   }
-  json doc = {{"q_heads", g.q_heads}, {"kv_heads", g.kv_heads}, {"head_dim", g.head_dim},
-              {"dtype", "bf16"},      {"top_k", top_k},          {"records", records}};
-  const std::string text = doc.dump(1);
-  std::puts(text.c_str());
-  if (const std::string out = absl::GetFlag(FLAGS_out); !out.empty()) std::ofstream(out) << text;
+  Emit();
   return 0;
 }
 

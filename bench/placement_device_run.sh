@@ -7,8 +7,8 @@
 # sanitize: the GPU ones under compute-sanitizer memcheck; replay: `kvrecall replay` of a real
 # tinylm-a trace (made here with numpy) through kvrecalld, CPU, GPU and tiered placements side by
 # side (TIERED_RUNS: the tiered rows), checked by
-# bench/placement_check.py; serving: bench/gpu_serving_bench against kvrecalld (SERVING_FLAGS
-# passes its flags) beside PyTorch SDPA / torch.topk and the kernels alone (kernels).
+# bench/placement_check.py; serving: bench/gpu_serving_bench against kvrecalld, one run per line
+# of SERVING_RUNS (its flags), beside PyTorch SDPA / torch.topk and the kernels alone (kernels).
 # Outputs go to $OUT; logs to $OUT/placement_logs.tgz.
 set -uo pipefail
 lead=$PWD/.device/lead
@@ -76,11 +76,21 @@ streaming --sinks=128 --recent=512}"
       python3 bench/placement_check.py "$out/placement_replay.jsonl" \
         --markdown "$out/placement_replay.md" || status=1 ;;
     serving)
+      # SERVING_RUNS: one gpu_serving_bench per line (its flags), each its own JSON
+      # (gpu_serving_N.json) and at most SERVING_TIMEOUT seconds, so that one slow run keeps
+      # the others' figures.
       start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_serving.log" --address=127.0.0.1:0 || status=1
       server=$kvrecalld_pid
-      "$bin/gpu_serving_bench" --server="$kvrecalld_address" --out="$out/gpu_serving.json" \
-        ${SERVING_FLAGS:-} > /dev/null 2> "$logs/serving.log" || status=1
-      tail -n 40 "$logs/serving.log"
+      n=0
+      while read -r run; do
+        [ -n "$run" ] || continue
+        n=$((n + 1))
+        echo "serving $n: $run"
+        timeout "${SERVING_TIMEOUT:-300}" "$bin/gpu_serving_bench" --server="$kvrecalld_address" \
+          --out="$out/gpu_serving_$n.json" $run > /dev/null 2> "$logs/serving_$n.log" ||
+          { status=1; echo "serving $n failed or timed out"; }
+        tail -n 40 "$logs/serving_$n.log"
+      done <<< "${SERVING_RUNS:-${SERVING_FLAGS:-}}"
       kill "$server"; wait "$server" ;;
     kernels)
       "$bin/cuda_decode_bench" --out="$out/cuda_decode_own.json" ${KERNEL_FLAGS:-} \
