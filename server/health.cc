@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "server/raw_messages.h"
+#include "server/tsan_handoff.h"
 
 namespace kvrecall {
 
@@ -18,6 +19,7 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
       : health_(health), service_(std::move(service)) {
     absl::MutexLock lock(&health_->watches_mu_);
     health_->watches_.insert(this);
+    HandoffToGrpc(this);  // gRPC may react (OnCancel) once the handler returns
   }
 
   // Sends the current status unless it was sent already or a write is pending (its completion
@@ -34,6 +36,7 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
   }
 
   void OnWriteDone(bool ok) override {
+    const GrpcReaction reaction(this);
     absl::MutexLock lock(&mu_);
     writing_ = false;
     if (finished_) return;
@@ -42,15 +45,18 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
   }
 
   void OnCancel() override {
+    const GrpcReaction reaction(this);
     absl::MutexLock lock(&mu_);
     if (!finished_ && !writing_) FinishLocked(grpc::Status::CANCELLED);
   }
 
   void OnDone() override {
+    ReactionFromGrpc(this);
     {
       absl::MutexLock lock(&health_->watches_mu_);
       health_->watches_.erase(this);
     }
+    HandoffToGrpc(health_);  // the last touch of the service: Server::Wait returns after it
     delete this;
   }
 
@@ -68,6 +74,7 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
     response.set_status(now);
     SerializeRawMessage(response, &out_);
     sent_ = now;
+    HandoffToGrpc(this);
     if (last) {
       finished_ = true;
       StartWriteAndFinish(&out_, grpc::WriteOptions(), grpc::Status::OK);
@@ -78,6 +85,7 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
   }
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
+    HandoffToGrpc(this);
     Finish(std::move(status));
   }
 
@@ -116,6 +124,7 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
     return reactor;
   }
   const ServingStatus status = StatusOf(parsed.service());
+  HandoffToGrpc(this);  // this call's last touch of the service (Server::Wait)
   if (status == HealthCheckResponse::SERVICE_UNKNOWN) {
     reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
                                  "unknown service '" + parsed.service() + "'"));

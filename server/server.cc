@@ -17,6 +17,7 @@
 #include "grpcpp/server_builder.h"
 #include "server/metrics_gauges.h"
 #include "server/rpc_metrics_interceptor.h"
+#include "server/tsan_handoff.h"
 
 namespace kvrecall {
 namespace {
@@ -90,8 +91,17 @@ void RunningServer::Shutdown(absl::Duration grace) {
 }
 
 void RunningServer::Wait() {
-  if (server_ != nullptr) server_->Wait();
-  if (probe_server_ != nullptr) probe_server_->Wait();
+  // Server::Wait returns after every call's OnDone, whose last touch of a service hands it back
+  // (server/tsan_handoff.h): what follows, ~RunningServer included, comes after them.
+  if (server_ != nullptr) {
+    server_->Wait();
+    ReactionFromGrpc(&service_);
+    ReactionFromGrpc(&health_);
+  }
+  if (probe_server_ != nullptr) {
+    probe_server_->Wait();
+    ReactionFromGrpc(&probe_health_);
+  }
 }
 
 absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) {

@@ -13,40 +13,10 @@
 #include "server/prefill.h"
 #include "server/raw_messages.h"
 #include "server/status_util.h"
-
-// ThreadSanitizer's view of gRPC (scripts/sanitize.sh tsan): Debian's gRPC is not instrumented,
-// so TSan cannot see that gRPC runs a reaction (OnReadDone, OnWriteDone, OnCancel, OnDone) after
-// the call that started it (StartRead, StartWrite, Finish, or the handler that made the
-// reactor), often on another thread; every field a reaction reads would look like a race with
-// the thread that started the operation. In a TSan build, a call announces each hand-off to
-// gRPC just before the operation (HandoffToGrpc) and each reaction takes it first thing
-// (ReactionFromGrpc): the order gRPC's callback API guarantees, and no more. Elsewhere both are
-// empty.
-#if defined(__SANITIZE_THREAD__)
-#define KVRECALL_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define KVRECALL_TSAN 1
-#endif
-#endif
-#ifdef KVRECALL_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#endif
+#include "server/tsan_handoff.h"  // HandoffToGrpc, ReactionFromGrpc: what TSan cannot see in gRPC
 
 namespace kvrecall {
 namespace {
-
-void HandoffToGrpc([[maybe_unused]] void* call) {
-#ifdef KVRECALL_TSAN
-  __tsan_release(call);
-#endif
-}
-void ReactionFromGrpc([[maybe_unused]] void* call) {
-#ifdef KVRECALL_TSAN
-  __tsan_acquire(call);
-#endif
-}
 
 int ThreadsOrDefault(int threads, int fallback) {
   if (threads > 0) return threads;
@@ -128,12 +98,13 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   }
 
   void OnCancel() override {
-    ReactionFromGrpc(this);
+    const GrpcReaction reaction(this);
     FinishOnce(CancelledStatus());
   }
   void OnDone() override {
     ReactionFromGrpc(this);
     service_->CountUnary(-1);
+    HandoffToGrpc(service_);  // gRPC's last touch of the service for this call (Server::Wait)
     refs_.Unref(this);
   }
 
@@ -179,6 +150,7 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   void OnDone() override {
     ReactionFromGrpc(static_cast<Call*>(this));
     if (registered_) service_->Unregister(this);
+    HandoffToGrpc(service_);  // gRPC's last touch of the service for this call (Server::Wait)
     Unref();
   }
 
@@ -255,7 +227,7 @@ class KvRecallService::PrefillCall final
   }
 
   void OnReadDone(bool ok) override {
-    ReactionFromGrpc(this);
+    const GrpcReaction reaction(this);
     absl::MutexLock lock(&mu_);
     if (finished_) return;
     if (service_->draining()) return FinishLocked(ShuttingDownStatus());
@@ -323,7 +295,7 @@ class KvRecallService::PrefillCall final
   }
 
   void OnCancel() override {
-    ReactionFromGrpc(this);
+    const GrpcReaction reaction(this);
     abandoned_.store(true, std::memory_order_release);
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
@@ -366,7 +338,7 @@ class KvRecallService::DecodeCall final
   }
 
   void OnReadDone(bool ok) override {
-    ReactionFromGrpc(this);
+    const GrpcReaction reaction(this);
     {
       absl::MutexLock lock(&mu_);
       if (finished_) return;
@@ -418,7 +390,7 @@ class KvRecallService::DecodeCall final
   }
 
   void OnWriteDone(bool ok) override {
-    ReactionFromGrpc(this);
+    const GrpcReaction reaction(this);
     absl::MutexLock lock(&mu_);
     writing_ = false;
     if (finished_) return;
@@ -434,7 +406,7 @@ class KvRecallService::DecodeCall final
   }
 
   void OnCancel() override {
-    ReactionFromGrpc(this);
+    const GrpcReaction reaction(this);
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
     // With a write pending, OnWriteDone (not ok) finishes the stream.
