@@ -77,9 +77,13 @@ streaming --sinks=128 --recent=512}"
         --markdown "$out/placement_replay.md" || status=1 ;;
     serving)
       # SERVING_RUNS: one gpu_serving_bench per line (its flags), each its own JSON
-      # (gpu_serving_N.json) and at most SERVING_TIMEOUT seconds, so that one slow run keeps
+      # (gpu_serving_TAGN.json) and at most SERVING_TIMEOUT seconds, so that one slow run keeps
       # the others' figures.
-      start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_serving.log" --address=127.0.0.1:0 || status=1
+      # SERVING_SERVER_FLAGS: kvrecalld's flags for these runs; SERVING_TAG: a prefix of the
+      # file names, so that calls with other flags keep their own.
+      tag=${SERVING_TAG:-}
+      start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_serving$tag.log" --address=127.0.0.1:0 \
+        ${SERVING_SERVER_FLAGS:-} || status=1
       server=$kvrecalld_pid
       n=0
       while read -r run; do
@@ -87,9 +91,9 @@ streaming --sinks=128 --recent=512}"
         n=$((n + 1))
         echo "serving $n: $run"
         timeout "${SERVING_TIMEOUT:-300}" "$bin/gpu_serving_bench" --server="$kvrecalld_address" \
-          --out="$out/gpu_serving_$n.json" $run > /dev/null 2> "$logs/serving_$n.log" ||
+          --out="$out/gpu_serving_$tag$n.json" $run > /dev/null 2> "$logs/serving_$tag$n.log" ||
           { status=1; echo "serving $n failed or timed out"; }
-        tail -n 40 "$logs/serving_$n.log"
+        tail -n 40 "$logs/serving_$tag$n.log"
       done <<< "${SERVING_RUNS:-${SERVING_FLAGS:-}}"
       kill "$server"; wait "$server" ;;
     kernels)

@@ -51,6 +51,9 @@ ABSL_FLAG(double, gpu_memory_budget_gb, -1,
 ABSL_FLAG(double, gpu_memory_headroom_gb, 2,
           "with --gpu_memory_budget_gb=-1, device memory left outside the budget for the CUDA "
           "context, cuBLAS and kernel launch resources");
+ABSL_FLAG(bool, cuda_graphs, true,
+          "GPU decode steps replay a CUDA graph captured once per request shape (batch, knobs, "
+          "history bucket) instead of launching each copy and kernel");
 ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "on SIGTERM/SIGINT: health turns NOT_SERVING, new calls and steps get UNAVAILABLE, and "
           "the calls in flight have this long to finish before they are cancelled and the "
@@ -127,6 +130,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.placements = *std::move(placements);
+  options.placements.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.health_address = absl::GetFlag(FLAGS_health_address);
   options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);

@@ -40,8 +40,15 @@ v1::Policy GpuPolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int re
   return p;
 }
 
-class GpuPlacementTest : public PrefilledSessionTest {
+// Every test runs twice: decode steps replaying captured CUDA graphs (the default) and launched
+// eagerly (--cuda_graphs=false).
+class GpuPlacementTest : public PrefilledSessionTest, public ::testing::WithParamInterface<bool> {
  protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.placements.cuda_graphs = GetParam();
+    return options;
+  }
   void SetUp() override {
     PrefilledSessionTest::SetUp();
     if (server().server().placements().gpu().empty()) GTEST_SKIP() << "no CUDA device";
@@ -70,7 +77,7 @@ struct GpuGeometry {
 constexpr GpuGeometry kGeometries[] = {{8, 2, 64, v1::DTYPE_BF16}, {32, 8, 128, v1::DTYPE_BF16},
                                        {8, 8, 64, v1::DTYPE_F16}};
 
-TEST_F(GpuPlacementTest, FullStreamingAndExactTopKMatchBruteForce) {
+TEST_P(GpuPlacementTest, FullStreamingAndExactTopKMatchBruteForce) {
   for (const GpuGeometry& geo : kGeometries) {
     const v1::Geometry g = MakeGeometry(2, geo.q_heads, geo.kv_heads, geo.head_dim, geo.dtype);
     ReferenceSession ref(g, 1500, 11);
@@ -150,7 +157,7 @@ std::vector<ReferenceSession::Token> DriftingTokens(const ReferenceSession& ref,
   return tokens;
 }
 
-TEST_F(GpuPlacementTest, ReTopKTakesTheCpuPlacementsPathsAndOutputs) {
+TEST_P(GpuPlacementTest, ReTopKTakesTheCpuPlacementsPathsAndOutputs) {
   for (const GpuGeometry& geo : kGeometries) {
     const v1::Geometry g = MakeGeometry(1, geo.q_heads, geo.kv_heads, geo.head_dim, geo.dtype);
     // Prompt queries that drift too, so that the seeded caches hold similar queries.
@@ -199,7 +206,7 @@ TEST_F(GpuPlacementTest, ReTopKTakesTheCpuPlacementsPathsAndOutputs) {
   }
 }
 
-TEST_F(GpuPlacementTest, ABatchOfEightEqualsEachSessionAlone) {
+TEST_P(GpuPlacementTest, ABatchOfEightEqualsEachSessionAlone) {
   const v1::Geometry g = MakeGeometry(1, 32, 8, 128, v1::DTYPE_BF16);
   for (v1::Selector selector : {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK, v1::SELECTOR_RETOPK}) {
     std::vector<std::unique_ptr<ReferenceSession>> refs;
@@ -243,7 +250,7 @@ TEST_F(GpuPlacementTest, ABatchOfEightEqualsEachSessionAlone) {
   }
 }
 
-TEST_F(GpuPlacementTest, BadInputsGetTheCodesOfTheCpuPlacement) {
+TEST_P(GpuPlacementTest, BadInputsGetTheCodesOfTheCpuPlacement) {
   const v1::Geometry g = MakeGeometry(2, 8, 2, 64, v1::DTYPE_BF16);
   ReferenceSession ref(g, 300, 5);
   const std::string cpu = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_EXACT_TOPK, 32), 300);
@@ -296,7 +303,7 @@ TEST_F(GpuPlacementTest, BadInputsGetTheCodesOfTheCpuPlacement) {
                         "has no prompt yet"));
 }
 
-TEST_F(GpuPlacementTest, WhatTheGpuDoesNotServeIsRefusedAtCreateSession) {
+TEST_P(GpuPlacementTest, WhatTheGpuDoesNotServeIsRefusedAtCreateSession) {
   struct Case {
     v1::Geometry geometry;
     v1::Policy policy;
@@ -327,13 +334,13 @@ TEST_F(GpuPlacementTest, WhatTheGpuDoesNotServeIsRefusedAtCreateSession) {
 class GpuBudgetTest : public GpuPlacementTest {
  protected:
   ServerOptions Options() const override {
-    ServerOptions options;
+    ServerOptions options = GpuPlacementTest::Options();
     options.placements.gpu_memory_budget_bytes = 128 << 20;
     return options;
   }
 };
 
-TEST_F(GpuBudgetTest, AdmissionAndGrowthAreRefusedAndChangeNothing) {
+TEST_P(GpuBudgetTest, AdmissionAndGrowthAreRefusedAndChangeNothing) {
   const v1::Geometry g = MakeGeometry(1, 8, 8, 128, v1::DTYPE_BF16);  // 4 KiB of KV a token
   v1::CreateSessionRequest request;
   *request.mutable_geometry() = g;
@@ -403,6 +410,12 @@ TEST_F(GpuBudgetTest, AdmissionAndGrowthAreRefusedAndChangeNothing) {
   ASSERT_TRUE(grown.ok());
   EXPECT_EQ(grown->gpu_bytes(), reserved->gpu_bytes()) << "no reallocation up to max_tokens";
 }
+
+std::string LaunchName(const ::testing::TestParamInfo<bool>& info) {
+  return info.param ? "CudaGraphs" : "Eager";
+}
+INSTANTIATE_TEST_SUITE_P(Launches, GpuPlacementTest, ::testing::Bool(), LaunchName);
+INSTANTIATE_TEST_SUITE_P(Launches, GpuBudgetTest, ::testing::Bool(), LaunchName);
 
 }  // namespace
 }  // namespace kvrecall

@@ -8,8 +8,10 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <span>
 #include <string>
@@ -307,8 +309,9 @@ class GpuLayer final : public LayerBackend {
 
 class GpuBackend final : public AttentionBackend {
  public:
-  GpuBackend(int ordinal, int64_t budget_bytes)
+  GpuBackend(int ordinal, int64_t budget_bytes, bool cuda_graphs)
       : ordinal_(ordinal),
+        cuda_graphs_(cuda_graphs),
         device_(absl::StrCat("cuda:", ordinal)),
         budget_(budget_bytes, absl::StrCat("GPU ", ordinal, " memory"), "gpu_memory_budget_gb") {}
 
@@ -345,6 +348,7 @@ class GpuBackend final : public AttentionBackend {
   absl::Status StepBatch(std::span<LayerStep> steps, GpuStepContext& ctx);
 
   const int ordinal_;
+  const bool cuda_graphs_;  // steps replay captured launch sequences (PlacementOptions)
   const std::string device_;
   mutable MemoryBudget budget_;
 };
@@ -470,6 +474,46 @@ absl::Status GpuBackend::Step(std::span<LayerStep> steps, StepContext* context) 
       [&](std::span<LayerStep> batch) { return StepBatch(batch, ctx); });
 }
 
+// The history bound a captured step is planned for: the longest sequence's rounded up to a
+// sixteenth of its power of two (at least 256 tokens), so that a growing session captures again
+// after ~6 % of growth and its launches plan for at most ~6 % more keys than there are.
+int64_t GraphTokenBound(int64_t tokens) {
+  int64_t bucket = 256;
+  while (bucket * 32 <= tokens) bucket *= 2;
+  const int64_t rounded = (tokens + bucket - 1) / bucket * bucket;
+  return std::max(tokens, std::min<int64_t>(INT32_MAX / 2, rounded));
+}
+
+// `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
+// captured (the step then runs eagerly: the reason goes to stderr once per process).
+template <typename Enqueue>
+cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
+  absl::Status status = CudaStatus(
+      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "beginning a capture");
+  cudaGraph_t graph = nullptr;
+  if (status.ok()) {
+    status = enqueue();
+    // Ended whatever enqueue said, so that the stream leaves capture mode.
+    absl::Status ended = CudaStatus(cudaStreamEndCapture(stream, &graph), "ending a capture");
+    if (status.ok()) status = ended;
+  }
+  cudaGraphExec_t exec = nullptr;
+  if (status.ok()) {
+    status = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step");
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (!status.ok()) {
+    cudaGetLastError();  // a failed capture leaves no sticky error behind
+    exec = nullptr;
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      std::fprintf(stderr, "kvrecalld: a decode step could not be captured in a CUDA graph (%s); "
+                   "such steps run eagerly\n", std::string(status.message()).c_str());
+    });
+  }
+  return exec;
+}
+
 absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& ctx) {
   const LayerConfig& config = static_cast<GpuLayer*>(steps.front().layer)->config();
   const SelectorParams& p = config.selector;
@@ -486,6 +530,8 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
   const bool want_supports = steps.front().supports != nullptr;
   const bool topk = p.kind == SelectorKind::kExactTopK;
   const bool retopk = p.kind == SelectorKind::kReTopK;
+  // A captured step is planned for a rounded-up history, so that it serves many steps.
+  if (cuda_graphs_) max_tokens = GraphTokenBound(max_tokens);
 
   // Workspaces first: a refusal here changes nothing.
   cuda::AttentionWorkspace* attention_ws = nullptr;
@@ -547,55 +593,79 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
     if (retopk) in.At<cuda::ReTopKCachesView>(host_in, in_caches)[b] = layer.caches()->view();
   }
   cudaStream_t stream = ctx.stream();
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(dev_in, host_in, in.size(), cudaMemcpyHostToDevice, stream),
-      "uploading a decode step"));
-  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
-      batch, static_cast<int>(kv_row), shape.dtype, in.At<cuda::TokenRows>(dev_in, in_rows),
-      in.At<float>(dev_in, in_k), in.At<float>(dev_in, in_v), stream));
-  const DeviceSeq* seqs = in.At<DeviceSeq>(dev_in, in_seqs);
-  const float* q = in.At<float>(dev_in, in_q);
-  float* o = out.At<float>(dev_out, out_o);
-  float* lse = out.At<float>(dev_out, out_lse);
-  const int max_n = static_cast<int>(max_tokens);
-  if (attention_ws != nullptr) {
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        cuda::PartialAttentionOverSeqs(shape, seqs, q, max_n, attention_ws, o, lse, stream));
-  } else if (topk) {
-    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ExactTopKAttention(
-        shape, seqs, q, max_n, p.top_k, nullptr, topk_ws, out.At<int32_t>(dev_out, out_support),
-        out.At<int32_t>(dev_out, out_sizes), o, lse, stream));
-  } else {
-    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ReTopKStep(
-        shape, p.top_k, p.retopk, seqs, in.At<cuda::ReTopKCachesView>(dev_in, in_caches), q, max_n,
-        retopk_ws, o, lse, stream));
-  }
   const cuda::KernelErrors& errors = attention_ws != nullptr ? attention_ws->errors()
                                      : topk                  ? topk_ws->errors()
                                                              : retopk_ws->errors();
-  auto gather = [&](size_t at, const void* src, size_t bytes) {
+  // The step's device work, from the upload to the download: queued as it is, or captured once
+  // per StepGraphKey and replayed.
+  auto enqueue = [&]() -> absl::Status {
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(dev_in, host_in, in.size(), cudaMemcpyHostToDevice, stream),
+        "uploading a decode step"));
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
+        batch, static_cast<int>(kv_row), shape.dtype, in.At<cuda::TokenRows>(dev_in, in_rows),
+        in.At<float>(dev_in, in_k), in.At<float>(dev_in, in_v), stream));
+    const DeviceSeq* seqs = in.At<DeviceSeq>(dev_in, in_seqs);
+    const float* q = in.At<float>(dev_in, in_q);
+    float* o = out.At<float>(dev_out, out_o);
+    float* lse = out.At<float>(dev_out, out_lse);
+    const int max_n = static_cast<int>(max_tokens);
+    if (attention_ws != nullptr) {
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          cuda::PartialAttentionOverSeqs(shape, seqs, q, max_n, attention_ws, o, lse, stream));
+    } else if (topk) {
+      KVRECALL_CUDA_RETURN_IF_ERROR(cuda::ExactTopKAttention(
+          shape, seqs, q, max_n, p.top_k, nullptr, topk_ws, out.At<int32_t>(dev_out, out_support),
+          out.At<int32_t>(dev_out, out_sizes), o, lse, stream));
+    } else {
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          cuda::ReTopKStep(shape, p.top_k, p.retopk, seqs,
+                           in.At<cuda::ReTopKCachesView>(dev_in, in_caches), q, max_n, retopk_ws, o,
+                           lse, stream));
+    }
+    auto gather = [&](size_t at, const void* src, size_t bytes) {
+      return CudaStatus(
+          cudaMemcpyAsync(dev_out + at, src, bytes, cudaMemcpyDeviceToDevice, stream),
+          "gathering a decode step's download");
+    };
+    KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_errors, errors.device_word(), sizeof(unsigned)));
+    if (retopk) {
+      KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_paths, retopk_ws->paths(), rows));
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          gather(out_candidates, retopk_ws->candidates(), rows * sizeof(int32_t)));
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          gather(out_sizes, retopk_ws->support_sizes(), rows * sizeof(int32_t)));
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          gather(out_best, retopk_ws->best_cosines(), rows * sizeof(float)));
+      if (want_supports) {
+        KVRECALL_CUDA_RETURN_IF_ERROR(
+            gather(out_support, retopk_ws->supports(),
+                   static_cast<size_t>(rows) * p.top_k * sizeof(int32_t)));
+      }
+    }
+    // Supports cross PCIe only when compare_exact asked for them.
+    const size_t out_bytes = want_supports ? out.size() : out_support;
     return CudaStatus(
-        cudaMemcpyAsync(dev_out + at, src, bytes, cudaMemcpyDeviceToDevice, stream),
-        "gathering a decode step's download");
+        cudaMemcpyAsync(host_out, dev_out, out_bytes, cudaMemcpyDeviceToHost, stream),
+        "downloading a decode step");
   };
-  KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_errors, errors.device_word(), sizeof(unsigned)));
-  if (retopk) {
-    KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_paths, retopk_ws->paths(), rows));
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        gather(out_candidates, retopk_ws->candidates(), rows * sizeof(int32_t)));
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        gather(out_sizes, retopk_ws->support_sizes(), rows * sizeof(int32_t)));
-    KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_best, retopk_ws->best_cosines(), rows * sizeof(float)));
-    if (want_supports) {
-      KVRECALL_CUDA_RETURN_IF_ERROR(gather(out_support, retopk_ws->supports(),
-                                           static_cast<size_t>(rows) * p.top_k * sizeof(int32_t)));
+  if (!cuda_graphs_) {
+    if (absl::Status s = enqueue(); !s.ok()) return s;
+  } else {
+    const GpuStepContext::StepGraphKey key{config, batch, max_tokens, want_supports};
+    bool found = false;
+    cudaGraphExec_t exec = ctx.FindGraph(key, &found);
+    if (!found) {
+      exec = CaptureStep(stream, enqueue);
+      ctx.AddGraph(key, exec);
+    }
+    if (exec == nullptr) {
+      if (absl::Status s = enqueue(); !s.ok()) return s;
+    } else {
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          CudaStatus(cudaGraphLaunch(exec, stream), "launching a captured decode step"));
     }
   }
-  // Supports cross PCIe only when compare_exact asked for them.
-  const size_t out_bytes = want_supports ? out.size() : out_support;
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(host_out, dev_out, out_bytes, cudaMemcpyDeviceToHost, stream),
-      "downloading a decode step"));
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaStreamSynchronize(stream), "running a decode step on the GPU"));
   // Device-side precondition violations would be this code's bug: every input was validated.
@@ -766,7 +836,7 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
           CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "reading the device's memory"));
       budget = std::max<int64_t>(1, static_cast<int64_t>(free_bytes) - options.gpu_headroom_bytes);
     }
-    auto backend = std::make_unique<GpuBackend>(ordinal, budget);
+    auto backend = std::make_unique<GpuBackend>(ordinal, budget, options.cuda_graphs);
     // The tiered placement's static sets on the same device, charged to the same budget.
     absl::StatusOr<std::unique_ptr<StaticSetTier>> tier =
         MakeGpuStaticSetTier(ordinal, backend->device_budget());

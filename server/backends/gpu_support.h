@@ -8,10 +8,12 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -210,6 +212,7 @@ class GpuStepContext final : public StepContext {
   GpuStepContext(int ordinal, MemoryBudget* budget) : ordinal_(ordinal), budget_(budget) {}
   ~GpuStepContext() override {
     DeviceScope scope(ordinal_);
+    DropGraphs();
     if (stream_ != nullptr) {
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
@@ -230,6 +233,7 @@ class GpuStepContext final : public StepContext {
 
   // Room for `bytes` of step input and output on both sides.
   absl::Status EnsureIo(size_t in_bytes, size_t out_bytes) {
+    const GraphDropper drop_if_moved(this);
     if (absl::Status s = pinned_in_.Ensure(in_bytes, nullptr, "step input"); !s.ok()) return s;
     if (absl::Status s = pinned_out_.Ensure(out_bytes, nullptr, "step output"); !s.ok()) return s;
     if (device_in_.bytes() < in_bytes) {
@@ -255,6 +259,7 @@ class GpuStepContext final : public StepContext {
     if (attention_ws_ == nullptr || attention_ws_->max_rows() < rows) {
       const int64_t bytes = cuda::AttentionWorkspace::DeviceBytesFor(rows, kMaxSplits);
       KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&attention_bytes_, bytes, "a decode workspace"));
+      DropGraphs();
       attention_ws_.reset();
       absl::StatusOr<std::unique_ptr<cuda::AttentionWorkspace>> ws =
           cuda::AttentionWorkspace::Create(rows, kMaxSplits);
@@ -271,6 +276,7 @@ class GpuStepContext final : public StepContext {
       const int want_rows = std::max(rows, topk_ws_ != nullptr ? topk_ws_->max_rows() : 0);
       const int64_t bytes =
           cuda::TopKWorkspace::DeviceBytesFor(want_rows, static_cast<int>(want_tokens));
+      DropGraphs();
       topk_ws_.reset();
       KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&topk_bytes_, bytes, "a top-K workspace"));
       absl::StatusOr<std::unique_ptr<cuda::TopKWorkspace>> ws =
@@ -292,6 +298,7 @@ class GpuStepContext final : public StepContext {
                               ? retopk_ws_->max_batch()
                               : 0);
       const DecodeShape shape = ShapeOf(config, want_batch);
+      DropGraphs();
       retopk_ws_.reset();
       const int64_t bytes = cuda::ReTopKWorkspace::DeviceBytesFor(shape, p.top_k, p.retopk,
                                                                   static_cast<int>(want_tokens));
@@ -305,7 +312,76 @@ class GpuStepContext final : public StepContext {
     return retopk_ws_.get();
   }
 
+  // What a captured step's launches bake in besides this context's buffers: the kernels and
+  // their knobs (SameKernels), the batch, the history bound the launches were planned for and
+  // whether the supports come down. Everything else a step varies (queries, new tokens, the
+  // sequences' lengths and KV addresses, ReTopK's caches) travels in the packed upload.
+  struct StepGraphKey {
+    LayerConfig config;
+    int batch = 0;
+    int64_t max_tokens = 0;
+    bool supports = false;
+    bool Matches(const StepGraphKey& other) const {
+      return batch == other.batch && max_tokens == other.max_tokens &&
+             supports == other.supports && SameKernels(config, other.config);
+    }
+  };
+  // The captured step for `key`: `*found` false when none was captured; a null graph when its
+  // capture failed (the step then launches eagerly, without trying again).
+  cudaGraphExec_t FindGraph(const StepGraphKey& key, bool* found) {
+    for (StepGraph& g : graphs_) {
+      if (g.key.Matches(key)) {
+        *found = true;
+        return g.exec;
+      }
+    }
+    *found = false;
+    return nullptr;
+  }
+  // Keeps `exec` (may be null: capture failed) for `key`, the oldest dropped beyond kMaxGraphs.
+  void AddGraph(const StepGraphKey& key, cudaGraphExec_t exec) {
+    if (graphs_.size() >= kMaxGraphs) {
+      if (graphs_.front().exec != nullptr) cudaGraphExecDestroy(graphs_.front().exec);
+      graphs_.erase(graphs_.begin());
+    }
+    graphs_.push_back(StepGraph{key, exec});
+  }
+  int graphs() const { return static_cast<int>(graphs_.size()); }
+
  private:
+  // A few shapes of request per stream: batch sizes and history bounds in use.
+  static constexpr size_t kMaxGraphs = 8;
+  struct StepGraph {
+    StepGraphKey key;
+    cudaGraphExec_t exec;
+  };
+  // Graphs name the step buffers and workspaces by address: any reallocation drops them all.
+  void DropGraphs() {
+    for (StepGraph& g : graphs_) {
+      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
+    }
+    graphs_.clear();
+  }
+  // Drops the graphs when EnsureIo reallocated a buffer, however it returns. Sizes tell, not
+  // addresses: a new allocation often gets the freed one's address, and a graph's copy nodes
+  // still name the freed allocation (cuGraphLaunch then crashed in the driver).
+  class GraphDropper {
+   public:
+    explicit GraphDropper(GpuStepContext* ctx) : ctx_(ctx), before_{Sizes(ctx)} {}
+    ~GraphDropper() {
+      if (Sizes(ctx_) != before_) ctx_->DropGraphs();
+    }
+
+   private:
+    static std::array<size_t, 4> Sizes(const GpuStepContext* c) {
+      return {c->pinned_in_.bytes(), c->pinned_out_.bytes(), c->device_in_.bytes(),
+              c->device_out_.bytes()};
+    }
+    GpuStepContext* const ctx_;
+    const std::array<size_t, 4> before_;
+  };
+
+
   // Moves the charge *held from its old value to `bytes` (RESOURCE_EXHAUSTED: nothing changed).
   absl::Status Recharge(int64_t* held, int64_t bytes, absl::string_view what) {
     if (bytes > *held) {
@@ -331,6 +407,7 @@ class GpuStepContext final : public StepContext {
   LayerConfig retopk_config_;
   int64_t attention_bytes_ = 0, topk_bytes_ = 0, retopk_bytes_ = 0;
   int64_t workspace_bytes_ = 0;  // the sum of the three, charged to budget_
+  std::vector<StepGraph> graphs_;
 };
 
 // Carves aligned arrays out of one contiguous buffer (the packed input or output of a step), so

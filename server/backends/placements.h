@@ -24,6 +24,9 @@ struct PlacementOptions {
   // gpu_headroom_bytes (for the CUDA context, cuBLAS and kernels' launch resources).
   std::optional<int64_t> gpu_memory_budget_bytes;
   int64_t gpu_headroom_bytes = int64_t{2} << 30;
+  // GPU decode steps replay a CUDA graph captured once per request shape instead of launching
+  // their copies and kernels one by one (bench/results/gpu_serving.md says what it saves).
+  bool cuda_graphs = true;
 };
 
 // The options of kvrecalld's --gpus ("all", "none" or ordinals "0,2"), --gpu_memory_budget_gb
