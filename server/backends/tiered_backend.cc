@@ -178,7 +178,9 @@ void TieredLayer::AttendBulk(const LayerStep& step, const KvView& all, float* o,
                           shape.scale, o + static_cast<int64_t>(h) * d, &lse[h]);
   };
   if (threads > 1) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+    // Heads one at a time: a head on an exact path (a graph search) costs many reuse heads, and
+    // which heads those are changes every step.
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int h = 0; h < heads; ++h) head_step(h);
   } else {
     for (int h = 0; h < heads; ++h) head_step(h);
