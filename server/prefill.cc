@@ -14,6 +14,16 @@
 
 namespace kvrecall {
 
+PrefillStream& PrefillStream::operator=(PrefillStream&& other) noexcept {
+  layers_.clear();  // first: released into session_'s grant
+  registry_ = other.registry_;
+  tenant_ = std::move(other.tenant_);
+  session_ = std::move(other.session_);
+  started_ = other.started_;
+  layers_ = std::move(other.layers_);
+  return *this;
+}
+
 absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   const std::string prefix = absl::StrCat("chunks[", index, "]");
   if (session_ == nullptr) {

@@ -24,6 +24,11 @@ class PrefillStream {
   // Fills only sessions of `tenant` (SessionRegistry::Find).
   explicit PrefillStream(const SessionRegistry* registry, std::string tenant = "")
       : registry_(registry), tenant_(std::move(tenant)) {}
+  PrefillStream(PrefillStream&&) = default;
+  // Frees the staged layers before it lets go of the session: they give their memory back
+  // through the session's grant, and the stream may hold the session's last reference (it was
+  // closed, or expired, while its prompt streamed in).
+  PrefillStream& operator=(PrefillStream&& other) noexcept;
 
   // Validates chunk number `index` of the stream (session, layer, contiguous offset, tensor
   // shapes, dtype and finiteness, the memory budget) and stages its tensors. On error the
@@ -46,7 +51,8 @@ class PrefillStream {
     std::unique_ptr<PromptStaging> prompt;
     int64_t queries_from = 0;  // every token from here on came with its query
   };
-  // Ordered, so that commits and errors list layers in order.
+  // Ordered, so that commits and errors list layers in order. After session_, so that it is
+  // destroyed first (its staging is charged to the session's grant).
   std::map<int, Staged> layers_;
 };
 

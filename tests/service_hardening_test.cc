@@ -459,6 +459,35 @@ TEST_F(HardeningTest, UndecodableUnaryRequestsGetInvalidArgument) {
 // wrapped around to the bytes sent) and made the server reserve 2^58 rows: std::bad_alloc on a
 // gRPC thread, and the process died.
 
+TEST_F(HardeningTest, ASessionClosedWhileItsPromptStreamsInFreesTheStagedPromptFirst) {
+  // Before: ending the stream dropped its reference to the session before the staged chunks,
+  // which give their memory back through the session's grant; when the stream held the last
+  // reference (the session was closed, or expired, while its prompt streamed in), the chunks
+  // were released into the freed session (heap-use-after-free under ASan and TSan).
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  grpc::ClientContext context;
+  v1::PrefillResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::PrefillChunk>> writer =
+      stub().Prefill(&context, &response);
+  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPrompt(256, 3), 64)) {
+    ASSERT_TRUE(writer->Write(chunk));
+  }
+  const MemoryBudget& budget = server().server().budget();
+  absl::Time until = absl::Now() + absl::Seconds(60);
+  while (budget.used() == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GT(budget.used(), 0);  // staged, charged through the session's grant
+  ASSERT_TRUE(CloseSession(stub(), *id).ok());
+  writer->WritesDone();
+  const absl::Status ended = FromGrpc(writer->Finish());
+  EXPECT_FALSE(ended.ok());  // nothing to commit into
+  until = absl::Now() + absl::Seconds(10);
+  while (budget.used() != 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(budget.used(), 0);
+  EXPECT_EQ(GetSession(stub(), *id).status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(HardeningTest, TensorShapeWhoseElementCountOverflowsIsRefused) {
   const v1::Geometry g = SmallGeometry();
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
