@@ -249,6 +249,20 @@ class TinyLMTest(ServerTest):
         self.assertEqual(first["path_mix"]["exact"], 1.0)
         self.assertEqual((first["ctx"], first["suffix"], first["policy"]), (384, 24, "full"))
 
+    def test_ppl_in_bf16_on_the_tiered_placement_matches_local(self):
+        # The dtype the GPU placements need (they refuse f32): the prompt and the steps travel in
+        # bf16, the tiered static set runs on the CPU stand-in here; full attention over the
+        # rounded KV stays within bf16's error of local f32 attention.
+        with tempfile.TemporaryDirectory() as cache:
+            args = ["ppl", "--server", self.address, "--model", self.MODEL, "--text", self.TEXT,
+                    "--offset", "1000", "--ctx", "384", "--suffix", "24", "--policy", "full",
+                    "--placement", "tiered", "--dtype", "bf16", "--sinks", "16", "--recent", "32",
+                    "--cache-dir", cache, "--check-local", "--json"]
+            r = tinylm.run_ppl(tinylm.parser().parse_args(args))
+        self.assertEqual((r["placement"], r["dtype"]), ("tiered", "bf16"))
+        self.assertLess(abs(r["bits_per_byte"] - r["local_bits_per_byte"]), 5e-3)
+        self.assertNotEqual(r["bits_per_byte"], r["local_bits_per_byte"])  # bf16 did round
+
     def test_ppl_command_prints_one_json_object_and_reports_errors(self):
         with tempfile.TemporaryDirectory() as cache:
             base = [sys.executable, "-m", "kvrecall.tinylm", "ppl", "--server", self.address,

@@ -200,7 +200,7 @@ def run_ppl(a):
     caps, cached = prefill_qkv(model, seq[:a.ctx], a.cache_dir, a.model)
     prefill_compute_s = time.perf_counter() - t0
 
-    geometry = make_geometry(model.layers, model.q_heads, model.kv_heads, model.head_dim, "f32")
+    geometry = make_geometry(model.layers, model.q_heads, model.kv_heads, model.head_dim, a.dtype)
     with Client(a.server, **connection_from_args(a)) as client:
         session = client.create_session(geometry, policy_from_args(a), label=f"tinylm ppl {a.policy}")
         try:
@@ -227,7 +227,7 @@ def run_ppl(a):
         finally:
             session.close()
     result = {
-        "policy": a.policy, "placement": a.placement,
+        "policy": a.policy, "placement": a.placement, "dtype": a.dtype,
         "k": int(session.policy.top_k) if a.policy in ("exact_topk", "index", "retopk") else None,
         "ctx": a.ctx, "suffix": a.suffix, "offset": a.offset, "text": a.text,
         "model": os.path.basename(a.model),
@@ -266,6 +266,9 @@ def parser():
     ap.add_argument("--suffix", type=int, default=256, help="teacher-forced bytes (S)")
     ap.add_argument("--policy", default="full", help="full|exact_topk|streaming|index|retopk")
     ap.add_argument("--placement", default="cpu", help="cpu|gpu|tiered")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
+                    help="the session's KV dtype: the prompt and every step travel in it (gpu "
+                         "and tiered keep the KV in bf16 or f16 and refuse f32)")
     ap.add_argument("--k", type=int, default=0, help="top K (0: server default)")
     ap.add_argument("--sinks", type=int, default=0)
     ap.add_argument("--recent", type=int, default=0)
