@@ -1,6 +1,6 @@
 // Host-side launch helpers shared by the CUDA wrappers: the device's multiprocessor count and
-// a kernel's resident blocks per multiprocessor, each read once, and the opt-in to more than
-// 48 KB of dynamic shared memory.
+// a kernel's resident blocks per multiprocessor, each read once per device, and the opt-in to
+// more than 48 KB of dynamic shared memory.
 #ifndef KVRECALL_KERNELS_CUDA_LAUNCH_CUH_
 #define KVRECALL_KERNELS_CUDA_LAUNCH_CUH_
 
@@ -8,33 +8,73 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/decode_types.h"
 
 namespace kvrecall::cuda {
 
-// Multiprocessors of the current device (read on first use; one device per process).
+// Device ordinals the per-device caches below hold; kvrecalld serves several GPUs in one
+// process, and a kernel's attributes belong to each device's context.
+inline constexpr int kMaxCachedDevices = 64;
+
+// The current device, checked against kMaxCachedDevices.
+inline absl::StatusOr<int> CachedDevice() {
+  int device = 0;
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+  if (device < 0 || device >= kMaxCachedDevices) {
+    return absl::OutOfRangeError(absl::StrCat("CUDA device ", device, " is beyond the ",
+                                              kMaxCachedDevices, " the launch helpers serve"));
+  }
+  return device;
+}
+
+// Something computed once per device, on first use from that device.
+template <typename T>
+class PerDevice {
+ public:
+  template <typename Compute>
+  absl::StatusOr<T> Get(const Compute& compute) {
+    const absl::StatusOr<int> device = CachedDevice();
+    if (!device.ok()) return device.status();
+    Slot& slot = slots_[*device];
+    std::call_once(slot.once, [&] { slot.value = compute(); });
+    return slot.value;
+  }
+
+ private:
+  struct Slot {
+    std::once_flag once;
+    absl::StatusOr<T> value;
+  };
+  Slot slots_[kMaxCachedDevices];
+};
+
+// Multiprocessors of the current device (read once per device).
 inline absl::StatusOr<int> MultiprocessorCount() {
-  static const absl::StatusOr<int> count = []() -> absl::StatusOr<int> {
-    int device = 0;
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+  static PerDevice<int> count;
+  return count.Get([]() -> absl::StatusOr<int> {
+    const absl::StatusOr<int> device = CachedDevice();
+    if (!device.ok()) return device.status();
     int sms = 0;
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, *device),
         "reading the multiprocessor count"));
     return sms;
-  }();
-  return count;
+  });
 }
 
 // Prepares kKernel for `smem_bytes` of dynamic shared memory and returns how many of its blocks
-// of `threads` fit on one multiprocessor. Done once per kernel (each launches with one fixed shared-memory size), before
-// any graph capture that launches it.
+// of `threads` fit on one multiprocessor. Done once per kernel and device (each kernel launches
+// with one fixed shared-memory size), before any graph capture that launches it.
 template <auto kKernel>
 absl::StatusOr<int> PrepareKernel(int threads, size_t smem_bytes) {
-  static const absl::StatusOr<int> blocks = [&]() -> absl::StatusOr<int> {
+  static PerDevice<int> blocks;
+  return blocks.Get([&]() -> absl::StatusOr<int> {
     if (smem_bytes > 48 * 1024) {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -46,17 +86,23 @@ absl::StatusOr<int> PrepareKernel(int threads, size_t smem_bytes) {
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, smem_bytes),
         "reading a kernel's occupancy"));
     return std::max(per_sm, 1);
-  }();
-  return blocks;
+  });
 }
 
-// Makes sure kKernel may launch with `bytes` of dynamic shared memory, raising its limit when
-// needed (never lowering it, so callers with different sizes coexist). The limit is read from
-// the device only when a larger size than any before is asked for.
+// Makes sure kKernel may launch with `bytes` of dynamic shared memory on the current device,
+// raising its limit when needed and never lowering it, so that callers with different sizes
+// coexist. Raises are serialized: two threads raising to different sizes at once could
+// otherwise leave the smaller limit set while recording the larger.
 template <auto kKernel>
 absl::Status AllowDynamicSharedMemory(size_t bytes) {
-  static std::atomic<size_t> allowed{0};
-  if (bytes <= allowed.load(std::memory_order_relaxed)) return absl::OkStatus();
+  static std::atomic<size_t> allowed[kMaxCachedDevices];
+  static std::mutex raising;
+  const absl::StatusOr<int> device = CachedDevice();
+  if (!device.ok()) return device.status();
+  std::atomic<size_t>& limit = allowed[*device];
+  if (bytes <= limit.load(std::memory_order_acquire)) return absl::OkStatus();
+  const std::lock_guard<std::mutex> lock(raising);
+  if (bytes <= limit.load(std::memory_order_relaxed)) return absl::OkStatus();
   cudaFuncAttributes attrs{};
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaFuncGetAttributes(&attrs, kKernel), "reading kernel attributes"));
@@ -66,9 +112,7 @@ absl::Status AllowDynamicSharedMemory(size_t bytes) {
                              static_cast<int>(bytes)),
         "raising a kernel's dynamic shared-memory limit"));
   }
-  size_t seen = allowed.load(std::memory_order_relaxed);
-  while (seen < bytes && !allowed.compare_exchange_weak(seen, bytes)) {
-  }
+  limit.store(bytes, std::memory_order_release);
   return absl::OkStatus();
 }
 
