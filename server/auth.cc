@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "server/file_util.h"
+#include "server/tsan_handoff.h"
 
 namespace kvrecall {
 namespace {
@@ -86,9 +87,12 @@ const std::string* TokenTable::Find(absl::string_view token) const {
   return found;
 }
 
+TokenAuthProcessor::~TokenAuthProcessor() { ReactionFromGrpc(this); }
+
 grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
                                          grpc::AuthContext* context,
                                          OutputMetadata* consumed_auth_metadata, OutputMetadata*) {
+  const GrpcReaction from_grpc(this);  // on gRPC's threads; gRPC destroys it after the last
   auto path = auth_metadata.find(":path");
   if (path != auth_metadata.end() &&
       absl::StartsWith(absl::string_view(path->second.data(), path->second.size()),

@@ -19,7 +19,6 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
       : health_(health), service_(std::move(service)) {
     absl::MutexLock lock(&health_->watches_mu_);
     health_->watches_.insert(this);
-    HandoffToGrpc(this);  // gRPC may react (OnCancel) once the handler returns
   }
 
   // Sends the current status unless it was sent already or a write is pending (its completion
@@ -56,8 +55,9 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
       absl::MutexLock lock(&health_->watches_mu_);
       health_->watches_.erase(this);
     }
-    HandoffToGrpc(health_);  // the last touch of the service: Server::Wait returns after it
+    HealthService* const health = health_;
     delete this;
+    HandoffToGrpc(health);  // the last touch of the service: Server::Wait returns after it
   }
 
  private:
@@ -149,6 +149,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* HealthService::Watch(
   } else {
     watch->Update();
   }
+  HandoffToGrpc(watch);  // gRPC reacts only once the handler has returned (after the unlocks)
   return watch;
 }
 

@@ -64,15 +64,11 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
     service_->CountUnary(1);
   }
 
+  // In the handler: gRPC reacts (OnCancel, OnDone, even to a Finish here) only once the handler
+  // has returned, so all of Start, the unlock of mu_ included, comes before any reaction.
   void Start(const grpc::ByteBuffer* request) {
-    HandoffToGrpc(this);  // gRPC may react (OnCancel) once the handler returns
-    if (service_->draining()) return FinishOnce(ShuttingDownStatus());
-    grpc::ByteBuffer bytes(*request);  // shares the slices
-    if (!ParseRawMessage(&bytes, &request_)) {
-      return FinishOnce(UnparsableStatus("the request", request_));
-    }
-    refs_.Ref();
-    service_->steps_.Push(this);
+    StartInHandler(request);
+    HandoffToGrpc(this);
   }
 
   void Run() override {
@@ -103,12 +99,23 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   }
   void OnDone() override {
     ReactionFromGrpc(this);
-    service_->CountUnary(-1);
-    HandoffToGrpc(service_);  // gRPC's last touch of the service for this call (Server::Wait)
-    refs_.Unref(this);
+    KvRecallService* const service = service_;
+    service->CountUnary(-1);
+    refs_.Unref(this);  // may delete the call (and what it holds: sessions, their grants)
+    HandoffToGrpc(service);  // gRPC's last touch of the service for this call (Server::Wait)
   }
 
  private:
+  void StartInHandler(const grpc::ByteBuffer* request) {
+    if (service_->draining()) return FinishOnce(ShuttingDownStatus());
+    grpc::ByteBuffer bytes(*request);  // shares the slices
+    if (!ParseRawMessage(&bytes, &request_)) {
+      return FinishOnce(UnparsableStatus("the request", request_));
+    }
+    refs_.Ref();
+    service_->steps_.Push(this);
+  }
+
   void FinishOnce(grpc::Status status) {
     absl::MutexLock lock(&mu_);
     if (!finished_) FinishLocked(std::move(status));
@@ -149,9 +156,10 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
  public:
   void OnDone() override {
     ReactionFromGrpc(static_cast<Call*>(this));
-    if (registered_) service_->Unregister(this);
-    HandoffToGrpc(service_);  // gRPC's last touch of the service for this call (Server::Wait)
-    Unref();
+    KvRecallService* const service = service_;
+    if (registered_) service->Unregister(this);
+    Unref();  // may delete the call (and what it holds: sessions, their grants)
+    HandoffToGrpc(service);  // gRPC's last touch of the service for this call (Server::Wait)
   }
 
  protected:
@@ -159,15 +167,19 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
 
   // Registers for the drain and reads the first message into `in`, or, when the drain has
   // begun, ends the call with UNAVAILABLE.
+  // In the handler (the constructor): gRPC reacts to the read or the Finish only once the
+  // handler has returned, so the hand-off comes after the unlock of mu_.
   void Begin(grpc::ByteBuffer* in) {
     registered_ = service_->Register(this);
-    absl::MutexLock lock(&mu_);
-    if (registered_) {
-      HandoffToGrpc(static_cast<Call*>(this));
-      this->StartRead(in);
-    } else {
-      FinishLocked(ShuttingDownStatus());
+    {
+      absl::MutexLock lock(&mu_);
+      if (registered_) {
+        this->StartRead(in);
+      } else {
+        FinishLocked(ShuttingDownStatus());
+      }
     }
+    HandoffToGrpc(static_cast<Call*>(this));
   }
   // Ends the call. What the call holds for its work (a Prefill's staged prompt) is released
   // first unless a run still uses it (that run releases it), so that a client that got the

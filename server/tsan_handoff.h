@@ -39,9 +39,10 @@ inline void ReactionFromGrpc([[maybe_unused]] const void* object) {
 #endif
 }
 
-// A reactor's reaction other than OnDone, for its whole body: takes the reactor from gRPC first
-// and hands it back on return (OnDone follows every reaction's return; the reactor is alive
-// until OnDone, so the hand-back never touches a deleted one).
+// A call from gRPC into an object it holds, for the call's whole body: a reactor's reaction
+// other than OnDone, an auth processor's Process. Takes the object from gRPC first and hands it
+// back on return (OnDone follows every reaction's return, the processor's destruction its last
+// Process; the object is alive until then, so the hand-back never touches a deleted one).
 class GrpcReaction {
  public:
   explicit GrpcReaction(const void* reactor) : reactor_(reactor) { ReactionFromGrpc(reactor); }
