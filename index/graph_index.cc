@@ -92,15 +92,7 @@ size_t InsertCandidate(std::vector<Candidate>* pool, size_t capacity, Candidate 
 // which RoarGraph uses for inner-product data, lets one long key occlude everything; attention
 // keys carry large common offsets and norms, and L2 gave more recall per key scored on tinylm.)
 float KeyDistance(const VectorSet& keys, int32_t a, int32_t b) {
-  const float* x = keys.row(a);
-  const float* y = keys.row(b);
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int i = 0; i < keys.dim; ++i) {
-    const float t = x[i] - y[i];
-    acc += t * t;
-  }
-  return acc;
+  return cpu::SquaredDistance(keys.row(a), keys.row(b), keys.dim);
 }
 
 // Chooses at most `degree` of `candidates` (distinct, not `node`) as node's neighbors: nearest

@@ -26,6 +26,24 @@ struct Shape {
 
 class CpuAttentionTest : public ::testing::TestWithParam<Shape> {};
 
+// Both vector primitives against double references, at lengths through every path of their
+// loops (16 at a time, 8 at a time, scalar tail).
+TEST(CpuVectorTest, DotProductAndSquaredDistanceMatchDoubleReferences) {
+  for (int n : {1, 7, 8, 16, 37, 64, 128}) {
+    const std::vector<float> a = RandomNormal(n, 100 + n, 2.0f);
+    const std::vector<float> b = RandomNormal(n, 200 + n, 2.0f);
+    double dot = 0, distance = 0;
+    for (int i = 0; i < n; ++i) {
+      dot += static_cast<double>(a[i]) * b[i];
+      distance += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    }
+    EXPECT_NEAR(cpu::DotProduct(a.data(), b.data(), n), dot, 1e-4 * (1 + std::abs(dot))) << n;
+    EXPECT_NEAR(cpu::SquaredDistance(a.data(), b.data(), n), distance, 1e-4 * (1 + distance))
+        << n;
+    EXPECT_EQ(cpu::SquaredDistance(a.data(), a.data(), n), 0.0f) << n;
+  }
+}
+
 TEST_P(CpuAttentionTest, FullAttentionMatchesDoubleReference) {
   const Shape s = GetParam();
   RandomKv kv(s.tokens, s.kv_heads, s.head_dim, 7);

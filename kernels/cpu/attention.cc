@@ -61,31 +61,58 @@ void WeightedValueSum(const float* weights, size_t n, TokenOf token_of, const Kv
   }
 }
 
-}  // namespace
-
-float DotProduct(const float* a, const float* b, int n) {
-  int i = 0;
-  float acc = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
-  // Two independent accumulators hide the FMA latency, and the lanes are summed in registers:
-  // scoring is a chain of short (head_dim) dot products, so both costs are per token.
-  __m256 sum0 = _mm256_setzero_ps();
-  __m256 sum1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
-    sum1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), sum1);
-  }
-  for (; i + 8 <= n; i += 8) {
-    sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
-  }
+// The 16 lanes of two accumulators summed in registers.
+inline float SumLanes(__m256 sum0, __m256 sum1) {
   const __m256 sum = _mm256_add_ps(sum0, sum1);
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
   half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  acc = _mm_cvtss_f32(half);
+  return _mm_cvtss_f32(half);
+}
 #endif
-  for (; i < n; ++i) acc += a[i] * b[i];
+
+// sum_i term(a[i], b[i]) over n floats: 8 lanes at a time into two independent accumulators
+// (vector_term(x, y, acc) adds 8 terms to acc), which hides the FMA latency, and the lanes summed
+// in registers. Scoring and the graph build's pruning are chains of short (head_dim) sums, so
+// both costs are per token.
+template <typename VectorTerm, typename ScalarTerm>
+float SumOfTerms(const float* a, const float* b, int n, VectorTerm vector_term,
+                 ScalarTerm scalar_term) {
+  int i = 0;
+  float acc = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 sum0 = _mm256_setzero_ps();
+  __m256 sum1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    sum0 = vector_term(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+    sum1 = vector_term(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), sum1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    sum0 = vector_term(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+  }
+  acc = SumLanes(sum0, sum1);
+#endif
+  for (; i < n; ++i) acc += scalar_term(a[i], b[i]);
   return acc;
+}
+
+}  // namespace
+
+float DotProduct(const float* a, const float* b, int n) {
+  return SumOfTerms(
+      a, b, n, [](auto x, auto y, auto acc) { return _mm256_fmadd_ps(x, y, acc); },
+      [](float x, float y) { return x * y; });
+}
+
+float SquaredDistance(const float* a, const float* b, int n) {
+  return SumOfTerms(
+      a, b, n,
+      [](auto x, auto y, auto acc) {
+        const auto d = _mm256_sub_ps(x, y);
+        return _mm256_fmadd_ps(d, d, acc);
+      },
+      [](float x, float y) { return (x - y) * (x - y); });
 }
 
 void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,

@@ -14,6 +14,9 @@ namespace kvrecall::cpu {
 // <a, b> over n floats.
 float DotProduct(const float* a, const float* b, int n);
 
+// ||a - b||^2 over n floats.
+float SquaredDistance(const float* a, const float* b, int n);
+
 // scores[i] = scale * <q, key(ids[i], kv_head)>. q: [head_dim]; scores: [ids.size()].
 void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
                  float scale, float* scores);
