@@ -3,6 +3,7 @@
 #ifndef KVRECALL_INDEX_BASIC_SELECTORS_H_
 #define KVRECALL_INDEX_BASIC_SELECTORS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -44,6 +45,12 @@ class StreamingSelector : public SupportSelector {
 // Appends the static set {0..sinks) ∪ [tokens - recent, tokens) to *ids, each token once.
 // Shared by the streaming selector and the tiered/index policies.
 void AppendStaticSet(int64_t tokens, int sinks, int recent, std::vector<int32_t>* ids);
+
+// Tokens of the bulk, [sinks, tokens - recent): what lies outside the static set of a history
+// of `tokens`, the part the graph index and the tiered placement's host tier select from.
+inline int64_t BulkTokens(int64_t tokens, int sinks, int recent) {
+  return std::max<int64_t>(0, tokens - recent - sinks);
+}
 
 }  // namespace kvrecall
 

@@ -115,8 +115,7 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
 
 int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
                                         int64_t tokens, int build_threads) {
-  const int64_t bulk =
-      std::max<int64_t>(params.sinks, tokens - params.recent) - params.sinks;
+  const int64_t bulk = BulkTokens(tokens, params.sinks, params.recent);
   const int64_t per_head = GraphIndex::GraphBytes(params.index, bulk) +
                            int64_t{kRecentQueries} * shape.head_dim * int64_t{sizeof(float)};
   return per_head * shape.q_heads +

@@ -91,7 +91,7 @@ TEST(IndexSelectorTest, MemoryBoundCoversWhatABuildHolds) {
       params.index.max_degree = max_degree;
       IndexSelector selector(layer.shape, params);
       ASSERT_TRUE(selector.Build(layer.view(prompt), layer.prompt_q.data()).ok());
-      const int64_t bulk = std::max<int64_t>(0, prompt - params.recent - params.sinks);
+      const int64_t bulk = BulkTokens(prompt, params.sinks, params.recent);
       for (int h = 0; h < layer.shape.q_heads; ++h) {
         EXPECT_EQ(selector.head_index(h).MemoryBytes(),
                   GraphIndex::GraphBytes(params.index, bulk));

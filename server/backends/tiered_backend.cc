@@ -20,17 +20,12 @@
 namespace kvrecall {
 namespace {
 
-// Tokens of the bulk of a layer of `tokens` tokens: [sinks, tokens - recent).
-int64_t BulkTokens(const SelectorParams& p, int64_t tokens) {
-  return std::max<int64_t>(0, tokens - p.recent - p.sinks);
-}
-
 // The bulk as a view of its own, positions relative to `sinks`: what the flat and ReTopK bulk
 // selectors see (the graph index takes the whole history and knows its bulk itself).
 KvView BulkView(const KvView& all, const SelectorParams& p) {
   const int64_t offset = std::min<int64_t>(p.sinks, all.tokens) * all.token_stride();
-  return KvView{all.keys + offset, all.values + offset, BulkTokens(p, all.tokens), all.kv_heads,
-                all.head_dim};
+  return KvView{all.keys + offset, all.values + offset, BulkTokens(all.tokens, p.sinks, p.recent),
+                all.kv_heads, all.head_dim};
 }
 
 // What the graph index of ReTopK's exact path is built with: the policy's graph knobs over the
@@ -91,7 +86,7 @@ class TieredLayer final : public LayerBackend {
         bulk_(std::move(bulk)),
         static_set_(std::move(static_set)),
         selections_(config.shape.q_heads) {
-    bulk_tokens_seen_ = BulkTokens(config.selector, kv_.tokens());
+    bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
     ChargeSelectorBytes();
   }
   ~TieredLayer() override {
@@ -238,8 +233,8 @@ int64_t TieredBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t
   // history and knows its bulk), and ReTopK's exact path its graph over the bulk.
   int64_t bytes = SelectorStateBytesBound(p, config.shape, tokens, build_threads);
   if (p.kind == SelectorKind::kReTopK && !p.retopk.exact_flat_scan) {
-    bytes += SelectorStateBytesBound(ExactPathGraphParams(p), config.shape, BulkTokens(p, tokens),
-                                     build_threads);
+    bytes += SelectorStateBytesBound(ExactPathGraphParams(p), config.shape,
+                                     BulkTokens(tokens, p.sinks, p.recent), build_threads);
   }
   return bytes;
 }
