@@ -455,9 +455,7 @@ TEST_F(HardeningTest, UndecodableUnaryRequestsGetInvalidArgument) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor shapes whose element count overflows int64 passed the byte-size check (the product
-// wrapped around to the bytes sent) and made the server reserve 2^58 rows: std::bad_alloc on a
-// gRPC thread, and the process died.
+// A session closed or expired while its prompt streams in (found by TSan).
 
 TEST_F(HardeningTest, ASessionClosedWhileItsPromptStreamsInFreesTheStagedPromptFirst) {
   // Before: ending the stream dropped its reference to the session before the staged chunks,
@@ -487,6 +485,11 @@ TEST_F(HardeningTest, ASessionClosedWhileItsPromptStreamsInFreesTheStagedPromptF
   EXPECT_EQ(budget.used(), 0);
   EXPECT_EQ(GetSession(stub(), *id).status().code(), absl::StatusCode::kNotFound);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor shapes whose element count overflows int64 passed the byte-size check (the product
+// wrapped around to the bytes sent) and made the server reserve 2^58 rows: std::bad_alloc on a
+// gRPC thread, and the process died.
 
 TEST_F(HardeningTest, TensorShapeWhoseElementCountOverflowsIsRefused) {
   const v1::Geometry g = SmallGeometry();

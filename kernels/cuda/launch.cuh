@@ -33,7 +33,7 @@ inline absl::StatusOr<int> CachedDevice() {
   return device;
 }
 
-// Something computed once per device, on first use from that device.
+// Something computed once per device, on first use from that device: compute(device).
 template <typename T>
 class PerDevice {
  public:
@@ -42,7 +42,7 @@ class PerDevice {
     const absl::StatusOr<int> device = CachedDevice();
     if (!device.ok()) return device.status();
     Slot& slot = slots_[*device];
-    std::call_once(slot.once, [&] { slot.value = compute(); });
+    std::call_once(slot.once, [&] { slot.value = compute(*device); });
     return slot.value;
   }
 
@@ -57,12 +57,10 @@ class PerDevice {
 // Multiprocessors of the current device (read once per device).
 inline absl::StatusOr<int> MultiprocessorCount() {
   static PerDevice<int> count;
-  return count.Get([]() -> absl::StatusOr<int> {
-    const absl::StatusOr<int> device = CachedDevice();
-    if (!device.ok()) return device.status();
+  return count.Get([](int device) -> absl::StatusOr<int> {
     int sms = 0;
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, *device),
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
         "reading the multiprocessor count"));
     return sms;
   });
@@ -74,7 +72,7 @@ inline absl::StatusOr<int> MultiprocessorCount() {
 template <auto kKernel>
 absl::StatusOr<int> PrepareKernel(int threads, size_t smem_bytes) {
   static PerDevice<int> blocks;
-  return blocks.Get([&]() -> absl::StatusOr<int> {
+  return blocks.Get([&](int /*device: the current one*/) -> absl::StatusOr<int> {
     if (smem_bytes > 48 * 1024) {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

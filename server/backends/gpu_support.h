@@ -8,7 +8,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -233,7 +232,13 @@ class GpuStepContext final : public StepContext {
 
   // Room for `bytes` of step input and output on both sides.
   absl::Status EnsureIo(size_t in_bytes, size_t out_bytes) {
-    const GraphDropper drop_if_moved(this);
+    // Growing a buffer reallocates it, so it drops the graphs first, as the workspaces do.
+    // (Addresses would not tell: a new allocation often gets the freed one's address, and a
+    // graph's copy nodes still name the freed allocation; cuGraphLaunch then crashed.)
+    if (pinned_in_.bytes() < in_bytes || pinned_out_.bytes() < out_bytes ||
+        device_in_.bytes() < in_bytes || device_out_.bytes() < out_bytes) {
+      DropGraphs();
+    }
     if (absl::Status s = pinned_in_.Ensure(in_bytes, nullptr, "step input"); !s.ok()) return s;
     if (absl::Status s = pinned_out_.Ensure(out_bytes, nullptr, "step output"); !s.ok()) return s;
     if (device_in_.bytes() < in_bytes) {
@@ -346,7 +351,6 @@ class GpuStepContext final : public StepContext {
     }
     graphs_.push_back(StepGraph{key, exec});
   }
-  int graphs() const { return static_cast<int>(graphs_.size()); }
 
  private:
   // A few shapes of request per stream: batch sizes and history bounds in use.
@@ -362,25 +366,6 @@ class GpuStepContext final : public StepContext {
     }
     graphs_.clear();
   }
-  // Drops the graphs when EnsureIo reallocated a buffer, however it returns. Sizes tell, not
-  // addresses: a new allocation often gets the freed one's address, and a graph's copy nodes
-  // still name the freed allocation (cuGraphLaunch then crashed in the driver).
-  class GraphDropper {
-   public:
-    explicit GraphDropper(GpuStepContext* ctx) : ctx_(ctx), before_{Sizes(ctx)} {}
-    ~GraphDropper() {
-      if (Sizes(ctx_) != before_) ctx_->DropGraphs();
-    }
-
-   private:
-    static std::array<size_t, 4> Sizes(const GpuStepContext* c) {
-      return {c->pinned_in_.bytes(), c->pinned_out_.bytes(), c->device_in_.bytes(),
-              c->device_out_.bytes()};
-    }
-    GpuStepContext* const ctx_;
-    const std::array<size_t, 4> before_;
-  };
-
 
   // Moves the charge *held from its old value to `bytes` (RESOURCE_EXHAUSTED: nothing changed).
   absl::Status Recharge(int64_t* held, int64_t bytes, absl::string_view what) {
