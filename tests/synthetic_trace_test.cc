@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -94,6 +95,7 @@ TEST(SyntheticTraceTest, EachNeedleIsTheTopKeyOfItsDecodeQueryInEveryLayerAndHea
   const SyntheticTrace trace = *SyntheticTrace::Create(Small());
   const TraceGeometry g = trace.geometry();
   ASSERT_EQ(trace.needles().size(), 4u);
+  int asked_early = 0, steps_before = 0;
   for (int layer = 0; layer < g.layers; ++layer) {
     const Tensors t = Generate(trace, layer);
     const KvView kv{t.k.data(), nullptr, g.context, g.kv_heads, g.head_dim};
@@ -105,15 +107,20 @@ TEST(SyntheticTraceTest, EachNeedleIsTheTopKeyOfItsDecodeQueryInEveryLayerAndHea
         std::vector<int32_t> best;
         cpu::ExactTopK(q, kv, KvHeadOf(h, g.q_heads, g.kv_heads), 1.0f, 1, &best);
         EXPECT_EQ(best[0], needle.position) << "layer " << layer << " head " << h;
-        // ... and only for the step that asks: the step before wants something else.
+        // ... and (nearly) only for the step that asks: the step before wants something else,
+        // unless its topic happens to lie close to the needle's direction (random directions in
+        // the topic dims: ~1 case in 32 at some seeds, with either drift; the pre-issue-15
+        // generator had it at seeds 4 and 5, the calibrated jitter moves it to seed 3).
         if (needle.decode_step > 0) {
           cpu::ExactTopK(q - g.q_heads * g.head_dim, kv, KvHeadOf(h, g.q_heads, g.kv_heads),
                          1.0f, 1, &best);
-          EXPECT_NE(best[0], needle.position);
+          asked_early += best[0] == needle.position;
+          ++steps_before;
         }
       }
     }
   }
+  EXPECT_LE(asked_early * 16, steps_before) << asked_early << " of " << steps_before;
 }
 
 TEST(SyntheticTraceTest, QueriesAreOutOfDistributionForKeysAndDecodeQueriesDrift) {
@@ -142,6 +149,96 @@ TEST(SyntheticTraceTest, QueriesAreOutOfDistributionForKeysAndDecodeQueriesDrift
     apart += Cosine(q, q + 32 * g.q_heads * d, d);
   }
   EXPECT_GT(adjacent, apart + 0.1 * (g.decode_steps - 32));
+}
+
+// Mean cosine of consecutive decode queries of every head, and the same across the steps where
+// the drift period (32) changes topic.
+struct DecodeCosines {
+  double adjacent = 0, at_topic_change = 0;
+};
+
+DecodeCosines ConsecutiveDecodeCosines(const SyntheticTraceParams& p) {
+  const SyntheticTrace trace = *SyntheticTrace::Create(p);
+  const TraceGeometry g = trace.geometry();
+  std::vector<float> q(g.decode_steps * g.q_heads * g.head_dim);
+  trace.GenerateRows(0, TracePhase::kDecode, TraceTensor::kQ, 0, g.decode_steps, q.data());
+  DecodeCosines c;
+  int adjacent = 0, changes = 0;
+  for (int64_t s = 1; s < g.decode_steps; ++s) {
+    bool needle = false;
+    for (const Needle& n : trace.needles()) needle |= n.decode_step == s || n.decode_step == s - 1;
+    if (needle) continue;
+    for (int h = 0; h < g.q_heads; ++h) {
+      const float* now = q.data() + (s * g.q_heads + h) * g.head_dim;
+      const double cosine = Cosine(now, now - g.q_heads * g.head_dim, g.head_dim);
+      if (s % p.drift_period == 0) {
+        c.at_topic_change += cosine;
+        ++changes;
+      } else {
+        c.adjacent += cosine;
+        ++adjacent;
+      }
+    }
+  }
+  c.adjacent /= adjacent;
+  c.at_topic_change /= changes;
+  return c;
+}
+
+// The calibrated drift (the default) matches tinylm-a's step-to-step query cosine (~0.72,
+// bench/results/synth_calibration.md) and drops at a topic change, so ReTopK's similarity test
+// sees it; the adversarial drift (the pre-issue-15 generator) glides, >= 0.85 alike at every
+// step, topic changes included.
+TEST(SyntheticTraceTest, CalibratedDriftJittersAndJumpsAdversarialDriftGlides) {
+  SyntheticTraceParams p = Small();
+  p.decode_steps = 256;
+  EXPECT_EQ(p.query_drift, QueryDrift::kCalibrated);
+  const DecodeCosines calibrated = ConsecutiveDecodeCosines(p);
+  EXPECT_GT(calibrated.adjacent, 0.65);
+  EXPECT_LT(calibrated.adjacent, 0.8);
+  EXPECT_LT(calibrated.at_topic_change, 0.55);
+
+  p.query_drift = QueryDrift::kAdversarial;
+  const DecodeCosines adversarial = ConsecutiveDecodeCosines(p);
+  EXPECT_GT(adversarial.adjacent, 0.85);
+  EXPECT_GT(adversarial.at_topic_change, 0.85);
+
+  // decode_noise overrides the drift's default jitter: none makes the calibrated drift's steps
+  // of one period alike.
+  p.query_drift = QueryDrift::kCalibrated;
+  p.decode_noise = 0.0f;
+  EXPECT_GT(ConsecutiveDecodeCosines(p).adjacent, 0.85);
+}
+
+TEST(SyntheticTraceTest, QueryDriftNamesRoundTripAndReachTheMetadata) {
+  for (QueryDrift drift : {QueryDrift::kCalibrated, QueryDrift::kAdversarial}) {
+    absl::StatusOr<QueryDrift> parsed = ParseQueryDrift(QueryDriftName(drift));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, drift);
+  }
+  EXPECT_THAT(ParseQueryDrift("smooth").status().message(),
+              HasSubstr("unknown query drift 'smooth'; want calibrated or adversarial"));
+  SyntheticTraceParams p = Small();
+  std::map<std::string, std::string> m = SyntheticTrace::Create(p)->Metadata();
+  EXPECT_EQ(m.at("query_drift"), "calibrated");
+  EXPECT_EQ(std::stof(m.at("decode_noise")), kCalibratedDecodeNoise);
+  p.query_drift = QueryDrift::kAdversarial;
+  m = SyntheticTrace::Create(p)->Metadata();
+  EXPECT_EQ(m.at("query_drift"), "adversarial");
+  EXPECT_EQ(m.at("decode_noise"), "0");
+  // The drift shapes decode queries only: prompt tensors and decode keys do not change.
+  const SyntheticTrace calibrated = *SyntheticTrace::Create(Small());
+  const SyntheticTrace adversarial = *SyntheticTrace::Create(p);
+  const int row = p.q_heads * p.head_dim;
+  std::vector<float> a(64 * row), b(64 * row);
+  calibrated.GenerateRows(0, TracePhase::kPrefill, TraceTensor::kQ, 4000, 64, a.data());
+  adversarial.GenerateRows(0, TracePhase::kPrefill, TraceTensor::kQ, 4000, 64, b.data());
+  EXPECT_EQ(a, b);
+  a.resize(p.decode_steps * p.kv_heads * p.head_dim);
+  b.resize(a.size());
+  calibrated.GenerateRows(1, TracePhase::kDecode, TraceTensor::kK, 0, p.decode_steps, a.data());
+  adversarial.GenerateRows(1, TracePhase::kDecode, TraceTensor::kK, 0, p.decode_steps, b.data());
+  EXPECT_EQ(a, b);
 }
 
 TEST(SyntheticTraceTest, RowsDoNotDependOnChunking) {
@@ -194,6 +291,10 @@ TEST(SyntheticTraceTest, RejectsInvalidParameters) {
   made = SyntheticTrace::Create(p);
   EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(made.status().message(), HasSubstr("needles must be in [0, min(decode_steps"));
+  p = Small();
+  p.decode_noise = NAN;
+  made = SyntheticTrace::Create(p);
+  EXPECT_THAT(made.status().message(), HasSubstr("decode_noise must be finite"));
   p = Small();
   p.rotary_dims = 62;
   made = SyntheticTrace::Create(p);

@@ -1,4 +1,5 @@
-// `kvrecall synth --out FILE [--context T] [--decode_steps N] [--layers L] [geometry] [model]`:
+// `kvrecall synth --out FILE [--context T] [--decode_steps N] [--layers L] [geometry] [model]
+// [--query_drift calibrated|adversarial]`:
 // writes a synthetic replay trace (client/trace/synthetic.h) and prints its needles as JSON.
 #include <cstdio>
 #include <string>
@@ -26,6 +27,16 @@ ABSL_FLAG(int32_t, sink_tokens, 4, "synth: attention-sink tokens at the start of
 ABSL_FLAG(int32_t, topics, 64, "synth: latent topics of the prompt");
 ABSL_FLAG(int32_t, mean_segment, 512, "synth: mean tokens per topic segment");
 ABSL_FLAG(int32_t, drift_period, 32, "synth: decode steps between topic changes");
+ABSL_FLAG(std::string, query_drift, "calibrated",
+          "synth: how decode queries move between steps. calibrated (default): the topic changes "
+          "abruptly every drift_period steps and each step jitters around it, matching tinylm-a's "
+          "step-to-step query cosine and ReTopK path mix (bench/results/synth_calibration.md); "
+          "adversarial: the generator before issue 15, the topic glides smoothly to the next one "
+          "with no jitter, so queries stay >= tau alike while their support moves (the worst "
+          "case for selection reuse)");
+ABSL_FLAG(double, decode_noise, -1.0,
+          "synth: norm of each decode query's own jitter (< 0: the drift's default, 8 for "
+          "calibrated, 0 for adversarial)");
 ABSL_FLAG(int32_t, needles, 8, "synth: planted key/value pairs, one decode step asks for each");
 ABSL_FLAG(int32_t, rotary_dims, 32, "synth: leading dims under RoPE");
 ABSL_FLAG(double, rope_base, 500000.0, "synth: RoPE base");
@@ -46,6 +57,10 @@ int RunSynth(const std::vector<char*>& args) {
   p.topics = absl::GetFlag(FLAGS_topics);
   p.mean_segment = absl::GetFlag(FLAGS_mean_segment);
   p.drift_period = absl::GetFlag(FLAGS_drift_period);
+  absl::StatusOr<QueryDrift> drift = ParseQueryDrift(absl::GetFlag(FLAGS_query_drift));
+  if (!drift.ok()) return UsageError("synth", drift.status().message());
+  p.query_drift = *drift;
+  p.decode_noise = static_cast<float>(absl::GetFlag(FLAGS_decode_noise));
   p.needles = absl::GetFlag(FLAGS_needles);
   p.rotary_dims = absl::GetFlag(FLAGS_rotary_dims);
   p.rope_base = absl::GetFlag(FLAGS_rope_base);
@@ -69,6 +84,8 @@ int RunSynth(const std::vector<char*>& args) {
                            {"decode_steps", p.decode_steps}, {"layers", p.layers},
                            {"q_heads", p.q_heads}, {"kv_heads", p.kv_heads},
                            {"head_dim", p.head_dim}, {"dtype", dtype}, {"seed", p.seed},
+                           {"query_drift", QueryDriftName(p.query_drift)},
+                           {"decode_noise", std::stod(trace->Metadata().at("decode_noise"))},
                            {"needles", nlohmann::json::parse(trace->Metadata().at("needles"))}};
   std::printf("%s\n", report.dump(absl::GetFlag(FLAGS_json) ? -1 : 2).c_str());
   return 0;

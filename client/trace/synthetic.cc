@@ -124,6 +124,18 @@ void AddScaled(const float* direction, float scale, int dim, float* v) {
 
 }  // namespace
 
+const char* QueryDriftName(QueryDrift drift) {
+  return drift == QueryDrift::kAdversarial ? "adversarial" : "calibrated";
+}
+
+absl::StatusOr<QueryDrift> ParseQueryDrift(const std::string& name) {
+  if (name == "calibrated") return QueryDrift::kCalibrated;
+  if (name == "adversarial") return QueryDrift::kAdversarial;
+  return absl::InvalidArgumentError(
+      absl::StrCat("synthetic trace: unknown query drift '", name,
+                   "'; want calibrated or adversarial"));
+}
+
 absl::Status SyntheticTraceParams::Validate() const {
   auto invalid = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("synthetic trace: ", parts...));
@@ -148,6 +160,10 @@ absl::Status SyntheticTraceParams::Validate() const {
   if (topics < 1) return invalid("topics must be >= 1, got ", topics);
   if (mean_segment < 1) return invalid("mean_segment must be >= 1, got ", mean_segment);
   if (drift_period < 1) return invalid("drift_period must be >= 1, got ", drift_period);
+  if (query_drift != QueryDrift::kCalibrated && query_drift != QueryDrift::kAdversarial) {
+    return invalid("query_drift must be calibrated or adversarial");
+  }
+  if (!std::isfinite(decode_noise)) return invalid("decode_noise must be finite");
   const int64_t needle_room = context * 9 / 10 - std::max<int64_t>(sinks, context / 20);
   if (needles < 0 || needles > decode_steps || needles > needle_room) {
     return invalid("needles must be in [0, min(decode_steps, ", std::max<int64_t>(needle_room, 0),
@@ -189,6 +205,22 @@ absl::StatusOr<SyntheticTrace> SyntheticTrace::Create(const SyntheticTraceParams
       for (int n = 0; n < params.needles; ++n) {
         std::vector<float> v = RandomDirection(rng, d, layout.rotary, layout.topic_end, &s.sink);
         s.needles.insert(s.needles.end(), v.begin(), v.end());
+      }
+      // Gram-Schmidt over the sink and needle directions (needles beyond the topic dims'
+      // room fall out as ~zero remainders and are skipped).
+      for (int n = -1; n < params.needles; ++n) {
+        std::vector<float> v = n < 0 ? s.sink : std::vector<float>(s.needles.begin() + n * d,
+                                                                   s.needles.begin() + (n + 1) * d);
+        for (size_t b = 0; b < s.jitter_free.size(); b += d) {
+          double dot = 0;
+          for (int i = 0; i < d; ++i) dot += static_cast<double>(v[i]) * s.jitter_free[b + i];
+          for (int i = 0; i < d; ++i) v[i] -= static_cast<float>(dot) * s.jitter_free[b + i];
+        }
+        double norm = 0;
+        for (float x : v) norm += static_cast<double>(x) * x;
+        if (norm < 1e-6) continue;
+        Normalize(v.data(), d);
+        s.jitter_free.insert(s.jitter_free.end(), v.begin(), v.end());
       }
       trace.spaces_.push_back(std::move(s));
     }
@@ -262,17 +294,24 @@ std::map<std::string, std::string> SyntheticTrace::Metadata() const {
   }
   return {
       {"source", "kvrecall synthetic generator (client/trace/synthetic.h)"},
-      {"generator", "kvrecall-synthetic-v1"},
+      {"generator", "kvrecall-synthetic-v2"},
       {"seed", absl::StrCat(params_.seed)},
       {"sinks", absl::StrCat(params_.sinks)},
       {"topics", absl::StrCat(params_.topics)},
       {"mean_segment", absl::StrCat(params_.mean_segment)},
       {"drift_period", absl::StrCat(params_.drift_period)},
+      {"query_drift", QueryDriftName(params_.query_drift)},
+      {"decode_noise", absl::StrCat(decode_noise())},
       {"rotary_dims", absl::StrCat(params_.rotary_dims)},
       {"rope_base", absl::StrCat(params_.rope_base)},
       {"rope", "applied to the leading rotary_dims (rotate-half)"},
       {"needles", needles.dump()},
   };
+}
+
+float SyntheticTrace::decode_noise() const {
+  if (params_.decode_noise >= 0) return params_.decode_noise;
+  return params_.query_drift == QueryDrift::kCalibrated ? kCalibratedDecodeNoise : 0.0f;
 }
 
 void SyntheticTrace::ApplyRope(int64_t position, float* v) const {
@@ -350,10 +389,17 @@ void SyntheticTrace::QueryRow(int layer, int q_head, TracePhase phase, int64_t r
     position = params_.context + row;
     const int64_t periods = params_.decode_steps / params_.drift_period + 2;
     const int64_t m = row / params_.drift_period;
-    const float drift = static_cast<float>(row % params_.drift_period) / params_.drift_period;
     const int32_t* topics = decode_topics_.data() + q_head * periods;
-    AddScaled(s.topics.data() + topics[m] * d, 1.0f - drift, d, direction.data());
-    AddScaled(s.topics.data() + topics[m + 1] * d, drift, d, direction.data());
+    if (params_.query_drift == QueryDrift::kAdversarial) {
+      // The topic glides to the next one over the period: consecutive queries stay alike while
+      // the keys they want move elsewhere.
+      const float drift = static_cast<float>(row % params_.drift_period) / params_.drift_period;
+      AddScaled(s.topics.data() + topics[m] * d, 1.0f - drift, d, direction.data());
+      AddScaled(s.topics.data() + topics[m + 1] * d, drift, d, direction.data());
+    } else {
+      // The period's topic, changing abruptly at its end (the query's similarity drops with it).
+      AddScaled(s.topics.data() + topics[m] * d, 1.0f, d, direction.data());
+    }
     Normalize(direction.data(), d);
     if (needle_at_step_[row] >= 0) {
       // The asking query is about the needle: its topic recedes.
@@ -364,6 +410,31 @@ void SyntheticTrace::QueryRow(int layer, int q_head, TracePhase phase, int64_t r
   AddScaled(direction.data(), scale * kQueryTopic, d, out);
   AddScaled(s.recency.data(), scale * kRecencyQuery, d, out);
   AddNoise(rng, 0, layout.rotary, kRotaryNoise, out);
+  if (phase == TracePhase::kDecode) {
+    // The step's own jitter, drawn last so that the adversarial drift (no jitter) reproduces
+    // the pre-issue-15 generator's queries exactly.
+    // It lives in the topic dims orthogonal to the sink and needle directions, rescaled to keep
+    // its expected norm: sinks keep their share of every query's mass, and a needle is asked for
+    // by its own step only.
+    if (const float jitter = decode_noise(); jitter > 0) {
+      const int basis = static_cast<int>(s.jitter_free.size()) / d;
+      const int free_dims = layout.topic_end - layout.rotary - basis;
+      if (free_dims > 0) {
+        std::vector<float> noise(d, 0.0f);
+        AddNoise(rng, layout.rotary, layout.topic_end,
+                 scale * jitter * std::sqrt(static_cast<float>(layout.topic_end - layout.rotary) /
+                                            free_dims),
+                 noise.data());
+        for (int b = 0; b < basis; ++b) {
+          const float* e = s.jitter_free.data() + b * d;
+          double dot = 0;
+          for (int i = 0; i < d; ++i) dot += static_cast<double>(noise[i]) * e[i];
+          AddScaled(e, -static_cast<float>(dot), d, noise.data());
+        }
+        AddScaled(noise.data(), 1.0f, d, out);
+      }
+    }
+  }
   ApplyRope(position, out);
 }
 

@@ -14,8 +14,15 @@
 //  * RoPE recency: queries and keys share a component in mid-frequency rotary pairs, so nearby
 //    tokens score higher and the bonus fades over hundreds of tokens;
 //  * prefill queries mostly attend their own segment's topic and sometimes an earlier one;
-//    decode queries drift: their topic moves to a new one every `drift_period` steps,
-//    interpolating between the two;
+//    decode queries drift (`query_drift`, calibrated against tinylm-a in
+//    bench/results/synth_calibration.md):
+//     - kCalibrated (the default): a head's topic changes abruptly every `drift_period` steps
+//       and every step jitters around it (`decode_noise`), so consecutive queries have cosine
+//       ~0.8 and a topic change shows as a drop in query similarity, as on real traces;
+//     - kAdversarial (the generator before issue 15): the topic glides from one to the next over
+//       each period, interpolating, with no per-step jitter: every step is >= 0.9 similar to the
+//       one before while the support moves to another topic, the worst case for selection
+//       reuse (ReTopK reuses ~80% of steps and loses most of its output fidelity);
 //  * needles: `needles` prompt positions get a key (and a distinctive value) along a direction
 //    of their own that no prefill query uses; one decode step per needle asks for it strongly,
 //    making the needle that query's highest-scoring key in every layer and head.
@@ -36,6 +43,16 @@
 
 namespace kvrecall {
 
+// How decode queries move between steps (see the header comment).
+enum class QueryDrift { kCalibrated, kAdversarial };
+
+// "calibrated" / "adversarial"; ParseQueryDrift is INVALID_ARGUMENT for anything else.
+const char* QueryDriftName(QueryDrift drift);
+absl::StatusOr<QueryDrift> ParseQueryDrift(const std::string& name);
+
+// kCalibrated's per-step decode jitter (bench/results/synth_calibration.md).
+inline constexpr float kCalibratedDecodeNoise = 8.0f;
+
 struct SyntheticTraceParams {
   int layers = 1;
   int q_heads = 8;
@@ -48,6 +65,11 @@ struct SyntheticTraceParams {
   int topics = 64;
   int mean_segment = 512;       // mean tokens per topic segment of the prompt
   int drift_period = 32;        // decode steps between topic changes
+  QueryDrift query_drift = QueryDrift::kCalibrated;
+  // Norm of each decode query's own jitter in the topic dims (head_dim 64 units, as the
+  // generator's other strengths); < 0: the drift's default (kCalibratedDecodeNoise for
+  // kCalibrated, 0 for kAdversarial).
+  float decode_noise = -1.0f;
   int needles = 8;              // placed in the prompt's middle 90%, asked for by decode steps
   int rotary_dims = 32;         // leading dims under RoPE (even, < head_dim)
   double rope_base = 500000.0;
@@ -73,8 +95,9 @@ class SyntheticTrace {
   const std::vector<Needle>& needles() const { return needles_; }
   // Topic of each prompt token (0 for sinks), for tests.
   const std::vector<int32_t>& prompt_topics() const { return prompt_topics_; }
-  // The trace's __metadata__: "source", "generator", "seed", "sinks", "rotary_dims",
-  // "rope_base" and "needles" (a JSON list of {"position", "decode_step"} objects).
+  // The trace's __metadata__: "source", "generator", "seed", "sinks", "topics", "mean_segment",
+  // "drift_period", "query_drift", "decode_noise", "rotary_dims", "rope_base", "rope" and
+  // "needles" (a JSON list of {"position", "decode_step"} objects).
   std::map<std::string, std::string> Metadata() const;
 
   // Rows [row_begin, row_begin + rows) of one tensor as f32, [rows, heads, head_dim] into out
@@ -94,6 +117,8 @@ class SyntheticTrace {
     std::vector<float> topics;     // [topics, head_dim]
     std::vector<float> needles;    // [needles, head_dim]
     std::vector<float> values;     // [topics, head_dim]: value centre per topic
+    // Orthonormal basis of the sink and needle directions, which the decode jitter avoids.
+    std::vector<float> jitter_free;  // [basis vectors, head_dim]
   };
 
   explicit SyntheticTrace(const SyntheticTraceParams& params) : params_(params) {}
@@ -107,6 +132,7 @@ class SyntheticTrace {
   void QueryRow(int layer, int q_head, TracePhase phase, int64_t row, uint64_t stream,
                 float* out) const;
   void ApplyRope(int64_t position, float* v) const;
+  float decode_noise() const;  // params_.decode_noise, or the drift's default
 
   SyntheticTraceParams params_;
   std::vector<KeySpace> spaces_;          // [layers * kv_heads]
