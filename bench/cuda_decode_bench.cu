@@ -258,8 +258,8 @@ MixResult RunPattern(const PathPattern& pat, const DecodeShape& shape, int top_k
     }
   }
   auto d_queries = ValueOrDie(DeviceBuffer<float>::Zeroed(queries.size()));
-  CHECK_CUDA(cudaMemcpy(d_queries.data(), queries.data(), queries.size() * sizeof(float),
-                        cudaMemcpyHostToDevice));
+  CHECK_OK(CopyToDevice(d_queries.data(), queries.data(), queries.size() * sizeof(float),
+                        "uploading the queries"));
   auto query_at = [&](int b, int t) {
     return d_queries.data() + (static_cast<size_t>(b) * (c + steps) + t) * row_floats;
   };
@@ -272,8 +272,8 @@ MixResult RunPattern(const PathPattern& pat, const DecodeShape& shape, int top_k
     }
   }
   auto d_all_seqs = ValueOrDie(DeviceBuffer<DeviceSeq>::Zeroed(all_seqs.size()));
-  CHECK_CUDA(cudaMemcpy(d_all_seqs.data(), all_seqs.data(), all_seqs.size() * sizeof(DeviceSeq),
-                        cudaMemcpyHostToDevice));
+  CHECK_OK(CopyToDevice(d_all_seqs.data(), all_seqs.data(), all_seqs.size() * sizeof(DeviceSeq),
+                        "uploading the sequences"));
   auto ws = ValueOrDie(ReTopKWorkspace::Create(shape, top_k, retopk, context));
   std::vector<std::unique_ptr<ReTopKCaches>> caches;
   std::vector<ReTopKCachesView> views;
@@ -290,8 +290,8 @@ MixResult RunPattern(const PathPattern& pat, const DecodeShape& shape, int top_k
   };
   seed();
   auto d_views = ValueOrDie(DeviceBuffer<ReTopKCachesView>::Zeroed(batch));
-  CHECK_CUDA(cudaMemcpy(d_views.data(), views.data(), batch * sizeof(ReTopKCachesView),
-                        cudaMemcpyHostToDevice));
+  CHECK_OK(CopyToDevice(d_views.data(), views.data(), batch * sizeof(ReTopKCachesView),
+                        "uploading the cache views"));
   auto d_seqs = ValueOrDie(DeviceBuffer<DeviceSeq>::Zeroed(batch));
   auto d_q = ValueOrDie(DeviceBuffer<float>::Zeroed(rows * kDim));
   auto d_o = ValueOrDie(DeviceBuffer<float>::Zeroed(rows * kDim));
@@ -417,8 +417,8 @@ int Main() {
     stream_host.insert(stream_host.end(), qs.begin(), qs.end());
   }
   auto d_stream = ValueOrDie(DeviceBuffer<float>::Zeroed(stream_host.size()));
-  CHECK_CUDA(cudaMemcpy(d_stream.data(), stream_host.data(), stream_host.size() * sizeof(float),
-                        cudaMemcpyHostToDevice));
+  CHECK_OK(CopyToDevice(d_stream.data(), stream_host.data(), stream_host.size() * sizeof(float),
+                        "uploading the query stream"));
   auto step_query = [&](int b, int t) {
     return d_stream.data() + (static_cast<size_t>(b) * steps + t) * row_floats;
   };
@@ -434,12 +434,13 @@ int Main() {
         seqs.push_back(DeviceSeq::Contiguous(keys.data() + b * seq_elems,
                                              values.data() + b * seq_elems, context));
       }
-      CHECK_CUDA(cudaMemcpy(d_seqs.data(), seqs.data(), batch * sizeof(DeviceSeq),
-                            cudaMemcpyHostToDevice));
+      CHECK_OK(CopyToDevice(d_seqs.data(), seqs.data(), batch * sizeof(DeviceSeq),
+                            "uploading the sequences"));
       // Full attention and exact top-K on the first decode query of each sequence.
       for (int b = 0; b < batch; ++b) {
-        CHECK_CUDA(cudaMemcpy(d_q.data() + b * row_floats, step_query(b, retopk.cache_capacity),
-                              row_floats * sizeof(float), cudaMemcpyDeviceToDevice));
+        CHECK_OK(CopyDeviceToDevice(d_q.data() + b * row_floats,
+                                    step_query(b, retopk.cache_capacity),
+                                    row_floats * sizeof(float), "copying the step query"));
       }
       const double kv_bytes = 2.0 * batch * context * kv_heads * kDim * sizeof(__nv_bfloat16);
       const Stats full = TimeGraph(
@@ -478,8 +479,8 @@ int Main() {
                                   caches.back().get(), stream));
         views.push_back(caches.back()->view());
       }
-      CHECK_CUDA(cudaMemcpy(d_caches.data(), views.data(), batch * sizeof(ReTopKCachesView),
-                            cudaMemcpyHostToDevice));
+      CHECK_OK(CopyToDevice(d_caches.data(), views.data(), batch * sizeof(ReTopKCachesView),
+                            "uploading the cache views"));
       const Stats reuse = TimeGraph(
           stream, kWarmup, reps,
           [&] {

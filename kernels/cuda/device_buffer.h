@@ -10,12 +10,25 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "kernels/cuda/cuda_status.h"
 
 namespace kvrecall::cuda {
 
+// Waits for the work queued on the legacy default stream. cudaMemset, and cudaMemcpy between
+// device buffers or from pageable host memory, return before the device is done, on that
+// stream; the kernels run on non-blocking streams, which do not wait for it. A buffer that
+// cudaMalloc recycled holds its previous owner's bytes until the fill lands, and a kernel that
+// reads its counters and histograms before then walks off its buffers (the likely cause of a
+// 1M-token seeding fault seen once, only in a server that had freed sessions before). So every
+// fill and copy below waits here.
+inline absl::Status WaitForLegacyStream(absl::string_view what) {
+  return CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), what);
+}
+
 // `count` elements of T in device memory, zero-filled at allocation (workspaces rely on it:
-// their counters and histograms start at zero and every step leaves them at zero again).
+// their counters and histograms start at zero and every step leaves them at zero again); the
+// zeros are in place, for every stream, when Zeroed returns.
 template <typename T>
 class DeviceBuffer {
  public:
@@ -45,6 +58,7 @@ class DeviceBuffer {
     buffer.count_ = count;
     KVRECALL_CUDA_RETURN_IF_ERROR(
         CudaStatus(cudaMemset(ptr, 0, count * sizeof(T)), "zeroing a device buffer"));
+    KVRECALL_CUDA_RETURN_IF_ERROR(WaitForLegacyStream("zeroing a device buffer"));
     return buffer;
   }
 
@@ -62,6 +76,24 @@ class DeviceBuffer {
   T* data_ = nullptr;
   size_t count_ = 0;
 };
+
+// Copies `bytes` from one device buffer to another; the copy is complete, for every stream,
+// when it returns.
+inline absl::Status CopyDeviceToDevice(void* dst, const void* src, size_t bytes,
+                                       absl::string_view what) {
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice), what));
+  return WaitForLegacyStream(what);
+}
+
+// Copies `bytes` from host memory (pageable or pinned) to device memory; the copy is complete,
+// for every stream, when it returns.
+inline absl::Status CopyToDevice(void* dst, const void* src, size_t bytes,
+                                 absl::string_view what) {
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what));
+  return WaitForLegacyStream(what);
+}
 
 // *buffer = `count` zeroed elements, the previous contents freed.
 template <typename T>

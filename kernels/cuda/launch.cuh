@@ -42,7 +42,8 @@ class PerDevice {
     const absl::StatusOr<int> device = CachedDevice();
     if (!device.ok()) return device.status();
     Slot& slot = slots_[*device];
-    std::call_once(slot.once, [&] { slot.value = compute(*device); });
+    // (void): nvcc warns of the discarded StatusOr& that the assignment yields.
+    std::call_once(slot.once, [&] { (void)(slot.value = compute(*device)); });
     return slot.value;
   }
 

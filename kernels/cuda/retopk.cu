@@ -190,10 +190,9 @@ absl::StatusOr<std::unique_ptr<ReTopKCaches>> ReTopKCaches::Create(int q_heads, 
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(layout.heads, &caches->oldest_));
   KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(layout.heads, &caches->tau_));
   const std::vector<float> taus(q_heads, params.tau);
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpy(caches->tau_.data(), taus.data(), taus.size() * sizeof(float),
-                 cudaMemcpyHostToDevice),
-      "initializing tau"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CopyToDevice(caches->tau_.data(), taus.data(), taus.size() * sizeof(float),
+                   "initializing tau"));
   return caches;
 }
 

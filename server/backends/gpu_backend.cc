@@ -65,7 +65,7 @@ class DeviceKv {
 
   // Room for `more` tokens beyond the committed ones: half again the capacity or, when the
   // budget cannot afford that, exactly what is needed. Growth copies the content on the
-  // device (synchronously: no kernel of this layer is in flight between steps).
+  // device, complete when Reserve returns (no kernel of this layer is in flight between steps).
   // RESOURCE_EXHAUSTED naming `what` changes nothing.
   absl::Status Reserve(int64_t more, absl::string_view what) {
     const int64_t needed = tokens_ + more;
@@ -84,12 +84,11 @@ class DeviceKv {
       if (!status.ok()) continue;
       const size_t used = static_cast<size_t>(tokens_) * row_elems_ * 2;
       if (used > 0) {
-        status = CudaStatus(cudaMemcpy(keys.data(), keys_.data(), used, cudaMemcpyDeviceToDevice),
-                            "moving keys to a larger allocation");
+        status = cuda::CopyDeviceToDevice(keys.data(), keys_.data(), used,
+                                          "moving keys to a larger allocation");
         if (status.ok()) {
-          status = CudaStatus(
-              cudaMemcpy(values.data(), values_.data(), used, cudaMemcpyDeviceToDevice),
-              "moving values to a larger allocation");
+          status = cuda::CopyDeviceToDevice(values.data(), values_.data(), used,
+                                            "moving values to a larger allocation");
         }
         if (!status.ok()) return status;
       }
@@ -416,10 +415,9 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> GpuBackend::BuildLayer(
     absl::Status seeded = queries.Allocate(std::max<size_t>(1, staged.last_queries().size()),
                                            accounts.device, "the ReTopK seeds");
     if (seeded.ok()) {
-      seeded = CudaStatus(cudaMemcpy(queries.data(), staged.last_queries().data(),
-                                     staged.last_queries().size() * sizeof(float),
-                                     cudaMemcpyHostToDevice),
-                          "uploading the ReTopK seeds");
+      seeded = cuda::CopyToDevice(queries.data(), staged.last_queries().data(),
+                                  staged.last_queries().size() * sizeof(float),
+                                  "uploading the ReTopK seeds");
     }
     std::unique_ptr<cuda::ReTopKWorkspace> ws;
     if (seeded.ok()) {
