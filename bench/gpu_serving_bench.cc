@@ -52,6 +52,10 @@ ABSL_FLAG(double, query_rho, 0.97,
           "ReTopK reuses fewer steps)");
 ABSL_FLAG(bool, auto_tau, false, "ReTopK calibrates tau per head from the prefill queries");
 ABSL_FLAG(std::string, out, "", "also write the JSON here");
+ABSL_FLAG(std::string, gaps_us, "0",
+          "pauses between a reply and the next request to time, one run per value: the gap a "
+          "runner computing its other layers leaves (work the server defers, such as linking the "
+          "graph index, runs in it)");
 
 namespace kvrecall::bench {
 namespace {
@@ -230,6 +234,11 @@ int Main() {
   const std::vector<int> contexts = Ints(absl::GetFlag(FLAGS_contexts));
   const std::vector<int> batches = Ints(absl::GetFlag(FLAGS_batches));
   const int max_batch = *std::max_element(batches.begin(), batches.end());
+  // (batch, gap) in the order timed: every gap of a batch before the next batch.
+  std::vector<std::pair<int, int>> runs;
+  for (int batch : batches) {
+    for (int gap : Ints(absl::GetFlag(FLAGS_gaps_us))) runs.push_back({batch, gap});
+  }
   const Geometry g{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads),
                    absl::GetFlag(FLAGS_head_dim)};
   const int steps = absl::GetFlag(FLAGS_steps);
@@ -276,7 +285,7 @@ int Main() {
       if (absl::GetFlag(FLAGS_auto_tau)) policy.mutable_retopk()->set_auto_tau(true);
       std::vector<std::string> ids(max_batch);
       std::vector<std::vector<float>> queries(max_batch);
-      const int total_steps = with_queries + (warmup + steps) * static_cast<int>(batches.size());
+      const int total_steps = with_queries + (warmup + steps) * static_cast<int>(runs.size());
       for (int b = 0; b < max_batch; ++b) {
         v1::CreateSessionRequest request;
         v1::Geometry* geo = request.mutable_geometry();
@@ -319,8 +328,9 @@ int Main() {
       std::vector<float> kv(g.kv_row());
       std::mt19937_64 rng(context);
       std::normal_distribution<float> normal(0.0f, 1.0f);
-      for (int batch : batches) {
+      for (const auto& [batch, gap_us] : runs) {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
+        std::vector<double> static_set, bulk, link_wait;  // tiered: the reply's tier_micros
         int64_t paths[5] = {};
         for (int i = 0; i < warmup + steps; ++i, ++step_index) {
           request.Clear();
@@ -337,6 +347,7 @@ int Main() {
             *s->mutable_k_new() = Bf16Tensor({g.kv_heads, g.head_dim}, ToBf16(kv.data(), kv.size()));
             *s->mutable_v_new() = Bf16Tensor({g.kv_heads, g.head_dim}, ToBf16(kv.data(), kv.size()));
           }
+          if (gap_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
           const auto t0 = Clock::now();
           if (!stream->Write(request) || !stream->Read(&response)) {
             Check(stream->Finish(), "Decode");
@@ -346,6 +357,11 @@ int Main() {
           e2e.push_back(us);
           server.push_back(response.server_micros());
           beyond.push_back(us - response.server_micros());
+          if (response.has_tier_micros()) {
+            static_set.push_back(response.tier_micros().static_set());
+            bulk.push_back(response.tier_micros().bulk());
+            link_wait.push_back(response.tier_micros().link_wait());
+          }
           for (const v1::SequenceResult& r : response.results()) {
             for (const v1::HeadDiagnostics& h : r.heads()) ++paths[h.path()];
           }
@@ -363,16 +379,31 @@ int Main() {
                     {"e2e_minus_server_p50_us", client::Percentile(beyond, 0.5)},
                     {"e2e_minus_server_p99_us", client::Percentile(beyond, 0.99)},
                     {"prefill_seconds", prefill_s},
-                    {"sessions", max_batch}};
+                    {"sessions", max_batch},
+                    {"gap_us", gap_us}};
+        if (!bulk.empty()) {
+          // The halves apart: the static tier's own time overlaps the bulk's.
+          rec["static_set_p50_us"] = client::Percentile(static_set, 0.5);
+          rec["static_set_p99_us"] = client::Percentile(static_set, 0.99);
+          rec["bulk_p50_us"] = client::Percentile(bulk, 0.5);
+          rec["bulk_p99_us"] = client::Percentile(bulk, 0.99);
+          rec["link_wait_p50_us"] = client::Percentile(link_wait, 0.5);
+          rec["link_wait_p99_us"] = client::Percentile(link_wait, 0.99);
+          std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
+                       "link wait p50 %.1f us (p99 %.1f)\n",
+                       rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),
+                       rec["bulk_p50_us"].get<double>(), rec["bulk_p99_us"].get<double>(),
+                       rec["link_wait_p50_us"].get<double>(), rec["link_wait_p99_us"].get<double>());
+        }
         if (*selector == v1::SELECTOR_RETOPK) {
           rec["path_mix"] = {{"reuse", paths[v1::PATH_REUSE] / heads},
                              {"fallback", paths[v1::PATH_FALLBACK] / heads},
                              {"refresh", paths[v1::PATH_REFRESH] / heads}};
         }
         std::fprintf(stderr,
-                     "%s %d x%d: e2e p50 %.1f us (p99 %.1f), server p50 %.1f us, e2e - server "
-                     "p50 %.1f us\n",
-                     selector_name.c_str(), context, batch, rec["e2e_p50_us"].get<double>(),
+                     "%s %d x%d gap %d us: e2e p50 %.1f us (p99 %.1f), server p50 %.1f us, e2e - "
+                     "server p50 %.1f us\n",
+                     selector_name.c_str(), context, batch, gap_us, rec["e2e_p50_us"].get<double>(),
                      rec["e2e_p99_us"].get<double>(), rec["server_p50_us"].get<double>(),
                      rec["e2e_minus_server_p50_us"].get<double>());
         records.push_back(rec);

@@ -3,7 +3,8 @@
 # .device/lead/bundle (shipped compressed as .device/lead/ship/bundle.tar.xz) and the tinylm-a
 # model copied to .device/lead/model (tinylm-a.npz, tinylm_np.py):
 #   bench/placement_device_run.sh [tests] [sanitize] [replay] [serving] [kernels]
-# tests: the server's GPU tests (gpu_placement_test, tiered_placement_test) and the seam's;
+# tests: the server's GPU tests (gpu_placement_test, tiered_placement_test), the seam's and
+# DeviceBuffer's ordering with the kernels' streams (cuda_device_buffer_test);
 # sanitize: the GPU ones under compute-sanitizer memcheck; replay: `kvrecall replay` of a real
 # tinylm-a trace (made here with numpy) through kvrecalld, CPU, GPU and tiered placements side by
 # side (TIERED_RUNS: the tiered rows), checked by
@@ -19,7 +20,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 for step in "$@"; do
   case $step in
     tests)
-      for t in gpu_placement_test tiered_placement_test backend_seam_test; do
+      for t in cuda_device_buffer_test gpu_placement_test tiered_placement_test backend_seam_test; do
         timeout 400 "$bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 || status=1
         tail -n 30 "$logs/$t.log"
       done ;;
@@ -81,9 +82,10 @@ streaming --sinks=128 --recent=512}"
       # the others' figures.
       # SERVING_SERVER_FLAGS: kvrecalld's flags for these runs; SERVING_TAG: a prefix of the
       # file names, so that calls with other flags keep their own.
+      # SERVING_KVRECALLD: another kvrecalld to serve them (a baseline build, bundled apart).
       tag=${SERVING_TAG:-}
-      start_kvrecalld "$bin/kvrecalld" "$logs/kvrecalld_serving$tag.log" --address=127.0.0.1:0 \
-        ${SERVING_SERVER_FLAGS:-} || status=1
+      start_kvrecalld "${SERVING_KVRECALLD:-$bin/kvrecalld}" "$logs/kvrecalld_serving$tag.log" \
+        --address=127.0.0.1:0 ${SERVING_SERVER_FLAGS:-} || status=1
       server=$kvrecalld_pid
       n=0
       while read -r run; do

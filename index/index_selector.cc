@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "index/basic_selectors.h"
+#include "kernels/cpu/attention.h"
 
 namespace kvrecall {
 
@@ -43,7 +44,14 @@ absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries)
   }
   const int64_t bulk_end = BulkEnd(kv.tokens);
   const int64_t query_stride = static_cast<int64_t>(shape_.q_heads) * shape_.head_dim;
-  // Heads one after another: each build is parallel inside (query blocks, nodes).
+  // With at least a head per thread, heads build side by side, each on one thread: a build has
+  // serial stretches (the projection's grouping, the connectivity pass) that one head at a time
+  // on every thread leaves the other cores idle through. With fewer heads than threads, or
+  // inside a parallel region (the server building a prompt's layers side by side), heads build
+  // one after another, each on the threads there are.
+  const int side_by_side = BuildSideBySide(shape_.q_heads, BuildThreads());
+  std::vector<absl::Status> built(shape_.q_heads);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(side_by_side) if (side_by_side > 1)
   for (int h = 0; h < shape_.q_heads; ++h) {
     Head& head = heads_[h];
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
@@ -56,13 +64,20 @@ absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries)
     }
     queries.causal = true;
     queries.first_key_position = sinks_;
-    if (absl::Status s = head.index.Build(BulkKeys(kv, kv_head, bulk_end), queries); !s.ok()) {
-      return s;
-    }
+    built[h] = head.index.Build(BulkKeys(kv, kv_head, bulk_end), queries);
     head.recent_queries.assign(static_cast<size_t>(kRecentQueries) * shape_.head_dim, 0.0f);
     head.queries_seen = 0;
   }
+  for (const absl::Status& s : built) {
+    if (!s.ok()) return s;
+  }
   return absl::OkStatus();
+}
+
+int IndexSelector::BuildThreads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
+
+int IndexSelector::BuildSideBySide(int q_heads, int build_threads) {
+  return q_heads >= build_threads ? std::max(1, build_threads) : 1;
 }
 
 void IndexSelector::OnAppend(const KvView& kv) {
@@ -92,19 +107,39 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
   if (!bulk_only_) AppendStaticSet(kv.tokens, sinks_, recent_, &out->support);
   out->path = SelectionPath::kExact;
   out->candidates = 0;
+  thread_local SearchResult result;
+  result.ids.clear();
+  result.scores.clear();
   if (indexed > 0) {
     SearchParams params;
     params.list_size = index_params_.search_list_size;
-    thread_local SearchResult result;
     head.index.Search(BulkKeys(kv, kv_head, sinks_ + head.index.size()), q,
                       top_k_, params, &result);
+    out->candidates = static_cast<int32_t>(result.stats.scored);
+  }
+  if (sinks_ + indexed >= bulk_end) {
     for (int32_t id : result.ids) {
       if (id < indexed) out->support.push_back(static_cast<int32_t>(sinks_ + id));
     }
-    out->candidates = static_cast<int32_t>(result.stats.scored);
-  }
-  for (int64_t t = sinks_ + indexed; t < bulk_end; ++t) {
-    out->support.push_back(static_cast<int32_t>(t));
+  } else {
+    // Bulk tokens the index does not hold yet (OnAppend has not absorbed them, or an Add
+    // failed) are scored exactly, as the index's own unlinked tail is, and compete for the top
+    // K with what the search found: the support is the same whether OnAppend ran before this
+    // step or runs after it.
+    const VectorSet bulk = BulkKeys(kv, kv_head, bulk_end);
+    for (int64_t t = sinks_ + indexed; t < bulk_end; ++t) {
+      const int32_t id = static_cast<int32_t>(t - sinks_);
+      result.ids.push_back(id);
+      result.scores.push_back(cpu::DotProduct(q, bulk.row(id), shape_.head_dim));
+    }
+    out->candidates += static_cast<int32_t>(bulk_end - sinks_ - indexed);
+    thread_local std::vector<int32_t> best;
+    cpu::TopKPositions(result.scores, top_k_, &best);
+    for (int32_t at : best) {
+      if (result.ids[at] < bulk_end - sinks_) {
+        out->support.push_back(static_cast<int32_t>(sinks_ + result.ids[at]));
+      }
+    }
   }
   // Remember the query for placing the keys that join the bulk later.
   float* slot = head.recent_queries.data() +
@@ -118,9 +153,12 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
   const int64_t bulk = BulkTokens(tokens, params.sinks, params.recent);
   const int64_t per_head = GraphIndex::GraphBytes(params.index, bulk) +
                            int64_t{kRecentQueries} * shape.head_dim * int64_t{sizeof(float)};
+  // Heads building side by side hold a build's scratch each, on one thread each.
+  const int side_by_side = BuildSideBySide(shape.q_heads, build_threads);
   return per_head * shape.q_heads +
-         GraphIndex::BuildScratchBytesBound(params.index, bulk, tokens, shape.head_dim,
-                                            build_threads);
+         side_by_side * GraphIndex::BuildScratchBytesBound(
+                            params.index, bulk, tokens, shape.head_dim,
+                            side_by_side > 1 ? 1 : build_threads);
 }
 
 int64_t IndexSelector::MemoryBytes() const {

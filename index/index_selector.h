@@ -20,8 +20,10 @@ namespace kvrecall {
 // bulk through GraphIndex::Add (a tail scanned exactly until linked, each step linking a bounded
 // number of keys per head: GraphIndexParams::link_batch), with the head's latest decode queries
 // to place them; OnAppend runs the heads' Adds in parallel when they link. The support is the
-// static set plus the index's top `top_k` bulk tokens; bulk tokens the index does not hold yet
-// are attended to directly.
+// static set plus the top `top_k` bulk tokens among what the index finds and the bulk tokens it
+// does not hold yet, which are scored exactly (like its unlinked tail). So OnAppend may run
+// before a step's Selects or after them, off the decode path: either way every bulk token is a
+// candidate, and only the graph that the search walks differs (by the step's link).
 class IndexSelector : public SupportSelector {
  public:
   // params.index zeros take GraphIndexParams defaults. bulk_only: the support holds the bulk's
@@ -32,15 +34,21 @@ class IndexSelector : public SupportSelector {
 
   absl::Status Build(const KvView& kv, const float* prompt_queries) override;
   void OnAppend(const KvView& kv) override;
+  bool OnAppendIsCostly() const override { return true; }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
 
   // What MemoryBytes() is, or a Build on `build_threads` OpenMP threads uses on the way, at
   // most, for a selector of `params` built from a prompt of `tokens` tokens: every head's graph
-  // over the bulk and its ring of recent queries, and one head's build scratch (heads build one
-  // after another).
+  // over the bulk and its ring of recent queries, and the build scratch of the heads that build
+  // at once (BuildSideBySide).
   static int64_t MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
                                   int64_t tokens, int build_threads);
+
+  // How many of `q_heads` heads a Build on `build_threads` threads builds at once: one per
+  // thread when there are at least as many heads as threads, else 1 (one head at a time on all
+  // the threads).
+  static int BuildSideBySide(int q_heads, int build_threads);
 
   const GraphIndex& head_index(int q_head) const { return heads_[q_head].index; }
 
@@ -56,6 +64,9 @@ class IndexSelector : public SupportSelector {
     int64_t queries_seen = 0;
   };
 
+  // The threads a Build called here has: OpenMP's team size, or 1 inside a parallel region
+  // (nested regions are inactive).
+  static int BuildThreads();
   // The first token after the bulk for a layer of `tokens` tokens.
   int64_t BulkEnd(int64_t tokens) const;
   // Keys [sinks, end) of a KV head (an empty set when end <= sinks).

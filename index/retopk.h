@@ -159,6 +159,9 @@ class ReTopKSelector : public SupportSelector {
 
   absl::Status Build(const KvView& kv, const float* prompt_queries) override;
   void OnAppend(const KvView& kv) override;
+  bool OnAppendIsCostly() const override {
+    return exact_search_ != nullptr && exact_search_->OnAppendIsCostly();
+  }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
 

@@ -33,8 +33,11 @@ struct LayerShape {
 
 // One instance serves one layer of one session. The call order is:
 //   Build (once, after the prompt is committed) then, per decode step,
-//   OnAppend (once, after the step's token was appended) and Select (once per query head,
-//   possibly from several threads at once for different heads).
+//   Select (once per query head, possibly from several threads at once for different heads)
+//   and OnAppend (once per step, after the step's token was appended: before the step's Selects
+//   or after them, possibly on another thread, but never while another call runs).
+// Select must choose over every token of its kv, including those appended after the last
+// OnAppend (the graph index scores them exactly), so that OnAppend can run off the decode path.
 class SupportSelector {
  public:
   virtual ~SupportSelector() = default;
@@ -43,8 +46,11 @@ class SupportSelector {
   // prompt_queries: [T, q_heads, head_dim], post-RoPE.
   virtual absl::Status Build(const KvView& kv, const float* prompt_queries) = 0;
 
-  // Sees the KV after a decode token was appended (kv.tokens includes it).
+  // Absorbs the tokens appended since the last call (kv.tokens includes them).
   virtual void OnAppend(const KvView& kv) {}
+  // Whether OnAppend does enough work (linking keys into a graph index) that the placements
+  // run it after the step's reply rather than inside the step (server/backends/deferred_append.h).
+  virtual bool OnAppendIsCostly() const { return false; }
 
   // Chooses the support of query head `q_head` for query q [head_dim] over kv (which includes
   // the current token). Heads are independent: calls for different heads may run in parallel.

@@ -166,6 +166,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     supports_.resize(head_offsets_[n]);
   }
   const absl::Time compute_start = absl::Now();
+  StepContext::TierSeconds tiers;
   if (absl::Status s = RunByBackend(
           sessions_, steps_,
           [&](int i) {
@@ -176,7 +177,12 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
                              shadow ? supports_.data() + head_offsets_[i] : nullptr};
           },
           [&](AttentionBackend* backend, std::span<LayerStep> group) {
-            return backend->Step(group, ContextFor(backend));
+            StepContext* context = ContextFor(backend);
+            absl::Status stepped = backend->Step(group, context);
+            tiers.static_set += context->tier_seconds.static_set;
+            tiers.bulk += context->tier_seconds.bulk;
+            tiers.link_wait += context->tier_seconds.link_wait;
+            return stepped;
           });
       !s.ok()) {
     return PrefixStatus(s, "layer ", layer, ": ");
@@ -226,6 +232,12 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     if (absl::Status s = CompareExact(request, response); !s.ok()) {
       return PrefixStatus(s, "layer ", layer, " (compare_exact): ");
     }
+  }
+  if (tiers.static_set != 0 || tiers.bulk != 0 || tiers.link_wait != 0) {
+    v1::TierMicros* micros = response->mutable_tier_micros();
+    micros->set_static_set(tiers.static_set * 1e6);
+    micros->set_bulk(tiers.bulk * 1e6);
+    micros->set_link_wait(tiers.link_wait * 1e6);
   }
   response->set_server_micros(absl::ToDoubleMicroseconds(absl::Now() - start));
   return absl::OkStatus();

@@ -248,5 +248,61 @@ TEST(IndexSelectorTest, TokensLeavingTheRecentWindowJoinTheIndex) {
   EXPECT_EQ(index_selector->head_index(0).linked(), prompt - 128 - 16 + 40 - 15);
 }
 
+// OnAppend may run after a step's Selects (off the decode path): until it has, the bulk tokens
+// the index does not hold are scored exactly and compete with the search's results for the top
+// K, as the index's own unlinked tail does; none is attended merely for being new.
+TEST(IndexSelectorTest, BulkTokensNotYetAbsorbedCompeteForTheTopKByScore) {
+  const Layer layer(SmallTrace());
+  const SelectorParams params = IndexParams(128);
+  std::unique_ptr<SupportSelector> selector = *MakeSelector(params, layer.shape);
+  auto* index_selector = dynamic_cast<IndexSelector*>(selector.get());
+  const int64_t prompt = layer.trace.geometry().context;
+  ASSERT_TRUE(selector->Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  const KvView kv = layer.view(prompt + 30);  // 30 decode tokens, no OnAppend yet
+  const int64_t bulk_end = kv.tokens - params.recent;
+  const int d = layer.shape.head_dim;
+  for (int h = 0; h < layer.shape.q_heads; ++h) {
+    const int kv_head = KvHeadOf(h, 4, 2);
+    const GraphIndex& index = index_selector->head_index(h);
+    const int64_t indexed = index.size();
+    ASSERT_EQ(params.sinks + indexed + 30, bulk_end);
+    // A query along the newest bulk token's key (scaled up) must get it; most of the others
+    // must not get in for being new.
+    const int32_t newest = static_cast<int32_t>(bulk_end - 1);
+    std::vector<float> q(kv.key(newest, kv_head), kv.key(newest, kv_head) + d);
+    for (float& x : q) x *= 10.0f;
+    HeadSelection selection;
+    selector->Select(h, q.data(), kv, &selection);
+    // Expected: the top K of the search's results and the unabsorbed tokens' exact scores.
+    SearchResult result;
+    index.Search(VectorSet::KeysOf(kv, kv_head, params.sinks, params.sinks + indexed), q.data(),
+                 params.top_k, SearchParams{128}, &result);
+    std::vector<float> scores = result.scores;
+    std::vector<int32_t> ids;
+    for (int32_t id : result.ids) ids.push_back(static_cast<int32_t>(params.sinks + id));
+    for (int64_t t = params.sinks + indexed; t < bulk_end; ++t) {
+      ids.push_back(static_cast<int32_t>(t));
+      scores.push_back(cpu::DotProduct(q.data(), kv.key(t, kv_head), d));
+    }
+    std::vector<int32_t> best;
+    cpu::TopKPositions(scores, params.top_k, &best);
+    std::vector<int32_t> expected;
+    AppendStaticSet(kv.tokens, params.sinks, params.recent, &expected);
+    for (int32_t at : best) expected.push_back(ids[at]);
+    std::vector<int32_t> support = selection.support;
+    std::sort(support.begin(), support.end());
+    std::sort(expected.begin(), expected.end());
+    EXPECT_EQ(support, expected) << "head " << h;
+    EXPECT_EQ(support.size(), static_cast<size_t>(params.sinks + params.recent + params.top_k));
+    EXPECT_THAT(selection.support, IsSupersetOf({newest})) << "head " << h;
+    EXPECT_EQ(selection.candidates, result.stats.scored + 30);
+  }
+  // Absorbed after the Selects, the tokens are in the index.
+  selector->OnAppend(kv);
+  for (int h = 0; h < layer.shape.q_heads; ++h) {
+    EXPECT_EQ(params.sinks + index_selector->head_index(h).size(), bulk_end);
+  }
+}
+
 }  // namespace
 }  // namespace kvrecall

@@ -221,6 +221,42 @@ TEST_F(TieredPlacementTest, ReTopKAndTheGraphIndexSelectFromTheBulkOnly) {
   EXPECT_GT(index->selector_bytes(), 0) << "the graph index lives on the host";
 }
 
+// A tiered reply says where its compute went: the static tier's own time and the bulk's, each
+// within the server's; the graph index links the tokens that joined the bulk after the steps
+// (deferred), and the steps, which wait for the previous link, still select from the whole
+// bulk: past the link threshold (256 steps) as before it.
+TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
+  ReferenceSession ref(g, 600, 37);
+  const int k = 32;
+  const std::string id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_INDEX, k), 600);
+  const std::string cpu_id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 600);
+  DecodeClient client(stub());
+  const std::vector<ReferenceSession::Token> tokens = DriftingTokens(ref, 300, 41);
+  for (size_t step = 0; step < tokens.size(); ++step) {
+    const std::vector<float> q = ref.Record(0, tokens[step]);
+    absl::StatusOr<v1::DecodeResponse> reply =
+        StepAll(client, {id}, tokens[step], ref, /*compare=*/step % 50 == 0);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_TRUE(reply->has_tier_micros()) << "step " << step;
+    const v1::TierMicros& micros = reply->tier_micros();
+    EXPECT_GT(micros.static_set(), 0.0) << "step " << step;
+    EXPECT_GT(micros.bulk(), 0.0) << "step " << step;
+    EXPECT_GE(micros.link_wait(), 0.0);
+    EXPECT_LE(micros.bulk() + micros.link_wait(), reply->server_micros()) << "step " << step;
+    EXPECT_LE(micros.static_set(), reply->server_micros()) << "step " << step;
+    for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
+      EXPECT_LE(head.support(), kSinks + kRecent + k);
+      if (step % 50 == 0) EXPECT_GT(head.retained_mass(), 0.0f) << "step " << step;
+    }
+  }
+  // A placement with one tier (and nothing to link) reports none.
+  absl::StatusOr<v1::DecodeResponse> reply =
+      StepAll(client, {cpu_id}, ref.MakeToken(900), ref, /*compare=*/false);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_FALSE(reply->has_tier_micros());
+}
+
 // ReTopK's exact path over the bulk: the graph index's search by default, a flat scan of the
 // bulk when asked; and a prompt shorter than the static set (an empty bulk at build) works.
 TEST_F(TieredPlacementTest, ReTopKExactPathSearchesTheGraphOrScansTheBulkWhenAsked) {

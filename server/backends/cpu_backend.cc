@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
+#include "server/backends/deferred_append.h"
 #include "server/kv_store.h"
 
 namespace kvrecall {
@@ -22,21 +23,29 @@ class CpuLayer final : public LayerBackend {
         kv_(std::move(kv)),
         selector_(std::move(selector)),
         selections_(config.shape.q_heads),
-        supports_(config.shape.q_heads) {
+        supports_(config.shape.q_heads),
+        appended_(selector_.get(), selector_->OnAppendIsCostly() ? DeferredAppendQueue() : nullptr) {
     ChargeSelectorBytes();
   }
   ~CpuLayer() override {
+    appended_.Wait();
     if (selector_bytes_ != 0) host_->Release(selector_bytes_);
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
-  absl::Status ReserveToken() override { return kv_.Reserve(1, "the new token"); }
+  // Growing the store may move the rows a deferred OnAppend reads: it finishes first.
+  absl::Status ReserveToken() override {
+    appended_.Wait();
+    return kv_.Reserve(1, "the new token");
+  }
   LayerMemory memory() const override {
     return LayerMemory{kv_.allocated_bytes() + selector_bytes_, 0, selector_bytes_};
   }
 
-  // Appends the step's token, selects every head's support, attends and reports.
-  void Step(const LayerStep& step);
+  // Appends the step's token, selects every head's support, attends and reports; the selector
+  // absorbs the token after that, off the decode path when that is costly (deferred_append.h).
+  // Returns the seconds it waited for the previous step's deferred OnAppend.
+  double Step(const LayerStep& step);
   // Full attention and each head's exact top-K over the history.
   void Shadow(const ShadowStep& step) const;
 
@@ -59,9 +68,14 @@ class CpuLayer final : public LayerBackend {
   // Tokens the selector scored at the previous step, summed over heads (-1: no step yet);
   // predicts whether the next selection is worth running heads in parallel.
   int64_t last_scored_tokens_ = -1;
+  // Last: destroyed first, so that a pending OnAppend finishes while the selector and KV exist.
+  DeferredAppend appended_;
 };
 
-void CpuLayer::Step(const LayerStep& step) {
+double CpuLayer::Step(const LayerStep& step) {
+  appended_.Wait();
+  const double waited = appended_.waited_seconds();
+  ChargeSelectorBytes();  // what the previous step's OnAppend grew the selector by
   const int heads = shape_.q_heads;
   const int d = shape_.head_dim;
   const int64_t row = int64_t{shape_.kv_heads} * d;
@@ -70,7 +84,6 @@ void CpuLayer::Step(const LayerStep& step) {
   kv_.Commit(1);
   const KvView kv = kv_.view();
 
-  selector_->OnAppend(kv);
   SupportSelector* selector = selector_.get();
   const float* q = step.q;
   const int64_t predicted_tokens =
@@ -105,6 +118,10 @@ void CpuLayer::Step(const LayerStep& step) {
     if (step.supports != nullptr) step.supports[h] = supports_[h];
   }
   ChargeSelectorBytes();
+  // After the Selects: inline unless deferring pays (then the selector must not be read until
+  // the next Wait; what it grows by is charged then).
+  appended_.Queue(kv);
+  return waited;
 }
 
 void CpuLayer::Shadow(const ShadowStep& step) const { HostShadow(shape_, kv_.view(), step); }
@@ -176,8 +193,14 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
 
 std::unique_ptr<StepContext> CpuBackend::NewStepContext() { return std::make_unique<StepContext>(); }
 
-absl::Status CpuBackend::Step(std::span<LayerStep> steps, StepContext*) {
-  for (const LayerStep& step : steps) static_cast<CpuLayer*>(step.layer)->Step(step);
+absl::Status CpuBackend::Step(std::span<LayerStep> steps, StepContext* context) {
+  double link_wait = 0;
+  for (const LayerStep& step : steps) link_wait += static_cast<CpuLayer*>(step.layer)->Step(step);
+  // The CPU placement keeps no per-stream state: a caller may pass no context.
+  if (context != nullptr) {
+    context->tier_seconds = StepContext::TierSeconds();
+    context->tier_seconds.link_wait = link_wait;
+  }
   return absl::OkStatus();
 }
 

@@ -107,10 +107,18 @@ class GpuStaticSetTier final : public StaticSetTier {
  private:
   // The Decode stream's CUDA resources, and where Start left the step's outputs.
   struct StaticStepContext final : StepContext {
-    StaticStepContext(int ordinal, MemoryBudget* budget) : gpu(ordinal, budget) {}
+    StaticStepContext(int ordinal, MemoryBudget* budget) : ordinal(ordinal), gpu(ordinal, budget) {}
+    ~StaticStepContext() override {
+      DeviceScope scope(ordinal);
+      if (begin != nullptr) cudaEventDestroy(begin);
+      if (end != nullptr) cudaEventDestroy(end);
+    }
+    const int ordinal;
     GpuStepContext gpu;
     size_t out_o = 0, out_lse = 0;
     cuda::AttentionWorkspace* ws = nullptr;
+    // Around a step's upload, kernels and download: the tier's own time (tier_seconds).
+    cudaEvent_t begin = nullptr, end = nullptr;
   };
 
   const int ordinal_;
@@ -205,6 +213,13 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
         cuda::TokenRows{set.key_slot(config, slot), set.value_slot(config, slot)};
   }
   cudaStream_t stream = ctx.stream();
+  for (cudaEvent_t* event : {&state.begin, &state.end}) {
+    if (*event == nullptr) {
+      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(event), "creating an event"));
+    }
+  }
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaEventRecord(state.begin, stream), "timing a static-set step"));
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(dev_in, host_in, in.size(), cudaMemcpyHostToDevice, stream),
                  "uploading a static-set step"));
@@ -216,9 +231,11 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
       ShapeOf(config, batch), in.At<DeviceSeq>(dev_in, in_seqs), in.At<float>(dev_in, in_q),
       Slots(config), state.ws, out.At<float>(ctx.device_out(), state.out_o),
       out.At<float>(ctx.device_out(), state.out_lse), stream));
-  return CudaStatus(cudaMemcpyAsync(ctx.pinned_out(), ctx.device_out(), out.size(),
-                                    cudaMemcpyDeviceToHost, stream),
-                    "downloading a static-set step");
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(ctx.pinned_out(), ctx.device_out(),
+                                                           out.size(), cudaMemcpyDeviceToHost,
+                                                           stream),
+                                           "downloading a static-set step"));
+  return CudaStatus(cudaEventRecord(state.end, stream), "timing a static-set step");
 }
 
 absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, StepContext* context) {
@@ -232,6 +249,10 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   if (absl::Status s = state.ws->errors().CheckAndClear(ctx.stream()); !s.ok()) {
     return absl::InternalError(absl::StrCat("a static-set step's kernels reported: ", s.message()));
   }
+  float milliseconds = 0;
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaEventElapsedTime(&milliseconds, state.begin, state.end), "timing a static-set step"));
+  state.tier_seconds.static_set = milliseconds * 1e-3;
   const LayerConfig& config = *steps.front().config;
   const int q_heads = config.shape.q_heads;
   const int d = config.shape.head_dim;

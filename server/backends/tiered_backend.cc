@@ -13,7 +13,10 @@
 #include "kernels/attention_state.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "server/backends/cpu_backend.h"
+#include "server/backends/deferred_append.h"
 #include "server/backends/step_runs.h"
 #include "server/kv_store.h"
 
@@ -85,17 +88,24 @@ class TieredLayer final : public LayerBackend {
         kv_(std::move(kv)),
         bulk_(std::move(bulk)),
         static_set_(std::move(static_set)),
-        selections_(config.shape.q_heads) {
+        selections_(config.shape.q_heads),
+        defer_append_(bulk_.selector != nullptr && bulk_.selector->OnAppendIsCostly()),
+        appended_(bulk_.selector.get(), DeferredAppendQueue()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
     ChargeSelectorBytes();
   }
   ~TieredLayer() override {
+    appended_.Wait();
     if (selector_bytes_ != 0) host_->Release(selector_bytes_);
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
-  // The static set has a slot for every token it will ever hold; only the host store grows.
-  absl::Status ReserveToken() override { return kv_.Reserve(1, "the new token"); }
+  // The static set has a slot for every token it will ever hold; only the host store grows
+  // (which may move the rows a deferred OnAppend reads: it finishes first).
+  absl::Status ReserveToken() override {
+    appended_.Wait();
+    return kv_.Reserve(1, "the new token");
+  }
   LayerMemory memory() const override {
     return LayerMemory{kv_.allocated_bytes() + selector_bytes_, static_set_->device_bytes(),
                        selector_bytes_};
@@ -115,11 +125,18 @@ class TieredLayer final : public LayerBackend {
     all.tokens += 1;
     return all;
   }
-  void CommitToken() { kv_.Commit(1); }
+  // Commits the staged token; the bulk token it pushed out of the ring (if any) is absorbed by
+  // the selector after the step, off the decode path, when that is costly (deferred_append.h).
+  void CommitToken();
 
-  // Selects every head's bulk support and attends it: (o, lse) over the bulk per query head,
-  // and the step's reports (support sizes and supports include the static set).
-  void AttendBulk(const LayerStep& step, const KvView& all, float* o, float* lse);
+  // The bulk's part of a step, in three calls so that a batch's heads share one parallel loop:
+  // BeginBulk waits for the previous step's deferred OnAppend (the seconds go to *waited) and
+  // returns the multiply-adds the heads are expected to take; AttendBulkHead selects query head
+  // h's bulk support and attends it ((o, lse) over the bulk; heads in parallel); EndBulk writes
+  // the step's reports (support sizes and supports include the static set).
+  int64_t BeginBulk(const KvView& all, double* waited);
+  void AttendBulkHead(const LayerStep& step, const KvView& all, int h, float* o, float* lse);
+  void EndBulk(const LayerStep& step, const KvView& all);
 
  private:
   void ChargeSelectorBytes() {
@@ -138,51 +155,69 @@ class TieredLayer final : public LayerBackend {
   int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
   std::vector<HeadSelection> selections_;  // per query head, reused across steps
   int64_t last_scored_tokens_ = -1;
+  const bool defer_append_;
+  // Last: destroyed first, so that a pending OnAppend finishes while the selector and KV exist.
+  DeferredAppend appended_;
 };
 
-void TieredLayer::AttendBulk(const LayerStep& step, const KvView& all, float* o, float* lse) {
-  const LayerShape& shape = config_.shape;
+void TieredLayer::CommitToken() {
+  kv_.Commit(1);
+  if (!defer_append_) return;
+  const KvView all = kv_.view();
+  const KvView bulk = BulkView(all, config_.selector);
+  if (bulk.tokens > bulk_tokens_seen_) {
+    appended_.Queue(bulk_.relative ? bulk : all);
+    bulk_tokens_seen_ = bulk.tokens;
+  }
+}
+
+int64_t TieredLayer::BeginBulk(const KvView& all, double* waited) {
   const SelectorParams& p = config_.selector;
-  const int heads = shape.q_heads;
-  const int d = shape.head_dim;
   const KvView bulk = BulkView(all, p);
   SupportSelector* selector = bulk_.selector.get();
-  if (selector != nullptr && bulk.tokens > bulk_tokens_seen_) {
+  appended_.Wait();
+  *waited = appended_.waited_seconds();
+  if (!defer_append_ && selector != nullptr && bulk.tokens > bulk_tokens_seen_) {
     // The token that left the ring joined the bulk.
     selector->OnAppend(bulk_.relative ? bulk : all);
     bulk_tokens_seen_ = bulk.tokens;
   }
-  const int64_t offset = bulk_.relative ? std::min<int64_t>(p.sinks, all.tokens) : 0;
+  // What the last OnAppend grew the selector by (a deferred one is charged a step late).
+  ChargeSelectorBytes();
+  const int heads = config_.shape.q_heads;
   const int64_t predicted = last_scored_tokens_ >= 0 ? last_scored_tokens_
                                                      : static_cast<int64_t>(heads) * bulk.tokens;
-  const int threads = cpu::ThreadsFor((predicted + int64_t{heads} * p.top_k) * d, heads);
-  auto head_step = [&](int h) {
-    HeadSelection& selection = selections_[h];
-    selection.support.clear();
-    selection.path = SelectionPath::kExact;
-    selection.candidates = 0;
-    selection.best_cosine = 0.0f;
-    const float* qh = step.q + static_cast<int64_t>(h) * d;
-    if (selector != nullptr && bulk.tokens > 0) {
-      selector->Select(h, qh, bulk_.relative ? bulk : all, &selection);
-      if (offset != 0) {
-        for (int32_t& id : selection.support) id += static_cast<int32_t>(offset);
-      }
+  return (predicted + int64_t{heads} * p.top_k) * config_.shape.head_dim;
+}
+
+void TieredLayer::AttendBulkHead(const LayerStep& step, const KvView& all, int h, float* o,
+                                 float* lse) {
+  const LayerShape& shape = config_.shape;
+  const SelectorParams& p = config_.selector;
+  const int d = shape.head_dim;
+  const KvView bulk = BulkView(all, p);
+  HeadSelection& selection = selections_[h];
+  selection.support.clear();
+  selection.path = SelectionPath::kExact;
+  selection.candidates = 0;
+  selection.best_cosine = 0.0f;
+  const float* qh = step.q + static_cast<int64_t>(h) * d;
+  if (bulk_.selector != nullptr && bulk.tokens > 0) {
+    bulk_.selector->Select(h, qh, bulk_.relative ? bulk : all, &selection);
+    if (const int64_t offset = bulk_.relative ? std::min<int64_t>(p.sinks, all.tokens) : 0;
+        offset != 0) {
+      for (int32_t& id : selection.support) id += static_cast<int32_t>(offset);
     }
-    cpu::PartialAttention(qh, all, KvHeadOf(h, heads, shape.kv_heads), selection.support,
-                          shape.scale, o + static_cast<int64_t>(h) * d, &lse[h]);
-  };
-  if (threads > 1) {
-    // Heads one at a time: a head on an exact path (a graph search) costs many reuse heads, and
-    // which heads those are changes every step.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int h = 0; h < heads; ++h) head_step(h);
-  } else {
-    for (int h = 0; h < heads; ++h) head_step(h);
   }
+  cpu::PartialAttention(qh, all, KvHeadOf(h, shape.q_heads, shape.kv_heads), selection.support,
+                        shape.scale, o + static_cast<int64_t>(h) * d, &lse[h]);
+}
+
+void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
+  const SelectorParams& p = config_.selector;
+  const int64_t static_size = all.tokens - BulkView(all, p).tokens;
   last_scored_tokens_ = 0;
-  const int64_t static_size = all.tokens - bulk.tokens;
-  for (int h = 0; h < heads; ++h) {
+  for (int h = 0; h < config_.shape.q_heads; ++h) {
     const HeadSelection& selection = selections_[h];
     last_scored_tokens_ += selection.candidates;
     step.heads[h] = HeadReport{
@@ -324,6 +359,7 @@ std::unique_ptr<StepContext> TieredBackend::NewStepContext() {
 
 absl::Status TieredBackend::Step(std::span<LayerStep> steps, StepContext* context) {
   auto& ctx = static_cast<TieredStepContext&>(*context);
+  ctx.tier_seconds = StepContext::TierSeconds();
   // Runs of steps whose static sets step together (usually the whole request).
   return ForEachRun(
       steps, ctx.runs,
@@ -354,14 +390,41 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   if (absl::Status s = tier_->Start(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
   }
+  const absl::Time bulk_start = absl::Now();
+  double link_wait = 0;
+  int64_t work = 0;
   for (size_t i = 0; i < n; ++i) {
-    static_cast<TieredLayer*>(batch[i].layer)
-        ->AttendBulk(batch[i], ctx.histories[i], ctx.bulk_o.data() + i * heads * d,
-                     ctx.bulk_lse.data() + i * heads);
+    double waited = 0;
+    work += static_cast<TieredLayer*>(batch[i].layer)->BeginBulk(ctx.histories[i], &waited);
+    link_wait += waited;
   }
+  // Every (sequence, head) pair of the batch one at a time: a head on an exact path (a graph
+  // search) costs many reuse heads, which heads those are changes every step, and a sequence's
+  // step would otherwise wait for its slowest head before the next sequence starts.
+  const int64_t items = static_cast<int64_t>(n) * heads;
+  const int threads = cpu::ThreadsFor(work, items);
+  auto attend = [&](int64_t item) {
+    const size_t i = static_cast<size_t>(item / heads);
+    const int h = static_cast<int>(item % heads);
+    static_cast<TieredLayer*>(batch[i].layer)
+        ->AttendBulkHead(batch[i], ctx.histories[i], h, ctx.bulk_o.data() + i * heads * d,
+                         ctx.bulk_lse.data() + i * heads);
+  };
+  if (threads > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t item = 0; item < items; ++item) attend(item);
+  } else {
+    for (int64_t item = 0; item < items; ++item) attend(item);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
+  }
+  ctx.tier_seconds.bulk += absl::ToDoubleSeconds(absl::Now() - bulk_start) - link_wait;
+  ctx.tier_seconds.link_wait += link_wait;
   if (absl::Status s = tier_->Finish(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
   }
+  ctx.tier_seconds.static_set += ctx.static_context->tier_seconds.static_set;
   // The only place the tiers meet.
   for (size_t i = 0; i < n; ++i) {
     for (int h = 0; h < heads; ++h) {
@@ -415,7 +478,9 @@ class HostStaticSetTier final : public StaticSetTier {
   const std::string device_ = "cpu";
 };
 
-absl::Status HostStaticSetTier::Finish(std::span<const StaticSetStep> steps, StepContext*) {
+absl::Status HostStaticSetTier::Finish(std::span<const StaticSetStep> steps,
+                                       StepContext* context) {
+  const absl::Time start = absl::Now();
   thread_local std::vector<int32_t> ids;
   for (const StaticSetStep& step : steps) {
     const LayerShape& shape = step.config->shape;
@@ -428,6 +493,7 @@ absl::Status HostStaticSetTier::Finish(std::span<const StaticSetStep> steps, Ste
                             shape.scale, step.o + at, &step.lse[h]);
     }
   }
+  context->tier_seconds.static_set = absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();
 }
 
