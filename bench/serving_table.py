@@ -15,6 +15,14 @@ figures, and prints one markdown table per placement:
     serving_table.py --serving a.json b.json --own own.json --torch torch.json
     serving_table.py --serving bench/results/gpu_serving.json \
         --own bench/results/gpu_serving.json --torch bench/results/gpu_serving.json
+
+With --tiers FILE (a JSON of several tiered runs under keys naming their builds, such as
+bench/results/tiered_serving.json) it prints instead one table of those runs side by side: per
+build, selector, context, batch and gap between requests, the end-to-end and server p50 (p99)
+and the parts of the server's time the replies report (tier_micros: the static set's own time
+on its tier, the bulk's on the host, the wait for the previous step's deferred linking).
+
+    serving_table.py --tiers bench/results/tiered_serving.json
 """
 import argparse
 import json
@@ -42,12 +50,42 @@ def Load(path, key):
     return (doc[key] if key in doc else doc)["records"]
 
 
+def p50_p99(r, name):
+    if f"{name}_p50_us" not in r:
+        return "—"
+    return f"{r[name + '_p50_us']:.1f} ({r[name + '_p99_us']:.1f})"
+
+
+def Tiers(path):
+    doc = json.load(open(path))
+    print("| build | selector | context | batch | gap µs | e2e p50 (p99) | server p50 (p99) "
+          "| static set p50 (p99) | bulk p50 (p99) | link wait p50 (p99) | prefill s "
+          "| ReTopK mix |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for build, run in doc.items():
+        if not isinstance(run, dict) or "records" not in run:
+            continue
+        for r in run["records"]:
+            m = r.get("path_mix")
+            mix = "" if not m else f"{m['reuse']:.2f}/{m['fallback']:.2f}/{m['refresh']:.2f}"
+            print(f"| {build} | {r['selector']} | {ctx(r['context'])} | {r['batch']} "
+                  f"| {r.get('gap_us', 0)} | {p50_p99(r, 'e2e')} | {p50_p99(r, 'server')} "
+                  f"| {p50_p99(r, 'static_set')} | {p50_p99(r, 'bulk')} "
+                  f"| {p50_p99(r, 'link_wait')} | {r['prefill_seconds']:.1f} | {mix} |")
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--serving", nargs="+", required=True)
-    parser.add_argument("--own", required=True)
-    parser.add_argument("--torch", required=True)
+    parser.add_argument("--serving", nargs="+")
+    parser.add_argument("--own")
+    parser.add_argument("--torch")
+    parser.add_argument("--tiers")
     args = parser.parse_args()
+    if args.tiers:
+        Tiers(args.tiers)
+        return
+    if not (args.serving and args.own and args.torch):
+        parser.error("--serving, --own and --torch are required without --tiers")
     own = {(r["kernel"], r["context"], r["batch"]): r for r in Load(args.own, "kernels_own")}
     torch = {(r["kernel"], r["context"], r["batch"]): r for r in Load(args.torch, "torch")}
     rows = {"gpu": [], "tiered": []}
