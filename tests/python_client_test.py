@@ -114,6 +114,24 @@ class ClientTest(ServerTest):
         self.assertEqual(info.tokens, self.T + 3)
         self.assertEqual(info.decode_steps, 3 * self.L)
 
+    def test_a_tiered_reply_says_where_its_time_went(self):
+        g = make_geometry(self.L, self.HQ, self.HKV, self.D)
+        tiered = self.client.create_session(
+            g, make_policy("full", placement="tiered", sinks=4, recent=8), label="tiered")
+        self.addCleanup(tiered.close)
+        tiered.prefill(self.prompt(3))
+        q, k, v = self.step_inputs(7)
+        tiered.attend(0, q, k, v)
+        micros = self.client.decode_stream.last_tier_micros
+        self.assertIsNotNone(micros)
+        self.assertGreater(micros.static_set, 0)
+        self.assertGreater(micros.bulk, 0)
+        self.assertLessEqual(micros.bulk + micros.link_wait,
+                             self.client.decode_stream.last_server_micros)
+        cpu, _ = self.new_session(seed=4)
+        cpu.attend(0, q, k, v)
+        self.assertIsNone(self.client.decode_stream.last_tier_micros)
+
     def test_batch_of_two_sessions_in_one_request(self):
         (a, la), (b, lb) = self.new_session(seed=1), self.new_session(seed=2)
         qa, ka, va = self.step_inputs(7)

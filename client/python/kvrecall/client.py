@@ -127,6 +127,9 @@ class DecodeStream:
         self._next_id = 1
         self.broken = False
         self.last_server_micros = 0.0
+        # The last reply's tier_micros (static_set, bulk, link_wait) for a tiered request; None
+        # for the other placements, whose replies carry none.
+        self.last_tier_micros = None
 
     def step(self, layer, steps, return_lse=False, diagnostics=False, compare_exact=False):
         """Sends one layer of one decode step for several sequences.
@@ -159,6 +162,7 @@ class DecodeStream:
                                 f"reply {resp.request_id} with {len(resp.results)} results "
                                 f"to request {request_id} with {len(steps)} steps")
         self.last_server_micros = resp.server_micros
+        self.last_tier_micros = resp.tier_micros if resp.HasField("tier_micros") else None
         return [SequenceResult(r.session_id, tensors.from_tensor(r.output),
                                tensors.from_tensor(r.lse) if r.HasField("lse") else None,
                                list(r.heads), r.position) for r in resp.results]
