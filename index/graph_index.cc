@@ -8,9 +8,6 @@
 #include <limits>
 #include <utility>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/attention.h"
@@ -48,8 +45,8 @@ double SecondsSince(Clock::time_point start) {
 // vector::insert memmove, per key an out-of-line cpu::DotProduct, and per hop a demand miss on
 // the adjacency row. Now: 8-byte pool entries (the expanded flag in the id's sign bit), a
 // branch-free binary search that first splits at the expanded node (its neighbors mostly land
-// after it, where few entries are left late in a search), the fresh rows scored together by an
-// inlined copy of cpu::DotProduct's arithmetic, the adjacency row of every accepted candidate
+// after it, where few entries are left late in a search), the fresh rows scored together
+// (cpu::DotProductRows: cpu::DotProduct's arithmetic, bit for bit), the adjacency row of every accepted candidate
 // and of the likely next node prefetched ahead of its expansion, and a visited bitset (4 KiB
 // at 32K keys, so it stays in L1) instead of 4-byte epoch tags. The results are bit-identical
 // to the old loop's: the same scores, the same pool order (ties after the entries already
@@ -103,55 +100,6 @@ void PrefetchVector(const float* v, int dim) {
   for (int offset = 0; offset < dim * static_cast<int>(sizeof(float)); offset += 64) {
     __builtin_prefetch(p + offset);
   }
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// <q, rows[r]> for r < R, each bit-identical to cpu::DotProduct(q, rows[r], dim) when dim is a
-// multiple of 8: the same two accumulators over the same lanes, the same sum of the lanes. The
-// R rows' chains are independent and share each load of q, so R rows cost little more than one
-// (cpu::DotProduct is one out-of-line call, bound by its two FMA chains' latency, per row).
-template <int R>
-inline void DotRows(const float* q, const float* const* rows, int dim, float* out) {
-  __m256 sum0[R], sum1[R];
-  for (int r = 0; r < R; ++r) sum0[r] = sum1[r] = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= dim; i += 16) {
-    const __m256 qa = _mm256_loadu_ps(q + i);
-    const __m256 qb = _mm256_loadu_ps(q + i + 8);
-    for (int r = 0; r < R; ++r) {
-      sum0[r] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(rows[r] + i), sum0[r]);
-      sum1[r] = _mm256_fmadd_ps(qb, _mm256_loadu_ps(rows[r] + i + 8), sum1[r]);
-    }
-  }
-  for (; i + 8 <= dim; i += 8) {
-    const __m256 qa = _mm256_loadu_ps(q + i);
-    for (int r = 0; r < R; ++r) sum0[r] = _mm256_fmadd_ps(qa, _mm256_loadu_ps(rows[r] + i), sum0[r]);
-  }
-  for (int r = 0; r < R; ++r) {  // cpu::SumLanes
-    const __m256 sum = _mm256_add_ps(sum0[r], sum1[r]);
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    out[r] = _mm_cvtss_f32(half);
-  }
-}
-#endif
-
-// <q, rows[r]> for r < count (at most 4), bit-identical to cpu::DotProduct; cpu::DotProduct
-// itself where dim is not a multiple of 8 (its scalar tail is left to it).
-inline void ScoreRows(const float* q, const float* const* rows, int count, int dim, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (dim % 8 == 0) {
-    switch (count) {
-      case 4: return DotRows<4>(q, rows, dim, out);
-      case 3: return DotRows<3>(q, rows, dim, out);
-      case 2: return DotRows<2>(q, rows, dim, out);
-      case 1: return DotRows<1>(q, rows, dim, out);
-      default: break;
-    }
-  }
-#endif
-  for (int r = 0; r < count; ++r) out[r] = cpu::DotProduct(q, rows[r], dim);
 }
 
 // Inserts (score, id) into the pool (best first, `*size` live entries, at most `capacity`)
@@ -674,7 +622,7 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
         PrefetchVector(keys.row(fresh[j]), dim);
       }
       for (int j = 0; j < batch; ++j) rows[j] = keys.row(fresh[b + j]);
-      ScoreRows(q, rows, batch, dim, fresh_scores + b);
+      cpu::DotProductRows(q, rows, batch, dim, fresh_scores + b);
     }
     // Inserted in neighbor order after all are scored: the same pool as scoring and inserting
     // one at a time, since an insertion depends only on the scores before it.

@@ -124,8 +124,8 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
   } else {
     // Bulk tokens the index does not hold yet (OnAppend has not absorbed them, or an Add
     // failed) are scored exactly, as the index's own unlinked tail is, and compete for the top
-    // K with what the search found: the support is the same whether OnAppend ran before this
-    // step or runs after it.
+    // K with what the search found: every bulk token is a candidate whether OnAppend ran before
+    // this step or runs after it.
     const VectorSet bulk = BulkKeys(kv, kv_head, bulk_end);
     for (int64_t t = sinks_ + indexed; t < bulk_end; ++t) {
       const int32_t id = static_cast<int32_t>(t - sinks_);

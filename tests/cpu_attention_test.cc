@@ -44,6 +44,26 @@ TEST(CpuVectorTest, DotProductAndSquaredDistanceMatchDoubleReferences) {
   }
 }
 
+// Scattered rows scored together give DotProduct's result bit for bit (the graph search relies
+// on it: its results do not depend on how a node's neighbors were batched), for every count of
+// rows through the 4-at-a-time loop and its remainders, and lengths through the scalar path.
+TEST(CpuVectorTest, DotProductRowsEqualsDotProductBitForBit) {
+  for (int n : {1, 7, 8, 16, 37, 64, 128}) {
+    const std::vector<float> x = RandomNormal(n, 300 + n, 2.0f);
+    const std::vector<float> data = RandomNormal(11 * n, 400 + n, 2.0f);
+    std::vector<const float*> rows;
+    for (int r = 0; r < 11; ++r) rows.push_back(data.data() + ((r * 7) % 11) * n);
+    for (int count = 0; count <= 11; ++count) {
+      std::vector<float> out(count + 1, -1.0f);
+      cpu::DotProductRows(x.data(), rows.data(), count, n, out.data());
+      for (int r = 0; r < count; ++r) {
+        EXPECT_EQ(out[r], cpu::DotProduct(x.data(), rows[r], n)) << n << " " << count << " " << r;
+      }
+      EXPECT_EQ(out[count], -1.0f) << "wrote past count";
+    }
+  }
+}
+
 TEST_P(CpuAttentionTest, FullAttentionMatchesDoubleReference) {
   const Shape s = GetParam();
   RandomKv kv(s.tokens, s.kv_heads, s.head_dim, 7);

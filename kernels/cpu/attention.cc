@@ -133,6 +133,50 @@ void DotProducts(const float* x, const float* rows, int64_t n_rows, int n, float
   for (int64_t i = 0; i < n_rows; ++i) out[i] = DotProduct(x, rows + i * n, n);
 }
 
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+// DotProduct's two accumulators over the same lanes and its sum of the lanes, for R rows at once
+// (n a multiple of 8, so that DotProduct has no scalar tail either).
+template <int R>
+void DotRows(const float* x, const float* const* rows, int n, float* out) {
+  __m256 sum0[R], sum1[R];
+  for (int r = 0; r < R; ++r) sum0[r] = sum1[r] = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 xa = _mm256_loadu_ps(x + i);
+    const __m256 xb = _mm256_loadu_ps(x + i + 8);
+    for (int r = 0; r < R; ++r) {
+      sum0[r] = _mm256_fmadd_ps(xa, _mm256_loadu_ps(rows[r] + i), sum0[r]);
+      sum1[r] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(rows[r] + i + 8), sum1[r]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xa = _mm256_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) sum0[r] = _mm256_fmadd_ps(xa, _mm256_loadu_ps(rows[r] + i), sum0[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = SumLanes(sum0[r], sum1[r]);
+}
+#endif
+
+}  // namespace
+
+void DotProductRows(const float* x, const float* const* rows, int count, int n, float* out) {
+  int r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    for (; r + 4 <= count; r += 4) DotRows<4>(x, rows + r, n, out + r);
+    switch (count - r) {
+      case 3: DotRows<3>(x, rows + r, n, out + r); return;
+      case 2: DotRows<2>(x, rows + r, n, out + r); return;
+      case 1: DotRows<1>(x, rows + r, n, out + r); return;
+      default: return;
+    }
+  }
+#endif
+  for (; r < count; ++r) out[r] = DotProduct(x, rows[r], n);
+}
+
 float Normalize(const float* x, int n, float* unit) {
   const float norm = std::sqrt(DotProduct(x, x, n));
   const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;

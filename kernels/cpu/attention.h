@@ -28,6 +28,11 @@ void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, in
 // out[i] = <x, rows + i * n> for i in [0, n_rows): x [n] against the row-major [n_rows, n] rows.
 void DotProducts(const float* x, const float* rows, int64_t n_rows, int n, float* out);
 
+// out[r] = <x, rows[r]> for r in [0, count): rows scattered in memory (a graph node's
+// neighbors), each bit-identical to DotProduct(x, rows[r], n). Up to four rows at a time share
+// each load of x and run independent accumulator chains, so a few rows cost little more than one.
+void DotProductRows(const float* x, const float* const* rows, int count, int n, float* out);
+
 // unit = x / ||x||_2 over n floats (unit may alias x); returns ||x||_2. A zero x gives a zero unit
 // vector, so its cosine with anything is 0.
 float Normalize(const float* x, int n, float* unit);

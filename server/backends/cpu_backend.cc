@@ -24,7 +24,7 @@ class CpuLayer final : public LayerBackend {
         selector_(std::move(selector)),
         selections_(config.shape.q_heads),
         supports_(config.shape.q_heads),
-        appended_(selector_.get(), selector_->OnAppendIsCostly() ? DeferredAppendQueue() : nullptr) {
+        appended_(selector_.get()) {
     ChargeSelectorBytes();
   }
   ~CpuLayer() override {

@@ -3,8 +3,9 @@
 // without waiting for the linking; the layer's next use waits until it has run.
 //
 // Selectors score the tokens they have not absorbed yet exactly (index/support_selector.h), so
-// a deferred OnAppend changes no step's candidates, only when the linking work is done: between
-// the reply and the layer's next step, while the runner computes the other layers.
+// a deferred OnAppend keeps every token a candidate; it moves the linking work to between the
+// reply and the layer's next step, while the runner computes the other layers (the step's search
+// walks a graph one link behind).
 #ifndef KVRECALL_SERVER_BACKENDS_DEFERRED_APPEND_H_
 #define KVRECALL_SERVER_BACKENDS_DEFERRED_APPEND_H_
 
@@ -15,6 +16,10 @@
 
 namespace kvrecall {
 
+// The queue that deferred OnAppends run on: one thread for the process, started on first use
+// (each OnAppend spreads its heads over an OpenMP team of its own).
+WorkQueue* DeferredAppendQueue();
+
 // One layer's pending OnAppend. Thread-compatible like the layer that owns it: the layer's
 // methods run one at a time (under its session's lock); only the queued OnAppend runs beside
 // them, and the owner calls Wait before anything that the OnAppend reads (the selector, the KV
@@ -24,6 +29,13 @@ class DeferredAppend final : private WorkItem {
   // queue: where OnAppend runs (null: inline, in Queue itself).
   DeferredAppend(SupportSelector* selector, WorkQueue* queue)
       : selector_(selector), queue_(queue) {}
+  // On DeferredAppendQueue() when the selector's OnAppend is costly, inline otherwise (a queue
+  // hop would cost more than an OnAppend with nothing to do). selector may be null (then
+  // nothing may be queued).
+  explicit DeferredAppend(SupportSelector* selector)
+      : DeferredAppend(selector, selector != nullptr && selector->OnAppendIsCostly()
+                                     ? DeferredAppendQueue()
+                                     : nullptr) {}
   ~DeferredAppend() { Wait(); }
   DeferredAppend(const DeferredAppend&) = delete;
   DeferredAppend& operator=(const DeferredAppend&) = delete;
@@ -46,10 +58,6 @@ class DeferredAppend final : private WorkItem {
   bool pending_ ABSL_GUARDED_BY(mu_) = false;
   double waited_seconds_ = 0;
 };
-
-// The queue that deferred OnAppends run on: one thread for the process, started on first use
-// (each OnAppend spreads its heads over an OpenMP team of its own).
-WorkQueue* DeferredAppendQueue();
 
 }  // namespace kvrecall
 

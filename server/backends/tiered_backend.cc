@@ -89,8 +89,7 @@ class TieredLayer final : public LayerBackend {
         bulk_(std::move(bulk)),
         static_set_(std::move(static_set)),
         selections_(config.shape.q_heads),
-        defer_append_(bulk_.selector != nullptr && bulk_.selector->OnAppendIsCostly()),
-        appended_(bulk_.selector.get(), DeferredAppendQueue()) {
+        appended_(bulk_.selector.get()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
     ChargeSelectorBytes();
   }
@@ -155,14 +154,13 @@ class TieredLayer final : public LayerBackend {
   int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
   std::vector<HeadSelection> selections_;  // per query head, reused across steps
   int64_t last_scored_tokens_ = -1;
-  const bool defer_append_;
   // Last: destroyed first, so that a pending OnAppend finishes while the selector and KV exist.
   DeferredAppend appended_;
 };
 
 void TieredLayer::CommitToken() {
   kv_.Commit(1);
-  if (!defer_append_) return;
+  if (bulk_.selector == nullptr) return;
   const KvView all = kv_.view();
   const KvView bulk = BulkView(all, config_.selector);
   if (bulk.tokens > bulk_tokens_seen_) {
@@ -174,14 +172,8 @@ void TieredLayer::CommitToken() {
 int64_t TieredLayer::BeginBulk(const KvView& all, double* waited) {
   const SelectorParams& p = config_.selector;
   const KvView bulk = BulkView(all, p);
-  SupportSelector* selector = bulk_.selector.get();
   appended_.Wait();
   *waited = appended_.waited_seconds();
-  if (!defer_append_ && selector != nullptr && bulk.tokens > bulk_tokens_seen_) {
-    // The token that left the ring joined the bulk.
-    selector->OnAppend(bulk_.relative ? bulk : all);
-    bulk_tokens_seen_ = bulk.tokens;
-  }
   // What the last OnAppend grew the selector by (a deferred one is charged a step late).
   ChargeSelectorBytes();
   const int heads = config_.shape.q_heads;
