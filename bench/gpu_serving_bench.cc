@@ -161,7 +161,8 @@ struct Geometry {
 // `pool` at a per-session offset, queries for the last `with_queries` tokens (`last_queries`)
 // and, with `all_queries` (the graph index of the tiered placement is built from every prompt
 // query), before them each token's query heads copies of its own key (bf16 bytes as they are).
-void PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
+// Returns the server's build seconds (indexes and caches, the transfer left out).
+double PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
                     int64_t context, const std::string& pool, int64_t offset,
                     const std::vector<float>& last_queries, int with_queries, bool all_queries) {
   grpc::ClientContext ctx;
@@ -228,6 +229,7 @@ void PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geome
   }
   writer->WritesDone();
   Check(writer->Finish(), absl::StrCat("prefilling ", id));
+  return response.build_seconds();
 }
 
 int Main() {
@@ -304,14 +306,15 @@ int Main() {
         queries[b] = DriftingQueries(total_steps, g.q_row(), absl::GetFlag(FLAGS_query_rho), 100 + b);
       }
       const auto prefill_start = Clock::now();
+      std::vector<double> build_seconds(max_batch);
       {
         std::vector<std::thread> threads;
         const int parallel = std::max(1, absl::GetFlag(FLAGS_prefill_threads));
         for (int t = 0; t < parallel; ++t) {
           threads.emplace_back([&, t] {
             for (int b = t; b < max_batch; b += parallel) {
-              PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b, queries[b],
-                             with_queries, all_queries);
+              build_seconds[b] = PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b,
+                                                queries[b], with_queries, all_queries);
             }
           });
         }
@@ -332,10 +335,13 @@ int Main() {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         std::vector<double> static_set, bulk, link_wait;  // tiered: the reply's tier_micros
         int64_t paths[5] = {};
+        // Tiered: each head's bulk time and candidates, by the path it took.
+        std::vector<double> head_micros[5], head_candidates[5];
         for (int i = 0; i < warmup + steps; ++i, ++step_index) {
           request.Clear();
           request.set_layer(0);
-          request.set_diagnostics(*selector == v1::SELECTOR_RETOPK);
+          request.set_diagnostics(*selector == v1::SELECTOR_RETOPK ||
+                                  *placement == v1::PLACEMENT_TIERED);
           for (int b = 0; b < batch; ++b) {
             v1::SequenceStep* s = request.add_steps();
             s->set_session_id(ids[b]);
@@ -363,7 +369,13 @@ int Main() {
             link_wait.push_back(response.tier_micros().link_wait());
           }
           for (const v1::SequenceResult& r : response.results()) {
-            for (const v1::HeadDiagnostics& h : r.heads()) ++paths[h.path()];
+            for (const v1::HeadDiagnostics& h : r.heads()) {
+              ++paths[h.path()];
+              if (response.has_tier_micros()) {
+                head_micros[h.path()].push_back(h.bulk_micros());
+                head_candidates[h.path()].push_back(h.candidates());
+              }
+            }
           }
         }
         const double heads = static_cast<double>(steps) * batch * g.q_heads;
@@ -379,6 +391,8 @@ int Main() {
                     {"e2e_minus_server_p50_us", client::Percentile(beyond, 0.5)},
                     {"e2e_minus_server_p99_us", client::Percentile(beyond, 0.99)},
                     {"prefill_seconds", prefill_s},
+                    {"build_seconds_max",
+                     *std::max_element(build_seconds.begin(), build_seconds.end())},
                     {"sessions", max_batch},
                     {"gap_us", gap_us}};
         if (!bulk.empty()) {
@@ -394,6 +408,24 @@ int Main() {
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),
                        rec["bulk_p50_us"].get<double>(), rec["bulk_p99_us"].get<double>(),
                        rec["link_wait_p50_us"].get<double>(), rec["link_wait_p99_us"].get<double>());
+        }
+        // Per path: a head's bulk time and the tokens it scored (what a step waits for is its
+        // slowest head).
+        for (const auto& [path, name] :
+             {std::pair{v1::PATH_EXACT, "exact"}, std::pair{v1::PATH_REUSE, "reuse"},
+              std::pair{v1::PATH_FALLBACK, "fallback"}, std::pair{v1::PATH_REFRESH, "refresh"}}) {
+          const std::vector<double>& us = head_micros[path];
+          if (us.empty()) continue;
+          double candidates = 0;
+          for (double c : head_candidates[path]) candidates += c;
+          rec["head_bulk_by_path"][name] = {
+              {"heads", us.size()},
+              {"bulk_p50_us", client::Percentile(us, 0.5)},
+              {"bulk_p99_us", client::Percentile(us, 0.99)},
+              {"candidates_mean", candidates / static_cast<double>(us.size())}};
+          std::fprintf(stderr, "  %s heads: bulk p50 %.1f us (p99 %.1f), %.0f candidates\n", name,
+                       client::Percentile(us, 0.5), client::Percentile(us, 0.99),
+                       candidates / static_cast<double>(us.size()));
         }
         if (*selector == v1::SELECTOR_RETOPK) {
           rec["path_mix"] = {{"reuse", paths[v1::PATH_REUSE] / heads},

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/attention.h"
 
 // OpenBLAS's thread control, when the BLAS linked is OpenBLAS; weak so that any other BLAS
 // links too.
@@ -116,14 +117,21 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
     return absl::InvalidArgumentError(absl::StrCat("causal mask of ", visible.size(),
                                                    " counts for ", queries.count, " queries"));
   }
+  if (queries.element != KvElement::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("queries must be f32, got ",
+                                                   KvElementName(queries.element)));
+  }
   return absl::OkStatus();
 }
 
-int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int threads) {
+int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int dim, int threads) {
   const int64_t kept = std::min<int64_t>(k, keys);
-  const int64_t per_thread = kQueryBlock * (std::min(kKeyBlock, keys) * int64_t{sizeof(float)} +
-                                            RunningTopK::kBufferFactor * kept *
-                                                int64_t{sizeof(Scored)});
+  const int64_t key_block = std::min(kKeyBlock, keys);
+  // The widened key block is counted whatever the keys' type: an f32 build overestimates by it.
+  const int64_t per_thread =
+      kQueryBlock * (key_block * int64_t{sizeof(float)} +
+                     RunningTopK::kBufferFactor * kept * int64_t{sizeof(Scored)}) +
+      key_block * dim * int64_t{sizeof(float)};
   return std::max(1, threads) * per_thread;
 }
 
@@ -144,6 +152,10 @@ absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k
 #pragma omp parallel
   {
     std::vector<float> block_scores(static_cast<size_t>(kQueryBlock) * key_block);
+    // 16-bit keys are widened a block at a time for sgemm (f32 keys are read in place).
+    std::vector<float> widened(keys.element != KvElement::kF32
+                                   ? static_cast<size_t>(key_block) * keys.dim
+                                   : 0);
     std::vector<RunningTopK> selectors(kQueryBlock, RunningTopK(out->k));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < query_blocks; ++b) {
@@ -156,10 +168,23 @@ absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k
       }
       for (int64_t k0 = 0; k0 < block_visible; k0 += key_block) {
         const int cols = static_cast<int>(std::min(key_block, block_visible - k0));
+        const float* block_keys;
+        int64_t block_stride;
+        if (keys.element == KvElement::kF32) {
+          block_keys = keys.row(k0);
+          block_stride = keys.stride;
+        } else {
+          for (int c = 0; c < cols; ++c) {
+            cpu::LoadRow(keys.row_data(k0 + c), keys.element, keys.dim,
+                         widened.data() + static_cast<size_t>(c) * keys.dim);
+          }
+          block_keys = widened.data();
+          block_stride = keys.dim;
+        }
         // block_scores[rows, cols] = Q[q0:q0+rows] * K[k0:k0+cols]^T.
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, keys.dim, 1.0f,
-                    queries.row(q0), static_cast<int>(queries.stride), keys.row(k0),
-                    static_cast<int>(keys.stride), 0.0f, block_scores.data(), cols);
+                    queries.row(q0), static_cast<int>(queries.stride), block_keys,
+                    static_cast<int>(block_stride), 0.0f, block_scores.data(), cols);
         for (int i = 0; i < rows; ++i) {
           const int64_t seen = std::min<int64_t>(cols, visible_of(q0 + i) - k0);
           if (seen > 0) {

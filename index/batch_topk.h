@@ -23,20 +23,22 @@ using BatchTopKFunction =
                                TopKLists* out, std::span<const int64_t> visible)>;
 
 // The argument checks every backend applies: INVALID_ARGUMENT when k < 1, the dims differ,
-// keys.count exceeds int32 or `visible` is neither empty nor one count per query.
+// keys.count exceeds int32, `visible` is neither empty nor one count per query, or the queries
+// are not f32 (keys may be of any element type).
 absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys, int k,
                                 std::span<const int64_t> visible);
 
-// The CPU backend: scores blocks of queries against blocks of keys with cblas_sgemm (both read
-// in place through their strides) and keeps each query's best k with a running threshold, query
-// blocks in parallel with OpenMP. BLAS runs single-threaded inside (the parallelism is ours).
-// Errors: CheckBatchTopKArgs.
+// The CPU backend: scores blocks of queries against blocks of keys with cblas_sgemm (f32 keys
+// read in place through their strides, 16-bit keys widened a block at a time) and keeps each
+// query's best k with a running threshold, query blocks in parallel with OpenMP. BLAS runs
+// single-threaded inside (the parallelism is ours). Errors: CheckBatchTopKArgs.
 absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
                           TopKLists* out, std::span<const int64_t> visible = {});
 
-// The most CpuBatchTopK allocates beyond its output ([queries, k] ids) over `keys` keys with
-// `threads` OpenMP threads: each thread's block of scores and its query block's running top-k.
-int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int threads);
+// The most CpuBatchTopK allocates beyond its output ([queries, k] ids) over `keys` keys of
+// `dim` elements with `threads` OpenMP threads: each thread's block of scores, its query block's
+// running top-k and its block of keys widened to f32 (16-bit keys).
+int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int dim, int threads);
 
 }  // namespace kvrecall
 

@@ -95,11 +95,19 @@ SearchScratch& ThreadScratch() {
   return scratch;
 }
 
-void PrefetchVector(const float* v, int dim) {
-  const char* p = reinterpret_cast<const char*>(v);
-  for (int offset = 0; offset < dim * static_cast<int>(sizeof(float)); offset += 64) {
-    __builtin_prefetch(p + offset);
+// mean += the keys [begin, end) / (end - begin), widened to f32.
+void AddToMean(const VectorSet& keys, int64_t begin, int64_t end, std::vector<float>* mean) {
+  std::vector<float> key(keys.dim);
+  const float weight = 1.0f / static_cast<float>(end - begin);
+  for (int64_t t = begin; t < end; ++t) {
+    cpu::LoadRow(keys.row_data(t), keys.element, keys.dim, key.data());
+    for (int j = 0; j < keys.dim; ++j) (*mean)[j] += key[j] * weight;
   }
+}
+
+void PrefetchVector(const void* v, int bytes) {
+  const char* p = static_cast<const char*>(v);
+  for (int offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
 }
 
 // Inserts (score, id) into the pool (best first, `*size` live entries, at most `capacity`)
@@ -146,7 +154,7 @@ size_t InsertCandidate(Candidate* pool, size_t* size, size_t capacity, size_t hi
 // which RoarGraph uses for inner-product data, lets one long key occlude everything; attention
 // keys carry large common offsets and norms, and L2 gave more recall per key scored on tinylm.)
 float KeyDistance(const VectorSet& keys, int32_t a, int32_t b) {
-  return cpu::SquaredDistance(keys.row(a), keys.row(b), keys.dim);
+  return cpu::SquaredDistance(keys.row_data(a), keys.row_data(b), keys.element, keys.dim);
 }
 
 // Chooses at most `degree` of `candidates` (distinct, not `node`) as node's neighbors: nearest
@@ -201,7 +209,7 @@ int64_t GraphIndex::BuildScratchBytesBound(const GraphIndexParams& params, int64
   // The sampled queries, their causal counts and top-k lists, and CpuBatchTopK's scratch (the
   // GPU's lives on the device).
   int64_t bytes = sampled * (int64_t{dim} * 4 + 8 + k * 4);
-  bytes += CpuBatchTopKScratchBytes(keys, static_cast<int>(k), static_cast<int>(t));
+  bytes += CpuBatchTopKScratchBytes(keys, static_cast<int>(k), dim, static_cast<int>(t));
   // The projection's edges (reserved at their most: every list member's pivot edge and fellow
   // links, and the token chain), the covered and pivot flags, and MergeEdges' grouping while the
   // edges still exist: per-chunk cursors, offsets, targets and kept flags.
@@ -256,8 +264,8 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   std::vector<int64_t> visible;
   for (int64_t i = 0; i < sampled; ++i) {
     const int64_t position = i * source.count / sampled;
-    const float* q = source.row(position);
-    std::copy(q, q + keys.dim, queries.begin() + i * keys.dim);
+    cpu::LoadRow(source.row_data(position), source.element, keys.dim,
+                 queries.data() + i * keys.dim);
     if (have_queries && build_queries.causal) {
       visible.push_back(position - build_queries.first_key_position + 1);
     }
@@ -309,10 +317,7 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   AddReverseEdges(keys, 0, linked_);
   ChooseEntry(keys, query_set);
   key_mean_.assign(keys.dim, 0.0f);
-  for (int64_t i = 0; i < keys.count; ++i) {
-    const float* k = keys.row(i);
-    for (int j = 0; j < keys.dim; ++j) key_mean_[j] += k[j] / static_cast<float>(keys.count);
-  }
+  AddToMean(keys, 0, keys.count, &key_mean_);
   LinkOutliers(keys);
   build_stats_.repaired_keys = RepairConnectivity(keys, &build_stats_.unreachable_keys);
   int64_t degree_sum = 0;
@@ -501,8 +506,8 @@ void GraphIndex::LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t>
 }
 
 void GraphIndex::CenteredKey(const VectorSet& keys, int32_t node, float* out) const {
-  const float* k = keys.row(node);
-  for (int j = 0; j < keys.dim; ++j) out[j] = k[j] - key_mean_[j];
+  cpu::LoadRow(keys.row_data(node), keys.element, keys.dim, out);
+  for (int j = 0; j < keys.dim; ++j) out[j] -= key_mean_[j];
 }
 
 void GraphIndex::LinkOutliers(const VectorSet& keys) {
@@ -515,7 +520,10 @@ void GraphIndex::LinkOutliers(const VectorSet& keys) {
   std::vector<std::pair<float, int32_t>> by_distance(linked_);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < linked_; ++i) {
-    const float* k = keys.row(i);
+    thread_local std::vector<float> key;
+    key.resize(keys.dim);
+    cpu::LoadRow(keys.row_data(i), keys.element, keys.dim, key.data());
+    const float* k = key.data();
     float distance = 0.0f;
     for (int j = 0; j < keys.dim; ++j) distance += (k[j] - key_mean_[j]) * (k[j] - key_mean_[j]);
     by_distance[i] = {-distance, static_cast<int32_t>(i)};
@@ -587,11 +595,12 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
   // seldom has more than one batch; the old loop requested every line of every fresh row
   // before scoring any).
   constexpr int kBatch = 4;
-  const float* rows[kBatch];
+  const void* rows[kBatch];
+  const int row_bytes_of_key = dim * KvElementBytes(keys.element);
 
   size_t size = 0;
   scratch.Visit(entry_);
-  InsertCandidate(pool, &size, capacity, 0, cpu::DotProduct(q, keys.row(entry_), dim), entry_);
+  InsertCandidate(pool, &size, capacity, 0, cpu::DotProduct(q, keys.row_data(entry_), keys.element, dim), entry_);
   ++stats->scored;
   size_t next = 0;  // the best unexpanded candidate
   while (next < size) {
@@ -615,14 +624,14 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
       if (scratch.Visit(v)) fresh[m++] = v;
     }
     stats->scored += m;
-    for (int j = 0; j < std::min(m, kBatch); ++j) PrefetchVector(keys.row(fresh[j]), dim);
+    for (int j = 0; j < std::min(m, kBatch); ++j) PrefetchVector(keys.row_data(fresh[j]), row_bytes_of_key);
     for (int b = 0; b < m; b += kBatch) {
       const int batch = std::min(kBatch, m - b);
       for (int j = b + kBatch; j < std::min(m, b + 2 * kBatch); ++j) {
-        PrefetchVector(keys.row(fresh[j]), dim);
+        PrefetchVector(keys.row_data(fresh[j]), row_bytes_of_key);
       }
-      for (int j = 0; j < batch; ++j) rows[j] = keys.row(fresh[b + j]);
-      cpu::DotProductRows(q, rows, batch, dim, fresh_scores + b);
+      for (int j = 0; j < batch; ++j) rows[j] = keys.row_data(fresh[b + j]);
+      cpu::DotProductRows(q, rows, keys.element, batch, dim, fresh_scores + b);
     }
     // Inserted in neighbor order after all are scored: the same pool as scoring and inserting
     // one at a time, since an insertion depends only on the scores before it.
@@ -654,7 +663,8 @@ void GraphIndex::Search(const VectorSet& keys, const float* q, int k, const Sear
 
   // The tail is scanned exactly, then merged with the graph's candidates.
   for (int64_t t = linked_; t < size_; ++t) {
-    found.push_back({cpu::DotProduct(q, keys.row(t), keys.dim), static_cast<int32_t>(t)});
+    found.push_back({cpu::DotProduct(q, keys.row_data(t), keys.element, keys.dim),
+                     static_cast<int32_t>(t)});
   }
   out->stats.scored += size_ - linked_;
   thread_local std::vector<float> scores;
@@ -767,11 +777,7 @@ void GraphIndex::LinkOldest(const VectorSet& keys, const VectorSet& recent_queri
 
   if (key_mean_.empty()) {  // built over no keys: the first tail sets the mean
     key_mean_.assign(keys.dim, 0.0f);
-    for (int64_t t = begin; t < size_; ++t) {
-      for (int j = 0; j < keys.dim; ++j) {
-        key_mean_[j] += keys.row(t)[j] / static_cast<float>(size_ - begin);
-      }
-    }
+    AddToMean(keys, begin, size_, &key_mean_);
   }
   Reserve(end);
   linked_ = end;

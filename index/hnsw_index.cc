@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/attention.h"
 
 namespace kvrecall {
 namespace {
@@ -87,7 +88,11 @@ absl::Status HnswIndex::Insert(const VectorSet& keys, int64_t begin) {
   std::string error;
   auto add = [&](int64_t i) {
     try {
-      graph.addPoint(keys.row(i), static_cast<hnswlib::labeltype>(i));
+      // hnswlib copies the point in f32 (its space's type), whatever the keys are stored in.
+      thread_local std::vector<float> point;
+      point.resize(keys.dim);
+      cpu::LoadRow(keys.row_data(i), keys.element, keys.dim, point.data());
+      graph.addPoint(point.data(), static_cast<hnswlib::labeltype>(i));
     } catch (const std::exception& e) {
       if (!failed.exchange(true)) error = e.what();
     }

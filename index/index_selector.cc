@@ -27,7 +27,7 @@ int64_t IndexSelector::BulkEnd(int64_t tokens) const {
 }
 
 VectorSet IndexSelector::BulkKeys(const KvView& kv, int kv_head, int64_t end) const {
-  if (end <= sinks_) return VectorSet{kv.keys, 0, kv.token_stride(), kv.head_dim};
+  if (end <= sinks_) return VectorSet{kv.keys, 0, kv.token_stride(), kv.head_dim, kv.element};
   return VectorSet::KeysOf(kv, kv_head, sinks_, end);
 }
 
@@ -104,7 +104,14 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
   const int64_t bulk_end = BulkEnd(kv.tokens);
   const int64_t indexed = std::min<int64_t>(head.index.size(), bulk_end - sinks_);
   out->support.clear();
+  out->support_scores.clear();
   if (!bulk_only_) AppendStaticSet(kv.tokens, sinks_, recent_, &out->support);
+  // The searches scored every bulk token they return: with no static set in the support, the
+  // attention can take those scores (scaled as cpu::ScoreTokens scales them).
+  auto keep = [&](int32_t id, float score) {
+    out->support.push_back(static_cast<int32_t>(sinks_ + id));
+    if (bulk_only_) out->support_scores.push_back(shape_.scale * score);
+  };
   out->path = SelectionPath::kExact;
   out->candidates = 0;
   thread_local SearchResult result;
@@ -118,8 +125,8 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
     out->candidates = static_cast<int32_t>(result.stats.scored);
   }
   if (sinks_ + indexed >= bulk_end) {
-    for (int32_t id : result.ids) {
-      if (id < indexed) out->support.push_back(static_cast<int32_t>(sinks_ + id));
+    for (size_t i = 0; i < result.ids.size(); ++i) {
+      if (result.ids[i] < indexed) keep(result.ids[i], result.scores[i]);
     }
   } else {
     // Bulk tokens the index does not hold yet (OnAppend has not absorbed them, or an Add
@@ -130,14 +137,15 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
     for (int64_t t = sinks_ + indexed; t < bulk_end; ++t) {
       const int32_t id = static_cast<int32_t>(t - sinks_);
       result.ids.push_back(id);
-      result.scores.push_back(cpu::DotProduct(q, bulk.row(id), shape_.head_dim));
+      result.scores.push_back(
+          cpu::DotProduct(q, bulk.row_data(id), bulk.element, shape_.head_dim));
     }
     out->candidates += static_cast<int32_t>(bulk_end - sinks_ - indexed);
     thread_local std::vector<int32_t> best;
     cpu::TopKPositions(result.scores, top_k_, &best);
     for (int32_t at : best) {
       if (result.ids[at] < bulk_end - sinks_) {
-        out->support.push_back(static_cast<int32_t>(sinks_ + result.ids[at]));
+        keep(result.ids[at], result.scores[at]);
       }
     }
   }

@@ -17,15 +17,21 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The top k of `candidates` (token ids, ascending and distinct) under q, highest first; ties go
-// to the lower id because positions follow id order.
+// to the lower id because positions follow id order. support_scores (may be null): their scaled
+// scores.
 void TopKOfCandidates(const float* q, const KvView& kv, int kv_head, float scale, int k,
                       std::span<const int32_t> candidates, std::vector<float>* scores,
-                      std::vector<int32_t>* positions, std::vector<int32_t>* support) {
+                      std::vector<int32_t>* positions, std::vector<int32_t>* support,
+                      std::vector<float>* support_scores = nullptr) {
   scores->resize(candidates.size());
   cpu::ScoreTokens(q, kv, kv_head, candidates, scale, scores->data());
   cpu::TopKPositions(*scores, k, positions);
   support->resize(positions->size());
   for (size_t i = 0; i < positions->size(); ++i) (*support)[i] = candidates[(*positions)[i]];
+  if (support_scores != nullptr) {
+    support_scores->resize(positions->size());
+    for (size_t i = 0; i < positions->size(); ++i) (*support_scores)[i] = (*scores)[(*positions)[i]];
+  }
 }
 
 // kv restricted to its first `tokens` tokens: what a prompt query at position tokens - 1 sees.
@@ -118,7 +124,7 @@ void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t dec
     std::sort(candidates_.begin(), candidates_.end());
     candidates_.erase(std::unique(candidates_.begin(), candidates_.end()), candidates_.end());
     TopKOfCandidates(q, kv, kv_head, params_.scale, params_.top_k, candidates_, &scores_,
-                     &positions_, &out->support);
+                     &positions_, &out->support, &out->support_scores);
     out->candidates = static_cast<int32_t>(candidates_.size());
   } else if (exact_search != nullptr) {
     const SelectionPath path = out->path;
@@ -127,6 +133,7 @@ void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t dec
     out->best_cosine = best;
   } else {
     cpu::ExactTopK(q, kv, kv_head, params_.scale, params_.top_k, &out->support);
+    out->support_scores.clear();
     out->candidates = static_cast<int32_t>(kv.tokens);
   }
   cache_.Push(unit_query_.data(), out->support);

@@ -18,6 +18,10 @@ namespace kvrecall {
 // The outcome of selecting for one query head in one step.
 struct HeadSelection {
   std::vector<int32_t> support;  // token positions attended to, each once, in any order
+  // scale * <q, key> of each support token, aligned with `support` (exactly as
+  // cpu::ScoreTokens computes it), where the selector scored every one of them on its way (the
+  // attention then need not score them again); empty otherwise.
+  std::vector<float> support_scores;
   SelectionPath path = SelectionPath::kExact;
   int32_t candidates = 0;        // tokens scored to choose the support
   float best_cosine = 0.0f;      // ReTopK only

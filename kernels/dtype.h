@@ -1,4 +1,5 @@
-// Scalar conversions between the wire/model dtypes (bf16, f16) and f32, for host and device.
+// The element types keys and values are stored in on the host, and the scalar conversions
+// between the wire/model dtypes (bf16, f16) and f32, for host and device.
 #ifndef KVRECALL_KERNELS_DTYPE_H_
 #define KVRECALL_KERNELS_DTYPE_H_
 
@@ -6,6 +7,21 @@
 #include <cstring>
 
 namespace kvrecall {
+
+// How a stored key or value row is encoded: f32, or the model's 16-bit dtype (bf16 / f16, raw
+// little-endian bits). Queries, outputs and every accumulation stay f32 whatever the storage.
+enum class KvElement : uint8_t { kF32 = 0, kBf16 = 1, kF16 = 2 };
+
+constexpr int KvElementBytes(KvElement element) { return element == KvElement::kF32 ? 4 : 2; }
+
+constexpr const char* KvElementName(KvElement element) {
+  switch (element) {
+    case KvElement::kF32: return "f32";
+    case KvElement::kBf16: return "bf16";
+    case KvElement::kF16: return "f16";
+  }
+  return "?";
+}
 
 // bf16 keeps f32's exponent: widening is a shift; narrowing rounds to nearest even.
 inline float Bf16ToFloat(uint16_t bits) {

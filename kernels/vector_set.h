@@ -1,41 +1,55 @@
-// Strided sets of f32 vectors and the top-k lists computed over them: the types the index
-// build and its CPU and GPU batch top-k share.
+// Strided sets of vectors and the top-k lists computed over them: the types the index build
+// and its CPU and GPU batch top-k share.
 #ifndef KVRECALL_KERNELS_VECTOR_SET_H_
 #define KVRECALL_KERNELS_VECTOR_SET_H_
 
+#include <cassert>
 #include <cstdint>
 #include <vector>
 
+#include "kernels/dtype.h"
 #include "kernels/kv_view.h"
 
 namespace kvrecall {
 
-// `count` vectors of `dim` floats; vector i starts at data + i * stride. Keys of one KV head
-// ([tokens, kv_heads, head_dim] storage, stride kv_heads * head_dim) and queries of one query
-// head ([tokens, q_heads, head_dim], stride q_heads * head_dim) are read in place this way, so
-// no index copies the keys it serves (hnswlib, the baseline, keeps its own copy).
+// `count` vectors of `dim` elements of type `element`; vector i starts i * stride elements
+// into data. Keys of one KV head ([tokens, kv_heads, head_dim] storage, stride
+// kv_heads * head_dim, in the KV's element type) and queries of one query head ([tokens,
+// q_heads, head_dim] f32, stride q_heads * head_dim) are read in place this way, so no index
+// copies the keys it serves (hnswlib, the baseline, keeps its own copy).
 struct VectorSet {
-  const float* data = nullptr;
+  const void* data = nullptr;
   int64_t count = 0;
   int64_t stride = 0;
   int dim = 0;
+  KvElement element = KvElement::kF32;
 
-  const float* row(int64_t i) const { return data + i * stride; }
+  // Vector i in the set's element type.
+  const void* row_data(int64_t i) const {
+    return static_cast<const char*>(data) + i * stride * KvElementBytes(element);
+  }
+  // Vector i of an f32 set.
+  const float* row(int64_t i) const {
+    assert(element == KvElement::kF32);
+    return static_cast<const float*>(data) + i * stride;
+  }
 
   // The vectors [begin, end) of this set.
   VectorSet Slice(int64_t begin, int64_t end) const {
-    return VectorSet{data + begin * stride, end - begin, stride, dim};
+    return VectorSet{data != nullptr ? row_data(begin) : nullptr, end - begin, stride, dim,
+                     element};
   }
 
   // Keys [begin, end) of KV head `kv_head`.
   static VectorSet KeysOf(const KvView& kv, int kv_head, int64_t begin, int64_t end) {
-    return VectorSet{kv.key(begin, kv_head), end - begin, kv.token_stride(), kv.head_dim};
+    return VectorSet{kv.keys != nullptr ? kv.key_row(begin, kv_head) : nullptr, end - begin,
+                     kv.token_stride(), kv.head_dim, kv.element};
   }
 
   // This set as the keys of head 0 of a KvView (no values), for the kernels/cpu routines.
   // Requires stride to be a multiple of dim, which both layouts above satisfy.
   KvView AsKeyView() const {
-    return KvView{data, nullptr, count, static_cast<int>(stride / dim), dim};
+    return KvView{data, nullptr, count, static_cast<int>(stride / dim), dim, element};
   }
 };
 

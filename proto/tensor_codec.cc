@@ -1,7 +1,9 @@
 #include "proto/tensor_codec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
@@ -189,28 +191,88 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
   return rows;
 }
 
+namespace {
+
+// INVALID_ARGUMENT naming `field` and the element's index when x[0, n) (the elements from
+// `first` on) holds a value the service refuses; OK otherwise.
+absl::Status CheckValues(absl::string_view field, const float* x, int64_t n, int64_t first) {
+  const int64_t i = FirstOutOfRange(x, n);
+  if (i < 0) return absl::OkStatus();
+  if (!std::isfinite(x[i])) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " holds a non-finite value (", x[i],
+                                                   ") at element ", first + i));
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " holds ", x[i], " at element ", first + i,
+      ", beyond the largest magnitude the service accepts (", kMaxTensorMagnitude,
+      "): products of such values overflow float32 attention scores"));
+}
+
+}  // namespace
+
 absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* out) {
+  return DecodeTensorInto(t, spec, KvElement::kF32, out);
+}
+
+absl::Status DecodeTensorInto(const v1::Tensor& t, const TensorSpec& spec, KvElement element,
+                              void* out) {
   absl::StatusOr<int64_t> rows = CheckTensor(t, spec);
   if (!rows.ok()) return rows.status();
   const int64_t count = *rows * Product(spec.row_shape);
-  if (t.values_size() > 0) {
-    std::memcpy(out, t.values().data(), count * sizeof(float));
-  } else if (DTypeSize(spec.dtype) == 0) {
+  const bool raw = t.values_size() == 0;
+  if (raw && DTypeSize(spec.dtype) == 0) {
     return absl::InvalidArgumentError(absl::StrCat(spec.field, " has no dtype"));
-  } else {
-    ConvertToF32(t.data().data(), spec.dtype, count, out);
   }
-  if (const int64_t i = FirstOutOfRange(out, count); i >= 0) {
-    if (!std::isfinite(out[i])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(spec.field, " holds a non-finite value (", out[i], ") at element ", i));
+  if (element == KvElement::kF32) {
+    auto* f32 = static_cast<float*>(out);
+    if (raw) {
+      ConvertToF32(t.data().data(), spec.dtype, count, f32);
+    } else {
+      std::memcpy(f32, t.values().data(), count * sizeof(float));
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        spec.field, " holds ", out[i], " at element ", i,
-        ", beyond the largest magnitude the service accepts (", kMaxTensorMagnitude,
-        "): products of such values overflow float32 attention scores"));
+    return CheckValues(spec.field, f32, count, 0);
+  }
+  // 16-bit storage: a piece at a time is widened (or taken from the values) to be checked, then
+  // stored as raw bits when it came in the storage's own dtype, else narrowed.
+  const v1::DType stored = DTypeOf(element);
+  constexpr int64_t kPiece = 4096;
+  thread_local std::vector<float> piece;
+  piece.resize(kPiece);
+  auto* bytes = static_cast<char*>(out);
+  for (int64_t first = 0; first < count; first += kPiece) {
+    const int64_t n = std::min(kPiece, count - first);
+    const float* values;
+    if (raw) {
+      ConvertToF32(t.data().data() + first * DTypeSize(spec.dtype), spec.dtype, n, piece.data());
+      values = piece.data();
+    } else {
+      values = t.values().data() + first;
+    }
+    if (absl::Status s = CheckValues(spec.field, values, n, first); !s.ok()) return s;
+    if (raw && spec.dtype == stored) {
+      std::memcpy(bytes + first * 2, t.data().data() + first * 2, n * 2);
+    } else {
+      ConvertFromF32(std::span<const float>(values, n), stored, bytes + first * 2);
+    }
   }
   return absl::OkStatus();
+}
+
+v1::DType DTypeOf(KvElement element) {
+  switch (element) {
+    case KvElement::kBf16: return v1::DTYPE_BF16;
+    case KvElement::kF16: return v1::DTYPE_F16;
+    case KvElement::kF32: break;
+  }
+  return v1::DTYPE_F32;
+}
+
+KvElement KvElementOf(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16: return KvElement::kBf16;
+    case v1::DTYPE_F16: return KvElement::kF16;
+    default: return KvElement::kF32;
+  }
 }
 
 void ConvertToF32(const void* bytes, v1::DType dtype, int64_t count, float* out) {

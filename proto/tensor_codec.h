@@ -1,5 +1,6 @@
 // Decoding and encoding of kvrecall.v1.Tensor: raw little-endian bytes of a dtype (the fast
-// path) or plain float values (for people debugging with JSON), to and from f32 arrays.
+// path) or plain float values (for people debugging with JSON), to and from f32 arrays and
+// 16-bit key/value storage.
 #ifndef KVRECALL_PROTO_TENSOR_CODEC_H_
 #define KVRECALL_PROTO_TENSOR_CODEC_H_
 
@@ -10,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/dtype.h"
 #include "kvrecall/v1/kvrecall.pb.h"
 
 namespace kvrecall {
@@ -42,6 +44,17 @@ inline constexpr float kMaxTensorMagnitude = 65504.0f;
 // kMaxTensorMagnitude; `out` may then hold partial data, so decode into staging memory, never
 // into committed state.
 absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* out);
+
+// DecodeTensor into storage of `element` (count elements of it at `out`): the values are
+// checked as DecodeTensor checks them and stored as f32, or as raw 16-bit bits — copied when the
+// tensor came in that dtype (no rounding), narrowed to nearest even from the values otherwise.
+// INVALID_ARGUMENT as DecodeTensor; `out` may then hold partial data.
+absl::Status DecodeTensorInto(const v1::Tensor& t, const TensorSpec& spec, KvElement element,
+                              void* out);
+
+// The wire dtype of a stored element type, and back (DTYPE_F32 <-> kF32 for anything else).
+v1::DType DTypeOf(KvElement element);
+KvElement KvElementOf(v1::DType dtype);
 
 // Element-wise conversion between f32 and the raw little-endian bytes of `dtype` (bf16 and f16
 // narrowing round to nearest even); `bytes` holds count * DTypeSize(dtype) bytes. They run on

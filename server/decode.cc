@@ -225,6 +225,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
         head->set_candidates(reports[h].candidates);
         head->set_support(reports[h].support);
         head->set_best_cosine(reports[h].best_cosine);
+        head->set_bulk_micros(reports[h].bulk_micros);
       }
     }
   }

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "proto/tensor_codec.h"
+
 namespace kvrecall {
 namespace {
 
@@ -38,6 +40,7 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
   if (this != &other) {
     Free();
     row_width_ = other.row_width_;
+    element_ = other.element_;
     budget_ = other.budget_;
     data_ = std::move(other.data_);
     rows_ = std::exchange(other.rows_, 0);
@@ -62,8 +65,7 @@ absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
   for (const int64_t capacity : {grown, needed}) {
     int64_t extra_bytes = 0;
     for (const BudgetedRows* a : arrays) {
-      extra_bytes += std::max<int64_t>(capacity - a->capacity_rows_, 0) * a->row_width_ *
-                     int64_t{sizeof(float)};
+      extra_bytes += std::max<int64_t>(capacity - a->capacity_rows_, 0) * a->row_bytes();
     }
     MemoryAccount* budget = arrays[0]->budget_;
     status = budget != nullptr ? budget->Reserve(extra_bytes, what) : absl::OkStatus();
@@ -83,9 +85,9 @@ absl::Status BudgetedRows::Reserve(int64_t more, absl::string_view what) {
 }
 
 void BudgetedRows::Reallocate(int64_t capacity_rows) {
-  auto grown = std::make_unique_for_overwrite<float[]>(capacity_rows * row_width_);
-  MapPagesNow(grown.get(), capacity_rows * row_width_ * sizeof(float));
-  if (rows_ > 0) std::memcpy(grown.get(), data_.get(), rows_ * row_width_ * sizeof(float));
+  auto grown = std::make_unique_for_overwrite<std::byte[]>(capacity_rows * row_bytes());
+  MapPagesNow(grown.get(), capacity_rows * row_bytes());
+  if (rows_ > 0) std::memcpy(grown.get(), data_.get(), rows_ * row_bytes());
   data_ = std::move(grown);
   capacity_rows_ = capacity_rows;
 }
@@ -100,6 +102,12 @@ void BudgetedRows::Free() {
 absl::Status LayerKvStore::Reserve(int64_t more, absl::string_view what) {
   BudgetedRows* const arrays[] = {&keys_, &values_};
   return ReserveRows(arrays, more, what);
+}
+
+void LayerKvStore::StageToken(const float* key, const float* value) {
+  const size_t width = static_cast<size_t>(kv_heads_) * head_dim_;
+  ConvertFromF32(std::span<const float>(key, width), DTypeOf(element()), key_tail());
+  ConvertFromF32(std::span<const float>(value, width), DTypeOf(element()), value_tail());
 }
 
 }  // namespace kvrecall

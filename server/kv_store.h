@@ -1,29 +1,32 @@
 // Host storage of a session's per-layer KV cache (and of staged prompt tensors): growable
-// row-major f32 arrays whose allocations are charged to a MemoryAccount (the host budget, or a
-// session's grant on it).
+// row-major arrays of f32 or of the model's 16-bit dtype whose allocations are charged to a
+// MemoryAccount (the host budget, or a session's grant on it).
 #ifndef KVRECALL_SERVER_KV_STORE_H_
 #define KVRECALL_SERVER_KV_STORE_H_
 
+#include <cassert>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "kernels/dtype.h"
 #include "kernels/kv_view.h"
 #include "server/memory_budget.h"
 
 namespace kvrecall {
 
-// A [rows, row_width] f32 array, row-major, that grows geometrically (amortized O(1) per
-// appended row). Appending is two-phase so that callers can validate in place and stay atomic:
-// Reserve room, write (or decode) rows at tail(), then Commit them; rows never committed are
-// not part of the content, whatever was written there.
+// A [rows, row_width] array of `element`s, row-major, that grows geometrically (amortized O(1)
+// per appended row). Appending is two-phase so that callers can validate in place and stay
+// atomic: Reserve room, write (or decode) rows at the tail, then Commit them; rows never
+// committed are not part of the content, whatever was written there.
 class BudgetedRows {
  public:
   BudgetedRows() = default;
-  BudgetedRows(int64_t row_width, MemoryAccount* budget)
-      : row_width_(row_width), budget_(budget) {}
+  BudgetedRows(int64_t row_width, MemoryAccount* budget, KvElement element = KvElement::kF32)
+      : row_width_(row_width), element_(element), budget_(budget) {}
   BudgetedRows(BudgetedRows&& other) noexcept { *this = std::move(other); }
   BudgetedRows& operator=(BudgetedRows&& other) noexcept;
   ~BudgetedRows() { Free(); }
@@ -31,18 +34,31 @@ class BudgetedRows {
   // Makes room for `more` rows beyond the committed ones (see ReserveRows).
   absl::Status Reserve(int64_t more, absl::string_view what);
 
-  // Where the next row goes; valid for the rows reserved, until the next Reserve.
-  float* tail() { return data_.get() + rows_ * row_width_; }
+  // Where the next row goes, in the array's element type; valid for the rows reserved, until
+  // the next Reserve.
+  void* raw_tail() { return data_.get() + rows_ * row_bytes(); }
+  // raw_tail() of an f32 array.
+  float* tail() {
+    assert(element_ == KvElement::kF32);
+    return static_cast<float*>(raw_tail());
+  }
   // Makes the next n reserved rows part of the content.
   void Commit(int64_t n) { rows_ += n; }
 
   // Releases the allocation and its budget charge; the array is empty afterwards.
   void Free();
 
-  const float* data() const { return data_.get(); }
+  const void* raw_data() const { return data_.get(); }
+  // raw_data() of an f32 array.
+  const float* data() const {
+    assert(element_ == KvElement::kF32);
+    return static_cast<const float*>(raw_data());
+  }
   int64_t rows() const { return rows_; }
   int64_t row_width() const { return row_width_; }
-  int64_t allocated_bytes() const { return capacity_rows_ * row_width_ * int64_t{sizeof(float)}; }
+  KvElement element() const { return element_; }
+  int64_t row_bytes() const { return row_width_ * KvElementBytes(element_); }
+  int64_t allocated_bytes() const { return capacity_rows_ * row_bytes(); }
 
  private:
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
@@ -52,8 +68,9 @@ class BudgetedRows {
   void Reallocate(int64_t capacity_rows);
 
   int64_t row_width_ = 0;
+  KvElement element_ = KvElement::kF32;
   MemoryAccount* budget_ = nullptr;
-  std::unique_ptr<float[]> data_;
+  std::unique_ptr<std::byte[]> data_;
   int64_t rows_ = 0;
   int64_t capacity_rows_ = 0;
 };
@@ -65,22 +82,33 @@ class BudgetedRows {
 absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
                          absl::string_view what);
 
-// One layer's KV cache: keys and values, [tokens, kv_heads, head_dim] each, row-major f32 —
-// exactly the layout of KvView. Appends are two-phase as in BudgetedRows.
+// One layer's KV cache: keys and values, [tokens, kv_heads, head_dim] each, row-major, stored
+// as `element` (f32, or the model's bf16 / f16) — exactly the layout of KvView. Appends are
+// two-phase as in BudgetedRows.
 class LayerKvStore {
  public:
   LayerKvStore() = default;
-  LayerKvStore(int kv_heads, int head_dim, MemoryAccount* budget)
-      : keys_(int64_t{kv_heads} * head_dim, budget),
-        values_(int64_t{kv_heads} * head_dim, budget),
+  LayerKvStore(int kv_heads, int head_dim, MemoryAccount* budget,
+               KvElement element = KvElement::kF32)
+      : keys_(int64_t{kv_heads} * head_dim, budget, element),
+        values_(int64_t{kv_heads} * head_dim, budget, element),
         kv_heads_(kv_heads),
         head_dim_(head_dim) {}
 
+  // Host bytes of `tokens` tokens' keys and values of this shape and element type.
+  static int64_t BytesFor(int64_t tokens, int kv_heads, int head_dim, KvElement element) {
+    return 2 * tokens * kv_heads * head_dim * int64_t{KvElementBytes(element)};
+  }
+
   // Room for `more` tokens beyond the committed ones; RESOURCE_EXHAUSTED naming `what`.
   absl::Status Reserve(int64_t more, absl::string_view what);
-  // [more, kv_heads, head_dim] slots for the next tokens' keys and values (after Reserve).
-  float* key_tail() { return keys_.tail(); }
-  float* value_tail() { return values_.tail(); }
+  // [more, kv_heads, head_dim] slots of element() for the next tokens' keys and values (after
+  // Reserve).
+  void* key_tail() { return keys_.raw_tail(); }
+  void* value_tail() { return values_.raw_tail(); }
+  // Writes one token's f32 key and value ([kv_heads, head_dim] each) into the first reserved
+  // slot, converted to element() (bf16 / f16 round to nearest even); not committed yet.
+  void StageToken(const float* key, const float* value);
   void Commit(int64_t n) {
     keys_.Commit(n);
     values_.Commit(n);
@@ -92,9 +120,11 @@ class LayerKvStore {
 
   // Valid until the next Reserve or Free.
   KvView view() const {
-    return KvView{keys_.data(), values_.data(), keys_.rows(), kv_heads_, head_dim_};
+    return KvView{keys_.raw_data(), values_.raw_data(), keys_.rows(), kv_heads_, head_dim_,
+                  keys_.element()};
   }
   int64_t tokens() const { return keys_.rows(); }
+  KvElement element() const { return keys_.element(); }
   int64_t allocated_bytes() const { return keys_.allocated_bytes() + values_.allocated_bytes(); }
 
  private:

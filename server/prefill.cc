@@ -105,8 +105,16 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   if (with_queries) {
     if (absl::Status s = DecodeTensor(chunk.q(), q_spec, staging.query_tail()); !s.ok()) return s;
   }
-  if (absl::Status s = DecodeTensor(chunk.k(), k_spec, staging.key_tail()); !s.ok()) return s;
-  if (absl::Status s = DecodeTensor(chunk.v(), v_spec, staging.value_tail()); !s.ok()) return s;
+  if (absl::Status s = DecodeTensorInto(chunk.k(), k_spec, staging.kv_element(),
+                                        staging.key_tail());
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = DecodeTensorInto(chunk.v(), v_spec, staging.kv_element(),
+                                        staging.value_tail());
+      !s.ok()) {
+    return s;
+  }
   if (absl::Status s = staging.Commit(n, with_queries); !s.ok()) return s;
   if (!with_queries) it->second.queries_from = staging.tokens();
   return absl::OkStatus();

@@ -140,10 +140,7 @@ absl::Status Session::Admit() {
       return s;
     }
   }
-  if (backend_->placement() == v1::PLACEMENT_CPU) {
-    // Keys and values in f32 (the host store's layout).
-    const int64_t bytes = 2 * tokens * config_.shape.kv_heads * config_.shape.head_dim *
-                          int64_t{sizeof(float)} * layers;
+  if (const int64_t bytes = backend_->HostKvBytesFor(config_, tokens) * layers; bytes > 0) {
     return host_grant_.SetAside(bytes,
                                 absl::StrCat("max_tokens=", tokens, " of ", layers, " layers"));
   }

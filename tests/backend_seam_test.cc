@@ -48,17 +48,20 @@ std::unique_ptr<PromptStaging> Stage(CpuBackend& backend, const LayerConfig& con
   absl::StatusOr<std::unique_ptr<PromptStaging>> staging =
       backend.NewPromptStaging(config, accounts);
   EXPECT_TRUE(staging.ok()) << staging.status();
+  EXPECT_EQ((*staging)->kv_element(), KvElement::kF32) << "the CPU placement keeps f32";
   const int64_t kv_row = int64_t{kKvHeads} * kDim, q_row = int64_t{kQHeads} * kDim;
+  auto key_tail = [&] { return static_cast<float*>((*staging)->key_tail()); };
+  auto value_tail = [&] { return static_cast<float*>((*staging)->value_tail()); };
   for (int64_t t = 0; t < kv.tokens; t += chunk) {
     const int64_t n = std::min(chunk, kv.tokens - t);
     EXPECT_TRUE((*staging)->Reserve(n, "test").ok());
     std::copy_n(queries.data() + t * q_row, n * q_row, (*staging)->query_tail());
-    std::copy_n(kv.keys.data() + t * kv_row, n * kv_row, (*staging)->key_tail());
-    std::copy_n(kv.values.data() + t * kv_row, n * kv_row, (*staging)->value_tail());
+    std::copy_n(kv.keys.data() + t * kv_row, n * kv_row, key_tail());
+    std::copy_n(kv.values.data() + t * kv_row, n * kv_row, value_tail());
     EXPECT_TRUE((*staging)->Commit(n, /*with_queries=*/true).ok());
   }
   EXPECT_TRUE((*staging)->Reserve(5, "test").ok());  // reserved, written, never committed
-  std::fill_n((*staging)->key_tail(), 5 * kv_row, 1e6f);
+  std::fill_n(key_tail(), 5 * kv_row, 1e6f);
   EXPECT_EQ((*staging)->tokens(), kv.tokens);
   return *std::move(staging);
 }

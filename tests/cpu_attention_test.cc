@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -51,18 +52,108 @@ TEST(CpuVectorTest, DotProductRowsEqualsDotProductBitForBit) {
   for (int n : {1, 7, 8, 16, 37, 64, 128}) {
     const std::vector<float> x = RandomNormal(n, 300 + n, 2.0f);
     const std::vector<float> data = RandomNormal(11 * n, 400 + n, 2.0f);
-    std::vector<const float*> rows;
+    std::vector<const void*> rows;
     for (int r = 0; r < 11; ++r) rows.push_back(data.data() + ((r * 7) % 11) * n);
     for (int count = 0; count <= 11; ++count) {
       std::vector<float> out(count + 1, -1.0f);
-      cpu::DotProductRows(x.data(), rows.data(), count, n, out.data());
+      cpu::DotProductRows(x.data(), rows.data(), KvElement::kF32, count, n, out.data());
       for (int r = 0; r < count; ++r) {
-        EXPECT_EQ(out[r], cpu::DotProduct(x.data(), rows[r], n)) << n << " " << count << " " << r;
+        EXPECT_EQ(out[r], cpu::DotProduct(x.data(), static_cast<const float*>(rows[r]), n))
+            << n << " " << count << " " << r;
       }
       EXPECT_EQ(out[count], -1.0f) << "wrote past count";
     }
   }
 }
+
+// 16-bit storage (the tiered placement's host KV): every kernel over a bf16 or f16 view gives,
+// bit for bit, what it gives over an f32 view of the same values (rows are widened exactly and
+// the arithmetic is the f32 kernels'), and matches the double reference over the stored values.
+class CpuStoredElementTest : public ::testing::TestWithParam<KvElement> {};
+
+TEST_P(CpuStoredElementTest, KernelsOverSixteenBitRowsEqualThemOverTheWidenedValues) {
+  constexpr int kHeads = 2, kDim = 40;  // 40: the 16-wide, 8-wide and scalar paths all run
+  const RandomKv f32(300, kHeads, kDim, 21);
+  const testing::NarrowedKv stored(f32, GetParam());
+  const KvView narrow = stored.view();
+  const KvView wide = stored.widened_view();
+  const std::vector<float> q = RandomNormal(kDim, 23, 1.5f);
+  std::vector<int32_t> ids;
+  for (int32_t t = 0; t < 300; t += 3) ids.push_back(t);
+  const float scale = 0.3f;
+  for (int h = 0; h < kHeads; ++h) {
+    std::vector<float> a(ids.size()), b(ids.size());
+    cpu::ScoreTokens(q.data(), narrow, h, ids, scale, a.data());
+    cpu::ScoreTokens(q.data(), wide, h, ids, scale, b.data());
+    EXPECT_EQ(a, b);
+    std::vector<float> ra(300), rb(300);
+    cpu::ScoreRange(q.data(), narrow, h, 0, 300, scale, ra.data());
+    cpu::ScoreRange(q.data(), wide, h, 0, 300, scale, rb.data());
+    EXPECT_EQ(ra, rb);
+
+    std::vector<float> oa(kDim), ob(kDim);
+    float lse_a, lse_b;
+    cpu::PartialAttention(q.data(), narrow, h, ids, scale, oa.data(), &lse_a);
+    cpu::PartialAttention(q.data(), wide, h, ids, scale, ob.data(), &lse_b);
+    EXPECT_EQ(oa, ob);
+    EXPECT_EQ(lse_a, lse_b);
+    std::vector<double> ref;
+    const double ref_lse = ReferenceAttention(q.data(), narrow, h, ids, scale, &ref);
+    EXPECT_NEAR(lse_a, ref_lse, 1e-4);
+    for (int j = 0; j < kDim; ++j) EXPECT_NEAR(oa[j], ref[j], 1e-4) << j;
+
+    // Already-scored tokens: the same state without scoring again.
+    std::vector<float> oc(kDim);
+    float lse_c;
+    cpu::PartialAttentionScored(a, narrow, h, ids, oc.data(), &lse_c);
+    EXPECT_EQ(oc, oa);
+    EXPECT_EQ(lse_c, lse_a);
+
+    cpu::PartialAttentionRange(q.data(), narrow, h, 17, 250, scale, oa.data(), &lse_a);
+    cpu::PartialAttentionRange(q.data(), wide, h, 17, 250, scale, ob.data(), &lse_b);
+    EXPECT_EQ(oa, ob);
+    EXPECT_EQ(lse_a, lse_b);
+
+    std::vector<int32_t> top_a, top_b;
+    cpu::ExactTopK(q.data(), narrow, h, scale, 25, &top_a);
+    cpu::ExactTopK(q.data(), wide, h, scale, 25, &top_b);
+    EXPECT_EQ(top_a, top_b);
+    EXPECT_EQ(top_a, ReferenceTopK(q.data(), narrow, h, scale, 25));
+
+    // Row primitives: the graph index's scoring, pruning distance and widening.
+    std::vector<const void*> narrow_rows, wide_rows;
+    for (int32_t t : {5, 77, 3, 150, 299, 42, 8}) {
+      narrow_rows.push_back(narrow.key_row(t, h));
+      wide_rows.push_back(wide.key_row(t, h));
+    }
+    std::vector<float> da(7), db(7);
+    cpu::DotProductRows(q.data(), narrow_rows.data(), GetParam(), 7, kDim, da.data());
+    cpu::DotProductRows(q.data(), wide_rows.data(), KvElement::kF32, 7, kDim, db.data());
+    EXPECT_EQ(da, db);
+    for (int r = 0; r < 7; ++r) {
+      EXPECT_EQ(cpu::DotProduct(q.data(), narrow_rows[r], GetParam(), kDim), da[r]);
+      EXPECT_EQ(cpu::SquaredDistance(narrow_rows[r], narrow_rows[(r + 1) % 7], GetParam(), kDim),
+                cpu::SquaredDistance(static_cast<const float*>(wide_rows[r]),
+                                     static_cast<const float*>(wide_rows[(r + 1) % 7]), kDim));
+      std::vector<float> row(kDim);
+      cpu::LoadRow(narrow_rows[r], GetParam(), kDim, row.data());
+      const float* want = static_cast<const float*>(wide_rows[r]);
+      EXPECT_EQ(row, std::vector<float>(want, want + kDim));
+    }
+  }
+  std::vector<float> qs = RandomNormal(4 * kDim, 29, 1.5f);
+  std::vector<float> oa(4 * kDim), ob(4 * kDim), la(4), lb(4);
+  cpu::MultiHeadFullAttention(qs.data(), 4, narrow, scale, oa.data(), la.data());
+  cpu::MultiHeadFullAttention(qs.data(), 4, wide, scale, ob.data(), lb.data());
+  EXPECT_EQ(oa, ob);
+  EXPECT_EQ(la, lb);
+}
+
+INSTANTIATE_TEST_SUITE_P(SixteenBit, CpuStoredElementTest,
+                         ::testing::Values(KvElement::kBf16, KvElement::kF16),
+                         [](const ::testing::TestParamInfo<KvElement>& info) {
+                           return std::string(KvElementName(info.param));
+                         });
 
 TEST_P(CpuAttentionTest, FullAttentionMatchesDoubleReference) {
   const Shape s = GetParam();

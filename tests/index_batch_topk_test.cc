@@ -67,6 +67,31 @@ TEST(CpuBatchTopKTest, CausalMaskLimitsEachQueryToItsVisibleKeys) {
   }
 }
 
+// 16-bit keys (widened a block at a time): the lists of their values, against brute force over
+// the stored values, strided and past one GEMM block, with a causal mask.
+TEST(CpuBatchTopKTest, SixteenBitKeysGiveTheListsOfTheirValues) {
+  const int64_t tokens = 5000, queries = 70;
+  const int kv_heads = 2, q_heads = 2, d = 24, k = 15;
+  const RandomKv f32(tokens, kv_heads, d, 12);
+  std::vector<float> q = RandomNormal(queries * q_heads * d, 13, 2.0f);
+  std::vector<int64_t> visible(queries);
+  for (int64_t i = 0; i < queries; ++i) visible[i] = 100 + i * 70;
+  for (const KvElement element : {KvElement::kBf16, KvElement::kF16}) {
+    const testing::NarrowedKv stored(f32, element);
+    TopKLists lists;
+    ASSERT_TRUE(CpuBatchTopK(QueriesOf(q, queries, q_heads, d, 1),
+                             VectorSet::KeysOf(stored.view(), 1, 0, tokens), k, &lists, visible)
+                    .ok());
+    for (int64_t i = 0; i < queries; ++i) {
+      const KvView prefix = stored.view().Tokens(0, std::min(visible[i], tokens));
+      EXPECT_THAT(std::vector<int32_t>(lists.list(i), lists.list(i) + k),
+                  ElementsAreArray(ReferenceTopK(q.data() + (i * q_heads + 1) * d, prefix, 1, 1.0,
+                                                 k)))
+          << KvElementName(element) << " query " << i;
+    }
+  }
+}
+
 TEST(CpuBatchTopKTest, KLargerThanTheKeysReturnsEveryKey) {
   RandomKv kv(10, 1, 8, 1);
   std::vector<float> q = RandomNormal(3 * 8, 2);
@@ -96,6 +121,11 @@ TEST(CpuBatchTopKTest, RejectsBadArguments) {
   s = CpuBatchTopK(QueriesOf(q, 3, 1, 8, 0), keys, 5, &lists, visible);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("causal mask of 2 counts for 3 queries"));
+
+  const std::vector<uint16_t> half_queries(3 * 8, 0);
+  s = CpuBatchTopK(VectorSet{half_queries.data(), 3, 8, 8, KvElement::kBf16}, keys, 5, &lists);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("queries must be f32, got bf16"));
 }
 
 }  // namespace

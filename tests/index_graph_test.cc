@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "index/flat_index.h"
+#include "kernels/dtype.h"
 #include "kernels/fidelity.h"
 #include "tests/test_util.h"
 
@@ -64,6 +65,49 @@ struct OodCase {
   std::vector<float> keys;
   std::vector<float> queries;
 };
+
+// Keys stored in 16 bits (the tiered placement's host KV in the session's dtype): the graph built,
+// grown and searched over bf16 / f16 keys is the graph over f32 keys of the same values, and
+// finds the same keys with the same scores (rows are widened exactly; the arithmetic is f32).
+TEST(GraphIndexTest, SixteenBitKeysGiveTheGraphOfTheirValues) {
+  const int64_t tokens = 3000;
+  const int d = 32, k = 10;
+  OodCase ood(tokens, 400 + 50, d, 16, 17);
+  for (const KvElement element : {KvElement::kBf16, KvElement::kF16}) {
+    std::vector<uint16_t> narrow(ood.keys.size());
+    std::vector<float> wide(ood.keys.size());
+    for (size_t i = 0; i < narrow.size(); ++i) {
+      narrow[i] = element == KvElement::kBf16 ? FloatToBf16(ood.keys[i]) : FloatToF16(ood.keys[i]);
+      wide[i] = element == KvElement::kBf16 ? Bf16ToFloat(narrow[i]) : F16ToFloat(narrow[i]);
+    }
+    const VectorSet narrow_keys{narrow.data(), tokens, d, d, element};
+    const VectorSet wide_keys{wide.data(), tokens, d, d};
+    GraphIndexParams params;
+    params.build_queries = 400;
+    params.link_threshold = 64;
+    GraphIndex a(params), b(params);
+    // Built over the first 2500 keys, then grown by the rest (linking reads the keys too).
+    ASSERT_TRUE(a.Build(narrow_keys.Slice(0, 2500), BuildQueries{ood.query_set(0, 400)}).ok());
+    ASSERT_TRUE(b.Build(wide_keys.Slice(0, 2500), BuildQueries{ood.query_set(0, 400)}).ok());
+    for (int64_t end = 2600; end <= tokens; end += 100) {
+      ASSERT_TRUE(a.Add(narrow_keys.Slice(0, end), ood.query_set(0, 8)).ok());
+      ASSERT_TRUE(b.Add(wide_keys.Slice(0, end), ood.query_set(0, 8)).ok());
+    }
+    ASSERT_EQ(a.linked(), b.linked());
+    for (int64_t node = 0; node < a.linked(); node += 97) {
+      ASSERT_THAT(a.neighbors(node), ::testing::ElementsAreArray(b.neighbors(node))) << node;
+    }
+    for (int64_t i = 400; i < 450; ++i) {
+      const float* q = ood.queries.data() + i * d;
+      SearchResult ra, rb;
+      a.Search(narrow_keys, q, k, SearchParams{}, &ra);
+      b.Search(wide_keys, q, k, SearchParams{}, &rb);
+      EXPECT_EQ(ra.ids, rb.ids) << KvElementName(element) << " query " << i;
+      EXPECT_EQ(ra.scores, rb.scores);
+      EXPECT_EQ(ra.stats.scored, rb.stats.scored);
+    }
+  }
+}
 
 TEST(GraphIndexTest, OutOfDistributionQueriesFindTheirTopKScanningAFewPercent) {
   const int64_t tokens = 16384;

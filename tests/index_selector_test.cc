@@ -147,6 +147,39 @@ TEST(IndexSelectorTest, SupportIsTheStaticSetPlusTheIndexResults) {
   }
 }
 
+// The tiered bulk (bulk_only): the support is the search's tokens alone, and each comes with the
+// score the search gave it, bit for bit what cpu::ScoreTokens gives (the attention then skips
+// scoring them again); the CPU placement's support holds the static set and no scores. Unlinked
+// bulk tokens, scored exactly, keep theirs too.
+TEST(IndexSelectorTest, BulkOnlySupportCarriesTheScoresTheSearchComputed) {
+  const Layer layer(SmallTrace());
+  const SelectorParams params = IndexParams(128);
+  IndexSelector bulk_only(layer.shape, params, /*bulk_only=*/true);
+  IndexSelector with_static_set(layer.shape, params);
+  const int64_t prompt = layer.trace.geometry().context;
+  ASSERT_TRUE(bulk_only.Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  ASSERT_TRUE(with_static_set.Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  // Step 0 after its OnAppend; step 5 with five tokens not absorbed yet.
+  for (const int64_t tokens : {prompt + 1, prompt + 6}) {
+    const KvView kv = layer.view(tokens);
+    if (tokens == prompt + 1) bulk_only.OnAppend(kv);
+    for (int h = 0; h < layer.shape.q_heads; ++h) {
+      const float* q = layer.decode_query(tokens - prompt - 1, h);
+      HeadSelection selection;
+      bulk_only.Select(h, q, kv, &selection);
+      ASSERT_EQ(selection.support.size(), static_cast<size_t>(params.top_k));
+      ASSERT_EQ(selection.support_scores.size(), selection.support.size());
+      std::vector<float> want(selection.support.size());
+      cpu::ScoreTokens(q, kv, KvHeadOf(h, 4, 2), selection.support, layer.shape.scale,
+                       want.data());
+      EXPECT_EQ(selection.support_scores, want) << "head " << h << " tokens " << tokens;
+      HeadSelection cpu_selection;
+      with_static_set.Select(h, q, kv, &cpu_selection);
+      EXPECT_TRUE(cpu_selection.support_scores.empty());
+    }
+  }
+}
+
 // With a generous list the index policy is the RetrievalAttention policy with an exact search:
 // its output matches that of the static set plus the exact top-K of the bulk (computed by a
 // scan), and the retrieved tokens bring it much closer to full attention than the static set

@@ -210,6 +210,11 @@ TEST(ReTopKHeadTest, ReuseRanksOnlyTheCandidatesWithTheCurrentQuery) {
   ranked.resize(top_k);
   EXPECT_EQ(out.support, ranked);
   EXPECT_EQ(out.candidates, static_cast<int32_t>(candidates.size()));
+  // The reuse path scored its support on the way: the scores come with it, as ScoreTokens
+  // computes them.
+  std::vector<float> scores(top_k);
+  cpu::ScoreTokens(q.data(), kv.view(), 0, out.support, 1.0f, scores.data());
+  EXPECT_EQ(out.support_scores, scores);
 }
 
 // Runs `steps` decode steps of a q_heads-head layer through `selector` (built on a prompt of

@@ -503,6 +503,43 @@ class ServiceMemoryBudgetTest : public ServerTest {
   }
 };
 
+// An announced max_tokens sets the layers' host KV aside at CreateSession, in the bytes the
+// placement keeps it in: f32 on the cpu placement, the session's dtype (bf16 here, half of it)
+// on the tiered one. 64 KiB holds 64 tokens of 2 x 2 x 64 f32 and 128 of bf16.
+TEST_F(ServiceMemoryBudgetTest, AnnouncedTokensSetTheHostKvAsideInThePlacementsLayout) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 64, v1::DTYPE_BF16);
+  for (const auto& [placement, fits] :
+       {std::pair{v1::PLACEMENT_CPU, 64}, std::pair{v1::PLACEMENT_TIERED, 128}}) {
+    v1::Policy policy = MakePolicy(v1::SELECTOR_FULL, 0, 4, 8);
+    policy.set_placement(placement);
+    for (const int tokens : {fits + 1, fits}) {
+      v1::CreateSessionRequest request;
+      *request.mutable_geometry() = g;
+      *request.mutable_policy() = policy;
+      request.set_max_tokens(tokens);
+      v1::CreateSessionResponse response;
+      grpc::ClientContext context;
+      const absl::Status status =
+          testing::FromGrpc(stub().CreateSession(&context, request, &response));
+      if (tokens > fits) {
+        EXPECT_TRUE(HasStatus(status, absl::StatusCode::kResourceExhausted,
+                              absl::StrCat("max_tokens=", tokens, " of 1 layers")))
+            << v1::Placement_Name(placement) << " " << status;
+        EXPECT_EQ(server().server().budget().used(), 0);
+        continue;
+      }
+      ASSERT_TRUE(status.ok()) << v1::Placement_Name(placement) << " " << status;
+      EXPECT_EQ(server().server().budget().used(), 64 << 10);
+      grpc::ClientContext close_context;
+      v1::CloseSessionRequest close;
+      close.set_session_id(response.session_id());
+      v1::CloseSessionResponse closed;
+      ASSERT_TRUE(stub().CloseSession(&close_context, close, &closed).ok());
+      EXPECT_EQ(server().server().budget().used(), 0);
+    }
+  }
+}
+
 TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
   const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
   // A prompt of 400 tokens needs 400 x (4 + 2 + 2) x 16 x 4 bytes = 200 KiB while staged.

@@ -6,8 +6,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "server/memory_budget.h"
+#include "kernels/dtype.h"
 #include "server/kv_store.h"
+#include "server/memory_budget.h"
 #include "tests/server_fixture.h"
 
 namespace kvrecall {
@@ -98,6 +99,40 @@ TEST(KvStoreTest, BudgetRefusalChangesNothingAndFallsBackToExactGrowth) {
   }
   kv.Free();
   EXPECT_EQ(budget.used(), 0);
+}
+
+// A 16-bit store (the tiered placement's host KV in the session's dtype) charges two bytes an
+// element and stages f32 tokens rounded to nearest even.
+TEST(KvStoreTest, SixteenBitStoreHalvesTheBytesAndRoundsStagedTokens) {
+  for (KvElement element : {KvElement::kBf16, KvElement::kF16}) {
+    MemoryBudget budget(0);
+    LayerKvStore kv(2, 8, &budget, element);
+    EXPECT_EQ(kv.element(), element);
+    ASSERT_TRUE(kv.Reserve(16, "the prompt").ok());
+    EXPECT_EQ(budget.used(), 2 * 16 * 16 * 2);
+    EXPECT_EQ(kv.allocated_bytes(), LayerKvStore::BytesFor(16, 2, 8, element));
+    std::vector<float> key(16), value(16);
+    for (int i = 0; i < 16; ++i) {
+      key[i] = 1.0f + i / 3.0f;
+      value[i] = -0.001f * i;
+    }
+    kv.StageToken(key.data(), value.data());
+    kv.Commit(1);
+    const KvView view = kv.view();
+    EXPECT_EQ(view.element, element);
+    EXPECT_EQ(view.tokens, 1);
+    for (int h = 0; h < 2; ++h) {
+      const auto* k = static_cast<const uint16_t*>(view.key_row(0, h));
+      const auto* v = static_cast<const uint16_t*>(view.value_row(0, h));
+      for (int j = 0; j < 8; ++j) {
+        const float want_k = key[h * 8 + j], want_v = value[h * 8 + j];
+        EXPECT_EQ(k[j], element == KvElement::kBf16 ? FloatToBf16(want_k) : FloatToF16(want_k));
+        EXPECT_EQ(v[j], element == KvElement::kBf16 ? FloatToBf16(want_v) : FloatToF16(want_v));
+      }
+    }
+    kv.Free();
+    EXPECT_EQ(budget.used(), 0);
+  }
 }
 
 TEST(KvStoreTest, MovingTransfersTheChargeOnce) {

@@ -35,6 +35,59 @@ TEST(TensorCodecTest, ValuesAreAcceptedWhateverTheSessionDType) {
   EXPECT_EQ(back, (std::vector<float>{1, 2, 3, 4, 5, 6}));
 }
 
+// Decoding into 16-bit KV storage (the tiered placement's host store): a tensor in the storage's
+// own dtype is stored bit for bit, float values and other dtypes are narrowed to nearest even,
+// and bad values are refused with the index of the element, beyond the first piece too.
+TEST(TensorCodecTest, DecodesIntoSixteenBitStorage) {
+  constexpr int64_t kRows = 3000;  // 18000 elements: several of the decoder's pieces
+  const int64_t row[] = {2, 3};
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> data(kRows * 6);
+  for (float& x : data) x = normal(rng);
+  const int64_t shape[] = {kRows, 2, 3};
+  for (v1::DType dtype : {v1::DTYPE_BF16, v1::DTYPE_F16}) {
+    const KvElement element = KvElementOf(dtype);
+    EXPECT_EQ(DTypeOf(element), dtype);
+    auto narrow = [&](float x) {
+      return dtype == v1::DTYPE_BF16 ? FloatToBf16(x) : FloatToF16(x);
+    };
+    const TensorSpec spec{"k", row, /*rows_free=*/true, dtype};
+    // Raw bytes in the storage's dtype: copied.
+    v1::Tensor raw;
+    EncodeTensor(data, shape, dtype, /*as_values=*/false, &raw);
+    std::vector<uint16_t> stored(data.size());
+    ASSERT_TRUE(DecodeTensorInto(raw, spec, element, stored.data()).ok());
+    EXPECT_EQ(std::memcmp(stored.data(), raw.data().data(), raw.data().size()), 0);
+    // Float values: narrowed exactly as kernels/dtype.h narrows.
+    v1::Tensor values;
+    EncodeTensor(data, shape, dtype, /*as_values=*/true, &values);
+    std::vector<uint16_t> from_values(data.size());
+    ASSERT_TRUE(DecodeTensorInto(values, spec, element, from_values.data()).ok());
+    for (size_t i = 0; i < data.size(); ++i) ASSERT_EQ(from_values[i], narrow(data[i])) << i;
+    // A bad value in a later piece is named by its index in the whole tensor.
+    values.mutable_values()->Set(9000, std::numeric_limits<float>::quiet_NaN());
+    absl::Status s = DecodeTensorInto(values, spec, element, from_values.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("k holds a non-finite value (nan) at element 9000"),
+              std::string::npos)
+        << s;
+    values.mutable_values()->Set(9000, 1e5f);
+    s = DecodeTensorInto(values, spec, element, from_values.data());
+    EXPECT_NE(s.message().find("k holds 100000 at element 9000, beyond the largest magnitude"),
+              std::string::npos)
+        << s;
+  }
+  // f32 storage is DecodeTensor.
+  v1::Tensor t;
+  EncodeTensor(data, shape, v1::DTYPE_BF16, false, &t);
+  std::vector<float> a(data.size()), b(data.size());
+  const TensorSpec spec{"k", row, true, v1::DTYPE_BF16};
+  ASSERT_TRUE(DecodeTensorInto(t, spec, KvElement::kF32, a.data()).ok());
+  ASSERT_TRUE(DecodeTensor(t, spec, b.data()).ok());
+  EXPECT_EQ(a, b);
+}
+
 TEST(TensorCodecTest, LeadingRowsAreCountedWhenFree) {
   v1::Tensor t;
   EncodeTensor(std::vector<float>(24, 1.0f), std::vector<int64_t>{4, 2, 3}, v1::DTYPE_F32, false,

@@ -6,7 +6,23 @@
 #include <numeric>
 #include <random>
 
+#include "kernels/dtype.h"
+
 namespace kvrecall::testing {
+namespace {
+
+// Element j of a stored row of `element`, widened with kernels/dtype.h's scalar conversions (the
+// references do not use the kernels they check).
+double Element(const void* row, KvElement element, int j) {
+  switch (element) {
+    case KvElement::kBf16: return Bf16ToFloat(static_cast<const uint16_t*>(row)[j]);
+    case KvElement::kF16: return F16ToFloat(static_cast<const uint16_t*>(row)[j]);
+    case KvElement::kF32: break;
+  }
+  return static_cast<const float*>(row)[j];
+}
+
+}  // namespace
 
 std::vector<float> RandomNormal(size_t n, uint64_t seed, float stddev) {
   std::mt19937_64 rng(seed);
@@ -27,6 +43,32 @@ KvView RandomKv::view() const {
   return KvView{keys.data(), values.data(), tokens, kv_heads, head_dim};
 }
 
+NarrowedKv::NarrowedKv(const RandomKv& kv, KvElement element)
+    : keys(kv.keys.size()),
+      values(kv.values.size()),
+      wide_keys(kv.keys.size()),
+      wide_values(kv.values.size()),
+      tokens(kv.tokens),
+      kv_heads(kv.kv_heads),
+      head_dim(kv.head_dim),
+      element(element) {
+  const bool bf16 = element == KvElement::kBf16;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = bf16 ? FloatToBf16(kv.keys[i]) : FloatToF16(kv.keys[i]);
+    values[i] = bf16 ? FloatToBf16(kv.values[i]) : FloatToF16(kv.values[i]);
+    wide_keys[i] = bf16 ? Bf16ToFloat(keys[i]) : F16ToFloat(keys[i]);
+    wide_values[i] = bf16 ? Bf16ToFloat(values[i]) : F16ToFloat(values[i]);
+  }
+}
+
+KvView NarrowedKv::view() const {
+  return KvView{keys.data(), values.data(), tokens, kv_heads, head_dim, element};
+}
+
+KvView NarrowedKv::widened_view() const {
+  return KvView{wide_keys.data(), wide_values.data(), tokens, kv_heads, head_dim};
+}
+
 double ReferenceAttention(const float* q, const KvView& kv, int kv_head,
                           std::span<const int32_t> ids, double scale, std::vector<double>* o) {
   const int d = kv.head_dim;
@@ -34,17 +76,17 @@ double ReferenceAttention(const float* q, const KvView& kv, int kv_head,
   if (ids.empty()) return -std::numeric_limits<double>::infinity();
   std::vector<double> s(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
-    const float* k = kv.key(ids[i], kv_head);
+    const void* k = kv.key_row(ids[i], kv_head);
     double dot = 0;
-    for (int j = 0; j < d; ++j) dot += static_cast<double>(q[j]) * k[j];
+    for (int j = 0; j < d; ++j) dot += static_cast<double>(q[j]) * Element(k, kv.element, j);
     s[i] = scale * dot;
   }
   const double m = *std::max_element(s.begin(), s.end());
   double sum = 0;
   for (double& x : s) sum += (x = std::exp(x - m));
   for (size_t i = 0; i < ids.size(); ++i) {
-    const float* v = kv.value(ids[i], kv_head);
-    for (int j = 0; j < d; ++j) (*o)[j] += s[i] / sum * v[j];
+    const void* v = kv.value_row(ids[i], kv_head);
+    for (int j = 0; j < d; ++j) (*o)[j] += s[i] / sum * Element(v, kv.element, j);
   }
   return m + std::log(sum);
 }
@@ -60,7 +102,10 @@ std::vector<int32_t> ReferenceTopK(const float* q, const KvView& kv, int kv_head
   std::vector<double> s(kv.tokens);
   for (int64_t t = 0; t < kv.tokens; ++t) {
     double dot = 0;
-    for (int j = 0; j < kv.head_dim; ++j) dot += static_cast<double>(q[j]) * kv.key(t, kv_head)[j];
+    const void* k = kv.key_row(t, kv_head);
+    for (int j = 0; j < kv.head_dim; ++j) {
+      dot += static_cast<double>(q[j]) * Element(k, kv.element, j);
+    }
     s[t] = scale * dot;
   }
   std::vector<int32_t> ids = AllTokens(kv.tokens);

@@ -24,7 +24,24 @@ struct RandomKv {
   int head_dim;
 };
 
-// Attention of q over kv's tokens `ids` for one KV head, in double precision.
+// A RandomKv rounded to a 16-bit element type (bf16 or f16, nearest even): its stored bits, and
+// the same values widened back to f32, so that a kernel must give the same result over both
+// views.
+struct NarrowedKv {
+  NarrowedKv(const RandomKv& kv, KvElement element);
+  KvView view() const;          // the 16-bit storage
+  KvView widened_view() const;  // f32 holding exactly the stored values
+  std::vector<uint16_t> keys;
+  std::vector<uint16_t> values;
+  std::vector<float> wide_keys;
+  std::vector<float> wide_values;
+  int64_t tokens;
+  int kv_heads;
+  int head_dim;
+  KvElement element;
+};
+
+// Attention of q over kv's tokens `ids` for one KV head, in double precision (any element type).
 // o: [head_dim]; returns the natural-log log-sum-exp (-inf for an empty set).
 double ReferenceAttention(const float* q, const KvView& kv, int kv_head,
                           std::span<const int32_t> ids, double scale, std::vector<double>* o);

@@ -126,10 +126,7 @@ TEST_F(TieredPlacementTest, ExactTopKIsTheBulksTopKPlusTheStaticSet) {
       ASSERT_TRUE(reply.ok()) << reply.status();
       const int64_t n = ref.tokens(0);
       // The bulk [sinks, n - recent) as a view of its own, positions offset by the sinks.
-      KvView bulk = ref.view(0);
-      bulk.keys += kSinks * bulk.token_stride();
-      bulk.values += kSinks * bulk.token_stride();
-      bulk.tokens = n - kSinks - kRecent;
+      const KvView bulk = ref.view(0).Tokens(kSinks, n - kSinks - kRecent);
       std::vector<std::vector<int32_t>> supports(g.q_heads());
       for (int h = 0; h < g.q_heads(); ++h) {
         supports[h] = ReferenceTopK(q.data() + h * g.head_dim(), bulk,
@@ -245,16 +242,26 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
     EXPECT_GE(micros.link_wait(), 0.0);
     EXPECT_LE(micros.bulk() + micros.link_wait(), reply->server_micros()) << "step " << step;
     EXPECT_LE(micros.static_set(), reply->server_micros()) << "step " << step;
+    double heads_micros = 0;
     for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
       EXPECT_LE(head.support(), kSinks + kRecent + k);
       if (step % 50 == 0) EXPECT_GT(head.retained_mass(), 0.0f) << "step " << step;
+      // Each head's part of the bulk: heads run side by side, so each is within the bulk's
+      // time (their sum may exceed it).
+      EXPECT_GT(head.bulk_micros(), 0.0f) << "step " << step;
+      EXPECT_LE(head.bulk_micros(), micros.bulk() * (1 + 1e-6) + 1) << "step " << step;
+      heads_micros += head.bulk_micros();
     }
+    EXPECT_GT(heads_micros, 0.0);
   }
   // A placement with one tier (and nothing to link) reports none.
   absl::StatusOr<v1::DecodeResponse> reply =
       StepAll(client, {cpu_id}, ref.MakeToken(900), ref, /*compare=*/false);
   ASSERT_TRUE(reply.ok()) << reply.status();
   EXPECT_FALSE(reply->has_tier_micros());
+  for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
+    EXPECT_EQ(head.bulk_micros(), 0.0f);
+  }
 }
 
 // ReTopK's exact path over the bulk: the graph index's search by default, a flat scan of the
@@ -345,6 +352,41 @@ TEST_F(TieredPlacementTest, ABatchEqualsEachSequenceAloneAndGpuBytesStayConstant
     ASSERT_TRUE(alone_a.ok() && alone_b.ok());
     EXPECT_EQ(TensorValues(batched->results(0).output()), TensorValues(alone_a->results(0).output()));
     EXPECT_EQ(TensorValues(batched->results(1).output()), TensorValues(alone_b->results(0).output()));
+  }
+}
+
+// The host keeps the complete KV in the session's dtype: a bf16 / f16 session's host store is
+// half the cpu placement's (f32) for the same prompt, an f32 one (host tier) the same, while
+// outputs stay those of full attention over the values the client sent.
+TEST_F(TieredPlacementTest, TheHostKeepsTheKvInTheSessionsDtype) {
+  for (const v1::DType dtype : Dtypes()) {
+    const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype);
+    ReferenceSession ref(g, 700, 51);
+    v1::Policy cpu_policy = MakePolicy(v1::SELECTOR_FULL, 0, kSinks, kRecent);
+    cpu_policy.set_placement(v1::PLACEMENT_CPU);
+    const std::string tiered = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_FULL), 700);
+    const std::string cpu = CreateAndPrefill(ref, cpu_policy, 700);
+    absl::StatusOr<v1::SessionInfo> tiered_info = GetSession(stub(), tiered);
+    absl::StatusOr<v1::SessionInfo> cpu_info = GetSession(stub(), cpu);
+    ASSERT_TRUE(tiered_info.ok() && cpu_info.ok());
+    EXPECT_EQ(tiered_info->selector_bytes(), 0);
+    EXPECT_EQ(cpu_info->selector_bytes(), 0);
+    if (dtype == v1::DTYPE_F32) {
+      EXPECT_EQ(tiered_info->host_bytes(), cpu_info->host_bytes());
+    } else {
+      EXPECT_EQ(2 * tiered_info->host_bytes(), cpu_info->host_bytes()) << DTypeName(dtype);
+    }
+    DecodeClient client(stub());
+    for (int step = 0; step < 3; ++step) {
+      const ReferenceSession::Token token = ref.MakeToken(900 + step);
+      const std::vector<float> q = ref.Record(0, token);
+      absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {tiered}, token, ref, false);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      const std::vector<std::vector<int32_t>> all(g.q_heads(),
+                                                  testing::AllTokens(ref.tokens(0)));
+      ExpectOutputNear(TensorValues(reply->results(0).output()), ref.Attention(0, q, all), dtype,
+                       absl::StrCat("step ", step));
+    }
   }
 }
 

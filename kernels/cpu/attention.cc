@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -13,6 +14,64 @@
 
 namespace kvrecall::cpu {
 namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Stored element types. Every kernel below is a template over the element type E of the rows
+// it reads, instantiated once per KvElement and chosen once per call (WithElement), so the inner
+// loops have no branch on the type. Widening is exact: f32 holds every bf16 and f16 value.
+
+template <KvElement E>
+using Stored = std::conditional_t<E == KvElement::kF32, float, uint16_t>;
+
+template <KvElement E>
+inline float WidenOne(Stored<E> x) {
+  if constexpr (E == KvElement::kF32) {
+    return x;
+  } else if constexpr (E == KvElement::kBf16) {
+    return Bf16ToFloat(x);
+  } else {
+    return F16ToFloat(x);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight consecutive stored elements as eight f32 lanes.
+template <KvElement E>
+inline __m256 Widen8(const Stored<E>* p) {
+  if constexpr (E == KvElement::kF32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (E == KvElement::kBf16) {
+    // bf16 is the top half of an f32: zero-extend to 32 bits and shift into place.
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+#endif
+
+// Calls f with the KvElement of `element` as a compile-time constant.
+template <typename F>
+decltype(auto) WithElement(KvElement element, F&& f) {
+  switch (element) {
+    case KvElement::kBf16:
+      return f(std::integral_constant<KvElement, KvElement::kBf16>());
+    case KvElement::kF16:
+      return f(std::integral_constant<KvElement, KvElement::kF16>());
+    case KvElement::kF32:
+      break;
+  }
+  return f(std::integral_constant<KvElement, KvElement::kF32>());
+}
+
+template <KvElement E>
+const Stored<E>* KeyRow(const KvView& kv, int64_t t, int h) {
+  return static_cast<const Stored<E>*>(kv.keys) + kv.offset(t, h);
+}
+template <KvElement E>
+const Stored<E>* ValueRow(const KvView& kv, int64_t t, int h) {
+  return static_cast<const Stored<E>*>(kv.values) + kv.offset(t, h);
+}
 
 // Scores are a per-call scratch; thread_local keeps the hot path free of allocations once warm.
 std::vector<float>& ScoreScratch(size_t n) {
@@ -38,7 +97,7 @@ float SoftmaxInPlace(float* scores, size_t n) {
 
 // o = sum_i weights[i] * value(token_of(i)). Four tokens per pass over o, so that o is loaded
 // and stored once per four value rows rather than once per row (the loop is bound by those).
-template <typename TokenOf>
+template <KvElement E, typename TokenOf>
 void WeightedValueSum(const float* weights, size_t n, TokenOf token_of, const KvView& kv,
                       int kv_head, float* o) {
   const int d = kv.head_dim;
@@ -46,18 +105,40 @@ void WeightedValueSum(const float* weights, size_t n, TokenOf token_of, const Kv
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
     const float w0 = weights[i], w1 = weights[i + 1], w2 = weights[i + 2], w3 = weights[i + 3];
-    const float* v0 = kv.value(token_of(i), kv_head);
-    const float* v1 = kv.value(token_of(i + 1), kv_head);
-    const float* v2 = kv.value(token_of(i + 2), kv_head);
-    const float* v3 = kv.value(token_of(i + 3), kv_head);
-#pragma omp simd
-    for (int j = 0; j < d; ++j) o[j] += (w0 * v0[j] + w1 * v1[j]) + (w2 * v2[j] + w3 * v3[j]);
+    const Stored<E>* v0 = ValueRow<E>(kv, token_of(i), kv_head);
+    const Stored<E>* v1 = ValueRow<E>(kv, token_of(i + 1), kv_head);
+    const Stored<E>* v2 = ValueRow<E>(kv, token_of(i + 2), kv_head);
+    const Stored<E>* v3 = ValueRow<E>(kv, token_of(i + 3), kv_head);
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    // Written out rather than left to the compiler, so that every element type rounds the same
+    // way (an f32 store and a bf16 store of the same values give the same bits).
+    const __m256 a0 = _mm256_set1_ps(w0), a1 = _mm256_set1_ps(w1);
+    const __m256 a2 = _mm256_set1_ps(w2), a3 = _mm256_set1_ps(w3);
+    for (; j + 8 <= d; j += 8) {
+      const __m256 lo =
+          _mm256_fmadd_ps(a1, Widen8<E>(v1 + j), _mm256_mul_ps(a0, Widen8<E>(v0 + j)));
+      const __m256 hi =
+          _mm256_fmadd_ps(a3, Widen8<E>(v3 + j), _mm256_mul_ps(a2, Widen8<E>(v2 + j)));
+      _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_add_ps(lo, hi)));
+    }
+#endif
+    for (; j < d; ++j) {
+      o[j] += (w0 * WidenOne<E>(v0[j]) + w1 * WidenOne<E>(v1[j])) +
+              (w2 * WidenOne<E>(v2[j]) + w3 * WidenOne<E>(v3[j]));
+    }
   }
   for (; i < n; ++i) {
     const float w = weights[i];
-    const float* v = kv.value(token_of(i), kv_head);
-#pragma omp simd
-    for (int j = 0; j < d; ++j) o[j] += w * v[j];
+    const Stored<E>* v = ValueRow<E>(kv, token_of(i), kv_head);
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 a = _mm256_set1_ps(w);
+    for (; j + 8 <= d; j += 8) {
+      _mm256_storeu_ps(o + j, _mm256_fmadd_ps(a, Widen8<E>(v + j), _mm256_loadu_ps(o + j)));
+    }
+#endif
+    for (; j < d; ++j) o[j] += w * WidenOne<E>(v[j]);
   }
 }
 
@@ -72,12 +153,12 @@ inline float SumLanes(__m256 sum0, __m256 sum1) {
 }
 #endif
 
-// sum_i term(a[i], b[i]) over n floats: 8 lanes at a time into two independent accumulators
-// (vector_term(x, y, acc) adds 8 terms to acc), which hides the FMA latency, and the lanes summed
-// in registers. Scoring and the graph build's pruning are chains of short (head_dim) sums, so
-// both costs are per token.
-template <typename VectorTerm, typename ScalarTerm>
-float SumOfTerms(const float* a, const float* b, int n, VectorTerm vector_term,
+// sum_i term(a[i], b[i]) over n elements (a of element type A, b of B): 8 lanes at a time into
+// two independent accumulators (vector_term(x, y, acc) adds 8 terms to acc), which hides the FMA
+// latency, and the lanes summed in registers. Scoring and the graph build's pruning are chains
+// of short (head_dim) sums, so both costs are per token.
+template <KvElement A, KvElement B, typename VectorTerm, typename ScalarTerm>
+float SumOfTerms(const Stored<A>* a, const Stored<B>* b, int n, VectorTerm vector_term,
                  ScalarTerm scalar_term) {
   int i = 0;
   float acc = 0.0f;
@@ -85,28 +166,28 @@ float SumOfTerms(const float* a, const float* b, int n, VectorTerm vector_term,
   __m256 sum0 = _mm256_setzero_ps();
   __m256 sum1 = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    sum0 = vector_term(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
-    sum1 = vector_term(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), sum1);
+    sum0 = vector_term(Widen8<A>(a + i), Widen8<B>(b + i), sum0);
+    sum1 = vector_term(Widen8<A>(a + i + 8), Widen8<B>(b + i + 8), sum1);
   }
   for (; i + 8 <= n; i += 8) {
-    sum0 = vector_term(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+    sum0 = vector_term(Widen8<A>(a + i), Widen8<B>(b + i), sum0);
   }
   acc = SumLanes(sum0, sum1);
 #endif
-  for (; i < n; ++i) acc += scalar_term(a[i], b[i]);
+  for (; i < n; ++i) acc += scalar_term(WidenOne<A>(a[i]), WidenOne<B>(b[i]));
   return acc;
 }
 
-}  // namespace
-
-float DotProduct(const float* a, const float* b, int n) {
-  return SumOfTerms(
-      a, b, n, [](auto x, auto y, auto acc) { return _mm256_fmadd_ps(x, y, acc); },
+template <KvElement E>
+float Dot(const float* q, const Stored<E>* row, int n) {
+  return SumOfTerms<KvElement::kF32, E>(
+      q, row, n, [](auto x, auto y, auto acc) { return _mm256_fmadd_ps(x, y, acc); },
       [](float x, float y) { return x * y; });
 }
 
-float SquaredDistance(const float* a, const float* b, int n) {
-  return SumOfTerms(
+template <KvElement E>
+float Distance(const Stored<E>* a, const Stored<E>* b, int n) {
+  return SumOfTerms<E, E>(
       a, b, n,
       [](auto x, auto y, auto acc) {
         const auto d = _mm256_sub_ps(x, y);
@@ -115,66 +196,117 @@ float SquaredDistance(const float* a, const float* b, int n) {
       [](float x, float y) { return (x - y) * (x - y); });
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Dot's two accumulators over the same lanes and its sum of the lanes, for R rows at once
+// (n a multiple of 8, so that Dot has no scalar tail either).
+template <KvElement E, int R>
+void DotRows(const float* x, const void* const* rows, int n, float* out) {
+  __m256 sum0[R], sum1[R];
+  const Stored<E>* row[R];
+  for (int r = 0; r < R; ++r) {
+    sum0[r] = sum1[r] = _mm256_setzero_ps();
+    row[r] = static_cast<const Stored<E>*>(rows[r]);
+  }
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 xa = _mm256_loadu_ps(x + i);
+    const __m256 xb = _mm256_loadu_ps(x + i + 8);
+    for (int r = 0; r < R; ++r) {
+      sum0[r] = _mm256_fmadd_ps(xa, Widen8<E>(row[r] + i), sum0[r]);
+      sum1[r] = _mm256_fmadd_ps(xb, Widen8<E>(row[r] + i + 8), sum1[r]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 xa = _mm256_loadu_ps(x + i);
+    for (int r = 0; r < R; ++r) sum0[r] = _mm256_fmadd_ps(xa, Widen8<E>(row[r] + i), sum0[r]);
+  }
+  for (int r = 0; r < R; ++r) out[r] = SumLanes(sum0[r], sum1[r]);
+}
+#endif
+
+template <KvElement E>
+void DotRowsOf(const float* x, const void* const* rows, int count, int n, float* out) {
+  int r = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    for (; r + 4 <= count; r += 4) DotRows<E, 4>(x, rows + r, n, out + r);
+    switch (count - r) {
+      case 3: DotRows<E, 3>(x, rows + r, n, out + r); return;
+      case 2: DotRows<E, 2>(x, rows + r, n, out + r); return;
+      case 1: DotRows<E, 1>(x, rows + r, n, out + r); return;
+      default: return;
+    }
+  }
+#endif
+  for (; r < count; ++r) out[r] = Dot<E>(x, static_cast<const Stored<E>*>(rows[r]), n);
+}
+
+template <KvElement E>
+void ScoreTokensOf(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
+                   float scale, float* scores) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    scores[i] = scale * Dot<E>(q, KeyRow<E>(kv, ids[i], kv_head), kv.head_dim);
+  }
+}
+
+template <KvElement E>
+void ScoreRangeOf(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,
+                  float scale, float* scores) {
+  for (int64_t t = begin; t < end; ++t) {
+    scores[t - begin] = scale * Dot<E>(q, KeyRow<E>(kv, t, kv_head), kv.head_dim);
+  }
+}
+
+}  // namespace
+
+float DotProduct(const float* a, const float* b, int n) { return Dot<KvElement::kF32>(a, b, n); }
+
+float DotProduct(const float* q, const void* row, KvElement element, int n) {
+  return WithElement(element, [&](auto e) {
+    return Dot<decltype(e)::value>(q, static_cast<const Stored<decltype(e)::value>*>(row), n);
+  });
+}
+
+float SquaredDistance(const float* a, const float* b, int n) {
+  return Distance<KvElement::kF32>(a, b, n);
+}
+
+float SquaredDistance(const void* a, const void* b, KvElement element, int n) {
+  return WithElement(element, [&](auto e) {
+    using S = Stored<decltype(e)::value>;
+    return Distance<decltype(e)::value>(static_cast<const S*>(a), static_cast<const S*>(b), n);
+  });
+}
+
+void LoadRow(const void* row, KvElement element, int n, float* out) {
+  WithElement(element, [&](auto e) {
+    const auto* p = static_cast<const Stored<decltype(e)::value>*>(row);
+    for (int i = 0; i < n; ++i) out[i] = WidenOne<decltype(e)::value>(p[i]);
+  });
+}
+
 void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
                  float scale, float* scores) {
-  for (size_t i = 0; i < ids.size(); ++i) {
-    scores[i] = scale * DotProduct(q, kv.key(ids[i], kv_head), kv.head_dim);
-  }
+  WithElement(kv.element, [&](auto e) {
+    ScoreTokensOf<decltype(e)::value>(q, kv, kv_head, ids, scale, scores);
+  });
 }
 
 void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,
                 float scale, float* scores) {
-  for (int64_t t = begin; t < end; ++t) {
-    scores[t - begin] = scale * DotProduct(q, kv.key(t, kv_head), kv.head_dim);
-  }
+  WithElement(kv.element, [&](auto e) {
+    ScoreRangeOf<decltype(e)::value>(q, kv, kv_head, begin, end, scale, scores);
+  });
 }
 
 void DotProducts(const float* x, const float* rows, int64_t n_rows, int n, float* out) {
   for (int64_t i = 0; i < n_rows; ++i) out[i] = DotProduct(x, rows + i * n, n);
 }
 
-namespace {
-
-#if defined(__AVX2__) && defined(__FMA__)
-// DotProduct's two accumulators over the same lanes and its sum of the lanes, for R rows at once
-// (n a multiple of 8, so that DotProduct has no scalar tail either).
-template <int R>
-void DotRows(const float* x, const float* const* rows, int n, float* out) {
-  __m256 sum0[R], sum1[R];
-  for (int r = 0; r < R; ++r) sum0[r] = sum1[r] = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 xa = _mm256_loadu_ps(x + i);
-    const __m256 xb = _mm256_loadu_ps(x + i + 8);
-    for (int r = 0; r < R; ++r) {
-      sum0[r] = _mm256_fmadd_ps(xa, _mm256_loadu_ps(rows[r] + i), sum0[r]);
-      sum1[r] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(rows[r] + i + 8), sum1[r]);
-    }
-  }
-  for (; i + 8 <= n; i += 8) {
-    const __m256 xa = _mm256_loadu_ps(x + i);
-    for (int r = 0; r < R; ++r) sum0[r] = _mm256_fmadd_ps(xa, _mm256_loadu_ps(rows[r] + i), sum0[r]);
-  }
-  for (int r = 0; r < R; ++r) out[r] = SumLanes(sum0[r], sum1[r]);
-}
-#endif
-
-}  // namespace
-
-void DotProductRows(const float* x, const float* const* rows, int count, int n, float* out) {
-  int r = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if (n % 8 == 0) {
-    for (; r + 4 <= count; r += 4) DotRows<4>(x, rows + r, n, out + r);
-    switch (count - r) {
-      case 3: DotRows<3>(x, rows + r, n, out + r); return;
-      case 2: DotRows<2>(x, rows + r, n, out + r); return;
-      case 1: DotRows<1>(x, rows + r, n, out + r); return;
-      default: return;
-    }
-  }
-#endif
-  for (; r < count; ++r) out[r] = DotProduct(x, rows[r], n);
+void DotProductRows(const float* x, const void* const* rows, KvElement element, int count, int n,
+                    float* out) {
+  WithElement(element,
+              [&](auto e) { DotRowsOf<decltype(e)::value>(x, rows, count, n, out); });
 }
 
 float Normalize(const float* x, int n, float* unit) {
@@ -212,7 +344,21 @@ void PartialAttention(const float* q, const KvView& kv, int kv_head,
   std::vector<float>& weights = ScoreScratch(ids.size());
   ScoreTokens(q, kv, kv_head, ids, scale, weights.data());
   *lse = SoftmaxInPlace(weights.data(), ids.size());
-  WeightedValueSum(weights.data(), ids.size(), [&](size_t i) { return ids[i]; }, kv, kv_head, o);
+  WithElement(kv.element, [&](auto e) {
+    WeightedValueSum<decltype(e)::value>(
+        weights.data(), ids.size(), [&](size_t i) { return ids[i]; }, kv, kv_head, o);
+  });
+}
+
+void PartialAttentionScored(std::span<const float> scores, const KvView& kv, int kv_head,
+                            std::span<const int32_t> ids, float* o, float* lse) {
+  std::vector<float>& weights = ScoreScratch(ids.size());
+  std::copy(scores.begin(), scores.begin() + ids.size(), weights.begin());
+  *lse = SoftmaxInPlace(weights.data(), ids.size());
+  WithElement(kv.element, [&](auto e) {
+    WeightedValueSum<decltype(e)::value>(
+        weights.data(), ids.size(), [&](size_t i) { return ids[i]; }, kv, kv_head, o);
+  });
 }
 
 void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_t begin,
@@ -221,8 +367,11 @@ void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_
   std::vector<float>& weights = ScoreScratch(n);
   ScoreRange(q, kv, kv_head, begin, begin + static_cast<int64_t>(n), scale, weights.data());
   *lse = SoftmaxInPlace(weights.data(), n);
-  WeightedValueSum(weights.data(), n, [&](size_t i) { return begin + static_cast<int64_t>(i); },
-                   kv, kv_head, o);
+  WithElement(kv.element, [&](auto e) {
+    WeightedValueSum<decltype(e)::value>(
+        weights.data(), n, [&](size_t i) { return begin + static_cast<int64_t>(i); }, kv,
+        kv_head, o);
+  });
 }
 
 void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,

@@ -1,5 +1,7 @@
 // CPU attention kernels: exact scoring, top-K selection and partial attention returning
-// attention states, over a KvView. The CUDA backend in kernels/cuda mirrors these.
+// attention states, over a KvView of any stored element type (f32, bf16, f16: rows are widened
+// to f32 as they are read; every product and sum is f32). The CUDA backend in kernels/cuda
+// mirrors these.
 #ifndef KVRECALL_KERNELS_CPU_ATTENTION_H_
 #define KVRECALL_KERNELS_CPU_ATTENTION_H_
 
@@ -7,15 +9,23 @@
 #include <span>
 #include <vector>
 
+#include "kernels/dtype.h"
 #include "kernels/kv_view.h"
 
 namespace kvrecall::cpu {
 
 // <a, b> over n floats.
 float DotProduct(const float* a, const float* b, int n);
+// <q, row> for a stored row of `element` (n elements): for f32 rows, DotProduct bit for bit.
+float DotProduct(const float* q, const void* row, KvElement element, int n);
 
 // ||a - b||^2 over n floats.
 float SquaredDistance(const float* a, const float* b, int n);
+// ||a - b||^2 of two stored rows of `element` (n elements each).
+float SquaredDistance(const void* a, const void* b, KvElement element, int n);
+
+// out[0, n) = the stored row of `element`, widened to f32 (exactly: bf16 and f16 are subsets).
+void LoadRow(const void* row, KvElement element, int n, float* out);
 
 // scores[i] = scale * <q, key(ids[i], kv_head)>. q: [head_dim]; scores: [ids.size()].
 void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
@@ -28,10 +38,12 @@ void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, in
 // out[i] = <x, rows + i * n> for i in [0, n_rows): x [n] against the row-major [n_rows, n] rows.
 void DotProducts(const float* x, const float* rows, int64_t n_rows, int n, float* out);
 
-// out[r] = <x, rows[r]> for r in [0, count): rows scattered in memory (a graph node's
-// neighbors), each bit-identical to DotProduct(x, rows[r], n). Up to four rows at a time share
-// each load of x and run independent accumulator chains, so a few rows cost little more than one.
-void DotProductRows(const float* x, const float* const* rows, int count, int n, float* out);
+// out[r] = <x, rows[r]> for r in [0, count): stored rows of `element` scattered in memory (a
+// graph node's neighbors), each bit-identical to DotProduct(x, rows[r], element, n). Up to four
+// rows at a time share each load of x and run independent accumulator chains, so a few rows
+// cost little more than one.
+void DotProductRows(const float* x, const void* const* rows, KvElement element, int count, int n,
+                    float* out);
 
 // unit = x / ||x||_2 over n floats (unit may alias x); returns ||x||_2. A zero x gives a zero unit
 // vector, so its cosine with anything is 0.
@@ -49,6 +61,12 @@ void ExactTopK(const float* q, const KvView& kv, int kv_head, float scale, int k
 // o: [head_dim]; *lse gets the natural-log sum of exp of the scaled scores.
 void PartialAttention(const float* q, const KvView& kv, int kv_head,
                       std::span<const int32_t> ids, float scale, float* o, float* lse);
+
+// The attention state of q over the tokens `ids` whose scaled scores the caller has already
+// computed (scores[i] for ids[i], as ScoreTokens gives them): only the softmax and the weighted
+// sum of the values remain. Equal to PartialAttention over the same ids, bit for bit.
+void PartialAttentionScored(std::span<const float> scores, const KvView& kv, int kv_head,
+                            std::span<const int32_t> ids, float* o, float* lse);
 
 // The attention state of q over the contiguous tokens [begin, end).
 void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_t begin,

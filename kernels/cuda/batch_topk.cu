@@ -1,6 +1,7 @@
 #include "kernels/cuda/batch_topk.h"
 
 #include <cublas_v2.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <limits>
@@ -36,6 +37,37 @@ absl::Status Grow(size_t count, DeviceBuffer<T>* buffer) {
   return buffer->size() >= count ? absl::OkStatus() : AllocateZeroed(count, buffer);
 }
 
+// out[i] = in[i] widened to f32, for n 16-bit elements (bf16 when `bf16`, else f16).
+__global__ void WidenKernel(const uint16_t* in, int64_t n, bool bf16, float* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = bf16 ? __uint_as_float(static_cast<uint32_t>(in[i]) << 16)
+                  : __half2float(__ushort_as_half(in[i]));
+  }
+}
+
+// The keys as a packed [count, dim] f32 device buffer: f32 keys are copied as they are; 16-bit
+// keys travel in their own width (half the bytes) into `staging` and are widened on the device.
+absl::Status UploadKeys(const VectorSet& keys, DeviceBuffer<uint16_t>* staging,
+                        DeviceBuffer<float>* dst, cudaStream_t stream) {
+  if (keys.element == KvElement::kF32) {
+    return UploadPacked(static_cast<const float*>(keys.data), keys.count, keys.stride, keys.dim,
+                        dst, stream);
+  }
+  const size_t need = static_cast<size_t>(keys.count) * keys.dim;
+  if (dst->size() < need) KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(need, dst));
+  if (staging->size() < need) KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(need, staging));
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpy2DAsync(staging->data(), keys.dim * sizeof(uint16_t), keys.data,
+                        keys.stride * sizeof(uint16_t), keys.dim * sizeof(uint16_t), keys.count,
+                        cudaMemcpyHostToDevice, stream),
+      "uploading keys"));
+  const int blocks = static_cast<int>(std::min<int64_t>((need + 255) / 256, 4096));
+  WidenKernel<<<blocks, 256, 0, stream>>>(staging->data(), static_cast<int64_t>(need),
+                                          keys.element == KvElement::kBf16, dst->data());
+  return CudaStatus(cudaGetLastError(), "widening keys");
+}
+
 }  // namespace
 
 struct GpuBatchTopK::Impl {
@@ -43,6 +75,7 @@ struct GpuBatchTopK::Impl {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   DeviceBuffer<float> keys;
+  DeviceBuffer<uint16_t> key_staging;  // 16-bit keys before widening
   DeviceBuffer<float> queries;
   DeviceBuffer<int32_t> support;
   DeviceBuffer<int32_t> support_size;
@@ -93,6 +126,10 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
     return absl::InvalidArgumentError(absl::StrCat("causal mask of ", visible.size(),
                                                    " counts for ", queries.count, " queries"));
   }
+  if (queries.element != KvElement::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("queries must be f32, got ",
+                                                   KvElementName(queries.element)));
+  }
   out->k = static_cast<int>(std::min<int64_t>(k, keys.count));
   out->queries = queries.count;
   out->ids.assign(static_cast<size_t>(out->queries) * out->k, 0);
@@ -117,7 +154,7 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(lists, &m.support_scores));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(static_cast<size_t>(rows_per_block), &m.support_size));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(static_cast<size_t>(rows_per_block), &m.lengths));
-  KVRECALL_CUDA_RETURN_IF_ERROR(UploadPacked(keys.data, n, keys.stride, dim, &m.keys, m.stream));
+  KVRECALL_CUDA_RETURN_IF_ERROR(UploadKeys(keys, &m.key_staging, &m.keys, m.stream));
 
   std::vector<int32_t> ids(lists), sizes(rows_per_block), lengths(rows_per_block);
   std::vector<float> scores(lists);

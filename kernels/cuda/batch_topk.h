@@ -27,8 +27,10 @@ class GpuBatchTopK {
   GpuBatchTopK& operator=(const GpuBatchTopK&) = delete;
 
   // index/batch_topk.h's BatchTopKFunction contract: the top-k lists of every query, causal
-  // `visible` counts included; synchronous. INVALID_ARGUMENT when k < 1, the dims differ,
-  // keys.count exceeds int32 or `visible` is neither empty nor one count per query.
+  // `visible` counts included; synchronous. Keys of any element type (16-bit keys are uploaded
+  // as they are and widened on the device), f32 queries. INVALID_ARGUMENT when k < 1, the dims
+  // differ, keys.count exceeds int32, `visible` is neither empty nor one count per query, or the
+  // queries are not f32.
   absl::Status Run(const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
                    std::span<const int64_t> visible = {});
 

@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "index/selector_params.h"
 #include "index/support_selector.h"
+#include "kernels/dtype.h"
 #include "kernels/selection_path.h"
 #include "kvrecall/v1/kvrecall.pb.h"
 #include "server/memory_budget.h"
@@ -56,10 +57,12 @@ struct HeadReport {
   int32_t candidates = 0;   // tokens scored to choose the support
   int32_t support = 0;      // tokens attended to
   float best_cosine = 0.0f; // ReTopK: the best cosine with a cached query
+  float bulk_micros = 0.0f; // tiered: the host's time for the head's part over the bulk
 };
 
-// A layer's prompt as a Prefill stream delivers it, f32 row-major: queries [n, q_heads, head_dim]
-// (post-RoPE), keys and values [n, kv_heads, head_dim]. Appends are two-phase: Reserve room,
+// A layer's prompt as a Prefill stream delivers it, row-major: queries [n, q_heads, head_dim]
+// (post-RoPE, f32), keys and values [n, kv_heads, head_dim] in the staging's kv_element() (f32,
+// or the session's dtype where the placement keeps that). Appends are two-phase: Reserve room,
 // write the rows at the tails, then Commit them; rows never committed are not part of it.
 class PromptStaging {
  public:
@@ -69,8 +72,10 @@ class PromptStaging {
   virtual absl::Status Reserve(int64_t more, absl::string_view what) = 0;
   // Where the reserved tokens go; valid until Commit or the next Reserve.
   virtual float* query_tail() = 0;
-  virtual float* key_tail() = 0;
-  virtual float* value_tail() = 0;
+  virtual void* key_tail() = 0;
+  virtual void* value_tail() = 0;
+  // The element type key_tail() and value_tail() take.
+  virtual KvElement kv_element() const = 0;
   // Makes the next n reserved tokens part of the prompt (may start copies to a device).
   // with_queries false: the chunk came without queries and query_tail() holds nothing (the
   // Prefill stream checks that the selector did not need them, PromptQueriesNeeded).
@@ -149,6 +154,9 @@ class AttentionBackend {
   virtual absl::Status CheckConfig(const LayerConfig& config) const = 0;
   // Device bytes a layer of `config` holds for `tokens` tokens (KV and caches), for admission.
   virtual int64_t DeviceBytesFor(const LayerConfig& config, int64_t tokens) const { return 0; }
+  // Host bytes of a layer of `config`'s KV for `tokens` tokens (0 where the KV is not on the
+  // host), for admission.
+  virtual int64_t HostKvBytesFor(const LayerConfig& config, int64_t tokens) const { return 0; }
   // How many of a prompt's last tokens must come with their queries for a layer of `config`
   // to be built (index/support_selector.h's PromptQueriesNeeded unless the placement's
   // selectors read more).

@@ -78,9 +78,7 @@ double CpuLayer::Step(const LayerStep& step) {
   ChargeSelectorBytes();  // what the previous step's OnAppend grew the selector by
   const int heads = shape_.q_heads;
   const int d = shape_.head_dim;
-  const int64_t row = int64_t{shape_.kv_heads} * d;
-  std::memcpy(kv_.key_tail(), step.k_new, row * sizeof(float));
-  std::memcpy(kv_.value_tail(), step.v_new, row * sizeof(float));
+  kv_.StageToken(step.k_new, step.v_new);
   kv_.Commit(1);
   const KvView kv = kv_.view();
 

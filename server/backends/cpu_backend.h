@@ -12,19 +12,22 @@
 
 namespace kvrecall {
 
-// A prompt in host memory as it arrives: the layer's KV store itself (it becomes the layer's)
-// and the queries, which only the selector's build reads. Shared by the placements that keep
-// the KV on the host (cpu, and the bulk of tiered).
+// A prompt in host memory as it arrives: the layer's KV store itself (it becomes the layer's),
+// in `element`, and the queries (f32), which only the selector's build reads. Shared by the
+// placements that keep the KV on the host (cpu in f32, and the bulk of tiered in the session's
+// dtype).
 class HostPromptStaging final : public PromptStaging {
  public:
-  HostPromptStaging(const LayerShape& shape, MemoryAccount* host)
-      : kv(shape.kv_heads, shape.head_dim, host),
+  HostPromptStaging(const LayerShape& shape, MemoryAccount* host,
+                    KvElement element = KvElement::kF32)
+      : kv(shape.kv_heads, shape.head_dim, host, element),
         queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
 
   absl::Status Reserve(int64_t more, absl::string_view what) override;
   float* query_tail() override { return queries.tail(); }
-  float* key_tail() override { return kv.key_tail(); }
-  float* value_tail() override { return kv.value_tail(); }
+  void* key_tail() override { return kv.key_tail(); }
+  void* value_tail() override { return kv.value_tail(); }
+  KvElement kv_element() const override { return kv.element(); }
   absl::Status Commit(int64_t n, bool with_queries) override;
   int64_t tokens() const override { return kv.tokens(); }
 
@@ -43,6 +46,11 @@ class CpuBackend final : public AttentionBackend {
   v1::Placement placement() const override { return v1::PLACEMENT_CPU; }
   const std::string& device() const override { return device_; }
   absl::Status CheckConfig(const LayerConfig& config) const override;
+  // Keys and values in f32 (the host store's layout here).
+  int64_t HostKvBytesFor(const LayerConfig& config, int64_t tokens) const override {
+    return LayerKvStore::BytesFor(tokens, config.shape.kv_heads, config.shape.head_dim,
+                                  KvElement::kF32);
+  }
   int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
                                  int build_threads) const override;
   absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(

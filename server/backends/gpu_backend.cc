@@ -190,10 +190,10 @@ class GpuPromptStaging final : public PromptStaging {
     return absl::OkStatus();
   }
   float* query_tail() override { return reinterpret_cast<float*>(pinned_.data()); }
-  float* key_tail() override {
-    return query_tail() + reserved_ * config_.shape.q_heads * config_.shape.head_dim;
-  }
-  float* value_tail() override { return key_tail() + reserved_ * RowElems(config_); }
+  // The chunk's keys and values stay f32 in pinned memory; the device converts them.
+  void* key_tail() override { return key_floats(); }
+  void* value_tail() override { return key_floats() + reserved_ * RowElems(config_); }
+  KvElement kv_element() const override { return KvElement::kF32; }
 
   absl::Status Commit(int64_t n, bool with_queries) override {
     DeviceScope scope(ordinal_);
@@ -201,7 +201,7 @@ class GpuPromptStaging final : public PromptStaging {
     const int64_t q_row = int64_t{config_.shape.q_heads} * config_.shape.head_dim;
     // Keys and values: one copy of both (adjacent in pinned memory), then the conversion.
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(staged_.data(), key_tail(), 2 * n * kv_row * sizeof(float),
+        cudaMemcpyAsync(staged_.data(), key_floats(), 2 * n * kv_row * sizeof(float),
                         cudaMemcpyHostToDevice, stream_),
         "copying a prompt chunk to the GPU"));
     const KvDtype dtype = KvDtypeOf(config_.dtype);
@@ -221,7 +221,9 @@ class GpuPromptStaging final : public PromptStaging {
       const int64_t excess = static_cast<int64_t>(last_queries_.size()) - keep * q_row;
       if (excess > 0) last_queries_.erase(last_queries_.begin(), last_queries_.begin() + excess);
     }
-    if (host_prompt_ != nullptr) host_prompt_->Append(query_tail(), key_tail(), n, q_row, kv_row);
+    if (host_prompt_ != nullptr) {
+      host_prompt_->Append(query_tail(), key_floats(), n, q_row, kv_row);
+    }
     kv_.Commit(n);
     reserved_ = 0;
     return absl::OkStatus();
@@ -253,6 +255,10 @@ class GpuPromptStaging final : public PromptStaging {
   const CalibrationPrompt* host_prompt() const { return host_prompt_.get(); }
 
  private:
+  float* key_floats() {
+    return query_tail() + reserved_ * config_.shape.q_heads * config_.shape.head_dim;
+  }
+
   const int ordinal_;
   const LayerConfig config_;
   const SessionAccounts accounts_;

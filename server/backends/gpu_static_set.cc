@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "index/basic_selectors.h"
 #include "index/gpu_batch_topk.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/partial_attention.h"
@@ -145,14 +146,17 @@ absl::StatusOr<std::unique_ptr<StaticSet>> GpuStaticSetTier::Build(const LayerCo
   ChargedBuffer<uint16_t> keys, values;
   if (absl::Status s = keys.Allocate(slots * row, device, "the static set"); !s.ok()) return s;
   if (absl::Status s = values.Allocate(slots * row, device, "the static set"); !s.ok()) return s;
-  // The prompt's static tokens laid out by slot, f32, keys then values; converted on the device.
+  // The prompt's static tokens laid out by slot, widened to f32, keys then values; converted to
+  // the KV dtype on the device.
   std::vector<float> host(2 * static_cast<size_t>(slots) * row, 0.0f);
   std::vector<int32_t> ids;
   AppendStaticSet(prompt.tokens, config.selector.sinks, config.selector.recent, &ids);
   for (int32_t p : ids) {
     const int64_t slot = SlotOf(config, p);
-    std::memcpy(host.data() + slot * row, prompt.key(p, 0), row * sizeof(float));
-    std::memcpy(host.data() + (slots + slot) * row, prompt.value(p, 0), row * sizeof(float));
+    cpu::LoadRow(prompt.key_row(p, 0), prompt.element, static_cast<int>(row),
+                 host.data() + slot * row);
+    cpu::LoadRow(prompt.value_row(p, 0), prompt.element, static_cast<int>(row),
+                 host.data() + (slots + slot) * row);
   }
   ChargedBuffer<float> staged;
   if (absl::Status s = staged.Allocate(host.size(), device, "staging the static set"); !s.ok()) {

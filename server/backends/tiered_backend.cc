@@ -1,20 +1,22 @@
 #include "server/backends/tiered_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "index/basic_selectors.h"
 #include "index/index_selector.h"
 #include "index/retopk.h"
 #include "kernels/attention_state.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
-#include "absl/time/clock.h"
-#include "absl/time/time.h"
+#include "proto/tensor_codec.h"
 #include "server/backends/cpu_backend.h"
 #include "server/backends/deferred_append.h"
 #include "server/backends/step_runs.h"
@@ -26,9 +28,8 @@ namespace {
 // The bulk as a view of its own, positions relative to `sinks`: what the flat and ReTopK bulk
 // selectors see (the graph index takes the whole history and knows its bulk itself).
 KvView BulkView(const KvView& all, const SelectorParams& p) {
-  const int64_t offset = std::min<int64_t>(p.sinks, all.tokens) * all.token_stride();
-  return KvView{all.keys + offset, all.values + offset, BulkTokens(all.tokens, p.sinks, p.recent),
-                all.kv_heads, all.head_dim};
+  return all.Tokens(std::min<int64_t>(p.sinks, all.tokens),
+                    BulkTokens(all.tokens, p.sinks, p.recent));
 }
 
 // What the graph index of ReTopK's exact path is built with: the policy's graph knobs over the
@@ -89,6 +90,7 @@ class TieredLayer final : public LayerBackend {
         bulk_(std::move(bulk)),
         static_set_(std::move(static_set)),
         selections_(config.shape.q_heads),
+        bulk_micros_(config.shape.q_heads),
         appended_(bulk_.selector.get()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
     ChargeSelectorBytes();
@@ -117,9 +119,7 @@ class TieredLayer final : public LayerBackend {
   // Writes the step's token into the reserved host row (not committed yet) and returns the
   // history including it.
   KvView StageToken(const LayerStep& step) {
-    const int64_t row = kv_.view().token_stride();
-    std::memcpy(kv_.key_tail(), step.k_new, row * sizeof(float));
-    std::memcpy(kv_.value_tail(), step.v_new, row * sizeof(float));
+    kv_.StageToken(step.k_new, step.v_new);
     KvView all = kv_.view();
     all.tokens += 1;
     return all;
@@ -153,6 +153,7 @@ class TieredLayer final : public LayerBackend {
   int64_t selector_bytes_ = 0;
   int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
   std::vector<HeadSelection> selections_;  // per query head, reused across steps
+  std::vector<float> bulk_micros_;          // per query head, the last step's
   int64_t last_scored_tokens_ = -1;
   // Last: destroyed first, so that a pending OnAppend finishes while the selector and KV exist.
   DeferredAppend appended_;
@@ -188,8 +189,10 @@ void TieredLayer::AttendBulkHead(const LayerStep& step, const KvView& all, int h
   const SelectorParams& p = config_.selector;
   const int d = shape.head_dim;
   const KvView bulk = BulkView(all, p);
+  const auto start = std::chrono::steady_clock::now();
   HeadSelection& selection = selections_[h];
   selection.support.clear();
+  selection.support_scores.clear();
   selection.path = SelectionPath::kExact;
   selection.candidates = 0;
   selection.best_cosine = 0.0f;
@@ -201,8 +204,19 @@ void TieredLayer::AttendBulkHead(const LayerStep& step, const KvView& all, int h
       for (int32_t& id : selection.support) id += static_cast<int32_t>(offset);
     }
   }
-  cpu::PartialAttention(qh, all, KvHeadOf(h, shape.q_heads, shape.kv_heads), selection.support,
-                        shape.scale, o + static_cast<int64_t>(h) * d, &lse[h]);
+  const int kv_head = KvHeadOf(h, shape.q_heads, shape.kv_heads);
+  float* oh = o + static_cast<int64_t>(h) * d;
+  if (!selection.support.empty() &&
+      selection.support_scores.size() == selection.support.size()) {
+    // Scored on the way (ReTopK's candidates, the graph search): the same state, unscored again.
+    cpu::PartialAttentionScored(selection.support_scores, all, kv_head, selection.support, oh,
+                                &lse[h]);
+  } else {
+    cpu::PartialAttention(qh, all, kv_head, selection.support, shape.scale, oh, &lse[h]);
+  }
+  bulk_micros_[h] = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() -
+                                                             start)
+                        .count();
 }
 
 void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
@@ -212,9 +226,9 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
   for (int h = 0; h < config_.shape.q_heads; ++h) {
     const HeadSelection& selection = selections_[h];
     last_scored_tokens_ += selection.candidates;
-    step.heads[h] = HeadReport{
-        selection.path, selection.candidates,
-        static_cast<int32_t>(selection.support.size() + static_size), selection.best_cosine};
+    step.heads[h] = HeadReport{selection.path, selection.candidates,
+                               static_cast<int32_t>(selection.support.size() + static_size),
+                               selection.best_cosine, bulk_micros_[h]};
     if (step.supports != nullptr) {
       std::vector<int32_t>& support = step.supports[h];
       support.assign(selection.support.begin(), selection.support.end());
@@ -246,6 +260,11 @@ class TieredStepContext final : public StepContext {
   std::vector<StaticSetStep> static_steps;
   std::vector<KvView> histories;
 };
+
+int64_t TieredBackend::HostKvBytesFor(const LayerConfig& config, int64_t tokens) const {
+  return LayerKvStore::BytesFor(tokens, config.shape.kv_heads, config.shape.head_dim,
+                                KvElementOf(config.dtype));
+}
 
 int64_t TieredBackend::PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const {
   const SelectorParams& p = config.selector;
@@ -281,7 +300,10 @@ absl::Status TieredBackend::CheckConfig(const LayerConfig& config) const {
 
 absl::StatusOr<std::unique_ptr<PromptStaging>> TieredBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
-  return std::make_unique<HostPromptStaging>(config.shape, accounts.host);
+  // The host keeps the complete KV in the session's dtype (bf16 / f16: half of f32's bytes, and
+  // half the bytes the CPU reads per scored key).
+  return std::make_unique<HostPromptStaging>(config.shape, accounts.host,
+                                             KvElementOf(config.dtype));
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(

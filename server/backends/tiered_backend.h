@@ -1,7 +1,7 @@
 // The tiered placement (PLACEMENT_TIERED, RetrievalAttention composed with ReTopK): per layer a
 // small static set — the first `sinks` tokens and a ring of the last `recent` — on a device
-// tier (a GPU, in the session's dtype), and the complete KV in host memory, whose bulk
-// [sinks, T - recent) the CPU selects from (graph index, ReTopK, or a flat scan) and attends.
+// tier (a GPU), and the complete KV in host memory, both in the session's dtype; the CPU selects
+// from the host's bulk [sinks, T - recent) (graph index, ReTopK, or a flat scan) and attends.
 // The two partial attention states merge exactly by log-sum-exp (kernels/attention_state.h):
 // the merge is the only place the tiers meet.
 //
@@ -36,7 +36,7 @@ class StaticSet {
 struct StaticSetStep {
   const LayerConfig* config = nullptr;
   StaticSet* set = nullptr;
-  // The layer's host KV including the step's new token (row tokens - 1), f32.
+  // The layer's host KV including the step's new token (row tokens - 1), in the session's dtype.
   KvView host_kv;
   const float* q = nullptr;      // [q_heads, head_dim]
   const float* k_new = nullptr;  // [kv_heads, head_dim]: the token at position host_kv.tokens-1
@@ -59,7 +59,7 @@ class StaticSetTier {
   virtual absl::Status CheckConfig(const LayerConfig& config) const = 0;
   // Device bytes of one layer's static set (constant in the context length).
   virtual int64_t DeviceBytesFor(const LayerConfig& config) const = 0;
-  // The static set of a prompt `prompt` (host f32, [T, kv_heads, head_dim]), charged to
+  // The static set of a prompt `prompt` (host, [T, kv_heads, head_dim]), charged to
   // `device` (null for the host tier).
   virtual absl::StatusOr<std::unique_ptr<StaticSet>> Build(const LayerConfig& config,
                                                            MemoryAccount* device,
@@ -95,6 +95,8 @@ class TieredBackend final : public AttentionBackend {
   int64_t DeviceBytesFor(const LayerConfig& config, int64_t) const override {
     return tier_->DeviceBytesFor(config);
   }
+  // The complete KV in the session's dtype.
+  int64_t HostKvBytesFor(const LayerConfig& config, int64_t tokens) const override;
   // ReTopK's exact path searches the graph index, built from every prompt query.
   int64_t PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const override;
   int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,

@@ -1,9 +1,12 @@
 """Shows the transformers backend: tinylm loaded into LlamaForCausalLM generates greedily with
 local SDPA and with attn_implementation="kvrecall" (every decode attention from the service);
-with policy `full` the bytes must be the same. Prints one JSON object (and writes it to --out).
+in f32 with policy `full` the bytes must be the same, and a policy in the tiered placement must
+give the bytes it gives in the cpu placement. Prints one JSON object (and writes it to --out).
 
   python3 -m kvrecall.hf_demo --server 127.0.0.1:50051 --model tinylm-a.npz --text FILE \
       --prompt 1024 --new 64 --batch 2 --policies full exact_topk:64 streaming retopk:64
+  python3 -m kvrecall.hf_demo ... --dtype bf16 --prompt 8192 \
+      --policies index:512 tiered/index:512 retopk:512 tiered/retopk:512 --auto-tau
 """
 import argparse
 import json
@@ -24,7 +27,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--device", default=None, help="cuda if available, else cpu")
     ap.add_argument("--policies", nargs="*", default=["full"],
-                    help="selector[:K] each; `full` must reproduce SDPA exactly")
+                    help="[placement/]selector[:K] each (placement cpu by default); `full` on the "
+                         "cpu placement must reproduce SDPA exactly in f32, a tiered policy the "
+                         "bytes of the same policy on the cpu placement")
+    ap.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32",
+                    help="the model's dtype, hence the sessions' (the GPU tiers hold bf16 / f16)")
+    ap.add_argument("--auto-tau", action="store_true", help="retopk policies calibrate tau")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     report = {"ok": False}
@@ -58,6 +66,7 @@ def run(a, report):
     report["device"] = device if device == "cpu" else torch.cuda.get_device_name(0)
     model, npm = hf.tinylm_to_llama(a.model)
     model.to(device)
+    report["dtype"] = a.dtype
     data = tinylm.read_text(a.text, a.offset + a.batch * a.prompt)
     rows = [data[a.offset + b * a.prompt:a.offset + (b + 1) * a.prompt] for b in range(a.batch)]
     prompt = torch.tensor(np.stack(rows).astype(np.int64), device=device)
@@ -66,6 +75,7 @@ def run(a, report):
     with torch.no_grad():
         hf_logits = model(input_ids=prompt[:1, :128]).logits[0].float().cpu().numpy()
     report["hf_vs_numpy_max_abs_logit_diff"] = float(np.abs(hf_logits - npm.forward(rows[0][:128])).max())
+    model.to({"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[a.dtype])
 
     t = time.perf_counter()
     ref = hf.greedy(model, prompt, a.new)
@@ -76,11 +86,15 @@ def run(a, report):
     runs = []
     with Client(a.server, **connection_from_args(a)) as client:
         for spec in a.policies:
-            selector, _, k = spec.partition(":")
-            r = {"policy": selector, "k": int(k or 0)}
+            placement, _, rest = spec.rpartition("/")
+            selector, _, k = rest.partition(":")
+            placement = placement or "cpu"
+            r = {"policy": selector, "k": int(k or 0), "placement": placement}
             runs.append(r)
             try:
-                backend = hf.KvRecallBackend(client, make_policy(selector, top_k=int(k or 0)))
+                retopk = {"auto_tau": True} if a.auto_tau and selector == "retopk" else None
+                backend = hf.KvRecallBackend(client, make_policy(
+                    selector, placement=placement, top_k=int(k or 0), retopk=retopk))
                 t = time.perf_counter()
                 with backend:
                     got = hf.greedy(model, prompt, a.new)
@@ -94,8 +108,23 @@ def run(a, report):
             except Exception:
                 r["error"] = traceback.format_exc()
     report["runs"] = runs
-    full = [r for r in runs if r["policy"] == "full"]
-    report["ok"] = bool(full) and all(r.get("same_bytes") for r in full)
+    # A policy off the cpu placement against the same policy on it.
+    cpu = {(r["policy"], r["k"]): r for r in runs if r["placement"] == "cpu" and "bytes" in r}
+    compared = []
+    for r in runs:
+        twin = cpu.get((r["policy"], r["k"]))
+        if r["placement"] == "cpu" or twin is None:
+            continue
+        if "bytes" in r:
+            r["same_as_cpu"] = r["bytes"] == twin["bytes"]
+            r["first_divergence_from_cpu"] = [
+                next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), None)
+                for g, w in zip(r["bytes"], twin["bytes"])]
+        compared.append(r)
+    full = [r for r in runs if r["policy"] == "full" and r["placement"] == "cpu"]
+    report["ok"] = (bool(full) or bool(compared)) and \
+        all(r.get("same_bytes") for r in full if a.dtype == "f32") and \
+        all(r.get("same_as_cpu") for r in compared)
 
 
 if __name__ == "__main__":
