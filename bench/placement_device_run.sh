@@ -112,6 +112,12 @@ streaming --sinks=128 --recent=512}"
         timeout 300 "$bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 || status=1
         tail -n 5 "$logs/$t.log"
       done
+      for tool in memcheck racecheck; do
+        timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool --error-exitcode 9 \
+          "$bin/cuda_retopk_match_test" --gtest_brief=1 > "$logs/match_$tool.log" 2>&1
+        rc=$?; [ $rc -eq 0 ] || status=1
+        echo "$tool cuda_retopk_match_test (rc $rc): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$logs/match_$tool.log" | tr '\n' ' ')"
+      done
       timeout "${MATCH_TIMEOUT:-420}" "$bin/retopk_match_bench" --out="$out/retopk_match.json" \
         ${MATCH_FLAGS:-} > /dev/null 2> "$logs/retopk_match.log" || status=1
       cat "$logs/retopk_match.log" ;;

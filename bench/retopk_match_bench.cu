@@ -3,7 +3,10 @@
 // candidate — normalize q, cosines against the C cached queries, best and path, the R most
 // similar entries, their supports ∪ the last W bulk positions sorted and deduplicated — timed
 //   * on the host, with the real code (ReTopKHead::Match, the one ReTopKHead::Step runs), on one
-//     thread and on the OpenMP team a tiered step would use (cpu::ThreadsFor of its work);
+//     thread and on the OpenMP team a tiered step would use (cpu::ThreadsFor of its work); and
+//     its union alone on the team (UnionReuseCandidates, the match's sort-and-deduplicate), beside
+//     an experiment that is not the shipped code: the same union read from a bitmap of the bulk
+//     instead of sorted (what a sort-free host union would cost; its lists are checked equal);
 //   * on the GPU, caches there as the design card puts them (kernels/cuda/retopk_match.h:
 //     ReTopKDecideKernel, the GPU-resident step's own decision, and the union), end to end with
 //     the host waiting: the step's queries uploaded, the match, the results downloaded —
@@ -243,19 +246,68 @@ struct Result {
   int mismatched_rows = -1;  // GPU variants: rows whose candidates differ from the host's
 };
 
-Result RunHost(const Inputs& in, int threads, int steps, int warmup) {
+// What a host variant times.
+enum class HostPart {
+  kMatch,        // ReTopKHead::Match: the whole match
+  kUnion,        // UnionReuseCandidates alone, on the neighbors of an untimed Match
+  kBitmapUnion,  // an experiment, not the shipped code: the same union without a sort
+};
+
+// The experiment of HostPart::kBitmapUnion: the union of UnionReuseCandidates (sorted,
+// distinct) marked in a bitmap of [0, tokens) and read back in order, as the GPU's union kernel
+// does, instead of sorted. `bits` ([tokens / 64] words, zero) is left zero.
+void BitmapUnion(const QuerySupportCache& cache, std::span<const int32_t> ages, int64_t tokens,
+                 int window, std::vector<uint64_t>* bits, std::vector<int32_t>* candidates) {
+  bits->resize((tokens + 63) / 64);
+  uint64_t* words = bits->data();
+  auto mark = [&](int32_t id) { words[id >> 6] |= uint64_t{1} << (id & 63); };
+  for (int32_t age : ages) {
+    for (int32_t id : cache.support(age)) mark(id);
+  }
+  for (int64_t t = std::max<int64_t>(0, tokens - window); t < tokens; ++t) {
+    mark(static_cast<int32_t>(t));
+  }
+  candidates->clear();
+  for (size_t w = 0; w < bits->size(); ++w) {
+    for (uint64_t x = words[w]; x != 0; x &= x - 1) {
+      candidates->push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(x)));
+    }
+    words[w] = 0;
+  }
+}
+
+Result RunHost(const Inputs& in, HostPart part, int threads, int steps, int warmup) {
   std::vector<ReTopKHead> heads = SeededHeads(in);
-  Result r{threads > 1 ? "host_team" : "host_1t", threads, steps};
+  Result r;
+  r.variant = part == HostPart::kMatch       ? (threads > 1 ? "host_team" : "host_1t")
+              : part == HostPart::kUnion     ? "host_team_union_only"
+                                             : "experiment_host_team_bitmap_union_only";
+  r.threads = threads;
+  r.steps = steps;
   std::vector<double> wall;
   int64_t candidates = 0, reuse = 0, rows_seen = 0;
   std::vector<SelectionPath> paths(in.rows);
+  std::vector<std::vector<int32_t>> unions(in.rows);
+  auto match = [&](const float* q, int row) {
+    float best;
+    paths[row] = heads[row].Match(q + static_cast<size_t>(row) * kDim, in.bulk_tokens,
+                                  in.bulk_tokens, &best);
+  };
   for (int step = -warmup; step < steps; ++step) {
     const float* q = in.query_set(step + warmup);
+    if (part != HostPart::kMatch) ForRows(in.rows, threads, [&](int row) { match(q, row); });
     const auto t0 = Clock::now();
     ForRows(in.rows, threads, [&](int row) {
-      float best;
-      paths[row] = heads[row].Match(q + static_cast<size_t>(row) * kDim, in.bulk_tokens,
-                                    in.bulk_tokens, &best);
+      if (part == HostPart::kMatch) return match(q, row);
+      const ReTopKHead& head = heads[row];
+      if (part == HostPart::kUnion) {
+        UnionReuseCandidates(head.cache(), head.neighbors(), in.bulk_tokens,
+                             in.params.recent_window, &unions[row]);
+      } else {
+        thread_local std::vector<uint64_t> bits;
+        BitmapUnion(head.cache(), head.neighbors(), in.bulk_tokens, in.params.recent_window,
+                    &bits, &unions[row]);
+      }
     });
     const auto t1 = Clock::now();
     if (step >= 0) {
@@ -265,6 +317,15 @@ Result RunHost(const Inputs& in, int threads, int steps, int warmup) {
         if (paths[row] == SelectionPath::kReuse) {
           ++reuse;
           candidates += static_cast<int64_t>(heads[row].candidates().size());
+        }
+      }
+    }
+    if (step == steps - 1 && part != HostPart::kMatch) {
+      r.mismatched_rows = 0;
+      for (int row = 0; row < in.rows; ++row) {
+        const std::span<const int32_t> want = heads[row].candidates();
+        if (!std::equal(want.begin(), want.end(), unions[row].begin(), unions[row].end())) {
+          ++r.mismatched_rows;
         }
       }
     }
@@ -735,8 +796,10 @@ int Main() {
                              (cuda::ReTopKMaxCandidates(top_k, params) + top_k) * kDim;
         const int team = cpu::ThreadsFor(work, in.rows);
         std::vector<Result> results;
-        results.push_back(RunHost(in, 1, one_thread_steps, warmup));
-        results.push_back(RunHost(in, team, steps, warmup));
+        results.push_back(RunHost(in, HostPart::kMatch, 1, one_thread_steps, warmup));
+        results.push_back(RunHost(in, HostPart::kMatch, team, steps, warmup));
+        results.push_back(RunHost(in, HostPart::kUnion, team, steps, warmup));
+        results.push_back(RunHost(in, HostPart::kBitmapUnion, team, steps, warmup));
         if (gpu) {
           GpuBench bench(in, kv_heads, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent),
                          team);
@@ -754,10 +817,10 @@ int Main() {
                      "batch %d, K %d, bulk %d: %d rows, team %d threads, %.0f candidates per "
                      "reuse row\n",
                      batch, top_k, n, in.rows, team, results[1].mean_candidates);
-        std::fprintf(stderr, "  %-30s %10s %10s %12s %10s %8s %8s\n", "variant", "p50 us",
+        std::fprintf(stderr, "  %-40s %10s %10s %12s %10s %8s %8s\n", "variant", "p50 us",
                      "p99 us", "device p50", "push p50", "/team", "mismatch");
         for (const Result& r : results) {
-          std::fprintf(stderr, "  %-30s %10.1f %10.1f %12.1f %10.1f %8.2f %8d\n",
+          std::fprintf(stderr, "  %-40s %10.1f %10.1f %12.1f %10.1f %8.2f %8d\n",
                        r.variant.c_str(), r.wall.p50, r.wall.p99, r.device.p50, r.push.p50,
                        team_p50 > 0 ? r.wall.p50 / team_p50 : 0.0, r.mismatched_rows);
           records.push_back(Json(r, batch, top_k, n, team_p50, one_p50));
