@@ -471,8 +471,7 @@ class GpuBench {
     const bool with_static = order != Order::kAlone;
     const bool union_on_gpu = mode != Mode::kNeighbors;
     const int rows = in_.rows;
-    const size_t down_bytes =
-        mode == Mode::kCandidates ? down_.size() : decisions_bytes_;
+    const size_t down_bytes = mode == Mode::kCandidates ? down_.size() : decisions_bytes_;
     r.bytes_up = with_static ? up_.size() : match_up_bytes_;
     r.bytes_down = (match ? down_bytes : 0) + (with_static ? static_down_.size() : 0);
     std::vector<double> wall, device, push;
@@ -495,8 +494,11 @@ class GpuBench {
             d_unit_q_.data(), At<uint8_t>(d_down_.data(), out_paths_),
             At<float>(d_down_.data(), out_best_), At<int32_t>(d_down_.data(), out_neighbors_),
             At<int32_t>(d_down_.data(), out_counts_), nullptr};
-        if (mode == Mode::kCandidates) out.candidates = At<int32_t>(d_down_.data(), out_candidates_);
-        if (mode == Mode::kCandidatesMapped) out.candidates = static_cast<int32_t*>(h_mapped_->device());
+        if (mode == Mode::kCandidates) {
+          out.candidates = At<int32_t>(d_down_.data(), out_candidates_);
+        } else if (mode == Mode::kCandidatesMapped) {
+          out.candidates = static_cast<int32_t*>(h_mapped_->device());
+        }
         CHECK_OK(cuda::ReTopKMatch(shape_, in_.top_k, in_.params,
                                    At<DeviceSeq>(d_up_.data(), in_bulk_),
                                    d_views_.data(), At<float>(d_up_.data(), in_q_),
@@ -545,7 +547,8 @@ class GpuBench {
           ++rows_seen;
           if (paths[row] != static_cast<uint8_t>(SelectionPath::kReuse)) continue;
           ++reuse;
-          candidates += union_on_gpu ? RowCount(row) : static_cast<int64_t>(host_union[row].size());
+          candidates +=
+              union_on_gpu ? RowCount(row) : static_cast<int64_t>(host_union[row].size());
         }
       }
       if (step == steps - 1) r.mismatched_rows = Check(mode, s, host_union);

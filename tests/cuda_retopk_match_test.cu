@@ -96,7 +96,9 @@ class MatchHarness {
       EXPECT_TRUE(caches.ok()) << caches.status();
       views.push_back((*caches)->view());
       caches_.push_back(*std::move(caches));
-      for (int h = 0; h < g.q_heads; ++h) heads_.emplace_back(head, params_.cache_capacity, g.head_dim);
+      for (int h = 0; h < g.q_heads; ++h) {
+        heads_.emplace_back(head, params_.cache_capacity, g.head_dim);
+      }
     }
     d_caches_ = ToDevice(views);
     const int rows = shape.rows();
@@ -131,7 +133,8 @@ class MatchHarness {
       const std::vector<int32_t> s = RandomSupport(tokens_[row / g_.q_heads]);
       std::copy(s.begin(), s.end(), supports.begin() + row * kTopK);
       sizes[row] = static_cast<int32_t>(s.size());
-      const float* unit = gpu_units ? heads_[row].unit_query() : host_units.data() + row * g_.head_dim;
+      const float* unit =
+          gpu_units ? heads_[row].unit_query() : host_units.data() + row * g_.head_dim;
       heads_[row].mutable_cache()->Push(unit, s);
     }
     auto d_units = ToDevice(host_units);
