@@ -28,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/cuda_bench_check.h"
 #include "kernels/retopk_params.h"
 #include "kernels/selection_path.h"
 #include "kernels/cuda/cuda_status.h"
@@ -55,21 +56,7 @@ constexpr int kDim = 128;
 // Measured device-to-device copy bandwidth of the H200 here (KINDS.md), the memory floor.
 constexpr double kCopyBandwidth = 4.3e12;
 
-#define CHECK_OK(expr)                                                         \
-  do {                                                                         \
-    const absl::Status _s = (expr);                                            \
-    if (!_s.ok()) {                                                            \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, _s.ToString().c_str()); \
-      std::exit(1);                                                            \
-    }                                                                          \
-  } while (false)
-#define CHECK_CUDA(expr) CHECK_OK(CudaStatus((expr), #expr))
-
-template <typename T>
-T ValueOrDie(absl::StatusOr<T> v) {
-  CHECK_OK(v.status());
-  return *std::move(v);
-}
+using bench::ValueOrDie;
 
 // Standard normal bf16 values from a counter hash (Box-Muller), so 32 GiB fill in milliseconds.
 __global__ void FillNormal(__nv_bfloat16* x, size_t n, uint64_t seed) {

@@ -2,14 +2,16 @@
 # Runs on the GPU machine (device tool) from the repository root, with binaries bundled here into
 # .device/lead/bundle (shipped compressed as .device/lead/ship/bundle.tar.xz) and the tinylm-a
 # model copied to .device/lead/model (tinylm-a.npz, tinylm_np.py):
-#   bench/placement_device_run.sh [tests] [sanitize] [replay] [serving] [kernels]
+#   bench/placement_device_run.sh [tests] [sanitize] [replay] [serving] [kernels] [match]
 # tests: the server's GPU tests (gpu_placement_test, tiered_placement_test), the seam's and
 # DeviceBuffer's ordering with the kernels' streams (cuda_device_buffer_test);
 # sanitize: the GPU ones under compute-sanitizer memcheck; replay: `kvrecall replay` of a real
 # tinylm-a trace (made here with numpy) through kvrecalld, CPU, GPU and tiered placements side by
 # side (TIERED_RUNS: the tiered rows), checked by
 # bench/placement_check.py; serving: bench/gpu_serving_bench against kvrecalld, one run per line
-# of SERVING_RUNS (its flags), beside PyTorch SDPA / torch.topk and the kernels alone (kernels).
+# of SERVING_RUNS (its flags), beside PyTorch SDPA / torch.topk and the kernels alone (kernels);
+# match: where the tiered ReTopK cache match runs, host against GPU (bench/results/retopk_match.md):
+# the match's parity tests, then bench/retopk_match_bench (MATCH_FLAGS: its flags).
 # Outputs go to $OUT; logs to $OUT/placement_logs.tgz.
 set -uo pipefail
 lead=$PWD/.device/lead
@@ -105,6 +107,20 @@ streaming --sinks=128 --recent=512}"
       PYTHONUNBUFFERED=1 python3 bench/cuda_torch_baseline.py --out="$out/cuda_decode_torch.json" \
         ${TORCH_FLAGS:-} > "$logs/torch.log" 2>&1 || status=1
       tail -n 12 "$logs/torch.log" ;;
+    match)
+      for t in cuda_retopk_match_test cuda_retopk_test; do
+        timeout 300 "$bin/$t" --gtest_brief=1 > "$logs/$t.log" 2>&1 || status=1
+        tail -n 5 "$logs/$t.log"
+      done
+      for tool in memcheck racecheck; do
+        timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool --error-exitcode 9 \
+          "$bin/cuda_retopk_match_test" --gtest_brief=1 > "$logs/match_$tool.log" 2>&1
+        rc=$?; [ $rc -eq 0 ] || status=1
+        echo "$tool cuda_retopk_match_test (rc $rc): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$logs/match_$tool.log" | tr '\n' ' ')"
+      done
+      timeout "${MATCH_TIMEOUT:-420}" "$bin/retopk_match_bench" --out="$out/retopk_match.json" \
+        ${MATCH_FLAGS:-} > /dev/null 2> "$logs/retopk_match.log" || status=1
+      cat "$logs/retopk_match.log" ;;
   esac
 done
 tar czf "$out/placement_logs.tgz" -C "$(dirname "$logs")" placement_logs

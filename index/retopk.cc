@@ -102,32 +102,48 @@ ReTopKHead::ReTopKHead(const ReTopKHeadParams& params, int cache_capacity, int h
       unit_query_(head_dim),
       cosines_(cache_capacity) {}
 
-void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
-                      HeadSelection* out, SupportSelector* exact_search, int q_head) {
+void UnionReuseCandidates(const QuerySupportCache& cache, std::span<const int32_t> neighbor_ages,
+                          int64_t tokens, int window, std::vector<int32_t>* candidates) {
+  candidates->clear();
+  for (int32_t age : neighbor_ages) {
+    std::span<const int32_t> s = cache.support(age);
+    candidates->insert(candidates->end(), s.begin(), s.end());
+  }
+  AppendStaticSet(tokens, /*sinks=*/0, window, candidates);
+  std::sort(candidates->begin(), candidates->end());
+  candidates->erase(std::unique(candidates->begin(), candidates->end()), candidates->end());
+}
+
+SelectionPath ReTopKHead::Match(const float* q, int64_t tokens, int64_t decode_step,
+                                float* best_cosine) {
   cpu::Normalize(q, cache_.head_dim(), unit_query_.data());
   const int entries = cache_.size();
   cache_.Cosines(unit_query_.data(), cosines_.data());
   float best = -kInf;
   for (int i = 0; i < entries; ++i) best = std::max(best, cosines_[i]);
-  out->best_cosine = best;
-  out->path = ChooseReTopKPath(entries, best, params_.tau, decode_step, params_.refresh_interval);
-
-  if (out->path == SelectionPath::kReuse) {
+  *best_cosine = best;
+  const SelectionPath path =
+      ChooseReTopKPath(entries, best, params_.tau, decode_step, params_.refresh_interval);
+  neighbors_.clear();
+  candidates_.clear();
+  if (path == SelectionPath::kReuse) {
     cpu::TopKPositions(std::span<const float>(cosines_.data(), entries), params_.reuse_neighbors,
                        &neighbors_);
-    candidates_.clear();
-    for (int32_t age : neighbors_) {
-      std::span<const int32_t> s = cache_.support(age);
-      candidates_.insert(candidates_.end(), s.begin(), s.end());
-    }
-    AppendStaticSet(kv.tokens, /*sinks=*/0, params_.recent_window, &candidates_);
-    std::sort(candidates_.begin(), candidates_.end());
-    candidates_.erase(std::unique(candidates_.begin(), candidates_.end()), candidates_.end());
+    UnionReuseCandidates(cache_, neighbors_, tokens, params_.recent_window, &candidates_);
+  }
+  return path;
+}
+
+void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
+                      HeadSelection* out, SupportSelector* exact_search, int q_head) {
+  out->path = Match(q, kv.tokens, decode_step, &out->best_cosine);
+  if (out->path == SelectionPath::kReuse) {
     TopKOfCandidates(q, kv, kv_head, params_.scale, params_.top_k, candidates_, &scores_,
                      &positions_, &out->support, &out->support_scores);
     out->candidates = static_cast<int32_t>(candidates_.size());
   } else if (exact_search != nullptr) {
     const SelectionPath path = out->path;
+    const float best = out->best_cosine;
     exact_search->Select(q_head, q, kv, out);
     out->path = path;
     out->best_cosine = best;

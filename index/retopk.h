@@ -59,6 +59,11 @@ class QuerySupportCache {
   // cosines[age] = <unit_query, query(age)> for age in [0, size()).
   void Cosines(const float* unit_query, float* cosines) const;
 
+  // The age of the entry in `slot` (in [0, capacity)). Slots are FIFO positions numbered as the
+  // GPU caches (kernels/cuda/retopk.h) number theirs: the first entry fills slot 0 and a full
+  // cache evicts the oldest, so a copy pushed the same entries maps the GPU's slots to ages.
+  int AgeOfSlot(int slot) const { return (slot - oldest_ + capacity_) % capacity_; }
+
   int64_t MemoryBytes() const;
 
  private:
@@ -71,6 +76,13 @@ class QuerySupportCache {
   std::vector<float> queries_;                   // [capacity, head_dim], by slot
   std::vector<std::vector<int32_t>> supports_;   // [capacity], by slot
 };
+
+// Step 3's candidates: the supports of `cache`'s entries of ages `neighbor_ages` ∪ the last
+// `window` positions of [0, tokens), sorted by token id and distinct (written over
+// *candidates). The one union of the reuse path, whether the neighbors were chosen by
+// ReTopKHead::Match or elsewhere (the GPU's match, kernels/cuda/retopk_match.h).
+void UnionReuseCandidates(const QuerySupportCache& cache, std::span<const int32_t> neighbor_ages,
+                          int64_t tokens, int window, std::vector<int32_t>* candidates);
 
 // The knobs one head steps with (tau is per head under auto_tau).
 struct ReTopKHeadParams {
@@ -94,6 +106,17 @@ class ReTopKHead {
   // q_head over kv (the graph index's search); null: the flat scan, exact top-K.
   void Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
             HeadSelection* out, SupportSelector* exact_search = nullptr, int q_head = 0);
+
+  // Step's first half, the cache match: steps 1-2 for q [head_dim] over `tokens` tokens (the
+  // current one included) and, on the reuse path, step 3's neighbors and candidates; nothing is
+  // scored. Returns the path and sets *best_cosine. Until the next Match or Step, unit_query()
+  // is q̄ [head_dim], and neighbors() (the R most similar entries' ages, most similar first,
+  // ties to the older) and candidates() (ascending, distinct) are those of a reuse match, empty
+  // otherwise. Leaves the cache unchanged.
+  SelectionPath Match(const float* q, int64_t tokens, int64_t decode_step, float* best_cosine);
+  const float* unit_query() const { return unit_query_.data(); }
+  std::span<const int32_t> neighbors() const { return neighbors_; }
+  std::span<const int32_t> candidates() const { return candidates_; }
 
   float tau() const { return params_.tau; }
   const QuerySupportCache& cache() const { return cache_; }

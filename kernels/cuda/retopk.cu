@@ -12,7 +12,6 @@
 namespace kvrecall::cuda {
 namespace {
 
-constexpr int kDecideThreads = 128;
 // Reuse blocks: 512 threads while every row has a multiprocessor to itself (one row's latency
 // is the step's), 256 when rows outnumber multiprocessors, so that two blocks share one and all
 // rows run in one wave (measured with the earlier finish kernel at batch 8: 40 -> 35 us; at
@@ -46,12 +45,6 @@ absl::Status CheckKnobs(int q_heads, int head_dim, int top_k, const ReTopKParams
   return absl::OkStatus();
 }
 
-// R * K + W: the most candidates a reuse step scores (R capped at C).
-int64_t MaxCandidates(int top_k, const ReTopKParams& params) {
-  return static_cast<int64_t>(std::min(params.reuse_neighbors, params.cache_capacity)) * top_k +
-         params.recent_window;
-}
-
 // log2 of the hash-set slots for `candidates` keys (at most half full).
 int Log2HashSlots(int64_t candidates) {
   int log2_slots = 1;
@@ -83,7 +76,7 @@ struct WorkspaceLayout {
     return WorkspaceLayout{rows,
                            rows * max_shape.head_dim,
                            rows * (1 + static_cast<size_t>(params.cache_capacity)),
-                           rows * static_cast<size_t>(MaxCandidates(top_k, params)),
+                           rows * static_cast<size_t>(ReTopKMaxCandidates(top_k, params)),
                            rows * top_k,
                            static_cast<size_t>(max_shape.batch),
                            c_heads * top_k,
@@ -121,16 +114,7 @@ int64_t Bytes(const DeviceBuffer<T>& b) {
 struct ReTopKLaunch {
   static ReTopKStepState State(const DecodeShape& shape, int top_k, const ReTopKParams& params,
                                const ReTopKWorkspace& ws) {
-    ReTopKStepState s{};
-    s.q_heads = shape.q_heads;
-    s.kv_heads = shape.kv_heads;
-    s.capacity = params.cache_capacity;
-    s.neighbors = params.reuse_neighbors;
-    s.window = params.recent_window;
-    s.top_k = top_k;
-    s.refresh_interval = params.refresh_interval;
-    s.max_candidates = static_cast<int>(MaxCandidates(top_k, params));
-    s.scale_log2 = shape.scale * kLog2e;
+    ReTopKStepState s = ReTopKStepKnobs(shape, top_k, params);
     s.unit_q = ws.unit_q_.data();
     s.paths = ws.paths_.data();
     s.exact_rows = ws.exact_rows_.data();
@@ -158,7 +142,7 @@ absl::Status ReTopKCaches::CheckParams(const DecodeShape& shape, int top_k,
                                        const ReTopKParams& params) {
   KVRECALL_CUDA_RETURN_IF_ERROR(shape.Validate());
   KVRECALL_CUDA_RETURN_IF_ERROR(CheckKnobs(shape.q_heads, shape.head_dim, top_k, params));
-  const int64_t candidates = MaxCandidates(top_k, params);
+  const int64_t candidates = ReTopKMaxCandidates(top_k, params);
   if (Log2HashSlots(candidates) > kMaxLog2HashSlots) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reuse_neighbors * top_k + recent_window = ", candidates, " candidates exceed the GPU's ",
@@ -219,7 +203,7 @@ absl::StatusOr<std::unique_ptr<ReTopKWorkspace>> ReTopKWorkspace::Create(
   if (max_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens must be >= 1, got ", max_tokens));
   }
-  const int64_t candidates = MaxCandidates(top_k, params);
+  const int64_t candidates = ReTopKMaxCandidates(top_k, params);
   const int log2_slots = Log2HashSlots(candidates);
   std::unique_ptr<ReTopKWorkspace> ws(new ReTopKWorkspace());
   ws->max_shape_ = max_shape;
@@ -294,11 +278,11 @@ absl::Status ReTopKWorkspace::CheckFits(const DecodeShape& shape, int top_k,
         " heads of dim ", max_shape_.head_dim));
   }
   if (top_k > top_k_ || params.cache_capacity > capacity_ ||
-      MaxCandidates(top_k, params) > max_candidates_) {
+      ReTopKMaxCandidates(top_k, params) > max_candidates_) {
     return absl::InvalidArgumentError(absl::StrCat(
         "top_k ", top_k, ", cache_capacity ", params.cache_capacity, " and ",
-        MaxCandidates(top_k, params), " candidates exceed the ReTopK workspace's ", top_k_, ", ",
-        capacity_, " and ", max_candidates_));
+        ReTopKMaxCandidates(top_k, params), " candidates exceed the ReTopK workspace's ",
+        top_k_, ", ", capacity_, " and ", max_candidates_));
   }
   if (max_tokens < 1 || max_tokens > max_tokens_) {
     return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [1, ", max_tokens_,
@@ -412,7 +396,7 @@ absl::Status ReTopKLaunch::Step(const DecodeShape& shape, int top_k, const ReTop
         "seqs, caches, q, o and lse must be device pointers, got null");
   }
   const int rows = shape.rows();
-  const int max_candidates = static_cast<int>(MaxCandidates(top_k, params));
+  const int max_candidates = static_cast<int>(ReTopKMaxCandidates(top_k, params));
   const int log2_slots = Log2HashSlots(max_candidates);
   ReTopKStepParams p{State(shape, top_k, params, *ws), seqs, caches, q, log2_slots, 0};
   const absl::StatusOr<int> sms = MultiprocessorCount();
@@ -423,7 +407,8 @@ absl::Status ReTopKLaunch::Step(const DecodeShape& shape, int top_k, const ReTop
   if (!exact.ok()) return exact.status();
   return KVRECALL_DISPATCH_KV_DTYPE(shape.dtype, KvT, [&] {
     return KVRECALL_DISPATCH_HEAD_DIM(shape.head_dim, kDim, [&]() -> absl::Status {
-      ReTopKDecideKernel<kDim, kDecideThreads><<<rows, kDecideThreads, 0, stream>>>(p);
+      ReTopKDecideKernel<kDim, kReTopKDecideThreads>
+          <<<rows, kReTopKDecideThreads, 0, stream>>>(p);
       KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("ReTopKDecideKernel"));
       // Refresh and fallback rows on the side stream, reuse rows here, joined at the end.
       KVRECALL_CUDA_RETURN_IF_ERROR(

@@ -53,6 +53,22 @@ struct ReTopKStepState {
   int32_t* support_size;   // [rows]
 };
 
+// A step's knobs as its state holds them, every pointer null (for the launcher to set).
+inline ReTopKStepState ReTopKStepKnobs(const DecodeShape& shape, int top_k,
+                                       const ReTopKParams& params) {
+  ReTopKStepState s{};
+  s.q_heads = shape.q_heads;
+  s.kv_heads = shape.kv_heads;
+  s.capacity = params.cache_capacity;
+  s.neighbors = params.reuse_neighbors;
+  s.window = params.recent_window;
+  s.top_k = top_k;
+  s.refresh_interval = params.refresh_interval;
+  s.max_candidates = static_cast<int>(ReTopKMaxCandidates(top_k, params));
+  s.scale_log2 = shape.scale * kLog2e;
+  return s;
+}
+
 // One query head's part of a sequence's caches (ReTopKCachesView).
 struct HeadCache {
   float* queries;     // [C, head_dim], by slot
@@ -102,6 +118,9 @@ struct ReTopKStepParams {
   int log2_hash_slots;
   int pool_bytes;                    // ReTopKReuseKernel's first shared-memory region
 };
+
+// Threads of a ReTopKDecideKernel block, wherever it is launched (the step, the match alone).
+inline constexpr int kReTopKDecideThreads = 128;
 
 // One block per row: the step's path (ChooseReTopKPath) and, for reuse, the R most similar
 // entries (cpu::TopKPositions over ages: ties to the older). Every cached slot is loaded at

@@ -38,6 +38,13 @@ namespace kvrecall::cuda {
 // picked by one warp holding two ages per lane).
 inline constexpr int kMaxReTopKCacheCapacity = 64;
 
+// R * K + W: the most candidates a reuse step unions (R capped at C).
+inline int64_t ReTopKMaxCandidates(int top_k, const ReTopKParams& params) {
+  const int neighbors = params.reuse_neighbors < params.cache_capacity ? params.reuse_neighbors
+                                                                       : params.cache_capacity;
+  return static_cast<int64_t>(neighbors) * top_k + params.recent_window;
+}
+
 // One sequence's ReTopK caches of one layer, device memory, as the kernels see them. A step
 // takes a device array [batch] of these, one per sequence (like DeviceSeq), so that sequences
 // whose caches were allocated separately run in one launch. Query head h's entries live at
