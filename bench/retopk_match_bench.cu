@@ -4,9 +4,9 @@
 // similar entries, their supports ∪ the last W bulk positions sorted and deduplicated — timed
 //   * on the host, with the real code (ReTopKHead::Match, the one ReTopKHead::Step runs), on one
 //     thread and on the OpenMP team a tiered step would use (cpu::ThreadsFor of its work); and
-//     its union alone on the team (UnionReuseCandidates, the match's sort-and-deduplicate), beside
-//     an experiment that is not the shipped code: the same union read from a bitmap of the bulk
-//     instead of sorted (what a sort-free host union would cost; its lists are checked equal);
+//     its union alone on the team (UnionReuseCandidates: marked in a bitmap of the bulk and read
+//     back in order), beside the baseline it replaced, the same union by sort and unique (its
+//     lists are checked equal);
 //   * on the GPU, caches there as the design card puts them (kernels/cuda/retopk_match.h:
 //     ReTopKDecideKernel, the GPU-resident step's own decision, and the union), end to end with
 //     the host waiting: the step's queries uploaded, the match, the results downloaded —
@@ -250,30 +250,23 @@ struct Result {
 enum class HostPart {
   kMatch,        // ReTopKHead::Match: the whole match
   kUnion,        // UnionReuseCandidates alone, on the neighbors of an untimed Match
-  kBitmapUnion,  // an experiment, not the shipped code: the same union without a sort
+  kSortUnion,  // the baseline UnionReuseCandidates replaced: the same union by sort and unique
 };
 
-// The experiment of HostPart::kBitmapUnion: the union of UnionReuseCandidates (sorted,
-// distinct) marked in a bitmap of [0, tokens) and read back in order, as the GPU's union kernel
-// does, instead of sorted. `bits` ([tokens / 64] words, zero) is left zero.
-void BitmapUnion(const QuerySupportCache& cache, std::span<const int32_t> ages, int64_t tokens,
-                 int window, std::vector<uint64_t>* bits, std::vector<int32_t>* candidates) {
-  bits->resize((tokens + 63) / 64);
-  uint64_t* words = bits->data();
-  auto mark = [&](int32_t id) { words[id >> 6] |= uint64_t{1} << (id & 63); };
+// The baseline of HostPart::kSortUnion: the union of UnionReuseCandidates (sorted, distinct) by
+// concatenating, sorting and deduplicating, as the host did before its bitmap union.
+void SortUnion(const QuerySupportCache& cache, std::span<const int32_t> ages, int64_t tokens,
+               int window, std::vector<int32_t>* candidates) {
+  candidates->clear();
   for (int32_t age : ages) {
-    for (int32_t id : cache.support(age)) mark(id);
+    std::span<const int32_t> s = cache.support(age);
+    candidates->insert(candidates->end(), s.begin(), s.end());
   }
   for (int64_t t = std::max<int64_t>(0, tokens - window); t < tokens; ++t) {
-    mark(static_cast<int32_t>(t));
+    candidates->push_back(static_cast<int32_t>(t));
   }
-  candidates->clear();
-  for (size_t w = 0; w < bits->size(); ++w) {
-    for (uint64_t x = words[w]; x != 0; x &= x - 1) {
-      candidates->push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(x)));
-    }
-    words[w] = 0;
-  }
+  std::sort(candidates->begin(), candidates->end());
+  candidates->erase(std::unique(candidates->begin(), candidates->end()), candidates->end());
 }
 
 Result RunHost(const Inputs& in, HostPart part, int threads, int steps, int warmup) {
@@ -281,7 +274,7 @@ Result RunHost(const Inputs& in, HostPart part, int threads, int steps, int warm
   Result r;
   r.variant = part == HostPart::kMatch       ? (threads > 1 ? "host_team" : "host_1t")
               : part == HostPart::kUnion     ? "host_team_union_only"
-                                             : "experiment_host_team_bitmap_union_only";
+                                             : "baseline_host_team_sort_union_only";
   r.threads = threads;
   r.steps = steps;
   std::vector<double> wall;
@@ -304,9 +297,8 @@ Result RunHost(const Inputs& in, HostPart part, int threads, int steps, int warm
         UnionReuseCandidates(head.cache(), head.neighbors(), in.bulk_tokens,
                              in.params.recent_window, &unions[row]);
       } else {
-        thread_local std::vector<uint64_t> bits;
-        BitmapUnion(head.cache(), head.neighbors(), in.bulk_tokens, in.params.recent_window,
-                    &bits, &unions[row]);
+        SortUnion(head.cache(), head.neighbors(), in.bulk_tokens, in.params.recent_window,
+                  &unions[row]);
       }
     });
     const auto t1 = Clock::now();
@@ -802,7 +794,7 @@ int Main() {
         results.push_back(RunHost(in, HostPart::kMatch, 1, one_thread_steps, warmup));
         results.push_back(RunHost(in, HostPart::kMatch, team, steps, warmup));
         results.push_back(RunHost(in, HostPart::kUnion, team, steps, warmup));
-        results.push_back(RunHost(in, HostPart::kBitmapUnion, team, steps, warmup));
+        results.push_back(RunHost(in, HostPart::kSortUnion, team, steps, warmup));
         if (gpu) {
           GpuBench bench(in, kv_heads, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent),
                          team);
