@@ -71,9 +71,10 @@ ABSL_FLAG(int32_t, iterations, 5000,
 ABSL_FLAG(int32_t, warmup, 500, "pairs run before measuring");
 ABSL_FLAG(std::string, json_out, "", "also write the figures as JSON to this file");
 ABSL_FLAG(std::string, count_only, "",
-          "empty or layer_step: run warmup + iterations round trips of that kind alone and "
-          "report nothing but their number (no timing, no CPU phases): for counting the "
-          "server's instructions per round trip under callgrind (bench/callgrind_hop.sh)");
+          "empty or layer_step: run warmup + iterations round trips of that kind alone, none of "
+          "the other kind between them, and report their p50 / p99 only (no CPU phases, no "
+          "JSON): for counting the server's instructions per round trip under callgrind "
+          "(bench/callgrind_hop.sh), and for the round trip without the pairs' alternation");
 ABSL_FLAG(int32_t, echo_work_us, 0,
           "echo: microseconds the server busy-waits before answering each layer-step-sized "
           "request, standing in for a step's compute (reported as its server time)");
@@ -418,12 +419,17 @@ int Main() {
       return Fail(absl::InvalidArgumentError(
           absl::StrCat("--count_only must be empty or layer_step, got '", only, "'")));
     }
+    std::vector<double> us;
+    us.reserve(iterations);
     for (int i = 0; i < warmup + iterations; ++i) {
+      const Clock::time_point t0 = Clock::now();
       if (absl::Status s = stream->RoundTrip(only == "layer_step"); !s.ok()) return Fail(s);
+      if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
     if (absl::Status s = stream->Close(); !s.ok()) return Fail(s);
-    std::printf("%s %s: %d %s round trips\n", protocol.c_str(),
-                absl::GetFlag(FLAGS_label).c_str(), warmup + iterations, only.c_str());
+    std::printf("%s %s: %d %s round trips alone, p50 %.1f us, p99 %.1f us\n", protocol.c_str(),
+                absl::GetFlag(FLAGS_label).c_str(), warmup + iterations, only.c_str(),
+                Percentile(us, 0.5), Percentile(us, 0.99));
     return 0;
   }
   std::vector<double> empty_us, step_us, server_us, transport_us;
