@@ -11,10 +11,12 @@
 # BIN_DIR holds echo_floor, kvrecalld and rpc_overhead; PY_DIR the Python modules the build
 # generates (kvrecall/v1/*_pb2*.py from client/python/kvrecall/_gen and bench/echo_floor_pb2.py);
 # empty PY_DIR: no Python runs. Environment: ITERATIONS (pairs per C++ run, default 10000),
-# PY_ITERATIONS (default 4000), SERVERS (default "echo-sync echo-callback kvrecalld"),
-# CLIENTS (default "c++ python-numpy python-torch c++-unary python-unary python-aio"; each
-# server runs those that apply to it), KVRECALLD_FLAGS (more kvrecalld flags), KVRECALLD (another
-# kvrecalld binary than BIN_DIR's, say an earlier build to compare with).
+# PY_ITERATIONS (default 4000), SERVERS (default "echo-sync echo-callback kvrecalld"; also
+# kvrecalld-base, an earlier build to compare with in the same run (KVRECALLD_BASE, default
+# BIN_DIR/kvrecalld-base), and kvrecalld-1t, kvrecalld with OMP_NUM_THREADS=1: every step's
+# attention on the one thread that serves it), CLIENTS (default "c++ python-numpy python-torch
+# c++-unary python-unary python-aio"; each server runs those that apply to it), KVRECALLD_FLAGS
+# (more kvrecalld flags), KVRECALLD (another kvrecalld binary than BIN_DIR's).
 # Writes OUT_DIR/<server>_<transport>_<client>.json, logs beside them, and
 # OUT_DIR/rpc_floor_table.md (bench/echo_floor_table.py).
 set -uo pipefail
@@ -53,10 +55,17 @@ start() {
   local server=$1 transport=$2 listen log=$out/${1}_$2.server.log
   if [ "$transport" = unix ]; then listen=unix:$sockets/$server.sock; else listen=127.0.0.1:0; fi
   case $server in
-    kvrecalld)
-      # shellcheck disable=SC2086
-      start_kvrecalld "${KVRECALLD:-$bin/kvrecalld}" "$log" --address="$listen" \
-        ${KVRECALLD_FLAGS:-} || return 1
+    kvrecalld | kvrecalld-base | kvrecalld-1t)
+      local binary=${KVRECALLD:-$bin/kvrecalld}
+      [ "$server" = kvrecalld-base ] && binary=${KVRECALLD_BASE:-$bin/kvrecalld-base}
+      if [ "$server" = kvrecalld-1t ]; then
+        # shellcheck disable=SC2086
+        OMP_NUM_THREADS=1 start_kvrecalld "$binary" "$log" --address="$listen" \
+          ${KVRECALLD_FLAGS:-} || return 1
+      else
+        # shellcheck disable=SC2086
+        start_kvrecalld "$binary" "$log" --address="$listen" ${KVRECALLD_FLAGS:-} || return 1
+      fi
       pid=$kvrecalld_pid address=$kvrecalld_address ;;
     echo-*)
       "$bin/echo_floor" --api="${server#echo-}" --address="$listen" >"$log" 2>&1 &
@@ -75,7 +84,7 @@ for transport in tcp unix; do
   for server in ${SERVERS:-echo-sync echo-callback kvrecalld}; do
     start "$server" "$transport" || { status=1; continue; }
     protocol=echo
-    [ "$server" = kvrecalld ] && protocol=kvrecall
+    [ "${server#kvrecalld}" != "$server" ] && protocol=kvrecall
     for client in $clients; do
       applies "$server" "$client" || continue
       name=${server}_${transport}_${client}

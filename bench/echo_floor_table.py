@@ -8,7 +8,9 @@ import json
 import os
 import sys
 
-SERVERS = ["echo-sync", "echo-callback", "kvrecalld"]
+# kvrecalld-base: an earlier build in the same run; kvrecalld-1t: OMP_NUM_THREADS=1.
+SERVERS = ["echo-sync", "echo-callback", "kvrecalld-base", "kvrecalld", "kvrecalld-1t"]
+FLOORS = SERVERS[:2]
 
 
 def fmt(x, digits=1):
@@ -49,24 +51,33 @@ def main(paths):
     print()
     # The targets, from this run: the floor is the faster echo API per transport and client.
     for client in clients:
-        for transport in ["tcp", "unix"]:
-            k = runs.get(("kvrecalld", transport, client))
+        for transport, kvrecalld in [(t, s) for t in ["tcp", "unix"] for s in SERVERS[2:]]:
+            k = runs.get((kvrecalld, transport, client))
             # The floor of a client is the echo through the same gRPC path (torch inputs or
             # numpy, Python's echo is the same).
             same = "python-numpy" if client == "python-torch" else client
-            floors = [runs[(s, transport, same)] for s in SERVERS[:2]
-                      if (s, transport, same) in runs]
+            floors = [runs[(s, transport, same)] for s in FLOORS if (s, transport, same) in runs]
             if k is None or not floors:
                 continue
             floor = min(floors, key=lambda j: j["empty_us"]["p50"])
             ratio = k["empty_us"]["p50"] / floor["empty_us"]["p50"]
             step_floor = min(f["layer_step_us"]["p50"] for f in floors)
-            line = (f"- {client}, {transport}: kvrecalld empty {fmt(k['empty_us']['p50'])} µs = "
+            line = (f"- {client}, {transport}: {kvrecalld} empty {fmt(k['empty_us']['p50'])} µs = "
                     f"{ratio:.2f}× the floor ({floor['label']}, {fmt(floor['empty_us']['p50'])} "
                     f"µs); layer-step − server compute "
                     f"{fmt(k.get('layer_step_minus_server_us', {}).get('p50'))} µs (the floor's "
                     f"12K/8K round trip: {fmt(step_floor)} µs)")
             print(line)
+    # The server's compute for the step against the attention alone, timed in the C++ client's
+    # process on the same shapes (issue 12: within 2x of the step's arithmetic on one core).
+    for (server, transport, client), j in sorted(runs.items()):
+        alone = j.get("attention_alone_us")
+        if alone and "layer_step_server_us" in j:
+            compute = j["layer_step_server_us"]["p50"]
+            one = alone["one_thread"]["p50"]
+            print(f"- {server}, {transport}: server compute {fmt(compute)} µs; attention alone "
+                  f"{fmt(one)} µs on one thread ({compute / one:.2f}×), "
+                  f"{fmt(alone['team']['p50'])} µs on a team")
     for client in clients:
         t, u = runs.get(("kvrecalld", "tcp", client)), runs.get(("kvrecalld", "unix", client))
         if t and u:

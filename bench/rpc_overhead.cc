@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "bench/echo_floor.grpc.pb.h"
 #include "client/kvrecall_client.h"
 #include "client/stats.h"
@@ -69,6 +70,11 @@ ABSL_FLAG(int32_t, iterations, 5000,
           "measured pairs (empty request, layer-step), and round trips of each CPU phase");
 ABSL_FLAG(int32_t, warmup, 500, "pairs run before measuring");
 ABSL_FLAG(std::string, json_out, "", "also write the figures as JSON to this file");
+ABSL_FLAG(std::string, count_only, "",
+          "empty or layer_step: run warmup + iterations round trips of that kind alone, none of "
+          "the other kind between them, and report their p50 / p99 only (no CPU phases, no "
+          "JSON): for counting the server's instructions per round trip under callgrind "
+          "(bench/callgrind_hop.sh), and for the round trip without the pairs' alternation");
 ABSL_FLAG(int32_t, echo_work_us, 0,
           "echo: microseconds the server busy-waits before answering each layer-step-sized "
           "request, standing in for a step's compute (reported as its server time)");
@@ -408,6 +414,24 @@ int Main() {
 
   const int warmup = absl::GetFlag(FLAGS_warmup);
   const int iterations = absl::GetFlag(FLAGS_iterations);
+  if (const std::string only = absl::GetFlag(FLAGS_count_only); !only.empty()) {
+    if (only != "empty" && only != "layer_step") {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--count_only must be empty or layer_step, got '", only, "'")));
+    }
+    std::vector<double> us;
+    us.reserve(iterations);
+    for (int i = 0; i < warmup + iterations; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      if (absl::Status s = stream->RoundTrip(only == "layer_step"); !s.ok()) return Fail(s);
+      if (i >= warmup) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+    if (absl::Status s = stream->Close(); !s.ok()) return Fail(s);
+    std::printf("%s %s: %d %s round trips alone, p50 %.1f us, p99 %.1f us\n", protocol.c_str(),
+                absl::GetFlag(FLAGS_label).c_str(), warmup + iterations, only.c_str(),
+                Percentile(us, 0.5), Percentile(us, 0.99));
+    return 0;
+  }
   std::vector<double> empty_us, step_us, server_us, transport_us;
   for (std::vector<double>* v : {&empty_us, &step_us, &server_us, &transport_us}) {
     v->reserve(iterations);
@@ -512,5 +536,8 @@ int main(int argc, char** argv) {
       "rpc_overhead [--protocol=kvrecall|echo] [--server=HOST:PORT|unix:PATH] [--server_pid=PID]: "
       "round trips of an empty request and a layer-step on one stream, with CPU time");
   absl::ParseCommandLine(argc, argv);
+  // As kvrecalld and echo_floor (server/main.cc): Debian's Abseil would check every absl::Mutex
+  // acquisition (gRPC's included) for lock-order cycles; a runner's process may do the same.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   return kvrecall::client::Main();
 }

@@ -85,7 +85,7 @@ class EchoStream:
         echo = self.channel.stream_stream("/kvrecall.bench.EchoFloor/Echo",
                                           request_serializer=pb.EchoRequest.SerializeToString,
                                           response_deserializer=pb.EchoReply.FromString)
-        self.requests = queue.Queue()
+        self.requests = queue.SimpleQueue()  # as kvrecall.client.DecodeStream
         self.responses = echo(iter(self.requests.get, None))
         item = 4 if args.dtype == "f32" else 2
         self.payload = bytes((args.q_heads + 2 * args.kv_heads) * args.head_dim * item)

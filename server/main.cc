@@ -12,6 +12,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/server.h"
 
@@ -81,6 +82,11 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvrecalld --address=HOST:PORT: decode-time attention as a gRPC service (kvrecall.v1)");
   absl::ParseCommandLine(argc, argv);
+  // Abseil built without NDEBUG (Debian's, which gRPC's locks use too) checks every absl::Mutex
+  // acquisition for lock-order cycles, in a graph behind one process-wide lock: thousands of
+  // instructions per Decode round trip (bench/results/rpc_floor.md, dev-machine figures). The
+  // tests keep the check; the served process does without it.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   // Memory a closed session frees must go back to the OS. By default glibc raises its mmap
   // threshold to the size of every large block freed (up to 32 MiB) and its trim threshold to
   // twice that, so once the first session has closed, KV arrays below 32 MiB come from malloc's

@@ -1,6 +1,8 @@
-// A gRPC server interceptor that records every call into ServerMetrics: calls by method and
-// status code, their duration, and each Decode request's latency from arrival to reply.
-// Works with the synchronous and the callback API alike.
+// A gRPC server interceptor that records every call into ServerMetrics, calls by method and
+// status code and their duration, except the Decode streams, which KvRecallService records
+// itself (server/service.h): gRPC runs an intercepted call's every message through its
+// interceptor machinery, about 13K instructions per Decode round trip (bench/results/
+// rpc_floor.md, dev-machine figures). Works with the synchronous and the callback API alike.
 #ifndef KVRECALL_SERVER_RPC_METRICS_INTERCEPTOR_H_
 #define KVRECALL_SERVER_RPC_METRICS_INTERCEPTOR_H_
 
@@ -11,6 +13,9 @@
 #include "server/metrics.h"
 
 namespace kvrecall {
+
+// The method the interceptor leaves to the service.
+inline constexpr char kDecodeMethod[] = "/kvrecall.v1.KvRecall/Decode";
 
 // For ServerBuilder::experimental().SetInterceptorCreators(). `metrics` must outlive the server.
 std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>

@@ -63,7 +63,8 @@ RunningServer::RunningServer(const ServerOptions& options,
       placements_(std::move(placements)),
       registry_(&budget_, placements_.get(), metrics_.get(), options.limits),
       service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads,
-                                          .inline_steps = options.inline_decode_steps}),
+                                          .inline_steps = options.inline_decode_steps,
+                                          .decode_call_metrics = !options.metrics_address.empty()}),
       health_({v1::KvRecall::service_full_name()}),
       probe_health_({v1::KvRecall::service_full_name()}) {}
 
@@ -79,9 +80,10 @@ void RunningServer::Shutdown(absl::Duration grace) {
     shut_down_ = true;
   }
   const absl::Time deadline = absl::Now() + grace;
+  // The drain first: whoever reads NOT_SERVING must find new work refused.
+  service_.StartDrain();
   health_.Shutdown();
   probe_health_.Shutdown();
-  service_.StartDrain();
   if (server_ == nullptr) return;  // never started
   // Until the service is idle gRPC keeps serving, so that health checks read NOT_SERVING and
   // late requests get the service's UNAVAILABLE; gRPC's shutdown then cancels what is left.

@@ -8,10 +8,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/auth.h"
 #include "server/decode.h"
 #include "server/prefill.h"
 #include "server/raw_messages.h"
+#include "server/rpc_metrics_interceptor.h"
 #include "server/status_util.h"
 #include "server/tsan_handoff.h"  // HandoffToGrpc, ReactionFromGrpc: what TSan cannot see in gRPC
 
@@ -187,10 +189,14 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
     if (!busy_) static_cast<Call*>(this)->ReleaseLocked();
+    static_cast<Call*>(this)->CountLocked(status);
     HandoffToGrpc(static_cast<Call*>(this));
     this->Finish(std::move(status));
   }
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
+  // Records the call's end with `status` where the call counts itself (not through the RPC
+  // interceptor).
+  void CountLocked(const grpc::Status&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
   // Queues a run of the call on `queue`.
   void QueueLocked(WorkQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     busy_ = true;
@@ -346,6 +352,7 @@ class KvRecallService::DecodeCall final
  public:
   DecodeCall(KvRecallService* service, std::string tenant)
       : StreamCall(service), decoder_(service->registry_, std::move(tenant)) {
+    if (service->decode_calls_ != nullptr) opened_ = absl::Now();
     Begin(&in_);
   }
 
@@ -356,49 +363,24 @@ class KvRecallService::DecodeCall final
       if (finished_) return;
       // !ok: the client closed its side (or the call was cancelled): the stream ends.
       if (!ok) return FinishLocked(cancelled_ ? CancelledStatus() : grpc::Status::OK);
+      if (service_->decode_calls_ != nullptr) arrived_ = absl::Now();
       if (service_->draining()) return FinishLocked(ShuttingDownStatus());
       if (!service_->TakeInlineStep()) return QueueLocked(service_->steps_);
       busy_ = true;  // a run, on this thread
       Ref();
     }
     // Served on the gRPC thread that read the request, while few steps run so: a hand-off to
-    // the step queue costs a thread wake-up per layer-step (bench/results/rpc_floor.md).
-    KvRecallService* const service = service_;  // the run may drop the last reference
-    Run();
-    service->ReturnInlineStep();
+    // the step queue costs a thread wake-up per layer-step (bench/results/rpc_floor.md). The
+    // slot is given back before the reply is written: the client's next request may be read on
+    // another gRPC thread as soon as the reply is out, and must find it free.
+    grpc::Status status = Serve();
+    service_->ReturnInlineStep();
+    Reply(std::move(status));
   }
 
   void Run() override {
     if (!BeginRun()) return;
-    const int64_t index = requests_++;
-    grpc::Status status;
-    if (!ParseRawMessage(&in_, &request_)) {
-      status = UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
-                                request_);
-    } else {
-      response_.Clear();
-      status = service_->Answer(decoder_.Serve(request_, &response_));
-      if (status.ok()) SerializeRawMessage(response_, &out_);
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      busy_ = false;
-      if (!finished_) {
-        if (!status.ok()) {
-          FinishLocked(std::move(status));
-        } else if (service_->draining()) {
-          // The step in flight is answered; the stream ends with it.
-          finished_ = true;
-          HandoffToGrpc(this);
-          StartWriteAndFinish(&out_, grpc::WriteOptions(), ShuttingDownStatus());
-        } else {
-          writing_ = true;
-          HandoffToGrpc(this);
-          StartWrite(&out_);
-        }
-      }
-    }
-    Unref();
+    Reply(Serve());
   }
 
   void OnWriteDone(bool ok) override {
@@ -425,7 +407,69 @@ class KvRecallService::DecodeCall final
     if (!finished_ && !writing_) FinishLocked(CancelledStatus());
   }
 
+  void CountLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (service_->decode_calls_ != nullptr) {
+      service_->decode_calls_->CountCall(status.error_code(),
+                                         absl::ToDoubleSeconds(absl::Now() - opened_));
+    }
+  }
+
  private:
+  // The latency of the request being answered, from its arrival to its reply.
+  void CountReplyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (service_->decode_calls_ != nullptr) {
+      service_->registry_->metrics()->ObserveDecodeRequest(
+          absl::ToDoubleSeconds(absl::Now() - arrived_));
+    }
+  }
+
+  // The step of the request read into in_, its reply serialized into out_ when it succeeds.
+  // Run by the one run of the call in flight (busy_).
+  grpc::Status Serve() {
+    const int64_t index = requests_++;
+    if (!ParseRawMessage(&in_, &request_)) {
+      return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
+                              request_);
+    }
+    response_.Clear();
+    grpc::Status status = service_->Answer(decoder_.Serve(request_, &response_));
+    if (status.ok()) SerializeRawMessage(response_, &out_);
+    return status;
+  }
+
+  // Ends the run: writes the reply (and then reads the next request) or ends the stream with
+  // `status`, unless the call finished meanwhile; drops the run's reference.
+  void Reply(grpc::Status status) {
+    bool write = false;
+    {
+      absl::MutexLock lock(&mu_);
+      busy_ = false;
+      if (!finished_) {
+        if (!status.ok()) {
+          FinishLocked(std::move(status));
+        } else if (service_->draining()) {
+          // The step in flight is answered; the stream ends with it.
+          finished_ = true;
+          CountReplyLocked();
+          CountLocked(ShuttingDownStatus());
+          HandoffToGrpc(this);
+          StartWriteAndFinish(&out_, grpc::WriteOptions(), ShuttingDownStatus());
+        } else {
+          writing_ = true;
+          write = true;
+          CountReplyLocked();
+        }
+      }
+    }
+    // Outside mu_: the write may complete at once, and OnWriteDone (on another gRPC thread)
+    // would wait for the lock. While writing_ is set nothing else starts or finishes the call.
+    if (write) {
+      HandoffToGrpc(this);
+      StartWrite(&out_);
+    }
+    Unref();
+  }
+
   grpc::ByteBuffer in_;
   grpc::ByteBuffer out_;
   v1::DecodeRequest request_;
@@ -433,6 +477,8 @@ class KvRecallService::DecodeCall final
   DecodeStream decoder_;
   int64_t requests_ = 0;  // touched by one run at a time
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the reply is being written
+  absl::Time opened_;                              // with decode_calls_ only
+  absl::Time arrived_ ABSL_GUARDED_BY(mu_);        // the request in flight's, likewise
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -444,7 +490,10 @@ KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions
       builds_(ThreadsOrDefault(options.build_threads, steps_.threads()), "kvrecall-build"),
       max_inline_steps_(options.inline_steps >= 0
                             ? options.inline_steps
-                            : std::max<int>(1, std::thread::hardware_concurrency() / 4)) {}
+                            : std::max<int>(1, std::thread::hardware_concurrency() / 4)),
+      decode_calls_(options.decode_call_metrics && registry->metrics() != nullptr
+                        ? registry->metrics()->ForMethod(kDecodeMethod)
+                        : nullptr) {}
 
 KvRecallService::~KvRecallService() = default;
 

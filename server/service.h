@@ -36,6 +36,10 @@ struct ServiceOptions {
   // Bounded so that gRPC's threads stay free for I/O and health checks. -1: a quarter of the
   // hardware threads, at least 1; 0: every step queues.
   int inline_steps = -1;
+  // Decode streams record their calls (status code, duration) and each request's latency, from
+  // its arrival to its reply, into the registry's ServerMetrics: the part of the RPC metrics
+  // that server/rpc_metrics_interceptor.h leaves to the service. On when metrics are served.
+  bool decode_call_metrics = false;
 };
 
 // Every method of kvrecall.v1.KvRecall, raw and callback-based.
@@ -145,6 +149,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   WorkQueue builds_;
   const int max_inline_steps_;
   std::atomic<int> inline_steps_{0};
+  // Where Decode streams count their calls (ServiceOptions::decode_call_metrics); null: nowhere.
+  MethodMetrics* const decode_calls_;
 };
 
 // The status of work refused because the server is draining.

@@ -1,3 +1,5 @@
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -170,6 +172,113 @@ TEST_P(CpuAttentionTest, FullAttentionMatchesDoubleReference) {
                                               KvHeadOf(h, s.q_heads, s.kv_heads), all, scale, &ref);
     EXPECT_NEAR(lse[h], ref_lse, 1e-4 * std::max(1.0, std::abs(ref_lse)));
     for (int j = 0; j < s.head_dim; ++j) EXPECT_NEAR(o[h * s.head_dim + j], ref[j], 2e-5);
+  }
+}
+
+// Each query head's output and lse against the double reference over `supports[h]`.
+void ExpectMatchesReference(const std::vector<float>& q, int q_heads, const KvView& kv,
+                            std::span<const std::vector<int32_t>> supports, float scale,
+                            const std::vector<float>& o, const std::vector<float>& lse) {
+  const int d = kv.head_dim;
+  for (int h = 0; h < q_heads; ++h) {
+    std::vector<double> ref;
+    const double ref_lse = ReferenceAttention(q.data() + h * d, kv, KvHeadOf(h, q_heads, kv.kv_heads),
+                                              supports[h], scale, &ref);
+    if (supports[h].empty()) {
+      EXPECT_EQ(lse[h], kEmptyLse) << "head " << h;
+    } else {
+      EXPECT_NEAR(lse[h], ref_lse, 1e-4 * std::max(1.0, std::abs(ref_lse))) << "head " << h;
+    }
+    for (int j = 0; j < d; ++j) EXPECT_NEAR(o[h * d + j], ref[j], 2e-5) << "head " << h << " " << j;
+  }
+}
+
+// The grouped kernel against the double reference for every count of heads through its 4-head
+// blocks and their remainders, supports of every length through its token blocks and tails
+// (scattered and repeated ids included), and head sizes through its value-block tails.
+TEST(CpuGroupedAttentionTest, MatchesDoubleReference) {
+  for (int d : {8, 24, 64, 128}) {
+    RandomKv kv(700, 2, d, 21 + d);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (int heads : {1, 2, 3, 4, 5, 8}) {
+      const std::vector<float> q = RandomNormal(heads * d, 31 + heads, 2.0f);
+      for (int64_t n : {1, 2, 7, 8, 9, 63, 64, 513}) {
+        std::vector<int32_t> ids(n);
+        for (int64_t i = 0; i < n; ++i) ids[i] = static_cast<int32_t>((i * 37 + n) % 700);
+        if (n > 2) ids[1] = ids[0];  // a token twice counts twice, as in PartialAttention
+        std::vector<float> o(heads * d, -1.0f), lse(heads, -1.0f);
+        cpu::GroupedPartialAttention(q.data(), heads, kv.view(), 1, ids, scale, o.data(),
+                                     lse.data());
+        std::vector<double> ref;
+        for (int h = 0; h < heads; ++h) {
+          const double ref_lse =
+              ReferenceAttention(q.data() + h * d, kv.view(), 1, ids, scale, &ref);
+          EXPECT_NEAR(lse[h], ref_lse, 1e-4 * std::max(1.0, std::abs(ref_lse)))
+              << "d " << d << " heads " << heads << " n " << n << " head " << h;
+          for (int j = 0; j < d; ++j) {
+            ASSERT_NEAR(o[h * d + j], ref[j], 2e-5)
+                << "d " << d << " heads " << heads << " n " << n << " head " << h << " " << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Scores far apart (a large query): most exponentials underflow, the largest dominates.
+TEST(CpuGroupedAttentionTest, ScoresFarApartMatchDoubleReference) {
+  const int d = 64;
+  RandomKv kv(300, 1, d, 5);
+  const std::vector<float> q = RandomNormal(4 * d, 6, 60.0f);
+  const std::vector<int32_t> ids = AllTokens(300);
+  std::vector<float> o(4 * d), lse(4);
+  cpu::GroupedPartialAttention(q.data(), 4, kv.view(), 0, ids, 1.0f, o.data(), lse.data());
+  const std::vector<std::vector<int32_t>> supports(4, ids);
+  ExpectMatchesReference(q, 4, kv.view(), supports, 1.0f, o, lse);
+}
+
+TEST(CpuGroupedAttentionTest, EmptySupportGivesTheEmptyState) {
+  RandomKv kv(10, 1, 16, 5);
+  const std::vector<float> q = RandomNormal(3 * 16, 6);
+  std::vector<float> o(3 * 16, 7.0f), lse(3, 7.0f);
+  cpu::GroupedPartialAttention(q.data(), 3, kv.view(), 0, {}, 0.25f, o.data(), lse.data());
+  for (float x : lse) EXPECT_EQ(x, kEmptyLse);
+  for (float x : o) EXPECT_EQ(x, 0.0f);
+}
+
+// MultiHeadAttention over supports shared by a whole group (the grouped path), distinct per
+// head, and shared by part of a group, at one thread and at the team its work asks for.
+TEST_P(CpuAttentionTest, MultiHeadAttentionMatchesDoubleReference) {
+  const Shape s = GetParam();
+  RandomKv kv(s.tokens, s.kv_heads, s.head_dim, 19);
+  const std::vector<float> q = RandomNormal(s.q_heads * s.head_dim, 23, 2.0f);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  const int group = s.q_heads / s.kv_heads;
+  std::vector<int32_t> scattered;
+  for (int32_t t = 0; t < s.tokens; t += 3) scattered.push_back(t);
+  for (const char* kind : {"shared", "distinct", "partly shared"}) {
+    std::vector<std::vector<int32_t>> supports(s.q_heads);
+    for (int h = 0; h < s.q_heads; ++h) {
+      if (std::string(kind) == "shared") {
+        supports[h] = scattered;
+      } else if (std::string(kind) == "distinct") {
+        supports[h] = ReferenceTopK(q.data() + h * s.head_dim, kv.view(),
+                                    KvHeadOf(h, s.q_heads, s.kv_heads), scale,
+                                    1 + h % static_cast<int>(s.tokens));
+      } else {
+        supports[h] = h % group == group - 1 && group > 1 ? AllTokens(s.tokens) : scattered;
+      }
+    }
+    for (int threads : {1, 0}) {
+      std::vector<float> o(s.q_heads * s.head_dim), lse(s.q_heads);
+      const int saved = omp_get_max_threads();
+      if (threads > 0) omp_set_num_threads(threads);
+      cpu::MultiHeadAttention(q.data(), s.q_heads, kv.view(), supports, scale, o.data(),
+                              lse.data());
+      omp_set_num_threads(saved);
+      SCOPED_TRACE(std::string(kind) + (threads == 1 ? ", one thread" : ", a team"));
+      ExpectMatchesReference(q, s.q_heads, kv.view(), supports, scale, o, lse);
+    }
   }
 }
 

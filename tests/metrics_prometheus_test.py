@@ -90,6 +90,10 @@ class ScrapeTest(unittest.TestCase):
         self.assertEqual(m[f'kvrecall_rpcs_total{{code="OK",{method.format("Prefill")}}}'], 2)
         self.assertEqual(m[f'kvrecall_rpcs_total{{code="OK",{method.format("CloseSession")}}}'], 2)
         self.assertEqual(m['kvrecall_decode_request_seconds_count'], steps)
+        # The Decode stream records itself (no interceptor on it): its one stream, closed.
+        self.assertEqual(m[f'kvrecall_rpcs_total{{code="OK",{method.format("Decode")}}}'], 1)
+        self.assertEqual(
+            m[f'kvrecall_rpc_duration_seconds_count{{{method.format("Decode")}}}'], 1)
         layer_steps = {k: v for k, v in m.items() if k.startswith("kvrecall_layer_steps_total{")}
         self.assertEqual(layer_steps, {
             'kvrecall_layer_steps_total{placement="cpu",selector="exact_topk"}': steps / 2,

@@ -399,6 +399,33 @@ class WireTest(unittest.TestCase):
             s.step_wire().append(pieces, q, k, v)
         self.assertEqual(pb.DecodeRequest.FromString(b"".join(pieces)), want)
         self.assertIsInstance(sessions[0].step_wire(), _StepWire)
+        # The head the client writes by hand, with the steps after it.
+        from kvrecall.client import _request_head
+        steps = b"".join(pieces[1:])
+        for request_id in (0, 1, 127, 128, 300, 2 ** 40 + 3, 2 ** 64 - 1):
+            for layer in (0, 1, 5, 127, 128, 2 ** 31 - 1, -1):
+                for flags in ((False, False, False), (True, False, True), (True, True, True)):
+                    expected = pb.DecodeRequest(request_id=request_id, layer=layer,
+                                                return_lse=flags[0], diagnostics=flags[1],
+                                                compare_exact=flags[2])
+                    expected.steps.extend(want.steps)
+                    self.assertEqual(
+                        pb.DecodeRequest.FromString(_request_head(request_id, layer, *flags) + steps),
+                        expected, (request_id, layer, flags))
+
+    def test_float32_inputs_of_a_bf16_session_are_rounded_in_one_batch(self):
+        from kvrecall.client import Session
+        g = make_geometry(1, 4, 2, 8, "bf16")
+        rng = np.random.default_rng(8)
+        q = rng.standard_normal((4, 8)).astype(np.float32)
+        k, v = (rng.standard_normal((2, 8)).astype(np.float32) for _ in range(2))
+        q.flat[:3] = np.array([0x7FFFFFFF, 0x3F808000, 0x3F818000], np.uint32).view(np.float32)
+        pieces = []
+        Session(None, "s", g, None).step_wire().append(pieces, q, k.T.copy().T, v)
+        for x, got in zip((q, k, v), pieces[1::2]):
+            self.assertEqual(bytes(got), tensors.f32_to_bf16_bits(x).tobytes())
+        with self.assertRaisesRegex(ValueError, r"does not fit shape \[2, 8\]"):
+            Session(None, "s", g, None).step_wire().append([], q, k[:1], v)
 
 
 class UnixSocketTest(unittest.TestCase):

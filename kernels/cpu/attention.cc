@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 
@@ -374,18 +375,242 @@ void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_
   });
 }
 
+namespace {
+
+// Per-call scratch of GroupedPartialAttention (thread_local, as ScoreScratch).
+struct GroupScratch {
+  std::vector<float> weights;  // token-major [n rounded up to 8, heads]: scores, then exp
+  std::vector<const float*> keys, values;  // [n]: the support's rows of the KV head
+};
+
+GroupScratch& GroupScratchFor(size_t weights, size_t n) {
+  thread_local GroupScratch scratch;
+  if (scratch.weights.size() < weights) scratch.weights.resize(weights);
+  if (scratch.keys.size() < n) {
+    scratch.keys.resize(n);
+    scratch.values.resize(n);
+  }
+  return scratch;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Lane j of the result is the sum of a[j]'s eight lanes.
+inline __m256 SumLanes8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Lane j of the result is scale * <q[j % HB], k[j / HB]> for HB query rows and TB key rows
+// (HB * TB <= 8; lanes beyond it are 0) of d floats, d a multiple of 8: the token-major order of
+// the weights. Each row's chunk is loaded once for all the products it takes part in, each
+// product into an accumulator of its own.
+template <int HB, int TB>
+inline __m256 ScoreBlock(const float* const* q, const float* const* k, int d, __m256 scale) {
+  static_assert(HB * TB <= 8);
+  __m256 acc[8];
+  for (__m256& a : acc) a = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int c = 0; c < d; c += 8) {
+    __m256 kc[TB];
+    for (int t = 0; t < TB; ++t) kc[t] = _mm256_loadu_ps(k[t] + c);
+    for (int h = 0; h < HB; ++h) {
+      const __m256 qc = _mm256_loadu_ps(q[h] + c);
+      for (int t = 0; t < TB; ++t) acc[t * HB + h] = _mm256_fmadd_ps(qc, kc[t], acc[t * HB + h]);
+    }
+  }
+  return _mm256_mul_ps(SumLanes8(acc), scale);
+}
+
+// exp(x) for x <= 0, eight lanes: Cephes' expf (a degree-6 polynomial on [-ln2/2, ln2/2]
+// scaled by 2^n), within 2 ulp of std::exp; 0 below -87.3, where exp leaves the normal floats
+// (so -inf gives 0).
+inline __m256 ExpNonPositive(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
+}
+
+// For a vector whose lane j belongs to head j % HB (HB in {1, 2, 4}): the same vector with
+// every lane replaced by op over its head's lanes.
+template <int HB, typename Op>
+inline __m256 ReduceHeads(__m256 v, Op op) {
+  v = op(v, _mm256_permute2f128_ps(v, v, 0x01));  // lane j with lane j +- 4
+  if constexpr (HB <= 2) v = op(v, _mm256_permute_ps(v, 0x4e));  // with j +- 2
+  if constexpr (HB == 1) v = op(v, _mm256_permute_ps(v, 0xb1));  // with j +- 1
+  return v;
+}
+
+// Attention of HB (1, 2 or 4) heads over n >= 1 rows: q [HB, d]; o [HB, d]; lse [HB]. The
+// weights are token-major, [n rounded up to 8, HB].
+template <int HB>
+void GroupBlock(const float* q, const float* const* keys, const float* const* values, int64_t n,
+                int d, float scale, float* weights, float* o, float* lse) {
+  constexpr int TB = 8 / HB;  // tokens a vector of scores covers
+  const float* q_rows[HB];
+  for (int h = 0; h < HB; ++h) q_rows[h] = q + static_cast<int64_t>(h) * d;
+  const __m256 vscale = _mm256_set1_ps(scale);
+  // Scores, eight at a time; the rows past n (up to a whole vector) score -inf, so that they
+  // weigh 0 below.
+  const int64_t padded = (n + TB - 1) / TB * TB;
+  int64_t i = 0;
+  for (; i + TB <= n; i += TB) {
+    _mm256_storeu_ps(weights + i * HB, ScoreBlock<HB, TB>(q_rows, keys + i, d, vscale));
+  }
+  if (i < n) {
+    const float* last[TB];
+    for (int t = 0; t < TB; ++t) last[t] = keys[std::min<int64_t>(i + t, n - 1)];
+    __m256 tail = ScoreBlock<HB, TB>(q_rows, last, d, vscale);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 past = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>((n - i) * HB) - 1)));
+    tail = _mm256_blendv_ps(tail, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), past);
+    _mm256_storeu_ps(weights + i * HB, tail);
+  }
+  // Softmax by head: each lane's maximum and sum, reduced over the lanes of its head.
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < padded * HB; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(weights + j));
+  vmax = ReduceHeads<HB>(vmax, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); });
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded * HB; j += 8) {
+    const __m256 e = ExpNonPositive(_mm256_sub_ps(_mm256_loadu_ps(weights + j), vmax));
+    _mm256_storeu_ps(weights + j, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  vsum = ReduceHeads<HB>(vsum, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
+  float max_by_lane[8], sum_by_lane[8], inv_sum[HB];
+  _mm256_storeu_ps(max_by_lane, vmax);
+  _mm256_storeu_ps(sum_by_lane, vsum);
+  for (int h = 0; h < HB; ++h) {
+    lse[h] = max_by_lane[h] + std::log(sum_by_lane[h]);
+    inv_sum[h] = 1.0f / sum_by_lane[h];
+  }
+  // o[h] = sum_i weights[i, h] * value i / sum[h], R vectors of o at a time for all HB heads.
+  constexpr int R = HB <= 2 ? 4 : 2;  // accumulators: HB * R = 8
+  auto value_block = [&]<int W>(int c) {
+    __m256 acc[HB][W];
+    for (int h = 0; h < HB; ++h) {
+      for (int r = 0; r < W; ++r) acc[h][r] = _mm256_setzero_ps();
+    }
+    const float* w = weights;
+    auto add_row = [&](int64_t t) {
+      const float* v_row = values[t] + c;
+      __m256 v[W];
+      for (int r = 0; r < W; ++r) v[r] = _mm256_loadu_ps(v_row + 8 * r);
+      for (int h = 0; h < HB; ++h) {
+        const __m256 wh = _mm256_broadcast_ss(w + t * HB + h);
+        for (int r = 0; r < W; ++r) acc[h][r] = _mm256_fmadd_ps(wh, v[r], acc[h][r]);
+      }
+    };
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {  // two rows a pass: half the loop's own instructions
+      add_row(t);
+      add_row(t + 1);
+    }
+    if (t < n) add_row(t);
+    for (int h = 0; h < HB; ++h) {
+      const __m256 f = _mm256_set1_ps(inv_sum[h]);
+      for (int r = 0; r < W; ++r) {
+        _mm256_storeu_ps(o + static_cast<int64_t>(h) * d + c + 8 * r, _mm256_mul_ps(acc[h][r], f));
+      }
+    }
+  };
+  int c = 0;
+  for (; c + 8 * R <= d; c += 8 * R) value_block.template operator()<R>(c);
+  for (; c < d; c += 8) value_block.template operator()<1>(c);
+}
+#endif
+
+}  // namespace
+
+void GroupedPartialAttention(const float* q, int heads, const KvView& kv, int kv_head,
+                             std::span<const int32_t> ids, float scale, float* o, float* lse) {
+  const int d = kv.head_dim;
+  const int64_t n = static_cast<int64_t>(ids.size());
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 8 == 0 && n > 0) {
+    GroupScratch& scratch =
+        GroupScratchFor(static_cast<size_t>((n + 7) / 8 * 8) * std::min(heads, 4), ids.size());
+    for (int64_t i = 0; i < n; ++i) {
+      scratch.keys[i] = kv.key(ids[i], kv_head);
+      scratch.values[i] = kv.value(ids[i], kv_head);
+    }
+    // Four heads at a time, the rest two and one at a time.
+    for (int h = 0; h < heads;) {
+      const int block = heads - h >= 4 ? 4 : heads - h >= 2 ? 2 : 1;
+      const int64_t at = static_cast<int64_t>(h) * d;
+      auto run = [&]<int HB>() {
+        GroupBlock<HB>(q + at, scratch.keys.data(), scratch.values.data(), n, d, scale,
+                       scratch.weights.data(), o + at, lse + h);
+      };
+      if (block == 4) {
+        run.template operator()<4>();
+      } else if (block == 2) {
+        run.template operator()<2>();
+      } else {
+        run.template operator()<1>();
+      }
+      h += block;
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < heads; ++h) {
+    PartialAttention(q + static_cast<int64_t>(h) * d, kv, kv_head, ids, scale,
+                     o + static_cast<int64_t>(h) * d, lse + h);
+  }
+}
+
 void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,
                         std::span<const std::vector<int32_t>> supports, float scale, float* o,
                         float* lse) {
   const int d = kv.head_dim;
+  const int group = q_heads / kv.kv_heads;
   int64_t tokens = 0;
   for (int h = 0; h < q_heads; ++h) tokens += static_cast<int64_t>(supports[h].size());
   // Scores and the weighted value sum: two multiply-adds per token and dimension.
   const int threads = ThreadsFor(2 * tokens * d, q_heads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int h = 0; h < q_heads; ++h) {
-    PartialAttention(q + h * d, kv, KvHeadOf(h, q_heads, kv.kv_heads), supports[h], scale,
-                     o + h * d, lse + h);
+  // The work is split into units of `unit` consecutive heads of one group, as many as there are
+  // threads (a group is one unit unless the threads outnumber the groups).
+  const int unit = std::max(1, std::min(group, q_heads / threads));
+  const int units_per_group = (group + unit - 1) / unit;
+  const int units = kv.kv_heads * units_per_group;
+  auto attend = [&](int u) {
+    const int kv_head = u / units_per_group;
+    const int first = kv_head * group + (u % units_per_group) * unit;
+    const int end = std::min(first + unit, (kv_head + 1) * group);
+    int same = 1;  // heads from `first` on with first's support
+    while (first + same < end && supports[first + same] == supports[first]) ++same;
+    if (same == end - first) {
+      GroupedPartialAttention(q + static_cast<int64_t>(first) * d, same, kv, kv_head,
+                              supports[first], scale, o + static_cast<int64_t>(first) * d,
+                              lse + first);
+      return;
+    }
+    for (int h = first; h < end; ++h) {
+      PartialAttention(q + static_cast<int64_t>(h) * d, kv, kv_head, supports[h], scale,
+                       o + static_cast<int64_t>(h) * d, lse + h);
+    }
+  };
+  if (threads > 1) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int u = 0; u < units; ++u) attend(u);
+  } else {
+    // Not even an inactive OpenMP region: entering one costs microseconds.
+    for (int u = 0; u < units; ++u) attend(u);
   }
 }
 

@@ -72,7 +72,16 @@ void PartialAttentionScored(std::span<const float> scores, const KvView& kv, int
 void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_t begin,
                            int64_t end, float scale, float* o, float* lse);
 
-// Multi-head attention of one decode step over per-head supports, heads in parallel.
+// The attention states of `heads` query heads that share KV head `kv_head` and the support
+// `ids`: the heads of a grouped-query attention group (or part of one) whose selector gave them
+// one support. q: [heads, head_dim], consecutive; o: [heads, head_dim]; lse: [heads]. Each key
+// and value row is loaded once for up to four heads and the exponentials run eight at a time;
+// the results are PartialAttention's on each head within float rounding (not bit for bit).
+void GroupedPartialAttention(const float* q, int heads, const KvView& kv, int kv_head,
+                             std::span<const int32_t> ids, float scale, float* o, float* lse);
+
+// Multi-head attention of one decode step over per-head supports, heads in parallel; the heads
+// of a KV group with equal supports are attended together (GroupedPartialAttention).
 // q: [q_heads, head_dim]; supports[h] are the tokens query head h attends to;
 // o: [q_heads, head_dim]; lse: [q_heads].
 void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,

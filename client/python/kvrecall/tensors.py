@@ -74,11 +74,10 @@ def f32_to_bf16_bits(a, out=None, scratch=None):
 
 
 def bf16_bits_to_f32(bits):
-    """float32 values of bf16 bit patterns: each pattern is the high half of its float32."""
+    """float32 values of bf16 bit patterns: each pattern is the high half of its float32
+    (one widening shift, into a new array)."""
     bits = np.asarray(bits, dtype=np.uint16)
-    w = np.zeros(2 * bits.size, np.uint16)
-    w[1 if np.little_endian else 0::2] = bits.reshape(-1)
-    return w.view(np.float32).reshape(bits.shape)
+    return np.left_shift(bits, _U32_16, dtype=np.uint32).view(np.float32)
 
 
 def _raw_bytes(x, dtype):
@@ -118,7 +117,8 @@ class WireBuffer:
                          else None)
         self._torch_wire = None
 
-    def _fits(self, x):
+    def check_fits(self, x):
+        """ValueError unless x holds as many elements as this buffer's shape."""
         n = 1
         for d in x.shape:
             n *= int(d)
@@ -127,7 +127,7 @@ class WireBuffer:
                              f"{list(self.shape)}")
 
     def view(self, x):
-        self._fits(x)
+        self.check_fits(x)
         if _is_torch(x):
             return self._view_torch(x)
         a = np.asarray(x)
