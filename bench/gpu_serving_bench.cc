@@ -1,12 +1,15 @@
 // gpu_serving_bench: what a decode layer-step of a GPU-placed session costs end to end over
 // loopback gRPC, per selector, batch and context, against the server's own time for it. For
 // every (selector, context) it creates max(batches) one-layer sessions of the Llama-3-8B
-// geometry (32 query / 8 KV heads, d = 128, bf16) on --server, prefills them with random keys
-// and values (queries only where the selector needs them: ReTopK's seeds, which drift like the
-// decode queries), then times `--steps` requests of each batch size after `--warmup` untimed
-// ones. Decode queries drift (consecutive cosine ~0.97, as cuda_decode_bench's), so ReTopK
-// reuses most steps (--query_rho sets the drift); the path mix it took is reported. Prints one
-// JSON document.
+// geometry (32 query / 8 KV heads, d = 128, bf16) on --server, prefills them (queries only where
+// the selector needs them), then times `--steps` requests of each batch size after `--warmup`
+// untimed ones. The tensors (--data): `synth`, the project's synthetic generator
+// (client/trace/synthetic.h, what `kvrecall synth` writes: keys and queries of different
+// distributions, attention sinks, RoPE recency, decode drift calibrated against tinylm-a), one
+// trace per session; or `random`, N(0, 1) keys and values with decode queries that drift at
+// --query_rho (consecutive cosine ~0.97 by default), the structure-free case every index finds
+// hardest. The path mix ReTopK took and, for tiered sessions, each head's bulk time by path are
+// reported. Prints one JSON document.
 //
 //   gpu_serving_bench --server=127.0.0.1:PORT --out=gpu_serving.json
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include "absl/strings/str_split.h"
 #include "client/kvrecall_client.h"
 #include "client/stats.h"
+#include "client/trace/synthetic.h"
 #include "grpcpp/create_channel.h"
 #include "kernels/dtype.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
@@ -47,9 +51,12 @@ ABSL_FLAG(int32_t, q_heads, 32, "query heads");
 ABSL_FLAG(int32_t, kv_heads, 8, "KV heads");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension");
 ABSL_FLAG(int32_t, prefill_threads, 8, "sessions prefilled at once, each on its own stream");
+ABSL_FLAG(std::string, data, "synth",
+          "the sessions' tensors: synth (client/trace/synthetic.h, a trace per session) or "
+          "random (N(0, 1) keys and values, queries drifting at --query_rho)");
 ABSL_FLAG(double, query_rho, 0.97,
-          "correlation of a head's decode query with its previous one (the drift: lower means "
-          "ReTopK reuses fewer steps)");
+          "--data=random: correlation of a head's decode query with its previous one (the "
+          "drift: lower means ReTopK reuses fewer steps)");
 ABSL_FLAG(bool, auto_tau, false, "ReTopK calibrates tau per head from the prefill queries");
 ABSL_FLAG(std::string, out, "", "also write the JSON here");
 ABSL_FLAG(std::string, gaps_us, "0",
@@ -232,6 +239,47 @@ double PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geo
   return response.build_seconds();
 }
 
+// Rows [begin, begin + n) of one tensor of `trace`'s layer 0 as bf16 bytes.
+std::string SynthBf16(const SyntheticTrace& trace, TracePhase phase, TraceTensor tensor,
+                      int64_t begin, int64_t n) {
+  const TraceGeometry g = trace.geometry();
+  std::vector<float> rows(static_cast<size_t>(n) * g.heads(tensor) * g.head_dim);
+  trace.GenerateRows(0, phase, tensor, begin, n, rows.data());
+  return ToBf16(rows.data(), rows.size());
+}
+
+// Prefills one session's single layer with the prompt of `trace`: keys and values, and the
+// queries of the last `with_queries` tokens (every token's with `all_queries`).
+double PrefillSynth(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
+                    const SyntheticTrace& trace, int with_queries, bool all_queries) {
+  grpc::ClientContext ctx;
+  v1::PrefillResponse response;
+  auto writer = stub.Prefill(&ctx, &response);
+  constexpr int64_t kChunk = 4096;
+  const int64_t context = trace.params().context;
+  v1::PrefillChunk chunk;
+  for (int64_t begin = 0; begin < context; begin += kChunk) {
+    const int64_t n = std::min(kChunk, context - begin);
+    chunk.Clear();
+    chunk.set_session_id(id);
+    chunk.set_layer(0);
+    chunk.set_offset(begin);
+    *chunk.mutable_k() = Bf16Tensor({n, g.kv_heads, g.head_dim},
+                                    SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kK, begin, n));
+    *chunk.mutable_v() = Bf16Tensor({n, g.kv_heads, g.head_dim},
+                                    SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kV, begin, n));
+    if (all_queries || begin + n > context - with_queries) {
+      *chunk.mutable_q() = Bf16Tensor(
+          {n, g.q_heads, g.head_dim},
+          SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kQ, begin, n));
+    }
+    if (!writer->Write(chunk)) break;
+  }
+  writer->WritesDone();
+  Check(writer->Finish(), absl::StrCat("prefilling ", id));
+  return response.build_seconds();
+}
+
 int Main() {
   const std::vector<int> contexts = Ints(absl::GetFlag(FLAGS_contexts));
   const std::vector<int> batches = Ints(absl::GetFlag(FLAGS_batches));
@@ -248,6 +296,11 @@ int Main() {
   const int top_k = absl::GetFlag(FLAGS_top_k);
   absl::StatusOr<v1::Placement> placement = client::ParsePlacement(absl::GetFlag(FLAGS_placement));
   Check(placement.status(), "--placement");
+  const std::string data = absl::GetFlag(FLAGS_data);
+  if (data != "synth" && data != "random") {
+    Check(absl::InvalidArgumentError(absl::StrCat("not synth or random: ", data)), "--data");
+  }
+  const bool synth = data == "synth";
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
@@ -257,7 +310,8 @@ int Main() {
   auto stub = v1::KvRecall::NewStub(channel);
   // One pool of random KV (64K tokens) that every session slices at its own offset.
   const int64_t pool_tokens = 65536 + 4096;
-  const std::string pool = RandomBf16(static_cast<size_t>(pool_tokens) * g.kv_row(), 1);
+  const std::string pool =
+      synth ? std::string() : RandomBf16(static_cast<size_t>(pool_tokens) * g.kv_row(), 1);
 
   json& doc = Doc();
   doc = {{"q_heads", g.q_heads},
@@ -265,7 +319,8 @@ int Main() {
          {"head_dim", g.head_dim},
          {"dtype", "bf16"},
          {"top_k", top_k},
-         {"query_rho", absl::GetFlag(FLAGS_query_rho)},
+         {"data", data},
+         {"query_rho", synth ? json(nullptr) : json(absl::GetFlag(FLAGS_query_rho))},
          {"auto_tau", absl::GetFlag(FLAGS_auto_tau)},
          {"records", json::array()}};
   json& records = doc["records"];
@@ -287,6 +342,7 @@ int Main() {
       if (absl::GetFlag(FLAGS_auto_tau)) policy.mutable_retopk()->set_auto_tau(true);
       std::vector<std::string> ids(max_batch);
       std::vector<std::vector<float>> queries(max_batch);
+      std::vector<SyntheticTrace> traces;
       const int total_steps = with_queries + (warmup + steps) * static_cast<int>(runs.size());
       for (int b = 0; b < max_batch; ++b) {
         v1::CreateSessionRequest request;
@@ -303,7 +359,21 @@ int Main() {
         grpc::ClientContext ctx;
         Check(stub->CreateSession(&ctx, request, &response), "CreateSession");
         ids[b] = response.session_id();
-        queries[b] = DriftingQueries(total_steps, g.q_row(), absl::GetFlag(FLAGS_query_rho), 100 + b);
+        if (synth) {
+          SyntheticTraceParams params;
+          params.q_heads = g.q_heads;
+          params.kv_heads = g.kv_heads;
+          params.head_dim = g.head_dim;
+          params.context = context;
+          params.decode_steps = total_steps;
+          params.seed = 100 + b;
+          absl::StatusOr<SyntheticTrace> trace = SyntheticTrace::Create(params);
+          Check(trace.status(), "the synthetic trace");
+          traces.push_back(*std::move(trace));
+        } else {
+          queries[b] = DriftingQueries(total_steps, g.q_row(), absl::GetFlag(FLAGS_query_rho),
+                                       100 + b);
+        }
       }
       const auto prefill_start = Clock::now();
       std::vector<double> build_seconds(max_batch);
@@ -313,8 +383,10 @@ int Main() {
         for (int t = 0; t < parallel; ++t) {
           threads.emplace_back([&, t] {
             for (int b = t; b < max_batch; b += parallel) {
-              build_seconds[b] = PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b,
-                                                queries[b], with_queries, all_queries);
+              build_seconds[b] =
+                  synth ? PrefillSynth(*stub, ids[b], g, traces[b], with_queries, all_queries)
+                        : PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b, queries[b],
+                                         with_queries, all_queries);
             }
           });
         }
@@ -345,6 +417,20 @@ int Main() {
           for (int b = 0; b < batch; ++b) {
             v1::SequenceStep* s = request.add_steps();
             s->set_session_id(ids[b]);
+            if (synth) {
+              // The trace's decode rows (the drift runs on from the prompt's end).
+              const int64_t row = step_index - with_queries;
+              *s->mutable_q() = Bf16Tensor(
+                  {g.q_heads, g.head_dim},
+                  SynthBf16(traces[b], TracePhase::kDecode, TraceTensor::kQ, row, 1));
+              *s->mutable_k_new() = Bf16Tensor(
+                  {g.kv_heads, g.head_dim},
+                  SynthBf16(traces[b], TracePhase::kDecode, TraceTensor::kK, row, 1));
+              *s->mutable_v_new() = Bf16Tensor(
+                  {g.kv_heads, g.head_dim},
+                  SynthBf16(traces[b], TracePhase::kDecode, TraceTensor::kV, row, 1));
+              continue;
+            }
             *s->mutable_q() =
                 Bf16Tensor({g.q_heads, g.head_dim},
                            ToBf16(queries[b].data() + static_cast<size_t>(step_index) * g.q_row(),

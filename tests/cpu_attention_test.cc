@@ -149,6 +149,20 @@ TEST_P(CpuStoredElementTest, KernelsOverSixteenBitRowsEqualThemOverTheWidenedVal
   cpu::MultiHeadFullAttention(qs.data(), 4, wide, scale, ob.data(), lb.data());
   EXPECT_EQ(oa, ob);
   EXPECT_EQ(la, lb);
+  // A group's heads over one support (the static set): 4, 2 and 1 heads at a time.
+  for (const int heads : {4, 3, 1}) {
+    cpu::GroupedPartialAttention(qs.data(), heads, narrow, 1, ids, scale, oa.data(), la.data());
+    cpu::GroupedPartialAttention(qs.data(), heads, wide, 1, ids, scale, ob.data(), lb.data());
+    for (int i = 0; i < heads * kDim; ++i) ASSERT_EQ(oa[i], ob[i]) << heads << " " << i;
+    for (int h = 0; h < heads; ++h) {
+      EXPECT_EQ(la[h], lb[h]);
+      std::vector<double> ref;
+      const double ref_lse =
+          ReferenceAttention(qs.data() + h * kDim, narrow, 1, ids, scale, &ref);
+      EXPECT_NEAR(la[h], ref_lse, 1e-4);
+      for (int j = 0; j < kDim; ++j) EXPECT_NEAR(oa[h * kDim + j], ref[j], 1e-4);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(SixteenBit, CpuStoredElementTest,

@@ -380,7 +380,7 @@ namespace {
 // Per-call scratch of GroupedPartialAttention (thread_local, as ScoreScratch).
 struct GroupScratch {
   std::vector<float> weights;  // token-major [n rounded up to 8, heads]: scores, then exp
-  std::vector<const float*> keys, values;  // [n]: the support's rows of the KV head
+  std::vector<const void*> keys, values;  // [n]: the support's rows of the KV head
 };
 
 GroupScratch& GroupScratchFor(size_t weights, size_t n) {
@@ -405,15 +405,15 @@ inline __m256 SumLanes8(const __m256* a) {
 // (HB * TB <= 8; lanes beyond it are 0) of d floats, d a multiple of 8: the token-major order of
 // the weights. Each row's chunk is loaded once for all the products it takes part in, each
 // product into an accumulator of its own.
-template <int HB, int TB>
-inline __m256 ScoreBlock(const float* const* q, const float* const* k, int d, __m256 scale) {
+template <KvElement E, int HB, int TB>
+inline __m256 ScoreBlock(const float* const* q, const void* const* k, int d, __m256 scale) {
   static_assert(HB * TB <= 8);
   __m256 acc[8];
   for (__m256& a : acc) a = _mm256_setzero_ps();
 #pragma GCC unroll 4
   for (int c = 0; c < d; c += 8) {
     __m256 kc[TB];
-    for (int t = 0; t < TB; ++t) kc[t] = _mm256_loadu_ps(k[t] + c);
+    for (int t = 0; t < TB; ++t) kc[t] = Widen8<E>(static_cast<const Stored<E>*>(k[t]) + c);
     for (int h = 0; h < HB; ++h) {
       const __m256 qc = _mm256_loadu_ps(q[h] + c);
       for (int t = 0; t < TB; ++t) acc[t * HB + h] = _mm256_fmadd_ps(qc, kc[t], acc[t * HB + h]);
@@ -456,8 +456,8 @@ inline __m256 ReduceHeads(__m256 v, Op op) {
 
 // Attention of HB (1, 2 or 4) heads over n >= 1 rows: q [HB, d]; o [HB, d]; lse [HB]. The
 // weights are token-major, [n rounded up to 8, HB].
-template <int HB>
-void GroupBlock(const float* q, const float* const* keys, const float* const* values, int64_t n,
+template <KvElement E, int HB>
+void GroupBlock(const float* q, const void* const* keys, const void* const* values, int64_t n,
                 int d, float scale, float* weights, float* o, float* lse) {
   constexpr int TB = 8 / HB;  // tokens a vector of scores covers
   const float* q_rows[HB];
@@ -468,12 +468,12 @@ void GroupBlock(const float* q, const float* const* keys, const float* const* va
   const int64_t padded = (n + TB - 1) / TB * TB;
   int64_t i = 0;
   for (; i + TB <= n; i += TB) {
-    _mm256_storeu_ps(weights + i * HB, ScoreBlock<HB, TB>(q_rows, keys + i, d, vscale));
+    _mm256_storeu_ps(weights + i * HB, ScoreBlock<E, HB, TB>(q_rows, keys + i, d, vscale));
   }
   if (i < n) {
-    const float* last[TB];
+    const void* last[TB];
     for (int t = 0; t < TB; ++t) last[t] = keys[std::min<int64_t>(i + t, n - 1)];
-    __m256 tail = ScoreBlock<HB, TB>(q_rows, last, d, vscale);
+    __m256 tail = ScoreBlock<E, HB, TB>(q_rows, last, d, vscale);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 past = _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>((n - i) * HB) - 1)));
@@ -507,9 +507,9 @@ void GroupBlock(const float* q, const float* const* keys, const float* const* va
     }
     const float* w = weights;
     auto add_row = [&](int64_t t) {
-      const float* v_row = values[t] + c;
+      const Stored<E>* v_row = static_cast<const Stored<E>*>(values[t]) + c;
       __m256 v[W];
-      for (int r = 0; r < W; ++r) v[r] = _mm256_loadu_ps(v_row + 8 * r);
+      for (int r = 0; r < W; ++r) v[r] = Widen8<E>(v_row + 8 * r);
       for (int h = 0; h < HB; ++h) {
         const __m256 wh = _mm256_broadcast_ss(w + t * HB + h);
         for (int r = 0; r < W; ++r) acc[h][r] = _mm256_fmadd_ps(wh, v[r], acc[h][r]);
@@ -545,16 +545,19 @@ void GroupedPartialAttention(const float* q, int heads, const KvView& kv, int kv
     GroupScratch& scratch =
         GroupScratchFor(static_cast<size_t>((n + 7) / 8 * 8) * std::min(heads, 4), ids.size());
     for (int64_t i = 0; i < n; ++i) {
-      scratch.keys[i] = kv.key(ids[i], kv_head);
-      scratch.values[i] = kv.value(ids[i], kv_head);
+      scratch.keys[i] = kv.key_row(ids[i], kv_head);
+      scratch.values[i] = kv.value_row(ids[i], kv_head);
     }
     // Four heads at a time, the rest two and one at a time.
     for (int h = 0; h < heads;) {
       const int block = heads - h >= 4 ? 4 : heads - h >= 2 ? 2 : 1;
       const int64_t at = static_cast<int64_t>(h) * d;
       auto run = [&]<int HB>() {
-        GroupBlock<HB>(q + at, scratch.keys.data(), scratch.values.data(), n, d, scale,
-                       scratch.weights.data(), o + at, lse + h);
+        WithElement(kv.element, [&](auto e) {
+          GroupBlock<decltype(e)::value, HB>(q + at, scratch.keys.data(), scratch.values.data(),
+                                             n, d, scale, scratch.weights.data(), o + at,
+                                             lse + h);
+        });
       };
       if (block == 4) {
         run.template operator()<4>();

@@ -501,10 +501,12 @@ absl::Status HostStaticSetTier::Finish(std::span<const StaticSetStep> steps,
     const KvView& kv = step.host_kv;
     ids.clear();
     AppendStaticSet(kv.tokens, step.config->selector.sinks, step.config->selector.recent, &ids);
-    for (int h = 0; h < shape.q_heads; ++h) {
-      const int64_t at = static_cast<int64_t>(h) * shape.head_dim;
-      cpu::PartialAttention(step.q + at, kv, KvHeadOf(h, shape.q_heads, shape.kv_heads), ids,
-                            shape.scale, step.o + at, &step.lse[h]);
+    // Every head attends the same static set: a group's heads read each row once.
+    const int group = shape.q_heads / shape.kv_heads;
+    for (int kv_head = 0; kv_head < shape.kv_heads; ++kv_head) {
+      const int64_t at = static_cast<int64_t>(kv_head) * group * shape.head_dim;
+      cpu::GroupedPartialAttention(step.q + at, group, kv, kv_head, ids, shape.scale,
+                                   step.o + at, &step.lse[kv_head * group]);
     }
   }
   context->tier_seconds.static_set = absl::ToDoubleSeconds(absl::Now() - start);
