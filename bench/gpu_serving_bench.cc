@@ -249,31 +249,47 @@ std::string SynthBf16(const SyntheticTrace& trace, TracePhase phase, TraceTensor
 }
 
 // Prefills one session's single layer with the prompt of `trace`: keys and values, and the
-// queries of the last `with_queries` tokens (every token's with `all_queries`).
+// queries of the last `with_queries` tokens (every token's with `all_queries`). `threads`
+// generate the chunks side by side, a round of them at a time, so that a 512K prompt is not
+// bound by the generator.
 double PrefillSynth(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
-                    const SyntheticTrace& trace, int with_queries, bool all_queries) {
+                    const SyntheticTrace& trace, int with_queries, bool all_queries,
+                    int threads) {
   grpc::ClientContext ctx;
   v1::PrefillResponse response;
   auto writer = stub.Prefill(&ctx, &response);
   constexpr int64_t kChunk = 4096;
   const int64_t context = trace.params().context;
-  v1::PrefillChunk chunk;
-  for (int64_t begin = 0; begin < context; begin += kChunk) {
-    const int64_t n = std::min(kChunk, context - begin);
-    chunk.Clear();
-    chunk.set_session_id(id);
-    chunk.set_layer(0);
-    chunk.set_offset(begin);
-    *chunk.mutable_k() = Bf16Tensor({n, g.kv_heads, g.head_dim},
-                                    SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kK, begin, n));
-    *chunk.mutable_v() = Bf16Tensor({n, g.kv_heads, g.head_dim},
-                                    SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kV, begin, n));
-    if (all_queries || begin + n > context - with_queries) {
-      *chunk.mutable_q() = Bf16Tensor(
-          {n, g.q_heads, g.head_dim},
-          SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kQ, begin, n));
+  std::vector<v1::PrefillChunk> round(std::max(1, threads));
+  for (int64_t first = 0; first < context; first += kChunk * static_cast<int64_t>(round.size())) {
+    std::vector<std::thread> makers;
+    for (size_t c = 0; c < round.size(); ++c) {
+      makers.emplace_back([&, c] {
+        v1::PrefillChunk& chunk = round[c];
+        chunk.Clear();
+        const int64_t begin = first + static_cast<int64_t>(c) * kChunk;
+        if (begin >= context) return;
+        const int64_t n = std::min(kChunk, context - begin);
+        chunk.set_session_id(id);
+        chunk.set_layer(0);
+        chunk.set_offset(begin);
+        *chunk.mutable_k() = Bf16Tensor(
+            {n, g.kv_heads, g.head_dim},
+            SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kK, begin, n));
+        *chunk.mutable_v() = Bf16Tensor(
+            {n, g.kv_heads, g.head_dim},
+            SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kV, begin, n));
+        if (all_queries || begin + n > context - with_queries) {
+          *chunk.mutable_q() = Bf16Tensor(
+              {n, g.q_heads, g.head_dim},
+              SynthBf16(trace, TracePhase::kPrefill, TraceTensor::kQ, begin, n));
+        }
+      });
     }
-    if (!writer->Write(chunk)) break;
+    for (std::thread& t : makers) t.join();
+    for (const v1::PrefillChunk& chunk : round) {
+      if (chunk.has_k() && !writer->Write(chunk)) break;
+    }
   }
   writer->WritesDone();
   Check(writer->Finish(), absl::StrCat("prefilling ", id));
@@ -380,11 +396,15 @@ int Main() {
       {
         std::vector<std::thread> threads;
         const int parallel = std::max(1, absl::GetFlag(FLAGS_prefill_threads));
+        // The host's cores, shared by the sessions prefilled at once.
+        const int generator_threads = std::max<int>(
+            1, static_cast<int>(std::thread::hardware_concurrency()) / std::min(parallel, max_batch));
         for (int t = 0; t < parallel; ++t) {
           threads.emplace_back([&, t] {
             for (int b = t; b < max_batch; b += parallel) {
               build_seconds[b] =
-                  synth ? PrefillSynth(*stub, ids[b], g, traces[b], with_queries, all_queries)
+                  synth ? PrefillSynth(*stub, ids[b], g, traces[b], with_queries, all_queries,
+                                       generator_threads)
                         : PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b, queries[b],
                                          with_queries, all_queries);
             }
