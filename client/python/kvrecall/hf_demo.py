@@ -16,7 +16,7 @@ import traceback
 
 
 def main(argv=None):
-    from kvrecall.client import add_connection_arguments, connection_from_args
+    from kvrecall.client import add_connection_arguments
     ap = argparse.ArgumentParser()
     add_connection_arguments(ap, server_required=True)
     ap.add_argument("--model", required=True)
@@ -58,6 +58,7 @@ def run(a, report):
                           "protobuf": google.protobuf.__version__, "torch": torch.__version__,
                           "transformers": transformers.__version__, "numpy": np.__version__}
     from kvrecall import Client, make_policy
+    from kvrecall.client import connection_from_args
     from kvrecall.v1 import kvrecall_pb2
     report["generated_code"] = {"module": kvrecall_pb2.__file__,
                                 "messages": len(kvrecall_pb2.DESCRIPTOR.message_types_by_name)}
