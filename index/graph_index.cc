@@ -71,14 +71,15 @@ struct SearchScratch {
   std::vector<int32_t> fresh;
   std::vector<float> fresh_scores;
 
-  void Begin(int64_t nodes, size_t capacity, int max_degree) {
+  // fresh_rows: the most neighbors one round of a search can score (width x max_degree).
+  void Begin(int64_t nodes, size_t capacity, int fresh_rows) {
     const size_t words = static_cast<size_t>((nodes + 63) / 64);
     if (visited.size() < words) visited.resize(words);
     std::fill_n(visited.begin(), words, 0);
     if (pool.size() < capacity) pool.resize(capacity);
-    if (fresh.size() < static_cast<size_t>(max_degree)) {
-      fresh.resize(max_degree);
-      fresh_scores.resize(max_degree);
+    if (fresh.size() < static_cast<size_t>(fresh_rows)) {
+      fresh.resize(fresh_rows);
+      fresh_scores.resize(fresh_rows);
     }
   }
   bool Visit(int32_t id) {
@@ -490,7 +491,7 @@ void GraphIndex::LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t>
     for (size_t i = 0; i < nodes.size(); ++i) {
       const int32_t x = nodes[i];
       CenteredKey(keys, x, centered.data());
-      SearchGraph(keys, centered.data(), 2 * params_.max_degree, &found, &ignored);
+      SearchGraph(keys, centered.data(), 2 * params_.max_degree, /*width=*/1, &found, &ignored);
       size_t links = 0;
       for (size_t j = 0; j < found.size() && links < kKeptLinksPerKey; ++j) {
         if (found[j].second == x) continue;
@@ -569,14 +570,15 @@ int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, int64_t* still_unr
   return repaired;
 }
 
-void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_size,
+void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_size, int width,
                              std::vector<std::pair<float, int32_t>>* list,
                              SearchStats* stats) const {
   list->clear();
   if (linked_ == 0) return;
   const size_t capacity = static_cast<size_t>(std::max(list_size, 1));
+  width = std::clamp(width, 1, kMaxSearchWidth);
   SearchScratch& scratch = ThreadScratch();
-  scratch.Begin(linked_, capacity, params_.max_degree);
+  scratch.Begin(linked_, capacity, width * params_.max_degree);
   Candidate* pool = scratch.pool.data();
   int32_t* fresh = scratch.fresh.data();
   float* fresh_scores = scratch.fresh_scores.data();
@@ -603,25 +605,37 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
   InsertCandidate(pool, &size, capacity, 0, cpu::DotProduct(q, keys.row_data(entry_), keys.element, dim), entry_);
   ++stats->scored;
   size_t next = 0;  // the best unexpanded candidate
+  int32_t nodes[kMaxSearchWidth];
   while (next < size) {
-    pool[next].tagged_id |= kExpanded;
-    const int32_t node = static_cast<int32_t>(pool[next].tagged_id & ~kExpanded);
-    ++stats->hops;
-    // The likely next expansion: the best unexpanded candidate after this one (unless one of
-    // this node's neighbors overtakes it): its adjacency row is requested now, in case its
-    // prefetch when it entered the pool has been evicted since.
-    for (size_t peek = next + 1; peek < size; ++peek) {
+    // This round's nodes: the best `width` unexpanded candidates. Their fresh neighbors are
+    // scored together, so that the memory latency of one node's rows overlaps the other's (a
+    // node expanded a round early may then score keys a strict best-first order would not).
+    int taken = 0;
+    size_t last = next;
+    for (size_t at = next; at < size && taken < width; ++at) {
+      if (pool[at].tagged_id & kExpanded) continue;
+      pool[at].tagged_id |= kExpanded;
+      nodes[taken++] = static_cast<int32_t>(pool[at].tagged_id & ~kExpanded);
+      last = at;
+    }
+    stats->hops += taken;
+    // The likely next expansion: the best unexpanded candidate after this round's (unless one of
+    // their neighbors overtakes it): its adjacency row is requested now, in case its prefetch
+    // when it entered the pool has been evicted since.
+    for (size_t peek = last + 1; peek < size; ++peek) {
       if (!(pool[peek].tagged_id & kExpanded)) {
         prefetch_adjacency(static_cast<int32_t>(pool[peek].tagged_id));
         break;
       }
     }
-    const int32_t* neighbor = adjacency + int64_t{node} * params_.max_degree;
-    const int count = degree[node];
     int m = 0;
-    for (int j = 0; j < count; ++j) {
-      const int32_t v = neighbor[j];
-      if (scratch.Visit(v)) fresh[m++] = v;
+    for (int t = 0; t < taken; ++t) {
+      const int32_t* neighbor = adjacency + int64_t{nodes[t]} * params_.max_degree;
+      const int count = degree[nodes[t]];
+      for (int j = 0; j < count; ++j) {
+        const int32_t v = neighbor[j];
+        if (scratch.Visit(v)) fresh[m++] = v;
+      }
     }
     stats->scored += m;
     for (int j = 0; j < std::min(m, kBatch); ++j) PrefetchVector(keys.row_data(fresh[j]), row_bytes_of_key);
@@ -659,7 +673,8 @@ void GraphIndex::Search(const VectorSet& keys, const float* q, int k, const Sear
   const int list_size =
       std::max(k, params.list_size > 0 ? params.list_size : params_.search_list_size);
   thread_local std::vector<std::pair<float, int32_t>> found;
-  SearchGraph(keys, q, list_size, &found, &out->stats);
+  SearchGraph(keys, q, list_size, params.width > 0 ? params.width : params_.search_width, &found,
+              &out->stats);
 
   // The tail is scanned exactly, then merged with the graph's candidates.
   for (int64_t t = linked_; t < size_; ++t) {

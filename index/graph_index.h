@@ -115,7 +115,8 @@ class GraphIndex : public KeyIndex {
 
   // Beam search over the linked keys only; `list` receives the candidates found, best first,
   // as (score, id).
-  void SearchGraph(const VectorSet& keys, const float* q, int list_size,
+  // `width` (1 to kMaxSearchWidth) best unexpanded candidates are expanded per round.
+  void SearchGraph(const VectorSet& keys, const float* q, int list_size, int width,
                    std::vector<std::pair<float, int32_t>>* list, SearchStats* stats) const;
   // Merges edges into the graph: each node's current neighbors plus its new targets, pruned to
   // max_degree when over it. Nodes in parallel. Costs O(linked keys) for many edges (a

@@ -120,6 +120,7 @@ void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSel
   if (indexed > 0) {
     SearchParams params;
     params.list_size = index_params_.search_list_size;
+    params.width = index_params_.search_width;
     head.index.Search(BulkKeys(kv, kv_head, sinks_ + head.index.size()), q,
                       top_k_, params, &result);
     out->candidates = static_cast<int32_t>(result.stats.scored);

@@ -24,6 +24,9 @@ struct SearchParams {
   // Candidate list size of a graph search (hnswlib's ef); at least k is used. 0: the index's
   // default. Ignored by the flat scan.
   int list_size = 0;
+  // Candidates a graph search expands per round, their neighbors scored together (a beam
+  // search's width; 1 is strict best-first). 0: the index's default. Ignored by other indexes.
+  int width = 0;
 };
 
 // What one search cost.

@@ -23,6 +23,8 @@ inline constexpr int kMaxWindowTokens = 1 << 24;
 inline constexpr int kMaxReTopKCacheCapacity = 4096;
 inline constexpr int kMaxGraphBuildQueries = 1 << 16;
 inline constexpr int kMaxGraphBuildTopK = 4096;
+// The most candidates a graph search expands per round (GraphIndexParams::search_width).
+inline constexpr int kMaxSearchWidth = 4;
 
 // The query-aware graph index (index/graph_index.h). A zero field means "the default below"
 // (the API sends zeros for unset knobs); WithDefaults() resolves them.
@@ -38,6 +40,10 @@ struct GraphIndexParams {
   // Candidate list of the decode-time beam search (>= the k searched for): larger lists score
   // more keys for more recall.
   int search_list_size = 200;
+  // Candidates the decode-time search expands per round: their neighbors' keys are fetched and
+  // scored together, so that the memory latency of one's rows overlaps another's (1: strict
+  // best-first, each round waiting for the last).
+  int search_width = 1;
   // Keys appended after the build wait in a tail that every search scans exactly; once it
   // holds this many, each Add links its oldest keys into the graph (link_batch), so the tail
   // stays under this size.

@@ -29,6 +29,7 @@ GraphIndexParams GraphIndexParams::WithDefaults() const {
   out.build_topk = pick(build_topk, defaults.build_topk);
   out.max_degree = pick(max_degree, defaults.max_degree);
   out.search_list_size = pick(search_list_size, defaults.search_list_size);
+  out.search_width = pick(search_width, defaults.search_width);
   out.link_threshold = pick(link_threshold, defaults.link_threshold);
   out.link_batch = pick(link_batch, defaults.link_batch);
   return out;
@@ -96,7 +97,7 @@ absl::Status SelectorParams::Validate() const {
   }
   const GraphIndexParams& g = index;
   if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||
-      g.link_threshold < 0 || g.link_batch < 0) {
+      g.search_width < 0 || g.link_threshold < 0 || g.link_batch < 0) {
     return invalid("policy.index parameters must be >= 0 (0 takes the default)");
   }
   if (g.build_topk == 1) return invalid("policy.index.build_topk must be >= 2, got 1");
@@ -108,6 +109,10 @@ absl::Status SelectorParams::Validate() const {
   }
   if (g.search_list_size > kMaxTopK) {
     return too_large("index.search_list_size", g.search_list_size, kMaxTopK);
+  }
+  if (g.search_width > kMaxSearchWidth) {
+    return invalid("policy.index.search_width must be <= ", kMaxSearchWidth, ", got ",
+                   g.search_width);
   }
   if (g.link_threshold > kMaxWindowTokens) {
     return too_large("index.link_threshold", g.link_threshold, kMaxWindowTokens);

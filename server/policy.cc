@@ -93,6 +93,7 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   p.index.build_topk = g.build_topk();
   p.index.max_degree = g.max_degree();
   p.index.search_list_size = g.search_list_size();
+  p.index.search_width = g.search_width();
   p.index = p.index.WithDefaults();
 
   if (absl::Status s = p.Validate(); !s.ok()) return s;
@@ -121,6 +122,7 @@ v1::Policy PolicyToProto(const EffectivePolicy& policy) {
   g->set_build_topk(p.index.build_topk);
   g->set_max_degree(p.index.max_degree);
   g->set_search_list_size(p.index.search_list_size);
+  g->set_search_width(p.index.search_width);
   return out;
 }
 

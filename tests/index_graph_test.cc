@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -153,12 +154,19 @@ TEST(GraphIndexTest, OutOfDistributionQueriesFindTheirTopKScanningAFewPercent) {
   EXPECT_LE(scanned / held_out.count, 0.07);
 }
 
-TEST(GraphIndexTest, LargerListsScoreMoreAndFindMore) {
-  OodCase ood(8192, 1024 + 100, 32, 32, 3);
+// A graph over 8192 out-of-distribution keys built from the first 1024 of ood's queries (the
+// other 100 are held out for searching).
+GraphIndex BuildOn1024Queries(const OodCase& ood) {
   GraphIndexParams params;
   params.build_queries = 1024;
   GraphIndex graph(params);
-  ASSERT_TRUE(graph.Build(ood.key_set(), BuildQueries{ood.query_set(0, 1024)}).ok());
+  EXPECT_TRUE(graph.Build(ood.key_set(), BuildQueries{ood.query_set(0, 1024)}).ok());
+  return graph;
+}
+
+TEST(GraphIndexTest, LargerListsScoreMoreAndFindMore) {
+  OodCase ood(8192, 1024 + 100, 32, 32, 3);
+  GraphIndex graph = BuildOn1024Queries(ood);
   std::vector<uint8_t> marks;
   double previous_recall = 0, previous_scored = 0;
   for (int list_size : {20, 80, 320}) {
@@ -177,6 +185,36 @@ TEST(GraphIndexTest, LargerListsScoreMoreAndFindMore) {
     previous_scored = scored;
   }
   EXPECT_GE(previous_recall / 100, 0.97);
+}
+
+// Expanding 2-4 candidates a round (their keys fetched together) keeps what strict best-first
+// finds: recall within a point at about the same keys scored, the results sorted and distinct;
+// a width beyond kMaxSearchWidth is held to it.
+TEST(GraphIndexTest, WiderSearchRoundsFindWhatBestFirstFinds) {
+  OodCase ood(8192, 1024 + 100, 32, 32, 5);
+  GraphIndex graph = BuildOn1024Queries(ood);
+  std::vector<uint8_t> marks;
+  double recall[kMaxSearchWidth + 2] = {}, scored[kMaxSearchWidth + 2] = {};
+  for (int width = 1; width <= kMaxSearchWidth + 1; ++width) {
+    for (int64_t i = 1024; i < 1124; ++i) {
+      const float* q = ood.queries.data() + i * 32;
+      SearchResult result;
+      graph.Search(ood.key_set(), q, 50, SearchParams{100, width}, &result);
+      ASSERT_EQ(result.ids.size(), 50u);
+      EXPECT_TRUE(std::is_sorted(result.scores.begin(), result.scores.end(),
+                                 [](float a, float b) { return a > b; }));
+      EXPECT_EQ(std::set<int32_t>(result.ids.begin(), result.ids.end()).size(), 50u);
+      recall[width] += SupportRecall(result.ids, testing::ReferenceTopK(q, ood.view(), 0, 1.0, 50),
+                                     8192, &marks) / 100;
+      scored[width] += result.stats.scored / 100.0;
+    }
+  }
+  for (int width = 2; width <= kMaxSearchWidth; ++width) {
+    EXPECT_GE(recall[width], recall[1] - 0.01) << "width " << width;
+    EXPECT_LE(scored[width], scored[1] * 1.25) << "width " << width;
+  }
+  EXPECT_EQ(recall[kMaxSearchWidth + 1], recall[kMaxSearchWidth]) << "held to the maximum";
+  EXPECT_GE(recall[1], 0.9);
 }
 
 // Keys planted along their own strong directions, so that each is the top match of a query

@@ -441,6 +441,10 @@ TEST_F(ServiceErrorsTest, BadPolicyKnobs) {
       [](v1::Policy& p) { p.mutable_index()->set_max_degree(300); });
   add(invalid, "policy.index parameters must be >= 0",
       [](v1::Policy& p) { p.mutable_index()->set_search_list_size(-2); });
+  add(invalid, "policy.index.search_width must be <= 4, got 5",
+      [](v1::Policy& p) { p.mutable_index()->set_search_width(5); });
+  add(invalid, "policy.index parameters must be >= 0",
+      [](v1::Policy& p) { p.mutable_index()->set_search_width(-1); });
   add(invalid, "policy.selector has the unknown value 99",
       [](v1::Policy& p) { p.set_selector(static_cast<v1::Selector>(99)); });
   add(invalid, "policy.placement has the unknown value 7",

@@ -43,6 +43,7 @@ ABSL_DECLARE_FLAG(int32_t, k);
 ABSL_DECLARE_FLAG(int32_t, sinks);
 ABSL_DECLARE_FLAG(int32_t, recent);
 ABSL_DECLARE_FLAG(int32_t, build_queries);
+ABSL_DECLARE_FLAG(int32_t, search_width);
 ABSL_DECLARE_FLAG(int32_t, build_topk);
 ABSL_DECLARE_FLAG(int32_t, max_degree);
 
@@ -338,6 +339,7 @@ int RunBenchIndex(const std::vector<char*>& args) {
 
   GraphIndexParams graph_params;
   graph_params.build_queries = absl::GetFlag(FLAGS_build_queries);
+  graph_params.search_width = absl::GetFlag(FLAGS_search_width);
   graph_params.build_topk = absl::GetFlag(FLAGS_build_topk);
   graph_params.max_degree = absl::GetFlag(FLAGS_max_degree);
   graph_params = graph_params.WithDefaults();
@@ -376,6 +378,7 @@ int RunBenchIndex(const std::vector<char*>& args) {
       {"graph_topk", absl::GetFlag(FLAGS_graph_topk)},
       {"graph_params",
        {{"build_queries", graph_params.build_queries},
+        {"search_width", graph_params.WithDefaults().search_width},
         {"build_topk", graph_params.build_topk},
         {"max_degree", graph_params.max_degree}}},
       {"hnsw_params", {{"m", hnsw_params.m}, {"ef_construction", hnsw_params.ef_construction}}},

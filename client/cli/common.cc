@@ -42,6 +42,8 @@ ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per head (0
 ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
 ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
 ABSL_FLAG(int32_t, search_list, 0, "index: beam size of the decode-time search (0: default)");
+ABSL_FLAG(int32_t, search_width, 0,
+          "index: candidates the decode-time search expands per round (0: default)");
 
 namespace kvrecall::cli {
 
@@ -102,6 +104,7 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
   index->set_build_topk(absl::GetFlag(FLAGS_build_topk));
   index->set_max_degree(absl::GetFlag(FLAGS_max_degree));
   index->set_search_list_size(absl::GetFlag(FLAGS_search_list));
+  index->set_search_width(absl::GetFlag(FLAGS_search_width));
   return policy;
 }
 
