@@ -11,6 +11,7 @@
 #include "index/batch_topk.h"
 #include "index/key_index.h"
 #include "index/selector_params.h"
+#include "kernels/cpu/mapped_memory.h"
 
 namespace kvrecall {
 
@@ -28,7 +29,17 @@ struct GraphBuildStats {
   int64_t unreachable_keys = 0;  // keys still unreachable from the entry point afterwards
   double average_degree = 0.0;
   double topk_seconds = 0.0;     // exact top-k of the sampled queries
-  double graph_seconds = 0.0;    // projection, reverse edges, connectivity
+  double graph_seconds = 0.0;    // projection, reverse edges, connectivity: the sum of
+  // its steps below
+  double projection_seconds = 0.0;  // the projected edges and chain, merged and pruned
+  double reverse_seconds = 0.0;     // reverse edges, merged and pruned
+  double entry_seconds = 0.0;       // the entry point and the mean key
+  double outlier_seconds = 0.0;     // the outliers' own searches and their edges
+  double repair_seconds = 0.0;      // the connectivity pass
+  int64_t pruning_distances = 0;    // key distances computed to prune rows over max_degree
+
+  // Adds every field of `other` (sums over several builds, for benchmarks).
+  GraphBuildStats& operator+=(const GraphBuildStats& other);
 };
 
 // Keys are a KV head's tokens in token order (key j is token first_key_position + j).
@@ -117,25 +128,40 @@ class GraphIndex : public KeyIndex {
   // as (score, id).
   void SearchGraph(const VectorSet& keys, const float* q, int list_size,
                    std::vector<std::pair<float, int32_t>>* list, SearchStats* stats) const;
+  struct GroupedTargets;
   // Merges edges into the graph: each node's current neighbors plus its new targets, pruned to
   // max_degree when over it. Nodes in parallel. Costs O(linked keys) for many edges (a
-  // counting sort) but O(edges) for a few (a sort), as an incremental link has.
-  void MergeEdges(const VectorSet& keys, std::vector<Edge>* edges);
-  // MergeEdges for one node: `targets` (with their keep marks) join its row.
-  void MergeNode(const VectorSet& keys, int64_t node, std::span<const int32_t> targets,
-                 std::span<const uint8_t> kept);
-  // Adds v->u for every edge u->v of the nodes [begin, end).
-  void AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end);
+  // counting sort, in `grouped` when given, else in a buffer of its own) but O(edges) for a
+  // few (a sort), as an incremental link has.
+  // Returns the key distances its pruning computed.
+  int64_t MergeEdges(const VectorSet& keys, std::vector<Edge>* edges,
+                     GroupedTargets* grouped = nullptr);
+  // A node's new targets: ids and, aligned with them, their keep marks (empty: none kept) and
+  // their known distances to the node (empty: none known; NaN: that one not known).
+  struct Targets {
+    std::span<const int32_t> ids;
+    std::span<const uint8_t> kept;
+    std::span<const float> distances;
+  };
+  // MergeEdges for one node: `targets` join its row.
+  int64_t MergeNode(const VectorSet& keys, int64_t node, const Targets& targets);
+  // MergeNode for every node with targets in `grouped`, nodes in parallel.
+  int64_t MergeGrouped(const VectorSet& keys, const GroupedTargets& grouped);
+  // Adds v->u for every edge u->v of the linked keys (grouped in `grouped`).
+  int64_t AddReverseEdges(const VectorSet& keys, GroupedTargets* grouped);
   // Links each of `nodes` both ways to the best keys its own (centered) search finds, the edges
-  // into it kept.
-  void LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes);
+  // into it kept (MergeEdges, with `grouped` when given).
+  int64_t LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes,
+                          GroupedTargets* grouped = nullptr);
   // LinkByOwnSearch for the 1% of the keys farthest from the mean key (64 to 4096 keys).
-  void LinkOutliers(const VectorSet& keys);
+  int64_t LinkOutliers(const VectorSet& keys, GroupedTargets* grouped);
   // key(node) - key_mean_: a key's own search looks along what sets it apart, not along the
   // offset that all keys share.
   void CenteredKey(const VectorSet& keys, int32_t node, float* out) const;
-  // Links keys unreachable from the entry point; returns how many it linked.
-  int64_t RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable);
+  // Links keys unreachable from the entry point; returns how many it linked. (Those that
+  // return int64_t above return the key distances their pruning computed.)
+  int64_t RepairConnectivity(const VectorSet& keys, GroupedTargets* grouped,
+                             int64_t* still_unreachable, int64_t* distances);
   // Links the oldest `count` tail keys [linked_, linked_ + count) into the graph.
   void LinkOldest(const VectorSet& keys, const VectorSet& recent_queries, int64_t count);
   // Sets entry_ to the linked key with the highest score for the mean of `queries`.
@@ -146,8 +172,12 @@ class GraphIndex : public KeyIndex {
   BatchTopKFunction batch_topk_;
   int64_t size_ = 0;
   int64_t linked_ = 0;
-  std::vector<int32_t> adjacency_;  // [capacity, max_degree]; row i holds degree_[i] ids
+  // [capacity, max_degree]; row i holds degree_[i] ids. Mapped memory: 16 MiB at 128K keys.
+  cpu::MappedVector<int32_t> adjacency_;
   std::vector<uint16_t> degree_;
+  // During a Build only: KeyDistance(i, row i's j-th id) at [i * max_degree + j] when the
+  // pruning computed it, NaN otherwise, so that reverse edges reuse it.
+  cpu::MappedVector<float> row_distances_;
   int32_t entry_ = -1;              // -1 while no key is linked
   std::vector<float> key_mean_;     // [dim]: mean of the keys at build time
   // The recent-query ration: keys linked x recent queries since the last projection search,

@@ -194,14 +194,7 @@ class IndexBench {
         sums.memory_bytes += index->MemoryBytes();
         ++sums.indexes;
         if (method == "graph") {
-          const GraphBuildStats& s = static_cast<const GraphIndex&>(*index).build_stats();
-          sums.graph_stats.build_queries += s.build_queries;
-          sums.graph_stats.covered_keys += s.covered_keys;
-          sums.graph_stats.repaired_keys += s.repaired_keys;
-          sums.graph_stats.unreachable_keys += s.unreachable_keys;
-          sums.graph_stats.average_degree += s.average_degree;
-          sums.graph_stats.topk_seconds += s.topk_seconds;
-          sums.graph_stats.graph_seconds += s.graph_seconds;
+          sums.graph_stats += static_cast<const GraphIndex&>(*index).build_stats();
         }
       }
 
@@ -274,7 +267,14 @@ class IndexBench {
                       // Per index: the indexes of a layer build side by side, so these
                       // add up to more than the layer's wall time (build_seconds_per_layer).
                       {"topk_seconds_per_index", s.topk_seconds / n},
-                      {"graph_seconds_per_index", s.graph_seconds / n}};
+                      {"graph_seconds_per_index", s.graph_seconds / n},
+                      {"graph_steps_seconds_per_index",
+                       {{"projection", s.projection_seconds / n},
+                        {"reverse_edges", s.reverse_seconds / n},
+                        {"entry_and_mean", s.entry_seconds / n},
+                        {"outliers", s.outlier_seconds / n},
+                        {"repair", s.repair_seconds / n}}},
+                      {"pruning_distances_per_index", s.pruning_distances / n}};
       }
       out[method] = m;
     }
