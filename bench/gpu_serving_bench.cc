@@ -161,9 +161,12 @@ struct Geometry {
 // `pool` at a per-session offset, queries for the last `with_queries` tokens (`last_queries`)
 // and, with `all_queries` (the graph index of the tiered placement is built from every prompt
 // query), before them each token's query heads copies of its own key (bf16 bytes as they are).
-void PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
-                    int64_t context, const std::string& pool, int64_t offset,
-                    const std::vector<float>& last_queries, int with_queries, bool all_queries) {
+// Returns the server's build seconds (PrefillResponse.build_seconds: the layer's selector
+// state, the graph index for index and retopk, apart from the prompt's transfer).
+double PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
+                      int64_t context, const std::string& pool, int64_t offset,
+                      const std::vector<float>& last_queries, int with_queries,
+                      bool all_queries) {
   grpc::ClientContext ctx;
   v1::PrefillResponse response;
   auto writer = stub.Prefill(&ctx, &response);
@@ -228,6 +231,7 @@ void PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geome
   }
   writer->WritesDone();
   Check(writer->Finish(), absl::StrCat("prefilling ", id));
+  return response.build_seconds();
 }
 
 int Main() {
@@ -304,14 +308,15 @@ int Main() {
         queries[b] = DriftingQueries(total_steps, g.q_row(), absl::GetFlag(FLAGS_query_rho), 100 + b);
       }
       const auto prefill_start = Clock::now();
+      std::vector<double> build_seconds(max_batch);
       {
         std::vector<std::thread> threads;
         const int parallel = std::max(1, absl::GetFlag(FLAGS_prefill_threads));
         for (int t = 0; t < parallel; ++t) {
           threads.emplace_back([&, t] {
             for (int b = t; b < max_batch; b += parallel) {
-              PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b, queries[b],
-                             with_queries, all_queries);
+              build_seconds[b] = PrefillSession(*stub, ids[b], g, context, pool, 7919LL * b,
+                                                queries[b], with_queries, all_queries);
             }
           });
         }
@@ -379,6 +384,10 @@ int Main() {
                     {"e2e_minus_server_p50_us", client::Percentile(beyond, 0.5)},
                     {"e2e_minus_server_p99_us", client::Percentile(beyond, 0.99)},
                     {"prefill_seconds", prefill_s},
+                    // Per session (one layer each): the server's build alone.
+                    {"build_seconds_max",
+                     *std::max_element(build_seconds.begin(), build_seconds.end())},
+                    {"build_seconds_first", build_seconds[0]},
                     {"sessions", max_batch},
                     {"gap_us", gap_us}};
         if (!bulk.empty()) {

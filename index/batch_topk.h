@@ -34,6 +34,10 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
 absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
                           TopKLists* out, std::span<const int64_t> visible = {});
 
+// Whether `batch_topk` is CpuBatchTopK itself: the CPU backend, which runs on the caller's
+// OpenMP team (any other function is taken to run elsewhere, as the GPU's does).
+bool IsCpuBatchTopK(const BatchTopKFunction& batch_topk);
+
 // The most CpuBatchTopK allocates beyond its output ([queries, k] ids) over `keys` keys with
 // `threads` OpenMP threads: each thread's block of scores and its query block's running top-k.
 int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int threads);

@@ -253,17 +253,40 @@ int64_t GraphIndex::GraphBytes(const GraphIndexParams& params, int64_t keys) {
 
 int64_t GraphIndex::BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
                                            int64_t queries, int dim, int threads) {
+  if (keys == 0) return 0;
+  const int k = static_cast<int>(std::min<int64_t>(params.WithDefaults().build_topk, keys));
+  // The sampled queries, their causal counts and top-k lists, CpuBatchTopK's scratch (the
+  // GPU's lives on the device) and the graph's.
+  return SampledQueryBytes(params, keys, queries, dim) + TopKListBytes(params, keys, queries) +
+         CpuBatchTopKScratchBytes(keys, k, std::max(1, threads)) +
+         GraphScratchBytesBound(params, keys, queries, threads);
+}
+
+int64_t GraphIndex::SampledQueryBytes(const GraphIndexParams& params, int64_t keys,
+                                      int64_t queries, int dim) {
+  const int64_t sampled = std::min<int64_t>(params.WithDefaults().build_queries,
+                                            queries > 0 ? queries : keys);
+  if (keys == 0) return 0;
+  return static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(sampled) * dim * 4)) +
+         sampled * 8;
+}
+
+int64_t GraphIndex::TopKListBytes(const GraphIndexParams& params, int64_t keys,
+                                  int64_t queries) {
+  const GraphIndexParams p = params.WithDefaults();
+  const int64_t sampled = std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys);
+  return keys == 0 ? 0 : sampled * std::min<int64_t>(p.build_topk, keys) * 4;
+}
+
+int64_t GraphIndex::GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
+                                           int64_t queries, int threads) {
   const GraphIndexParams p = params.WithDefaults();
   if (keys == 0) return 0;
   const int64_t sampled = std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys);
   const int64_t k = std::min<int64_t>(p.build_topk, keys);
   const int64_t t = std::max(1, threads);
-  // The sampled queries, their causal counts and top-k lists, and CpuBatchTopK's scratch (the
-  // GPU's lives on the device).
-  int64_t bytes = sampled * (int64_t{dim} * 4 + 8 + k * 4);
-  bytes += CpuBatchTopKScratchBytes(keys, static_cast<int>(k), static_cast<int>(t));
   // The pivots' and covered keys' flags, each list's length and pivot.
-  bytes += keys * 2 + sampled * 8;
+  int64_t bytes = keys * 2 + sampled * 8;
   // The distances found while pruning (row_distances_).
   bytes += static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(keys) * p.max_degree * 4));
   // The grouped edges, one buffer for every pass: offsets, and targets with their distances
@@ -288,8 +311,7 @@ void GraphIndex::Reserve(int64_t nodes) {
   degree_.resize(nodes, 0);
 }
 
-absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_queries) {
-  const Clock::time_point start = Clock::now();
+absl::Status GraphIndex::CheckBuildArgs(const VectorSet& keys) const {
   if (params_.max_degree < 1 || params_.max_degree > kMaxGraphDegree) {
     return absl::InvalidArgumentError(absl::StrCat(
         "graph index max_degree must be in [1, ", kMaxGraphDegree, "], got ", params_.max_degree));
@@ -302,10 +324,88 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
     return absl::InvalidArgumentError(
         absl::StrCat("graph index over ", keys.count, " keys: ids must fit in int32"));
   }
+  return absl::OkStatus();
+}
+
+int64_t GraphIndex::SampledQueryCount(const GraphIndexParams& params, int64_t key_count,
+                                      const BuildQueries& build_queries) {
+  const int64_t available =
+      build_queries.queries.count > 0 ? build_queries.queries.count : key_count;
+  return std::min<int64_t>(params.WithDefaults().build_queries, available);
+}
+
+std::vector<float> GraphIndex::SampleQueries(const GraphIndexParams& params,
+                                             const VectorSet& keys,
+                                             const BuildQueries& build_queries, float* queries,
+                                             std::vector<int64_t>* visible) {
+  // Without queries the keys stand in for them (the graph is then a key-key graph).
+  const VectorSet& given = build_queries.queries;
+  const bool have_queries = given.count > 0;
+  const VectorSet& source = have_queries ? given : keys;
+  const int64_t sampled = SampledQueryCount(params, keys.count, build_queries);
+  std::vector<float> sum(keys.dim, 0.0f);
+  for (int64_t i = 0; i < sampled; ++i) {
+    const int64_t position = i * source.count / sampled;
+    const float* q = source.row(position);
+    float* copy = queries + i * keys.dim;
+    for (int j = 0; j < keys.dim; ++j) {
+      copy[j] = q[j];
+      sum[j] += q[j];
+    }
+    if (have_queries && build_queries.causal) {
+      visible->push_back(position - build_queries.first_key_position + 1);
+    }
+  }
+  return sum;
+}
+
+absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_queries) {
+  const Clock::time_point start = Clock::now();
+  if (absl::Status s = CheckBuildArgs(keys); !s.ok()) return s;
   const VectorSet& given = build_queries.queries;
   if (given.count > 0 && given.dim != keys.dim) {
     return absl::InvalidArgumentError(
         absl::StrCat("build query dim ", given.dim, " differs from key dim ", keys.dim));
+  }
+  const int64_t sampled = SampledQueryCount(params_, keys.count, build_queries);
+  cpu::MappedVector<float> queries(static_cast<size_t>(sampled) * keys.dim);
+  std::vector<int64_t> visible;
+  const std::vector<float> query_sum =
+      SampleQueries(params_, keys, build_queries, queries.data(), &visible);
+  TopKLists lists;
+  if (keys.count > 0) {
+    if (absl::Status s = batch_topk_(VectorSet{queries.data(), sampled, keys.dim, keys.dim}, keys,
+                                     params_.build_topk, &lists, visible);
+        !s.ok()) {
+      return s;
+    }
+  }
+  queries = cpu::MappedVector<float>();
+  return BuildFromLists(keys, query_sum, lists, SecondsSince(start));
+}
+
+absl::Status GraphIndex::BuildFromLists(const VectorSet& keys, std::span<const float> query_sum,
+                                        const TopKLists& lists, double topk_seconds) {
+  if (absl::Status s = CheckBuildArgs(keys); !s.ok()) return s;
+  if (keys.count > 0) {
+    const int expected_k = static_cast<int>(std::min<int64_t>(params_.build_topk, keys.count));
+    if (lists.k != expected_k ||
+        static_cast<int64_t>(lists.ids.size()) != lists.queries * lists.k) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "graph build from ", lists.queries, " top-k lists of ", lists.k, " ids (",
+          lists.ids.size(), " in all): expected lists of ", expected_k));
+    }
+    for (const int32_t id : lists.ids) {
+      if (id < -1 || id >= keys.count) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "graph build from top-k lists holding key ", id, " of ", keys.count));
+      }
+    }
+    if (static_cast<int64_t>(query_sum.size()) != keys.dim) {
+      return absl::InvalidArgumentError(absl::StrCat("graph build from a query sum of ",
+                                                     query_sum.size(), " dims over keys of ",
+                                                     keys.dim));
+    }
   }
   build_stats_ = GraphBuildStats();
   adjacency_.clear();
@@ -317,29 +417,9 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   last_link_ = GraphLinkStats();
   Reserve(keys.count);
   if (keys.count == 0) return absl::OkStatus();
-
-  // Without queries the keys stand in for them (the graph is then a key-key graph).
-  const bool have_queries = given.count > 0;
-  const VectorSet& source = have_queries ? given : keys;
-  const int64_t sampled = std::min<int64_t>(params_.build_queries, source.count);
-  std::vector<float> queries(static_cast<size_t>(sampled) * keys.dim);
-  std::vector<int64_t> visible;
-  for (int64_t i = 0; i < sampled; ++i) {
-    const int64_t position = i * source.count / sampled;
-    const float* q = source.row(position);
-    std::copy(q, q + keys.dim, queries.begin() + i * keys.dim);
-    if (have_queries && build_queries.causal) {
-      visible.push_back(position - build_queries.first_key_position + 1);
-    }
-  }
-  const VectorSet query_set{queries.data(), sampled, keys.dim, keys.dim};
-  TopKLists lists;
-  if (absl::Status s = batch_topk_(query_set, keys, params_.build_topk, &lists, visible);
-      !s.ok()) {
-    return s;
-  }
+  const int64_t sampled = lists.queries;
   build_stats_.build_queries = sampled;
-  build_stats_.topk_seconds = SecondsSince(start);
+  build_stats_.topk_seconds = topk_seconds;
 
   const Clock::time_point graph_start = Clock::now();
   std::vector<uint8_t> is_pivot(keys.count, 0);
@@ -406,7 +486,7 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   };
   build_stats_.pruning_distances += AddReverseEdges(keys, &grouped);
   step_done(&build_stats_.reverse_seconds);
-  ChooseEntry(keys, query_set);
+  ChooseEntry(keys, query_sum);
   key_mean_.assign(keys.dim, 0.0f);
   for (int64_t i = 0; i < keys.count; ++i) {
     const float* k = keys.row(i);
@@ -427,13 +507,17 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
 }
 
 void GraphIndex::ChooseEntry(const VectorSet& keys, const VectorSet& queries) {
-  std::vector<float> mean(keys.dim, 0.0f);
+  std::vector<float> sum(keys.dim, 0.0f);
   for (int64_t i = 0; i < queries.count; ++i) {
     const float* q = queries.row(i);
-    for (int j = 0; j < keys.dim; ++j) mean[j] += q[j];
+    for (int j = 0; j < keys.dim; ++j) sum[j] += q[j];
   }
+  ChooseEntry(keys, sum);
+}
+
+void GraphIndex::ChooseEntry(const VectorSet& keys, std::span<const float> query_sum) {
   std::vector<int32_t> best;
-  cpu::ExactTopK(mean.data(), keys.Slice(0, linked_).AsKeyView(), 0, 1.0f, 1, &best);
+  cpu::ExactTopK(query_sum.data(), keys.Slice(0, linked_).AsKeyView(), 0, 1.0f, 1, &best);
   entry_ = best.empty() ? -1 : best[0];
 }
 
@@ -707,7 +791,20 @@ int64_t GraphIndex::LinkOutliers(const VectorSet& keys, GroupedTargets* grouped)
 
 int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, GroupedTargets* grouped,
                                        int64_t* still_unreachable, int64_t* distances) {
+  // With the token chain whole both ways every key is reachable from any other: one pass over
+  // the rows (the walk below reads them in random order, ~10x longer at 128K keys).
+  auto chain_is_whole = [&] {
+    auto links = [&](int64_t from, int64_t to) {
+      const std::span<const int32_t> row = neighbors(from);
+      return std::find(row.begin(), row.end(), static_cast<int32_t>(to)) != row.end();
+    };
+    for (int64_t t = 0; t + 1 < linked_; ++t) {
+      if (!links(t, t + 1) || !links(t + 1, t)) return false;
+    }
+    return true;
+  };
   auto unreachable_nodes = [&] {
+    if (chain_is_whole()) return std::vector<int32_t>();
     std::vector<uint8_t> reached(linked_, 0);
     std::vector<int32_t> frontier = {entry_};
     reached[entry_] = 1;

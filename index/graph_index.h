@@ -102,6 +102,32 @@ class GraphIndex : public KeyIndex {
   static int64_t GraphBytes(const GraphIndexParams& params, int64_t keys);
   static int64_t BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
                                         int64_t queries, int dim, int threads);
+  // Its parts: the sampled queries' copies and causal counts, their top-k lists, and the
+  // graph's own scratch once the lists are there (projection, pruning, reverse edges, outliers,
+  // repair) with `threads` threads merging.
+  static int64_t SampledQueryBytes(const GraphIndexParams& params, int64_t keys, int64_t queries,
+                                   int dim);
+  static int64_t TopKListBytes(const GraphIndexParams& params, int64_t keys, int64_t queries);
+  static int64_t GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
+                                        int64_t queries, int threads);
+
+  // Build's steps apart, for an owner that computes the top-k lists of several heads' queries
+  // in one batch top-k (IndexSelector: the query heads of a KV head share its keys):
+  // how many queries a Build over `key_count` keys samples from `build_queries`;
+  static int64_t SampledQueryCount(const GraphIndexParams& params, int64_t key_count,
+                                   const BuildQueries& build_queries);
+  // copies them, evenly spaced, into `queries` ([SampledQueryCount, keys.dim], packed) and
+  // appends the keys each saw to `visible` when they are causal (the batch top-k's causal
+  // counts); returns their sum ([keys.dim]: the entry point's query);
+  static std::vector<float> SampleQueries(const GraphIndexParams& params, const VectorSet& keys,
+                                          const BuildQueries& build_queries, float* queries,
+                                          std::vector<int64_t>* visible);
+  // builds from their top-k lists over `keys` (k = build_topk, as a BatchTopKFunction returns
+  // them) and their sum; `topk_seconds` (what the lists took) goes to build_stats.
+  // INVALID_ARGUMENT for lists of another k or holding ids outside the keys, or a sum of
+  // another dim; the index is unchanged then.
+  absl::Status BuildFromLists(const VectorSet& keys, std::span<const float> query_sum,
+                              const TopKLists& lists, double topk_seconds);
 
   const GraphBuildStats& build_stats() const { return build_stats_; }
   // Keys linked into the graph; [linked(), size()) is the tail.
@@ -164,8 +190,12 @@ class GraphIndex : public KeyIndex {
                              int64_t* still_unreachable, int64_t* distances);
   // Links the oldest `count` tail keys [linked_, linked_ + count) into the graph.
   void LinkOldest(const VectorSet& keys, const VectorSet& recent_queries, int64_t count);
-  // Sets entry_ to the linked key with the highest score for the mean of `queries`.
+  // Sets entry_ to the linked key with the highest score for the mean of `queries` (or their
+  // sum, which ranks keys the same).
   void ChooseEntry(const VectorSet& keys, const VectorSet& queries);
+  void ChooseEntry(const VectorSet& keys, std::span<const float> query_sum);
+  // INVALID_ARGUMENT for parameters or keys a Build cannot take.
+  absl::Status CheckBuildArgs(const VectorSet& keys) const;
   void Reserve(int64_t nodes);
 
   GraphIndexParams params_;
