@@ -170,10 +170,12 @@ struct Geometry {
 // `pool` at a per-session offset, queries for the last `with_queries` tokens (`last_queries`)
 // and, with `all_queries` (the graph index of the tiered placement is built from every prompt
 // query), before them each token's query heads copies of its own key (bf16 bytes as they are).
-// Returns the server's build seconds (indexes and caches, the transfer left out).
+// Returns the server's build seconds (PrefillResponse.build_seconds: the layer's selector
+// state, the graph index for index and retopk, apart from the prompt's transfer).
 double PrefillSession(v1::KvRecall::Stub& stub, const std::string& id, const Geometry& g,
-                    int64_t context, const std::string& pool, int64_t offset,
-                    const std::vector<float>& last_queries, int with_queries, bool all_queries) {
+                      int64_t context, const std::string& pool, int64_t offset,
+                      const std::vector<float>& last_queries, int with_queries,
+                      bool all_queries) {
   grpc::ClientContext ctx;
   v1::PrefillResponse response;
   auto writer = stub.Prefill(&ctx, &response);
@@ -501,8 +503,10 @@ int Main() {
                     {"e2e_minus_server_p50_us", client::Percentile(beyond, 0.5)},
                     {"e2e_minus_server_p99_us", client::Percentile(beyond, 0.99)},
                     {"prefill_seconds", prefill_s},
+                    // Per session (one layer each): the server's build alone.
                     {"build_seconds_max",
                      *std::max_element(build_seconds.begin(), build_seconds.end())},
+                    {"build_seconds_first", build_seconds[0]},
                     {"sessions", max_batch},
                     {"gap_us", gap_us}};
         if (!bulk.empty()) {

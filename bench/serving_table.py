@@ -56,12 +56,20 @@ def p50_p99(r, name):
     return f"{r[name + '_p50_us']:.1f} ({r[name + '_p99_us']:.1f})"
 
 
+def build_seconds(r):
+    """The server's build of the first session's layer, apart from the prompt's transfer (absent
+    in records made before gpu_serving_bench reported it)."""
+    b = r.get("build_seconds_first")
+    return "—" if b is None else f"{b:.2f}"
+
+
 def Tiers(path):
     doc = json.load(open(path))
     print("| build | selector | context | batch | gap µs | e2e p50 (p99) | server p50 (p99) "
           "| static set p50 (p99) | bulk p50 (p99) | link wait p50 (p99) | prefill s "
-          "| ReTopK mix |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| build s | ReTopK mix |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| --- |")
     for build, run in doc.items():
         if not isinstance(run, dict) or "records" not in run:
             continue
@@ -71,7 +79,8 @@ def Tiers(path):
             print(f"| {build} | {r['selector']} | {ctx(r['context'])} | {r['batch']} "
                   f"| {r.get('gap_us', 0)} | {p50_p99(r, 'e2e')} | {p50_p99(r, 'server')} "
                   f"| {p50_p99(r, 'static_set')} | {p50_p99(r, 'bulk')} "
-                  f"| {p50_p99(r, 'link_wait')} | {r['prefill_seconds']:.1f} | {mix} |")
+                  f"| {p50_p99(r, 'link_wait')} | {r['prefill_seconds']:.1f} "
+                  f"| {build_seconds(r)} | {mix} |")
 
 
 def main():
@@ -142,8 +151,9 @@ def main():
         print()
         print("| selector | context | batch | e2e p50 (p99) | server p50 (p99) | transport: e2e − "
               "server | SDPA (whole KV on the GPU) | GPU bytes / session | of full residency | "
-              "host bytes / session | prefill s (index build included) | ReTopK mix |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+              "host bytes / session | prefill s (index build included) | build s | ReTopK mix |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| --- |")
         for r in sorted(rows["tiered"], key=key):
             full_bytes = r["context"] * kv_heads * head_dim * 2 * 2  # bf16 keys and values
             gpu = r.get("session_gpu_bytes")
@@ -155,7 +165,7 @@ def main():
                   f"| {'—' if gpu is None else kib(gpu)} "
                   f"| {percent(gpu, full_bytes)} "
                   f"| {'—' if host is None else kib(host)} | {r['prefill_seconds']:.1f} "
-                  f"| {mix(r)} |")
+                  f"| {build_seconds(r)} | {mix(r)} |")
 
 
 if __name__ == "__main__":

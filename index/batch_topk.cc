@@ -124,6 +124,13 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
   return absl::OkStatus();
 }
 
+bool IsCpuBatchTopK(const BatchTopKFunction& batch_topk) {
+  using Function = absl::Status (*)(const VectorSet&, const VectorSet&, int, TopKLists*,
+                                    std::span<const int64_t>);
+  const Function* function = batch_topk.target<Function>();
+  return function != nullptr && *function == &CpuBatchTopK;
+}
+
 int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int dim, int threads) {
   const int64_t kept = std::min<int64_t>(k, keys);
   const int64_t key_block = std::min(kKeyBlock, keys);

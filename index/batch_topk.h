@@ -35,6 +35,10 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
 absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
                           TopKLists* out, std::span<const int64_t> visible = {});
 
+// Whether `batch_topk` is CpuBatchTopK itself: the CPU backend, which runs on the caller's
+// OpenMP team (any other function is taken to run elsewhere, as the GPU's does).
+bool IsCpuBatchTopK(const BatchTopKFunction& batch_topk);
+
 // The most CpuBatchTopK allocates beyond its output ([queries, k] ids) over `keys` keys of
 // `dim` elements with `threads` OpenMP threads: each thread's block of scores, its query block's
 // running top-k and its block of keys widened to f32 (16-bit keys).

@@ -3,7 +3,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -11,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/mapped_memory.h"
 
 namespace kvrecall {
 namespace {
@@ -158,67 +161,157 @@ float KeyDistance(const VectorSet& keys, int32_t a, int32_t b) {
   return cpu::SquaredDistance(keys.row_data(a), keys.row_data(b), keys.element, keys.dim);
 }
 
-// Chooses at most `degree` of `candidates` (distinct, not `node`) as node's neighbors: nearest
-// first, dropping a candidate that is closer to an already chosen neighbor than to the node,
-// then filling the remaining slots with the nearest dropped ones.
-void PruneNeighbors(const VectorSet& keys, int32_t node, std::span<const int32_t> candidates,
-                    int degree, std::vector<int32_t>* out) {
-  thread_local std::vector<std::pair<float, int32_t>> by_distance;
-  by_distance.clear();
-  for (int32_t c : candidates) by_distance.push_back({KeyDistance(keys, node, c), c});
-  std::sort(by_distance.begin(), by_distance.end());
-  out->clear();
-  for (const auto& [distance, c] : by_distance) {
-    if (out->size() >= static_cast<size_t>(degree)) break;
-    bool occluded = false;
-    for (int32_t kept : *out) {
-      if (KeyDistance(keys, c, kept) < distance) {
-        occluded = true;
-        break;
-      }
-    }
-    if (!occluded) out->push_back(c);
-  }
-  for (const auto& [distance, c] : by_distance) {
-    if (out->size() >= static_cast<size_t>(degree)) break;
-    if (std::find(out->begin(), out->end(), c) == out->end()) out->push_back(c);
-  }
+// A distance not known yet (Targets::distances, row_distances_).
+constexpr float kUnknownDistance = std::numeric_limits<float>::quiet_NaN();
+
+// MergeNode sorts (id, distance) and (distance, id) pairs packed in 64 bits: the bits of a
+// non-negative float order as the float does, and a NaN (unknown) after every number.
+uint64_t PackIdFirst(int32_t id, float distance) {
+  return uint64_t{static_cast<uint32_t>(id)} << 32 | std::bit_cast<uint32_t>(distance);
+}
+uint64_t PackDistanceFirst(float distance, int32_t id) {
+  return uint64_t{std::bit_cast<uint32_t>(distance)} << 32 | static_cast<uint32_t>(id);
+}
+int32_t HighId(uint64_t packed) { return static_cast<int32_t>(packed >> 32); }
+int32_t LowId(uint64_t packed) { return static_cast<int32_t>(packed & 0xffffffffu); }
+float HighDistance(uint64_t packed) {
+  return std::bit_cast<float>(static_cast<uint32_t>(packed >> 32));
+}
+float LowDistance(uint64_t packed) {
+  return std::bit_cast<float>(static_cast<uint32_t>(packed & 0xffffffffu));
 }
 
+// MergeNode's per-thread scratch, reused so that merging allocates nothing once warm.
+struct MergeScratch {
+  std::vector<uint64_t> seen;         // a bit per key: a candidate of the node being merged
+  std::vector<uint64_t> candidates;   // PackIdFirst
+  std::vector<uint64_t> by_distance;  // PackDistanceFirst
+  std::vector<uint8_t> chosen;        // per by_distance entry: already in the pruned row
+  std::vector<uint64_t> pruned;       // PackIdFirst
+  std::vector<int32_t> must_keep;
+};
+
 }  // namespace
+
+// Edges grouped by source, as compressed rows: node i's targets are ids[offsets[i],
+// offsets[i + 1]), in the order they were emitted, with their keep marks when any edge was
+// kept. Mapped memory: a 128K-key build groups millions of edges.
+struct GraphIndex::GroupedTargets {
+  cpu::MappedVector<int64_t> offsets;  // [nodes + 1]
+  cpu::MappedVector<int32_t> ids;
+  std::vector<uint8_t> kept;             // aligned with ids, or empty: none kept
+  cpu::MappedVector<float> distances;    // aligned with ids, or empty: none known
+
+  // Groups the edges `for_each` emits over `nodes` sources: for_each(emit) calls
+  // emit(from, to, keep, distance) for every edge, the same edges in the same order each time;
+  // it is called twice, once to count and once to place (a stable counting sort without an
+  // edge list). `with_kept` / `with_distances`: hold the keep marks / the distances (else
+  // every edge's keep must be false and its distance unknown).
+  template <typename ForEach>
+  void Group(int64_t nodes, bool with_kept, bool with_distances, const ForEach& for_each) {
+    offsets.assign(static_cast<size_t>(nodes) + 1, 0);
+    for_each([&](int32_t from, int32_t, bool, float) { ++offsets[from + 1]; });
+    for (int64_t i = 0; i < nodes; ++i) offsets[i + 1] += offsets[i];
+    ids.resize(static_cast<size_t>(offsets[nodes]));
+    kept.assign(with_kept ? ids.size() : 0, 0);
+    distances.resize(with_distances ? ids.size() : 0);
+    // offsets[from] is the next free slot of `from` while placing, which leaves it at the
+    // start of from + 1; shifting back restores the starts.
+    for_each([&](int32_t from, int32_t to, bool keep, float distance) {
+      const int64_t at = offsets[from]++;
+      ids[at] = to;
+      if (with_kept) kept[at] = keep;
+      if (with_distances) distances[at] = distance;
+    });
+    for (int64_t i = nodes; i > 0; --i) offsets[i] = offsets[i - 1];
+    offsets[0] = 0;
+  }
+};
+
+GraphBuildStats& GraphBuildStats::operator+=(const GraphBuildStats& other) {
+  build_queries += other.build_queries;
+  covered_keys += other.covered_keys;
+  repaired_keys += other.repaired_keys;
+  unreachable_keys += other.unreachable_keys;
+  average_degree += other.average_degree;
+  topk_seconds += other.topk_seconds;
+  graph_seconds += other.graph_seconds;
+  projection_seconds += other.projection_seconds;
+  reverse_seconds += other.reverse_seconds;
+  entry_seconds += other.entry_seconds;
+  outlier_seconds += other.outlier_seconds;
+  repair_seconds += other.repair_seconds;
+  pruning_distances += other.pruning_distances;
+  return *this;
+}
 
 GraphIndex::GraphIndex(const GraphIndexParams& params, BatchTopKFunction batch_topk)
     : params_(params.WithDefaults()), batch_topk_(std::move(batch_topk)) {}
 
 int64_t GraphIndex::MemoryBytes() const {
-  return static_cast<int64_t>(adjacency_.capacity() * sizeof(int32_t) +
-                              degree_.capacity() * sizeof(uint16_t));
+  return cpu::MappedCapacityBytes(adjacency_) +
+         static_cast<int64_t>(degree_.capacity() * sizeof(uint16_t));
 }
 
 int64_t GraphIndex::GraphBytes(const GraphIndexParams& params, int64_t keys) {
   const GraphIndexParams p = params.WithDefaults();
-  return keys * (int64_t{p.max_degree} * int64_t{sizeof(int32_t)} + int64_t{sizeof(uint16_t)});
+  return static_cast<int64_t>(
+             cpu::MappedBytes(static_cast<size_t>(keys) * p.max_degree * sizeof(int32_t))) +
+         keys * int64_t{sizeof(uint16_t)};
 }
 
 int64_t GraphIndex::BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
                                            int64_t queries, int dim, int threads) {
+  if (keys == 0) return 0;
+  const int k = static_cast<int>(std::min<int64_t>(params.WithDefaults().build_topk, keys));
+  // The sampled queries, their causal counts and top-k lists, CpuBatchTopK's scratch (the
+  // GPU's lives on the device) and the graph's.
+  return SampledQueryBytes(params, keys, queries, dim) + TopKListBytes(params, keys, queries) +
+         CpuBatchTopKScratchBytes(keys, k, dim, std::max(1, threads)) +
+         GraphScratchBytesBound(params, keys, queries, threads);
+}
+
+int64_t GraphIndex::SampledQueryBytes(const GraphIndexParams& params, int64_t keys,
+                                      int64_t queries, int dim) {
+  const int64_t sampled = std::min<int64_t>(params.WithDefaults().build_queries,
+                                            queries > 0 ? queries : keys);
+  if (keys == 0) return 0;
+  return static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(sampled) * dim * 4)) +
+         sampled * 8;
+}
+
+int64_t GraphIndex::TopKListBytes(const GraphIndexParams& params, int64_t keys,
+                                  int64_t queries) {
+  const GraphIndexParams p = params.WithDefaults();
+  const int64_t sampled = std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys);
+  return keys == 0 ? 0 : sampled * std::min<int64_t>(p.build_topk, keys) * 4;
+}
+
+int64_t GraphIndex::GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
+                                           int64_t queries, int threads) {
   const GraphIndexParams p = params.WithDefaults();
   if (keys == 0) return 0;
   const int64_t sampled = std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys);
   const int64_t k = std::min<int64_t>(p.build_topk, keys);
   const int64_t t = std::max(1, threads);
-  // The sampled queries, their causal counts and top-k lists, and CpuBatchTopK's scratch (the
-  // GPU's lives on the device).
-  int64_t bytes = sampled * (int64_t{dim} * 4 + 8 + k * 4);
-  bytes += CpuBatchTopKScratchBytes(keys, static_cast<int>(k), dim, static_cast<int>(t));
-  // The projection's edges (reserved at their most: every list member's pivot edge and fellow
-  // links, and the token chain), the covered and pivot flags, and MergeEdges' grouping while the
-  // edges still exist: per-chunk cursors, offsets, targets and kept flags.
-  const int64_t edges = sampled * k * (1 + kListLinks) + 2 * keys;
-  // (MergeEdges counts in up to omp_get_max_threads() chunks whatever runs it.)
-  bytes += edges * (int64_t{sizeof(Edge)} + 4 + 1) + keys * (2 + 8 * (omp_get_max_threads() + 1));
-  // The outliers' and repairs' own searches and edges (at most 4096 nodes at a time).
-  bytes += std::min<int64_t>(keys, 4096) * 2 * p.max_degree * int64_t{sizeof(Edge)} + keys * 16;
+  // The pivots' and covered keys' flags, each list's length and pivot.
+  int64_t bytes = keys * 2 + sampled * 8;
+  // The distances found while pruning (row_distances_).
+  bytes += static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(keys) * p.max_degree * 4));
+  // The grouped edges, one buffer for every pass: offsets, and targets with their distances
+  // and keep marks, for the most edges a pass groups: the projection's (every list member's
+  // pivot edge and fellow links, and the token chain) or the reverse edges (one per slot).
+  const int64_t edges =
+      std::max(sampled * k * (1 + kListLinks) + 2 * keys, keys * int64_t{p.max_degree});
+  bytes += static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(keys + 1) * 8) +
+                                cpu::MappedBytes(static_cast<size_t>(edges) * 4) * 2) +
+           edges;
+  // MergeNode's scratch per thread: a bit per key and a few candidate lists.
+  bytes += t * (keys / 8 + 64 * int64_t{p.max_degree} * 8);
+  // The outliers' and repairs' own searches and edges (at most 4096 nodes at a time), the
+  // outliers' ranking and the connectivity pass's marks and frontier.
+  bytes += std::min<int64_t>(keys, 4096) * 2 * kKeptLinksPerKey * int64_t{sizeof(Edge)} +
+           keys * 17;
   return bytes;
 }
 
@@ -227,8 +320,7 @@ void GraphIndex::Reserve(int64_t nodes) {
   degree_.resize(nodes, 0);
 }
 
-absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_queries) {
-  const Clock::time_point start = Clock::now();
+absl::Status GraphIndex::CheckBuildArgs(const VectorSet& keys) const {
   if (params_.max_degree < 1 || params_.max_degree > kMaxGraphDegree) {
     return absl::InvalidArgumentError(absl::StrCat(
         "graph index max_degree must be in [1, ", kMaxGraphDegree, "], got ", params_.max_degree));
@@ -241,10 +333,85 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
     return absl::InvalidArgumentError(
         absl::StrCat("graph index over ", keys.count, " keys: ids must fit in int32"));
   }
+  return absl::OkStatus();
+}
+
+int64_t GraphIndex::SampledQueryCount(const GraphIndexParams& params, int64_t key_count,
+                                      const BuildQueries& build_queries) {
+  const int64_t available =
+      build_queries.queries.count > 0 ? build_queries.queries.count : key_count;
+  return std::min<int64_t>(params.WithDefaults().build_queries, available);
+}
+
+std::vector<float> GraphIndex::SampleQueries(const GraphIndexParams& params,
+                                             const VectorSet& keys,
+                                             const BuildQueries& build_queries, float* queries,
+                                             std::vector<int64_t>* visible) {
+  // Without queries the keys stand in for them (the graph is then a key-key graph).
+  const VectorSet& given = build_queries.queries;
+  const bool have_queries = given.count > 0;
+  const VectorSet& source = have_queries ? given : keys;
+  const int64_t sampled = SampledQueryCount(params, keys.count, build_queries);
+  std::vector<float> sum(keys.dim, 0.0f);
+  for (int64_t i = 0; i < sampled; ++i) {
+    const int64_t position = i * source.count / sampled;
+    float* copy = queries + i * keys.dim;
+    cpu::LoadRow(source.row_data(position), source.element, keys.dim, copy);
+    for (int j = 0; j < keys.dim; ++j) sum[j] += copy[j];
+    if (have_queries && build_queries.causal) {
+      visible->push_back(position - build_queries.first_key_position + 1);
+    }
+  }
+  return sum;
+}
+
+absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_queries) {
+  const Clock::time_point start = Clock::now();
+  if (absl::Status s = CheckBuildArgs(keys); !s.ok()) return s;
   const VectorSet& given = build_queries.queries;
   if (given.count > 0 && given.dim != keys.dim) {
     return absl::InvalidArgumentError(
         absl::StrCat("build query dim ", given.dim, " differs from key dim ", keys.dim));
+  }
+  const int64_t sampled = SampledQueryCount(params_, keys.count, build_queries);
+  cpu::MappedVector<float> queries(static_cast<size_t>(sampled) * keys.dim);
+  std::vector<int64_t> visible;
+  const std::vector<float> query_sum =
+      SampleQueries(params_, keys, build_queries, queries.data(), &visible);
+  TopKLists lists;
+  if (keys.count > 0) {
+    if (absl::Status s = batch_topk_(VectorSet{queries.data(), sampled, keys.dim, keys.dim}, keys,
+                                     params_.build_topk, &lists, visible);
+        !s.ok()) {
+      return s;
+    }
+  }
+  queries = cpu::MappedVector<float>();
+  return BuildFromLists(keys, query_sum, lists, SecondsSince(start));
+}
+
+absl::Status GraphIndex::BuildFromLists(const VectorSet& keys, std::span<const float> query_sum,
+                                        const TopKLists& lists, double topk_seconds) {
+  if (absl::Status s = CheckBuildArgs(keys); !s.ok()) return s;
+  if (keys.count > 0) {
+    const int expected_k = static_cast<int>(std::min<int64_t>(params_.build_topk, keys.count));
+    if (lists.k != expected_k ||
+        static_cast<int64_t>(lists.ids.size()) != lists.queries * lists.k) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "graph build from ", lists.queries, " top-k lists of ", lists.k, " ids (",
+          lists.ids.size(), " in all): expected lists of ", expected_k));
+    }
+    for (const int32_t id : lists.ids) {
+      if (id < -1 || id >= keys.count) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "graph build from top-k lists holding key ", id, " of ", keys.count));
+      }
+    }
+    if (static_cast<int64_t>(query_sum.size()) != keys.dim) {
+      return absl::InvalidArgumentError(absl::StrCat("graph build from a query sum of ",
+                                                     query_sum.size(), " dims over keys of ",
+                                                     keys.dim));
+    }
   }
   build_stats_ = GraphBuildStats();
   adjacency_.clear();
@@ -256,71 +423,85 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   last_link_ = GraphLinkStats();
   Reserve(keys.count);
   if (keys.count == 0) return absl::OkStatus();
-
-  // Without queries the keys stand in for them (the graph is then a key-key graph).
-  const bool have_queries = given.count > 0;
-  const VectorSet& source = have_queries ? given : keys;
-  const int64_t sampled = std::min<int64_t>(params_.build_queries, source.count);
-  std::vector<float> queries(static_cast<size_t>(sampled) * keys.dim);
-  std::vector<int64_t> visible;
-  for (int64_t i = 0; i < sampled; ++i) {
-    const int64_t position = i * source.count / sampled;
-    cpu::LoadRow(source.row_data(position), source.element, keys.dim,
-                 queries.data() + i * keys.dim);
-    if (have_queries && build_queries.causal) {
-      visible.push_back(position - build_queries.first_key_position + 1);
-    }
-  }
-  const VectorSet query_set{queries.data(), sampled, keys.dim, keys.dim};
-  TopKLists lists;
-  if (absl::Status s = batch_topk_(query_set, keys, params_.build_topk, &lists, visible);
-      !s.ok()) {
-    return s;
-  }
+  const int64_t sampled = lists.queries;
   build_stats_.build_queries = sampled;
-  build_stats_.topk_seconds = SecondsSince(start);
+  build_stats_.topk_seconds = topk_seconds;
 
   const Clock::time_point graph_start = Clock::now();
-  std::vector<Edge> edges;
-  // At most: every list member's pivot edge and fellow links, and the token chain
-  // (BuildScratchBytesBound counts this reservation).
-  edges.reserve(static_cast<size_t>(sampled) * lists.k * (1 + kListLinks) + 2 * keys.count);
-  std::vector<uint8_t> covered(keys.count, 0);
   std::vector<uint8_t> is_pivot(keys.count, 0);
-  for (int64_t i = 0; i < sampled; ++i) {
-    const int32_t* list = lists.list(i);
-    int length = 0;  // causal lists of early queries are shorter (padded with -1)
-    while (length < lists.k && list[length] >= 0) ++length;
-    if (length < 2) continue;
-    int pivot_rank = 0;
-    while (pivot_rank < length && is_pivot[list[pivot_rank]]) ++pivot_rank;
-    if (pivot_rank == length) pivot_rank = 0;
-    const int32_t pivot = list[pivot_rank];
-    is_pivot[pivot] = 1;
-    for (int j = 0; j < length; ++j) {
-      covered[list[j]] = 1;
-      if (j != pivot_rank) edges.push_back({pivot, list[j]});
-      // A few random fellow members: without them a member's only way on is back to its
-      // pivots, and with few sampled queries most keys would have no projected edges at all.
-      for (int f = 0; f < kListLinks; ++f) {
-        const int other = static_cast<int>(Mix(static_cast<uint64_t>(i) << 32 | j << 8 | f) %
-                                           static_cast<uint64_t>(length));
-        if (other != j) edges.push_back({list[j], list[other]});
+  // Each list's pivot: its best key not yet a pivot (in list order, so the choice depends on
+  // the lists before). Lists of early causal queries are shorter (padded with -1).
+  std::vector<int32_t> lengths(sampled), pivot_ranks(sampled);
+  {
+    std::vector<uint8_t> covered(keys.count, 0);
+    for (int64_t i = 0; i < sampled; ++i) {
+      const int32_t* list = lists.list(i);
+      int length = 0;
+      while (length < lists.k && list[length] >= 0) ++length;
+      lengths[i] = length;
+      if (length < 2) continue;
+      int pivot_rank = 0;
+      while (pivot_rank < length && is_pivot[list[pivot_rank]]) ++pivot_rank;
+      if (pivot_rank == length) pivot_rank = 0;
+      pivot_ranks[i] = pivot_rank;
+      is_pivot[list[pivot_rank]] = 1;
+      for (int j = 0; j < length; ++j) covered[list[j]] = 1;
+    }
+    for (uint8_t c : covered) build_stats_.covered_keys += c;
+  }
+  // Distances found while pruning, reused by the reverse edges (build only).
+  row_distances_.assign(static_cast<size_t>(keys.count) * params_.max_degree, kUnknownDistance);
+  // One grouping buffer for the passes below (mapped once).
+  GroupedTargets grouped;
+  // The projected edges, grouped by source in one pass that counts and one that places (a
+  // stable counting sort without the edge list): for each list, the pivot's edges to the
+  // other members and each member's links to kListLinks random fellow members (without them
+  // a member's only way on is back to its pivots, and with few sampled queries most keys
+  // would have no projected edges at all); then the token chain, both ways.
+  auto for_each_projected = [&](auto&& emit) {
+    for (int64_t i = 0; i < sampled; ++i) {
+      const int32_t* list = lists.list(i);
+      const int length = lengths[i];
+      if (length < 2) continue;
+      const int pivot_rank = pivot_ranks[i];
+      const int32_t pivot = list[pivot_rank];
+      for (int j = 0; j < length; ++j) {
+        if (j != pivot_rank) emit(pivot, list[j], false, kUnknownDistance);
+        for (int f = 0; f < kListLinks; ++f) {
+          const int other = static_cast<int>(Mix(static_cast<uint64_t>(i) << 32 | j << 8 | f) %
+                                             static_cast<uint64_t>(length));
+          if (other != j) emit(list[j], list[other], false, kUnknownDistance);
+        }
       }
     }
-  }
-  for (uint8_t c : covered) build_stats_.covered_keys += c;
-  for (int32_t t = 0; t + 1 < keys.count; ++t) {
-    edges.push_back({t, t + 1});
-    edges.push_back({t + 1, t});
-  }
-  MergeEdges(keys, &edges);
-  AddReverseEdges(keys, 0, linked_);
-  ChooseEntry(keys, query_set);
+    for (int32_t t = 0; t + 1 < keys.count; ++t) {
+      emit(t, t + 1, false, kUnknownDistance);
+      emit(t + 1, t, false, kUnknownDistance);
+    }
+  };
+  grouped.Group(keys.count, /*with_kept=*/false, /*with_distances=*/false, for_each_projected);
+  build_stats_.pruning_distances += MergeGrouped(keys, grouped);
+  Clock::time_point step_start = Clock::now();
+  build_stats_.projection_seconds =
+      std::chrono::duration<double>(step_start - graph_start).count();
+  // Ends a step of the build: its seconds since the previous one's end.
+  auto step_done = [&step_start](double* seconds) {
+    const Clock::time_point now = Clock::now();
+    *seconds = std::chrono::duration<double>(now - step_start).count();
+    step_start = now;
+  };
+  build_stats_.pruning_distances += AddReverseEdges(keys, &grouped);
+  step_done(&build_stats_.reverse_seconds);
+  ChooseEntry(keys, query_sum);
   key_mean_.assign(keys.dim, 0.0f);
   AddToMean(keys, 0, keys.count, &key_mean_);
-  LinkOutliers(keys);
-  build_stats_.repaired_keys = RepairConnectivity(keys, &build_stats_.unreachable_keys);
+  step_done(&build_stats_.entry_seconds);
+  build_stats_.pruning_distances += LinkOutliers(keys, &grouped);
+  step_done(&build_stats_.outlier_seconds);
+  build_stats_.repaired_keys = RepairConnectivity(
+      keys, &grouped, &build_stats_.unreachable_keys, &build_stats_.pruning_distances);
+  step_done(&build_stats_.repair_seconds);
+  row_distances_ = cpu::MappedVector<float>();
   int64_t degree_sum = 0;
   for (int64_t i = 0; i < linked_; ++i) degree_sum += degree_[i];
   build_stats_.average_degree = static_cast<double>(degree_sum) / linked_;
@@ -329,19 +510,24 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
 }
 
 void GraphIndex::ChooseEntry(const VectorSet& keys, const VectorSet& queries) {
-  std::vector<float> mean(keys.dim, 0.0f);
+  std::vector<float> sum(keys.dim, 0.0f);
   for (int64_t i = 0; i < queries.count; ++i) {
     const float* q = queries.row(i);
-    for (int j = 0; j < keys.dim; ++j) mean[j] += q[j];
+    for (int j = 0; j < keys.dim; ++j) sum[j] += q[j];
   }
+  ChooseEntry(keys, sum);
+}
+
+void GraphIndex::ChooseEntry(const VectorSet& keys, std::span<const float> query_sum) {
   std::vector<int32_t> best;
-  cpu::ExactTopK(mean.data(), keys.Slice(0, linked_).AsKeyView(), 0, 1.0f, 1, &best);
+  cpu::ExactTopK(query_sum.data(), keys.Slice(0, linked_).AsKeyView(), 0, 1.0f, 1, &best);
   entry_ = best.empty() ? -1 : best[0];
 }
 
-void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
+int64_t GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges,
+                               GroupedTargets* grouped) {
   const int64_t m = static_cast<int64_t>(edges->size());
-  if (m == 0) return;
+  if (m == 0) return 0;
   if (m * 16 < linked_) {
     // A few edges (an incremental link): sort them by source instead of counting over every
     // node, whose O(linked keys) arrays would dominate linking one key into a large graph.
@@ -362,93 +548,138 @@ void GraphIndex::MergeEdges(const VectorSet& keys, std::vector<Edge>* edges) {
       kept[e] = (*edges)[e].keep;
     }
     const int64_t sources = static_cast<int64_t>(starts.size()) - 1;
-#pragma omp parallel for schedule(dynamic, 16) if (sources > 1024)
+    int64_t distances = 0;
+#pragma omp parallel for schedule(dynamic, 16) reduction(+ : distances) if (sources > 1024)
     for (int64_t i = 0; i < sources; ++i) {
       const int64_t begin = starts[i];
       const int64_t count = starts[i + 1] - begin;
-      MergeNode(keys, (*edges)[begin].from, {targets.data() + begin, static_cast<size_t>(count)},
-                {kept.data() + begin, static_cast<size_t>(count)});
+      distances += MergeNode(keys, (*edges)[begin].from,
+                             Targets{{targets.data() + begin, static_cast<size_t>(count)},
+                                     {kept.data() + begin, static_cast<size_t>(count)},
+                                     {}});
     }
     edges->clear();
-    return;
+    return distances;
   }
-  // Group targets by source with a stable counting sort, in parallel: each thread counts and
-  // then places one contiguous chunk of the edges, and a node's slots hold chunk 0's edges
-  // first, then chunk 1's, ..., so the order (and the graph) does not depend on the thread
-  // count. (Done serially, this grouping was most of a 128K-key build on 16 cores.)
-  const int64_t n = linked_;
-  const int chunks = static_cast<int>(std::clamp<int64_t>(m / 65536, 1, omp_get_max_threads()));
-  auto chunk_begin = [&](int c) { return m * c / chunks; };
-  std::vector<int64_t> cursor(static_cast<size_t>(chunks) * n, 0);  // [chunk, node]
-#pragma omp parallel for schedule(static, 1) num_threads(chunks)
-  for (int c = 0; c < chunks; ++c) {
-    int64_t* count = cursor.data() + c * n;
-    for (int64_t e = chunk_begin(c); e < chunk_begin(c + 1); ++e) ++count[(*edges)[e].from];
-  }
-  std::vector<int64_t> offsets(n + 1, 0);
-#pragma omp parallel for schedule(static)
-  for (int64_t node = 0; node < n; ++node) {
-    for (int c = 0; c < chunks; ++c) offsets[node + 1] += cursor[c * n + node];
-  }
-  for (int64_t i = 0; i < n; ++i) offsets[i + 1] += offsets[i];
-#pragma omp parallel for schedule(static)
-  for (int64_t node = 0; node < n; ++node) {
-    int64_t at = offsets[node];
-    for (int c = 0; c < chunks; ++c) {
-      const int64_t count = cursor[c * n + node];
-      cursor[c * n + node] = at;
-      at += count;
-    }
-  }
-  std::vector<int32_t> targets(m);
-  std::vector<uint8_t> kept(m);
-#pragma omp parallel for schedule(static, 1) num_threads(chunks)
-  for (int c = 0; c < chunks; ++c) {
-    int64_t* next = cursor.data() + c * n;
-    for (int64_t e = chunk_begin(c); e < chunk_begin(c + 1); ++e) {
-      const Edge& edge = (*edges)[e];
-      const int64_t at = next[edge.from]++;
-      kept[at] = edge.keep;
-      targets[at] = edge.to;
-    }
-  }
+  GroupedTargets local;
+  if (grouped == nullptr) grouped = &local;
+  grouped->Group(linked_, /*with_kept=*/true, /*with_distances=*/false, [&](auto&& emit) {
+    for (const Edge& e : *edges) emit(e.from, e.to, e.keep, kUnknownDistance);
+  });
   edges->clear();
-  edges->shrink_to_fit();
-
-#pragma omp parallel for schedule(dynamic, 64)
-  for (int64_t node = 0; node < linked_; ++node) {
-    if (offsets[node] == offsets[node + 1]) continue;
-    const size_t count = static_cast<size_t>(offsets[node + 1] - offsets[node]);
-    MergeNode(keys, node, {targets.data() + offsets[node], count},
-              {kept.data() + offsets[node], count});
-  }
+  return MergeGrouped(keys, *grouped);
 }
 
-void GraphIndex::MergeNode(const VectorSet& keys, int64_t node, std::span<const int32_t> targets,
-                           std::span<const uint8_t> kept) {
-  thread_local std::vector<int32_t> candidates;
-  thread_local std::vector<int32_t> pruned;
-  thread_local std::vector<int32_t> must_keep;
+int64_t GraphIndex::MergeNode(const VectorSet& keys, int64_t node, const Targets& targets) {
+  thread_local MergeScratch scratch;
   const int degree = params_.max_degree;
   int32_t* row = adjacency_.data() + node * degree;
-  candidates.assign(row, row + degree_[node]);
-  candidates.insert(candidates.end(), targets.begin(), targets.end());
-  std::sort(candidates.begin(), candidates.end());
-  candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
-  candidates.erase(std::remove(candidates.begin(), candidates.end(), node), candidates.end());
-  std::vector<int32_t>* chosen = &candidates;
-  if (candidates.size() > static_cast<size_t>(degree)) {
-    PruneNeighbors(keys, static_cast<int32_t>(node), candidates, degree, &pruned);
-    chosen = &pruned;
-    // Kept targets displace the last (least useful) unkept choices.
-    // Token neighbors are always kept: the chain keeps every key reachable.
-    must_keep.clear();
-    for (int32_t c : candidates) {
-      if (c == node - 1 || c == node + 1) must_keep.push_back(c);
+  float* row_distance = row_distances_.empty() ? nullptr : row_distances_.data() + node * degree;
+  // The candidates: the row, then the targets not in it, each once, not the node itself
+  // (duplicates found with a bit per key, cleared again below).
+  std::vector<uint64_t>& seen = scratch.seen;
+  if (seen.size() * 64 < static_cast<size_t>(linked_)) seen.resize((linked_ + 63) / 64, 0);
+  auto first_sight = [&seen](int32_t id) {
+    uint64_t& word = seen[static_cast<uint32_t>(id) >> 6];
+    const uint64_t bit = uint64_t{1} << (id & 63);
+    const bool first = !(word & bit);
+    word |= bit;
+    return first;
+  };
+  std::vector<uint64_t>& candidates = scratch.candidates;
+  candidates.clear();
+  first_sight(static_cast<int32_t>(node));
+  for (int j = 0; j < degree_[node]; ++j) {
+    if (first_sight(row[j])) {
+      candidates.push_back(
+          PackIdFirst(row[j], row_distance != nullptr ? row_distance[j] : kUnknownDistance));
     }
-    for (size_t e = 0; e < targets.size(); ++e) {
-      if (kept[e] && targets[e] != node) must_keep.push_back(targets[e]);
+  }
+  const size_t from_row = candidates.size();
+  for (size_t e = 0; e < targets.ids.size(); ++e) {
+    const int32_t id = targets.ids[e];
+    if (first_sight(id)) {
+      candidates.push_back(
+          PackIdFirst(id, targets.distances.empty() ? kUnknownDistance : targets.distances[e]));
+    } else if (!targets.distances.empty() && !std::isnan(targets.distances[e])) {
+      // A reverse edge to a key already in the row, whose distance the row may not know.
+      for (size_t i = 0; i < from_row; ++i) {
+        if (HighId(candidates[i]) == id) {
+          if (std::isnan(LowDistance(candidates[i]))) {
+            candidates[i] = PackIdFirst(id, targets.distances[e]);
+          }
+          break;
+        }
+      }
     }
+  }
+  seen[static_cast<uint32_t>(node) >> 6] &= ~(uint64_t{1} << (node & 63));
+  for (const uint64_t c : candidates) {
+    const int32_t id = HighId(c);
+    seen[static_cast<uint32_t>(id) >> 6] &= ~(uint64_t{1} << (id & 63));
+  }
+  if (candidates.size() <= static_cast<size_t>(degree)) {
+    for (size_t j = 0; j < candidates.size(); ++j) {
+      row[j] = HighId(candidates[j]);
+      if (row_distance != nullptr) row_distance[j] = LowDistance(candidates[j]);
+    }
+    degree_[node] = static_cast<uint16_t>(candidates.size());
+    return 0;
+  }
+
+  // Pruning: nearest first, dropping a candidate that is closer (KeyDistance) to an already
+  // chosen neighbor than to the node, then filling the remaining slots with the nearest
+  // dropped ones. The distances not known yet are computed.
+  int64_t evaluations = 0;
+  std::vector<uint64_t>& by_distance = scratch.by_distance;
+  by_distance.clear();
+  std::vector<uint8_t>& chosen = scratch.chosen;
+  chosen.assign(candidates.size(), 0);
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const int32_t id = HighId(candidates[i]);
+    float distance = LowDistance(candidates[i]);
+    if (std::isnan(distance)) {
+      distance = KeyDistance(keys, static_cast<int32_t>(node), id);
+      ++evaluations;
+      candidates[i] = PackIdFirst(id, distance);
+    }
+    by_distance.push_back(PackDistanceFirst(distance, id));
+  }
+  std::sort(by_distance.begin(), by_distance.end());
+  std::vector<uint64_t>& pruned = scratch.pruned;
+  pruned.clear();
+  for (size_t i = 0; i < by_distance.size() && pruned.size() < static_cast<size_t>(degree); ++i) {
+    const float distance = HighDistance(by_distance[i]);
+    const int32_t c = LowId(by_distance[i]);
+    bool occluded = false;
+    for (const uint64_t kept : pruned) {
+      ++evaluations;
+      if (KeyDistance(keys, c, HighId(kept)) < distance) {
+        occluded = true;
+        break;
+      }
+    }
+    if (!occluded) {
+      pruned.push_back(PackIdFirst(c, distance));
+      chosen[i] = 1;
+    }
+  }
+  for (size_t i = 0; i < by_distance.size() && pruned.size() < static_cast<size_t>(degree); ++i) {
+    if (!chosen[i]) {
+      pruned.push_back(PackIdFirst(LowId(by_distance[i]), HighDistance(by_distance[i])));
+    }
+  }
+  // Kept targets displace the last (least useful) unkept choices.
+  // Token neighbors are always kept: the chain keeps every key reachable.
+  std::vector<int32_t>& must_keep = scratch.must_keep;
+  must_keep.clear();
+  for (const uint64_t c : candidates) {
+    if (HighId(c) == node - 1 || HighId(c) == node + 1) must_keep.push_back(HighId(c));
+  }
+  for (size_t e = 0; e < targets.kept.size(); ++e) {
+    if (targets.kept[e] && targets.ids[e] != node) must_keep.push_back(targets.ids[e]);
+  }
+  if (!must_keep.empty()) {
     std::sort(must_keep.begin(), must_keep.end());
     must_keep.erase(std::unique(must_keep.begin(), must_keep.end()), must_keep.end());
     if (must_keep.size() > static_cast<size_t>(degree)) must_keep.resize(degree);
@@ -457,30 +688,59 @@ void GraphIndex::MergeNode(const VectorSet& keys, int64_t node, std::span<const 
     };
     size_t slot = pruned.size();
     for (int32_t id : must_keep) {
-      if (std::find(pruned.begin(), pruned.end(), id) != pruned.end()) continue;
-      while (slot > 0 && is_kept(pruned[slot - 1])) --slot;
+      if (std::any_of(pruned.begin(), pruned.end(),
+                      [id](uint64_t p) { return HighId(p) == id; })) {
+        continue;
+      }
+      while (slot > 0 && is_kept(HighId(pruned[slot - 1]))) --slot;
       if (slot == 0) break;
-      pruned[--slot] = id;
+      // Its distance: every candidate's is known by now.
+      pruned[--slot] = *std::find_if(candidates.begin(), candidates.end(),
+                                     [id](uint64_t c) { return HighId(c) == id; });
     }
   }
-  std::copy(chosen->begin(), chosen->end(), row);
-  degree_[node] = static_cast<uint16_t>(chosen->size());
-}
-
-void GraphIndex::AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end) {
-  // Reserved at their count: no reallocation, so a Build's peak stays within
-  // BuildScratchBytesBound.
-  int64_t count = 0;
-  for (int64_t u = begin; u < end; ++u) count += degree_[u];
-  std::vector<Edge> edges;
-  edges.reserve(static_cast<size_t>(count));
-  for (int64_t u = begin; u < end; ++u) {
-    for (int32_t v : neighbors(u)) edges.push_back({v, static_cast<int32_t>(u)});
+  for (size_t j = 0; j < pruned.size(); ++j) {
+    row[j] = HighId(pruned[j]);
+    if (row_distance != nullptr) row_distance[j] = LowDistance(pruned[j]);
   }
-  MergeEdges(keys, &edges);
+  degree_[node] = static_cast<uint16_t>(pruned.size());
+  return evaluations;
 }
 
-void GraphIndex::LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes) {
+int64_t GraphIndex::MergeGrouped(const VectorSet& keys, const GroupedTargets& grouped) {
+  int64_t distances = 0;
+#pragma omp parallel for schedule(dynamic, 64) reduction(+ : distances)
+  for (int64_t node = 0; node < linked_; ++node) {
+    const int64_t begin = grouped.offsets[node];
+    const size_t count = static_cast<size_t>(grouped.offsets[node + 1] - begin);
+    if (count == 0) continue;
+    Targets targets{{grouped.ids.data() + begin, count}, {}, {}};
+    if (!grouped.kept.empty()) targets.kept = {grouped.kept.data() + begin, count};
+    if (!grouped.distances.empty()) targets.distances = {grouped.distances.data() + begin, count};
+    distances += MergeNode(keys, node, targets);
+  }
+  return distances;
+}
+
+int64_t GraphIndex::AddReverseEdges(const VectorSet& keys, GroupedTargets* grouped) {
+  // A reverse edge's distance is its forward edge's when the forward row knows it.
+  const bool with_distances = !row_distances_.empty();
+  grouped->Group(linked_, /*with_kept=*/false, with_distances, [&](auto&& emit) {
+    for (int64_t u = 0; u < linked_; ++u) {
+      const std::span<const int32_t> row = neighbors(u);
+      const float* distance =
+          with_distances ? row_distances_.data() + u * params_.max_degree : nullptr;
+      for (size_t j = 0; j < row.size(); ++j) {
+        emit(row[j], static_cast<int32_t>(u), false,
+             with_distances ? distance[j] : kUnknownDistance);
+      }
+    }
+  });
+  return MergeGrouped(keys, *grouped);
+}
+
+int64_t GraphIndex::LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes,
+                                 GroupedTargets* grouped) {
   std::vector<Edge> edges(nodes.size() * 2 * kKeptLinksPerKey, Edge{-1, -1});
 #pragma omp parallel if (nodes.size() >= 16)
   {
@@ -503,7 +763,7 @@ void GraphIndex::LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t>
   }
   edges.erase(std::remove_if(edges.begin(), edges.end(), [](const Edge& e) { return e.from < 0; }),
               edges.end());
-  MergeEdges(keys, &edges);
+  return MergeEdges(keys, &edges, grouped);
 }
 
 void GraphIndex::CenteredKey(const VectorSet& keys, int32_t node, float* out) const {
@@ -511,7 +771,7 @@ void GraphIndex::CenteredKey(const VectorSet& keys, int32_t node, float* out) co
   for (int j = 0; j < keys.dim; ++j) out[j] -= key_mean_[j];
 }
 
-void GraphIndex::LinkOutliers(const VectorSet& keys) {
+int64_t GraphIndex::LinkOutliers(const VectorSet& keys, GroupedTargets* grouped) {
   // A key no prefill query wanted (a needle that only a later query asks for) has projection
   // edges only by chance; to win a softmax against every other key it must stand out, far from
   // the mean key. The farthest keys get the links their own search finds, so that a query
@@ -532,11 +792,25 @@ void GraphIndex::LinkOutliers(const VectorSet& keys) {
   std::partial_sort(by_distance.begin(), by_distance.begin() + count, by_distance.end());
   std::vector<int32_t> nodes(count);
   for (int64_t i = 0; i < count; ++i) nodes[i] = by_distance[i].second;
-  LinkByOwnSearch(keys, nodes);
+  return LinkByOwnSearch(keys, nodes, grouped);
 }
 
-int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable) {
+int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, GroupedTargets* grouped,
+                                       int64_t* still_unreachable, int64_t* distances) {
+  // With the token chain whole both ways every key is reachable from any other: one pass over
+  // the rows (the walk below reads them in random order, ~10x longer at 128K keys).
+  auto chain_is_whole = [&] {
+    auto links = [&](int64_t from, int64_t to) {
+      const std::span<const int32_t> row = neighbors(from);
+      return std::find(row.begin(), row.end(), static_cast<int32_t>(to)) != row.end();
+    };
+    for (int64_t t = 0; t + 1 < linked_; ++t) {
+      if (!links(t, t + 1) || !links(t + 1, t)) return false;
+    }
+    return true;
+  };
   auto unreachable_nodes = [&] {
+    if (chain_is_whole()) return std::vector<int32_t>();
     std::vector<uint8_t> reached(linked_, 0);
     std::vector<int32_t> frontier = {entry_};
     reached[entry_] = 1;
@@ -563,7 +837,7 @@ int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, int64_t* still_unr
   std::vector<int32_t> unreachable = unreachable_nodes();
   for (int round = 0; round < kRounds && !unreachable.empty(); ++round) {
     repaired += static_cast<int64_t>(unreachable.size());
-    LinkByOwnSearch(keys, unreachable);
+    *distances += LinkByOwnSearch(keys, unreachable, grouped);
     unreachable = unreachable_nodes();
   }
   *still_unreachable = static_cast<int64_t>(unreachable.size());

@@ -11,6 +11,7 @@
 #include "index/batch_topk.h"
 #include "index/key_index.h"
 #include "index/selector_params.h"
+#include "kernels/cpu/mapped_memory.h"
 
 namespace kvrecall {
 
@@ -28,7 +29,17 @@ struct GraphBuildStats {
   int64_t unreachable_keys = 0;  // keys still unreachable from the entry point afterwards
   double average_degree = 0.0;
   double topk_seconds = 0.0;     // exact top-k of the sampled queries
-  double graph_seconds = 0.0;    // projection, reverse edges, connectivity
+  double graph_seconds = 0.0;    // projection, reverse edges, connectivity: the sum of
+  // its steps below
+  double projection_seconds = 0.0;  // the projected edges and chain, merged and pruned
+  double reverse_seconds = 0.0;     // reverse edges, merged and pruned
+  double entry_seconds = 0.0;       // the entry point and the mean key
+  double outlier_seconds = 0.0;     // the outliers' own searches and their edges
+  double repair_seconds = 0.0;      // the connectivity pass
+  int64_t pruning_distances = 0;    // key distances computed to prune rows over max_degree
+
+  // Adds every field of `other` (sums over several builds, for benchmarks).
+  GraphBuildStats& operator+=(const GraphBuildStats& other);
 };
 
 // Keys are a KV head's tokens in token order (key j is token first_key_position + j).
@@ -91,6 +102,32 @@ class GraphIndex : public KeyIndex {
   static int64_t GraphBytes(const GraphIndexParams& params, int64_t keys);
   static int64_t BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
                                         int64_t queries, int dim, int threads);
+  // Its parts: the sampled queries' copies and causal counts, their top-k lists, and the
+  // graph's own scratch once the lists are there (projection, pruning, reverse edges, outliers,
+  // repair) with `threads` threads merging.
+  static int64_t SampledQueryBytes(const GraphIndexParams& params, int64_t keys, int64_t queries,
+                                   int dim);
+  static int64_t TopKListBytes(const GraphIndexParams& params, int64_t keys, int64_t queries);
+  static int64_t GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
+                                        int64_t queries, int threads);
+
+  // Build's steps apart, for an owner that computes the top-k lists of several heads' queries
+  // in one batch top-k (IndexSelector: the query heads of a KV head share its keys):
+  // how many queries a Build over `key_count` keys samples from `build_queries`;
+  static int64_t SampledQueryCount(const GraphIndexParams& params, int64_t key_count,
+                                   const BuildQueries& build_queries);
+  // copies them, evenly spaced, into `queries` ([SampledQueryCount, keys.dim], packed) and
+  // appends the keys each saw to `visible` when they are causal (the batch top-k's causal
+  // counts); returns their sum ([keys.dim]: the entry point's query);
+  static std::vector<float> SampleQueries(const GraphIndexParams& params, const VectorSet& keys,
+                                          const BuildQueries& build_queries, float* queries,
+                                          std::vector<int64_t>* visible);
+  // builds from their top-k lists over `keys` (k = build_topk, as a BatchTopKFunction returns
+  // them) and their sum; `topk_seconds` (what the lists took) goes to build_stats.
+  // INVALID_ARGUMENT for lists of another k or holding ids outside the keys, or a sum of
+  // another dim; the index is unchanged then.
+  absl::Status BuildFromLists(const VectorSet& keys, std::span<const float> query_sum,
+                              const TopKLists& lists, double topk_seconds);
 
   const GraphBuildStats& build_stats() const { return build_stats_; }
   // Keys linked into the graph; [linked(), size()) is the tail.
@@ -118,37 +155,60 @@ class GraphIndex : public KeyIndex {
   // `width` (1 to kMaxSearchWidth) best unexpanded candidates are expanded per round.
   void SearchGraph(const VectorSet& keys, const float* q, int list_size, int width,
                    std::vector<std::pair<float, int32_t>>* list, SearchStats* stats) const;
+  struct GroupedTargets;
   // Merges edges into the graph: each node's current neighbors plus its new targets, pruned to
   // max_degree when over it. Nodes in parallel. Costs O(linked keys) for many edges (a
-  // counting sort) but O(edges) for a few (a sort), as an incremental link has.
-  void MergeEdges(const VectorSet& keys, std::vector<Edge>* edges);
-  // MergeEdges for one node: `targets` (with their keep marks) join its row.
-  void MergeNode(const VectorSet& keys, int64_t node, std::span<const int32_t> targets,
-                 std::span<const uint8_t> kept);
-  // Adds v->u for every edge u->v of the nodes [begin, end).
-  void AddReverseEdges(const VectorSet& keys, int64_t begin, int64_t end);
+  // counting sort, in `grouped` when given, else in a buffer of its own) but O(edges) for a
+  // few (a sort), as an incremental link has.
+  // Returns the key distances its pruning computed.
+  int64_t MergeEdges(const VectorSet& keys, std::vector<Edge>* edges,
+                     GroupedTargets* grouped = nullptr);
+  // A node's new targets: ids and, aligned with them, their keep marks (empty: none kept) and
+  // their known distances to the node (empty: none known; NaN: that one not known).
+  struct Targets {
+    std::span<const int32_t> ids;
+    std::span<const uint8_t> kept;
+    std::span<const float> distances;
+  };
+  // MergeEdges for one node: `targets` join its row.
+  int64_t MergeNode(const VectorSet& keys, int64_t node, const Targets& targets);
+  // MergeNode for every node with targets in `grouped`, nodes in parallel.
+  int64_t MergeGrouped(const VectorSet& keys, const GroupedTargets& grouped);
+  // Adds v->u for every edge u->v of the linked keys (grouped in `grouped`).
+  int64_t AddReverseEdges(const VectorSet& keys, GroupedTargets* grouped);
   // Links each of `nodes` both ways to the best keys its own (centered) search finds, the edges
-  // into it kept.
-  void LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes);
+  // into it kept (MergeEdges, with `grouped` when given).
+  int64_t LinkByOwnSearch(const VectorSet& keys, std::span<const int32_t> nodes,
+                          GroupedTargets* grouped = nullptr);
   // LinkByOwnSearch for the 1% of the keys farthest from the mean key (64 to 4096 keys).
-  void LinkOutliers(const VectorSet& keys);
+  int64_t LinkOutliers(const VectorSet& keys, GroupedTargets* grouped);
   // key(node) - key_mean_: a key's own search looks along what sets it apart, not along the
   // offset that all keys share.
   void CenteredKey(const VectorSet& keys, int32_t node, float* out) const;
-  // Links keys unreachable from the entry point; returns how many it linked.
-  int64_t RepairConnectivity(const VectorSet& keys, int64_t* still_unreachable);
+  // Links keys unreachable from the entry point; returns how many it linked. (Those that
+  // return int64_t above return the key distances their pruning computed.)
+  int64_t RepairConnectivity(const VectorSet& keys, GroupedTargets* grouped,
+                             int64_t* still_unreachable, int64_t* distances);
   // Links the oldest `count` tail keys [linked_, linked_ + count) into the graph.
   void LinkOldest(const VectorSet& keys, const VectorSet& recent_queries, int64_t count);
-  // Sets entry_ to the linked key with the highest score for the mean of `queries`.
+  // Sets entry_ to the linked key with the highest score for the mean of `queries` (or their
+  // sum, which ranks keys the same).
   void ChooseEntry(const VectorSet& keys, const VectorSet& queries);
+  void ChooseEntry(const VectorSet& keys, std::span<const float> query_sum);
+  // INVALID_ARGUMENT for parameters or keys a Build cannot take.
+  absl::Status CheckBuildArgs(const VectorSet& keys) const;
   void Reserve(int64_t nodes);
 
   GraphIndexParams params_;
   BatchTopKFunction batch_topk_;
   int64_t size_ = 0;
   int64_t linked_ = 0;
-  std::vector<int32_t> adjacency_;  // [capacity, max_degree]; row i holds degree_[i] ids
+  // [capacity, max_degree]; row i holds degree_[i] ids. Mapped memory: 16 MiB at 128K keys.
+  cpu::MappedVector<int32_t> adjacency_;
   std::vector<uint16_t> degree_;
+  // During a Build only: KeyDistance(i, row i's j-th id) at [i * max_degree + j] when the
+  // pruning computed it, NaN otherwise, so that reverse edges reuse it.
+  cpu::MappedVector<float> row_distances_;
   int32_t entry_ = -1;              // -1 while no key is linked
   std::vector<float> key_mean_;     // [dim]: mean of the keys at build time
   // The recent-query ration: keys linked x recent queries since the last projection search,

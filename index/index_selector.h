@@ -16,7 +16,8 @@ namespace kvrecall {
 
 // Per query head: a GraphIndex over its KV head's bulk keys [sinks, tokens - recent), read in
 // place from the layer's KV, built from the head's prompt queries (causally: a prompt query saw
-// only the keys before it). Tokens that leave the recent window as decode appends tokens join the
+// only the keys before it), the top-k lists of a KV head's query heads in one batch top-k over
+// the keys they share (on the GPU when the selector is given its batch top-k). Tokens that leave the recent window as decode appends tokens join the
 // bulk through GraphIndex::Add (a tail scanned exactly until linked, each step linking a bounded
 // number of keys per head: GraphIndexParams::link_batch), with the head's latest decode queries
 // to place them; OnAppend runs the heads' Adds in parallel when they link. The support is the
@@ -40,8 +41,9 @@ class IndexSelector : public SupportSelector {
 
   // What MemoryBytes() is, or a Build on `build_threads` OpenMP threads uses on the way, at
   // most, for a selector of `params` built from a prompt of `tokens` tokens: every head's graph
-  // over the bulk and its ring of recent queries, and the build scratch of the heads that build
-  // at once (BuildSideBySide).
+  // over the bulk and its ring of recent queries, every head's top-k lists, one KV head's
+  // sampled queries and batch top-k scratch, and the graph scratch of the heads that build at
+  // once (BuildSideBySide).
   static int64_t MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
                                   int64_t tokens, int build_threads);
 
@@ -64,6 +66,13 @@ class IndexSelector : public SupportSelector {
     int64_t queries_seen = 0;
   };
 
+  struct GroupLists;
+  // The query heads' build queries from a prompt of `tokens` tokens ([tokens, q_heads,
+  // head_dim], or null: none).
+  BuildQueries HeadQueries(int q_head, const float* prompt_queries, int64_t tokens) const;
+  // The top-k lists of the query heads of `kv_head` over its bulk keys, in one batch top-k.
+  void ComputeGroupLists(const KvView& kv, const float* prompt_queries, int kv_head,
+                         GroupLists* out) const;
   // The threads a Build called here has: OpenMP's team size, or 1 inside a parallel region
   // (nested regions are inactive).
   static int BuildThreads();
@@ -79,6 +88,7 @@ class IndexSelector : public SupportSelector {
   int recent_;
   GraphIndexParams index_params_;
   bool bulk_only_;
+  BatchTopKFunction batch_topk_;
   std::vector<Head> heads_;
 };
 

@@ -20,6 +20,7 @@
 #include "index/retopk.h"
 #include "kernels/cpu/attention.h"
 #include "index/gpu_batch_topk.h"
+#include "kernels/cuda/batch_topk.h"
 #include "kernels/cuda/retopk.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
@@ -479,6 +480,51 @@ TEST(CudaBatchTopKTest, MatchesCpuBatchTopKUpToNearTies) {
   const absl::Status status = (*gpu)(query_set, short_keys, kTopK, &got, {});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("differs from key dim"));
+}
+
+// The ordering contract, exactly: with small integers times one scale as keys and queries,
+// every product and sum is exact in f32 whatever the GEMM's order, so the GPU's lists equal the
+// CPU's id for id, ties (many: the scores are few distinct values) to the lower id. The scale
+// picks the GEMM: 1 (exact in bf16: tensor cores on bf16), 1 + 2^-10 (exact in f16, not bf16)
+// and 1 + 2^-12 (neither: f32). A causal mask pads the short lists with -1 on both sides.
+TEST(CudaBatchTopKTest, ExactScoresGiveTheCpuListsIdForIdOnEveryGemm) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kDim = 64, kKeys = 3000, kQueries = 200, kTopK = 40;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> small(-3, 3);
+  std::vector<float> key_ints(kKeys * 2 * kDim), query_ints(kQueries * kDim);
+  for (float& x : key_ints) x = static_cast<float>(small(rng));
+  for (float& x : query_ints) x = static_cast<float>(small(rng));
+  absl::StatusOr<std::unique_ptr<cuda::GpuBatchTopK>> gpu = cuda::GpuBatchTopK::Create();
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  using Gemm = cuda::GpuBatchTopK::GemmInput;
+  for (const auto& [scale, gemm] : {std::pair{1.0f, Gemm::kBf16},
+                                    std::pair{1.0f + 0x1p-10f, Gemm::kF16},
+                                    std::pair{1.0f + 0x1p-12f, Gemm::kF32}}) {
+    SCOPED_TRACE(::testing::Message() << "scale " << scale);
+    std::vector<float> keys = key_ints, queries = query_ints;
+    for (float& x : keys) x *= scale;
+    // Keys of head 1 of 2, read in place.
+    const VectorSet key_set{keys.data() + kDim, kKeys, 2 * kDim, kDim};
+    const VectorSet query_set{queries.data(), kQueries, kDim, kDim};
+    std::vector<int64_t> visible(kQueries);
+    for (int i = 0; i < kQueries; ++i) visible[i] = (i * 29) % (kKeys + 50);
+    for (const bool causal : {false, true}) {
+      const std::span<const int64_t> mask =
+          causal ? std::span<const int64_t>(visible) : std::span<const int64_t>();
+      TopKLists want, got;
+      ASSERT_TRUE(CpuBatchTopK(query_set, key_set, kTopK, &want, mask).ok());
+      ASSERT_TRUE((*gpu)->Run(query_set, key_set, kTopK, &got, mask).ok());
+      EXPECT_EQ((*gpu)->last_gemm_input(), gemm);
+      ASSERT_EQ(got.k, want.k);
+      ASSERT_EQ(got.queries, want.queries);
+      for (int64_t i = 0; i < kQueries; ++i) {
+        ASSERT_THAT(std::vector<int32_t>(got.list(i), got.list(i) + got.k),
+                    ::testing::ElementsAreArray(want.list(i), want.k))
+            << "query " << i << (causal ? " (causal)" : "");
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -452,6 +452,68 @@ TEST(GraphIndexTest, RejectsBadInput) {
   s = graph.Add(ood.key_set().Slice(0, 50), VectorSet{});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("holds 100 keys; Add got a set of 50"));
+
+  // Lists from elsewhere (BuildFromLists): of the wrong k, holding a key beyond the keys, or
+  // with a query sum of another dim, they are refused and the graph stays as it was.
+  std::vector<std::vector<int32_t>> rows;
+  for (int64_t i = 0; i < graph.linked(); ++i) {
+    rows.emplace_back(graph.neighbors(i).begin(), graph.neighbors(i).end());
+  }
+  TopKLists lists;
+  ASSERT_TRUE(CpuBatchTopK(ood.query_set(0, 10), ood.key_set(), 100, &lists).ok());
+  const std::vector<float> sum(16, 1.0f);
+  TopKLists short_lists = lists;
+  short_lists.k = 50;
+  short_lists.ids.resize(10 * 50);
+  s = graph.BuildFromLists(ood.key_set().Slice(0, 60), sum, lists, 0.0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("expected lists of 60"));
+  s = graph.BuildFromLists(ood.key_set(), sum, short_lists, 0.0);
+  EXPECT_THAT(s.message(),
+              HasSubstr("10 top-k lists of 50 ids (500 in all): expected lists of 100"));
+  TopKLists beyond = lists;
+  beyond.ids[7] = 100;
+  s = graph.BuildFromLists(ood.key_set(), sum, beyond, 0.0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("holding key 100 of 100"));
+  s = graph.BuildFromLists(ood.key_set(), std::vector<float>(8, 1.0f), lists, 0.0);
+  EXPECT_THAT(s.message(), HasSubstr("query sum of 8 dims over keys of 16"));
+  EXPECT_EQ(graph.size(), 100);
+  for (int64_t i = 0; i < graph.linked(); ++i) {
+    EXPECT_EQ(std::vector<int32_t>(graph.neighbors(i).begin(), graph.neighbors(i).end()),
+              rows[i]);
+  }
+}
+
+// Build is its steps apart: the sampled queries, their top-k lists, and the graph from those.
+TEST(GraphIndexTest, BuildFromListsIsBuildsLastStep) {
+  OodCase ood(3000, 700, 16, 4, 5);
+  GraphIndexParams params;
+  params.build_queries = 256;
+  BuildQueries queries{ood.query_set(0, 700), /*causal=*/true, /*first_key_position=*/40};
+  GraphIndex built(params), from_lists(params);
+  ASSERT_TRUE(built.Build(ood.key_set(), queries).ok());
+  const int64_t sampled = GraphIndex::SampledQueryCount(params, 3000, queries);
+  EXPECT_EQ(sampled, 256);
+  std::vector<float> copies(sampled * 16);
+  std::vector<int64_t> visible;
+  const std::vector<float> sum =
+      GraphIndex::SampleQueries(params, ood.key_set(), queries, copies.data(), &visible);
+  ASSERT_EQ(visible.size(), 256u);
+  // Query i sits at token 700 * i / 256 and saw the keys up to it (key 0 is token 40).
+  EXPECT_EQ(visible[255], 700 * 255 / 256 - 40 + 1);
+  TopKLists lists;
+  ASSERT_TRUE(CpuBatchTopK(VectorSet{copies.data(), sampled, 16, 16}, ood.key_set(),
+                           GraphIndexParams().build_topk, &lists, visible)
+                  .ok());
+  ASSERT_TRUE(from_lists.BuildFromLists(ood.key_set(), sum, lists, 0.5).ok());
+  EXPECT_EQ(from_lists.build_stats().topk_seconds, 0.5);
+  ASSERT_EQ(from_lists.linked(), built.linked());
+  for (int64_t i = 0; i < built.linked(); ++i) {
+    EXPECT_EQ(std::vector<int32_t>(from_lists.neighbors(i).begin(), from_lists.neighbors(i).end()),
+              std::vector<int32_t>(built.neighbors(i).begin(), built.neighbors(i).end()))
+        << "key " << i;
+  }
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <set>
@@ -12,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "index/basic_selectors.h"
+#include "index/batch_topk.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
 
@@ -101,12 +103,97 @@ TEST(IndexSelectorTest, MemoryBoundCoversWhatABuildHolds) {
       EXPECT_EQ(bound, IndexSelector::MemoryBytesBound(layer.shape, params, prompt, threads));
       EXPECT_LE(selector.MemoryBytes(), bound);
       if (bulk > 0) {
-        // The projection's edges alone: every sampled query's list, five edges per member.
+        // The projection's grouped edges alone: every sampled query's list, five 4-byte
+        // targets per member, and every head's lists (4-byte ids).
         const int64_t sampled = std::min<int64_t>(params.index.build_queries, prompt);
         const int64_t k = std::min<int64_t>(GraphIndexParams().build_topk, bulk);
-        EXPECT_GE(bound - selector.MemoryBytes(), sampled * k * 5 * 12);
+        EXPECT_GE(bound - selector.MemoryBytes(),
+                  sampled * k * 5 * 4 + layer.shape.q_heads * sampled * k * 4);
       }
     }
+  }
+}
+
+// Every head's graph, row by row.
+std::vector<std::vector<int32_t>> Graphs(const IndexSelector& selector, int q_heads) {
+  std::vector<std::vector<int32_t>> rows;
+  for (int h = 0; h < q_heads; ++h) {
+    const GraphIndex& index = selector.head_index(h);
+    for (int64_t i = 0; i < index.linked(); ++i) {
+      rows.emplace_back(index.neighbors(i).begin(), index.neighbors(i).end());
+    }
+  }
+  return rows;
+}
+
+// A KV head's query heads share one batch top-k. A batch top-k that is not CpuBatchTopK (the
+// GPU's) runs on a thread of its own, one KV head after another, while the heads whose lists
+// are ready build; with one thread, a KV head's lists come just before its heads. Either way
+// the graphs are those of each head's own Build.
+TEST(IndexSelectorTest, KvHeadsShareABatchTopKAndTheGraphsAreTheHeadsOwn) {
+  const Layer layer(SmallTrace());
+  const SelectorParams params = IndexParams(128);
+  const int64_t prompt = layer.trace.geometry().context;
+  const KvView kv = layer.view(prompt);
+  std::vector<std::vector<int32_t>> own;
+  for (int h = 0; h < layer.shape.q_heads; ++h) {
+    GraphIndex index(params.index);
+    BuildQueries queries;
+    queries.queries = VectorSet{layer.prompt_q.data() + h * layer.shape.head_dim, prompt,
+                                layer.shape.q_heads * layer.shape.head_dim, layer.shape.head_dim};
+    queries.causal = true;
+    queries.first_key_position = params.sinks;
+    ASSERT_TRUE(index.Build(VectorSet::KeysOf(kv, KvHeadOf(h, 4, 2), params.sinks,
+                                              prompt - params.recent),
+                            queries)
+                    .ok());
+    for (int64_t i = 0; i < index.linked(); ++i) {
+      own.emplace_back(index.neighbors(i).begin(), index.neighbors(i).end());
+    }
+  }
+  std::atomic<int> calls = 0;
+  const BatchTopKFunction elsewhere = [&calls](const VectorSet& queries, const VectorSet& keys,
+                                               int k, TopKLists* out,
+                                               std::span<const int64_t> visible) {
+    ++calls;
+    return CpuBatchTopK(queries, keys, k, out, visible);
+  };
+  for (const int threads : {omp_get_max_threads(), 1}) {
+    SCOPED_TRACE(testing::Message() << threads << " threads");
+    for (const BatchTopKFunction& topk : {BatchTopKFunction(CpuBatchTopK), elsewhere}) {
+      calls = 0;
+      IndexSelector selector(layer.shape, params, /*bulk_only=*/false, topk);
+      const int saved = omp_get_max_threads();
+      omp_set_num_threads(threads);
+      const absl::Status built = selector.Build(kv, layer.prompt_q.data());
+      omp_set_num_threads(saved);
+      ASSERT_TRUE(built.ok()) << built;
+      EXPECT_EQ(Graphs(selector, layer.shape.q_heads), own);
+    }
+    EXPECT_EQ(calls, layer.shape.kv_heads);
+  }
+}
+
+TEST(IndexSelectorTest, ABatchTopKErrorFailsTheBuild) {
+  const Layer layer(SmallTrace());
+  const int64_t prompt = layer.trace.geometry().context;
+  std::atomic<int> calls = 0;
+  // The second KV head's batch top-k fails.
+  const BatchTopKFunction failing = [&calls](const VectorSet& queries, const VectorSet& keys,
+                                             int k, TopKLists* out,
+                                             std::span<const int64_t> visible) {
+    if (++calls == 2) return absl::ResourceExhaustedError("device out of memory");
+    return CpuBatchTopK(queries, keys, k, out, visible);
+  };
+  for (const int threads : {omp_get_max_threads(), 1}) {
+    calls = 0;
+    IndexSelector selector(layer.shape, IndexParams(128), /*bulk_only=*/false, failing);
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    const absl::Status built = selector.Build(layer.view(prompt), layer.prompt_q.data());
+    omp_set_num_threads(saved);
+    EXPECT_EQ(built.code(), absl::StatusCode::kResourceExhausted) << threads << " threads";
+    EXPECT_EQ(built.message(), "device out of memory");
   }
 }
 

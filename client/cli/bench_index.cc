@@ -1,12 +1,14 @@
 // `kvrecall bench-index --trace FILE [--k 100] [--lists 100,200,...] [--json]`: the index
 // benchmark of issue 4. Per layer and query head it indexes the trace's prefill keys (the bulk
 // [--sinks, T - --recent) as the index selector would; everything by default) with the query-
-// aware graph (built from the head's prefill queries), hnswlib (keys only, one per KV head) and
-// the flat scan, searches with the trace's decode queries, and prints, per method, recall@k
-// against the exact top-k over the same keys and the fraction of keys scored, as a curve over
-// the search-list size, plus build time and memory. Figures are averaged over layers, heads and
-// decode steps.
+// aware graph (built from the head's prefill queries by the index selector, as the server
+// builds a layer), hnswlib (keys only, one per KV head) and the flat scan, searches with the
+// trace's decode queries, and prints, per method, recall@k against the exact top-k over the
+// same keys and the fraction of keys scored, as a curve over the search-list size, plus build
+// time per layer (the graph's split into its steps), page faults and memory. Figures are
+// averaged over layers, heads and decode steps.
 #include <omp.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -29,6 +31,7 @@
 #include "index/flat_index.h"
 #include "index/graph_index.h"
 #include "index/hnsw_index.h"
+#include "index/index_selector.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
 #include "nlohmann/json.hpp"
@@ -66,15 +69,42 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// The process's minor page faults so far: a build's fresh memory faults in on first touch, at
+// microseconds a page in a VM.
+int64_t MinorPageFaults() {
+  rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_minflt;
+}
+
+// What the GPU batch top-k's calls did (the JSON's "graph_topk_gpu").
+struct GpuTopKReport {
+#ifdef KVRECALL_WITH_CUDA
+  std::shared_ptr<GpuBatchTopKStats> stats = std::make_shared<GpuBatchTopKStats>();
+#endif
+  nlohmann::json ToJson() const {
+#ifdef KVRECALL_WITH_CUDA
+    return {{"calls", stats->calls},
+            {"seconds", stats->seconds},
+            {"gemm_calls", {{"bf16", stats->bf16_calls},
+                            {"f16", stats->f16_calls},
+                            {"f32", stats->f32_calls}}}};
+#else
+    return nullptr;
+#endif
+  }
+};
+
 // The graph build's batch top-k for --graph_topk.
-absl::StatusOr<BatchTopKFunction> MakeGraphTopK(const std::string& where) {
+absl::StatusOr<BatchTopKFunction> MakeGraphTopK(const std::string& where,
+                                                const GpuTopKReport& report) {
   if (where == "cpu") return BatchTopKFunction(CpuBatchTopK);
   if (where != "gpu") {
     return absl::InvalidArgumentError(
         absl::StrCat("--graph_topk must be cpu or gpu, got '", where, "'"));
   }
 #ifdef KVRECALL_WITH_CUDA
-  return MakeGpuBatchTopKFunction();
+  return MakeGpuBatchTopKFunction(report.stats);
 #else
   return absl::FailedPreconditionError(
       "--graph_topk=gpu: this kvrecall was built without CUDA (KVRECALL_WITH_CUDA=OFF)");
@@ -104,6 +134,8 @@ struct PointSums {
 struct MethodSums {
   std::vector<PointSums> points;
   double build_seconds = 0;
+  std::vector<double> build_seconds_by_layer;  // the first includes the GPU's first allocations
+  int64_t build_faults = 0;                    // minor page faults while building
   int64_t memory_bytes = 0;
   int64_t indexes = 0;
   GraphBuildStats graph_stats;  // summed, graph only
@@ -152,57 +184,61 @@ class IndexBench {
     }
 
     for (const std::string& method : methods) {
-      // Query-agnostic indexes are built once per KV head and shared by its query heads.
+      // The graph: the index selector's build over the layer, as the server builds it (a KV
+      // head's query heads' top-k lists in one batch top-k, heads side by side), one graph per
+      // query head. Query-agnostic indexes are built once per KV head and shared by its query
+      // heads, side by side, each by a share of the threads.
       const bool per_kv_head = method != "graph";
       const int index_count = per_kv_head ? g_.kv_heads : g_.q_heads;
-      std::vector<std::unique_ptr<KeyIndex>> indexes(index_count);
+      std::unique_ptr<IndexSelector> selector;
+      std::vector<std::unique_ptr<KeyIndex>> owned(index_count);
+      std::vector<const KeyIndex*> indexes(index_count);
       std::vector<absl::Status> built(index_count);
-      // The indexes of a layer are built side by side, each by a share of the threads (as the
-      // server builds a prompt's layers side by side): a build has serial stretches that one
-      // index at a time on every thread would leave the other cores idle through.
-      const int side_by_side = std::min(index_count, omp_get_max_threads());
-      const int threads_each = std::max(1, omp_get_max_threads() / side_by_side);
-      const int saved_levels = omp_get_max_active_levels();
-      omp_set_max_active_levels(2);
+      const int64_t faults_before = MinorPageFaults();
       const Clock::time_point build_start = Clock::now();
+      if (method == "graph") {
+        SelectorParams params;
+        params.kind = SelectorKind::kIndex;
+        params.sinks = static_cast<int>(key_begin_);
+        params.recent = static_cast<int>(g_.context - key_end_);
+        params.index = graph_params;
+        selector = std::make_unique<IndexSelector>(
+            LayerShape{g_.q_heads, g_.kv_heads, g_.head_dim, 1.0f}, params, /*bulk_only=*/true,
+            graph_topk);
+        built[0] = selector->Build(kv, data.prefill_q.data());
+        for (int h = 0; h < index_count; ++h) indexes[h] = &selector->head_index(h);
+      } else {
+        const int side_by_side = std::min(index_count, omp_get_max_threads());
+        const int threads_each = std::max(1, omp_get_max_threads() / side_by_side);
+        const int saved_levels = omp_get_max_active_levels();
+        omp_set_max_active_levels(2);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(side_by_side)
-      for (int i = 0; i < index_count; ++i) {
-        omp_set_num_threads(threads_each);
-        if (method == "graph") {
-          indexes[i] = std::make_unique<GraphIndex>(graph_params, graph_topk);
-        } else if (method == "hnsw") {
-          indexes[i] = std::make_unique<HnswIndex>(hnsw_params);
-        } else {
-          indexes[i] = std::make_unique<FlatIndex>();
+        for (int i = 0; i < index_count; ++i) {
+          omp_set_num_threads(threads_each);
+          if (method == "hnsw") {
+            owned[i] = std::make_unique<HnswIndex>(hnsw_params);
+          } else {
+            owned[i] = std::make_unique<FlatIndex>();
+          }
+          built[i] = owned[i]->Build(KeySet(kv, i), BuildQueries());
+          indexes[i] = owned[i].get();
         }
-        BuildQueries queries;
-        if (!per_kv_head) {
-          queries.queries = VectorSet{data.prefill_q.data() + i * g_.head_dim, g_.context,
-                                      q_stride, g_.head_dim};
-          queries.causal = true;
-          queries.first_key_position = key_begin_;
-        }
-        built[i] = indexes[i]->Build(KeySet(kv, per_kv_head ? i : i / group), queries);
+        omp_set_max_active_levels(saved_levels);
       }
       const double build_seconds = SecondsSince(build_start);
-      omp_set_max_active_levels(saved_levels);
+      const int64_t build_faults = MinorPageFaults() - faults_before;
       for (const absl::Status& s : built) {
         if (!s.ok()) return s;
       }
       MethodSums& sums = sums_[method];
       sums.build_seconds += build_seconds;
-      for (const auto& index : indexes) {
+      sums.build_seconds_by_layer.push_back(build_seconds);
+      sums.build_faults += build_faults;
+      for (const KeyIndex* index : indexes) {
         sums.memory_bytes += index->MemoryBytes();
         ++sums.indexes;
         if (method == "graph") {
-          const GraphBuildStats& s = static_cast<const GraphIndex&>(*index).build_stats();
-          sums.graph_stats.build_queries += s.build_queries;
-          sums.graph_stats.covered_keys += s.covered_keys;
-          sums.graph_stats.repaired_keys += s.repaired_keys;
-          sums.graph_stats.unreachable_keys += s.unreachable_keys;
-          sums.graph_stats.average_degree += s.average_degree;
-          sums.graph_stats.topk_seconds += s.topk_seconds;
-          sums.graph_stats.graph_seconds += s.graph_seconds;
+          sums.graph_stats += static_cast<const GraphIndex&>(*index).build_stats();
         }
       }
 
@@ -261,6 +297,8 @@ class IndexBench {
       nlohmann::json m = {{"points", points},
                           {"build_seconds", sums.build_seconds},
                           {"build_seconds_per_layer", sums.build_seconds / layers_},
+                          {"build_seconds_by_layer", sums.build_seconds_by_layer},
+                          {"build_page_faults_per_layer", sums.build_faults / layers_},
                           {"memory_bytes", sums.memory_bytes},
                           {"memory_bytes_per_layer", sums.memory_bytes / layers_},
                           {"indexes", sums.indexes}};
@@ -275,7 +313,14 @@ class IndexBench {
                       // Per index: the indexes of a layer build side by side, so these
                       // add up to more than the layer's wall time (build_seconds_per_layer).
                       {"topk_seconds_per_index", s.topk_seconds / n},
-                      {"graph_seconds_per_index", s.graph_seconds / n}};
+                      {"graph_seconds_per_index", s.graph_seconds / n},
+                      {"graph_steps_seconds_per_index",
+                       {{"projection", s.projection_seconds / n},
+                        {"reverse_edges", s.reverse_seconds / n},
+                        {"entry_and_mean", s.entry_seconds / n},
+                        {"outliers", s.outlier_seconds / n},
+                        {"repair", s.repair_seconds / n}}},
+                      {"pruning_distances_per_index", s.pruning_distances / n}};
       }
       out[method] = m;
     }
@@ -347,7 +392,9 @@ int RunBenchIndex(const std::vector<char*>& args) {
   hnsw_params.m = absl::GetFlag(FLAGS_hnsw_m);
   hnsw_params.ef_construction = absl::GetFlag(FLAGS_hnsw_ef_construction);
 
-  absl::StatusOr<BatchTopKFunction> graph_topk = MakeGraphTopK(absl::GetFlag(FLAGS_graph_topk));
+  const GpuTopKReport gpu_topk;
+  absl::StatusOr<BatchTopKFunction> graph_topk =
+      MakeGraphTopK(absl::GetFlag(FLAGS_graph_topk), gpu_topk);
   if (!graph_topk.ok()) return ReportError("bench-index", graph_topk.status());
 
   IndexBench bench(*trace, k, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent), *lists);
@@ -376,6 +423,7 @@ int RunBenchIndex(const std::vector<char*>& args) {
       {"head_dim", g.head_dim},
       {"threads", omp_get_max_threads()},
       {"graph_topk", absl::GetFlag(FLAGS_graph_topk)},
+      {"graph_topk_gpu", gpu_topk.ToJson()},
       {"graph_params",
        {{"build_queries", graph_params.build_queries},
         {"search_width", graph_params.WithDefaults().search_width},

@@ -1,15 +1,16 @@
 #include "kernels/cuda/batch_topk.h"
 
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <limits>
-#include <numeric>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/topk_workspace.h"
@@ -68,15 +69,97 @@ absl::Status UploadKeys(const VectorSet& keys, DeviceBuffer<uint16_t>* staging,
   return CudaStatus(cudaGetLastError(), "widening keys");
 }
 
+// Rounds x[0, n) to bf16 and to f16 and sets inexact[0] (bf16) / inexact[1] (f16) when an
+// element does not come back equal (it lost bits, overflowed, or is NaN).
+__global__ void ToSixteenBitsKernel(const float* x, int64_t n, __nv_bfloat16* bf16, __half* f16,
+                                    unsigned int* inexact) {
+  bool bf16_lost = false;
+  bool f16_lost = false;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float v = x[i];
+    const __nv_bfloat16 b = __float2bfloat16_rn(v);
+    const __half h = __float2half_rn(v);
+    bf16_lost |= !(__bfloat162float(b) == v);
+    f16_lost |= !(__half2float(h) == v);
+    bf16[i] = b;
+    f16[i] = h;
+  }
+  if (__syncthreads_or(bf16_lost) && threadIdx.x == 0) atomicOr(inexact, 1u);
+  if (__syncthreads_or(f16_lost) && threadIdx.x == 0) atomicOr(inexact + 1, 1u);
+}
+
+absl::Status ToSixteenBits(const float* x, int64_t n, __nv_bfloat16* bf16, __half* f16,
+                           unsigned int* inexact, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  constexpr int kThreads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096));
+  ToSixteenBitsKernel<<<blocks, kThreads, 0, stream>>>(x, n, bf16, f16, inexact);
+  return LaunchStatus("ToSixteenBitsKernel");
+}
+
+// Orders each row's selected keys (support [rows, k], their scores alongside, sizes[r] of them)
+// by score, higher first, ties to the lower id (RankKey), into ordered [rows, k] padded with
+// -1: a bitonic sort of the row's `padded` (a power of two >= k) keys in shared memory.
+__global__ void OrderRowsKernel(const int32_t* support, const float* scores,
+                                const int32_t* sizes, int k, int padded, int32_t* ordered) {
+  extern __shared__ uint64_t keys[];
+  const int64_t row = blockIdx.x;
+  const int size = sizes[row];
+  for (int j = threadIdx.x; j < padded; j += blockDim.x) {
+    // 0 ranks below every real key (a real one has a position below 0x7fffffff).
+    keys[j] = j < size ? RankKey(scores[row * k + j], support[row * k + j]) : 0;
+  }
+  __syncthreads();
+  for (int width = 2; width <= padded; width <<= 1) {
+    for (int stride = width >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < padded; i += blockDim.x) {
+        const int partner = i ^ stride;
+        if (partner > i) {
+          // Descending within blocks of `width` whose bit is clear, ascending in the others,
+          // so that the final merge leaves the whole row descending.
+          const bool descending = (i & width) == 0;
+          const uint64_t a = keys[i];
+          const uint64_t b = keys[partner];
+          if (descending ? a < b : a > b) {
+            keys[i] = b;
+            keys[partner] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    ordered[row * k + j] = j < size ? PositionOfRankKey(keys[j]) : -1;
+  }
+}
+
+absl::Status OrderRows(const int32_t* support, const float* scores, const int32_t* sizes,
+                       int rows, int k, int32_t* ordered, cudaStream_t stream) {
+  int padded = 1;
+  while (padded < k) padded <<= 1;
+  const int threads = std::clamp(padded / 2, 32, 1024);
+  OrderRowsKernel<<<rows, threads, padded * sizeof(uint64_t), stream>>>(support, scores, sizes,
+                                                                         k, padded, ordered);
+  return LaunchStatus("OrderRowsKernel");
+}
+
 }  // namespace
 
 struct GpuBatchTopK::Impl {
   int64_t max_score_bytes = 0;
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
+  GemmInput last_gemm_input = GemmInput::kF32;
   DeviceBuffer<float> keys;
   DeviceBuffer<uint16_t> key_staging;  // 16-bit keys before widening
   DeviceBuffer<float> queries;
+  // The keys and queries rounded to bf16 and to f16, and whether any lost bits (per type).
+  DeviceBuffer<__nv_bfloat16> keys_bf16, queries_bf16;
+  DeviceBuffer<__half> keys_f16, queries_f16;
+  DeviceBuffer<unsigned int> inexact;
+  DeviceBuffer<int32_t> ordered;
   DeviceBuffer<int32_t> support;
   DeviceBuffer<int32_t> support_size;
   DeviceBuffer<int32_t> lengths;
@@ -150,26 +233,76 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
     m.ws = *std::move(ws);
   }
   const size_t lists = static_cast<size_t>(rows_per_block) * k_eff;
+  const size_t key_values = static_cast<size_t>(n) * dim;
+  const size_t query_values = static_cast<size_t>(queries.count) * dim;
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(lists, &m.support));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(lists, &m.support_scores));
+  KVRECALL_CUDA_RETURN_IF_ERROR(Grow(lists, &m.ordered));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(static_cast<size_t>(rows_per_block), &m.support_size));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(static_cast<size_t>(rows_per_block), &m.lengths));
+  KVRECALL_CUDA_RETURN_IF_ERROR(Grow(key_values, &m.keys_bf16));
+  KVRECALL_CUDA_RETURN_IF_ERROR(Grow(key_values, &m.keys_f16));
+  KVRECALL_CUDA_RETURN_IF_ERROR(Grow(query_values, &m.queries_bf16));
+  KVRECALL_CUDA_RETURN_IF_ERROR(Grow(query_values, &m.queries_f16));
+  KVRECALL_CUDA_RETURN_IF_ERROR(Grow(size_t{2}, &m.inexact));
   KVRECALL_CUDA_RETURN_IF_ERROR(UploadKeys(keys, &m.key_staging, &m.keys, m.stream));
+  KVRECALL_CUDA_RETURN_IF_ERROR(UploadPacked(static_cast<const float*>(queries.data), queries.count, queries.stride, dim,
+                                             &m.queries, m.stream));
+  // Which GEMM: the narrowest type every key and query is exact in.
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaMemsetAsync(m.inexact.data(), 0, 2 * sizeof(unsigned int), m.stream), "zeroing flags"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(ToSixteenBits(m.keys.data(), static_cast<int64_t>(key_values),
+                                              m.keys_bf16.data(), m.keys_f16.data(),
+                                              m.inexact.data(), m.stream));
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      ToSixteenBits(m.queries.data(), static_cast<int64_t>(query_values), m.queries_bf16.data(),
+                    m.queries_f16.data(), m.inexact.data(), m.stream));
+  unsigned int inexact[2] = {1, 1};
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(inexact, m.inexact.data(), sizeof(inexact),
+                                 cudaMemcpyDeviceToHost, m.stream),
+                 "downloading the exactness flags"));
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(m.stream), "converting to 16 bits"));
+  const GemmInput gemm = !inexact[0]   ? GemmInput::kBf16
+                         : !inexact[1] ? GemmInput::kF16
+                                       : GemmInput::kF32;
+  // Tensor cores for the 16-bit products (exact in f32, summed in f32); plain f32 otherwise
+  // (TF32 would round the inputs).
+  KVRECALL_CUDA_RETURN_IF_ERROR(CublasStatus(
+      cublasSetMathMode(m.cublas,
+                        gemm == GemmInput::kF32
+                            ? CUBLAS_PEDANTIC_MATH
+                            : static_cast<cublasMath_t>(
+                                  CUBLAS_DEFAULT_MATH |
+                                  CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)),
+      "cublasSetMathMode"));
 
-  std::vector<int32_t> ids(lists), sizes(rows_per_block), lengths(rows_per_block);
-  std::vector<float> scores(lists);
-  std::vector<int32_t> order(k_eff);
+  std::vector<int32_t> lengths(rows_per_block);
   const float one = 1.0f, zero = 0.0f;
   const int64_t stride = m.ws->max_tokens();
   for (int64_t q0 = 0; q0 < queries.count; q0 += rows_per_block) {
     const int rows = static_cast<int>(std::min(rows_per_block, queries.count - q0));
-    KVRECALL_CUDA_RETURN_IF_ERROR(UploadPacked(queries.row(q0), rows, queries.stride, dim,
-                                               &m.queries, m.stream));
     // Column-major view: scores^T [n, rows] (ld = stride) = keys [dim, n]^T * queries [dim, rows].
-    KVRECALL_CUDA_RETURN_IF_ERROR(CublasStatus(
-        cublasSgemm(m.cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, dim, &one, m.keys.data(), dim,
-                    m.queries.data(), dim, &zero, m.ws->scores(), static_cast<int>(stride)),
-        "cublasSgemm"));
+    cublasStatus_t gemm_status;
+    if (gemm == GemmInput::kF32) {
+      gemm_status = cublasSgemm(m.cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, dim, &one,
+                                m.keys.data(), dim, m.queries.data() + q0 * dim, dim, &zero,
+                                m.ws->scores(), static_cast<int>(stride));
+    } else {
+      const bool bf16 = gemm == GemmInput::kBf16;
+      const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+      const void* key_data = bf16 ? static_cast<const void*>(m.keys_bf16.data())
+                                  : static_cast<const void*>(m.keys_f16.data());
+      const void* query_data =
+          bf16 ? static_cast<const void*>(m.queries_bf16.data() + q0 * dim)
+               : static_cast<const void*>(m.queries_f16.data() + q0 * dim);
+      gemm_status = cublasGemmEx(m.cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, dim, &one,
+                                 key_data, type, dim, query_data, type, dim, &zero,
+                                 m.ws->scores(), CUDA_R_32F, static_cast<int>(stride),
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
+    KVRECALL_CUDA_RETURN_IF_ERROR(CublasStatus(gemm_status, "scoring the queries"));
     if (!visible.empty()) {
       for (int r = 0; r < rows; ++r) {
         lengths[r] = static_cast<int32_t>(std::clamp<int64_t>(visible[q0 + r], 0, n));
@@ -183,36 +316,22 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
         m.ws->scores(), stride, rows, n, visible.empty() ? nullptr : m.lengths.data(), k_eff,
         m.ws.get(), m.support.data(), k_eff, m.support_size.data(), m.support_scores.data(),
         m.stream));
-    const size_t got = static_cast<size_t>(rows) * k_eff;
+    // The GPU selects each list as a set; it orders them too, as the CPU backend does.
+    KVRECALL_CUDA_RETURN_IF_ERROR(OrderRows(m.support.data(), m.support_scores.data(),
+                                            m.support_size.data(), rows, k_eff,
+                                            m.ordered.data(), m.stream));
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(ids.data(), m.support.data(), got * sizeof(int32_t),
+        cudaMemcpyAsync(out->ids.data() + q0 * k_eff, m.ordered.data(),
+                        static_cast<size_t>(rows) * k_eff * sizeof(int32_t),
                         cudaMemcpyDeviceToHost, m.stream),
         "downloading top-k ids"));
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(scores.data(), m.support_scores.data(), got * sizeof(float),
-                        cudaMemcpyDeviceToHost, m.stream),
-        "downloading top-k scores"));
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(sizes.data(), m.support_size.data(), rows * sizeof(int32_t),
-                        cudaMemcpyDeviceToHost, m.stream),
-        "downloading top-k sizes"));
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        CudaStatus(cudaStreamSynchronize(m.stream), "running the batch top-k"));
-    // The GPU returns each list as a set; order it as the CPU backend does, pad with -1.
-    for (int r = 0; r < rows; ++r) {
-      const int32_t* row_ids = ids.data() + static_cast<size_t>(r) * k_eff;
-      const float* row_scores = scores.data() + static_cast<size_t>(r) * k_eff;
-      const int size = sizes[r];
-      std::iota(order.begin(), order.begin() + size, 0);
-      std::sort(order.begin(), order.begin() + size, [&](int a, int b) {
-        return row_scores[a] > row_scores[b] ||
-               (row_scores[a] == row_scores[b] && row_ids[a] < row_ids[b]);
-      });
-      int32_t* dst = out->ids.data() + static_cast<size_t>(q0 + r) * k_eff;
-      for (int j = 0; j < k_eff; ++j) dst[j] = j < size ? row_ids[order[j]] : -1;
-    }
   }
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(m.stream), "running the batch top-k"));
+  m.last_gemm_input = gemm;
   return absl::OkStatus();
 }
+
+GpuBatchTopK::GemmInput GpuBatchTopK::last_gemm_input() const { return impl_->last_gemm_input; }
 
 }  // namespace kvrecall::cuda

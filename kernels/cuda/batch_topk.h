@@ -1,6 +1,7 @@
 // The GPU version of the index build's batch top-k (index/batch_topk.h adapts it): exact top-k
-// keys of many prefill queries at once, with one cuBLAS SGEMM per block of queries against all keys and
-// the GPU row selection of topk_select.cuh.
+// keys of many prefill queries at once, with one cuBLAS GEMM per block of queries against all
+// keys (bf16 or f16 tensor cores when the inputs are exact in that type, else f32) and the GPU
+// row selection of topk_select.cuh.
 #ifndef KVRECALL_KERNELS_CUDA_BATCH_TOPK_H_
 #define KVRECALL_KERNELS_CUDA_BATCH_TOPK_H_
 
@@ -14,12 +15,19 @@
 
 namespace kvrecall::cuda {
 
-// Scores are f32 with f32 arithmetic (cuBLAS pedantic math: no TF32), so lists match
-// CpuBatchTopK's up to f32 summation order, with the same order: highest <q, key> first, ties
-// to the lower id. Device memory grows to the largest call (keys, one block of queries and its
-// score rows, at most `max_score_bytes` of scores at a time) and is kept for the next.
+// Scores are sums of exact products accumulated in f32, so lists match CpuBatchTopK's up to
+// f32 rounding of the sums (near-ties may differ), with the same order: highest <q, key> first,
+// ties to the lower id (the GPU orders each list by its own scores). The products are exact
+// whatever the GEMM: a call whose keys and queries are all exact in bf16 (a bf16 session's,
+// widened to f32) multiplies them as bf16 on tensor cores, else exact in f16 as f16, else as
+// f32 (cuBLAS pedantic math: no TF32); a product of two bf16 or two f16 values is exact in f32.
+// Device memory grows to the largest call (keys, the queries, one block of score rows: at most
+// `max_score_bytes` of scores at a time) and is kept for the next.
 class GpuBatchTopK {
  public:
+  // The element type a call's GEMM multiplied (see above).
+  enum class GemmInput { kF32, kBf16, kF16 };
+
   static absl::StatusOr<std::unique_ptr<GpuBatchTopK>> Create(int64_t max_score_bytes = 512
                                                                                      << 20);
   ~GpuBatchTopK();
@@ -33,6 +41,9 @@ class GpuBatchTopK {
   // queries are not f32.
   absl::Status Run(const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
                    std::span<const int64_t> visible = {});
+
+  // What the last successful Run's GEMM multiplied.
+  GemmInput last_gemm_input() const;
 
  private:
   struct Impl;
