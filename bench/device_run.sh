@@ -109,7 +109,8 @@ print(json.dumps({os.path.relpath(f, sys.argv[1]): json.load(open(f)) for f in s
       # of which also pays the GPU's first allocations (build_seconds_by_layer). The default
       # build queries and 4x them (every 8th prompt query; the "default should rise").
       # INDEX_BASE_BUNDLE: another bundle whose kvrecall runs the same, before / after in one call;
-      # INDEX_CONTEXT, INDEX_QUERIES, INDEX_TOPK (gpu): smaller or CPU runs, for trying the step.
+      # INDEX_CONTEXT, INDEX_QUERIES, INDEX_TOPK (gpu): smaller or CPU runs, for trying the step;
+      # INDEX_WIDTHS: the graph search widths to measure (policy.index.search_width; default 1).
       trace=$(mktemp -d)/llama128k.safetensors
       /usr/bin/time -f "trace made in %e s" "$bin/kvrecall" synth --out="$trace" \
         --context=${INDEX_CONTEXT:-131072} --decode_steps=64 --layers=2 --q_heads=32 --kv_heads=8 \
@@ -118,11 +119,15 @@ print(json.dumps({os.path.relpath(f, sys.argv[1]): json.load(open(f)) for f in s
       for run in "new:$bin" ${INDEX_BASE_BUNDLE:+"base:$INDEX_BASE_BUNDLE/bin"}; do
         name=${run%%:*}; dir=${run#*:}
         for queries in ${INDEX_QUERIES:-4096 16384}; do
-          LD_LIBRARY_PATH=$(dirname "$dir")/lib "$dir/kvrecall" bench-index --trace="$trace" \
-            --k=100 --json --methods=graph --graph_topk=${INDEX_TOPK:-gpu} --build_queries=$queries \
-            --lists=100,150,200,300,500,800,1200,2000 \
-            > "$out/index_llama128k_${name}_q$queries.json" 2>> "$logs/bench_index_llama.log" \
-            || { status=1; tail -n 5 "$logs/bench_index_llama.log"; }
+          for width in ${INDEX_WIDTHS:-1}; do
+            suffix=$([ "$width" = 1 ] || echo "_w$width")
+            LD_LIBRARY_PATH=$(dirname "$dir")/lib "$dir/kvrecall" bench-index --trace="$trace" \
+              --k=100 --json --methods=graph --graph_topk=${INDEX_TOPK:-gpu} \
+              --build_queries=$queries --search_width=$width \
+              --lists=100,150,200,300,500,800,1200,2000 \
+              > "$out/index_llama128k_${name}_q$queries$suffix.json" \
+              2>> "$logs/bench_index_llama.log" || { status=1; tail -n 5 "$logs/bench_index_llama.log"; }
+          done
         done
       done
       python3 bench/index_summary.py "$out"/index_llama128k_*.json || status=1 ;;

@@ -2,7 +2,7 @@
 """Prints the build and recall figures of `kvrecall bench-index --json` outputs, one line group
 per file: build seconds per layer (each layer's, when the JSON has them), page faults, the GPU
 batch top-k's calls, per-index top-k and graph seconds with the graph's steps, and the recall /
-scanned-fraction curve of the graph.
+scanned-fraction / search-time curve of the graph at its search width.
 
     python3 bench/index_summary.py index_llama128k_new_q4096.json ...
 """
@@ -23,8 +23,10 @@ def main():
               f"{s.get('graph_seconds_per_index', 0):.4f} s "
               f"{s.get('graph_steps_seconds_per_index', '')}, pruning distances "
               f"{s.get('pruning_distances_per_index', '-')}")
-        print("  recall@%d / scanned:" % d["k"], " ".join(
-            "%d:%.4f/%.3f%%" % (p["list_size"], p["recall"], 100 * p["scanned_fraction"])
+        print("  search width %s, recall@%d / scanned / us per search:" % (
+            d.get("graph_params", {}).get("search_width", 1), d["k"]), " ".join(
+            "%d:%.4f/%.3f%%/%.0f" % (p["list_size"], p["recall"], 100 * p["scanned_fraction"],
+                                     p.get("search_microseconds", float("nan")))
             for p in g["points"]))
 
 
