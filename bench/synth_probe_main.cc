@@ -28,8 +28,6 @@ ABSL_FLAG(double, rope_base, 500000.0, "synthetic: RoPE base");
 ABSL_FLAG(uint64_t, seed, 1, "synthetic: the generator's seed");
 ABSL_FLAG(std::string, query_drift, "calibrated", "synthetic: calibrated or adversarial");
 ABSL_FLAG(double, decode_noise, -1.0, "synthetic: the decode jitter (< 0: the drift's default)");
-ABSL_FLAG(int32_t, jitter_rank, 0,
-          "synthetic: directions per query head the jitter lives in (0: every free topic dim)");
 ABSL_FLAG(int32_t, layer, -1, "the layer probed (-1: layer 0 of a synthetic trace, every layer "
                               "of --trace)");
 ABSL_FLAG(int32_t, k, 512, "top K");
@@ -102,7 +100,6 @@ int Run() {
     p.decode_steps = absl::GetFlag(FLAGS_decode_steps);
     p.seed = absl::GetFlag(FLAGS_seed);
     p.decode_noise = static_cast<float>(absl::GetFlag(FLAGS_decode_noise));
-    p.jitter_rank = absl::GetFlag(FLAGS_jitter_rank);
     absl::StatusOr<QueryDrift> drift = ParseQueryDrift(absl::GetFlag(FLAGS_query_drift));
     if (!drift.ok()) return Fail(drift.status());
     p.query_drift = *drift;
@@ -111,7 +108,7 @@ int Run() {
     Print({{"context", p.context}, {"layer", o.layer}, {"q_heads", p.q_heads},
            {"kv_heads", p.kv_heads}, {"head_dim", p.head_dim}, {"decode_steps", p.decode_steps},
            {"seed", p.seed}, {"query_drift", QueryDriftName(p.query_drift)},
-           {"decode_noise", p.decode_noise}, {"jitter_rank", p.jitter_rank}},
+           {"decode_noise", p.decode_noise}},
           o, *report);
   }
   return 0;

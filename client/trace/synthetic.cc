@@ -52,7 +52,6 @@ enum Stream : uint64_t {
   kVStream,
   kSegmentStream,
   kPrefillFocusStream,
-  kJitterBasisStream,
 };
 
 uint64_t Mix(uint64_t x) {
@@ -179,7 +178,6 @@ absl::Status SyntheticTraceParams::Validate() const {
     return invalid("query_drift must be calibrated or adversarial");
   }
   if (!std::isfinite(decode_noise)) return invalid("decode_noise must be finite");
-  if (jitter_rank < 0) return invalid("jitter_rank must be >= 0, got ", jitter_rank);
   const int64_t needle_room = context * 9 / 10 - std::max<int64_t>(sinks, context / 20);
   if (needles < 0 || needles > decode_steps || needles > needle_room) {
     return invalid("needles must be in [0, min(decode_steps, ", std::max<int64_t>(needle_room, 0),
@@ -239,38 +237,6 @@ absl::StatusOr<SyntheticTrace> SyntheticTrace::Create(const SyntheticTraceParams
         s.jitter_free.insert(s.jitter_free.end(), v.begin(), v.end());
       }
       trace.spaces_.push_back(std::move(s));
-    }
-  }
-  // Low-rank jitter: per query head, jitter_rank random directions of the topic dims,
-  // Gram-Schmidt against the KV head's sink and needle basis and each other.
-  if (params.jitter_rank > 0) {
-    for (int layer = 0; layer < params.layers; ++layer) {
-      for (int h = 0; h < params.q_heads; ++h) {
-        const KeySpace& s = trace.space(layer, KvHeadOf(h, params.q_heads, params.kv_heads));
-        const int free_dims =
-            layout.topic_end - layout.rotary - static_cast<int>(s.jitter_free.size()) / d;
-        if (params.jitter_rank > free_dims) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "synthetic trace: jitter_rank must be <= the ", free_dims,
-              " topic dims the sink and needles leave free, got ", params.jitter_rank));
-        }
-        Rng rng(StreamSeed(params.seed, kJitterBasisStream, layer, h));
-        std::vector<float> basis;
-        while (static_cast<int>(basis.size()) < params.jitter_rank * d) {
-          std::vector<float> v = RandomDirection(rng, d, layout.rotary, layout.topic_end);
-          const std::vector<float>* const against_all[] = {&s.jitter_free, &basis};
-          for (const std::vector<float>* against : against_all) {
-            for (size_t b = 0; b < against->size(); b += d) {
-              double dot = 0;
-              for (int i = 0; i < d; ++i) dot += static_cast<double>(v[i]) * (*against)[b + i];
-              for (int i = 0; i < d; ++i) v[i] -= static_cast<float>(dot) * (*against)[b + i];
-            }
-          }
-          Normalize(v.data(), d);
-          basis.insert(basis.end(), v.begin(), v.end());
-        }
-        trace.jitter_bases_.push_back(std::move(basis));
-      }
     }
   }
 
@@ -352,7 +318,6 @@ std::map<std::string, std::string> SyntheticTrace::Metadata() const {
       {"drift_period", absl::StrCat(params_.drift_period)},
       {"query_drift", QueryDriftName(params_.query_drift)},
       {"decode_noise", absl::StrCat(decode_noise())},
-      {"jitter_rank", absl::StrCat(params_.jitter_rank)},
       {"rotary_dims", absl::StrCat(params_.rotary_dims)},
       {"rope_base", absl::StrCat(params_.rope_base)},
       {"rope", "applied to the leading rotary_dims (rotate-half)"},
@@ -492,14 +457,7 @@ void SyntheticTrace::QueryRow(int layer, int q_head, TracePhase phase, int64_t r
     // drift). It lives in the topic dims orthogonal to the sink and needle directions, rescaled to keep
     // its expected norm: sinks keep their share of every query's mass, and a needle is asked for
     // by its own step only.
-    if (const float jitter = decode_noise(); jitter > 0 && params_.jitter_rank > 0) {
-      const std::vector<float>& basis = jitter_bases_[layer * params_.q_heads + q_head];
-      const float per_direction =
-          scale * jitter / std::sqrt(static_cast<float>(params_.jitter_rank));
-      for (int r = 0; r < params_.jitter_rank; ++r) {
-        AddScaled(basis.data() + r * d, per_direction * rng.Normal(), d, out);
-      }
-    } else if (jitter > 0) {
+    if (const float jitter = decode_noise(); jitter > 0) {
       const int basis = static_cast<int>(s.jitter_free.size()) / d;
       const int free_dims = layout.topic_end - layout.rotary - basis;
       if (free_dims > 0) {

@@ -74,10 +74,6 @@ struct SyntheticTraceParams {
   // generator's other strengths); < 0: the drift's default (kCalibratedDecodeNoise for
   // kCalibrated, 0 for kAdversarial).
   float decode_noise = -1.0f;
-  // Rank of the jitter (prompt and decode queries alike): 0 spreads it over every topic dim
-  // the sink and needles leave free; r > 0 confines it to r directions of those dims, fixed per
-  // (layer, query head), with the same expected norm.
-  int jitter_rank = 0;
   int needles = 8;              // placed in the prompt's middle 90%, asked for by decode steps
   int rotary_dims = 32;         // leading dims under RoPE (even, < head_dim)
   double rope_base = 500000.0;
@@ -155,9 +151,6 @@ class SyntheticTrace {
   // [q_heads, decode_steps / drift_period + 2]: the prompt token whose passage (topic and
   // segment) a head's decode queries are about in each drift period.
   std::vector<int64_t> decode_sources_;
-  // [layers * q_heads][jitter_rank, head_dim]: orthonormal jitter directions of each query
-  // head (empty when jitter_rank is 0).
-  std::vector<std::vector<float>> jitter_bases_;
   std::vector<Needle> needles_;
   std::vector<int32_t> needle_at_position_;  // [context]: needle index or -1
   std::vector<int32_t> needle_at_step_;      // [decode_steps]: needle index or -1
