@@ -227,7 +227,8 @@ nlohmann::ordered_json ReplayReportJson(const ReplayReport& r) {
                    {"tau", p.tau()},
                    {"refresh", p.refresh_interval()},
                    {"auto_tau", p.auto_tau()},
-                   {"target_recall", p.target_recall()}};
+                   {"target_recall", p.target_recall()},
+                   {"exact_flat_scan", p.exact_flat_scan()}};
   }
   j["trace"] = r.trace;
   j["dtype"] = DTypeLowerName(g.dtype);

@@ -205,6 +205,25 @@ TEST_F(CliReplayTest, ExactTopKAndStreamingReportTheirFigures) {
   EXPECT_EQ(streaming["mean_candidates"].get<double>(), 0.0);
 }
 
+// --exact_flat_scan reaches the tiered placement's ReTopK: with a refresh on every step the
+// exact path runs every step, and scanning the bulk flatly it finds the reference's top-K.
+TEST_F(CliReplayTest, ReTopKExactFlatScanReachesTheTieredPlacement) {
+  const std::vector<std::string> flags = {"--placement=tiered", "--policy=retopk", "--k=64",
+                                          "--sinks=16", "--recent=64", "--refresh=1",
+                                          "--steps=4"};
+  std::vector<std::string> flat = flags;
+  flat.push_back("--exact_flat_scan");
+  const nlohmann::json scanned = ReplayJson(flat);
+  ASSERT_TRUE(scanned.is_object());
+  EXPECT_EQ(scanned["retopk"]["exact_flat_scan"], true);
+  EXPECT_EQ(scanned["path_mix"]["refresh"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(scanned["support_recall"].get<double>(), 1.0);
+  const nlohmann::json searched = ReplayJson(flags);
+  ASSERT_TRUE(searched.is_object());
+  EXPECT_EQ(searched["retopk"]["exact_flat_scan"], false);
+  EXPECT_EQ(searched["path_mix"]["refresh"].get<double>(), 1.0);
+}
+
 TEST_F(CliReplayTest, ServerRejectionsExitNonZeroWithTheServersMessage) {
   ProcessResult r = Kvrecall("replay", {"--trace=" + *trace_, "--policy=exact_topk", "--k=-5"});
   EXPECT_EQ(r.exit_code, 1);

@@ -38,6 +38,9 @@ ABSL_FLAG(int32_t, refresh, -1,
           "retopk: every N-th decode step runs the exact path; 0 disables (unset: default)");
 ABSL_FLAG(bool, auto_tau, false, "retopk: calibrate tau per head from the prefill queries");
 ABSL_FLAG(float, target_recall, 0, "retopk with --auto_tau: support recall to keep (0: 0.9)");
+ABSL_FLAG(bool, exact_flat_scan, false,
+          "retopk under --placement=tiered: the exact path (fallback, refresh) scans the bulk "
+          "flatly instead of searching the graph index");
 ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per head (0: default)");
 ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
 ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
@@ -99,6 +102,7 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
   }
   retopk->set_auto_tau(absl::GetFlag(FLAGS_auto_tau));
   retopk->set_target_recall(absl::GetFlag(FLAGS_target_recall));
+  retopk->set_exact_flat_scan(absl::GetFlag(FLAGS_exact_flat_scan));
   v1::IndexParams* index = policy.mutable_index();
   index->set_build_queries(absl::GetFlag(FLAGS_build_queries));
   index->set_build_topk(absl::GetFlag(FLAGS_build_topk));

@@ -15,9 +15,14 @@ namespace {
 // are scaled by sqrt(head_dim / 64) so that scaled scores keep their size at other dims).
 // With the softmax scale 1/8: a sink scores ~12.5 for every query, a key of the query's topic
 // ~7.5 plus up to ~5 of recency, a needle ~30 for the query that asks for it.
-constexpr float kKeyOffset = 8.0f;       // common key offset, invisible to queries
+constexpr float kKeyOffset = 8.5f;       // common key offset, invisible to queries
 constexpr float kKeyNuisance = 6.0f;     // per-key noise in the dims queries do not use
-constexpr float kKeyTopic = 6.0f;
+constexpr float kKeyTopic = 4.5f;
+// A segment's own direction in its keys (and, at kQuerySegment relative to the topic, in the
+// queries about it): a query retrieves a passage, not every token of its topic, so its top-K
+// does not spread over a pool of same-topic keys that grows with the context.
+constexpr float kKeySegment = 4.5f;
+constexpr float kQuerySegment = 0.75f;
 constexpr float kKeyTopicNoise = 3.0f;
 constexpr float kSinkKey = 40.0f;
 constexpr float kNeedleKey = 20.0f;
@@ -38,7 +43,16 @@ constexpr double kRecencyMaxFrequency = 1.0 / 32.0;
 
 // Streams of the counter-based generator: each row of each tensor has its own, so rows can be
 // generated in any order and chunking.
-enum Stream : uint64_t { kSpaceStream = 1, kTopicStream, kNeedleStream, kQStream, kKStream, kVStream };
+enum Stream : uint64_t {
+  kSpaceStream = 1,
+  kTopicStream,
+  kNeedleStream,
+  kQStream,
+  kKStream,
+  kVStream,
+  kSegmentStream,
+  kPrefillFocusStream,
+};
 
 uint64_t Mix(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -237,7 +251,9 @@ absl::StatusOr<SyntheticTrace> SyntheticTrace::Create(const SyntheticTraceParams
                                 cumulative.begin());
   };
   trace.prompt_topics_.reserve(params.context);
-  while (static_cast<int64_t>(trace.prompt_topics_.size()) < params.context) {
+  trace.prompt_segments_.reserve(params.context);
+  for (int32_t segment = 0; static_cast<int64_t>(trace.prompt_topics_.size()) < params.context;
+       ++segment) {
     const int32_t topic = draw_topic();
     // Geometric segment length with the requested mean.
     const int64_t length = 1 + static_cast<int64_t>(std::log(1.0 - topic_rng.Uniform()) /
@@ -245,14 +261,14 @@ absl::StatusOr<SyntheticTrace> SyntheticTrace::Create(const SyntheticTraceParams
     for (int64_t i = 0; i < length && static_cast<int64_t>(trace.prompt_topics_.size()) <
                                           params.context; ++i) {
       trace.prompt_topics_.push_back(topic);
+      trace.prompt_segments_.push_back(segment);
     }
   }
-  // Decode topics: each head drifts through topics drawn from the prompt's own tokens.
+  // Decode focus: each head drifts through passages drawn from the prompt's own tokens.
   const int64_t periods = params.decode_steps / params.drift_period + 2;
   for (int h = 0; h < params.q_heads; ++h) {
     for (int64_t m = 0; m < periods; ++m) {
-      trace.decode_topics_.push_back(
-          trace.prompt_topics_[topic_rng.UniformInt(params.context)]);
+      trace.decode_sources_.push_back(topic_rng.UniformInt(params.context));
     }
   }
 
@@ -294,7 +310,7 @@ std::map<std::string, std::string> SyntheticTrace::Metadata() const {
   }
   return {
       {"source", "kvrecall synthetic generator (client/trace/synthetic.h)"},
-      {"generator", "kvrecall-synthetic-v2"},
+      {"generator", "kvrecall-synthetic-v3"},
       {"seed", absl::StrCat(params_.seed)},
       {"sinks", absl::StrCat(params_.sinks)},
       {"topics", absl::StrCat(params_.topics)},
@@ -328,8 +344,27 @@ void SyntheticTrace::ApplyRope(int64_t position, float* v) const {
   }
 }
 
-void SyntheticTrace::KeyRow(int layer, int kv_head, int64_t position, int32_t topic, int needle,
-                            uint64_t stream, float* out) const {
+void SyntheticTrace::AddSegment(int layer, int kv_head, int32_t segment, float scale,
+                                float* out) const {
+  const Layout layout = LayoutOf(params_);
+  Rng rng(StreamSeed(params_.seed, kSegmentStream, layer, kv_head, segment));
+  const std::vector<float> v = RandomDirection(rng, params_.head_dim, layout.rotary,
+                                               layout.topic_end, &space(layer, kv_head).sink);
+  AddScaled(v.data(), scale, params_.head_dim, out);
+}
+
+void SyntheticTrace::AddFocus(int layer, int kv_head, int64_t source, float weight,
+                              float* out) const {
+  const int d = params_.head_dim;
+  std::vector<float> v(d, 0.0f);
+  AddScaled(space(layer, kv_head).topics.data() + prompt_topics_[source] * d, 1.0f, d, v.data());
+  AddSegment(layer, kv_head, prompt_segments_[source], kQuerySegment, v.data());
+  Normalize(v.data(), d);
+  AddScaled(v.data(), weight, d, out);
+}
+
+void SyntheticTrace::KeyRow(int layer, int kv_head, int64_t position, int32_t topic,
+                            int32_t segment, int needle, uint64_t stream, float* out) const {
   const Layout layout = LayoutOf(params_);
   const int d = params_.head_dim;
   const KeySpace& s = space(layer, kv_head);
@@ -343,6 +378,7 @@ void SyntheticTrace::KeyRow(int layer, int kv_head, int64_t position, int32_t to
     AddNoise(rng, layout.topic_end, d, kKeyNuisance, out);
     const float* direction = needle >= 0 ? s.needles.data() + needle * d : s.topics.data() + topic * d;
     AddScaled(direction, needle >= 0 ? kNeedleKey : kKeyTopic, d, out);
+    if (needle < 0) AddSegment(layer, kv_head, segment, kKeySegment, out);
     AddNoise(rng, layout.rotary, layout.topic_end, kKeyTopicNoise, out);
     AddScaled(s.recency.data(), kRecencyKey, d, out);
     AddNoise(rng, 0, layout.rotary, kRotaryNoise, out);
@@ -378,27 +414,33 @@ void SyntheticTrace::QueryRow(int layer, int q_head, TracePhase phase, int64_t r
 
   std::vector<float> direction(d, 0.0f);
   int64_t position;
+  const int kv_head = KvHeadOf(q_head, params_.q_heads, params_.kv_heads);
+  const int64_t m = row / params_.drift_period;
   if (phase == TracePhase::kPrefill) {
     position = row;
-    // Heads differ in how local they are: head h % 4 == 0 stays on its segment's topic 90% of
-    // the time, h % 4 == 3 only 30%; otherwise the query recalls the topic of an earlier token.
+    // Heads differ in how local they are: for a period of drift_period rows, head h % 4 == 0
+    // follows its own segment 90% of the time, h % 4 == 3 only 30%; otherwise it recalls the
+    // passage of one earlier token for the whole period. Prompt queries thus move as decode
+    // queries do (a focus held for a period, the per-row jitter below), so that the prompt's
+    // last queries, which auto_tau calibrates on, behave as the decode queries that follow.
     const double own = 0.9 - 0.2 * (q_head % 4);
-    const int64_t source = (row == 0 || rng.Uniform() < own) ? row : rng.UniformInt(row);
-    AddScaled(s.topics.data() + prompt_topics_[source] * d, 1.0f, d, direction.data());
+    const int64_t start = m * params_.drift_period;
+    Rng focus(StreamSeed(params_.seed, kPrefillFocusStream, q_head, m));
+    const int64_t source = (start == 0 || focus.Uniform() < own) ? row : focus.UniformInt(start);
+    AddFocus(layer, kv_head, source, 1.0f, direction.data());
   } else {
     position = params_.context + row;
     const int64_t periods = params_.decode_steps / params_.drift_period + 2;
-    const int64_t m = row / params_.drift_period;
-    const int32_t* topics = decode_topics_.data() + q_head * periods;
+    const int64_t* sources = decode_sources_.data() + q_head * periods;
     if (params_.query_drift == QueryDrift::kAdversarial) {
-      // The topic glides to the next one over the period: consecutive queries stay alike while
+      // The focus glides to the next one over the period: consecutive queries stay alike while
       // the keys they want move elsewhere.
       const float drift = static_cast<float>(row % params_.drift_period) / params_.drift_period;
-      AddScaled(s.topics.data() + topics[m] * d, 1.0f - drift, d, direction.data());
-      AddScaled(s.topics.data() + topics[m + 1] * d, drift, d, direction.data());
+      AddFocus(layer, kv_head, sources[m], 1.0f - drift, direction.data());
+      AddFocus(layer, kv_head, sources[m + 1], drift, direction.data());
     } else {
-      // The period's topic, changing abruptly at its end (the query's similarity drops with it).
-      AddScaled(s.topics.data() + topics[m] * d, 1.0f, d, direction.data());
+      // The period's focus, changing abruptly at its end (the query's similarity drops with it).
+      AddFocus(layer, kv_head, sources[m], 1.0f, direction.data());
     }
     Normalize(direction.data(), d);
     if (needle_at_step_[row] >= 0) {
@@ -410,10 +452,9 @@ void SyntheticTrace::QueryRow(int layer, int q_head, TracePhase phase, int64_t r
   AddScaled(direction.data(), scale * kQueryTopic, d, out);
   AddScaled(s.recency.data(), scale * kRecencyQuery, d, out);
   AddNoise(rng, 0, layout.rotary, kRotaryNoise, out);
-  if (phase == TracePhase::kDecode) {
-    // The step's own jitter, drawn last so that the adversarial drift (no jitter) reproduces
-    // the pre-issue-15 generator's queries exactly.
-    // It lives in the topic dims orthogonal to the sink and needle directions, rescaled to keep
+  {
+    // The row's own jitter, in prompt and decode queries alike (none under the adversarial
+    // drift). It lives in the topic dims orthogonal to the sink and needle directions, rescaled to keep
     // its expected norm: sinks keep their share of every query's mass, and a needle is asked for
     // by its own step only.
     if (const float jitter = decode_noise(); jitter > 0) {
@@ -457,22 +498,26 @@ void SyntheticTrace::GenerateRows(int layer, TracePhase phase, TraceTensor tenso
         QueryRow(layer, h, phase, row, stream, v);
         continue;
       }
-      // A decode token belongs to the topic its KV group's first query head is on.
+      // A decode token belongs to the passage its KV group's first query head is on.
       int32_t topic;
+      int32_t segment;
       int needle = -1;
       int64_t position;
       if (phase == TracePhase::kPrefill) {
         position = row;
         topic = row < params_.sinks ? -1 : prompt_topics_[row];
+        segment = prompt_segments_[row];
         needle = needle_at_position_[row];
       } else {
         position = params_.context + row;
         const int64_t periods = params_.decode_steps / params_.drift_period + 2;
         const int first_head = h * (params_.q_heads / params_.kv_heads);
-        topic = decode_topics_[first_head * periods + row / params_.drift_period];
+        const int64_t source = decode_sources_[first_head * periods + row / params_.drift_period];
+        topic = prompt_topics_[source];
+        segment = prompt_segments_[source];
       }
       if (tensor == TraceTensor::kK) {
-        KeyRow(layer, h, position, std::max(topic, 0), needle, stream, v);
+        KeyRow(layer, h, position, std::max(topic, 0), segment, needle, stream, v);
       } else {
         ValueRow(layer, h, topic, needle, stream, v);
       }

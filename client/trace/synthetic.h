@@ -5,7 +5,9 @@
 // The model, per layer and KV head (every vector is head_dim long; the first rotary_dims are
 // rotated by RoPE at the token's position, the rest are not, as in partial-rotary models):
 //  * the prompt is a run of segments (mean `mean_segment` tokens), each on one of `topics` latent
-//    topics (Zipf-distributed); a key carries its topic's direction, plus noise;
+//    topics (Zipf-distributed); a key carries its topic's direction and its segment's own one
+//    (a passage), plus noise; a query is about a passage (a token's topic and, weaker, its
+//    segment), so its top-K is that passage more than every key of its topic;
 //  * queries and keys come from different distributions: keys carry a large common offset and
 //    large "nuisance" noise in dimensions that queries do not use, so the keys nearest to a key
 //    say little about which keys a query scores highest (Q->K is out of distribution);
@@ -13,7 +15,9 @@
 //    shares a component of, so they collect softmax mass from every query;
 //  * RoPE recency: queries and keys share a component in mid-frequency rotary pairs, so nearby
 //    tokens score higher and the bonus fades over hundreds of tokens;
-//  * prefill queries mostly attend their own segment's topic and sometimes an earlier one;
+//  * prefill queries, per head and period of drift_period rows, mostly attend their own
+//    segment and sometimes one earlier passage, with the decode jitter on every row, so that
+//    the prompt's last queries (what auto_tau calibrates on) move as decode queries do;
 //    decode queries drift (`query_drift`, calibrated against tinylm-a in
 //    bench/results/synth_calibration.md):
 //     - kCalibrated (the default): a head's topic changes abruptly every `drift_period` steps
@@ -125,8 +129,14 @@ class SyntheticTrace {
   const KeySpace& space(int layer, int kv_head) const {
     return spaces_[layer * params_.kv_heads + kv_head];
   }
-  void KeyRow(int layer, int kv_head, int64_t position, int32_t topic, int needle,
-              uint64_t stream, float* out) const;
+  void KeyRow(int layer, int kv_head, int64_t position, int32_t topic, int32_t segment,
+              int needle, uint64_t stream, float* out) const;
+  // Adds `scale` times prompt segment `segment`'s own unit direction (topic dims, orthogonal to
+  // the sink) to out [head_dim].
+  void AddSegment(int layer, int kv_head, int32_t segment, float scale, float* out) const;
+  // Adds `weight` times the unit direction of a query about prompt token `source`'s passage
+  // (its topic and, weaker, its segment) to out [head_dim].
+  void AddFocus(int layer, int kv_head, int64_t source, float weight, float* out) const;
   void ValueRow(int layer, int kv_head, int32_t topic, int needle, uint64_t stream,
                 float* out) const;
   void QueryRow(int layer, int q_head, TracePhase phase, int64_t row, uint64_t stream,
@@ -137,8 +147,10 @@ class SyntheticTrace {
   SyntheticTraceParams params_;
   std::vector<KeySpace> spaces_;          // [layers * kv_heads]
   std::vector<int32_t> prompt_topics_;    // [context]
-  // [q_heads, decode_steps / drift_period + 2]: a head's topic in each drift period.
-  std::vector<int32_t> decode_topics_;
+  std::vector<int32_t> prompt_segments_;  // [context]: segment index, from 0
+  // [q_heads, decode_steps / drift_period + 2]: the prompt token whose passage (topic and
+  // segment) a head's decode queries are about in each drift period.
+  std::vector<int64_t> decode_sources_;
   std::vector<Needle> needles_;
   std::vector<int32_t> needle_at_position_;  // [context]: needle index or -1
   std::vector<int32_t> needle_at_step_;      // [decode_steps]: needle index or -1
