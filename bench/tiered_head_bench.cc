@@ -37,6 +37,7 @@
 #include "index/index_selector.h"
 #include "index/retopk.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/mapped_memory.h"
 #include "kernels/dtype.h"
 #include "bench/percentiles.h"
 #include "nlohmann/json.hpp"
@@ -53,6 +54,7 @@ ABSL_FLAG(int, recent, 512, "static set: recent ring");
 ABSL_FLAG(double, tau, 0.85, "ReTopK tau (fixed)");
 ABSL_FLAG(int, threads, 0, "the step pass's OpenMP team (0: omp_get_max_threads())");
 ABSL_FLAG(uint64_t, seed, 100, "synthetic trace seed");
+ABSL_FLAG(int, search_width, 1, "the graph search's candidates expanded per round (policy.index)");
 
 namespace kvrecall {
 namespace {
@@ -115,7 +117,8 @@ absl::Status Run() {
   const int64_t kv_row = int64_t{kv_heads} * d, q_row = int64_t{q_heads} * d;
 
   const auto generate_start = Clock::now();
-  std::vector<uint16_t> keys((t + total_steps) * kv_row), values((t + total_steps) * kv_row);
+  // Huge pages where the kernel offers them, as the server's host store (server/kv_store.cc).
+  cpu::MappedVector<uint16_t> keys((t + total_steps) * kv_row), values((t + total_steps) * kv_row);
   std::vector<float> prompt_q(t * q_row), decode_q(total_steps * q_row);
   Generate(*trace, TracePhase::kPrefill, TraceTensor::kK, 0, t, kv_row, nullptr, keys.data());
   Generate(*trace, TracePhase::kPrefill, TraceTensor::kV, 0, t, kv_row, nullptr, values.data());
@@ -135,6 +138,7 @@ absl::Status Run() {
   p.sinks = absl::GetFlag(FLAGS_sinks);
   p.recent = absl::GetFlag(FLAGS_recent);
   p.retopk.tau = static_cast<float>(absl::GetFlag(FLAGS_tau));
+  p.index.search_width = absl::GetFlag(FLAGS_search_width);
   const LayerShape shape{q_heads, kv_heads, d, 1.0f / std::sqrt(static_cast<float>(d))};
   SelectorParams graph = p;
   graph.kind = SelectorKind::kIndex;
@@ -289,7 +293,7 @@ absl::Status Run() {
 
   nlohmann::json out = {
       {"context", t}, {"steps", steps}, {"threads", threads}, {"k", p.top_k},
-      {"tau", p.retopk.tau}, {"generate_s", generate_s}, {"build_s", build_s},
+      {"tau", p.retopk.tau}, {"search_width", p.index.search_width}, {"generate_s", generate_s}, {"build_s", build_s},
       {"reuse_fraction", static_cast<double>(reuse_heads) / std::max<int64_t>(1, reuse_heads + exact_heads)}};
   auto put = [&](const char* name, const std::vector<double>& v) { out[name] = Percentiles(v); };
   put("step_team_us", samples.step_team_us);
