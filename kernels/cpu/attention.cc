@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
