@@ -31,6 +31,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/fidelity.h"
+#include "bench/percentiles.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, trace, "", "the trace (safetensors, DESIGN.md's replay format)");
@@ -52,17 +53,6 @@ using Clock = std::chrono::steady_clock;
 
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-}
-
-nlohmann::json Percentiles(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  auto at = [&](double p) {
-    return v[std::min<size_t>(v.size() - 1, static_cast<size_t>(p * v.size()))];
-  };
-  double sum = 0;
-  for (double x : v) sum += x;
-  return {{"p50", at(0.50)},  {"p90", at(0.90)}, {"p99", at(0.99)},
-          {"p999", at(0.999)}, {"max", v.back()}, {"mean", sum / v.size()}};
 }
 
 absl::Status Run() {

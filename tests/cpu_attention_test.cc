@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -365,6 +367,68 @@ TEST(TopKPositionsTest, TiesAreBrokenByLowerPosition) {
   EXPECT_EQ(top, (std::vector<int32_t>{1, 2, 4, 3}));
   cpu::TopKPositions(scores, 0, &top);
   EXPECT_TRUE(top.empty());
+}
+
+// The brute-force order TopKPositions promises: score descending, equal scores
+// (-0 equal to +0) by position ascending.
+std::vector<int32_t> ReferenceTopK(const std::vector<float>& scores, int k) {
+  std::vector<int32_t> all(scores.size());
+  std::iota(all.begin(), all.end(), 0);
+  std::stable_sort(all.begin(), all.end(),
+                   [&](int32_t a, int32_t b) { return scores[a] > scores[b]; });
+  all.resize(std::min<size_t>(std::max(k, 0), all.size()));
+  return all;
+}
+
+TEST(TopKPositionsTest, MatchesASortOfEveryScore) {
+  std::mt19937 rng(7);
+  for (int n : {1, 2, 9, 300, 1537, 5000}) {
+    for (int distinct : {1, 3, 50, 0}) {  // 0: continuous scores, else that many values
+      std::vector<float> scores = RandomNormal(n, 1000 + n + distinct, 3.0f);
+      if (distinct > 0) {
+        for (float& x : scores) x = static_cast<float>(static_cast<int>(rng() % distinct) - 1);
+      }
+      // Signed zeros and infinities among them.
+      scores[rng() % n] = -0.0f;
+      scores[rng() % n] = 0.0f;
+      scores[rng() % n] = -std::numeric_limits<float>::infinity();
+      if (n > 3) scores[rng() % n] = std::numeric_limits<float>::infinity();
+      for (int k : {0, 1, 7, 512, n - 1, n, n + 5}) {
+        std::vector<int32_t> top;
+        cpu::TopKPositions(scores, k, &top);
+        EXPECT_EQ(top, ReferenceTopK(scores, k)) << n << " " << distinct << " " << k;
+      }
+    }
+  }
+}
+
+// Scattered rows, scored four at a time with prefetching: each score is what
+// DotProduct gives for its row alone, scaled, bit for bit, for every element
+// type and count.
+TEST_P(CpuStoredElementTest, ScoreTokensEqualsDotProductPerRowBitForBit) {
+  for (int dim : {40, 128}) {
+    const RandomKv f32(700, 2, dim, 31 + dim);
+    const testing::NarrowedKv stored(f32, GetParam());
+    const std::vector<float> q = RandomNormal(dim, 37, 1.5f);
+    const float scale = 0.125f;
+    std::mt19937 rng(dim);
+    for (const KvView& kv : {stored.view(), stored.widened_view()}) {
+      for (int count : {0, 1, 3, 4, 5, 16, 17, 21, 250}) {
+        std::vector<int32_t> ids(count);
+        for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 700);
+        for (int h = 0; h < 2; ++h) {
+          std::vector<float> scores(count + 1, -1.0f);
+          cpu::ScoreTokens(q.data(), kv, h, ids, scale, scores.data());
+          for (int i = 0; i < count; ++i) {
+            EXPECT_EQ(scores[i],
+                      scale * cpu::DotProduct(q.data(), kv.key_row(ids[i], h), kv.element, dim))
+                << dim << " " << count << " " << i;
+          }
+          EXPECT_EQ(scores[count], -1.0f) << "wrote past count";
+        }
+      }
+    }
+  }
 }
 
 TEST(MergeStateTest, LargeLseGapsDoNotOverflow) {

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -74,6 +74,18 @@ const Stored<E>* ValueRow(const KvView& kv, int64_t t, int h) {
   return static_cast<const Stored<E>*>(kv.values) + kv.offset(t, h);
 }
 
+// Rows a gather over scattered rows (a support, a candidate list) requests
+// ahead of the one it works on: enough for the DRAM latency (~100 ns) to pass
+// while the rows before it are worked (tens of ns each), few enough to stay in
+// L1 (16 rows of 256-512 bytes).
+constexpr size_t kRowsAhead = 16;
+
+// Requests every cache line of a row of `bytes` bytes.
+inline void PrefetchRow(const void* row, int bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
 // Scores are a per-call scratch; thread_local keeps the hot path free of allocations once warm.
 std::vector<float>& ScoreScratch(size_t n) {
   thread_local std::vector<float> scratch;
@@ -102,9 +114,19 @@ template <KvElement E, typename TokenOf>
 void WeightedValueSum(const float* weights, size_t n, TokenOf token_of, const KvView& kv,
                       int kv_head, float* o) {
   const int d = kv.head_dim;
+  const int row_bytes = d * static_cast<int>(sizeof(Stored<E>));
   std::fill(o, o + d, 0.0f);
+  // The rows are scattered (a support), so nothing prefetches them but us:
+  // kRowsAhead rows ahead, requested before the first pass and then four per
+  // pass.
+  for (size_t j = 0; j < std::min(n, kRowsAhead); ++j) {
+    PrefetchRow(ValueRow<E>(kv, token_of(j), kv_head), row_bytes);
+  }
   size_t i = 0;
   for (; i + 4 <= n; i += 4) {
+    for (size_t j = i + kRowsAhead; j < std::min(n, i + kRowsAhead + 4); ++j) {
+      PrefetchRow(ValueRow<E>(kv, token_of(j), kv_head), row_bytes);
+    }
     const float w0 = weights[i], w1 = weights[i + 1], w2 = weights[i + 2], w3 = weights[i + 3];
     const Stored<E>* v0 = ValueRow<E>(kv, token_of(i), kv_head);
     const Stored<E>* v1 = ValueRow<E>(kv, token_of(i + 1), kv_head);
@@ -242,11 +264,27 @@ void DotRowsOf(const float* x, const void* const* rows, int count, int n, float*
   for (; r < count; ++r) out[r] = Dot<E>(x, static_cast<const Stored<E>*>(rows[r]), n);
 }
 
+// Scattered rows, prefetched kRowsAhead ahead and scored four at a time
+// (DotRowsOf: Dot's arithmetic, bit for bit, with the four rows' loads in
+// flight together).
 template <KvElement E>
 void ScoreTokensOf(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
                    float scale, float* scores) {
-  for (size_t i = 0; i < ids.size(); ++i) {
-    scores[i] = scale * Dot<E>(q, KeyRow<E>(kv, ids[i], kv_head), kv.head_dim);
+  const size_t n = ids.size();
+  const int d = kv.head_dim;
+  const int row_bytes = d * static_cast<int>(sizeof(Stored<E>));
+  for (size_t j = 0; j < std::min(n, kRowsAhead); ++j) {
+    PrefetchRow(KeyRow<E>(kv, ids[j], kv_head), row_bytes);
+  }
+  const void* rows[4];
+  for (size_t i = 0; i < n; i += 4) {
+    for (size_t j = i + kRowsAhead; j < std::min(n, i + kRowsAhead + 4); ++j) {
+      PrefetchRow(KeyRow<E>(kv, ids[j], kv_head), row_bytes);
+    }
+    const int count = static_cast<int>(std::min<size_t>(4, n - i));
+    for (int r = 0; r < count; ++r) rows[r] = KeyRow<E>(kv, ids[i + r], kv_head);
+    DotRowsOf<E>(q, rows, count, d, scores + i);
+    for (int r = 0; r < count; ++r) scores[i + r] *= scale;
   }
 }
 
@@ -256,6 +294,98 @@ void ScoreRangeOf(const float* q, const KvView& kv, int kv_head, int64_t begin, 
   for (int64_t t = begin; t < end; ++t) {
     scores[t - begin] = scale * Dot<E>(q, KeyRow<E>(kv, t, kv_head), kv.head_dim);
   }
+}
+
+// The sort key of (score, position) for TopKPositions: ascending keys are
+// scores descending, equal scores by position ascending. The score's bits are
+// mapped to an unsigned integer of the same order (negatives flipped, positives
+// offset past them; -0 is first made +0, which compares equal to it),
+// complemented for descending, above the position.
+inline uint64_t RankKey(float score, uint32_t position) {
+  uint32_t bits;
+  const float canonical = score + 0.0f;  // -0 + 0 = +0
+  std::memcpy(&bits, &canonical, sizeof(bits));
+  const uint32_t ascending = (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+  return (uint64_t{~ascending} << 32) | position;
+}
+
+// TopKPositions' scratch.
+struct RadixScratch {
+  std::vector<uint64_t> keys, pool, selected;
+};
+
+// Leaves in scratch->keys the `keep` (< its size) smallest of its distinct
+// keys, in any order: a most significant digit first radix selection, one byte
+// a pass over the keys still undecided (those that share every digit so far
+// with the keep-th smallest), without a compare branch.
+void SelectSmallest(size_t keep, RadixScratch* scratch) {
+  std::vector<uint64_t>& pool = scratch->pool;
+  std::vector<uint64_t>& selected = scratch->selected;
+  pool.assign(scratch->keys.begin(), scratch->keys.end());
+  selected.resize(keep);
+  size_t kept = 0;             // selected[0, kept) are in
+  size_t open = pool.size();  // pool[0, open) are undecided
+  for (int shift = 56; kept + open > keep; shift -= 8) {
+    if (shift < 0) {  // only for equal keys, which RankKey never makes
+      std::copy(pool.begin(), pool.begin() + (keep - kept), selected.begin() + kept);
+      kept = keep;
+      open = 0;
+      break;
+    }
+    uint32_t count[256] = {};
+    for (size_t i = 0; i < open; ++i) ++count[(pool[i] >> shift) & 255];
+    // The boundary digit: every key below it is in, some of those on it.
+    uint32_t boundary = 0;
+    size_t below = 0;
+    while (kept + below + count[boundary] < keep) below += count[boundary++];
+    // Below the boundary to `selected` (each write lands at an index < keep),
+    // on it compacted in place in `pool` (written at or before where it was
+    // read).
+    size_t n_in = kept, n_on = 0;
+    for (size_t i = 0; i < open; ++i) {
+      const uint64_t x = pool[i];
+      const uint32_t digit = (x >> shift) & 255;
+      selected[n_in] = x;
+      n_in += digit < boundary;
+      pool[n_on] = x;
+      n_on += digit == boundary;
+    }
+    kept = n_in;
+    open = n_on;
+  }
+  std::copy(pool.begin(), pool.begin() + open, selected.begin() + kept);
+  scratch->keys.swap(selected);
+}
+
+// Sorts scratch->keys[0, n) ascending: least significant digit first, a byte a
+// pass, skipping the bytes that every key shares.
+void SortAscending(size_t n, RadixScratch* scratch) {
+  if (n < 2) return;
+  std::vector<uint64_t>& keys = scratch->keys;
+  std::vector<uint64_t>& other = scratch->pool;
+  other.resize(n);
+  uint64_t all_or = 0, all_and = ~uint64_t{0};
+  for (size_t i = 0; i < n; ++i) {
+    all_or |= keys[i];
+    all_and &= keys[i];
+  }
+  const uint64_t varying = all_or ^ all_and;
+  uint64_t* src = keys.data();
+  uint64_t* dst = other.data();
+  for (int shift = 0; shift < 64; shift += 8) {
+    if (((varying >> shift) & 255) == 0) continue;
+    uint32_t start[256] = {};
+    for (size_t i = 0; i < n; ++i) ++start[(src[i] >> shift) & 255];
+    uint32_t sum = 0;
+    for (uint32_t& c : start) {
+      const uint32_t count = c;
+      c = sum;
+      sum += count;
+    }
+    for (size_t i = 0; i < n; ++i) dst[start[(src[i] >> shift) & 255]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != keys.data()) std::copy(src, src + n, keys.data());
 }
 
 }  // namespace
@@ -320,16 +450,20 @@ float Normalize(const float* x, int n, float* unit) {
 void TopKPositions(std::span<const float> scores, int k, std::vector<int32_t>* positions) {
   const size_t n = scores.size();
   const size_t keep = std::min(static_cast<size_t>(std::max(k, 0)), n);
-  positions->resize(n);
-  std::iota(positions->begin(), positions->end(), 0);
-  auto higher = [&](int32_t a, int32_t b) {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-  };
-  if (keep < n) {
-    std::nth_element(positions->begin(), positions->begin() + keep, positions->end(), higher);
-    positions->resize(keep);
-  }
-  std::sort(positions->begin(), positions->end(), higher);
+  // Each (score, position) packed into one integer whose ascending order is the
+  // wanted order (RankKey; distinct, as the positions are), then selected and
+  // sorted by radix, without a comparison branch: an indirect comparator's
+  // mispredictions in nth_element and sort cost a quarter of a reuse head's
+  // step (bench/results/tiered_head_cost.md).
+  positions->clear();
+  if (keep == 0) return;
+  thread_local RadixScratch scratch;
+  scratch.keys.resize(n);
+  for (size_t i = 0; i < n; ++i) scratch.keys[i] = RankKey(scores[i], static_cast<uint32_t>(i));
+  if (keep < n) SelectSmallest(keep, &scratch);
+  SortAscending(keep, &scratch);
+  positions->resize(keep);
+  for (size_t i = 0; i < keep; ++i) (*positions)[i] = static_cast<int32_t>(scratch.keys[i]);
 }
 
 void ExactTopK(const float* q, const KvView& kv, int kv_head, float scale, int k,

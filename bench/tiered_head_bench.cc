@@ -1,0 +1,332 @@
+// Where a tiered layer-step's per-head host (bulk) time goes (issue 15): one layer of a
+// SyntheticTrace (Llama-3-8B geometry by default) held as the tiered placement holds it (bf16
+// host KV; the bulk [sinks, T - recent) behind ReTopK whose exact path is the graph index over
+// the bulk), replayed in-process step by step.
+//
+// Each step runs two passes over the 32 query heads, alternating which goes first so that each
+// is measured cold (its rows not yet touched this step) on half the steps:
+//  * "step": what TieredLayer::AttendBulkHead does, heads in an OpenMP team of --threads
+//    (schedule(dynamic, 1) as TieredBackend::StepRun): ReTopKSelector::Select then
+//    cpu::PartialAttentionScored; per head and for the whole team, plus an empty parallel
+//    region of the same team (the fork/join alone). This pass advances the selector's state.
+//  * "phases": on one thread, every head through both paths' parts with the public pieces of
+//    the selector, timed apart: the match (normalize, cosines with the cache, the R nearest
+//    entries), the union of their supports (UnionReuseCandidates), candidate scoring
+//    (cpu::ScoreTokens: ns per key), the top-K (cpu::TopKPositions), the graph search of the exact
+//    path (IndexSelector::Select over the bulk: ns per scored key) and the partial attention
+//    over its support (cpu::PartialAttentionScored). Nothing here changes the ReTopK caches; the
+//    exact path's search records the query for linking, as the step's does.
+// The step's token leaves the ring into the bulk after both passes (OnAppend, untimed).
+//
+// Prints one JSON object: percentiles (p50, p90, mean) of every figure, the path mix.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "client/trace/synthetic.h"
+#include "index/basic_selectors.h"
+#include "index/batch_topk.h"
+#include "index/index_selector.h"
+#include "index/retopk.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/mapped_memory.h"
+#include "kernels/dtype.h"
+#include "bench/percentiles.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(int64_t, context, 131072, "prompt tokens T");
+ABSL_FLAG(int, steps, 40, "decode steps timed");
+ABSL_FLAG(int, warmup, 4, "decode steps run first, untimed");
+ABSL_FLAG(int, q_heads, 32, "query heads");
+ABSL_FLAG(int, kv_heads, 8, "KV heads");
+ABSL_FLAG(int, head_dim, 128, "head dim");
+ABSL_FLAG(int, k, 512, "top K");
+ABSL_FLAG(int, sinks, 128, "static set: sinks");
+ABSL_FLAG(int, recent, 512, "static set: recent ring");
+ABSL_FLAG(double, tau, 0.85, "ReTopK tau (fixed)");
+ABSL_FLAG(int, threads, 0, "the step pass's OpenMP team (0: omp_get_max_threads())");
+ABSL_FLAG(uint64_t, seed, 100, "synthetic trace seed");
+ABSL_FLAG(int, search_width, 1, "the graph search's candidates expanded per round (policy.index)");
+
+namespace kvrecall {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double MicrosSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+}
+
+// The figures of a run, each a list of samples (microseconds unless named otherwise).
+struct Samples {
+  std::vector<double> step_head_us, step_reuse_head_us, step_exact_head_us, step_team_us,
+      step_fork_join_us, step_head_sum_us;
+  std::vector<double> match_us, union_us, score_us, score_ns_per_key, topk_us, reuse_attend_us,
+      reuse_keys, search_us, search_ns_per_key, search_keys, exact_attend_us, reuse_total_us,
+      exact_total_us;
+};
+
+// Rows [begin, begin + n) of one tensor of layer 0, generated chunk by chunk on every thread.
+void Generate(const SyntheticTrace& trace, TracePhase phase, TraceTensor tensor, int64_t begin,
+              int64_t n, int64_t row, float* f32, uint16_t* bf16) {
+  constexpr int64_t kChunk = 1024;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = c * kChunk, count = std::min(kChunk, n - first);
+      float* out = f32;
+      if (out == nullptr) {
+        scratch.resize(count * row);
+        out = scratch.data();
+      } else {
+        out += first * row;
+      }
+      trace.GenerateRows(0, phase, tensor, begin + first, count, out);
+      if (bf16 != nullptr) {
+        for (int64_t i = 0; i < count * row; ++i) bf16[first * row + i] = FloatToBf16(out[i]);
+      }
+    }
+  }
+}
+
+absl::Status Run() {
+  const int64_t t = absl::GetFlag(FLAGS_context);
+  const int steps = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
+  const int total_steps = steps + warmup;
+  SyntheticTraceParams params;
+  params.q_heads = absl::GetFlag(FLAGS_q_heads);
+  params.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  params.head_dim = absl::GetFlag(FLAGS_head_dim);
+  params.context = t;
+  params.decode_steps = total_steps;
+  params.seed = absl::GetFlag(FLAGS_seed);
+  absl::StatusOr<SyntheticTrace> trace = SyntheticTrace::Create(params);
+  if (!trace.ok()) return trace.status();
+  const int d = params.head_dim, q_heads = params.q_heads, kv_heads = params.kv_heads;
+  const int64_t kv_row = int64_t{kv_heads} * d, q_row = int64_t{q_heads} * d;
+
+  const auto generate_start = Clock::now();
+  // Huge pages where the kernel offers them, as the server's host store (server/kv_store.cc).
+  cpu::MappedVector<uint16_t> keys((t + total_steps) * kv_row), values((t + total_steps) * kv_row);
+  std::vector<float> prompt_q(t * q_row), decode_q(total_steps * q_row);
+  Generate(*trace, TracePhase::kPrefill, TraceTensor::kK, 0, t, kv_row, nullptr, keys.data());
+  Generate(*trace, TracePhase::kPrefill, TraceTensor::kV, 0, t, kv_row, nullptr, values.data());
+  Generate(*trace, TracePhase::kDecode, TraceTensor::kK, 0, total_steps, kv_row, nullptr,
+           keys.data() + t * kv_row);
+  Generate(*trace, TracePhase::kDecode, TraceTensor::kV, 0, total_steps, kv_row, nullptr,
+           values.data() + t * kv_row);
+  Generate(*trace, TracePhase::kPrefill, TraceTensor::kQ, 0, t, q_row, prompt_q.data(), nullptr);
+  Generate(*trace, TracePhase::kDecode, TraceTensor::kQ, 0, total_steps, q_row, decode_q.data(),
+           nullptr);
+  const double generate_s = MicrosSince(generate_start) / 1e6;
+
+  // The tiered placement's bulk selector (server/backends/tiered_backend.cc, MakeBulkSelector).
+  SelectorParams p;
+  p.kind = SelectorKind::kReTopK;
+  p.top_k = absl::GetFlag(FLAGS_k);
+  p.sinks = absl::GetFlag(FLAGS_sinks);
+  p.recent = absl::GetFlag(FLAGS_recent);
+  p.retopk.tau = static_cast<float>(absl::GetFlag(FLAGS_tau));
+  p.index.search_width = absl::GetFlag(FLAGS_search_width);
+  const LayerShape shape{q_heads, kv_heads, d, 1.0f / std::sqrt(static_cast<float>(d))};
+  SelectorParams graph = p;
+  graph.kind = SelectorKind::kIndex;
+  graph.sinks = 0;
+  graph.recent = 0;
+  auto exact = std::make_unique<IndexSelector>(shape, graph, /*bulk_only=*/true,
+                                               BatchTopKFunction(CpuBatchTopK));
+  IndexSelector* search = exact.get();
+  ReTopKSelector selector(shape, p.top_k, p.retopk, p.recent);
+  selector.set_exact_search(std::move(exact));
+
+  const KvView store{keys.data(), values.data(), t + total_steps, kv_heads, d, KvElement::kBf16};
+  auto bulk_of = [&](int64_t tokens) {
+    return store.Tokens(std::min<int64_t>(p.sinks, tokens), BulkTokens(tokens, p.sinks, p.recent));
+  };
+  const auto build_start = Clock::now();
+  if (absl::Status s = selector.Build(bulk_of(t), prompt_q.data() + (int64_t{p.sinks} + p.recent) * q_row);
+      !s.ok()) {
+    return s;
+  }
+  const double build_s = MicrosSince(build_start) / 1e6;
+
+  const int threads =
+      absl::GetFlag(FLAGS_threads) > 0 ? absl::GetFlag(FLAGS_threads) : omp_get_max_threads();
+  Samples samples;
+  std::vector<HeadSelection> selections(q_heads);
+  std::vector<float> o(q_row), lse(q_heads), head_us(q_heads);
+  int64_t reuse_heads = 0, exact_heads = 0;
+  // Per-thread scratch of the phases pass.
+  std::vector<float> unit(d), cosines(p.retopk.cache_capacity), scores, support_scores;
+  std::vector<int32_t> neighbors, candidates, positions, support;
+  HeadSelection exact_selection;
+
+  auto step_pass = [&](const KvView& bulk, const float* q, bool record) {
+    const auto team_start = Clock::now();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int h = 0; h < q_heads; ++h) {
+      const auto start = Clock::now();
+      HeadSelection& sel = selections[h];
+      selector.Select(h, q + int64_t{h} * d, bulk, &sel);
+      const int kv_head = KvHeadOf(h, q_heads, kv_heads);
+      if (sel.support_scores.size() == sel.support.size()) {
+        cpu::PartialAttentionScored(sel.support_scores, bulk, kv_head, sel.support,
+                                    o.data() + int64_t{h} * d, &lse[h]);
+      } else {
+        cpu::PartialAttention(q + int64_t{h} * d, bulk, kv_head, sel.support, shape.scale,
+                              o.data() + int64_t{h} * d, &lse[h]);
+      }
+      head_us[h] = MicrosSince(start);
+    }
+    const double team = MicrosSince(team_start);
+    const auto fork_start = Clock::now();
+#pragma omp parallel num_threads(threads)
+    {
+      asm volatile("" ::: "memory");
+    }
+    const double fork_join = MicrosSince(fork_start);
+    if (!record) return;
+    samples.step_team_us.push_back(team);
+    samples.step_fork_join_us.push_back(fork_join);
+    double sum = 0;
+    for (int h = 0; h < q_heads; ++h) {
+      sum += head_us[h];
+      samples.step_head_us.push_back(head_us[h]);
+      if (selections[h].path == SelectionPath::kReuse) {
+        ++reuse_heads;
+        samples.step_reuse_head_us.push_back(head_us[h]);
+      } else {
+        ++exact_heads;
+        samples.step_exact_head_us.push_back(head_us[h]);
+      }
+    }
+    samples.step_head_sum_us.push_back(sum);
+  };
+
+  auto phases_pass = [&](const KvView& bulk, const float* q_step, bool record) {
+    for (int h = 0; h < q_heads; ++h) {
+      const float* q = q_step + int64_t{h} * d;
+      const int kv_head = KvHeadOf(h, q_heads, kv_heads);
+      const QuerySupportCache& cache = selector.head(h).cache();
+      // The reuse path, whatever the head's real path is.
+      auto start = Clock::now();
+      cpu::Normalize(q, d, unit.data());
+      cache.Cosines(unit.data(), cosines.data());
+      cpu::TopKPositions(std::span<const float>(cosines.data(), cache.size()),
+                         p.retopk.reuse_neighbors, &neighbors);
+      const double match = MicrosSince(start);
+      start = Clock::now();
+      UnionReuseCandidates(cache, neighbors, bulk.tokens, p.retopk.recent_window, &candidates);
+      const double union_us = MicrosSince(start);
+      start = Clock::now();
+      scores.resize(candidates.size());
+      cpu::ScoreTokens(q, bulk, kv_head, candidates, shape.scale, scores.data());
+      const double score = MicrosSince(start);
+      start = Clock::now();
+      cpu::TopKPositions(scores, p.top_k, &positions);
+      support.resize(positions.size());
+      support_scores.resize(positions.size());
+      for (size_t i = 0; i < positions.size(); ++i) {
+        support[i] = candidates[positions[i]];
+        support_scores[i] = scores[positions[i]];
+      }
+      const double topk = MicrosSince(start);
+      start = Clock::now();
+      cpu::PartialAttentionScored(support_scores, bulk, kv_head, support, o.data(), &lse[0]);
+      const double reuse_attend = MicrosSince(start);
+      // The exact path: the graph search over the bulk and the attention over its support.
+      start = Clock::now();
+      search->Select(h, q, bulk, &exact_selection);
+      const double search_us = MicrosSince(start);
+      start = Clock::now();
+      cpu::PartialAttentionScored(exact_selection.support_scores, bulk, kv_head,
+                                  exact_selection.support, o.data(), &lse[0]);
+      const double exact_attend = MicrosSince(start);
+      if (!record) continue;
+      samples.match_us.push_back(match);
+      samples.union_us.push_back(union_us);
+      samples.score_us.push_back(score);
+      samples.reuse_keys.push_back(static_cast<double>(candidates.size()));
+      samples.score_ns_per_key.push_back(1e3 * score / std::max<size_t>(1, candidates.size()));
+      samples.topk_us.push_back(topk);
+      samples.reuse_attend_us.push_back(reuse_attend);
+      samples.reuse_total_us.push_back(match + union_us + score + topk + reuse_attend);
+      samples.search_us.push_back(search_us);
+      samples.search_keys.push_back(exact_selection.candidates);
+      samples.search_ns_per_key.push_back(1e3 * search_us /
+                                          std::max(1, exact_selection.candidates));
+      samples.exact_attend_us.push_back(exact_attend);
+      samples.exact_total_us.push_back(search_us + exact_attend);
+    }
+  };
+
+  for (int s = 0; s < total_steps; ++s) {
+    const int64_t tokens = t + s + 1;  // the step's token included
+    const KvView bulk = bulk_of(tokens);
+    const float* q = decode_q.data() + int64_t{s} * q_row;
+    const bool record = s >= warmup;
+    // Each pass is cold (first to touch its rows this step) on every other step; only its cold
+    // steps are recorded.
+    if (s % 2 == 0) {
+      step_pass(bulk, q, record);
+      phases_pass(bulk, q, false);
+    } else {
+      phases_pass(bulk, q, record);
+      step_pass(bulk, q, false);
+    }
+    // The step's token pushes the ring's oldest into the bulk.
+    if (BulkTokens(tokens, p.sinks, p.recent) > BulkTokens(tokens - 1, p.sinks, p.recent)) {
+      selector.OnAppend(bulk);
+    }
+  }
+
+  nlohmann::json out = {
+      {"context", t}, {"steps", steps}, {"threads", threads}, {"k", p.top_k},
+      {"tau", p.retopk.tau}, {"search_width", p.index.search_width}, {"generate_s", generate_s}, {"build_s", build_s},
+      {"reuse_fraction", static_cast<double>(reuse_heads) / std::max<int64_t>(1, reuse_heads + exact_heads)}};
+  auto put = [&](const char* name, const std::vector<double>& v) { out[name] = Percentiles(v); };
+  put("step_team_us", samples.step_team_us);
+  put("step_fork_join_us", samples.step_fork_join_us);
+  put("step_head_sum_us", samples.step_head_sum_us);
+  put("step_head_us", samples.step_head_us);
+  put("step_reuse_head_us", samples.step_reuse_head_us);
+  put("step_exact_head_us", samples.step_exact_head_us);
+  put("reuse_match_us", samples.match_us);
+  put("reuse_union_us", samples.union_us);
+  put("reuse_keys", samples.reuse_keys);
+  put("reuse_score_us", samples.score_us);
+  put("reuse_score_ns_per_key", samples.score_ns_per_key);
+  put("reuse_topk_us", samples.topk_us);
+  put("reuse_attend_us", samples.reuse_attend_us);
+  put("reuse_total_us", samples.reuse_total_us);
+  put("exact_search_us", samples.search_us);
+  put("exact_search_keys", samples.search_keys);
+  put("exact_search_ns_per_key", samples.search_ns_per_key);
+  put("exact_attend_us", samples.exact_attend_us);
+  put("exact_total_us", samples.exact_total_us);
+  std::printf("%s\n", out.dump().c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace kvrecall
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (absl::Status s = kvrecall::Run(); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
