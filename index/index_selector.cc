@@ -34,7 +34,8 @@ IndexSelector::IndexSelector(const LayerShape& shape, const SelectorParams& para
       index_params_(params.index.WithDefaults()),
       bulk_only_(bulk_only),
       batch_topk_(batch_topk),
-      heads_per_graph_(HeadsPerGraph(shape, index_params_)) {
+      heads_per_graph_(HeadsPerGraph(shape, index_params_)),
+      head_sampling_(HeadSampling(index_params_, heads_per_graph_)) {
   const int graphs = shape.q_heads / heads_per_graph_;
   graphs_.reserve(graphs);
   for (int g = 0; g < graphs; ++g) {
@@ -46,6 +47,13 @@ int IndexSelector::HeadsPerGraph(const LayerShape& shape, const GraphIndexParams
   return params.WithDefaults().graph_scope == GraphScope::kKvHead
              ? shape.q_heads / shape.kv_heads
              : 1;
+}
+
+GraphIndexParams IndexSelector::HeadSampling(const GraphIndexParams& params,
+                                             int heads_per_graph) {
+  GraphIndexParams out = params.WithDefaults();
+  out.build_queries = (out.build_queries + heads_per_graph - 1) / heads_per_graph;
+  return out;
 }
 
 int64_t IndexSelector::BulkEnd(int64_t tokens) const {
@@ -100,7 +108,7 @@ void IndexSelector::ComputeGroupLists(const KvView& kv, const float* prompt_quer
   std::vector<int64_t> counts(group);
   for (int i = 0; i < group; ++i) {
     counts[i] = GraphIndex::SampledQueryCount(
-        index_params_, keys.count, HeadQueries(kv_head * group + i, prompt_queries, kv.tokens));
+        head_sampling_, keys.count, HeadQueries(kv_head * group + i, prompt_queries, kv.tokens));
     total += counts[i];
   }
   cpu::MappedVector<float> queries(static_cast<size_t>(total) * shape_.head_dim);
@@ -109,7 +117,7 @@ void IndexSelector::ComputeGroupLists(const KvView& kv, const float* prompt_quer
   int64_t offset = 0;
   for (int i = 0; i < group; ++i) {
     out->query_sums[i] = GraphIndex::SampleQueries(
-        index_params_, keys, HeadQueries(kv_head * group + i, prompt_queries, kv.tokens),
+        head_sampling_, keys, HeadQueries(kv_head * group + i, prompt_queries, kv.tokens),
         queries.data() + offset * shape_.head_dim, &visible);
     offset += counts[i];
   }
@@ -319,6 +327,7 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
                                         int64_t tokens, int build_threads) {
   const int64_t bulk = BulkTokens(tokens, params.sinks, params.recent);
   const int heads_per_graph = HeadsPerGraph(shape, params.index);
+  const GraphIndexParams sampling = HeadSampling(params.index, heads_per_graph);
   const int graphs = shape.q_heads / heads_per_graph;
   const int64_t per_graph = GraphIndex::GraphBytes(params.index, bulk) +
                             int64_t{kRecentQueries} * heads_per_graph * shape.head_dim *
@@ -332,16 +341,15 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
   const int side_by_side = BuildSideBySide(graphs, build_threads);
   const int64_t k = std::min<int64_t>(params.index.WithDefaults().build_topk, bulk);
   const int64_t group_queries =
-      group * GraphIndex::SampledQueryBytes(params.index, bulk, tokens, shape.head_dim);
+      group * GraphIndex::SampledQueryBytes(sampling, bulk, tokens, shape.head_dim);
+  const int64_t head_lists = GraphIndex::TopKListBytes(sampling, bulk, tokens);
   const int64_t group_topk =
       bulk == 0 ? 0
                 : CpuBatchTopKScratchBytes(bulk, static_cast<int>(k), shape.head_dim,
                                            std::max(1, build_threads)) +
-                      group * GraphIndex::TopKListBytes(params.index, bulk, tokens);
-  return per_graph * graphs +
-         shape.q_heads * GraphIndex::TopKListBytes(params.index, bulk, tokens) + group_queries +
-         group_topk +
-         side_by_side * GraphIndex::GraphScratchBytesBound(params.index, bulk, tokens,
+                      group * head_lists;
+  return per_graph * graphs + shape.q_heads * head_lists + group_queries + group_topk +
+         side_by_side * GraphIndex::GraphScratchBytesBound(sampling, bulk, tokens,
                                                            side_by_side > 1 ? 1 : build_threads,
                                                            heads_per_graph);
 }

@@ -15,9 +15,10 @@
 namespace kvrecall {
 
 // A GraphIndex per KV head (GraphScope::kKvHead: its query heads share one graph, built from
-// all their prompt queries' top-k lists) or per query head (kQueryHead: built from that head's
-// queries), over the KV head's bulk keys [sinks, tokens - recent), read in place from the
-// layer's KV. The graphs are built from prompt queries (causally: a prompt query saw only the
+// the top-k lists of all their sampled prompt queries, GraphIndexParams::build_queries split
+// evenly among them) or per query head (kQueryHead: built from that head's queries), over the
+// KV head's bulk keys [sinks, tokens - recent), read in place from the layer's KV ([tokens,
+// kv_heads, head_dim], row-major). The graphs are built from prompt queries (causally: a prompt query saw only the
 // keys before it), the top-k lists of a KV head's query heads in one batch top-k over the keys
 // they share (on the GPU when the selector is given its batch top-k). Each query head searches
 // its graph with its own query. Tokens that leave the recent window as decode appends tokens join
@@ -61,6 +62,9 @@ class IndexSelector : public SupportSelector {
   // Query heads per graph under `params` (q_heads / kv_heads for kKvHead, else 1), and the
   // layer's graphs.
   static int HeadsPerGraph(const LayerShape& shape, const GraphIndexParams& params);
+  // What each query head of a graph of `heads_per_graph` heads samples: params with
+  // build_queries, the graph's, split evenly among them (rounded up).
+  static GraphIndexParams HeadSampling(const GraphIndexParams& params, int heads_per_graph);
   int graph_count() const { return static_cast<int>(graphs_.size()); }
   const GraphIndex& graph(int i) const { return graphs_[i].index; }
   // The graph that query head `q_head` searches.
@@ -108,6 +112,7 @@ class IndexSelector : public SupportSelector {
   bool bulk_only_;
   BatchTopKFunction batch_topk_;
   int heads_per_graph_;
+  GraphIndexParams head_sampling_;  // HeadSampling(index_params_, heads_per_graph_)
   std::vector<Graph> graphs_;  // graph g serves query heads [g, g + 1) x heads_per_graph_
 };
 

@@ -123,11 +123,13 @@ TEST_P(IndexSelectorScopeTest, MemoryBoundCoversWhatABuildHolds) {
       EXPECT_EQ(bound, IndexSelector::MemoryBytesBound(layer.shape, params, prompt, threads));
       EXPECT_LE(selector.MemoryBytes(), bound);
       if (bulk > 0) {
-        // The projection's grouped edges alone: every sampled query of the graph's heads, its
-        // list, five 4-byte targets per member, and every head's lists (4-byte ids).
-        const int64_t sampled = std::min<int64_t>(params.index.build_queries, prompt);
-        const int64_t k = std::min<int64_t>(GraphIndexParams().build_topk, bulk);
+        // The projection's grouped edges alone: every sampled query of the graph's heads (an
+        // equal share of build_queries each), its list, five 4-byte targets per member, and
+        // every head's lists (4-byte ids).
         const int heads_per_graph = layer.shape.q_heads / graphs;
+        const int64_t sampled =
+            std::min<int64_t>(params.index.build_queries / heads_per_graph, prompt);
+        const int64_t k = std::min<int64_t>(GraphIndexParams().build_topk, bulk);
         EXPECT_GE(bound - selector.MemoryBytes(),
                   heads_per_graph * sampled * k * 5 * 4 + layer.shape.q_heads * sampled * k * 4);
       }
@@ -212,8 +214,9 @@ TEST(IndexSelectorTest, KvHeadsShareABatchTopKAndTheGraphsAreTheHeadsOwn) {
 }
 
 // One graph per KV head: it is the graph that GraphIndex::BuildFromLists makes from the top-k
-// lists of all its query heads' sampled queries (each head's build_queries, pooled) and their
-// sum, whichever thread computes the lists and however many threads build.
+// lists of all its query heads' sampled queries (build_queries in all, an equal share of each
+// head's prompt queries) and their sum, whichever thread computes the lists and however many
+// threads build.
 TEST(IndexSelectorTest, AKvHeadsGraphIsBuiltFromAllItsQueryHeadsLists) {
   const Layer layer(SmallTrace());
   const SelectorParams params = IndexParams(128, GraphScope::kKvHead);
@@ -221,6 +224,8 @@ TEST(IndexSelectorTest, AKvHeadsGraphIsBuiltFromAllItsQueryHeadsLists) {
   const KvView kv = layer.view(prompt);
   const int d = layer.shape.head_dim;
   const int group = layer.shape.q_heads / layer.shape.kv_heads;
+  GraphIndexParams head_sampling = params.index;
+  head_sampling.build_queries = params.index.build_queries / group;
   std::vector<std::vector<int32_t>> pooled;
   for (int kv_head = 0; kv_head < layer.shape.kv_heads; ++kv_head) {
     const VectorSet keys =
@@ -229,11 +234,11 @@ TEST(IndexSelectorTest, AKvHeadsGraphIsBuiltFromAllItsQueryHeadsLists) {
     std::vector<int64_t> visible;
     for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
       const BuildQueries head_queries = HeadBuildQueries(layer, params, h);
-      const int64_t count = GraphIndex::SampledQueryCount(params.index, keys.count, head_queries);
+      const int64_t count = GraphIndex::SampledQueryCount(head_sampling, keys.count, head_queries);
       const size_t at = queries.size();
       queries.resize(at + count * d);
       const std::vector<float> head_sum = GraphIndex::SampleQueries(
-          params.index, keys, head_queries, queries.data() + at, &visible);
+          head_sampling, keys, head_queries, queries.data() + at, &visible);
       for (int j = 0; j < d; ++j) sum[j] += head_sum[j];
     }
     TopKLists lists;
@@ -241,7 +246,7 @@ TEST(IndexSelectorTest, AKvHeadsGraphIsBuiltFromAllItsQueryHeadsLists) {
                                        d, d},
                              keys, GraphIndexParams().build_topk, &lists, visible)
                     .ok());
-    EXPECT_EQ(lists.queries, group * params.index.build_queries);
+    EXPECT_EQ(lists.queries, params.index.build_queries);
     GraphIndex index(params.index);
     ASSERT_TRUE(index.BuildFromLists(keys, sum, lists, 0.0).ok());
     for (int64_t i = 0; i < index.linked(); ++i) {
@@ -255,7 +260,7 @@ TEST(IndexSelectorTest, AKvHeadsGraphIsBuiltFromAllItsQueryHeadsLists) {
   for (int h = 0; h < layer.shape.q_heads; ++h) {
     EXPECT_EQ(&selector.head_index(h), &selector.graph(KvHeadOf(h, 4, 2)));
   }
-  EXPECT_EQ(selector.graph(0).build_stats().build_queries, group * params.index.build_queries);
+  EXPECT_EQ(selector.graph(0).build_stats().build_queries, params.index.build_queries);
 }
 
 TEST_P(IndexSelectorScopeTest, ABatchTopKErrorFailsTheBuild) {

@@ -38,7 +38,7 @@ ABSL_FLAG(int32_t, refresh, -1,
           "retopk: every N-th decode step runs the exact path; 0 disables (unset: default)");
 ABSL_FLAG(bool, auto_tau, false, "retopk: calibrate tau per head from the prefill queries");
 ABSL_FLAG(float, target_recall, 0, "retopk with --auto_tau: support recall to keep (0: 0.9)");
-ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per head (0: default)");
+ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per graph (0: default)");
 ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
 ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
 ABSL_FLAG(int32_t, search_list, 0, "index: beam size of the decode-time search (0: default)");
