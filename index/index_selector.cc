@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -200,14 +201,19 @@ absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries)
     std::fill(graph.queries_seen.begin(), graph.queries_seen.end(), 0);
   };
   // The top-k lists come one KV head at a time (one batch top-k for its query heads, which
-  // share its keys). With at least a graph per thread, graphs build side by side, each on one
-  // thread: a build has serial stretches that one graph at a time on every thread leaves the
-  // other cores idle through. Their lists are computed first on the whole team when the batch
-  // top-k is the CPU's, else (the GPU's) by a thread of their own, one KV head after another,
-  // while the graphs whose lists are ready build. With fewer graphs than threads, or inside a
+  // share its keys). With several graphs and threads, graphs build side by side: a build has
+  // serial stretches that one graph at a time on every thread leaves the other cores idle
+  // through. With at least a graph per thread each builds on one thread; with fewer graphs
+  // than threads (8 KV-head graphs on 16 cores) each builds on a share of the threads, on a
+  // std::thread of its own whose OpenMP regions are teams of their own (regions nested in an
+  // OpenMP loop would run on one thread). Their lists are computed first on the whole team
+  // when the batch top-k is the CPU's, else (the GPU's) by a thread of their own, one KV head
+  // after another, while the graphs whose lists are ready build. With one graph, or inside a
   // parallel region (the server building a prompt's layers side by side), graphs build one
   // after another, each on the threads there are, a KV head's lists just before its graphs.
-  const int side_by_side = BuildSideBySide(graphs, BuildThreads());
+  const int build_threads = BuildThreads();
+  const int side_by_side = BuildSideBySide(graphs, build_threads);
+  const int threads_each = BuildThreadsPerGraph(graphs, build_threads);
   if (side_by_side > 1) {
     std::thread producer;
     if (IsCpuBatchTopK(batch_topk_)) {
@@ -217,8 +223,21 @@ absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries)
         for (int g = 0; g < shape_.kv_heads; ++g) compute(g);
       });
     }
+    if (threads_each == 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(side_by_side)
-    for (int g = 0; g < graphs; ++g) build_graph(g);
+      for (int g = 0; g < graphs; ++g) build_graph(g);
+    } else {
+      std::atomic<int> next = 0;
+      std::vector<std::thread> builders;
+      builders.reserve(side_by_side);
+      for (int b = 0; b < side_by_side; ++b) {
+        builders.emplace_back([&] {
+          omp_set_num_threads(threads_each);
+          for (int g = next++; g < graphs; g = next++) build_graph(g);
+        });
+      }
+      for (std::thread& builder : builders) builder.join();
+    }
     if (producer.joinable()) producer.join();
   } else {
     for (int kv_head = 0; kv_head < shape_.kv_heads; ++kv_head) {
@@ -237,7 +256,11 @@ absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries)
 int IndexSelector::BuildThreads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
 
 int IndexSelector::BuildSideBySide(int graphs, int build_threads) {
-  return graphs >= build_threads ? std::max(1, build_threads) : 1;
+  return std::max(1, std::min(graphs, build_threads));
+}
+
+int IndexSelector::BuildThreadsPerGraph(int graphs, int build_threads) {
+  return std::max(1, build_threads / BuildSideBySide(graphs, build_threads));
 }
 
 void IndexSelector::OnAppend(const KvView& kv) {
@@ -335,8 +358,8 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
                             heads_per_graph * int64_t{sizeof(int64_t)};
   // A build holds every head's top-k lists at most (their KV heads' batch top-k may run ahead
   // of the graphs), one KV head's sampled queries at a time with the batch top-k's scratch,
-  // and the graph scratch of the graphs that build at once, on one thread each (a graph's
-  // projection grows with its heads' lists).
+  // and the graph scratch of the graphs that build at once, each on its share of the threads
+  // (a graph's projection grows with its heads' lists).
   const int group = shape.q_heads / shape.kv_heads;
   const int side_by_side = BuildSideBySide(graphs, build_threads);
   const int64_t k = std::min<int64_t>(params.index.WithDefaults().build_topk, bulk);
@@ -349,9 +372,9 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
                                            std::max(1, build_threads)) +
                       group * head_lists;
   return per_graph * graphs + shape.q_heads * head_lists + group_queries + group_topk +
-         side_by_side * GraphIndex::GraphScratchBytesBound(sampling, bulk, tokens,
-                                                           side_by_side > 1 ? 1 : build_threads,
-                                                           heads_per_graph);
+         side_by_side * GraphIndex::GraphScratchBytesBound(
+                            sampling, bulk, tokens, BuildThreadsPerGraph(graphs, build_threads),
+                            heads_per_graph);
 }
 
 int64_t IndexSelector::MemoryBytes() const {

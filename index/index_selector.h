@@ -50,14 +50,15 @@ class IndexSelector : public SupportSelector {
   // most, for a selector of `params` built from a prompt of `tokens` tokens: every graph over
   // the bulk and its ring of recent queries, every query head's top-k lists, one KV head's
   // sampled queries and batch top-k scratch, and the graph scratch of the graphs that build at
-  // once (BuildSideBySide).
+  // once (BuildSideBySide), each on its threads (BuildThreadsPerGraph).
   static int64_t MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
                                   int64_t tokens, int build_threads);
 
-  // How many of `graphs` graphs a Build on `build_threads` threads builds at once: one per
-  // thread when there are at least as many graphs as threads, else 1 (one graph at a time on
-  // all the threads).
+  // How many of `graphs` graphs a Build on `build_threads` threads builds at once (one per
+  // thread, at most), and on how many threads each builds (a share of them: 1 when there are
+  // at least as many graphs as threads; all of them when one graph builds at a time).
   static int BuildSideBySide(int graphs, int build_threads);
+  static int BuildThreadsPerGraph(int graphs, int build_threads);
 
   // Query heads per graph under `params` (q_heads / kv_heads for kKvHead, else 1), and the
   // layer's graphs.

@@ -160,10 +160,11 @@ BuildQueries HeadBuildQueries(const Layer& layer, const SelectorParams& params, 
   return queries;
 }
 
-// Builds a selector of `params` over the layer's prompt on all the threads and on one, each
-// with CpuBatchTopK and with a batch top-k that is not it (the GPU's stand-in, which runs on a
-// thread of its own), and expects every build's graphs to be `want` and a KV head's query heads
-// to share one batch top-k.
+// Builds a selector of `params` over the layer's prompt on all the threads, on one, and on
+// twice as many as there are KV heads (with a graph per KV head: fewer graphs than threads, so
+// each builds on two threads of its own), each with CpuBatchTopK and with a batch top-k that is
+// not it (the GPU's stand-in, which runs on a thread of its own), and expects every build's
+// graphs to be `want` and a KV head's query heads to share one batch top-k.
 void ExpectEveryBuildMakes(const Layer& layer, const SelectorParams& params,
                            const std::vector<std::vector<int32_t>>& want) {
   const KvView kv = layer.view(layer.trace.geometry().context);
@@ -174,7 +175,7 @@ void ExpectEveryBuildMakes(const Layer& layer, const SelectorParams& params,
     ++calls;
     return CpuBatchTopK(queries, keys, k, out, visible);
   };
-  for (const int threads : {omp_get_max_threads(), 1}) {
+  for (const int threads : {omp_get_max_threads(), 1, 2 * layer.shape.kv_heads}) {
     SCOPED_TRACE(testing::Message() << threads << " threads");
     for (const BatchTopKFunction& topk : {BatchTopKFunction(CpuBatchTopK), elsewhere}) {
       calls = 0;
