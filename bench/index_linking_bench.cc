@@ -132,8 +132,8 @@ absl::Status Run() {
       total_us.push_back(step);
       append_us.push_back(appended);
       int64_t step_linked = 0;
-      for (int h = 0; h < heads; ++h) {
-        const GraphIndex& index = selector.head_index(h);
+      for (int i = 0; i < selector.graph_count(); ++i) {
+        const GraphIndex& index = selector.graph(i);
         max_tail = std::max(max_tail, index.size() - index.linked());
         max_linked_per_add = std::max(max_linked_per_add, index.last_link().linked_keys);
         max_searches_per_add =

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Prints the build and recall figures of `kvrecall bench-index --json` outputs, one line group
 per file: build seconds per layer (each layer's, when the JSON has them), page faults, the GPU
-batch top-k's calls, per-index top-k and graph seconds with the graph's steps, and the recall /
+batch top-k's calls, the graph scope with the graphs' count and memory, per-index top-k and graph seconds with the graph's steps, and the recall /
 scanned-fraction / search-time curve of the graph at its search width.
 
     python3 bench/index_summary.py index_llama128k_new_q4096.json ...
@@ -18,7 +18,10 @@ def main():
         s = g.get("graph", {})
         print(f"{os.path.basename(path)}: build s per layer "
               f"{g.get('build_seconds_by_layer', g['build_seconds_per_layer'])}, page faults "
-              f"{g.get('build_page_faults_per_layer', '-')}, GPU top-k {d.get('graph_topk_gpu')}")
+              f"{g.get('build_page_faults_per_layer', '-')}, GPU top-k {d.get('graph_topk_gpu')}, "
+              f"graph scope {d.get('graph_params', {}).get('graph_scope', 'query_head')} "
+              f"({g['indexes']} graphs, {g['memory_bytes_per_layer'] / 2**20:.1f} MiB per layer), "
+              f"{d.get('threads')} threads")
         print(f"  per index: top-k {s.get('topk_seconds_per_index', 0):.4f} s, graph "
               f"{s.get('graph_seconds_per_index', 0):.4f} s "
               f"{s.get('graph_steps_seconds_per_index', '')}, pruning distances "

@@ -87,6 +87,12 @@ absl::StatusOr<v1::DType> ParseDType(absl::string_view name) {
   if (!v.ok()) return v.status();
   return static_cast<v1::DType>(*v);
 }
+absl::StatusOr<v1::GraphScope> ParseGraphScope(absl::string_view name) {
+  absl::StatusOr<int> v =
+      ParseLowerEnumName(v1::GraphScope_descriptor(), "GRAPH_SCOPE_", name, "graph_scope");
+  if (!v.ok()) return v.status();
+  return static_cast<v1::GraphScope>(*v);
+}
 
 v1::Policy CpuPolicy(v1::Selector selector, int top_k, int sinks, int recent) {
   v1::Policy policy;

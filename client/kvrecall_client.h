@@ -38,6 +38,7 @@ std::string DTypeLowerName(v1::DType dtype);
 absl::StatusOr<v1::Selector> ParseSelector(absl::string_view name);
 absl::StatusOr<v1::Placement> ParsePlacement(absl::string_view name);
 absl::StatusOr<v1::DType> ParseDType(absl::string_view name);
+absl::StatusOr<v1::GraphScope> ParseGraphScope(absl::string_view name);
 
 // A CPU-placement policy of `selector` with its K and static set (0: the server's defaults).
 v1::Policy CpuPolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0);

@@ -288,10 +288,11 @@ int64_t GraphIndex::TopKListBytes(const GraphIndexParams& params, int64_t keys,
 }
 
 int64_t GraphIndex::GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
-                                           int64_t queries, int threads) {
+                                           int64_t queries, int threads, int heads) {
   const GraphIndexParams p = params.WithDefaults();
   if (keys == 0) return 0;
-  const int64_t sampled = std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys);
+  const int64_t sampled =
+      std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys) * std::max(1, heads);
   const int64_t k = std::min<int64_t>(p.build_topk, keys);
   const int64_t t = std::max(1, threads);
   // The pivots' and covered keys' flags, each list's length and pivot.

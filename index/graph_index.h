@@ -108,8 +108,10 @@ class GraphIndex : public KeyIndex {
   static int64_t SampledQueryBytes(const GraphIndexParams& params, int64_t keys, int64_t queries,
                                    int dim);
   static int64_t TopKListBytes(const GraphIndexParams& params, int64_t keys, int64_t queries);
+  // `heads`: the graph is built from the lists of that many query heads' sampled queries
+  // (BuildFromLists from several heads' lists; 1 for Build).
   static int64_t GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
-                                        int64_t queries, int threads);
+                                        int64_t queries, int threads, int heads = 1);
 
   // Build's steps apart, for an owner that computes the top-k lists of several heads' queries
   // in one batch top-k (IndexSelector: the query heads of a KV head share its keys):

@@ -14,17 +14,24 @@
 
 namespace kvrecall {
 
-// Per query head: a GraphIndex over its KV head's bulk keys [sinks, tokens - recent), read in
-// place from the layer's KV, built from the head's prompt queries (causally: a prompt query saw
-// only the keys before it), the top-k lists of a KV head's query heads in one batch top-k over
-// the keys they share (on the GPU when the selector is given its batch top-k). Tokens that leave the recent window as decode appends tokens join the
-// bulk through GraphIndex::Add (a tail scanned exactly until linked, each step linking a bounded
-// number of keys per head: GraphIndexParams::link_batch), with the head's latest decode queries
-// to place them; OnAppend runs the heads' Adds in parallel when they link. The support is the
-// static set plus the top `top_k` bulk tokens among what the index finds and the bulk tokens it
-// does not hold yet, which are scored exactly (like its unlinked tail). So OnAppend may run
-// before a step's Selects or after them, off the decode path: either way every bulk token is a
-// candidate, and only the graph that the search walks differs (by the step's link).
+// A GraphIndex per KV head (GraphScope::kKvHead: its query heads share one graph, built from
+// the top-k lists of all their sampled prompt queries, GraphIndexParams::build_queries split
+// evenly among them) or per query head (kQueryHead: built from that head's queries), over the
+// KV head's bulk keys [sinks, tokens - recent), read in place from the layer's KV ([tokens,
+// kv_heads, head_dim], row-major). The graphs are built from prompt queries (causally: a prompt query saw only the
+// keys before it), the top-k lists of a KV head's query heads in one batch top-k over the keys
+// they share (on the GPU when the selector is given its batch top-k). Each query head searches
+// its graph with its own query. Tokens that leave the recent window as decode appends tokens join
+// the bulk through GraphIndex::Add (a tail scanned exactly until linked, each step linking a
+// bounded number of keys per graph: GraphIndexParams::link_batch), with the latest decode
+// queries of the graph's query heads to place them; OnAppend runs the graphs' Adds in parallel
+// when they link. The support is the static set plus the top `top_k` bulk tokens among what the
+// index finds and the bulk tokens it does not hold yet, which are scored exactly (like its
+// unlinked tail). So OnAppend may run before a step's Selects or after them, off the decode
+// path: either way every bulk token is a candidate, and only the graph that the search walks
+// differs (by the step's link). Selects of different query heads may run concurrently (the
+// searches only read a graph; each head writes its own slots of the recent queries), never
+// beside OnAppend or Build.
 class IndexSelector : public SupportSelector {
  public:
   // params.index zeros take GraphIndexParams defaults. bulk_only: the support holds the bulk's
@@ -40,37 +47,52 @@ class IndexSelector : public SupportSelector {
   int64_t MemoryBytes() const override;
 
   // What MemoryBytes() is, or a Build on `build_threads` OpenMP threads uses on the way, at
-  // most, for a selector of `params` built from a prompt of `tokens` tokens: every head's graph
-  // over the bulk and its ring of recent queries, every head's top-k lists, one KV head's
-  // sampled queries and batch top-k scratch, and the graph scratch of the heads that build at
-  // once (BuildSideBySide).
+  // most, for a selector of `params` built from a prompt of `tokens` tokens: every graph over
+  // the bulk and its ring of recent queries, every query head's top-k lists, one KV head's
+  // sampled queries and batch top-k scratch, and the graph scratch of the graphs that build at
+  // once (BuildSideBySide), each on its threads (BuildThreadsPerGraph).
   static int64_t MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
                                   int64_t tokens, int build_threads);
 
-  // How many of `q_heads` heads a Build on `build_threads` threads builds at once: one per
-  // thread when there are at least as many heads as threads, else 1 (one head at a time on all
-  // the threads).
-  static int BuildSideBySide(int q_heads, int build_threads);
+  // How many of `graphs` graphs a Build on `build_threads` threads builds at once (one per
+  // thread, at most), and on how many threads each builds (a share of them: 1 when there are
+  // at least as many graphs as threads; all of them when one graph builds at a time).
+  static int BuildSideBySide(int graphs, int build_threads);
+  static int BuildThreadsPerGraph(int graphs, int build_threads);
 
-  const GraphIndex& head_index(int q_head) const { return heads_[q_head].index; }
+  // Query heads per graph under `params` (q_heads / kv_heads for kKvHead, else 1), and the
+  // layer's graphs.
+  static int HeadsPerGraph(const LayerShape& shape, const GraphIndexParams& params);
+  // What each query head of a graph of `heads_per_graph` heads samples: params with
+  // build_queries, the graph's, split evenly among them (rounded up).
+  static GraphIndexParams HeadSampling(const GraphIndexParams& params, int heads_per_graph);
+  int graph_count() const { return static_cast<int>(graphs_.size()); }
+  const GraphIndex& graph(int i) const { return graphs_[i].index; }
+  // The graph that query head `q_head` searches.
+  const GraphIndex& head_index(int q_head) const { return graphs_[GraphOf(q_head)].index; }
 
  private:
-  // Decode queries a head keeps for linking new bulk keys.
+  // Decode queries a query head keeps for linking new bulk keys.
   static constexpr int kRecentQueries = 32;
 
-  struct Head {
-    Head(const GraphIndexParams& params, BatchTopKFunction batch_topk)
-        : index(params, std::move(batch_topk)) {}
+  struct Graph {
+    Graph(const GraphIndexParams& params, BatchTopKFunction batch_topk, int heads)
+        : index(params, std::move(batch_topk)), queries_seen(heads, 0) {}
     GraphIndex index;
-    std::vector<float> recent_queries;  // ring of [kRecentQueries, head_dim]
-    int64_t queries_seen = 0;
+    // Ring of the graph's query heads' latest queries, [kRecentQueries, heads, head_dim]: head
+    // i's query of its step s at slot s % kRecentQueries, row slot * heads + i, so that the
+    // rows every head has filled are a prefix.
+    std::vector<float> recent_queries;
+    std::vector<int64_t> queries_seen;  // [heads]: Selects of each of its query heads
   };
 
+  int GraphOf(int q_head) const { return q_head / heads_per_graph_; }
   struct GroupLists;
   // The query heads' build queries from a prompt of `tokens` tokens ([tokens, q_heads,
   // head_dim], or null: none).
   BuildQueries HeadQueries(int q_head, const float* prompt_queries, int64_t tokens) const;
-  // The top-k lists of the query heads of `kv_head` over its bulk keys, in one batch top-k.
+  // The top-k lists of the query heads of `kv_head` over its bulk keys, in one batch top-k,
+  // split by graph.
   void ComputeGroupLists(const KvView& kv, const float* prompt_queries, int kv_head,
                          GroupLists* out) const;
   // The threads a Build called here has: OpenMP's team size, or 1 inside a parallel region
@@ -80,7 +102,8 @@ class IndexSelector : public SupportSelector {
   int64_t BulkEnd(int64_t tokens) const;
   // Keys [sinks, end) of a KV head (an empty set when end <= sinks).
   VectorSet BulkKeys(const KvView& kv, int kv_head, int64_t end) const;
-  VectorSet RecentQueries(const Head& head) const;
+  // The recent queries of a graph's heads that every one of its heads has filled.
+  VectorSet RecentQueries(const Graph& graph) const;
 
   LayerShape shape_;
   int top_k_;
@@ -89,7 +112,9 @@ class IndexSelector : public SupportSelector {
   GraphIndexParams index_params_;
   bool bulk_only_;
   BatchTopKFunction batch_topk_;
-  std::vector<Head> heads_;
+  int heads_per_graph_;
+  GraphIndexParams head_sampling_;  // HeadSampling(index_params_, heads_per_graph_)
+  std::vector<Graph> graphs_;  // graph g serves query heads [g, g + 1) x heads_per_graph_
 };
 
 }  // namespace kvrecall

@@ -26,12 +26,28 @@ inline constexpr int kMaxGraphBuildTopK = 4096;
 // The most candidates a graph search expands per round (GraphIndexParams::search_width).
 inline constexpr int kMaxSearchWidth = 4;
 
+// Which query heads of a layer share one graph index (IndexSelector). Under grouped-query
+// attention a KV head's query heads search the same keys, so one key graph can serve them all.
+enum class GraphScope {
+  kDefault,    // the default below (GraphIndexParams::WithDefaults)
+  kKvHead,     // one graph per KV head, shaped by all its query heads' prompt queries
+  kQueryHead,  // one graph per query head, shaped by that head's prompt queries
+};
+
+const char* GraphScopeName(GraphScope scope);
+
+// What kDefault resolves to.
+// (bench/results/index_bench.md, "One graph per KV head": the same recall at the same scanned
+// fraction within 0.01, a quarter of the build work and graph memory in GQA models.)
+inline constexpr GraphScope kDefaultGraphScope = GraphScope::kKvHead;
+
 // The query-aware graph index (index/graph_index.h). A zero field means "the default below"
 // (the API sends zeros for unset knobs); WithDefaults() resolves them.
 struct GraphIndexParams {
-  // Prefill queries of a head, evenly spaced over the prompt, whose exact top-k keys shape the
-  // graph. More queries cover more keys with query-aware edges but cost a GEMM of
-  // build_queries x bulk keys per head.
+  // Prefill queries per graph, evenly spaced over the prompt, whose exact top-k keys shape the
+  // graph (a graph shared by several query heads samples build_queries / heads of each). More
+  // queries cover more keys with query-aware edges but cost a GEMM of build_queries x bulk
+  // keys and a longer projection per graph.
   int build_queries = 4096;
   // Exact top-k keys per sampled query: the query->key links projected onto the key graph.
   int build_topk = 100;
@@ -53,6 +69,11 @@ struct GraphIndexParams {
   // link_threshold links the whole tail in one step (the batch linking before issue 15, a
   // latency spike every link_threshold steps).
   int link_batch = 1;
+  // Which query heads share a graph (IndexSelector; a GraphIndex is one graph either way).
+  // kKvHead builds a KV head's graph from the top-k lists of its query heads' sampled queries
+  // (build_queries split among them), searched by each head with its own query: q_heads /
+  // kv_heads times fewer graphs to build and hold.
+  GraphScope graph_scope = GraphScope::kDefault;
 
   GraphIndexParams WithDefaults() const;
 };

@@ -21,6 +21,15 @@ const char* SelectorKindName(SelectorKind kind) {
   return "unknown";
 }
 
+const char* GraphScopeName(GraphScope scope) {
+  switch (scope) {
+    case GraphScope::kDefault: return "default";
+    case GraphScope::kKvHead: return "kv_head";
+    case GraphScope::kQueryHead: return "query_head";
+  }
+  return "unknown";
+}
+
 GraphIndexParams GraphIndexParams::WithDefaults() const {
   const GraphIndexParams defaults;
   auto pick = [](int value, int fallback) { return value == 0 ? fallback : value; };
@@ -32,6 +41,7 @@ GraphIndexParams GraphIndexParams::WithDefaults() const {
   out.search_width = pick(search_width, defaults.search_width);
   out.link_threshold = pick(link_threshold, defaults.link_threshold);
   out.link_batch = pick(link_batch, defaults.link_batch);
+  out.graph_scope = graph_scope == GraphScope::kDefault ? kDefaultGraphScope : graph_scope;
   return out;
 }
 

@@ -59,6 +59,33 @@ absl::StatusOr<v1::Placement> PlacementFromProto(v1::Placement placement) {
       absl::StrCat("policy.placement has the unknown value ", static_cast<int>(placement)));
 }
 
+absl::StatusOr<GraphScope> GraphScopeFromProto(v1::GraphScope scope) {
+  switch (scope) {
+    case v1::GRAPH_SCOPE_UNSPECIFIED:
+      return GraphScope::kDefault;
+    case v1::GRAPH_SCOPE_KV_HEAD:
+      return GraphScope::kKvHead;
+    case v1::GRAPH_SCOPE_QUERY_HEAD:
+      return GraphScope::kQueryHead;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "policy.index.graph_scope has the unknown value ", static_cast<int>(scope)));
+}
+
+v1::GraphScope GraphScopeToProto(GraphScope scope) {
+  switch (scope) {
+    case GraphScope::kKvHead:
+      return v1::GRAPH_SCOPE_KV_HEAD;
+    case GraphScope::kQueryHead:
+      return v1::GRAPH_SCOPE_QUERY_HEAD;
+    case GraphScope::kDefault:
+      break;
+  }
+  return v1::GRAPH_SCOPE_UNSPECIFIED;
+}
+
 }  // namespace
 
 absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
@@ -94,6 +121,9 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   p.index.max_degree = g.max_degree();
   p.index.search_list_size = g.search_list_size();
   p.index.search_width = g.search_width();
+  absl::StatusOr<GraphScope> scope = GraphScopeFromProto(g.graph_scope());
+  if (!scope.ok()) return scope.status();
+  p.index.graph_scope = *scope;
   p.index = p.index.WithDefaults();
 
   if (absl::Status s = p.Validate(); !s.ok()) return s;
@@ -123,6 +153,7 @@ v1::Policy PolicyToProto(const EffectivePolicy& policy) {
   g->set_max_degree(p.index.max_degree);
   g->set_search_list_size(p.index.search_list_size);
   g->set_search_width(p.index.search_width);
+  g->set_graph_scope(GraphScopeToProto(p.index.graph_scope));
   return out;
 }
 

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "client/trace/synthetic.h"
@@ -69,7 +71,7 @@ SyntheticTraceParams SmallTrace() {
   return p;
 }
 
-SelectorParams IndexParams(int list_size) {
+SelectorParams IndexParams(int list_size, GraphScope scope = GraphScope::kDefault) {
   SelectorParams params;
   params.kind = SelectorKind::kIndex;
   params.top_k = 64;
@@ -78,47 +80,68 @@ SelectorParams IndexParams(int list_size) {
   params.index.build_queries = 2048;
   params.index.search_list_size = list_size;
   params.index.link_threshold = 16;
+  params.index.graph_scope = scope;
   return params;
 }
 
+// The tests that hold for either graph scope run for both: one graph per KV head, shared by its
+// query heads, and one per query head.
+class IndexSelectorScopeTest : public testing::TestWithParam<GraphScope> {};
+
+INSTANTIATE_TEST_SUITE_P(Scopes, IndexSelectorScopeTest,
+                         testing::Values(GraphScope::kKvHead, GraphScope::kQueryHead),
+                         [](const testing::TestParamInfo<GraphScope>& info) {
+                           return std::string(GraphScopeName(info.param));
+                         });
+
 // The bound the Prefill reserves before building (SelectorStateBytesBound) covers what a build
-// holds: each head's graph is exactly GraphIndex::GraphBytes of its bulk once built, and the
-// bound adds the rings of recent queries and a build's scratch on top.
-TEST(IndexSelectorTest, MemoryBoundCoversWhatABuildHolds) {
+// holds: each graph (one per KV head or per query head) is exactly GraphIndex::GraphBytes of its
+// bulk once built, and the bound adds the rings of recent queries and a build's scratch on top.
+TEST_P(IndexSelectorScopeTest, MemoryBoundCoversWhatABuildHolds) {
   const Layer layer(SmallTrace());
+  const int graphs =
+      GetParam() == GraphScope::kKvHead ? layer.shape.kv_heads : layer.shape.q_heads;
   for (int max_degree : {16, 64}) {
     for (int64_t prompt : {int64_t{0}, int64_t{100}, int64_t{6144}}) {
       SCOPED_TRACE(testing::Message() << "max_degree " << max_degree << ", prompt " << prompt);
-      SelectorParams params = IndexParams(128);
+      SelectorParams params = IndexParams(128, GetParam());
       params.index.max_degree = max_degree;
       IndexSelector selector(layer.shape, params);
       ASSERT_TRUE(selector.Build(layer.view(prompt), layer.prompt_q.data()).ok());
       const int64_t bulk = BulkTokens(prompt, params.sinks, params.recent);
-      for (int h = 0; h < layer.shape.q_heads; ++h) {
-        EXPECT_EQ(selector.head_index(h).MemoryBytes(),
-                  GraphIndex::GraphBytes(params.index, bulk));
+      ASSERT_EQ(selector.graph_count(), graphs);
+      int64_t graph_bytes = 0;
+      for (int i = 0; i < graphs; ++i) {
+        EXPECT_EQ(selector.graph(i).MemoryBytes(), GraphIndex::GraphBytes(params.index, bulk));
+        graph_bytes += selector.graph(i).MemoryBytes();
       }
+      // The graphs and, per query head, its 32 recent decode queries and their count.
+      EXPECT_EQ(selector.MemoryBytes(),
+                graph_bytes + layer.shape.q_heads * (32 * layer.shape.head_dim * 4 + 8));
       const int threads = omp_get_max_threads();
       const int64_t bound = SelectorStateBytesBound(params, layer.shape, prompt, threads);
       EXPECT_EQ(bound, IndexSelector::MemoryBytesBound(layer.shape, params, prompt, threads));
       EXPECT_LE(selector.MemoryBytes(), bound);
       if (bulk > 0) {
-        // The projection's grouped edges alone: every sampled query's list, five 4-byte
-        // targets per member, and every head's lists (4-byte ids).
-        const int64_t sampled = std::min<int64_t>(params.index.build_queries, prompt);
+        // The projection's grouped edges alone: every sampled query of the graph's heads (an
+        // equal share of build_queries each), its list, five 4-byte targets per member, and
+        // every head's lists (4-byte ids).
+        const int heads_per_graph = layer.shape.q_heads / graphs;
+        const int64_t sampled =
+            std::min<int64_t>(params.index.build_queries / heads_per_graph, prompt);
         const int64_t k = std::min<int64_t>(GraphIndexParams().build_topk, bulk);
         EXPECT_GE(bound - selector.MemoryBytes(),
-                  sampled * k * 5 * 4 + layer.shape.q_heads * sampled * k * 4);
+                  heads_per_graph * sampled * k * 5 * 4 + layer.shape.q_heads * sampled * k * 4);
       }
     }
   }
 }
 
-// Every head's graph, row by row.
-std::vector<std::vector<int32_t>> Graphs(const IndexSelector& selector, int q_heads) {
+// Every graph, row by row.
+std::vector<std::vector<int32_t>> Graphs(const IndexSelector& selector) {
   std::vector<std::vector<int32_t>> rows;
-  for (int h = 0; h < q_heads; ++h) {
-    const GraphIndex& index = selector.head_index(h);
+  for (int g = 0; g < selector.graph_count(); ++g) {
+    const GraphIndex& index = selector.graph(g);
     for (int64_t i = 0; i < index.linked(); ++i) {
       rows.emplace_back(index.neighbors(i).begin(), index.neighbors(i).end());
     }
@@ -126,31 +149,25 @@ std::vector<std::vector<int32_t>> Graphs(const IndexSelector& selector, int q_he
   return rows;
 }
 
-// A KV head's query heads share one batch top-k. A batch top-k that is not CpuBatchTopK (the
-// GPU's) runs on a thread of its own, one KV head after another, while the heads whose lists
-// are ready build; with one thread, a KV head's lists come just before its heads. Either way
-// the graphs are those of each head's own Build.
-TEST(IndexSelectorTest, KvHeadsShareABatchTopKAndTheGraphsAreTheHeadsOwn) {
-  const Layer layer(SmallTrace());
-  const SelectorParams params = IndexParams(128);
-  const int64_t prompt = layer.trace.geometry().context;
-  const KvView kv = layer.view(prompt);
-  std::vector<std::vector<int32_t>> own;
-  for (int h = 0; h < layer.shape.q_heads; ++h) {
-    GraphIndex index(params.index);
-    BuildQueries queries;
-    queries.queries = VectorSet{layer.prompt_q.data() + h * layer.shape.head_dim, prompt,
-                                layer.shape.q_heads * layer.shape.head_dim, layer.shape.head_dim};
-    queries.causal = true;
-    queries.first_key_position = params.sinks;
-    ASSERT_TRUE(index.Build(VectorSet::KeysOf(kv, KvHeadOf(h, 4, 2), params.sinks,
-                                              prompt - params.recent),
-                            queries)
-                    .ok());
-    for (int64_t i = 0; i < index.linked(); ++i) {
-      own.emplace_back(index.neighbors(i).begin(), index.neighbors(i).end());
-    }
-  }
+// Query head h's prompt queries as a graph build takes them.
+BuildQueries HeadBuildQueries(const Layer& layer, const SelectorParams& params, int h) {
+  BuildQueries queries;
+  queries.queries = VectorSet{layer.prompt_q.data() + h * layer.shape.head_dim,
+                              layer.trace.geometry().context,
+                              layer.shape.q_heads * layer.shape.head_dim, layer.shape.head_dim};
+  queries.causal = true;
+  queries.first_key_position = params.sinks;
+  return queries;
+}
+
+// Builds a selector of `params` over the layer's prompt on all the threads, on one, and on
+// twice as many as there are KV heads (with a graph per KV head: fewer graphs than threads, so
+// each builds on two threads of its own), each with CpuBatchTopK and with a batch top-k that is
+// not it (the GPU's stand-in, which runs on a thread of its own), and expects every build's
+// graphs to be `want` and a KV head's query heads to share one batch top-k.
+void ExpectEveryBuildMakes(const Layer& layer, const SelectorParams& params,
+                           const std::vector<std::vector<int32_t>>& want) {
+  const KvView kv = layer.view(layer.trace.geometry().context);
   std::atomic<int> calls = 0;
   const BatchTopKFunction elsewhere = [&calls](const VectorSet& queries, const VectorSet& keys,
                                                int k, TopKLists* out,
@@ -158,7 +175,7 @@ TEST(IndexSelectorTest, KvHeadsShareABatchTopKAndTheGraphsAreTheHeadsOwn) {
     ++calls;
     return CpuBatchTopK(queries, keys, k, out, visible);
   };
-  for (const int threads : {omp_get_max_threads(), 1}) {
+  for (const int threads : {omp_get_max_threads(), 1, 2 * layer.shape.kv_heads}) {
     SCOPED_TRACE(testing::Message() << threads << " threads");
     for (const BatchTopKFunction& topk : {BatchTopKFunction(CpuBatchTopK), elsewhere}) {
       calls = 0;
@@ -168,13 +185,86 @@ TEST(IndexSelectorTest, KvHeadsShareABatchTopKAndTheGraphsAreTheHeadsOwn) {
       const absl::Status built = selector.Build(kv, layer.prompt_q.data());
       omp_set_num_threads(saved);
       ASSERT_TRUE(built.ok()) << built;
-      EXPECT_EQ(Graphs(selector, layer.shape.q_heads), own);
+      EXPECT_EQ(Graphs(selector), want);
     }
     EXPECT_EQ(calls, layer.shape.kv_heads);
   }
 }
 
-TEST(IndexSelectorTest, ABatchTopKErrorFailsTheBuild) {
+// A KV head's query heads share one batch top-k. A batch top-k that is not CpuBatchTopK (the
+// GPU's) runs on a thread of its own, one KV head after another, while the heads whose lists
+// are ready build; with one thread, a KV head's lists come just before its heads. Either way
+// the graphs are those of each head's own Build.
+TEST(IndexSelectorTest, KvHeadsShareABatchTopKAndTheGraphsAreTheHeadsOwn) {
+  const Layer layer(SmallTrace());
+  const SelectorParams params = IndexParams(128, GraphScope::kQueryHead);
+  const int64_t prompt = layer.trace.geometry().context;
+  const KvView kv = layer.view(prompt);
+  std::vector<std::vector<int32_t>> own;
+  for (int h = 0; h < layer.shape.q_heads; ++h) {
+    GraphIndex index(params.index);
+    ASSERT_TRUE(index.Build(VectorSet::KeysOf(kv, KvHeadOf(h, 4, 2), params.sinks,
+                                              prompt - params.recent),
+                            HeadBuildQueries(layer, params, h))
+                    .ok());
+    for (int64_t i = 0; i < index.linked(); ++i) {
+      own.emplace_back(index.neighbors(i).begin(), index.neighbors(i).end());
+    }
+  }
+  ExpectEveryBuildMakes(layer, params, own);
+}
+
+// One graph per KV head: it is the graph that GraphIndex::BuildFromLists makes from the top-k
+// lists of all its query heads' sampled queries (build_queries in all, an equal share of each
+// head's prompt queries) and their sum, whichever thread computes the lists and however many
+// threads build.
+TEST(IndexSelectorTest, AKvHeadsGraphIsBuiltFromAllItsQueryHeadsLists) {
+  const Layer layer(SmallTrace());
+  const SelectorParams params = IndexParams(128, GraphScope::kKvHead);
+  const int64_t prompt = layer.trace.geometry().context;
+  const KvView kv = layer.view(prompt);
+  const int d = layer.shape.head_dim;
+  const int group = layer.shape.q_heads / layer.shape.kv_heads;
+  GraphIndexParams head_sampling = params.index;
+  head_sampling.build_queries = params.index.build_queries / group;
+  std::vector<std::vector<int32_t>> pooled;
+  for (int kv_head = 0; kv_head < layer.shape.kv_heads; ++kv_head) {
+    const VectorSet keys =
+        VectorSet::KeysOf(kv, kv_head, params.sinks, prompt - params.recent);
+    std::vector<float> queries, sum(d, 0.0f);
+    std::vector<int64_t> visible;
+    for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+      const BuildQueries head_queries = HeadBuildQueries(layer, params, h);
+      const int64_t count = GraphIndex::SampledQueryCount(head_sampling, keys.count, head_queries);
+      const size_t at = queries.size();
+      queries.resize(at + count * d);
+      const std::vector<float> head_sum = GraphIndex::SampleQueries(
+          head_sampling, keys, head_queries, queries.data() + at, &visible);
+      for (int j = 0; j < d; ++j) sum[j] += head_sum[j];
+    }
+    TopKLists lists;
+    ASSERT_TRUE(CpuBatchTopK(VectorSet{queries.data(), static_cast<int64_t>(queries.size()) / d,
+                                       d, d},
+                             keys, GraphIndexParams().build_topk, &lists, visible)
+                    .ok());
+    EXPECT_EQ(lists.queries, params.index.build_queries);
+    GraphIndex index(params.index);
+    ASSERT_TRUE(index.BuildFromLists(keys, sum, lists, 0.0).ok());
+    for (int64_t i = 0; i < index.linked(); ++i) {
+      pooled.emplace_back(index.neighbors(i).begin(), index.neighbors(i).end());
+    }
+  }
+  ExpectEveryBuildMakes(layer, params, pooled);
+  IndexSelector selector(layer.shape, params);
+  ASSERT_TRUE(selector.Build(kv, layer.prompt_q.data()).ok());
+  ASSERT_EQ(selector.graph_count(), layer.shape.kv_heads);
+  for (int h = 0; h < layer.shape.q_heads; ++h) {
+    EXPECT_EQ(&selector.head_index(h), &selector.graph(KvHeadOf(h, 4, 2)));
+  }
+  EXPECT_EQ(selector.graph(0).build_stats().build_queries, params.index.build_queries);
+}
+
+TEST_P(IndexSelectorScopeTest, ABatchTopKErrorFailsTheBuild) {
   const Layer layer(SmallTrace());
   const int64_t prompt = layer.trace.geometry().context;
   std::atomic<int> calls = 0;
@@ -187,7 +277,8 @@ TEST(IndexSelectorTest, ABatchTopKErrorFailsTheBuild) {
   };
   for (const int threads : {omp_get_max_threads(), 1}) {
     calls = 0;
-    IndexSelector selector(layer.shape, IndexParams(128), /*bulk_only=*/false, failing);
+    IndexSelector selector(layer.shape, IndexParams(128, GetParam()), /*bulk_only=*/false,
+                           failing);
     const int saved = omp_get_max_threads();
     omp_set_num_threads(threads);
     const absl::Status built = selector.Build(layer.view(prompt), layer.prompt_q.data());
@@ -197,9 +288,9 @@ TEST(IndexSelectorTest, ABatchTopKErrorFailsTheBuild) {
   }
 }
 
-TEST(IndexSelectorTest, SupportIsTheStaticSetPlusTheIndexResults) {
+TEST_P(IndexSelectorScopeTest, SupportIsTheStaticSetPlusTheIndexResults) {
   const Layer layer(SmallTrace());
-  const SelectorParams params = IndexParams(128);
+  const SelectorParams params = IndexParams(128, GetParam());
   absl::StatusOr<std::unique_ptr<SupportSelector>> made = MakeSelector(params, layer.shape);
   ASSERT_TRUE(made.ok()) << made.status();
   auto* selector = dynamic_cast<IndexSelector*>(made->get());
@@ -238,9 +329,9 @@ TEST(IndexSelectorTest, SupportIsTheStaticSetPlusTheIndexResults) {
 // score the search gave it, bit for bit what cpu::ScoreTokens gives (the attention then skips
 // scoring them again); the CPU placement's support holds the static set and no scores. Unlinked
 // bulk tokens, scored exactly, keep theirs too.
-TEST(IndexSelectorTest, BulkOnlySupportCarriesTheScoresTheSearchComputed) {
+TEST_P(IndexSelectorScopeTest, BulkOnlySupportCarriesTheScoresTheSearchComputed) {
   const Layer layer(SmallTrace());
-  const SelectorParams params = IndexParams(128);
+  const SelectorParams params = IndexParams(128, GetParam());
   IndexSelector bulk_only(layer.shape, params, /*bulk_only=*/true);
   IndexSelector with_static_set(layer.shape, params);
   const int64_t prompt = layer.trace.geometry().context;
@@ -271,10 +362,10 @@ TEST(IndexSelectorTest, BulkOnlySupportCarriesTheScoresTheSearchComputed) {
 // its output matches that of the static set plus the exact top-K of the bulk (computed by a
 // scan), and the retrieved tokens bring it much closer to full attention than the static set
 // alone (streaming).
-TEST(IndexSelectorTest, WithAGenerousListItsOutputIsCloseToExactTopK) {
+TEST_P(IndexSelectorScopeTest, WithAGenerousListItsOutputIsCloseToExactTopK) {
   const Layer layer(SmallTrace());
   const LayerShape& shape = layer.shape;
-  const SelectorParams params = IndexParams(1024);
+  const SelectorParams params = IndexParams(1024, GetParam());
   std::unique_ptr<SupportSelector> selector = *MakeSelector(params, shape);
   SelectorParams streaming_params = params;
   streaming_params.kind = SelectorKind::kStreaming;
@@ -331,22 +422,30 @@ TEST(IndexSelectorTest, WithAGenerousListItsOutputIsCloseToExactTopK) {
   EXPECT_LE(index_error, 0.5 * static_error);
 }
 
-TEST(IndexSelectorTest, TokensLeavingTheRecentWindowJoinTheIndex) {
+TEST_P(IndexSelectorScopeTest, TokensLeavingTheRecentWindowJoinTheIndex) {
   const Layer layer(SmallTrace());
-  std::unique_ptr<SupportSelector> selector = *MakeSelector(IndexParams(256), layer.shape);
+  std::unique_ptr<SupportSelector> selector =
+      *MakeSelector(IndexParams(256, GetParam()), layer.shape);
   const int64_t prompt = layer.trace.geometry().context;
   ASSERT_TRUE(selector->Build(layer.view(prompt), layer.prompt_q.data()).ok());
   auto* index_selector = dynamic_cast<IndexSelector*>(selector.get());
+  const int heads_per_graph = layer.shape.q_heads / index_selector->graph_count();
   for (int64_t step = 0; step < 40; ++step) {
     const KvView kv = layer.view(prompt + step + 1);
     selector->OnAppend(kv);
     for (int h = 0; h < layer.shape.q_heads; ++h) {
       const GraphIndex& index = index_selector->head_index(h);
       EXPECT_EQ(index.size(), kv.tokens - 128 - 16);
-      // Issue 15: past the link threshold (16) each step links one key per head, no more, and
+      // Issue 15: past the link threshold (16) each step links one key per graph, no more, and
       // the tail stays under the threshold.
       EXPECT_LE(index.last_link().linked_keys, 1);
       EXPECT_LT(index.size() - index.linked(), 16);
+      // The recent queries of every head of the graph place its new keys: each head's ring
+      // (32 queries, two Selects a step here) is full from step 16 on, and the searches are
+      // rationed at the ring's size per 16 keys linked.
+      if (step >= 16) {
+        EXPECT_EQ(index.last_link().projection_queries, 2 * heads_per_graph) << "step " << step;
+      }
       HeadSelection selection;
       selector->Select(h, layer.decode_query(step, h), kv, &selection);
       // The token that just left the recent window is findable: a query along its key
@@ -371,9 +470,9 @@ TEST(IndexSelectorTest, TokensLeavingTheRecentWindowJoinTheIndex) {
 // OnAppend may run after a step's Selects (off the decode path): until it has, the bulk tokens
 // the index does not hold are scored exactly and compete with the search's results for the top
 // K, as the index's own unlinked tail does; none is attended merely for being new.
-TEST(IndexSelectorTest, BulkTokensNotYetAbsorbedCompeteForTheTopKByScore) {
+TEST_P(IndexSelectorScopeTest, BulkTokensNotYetAbsorbedCompeteForTheTopKByScore) {
   const Layer layer(SmallTrace());
-  const SelectorParams params = IndexParams(128);
+  const SelectorParams params = IndexParams(128, GetParam());
   std::unique_ptr<SupportSelector> selector = *MakeSelector(params, layer.shape);
   auto* index_selector = dynamic_cast<IndexSelector*>(selector.get());
   const int64_t prompt = layer.trace.geometry().context;
@@ -422,6 +521,75 @@ TEST(IndexSelectorTest, BulkTokensNotYetAbsorbedCompeteForTheTopKByScore) {
   for (int h = 0; h < layer.shape.q_heads; ++h) {
     EXPECT_EQ(params.sinks + index_selector->head_index(h).size(), bulk_end);
   }
+}
+
+// A KV head's query heads share its graph and each searches it with its own query: each head's
+// bulk support is close to its own exact top-K, about as close as with a graph of its own (the
+// graphs are searched with the same list), over decode steps that link new keys.
+TEST(IndexSelectorTest, EachQueryHeadFindsItsOwnTopKInTheSharedGraph) {
+  const Layer layer(SmallTrace());
+  const LayerShape& shape = layer.shape;
+  const int64_t prompt = layer.trace.geometry().context;
+  double recall[2] = {0, 0};
+  const GraphScope scopes[2] = {GraphScope::kKvHead, GraphScope::kQueryHead};
+  constexpr int kSteps = 40;
+  for (int s = 0; s < 2; ++s) {
+    const SelectorParams params = IndexParams(128, scopes[s]);
+    IndexSelector selector(shape, params, /*bulk_only=*/true);
+    ASSERT_TRUE(selector.Build(layer.view(prompt), layer.prompt_q.data()).ok());
+    std::vector<uint8_t> marks;
+    for (int64_t step = 0; step < kSteps; ++step) {
+      const KvView kv = layer.view(prompt + step + 1);
+      selector.OnAppend(kv);
+      const int64_t bulk_end = kv.tokens - params.recent;
+      for (int h = 0; h < shape.q_heads; ++h) {
+        const float* q = layer.decode_query(step, h);
+        HeadSelection selection;
+        selector.Select(h, q, kv, &selection);
+        std::vector<int32_t> exact;
+        cpu::ExactTopK(q, VectorSet::KeysOf(kv, KvHeadOf(h, 4, 2), params.sinks, bulk_end)
+                              .AsKeyView(),
+                       0, 1.0f, params.top_k, &exact);
+        for (int32_t& t : exact) t += params.sinks;
+        recall[s] += SupportRecall(selection.support, exact, kv.tokens, &marks);
+      }
+    }
+    recall[s] /= kSteps * shape.q_heads;
+  }
+  std::printf("recall@64 at list 128: shared graph %.4f, graph per query head %.4f\n",
+              recall[0], recall[1]);
+  EXPECT_GE(recall[0], 0.9);
+  EXPECT_GE(recall[0], recall[1] - 0.02);
+}
+
+// The Selects of a step may run concurrently, the heads of one graph among them: each head
+// writes only its own slots of the graph's recent queries, so a step's supports and the links
+// that the next OnAppend makes with those queries are those of Selects one after another.
+TEST_P(IndexSelectorScopeTest, ConcurrentSelectsOfAGraphsHeadsMatchSerialOnes) {
+  const Layer layer(SmallTrace());
+  const SelectorParams params = IndexParams(128, GetParam());
+  const int64_t prompt = layer.trace.geometry().context;
+  IndexSelector serial(layer.shape, params);
+  IndexSelector concurrent(layer.shape, params);
+  ASSERT_TRUE(serial.Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  ASSERT_TRUE(concurrent.Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  const int heads = layer.shape.q_heads;
+  for (int64_t step = 0; step < 40; ++step) {
+    const KvView kv = layer.view(prompt + step + 1);
+    serial.OnAppend(kv);
+    concurrent.OnAppend(kv);
+    std::vector<HeadSelection> want(heads), got(heads);
+    for (int h = 0; h < heads; ++h) serial.Select(h, layer.decode_query(step, h), kv, &want[h]);
+#pragma omp parallel for schedule(static, 1) num_threads(heads)
+    for (int h = 0; h < heads; ++h) {
+      concurrent.Select(h, layer.decode_query(step, h), kv, &got[h]);
+    }
+    for (int h = 0; h < heads; ++h) {
+      EXPECT_EQ(got[h].support, want[h].support) << "step " << step << " head " << h;
+    }
+  }
+  EXPECT_EQ(Graphs(concurrent), Graphs(serial));
+  EXPECT_GT(serial.graph(0).linked(), prompt - params.sinks - params.recent);
 }
 
 }  // namespace

@@ -482,12 +482,26 @@ TEST_F(ServiceDecodeTest, CreateSessionEchoesTheEffectivePolicy) {
   EXPECT_EQ(p.index().build_topk(), index_defaults.build_topk);
   EXPECT_EQ(p.index().max_degree(), index_defaults.max_degree);
   EXPECT_EQ(p.index().search_list_size(), index_defaults.search_list_size);
+  EXPECT_EQ(p.index().graph_scope(), kDefaultGraphScope == GraphScope::kKvHead
+                                         ? v1::GRAPH_SCOPE_KV_HEAD
+                                         : v1::GRAPH_SCOPE_QUERY_HEAD);
   absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), response.session_id());
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->policy().SerializeAsString(), p.SerializeAsString());
   EXPECT_FLOAT_EQ(info->geometry().softmax_scale(), 1.0f / std::sqrt(8.0f));
   EXPECT_EQ(info->layers_prefilled(), 0);
   EXPECT_EQ(info->tokens(), 0);
+}
+
+// Either graph scope is served and echoed as asked.
+TEST_F(ServiceDecodeTest, CreateSessionEchoesTheGraphScope) {
+  for (const v1::GraphScope scope : {v1::GRAPH_SCOPE_KV_HEAD, v1::GRAPH_SCOPE_QUERY_HEAD}) {
+    v1::CreateSessionResponse response;
+    v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX);
+    policy.mutable_index()->set_graph_scope(scope);
+    ASSERT_TRUE(CreateSession(stub(), MakeGeometry(1, 4, 2, 8), policy, &response).ok());
+    EXPECT_EQ(response.policy().index().graph_scope(), scope);
+  }
 }
 
 }  // namespace

@@ -445,6 +445,8 @@ TEST_F(ServiceErrorsTest, BadPolicyKnobs) {
       [](v1::Policy& p) { p.mutable_index()->set_search_width(5); });
   add(invalid, "policy.index parameters must be >= 0",
       [](v1::Policy& p) { p.mutable_index()->set_search_width(-1); });
+  add(invalid, "policy.index.graph_scope has the unknown value 3",
+      [](v1::Policy& p) { p.mutable_index()->set_graph_scope(static_cast<v1::GraphScope>(3)); });
   add(invalid, "policy.selector has the unknown value 99",
       [](v1::Policy& p) { p.set_selector(static_cast<v1::Selector>(99)); });
   add(invalid, "policy.placement has the unknown value 7",

@@ -27,6 +27,7 @@
 #include "absl/strings/str_split.h"
 #include "client/cli/common.h"
 #include "client/cli/subcommands.h"
+#include "client/kvrecall_client.h"
 #include "client/trace/trace.h"
 #include "index/flat_index.h"
 #include "index/graph_index.h"
@@ -49,6 +50,7 @@ ABSL_DECLARE_FLAG(int32_t, build_queries);
 ABSL_DECLARE_FLAG(int32_t, search_width);
 ABSL_DECLARE_FLAG(int32_t, build_topk);
 ABSL_DECLARE_FLAG(int32_t, max_degree);
+ABSL_DECLARE_FLAG(std::string, graph_scope);
 
 ABSL_FLAG(std::string, lists, "100,150,200,300,500,800,1200",
           "bench-index: search-list sizes of the recall curve (graph list, hnsw ef)");
@@ -111,6 +113,15 @@ absl::StatusOr<BatchTopKFunction> MakeGraphTopK(const std::string& where,
 #endif
 }
 
+// --graph_scope (the policy flag's names) as the selector's knob.
+absl::StatusOr<GraphScope> GraphScopeFromFlag() {
+  const std::string name = absl::GetFlag(FLAGS_graph_scope);
+  if (name.empty()) return GraphScope::kDefault;
+  absl::StatusOr<v1::GraphScope> parsed = client::ParseGraphScope(name);
+  if (!parsed.ok()) return parsed.status();
+  return *parsed == v1::GRAPH_SCOPE_KV_HEAD ? GraphScope::kKvHead : GraphScope::kQueryHead;
+}
+
 absl::StatusOr<std::vector<int>> ParseInts(const std::string& flag, const std::string& text) {
   std::vector<int> out;
   for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
@@ -137,7 +148,7 @@ struct MethodSums {
   std::vector<double> build_seconds_by_layer;  // the first includes the GPU's first allocations
   int64_t build_faults = 0;                    // minor page faults while building
   int64_t memory_bytes = 0;
-  int64_t indexes = 0;
+  int64_t indexes = 0;  // built (a graph shared by query heads counts once)
   GraphBuildStats graph_stats;  // summed, graph only
 };
 
@@ -185,11 +196,13 @@ class IndexBench {
 
     for (const std::string& method : methods) {
       // The graph: the index selector's build over the layer, as the server builds it (a KV
-      // head's query heads' top-k lists in one batch top-k, heads side by side), one graph per
-      // query head. Query-agnostic indexes are built once per KV head and shared by its query
-      // heads, side by side, each by a share of the threads.
+      // head's query heads' top-k lists in one batch top-k, graphs side by side), one graph per
+      // query head or per KV head (graph_params.graph_scope); each query head searches its
+      // own. Query-agnostic indexes are built once per KV head and shared by its query heads,
+      // side by side, each by a share of the threads.
       const bool per_kv_head = method != "graph";
       const int index_count = per_kv_head ? g_.kv_heads : g_.q_heads;
+      std::vector<const KeyIndex*> built_indexes;  // each once
       std::unique_ptr<IndexSelector> selector;
       std::vector<std::unique_ptr<KeyIndex>> owned(index_count);
       std::vector<const KeyIndex*> indexes(index_count);
@@ -207,6 +220,9 @@ class IndexBench {
             graph_topk);
         built[0] = selector->Build(kv, data.prefill_q.data());
         for (int h = 0; h < index_count; ++h) indexes[h] = &selector->head_index(h);
+        for (int i = 0; i < selector->graph_count(); ++i) {
+          built_indexes.push_back(&selector->graph(i));
+        }
       } else {
         const int side_by_side = std::min(index_count, omp_get_max_threads());
         const int threads_each = std::max(1, omp_get_max_threads() / side_by_side);
@@ -224,6 +240,7 @@ class IndexBench {
           indexes[i] = owned[i].get();
         }
         omp_set_max_active_levels(saved_levels);
+        built_indexes = indexes;
       }
       const double build_seconds = SecondsSince(build_start);
       const int64_t build_faults = MinorPageFaults() - faults_before;
@@ -234,7 +251,7 @@ class IndexBench {
       sums.build_seconds += build_seconds;
       sums.build_seconds_by_layer.push_back(build_seconds);
       sums.build_faults += build_faults;
-      for (const KeyIndex* index : indexes) {
+      for (const KeyIndex* index : built_indexes) {
         sums.memory_bytes += index->MemoryBytes();
         ++sums.indexes;
         if (method == "graph") {
@@ -305,9 +322,9 @@ class IndexBench {
       if (method == "graph") {
         const GraphBuildStats& s = sums.graph_stats;
         const double n = static_cast<double>(sums.indexes);
-        m["graph"] = {{"build_queries_per_head", s.build_queries / n},
+        m["graph"] = {{"build_queries_per_index", s.build_queries / n},
                       {"covered_key_fraction", s.covered_keys / n / keys()},
-                      {"repaired_keys_per_head", s.repaired_keys / n},
+                      {"repaired_keys_per_index", s.repaired_keys / n},
                       {"unreachable_keys", s.unreachable_keys},
                       {"average_degree", s.average_degree / n},
                       // Per index: the indexes of a layer build side by side, so these
@@ -387,6 +404,9 @@ int RunBenchIndex(const std::vector<char*>& args) {
   graph_params.search_width = absl::GetFlag(FLAGS_search_width);
   graph_params.build_topk = absl::GetFlag(FLAGS_build_topk);
   graph_params.max_degree = absl::GetFlag(FLAGS_max_degree);
+  absl::StatusOr<GraphScope> scope = GraphScopeFromFlag();
+  if (!scope.ok()) return UsageError("bench-index", scope.status().message());
+  graph_params.graph_scope = *scope;
   graph_params = graph_params.WithDefaults();
   HnswParams hnsw_params;
   hnsw_params.m = absl::GetFlag(FLAGS_hnsw_m);
@@ -428,7 +448,8 @@ int RunBenchIndex(const std::vector<char*>& args) {
        {{"build_queries", graph_params.build_queries},
         {"search_width", graph_params.WithDefaults().search_width},
         {"build_topk", graph_params.build_topk},
-        {"max_degree", graph_params.max_degree}}},
+        {"max_degree", graph_params.max_degree},
+        {"graph_scope", GraphScopeName(graph_params.graph_scope)}}},
       {"hnsw_params", {{"m", hnsw_params.m}, {"ef_construction", hnsw_params.ef_construction}}},
       {"methods", bench.Report(methods)},
   };

@@ -41,16 +41,20 @@ ABSL_FLAG(float, target_recall, 0, "retopk with --auto_tau: support recall to ke
 ABSL_FLAG(bool, exact_flat_scan, false,
           "retopk under --placement=tiered: the exact path (fallback, refresh) scans the bulk "
           "flatly instead of searching the graph index");
-ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per head (0: default)");
+ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per graph (0: default)");
 ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
 ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
 ABSL_FLAG(int32_t, search_list, 0, "index: beam size of the decode-time search (0: default)");
 ABSL_FLAG(int32_t, search_width, 0,
           "index: candidates the decode-time search expands per round (0: default)");
+ABSL_FLAG(std::string, graph_scope, "",
+          "index: query heads sharing a graph: kv_head (one graph per KV head) or query_head "
+          "(empty: default)");
 
 namespace kvrecall::cli {
 
 using client::Client;
+using client::ParseGraphScope;
 using client::ParsePlacement;
 using client::ParseSelector;
 
@@ -109,6 +113,11 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
   index->set_max_degree(absl::GetFlag(FLAGS_max_degree));
   index->set_search_list_size(absl::GetFlag(FLAGS_search_list));
   index->set_search_width(absl::GetFlag(FLAGS_search_width));
+  if (const std::string scope = absl::GetFlag(FLAGS_graph_scope); !scope.empty()) {
+    absl::StatusOr<v1::GraphScope> parsed = ParseGraphScope(scope);
+    if (!parsed.ok()) return parsed.status();
+    index->set_graph_scope(*parsed);
+  }
   return policy;
 }
 
