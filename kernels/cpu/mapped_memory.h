@@ -48,7 +48,9 @@ struct MappedAllocator {
     if (bytes < kMappedAllocationBytes) {
       std::allocator<T>().deallocate(p, n);
     } else {
-      ::operator delete(p, MappedBytes(bytes), std::align_val_t{kMappedAllocationBytes});
+      // The unsized aligned form: clang (the fuzz and sanitizer builds) leaves sized
+      // deallocation off unless asked.
+      ::operator delete(p, std::align_val_t{kMappedAllocationBytes});
     }
   }
   friend bool operator==(const MappedAllocator&, const MappedAllocator&) { return true; }
