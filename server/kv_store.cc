@@ -1,40 +1,13 @@
 #include "server/kv_store.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/mapped_memory.h"
 #include "proto/tensor_codec.h"
 
 namespace kvrecall {
-namespace {
-
-// Maps the pages of a fresh allocation [p, p + bytes) in one call. Left to first touch, every
-// 4 KiB page faults on its own: a decode step appends a key and a value row (4 KiB each at
-// 8 KV heads x d=128), so nearly every step took two page faults, several microseconds in a VM
-// (issue 12). Large allocations may take transparent huge pages. Best effort: without
-// MADV_POPULATE_WRITE (Linux < 5.14) the pages fault in on first touch as before.
-void MapPagesNow(void* p, size_t bytes) {
-  constexpr size_t kLarge = size_t{2} << 20;
-  if (bytes < kLarge) return;
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
-  if (end <= begin) return;
-  void* const start = reinterpret_cast<void*>(begin);
-#ifdef MADV_HUGEPAGE
-  madvise(start, end - begin, MADV_HUGEPAGE);
-#endif
-#ifndef MADV_POPULATE_WRITE
-  constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
-#endif
-  madvise(start, end - begin, MADV_POPULATE_WRITE);
-}
-
-}  // namespace
 
 BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
   if (this != &other) {
@@ -86,7 +59,10 @@ absl::Status BudgetedRows::Reserve(int64_t more, absl::string_view what) {
 
 void BudgetedRows::Reallocate(int64_t capacity_rows) {
   auto grown = std::make_unique_for_overwrite<std::byte[]>(capacity_rows * row_bytes());
-  MapPagesNow(grown.get(), capacity_rows * row_bytes());
+  // Left to first touch, every 4 KiB page faults on its own: a decode step appends a key and a
+  // value row (4 KiB each at 8 KV heads x d=128), so nearly every step took two page faults,
+  // several microseconds in a VM (issue 12).
+  cpu::MapPagesNow(grown.get(), capacity_rows * row_bytes());
   if (rows_ > 0) std::memcpy(grown.get(), data_.get(), rows_ * row_bytes());
   data_ = std::move(grown);
   capacity_rows_ = capacity_rows;
