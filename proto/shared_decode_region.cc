@@ -1,0 +1,194 @@
+#include "proto/shared_decode_region.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <ctime>
+#include <new>
+#include <random>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kvrecall::v1::shared_decode {
+namespace {
+
+uint64_t RoundUpToPage(uint64_t n) { return (n + 4095) & ~uint64_t{4095}; }
+
+absl::Status ErrnoStatus(int error, absl::string_view what) {
+  return absl::ErrnoToStatus(error, what);
+}
+
+// Both sides map the region from different processes: the futex must be a shared one (no
+// FUTEX_PRIVATE_FLAG).
+void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout) {
+  const timespec relative = absl::ToTimespec(timeout);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &relative, nullptr,
+          0);
+}
+
+void FutexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
+          0);
+}
+
+void CpuRelax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+}  // namespace
+
+absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
+                                                  uint64_t request_capacity,
+                                                  uint64_t reply_capacity) {
+  if (request_capacity == 0 || reply_capacity == 0 || request_capacity > UINT32_MAX ||
+      reply_capacity > UINT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shared decode region capacities must be in [1, 2^32 - 1] bytes, got ", request_capacity,
+        " and ", reply_capacity));
+  }
+  const uint64_t request_offset = kHeaderBytes;
+  const uint64_t reply_offset = request_offset + RoundUpToPage(request_capacity);
+  const uint64_t bytes = reply_offset + RoundUpToPage(reply_capacity);
+  std::random_device random;
+  MappedRegion region;
+  int fd = -1;
+  for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
+    region.path_ = absl::StrFormat("%s/kvrecall-decode-%08x%08x%08x", directory, random(),
+                                   random(), random());
+    fd = open(region.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 && errno != EEXIST) {
+      return ErrnoStatus(errno, absl::StrCat("creating the shared decode region in ", directory));
+    }
+  }
+  if (fd < 0) return absl::InternalError("no free name for a shared decode region");
+  region.remove_file_ = true;  // from here on, a failure removes the file with `region`
+  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    const int error = errno;
+    close(fd);
+    return ErrnoStatus(error, absl::StrCat("sizing ", region.path_));
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int error = errno;
+  close(fd);
+  if (base == MAP_FAILED) return ErrnoStatus(error, absl::StrCat("mapping ", region.path_));
+  region.base_ = base;
+  region.bytes_ = bytes;
+  auto* header = new (base) RegionHeader{};
+  header->magic = kMagic;
+  header->version = kLayoutVersion;
+  header->request_offset = request_offset;
+  header->request_capacity = request_capacity;
+  header->reply_offset = reply_offset;
+  header->reply_capacity = reply_capacity;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return region;
+}
+
+absl::StatusOr<MappedRegion> MappedRegion::Open(const std::string& path, uint64_t bytes) {
+  if (bytes < kHeaderBytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a shared decode region of ", bytes, " bytes holds no header"));
+  }
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening the shared decode region ", path));
+  struct stat info;
+  if (fstat(fd, &info) != 0 || static_cast<uint64_t>(info.st_size) < bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("the shared decode region ", path, " is shorter than ", bytes, " bytes"));
+  }
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int error = errno;
+  close(fd);
+  if (base == MAP_FAILED) return ErrnoStatus(error, absl::StrCat("mapping ", path));
+  MappedRegion region;
+  region.base_ = base;
+  region.bytes_ = bytes;
+  region.path_ = path;
+  const RegionHeader& h = *region.header();
+  if (h.magic != kMagic || h.version != kLayoutVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is not a shared decode region of layout version ", kLayoutVersion,
+        " (magic ", absl::Hex(h.magic), ", version ", h.version, ")"));
+  }
+  const auto fits = [bytes](uint64_t offset, uint64_t capacity) {
+    return offset >= kHeaderBytes && offset <= bytes && capacity <= bytes - offset;
+  };
+  if (!fits(h.request_offset, h.request_capacity) || !fits(h.reply_offset, h.reply_capacity)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the shared decode region ", path, " lays out areas beyond its ", bytes,
+                     " bytes"));
+  }
+  return region;
+}
+
+MappedRegion::MappedRegion(MappedRegion&& other) noexcept { *this = std::move(other); }
+
+MappedRegion& MappedRegion::operator=(MappedRegion&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    base_ = std::exchange(other.base_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    path_ = std::move(other.path_);
+    remove_file_ = std::exchange(other.remove_file_, false);
+  }
+  return *this;
+}
+
+MappedRegion::~MappedRegion() { Reset(); }
+
+void MappedRegion::Reset() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+  if (remove_file_) unlink(path_.c_str());
+  base_ = nullptr;
+  bytes_ = 0;
+  remove_file_ = false;
+}
+
+void Signal(std::atomic<uint32_t>* signal, const std::atomic<uint32_t>* sleeping) {
+  signal->fetch_add(1);
+  if (sleeping->load() != 0) FutexWakeAll(signal);
+}
+
+bool WaitUntil(std::atomic<uint32_t>* signal, std::atomic<uint32_t>* sleeping, absl::Duration spin,
+               absl::Duration slice, const std::function<bool()>& ready,
+               const std::function<bool()>& give_up) {
+  if (ready()) return true;
+  const absl::Time spin_end = absl::Now() + spin;
+  for (int i = 1;; ++i) {
+    CpuRelax();
+    if (ready()) return true;
+    // The clock is read every 64 polls: a poll costs a few ns, the clock tens.
+    if (i % 64 == 0 && absl::Now() >= spin_end) break;
+  }
+  while (true) {
+    const uint32_t seen = signal->load();
+    sleeping->store(1);
+    if (ready()) {
+      sleeping->store(0);
+      return true;
+    }
+    FutexWait(signal, seen, slice);
+    sleeping->store(0);
+    if (ready()) return true;
+    if (give_up()) return false;
+  }
+}
+
+}  // namespace kvrecall::v1::shared_decode

@@ -1,0 +1,138 @@
+// The shared-memory region of a DecodeShared stream (kvrecall.proto): its layout, the one part
+// of the contract between a runner and kvrecalld that the .proto cannot state, and the
+// wait / wake protocol both sides follow. The Python client mirrors it (kvrecall/shared.py).
+//
+// Layout, version 1 (integers little-endian; the file is SharedDecodeRegion.bytes long):
+//   [0, kHeaderBytes)                               RegionHeader
+//   [request_offset, request_offset + request_capacity)  the request: a serialized
+//                                                   DecodeRequest of request_bytes
+//   [reply_offset, reply_offset + reply_capacity)   the reply: a serialized DecodeResponse of
+//                                                   reply_bytes, or when status_code != 0 the
+//                                                   status message (UTF-8) of reply_bytes
+// Each 64-byte line of the header has one writer: the server writes the layout once before it
+// answers the region, the runner the request line, the server the reply line.
+//
+// One request is in flight at a time. A step:
+//   runner  writes the request bytes and request_bytes, then request_seq += 1 (release, as the
+//           seq_cst store below), then Signal(request_signal, server_sleeping);
+//   server  sees request_seq change, reads request_bytes once, copies the bytes out of the
+//           region (the runner could change them under it), serves them, writes the reply (or,
+//           for a failed step, status_code and its message), then reply_seq = request_seq, then
+//           Signal(reply_signal, runner_sleeping).
+// Ending: the runner ends the stream with `closing` = 1 written before a request_seq bump (the
+// server answers that request with status OK and ends). The server ends it on its own after a
+// failed step (whose reply, published as any reply, carries the status) and at a drain or a
+// shutdown between steps: then it sets `ended` and signals the runner without a reply. After
+// `ended` no request is read, and the call's final status (which the server sends right after)
+// says why; a runner that sees `ended` before the reply to its request takes that status.
+//
+// Waiting (WaitUntil): spin for a while, then sleep in futex(2) on the signal word. A waiter
+// reads the signal, sets its *_sleeping flag, re-checks its condition, then sleeps only while
+// the signal is unchanged; a signaler bumps the signal after publishing and wakes only when the
+// flag is set. Every one of these accesses is sequentially consistent, so no wake-up is lost and
+// a step whose peer is awake costs no system call.
+#ifndef KVRECALL_PROTO_SHARED_DECODE_REGION_H_
+#define KVRECALL_PROTO_SHARED_DECODE_REGION_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace kvrecall::v1::shared_decode {
+
+inline constexpr uint32_t kMagic = 0x5244564B;  // "KVDR" in little-endian bytes
+inline constexpr uint32_t kLayoutVersion = 1;
+inline constexpr uint64_t kHeaderBytes = 4096;
+
+struct RegionHeader {
+  // Written once by the server before it answers the region.
+  uint32_t magic;
+  uint32_t version;
+  uint64_t request_offset;
+  uint64_t request_capacity;
+  uint64_t reply_offset;
+  uint64_t reply_capacity;
+  // The runner's line.
+  alignas(64) std::atomic<uint32_t> request_seq;
+  uint32_t request_bytes;
+  uint32_t closing;
+  // The server's line.
+  alignas(64) std::atomic<uint32_t> reply_seq;
+  uint32_t reply_bytes;
+  int32_t status_code;  // grpc::StatusCode of the reply; 0: reply_bytes of DecodeResponse
+  std::atomic<uint32_t> ended;
+  // The futex words and sleep flags.
+  alignas(64) std::atomic<uint32_t> request_signal;  // the server sleeps on it
+  std::atomic<uint32_t> server_sleeping;
+  alignas(64) std::atomic<uint32_t> reply_signal;  // the runner sleeps on it
+  std::atomic<uint32_t> runner_sleeping;
+};
+static_assert(sizeof(std::atomic<uint32_t>) == 4 && std::atomic<uint32_t>::is_always_lock_free);
+static_assert(offsetof(RegionHeader, request_offset) == 8);
+static_assert(offsetof(RegionHeader, reply_capacity) == 32);
+static_assert(offsetof(RegionHeader, request_seq) == 64);
+static_assert(offsetof(RegionHeader, request_bytes) == 68);
+static_assert(offsetof(RegionHeader, closing) == 72);
+static_assert(offsetof(RegionHeader, reply_seq) == 128);
+static_assert(offsetof(RegionHeader, reply_bytes) == 132);
+static_assert(offsetof(RegionHeader, status_code) == 136);
+static_assert(offsetof(RegionHeader, ended) == 140);
+static_assert(offsetof(RegionHeader, request_signal) == 192);
+static_assert(offsetof(RegionHeader, server_sleeping) == 196);
+static_assert(offsetof(RegionHeader, reply_signal) == 256);
+static_assert(offsetof(RegionHeader, runner_sleeping) == 260);
+static_assert(sizeof(RegionHeader) <= kHeaderBytes);
+
+// A mapped region file (MAP_SHARED, read-write); unmapped when destroyed. Create also removes
+// the file when destroyed, so that a stream's region does not outlive it.
+class MappedRegion {
+ public:
+  // A new region file in `directory`, mode 0600, named kvrecall-decode-<random>, laid out for
+  // the capacities (the file is sparse: pages cost memory once written).
+  static absl::StatusOr<MappedRegion> Create(const std::string& directory,
+                                             uint64_t request_capacity, uint64_t reply_capacity);
+  // Maps the region at `path` of `bytes` (SharedDecodeRegion) and checks its header:
+  // FAILED_PRECONDITION when it is not a region of this layout version or its layout does not
+  // fit `bytes`; the errno's status when the file cannot be opened or mapped.
+  static absl::StatusOr<MappedRegion> Open(const std::string& path, uint64_t bytes);
+
+  MappedRegion() = default;
+  MappedRegion(MappedRegion&& other) noexcept;
+  MappedRegion& operator=(MappedRegion&& other) noexcept;
+  ~MappedRegion();
+
+  RegionHeader* header() const { return static_cast<RegionHeader*>(base_); }
+  char* request() const { return static_cast<char*>(base_) + header()->request_offset; }
+  char* reply() const { return static_cast<char*>(base_) + header()->reply_offset; }
+  const std::string& path() const { return path_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  void Reset();
+
+  void* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  std::string path_;
+  bool remove_file_ = false;  // Create's: the file goes with the mapping
+};
+
+// Publishing side: bumps `signal` and wakes its sleepers when `sleeping` says there are any.
+void Signal(std::atomic<uint32_t>* signal, const std::atomic<uint32_t>* sleeping);
+
+// Waits until `ready()`, first spinning for up to `spin`, then sleeping on `signal` (flagging
+// `sleeping`) in slices of at most `slice`, after each of which `give_up()` is asked. Returns
+// true once ready() holds, false when give_up() did first. ready() and give_up() must read the
+// region with sequentially consistent loads (std::atomic's default).
+bool WaitUntil(std::atomic<uint32_t>* signal, std::atomic<uint32_t>* sleeping, absl::Duration spin,
+               absl::Duration slice, const std::function<bool()>& ready,
+               const std::function<bool()>& give_up);
+
+}  // namespace kvrecall::v1::shared_decode
+
+#endif  // KVRECALL_PROTO_SHARED_DECODE_REGION_H_
