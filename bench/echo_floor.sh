@@ -54,17 +54,24 @@ export PYTHONPATH="$root/client/python${py:+:$py}${PYTHONPATH:+:$PYTHONPATH}"
 start() {
   local server=$1 transport=$2 listen log=$out/${1}_$2.server.log
   if [ "$transport" = unix ]; then listen=unix:$sockets/$server.sock; else listen=127.0.0.1:0; fi
+  # shm: DecodeShared's regions in a directory of their own (the call that opens one goes over TCP).
+  local shm=()
+  if [ "$transport" = shm ]; then
+    mkdir -p "$sockets/shm-$server"
+    shm=(--shared_memory_dir="$sockets/shm-$server")
+  fi
   case $server in
     kvrecalld | kvrecalld-base | kvrecalld-1t)
       local binary=${KVRECALLD:-$bin/kvrecalld}
       [ "$server" = kvrecalld-base ] && binary=${KVRECALLD_BASE:-$bin/kvrecalld-base}
       if [ "$server" = kvrecalld-1t ]; then
         # shellcheck disable=SC2086
-        OMP_NUM_THREADS=1 start_kvrecalld "$binary" "$log" --address="$listen" \
+        OMP_NUM_THREADS=1 start_kvrecalld "$binary" "$log" --address="$listen" "${shm[@]}" \
           ${KVRECALLD_FLAGS:-} || return 1
       else
         # shellcheck disable=SC2086
-        start_kvrecalld "$binary" "$log" --address="$listen" ${KVRECALLD_FLAGS:-} || return 1
+        start_kvrecalld "$binary" "$log" --address="$listen" "${shm[@]}" ${KVRECALLD_FLAGS:-} \
+          || return 1
       fi
       pid=$kvrecalld_pid address=$kvrecalld_address ;;
     echo-*)
@@ -80,8 +87,10 @@ start() {
   esac
 }
 
-for transport in tcp unix; do
+for transport in ${TRANSPORTS:-tcp unix shm}; do
   for server in ${SERVERS:-echo-sync echo-callback kvrecalld}; do
+    # Shared memory is kvrecalld's own transport (DecodeShared); the echo has none.
+    [ "$transport" = shm ] && [ "${server#kvrecalld}" = "$server" ] && continue
     start "$server" "$transport" || { status=1; continue; }
     protocol=echo
     [ "${server#kvrecalld}" != "$server" ] && protocol=kvrecall
@@ -89,6 +98,7 @@ for transport in tcp unix; do
       applies "$server" "$client" || continue
       name=${server}_${transport}_${client}
       common=(--server="$address" --server_pid="$pid" --label="$server" --json_out="$out/$name.json")
+      [ "$transport" = shm ] && common+=(--shared_memory)
       case $client in
         c++)
           "$bin/rpc_overhead" --protocol=$protocol "${common[@]}" --iterations="$iterations" \

@@ -30,7 +30,7 @@ def main(paths):
           "| CPU/step client | CPU/step server |")
     print("| --- | --- | --- | " + " | ".join(["---:"] * 10) + " |")
     for client in clients:
-        for transport in ["tcp", "unix"]:
+        for transport in ["tcp", "unix", "shm"]:
             for server in SERVERS:
                 j = runs.get((server, transport, client))
                 if j is None:
@@ -51,12 +51,14 @@ def main(paths):
     print()
     # The targets, from this run: the floor is the faster echo API per transport and client.
     for client in clients:
-        for transport, kvrecalld in [(t, s) for t in ["tcp", "unix"] for s in SERVERS[2:]]:
+        for transport, kvrecalld in [(t, s) for t in ["tcp", "unix", "shm"] for s in SERVERS[2:]]:
             k = runs.get((kvrecalld, transport, client))
             # The floor of a client is the echo through the same gRPC path (torch inputs or
-            # numpy, Python's echo is the same).
+            # numpy, Python's echo is the same); shared memory is set against the gRPC floor of
+            # the co-located path, the Unix socket's.
             same = "python-numpy" if client == "python-torch" else client
-            floors = [runs[(s, transport, same)] for s in FLOORS if (s, transport, same) in runs]
+            via = "unix" if transport == "shm" else transport
+            floors = [runs[(s, via, same)] for s in FLOORS if (s, via, same) in runs]
             if k is None or not floors:
                 continue
             floor = min(floors, key=lambda j: j["empty_us"]["p50"])
@@ -64,7 +66,8 @@ def main(paths):
             step_floor = min(f["layer_step_us"]["p50"] for f in floors)
             line = (f"- {client}, {transport}: {kvrecalld} empty {fmt(k['empty_us']['p50'])} µs = "
                     f"{ratio:.2f}× the floor ({floor['label']}, {fmt(floor['empty_us']['p50'])} "
-                    f"µs); layer-step − server compute "
+                    f"µs{', over the Unix socket' if transport == 'shm' else ''}); "
+                    f"layer-step − server compute "
                     f"{fmt(k.get('layer_step_minus_server_us', {}).get('p50'))} µs (the floor's "
                     f"12K/8K round trip: {fmt(step_floor)} µs)")
             print(line)

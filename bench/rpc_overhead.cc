@@ -14,6 +14,9 @@
 //   rpc_overhead                                    # kvrecalld's server in this process
 //   rpc_overhead --server=127.0.0.1:PORT --server_pid=PID
 //   rpc_overhead --protocol=echo --server=unix:/tmp/echo.sock --server_pid=PID
+//   rpc_overhead --shared_memory [--server=... of a kvrecalld with --shared_memory_dir]
+// --shared_memory: kvrecall's steps through a DecodeShared region instead of the Decode stream
+// (the call that opens it goes to --server; the in-process server gets a directory in /dev/shm).
 #include <omp.h>
 #include <sys/types.h>
 #include <time.h>
@@ -21,6 +24,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <filesystem>
 #include <cstdio>
 #include <fstream>
 #include <cmath>
@@ -31,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -58,6 +64,8 @@ ABSL_FLAG(std::string, server, "",
 ABSL_FLAG(int64_t, server_pid, 0,
           "the server's process id, for its CPU time per round trip; 0: not measured");
 ABSL_FLAG(std::string, label, "", "names the run in the JSON (say, the server's API)");
+ABSL_FLAG(bool, shared_memory, false,
+          "--protocol=kvrecall through shared memory (DecodeShared) instead of the Decode stream");
 ABSL_FLAG(int32_t, q_heads, 32, "query heads of the layer-step");
 ABSL_FLAG(int32_t, kv_heads, 8, "KV heads");
 ABSL_FLAG(int32_t, head_dim, 128, "head dimension");
@@ -166,7 +174,8 @@ class KvRecallStream final : public StreamUnderTest {
                              v = RandomFloats(context * g.kv_size, rng);
     if (absl::Status st = (*prefill)->SendLayer(0, q, k, v); !st.ok()) return st;
     if (absl::StatusOr<v1::PrefillResponse> r = (*prefill)->Finish(); !r.ok()) return r.status();
-    absl::StatusOr<std::unique_ptr<DecodeStream>> stream = s->client_->OpenDecodeStream(g.proto);
+    absl::StatusOr<std::unique_ptr<DecodeStream>> stream = s->client_->OpenDecodeStream(
+        g.proto, {.shared_memory = absl::GetFlag(FLAGS_shared_memory)});
     if (!stream.ok()) return stream.status();
     s->stream_ = *std::move(stream);
     s->q_ = RandomFloats(g.q_size, rng);
@@ -373,12 +382,22 @@ int Main() {
   }
   std::string address = absl::GetFlag(FLAGS_server);
   std::unique_ptr<RunningServer> in_process;
+  std::string shm_dir;  // the in-process server's, removed at the end
+  absl::Cleanup remove_shm_dir = [&] {
+    in_process.reset();
+    if (!shm_dir.empty()) std::filesystem::remove_all(shm_dir);
+  };
   if (address.empty()) {
     if (protocol != "kvrecall") {
       return Fail(absl::InvalidArgumentError("--protocol=echo and echo-unary need --server (echo_floor's)"));
     }
     ServerOptions options;
     options.address = "127.0.0.1:0";
+    if (absl::GetFlag(FLAGS_shared_memory)) {
+      char dir[] = "/dev/shm/rpc_overhead-XXXXXX";
+      if (mkdtemp(dir) == nullptr) return Fail(absl::InternalError("mkdtemp in /dev/shm failed"));
+      options.shared_memory_dir = shm_dir = dir;
+    }
     absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
     if (!server.ok()) return Fail(server.status());
     in_process = *std::move(server);
@@ -464,7 +483,9 @@ int Main() {
   j["label"] = absl::GetFlag(FLAGS_label);
   j["client"] = "c++";
   j["server"] = in_process ? "in-process (127.0.0.1)" : address;
-  j["transport"] = IsUnixSocketAddress(address) ? "unix" : "tcp";
+  j["transport"] = absl::GetFlag(FLAGS_shared_memory) ? "shm"
+                   : IsUnixSocketAddress(address)   ? "unix"
+                                                    : "tcp";
   j["q_heads"] = g.proto.q_heads();
   j["kv_heads"] = g.proto.kv_heads();
   j["head_dim"] = g.proto.head_dim();

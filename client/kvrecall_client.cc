@@ -1,18 +1,22 @@
 #include "client/kvrecall_client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <utility>
 
+#include "absl/memory/memory.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/descriptor.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "proto/shared_decode_region.h"
 #include "proto/tensor_codec.h"
 
 namespace kvrecall::client {
@@ -178,36 +182,231 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Finish() {
 
 // ---------------------------------------------------------------------------------------------
 
-DecodeStream::DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry)
-    : stub_(&stub), geometry_(geometry) {
-  Open();
-}
+// The interface DecodeStream steps through: one stream, one request in flight.
+class DecodeTransport {
+ public:
+  virtual ~DecodeTransport() = default;
+  // Sends `request` and reads its reply into `response`. Any other outcome ends the stream and
+  // returns its status (the server's, or what broke it).
+  virtual absl::Status Exchange(const v1::DecodeRequest& request,
+                                v1::DecodeResponse* response) = 0;
+  // Ends the stream from this side; the server's final status.
+  virtual absl::Status Close() = 0;
+  // Abandons the stream at once (its replies cannot be trusted any more).
+  virtual void Cancel() = 0;
+};
+
+namespace {
+
+// A bidirectional gRPC Decode stream.
+class GrpcDecodeTransport final : public DecodeTransport {
+ public:
+  explicit GrpcDecodeTransport(v1::KvRecall::Stub& stub)
+      : stream_(stub.Decode(&context_)) {}
+
+  absl::Status Exchange(const v1::DecodeRequest& request,
+                        v1::DecodeResponse* response) override {
+    if (stream_->Write(request) && stream_->Read(response)) return absl::OkStatus();
+    return EndedStatus(stream_->Finish(), "Decode");
+  }
+  absl::Status Close() override {
+    stream_->WritesDone();
+    return FromGrpcStatus(stream_->Finish());
+  }
+  void Cancel() override { context_.TryCancel(); }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+};
+
+namespace shared = ::kvrecall::v1::shared_decode;
+
+// A DecodeShared stream: the call (a callback reactor) brings the region and, at the end, the
+// final status; the steps go through the region (proto/shared_decode_region.h).
+class SharedDecodeTransport final : public DecodeTransport,
+                                    public grpc::ClientReadReactor<v1::SharedDecodeRegion> {
+ public:
+  static absl::StatusOr<std::unique_ptr<SharedDecodeTransport>> Open(
+      v1::KvRecall::Stub& stub, const DecodeStreamOptions& options) {
+    auto transport = absl::WrapUnique(new SharedDecodeTransport(options.spin));
+    if (absl::Status s = transport->Start(stub, options); !s.ok()) return s;
+    return transport;
+  }
+
+  ~SharedDecodeTransport() override {
+    if (!done_.HasBeenNotified()) context_.TryCancel();
+    done_.WaitForNotification();  // the reactor must outlive the call
+  }
+
+  absl::Status Exchange(const v1::DecodeRequest& request,
+                        v1::DecodeResponse* response) override {
+    shared::RegionHeader* const h = region_.header();
+    const size_t size = request.ByteSizeLong();
+    if (size > h->request_capacity) {
+      // Nothing was sent; the stream is abandoned all the same, as a gRPC stream would be
+      // by a message over its limit.
+      Cancel();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a Decode request of ", size, " bytes exceeds the shared region's max_request_bytes of ",
+          h->request_capacity, "; nothing of it was sent (DecodeStreamOptions)"));
+    }
+    if (h->ended.load()) return EndStatus();
+    request.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(region_.request()));
+    h->request_bytes = static_cast<uint32_t>(size);
+    h->closing = 0;
+    const uint32_t seq = h->request_seq.load() + 1;
+    h->request_seq.store(seq);
+    shared::Signal(&h->request_signal, &h->server_sleeping);
+    if (!AwaitReply(seq)) return EndStatus();
+    const uint64_t bytes = h->reply_bytes;
+    if (h->status_code != 0) {
+      // The step failed and the stream ended (the call ends with the same status).
+      const std::string message(region_.reply(), std::min(bytes, h->reply_capacity));
+      done_.WaitForNotification();
+      return absl::Status(static_cast<absl::StatusCode>(h->status_code), message);
+    }
+    if (bytes > h->reply_capacity ||
+        !response->ParseFromArray(region_.reply(), static_cast<int>(bytes))) {
+      Cancel();
+      return absl::InternalError(absl::StrCat("the shared region's reply of ", bytes,
+                                              " bytes is not a DecodeResponse"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Close() override {
+    shared::RegionHeader* const h = region_.header();
+    if (!h->ended.load()) {
+      h->request_bytes = 0;
+      h->closing = 1;
+      const uint32_t seq = h->request_seq.load() + 1;
+      h->request_seq.store(seq);
+      shared::Signal(&h->request_signal, &h->server_sleeping);
+      AwaitReply(seq);
+    }
+    done_.WaitForNotification();
+    return FromGrpcStatus(final_status_);
+  }
+
+  void Cancel() override { context_.TryCancel(); }
+
+  void OnReadDone(bool ok) override {
+    if (!got_first_read_) {
+      got_first_read_ = true;
+      have_region_ = ok;
+      first_read_.Notify();
+    }
+    // Read on until the call ends (OnDone follows): its end is how a dead server or a
+    // cancellation shows.
+    if (ok) StartRead(&ignored_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    final_status_ = status;
+    call_done_.store(true);
+    // Wakes a Step asleep on the region (the server may be gone without a word there).
+    if (shared::RegionHeader* h = mapped_.load(); h != nullptr) {
+      shared::Signal(&h->reply_signal, &h->runner_sleeping);
+    }
+    if (!first_read_.HasBeenNotified()) first_read_.Notify();
+    done_.Notify();
+  }
+
+ private:
+  explicit SharedDecodeTransport(absl::Duration spin) : spin_(spin) {}
+
+  absl::Status Start(v1::KvRecall::Stub& stub, const DecodeStreamOptions& options) {
+    open_request_.set_max_request_bytes(options.max_request_bytes);
+    open_request_.set_max_reply_bytes(options.max_reply_bytes);
+    stub.async()->DecodeShared(&context_, &open_request_, this);
+    StartRead(&region_message_);
+    StartCall();
+    first_read_.WaitForNotification();
+    if (!have_region_) {
+      done_.WaitForNotification();
+      return EndedStatus(final_status_, "DecodeShared");
+    }
+    if (region_message_.layout_version() != shared::kLayoutVersion) {
+      Cancel();
+      return absl::FailedPreconditionError(
+          absl::StrCat("the server's shared decode region has layout version ",
+                       region_message_.layout_version(), "; this client speaks ",
+                       shared::kLayoutVersion));
+    }
+    absl::StatusOr<shared::MappedRegion> region =
+        shared::MappedRegion::Open(region_message_.path(), region_message_.bytes());
+    if (!region.ok()) {
+      Cancel();
+      return absl::Status(region.status().code(),
+                          absl::StrCat("DecodeShared: ", region.status().message(),
+                                       " (is this runner on the server's host, with access to "
+                                       "its --shared_memory_dir?)"));
+    }
+    region_ = *std::move(region);
+    mapped_.store(region_.header());
+    return absl::OkStatus();
+  }
+
+  // Waits for the reply to request `seq`; false when the stream ended without it.
+  bool AwaitReply(uint32_t seq) {
+    shared::RegionHeader* const h = region_.header();
+    return shared::WaitUntil(
+               &h->reply_signal, &h->runner_sleeping, spin_, absl::Milliseconds(10),
+               [&] { return h->reply_seq.load() == seq || h->ended.load(); },
+               [&] { return call_done_.load(); }) &&
+           h->reply_seq.load() == seq;
+  }
+
+  // The stream ended without a reply: the call's final status, once it is there.
+  absl::Status EndStatus() {
+    done_.WaitForNotification();
+    return EndedStatus(final_status_, "DecodeShared");
+  }
+
+  const absl::Duration spin_;
+  grpc::ClientContext context_;
+  v1::SharedDecodeRequest open_request_;  // gRPC may read it until the call is done
+  v1::SharedDecodeRegion region_message_;
+  v1::SharedDecodeRegion ignored_;
+  bool got_first_read_ = false;  // gRPC's reactions are serialized; read after first_read_
+  bool have_region_ = false;
+  absl::Notification first_read_;
+  shared::MappedRegion region_;
+  std::atomic<shared::RegionHeader*> mapped_{nullptr};
+  std::atomic<bool> call_done_{false};
+  grpc::Status final_status_;  // written before done_ is notified
+  absl::Notification done_;
+};
+
+}  // namespace
+
+DecodeStream::DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry,
+                           const DecodeStreamOptions& options)
+    : stub_(&stub), geometry_(geometry), options_(options) {}
 
 DecodeStream::~DecodeStream() { Close().IgnoreError(); }
 
-void DecodeStream::Open() {
-  stream_.reset();
-  context_ = std::make_unique<grpc::ClientContext>();
-  stream_ = stub_->Decode(context_.get());
+absl::Status DecodeStream::Open() {
+  transport_.reset();
   ++streams_opened_;
-  finished_ = false;
   status_ = absl::OkStatus();
-}
-
-absl::Status DecodeStream::Fail() {
-  if (!finished_) {
-    status_ = EndedStatus(stream_->Finish(), "Decode");
-    finished_ = true;
+  if (!options_.shared_memory) {
+    transport_ = std::make_unique<GrpcDecodeTransport>(*stub_);
+    return absl::OkStatus();
   }
-  return status_;
+  absl::StatusOr<std::unique_ptr<SharedDecodeTransport>> shared =
+      SharedDecodeTransport::Open(*stub_, options_);
+  if (!shared.ok()) return shared.status();
+  transport_ = *std::move(shared);
+  return absl::OkStatus();
 }
 
 absl::Status DecodeStream::Close() {
   closed_ = true;
-  if (!finished_) {
-    stream_->WritesDone();
-    status_ = FromGrpcStatus(stream_->Finish());
-    finished_ = true;
+  if (transport_ != nullptr) {
+    status_ = transport_->Close();
+    transport_.reset();
   }
   return status_;
 }
@@ -215,7 +414,9 @@ absl::Status DecodeStream::Close() {
 absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
                                 const StepOptions& options, StepResult* result) {
   if (closed_) return absl::FailedPreconditionError("the Decode stream is closed");
-  if (finished_) Open();  // the server ended the last one on a failed step: continue anew
+  if (transport_ == nullptr) {  // the server ended the last one on a failed step: continue anew
+    if (absl::Status s = Open(); !s.ok()) return s;
+  }
   const v1::Geometry& g = geometry_;
   const int64_t q_row[] = {g.q_heads(), g.head_dim()};
   const int64_t kv_row[] = {g.kv_heads(), g.head_dim()};
@@ -245,12 +446,16 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
     EncodeTensor(in.k_new, kv_row, g.dtype(), false, step.mutable_k_new());
     EncodeTensor(in.v_new, kv_row, g.dtype(), false, step.mutable_v_new());
   }
-  if (!stream_->Write(request_) || !stream_->Read(&response_)) return Fail();
+  if (absl::Status s = transport_->Exchange(request_, &response_); !s.ok()) {
+    status_ = s;
+    transport_.reset();
+    return s;
+  }
   if (response_.request_id() != request_id ||
       response_.results_size() != static_cast<int>(batch.size())) {
-    // Replies no longer pair with requests: this gRPC stream cannot be trusted any further.
-    context_->TryCancel();
-    Fail().IgnoreError();
+    // Replies no longer pair with requests: this stream cannot be trusted any further.
+    transport_->Cancel();
+    transport_.reset();
     return absl::InternalError(absl::StrCat(
         "Decode reply mismatch: request_id ", response_.request_id(), " with ",
         response_.results_size(), " results for request ", request_id, " of ", batch.size()));
@@ -374,14 +579,16 @@ absl::StatusOr<std::unique_ptr<PrefillStream>> Client::StartPrefill(const Sessio
 }
 
 absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream(
-    const v1::Geometry& geometry) {
+    const v1::Geometry& geometry, const DecodeStreamOptions& options) {
   if (geometry.q_heads() < 1 || geometry.kv_heads() < 1 || geometry.head_dim() < 1 ||
       DTypeSize(geometry.dtype()) == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("OpenDecodeStream needs a geometry with heads, head_dim and a dtype; got ",
                      geometry.ShortDebugString()));
   }
-  return std::unique_ptr<DecodeStream>(new DecodeStream(*stub_, geometry));
+  std::unique_ptr<DecodeStream> stream(new DecodeStream(*stub_, geometry, options));
+  if (absl::Status s = stream->Open(); !s.ok()) return s;
+  return stream;
 }
 
 absl::StatusOr<v1::SessionInfo> Client::GetSession(absl::string_view session_id) {

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
@@ -117,14 +118,32 @@ struct StepResult {
   const v1::DecodeResponse* response = nullptr;
 };
 
-// One long-lived, bidirectional Decode stream for sessions of one model geometry: each Step
-// sends one layer of one token for a batch of sequences and waits for its reply. Request and
-// reply messages are reused, so a warm stream allocates little per step. The server ends the
-// gRPC stream on a rejected step (kvrecall.proto, Decode): that Step returns its status, which
-// appended nothing, and the next Step opens a new gRPC stream and continues the sessions, as
-// they were before the failed step. (After a broken connection or a deadline the failed step
-// may have been committed in some layers: SequenceResult.position and GetSession's
-// layer_tokens tell a runner where each layer is.) Not thread-safe; use one stream per thread.
+// How a DecodeStream reaches the server.
+struct DecodeStreamOptions {
+  // Through a shared-memory region (DecodeShared, kvrecall.proto) instead of a gRPC Decode
+  // stream: for a runner on the server's host that can open files in the server's
+  // --shared_memory_dir. A step then costs a copy each way and, when the server's thread is
+  // asleep, one futex wake-up; the gRPC call only opens the region and reports the end.
+  bool shared_memory = false;
+  // The region's capacities, the largest serialized request and reply; 0: the server's
+  // message limit (pages are only used as far as messages reach).
+  uint64_t max_request_bytes = 0;
+  uint64_t max_reply_bytes = 0;
+  // How long a Step polls for its reply before it sleeps until the server's wake-up.
+  absl::Duration spin = absl::Microseconds(500);
+};
+
+// How a DecodeStream's requests travel (kvrecall_client.cc: gRPC or a shared region).
+class DecodeTransport;
+
+// One long-lived Decode stream for sessions of one model geometry: each Step sends one layer of
+// one token for a batch of sequences and waits for its reply. Request and reply messages are
+// reused, so a warm stream allocates little per step. The server ends the stream on a rejected
+// step (kvrecall.proto, Decode and DecodeShared): that Step returns its status, which appended
+// nothing, and the next Step opens a new stream and continues the sessions, as they were before
+// the failed step. (After a broken connection or a deadline the failed step may have been
+// committed in some layers: SequenceResult.position and GetSession's layer_tokens tell a runner
+// where each layer is.) Not thread-safe; use one stream per thread.
 class DecodeStream {
  public:
   ~DecodeStream();
@@ -132,31 +151,29 @@ class DecodeStream {
   // An empty `batch` sends a request with no steps (a no-op round trip on the stream).
   absl::Status Step(int layer, std::span<const SequenceInput> batch, const StepOptions& options,
                     StepResult* result);
-  // Half-closes the stream and returns the server's final status; later Steps fail with
-  // FAILED_PRECONDITION.
+  // Ends the stream from this side and returns the server's final status; later Steps fail
+  // with FAILED_PRECONDITION.
   absl::Status Close();
-  // gRPC streams opened so far: 1, plus one per Step that followed a failed one.
+  // Streams opened so far: 1, plus one per Step that followed a failed one.
   int streams_opened() const { return streams_opened_; }
 
  private:
   friend class Client;
-  DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry);
-  // Ends the gRPC stream after a failed write or read and returns the server's status.
-  absl::Status Fail();
-  // Opens a new gRPC stream (the first, or one after a failure).
-  void Open();
+  DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry,
+               const DecodeStreamOptions& options);
+  // Opens a new stream (the first, or one after a failure).
+  absl::Status Open();
 
   v1::KvRecall::Stub* stub_;
   v1::Geometry geometry_;
-  std::unique_ptr<grpc::ClientContext> context_;  // one per gRPC stream
-  std::unique_ptr<grpc::ClientReaderWriter<v1::DecodeRequest, v1::DecodeResponse>> stream_;
+  DecodeStreamOptions options_;
+  std::unique_ptr<DecodeTransport> transport_;  // null while no stream is open
   int streams_opened_ = 0;
   bool closed_ = false;  // by Close: no further stream
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
   uint64_t next_request_id_ = 1;
-  bool finished_ = false;
-  absl::Status status_;
+  absl::Status status_;  // the last stream's end, once it ended
 };
 
 // How a channel to kvrecalld is secured: plaintext (the default), TLS, mutual TLS, and a
@@ -198,7 +215,9 @@ class Client {
                                               absl::string_view label = "");
   absl::StatusOr<std::unique_ptr<PrefillStream>> StartPrefill(const SessionHandle& session,
                                                               PrefillOptions options = {});
-  absl::StatusOr<std::unique_ptr<DecodeStream>> OpenDecodeStream(const v1::Geometry& geometry);
+  // Opens the stream now (a shared one maps its region now: its errors come back here).
+  absl::StatusOr<std::unique_ptr<DecodeStream>> OpenDecodeStream(
+      const v1::Geometry& geometry, const DecodeStreamOptions& options = {});
   absl::StatusOr<v1::SessionInfo> GetSession(absl::string_view session_id);
   // Every session of the caller, by id (following ListSessions' pages).
   absl::StatusOr<std::vector<v1::SessionInfo>> ListSessions();

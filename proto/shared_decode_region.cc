@@ -1,6 +1,7 @@
 #include "proto/shared_decode_region.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -30,25 +31,6 @@ uint64_t RoundUpToPage(uint64_t n) { return (n + 4095) & ~uint64_t{4095}; }
 
 absl::Status ErrnoStatus(int error, absl::string_view what) {
   return absl::ErrnoToStatus(error, what);
-}
-
-// Both sides map the region from different processes: the futex must be a shared one (no
-// FUTEX_PRIVATE_FLAG).
-void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, absl::Duration timeout) {
-  const timespec relative = absl::ToTimespec(timeout);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &relative, nullptr,
-          0);
-}
-
-void FutexWakeAll(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
-          0);
-}
-
-void CpuRelax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
 }
 
 }  // namespace
@@ -161,34 +143,28 @@ void MappedRegion::Reset() {
   remove_file_ = false;
 }
 
+// Both sides map the region from different processes: the futex is a shared one (no
+// FUTEX_PRIVATE_FLAG).
 void Signal(std::atomic<uint32_t>* signal, const std::atomic<uint32_t>* sleeping) {
   signal->fetch_add(1);
-  if (sleeping->load() != 0) FutexWakeAll(signal);
+  if (sleeping->load() != 0) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(signal), FUTEX_WAKE, INT_MAX, nullptr,
+            nullptr, 0);
+  }
 }
 
-bool WaitUntil(std::atomic<uint32_t>* signal, std::atomic<uint32_t>* sleeping, absl::Duration spin,
-               absl::Duration slice, const std::function<bool()>& ready,
-               const std::function<bool()>& give_up) {
-  if (ready()) return true;
-  const absl::Time spin_end = absl::Now() + spin;
-  for (int i = 1;; ++i) {
-    CpuRelax();
-    if (ready()) return true;
-    // The clock is read every 64 polls: a poll costs a few ns, the clock tens.
-    if (i % 64 == 0 && absl::Now() >= spin_end) break;
-  }
-  while (true) {
-    const uint32_t seen = signal->load();
-    sleeping->store(1);
-    if (ready()) {
-      sleeping->store(0);
-      return true;
-    }
-    FutexWait(signal, seen, slice);
-    sleeping->store(0);
-    if (ready()) return true;
-    if (give_up()) return false;
-  }
+void FutexWait(std::atomic<uint32_t>* signal, uint32_t seen, absl::Duration timeout) {
+  const timespec relative = absl::ToTimespec(timeout);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(signal), FUTEX_WAIT, seen, &relative, nullptr,
+          0);
+}
+
+void YieldCore() { sched_yield(); }
+
+void CpuRelax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
 }
 
 }  // namespace kvrecall::v1::shared_decode

@@ -9,8 +9,11 @@
 //   [reply_offset, reply_offset + reply_capacity)   the reply: a serialized DecodeResponse of
 //                                                   reply_bytes, or when status_code != 0 the
 //                                                   status message (UTF-8) of reply_bytes
-// Each 64-byte line of the header has one writer: the server writes the layout once before it
-// answers the region, the runner the request line, the server the reply line.
+// The server writes the layout once before it answers the region; the runner writes the
+// request line, the server the reply line. The signal words are bumped by their waiter's peer
+// and also by the server itself to wake its own thread (a cancellation, the drain): a runner
+// may bump request_signal with a plain load and store (a lost server bump still wakes the
+// thread, through FUTEX_WAKE and the flags its thread checks).
 //
 // One request is in flight at a time. A step:
 //   runner  writes the request bytes and request_bytes, then request_seq += 1 (release, as the
@@ -21,27 +24,33 @@
 //           Signal(reply_signal, runner_sleeping).
 // Ending: the runner ends the stream with `closing` = 1 written before a request_seq bump (the
 // server answers that request with status OK and ends). The server ends it on its own after a
-// failed step (whose reply, published as any reply, carries the status) and at a drain or a
-// shutdown between steps: then it sets `ended` and signals the runner without a reply. After
-// `ended` no request is read, and the call's final status (which the server sends right after)
-// says why; a runner that sees `ended` before the reply to its request takes that status.
+// failed step (whose reply, published as any reply, carries the status; a message longer than
+// the reply area is cut to it) and at a drain or a shutdown: then a request not picked up yet
+// is not served (it appended nothing; the call ends UNAVAILABLE), and the runner is signalled
+// without a reply. The server sets `ended` whenever the stream ends, after the last reply: a
+// runner checks reply_seq first (its reply is there) and `ended` second (no reply will come;
+// the call's final status, which the server sends right after, says why).
 //
 // Waiting (WaitUntil): spin for a while, then sleep in futex(2) on the signal word. A waiter
 // reads the signal, sets its *_sleeping flag, re-checks its condition, then sleeps only while
 // the signal is unchanged; a signaler bumps the signal after publishing and wakes only when the
 // flag is set. Every one of these accesses is sequentially consistent, so no wake-up is lost and
-// a step whose peer is awake costs no system call.
+// a step whose peer is awake costs no system call. (What the protocol needs of the memory order:
+// the publishing stores are not reordered before the payload's (release), and the signaler's load
+// of the sleep flag is not reordered before its bump of the signal (a full fence); the waiter's
+// side is ordered by futex(2) itself. On x86-64 aligned 32-bit stores are releases, so a runner
+// without C++ atomics needs one locked instruction between the bump and the flag's load.)
 #ifndef KVRECALL_PROTO_SHARED_DECODE_REGION_H_
 #define KVRECALL_PROTO_SHARED_DECODE_REGION_H_
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
 namespace kvrecall::v1::shared_decode {
@@ -125,13 +134,45 @@ class MappedRegion {
 // Publishing side: bumps `signal` and wakes its sleepers when `sleeping` says there are any.
 void Signal(std::atomic<uint32_t>* signal, const std::atomic<uint32_t>* sleeping);
 
-// Waits until `ready()`, first spinning for up to `spin`, then sleeping on `signal` (flagging
+// Sleeps on `signal` while it holds `seen`, for at most `timeout` (futex(2), shared).
+void FutexWait(std::atomic<uint32_t>* signal, uint32_t seen, absl::Duration timeout);
+
+// A spinning thread's pause (x86's PAUSE): lets the sibling hyperthread run.
+void CpuRelax();
+// sched_yield(2): lets a runnable thread of this core (the peer, on a busy machine) run.
+void YieldCore();
+
+// Waits until `ready()`, first polling for up to `spin`, then sleeping on `signal` (flagging
 // `sleeping`) in slices of at most `slice`, after each of which `give_up()` is asked. Returns
 // true once ready() holds, false when give_up() did first. ready() and give_up() must read the
 // region with sequentially consistent loads (std::atomic's default).
+template <typename Ready, typename GiveUp>
 bool WaitUntil(std::atomic<uint32_t>* signal, std::atomic<uint32_t>* sleeping, absl::Duration spin,
-               absl::Duration slice, const std::function<bool()>& ready,
-               const std::function<bool()>& give_up);
+               absl::Duration slice, const Ready& ready, const GiveUp& give_up) {
+  if (ready()) return true;
+  const absl::Time spin_end = absl::Now() + spin;
+  for (int i = 1;; ++i) {
+    CpuRelax();
+    if (ready()) return true;
+    // The clock is read every 64 polls: a poll costs a few ns, the clock tens. Past the first
+    // 1024 polls (a few µs) each poll yields the core: on a machine with no core to spare the
+    // peer may be waiting for this one, and spinning would only delay the reply.
+    if (i % 64 == 0 && absl::Now() >= spin_end) break;
+    if (i > 1024) YieldCore();
+  }
+  while (true) {
+    const uint32_t seen = signal->load();
+    sleeping->store(1);
+    if (ready()) {
+      sleeping->store(0);
+      return true;
+    }
+    FutexWait(signal, seen, slice);
+    sleeping->store(0);
+    if (ready()) return true;
+    if (give_up()) return false;
+  }
+}
 
 }  // namespace kvrecall::v1::shared_decode
 

@@ -28,6 +28,15 @@ ABSL_FLAG(int, inline_decode_steps, -1,
           "workers; -1: a quarter of the hardware threads (at least 1); 0: every step queues");
 ABSL_FLAG(int, max_message_mb, 64,
           "largest gRPC message accepted or sent, in MiB; larger ones get RESOURCE_EXHAUSTED");
+ABSL_FLAG(std::string, shared_memory_dir, "",
+          "serve DecodeShared (Decode through shared memory, for a runner on this host) with its "
+          "regions in this directory, one file per stream (a tmpfs such as /dev/shm, or a pod's "
+          "emptyDir shared with the runner's container; same user); empty: off");
+ABSL_FLAG(int, max_shared_streams, 16,
+          "DecodeShared streams open at once (each holds a thread); more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, shared_memory_spin_us, 100,
+          "microseconds a DecodeShared stream's thread polls for the next step before it "
+          "sleeps (0 to 1000000)");
 ABSL_FLAG(double, host_memory_budget_gb, 0,
           "host memory (GiB) that sessions may hold: KV, staged prompts and selector state; "
           "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
@@ -119,6 +128,9 @@ int main(int argc, char** argv) {
   options.worker_threads = absl::GetFlag(FLAGS_worker_threads);
   options.inline_decode_steps = absl::GetFlag(FLAGS_inline_decode_steps);
   options.max_message_bytes = int64_t{max_message_mb} << 20;
+  options.shared_memory_dir = absl::GetFlag(FLAGS_shared_memory_dir);
+  options.max_shared_streams = absl::GetFlag(FLAGS_max_shared_streams);
+  options.shared_memory_spin = absl::Microseconds(absl::GetFlag(FLAGS_shared_memory_spin_us));
   options.host_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
   options.limits.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.limits.max_context_tokens = absl::GetFlag(FLAGS_max_context_tokens);

@@ -6,6 +6,7 @@
 
 #include <climits>
 #include <cstring>
+#include <filesystem>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -62,9 +63,14 @@ RunningServer::RunningServer(const ServerOptions& options,
     : budget_(options.host_memory_budget_bytes),
       placements_(std::move(placements)),
       registry_(&budget_, placements_.get(), metrics_.get(), options.limits),
-      service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads,
-                                          .inline_steps = options.inline_decode_steps,
-                                          .decode_call_metrics = !options.metrics_address.empty()}),
+      service_(&registry_,
+               ServiceOptions{.worker_threads = options.worker_threads,
+                              .inline_steps = options.inline_decode_steps,
+                              .decode_call_metrics = !options.metrics_address.empty(),
+                              .shared_memory_dir = options.shared_memory_dir,
+                              .max_shared_streams = options.max_shared_streams,
+                              .shared_memory_spin = options.shared_memory_spin,
+                              .max_message_bytes = options.max_message_bytes}),
       health_({v1::KvRecall::service_full_name()}),
       probe_health_({v1::KvRecall::service_full_name()}) {}
 
@@ -133,6 +139,33 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
   return absl::OkStatus();
 }
 
+// Checks DecodeShared's options, and removes the region files an earlier kvrecalld left in its
+// directory (a stream's file is removed when the stream ends; a killed server leaves its own).
+absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
+  if (options.max_shared_streams < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_shared_streams must be >= 1, got ", options.max_shared_streams));
+  }
+  if (options.shared_memory_spin < absl::ZeroDuration() ||
+      options.shared_memory_spin > absl::Seconds(1)) {
+    return absl::InvalidArgumentError(absl::StrCat("shared_memory_spin must be in [0, 1 s], got ",
+                                                   absl::FormatDuration(options.shared_memory_spin)));
+  }
+  if (options.shared_memory_dir.empty()) return absl::OkStatus();
+  std::error_code error;
+  if (!std::filesystem::is_directory(options.shared_memory_dir, error)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "shared_memory_dir ", options.shared_memory_dir, " is not a directory",
+        error ? absl::StrCat(" (", error.message(), ")") : ""));
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(options.shared_memory_dir, error)) {
+    if (absl::StartsWith(entry.path().filename().string(), "kvrecall-decode-")) {
+      std::filesystem::remove(entry.path(), error);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& options) {
   if (options.max_message_bytes < 1 || options.max_message_bytes > INT_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1, ", INT_MAX,
@@ -147,6 +180,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
         absl::StrCat("worker_threads must be >= 0, got ", options.worker_threads));
   }
   if (absl::Status s = options.limits.Validate(); !s.ok()) return s;
+  if (absl::Status s = PrepareSharedMemoryDir(options); !s.ok()) return s;
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(options.placements);
   if (!placements.ok()) return placements.status();

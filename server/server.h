@@ -36,6 +36,12 @@ struct ServerOptions {
   int inline_decode_steps = -1;
   // Largest message accepted or sent; larger ones fail with RESOURCE_EXHAUSTED.
   int64_t max_message_bytes = 64ll << 20;
+  // DecodeShared, Decode through shared memory for runners on this host (ServiceOptions): the
+  // directory of its regions (empty: off), the streams open at once, and how long a stream's
+  // thread polls for the next step before it sleeps.
+  std::string shared_memory_dir;
+  int max_shared_streams = 16;
+  absl::Duration shared_memory_spin = absl::Microseconds(100);
   // Host memory that sessions may hold (KV, staged prompts, selector state); 0: unlimited.
   int64_t host_memory_budget_bytes = 0;
   // Sessions open at once, tokens per layer of a session, and the idle time after which a

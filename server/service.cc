@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "proto/shared_decode_region.h"
 #include "server/auth.h"
 #include "server/decode.h"
 #include "server/prefill.h"
@@ -482,6 +483,227 @@ class KvRecallService::DecodeCall final
 };
 
 // ---------------------------------------------------------------------------------------------
+// A DecodeShared stream: the call answers the region, then a thread of the stream's own serves
+// the steps that arrive through it (proto/shared_decode_region.h) with a DecodeStream, as a
+// Decode stream serves them, until the runner closes it, a step fails, the call is cancelled or
+// the drain begins; then the region says so, the call ends with that status, and the region's
+// file is removed. The thread polls for a request for ServiceOptions::shared_memory_spin after
+// each reply, then sleeps in futex(2) until the runner's signal (or a cancellation's or the
+// drain's wake-up).
+
+class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
+                                                public KvRecallService::Stream {
+ public:
+  SharedDecodeCall(KvRecallService* service, const grpc::ByteBuffer* request, std::string tenant)
+      : service_(service), decoder_(service->registry_, std::move(tenant)) {
+    grpc::Status status = Open(request);
+    if (!status.ok()) {
+      Finish(std::move(status));
+      return;
+    }
+    StartWrite(&region_message_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {  // the runner is gone before it got the region
+      Finish(CancelledStatus());
+      return;
+    }
+    server_thread_ = std::thread([this] { Serve(); });
+  }
+
+  void OnCancel() override {
+    cancelled_.store(true);
+    Wake();
+  }
+
+  void Drain() override {
+    draining_.store(true);
+    Wake();
+  }
+
+  void OnDone() override {
+    // The thread's last act was Finish (OnDone comes after it), so this join does not wait on
+    // a step.
+    if (server_thread_.joinable()) server_thread_.join();
+    if (registered_) service_->Unregister(this);
+    if (counted_) service_->shared_streams_.fetch_sub(1);
+    delete this;  // unmaps the region and removes its file
+  }
+
+ private:
+  // Checks the request and the server's limits, creates the region and its answer; registered
+  // for the drain once it holds a slot.
+  grpc::Status Open(const grpc::ByteBuffer* request) {
+    const ServiceOptions& options = service_->options_;
+    if (options.shared_memory_dir.empty()) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "shared-memory decode is off on this server: kvrecalld serves "
+                          "DecodeShared with --shared_memory_dir=DIR, a directory the runner "
+                          "on the same host can open files in; use Decode otherwise");
+    }
+    grpc::ByteBuffer bytes(*request);  // shares the slices
+    v1::SharedDecodeRequest open;
+    if (!ParseRawMessage(&bytes, &open)) return UnparsableStatus("the request", open);
+    const uint64_t limit = static_cast<uint64_t>(options.max_message_bytes);
+    for (const auto& [name, value] : {std::pair{"max_request_bytes", open.max_request_bytes()},
+                                      std::pair{"max_reply_bytes", open.max_reply_bytes()}}) {
+      if (value > limit) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat(name, " must be at most the server's message limit (",
+                                         "--max_message_mb) of ", limit, " bytes, got ", value));
+      }
+    }
+    if (service_->draining()) return ShuttingDownStatus();
+    if (service_->shared_streams_.fetch_add(1) >= options.max_shared_streams) {
+      service_->shared_streams_.fetch_sub(1);
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("--max_shared_streams=", options.max_shared_streams,
+                                       " shared Decode streams are open; close one or use "
+                                       "Decode"));
+    }
+    counted_ = true;
+    absl::StatusOr<v1::shared_decode::MappedRegion> region =
+        v1::shared_decode::MappedRegion::Create(
+            options.shared_memory_dir,
+            open.max_request_bytes() > 0 ? open.max_request_bytes() : limit,
+            open.max_reply_bytes() > 0 ? open.max_reply_bytes() : limit);
+    if (!region.ok()) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("kvrecalld could not create a shared decode region: ",
+                                       region.status().message()));
+    }
+    region_ = *std::move(region);
+    registered_ = service_->Register(this);
+    if (!registered_) return ShuttingDownStatus();
+    v1::SharedDecodeRegion answer;
+    answer.set_path(region_.path());
+    answer.set_bytes(region_.bytes());
+    answer.set_layout_version(v1::shared_decode::kLayoutVersion);
+    answer.set_max_request_bytes(region_.header()->request_capacity);
+    answer.set_max_reply_bytes(region_.header()->reply_capacity);
+    SerializeRawMessage(answer, &region_message_);
+    return grpc::Status::OK;
+  }
+
+  // Wakes the serving thread (a cancellation or the drain), wherever it waits.
+  void Wake() {
+    if (region_.header() != nullptr) {
+      v1::shared_decode::Signal(&region_.header()->request_signal,
+                                &region_.header()->server_sleeping);
+    }
+  }
+
+  // The stream's thread: steps until the stream ends, then the call's Finish.
+  void Serve() {
+    v1::shared_decode::RegionHeader* const h = region_.header();
+    uint32_t seen = 0;
+    grpc::Status end;
+    while (true) {
+      v1::shared_decode::WaitUntil(
+          &h->request_signal, &h->server_sleeping, service_->options_.shared_memory_spin,
+          absl::Milliseconds(100),
+          [&] { return h->request_seq.load() != seen || cancelled_.load() || draining_.load(); },
+          [] { return false; });
+      if (cancelled_.load()) {
+        end = CancelledStatus();  // nobody is listening
+        break;
+      }
+      const uint32_t request = h->request_seq.load();
+      if (request == seen || service_->draining()) {
+        // The drain, between steps or with a step not picked up yet: it is not served.
+        end = ShuttingDownStatus();
+        break;
+      }
+      seen = request;
+      const absl::Time arrived = absl::Now();
+      if (h->closing != 0) {
+        Publish(grpc::Status::OK, 0, seen);
+        break;
+      }
+      grpc::Status status = Step();
+      const uint64_t reply_bytes = status.ok() ? response_.GetCachedSize() : 0;
+      if (status.ok() && service_->decode_calls_ != nullptr) {
+        service_->registry_->metrics()->ObserveDecodeRequest(
+            absl::ToDoubleSeconds(absl::Now() - arrived));
+      }
+      Publish(status, reply_bytes, seen);
+      if (!status.ok()) {
+        end = std::move(status);
+        break;
+      }
+    }
+    h->ended.store(1);
+    v1::shared_decode::Signal(&h->reply_signal, &h->runner_sleeping);
+    Finish(std::move(end));
+  }
+
+  // The step whose request is in the region: its reply serialized into the region when it
+  // succeeds (response_'s cached size is then its length).
+  grpc::Status Step() {
+    const v1::shared_decode::RegionHeader* const h = region_.header();
+    const int64_t index = requests_++;
+    // Read once and copied out: the runner could change the region under the parse.
+    const uint64_t bytes = h->request_bytes;
+    if (bytes > h->request_capacity) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("Decode request ", index, " of this stream claims ", bytes,
+                                       " bytes, over the region's max_request_bytes of ",
+                                       h->request_capacity, "; nothing of it was applied"));
+    }
+    request_bytes_.assign(region_.request(), bytes);
+    if (!request_.ParseFromString(request_bytes_)) {
+      return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
+                              request_);
+    }
+    response_.Clear();
+    grpc::Status status = service_->Answer(decoder_.Serve(request_, &response_));
+    if (!status.ok()) return status;
+    const size_t size = response_.ByteSizeLong();
+    if (size > h->reply_capacity) {
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("the reply to Decode request ", index, " takes ", size,
+                       " bytes, over the region's max_reply_bytes of ", h->reply_capacity,
+                       "; its step was applied (SequenceResult.position and GetSession's "
+                       "layer_tokens tell where each layer is)"));
+    }
+    response_.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(region_.reply()));
+    return grpc::Status::OK;
+  }
+
+  // Publishes the answer to request `seq`: the reply already in the region (`reply_bytes` of
+  // it) when `status` is OK, else the status and its message.
+  void Publish(const grpc::Status& status, uint64_t reply_bytes, uint32_t seq) {
+    v1::shared_decode::RegionHeader* const h = region_.header();
+    if (!status.ok()) {
+      const std::string& message = status.error_message();
+      reply_bytes = std::min<uint64_t>(message.size(), h->reply_capacity);
+      std::copy_n(message.data(), reply_bytes, region_.reply());
+    }
+    h->status_code = static_cast<int32_t>(status.error_code());
+    h->reply_bytes = static_cast<uint32_t>(reply_bytes);
+    h->reply_seq.store(seq);
+    v1::shared_decode::Signal(&h->reply_signal, &h->runner_sleeping);
+  }
+
+  KvRecallService* const service_;
+  DecodeStream decoder_;
+  v1::shared_decode::MappedRegion region_;
+  grpc::ByteBuffer region_message_;
+  bool counted_ = false;     // holds a --max_shared_streams slot
+  bool registered_ = false;  // for the drain
+  std::atomic<bool> cancelled_{false};
+  std::atomic<bool> draining_{false};
+  std::thread server_thread_;
+  // The serving thread's alone.
+  int64_t requests_ = 0;
+  std::string request_bytes_;
+  v1::DecodeRequest request_;
+  v1::DecodeResponse response_;
+};
+
+// ---------------------------------------------------------------------------------------------
 
 KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions& options)
     : registry_(registry),
@@ -491,6 +713,7 @@ KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions
       max_inline_steps_(options.inline_steps >= 0
                             ? options.inline_steps
                             : std::max<int>(1, std::thread::hardware_concurrency() / 4)),
+      options_(options),
       decode_calls_(options.decode_call_metrics && registry->metrics() != nullptr
                         ? registry->metrics()->ForMethod(kDecodeMethod)
                         : nullptr) {}
@@ -561,6 +784,11 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::Decode(
     grpc::CallbackServerContext* context) {
   return new DecodeCall(this, TenantOf(*context));
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* KvRecallService::DecodeShared(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  return new SharedDecodeCall(this, request, TenantOf(*context));
 }
 
 grpc::ServerUnaryReactor* KvRecallService::GetSession(grpc::CallbackServerContext* context,

@@ -40,14 +40,26 @@ struct ServiceOptions {
   // its arrival to its reply, into the registry's ServerMetrics: the part of the RPC metrics
   // that server/rpc_metrics_interceptor.h leaves to the service. On when metrics are served.
   bool decode_call_metrics = false;
+  // DecodeShared (kvrecall.proto): the directory where shared-memory regions are created, one
+  // file per stream, removed when it ends; a runner on the same host must be able to open its
+  // files (same user; a pod's shared emptyDir). Empty: DecodeShared answers FAILED_PRECONDITION.
+  std::string shared_memory_dir;
+  // Shared streams open at once; each holds a thread of its own while it lives.
+  int max_shared_streams = 16;
+  // How long a shared stream's thread polls for the next request before it sleeps (a futex
+  // wake-up then costs the runner a system call and the step a scheduler wake-up).
+  absl::Duration shared_memory_spin = absl::Microseconds(100);
+  // The largest message either way (the gRPC limit), also the regions' default capacities.
+  int64_t max_message_bytes = 64ll << 20;
 };
 
 // Every method of kvrecall.v1.KvRecall, raw and callback-based.
 using KvRecallRawCallbackService = v1::KvRecall::WithRawCallbackMethod_CreateSession<
     v1::KvRecall::WithRawCallbackMethod_Prefill<v1::KvRecall::WithRawCallbackMethod_Decode<
-        v1::KvRecall::WithRawCallbackMethod_GetSession<
-            v1::KvRecall::WithRawCallbackMethod_ListSessions<
-                v1::KvRecall::WithRawCallbackMethod_CloseSession<v1::KvRecall::Service>>>>>>;
+        v1::KvRecall::WithRawCallbackMethod_DecodeShared<
+            v1::KvRecall::WithRawCallbackMethod_GetSession<
+                v1::KvRecall::WithRawCallbackMethod_ListSessions<
+                    v1::KvRecall::WithRawCallbackMethod_CloseSession<v1::KvRecall::Service>>>>>>>;
 
 class KvRecallService final : public KvRecallRawCallbackService {
  public:
@@ -81,6 +93,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
                                                      grpc::ByteBuffer* response) override;
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Decode(
       grpc::CallbackServerContext* context) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* DecodeShared(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override;
@@ -123,6 +137,7 @@ class KvRecallService final : public KvRecallRawCallbackService {
   class StreamCall;
   class PrefillCall;
   class DecodeCall;
+  class SharedDecodeCall;
 
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* StartUnary(
@@ -149,6 +164,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   WorkQueue builds_;
   const int max_inline_steps_;
   std::atomic<int> inline_steps_{0};
+  const ServiceOptions options_;
+  std::atomic<int> shared_streams_{0};
   // Where Decode streams count their calls (ServiceOptions::decode_call_metrics); null: nowhere.
   MethodMetrics* const decode_calls_;
 };

@@ -126,6 +126,22 @@ case "$case_name" in
     grep -qF 'value: "unix:/sock/kvrecall.sock"' <<<"$colocated" \
       || fail "colocated render: the runner gets no KVRECALL_ADDRESS"
     grep -qE '^        - name: runner$' <<<"$colocated" || fail "colocated render: no runner container"
+    # sharedMemory (on by default with the runner): kvrecalld's regions in the socket directory,
+    # the runner told so, the tmpfs sized for them; off: none of it.
+    for line in '- --shared_memory_dir=/sock' '- --max_shared_streams=16' \
+        'name: KVRECALL_SHARED_MEMORY' 'sizeLimit: 256Mi'; do
+      grep -qF -- "$line" <<<"$colocated" || fail "colocated render: no '$line'"
+    done
+    no_shm="$("$HELM" template kvrecall "$chart_dir" --set colocatedRunner.enabled=true \
+      --set colocatedRunner.image=runner:1 --set colocatedRunner.sharedMemory.enabled=false)"
+    if grep -qE 'shared_memory|KVRECALL_SHARED_MEMORY' <<<"$no_shm"; then
+      fail "colocated render with sharedMemory.enabled=false still serves shared memory"
+    fi
+    grep -qF 'sizeLimit: 1Mi' <<<"$no_shm" || fail "colocated render without sharedMemory: emptyDir not 1Mi"
+    expect_render_error "at '/colocatedRunner/sharedMemory/sizeLimit': '1GB' does not match pattern" \
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=r --set colocatedRunner.sharedMemory.sizeLimit=1GB
+    expect_render_error "server.extraArgs: --shared_memory_dir is set by the chart" \
+      --set "server.extraArgs={--shared_memory_dir=/tmp}"
     expect_render_error "colocatedRunner.image: set the runner's image" --set colocatedRunner.enabled=true
     expect_render_error "at '/colocatedRunner/socketDir': 'run/kvrecall' does not match pattern" \
       --set colocatedRunner.enabled=true --set colocatedRunner.image=r --set colocatedRunner.socketDir=run/kvrecall

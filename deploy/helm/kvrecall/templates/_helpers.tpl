@@ -142,6 +142,10 @@ unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 - --worker_threads={{ .Values.server.workerThreads }}
 {{- end }}
 - --max_message_mb={{ .Values.server.maxMessageMb }}
+{{- if and .Values.colocatedRunner.enabled .Values.colocatedRunner.sharedMemory.enabled }}
+- --shared_memory_dir={{ .Values.colocatedRunner.socketDir }}
+- --max_shared_streams={{ .Values.colocatedRunner.sharedMemory.maxStreams }}
+{{- end }}
 - --host_memory_budget_gb={{ include "kvrecall.hostMemoryBudgetGiB" . }}
 {{- if ge (float64 .Values.server.shutdownGraceSeconds) (float64 .Values.terminationGracePeriodSeconds) }}
 {{- fail (printf "server.shutdownGraceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the kubelet kills the container then" .Values.server.shutdownGraceSeconds .Values.terminationGracePeriodSeconds) }}
@@ -171,7 +175,7 @@ unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 {{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}

@@ -1,0 +1,345 @@
+// DecodeShared, Decode through a shared-memory region (proto/shared_decode_region.h), against a
+// real in-process server: steps through the C++ client's shared stream equal the gRPC stream's
+// bit for bit and brute-force attention; a failed step ends the stream with its status,
+// appends nothing, and the next step continues on a new stream; the region's file lives as long
+// as the stream (close, cancellation); the server's limits and a hostile runner's bytes get
+// clear statuses; the drain ends an idle shared stream with UNAVAILABLE.
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "client/kvrecall_client.h"
+#include "gtest/gtest.h"
+#include "proto/shared_decode_region.h"
+#include "tests/server_fixture.h"
+
+namespace kvrecall {
+namespace {
+
+namespace shared = ::kvrecall::v1::shared_decode;
+using ::kvrecall::testing::FromGrpc;
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::ReferenceSession;
+
+// A directory of its own for each test's regions.
+class SharedDirectory {
+ public:
+  SharedDirectory() {
+    char dir[] = "/tmp/kvrecall-shm-XXXXXX";
+    EXPECT_NE(mkdtemp(dir), nullptr);
+    path_ = dir;
+  }
+  ~SharedDirectory() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+  // The region files in it.
+  int Regions() const {
+    int n = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(path_)) {
+      n += absl::StartsWith(entry.path().filename().string(), "kvrecall-decode-");
+    }
+    return n;
+  }
+  // Waits up to 10 s for `n` region files.
+  bool AwaitRegions(int n) const {
+    for (int i = 0; i < 1000 && Regions() != n; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return Regions() == n;
+  }
+
+ private:
+  std::string path_;
+};
+
+class SharedDecodeTest : public ::kvrecall::testing::PrefilledSessionTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.shared_memory_dir = dir_.path();
+    options.max_shared_streams = max_shared_streams_;
+    options.max_message_bytes = 1 << 20;
+    return options;
+  }
+  client::Client MakeClient() { return client::Client(server().channel()); }
+  static client::DecodeStreamOptions Shared() { return {.shared_memory = true}; }
+
+  static constexpr int kHq = 4, kHkv = 2, kD = 16, kPrompt = 48;
+  const v1::Geometry g_ = MakeGeometry(2, kHq, kHkv, kD);
+  SharedDirectory dir_;
+  int max_shared_streams_ = 4;
+};
+
+TEST_F(SharedDecodeTest, StepsEqualTheGrpcStreamsAndFullAttention) {
+  ReferenceSession ref(g_, kPrompt, 11);
+  ReferenceSession twin(g_, kPrompt, 11);
+  const std::string a = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 16);
+  const std::string b = CreateAndPrefill(twin, MakePolicy(v1::SELECTOR_FULL), 16);
+  client::Client c = MakeClient();
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> over_grpc = c.OpenDecodeStream(g_);
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> over_shm =
+      c.OpenDecodeStream(g_, Shared());
+  ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
+  ASSERT_TRUE(over_shm.ok()) << over_shm.status();
+  EXPECT_EQ(dir_.Regions(), 1);
+  for (int token = 0; token < 3; ++token) {
+    for (int layer = 0; layer < g_.layers(); ++layer) {
+      const ReferenceSession::Token t = ref.MakeToken(1000 + 10 * token + layer);
+      const std::vector<float> q = ref.Record(layer, t);
+      const client::SequenceInput in_a{a, t.q, t.k, t.v};
+      const client::SequenceInput in_b{b, t.q, t.k, t.v};
+      client::StepResult via_grpc, via_shm;
+      ASSERT_TRUE((*over_grpc)->Step(layer, {&in_a, 1}, {.return_lse = true}, &via_grpc).ok());
+      ASSERT_TRUE((*over_shm)
+                      ->Step(layer, {&in_b, 1}, {.return_lse = true, .diagnostics = true},
+                             &via_shm)
+                      .ok());
+      EXPECT_EQ(via_shm.output, via_grpc.output) << "token " << token << " layer " << layer;
+      EXPECT_EQ(via_shm.lse, via_grpc.lse);
+      EXPECT_EQ(via_shm.response->results(0).position(), kPrompt + token);
+      EXPECT_EQ(via_shm.response->results(0).heads_size(), kHq);
+      std::vector<double> lse;
+      const std::vector<double> want = ref.FullAttention(layer, q, &lse);
+      ::kvrecall::testing::ExpectOutputNear(via_shm.output, want, g_.dtype(), "shared step");
+    }
+  }
+  // An empty request is a round trip too.
+  client::StepResult empty;
+  ASSERT_TRUE((*over_shm)->Step(0, {}, {}, &empty).ok());
+  EXPECT_EQ(empty.response->results_size(), 0);
+  EXPECT_EQ((*over_shm)->streams_opened(), 1);
+  EXPECT_TRUE((*over_shm)->Close().ok());
+  EXPECT_TRUE(dir_.AwaitRegions(0)) << "the closed stream's region file is still there";
+  EXPECT_TRUE((*over_grpc)->Close().ok());
+}
+
+TEST_F(SharedDecodeTest, FailedStepEndsTheStreamWithItsStatusAndAppendsNothing) {
+  ReferenceSession ref(g_, kPrompt, 21);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 64);
+  client::Client c = MakeClient();
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream = c.OpenDecodeStream(g_, Shared());
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const ReferenceSession::Token t = ref.MakeToken(5);
+  client::StepResult result;
+  // A batch naming the live session and one that does not exist: nothing is appended to either.
+  const client::SequenceInput batch[] = {{id, t.q, t.k, t.v}, {"no-such-session", t.q, t.k, t.v}};
+  EXPECT_TRUE(HasStatus((*stream)->Step(0, batch, {}, &result), absl::StatusCode::kNotFound,
+                        "no-such-session"));
+  absl::StatusOr<v1::SessionInfo> info = ::kvrecall::testing::GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layer_tokens(0), kPrompt);
+  EXPECT_TRUE(dir_.AwaitRegions(0)) << "the ended stream's region file is still there";
+  // The next step opens a new shared stream and goes on.
+  const client::SequenceInput one{id, t.q, t.k, t.v};
+  ASSERT_TRUE((*stream)->Step(0, {&one, 1}, {}, &result).ok());
+  EXPECT_EQ(result.response->results(0).position(), kPrompt);
+  EXPECT_EQ((*stream)->streams_opened(), 2);
+  // A query of the wrong size is refused by the client before anything is sent.
+  const std::vector<float> short_q(kD);
+  const client::SequenceInput wrong{id, short_q, t.k, t.v};
+  EXPECT_TRUE(HasStatus((*stream)->Step(0, {&wrong, 1}, {}, &result),
+                        absl::StatusCode::kInvalidArgument, "decode batch[0]"));
+  // A layer out of range is refused by the server, and ends that stream.
+  EXPECT_TRUE(HasStatus((*stream)->Step(7, {&one, 1}, {}, &result),
+                        absl::StatusCode::kInvalidArgument, "layer"));
+  info = ::kvrecall::testing::GetSession(stub(), id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens(0), kPrompt + 1);
+  EXPECT_EQ(info->layer_tokens(1), kPrompt);
+  // Close reports how the last stream ended, as for a gRPC stream.
+  EXPECT_TRUE(HasStatus((*stream)->Close(), absl::StatusCode::kInvalidArgument, "layer"));
+}
+
+TEST_F(SharedDecodeTest, LimitsAndCapacitiesAreEnforced) {
+  client::Client c = MakeClient();
+  // Capacities above the server's message limit (1 MiB here).
+  EXPECT_TRUE(HasStatus(
+      c.OpenDecodeStream(g_, {.shared_memory = true, .max_request_bytes = 2 << 20}).status(),
+      absl::StatusCode::kInvalidArgument, "max_request_bytes must be at most"));
+  // --max_shared_streams.
+  std::vector<std::unique_ptr<client::DecodeStream>> open;
+  for (int i = 0; i < max_shared_streams_; ++i) {
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> s = c.OpenDecodeStream(g_, Shared());
+    ASSERT_TRUE(s.ok()) << s.status();
+    open.push_back(*std::move(s));
+  }
+  EXPECT_TRUE(HasStatus(c.OpenDecodeStream(g_, Shared()).status(),
+                        absl::StatusCode::kResourceExhausted, "--max_shared_streams=4"));
+  // A slot is given back once its call is done (just after Close returns).
+  auto open_when_free = [&](const client::DecodeStreamOptions& options) {
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> s;
+    for (int i = 0; i < 500; ++i) {
+      s = c.OpenDecodeStream(g_, options);
+      if (s.ok() || s.status().code() != absl::StatusCode::kResourceExhausted) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return s;
+  };
+  for (auto& s : open) ASSERT_TRUE(s->Close().ok());
+  open.clear();
+  // A request larger than the region the client asked for: refused before it is sent.
+  ReferenceSession ref(g_, kPrompt, 31);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 64);
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> small =
+      open_when_free({.shared_memory = true, .max_request_bytes = 64});
+  ASSERT_TRUE(small.ok()) << small.status();
+  const ReferenceSession::Token t = ref.MakeToken(3);
+  const client::SequenceInput in{id, t.q, t.k, t.v};
+  client::StepResult result;
+  EXPECT_TRUE(HasStatus((*small)->Step(0, {&in, 1}, {}, &result),
+                        absl::StatusCode::kResourceExhausted, "max_request_bytes of 64"));
+  absl::StatusOr<v1::SessionInfo> info = ::kvrecall::testing::GetSession(stub(), id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens(0), kPrompt);
+}
+
+// What a runner that writes the region by hand (or a hostile one) gets.
+class RawRegion {
+ public:
+  explicit RawRegion(v1::KvRecall::Stub& stub) {
+    reader_ = stub.DecodeShared(&context_, v1::SharedDecodeRequest());
+    v1::SharedDecodeRegion answer;
+    if (!reader_->Read(&answer)) return;
+    absl::StatusOr<shared::MappedRegion> region =
+        shared::MappedRegion::Open(answer.path(), answer.bytes());
+    EXPECT_TRUE(region.ok()) << region.status();
+    if (region.ok()) region_ = *std::move(region);
+  }
+  bool ok() const { return region_.header() != nullptr; }
+  shared::RegionHeader* h() const { return region_.header(); }
+  const shared::MappedRegion& region() const { return region_; }
+
+  // Publishes `bytes` (claiming `claimed` bytes) as the next request and waits for the answer;
+  // the reply's status code, and its message in *message when it is not OK.
+  int Send(const std::string& bytes, uint32_t claimed, std::string* message) {
+    std::copy(bytes.begin(), bytes.end(), region_.request());
+    h()->request_bytes = claimed;
+    const uint32_t seq = h()->request_seq.load() + 1;
+    h()->request_seq.store(seq);
+    shared::Signal(&h()->request_signal, &h()->server_sleeping);
+    const bool answered = shared::WaitUntil(
+        &h()->reply_signal, &h()->runner_sleeping, absl::Milliseconds(1), absl::Milliseconds(10),
+        [&] { return h()->reply_seq.load() == seq || h()->ended.load(); }, [] { return false; });
+    EXPECT_TRUE(answered);
+    if (h()->reply_seq.load() != seq) return -1;
+    if (h()->status_code != 0) message->assign(region_.reply(), h()->reply_bytes);
+    return h()->status_code;
+  }
+  absl::Status Finish() { return FromGrpc(reader_->Finish()); }
+  void Cancel() { context_.TryCancel(); }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<v1::SharedDecodeRegion>> reader_;
+  shared::MappedRegion region_;
+};
+
+TEST_F(SharedDecodeTest, HostileRegionBytesGetClearStatuses) {
+  {
+    RawRegion raw(stub());
+    ASSERT_TRUE(raw.ok());
+    std::string message;
+    EXPECT_EQ(raw.Send("", static_cast<uint32_t>(raw.h()->request_capacity) + 1, &message),
+              static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    EXPECT_TRUE(absl::StrContains(message, "over the region's max_request_bytes")) << message;
+    EXPECT_TRUE(HasStatus(raw.Finish(), absl::StatusCode::kInvalidArgument,
+                          "over the region's max_request_bytes"));
+  }
+  {
+    RawRegion raw(stub());
+    ASSERT_TRUE(raw.ok());
+    std::string message;
+    const std::string garbage = "\xff\xff\xff\xff\x0f not a message";
+    EXPECT_EQ(raw.Send(garbage, static_cast<uint32_t>(garbage.size()), &message),
+              static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    EXPECT_TRUE(absl::StrContains(message, "is not a valid kvrecall.v1.DecodeRequest")) << message;
+    EXPECT_TRUE(raw.Finish().code() == absl::StatusCode::kInvalidArgument);
+  }
+  {
+    // A well-formed request whose session does not exist, then nothing more is read.
+    RawRegion raw(stub());
+    ASSERT_TRUE(raw.ok());
+    v1::DecodeRequest request;
+    request.add_steps()->set_session_id("nobody");
+    std::string message;
+    const std::string bytes = request.SerializeAsString();
+    EXPECT_EQ(raw.Send(bytes, static_cast<uint32_t>(bytes.size()), &message),
+              static_cast<int>(grpc::StatusCode::NOT_FOUND));
+    EXPECT_EQ(raw.h()->ended.load(), 1u);
+    EXPECT_TRUE(raw.Finish().code() == absl::StatusCode::kNotFound);
+  }
+  EXPECT_TRUE(dir_.AwaitRegions(0));
+}
+
+TEST_F(SharedDecodeTest, CancellingTheCallEndsTheStreamAndRemovesItsRegion) {
+  RawRegion raw(stub());
+  ASSERT_TRUE(raw.ok());
+  EXPECT_EQ(dir_.Regions(), 1);
+  raw.Cancel();
+  EXPECT_TRUE(dir_.AwaitRegions(0));
+  EXPECT_TRUE(raw.Finish().code() == absl::StatusCode::kCancelled);
+}
+
+TEST_F(SharedDecodeTest, TheDrainEndsAnIdleSharedStreamWithUnavailable) {
+  ReferenceSession ref(g_, kPrompt, 41);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 64);
+  client::Client c = MakeClient();
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream = c.OpenDecodeStream(g_, Shared());
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const ReferenceSession::Token t = ref.MakeToken(9);
+  const client::SequenceInput in{id, t.q, t.k, t.v};
+  client::StepResult result;
+  ASSERT_TRUE((*stream)->Step(0, {&in, 1}, {}, &result).ok());
+  // Shutdown drains: the idle shared stream ends at once, so it returns well within the grace.
+  const absl::Time start = absl::Now();
+  server().server().Shutdown(absl::Seconds(20));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_TRUE(HasStatus((*stream)->Step(1, {&in, 1}, {}, &result),
+                        absl::StatusCode::kUnavailable, "shutting down"));
+}
+
+class SharedDecodeOffTest : public ::kvrecall::testing::ServerTest {};
+
+TEST_F(SharedDecodeOffTest, WithoutADirectoryDecodeSharedIsRefused) {
+  client::Client c(server().channel());
+  EXPECT_TRUE(HasStatus(
+      c.OpenDecodeStream(MakeGeometry(1, 2, 1, 8), {.shared_memory = true}).status(),
+      absl::StatusCode::kFailedPrecondition, "--shared_memory_dir"));
+}
+
+TEST(SharedDecodeOptionsTest, StartServerChecksTheDirectory) {
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.shared_memory_dir = "/nonexistent/kvrecall";
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                        "is not a directory"));
+  options.shared_memory_dir = "";
+  options.max_shared_streams = 0;
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                        "max_shared_streams"));
+}
+
+TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsAnEarlierServerLeft) {
+  SharedDirectory dir;
+  const std::string stale = dir.path() + "/kvrecall-decode-0123456789abcdef01234567";
+  const std::string other = dir.path() + "/runner-notes";
+  { std::FILE* f = std::fopen(stale.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  { std::FILE* f = std::fopen(other.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.shared_memory_dir = dir.path();
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(other));
+}
+
+}  // namespace
+}  // namespace kvrecall
