@@ -237,7 +237,10 @@ class SharedDecodeStream(_LayerStepStream):
         words[_REQUEST_BYTES] = total
         seq = self._seq = (self._seq + 1) & _WORD_MASK
         words[_REQUEST_SEQ] = seq
-        words[_REQUEST_SIGNAL] = (words[_REQUEST_SIGNAL] + 1) & _WORD_MASK  # its only writer
+        # Not an atomic increment: the server bumps this word too, but only to wake its own
+        # thread at a cancellation or the drain, which that thread sees by other means, so a
+        # bump this store overwrites loses nothing.
+        words[_REQUEST_SIGNAL] = (words[_REQUEST_SIGNAL] + 1) & _WORD_MASK
         with _fence_lock:  # the store above before the load below (see the module's comment)
             pass
         if words[_SERVER_SLEEPING]:
