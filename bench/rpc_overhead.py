@@ -249,10 +249,10 @@ def main():
 
     item = 4 if args.dtype == "f32" else 2
     client = f"python ({args.inputs})" if args.protocol == "kvrecall" else f"python ({args.api})"
-    transport = ("shm" if args.shared_memory else
-                 "unix" if args.server.startswith("unix:") else "tcp")
+    transport_name = ("shm" if args.shared_memory else
+                      "unix" if args.server.startswith("unix:") else "tcp")
     j = {"protocol": args.protocol, "label": args.label, "client": client,
-         "server": args.server, "transport": transport,
+         "server": args.server, "transport": transport_name,
          "q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
          "dtype": args.dtype, "context": args.context, "iterations": args.iterations,
          "request_bytes": (args.q_heads + 2 * args.kv_heads) * args.head_dim * item,
