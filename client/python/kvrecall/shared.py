@@ -208,7 +208,12 @@ class SharedDecodeStream(_LayerStepStream):
         if words[_ENDED]:
             self._end_from_call()
         seq = self._publish(pieces)
-        if not self._wait_reply(seq) or words[_REPLY_SEQ] != seq:
+        try:
+            replied = self._wait_reply(seq)
+        except BaseException:  # KeyboardInterrupt in the wait: the request may still be read
+            self._break(cancel=True)
+            raise
+        if not replied or words[_REPLY_SEQ] != seq:
             self._end_from_call()  # ended (drain, shutdown) or the call died without a reply
         self._raise_on_failed_reply()
         problem = None
