@@ -426,6 +426,10 @@ class SharedMemoryTest(ClientTest):
                     stream = c.decode_stream
                     if ending == "drain":  # SIGTERM: idle streams end UNAVAILABLE, `ended` set
                         server.process.send_signal(signal.SIGTERM)
+                        deadline = time.monotonic() + 10  # the region's file goes at the end
+                        while os.listdir(d) and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                        self.assertEqual(os.listdir(d), [])
                     else:  # no `ended`: the waiting runner notices the call's end
                         server.process.kill()
                     t = time.monotonic()
