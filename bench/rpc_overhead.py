@@ -6,7 +6,9 @@ kind each for the CPU time per round trip of this process (grpcio's threads incl
 
 --protocol=kvrecall: kvrecall.Client's Decode stream over a prefilled 64-token streaming session
 (32 query / 8 KV heads, d=128, bf16: 12 KiB in, 8 KiB out), inputs as numpy float32 or torch
-bf16 tensors (--inputs). --protocol=echo: bench/echo_floor with the same sizes and the client's
+bf16 tensors (--inputs); with --shared_memory the steps go through a DecodeShared region
+(kvrecall.shared; a kvrecalld on this host with --shared_memory_dir), the transport "shm".
+--protocol=echo: bench/echo_floor with the same sizes and the client's
 threading (a queue-fed request iterator, replies read in lock step), doing nothing else; with
 --api=aio the same stream through grpc.aio on an event loop run by the calling thread.
 --protocol=echo-unary: one EchoOnce call per round trip (grpcio runs a unary call on the
@@ -44,7 +46,7 @@ class KvRecallStream:
     def __init__(self, address, args):
         import kvrecall
         from kvrecall.client import make_geometry, make_policy
-        self.client = kvrecall.Client(address, wait_ready_s=30)
+        self.client = kvrecall.Client(address, wait_ready_s=30, shared_memory=args.shared_memory)
         g = make_geometry(1, args.q_heads, args.kv_heads, args.head_dim, args.dtype)
         ctx = args.context
         self.session = self.client.create_session(
@@ -201,6 +203,9 @@ def main():
     ap.add_argument("--api", choices=["sync", "aio"], default="sync",
                     help="grpcio's API for --protocol=echo")
     ap.add_argument("--server", required=True, help="HOST:PORT or unix:PATH")
+    ap.add_argument("--shared_memory", action="store_true",
+                    help="--protocol=kvrecall's steps through a shared-memory region opened over "
+                         "--server (DecodeShared; kvrecalld with --shared_memory_dir)")
     ap.add_argument("--server_pid", type=int, default=0)
     ap.add_argument("--label", default="")
     ap.add_argument("--q_heads", type=int, default=32)
@@ -218,6 +223,8 @@ def main():
 
     if args.api == "aio" and args.protocol != "echo":
         ap.error("--api=aio is for --protocol=echo")
+    if args.shared_memory and args.protocol != "kvrecall":
+        ap.error("--shared_memory is for --protocol=kvrecall")
     kind = {"kvrecall": KvRecallStream, "echo-unary": EchoUnary,
             "echo": EchoAio if args.api == "aio" else EchoStream}[args.protocol]
     stream = kind(args.server, args)
@@ -242,8 +249,10 @@ def main():
 
     item = 4 if args.dtype == "f32" else 2
     client = f"python ({args.inputs})" if args.protocol == "kvrecall" else f"python ({args.api})"
+    transport_name = ("shm" if args.shared_memory else
+                      "unix" if args.server.startswith("unix:") else "tcp")
     j = {"protocol": args.protocol, "label": args.label, "client": client,
-         "server": args.server, "transport": "unix" if args.server.startswith("unix:") else "tcp",
+         "server": args.server, "transport": transport_name,
          "q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
          "dtype": args.dtype, "context": args.context, "iterations": args.iterations,
          "request_bytes": (args.q_heads + 2 * args.kv_heads) * args.head_dim * item,
@@ -254,8 +263,9 @@ def main():
         j["layer_step_server_us"] = quantiles(server)
         j["layer_step_minus_server_us"] = quantiles(transport)
     j["cpu_per_round_trip"] = cpu
+    through = " through shared memory" if args.shared_memory else ""
     print(f"{args.protocol} {args.label}, Python client ({args.inputs}), {args.iterations} pairs "
-          f"on one stream to {args.server}")
+          f"on one stream to {args.server}{through}")
     print(f"  {'round trip (us)':34} {'p50':>9} {'p99':>9}")
     for name, key in [("empty request", "empty_us"), ("layer-step", "layer_step_us"),
                       ("  of which server compute", "layer_step_server_us"),

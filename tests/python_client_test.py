@@ -1,11 +1,14 @@
 """Tests of the Python client (client/python/kvrecall) against a real kvrecalld on loopback:
-chunked prefill, decode steps over one stream, batching, errors, and the tinylm runner's
-agreement with exact local attention. Run by CTest (client/python/CMakeLists.txt) as
+chunked prefill, decode steps over one stream (the Decode call, and a shared-memory region:
+DecodeShared), batching, errors, and the tinylm runner's agreement with exact local attention. Run by CTest (client/python/CMakeLists.txt) as
 `python3 -m unittest -v python_client_test` with KVRECALLD and PYTHONPATH set."""
 import importlib.util
 import json
 import math
 import os
+import platform
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +21,8 @@ import numpy as np
 
 import kvrecall
 from kvrecall import needles, tensors, tinylm
-from kvrecall.client import make_geometry, make_policy
+from kvrecall.client import Session, make_geometry, make_policy
+from kvrecalld_process import Kvrecalld
 
 SOURCE_DIR = os.environ.get("KVRECALL_SOURCE_DIR",
                             os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,20 +98,24 @@ class ClientTest(ServerTest):
                 rng.standard_normal((self.HKV, self.D), dtype=np.float32),
                 rng.standard_normal((self.HKV, self.D), dtype=np.float32))
 
+    def check_full_attention(self, result, layers, layer, q, k, v):
+        """`result` (with lse) against reference_attention over the layer's keys and values
+        with this step's appended; `layers` ([(q, k, v)] per layer) takes the step's k and v."""
+        _, kl, vl = layers[layer]
+        kl, vl = np.concatenate([kl, k[None]]), np.concatenate([vl, v[None]])
+        layers[layer] = (None, kl, vl)
+        want, want_lse = reference_attention(q, kl, vl, 1 / math.sqrt(self.D))
+        np.testing.assert_allclose(result.output, want, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(result.lse, want_lse, rtol=0, atol=2e-5)
+
     def test_chunked_prefill_then_decode_steps_match_full_attention(self):
         s, layers = self.new_session()
-        scale = 1 / math.sqrt(self.D)
         stream = self.client.decode_stream
         for step in range(3):
             for layer in range(self.L):
                 q, k, v = self.step_inputs(100 * step + layer)
                 r = s.attend(layer, q, k, v, return_lse=True)
-                _, kl, vl = layers[layer]
-                kl, vl = np.concatenate([kl, k[None]]), np.concatenate([vl, v[None]])
-                layers[layer] = (None, kl, vl)
-                want, want_lse = reference_attention(q, kl, vl, scale)
-                np.testing.assert_allclose(r.output, want, rtol=0, atol=2e-5)
-                np.testing.assert_allclose(r.lse, want_lse, rtol=0, atol=2e-5)
+                self.check_full_attention(r, layers, layer, q, k, v)
                 self.assertEqual(r.position, self.T + step)
         self.assertIs(self.client.decode_stream, stream)  # every step went over one stream
         info = s.info()
@@ -233,6 +241,218 @@ class ClientTest(ServerTest):
         with self.assertRaises(ValueError) as e:
             make_policy("nearest")
         self.assertIn("nearest", str(e.exception))
+
+
+@unittest.skipUnless(sys.platform.startswith("linux") and platform.machine() == "x86_64",
+                     "kvrecall.shared runs on Linux x86-64 only")
+class SharedMemoryTest(ClientTest):
+    """ClientTest's tests again with Client(shared_memory=True): every decode step through a
+    DecodeShared region of a kvrecalld started with --shared_memory_dir; then what is the shared
+    stream's own: agreement with the Decode call bit for bit, failed steps, the region's end."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.region_dir = tempfile.TemporaryDirectory(prefix="kvrecall-shm-")
+        cls.kvrecalld = Kvrecalld(f"--shared_memory_dir={cls.region_dir.name}")
+        cls.address = cls.kvrecalld.address
+        try:
+            cls.client = kvrecall.Client(cls.address, wait_ready_s=30, shared_memory=True)
+            cls.grpc_client = kvrecall.Client(cls.address, wait_ready_s=30)
+        except Exception:
+            sys.stderr.write(cls.kvrecalld.log())
+            cls.kvrecalld.stop()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.grpc_client.close()
+        cls.kvrecalld.stop()
+        cls.region_dir.cleanup()
+
+    def regions(self):
+        return sorted(os.listdir(self.region_dir.name))
+
+    def wait_for_regions(self, want):
+        """The region files once they are `want` (the server removes a region's file when its
+        stream ends, which may follow the call's status by a moment)."""
+        deadline = time.monotonic() + 10
+        while self.regions() != want and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.regions()
+
+    def test_decode_steps_go_through_the_region(self):
+        from kvrecall.shared import SharedDecodeStream
+        s, _ = self.new_session(seed=11)
+        s.attend(0, *self.step_inputs(12))
+        stream = self.client.decode_stream
+        self.assertIsInstance(stream, SharedDecodeStream)
+        self.assertIn(os.path.basename(stream.region.path), self.regions())
+        self.assertEqual(os.path.dirname(stream.region.path), self.region_dir.name)
+
+    def test_steps_match_the_decode_call_bit_for_bit(self):
+        # The same prompts in two pairs of sessions; one of each pair stepped over the Decode
+        # call, the other over the region, two sessions per request, with lse.
+        for dtype in ("f32", "bf16"):
+            pairs = []
+            for seed in (21, 22):
+                g = make_geometry(self.L, self.HQ, self.HKV, self.D, dtype)
+                twins = [c.create_session(g, make_policy("full"), label="shm twin")
+                         for c in (self.grpc_client, self.client)]
+                layers = self.prompt(seed)
+                for twin in twins:
+                    self.addCleanup(twin.close)
+                    twin.prefill(layers, chunk_tokens=1000)
+                pairs.append((twins, layers))
+            for step in range(3):
+                for layer in range(self.L):
+                    inputs = [self.step_inputs(1000 * seed + 10 * step + layer)
+                              for seed in (21, 22)]
+                    over_grpc = self.grpc_client.attend_batch(
+                        layer, [(twins[0], *x) for (twins, _), x in zip(pairs, inputs)],
+                        return_lse=True)
+                    over_shm = self.client.attend_batch(
+                        layer, [(twins[1], *x) for (twins, _), x in zip(pairs, inputs)],
+                        return_lse=True)
+                    for a, b, (twins, layers), (q, k, v) in zip(over_grpc, over_shm, pairs,
+                                                                inputs):
+                        self.assertEqual((a.session_id, b.session_id), (twins[0].id, twins[1].id))
+                        np.testing.assert_array_equal(b.output, a.output)
+                        np.testing.assert_array_equal(b.lse, a.lse)
+                        self.assertEqual(b.position, a.position)
+                        self.assertEqual(b.position, self.T + step)
+                        if dtype == "f32":
+                            self.check_full_attention(b, layers, layer, q, k, v)
+            self.assertGreater(self.client.decode_stream.last_server_micros, 0)
+
+    def failing_step(self, client, steps, layer=0):
+        """The KvRecallError of a step that must fail."""
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            client.attend_batch(layer, steps)
+        return e.exception
+
+    def test_a_failed_step_raises_the_servers_status_and_appends_nothing(self):
+        good, _ = self.new_session(seed=31)
+        q, k, v = self.step_inputs(32)
+        self.assertEqual(good.attend(0, q, k, v).position, self.T)
+        gone = self.grpc_client.create_session(make_geometry(self.L, self.HQ, self.HKV, self.D))
+        gone.close()
+        # The session's id with a geometry it does not have: q [HQ, 2 D] reaches the server.
+        wide = Session(None, good.id, make_geometry(self.L, self.HQ, self.HKV, 2 * self.D), None)
+        wide_inputs = (np.tile(q, 2), np.tile(k, 2), np.tile(v, 2))
+        for name, steps in [("a closed session", [(good, q, k, v), (gone, q, k, v)]),
+                            ("a wrong shape", [(wide, *wide_inputs)])]:
+            with self.subTest(name):
+                stream = self.client.decode_stream
+                path = stream.region.path
+                before = list(good.info().layer_tokens)
+                over_shm = self.failing_step(self.client, steps)
+                over_grpc = self.failing_step(self.grpc_client, steps)
+                self.assertNotEqual(over_shm.code, grpc.StatusCode.OK)
+                self.assertEqual((over_shm.code, over_shm.message),
+                                 (over_grpc.code, over_grpc.message))
+                if name == "a closed session":
+                    self.assertEqual(over_shm.code, grpc.StatusCode.NOT_FOUND)
+                    self.assertIn(gone.id, over_shm.message)
+                else:
+                    self.assertEqual(over_shm.code, grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertIn("steps[0]", over_shm.message)
+                self.assertTrue(stream.broken)
+                # The call ends with the status the region carried; the region goes with it.
+                self.assertEqual((stream._call.code(), stream._call.details()),
+                                 (over_shm.code, over_shm.message))
+                self.assertNotIn(os.path.basename(path), self.wait_for_regions(
+                    [r for r in self.regions() if r != os.path.basename(path)]))
+                self.assertEqual(list(good.info().layer_tokens), before)
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    stream.step(0, [(good, q, k, v)])
+                self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        # The next step opens a new region and goes on where the session was.
+        r = good.attend(1, q, k, v)
+        self.assertIsNot(self.client.decode_stream, stream)
+        self.assertFalse(self.client.decode_stream.broken)
+        self.assertEqual(r.position, self.T)
+        self.assertEqual(list(good.info().layer_tokens), [self.T + 1, self.T + 1])
+
+    def test_close_ends_the_stream_and_removes_its_region(self):
+        from kvrecall.shared import SharedDecodeStream
+        s, _ = self.new_session(seed=41)
+        before = self.regions()
+        stream = SharedDecodeStream(self.client.channel)
+        name = os.path.basename(stream.region.path)
+        self.assertEqual(self.regions(), sorted(before + [name]))
+        self.assertEqual(stream.step(0, [(s, *self.step_inputs(42))])[0].position, self.T)
+        self.assertEqual(stream.step(0, []), [])  # an empty request is answered too
+        stream.close()
+        self.assertTrue(stream.broken)
+        self.assertEqual(stream._call.code(), grpc.StatusCode.OK)
+        self.assertEqual(self.wait_for_regions(before), before)
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            stream.step(0, [])
+        self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        stream.close()  # a second close does nothing
+        self.assertEqual(s.info().tokens, self.T + 1)
+
+    def test_capacities_are_granted_and_a_request_beyond_them_is_not_sent(self):
+        from kvrecall.shared import SharedDecodeStream
+        s, _ = self.new_session(seed=51)
+        step_bytes = (self.HQ + 2 * self.HKV) * self.D * 4  # the step's f32 tensor data
+        stream = SharedDecodeStream(self.client.channel, max_request_bytes=step_bytes,
+                                    max_reply_bytes=4096)
+        self.addCleanup(stream.close)
+        self.assertEqual((stream.region.max_request_bytes, stream.region.max_reply_bytes),
+                         (step_bytes, 4096))
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            stream.step(0, [(s, *self.step_inputs(52))])  # the data and its framing
+        self.assertEqual(e.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertIn(f"request capacity of {step_bytes} bytes", e.exception.message)
+        self.assertFalse(stream.broken)
+        self.assertEqual(s.info().tokens, self.T)
+        self.assertEqual(stream.step(0, []), [])
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            SharedDecodeStream(self.client.channel, max_request_bytes=1 << 40)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("max_request_bytes", e.exception.message)
+
+    def test_a_drained_or_killed_server_ends_the_stream_with_the_calls_status(self):
+        with tempfile.TemporaryDirectory(prefix="kvrecall-shm-") as d:
+            for ending in ("drain", "kill"):
+                with self.subTest(ending), Kvrecalld(f"--shared_memory_dir={d}") as server, \
+                        kvrecall.Client(server.address, wait_ready_s=30, shared_memory=True) as c:
+                    s = c.create_session(make_geometry(1, self.HQ, self.HKV, self.D))
+                    s.prefill([tuple(x[:8] for x in self.prompt(71)[0])])
+                    q, k, v = self.step_inputs(72)
+                    self.assertEqual(s.attend(0, q, k, v).position, 8)
+                    stream = c.decode_stream
+                    if ending == "drain":  # SIGTERM: idle streams end UNAVAILABLE, `ended` set
+                        server.process.send_signal(signal.SIGTERM)
+                        deadline = time.monotonic() + 10  # the region's file goes at the end
+                        while os.listdir(d) and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                        self.assertEqual(os.listdir(d), [])
+                    else:  # no `ended`: the waiting runner notices the call's end
+                        server.process.kill()
+                    t = time.monotonic()
+                    with self.assertRaises(kvrecall.KvRecallError) as e:
+                        s.attend(0, q, k, v)
+                    self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE,
+                                     e.exception.message)
+                    self.assertLess(time.monotonic() - t, 10)
+                    self.assertTrue(stream.broken)
+                    server.process.wait(30)
+
+    def test_a_server_without_a_shared_memory_dir_refuses(self):
+        from kvrecall.shared import SharedDecodeStream
+        with Kvrecalld() as plain, kvrecall.Client(plain.address, wait_ready_s=30,
+                                                   shared_memory=True) as c:
+            with self.assertRaises(kvrecall.KvRecallError) as e:
+                SharedDecodeStream(c.channel)
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertIn("--shared_memory_dir", e.exception.message)
+            s = c.create_session(make_geometry(1, self.HQ, self.HKV, self.D))
+            with self.assertRaises(kvrecall.KvRecallError) as e:
+                s.attend(0, *self.step_inputs(61))
+            self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 @unittest.skipUnless(os.path.exists(os.path.join(MODELS_DIR, "tinylm-a.npz")),
@@ -426,6 +646,34 @@ class WireTest(unittest.TestCase):
             self.assertEqual(bytes(got), tensors.f32_to_bf16_bits(x).tobytes())
         with self.assertRaisesRegex(ValueError, r"does not fit shape \[2, 8\]"):
             Session(None, "s", g, None).step_wire().append([], q, k[:1], v)
+
+
+class SharedRegionLayoutTest(unittest.TestCase):
+    """kvrecall.shared's copy of the region's layout against proto/shared_decode_region.h's."""
+
+    def test_offsets_and_constants_match_the_header(self):
+        from kvrecall import shared
+        with open(os.path.join(SOURCE_DIR, "proto", "shared_decode_region.h")) as f:
+            header = f.read()
+        offsets = {name: int(offset) for name, offset in re.findall(
+            r"offsetof\(RegionHeader, (\w+)\) == (\d+)", header)}
+        words = {"request_seq": shared._REQUEST_SEQ, "request_bytes": shared._REQUEST_BYTES,
+                 "closing": shared._CLOSING, "reply_seq": shared._REPLY_SEQ,
+                 "reply_bytes": shared._REPLY_BYTES, "status_code": shared._STATUS_CODE,
+                 "ended": shared._ENDED, "request_signal": shared._REQUEST_SIGNAL,
+                 "server_sleeping": shared._SERVER_SLEEPING, "reply_signal": shared._REPLY_SIGNAL,
+                 "runner_sleeping": shared._RUNNER_SLEEPING}
+        self.assertEqual({n: o for n, o in offsets.items() if n in words},
+                         {n: 4 * w for n, w in words.items()})
+        self.assertEqual((offsets["request_offset"], offsets["reply_capacity"]),
+                         (8, 8 + 3 * 8))  # the four uint64s after magic and version
+        self.assertEqual(shared._LAYOUT.size, 40)
+        constants = dict(re.findall(r"inline constexpr \w+ (k\w+) = (0x[0-9A-Fa-f]+|\d+);",
+                                    header))
+        self.assertEqual((int(constants["kMagic"], 0), int(constants["kLayoutVersion"]),
+                          int(constants["kHeaderBytes"])),
+                         (shared.MAGIC, shared.LAYOUT_VERSION, shared.HEADER_BYTES))
+        self.assertEqual(shared.MAGIC.to_bytes(4, "little"), b"KVDR")
 
 
 class UnixSocketTest(unittest.TestCase):

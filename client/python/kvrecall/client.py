@@ -158,7 +158,40 @@ def _request_head(request_id, layer, return_lse, diagnostics, compare_exact):
     return head + _FLAGS[(bool(return_lse), bool(diagnostics), bool(compare_exact))]
 
 
-class DecodeStream:
+class _LayerStepStream:
+    """What DecodeStream and SharedDecodeStream (kvrecall.shared) share: a layer-step's request
+    built from _request_head and the sessions' _StepWire pieces, one request in flight under a
+    lock, and the reply checked and converted. A subclass sets up _lock, _next_id, broken and
+    the last_* timings, and implements _exchange(pieces) -> pb.DecodeResponse (marking the
+    stream broken when the server ended it)."""
+
+    def step(self, layer, steps, return_lse=False, diagnostics=False, compare_exact=False):
+        """Sends one layer of one decode step for several sequences.
+
+        steps: [(session, q, k_new, v_new), ...]; returns one SequenceResult per step, in order.
+        """
+        with self._lock:
+            if self.broken:
+                raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION, "decode stream is closed")
+            request_id = self._next_id
+            pieces = [_request_head(request_id, layer, return_lse, diagnostics, compare_exact)]
+            for session, q, k, v in steps:
+                session.step_wire().append(pieces, q, k, v)
+            self._next_id += 1
+            resp = self._exchange(pieces)
+        if resp.request_id != request_id or len(resp.results) != len(steps):
+            self.broken = True
+            raise KvRecallError(grpc.StatusCode.INTERNAL,
+                                f"reply {resp.request_id} with {len(resp.results)} results "
+                                f"to request {request_id} with {len(steps)} steps")
+        self.last_server_micros = resp.server_micros
+        self.last_tier_micros = resp.tier_micros if resp.HasField("tier_micros") else None
+        return [SequenceResult(r.session_id, tensors.from_tensor(r.output),
+                               tensors.from_tensor(r.lse) if r.HasField("lse") else None,
+                               list(r.heads), r.position) for r in resp.results]
+
+
+class DecodeStream(_LayerStepStream):
     """One Decode call kept open: requests go through a queue that the call's request iterator
     drains, replies are read in lock step. Requests travel pre-serialized (_StepWire), replies
     are parsed by protobuf. After an error the stream is `broken` (the server ended the call)
@@ -179,39 +212,17 @@ class DecodeStream:
         # for the other placements, whose replies carry none.
         self.last_tier_micros = None
 
-    def step(self, layer, steps, return_lse=False, diagnostics=False, compare_exact=False):
-        """Sends one layer of one decode step for several sequences.
-
-        steps: [(session, q, k_new, v_new), ...]; returns one SequenceResult per step, in order.
-        """
-        with self._lock:
-            if self.broken:
-                raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION, "decode stream is closed")
-            request_id = self._next_id
-            pieces = [_request_head(request_id, layer, return_lse, diagnostics, compare_exact)]
-            for session, q, k, v in steps:
-                session.step_wire().append(pieces, q, k, v)
-            self._next_id += 1
-            self._requests.put(b"".join(pieces))
-            try:
-                resp = next(self._responses)
-            except grpc.RpcError as e:
-                self.broken = True
-                raise KvRecallError.from_rpc_error(e) from None
-            except StopIteration:
-                self.broken = True
-                raise KvRecallError(grpc.StatusCode.UNKNOWN,
-                                    "decode stream ended without a reply") from None
-        if resp.request_id != request_id or len(resp.results) != len(steps):
+    def _exchange(self, pieces):
+        self._requests.put(b"".join(pieces))
+        try:
+            return next(self._responses)
+        except grpc.RpcError as e:
             self.broken = True
-            raise KvRecallError(grpc.StatusCode.INTERNAL,
-                                f"reply {resp.request_id} with {len(resp.results)} results "
-                                f"to request {request_id} with {len(steps)} steps")
-        self.last_server_micros = resp.server_micros
-        self.last_tier_micros = resp.tier_micros if resp.HasField("tier_micros") else None
-        return [SequenceResult(r.session_id, tensors.from_tensor(r.output),
-                               tensors.from_tensor(r.lse) if r.HasField("lse") else None,
-                               list(r.heads), r.position) for r in resp.results]
+            raise KvRecallError.from_rpc_error(e) from None
+        except StopIteration:
+            self.broken = True
+            raise KvRecallError(grpc.StatusCode.UNKNOWN,
+                                "decode stream ended without a reply") from None
 
     def close(self):
         """Half-closes the call and waits for the server to end it."""
@@ -370,15 +381,18 @@ def connection_from_args(args):
 class Client:
     """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; prefill chunks
     are kept under `prefill_chunk_bytes` (the server's default receive limit is 4 MiB). `tls`
-    and `token` secure the channel (see make_channel)."""
+    and `token` secure the channel (see make_channel). `shared_memory`: decode steps go through
+    a shared-memory region (DecodeShared, kvrecall.shared.SharedDecodeStream) instead of the
+    Decode call, for a runner on the server's host (a server with --shared_memory_dir)."""
 
     def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=2 << 20,
-                 wait_ready_s=10.0, tls=None, token=None):
+                 wait_ready_s=10.0, tls=None, token=None, shared_memory=False):
         self.channel = make_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)], tls=tls, token=token)
         self.stub = pb_grpc.KvRecallStub(self.channel)
         self.prefill_chunk_bytes = prefill_chunk_bytes
+        self.shared_memory = shared_memory
         self._stream = None
         if wait_ready_s:
             try:
@@ -421,9 +435,14 @@ class Client:
 
     @property
     def decode_stream(self):
-        """The shared Decode stream, (re)opened on first use and after a failed step."""
+        """The client's Decode stream (a SharedDecodeStream when `shared_memory`), (re)opened
+        on first use and after a failed step."""
         if self._stream is None or self._stream.broken:
-            self._stream = DecodeStream(self.channel)
+            if self.shared_memory:
+                from kvrecall.shared import SharedDecodeStream  # it imports this module
+                self._stream = SharedDecodeStream(self.channel)
+            else:
+                self._stream = DecodeStream(self.channel)
         return self._stream
 
     def attend_batch(self, layer, steps, **options):
