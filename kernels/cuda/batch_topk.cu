@@ -39,6 +39,7 @@ constexpr size_t kStageChunkBytes = size_t{4} << 20;
 // device buffer `dst`, on `stream`.
 absl::Status UploadRows(const void* src, int64_t count, size_t stride_bytes, size_t row_bytes,
                         std::byte* pinned, void* dst, cudaStream_t stream) {
+  if (row_bytes == 0) return absl::OkStatus();
   const int64_t rows_per_chunk =
       std::max<int64_t>(1, static_cast<int64_t>(kStageChunkBytes / row_bytes));
   const std::byte* from = static_cast<const std::byte*>(src);
