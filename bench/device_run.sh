@@ -114,7 +114,10 @@ print(json.dumps({os.path.relpath(f, sys.argv[1]): json.load(open(f)) for f in s
       # INDEX_SCOPES: the graph scopes (policy.index.graph_scope: kv_head, one graph per KV head
       # shared by its 4 query heads; query_head, one per query head; default both);
       # INDEX_THREADS: OMP_NUM_THREADS values (default the host's; 8 KV-head graphs on 8
-      # threads build side by side, one thread each, on 16 one after another on all of them).
+      # threads build side by side, one thread each, on 16 one after another on all of them);
+      # INDEX_KEYS: bench-index --keys values (f32, the default: keys widened to f32 in ordinary
+      # memory; served: in the trace's dtype in mapped memory, as kvrecalld's KV store holds
+      # them; a run with --keys other than f32 gets a _keys<value> suffix).
       trace=$(mktemp -d)/llama128k.safetensors
       /usr/bin/time -f "trace made in %e s" "$bin/kvrecall" synth --out="$trace" \
         --context=${INDEX_CONTEXT:-131072} --decode_steps=64 --layers=2 --q_heads=32 --kv_heads=8 \
@@ -126,15 +129,19 @@ print(json.dumps({os.path.relpath(f, sys.argv[1]): json.load(open(f)) for f in s
           for width in ${INDEX_WIDTHS:-1}; do
             for scope in ${INDEX_SCOPES:-query_head kv_head}; do
               for threads in ${INDEX_THREADS:-$(nproc)}; do
-                suffix=$([ "$width" = 1 ] || echo "_w$width")_${scope}_t$threads
-                OMP_NUM_THREADS=$threads LD_LIBRARY_PATH=$(dirname "$dir")/lib "$dir/kvrecall" \
-                  bench-index --trace="$trace" \
-                  --k=100 --json --methods=graph --graph_topk=${INDEX_TOPK:-gpu} \
-                  --build_queries=$queries --search_width=$width --graph_scope=$scope \
-                  --lists=100,150,200,300,500,800,1200,2000 \
-                  > "$out/index_llama128k_${name}_q$queries$suffix.json" \
-                  2>> "$logs/bench_index_llama.log" \
-                  || { status=1; tail -n 5 "$logs/bench_index_llama.log"; }
+                for keys in ${INDEX_KEYS:-f32}; do
+                  suffix=$([ "$width" = 1 ] || echo "_w$width")_${scope}_t$threads
+                  suffix=$suffix$([ "$keys" = f32 ] || echo "_keys$keys")
+                  OMP_NUM_THREADS=$threads LD_LIBRARY_PATH=$(dirname "$dir")/lib "$dir/kvrecall" \
+                    bench-index --trace="$trace" \
+                    --k=100 --json --methods=graph --graph_topk=${INDEX_TOPK:-gpu} \
+                    --build_queries=$queries --search_width=$width --graph_scope=$scope \
+                    $([ "$keys" = f32 ] || echo "--keys=$keys") \
+                    --lists=100,150,200,300,500,800,1200,2000 \
+                    > "$out/index_llama128k_${name}_q$queries$suffix.json" \
+                    2>> "$logs/bench_index_llama.log" \
+                    || { status=1; tail -n 5 "$logs/bench_index_llama.log"; }
+                done
               done
             done
           done

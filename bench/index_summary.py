@@ -21,7 +21,7 @@ def main():
               f"{g.get('build_page_faults_per_layer', '-')}, GPU top-k {d.get('graph_topk_gpu')}, "
               f"graph scope {d.get('graph_params', {}).get('graph_scope', 'query_head')} "
               f"({g['indexes']} graphs, {g['memory_bytes_per_layer'] / 2**20:.1f} MiB per layer), "
-              f"{d.get('threads')} threads")
+              f"{d.get('threads')} threads, keys held {d.get('keys_held', 'f32')}")
         print(f"  per index: top-k {s.get('topk_seconds_per_index', 0):.4f} s, graph "
               f"{s.get('graph_seconds_per_index', 0):.4f} s "
               f"{s.get('graph_steps_seconds_per_index', '')}, pruning distances "

@@ -189,6 +189,42 @@ struct MergeScratch {
   std::vector<uint8_t> chosen;        // per by_distance entry: already in the pruned row
   std::vector<uint64_t> pruned;       // PackIdFirst
   std::vector<int32_t> must_keep;
+  std::vector<int32_t> unknown;       // positions in `candidates` of unknown distances
+  std::vector<float> node_key;        // [dim]: the node's key, widened to f32
+  std::vector<float> kept_keys;       // [max_degree, dim]: the pruned row's keys, widened to f32
+};
+
+// How many candidates ahead MergeNode's pruning requests their keys (2 to 64 measured the
+// same on the development machine).
+constexpr size_t kPruneAhead = 4;
+
+// A build's own copy of its keys, packed ([count, dim] in their element type) in mapped memory
+// (huge pages where the kernel offers them), freed when the build ends. Left uninitialized:
+// the copy writes every byte.
+class PackedKeys {
+ public:
+  explicit PackedKeys(const VectorSet& keys)
+      : bytes_(static_cast<size_t>(keys.count) * keys.dim * KvElementBytes(keys.element)),
+        data_(bytes_ > 0 ? cpu::MappedAllocator<char>().allocate(bytes_) : nullptr),
+        keys_{data_, keys.count, keys.dim, keys.dim, keys.element} {
+    const size_t row_bytes = static_cast<size_t>(keys.dim) * KvElementBytes(keys.element);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < keys.count; ++i) {
+      std::memcpy(data_ + i * row_bytes, keys.row_data(i), row_bytes);
+    }
+  }
+  ~PackedKeys() {
+    if (data_ != nullptr) cpu::MappedAllocator<char>().deallocate(data_, bytes_);
+  }
+  PackedKeys(const PackedKeys&) = delete;
+  PackedKeys& operator=(const PackedKeys&) = delete;
+
+  const VectorSet& keys() const { return keys_; }
+
+ private:
+  size_t bytes_;
+  char* data_;
+  VectorSet keys_;
 };
 
 }  // namespace
@@ -236,6 +272,7 @@ GraphBuildStats& GraphBuildStats::operator+=(const GraphBuildStats& other) {
   average_degree += other.average_degree;
   topk_seconds += other.topk_seconds;
   graph_seconds += other.graph_seconds;
+  key_copy_seconds += other.key_copy_seconds;
   projection_seconds += other.projection_seconds;
   reverse_seconds += other.reverse_seconds;
   entry_seconds += other.entry_seconds;
@@ -268,7 +305,7 @@ int64_t GraphIndex::BuildScratchBytesBound(const GraphIndexParams& params, int64
   // GPU's lives on the device) and the graph's.
   return SampledQueryBytes(params, keys, queries, dim) + TopKListBytes(params, keys, queries) +
          CpuBatchTopKScratchBytes(keys, k, dim, std::max(1, threads)) +
-         GraphScratchBytesBound(params, keys, queries, threads);
+         GraphScratchBytesBound(params, keys, queries, dim, threads);
 }
 
 int64_t GraphIndex::SampledQueryBytes(const GraphIndexParams& params, int64_t keys,
@@ -288,15 +325,17 @@ int64_t GraphIndex::TopKListBytes(const GraphIndexParams& params, int64_t keys,
 }
 
 int64_t GraphIndex::GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
-                                           int64_t queries, int threads, int heads) {
+                                           int64_t queries, int dim, int threads, int heads) {
   const GraphIndexParams p = params.WithDefaults();
   if (keys == 0) return 0;
   const int64_t sampled =
       std::min<int64_t>(p.build_queries, queries > 0 ? queries : keys) * std::max(1, heads);
   const int64_t k = std::min<int64_t>(p.build_topk, keys);
   const int64_t t = std::max(1, threads);
-  // The pivots' and covered keys' flags, each list's length and pivot.
-  int64_t bytes = keys * 2 + sampled * 8;
+  // The packed copy of the keys (PackedKeys), the pivots' and covered keys' flags, each list's
+  // length and pivot.
+  int64_t bytes = static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(keys) * dim * 4)) +
+                  keys * 2 + sampled * 8;
   // The distances found while pruning (row_distances_).
   bytes += static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(keys) * p.max_degree * 4));
   // The grouped edges, one buffer for every pass: offsets, and targets with their distances
@@ -307,8 +346,9 @@ int64_t GraphIndex::GraphScratchBytesBound(const GraphIndexParams& params, int64
   bytes += static_cast<int64_t>(cpu::MappedBytes(static_cast<size_t>(keys + 1) * 8) +
                                 cpu::MappedBytes(static_cast<size_t>(edges) * 4) * 2) +
            edges;
-  // MergeNode's scratch per thread: a bit per key and a few candidate lists.
-  bytes += t * (keys / 8 + 64 * int64_t{p.max_degree} * 8);
+  // MergeNode's scratch per thread: a bit per key, a few candidate lists, and the node's and
+  // its chosen neighbors' keys in f32.
+  bytes += t * (keys / 8 + 64 * int64_t{p.max_degree} * 8 + (p.max_degree + 2) * int64_t{dim} * 4);
   // The outliers' and repairs' own searches and edges (at most 4096 nodes at a time), the
   // outliers' ranking and the connectivity pass's marks and frontier.
   bytes += std::min<int64_t>(keys, 4096) * 2 * kKeptLinksPerKey * int64_t{sizeof(Edge)} +
@@ -391,11 +431,13 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   return BuildFromLists(keys, query_sum, lists, SecondsSince(start));
 }
 
-absl::Status GraphIndex::BuildFromLists(const VectorSet& keys, std::span<const float> query_sum,
+absl::Status GraphIndex::BuildFromLists(const VectorSet& stored_keys,
+                                        std::span<const float> query_sum,
                                         const TopKLists& lists, double topk_seconds) {
-  if (absl::Status s = CheckBuildArgs(keys); !s.ok()) return s;
-  if (keys.count > 0) {
-    const int expected_k = static_cast<int>(std::min<int64_t>(params_.build_topk, keys.count));
+  if (absl::Status s = CheckBuildArgs(stored_keys); !s.ok()) return s;
+  if (stored_keys.count > 0) {
+    const int expected_k =
+        static_cast<int>(std::min<int64_t>(params_.build_topk, stored_keys.count));
     if (lists.k != expected_k ||
         static_cast<int64_t>(lists.ids.size()) != lists.queries * lists.k) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -403,32 +445,42 @@ absl::Status GraphIndex::BuildFromLists(const VectorSet& keys, std::span<const f
           lists.ids.size(), " in all): expected lists of ", expected_k));
     }
     for (const int32_t id : lists.ids) {
-      if (id < -1 || id >= keys.count) {
+      if (id < -1 || id >= stored_keys.count) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "graph build from top-k lists holding key ", id, " of ", keys.count));
+            "graph build from top-k lists holding key ", id, " of ", stored_keys.count));
       }
     }
-    if (static_cast<int64_t>(query_sum.size()) != keys.dim) {
+    if (static_cast<int64_t>(query_sum.size()) != stored_keys.dim) {
       return absl::InvalidArgumentError(absl::StrCat("graph build from a query sum of ",
                                                      query_sum.size(), " dims over keys of ",
-                                                     keys.dim));
+                                                     stored_keys.dim));
     }
   }
   build_stats_ = GraphBuildStats();
   adjacency_.clear();
   key_mean_.clear();
   degree_.clear();
-  size_ = linked_ = keys.count;
+  size_ = linked_ = stored_keys.count;
   entry_ = -1;
   projection_credit_ = projection_cursor_ = 0;
   last_link_ = GraphLinkStats();
-  Reserve(keys.count);
-  if (keys.count == 0) return absl::OkStatus();
+  Reserve(stored_keys.count);
+  if (stored_keys.count == 0) return absl::OkStatus();
   const int64_t sampled = lists.queries;
   build_stats_.build_queries = sampled;
   build_stats_.topk_seconds = topk_seconds;
 
   const Clock::time_point graph_start = Clock::now();
+  // The build reads keys at random (pruning, the outliers' searches) and all of them in turn
+  // (the entry point, the mean): from a packed copy of its own. The caller's rows are a KV
+  // head's, a token's KV heads apart (2 KiB at 8 heads of 128 bf16 values), so each random read
+  // is a page of its own (a TLB miss where the KV is not on huge pages), rows a multiple of
+  // 4 KiB apart share their L1 sets, and a pass over all the keys reads every other head's too.
+  // Only where the keys are read from differs: the graph is the same
+  // (bench/results/index_bench.md, "The graph build's key reads").
+  const PackedKeys packed(stored_keys);
+  const VectorSet& keys = packed.keys();
+  build_stats_.key_copy_seconds = SecondsSince(graph_start);
   std::vector<uint8_t> is_pivot(keys.count, 0);
   // Each list's pivot: its best key not yet a pivot (in list order, so the choice depends on
   // the lists before). Lists of early causal queries are shorter (padded with -1).
@@ -484,7 +536,8 @@ absl::Status GraphIndex::BuildFromLists(const VectorSet& keys, std::span<const f
   build_stats_.pruning_distances += MergeGrouped(keys, grouped);
   Clock::time_point step_start = Clock::now();
   build_stats_.projection_seconds =
-      std::chrono::duration<double>(step_start - graph_start).count();
+      std::chrono::duration<double>(step_start - graph_start).count() -
+      build_stats_.key_copy_seconds;
   // Ends a step of the build: its seconds since the previous one's end.
   auto step_done = [&step_start](double* seconds) {
     const Clock::time_point now = Clock::now();
@@ -631,36 +684,70 @@ int64_t GraphIndex::MergeNode(const VectorSet& keys, int64_t node, const Targets
   // Pruning: nearest first, dropping a candidate that is closer (KeyDistance) to an already
   // chosen neighbor than to the node, then filling the remaining slots with the nearest
   // dropped ones. The distances not known yet are computed.
+  // The candidates' keys are rows scattered in memory (each likely a miss) read in an order
+  // the hardware cannot guess: each is requested kPruneAhead candidates ahead. The node's key
+  // and the chosen ones', read again for every later candidate, are widened once into an f32
+  // scratch (packed, so they do not evict each other from L1 as rows a multiple of 4 KiB apart
+  // would). Widening is exact and cpu::SquaredDistance of an f32 vector and a stored row is
+  // the same arithmetic, so every distance is KeyDistance's, bit for bit.
+  const int dim = keys.dim;
+  auto key_row = [&keys](int32_t id) { return keys.row_data(id); };
+  const int row_bytes = dim * KvElementBytes(keys.element);
   int64_t evaluations = 0;
+  std::vector<float>& node_key = scratch.node_key;
+  node_key.resize(dim);
+  cpu::LoadRow(key_row(static_cast<int32_t>(node)), keys.element, dim, node_key.data());
+  std::vector<int32_t>& unknown = scratch.unknown;
+  unknown.clear();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (std::isnan(LowDistance(candidates[i]))) unknown.push_back(static_cast<int32_t>(i));
+  }
+  for (size_t u = 0; u < std::min<size_t>(unknown.size(), kPruneAhead); ++u) {
+    PrefetchVector(key_row(HighId(candidates[unknown[u]])), row_bytes);
+  }
+  for (size_t u = 0; u < unknown.size(); ++u) {
+    if (u + kPruneAhead < unknown.size()) {
+      PrefetchVector(key_row(HighId(candidates[unknown[u + kPruneAhead]])), row_bytes);
+    }
+    uint64_t& candidate = candidates[unknown[u]];
+    const int32_t id = HighId(candidate);
+    candidate = PackIdFirst(
+        id, cpu::SquaredDistance(node_key.data(), key_row(id), keys.element, dim));
+  }
+  evaluations += static_cast<int64_t>(unknown.size());
   std::vector<uint64_t>& by_distance = scratch.by_distance;
   by_distance.clear();
   std::vector<uint8_t>& chosen = scratch.chosen;
   chosen.assign(candidates.size(), 0);
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    const int32_t id = HighId(candidates[i]);
-    float distance = LowDistance(candidates[i]);
-    if (std::isnan(distance)) {
-      distance = KeyDistance(keys, static_cast<int32_t>(node), id);
-      ++evaluations;
-      candidates[i] = PackIdFirst(id, distance);
-    }
-    by_distance.push_back(PackDistanceFirst(distance, id));
+  for (const uint64_t c : candidates) {
+    by_distance.push_back(PackDistanceFirst(LowDistance(c), HighId(c)));
   }
   std::sort(by_distance.begin(), by_distance.end());
   std::vector<uint64_t>& pruned = scratch.pruned;
   pruned.clear();
+  std::vector<float>& kept_keys = scratch.kept_keys;
+  kept_keys.resize(static_cast<size_t>(degree) * dim);
+  for (size_t i = 0; i < std::min<size_t>(by_distance.size(), kPruneAhead); ++i) {
+    PrefetchVector(key_row(LowId(by_distance[i])), row_bytes);
+  }
   for (size_t i = 0; i < by_distance.size() && pruned.size() < static_cast<size_t>(degree); ++i) {
+    if (i + kPruneAhead < by_distance.size()) {
+      PrefetchVector(key_row(LowId(by_distance[i + kPruneAhead])), row_bytes);
+    }
     const float distance = HighDistance(by_distance[i]);
     const int32_t c = LowId(by_distance[i]);
+    const void* key = key_row(c);
     bool occluded = false;
-    for (const uint64_t kept : pruned) {
+    for (size_t j = 0; j < pruned.size(); ++j) {
       ++evaluations;
-      if (KeyDistance(keys, c, HighId(kept)) < distance) {
+      // KeyDistance(c, chosen j): the same terms, (c - j)^2 = (j - c)^2 exactly.
+      if (cpu::SquaredDistance(kept_keys.data() + j * dim, key, keys.element, dim) < distance) {
         occluded = true;
         break;
       }
     }
     if (!occluded) {
+      cpu::LoadRow(key, keys.element, dim, kept_keys.data() + pruned.size() * dim);
       pruned.push_back(PackIdFirst(c, distance));
       chosen[i] = 1;
     }

@@ -31,6 +31,7 @@ struct GraphBuildStats {
   double topk_seconds = 0.0;     // exact top-k of the sampled queries
   double graph_seconds = 0.0;    // projection, reverse edges, connectivity: the sum of
   // its steps below
+  double key_copy_seconds = 0.0;    // the build's packed copy of the keys
   double projection_seconds = 0.0;  // the projected edges and chain, merged and pruned
   double reverse_seconds = 0.0;     // reverse edges, merged and pruned
   double entry_seconds = 0.0;       // the entry point and the mean key
@@ -109,9 +110,10 @@ class GraphIndex : public KeyIndex {
                                    int dim);
   static int64_t TopKListBytes(const GraphIndexParams& params, int64_t keys, int64_t queries);
   // `heads`: the graph is built from the lists of that many query heads' sampled queries
-  // (BuildFromLists from several heads' lists; 1 for Build).
+  // (BuildFromLists from several heads' lists; 1 for Build). The build's copy of the keys is
+  // counted at 4 bytes an element (f32, the widest: the bound does not know the keys' type).
   static int64_t GraphScratchBytesBound(const GraphIndexParams& params, int64_t keys,
-                                        int64_t queries, int threads, int heads = 1);
+                                        int64_t queries, int dim, int threads, int heads = 1);
 
   // Build's steps apart, for an owner that computes the top-k lists of several heads' queries
   // in one batch top-k (IndexSelector: the query heads of a KV head share its keys):

@@ -373,8 +373,8 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
                       group * head_lists;
   return per_graph * graphs + shape.q_heads * head_lists + group_queries + group_topk +
          side_by_side * GraphIndex::GraphScratchBytesBound(
-                            sampling, bulk, tokens, BuildThreadsPerGraph(graphs, build_threads),
-                            heads_per_graph);
+                            sampling, bulk, tokens, shape.head_dim,
+                            BuildThreadsPerGraph(graphs, build_threads), heads_per_graph);
 }
 
 int64_t IndexSelector::MemoryBytes() const {

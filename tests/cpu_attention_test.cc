@@ -136,9 +136,16 @@ TEST_P(CpuStoredElementTest, KernelsOverSixteenBitRowsEqualThemOverTheWidenedVal
     EXPECT_EQ(da, db);
     for (int r = 0; r < 7; ++r) {
       EXPECT_EQ(cpu::DotProduct(q.data(), narrow_rows[r], GetParam(), kDim), da[r]);
-      EXPECT_EQ(cpu::SquaredDistance(narrow_rows[r], narrow_rows[(r + 1) % 7], GetParam(), kDim),
+      const float distance =
+          cpu::SquaredDistance(narrow_rows[r], narrow_rows[(r + 1) % 7], GetParam(), kDim);
+      EXPECT_EQ(distance,
                 cpu::SquaredDistance(static_cast<const float*>(wide_rows[r]),
                                      static_cast<const float*>(wide_rows[(r + 1) % 7]), kDim));
+      // An f32 vector against a stored row (the graph build's pruning), in either order.
+      EXPECT_EQ(distance, cpu::SquaredDistance(static_cast<const float*>(wide_rows[r]),
+                                               narrow_rows[(r + 1) % 7], GetParam(), kDim));
+      EXPECT_EQ(distance, cpu::SquaredDistance(static_cast<const float*>(wide_rows[(r + 1) % 7]),
+                                               narrow_rows[r], GetParam(), kDim));
       std::vector<float> row(kDim);
       cpu::LoadRow(narrow_rows[r], GetParam(), kDim, row.data());
       const float* want = static_cast<const float*>(wide_rows[r]);

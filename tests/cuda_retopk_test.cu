@@ -22,6 +22,7 @@
 #include "index/gpu_batch_topk.h"
 #include "kernels/cuda/batch_topk.h"
 #include "kernels/cuda/retopk.h"
+#include "kernels/dtype.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
 
@@ -484,9 +485,13 @@ TEST(CudaBatchTopKTest, MatchesCpuBatchTopKUpToNearTies) {
 
 // The ordering contract, exactly: with small integers times one scale as keys and queries,
 // every product and sum is exact in f32 whatever the GEMM's order, so the GPU's lists equal the
-// CPU's id for id, ties (many: the scores are few distinct values) to the lower id. The scale
-// picks the GEMM: 1 (exact in bf16: tensor cores on bf16), 1 + 2^-10 (exact in f16, not bf16)
-// and 1 + 2^-12 (neither: f32). A causal mask pads the short lists with -1 on both sides.
+// CPU's id for id, ties (many: the scores are few distinct values) to the lower id. The scales
+// pick the GEMM, the narrowest type every key and query is exact in: integers in [-3, 3] times
+// 1 are exact in bf16 (tensor cores on bf16); times 1 + 2^-9 in f16 (11 significant bits:
+// 3 * (1 + 2^-9) is 3 + 3 ulp of [2, 4)) but not bf16; times 1 + 2^-12 in neither (f32). Keys
+// stored in 16 bits go up as they are and are multiplied in their own type when the queries
+// allow it; the choice is the same as for the keys widened to f32. A causal mask pads the short
+// lists with -1 on both sides.
 TEST(CudaBatchTopKTest, ExactScoresGiveTheCpuListsIdForIdOnEveryGemm) {
   KVRECALL_SKIP_WITHOUT_GPU();
   constexpr int kDim = 64, kKeys = 3000, kQueries = 200, kTopK = 40;
@@ -498,16 +503,38 @@ TEST(CudaBatchTopKTest, ExactScoresGiveTheCpuListsIdForIdOnEveryGemm) {
   absl::StatusOr<std::unique_ptr<cuda::GpuBatchTopK>> gpu = cuda::GpuBatchTopK::Create();
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   using Gemm = cuda::GpuBatchTopK::GemmInput;
-  // Integers in [-3, 3] times 1 are exact in bf16; times 1 + 2^-9 in f16 (11 significant bits:
-  // 3 * (1 + 2^-9) is 3 + 3 ulp of [2, 4)) but not bf16; times 1 + 2^-12 in neither.
-  for (const auto& [scale, gemm] : {std::pair{1.0f, Gemm::kBf16},
-                                    std::pair{1.0f + 0x1p-9f, Gemm::kF16},
-                                    std::pair{1.0f + 0x1p-12f, Gemm::kF32}}) {
-    SCOPED_TRACE(::testing::Message() << "scale " << scale);
+  struct Case {
+    KvElement element;  // of the keys; the queries are f32
+    float key_scale;
+    float query_scale;
+    Gemm gemm;
+  };
+  constexpr float kF16Only = 1.0f + 0x1p-9f;
+  constexpr float kNeither = 1.0f + 0x1p-12f;
+  for (const Case& c : {Case{KvElement::kF32, 1.0f, 1.0f, Gemm::kBf16},
+                        Case{KvElement::kF32, kF16Only, 1.0f, Gemm::kF16},
+                        Case{KvElement::kF32, kNeither, 1.0f, Gemm::kF32},
+                        Case{KvElement::kBf16, 1.0f, 1.0f, Gemm::kBf16},
+                        Case{KvElement::kBf16, 1.0f, kF16Only, Gemm::kF16},
+                        Case{KvElement::kBf16, 1.0f, kNeither, Gemm::kF32},
+                        Case{KvElement::kF16, 1.0f, 1.0f, Gemm::kBf16},
+                        Case{KvElement::kF16, kF16Only, 1.0f, Gemm::kF16},
+                        Case{KvElement::kF16, 1.0f, kNeither, Gemm::kF32}}) {
+    SCOPED_TRACE(::testing::Message() << KvElementName(c.element) << " keys times "
+                                      << c.key_scale << ", queries times " << c.query_scale);
     std::vector<float> keys = key_ints, queries = query_ints;
-    for (float& x : keys) x *= scale;
-    // Keys of head 1 of 2, read in place.
-    const VectorSet key_set{keys.data() + kDim, kKeys, 2 * kDim, kDim};
+    for (float& x : keys) x *= c.key_scale;
+    for (float& x : queries) x *= c.query_scale;
+    std::vector<uint16_t> narrow_keys(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      narrow_keys[i] = c.element == KvElement::kBf16 ? FloatToBf16(keys[i]) : FloatToF16(keys[i]);
+    }
+    // Keys of head 1 of 2, read in place; the CPU's lists from the same values in f32.
+    const VectorSet wide_set{keys.data() + kDim, kKeys, 2 * kDim, kDim};
+    const VectorSet key_set =
+        c.element == KvElement::kF32
+            ? wide_set
+            : VectorSet{narrow_keys.data() + kDim, kKeys, 2 * kDim, kDim, c.element};
     const VectorSet query_set{queries.data(), kQueries, kDim, kDim};
     std::vector<int64_t> visible(kQueries);
     for (int i = 0; i < kQueries; ++i) visible[i] = (i * 29) % (kKeys + 50);
@@ -515,9 +542,9 @@ TEST(CudaBatchTopKTest, ExactScoresGiveTheCpuListsIdForIdOnEveryGemm) {
       const std::span<const int64_t> mask =
           causal ? std::span<const int64_t>(visible) : std::span<const int64_t>();
       TopKLists want, got;
-      ASSERT_TRUE(CpuBatchTopK(query_set, key_set, kTopK, &want, mask).ok());
+      ASSERT_TRUE(CpuBatchTopK(query_set, wide_set, kTopK, &want, mask).ok());
       ASSERT_TRUE((*gpu)->Run(query_set, key_set, kTopK, &got, mask).ok());
-      EXPECT_EQ((*gpu)->last_gemm_input(), gemm);
+      EXPECT_EQ((*gpu)->last_gemm_input(), c.gemm);
       ASSERT_EQ(got.k, want.k);
       ASSERT_EQ(got.queries, want.queries);
       for (int64_t i = 0; i < kQueries; ++i) {

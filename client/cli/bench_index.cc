@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -34,8 +35,11 @@
 #include "index/hnsw_index.h"
 #include "index/index_selector.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/mapped_memory.h"
+#include "kernels/dtype.h"
 #include "kernels/fidelity.h"
 #include "nlohmann/json.hpp"
+#include "proto/tensor_codec.h"
 
 #ifdef KVRECALL_WITH_CUDA
 #include "index/gpu_batch_topk.h"
@@ -58,6 +62,10 @@ ABSL_FLAG(std::string, methods, "graph,hnsw,flat", "bench-index: methods to meas
 ABSL_FLAG(std::string, index_layers, "", "bench-index: layers to measure, e.g. 0,3 (empty: all)");
 ABSL_FLAG(int32_t, hnsw_m, 16, "bench-index: hnswlib M");
 ABSL_FLAG(int32_t, hnsw_ef_construction, 200, "bench-index: hnswlib ef_construction");
+ABSL_FLAG(std::string, keys, "f32",
+          "bench-index: how the keys are held while indexed and searched: f32 (widened to f32, "
+          "in ordinary memory) or served (in the trace's dtype, in memory mapped as kvrecalld's "
+          "KV store maps its rows: huge pages where the kernel offers them)");
 ABSL_FLAG(std::string, graph_topk, "cpu",
           "bench-index: where the graph build's exact top-k lists are computed: cpu (OpenBLAS) "
           "or gpu (cuBLAS; needs a CUDA build and a device)");
@@ -152,15 +160,21 @@ struct MethodSums {
   GraphBuildStats graph_stats;  // summed, graph only
 };
 
-// The data of one layer, as f32.
+// The data of one layer, as f32, and the keys as the index reads them (--keys).
 struct LayerData {
   std::vector<float> prefill_q, prefill_k, decode_q;
+  cpu::MappedVector<uint16_t> served_k;  // --keys=served of a 16-bit trace
 };
 
 class IndexBench {
  public:
-  IndexBench(const Trace& trace, int k, int64_t sinks, int64_t recent, std::vector<int> lists)
-      : trace_(trace), g_(trace.geometry()), k_(k), lists_(std::move(lists)) {
+  IndexBench(const Trace& trace, int k, int64_t sinks, int64_t recent, std::vector<int> lists,
+             bool served_keys)
+      : trace_(trace),
+        g_(trace.geometry()),
+        k_(k),
+        lists_(std::move(lists)),
+        served_keys_(served_keys) {
     key_begin_ = std::min<int64_t>(sinks, g_.context);
     key_end_ = std::max<int64_t>(key_begin_, g_.context - recent);
   }
@@ -179,7 +193,24 @@ class IndexBench {
       if (!read.ok()) return read.status();
       *out = std::move(*read);
     }
-    const KvView kv{data.prefill_k.data(), nullptr, g_.context, g_.kv_heads, g_.head_dim};
+    KvView kv{data.prefill_k.data(), nullptr, g_.context, g_.kv_heads, g_.head_dim};
+    if (served_keys_) {
+      // The server's KV store holds the prompt's rows in its dtype, in mapped memory: the key
+      // reads of a build and a search then cost what they cost there (an f32 trace's keys are
+      // copied into mapped memory as they are).
+      const KvElement element = KvElementOf(g_.dtype);
+      data.served_k.resize(data.prefill_k.size() * KvElementBytes(element) / 2);
+      if (element == KvElement::kF32) {
+        std::memcpy(data.served_k.data(), data.prefill_k.data(), data.prefill_k.size() * 4);
+      } else {
+        for (size_t i = 0; i < data.prefill_k.size(); ++i) {
+          data.served_k[i] = element == KvElement::kBf16 ? FloatToBf16(data.prefill_k[i])
+                                                         : FloatToF16(data.prefill_k[i]);
+        }
+      }
+      data.prefill_k = std::vector<float>();
+      kv = KvView{data.served_k.data(), nullptr, g_.context, g_.kv_heads, g_.head_dim, element};
+    }
     const int64_t q_stride = static_cast<int64_t>(g_.q_heads) * g_.head_dim;
     const int group = g_.q_heads / g_.kv_heads;
 
@@ -332,7 +363,8 @@ class IndexBench {
                       {"topk_seconds_per_index", s.topk_seconds / n},
                       {"graph_seconds_per_index", s.graph_seconds / n},
                       {"graph_steps_seconds_per_index",
-                       {{"projection", s.projection_seconds / n},
+                       {{"key_copy", s.key_copy_seconds / n},
+                        {"projection", s.projection_seconds / n},
                         {"reverse_edges", s.reverse_seconds / n},
                         {"entry_and_mean", s.entry_seconds / n},
                         {"outliers", s.outlier_seconds / n},
@@ -355,6 +387,7 @@ class IndexBench {
   TraceGeometry g_;
   int k_;
   std::vector<int> lists_;
+  bool served_keys_;
   int64_t key_begin_ = 0;
   int64_t key_end_ = 0;
   int layers_ = 0;
@@ -417,7 +450,13 @@ int RunBenchIndex(const std::vector<char*>& args) {
       MakeGraphTopK(absl::GetFlag(FLAGS_graph_topk), gpu_topk);
   if (!graph_topk.ok()) return ReportError("bench-index", graph_topk.status());
 
-  IndexBench bench(*trace, k, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent), *lists);
+  const std::string keys = absl::GetFlag(FLAGS_keys);
+  if (keys != "f32" && keys != "served") {
+    return UsageError("bench-index",
+                      absl::StrCat("--keys must be f32 or served, got '", keys, "'"));
+  }
+  IndexBench bench(*trace, k, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent), *lists,
+                   keys == "served");
   if (bench.keys() < k) {
     return UsageError("bench-index", absl::StrCat("only ", bench.keys(), " keys to index for k=", k));
   }
@@ -442,6 +481,7 @@ int RunBenchIndex(const std::vector<char*>& args) {
       {"kv_heads", g.kv_heads},
       {"head_dim", g.head_dim},
       {"threads", omp_get_max_threads()},
+      {"keys_held", keys},
       {"graph_topk", absl::GetFlag(FLAGS_graph_topk)},
       {"graph_topk_gpu", gpu_topk.ToJson()},
       {"graph_params",

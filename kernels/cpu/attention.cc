@@ -208,9 +208,9 @@ float Dot(const float* q, const Stored<E>* row, int n) {
       [](float x, float y) { return x * y; });
 }
 
-template <KvElement E>
-float Distance(const Stored<E>* a, const Stored<E>* b, int n) {
-  return SumOfTerms<E, E>(
+template <KvElement A, KvElement B = A>
+float Distance(const Stored<A>* a, const Stored<B>* b, int n) {
+  return SumOfTerms<A, B>(
       a, b, n,
       [](auto x, auto y, auto acc) {
         const auto d = _mm256_sub_ps(x, y);
@@ -406,6 +406,13 @@ float SquaredDistance(const void* a, const void* b, KvElement element, int n) {
   return WithElement(element, [&](auto e) {
     using S = Stored<decltype(e)::value>;
     return Distance<decltype(e)::value>(static_cast<const S*>(a), static_cast<const S*>(b), n);
+  });
+}
+
+float SquaredDistance(const float* a, const void* b, KvElement element, int n) {
+  return WithElement(element, [&](auto e) {
+    constexpr KvElement kE = decltype(e)::value;
+    return Distance<KvElement::kF32, kE>(a, static_cast<const Stored<kE>*>(b), n);
   });
 }
 

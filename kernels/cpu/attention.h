@@ -23,6 +23,10 @@ float DotProduct(const float* q, const void* row, KvElement element, int n);
 float SquaredDistance(const float* a, const float* b, int n);
 // ||a - b||^2 of two stored rows of `element` (n elements each).
 float SquaredDistance(const void* a, const void* b, KvElement element, int n);
+// ||a - b||^2 of an f32 vector and a stored row of `element`: when `a` is a stored row of
+// `element` widened to f32, SquaredDistance of the two stored rows bit for bit (widening is
+// exact and the arithmetic is the same).
+float SquaredDistance(const float* a, const void* b, KvElement element, int n);
 
 // out[0, n) = the stored row of `element`, widened to f32 (exactly: bf16 and f16 are subsets).
 void LoadRow(const void* row, KvElement element, int n, float* out);

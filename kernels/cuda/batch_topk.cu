@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cstddef>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -21,21 +23,42 @@ namespace {
 // The grid's second dimension carries the rows of a selection launch.
 constexpr int64_t kMaxRowsPerLaunch = 65535;
 
-// Copies `count` strided f32 vectors of `dim` into a packed [count, dim] device buffer, growing
-// it when needed.
-absl::Status UploadPacked(const float* src, int64_t count, int64_t stride, int dim,
-                          DeviceBuffer<float>* dst, cudaStream_t stream) {
-  const size_t need = static_cast<size_t>(count) * dim;
-  if (dst->size() < need) KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(need, dst));
-  return CudaStatus(cudaMemcpy2DAsync(dst->data(), dim * sizeof(float), src,
-                                      stride * sizeof(float), dim * sizeof(float), count,
-                                      cudaMemcpyHostToDevice, stream),
-                    "uploading vectors");
-}
-
 template <typename T>
 absl::Status Grow(size_t count, DeviceBuffer<T>* buffer) {
   return buffer->size() >= count ? absl::OkStatus() : AllocateZeroed(count, buffer);
+}
+
+// Rows packed into pinned host memory a chunk at a time, each chunk's upload queued as soon as
+// it is packed, so that the host packs the next chunk while the DMA engine moves this one.
+// (A cudaMemcpy2D from pageable memory, the keys' rows a token's KV heads apart, was staged by
+// the driver row by row.)
+constexpr size_t kStageChunkBytes = size_t{4} << 20;
+
+// Copies `count` rows of `row_bytes` bytes, `stride_bytes` apart at `src`, through `pinned`
+// (at least count * row_bytes, free until the stream has run the copies) to the packed
+// device buffer `dst`, on `stream`.
+absl::Status UploadRows(const void* src, int64_t count, size_t stride_bytes, size_t row_bytes,
+                        std::byte* pinned, void* dst, cudaStream_t stream) {
+  if (row_bytes == 0) return absl::OkStatus();
+  const int64_t rows_per_chunk =
+      std::max<int64_t>(1, static_cast<int64_t>(kStageChunkBytes / row_bytes));
+  const std::byte* from = static_cast<const std::byte*>(src);
+  for (int64_t begin = 0; begin < count; begin += rows_per_chunk) {
+    const int64_t rows = std::min(rows_per_chunk, count - begin);
+    std::byte* chunk = pinned + begin * row_bytes;
+    if (stride_bytes == row_bytes) {
+      std::memcpy(chunk, from + begin * stride_bytes, rows * row_bytes);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(chunk + r * row_bytes, from + (begin + r) * stride_bytes, row_bytes);
+      }
+    }
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(static_cast<std::byte*>(dst) + begin * row_bytes, chunk,
+                                   rows * row_bytes, cudaMemcpyHostToDevice, stream),
+                   "uploading rows"));
+  }
+  return absl::OkStatus();
 }
 
 // out[i] = in[i] widened to f32, for n 16-bit elements (bf16 when `bf16`, else f16).
@@ -47,26 +70,46 @@ __global__ void WidenKernel(const uint16_t* in, int64_t n, bool bf16, float* out
   }
 }
 
-// The keys as a packed [count, dim] f32 device buffer: f32 keys are copied as they are; 16-bit
-// keys travel in their own width (half the bytes) into `staging` and are widened on the device.
-absl::Status UploadKeys(const VectorSet& keys, DeviceBuffer<uint16_t>* staging,
-                        DeviceBuffer<float>* dst, cudaStream_t stream) {
-  if (keys.element == KvElement::kF32) {
-    return UploadPacked(static_cast<const float*>(keys.data), keys.count, keys.stride, keys.dim,
-                        dst, stream);
+absl::Status Widen(const uint16_t* in, int64_t n, bool bf16, float* out, cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  WidenKernel<<<blocks, 256, 0, stream>>>(in, n, bf16, out);
+  return LaunchStatus("WidenKernel");
+}
+
+// 16-bit keys (bf16 when `bf16`, else f16), exact in their own type by construction: rounds
+// them to the other 16-bit type into `other` and sets inexact[0] (bf16) / inexact[1] (f16) as
+// ToSixteenBitsKernel below would for the keys widened to f32: the other type's flag when one
+// does not come back equal, and both for a NaN (which equals nothing).
+__global__ void OtherSixteenBitsKernel(const uint16_t* in, int64_t n, bool bf16,
+                                       uint16_t* other, unsigned int* inexact) {
+  bool nan = false;
+  bool other_lost = false;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float v = bf16 ? __uint_as_float(static_cast<uint32_t>(in[i]) << 16)
+                         : __half2float(__ushort_as_half(in[i]));
+    nan |= v != v;
+    if (bf16) {
+      const __half h = __float2half_rn(v);
+      other_lost |= !(__half2float(h) == v);
+      other[i] = __half_as_ushort(h);
+    } else {
+      const __nv_bfloat16 b = __float2bfloat16_rn(v);
+      other_lost |= !(__bfloat162float(b) == v);
+      other[i] = __bfloat16_as_ushort(b);
+    }
   }
-  const size_t need = static_cast<size_t>(keys.count) * keys.dim;
-  if (dst->size() < need) KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(need, dst));
-  if (staging->size() < need) KVRECALL_CUDA_RETURN_IF_ERROR(AllocateZeroed(need, staging));
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpy2DAsync(staging->data(), keys.dim * sizeof(uint16_t), keys.data,
-                        keys.stride * sizeof(uint16_t), keys.dim * sizeof(uint16_t), keys.count,
-                        cudaMemcpyHostToDevice, stream),
-      "uploading keys"));
-  const int blocks = static_cast<int>(std::min<int64_t>((need + 255) / 256, 4096));
-  WidenKernel<<<blocks, 256, 0, stream>>>(staging->data(), static_cast<int64_t>(need),
-                                          keys.element == KvElement::kBf16, dst->data());
-  return CudaStatus(cudaGetLastError(), "widening keys");
+  const bool own_lost = nan;
+  if (__syncthreads_or(own_lost) && threadIdx.x == 0) atomicOr(inexact + (bf16 ? 0 : 1), 1u);
+  if (__syncthreads_or(other_lost) && threadIdx.x == 0) atomicOr(inexact + (bf16 ? 1 : 0), 1u);
+}
+
+absl::Status OtherSixteenBits(const uint16_t* in, int64_t n, bool bf16, uint16_t* other,
+                              unsigned int* inexact, cudaStream_t stream) {
+  if (n == 0) return absl::OkStatus();
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  OtherSixteenBitsKernel<<<blocks, 256, 0, stream>>>(in, n, bf16, other, inexact);
+  return LaunchStatus("OtherSixteenBitsKernel");
 }
 
 // Rounds x[0, n) to bf16 and to f16 and sets inexact[0] (bf16) / inexact[1] (f16) when an
@@ -152,9 +195,12 @@ struct GpuBatchTopK::Impl {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   GemmInput last_gemm_input = GemmInput::kF32;
-  DeviceBuffer<float> keys;
-  DeviceBuffer<uint16_t> key_staging;  // 16-bit keys before widening
+  DeviceBuffer<float> keys;  // f32 keys, and 16-bit keys widened when the GEMM is f32's
   DeviceBuffer<float> queries;
+  // Pinned host memory the keys and queries are packed into on their way up and the lists
+  // come down through: the largest call's, kept for the next.
+  std::byte* pinned = nullptr;
+  size_t pinned_bytes = 0;
   // The keys and queries rounded to bf16 and to f16, and whether any lost bits (per type).
   DeviceBuffer<__nv_bfloat16> keys_bf16, queries_bf16;
   DeviceBuffer<__half> keys_f16, queries_f16;
@@ -169,6 +215,20 @@ struct GpuBatchTopK::Impl {
   ~Impl() {
     if (cublas != nullptr) cublasDestroy(cublas);
     if (stream != nullptr) cudaStreamDestroy(stream);
+    if (pinned != nullptr) cudaFreeHost(pinned);
+  }
+
+  absl::Status EnsurePinned(size_t bytes) {
+    if (bytes <= pinned_bytes) return absl::OkStatus();
+    if (pinned != nullptr) cudaFreeHost(pinned);
+    pinned = nullptr;
+    pinned_bytes = 0;
+    void* p = nullptr;
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&p, bytes, cudaHostAllocDefault),
+                                             absl::StrCat("allocating ", bytes, " pinned bytes")));
+    pinned = static_cast<std::byte*>(p);
+    pinned_bytes = bytes;
+    return absl::OkStatus();
   }
 };
 
@@ -235,25 +295,53 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
   const size_t lists = static_cast<size_t>(rows_per_block) * k_eff;
   const size_t key_values = static_cast<size_t>(n) * dim;
   const size_t query_values = static_cast<size_t>(queries.count) * dim;
+  const bool f32_keys = keys.element == KvElement::kF32;
+  const bool bf16_keys = keys.element == KvElement::kBf16;
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(lists, &m.support));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(lists, &m.support_scores));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(lists, &m.ordered));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(static_cast<size_t>(rows_per_block), &m.support_size));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(static_cast<size_t>(rows_per_block), &m.lengths));
+  if (f32_keys) KVRECALL_CUDA_RETURN_IF_ERROR(Grow(key_values, &m.keys));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(key_values, &m.keys_bf16));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(key_values, &m.keys_f16));
+  KVRECALL_CUDA_RETURN_IF_ERROR(Grow(query_values, &m.queries));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(query_values, &m.queries_bf16));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(query_values, &m.queries_f16));
   KVRECALL_CUDA_RETURN_IF_ERROR(Grow(size_t{2}, &m.inexact));
-  KVRECALL_CUDA_RETURN_IF_ERROR(UploadKeys(keys, &m.key_staging, &m.keys, m.stream));
-  KVRECALL_CUDA_RETURN_IF_ERROR(UploadPacked(static_cast<const float*>(queries.data), queries.count, queries.stride, dim,
-                                             &m.queries, m.stream));
+  // Pinned: the keys, the queries, then the lists (each region 256-byte aligned).
+  auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const size_t key_row_bytes = static_cast<size_t>(dim) * KvElementBytes(keys.element);
+  const size_t key_bytes = aligned(key_values * KvElementBytes(keys.element));
+  const size_t query_bytes = aligned(query_values * sizeof(float));
+  KVRECALL_CUDA_RETURN_IF_ERROR(m.EnsurePinned(key_bytes + query_bytes +
+                                               out->ids.size() * sizeof(int32_t)));
+  int32_t* pinned_ids = reinterpret_cast<int32_t*>(m.pinned + key_bytes + query_bytes);
+  // 16-bit keys go up as they are, into their own type's buffer: they are exact in it.
+  void* key_dst = f32_keys    ? static_cast<void*>(m.keys.data())
+                  : bf16_keys ? static_cast<void*>(m.keys_bf16.data())
+                              : static_cast<void*>(m.keys_f16.data());
+  KVRECALL_CUDA_RETURN_IF_ERROR(UploadRows(keys.data, n,
+                                           keys.stride * KvElementBytes(keys.element),
+                                           key_row_bytes, m.pinned, key_dst, m.stream));
+  KVRECALL_CUDA_RETURN_IF_ERROR(UploadRows(queries.data, queries.count,
+                                           queries.stride * sizeof(float), dim * sizeof(float),
+                                           m.pinned + key_bytes, m.queries.data(), m.stream));
   // Which GEMM: the narrowest type every key and query is exact in.
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
       cudaMemsetAsync(m.inexact.data(), 0, 2 * sizeof(unsigned int), m.stream), "zeroing flags"));
-  KVRECALL_CUDA_RETURN_IF_ERROR(ToSixteenBits(m.keys.data(), static_cast<int64_t>(key_values),
-                                              m.keys_bf16.data(), m.keys_f16.data(),
-                                              m.inexact.data(), m.stream));
+  if (f32_keys) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(ToSixteenBits(m.keys.data(), static_cast<int64_t>(key_values),
+                                                m.keys_bf16.data(), m.keys_f16.data(),
+                                                m.inexact.data(), m.stream));
+  } else {
+    const uint16_t* own = static_cast<const uint16_t*>(key_dst);
+    uint16_t* other = bf16_keys ? reinterpret_cast<uint16_t*>(m.keys_f16.data())
+                                : reinterpret_cast<uint16_t*>(m.keys_bf16.data());
+    KVRECALL_CUDA_RETURN_IF_ERROR(OtherSixteenBits(own, static_cast<int64_t>(key_values),
+                                                   bf16_keys, other, m.inexact.data(),
+                                                   m.stream));
+  }
   KVRECALL_CUDA_RETURN_IF_ERROR(
       ToSixteenBits(m.queries.data(), static_cast<int64_t>(query_values), m.queries_bf16.data(),
                     m.queries_f16.data(), m.inexact.data(), m.stream));
@@ -267,6 +355,12 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
   const GemmInput gemm = !inexact[0]   ? GemmInput::kBf16
                          : !inexact[1] ? GemmInput::kF16
                                        : GemmInput::kF32;
+  if (gemm == GemmInput::kF32 && !f32_keys) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(Grow(key_values, &m.keys));
+    KVRECALL_CUDA_RETURN_IF_ERROR(Widen(static_cast<const uint16_t*>(key_dst),
+                                        static_cast<int64_t>(key_values), bf16_keys,
+                                        m.keys.data(), m.stream));
+  }
   // Tensor cores for the 16-bit products (exact in f32, summed in f32); plain f32 otherwise
   // (TF32 would round the inputs).
   KVRECALL_CUDA_RETURN_IF_ERROR(CublasStatus(
@@ -321,13 +415,14 @@ absl::Status GpuBatchTopK::Run(const VectorSet& queries, const VectorSet& keys, 
                                             m.support_size.data(), rows, k_eff,
                                             m.ordered.data(), m.stream));
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(out->ids.data() + q0 * k_eff, m.ordered.data(),
+        cudaMemcpyAsync(pinned_ids + q0 * k_eff, m.ordered.data(),
                         static_cast<size_t>(rows) * k_eff * sizeof(int32_t),
                         cudaMemcpyDeviceToHost, m.stream),
         "downloading top-k ids"));
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaStreamSynchronize(m.stream), "running the batch top-k"));
+  std::memcpy(out->ids.data(), pinned_ids, out->ids.size() * sizeof(int32_t));
   m.last_gemm_input = gemm;
   return absl::OkStatus();
 }

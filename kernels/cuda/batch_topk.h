@@ -22,7 +22,9 @@ namespace kvrecall::cuda {
 // widened to f32) multiplies them as bf16 on tensor cores, else exact in f16 as f16, else as
 // f32 (cuBLAS pedantic math: no TF32); a product of two bf16 or two f16 values is exact in f32.
 // Device memory grows to the largest call (keys, the queries, one block of score rows: at most
-// `max_score_bytes` of scores at a time) and is kept for the next.
+// `max_score_bytes` of scores at a time) and is kept for the next, and so does a pinned host
+// buffer that the keys and queries are packed into on their way up (a chunk's upload overlaps
+// the packing of the next) and the lists come down through.
 class GpuBatchTopK {
  public:
   // The element type a call's GEMM multiplied (see above).
@@ -36,7 +38,8 @@ class GpuBatchTopK {
 
   // index/batch_topk.h's BatchTopKFunction contract: the top-k lists of every query, causal
   // `visible` counts included; synchronous. Keys of any element type (16-bit keys are uploaded
-  // as they are and widened on the device), f32 queries. INVALID_ARGUMENT when k < 1, the dims
+  // as they are, exact in their own type, and widened on the device only for an f32 GEMM), f32
+  // queries. INVALID_ARGUMENT when k < 1, the dims
   // differ, keys.count exceeds int32, `visible` is neither empty nor one count per query, or the
   // queries are not f32.
   absl::Status Run(const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
