@@ -13,6 +13,8 @@ absl::StatusOr<BatchTopKFunction> MakeGpuBatchTopKFunction(
     std::shared_ptr<GpuBatchTopKStats> stats) {
   absl::StatusOr<std::unique_ptr<cuda::GpuBatchTopK>> gpu = cuda::GpuBatchTopK::Create();
   if (!gpu.ok()) return gpu.status();
+  // The kernels' first launches and cuBLAS's setup now, not in the first build.
+  if (absl::Status s = (*gpu)->WarmUp(); !s.ok()) return s;
   struct Shared {
     std::mutex mu;
     std::unique_ptr<cuda::GpuBatchTopK> gpu;

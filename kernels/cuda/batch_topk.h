@@ -45,6 +45,12 @@ class GpuBatchTopK {
   absl::Status Run(const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
                    std::span<const int64_t> visible = {});
 
+  // One small Run per GEMM type and key width (bf16, f16 and f32 products; f32 and 16-bit
+  // keys; a causal mask): CUDA loads kernels on their first launch and cuBLAS sets up on its
+  // first GEMM of a type, which would otherwise land in the first index build (~0.1 s of a
+  // 128K layer's). Allocates little (its buffers grow later, to the largest call).
+  absl::Status WarmUp();
+
   // What the last successful Run's GEMM multiplied.
   GemmInput last_gemm_input() const;
 
