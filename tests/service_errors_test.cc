@@ -546,6 +546,29 @@ TEST_F(ServiceMemoryBudgetTest, AnnouncedTokensSetTheHostKvAsideInThePlacementsL
   }
 }
 
+// With max_tokens announced the prompt is staged in the layer's final allocation: the host KV
+// is exactly the announced tokens' rows (no geometric slack from the chunks' growth, no copy to
+// the announced size at the build).
+TEST_F(ServerTest, AnnouncedTokensStageThePromptInItsFinalAllocation) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 64);
+  constexpr int kPrompt = 300, kDecode = 10;
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = g;
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_max_tokens(kPrompt + kDecode);
+  v1::CreateSessionResponse response;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub().CreateSession(&context, request, &response).ok());
+  PromptLayer p{RandomNormal(kPrompt * 4 * 64, 1), RandomNormal(kPrompt * 2 * 64, 2),
+                RandomNormal(kPrompt * 2 * 64, 3)};
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(response.session_id(), g, 0, p, 37)).ok());
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), response.session_id());
+  ASSERT_TRUE(info.ok()) << info.status();
+  // Keys and values, f32 on the cpu placement.
+  EXPECT_EQ(info->host_bytes() - info->selector_bytes(),
+            int64_t{kPrompt + kDecode} * 2 * 64 * 4 * 2);
+}
+
 TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
   const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
   // A prompt of 400 tokens needs 400 x (4 + 2 + 2) x 16 x 4 bytes = 200 KiB while staged.

@@ -126,6 +126,18 @@ void CpuLayer::Shadow(const ShadowStep& step) const { HostShadow(shape_, kv_.vie
 
 }  // namespace
 
+absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
+    const LayerShape& shape, MemoryAccount* host, KvElement element, int64_t expected_tokens) {
+  auto staging = std::make_unique<HostPromptStaging>(shape, host, element);
+  if (expected_tokens > 0) {
+    if (absl::Status s = staging->kv.Reserve(expected_tokens, "the announced max_tokens");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return staging;
+}
+
 absl::Status HostPromptStaging::Reserve(int64_t more, absl::string_view what) {
   if (absl::Status s = kv.Reserve(more, what); !s.ok()) return s;
   return queries.Reserve(more, what);
@@ -163,7 +175,8 @@ int64_t CpuBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t to
 
 absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
-  return std::make_unique<HostPromptStaging>(config.shape, accounts.host);
+  return HostPromptStaging::Create(config.shape, accounts.host, KvElement::kF32,
+                                   config.expected_tokens);
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(

@@ -23,6 +23,15 @@ class HostPromptStaging final : public PromptStaging {
       : kv(shape.kv_heads, shape.head_dim, host, element),
         queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
 
+  // A staging whose KV already holds room for `expected_tokens` (CreateSession's announced
+  // max_tokens; 0: none announced), so that the prompt's chunks land in the layer's final
+  // allocation: growing geometrically and then to the announced size at the build would copy
+  // the whole prompt KV (and map its pages) twice more, ~0.2 s of a 128K layer's build.
+  static absl::StatusOr<std::unique_ptr<HostPromptStaging>> Create(const LayerShape& shape,
+                                                                   MemoryAccount* host,
+                                                                   KvElement element,
+                                                                   int64_t expected_tokens);
+
   absl::Status Reserve(int64_t more, absl::string_view what) override;
   float* query_tail() override { return queries.tail(); }
   void* key_tail() override { return kv.key_tail(); }
