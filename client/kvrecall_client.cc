@@ -243,13 +243,13 @@ class SharedDecodeTransport final : public DecodeTransport,
                         v1::DecodeResponse* response) override {
     shared::RegionHeader* const h = region_.header();
     const size_t size = request.ByteSizeLong();
-    if (size > h->request_capacity) {
+    if (size > region_.request_capacity()) {
       // Nothing was sent; the stream is abandoned all the same, as a gRPC stream would be
       // by a message over its limit.
       Cancel();
       return absl::ResourceExhaustedError(absl::StrCat(
           "a Decode request of ", size, " bytes exceeds the shared region's max_request_bytes of ",
-          h->request_capacity, "; nothing of it was sent (DecodeStreamOptions)"));
+          region_.request_capacity(), "; nothing of it was sent (DecodeStreamOptions)"));
     }
     if (h->ended.load()) return EndStatus();
     request.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(region_.request()));
@@ -259,14 +259,16 @@ class SharedDecodeTransport final : public DecodeTransport,
     h->request_seq.store(seq);
     shared::Signal(&h->request_signal, &h->server_sleeping);
     if (!AwaitReply(seq)) return EndStatus();
-    const uint64_t bytes = h->reply_bytes;
-    if (h->status_code != 0) {
+    const uint64_t bytes = shared::ReadPeerWord(h->reply_bytes);
+    const auto code = static_cast<int32_t>(
+        shared::ReadPeerWord(reinterpret_cast<uint32_t&>(h->status_code)));
+    if (code != 0) {
       // The step failed and the stream ended (the call ends with the same status).
-      const std::string message(region_.reply(), std::min(bytes, h->reply_capacity));
+      const std::string message(region_.reply(), std::min(bytes, region_.reply_capacity()));
       done_.WaitForNotification();
-      return absl::Status(static_cast<absl::StatusCode>(h->status_code), message);
+      return absl::Status(static_cast<absl::StatusCode>(code), message);
     }
-    if (bytes > h->reply_capacity ||
+    if (bytes > region_.reply_capacity() ||
         !response->ParseFromArray(region_.reply(), static_cast<int>(bytes))) {
       Cancel();
       return absl::InternalError(absl::StrCat("the shared region's reply of ", bytes,

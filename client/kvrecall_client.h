@@ -125,8 +125,8 @@ struct DecodeStreamOptions {
   // --shared_memory_dir. A step then costs a copy each way and, when the server's thread is
   // asleep, one futex wake-up; the gRPC call only opens the region and reports the end.
   bool shared_memory = false;
-  // The region's capacities, the largest serialized request and reply; 0: the server's
-  // message limit (pages are only used as far as messages reach).
+  // The region's capacities, the largest serialized request and reply; 0: 4 MiB each (at
+  // most the server's message limit). The server allocates them when it makes the region.
   uint64_t max_request_bytes = 0;
   uint64_t max_reply_bytes = 0;
   // How long a Step polls for its reply before it sleeps until the server's wake-up.

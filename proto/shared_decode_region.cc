@@ -51,8 +51,8 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   MappedRegion region;
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
-    region.path_ = absl::StrFormat("%s/kvrecall-decode-%08x%08x%08x", directory, random(),
-                                   random(), random());
+    region.path_ = absl::StrFormat("%s/kvrecall-decode-%d-%08x%08x%08x", directory, getpid(),
+                                   random(), random(), random());
     fd = open(region.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0 && errno != EEXIST) {
       return ErrnoStatus(errno, absl::StrCat("creating the shared decode region in ", directory));
@@ -60,9 +60,12 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   }
   if (fd < 0) return absl::InternalError("no free name for a shared decode region");
   region.remove_file_ = true;  // from here on, a failure removes the file with `region`
-  if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    const int error = errno;
+  if (const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); error != 0) {
     close(fd);
+    if (error == ENOSPC) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "no room for a shared decode region of ", bytes, " bytes in ", directory));
+    }
     return ErrnoStatus(error, absl::StrCat("sizing ", region.path_));
   }
   void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -71,6 +74,10 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   if (base == MAP_FAILED) return ErrnoStatus(error, absl::StrCat("mapping ", region.path_));
   region.base_ = base;
   region.bytes_ = bytes;
+  region.request_offset_ = request_offset;
+  region.request_capacity_ = request_capacity;
+  region.reply_offset_ = reply_offset;
+  region.reply_capacity_ = reply_capacity;
   auto* header = new (base) RegionHeader{};
   header->magic = kMagic;
   header->version = kLayoutVersion;
@@ -112,11 +119,17 @@ absl::StatusOr<MappedRegion> MappedRegion::Open(const std::string& path, uint64_
   const auto fits = [bytes](uint64_t offset, uint64_t capacity) {
     return offset >= kHeaderBytes && offset <= bytes && capacity <= bytes - offset;
   };
-  if (!fits(h.request_offset, h.request_capacity) || !fits(h.reply_offset, h.reply_capacity)) {
+  const uint64_t request_offset = h.request_offset, request_capacity = h.request_capacity;
+  const uint64_t reply_offset = h.reply_offset, reply_capacity = h.reply_capacity;
+  if (!fits(request_offset, request_capacity) || !fits(reply_offset, reply_capacity)) {
     return absl::FailedPreconditionError(
         absl::StrCat("the shared decode region ", path, " lays out areas beyond its ", bytes,
                      " bytes"));
   }
+  region.request_offset_ = request_offset;
+  region.request_capacity_ = request_capacity;
+  region.reply_offset_ = reply_offset;
+  region.reply_capacity_ = reply_capacity;
   return region;
 }
 
@@ -127,6 +140,10 @@ MappedRegion& MappedRegion::operator=(MappedRegion&& other) noexcept {
     Reset();
     base_ = std::exchange(other.base_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
+    request_offset_ = std::exchange(other.request_offset_, 0);
+    request_capacity_ = std::exchange(other.request_capacity_, 0);
+    reply_offset_ = std::exchange(other.reply_offset_, 0);
+    reply_capacity_ = std::exchange(other.reply_capacity_, 0);
     path_ = std::move(other.path_);
     remove_file_ = std::exchange(other.remove_file_, false);
   }
@@ -134,6 +151,11 @@ MappedRegion& MappedRegion::operator=(MappedRegion&& other) noexcept {
 }
 
 MappedRegion::~MappedRegion() { Reset(); }
+
+void MappedRegion::RemoveFile() {
+  if (remove_file_) unlink(path_.c_str());
+  remove_file_ = false;
+}
 
 void MappedRegion::Reset() {
   if (base_ != nullptr) munmap(base_, bytes_);

@@ -102,8 +102,11 @@ static_assert(sizeof(RegionHeader) <= kHeaderBytes);
 // the file when destroyed, so that a stream's region does not outlive it.
 class MappedRegion {
  public:
-  // A new region file in `directory`, mode 0600, named kvrecall-decode-<random>, laid out for
-  // the capacities (the file is sparse: pages cost memory once written).
+  // A new region file in `directory`, mode 0600, named kvrecall-decode-<pid>-<random>, laid
+  // out for the capacities, its blocks allocated now (posix_fallocate: a directory without
+  // room, such as a full tmpfs, fails here with RESOURCE_EXHAUSTED instead of a SIGBUS at the
+  // first write into the mapping). The peer must not shrink the file while it is mapped (same
+  // user: it could; the server then faults on its next access).
   static absl::StatusOr<MappedRegion> Create(const std::string& directory,
                                              uint64_t request_capacity, uint64_t reply_capacity);
   // Maps the region at `path` of `bytes` (SharedDecodeRegion) and checks its header:
@@ -117,19 +120,35 @@ class MappedRegion {
   ~MappedRegion();
 
   RegionHeader* header() const { return static_cast<RegionHeader*>(base_); }
-  char* request() const { return static_cast<char*>(base_) + header()->request_offset; }
-  char* reply() const { return static_cast<char*>(base_) + header()->reply_offset; }
+  // The areas as laid out when the region was created or checked at Open: private copies,
+  // never read back from the header, which the peer can overwrite.
+  char* request() const { return static_cast<char*>(base_) + request_offset_; }
+  char* reply() const { return static_cast<char*>(base_) + reply_offset_; }
+  uint64_t request_capacity() const { return request_capacity_; }
+  uint64_t reply_capacity() const { return reply_capacity_; }
   const std::string& path() const { return path_; }
   uint64_t bytes() const { return bytes_; }
+  // Removes Create's file now (the mapping stays valid); the destructor then leaves it.
+  void RemoveFile();
 
  private:
   void Reset();
 
   void* base_ = nullptr;
   uint64_t bytes_ = 0;
+  uint64_t request_offset_ = 0;
+  uint64_t request_capacity_ = 0;
+  uint64_t reply_offset_ = 0;
+  uint64_t reply_capacity_ = 0;
   std::string path_;
   bool remove_file_ = false;  // Create's: the file goes with the mapping
 };
+
+// A runner-written word of the header, read once (a relaxed atomic load: the runner may write
+// it while the server reads, and the value checked must be the value used).
+inline uint32_t ReadPeerWord(uint32_t& word) {
+  return std::atomic_ref<uint32_t>(word).load(std::memory_order_relaxed);
+}
 
 // Publishing side: bumps `signal` and wakes its sleepers when `sleeping` says there are any.
 void Signal(std::atomic<uint32_t>* signal, const std::atomic<uint32_t>* sleeping);

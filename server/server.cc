@@ -1,14 +1,17 @@
 #include "server/server.h"
 
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
 #include <cstring>
 #include <filesystem>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grpc/grpc.h"
@@ -139,8 +142,9 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
   return absl::OkStatus();
 }
 
-// Checks DecodeShared's options, and removes the region files an earlier kvrecalld left in its
-// directory (a stream's file is removed when the stream ends; a killed server leaves its own).
+// Checks DecodeShared's options, and removes the region files a kvrecalld that is gone left in
+// its directory (a stream's file is removed when the stream ends; a killed server leaves its
+// own). A file names its server's pid: another live server's files are left alone.
 absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
   if (options.max_shared_streams < 1) {
     return absl::InvalidArgumentError(
@@ -159,9 +163,13 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
         error ? absl::StrCat(" (", error.message(), ")") : ""));
   }
   for (const auto& entry : std::filesystem::directory_iterator(options.shared_memory_dir, error)) {
-    if (absl::StartsWith(entry.path().filename().string(), "kvrecall-decode-")) {
-      std::filesystem::remove(entry.path(), error);
-    }
+    const std::string name = entry.path().filename().string();
+    if (!absl::StartsWith(name, "kvrecall-decode-")) continue;
+    const std::vector<std::string> parts = absl::StrSplit(name, '-');
+    int pid = 0;
+    const bool live = parts.size() == 4 && absl::SimpleAtoi(parts[2], &pid) && pid > 0 &&
+                      (kill(pid, 0) == 0 || errno != ESRCH);
+    if (!live) std::filesystem::remove(entry.path(), error);
   }
   return absl::OkStatus();
 }

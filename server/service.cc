@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -491,6 +492,9 @@ class KvRecallService::DecodeCall final
 // each reply, then sleeps in futex(2) until the runner's signal (or a cancellation's or the
 // drain's wake-up).
 
+// A shared region's capacity each way when the runner names none (SharedDecodeRequest).
+constexpr uint64_t kDefaultSharedCapacity = 4 << 20;
+
 class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                                                 public KvRecallService::Stream {
  public:
@@ -509,7 +513,14 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       Finish(CancelledStatus());
       return;
     }
-    server_thread_ = std::thread([this] { Serve(); });
+    try {
+      server_thread_ = std::thread([this] { Serve(); });
+    } catch (const std::system_error& e) {
+      ReleaseSlot();
+      Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("kvrecalld could not start the shared stream's thread: ",
+                                       e.what())));
+    }
   }
 
   void OnCancel() override {
@@ -527,8 +538,8 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     // a step.
     if (server_thread_.joinable()) server_thread_.join();
     if (registered_) service_->Unregister(this);
-    if (counted_) service_->shared_streams_.fetch_sub(1);
-    delete this;  // unmaps the region and removes its file
+    ReleaseSlot();
+    delete this;  // unmaps the region (and removes its file if that was not done yet)
   }
 
  private:
@@ -546,6 +557,9 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     v1::SharedDecodeRequest open;
     if (!ParseRawMessage(&bytes, &open)) return UnparsableStatus("the request", open);
     const uint64_t limit = static_cast<uint64_t>(options.max_message_bytes);
+    // The region's blocks are allocated up front: by default room for a batch of a few hundred
+    // layer-steps, not the message limit.
+    const uint64_t default_capacity = std::min<uint64_t>(limit, kDefaultSharedCapacity);
     for (const auto& [name, value] : {std::pair{"max_request_bytes", open.max_request_bytes()},
                                       std::pair{"max_reply_bytes", open.max_reply_bytes()}}) {
       if (value > limit) {
@@ -562,14 +576,16 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
                                        " shared Decode streams are open; close one or use "
                                        "Decode"));
     }
-    counted_ = true;
+    counted_.store(true);
     absl::StatusOr<v1::shared_decode::MappedRegion> region =
         v1::shared_decode::MappedRegion::Create(
             options.shared_memory_dir,
-            open.max_request_bytes() > 0 ? open.max_request_bytes() : limit,
-            open.max_reply_bytes() > 0 ? open.max_reply_bytes() : limit);
+            open.max_request_bytes() > 0 ? open.max_request_bytes() : default_capacity,
+            open.max_reply_bytes() > 0 ? open.max_reply_bytes() : default_capacity);
     if (!region.ok()) {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+      return grpc::Status(region.status().code() == absl::StatusCode::kResourceExhausted
+                              ? grpc::StatusCode::RESOURCE_EXHAUSTED
+                              : grpc::StatusCode::FAILED_PRECONDITION,
                           absl::StrCat("kvrecalld could not create a shared decode region: ",
                                        region.status().message()));
     }
@@ -580,10 +596,16 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     answer.set_path(region_.path());
     answer.set_bytes(region_.bytes());
     answer.set_layout_version(v1::shared_decode::kLayoutVersion);
-    answer.set_max_request_bytes(region_.header()->request_capacity);
-    answer.set_max_reply_bytes(region_.header()->reply_capacity);
+    answer.set_max_request_bytes(region_.request_capacity());
+    answer.set_max_reply_bytes(region_.reply_capacity());
     SerializeRawMessage(answer, &region_message_);
     return grpc::Status::OK;
+  }
+
+  // Gives back the --max_shared_streams slot, once: before the call's final status goes out, so
+  // that a runner that reopens at once (after a failed step) finds it free.
+  void ReleaseSlot() {
+    if (counted_.exchange(false)) service_->shared_streams_.fetch_sub(1);
   }
 
   // Wakes the serving thread (a cancellation or the drain), wherever it waits.
@@ -617,7 +639,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       }
       seen = request;
       const absl::Time arrived = absl::Now();
-      if (h->closing != 0) {
+      if (v1::shared_decode::ReadPeerWord(h->closing) != 0) {
         Publish(grpc::Status::OK, 0, seen);
         break;
       }
@@ -635,21 +657,26 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     }
     h->ended.store(1);
     v1::shared_decode::Signal(&h->reply_signal, &h->runner_sleeping);
+    // The stream is over for the runner: its file and slot go before the status does.
+    region_.RemoveFile();
+    ReleaseSlot();
     Finish(std::move(end));
   }
 
   // The step whose request is in the region: its reply serialized into the region when it
   // succeeds (response_'s cached size is then its length).
   grpc::Status Step() {
-    const v1::shared_decode::RegionHeader* const h = region_.header();
+    v1::shared_decode::RegionHeader* const h = region_.header();
     const int64_t index = requests_++;
-    // Read once and copied out: the runner could change the region under the parse.
-    const uint64_t bytes = h->request_bytes;
-    if (bytes > h->request_capacity) {
+    // Read once and copied out: the runner could change the region under the parse. (The
+    // capacities and offsets are the server's own copies, not the header's.)
+    const uint64_t bytes = v1::shared_decode::ReadPeerWord(h->request_bytes);
+    if (bytes > region_.request_capacity()) {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                           absl::StrCat("Decode request ", index, " of this stream claims ", bytes,
                                        " bytes, over the region's max_request_bytes of ",
-                                       h->request_capacity, "; nothing of it was applied"));
+                                       region_.request_capacity(),
+                                       "; nothing of it was applied"));
     }
     request_bytes_.assign(region_.request(), bytes);
     if (!request_.ParseFromString(request_bytes_)) {
@@ -660,11 +687,11 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     grpc::Status status = service_->Answer(decoder_.Serve(request_, &response_));
     if (!status.ok()) return status;
     const size_t size = response_.ByteSizeLong();
-    if (size > h->reply_capacity) {
+    if (size > region_.reply_capacity()) {
       return grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
           absl::StrCat("the reply to Decode request ", index, " takes ", size,
-                       " bytes, over the region's max_reply_bytes of ", h->reply_capacity,
+                       " bytes, over the region's max_reply_bytes of ", region_.reply_capacity(),
                        "; its step was applied (SequenceResult.position and GetSession's "
                        "layer_tokens tell where each layer is)"));
     }
@@ -678,7 +705,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     v1::shared_decode::RegionHeader* const h = region_.header();
     if (!status.ok()) {
       const std::string& message = status.error_message();
-      reply_bytes = std::min<uint64_t>(message.size(), h->reply_capacity);
+      reply_bytes = std::min<uint64_t>(message.size(), region_.reply_capacity());
       std::copy_n(message.data(), reply_bytes, region_.reply());
     }
     h->status_code = static_cast<int32_t>(status.error_code());
@@ -691,7 +718,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   DecodeStream decoder_;
   v1::shared_decode::MappedRegion region_;
   grpc::ByteBuffer region_message_;
-  bool counted_ = false;     // holds a --max_shared_streams slot
+  std::atomic<bool> counted_{false};  // holds a --max_shared_streams slot
   bool registered_ = false;  // for the drain
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> draining_{false};

@@ -5,6 +5,7 @@
 // as the stream (close, cancellation); the server's limits and a hostile runner's bytes get
 // clear statuses; the drain ends an idle shared stream with UNAVAILABLE.
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "client/kvrecall_client.h"
 #include "gtest/gtest.h"
 #include "proto/shared_decode_region.h"
@@ -278,6 +280,41 @@ TEST_F(SharedDecodeTest, HostileRegionBytesGetClearStatuses) {
   EXPECT_TRUE(dir_.AwaitRegions(0));
 }
 
+TEST_F(SharedDecodeTest, AHeaderRewrittenByTheRunnerDoesNotMoveTheServersAreas) {
+  // The runner overwrites the layout fields (capacities past the file, offsets anywhere):
+  // the server keeps to the layout it made, so the oversized claim is refused by its own
+  // capacity and the reply lands in its own reply area.
+  ReferenceSession ref(g_, kPrompt, 51);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 64);
+  RawRegion raw(stub());
+  ASSERT_TRUE(raw.ok());
+  const uint64_t capacity = raw.region().request_capacity();
+  raw.h()->request_capacity = 0xFFFFFFFFull;
+  raw.h()->reply_capacity = 0xFFFFFFFFull;
+  raw.h()->request_offset = 1ull << 40;
+  raw.h()->reply_offset = 1ull << 40;
+  std::string message;
+  EXPECT_EQ(raw.Send("", 0xFFFFFFFFu, &message),
+            static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_TRUE(absl::StrContains(message, absl::StrCat("max_request_bytes of ", capacity)))
+      << message;
+  EXPECT_TRUE(raw.Finish().code() == absl::StatusCode::kInvalidArgument);
+  // A well-formed step through a region whose header lies gets its reply where the layout was.
+  RawRegion second(stub());
+  ASSERT_TRUE(second.ok());
+  second.h()->reply_offset = 8;  // over the header itself
+  const ReferenceSession::Token t = ref.MakeToken(4);
+  v1::DecodeRequest request;
+  *request.add_steps() = ref.Step(id, t);
+  const std::string bytes = request.SerializeAsString();
+  EXPECT_EQ(second.Send(bytes, static_cast<uint32_t>(bytes.size()), &message), 0);
+  v1::DecodeResponse reply;
+  ASSERT_TRUE(reply.ParseFromArray(second.region().reply(), second.h()->reply_bytes));
+  EXPECT_EQ(reply.results(0).position(), kPrompt);
+  second.Cancel();
+  EXPECT_TRUE(second.Finish().code() == absl::StatusCode::kCancelled);
+}
+
 TEST_F(SharedDecodeTest, CancellingTheCallEndsTheStreamAndRemovesItsRegion) {
   RawRegion raw(stub());
   ASSERT_TRUE(raw.ok());
@@ -326,18 +363,25 @@ TEST(SharedDecodeOptionsTest, StartServerChecksTheDirectory) {
                         "max_shared_streams"));
 }
 
-TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsAnEarlierServerLeft) {
+TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {
   SharedDirectory dir;
-  const std::string stale = dir.path() + "/kvrecall-decode-0123456789abcdef01234567";
+  // A pid above any pid_max is no process; this test's own pid is a live one.
+  const std::string stale = dir.path() + "/kvrecall-decode-999999999-0123456789abcdef01234567";
+  const std::string live =
+      absl::StrCat(dir.path(), "/kvrecall-decode-", getpid(), "-0123456789abcdef01234567");
   const std::string other = dir.path() + "/runner-notes";
-  { std::FILE* f = std::fopen(stale.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
-  { std::FILE* f = std::fopen(other.c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  for (const std::string& path : {stale, live, other}) {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fclose(f);
+  }
   ServerOptions options;
   options.address = "127.0.0.1:0";
   options.shared_memory_dir = dir.path();
   absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_TRUE(std::filesystem::exists(live));
   EXPECT_TRUE(std::filesystem::exists(other));
 }
 
