@@ -46,7 +46,7 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   }
   const uint64_t request_offset = kHeaderBytes;
   const uint64_t reply_offset = request_offset + RoundUpToPage(request_capacity);
-  const uint64_t bytes = reply_offset + RoundUpToPage(reply_capacity);
+  const uint64_t bytes = BytesFor(request_capacity, reply_capacity);
   std::random_device random;
   MappedRegion region;
   int fd = -1;
@@ -87,6 +87,10 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   header->reply_capacity = reply_capacity;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   return region;
+}
+
+uint64_t MappedRegion::BytesFor(uint64_t request_capacity, uint64_t reply_capacity) {
+  return kHeaderBytes + RoundUpToPage(request_capacity) + RoundUpToPage(reply_capacity);
 }
 
 absl::StatusOr<MappedRegion> MappedRegion::Open(const std::string& path, uint64_t bytes) {

@@ -113,6 +113,8 @@ class MappedRegion {
   // FAILED_PRECONDITION when it is not a region of this layout version or its layout does not
   // fit `bytes`; the errno's status when the file cannot be opened or mapped.
   static absl::StatusOr<MappedRegion> Open(const std::string& path, uint64_t bytes);
+  // The file's size for these capacities (the header and each area rounded up to pages).
+  static uint64_t BytesFor(uint64_t request_capacity, uint64_t reply_capacity);
 
   MappedRegion() = default;
   MappedRegion(MappedRegion&& other) noexcept;

@@ -577,11 +577,23 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
                                        "Decode"));
     }
     counted_.store(true);
+    const uint64_t request_capacity =
+        open.max_request_bytes() > 0 ? open.max_request_bytes() : default_capacity;
+    const uint64_t reply_capacity =
+        open.max_reply_bytes() > 0 ? open.max_reply_bytes() : default_capacity;
+    // The region is host memory (a tmpfs file allocated whole): it is charged to the host
+    // budget as a session's KV is, until the stream ends.
+    const int64_t region_bytes = static_cast<int64_t>(
+        v1::shared_decode::MappedRegion::BytesFor(request_capacity, reply_capacity));
+    if (absl::Status s = service_->registry_->budget()->Reserve(
+            region_bytes, "a shared decode region (SharedDecodeRequest's capacities)");
+        !s.ok()) {
+      return service_->Answer(s);
+    }
+    charged_bytes_ = region_bytes;
     absl::StatusOr<v1::shared_decode::MappedRegion> region =
-        v1::shared_decode::MappedRegion::Create(
-            options.shared_memory_dir,
-            open.max_request_bytes() > 0 ? open.max_request_bytes() : default_capacity,
-            open.max_reply_bytes() > 0 ? open.max_reply_bytes() : default_capacity);
+        v1::shared_decode::MappedRegion::Create(options.shared_memory_dir, request_capacity,
+                                                reply_capacity);
     if (!region.ok()) {
       return grpc::Status(region.status().code() == absl::StatusCode::kResourceExhausted
                               ? grpc::StatusCode::RESOURCE_EXHAUSTED
@@ -605,7 +617,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   // Gives back the --max_shared_streams slot, once: before the call's final status goes out, so
   // that a runner that reopens at once (after a failed step) finds it free.
   void ReleaseSlot() {
-    if (counted_.exchange(false)) service_->shared_streams_.fetch_sub(1);
+    if (counted_.exchange(false)) {
+      service_->shared_streams_.fetch_sub(1);
+      if (charged_bytes_ > 0) service_->registry_->budget()->Release(charged_bytes_);
+    }
   }
 
   // Wakes the serving thread (a cancellation or the drain), wherever it waits.
@@ -718,7 +733,8 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   DecodeStream decoder_;
   v1::shared_decode::MappedRegion region_;
   grpc::ByteBuffer region_message_;
-  std::atomic<bool> counted_{false};  // holds a --max_shared_streams slot
+  std::atomic<bool> counted_{false};  // holds a --max_shared_streams slot (and the charge)
+  int64_t charged_bytes_ = 0;          // the region's, on the host budget
   bool registered_ = false;  // for the drain
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> draining_{false};

@@ -342,6 +342,34 @@ TEST_F(SharedDecodeTest, TheDrainEndsAnIdleSharedStreamWithUnavailable) {
                         absl::StatusCode::kUnavailable, "shutting down"));
 }
 
+// A region is host memory: charged to --host_memory_budget_gb while its stream lives.
+class SharedDecodeBudgetTest : public SharedDecodeTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = SharedDecodeTest::Options();  // 1 MiB capacities each way
+    options.host_memory_budget_bytes = 3 << 20;
+    return options;
+  }
+};
+
+TEST_F(SharedDecodeBudgetTest, ARegionIsChargedToTheHostBudgetWhileItsStreamLives) {
+  client::Client c = MakeClient();
+  const int64_t region = static_cast<int64_t>(shared::MappedRegion::BytesFor(1 << 20, 1 << 20));
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> first = c.OpenDecodeStream(g_, Shared());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(server().server().budget().used(), region);
+  EXPECT_TRUE(HasStatus(c.OpenDecodeStream(g_, Shared()).status(),
+                        absl::StatusCode::kResourceExhausted, "shared decode region"));
+  EXPECT_EQ(server().server().budget().used(), region);
+  ASSERT_TRUE((*first)->Close().ok());
+  for (int i = 0; i < 500 && server().server().budget().used() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(server().server().budget().used(), 0);
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> second = c.OpenDecodeStream(g_, Shared());
+  EXPECT_TRUE(second.ok()) << second.status();
+}
+
 class SharedDecodeOffTest : public ::kvrecall::testing::ServerTest {};
 
 TEST_F(SharedDecodeOffTest, WithoutADirectoryDecodeSharedIsRefused) {
