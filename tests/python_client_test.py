@@ -376,6 +376,44 @@ class SharedMemoryTest(ClientTest):
         self.assertEqual(r.position, self.T)
         self.assertEqual(list(good.info().layer_tokens), [self.T + 1, self.T + 1])
 
+    def test_the_cli_flag_and_the_charts_environment_choose_shared_memory(self):
+        import argparse
+        from kvrecall.client import add_connection_arguments, connection_from_args
+        saved = os.environ.pop("KVRECALL_SHARED_MEMORY", None)
+
+        def restore():
+            os.environ.pop("KVRECALL_SHARED_MEMORY", None)
+            if saved is not None:
+                os.environ["KVRECALL_SHARED_MEMORY"] = saved
+        self.addCleanup(restore)
+
+        def parse(*argv):
+            ap = argparse.ArgumentParser()
+            add_connection_arguments(ap)
+            return connection_from_args(ap.parse_args(list(argv)))["shared_memory"]
+
+        self.assertFalse(parse())
+        self.assertTrue(parse("--shared-memory"))
+        os.environ["KVRECALL_SHARED_MEMORY"] = "1"  # what colocatedRunner.sharedMemory sets
+        self.assertTrue(parse())
+        self.assertFalse(parse("--no-shared-memory"))
+        # A client made from the flags steps through a region of its own.
+        before = self.regions()
+        ap = argparse.ArgumentParser()
+        add_connection_arguments(ap)
+        with kvrecall.Client(self.address, wait_ready_s=30,
+                             **connection_from_args(ap.parse_args([]))) as client:
+            g = make_geometry(self.L, self.HQ, self.HKV, self.D)
+            s = client.create_session(g, make_policy("full"), label="python cli flags")
+            layers = self.prompt(31)
+            s.prefill(layers)
+            q, k, v = self.step_inputs(5)
+            r = s.attend(0, q, k, v, return_lse=True)
+            self.check_full_attention(r, layers, 0, q, k, v)
+            self.assertEqual(len(self.regions()), len(before) + 1)
+            s.close()
+        self.wait_for_regions(before)
+
     def test_close_ends_the_stream_and_removes_its_region(self):
         from kvrecall.shared import SharedDecodeStream
         s, _ = self.new_session(seed=41)

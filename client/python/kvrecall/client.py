@@ -13,7 +13,9 @@ the gRPC status code and message.
         out = s.attend(layer, q, k_new, v_new).output         # [q_heads, head_dim]
         outs = c.attend_batch(layer, [(s1, q1, k1, v1), (s2, q2, k2, v2)])
 """
+import argparse
 import dataclasses
+import os
 import queue
 import sys
 import threading
@@ -358,10 +360,16 @@ def add_connection_arguments(parser, server_required=False):
                         help="the name to check the server's certificate against")
     parser.add_argument("--token-file",
                         help="a file whose first line is the bearer token (--auth_token_file servers)")
+    parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("KVRECALL_SHARED_MEMORY") == "1",
+                        help="decode through shared memory (DecodeShared; a runner on kvrecalld's "
+                             "host, its --shared_memory_dir readable); default: on when "
+                             "KVRECALL_SHARED_MEMORY=1, as the chart's co-located runner gets")
 
 
 def connection_from_args(args):
-    """The tls= and token= keyword arguments of Client for add_connection_arguments' flags."""
+    """The tls=, token= and shared_memory= keyword arguments of Client for
+    add_connection_arguments' flags."""
     token = None
     if args.token_file:
         try:
@@ -375,7 +383,7 @@ def connection_from_args(args):
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
         tls = Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
                   server_name=args.tls_server_name)
-    return {"tls": tls, "token": token}
+    return {"tls": tls, "token": token, "shared_memory": bool(args.shared_memory)}
 
 
 class Client:
