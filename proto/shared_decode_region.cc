@@ -44,9 +44,8 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
         "shared decode region capacities must be in [1, 2^32 - 1] bytes, got ", request_capacity,
         " and ", reply_capacity));
   }
-  const uint64_t request_offset = kHeaderBytes;
-  const uint64_t reply_offset = request_offset + RoundUpToPage(request_capacity);
-  const uint64_t bytes = BytesFor(request_capacity, reply_capacity);
+  const RegionLayout layout = RegionLayout::For(request_capacity, reply_capacity);
+  const uint64_t bytes = layout.bytes();
   std::random_device random;
   MappedRegion region;
   int fd = -1;
@@ -74,24 +73,24 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   if (base == MAP_FAILED) return ErrnoStatus(error, absl::StrCat("mapping ", region.path_));
   region.base_ = base;
   region.bytes_ = bytes;
-  region.request_offset_ = request_offset;
-  region.request_capacity_ = request_capacity;
-  region.reply_offset_ = reply_offset;
-  region.reply_capacity_ = reply_capacity;
+  region.layout_ = layout;
   auto* header = new (base) RegionHeader{};
   header->magic = kMagic;
   header->version = kLayoutVersion;
-  header->request_offset = request_offset;
-  header->request_capacity = request_capacity;
-  header->reply_offset = reply_offset;
-  header->reply_capacity = reply_capacity;
+  header->request_offset = layout.request_offset;
+  header->request_capacity = layout.request_capacity;
+  header->reply_offset = layout.reply_offset;
+  header->reply_capacity = layout.reply_capacity;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   return region;
 }
 
-uint64_t MappedRegion::BytesFor(uint64_t request_capacity, uint64_t reply_capacity) {
-  return kHeaderBytes + RoundUpToPage(request_capacity) + RoundUpToPage(reply_capacity);
+RegionLayout RegionLayout::For(uint64_t request_capacity, uint64_t reply_capacity) {
+  const uint64_t reply_offset = kHeaderBytes + RoundUpToPage(request_capacity);
+  return RegionLayout{kHeaderBytes, request_capacity, reply_offset, reply_capacity};
 }
+
+uint64_t RegionLayout::bytes() const { return reply_offset + RoundUpToPage(reply_capacity); }
 
 absl::StatusOr<MappedRegion> MappedRegion::Open(const std::string& path, uint64_t bytes) {
   if (bytes < kHeaderBytes) {
@@ -123,17 +122,15 @@ absl::StatusOr<MappedRegion> MappedRegion::Open(const std::string& path, uint64_
   const auto fits = [bytes](uint64_t offset, uint64_t capacity) {
     return offset >= kHeaderBytes && offset <= bytes && capacity <= bytes - offset;
   };
-  const uint64_t request_offset = h.request_offset, request_capacity = h.request_capacity;
-  const uint64_t reply_offset = h.reply_offset, reply_capacity = h.reply_capacity;
-  if (!fits(request_offset, request_capacity) || !fits(reply_offset, reply_capacity)) {
+  const RegionLayout layout{h.request_offset, h.request_capacity, h.reply_offset,
+                            h.reply_capacity};
+  if (!fits(layout.request_offset, layout.request_capacity) ||
+      !fits(layout.reply_offset, layout.reply_capacity)) {
     return absl::FailedPreconditionError(
         absl::StrCat("the shared decode region ", path, " lays out areas beyond its ", bytes,
                      " bytes"));
   }
-  region.request_offset_ = request_offset;
-  region.request_capacity_ = request_capacity;
-  region.reply_offset_ = reply_offset;
-  region.reply_capacity_ = reply_capacity;
+  region.layout_ = layout;
   return region;
 }
 
@@ -144,10 +141,7 @@ MappedRegion& MappedRegion::operator=(MappedRegion&& other) noexcept {
     Reset();
     base_ = std::exchange(other.base_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
-    request_offset_ = std::exchange(other.request_offset_, 0);
-    request_capacity_ = std::exchange(other.request_capacity_, 0);
-    reply_offset_ = std::exchange(other.reply_offset_, 0);
-    reply_capacity_ = std::exchange(other.reply_capacity_, 0);
+    layout_ = std::exchange(other.layout_, RegionLayout{});
     path_ = std::move(other.path_);
     remove_file_ = std::exchange(other.remove_file_, false);
   }

@@ -98,6 +98,20 @@ static_assert(offsetof(RegionHeader, reply_signal) == 256);
 static_assert(offsetof(RegionHeader, runner_sleeping) == 260);
 static_assert(sizeof(RegionHeader) <= kHeaderBytes);
 
+// Where a region's areas lie: what the header's layout fields hold, and what each side keeps a
+// private copy of once it has made or checked them (the peer can overwrite the header).
+struct RegionLayout {
+  uint64_t request_offset = 0;
+  uint64_t request_capacity = 0;
+  uint64_t reply_offset = 0;
+  uint64_t reply_capacity = 0;
+
+  // The layout Create makes: the header, then each area rounded up to pages.
+  static RegionLayout For(uint64_t request_capacity, uint64_t reply_capacity);
+  // The file's size: the reply area's end, rounded up to a page.
+  uint64_t bytes() const;
+};
+
 // A mapped region file (MAP_SHARED, read-write); unmapped when destroyed. Create also removes
 // the file when destroyed, so that a stream's region does not outlive it.
 class MappedRegion {
@@ -113,8 +127,6 @@ class MappedRegion {
   // FAILED_PRECONDITION when it is not a region of this layout version or its layout does not
   // fit `bytes`; the errno's status when the file cannot be opened or mapped.
   static absl::StatusOr<MappedRegion> Open(const std::string& path, uint64_t bytes);
-  // The file's size for these capacities (the header and each area rounded up to pages).
-  static uint64_t BytesFor(uint64_t request_capacity, uint64_t reply_capacity);
 
   MappedRegion() = default;
   MappedRegion(MappedRegion&& other) noexcept;
@@ -124,10 +136,10 @@ class MappedRegion {
   RegionHeader* header() const { return static_cast<RegionHeader*>(base_); }
   // The areas as laid out when the region was created or checked at Open: private copies,
   // never read back from the header, which the peer can overwrite.
-  char* request() const { return static_cast<char*>(base_) + request_offset_; }
-  char* reply() const { return static_cast<char*>(base_) + reply_offset_; }
-  uint64_t request_capacity() const { return request_capacity_; }
-  uint64_t reply_capacity() const { return reply_capacity_; }
+  char* request() const { return static_cast<char*>(base_) + layout_.request_offset; }
+  char* reply() const { return static_cast<char*>(base_) + layout_.reply_offset; }
+  uint64_t request_capacity() const { return layout_.request_capacity; }
+  uint64_t reply_capacity() const { return layout_.reply_capacity; }
   const std::string& path() const { return path_; }
   uint64_t bytes() const { return bytes_; }
   // Removes Create's file now (the mapping stays valid); the destructor then leaves it.
@@ -138,10 +150,7 @@ class MappedRegion {
 
   void* base_ = nullptr;
   uint64_t bytes_ = 0;
-  uint64_t request_offset_ = 0;
-  uint64_t request_capacity_ = 0;
-  uint64_t reply_offset_ = 0;
-  uint64_t reply_capacity_ = 0;
+  RegionLayout layout_;
   std::string path_;
   bool remove_file_ = false;  // Create's: the file goes with the mapping
 };

@@ -584,7 +584,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     // The region is host memory (a tmpfs file allocated whole): it is charged to the host
     // budget as a session's KV is, until the stream ends.
     const int64_t region_bytes = static_cast<int64_t>(
-        v1::shared_decode::MappedRegion::BytesFor(request_capacity, reply_capacity));
+        v1::shared_decode::RegionLayout::For(request_capacity, reply_capacity).bytes());
     if (absl::Status s = service_->registry_->budget()->Reserve(
             region_bytes, "a shared decode region (SharedDecodeRequest's capacities)");
         !s.ok()) {

@@ -354,7 +354,7 @@ class SharedDecodeBudgetTest : public SharedDecodeTest {
 
 TEST_F(SharedDecodeBudgetTest, ARegionIsChargedToTheHostBudgetWhileItsStreamLives) {
   client::Client c = MakeClient();
-  const int64_t region = static_cast<int64_t>(shared::MappedRegion::BytesFor(1 << 20, 1 << 20));
+  const int64_t region = static_cast<int64_t>(shared::RegionLayout::For(1 << 20, 1 << 20).bytes());
   absl::StatusOr<std::unique_ptr<client::DecodeStream>> first = c.OpenDecodeStream(g_, Shared());
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(server().server().budget().used(), region);
