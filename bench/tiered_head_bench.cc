@@ -5,10 +5,10 @@
 //
 // Each step runs two passes over the 32 query heads, alternating which goes first so that each
 // is measured cold (its rows not yet touched this step) on half the steps:
-//  * "step": what TieredLayer::AttendBulkHead does, heads in an OpenMP team of --threads
-//    (schedule(dynamic, 1) as TieredBackend::StepRun): ReTopKSelector::Select then
-//    cpu::PartialAttentionScored; per head and for the whole team, plus an empty parallel
-//    region of the same team (the fork/join alone). This pass advances the selector's state.
+//  * "step": what TieredLayer::AttendBulkHead does, heads on --threads threads of the compute
+//    pool (cpu::ParallelFor, as TieredBackend::StepRun): ReTopKSelector::Select then
+//    cpu::PartialAttentionScored; per head and for the whole team, plus an empty loop of one
+//    item per thread (the pool's hand-out and join alone). This pass advances the selector's state.
 //  * "phases": on one thread, every head through both paths' parts with the public pieces of
 //    the selector, timed apart: the match (normalize, cosines with the cache, the R nearest
 //    entries), the union of their supports (UnionReuseCandidates), candidate scoring
@@ -38,6 +38,7 @@
 #include "index/retopk.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/mapped_memory.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/dtype.h"
 #include "bench/percentiles.h"
 #include "nlohmann/json.hpp"
@@ -52,7 +53,7 @@ ABSL_FLAG(int, k, 512, "top K");
 ABSL_FLAG(int, sinks, 128, "static set: sinks");
 ABSL_FLAG(int, recent, 512, "static set: recent ring");
 ABSL_FLAG(double, tau, 0.85, "ReTopK tau (fixed)");
-ABSL_FLAG(int, threads, 0, "the step pass's OpenMP team (0: omp_get_max_threads())");
+ABSL_FLAG(int, threads, 0, "the step pass's threads of the compute pool (0: omp_get_max_threads())");
 ABSL_FLAG(uint64_t, seed, 100, "synthetic trace seed");
 ABSL_FLAG(int, search_width, 1, "the graph search's candidates expanded per round (policy.index)");
 
@@ -174,8 +175,8 @@ absl::Status Run() {
 
   auto step_pass = [&](const KvView& bulk, const float* q, bool record) {
     const auto team_start = Clock::now();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int h = 0; h < q_heads; ++h) {
+    cpu::ParallelFor(q_heads, threads, [&](int64_t head) {
+      const int h = static_cast<int>(head);
       const auto start = Clock::now();
       HeadSelection& sel = selections[h];
       selector.Select(h, q + int64_t{h} * d, bulk, &sel);
@@ -188,13 +189,10 @@ absl::Status Run() {
                               o.data() + int64_t{h} * d, &lse[h]);
       }
       head_us[h] = MicrosSince(start);
-    }
+    });
     const double team = MicrosSince(team_start);
     const auto fork_start = Clock::now();
-#pragma omp parallel num_threads(threads)
-    {
-      asm volatile("" ::: "memory");
-    }
+    cpu::ParallelFor(threads, threads, [](int64_t) { asm volatile("" ::: "memory"); });
     const double fork_join = MicrosSince(fork_start);
     if (!record) return;
     samples.step_team_us.push_back(team);

@@ -14,6 +14,7 @@
 #include "index/basic_selectors.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/mapped_memory.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace kvrecall {
 namespace {
@@ -273,15 +274,15 @@ void IndexSelector::OnAppend(const KvView& kv) {
   // Graphs in parallel when any links: a decode step's Add links a few keys per graph
   // (GraphIndex's link_batch), too little work to spread over threads inside one index; an Add
   // that only appends is cheaper than entering a parallel region.
-#pragma omp parallel for schedule(dynamic, 1) if (links && graphs > 1)
-  for (int g = 0; g < graphs; ++g) {
+  cpu::ParallelFor(graphs, links ? graphs : 1, [&](int64_t g) {
     Graph& graph = graphs_[g];
-    if (sinks_ + graph.index.size() >= bulk_end) continue;
-    const int kv_head = KvHeadOf(g * heads_per_graph_, shape_.q_heads, shape_.kv_heads);
+    if (sinks_ + graph.index.size() >= bulk_end) return;
+    const int kv_head =
+        KvHeadOf(static_cast<int>(g) * heads_per_graph_, shape_.q_heads, shape_.kv_heads);
     // Add fails only for a key set smaller than the index's; Select then attends the
     // unindexed bulk tokens directly, so the output stays exact for them.
     (void)graph.index.Add(BulkKeys(kv, kv_head, bulk_end), RecentQueries(graph));
-  }
+  });
 }
 
 void IndexSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <signal.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "absl/flags/usage.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/cpu/thread_pool.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50051",
@@ -37,6 +39,10 @@ ABSL_FLAG(int, max_shared_streams, 16,
 ABSL_FLAG(int, shared_memory_spin_us, 100,
           "microseconds a DecodeShared stream's thread polls for the next step before it "
           "sleeps (0 to 1000000)");
+ABSL_FLAG(int, compute_spin_us, 100,
+          "microseconds an idle thread of the decode compute pool (kernels/cpu/thread_pool.h) "
+          "polls for the next step's work before it sleeps; a runner's next layer-step usually "
+          "comes within a round trip (0 to 1000000)");
 ABSL_FLAG(double, host_memory_budget_gb, 0,
           "host memory (GiB) that sessions may hold: KV, staged prompts and selector state; "
           "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
@@ -123,6 +129,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvrecalld: --max_message_mb must be in [1, 2047]\n");
     return 2;
   }
+  const int compute_spin_us = absl::GetFlag(FLAGS_compute_spin_us);
+  if (compute_spin_us < 0 || compute_spin_us > 1000000) {
+    std::fprintf(stderr, "kvrecalld: --compute_spin_us must be in [0, 1000000]\n");
+    return 2;
+  }
+  // Before any server thread runs a step (the pool is made on first use).
+  kvrecall::cpu::ThreadPool::Configure(
+      {.workers = -1, .spin = std::chrono::microseconds(compute_spin_us)});
   kvrecall::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
   options.worker_threads = absl::GetFlag(FLAGS_worker_threads);

@@ -169,6 +169,10 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
       absl::StrCat(KvrecalldProcess::BinaryPath(), " --malloc_mmap_threshold_kb=-1"), &code);
   EXPECT_EQ(code, 2);
   EXPECT_THAT(output2, HasSubstr("--malloc_mmap_threshold_kb must be in [0, 32768]"));
+  const std::string output3 = RunCommand(
+      absl::StrCat(KvrecalldProcess::BinaryPath(), " --compute_spin_us=-1"), &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(output3, HasSubstr("--compute_spin_us must be in [0, 1000000]"));
 }
 
 // The resident memory of a process, from /proc (0 when unreadable).

@@ -12,6 +12,7 @@
 
 #include "kernels/attention_state.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace kvrecall::cpu {
 namespace {
@@ -749,24 +750,17 @@ void MultiHeadAttention(const float* q, int q_heads, const KvView& kv,
                        o + static_cast<int64_t>(h) * d, lse + h);
     }
   };
-  if (threads > 1) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int u = 0; u < units; ++u) attend(u);
-  } else {
-    // Not even an inactive OpenMP region: entering one costs microseconds.
-    for (int u = 0; u < units; ++u) attend(u);
-  }
+  ParallelFor(units, threads, [&](int64_t u) { attend(static_cast<int>(u)); });
 }
 
 void MultiHeadFullAttention(const float* q, int q_heads, const KvView& kv, float scale, float* o,
                             float* lse) {
   const int d = kv.head_dim;
   const int threads = ThreadsFor(2 * int64_t{q_heads} * kv.tokens * d, q_heads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int h = 0; h < q_heads; ++h) {
-    PartialAttentionRange(q + h * d, kv, KvHeadOf(h, q_heads, kv.kv_heads), 0, kv.tokens, scale,
-                          o + h * d, lse + h);
-  }
+  ParallelFor(q_heads, threads, [&](int64_t h) {
+    PartialAttentionRange(q + h * d, kv, KvHeadOf(static_cast<int>(h), q_heads, kv.kv_heads), 0,
+                          kv.tokens, scale, o + h * d, lse + h);
+  });
 }
 
 }  // namespace kvrecall::cpu

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/thread_pool.h"
 #include "server/backends/deferred_append.h"
 #include "server/kv_store.h"
 
@@ -98,13 +99,7 @@ double CpuLayer::Step(const LayerStep& step) {
     selector->Select(h, q + static_cast<int64_t>(h) * d, kv, &selection);
     std::swap(selection.support, supports_[h]);
   };
-  if (threads > 1) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int h = 0; h < heads; ++h) select(h);
-  } else {
-    // Not even an inactive OpenMP region: entering one costs more than a cheap selection.
-    for (int h = 0; h < heads; ++h) select(h);
-  }
+  cpu::ParallelFor(heads, threads, [&](int64_t h) { select(static_cast<int>(h)); });
   cpu::MultiHeadAttention(q, heads, kv, supports_, shape_.scale, step.o, step.lse);
 
   last_scored_tokens_ = 0;
@@ -155,11 +150,10 @@ void HostShadow(const LayerShape& shape, const KvView& kv, const ShadowStep& ste
   const int d = shape.head_dim;
   cpu::MultiHeadFullAttention(step.q, heads, kv, shape.scale, step.o, step.lse);
   const int threads = cpu::ThreadsFor(static_cast<int64_t>(heads) * kv.tokens * d, heads);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int h = 0; h < heads; ++h) {
-    cpu::ExactTopK(step.q + static_cast<int64_t>(h) * d, kv, KvHeadOf(h, heads, shape.kv_heads),
+  cpu::ParallelFor(heads, threads, [&](int64_t h) {
+    cpu::ExactTopK(step.q + h * d, kv, KvHeadOf(static_cast<int>(h), heads, shape.kv_heads),
                    shape.scale, step.top_k, &step.exact_topk[h]);
-  }
+  });
 }
 
 absl::Status CpuBackend::CheckConfig(const LayerConfig& config) const {

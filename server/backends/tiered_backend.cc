@@ -16,6 +16,7 @@
 #include "kernels/attention_state.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/thread_pool.h"
 #include "proto/tensor_codec.h"
 #include "server/backends/cpu_backend.h"
 #include "server/backends/deferred_append.h"
@@ -136,6 +137,8 @@ class TieredLayer final : public LayerBackend {
   int64_t BeginBulk(const KvView& all, double* waited);
   void AttendBulkHead(const LayerStep& step, const KvView& all, int h, float* o, float* lse);
   void EndBulk(const LayerStep& step, const KvView& all);
+  // Microseconds query head h's bulk took in the layer's last step (0 before the first).
+  float last_bulk_micros(int h) const { return bulk_micros_[h]; }
 
  private:
   void ChargeSelectorBytes() {
@@ -259,6 +262,7 @@ class TieredStepContext final : public StepContext {
   std::vector<float> bulk_o, bulk_lse;
   std::vector<StaticSetStep> static_steps;
   std::vector<KvView> histories;
+  std::vector<int64_t> order;  // the (sequence, head) items, longest expected first
 };
 
 int64_t TieredBackend::HostKvBytesFor(const LayerConfig& config, int64_t tokens) const {
@@ -413,23 +417,30 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     link_wait += waited;
   }
   // Every (sequence, head) pair of the batch one at a time: a head on an exact path (a graph
-  // search) costs many reuse heads, which heads those are changes every step, and a sequence's
-  // step would otherwise wait for its slowest head before the next sequence starts.
+  // search) costs many reuse heads, and a sequence's step would otherwise wait for its slowest
+  // head before the next sequence starts.
   const int64_t items = static_cast<int64_t>(n) * heads;
   const int threads = cpu::ThreadsFor(work, items);
-  auto attend = [&](int64_t item) {
-    const size_t i = static_cast<size_t>(item / heads);
-    const int h = static_cast<int>(item % heads);
-    static_cast<TieredLayer*>(batch[i].layer)
-        ->AttendBulkHead(batch[i], ctx.histories[i], h, ctx.bulk_o.data() + i * heads * d,
-                         ctx.bulk_lse.data() + i * heads);
+  auto layer_of = [&](int64_t item) {
+    return static_cast<TieredLayer*>(batch[static_cast<size_t>(item / heads)].layer);
   };
-  if (threads > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t item = 0; item < items; ++item) attend(item);
-  } else {
-    for (int64_t item = 0; item < items; ++item) attend(item);
-  }
+  // The items that took longest in their layer's last step start first (longest processing
+  // time first, the last step's time as the estimate): a long item started last holds the loop
+  // up while the other threads idle. The order changes no result: each item writes its own
+  // outputs.
+  ctx.order.resize(items);
+  for (int64_t item = 0; item < items; ++item) ctx.order[item] = item;
+  std::stable_sort(ctx.order.begin(), ctx.order.end(), [&](int64_t a, int64_t b) {
+    return layer_of(a)->last_bulk_micros(static_cast<int>(a % heads)) >
+           layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
+  });
+  cpu::ParallelFor(items, threads, [&](int64_t k) {
+    const int64_t item = ctx.order[k];
+    const size_t i = static_cast<size_t>(item / heads);
+    layer_of(item)->AttendBulkHead(batch[i], ctx.histories[i], static_cast<int>(item % heads),
+                                   ctx.bulk_o.data() + i * heads * d,
+                                   ctx.bulk_lse.data() + i * heads);
+  });
   for (size_t i = 0; i < n; ++i) {
     static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
   }
