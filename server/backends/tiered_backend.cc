@@ -430,9 +430,11 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   // outputs.
   ctx.order.resize(items);
   for (int64_t item = 0; item < items; ++item) ctx.order[item] = item;
-  std::stable_sort(ctx.order.begin(), ctx.order.end(), [&](int64_t a, int64_t b) {
-    return layer_of(a)->last_bulk_micros(static_cast<int>(a % heads)) >
-           layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
+  // (std::sort with the item as the tie-break: std::stable_sort would allocate every step.)
+  std::sort(ctx.order.begin(), ctx.order.end(), [&](int64_t a, int64_t b) {
+    const float cost_a = layer_of(a)->last_bulk_micros(static_cast<int>(a % heads));
+    const float cost_b = layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
+    return cost_a > cost_b || (cost_a == cost_b && a < b);
   });
   cpu::ParallelFor(items, threads, [&](int64_t k) {
     const int64_t item = ctx.order[k];
