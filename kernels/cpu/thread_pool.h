@@ -6,9 +6,9 @@
 // the step and build queues, the deferred linking, shared-memory streams), so the process holds
 // many pools; once their threads outnumber the cores libgomp stops spinning between regions, and
 // every region pays futex wake-ups of its whole team. On the H200 host a 32-head, 64-token step
-// took 74 us over gRPC that way against 21 us on the shared-memory stream's one warm thread
-// (bench/results/rpc_floor.md, run 6); a rotating opener made a 2-thread region 4-20x slower
-// on the development machine. Here one fixed set of workers serves every caller: a worker that
+// took 56-74 us of server compute over gRPC that way, 42-44 us on this pool (bench/results/
+// rpc_floor.md, runs 6 and 7); on the development machine idle pools beside one opener made its
+// 2-thread regions 5-20x slower. Here one fixed set of workers serves every caller: a worker that
 // finished a loop polls for the next one for `spin` before it sleeps, and a caller always works
 // on its own loop, so it never waits for a worker to wake up before progress is made.
 // (Prompt-time builds keep OpenMP: they run for seconds, where a wake-up does not matter.)
