@@ -53,18 +53,19 @@ constexpr char kBobToken[] = "bob-token-0123456789ab";
 class Pki {
  public:
   static const Pki& Get() {
-    static const Pki* pki = new Pki();
-    return *pki;
+    // Destroyed at exit, which removes its directory.
+    static const Pki pki;
+    return pki;
   }
-  std::string Path(absl::string_view name) const { return absl::StrCat(dir_, "/", name); }
+  std::string Path(absl::string_view name) const { return dir_.Path({name.data(), name.size()}); }
   const std::string& error() const { return error_; }
 
  private:
   Pki() {
-    char pattern[] = "/tmp/kvrecall-pki-XXXXXX";
-    dir_ = mkdtemp(pattern);
-    static std::string* removed_at_exit = new std::string(dir_);
-    std::atexit([] { RunCommand("rm -rf " + *removed_at_exit); });
+    if (dir_.path().empty()) {
+      error_ = "could not make a temporary directory";
+      return;
+    }
     WriteFile(Path("server.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kvrecall.test\n");
     WriteFile(Path("client.ext"), "extendedKeyUsage=clientAuth\n");
     const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
@@ -86,7 +87,7 @@ class Pki {
         " -days 2 -extfile client.ext -out stranger.pem",
     };
     for (const std::string& step : steps) {
-      CommandResult r = RunCommand(absl::StrCat("cd ", dir_, " && ", step));
+      CommandResult r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", step));
       if (r.exit_code != 0) {
         error_ = absl::StrCat(step, " failed: ", r.output);
         return;
@@ -98,7 +99,7 @@ class Pki {
     WriteFile(Path("not-pem"), "just text\n");
   }
 
-  std::string dir_;
+  testing::TempDirectory dir_{"pki"};
   std::string error_;
 };
 

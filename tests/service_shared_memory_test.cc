@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "proto/shared_decode_region.h"
 #include "tests/server_fixture.h"
+#include "tests/test_util.h"
 
 namespace kvrecall {
 namespace {
@@ -34,17 +35,12 @@ using ::kvrecall::testing::ReferenceSession;
 // A directory of its own for each test's regions.
 class SharedDirectory {
  public:
-  SharedDirectory() {
-    char dir[] = "/tmp/kvrecall-shm-XXXXXX";
-    EXPECT_NE(mkdtemp(dir), nullptr);
-    path_ = dir;
-  }
-  ~SharedDirectory() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
+  SharedDirectory() : dir_("shm") { EXPECT_NE(dir_.path(), ""); }
+  const std::string& path() const { return dir_.path(); }
   // The region files in it.
   int Regions() const {
     int n = 0;
-    for (const auto& entry : std::filesystem::directory_iterator(path_)) {
+    for (const auto& entry : std::filesystem::directory_iterator(path())) {
       n += absl::StartsWith(entry.path().filename().string(), "kvrecall-decode-");
     }
     return n;
@@ -58,7 +54,7 @@ class SharedDirectory {
   }
 
  private:
-  std::string path_;
+  testing::TempDirectory dir_;
 };
 
 class SharedDecodeTest : public ::kvrecall::testing::PrefilledSessionTest {

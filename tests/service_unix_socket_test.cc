@@ -42,15 +42,10 @@ using ::testing::StartsWith;
 // A fresh directory for socket files (sun_path holds ~107 bytes, so it stays short).
 class UnixSocketTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char dir[] = "/tmp/kvrecall-unix-XXXXXX";
-    ASSERT_NE(mkdtemp(dir), nullptr);
-    dir_ = dir;
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string SocketPath(const std::string& name) const { return dir_ + "/" + name; }
+  void SetUp() override { ASSERT_NE(dir_.path(), ""); }
+  std::string SocketPath(const std::string& name) const { return dir_.Path(name); }
 
-  std::string dir_;
+  testing::TempDirectory dir_{"unix"};
 };
 
 absl::StatusOr<std::unique_ptr<RunningServer>> StartOn(const std::string& address) {
@@ -180,7 +175,7 @@ TEST_F(UnixSocketTest, FailsOnAPathThatIsNotASocket) {
                         "could not listen on unix:" + path + " (address in use or invalid?)"));
   EXPECT_TRUE(std::filesystem::is_regular_file(path));  // left as it was
   // And a directory that does not exist.
-  server = StartOn("unix:" + dir_ + "/missing/kv.sock");
+  server = StartOn("unix:" + SocketPath("missing/kv.sock"));
   EXPECT_TRUE(HasStatus(server.status(), absl::StatusCode::kUnavailable, "could not listen on"));
 }
 

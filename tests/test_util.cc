@@ -1,7 +1,10 @@
 #include "tests/test_util.h"
 
+#include <stdlib.h>
+
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -112,6 +115,20 @@ std::vector<int32_t> ReferenceTopK(const float* q, const KvView& kv, int kv_head
   std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return s[a] > s[b]; });
   ids.resize(std::min<int64_t>(k, kv.tokens));
   return ids;
+}
+
+TempDirectory::TempDirectory(std::string_view tag) {
+  std::string pattern = "/tmp/kvrecall-" + std::string(tag) + "-XXXXXX";
+  if (mkdtemp(pattern.data()) != nullptr) path_ = pattern;
+}
+
+TempDirectory::~TempDirectory() {
+  std::error_code ignored;
+  if (!path_.empty()) std::filesystem::remove_all(path_, ignored);
+}
+
+std::string TempDirectory::Path(std::string_view name) const {
+  return path_ + "/" + std::string(name);
 }
 
 }  // namespace kvrecall::testing

@@ -1,9 +1,12 @@
-// Shared test fixtures: random KV data and brute-force double-precision references.
+// Shared test fixtures: random KV data, brute-force double-precision references and temporary
+// directories.
 #ifndef KVRECALL_TESTS_TEST_UTIL_H_
 #define KVRECALL_TESTS_TEST_UTIL_H_
 
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/kv_view.h"
@@ -52,6 +55,23 @@ std::vector<int32_t> AllTokens(int64_t tokens);
 // The k highest-scoring tokens by brute force in double precision, ties by lower id.
 std::vector<int32_t> ReferenceTopK(const float* q, const KvView& kv, int kv_head, double scale,
                                    int k);
+
+// A fresh directory under /tmp (/tmp/kvrecall-TAG-XXXXXX), removed with everything in it when
+// this is destroyed. path() is empty when it could not be made (a test asserts on it).
+class TempDirectory {
+ public:
+  explicit TempDirectory(std::string_view tag);
+  ~TempDirectory();
+  TempDirectory(const TempDirectory&) = delete;
+  TempDirectory& operator=(const TempDirectory&) = delete;
+
+  const std::string& path() const { return path_; }
+  // path()/name.
+  std::string Path(std::string_view name) const;
+
+ private:
+  std::string path_;
+};
 
 }  // namespace kvrecall::testing
 
