@@ -150,7 +150,8 @@ void ThreadPool::Run(int64_t items, int threads, void (*body)(void*, int64_t), v
   polling_workers_.store(loop.max_helpers, std::memory_order_relaxed);
   generation_.fetch_add(1);
   if (sleepers_.load() > 0) FutexWake(&generation_, loop.max_helpers);
-  // Likewise for the caller's items (restored after).
+  // An OpenMP region inside the caller's items runs on one thread too, as on the workers
+  // (this thread's team size restored after).
   const int caller_threads = omp_get_max_threads();
   omp_set_num_threads(1);
   loop.RunItems();
