@@ -8,7 +8,8 @@
 //  * "step": what TieredLayer::AttendBulkHead does, heads on --threads threads of the compute
 //    pool (cpu::ParallelFor, as TieredBackend::StepRun): ReTopKSelector::Select then
 //    cpu::PartialAttentionScored; per head and for the whole team, plus an empty loop of one
-//    item per thread (the pool's hand-out and join alone). This pass advances the selector's state.
+//    item per thread (the pool's hand-out and join alone). This pass advances the selector's
+//    state.
 //  * "phases": on one thread, every head through both paths' parts with the public pieces of
 //    the selector, timed apart: the match (normalize, cosines with the cache, the R nearest
 //    entries), the union of their supports (UnionReuseCandidates), candidate scoring
@@ -53,7 +54,8 @@ ABSL_FLAG(int, k, 512, "top K");
 ABSL_FLAG(int, sinks, 128, "static set: sinks");
 ABSL_FLAG(int, recent, 512, "static set: recent ring");
 ABSL_FLAG(double, tau, 0.85, "ReTopK tau (fixed)");
-ABSL_FLAG(int, threads, 0, "the step pass's threads of the compute pool (0: omp_get_max_threads())");
+ABSL_FLAG(int, threads, 0,
+          "the step pass's threads of the compute pool (0: omp_get_max_threads())");
 ABSL_FLAG(uint64_t, seed, 100, "synthetic trace seed");
 ABSL_FLAG(int, search_width, 1, "the graph search's candidates expanded per round (policy.index)");
 

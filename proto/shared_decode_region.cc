@@ -1,14 +1,12 @@
 #include "proto/shared_decode_region.h"
 
 #include <fcntl.h>
-#include <sched.h>
-#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <cstring>
 #include <ctime>
@@ -20,14 +18,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 namespace kvrecall::v1::shared_decode {
 namespace {
 
 uint64_t RoundUpToPage(uint64_t n) { return (n + 4095) & ~uint64_t{4095}; }
+
+constexpr char kRegionFilePrefix[] = "kvrecall-decode-";
 
 absl::Status ErrnoStatus(int error, absl::string_view what) {
   return absl::ErrnoToStatus(error, what);
@@ -50,8 +46,8 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   MappedRegion region;
   int fd = -1;
   for (int attempt = 0; attempt < 8 && fd < 0; ++attempt) {
-    region.path_ = absl::StrFormat("%s/kvrecall-decode-%d-%08x%08x%08x", directory, getpid(),
-                                   random(), random(), random());
+    region.path_ = absl::StrFormat("%s/%s%d-%08x%08x%08x", directory, kRegionFilePrefix,
+                                   getpid(), random(), random(), random());
     fd = open(region.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0 && errno != EEXIST) {
       return ErrnoStatus(errno, absl::StrCat("creating the shared decode region in ", directory));
@@ -163,28 +159,29 @@ void MappedRegion::Reset() {
   remove_file_ = false;
 }
 
+std::optional<int> RegionFileServerPid(std::string_view name) {
+  const std::string_view prefix = kRegionFilePrefix;
+  if (!name.starts_with(prefix)) return std::nullopt;
+  name.remove_prefix(prefix.size());
+  const size_t dash = name.find('-');
+  if (dash == std::string_view::npos || name.find('-', dash + 1) != std::string_view::npos) {
+    return 0;
+  }
+  int pid = 0;
+  const auto [end, error] = std::from_chars(name.data(), name.data() + dash, pid);
+  return error == std::errc() && end == name.data() + dash && pid > 0 ? pid : 0;
+}
+
 // Both sides map the region from different processes: the futex is a shared one (no
 // FUTEX_PRIVATE_FLAG).
 void Signal(std::atomic<uint32_t>* signal, const std::atomic<uint32_t>* sleeping) {
   signal->fetch_add(1);
-  if (sleeping->load() != 0) {
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(signal), FUTEX_WAKE, INT_MAX, nullptr,
-            nullptr, 0);
-  }
+  if (sleeping->load() != 0) cpu::FutexWake(signal, INT_MAX, cpu::FutexScope::kShared);
 }
 
 void FutexWait(std::atomic<uint32_t>* signal, uint32_t seen, absl::Duration timeout) {
   const timespec relative = absl::ToTimespec(timeout);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(signal), FUTEX_WAIT, seen, &relative, nullptr,
-          0);
-}
-
-void YieldCore() { sched_yield(); }
-
-void CpuRelax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#endif
+  cpu::FutexWait(signal, seen, cpu::FutexScope::kShared, &relative);
 }
 
 }  // namespace kvrecall::v1::shared_decode

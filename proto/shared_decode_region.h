@@ -46,12 +46,15 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/cpu/spin_wait.h"
 
 namespace kvrecall::v1::shared_decode {
 
@@ -155,6 +158,11 @@ class MappedRegion {
   bool remove_file_ = false;  // Create's: the file goes with the mapping
 };
 
+// The pid in a region file's name (Create's kvrecall-decode-<pid>-<random>): the server that
+// made it; 0 for a region file's name without one (an older server's); nullopt when `name` is
+// not a region file's.
+std::optional<int> RegionFileServerPid(std::string_view name);
+
 // A runner-written word of the header, read once (a relaxed atomic load: the runner may write
 // it while the server reads, and the value checked must be the value used).
 inline uint32_t ReadPeerWord(uint32_t& word) {
@@ -167,29 +175,14 @@ void Signal(std::atomic<uint32_t>* signal, const std::atomic<uint32_t>* sleeping
 // Sleeps on `signal` while it holds `seen`, for at most `timeout` (futex(2), shared).
 void FutexWait(std::atomic<uint32_t>* signal, uint32_t seen, absl::Duration timeout);
 
-// A spinning thread's pause (x86's PAUSE): lets the sibling hyperthread run.
-void CpuRelax();
-// sched_yield(2): lets a runnable thread of this core (the peer, on a busy machine) run.
-void YieldCore();
-
-// Waits until `ready()`, first polling for up to `spin`, then sleeping on `signal` (flagging
-// `sleeping`) in slices of at most `slice`, after each of which `give_up()` is asked. Returns
-// true once ready() holds, false when give_up() did first. ready() and give_up() must read the
-// region with sequentially consistent loads (std::atomic's default).
+// Waits until `ready()`, first polling for up to `spin` (cpu::PollUntil), then sleeping on
+// `signal` (flagging `sleeping`) in slices of at most `slice`, after each of which `give_up()`
+// is asked. Returns true once ready() holds, false when give_up() did first. ready() and
+// give_up() must read the region with sequentially consistent loads (std::atomic's default).
 template <typename Ready, typename GiveUp>
 bool WaitUntil(std::atomic<uint32_t>* signal, std::atomic<uint32_t>* sleeping, absl::Duration spin,
                absl::Duration slice, const Ready& ready, const GiveUp& give_up) {
-  if (ready()) return true;
-  const absl::Time spin_end = absl::Now() + spin;
-  for (int i = 1;; ++i) {
-    CpuRelax();
-    if (ready()) return true;
-    // The clock is read every 64 polls: a poll costs a few ns, the clock tens. Past the first
-    // 1024 polls (a few µs) each poll yields the core: on a machine with no core to spare the
-    // peer may be waiting for this one, and spinning would only delay the reply.
-    if (i % 64 == 0 && absl::Now() >= spin_end) break;
-    if (i > 1024) YieldCore();
-  }
+  if (cpu::PollUntil(absl::ToChronoNanoseconds(spin), ready)) return true;
   while (true) {
     const uint32_t seen = signal->load();
     sleeping->store(1);

@@ -9,9 +9,9 @@
 #include <climits>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grpc/grpc.h"
@@ -19,6 +19,7 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "proto/shared_decode_region.h"
 #include "server/metrics_gauges.h"
 #include "server/rpc_metrics_interceptor.h"
 #include "server/tsan_handoff.h"
@@ -163,12 +164,10 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
         error ? absl::StrCat(" (", error.message(), ")") : ""));
   }
   for (const auto& entry : std::filesystem::directory_iterator(options.shared_memory_dir, error)) {
-    const std::string name = entry.path().filename().string();
-    if (!absl::StartsWith(name, "kvrecall-decode-")) continue;
-    const std::vector<std::string> parts = absl::StrSplit(name, '-');
-    int pid = 0;
-    const bool live = parts.size() == 4 && absl::SimpleAtoi(parts[2], &pid) && pid > 0 &&
-                      (kill(pid, 0) == 0 || errno != ESRCH);
+    const std::optional<int> pid =
+        v1::shared_decode::RegionFileServerPid(entry.path().filename().string());
+    if (!pid.has_value()) continue;
+    const bool live = *pid > 0 && (kill(*pid, 0) == 0 || errno != ESRCH);
     if (!live) std::filesystem::remove(entry.path(), error);
   }
   return absl::OkStatus();

@@ -1,65 +1,24 @@
 #include "kernels/cpu/thread_pool.h"
 
-#include <linux/futex.h>
 #include <omp.h>
 #include <pthread.h>
-#include <sched.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "kernels/cpu/spin_wait.h"
 
 namespace kvrecall::cpu {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
-
-void FutexWait(std::atomic<uint32_t>* word, uint32_t expected) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr,
-          nullptr, 0);
-}
-
-void FutexWake(std::atomic<uint32_t>* word, int count) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, count, nullptr,
-          nullptr, 0);
-}
-
-// Polls `done` until it holds or `spin` has passed: the first microseconds on the core (a
-// pause between polls), then yielding it between polls, so that a thread with work (a gRPC
-// thread, a step) is not kept off a core by a poller. Returns done()'s last value.
-template <typename Done>
-bool PollFor(std::chrono::microseconds spin, Done done) {
-  constexpr auto kOnCore = std::chrono::microseconds(5);
-  const Clock::time_point start = Clock::now();
-  for (int polls = 0;; ++polls) {
-    if (done()) return true;
-    if ((polls & 63) != 63) {
-      CpuRelax();
-      continue;
-    }
-    const Clock::duration waited = Clock::now() - start;
-    if (waited >= spin) return false;
-    if (waited >= kOnCore) sched_yield();
-  }
-}
 
 std::mutex& ProcessPoolMutex() {
   static std::mutex mu;
   return mu;
 }
 ThreadPoolOptions process_options;  // under ProcessPoolMutex()
-ThreadPool* process_pool = nullptr;  // likewise; made once, never destroyed
+// Made once under ProcessPoolMutex(), never destroyed; read without the lock once made (every
+// parallel loop of a step asks for it).
+std::atomic<ThreadPool*> process_pool{nullptr};
 
 }  // namespace
 
@@ -110,19 +69,24 @@ ThreadPool::~ThreadPool() {
     stopping_ = true;
   }
   generation_.fetch_add(1);
-  FutexWake(&generation_, INT_MAX);
+  FutexWake(&generation_, INT_MAX, FutexScope::kProcess);
   for (std::thread& worker : workers_) worker.join();
 }
 
 ThreadPool& ThreadPool::Process() {
+  if (ThreadPool* pool = process_pool.load(std::memory_order_acquire); pool != nullptr) {
+    return *pool;
+  }
   std::lock_guard<std::mutex> lock(ProcessPoolMutex());
-  if (process_pool == nullptr) process_pool = new ThreadPool(process_options);
-  return *process_pool;
+  if (process_pool.load(std::memory_order_relaxed) == nullptr) {
+    process_pool.store(new ThreadPool(process_options), std::memory_order_release);
+  }
+  return *process_pool.load(std::memory_order_relaxed);
 }
 
 bool ThreadPool::Configure(const ThreadPoolOptions& options) {
   std::lock_guard<std::mutex> lock(ProcessPoolMutex());
-  if (process_pool != nullptr) return false;
+  if (process_pool.load(std::memory_order_relaxed) != nullptr) return false;
   process_options = options;
   return true;
 }
@@ -149,7 +113,7 @@ void ThreadPool::Run(int64_t items, int threads, void (*body)(void*, int64_t), v
   // that is about to sleep, or that worker's futex wait sees the new generation and returns.
   polling_workers_.store(loop.max_helpers, std::memory_order_relaxed);
   generation_.fetch_add(1);
-  if (sleepers_.load() > 0) FutexWake(&generation_, loop.max_helpers);
+  if (sleepers_.load() > 0) FutexWake(&generation_, loop.max_helpers, FutexScope::kProcess);
   // An OpenMP region inside the caller's items runs on one thread too, as on the workers
   // (this thread's team size restored after).
   const int caller_threads = omp_get_max_threads();
@@ -166,8 +130,8 @@ void ThreadPool::Run(int64_t items, int threads, void (*body)(void*, int64_t), v
     }
   }
   // Unlisted, so no helper joins any more; those inside finish their last item.
-  while (!PollFor(std::chrono::seconds(1),
-                  [&] { return loop.active.load(std::memory_order_acquire) == 0; })) {
+  while (!PollUntil(std::chrono::seconds(1),
+                    [&] { return loop.active.load(std::memory_order_acquire) == 0; })) {
   }
 }
 
@@ -200,11 +164,11 @@ void ThreadPool::WorkerMain(int index) {
     // Only as many workers poll as the last loop wanted: a step of a few heads does not keep
     // the host's every core busy between steps.
     if (index < polling_workers_.load(std::memory_order_relaxed) &&
-        PollFor(spin_, [&] { return generation_.load(std::memory_order_relaxed) != seen; })) {
+        PollUntil(spin_, [&] { return generation_.load(std::memory_order_relaxed) != seen; })) {
       continue;
     }
     sleepers_.fetch_add(1);
-    FutexWait(&generation_, seen);
+    FutexWait(&generation_, seen, FutexScope::kProcess);
     sleepers_.fetch_sub(1);
   }
 }
