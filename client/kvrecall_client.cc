@@ -18,6 +18,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "proto/shared_decode_region.h"
 #include "proto/tensor_codec.h"
+#include "proto/tsan_handoff.h"
 
 namespace kvrecall::client {
 namespace {
@@ -236,7 +237,7 @@ class SharedDecodeTransport final : public DecodeTransport,
 
   ~SharedDecodeTransport() override {
     if (!done_.HasBeenNotified()) context_.TryCancel();
-    done_.WaitForNotification();  // the reactor must outlive the call
+    AwaitDone();  // the reactor must outlive the call
   }
 
   absl::Status Exchange(const v1::DecodeRequest& request,
@@ -265,7 +266,7 @@ class SharedDecodeTransport final : public DecodeTransport,
     if (code != 0) {
       // The step failed and the stream ended (the call ends with the same status).
       const std::string message(region_.reply(), std::min(bytes, region_.reply_capacity()));
-      done_.WaitForNotification();
+      AwaitDone();
       return absl::Status(static_cast<absl::StatusCode>(code), message);
     }
     if (bytes > region_.reply_capacity() ||
@@ -287,30 +288,37 @@ class SharedDecodeTransport final : public DecodeTransport,
       shared::Signal(&h->request_signal, &h->server_sleeping);
       AwaitReply(seq);
     }
-    done_.WaitForNotification();
+    AwaitDone();
     return FromGrpcStatus(final_status_);
   }
 
   void Cancel() override { context_.TryCancel(); }
 
   void OnReadDone(bool ok) override {
+    const GrpcReaction reaction(this);
     if (!got_first_read_) {
       got_first_read_ = true;
       have_region_ = ok;
+      HandoffToWaiter(this);
       first_read_.Notify();
     }
     // Read on until the call ends (OnDone follows): its end is how a dead server or a
     // cancellation shows.
-    if (ok) StartRead(&ignored_);
+    if (ok) {
+      HandoffToGrpc(this);
+      StartRead(&ignored_);
+    }
   }
 
   void OnDone(const grpc::Status& status) override {
+    ReactionFromGrpc(this);
     final_status_ = status;
     call_done_.store(true);
     // Wakes a Step asleep on the region (the server may be gone without a word there).
     if (shared::RegionHeader* h = mapped_.load(); h != nullptr) {
       shared::Signal(&h->reply_signal, &h->runner_sleeping);
     }
+    HandoffToWaiter(this);
     if (!first_read_.HasBeenNotified()) first_read_.Notify();
     done_.Notify();
   }
@@ -318,15 +326,23 @@ class SharedDecodeTransport final : public DecodeTransport,
  private:
   explicit SharedDecodeTransport(absl::Duration spin) : spin_(spin) {}
 
+  // Waits for OnDone (and takes what it wrote: final_status_).
+  void AwaitDone() {
+    done_.WaitForNotification();
+    TakeFromReaction(this);
+  }
+
   absl::Status Start(v1::KvRecall::Stub& stub, const DecodeStreamOptions& options) {
     open_request_.set_max_request_bytes(options.max_request_bytes);
     open_request_.set_max_reply_bytes(options.max_reply_bytes);
     stub.async()->DecodeShared(&context_, &open_request_, this);
     StartRead(&region_message_);
+    HandoffToGrpc(this);
     StartCall();
     first_read_.WaitForNotification();
+    TakeFromReaction(this);
     if (!have_region_) {
-      done_.WaitForNotification();
+      AwaitDone();
       return EndedStatus(final_status_, "DecodeShared");
     }
     if (region_message_.layout_version() != shared::kLayoutVersion) {
@@ -362,7 +378,7 @@ class SharedDecodeTransport final : public DecodeTransport,
 
   // The stream ended without a reply: the call's final status, once it is there.
   absl::Status EndStatus() {
-    done_.WaitForNotification();
+    AwaitDone();
     return EndedStatus(final_status_, "DecodeShared");
   }
 

@@ -10,8 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "proto/tsan_handoff.h"
 #include "server/file_util.h"
-#include "server/tsan_handoff.h"
 
 namespace kvrecall {
 namespace {

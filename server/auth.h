@@ -56,7 +56,7 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
   // `metrics` (may be null) counts the refusals and must outlive the server.
   TokenAuthProcessor(TokenTable tokens, ServerMetrics* metrics)
       : tokens_(std::move(tokens)), metrics_(metrics) {}
-  ~TokenAuthProcessor() override;  // by gRPC, after its last Process (server/tsan_handoff.h)
+  ~TokenAuthProcessor() override;  // by gRPC, after its last Process (proto/tsan_handoff.h)
 
   bool IsBlocking() const override { return false; }  // a table lookup: runs inline
   grpc::Status Process(const InputMetadata& auth_metadata, grpc::AuthContext* context,

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "proto/tsan_handoff.h"
 #include "server/raw_messages.h"
-#include "server/tsan_handoff.h"
 
 namespace kvrecall {
 

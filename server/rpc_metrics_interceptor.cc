@@ -5,7 +5,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/support/interceptor.h"
-#include "server/tsan_handoff.h"
+#include "proto/tsan_handoff.h"
 
 namespace kvrecall {
 namespace {
@@ -14,7 +14,7 @@ using grpc::experimental::InterceptionHookPoints;
 
 // One per call; gRPC deletes it when the call ends. gRPC creates it, runs its hook points and
 // deletes it on whichever of its threads the call is on, in that order; each step takes the
-// object from the one before (server/tsan_handoff.h: what ThreadSanitizer cannot see in gRPC).
+// object from the one before (proto/tsan_handoff.h: what ThreadSanitizer cannot see in gRPC).
 class RpcMetricsInterceptor final : public grpc::experimental::Interceptor {
  public:
   explicit RpcMetricsInterceptor(MethodMetrics* method) : method_(method), start_(absl::Now()) {

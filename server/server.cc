@@ -20,9 +20,9 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "proto/shared_decode_region.h"
+#include "proto/tsan_handoff.h"
 #include "server/metrics_gauges.h"
 #include "server/rpc_metrics_interceptor.h"
-#include "server/tsan_handoff.h"
 
 namespace kvrecall {
 namespace {
@@ -104,7 +104,7 @@ void RunningServer::Shutdown(absl::Duration grace) {
 
 void RunningServer::Wait() {
   // Server::Wait returns after every call's OnDone, whose last touch of a service hands it back
-  // (server/tsan_handoff.h): what follows, ~RunningServer included, comes after them.
+  // (proto/tsan_handoff.h): what follows, ~RunningServer included, comes after them.
   if (server_ != nullptr) {
     server_->Wait();
     ReactionFromGrpc(&service_);

@@ -11,13 +11,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/shared_decode_region.h"
+#include "proto/tsan_handoff.h"  // HandoffToGrpc, ReactionFromGrpc: what TSan cannot see in gRPC
 #include "server/auth.h"
 #include "server/decode.h"
 #include "server/prefill.h"
 #include "server/raw_messages.h"
 #include "server/rpc_metrics_interceptor.h"
 #include "server/status_util.h"
-#include "server/tsan_handoff.h"  // HandoffToGrpc, ReactionFromGrpc: what TSan cannot see in gRPC
 
 namespace kvrecall {
 namespace {
@@ -387,6 +387,7 @@ class KvRecallService::DecodeCall final
 
   void OnWriteDone(bool ok) override {
     const GrpcReaction reaction(this);
+    write_start_.Completed();
     absl::MutexLock lock(&mu_);
     writing_ = false;
     if (finished_) return;
@@ -468,6 +469,7 @@ class KvRecallService::DecodeCall final
     if (write) {
       HandoffToGrpc(this);
       StartWrite(&out_);
+      write_start_.Started();
     }
     Unref();
   }
@@ -479,6 +481,7 @@ class KvRecallService::DecodeCall final
   DecodeStream decoder_;
   int64_t requests_ = 0;  // touched by one run at a time
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the reply is being written
+  GrpcStartOutsideLock write_start_;  // the reply's StartWrite, outside mu_ (TSan's view)
   absl::Time opened_;                              // with decode_calls_ only
   absl::Time arrived_ ABSL_GUARDED_BY(mu_);        // the request in flight's, likewise
 };
@@ -503,12 +506,16 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     grpc::Status status = Open(request);
     if (!status.ok()) {
       Finish(std::move(status));
-      return;
+    } else {
+      StartWrite(&region_message_);
     }
-    StartWrite(&region_message_);
+    // In the handler: gRPC reacts only once it has returned, so all of this comes before any
+    // reaction.
+    HandoffToGrpc(this);
   }
 
   void OnWriteDone(bool ok) override {
+    const GrpcReaction reaction(this);
     if (!ok) {  // the runner is gone before it got the region
       Finish(CancelledStatus());
       return;
@@ -524,6 +531,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   }
 
   void OnCancel() override {
+    const GrpcReaction reaction(this);
     cancelled_.store(true);
     Wake();
   }
@@ -536,10 +544,13 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   void OnDone() override {
     // The thread's last act was Finish (OnDone comes after it), so this join does not wait on
     // a step.
+    ReactionFromGrpc(this);
     if (server_thread_.joinable()) server_thread_.join();
     if (registered_) service_->Unregister(this);
     ReleaseSlot();
+    KvRecallService* const service = service_;
     delete this;  // unmaps the region (and removes its file if that was not done yet)
+    HandoffToGrpc(service);  // gRPC's last touch of the service for this call (Server::Wait)
   }
 
  private:
@@ -675,6 +686,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     // The stream is over for the runner: its file and slot go before the status does.
     region_.RemoveFile();
     ReleaseSlot();
+    HandoffToGrpc(this);
     Finish(std::move(end));
   }
 
