@@ -58,6 +58,9 @@ ABSL_FLAG(double, query_rho, 0.97,
           "--data=random: correlation of a head's decode query with its previous one (the "
           "drift: lower means ReTopK reuses fewer steps)");
 ABSL_FLAG(bool, auto_tau, false, "ReTopK calibrates tau per head from the prefill queries");
+ABSL_FLAG(int32_t, search_list_size, 0,
+          "the graph index's search list (policy.index.search_list_size; 0: the server's "
+          "default)");
 ABSL_FLAG(int32_t, search_width, 0,
           "the graph index's search width (policy.index.search_width; 0: the server's default)");
 ABSL_FLAG(std::string, out, "", "also write the JSON here");
@@ -343,6 +346,7 @@ int Main() {
          {"query_rho", synth ? json(nullptr) : json(absl::GetFlag(FLAGS_query_rho))},
          {"auto_tau", absl::GetFlag(FLAGS_auto_tau)},
          {"search_width", absl::GetFlag(FLAGS_search_width)},
+         {"search_list_size", absl::GetFlag(FLAGS_search_list_size)},
          {"records", json::array()}};
   json& records = doc["records"];
   for (const std::string& selector_name :
@@ -362,6 +366,7 @@ int Main() {
       policy.set_placement(*placement);
       if (absl::GetFlag(FLAGS_auto_tau)) policy.mutable_retopk()->set_auto_tau(true);
       policy.mutable_index()->set_search_width(absl::GetFlag(FLAGS_search_width));
+      policy.mutable_index()->set_search_list_size(absl::GetFlag(FLAGS_search_list_size));
       std::vector<std::string> ids(max_batch);
       std::vector<std::vector<float>> queries(max_batch);
       std::vector<SyntheticTrace> traces;

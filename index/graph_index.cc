@@ -933,9 +933,10 @@ int64_t GraphIndex::RepairConnectivity(const VectorSet& keys, GroupedTargets* gr
 }
 
 void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_size, int width,
-                             std::vector<std::pair<float, int32_t>>* list,
-                             SearchStats* stats) const {
+                             std::vector<std::pair<float, int32_t>>* list, SearchStats* stats,
+                             std::vector<std::pair<float, int32_t>>* scored) const {
   list->clear();
+  if (scored != nullptr) scored->clear();
   if (linked_ == 0) return;
   const size_t capacity = static_cast<size_t>(std::max(list_size, 1));
   width = std::clamp(width, 1, kMaxSearchWidth);
@@ -964,7 +965,9 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
 
   size_t size = 0;
   scratch.Visit(entry_);
-  InsertCandidate(pool, &size, capacity, 0, cpu::DotProduct(q, keys.row_data(entry_), keys.element, dim), entry_);
+  const float entry_score = cpu::DotProduct(q, keys.row_data(entry_), keys.element, dim);
+  InsertCandidate(pool, &size, capacity, 0, entry_score, entry_);
+  if (scored != nullptr) scored->push_back({entry_score, entry_});
   ++stats->scored;
   size_t next = 0;  // the best unexpanded candidate
   int32_t nodes[kMaxSearchWidth];
@@ -1009,6 +1012,9 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
       for (int j = 0; j < batch; ++j) rows[j] = keys.row_data(fresh[b + j]);
       cpu::DotProductRows(q, rows, keys.element, batch, dim, fresh_scores + b);
     }
+    if (scored != nullptr) {
+      for (int j = 0; j < m; ++j) scored->push_back({fresh_scores[j], fresh[j]});
+    }
     // Inserted in neighbor order after all are scored: the same pool as scoring and inserting
     // one at a time, since an insertion depends only on the scores before it.
     size_t lowest = next + 1;
@@ -1032,11 +1038,17 @@ void GraphIndex::Search(const VectorSet& keys, const float* q, int k, const Sear
   out->scores.clear();
   out->stats = SearchStats();
   if (k < 1 || size_ == 0) return;
-  const int list_size =
-      std::max(k, params.list_size > 0 ? params.list_size : params_.search_list_size);
+  const int list_size = params.list_size > 0 ? params.list_size : params_.search_list_size;
+  const int width = params.width > 0 ? params.width : params_.search_width;
   thread_local std::vector<std::pair<float, int32_t>> found;
-  SearchGraph(keys, q, list_size, params.width > 0 ? params.width : params_.search_width, &found,
-              &out->stats);
+  if (list_size >= k) {
+    SearchGraph(keys, q, list_size, width, &found, &out->stats);
+  } else {
+    // A narrow beam: the best k of every key it scored, its list among them (with a list of k
+    // or more that is the list's own top k).
+    thread_local std::vector<std::pair<float, int32_t>> list;
+    SearchGraph(keys, q, list_size, width, &list, &out->stats, &found);
+  }
 
   // The tail is scanned exactly, then merged with the graph's candidates.
   for (int64_t t = linked_; t < size_; ++t) {

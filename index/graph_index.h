@@ -65,7 +65,12 @@ struct GraphBuildStats {
 //      from the entry point (the key with the highest score for the mean sampled query; the
 //      token chain makes these rare).
 // Search: best-first beam search over the graph from the entry point with a candidate list of
-// `list_size`, plus an exact scan of the tail (keys added but not linked yet).
+// `list_size`, plus an exact scan of the tail (keys added but not linked yet); the result is
+// the best k of every key scored. With a list of k or more that is the list's own top k; a
+// shorter list is a narrow beam (fewer hops, fewer keys scored) whose result also takes the
+// keys it scored on its way without keeping them (on the real model the default list of 200
+// for k = 512 kept the bits/byte of exact top-k: bench/results/index_bench.md, "A narrow
+// beam").
 // Growth: Add puts keys in the tail. Once the tail holds `link_threshold` keys, an Add links its
 // oldest `link_batch` keys (at least as many as it appended, so the tail stays under
 // `link_threshold`). A decode step appends one key, so every step links `link_batch` keys
@@ -155,10 +160,12 @@ class GraphIndex : public KeyIndex {
   };
 
   // Beam search over the linked keys only; `list` receives the candidates found, best first,
-  // as (score, id).
+  // as (score, id), and `scored` (when not null) every key the search scored, in the order it
+  // scored them.
   // `width` (1 to kMaxSearchWidth) best unexpanded candidates are expanded per round.
   void SearchGraph(const VectorSet& keys, const float* q, int list_size, int width,
-                   std::vector<std::pair<float, int32_t>>* list, SearchStats* stats) const;
+                   std::vector<std::pair<float, int32_t>>* list, SearchStats* stats,
+                   std::vector<std::pair<float, int32_t>>* scored = nullptr) const;
   struct GroupedTargets;
   // Merges edges into the graph: each node's current neighbors plus its new targets, pruned to
   // max_degree when over it. Nodes in parallel. Costs O(linked keys) for many edges (a

@@ -21,8 +21,9 @@ struct BuildQueries {
 };
 
 struct SearchParams {
-  // Candidate list size of a graph search (hnswlib's ef); at least k is used. 0: the index's
-  // default. Ignored by the flat scan.
+  // Candidate list size of a graph search (hnswlib's ef). The query-aware graph returns the
+  // best k of every key its search scored, so a list shorter than k is a narrower, cheaper
+  // search; hnswlib uses at least k. 0: the index's default. Ignored by the flat scan.
   int list_size = 0;
   // Candidates a graph search expands per round, their neighbors scored together (a beam
   // search's width; 1 is strict best-first). 0: the index's default. Ignored by other indexes.

@@ -53,8 +53,11 @@ struct GraphIndexParams {
   int build_topk = 100;
   // Out-degree cap of the key-key graph; memory is 4 bytes x max_degree per key and head.
   int max_degree = 32;
-  // Candidate list of the decode-time beam search (>= the k searched for): larger lists score
-  // more keys for more recall.
+  // Candidate list of the decode-time beam search: larger lists score more keys for more
+  // recall. The support is the best K of every key the search scored, so a list shorter than
+  // K is a narrow beam (the default for K = 512 and 2048: on tinylm-a it kept the bits/byte
+  // within noise of exact top-K, scoring 0.55x and 0.26x the keys of a list of K;
+  // bench/results/index_bench.md, "A narrow beam").
   int search_list_size = 200;
   // Candidates the decode-time search expands per round: their neighbors' keys are fetched and
   // scored together, so that the memory latency of one's rows overlaps another's (1: strict

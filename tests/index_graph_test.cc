@@ -217,6 +217,47 @@ TEST(GraphIndexTest, WiderSearchRoundsFindWhatBestFirstFinds) {
   EXPECT_GE(recall[1], 0.9);
 }
 
+// A list shorter than k is a narrow beam: the same search as one for its own list's top
+// (the same keys scored, the same hops), whose result goes on past the list with the best of
+// the other keys it scored: k distinct keys, best first, the first `list` of them the narrow
+// search's own result. It scores fewer keys than a list of k and finds most of the exact top k.
+TEST(GraphIndexTest, AListShorterThanKReturnsTheBestKOfEveryKeyScored) {
+  OodCase ood(8192, 1024 + 100, 32, 32, 21);
+  GraphIndex graph = BuildOn1024Queries(ood);
+  std::vector<uint8_t> marks;
+  const int k = 80, narrow = 20;
+  double recall_narrow = 0, recall_full = 0, scored_narrow = 0, scored_full = 0;
+  for (int64_t i = 1024; i < 1124; ++i) {
+    const float* q = ood.queries.data() + i * 32;
+    SearchResult wide, beam, own;
+    graph.Search(ood.key_set(), q, k, SearchParams{narrow}, &wide);
+    graph.Search(ood.key_set(), q, narrow, SearchParams{narrow}, &own);
+    graph.Search(ood.key_set(), q, k, SearchParams{k}, &beam);
+    ASSERT_EQ(wide.ids.size(), static_cast<size_t>(k));
+    EXPECT_EQ(std::set<int32_t>(wide.ids.begin(), wide.ids.end()).size(), wide.ids.size());
+    EXPECT_TRUE(std::is_sorted(wide.scores.begin(), wide.scores.end(),
+                               [](float a, float b) { return a > b; }));
+    EXPECT_EQ(std::vector<int32_t>(wide.ids.begin(), wide.ids.begin() + narrow), own.ids);
+    EXPECT_EQ(wide.stats.scored, own.stats.scored);
+    EXPECT_EQ(wide.stats.hops, own.stats.hops);
+    for (size_t j = 0; j < wide.ids.size(); ++j) {
+      float score = 0;
+      for (int d = 0; d < 32; ++d) score += q[d] * ood.keys[wide.ids[j] * 32 + d];
+      EXPECT_NEAR(wide.scores[j], score, 1e-4f * (1 + std::abs(score)));
+    }
+    const std::vector<int32_t> exact = testing::ReferenceTopK(q, ood.view(), 0, 1.0, k);
+    recall_narrow += SupportRecall(wide.ids, exact, 8192, &marks) / 100;
+    recall_full += SupportRecall(beam.ids, exact, 8192, &marks) / 100;
+    scored_narrow += wide.stats.scored / 100.0;
+    scored_full += beam.stats.scored / 100.0;
+  }
+  EXPECT_LT(scored_narrow, 0.7 * scored_full);
+  EXPECT_GE(recall_narrow, 0.6);
+  EXPECT_GE(recall_full, recall_narrow);
+  std::printf("list %d for k = %d: recall %.3f scoring %.0f keys; list %d: %.3f, %.0f keys\n",
+              narrow, k, recall_narrow, scored_narrow, k, recall_full, scored_full);
+}
+
 // Keys planted along their own strong directions, so that each is the top match of a query
 // along it; appended after the build, they must be found in the tail and once linked, whether
 // each Add links one key (the default) or the whole tail at the threshold (the old batch).
