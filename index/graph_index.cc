@@ -1038,7 +1038,8 @@ void GraphIndex::Search(const VectorSet& keys, const float* q, int k, const Sear
   out->scores.clear();
   out->stats = SearchStats();
   if (k < 1 || size_ == 0) return;
-  const int list_size = params.list_size > 0 ? params.list_size : params_.search_list_size;
+  const int configured = params.list_size > 0 ? params.list_size : params_.search_list_size;
+  const int list_size = configured > 0 ? configured : std::max(k, kDefaultSearchListFloor);
   const int width = params.width > 0 ? params.width : params_.search_width;
   thread_local std::vector<std::pair<float, int32_t>> found;
   if (list_size >= k) {

@@ -68,8 +68,8 @@ struct GraphBuildStats {
 // `list_size`, plus an exact scan of the tail (keys added but not linked yet); the result is
 // the best k of every key scored. With a list of k or more that is the list's own top k; a
 // shorter list is a narrow beam (fewer hops, fewer keys scored) whose result also takes the
-// keys it scored on its way without keeping them (on the real model the default list of 200
-// for k = 512 kept the bits/byte of exact top-k: bench/results/index_bench.md, "A narrow
+// keys it scored on its way without keeping them. The default list is max(k, 200); a shorter
+// one is the caller's choice of speed over recall (bench/results/index_bench.md, "A narrow
 // beam").
 // Growth: Add puts keys in the tail. Once the tail holds `link_threshold` keys, an Add links its
 // oldest `link_batch` keys (at least as many as it appended, so the tail stays under

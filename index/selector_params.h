@@ -23,6 +23,8 @@ inline constexpr int kMaxWindowTokens = 1 << 24;
 inline constexpr int kMaxReTopKCacheCapacity = 4096;
 inline constexpr int kMaxGraphBuildQueries = 1 << 16;
 inline constexpr int kMaxGraphBuildTopK = 4096;
+// The default graph search list is max(K, this) (GraphIndexParams::search_list_size = 0).
+inline constexpr int kDefaultSearchListFloor = 200;
 // The most candidates a graph search expands per round (GraphIndexParams::search_width).
 inline constexpr int kMaxSearchWidth = 4;
 
@@ -55,10 +57,12 @@ struct GraphIndexParams {
   int max_degree = 32;
   // Candidate list of the decode-time beam search: larger lists score more keys for more
   // recall. The support is the best K of every key the search scored, so a list shorter than
-  // K is a narrow beam (the default for K = 512 and 2048: on tinylm-a it kept the bits/byte
-  // within noise of exact top-K, scoring 0.55x and 0.26x the keys of a list of K;
-  // bench/results/index_bench.md, "A narrow beam").
-  int search_list_size = 200;
+  // K is a narrow beam: fewer hops and keys scored for less recall (at K = 512, a list of 200
+  // served the tiered 128K step in 0.6-0.8x the time on the H200 and kept tinylm-a's
+  // bits/byte, but found 0.91-0.95 of the synthetic needles that a list of K finds all of;
+  // bench/results/index_bench.md, "A narrow beam"). 0: max(K, kDefaultSearchListFloor), a
+  // list of at least K.
+  int search_list_size = 0;
   // Candidates the decode-time search expands per round: their neighbors' keys are fetched and
   // scored together, so that the memory latency of one's rows overlaps another's (1: strict
   // best-first, each round waiting for the last).

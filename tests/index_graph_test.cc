@@ -252,6 +252,16 @@ TEST(GraphIndexTest, AListShorterThanKReturnsTheBestKOfEveryKeyScored) {
     scored_full += beam.stats.scored / 100.0;
   }
   EXPECT_LT(scored_narrow, 0.7 * scored_full);
+  // The default list is never narrow: max(k, kDefaultSearchListFloor).
+  const float* q = ood.queries.data() + 1024 * 32;
+  for (int k_default : {80, 300}) {
+    SearchResult by_default, explicit_list;
+    graph.Search(ood.key_set(), q, k_default, SearchParams{}, &by_default);
+    graph.Search(ood.key_set(), q, k_default,
+                 SearchParams{std::max(k_default, kDefaultSearchListFloor)}, &explicit_list);
+    EXPECT_EQ(by_default.ids, explicit_list.ids) << "k " << k_default;
+    EXPECT_EQ(by_default.stats.hops, explicit_list.stats.hops) << "k " << k_default;
+  }
   EXPECT_GE(recall_narrow, 0.6);
   EXPECT_GE(recall_full, recall_narrow);
   std::printf("list %d for k = %d: recall %.3f scoring %.0f keys; list %d: %.3f, %.0f keys\n",
