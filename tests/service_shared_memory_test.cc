@@ -47,10 +47,7 @@ class SharedDirectory {
   }
   // Waits up to 10 s for `n` region files.
   bool AwaitRegions(int n) const {
-    for (int i = 0; i < 1000 && Regions() != n; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return Regions() == n;
+    return testing::Eventually([&] { return Regions() == n; });
   }
 
  private:
@@ -235,10 +232,7 @@ class RawRegion {
   // Waits up to 10 s for the server to mark the region ended. (A failed step's reply is
   // published first and `ended` just after it, so a runner reading it at once may see 0.)
   bool AwaitEnded() const {
-    for (int i = 0; i < 1000 && h()->ended.load() == 0; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return h()->ended.load() == 1;
+    return testing::Eventually([&] { return h()->ended.load() == 1; });
   }
 
  private:
@@ -366,9 +360,8 @@ TEST_F(SharedDecodeBudgetTest, ARegionIsChargedToTheHostBudgetWhileItsStreamLive
                         absl::StatusCode::kResourceExhausted, "shared decode region"));
   EXPECT_EQ(server().server().budget().used(), region);
   ASSERT_TRUE((*first)->Close().ok());
-  for (int i = 0; i < 500 && server().server().budget().used() != 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  testing::Eventually([&] { return server().server().budget().used() == 0; },
+                      std::chrono::seconds(5));
   EXPECT_EQ(server().server().budget().used(), 0);
   absl::StatusOr<std::unique_ptr<client::DecodeStream>> second = c.OpenDecodeStream(g_, Shared());
   EXPECT_TRUE(second.ok()) << second.status();

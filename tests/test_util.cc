@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "kernels/dtype.h"
 
@@ -129,6 +130,15 @@ TempDirectory::~TempDirectory() {
 
 std::string TempDirectory::Path(std::string_view name) const {
   return path_ + "/" + std::string(name);
+}
+
+bool Eventually(const std::function<bool()>& done, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
 }
 
 }  // namespace kvrecall::testing

@@ -1,9 +1,11 @@
-// Shared test fixtures: random KV data, brute-force double-precision references and temporary
-// directories.
+// Shared test fixtures: random KV data, brute-force double-precision references, temporary
+// directories and a bounded wait for what another thread finishes.
 #ifndef KVRECALL_TESTS_TEST_UTIL_H_
 #define KVRECALL_TESTS_TEST_UTIL_H_
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -55,6 +57,10 @@ std::vector<int32_t> AllTokens(int64_t tokens);
 // The k highest-scoring tokens by brute force in double precision, ties by lower id.
 std::vector<int32_t> ReferenceTopK(const float* q, const KvView& kv, int kv_head, double scale,
                                    int k);
+
+// Polls `done` every 10 ms for up to `timeout`; whether it came true (its last answer).
+bool Eventually(const std::function<bool()>& done,
+                std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
 // A fresh directory under /tmp (/tmp/kvrecall-TAG-XXXXXX), removed with everything in it when
 // this is destroyed. path() is empty when it could not be made (a test asserts on it).
