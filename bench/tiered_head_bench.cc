@@ -38,25 +38,14 @@
 #include "index/index_selector.h"
 #include "index/retopk.h"
 #include "kernels/cpu/attention.h"
-#include "kernels/cpu/mapped_memory.h"
 #include "kernels/cpu/thread_pool.h"
-#include "kernels/dtype.h"
 #include "bench/percentiles.h"
+#include "bench/synthetic_layer.h"
 #include "nlohmann/json.hpp"
 
-ABSL_FLAG(int64_t, context, 131072, "prompt tokens T");
-ABSL_FLAG(int, steps, 40, "decode steps timed");
-ABSL_FLAG(int, warmup, 4, "decode steps run first, untimed");
-ABSL_FLAG(int, q_heads, 32, "query heads");
-ABSL_FLAG(int, kv_heads, 8, "KV heads");
-ABSL_FLAG(int, head_dim, 128, "head dim");
-ABSL_FLAG(int, k, 512, "top K");
-ABSL_FLAG(int, sinks, 128, "static set: sinks");
-ABSL_FLAG(int, recent, 512, "static set: recent ring");
 ABSL_FLAG(double, tau, 0.85, "ReTopK tau (fixed)");
 ABSL_FLAG(int, threads, 0,
           "the step pass's threads of the compute pool (0: omp_get_max_threads())");
-ABSL_FLAG(uint64_t, seed, 100, "synthetic trace seed");
 ABSL_FLAG(int, search_width, 1, "the graph search's candidates expanded per round (policy.index)");
 
 namespace kvrecall {
@@ -77,69 +66,28 @@ struct Samples {
       exact_total_us;
 };
 
-// Rows [begin, begin + n) of one tensor of layer 0, generated chunk by chunk on every thread.
-void Generate(const SyntheticTrace& trace, TracePhase phase, TraceTensor tensor, int64_t begin,
-              int64_t n, int64_t row, float* f32, uint16_t* bf16) {
-  constexpr int64_t kChunk = 1024;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel
-  {
-    std::vector<float> scratch;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t first = c * kChunk, count = std::min(kChunk, n - first);
-      float* out = f32;
-      if (out == nullptr) {
-        scratch.resize(count * row);
-        out = scratch.data();
-      } else {
-        out += first * row;
-      }
-      trace.GenerateRows(0, phase, tensor, begin + first, count, out);
-      if (bf16 != nullptr) {
-        for (int64_t i = 0; i < count * row; ++i) bf16[first * row + i] = FloatToBf16(out[i]);
-      }
-    }
-  }
-}
-
 absl::Status Run() {
-  const int64_t t = absl::GetFlag(FLAGS_context);
-  const int steps = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
-  const int total_steps = steps + warmup;
-  SyntheticTraceParams params;
-  params.q_heads = absl::GetFlag(FLAGS_q_heads);
-  params.kv_heads = absl::GetFlag(FLAGS_kv_heads);
-  params.head_dim = absl::GetFlag(FLAGS_head_dim);
-  params.context = t;
-  params.decode_steps = total_steps;
-  params.seed = absl::GetFlag(FLAGS_seed);
+  const bench::LayerFlags flags = bench::LayerFromFlags();
+  const SyntheticTraceParams& params = flags.trace;
+  const int64_t t = params.context;
+  const int steps = flags.steps, warmup = flags.warmup, total_steps = params.decode_steps;
   absl::StatusOr<SyntheticTrace> trace = SyntheticTrace::Create(params);
   if (!trace.ok()) return trace.status();
   const int d = params.head_dim, q_heads = params.q_heads, kv_heads = params.kv_heads;
-  const int64_t kv_row = int64_t{kv_heads} * d, q_row = int64_t{q_heads} * d;
+  const int64_t q_row = int64_t{q_heads} * d;
 
   const auto generate_start = Clock::now();
-  // Huge pages where the kernel offers them, as the server's host store (server/kv_store.cc).
-  cpu::MappedVector<uint16_t> keys((t + total_steps) * kv_row), values((t + total_steps) * kv_row);
-  std::vector<float> prompt_q(t * q_row), decode_q(total_steps * q_row);
-  Generate(*trace, TracePhase::kPrefill, TraceTensor::kK, 0, t, kv_row, nullptr, keys.data());
-  Generate(*trace, TracePhase::kPrefill, TraceTensor::kV, 0, t, kv_row, nullptr, values.data());
-  Generate(*trace, TracePhase::kDecode, TraceTensor::kK, 0, total_steps, kv_row, nullptr,
-           keys.data() + t * kv_row);
-  Generate(*trace, TracePhase::kDecode, TraceTensor::kV, 0, total_steps, kv_row, nullptr,
-           values.data() + t * kv_row);
-  Generate(*trace, TracePhase::kPrefill, TraceTensor::kQ, 0, t, q_row, prompt_q.data(), nullptr);
-  Generate(*trace, TracePhase::kDecode, TraceTensor::kQ, 0, total_steps, q_row, decode_q.data(),
-           nullptr);
+  const bench::SyntheticLayer layer(*std::move(trace));
+  const std::vector<float>& decode_q = layer.decode_q;
+  const std::vector<float> prompt_q = layer.PromptQueries();
   const double generate_s = MicrosSince(generate_start) / 1e6;
 
   // The tiered placement's bulk selector (server/backends/tiered_backend.cc, MakeBulkSelector).
   SelectorParams p;
   p.kind = SelectorKind::kReTopK;
-  p.top_k = absl::GetFlag(FLAGS_k);
-  p.sinks = absl::GetFlag(FLAGS_sinks);
-  p.recent = absl::GetFlag(FLAGS_recent);
+  p.top_k = flags.k;
+  p.sinks = flags.sinks;
+  p.recent = flags.recent;
   p.retopk.tau = static_cast<float>(absl::GetFlag(FLAGS_tau));
   p.index.search_width = absl::GetFlag(FLAGS_search_width);
   const LayerShape shape{q_heads, kv_heads, d, 1.0f / std::sqrt(static_cast<float>(d))};
@@ -153,7 +101,7 @@ absl::Status Run() {
   ReTopKSelector selector(shape, p.top_k, p.retopk, p.recent);
   selector.set_exact_search(std::move(exact));
 
-  const KvView store{keys.data(), values.data(), t + total_steps, kv_heads, d, KvElement::kBf16};
+  const KvView store = layer.store();
   auto bulk_of = [&](int64_t tokens) {
     return store.Tokens(std::min<int64_t>(p.sinks, tokens), BulkTokens(tokens, p.sinks, p.recent));
   };
