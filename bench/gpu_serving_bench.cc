@@ -58,6 +58,9 @@ ABSL_FLAG(double, query_rho, 0.97,
           "--data=random: correlation of a head's decode query with its previous one (the "
           "drift: lower means ReTopK reuses fewer steps)");
 ABSL_FLAG(bool, auto_tau, false, "ReTopK calibrates tau per head from the prefill queries");
+ABSL_FLAG(int32_t, shortlist, 0,
+          "tiered: the exact path rescores each head's best N keys by product-quantized score "
+          "(policy.index.shortlist; 0: the graph search)");
 ABSL_FLAG(int32_t, search_list_size, 0,
           "the graph index's search list (policy.index.search_list_size; 0: the server's "
           "default)");
@@ -347,6 +350,7 @@ int Main() {
          {"auto_tau", absl::GetFlag(FLAGS_auto_tau)},
          {"search_width", absl::GetFlag(FLAGS_search_width)},
          {"search_list_size", absl::GetFlag(FLAGS_search_list_size)},
+         {"shortlist", absl::GetFlag(FLAGS_shortlist)},
          {"records", json::array()}};
   json& records = doc["records"];
   for (const std::string& selector_name :
@@ -358,15 +362,17 @@ int Main() {
       // auto_tau calibrates on 256 prompt queries more.
       const int with_queries =
           *selector == v1::SELECTOR_RETOPK ? (absl::GetFlag(FLAGS_auto_tau) ? 32 + 256 : 32) : 0;
-      // The tiered graph index (the index selector, ReTopK's exact path) needs every query.
+      // The tiered graph index (the index selector, ReTopK's exact path) needs every query;
+      // a shortlist replaces the graph.
       const bool all_queries =
-          *placement == v1::PLACEMENT_TIERED &&
+          *placement == v1::PLACEMENT_TIERED && absl::GetFlag(FLAGS_shortlist) == 0 &&
           (*selector == v1::SELECTOR_INDEX || *selector == v1::SELECTOR_RETOPK);
       v1::Policy policy = client::CpuPolicy(*selector, top_k);
       policy.set_placement(*placement);
       if (absl::GetFlag(FLAGS_auto_tau)) policy.mutable_retopk()->set_auto_tau(true);
       policy.mutable_index()->set_search_width(absl::GetFlag(FLAGS_search_width));
       policy.mutable_index()->set_search_list_size(absl::GetFlag(FLAGS_search_list_size));
+      policy.mutable_index()->set_shortlist(absl::GetFlag(FLAGS_shortlist));
       std::vector<std::string> ids(max_batch);
       std::vector<std::vector<float>> queries(max_batch);
       std::vector<SyntheticTrace> traces;

@@ -50,8 +50,10 @@ class ProductQuantizer {
   // [M, 256, d / M]
   const std::vector<float>& codebooks() const { return codebooks_; }
 
-  // codes [keys.count, M]: each key's nearest centroid per subspace (the lower number on a tie).
-  // keys.dim must be dim(). Runs on the calling thread's OpenMP team.
+  // codes [keys.count, M]: each key's nearest centroid per subspace (the lower number on a tie;
+  // the same code whether a key is encoded alone or with others).
+  // keys.dim must be dim(). Runs on the calling thread's OpenMP team when there are more than
+  // 1024 keys, on the calling thread alone otherwise.
   void Encode(const VectorSet& keys, uint8_t* codes) const;
 
   // table [M, 256]: <q part m, centroid c of codebook m>, q: [dim()].
@@ -70,6 +72,9 @@ class ProductQuantizer {
   int dim_;
   int subspaces_;
   std::vector<float> codebooks_;
+  // What Encode assigns with: |c|^2 [M, 256] and the codebooks transposed [M, d / M, 256].
+  std::vector<float> norms_;
+  std::vector<float> transposed_;
 };
 
 }  // namespace kvrecall

@@ -92,6 +92,10 @@ struct SelectorParams {
   int recent = 512;
   ReTopKParams retopk;
   GraphIndexParams index;
+  // The tiered placement's exact path without a graph (policy.index.shortlist): > 0, each
+  // query head's best `shortlist` bulk keys by their scores over product-quantized keys on the
+  // static tier, rescored exactly (index/shortlist_selector.h); 0: the graph search.
+  int shortlist = 0;
 
   // INVALID_ARGUMENT naming the field when a knob is out of its domain.
   absl::Status Validate() const;

@@ -105,6 +105,21 @@ absl::Status SelectorParams::Validate() const {
   if (r.auto_tau && !(r.target_recall > 0.0f && r.target_recall <= 1.0f)) {
     return invalid("policy.retopk.target_recall must be in (0, 1], got ", r.target_recall);
   }
+  if (shortlist < 0) return invalid("policy.index.shortlist must be >= 0, got ", shortlist);
+  if (shortlist > kMaxTopK) return too_large("index.shortlist", shortlist, kMaxTopK);
+  if (shortlist > 0) {
+    if (kind != SelectorKind::kIndex && kind != SelectorKind::kReTopK) {
+      return invalid("policy.index.shortlist applies to the index and retopk selectors");
+    }
+    if (shortlist < top_k) {
+      return invalid("policy.index.shortlist must be >= top_k (", top_k, "), got ", shortlist);
+    }
+    if (kind == SelectorKind::kReTopK && retopk.exact_flat_scan) {
+      return invalid(
+          "policy.retopk.exact_flat_scan and policy.index.shortlist name two exact paths; set "
+          "one");
+    }
+  }
   const GraphIndexParams& g = index;
   if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||
       g.search_width < 0 || g.link_threshold < 0 || g.link_batch < 0) {

@@ -125,6 +125,7 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   if (!scope.ok()) return scope.status();
   p.index.graph_scope = *scope;
   p.index = p.index.WithDefaults();
+  p.shortlist = g.shortlist();
 
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   return out;
@@ -154,6 +155,7 @@ v1::Policy PolicyToProto(const EffectivePolicy& policy) {
   g->set_search_list_size(p.index.search_list_size);
   g->set_search_width(p.index.search_width);
   g->set_graph_scope(GraphScopeToProto(p.index.graph_scope));
+  g->set_shortlist(p.shortlist);
   return out;
 }
 

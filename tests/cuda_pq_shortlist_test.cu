@@ -99,7 +99,7 @@ TEST_P(PqShortlistTest, MatchesTheCpuReference) {
     const int n = lengths[r];
     pq.QueryTable(queries.data() + r * kDim, table.data());
     ProductQuantizer::ScanCodes(table.data(),
-                                sets.codes.data() + size_t{set_of_row[r]} * kKeys * subspaces,
+                                sets.codes.data() + static_cast<size_t>(set_of_row[r]) * kKeys * subspaces,
                                 n, subspaces, scores.data());
     cpu::TopKPositions(std::span<const float>(scores.data(), n), kShortlist, &expected);
     ASSERT_EQ(sizes[r], static_cast<int>(expected.size())) << "row " << r;
@@ -139,31 +139,25 @@ TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
                              nullptr);
   };
   EXPECT_TRUE(run(10).ok());
-  absl::Status s = run(0);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("shortlist >= 1"));
+  auto expect_invalid = [](const absl::Status& status, const char* what) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(what));
+  };
+  expect_invalid(run(0), "shortlist >= 1");
   sets.subspaces = 3;  // does not divide 64
-  s = run(10);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("subspaces=3 dim=64"));
+  expect_invalid(run(10), "subspaces=3 dim=64");
   sets.subspaces = 8;
   sets.set_stride = 999;  // shorter than the rows
-  s = run(10);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("set_stride >= max_length"));
+  expect_invalid(run(10), "set_stride >= max_length");
   sets.set_stride = 2000;
   rows.max_length = 2000;  // beyond the workspace
   EXPECT_EQ(run(10).code(), absl::StatusCode::kInvalidArgument);
   rows.max_length = 1000;
   rows.tables = nullptr;
-  s = run(10);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("tables"));
+  expect_invalid(run(10), "tables");
   rows.tables = buffer.data();
   sets.codes = codes.data() + 1;  // 8-byte codes misaligned
-  s = run(10);
-  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(s.message(), HasSubstr("aligned"));
+  expect_invalid(run(10), "aligned");
 }
 
 }  // namespace

@@ -81,6 +81,23 @@ TEST(ProductQuantizerTest, EveryCodeIsTheNearestCentroidOfItsPart) {
   }
 }
 
+TEST(ProductQuantizerTest, AKeyEncodedAloneGetsItsCodeFromABatch) {
+  constexpr int kDim = 64, kKeys = 2500;
+  const std::vector<float> keys = RandomNormal(kKeys * kDim, 9);
+  ProductQuantizerParams params;
+  params.subspaces = 8;
+  params.iterations = 2;
+  absl::StatusOr<ProductQuantizer> pq = ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params);
+  ASSERT_TRUE(pq.ok()) << pq.status();
+  std::vector<uint8_t> batch(kKeys * 8), alone(8);
+  pq->Encode(F32Set(keys, kKeys, kDim), batch.data());
+  for (int64_t i = 0; i < kKeys; i += 97) {
+    pq->Encode(F32Set(keys, kKeys, kDim).Slice(i, i + 1), alone.data());
+    EXPECT_EQ(std::vector<uint8_t>(batch.begin() + i * 8, batch.begin() + i * 8 + 8), alone)
+        << "key " << i;
+  }
+}
+
 TEST(ProductQuantizerTest, AdcScoreIsTheInnerProductWithTheReconstruction) {
   constexpr int kDim = 64, kKeys = 1500;
   const std::vector<float> keys = RandomNormal(kKeys * kDim, 2);

@@ -106,6 +106,8 @@ class ServerTest : public ::testing::Test {
   }
   v1::KvRecall::Stub& stub() { return server_->stub(); }
   InProcessServer& server() { return *server_; }
+  // Whether PLACEMENT_TIERED keeps its static sets on a GPU here (else in host memory).
+  bool TieredOnGpu() { return server().server().placements().tiered().front()->device() != "cpu"; }
 
   std::unique_ptr<InProcessServer> server_;
 };
@@ -463,6 +465,27 @@ class ReferenceSession {
   std::vector<std::vector<float>> keys_;
   std::vector<std::vector<float>> values_;
 };
+
+// The supports of a tiered exact top-K over layer 0 of `ref` for the step's queries q
+// ([q_heads, head_dim]): per query head the exact top `k` of the bulk [sinks, n - recent) and
+// the static set (the first `sinks` and last `recent` tokens), as token positions.
+inline std::vector<std::vector<int32_t>> TieredExactTopKSupports(const ReferenceSession& ref,
+                                                                 const std::vector<float>& q,
+                                                                 int k, int sinks, int recent) {
+  const v1::Geometry& g = ref.geometry();
+  const int64_t n = ref.tokens(0);
+  const KvView bulk = ref.view(0).Tokens(sinks, n - sinks - recent);
+  std::vector<std::vector<int32_t>> supports(g.q_heads());
+  for (int h = 0; h < g.q_heads(); ++h) {
+    supports[h] = ReferenceTopK(q.data() + h * g.head_dim(), bulk,
+                                KvHeadOf(h, g.q_heads(), g.kv_heads()), ref.scale(), k);
+    for (int32_t& t : supports[h]) t += sinks;
+    for (int64_t t = 0; t < n; ++t) {
+      if (t < sinks || t >= n - recent) supports[h].push_back(static_cast<int32_t>(t));
+    }
+  }
+  return supports;
+}
 
 // A server test whose sessions start from a ReferenceSession's prompt.
 class PrefilledSessionTest : public ServerTest {

@@ -29,8 +29,8 @@ using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
 using ::kvrecall::testing::PrefilledSessionTest;
 using ::kvrecall::testing::ReferenceSession;
-using ::kvrecall::testing::ReferenceTopK;
 using ::kvrecall::testing::TensorValues;
+using ::kvrecall::testing::TieredExactTopKSupports;
 
 constexpr int kSinks = 16;
 constexpr int kRecent = 48;
@@ -52,7 +52,7 @@ std::vector<int32_t> StaticSet(int64_t n) {
 
 class TieredPlacementTest : public PrefilledSessionTest {
  protected:
-  bool gpu_tier() { return server().server().placements().tiered().front()->device() != "cpu"; }
+  bool gpu_tier() { return TieredOnGpu(); }
   // The dtypes the static tier serves: every one on the host, the model's on a GPU.
   std::vector<v1::DType> Dtypes() {
     if (gpu_tier()) return {v1::DTYPE_BF16, v1::DTYPE_F16};
@@ -124,19 +124,13 @@ TEST_F(TieredPlacementTest, ExactTopKIsTheBulksTopKPlusTheStaticSet) {
       const std::vector<float> q = ref.Record(0, token);
       absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {id}, token, ref, false);
       ASSERT_TRUE(reply.ok()) << reply.status();
-      const int64_t n = ref.tokens(0);
-      // The bulk [sinks, n - recent) as a view of its own, positions offset by the sinks.
-      const KvView bulk = ref.view(0).Tokens(kSinks, n - kSinks - kRecent);
-      std::vector<std::vector<int32_t>> supports(g.q_heads());
+      const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
+      const std::vector<std::vector<int32_t>> supports =
+          TieredExactTopKSupports(ref, q, k, kSinks, kRecent);
       for (int h = 0; h < g.q_heads(); ++h) {
-        supports[h] = ReferenceTopK(q.data() + h * g.head_dim(), bulk,
-                                    KvHeadOf(h, g.q_heads(), g.kv_heads()), ref.scale(), k);
-        for (int32_t& t : supports[h]) t += kSinks;
-        const std::vector<int32_t> fixed = StaticSet(n);
-        supports[h].insert(supports[h].end(), fixed.begin(), fixed.end());
         const v1::HeadDiagnostics& head = reply->results(0).heads(h);
         EXPECT_EQ(head.support(), k + kSinks + kRecent);
-        EXPECT_EQ(head.candidates(), bulk.tokens) << "a flat scan scores the bulk alone";
+        EXPECT_EQ(head.candidates(), bulk) << "a flat scan scores the bulk alone";
       }
       ExpectOutputNear(TensorValues(reply->results(0).output()), ref.Attention(0, q, supports),
                        dtype, absl::StrCat("step ", step));

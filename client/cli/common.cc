@@ -45,6 +45,9 @@ ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per graph (
 ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
 ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
 ABSL_FLAG(int32_t, search_list, 0, "index: beam size of the decode-time search (0: default)");
+ABSL_FLAG(int32_t, shortlist, 0,
+          "tiered index / retopk: rescore each head's best N keys by product-quantized score on "
+          "the static tier instead of searching the graph (0: the graph)");
 ABSL_FLAG(int32_t, search_width, 0,
           "index: candidates the decode-time search expands per round (0: default)");
 ABSL_FLAG(std::string, graph_scope, "",
@@ -112,6 +115,7 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
   index->set_build_topk(absl::GetFlag(FLAGS_build_topk));
   index->set_max_degree(absl::GetFlag(FLAGS_max_degree));
   index->set_search_list_size(absl::GetFlag(FLAGS_search_list));
+  index->set_shortlist(absl::GetFlag(FLAGS_shortlist));
   index->set_search_width(absl::GetFlag(FLAGS_search_width));
   if (const std::string scope = absl::GetFlag(FLAGS_graph_scope); !scope.empty()) {
     absl::StatusOr<v1::GraphScope> parsed = ParseGraphScope(scope);

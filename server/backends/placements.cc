@@ -54,6 +54,11 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
 
 absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
                                                      const LayerConfig& config) {
+  if (config.selector.shortlist > 0 && placement != v1::PLACEMENT_TIERED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.index.shortlist is served by PLACEMENT_TIERED only (its codes live beside the "
+        "static set), not by ", v1::Placement_Name(placement)));
+  }
   if (placement == v1::PLACEMENT_CPU) {
     if (absl::Status s = cpu_.CheckConfig(config); !s.ok()) return s;
     return &cpu_;

@@ -7,12 +7,14 @@
 #include <utility>
 #include <vector>
 
+#include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "index/basic_selectors.h"
 #include "index/index_selector.h"
 #include "index/retopk.h"
+#include "index/shortlist_selector.h"
 #include "kernels/attention_state.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
@@ -44,10 +46,13 @@ SelectorParams ExactPathGraphParams(const SelectorParams& p) {
 }
 
 // The selector over the bulk for `config`, and whether its positions are relative to the bulk
-// (true) or token positions (the graph index). Streaming has none: the static set is all.
+// (true) or token positions (the graph index). Streaming has none: the static set is all. With
+// policy.index.shortlist, `shortlist` is the exact path's selector (the selector itself for
+// index, ReTopK's exact search for retopk), which each step's shortlists are handed to.
 struct BulkSelector {
   std::unique_ptr<SupportSelector> selector;
   bool relative = true;
+  ShortlistSelector* shortlist = nullptr;
 };
 
 absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
@@ -64,6 +69,12 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       // Bulk row r is token sinks + r; the prompt queries it is built from are offset so that
       // query r is the one of token sinks + recent + r, which sees bulk rows [0, r + recent].
       auto retopk = std::make_unique<ReTopKSelector>(config.shape, p.top_k, p.retopk, p.recent);
+      if (p.shortlist > 0) {
+        auto shortlist = std::make_unique<ShortlistSelector>(config.shape, p.top_k);
+        ShortlistSelector* exact = shortlist.get();
+        retopk->set_exact_search(std::move(shortlist));
+        return BulkSelector{std::move(retopk), true, exact};
+      }
       if (!p.retopk.exact_flat_scan) {
         // The exact path searches a graph index over the bulk view.
         retopk->set_exact_search(std::make_unique<IndexSelector>(
@@ -73,6 +84,11 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       return BulkSelector{std::move(retopk), true};
     }
     case SelectorKind::kIndex:
+      if (p.shortlist > 0) {
+        auto shortlist = std::make_unique<ShortlistSelector>(config.shape, p.top_k);
+        ShortlistSelector* exact = shortlist.get();
+        return BulkSelector{std::move(shortlist), true, exact};
+      }
       return BulkSelector{std::make_unique<IndexSelector>(
                               config.shape, p, /*bulk_only=*/true,
                               batch_topk != nullptr ? batch_topk : BatchTopKFunction(CpuBatchTopK)),
@@ -84,12 +100,14 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
 class TieredLayer final : public LayerBackend {
  public:
   TieredLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
-              BulkSelector bulk, std::unique_ptr<StaticSet> static_set)
+              BulkSelector bulk, std::unique_ptr<StaticSet> static_set,
+              std::unique_ptr<BulkCodes> codes)
       : config_(config),
         host_(host),
         kv_(std::move(kv)),
         bulk_(std::move(bulk)),
         static_set_(std::move(static_set)),
+        codes_(std::move(codes)),
         selections_(config.shape.q_heads),
         bulk_micros_(config.shape.q_heads),
         appended_(bulk_.selector.get()) {
@@ -102,20 +120,60 @@ class TieredLayer final : public LayerBackend {
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
-  // The static set has a slot for every token it will ever hold; only the host store grows
-  // (which may move the rows a deferred OnAppend reads: it finishes first).
+  // The static set has a slot for every token it will ever hold; the host store grows (which
+  // may move the rows a deferred OnAppend reads: it finishes first), and so do the codes of the
+  // bulk when the token pushes one out of the ring.
   absl::Status ReserveToken() override {
     appended_.Wait();
+    if (codes_ != nullptr) {
+      const SelectorParams& p = config_.selector;
+      if (absl::Status s = codes_->Reserve(BulkTokens(kv_.tokens() + 1, p.sinks, p.recent));
+          !s.ok()) {
+        return s;
+      }
+    }
     return kv_.Reserve(1, "the new token");
   }
   LayerMemory memory() const override {
-    return LayerMemory{kv_.allocated_bytes() + selector_bytes_, static_set_->device_bytes(),
-                       selector_bytes_};
+    const int64_t codes_host = codes_ != nullptr ? codes_->host_bytes() : 0;
+    const int64_t codes_device = codes_ != nullptr ? codes_->device_bytes() : 0;
+    return LayerMemory{kv_.allocated_bytes() + selector_bytes_ + codes_host,
+                       static_set_->device_bytes() + codes_device,
+                       selector_bytes_ + codes_host + codes_device};
   }
 
   const LayerConfig& config() const { return config_; }
   StaticSet* static_set() const { return static_set_.get(); }
   const LayerKvStore& kv() const { return kv_; }
+
+  // The static tier's part of a step on `all` (the history with the step's token), the
+  // shortlist's fields included when the layer has codes.
+  StaticSetStep StaticStep(const LayerStep& step, const KvView& all) {
+    StaticSetStep out{&config_, static_set_.get(), all, step.q, step.k_new, step.v_new, step.o,
+                      step.lse};
+    if (codes_ != nullptr) {
+      const int n = config_.selector.shortlist;
+      shortlist_ids_.resize(static_cast<size_t>(config_.shape.q_heads) * n);
+      shortlist_sizes_.resize(config_.shape.q_heads);
+      out.codes = codes_.get();
+      out.bulk = BulkView(all, config_.selector);
+      out.shortlist = n;
+      out.shortlist_ids = shortlist_ids_.data();
+      out.shortlist_sizes = shortlist_sizes_.data();
+    }
+    return out;
+  }
+  // Hands the shortlists WaitShortlists left in this layer's buffers to the exact path.
+  void TakeShortlists() {
+    if (codes_ == nullptr) return;
+    const int n = config_.selector.shortlist;
+    const LayerShape& shape = config_.shape;
+    for (int h = 0; h < shape.q_heads; ++h) {
+      bulk_.shortlist->SetShortlist(
+          h, std::span<const int32_t>(shortlist_ids_.data() + int64_t{h} * n, shortlist_sizes_[h]),
+          codes_->outliers(KvHeadOf(h, shape.q_heads, shape.kv_heads)), codes_->coded());
+    }
+  }
 
   // Writes the step's token into the reserved host row (not committed yet) and returns the
   // history including it.
@@ -153,6 +211,8 @@ class TieredLayer final : public LayerBackend {
   LayerKvStore kv_;
   BulkSelector bulk_;
   std::unique_ptr<StaticSet> static_set_;
+  std::unique_ptr<BulkCodes> codes_;  // null without policy.index.shortlist (or a bulk at prefill)
+  std::vector<int32_t> shortlist_ids_, shortlist_sizes_;  // the step's, [q_heads, shortlist]
   int64_t selector_bytes_ = 0;
   int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
   std::vector<HeadSelection> selections_;  // per query head, reused across steps
@@ -241,12 +301,13 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
   ChargeSelectorBytes();
 }
 
-// Whether two layers' static sets step in one launch: the same shapes, dtype and static set.
+// Whether two layers' static sets step in one launch: the same shapes, dtype, static set and
+// shortlist size.
 bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
   return a.shape.q_heads == b.shape.q_heads && a.shape.kv_heads == b.shape.kv_heads &&
          a.shape.head_dim == b.shape.head_dim && a.shape.scale == b.shape.scale &&
          a.dtype == b.dtype && a.selector.sinks == b.selector.sinks &&
-         a.selector.recent == b.selector.recent;
+         a.selector.recent == b.selector.recent && a.selector.shortlist == b.selector.shortlist;
 }
 
 }  // namespace
@@ -272,8 +333,22 @@ int64_t TieredBackend::HostKvBytesFor(const LayerConfig& config, int64_t tokens)
 
 int64_t TieredBackend::PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const {
   const SelectorParams& p = config.selector;
+  if (p.shortlist > 0) {
+    // No graph: ReTopK's seeds alone; the shortlist's codes are learned from the keys.
+    return p.kind == SelectorKind::kReTopK ? kvrecall::PromptQueriesNeeded(p, tokens) : 0;
+  }
   if (p.kind == SelectorKind::kReTopK && !p.retopk.exact_flat_scan) return tokens;
   return kvrecall::PromptQueriesNeeded(p, tokens);
+}
+
+int64_t TieredBackend::DeviceBytesFor(const LayerConfig& config, int64_t tokens) const {
+  int64_t bytes = tier_->DeviceBytesFor(config);
+  const SelectorParams& p = config.selector;
+  if (p.shortlist > 0 && tier_->device_budget() != nullptr) {
+    bytes += BulkCodes::CodeBytesFor(config, BulkTokens(tokens, p.sinks, p.recent)) +
+             BulkCodes::CodebookBytesFor(config);
+  }
+  return bytes;
 }
 
 int64_t TieredBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
@@ -281,6 +356,17 @@ int64_t TieredBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t
   const SelectorParams& p = config.selector;
   // The bulk selectors hold what the CPU placement's do (the graph index reads the whole
   // history and knows its bulk), and ReTopK's exact path its graph over the bulk.
+  if (p.shortlist > 0) {
+    // No graph: ReTopK's caches (index: nothing), the quantizers, and on the host tier the codes.
+    int64_t bytes = p.kind == SelectorKind::kReTopK
+                        ? SelectorStateBytesBound(p, config.shape, tokens, build_threads)
+                        : 0;
+    bytes += BulkCodes::CodebookBytesFor(config);
+    if (tier_->device_budget() == nullptr) {
+      bytes += BulkCodes::CodeBytesFor(config, BulkTokens(tokens, p.sinks, p.recent));
+    }
+    return bytes;
+  }
   int64_t bytes = SelectorStateBytesBound(p, config.shape, tokens, build_threads);
   if (p.kind == SelectorKind::kReTopK && !p.retopk.exact_flat_scan) {
     bytes += SelectorStateBytesBound(ExactPathGraphParams(p), config.shape,
@@ -297,6 +383,9 @@ absl::Status TieredBackend::CheckConfig(const LayerConfig& config) const {
         "token");
   }
   if (absl::Status s = tier_->CheckConfig(config); !s.ok()) return s;
+  if (p.shortlist > 0) {
+    if (absl::Status s = BulkCodes::CheckConfig(config); !s.ok()) return s;
+  }
   // Making the selector surfaces knobs this build cannot serve; nothing is allocated before
   // Build.
   return MakeBulkSelector(config, nullptr).status();
@@ -360,6 +449,20 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
   absl::StatusOr<std::unique_ptr<StaticSet>> static_set =
       tier_->Build(config, accounts.device, all);
   if (!static_set.ok()) return static_set.status();
+  std::unique_ptr<BulkCodes> codes;
+  if (p.shortlist > 0) {
+    // The quantizers learn from the prompt's bulk; a prompt without one is served by the
+    // shortlist selector's scan of the (then short) bulk instead.
+    const KvView bulk = BulkView(all, p);
+    if (bulk.tokens > 0) {
+      const int64_t capacity = BulkTokens(std::max(config.expected_tokens, all.tokens + 1),
+                                          p.sinks, p.recent);
+      absl::StatusOr<std::unique_ptr<BulkCodes>> built =
+          tier_->BuildCodes(config, accounts, bulk, capacity);
+      if (!built.ok()) return built.status();
+      codes = *std::move(built);
+    }
+  }
   if (config.expected_tokens > staged.kv.tokens()) {
     if (absl::Status s = staged.kv.Reserve(config.expected_tokens - staged.kv.tokens(),
                                            "the announced max_tokens");
@@ -368,7 +471,8 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
     }
   }
   return std::make_unique<TieredLayer>(config, accounts.host, std::move(staged.kv),
-                                       *std::move(bulk), *std::move(static_set));
+                                       *std::move(bulk), *std::move(static_set),
+                                       std::move(codes));
 }
 
 std::unique_ptr<StepContext> TieredBackend::NewStepContext() {
@@ -397,18 +501,26 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   ctx.bulk_lse.resize(n * heads);
   ctx.static_steps.clear();
   ctx.histories.clear();
+  bool shortlists = false;
   for (const LayerStep& step : batch) {
     auto& layer = *static_cast<TieredLayer*>(step.layer);
     ctx.histories.push_back(layer.StageToken(step));
-    ctx.static_steps.push_back(StaticSetStep{&layer.config(), layer.static_set(),
-                                             ctx.histories.back(), step.q, step.k_new,
-                                             step.v_new, step.o, step.lse});
+    ctx.static_steps.push_back(layer.StaticStep(step, ctx.histories.back()));
+    shortlists |= ctx.static_steps.back().codes != nullptr;
   }
-  // The static sets on their tier while the CPU works through the bulk.
+  // The static sets on their tier while the CPU works through the bulk (after the shortlists,
+  // which the bulk's exact paths wait for).
   if (absl::Status s = tier_->Start(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
   }
   const absl::Time bulk_start = absl::Now();
+  if (shortlists) {
+    if (absl::Status s = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
+        !s.ok()) {
+      return s;
+    }
+    for (const LayerStep& step : batch) static_cast<TieredLayer*>(step.layer)->TakeShortlists();
+  }
   double link_wait = 0;
   int64_t work = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -482,6 +594,79 @@ class HostStaticSet final : public StaticSet {
   int64_t device_bytes() const override { return 0; }
 };
 
+// The bulk's codes in host memory ([kv_heads][capacity, M]), scanned on the CPU: the shortlist's
+// arithmetic of the GPU tier (ProductQuantizer's, which kernels/cuda/pq_shortlist.h is held to),
+// so that the placement composes without a device.
+class HostBulkCodes final : public BulkCodes {
+ public:
+  static absl::StatusOr<std::unique_ptr<HostBulkCodes>> Create(const KvView& bulk,
+                                                               MemoryAccount* host,
+                                                               int64_t capacity) {
+    absl::StatusOr<std::vector<ProductQuantizer>> quantizers = Train(bulk);
+    if (!quantizers.ok()) return quantizers.status();
+    auto codes = absl::WrapUnique(new HostBulkCodes(*std::move(quantizers), host));
+    if (absl::Status s = host->Reserve(codes->quantizer_bytes(), "the shortlist's codebooks");
+        !s.ok()) {
+      return s;
+    }
+    codes->charged_ = codes->quantizer_bytes();
+    if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
+    codes->Append(bulk);
+    return codes;
+  }
+  ~HostBulkCodes() override { host_->Release(charged_); }
+
+  int64_t host_bytes() const override { return charged_; }
+  int64_t device_bytes() const override { return 0; }
+  absl::Status Reserve(int64_t rows) override {
+    if (rows <= capacity_) return absl::OkStatus();
+    const int64_t grown = std::max(rows, 2 * capacity_);
+    const int64_t bytes = (grown - capacity_) * kv_heads() * subspaces_;
+    if (absl::Status s = host_->Reserve(bytes, "the shortlist's codes"); !s.ok()) return s;
+    charged_ += bytes;
+    for (std::vector<uint8_t>& head : codes_) head.resize(grown * subspaces_);
+    capacity_ = grown;
+    return absl::OkStatus();
+  }
+  // Codes the bulk's rows [coded(), bulk.tokens) (Reserve made room for them).
+  void Append(const KvView& bulk) {
+    if (bulk.tokens <= coded_) return;
+    const int64_t n = bulk.tokens - coded_;
+    scratch_.resize(n * kv_heads() * subspaces_);
+    EncodeRows(bulk, coded_, bulk.tokens, scratch_.data());
+    for (int h = 0; h < kv_heads(); ++h) {
+      std::copy_n(scratch_.data() + h * n * subspaces_, n * subspaces_,
+                  codes_[h].data() + coded_ * subspaces_);
+    }
+    coded_ = bulk.tokens;
+  }
+  // The best `n` of the first `rows` coded rows for query head q_head's query q.
+  void Shortlist(const LayerShape& shape, int q_head, const float* q, int64_t rows, int n,
+                 int32_t* ids, int32_t* size) const {
+    const int kv_head = KvHeadOf(q_head, shape.q_heads, shape.kv_heads);
+    thread_local std::vector<float> table, scores;
+    thread_local std::vector<int32_t> positions;
+    table.resize(static_cast<size_t>(subspaces_) * ProductQuantizer::kCentroids);
+    scores.resize(rows);
+    quantizers_[kv_head].QueryTable(q, table.data());
+    ProductQuantizer::ScanCodes(table.data(), codes_[kv_head].data(), rows, subspaces_,
+                                scores.data());
+    cpu::TopKPositions(scores, n, &positions);
+    std::copy(positions.begin(), positions.end(), ids);
+    *size = static_cast<int32_t>(positions.size());
+  }
+
+ private:
+  HostBulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
+      : BulkCodes(std::move(quantizers)), host_(host), codes_(kv_heads()) {}
+
+  MemoryAccount* const host_;
+  std::vector<std::vector<uint8_t>> codes_;
+  std::vector<uint8_t> scratch_;
+  int64_t capacity_ = 0;
+  int64_t charged_ = 0;
+};
+
 class HostStaticSetTier final : public StaticSetTier {
  public:
   const std::string& device() const override { return device_; }
@@ -492,18 +677,52 @@ class HostStaticSetTier final : public StaticSetTier {
                                                    const KvView&) override {
     return std::make_unique<HostStaticSet>();
   }
+  absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(const LayerConfig&,
+                                                         const SessionAccounts& accounts,
+                                                         const KvView& bulk,
+                                                         int64_t capacity) override {
+    absl::StatusOr<std::unique_ptr<HostBulkCodes>> codes =
+        HostBulkCodes::Create(bulk, accounts.host, capacity);
+    if (!codes.ok()) return codes.status();
+    return std::unique_ptr<BulkCodes>(*std::move(codes));
+  }
   std::unique_ptr<StepContext> NewStepContext() override {
     return std::make_unique<StepContext>();
   }
-  // The static set is read from the host KV, which has the new token already.
-  absl::Status Start(std::span<const StaticSetStep>, StepContext*) override {
+  // The static set is read from the host KV, which has the new token already; the bulk's new
+  // rows are coded here.
+  absl::Status Start(std::span<const StaticSetStep> steps, StepContext*) override {
+    for (const StaticSetStep& step : steps) {
+      if (step.codes != nullptr) static_cast<HostBulkCodes*>(step.codes)->Append(step.bulk);
+    }
     return absl::OkStatus();
   }
+  // Every (sequence, head)'s shortlist on the compute pool.
+  absl::Status WaitShortlists(std::span<const StaticSetStep> steps, StepContext*) override;
   absl::Status Finish(std::span<const StaticSetStep> steps, StepContext*) override;
 
  private:
   const std::string device_ = "cpu";
 };
+
+absl::Status HostStaticSetTier::WaitShortlists(std::span<const StaticSetStep> steps,
+                                               StepContext*) {
+  const LayerShape& shape = steps.front().config->shape;
+  const int heads = shape.q_heads;
+  const int64_t items = static_cast<int64_t>(steps.size()) * heads;
+  int64_t work = 0;
+  for (const StaticSetStep& step : steps) work += step.bulk.tokens * heads;
+  cpu::ParallelFor(items, cpu::ThreadsFor(work, items), [&](int64_t item) {
+    const StaticSetStep& step = steps[static_cast<size_t>(item / heads)];
+    if (step.codes == nullptr) return;
+    const int h = static_cast<int>(item % heads);
+    static_cast<const HostBulkCodes*>(step.codes)
+        ->Shortlist(shape, h, step.q + int64_t{h} * shape.head_dim, step.bulk.tokens,
+                    step.shortlist, step.shortlist_ids + int64_t{h} * step.shortlist,
+                    step.shortlist_sizes + h);
+  });
+  return absl::OkStatus();
+}
 
 absl::Status HostStaticSetTier::Finish(std::span<const StaticSetStep> steps,
                                        StepContext* context) {

@@ -22,6 +22,7 @@
 #include "index/batch_topk.h"
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
+#include "server/backends/bulk_codes.h"
 
 namespace kvrecall {
 
@@ -43,6 +44,16 @@ struct StaticSetStep {
   const float* v_new = nullptr;
   float* o = nullptr;            // out: [q_heads, head_dim], the state over the static set
   float* lse = nullptr;          // out: [q_heads]
+  // The bulk's shortlist (policy.index.shortlist), when the layer has codes (else null): the
+  // layer's bulk this step ([sinks, tokens - recent) of host_kv; Start codes its rows not coded
+  // yet), and, once WaitShortlists returned, each query head's best `shortlist` coded bulk rows
+  // by approximate score: shortlist_ids [q_heads, shortlist] (host memory, positions in the
+  // bulk, in no particular order) and shortlist_sizes [q_heads].
+  BulkCodes* codes = nullptr;
+  KvView bulk;
+  int shortlist = 0;
+  int32_t* shortlist_ids = nullptr;
+  int32_t* shortlist_sizes = nullptr;
 };
 
 // Where static sets live: a GPU (server/backends/gpu_static_set.cc) or, on a machine without
@@ -64,10 +75,21 @@ class StaticSetTier {
   virtual absl::StatusOr<std::unique_ptr<StaticSet>> Build(const LayerConfig& config,
                                                            MemoryAccount* device,
                                                            const KvView& prompt) = 0;
+  // The codes of a layer's bulk at prefill (`bulk`: [tokens, kv_heads, head_dim], at least one
+  // token) with room for `capacity` rows: the codes charged to the tier's memory (accounts.device
+  // on a GPU, accounts.host on the host tier), the quantizers to accounts.host.
+  virtual absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(const LayerConfig& config,
+                                                                 const SessionAccounts& accounts,
+                                                                 const KvView& bulk,
+                                                                 int64_t capacity) = 0;
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
   // Appends each step's token to its static set and starts attending; every step shares
-  // SameStaticSet. The results are in the steps' o and lse once Finish returned OK.
+  // SameStaticSet. Steps with codes also code their new bulk rows and start their shortlists
+  // (before the static sets: the host waits for them). The shortlists are in the steps' ids once
+  // WaitShortlists returned OK, the static-set results in o and lse once Finish did.
   virtual absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) = 0;
+  virtual absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
+                                      StepContext* context) = 0;
   virtual absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   // The graph index build's batch top-k on this tier's device (null: on the CPU).
   virtual BatchTopKFunction batch_topk() const { return nullptr; }
@@ -92,12 +114,12 @@ class TieredBackend final : public AttentionBackend {
   MemoryBudget* device_budget() const override { return tier_->device_budget(); }
 
   absl::Status CheckConfig(const LayerConfig& config) const override;
-  int64_t DeviceBytesFor(const LayerConfig& config, int64_t) const override {
-    return tier_->DeviceBytesFor(config);
-  }
+  // The static set, and on a device tier the shortlist's codes of a bulk of `tokens`.
+  int64_t DeviceBytesFor(const LayerConfig& config, int64_t tokens) const override;
   // The complete KV in the session's dtype.
   int64_t HostKvBytesFor(const LayerConfig& config, int64_t tokens) const override;
-  // ReTopK's exact path searches the graph index, built from every prompt query.
+  // ReTopK's exact path searches the graph index, built from every prompt query (unless a
+  // shortlist replaces the graph).
   int64_t PromptQueriesNeeded(const LayerConfig& config, int64_t tokens) const override;
   int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
                                  int build_threads) const override;

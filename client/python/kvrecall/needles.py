@@ -8,6 +8,9 @@ compare_exact `retained_mass`).
   PYTHONPATH=client/python python3 -m kvrecall.needles --server ADDR --trace t.safetensors \
       --runs full exact_topk:512 streaming:512 index:512 retopk:512 --json
 
+A run is selector[:K][/placement][/knob=value...]: the CPU placement unless named (cpu, gpu,
+tiered); knobs of policy.index (e.g. index:512/tiered/shortlist=2048).
+
 Every decode step of the trace is replayed in order (ReTopK's cache depends on the steps between
 needles); only the needle steps ask the server for compare_exact diagnostics.
 """
@@ -41,10 +44,19 @@ def read_safetensors(path):
 
 
 def policy_for(spec):
-    selector, _, k = spec.partition(":")
+    head, *rest = spec.split("/")
+    selector, _, k = head.partition(":")
+    placement = "cpu"
+    index = {}
+    for part in rest:
+        if "=" in part:
+            key, _, value = part.partition("=")
+            index[key] = int(value)
+        else:
+            placement = part
     if selector == "streaming" and k:
-        return make_policy("streaming", sinks=128, recent=int(k) - 128)
-    return make_policy(selector, top_k=int(k or 0))
+        return make_policy("streaming", placement, sinks=128, recent=int(k) - 128)
+    return make_policy(selector, placement, top_k=int(k or 0), index=index or None)
 
 
 def replay(client, trace, spec):

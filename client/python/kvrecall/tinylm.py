@@ -184,7 +184,8 @@ def policy_from_args(a):
     index = {k: v for k, v in (("build_queries", a.build_queries), ("build_topk", a.build_topk),
                                ("max_degree", a.max_degree),
                                ("search_list_size", a.search_list_size),
-                               ("search_width", a.search_width)) if v is not None}
+                               ("search_width", a.search_width),
+                               ("shortlist", a.shortlist)) if v is not None}
     return make_policy(a.policy, a.placement, top_k=a.k, sinks=a.sinks, recent=a.recent,
                        retopk=retopk, index=index)
 
@@ -276,7 +277,7 @@ def parser():
     for name, typ in (("cache-capacity", int), ("reuse-neighbors", int), ("recent-window", int),
                       ("tau", float), ("refresh-interval", int), ("target-recall", float),
                       ("build-queries", int), ("build-topk", int), ("max-degree", int),
-                      ("search-list-size", int), ("search-width", int)):
+                      ("search-list-size", int), ("search-width", int), ("shortlist", int)):
         ap.add_argument("--" + name, type=typ)
     ap.add_argument("--auto-tau", action="store_true", default=None)
     ap.add_argument("--exact-flat-scan", action="store_true", default=None,

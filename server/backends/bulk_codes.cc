@@ -1,0 +1,90 @@
+#include "server/backends/bulk_codes.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/attention.h"
+
+namespace kvrecall {
+ProductQuantizerParams BulkCodes::TrainingParams(int head_dim) {
+  ProductQuantizerParams params;
+  params.subspaces = SubspacesFor(head_dim);
+  params.training_keys = 16384;
+  params.iterations = 8;
+  return params;
+}
+
+absl::Status BulkCodes::CheckConfig(const LayerConfig& config) {
+  const int d = config.shape.head_dim;
+  if (d % kDimsPerCode != 0 || d / kDimsPerCode > 16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.index.shortlist needs head_dim a multiple of ", kDimsPerCode, " up to ",
+        16 * kDimsPerCode, " (one code byte per ", kDimsPerCode, " dims), got ", d));
+  }
+  return absl::OkStatus();
+}
+
+int64_t BulkCodes::CodeBytesFor(const LayerConfig& config, int64_t rows) {
+  return rows * config.shape.kv_heads * SubspacesFor(config.shape.head_dim);
+}
+
+int64_t BulkCodes::CodebookBytesFor(const LayerConfig& config) {
+  return int64_t{config.shape.kv_heads} * ProductQuantizer::kCentroids * config.shape.head_dim *
+         static_cast<int64_t>(sizeof(float));
+}
+
+int64_t BulkCodes::quantizer_bytes() const {
+  int64_t bytes = 0;
+  for (const ProductQuantizer& pq : quantizers_) {
+    bytes += static_cast<int64_t>(pq.codebooks().size() * sizeof(float));
+  }
+  return bytes;
+}
+
+absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bulk) {
+  std::vector<ProductQuantizer> quantizers;
+  const ProductQuantizerParams params = TrainingParams(bulk.head_dim);
+  for (int h = 0; h < bulk.kv_heads; ++h) {
+    absl::StatusOr<ProductQuantizer> pq =
+        ProductQuantizer::Train(VectorSet::KeysOf(bulk, h, 0, bulk.tokens), params);
+    if (!pq.ok()) return pq.status();
+    quantizers.push_back(*std::move(pq));
+  }
+  return quantizers;
+}
+
+BulkCodes::BulkCodes(std::vector<ProductQuantizer> quantizers)
+    : quantizers_(std::move(quantizers)),
+      outliers_(quantizers_.size()),
+      subspaces_(quantizers_.empty() ? 0 : quantizers_.front().subspaces()) {}
+
+void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes) {
+  const int64_t n = end - begin;
+  const bool first = outlier_threshold_.empty();
+  std::vector<float> errors(n), key(bulk.head_dim), back(bulk.head_dim);
+  for (int h = 0; h < kv_heads(); ++h) {
+    const VectorSet keys = VectorSet::KeysOf(bulk, h, begin, end);
+    uint8_t* head_codes = codes + h * n * subspaces_;
+    quantizers_[h].Encode(keys, head_codes);
+    for (int64_t i = 0; i < n; ++i) {
+      cpu::LoadRow(keys.row_data(i), keys.element, keys.dim, key.data());
+      quantizers_[h].Reconstruct(head_codes + i * subspaces_, back.data());
+      float error = 0.0f;
+      for (int j = 0; j < keys.dim; ++j) error += (key[j] - back[j]) * (key[j] - back[j]);
+      errors[i] = error;
+    }
+    if (first) {
+      // The prompt's bulk sets the bar: its 1/kOutlierShare worst-coded keys are above it.
+      std::vector<float> sorted = errors;
+      const int64_t rank = n - 1 - n / kOutlierShare;
+      std::nth_element(sorted.begin(), sorted.begin() + rank, sorted.end());
+      outlier_threshold_.push_back(sorted[rank]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (errors[i] > outlier_threshold_[h]) outliers_[h].push_back(static_cast<int32_t>(begin + i));
+    }
+  }
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,75 @@
+// The product-quantized copy of a tiered layer's bulk keys (policy.index.shortlist): per KV head
+// a quantizer trained at prefill on the bulk (index/product_quantizer.h, one code byte per 16
+// dims of a key), and the codes of the bulk's keys on the static tier, which every step scans
+// for each query head's shortlist (index/shortlist_selector.h rescores it). The host tier keeps
+// the codes in host memory and scans them on the CPU (the stand-in); the GPU tier keeps them in
+// device memory and scans them there (server/backends/gpu_static_set.cc).
+#ifndef KVRECALL_SERVER_BACKENDS_BULK_CODES_H_
+#define KVRECALL_SERVER_BACKENDS_BULK_CODES_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "index/product_quantizer.h"
+#include "kernels/kv_view.h"
+#include "server/backends/attention_backend.h"
+
+namespace kvrecall {
+
+class BulkCodes {
+ public:
+  // Key dims per code byte: the codes are 1/32 of bf16 keys' bytes.
+  static constexpr int kDimsPerCode = 16;
+  // INVALID_ARGUMENT naming the field unless `config`'s head_dim is a multiple of 16 up to 256.
+  static absl::Status CheckConfig(const LayerConfig& config);
+  static int SubspacesFor(int head_dim) { return head_dim / kDimsPerCode; }
+  // Bytes of `rows` coded bulk rows (every KV head) of `config`, and of its codebooks (f32).
+  static int64_t CodeBytesFor(const LayerConfig& config, int64_t rows);
+  static int64_t CodebookBytesFor(const LayerConfig& config);
+  // How the quantizers of a layer of `head_dim` are trained (bench/results/pq_shortlist.md):
+  // enough sampled keys and rounds for the shortlist's recall, few enough for the prefill.
+  static ProductQuantizerParams TrainingParams(int head_dim);
+
+  virtual ~BulkCodes() = default;
+
+  // Bulk rows coded so far: [0, coded()).
+  int64_t coded() const { return coded_; }
+  // The coded bulk rows of `kv_head` whose codes misrepresent their key most (the largest
+  // reconstruction errors: above the prompt bulk's 1 - 1/kOutlierShare quantile), which every
+  // exact step rescores whatever the shortlist says: a key unlike the others (a needle) is the
+  // one a product quantizer codes worst and the one attention may need most.
+  std::span<const int32_t> outliers(int kv_head) const { return outliers_[kv_head]; }
+  static constexpr int kOutlierShare = 512;
+  int subspaces() const { return subspaces_; }
+  int kv_heads() const { return static_cast<int>(quantizers_.size()); }
+  const ProductQuantizer& quantizer(int kv_head) const { return quantizers_[kv_head]; }
+  // Host bytes: the quantizers the host encodes new keys with (and the codes, on the host tier).
+  virtual int64_t host_bytes() const { return quantizer_bytes(); }
+  virtual int64_t device_bytes() const = 0;
+  // Room for `rows` coded bulk rows in all (RESOURCE_EXHAUSTED naming the budget: nothing
+  // changed).
+  virtual absl::Status Reserve(int64_t rows) = 0;
+
+ protected:
+  // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token).
+  static absl::StatusOr<std::vector<ProductQuantizer>> Train(const KvView& bulk);
+  explicit BulkCodes(std::vector<ProductQuantizer> quantizers);
+  int64_t quantizer_bytes() const;
+  // codes [kv_heads, end - begin, M]: rows [begin, end) of `bulk` encoded (on the calling
+  // thread's OpenMP team when there are many), and those among them beyond the outlier
+  // threshold added to the outliers (the first call, the prompt's bulk, sets the threshold).
+  void EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes);
+
+  std::vector<ProductQuantizer> quantizers_;
+  std::vector<std::vector<int32_t>> outliers_;  // [kv_heads][...] bulk rows
+  std::vector<float> outlier_threshold_;        // [kv_heads]: squared reconstruction error
+  int subspaces_ = 0;
+  int64_t coded_ = 0;
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_BACKENDS_BULK_CODES_H_

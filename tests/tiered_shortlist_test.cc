@@ -1,0 +1,305 @@
+// PLACEMENT_TIERED with policy.index.shortlist, served by an in-process server over loopback
+// gRPC: the bulk's keys product-quantized on the static tier (the GPU where there is one, the
+// host otherwise), each step's shortlist of every query head rescored exactly on the host.
+// Against brute force: a shortlist as long as the bulk is the bulk's exact top-K (index and
+// ReTopK's exact path); a short one is the exact top-K of what a reproduction of the quantizers
+// (same training, same codes) lists, its worst-coded keys (outliers) included, while decoding
+// grows the codes past the room reserved at prefill; GetSession counts the codes on the tier
+// that holds them; what is refused, by name.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "index/basic_selectors.h"
+#include "index/product_quantizer.h"
+#include "kernels/cpu/attention.h"
+#include "server/backends/bulk_codes.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::CreateSession;
+using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::ExpectOutputNear;
+using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::MakeGeometry;
+using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::PrefilledSessionTest;
+using ::kvrecall::testing::ReferenceSession;
+using ::kvrecall::testing::TensorValues;
+using ::kvrecall::testing::TieredExactTopKSupports;
+using ::testing::HasSubstr;
+
+constexpr int kSinks = 16;
+constexpr int kRecent = 48;
+
+v1::Policy ShortlistPolicy(v1::Selector selector, int top_k, int shortlist) {
+  v1::Policy p = MakePolicy(selector, top_k, kSinks, kRecent);
+  p.set_placement(v1::PLACEMENT_TIERED);
+  p.mutable_index()->set_shortlist(shortlist);
+  if (selector == v1::SELECTOR_RETOPK) p.mutable_retopk()->set_tau(2.0f);  // never reuse
+  return p;
+}
+
+// Token positions of the static set of a layer of n tokens.
+std::vector<int32_t> StaticSet(int64_t n) {
+  std::vector<int32_t> ids;
+  AppendStaticSet(n, kSinks, kRecent, &ids);
+  return ids;
+}
+
+// What the server's codes hold, rebuilt from the reference's keys: the quantizers trained on the
+// prompt's bulk as BulkCodes trains them, every bulk row coded, and the outliers: rows whose
+// reconstruction error exceeds the prompt bulk's 1 - 1/kOutlierShare quantile.
+class ReproducedCodes {
+ public:
+  explicit ReproducedCodes(const KvView& prompt_bulk) {
+    for (int h = 0; h < prompt_bulk.kv_heads; ++h) {
+      absl::StatusOr<ProductQuantizer> pq =
+          ProductQuantizer::Train(VectorSet::KeysOf(prompt_bulk, h, 0, prompt_bulk.tokens),
+                                  BulkCodes::TrainingParams(prompt_bulk.head_dim));
+      EXPECT_TRUE(pq.ok()) << pq.status();
+      quantizers_.push_back(*std::move(pq));
+      std::vector<float> errors = Errors(prompt_bulk, h);
+      const int64_t rank = prompt_bulk.tokens - 1 - prompt_bulk.tokens / BulkCodes::kOutlierShare;
+      std::nth_element(errors.begin(), errors.begin() + rank, errors.end());
+      thresholds_.push_back(errors[rank]);
+    }
+  }
+  // Query head h's candidates (its best `n` bulk rows by ADC score and its KV head's outliers)
+  // and its support: their exact top K, as token positions.
+  std::vector<int32_t> Support(const float* q, int q_heads, int h, const KvView& bulk, int n,
+                               int k, float scale, int64_t* candidates) const {
+    const int kv_head = KvHeadOf(h, q_heads, bulk.kv_heads);
+    const ProductQuantizer& pq = quantizers_[kv_head];
+    std::vector<uint8_t> codes(bulk.tokens * pq.subspaces());
+    pq.Encode(VectorSet::KeysOf(bulk, kv_head, 0, bulk.tokens), codes.data());
+    std::vector<float> table(pq.subspaces() * ProductQuantizer::kCentroids), adc(bulk.tokens);
+    pq.QueryTable(q, table.data());
+    ProductQuantizer::ScanCodes(table.data(), codes.data(), bulk.tokens, pq.subspaces(),
+                                adc.data());
+    std::vector<int32_t> shortlist, best;
+    cpu::TopKPositions(adc, n, &shortlist);
+    const std::vector<float> errors = Errors(bulk, kv_head);
+    for (int64_t i = 0; i < bulk.tokens; ++i) {
+      if (errors[i] > thresholds_[kv_head] &&
+          std::find(shortlist.begin(), shortlist.end(), i) == shortlist.end()) {
+        shortlist.push_back(static_cast<int32_t>(i));
+      }
+    }
+    *candidates = static_cast<int64_t>(shortlist.size());
+    std::vector<float> exact(shortlist.size());
+    cpu::ScoreTokens(q, bulk, kv_head, shortlist, scale, exact.data());
+    cpu::TopKPositions(exact, k, &best);
+    std::vector<int32_t> support;
+    for (int32_t i : best) support.push_back(shortlist[i] + kSinks);
+    return support;
+  }
+
+ private:
+  // Squared reconstruction error of every key of `kv_head` in `bulk`.
+  std::vector<float> Errors(const KvView& bulk, int kv_head) const {
+    const ProductQuantizer& pq = quantizers_[kv_head];
+    std::vector<uint8_t> code(pq.subspaces());
+    std::vector<float> back(bulk.head_dim), errors(bulk.tokens);
+    for (int64_t i = 0; i < bulk.tokens; ++i) {
+      const VectorSet key = VectorSet::KeysOf(bulk, kv_head, i, i + 1);
+      pq.Encode(key, code.data());
+      pq.Reconstruct(code.data(), back.data());
+      const float* x = static_cast<const float*>(bulk.key_row(i, kv_head));
+      float error = 0.0f;
+      for (int j = 0; j < bulk.head_dim; ++j) error += (x[j] - back[j]) * (x[j] - back[j]);
+      errors[i] = error;
+    }
+    return errors;
+  }
+
+  std::vector<ProductQuantizer> quantizers_;
+  std::vector<float> thresholds_;
+};
+
+class TieredShortlistTest : public PrefilledSessionTest {
+ protected:
+  bool gpu_tier() { return TieredOnGpu(); }
+  v1::DType dtype() { return gpu_tier() ? v1::DTYPE_BF16 : v1::DTYPE_F32; }
+  absl::StatusOr<v1::DecodeResponse> Step(DecodeClient& client,
+                                          const std::vector<std::string>& ids,
+                                          const ReferenceSession::Token& token,
+                                          const ReferenceSession& ref) {
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    request.set_diagnostics(true);
+    for (const std::string& id : ids) *request.add_steps() = ref.Step(id, token);
+    return client.Step(request);
+  }
+};
+
+TEST_F(TieredShortlistTest, AShortlistAsLongAsTheBulkIsTheBulksExactTopK) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 900, 51);
+  const int k = 40;
+  const std::string index_id =
+      CreateAndPrefill(ref, ShortlistPolicy(v1::SELECTOR_INDEX, k, 4096), 300);
+  const std::string retopk_id =
+      CreateAndPrefill(ref, ShortlistPolicy(v1::SELECTOR_RETOPK, k, 4096), 300);
+  DecodeClient client(stub());
+  for (int step = 0; step < 8; ++step) {
+    const ReferenceSession::Token token = ref.MakeToken(700 + step);
+    const std::vector<float> q = ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply = Step(client, {index_id, retopk_id}, token, ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
+    const std::vector<std::vector<int32_t>> supports =
+        TieredExactTopKSupports(ref, q, k, kSinks, kRecent);
+    for (const v1::SequenceResult& result : reply->results()) {
+      for (const v1::HeadDiagnostics& head : result.heads()) {
+        EXPECT_NE(head.path(), v1::PATH_REUSE);
+        EXPECT_EQ(head.candidates(), bulk) << "the whole bulk, shortlisted";
+        EXPECT_EQ(head.support(), k + kSinks + kRecent);
+      }
+      ExpectOutputNear(TensorValues(result.output()), ref.Attention(0, q, supports), dtype(),
+                       absl::StrCat("step ", step));
+    }
+  }
+}
+
+// A prompt of 3000 tokens announced as 3000 (the codes' room is the prompt's bulk), then 300
+// steps: the codes grow (twice over) while every step's support stays the reproduction's.
+TEST_F(TieredShortlistTest, AShortShortlistIsRescoredExactlyWhileTheCodesGrow) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 3000, 53);
+  const int k = 32, n = 96;
+  const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, n);
+  v1::CreateSessionRequest create;
+  *create.mutable_geometry() = g;
+  *create.mutable_policy() = policy;
+  create.set_max_tokens(3000);
+  v1::CreateSessionResponse created;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub().CreateSession(&context, create, &created).ok());
+  const std::string* id = &created.session_id();
+  absl::StatusOr<v1::PrefillResponse> prefilled =
+      testing::Prefill(stub(), ref.InterleavedPrompt(*id, 1000));
+  ASSERT_TRUE(prefilled.ok()) << prefilled.status();
+  const ReproducedCodes codes(ref.view(0).Tokens(kSinks, 3000 - kSinks - kRecent));
+  absl::StatusOr<v1::SessionInfo> before = GetSession(stub(), *id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  DecodeClient client(stub());
+  int near = 0, total = 0;
+  for (int step = 0; step < 300; ++step) {
+    const ReferenceSession::Token token = ref.MakeToken(5000 + step);
+    const std::vector<float> q = ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply = Step(client, {*id}, token, ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    if (step % 25 != 0) continue;
+    const int64_t tokens = ref.tokens(0);
+    const KvView bulk = ref.view(0).Tokens(kSinks, tokens - kSinks - kRecent);
+    std::vector<std::vector<int32_t>> supports(g.q_heads());
+    for (int h = 0; h < g.q_heads(); ++h) {
+      int64_t candidates = 0;
+      supports[h] = codes.Support(q.data() + h * g.head_dim(), g.q_heads(), h, bulk, n, k,
+                                  ref.scale(), &candidates);
+      const std::vector<int32_t> fixed = StaticSet(tokens);
+      supports[h].insert(supports[h].end(), fixed.begin(), fixed.end());
+      const v1::HeadDiagnostics& head = reply->results(0).heads(h);
+      EXPECT_GT(candidates, n) << "a few outliers besides the shortlist";
+      if (!gpu_tier()) EXPECT_EQ(head.candidates(), candidates) << "step " << step;
+      EXPECT_EQ(head.support(), k + kSinks + kRecent);
+    }
+    const std::vector<float> got = TensorValues(reply->results(0).output());
+    const std::vector<double> want = ref.Attention(0, q, supports);
+    if (!gpu_tier()) {
+      // The host tier scans the codes with the reproduction's arithmetic: the same shortlist.
+      ExpectOutputNear(got, want, dtype(), absl::StrCat("step ", step));
+      continue;
+    }
+    // The GPU sums the table lookups in another order: a near-tie at the shortlist's edge may
+    // go either way, and change a head's support by a token.
+    for (int h = 0; h < g.q_heads(); ++h) {
+      double dot = 0, a = 0, b = 0;
+      for (int j = 0; j < g.head_dim(); ++j) {
+        const double x = got[h * g.head_dim() + j], y = want[h * g.head_dim() + j];
+        dot += x * y;
+        a += x * x;
+        b += y * y;
+      }
+      near += dot / std::sqrt(a * b) > 0.999;
+      ++total;
+    }
+  }
+  if (gpu_tier()) EXPECT_GE(near, total * 95 / 100);
+  absl::StatusOr<v1::SessionInfo> after = GetSession(stub(), *id);
+  ASSERT_TRUE(after.ok()) << after.status();
+  // The codes had room for the bulk of 3001 tokens (the announced 3000 and the first step's)
+  // and doubled once: 8 bytes a row (2 KV heads x 64 dims / 16).
+  const int64_t row_bytes = g.kv_heads() * g.head_dim() / BulkCodes::kDimsPerCode;
+  const int64_t room = 3001 - kSinks - kRecent;
+  if (gpu_tier()) {
+    EXPECT_EQ(after->gpu_bytes() - before->gpu_bytes(), room * row_bytes);
+  } else {
+    EXPECT_EQ(after->gpu_bytes(), 0);
+    EXPECT_EQ(after->selector_bytes() - before->selector_bytes(), room * row_bytes);
+  }
+}
+
+TEST_F(TieredShortlistTest, GetSessionCountsTheCodesWhereTheyLive) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 2000, 55);
+  const std::string plain = CreateAndPrefill(ref, ShortlistPolicy(v1::SELECTOR_EXACT_TOPK, 32, 0),
+                                             1000);
+  const std::string coded = CreateAndPrefill(ref, ShortlistPolicy(v1::SELECTOR_INDEX, 32, 64),
+                                             1000);
+  absl::StatusOr<v1::SessionInfo> a = GetSession(stub(), plain);
+  absl::StatusOr<v1::SessionInfo> b = GetSession(stub(), coded);
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Room for the bulk after the first step, 4 code bytes per 64-dim key.
+  const int64_t codes = (2001 - kSinks - kRecent) * g.kv_heads() * 4;
+  const int64_t codebooks = int64_t{g.kv_heads()} * 256 * g.head_dim() * 4;
+  EXPECT_EQ(b->policy().index().shortlist(), 64);
+  if (gpu_tier()) {
+    EXPECT_EQ(b->gpu_bytes() - a->gpu_bytes(), codes + codebooks);
+    EXPECT_EQ(b->selector_bytes(), codes + codebooks + codebooks) << "the host's quantizers too";
+  } else {
+    EXPECT_EQ(b->gpu_bytes(), 0);
+    EXPECT_EQ(b->selector_bytes(), codes + codebooks);
+  }
+}
+
+TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  struct Case {
+    const char* message;
+    v1::Policy policy;
+    v1::Geometry geometry;
+  };
+  v1::Policy cpu = ShortlistPolicy(v1::SELECTOR_INDEX, 32, 64);
+  cpu.set_placement(v1::PLACEMENT_CPU);
+  v1::Policy flat = ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 64);
+  flat.mutable_retopk()->set_exact_flat_scan(true);
+  const std::vector<Case> cases = {
+      {"policy.index.shortlist is served by PLACEMENT_TIERED only", cpu, g},
+      {"policy.index.shortlist must be >= top_k (32), got 16",
+       ShortlistPolicy(v1::SELECTOR_INDEX, 32, 16), g},
+      {"policy.index.shortlist applies to the index and retopk selectors",
+       ShortlistPolicy(v1::SELECTOR_EXACT_TOPK, 32, 64), g},
+      {"policy.index.shortlist must be >= 0", ShortlistPolicy(v1::SELECTOR_INDEX, 32, -1), g},
+      {"name two exact paths", flat, g},
+      {"policy.index.shortlist needs head_dim a multiple of 16",
+       ShortlistPolicy(v1::SELECTOR_INDEX, 32, 64), MakeGeometry(1, 8, 2, 72, dtype())},
+  };
+  for (const Case& c : cases) {
+    if (gpu_tier() && c.geometry.head_dim() == 72) continue;  // the GPU tier refuses d = 72 first
+    absl::StatusOr<std::string> id = CreateSession(stub(), c.geometry, c.policy);
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(id.status().message(), HasSubstr(c.message));
+  }
+}
+
+}  // namespace
+}  // namespace kvrecall
