@@ -112,8 +112,6 @@ absl::StatusOr<ProductQuantizer> ProductQuantizer::Train(const VectorSet& keys,
 
   std::vector<uint8_t> codes(n * subspaces);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  std::vector<double> sums(static_cast<size_t>(kCentroids) * sub);
-  std::vector<int64_t> counts(kCentroids);
   for (int round = 0; round < params.iterations; ++round) {
     BuildAssignTables(pq.codebooks_, subspaces, sub, &pq.norms_, &pq.transposed_);
 #pragma omp parallel for schedule(dynamic, 1)
@@ -126,9 +124,12 @@ absl::StatusOr<ProductQuantizer> ProductQuantizer::Train(const VectorSet& keys,
     // Each centroid moves to the mean of its keys; a centroid left without keys takes half of
     // the largest cluster (faiss's split: the two move apart by a relative 1/1024), so that a
     // codebook does not keep entries nothing is coded with.
+    // Codebooks are independent: one per thread (the sums are in double, per codebook, so the
+    // result does not depend on the team).
+#pragma omp parallel for schedule(dynamic, 1)
     for (int m = 0; m < subspaces; ++m) {
-      std::fill(sums.begin(), sums.end(), 0.0);
-      std::fill(counts.begin(), counts.end(), 0);
+      std::vector<double> sums(static_cast<size_t>(kCentroids) * sub, 0.0);
+      std::vector<int64_t> counts(kCentroids, 0);
       for (int64_t i = 0; i < n; ++i) {
         const int c = codes[i * subspaces + m];
         const float* part = sample.data() + i * dim + m * sub;

@@ -62,17 +62,23 @@ BulkCodes::BulkCodes(std::vector<ProductQuantizer> quantizers)
 void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes) {
   const int64_t n = end - begin;
   const bool first = outlier_threshold_.empty();
-  std::vector<float> errors(n), key(bulk.head_dim), back(bulk.head_dim);
+  std::vector<float> errors(n);
   for (int h = 0; h < kv_heads(); ++h) {
     const VectorSet keys = VectorSet::KeysOf(bulk, h, begin, end);
     uint8_t* head_codes = codes + h * n * subspaces_;
     quantizers_[h].Encode(keys, head_codes);
-    for (int64_t i = 0; i < n; ++i) {
-      cpu::LoadRow(keys.row_data(i), keys.element, keys.dim, key.data());
-      quantizers_[h].Reconstruct(head_codes + i * subspaces_, back.data());
-      float error = 0.0f;
-      for (int j = 0; j < keys.dim; ++j) error += (key[j] - back[j]) * (key[j] - back[j]);
-      errors[i] = error;
+    // Each key's squared reconstruction error (a team for the prompt's bulk; a step codes one).
+#pragma omp parallel if (n > 1024)
+    {
+      std::vector<float> key(keys.dim), back(keys.dim);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        cpu::LoadRow(keys.row_data(i), keys.element, keys.dim, key.data());
+        quantizers_[h].Reconstruct(head_codes + i * subspaces_, back.data());
+        float error = 0.0f;
+        for (int j = 0; j < keys.dim; ++j) error += (key[j] - back[j]) * (key[j] - back[j]);
+        errors[i] = error;
+      }
     }
     if (first) {
       // The prompt's bulk sets the bar: its 1/kOutlierShare worst-coded keys are above it.
