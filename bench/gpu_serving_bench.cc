@@ -442,7 +442,7 @@ int Main() {
       std::normal_distribution<float> normal(0.0f, 1.0f);
       for (const auto& [batch, gap_us] : runs) {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
-        std::vector<double> static_set, bulk, link_wait;  // tiered: the reply's tier_micros
+        std::vector<double> static_set, bulk, link_wait, shortlist;  // tiered: tier_micros
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
@@ -490,6 +490,7 @@ int Main() {
             static_set.push_back(response.tier_micros().static_set());
             bulk.push_back(response.tier_micros().bulk());
             link_wait.push_back(response.tier_micros().link_wait());
+            shortlist.push_back(response.tier_micros().shortlist());
           }
           for (const v1::SequenceResult& r : response.results()) {
             for (const v1::HeadDiagnostics& h : r.heads()) {
@@ -528,6 +529,8 @@ int Main() {
           rec["bulk_p99_us"] = client::Percentile(bulk, 0.99);
           rec["link_wait_p50_us"] = client::Percentile(link_wait, 0.5);
           rec["link_wait_p99_us"] = client::Percentile(link_wait, 0.99);
+          rec["shortlist_p50_us"] = client::Percentile(shortlist, 0.5);
+          rec["shortlist_p99_us"] = client::Percentile(shortlist, 0.99);
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),

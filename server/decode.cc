@@ -182,6 +182,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
             tiers.static_set += context->tier_seconds.static_set;
             tiers.bulk += context->tier_seconds.bulk;
             tiers.link_wait += context->tier_seconds.link_wait;
+            tiers.shortlist += context->tier_seconds.shortlist;
             return stepped;
           });
       !s.ok()) {
@@ -239,6 +240,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     micros->set_static_set(tiers.static_set * 1e6);
     micros->set_bulk(tiers.bulk * 1e6);
     micros->set_link_wait(tiers.link_wait * 1e6);
+    micros->set_shortlist(tiers.shortlist * 1e6);
   }
   response->set_server_micros(absl::ToDoubleMicroseconds(absl::Now() - start));
   return absl::OkStatus();

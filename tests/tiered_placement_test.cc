@@ -234,6 +234,7 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
     EXPECT_GT(micros.static_set(), 0.0) << "step " << step;
     EXPECT_GT(micros.bulk(), 0.0) << "step " << step;
     EXPECT_GE(micros.link_wait(), 0.0);
+    EXPECT_EQ(micros.shortlist(), 0.0) << "the graph, no shortlist";
     EXPECT_LE(micros.bulk() + micros.link_wait(), reply->server_micros()) << "step " << step;
     EXPECT_LE(micros.static_set(), reply->server_micros()) << "step " << step;
     double heads_micros = 0;

@@ -197,6 +197,11 @@ TEST_F(TieredShortlistTest, AShortShortlistIsRescoredExactlyWhileTheCodesGrow) {
     const std::vector<float> q = ref.Record(0, token);
     absl::StatusOr<v1::DecodeResponse> reply = Step(client, {*id}, token, ref);
     ASSERT_TRUE(reply.ok()) << reply.status();
+    // The shortlists' own time, apart from the static set's, within the server's.
+    ASSERT_TRUE(reply->has_tier_micros());
+    EXPECT_GT(reply->tier_micros().shortlist(), 0.0) << "step " << step;
+    EXPECT_GT(reply->tier_micros().static_set(), 0.0) << "step " << step;
+    EXPECT_LE(reply->tier_micros().shortlist(), reply->server_micros()) << "step " << step;
     if (step % 25 != 0) continue;
     const int64_t tokens = ref.tokens(0);
     const KvView bulk = ref.view(0).Tokens(kSinks, tokens - kSinks - kRecent);

@@ -132,6 +132,7 @@ class StepContext {
     double static_set = 0;
     double bulk = 0;       // the host's selection and attention over the bulk
     double link_wait = 0;  // waiting for the previous step's deferred OnAppend
+    double shortlist = 0;  // the tiered shortlists on their tier (policy.index.shortlist)
   };
   TierSeconds tier_seconds;
 };

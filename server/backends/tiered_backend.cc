@@ -519,6 +519,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
         !s.ok()) {
       return s;
     }
+    ctx.tier_seconds.shortlist += ctx.static_context->tier_seconds.shortlist;
     for (const LayerStep& step : batch) static_cast<TieredLayer*>(step.layer)->TakeShortlists();
   }
   double link_wait = 0;
@@ -706,7 +707,8 @@ class HostStaticSetTier final : public StaticSetTier {
 };
 
 absl::Status HostStaticSetTier::WaitShortlists(std::span<const StaticSetStep> steps,
-                                               StepContext*) {
+                                               StepContext* context) {
+  const absl::Time start = absl::Now();
   const LayerShape& shape = steps.front().config->shape;
   const int heads = shape.q_heads;
   const int64_t items = static_cast<int64_t>(steps.size()) * heads;
@@ -721,6 +723,7 @@ absl::Status HostStaticSetTier::WaitShortlists(std::span<const StaticSetStep> st
                     step.shortlist, step.shortlist_ids + int64_t{h} * step.shortlist,
                     step.shortlist_sizes + h);
   });
+  context->tier_seconds.shortlist = absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();
 }
 
