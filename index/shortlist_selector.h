@@ -7,6 +7,7 @@
 #define KVRECALL_INDEX_SHORTLIST_SELECTOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -27,6 +28,11 @@ class ShortlistSelector final : public SupportSelector {
   // Selects return.
   void SetShortlist(int q_head, std::span<const int32_t> ids, std::span<const int32_t> outliers,
                     int64_t coded);
+  // Called by every Select before it reads its shortlist (null: none): it may block until the
+  // step's shortlists arrive and calls SetShortlist for every head, once per step (a step's
+  // heads that never take the exact path, ReTopK's reuse heads, then never wait for it). Set
+  // and cleared outside the step's Selects.
+  void set_fetch(std::function<void()> fetch) { fetch_ = std::move(fetch); }
 
   // The top K, by exact score, of the shortlist, the outliers and the keys [coded, kv.tokens),
   // each once; support scores included, path kExact. Without a shortlist set (coded 0), a flat
@@ -42,6 +48,7 @@ class ShortlistSelector final : public SupportSelector {
   LayerShape shape_;
   int top_k_;
   std::vector<Head> heads_;
+  std::function<void()> fetch_;
 };
 
 }  // namespace kvrecall

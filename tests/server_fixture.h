@@ -487,6 +487,23 @@ inline std::vector<std::vector<int32_t>> TieredExactTopKSupports(const Reference
   return supports;
 }
 
+// Decode queries that drift slowly from the prompt's last one (ReTopK reuses) and jump once.
+inline std::vector<ReferenceSession::Token> DriftingQueryTokens(const ReferenceSession& ref,
+                                                               int steps, uint64_t seed) {
+  const v1::Geometry& g = ref.geometry();
+  const int64_t q_row = int64_t{g.q_heads()} * g.head_dim();
+  std::vector<float> q(ref.prompt(0).q.end() - q_row, ref.prompt(0).q.end());
+  std::vector<ReferenceSession::Token> tokens;
+  for (int s = 0; s < steps; ++s) {
+    ReferenceSession::Token t = ref.MakeToken(seed + 10 * s);
+    const std::vector<float> noise = RandomNormal(q_row, seed + 5 * s + 1, 0.3f);
+    for (int64_t i = 0; i < q_row; ++i) q[i] = 0.97f * q[i] + noise[i];
+    t.q = s == steps / 2 ? RandomNormal(q_row, seed + 999, 1.5f) : q;
+    tokens.push_back(std::move(t));
+  }
+  return tokens;
+}
+
 // A server test whose sessions start from a ReferenceSession's prompt.
 class PrefilledSessionTest : public ServerTest {
  protected:

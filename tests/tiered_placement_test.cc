@@ -22,6 +22,7 @@ namespace {
 
 using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::DriftingQueryTokens;
 using ::kvrecall::testing::ExpectOutputNear;
 using ::kvrecall::testing::GetSession;
 using ::kvrecall::testing::HasStatus;
@@ -155,23 +156,6 @@ TEST_F(TieredPlacementTest, StreamingIsTheStaticSetAlone) {
   }
 }
 
-// Decode queries that drift slowly from the prompt's last one (ReTopK reuses) and jump once.
-std::vector<ReferenceSession::Token> DriftingTokens(const ReferenceSession& ref, int steps,
-                                                    uint64_t seed) {
-  const v1::Geometry& g = ref.geometry();
-  const int64_t q_row = int64_t{g.q_heads()} * g.head_dim();
-  std::vector<float> q(ref.prompt(0).q.end() - q_row, ref.prompt(0).q.end());
-  std::vector<ReferenceSession::Token> tokens;
-  for (int s = 0; s < steps; ++s) {
-    ReferenceSession::Token t = ref.MakeToken(seed + 10 * s);
-    const std::vector<float> noise = testing::RandomNormal(q_row, seed + 5 * s + 1, 0.3f);
-    for (int64_t i = 0; i < q_row; ++i) q[i] = 0.97f * q[i] + noise[i];
-    t.q = s == steps / 2 ? testing::RandomNormal(q_row, seed + 999, 1.5f) : q;
-    tokens.push_back(std::move(t));
-  }
-  return tokens;
-}
-
 TEST_F(TieredPlacementTest, ReTopKAndTheGraphIndexSelectFromTheBulkOnly) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
   ReferenceSession ref(g, 3000, 17);
@@ -182,7 +166,7 @@ TEST_F(TieredPlacementTest, ReTopKAndTheGraphIndexSelectFromTheBulkOnly) {
   const std::string retopk_id = CreateAndPrefill(ref, retopk, 1000);
   const std::string index_id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_INDEX, k), 1000);
   DecodeClient client(stub());
-  const std::vector<ReferenceSession::Token> tokens = DriftingTokens(ref, 40, 31);
+  const std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 40, 31);
   for (const ReferenceSession::Token& token : tokens) {
     const std::vector<float> q = ref.Record(0, token);
     absl::StatusOr<v1::DecodeResponse> reply =
@@ -223,7 +207,7 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
   const std::string id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_INDEX, k), 600);
   const std::string cpu_id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 600);
   DecodeClient client(stub());
-  const std::vector<ReferenceSession::Token> tokens = DriftingTokens(ref, 300, 41);
+  const std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 300, 41);
   for (size_t step = 0; step < tokens.size(); ++step) {
     const std::vector<float> q = ref.Record(0, tokens[step]);
     absl::StatusOr<v1::DecodeResponse> reply =

@@ -26,6 +26,7 @@ namespace {
 
 using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
+using ::kvrecall::testing::DriftingQueryTokens;
 using ::kvrecall::testing::ExpectOutputNear;
 using ::kvrecall::testing::GetSession;
 using ::kvrecall::testing::MakeGeometry;
@@ -251,6 +252,57 @@ TEST_F(TieredShortlistTest, AShortShortlistIsRescoredExactlyWhileTheCodesGrow) {
     EXPECT_EQ(after->gpu_bytes(), 0);
     EXPECT_EQ(after->selector_bytes() - before->selector_bytes(), room * row_bytes);
   }
+}
+
+// ReTopK over a shortlist: the heads that reuse run while the step's shortlists are computed
+// (they need none; server/backends/tiered_backend.cc orders them first), the others wait for
+// theirs; both kinds in one step, every step well formed.
+TEST_F(TieredShortlistTest, ReTopKReusesWhileTheShortlistsAreInFlight) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 3000, 57);
+  const int k = 32, n = 96;
+  v1::Policy policy = ShortlistPolicy(v1::SELECTOR_RETOPK, k, n);
+  policy.mutable_retopk()->set_tau(0.6f);
+  policy.mutable_retopk()->set_refresh_interval(16);
+  const std::string id = CreateAndPrefill(ref, policy, 1000);
+  DecodeClient client(stub());
+  int mixed_steps = 0;
+  std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 40, 61);
+  for (size_t s = 0; s < tokens.size(); s += 3) {
+    // Every third step the first half of the heads asks something new: they fall back while
+    // the others reuse.
+    const std::vector<float> fresh = testing::RandomNormal(4 * g.head_dim(), 700 + s, 1.5f);
+    std::copy(fresh.begin(), fresh.end(), tokens[s].q.begin());
+  }
+  for (const ReferenceSession::Token& token : tokens) {
+    ref.Record(0, token);
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    request.set_diagnostics(true);
+    request.set_compare_exact(true);
+    *request.add_steps() = ref.Step(id, token);
+    absl::StatusOr<v1::DecodeResponse> reply = client.Step(request);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    for (float x : TensorValues(reply->results(0).output())) ASSERT_TRUE(std::isfinite(x));
+    int reused = 0;
+    for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
+      EXPECT_LE(head.support(), k + kSinks + kRecent);
+      EXPECT_GT(head.retained_mass(), 0.0f);
+      if (head.path() == v1::PATH_REUSE) {
+        ++reused;
+        // The union of R = 4 cached supports of K and the W = 32 newest bulk keys.
+        EXPECT_LE(head.candidates(), 4 * k + 32);
+      } else {
+        EXPECT_GE(head.candidates(), n) << "the shortlist and the outliers";
+      }
+    }
+    mixed_steps += reused > 0 && reused < g.q_heads();
+  }
+  EXPECT_GT(mixed_steps, 0) << "no step had both kinds of head";
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_GT(info->paths().reuse(), 0);
+  EXPECT_GT(info->paths().fallback() + info->paths().refresh(), 0);
 }
 
 TEST_F(TieredShortlistTest, GetSessionCountsTheCodesWhereTheyLive) {

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -162,6 +164,16 @@ class TieredLayer final : public LayerBackend {
       out.shortlist_sizes = shortlist_sizes_.data();
     }
     return out;
+  }
+  // While a step's shortlists are in flight: the exact path calls `fetch` before it reads them
+  // (null: they are not, or no longer).
+  void SetShortlistFetch(std::function<void()> fetch) {
+    if (codes_ != nullptr) bulk_.shortlist->set_fetch(std::move(fetch));
+  }
+  // Whether query head h is expected to read its shortlist this step: the layer has codes and
+  // the head did not reuse in its last step (ReTopK's reuse heads need none).
+  bool ExpectsShortlist(int h) const {
+    return codes_ != nullptr && selections_[h].path != SelectionPath::kReuse;
   }
   // Hands the shortlists WaitShortlists left in this layer's buffers to the exact path.
   void TakeShortlists() {
@@ -514,13 +526,22 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     return s;
   }
   const absl::Time bulk_start = absl::Now();
+  // The shortlists are waited for by the first head that reads one, once, so that the heads
+  // that need none (ReTopK's reuse heads) run while they are computed.
+  std::once_flag shortlists_fetched;
+  absl::Status shortlisted;
+  auto fetch_shortlists = [&] {
+    std::call_once(shortlists_fetched, [&] {
+      shortlisted = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
+      if (!shortlisted.ok()) return;
+      ctx.tier_seconds.shortlist += ctx.static_context->tier_seconds.shortlist;
+      for (const LayerStep& step : batch) static_cast<TieredLayer*>(step.layer)->TakeShortlists();
+    });
+  };
   if (shortlists) {
-    if (absl::Status s = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
-        !s.ok()) {
-      return s;
+    for (const LayerStep& step : batch) {
+      static_cast<TieredLayer*>(step.layer)->SetShortlistFetch(fetch_shortlists);
     }
-    ctx.tier_seconds.shortlist += ctx.static_context->tier_seconds.shortlist;
-    for (const LayerStep& step : batch) static_cast<TieredLayer*>(step.layer)->TakeShortlists();
   }
   double link_wait = 0;
   int64_t work = 0;
@@ -539,12 +560,18 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   };
   // The items that took longest in their layer's last step start first (longest processing
   // time first, the last step's time as the estimate): a long item started last holds the loop
-  // up while the other threads idle. The order changes no result: each item writes its own
-  // outputs.
+  // up while the other threads idle. While shortlists are in flight, the items expected to need
+  // none go first, so that they run while the rest would wait. The order changes no result:
+  // each item writes its own outputs.
   ctx.order.resize(items);
   for (int64_t item = 0; item < items; ++item) ctx.order[item] = item;
+  auto waits = [&](int64_t item) {
+    return shortlists && layer_of(item)->ExpectsShortlist(static_cast<int>(item % heads));
+  };
   // (std::sort with the item as the tie-break: std::stable_sort would allocate every step.)
   std::sort(ctx.order.begin(), ctx.order.end(), [&](int64_t a, int64_t b) {
+    const bool waits_a = waits(a), waits_b = waits(b);
+    if (waits_a != waits_b) return waits_b;
     const float cost_a = layer_of(a)->last_bulk_micros(static_cast<int>(a % heads));
     const float cost_b = layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
     return cost_a > cost_b || (cost_a == cost_b && a < b);
@@ -556,6 +583,14 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
                                    ctx.bulk_o.data() + i * heads * d,
                                    ctx.bulk_lse.data() + i * heads);
   });
+  if (shortlists) {
+    // Waited for even when no head read one: its errors are the step's.
+    fetch_shortlists();
+    for (const LayerStep& step : batch) {
+      static_cast<TieredLayer*>(step.layer)->SetShortlistFetch(nullptr);
+    }
+    if (!shortlisted.ok()) return shortlisted;
+  }
   for (size_t i = 0; i < n; ++i) {
     static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
   }
