@@ -4,11 +4,15 @@
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "index/blas_threads.h"
 #include "kernels/cpu/attention.h"
+
+// OpenBLAS's thread control, when the BLAS linked is OpenBLAS; weak so that any other BLAS
+// links too.
+extern "C" void openblas_set_num_threads(int num_threads) __attribute__((weak));
 
 namespace kvrecall {
 namespace {
@@ -16,6 +20,14 @@ namespace {
 // A block of queries times a block of keys is one GEMM; 64 x 2048 scores (512 KiB) stay in L2.
 constexpr int kQueryBlock = 64;
 constexpr int64_t kKeyBlock = 2048;
+
+// Our OpenMP loops call sgemm from every core; BLAS threads on top would oversubscribe them.
+void UseSingleThreadedBlas() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (openblas_set_num_threads != nullptr) openblas_set_num_threads(1);
+  });
+}
 
 struct Scored {
   float score;

@@ -1,10 +1,7 @@
 #include "index/product_quantizer.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <numeric>
 #include <random>
 

@@ -15,7 +15,7 @@ void ShortlistSelector::SetShortlist(int q_head, std::span<const int32_t> ids,
 }
 
 void ShortlistSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {
-  if (fetch_) fetch_();
+  if (fetch_ != nullptr) (*fetch_)();
   const Head& head = heads_[q_head];
   const int64_t coded = std::min(head.coded, kv.tokens);
   thread_local std::vector<int32_t> candidates;

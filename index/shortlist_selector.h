@@ -30,9 +30,9 @@ class ShortlistSelector final : public SupportSelector {
                     int64_t coded);
   // Called by every Select before it reads its shortlist (null: none): it may block until the
   // step's shortlists arrive and calls SetShortlist for every head, once per step (a step's
-  // heads that never take the exact path, ReTopK's reuse heads, then never wait for it). Set
-  // and cleared outside the step's Selects.
-  void set_fetch(std::function<void()> fetch) { fetch_ = std::move(fetch); }
+  // heads that never take the exact path, ReTopK's reuse heads, then never wait for it). Read,
+  // not copied: set and cleared outside the step's Selects, valid in between.
+  void set_fetch(const std::function<void()>* fetch) { fetch_ = fetch; }
 
   // The top K, by exact score, of the shortlist, the outliers and the keys [coded, kv.tokens),
   // each once; support scores included, path kExact. Without a shortlist set (coded 0), a flat
@@ -48,7 +48,7 @@ class ShortlistSelector final : public SupportSelector {
   LayerShape shape_;
   int top_k_;
   std::vector<Head> heads_;
-  std::function<void()> fetch_;
+  const std::function<void()>* fetch_ = nullptr;
 };
 
 }  // namespace kvrecall

@@ -34,12 +34,18 @@ int64_t BulkCodes::CodebookBytesFor(const LayerConfig& config) {
          static_cast<int64_t>(sizeof(float));
 }
 
-int64_t BulkCodes::quantizer_bytes() const {
+absl::Status BulkCodes::ChargeHost(int64_t bytes, absl::string_view what) {
+  if (absl::Status s = host_->Reserve(bytes, what); !s.ok()) return s;
+  host_charged_ += bytes;
+  return absl::OkStatus();
+}
+
+absl::Status BulkCodes::ChargeQuantizers() {
   int64_t bytes = 0;
   for (const ProductQuantizer& pq : quantizers_) {
     bytes += static_cast<int64_t>(pq.codebooks().size() * sizeof(float));
   }
-  return bytes;
+  return ChargeHost(bytes, "the shortlist's codebooks");
 }
 
 absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bulk) {
@@ -54,10 +60,13 @@ absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bul
   return quantizers;
 }
 
-BulkCodes::BulkCodes(std::vector<ProductQuantizer> quantizers)
+BulkCodes::BulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
     : quantizers_(std::move(quantizers)),
       outliers_(quantizers_.size()),
-      subspaces_(quantizers_.empty() ? 0 : quantizers_.front().subspaces()) {}
+      subspaces_(quantizers_.empty() ? 0 : quantizers_.front().subspaces()),
+      host_(host) {}
+
+BulkCodes::~BulkCodes() { host_->Release(host_charged_); }
 
 void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes) {
   const int64_t n = end - begin;

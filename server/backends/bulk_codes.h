@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "index/product_quantizer.h"
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
@@ -33,7 +34,7 @@ class BulkCodes {
   // enough sampled keys and rounds for the shortlist's recall, few enough for the prefill.
   static ProductQuantizerParams TrainingParams(int head_dim);
 
-  virtual ~BulkCodes() = default;
+  virtual ~BulkCodes();
 
   // Bulk rows coded so far: [0, coded()).
   int64_t coded() const { return coded_; }
@@ -46,8 +47,9 @@ class BulkCodes {
   int subspaces() const { return subspaces_; }
   int kv_heads() const { return static_cast<int>(quantizers_.size()); }
   const ProductQuantizer& quantizer(int kv_head) const { return quantizers_[kv_head]; }
-  // Host bytes: the quantizers the host encodes new keys with (and the codes, on the host tier).
-  virtual int64_t host_bytes() const { return quantizer_bytes(); }
+  // Host bytes charged: the quantizers the host encodes new keys with (and the codes, on the
+  // host tier).
+  int64_t host_bytes() const { return host_charged_; }
   virtual int64_t device_bytes() const = 0;
   // Room for `rows` coded bulk rows in all (RESOURCE_EXHAUSTED naming the budget: nothing
   // changed).
@@ -56,8 +58,12 @@ class BulkCodes {
  protected:
   // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token).
   static absl::StatusOr<std::vector<ProductQuantizer>> Train(const KvView& bulk);
-  explicit BulkCodes(std::vector<ProductQuantizer> quantizers);
-  int64_t quantizer_bytes() const;
+  // `host` is charged for what the codes hold in host memory (ChargeHost) until they go.
+  BulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host);
+  // Charges `bytes` more of host memory, naming `what` (RESOURCE_EXHAUSTED: nothing changed).
+  absl::Status ChargeHost(int64_t bytes, absl::string_view what);
+  // ChargeHost for the quantizers' codebooks.
+  absl::Status ChargeQuantizers();
   // codes [kv_heads, end - begin, M]: rows [begin, end) of `bulk` encoded (on the calling
   // thread's OpenMP team when there are many), and those among them beyond the outlier
   // threshold added to the outliers (the first call, the prompt's bulk, sets the threshold).
@@ -68,6 +74,10 @@ class BulkCodes {
   std::vector<float> outlier_threshold_;        // [kv_heads]: squared reconstruction error
   int subspaces_ = 0;
   int64_t coded_ = 0;
+
+ private:
+  MemoryAccount* const host_;
+  int64_t host_charged_ = 0;
 };
 
 }  // namespace kvrecall

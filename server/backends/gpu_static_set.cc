@@ -95,12 +95,7 @@ class GpuBulkCodes final : public BulkCodes {
     absl::StatusOr<std::vector<ProductQuantizer>> quantizers = Train(bulk);
     if (!quantizers.ok()) return quantizers.status();
     auto codes = absl::WrapUnique(new GpuBulkCodes(*std::move(quantizers), accounts));
-    if (absl::Status s = codes->host_->Reserve(codes->quantizer_bytes(),
-                                               "the shortlist's codebooks");
-        !s.ok()) {
-      return s;
-    }
-    codes->host_charged_ = codes->quantizer_bytes();
+    if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
     std::vector<float> books;
     for (int h = 0; h < codes->kv_heads(); ++h) {
       const std::vector<float>& b = codes->quantizer(h).codebooks();
@@ -121,9 +116,6 @@ class GpuBulkCodes final : public BulkCodes {
         CudaStatus(cudaStreamSynchronize(0), "uploading the shortlist's codes"));
     return codes;
   }
-  ~GpuBulkCodes() override { host_->Release(host_charged_); }
-
-  int64_t host_bytes() const override { return host_charged_; }
   int64_t device_bytes() const override {
     return static_cast<int64_t>(codebooks_.bytes() + codes_.bytes());
   }
@@ -169,11 +161,9 @@ class GpuBulkCodes final : public BulkCodes {
 
  private:
   GpuBulkCodes(std::vector<ProductQuantizer> quantizers, const SessionAccounts& accounts)
-      : BulkCodes(std::move(quantizers)), host_(accounts.host), device_(accounts.device) {}
+      : BulkCodes(std::move(quantizers), accounts.host), device_(accounts.device) {}
 
-  MemoryAccount* const host_;
   MemoryAccount* const device_;
-  int64_t host_charged_ = 0;
   ChargedBuffer<float> codebooks_;
   ChargedBuffer<uint8_t> codes_;
   int64_t capacity_ = 0;

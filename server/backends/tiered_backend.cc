@@ -167,8 +167,8 @@ class TieredLayer final : public LayerBackend {
   }
   // While a step's shortlists are in flight: the exact path calls `fetch` before it reads them
   // (null: they are not, or no longer).
-  void SetShortlistFetch(std::function<void()> fetch) {
-    if (codes_ != nullptr) bulk_.shortlist->set_fetch(std::move(fetch));
+  void SetShortlistFetch(const std::function<void()>* fetch) {
+    if (codes_ != nullptr) bulk_.shortlist->set_fetch(fetch);
   }
   // Whether query head h is expected to read its shortlist this step: the layer has codes and
   // the head did not reuse in its last step (ReTopK's reuse heads need none).
@@ -530,7 +530,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   // that need none (ReTopK's reuse heads) run while they are computed.
   std::once_flag shortlists_fetched;
   absl::Status shortlisted;
-  auto fetch_shortlists = [&] {
+  const std::function<void()> fetch_shortlists = [&] {
     std::call_once(shortlists_fetched, [&] {
       shortlisted = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
       if (!shortlisted.ok()) return;
@@ -540,7 +540,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   };
   if (shortlists) {
     for (const LayerStep& step : batch) {
-      static_cast<TieredLayer*>(step.layer)->SetShortlistFetch(fetch_shortlists);
+      static_cast<TieredLayer*>(step.layer)->SetShortlistFetch(&fetch_shortlists);
     }
   }
   double link_wait = 0;
@@ -641,25 +641,17 @@ class HostBulkCodes final : public BulkCodes {
     absl::StatusOr<std::vector<ProductQuantizer>> quantizers = Train(bulk);
     if (!quantizers.ok()) return quantizers.status();
     auto codes = absl::WrapUnique(new HostBulkCodes(*std::move(quantizers), host));
-    if (absl::Status s = host->Reserve(codes->quantizer_bytes(), "the shortlist's codebooks");
-        !s.ok()) {
-      return s;
-    }
-    codes->charged_ = codes->quantizer_bytes();
+    if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
     codes->Append(bulk);
     return codes;
   }
-  ~HostBulkCodes() override { host_->Release(charged_); }
-
-  int64_t host_bytes() const override { return charged_; }
   int64_t device_bytes() const override { return 0; }
   absl::Status Reserve(int64_t rows) override {
     if (rows <= capacity_) return absl::OkStatus();
     const int64_t grown = std::max(rows, 2 * capacity_);
     const int64_t bytes = (grown - capacity_) * kv_heads() * subspaces_;
-    if (absl::Status s = host_->Reserve(bytes, "the shortlist's codes"); !s.ok()) return s;
-    charged_ += bytes;
+    if (absl::Status s = ChargeHost(bytes, "the shortlist's codes"); !s.ok()) return s;
     for (std::vector<uint8_t>& head : codes_) head.resize(grown * subspaces_);
     capacity_ = grown;
     return absl::OkStatus();
@@ -694,13 +686,11 @@ class HostBulkCodes final : public BulkCodes {
 
  private:
   HostBulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
-      : BulkCodes(std::move(quantizers)), host_(host), codes_(kv_heads()) {}
+      : BulkCodes(std::move(quantizers), host), codes_(kv_heads()) {}
 
-  MemoryAccount* const host_;
   std::vector<std::vector<uint8_t>> codes_;
   std::vector<uint8_t> scratch_;
   int64_t capacity_ = 0;
-  int64_t charged_ = 0;
 };
 
 class HostStaticSetTier final : public StaticSetTier {
