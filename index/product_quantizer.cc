@@ -37,30 +37,84 @@ void BuildAssignTables(const std::vector<float>& codebooks, int subspaces, int s
   }
 }
 
-// The nearest centroid of each codebook to the parts of key x ([M * sub]): argmin over c of
-// |c|^2 - 2 <x_m, c> (|x_m|^2 is the same for every c), the lower c on a tie, into code[M].
-// The same arithmetic for every key, whether encoded alone or with others. Compiled for AVX-512
-// and AVX2 besides the baseline, picked at load time (the encoding of a 128K prompt's keys is
-// most of a shortlist layer's build).
+// Keys one assignment pass codes together: each centroid row it loads serves all of them.
+constexpr int kAssignKeys = 4;
+// Centroids whose distances stay in registers at once (one AVX-512 vector).
+constexpr int kAssignLanes = 16;
+
+// The nearest centroid of each codebook to the parts of keys [0, count) (count <= kAssignKeys),
+// given as `scaled` = -2 x ([kAssignKeys, M * sub]): argmin over c of |c|^2 - 2 <x_m, c> (|x_m|^2 is the same for every c), the
+// lower c on a tie, into code[k][M]. Every key's distances are the same sequence of operations
+// (|c|^2, then one multiply-add per dim in order), whatever `count` and the keys beside it: a
+// key encoded alone gets the code it gets in a batch. Blocked so that the distances of 16
+// centroids for every key of the pass stay in registers while the dims stream by; compiled for
+// AVX-512 and AVX2 besides the baseline, picked at load time (the encoding of a 128K prompt's
+// keys is most of a shortlist layer's build).
 __attribute__((target_clones("avx512f", "avx2", "default"))) void NearestCentroids(
-    const float* norms, const float* transposed, const float* x, int subspaces, int sub,
-    uint8_t* code) {
-  alignas(64) float distance[kCentroids];
+    const float* norms, const float* transposed, const float* scaled, int count, int subspaces,
+    int sub, uint8_t* const* code) {
+  const int dim = subspaces * sub;
   for (int m = 0; m < subspaces; ++m) {
-    std::copy_n(norms + m * kCentroids, kCentroids, distance);
-    for (int j = 0; j < sub; ++j) {
-      const float scaled = -2.0f * x[m * sub + j];
-      const float* row = transposed + (static_cast<int64_t>(m) * sub + j) * kCentroids;
+    // Per key and lane l: the smallest distance of centroids c0 + l so far and its c (the
+    // first, on a tie: c0 ascends and only a strictly smaller one replaces it).
+    alignas(64) float best[kAssignKeys][kAssignLanes];
+    alignas(64) int32_t best_c[kAssignKeys][kAssignLanes];
+    for (int c0 = 0; c0 < kCentroids; c0 += kAssignLanes) {
+      alignas(64) float acc[kAssignKeys][kAssignLanes];
+      for (int k = 0; k < kAssignKeys; ++k) {
 #pragma omp simd
-      for (int c = 0; c < kCentroids; ++c) distance[c] += scaled * row[c];
+        for (int l = 0; l < kAssignLanes; ++l) acc[k][l] = norms[m * kCentroids + c0 + l];
+      }
+      for (int j = 0; j < sub; ++j) {
+        const float* row = transposed + (static_cast<int64_t>(m) * sub + j) * kCentroids + c0;
+        for (int k = 0; k < kAssignKeys; ++k) {
+          const float s = scaled[k * dim + m * sub + j];
+#pragma omp simd
+          for (int l = 0; l < kAssignLanes; ++l) acc[k][l] += s * row[l];
+        }
+      }
+      for (int k = 0; k < kAssignKeys; ++k) {
+#pragma omp simd
+        for (int l = 0; l < kAssignLanes; ++l) {
+          const bool smaller = c0 == 0 || acc[k][l] < best[k][l];
+          best[k][l] = smaller ? acc[k][l] : best[k][l];
+          best_c[k][l] = smaller ? c0 + l : best_c[k][l];
+        }
+      }
     }
-    // The smallest distance (a vectorized reduction), then its first centroid.
-    float smallest = distance[0];
-#pragma omp simd reduction(min : smallest)
-    for (int c = 0; c < kCentroids; ++c) smallest = std::min(smallest, distance[c]);
-    int best = 0;
-    while (distance[best] != smallest) ++best;
-    code[m] = static_cast<uint8_t>(best);
+    // Across the lanes: the smallest distance, the lowest c among its lanes.
+    for (int k = 0; k < count; ++k) {
+      int c = best_c[k][0];
+      float smallest = best[k][0];
+      for (int l = 1; l < kAssignLanes; ++l) {
+        if (best[k][l] < smallest || (best[k][l] == smallest && best_c[k][l] < c)) {
+          smallest = best[k][l];
+          c = best_c[k][l];
+        }
+      }
+      code[k][m] = static_cast<uint8_t>(c);
+    }
+  }
+}
+
+// NearestCentroids over keys [begin, end) of f32 rows `rows` (row i at rows + i * dim), codes
+// into codes + i * subspaces, a pass of kAssignKeys at a time.
+void AssignRows(const float* norms, const float* transposed, const float* rows, int dim,
+                int64_t begin, int64_t end, int subspaces, uint8_t* codes) {
+  const int sub = dim / subspaces;
+  // -2 x of the pass's keys, [kAssignKeys, dim] (exact: a power of two); a pass of fewer keys
+  // computes its spare keys on the first one and reads nothing of them.
+  thread_local std::vector<float> scaled;
+  scaled.resize(static_cast<size_t>(kAssignKeys) * dim);
+  for (int64_t i = begin; i < end; i += kAssignKeys) {
+    const int count = static_cast<int>(std::min<int64_t>(kAssignKeys, end - i));
+    uint8_t* code[kAssignKeys];
+    for (int k = 0; k < kAssignKeys; ++k) {
+      const float* x = rows + (i + (k < count ? k : 0)) * dim;
+      for (int j = 0; j < dim; ++j) scaled[k * dim + j] = -2.0f * x[j];
+      code[k] = k < count ? codes + (i + k) * subspaces : nullptr;
+    }
+    NearestCentroids(norms, transposed, scaled.data(), count, subspaces, sub, code);
   }
 }
 
@@ -113,10 +167,8 @@ absl::StatusOr<ProductQuantizer> ProductQuantizer::Train(const VectorSet& keys,
     BuildAssignTables(pq.codebooks_, subspaces, sub, &pq.norms_, &pq.transposed_);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t i = b * kBlock; i < std::min(n, (b + 1) * kBlock); ++i) {
-        NearestCentroids(pq.norms_.data(), pq.transposed_.data(), sample.data() + i * dim,
-                         subspaces, sub, codes.data() + i * subspaces);
-      }
+      AssignRows(pq.norms_.data(), pq.transposed_.data(), sample.data(), dim, b * kBlock,
+                 std::min(n, (b + 1) * kBlock), subspaces, codes.data());
     }
     // Each centroid moves to the mean of its keys; a centroid left without keys takes half of
     // the largest cluster (faiss's split: the two move apart by a relative 1/1024), so that a
@@ -164,19 +216,19 @@ absl::StatusOr<ProductQuantizer> ProductQuantizer::Train(const VectorSet& keys,
 }
 
 void ProductQuantizer::Encode(const VectorSet& keys, uint8_t* codes) const {
-  const int sub = subspace_dim();
   const int64_t blocks = (keys.count + kBlock - 1) / kBlock;
   // A team only for several blocks: a decode step encodes one key per KV head.
 #pragma omp parallel if (blocks > 1)
   {
-    std::vector<float> row(dim_);
+    std::vector<float> rows(static_cast<size_t>(std::min(kBlock, keys.count)) * dim_);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < blocks; ++b) {
-      for (int64_t i = b * kBlock; i < std::min(keys.count, (b + 1) * kBlock); ++i) {
-        cpu::LoadRow(keys.row_data(i), keys.element, dim_, row.data());
-        NearestCentroids(norms_.data(), transposed_.data(), row.data(), subspaces_, sub,
-                         codes + i * subspaces_);
+      const int64_t begin = b * kBlock, end = std::min(keys.count, (b + 1) * kBlock);
+      for (int64_t i = begin; i < end; ++i) {
+        cpu::LoadRow(keys.row_data(i), keys.element, dim_, rows.data() + (i - begin) * dim_);
       }
+      AssignRows(norms_.data(), transposed_.data(), rows.data(), dim_, 0, end - begin,
+                 subspaces_, codes + begin * subspaces_);
     }
   }
 }

@@ -33,7 +33,7 @@ void ShortlistSelector::Select(int q_head, const float* q, const KvView& kv, Hea
   candidates.clear();
   for (std::span<const int32_t> list : {head.ids, head.outliers}) {
     for (int32_t id : list) {
-      if (id < coded && taken[id] != stamp) {
+      if (id >= 0 && id < coded && taken[id] != stamp) {
         taken[id] = stamp;
         candidates.push_back(id);
       }

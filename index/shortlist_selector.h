@@ -23,9 +23,10 @@ class ShortlistSelector final : public SupportSelector {
   absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
 
   // Before a step's Selects: query head `q_head`'s shortlist and its KV head's outliers,
-  // positions of the bulk view that Select will see, each < `coded`, the bulk's first `coded`
-  // keys being the ones coded. Both are read, not copied: they must stay valid until the step's
-  // Selects return.
+  // positions of the bulk view that Select will see, the bulk's first `coded` keys being the ones
+  // the shortlist was chosen among (a position outside [0, coded) is skipped: the keys from
+  // `coded` on are candidates anyway). Both are read, not copied: they must stay valid until the
+  // step's Selects return.
   void SetShortlist(int q_head, std::span<const int32_t> ids, std::span<const int32_t> outliers,
                     int64_t coded);
   // Called by every Select before it reads its shortlist (null: none): it may block until the

@@ -45,10 +45,12 @@ using cuda::DecodeShape;
 using cuda::DeviceBuffer;
 using cuda::DeviceSeq;
 using cuda::KvDtype;
+using gpu::CaptureStep;
 using gpu::ChargedBuffer;
 using gpu::Carver;
 using gpu::DeviceScope;
 using gpu::GpuStepContext;
+using gpu::GraphTokenBound;
 using gpu::KvBytes;
 using gpu::KvDtypeOf;
 using gpu::PinnedBuffer;
@@ -478,46 +480,6 @@ absl::Status GpuBackend::Step(std::span<LayerStep> steps, StepContext* context) 
       [&](std::span<LayerStep> batch) { return StepBatch(batch, ctx); });
 }
 
-// The history bound a captured step is planned for: the longest sequence's rounded up to a
-// sixteenth of its power of two (at least 256 tokens), so that a growing session captures again
-// after ~6 % of growth and its launches plan for at most ~6 % more keys than there are.
-int64_t GraphTokenBound(int64_t tokens) {
-  int64_t bucket = 256;
-  while (bucket * 32 <= tokens) bucket *= 2;
-  const int64_t rounded = (tokens + bucket - 1) / bucket * bucket;
-  return std::max(tokens, std::min<int64_t>(INT32_MAX / 2, rounded));
-}
-
-// `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
-// captured (the step then runs eagerly: the reason goes to stderr once per process).
-template <typename Enqueue>
-cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
-  absl::Status status = CudaStatus(
-      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "beginning a capture");
-  cudaGraph_t graph = nullptr;
-  if (status.ok()) {
-    status = enqueue();
-    // Ended whatever enqueue said, so that the stream leaves capture mode.
-    absl::Status ended = CudaStatus(cudaStreamEndCapture(stream, &graph), "ending a capture");
-    if (status.ok()) status = ended;
-  }
-  cudaGraphExec_t exec = nullptr;
-  if (status.ok()) {
-    status = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step");
-  }
-  if (graph != nullptr) cudaGraphDestroy(graph);
-  if (!status.ok()) {
-    cudaGetLastError();  // a failed capture leaves no sticky error behind
-    exec = nullptr;
-    static std::once_flag said;
-    std::call_once(said, [&] {
-      std::fprintf(stderr, "kvrecalld: a decode step could not be captured in a CUDA graph (%s); "
-                   "such steps run eagerly\n", std::string(status.message()).c_str());
-    });
-  }
-  return exec;
-}
-
 absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& ctx) {
   const LayerConfig& config = static_cast<GpuLayer*>(steps.front().layer)->config();
   const SelectorParams& p = config.selector;
@@ -843,7 +805,7 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
     auto backend = std::make_unique<GpuBackend>(ordinal, budget, options.cuda_graphs);
     // The tiered placement's static sets on the same device, charged to the same budget.
     absl::StatusOr<std::unique_ptr<StaticSetTier>> tier =
-        MakeGpuStaticSetTier(ordinal, backend->device_budget());
+        MakeGpuStaticSetTier(ordinal, backend->device_budget(), options.cuda_graphs);
     if (!tier.ok()) return tier.status();
     out.tiered.push_back(std::make_unique<TieredBackend>(*std::move(tier)));
     out.backends.push_back(std::move(backend));

@@ -16,10 +16,12 @@
 
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "index/basic_selectors.h"
 #include "index/gpu_batch_topk.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/kernel_errors.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/partial_attention.h"
 #include "kernels/cuda/pq_shortlist.h"
@@ -40,7 +42,29 @@ using gpu::PinnedBuffer;
 using gpu::RowElems;
 using gpu::ShapeOf;
 
+// INTERNAL naming `who` and what `errors` holds (its word was seen set): device-side violations
+// of preconditions are this code's bug, since every input was validated.
+absl::Status ReportedErrors(const cuda::KernelErrors& errors, cudaStream_t stream,
+                            absl::string_view who) {
+  absl::Status s = errors.CheckAndClear(stream);
+  if (s.ok()) s = absl::InternalError("the error word was set, then read as clear");
+  return absl::InternalError(absl::StrCat(who, " reported: ", s.message()));
+}
+
 int Slots(const LayerConfig& config) { return config.selector.sinks + config.selector.recent; }
+
+// The T at `offset` bytes into a step's upload or download (`base`: host or device side).
+template <typename T>
+T* At(std::byte* base, size_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+// Records `event` on `stream`; while the stream is being captured, as a node of the graph that
+// records it whenever the graph runs (the host waits for it and times with it).
+cudaError_t RecordEvent(cudaEvent_t event, cudaStream_t stream, bool capturing) {
+  return capturing ? cudaEventRecordWithFlags(event, stream, cudaEventRecordExternal)
+                   : cudaEventRecord(event, stream);
+}
 
 // The slot of token position p.
 int64_t SlotOf(const LayerConfig& config, int64_t p) {
@@ -111,9 +135,15 @@ class GpuBulkCodes final : public BulkCodes {
                    cudaMemcpyHostToDevice),
         "uploading the shortlist's codebooks"));
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
-    if (absl::Status s = codes->Append(bulk, /*stream=*/0); !s.ok()) return s;
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        CudaStatus(cudaStreamSynchronize(0), "uploading the shortlist's codes"));
+    // The prompt's bulk, coded on the host and uploaded once.
+    std::vector<uint8_t> staged(bulk.tokens * codes->kv_heads() * codes->subspaces_);
+    codes->EncodeRows(bulk, 0, bulk.tokens, staged.data());
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpy2D(codes->codes_.data(), codes->capacity_ * codes->subspaces_, staged.data(),
+                     bulk.tokens * codes->subspaces_, bulk.tokens * codes->subspaces_,
+                     codes->kv_heads(), cudaMemcpyHostToDevice),
+        "uploading the shortlist's codes"));
+    codes->coded_ = bulk.tokens;
     return codes;
   }
   int64_t device_bytes() const override {
@@ -138,21 +168,30 @@ class GpuBulkCodes final : public BulkCodes {
     }
     codes_ = std::move(grown);
     capacity_ = grown_capacity;
+    ++generation_;
     return absl::OkStatus();
   }
-  // Codes the bulk's rows [coded(), bulk.tokens) and queues their copy on `stream` (Reserve
-  // made room). Call while the stream is idle: the copy is from pageable memory.
-  absl::Status Append(const KvView& bulk, cudaStream_t stream) {
-    if (bulk.tokens <= coded_) return absl::OkStatus();
-    const int64_t n = bulk.tokens - coded_;
-    scratch_.resize(n * kv_heads() * subspaces_);
-    EncodeRows(bulk, coded_, bulk.tokens, scratch_.data());
+  int64_t capacity() const { return capacity_; }
+  // Changes whenever the codes move (a captured step names them by address).
+  uint64_t generation() const { return generation_; }
+  // Rows of `bulk` not coded yet (a step has one per KV head once the ring is full).
+  int64_t Pending(const KvView& bulk) const { return std::max<int64_t>(0, bulk.tokens - coded_); }
+  // A step's new rows, in two halves around its one upload: Stage codes rows [coded(),
+  // bulk.tokens) into `staged` ([kv_heads, Pending(bulk), M], the step's pinned input), and
+  // QueueStaged queues their copy from the same place on the device (`dev_staged`) into the codes
+  // on `stream` (Reserve made room), after which they count as coded. No pageable copy: it would
+  // hold the host until the stream drained.
+  void Stage(const KvView& bulk, uint8_t* staged) {
+    EncodeRows(bulk, coded_, bulk.tokens, staged);
+  }
+  absl::Status QueueStaged(const uint8_t* dev_staged, int64_t rows, cudaStream_t stream) {
+    if (rows == 0) return absl::OkStatus();
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpy2DAsync(codes_.data() + coded_ * subspaces_, capacity_ * subspaces_,
-                          scratch_.data(), n * subspaces_, n * subspaces_, kv_heads(),
-                          cudaMemcpyHostToDevice, stream),
-        "uploading new codes of the bulk"));
-    coded_ = bulk.tokens;
+                          dev_staged, rows * subspaces_, rows * subspaces_, kv_heads(),
+                          cudaMemcpyDeviceToDevice, stream),
+        "placing new codes of the bulk"));
+    coded_ += rows;
     return absl::OkStatus();
   }
   cuda::PqCodeSets sets(int head_dim) const {
@@ -167,13 +206,15 @@ class GpuBulkCodes final : public BulkCodes {
   ChargedBuffer<float> codebooks_;
   ChargedBuffer<uint8_t> codes_;
   int64_t capacity_ = 0;
-  std::vector<uint8_t> scratch_;
+  uint64_t generation_ = 0;
 };
 
 class GpuStaticSetTier final : public StaticSetTier {
  public:
-  GpuStaticSetTier(int ordinal, MemoryBudget* budget, BatchTopKFunction batch_topk)
+  GpuStaticSetTier(int ordinal, MemoryBudget* budget, BatchTopKFunction batch_topk,
+                   bool cuda_graphs)
       : ordinal_(ordinal),
+        cuda_graphs_(cuda_graphs),
         device_(absl::StrCat("cuda:", ordinal)),
         budget_(budget),
         batch_topk_(std::move(batch_topk)) {}
@@ -201,6 +242,7 @@ class GpuStaticSetTier final : public StaticSetTier {
   std::unique_ptr<StepContext> NewStepContext() override {
     return std::make_unique<StaticStepContext>(ordinal_, budget_);
   }
+  absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) override;
   absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) override;
   absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
                               StepContext* context) override;
@@ -213,13 +255,30 @@ class GpuStaticSetTier final : public StaticSetTier {
     StaticStepContext(int ordinal, MemoryBudget* budget) : ordinal(ordinal), gpu(ordinal, budget) {}
     ~StaticStepContext() override {
       DeviceScope scope(ordinal);
-      for (cudaEvent_t event : {begin, end, shortlist_begin, shortlisted}) {
+      if (graph != nullptr) cudaGraphExecDestroy(graph);
+      for (cudaEvent_t event : {begin, end, shortlisted}) {
         if (event != nullptr) cudaEventDestroy(event);
       }
     }
     const int ordinal;
     GpuStepContext gpu;
-    size_t out_o = 0, out_lse = 0;
+    // Prepare's layout of the step's upload and download.
+    size_t in_q = 0, in_k = 0, in_v = 0, in_seqs = 0, in_rows = 0, in_sets = 0, in_codes = 0;
+    size_t in_size = 0;
+    size_t out_o = 0, out_lse = 0, out_errors = 0, out_size = 0;
+    size_t in_lengths = 0;
+    std::vector<int64_t> pending_codes;  // per step of the batch: its new bulk rows
+    // Per step: the coded rows its shortlist scans, and the bound its launches are planned for
+    // (the scan itself reads the length from the upload, so that a captured step replays while
+    // the bulk grows within the bound).
+    std::vector<int64_t> scanned, scan_bound;
+    int shortlist = 0;  // the run's (0: no step has codes)
+    // The captured step (null: none, or its capture failed) and what it bakes in; `generation`
+    // changes whenever a buffer of this context is reallocated.
+    cudaGraphExec_t graph = nullptr;
+    bool captured = false;
+    std::vector<int64_t> graph_key, key_scratch;
+    uint64_t generation = 0;
     cuda::AttentionWorkspace* ws = nullptr;
     // Around a step's upload, kernels and download: the tier's own time (tier_seconds).
     cudaEvent_t begin = nullptr, end = nullptr;
@@ -229,32 +288,36 @@ class GpuStaticSetTier final : public StaticSetTier {
     ChargedBuffer<int32_t> ids;
     PinnedBuffer ids_down;
     cuda::TopKWorkspace* topk_ws = nullptr;
-    cudaEvent_t shortlist_begin = nullptr, shortlisted = nullptr;
+    cudaEvent_t shortlisted = nullptr;
   };
 
+  // The shortlists' workspace, tables, ids and events (Prepare's part).
+  absl::Status PrepareShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state);
   // Each step's shortlist over its codes (queries and sets already on the device), its ids
   // downloaded, `shortlisted` recorded after them.
   absl::Status LaunchShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state,
-                                const float* dev_q, const int32_t* dev_sets, int shortlist,
-                                int64_t longest_bulk);
+                                std::byte* dev_in, bool capturing);
+  // The step's device work after its `begin` event (the upload, the shortlists, the static
+  // sets, the download), queued on the stream or, `capturing`, into the graph being captured.
+  absl::Status EnqueueStep(std::span<const StaticSetStep> steps, StaticStepContext& state,
+                           bool capturing);
 
   const int ordinal_;
+  const bool cuda_graphs_;  // steps replay captured launch sequences (PlacementOptions)
   const std::string device_;
   MemoryBudget* const budget_;
   const BatchTopKFunction batch_topk_;
 };
 
-absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> steps,
-                                                StaticStepContext& state, const float* dev_q,
-                                                const int32_t* dev_sets, int shortlist,
-                                                int64_t longest_bulk) {
+absl::Status GpuStaticSetTier::PrepareShortlists(std::span<const StaticSetStep> steps,
+                                                 StaticStepContext& state) {
   GpuStepContext& ctx = state.gpu;
   const LayerConfig& config = *steps.front().config;
   const int q_heads = config.shape.q_heads;
-  const int d = config.shape.head_dim;
+  const int subspaces = BulkCodes::SubspacesFor(config.shape.head_dim);
   const int batch = static_cast<int>(steps.size());
-  const int subspaces = BulkCodes::SubspacesFor(d);
-  absl::StatusOr<cuda::TopKWorkspace*> ws = ctx.TopKWs(q_heads, longest_bulk);
+  const int64_t longest = *std::max_element(state.scan_bound.begin(), state.scan_bound.end());
+  absl::StatusOr<cuda::TopKWorkspace*> ws = ctx.TopKWs(q_heads, std::max<int64_t>(longest, 1));
   if (!ws.ok()) return ws.status();
   state.topk_ws = *ws;
   const size_t tables = static_cast<size_t>(q_heads) * subspaces * ProductQuantizer::kCentroids;
@@ -263,51 +326,69 @@ absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> s
         !s.ok()) {
       return s;
     }
+    ++state.generation;
   }
-  // ids [batch, q_heads, shortlist] then sizes [batch, q_heads], one download.
-  const size_t per_step = static_cast<size_t>(q_heads) * (shortlist + 1);
-  if (state.ids.size() < batch * per_step) {
-    if (absl::Status s = state.ids.Allocate(batch * per_step, budget_, "the shortlists' ids");
+  // ids [batch, q_heads, shortlist] then sizes [batch, q_heads]: one download.
+  const size_t words = batch * static_cast<size_t>(q_heads) * (state.shortlist + 1);
+  if (state.ids.size() < words) {
+    if (absl::Status s = state.ids.Allocate(words, budget_, "the shortlists' ids"); !s.ok()) {
+      return s;
+    }
+    ++state.generation;
+  }
+  if (state.ids_down.bytes() < words * sizeof(int32_t)) {
+    if (absl::Status s = state.ids_down.Ensure(words * sizeof(int32_t), nullptr,
+                                               "the shortlists' ids");
         !s.ok()) {
       return s;
     }
+    ++state.generation;
   }
-  if (absl::Status s = state.ids_down.Ensure(batch * per_step * sizeof(int32_t), nullptr,
-                                             "the shortlists' ids");
-      !s.ok()) {
-    return s;
+  if (state.shortlisted == nullptr) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaEventCreate(&state.shortlisted), "creating an event"));
   }
-  for (cudaEvent_t* event : {&state.shortlist_begin, &state.shortlisted}) {
-    if (*event == nullptr) {
-      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(event), "creating an event"));
-    }
-  }
-  cudaStream_t stream = ctx.stream();
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaEventRecord(state.shortlist_begin, stream), "timing the shortlists"));
+  return absl::OkStatus();
+}
+
+absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> steps,
+                                                StaticStepContext& state, std::byte* dev_in,
+                                                bool capturing) {
+  const LayerConfig& config = *steps.front().config;
+  const int q_heads = config.shape.q_heads;
+  const int d = config.shape.head_dim;
+  const int batch = static_cast<int>(steps.size());
+  const int shortlist = state.shortlist;
+  const size_t words = batch * static_cast<size_t>(q_heads) * (shortlist + 1);
+  cudaStream_t stream = state.gpu.stream();
   int32_t* ids = state.ids.data();
   int32_t* sizes = ids + static_cast<size_t>(batch) * q_heads * shortlist;
   for (int b = 0; b < batch; ++b) {
     const StaticSetStep& step = steps[b];
     int32_t* step_sizes = sizes + static_cast<size_t>(b) * q_heads;
-    if (step.codes == nullptr || step.bulk.tokens == 0) {
+    if (state.scan_bound[b] == 0) {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaMemsetAsync(step_sizes, 0, q_heads * sizeof(int32_t), stream), "no shortlist"));
       continue;
     }
     const auto& codes = *static_cast<const GpuBulkCodes*>(step.codes);
-    const cuda::PqShortlistRows rows{dev_q + static_cast<int64_t>(b) * q_heads * d, dev_sets,
-                                     nullptr, state.tables.data(), q_heads,
-                                     static_cast<int>(step.bulk.tokens)};
+    // Each row's length (the rows coded before this step: its new ones are placed after the
+    // shortlists, off their path, and the exact path rescores them as the bulk's uncoded tail)
+    // comes with the upload; the launches are planned for the step's bound.
+    const cuda::PqShortlistRows rows{
+        At<const float>(dev_in, state.in_q) + static_cast<int64_t>(b) * q_heads * d,
+        At<const int32_t>(dev_in, state.in_sets),
+        At<const int32_t>(dev_in, state.in_lengths) + static_cast<int64_t>(b) * q_heads,
+        state.tables.data(), q_heads, static_cast<int>(state.scan_bound[b])};
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqShortlist(
-        codes.sets(d), rows, shortlist, *ws, ids + static_cast<size_t>(b) * q_heads * shortlist,
-        step_sizes, nullptr, stream));
+        codes.sets(d), rows, shortlist, state.topk_ws,
+        ids + static_cast<size_t>(b) * q_heads * shortlist, step_sizes, nullptr, stream));
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(state.ids_down.data(), ids, batch * per_step * sizeof(int32_t),
+      CudaStatus(cudaMemcpyAsync(state.ids_down.data(), ids, words * sizeof(int32_t),
                                  cudaMemcpyDeviceToHost, stream),
                  "downloading the shortlists"));
-  return CudaStatus(cudaEventRecord(state.shortlisted, stream), "marking the shortlists");
+  return CudaStatus(RecordEvent(state.shortlisted, stream, capturing), "marking the shortlists");
 }
 
 absl::Status GpuStaticSetTier::WaitShortlists(std::span<const StaticSetStep> steps,
@@ -319,18 +400,16 @@ absl::Status GpuStaticSetTier::WaitShortlists(std::span<const StaticSetStep> ste
       CudaStatus(cudaEventSynchronize(state.shortlisted), "finding the shortlists on the GPU"));
   float milliseconds = 0;
   KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaEventElapsedTime(&milliseconds, state.shortlist_begin, state.shortlisted),
+      CudaStatus(cudaEventElapsedTime(&milliseconds, state.begin, state.shortlisted),
                  "timing the shortlists"));
   state.tier_seconds.shortlist = milliseconds * 1e-3;
-  // Device-side precondition violations would be this code's bug: every input was validated.
-  if (absl::Status s = state.topk_ws->errors().CheckAndClear(state.gpu.stream()); !s.ok()) {
-    return absl::InternalError(absl::StrCat("the shortlists' kernels reported: ", s.message()));
-  }
   const int q_heads = steps.front().config->shape.q_heads;
   const int batch = static_cast<int>(steps.size());
   const int shortlist = steps.front().shortlist;  // one per run (SameStaticSet)
   const auto* ids = reinterpret_cast<const int32_t*>(state.ids_down.data());
   const int32_t* sizes = ids + static_cast<size_t>(batch) * q_heads * shortlist;
+  // The kernels' error word is checked by Finish (it comes down with the static sets): a
+  // violation skips elements, and every id left is a bulk position the exact path bounds.
   for (int b = 0; b < batch; ++b) {
     const StaticSetStep& step = steps[b];
     if (step.codes == nullptr) continue;
@@ -389,13 +468,13 @@ absl::StatusOr<std::unique_ptr<StaticSet>> GpuStaticSetTier::Build(const LayerCo
   return std::make_unique<GpuStaticSet>(std::move(keys), std::move(values));
 }
 
-absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepContext* context) {
+absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
+                                       StepContext* context) {
   DeviceScope scope(ordinal_);
   if (!scope.status().ok()) return scope.status();
   auto& state = static_cast<StaticStepContext&>(*context);
   GpuStepContext& ctx = state.gpu;
   if (absl::Status s = ctx.Start(); !s.ok()) return s;
-  state.tier_seconds.shortlist = 0;  // set by WaitShortlists when this step has shortlists
   const LayerConfig& config = *steps.front().config;
   const int batch = static_cast<int>(steps.size());
   const int q_heads = config.shape.q_heads;
@@ -405,81 +484,178 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
   absl::StatusOr<cuda::AttentionWorkspace*> ws = ctx.AttentionWs(rows);
   if (!ws.ok()) return ws.status();
   state.ws = *ws;
-
+  // Per step: its new codes ([kv_heads, pending, M]), the rows its shortlist scans and the bound
+  // of its launches.
+  state.shortlist = 0;
+  state.pending_codes.assign(steps.size(), 0);
+  state.scanned.assign(steps.size(), 0);
+  state.scan_bound.assign(steps.size(), 0);
+  int64_t new_codes = 0;
+  for (size_t b = 0; b < steps.size(); ++b) {
+    const StaticSetStep& step = steps[b];
+    if (step.codes == nullptr) continue;
+    const auto& codes = *static_cast<const GpuBulkCodes*>(step.codes);
+    state.shortlist = step.shortlist;
+    state.pending_codes[b] = codes.Pending(step.bulk);
+    new_codes += state.pending_codes[b] * codes.kv_heads() * codes.subspaces();
+    state.scanned[b] = codes.coded();
+    state.scan_bound[b] =
+        cuda_graphs_ && codes.coded() > 0
+            ? std::min(codes.capacity(), gpu::GraphTokenBound(codes.coded()))
+            : codes.coded();
+  }
   Carver in(nullptr);
-  const size_t in_q = in.Take<float>(static_cast<size_t>(rows) * d);
-  const size_t in_k = in.Take<float>(batch * row);
-  const size_t in_v = in.Take<float>(batch * row);
-  const size_t in_seqs = in.Take<DeviceSeq>(batch);
-  const size_t in_rows = in.Take<cuda::TokenRows>(batch);
-  const size_t in_sets = in.Take<int32_t>(q_heads);  // the KV head of each query head
+  state.in_q = in.Take<float>(static_cast<size_t>(rows) * d);
+  state.in_k = in.Take<float>(batch * row);
+  state.in_v = in.Take<float>(batch * row);
+  state.in_seqs = in.Take<DeviceSeq>(batch);
+  state.in_rows = in.Take<cuda::TokenRows>(batch);
+  state.in_sets = in.Take<int32_t>(q_heads);  // the KV head of each query head
+  state.in_lengths = in.Take<int32_t>(rows);  // each row's scanned codes
+  state.in_codes = in.Take<uint8_t>(new_codes);
+  state.in_size = in.size();
   Carver out(nullptr);
   state.out_o = out.Take<float>(static_cast<size_t>(rows) * d);
   state.out_lse = out.Take<float>(rows);
-  if (absl::Status s = ctx.EnsureIo(in.size(), out.size()); !s.ok()) return s;
-  std::byte* host_in = ctx.pinned_in();
-  std::byte* dev_in = ctx.device_in();
-  for (int h = 0; h < q_heads; ++h) {
-    in.At<int32_t>(host_in, in_sets)[h] = KvHeadOf(h, q_heads, config.shape.kv_heads);
-  }
-  // The shortlists' new codes go up first, while the stream is idle (their copy is from
-  // pageable memory, which waits for the stream).
-  int shortlist = 0;
-  int64_t longest_bulk = 0;
-  for (const StaticSetStep& step : steps) {
-    if (step.codes == nullptr) continue;
-    if (absl::Status s = static_cast<GpuBulkCodes*>(step.codes)->Append(step.bulk, ctx.stream());
-        !s.ok()) {
-      return s;
-    }
-    shortlist = step.shortlist;
-    longest_bulk = std::max(longest_bulk, step.bulk.tokens);
-  }
-  for (int b = 0; b < batch; ++b) {
-    const StaticSetStep& step = steps[b];
-    const auto& set = *static_cast<const GpuStaticSet*>(step.set);
-    const int64_t tokens = step.host_kv.tokens;  // the new token included
-    std::memcpy(in.At<float>(host_in, in_q) + static_cast<int64_t>(b) * q_heads * d, step.q,
-                static_cast<size_t>(q_heads) * d * sizeof(float));
-    std::memcpy(in.At<float>(host_in, in_k) + b * row, step.k_new, row * sizeof(float));
-    std::memcpy(in.At<float>(host_in, in_v) + b * row, step.v_new, row * sizeof(float));
-    in.At<DeviceSeq>(host_in, in_seqs)[b] = set.Seq(config, tokens);
-    const int64_t slot = SlotOf(config, tokens - 1);
-    in.At<cuda::TokenRows>(host_in, in_rows)[b] =
-        cuda::TokenRows{set.key_slot(config, slot), set.value_slot(config, slot)};
-  }
-  cudaStream_t stream = ctx.stream();
+  // The kernels' error words (the static set's, the shortlists') come down with the outputs: no
+  // read of their own.
+  state.out_errors = out.Take<unsigned>(2);
+  state.out_size = out.size();
+  if (absl::Status s = ctx.EnsureIo(state.in_size, state.out_size); !s.ok()) return s;
   for (cudaEvent_t* event : {&state.begin, &state.end}) {
     if (*event == nullptr) {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(event), "creating an event"));
     }
   }
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaEventRecord(state.begin, stream), "timing a static-set step"));
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(dev_in, host_in, in.size(), cudaMemcpyHostToDevice, stream),
-                 "uploading a static-set step"));
-  if (shortlist > 0) {
-    if (absl::Status s = LaunchShortlists(steps, state, in.At<float>(dev_in, in_q),
-                                          in.At<int32_t>(dev_in, in_sets), shortlist,
-                                          longest_bulk);
-        !s.ok()) {
-      return s;
-    }
+  if (state.shortlist > 0) return PrepareShortlists(steps, state);
+  return absl::OkStatus();
+}
+
+absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
+                                           StaticStepContext& state, bool capturing) {
+  GpuStepContext& ctx = state.gpu;
+  const LayerConfig& config = *steps.front().config;
+  const int batch = static_cast<int>(steps.size());
+  const int64_t row = RowElems(config);
+  std::byte* dev_in = ctx.device_in();
+  cudaStream_t stream = ctx.stream();
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(dev_in, ctx.pinned_in(), state.in_size, cudaMemcpyHostToDevice, stream),
+      "uploading a static-set step"));
+  if (state.shortlist > 0) {
+    if (absl::Status s = LaunchShortlists(steps, state, dev_in, capturing); !s.ok()) return s;
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
       batch, static_cast<int>(row), KvDtypeOf(config.dtype),
-      in.At<cuda::TokenRows>(dev_in, in_rows), in.At<float>(dev_in, in_k),
-      in.At<float>(dev_in, in_v), stream));
+      At<cuda::TokenRows>(dev_in, state.in_rows), At<float>(dev_in, state.in_k),
+      At<float>(dev_in, state.in_v), stream));
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PartialAttentionOverSeqs(
-      ShapeOf(config, batch), in.At<DeviceSeq>(dev_in, in_seqs), in.At<float>(dev_in, in_q),
-      Slots(config), state.ws, out.At<float>(ctx.device_out(), state.out_o),
-      out.At<float>(ctx.device_out(), state.out_lse), stream));
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(ctx.pinned_out(), ctx.device_out(),
-                                                           out.size(), cudaMemcpyDeviceToHost,
-                                                           stream),
-                                           "downloading a static-set step"));
-  return CudaStatus(cudaEventRecord(state.end, stream), "timing a static-set step");
+      ShapeOf(config, batch), At<DeviceSeq>(dev_in, state.in_seqs), At<float>(dev_in, state.in_q),
+      Slots(config), state.ws, At<float>(ctx.device_out(), state.out_o),
+      At<float>(ctx.device_out(), state.out_lse), stream));
+  unsigned* errors = At<unsigned>(ctx.device_out(), state.out_errors);
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(errors, state.ws->errors().device_word(), sizeof(unsigned),
+                                 cudaMemcpyDeviceToDevice, stream),
+                 "gathering a static-set step's error word"));
+  if (state.shortlist > 0) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(errors + 1, state.topk_ws->errors().device_word(), sizeof(unsigned),
+                        cudaMemcpyDeviceToDevice, stream),
+        "gathering the shortlists' error word"));
+  }
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(ctx.pinned_out(), ctx.device_out(), state.out_size,
+                                 cudaMemcpyDeviceToHost, stream),
+                 "downloading a static-set step"));
+  return CudaStatus(RecordEvent(state.end, stream, capturing), "timing a static-set step");
+}
+
+absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepContext* context) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  auto& state = static_cast<StaticStepContext&>(*context);
+  GpuStepContext& ctx = state.gpu;
+  state.tier_seconds.shortlist = 0;  // set by WaitShortlists when this step has shortlists
+  const LayerConfig& config = *steps.front().config;
+  const int batch = static_cast<int>(steps.size());
+  const int q_heads = config.shape.q_heads;
+  const int d = config.shape.head_dim;
+  const int64_t row = RowElems(config);
+  std::byte* host_in = ctx.pinned_in();
+  for (int h = 0; h < q_heads; ++h) {
+    At<int32_t>(host_in, state.in_sets)[h] = KvHeadOf(h, q_heads, config.shape.kv_heads);
+  }
+  // Each step's new codes, coded into the upload (placed on the device after the step's work).
+  const std::vector<int64_t>& pending = state.pending_codes;
+  for (size_t b = 0, at = 0; b < steps.size(); ++b) {
+    std::fill_n(At<int32_t>(host_in, state.in_lengths) + b * q_heads, q_heads,
+                static_cast<int32_t>(state.scanned[b]));
+    if (steps[b].shortlist_coded != nullptr) *steps[b].shortlist_coded = state.scanned[b];
+    if (pending[b] == 0) continue;
+    auto& codes = *static_cast<GpuBulkCodes*>(steps[b].codes);
+    codes.Stage(steps[b].bulk, At<uint8_t>(host_in, state.in_codes) + at);
+    at += pending[b] * codes.kv_heads() * codes.subspaces();
+  }
+  for (int b = 0; b < batch; ++b) {
+    const StaticSetStep& step = steps[b];
+    const auto& set = *static_cast<const GpuStaticSet*>(step.set);
+    const int64_t tokens = step.host_kv.tokens;  // the new token included
+    std::memcpy(At<float>(host_in, state.in_q) + static_cast<int64_t>(b) * q_heads * d, step.q,
+                static_cast<size_t>(q_heads) * d * sizeof(float));
+    std::memcpy(At<float>(host_in, state.in_k) + b * row, step.k_new, row * sizeof(float));
+    std::memcpy(At<float>(host_in, state.in_v) + b * row, step.v_new, row * sizeof(float));
+    At<DeviceSeq>(host_in, state.in_seqs)[b] = set.Seq(config, tokens);
+    const int64_t slot = SlotOf(config, tokens - 1);
+    At<cuda::TokenRows>(host_in, state.in_rows)[b] =
+        cuda::TokenRows{set.key_slot(config, slot), set.value_slot(config, slot)};
+  }
+  cudaStream_t stream = ctx.stream();
+  KVRECALL_CUDA_RETURN_IF_ERROR(
+      CudaStatus(cudaEventRecord(state.begin, stream), "timing a static-set step"));
+  if (!cuda_graphs_) {
+    if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
+  } else {
+    // What the captured step bakes in: the shapes and knobs, the buffers (by address and
+    // generation), the upload's layout, each step's codes and launch bound. Everything else
+    // (queries, new tokens, static-set slots, scanned lengths) travels in the upload.
+    std::vector<int64_t>& key = state.key_scratch;
+    key.assign({batch, q_heads, config.shape.kv_heads, d, static_cast<int64_t>(config.dtype),
+                config.selector.sinks, config.selector.recent, state.shortlist,
+                static_cast<int64_t>(ctx.generation()), static_cast<int64_t>(state.generation),
+                static_cast<int64_t>(state.in_size), static_cast<int64_t>(state.out_size)});
+    for (size_t b = 0; b < steps.size(); ++b) {
+      const auto* codes = static_cast<const GpuBulkCodes*>(steps[b].codes);
+      key.push_back(reinterpret_cast<intptr_t>(codes));
+      key.push_back(codes != nullptr ? static_cast<int64_t>(codes->generation()) : 0);
+      key.push_back(state.scan_bound[b]);
+    }
+    if (!state.captured || key != state.graph_key) {
+      if (state.graph != nullptr) cudaGraphExecDestroy(state.graph);
+      state.graph = gpu::CaptureStep(
+          stream, [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
+      state.graph_key = key;
+      state.captured = true;
+    }
+    if (state.graph == nullptr) {
+      if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
+    } else {
+      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(state.graph, stream),
+                                               "launching a captured static-set step"));
+    }
+  }
+  // The step's new codes into place, after the shortlists (which scanned the rows before them).
+  for (size_t b = 0, at = 0; b < steps.size(); ++b) {
+    if (pending[b] == 0) continue;
+    auto& codes = *static_cast<GpuBulkCodes*>(steps[b].codes);
+    if (absl::Status s = codes.QueueStaged(At<const uint8_t>(ctx.device_in(), state.in_codes) + at,
+                                           pending[b], stream);
+        !s.ok()) {
+      return s;
+    }
+    at += pending[b] * codes.kv_heads() * codes.subspaces();
+  }
+  return absl::OkStatus();
 }
 
 absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, StepContext* context) {
@@ -490,8 +666,14 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
                                            "attending the static sets on the GPU"));
   // Device-side precondition violations would be this code's bug: every input was validated.
-  if (absl::Status s = state.ws->errors().CheckAndClear(ctx.stream()); !s.ok()) {
-    return absl::InternalError(absl::StrCat("a static-set step's kernels reported: ", s.message()));
+  // The word came down with the outputs; only when it is set does CheckAndClear say what it
+  // holds.
+  const unsigned* errors = At<unsigned>(ctx.pinned_out(), state.out_errors);
+  if (errors[0] != 0) {
+    return ReportedErrors(state.ws->errors(), ctx.stream(), "a static-set step's kernels");
+  }
+  if (state.shortlist > 0 && errors[1] != 0) {
+    return ReportedErrors(state.topk_ws->errors(), ctx.stream(), "the shortlists' kernels");
   }
   float milliseconds = 0;
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
@@ -514,7 +696,8 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
-                                                                    MemoryBudget* budget) {
+                                                                    MemoryBudget* budget,
+                                                                    bool cuda_graphs) {
   DeviceScope scope(ordinal);
   if (!scope.status().ok()) return scope.status();
   absl::StatusOr<BatchTopKFunction> topk = MakeGpuBatchTopKFunction();
@@ -527,7 +710,7 @@ absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
     if (!scope.status().ok()) return scope.status();
     return topk(queries, keys, k, out, visible);
   };
-  return std::make_unique<GpuStaticSetTier>(ordinal, budget, std::move(on_device));
+  return std::make_unique<GpuStaticSetTier>(ordinal, budget, std::move(on_device), cuda_graphs);
 }
 
 }  // namespace kvrecall

@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -255,6 +258,10 @@ class GpuStepContext final : public StepContext {
     }
     return absl::OkStatus();
   }
+  // Changes whenever a buffer or workspace of this context is reallocated: what a graph captured
+  // elsewhere (the tiered placement's static sets) keys on, since a new allocation may reuse a
+  // freed one's address.
+  uint64_t generation() const { return generation_; }
   std::byte* pinned_in() const { return pinned_in_.data(); }
   std::byte* pinned_out() const { return pinned_out_.data(); }
   std::byte* device_in() const { return device_in_.data(); }
@@ -354,6 +361,7 @@ class GpuStepContext final : public StepContext {
 
  private:
   // A few shapes of request per stream: batch sizes and history bounds in use.
+  uint64_t generation_ = 0;
   static constexpr size_t kMaxGraphs = 8;
   struct StepGraph {
     StepGraphKey key;
@@ -365,6 +373,7 @@ class GpuStepContext final : public StepContext {
       if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
     }
     graphs_.clear();
+    ++generation_;
   }
 
   // Moves the charge *held from its old value to `bytes` (RESOURCE_EXHAUSTED: nothing changed).
@@ -417,6 +426,46 @@ class Carver {
   std::byte* base_;
   size_t offset_ = 0;
 };
+
+// The history bound a captured step is planned for: the longest sequence's rounded up to a
+// sixteenth of its power of two (at least 256 tokens), so that a growing session captures again
+// after ~6 % of growth and its launches plan for at most ~6 % more keys than there are.
+inline int64_t GraphTokenBound(int64_t tokens) {
+  int64_t bucket = 256;
+  while (bucket * 32 <= tokens) bucket *= 2;
+  const int64_t rounded = (tokens + bucket - 1) / bucket * bucket;
+  return std::max(tokens, std::min<int64_t>(INT32_MAX / 2, rounded));
+}
+
+// `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
+// captured (the step then runs eagerly: the reason goes to stderr once per process).
+template <typename Enqueue>
+cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
+  absl::Status status = CudaStatus(
+      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "beginning a capture");
+  cudaGraph_t graph = nullptr;
+  if (status.ok()) {
+    status = enqueue();
+    // Ended whatever enqueue said, so that the stream leaves capture mode.
+    absl::Status ended = CudaStatus(cudaStreamEndCapture(stream, &graph), "ending a capture");
+    if (status.ok()) status = ended;
+  }
+  cudaGraphExec_t exec = nullptr;
+  if (status.ok()) {
+    status = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step");
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (!status.ok()) {
+    cudaGetLastError();  // a failed capture leaves no sticky error behind
+    exec = nullptr;
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      std::fprintf(stderr, "kvrecalld: a decode step could not be captured in a CUDA graph (%s); "
+                   "such steps run eagerly\n", std::string(status.message()).c_str());
+    });
+  }
+  return exec;
+}
 
 }  // namespace kvrecall::gpu
 

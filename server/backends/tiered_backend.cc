@@ -162,6 +162,7 @@ class TieredLayer final : public LayerBackend {
       out.shortlist = n;
       out.shortlist_ids = shortlist_ids_.data();
       out.shortlist_sizes = shortlist_sizes_.data();
+      out.shortlist_coded = &shortlist_coded_;
     }
     return out;
   }
@@ -183,7 +184,7 @@ class TieredLayer final : public LayerBackend {
     for (int h = 0; h < shape.q_heads; ++h) {
       bulk_.shortlist->SetShortlist(
           h, std::span<const int32_t>(shortlist_ids_.data() + int64_t{h} * n, shortlist_sizes_[h]),
-          codes_->outliers(KvHeadOf(h, shape.q_heads, shape.kv_heads)), codes_->coded());
+          codes_->outliers(KvHeadOf(h, shape.q_heads, shape.kv_heads)), shortlist_coded_);
     }
   }
 
@@ -225,6 +226,7 @@ class TieredLayer final : public LayerBackend {
   std::unique_ptr<StaticSet> static_set_;
   std::unique_ptr<BulkCodes> codes_;  // null without policy.index.shortlist (or a bulk at prefill)
   std::vector<int32_t> shortlist_ids_, shortlist_sizes_;  // the step's, [q_heads, shortlist]
+  int64_t shortlist_coded_ = 0;                           // the bulk rows they were chosen among
   int64_t selector_bytes_ = 0;
   int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
   std::vector<HeadSelection> selections_;  // per query head, reused across steps
@@ -521,17 +523,32 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     shortlists |= ctx.static_steps.back().codes != nullptr;
   }
   // The static sets on their tier while the CPU works through the bulk (after the shortlists,
-  // which the bulk's exact paths wait for).
-  if (absl::Status s = tier_->Start(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
+  // which the bulk's exact paths wait for). What the tier needs is reserved first, so that a
+  // step that cannot have it fails before a head runs; its launches (driver calls: 70-200 us a
+  // step on the H200 host) then run as the first item of the heads' loop, on one of its threads
+  // while the others start on the heads.
+  if (absl::Status s = tier_->Prepare(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
   }
   const absl::Time bulk_start = absl::Now();
+  std::once_flag tier_started;
+  absl::Status started;
+  auto start_tier = [&] {
+    std::call_once(tier_started, [&] {
+      started = tier_->Start(ctx.static_steps, ctx.static_context.get());
+    });
+  };
   // The shortlists are waited for by the first head that reads one, once, so that the heads
   // that need none (ReTopK's reuse heads) run while they are computed.
   std::once_flag shortlists_fetched;
   absl::Status shortlisted;
   const std::function<void()> fetch_shortlists = [&] {
     std::call_once(shortlists_fetched, [&] {
+      start_tier();  // returns once the tier's launches are queued (by whichever thread)
+      if (!started.ok()) {
+        shortlisted = started;
+        return;
+      }
       shortlisted = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
       if (!shortlisted.ok()) return;
       ctx.tier_seconds.shortlist += ctx.static_context->tier_seconds.shortlist;
@@ -576,13 +593,20 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     const float cost_b = layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
     return cost_a > cost_b || (cost_a == cost_b && a < b);
   });
-  cpu::ParallelFor(items, threads, [&](int64_t k) {
-    const int64_t item = ctx.order[k];
+  // Item 0 starts the static tier; items 1.. are the heads in that order.
+  cpu::ParallelFor(items + 1, threads, [&](int64_t k) {
+    if (k == 0) {
+      start_tier();
+      return;
+    }
+    const int64_t item = ctx.order[k - 1];
     const size_t i = static_cast<size_t>(item / heads);
     layer_of(item)->AttendBulkHead(batch[i], ctx.histories[i], static_cast<int>(item % heads),
                                    ctx.bulk_o.data() + i * heads * d,
                                    ctx.bulk_lse.data() + i * heads);
   });
+  start_tier();  // (done by the loop: a no-op)
+  if (!started.ok()) return started;
   if (shortlists) {
     // Waited for even when no head read one: its errors are the step's.
     fetch_shortlists();
@@ -715,6 +739,9 @@ class HostStaticSetTier final : public StaticSetTier {
   std::unique_ptr<StepContext> NewStepContext() override {
     return std::make_unique<StepContext>();
   }
+  absl::Status Prepare(std::span<const StaticSetStep>, StepContext*) override {
+    return absl::OkStatus();
+  }
   // The static set is read from the host KV, which has the new token already; the bulk's new
   // rows are coded here.
   absl::Status Start(std::span<const StaticSetStep> steps, StepContext*) override {
@@ -747,6 +774,7 @@ absl::Status HostStaticSetTier::WaitShortlists(std::span<const StaticSetStep> st
         ->Shortlist(shape, h, step.q + int64_t{h} * shape.head_dim, step.bulk.tokens,
                     step.shortlist, step.shortlist_ids + int64_t{h} * step.shortlist,
                     step.shortlist_sizes + h);
+    if (h == 0) *step.shortlist_coded = step.bulk.tokens;  // Start coded every bulk row
   });
   context->tier_seconds.shortlist = absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();

@@ -48,12 +48,15 @@ struct StaticSetStep {
   // layer's bulk this step ([sinks, tokens - recent) of host_kv; Start codes its rows not coded
   // yet), and, once WaitShortlists returned, each query head's best `shortlist` coded bulk rows
   // by approximate score: shortlist_ids [q_heads, shortlist] (host memory, positions in the
-  // bulk, in no particular order) and shortlist_sizes [q_heads].
+  // bulk, in no particular order) and shortlist_sizes [q_heads], chosen among the bulk's first
+  // *shortlist_coded rows (set by Start or WaitShortlists: a tier may scan the rows coded before
+  // the step and leave its new ones to the exact path's uncoded tail).
   BulkCodes* codes = nullptr;
   KvView bulk;
   int shortlist = 0;
   int32_t* shortlist_ids = nullptr;
   int32_t* shortlist_sizes = nullptr;
+  int64_t* shortlist_coded = nullptr;
 };
 
 // Where static sets live: a GPU (server/backends/gpu_static_set.cc) or, on a machine without
@@ -83,10 +86,15 @@ class StaticSetTier {
                                                                  const KvView& bulk,
                                                                  int64_t capacity) = 0;
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
-  // Appends each step's token to its static set and starts attending; every step shares
-  // SameStaticSet. Steps with codes also code their new bulk rows and start their shortlists
-  // (before the static sets: the host waits for them). The shortlists are in the steps' ids once
-  // WaitShortlists returned OK, the static-set results in o and lse once Finish did.
+  // A step of `steps` (every step shares SameStaticSet) in four calls. Prepare reserves what the
+  // step needs on the tier (workspaces, staging): its resource errors surface there, before the
+  // bulk is touched. Start appends each step's token to its static set and starts attending
+  // (asynchronously on a device); steps with codes also code their new bulk rows and start their
+  // shortlists (before the static sets: the host waits for them). Start may run on another
+  // thread than the calls around it, concurrently with the bulk's heads, which read none of what
+  // it writes. The shortlists are in the steps' ids once WaitShortlists returned OK (called after
+  // Start returned), the static-set results in o and lse once Finish did.
+  virtual absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   virtual absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   virtual absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
                                       StepContext* context) = 0;
@@ -98,10 +106,11 @@ class StaticSetTier {
 // The host tier: static sets are read from the layer's host KV, attended by kernels/cpu.
 std::unique_ptr<StaticSetTier> MakeHostStaticSetTier();
 // The tier of CUDA device `ordinal`, charging `budget` (the device's, shared with its GPU
-// placement); the graph index builds its top-k lists there. CUDA builds only
-// (server/backends/gpu_static_set.cc).
+// placement); the graph index builds its top-k lists there. With `cuda_graphs` a step's launches
+// replay a captured graph (PlacementOptions). CUDA builds only (server/backends/gpu_static_set.cc).
 absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
-                                                                    MemoryBudget* budget);
+                                                                    MemoryBudget* budget,
+                                                                    bool cuda_graphs);
 
 class TieredStepContext;
 
