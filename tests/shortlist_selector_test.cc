@@ -22,17 +22,20 @@ LayerShape Shape() {
   return LayerShape{kQHeads, kKvHeads, kDim, 1.0f / std::sqrt(static_cast<float>(kDim))};
 }
 
+// <q, key `id` of KV head kv_head> in double precision.
+double Dot(const float* q, const testing::RandomKv& kv, int32_t id, int kv_head) {
+  double s = 0;
+  for (int j = 0; j < kDim; ++j) {
+    s += static_cast<double>(q[j]) * kv.keys[(id * kv.kv_heads + kv_head) * kDim + j];
+  }
+  return s;
+}
+
 // The top K by brute force (double) of the candidates `ids` for query q of KV head kv_head.
 std::vector<int32_t> TopKOf(const std::set<int32_t>& ids, const float* q,
                             const testing::RandomKv& kv, int kv_head, int k) {
   std::vector<std::pair<double, int32_t>> scored;
-  for (int32_t id : ids) {
-    double s = 0;
-    for (int j = 0; j < kDim; ++j) {
-      s += static_cast<double>(q[j]) * kv.keys[(id * kv.kv_heads + kv_head) * kDim + j];
-    }
-    scored.emplace_back(-s, id);
-  }
+  for (int32_t id : ids) scored.emplace_back(-Dot(q, kv, id, kv_head), id);
   std::sort(scored.begin(), scored.end());
   std::vector<int32_t> top;
   for (int i = 0; i < std::min<int>(k, static_cast<int>(scored.size())); ++i) {
@@ -65,12 +68,9 @@ TEST(ShortlistSelectorTest, RescoresTheShortlistTheOutliersAndTheUncodedTailOnce
         << "head " << h;
     ASSERT_EQ(out.support_scores.size(), out.support.size());
     for (size_t i = 0; i < out.support.size(); ++i) {
-      double s = 0;
-      for (int j = 0; j < kDim; ++j) {
-        s += static_cast<double>(q[h * kDim + j]) *
-             kv.keys[(out.support[i] * kKvHeads + kv_head) * kDim + j];
-      }
-      EXPECT_NEAR(out.support_scores[i], s * Shape().scale, 1e-4) << "head " << h;
+      EXPECT_NEAR(out.support_scores[i],
+                  Dot(q.data() + h * kDim, kv, out.support[i], kv_head) * Shape().scale, 1e-4)
+          << "head " << h;
     }
     EXPECT_EQ(out.path, SelectionPath::kExact);
   }

@@ -54,6 +54,7 @@ using gpu::GraphTokenBound;
 using gpu::KvBytes;
 using gpu::KvDtypeOf;
 using gpu::PinnedBuffer;
+using gpu::ReportedErrors;
 using gpu::RowElems;
 using gpu::SameKernels;
 using gpu::ShapeOf;
@@ -638,9 +639,7 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
   // The word came down with the outputs; only when it is set does CheckAndClear (another
   // synchronization) say what it holds and clear it.
   if (*out.At<unsigned>(host_out, out_errors) != 0) {
-    absl::Status s = errors.CheckAndClear(stream);
-    if (s.ok()) s = absl::InternalError("the kernels' error word was set, then read as clear");
-    return absl::InternalError(absl::StrCat("a decode step's kernels reported: ", s.message()));
+    return ReportedErrors(errors, stream, "a decode step's kernels");
   }
 
   const float* host_o = out.At<float>(host_out, out_o);

@@ -16,12 +16,10 @@
 
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "index/basic_selectors.h"
 #include "index/gpu_batch_topk.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/cuda/kernel_errors.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/partial_attention.h"
 #include "kernels/cuda/pq_shortlist.h"
@@ -39,17 +37,9 @@ using gpu::DeviceScope;
 using gpu::GpuStepContext;
 using gpu::KvDtypeOf;
 using gpu::PinnedBuffer;
+using gpu::ReportedErrors;
 using gpu::RowElems;
 using gpu::ShapeOf;
-
-// INTERNAL naming `who` and what `errors` holds (its word was seen set): device-side violations
-// of preconditions are this code's bug, since every input was validated.
-absl::Status ReportedErrors(const cuda::KernelErrors& errors, cudaStream_t stream,
-                            absl::string_view who) {
-  absl::Status s = errors.CheckAndClear(stream);
-  if (s.ok()) s = absl::InternalError("the error word was set, then read as clear");
-  return absl::InternalError(absl::StrCat(who, " reported: ", s.message()));
-}
 
 int Slots(const LayerConfig& config) { return config.selector.sinks + config.selector.recent; }
 
@@ -263,10 +253,9 @@ class GpuStaticSetTier final : public StaticSetTier {
     const int ordinal;
     GpuStepContext gpu;
     // Prepare's layout of the step's upload and download.
-    size_t in_q = 0, in_k = 0, in_v = 0, in_seqs = 0, in_rows = 0, in_sets = 0, in_codes = 0;
-    size_t in_size = 0;
+    size_t in_q = 0, in_k = 0, in_v = 0, in_seqs = 0, in_rows = 0, in_sets = 0, in_lengths = 0,
+           in_codes = 0, in_size = 0;
     size_t out_o = 0, out_lse = 0, out_errors = 0, out_size = 0;
-    size_t in_lengths = 0;
     std::vector<int64_t> pending_codes;  // per step of the batch: its new bulk rows
     // Per step: the coded rows its shortlist scans, and the bound its launches are planned for
     // (the scan itself reads the length from the upload, so that a captured step replays while
@@ -276,8 +265,7 @@ class GpuStaticSetTier final : public StaticSetTier {
     // The captured step (null: none, or its capture failed) and what it bakes in; `generation`
     // changes whenever a buffer of this context is reallocated.
     cudaGraphExec_t graph = nullptr;
-    bool captured = false;
-    std::vector<int64_t> graph_key, key_scratch;
+    std::vector<int64_t> graph_key, key_scratch;  // graph_key empty: nothing captured yet
     uint64_t generation = 0;
     cuda::AttentionWorkspace* ws = nullptr;
     // Around a step's upload, kernels and download: the tier's own time (tier_seconds).
@@ -630,12 +618,11 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
       key.push_back(codes != nullptr ? static_cast<int64_t>(codes->generation()) : 0);
       key.push_back(state.scan_bound[b]);
     }
-    if (!state.captured || key != state.graph_key) {
+    if (key != state.graph_key) {
       if (state.graph != nullptr) cudaGraphExecDestroy(state.graph);
       state.graph = gpu::CaptureStep(
           stream, [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
       state.graph_key = key;
-      state.captured = true;
     }
     if (state.graph == nullptr) {
       if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;

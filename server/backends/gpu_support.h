@@ -24,6 +24,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/decode_types.h"
 #include "kernels/cuda/device_buffer.h"
+#include "kernels/cuda/kernel_errors.h"
 #include "kernels/cuda/partial_attention.h"
 #include "kernels/cuda/retopk.h"
 #include "kernels/cuda/topk_workspace.h"
@@ -361,7 +362,6 @@ class GpuStepContext final : public StepContext {
 
  private:
   // A few shapes of request per stream: batch sizes and history bounds in use.
-  uint64_t generation_ = 0;
   static constexpr size_t kMaxGraphs = 8;
   struct StepGraph {
     StepGraphKey key;
@@ -402,6 +402,7 @@ class GpuStepContext final : public StepContext {
   int64_t attention_bytes_ = 0, topk_bytes_ = 0, retopk_bytes_ = 0;
   int64_t workspace_bytes_ = 0;  // the sum of the three, charged to budget_
   std::vector<StepGraph> graphs_;
+  uint64_t generation_ = 0;  // see generation()
 };
 
 // Carves aligned arrays out of one contiguous buffer (the packed input or output of a step), so
@@ -465,6 +466,16 @@ cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
     });
   }
   return exec;
+}
+
+// INTERNAL naming `who` and what `errors` holds, once its word came down set: device-side
+// violations of preconditions are this code's bug, since every input was validated.
+// CheckAndClear synchronizes `stream` to say which, and clears the word.
+inline absl::Status ReportedErrors(const cuda::KernelErrors& errors, cudaStream_t stream,
+                                   absl::string_view who) {
+  absl::Status s = errors.CheckAndClear(stream);
+  if (s.ok()) s = absl::InternalError("the kernels' error word was set, then read as clear");
+  return absl::InternalError(absl::StrCat(who, " reported: ", s.message()));
 }
 
 }  // namespace kvrecall::gpu

@@ -746,7 +746,9 @@ class HostStaticSetTier final : public StaticSetTier {
   // rows are coded here.
   absl::Status Start(std::span<const StaticSetStep> steps, StepContext*) override {
     for (const StaticSetStep& step : steps) {
-      if (step.codes != nullptr) static_cast<HostBulkCodes*>(step.codes)->Append(step.bulk);
+      if (step.codes == nullptr) continue;
+      static_cast<HostBulkCodes*>(step.codes)->Append(step.bulk);
+      *step.shortlist_coded = step.bulk.tokens;  // every bulk row is coded: none left to the tail
     }
     return absl::OkStatus();
   }
@@ -774,7 +776,6 @@ absl::Status HostStaticSetTier::WaitShortlists(std::span<const StaticSetStep> st
         ->Shortlist(shape, h, step.q + int64_t{h} * shape.head_dim, step.bulk.tokens,
                     step.shortlist, step.shortlist_ids + int64_t{h} * step.shortlist,
                     step.shortlist_sizes + h);
-    if (h == 0) *step.shortlist_coded = step.bulk.tokens;  // Start coded every bulk row
   });
   context->tier_seconds.shortlist = absl::ToDoubleSeconds(absl::Now() - start);
   return absl::OkStatus();

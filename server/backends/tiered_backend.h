@@ -49,8 +49,8 @@ struct StaticSetStep {
   // yet), and, once WaitShortlists returned, each query head's best `shortlist` coded bulk rows
   // by approximate score: shortlist_ids [q_heads, shortlist] (host memory, positions in the
   // bulk, in no particular order) and shortlist_sizes [q_heads], chosen among the bulk's first
-  // *shortlist_coded rows (set by Start or WaitShortlists: a tier may scan the rows coded before
-  // the step and leave its new ones to the exact path's uncoded tail).
+  // *shortlist_coded rows (set by Start: a tier may scan the rows coded before the step and leave
+  // its new ones to the exact path's uncoded tail).
   BulkCodes* codes = nullptr;
   KvView bulk;
   int shortlist = 0;
