@@ -293,15 +293,17 @@ absl::Status Run() {
         KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(
             cudaMemcpyAsync(d_q->data(), pinned_q.data(), q_row * sizeof(float),
                             cudaMemcpyHostToDevice, stream), "q up"));
-        const cuda::PqShortlistRows rows{d_q->data(), d_set->data(), nullptr, d_tables->data(),
-                                         q_heads, static_cast<int>(bulk_n)};
+        cuda::PqShortlistRows rows{d_q->data(), d_set->data(), nullptr, d_tables->data(),
+                                   q_heads, static_cast<int>(bulk_n)};
+        rows.group = q_heads / kv_heads;
         cudaEventRecord(events[0], stream);
         KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqShortlist(code_sets, rows, n, ws->get(),
                                                         d_ids->data(), d_sizes->data(), nullptr,
                                                         stream));
         cudaEventRecord(events[1], stream);
         KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(
-            cudaMemcpyAsync(pinned_ids.data(), d_ids->data(), int64_t{q_heads} * n * sizeof(int32_t),
+            cudaMemcpyAsync(pinned_ids.data(), d_ids->data(),
+                            int64_t{q_heads} * n * sizeof(int32_t),
                             cudaMemcpyDeviceToHost, stream), "ids down"));
         KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(
             cudaMemcpyAsync(pinned_sizes.data(), d_sizes->data(), q_heads * sizeof(int32_t),
@@ -311,8 +313,9 @@ absl::Status Run() {
         gpu_us = MicrosSince(start);
         float kernels_ms = 0;
         cudaEventElapsedTime(&kernels_ms, events[0], events[1]);
-        // The selection alone, again over the scores the scan left in the workspace (timing
-        // only): the scan's share is the rest.
+        // The selection as a pass of its own (SelectRowTopK: a histogram pass, then the
+        // collect), again over the scores the scan left in the workspace (timing only). The
+        // shortlist builds the histograms while scanning and runs only the collect pass.
         cudaEventRecord(events[0], stream);
         KVRECALL_CUDA_RETURN_IF_ERROR(cuda::SelectRowTopK(
             ws->get()->scores(), ws->get()->max_tokens(), q_heads, static_cast<int>(bulk_n),

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -58,15 +59,22 @@ CodeSets MakeCodeSets(int subspaces) {
   return out;
 }
 
-class PqShortlistTest : public ::testing::TestWithParam<int> {};
+// (code bytes M, rows per group).
+class PqShortlistTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
 TEST_P(PqShortlistTest, MatchesTheCpuReference) {
   KVRECALL_SKIP_WITHOUT_GPU();
-  const int subspaces = GetParam();
+  const auto [subspaces, group] = GetParam();
   const CodeSets sets = MakeCodeSets(subspaces);
-  // Ragged rows over the sets: full, partial, single, empty, shorter than the shortlist.
-  const std::vector<int32_t> set_of_row = {0, 1, 2, 0, 1, 2, 1};
-  const std::vector<int32_t> lengths = {kKeys, 4097, kKeys - 5, 0, 1, 250, 4096};
+  // Ragged groups of rows over the sets: full, partial, single, empty, shorter than the
+  // shortlist; each row of a group has its own query.
+  const std::vector<int32_t> set_of_group = {0, 1, 2, 0, 1, 2, 1};
+  const std::vector<int32_t> length_of_group = {kKeys, 4097, kKeys - 5, 0, 1, 250, 4096};
+  std::vector<int32_t> set_of_row, lengths;
+  for (size_t g = 0; g < set_of_group.size(); ++g) {
+    set_of_row.insert(set_of_row.end(), group, set_of_group[g]);
+    lengths.insert(lengths.end(), group, length_of_group[g]);
+  }
   const int rows = static_cast<int>(set_of_row.size());
   const std::vector<float> queries = RandomNormal(rows * kDim, 20);
 
@@ -83,7 +91,8 @@ TEST_P(PqShortlistTest, MatchesTheCpuReference) {
   auto d_tables = ToDevice(std::vector<float>(rows * subspaces * ProductQuantizer::kCentroids));
   const cuda::PqCodeSets code_sets{d_books.data(), d_codes.data(), kKeys, subspaces, kDim};
   const cuda::PqShortlistRows query_rows{d_queries.data(), d_sets.data(), d_lengths.data(),
-                                         d_tables.data(), rows, kKeys};
+                                         d_tables.data(),  rows,          kKeys,
+                                         group};
   ASSERT_TRUE(cuda::PqShortlist(code_sets, query_rows, kShortlist, ws->get(), d_ids.data(),
                                 d_sizes.data(), d_scores.data(), nullptr)
                   .ok());
@@ -98,9 +107,9 @@ TEST_P(PqShortlistTest, MatchesTheCpuReference) {
     const ProductQuantizer& pq = sets.quantizers[set_of_row[r]];
     const int n = lengths[r];
     pq.QueryTable(queries.data() + r * kDim, table.data());
-    ProductQuantizer::ScanCodes(table.data(),
-                                sets.codes.data() + static_cast<size_t>(set_of_row[r]) * kKeys * subspaces,
-                                n, subspaces, scores.data());
+    const uint8_t* codes =
+        sets.codes.data() + static_cast<size_t>(set_of_row[r]) * kKeys * subspaces;
+    ProductQuantizer::ScanCodes(table.data(), codes, n, subspaces, scores.data());
     cpu::TopKPositions(std::span<const float>(scores.data(), n), kShortlist, &expected);
     ASSERT_EQ(sizes[r], static_cast<int>(expected.size())) << "row " << r;
     const float kth = expected.empty() ? 0.0f : scores[expected.back()];
@@ -120,16 +129,21 @@ TEST_P(PqShortlistTest, MatchesTheCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(CodeBytes, PqShortlistTest, ::testing::Values(8, 4, 16),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return "M" + std::to_string(info.param);
+// Groups of 1, 2, 4 rows per scan block, and of 8 (two blocks of 4 read each code).
+INSTANTIATE_TEST_SUITE_P(CodeBytesAndGroups, PqShortlistTest,
+                         ::testing::Combine(::testing::Values(8, 4, 16),
+                                            ::testing::Values(1, 2, 4, 8)),
+                         [](const ::testing::TestParamInfo<std::tuple<int, int>>& info) {
+                           return "M" + std::to_string(std::get<0>(info.param)) + "Group" +
+                                  std::to_string(std::get<1>(info.param));
                          });
 
 TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
   KVRECALL_SKIP_WITHOUT_GPU();
   auto ws = cuda::TopKWorkspace::Create(2, 1000);
   ASSERT_TRUE(ws.ok());
-  auto buffer = ToDevice(std::vector<float>(4096, 0.0f));
+  // Room for one set's codebooks (M x 256 x dim / M floats), which the successful runs read.
+  auto buffer = ToDevice(std::vector<float>(256 * kDim, 0.0f));
   auto codes = ToDevice(std::vector<uint8_t>(8 * 2000, 0));
   auto ints = ToDevice(std::vector<int32_t>(4096, 0));
   cuda::PqCodeSets sets{buffer.data(), codes.data(), 1000, 8, kDim};
@@ -156,6 +170,12 @@ TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
   rows.tables = nullptr;
   expect_invalid(run(10), "tables");
   rows.tables = buffer.data();
+  rows.group = 3;  // does not divide the 2 rows
+  expect_invalid(run(10), "2 rows in groups of 3");
+  rows.group = 0;
+  expect_invalid(run(10), "2 rows in groups of 0");
+  rows.group = 2;
+  EXPECT_TRUE(run(10).ok());
   sets.codes = codes.data() + 1;  // 8-byte codes misaligned
   expect_invalid(run(10), "aligned");
 }

@@ -17,24 +17,12 @@
 namespace kvrecall {
 namespace {
 
+using ::kvrecall::testing::PqPartDistance;
 using ::kvrecall::testing::RandomNormal;
 using ::testing::HasSubstr;
 
 VectorSet F32Set(const std::vector<float>& data, int64_t count, int dim) {
   return VectorSet{data.data(), count, dim, dim, KvElement::kF32};
-}
-
-// Squared distance of part m of x to centroid c of codebook m.
-double PartDistance(const ProductQuantizer& pq, const float* x, int m, int c) {
-  const int sub = pq.subspace_dim();
-  const float* centroid =
-      pq.codebooks().data() + (static_cast<int64_t>(m) * ProductQuantizer::kCentroids + c) * sub;
-  double sum = 0.0;
-  for (int j = 0; j < sub; ++j) {
-    const double diff = static_cast<double>(x[m * sub + j]) - centroid[j];
-    sum += diff * diff;
-  }
-  return sum;
 }
 
 // Mean squared reconstruction error of `count` keys.
@@ -71,10 +59,10 @@ TEST(ProductQuantizerTest, EveryCodeIsTheNearestCentroidOfItsPart) {
     for (int m = 0; m < 4; ++m) {
       double best = std::numeric_limits<double>::infinity();
       for (int c = 0; c < ProductQuantizer::kCentroids; ++c) {
-        best = std::min(best, PartDistance(*pq, keys.data() + i * kDim, m, c));
+        best = std::min(best, PqPartDistance(*pq, keys.data() + i * kDim, m, c));
       }
       // The GEMM's rounding may pick either of two centroids this close.
-      EXPECT_LE(PartDistance(*pq, keys.data() + i * kDim, m, codes[i * 4 + m]),
+      EXPECT_LE(PqPartDistance(*pq, keys.data() + i * kDim, m, codes[i * 4 + m]),
                 best + 1e-4 * (1.0 + best))
           << "key " << i << " part " << m;
     }

@@ -13,6 +13,18 @@
 #include "kernels/dtype.h"
 
 namespace kvrecall::testing {
+
+double PqPartDistance(const ProductQuantizer& pq, const float* x, int m, int c) {
+  const int sub = pq.subspace_dim();
+  const float* centroid =
+      pq.codebooks().data() + (static_cast<int64_t>(m) * ProductQuantizer::kCentroids + c) * sub;
+  double sum = 0.0;
+  for (int j = 0; j < sub; ++j) {
+    const double diff = static_cast<double>(x[m * sub + j]) - centroid[j];
+    sum += diff * diff;
+  }
+  return sum;
+}
 namespace {
 
 // Element j of a stored row of `element`, widened with kernels/dtype.h's scalar conversions (the

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "index/product_quantizer.h"
 #include "kernels/kv_view.h"
 
 namespace kvrecall::testing {
@@ -45,6 +46,10 @@ struct NarrowedKv {
   int head_dim;
   KvElement element;
 };
+
+// Squared distance, in double, of part m of `x` ([pq.dim()]) to centroid c of codebook m of
+// `pq`: what a product quantizer's code should minimize.
+double PqPartDistance(const ProductQuantizer& pq, const float* x, int m, int c);
 
 // Attention of q over kv's tokens `ids` for one KV head, in double precision (any element type).
 // o: [head_dim]; returns the natural-log log-sum-exp (-inf for an empty set).

@@ -231,12 +231,10 @@ absl::Status LaunchExactTopKKernels(const DecodeShape& shape, ScoreKeysParams pa
   constexpr size_t kSmem = ScoreKeysSmemBytes<T, Shape, kGroup>();
   const absl::StatusOr<int> slots = DeviceBlockSlots<kKernel>(Shape::kThreads, kSmem);
   if (!slots.ok()) return slots.status();
-  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
-  // Registers, not shared memory, bound how many collect blocks a multiprocessor holds.
-  const absl::StatusOr<int> collect_slots = DeviceBlockSlots<kCollect>(kRowPassThreads, 0);
-  if (!collect_slots.ok()) return collect_slots.status();
-
   const int tokens = std::max(max_tokens, 1);
+  RowTopKParams rows = params.rows;
+  KVRECALL_CUDA_RETURN_IF_ERROR(PlanRowCollect<Finish>(shape.rows(), tokens, &rows));
+
   const SplitPlan plan = PlanKeySplits(tokens, Shape::kTile, shape.rows() / kGroup, *slots,
                                        /*max_splits=*/1 << 16);
   params.splits = plan.splits;
@@ -246,13 +244,7 @@ absl::Status LaunchExactTopKKernels(const DecodeShape& shape, ScoreKeysParams pa
   KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("ScoreKeysKernel"));
 
   // Collect, select the missing ones, finish.
-  RowTopKParams rows = params.rows;
-  PlanRowPasses(shape.rows(), tokens, *collect_slots, &rows);
-  const dim3 collect_grid(rows.splits, shape.rows());
-  const size_t collect_smem = RowCollectSmemBytes(rows.k);
-  KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kCollect>(collect_smem));
-  kCollect<<<collect_grid, kRowPassThreads, collect_smem, stream>>>(rows, finish);
-  return LaunchStatus("RowCollectKernel");
+  return LaunchRowCollect(rows, shape.rows(), finish, stream);
 }
 
 // Launches the scan and the collect pass for `shape` (dtype, head_dim and GQA group dispatched

@@ -74,7 +74,11 @@ template <auto kKernel>
 absl::StatusOr<int> PrepareKernel(int threads, size_t smem_bytes) {
   static PerDevice<int> blocks;
   return blocks.Get([&](int /*device: the current one*/) -> absl::StatusOr<int> {
-    if (smem_bytes > 48 * 1024) {
+    cudaFuncAttributes attrs{};
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaFuncGetAttributes(&attrs, kKernel), "reading kernel attributes"));
+    // Without the opt-in a block has 48 KB, its static shared memory included.
+    if (smem_bytes + attrs.sharedSizeBytes > 48 * 1024) {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem_bytes)),

@@ -2,18 +2,22 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/launch.cuh"
+#include "kernels/cuda/topk_select.cuh"
 
 namespace kvrecall::cuda {
 namespace {
 
 constexpr int kCentroids = 256;
 constexpr int kThreads = 256;
-// Keys one block scores: a row of 128K keys is spread over 32 blocks.
-constexpr int kKeysPerBlock = 4096;
 static_assert(kThreads == kCentroids, "a block builds its table one centroid per thread");
+// The fewest keys a scan block scores (16 per thread): fewer would spend a block's time on
+// loading its tables and clearing and flushing its histograms.
+constexpr int kMinScanChunk = 4096;
 
 // Block r: row r's table of <q part m, centroid c> ([M, 256]; thread c computes centroid c's
 // products), built once per row rather than by every block of the scan.
@@ -34,39 +38,101 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block (x: a part of the row's keys, y: the row): the row's table into shared memory, then
-// every key of its part scored by M table lookups.
+// Rows one scan block serves: the largest of 4, 2, 1 dividing the group (HeadsPerBlock's, capped
+// at 4 so that the tables and histograms of 16-byte codes fit beside each other in 96 KB).
+inline int PqRowsPerBlock(int group) { return std::min(HeadsPerBlock(group), 4); }
+
+// Dynamic shared memory of PqScanKernel: kRows tables of up to kMaxM codebooks, then kRows
+// selection histograms.
+template <int kRows, int kMaxM>
+constexpr size_t PqScanSmemBytes() {
+  return static_cast<size_t>(kRows) * (kMaxM * kCentroids + kBins) * 4;
+}
+
+// Block (x: a part of `chunk` keys, y: kRows consecutive rows of a group): their tables into
+// shared memory, then every key of the part scored for each of them from one read of its code
+// (M table lookups per row, summed in codebook order as ScanCodes does), the scores written to
+// their rows and counted in their histograms; the last block of the rows locates each row's
+// threshold bin for the collect pass (RowHistogramKernel's work, done while scoring).
+// kEightByteCodes: M == 8, one 8-byte load per code.
+template <int kRows, bool kEightByteCodes>
 __global__ void __launch_bounds__(kThreads)
-    PqScoreKernel(PqCodeSets sets, PqShortlistRows rows, float* scores, int64_t score_stride) {
-  __shared__ float table[kMaxPqSubspaces * kCentroids];
-  const int r = blockIdx.y;
-  const int64_t length = rows.lengths != nullptr ? rows.lengths[r] : rows.max_length;
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kKeysPerBlock;
-  if (begin >= length) return;
-  const int m_count = sets.subspaces;
-  const float* row_table = rows.tables + int64_t{r} * m_count * kCentroids;
-  for (int i = threadIdx.x; i < m_count * kCentroids; i += kThreads) table[i] = row_table[i];
+    PqScanKernel(PqCodeSets sets, const float* tables, const int32_t* set_of_row, int chunk,
+                 float* scores, RowTopKParams p) {
+  constexpr int kMaxM = kEightByteCodes ? 8 : kMaxPqSubspaces;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* table = reinterpret_cast<float*>(smem);  // [kRows][M][256], then [kRows][kBins]:
+  uint32_t* hist = reinterpret_cast<uint32_t*>(table + kRows * kMaxM * kCentroids);
+  __shared__ uint32_t scratch[32];
+  __shared__ bool last;
+  const int m_count = kEightByteCodes ? 8 : sets.subspaces;
+  const int table_size = m_count * kCentroids;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  for (int i = threadIdx.x; i < kRows * table_size; i += kThreads) {
+    table[i] = tables[row0 * table_size + i];
+  }
+  for (int i = threadIdx.x; i < kRows * kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
-  const uint8_t* codes = sets.codes + int64_t{rows.set_of_row[r]} * sets.set_stride * m_count;
-  const int64_t end = min(length, begin + kKeysPerBlock);
-  float* out = scores + int64_t{r} * score_stride;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const uint8_t* code = codes + i * m_count;
-    float sum = 0.0f;
-    if (m_count == 8) {
-      // One 8-byte load per key (codes of 8-byte keys are 8-byte aligned).
-      const uint2 word = *reinterpret_cast<const uint2*>(code);
+  const int n = RowLength(p, static_cast<int>(row0));  // the group's (its rows share it)
+  const int begin = blockIdx.x * chunk;
+  const int end = min(begin + chunk, n);
+  const uint8_t* codes = sets.codes + int64_t{set_of_row[row0]} * sets.set_stride * m_count;
+  for (int i = begin + threadIdx.x; i < end; i += kThreads) {
+    float sum[kRows];
 #pragma unroll
-      for (int m = 0; m < 4; ++m) sum += table[m * kCentroids + ((word.x >> (8 * m)) & 0xff)];
+    for (int r = 0; r < kRows; ++r) sum[r] = 0.0f;
+    if constexpr (kEightByteCodes) {
+      const uint2 word = __ldg(reinterpret_cast<const uint2*>(codes) + i);
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        sum += table[(m + 4) * kCentroids + ((word.y >> (8 * m)) & 0xff)];
+      for (int m = 0; m < 8; ++m) {
+        const uint32_t byte = ((m < 4 ? word.x : word.y) >> (8 * (m % 4))) & 0xff;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) sum[r] += table[r * table_size + m * kCentroids + byte];
       }
     } else {
-      for (int m = 0; m < m_count; ++m) sum += table[m * kCentroids + code[m]];
+      const uint8_t* code = codes + static_cast<int64_t>(i) * m_count;
+      for (int m = 0; m < m_count; ++m) {
+        const uint32_t byte = __ldg(code + m);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) sum[r] += table[r * table_size + m * kCentroids + byte];
+      }
     }
-    out[i] = sum;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      scores[(row0 + r) * p.score_stride + i] = sum[r];
+      atomicAdd(&hist[r * kBins + BinOf(sum[r])], 1u);
+    }
   }
+  __syncthreads();
+  for (int r = 0; r < kRows; ++r) {
+    FlushHistogram<kThreads>(hist + r * kBins, p.hist + (row0 + r) * static_cast<int64_t>(kBins));
+  }
+  if (!FinishedLast(&p.state[row0].blocks_done, gridDim.x, &last)) return;
+  for (int r = 0; r < kRows; ++r) {
+    FindThresholdBin<kThreads>(p.hist + (row0 + r) * static_cast<int64_t>(kBins), min(p.k, n),
+                               &p.state[row0 + r], scratch);
+  }
+  if (threadIdx.x == 0) p.state[row0].blocks_done = 0;
+}
+
+// Plans and launches the scan for kRows rows per block, then the collect pass.
+template <int kRows, bool kEightByteCodes>
+absl::Status LaunchPqScan(const PqCodeSets& sets, const PqShortlistRows& rows, float* scores,
+                          RowTopKParams p, cudaStream_t stream) {
+  constexpr auto kScan = &PqScanKernel<kRows, kEightByteCodes>;
+  constexpr size_t kSmem = PqScanSmemBytes<kRows, kEightByteCodes ? 8 : kMaxPqSubspaces>();
+  const absl::StatusOr<int> slots = DeviceBlockSlots<kScan>(kThreads, kSmem);
+  if (!slots.ok()) return slots.status();
+  KVRECALL_CUDA_RETURN_IF_ERROR(PlanRowSelection(rows.rows, rows.max_length, &p));
+  // One wave of blocks, each scoring at least kMinScanChunk keys.
+  const int blocks = rows.rows / kRows;
+  const int splits =
+      std::max(1, std::min(*slots / blocks, CeilDiv(rows.max_length, kMinScanChunk)));
+  const int chunk = CeilDiv(rows.max_length, splits);
+  kScan<<<dim3(CeilDiv(rows.max_length, chunk), blocks), kThreads, kSmem, stream>>>(
+      sets, rows.tables, rows.set_of_row, chunk, scores, p);
+  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PqScanKernel"));
+  return LaunchRowSelection(p, rows.rows, stream);
 }
 
 }  // namespace
@@ -87,6 +153,10 @@ absl::Status PqShortlist(const PqCodeSets& sets, const PqShortlistRows& rows, in
         rows.rows, " max_length=", rows.max_length, " shortlist=", shortlist,
         " set_stride=", sets.set_stride));
   }
+  if (rows.group < 1 || rows.rows % rows.group != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("rows come in groups that divide them; got ",
+                                                   rows.rows, " rows in groups of ", rows.group));
+  }
   if (ws == nullptr) return absl::InvalidArgumentError("a TopKWorkspace is required");
   KVRECALL_CUDA_RETURN_IF_ERROR(ws->CheckFits(rows.rows, rows.max_length));
   if (rows.rows == 0 || rows.max_length == 0) {
@@ -105,13 +175,34 @@ absl::Status PqShortlist(const PqCodeSets& sets, const PqShortlistRows& rows, in
   if (sets.subspaces == 8 && reinterpret_cast<uintptr_t>(sets.codes) % 8 != 0) {
     return absl::InvalidArgumentError("8-byte codes must start 8-byte aligned");
   }
+  RowTopKParams p{};
+  p.scores = ws->scores();
+  p.score_stride = ws->max_tokens();
+  p.lengths = rows.lengths;
+  p.length = rows.max_length;
+  p.max_length = rows.max_length;
+  p.k = shortlist;
+  p.hist = ws->histograms();
+  p.state = ws->states();
+  p.candidates = ws->candidates();
+  p.support = ids;
+  p.support_stride = shortlist;
+  p.support_size = sizes;
+  p.support_scores = id_scores;
   PqTableKernel<<<rows.rows, kThreads, 0, stream>>>(sets, rows);
   KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PqTableKernel"));
-  const dim3 grid((rows.max_length + kKeysPerBlock - 1) / kKeysPerBlock, rows.rows);
-  PqScoreKernel<<<grid, kThreads, 0, stream>>>(sets, rows, ws->scores(), ws->max_tokens());
-  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PqScoreKernel"));
-  return SelectRowTopK(ws->scores(), ws->max_tokens(), rows.rows, rows.max_length, rows.lengths,
-                       shortlist, ws, ids, shortlist, sizes, id_scores, stream);
+  const bool eight_bytes = sets.subspaces == 8;
+  switch (PqRowsPerBlock(rows.group)) {
+    case 4:
+      return eight_bytes ? LaunchPqScan<4, true>(sets, rows, ws->scores(), p, stream)
+                         : LaunchPqScan<4, false>(sets, rows, ws->scores(), p, stream);
+    case 2:
+      return eight_bytes ? LaunchPqScan<2, true>(sets, rows, ws->scores(), p, stream)
+                         : LaunchPqScan<2, false>(sets, rows, ws->scores(), p, stream);
+    default:
+      return eight_bytes ? LaunchPqScan<1, true>(sets, rows, ws->scores(), p, stream)
+                         : LaunchPqScan<1, false>(sets, rows, ws->scores(), p, stream);
+  }
 }
 
 }  // namespace kvrecall::cuda

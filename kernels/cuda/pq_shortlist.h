@@ -34,7 +34,10 @@ struct PqCodeSets {
 
 // The query rows of a call, in device memory: queries [rows, dim] f32; set_of_row [rows] (each
 // in the code sets); lengths [rows] (each in [0, max_length]) or null for max_length keys;
-// tables: scratch of [rows, M, 256] f32 for the rows' lookup tables.
+// tables: scratch of [rows, M, 256] f32 for the rows' lookup tables. Rows come in groups of
+// `group` consecutive rows that share their set and their length (the query heads of one KV
+// head: a GQA group): each code is read once for up to four rows of a group. rows % group == 0;
+// a group whose rows differ in set or length is device data out of range (not checked).
 struct PqShortlistRows {
   const float* queries = nullptr;
   const int32_t* set_of_row = nullptr;
@@ -42,18 +45,22 @@ struct PqShortlistRows {
   float* tables = nullptr;
   int rows = 0;
   int max_length = 0;
+  int group = 1;
 };
 
 // For every row r, with n_r its length and s = set_of_row[r]:
 //   score_i = sum over m of <q_r part m, centroid codes[s, i, m] of codebook m of set s>
 //     for i < n_r (ProductQuantizer::QueryTable then ScanCodes, up to f32 summation order):
-//     one launch builds each row's table, one scores every key, then SelectRowTopK (two);
+//     one launch builds each row's table; one scores every key for the rows of a group that
+//     share a block, building their selection histograms as it goes (as the exact top-K scan
+//     does, exact_topk.cuh); the collect pass of topk_select.cuh then selects;
 //   ids[r, 0:sizes[r]]: the positions of the min(shortlist, n_r) highest score_i, ties to the
 //     lower position (SelectRowTopK's order as a set, listed in no particular order);
 //   id_scores[r, j] (when non-null): score of ids[r, j].
 // ids and id_scores are [rows, shortlist]. The scores are staged in ws->scores(), so ws must fit
 // rows x max_length. INVALID_ARGUMENT for shapes outside the bounds above, shortlist < 1 or a
-// workspace that does not fit; device data out of range (a set or length) is not checked.
+// workspace that does not fit, and for a group < 1 or not dividing rows; device data out of
+// range (a set or length) is not checked.
 absl::Status PqShortlist(const PqCodeSets& sets, const PqShortlistRows& rows, int shortlist,
                          TopKWorkspace* ws, int32_t* ids, int32_t* sizes, float* id_scores,
                          cudaStream_t stream);

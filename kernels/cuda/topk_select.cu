@@ -74,10 +74,6 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   if (scores == nullptr || support == nullptr || support_size == nullptr) {
     return absl::InvalidArgumentError("scores, support and support_size must be device pointers");
   }
-  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, NoFinish>;
-  // Registers, not shared memory, bound how many collect blocks a multiprocessor holds.
-  const absl::StatusOr<int> slots = DeviceBlockSlots<kCollect>(kRowPassThreads, 0);
-  if (!slots.ok()) return slots.status();
   RowTopKParams p{};
   p.scores = scores;
   p.score_stride = stride;
@@ -98,14 +94,19 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   p.support_stride = support_stride;
   p.support_size = support_size;
   p.support_scores = support_scores;
-  PlanRowPasses(rows, length, *slots, &p);
-  const dim3 grid(p.splits, rows);
-  RowHistogramKernel<kRowPassThreads><<<grid, kRowPassThreads, 0, stream>>>(p);
+  // Both passes split the rows alike.
+  KVRECALL_CUDA_RETURN_IF_ERROR(PlanRowSelection(rows, length, &p));
+  RowHistogramKernel<kRowPassThreads><<<dim3(p.splits, rows), kRowPassThreads, 0, stream>>>(p);
   KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("RowHistogramKernel"));
-  const size_t collect_smem = RowCollectSmemBytes(k);
-  KVRECALL_CUDA_RETURN_IF_ERROR(AllowDynamicSharedMemory<kCollect>(collect_smem));
-  kCollect<<<grid, kRowPassThreads, collect_smem, stream>>>(p, NoFinish{});
-  return LaunchStatus("RowCollectKernel");
+  return LaunchRowSelection(p, rows, stream);
+}
+
+absl::Status PlanRowSelection(int rows, int length, RowTopKParams* p) {
+  return PlanRowCollect<NoFinish>(rows, length, p);
+}
+
+absl::Status LaunchRowSelection(const RowTopKParams& p, int rows, cudaStream_t stream) {
+  return LaunchRowCollect(p, rows, NoFinish{}, stream);
 }
 
 }  // namespace kvrecall::cuda

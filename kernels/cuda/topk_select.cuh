@@ -511,6 +511,37 @@ inline void PlanRowPasses(int rows, int length, int slots, RowTopKParams* p) {
   p->splits = std::max(1, CeilDiv(length, p->chunk));
 }
 
+// The collect pass of `rows` rows of up to `length` scores (RowCollectKernel ending each row
+// with a Finish): PlanRowCollect sets p->splits / p->chunk and prepares the kernel, and runs
+// before pass 1 is launched, so that a failure leaves the workspace as it was (zero);
+// LaunchRowCollect launches it once pass 1 has located every row's threshold bin. Each Finish's
+// collect kernel is instantiated in one translation unit: a kernel template instantiated in two
+// is registered once in each, and the shared-memory opt-in set through one is not the other's
+// (while the caches of launch.cuh hold one answer per kernel). NoFinish's lives in
+// topk_select.cu, behind PlanRowSelection / LaunchRowSelection.
+template <typename Finish>
+absl::Status PlanRowCollect(int rows, int length, RowTopKParams* p) {
+  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
+  // Registers, not shared memory, bound how many collect blocks a multiprocessor holds.
+  const absl::StatusOr<int> slots = DeviceBlockSlots<kCollect>(kRowPassThreads, 0);
+  if (!slots.ok()) return slots.status();
+  PlanRowPasses(rows, length, *slots, p);
+  return AllowDynamicSharedMemory<kCollect>(RowCollectSmemBytes(p->k));
+}
+template <typename Finish>
+absl::Status LaunchRowCollect(const RowTopKParams& p, int rows, const Finish& finish,
+                              cudaStream_t stream) {
+  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
+  kCollect<<<dim3(p.splits, rows), kRowPassThreads, RowCollectSmemBytes(p.k), stream>>>(p,
+                                                                                      finish);
+  return LaunchStatus("RowCollectKernel");
+}
+
+// PlanRowCollect / LaunchRowCollect of NoFinish (the selection alone), for a pass 1 of the
+// caller's own, such as the PQ shortlist's scan.
+absl::Status PlanRowSelection(int rows, int length, RowTopKParams* p);
+absl::Status LaunchRowSelection(const RowTopKParams& p, int rows, cudaStream_t stream);
+
 }  // namespace kvrecall::cuda
 
 #endif  // KVRECALL_KERNELS_CUDA_TOPK_SELECT_CUH_

@@ -1,6 +1,8 @@
 #include "server/backends/bulk_codes.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -63,6 +65,7 @@ absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bul
 BulkCodes::BulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
     : quantizers_(std::move(quantizers)),
       outliers_(quantizers_.size()),
+      outlier_threshold_(quantizers_.size(), std::numeric_limits<float>::quiet_NaN()),
       subspaces_(quantizers_.empty() ? 0 : quantizers_.front().subspaces()),
       host_(host) {}
 
@@ -70,7 +73,6 @@ BulkCodes::~BulkCodes() { host_->Release(host_charged_); }
 
 void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes) {
   const int64_t n = end - begin;
-  const bool first = outlier_threshold_.empty();
   std::vector<float> errors(n);
   for (int h = 0; h < kv_heads(); ++h) {
     const VectorSet keys = VectorSet::KeysOf(bulk, h, begin, end);
@@ -89,16 +91,22 @@ void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8
         errors[i] = error;
       }
     }
-    if (first) {
-      // The prompt's bulk sets the bar: its 1/kOutlierShare worst-coded keys are above it.
-      std::vector<float> sorted = errors;
-      const int64_t rank = n - 1 - n / kOutlierShare;
-      std::nth_element(sorted.begin(), sorted.begin() + rank, sorted.end());
-      outlier_threshold_.push_back(sorted[rank]);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      if (errors[i] > outlier_threshold_[h]) outliers_[h].push_back(static_cast<int32_t>(begin + i));
-    }
+    AddOutliers(h, begin, errors);
+  }
+}
+
+void BulkCodes::AddOutliers(int kv_head, int64_t begin, std::span<const float> errors) {
+  const int64_t n = static_cast<int64_t>(errors.size());
+  float& threshold = outlier_threshold_[kv_head];
+  if (std::isnan(threshold) && n > 0) {
+    // The prompt's bulk sets the bar: its 1/kOutlierShare worst-coded keys are above it.
+    std::vector<float> sorted(errors.begin(), errors.end());
+    const int64_t rank = n - 1 - n / kOutlierShare;
+    std::nth_element(sorted.begin(), sorted.begin() + rank, sorted.end());
+    threshold = sorted[rank];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (errors[i] > threshold) outliers_[kv_head].push_back(static_cast<int32_t>(begin + i));
   }
 }
 

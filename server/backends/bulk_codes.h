@@ -66,12 +66,18 @@ class BulkCodes {
   absl::Status ChargeQuantizers();
   // codes [kv_heads, end - begin, M]: rows [begin, end) of `bulk` encoded (on the calling
   // thread's OpenMP team when there are many), and those among them beyond the outlier
-  // threshold added to the outliers (the first call, the prompt's bulk, sets the threshold).
+  // threshold added to the outliers (AddOutliers).
   void EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes);
+  // Rows [begin, begin + errors.size()) of `kv_head` coded elsewhere (the GPU tier codes the
+  // prompt's bulk on its device), given their squared reconstruction errors: those beyond the
+  // outlier threshold join the outliers. The head's first call (the prompt's bulk) sets the
+  // threshold.
+  void AddOutliers(int kv_head, int64_t begin, std::span<const float> errors);
 
   std::vector<ProductQuantizer> quantizers_;
   std::vector<std::vector<int32_t>> outliers_;  // [kv_heads][...] bulk rows
   std::vector<float> outlier_threshold_;        // [kv_heads]: squared reconstruction error
+                                                // (NaN until the head's first AddOutliers)
   int subspaces_ = 0;
   int64_t coded_ = 0;
 

@@ -22,6 +22,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/partial_attention.h"
+#include "kernels/cuda/pq_encode.h"
 #include "kernels/cuda/pq_shortlist.h"
 #include "server/backends/gpu_support.h"
 #include "server/backends/tiered_backend.h"
@@ -99,8 +100,9 @@ class GpuStaticSet final : public StaticSet {
 };
 
 // The bulk's codes in device memory ([kv_heads, capacity, M] u8, and the codebooks [kv_heads, M,
-// 256, head_dim / M] f32), scanned by kernels/cuda/pq_shortlist.h. Keys joining the bulk are
-// coded on the host (one per KV head a step) and copied up on the step's stream.
+// 256, head_dim / M] f32), scanned by kernels/cuda/pq_shortlist.h. The prompt's bulk is coded on
+// the device (kernels/cuda/pq_encode.h); keys joining the bulk are coded on the host (one per KV
+// head a step) and copied up on the step's stream.
 class GpuBulkCodes final : public BulkCodes {
  public:
   static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(const KvView& bulk,
@@ -125,14 +127,7 @@ class GpuBulkCodes final : public BulkCodes {
                    cudaMemcpyHostToDevice),
         "uploading the shortlist's codebooks"));
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
-    // The prompt's bulk, coded on the host and uploaded once.
-    std::vector<uint8_t> staged(bulk.tokens * codes->kv_heads() * codes->subspaces_);
-    codes->EncodeRows(bulk, 0, bulk.tokens, staged.data());
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpy2D(codes->codes_.data(), codes->capacity_ * codes->subspaces_, staged.data(),
-                     bulk.tokens * codes->subspaces_, bulk.tokens * codes->subspaces_,
-                     codes->kv_heads(), cudaMemcpyHostToDevice),
-        "uploading the shortlist's codes"));
+    if (absl::Status s = codes->CodePrompt(bulk); !s.ok()) return s;
     codes->coded_ = bulk.tokens;
     return codes;
   }
@@ -189,6 +184,69 @@ class GpuBulkCodes final : public BulkCodes {
   }
 
  private:
+  // Prompt tokens whose keys go up at a time to be coded: 4 MB of staging at 8 KV heads of 128
+  // bf16 dims, charged to the session while the prompt is coded.
+  static constexpr int64_t kCodingChunkTokens = 2048;
+
+  // Codes the prompt's bulk into the codes' first rows, its outliers included. On the device
+  // (cuda::PqEncode: the host's encoding was most of a long prompt's build): the keys go up a
+  // chunk at a time, each KV head's codes are written in place and the keys' reconstruction
+  // errors come down. On the host, then uploaded, when the keys are not 16-bit or the budget
+  // has no room for the staging.
+  absl::Status CodePrompt(const KvView& bulk) {
+    const int d = bulk.head_dim;
+    const int64_t row = int64_t{kv_heads()} * d;  // elements of one token's keys
+    const int64_t chunk = std::min(bulk.tokens, kCodingChunkTokens);
+    ChargedBuffer<uint16_t> keys;
+    ChargedBuffer<float> errors;
+    absl::Status staged = bulk.element == KvElement::kF32
+                              ? absl::ResourceExhaustedError("f32 keys are coded on the host")
+                              : keys.Allocate(chunk * row, device_, "the keys being coded");
+    if (staged.ok()) staged = errors.Allocate(chunk * kv_heads(), device_, "their errors");
+    if (absl::IsResourceExhausted(staged)) return CodePromptOnHost(bulk);
+    if (!staged.ok()) return staged;
+    const int64_t book_floats = int64_t{ProductQuantizer::kCentroids} * d;
+    std::vector<std::vector<float>> head_errors(kv_heads(), std::vector<float>(bulk.tokens));
+    std::vector<float> chunk_errors(chunk * kv_heads());
+    for (int64_t begin = 0; begin < bulk.tokens; begin += chunk) {
+      const int64_t n = std::min(chunk, bulk.tokens - begin);
+      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpy(keys.data(), bulk.key_row(begin, 0), n * row * sizeof(uint16_t),
+                     cudaMemcpyHostToDevice),
+          "uploading the prompt's keys to code"));
+      for (int h = 0; h < kv_heads(); ++h) {
+        cuda::PqEncodeParams p;
+        p.keys = keys.data() + int64_t{h} * d;
+        p.dtype = bulk.element == KvElement::kBf16 ? cuda::KvDtype::kBf16 : cuda::KvDtype::kF16;
+        p.count = n;
+        p.row_stride = row;
+        p.dim = d;
+        p.subspaces = subspaces_;
+        p.codebooks = codebooks_.data() + h * book_floats;
+        p.codes = codes_.data() + (h * capacity_ + begin) * subspaces_;
+        p.errors = errors.data() + h * n;
+        if (absl::Status s = cuda::PqEncode(p, nullptr); !s.ok()) return s;
+      }
+      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpy(chunk_errors.data(), errors.data(), n * kv_heads() * sizeof(float),
+                     cudaMemcpyDeviceToHost),
+          "downloading the prompt's coding errors"));
+      for (int h = 0; h < kv_heads(); ++h) {
+        std::copy_n(chunk_errors.data() + h * n, n, head_errors[h].data() + begin);
+      }
+    }
+    for (int h = 0; h < kv_heads(); ++h) AddOutliers(h, 0, head_errors[h]);
+    return absl::OkStatus();
+  }
+  absl::Status CodePromptOnHost(const KvView& bulk) {
+    std::vector<uint8_t> staged(bulk.tokens * kv_heads() * subspaces_);
+    EncodeRows(bulk, 0, bulk.tokens, staged.data());
+    return CudaStatus(cudaMemcpy2D(codes_.data(), capacity_ * subspaces_, staged.data(),
+                                   bulk.tokens * subspaces_, bulk.tokens * subspaces_,
+                                   kv_heads(), cudaMemcpyHostToDevice),
+                      "uploading the shortlist's codes");
+  }
+
   GpuBulkCodes(std::vector<ProductQuantizer> quantizers, const SessionAccounts& accounts)
       : BulkCodes(std::move(quantizers), accounts.host), device_(accounts.device) {}
 
@@ -367,7 +425,8 @@ absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> s
         At<const float>(dev_in, state.in_q) + static_cast<int64_t>(b) * q_heads * d,
         At<const int32_t>(dev_in, state.in_sets),
         At<const int32_t>(dev_in, state.in_lengths) + static_cast<int64_t>(b) * q_heads,
-        state.tables.data(), q_heads, static_cast<int>(state.scan_bound[b])};
+        state.tables.data(), q_heads, static_cast<int>(state.scan_bound[b]),
+        q_heads / config.shape.kv_heads};  // a KV head's query heads share its codes' reads
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqShortlist(
         codes.sets(d), rows, shortlist, state.topk_ws,
         ids + static_cast<size_t>(b) * q_heads * shortlist, step_sizes, nullptr, stream));

@@ -1,0 +1,45 @@
+// Host API of the GPU encoder of product-quantized keys: each key's code (its nearest centroid
+// in every codebook) and its squared reconstruction error, so that a long prompt's keys are
+// coded on the device at prefill rather than on the host (issue 15's build time). The CPU
+// reference is ProductQuantizer::Encode (index/product_quantizer.h), held to by
+// tests/cuda_pq_encode_test.cu. Nothing here allocates or synchronizes.
+#ifndef KVRECALL_KERNELS_CUDA_PQ_ENCODE_H_
+#define KVRECALL_KERNELS_CUDA_PQ_ENCODE_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/cuda/decode_types.h"
+#include "kernels/cuda/pq_shortlist.h"
+
+namespace kvrecall::cuda {
+
+// The keys of one code set in device memory and where their codes go: `count` rows of `dim`
+// elements of `dtype`, row i at element i * row_stride of `keys` (row_stride >= dim, so that one
+// KV head of a [tokens, kv_heads, dim] block is a code set); codebooks [M, 256, dim / M] f32.
+struct PqEncodeParams {
+  const void* keys = nullptr;
+  KvDtype dtype = KvDtype::kBf16;
+  int64_t count = 0;
+  int64_t row_stride = 0;
+  int dim = 0;
+  int subspaces = 0;  // M: dividing dim into parts of 4, 8, 16 or 32; M <= kMaxPqSubspaces
+  const float* codebooks = nullptr;
+  uint8_t* codes = nullptr;  // [count, M]
+  float* errors = nullptr;   // [count], or null
+};
+
+// For every key i < count and codebook m, with x its part m widened to f32:
+//   codes[i, m] = the c of the least |c|^2 - 2 <x, c> over codebook m's centroids c, the lower
+//     c on a tie, computed as ProductQuantizer::Encode does (|c|^2 summed in order, then one
+//     multiply-add of -2 x_j and c_j per dim in order);
+//   errors[i] = the sum over the key's dims, in order, of (key_j - reconstruction_j)^2, as
+//     BulkCodes weighs its outliers.
+// INVALID_ARGUMENT for shapes outside the bounds above, or null pointers with keys to code.
+absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream);
+
+}  // namespace kvrecall::cuda
+
+#endif  // KVRECALL_KERNELS_CUDA_PQ_ENCODE_H_
