@@ -121,7 +121,8 @@ void AssignRows(const float* norms, const float* transposed, const float* rows, 
 }  // namespace
 
 absl::StatusOr<ProductQuantizer> ProductQuantizer::Train(const VectorSet& keys,
-                                                         const ProductQuantizerParams& params) {
+                                                         const ProductQuantizerParams& params,
+                                                         PqAssigner* assigner) {
   if (params.subspaces < 1 || keys.dim < 1 || keys.dim % params.subspaces != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("product quantizer: subspaces must be >= 1 and divide the key dimension ",
@@ -163,12 +164,21 @@ absl::StatusOr<ProductQuantizer> ProductQuantizer::Train(const VectorSet& keys,
 
   std::vector<uint8_t> codes(n * subspaces);
   const int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (assigner != nullptr && params.iterations > 0) {
+    if (absl::Status s = assigner->Load(sample.data(), n, dim); !s.ok()) return s;
+  }
   for (int round = 0; round < params.iterations; ++round) {
-    BuildAssignTables(pq.codebooks_, subspaces, sub, &pq.norms_, &pq.transposed_);
+    if (assigner != nullptr) {
+      if (absl::Status s = assigner->Assign(pq.codebooks_, subspaces, codes.data()); !s.ok()) {
+        return s;
+      }
+    } else {
+      BuildAssignTables(pq.codebooks_, subspaces, sub, &pq.norms_, &pq.transposed_);
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t b = 0; b < blocks; ++b) {
-      AssignRows(pq.norms_.data(), pq.transposed_.data(), sample.data(), dim, b * kBlock,
-                 std::min(n, (b + 1) * kBlock), subspaces, codes.data());
+      for (int64_t b = 0; b < blocks; ++b) {
+        AssignRows(pq.norms_.data(), pq.transposed_.data(), sample.data(), dim, b * kBlock,
+                   std::min(n, (b + 1) * kBlock), subspaces, codes.data());
+      }
     }
     // Each centroid moves to the mean of its keys; a centroid left without keys takes half of
     // the largest cluster (faiss's split: the two move apart by a relative 1/1024), so that a

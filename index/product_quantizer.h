@@ -16,8 +16,10 @@
 #define KVRECALL_INDEX_PRODUCT_QUANTIZER_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/vector_set.h"
 
@@ -32,6 +34,20 @@ struct ProductQuantizerParams {
   int iterations = 10;
 };
 
+// The assignment step of training (most of its arithmetic), which a device can take over: Load
+// the training rows once, then each round Assign them to the round's codebooks by Encode's rule
+// (the nearest centroid of every part, the lower number on a tie; |c|^2, then one multiply-add
+// of -2 x_j and c_j per dim in order). server/backends/gpu_static_set.cc has the GPU's.
+class PqAssigner {
+ public:
+  virtual ~PqAssigner() = default;
+  // rows: [count, dim] f32, valid until the last Assign.
+  virtual absl::Status Load(const float* rows, int64_t count, int dim) = 0;
+  // codes [count, M] of the loaded rows against codebooks [M, 256, dim / M].
+  virtual absl::Status Assign(std::span<const float> codebooks, int subspaces,
+                              uint8_t* codes) = 0;
+};
+
 class ProductQuantizer {
  public:
   static constexpr int kCentroids = 256;
@@ -40,9 +56,11 @@ class ProductQuantizer {
   // when subspaces < 1, the dimension is not a multiple of it, iterations < 0 or
   // training_keys < 1. Deterministic: the same keys and params give the same codebooks. With
   // fewer training keys than centroids, the spare centroids repeat training keys. Runs on the
-  // calling thread's OpenMP team.
+  // calling thread's OpenMP team; with an `assigner`, its assignments stand in for the team's
+  // (an error of its is returned as is).
   static absl::StatusOr<ProductQuantizer> Train(const VectorSet& keys,
-                                                const ProductQuantizerParams& params);
+                                                const ProductQuantizerParams& params,
+                                                PqAssigner* assigner = nullptr);
 
   int dim() const { return dim_; }
   int subspaces() const { return subspaces_; }

@@ -1,18 +1,22 @@
 // The GPU encoder of product-quantized keys (kernels/cuda/pq_encode.h) against its CPU reference
 // (ProductQuantizer::Encode, index/product_quantizer.h, and the squared reconstruction error
-// BulkCodes weighs its outliers by): over one KV head of a [count, kv_heads, dim] block of bf16
-// or f16 keys, every part size the encoder takes, the same codes (a differing one only where
-// two centroids are equally near, to rounding) and the same errors; misfits refused.
+// BulkCodes weighs its outliers by): over one KV head of a [count, kv_heads, dim] block of bf16,
+// f16 or f32 keys, every part size the encoder takes, the same codes (a differing one only where
+// two centroids are equally near, to rounding) and the same errors; training with the GPU's
+// assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "index/gpu_pq_assigner.h"
 #include "index/product_quantizer.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/pq_encode.h"
@@ -34,21 +38,27 @@ constexpr int kKvHeads = 2;
 constexpr int kHead = 1;  // the code set: every other row of the block
 constexpr int kCount = 3000;  // not a multiple of the kernel's block
 
-// (dtype, dim, M).
-class PqEncodeTest
-    : public ::testing::TestWithParam<std::tuple<cuda::KvDtype, int, int>> {};
+// (key element type, dim, M).
+class PqEncodeTest : public ::testing::TestWithParam<std::tuple<KvElement, int, int>> {};
 
 TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   KVRECALL_SKIP_WITHOUT_GPU();
-  const auto [dtype, dim, subspaces] = GetParam();
-  // Keys with a mean and a few directions that dominate, as attention keys have, rounded to the
-  // 16-bit type: the stored bits for the device, their exact f32 values for the host.
+  const auto [element, dim, subspaces] = GetParam();
+  // Keys with a mean and a few directions that dominate, as attention keys have, stored as
+  // `element`: their stored bytes for the device, their exact f32 values for the host.
   std::vector<float> keys = RandomNormal(static_cast<size_t>(kCount) * kKvHeads * dim, 7);
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = keys[i] * (1.0f + (i % dim) % 5) + 0.5f;
-  std::vector<uint16_t> bits(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) {
-    bits[i] = EncodeHalf(keys[i], dtype);
-    keys[i] = DecodeHalf(bits[i], dtype);
+  std::vector<uint8_t> stored(keys.size() * KvElementBytes(element));
+  if (element == KvElement::kF32) {
+    std::memcpy(stored.data(), keys.data(), stored.size());
+  } else {
+    const cuda::KvDtype dtype =
+        element == KvElement::kBf16 ? cuda::KvDtype::kBf16 : cuda::KvDtype::kF16;
+    auto* bits = reinterpret_cast<uint16_t*>(stored.data());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      bits[i] = EncodeHalf(keys[i], dtype);
+      keys[i] = DecodeHalf(bits[i], dtype);
+    }
   }
   const VectorSet set{keys.data() + kHead * dim, kCount, kKvHeads * dim, dim, KvElement::kF32};
   ProductQuantizerParams params;
@@ -60,13 +70,13 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   std::vector<uint8_t> want(static_cast<size_t>(kCount) * subspaces);
   pq->Encode(set, want.data());
 
-  auto d_keys = ToDevice(bits);
+  auto d_keys = ToDevice(stored);
   auto d_books = ToDevice(pq->codebooks());
   auto d_codes = ToDevice(std::vector<uint8_t>(want.size(), 0));
   auto d_errors = ToDevice(std::vector<float>(kCount, -1.0f));
   cuda::PqEncodeParams p;
-  p.keys = d_keys.data() + kHead * dim;
-  p.dtype = dtype;
+  p.keys = d_keys.data() + kHead * dim * KvElementBytes(element);
+  p.element = element;
   p.count = kCount;
   p.row_stride = kKvHeads * dim;
   p.dim = dim;
@@ -102,16 +112,53 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
 
 INSTANTIATE_TEST_SUITE_P(
     PartSizes, PqEncodeTest,
-    ::testing::Values(std::make_tuple(cuda::KvDtype::kBf16, 128, 8),  // the served shape
-                      std::make_tuple(cuda::KvDtype::kF16, 128, 8),
-                      std::make_tuple(cuda::KvDtype::kBf16, 64, 16),  // parts of 4
-                      std::make_tuple(cuda::KvDtype::kBf16, 64, 8),   // 8
-                      std::make_tuple(cuda::KvDtype::kF16, 64, 2)),   // 32
-    [](const ::testing::TestParamInfo<std::tuple<cuda::KvDtype, int, int>>& info) {
-      return std::string(std::get<0>(info.param) == cuda::KvDtype::kBf16 ? "Bf16" : "F16") +
-             "Dim" + std::to_string(std::get<1>(info.param)) + "M" +
+    ::testing::Values(std::make_tuple(KvElement::kBf16, 128, 8),  // the served shape
+                      std::make_tuple(KvElement::kF16, 128, 8),
+                      std::make_tuple(KvElement::kF32, 128, 8),    // a training sample
+                      std::make_tuple(KvElement::kBf16, 64, 16),   // parts of 4
+                      std::make_tuple(KvElement::kBf16, 64, 8),    // 8
+                      std::make_tuple(KvElement::kF16, 64, 2)),    // 32
+    [](const ::testing::TestParamInfo<std::tuple<KvElement, int, int>>& info) {
+      return std::string(KvElementName(std::get<0>(info.param))) + "Dim" +
+             std::to_string(std::get<1>(info.param)) + "M" +
              std::to_string(std::get<2>(info.param));
     });
+
+// Training with the GPU's assignments (index/gpu_pq_assigner.h) gives the host team's
+// quantizers: the same rule and arithmetic, so the same codebooks up to a near-tie's rounding.
+TEST(GpuPqAssignerTest, TrainsTheQuantizersTheHostTrains) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kDim = 128;
+  std::vector<float> keys = RandomNormal(static_cast<size_t>(kCount) * kDim, 9);
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = keys[i] * (1.0f + (i % kDim) % 3) - 0.25f;
+  const VectorSet set{keys.data(), kCount, kDim, kDim, KvElement::kF32};
+  ProductQuantizerParams params;
+  params.subspaces = 8;
+  params.iterations = 5;
+  params.training_keys = 2500;
+  absl::StatusOr<ProductQuantizer> host = ProductQuantizer::Train(set, params);
+  ASSERT_TRUE(host.ok()) << host.status();
+  absl::StatusOr<std::unique_ptr<GpuPqAssigner>> assigner =
+      GpuPqAssigner::Create(params.training_keys, kDim);
+  ASSERT_TRUE(assigner.ok()) << assigner.status();
+  absl::StatusOr<ProductQuantizer> gpu = ProductQuantizer::Train(set, params, assigner->get());
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  int differing = 0;
+  for (size_t i = 0; i < host->codebooks().size(); ++i) {
+    differing += host->codebooks()[i] != gpu->codebooks()[i];
+  }
+  EXPECT_LE(differing, static_cast<int>(host->codebooks().size() / 100));
+  // Misfits: more rows than its room, another dim, codebooks of another dim.
+  std::vector<uint8_t> codes(kCount * 8);
+  EXPECT_EQ((*assigner)->Load(keys.data(), kCount, kDim).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*assigner)->Load(keys.data(), 10, 64).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*assigner)->Load(keys.data(), 10, kDim).ok());
+  const std::vector<float> small(256 * 64);
+  EXPECT_EQ((*assigner)->Assign(small, 8, codes.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GpuPqAssigner::Create(0, kDim).status().code(), absl::StatusCode::kInvalidArgument);
+}
 
 TEST(PqEncodeErrorsTest, MisfitsAreRefused) {
   KVRECALL_SKIP_WITHOUT_GPU();

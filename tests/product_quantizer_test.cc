@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -125,7 +126,9 @@ TEST(ProductQuantizerTest, KMeansLowersTheQuantizationError) {
   const std::vector<float> noise = RandomNormal(kKeys * kDim, 5, 0.3f);
   std::vector<float> keys(kKeys * kDim);
   for (int64_t i = 0; i < kKeys; ++i) {
-    for (int j = 0; j < kDim; ++j) keys[i * kDim + j] = centres[(i * 7 % 64) * kDim + j] + noise[i * kDim + j];
+    for (int j = 0; j < kDim; ++j) {
+      keys[i * kDim + j] = centres[(i * 7 % 64) * kDim + j] + noise[i * kDim + j];
+    }
   }
   ProductQuantizerParams params;
   params.subspaces = 2;
@@ -176,6 +179,78 @@ TEST(ProductQuantizerTest, FewerKeysThanCentroidsAreReproducedExactly) {
   absl::StatusOr<ProductQuantizer> pq = ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params);
   ASSERT_TRUE(pq.ok()) << pq.status();
   EXPECT_NEAR(QuantizationError(*pq, keys, kKeys), 0.0, 1e-10);
+}
+
+// A PqAssigner by brute force in double (the nearest centroid of every part, the lower number on
+// a tie), counting its calls, or failing its Load.
+class CountingAssigner final : public PqAssigner {
+ public:
+  absl::Status Load(const float* rows, int64_t count, int dim) override {
+    ++loads;
+    if (fail) return absl::UnavailableError("no device today");
+    rows_ = rows;
+    count_ = count;
+    dim_ = dim;
+    return absl::OkStatus();
+  }
+  absl::Status Assign(std::span<const float> codebooks, int subspaces, uint8_t* codes) override {
+    ++assigns;
+    const int sub = dim_ / subspaces;
+    for (int64_t i = 0; i < count_; ++i) {
+      for (int m = 0; m < subspaces; ++m) {
+        double best = std::numeric_limits<double>::infinity();
+        for (int c = 0; c < ProductQuantizer::kCentroids; ++c) {
+          const float* centroid = codebooks.data() + (int64_t{m} * 256 + c) * sub;
+          double d = 0;
+          for (int j = 0; j < sub; ++j) {
+            const double diff = static_cast<double>(rows_[i * dim_ + m * sub + j]) - centroid[j];
+            d += diff * diff;
+          }
+          if (d < best) {
+            best = d;
+            codes[i * subspaces + m] = static_cast<uint8_t>(c);
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+  int loads = 0, assigns = 0;
+  bool fail = false;
+
+ private:
+  const float* rows_ = nullptr;
+  int64_t count_ = 0;
+  int dim_ = 0;
+};
+
+// An assigner stands in for the team's assignments: loaded once, called once a round, its
+// codebooks as good as the team's (the same rule, up to rounding), its error returned as is.
+TEST(ProductQuantizerTest, AnAssignerTakesOverTheTrainingAssignments) {
+  constexpr int kDim = 32, kKeys = 3000;
+  const std::vector<float> keys = RandomNormal(kKeys * kDim, 4);
+  ProductQuantizerParams params;
+  params.subspaces = 4;
+  params.training_keys = 2000;
+  params.iterations = 6;
+  absl::StatusOr<ProductQuantizer> team =
+      ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params);
+  ASSERT_TRUE(team.ok()) << team.status();
+  CountingAssigner assigner;
+  absl::StatusOr<ProductQuantizer> assigned =
+      ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params, &assigner);
+  ASSERT_TRUE(assigned.ok()) << assigned.status();
+  EXPECT_EQ(assigner.loads, 1);
+  EXPECT_EQ(assigner.assigns, params.iterations);
+  const double team_error = QuantizationError(*team, keys, kKeys);
+  EXPECT_NEAR(QuantizationError(*assigned, keys, kKeys), team_error, 0.01 * team_error);
+
+  CountingAssigner failing;
+  failing.fail = true;
+  absl::StatusOr<ProductQuantizer> failed =
+      ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params, &failing);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(failing.assigns, 0);
 }
 
 TEST(ProductQuantizerTest, BadParametersAreRefusedByName) {

@@ -16,6 +16,7 @@ constexpr int kCentroids = 256;
 constexpr int kThreads = 256;
 static_assert(kThreads == kCentroids, "a block weighs its codebook one centroid per thread");
 
+__device__ __forceinline__ float Widen(float x) { return x; }
 __device__ __forceinline__ float Widen(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float Widen(__half x) { return __half2float(x); }
 
@@ -113,8 +114,15 @@ absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
   if (p.keys == nullptr || p.codebooks == nullptr || p.codes == nullptr) {
     return absl::InvalidArgumentError("keys, codebooks and codes must be device pointers");
   }
-  return p.dtype == KvDtype::kBf16 ? LaunchPqEncode<__nv_bfloat16>(p, stream)
-                                   : LaunchPqEncode<__half>(p, stream);
+  switch (p.element) {
+    case KvElement::kF32:
+      return LaunchPqEncode<float>(p, stream);
+    case KvElement::kBf16:
+      return LaunchPqEncode<__nv_bfloat16>(p, stream);
+    case KvElement::kF16:
+      return LaunchPqEncode<__half>(p, stream);
+  }
+  return absl::InvalidArgumentError("PQ encoding: unknown key element type");
 }
 
 }  // namespace kvrecall::cuda

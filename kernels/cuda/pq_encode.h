@@ -11,17 +11,18 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "kernels/cuda/decode_types.h"
+#include "kernels/dtype.h"
 #include "kernels/cuda/pq_shortlist.h"
 
 namespace kvrecall::cuda {
 
 // The keys of one code set in device memory and where their codes go: `count` rows of `dim`
-// elements of `dtype`, row i at element i * row_stride of `keys` (row_stride >= dim, so that one
-// KV head of a [tokens, kv_heads, dim] block is a code set); codebooks [M, 256, dim / M] f32.
+// elements of `element` (f32, bf16 or f16), row i at element i * row_stride of `keys`
+// (row_stride >= dim, so that one KV head of a [tokens, kv_heads, dim] block is a code set);
+// codebooks [M, 256, dim / M] f32.
 struct PqEncodeParams {
   const void* keys = nullptr;
-  KvDtype dtype = KvDtype::kBf16;
+  KvElement element = KvElement::kBf16;
   int64_t count = 0;
   int64_t row_stride = 0;
   int dim = 0;

@@ -50,12 +50,13 @@ absl::Status BulkCodes::ChargeQuantizers() {
   return ChargeHost(bytes, "the shortlist's codebooks");
 }
 
-absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bulk) {
+absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bulk,
+                                                               PqAssigner* assigner) {
   std::vector<ProductQuantizer> quantizers;
   const ProductQuantizerParams params = TrainingParams(bulk.head_dim);
   for (int h = 0; h < bulk.kv_heads; ++h) {
     absl::StatusOr<ProductQuantizer> pq =
-        ProductQuantizer::Train(VectorSet::KeysOf(bulk, h, 0, bulk.tokens), params);
+        ProductQuantizer::Train(VectorSet::KeysOf(bulk, h, 0, bulk.tokens), params, assigner);
     if (!pq.ok()) return pq.status();
     quantizers.push_back(*std::move(pq));
   }

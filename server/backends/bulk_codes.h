@@ -56,8 +56,10 @@ class BulkCodes {
   virtual absl::Status Reserve(int64_t rows) = 0;
 
  protected:
-  // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token).
-  static absl::StatusOr<std::vector<ProductQuantizer>> Train(const KvView& bulk);
+  // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token), with
+  // `assigner`'s assignments when given (the GPU tier's device).
+  static absl::StatusOr<std::vector<ProductQuantizer>> Train(const KvView& bulk,
+                                                             PqAssigner* assigner = nullptr);
   // `host` is charged for what the codes hold in host memory (ChargeHost) until they go.
   BulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host);
   // Charges `bytes` more of host memory, naming `what` (RESOURCE_EXHAUSTED: nothing changed).

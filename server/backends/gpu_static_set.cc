@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "index/basic_selectors.h"
 #include "index/gpu_batch_topk.h"
+#include "index/gpu_pq_assigner.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kv_write.h"
@@ -108,7 +109,7 @@ class GpuBulkCodes final : public BulkCodes {
   static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(const KvView& bulk,
                                                               const SessionAccounts& accounts,
                                                               int64_t capacity) {
-    absl::StatusOr<std::vector<ProductQuantizer>> quantizers = Train(bulk);
+    absl::StatusOr<std::vector<ProductQuantizer>> quantizers = TrainOnDevice(bulk, accounts);
     if (!quantizers.ok()) return quantizers.status();
     auto codes = absl::WrapUnique(new GpuBulkCodes(*std::move(quantizers), accounts));
     if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
@@ -184,6 +185,27 @@ class GpuBulkCodes final : public BulkCodes {
   }
 
  private:
+  // Trains the quantizers with the training's assignments on the device (GpuPqAssigner: the
+  // host's were most of the layer's build), charged to the session while they train; on the host
+  // when the budget has no room.
+  static absl::StatusOr<std::vector<ProductQuantizer>> TrainOnDevice(
+      const KvView& bulk, const SessionAccounts& accounts) {
+    const int64_t rows =
+        std::min(TrainingParams(bulk.head_dim).training_keys, std::max<int64_t>(bulk.tokens, 1));
+    const int64_t bytes = GpuPqAssigner::DeviceBytesFor(rows, bulk.head_dim);
+    if (!accounts.device->Reserve(bytes, "the quantizers' training").ok()) return Train(bulk);
+    absl::StatusOr<std::vector<ProductQuantizer>> trained;
+    {
+      absl::StatusOr<std::unique_ptr<GpuPqAssigner>> assigner =
+          GpuPqAssigner::Create(rows, bulk.head_dim);
+      trained = assigner.ok()                                  ? Train(bulk, assigner->get())
+                : absl::IsResourceExhausted(assigner.status()) ? Train(bulk)
+                                                               : assigner.status();
+    }  // its device memory goes before its charge
+    accounts.device->Release(bytes);
+    return trained;
+  }
+
   // Prompt tokens whose keys go up at a time to be coded: 4 MB of staging at 8 KV heads of 128
   // bf16 dims, charged to the session while the prompt is coded.
   static constexpr int64_t kCodingChunkTokens = 2048;
@@ -217,7 +239,7 @@ class GpuBulkCodes final : public BulkCodes {
       for (int h = 0; h < kv_heads(); ++h) {
         cuda::PqEncodeParams p;
         p.keys = keys.data() + int64_t{h} * d;
-        p.dtype = bulk.element == KvElement::kBf16 ? cuda::KvDtype::kBf16 : cuda::KvDtype::kF16;
+        p.element = bulk.element;
         p.count = n;
         p.row_stride = row;
         p.dim = d;
