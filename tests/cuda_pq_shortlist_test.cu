@@ -145,11 +145,14 @@ TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
   // Room for one set's codebooks (M x 256 x dim / M floats), which the successful runs read.
   auto buffer = ToDevice(std::vector<float>(256 * kDim, 0.0f));
   auto codes = ToDevice(std::vector<uint8_t>(8 * 2000, 0));
-  auto ints = ToDevice(std::vector<int32_t>(4096, 0));
+  auto set_of_row = ToDevice(std::vector<int32_t>(2, 0));
+  // The outputs apart from the inputs: a successful run writes them.
+  auto ids = ToDevice(std::vector<int32_t>(2 * 10, 0));
+  auto sizes = ToDevice(std::vector<int32_t>(2, 0));
   cuda::PqCodeSets sets{buffer.data(), codes.data(), 1000, 8, kDim};
-  cuda::PqShortlistRows rows{buffer.data(), ints.data(), nullptr, buffer.data(), 2, 1000};
+  cuda::PqShortlistRows rows{buffer.data(), set_of_row.data(), nullptr, buffer.data(), 2, 1000};
   auto run = [&](int shortlist) {
-    return cuda::PqShortlist(sets, rows, shortlist, ws->get(), ints.data(), ints.data(), nullptr,
+    return cuda::PqShortlist(sets, rows, shortlist, ws->get(), ids.data(), sizes.data(), nullptr,
                              nullptr);
   };
   EXPECT_TRUE(run(10).ok());

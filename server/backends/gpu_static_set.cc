@@ -193,18 +193,35 @@ class GpuBulkCodes final : public BulkCodes {
     const int64_t rows =
         std::min(TrainingParams(bulk.head_dim).training_keys, std::max<int64_t>(bulk.tokens, 1));
     const int64_t bytes = GpuPqAssigner::DeviceBytesFor(rows, bulk.head_dim);
-    if (!accounts.device->Reserve(bytes, "the quantizers' training").ok()) return Train(bulk);
+    if (absl::Status s = accounts.device->Reserve(bytes, "the quantizers' training"); !s.ok()) {
+      SayOnHost(training_on_host_, "training", s);
+      return Train(bulk);
+    }
     absl::StatusOr<std::vector<ProductQuantizer>> trained;
     {
       absl::StatusOr<std::unique_ptr<GpuPqAssigner>> assigner =
           GpuPqAssigner::Create(rows, bulk.head_dim);
-      trained = assigner.ok()                                  ? Train(bulk, assigner->get())
-                : absl::IsResourceExhausted(assigner.status()) ? Train(bulk)
-                                                               : assigner.status();
+      if (assigner.ok()) {
+        trained = Train(bulk, assigner->get());
+      } else if (absl::IsResourceExhausted(assigner.status())) {
+        SayOnHost(training_on_host_, "training", assigner.status());
+        trained = Train(bulk);
+      } else {
+        trained = assigner.status();
+      }
     }  // its device memory goes before its charge
     accounts.device->Release(bytes);
     return trained;
   }
+  // Says once per process and `what` (the training, the prompt's coding) that it runs on the
+  // host for want of device memory, and why: the layer is served all the same, its build slower.
+  static void SayOnHost(std::once_flag& said, const char* what, const absl::Status& why) {
+    std::call_once(said, [&] {
+      std::fprintf(stderr, "kvrecalld: the shortlist's %s runs on the host (%s)\n", what,
+                   std::string(why.message()).c_str());
+    });
+  }
+  static inline std::once_flag training_on_host_, coding_on_host_;
 
   // Prompt tokens whose keys go up at a time to be coded: 4 MB of staging at 8 KV heads of 128
   // bf16 dims, charged to the session while the prompt is coded.
@@ -219,13 +236,15 @@ class GpuBulkCodes final : public BulkCodes {
     const int d = bulk.head_dim;
     const int64_t row = int64_t{kv_heads()} * d;  // elements of one token's keys
     const int64_t chunk = std::min(bulk.tokens, kCodingChunkTokens);
+    if (bulk.element == KvElement::kF32) return CodePromptOnHost(bulk);  // 16-bit staging
     ChargedBuffer<uint16_t> keys;
     ChargedBuffer<float> errors;
-    absl::Status staged = bulk.element == KvElement::kF32
-                              ? absl::ResourceExhaustedError("f32 keys are coded on the host")
-                              : keys.Allocate(chunk * row, device_, "the keys being coded");
+    absl::Status staged = keys.Allocate(chunk * row, device_, "the keys being coded");
     if (staged.ok()) staged = errors.Allocate(chunk * kv_heads(), device_, "their errors");
-    if (absl::IsResourceExhausted(staged)) return CodePromptOnHost(bulk);
+    if (absl::IsResourceExhausted(staged)) {
+      SayOnHost(coding_on_host_, "coding of the prompt", staged);
+      return CodePromptOnHost(bulk);
+    }
     if (!staged.ok()) return staged;
     const int64_t book_floats = int64_t{ProductQuantizer::kCentroids} * d;
     std::vector<std::vector<float>> head_errors(kv_heads(), std::vector<float>(bulk.tokens));
