@@ -44,8 +44,9 @@ constexpr int kAssignLanes = 16;
 
 // The nearest centroid of each codebook to the parts of keys [0, count) (count <= kAssignKeys),
 // given as `scaled` = -2 x ([kAssignKeys, M * sub]): argmin over c of |c|^2 - 2 <x_m, c>
-// (|x_m|^2 is the same for every c), the lower c on a tie, into code[k][M]. Every key's distances are the same sequence of operations
-// (|c|^2, then one multiply-add per dim in order), whatever `count` and the keys beside it: a
+// (|x_m|^2 is the same for every c), the lower c on a tie, into code[k][M]. Every key's
+// distances are the same sequence of operations (|c|^2, then one multiply-add per dim in
+// order), whatever `count` and the keys beside it: a
 // key encoded alone gets the code it gets in a batch. Blocked so that the distances of 16
 // centroids for every key of the pass stay in registers while the dims stream by; compiled for
 // AVX-512 and AVX2 besides the baseline, picked at load time (the encoding of a 128K prompt's

@@ -200,12 +200,7 @@ class CountingAssigner final : public PqAssigner {
       for (int m = 0; m < subspaces; ++m) {
         double best = std::numeric_limits<double>::infinity();
         for (int c = 0; c < ProductQuantizer::kCentroids; ++c) {
-          const float* centroid = codebooks.data() + (int64_t{m} * 256 + c) * sub;
-          double d = 0;
-          for (int j = 0; j < sub; ++j) {
-            const double diff = static_cast<double>(rows_[i * dim_ + m * sub + j]) - centroid[j];
-            d += diff * diff;
-          }
+          const double d = PqPartDistance(codebooks, sub, rows_ + i * dim_, m, c);
           if (d < best) {
             best = d;
             codes[i * subspaces + m] = static_cast<uint8_t>(c);

@@ -15,9 +15,12 @@
 namespace kvrecall::testing {
 
 double PqPartDistance(const ProductQuantizer& pq, const float* x, int m, int c) {
-  const int sub = pq.subspace_dim();
+  return PqPartDistance(pq.codebooks(), pq.subspace_dim(), x, m, c);
+}
+
+double PqPartDistance(std::span<const float> codebooks, int sub, const float* x, int m, int c) {
   const float* centroid =
-      pq.codebooks().data() + (static_cast<int64_t>(m) * ProductQuantizer::kCentroids + c) * sub;
+      codebooks.data() + (static_cast<int64_t>(m) * ProductQuantizer::kCentroids + c) * sub;
   double sum = 0.0;
   for (int j = 0; j < sub; ++j) {
     const double diff = static_cast<double>(x[m * sub + j]) - centroid[j];

@@ -47,8 +47,9 @@ struct NarrowedKv {
   KvElement element;
 };
 
-// Squared distance, in double, of part m of `x` ([pq.dim()]) to centroid c of codebook m of
-// `pq`: what a product quantizer's code should minimize.
+// Squared distance, in double, of part m of `x` to centroid c of codebook m of `codebooks`
+// ([M, 256, sub]) or of `pq`'s: what a product quantizer's code should minimize.
+double PqPartDistance(std::span<const float> codebooks, int sub, const float* x, int m, int c);
 double PqPartDistance(const ProductQuantizer& pq, const float* x, int m, int c);
 
 // Attention of q over kv's tokens `ids` for one KV head, in double precision (any element type).

@@ -115,15 +115,17 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) p.state[row0].blocks_done = 0;
 }
 
-// Plans and launches the scan for kRows rows per block, then the collect pass.
+// Plans and launches the table and the scan for kRows rows per block, then the collect pass of
+// the selection `p` (planned).
 template <int kRows, bool kEightByteCodes>
 absl::Status LaunchPqScan(const PqCodeSets& sets, const PqShortlistRows& rows, float* scores,
-                          RowTopKParams p, cudaStream_t stream) {
+                          const RowTopKParams& p, cudaStream_t stream) {
   constexpr auto kScan = &PqScanKernel<kRows, kEightByteCodes>;
   constexpr size_t kSmem = PqScanSmemBytes<kRows, kEightByteCodes ? 8 : kMaxPqSubspaces>();
   const absl::StatusOr<int> slots = DeviceBlockSlots<kScan>(kThreads, kSmem);
   if (!slots.ok()) return slots.status();
-  KVRECALL_CUDA_RETURN_IF_ERROR(PlanRowSelection(rows.rows, rows.max_length, &p));
+  PqTableKernel<<<rows.rows, kThreads, 0, stream>>>(sets, rows);
+  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PqTableKernel"));
   // One wave of blocks, each scoring at least kMinScanChunk keys.
   const int blocks = rows.rows / kRows;
   const int splits =
@@ -175,22 +177,11 @@ absl::Status PqShortlist(const PqCodeSets& sets, const PqShortlistRows& rows, in
   if (sets.subspaces == 8 && reinterpret_cast<uintptr_t>(sets.codes) % 8 != 0) {
     return absl::InvalidArgumentError("8-byte codes must start 8-byte aligned");
   }
-  RowTopKParams p{};
-  p.scores = ws->scores();
-  p.score_stride = ws->max_tokens();
-  p.lengths = rows.lengths;
-  p.length = rows.max_length;
-  p.max_length = rows.max_length;
-  p.k = shortlist;
-  p.hist = ws->histograms();
-  p.state = ws->states();
-  p.candidates = ws->candidates();
-  p.support = ids;
-  p.support_stride = shortlist;
-  p.support_size = sizes;
-  p.support_scores = id_scores;
-  PqTableKernel<<<rows.rows, kThreads, 0, stream>>>(sets, rows);
-  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PqTableKernel"));
+  const absl::StatusOr<RowTopKParams> selection =
+      PlanRowSelection(ws->scores(), ws->max_tokens(), rows.rows, rows.max_length, rows.lengths,
+                       shortlist, ws, ids, shortlist, sizes, id_scores);
+  if (!selection.ok()) return selection.status();
+  const RowTopKParams& p = *selection;
   const bool eight_bytes = sets.subspaces == 8;
   switch (PqRowsPerBlock(rows.group)) {
     case 4:

@@ -74,6 +74,27 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   if (scores == nullptr || support == nullptr || support_size == nullptr) {
     return absl::InvalidArgumentError("scores, support and support_size must be device pointers");
   }
+  // Candidates need a row of `stride` entries; the workspace's rows are max_tokens long.
+  if (stride > ws->max_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat("score rows of stride ", stride,
+                                                   " exceed the workspace's max_tokens ",
+                                                   ws->max_tokens()));
+  }
+  // Both passes split the rows alike.
+  absl::StatusOr<RowTopKParams> p =
+      PlanRowSelection(scores, stride, rows, length, lengths, k, ws, support, support_stride,
+                       support_size, support_scores);
+  if (!p.ok()) return p.status();
+  RowHistogramKernel<kRowPassThreads><<<dim3(p->splits, rows), kRowPassThreads, 0, stream>>>(*p);
+  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("RowHistogramKernel"));
+  return LaunchRowSelection(*p, rows, stream);
+}
+
+absl::StatusOr<RowTopKParams> PlanRowSelection(const float* scores, int64_t stride, int rows,
+                                               int length, const int32_t* lengths, int k,
+                                               TopKWorkspace* ws, int32_t* support,
+                                               int support_stride, int32_t* support_size,
+                                               float* support_scores) {
   RowTopKParams p{};
   p.scores = scores;
   p.score_stride = stride;
@@ -83,26 +104,13 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   p.k = k;
   p.hist = ws->histograms();
   p.state = ws->states();
-  // Candidates need a row of `stride` entries; the workspace's rows are max_tokens long.
-  if (stride > ws->max_tokens()) {
-    return absl::InvalidArgumentError(absl::StrCat("score rows of stride ", stride,
-                                                   " exceed the workspace's max_tokens ",
-                                                   ws->max_tokens()));
-  }
   p.candidates = ws->candidates();
   p.support = support;
   p.support_stride = support_stride;
   p.support_size = support_size;
   p.support_scores = support_scores;
-  // Both passes split the rows alike.
-  KVRECALL_CUDA_RETURN_IF_ERROR(PlanRowSelection(rows, length, &p));
-  RowHistogramKernel<kRowPassThreads><<<dim3(p.splits, rows), kRowPassThreads, 0, stream>>>(p);
-  KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("RowHistogramKernel"));
-  return LaunchRowSelection(p, rows, stream);
-}
-
-absl::Status PlanRowSelection(int rows, int length, RowTopKParams* p) {
-  return PlanRowCollect<NoFinish>(rows, length, p);
+  KVRECALL_CUDA_RETURN_IF_ERROR(PlanRowCollect<NoFinish>(rows, length, &p));
+  return p;
 }
 
 absl::Status LaunchRowSelection(const RowTopKParams& p, int rows, cudaStream_t stream) {

@@ -518,7 +518,7 @@ inline void PlanRowPasses(int rows, int length, int slots, RowTopKParams* p) {
 // collect kernel is instantiated in one translation unit: a kernel template instantiated in two
 // is registered once in each, and the shared-memory opt-in set through one is not the other's
 // (while the caches of launch.cuh hold one answer per kernel). NoFinish's lives in
-// topk_select.cu, behind PlanRowSelection / LaunchRowSelection.
+// topk_select.cu, behind PlanRowSelection / LaunchRowSelection below.
 template <typename Finish>
 absl::Status PlanRowCollect(int rows, int length, RowTopKParams* p) {
   constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
@@ -537,9 +537,15 @@ absl::Status LaunchRowCollect(const RowTopKParams& p, int rows, const Finish& fi
   return LaunchStatus("RowCollectKernel");
 }
 
-// PlanRowCollect / LaunchRowCollect of NoFinish (the selection alone), for a pass 1 of the
-// caller's own, such as the PQ shortlist's scan.
-absl::Status PlanRowSelection(int rows, int length, RowTopKParams* p);
+// PlanRowCollect / LaunchRowCollect of NoFinish (the selection alone: SelectRowTopK's, or after
+// a pass 1 of the caller's own, such as the PQ shortlist's scan). PlanRowSelection takes
+// SelectRowTopK's arguments (checked by the caller) and returns the selection's parameters on
+// ws's histograms, states and candidates, planned.
+absl::StatusOr<RowTopKParams> PlanRowSelection(const float* scores, int64_t stride, int rows,
+                                               int length, const int32_t* lengths, int k,
+                                               TopKWorkspace* ws, int32_t* support,
+                                               int support_stride, int32_t* support_size,
+                                               float* support_scores);
 absl::Status LaunchRowSelection(const RowTopKParams& p, int rows, cudaStream_t stream);
 
 }  // namespace kvrecall::cuda

@@ -233,10 +233,10 @@ class GpuBulkCodes final : public BulkCodes {
   // errors come down. On the host, then uploaded, when the keys are not 16-bit or the budget
   // has no room for the staging.
   absl::Status CodePrompt(const KvView& bulk) {
+    if (bulk.element == KvElement::kF32) return CodePromptOnHost(bulk);  // 16-bit staging
     const int d = bulk.head_dim;
     const int64_t row = int64_t{kv_heads()} * d;  // elements of one token's keys
     const int64_t chunk = std::min(bulk.tokens, kCodingChunkTokens);
-    if (bulk.element == KvElement::kF32) return CodePromptOnHost(bulk);  // 16-bit staging
     ChargedBuffer<uint16_t> keys;
     ChargedBuffer<float> errors;
     absl::Status staged = keys.Allocate(chunk * row, device_, "the keys being coded");
