@@ -442,10 +442,15 @@ int Main() {
       std::normal_distribution<float> normal(0.0f, 1.0f);
       for (const auto& [batch, gap_us] : runs) {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
-        std::vector<double> static_set, bulk, link_wait, shortlist;  // tiered: tier_micros
+        // Tiered: tier_micros.
+        std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready;
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
+        // Tiered: the heads' intervals from the bulk's start, step by step: when the first began
+        // and the last ended, and their summed time (over the span: how many ran at once).
+        std::vector<double> heads_first_start, heads_last_end, heads_busy, heads_concurrency;
+        json head_intervals = json::array();  // the last steps' [path, start, micros, keys]
         for (int i = 0; i < warmup + steps; ++i, ++step_index) {
           request.Clear();
           request.set_layer(0);
@@ -491,15 +496,31 @@ int Main() {
             bulk.push_back(response.tier_micros().bulk());
             link_wait.push_back(response.tier_micros().link_wait());
             shortlist.push_back(response.tier_micros().shortlist());
+            launch.push_back(response.tier_micros().launch());
+            shortlists_ready.push_back(response.tier_micros().shortlists_ready());
           }
+          double first_start = 1e30, last_end = 0, busy = 0;
+          json intervals = json::array();
           for (const v1::SequenceResult& r : response.results()) {
             for (const v1::HeadDiagnostics& h : r.heads()) {
               ++paths[h.path()];
               if (response.has_tier_micros()) {
                 head_micros[h.path()].push_back(h.bulk_micros());
                 head_candidates[h.path()].push_back(h.candidates());
+                first_start = std::min<double>(first_start, h.bulk_start_micros());
+                last_end = std::max<double>(last_end, h.bulk_start_micros() + h.bulk_micros());
+                busy += h.bulk_micros();
+                intervals.push_back({static_cast<int>(h.path()), h.bulk_start_micros(),
+                                     h.bulk_micros(), h.candidates()});
               }
             }
+          }
+          if (busy > 0) {
+            heads_first_start.push_back(first_start);
+            heads_last_end.push_back(last_end);
+            heads_busy.push_back(busy);
+            heads_concurrency.push_back(busy / std::max(1e-3, last_end - first_start));
+            if (i >= warmup + steps - 5) head_intervals.push_back(intervals);
           }
         }
         const double heads = static_cast<double>(steps) * batch * g.q_heads;
@@ -531,11 +552,27 @@ int Main() {
           rec["link_wait_p99_us"] = client::Percentile(link_wait, 0.99);
           rec["shortlist_p50_us"] = client::Percentile(shortlist, 0.5);
           rec["shortlist_p99_us"] = client::Percentile(shortlist, 0.99);
+          rec["launch_p50_us"] = client::Percentile(launch, 0.5);
+          rec["shortlists_ready_p50_us"] = client::Percentile(shortlists_ready, 0.5);
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),
                        rec["bulk_p50_us"].get<double>(), rec["bulk_p99_us"].get<double>(),
                        rec["link_wait_p50_us"].get<double>(), rec["link_wait_p99_us"].get<double>());
+        }
+        if (!heads_busy.empty()) {
+          rec["heads_first_start_p50_us"] = client::Percentile(heads_first_start, 0.5);
+          rec["heads_last_end_p50_us"] = client::Percentile(heads_last_end, 0.5);
+          rec["heads_busy_p50_us"] = client::Percentile(heads_busy, 0.5);
+          rec["heads_concurrency_p50"] = client::Percentile(heads_concurrency, 0.5);
+          rec["last_steps_head_intervals"] = head_intervals;
+          std::fprintf(stderr,
+                       "  heads: first start p50 %.1f us, last end p50 %.1f us, summed %.1f us "
+                       "(%.1f at once)\n",
+                       rec["heads_first_start_p50_us"].get<double>(),
+                       rec["heads_last_end_p50_us"].get<double>(),
+                       rec["heads_busy_p50_us"].get<double>(),
+                       rec["heads_concurrency_p50"].get<double>());
         }
         // Per path: a head's bulk time and the tokens it scored (what a step waits for is its
         // slowest head).

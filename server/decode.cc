@@ -183,6 +183,8 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
             tiers.bulk += context->tier_seconds.bulk;
             tiers.link_wait += context->tier_seconds.link_wait;
             tiers.shortlist += context->tier_seconds.shortlist;
+            tiers.launch += context->tier_seconds.launch;
+            tiers.shortlists_ready += context->tier_seconds.shortlists_ready;
             return stepped;
           });
       !s.ok()) {
@@ -227,6 +229,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
         head->set_support(reports[h].support);
         head->set_best_cosine(reports[h].best_cosine);
         head->set_bulk_micros(reports[h].bulk_micros);
+        head->set_bulk_start_micros(reports[h].bulk_start_micros);
       }
     }
   }
@@ -241,6 +244,8 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     micros->set_bulk(tiers.bulk * 1e6);
     micros->set_link_wait(tiers.link_wait * 1e6);
     micros->set_shortlist(tiers.shortlist * 1e6);
+    micros->set_launch(tiers.launch * 1e6);
+    micros->set_shortlists_ready(tiers.shortlists_ready * 1e6);
   }
   response->set_server_micros(absl::ToDoubleMicroseconds(absl::Now() - start));
   return absl::OkStatus();

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <set>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -59,6 +60,77 @@ CodeSets MakeCodeSets(int subspaces) {
   return out;
 }
 
+// One PqShortlist call's outputs: ids [rows, kShortlist], sizes [rows], id_scores aligned.
+struct ShortlistOutputs {
+  std::vector<int32_t> ids, sizes;
+  std::vector<float> id_scores;
+};
+
+// PqShortlist over `sets` for `queries` ([rows, kDim]) in groups of `group`, row r over set
+// set_of_row[r] and its first lengths[r] keys (all kKeys for an empty `lengths`), `calls` times
+// on one workspace: each call's outputs.
+std::vector<ShortlistOutputs> RunShortlists(const CodeSets& sets, int subspaces,
+                                            const std::vector<float>& queries,
+                                            const std::vector<int32_t>& set_of_row,
+                                            const std::vector<int32_t>& lengths, int group,
+                                            int calls = 1) {
+  const int rows = static_cast<int>(set_of_row.size());
+  std::vector<ShortlistOutputs> out;
+  auto ws = cuda::TopKWorkspace::Create(rows, kKeys);
+  EXPECT_TRUE(ws.ok()) << ws.status();
+  if (!ws.ok()) return out;
+  auto d_books = ToDevice(sets.codebooks);
+  auto d_codes = ToDevice(sets.codes);
+  auto d_queries = ToDevice(queries);
+  auto d_sets = ToDevice(set_of_row);
+  auto d_lengths = ToDevice(lengths.empty() ? std::vector<int32_t>(rows, kKeys) : lengths);
+  auto d_tables = ToDevice(std::vector<float>(rows * subspaces * ProductQuantizer::kCentroids));
+  const cuda::PqCodeSets code_sets{d_books.data(), d_codes.data(), kKeys, subspaces, kDim};
+  const cuda::PqShortlistRows query_rows{d_queries.data(), d_sets.data(), d_lengths.data(),
+                                         d_tables.data(),  rows,          kKeys,
+                                         group};
+  for (int call = 0; call < calls; ++call) {
+    auto d_ids = ToDevice(std::vector<int32_t>(rows * kShortlist, -1));
+    auto d_sizes = ToDevice(std::vector<int32_t>(rows, -1));
+    auto d_scores = ToDevice(std::vector<float>(rows * kShortlist, -1.0f));
+    EXPECT_TRUE(cuda::PqShortlist(code_sets, query_rows, kShortlist, ws->get(), d_ids.data(),
+                                  d_sizes.data(), d_scores.data(), nullptr)
+                    .ok());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    out.push_back({ToHost(d_ids.data(), d_ids.size()), ToHost(d_sizes.data(), d_sizes.size()),
+                   ToHost(d_scores.data(), d_scores.size())});
+  }
+  return out;
+}
+
+// Row r of `got` against the CPU reference (QueryTable + ScanCodes of its set's first n keys,
+// then cpu::TopKPositions): the same size, ids in range and listed once, their scores, and
+// every id the reference's or a near-tie of its last.
+void ExpectMatchesReference(const CodeSets& sets, int subspaces, int set, const float* query,
+                            int n, const ShortlistOutputs& got, int r) {
+  std::vector<float> table(subspaces * ProductQuantizer::kCentroids), scores(kKeys);
+  std::vector<int32_t> expected;
+  sets.quantizers[set].QueryTable(query, table.data());
+  ProductQuantizer::ScanCodes(table.data(), sets.codes.data() + size_t{kKeys} * subspaces * set,
+                              n, subspaces, scores.data());
+  cpu::TopKPositions(std::span<const float>(scores.data(), n), kShortlist, &expected);
+  ASSERT_EQ(got.sizes[r], static_cast<int>(expected.size())) << "row " << r;
+  const float kth = expected.empty() ? 0.0f : scores[expected.back()];
+  const std::set<int32_t> want(expected.begin(), expected.end());
+  std::set<int32_t> listed;
+  for (int j = 0; j < got.sizes[r]; ++j) {
+    const int32_t id = got.ids[r * kShortlist + j];
+    ASSERT_TRUE(id >= 0 && id < n) << "row " << r << " id " << id;
+    EXPECT_TRUE(listed.insert(id).second) << "row " << r << " lists " << id << " twice";
+    EXPECT_NEAR(got.id_scores[r * kShortlist + j], scores[id],
+                1e-5f * (1.0f + std::abs(scores[id])));
+    if (!want.count(id)) {
+      EXPECT_NEAR(scores[id], kth, kTieTolerance * (1.0f + std::abs(kth)))
+          << "row " << r << " id " << id;
+    }
+  }
+}
+
 // (code bytes M, rows per group).
 class PqShortlistTest : public ::testing::TestWithParam<std::tuple<int, int>> {};
 
@@ -77,55 +149,12 @@ TEST_P(PqShortlistTest, MatchesTheCpuReference) {
   }
   const int rows = static_cast<int>(set_of_row.size());
   const std::vector<float> queries = RandomNormal(rows * kDim, 20);
-
-  auto ws = cuda::TopKWorkspace::Create(rows, kKeys);
-  ASSERT_TRUE(ws.ok()) << ws.status();
-  auto d_books = ToDevice(sets.codebooks);
-  auto d_codes = ToDevice(sets.codes);
-  auto d_queries = ToDevice(queries);
-  auto d_sets = ToDevice(set_of_row);
-  auto d_lengths = ToDevice(lengths);
-  auto d_ids = ToDevice(std::vector<int32_t>(rows * kShortlist, -1));
-  auto d_sizes = ToDevice(std::vector<int32_t>(rows, -1));
-  auto d_scores = ToDevice(std::vector<float>(rows * kShortlist, -1.0f));
-  auto d_tables = ToDevice(std::vector<float>(rows * subspaces * ProductQuantizer::kCentroids));
-  const cuda::PqCodeSets code_sets{d_books.data(), d_codes.data(), kKeys, subspaces, kDim};
-  const cuda::PqShortlistRows query_rows{d_queries.data(), d_sets.data(), d_lengths.data(),
-                                         d_tables.data(),  rows,          kKeys,
-                                         group};
-  ASSERT_TRUE(cuda::PqShortlist(code_sets, query_rows, kShortlist, ws->get(), d_ids.data(),
-                                d_sizes.data(), d_scores.data(), nullptr)
-                  .ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<int32_t> ids = ToHost(d_ids.data(), d_ids.size());
-  const std::vector<int32_t> sizes = ToHost(d_sizes.data(), d_sizes.size());
-  const std::vector<float> id_scores = ToHost(d_scores.data(), d_scores.size());
-
-  std::vector<float> table(subspaces * ProductQuantizer::kCentroids), scores(kKeys);
-  std::vector<int32_t> expected;
+  const std::vector<ShortlistOutputs> got =
+      RunShortlists(sets, subspaces, queries, set_of_row, lengths, group);
+  ASSERT_EQ(got.size(), 1u);
   for (int r = 0; r < rows; ++r) {
-    const ProductQuantizer& pq = sets.quantizers[set_of_row[r]];
-    const int n = lengths[r];
-    pq.QueryTable(queries.data() + r * kDim, table.data());
-    const uint8_t* codes =
-        sets.codes.data() + static_cast<size_t>(set_of_row[r]) * kKeys * subspaces;
-    ProductQuantizer::ScanCodes(table.data(), codes, n, subspaces, scores.data());
-    cpu::TopKPositions(std::span<const float>(scores.data(), n), kShortlist, &expected);
-    ASSERT_EQ(sizes[r], static_cast<int>(expected.size())) << "row " << r;
-    const float kth = expected.empty() ? 0.0f : scores[expected.back()];
-    const std::set<int32_t> want(expected.begin(), expected.end());
-    std::set<int32_t> got;
-    for (int j = 0; j < sizes[r]; ++j) {
-      const int32_t id = ids[r * kShortlist + j];
-      ASSERT_TRUE(id >= 0 && id < n) << "row " << r << " id " << id;
-      EXPECT_TRUE(got.insert(id).second) << "row " << r << " lists " << id << " twice";
-      EXPECT_NEAR(id_scores[r * kShortlist + j], scores[id], 1e-5f * (1.0f + std::abs(scores[id])));
-      // Either the reference's too, or a near-tie of its last.
-      if (!want.count(id)) {
-        EXPECT_NEAR(scores[id], kth, kTieTolerance * (1.0f + std::abs(kth)))
-            << "row " << r << " id " << id;
-      }
-    }
+    ExpectMatchesReference(sets, subspaces, set_of_row[r], queries.data() + r * kDim, lengths[r],
+                           got[0], r);
   }
 }
 
@@ -137,6 +166,49 @@ INSTANTIATE_TEST_SUITE_P(CodeBytesAndGroups, PqShortlistTest,
                            return "M" + std::to_string(std::get<0>(info.param)) + "Group" +
                                   std::to_string(std::get<1>(info.param));
                          });
+
+// Each row's selection bins its scores over the range its table bounds (linear bins): a row
+// whose scores all tie (a zero query: a degenerate range, every score in one bin) keeps the
+// lowest positions, as the CPU's order does; rows of a wide range beside it are unaffected; and
+// a second call over the same inputs gives the same lists (the workspace, the rows' ranges
+// included, is left as found).
+TEST(PqShortlistBinsTest, TiesKeepTheLowestPositionsAndCallsRepeat) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kGroup = 4;
+  const CodeSets sets = MakeCodeSets(8);
+  const int rows = 2 * kGroup;  // group 0: zero queries; group 1: random ones, scaled up
+  std::vector<float> queries = RandomNormal(rows * kDim, 30);
+  std::fill(queries.begin(), queries.begin() + kGroup * kDim, 0.0f);
+  for (int j = kGroup * kDim; j < rows * kDim; ++j) queries[j] *= 1000.0f;
+  const std::vector<int32_t> set_of_row(rows, 1);
+  const std::vector<ShortlistOutputs> got =
+      RunShortlists(sets, 8, queries, set_of_row, {}, kGroup, /*calls=*/2);
+  ASSERT_EQ(got.size(), 2u);
+  for (int r = 0; r < kGroup; ++r) {
+    std::vector<int32_t> ids(got[0].ids.begin() + r * kShortlist,
+                             got[0].ids.begin() + (r + 1) * kShortlist);
+    std::sort(ids.begin(), ids.end());
+    for (int j = 0; j < kShortlist; ++j) {
+      ASSERT_EQ(ids[j], j) << "row " << r << " (every score 0) keeps positions [0, "
+                           << kShortlist << ")";
+    }
+  }
+  for (int r = kGroup; r < rows; ++r) {
+    ExpectMatchesReference(sets, 8, 1, queries.data() + r * kDim, kKeys, got[0], r);
+  }
+  // (Each row's ids come in no particular order.)
+  auto listed = [&](const ShortlistOutputs& call, int r) {
+    std::vector<std::pair<int32_t, float>> pairs;
+    for (int j = 0; j < call.sizes[r]; ++j) {
+      pairs.emplace_back(call.ids[r * kShortlist + j], call.id_scores[r * kShortlist + j]);
+    }
+    std::sort(pairs.begin(), pairs.end());
+    return pairs;
+  };
+  for (int r = 0; r < rows; ++r) {
+    EXPECT_EQ(listed(got[1], r), listed(got[0], r)) << "row " << r << ": a second call differs";
+  }
+}
 
 TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
   KVRECALL_SKIP_WITHOUT_GPU();

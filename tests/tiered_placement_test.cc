@@ -219,6 +219,9 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
     EXPECT_GT(micros.bulk(), 0.0) << "step " << step;
     EXPECT_GE(micros.link_wait(), 0.0);
     EXPECT_EQ(micros.shortlist(), 0.0) << "the graph, no shortlist";
+    EXPECT_EQ(micros.shortlists_ready(), 0.0) << "the graph, no shortlist";
+    EXPECT_GE(micros.launch(), 0.0);
+    EXPECT_LE(micros.launch(), micros.bulk() * (1 + 1e-6) + 1) << "step " << step;
     EXPECT_LE(micros.bulk() + micros.link_wait(), reply->server_micros()) << "step " << step;
     EXPECT_LE(micros.static_set(), reply->server_micros()) << "step " << step;
     double heads_micros = 0;
@@ -226,9 +229,14 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
       EXPECT_LE(head.support(), kSinks + kRecent + k);
       if (step % 50 == 0) EXPECT_GT(head.retained_mass(), 0.0f) << "step " << step;
       // Each head's part of the bulk: heads run side by side, so each is within the bulk's
-      // time (their sum may exceed it).
+      // time (their sum may exceed it), and so is its interval from the bulk's start (which
+      // the wait for the previous link is part of).
       EXPECT_GT(head.bulk_micros(), 0.0f) << "step " << step;
       EXPECT_LE(head.bulk_micros(), micros.bulk() * (1 + 1e-6) + 1) << "step " << step;
+      EXPECT_GE(head.bulk_start_micros(), 0.0f) << "step " << step;
+      EXPECT_LE(head.bulk_start_micros() + head.bulk_micros(),
+                (micros.bulk() + micros.link_wait()) * (1 + 1e-6) + 1)
+          << "step " << step;
       heads_micros += head.bulk_micros();
     }
     EXPECT_GT(heads_micros, 0.0);
@@ -240,6 +248,7 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
   EXPECT_FALSE(reply->has_tier_micros());
   for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
     EXPECT_EQ(head.bulk_micros(), 0.0f);
+    EXPECT_EQ(head.bulk_start_micros(), 0.0f);
   }
 }
 

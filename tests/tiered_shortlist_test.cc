@@ -203,6 +203,13 @@ TEST_F(TieredShortlistTest, AShortShortlistIsRescoredExactlyWhileTheCodesGrow) {
     EXPECT_GT(reply->tier_micros().shortlist(), 0.0) << "step " << step;
     EXPECT_GT(reply->tier_micros().static_set(), 0.0) << "step " << step;
     EXPECT_LE(reply->tier_micros().shortlist(), reply->server_micros()) << "step " << step;
+    // When they reached the host, and the tier's launch, both within the bulk's time.
+    const v1::TierMicros& micros = reply->tier_micros();
+    EXPECT_GT(micros.shortlists_ready(), 0.0) << "step " << step;
+    EXPECT_LE(micros.shortlists_ready(), (micros.bulk() + micros.link_wait()) * (1 + 1e-6) + 1)
+        << "step " << step;
+    EXPECT_GE(micros.launch(), 0.0) << "step " << step;
+    EXPECT_LE(micros.launch(), micros.bulk() * (1 + 1e-6) + 1) << "step " << step;
     if (step % 25 != 0) continue;
     const int64_t tokens = ref.tokens(0);
     const KvView bulk = ref.view(0).Tokens(kSinks, tokens - kSinks - kRecent);

@@ -20,12 +20,18 @@ static_assert(kThreads == kCentroids, "a block builds its table one centroid per
 constexpr int kMinScanChunk = 4096;
 
 // Block r: row r's table of <q part m, centroid c> ([M, 256]; thread c computes centroid c's
-// products), built once per row rather than by every block of the scan.
+// products), built once per row rather than by every block of the scan, and the range its
+// scores can take (the sums of each part's least and greatest entries, summed in part order as
+// the scan sums a score, so that no score falls outside), which the selection's linear bins
+// span (state[r].bin_low / bin_scale).
 __global__ void __launch_bounds__(kThreads)
-    PqTableKernel(PqCodeSets sets, PqShortlistRows rows) {
+    PqTableKernel(PqCodeSets sets, PqShortlistRows rows, TopKRowState* state) {
+  constexpr int kWarps = kThreads / 32;
   __shared__ float q[kMaxPqDim];
+  __shared__ float part_low[kWarps][kMaxPqSubspaces], part_high[kWarps][kMaxPqSubspaces];
   const int r = blockIdx.x;
   const int dim = sets.dim, m_count = sets.subspaces, sub = dim / m_count;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int j = threadIdx.x; j < dim; j += kThreads) q[j] = rows.queries[int64_t{r} * dim + j];
   __syncthreads();
   const float* books = sets.codebooks + int64_t{rows.set_of_row[r]} * m_count * kCentroids * sub;
@@ -35,6 +41,26 @@ __global__ void __launch_bounds__(kThreads)
     float sum = 0.0f;
     for (int j = 0; j < sub; ++j) sum = fmaf(q[m * sub + j], centroid[j], sum);
     table[m * kCentroids + threadIdx.x] = sum;
+    const float low = -GroupMax<32>(-sum), high = GroupMax<32>(sum);
+    if (lane == 0) {
+      part_low[warp][m] = low;
+      part_high[warp][m] = high;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float low = 0.0f, high = 0.0f;
+    for (int m = 0; m < m_count; ++m) {
+      float part_min = part_low[0][m], part_max = part_high[0][m];
+      for (int w = 1; w < kWarps; ++w) {
+        part_min = fminf(part_min, part_low[w][m]);
+        part_max = fmaxf(part_max, part_high[w][m]);
+      }
+      low += part_min;
+      high += part_max;
+    }
+    state[r].bin_low = low;
+    state[r].bin_scale = LinearBinScale(low, high);
   }
 }
 
@@ -73,6 +99,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int i = threadIdx.x; i < kRows * kBins; i += kThreads) hist[i] = 0;
   __syncthreads();
+  float bin_low[kRows], bin_scale[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    bin_low[r] = p.state[row0 + r].bin_low;
+    bin_scale[r] = p.state[row0 + r].bin_scale;
+  }
   const int n = RowLength(p, static_cast<int>(row0));  // the group's (its rows share it)
   const int begin = blockIdx.x * chunk;
   const int end = min(begin + chunk, n);
@@ -100,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       scores[(row0 + r) * p.score_stride + i] = sum[r];
-      atomicAdd(&hist[r * kBins + BinOf(sum[r])], 1u);
+      atomicAdd(&hist[r * kBins + LinearBinOf(sum[r], bin_low[r], bin_scale[r])], 1u);
     }
   }
   __syncthreads();
@@ -124,7 +156,7 @@ absl::Status LaunchPqScan(const PqCodeSets& sets, const PqShortlistRows& rows, f
   constexpr size_t kSmem = PqScanSmemBytes<kRows, kEightByteCodes ? 8 : kMaxPqSubspaces>();
   const absl::StatusOr<int> slots = DeviceBlockSlots<kScan>(kThreads, kSmem);
   if (!slots.ok()) return slots.status();
-  PqTableKernel<<<rows.rows, kThreads, 0, stream>>>(sets, rows);
+  PqTableKernel<<<rows.rows, kThreads, 0, stream>>>(sets, rows, p.state);
   KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PqTableKernel"));
   // One wave of blocks, each scoring at least kMinScanChunk keys.
   const int blocks = rows.rows / kRows;
@@ -177,11 +209,12 @@ absl::Status PqShortlist(const PqCodeSets& sets, const PqShortlistRows& rows, in
   if (sets.subspaces == 8 && reinterpret_cast<uintptr_t>(sets.codes) % 8 != 0) {
     return absl::InvalidArgumentError("8-byte codes must start 8-byte aligned");
   }
-  const absl::StatusOr<RowTopKParams> selection =
+  absl::StatusOr<RowTopKParams> selection =
       PlanRowSelection(ws->scores(), ws->max_tokens(), rows.rows, rows.max_length, rows.lengths,
                        shortlist, ws, ids, shortlist, sizes, id_scores);
   if (!selection.ok()) return selection.status();
-  const RowTopKParams& p = *selection;
+  RowTopKParams& p = *selection;
+  p.linear_bins = true;  // over each row's range, from its table
   const bool eight_bytes = sets.subspaces == 8;
   switch (PqRowsPerBlock(rows.group)) {
     case 4:

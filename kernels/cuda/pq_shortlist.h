@@ -51,9 +51,11 @@ struct PqShortlistRows {
 // For every row r, with n_r its length and s = set_of_row[r]:
 //   score_i = sum over m of <q_r part m, centroid codes[s, i, m] of codebook m of set s>
 //     for i < n_r (ProductQuantizer::QueryTable then ScanCodes, up to f32 summation order):
-//     one launch builds each row's table; one scores every key for the rows of a group that
-//     share a block, building their selection histograms as it goes (as the exact top-K scan
-//     does, exact_topk.cuh); the collect pass of topk_select.cuh then selects;
+//     one launch builds each row's table and the range its scores can take; one scores every
+//     key for the rows of a group that share a block, building their selection histograms as
+//     it goes (as the exact top-K scan does, exact_topk.cuh), binned over that range (the
+//     order-key bins would put the thousands of scores near the K-th in one bin); the collect
+//     pass of topk_select.cuh then selects;
 //   ids[r, 0:sizes[r]]: the positions of the min(shortlist, n_r) highest score_i, ties to the
 //     lower position (SelectRowTopK's order as a set, listed in no particular order);
 //   id_scores[r, j] (when non-null): score of ids[r, j].

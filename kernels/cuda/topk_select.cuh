@@ -4,11 +4,15 @@
 // Order: a larger score first, equal scores by the lower position (RankKey in common.cuh), the
 // order of cpu::TopKPositions. A row is selected by radix select:
 //   1. a histogram of each score's top kBinBits order-key bits (built while scoring, or by
-//      HistogramKernel) locates the threshold bin holding the K-th largest score;
+//      HistogramKernel) locates the threshold bin holding the K-th largest score; or, for rows
+//      whose scores lie in a range known before they are scored (linear_bins: the PQ
+//      shortlist's, bounded by its lookup tables), of kBins equal parts of that range, where the
+//      order-key bins of a narrow range would put thousands of scores in the threshold bin;
 //   2. a pass over the row appends positions above that bin to the output and the threshold
 //      bin's positions to a candidate list;
 //   3. one block radix-selects the missing ones among the candidates on the remaining bits of
-//      the unique 64-bit RankKey, so the result is exact whatever the ties.
+//      the unique 64-bit RankKey (on all of them for linear bins), so the result is exact
+//      whatever the ties.
 // Per-row state and histograms live in a workspace that starts zeroed and is left zeroed by
 // the last block of each row (no memset inside a step; CUDA-graph friendly).
 #ifndef KVRECALL_KERNELS_CUDA_TOPK_SELECT_CUH_
@@ -33,6 +37,24 @@ inline constexpr int kBitsBelowBin = 64 - kBinBits;
 inline constexpr uint32_t kNoThreshold = 0xffffffffu;
 
 __device__ __forceinline__ uint32_t BinOf(float score) { return OrderKey(score) >> kBinShift; }
+
+// The linear bin of a score in a row whose histogram spans [low, low + kBins / scale): the part
+// of the range it falls in, scores below and above the range counted in the first and last
+// bins. Non-decreasing in the score, and equal scores share a bin, so a bin above another holds
+// only larger scores, as with BinOf. The rounding is explicit, so that every kernel that bins a
+// score agrees on its bin.
+__device__ __forceinline__ uint32_t LinearBinOf(float score, float low, float scale) {
+  const float x = __fmul_rn(__fsub_rn(score, low), scale);
+  if (!(x > 0.0f)) return 0;  // (NaN from a zero scale and an infinite distance, too)
+  return x >= static_cast<float>(kBins - 1) ? kBins - 1 : static_cast<uint32_t>(x);
+}
+
+// The scale LinearBinOf needs for a row of scores in [low, high]: 0 (every score in bin 0) for
+// an empty or degenerate range.
+__device__ __forceinline__ float LinearBinScale(float low, float high) {
+  const float width = high - low;
+  return width > 0.0f && isfinite(width) ? static_cast<float>(kBins) / width : 0.0f;
+}
 
 // Block-wide sum / max; every thread gets the result. `scratch`: 32 floats of shared memory,
 // free on entry and on return.
@@ -314,7 +336,16 @@ struct RowTopKParams {
   int support_stride;          //   in no particular order
   int32_t* support_size;       // [rows]
   float* support_scores;       // [rows, support_stride] or null: their scores, aligned
+  // Bins of the row's known score range (state[r].bin_low / bin_scale, set by its scorer before
+  // pass 1) instead of order-key bins.
+  bool linear_bins = false;
 };
+
+// A row's bin of a score under p's binning; `state`: the row's.
+__device__ __forceinline__ uint32_t RowBinOf(const RowTopKParams& p, const TopKRowState& state,
+                                             float score) {
+  return p.linear_bins ? LinearBinOf(score, state.bin_low, state.bin_scale) : BinOf(score);
+}
 
 __device__ __forceinline__ int RowLength(const RowTopKParams& p, int row) {
   const int n = p.seqs != nullptr      ? SeqSize(p.seqs[row / p.q_heads])
@@ -385,9 +416,10 @@ __global__ void __launch_bounds__(kThreads) RowHistogramKernel(const RowTopKPara
   const int n = RowLength(p, row);
   const int begin = blockIdx.x * p.chunk;
   const int end = min(begin + p.chunk, n);
+  const TopKRowState state = p.state[row];
   ForEachScore<kThreads>(p.scores + row * p.score_stride, begin, end,
                          [&](int, float score, bool in_range) {
-                           if (in_range) atomicAdd(&hist[BinOf(score)], 1u);
+                           if (in_range) atomicAdd(&hist[RowBinOf(p, state, score)], 1u);
                          });
   __syncthreads();
   uint32_t* row_hist = p.hist + static_cast<int64_t>(row) * kBins;
@@ -446,11 +478,14 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   int32_t* support = p.support + static_cast<int64_t>(row) * p.support_stride;
   int32_t* candidates = p.candidates + row * p.score_stride;
   const uint32_t threshold = state->threshold_bin;
+  const float bin_low = state->bin_low, bin_scale = state->bin_scale;
   if (k > 0) {
     const int begin = share.split * share.chunk;
     ForEachScore<kThreads>(scores, begin, min(begin + share.chunk, n),
                            [&](int i, float score, bool in_range) {
-                             const uint32_t bin = BinOf(score);
+                             const uint32_t bin = p.linear_bins
+                                                      ? LinearBinOf(score, bin_low, bin_scale)
+                                                      : BinOf(score);
                              WarpAppend(in_range && bin > threshold, i, &state->selected, support);
                              WarpAppend(in_range && bin == threshold, i, &state->candidates,
                                         candidates);
@@ -482,8 +517,9 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
       __syncthreads();
     }
     auto key_at = [&](int i) { return fits ? cached[i] : fresh_key(i); };
-    const RadixThreshold t =
-        BlockRadixSelect<kThreads>(count, need, kBitsBelowBin, key_at, &radix);
+    // Order-key bins share their top kBinBits key bits; linear bins share none.
+    const RadixThreshold t = BlockRadixSelect<kThreads>(
+        count, need, p.linear_bins ? 64 : kBitsBelowBin, key_at, &radix);
     AppendSelected<kThreads>(count, key_at, t, &appended, chosen, chosen_scores, support);
     __syncthreads();
   }

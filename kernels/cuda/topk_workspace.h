@@ -22,7 +22,11 @@ struct TopKRowState {
   uint32_t selected;       // positions appended to the support so far
   uint32_t candidates;     // positions of the threshold bin collected so far
   uint32_t blocks_done;    // finished blocks of the current pass, for last-block detection
-  uint32_t pad[3];
+  // With RowTopKParams::linear_bins: the row's histogram spans [bin_low, bin_low + kBins /
+  // bin_scale), written by the row's scorer before pass 1 (LinearBinOf in topk_select.cuh).
+  float bin_low;
+  float bin_scale;
+  uint32_t pad;
 };
 
 // Scratch for selecting among up to `max_tokens` scores in each of up to `max_rows` rows. One

@@ -58,6 +58,7 @@ struct HeadReport {
   int32_t support = 0;      // tokens attended to
   float best_cosine = 0.0f; // ReTopK: the best cosine with a cached query
   float bulk_micros = 0.0f; // tiered: the host's time for the head's part over the bulk
+  float bulk_start_micros = 0.0f;  // tiered: when that part began, from the start of the bulk
 };
 
 // A layer's prompt as a Prefill stream delivers it, row-major: queries [n, q_heads, head_dim]
@@ -133,6 +134,11 @@ class StepContext {
     double bulk = 0;       // the host's selection and attention over the bulk
     double link_wait = 0;  // waiting for the previous step's deferred OnAppend
     double shortlist = 0;  // the tiered shortlists on their tier (policy.index.shortlist)
+    // The host's time queueing the static tier's step (on one of the bulk's threads).
+    double launch = 0;
+    // From the bulk's start until the shortlists were on the host, the exact heads' wait
+    // (policy.index.shortlist; 0 without).
+    double shortlists_ready = 0;
   };
   TierSeconds tier_seconds;
 };

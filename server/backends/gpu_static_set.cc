@@ -3,7 +3,8 @@
 // `recent` — which the kernels of kernels/cuda/partial_attention.h read as a DeviceSeq (head +
 // ring). A step of a batch is one packed upload (queries, new rows, descriptors), the append
 // kernel, split-K attention over every static set and one packed download, all queued on the
-// Decode stream's CUDA stream in Start; Finish waits for it.
+// Decode stream's CUDA stream in Start (with policy.index.shortlist, the shortlists first, and
+// the codes of the step's new bulk rows after them); Finish waits for it.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -162,20 +163,22 @@ class GpuBulkCodes final : public BulkCodes {
   uint64_t generation() const { return generation_; }
   // Rows of `bulk` not coded yet (a step has one per KV head once the ring is full).
   int64_t Pending(const KvView& bulk) const { return std::max<int64_t>(0, bulk.tokens - coded_); }
-  // A step's new rows, in two halves around its one upload: Stage codes rows [coded(),
-  // bulk.tokens) into `staged` ([kv_heads, Pending(bulk), M], the step's pinned input), and
-  // QueueStaged queues their copy from the same place on the device (`dev_staged`) into the codes
-  // on `stream` (Reserve made room), after which they count as coded. No pageable copy: it would
-  // hold the host until the stream drained.
+  // A step's new rows, in two halves: Stage codes rows [coded(), bulk.tokens) into `staged`
+  // ([kv_heads, Pending(bulk), M], pinned host memory), and QueueStaged queues their copy from
+  // there into the codes on `stream` (Reserve made room), after which they count as coded. No
+  // pageable copy: it would hold the host until the stream drained.
+  // Their outliers wait for the next AddDeferredOutliers (the next step's Prepare): Stage runs
+  // while the step's heads read the outliers, and the step's shortlists are not among these
+  // rows (the exact paths rescore them as the uncoded tail).
   void Stage(const KvView& bulk, uint8_t* staged) {
-    EncodeRows(bulk, coded_, bulk.tokens, staged);
+    EncodeRows(bulk, coded_, bulk.tokens, staged, /*defer_outliers=*/true);
   }
-  absl::Status QueueStaged(const uint8_t* dev_staged, int64_t rows, cudaStream_t stream) {
+  absl::Status QueueStaged(const uint8_t* staged, int64_t rows, cudaStream_t stream) {
     if (rows == 0) return absl::OkStatus();
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpy2DAsync(codes_.data() + coded_ * subspaces_, capacity_ * subspaces_,
-                          dev_staged, rows * subspaces_, rows * subspaces_, kv_heads(),
-                          cudaMemcpyDeviceToDevice, stream),
+        cudaMemcpy2DAsync(codes_.data() + coded_ * subspaces_, capacity_ * subspaces_, staged,
+                          rows * subspaces_, rows * subspaces_, kv_heads(),
+                          cudaMemcpyHostToDevice, stream),
         "placing new codes of the bulk"));
     coded_ += rows;
     return absl::OkStatus();
@@ -333,6 +336,8 @@ class GpuStaticSetTier final : public StaticSetTier {
   }
   absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) override;
   absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) override;
+  absl::Status QueueNewCodes(std::span<const StaticSetStep> steps,
+                             StepContext* context) override;
   absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
                               StepContext* context) override;
   absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) override;
@@ -351,9 +356,11 @@ class GpuStaticSetTier final : public StaticSetTier {
     }
     const int ordinal;
     GpuStepContext gpu;
-    // Prepare's layout of the step's upload and download.
+    // Prepare's layout of the step's pinned input and download. The input's first `upload`
+    // bytes go up in the step's one upload; the new codes after them (in_codes) follow on their
+    // own, once coded after the step's launches.
     size_t in_q = 0, in_k = 0, in_v = 0, in_seqs = 0, in_rows = 0, in_sets = 0, in_lengths = 0,
-           in_codes = 0, in_size = 0;
+           upload = 0, in_codes = 0, in_size = 0;
     size_t out_o = 0, out_lse = 0, out_errors = 0, out_size = 0;
     std::vector<int64_t> pending_codes;  // per step of the batch: its new bulk rows
     // Per step: the coded rows its shortlist scans, and the bound its launches are planned for
@@ -582,7 +589,8 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   for (size_t b = 0; b < steps.size(); ++b) {
     const StaticSetStep& step = steps[b];
     if (step.codes == nullptr) continue;
-    const auto& codes = *static_cast<const GpuBulkCodes*>(step.codes);
+    auto& codes = *static_cast<GpuBulkCodes*>(step.codes);
+    codes.AddDeferredOutliers();  // the last step's new rows, before this step's heads read them
     state.shortlist = step.shortlist;
     state.pending_codes[b] = codes.Pending(step.bulk);
     new_codes += state.pending_codes[b] * codes.kv_heads() * codes.subspaces();
@@ -600,6 +608,7 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   state.in_rows = in.Take<cuda::TokenRows>(batch);
   state.in_sets = in.Take<int32_t>(q_heads);  // the KV head of each query head
   state.in_lengths = in.Take<int32_t>(rows);  // each row's scanned codes
+  state.upload = in.size();
   state.in_codes = in.Take<uint8_t>(new_codes);
   state.in_size = in.size();
   Carver out(nullptr);
@@ -628,7 +637,7 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
   std::byte* dev_in = ctx.device_in();
   cudaStream_t stream = ctx.stream();
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(dev_in, ctx.pinned_in(), state.in_size, cudaMemcpyHostToDevice, stream),
+      cudaMemcpyAsync(dev_in, ctx.pinned_in(), state.upload, cudaMemcpyHostToDevice, stream),
       "uploading a static-set step"));
   if (state.shortlist > 0) {
     if (absl::Status s = LaunchShortlists(steps, state, dev_in, capturing); !s.ok()) return s;
@@ -674,16 +683,10 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
   for (int h = 0; h < q_heads; ++h) {
     At<int32_t>(host_in, state.in_sets)[h] = KvHeadOf(h, q_heads, config.shape.kv_heads);
   }
-  // Each step's new codes, coded into the upload (placed on the device after the step's work).
-  const std::vector<int64_t>& pending = state.pending_codes;
-  for (size_t b = 0, at = 0; b < steps.size(); ++b) {
+  for (size_t b = 0; b < steps.size(); ++b) {
     std::fill_n(At<int32_t>(host_in, state.in_lengths) + b * q_heads, q_heads,
                 static_cast<int32_t>(state.scanned[b]));
     if (steps[b].shortlist_coded != nullptr) *steps[b].shortlist_coded = state.scanned[b];
-    if (pending[b] == 0) continue;
-    auto& codes = *static_cast<GpuBulkCodes*>(steps[b].codes);
-    codes.Stage(steps[b].bulk, At<uint8_t>(host_in, state.in_codes) + at);
-    at += pending[b] * codes.kv_heads() * codes.subspaces();
   }
   for (int b = 0; b < batch; ++b) {
     const StaticSetStep& step = steps[b];
@@ -711,7 +714,7 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
     key.assign({batch, q_heads, config.shape.kv_heads, d, static_cast<int64_t>(config.dtype),
                 config.selector.sinks, config.selector.recent, state.shortlist,
                 static_cast<int64_t>(ctx.generation()), static_cast<int64_t>(state.generation),
-                static_cast<int64_t>(state.in_size), static_cast<int64_t>(state.out_size)});
+                static_cast<int64_t>(state.upload), static_cast<int64_t>(state.out_size)});
     for (size_t b = 0; b < steps.size(); ++b) {
       const auto* codes = static_cast<const GpuBulkCodes*>(steps[b].codes);
       key.push_back(reinterpret_cast<intptr_t>(codes));
@@ -731,15 +734,25 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
                                                "launching a captured static-set step"));
     }
   }
-  // The step's new codes into place, after the shortlists (which scanned the rows before them).
+  return absl::OkStatus();
+}
+
+absl::Status GpuStaticSetTier::QueueNewCodes(std::span<const StaticSetStep> steps,
+                                             StepContext* context) {
+  DeviceScope scope(ordinal_);
+  if (!scope.status().ok()) return scope.status();
+  auto& state = static_cast<StaticStepContext&>(*context);
+  GpuStepContext& ctx = state.gpu;
+  // Coded on the host (tens of microseconds a step) into the pinned input past the upload, which
+  // the step's launches do not read, and put in place behind them: the exact paths rescore the
+  // new rows as the uncoded tail of this step's shortlists.
+  const std::vector<int64_t>& pending = state.pending_codes;
   for (size_t b = 0, at = 0; b < steps.size(); ++b) {
     if (pending[b] == 0) continue;
     auto& codes = *static_cast<GpuBulkCodes*>(steps[b].codes);
-    if (absl::Status s = codes.QueueStaged(At<const uint8_t>(ctx.device_in(), state.in_codes) + at,
-                                           pending[b], stream);
-        !s.ok()) {
-      return s;
-    }
+    uint8_t* staged = At<uint8_t>(ctx.pinned_in(), state.in_codes) + at;
+    codes.Stage(steps[b].bulk, staged);
+    if (absl::Status s = codes.QueueStaged(staged, pending[b], ctx.stream()); !s.ok()) return s;
     at += pending[b] * codes.kv_heads() * codes.subspaces();
   }
   return absl::OkStatus();

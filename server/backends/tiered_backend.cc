@@ -112,6 +112,7 @@ class TieredLayer final : public LayerBackend {
         codes_(std::move(codes)),
         selections_(config.shape.q_heads),
         bulk_micros_(config.shape.q_heads),
+        bulk_start_micros_(config.shape.q_heads),
         appended_(bulk_.selector.get()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
     ChargeSelectorBytes();
@@ -206,7 +207,9 @@ class TieredLayer final : public LayerBackend {
   // h's bulk support and attends it ((o, lse) over the bulk; heads in parallel); EndBulk writes
   // the step's reports (support sizes and supports include the static set).
   int64_t BeginBulk(const KvView& all, double* waited);
-  void AttendBulkHead(const LayerStep& step, const KvView& all, int h, float* o, float* lse);
+  // `bulk_start`: when the step's bulk began (each head reports its start from it).
+  void AttendBulkHead(const LayerStep& step, const KvView& all, int h,
+                      std::chrono::steady_clock::time_point bulk_start, float* o, float* lse);
   void EndBulk(const LayerStep& step, const KvView& all);
   // Microseconds query head h's bulk took in the layer's last step (0 before the first).
   float last_bulk_micros(int h) const { return bulk_micros_[h]; }
@@ -231,6 +234,7 @@ class TieredLayer final : public LayerBackend {
   int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
   std::vector<HeadSelection> selections_;  // per query head, reused across steps
   std::vector<float> bulk_micros_;          // per query head, the last step's
+  std::vector<float> bulk_start_micros_;    // per query head, the last step's
   int64_t last_scored_tokens_ = -1;
   // Last: destroyed first, so that a pending OnAppend finishes while the selector and KV exist.
   DeferredAppend appended_;
@@ -260,7 +264,8 @@ int64_t TieredLayer::BeginBulk(const KvView& all, double* waited) {
   return (predicted + int64_t{heads} * p.top_k) * config_.shape.head_dim;
 }
 
-void TieredLayer::AttendBulkHead(const LayerStep& step, const KvView& all, int h, float* o,
+void TieredLayer::AttendBulkHead(const LayerStep& step, const KvView& all, int h,
+                                 std::chrono::steady_clock::time_point bulk_start, float* o,
                                  float* lse) {
   const LayerShape& shape = config_.shape;
   const SelectorParams& p = config_.selector;
@@ -291,9 +296,9 @@ void TieredLayer::AttendBulkHead(const LayerStep& step, const KvView& all, int h
   } else {
     cpu::PartialAttention(qh, all, kv_head, selection.support, shape.scale, oh, &lse[h]);
   }
-  bulk_micros_[h] = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() -
-                                                             start)
-                        .count();
+  using Micros = std::chrono::duration<float, std::micro>;
+  bulk_micros_[h] = Micros(std::chrono::steady_clock::now() - start).count();
+  bulk_start_micros_[h] = Micros(start - bulk_start).count();
 }
 
 void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
@@ -305,7 +310,7 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
     last_scored_tokens_ += selection.candidates;
     step.heads[h] = HeadReport{selection.path, selection.candidates,
                                static_cast<int32_t>(selection.support.size() + static_size),
-                               selection.best_cosine, bulk_micros_[h]};
+                               selection.best_cosine, bulk_micros_[h], bulk_start_micros_[h]};
     if (step.supports != nullptr) {
       std::vector<int32_t>& support = step.supports[h];
       support.assign(selection.support.begin(), selection.support.end());
@@ -531,12 +536,25 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     return s;
   }
   const absl::Time bulk_start = absl::Now();
+  const auto heads_start = std::chrono::steady_clock::now();
   std::once_flag tier_started;
   absl::Status started;
+  auto seconds_since = [](std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   auto start_tier = [&] {
     std::call_once(tier_started, [&] {
       started = tier_->Start(ctx.static_steps, ctx.static_context.get());
     });
+  };
+  // The first item: the tier's launches, then its coding of the new bulk rows, which the
+  // shortlists (waited for by the heads once Start returned) do not wait for.
+  absl::Status new_codes;
+  auto launch_tier = [&] {
+    const auto launch_start = std::chrono::steady_clock::now();
+    start_tier();
+    if (started.ok()) new_codes = tier_->QueueNewCodes(ctx.static_steps, ctx.static_context.get());
+    ctx.tier_seconds.launch += seconds_since(launch_start);
   };
   // The shortlists are waited for by the first head that reads one, once, so that the heads
   // that need none (ReTopK's reuse heads) run while they are computed.
@@ -551,6 +569,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
       }
       shortlisted = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
       if (!shortlisted.ok()) return;
+      ctx.tier_seconds.shortlists_ready += seconds_since(heads_start);
       ctx.tier_seconds.shortlist += ctx.static_context->tier_seconds.shortlist;
       for (const LayerStep& step : batch) static_cast<TieredLayer*>(step.layer)->TakeShortlists();
     });
@@ -593,20 +612,20 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     const float cost_b = layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
     return cost_a > cost_b || (cost_a == cost_b && a < b);
   });
-  // Item 0 starts the static tier; items 1.. are the heads in that order.
+  // Item 0 launches the static tier; items 1.. are the heads in that order.
   cpu::ParallelFor(items + 1, threads, [&](int64_t k) {
     if (k == 0) {
-      start_tier();
+      launch_tier();
       return;
     }
     const int64_t item = ctx.order[k - 1];
     const size_t i = static_cast<size_t>(item / heads);
     layer_of(item)->AttendBulkHead(batch[i], ctx.histories[i], static_cast<int>(item % heads),
-                                   ctx.bulk_o.data() + i * heads * d,
+                                   heads_start, ctx.bulk_o.data() + i * heads * d,
                                    ctx.bulk_lse.data() + i * heads);
   });
-  start_tier();  // (done by the loop: a no-op)
-  if (!started.ok()) return started;
+  if (!started.ok()) return started;  // (item 0 ran: Start returned)
+  if (!new_codes.ok()) return new_codes;
   if (shortlists) {
     // Waited for even when no head read one: its errors are the step's.
     fetch_shortlists();
@@ -750,6 +769,10 @@ class HostStaticSetTier final : public StaticSetTier {
       static_cast<HostBulkCodes*>(step.codes)->Append(step.bulk);
       *step.shortlist_coded = step.bulk.tokens;  // every bulk row is coded: none left to the tail
     }
+    return absl::OkStatus();
+  }
+  // Start coded them: the host's shortlists scan every bulk row, the new ones included.
+  absl::Status QueueNewCodes(std::span<const StaticSetStep>, StepContext*) override {
     return absl::OkStatus();
   }
   // Every (sequence, head)'s shortlist on the compute pool.

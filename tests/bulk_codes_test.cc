@@ -1,0 +1,84 @@
+// BulkCodes' outliers (server/backends/bulk_codes.h): the prompt's bulk sets the threshold, a
+// new key coded worse than it joins them, at once or, deferred (the GPU tier codes a step's new
+// rows while the step's heads read the outliers), only at AddDeferredOutliers, the list the
+// heads read unchanged until then.
+#include "server/backends/bulk_codes.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "server/memory_budget.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::RandomNormal;
+
+constexpr int kKvHeads = 2;
+constexpr int kDim = 64;
+constexpr int64_t kPrompt = 2048;
+
+// Host-memory codes, enough of a BulkCodes to code rows: EncodeRows' codes are discarded.
+class CodesUnderTest final : public BulkCodes {
+ public:
+  static std::unique_ptr<CodesUnderTest> Create(const KvView& prompt, MemoryAccount* host) {
+    absl::StatusOr<std::vector<ProductQuantizer>> quantizers = Train(prompt);
+    EXPECT_TRUE(quantizers.ok()) << quantizers.status();
+    if (!quantizers.ok()) return nullptr;
+    auto codes = std::unique_ptr<CodesUnderTest>(new CodesUnderTest(*std::move(quantizers), host));
+    codes->Code(prompt, 0, prompt.tokens, /*defer_outliers=*/false);
+    return codes;
+  }
+  int64_t device_bytes() const override { return 0; }
+  absl::Status Reserve(int64_t) override { return absl::OkStatus(); }
+  void Code(const KvView& bulk, int64_t begin, int64_t end, bool defer_outliers) {
+    std::vector<uint8_t> codes(static_cast<size_t>(end - begin) * kv_heads() * subspaces());
+    EncodeRows(bulk, begin, end, codes.data(), defer_outliers);
+    coded_ = end;
+  }
+
+ private:
+  CodesUnderTest(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
+      : BulkCodes(std::move(quantizers), host) {}
+};
+
+TEST(BulkCodesTest, ANewOutlierJoinsAtOnceOrWhenDeferredOnlyAtAddDeferredOutliers) {
+  // The prompt's keys, then four new rows: the second far from every centroid in head 0.
+  std::vector<float> keys = RandomNormal((kPrompt + 4) * kKvHeads * kDim, 1);
+  const std::vector<float> values(keys.size(), 0.0f);
+  const int64_t needle = kPrompt + 1;
+  for (int j = 0; j < kDim; ++j) keys[(needle * kKvHeads + 0) * kDim + j] = j % 2 ? 40.0f : -40.0f;
+  const KvView all{keys.data(), values.data(), kPrompt + 4, kKvHeads, kDim, KvElement::kF32};
+  MemoryBudget host(int64_t{1} << 30);
+
+  for (bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "deferred" : "at once");
+    std::unique_ptr<CodesUnderTest> codes = CodesUnderTest::Create(all.Tokens(0, kPrompt), &host);
+    ASSERT_NE(codes, nullptr);
+    // The prompt's worst-coded 1/kOutlierShare are its outliers.
+    const std::vector<int32_t> before(codes->outliers(0).begin(), codes->outliers(0).end());
+    EXPECT_EQ(before.size(), static_cast<size_t>(kPrompt / BulkCodes::kOutlierShare));
+    const int32_t* data = codes->outliers(0).data();
+    codes->Code(all, kPrompt, kPrompt + 4, defer);
+    std::vector<int32_t> expected = before;
+    expected.push_back(static_cast<int32_t>(needle));
+    if (defer) {
+      // What a step's heads read stays as it was, in place.
+      EXPECT_EQ(codes->outliers(0).data(), data);
+      EXPECT_EQ(std::vector<int32_t>(codes->outliers(0).begin(), codes->outliers(0).end()),
+                before);
+      codes->AddDeferredOutliers();
+    }
+    const std::vector<int32_t> after(codes->outliers(0).begin(), codes->outliers(0).end());
+    EXPECT_EQ(after, expected) << "the far key joins head 0's outliers, once";
+    codes->AddDeferredOutliers();  // nothing left to add
+    EXPECT_EQ(codes->outliers(0).size(), expected.size());
+  }
+}
+
+}  // namespace
+}  // namespace kvrecall
