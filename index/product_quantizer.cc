@@ -51,7 +51,20 @@ constexpr int kAssignLanes = 16;
 // centroids for every key of the pass stay in registers while the dims stream by; compiled for
 // AVX-512 and AVX2 besides the baseline, picked at load time (the encoding of a 128K prompt's
 // keys is most of a shortlist layer's build).
-__attribute__((target_clones("avx512f", "avx2", "default"))) void NearestCentroids(
+// Under ThreadSanitizer the baseline alone: the clones' resolver runs in the dynamic loader,
+// before TSan's runtime is up, and its instrumented entry crashes every binary that links this
+// file at load.
+#if defined(__SANITIZE_THREAD__)
+#define KVRECALL_ASSIGN_CLONES
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVRECALL_ASSIGN_CLONES
+#endif
+#endif
+#ifndef KVRECALL_ASSIGN_CLONES
+#define KVRECALL_ASSIGN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+KVRECALL_ASSIGN_CLONES void NearestCentroids(
     const float* norms, const float* transposed, const float* scaled, int count, int subspaces,
     int sub, uint8_t* const* code) {
   const int dim = subspaces * sub;
