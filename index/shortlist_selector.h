@@ -22,15 +22,13 @@ class ShortlistSelector final : public SupportSelector {
   // Nothing to build: the codes are the tier's.
   absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
 
-  // Before a step's Selects: query head `q_head`'s KV head's outliers, positions of the bulk
-  // view that Select will see, and how many of the bulk's first keys are coded: the shortlist
-  // is chosen among [0, coded), so a position outside it is skipped (the keys from `coded` on
-  // are candidates anyway). Read, not copied: valid and unchanged until the step's Selects
-  // return.
-  void SetCandidates(int q_head, std::span<const int32_t> outliers, int64_t coded);
-  // Query head `q_head`'s shortlist of the step: before its Selects, or by the fetch. Read, not
-  // copied: valid until the step's Selects return.
-  void SetShortlist(int q_head, std::span<const int32_t> ids);
+  // Before a step's Selects: query head `q_head`'s shortlist and its KV head's outliers,
+  // positions of the bulk view that Select will see, the bulk's first `coded` keys being the ones
+  // the shortlist was chosen among (a position outside [0, coded) is skipped: the keys from
+  // `coded` on are candidates anyway). Both are read, not copied: they must stay valid until the
+  // step's Selects return.
+  void SetShortlist(int q_head, std::span<const int32_t> ids, std::span<const int32_t> outliers,
+                    int64_t coded);
   // Called by every Select before it reads its shortlist (null: none): it may block until the
   // step's shortlists arrive and calls SetShortlist for every head, once per step (a step's
   // heads that never take the exact path, ReTopK's reuse heads, then never wait for it). Read,
@@ -38,9 +36,8 @@ class ShortlistSelector final : public SupportSelector {
   void set_fetch(const std::function<void()>* fetch) { fetch_ = fetch; }
 
   // The top K, by exact score, of the shortlist, the outliers and the keys [coded, kv.tokens),
-  // each once; support scores included, path kExact. The outliers and the uncoded keys are
-  // scored before the fetch, while the shortlist may still be on its way. Without a shortlist
-  // or candidates set (coded 0), a flat scan.
+  // each once; support scores included, path kExact. Without a shortlist set (coded 0), a flat
+  // scan.
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
 
  private:

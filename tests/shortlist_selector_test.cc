@@ -54,10 +54,7 @@ TEST(ShortlistSelectorTest, RescoresTheShortlistTheOutliersAndTheUncodedTailOnce
   const std::vector<int32_t> ids = {3, 17, 17, 42, -5, 99, 249, 250, 299, 400, 120, 7};
   const std::vector<int32_t> outliers = {42, 180, 260};
   ShortlistSelector selector(Shape(), kTopK);
-  for (int h = 0; h < kQHeads; ++h) {
-    selector.SetCandidates(h, outliers, coded);
-    selector.SetShortlist(h, ids);
-  }
+  for (int h = 0; h < kQHeads; ++h) selector.SetShortlist(h, ids, outliers, coded);
   std::set<int32_t> expected_candidates = {3, 17, 42, 99, 249, 120, 7, 180};
   for (int64_t t = coded; t < kTokens; ++t) expected_candidates.insert(static_cast<int32_t>(t));
   for (int h = 0; h < kQHeads; ++h) {
@@ -77,43 +74,6 @@ TEST(ShortlistSelectorTest, RescoresTheShortlistTheOutliersAndTheUncodedTailOnce
     }
     EXPECT_EQ(out.path, SelectionPath::kExact);
   }
-}
-
-// As a tier runs a step: the candidates set before the Selects, the shortlists handed over by
-// the fetch, which the first Select calls (and no Select reads a shortlist before it). The
-// support is the same exact top K of shortlist ∪ outliers ∪ [coded, T).
-TEST(ShortlistSelectorTest, TheShortlistsMayArriveThroughTheFetch) {
-  const testing::RandomKv kv(kTokens, kKvHeads, kDim, /*seed=*/11);
-  const std::vector<float> q = testing::RandomNormal(kQHeads * kDim, /*seed=*/12);
-  const int64_t coded = 280;
-  const std::vector<int32_t> ids = {5, 60, 61, 200, 279};
-  const std::vector<int32_t> outliers = {60, 150};
-  ShortlistSelector selector(Shape(), kTopK);
-  // Stale lists of an earlier step, which the fetch replaces.
-  const std::vector<int32_t> stale = {1, 2, 3};
-  for (int h = 0; h < kQHeads; ++h) {
-    selector.SetCandidates(h, outliers, coded);
-    selector.SetShortlist(h, stale);
-  }
-  int fetched = 0;
-  const std::function<void()> fetch = [&] {
-    if (fetched++ > 0) return;
-    for (int h = 0; h < kQHeads; ++h) selector.SetShortlist(h, ids);
-  };
-  selector.set_fetch(&fetch);
-  std::set<int32_t> expected_candidates = {5, 60, 61, 200, 279, 150};
-  for (int64_t t = coded; t < kTokens; ++t) expected_candidates.insert(static_cast<int32_t>(t));
-  for (int h = 0; h < kQHeads; ++h) {
-    HeadSelection out;
-    selector.Select(h, q.data() + h * kDim, kv.view(), &out);
-    EXPECT_EQ(out.candidates, static_cast<int32_t>(expected_candidates.size())) << "head " << h;
-    EXPECT_THAT(out.support, UnorderedElementsAreArray(TopKOf(
-                                 expected_candidates, q.data() + h * kDim, kv,
-                                 KvHeadOf(h, kQHeads, kKvHeads), kTopK)))
-        << "head " << h;
-  }
-  EXPECT_EQ(fetched, kQHeads);
-  selector.set_fetch(nullptr);
 }
 
 // Before a fetch hands it a shortlist, Select calls the fetch; without any (coded 0) it scans the

@@ -595,7 +595,6 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
     state.pending_codes[b] = codes.Pending(step.bulk);
     new_codes += state.pending_codes[b] * codes.kv_heads() * codes.subspaces();
     state.scanned[b] = codes.coded();
-    if (step.shortlist_coded != nullptr) *step.shortlist_coded = state.scanned[b];
     state.scan_bound[b] =
         cuda_graphs_ && codes.coded() > 0
             ? std::min(codes.capacity(), gpu::GraphTokenBound(codes.coded()))
@@ -687,6 +686,7 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
   for (size_t b = 0; b < steps.size(); ++b) {
     std::fill_n(At<int32_t>(host_in, state.in_lengths) + b * q_heads, q_heads,
                 static_cast<int32_t>(state.scanned[b]));
+    if (steps[b].shortlist_coded != nullptr) *steps[b].shortlist_coded = state.scanned[b];
   }
   for (int b = 0; b < batch; ++b) {
     const StaticSetStep& step = steps[b];

@@ -181,9 +181,11 @@ class TieredLayer final : public LayerBackend {
   void TakeShortlists() {
     if (codes_ == nullptr) return;
     const int n = config_.selector.shortlist;
-    for (int h = 0; h < config_.shape.q_heads; ++h) {
+    const LayerShape& shape = config_.shape;
+    for (int h = 0; h < shape.q_heads; ++h) {
       bulk_.shortlist->SetShortlist(
-          h, std::span<const int32_t>(shortlist_ids_.data() + int64_t{h} * n, shortlist_sizes_[h]));
+          h, std::span<const int32_t>(shortlist_ids_.data() + int64_t{h} * n, shortlist_sizes_[h]),
+          codes_->outliers(KvHeadOf(h, shape.q_heads, shape.kv_heads)), shortlist_coded_);
     }
   }
 
@@ -256,16 +258,6 @@ int64_t TieredLayer::BeginBulk(const KvView& all, double* waited) {
   *waited = appended_.waited_seconds();
   // What the last OnAppend grew the selector by (a deferred one is charged a step late).
   ChargeSelectorBytes();
-  if (codes_ != nullptr) {
-    // The exact path's candidates besides the shortlists, which it scores while they are on
-    // their way (the tier's Prepare set the coded rows; the outliers stay as they are until the
-    // step ends).
-    const LayerShape& shape = config_.shape;
-    for (int h = 0; h < shape.q_heads; ++h) {
-      bulk_.shortlist->SetCandidates(
-          h, codes_->outliers(KvHeadOf(h, shape.q_heads, shape.kv_heads)), shortlist_coded_);
-    }
-  }
   const int heads = config_.shape.q_heads;
   const int64_t predicted = last_scored_tokens_ >= 0 ? last_scored_tokens_
                                                      : static_cast<int64_t>(heads) * bulk.tokens;
@@ -766,9 +758,12 @@ class HostStaticSetTier final : public StaticSetTier {
   std::unique_ptr<StepContext> NewStepContext() override {
     return std::make_unique<StepContext>();
   }
-  // The bulk's new rows are coded here, before any head reads the outliers: the host's
-  // shortlists scan every bulk row, the new ones included.
-  absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext*) override {
+  absl::Status Prepare(std::span<const StaticSetStep>, StepContext*) override {
+    return absl::OkStatus();
+  }
+  // The static set is read from the host KV, which has the new token already; the bulk's new
+  // rows are coded here.
+  absl::Status Start(std::span<const StaticSetStep> steps, StepContext*) override {
     for (const StaticSetStep& step : steps) {
       if (step.codes == nullptr) continue;
       static_cast<HostBulkCodes*>(step.codes)->Append(step.bulk);
@@ -776,11 +771,7 @@ class HostStaticSetTier final : public StaticSetTier {
     }
     return absl::OkStatus();
   }
-  // The static set is read from the host KV, which has the new token already.
-  absl::Status Start(std::span<const StaticSetStep>, StepContext*) override {
-    return absl::OkStatus();
-  }
-  // Prepare coded them.
+  // Start coded them: the host's shortlists scan every bulk row, the new ones included.
   absl::Status QueueNewCodes(std::span<const StaticSetStep>, StepContext*) override {
     return absl::OkStatus();
   }

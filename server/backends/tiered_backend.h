@@ -45,13 +45,12 @@ struct StaticSetStep {
   float* o = nullptr;            // out: [q_heads, head_dim], the state over the static set
   float* lse = nullptr;          // out: [q_heads]
   // The bulk's shortlist (policy.index.shortlist), when the layer has codes (else null): the
-  // layer's bulk this step ([sinks, tokens - recent) of host_kv; the tier codes its rows not
-  // coded yet: the host tier in Prepare, a GPU in QueueNewCodes), and, once WaitShortlists
-  // returned, each query head's best `shortlist` coded bulk rows by approximate score:
-  // shortlist_ids [q_heads, shortlist] (host memory, positions in the bulk, in no particular
-  // order) and shortlist_sizes [q_heads], chosen among the bulk's first *shortlist_coded rows
-  // (set by Prepare: a tier may scan the rows coded before the step and leave its new ones to
-  // the exact path's uncoded tail).
+  // layer's bulk this step ([sinks, tokens - recent) of host_kv; Start codes its rows not coded
+  // yet), and, once WaitShortlists returned, each query head's best `shortlist` coded bulk rows
+  // by approximate score: shortlist_ids [q_heads, shortlist] (host memory, positions in the
+  // bulk, in no particular order) and shortlist_sizes [q_heads], chosen among the bulk's first
+  // *shortlist_coded rows (set by Start: a tier may scan the rows coded before the step and leave
+  // its new ones to the exact path's uncoded tail).
   BulkCodes* codes = nullptr;
   KvView bulk;
   int shortlist = 0;
@@ -89,8 +88,7 @@ class StaticSetTier {
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
   // A step of `steps` (every step shares SameStaticSet) in five calls. Prepare reserves what the
   // step needs on the tier (workspaces, staging): its resource errors surface there, before the
-  // bulk is touched; it also sets each step's shortlist_coded, and the codes' outliers then stay
-  // as they are until the step ends (the heads read them from the start). Start appends each step's token to its static set and starts attending
+  // bulk is touched. Start appends each step's token to its static set and starts attending
   // (asynchronously on a device); steps with codes also start their shortlists (before the
   // static sets: the host waits for them). QueueNewCodes, after Start returned OK and on the
   // same thread, codes the steps' new bulk rows (after the shortlists, which scanned the rows
