@@ -535,8 +535,8 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   if (absl::Status s = tier_->Prepare(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
   }
-  const absl::Time bulk_start = absl::Now();
-  const auto heads_start = std::chrono::steady_clock::now();
+  // The bulk's start: its time, and each head's start and the shortlists' arrival, from here.
+  const auto bulk_start = std::chrono::steady_clock::now();
   std::once_flag tier_started;
   absl::Status started;
   auto seconds_since = [](std::chrono::steady_clock::time_point start) {
@@ -569,7 +569,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
       }
       shortlisted = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
       if (!shortlisted.ok()) return;
-      ctx.tier_seconds.shortlists_ready += seconds_since(heads_start);
+      ctx.tier_seconds.shortlists_ready += seconds_since(bulk_start);
       ctx.tier_seconds.shortlist += ctx.static_context->tier_seconds.shortlist;
       for (const LayerStep& step : batch) static_cast<TieredLayer*>(step.layer)->TakeShortlists();
     });
@@ -621,7 +621,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     const int64_t item = ctx.order[k - 1];
     const size_t i = static_cast<size_t>(item / heads);
     layer_of(item)->AttendBulkHead(batch[i], ctx.histories[i], static_cast<int>(item % heads),
-                                   heads_start, ctx.bulk_o.data() + i * heads * d,
+                                   bulk_start, ctx.bulk_o.data() + i * heads * d,
                                    ctx.bulk_lse.data() + i * heads);
   });
   if (!started.ok()) return started;  // (item 0 ran: Start returned)
@@ -637,7 +637,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   for (size_t i = 0; i < n; ++i) {
     static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
   }
-  ctx.tier_seconds.bulk += absl::ToDoubleSeconds(absl::Now() - bulk_start) - link_wait;
+  ctx.tier_seconds.bulk += seconds_since(bulk_start) - link_wait;
   ctx.tier_seconds.link_wait += link_wait;
   if (absl::Status s = tier_->Finish(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
