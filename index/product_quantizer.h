@@ -37,7 +37,7 @@ struct ProductQuantizerParams {
 // The assignment step of training (most of its arithmetic), which a device can take over: Load
 // the training rows once, then each round Assign them to the round's codebooks by Encode's rule
 // (the nearest centroid of every part, the lower number on a tie; |c|^2, then one multiply-add
-// of -2 x_j and c_j per dim in order). server/backends/gpu_static_set.cc has the GPU's.
+// of -2 x_j and c_j per dim in order). index/gpu_pq_assigner.h has the GPU's.
 class PqAssigner {
  public:
   virtual ~PqAssigner() = default;

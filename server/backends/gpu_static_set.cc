@@ -163,18 +163,17 @@ class GpuBulkCodes final : public BulkCodes {
   uint64_t generation() const { return generation_; }
   // Rows of `bulk` not coded yet (a step has one per KV head once the ring is full).
   int64_t Pending(const KvView& bulk) const { return std::max<int64_t>(0, bulk.tokens - coded_); }
-  // A step's new rows, in two halves: Stage codes rows [coded(), bulk.tokens) into `staged`
-  // ([kv_heads, Pending(bulk), M], pinned host memory), and QueueStaged queues their copy from
-  // there into the codes on `stream` (Reserve made room), after which they count as coded. No
-  // pageable copy: it would hold the host until the stream drained.
-  // Their outliers wait for the next AddDeferredOutliers (the next step's Prepare): Stage runs
-  // while the step's heads read the outliers, and the step's shortlists are not among these
-  // rows (the exact paths rescore them as the uncoded tail).
-  void Stage(const KvView& bulk, uint8_t* staged) {
-    EncodeRows(bulk, coded_, bulk.tokens, staged, /*defer_outliers=*/true);
-  }
-  absl::Status QueueStaged(const uint8_t* staged, int64_t rows, cudaStream_t stream) {
+  // A step's new rows [coded(), bulk.tokens): coded on the host into `staged` ([kv_heads,
+  // Pending(bulk), M], pinned host memory) and their copy from there into the codes queued on
+  // `stream` (Reserve made room), after which they count as coded. No pageable copy: it would
+  // hold the host until the stream drained. Their outliers wait for the next
+  // AddDeferredOutliers (the next step's Prepare): this runs while the step's heads read the
+  // outliers, and the step's shortlists are not among these rows (the exact paths rescore them
+  // as the uncoded tail).
+  absl::Status QueueNewRows(const KvView& bulk, uint8_t* staged, cudaStream_t stream) {
+    const int64_t rows = Pending(bulk);
     if (rows == 0) return absl::OkStatus();
+    EncodeRows(bulk, coded_, bulk.tokens, staged, /*defer_outliers=*/true);
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpy2DAsync(codes_.data() + coded_ * subspaces_, capacity_ * subspaces_, staged,
                           rows * subspaces_, rows * subspaces_, kv_heads(),
@@ -751,8 +750,9 @@ absl::Status GpuStaticSetTier::QueueNewCodes(std::span<const StaticSetStep> step
     if (pending[b] == 0) continue;
     auto& codes = *static_cast<GpuBulkCodes*>(steps[b].codes);
     uint8_t* staged = At<uint8_t>(ctx.pinned_in(), state.in_codes) + at;
-    codes.Stage(steps[b].bulk, staged);
-    if (absl::Status s = codes.QueueStaged(staged, pending[b], ctx.stream()); !s.ok()) return s;
+    if (absl::Status s = codes.QueueNewRows(steps[b].bulk, staged, ctx.stream()); !s.ok()) {
+      return s;
+    }
     at += pending[b] * codes.kv_heads() * codes.subspaces();
   }
   return absl::OkStatus();
