@@ -139,6 +139,8 @@ class StepContext {
     // From the bulk's start until the shortlists were on the host, the exact heads' wait
     // (policy.index.shortlist; 0 without).
     double shortlists_ready = 0;
+    // The host's time coding the step's new bulk rows and queueing their copy (shortlists).
+    double new_codes = 0;
   };
   TierSeconds tier_seconds;
 };

@@ -553,8 +553,11 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   auto launch_tier = [&] {
     const auto launch_start = std::chrono::steady_clock::now();
     start_tier();
-    if (started.ok()) new_codes = tier_->QueueNewCodes(ctx.static_steps, ctx.static_context.get());
     ctx.tier_seconds.launch += seconds_since(launch_start);
+    if (!started.ok() || !shortlists) return;  // (only shortlists code new rows)
+    const auto codes_start = std::chrono::steady_clock::now();
+    new_codes = tier_->QueueNewCodes(ctx.static_steps, ctx.static_context.get());
+    ctx.tier_seconds.new_codes += seconds_since(codes_start);
   };
   // The shortlists are waited for by the first head that reads one, once, so that the heads
   // that need none (ReTopK's reuse heads) run while they are computed.
