@@ -23,23 +23,47 @@ constexpr int kMinScanChunk = 4096;
 // products), built once per row rather than by every block of the scan, and the range its
 // scores can take (the sums of each part's least and greatest entries, summed in part order as
 // the scan sums a score, so that no score falls outside), which the selection's linear bins
-// span (state[r].bin_low / bin_scale).
+// span (state[r].bin_low / bin_scale). kSub: the dims of a part when known at compile time (16,
+// the server's), whose centroids are read as 16-byte vectors, every part's at once (a part at a
+// time waited for the memory M times); 0: any (sets.dim / M).
+template <int kSub>
 __global__ void __launch_bounds__(kThreads)
     PqTableKernel(PqCodeSets sets, PqShortlistRows rows, TopKRowState* state) {
   constexpr int kWarps = kThreads / 32;
   __shared__ float q[kMaxPqDim];
   __shared__ float part_low[kWarps][kMaxPqSubspaces], part_high[kWarps][kMaxPqSubspaces];
   const int r = blockIdx.x;
-  const int dim = sets.dim, m_count = sets.subspaces, sub = dim / m_count;
+  const int dim = sets.dim, m_count = sets.subspaces;
+  const int sub = kSub > 0 ? kSub : dim / m_count;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int j = threadIdx.x; j < dim; j += kThreads) q[j] = rows.queries[int64_t{r} * dim + j];
   __syncthreads();
   const float* books = sets.codebooks + int64_t{rows.set_of_row[r]} * m_count * kCentroids * sub;
   float* table = rows.tables + int64_t{r} * m_count * kCentroids;
-  for (int m = 0; m < m_count; ++m) {
+  // The products, each summed in dim order (as ProductQuantizer::QueryTable).
+  float sums[kMaxPqSubspaces];
+#pragma unroll
+  for (int m = 0; m < kMaxPqSubspaces; ++m) {
+    sums[m] = 0.0f;
+    if (m >= m_count) continue;
     const float* centroid = books + (int64_t{m} * kCentroids + threadIdx.x) * sub;
-    float sum = 0.0f;
-    for (int j = 0; j < sub; ++j) sum = fmaf(q[m * sub + j], centroid[j], sum);
+    if constexpr (kSub > 0) {
+#pragma unroll
+      for (int j = 0; j < kSub; j += 4) {
+        const float4 c = __ldg(reinterpret_cast<const float4*>(centroid + j));
+        sums[m] = fmaf(q[m * kSub + j], c.x, sums[m]);
+        sums[m] = fmaf(q[m * kSub + j + 1], c.y, sums[m]);
+        sums[m] = fmaf(q[m * kSub + j + 2], c.z, sums[m]);
+        sums[m] = fmaf(q[m * kSub + j + 3], c.w, sums[m]);
+      }
+    } else {
+      for (int j = 0; j < sub; ++j) sums[m] = fmaf(q[m * sub + j], centroid[j], sums[m]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < kMaxPqSubspaces; ++m) {
+    if (m >= m_count) continue;
+    const float sum = sums[m];
     table[m * kCentroids + threadIdx.x] = sum;
     const float low = -GroupMax<32>(-sum), high = GroupMax<32>(sum);
     if (lane == 0) {
@@ -156,7 +180,12 @@ absl::Status LaunchPqScan(const PqCodeSets& sets, const PqShortlistRows& rows, f
   constexpr size_t kSmem = PqScanSmemBytes<kRows, kEightByteCodes ? 8 : kMaxPqSubspaces>();
   const absl::StatusOr<int> slots = DeviceBlockSlots<kScan>(kThreads, kSmem);
   if (!slots.ok()) return slots.status();
-  PqTableKernel<<<rows.rows, kThreads, 0, stream>>>(sets, rows, p.state);
+  // The server's parts are 16 dims (BulkCodes::kDimsPerCode), read as vectors when aligned.
+  if (sets.dim == 16 * sets.subspaces && (reinterpret_cast<uintptr_t>(sets.codebooks) & 15) == 0) {
+    PqTableKernel<16><<<rows.rows, kThreads, 0, stream>>>(sets, rows, p.state);
+  } else {
+    PqTableKernel<0><<<rows.rows, kThreads, 0, stream>>>(sets, rows, p.state);
+  }
   KVRECALL_CUDA_RETURN_IF_ERROR(LaunchStatus("PqTableKernel"));
   // One wave of blocks, each scoring at least kMinScanChunk keys.
   const int blocks = rows.rows / kRows;

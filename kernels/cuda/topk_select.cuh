@@ -341,10 +341,17 @@ struct RowTopKParams {
   bool linear_bins = false;
 };
 
-// A row's bin of a score under p's binning; `state`: the row's.
-__device__ __forceinline__ uint32_t RowBinOf(const RowTopKParams& p, const TopKRowState& state,
-                                             float score) {
-  return p.linear_bins ? LinearBinOf(score, state.bin_low, state.bin_scale) : BinOf(score);
+// A row's binning under p (order-key or linear bins), read once from the row's state and used
+// for every score of the row by the histogram and collect passes, so that both agree.
+struct RowBins {
+  bool linear;
+  float low, scale;
+  __device__ __forceinline__ uint32_t operator()(float score) const {
+    return linear ? LinearBinOf(score, low, scale) : BinOf(score);
+  }
+};
+__device__ __forceinline__ RowBins RowBinsOf(const RowTopKParams& p, const TopKRowState& state) {
+  return RowBins{p.linear_bins, state.bin_low, state.bin_scale};
 }
 
 __device__ __forceinline__ int RowLength(const RowTopKParams& p, int row) {
@@ -416,10 +423,10 @@ __global__ void __launch_bounds__(kThreads) RowHistogramKernel(const RowTopKPara
   const int n = RowLength(p, row);
   const int begin = blockIdx.x * p.chunk;
   const int end = min(begin + p.chunk, n);
-  const TopKRowState state = p.state[row];
+  const RowBins bin_of = RowBinsOf(p, p.state[row]);
   ForEachScore<kThreads>(p.scores + row * p.score_stride, begin, end,
                          [&](int, float score, bool in_range) {
-                           if (in_range) atomicAdd(&hist[RowBinOf(p, state, score)], 1u);
+                           if (in_range) atomicAdd(&hist[bin_of(score)], 1u);
                          });
   __syncthreads();
   uint32_t* row_hist = p.hist + static_cast<int64_t>(row) * kBins;
@@ -478,16 +485,18 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   int32_t* support = p.support + static_cast<int64_t>(row) * p.support_stride;
   int32_t* candidates = p.candidates + row * p.score_stride;
   const uint32_t threshold = state->threshold_bin;
-  const float bin_low = state->bin_low, bin_scale = state->bin_scale;
+  const RowBins bin_of = RowBinsOf(p, *state);
   if (k > 0) {
     const int begin = share.split * share.chunk;
     ForEachScore<kThreads>(scores, begin, min(begin + share.chunk, n),
                            [&](int i, float score, bool in_range) {
-                             const uint32_t bin = p.linear_bins
-                                                      ? LinearBinOf(score, bin_low, bin_scale)
-                                                      : BinOf(score);
-                             WarpAppend(in_range && bin > threshold, i, &state->selected, support);
-                             WarpAppend(in_range && bin == threshold, i, &state->candidates,
+                             const uint32_t bin = bin_of(score);
+                             const bool kept = in_range && bin >= threshold;
+                             // Most of a row lies below its threshold bin: a warp with none
+                             // of its 32 scores at or above it appends nothing.
+                             if (!__any_sync(0xffffffffu, kept)) return;
+                             WarpAppend(kept && bin > threshold, i, &state->selected, support);
+                             WarpAppend(kept && bin == threshold, i, &state->candidates,
                                         candidates);
                            });
   }
