@@ -49,7 +49,8 @@ int Run() {
   const int reps = absl::GetFlag(FLAGS_reps), warmup = absl::GetFlag(FLAGS_warmup);
   const int kernels = absl::GetFlag(FLAGS_kernels);
   const int64_t up = absl::GetFlag(FLAGS_upload_bytes), down = absl::GetFlag(FLAGS_download_bytes);
-  const int rows_2d = absl::GetFlag(FLAGS_rows_2d), row_bytes_2d = absl::GetFlag(FLAGS_row_bytes_2d);
+  const int rows_2d = absl::GetFlag(FLAGS_rows_2d);
+  const int row_bytes_2d = absl::GetFlag(FLAGS_row_bytes_2d);
   if (reps < 1 || warmup < 0 || kernels < 0 || up < 1 || down < 1 || rows_2d < 1 ||
       row_bytes_2d < 1) {
     std::fprintf(stderr, "driver_call_bench: every size and count must be positive\n");

@@ -343,16 +343,18 @@ struct RowTopKParams {
 
 // A row's binning under p (order-key or linear bins), read once from the row's state and used
 // for every score of the row by the histogram and collect passes, so that both agree.
-struct RowBins {
-  bool linear;
-  float low, scale;
+class RowBins {
+ public:
+  __device__ RowBins(const RowTopKParams& p, const TopKRowState& state)
+      : linear_(p.linear_bins), low_(state.bin_low), scale_(state.bin_scale) {}
   __device__ __forceinline__ uint32_t operator()(float score) const {
-    return linear ? LinearBinOf(score, low, scale) : BinOf(score);
+    return linear_ ? LinearBinOf(score, low_, scale_) : BinOf(score);
   }
+
+ private:
+  bool linear_;
+  float low_, scale_;
 };
-__device__ __forceinline__ RowBins RowBinsOf(const RowTopKParams& p, const TopKRowState& state) {
-  return RowBins{p.linear_bins, state.bin_low, state.bin_scale};
-}
 
 __device__ __forceinline__ int RowLength(const RowTopKParams& p, int row) {
   const int n = p.seqs != nullptr      ? SeqSize(p.seqs[row / p.q_heads])
@@ -423,7 +425,7 @@ __global__ void __launch_bounds__(kThreads) RowHistogramKernel(const RowTopKPara
   const int n = RowLength(p, row);
   const int begin = blockIdx.x * p.chunk;
   const int end = min(begin + p.chunk, n);
-  const RowBins bin_of = RowBinsOf(p, p.state[row]);
+  const RowBins bin_of(p, p.state[row]);
   ForEachScore<kThreads>(p.scores + row * p.score_stride, begin, end,
                          [&](int, float score, bool in_range) {
                            if (in_range) atomicAdd(&hist[bin_of(score)], 1u);
@@ -485,7 +487,7 @@ __global__ void __launch_bounds__(kThreads) RowCollectKernel(const RowTopKParams
   int32_t* support = p.support + static_cast<int64_t>(row) * p.support_stride;
   int32_t* candidates = p.candidates + row * p.score_stride;
   const uint32_t threshold = state->threshold_bin;
-  const RowBins bin_of = RowBinsOf(p, *state);
+  const RowBins bin_of(p, *state);
   if (k > 0) {
     const int begin = share.split * share.chunk;
     ForEachScore<kThreads>(scores, begin, min(begin + share.chunk, n),

@@ -390,7 +390,7 @@ class GpuStaticSetTier final : public StaticSetTier {
   // downloaded, `shortlisted` recorded after them.
   absl::Status LaunchShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state,
                                 std::byte* dev_in, bool capturing);
-  // The step's device work after its `begin` event (the upload, the shortlists, the static
+  // The step's device work from its `begin` event (the upload, the shortlists, the static
   // sets, the download), queued on the stream or, `capturing`, into the graph being captured.
   absl::Status EnqueueStep(std::span<const StaticSetStep> steps, StaticStepContext& state,
                            bool capturing);
@@ -635,8 +635,9 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
   const int64_t row = RowElems(config);
   std::byte* dev_in = ctx.device_in();
   cudaStream_t stream = ctx.stream();
-  // The step's device time starts here, in the captured step: one driver call fewer on the way
-  // to the shortlists, and the host's launch is not counted as the device's time.
+  // The step's device time starts here. With graphs this is the captured step's first node: one
+  // driver call fewer on the way to the shortlists, and the host's launch of the step is not
+  // counted as the device's time.
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(RecordEvent(state.begin, stream, capturing), "timing a static-set step"));
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
