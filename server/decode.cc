@@ -179,13 +179,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
           [&](AttentionBackend* backend, std::span<LayerStep> group) {
             StepContext* context = ContextFor(backend);
             absl::Status stepped = backend->Step(group, context);
-            tiers.static_set += context->tier_seconds.static_set;
-            tiers.bulk += context->tier_seconds.bulk;
-            tiers.link_wait += context->tier_seconds.link_wait;
-            tiers.shortlist += context->tier_seconds.shortlist;
-            tiers.launch += context->tier_seconds.launch;
-            tiers.shortlists_ready += context->tier_seconds.shortlists_ready;
-            tiers.new_codes += context->tier_seconds.new_codes;
+            tiers += context->tier_seconds;
             return stepped;
           });
       !s.ok()) {

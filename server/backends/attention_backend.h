@@ -141,6 +141,18 @@ class StepContext {
     double shortlists_ready = 0;
     // The host's time coding the step's new bulk rows and queueing their copy (shortlists).
     double new_codes = 0;
+
+    // Adds every field of `other` (a request's steps, summed).
+    TierSeconds& operator+=(const TierSeconds& other) {
+      static_set += other.static_set;
+      bulk += other.bulk;
+      link_wait += other.link_wait;
+      shortlist += other.shortlist;
+      launch += other.launch;
+      shortlists_ready += other.shortlists_ready;
+      new_codes += other.new_codes;
+      return *this;
+    }
   };
   TierSeconds tier_seconds;
 };

@@ -687,13 +687,11 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
   for (int h = 0; h < q_heads; ++h) {
     At<int32_t>(host_in, state.in_sets)[h] = KvHeadOf(h, q_heads, config.shape.kv_heads);
   }
-  for (size_t b = 0; b < steps.size(); ++b) {
-    std::fill_n(At<int32_t>(host_in, state.in_lengths) + b * q_heads, q_heads,
-                static_cast<int32_t>(state.scanned[b]));
-    if (steps[b].shortlist_coded != nullptr) *steps[b].shortlist_coded = state.scanned[b];
-  }
   for (int b = 0; b < batch; ++b) {
     const StaticSetStep& step = steps[b];
+    std::fill_n(At<int32_t>(host_in, state.in_lengths) + b * q_heads, q_heads,
+                static_cast<int32_t>(state.scanned[b]));
+    if (step.shortlist_coded != nullptr) *step.shortlist_coded = state.scanned[b];
     const auto& set = *static_cast<const GpuStaticSet*>(step.set);
     const int64_t tokens = step.host_kv.tokens;  // the new token included
     std::memcpy(At<float>(host_in, state.in_q) + static_cast<int64_t>(b) * q_heads * d, step.q,
