@@ -1,14 +1,17 @@
 // What the CUDA driver calls of a tiered step cost the host that makes them (issue 15): the
-// tier's Start (an event, a captured step's launch) and QueueNewCodes (a 2-D copy of a few
-// bytes per KV head) run on the decode path, and on the H200 machine's host they took tens of
-// microseconds each (bench/results/tiered_serving.md).
+// tier's Start (an event, a captured step's launch) runs on the decode path, and on the H200
+// machine's host it took tens of microseconds (bench/results/tiered_serving.md).
 //
 // On one idle stream, each call's host time alone (the stream drained between calls), `reps`
 // times after `warmup`: cudaSetDevice of the current device, cudaEventRecord, a 1-D and a 2-D
 // cudaMemcpyAsync from pinned memory, an empty kernel's launch, and cudaGraphLaunch of a graph
 // shaped like a shortlist step (an event, an upload, `kernels` empty kernels, a download, an
 // event); then that graph's launch until the host sees its end (cudaEventSynchronize) and its
-// device time between its two events. Prints one JSON object, microseconds.
+// device time between its two events; then the launch of each graph `graphs` spells, node by
+// node (which kinds of node make a served step's launch cost what it does), and of those named
+// by `pool_graphs` again as the first item of a loop on kvrecall's compute pool whose other items
+// gather rows from host memory, as a served step's launch is (TieredBackend::StepRun). Prints one
+// JSON object, microseconds.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,13 +19,17 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
 #include "bench/percentiles.h"
+#include "kernels/cpu/thread_pool.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(int, reps, 2000, "timed calls of each kind");
@@ -32,10 +39,44 @@ ABSL_FLAG(int64_t, upload_bytes, 33 << 10, "the graph's upload (a step's queries
 ABSL_FLAG(int64_t, download_bytes, 132 << 10, "the graph's download (32 shortlists of 1024)");
 ABSL_FLAG(int, rows_2d, 8, "rows of the 2-D copy (KV heads)");
 ABSL_FLAG(int, row_bytes_2d, 8, "bytes per row of the 2-D copy (one key's code)");
+ABSL_FLAG(std::string, graphs,
+          "served=euKKKKKdekKKKccde,served_no_events=uKKKKKdkKKKccd,"
+          "served_no_small_copies=euKKKKKdekKKKde,served_kernels_only=KKKKKkKKK,"
+          "nine_small_kernels=kkkkkkkkk,step5=eukde,nine_distinct_kernels=xxxxxxxxx,"
+          "nine_big_parameter_kernels=PPPPPPPPP,nine_big_smem_kernels=LLLLLLLLL,"
+          "served_distinct=euxxxxxdexxxxccde",
+          "graphs to time the launch of, name=nodes in stream order: e an event record "
+          "(external, as the server's), u the upload, d the download, s a 4-byte memset, c a "
+          "4-byte device-to-device copy, k an empty kernel, K an empty kernel of 1024 blocks, x "
+          "an empty kernel of its own function (the next of nine), P an empty kernel taking 2 KB "
+          "of parameters, L an empty kernel of 1024 blocks with 100 KB of shared memory");
+ABSL_FLAG(std::string, pool_graphs, "served,step5",
+          "graphs of --graphs also launched as item 0 of a compute-pool loop");
+ABSL_FLAG(int, pool_items, 32, "the pool loop's other items (a step's heads)");
+ABSL_FLAG(int, pool_item_rows, 1280, "256-byte rows each of them gathers at random");
+ABSL_FLAG(int, pool_gap_us, 300, "the pause between pool loops (a request's round trip)");
 
 namespace {
 
 __global__ void EmptyKernel() {}
+
+// Kernels that differ from EmptyKernel in one way each, as a served step's kernels do.
+template <int kWhich>
+__global__ void DistinctKernel() {}
+struct BigParameters {
+  int words[512];
+};
+__global__ void BigParameterKernel(const BigParameters p) {
+  if (p.words[threadIdx.x] == 42) asm volatile("");  // reads its parameters
+}
+constexpr int kBigSmemBytes = 100 << 10;
+__global__ void BigSmemKernel() {
+  extern __shared__ char smem[];
+  if (threadIdx.x == 1024) smem[0] = 0;  // never: the allocation alone is the point
+}
+constexpr void (*kDistinctKernels[])() = {
+    DistinctKernel<0>, DistinctKernel<1>, DistinctKernel<2>, DistinctKernel<3>, DistinctKernel<4>,
+    DistinctKernel<5>, DistinctKernel<6>, DistinctKernel<7>, DistinctKernel<8>};
 
 bool Check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return true;
@@ -67,6 +108,11 @@ int Run() {
       !Check(cudaEventCreate(&begin), "an event") || !Check(cudaEventCreate(&end), "an event") ||
       !Check(cudaMallocHost(&host, bytes), "pinned memory") ||
       !Check(cudaMalloc(&dev, bytes), "device memory")) {
+    return 1;
+  }
+  if (!Check(cudaFuncSetAttribute(BigSmemKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kBigSmemBytes),
+             "allowing 100 KB of shared memory")) {
     return 1;
   }
   // The step-shaped graph.
@@ -141,6 +187,137 @@ int Run() {
   }
   out["graph_round_trip_us"] = kvrecall::Percentiles(round_trip);
   out["graph_device_us"] = kvrecall::Percentiles(device_us);
+  // Each spelled graph's launch, the stream drained between launches (as a served step's).
+  std::vector<cudaEvent_t> events;
+  const std::vector<std::string> pool_graphs = absl::StrSplit(absl::GetFlag(FLAGS_pool_graphs), ',');
+  const int pool_items = absl::GetFlag(FLAGS_pool_items);
+  const int pool_item_rows = absl::GetFlag(FLAGS_pool_item_rows);
+  const auto pool_gap = std::chrono::microseconds(absl::GetFlag(FLAGS_pool_gap_us));
+  constexpr int64_t kTableRows = int64_t{1} << 22;  // 1 GiB of 256-byte rows to gather from
+  std::vector<uint64_t> table;
+  for (const std::string& item :
+       std::vector<std::string>(absl::StrSplit(absl::GetFlag(FLAGS_graphs), ','))) {
+    const std::vector<std::string> parts = absl::StrSplit(item, '=');
+    if (parts.size() != 2) {
+      std::fprintf(stderr, "driver_call_bench: --graphs wants name=nodes, got '%s'\n",
+                   item.c_str());
+      return 2;
+    }
+    auto enqueue = [&]() {
+      bool ok = true;
+      size_t event = 0, distinct = 0;
+      for (char node : parts[1]) {
+        if (!ok) break;
+        switch (node) {
+          case 'e':
+            if (event == events.size()) {
+              events.emplace_back();
+              ok = Check(cudaEventCreate(&events.back()), "an event");
+            }
+            ok = ok && Check(cudaEventRecordWithFlags(events[event++], stream,
+                                                      cudaEventRecordExternal),
+                             "an event node");
+            break;
+          case 'u':
+            ok = Check(cudaMemcpyAsync(dev, host, up, cudaMemcpyHostToDevice, stream), "upload");
+            break;
+          case 'd':
+            ok = Check(cudaMemcpyAsync(host, dev, down, cudaMemcpyDeviceToHost, stream),
+                       "download");
+            break;
+          case 's':
+            ok = Check(cudaMemsetAsync(dev, 0, 4, stream), "memset");
+            break;
+          case 'c':
+            ok = Check(cudaMemcpyAsync(static_cast<char*>(dev) + 64, static_cast<char*>(dev) + 128,
+                                       4, cudaMemcpyDeviceToDevice, stream),
+                       "a small copy");
+            break;
+          case 'k':
+          case 'K':
+            EmptyKernel<<<node == 'k' ? 1 : 1024, 32, 0, stream>>>();
+            ok = Check(cudaGetLastError(), "a kernel");
+            break;
+          case 'x':
+            kDistinctKernels[distinct++ % std::size(kDistinctKernels)]<<<1, 32, 0, stream>>>();
+            ok = Check(cudaGetLastError(), "a distinct kernel");
+            break;
+          case 'P':
+            BigParameterKernel<<<1, 32, 0, stream>>>(BigParameters{});
+            ok = Check(cudaGetLastError(), "a kernel of big parameters");
+            break;
+          case 'L':
+            BigSmemKernel<<<1024, 32, kBigSmemBytes, stream>>>();
+            ok = Check(cudaGetLastError(), "a kernel of big shared memory");
+            break;
+          default:
+            std::fprintf(stderr, "driver_call_bench: unknown node '%c'\n", node);
+            ok = false;
+        }
+      }
+      return ok;
+    };
+    cudaGraph_t spelled;
+    cudaGraphExec_t spelled_exec;
+    if (!Check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture")) {
+      return 1;
+    }
+    const bool enqueued = enqueue();
+    if (!Check(cudaStreamEndCapture(stream, &spelled), "capture") || !enqueued ||
+        !Check(cudaGraphInstantiate(&spelled_exec, spelled, 0), "instantiating")) {
+      return 1;
+    }
+    std::vector<double> us;
+    for (int i = 0; i < warmup + reps; ++i) {
+      const auto t0 = Clock::now();
+      const cudaError_t e = cudaGraphLaunch(spelled_exec, stream);
+      const double micros = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      if (!Check(e, "a spelled graph") || !Check(cudaStreamSynchronize(stream), "draining")) {
+        return 1;
+      }
+      if (i >= warmup) us.push_back(micros);
+    }
+    size_t nodes = 0;
+    Check(cudaGraphGetNodes(spelled, nullptr, &nodes), "counting nodes");
+    out["graph_launch_us"][parts[0]] = kvrecall::Percentiles(us);
+    out["graph_launch_us"][parts[0]]["nodes"] = parts[1];
+    out["graph_launch_us"][parts[0]]["graph_nodes"] = nodes;
+    if (std::find(pool_graphs.begin(), pool_graphs.end(), parts[0]) != pool_graphs.end()) {
+      if (table.empty()) table.assign(kTableRows * 32, 1);
+      std::vector<double> pool_us;
+      std::vector<uint64_t> sums(pool_items + 1);
+      for (int i = 0; i < warmup + reps; ++i) {
+        std::this_thread::sleep_for(pool_gap);  // the workers go back to waiting
+        cudaError_t e = cudaSuccess;
+        double micros = 0;
+        kvrecall::cpu::ParallelFor(pool_items + 1, pool_items + 1, [&](int64_t item) {
+          if (item == 0) {
+            const auto t0 = Clock::now();
+            e = cudaGraphLaunch(spelled_exec, stream);
+            micros = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+            return;
+          }
+          uint64_t sum = 0, at = static_cast<uint64_t>(item) * 2654435761u;
+          for (int r = 0; r < pool_item_rows; ++r) {
+            at = at * 6364136223846793005u + 1442695040888963407u;
+            const uint64_t* row = table.data() + (at >> 42) % kTableRows * 32;
+            for (int w = 0; w < 32; w += 8) sum += row[w];
+          }
+          sums[item] = sum;
+        });
+        if (!Check(e, "a spelled graph in the pool") ||
+            !Check(cudaStreamSynchronize(stream), "draining")) {
+          return 1;
+        }
+        if (i >= warmup) pool_us.push_back(micros);
+      }
+      out["pool_launch_us"][parts[0]] = kvrecall::Percentiles(pool_us);
+      out["pool_launch_us"][parts[0]]["checksum"] = sums[1];
+    }
+    cudaGraphExecDestroy(spelled_exec);
+    cudaGraphDestroy(spelled);
+  }
+  for (cudaEvent_t e : events) cudaEventDestroy(e);
   std::printf("%s\n", out.dump(1).c_str());
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -443,8 +443,7 @@ int Main() {
       for (const auto& [batch, gap_us] : runs) {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         // Tiered: tier_micros.
-        std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready,
-            new_codes;
+        std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready;
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
@@ -499,7 +498,6 @@ int Main() {
             shortlist.push_back(response.tier_micros().shortlist());
             launch.push_back(response.tier_micros().launch());
             shortlists_ready.push_back(response.tier_micros().shortlists_ready());
-            new_codes.push_back(response.tier_micros().new_codes());
           }
           double first_start = 1e30, last_end = 0, busy = 0;
           json intervals = json::array();
@@ -556,7 +554,6 @@ int Main() {
           rec["shortlist_p99_us"] = client::Percentile(shortlist, 0.99);
           rec["launch_p50_us"] = client::Percentile(launch, 0.5);
           rec["shortlists_ready_p50_us"] = client::Percentile(shortlists_ready, 0.5);
-          rec["new_codes_p50_us"] = client::Percentile(new_codes, 0.5);
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),

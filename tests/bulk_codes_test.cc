@@ -1,7 +1,6 @@
-// BulkCodes' outliers (server/backends/bulk_codes.h): the prompt's bulk sets the threshold, a
-// new key coded worse than it joins them, at once or, deferred (the GPU tier codes a step's new
-// rows while the step's heads read the outliers), only at AddDeferredOutliers, the list the
-// heads read unchanged until then.
+// BulkCodes' outliers (server/backends/bulk_codes.h): the prompt's bulk sets the threshold, and
+// a new key coded worse than it joins them, whether coded on the host (EncodeRows) or elsewhere
+// with its error given (AddOutliers: the GPU tier codes a step's new row in the step's launches).
 #include "server/backends/bulk_codes.h"
 
 #include <algorithm>
@@ -30,23 +29,24 @@ class CodesUnderTest final : public BulkCodes {
     EXPECT_TRUE(quantizers.ok()) << quantizers.status();
     if (!quantizers.ok()) return nullptr;
     auto codes = std::unique_ptr<CodesUnderTest>(new CodesUnderTest(*std::move(quantizers), host));
-    codes->Code(prompt, 0, prompt.tokens, /*defer_outliers=*/false);
+    codes->Code(prompt, 0, prompt.tokens);
     return codes;
   }
   int64_t device_bytes() const override { return 0; }
   absl::Status Reserve(int64_t) override { return absl::OkStatus(); }
-  void Code(const KvView& bulk, int64_t begin, int64_t end, bool defer_outliers) {
+  void Code(const KvView& bulk, int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(static_cast<size_t>(end - begin) * kv_heads() * subspaces());
-    EncodeRows(bulk, begin, end, codes.data(), defer_outliers);
+    EncodeRows(bulk, begin, end, codes.data());
     coded_ = end;
   }
+  using BulkCodes::AddOutliers;
 
  private:
   CodesUnderTest(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
       : BulkCodes(std::move(quantizers), host) {}
 };
 
-TEST(BulkCodesTest, ANewOutlierJoinsAtOnceOrWhenDeferredOnlyAtAddDeferredOutliers) {
+TEST(BulkCodesTest, ANewKeyCodedWorseThanThePromptsOutliersJoinsThem) {
   // The prompt's keys, then four new rows: the second far from every centroid in head 0.
   std::vector<float> keys = RandomNormal((kPrompt + 4) * kKvHeads * kDim, 1);
   const std::vector<float> values(keys.size(), 0.0f);
@@ -55,29 +55,26 @@ TEST(BulkCodesTest, ANewOutlierJoinsAtOnceOrWhenDeferredOnlyAtAddDeferredOutlier
   const KvView all{keys.data(), values.data(), kPrompt + 4, kKvHeads, kDim, KvElement::kF32};
   MemoryBudget host(int64_t{1} << 30);
 
-  for (bool defer : {false, true}) {
-    SCOPED_TRACE(defer ? "deferred" : "at once");
-    std::unique_ptr<CodesUnderTest> codes = CodesUnderTest::Create(all.Tokens(0, kPrompt), &host);
-    ASSERT_NE(codes, nullptr);
-    // The prompt's worst-coded 1/kOutlierShare are its outliers.
-    const std::vector<int32_t> before(codes->outliers(0).begin(), codes->outliers(0).end());
-    EXPECT_EQ(before.size(), static_cast<size_t>(kPrompt / BulkCodes::kOutlierShare));
-    const int32_t* data = codes->outliers(0).data();
-    codes->Code(all, kPrompt, kPrompt + 4, defer);
-    std::vector<int32_t> expected = before;
-    expected.push_back(static_cast<int32_t>(needle));
-    if (defer) {
-      // What a step's heads read stays as it was, in place.
-      EXPECT_EQ(codes->outliers(0).data(), data);
-      EXPECT_EQ(std::vector<int32_t>(codes->outliers(0).begin(), codes->outliers(0).end()),
-                before);
-      codes->AddDeferredOutliers();
-    }
-    const std::vector<int32_t> after(codes->outliers(0).begin(), codes->outliers(0).end());
-    EXPECT_EQ(after, expected) << "the far key joins head 0's outliers, once";
-    codes->AddDeferredOutliers();  // nothing left to add
-    EXPECT_EQ(codes->outliers(0).size(), expected.size());
-  }
+  std::unique_ptr<CodesUnderTest> codes = CodesUnderTest::Create(all.Tokens(0, kPrompt), &host);
+  ASSERT_NE(codes, nullptr);
+  // The prompt's worst-coded 1/kOutlierShare are its outliers.
+  const std::vector<int32_t> before(codes->outliers(0).begin(), codes->outliers(0).end());
+  EXPECT_EQ(before.size(), static_cast<size_t>(kPrompt / BulkCodes::kOutlierShare));
+
+  // Coded on the host: the far key joins head 0's outliers, once.
+  codes->Code(all, kPrompt, kPrompt + 4);
+  std::vector<int32_t> expected = before;
+  expected.push_back(static_cast<int32_t>(needle));
+  EXPECT_EQ(std::vector<int32_t>(codes->outliers(0).begin(), codes->outliers(0).end()), expected);
+  const std::vector<int32_t> before_1(codes->outliers(1).begin(), codes->outliers(1).end());
+
+  // Coded elsewhere, errors given: beyond the prompt's threshold joins, an exact code does not.
+  const float errors[] = {0.0f, 1e30f};
+  codes->AddOutliers(1, kPrompt + 4, errors);
+  std::vector<int32_t> expected_1 = before_1;
+  expected_1.push_back(static_cast<int32_t>(kPrompt + 5));
+  EXPECT_EQ(std::vector<int32_t>(codes->outliers(1).begin(), codes->outliers(1).end()),
+            expected_1);
 }
 
 }  // namespace

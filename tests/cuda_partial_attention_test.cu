@@ -1,6 +1,6 @@
 // The CUDA partial-attention kernels against the CPU reference kernels (kernels/cpu): ranges
 // with sinks and a wrapping ring, id lists, ragged batches, GQA ratios 1, 3, 4 and 8, head dims
-// 64 and 128, bf16 and f16; the LSE merge; device-input errors.
+// 64 and 128, bf16 and f16; the LSE merge; device-input errors, reported and gathered.
 #include <cmath>
 #include <random>
 #include <vector>
@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kernels/attention_state.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cuda/kernel_errors.h"
 #include "kernels/cuda/partial_attention.h"
 #include "tests/cuda_test_util.h"
 #include "tests/test_util.h"
@@ -201,6 +202,20 @@ TEST(CudaPartialAttentionErrorsTest, OutOfRangeIdsAreSkippedAndReported) {
                                             d_counts.data(), kMaxIds, ws->get(), out.o.data(),
                                             out.lse.data(), nullptr)
                   .ok());
+  // Gathered into a download with another workspace's clean word (as a step gathers them).
+  absl::StatusOr<cuda::KernelErrors> clean = cuda::KernelErrors::Create();
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  const cuda::KernelErrors* words[] = {&clean.value(), &(*ws)->errors()};
+  auto gathered = ToDevice(std::vector<unsigned>{7, 7});
+  ASSERT_TRUE(cuda::GatherErrorWords(words, gathered.data(), nullptr).ok());
+  EXPECT_EQ(::kvrecall::testing::ToHost(gathered.data(), 2),
+            (std::vector<unsigned>{0, cuda::kErrorIndexOutOfRange}));
+  const cuda::KernelErrors* too_many[cuda::kMaxGatheredErrorWords + 1] = {};
+  EXPECT_EQ(cuda::GatherErrorWords(too_many, gathered.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
+  const cuda::KernelErrors* null_word[] = {nullptr};
+  EXPECT_EQ(cuda::GatherErrorWords(null_word, gathered.data(), nullptr).code(),
+            absl::StatusCode::kInvalidArgument);
   const absl::Status status = (*ws)->errors().CheckAndClear(nullptr);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()),

@@ -2,8 +2,9 @@
 // (ProductQuantizer::Encode, index/product_quantizer.h, and the squared reconstruction error
 // BulkCodes weighs its outliers by): over one KV head of a [count, kv_heads, dim] block of bf16,
 // f16 or f32 keys, every part size the encoder takes, the same codes (a differing one only where
-// two centroids are equally near, to rounding) and the same errors; training with the GPU's
-// assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
+// two centroids are equally near, to rounding) and the same errors; PqEncodeRows (a decode
+// step's keys, one job each) bit for bit as PqEncode, its skipped jobs untouched; training with
+// the GPU's assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
 #include <cuda_runtime_api.h>
 
 #include <cmath>
@@ -108,6 +109,40 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   }
   // Near-ties are rare: almost every code is the host's bit for bit.
   EXPECT_LE(differing, kCount * subspaces / 1000);
+
+  // The same keys one job each (a decode step's), in reverse order, every fifth job skipped:
+  // PqEncode's codes and errors bit for bit, and nothing written for a skipped job.
+  constexpr uint8_t kUntouched = 0xee;
+  auto d_job_codes = ToDevice(std::vector<uint8_t>(want.size(), kUntouched));
+  auto d_job_errors = ToDevice(std::vector<float>(kCount, -1.0f));
+  std::vector<cuda::PqEncodeJob> jobs(kCount);
+  for (int i = 0; i < kCount; ++i) {
+    cuda::PqEncodeJob& job = jobs[kCount - 1 - i];
+    job.key = d_keys.data() + (static_cast<int64_t>(i) * kKvHeads + kHead) * dim *
+                                  KvElementBytes(element);
+    job.codebooks = d_books.data();
+    job.codes = i % 5 == 4 ? nullptr : d_job_codes.data() + static_cast<int64_t>(i) * subspaces;
+    job.error = d_job_errors.data() + i;
+  }
+  auto d_jobs = ToDevice(jobs);
+  cuda::PqEncodeRowsParams rows;
+  rows.jobs = d_jobs.data();
+  rows.count = kCount;
+  rows.element = element;
+  rows.dim = dim;
+  rows.subspaces = subspaces;
+  ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> job_codes = ToHost(d_job_codes.data(), d_job_codes.size());
+  const std::vector<float> job_errors = ToHost(d_job_errors.data(), d_job_errors.size());
+  for (int i = 0; i < kCount; ++i) {
+    const bool skipped = i % 5 == 4;
+    for (int m = 0; m < subspaces; ++m) {
+      ASSERT_EQ(job_codes[i * subspaces + m], skipped ? kUntouched : got[i * subspaces + m])
+          << "key " << i << " part " << m;
+    }
+    ASSERT_EQ(job_errors[i], skipped ? -1.0f : errors[i]) << "key " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -190,6 +225,18 @@ TEST(PqEncodeErrorsTest, MisfitsAreRefused) {
   expect_invalid(cuda::PqEncode(p, nullptr), "device pointers");
   p.count = 0;  // nothing to code: nothing read
   EXPECT_TRUE(cuda::PqEncode(p, nullptr).ok());
+
+  cuda::PqEncodeRowsParams rows;
+  rows.count = 4;
+  rows.dim = 64;
+  rows.subspaces = 3;
+  expect_invalid(cuda::PqEncodeRows(rows, nullptr), "subspaces=3 dim=64");
+  rows.subspaces = 8;
+  expect_invalid(cuda::PqEncodeRows(rows, nullptr), "device pointer");  // no jobs
+  rows.count = -1;
+  expect_invalid(cuda::PqEncodeRows(rows, nullptr), "count=-1");
+  rows.count = 0;  // nothing to code: the null jobs not read
+  EXPECT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 

@@ -1,8 +1,9 @@
 // Host API of the GPU encoder of product-quantized keys: each key's code (its nearest centroid
 // in every codebook) and its squared reconstruction error, so that a long prompt's keys are
-// coded on the device at prefill rather than on the host (issue 15's build time). The CPU
-// reference is ProductQuantizer::Encode (index/product_quantizer.h), held to by
-// tests/cuda_pq_encode_test.cu. Nothing here allocates or synchronizes.
+// coded on the device at prefill (issue 15's build time) and a decode step's new bulk key inside
+// the step's own launches, rather than on the host. The CPU reference is ProductQuantizer::Encode
+// (index/product_quantizer.h), held to by tests/cuda_pq_encode_test.cu. Nothing here allocates
+// or synchronizes.
 #ifndef KVRECALL_KERNELS_CUDA_PQ_ENCODE_H_
 #define KVRECALL_KERNELS_CUDA_PQ_ENCODE_H_
 
@@ -40,6 +41,33 @@ struct PqEncodeParams {
 //     BulkCodes weighs its outliers.
 // INVALID_ARGUMENT for shapes outside the bounds above, or null pointers with keys to code.
 absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream);
+
+// One key of a PqEncodeRows call, in device memory: the key (dim elements of the call's
+// element type), its codebooks ([M, 256, dim / M] f32), where its code goes ([M] u8; null: the
+// job is skipped) and its squared reconstruction error (or null).
+struct PqEncodeJob {
+  const void* key = nullptr;
+  const float* codebooks = nullptr;
+  uint8_t* codes = nullptr;
+  float* error = nullptr;
+};
+
+// Single keys to code, each with its own codebooks and destination, read from device memory
+// when the kernel runs: a captured decode step replays with the step's keys (its tokens leaving
+// the static sets' rings) without being captured again.
+struct PqEncodeRowsParams {
+  const PqEncodeJob* jobs = nullptr;  // device [count]
+  int count = 0;
+  KvElement element = KvElement::kBf16;
+  int dim = 0;
+  int subspaces = 0;  // as PqEncodeParams
+};
+
+// For every job with codes: its code and error as PqEncode computes them for the same key and
+// codebooks, bit for bit (the same arithmetic, one block of threads per key). INVALID_ARGUMENT
+// for shapes outside PqEncode's bounds, count < 0, or null jobs with count > 0; the jobs'
+// pointers are the caller's contract.
+absl::Status PqEncodeRows(const PqEncodeRowsParams& p, cudaStream_t stream);
 
 }  // namespace kvrecall::cuda
 

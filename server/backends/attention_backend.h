@@ -134,13 +134,11 @@ class StepContext {
     double bulk = 0;       // the host's selection and attention over the bulk
     double link_wait = 0;  // waiting for the previous step's deferred OnAppend
     double shortlist = 0;  // the tiered shortlists on their tier (policy.index.shortlist)
-    // The host's time queueing the static tier's step (on one of the bulk's threads).
+    // The host's time queueing the static tier's step (before the bulk's heads start).
     double launch = 0;
     // From the bulk's start until the shortlists were on the host, the exact heads' wait
     // (policy.index.shortlist; 0 without).
     double shortlists_ready = 0;
-    // The host's time coding the step's new bulk rows and queueing their copy (shortlists).
-    double new_codes = 0;
 
     // Adds every field of `other` (a request's steps, summed).
     TierSeconds& operator+=(const TierSeconds& other) {
@@ -150,7 +148,6 @@ class StepContext {
       shortlist += other.shortlist;
       launch += other.launch;
       shortlists_ready += other.shortlists_ready;
-      new_codes += other.new_codes;
       return *this;
     }
   };

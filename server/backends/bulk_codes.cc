@@ -66,15 +66,13 @@ absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bul
 BulkCodes::BulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
     : quantizers_(std::move(quantizers)),
       outliers_(quantizers_.size()),
-      deferred_outliers_(quantizers_.size()),
       outlier_threshold_(quantizers_.size(), std::numeric_limits<float>::quiet_NaN()),
       subspaces_(quantizers_.empty() ? 0 : quantizers_.front().subspaces()),
       host_(host) {}
 
 BulkCodes::~BulkCodes() { host_->Release(host_charged_); }
 
-void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes,
-                           bool defer_outliers) {
+void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes) {
   const int64_t n = end - begin;
   std::vector<float> errors(n);
   for (int h = 0; h < kv_heads(); ++h) {
@@ -94,20 +92,11 @@ void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8
         errors[i] = error;
       }
     }
-    AppendOutliers(h, begin, errors, defer_outliers ? &deferred_outliers_[h] : &outliers_[h]);
+    AddOutliers(h, begin, errors);
   }
 }
 
-void BulkCodes::AddDeferredOutliers() {
-  for (int h = 0; h < kv_heads(); ++h) {
-    outliers_[h].insert(outliers_[h].end(), deferred_outliers_[h].begin(),
-                        deferred_outliers_[h].end());
-    deferred_outliers_[h].clear();
-  }
-}
-
-void BulkCodes::AppendOutliers(int kv_head, int64_t begin, std::span<const float> errors,
-                               std::vector<int32_t>* rows) {
+void BulkCodes::AddOutliers(int kv_head, int64_t begin, std::span<const float> errors) {
   const int64_t n = static_cast<int64_t>(errors.size());
   float& threshold = outlier_threshold_[kv_head];
   if (std::isnan(threshold) && n > 0) {
@@ -118,7 +107,7 @@ void BulkCodes::AppendOutliers(int kv_head, int64_t begin, std::span<const float
     threshold = sorted[rank];
   }
   for (int64_t i = 0; i < n; ++i) {
-    if (errors[i] > threshold) rows->push_back(static_cast<int32_t>(begin + i));
+    if (errors[i] > threshold) outliers_[kv_head].push_back(static_cast<int32_t>(begin + i));
   }
 }
 

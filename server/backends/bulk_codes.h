@@ -44,8 +44,6 @@ class BulkCodes {
   // one a product quantizer codes worst and the one attention may need most.
   std::span<const int32_t> outliers(int kv_head) const { return outliers_[kv_head]; }
   static constexpr int kOutlierShare = 512;
-  // Adds the outliers of rows EncodeRows coded with defer_outliers. Not while outliers() is read.
-  void AddDeferredOutliers();
   int subspaces() const { return subspaces_; }
   int kv_heads() const { return static_cast<int>(quantizers_.size()); }
   const ProductQuantizer& quantizer(int kv_head) const { return quantizers_[kv_head]; }
@@ -70,32 +68,22 @@ class BulkCodes {
   absl::Status ChargeQuantizers();
   // codes [kv_heads, end - begin, M]: rows [begin, end) of `bulk` encoded (on the calling
   // thread's OpenMP team when there are many), and those among them beyond the outlier
-  // threshold added to the outliers (AddOutliers) at once or, with `defer_outliers`, by the next
-  // AddDeferredOutliers: the GPU tier codes a step's new rows while the step's heads read
-  // outliers(), which must not change under them.
-  void EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes,
-                  bool defer_outliers = false);
+  // threshold added to the outliers (AddOutliers). Not while outliers() is read.
+  void EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes);
   // Rows [begin, begin + errors.size()) of `kv_head` coded elsewhere (the GPU tier codes the
-  // prompt's bulk on its device), given their squared reconstruction errors: those beyond the
-  // outlier threshold join the outliers. The head's first call (the prompt's bulk) sets the
-  // threshold.
-  void AddOutliers(int kv_head, int64_t begin, std::span<const float> errors) {
-    AppendOutliers(kv_head, begin, errors, &outliers_[kv_head]);
-  }
+  // bulk on its device), given their squared reconstruction errors: those beyond the outlier
+  // threshold join the outliers. The head's first call (the prompt's bulk) sets the threshold.
+  // Not while outliers() is read.
+  void AddOutliers(int kv_head, int64_t begin, std::span<const float> errors);
 
   std::vector<ProductQuantizer> quantizers_;
-  std::vector<std::vector<int32_t>> outliers_;           // [kv_heads][...] bulk rows
-  std::vector<std::vector<int32_t>> deferred_outliers_;  // [kv_heads][...]: not in outliers_ yet
+  std::vector<std::vector<int32_t>> outliers_;  // [kv_heads][...] bulk rows
   std::vector<float> outlier_threshold_;        // [kv_heads]: squared reconstruction error
                                                 // (NaN until the head's first AddOutliers)
   int subspaces_ = 0;
   int64_t coded_ = 0;
 
  private:
-  // AddOutliers' rule, the rows beyond the threshold appended to `rows`.
-  void AppendOutliers(int kv_head, int64_t begin, std::span<const float> errors,
-                      std::vector<int32_t>* rows);
-
   MemoryAccount* const host_;
   int64_t host_charged_ = 0;
 };

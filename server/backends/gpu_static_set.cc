@@ -3,8 +3,9 @@
 // `recent` — which the kernels of kernels/cuda/partial_attention.h read as a DeviceSeq (head +
 // ring). A step of a batch is one packed upload (queries, new rows, descriptors), the append
 // kernel, split-K attention over every static set and one packed download, all queued on the
-// Decode stream's CUDA stream in Start (with policy.index.shortlist, the shortlists first, and
-// the codes of the step's new bulk rows after them); Finish waits for it.
+// Decode stream's CUDA stream in Start (with policy.index.shortlist, the shortlists first, then
+// the codes of the step's new bulk rows, read from the ring slots the append overwrites); Finish
+// waits for it.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -102,9 +103,9 @@ class GpuStaticSet final : public StaticSet {
 };
 
 // The bulk's codes in device memory ([kv_heads, capacity, M] u8, and the codebooks [kv_heads, M,
-// 256, head_dim / M] f32), scanned by kernels/cuda/pq_shortlist.h. The prompt's bulk is coded on
-// the device (kernels/cuda/pq_encode.h); keys joining the bulk are coded on the host (one per KV
-// head a step) and copied up on the step's stream.
+// 256, head_dim / M] f32), scanned by kernels/cuda/pq_shortlist.h. The prompt's bulk and the keys
+// joining the bulk (one token a step, the one leaving the static set's ring) are coded on the
+// device (kernels/cuda/pq_encode.h), the latter inside the step's launches.
 class GpuBulkCodes final : public BulkCodes {
  public:
   static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(const KvView& bulk,
@@ -161,26 +162,27 @@ class GpuBulkCodes final : public BulkCodes {
   int64_t capacity() const { return capacity_; }
   // Changes whenever the codes move (a captured step names them by address).
   uint64_t generation() const { return generation_; }
-  // Rows of `bulk` not coded yet (a step has one per KV head once the ring is full).
+  // Rows of `bulk` not coded yet: 1 in a step whose token pushes one out of the ring, else 0.
   int64_t Pending(const KvView& bulk) const { return std::max<int64_t>(0, bulk.tokens - coded_); }
-  // A step's new rows [coded(), bulk.tokens): coded on the host into `staged` ([kv_heads,
-  // Pending(bulk), M], pinned host memory) and their copy from there into the codes queued on
-  // `stream` (Reserve made room), after which they count as coded. No pageable copy: it would
-  // hold the host until the stream drained. Their outliers wait for the next
-  // AddDeferredOutliers (the next step's Prepare): this runs while the step's heads read the
-  // outliers, and the step's shortlists are not among these rows (the exact paths rescore them
-  // as the uncoded tail).
-  absl::Status QueueNewRows(const KvView& bulk, uint8_t* staged, cudaStream_t stream) {
-    const int64_t rows = Pending(bulk);
-    if (rows == 0) return absl::OkStatus();
-    EncodeRows(bulk, coded_, bulk.tokens, staged, /*defer_outliers=*/true);
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpy2DAsync(codes_.data() + coded_ * subspaces_, capacity_ * subspaces_, staged,
-                          rows * subspaces_, rows * subspaces_, kv_heads(),
-                          cudaMemcpyHostToDevice, stream),
-        "placing new codes of the bulk"));
-    coded_ += rows;
-    return absl::OkStatus();
+  // The jobs ([kv_heads], host memory) that code row coded() on the device from `key_row` (the
+  // row's keys, [kv_heads, head_dim] of the KV dtype in device memory: the ring slot it leaves),
+  // each KV head's squared reconstruction error to errors[h] (device). Reserve made room; the
+  // row counts as coded once MarkRowCoded says the jobs were queued.
+  void NewRowJobs(const uint16_t* key_row, int head_dim, float* errors,
+                  cuda::PqEncodeJob* jobs) const {
+    const int64_t book_floats = int64_t{ProductQuantizer::kCentroids} * head_dim;
+    for (int h = 0; h < kv_heads(); ++h) {
+      jobs[h] = cuda::PqEncodeJob{key_row + int64_t{h} * head_dim,
+                                  codebooks_.data() + h * book_floats,
+                                  codes_.data() + (h * capacity_ + coded_) * subspaces_,
+                                  errors + h};
+    }
+  }
+  void MarkRowCoded() { ++coded_; }
+  // Row `row`'s errors ([kv_heads], host memory) once its jobs ran: a head's outlier when beyond
+  // its threshold. Not while a step's heads read outliers().
+  void AddRowOutliers(int64_t row, const float* errors) {
+    for (int h = 0; h < kv_heads(); ++h) AddOutliers(h, row, std::span<const float>(errors + h, 1));
   }
   cuda::PqCodeSets sets(int head_dim) const {
     return cuda::PqCodeSets{codebooks_.data(), codes_.data(), capacity_, subspaces_, head_dim};
@@ -335,8 +337,6 @@ class GpuStaticSetTier final : public StaticSetTier {
   }
   absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) override;
   absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) override;
-  absl::Status QueueNewCodes(std::span<const StaticSetStep> steps,
-                             StepContext* context) override;
   absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
                               StepContext* context) override;
   absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) override;
@@ -355,13 +355,14 @@ class GpuStaticSetTier final : public StaticSetTier {
     }
     const int ordinal;
     GpuStepContext gpu;
-    // Prepare's layout of the step's pinned input and download. The input's first `upload`
-    // bytes go up in the step's one upload; the new codes after them (in_codes) follow on their
-    // own, once coded after the step's launches.
+    // Prepare's layout of the step's pinned input (all of it the step's one upload) and
+    // download.
     size_t in_q = 0, in_k = 0, in_v = 0, in_seqs = 0, in_rows = 0, in_sets = 0, in_lengths = 0,
-           upload = 0, in_codes = 0, in_size = 0;
-    size_t out_o = 0, out_lse = 0, out_errors = 0, out_size = 0;
-    std::vector<int64_t> pending_codes;  // per step of the batch: its new bulk rows
+           in_jobs = 0, upload = 0;
+    size_t out_o = 0, out_lse = 0, out_errors = 0, out_row_errors = 0, out_size = 0;
+    // Per step of the batch: the bulk row its token pushes out of the ring, coded in the step
+    // (-1: none).
+    std::vector<int64_t> new_row;
     // Per step: the coded rows its shortlist scans, and the bound its launches are planned for
     // (the scan itself reads the length from the upload, so that a captured step replays while
     // the bulk grows within the bound).
@@ -578,21 +579,24 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   absl::StatusOr<cuda::AttentionWorkspace*> ws = ctx.AttentionWs(rows);
   if (!ws.ok()) return ws.status();
   state.ws = *ws;
-  // Per step: its new codes ([kv_heads, pending, M]), the rows its shortlist scans and the bound
-  // of its launches.
+  // Per step: its new bulk row, the rows its shortlist scans and the bound of its launches.
   state.shortlist = 0;
-  state.pending_codes.assign(steps.size(), 0);
+  state.new_row.assign(steps.size(), -1);
   state.scanned.assign(steps.size(), 0);
   state.scan_bound.assign(steps.size(), 0);
-  int64_t new_codes = 0;
   for (size_t b = 0; b < steps.size(); ++b) {
     const StaticSetStep& step = steps[b];
     if (step.codes == nullptr) continue;
-    auto& codes = *static_cast<GpuBulkCodes*>(step.codes);
-    codes.AddDeferredOutliers();  // the last step's new rows, before this step's heads read them
+    const auto& codes = *static_cast<const GpuBulkCodes*>(step.codes);
     state.shortlist = step.shortlist;
-    state.pending_codes[b] = codes.Pending(step.bulk);
-    new_codes += state.pending_codes[b] * codes.kv_heads() * codes.subspaces();
+    // A step's token pushes at most one row out of the ring into the bulk, coded from the slot
+    // it leaves; the prompt's bulk was coded at prefill, and a failed step's row stays coded.
+    const int64_t pending = codes.Pending(step.bulk);
+    if (pending > 1) {
+      return absl::InternalError(absl::StrCat("the bulk's codes lag ", pending,
+                                              " rows behind it; a step codes one"));
+    }
+    if (pending == 1) state.new_row[b] = codes.coded();
     state.scanned[b] = codes.coded();
     state.scan_bound[b] =
         cuda_graphs_ && codes.coded() > 0
@@ -607,17 +611,21 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   state.in_rows = in.Take<cuda::TokenRows>(batch);
   state.in_sets = in.Take<int32_t>(q_heads);  // the KV head of each query head
   state.in_lengths = in.Take<int32_t>(rows);  // each row's scanned codes
+  // Per step and KV head: the coding of its new bulk row (a skipped job when it has none).
+  state.in_jobs = in.Take<cuda::PqEncodeJob>(state.shortlist > 0 ? batch * config.shape.kv_heads
+                                                                 : 0);
   state.upload = in.size();
-  state.in_codes = in.Take<uint8_t>(new_codes);
-  state.in_size = in.size();
   Carver out(nullptr);
   state.out_o = out.Take<float>(static_cast<size_t>(rows) * d);
   state.out_lse = out.Take<float>(rows);
   // The kernels' error words (the static set's, the shortlists') come down with the outputs: no
   // read of their own.
   state.out_errors = out.Take<unsigned>(2);
+  // The new bulk rows' squared reconstruction errors [batch, kv_heads], for their outliers.
+  state.out_row_errors =
+      out.Take<float>(state.shortlist > 0 ? batch * config.shape.kv_heads : 0);
   state.out_size = out.size();
-  if (absl::Status s = ctx.EnsureIo(state.in_size, state.out_size); !s.ok()) return s;
+  if (absl::Status s = ctx.EnsureIo(state.upload, state.out_size); !s.ok()) return s;
   for (cudaEvent_t* event : {&state.begin, &state.end}) {
     if (*event == nullptr) {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(event), "creating an event"));
@@ -645,6 +653,15 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
       "uploading a static-set step"));
   if (state.shortlist > 0) {
     if (absl::Status s = LaunchShortlists(steps, state, dev_in, capturing); !s.ok()) return s;
+    // The new bulk rows, read from the ring slots before the append overwrites them. After the
+    // shortlists, which do not scan them (the exact paths rescore them as the uncoded tail).
+    cuda::PqEncodeRowsParams coding;
+    coding.jobs = At<const cuda::PqEncodeJob>(dev_in, state.in_jobs);
+    coding.count = batch * config.shape.kv_heads;
+    coding.element = gpu::KvElementOf(config.dtype);
+    coding.dim = config.shape.head_dim;
+    coding.subspaces = BulkCodes::SubspacesFor(config.shape.head_dim);
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqEncodeRows(coding, stream));
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
       batch, static_cast<int>(row), KvDtypeOf(config.dtype),
@@ -654,17 +671,13 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
       ShapeOf(config, batch), At<DeviceSeq>(dev_in, state.in_seqs), At<float>(dev_in, state.in_q),
       Slots(config), state.ws, At<float>(ctx.device_out(), state.out_o),
       At<float>(ctx.device_out(), state.out_lse), stream));
-  unsigned* errors = At<unsigned>(ctx.device_out(), state.out_errors);
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(errors, state.ws->errors().device_word(), sizeof(unsigned),
-                                 cudaMemcpyDeviceToDevice, stream),
-                 "gathering a static-set step's error word"));
-  if (state.shortlist > 0) {
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(errors + 1, state.topk_ws->errors().device_word(), sizeof(unsigned),
-                        cudaMemcpyDeviceToDevice, stream),
-        "gathering the shortlists' error word"));
-  }
+  // The static set's error word, then the shortlists' when there are any.
+  const cuda::KernelErrors* words[] = {&state.ws->errors(),
+                                       state.shortlist > 0 ? &state.topk_ws->errors() : nullptr};
+  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::GatherErrorWords(
+      std::span(words, state.shortlist > 0 ? 2 : 1), At<unsigned>(ctx.device_out(),
+                                                                  state.out_errors),
+      stream));
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(ctx.pinned_out(), ctx.device_out(), state.out_size,
                                  cudaMemcpyDeviceToHost, stream),
@@ -702,6 +715,17 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
     const int64_t slot = SlotOf(config, tokens - 1);
     At<cuda::TokenRows>(host_in, state.in_rows)[b] =
         cuda::TokenRows{set.key_slot(config, slot), set.value_slot(config, slot)};
+    if (state.shortlist == 0) continue;
+    // The token leaving the ring (when one does) is in the slot the new token takes.
+    const int kv_heads = config.shape.kv_heads;
+    cuda::PqEncodeJob* jobs = At<cuda::PqEncodeJob>(host_in, state.in_jobs) + b * kv_heads;
+    if (state.new_row[b] < 0) {
+      std::fill_n(jobs, kv_heads, cuda::PqEncodeJob{});
+    } else {
+      static_cast<const GpuBulkCodes*>(step.codes)
+          ->NewRowJobs(set.key_slot(config, slot), d,
+                       At<float>(ctx.device_out(), state.out_row_errors) + b * kv_heads, jobs);
+    }
   }
   cudaStream_t stream = ctx.stream();
   if (!cuda_graphs_) {
@@ -734,27 +758,10 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
                                                "launching a captured static-set step"));
     }
   }
-  return absl::OkStatus();
-}
-
-absl::Status GpuStaticSetTier::QueueNewCodes(std::span<const StaticSetStep> steps,
-                                             StepContext* context) {
-  DeviceScope scope(ordinal_);
-  if (!scope.status().ok()) return scope.status();
-  auto& state = static_cast<StaticStepContext&>(*context);
-  GpuStepContext& ctx = state.gpu;
-  // Coded on the host (tens of microseconds a step) into the pinned input past the upload, which
-  // the step's launches do not read, and put in place behind them: the exact paths rescore the
-  // new rows as the uncoded tail of this step's shortlists.
-  const std::vector<int64_t>& pending = state.pending_codes;
-  for (size_t b = 0, at = 0; b < steps.size(); ++b) {
-    if (pending[b] == 0) continue;
-    auto& codes = *static_cast<GpuBulkCodes*>(steps[b].codes);
-    uint8_t* staged = At<uint8_t>(ctx.pinned_in(), state.in_codes) + at;
-    if (absl::Status s = codes.QueueNewRows(steps[b].bulk, staged, ctx.stream()); !s.ok()) {
-      return s;
-    }
-    at += pending[b] * codes.kv_heads() * codes.subspaces();
+  // Queued: the new rows are coded (a retry of a failed step finds them so: the ring slots they
+  // were read from hold its token now).
+  for (size_t b = 0; b < steps.size(); ++b) {
+    if (state.new_row[b] >= 0) static_cast<GpuBulkCodes*>(steps[b].codes)->MarkRowCoded();
   }
   return absl::OkStatus();
 }
@@ -787,9 +794,15 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   const int d = config.shape.head_dim;
   const float* o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_o);
   const float* lse = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_lse);
+  const float* row_errors = At<float>(ctx.pinned_out(), state.out_row_errors);
   for (size_t b = 0; b < steps.size(); ++b) {
     std::memcpy(steps[b].o, o + b * q_heads * d, static_cast<size_t>(q_heads) * d * sizeof(float));
     std::memcpy(steps[b].lse, lse + b * q_heads, q_heads * sizeof(float));
+    // The heads are done with the outliers: the new rows join them for the next step.
+    if (state.new_row[b] >= 0) {
+      static_cast<GpuBulkCodes*>(steps[b].codes)
+          ->AddRowOutliers(state.new_row[b], row_errors + b * config.shape.kv_heads);
+    }
   }
   return absl::OkStatus();
 }

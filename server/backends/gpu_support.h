@@ -28,6 +28,7 @@
 #include "kernels/cuda/partial_attention.h"
 #include "kernels/cuda/retopk.h"
 #include "kernels/cuda/topk_workspace.h"
+#include "kernels/dtype.h"
 #include "server/backends/attention_backend.h"
 #include "server/backends/step_runs.h"
 #include "server/memory_budget.h"
@@ -57,6 +58,10 @@ class DeviceScope {
 
 inline KvDtype KvDtypeOf(v1::DType dtype) {
   return dtype == v1::DTYPE_F16 ? KvDtype::kF16 : KvDtype::kBf16;
+}
+// The same as the element type of a KV view (kernels/dtype.h).
+inline KvElement KvElementOf(v1::DType dtype) {
+  return dtype == v1::DTYPE_F16 ? KvElement::kF16 : KvElement::kBf16;
 }
 
 inline int64_t RowElems(const LayerConfig& config) {

@@ -529,48 +529,28 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   }
   // The static sets on their tier while the CPU works through the bulk (after the shortlists,
   // which the bulk's exact paths wait for). What the tier needs is reserved first, so that a
-  // step that cannot have it fails before a head runs; its launches (30-56 us of host time a
-  // step on the H200 host, most of it the captured step's cudaGraphLaunch), then the coding of
-  // the new bulk rows (87-159 us there), run as the first item of the heads' loop, on one of its
-  // threads while the others start on the heads (bench/results/tiered_serving.md, d35-d38).
+  // step that cannot have it fails before a head runs.
   if (absl::Status s = tier_->Prepare(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
   }
   // The bulk's start: its time, and each head's start and the shortlists' arrival, from here.
   const auto bulk_start = std::chrono::steady_clock::now();
-  std::once_flag tier_started;
-  absl::Status started;
   auto seconds_since = [](std::chrono::steady_clock::time_point start) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  auto start_tier = [&] {
-    std::call_once(tier_started, [&] {
-      started = tier_->Start(ctx.static_steps, ctx.static_context.get());
-    });
-  };
-  // The first item: the tier's launches, then its coding of the new bulk rows, which the
-  // shortlists (waited for by the heads once Start returned) do not wait for.
-  absl::Status new_codes;
-  auto launch_tier = [&] {
-    const auto launch_start = std::chrono::steady_clock::now();
-    start_tier();
-    ctx.tier_seconds.launch += seconds_since(launch_start);
-    if (!started.ok() || !shortlists) return;  // (only shortlists code new rows)
-    const auto codes_start = std::chrono::steady_clock::now();
-    new_codes = tier_->QueueNewCodes(ctx.static_steps, ctx.static_context.get());
-    ctx.tier_seconds.new_codes += seconds_since(codes_start);
-  };
+  // The tier's launches, before the heads' loop wakes the compute pool: on the H200 host a
+  // graph's launch took twice as long made beside the pool's threads starting on their rows
+  // as alone (driver_call_bench, d40), and it is on the shortlists' path.
+  if (absl::Status s = tier_->Start(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
+    return s;
+  }
+  ctx.tier_seconds.launch += seconds_since(bulk_start);
   // The shortlists are waited for by the first head that reads one, once, so that the heads
   // that need none (ReTopK's reuse heads) run while they are computed.
   std::once_flag shortlists_fetched;
   absl::Status shortlisted;
   const std::function<void()> fetch_shortlists = [&] {
     std::call_once(shortlists_fetched, [&] {
-      start_tier();  // returns once the tier's launches are queued (by whichever thread)
-      if (!started.ok()) {
-        shortlisted = started;
-        return;
-      }
       shortlisted = tier_->WaitShortlists(ctx.static_steps, ctx.static_context.get());
       if (!shortlisted.ok()) return;
       ctx.tier_seconds.shortlists_ready += seconds_since(bulk_start);
@@ -616,20 +596,13 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     const float cost_b = layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
     return cost_a > cost_b || (cost_a == cost_b && a < b);
   });
-  // Item 0 launches the static tier; items 1.. are the heads in that order.
-  cpu::ParallelFor(items + 1, threads, [&](int64_t k) {
-    if (k == 0) {
-      launch_tier();
-      return;
-    }
-    const int64_t item = ctx.order[k - 1];
+  cpu::ParallelFor(items, threads, [&](int64_t k) {
+    const int64_t item = ctx.order[k];
     const size_t i = static_cast<size_t>(item / heads);
     layer_of(item)->AttendBulkHead(batch[i], ctx.histories[i], static_cast<int>(item % heads),
                                    bulk_start, ctx.bulk_o.data() + i * heads * d,
                                    ctx.bulk_lse.data() + i * heads);
   });
-  if (!started.ok()) return started;  // (item 0 ran: Start returned)
-  if (!new_codes.ok()) return new_codes;
   if (shortlists) {
     // Waited for even when no head read one: its errors are the step's.
     fetch_shortlists();
@@ -773,10 +746,6 @@ class HostStaticSetTier final : public StaticSetTier {
       static_cast<HostBulkCodes*>(step.codes)->Append(step.bulk);
       *step.shortlist_coded = step.bulk.tokens;  // every bulk row is coded: none left to the tail
     }
-    return absl::OkStatus();
-  }
-  // Start coded them: the host's shortlists scan every bulk row, the new ones included.
-  absl::Status QueueNewCodes(std::span<const StaticSetStep>, StepContext*) override {
     return absl::OkStatus();
   }
   // Every (sequence, head)'s shortlist on the compute pool.

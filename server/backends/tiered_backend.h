@@ -86,22 +86,18 @@ class StaticSetTier {
                                                                  const KvView& bulk,
                                                                  int64_t capacity) = 0;
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
-  // A step of `steps` (every step shares SameStaticSet) in five calls. Prepare reserves what the
+  // A step of `steps` (every step shares SameStaticSet) in four calls. Prepare reserves what the
   // step needs on the tier (workspaces, staging): its resource errors surface there, before the
   // bulk is touched. Start appends each step's token to its static set and starts attending
   // (asynchronously on a device); steps with codes also start their shortlists (before the static
-  // sets: the host waits for them). QueueNewCodes, after Start returned OK, on the same thread and
-  // only when a step has codes, codes the steps' new bulk rows (after the shortlists, which scanned
-  // the rows before them; on a GPU 87-159 us of host time on the H200 host that the shortlists do
-  // not wait for). Start and QueueNewCodes may run on another thread than the calls around them,
-  // concurrently with the bulk's heads, which read none of what they write. The shortlists are in
-  // the steps' ids once WaitShortlists returned OK (called after Start returned, possibly while
-  // QueueNewCodes runs), the static-set results in o and lse once Finish did (called after Start,
-  // and QueueNewCodes when called, returned).
+  // sets: the host waits for them) and code their new bulk rows (after the shortlists, which scan
+  // the rows before them: a GPU codes the row its ring slot holds until the append). Start
+  // returns before the bulk's heads start; WaitShortlists is called from one of them (or after
+  // them), and the shortlists are in the steps' ids once it returned OK; the static-set results
+  // are in o and lse once Finish returned (called after the heads: the new rows' outliers join
+  // there).
   virtual absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   virtual absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) = 0;
-  virtual absl::Status QueueNewCodes(std::span<const StaticSetStep> steps,
-                                     StepContext* context) = 0;
   virtual absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
                                       StepContext* context) = 0;
   virtual absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) = 0;

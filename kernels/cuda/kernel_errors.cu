@@ -8,6 +8,19 @@
 #include "kernels/cuda/cuda_status.h"
 
 namespace kvrecall::cuda {
+namespace {
+
+struct ErrorWords {
+  const unsigned* words[kMaxGatheredErrorWords];
+  int count;
+};
+
+__global__ void GatherErrorWordsKernel(const ErrorWords words, unsigned* dst) {
+  if (threadIdx.x < words.count) dst[threadIdx.x] = *words.words[threadIdx.x];
+}
+
+}  // namespace
+
 absl::StatusOr<KernelErrors> KernelErrors::Create() {
   KernelErrors errors;
   absl::StatusOr<DeviceBuffer<unsigned>> word = DeviceBuffer<unsigned>::Zeroed(1);
@@ -33,6 +46,25 @@ absl::Status KernelErrors::CheckAndClear(cudaStream_t stream) const {
   return absl::InvalidArgumentError(
       absl::StrCat("device inputs violated preconditions: ", absl::StrJoin(what, "; "),
                    " (those elements were skipped)"));
+}
+
+absl::Status GatherErrorWords(std::span<const KernelErrors* const> errors, unsigned* dst,
+                              cudaStream_t stream) {
+  if (errors.size() > kMaxGatheredErrorWords || dst == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("gathering ", errors.size(),
+                                                   " error words (at most ",
+                                                   kMaxGatheredErrorWords, ") into ",
+                                                   dst == nullptr ? "null" : "a device word"));
+  }
+  ErrorWords words{};
+  words.count = static_cast<int>(errors.size());
+  for (size_t i = 0; i < errors.size(); ++i) {
+    if (errors[i] == nullptr) return absl::InvalidArgumentError("a null error word to gather");
+    words.words[i] = errors[i]->device_word();
+  }
+  if (words.count == 0) return absl::OkStatus();
+  GatherErrorWordsKernel<<<1, 32, 0, stream>>>(words, dst);
+  return LaunchStatus("GatherErrorWordsKernel");
 }
 
 }  // namespace kvrecall::cuda
