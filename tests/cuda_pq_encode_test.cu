@@ -3,10 +3,12 @@
 // BulkCodes weighs its outliers by): over one KV head of a [count, kv_heads, dim] block of bf16,
 // f16 or f32 keys, every part size the encoder takes, the same codes (a differing one only where
 // two centroids are equally near, to rounding) and the same errors; PqEncodeRows (a decode
-// step's keys, one job each) bit for bit as PqEncode, its skipped jobs untouched; training with
-// the GPU's assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
+// step's keys, one job each, each with its codebooks) bit for bit as PqEncode, exact ties to the
+// lower centroid, its skipped jobs untouched; training with the GPU's assignments
+// (index/gpu_pq_assigner.h) as with the host's; misfits refused.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -110,8 +112,28 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   // Near-ties are rare: almost every code is the host's bit for bit.
   EXPECT_LE(differing, kCount * subspaces / 1000);
 
-  // The same keys one job each (a decode step's), in reverse order, every fifth job skipped:
-  // PqEncode's codes and errors bit for bit, and nothing written for a skipped job.
+  // The same keys one job each (a decode step's), in reverse order, every fifth job skipped, odd
+  // keys against other codebooks full of exact ties (centroids 128-255 repeat 0-127 across
+  // warps, each odd one of 0-31 repeats the even one before it within a warp): each job's code
+  // and error as PqEncode's with its own codebooks, bit for bit, ties to the lower centroid; and
+  // nothing written for a skipped job.
+  const int sub = dim / subspaces;
+  std::vector<float> tied = pq->codebooks();
+  for (int m = 0; m < subspaces; ++m) {
+    float* book = tied.data() + static_cast<size_t>(m) * 256 * sub;
+    for (int c = 1; c < 32; c += 2) std::copy_n(book + (c - 1) * sub, sub, book + c * sub);
+    std::copy_n(book, 128 * sub, book + 128 * sub);
+  }
+  auto d_tied = ToDevice(tied);
+  auto d_tied_codes = ToDevice(std::vector<uint8_t>(want.size(), 0));
+  auto d_tied_errors = ToDevice(std::vector<float>(kCount, -1.0f));
+  p.codebooks = d_tied.data();
+  p.codes = d_tied_codes.data();
+  p.errors = d_tied_errors.data();
+  ASSERT_TRUE(cuda::PqEncode(p, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> tied_got = ToHost(d_tied_codes.data(), d_tied_codes.size());
+  const std::vector<float> tied_errors = ToHost(d_tied_errors.data(), d_tied_errors.size());
   constexpr uint8_t kUntouched = 0xee;
   auto d_job_codes = ToDevice(std::vector<uint8_t>(want.size(), kUntouched));
   auto d_job_errors = ToDevice(std::vector<float>(kCount, -1.0f));
@@ -120,7 +142,7 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
     cuda::PqEncodeJob& job = jobs[kCount - 1 - i];
     job.key = d_keys.data() + (static_cast<int64_t>(i) * kKvHeads + kHead) * dim *
                                   KvElementBytes(element);
-    job.codebooks = d_books.data();
+    job.codebooks = i % 2 == 0 ? d_books.data() : d_tied.data();
     job.codes = i % 5 == 4 ? nullptr : d_job_codes.data() + static_cast<int64_t>(i) * subspaces;
     job.error = d_job_errors.data() + i;
   }
@@ -135,14 +157,23 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint8_t> job_codes = ToHost(d_job_codes.data(), d_job_codes.size());
   const std::vector<float> job_errors = ToHost(d_job_errors.data(), d_job_errors.size());
+  int ties_resolved_low = 0;
   for (int i = 0; i < kCount; ++i) {
-    const bool skipped = i % 5 == 4;
+    const bool skipped = i % 5 == 4, tied_books = i % 2 == 1;
+    const std::vector<uint8_t>& reference = tied_books ? tied_got : got;
     for (int m = 0; m < subspaces; ++m) {
-      ASSERT_EQ(job_codes[i * subspaces + m], skipped ? kUntouched : got[i * subspaces + m])
+      const int code = job_codes[i * subspaces + m];
+      ASSERT_EQ(code, skipped ? kUntouched : reference[i * subspaces + m])
           << "key " << i << " part " << m;
+      if (skipped || !tied_books) continue;
+      ASSERT_LT(code, 128) << "key " << i << " part " << m << ": a tie goes to the lower";
+      ASSERT_FALSE(code < 32 && code % 2 == 1) << "key " << i << " part " << m;
+      ties_resolved_low += code < 32;
     }
-    ASSERT_EQ(job_errors[i], skipped ? -1.0f : errors[i]) << "key " << i;
+    ASSERT_EQ(job_errors[i], skipped ? -1.0f : (tied_books ? tied_errors : errors)[i])
+        << "key " << i;
   }
+  EXPECT_GT(ties_resolved_low, 0) << "some keys fall on the tied centroids within a warp";
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -101,6 +101,9 @@ __global__ void __launch_bounds__(kThreads) PqEncodeRowsKernel(const PqEncodeJob
     float best = norm;
 #pragma unroll
     for (int j = 0; j < kSub; ++j) best = fmaf(scaled[j], centroid[j], best);
+    // PqEncodeKernel's scan keeps centroid 0 when its distance is NaN (nothing compares below
+    // NaN) and passes over any other NaN: the same order, for keys that are not finite.
+    if (isnan(best)) best = c == 0 ? -INFINITY : INFINITY;
     int best_c = c;
     for (int offset = 16; offset > 0; offset /= 2) {
       const float other = __shfl_xor_sync(0xffffffffu, best, offset);

@@ -47,8 +47,8 @@ class BulkCodes {
   int subspaces() const { return subspaces_; }
   int kv_heads() const { return static_cast<int>(quantizers_.size()); }
   const ProductQuantizer& quantizer(int kv_head) const { return quantizers_[kv_head]; }
-  // Host bytes charged: the quantizers the host encodes new keys with (and the codes, on the
-  // host tier).
+  // Host bytes charged: the quantizers (which the host tier encodes new keys with), and the
+  // codes on the host tier.
   int64_t host_bytes() const { return host_charged_; }
   virtual int64_t device_bytes() const = 0;
   // Room for `rows` coded bulk rows in all (RESOURCE_EXHAUSTED naming the budget: nothing

@@ -27,6 +27,7 @@
 #include "kernels/cuda/partial_attention.h"
 #include "kernels/cuda/pq_encode.h"
 #include "kernels/cuda/pq_shortlist.h"
+#include "kernels/cuda/step_io.h"
 #include "server/backends/gpu_support.h"
 #include "server/backends/tiered_backend.h"
 
@@ -167,7 +168,7 @@ class GpuBulkCodes final : public BulkCodes {
   // The jobs ([kv_heads], host memory) that code row coded() on the device from `key_row` (the
   // row's keys, [kv_heads, head_dim] of the KV dtype in device memory: the ring slot it leaves),
   // each KV head's squared reconstruction error to errors[h] (device). Reserve made room; the
-  // row counts as coded once MarkRowCoded says the jobs were queued.
+  // row counts as coded once MarkRowCoded says the jobs were queued (or launched).
   void NewRowJobs(const uint16_t* key_row, int head_dim, float* errors,
                   cuda::PqEncodeJob* jobs) const {
     const int64_t book_floats = int64_t{ProductQuantizer::kCentroids} * head_dim;
@@ -349,9 +350,7 @@ class GpuStaticSetTier final : public StaticSetTier {
     ~StaticStepContext() override {
       DeviceScope scope(ordinal);
       if (graph != nullptr) cudaGraphExecDestroy(graph);
-      for (cudaEvent_t event : {begin, end, shortlisted}) {
-        if (event != nullptr) cudaEventDestroy(event);
-      }
+      if (shortlisted != nullptr) cudaEventDestroy(shortlisted);
     }
     const int ordinal;
     GpuStepContext gpu;
@@ -359,10 +358,12 @@ class GpuStaticSetTier final : public StaticSetTier {
     // download.
     size_t in_q = 0, in_k = 0, in_v = 0, in_seqs = 0, in_rows = 0, in_sets = 0, in_lengths = 0,
            in_jobs = 0, upload = 0;
-    size_t out_o = 0, out_lse = 0, out_errors = 0, out_row_errors = 0, out_size = 0;
+    size_t out_o = 0, out_lse = 0, out_errors = 0, out_row_errors = 0, out_stamps = 0,
+           out_size = 0;
     // Per step of the batch: the bulk row its token pushes out of the ring, coded in the step
-    // (-1: none).
+    // (-1: none); whether their coding is queued (MarkNewRowsCoded ran).
     std::vector<int64_t> new_row;
+    bool new_rows_queued = false;
     // Per step: the coded rows its shortlist scans, and the bound its launches are planned for
     // (the scan itself reads the length from the upload, so that a captured step replays while
     // the bulk grows within the bound).
@@ -374,12 +375,12 @@ class GpuStaticSetTier final : public StaticSetTier {
     std::vector<int64_t> graph_key, key_scratch;  // graph_key empty: nothing captured yet
     uint64_t generation = 0;
     cuda::AttentionWorkspace* ws = nullptr;
-    // Around a step's upload, kernels and download: the tier's own time (tier_seconds).
-    cudaEvent_t begin = nullptr, end = nullptr;
-    // The shortlists: tables and ids on the device ([batch, q_heads, ...]), the ids' download,
-    // and the event after it that WaitShortlists waits for.
+    // The shortlists: tables and ids on the device ([batch, q_heads, ...], then the step's begin
+    // and shortlisted time stamps from word ids_stamps on), the ids' download, and the event
+    // after it that WaitShortlists waits for.
     ChargedBuffer<float> tables;
     ChargedBuffer<int32_t> ids;
+    size_t ids_stamps = 0;
     PinnedBuffer ids_down;
     cuda::TopKWorkspace* topk_ws = nullptr;
     cudaEvent_t shortlisted = nullptr;
@@ -387,12 +388,23 @@ class GpuStaticSetTier final : public StaticSetTier {
 
   // The shortlists' workspace, tables, ids and events (Prepare's part).
   absl::Status PrepareShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state);
-  // Each step's shortlist over its codes (queries and sets already on the device), its ids
-  // downloaded, `shortlisted` recorded after them.
+  // Each step's shortlist over its codes (queries and sets already on the device), its ids and
+  // the shortlisted time stamp downloaded, `shortlisted` recorded after them.
   absl::Status LaunchShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state,
                                 std::byte* dev_in, bool capturing);
-  // The step's device work from its `begin` event (the upload, the shortlists, the static
-  // sets, the download), queued on the stream or, `capturing`, into the graph being captured.
+  // Once the new rows' coding is queued (or launched in the captured step), the rows count as
+  // coded, once: a retry of a step that fails after that finds them so (the ring slots they
+  // were read from hold its token now).
+  static void MarkNewRowsCoded(std::span<const StaticSetStep> steps, StaticStepContext& state) {
+    if (state.new_rows_queued) return;
+    state.new_rows_queued = true;
+    for (size_t b = 0; b < steps.size(); ++b) {
+      if (state.new_row[b] >= 0) static_cast<GpuBulkCodes*>(steps[b].codes)->MarkRowCoded();
+    }
+  }
+  // The step's device work (its begin stamp, the upload, the shortlists, the static sets, its
+  // end stamp, the download), queued on the stream or, `capturing`, into the graph being
+  // captured.
   absl::Status EnqueueStep(std::span<const StaticSetStep> steps, StaticStepContext& state,
                            bool capturing);
 
@@ -422,8 +434,10 @@ absl::Status GpuStaticSetTier::PrepareShortlists(std::span<const StaticSetStep> 
     }
     ++state.generation;
   }
-  // ids [batch, q_heads, shortlist] then sizes [batch, q_heads]: one download.
-  const size_t words = batch * static_cast<size_t>(q_heads) * (state.shortlist + 1);
+  // ids [batch, q_heads, shortlist], sizes [batch, q_heads], then the begin and shortlisted
+  // stamps (2 u64, 8-byte aligned): one download.
+  state.ids_stamps = (batch * static_cast<size_t>(q_heads) * (state.shortlist + 1) + 1) / 2 * 2;
+  const size_t words = state.ids_stamps + 4;
   if (state.ids.size() < words) {
     if (absl::Status s = state.ids.Allocate(words, budget_, "the shortlists' ids"); !s.ok()) {
       return s;
@@ -453,7 +467,7 @@ absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> s
   const int d = config.shape.head_dim;
   const int batch = static_cast<int>(steps.size());
   const int shortlist = state.shortlist;
-  const size_t words = batch * static_cast<size_t>(q_heads) * (shortlist + 1);
+  const size_t words = state.ids_stamps + 4;
   cudaStream_t stream = state.gpu.stream();
   int32_t* ids = state.ids.data();
   int32_t* sizes = ids + static_cast<size_t>(batch) * q_heads * shortlist;
@@ -479,6 +493,8 @@ absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> s
         codes.sets(d), rows, shortlist, state.topk_ws,
         ids + static_cast<size_t>(b) * q_heads * shortlist, step_sizes, nullptr, stream));
   }
+  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime(
+      {reinterpret_cast<uint64_t*>(ids + state.ids_stamps) + 1}, stream));  // shortlisted
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaMemcpyAsync(state.ids_down.data(), ids, words * sizeof(int32_t),
                                  cudaMemcpyDeviceToHost, stream),
@@ -493,11 +509,9 @@ absl::Status GpuStaticSetTier::WaitShortlists(std::span<const StaticSetStep> ste
   auto& state = static_cast<StaticStepContext&>(*context);
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaEventSynchronize(state.shortlisted), "finding the shortlists on the GPU"));
-  float milliseconds = 0;
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaEventElapsedTime(&milliseconds, state.begin, state.shortlisted),
-                 "timing the shortlists"));
-  state.tier_seconds.shortlist = milliseconds * 1e-3;
+  const auto* stamps =
+      reinterpret_cast<const uint64_t*>(state.ids_down.data() + state.ids_stamps * 4);
+  state.tier_seconds.shortlist = static_cast<double>(stamps[1] - stamps[0]) * 1e-9;
   const int q_heads = steps.front().config->shape.q_heads;
   const int batch = static_cast<int>(steps.size());
   const int shortlist = steps.front().shortlist;  // one per run (SameStaticSet)
@@ -582,6 +596,7 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   // Per step: its new bulk row, the rows its shortlist scans and the bound of its launches.
   state.shortlist = 0;
   state.new_row.assign(steps.size(), -1);
+  state.new_rows_queued = false;
   state.scanned.assign(steps.size(), 0);
   state.scan_bound.assign(steps.size(), 0);
   for (size_t b = 0; b < steps.size(); ++b) {
@@ -624,13 +639,9 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   // The new bulk rows' squared reconstruction errors [batch, kv_heads], for their outliers.
   state.out_row_errors =
       out.Take<float>(state.shortlist > 0 ? batch * config.shape.kv_heads : 0);
+  state.out_stamps = out.Take<uint64_t>(2);  // the step's begin and end on the device's clock
   state.out_size = out.size();
   if (absl::Status s = ctx.EnsureIo(state.upload, state.out_size); !s.ok()) return s;
-  for (cudaEvent_t* event : {&state.begin, &state.end}) {
-    if (*event == nullptr) {
-      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaEventCreate(event), "creating an event"));
-    }
-  }
   if (state.shortlist > 0) return PrepareShortlists(steps, state);
   return absl::OkStatus();
 }
@@ -643,14 +654,18 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
   const int64_t row = RowElems(config);
   std::byte* dev_in = ctx.device_in();
   cudaStream_t stream = ctx.stream();
-  // The step's device time starts here. With graphs this is the captured step's first node: one
-  // driver call fewer on the way to the shortlists, and the host's launch of the step is not
-  // counted as the device's time.
+  // The step's device time starts here, on the device's clock, and the upload is a kernel that
+  // reads the pinned input: kernel nodes, since each event or copy node of a captured step costs
+  // its launch ~2 us of host time on the way to the shortlists, a kernel node ~0.1 us (d40-d43).
+  uint64_t* out_stamps = At<uint64_t>(ctx.device_out(), state.out_stamps);
+  if (state.shortlist > 0) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime(
+        {out_stamps, reinterpret_cast<uint64_t*>(state.ids.data() + state.ids_stamps)}, stream));
+  } else {
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps}, stream));
+  }
   KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(RecordEvent(state.begin, stream, capturing), "timing a static-set step"));
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpyAsync(dev_in, ctx.pinned_in(), state.upload, cudaMemcpyHostToDevice, stream),
-      "uploading a static-set step"));
+      cuda::CopyByKernel(ctx.pinned_in(), dev_in, state.upload, stream));
   if (state.shortlist > 0) {
     if (absl::Status s = LaunchShortlists(steps, state, dev_in, capturing); !s.ok()) return s;
     // The new bulk rows, read from the ring slots before the append overwrites them. After the
@@ -662,6 +677,7 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
     coding.dim = config.shape.head_dim;
     coding.subspaces = BulkCodes::SubspacesFor(config.shape.head_dim);
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqEncodeRows(coding, stream));
+    if (!capturing) MarkNewRowsCoded(steps, state);
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
       batch, static_cast<int>(row), KvDtypeOf(config.dtype),
@@ -678,11 +694,10 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
       std::span(words, state.shortlist > 0 ? 2 : 1), At<unsigned>(ctx.device_out(),
                                                                   state.out_errors),
       stream));
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(ctx.pinned_out(), ctx.device_out(), state.out_size,
-                                 cudaMemcpyDeviceToHost, stream),
-                 "downloading a static-set step"));
-  return CudaStatus(RecordEvent(state.end, stream, capturing), "timing a static-set step");
+  // Its end (the download's own ~2 us not counted), then the download, a kernel writing the
+  // pinned output: the host reads it once Finish synchronized the stream.
+  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 1}, stream));
+  return cuda::CopyByKernel(ctx.device_out(), ctx.pinned_out(), state.out_size, stream);
 }
 
 absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepContext* context) {
@@ -756,12 +771,8 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
     } else {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(state.graph, stream),
                                                "launching a captured static-set step"));
+      MarkNewRowsCoded(steps, state);
     }
-  }
-  // Queued: the new rows are coded (a retry of a failed step finds them so: the ring slots they
-  // were read from hold its token now).
-  for (size_t b = 0; b < steps.size(); ++b) {
-    if (state.new_row[b] >= 0) static_cast<GpuBulkCodes*>(steps[b].codes)->MarkRowCoded();
   }
   return absl::OkStatus();
 }
@@ -773,6 +784,16 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   GpuStepContext& ctx = state.gpu;
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
                                            "attending the static sets on the GPU"));
+  // The new rows' outliers first, whatever the error words say (their coding has none, and a
+  // failed step's rows stay coded): the heads are done with the outliers.
+  const LayerConfig& config = *steps.front().config;
+  const float* row_errors = At<float>(ctx.pinned_out(), state.out_row_errors);
+  for (size_t b = 0; b < steps.size(); ++b) {
+    if (state.new_row[b] >= 0) {
+      static_cast<GpuBulkCodes*>(steps[b].codes)
+          ->AddRowOutliers(state.new_row[b], row_errors + b * config.shape.kv_heads);
+    }
+  }
   // Device-side precondition violations would be this code's bug: every input was validated.
   // The word came down with the outputs; only when it is set does CheckAndClear say what it
   // holds.
@@ -783,26 +804,18 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   if (state.shortlist > 0 && errors[1] != 0) {
     return ReportedErrors(state.topk_ws->errors(), ctx.stream(), "the shortlists' kernels");
   }
-  float milliseconds = 0;
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaEventElapsedTime(&milliseconds, state.begin, state.end), "timing a static-set step"));
+  const uint64_t* stamps = At<uint64_t>(ctx.pinned_out(), state.out_stamps);
   // The shortlists ran on the same stream ahead of the static sets: their time is reported
   // apart (tier_seconds.shortlist), not as the static sets'.
-  state.tier_seconds.static_set = milliseconds * 1e-3 - state.tier_seconds.shortlist;
-  const LayerConfig& config = *steps.front().config;
+  state.tier_seconds.static_set =
+      static_cast<double>(stamps[1] - stamps[0]) * 1e-9 - state.tier_seconds.shortlist;
   const int q_heads = config.shape.q_heads;
   const int d = config.shape.head_dim;
   const float* o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_o);
   const float* lse = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_lse);
-  const float* row_errors = At<float>(ctx.pinned_out(), state.out_row_errors);
   for (size_t b = 0; b < steps.size(); ++b) {
     std::memcpy(steps[b].o, o + b * q_heads * d, static_cast<size_t>(q_heads) * d * sizeof(float));
     std::memcpy(steps[b].lse, lse + b * q_heads, q_heads * sizeof(float));
-    // The heads are done with the outliers: the new rows join them for the next step.
-    if (state.new_row[b] >= 0) {
-      static_cast<GpuBulkCodes*>(steps[b].codes)
-          ->AddRowOutliers(state.new_row[b], row_errors + b * config.shape.kv_heads);
-    }
   }
   return absl::OkStatus();
 }

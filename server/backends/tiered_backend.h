@@ -94,8 +94,8 @@ class StaticSetTier {
   // the rows before them: a GPU codes the row its ring slot holds until the append). Start
   // returns before the bulk's heads start; WaitShortlists is called from one of them (or after
   // them), and the shortlists are in the steps' ids once it returned OK; the static-set results
-  // are in o and lse once Finish returned (called after the heads: the new rows' outliers join
-  // there).
+  // are in o and lse once Finish returned (called after the heads: a GPU's new rows' outliers
+  // join there; the host tier adds them in Start, before the heads).
   virtual absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   virtual absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   virtual absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
