@@ -1,11 +1,13 @@
 // The step I/O kernels (kernels/cuda/step_io.h) on the device: copies by kernel between pinned
 // host and device memory of every size class (under a vector, vectors and a tail, many blocks'
 // worth) equal their source byte for byte; inside a captured graph they read their source when
-// the graph runs, not when it was captured; stamps are one reading of a clock that advances,
-// written to every place; misfits refused by name.
+// the graph runs, not when it was captured; a published copy's bytes are on the host once its
+// flag is, without a stream call, launch after launch of a captured graph; stamps are one
+// reading of a clock that advances, written to every place; misfits refused by name.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -78,6 +80,60 @@ TEST(StepIoTest, ACapturedCopyReadsItsSourceWhenTheGraphRuns) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Polls the flag as the server's WaitShortlists does, for at most 5 s.
+bool FlagRaised(const uint64_t* flag) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == 0) {
+    if (std::chrono::steady_clock::now() > end) return false;
+  }
+  return true;
+}
+
+TEST(StepIoTest, APublishedCopyIsOnTheHostOnceItsFlagIs) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  auto counter = ToDevice(std::vector<unsigned>{0});
+  Pinned flag_memory(16);
+  auto* flag = reinterpret_cast<uint64_t*>(flag_memory.data());
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  // One block, many blocks (a step's ids at batch 8 and more), and the flag alone.
+  for (size_t bytes : {size_t{17}, (size_t{132} << 10) + 4, (size_t{2} << 20) + 3, size_t{0}}) {
+    SCOPED_TRACE(bytes);
+    Pinned out(bytes + 16);
+    std::vector<unsigned char> source(bytes + 16);
+    auto device = ToDevice(source);
+    // Captured, then launched three times with other bytes: the count starts at 0 every time.
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const absl::Status queued =
+        cuda::PublishToHost(device.data(), out.data(), bytes, counter.data(), flag, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(queued.ok()) << queued;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int round = 1; round <= 3; ++round) {
+      for (size_t i = 0; i < bytes; ++i) source[i] = static_cast<unsigned char>(i * 7 + round);
+      ASSERT_EQ(cudaMemcpy(device.data(), source.data(), bytes, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      std::fill_n(out.data(), bytes, 0);
+      __atomic_store_n(flag, 0, __ATOMIC_RELEASE);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_TRUE(FlagRaised(flag)) << "round " << round;
+      // Read before any stream call: the flag alone says the bytes are here.
+      ASSERT_TRUE(std::equal(source.begin(), source.begin() + bytes, out.data()))
+          << "round " << round;
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  EXPECT_EQ(cuda::PublishToHost(flag, flag, 8, nullptr, flag, stream).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda::PublishToHost(flag, flag, 8, counter.data(), nullptr, stream).code(),
+            absl::StatusCode::kInvalidArgument);
   cudaStreamDestroy(stream);
 }
 

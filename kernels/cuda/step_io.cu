@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 
@@ -16,16 +17,45 @@ constexpr int kThreads = 256;
 constexpr int kMaxCopyBlocks = 64;
 constexpr size_t kVectorsPerBlock = 4 * kThreads;
 
-__global__ void __launch_bounds__(kThreads)
-    CopyKernel(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t vectors,
-               const unsigned char* __restrict__ tail_src, unsigned char* __restrict__ tail_dst,
-               int tail) {
+// What a copy's kernel is given: `vectors` 16-byte vectors, then `tail` bytes.
+struct CopyPlan {
+  const uint4* src;
+  uint4* dst;
+  size_t vectors;
+  const unsigned char* tail_src;
+  unsigned char* tail_dst;
+  int tail;
+  int blocks;
+};
+
+__device__ __forceinline__ void CopyShare(const CopyPlan& p) {
   const size_t stride = static_cast<size_t>(gridDim.x) * kThreads;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < vectors;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * kThreads + threadIdx.x; i < p.vectors;
        i += stride) {
-    dst[i] = src[i];
+    p.dst[i] = p.src[i];
   }
-  if (blockIdx.x == 0 && threadIdx.x < tail) tail_dst[threadIdx.x] = tail_src[threadIdx.x];
+  if (blockIdx.x == 0 && threadIdx.x < p.tail) p.tail_dst[threadIdx.x] = p.tail_src[threadIdx.x];
+}
+
+__device__ __forceinline__ uint64_t GlobalTimer() {
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+__global__ void __launch_bounds__(kThreads) CopyKernel(const CopyPlan p) { CopyShare(p); }
+
+__global__ void __launch_bounds__(kThreads)
+    PublishKernel(const CopyPlan p, unsigned* blocks_done, uint64_t* flag) {
+  CopyShare(p);
+  __threadfence_system();  // this thread's bytes, visible to the host before the count below
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(blocks_done, 1u) != gridDim.x - 1) return;
+  // The last block: every other block's bytes were fenced before it counted itself.
+  *blocks_done = 0;
+  __threadfence_system();
+  *reinterpret_cast<volatile uint64_t*>(flag) = max(GlobalTimer(), uint64_t{1});
 }
 
 struct StampPlaces {
@@ -34,15 +64,12 @@ struct StampPlaces {
 };
 
 __global__ void StampKernel(const StampPlaces places) {
-  uint64_t now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  const uint64_t now = GlobalTimer();
   for (int i = 0; i < places.count; ++i) places.at[i][0] = now;
 }
 
-}  // namespace
-
-absl::Status CopyByKernel(const void* src, void* dst, size_t bytes, cudaStream_t stream) {
-  if (bytes == 0) return absl::OkStatus();
+// The plan of a copy of `bytes` (> 0), or INVALID_ARGUMENT for null or misaligned pointers.
+absl::StatusOr<CopyPlan> PlanCopy(const void* src, void* dst, size_t bytes) {
   if (src == nullptr || dst == nullptr) {
     return absl::InvalidArgumentError("a copy by kernel needs a source and a destination");
   }
@@ -53,16 +80,40 @@ absl::Status CopyByKernel(const void* src, void* dst, size_t bytes, cudaStream_t
         "a copy by kernel needs 16-byte aligned pointers; got the source at ", src_offset,
         " and the destination at ", dst_offset, " bytes past a multiple of 16"));
   }
-  const size_t vectors = bytes / 16;
-  const int tail = static_cast<int>(bytes % 16);
-  const int blocks = static_cast<int>(std::clamp<size_t>(
-      (vectors + kVectorsPerBlock - 1) / kVectorsPerBlock, 1, kMaxCopyBlocks));
+  CopyPlan p;
+  p.vectors = bytes / 16;
+  p.tail = static_cast<int>(bytes % 16);
+  p.blocks = static_cast<int>(std::clamp<size_t>(
+      (p.vectors + kVectorsPerBlock - 1) / kVectorsPerBlock, 1, kMaxCopyBlocks));
   const auto* from = static_cast<const unsigned char*>(src);
   auto* to = static_cast<unsigned char*>(dst);
-  CopyKernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const uint4*>(from),
-                                              reinterpret_cast<uint4*>(to), vectors,
-                                              from + vectors * 16, to + vectors * 16, tail);
+  p.src = reinterpret_cast<const uint4*>(from);
+  p.dst = reinterpret_cast<uint4*>(to);
+  p.tail_src = from + p.vectors * 16;
+  p.tail_dst = to + p.vectors * 16;
+  return p;
+}
+
+}  // namespace
+
+absl::Status CopyByKernel(const void* src, void* dst, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return absl::OkStatus();
+  absl::StatusOr<CopyPlan> p = PlanCopy(src, dst, bytes);
+  if (!p.ok()) return p.status();
+  CopyKernel<<<p->blocks, kThreads, 0, stream>>>(*p);
   return LaunchStatus("CopyKernel");
+}
+
+absl::Status PublishToHost(const void* src, void* dst, size_t bytes, unsigned* blocks_done,
+                           uint64_t* flag, cudaStream_t stream) {
+  if (blocks_done == nullptr || flag == nullptr) {
+    return absl::InvalidArgumentError("publishing to the host needs a block count and a flag");
+  }
+  absl::StatusOr<CopyPlan> p = PlanCopy(src, dst, std::max<size_t>(bytes, 1));
+  if (!p.ok()) return p.status();
+  if (bytes == 0) p->tail = 0;  // nothing to copy: the flag alone
+  PublishKernel<<<p->blocks, kThreads, 0, stream>>>(*p, blocks_done, flag);
+  return LaunchStatus("PublishKernel");
 }
 
 absl::Status StampTime(std::initializer_list<uint64_t*> places, cudaStream_t stream) {

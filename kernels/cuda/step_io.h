@@ -22,6 +22,15 @@ namespace kvrecall::cuda {
 // the stream is synchronized. INVALID_ARGUMENT for null or misaligned pointers with bytes > 0.
 absl::Status CopyByKernel(const void* src, void* dst, size_t bytes, cudaStream_t stream);
 
+// CopyByKernel from device memory to pinned host memory that a host thread waits for without a
+// stream call: once every byte of dst is visible to the host, *flag (pinned host memory, which
+// the host set to 0 before the launch) becomes the device's clock (nonzero). Each block fences
+// its writes system-wide before it counts itself done in *blocks_done (one device word, 0 before
+// the first launch); the last one sets it back to 0, for the next launch, and writes the flag.
+// INVALID_ARGUMENT as CopyByKernel, or for a null counter or flag.
+absl::Status PublishToHost(const void* src, void* dst, size_t bytes, unsigned* blocks_done,
+                           uint64_t* flag, cudaStream_t stream);
+
 // At most this many places per StampTime.
 inline constexpr int kMaxStampPlaces = 4;
 

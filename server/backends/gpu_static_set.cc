@@ -3,12 +3,15 @@
 // `recent` — which the kernels of kernels/cuda/partial_attention.h read as a DeviceSeq (head +
 // ring). A step of a batch is one packed upload (queries, new rows, descriptors), the append
 // kernel, split-K attention over every static set and one packed download, all queued on the
-// Decode stream's CUDA stream in Start (with policy.index.shortlist, the shortlists first, then
-// the codes of the step's new bulk rows, read from the ring slots the append overwrites); Finish
-// waits for it.
+// Decode stream's CUDA stream in Start (with policy.index.shortlist, the shortlists first and
+// their ids published to the host, then the codes of the step's new bulk rows, read from the
+// ring slots the append overwrites); Finish waits for it. Every one of them is a kernel
+// (kernels/cuda/step_io.h moves the bytes and stamps the times): a captured step's launch pays
+// ~2 us of host time for each event or copy node, ~0.1 us for a kernel node (d40-d45).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <span>
@@ -22,6 +25,7 @@
 #include "index/gpu_batch_topk.h"
 #include "index/gpu_pq_assigner.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/spin_wait.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/partial_attention.h"
@@ -52,13 +56,6 @@ int Slots(const LayerConfig& config) { return config.selector.sinks + config.sel
 template <typename T>
 T* At(std::byte* base, size_t offset) {
   return reinterpret_cast<T*>(base + offset);
-}
-
-// Records `event` on `stream`; while the stream is being captured, as a node of the graph that
-// records it whenever the graph runs (the host waits for it and times with it).
-cudaError_t RecordEvent(cudaEvent_t event, cudaStream_t stream, bool capturing) {
-  return capturing ? cudaEventRecordWithFlags(event, stream, cudaEventRecordExternal)
-                   : cudaEventRecord(event, stream);
 }
 
 // The slot of token position p.
@@ -350,7 +347,6 @@ class GpuStaticSetTier final : public StaticSetTier {
     ~StaticStepContext() override {
       DeviceScope scope(ordinal);
       if (graph != nullptr) cudaGraphExecDestroy(graph);
-      if (shortlisted != nullptr) cudaEventDestroy(shortlisted);
     }
     const int ordinal;
     GpuStepContext gpu;
@@ -376,22 +372,27 @@ class GpuStaticSetTier final : public StaticSetTier {
     uint64_t generation = 0;
     cuda::AttentionWorkspace* ws = nullptr;
     // The shortlists: tables and ids on the device ([batch, q_heads, ...], then the step's begin
-    // and shortlisted time stamps from word ids_stamps on), the ids' download, and the event
-    // after it that WaitShortlists waits for.
+    // stamp and the shortlisted flag, 2 u64 from word ids_stamps on), and where the ids are
+    // published to the host (cuda::PublishToHost: the flag is the shortlisted stamp, which
+    // WaitShortlists polls; ids_published counts the publishing kernel's blocks).
     ChargedBuffer<float> tables;
     ChargedBuffer<int32_t> ids;
     size_t ids_stamps = 0;
     PinnedBuffer ids_down;
+    ChargedBuffer<unsigned> ids_published;
     cuda::TopKWorkspace* topk_ws = nullptr;
-    cudaEvent_t shortlisted = nullptr;
+    // The flag in ids_down.
+    uint64_t* shortlisted() const {
+      return reinterpret_cast<uint64_t*>(ids_down.data() + ids_stamps * sizeof(int32_t)) + 1;
+    }
   };
 
-  // The shortlists' workspace, tables, ids and events (Prepare's part).
+  // The shortlists' workspace, tables, ids and their publishing (Prepare's part).
   absl::Status PrepareShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state);
   // Each step's shortlist over its codes (queries and sets already on the device), its ids and
-  // the shortlisted time stamp downloaded, `shortlisted` recorded after them.
+  // the begin stamp published to ids_down, the shortlisted flag raised after them.
   absl::Status LaunchShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state,
-                                std::byte* dev_in, bool capturing);
+                                std::byte* dev_in);
   // Once the new rows' coding is queued (or launched in the captured step), the rows count as
   // coded, once: a retry of a step that fails after that finds them so (the ring slots they
   // were read from hold its token now).
@@ -452,22 +453,23 @@ absl::Status GpuStaticSetTier::PrepareShortlists(std::span<const StaticSetStep> 
     }
     ++state.generation;
   }
-  if (state.shortlisted == nullptr) {
-    KVRECALL_CUDA_RETURN_IF_ERROR(
-        CudaStatus(cudaEventCreate(&state.shortlisted), "creating an event"));
+  if (state.ids_published.size() == 0) {
+    if (absl::Status s = state.ids_published.Allocate(1, budget_, "the shortlists' publishing");
+        !s.ok()) {
+      return s;
+    }
+    ++state.generation;
   }
   return absl::OkStatus();
 }
 
 absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> steps,
-                                                StaticStepContext& state, std::byte* dev_in,
-                                                bool capturing) {
+                                                StaticStepContext& state, std::byte* dev_in) {
   const LayerConfig& config = *steps.front().config;
   const int q_heads = config.shape.q_heads;
   const int d = config.shape.head_dim;
   const int batch = static_cast<int>(steps.size());
   const int shortlist = state.shortlist;
-  const size_t words = state.ids_stamps + 4;
   cudaStream_t stream = state.gpu.stream();
   int32_t* ids = state.ids.data();
   int32_t* sizes = ids + static_cast<size_t>(batch) * q_heads * shortlist;
@@ -493,13 +495,10 @@ absl::Status GpuStaticSetTier::LaunchShortlists(std::span<const StaticSetStep> s
         codes.sets(d), rows, shortlist, state.topk_ws,
         ids + static_cast<size_t>(b) * q_heads * shortlist, step_sizes, nullptr, stream));
   }
-  KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime(
-      {reinterpret_cast<uint64_t*>(ids + state.ids_stamps) + 1}, stream));  // shortlisted
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaMemcpyAsync(state.ids_down.data(), ids, words * sizeof(int32_t),
-                                 cudaMemcpyDeviceToHost, stream),
-                 "downloading the shortlists"));
-  return CudaStatus(RecordEvent(state.shortlisted, stream, capturing), "marking the shortlists");
+  // The ids, sizes and begin stamp, then the flag: kernel nodes, not a copy and an event (each
+  // of those costs the captured step's launch ~2 us of host time, d40-d44).
+  return cuda::PublishToHost(ids, state.ids_down.data(), (state.ids_stamps + 2) * sizeof(int32_t),
+                             state.ids_published.data(), state.shortlisted(), stream);
 }
 
 absl::Status GpuStaticSetTier::WaitShortlists(std::span<const StaticSetStep> steps,
@@ -507,11 +506,18 @@ absl::Status GpuStaticSetTier::WaitShortlists(std::span<const StaticSetStep> ste
   DeviceScope scope(ordinal_);
   if (!scope.status().ok()) return scope.status();
   auto& state = static_cast<StaticStepContext&>(*context);
-  KVRECALL_CUDA_RETURN_IF_ERROR(
-      CudaStatus(cudaEventSynchronize(state.shortlisted), "finding the shortlists on the GPU"));
-  const auto* stamps =
-      reinterpret_cast<const uint64_t*>(state.ids_down.data() + state.ids_stamps * 4);
-  state.tier_seconds.shortlist = static_cast<double>(stamps[1] - stamps[0]) * 1e-9;
+  // Polled on this core; the stream is asked now and then, so that a failed step surfaces as
+  // its error rather than as a wait without end.
+  const uint64_t* flag = state.shortlisted();
+  auto published = [flag] { return __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 0; };
+  while (!cpu::PollUntil(std::chrono::microseconds(20), published)) {
+    const cudaError_t e = cudaStreamQuery(state.gpu.stream());
+    if (e == cudaErrorNotReady || published()) continue;
+    if (e != cudaSuccess) return CudaStatus(e, "finding the shortlists on the GPU");
+    return absl::InternalError("the static-set step ended without publishing its shortlists");
+  }
+  const uint64_t begin = *(flag - 1);
+  state.tier_seconds.shortlist = static_cast<double>(*flag - begin) * 1e-9;
   const int q_heads = steps.front().config->shape.q_heads;
   const int batch = static_cast<int>(steps.size());
   const int shortlist = steps.front().shortlist;  // one per run (SameStaticSet)
@@ -667,7 +673,7 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
   KVRECALL_CUDA_RETURN_IF_ERROR(
       cuda::CopyByKernel(ctx.pinned_in(), dev_in, state.upload, stream));
   if (state.shortlist > 0) {
-    if (absl::Status s = LaunchShortlists(steps, state, dev_in, capturing); !s.ok()) return s;
+    if (absl::Status s = LaunchShortlists(steps, state, dev_in); !s.ok()) return s;
     // The new bulk rows, read from the ring slots before the append overwrites them. After the
     // shortlists, which do not scan them (the exact paths rescore them as the uncoded tail).
     cuda::PqEncodeRowsParams coding;
@@ -742,6 +748,8 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
                        At<float>(ctx.device_out(), state.out_row_errors) + b * kv_heads, jobs);
     }
   }
+  // The shortlists' flag, raised by the step when their ids are on the host.
+  if (state.shortlist > 0) __atomic_store_n(state.shortlisted(), uint64_t{0}, __ATOMIC_RELEASE);
   cudaStream_t stream = ctx.stream();
   if (!cuda_graphs_) {
     if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;

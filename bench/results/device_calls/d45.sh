@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Forty-fifth call: the shortlists' ids published to the host by a kernel (cuda::PublishToHost:
+# every block fences its bytes system-wide, the last raises a flag that WaitShortlists polls)
+# instead of a copy and an event: the captured step has no event or copy node left. GPU tests
+# (the step I/O test also under memcheck); served 128K N = 1024 retopk auto_tau + index, new /
+# d44's build (cbda57b) alternated as the device budget allows.
+set -u
+tar -C .device/b45 -xJf .device/b45/ship/bundle.tar.xz
+B=$PWD/.device/b45/bundle/bin
+export LD_LIBRARY_PATH=$PWD/.device/b45/bundle/lib
+. scripts/kvrecalld.sh
+L=/tmp/d45; mkdir -p $L
+S=$OUT/d45_summary.txt
+cat /proc/loadavg | tee -a $S
+for t in cuda_step_io_test tiered_shortlist_test tiered_placement_test gpu_placement_test; do
+  timeout 200 $B/$t > $L/$t.log 2>&1; echo "$t rc $?" | tee -a $S
+  grep -E "PASSED|FAILED|Failure|SKIPPED" $L/$t.log | head -8 | tee -a $S
+done
+timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 $B/cuda_step_io_test > $L/memcheck.log 2>&1; echo "memcheck cuda_step_io_test rc $?" | tee -a $S
+grep -E "ERROR SUMMARY|PASSED|FAILED" $L/memcheck.log | head -4 | tee -a $S
+echo "t=$SECONDS tests done" | tee -a $S
+n=0
+run() {  # BINARY-NAME SHORTLIST
+  n=$((n + 1))
+  start_kvrecalld $B/$1 $L/k$n.log --address=127.0.0.1:0 || return 1
+  timeout 100 $B/gpu_serving_bench --server=$kvrecalld_address --out=$L/s$n.json --placement=tiered --contexts=131072 --batches=1 --selectors=retopk,index --auto_tau --steps=40 --warmup=5 --shortlist=$2 > /dev/null 2> $L/s$n.log
+  kill $kvrecalld_pid; wait $kvrecalld_pid 2>/dev/null
+  python3 -c 'import json,sys
+for r in json.load(open(sys.argv[1]))["records"]: print(sys.argv[2], r["context"], r["selector"], "srv", round(r["server_p50_us"]), round(r["server_p99_us"]), "ss", round(r["static_set_p50_us"]), "shortlist", round(r.get("shortlist_p50_us",0)), "bulk", round(r["bulk_p50_us"]), "heads", [round(r.get(k,0),1) for k in ("heads_first_start_p50_us","heads_last_end_p50_us")], "launch", round(r.get("launch_p50_us",0)), "ready", round(r.get("shortlists_ready_p50_us",0)))' $L/s$n.json "$n $1" 2>&1 | tee -a $S
+}
+for spec in "kvrecalld 1024" "kvrecalld-d44 1024" "kvrecalld-d44 1024" "kvrecalld 1024"; do
+  [ $SECONDS -lt 170 ] || { echo "t=$SECONDS skip $spec" | tee -a $S; continue; }
+  sleep 3
+  run $spec
+done
+echo "t=$SECONDS served done" | tee -a $S
+cd $L && tar czf $OUT/d45.tgz *.json *.log
