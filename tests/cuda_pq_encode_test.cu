@@ -4,8 +4,8 @@
 // f16 or f32 keys, every part size the encoder takes, the same codes (a differing one only where
 // two centroids are equally near, to rounding) and the same errors; PqEncodeRows (a decode
 // step's keys, one job each, each with its codebooks) bit for bit as PqEncode, exact ties to the
-// lower centroid, its skipped jobs untouched; training with the GPU's assignments
-// (index/gpu_pq_assigner.h) as with the host's; misfits refused.
+// lower centroid, non-finite distances ordered alike, its skipped jobs untouched; training with
+// the GPU's assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -224,6 +224,67 @@ TEST(GpuPqAssignerTest, TrainsTheQuantizersTheHostTrains) {
   EXPECT_EQ((*assigner)->Assign(small, 8, codes.data()).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(GpuPqAssigner::Create(0, kDim).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Keys whose distances are not finite (huge finite bf16 values overflow -2 x c; NaN and inf
+// keys, which the service refuses but the kernels take): PqEncodeRows orders them as PqEncode's
+// scan does, code for code and error for error.
+TEST(PqEncodeRowsTest, NonFiniteDistancesAreOrderedAsTheScanOrdersThem) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kDim = 128, kSubspaces = 8, kKeys = 6;
+  constexpr uint16_t kMax = 0x7f7f, kMinusMax = 0xff7f, kInf = 0x7f80, kNan = 0x7fc0;
+  std::vector<uint16_t> keys(kKeys * kDim, 0x3f80);  // 1.0
+  for (int j = 0; j < kDim; ++j) {
+    keys[0 * kDim + j] = kMax;                        // every distance -inf or +inf
+    keys[1 * kDim + j] = j % 2 ? kMax : kMinusMax;    // -inf + inf: NaN distances
+    keys[4 * kDim + j] = j % 3 ? kInf : kMinusMax;
+  }
+  keys[2 * kDim + 0] = kNan;   // NaN in the first part: every distance of part 0 NaN
+  keys[3 * kDim + 77] = kNan;  // in a later part
+  keys[5 * kDim + 5] = kInf;
+  const std::vector<float> books = RandomNormal(static_cast<size_t>(256) * kDim, 11);
+  auto d_keys = ToDevice(keys);
+  auto d_books = ToDevice(books);
+  auto d_codes = ToDevice(std::vector<uint8_t>(kKeys * kSubspaces, 0));
+  auto d_errors = ToDevice(std::vector<float>(kKeys, 0.0f));
+  cuda::PqEncodeParams p;
+  p.keys = d_keys.data();
+  p.element = KvElement::kBf16;
+  p.count = kKeys;
+  p.row_stride = kDim;
+  p.dim = kDim;
+  p.subspaces = kSubspaces;
+  p.codebooks = d_books.data();
+  p.codes = d_codes.data();
+  p.errors = d_errors.data();
+  ASSERT_TRUE(cuda::PqEncode(p, nullptr).ok());
+  auto d_row_codes = ToDevice(std::vector<uint8_t>(kKeys * kSubspaces, 0));
+  auto d_row_errors = ToDevice(std::vector<float>(kKeys, 0.0f));
+  std::vector<cuda::PqEncodeJob> jobs(kKeys);
+  for (int i = 0; i < kKeys; ++i) {
+    jobs[i] = cuda::PqEncodeJob{d_keys.data() + i * kDim, d_books.data(),
+                                d_row_codes.data() + i * kSubspaces, d_row_errors.data() + i};
+  }
+  auto d_jobs = ToDevice(jobs);
+  cuda::PqEncodeRowsParams rows;
+  rows.jobs = d_jobs.data();
+  rows.count = kKeys;
+  rows.element = KvElement::kBf16;
+  rows.dim = kDim;
+  rows.subspaces = kSubspaces;
+  ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(ToHost(d_row_codes.data(), d_row_codes.size()),
+            ToHost(d_codes.data(), d_codes.size()));
+  const std::vector<float> want = ToHost(d_errors.data(), kKeys);
+  const std::vector<float> got = ToHost(d_row_errors.data(), kKeys);
+  for (int i = 0; i < kKeys; ++i) {
+    if (std::isnan(want[i])) {
+      EXPECT_TRUE(std::isnan(got[i])) << "key " << i;
+    } else {
+      EXPECT_EQ(got[i], want[i]) << "key " << i;
+    }
+  }
 }
 
 TEST(PqEncodeErrorsTest, MisfitsAreRefused) {

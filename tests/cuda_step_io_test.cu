@@ -118,22 +118,21 @@ TEST(StepIoTest, APublishedCopyIsOnTheHostOnceItsFlagIs) {
       for (size_t i = 0; i < bytes; ++i) source[i] = static_cast<unsigned char>(i * 7 + round);
       ASSERT_EQ(cudaMemcpy(device.data(), source.data(), bytes, cudaMemcpyHostToDevice),
                 cudaSuccess);
-      std::fill_n(out.data(), bytes, 0);
+      std::fill_n(out.data(), bytes + 16, 0xee);
       __atomic_store_n(flag, 0, __ATOMIC_RELEASE);
       ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
       ASSERT_TRUE(FlagRaised(flag)) << "round " << round;
       // Read before any stream call: the flag alone says the bytes are here.
       ASSERT_TRUE(std::equal(source.begin(), source.begin() + bytes, out.data()))
           << "round " << round;
+      ASSERT_TRUE(std::all_of(out.data() + bytes, out.data() + bytes + 16,
+                              [](unsigned char b) { return b == 0xee; }))
+          << "round " << round << ": nothing past the bytes (the server's flag lies there)";
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     }
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
   }
-  EXPECT_EQ(cuda::PublishToHost(flag, flag, 8, nullptr, flag, stream).code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cuda::PublishToHost(flag, flag, 8, counter.data(), nullptr, stream).code(),
-            absl::StatusCode::kInvalidArgument);
   cudaStreamDestroy(stream);
 }
 
@@ -159,21 +158,42 @@ TEST(StepIoTest, StampsAreOneReadingOfAClockThatAdvances) {
   EXPECT_GT(stamps[1], stamps[0] + 100'000) << "nanoseconds: the spin took well over 0.1 ms";
 }
 
+// Refused before any device call: this runs without a GPU too.
 TEST(StepIoTest, MisfitsAreRefusedByName) {
-  KVRECALL_SKIP_WITHOUT_GPU();
-  auto device = ToDevice(std::vector<uint64_t>(8, 0));
-  auto* bytes = reinterpret_cast<unsigned char*>(device.data());
+  alignas(16) unsigned char bytes[64] = {};
+  auto* word = reinterpret_cast<uint64_t*>(bytes);
+  auto* count = reinterpret_cast<unsigned*>(bytes + 48);
   const absl::Status misaligned = cuda::CopyByKernel(bytes + 4, bytes + 32, 8, nullptr);
   EXPECT_EQ(misaligned.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(misaligned.message()), HasSubstr("the source at 4"));
   EXPECT_EQ(cuda::CopyByKernel(nullptr, bytes, 8, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(cuda::CopyByKernel(nullptr, nullptr, 0, nullptr).ok()) << "nothing to copy";
-  uint64_t* p = device.data();
-  EXPECT_EQ(cuda::StampTime({}, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cuda::StampTime({p, p, p, p, p}, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cuda::StampTime({p, nullptr}, nullptr).code(), absl::StatusCode::kInvalidArgument);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  auto expect_invalid = [](const absl::Status& status, const char* what) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_THAT(std::string(status.message()), HasSubstr(what));
+  };
+  expect_invalid(cuda::PublishToHost(bytes, bytes + 16, 8, nullptr, word + 5, nullptr),
+                 "a block count and a flag");
+  expect_invalid(cuda::PublishToHost(bytes, bytes + 16, 8, count, nullptr, nullptr),
+                 "a block count and a flag");
+  expect_invalid(cuda::PublishToHost(bytes, bytes + 16, 8, count,
+                                     reinterpret_cast<uint64_t*>(bytes + 44), nullptr),
+                 "an 8-byte aligned flag");
+  expect_invalid(cuda::PublishToHost(bytes, bytes + 16, 8,
+                                     reinterpret_cast<unsigned*>(bytes + 49), word + 5, nullptr),
+                 "a 4-byte aligned block count");
+  expect_invalid(cuda::PublishToHost(bytes + 8, bytes + 16, 8, count, word + 5, nullptr),
+                 "the source at 8");
+  expect_invalid(cuda::PublishToHost(nullptr, nullptr, 0, count, word + 5, nullptr),
+                 "a source and a destination");
+
+  expect_invalid(cuda::StampTime({}, nullptr), "1 to 4 places; got 0");
+  expect_invalid(cuda::StampTime({word, word, word, word, word}, nullptr), "got 5");
+  expect_invalid(cuda::StampTime({word, nullptr}, nullptr), "a null place");
+  expect_invalid(cuda::StampTime({reinterpret_cast<uint64_t*>(bytes + 4)}, nullptr),
+                 "8-byte aligned");
 }
 
 }  // namespace

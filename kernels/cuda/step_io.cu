@@ -51,6 +51,9 @@ __global__ void __launch_bounds__(kThreads)
   __threadfence_system();  // this thread's bytes, visible to the host before the count below
   __syncthreads();
   if (threadIdx.x != 0) return;
+  // Again after the barrier, so that the block's bytes are ordered before the count in the
+  // memory model's terms too (not only because each fence waited for its thread's writes).
+  __threadfence_system();
   if (atomicAdd(blocks_done, 1u) != gridDim.x - 1) return;
   // The last block: every other block's bytes were fenced before it counted itself.
   *blocks_done = 0;
@@ -109,6 +112,11 @@ absl::Status PublishToHost(const void* src, void* dst, size_t bytes, unsigned* b
   if (blocks_done == nullptr || flag == nullptr) {
     return absl::InvalidArgumentError("publishing to the host needs a block count and a flag");
   }
+  if (reinterpret_cast<uintptr_t>(blocks_done) % alignof(unsigned) != 0 ||
+      reinterpret_cast<uintptr_t>(flag) % alignof(uint64_t) != 0) {
+    return absl::InvalidArgumentError(
+        "publishing to the host needs a 4-byte aligned block count and an 8-byte aligned flag");
+  }
   absl::StatusOr<CopyPlan> p = PlanCopy(src, dst, std::max<size_t>(bytes, 1));
   if (!p.ok()) return p.status();
   if (bytes == 0) p->tail = 0;  // nothing to copy: the flag alone
@@ -125,6 +133,9 @@ absl::Status StampTime(std::initializer_list<uint64_t*> places, cudaStream_t str
   StampPlaces at{};
   for (uint64_t* place : places) {
     if (place == nullptr) return absl::InvalidArgumentError("a null place for a time stamp");
+    if (reinterpret_cast<uintptr_t>(place) % alignof(uint64_t) != 0) {
+      return absl::InvalidArgumentError("a time stamp's place must be 8-byte aligned");
+    }
     at.at[at.count++] = place;
   }
   StampKernel<<<1, 1, 0, stream>>>(at);

@@ -27,7 +27,8 @@ absl::Status CopyByKernel(const void* src, void* dst, size_t bytes, cudaStream_t
 // the host set to 0 before the launch) becomes the device's clock (nonzero). Each block fences
 // its writes system-wide before it counts itself done in *blocks_done (one device word, 0 before
 // the first launch); the last one sets it back to 0, for the next launch, and writes the flag.
-// INVALID_ARGUMENT as CopyByKernel, or for a null counter or flag.
+// INVALID_ARGUMENT for a null or misaligned counter or flag, or null or misaligned src and dst
+// (even with bytes == 0: the flag alone).
 absl::Status PublishToHost(const void* src, void* dst, size_t bytes, unsigned* blocks_done,
                            uint64_t* flag, cudaStream_t stream);
 
@@ -36,8 +37,8 @@ inline constexpr int kMaxStampPlaces = 4;
 
 // Writes the device's global nanosecond clock (%globaltimer: one reading) to every place
 // (uint64_t, device or pinned host memory), when the kernel runs: two stamps on one stream
-// time what ran between them. INVALID_ARGUMENT for no place, more than kMaxStampPlaces or a null
-// one.
+// time what ran between them. INVALID_ARGUMENT for no place, more than kMaxStampPlaces, or a
+// null or misaligned one.
 absl::Status StampTime(std::initializer_list<uint64_t*> places, cudaStream_t stream);
 
 }  // namespace kvrecall::cuda

@@ -128,8 +128,9 @@ class StepContext {
   // Where a Step's compute went, for a placement with more than one tier (zeros elsewhere);
   // set by every Step, summed over the steps it ran.
   struct TierSeconds {
-    // The static sets' attention on their tier: on a GPU its own time, from the step's upload
-    // to its results' download (overlapping `bulk`); on the host tier, its compute.
+    // The static sets' attention on their tier: on a GPU its own time on the device's clock,
+    // from the step's start to its results' download (overlapping `bulk`); on the host tier,
+    // its compute.
     double static_set = 0;
     double bulk = 0;       // the host's selection and attention over the bulk
     double link_wait = 0;  // waiting for the previous step's deferred OnAppend

@@ -5,9 +5,10 @@
 // kernel, split-K attention over every static set and one packed download, all queued on the
 // Decode stream's CUDA stream in Start (with policy.index.shortlist, the shortlists first and
 // their ids published to the host, then the codes of the step's new bulk rows, read from the
-// ring slots the append overwrites); Finish waits for it. Every one of them is a kernel
-// (kernels/cuda/step_io.h moves the bytes and stamps the times): a captured step's launch pays
-// ~2 us of host time for each event or copy node, ~0.1 us for a kernel node (d40-d45).
+// ring slots the append overwrites); Finish waits for it. All of it is kernels (bar the memset
+// of a step with no coded rows yet): kernels/cuda/step_io.h moves the bytes and stamps the times,
+// since a captured step's launch pays ~2 us of host time for each event or copy node, ~0.1 us
+// for a kernel node (d40-d45).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -356,6 +357,10 @@ class GpuStaticSetTier final : public StaticSetTier {
            in_jobs = 0, upload = 0;
     size_t out_o = 0, out_lse = 0, out_errors = 0, out_row_errors = 0, out_stamps = 0,
            out_size = 0;
+    // Whether a step's work was queued and no Finish has drained it since (a step that failed
+    // between the two): the next Prepare drains it, so that its late writes (the shortlists'
+    // flag, the pinned output) cannot pass for the next step's.
+    bool in_flight = false;
     // Per step of the batch: the bulk row its token pushes out of the ring, coded in the step
     // (-1: none); whether their coding is queued (MarkNewRowsCoded ran).
     std::vector<int64_t> new_row;
@@ -372,8 +377,8 @@ class GpuStaticSetTier final : public StaticSetTier {
     uint64_t generation = 0;
     cuda::AttentionWorkspace* ws = nullptr;
     // The shortlists: tables and ids on the device ([batch, q_heads, ...], then the step's begin
-    // stamp and the shortlisted flag, 2 u64 from word ids_stamps on), and where the ids are
-    // published to the host (cuda::PublishToHost: the flag is the shortlisted stamp, which
+    // stamp at word ids_stamps), and ids_down, where they are published to the host with the
+    // shortlisted flag after them (cuda::PublishToHost: the flag is the shortlisted stamp, which
     // WaitShortlists polls; ids_published counts the publishing kernel's blocks).
     ChargedBuffer<float> tables;
     ChargedBuffer<int32_t> ids;
@@ -435,8 +440,8 @@ absl::Status GpuStaticSetTier::PrepareShortlists(std::span<const StaticSetStep> 
     }
     ++state.generation;
   }
-  // ids [batch, q_heads, shortlist], sizes [batch, q_heads], then the begin and shortlisted
-  // stamps (2 u64, 8-byte aligned): one download.
+  // ids [batch, q_heads, shortlist], sizes [batch, q_heads], then the begin stamp and (on the
+  // host) the shortlisted flag, 2 u64, 8-byte aligned: published together.
   state.ids_stamps = (batch * static_cast<size_t>(q_heads) * (state.shortlist + 1) + 1) / 2 * 2;
   const size_t words = state.ids_stamps + 4;
   if (state.ids.size() < words) {
@@ -589,6 +594,11 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   if (!scope.status().ok()) return scope.status();
   auto& state = static_cast<StaticStepContext&>(*context);
   GpuStepContext& ctx = state.gpu;
+  if (state.in_flight) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
+                                             "draining a failed static-set step"));
+    state.in_flight = false;
+  }
   if (absl::Status s = ctx.Start(); !s.ok()) return s;
   const LayerConfig& config = *steps.front().config;
   const int batch = static_cast<int>(steps.size());
@@ -700,7 +710,7 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
       std::span(words, state.shortlist > 0 ? 2 : 1), At<unsigned>(ctx.device_out(),
                                                                   state.out_errors),
       stream));
-  // Its end (the download's own ~2 us not counted), then the download, a kernel writing the
+  // Its end (the download kernel's own ~2 us not counted), then the download, writing the
   // pinned output: the host reads it once Finish synchronized the stream.
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 1}, stream));
   return cuda::CopyByKernel(ctx.device_out(), ctx.pinned_out(), state.out_size, stream);
@@ -750,6 +760,7 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
   }
   // The shortlists' flag, raised by the step when their ids are on the host.
   if (state.shortlist > 0) __atomic_store_n(state.shortlisted(), uint64_t{0}, __ATOMIC_RELEASE);
+  state.in_flight = true;
   cudaStream_t stream = ctx.stream();
   if (!cuda_graphs_) {
     if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
@@ -792,6 +803,7 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   GpuStepContext& ctx = state.gpu;
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
                                            "attending the static sets on the GPU"));
+  state.in_flight = false;
   // The new rows' outliers first, whatever the error words say (their coding has none, and a
   // failed step's rows stay coded): the heads are done with the outliers.
   const LayerConfig& config = *steps.front().config;

@@ -609,7 +609,12 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     for (const LayerStep& step : batch) {
       static_cast<TieredLayer*>(step.layer)->SetShortlistFetch(nullptr);
     }
-    if (!shortlisted.ok()) return shortlisted;
+    if (!shortlisted.ok()) {
+      // The step is still on the tier: Finish drains it and adds its new rows' outliers (its
+      // own error, if any, is the same failure's).
+      tier_->Finish(ctx.static_steps, ctx.static_context.get()).IgnoreError();
+      return shortlisted;
+    }
   }
   for (size_t i = 0; i < n; ++i) {
     static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
