@@ -20,6 +20,41 @@ __device__ __forceinline__ float Widen(float x) { return x; }
 __device__ __forceinline__ float Widen(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float Widen(__half x) { return __half2float(x); }
 
+// The arithmetic both kernels share, so that PqEncodeRows is PqEncode's bit for bit.
+// A centroid's |c|^2, summed in dim order.
+template <int kSub>
+__device__ __forceinline__ float CentroidNorm(const float* centroid) {
+  float norm = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) norm = fmaf(centroid[j], centroid[j], norm);
+  return norm;
+}
+// -2 x of a key's part (exact: a power of two), as the host's assignment scales it.
+template <typename T, int kSub>
+__device__ __forceinline__ void ScaledPart(const T* part, float* scaled) {
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) scaled[j] = -2.0f * Widen(part[j]);
+}
+// |c|^2 - 2 <x, c>: from the norm, one multiply-add per dim in order.
+template <int kSub>
+__device__ __forceinline__ float Distance(float norm, const float* scaled, const float* centroid) {
+  float distance = norm;
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) distance = fmaf(scaled[j], centroid[j], distance);
+  return distance;
+}
+// `error` plus the part's squared differences between the key and its chosen centroid, in order.
+template <int kSub>
+__device__ __forceinline__ float AddSquaredError(float error, const float* scaled,
+                                                 const float* chosen) {
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    const float diff = -0.5f * scaled[j] - chosen[j];
+    error = fmaf(diff, diff, error);
+  }
+  return error;
+}
+
 // Thread i of block b codes key b * kThreads + i: codebook after codebook, the block stages the
 // codebook and its centroids' |c|^2 in shared memory, and every thread weighs all 256 centroids
 // against its key's part (each centroid read by the whole block at once: a broadcast).
@@ -36,36 +71,20 @@ __global__ void __launch_bounds__(kThreads) PqEncodeKernel(const PqEncodeParams 
     const float* src = p.codebooks + static_cast<int64_t>(m) * kCentroids * kSub;
     for (int e = threadIdx.x; e < kCentroids * kSub; e += kThreads) book[e] = src[e];
     __syncthreads();
-    {
-      const float* centroid = book + threadIdx.x * kSub;
-      float norm = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) norm = fmaf(centroid[j], centroid[j], norm);
-      norms[threadIdx.x] = norm;
-    }
+    norms[threadIdx.x] = CentroidNorm<kSub>(book + threadIdx.x * kSub);
     __syncthreads();
-    // -2 x (exact: a power of two), as the host's assignment scales it.
     float scaled[kSub];
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) scaled[j] = -2.0f * Widen(key[m * kSub + j]);
+    ScaledPart<T, kSub>(key + m * kSub, scaled);
     float best = 0.0f;
     int best_c = 0;
     for (int c = 0; c < kCentroids; ++c) {
-      const float* centroid = book + c * kSub;
-      float distance = norms[c];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) distance = fmaf(scaled[j], centroid[j], distance);
+      const float distance = Distance<kSub>(norms[c], scaled, book + c * kSub);
       if (c == 0 || distance < best) {
         best = distance;
         best_c = c;
       }
     }
-    const float* chosen = book + best_c * kSub;
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      const float diff = -0.5f * scaled[j] - chosen[j];
-      error = fmaf(diff, diff, error);
-    }
+    error = AddSquaredError<kSub>(error, scaled, book + best_c * kSub);
     if (valid) p.codes[i * p.subspaces + m] = static_cast<uint8_t>(best_c);
   }
   if (valid && p.errors != nullptr) p.errors[i] = error;
@@ -92,15 +111,9 @@ __global__ void __launch_bounds__(kThreads) PqEncodeRowsKernel(const PqEncodeJob
     const float* src = job.codebooks + (static_cast<int64_t>(m) * kCentroids + c) * kSub;
 #pragma unroll
     for (int j = 0; j < kSub; ++j) centroid[j] = src[j];
-    float norm = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) norm = fmaf(centroid[j], centroid[j], norm);
     float scaled[kSub];
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) scaled[j] = -2.0f * Widen(key[m * kSub + j]);
-    float best = norm;
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) best = fmaf(scaled[j], centroid[j], best);
+    ScaledPart<T, kSub>(key + m * kSub, scaled);
+    float best = Distance<kSub>(CentroidNorm<kSub>(centroid), scaled, centroid);
     // PqEncodeKernel's scan keeps centroid 0 when its distance is NaN (nothing compares below
     // NaN) and passes over any other NaN: the same order, for keys that are not finite.
     if (isnan(best)) best = c == 0 ? -INFINITY : INFINITY;
@@ -128,13 +141,7 @@ __global__ void __launch_bounds__(kThreads) PqEncodeRowsKernel(const PqEncodeJob
       }
     }
     if (c == best_c) {
-      float e = error;
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) {
-        const float diff = -0.5f * scaled[j] - centroid[j];
-        e = fmaf(diff, diff, e);
-      }
-      error = e;
+      error = AddSquaredError<kSub>(error, scaled, centroid);
       job.codes[m] = static_cast<uint8_t>(c);
     }
     __syncthreads();  // the error is added and the winners' slots free for the next part
@@ -142,24 +149,39 @@ __global__ void __launch_bounds__(kThreads) PqEncodeRowsKernel(const PqEncodeJob
   if (c == 0 && job.error != nullptr) *job.error = error;
 }
 
-template <typename T, int kSub>
-absl::Status LaunchPqEncodeRowsAs(const PqEncodeRowsParams& p, cudaStream_t stream) {
-  PqEncodeRowsKernel<T, kSub><<<p.count, kThreads, 0, stream>>>(p.jobs, p.subspaces);
-  return LaunchStatus("PqEncodeRowsKernel");
-}
-
+// Calls launch(Key<T>{}, Part<kSub>{}) for the key element type and the part's dims (4, 8, 16 or
+// 32, checked by CheckParts): the kernels' instantiations, chosen in one place.
 template <typename T>
-absl::Status LaunchPqEncodeRows(const PqEncodeRowsParams& p, cudaStream_t stream) {
-  switch (p.dim / p.subspaces) {
-    case 4:
-      return LaunchPqEncodeRowsAs<T, 4>(p, stream);
-    case 8:
-      return LaunchPqEncodeRowsAs<T, 8>(p, stream);
-    case 16:
-      return LaunchPqEncodeRowsAs<T, 16>(p, stream);
-    default:
-      return LaunchPqEncodeRowsAs<T, 32>(p, stream);
+struct Key {
+  using type = T;
+};
+template <int kSub>
+struct Part {
+  static constexpr int dims = kSub;
+};
+template <typename Launch>
+absl::Status WithKeyAndPart(KvElement element, int part_dims, const Launch& launch) {
+  auto with_part = [&](auto key) {
+    switch (part_dims) {
+      case 4:
+        return launch(key, Part<4>{});
+      case 8:
+        return launch(key, Part<8>{});
+      case 16:
+        return launch(key, Part<16>{});
+      default:
+        return launch(key, Part<32>{});
+    }
+  };
+  switch (element) {
+    case KvElement::kF32:
+      return with_part(Key<float>{});
+    case KvElement::kBf16:
+      return with_part(Key<__nv_bfloat16>{});
+    case KvElement::kF16:
+      return with_part(Key<__half>{});
   }
+  return absl::InvalidArgumentError("PQ encoding: unknown key element type");
 }
 
 // INVALID_ARGUMENT unless `dim` splits into `subspaces` parts of 4, 8, 16 or 32 dims.
@@ -173,26 +195,6 @@ absl::Status CheckParts(int dim, int subspaces) {
         " dim=", dim));
   }
   return absl::OkStatus();
-}
-
-template <typename T>
-absl::Status LaunchPqEncode(const PqEncodeParams& p, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((p.count + kThreads - 1) / kThreads);
-  switch (p.dim / p.subspaces) {
-    case 4:
-      PqEncodeKernel<T, 4><<<blocks, kThreads, 0, stream>>>(p);
-      break;
-    case 8:
-      PqEncodeKernel<T, 8><<<blocks, kThreads, 0, stream>>>(p);
-      break;
-    case 16:
-      PqEncodeKernel<T, 16><<<blocks, kThreads, 0, stream>>>(p);
-      break;
-    default:
-      PqEncodeKernel<T, 32><<<blocks, kThreads, 0, stream>>>(p);
-      break;
-  }
-  return LaunchStatus("PqEncodeKernel");
 }
 
 }  // namespace
@@ -211,15 +213,12 @@ absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
   if (p.keys == nullptr || p.codebooks == nullptr || p.codes == nullptr) {
     return absl::InvalidArgumentError("keys, codebooks and codes must be device pointers");
   }
-  switch (p.element) {
-    case KvElement::kF32:
-      return LaunchPqEncode<float>(p, stream);
-    case KvElement::kBf16:
-      return LaunchPqEncode<__nv_bfloat16>(p, stream);
-    case KvElement::kF16:
-      return LaunchPqEncode<__half>(p, stream);
-  }
-  return absl::InvalidArgumentError("PQ encoding: unknown key element type");
+  const unsigned blocks = static_cast<unsigned>((p.count + kThreads - 1) / kThreads);
+  return WithKeyAndPart(p.element, p.dim / p.subspaces, [&](auto key, auto part) {
+    PqEncodeKernel<typename decltype(key)::type, decltype(part)::dims>
+        <<<blocks, kThreads, 0, stream>>>(p);
+    return LaunchStatus("PqEncodeKernel");
+  });
 }
 
 absl::Status PqEncodeRows(const PqEncodeRowsParams& p, cudaStream_t stream) {
@@ -230,15 +229,11 @@ absl::Status PqEncodeRows(const PqEncodeRowsParams& p, cudaStream_t stream) {
   }
   if (p.count == 0) return absl::OkStatus();
   if (p.jobs == nullptr) return absl::InvalidArgumentError("the jobs must be a device pointer");
-  switch (p.element) {
-    case KvElement::kF32:
-      return LaunchPqEncodeRows<float>(p, stream);
-    case KvElement::kBf16:
-      return LaunchPqEncodeRows<__nv_bfloat16>(p, stream);
-    case KvElement::kF16:
-      return LaunchPqEncodeRows<__half>(p, stream);
-  }
-  return absl::InvalidArgumentError("PQ encoding: unknown key element type");
+  return WithKeyAndPart(p.element, p.dim / p.subspaces, [&](auto key, auto part) {
+    PqEncodeRowsKernel<typename decltype(key)::type, decltype(part)::dims>
+        <<<p.count, kThreads, 0, stream>>>(p.jobs, p.subspaces);
+    return LaunchStatus("PqEncodeRowsKernel");
+  });
 }
 
 }  // namespace kvrecall::cuda
