@@ -1,25 +1,108 @@
 #include "index/shortlist_selector.h"
 
 #include <algorithm>
+#include <chrono>
+#include <limits>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/spin_wait.h"
 
 namespace kvrecall {
 
 ShortlistSelector::ShortlistSelector(const LayerShape& shape, int top_k)
-    : shape_(shape), top_k_(top_k), heads_(shape.q_heads) {}
+    : shape_(shape),
+      top_k_(top_k),
+      heads_(shape.q_heads),
+      groups_(std::make_unique<Group[]>(shape.kv_heads)) {}
 
-void ShortlistSelector::SetShortlist(int q_head, std::span<const int32_t> ids,
-                                     std::span<const int32_t> outliers, int64_t coded) {
-  heads_[q_head] = Head{ids, outliers, coded};
+void ShortlistSelector::SetOutliers(int kv_head, std::span<const int32_t> outliers) {
+  groups_[kv_head].outliers = outliers;
+}
+
+void ShortlistSelector::SetShortlist(int q_head, std::span<const int32_t> ids, int64_t coded) {
+  heads_[q_head].ids = ids;
+  heads_[q_head].coded = coded;
+}
+
+void ShortlistSelector::PlanOutlierScores(const float* q,
+                                          absl::FunctionRef<bool(int q_head)> planned) {
+  if (++generation_ == 0) generation_ = 1;  // 0 marks a chunk never taken
+  planned_q_ = q;
+  const int group_size = shape_.q_heads / shape_.kv_heads;
+  for (int g = 0; g < shape_.kv_heads; ++g) {
+    Group& group = groups_[g];
+    bool any = false;
+    for (int h = g * group_size; h < (g + 1) * group_size; ++h) {
+      Head& head = heads_[h];
+      head.planned = planned(h);
+      if (!head.planned) continue;
+      any = true;
+      head.outlier_scores.assign(group.outliers.size(), std::numeric_limits<float>::quiet_NaN());
+    }
+    const auto rows = static_cast<int64_t>(group.outliers.size());
+    group.chunks = any ? static_cast<int>((rows + kOutlierChunk - 1) / kOutlierChunk) : 0;
+    if (group.chunks > group.capacity) {
+      group.capacity = std::max(group.chunks, 2 * group.capacity);
+      group.taken = std::make_unique<std::atomic<uint32_t>[]>(group.capacity);
+    }
+    group.chunks_left.store(group.chunks, std::memory_order_relaxed);
+  }
+}
+
+int ShortlistSelector::OutlierChunks(int kv_head) const { return groups_[kv_head].chunks; }
+
+void ShortlistSelector::ScoreOutliers(int kv_head, int chunk, const KvView& kv) {
+  Group& group = groups_[kv_head];
+  if (chunk < 0 || chunk >= group.chunks) return;
+  uint32_t seen = group.taken[chunk].load(std::memory_order_relaxed);
+  if (seen == generation_ || !group.taken[chunk].compare_exchange_strong(seen, generation_)) {
+    return;  // another thread's
+  }
+  // The chunk's outliers inside the view (the others are never candidates: Select skips them).
+  thread_local std::vector<int32_t> inside;
+  thread_local std::vector<int32_t> slots;
+  thread_local std::vector<float> scores;
+  inside.clear();
+  slots.clear();
+  const auto begin = static_cast<size_t>(chunk) * kOutlierChunk;
+  const size_t end = std::min(group.outliers.size(), begin + kOutlierChunk);
+  for (size_t j = begin; j < end; ++j) {
+    const int32_t id = group.outliers[j];
+    if (id >= 0 && id < kv.tokens) {
+      inside.push_back(id);
+      slots.push_back(static_cast<int32_t>(j));
+    }
+  }
+  scores.resize(inside.size());
+  const int group_size = shape_.q_heads / shape_.kv_heads;
+  for (int h = kv_head * group_size; h < (kv_head + 1) * group_size; ++h) {
+    Head& head = heads_[h];
+    if (!head.planned) continue;
+    // The first head's pass brings the rows in; the group's next heads find them in cache.
+    cpu::ScoreTokens(planned_q_ + static_cast<int64_t>(h) * shape_.head_dim, kv, kv_head, inside,
+                     shape_.scale, scores.data());
+    for (size_t i = 0; i < inside.size(); ++i) head.outlier_scores[slots[i]] = scores[i];
+  }
+  group.chunks_left.fetch_sub(1, std::memory_order_release);
 }
 
 void ShortlistSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {
   if (fetch_ != nullptr) (*fetch_)();
   const Head& head = heads_[q_head];
+  const int kv_head = KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads);
+  if (head.planned) {
+    // The group's chunks nobody has taken yet, then the wait for those others are scoring.
+    Group& group = groups_[kv_head];
+    for (int c = 0; c < group.chunks; ++c) ScoreOutliers(kv_head, c, kv);
+    auto scored = [&] { return group.chunks_left.load(std::memory_order_acquire) == 0; };
+    while (!cpu::PollUntil(std::chrono::milliseconds(1), scored)) {
+    }
+  }
+  const std::span<const int32_t> outliers = groups_[kv_head].outliers;
   const int64_t coded = std::min(head.coded, kv.tokens);
   thread_local std::vector<int32_t> candidates;
   thread_local std::vector<float> scores;
+  thread_local std::vector<float> outlier_scores;  // of the outliers taken, in their order
   thread_local std::vector<int32_t> positions;
   // Outliers the shortlist holds too are taken once: a stamp per coded row says which Select
   // took it last (stamps are per thread, and a Select's is new).
@@ -30,19 +113,31 @@ void ShortlistSelector::Select(int q_head, const float* q, const KvView& kv, Hea
     std::fill(taken.begin(), taken.end(), 0);
     stamp = 1;
   }
+  auto take = [&](int32_t id) {
+    if (id < 0 || id >= coded || taken[id] == stamp) return false;
+    taken[id] = stamp;
+    candidates.push_back(id);
+    return true;
+  };
   candidates.clear();
-  for (std::span<const int32_t> list : {head.ids, head.outliers}) {
-    for (int32_t id : list) {
-      if (id >= 0 && id < coded && taken[id] != stamp) {
-        taken[id] = stamp;
-        candidates.push_back(id);
-      }
-    }
+  outlier_scores.clear();
+  for (int32_t id : head.ids) take(id);
+  const size_t shortlisted = candidates.size();
+  for (size_t j = 0; j < outliers.size(); ++j) {
+    if (take(outliers[j]) && head.planned) outlier_scores.push_back(head.outlier_scores[j]);
   }
+  const size_t tail = candidates.size();
   for (int64_t t = coded; t < kv.tokens; ++t) candidates.push_back(static_cast<int32_t>(t));
   scores.resize(candidates.size());
-  const int kv_head = KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads);
-  cpu::ScoreTokens(q, kv, kv_head, candidates, shape_.scale, scores.data());
+  const std::span<const int32_t> all(candidates);
+  if (head.planned) {
+    // Every candidate's score is the same function of its row whichever call computes it.
+    cpu::ScoreTokens(q, kv, kv_head, all.first(shortlisted), shape_.scale, scores.data());
+    std::copy(outlier_scores.begin(), outlier_scores.end(), scores.begin() + shortlisted);
+    cpu::ScoreTokens(q, kv, kv_head, all.subspan(tail), shape_.scale, scores.data() + tail);
+  } else {
+    cpu::ScoreTokens(q, kv, kv_head, all, shape_.scale, scores.data());
+  }
   cpu::TopKPositions(scores, top_k_, &positions);
   out->support.resize(positions.size());
   out->support_scores.resize(positions.size());

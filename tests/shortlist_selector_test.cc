@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -54,7 +55,8 @@ TEST(ShortlistSelectorTest, RescoresTheShortlistTheOutliersAndTheUncodedTailOnce
   const std::vector<int32_t> ids = {3, 17, 17, 42, -5, 99, 249, 250, 299, 400, 120, 7};
   const std::vector<int32_t> outliers = {42, 180, 260};
   ShortlistSelector selector(Shape(), kTopK);
-  for (int h = 0; h < kQHeads; ++h) selector.SetShortlist(h, ids, outliers, coded);
+  for (int g = 0; g < kKvHeads; ++g) selector.SetOutliers(g, outliers);
+  for (int h = 0; h < kQHeads; ++h) selector.SetShortlist(h, ids, coded);
   std::set<int32_t> expected_candidates = {3, 17, 42, 99, 249, 120, 7, 180};
   for (int64_t t = coded; t < kTokens; ++t) expected_candidates.insert(static_cast<int32_t>(t));
   for (int h = 0; h < kQHeads; ++h) {
@@ -93,6 +95,80 @@ TEST(ShortlistSelectorTest, FetchesFirstAndScansEverythingWithoutAShortlist) {
               UnorderedElementsAreArray(testing::ReferenceTopK(
                   q.data() + kDim, kv.view(), KvHeadOf(1, kQHeads, kKvHeads), 1.0, kTopK)));
   selector.set_fetch(nullptr);
+}
+
+// Outliers scored ahead of the shortlists (PlanOutlierScores, ScoreOutliers) leave every
+// planned head's support and scores what they are when its Select scores them itself, bit for
+// bit, whoever scores which chunk: over three steps whose plans and outliers change (lists of
+// three chunks, with positions outside the view, repeats, and rows the shortlist holds too),
+// every chunk scored on other threads first, then one chunk (the planned Selects take the
+// others), then none.
+TEST(ShortlistSelectorTest, OutliersScoredAheadChangeNoSelection) {
+  const testing::RandomKv kv(kTokens, kKvHeads, kDim, /*seed=*/11);
+  const std::vector<float> q = testing::RandomNormal(kQHeads * kDim, /*seed=*/12);
+  const int64_t coded = 280;
+  const std::vector<int32_t> ids = {5, 17, 42, 99, 120, 249, 250, 7, -1, 310};
+  std::vector<std::vector<int32_t>> outliers(kKvHeads);
+  for (int g = 0; g < kKvHeads; ++g) {
+    for (int j = 0; j < 300; ++j) outliers[g].push_back((j * (37 + 2 * g) + g) % 340 - 20);
+  }
+  ASSERT_EQ((outliers[0].size() + ShortlistSelector::kOutlierChunk - 1) /
+                ShortlistSelector::kOutlierChunk,
+            3u);
+  auto select_all = [&](ShortlistSelector& selector, std::vector<HeadSelection>* out) {
+    out->assign(kQHeads, HeadSelection());
+    std::vector<std::thread> threads;
+    for (int h = 0; h < kQHeads; ++h) {
+      threads.emplace_back(
+          [&, h] { selector.Select(h, q.data() + h * kDim, kv.view(), &(*out)[h]); });
+    }
+    for (std::thread& t : threads) t.join();
+  };
+  ShortlistSelector reference(Shape(), kTopK);
+  ShortlistSelector ahead(Shape(), kTopK);
+  for (int step = 0; step < 3; ++step) {
+    for (int g = 0; g < kKvHeads; ++g) {
+      // Step 1 swaps the groups' outliers, so scores left from step 0 would be wrong there.
+      const std::vector<int32_t>& list = outliers[(g + step) % kKvHeads];
+      reference.SetOutliers(g, list);
+      ahead.SetOutliers(g, list);
+    }
+    for (int h = 0; h < kQHeads; ++h) {
+      reference.SetShortlist(h, ids, coded);
+      ahead.SetShortlist(h, ids, coded);
+    }
+    // Step 1 plans heads 0 and 3 (one of each group), the other steps every head.
+    ahead.PlanOutlierScores(q.data(), [&](int h) { return step != 1 || h == 0 || h == 3; });
+    std::vector<std::thread> scorers;
+    for (int g = 0; g < kKvHeads; ++g) {
+      ASSERT_EQ(ahead.OutlierChunks(g), 3);
+      if (step == 0) {
+        for (int c = 0; c < 3; ++c) ahead.ScoreOutliers(g, c, kv.view());
+      } else if (step == 1) {
+        scorers.emplace_back([&, g] { ahead.ScoreOutliers(g, 1, kv.view()); });
+      }
+    }
+    std::vector<HeadSelection> want, got;
+    select_all(reference, &want);
+    select_all(ahead, &got);
+    for (std::thread& t : scorers) t.join();
+    for (int h = 0; h < kQHeads; ++h) {
+      EXPECT_EQ(got[h].support, want[h].support) << "step " << step << " head " << h;
+      EXPECT_EQ(got[h].support_scores, want[h].support_scores)
+          << "step " << step << " head " << h;
+      EXPECT_EQ(got[h].candidates, want[h].candidates) << "step " << step << " head " << h;
+      // Every chunk's outliers are among the candidates, each once.
+      std::set<int32_t> expected;
+      for (int32_t id : ids) {
+        if (id >= 0 && id < coded) expected.insert(id);
+      }
+      for (int32_t id : outliers[(KvHeadOf(h, kQHeads, kKvHeads) + step) % kKvHeads]) {
+        if (id >= 0 && id < coded) expected.insert(id);
+      }
+      EXPECT_EQ(want[h].candidates, static_cast<int32_t>(expected.size() + kTokens - coded))
+          << "step " << step << " head " << h;
+    }
+  }
 }
 
 }  // namespace

@@ -185,8 +185,30 @@ class TieredLayer final : public LayerBackend {
     for (int h = 0; h < shape.q_heads; ++h) {
       bulk_.shortlist->SetShortlist(
           h, std::span<const int32_t>(shortlist_ids_.data() + int64_t{h} * n, shortlist_sizes_[h]),
-          codes_->outliers(KvHeadOf(h, shape.q_heads, shape.kv_heads)), shortlist_coded_);
+          shortlist_coded_);
     }
+  }
+  // Before the step's heads (one thread): hands the exact path the outliers, and plans their
+  // scoring ahead of the shortlists for the heads expected to read one. Returns whether any
+  // head is planned: then the step's loop runs ScoreOutliers for each chunk OutlierChunks
+  // counts.
+  bool PlanOutliers(const LayerStep& step) {
+    if (codes_ == nullptr) return false;
+    const LayerShape& shape = config_.shape;
+    for (int g = 0; g < shape.kv_heads; ++g) bulk_.shortlist->SetOutliers(g, codes_->outliers(g));
+    bool any = false;
+    bulk_.shortlist->PlanOutlierScores(step.q, [&](int h) {
+      const bool expected = ExpectsShortlist(h);
+      any |= expected;
+      return expected;
+    });
+    return any;
+  }
+  int OutlierChunks(int kv_head) const { return bulk_.shortlist->OutlierChunks(kv_head); }
+  // A chunk of KV head `kv_head`'s outliers scored for the planned heads of its group: they
+  // need no shortlist, so the step's loop runs these first, while the shortlists are in flight.
+  void ScoreOutliers(const KvView& all, int kv_head, int chunk) {
+    bulk_.shortlist->ScoreOutliers(kv_head, chunk, BulkView(all, config_.selector));
   }
 
   // Writes the step's token into the reserved host row (not committed yet) and returns the
@@ -342,7 +364,11 @@ class TieredStepContext final : public StepContext {
   std::vector<float> bulk_o, bulk_lse;
   std::vector<StaticSetStep> static_steps;
   std::vector<KvView> histories;
-  std::vector<int64_t> order;  // the (sequence, head) items, longest expected first
+  std::vector<int64_t> order;  // the loop's items: outlier chunks, then heads longest first
+  struct OutlierChunk {
+    int32_t sequence, kv_head, chunk;
+  };
+  std::vector<OutlierChunk> outlier_chunks;  // of the planned layers
 };
 
 int64_t TieredBackend::HostKvBytesFor(const LayerConfig& config, int64_t tokens) const {
@@ -570,26 +596,45 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     work += static_cast<TieredLayer*>(batch[i].layer)->BeginBulk(ctx.histories[i], &waited);
     link_wait += waited;
   }
-  // Every (sequence, head) pair of the batch one at a time: a head on an exact path (a graph
-  // search) costs many reuse heads, and a sequence's step would otherwise wait for its slowest
-  // head before the next sequence starts.
-  const int64_t items = static_cast<int64_t>(n) * heads;
+  // The outliers' scores need no shortlist: an item per chunk of each KV group's outliers in
+  // the layers that plan them, first in the loop, so that they are scored while the shortlists
+  // are in flight and the exact heads rescore only their shortlists once they arrive.
+  const int kv_heads = first.shape.kv_heads;
+  ctx.outlier_chunks.clear();
+  for (size_t i = 0; i < n; ++i) {
+    auto& layer = *static_cast<TieredLayer*>(batch[i].layer);
+    if (!layer.PlanOutliers(batch[i])) continue;
+    for (int g = 0; g < kv_heads; ++g) {
+      for (int c = 0; c < layer.OutlierChunks(g); ++c) {
+        ctx.outlier_chunks.push_back({static_cast<int32_t>(i), g, c});
+      }
+    }
+  }
+  const auto chunks = static_cast<int64_t>(ctx.outlier_chunks.size());
+  // Then every (sequence, head) pair of the batch one at a time: a head on an exact path (a
+  // graph search) costs many reuse heads, and a sequence's step would otherwise wait for its
+  // slowest head before the next sequence starts.
+  const int64_t head_items = static_cast<int64_t>(n) * heads;
+  const int64_t items = chunks + head_items;
   const int threads = cpu::ThreadsFor(work, items);
   auto layer_of = [&](int64_t item) {
     return static_cast<TieredLayer*>(batch[static_cast<size_t>(item / heads)].layer);
   };
-  // The items that took longest in their layer's last step start first (longest processing
-  // time first, the last step's time as the estimate): a long item started last holds the loop
-  // up while the other threads idle. While shortlists are in flight, the items expected to need
-  // none go first, so that they run while the rest would wait. The order changes no result:
-  // each item writes its own outputs.
+  // The head items that took longest in their layer's last step start first (longest
+  // processing time first, the last step's time as the estimate): a long item started last
+  // holds the loop up while the other threads idle. While shortlists are in flight, the items
+  // expected to need none go first, so that they run while the rest would wait. The order
+  // changes no result: each item writes its own outputs. (A planned head's Select scores the
+  // chunks of its group's outliers no item has taken yet and waits for the rest: it needs no
+  // particular order to make progress.)
   ctx.order.resize(items);
-  for (int64_t item = 0; item < items; ++item) ctx.order[item] = item;
+  for (int64_t k = 0; k < chunks; ++k) ctx.order[k] = head_items + k;
+  for (int64_t item = 0; item < head_items; ++item) ctx.order[chunks + item] = item;
   auto waits = [&](int64_t item) {
     return shortlists && layer_of(item)->ExpectsShortlist(static_cast<int>(item % heads));
   };
   // (std::sort with the item as the tie-break: std::stable_sort would allocate every step.)
-  std::sort(ctx.order.begin(), ctx.order.end(), [&](int64_t a, int64_t b) {
+  std::sort(ctx.order.begin() + chunks, ctx.order.end(), [&](int64_t a, int64_t b) {
     const bool waits_a = waits(a), waits_b = waits(b);
     if (waits_a != waits_b) return waits_b;
     const float cost_a = layer_of(a)->last_bulk_micros(static_cast<int>(a % heads));
@@ -598,6 +643,12 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   });
   cpu::ParallelFor(items, threads, [&](int64_t k) {
     const int64_t item = ctx.order[k];
+    if (item >= head_items) {
+      const TieredStepContext::OutlierChunk& chunk = ctx.outlier_chunks[item - head_items];
+      static_cast<TieredLayer*>(batch[chunk.sequence].layer)
+          ->ScoreOutliers(ctx.histories[chunk.sequence], chunk.kv_head, chunk.chunk);
+      return;
+    }
     const size_t i = static_cast<size_t>(item / heads);
     layer_of(item)->AttendBulkHead(batch[i], ctx.histories[i], static_cast<int>(item % heads),
                                    bulk_start, ctx.bulk_o.data() + i * heads * d,
