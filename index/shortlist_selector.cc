@@ -16,7 +16,14 @@ ShortlistSelector::ShortlistSelector(const LayerShape& shape, int top_k)
       groups_(std::make_unique<Group[]>(shape.kv_heads)) {}
 
 void ShortlistSelector::SetOutliers(int kv_head, std::span<const int32_t> outliers) {
-  groups_[kv_head].outliers = outliers;
+  Group& group = groups_[kv_head];
+  group.outliers = outliers;
+  group.chunks = 0;
+  group.chunks_left.store(0, std::memory_order_relaxed);
+  const int group_size = shape_.q_heads / shape_.kv_heads;
+  for (int h = kv_head * group_size; h < (kv_head + 1) * group_size; ++h) {
+    heads_[h].planned = false;
+  }
 }
 
 void ShortlistSelector::SetShortlist(int q_head, std::span<const int32_t> ids, int64_t coded) {
@@ -50,6 +57,17 @@ void ShortlistSelector::PlanOutlierScores(const float* q,
 }
 
 int ShortlistSelector::OutlierChunks(int kv_head) const { return groups_[kv_head].chunks; }
+
+int64_t ShortlistSelector::MemoryBytes() const {
+  int64_t bytes = 0;
+  for (const Head& head : heads_) {
+    bytes += static_cast<int64_t>(head.outlier_scores.capacity() * sizeof(float));
+  }
+  for (int g = 0; g < shape_.kv_heads; ++g) {
+    bytes += int64_t{groups_[g].capacity} * static_cast<int64_t>(sizeof(std::atomic<uint32_t>));
+  }
+  return bytes;
+}
 
 void ShortlistSelector::ScoreOutliers(int kv_head, int chunk, const KvView& kv) {
   Group& group = groups_[kv_head];

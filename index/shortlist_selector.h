@@ -20,6 +20,10 @@ namespace kvrecall {
 
 class ShortlistSelector final : public SupportSelector {
  public:
+  // Outlier rows a chunk of ScoreOutliers takes (below): a chunk is one item of the step's
+  // loop, so that a long list (1023 rows a KV head at 512K) spreads over the waiting threads.
+  static constexpr int kOutlierChunk = 128;
+
   ShortlistSelector(const LayerShape& shape, int top_k);
 
   // Nothing to build: the codes are the tier's.
@@ -27,7 +31,8 @@ class ShortlistSelector final : public SupportSelector {
 
   // Before a step's Selects: the outliers of KV head `kv_head`, positions of the bulk view that
   // Select will see (every query head of the KV group rescores them). Read, not copied: they
-  // must stay valid until the step's Selects return.
+  // must stay valid until the step's Selects return. Drops the group's plan of the last step
+  // (PlanOutlierScores below makes this step's).
   void SetOutliers(int kv_head, std::span<const int32_t> outliers);
   // Before a step's Selects: query head `q_head`'s shortlist, positions of the bulk view, the
   // bulk's first `coded` keys being the ones the shortlist was chosen among (a position outside
@@ -42,22 +47,19 @@ class ShortlistSelector final : public SupportSelector {
 
   // The outliers' scores ahead of the shortlists. They depend on the query and the outliers
   // alone, so a step can score them while its shortlists are still in flight, each outlier row
-  // loaded once for the query heads of its KV group that need it, in chunks of
-  // kOutlierChunk rows: a chunk is one item of the step's loop, so that a long list (1023 rows a
-  // KV head at 512K) spreads over the threads that wait for the shortlists.
-  static constexpr int kOutlierChunk = 128;
+  // loaded once for the query heads of its KV group that need it, kOutlierChunk rows at a time.
   //
   // Before the step's Selects, on one thread, after SetOutliers: `planned(h)` says which query
-  // heads' outliers are scored ahead this step (the last step's plan is dropped); q:
-  // [q_heads, head_dim], the queries each head's Select will be given, valid until the step's
-  // Selects return.
+  // heads' outliers are scored ahead this step; q: [q_heads, head_dim], the queries each head's
+  // Select will be given, valid until the step's Selects return.
   void PlanOutlierScores(const float* q, absl::FunctionRef<bool(int q_head)> planned);
   // How many chunks KV head `kv_head`'s outliers make (0 if no head of its group is planned).
   int OutlierChunks(int kv_head) const;
   // Scores chunk `chunk` of KV head `kv_head`'s outliers for the planned query heads of its
   // group, over kv (the view the Selects see), unless another call or Select has taken it. A
   // planned head's Select scores every chunk of its group no other call has taken, then waits
-  // for the rest: the result is the same whoever scores which chunk. Safe from any thread.
+  // for the rest: the result is the same whoever scores which chunk. From any thread, between
+  // the plan and the end of the step's Selects.
   void ScoreOutliers(int kv_head, int chunk, const KvView& kv);
 
   // The top K, by exact score, of the shortlist, the outliers and the keys [coded, kv.tokens),
@@ -65,6 +67,9 @@ class ShortlistSelector final : public SupportSelector {
   // scan. A planned head rescores only its shortlist and the tail, and takes its outliers'
   // scores from ScoreOutliers: the same support and scores, bit for bit.
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
+
+  // The outliers' scores and the chunks' claims, which grow with the outliers.
+  int64_t MemoryBytes() const override;
 
  private:
   struct Head {

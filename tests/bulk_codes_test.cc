@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/vector_set.h"
 #include "server/memory_budget.h"
 #include "tests/test_util.h"
 
@@ -21,7 +22,7 @@ constexpr int kKvHeads = 2;
 constexpr int kDim = 64;
 constexpr int64_t kPrompt = 2048;
 
-// Host-memory codes, enough of a BulkCodes to code rows: EncodeRows' codes are discarded.
+// Host-memory codes, enough of a BulkCodes to code rows and read them back.
 class CodesUnderTest final : public BulkCodes {
  public:
   static std::unique_ptr<CodesUnderTest> Create(const KvView& prompt, MemoryAccount* host) {
@@ -34,16 +35,30 @@ class CodesUnderTest final : public BulkCodes {
   }
   int64_t device_bytes() const override { return 0; }
   absl::Status Reserve(int64_t) override { return absl::OkStatus(); }
+  // Codes rows [begin, end): the rows from coded() on.
   void Code(const KvView& bulk, int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(static_cast<size_t>(end - begin) * kv_heads() * subspaces());
     EncodeRows(bulk, begin, end, codes.data());
+    const int64_t n = (end - begin) * subspaces();
+    for (int h = 0; h < kv_heads(); ++h) {
+      codes_[h].resize(end * subspaces());
+      std::copy_n(codes.data() + h * n, n, codes_[h].data() + begin * subspaces());
+    }
     coded_ = end;
   }
   using BulkCodes::AddOutliers;
 
  private:
   CodesUnderTest(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
-      : BulkCodes(std::move(quantizers), host) {}
+      : BulkCodes(std::move(quantizers), host), codes_(kv_heads()) {}
+  absl::Status CopyCodes(int kv_head, int64_t begin, int64_t end,
+                         uint8_t* codes) const override {
+    std::copy(codes_[kv_head].begin() + begin * subspaces(),
+              codes_[kv_head].begin() + end * subspaces(), codes);
+    return absl::OkStatus();
+  }
+
+  std::vector<std::vector<uint8_t>> codes_;  // [kv_heads][coded, M]
 };
 
 TEST(BulkCodesTest, ANewKeyCodedWorseThanThePromptsOutliersJoinsThem) {
@@ -75,6 +90,19 @@ TEST(BulkCodesTest, ANewKeyCodedWorseThanThePromptsOutliersJoinsThem) {
   expected_1.push_back(static_cast<int32_t>(kPrompt + 5));
   EXPECT_EQ(std::vector<int32_t>(codes->outliers(1).begin(), codes->outliers(1).end()),
             expected_1);
+
+  // ReadCodes gives each row's code as the head's quantizer encodes its key, the prompt's rows
+  // and the new ones alike.
+  const int64_t begin = kPrompt - 2, end = kPrompt + 4;
+  for (int h = 0; h < kKvHeads; ++h) {
+    std::vector<uint8_t> want((end - begin) * codes->subspaces());
+    codes->quantizer(h).Encode(VectorSet{keys.data() + (begin * kKvHeads + h) * kDim, end - begin,
+                                         int64_t{kKvHeads} * kDim, kDim, KvElement::kF32},
+                               want.data());
+    absl::StatusOr<std::vector<uint8_t>> got = codes->ReadCodes(h, begin, end);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, want) << "KV head " << h;
+  }
 }
 
 }  // namespace

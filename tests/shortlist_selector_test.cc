@@ -99,22 +99,39 @@ TEST(ShortlistSelectorTest, FetchesFirstAndScansEverythingWithoutAShortlist) {
 
 // Outliers scored ahead of the shortlists (PlanOutlierScores, ScoreOutliers) leave every
 // planned head's support and scores what they are when its Select scores them itself, bit for
-// bit, whoever scores which chunk: over three steps whose plans and outliers change (lists of
-// three chunks, with positions outside the view, repeats, and rows the shortlist holds too),
-// every chunk scored on other threads first, then one chunk (the planned Selects take the
-// others), then none.
+// bit, whoever scores which chunk. Five steps whose plans and outliers change (positions outside
+// the view, repeats, rows the shortlist holds too):
+//   0: three chunks a group, every chunk scored on this thread before the Selects;
+//   1: the groups' lists swapped (last step's scores would be wrong), one head of each group
+//      planned, one chunk scored on other threads while the planned Selects take the others;
+//   2: every head planned, no chunk scored ahead: the Selects take them all;
+//   3: group 0's list grown to six chunks, the last wholly outside the view; group 1 planned
+//      for none (no chunks);
+//   4: group 1's list empty and planned (no chunks), group 0's list shrunk to one chunk.
 TEST(ShortlistSelectorTest, OutliersScoredAheadChangeNoSelection) {
   const testing::RandomKv kv(kTokens, kKvHeads, kDim, /*seed=*/11);
   const std::vector<float> q = testing::RandomNormal(kQHeads * kDim, /*seed=*/12);
   const int64_t coded = 280;
   const std::vector<int32_t> ids = {5, 17, 42, 99, 120, 249, 250, 7, -1, 310};
-  std::vector<std::vector<int32_t>> outliers(kKvHeads);
-  for (int g = 0; g < kKvHeads; ++g) {
-    for (int j = 0; j < 300; ++j) outliers[g].push_back((j * (37 + 2 * g) + g) % 340 - 20);
-  }
-  ASSERT_EQ((outliers[0].size() + ShortlistSelector::kOutlierChunk - 1) /
-                ShortlistSelector::kOutlierChunk,
-            3u);
+  auto list = [](int count, int g) {
+    std::vector<int32_t> out;
+    for (int j = 0; j < count; ++j) out.push_back((j * (37 + 2 * g) + g) % 340 - 20);
+    return out;
+  };
+  std::vector<int32_t> grown = list(5 * ShortlistSelector::kOutlierChunk, 0);
+  for (int j = 0; j < 60; ++j) grown.push_back(kTokens + j);  // the sixth chunk: past the view
+  // [step][group]
+  const std::vector<std::vector<std::vector<int32_t>>> outliers = {
+      {list(300, 0), list(300, 1)}, {list(300, 1), list(300, 0)}, {list(300, 0), list(300, 1)},
+      {grown, list(300, 1)},        {list(100, 0), {}}};
+  const std::vector<std::vector<int>> chunks = {{3, 3}, {3, 3}, {3, 3}, {6, 0}, {1, 0}};
+  auto planned = [](int step, int h) {
+    switch (step) {
+      case 1: return h == 0 || h == 3;
+      case 3: return KvHeadOf(h, kQHeads, kKvHeads) == 0;
+      default: return true;
+    }
+  };
   auto select_all = [&](ShortlistSelector& selector, std::vector<HeadSelection>* out) {
     out->assign(kQHeads, HeadSelection());
     std::vector<std::thread> threads;
@@ -126,24 +143,21 @@ TEST(ShortlistSelectorTest, OutliersScoredAheadChangeNoSelection) {
   };
   ShortlistSelector reference(Shape(), kTopK);
   ShortlistSelector ahead(Shape(), kTopK);
-  for (int step = 0; step < 3; ++step) {
+  for (int step = 0; step < 5; ++step) {
     for (int g = 0; g < kKvHeads; ++g) {
-      // Step 1 swaps the groups' outliers, so scores left from step 0 would be wrong there.
-      const std::vector<int32_t>& list = outliers[(g + step) % kKvHeads];
-      reference.SetOutliers(g, list);
-      ahead.SetOutliers(g, list);
+      reference.SetOutliers(g, outliers[step][g]);
+      ahead.SetOutliers(g, outliers[step][g]);
     }
     for (int h = 0; h < kQHeads; ++h) {
       reference.SetShortlist(h, ids, coded);
       ahead.SetShortlist(h, ids, coded);
     }
-    // Step 1 plans heads 0 and 3 (one of each group), the other steps every head.
-    ahead.PlanOutlierScores(q.data(), [&](int h) { return step != 1 || h == 0 || h == 3; });
+    ahead.PlanOutlierScores(q.data(), [&](int h) { return planned(step, h); });
     std::vector<std::thread> scorers;
     for (int g = 0; g < kKvHeads; ++g) {
-      ASSERT_EQ(ahead.OutlierChunks(g), 3);
-      if (step == 0) {
-        for (int c = 0; c < 3; ++c) ahead.ScoreOutliers(g, c, kv.view());
+      ASSERT_EQ(ahead.OutlierChunks(g), chunks[step][g]) << "step " << step << " group " << g;
+      if (step == 0 || step == 3) {
+        for (int c = 0; c < chunks[step][g]; ++c) ahead.ScoreOutliers(g, c, kv.view());
       } else if (step == 1) {
         scorers.emplace_back([&, g] { ahead.ScoreOutliers(g, 1, kv.view()); });
       }
@@ -162,13 +176,16 @@ TEST(ShortlistSelectorTest, OutliersScoredAheadChangeNoSelection) {
       for (int32_t id : ids) {
         if (id >= 0 && id < coded) expected.insert(id);
       }
-      for (int32_t id : outliers[(KvHeadOf(h, kQHeads, kKvHeads) + step) % kKvHeads]) {
+      for (int32_t id : outliers[step][KvHeadOf(h, kQHeads, kKvHeads)]) {
         if (id >= 0 && id < coded) expected.insert(id);
       }
       EXPECT_EQ(want[h].candidates, static_cast<int32_t>(expected.size() + kTokens - coded))
           << "step " << step << " head " << h;
     }
   }
+  // Held since: the scores of group 0's 700 outliers (step 3) and group 1's 300 for each of
+  // their two heads, and the chunks' claims.
+  EXPECT_GE(ahead.MemoryBytes(), (2 * 700 + 2 * 300) * static_cast<int64_t>(sizeof(float)));
 }
 
 }  // namespace

@@ -253,11 +253,17 @@ TEST_F(TieredShortlistTest, AShortShortlistIsRescoredExactlyWhileTheCodesGrow) {
   // and doubled once: 8 bytes a row (2 KV heads x 64 dims / 16).
   const int64_t row_bytes = g.kv_heads() * g.head_dim() / BulkCodes::kDimsPerCode;
   const int64_t room = 3001 - kSinks - kRecent;
+  // The selector's state (wherever it lives) grew by the codes' room and by the exact path's
+  // scores of the outliers, 4 bytes per query head and outlier of its KV head, held from step to
+  // step (fewer outliers than an eighth of the bulk here: tiered_codes_test's bound) and the
+  // claims of their chunks.
+  const int64_t scores = after->selector_bytes() - before->selector_bytes() - room * row_bytes;
+  EXPECT_GT(scores, 0);
+  EXPECT_LE(scores, g.q_heads() * (room / 8) * 4 + g.kv_heads() * 64);
   if (gpu_tier()) {
     EXPECT_EQ(after->gpu_bytes() - before->gpu_bytes(), room * row_bytes);
   } else {
     EXPECT_EQ(after->gpu_bytes(), 0);
-    EXPECT_EQ(after->selector_bytes() - before->selector_bytes(), room * row_bytes);
   }
 }
 

@@ -29,6 +29,8 @@
 
 namespace kvrecall {
 
+class BulkCodes;  // server/backends/bulk_codes.h
+
 // What one layer of a session is built for.
 struct LayerConfig {
   LayerShape shape;                   // q_heads, kv_heads, head_dim, softmax scale
@@ -94,6 +96,10 @@ class LayerBackend {
   // the layer as it was. Step consumes the reservation.
   virtual absl::Status ReserveToken() = 0;
   virtual LayerMemory memory() const = 0;
+  // The product-quantized codes of the layer's bulk keys where it keeps them (a tiered layer
+  // with policy.index.shortlist whose prompt had a bulk), for inspection between steps and
+  // token reservations; null otherwise.
+  virtual const BulkCodes* bulk_codes() const { return nullptr; }
 };
 
 // One sequence's part of a batched decode step. Inputs and outputs are host memory.

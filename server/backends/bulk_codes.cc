@@ -72,6 +72,24 @@ BulkCodes::BulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* ho
 
 BulkCodes::~BulkCodes() { host_->Release(host_charged_); }
 
+absl::StatusOr<std::vector<uint8_t>> BulkCodes::ReadCodes(int kv_head, int64_t begin,
+                                                          int64_t end) const {
+  if (kv_head < 0 || kv_head >= kv_heads()) {
+    return absl::OutOfRangeError(
+        absl::StrCat("KV head ", kv_head, " out of [0, ", kv_heads(), ")"));
+  }
+  if (begin > end) {
+    return absl::InvalidArgumentError(absl::StrCat("rows [", begin, ", ", end, ")"));
+  }
+  if (begin < 0 || end > coded_) {
+    return absl::OutOfRangeError(
+        absl::StrCat("rows [", begin, ", ", end, ") outside the ", coded_, " coded"));
+  }
+  std::vector<uint8_t> codes((end - begin) * subspaces_);
+  if (absl::Status s = CopyCodes(kv_head, begin, end, codes.data()); !s.ok()) return s;
+  return codes;
+}
+
 void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes) {
   const int64_t n = end - begin;
   std::vector<float> errors(n);

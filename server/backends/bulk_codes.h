@@ -54,12 +54,21 @@ class BulkCodes {
   // Room for `rows` coded bulk rows in all (RESOURCE_EXHAUSTED naming the budget: nothing
   // changed).
   virtual absl::Status Reserve(int64_t rows) = 0;
+  // The codes of rows [begin, end) of KV head `kv_head`: [end - begin, subspaces()] u8, read
+  // from wherever they live (device memory: copied down once the device is idle), so that they
+  // can be checked against the quantizer's encoding of the same keys. Between the layer's steps
+  // and token reservations (Reserve moves the codes). INVALID_ARGUMENT when begin > end;
+  // OUT_OF_RANGE unless 0 <= begin, end <= coded() and the head exists.
+  absl::StatusOr<std::vector<uint8_t>> ReadCodes(int kv_head, int64_t begin, int64_t end) const;
 
  protected:
   // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token), with
   // `assigner`'s assignments when given (the GPU tier's device).
   static absl::StatusOr<std::vector<ProductQuantizer>> Train(const KvView& bulk,
                                                              PqAssigner* assigner = nullptr);
+  // ReadCodes' copy once its range is checked: [end - begin, subspaces()] into `codes`.
+  virtual absl::Status CopyCodes(int kv_head, int64_t begin, int64_t end,
+                                 uint8_t* codes) const = 0;
   // `host` is charged for what the codes hold in host memory (ChargeHost) until they go.
   BulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host);
   // Charges `bytes` more of host memory, naming `what` (RESOURCE_EXHAUSTED: nothing changed).

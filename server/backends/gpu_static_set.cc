@@ -107,12 +107,14 @@ class GpuStaticSet final : public StaticSet {
 // device (kernels/cuda/pq_encode.h), the latter inside the step's launches.
 class GpuBulkCodes final : public BulkCodes {
  public:
-  static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(const KvView& bulk,
+  // On device `ordinal`, which the calling thread has made current.
+  static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(int ordinal, const KvView& bulk,
                                                               const SessionAccounts& accounts,
                                                               int64_t capacity) {
     absl::StatusOr<std::vector<ProductQuantizer>> quantizers = TrainOnDevice(bulk, accounts);
     if (!quantizers.ok()) return quantizers.status();
-    auto codes = absl::WrapUnique(new GpuBulkCodes(*std::move(quantizers), accounts));
+    auto codes =
+        absl::WrapUnique(new GpuBulkCodes(ordinal, *std::move(quantizers), accounts));
     if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
     std::vector<float> books;
     for (int h = 0; h < codes->kv_heads(); ++h) {
@@ -139,6 +141,9 @@ class GpuBulkCodes final : public BulkCodes {
   // Grows the codes (doubling) into a new allocation, the coded rows copied over.
   absl::Status Reserve(int64_t rows) override {
     if (rows <= capacity_) return absl::OkStatus();
+    // From whichever thread reserves the session's next token.
+    DeviceScope scope(ordinal_);
+    if (!scope.status().ok()) return scope.status();
     const int64_t grown_capacity = std::max(rows, 2 * capacity_);
     ChargedBuffer<uint8_t> grown;
     if (absl::Status s = grown.Allocate(kv_heads() * grown_capacity * subspaces_, device_,
@@ -291,9 +296,25 @@ class GpuBulkCodes final : public BulkCodes {
                       "uploading the shortlist's codes");
   }
 
-  GpuBulkCodes(std::vector<ProductQuantizer> quantizers, const SessionAccounts& accounts)
-      : BulkCodes(std::move(quantizers), accounts.host), device_(accounts.device) {}
+  GpuBulkCodes(int ordinal, std::vector<ProductQuantizer> quantizers,
+               const SessionAccounts& accounts)
+      : BulkCodes(std::move(quantizers), accounts.host),
+        ordinal_(ordinal),
+        device_(accounts.device) {}
+  // Synchronizes the device first: a failed step's coding may still run until the layer's
+  // next step drains it, and its row already counts as coded.
+  absl::Status CopyCodes(int kv_head, int64_t begin, int64_t end,
+                         uint8_t* codes) const override {
+    DeviceScope scope(ordinal_);
+    if (!scope.status().ok()) return scope.status();
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaDeviceSynchronize(), "waiting for the device before reading codes"));
+    return CudaStatus(cudaMemcpy(codes, codes_.data() + (kv_head * capacity_ + begin) * subspaces_,
+                                 (end - begin) * subspaces_, cudaMemcpyDeviceToHost),
+                      "reading the shortlist's codes");
+  }
 
+  const int ordinal_;
   MemoryAccount* const device_;
   ChargedBuffer<float> codebooks_;
   ChargedBuffer<uint8_t> codes_;
@@ -327,7 +348,7 @@ class GpuStaticSetTier final : public StaticSetTier {
     DeviceScope scope(ordinal_);
     if (!scope.status().ok()) return scope.status();
     absl::StatusOr<std::unique_ptr<GpuBulkCodes>> codes =
-        GpuBulkCodes::Create(bulk, accounts, capacity);
+        GpuBulkCodes::Create(ordinal_, bulk, accounts, capacity);
     if (!codes.ok()) return codes.status();
     return std::unique_ptr<BulkCodes>(*std::move(codes));
   }

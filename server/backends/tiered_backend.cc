@@ -145,6 +145,8 @@ class TieredLayer final : public LayerBackend {
                        selector_bytes_ + codes_host + codes_device};
   }
 
+  const BulkCodes* bulk_codes() const override { return codes_.get(); }
+
   const LayerConfig& config() const { return config_; }
   StaticSet* static_set() const { return static_set_.get(); }
   const LayerKvStore& kv() const { return kv_; }
@@ -356,6 +358,11 @@ bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
 // A Decode stream's resources: the static tier's, and the bulk states of the largest batch.
 class TieredStepContext final : public StepContext {
  public:
+  // A chunk of a KV group's outliers, scored ahead of the shortlists (one loop item).
+  struct OutlierChunk {
+    int32_t sequence, kv_head, chunk;
+  };
+
   explicit TieredStepContext(std::unique_ptr<StepContext> static_context)
       : static_context(std::move(static_context)) {}
   std::unique_ptr<StepContext> static_context;
@@ -365,9 +372,6 @@ class TieredStepContext final : public StepContext {
   std::vector<StaticSetStep> static_steps;
   std::vector<KvView> histories;
   std::vector<int64_t> order;  // the loop's items: outlier chunks, then heads longest first
-  struct OutlierChunk {
-    int32_t sequence, kv_head, chunk;
-  };
   std::vector<OutlierChunk> outlier_chunks;  // of the planned layers
 };
 
@@ -763,6 +767,12 @@ class HostBulkCodes final : public BulkCodes {
  private:
   HostBulkCodes(std::vector<ProductQuantizer> quantizers, MemoryAccount* host)
       : BulkCodes(std::move(quantizers), host), codes_(kv_heads()) {}
+  absl::Status CopyCodes(int kv_head, int64_t begin, int64_t end,
+                         uint8_t* codes) const override {
+    std::copy(codes_[kv_head].begin() + begin * subspaces_,
+              codes_[kv_head].begin() + end * subspaces_, codes);
+    return absl::OkStatus();
+  }
 
   std::vector<std::vector<uint8_t>> codes_;
   std::vector<uint8_t> scratch_;
