@@ -91,15 +91,25 @@ void ShortlistSelector::ScoreOutliers(int kv_head, int chunk, const KvView& kv) 
       slots.push_back(static_cast<int32_t>(j));
     }
   }
-  scores.resize(inside.size());
+  // Each row loaded and widened once for the group's planned heads.
   const int group_size = shape_.q_heads / shape_.kv_heads;
+  thread_local std::vector<const float*> queries;
+  thread_local std::vector<float*> rows_of;
+  thread_local std::vector<Head*> planned;
+  queries.clear();
+  planned.clear();
   for (int h = kv_head * group_size; h < (kv_head + 1) * group_size; ++h) {
-    Head& head = heads_[h];
-    if (!head.planned) continue;
-    // The first head's pass brings the rows in; the group's next heads find them in cache.
-    cpu::ScoreTokens(planned_q_ + static_cast<int64_t>(h) * shape_.head_dim, kv, kv_head, inside,
-                     shape_.scale, scores.data());
-    for (size_t i = 0; i < inside.size(); ++i) head.outlier_scores[slots[i]] = scores[i];
+    if (!heads_[h].planned) continue;
+    queries.push_back(planned_q_ + static_cast<int64_t>(h) * shape_.head_dim);
+    planned.push_back(&heads_[h]);
+  }
+  scores.resize(planned.size() * inside.size());
+  rows_of.resize(planned.size());
+  for (size_t j = 0; j < planned.size(); ++j) rows_of[j] = scores.data() + j * inside.size();
+  cpu::ScoreTokensForQueries(queries, kv, kv_head, inside, {}, shape_.scale, rows_of.data());
+  for (size_t j = 0; j < planned.size(); ++j) {
+    std::vector<float>& head_scores = planned[j]->outlier_scores;
+    for (size_t i = 0; i < inside.size(); ++i) head_scores[slots[i]] = rows_of[j][i];
   }
   group.chunks_left.fetch_sub(1, std::memory_order_release);
 }

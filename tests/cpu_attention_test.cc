@@ -438,6 +438,57 @@ TEST_P(CpuStoredElementTest, ScoreTokensEqualsDotProductPerRowBitForBit) {
   }
 }
 
+// Several queries against one row, and scattered rows scored for several queries (the query
+// heads of a KV group, each row widened once for all): each score is ScoreTokens' for its query
+// and row, bit for bit, for every element type, every count of queries through the
+// four-at-a-time loop and its remainders, and masks naming some of them per row.
+TEST_P(CpuStoredElementTest, ScoreTokensForQueriesEqualsScoreTokensBitForBit) {
+  for (int dim : {40, 128}) {
+    const RandomKv f32(700, 2, dim, 41 + dim);
+    const testing::NarrowedKv stored(f32, GetParam());
+    const float scale = 0.125f;
+    std::mt19937 rng(dim);
+    for (const KvView& kv : {stored.view(), stored.widened_view()}) {
+      for (int queries : {1, 3, 4, 5, 9}) {
+        const std::vector<float> q = RandomNormal(queries * dim, 43 + queries, 1.5f);
+        std::vector<const float*> query(queries);
+        for (int j = 0; j < queries; ++j) query[j] = q.data() + j * dim;
+        // One row, every query.
+        std::vector<float> one(queries + 1, -1.0f);
+        cpu::DotProductQueries(query.data(), queries, kv.key_row(5, 1), kv.element, dim,
+                               one.data());
+        for (int j = 0; j < queries; ++j) {
+          EXPECT_EQ(one[j], cpu::DotProduct(query[j], kv.key_row(5, 1), kv.element, dim));
+        }
+        EXPECT_EQ(one[queries], -1.0f) << "wrote past count";
+        for (int count : {0, 1, 17, 250}) {
+          std::vector<int32_t> ids(count);
+          for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 700);
+          for (bool masked : {false, true}) {
+            std::vector<uint32_t> which;
+            if (masked) {
+              for (int i = 0; i < count; ++i) which.push_back(rng() & ((1u << queries) - 1));
+            }
+            std::vector<std::vector<float>> scores(queries, std::vector<float>(count, -1.0f));
+            std::vector<float*> out(queries);
+            for (int j = 0; j < queries; ++j) out[j] = scores[j].data();
+            cpu::ScoreTokensForQueries(query, kv, 1, ids, which, scale, out.data());
+            for (int j = 0; j < queries; ++j) {
+              std::vector<float> want(count);
+              cpu::ScoreTokens(query[j], kv, 1, ids, scale, want.data());
+              for (int i = 0; i < count; ++i) {
+                const bool named = !masked || (which[i] >> j & 1) != 0;
+                EXPECT_EQ(scores[j][i], named ? want[i] : -1.0f)
+                    << dim << " " << queries << " " << count << " " << j << " " << i;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(MergeStateTest, LargeLseGapsDoNotOverflow) {
   std::vector<float> o = {1, 2}, other = {3, 4};
   float lse = 1000.0f;

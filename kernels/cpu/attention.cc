@@ -246,7 +246,47 @@ void DotRows(const float* x, const void* const* rows, int n, float* out) {
   }
   for (int r = 0; r < R; ++r) out[r] = SumLanes(sum0[r], sum1[r]);
 }
+
+// out[j] = Dot(x[j], row) for Q queries and one row: DotRows with the roles of the two swapped
+// (each 8 elements of the row widened once for every query), the same products and sums.
+template <KvElement E, int Q>
+void DotQueries(const float* const* x, const Stored<E>* row, int n, float* out) {
+  __m256 sum0[Q], sum1[Q];
+  for (int q = 0; q < Q; ++q) sum0[q] = sum1[q] = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 wa = Widen8<E>(row + i);
+    const __m256 wb = Widen8<E>(row + i + 8);
+    for (int q = 0; q < Q; ++q) {
+      sum0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + i), wa, sum0[q]);
+      sum1[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + i + 8), wb, sum1[q]);
+    }
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 wa = Widen8<E>(row + i);
+    for (int q = 0; q < Q; ++q) sum0[q] = _mm256_fmadd_ps(_mm256_loadu_ps(x[q] + i), wa, sum0[q]);
+  }
+  for (int q = 0; q < Q; ++q) out[q] = SumLanes(sum0[q], sum1[q]);
+}
 #endif
+
+template <KvElement E>
+void DotQueriesOf(const float* const* x, int count, const void* row, int n, float* out) {
+  const auto* stored = static_cast<const Stored<E>*>(row);
+  int q = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n % 8 == 0) {
+    for (; q + 4 <= count; q += 4) DotQueries<E, 4>(x + q, stored, n, out + q);
+    switch (count - q) {
+      case 3: DotQueries<E, 3>(x + q, stored, n, out + q); return;
+      case 2: DotQueries<E, 2>(x + q, stored, n, out + q); return;
+      case 1: DotQueries<E, 1>(x + q, stored, n, out + q); return;
+      default: return;
+    }
+  }
+#endif
+  for (; q < count; ++q) out[q] = Dot<E>(x[q], stored, n);
+}
 
 template <KvElement E>
 void DotRowsOf(const float* x, const void* const* rows, int count, int n, float* out) {
@@ -286,6 +326,36 @@ void ScoreTokensOf(const float* q, const KvView& kv, int kv_head, std::span<cons
     for (int r = 0; r < count; ++r) rows[r] = KeyRow<E>(kv, ids[i + r], kv_head);
     DotRowsOf<E>(q, rows, count, d, scores + i);
     for (int r = 0; r < count; ++r) scores[i + r] *= scale;
+  }
+}
+
+// ScoreTokensOf for several queries: each row requested kRowsAhead rows ahead, then scored for
+// the queries its mask names (DotQueriesOf: the row widened once for all of them).
+template <KvElement E>
+void ScoreTokensForQueriesOf(std::span<const float* const> queries, const KvView& kv,
+                             int kv_head, std::span<const int32_t> ids,
+                             std::span<const uint32_t> which, float scale, float* const* scores) {
+  const size_t n = ids.size();
+  const int d = kv.head_dim;
+  const int row_bytes = d * static_cast<int>(sizeof(Stored<E>));
+  const auto all = static_cast<uint32_t>((uint64_t{1} << queries.size()) - 1);
+  for (size_t j = 0; j < std::min(n, kRowsAhead); ++j) {
+    PrefetchRow(KeyRow<E>(kv, ids[j], kv_head), row_bytes);
+  }
+  const float* picked[32];
+  int slots[32];
+  float got[32];
+  for (size_t i = 0; i < n; ++i) {
+    if (i + kRowsAhead < n) PrefetchRow(KeyRow<E>(kv, ids[i + kRowsAhead], kv_head), row_bytes);
+    int count = 0;
+    for (uint32_t bits = which.empty() ? all : which[i] & all; bits != 0; bits &= bits - 1) {
+      const int query = __builtin_ctz(bits);
+      slots[count] = query;
+      picked[count] = queries[query];
+      ++count;
+    }
+    DotQueriesOf<E>(picked, count, KeyRow<E>(kv, ids[i], kv_head), d, got);
+    for (int c = 0; c < count; ++c) scores[slots[c]][i] = scale * got[c];
   }
 }
 
@@ -429,6 +499,26 @@ void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const 
   WithElement(kv.element, [&](auto e) {
     ScoreTokensOf<decltype(e)::value>(q, kv, kv_head, ids, scale, scores);
   });
+}
+
+void ScoreTokensForQueries(std::span<const float* const> queries, const KvView& kv, int kv_head,
+                           std::span<const int32_t> ids, std::span<const uint32_t> which,
+                           float scale, float* const* scores) {
+  // Without masks, any number of queries, 32 at a time.
+  for (size_t first = 0; first < queries.size(); first += 32) {
+    const size_t count = std::min<size_t>(32, queries.size() - first);
+    WithElement(kv.element, [&](auto e) {
+      ScoreTokensForQueriesOf<decltype(e)::value>(queries.subspan(first, count), kv, kv_head, ids,
+                                                  which, scale, scores + first);
+    });
+    if (!which.empty()) break;  // masks name 32 queries at most
+  }
+}
+
+void DotProductQueries(const float* const* queries, int count, const void* row,
+                       KvElement element, int n, float* out) {
+  WithElement(element,
+              [&](auto e) { DotQueriesOf<decltype(e)::value>(queries, count, row, n, out); });
 }
 
 void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,

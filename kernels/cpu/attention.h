@@ -35,6 +35,16 @@ void LoadRow(const void* row, KvElement element, int n, float* out);
 void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> ids,
                  float scale, float* scores);
 
+// ScoreTokens for several query vectors of one KV head (the query heads of a KV group):
+// scores[j][i] = scale * <queries[j], key(ids[i], kv_head)> for every i and every j whose bit
+// is set in which[i] (which empty: every j, any number of queries; else at most 32), each
+// bit-identical to ScoreTokens'. Each row is requested ahead, loaded and widened once for all
+// its queries, so a row a group's heads share costs one read. queries: [count][head_dim];
+// scores: [count][ids.size()].
+void ScoreTokensForQueries(std::span<const float* const> queries, const KvView& kv, int kv_head,
+                           std::span<const int32_t> ids, std::span<const uint32_t> which,
+                           float scale, float* const* scores);
+
 // scores[t - begin] = scale * <q, key(t, kv_head)> for t in [begin, end).
 void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,
                 float scale, float* scores);
@@ -48,6 +58,12 @@ void DotProducts(const float* x, const float* rows, int64_t n_rows, int n, float
 // cost little more than one.
 void DotProductRows(const float* x, const void* const* rows, KvElement element, int count, int n,
                     float* out);
+
+// out[j] = <queries[j], row> for j in [0, count): several vectors against one stored row of
+// `element` (n elements), each bit-identical to DotProduct(queries[j], row, element, n). The
+// row is widened once for up to four of them, whose accumulator chains run side by side.
+void DotProductQueries(const float* const* queries, int count, const void* row,
+                       KvElement element, int n, float* out);
 
 // unit = x / ||x||_2 over n floats (unit may alias x); returns ||x||_2. A zero x gives a zero unit
 // vector, so its cosine with anything is 0.
