@@ -1,6 +1,7 @@
 #include "kernels/cpu/attention.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -504,6 +505,8 @@ void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const 
 void ScoreTokensForQueries(std::span<const float* const> queries, const KvView& kv, int kv_head,
                            std::span<const int32_t> ids, std::span<const uint32_t> which,
                            float scale, float* const* scores) {
+  // A mask names 32 queries at most, one per id.
+  assert(which.empty() || (queries.size() <= 32 && which.size() == ids.size()));
   // Without masks, any number of queries, 32 at a time.
   for (size_t first = 0; first < queries.size(); first += 32) {
     const size_t count = std::min<size_t>(32, queries.size() - first);

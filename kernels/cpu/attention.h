@@ -37,10 +37,11 @@ void ScoreTokens(const float* q, const KvView& kv, int kv_head, std::span<const 
 
 // ScoreTokens for several query vectors of one KV head (the query heads of a KV group):
 // scores[j][i] = scale * <queries[j], key(ids[i], kv_head)> for every i and every j whose bit
-// is set in which[i] (which empty: every j, any number of queries; else at most 32), each
-// bit-identical to ScoreTokens'. Each row is requested ahead, loaded and widened once for all
-// its queries, so a row a group's heads share costs one read. queries: [count][head_dim];
-// scores: [count][ids.size()].
+// is set in which[i] (which empty: every j, any number of queries; else one mask per id and at
+// most 32 queries), each bit-identical to ScoreTokens'. Each row is requested ahead (masked out
+// or not) and loaded once for all its queries, and widened once for every four of them (when
+// head_dim is a multiple of 8), so a row a group's heads share costs one read.
+// queries: [count][head_dim]; scores: [count][ids.size()].
 void ScoreTokensForQueries(std::span<const float* const> queries, const KvView& kv, int kv_head,
                            std::span<const int32_t> ids, std::span<const uint32_t> which,
                            float scale, float* const* scores);
