@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
 
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/spin_wait.h"
@@ -44,7 +43,9 @@ void ShortlistSelector::PlanOutlierScores(const float* q,
       head.planned = planned(h);
       if (!head.planned) continue;
       any = true;
-      head.outlier_scores.assign(group.outliers.size(), std::numeric_limits<float>::quiet_NaN());
+      // Sized, not filled: the chunks write every outlier inside the view, the only ones a
+      // Select takes.
+      head.outlier_scores.resize(group.outliers.size());
     }
     const auto rows = static_cast<int64_t>(group.outliers.size());
     group.chunks = any ? static_cast<int>((rows + kOutlierChunk - 1) / kOutlierChunk) : 0;

@@ -76,7 +76,7 @@ class ShortlistSelector final : public SupportSelector {
     std::span<const int32_t> ids;
     int64_t coded = 0;
     bool planned = false;
-    std::vector<float> outlier_scores;  // [outliers], the group's order (NaN: out of the view)
+    std::vector<float> outlier_scores;  // [outliers], the group's order (unset: out of the view)
   };
   struct Group {
     std::span<const int32_t> outliers;
