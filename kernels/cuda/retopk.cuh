@@ -96,20 +96,6 @@ __device__ void NormalizeToShared(const float* x, float* unit, float* scratch) {
   __syncthreads();
 }
 
-// Inserts key (>= 0) into an open-addressing set of `slots` (a power of two) in shared memory,
-// empty = -1; true for the one call that added it. Safe under concurrent inserts from the whole
-// block.
-__device__ __forceinline__ bool HashInsert(int32_t* table, int log2_slots, int32_t key) {
-  const uint32_t mask = (1u << log2_slots) - 1;
-  uint32_t h = (static_cast<uint32_t>(key) * 2654435761u) >> (32 - log2_slots);
-  while (true) {
-    const int32_t prev = atomicCAS(table + h, -1, key);
-    if (prev == -1) return true;
-    if (prev == key) return false;
-    h = (h + 1) & mask;
-  }
-}
-
 struct ReTopKStepParams {
   ReTopKStepState state;
   const DeviceSeq* seqs;             // [batch]
