@@ -40,29 +40,209 @@ double SecondsSince(Clock::time_point start) {
 }
 
 // The search loop (SearchGraph) is shaped by its profile (issue 15; bench/results/index_bench.md,
-// "Search loop cost per scored key"). A hop expands one node but scores only 2-4 keys on
-// average (most of its ~24 neighbors are already visited), so the cost is per hop more than per
-// key, and most of it is waiting for memory: the node's adjacency row, then its fresh
-// neighbors' rows (8 cache lines each at d = 128). The loop used to add to that, per accepted
-// candidate, a std::upper_bound over 12-byte entries (unpredictable branches) and a
-// vector::insert memmove, per key an out-of-line cpu::DotProduct, and per hop a demand miss on
-// the adjacency row. Now: 8-byte pool entries (the expanded flag in the id's sign bit), a
-// branch-free binary search that first splits at the expanded node (its neighbors mostly land
-// after it, where few entries are left late in a search), the fresh rows scored together
-// (cpu::DotProductRows: cpu::DotProduct's arithmetic, bit for bit), the adjacency row of every accepted candidate
-// and of the likely next node prefetched ahead of its expansion, and a visited bitset (4 KiB
-// at 32K keys, so it stays in L1) instead of 4-byte epoch tags. The results are bit-identical
-// to the old loop's: the same scores, the same pool order (ties after the entries already
-// there), hence the same expansions. (Tried and dropped, no gain measured: prefetching the
-// guessed next node's neighbors' rows, prefetching every other line of a row.)
+// "Search loop cost per scored key" and "RoarGraph on the same data, and a blocked search pool"). A
+// hop expands one node but scores only 2.5-5 keys on average (most of its ~27 neighbors are already
+// visited), so the cost is per hop more than per key: the node's adjacency row, then its fresh
+// neighbors' rows (4 cache lines each in bf16 at d = 128), then the pool insertions. The fresh rows
+// are scored together (cpu::DotProductRows: cpu::DotProduct's arithmetic, bit for bit), the
+// adjacency row of every accepted candidate and of the likely next node is prefetched ahead of its
+// expansion, and the visited set is a bitset (4 KiB at 32K keys, so it stays in L1). The pool
+// (CandidatePool) is blocked: a flat sorted array's insertions (a binary search, then a memmove of
+// every entry after the place: 80-430 of them per insertion at lists of 200-2000) were 27-38 % of
+// the search's time; with blocks the moves are short. The results are bit-identical to a flat
+// array's: the same scores, the same pool order (ties after the entries already there), hence the
+// same expansions. (Tried and dropped, no gain measured: prefetching the guessed next node's
+// neighbors' rows, prefetching every other line of a row, prefetching every fresh neighbor's
+// adjacency row before scoring, a branch-free visited test, blocks of 32 or 128 entries, scores and
+// ids in separate arrays, an AVX2 in-block shift instead of memmove.)
 
-// One entry of the candidate pool, 8 bytes: the id in the low 31 bits (ids fit in int32 and are
-// never negative) and the expanded flag in the top bit.
-struct Candidate {
-  float score;
-  uint32_t tagged_id;
+// A search's candidate pool: the best `capacity` (score, id) pairs scored so far, best first
+// (equal scores in the order they came), each expanded or not. Held in blocks of kBlock
+// entries, kept in order by small per-slot arrays (block, entry count, first score, a bit per
+// unexpanded entry), so that an insertion moves at most one block's entries (a flat sorted
+// array moved 80-430 of them per insertion at lists of 200-2000) and finds its place by
+// counting (CountNotBelow) over the blocks' first scores and then one block's scores, and the
+// best unexpanded entry is the lowest bit of the first nonzero mask. A full block splits in
+// two halves; every block but the last is at least half full (entries leave only from the
+// end), so capacity / (kBlock / 2) + 2 blocks suffice. The order, hence every search's
+// expansions and result, is the flat array's (std::upper_bound's place, the last entry
+// dropped when full) entry for entry.
+class CandidatePool {
+ public:
+  static constexpr int kBlock = 64;  // a block's unexpanded entries are one 64-bit mask
+
+  // Empties the pool, to hold at most `capacity` (>= 1) entries.
+  void Reset(size_t capacity) {
+    capacity_ = capacity;
+    size_ = 0;
+    slots_ = 0;
+    first_open_ = 0;
+    const size_t max_blocks = capacity / (kBlock / 2) + 2;
+    const size_t padded = (max_blocks + 8) & ~size_t{7};
+    if (blocks_.size() < max_blocks) blocks_.resize(max_blocks);
+    if (order_.size() < padded) {
+      order_.resize(padded);
+      count_.resize(padded);
+      firsts_.resize(padded);
+      open_.resize(padded);
+    }
+    free_.resize(max_blocks);
+    for (size_t b = 0; b < max_blocks; ++b) free_[b] = static_cast<int>(max_blocks - 1 - b);
+  }
+
+  size_t size() const { return size_; }
+
+  // Inserts (score, id), unexpanded, unless the pool is full and it is no better than the last
+  // entry (then returns false); a full pool drops its last entry.
+  bool Insert(float score, int32_t id) {
+    if (Rejects(score)) return false;
+    InsertAccepted(score, id);
+    return true;
+  }
+
+  // Whether Insert would drop `score`: the pool is full and its last entry is no worse.
+  bool Rejects(float score) const { return size_ == capacity_ && score <= last_score_; }
+
+  // Insert for a score that Rejects does not drop.
+  void InsertAccepted(float score, int32_t id) {
+    if (size_ == capacity_) PopLast();
+    if (slots_ == 0) {
+      order_[0] = free_.back();
+      free_.pop_back();
+      count_[0] = 0;
+      open_[0] = 0;
+      slots_ = 1;
+    }
+    // The slot: the last whose first entry goes before `score` (the first when none does).
+    int slot = 0;
+    int offset = 0;
+    const float* firsts = firsts_.data();
+    if (const int before = CountNotBelow(slots_, score, [&](int i) { return firsts[i]; });
+        before > 0) {
+      slot = before - 1;
+      const Entry* entry = blocks_[order_[slot]].entry;
+      offset = CountNotBelow(count_[slot], score, [&](int i) { return entry[i].score; });
+    }
+    if (count_[slot] == kBlock) {
+      Split(slot);
+      if (offset > kBlock / 2) {
+        ++slot;
+        offset -= kBlock / 2;
+      }
+    }
+    Block& block = blocks_[order_[slot]];
+    const int moved = count_[slot] - offset;
+    std::memmove(block.entry + offset + 1, block.entry + offset, moved * sizeof(Entry));
+    block.entry[offset] = {score, id};
+    ++count_[slot];
+    if (offset == 0) firsts_[slot] = score;
+    // Bits from `offset` up move up one (a block below kBlock entries has its top bit clear).
+    const uint64_t below = (uint64_t{1} << offset) - 1;
+    open_[slot] = (open_[slot] & below) | ((open_[slot] & ~below) << 1) | (below + 1);
+    ++size_;
+    first_open_ = std::min(first_open_, slot);
+    if (size_ == capacity_) last_score_ = LastScore();
+  }
+
+  // Marks the best unexpanded entry expanded and sets *id to it; false when none is left.
+  bool ExpandBest(int32_t* id) {
+    while (first_open_ < slots_ && open_[first_open_] == 0) ++first_open_;
+    if (first_open_ == slots_) return false;
+    const int offset = std::countr_zero(open_[first_open_]);
+    open_[first_open_] &= open_[first_open_] - 1;
+    *id = blocks_[order_[first_open_]].entry[offset].id;
+    return true;
+  }
+
+  // The best unexpanded entry, or -1 when none is left.
+  int32_t BestUnexpanded() const {
+    for (int slot = first_open_; slot < slots_; ++slot) {
+      if (open_[slot] != 0) return blocks_[order_[slot]].entry[std::countr_zero(open_[slot])].id;
+    }
+    return -1;
+  }
+
+  // Calls f(score, id) for every entry, best first.
+  template <typename F>
+  void ForEach(const F& f) const {
+    for (int slot = 0; slot < slots_; ++slot) {
+      const Block& block = blocks_[order_[slot]];
+      for (int i = 0; i < count_[slot]; ++i) f(block.entry[i].score, block.entry[i].id);
+    }
+  }
+
+ private:
+  struct Entry {
+    float score;
+    int32_t id;
+  };
+  struct alignas(64) Block {
+    Entry entry[kBlock];
+  };
+
+  // How many of the first n scores (score(i), i < n) an entry of score x goes after: those with
+  // !(x > score(i)), which in a run sorted best first are the entries before x's place, equal
+  // scores included (std::upper_bound's place). Independent compares that vectorize, not a
+  // binary search's chain of dependent loads; n is rounded up to a multiple of 8 and the rest
+  // masked (every array read is at least that long).
+  template <typename Score>
+  static int CountNotBelow(int n, float x, const Score& score) {
+    const int padded = (n + 7) & ~7;
+    int count = 0;
+    for (int i = 0; i < padded; ++i) count += (i < n) & !(x > score(i));
+    return count;
+  }
+
+  float LastScore() const {
+    const int slot = slots_ - 1;
+    return blocks_[order_[slot]].entry[count_[slot] - 1].score;
+  }
+
+  void PopLast() {
+    const int slot = slots_ - 1;
+    --size_;
+    open_[slot] &= ~(uint64_t{1} << --count_[slot]);
+    if (count_[slot] == 0) {
+      free_.push_back(order_[slot]);
+      slots_ = slot;
+      first_open_ = std::min(first_open_, slots_);
+    }
+  }
+
+  // Moves the upper half of the full block in `slot` to a new block in the slot after it.
+  void Split(int slot) {
+    constexpr int kHalf = kBlock / 2;
+    const int fresh = free_.back();
+    free_.pop_back();
+    Block& from = blocks_[order_[slot]];
+    Block& to = blocks_[fresh];
+    std::memcpy(to.entry, from.entry + kHalf, kHalf * sizeof(Entry));
+    const int after = slots_ - slot - 1;
+    std::memmove(&order_[slot + 2], &order_[slot + 1], after * sizeof(int));
+    std::memmove(&count_[slot + 2], &count_[slot + 1], after * sizeof(int));
+    std::memmove(&firsts_[slot + 2], &firsts_[slot + 1], after * sizeof(float));
+    std::memmove(&open_[slot + 2], &open_[slot + 1], after * sizeof(uint64_t));
+    order_[slot + 1] = fresh;
+    count_[slot + 1] = kHalf;
+    firsts_[slot + 1] = to.entry[0].score;
+    open_[slot + 1] = open_[slot] >> kHalf;
+    count_[slot] = kHalf;
+    open_[slot] &= (uint64_t{1} << kHalf) - 1;
+    ++slots_;
+  }
+
+  size_t capacity_ = 0;
+  size_t size_ = 0;
+  float last_score_ = 0.0f;  // the last entry's score once the pool is full
+  int slots_ = 0;       // blocks in order
+  int first_open_ = 0;  // no slot before it has an unexpanded entry
+  std::vector<Block> blocks_;
+  std::vector<int> order_;      // per slot: its block
+  std::vector<int> count_;      // per slot: its block's entries
+  std::vector<float> firsts_;   // per slot: its block's first score
+  std::vector<uint64_t> open_;  // per slot: bit i set when entry i is unexpanded
+  std::vector<int> free_;       // blocks in no slot
 };
-constexpr uint32_t kExpanded = 0x80000000u;
 
 // Per-thread search state, reused across searches (and indexes) so that a search allocates
 // nothing once warm: a visited bit per key (4 KiB at 32K keys, so it stays in L1; cleared per
@@ -70,7 +250,7 @@ constexpr uint32_t kExpanded = 0x80000000u;
 // and the expanded node's unvisited neighbors with their scores.
 struct SearchScratch {
   std::vector<uint64_t> visited;
-  std::vector<Candidate> pool;  // capacity slots; SearchGraph keeps the live count
+  CandidatePool pool;
   std::vector<int32_t> fresh;
   std::vector<float> fresh_scores;
 
@@ -79,7 +259,7 @@ struct SearchScratch {
     const size_t words = static_cast<size_t>((nodes + 63) / 64);
     if (visited.size() < words) visited.resize(words);
     std::fill_n(visited.begin(), words, 0);
-    if (pool.size() < capacity) pool.resize(capacity);
+    pool.Reset(capacity);
     if (fresh.size() < static_cast<size_t>(fresh_rows)) {
       fresh.resize(fresh_rows);
       fresh_scores.resize(fresh_rows);
@@ -112,46 +292,6 @@ void AddToMean(const VectorSet& keys, int64_t begin, int64_t end, std::vector<fl
 void PrefetchVector(const void* v, int bytes) {
   const char* p = static_cast<const char*>(v);
   for (int offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
-}
-
-// Inserts (score, id) into the pool (best first, `*size` live entries, at most `capacity`)
-// unless it is no better than a full pool's last entry; after entries of equal score, as
-// std::upper_bound placed it. Returns the position it took, or *size when it was dropped.
-// `hint` is any position (the expanded node's): one compare picks its side, then a binary
-// search without branches (the comparisons are unpredictable) finds the place.
-size_t InsertCandidate(Candidate* pool, size_t* size, size_t capacity, size_t hint, float score,
-                       int32_t id) {
-  const size_t n = *size;
-  if (n >= capacity && score <= pool[n - 1].score) return n;
-  // The position: the first entry whose score is below `score` (every entry before it is >=
-  // score), in [lo, lo + len]. First on which side of the hint, the node being expanded: its
-  // neighbors mostly land after it, and late in a search few entries are left after it.
-  size_t lo = 0;
-  size_t len = n;
-  if (hint < n) {
-    if (!(score > pool[hint].score)) {
-      lo = hint + 1;
-      len = n - lo;
-    } else {
-      len = hint;
-    }
-  }
-  size_t at = lo;
-  if (len > 0) {
-    const Candidate* base = pool + lo;
-    while (len > 1) {
-      const size_t half = len / 2;
-      // A mask, not a ?: (which GCC compiles to a branch here).
-      base += half & (size_t{0} - static_cast<size_t>(!(score > base[half - 1].score)));
-      len -= half;
-    }
-    at = static_cast<size_t>(base - pool) + !(score > base->score);
-  }
-  const size_t moved = (n < capacity ? n : n - 1) - at;
-  std::memmove(pool + at + 1, pool + at, moved * sizeof(Candidate));
-  pool[at] = {score, static_cast<uint32_t>(id)};
-  if (n < capacity) *size = n + 1;
-  return at;
 }
 
 // Dissimilarity of two keys for the occlusion rule: squared L2. (The negated inner product,
@@ -942,7 +1082,7 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
   width = std::clamp(width, 1, kMaxSearchWidth);
   SearchScratch& scratch = ThreadScratch();
   scratch.Begin(linked_, capacity, width * params_.max_degree);
-  Candidate* pool = scratch.pool.data();
+  CandidatePool& pool = scratch.pool;
   int32_t* fresh = scratch.fresh.data();
   float* fresh_scores = scratch.fresh_scores.data();
   const int dim = keys.dim;
@@ -963,36 +1103,24 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
   const void* rows[kBatch];
   const int row_bytes_of_key = dim * KvElementBytes(keys.element);
 
-  size_t size = 0;
   scratch.Visit(entry_);
   const float entry_score = cpu::DotProduct(q, keys.row_data(entry_), keys.element, dim);
-  InsertCandidate(pool, &size, capacity, 0, entry_score, entry_);
+  pool.Insert(entry_score, entry_);
   if (scored != nullptr) scored->push_back({entry_score, entry_});
   ++stats->scored;
-  size_t next = 0;  // the best unexpanded candidate
   int32_t nodes[kMaxSearchWidth];
-  while (next < size) {
+  while (true) {
     // This round's nodes: the best `width` unexpanded candidates. Their fresh neighbors are
     // scored together, so that the memory latency of one node's rows overlaps the other's (a
     // node expanded a round early may then score keys a strict best-first order would not).
     int taken = 0;
-    size_t last = next;
-    for (size_t at = next; at < size && taken < width; ++at) {
-      if (pool[at].tagged_id & kExpanded) continue;
-      pool[at].tagged_id |= kExpanded;
-      nodes[taken++] = static_cast<int32_t>(pool[at].tagged_id & ~kExpanded);
-      last = at;
-    }
+    while (taken < width && pool.ExpandBest(&nodes[taken])) ++taken;
+    if (taken == 0) break;
     stats->hops += taken;
     // The likely next expansion: the best unexpanded candidate after this round's (unless one of
     // their neighbors overtakes it): its adjacency row is requested now, in case its prefetch
     // when it entered the pool has been evicted since.
-    for (size_t peek = last + 1; peek < size; ++peek) {
-      if (!(pool[peek].tagged_id & kExpanded)) {
-        prefetch_adjacency(static_cast<int32_t>(pool[peek].tagged_id));
-        break;
-      }
-    }
+    if (const int32_t peek = pool.BestUnexpanded(); peek >= 0) prefetch_adjacency(peek);
     int m = 0;
     for (int t = 0; t < taken; ++t) {
       const int32_t* neighbor = adjacency + int64_t{nodes[t]} * params_.max_degree;
@@ -1003,7 +1131,9 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
       }
     }
     stats->scored += m;
-    for (int j = 0; j < std::min(m, kBatch); ++j) PrefetchVector(keys.row_data(fresh[j]), row_bytes_of_key);
+    for (int j = 0; j < std::min(m, kBatch); ++j) {
+      PrefetchVector(keys.row_data(fresh[j]), row_bytes_of_key);
+    }
     for (int b = 0; b < m; b += kBatch) {
       const int batch = std::min(kBatch, m - b);
       for (int j = b + kBatch; j < std::min(m, b + 2 * kBatch); ++j) {
@@ -1017,19 +1147,14 @@ void GraphIndex::SearchGraph(const VectorSet& keys, const float* q, int list_siz
     }
     // Inserted in neighbor order after all are scored: the same pool as scoring and inserting
     // one at a time, since an insertion depends only on the scores before it.
-    size_t lowest = next + 1;
     for (int j = 0; j < m; ++j) {
-      const size_t at = InsertCandidate(pool, &size, capacity, next, fresh_scores[j], fresh[j]);
-      if (at < size) prefetch_adjacency(fresh[j]);
-      lowest = std::min(lowest, at);
+      if (pool.Rejects(fresh_scores[j])) continue;
+      pool.InsertAccepted(fresh_scores[j], fresh[j]);
+      prefetch_adjacency(fresh[j]);
     }
-    next = lowest;
-    while (next < size && (pool[next].tagged_id & kExpanded)) ++next;
   }
-  list->reserve(size);
-  for (size_t i = 0; i < size; ++i) {
-    list->push_back({pool[i].score, static_cast<int32_t>(pool[i].tagged_id & ~kExpanded)});
-  }
+  list->reserve(pool.size());
+  pool.ForEach([&](float score, int32_t id) { list->push_back({score, id}); });
 }
 
 void GraphIndex::Search(const VectorSet& keys, const float* q, int k, const SearchParams& params,

@@ -138,7 +138,9 @@ TEST(GraphIndexTest, OutOfDistributionQueriesFindTheirTopKScanningAFewPercent) {
     int32_t nearest = 0;
     for (int64_t t = 0; t < tokens; ++t) {
       float dist = 0;
-      for (int j = 0; j < d; ++j) dist += (q[j] - ood.keys[t * d + j]) * (q[j] - ood.keys[t * d + j]);
+      for (int j = 0; j < d; ++j) {
+        dist += (q[j] - ood.keys[t * d + j]) * (q[j] - ood.keys[t * d + j]);
+      }
       if (dist < best) best = dist, nearest = static_cast<int32_t>(t);
     }
     nearest_in_topk += std::find(exact.begin(), exact.end(), nearest) != exact.end();
@@ -266,6 +268,33 @@ TEST(GraphIndexTest, AListShorterThanKReturnsTheBestKOfEveryKeyScored) {
   EXPECT_GE(recall_full, recall_narrow);
   std::printf("list %d for k = %d: recall %.3f scoring %.0f keys; list %d: %.3f, %.0f keys\n",
               narrow, k, recall_narrow, scored_narrow, k, recall_full, scored_full);
+}
+
+// Lists long enough to fill many of the search pool's 64-entry blocks (splits) and to drop
+// entries from a full pool: the list is still the best `list` keys of every key the search
+// scored (the first `list` of a narrow beam's result, which takes the best of every scored key),
+// best first, each key once.
+TEST(GraphIndexTest, LongListsAreTheBestOfEveryKeyScored) {
+  OodCase ood(8192, 1024 + 20, 32, 32, 23);
+  GraphIndex graph = BuildOn1024Queries(ood);
+  for (int list : {65, 300, 1000}) {
+    for (int64_t i = 1024; i < 1044; ++i) {
+      const float* q = ood.queries.data() + i * 32;
+      SearchResult own, every;
+      graph.Search(ood.key_set(), q, list, SearchParams{list}, &own);
+      graph.Search(ood.key_set(), q, 8192, SearchParams{list}, &every);
+      ASSERT_EQ(own.ids.size(), static_cast<size_t>(list));
+      ASSERT_EQ(static_cast<int64_t>(every.ids.size()), every.stats.scored);
+      EXPECT_EQ(every.stats.hops, own.stats.hops);
+      EXPECT_EQ(std::vector<int32_t>(every.ids.begin(), every.ids.begin() + list), own.ids)
+          << "list " << list;
+      EXPECT_EQ(std::set<int32_t>(own.ids.begin(), own.ids.end()).size(), own.ids.size());
+      EXPECT_TRUE(std::is_sorted(own.scores.begin(), own.scores.end(),
+                                 [](float a, float b) { return a > b; }));
+      // Every kept key was expanded: a search ends when none in its list is left unexpanded.
+      EXPECT_GE(own.stats.hops, list);
+    }
+  }
 }
 
 // Keys planted along their own strong directions, so that each is the top match of a query
