@@ -443,10 +443,13 @@ int Main() {
       for (const auto& [batch, gap_us] : runs) {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         // Tiered: tier_micros.
-        std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready;
+        std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready,
+            device_exact;
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
+        // Tiered: heads whose exact paths ran on the GPU (no host time: not in head_micros).
+        int64_t device_heads = 0;
         // Tiered: the heads' intervals from the bulk's start, step by step: when the first began
         // and the last ended, and their summed time (over the span: how many ran at once).
         std::vector<double> heads_first_start, heads_last_end, heads_busy, heads_concurrency;
@@ -498,13 +501,16 @@ int Main() {
             shortlist.push_back(response.tier_micros().shortlist());
             launch.push_back(response.tier_micros().launch());
             shortlists_ready.push_back(response.tier_micros().shortlists_ready());
+            device_exact.push_back(response.tier_micros().device_exact());
           }
           double first_start = 1e30, last_end = 0, busy = 0;
           json intervals = json::array();
           for (const v1::SequenceResult& r : response.results()) {
             for (const v1::HeadDiagnostics& h : r.heads()) {
               ++paths[h.path()];
-              if (response.has_tier_micros()) {
+              if (response.has_tier_micros() && h.bulk_micros() == 0.0f) {
+                ++device_heads;
+              } else if (response.has_tier_micros()) {
                 head_micros[h.path()].push_back(h.bulk_micros());
                 head_candidates[h.path()].push_back(h.candidates());
                 first_start = std::min<double>(first_start, h.bulk_start_micros());
@@ -554,6 +560,7 @@ int Main() {
           rec["shortlist_p99_us"] = client::Percentile(shortlist, 0.99);
           rec["launch_p50_us"] = client::Percentile(launch, 0.5);
           rec["shortlists_ready_p50_us"] = client::Percentile(shortlists_ready, 0.5);
+          rec["device_exact_p50_us"] = client::Percentile(device_exact, 0.5);
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),
@@ -592,6 +599,7 @@ int Main() {
                        client::Percentile(us, 0.5), client::Percentile(us, 0.99),
                        candidates / static_cast<double>(us.size()));
         }
+        rec["device_exact_heads_per_step"] = static_cast<double>(device_heads) / steps;
         if (*selector == v1::SELECTOR_RETOPK) {
           rec["path_mix"] = {{"reuse", paths[v1::PATH_REUSE] / heads},
                              {"fallback", paths[v1::PATH_FALLBACK] / heads},

@@ -103,7 +103,9 @@ __global__ void ScoreRowsKernel(const uint16_t* __restrict__ keys, int kv_heads,
     const float a = __uint_as_float(raw[r].x << 16), b = __uint_as_float(raw[r].x & 0xffff0000u);
     const float c = __uint_as_float(raw[r].y << 16), d = __uint_as_float(raw[r].y & 0xffff0000u);
     float sum = qv.x * a + qv.y * b + qv.z * c + qv.w * d;
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    }
     if (lane == 0) scores[static_cast<int64_t>(head) * rows + i] = sum * scale;
   }
 }

@@ -18,6 +18,8 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
     data_ = std::move(other.data_);
     rows_ = std::exchange(other.rows_, 0);
     capacity_rows_ = std::exchange(other.capacity_rows_, 0);
+    pinning_ = std::exchange(other.pinning_, nullptr);
+    pinned_ = std::exchange(other.pinned_, false);
   }
   return *this;
 }
@@ -64,15 +66,37 @@ void BudgetedRows::Reallocate(int64_t capacity_rows) {
   // several microseconds in a VM (issue 12).
   cpu::MapPagesNow(grown.get(), capacity_rows * row_bytes());
   if (rows_ > 0) std::memcpy(grown.get(), data_.get(), rows_ * row_bytes());
+  UnpinCurrent();
   data_ = std::move(grown);
   capacity_rows_ = capacity_rows;
+  PinCurrent();
 }
 
 void BudgetedRows::Free() {
   if (budget_ != nullptr) budget_->Release(allocated_bytes());
+  UnpinCurrent();
   data_.reset();
   rows_ = 0;
   capacity_rows_ = 0;
+}
+
+bool BudgetedRows::SetPinning(HostPinning* pinning) {
+  if (pinning != pinning_) {
+    UnpinCurrent();
+    pinning_ = pinning;
+  }
+  PinCurrent();
+  return pinned_;
+}
+
+void BudgetedRows::PinCurrent() {
+  if (pinning_ == nullptr || pinned_ || capacity_rows_ == 0) return;
+  pinned_ = pinning_->Pin(data_.get(), static_cast<size_t>(allocated_bytes())).ok();
+}
+
+void BudgetedRows::UnpinCurrent() {
+  if (pinned_) pinning_->Unpin(data_.get());
+  pinned_ = false;
 }
 
 absl::Status LayerKvStore::Reserve(int64_t more, absl::string_view what) {

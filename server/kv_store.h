@@ -18,6 +18,17 @@
 
 namespace kvrecall {
 
+// Makes host allocations readable by a device, and undoes it: on a GPU tier, cudaHostRegister,
+// so that its kernels read the tiered placement's bulk over PCIe (server/backends/
+// gpu_static_set.cc). Pin may fail (the allocation then stays unpinned and the device does not
+// read it); Unpin is called, before the memory is freed, for every allocation Pin accepted.
+class HostPinning {
+ public:
+  virtual ~HostPinning() = default;
+  virtual absl::Status Pin(void* data, size_t bytes) = 0;
+  virtual void Unpin(void* data) = 0;
+};
+
 // A [rows, row_width] array of `element`s, row-major, that grows geometrically (amortized O(1)
 // per appended row). Appending is two-phase so that callers can validate in place and stay
 // atomic: Reserve room, write (or decode) rows at the tail, then Commit them; rows never
@@ -48,6 +59,12 @@ class BudgetedRows {
   // Releases the allocation and its budget charge; the array is empty afterwards.
   void Free();
 
+  // Pins the allocation, and every one after it, with `pinning` (null: none; the current one is
+  // unpinned first). Returns whether the allocation is pinned now (an empty array is not).
+  bool SetPinning(HostPinning* pinning);
+  // Whether the current allocation is pinned (its address is the device's to read).
+  bool pinned() const { return pinned_; }
+
   const void* raw_data() const { return data_.get(); }
   // raw_data() of an f32 array.
   const float* data() const {
@@ -64,8 +81,11 @@ class BudgetedRows {
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
                                   absl::string_view what);
   // Moves the content to an allocation of `capacity_rows` (>= rows) that the caller has
-  // already charged to the budget.
+  // already charged to the budget (pinned, and the old one unpinned, when there is pinning).
   void Reallocate(int64_t capacity_rows);
+  // Pins the current allocation when there is pinning and it is not pinned yet.
+  void PinCurrent();
+  void UnpinCurrent();
 
   int64_t row_width_ = 0;
   KvElement element_ = KvElement::kF32;
@@ -73,6 +93,8 @@ class BudgetedRows {
   std::unique_ptr<std::byte[]> data_;
   int64_t rows_ = 0;
   int64_t capacity_rows_ = 0;
+  HostPinning* pinning_ = nullptr;
+  bool pinned_ = false;
 };
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
@@ -117,6 +139,13 @@ class LayerKvStore {
     keys_.Free();
     values_.Free();
   }
+  // Pins keys and values, now and after every growth (BudgetedRows::SetPinning); returns whether
+  // both are pinned.
+  bool SetPinning(HostPinning* pinning) {
+    const bool keys = keys_.SetPinning(pinning);
+    return values_.SetPinning(pinning) && keys;
+  }
+  bool pinned() const { return keys_.pinned() && values_.pinned(); }
 
   // Valid until the next Reserve or Free.
   KvView view() const {

@@ -249,6 +249,14 @@ TEST(PlacementsTest, FlagsParse) {
                         absl::StatusCode::kInvalidArgument, "--gpu_memory_budget_gb"));
   EXPECT_TRUE(HasStatus(PlacementOptionsFromFlags("all", -1, -1).status(),
                         absl::StatusCode::kInvalidArgument, "--gpu_memory_headroom_gb"));
+  EXPECT_EQ(all->tiered_device_exact_share, 0.5);
+  absl::StatusOr<PlacementOptions> host_heads = PlacementOptionsFromFlags("all", -1, 2, 0);
+  ASSERT_TRUE(host_heads.ok());
+  EXPECT_EQ(host_heads->tiered_device_exact_share, 0.0);
+  for (const double bad : {-0.1, 1.5, std::nan("")}) {
+    EXPECT_TRUE(HasStatus(PlacementOptionsFromFlags("all", -1, 2, bad).status(),
+                          absl::StatusCode::kInvalidArgument, "--tiered_gpu_exact_share"));
+  }
 }
 
 }  // namespace

@@ -507,14 +507,16 @@ inline std::vector<ReferenceSession::Token> DriftingQueryTokens(const ReferenceS
 // A server test whose sessions start from a ReferenceSession's prompt.
 class PrefilledSessionTest : public ServerTest {
  protected:
-  // Creates a session for `ref` and streams its prompt, layers interleaved chunk by chunk.
+  // Creates a session for `ref` and streams its prompt, layers interleaved chunk by chunk (on
+  // the test's server, or on `server`'s).
   std::string CreateAndPrefill(const ReferenceSession& ref, const v1::Policy& policy,
-                               int64_t chunk_tokens) {
-    absl::StatusOr<std::string> id = CreateSession(stub(), ref.geometry(), policy);
+                               int64_t chunk_tokens, InProcessServer* server = nullptr) {
+    v1::KvRecall::Stub& on = server != nullptr ? server->stub() : stub();
+    absl::StatusOr<std::string> id = CreateSession(on, ref.geometry(), policy);
     EXPECT_TRUE(id.ok()) << id.status();
     if (!id.ok()) return "";
     const std::vector<v1::PrefillChunk> interleaved = ref.InterleavedPrompt(*id, chunk_tokens);
-    absl::StatusOr<v1::PrefillResponse> prefilled = Prefill(stub(), interleaved);
+    absl::StatusOr<v1::PrefillResponse> prefilled = Prefill(on, interleaved);
     EXPECT_TRUE(prefilled.ok()) << prefilled.status();
     if (prefilled.ok()) {
       EXPECT_EQ(prefilled->session_id(), *id);

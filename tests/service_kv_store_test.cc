@@ -1,6 +1,7 @@
 // The server's host KV store and memory budget: two-phase appends keep content exact through
 // growth, growth is geometric while the budget allows and exact when it does not, a refused
 // reservation changes nothing, and every byte is given back.
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -152,6 +153,79 @@ TEST(KvStoreTest, MovingTransfersTheChargeOnce) {
     ExpectRowsIntact(c);
   }
   EXPECT_EQ(budget.used(), 0);
+}
+
+// Records what a HostPinning is asked, and refuses pins while `refuse` is set. Each Unpin must
+// name a live pin, and the pinned bytes must still be readable then (the rows unpin an
+// allocation before freeing it).
+struct RecordingPinning final : HostPinning {
+  absl::Status Pin(void* data, size_t bytes) override {
+    events.push_back({true, data, bytes});
+    if (refuse) return absl::ResourceExhaustedError("refused");
+    live.push_back({data, bytes});
+    return absl::OkStatus();
+  }
+  void Unpin(void* data) override {
+    events.push_back({false, data, 0});
+    auto it =
+        std::find_if(live.begin(), live.end(), [&](const auto& p) { return p.first == data; });
+    ASSERT_NE(it, live.end()) << "unpinning what is not pinned";
+    volatile const char* bytes = static_cast<const char*>(data);
+    for (size_t i = 0; i < it->second; i += 4096) (void)bytes[i];  // still mapped
+    live.erase(it);
+  }
+  struct Event {
+    bool pin;
+    void* data;
+    size_t bytes;
+  };
+  std::vector<Event> events;
+  std::vector<std::pair<void*, size_t>> live;
+  bool refuse = false;
+};
+
+TEST(KvStoreTest, PinningFollowsEveryAllocationAndUnpinsBeforeFreeing) {
+  MemoryBudget budget(0);
+  RecordingPinning pinning;
+  BudgetedRows rows(3, &budget);
+  EXPECT_FALSE(rows.SetPinning(&pinning)) << "an empty array has nothing to pin";
+  EXPECT_TRUE(pinning.events.empty());
+  AppendRows(rows, 10);
+  ASSERT_TRUE(rows.pinned());
+  ASSERT_EQ(pinning.live.size(), 1u);
+  EXPECT_EQ(pinning.live[0].first, rows.raw_data());
+  EXPECT_EQ(pinning.live[0].second, static_cast<size_t>(rows.allocated_bytes()));
+  // Growth pins the new allocation and unpins the old one before it goes.
+  const void* before = rows.raw_data();
+  AppendRows(rows, 100);
+  ExpectRowsIntact(rows);
+  ASSERT_TRUE(rows.pinned());
+  ASSERT_EQ(pinning.live.size(), 1u);
+  EXPECT_EQ(pinning.live[0].first, rows.raw_data());
+  EXPECT_NE(rows.raw_data(), before);
+  // A refused pin leaves the array unpinned (and never unpinned); the next growth tries again.
+  pinning.refuse = true;
+  AppendRows(rows, 1000);
+  EXPECT_FALSE(rows.pinned());
+  EXPECT_TRUE(pinning.live.empty());
+  pinning.refuse = false;
+  EXPECT_TRUE(rows.SetPinning(&pinning)) << "setting it again pins the current allocation";
+  // Moving carries the pin; freeing unpins.
+  BudgetedRows moved = std::move(rows);
+  EXPECT_TRUE(moved.pinned());
+  EXPECT_FALSE(rows.pinned());
+  moved.Free();
+  EXPECT_TRUE(pinning.live.empty());
+  EXPECT_FALSE(moved.pinned());
+  // A layer's store pins keys and values alike; no pinning unpins both.
+  LayerKvStore kv(2, 4, &budget, KvElement::kBf16);
+  ASSERT_TRUE(kv.Reserve(8, "test").ok());
+  EXPECT_TRUE(kv.SetPinning(&pinning));
+  EXPECT_TRUE(kv.pinned());
+  EXPECT_EQ(pinning.live.size(), 2u);
+  EXPECT_FALSE(kv.SetPinning(nullptr));
+  EXPECT_TRUE(pinning.live.empty());
+  EXPECT_EQ(budget.used(), kv.allocated_bytes());
 }
 
 TEST(KvStoreTest, BudgetChargesBeyondTheLimitOnlyWhenForced) {

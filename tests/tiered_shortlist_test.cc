@@ -29,6 +29,7 @@ using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::DriftingQueryTokens;
 using ::kvrecall::testing::ExpectOutputNear;
 using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::InProcessServer;
 using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
 using ::kvrecall::testing::PrefilledSessionTest;
@@ -166,6 +167,61 @@ TEST_F(TieredShortlistTest, AShortlistAsLongAsTheBulkIsTheBulksExactTopK) {
       }
       ExpectOutputNear(TensorValues(result.output()), ref.Attention(0, q, supports), dtype(),
                        absl::StrCat("step ", step));
+    }
+  }
+}
+
+// On a GPU, the last half of an index layer's query heads run their exact paths on the device by
+// default (PlacementOptions::tiered_device_exact_share), reading the host's bulk over PCIe: with
+// a shortlist as long as the bulk their states are the brute-force exact top-K's, as the host's
+// heads' are; they report the same candidates and no host time, and the step their device time
+// (tier_micros.device_exact). A server given 0 keeps every head on the host, with the same
+// outputs. On the host tier every head is the host's.
+TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 900, 59);
+  const int k = 40;
+  const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, 4096);
+  ServerOptions host_only;
+  host_only.placements.tiered_device_exact_share = 0;
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::string id = CreateAndPrefill(ref, policy, 300);
+  const std::string host_id = CreateAndPrefill(ref, policy, 300, other->get());
+  DecodeClient client(stub()), host_client((*other)->stub());
+  const int device_heads = gpu_tier() ? g.q_heads() / 2 : 0;
+  for (int step = 0; step < 12; ++step) {
+    const ReferenceSession::Token token = ref.MakeToken(900 + step);
+    const std::vector<float> q = ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply = Step(client, {id}, token, ref);
+    absl::StatusOr<v1::DecodeResponse> host_reply = Step(host_client, {host_id}, token, ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_TRUE(host_reply.ok()) << host_reply.status();
+    // The device's time for its heads is reported apart from the static sets'.
+    EXPECT_EQ(reply->tier_micros().device_exact() > 0, device_heads > 0) << "step " << step;
+    EXPECT_EQ(host_reply->tier_micros().device_exact(), 0.0) << "step " << step;
+    const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
+    const std::vector<std::vector<int32_t>> supports =
+        TieredExactTopKSupports(ref, q, k, kSinks, kRecent);
+    const std::vector<float> got = TensorValues(reply->results(0).output());
+    const std::vector<float> host = TensorValues(host_reply->results(0).output());
+    ExpectOutputNear(got, ref.Attention(0, q, supports), dtype(), absl::StrCat("step ", step));
+    ExpectOutputNear(got, std::vector<double>(host.begin(), host.end()), dtype(),
+                     absl::StrCat("against the host's, step ", step));
+    for (int h = 0; h < g.q_heads(); ++h) {
+      SCOPED_TRACE(absl::StrCat("step ", step, " head ", h));
+      const v1::HeadDiagnostics& head = reply->results(0).heads(h);
+      const v1::HeadDiagnostics& host_head = host_reply->results(0).heads(h);
+      EXPECT_EQ(head.path(), v1::PATH_EXACT);
+      EXPECT_EQ(head.candidates(), bulk) << "the whole bulk, shortlisted";
+      EXPECT_EQ(head.candidates(), host_head.candidates());
+      EXPECT_EQ(head.support(), k + kSinks + kRecent);
+      EXPECT_GT(host_head.bulk_micros(), 0.0f);
+      if (h >= g.q_heads() - device_heads) {
+        EXPECT_EQ(head.bulk_micros(), 0.0f) << "the device's head";
+      } else {
+        EXPECT_GT(head.bulk_micros(), 0.0f) << "the host's head";
+      }
     }
   }
 }

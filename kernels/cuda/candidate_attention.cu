@@ -200,7 +200,9 @@ __global__ void __launch_bounds__(kThreads) CandidateAttentionKernel(const Candi
         if (i >= count) break;
         float s = part[u].template Dot<T>(qv);
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          s += __shfl_xor_sync(0xffffffffu, s, offset);
+        }
         if (lane == 0) keys[i] = RankKey(s, ids[i]);
       }
     }
@@ -258,20 +260,24 @@ int64_t CandidateAttentionSmemBytes(const DecodeShape& shape, int top_k,
 absl::Status CheckCandidateAttention(const DecodeShape& shape, int top_k,
                                      const CandidateLists& lists) {
   if (absl::Status s = CheckArgs(shape, top_k, lists); !s.ok()) return s;
-  const absl::StatusOr<int> device = CachedDevice();
-  if (!device.ok()) return device.status();
-  int most = 0;
-  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-      cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, *device),
-      "reading the shared-memory limit"));
+  // The device's opt-in limit, read once per device (a served step checks its bounds).
+  static PerDevice<int> limit;
+  const absl::StatusOr<int> most = limit.Get([](int device) -> absl::StatusOr<int> {
+    int bytes = 0;
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "reading the shared-memory limit"));
+    return bytes;
+  });
+  if (!most.ok()) return most.status();
   // The kernel's static shared memory (the radix select's) beside the dynamic part.
   const int64_t needed = CandidateAttentionSmemBytes(shape, top_k, lists) +
                          static_cast<int64_t>(sizeof(RadixSelectSmem)) + 64;
-  if (needed > most) {
+  if (needed > *most) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a row's candidates (shortlist_stride ", lists.shortlist_stride, " + outlier_stride ",
         lists.outlier_stride, " + max_uncoded ", lists.max_uncoded, ") and top_k ", top_k,
-        " need ", needed, " bytes of shared memory; the device has ", most));
+        " need ", needed, " bytes of shared memory; the device has ", *most));
   }
   return absl::OkStatus();
 }

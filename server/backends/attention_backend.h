@@ -146,6 +146,8 @@ class StepContext {
     // From the bulk's start until the shortlists were on the host, the exact heads' wait
     // (policy.index.shortlist; 0 without).
     double shortlists_ready = 0;
+    // The device's time for the exact heads it took (TierMicros.device_exact; 0: none).
+    double device_exact = 0;
 
     // Adds every field of `other` (a request's steps, summed).
     TierSeconds& operator+=(const TierSeconds& other) {
@@ -155,6 +157,7 @@ class StepContext {
       shortlist += other.shortlist;
       launch += other.launch;
       shortlists_ready += other.shortlists_ready;
+      device_exact += other.device_exact;
       return *this;
     }
   };

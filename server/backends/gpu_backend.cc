@@ -806,7 +806,8 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
     absl::StatusOr<std::unique_ptr<StaticSetTier>> tier =
         MakeGpuStaticSetTier(ordinal, backend->device_budget(), options.cuda_graphs);
     if (!tier.ok()) return tier.status();
-    out.tiered.push_back(std::make_unique<TieredBackend>(*std::move(tier)));
+    out.tiered.push_back(
+        std::make_unique<TieredBackend>(*std::move(tier), options.tiered_device_exact_share));
     out.backends.push_back(std::move(backend));
   }
   if (out.backends.empty()) out.unavailable = "--gpus is empty: only PLACEMENT_CPU is served";

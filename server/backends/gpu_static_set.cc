@@ -9,6 +9,12 @@
 // of a step with no coded rows yet): kernels/cuda/step_io.h moves the bytes and stamps the times,
 // since a captured step's launch pays ~2 us of host time for each event or copy node, ~0.1 us
 // for a kernel node (d40-d45).
+//
+// A step may also run some query heads' exact paths here (StaticSetStep::device_exact_heads):
+// cuda::CandidateAttention reads the bulk's rows from the layer's host KV, registered with the
+// device (CudaHostPinning), over PCIe, after the static sets; the host's threads take the other
+// heads meanwhile (bench/results/pcie_gather.md: 16 of 32 heads so cut the bulk's host part
+// 1.7x at 128K and 512K on the H200 machine).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -27,6 +33,7 @@
 #include "index/gpu_pq_assigner.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/spin_wait.h"
+#include "kernels/cuda/candidate_attention.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/partial_attention.h"
@@ -63,6 +70,51 @@ T* At(std::byte* base, size_t offset) {
 int64_t SlotOf(const LayerConfig& config, int64_t p) {
   const int sinks = config.selector.sinks;
   return p < sinks ? p : sinks + (p - sinks) % config.selector.recent;
+}
+
+// Host memory registered with CUDA (mapped, portable to every device's context, read-only for
+// the device where it supports that), so that kernels read a layer's host KV through its own
+// address (unified addressing). One per process: layers may outlive the tier that pinned them.
+class CudaHostPinning final : public HostPinning {
+ public:
+  static CudaHostPinning* Get() {
+    static CudaHostPinning* const pinning = new CudaHostPinning();
+    return pinning;
+  }
+  absl::Status Pin(void* data, size_t bytes) override {
+    int device = 0;
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+    int read_only = 0;
+    cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, device);
+    const unsigned flags = cudaHostRegisterMapped | cudaHostRegisterPortable |
+                           (read_only != 0 ? cudaHostRegisterReadOnly : 0u);
+    return CudaStatus(cudaHostRegister(data, bytes, flags),
+                      absl::StrCat("pinning ", bytes, " bytes of host KV for the device"));
+  }
+  void Unpin(void* data) override {
+    if (const cudaError_t e = cudaHostUnregister(data); e != cudaSuccess) {
+      std::fprintf(stderr, "kvrecalld: unpinning host KV: %s\n", cudaGetErrorString(e));
+    }
+  }
+};
+
+// The outliers' stride of a step's upload: the most any KV head of `codes` has, rounded up to
+// 512, so that a captured step with them is captured again only after that many more.
+int64_t OutlierStride(const BulkCodes& codes) {
+  size_t most = 0;
+  for (int h = 0; h < codes.kv_heads(); ++h) most = std::max(most, codes.outliers(h).size());
+  return std::max<int64_t>(512, (static_cast<int64_t>(most) + 511) / 512 * 512);
+}
+
+// The bounds of a step's exact heads on the device (cuda::CandidateAttention): the shortlist,
+// the outliers' stride, and one uncoded row (a step codes the one row its token pushes out of
+// the ring, after the shortlists; GpuStaticSetTier::Prepare holds the codes to that).
+cuda::CandidateLists ExactHeadBounds(const LayerConfig& config, int64_t outlier_stride) {
+  cuda::CandidateLists lists;
+  lists.shortlist_stride = config.selector.shortlist;
+  lists.outlier_stride = static_cast<int>(outlier_stride);
+  lists.max_uncoded = 1;
+  return lists;
 }
 
 class GpuStaticSet final : public StaticSet {
@@ -325,9 +377,10 @@ class GpuBulkCodes final : public BulkCodes {
 class GpuStaticSetTier final : public StaticSetTier {
  public:
   GpuStaticSetTier(int ordinal, MemoryBudget* budget, BatchTopKFunction batch_topk,
-                   bool cuda_graphs)
+                   bool cuda_graphs, bool host_pointers_usable)
       : ordinal_(ordinal),
         cuda_graphs_(cuda_graphs),
+        host_pointers_usable_(host_pointers_usable),
         device_(absl::StrCat("cuda:", ordinal)),
         budget_(budget),
         batch_topk_(std::move(batch_topk)) {}
@@ -361,6 +414,18 @@ class GpuStaticSetTier final : public StaticSetTier {
                               StepContext* context) override;
   absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) override;
   BatchTopKFunction batch_topk() const override { return batch_topk_; }
+  HostPinning* host_pinning() override {
+    return host_pointers_usable_ ? CudaHostPinning::Get() : nullptr;
+  }
+  bool ServesExactHeads(const LayerConfig& config, const BulkCodes& codes,
+                        int heads) const override {
+    if (heads < 1 || heads > config.shape.q_heads || !host_pointers_usable_) return false;
+    DeviceScope scope(ordinal_);
+    if (!scope.status().ok()) return false;
+    return cuda::CheckCandidateAttention(ShapeOf(config, 1), config.selector.top_k,
+                                         ExactHeadBounds(config, OutlierStride(codes)))
+        .ok();
+  }
 
  private:
   // The Decode stream's CUDA resources, and where Start left the step's outputs.
@@ -378,6 +443,16 @@ class GpuStaticSetTier final : public StaticSetTier {
            in_jobs = 0, upload = 0;
     size_t out_o = 0, out_lse = 0, out_errors = 0, out_row_errors = 0, out_stamps = 0,
            out_size = 0;
+    // The exact heads on the device (0: none this step): the most of any step (each step's
+    // rows [batch, exact_heads] in the upload, -1 past its own), the outliers' stride, the
+    // layout of their inputs and outputs, the supports' scratch and the kernel's error word.
+    int exact_heads = 0;
+    int64_t outlier_stride = 0;
+    size_t in_exact_rows = 0, in_bulk_seqs = 0, in_coded = 0, in_outliers = 0,
+           in_outlier_counts = 0;
+    size_t out_bulk_o = 0, out_bulk_lse = 0, out_bulk_candidates = 0;
+    ChargedBuffer<int32_t> exact_support;  // [batch * q_heads, top_k], then [batch * q_heads]
+    std::unique_ptr<cuda::KernelErrors> exact_errors;
     // Whether a step's work was queued and no Finish has drained it since (a step that failed
     // between the two): the next Prepare drains it, so that its late writes (the shortlists'
     // flag, the pinned output) cannot pass for the next step's.
@@ -413,6 +488,8 @@ class GpuStaticSetTier final : public StaticSetTier {
     }
   };
 
+  // The exact heads' kernel, supports' scratch and error word (Prepare's part).
+  absl::Status PrepareExactHeads(const LayerConfig& config, int rows, StaticStepContext& state);
   // The shortlists' workspace, tables, ids and their publishing (Prepare's part).
   absl::Status PrepareShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state);
   // Each step's shortlist over its codes (queries and sets already on the device), its ids and
@@ -437,6 +514,9 @@ class GpuStaticSetTier final : public StaticSetTier {
 
   const int ordinal_;
   const bool cuda_graphs_;  // steps replay captured launch sequences (PlacementOptions)
+  // Kernels may read registered host memory through its host address (the device's
+  // cudaDevAttrCanUseHostPointerForRegisteredMem): the exact heads' kernel needs it.
+  const bool host_pointers_usable_;
   const std::string device_;
   MemoryBudget* const budget_;
   const BatchTopKFunction batch_topk_;
@@ -655,6 +735,15 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
             ? std::min(codes.capacity(), gpu::GraphTokenBound(codes.coded()))
             : codes.coded();
   }
+  // The query heads the steps give the device's exact path, with the bounds its kernel reads.
+  state.exact_heads = 0;
+  state.outlier_stride = 0;
+  for (const StaticSetStep& step : steps) {
+    if (step.codes == nullptr || step.device_exact_heads <= 0) continue;
+    state.exact_heads = std::max(state.exact_heads, step.device_exact_heads);
+    state.outlier_stride = std::max(state.outlier_stride, OutlierStride(*step.codes));
+  }
+  const bool exact = state.exact_heads > 0;
   Carver in(nullptr);
   state.in_q = in.Take<float>(static_cast<size_t>(rows) * d);
   state.in_k = in.Take<float>(batch * row);
@@ -666,20 +755,64 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   // Per step and KV head: the coding of its new bulk row (a skipped job when it has none).
   state.in_jobs = in.Take<cuda::PqEncodeJob>(state.shortlist > 0 ? batch * config.shape.kv_heads
                                                                  : 0);
+  // The exact heads' rows ([batch, exact_heads], -1 past a step's own), each step's bulk in host
+  // memory, its coded rows, and its KV heads' outliers and their counts.
+  const int kv_heads = config.shape.kv_heads;
+  state.in_exact_rows = in.Take<int32_t>(exact ? batch * state.exact_heads : 0);
+  state.in_bulk_seqs = in.Take<DeviceSeq>(exact ? batch : 0);
+  state.in_coded = in.Take<int32_t>(exact ? batch : 0);
+  state.in_outliers = in.Take<int32_t>(exact ? batch * kv_heads * state.outlier_stride : 0);
+  state.in_outlier_counts = in.Take<int32_t>(exact ? batch * kv_heads : 0);
   state.upload = in.size();
   Carver out(nullptr);
   state.out_o = out.Take<float>(static_cast<size_t>(rows) * d);
   state.out_lse = out.Take<float>(rows);
-  // The kernels' error words (the static set's, the shortlists') come down with the outputs: no
-  // read of their own.
-  state.out_errors = out.Take<unsigned>(2);
+  // The kernels' error words (the static set's, the shortlists', the exact heads') come down
+  // with the outputs: no read of their own.
+  state.out_errors = out.Take<unsigned>(3);
   // The new bulk rows' squared reconstruction errors [batch, kv_heads], for their outliers.
   state.out_row_errors =
       out.Take<float>(state.shortlist > 0 ? batch * config.shape.kv_heads : 0);
-  state.out_stamps = out.Take<uint64_t>(2);  // the step's begin and end on the device's clock
+  // The step's begin and end on the device's clock, and the static sets' end (the exact heads'
+  // start) when it has exact heads.
+  state.out_stamps = out.Take<uint64_t>(3);
+  // The exact heads' states over the bulk and the candidates they scored, by row.
+  state.out_bulk_o = out.Take<float>(exact ? static_cast<size_t>(rows) * d : 0);
+  state.out_bulk_lse = out.Take<float>(exact ? rows : 0);
+  state.out_bulk_candidates = out.Take<int32_t>(exact ? rows : 0);
   state.out_size = out.size();
   if (absl::Status s = ctx.EnsureIo(state.upload, state.out_size); !s.ok()) return s;
-  if (state.shortlist > 0) return PrepareShortlists(steps, state);
+  if (state.shortlist > 0) {
+    if (absl::Status s = PrepareShortlists(steps, state); !s.ok()) return s;
+  }
+  if (exact) return PrepareExactHeads(config, rows, state);
+  return absl::OkStatus();
+}
+
+absl::Status GpuStaticSetTier::PrepareExactHeads(const LayerConfig& config, int rows,
+                                                 StaticStepContext& state) {
+  const int top_k = config.selector.top_k;
+  // The kernel's shared memory raised now, outside any capture.
+  if (absl::Status s = cuda::PrepareCandidateAttention(
+          ShapeOf(config, 1), top_k, ExactHeadBounds(config, state.outlier_stride));
+      !s.ok()) {
+    return s;
+  }
+  const size_t support = static_cast<size_t>(rows) * (top_k + 1);
+  if (state.exact_support.size() < support) {
+    if (absl::Status s =
+            state.exact_support.Allocate(support, budget_, "the exact heads' supports");
+        !s.ok()) {
+      return s;
+    }
+    ++state.generation;
+  }
+  if (state.exact_errors == nullptr) {
+    absl::StatusOr<cuda::KernelErrors> errors = cuda::KernelErrors::Create();
+    if (!errors.ok()) return errors.status();
+    state.exact_errors = std::make_unique<cuda::KernelErrors>(*std::move(errors));
+    ++state.generation;
+  }
   return absl::OkStatus();
 }
 
@@ -724,13 +857,35 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
       ShapeOf(config, batch), At<DeviceSeq>(dev_in, state.in_seqs), At<float>(dev_in, state.in_q),
       Slots(config), state.ws, At<float>(ctx.device_out(), state.out_o),
       At<float>(ctx.device_out(), state.out_lse), stream));
-  // The static set's error word, then the shortlists' when there are any.
-  const cuda::KernelErrors* words[] = {&state.ws->errors(),
-                                       state.shortlist > 0 ? &state.topk_ws->errors() : nullptr};
+  // The exact heads given to the device, their keys and values read over PCIe from the host's
+  // KV (the static sets go first: their kernel is short, and would otherwise wait for these).
+  if (state.exact_heads > 0) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 2}, stream));
+    const int rows = batch * config.shape.q_heads;
+    const int top_k = config.selector.top_k;
+    cuda::CandidateLists lists = ExactHeadBounds(config, state.outlier_stride);
+    lists.shortlists = state.ids.data();
+    lists.shortlist_sizes = state.ids.data() + static_cast<size_t>(rows) * state.shortlist;
+    lists.outliers = At<const int32_t>(dev_in, state.in_outliers);
+    lists.outlier_counts = At<const int32_t>(dev_in, state.in_outlier_counts);
+    lists.coded = At<const int32_t>(dev_in, state.in_coded);
+    const cuda::CandidateOutputs outputs{
+        At<float>(ctx.device_out(), state.out_bulk_o),
+        At<float>(ctx.device_out(), state.out_bulk_lse),
+        state.exact_support.data(), state.exact_support.data() + static_cast<size_t>(rows) * top_k,
+        At<int32_t>(ctx.device_out(), state.out_bulk_candidates)};
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CandidateAttention(
+        ShapeOf(config, batch), top_k, At<const DeviceSeq>(dev_in, state.in_bulk_seqs),
+        At<const float>(dev_in, state.in_q), lists, At<const int32_t>(dev_in, state.in_exact_rows),
+        batch * state.exact_heads, outputs, state.exact_errors->device_word(), stream));
+  }
+  // The static set's error word, then the shortlists' and the exact heads' when there are any.
+  const cuda::KernelErrors* words[] = {
+      &state.ws->errors(), state.shortlist > 0 ? &state.topk_ws->errors() : nullptr,
+      state.exact_heads > 0 ? state.exact_errors.get() : nullptr};
+  const int word_count = state.exact_heads > 0 ? 3 : state.shortlist > 0 ? 2 : 1;
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::GatherErrorWords(
-      std::span(words, state.shortlist > 0 ? 2 : 1), At<unsigned>(ctx.device_out(),
-                                                                  state.out_errors),
-      stream));
+      std::span(words, word_count), At<unsigned>(ctx.device_out(), state.out_errors), stream));
   // Its end (the download kernel's own ~2 us not counted), then the download, writing the
   // pinned output: the host reads it once Finish synchronized the stream.
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 1}, stream));
@@ -779,6 +934,29 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
                        At<float>(ctx.device_out(), state.out_row_errors) + b * kv_heads, jobs);
     }
   }
+  if (state.exact_heads > 0) {
+    const int kv_heads = config.shape.kv_heads;
+    for (int b = 0; b < batch; ++b) {
+      const StaticSetStep& step = steps[b];
+      const int heads = step.codes != nullptr ? step.device_exact_heads : 0;
+      int32_t* rows = At<int32_t>(host_in, state.in_exact_rows) + b * state.exact_heads;
+      for (int j = 0; j < state.exact_heads; ++j) {
+        rows[j] = j < heads ? b * q_heads + (q_heads - heads + j) : -1;
+      }
+      At<DeviceSeq>(host_in, state.in_bulk_seqs)[b] = DeviceSeq::Contiguous(
+          step.bulk.keys, step.bulk.values, static_cast<int32_t>(step.bulk.tokens));
+      At<int32_t>(host_in, state.in_coded)[b] = static_cast<int32_t>(state.scanned[b]);
+      int32_t* counts = At<int32_t>(host_in, state.in_outlier_counts) + b * kv_heads;
+      for (int g = 0; g < kv_heads; ++g) {
+        const std::span<const int32_t> outliers =
+            heads > 0 ? step.codes->outliers(g) : std::span<const int32_t>();
+        counts[g] = static_cast<int32_t>(outliers.size());
+        std::memcpy(At<int32_t>(host_in, state.in_outliers) +
+                        (static_cast<int64_t>(b) * kv_heads + g) * state.outlier_stride,
+                    outliers.data(), outliers.size() * sizeof(int32_t));
+      }
+    }
+  }
   // The shortlists' flag, raised by the step when their ids are on the host.
   if (state.shortlist > 0) __atomic_store_n(state.shortlisted(), uint64_t{0}, __ATOMIC_RELEASE);
   state.in_flight = true;
@@ -793,7 +971,8 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
     key.assign({batch, q_heads, config.shape.kv_heads, d, static_cast<int64_t>(config.dtype),
                 config.selector.sinks, config.selector.recent, state.shortlist,
                 static_cast<int64_t>(ctx.generation()), static_cast<int64_t>(state.generation),
-                static_cast<int64_t>(state.upload), static_cast<int64_t>(state.out_size)});
+                static_cast<int64_t>(state.upload), static_cast<int64_t>(state.out_size),
+                state.exact_heads, state.outlier_stride, config.selector.top_k});
     for (size_t b = 0; b < steps.size(); ++b) {
       const auto* codes = static_cast<const GpuBulkCodes*>(steps[b].codes);
       key.push_back(reinterpret_cast<intptr_t>(codes));
@@ -845,11 +1024,18 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   if (state.shortlist > 0 && errors[1] != 0) {
     return ReportedErrors(state.topk_ws->errors(), ctx.stream(), "the shortlists' kernels");
   }
+  if (state.exact_heads > 0 && errors[2] != 0) {
+    return ReportedErrors(*state.exact_errors, ctx.stream(), "the exact heads' kernel");
+  }
   const uint64_t* stamps = At<uint64_t>(ctx.pinned_out(), state.out_stamps);
-  // The shortlists ran on the same stream ahead of the static sets: their time is reported
-  // apart (tier_seconds.shortlist), not as the static sets'.
+  // The shortlists ran on the same stream ahead of the static sets, and the exact heads after
+  // them: their times are reported apart (tier_seconds.shortlist, .device_exact), not as the
+  // static sets'.
+  const uint64_t static_end = state.exact_heads > 0 ? stamps[2] : stamps[1];
   state.tier_seconds.static_set =
-      static_cast<double>(stamps[1] - stamps[0]) * 1e-9 - state.tier_seconds.shortlist;
+      static_cast<double>(static_end - stamps[0]) * 1e-9 - state.tier_seconds.shortlist;
+  state.tier_seconds.device_exact =
+      state.exact_heads > 0 ? static_cast<double>(stamps[1] - stamps[2]) * 1e-9 : 0.0;
   const int q_heads = config.shape.q_heads;
   const int d = config.shape.head_dim;
   const float* o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_o);
@@ -857,6 +1043,22 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   for (size_t b = 0; b < steps.size(); ++b) {
     std::memcpy(steps[b].o, o + b * q_heads * d, static_cast<size_t>(q_heads) * d * sizeof(float));
     std::memcpy(steps[b].lse, lse + b * q_heads, q_heads * sizeof(float));
+  }
+  if (state.exact_heads == 0) return absl::OkStatus();
+  // The exact heads' states over the bulk, into the steps' own bulk states.
+  const auto* bulk_o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_bulk_o);
+  const auto* bulk_lse = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_bulk_lse);
+  const auto* candidates =
+      reinterpret_cast<const int32_t*>(ctx.pinned_out() + state.out_bulk_candidates);
+  for (size_t b = 0; b < steps.size(); ++b) {
+    const StaticSetStep& step = steps[b];
+    const int heads = step.codes != nullptr ? step.device_exact_heads : 0;
+    for (int h = q_heads - heads; h < q_heads; ++h) {
+      const size_t row = b * q_heads + h;
+      std::memcpy(step.bulk_o + static_cast<size_t>(h) * d, bulk_o + row * d, d * sizeof(float));
+      step.bulk_lse[h] = bulk_lse[row];
+      step.bulk_candidates[h] = candidates[row];
+    }
   }
   return absl::OkStatus();
 }
@@ -878,7 +1080,13 @@ absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
     if (!scope.status().ok()) return scope.status();
     return topk(queries, keys, k, out, visible);
   };
-  return std::make_unique<GpuStaticSetTier>(ordinal, budget, std::move(on_device), cuda_graphs);
+  int host_pointers = 0;
+  KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem,
+                             ordinal),
+      "reading whether the device reads registered host memory at its address"));
+  return std::make_unique<GpuStaticSetTier>(ordinal, budget, std::move(on_device), cuda_graphs,
+                                            host_pointers != 0);
 }
 
 }  // namespace kvrecall

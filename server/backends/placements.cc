@@ -11,7 +11,8 @@
 namespace kvrecall {
 
 absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpus,
-                                                           double budget_gb, double headroom_gb) {
+                                                           double budget_gb, double headroom_gb,
+                                                           double tiered_gpu_exact_share) {
   PlacementOptions options;
   if (gpus == "none") {
     options.gpus.emplace();
@@ -36,6 +37,11 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
         absl::StrCat("--gpu_memory_headroom_gb must be >= 0, got ", headroom_gb));
   }
   options.gpu_headroom_bytes = static_cast<int64_t>(headroom_gb * (1ll << 30));
+  if (!(tiered_gpu_exact_share >= 0 && tiered_gpu_exact_share <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tiered_gpu_exact_share must be in [0, 1], got ", tiered_gpu_exact_share));
+  }
+  options.tiered_device_exact_share = tiered_gpu_exact_share;
   return options;
 }
 

@@ -27,12 +27,18 @@ struct PlacementOptions {
   // GPU decode steps replay a CUDA graph captured once per request shape instead of launching
   // their copies and kernels one by one (bench/results/gpu_serving.md says what it saves).
   bool cuda_graphs = true;
+  // The share of an index layer's query heads (with policy.index.shortlist) whose exact paths
+  // run on the GPU in PLACEMENT_TIERED, reading the host's bulk over PCIe, while the host's
+  // threads take the rest (TieredBackend; bench/results/pcie_gather.md). 0: all on the host.
+  double tiered_device_exact_share = 0.5;
 };
 
 // The options of kvrecalld's --gpus ("all", "none" or ordinals "0,2"), --gpu_memory_budget_gb
-// (-1: free minus headroom) and --gpu_memory_headroom_gb; INVALID_ARGUMENT naming the flag.
+// (-1: free minus headroom), --gpu_memory_headroom_gb and --tiered_gpu_exact_share (in [0, 1]);
+// INVALID_ARGUMENT naming the flag.
 absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpus,
-                                                           double budget_gb, double headroom_gb);
+                                                           double budget_gb, double headroom_gb,
+                                                           double tiered_gpu_exact_share = 0.5);
 
 class Placements {
  public:

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -101,10 +102,13 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
 
 class TieredLayer final : public LayerBackend {
  public:
+  // device_exact_heads: query heads whose exact paths the static tier may run (the layer's host
+  // KV is pinned for it), the last ones; 0: none.
   TieredLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
               BulkSelector bulk, std::unique_ptr<StaticSet> static_set,
-              std::unique_ptr<BulkCodes> codes)
+              std::unique_ptr<BulkCodes> codes, int device_exact_heads)
       : config_(config),
+        device_exact_heads_(device_exact_heads),
         host_(host),
         kv_(std::move(kv)),
         bulk_(std::move(bulk)),
@@ -151,11 +155,23 @@ class TieredLayer final : public LayerBackend {
   StaticSet* static_set() const { return static_set_.get(); }
   const LayerKvStore& kv() const { return kv_; }
 
+  // The query heads whose exact paths the tier may run in `step` (the last ones): the layer's
+  // own, unless the step wants each head's support reported (the device keeps none) or its
+  // store lost its pin. The tier has the last word (StaticSetTier::ServesExactHeads).
+  int DeviceExactHeadsFor(const LayerStep& step) const {
+    if (codes_ == nullptr || step.supports != nullptr || !kv_.pinned()) return 0;
+    return device_exact_heads_;
+  }
+  const BulkCodes* codes() const { return codes_.get(); }
   // The static tier's part of a step on `all` (the history with the step's token), the
-  // shortlist's fields included when the layer has codes.
-  StaticSetStep StaticStep(const LayerStep& step, const KvView& all) {
+  // shortlist's fields included when the layer has codes, and its last `device_heads` query
+  // heads' exact paths given to the tier, their bulk states to bulk_o [q_heads, head_dim] and
+  // bulk_lse [q_heads] (the step's bulk states).
+  StaticSetStep StaticStep(const LayerStep& step, const KvView& all, int device_heads,
+                           float* bulk_o, float* bulk_lse) {
     StaticSetStep out{&config_, static_set_.get(), all, step.q, step.k_new, step.v_new, step.o,
                       step.lse};
+    step_device_heads_ = codes_ != nullptr ? device_heads : 0;
     if (codes_ != nullptr) {
       const int n = config_.selector.shortlist;
       shortlist_ids_.resize(static_cast<size_t>(config_.shape.q_heads) * n);
@@ -166,9 +182,16 @@ class TieredLayer final : public LayerBackend {
       out.shortlist_ids = shortlist_ids_.data();
       out.shortlist_sizes = shortlist_sizes_.data();
       out.shortlist_coded = &shortlist_coded_;
+      device_candidates_.resize(config_.shape.q_heads);
+      out.device_exact_heads = step_device_heads_;
+      out.bulk_o = bulk_o;
+      out.bulk_lse = bulk_lse;
+      out.bulk_candidates = device_candidates_.data();
     }
     return out;
   }
+  // Whether query head h's bulk runs on the host this step (not on the tier).
+  bool OnHost(int h) const { return h < config_.shape.q_heads - step_device_heads_; }
   // While a step's shortlists are in flight: the exact path calls `fetch` before it reads them
   // (null: they are not, or no longer).
   void SetShortlistFetch(const std::function<void()>* fetch) {
@@ -200,7 +223,7 @@ class TieredLayer final : public LayerBackend {
     for (int g = 0; g < shape.kv_heads; ++g) bulk_.shortlist->SetOutliers(g, codes_->outliers(g));
     bool any = false;
     bulk_.shortlist->PlanOutlierScores(step.q, [&](int h) {
-      const bool expected = ExpectsShortlist(h);
+      const bool expected = ExpectsShortlist(h) && OnHost(h);
       any |= expected;
       return expected;
     });
@@ -247,6 +270,9 @@ class TieredLayer final : public LayerBackend {
   }
 
   const LayerConfig config_;
+  const int device_exact_heads_;
+  int step_device_heads_ = 0;                // the step's (StaticStep)
+  std::vector<int32_t> device_candidates_;  // [q_heads]: the tier's exact heads' candidates
   MemoryAccount* const host_;
   LayerKvStore kv_;
   BulkSelector bulk_;
@@ -330,7 +356,24 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
   const int64_t static_size = all.tokens - BulkView(all, p).tokens;
   last_scored_tokens_ = 0;
   for (int h = 0; h < config_.shape.q_heads; ++h) {
-    const HeadSelection& selection = selections_[h];
+    HeadSelection& selection = selections_[h];
+    if (!OnHost(h)) {
+      // The tier's exact path: its candidates, its top K (its support stays on the device: a
+      // step that asks for supports gives the tier no heads), no host time.
+      selection.path = SelectionPath::kExact;
+      selection.candidates = device_candidates_[h];
+      selection.support.clear();
+      selection.support_scores.clear();
+      selection.best_cosine = 0.0f;
+      bulk_micros_[h] = 0.0f;
+      bulk_start_micros_[h] = 0.0f;
+      last_scored_tokens_ += selection.candidates;
+      step.heads[h] = HeadReport{
+          selection.path, selection.candidates,
+          static_cast<int32_t>(std::min(selection.candidates, p.top_k) + static_size), 0.0f,
+          0.0f, 0.0f};
+      continue;
+    }
     last_scored_tokens_ += selection.candidates;
     step.heads[h] = HeadReport{selection.path, selection.candidates,
                                static_cast<int32_t>(selection.support.size() + static_size),
@@ -519,9 +562,32 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
       return s;
     }
   }
+  // The tier reads the host KV of the heads it takes: pinned once it has its room for
+  // max_tokens (a growth pins the new allocation again). Without the pin the host takes them.
+  int device_heads = codes != nullptr ? DeviceExactHeads(config) : 0;
+  if (device_heads > 0 && !staged.kv.SetPinning(tier_->host_pinning())) {
+    staged.kv.SetPinning(nullptr);
+    device_heads = 0;
+    static std::once_flag said;
+    std::call_once(said, [] {
+      std::fprintf(stderr,
+                   "kvrecalld: a tiered layer's host KV could not be pinned for its device: its "
+                   "exact heads run on the host\n");
+    });
+  }
   return std::make_unique<TieredLayer>(config, accounts.host, std::move(staged.kv),
                                        *std::move(bulk), *std::move(static_set),
-                                       std::move(codes));
+                                       std::move(codes), device_heads);
+}
+
+int TieredBackend::DeviceExactHeads(const LayerConfig& config) const {
+  const SelectorParams& p = config.selector;
+  if (device_exact_share_ <= 0 || p.kind != SelectorKind::kIndex || p.shortlist <= 0 ||
+      tier_->host_pinning() == nullptr) {
+    return 0;
+  }
+  return std::clamp(static_cast<int>(device_exact_share_ * config.shape.q_heads), 0,
+                    config.shape.q_heads);
 }
 
 std::unique_ptr<StepContext> TieredBackend::NewStepContext() {
@@ -551,10 +617,27 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   ctx.static_steps.clear();
   ctx.histories.clear();
   bool shortlists = false;
-  for (const LayerStep& step : batch) {
+  for (size_t i = 0; i < n; ++i) {
+    const LayerStep& step = batch[i];
     auto& layer = *static_cast<TieredLayer*>(step.layer);
     ctx.histories.push_back(layer.StageToken(step));
-    ctx.static_steps.push_back(layer.StaticStep(step, ctx.histories.back()));
+    // The exact heads the tier takes, when it serves them with this layer's bounds.
+    int device_heads = layer.DeviceExactHeadsFor(step);
+    if (device_heads > 0 &&
+        !tier_->ServesExactHeads(layer.config(), *layer.codes(), device_heads)) {
+      device_heads = 0;
+      static std::once_flag said;
+      std::call_once(said, [&] {
+        std::fprintf(stderr,
+                     "kvrecalld: %s cannot run the exact heads of a tiered layer with shortlist "
+                     "%d and top_k %d (its kernel's bounds): the host runs them\n",
+                     tier_->device().c_str(), layer.config().selector.shortlist,
+                     layer.config().selector.top_k);
+      });
+    }
+    ctx.static_steps.push_back(layer.StaticStep(step, ctx.histories.back(), device_heads,
+                                                ctx.bulk_o.data() + i * heads * d,
+                                                ctx.bulk_lse.data() + i * heads));
     shortlists |= ctx.static_steps.back().codes != nullptr;
   }
   // The static sets on their tier while the CPU works through the bulk (after the shortlists,
@@ -619,7 +702,13 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   // graph search) costs many reuse heads, and a sequence's step would otherwise wait for its
   // slowest head before the next sequence starts.
   const int64_t head_items = static_cast<int64_t>(n) * heads;
-  const int64_t items = chunks + head_items;
+  // (Heads whose exact paths run on the tier are not items: their bulk states come with Finish.)
+  int64_t host_heads = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& layer = *static_cast<TieredLayer*>(batch[i].layer);
+    for (int h = 0; h < heads; ++h) host_heads += layer.OnHost(h);
+  }
+  const int64_t items = chunks + host_heads;
   const int threads = cpu::ThreadsFor(work, items);
   auto layer_of = [&](int64_t item) {
     return static_cast<TieredLayer*>(batch[static_cast<size_t>(item / heads)].layer);
@@ -633,7 +722,9 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   // particular order to make progress.)
   ctx.order.resize(items);
   for (int64_t k = 0; k < chunks; ++k) ctx.order[k] = head_items + k;
-  for (int64_t item = 0; item < head_items; ++item) ctx.order[chunks + item] = item;
+  for (int64_t item = 0, k = chunks; item < head_items; ++item) {
+    if (layer_of(item)->OnHost(static_cast<int>(item % heads))) ctx.order[k++] = item;
+  }
   auto waits = [&](int64_t item) {
     return shortlists && layer_of(item)->ExpectsShortlist(static_cast<int>(item % heads));
   };
@@ -671,15 +762,17 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
       return shortlisted;
     }
   }
-  for (size_t i = 0; i < n; ++i) {
-    static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
-  }
   ctx.tier_seconds.bulk += seconds_since(bulk_start) - link_wait;
   ctx.tier_seconds.link_wait += link_wait;
   if (absl::Status s = tier_->Finish(ctx.static_steps, ctx.static_context.get()); !s.ok()) {
     return s;
   }
   ctx.tier_seconds.static_set += ctx.static_context->tier_seconds.static_set;
+  ctx.tier_seconds.device_exact += ctx.static_context->tier_seconds.device_exact;
+  // The reports once the tier's exact heads are in too (their candidates come with Finish).
+  for (size_t i = 0; i < n; ++i) {
+    static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
+  }
   // The only place the tiers meet.
   for (size_t i = 0; i < n; ++i) {
     for (int h = 0; h < heads; ++h) {

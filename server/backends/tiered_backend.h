@@ -23,6 +23,7 @@
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
 #include "server/backends/bulk_codes.h"
+#include "server/kv_store.h"
 
 namespace kvrecall {
 
@@ -57,6 +58,17 @@ struct StaticSetStep {
   int32_t* shortlist_ids = nullptr;
   int32_t* shortlist_sizes = nullptr;
   int64_t* shortlist_coded = nullptr;
+  // With codes, the last `device_exact_heads` query heads' exact paths run on the tier instead
+  // of the host (StaticSetTier::ServesExactHeads): ShortlistSelector::Select's candidates (the
+  // shortlist, the KV head's outliers, the uncoded tail), scored exactly against the bulk's rows
+  // in host memory (host_kv, pinned by the tier's HostPinning), their top selector.top_k and the
+  // attention over them. Once Finish returned, head h in [q_heads - device_exact_heads, q_heads)
+  // has its state over the bulk in bulk_o [q_heads, head_dim] and bulk_lse [q_heads], and the
+  // candidates it scored in bulk_candidates [q_heads] (host memory; other heads untouched).
+  int device_exact_heads = 0;
+  float* bulk_o = nullptr;
+  float* bulk_lse = nullptr;
+  int32_t* bulk_candidates = nullptr;
 };
 
 // Where static sets live: a GPU (server/backends/gpu_static_set.cc) or, on a machine without
@@ -103,6 +115,15 @@ class StaticSetTier {
   virtual absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   // The graph index build's batch top-k on this tier's device (null: on the CPU).
   virtual BatchTopKFunction batch_topk() const { return nullptr; }
+  // What makes a layer's host KV readable by the tier (null: the tier reads no host memory).
+  virtual HostPinning* host_pinning() { return nullptr; }
+  // Whether the tier can run the exact paths of `heads` query heads of a step of `config` whose
+  // layer has `codes` (one of this tier's: StaticSetStep::device_exact_heads); false when it
+  // has no such kernel or the step's bounds (shortlist, outliers, top_k) do not fit it.
+  virtual bool ServesExactHeads(const LayerConfig& config, const BulkCodes& codes,
+                                int heads) const {
+    return false;
+  }
 };
 
 // The host tier: static sets are read from the layer's host KV, attended by kernels/cpu.
@@ -118,7 +139,12 @@ class TieredStepContext;
 
 class TieredBackend final : public AttentionBackend {
  public:
-  explicit TieredBackend(std::unique_ptr<StaticSetTier> tier) : tier_(std::move(tier)) {}
+  // device_exact_share: the share of an index layer's query heads (with policy.index.shortlist)
+  // whose exact paths run on the tier, reading the host's bulk over PCIe, when the tier serves
+  // them (StaticSetTier::ServesExactHeads) and the layer's host KV could be pinned; the host's
+  // threads take the rest. 0: every head on the host.
+  explicit TieredBackend(std::unique_ptr<StaticSetTier> tier, double device_exact_share = 0)
+      : tier_(std::move(tier)), device_exact_share_(device_exact_share) {}
 
   v1::Placement placement() const override { return v1::PLACEMENT_TIERED; }
   const std::string& device() const override { return tier_->device(); }
@@ -147,7 +173,11 @@ class TieredBackend final : public AttentionBackend {
   // One launch of the static tier and the bulk work for `batch`, whose static sets match.
   absl::Status StepRun(std::span<LayerStep> batch, TieredStepContext& ctx);
 
+  // Query heads of a layer of `config` whose exact paths the tier runs (0: none).
+  int DeviceExactHeads(const LayerConfig& config) const;
+
   std::unique_ptr<StaticSetTier> tier_;
+  const double device_exact_share_;
 };
 
 }  // namespace kvrecall
