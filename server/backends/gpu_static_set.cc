@@ -12,8 +12,8 @@
 //
 // A step may also run some query heads' exact paths here (StaticSetStep::device_exact_heads):
 // cuda::CandidateAttention reads the bulk's rows from the layer's host KV, registered with the
-// device (CudaHostPinning), over PCIe, after the static sets; the host's threads take the other
-// heads meanwhile (bench/results/pcie_gather.md: 16 of 32 heads so cut the bulk's host part
+// device (CudaHostPinning), over PCIe, right after the shortlists, while the static sets run on a
+// side stream beside it; the host's threads take the other heads meanwhile (bench/results/pcie_gather.md: 16 of 32 heads so cut the bulk's host part
 // 1.7x at 128K and 512K on the H200 machine).
 #include <cuda_runtime_api.h>
 
@@ -434,6 +434,9 @@ class GpuStaticSetTier final : public StaticSetTier {
     ~StaticStepContext() override {
       DeviceScope scope(ordinal);
       if (graph != nullptr) cudaGraphExecDestroy(graph);
+      if (fork != nullptr) cudaEventDestroy(fork);
+      if (join != nullptr) cudaEventDestroy(join);
+      if (side != nullptr) cudaStreamDestroy(side);
     }
     const int ordinal;
     GpuStepContext gpu;
@@ -453,6 +456,12 @@ class GpuStaticSetTier final : public StaticSetTier {
     size_t out_bulk_o = 0, out_bulk_lse = 0, out_bulk_candidates = 0;
     ChargedBuffer<int32_t> exact_support;  // [batch * q_heads, top_k], then [batch * q_heads]
     std::unique_ptr<cuda::KernelErrors> exact_errors;
+    // With exact heads, the static sets (and the new rows' coding and append before them) run on
+    // `side`, forked after the shortlists and joined before the download, beside the exact
+    // heads' kernel, which reads the host over PCIe on a few multiprocessors: its time is then
+    // the device's critical path (a captured step holds both branches as graph edges).
+    cudaStream_t side = nullptr;
+    cudaEvent_t fork = nullptr, join = nullptr;
     // Whether a step's work was queued and no Finish has drained it since (a step that failed
     // between the two): the next Prepare drains it, so that its late writes (the shortlists'
     // flag, the pinned output) cannot pass for the next step's.
@@ -698,6 +707,11 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   if (state.in_flight) {
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
                                              "draining a failed static-set step"));
+    // (Its side stream too: a step that failed before the join leaves work there.)
+    if (state.side != nullptr) {
+      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(state.side),
+                                               "draining a failed static-set step"));
+    }
     state.in_flight = false;
   }
   if (absl::Status s = ctx.Start(); !s.ok()) return s;
@@ -773,9 +787,9 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   // The new bulk rows' squared reconstruction errors [batch, kv_heads], for their outliers.
   state.out_row_errors =
       out.Take<float>(state.shortlist > 0 ? batch * config.shape.kv_heads : 0);
-  // The step's begin and end on the device's clock, and the static sets' end (the exact heads'
-  // start) when it has exact heads.
-  state.out_stamps = out.Take<uint64_t>(3);
+  // The step's begin and end on the device's clock; with exact heads, their start and the static
+  // sets' end (the two run side by side).
+  state.out_stamps = out.Take<uint64_t>(4);
   // The exact heads' states over the bulk and the candidates they scored, by row.
   state.out_bulk_o = out.Take<float>(exact ? static_cast<size_t>(rows) * d : 0);
   state.out_bulk_lse = out.Take<float>(exact ? rows : 0);
@@ -813,6 +827,15 @@ absl::Status GpuStaticSetTier::PrepareExactHeads(const LayerConfig& config, int 
     state.exact_errors = std::make_unique<cuda::KernelErrors>(*std::move(errors));
     ++state.generation;
   }
+  if (state.side == nullptr) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaStreamCreateWithFlags(&state.side, cudaStreamNonBlocking), "creating a side stream"));
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaEventCreateWithFlags(&state.fork, cudaEventDisableTiming), "creating an event"));
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaEventCreateWithFlags(&state.join, cudaEventDisableTiming), "creating an event"));
+    ++state.generation;
+  }
   return absl::OkStatus();
 }
 
@@ -836,8 +859,20 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(
       cuda::CopyByKernel(ctx.pinned_in(), dev_in, state.upload, stream));
+  const bool exact = state.exact_heads > 0;
   if (state.shortlist > 0) {
     if (absl::Status s = LaunchShortlists(steps, state, dev_in); !s.ok()) return s;
+  }
+  // With exact heads, the rest of the static-set work forks onto the side stream here.
+  cudaStream_t work = stream;
+  if (exact) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaEventRecord(state.fork, stream), "forking the static sets"));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamWaitEvent(state.side, state.fork), "forking the static sets"));
+    work = state.side;
+  }
+  if (state.shortlist > 0) {
     // The new bulk rows, read from the ring slots before the append overwrites them. After the
     // shortlists, which do not scan them (the exact paths rescore them as the uncoded tail).
     cuda::PqEncodeRowsParams coding;
@@ -846,20 +881,23 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
     coding.element = gpu::KvElementOf(config.dtype);
     coding.dim = config.shape.head_dim;
     coding.subspaces = BulkCodes::SubspacesFor(config.shape.head_dim);
-    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqEncodeRows(coding, stream));
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqEncodeRows(coding, work));
     if (!capturing) MarkNewRowsCoded(steps, state);
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AppendTokens(
       batch, static_cast<int>(row), KvDtypeOf(config.dtype),
       At<cuda::TokenRows>(dev_in, state.in_rows), At<float>(dev_in, state.in_k),
-      At<float>(dev_in, state.in_v), stream));
+      At<float>(dev_in, state.in_v), work));
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PartialAttentionOverSeqs(
       ShapeOf(config, batch), At<DeviceSeq>(dev_in, state.in_seqs), At<float>(dev_in, state.in_q),
       Slots(config), state.ws, At<float>(ctx.device_out(), state.out_o),
-      At<float>(ctx.device_out(), state.out_lse), stream));
+      At<float>(ctx.device_out(), state.out_lse), work));
   // The exact heads given to the device, their keys and values read over PCIe from the host's
-  // KV (the static sets go first: their kernel is short, and would otherwise wait for these).
-  if (state.exact_heads > 0) {
+  // KV, beside the static sets; joined before the error words and the download.
+  if (exact) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 3}, work));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaEventRecord(state.join, work), "joining the static sets"));
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 2}, stream));
     const int rows = batch * config.shape.q_heads;
     const int top_k = config.selector.top_k;
@@ -878,6 +916,8 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
         ShapeOf(config, batch), top_k, At<const DeviceSeq>(dev_in, state.in_bulk_seqs),
         At<const float>(dev_in, state.in_q), lists, At<const int32_t>(dev_in, state.in_exact_rows),
         batch * state.exact_heads, outputs, state.exact_errors->device_word(), stream));
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaStreamWaitEvent(stream, state.join), "joining the static sets"));
   }
   // The static set's error word, then the shortlists' and the exact heads' when there are any.
   const cuda::KernelErrors* words[] = {
@@ -1031,7 +1071,7 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   // The shortlists ran on the same stream ahead of the static sets, and the exact heads after
   // them: their times are reported apart (tier_seconds.shortlist, .device_exact), not as the
   // static sets'.
-  const uint64_t static_end = state.exact_heads > 0 ? stamps[2] : stamps[1];
+  const uint64_t static_end = state.exact_heads > 0 ? stamps[3] : stamps[1];
   state.tier_seconds.static_set =
       static_cast<double>(static_end - stamps[0]) * 1e-9 - state.tier_seconds.shortlist;
   state.tier_seconds.device_exact =
