@@ -66,8 +66,9 @@ absl::Status PrepareCandidateAttention(const DecodeShape& shape, int top_k,
 // Runs rows[0, row_count) (device [row_count] row ids; a negative id is skipped): per row, its
 // candidates scored exactly against q[row] (f32 [batch * q_heads, head_dim]) with the keys of
 // seqs[b] (DeviceSeq [batch], device memory; its keys and values may be mapped host memory),
-// their top K (larger score first, ties to the lower position: cpu::TopKPositions' order), and
-// the attention state over them. One block per row. Ids outside [0, size) are skipped; a
+// their top K (larger score first, equal scores to the lower position), and the attention state
+// over them. The scores are the host's up to f32 summation order, so a near-tie at the K-th may
+// go the other way than on the host (whose ShortlistSelector breaks exact ties by list order). One block per row. Ids outside [0, size) are skipped; a
 // sequence with more than max_uncoded uncoded positions attends to the first max_uncoded of
 // them; both set a bit in *errors (KernelErrors::device_word(), may be null). Checks the
 // arguments as CheckCandidateAttention does (INVALID_ARGUMENT); row_count 0 launches nothing.

@@ -21,11 +21,13 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
 #include "index/basic_selectors.h"
@@ -72,30 +74,42 @@ int64_t SlotOf(const LayerConfig& config, int64_t p) {
   return p < sinks ? p : sinks + (p - sinks) % config.selector.recent;
 }
 
-// Host memory registered with CUDA (mapped, portable to every device's context, read-only for
-// the device where it supports that), so that kernels read a layer's host KV through its own
-// address (unified addressing). One per process: layers may outlive the tier that pinned them.
+// Host memory registered with CUDA on device `ordinal` (mapped, portable to every device's
+// context, read-only for the device where it supports that), so that kernels read a layer's
+// host KV through its own address (unified addressing). One per device for the process: layers
+// may outlive the tier that pinned them.
 class CudaHostPinning final : public HostPinning {
  public:
-  static CudaHostPinning* Get() {
-    static CudaHostPinning* const pinning = new CudaHostPinning();
+  static CudaHostPinning* Get(int ordinal) {
+    static auto* const pinnings = new absl::flat_hash_map<int, CudaHostPinning*>();
+    static std::mutex making;
+    const std::lock_guard<std::mutex> lock(making);
+    CudaHostPinning*& pinning = (*pinnings)[ordinal];
+    if (pinning == nullptr) pinning = new CudaHostPinning(ordinal);
     return pinning;
   }
   absl::Status Pin(void* data, size_t bytes) override {
-    int device = 0;
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
+    // On the tier's device, whichever thread builds the layer (another device's context would
+    // be created for nothing, and refused under exclusive-process mode).
+    DeviceScope scope(ordinal_);
+    if (!scope.status().ok()) return scope.status();
     int read_only = 0;
-    cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, device);
+    cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported, ordinal_);
     const unsigned flags = cudaHostRegisterMapped | cudaHostRegisterPortable |
                            (read_only != 0 ? cudaHostRegisterReadOnly : 0u);
     return CudaStatus(cudaHostRegister(data, bytes, flags),
                       absl::StrCat("pinning ", bytes, " bytes of host KV for the device"));
   }
   void Unpin(void* data) override {
+    DeviceScope scope(ordinal_);
     if (const cudaError_t e = cudaHostUnregister(data); e != cudaSuccess) {
       std::fprintf(stderr, "kvrecalld: unpinning host KV: %s\n", cudaGetErrorString(e));
     }
   }
+
+ private:
+  explicit CudaHostPinning(int ordinal) : ordinal_(ordinal) {}
+  const int ordinal_;
 };
 
 // The outliers' stride of a step's upload: the most any KV head of `codes` has, rounded up to
@@ -415,7 +429,7 @@ class GpuStaticSetTier final : public StaticSetTier {
   absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) override;
   BatchTopKFunction batch_topk() const override { return batch_topk_; }
   HostPinning* host_pinning() override {
-    return host_pointers_usable_ ? CudaHostPinning::Get() : nullptr;
+    return host_pointers_usable_ ? CudaHostPinning::Get(ordinal_) : nullptr;
   }
   bool ServesExactHeads(const LayerConfig& config, const BulkCodes& codes,
                         int heads) const override {
@@ -433,6 +447,7 @@ class GpuStaticSetTier final : public StaticSetTier {
     StaticStepContext(int ordinal, MemoryBudget* budget) : ordinal(ordinal), gpu(ordinal, budget) {}
     ~StaticStepContext() override {
       DeviceScope scope(ordinal);
+      if (in_flight) DrainFailedStep(*this);
       if (graph != nullptr) cudaGraphExecDestroy(graph);
       if (fork != nullptr) cudaEventDestroy(fork);
       if (join != nullptr) cudaEventDestroy(join);
@@ -497,6 +512,12 @@ class GpuStaticSetTier final : public StaticSetTier {
     }
   };
 
+  // Waits for a failed step's work on both streams (errors ignored: the step already failed).
+  static void DrainFailedStep(StaticStepContext& state) {
+    cudaStreamSynchronize(state.gpu.stream());
+    if (state.side != nullptr) cudaStreamSynchronize(state.side);
+    state.in_flight = false;
+  }
   // The exact heads' kernel, supports' scratch and error word (Prepare's part).
   absl::Status PrepareExactHeads(const LayerConfig& config, int rows, StaticStepContext& state);
   // The shortlists' workspace, tables, ids and their publishing (Prepare's part).
@@ -1000,40 +1021,48 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
   // The shortlists' flag, raised by the step when their ids are on the host.
   if (state.shortlist > 0) __atomic_store_n(state.shortlisted(), uint64_t{0}, __ATOMIC_RELEASE);
   state.in_flight = true;
-  cudaStream_t stream = ctx.stream();
-  if (!cuda_graphs_) {
-    if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
-  } else {
-    // What the captured step bakes in: the shapes and knobs, the buffers (by address and
-    // generation), the upload's layout, each step's codes and launch bound. Everything else
-    // (queries, new tokens, static-set slots, scanned lengths) travels in the upload.
-    std::vector<int64_t>& key = state.key_scratch;
-    key.assign({batch, q_heads, config.shape.kv_heads, d, static_cast<int64_t>(config.dtype),
-                config.selector.sinks, config.selector.recent, state.shortlist,
-                static_cast<int64_t>(ctx.generation()), static_cast<int64_t>(state.generation),
-                static_cast<int64_t>(state.upload), static_cast<int64_t>(state.out_size),
-                state.exact_heads, state.outlier_stride, config.selector.top_k});
-    for (size_t b = 0; b < steps.size(); ++b) {
-      const auto* codes = static_cast<const GpuBulkCodes*>(steps[b].codes);
-      key.push_back(reinterpret_cast<intptr_t>(codes));
-      key.push_back(codes != nullptr ? static_cast<int64_t>(codes->generation()) : 0);
-      key.push_back(state.scan_bound[b]);
-    }
-    if (key != state.graph_key) {
-      if (state.graph != nullptr) cudaGraphExecDestroy(state.graph);
-      state.graph = gpu::CaptureStep(
-          stream, [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
-      state.graph_key = key;
-    }
-    if (state.graph == nullptr) {
+  const absl::Status queued = [&]() -> absl::Status {
+    cudaStream_t stream = ctx.stream();
+    if (!cuda_graphs_) {
       if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
     } else {
-      KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(state.graph, stream),
-                                               "launching a captured static-set step"));
-      MarkNewRowsCoded(steps, state);
+      // What the captured step bakes in: the shapes and knobs, the buffers (by address and
+      // generation), the upload's layout, each step's codes and launch bound. Everything else
+      // (queries, new tokens, static-set slots, scanned lengths) travels in the upload.
+      std::vector<int64_t>& key = state.key_scratch;
+      key.assign({batch, q_heads, config.shape.kv_heads, d, static_cast<int64_t>(config.dtype),
+                  config.selector.sinks, config.selector.recent, state.shortlist,
+                  static_cast<int64_t>(ctx.generation()), static_cast<int64_t>(state.generation),
+                  static_cast<int64_t>(state.upload), static_cast<int64_t>(state.out_size),
+                  state.exact_heads, state.outlier_stride, config.selector.top_k});
+      for (size_t b = 0; b < steps.size(); ++b) {
+        const auto* codes = static_cast<const GpuBulkCodes*>(steps[b].codes);
+        key.push_back(reinterpret_cast<intptr_t>(codes));
+        key.push_back(codes != nullptr ? static_cast<int64_t>(codes->generation()) : 0);
+        key.push_back(state.scan_bound[b]);
+      }
+      if (key != state.graph_key) {
+        if (state.graph != nullptr) cudaGraphExecDestroy(state.graph);
+        state.graph = gpu::CaptureStep(
+            stream, [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
+        state.graph_key = key;
+      }
+      if (state.graph == nullptr) {
+        if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
+      } else {
+        KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(state.graph, stream),
+                                                 "launching a captured static-set step"));
+        MarkNewRowsCoded(steps, state);
+      }
     }
+    return absl::OkStatus();
+  }();
+  if (!queued.ok()) {
+    // What was queued before the failure may read the layers' host KV (the exact heads): it
+    // ends here, not in the next Prepare, since the session may free or move that memory first.
+    DrainFailedStep(state);
   }
-  return absl::OkStatus();
+  return queued;
 }
 
 absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, StepContext* context) {
@@ -1057,16 +1086,21 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   // Device-side precondition violations would be this code's bug: every input was validated.
   // The word came down with the outputs; only when it is set does CheckAndClear say what it
   // holds.
+  // Every word that is set is read (and so cleared), so that none fails the next step too.
   const unsigned* errors = At<unsigned>(ctx.pinned_out(), state.out_errors);
+  absl::Status reported;
   if (errors[0] != 0) {
-    return ReportedErrors(state.ws->errors(), ctx.stream(), "a static-set step's kernels");
+    reported.Update(
+        ReportedErrors(state.ws->errors(), ctx.stream(), "a static-set step's kernels"));
   }
   if (state.shortlist > 0 && errors[1] != 0) {
-    return ReportedErrors(state.topk_ws->errors(), ctx.stream(), "the shortlists' kernels");
+    reported.Update(
+        ReportedErrors(state.topk_ws->errors(), ctx.stream(), "the shortlists' kernels"));
   }
   if (state.exact_heads > 0 && errors[2] != 0) {
-    return ReportedErrors(*state.exact_errors, ctx.stream(), "the exact heads' kernel");
+    reported.Update(ReportedErrors(*state.exact_errors, ctx.stream(), "the exact heads' kernel"));
   }
+  if (!reported.ok()) return reported;
   const uint64_t* stamps = At<uint64_t>(ctx.pinned_out(), state.out_stamps);
   // The shortlists ran on the same stream ahead of the static sets, and the exact heads after
   // them: their times are reported apart (tier_seconds.shortlist, .device_exact), not as the

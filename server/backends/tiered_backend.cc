@@ -388,12 +388,14 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
 }
 
 // Whether two layers' static sets step in one launch: the same shapes, dtype, static set and
-// shortlist size.
+// shortlist size, and with a shortlist the same top_k (the tier's exact heads take one K a
+// launch).
 bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
   return a.shape.q_heads == b.shape.q_heads && a.shape.kv_heads == b.shape.kv_heads &&
          a.shape.head_dim == b.shape.head_dim && a.shape.scale == b.shape.scale &&
          a.dtype == b.dtype && a.selector.sinks == b.selector.sinks &&
-         a.selector.recent == b.selector.recent && a.selector.shortlist == b.selector.shortlist;
+         a.selector.recent == b.selector.recent && a.selector.shortlist == b.selector.shortlist &&
+         (a.selector.shortlist == 0 || a.selector.top_k == b.selector.top_k);
 }
 
 }  // namespace
