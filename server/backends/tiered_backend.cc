@@ -704,14 +704,6 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   // graph search) costs many reuse heads, and a sequence's step would otherwise wait for its
   // slowest head before the next sequence starts.
   const int64_t head_items = static_cast<int64_t>(n) * heads;
-  // (Heads whose exact paths run on the tier are not items: their bulk states come with Finish.)
-  int64_t host_heads = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const auto& layer = *static_cast<TieredLayer*>(batch[i].layer);
-    for (int h = 0; h < heads; ++h) host_heads += layer.OnHost(h);
-  }
-  const int64_t items = chunks + host_heads;
-  const int threads = cpu::ThreadsFor(work, items);
   auto layer_of = [&](int64_t item) {
     return static_cast<TieredLayer*>(batch[static_cast<size_t>(item / heads)].layer);
   };
@@ -721,12 +713,15 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   // expected to need none go first, so that they run while the rest would wait. The order
   // changes no result: each item writes its own outputs. (A planned head's Select scores the
   // chunks of its group's outliers no item has taken yet and waits for the rest: it needs no
-  // particular order to make progress.)
-  ctx.order.resize(items);
-  for (int64_t k = 0; k < chunks; ++k) ctx.order[k] = head_items + k;
-  for (int64_t item = 0, k = chunks; item < head_items; ++item) {
-    if (layer_of(item)->OnHost(static_cast<int>(item % heads))) ctx.order[k++] = item;
+  // particular order to make progress.) Heads whose exact paths run on the tier are not items:
+  // their bulk states come with Finish.
+  ctx.order.clear();
+  for (int64_t k = 0; k < chunks; ++k) ctx.order.push_back(head_items + k);
+  for (int64_t item = 0; item < head_items; ++item) {
+    if (layer_of(item)->OnHost(static_cast<int>(item % heads))) ctx.order.push_back(item);
   }
+  const auto items = static_cast<int64_t>(ctx.order.size());
+  const int threads = cpu::ThreadsFor(work, items);
   auto waits = [&](int64_t item) {
     return shortlists && layer_of(item)->ExpectsShortlist(static_cast<int>(item % heads));
   };
