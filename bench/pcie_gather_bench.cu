@@ -3,13 +3,14 @@
 // 256-byte row reads from mapped host memory give a GPU kernel, against the same gather from
 // device memory, a contiguous copy over the same link, and the host's own threads.
 //
-// One layer of bf16 keys ([tokens, kv_heads, head_dim], row-major, 2 MiB pages as
-// server/kv_store.cc maps them) filled with N(0, 1) and registered with the device
-// (cudaHostRegister, mapped and read-only; the registration's time is reported, as a session
-// would pay it per growth of its store). A GPU "head" scores `rows` positions of its KV head,
-// drawn afresh at random every step (a shortlist with its outliers, plus the support's value
-// rows: the bytes a head's rescoring and attention read), one warp per row, each lane loading 8
-// bytes, several rows in flight per warp. Prints one JSON object:
+// One layer of bf16 keys ([tokens, kv_heads, head_dim], row-major, allocated as
+// server/kv_store.cc allocates them: server/host_memory.h, in 2 MiB pages, or in 4 KiB pages
+// with --huge_pages=off) filled with N(0, 1) and registered with the device (cudaHostRegister,
+// mapped and read-only; the registration's time is reported, as a session would pay it per
+// growth of its store, apart from the CUDA context's creation). A GPU "head" scores `rows`
+// positions of its KV head, drawn afresh at random every step (a shortlist with its outliers,
+// plus the support's value rows: the bytes a head's rescoring and attention read), one warp per
+// row, each lane loading 8 bytes, several rows in flight per warp. Prints one JSON object:
 // - `gpu`: per count of heads, the kernel's device time (events) and the host's wall from
 //   launch to the end of a stream synchronize, reading the mapped host rows and, apart, a copy
 //   of them in device memory; the rows' GB/s; and the scores checked against the host's
@@ -24,7 +25,15 @@
 //   (kernels/cuda/candidate_attention.h: the union, exact scores, top K, attention over the
 //   values, all read from the mapped host KV), on the host what ShortlistSelector::Select runs
 //   (cpu::ScoreTokens, cpu::TopKPositions, cpu::PartialAttentionScored). Per G: the kernel alone
-//   (device time, from host and from device memory) and the split step's wall.
+//   (device time, from host and from device memory) and the split step's wall;
+// - `host_pages`: the host's THP mode (/sys/kernel/mm/transparent_hugepage/enabled, defrag) and,
+//   per key array, the AnonHugePages it got (/proc/self/smaps);
+// - `pages` (--huge_pages=both): a second copy of the keys in 4 KiB pages, and per step, in
+//   turn on each array (the order alternating), on positions of their own: the GPU's gather of
+//   all `q_heads` heads from the mapped array (device time), the host threads' gather of them
+//   (wall), and the split step of half of them on each. Each figure for both arrays and their
+//   ratio, 4 KiB over 2 MiB (above 1: huge pages are faster). The other sections read the
+//   2 MiB array.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,8 +41,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -44,12 +55,12 @@
 #include "bench/cuda_bench_check.h"
 #include "bench/percentiles.h"
 #include "kernels/cpu/attention.h"
-#include "kernels/cpu/mapped_memory.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda/candidate_attention.h"
 #include "kernels/dtype.h"
 #include "kernels/kv_view.h"
 #include "nlohmann/json.hpp"
+#include "server/host_memory.h"
 
 ABSL_FLAG(int64_t, tokens, 131072, "tokens of the layer");
 ABSL_FLAG(int, q_heads, 32, "query heads of a step");
@@ -66,6 +77,10 @@ ABSL_FLAG(int, top_k, 512, "positions an exact head attends to");
 ABSL_FLAG(int, threads, 16, "the host's threads in the split runs");
 ABSL_FLAG(int, steps, 100, "measured steps per configuration");
 ABSL_FLAG(int, warmup, 10, "steps before them");
+ABSL_FLAG(std::string, huge_pages, "on",
+          "the host keys' pages: on (2 MiB, as kvrecalld --host_huge_pages allocates them), off "
+          "(4 KiB), or both (the sections on the 2 MiB array, then the `pages` comparison of the "
+          "two, interleaved step by step)");
 
 namespace kvrecall::bench {
 namespace {
@@ -136,6 +151,63 @@ double MicrosSince(Clock::time_point t) {
   return std::chrono::duration<double, std::micro>(Clock::now() - t).count();
 }
 
+// A copy of the layer's keys in the host's memory and its registration with the device.
+struct KeyArray {
+  HostMemory memory;
+  uint16_t* mapped = nullptr;  // the device's address of it
+  double register_us = 0;
+  bool read_only = false;
+};
+
+void Register(KeyArray& array) {
+  void* const host = array.memory.data();
+  const size_t bytes = array.memory.size();
+  auto t0 = Clock::now();
+  // Read-only where the device supports it (the GPU never writes the host's KV).
+  array.read_only = true;
+  if (cudaHostRegister(host, bytes, cudaHostRegisterMapped | cudaHostRegisterReadOnly) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    array.read_only = false;
+    t0 = Clock::now();
+    CHECK_CUDA(cudaHostRegister(host, bytes, cudaHostRegisterMapped));
+  }
+  array.register_us = MicrosSince(t0);
+  CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&array.mapped), host, 0));
+}
+
+// The host's THP settings and what each array got (registered), also on stderr after `when`.
+nlohmann::json HostPagesJson(const std::vector<KeyArray>& arrays, const char* when) {
+  const std::string enabled = TransparentHugePagesMode("enabled");
+  const std::string defrag = TransparentHugePagesMode("defrag");
+  std::fprintf(stderr, "%s: transparent_hugepage/enabled [%s], defrag [%s]\n", when,
+               enabled.c_str(), defrag.c_str());
+  nlohmann::json list = nlohmann::json::array();
+  for (const KeyArray& array : arrays) {
+    const HostMemory& m = array.memory;
+    const int64_t huge = ValueOrDie(AnonHugePageBytes(m.data(), m.size()));
+    const bool aligned = reinterpret_cast<uintptr_t>(m.data()) % kHugePageBytes == 0;
+    list.push_back({{"huge_pages_requested", m.huge_pages_requested()},
+                    {"huge_pages_advised", m.huge_pages_advised()},
+                    {"aligned_2mib", aligned},
+                    {"bytes", m.size()},
+                    {"anon_huge_page_bytes", huge},
+                    {"register_us", array.register_us},
+                    {"registered_read_only", array.read_only}});
+    std::fprintf(stderr,
+                 "%s: %s array of %zu bytes: MADV_%sHUGEPAGE %s, AnonHugePages %lld (%.1f%%), "
+                 "registered in %.0f us\n",
+                 when, m.huge_pages_requested() ? "2 MiB" : "4 KiB", m.size(),
+                 m.huge_pages_requested() ? "" : "NO",
+                 m.huge_pages_requested() ? (m.huge_pages_advised() ? "accepted" : "refused")
+                                          : "asked",
+                 static_cast<long long>(huge), 100.0 * huge / m.size(), array.register_us);
+  }
+  return {{"transparent_hugepage_enabled", enabled},
+          {"transparent_hugepage_defrag", defrag},
+          {"arrays", list}};
+}
+
 int Main() {
   const int64_t tokens = absl::GetFlag(FLAGS_tokens);
   const int q_heads = absl::GetFlag(FLAGS_q_heads), kv_heads = absl::GetFlag(FLAGS_kv_heads);
@@ -155,33 +227,41 @@ int Main() {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const double row_bytes = d * 2.0;
 
-  // The host's keys, as the KV store maps them, then registered.
+  const std::string pages = absl::GetFlag(FLAGS_huge_pages);
+  if (pages != "on" && pages != "off" && pages != "both") {
+    std::fprintf(stderr, "--huge_pages: on, off or both\n");
+    return 2;
+  }
+  // The CUDA context first, so that the registrations' times are theirs alone.
+  auto t0 = Clock::now();
+  CHECK_CUDA(cudaFree(nullptr));
+  const double context_us = MicrosSince(t0);
+
+  // The host's keys, as the KV store allocates them, then registered: [0] is the array the
+  // sections read (2 MiB pages unless --huge_pages=off), [1] the 4 KiB one of --huge_pages=both.
   const size_t elements = static_cast<size_t>(tokens) * kv_heads * d;
-  cpu::MappedVector<uint16_t> host_keys(elements);
+  const size_t key_bytes = elements * sizeof(uint16_t);
+  std::vector<KeyArray> arrays;
+  for (const bool huge : {pages != "off", false}) {
+    if (!arrays.empty() && pages != "both") break;
+    arrays.push_back({ValueOrDie(AllocateHostMemory(key_bytes, huge))});
+  }
+  uint16_t* const host_keys = reinterpret_cast<uint16_t*>(arrays[0].memory.data());
   {
     std::mt19937_64 rng(1);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (uint16_t& x : host_keys) x = FloatToBf16(normal(rng));
+    for (size_t i = 0; i < elements; ++i) host_keys[i] = FloatToBf16(normal(rng));
+    if (arrays.size() > 1) std::memcpy(arrays[1].memory.data(), host_keys, key_bytes);
   }
-  const size_t key_bytes = elements * sizeof(uint16_t);
-  auto t0 = Clock::now();
-  // Read-only where the device supports it (the GPU never writes the host's KV).
-  bool read_only = true;
-  if (cudaHostRegister(host_keys.data(), key_bytes,
-                       cudaHostRegisterMapped | cudaHostRegisterReadOnly) != cudaSuccess) {
-    cudaGetLastError();
-    read_only = false;
-    t0 = Clock::now();
-    CHECK_CUDA(cudaHostRegister(host_keys.data(), key_bytes, cudaHostRegisterMapped));
-  }
-  const double register_us = MicrosSince(t0);
-  uint16_t* mapped_keys = nullptr;
-  CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&mapped_keys), host_keys.data(),
-                                      0));
+  for (KeyArray& array : arrays) Register(array);
+  const double register_us = arrays[0].register_us;
+  const bool read_only = arrays[0].read_only;
+  uint16_t* const mapped_keys = arrays[0].mapped;
+  const nlohmann::json host_pages = HostPagesJson(arrays, "host pages");
   uint16_t* device_keys = nullptr;
   CHECK_CUDA(cudaMalloc(&device_keys, key_bytes));
-  CHECK_CUDA(cudaMemcpy(device_keys, host_keys.data(), key_bytes, cudaMemcpyHostToDevice));
-  const KvView kv{host_keys.data(), host_keys.data(), tokens, kv_heads, d, KvElement::kBf16};
+  CHECK_CUDA(cudaMemcpy(device_keys, host_keys, key_bytes, cudaMemcpyHostToDevice));
+  const KvView kv{host_keys, host_keys, tokens, kv_heads, d, KvElement::kBf16};
 
   std::vector<float> queries(static_cast<size_t>(q_heads) * d);
   {
@@ -285,8 +365,7 @@ int Main() {
     std::vector<double> us;
     for (int s = 0; s < draws; ++s) {
       CHECK_CUDA(cudaEventRecord(start, stream));
-      CHECK_CUDA(cudaMemcpyAsync(device_keys, host_keys.data(), bytes, cudaMemcpyHostToDevice,
-                                 stream));
+      CHECK_CUDA(cudaMemcpyAsync(device_keys, host_keys, bytes, cudaMemcpyHostToDevice, stream));
       CHECK_CUDA(cudaEventRecord(stop, stream));
       CHECK_CUDA(cudaStreamSynchronize(stream));
       float ms = 0;
@@ -303,15 +382,18 @@ int Main() {
   // The split step: heads [0, G) on the GPU (launched first), [G, q_heads) on the host's pool,
   // the step done when both are.
   std::vector<std::vector<float>> host_scores(q_heads, std::vector<float>(rows));
-  auto host_part = [&](int s, int first_head) {
+  // Heads [first_head, q_heads) of `keys` on the host's pool, at step_ids ([q_heads][rows]).
+  auto host_gather = [&](const KvView& keys, const int32_t* step_ids, int first_head) {
     cpu::ParallelFor(q_heads - first_head, threads, [&](int64_t item) {
       const int h = first_head + static_cast<int>(item);
-      cpu::ScoreTokens(queries.data() + static_cast<size_t>(h) * d, kv,
+      cpu::ScoreTokens(queries.data() + static_cast<size_t>(h) * d, keys,
                        KvHeadOf(h, q_heads, kv_heads),
-                       std::span<const int32_t>(
-                           ids.data() + per_draw * s + static_cast<size_t>(h) * rows, rows),
+                       std::span<const int32_t>(step_ids + static_cast<size_t>(h) * rows, rows),
                        scale, host_scores[h].data());
     });
+  };
+  auto host_part = [&](int s, int first_head) {
+    host_gather(kv, ids.data() + per_draw * s, first_head);
   };
   nlohmann::json split = nlohmann::json::array();
   {
@@ -536,6 +618,97 @@ int Main() {
     }
   }
 
+  // 4 KiB against 2 MiB pages (--huge_pages=both), interleaved step by step (the host's memory
+  // speed drifts between runs: only figures of one run compare). Per step, each array in turn
+  // (which goes first alternates), on positions of its own per measurement: the GPU's gather of
+  // all heads from the mapped array, the host's gather of them, and the split step (the first
+  // half of the heads on the GPU, the rest on the host, at once).
+  nlohmann::json pages_result;
+  bool pages_scores_agree = true;
+  if (arrays.size() > 1) {
+    enum { kGpu, kHost, kSplit, kKinds };
+    const size_t page_draws = static_cast<size_t>(draws) * 2 * kKinds;
+    std::vector<int32_t> page_ids(per_draw * page_draws);
+    {
+      std::mt19937_64 rng(5);
+      std::uniform_int_distribution<int32_t> position(0, static_cast<int32_t>(tokens - 1));
+      for (int32_t& id : page_ids) id = position(rng);
+    }
+    int32_t* d_page_ids = nullptr;
+    CHECK_CUDA(cudaMalloc(&d_page_ids, page_ids.size() * sizeof(int32_t)));
+    CHECK_CUDA(cudaMemcpy(d_page_ids, page_ids.data(), page_ids.size() * sizeof(int32_t),
+                          cudaMemcpyHostToDevice));
+    // The same rows read from either array give the same scores, bit for bit.
+    std::vector<float> from[2];
+    for (int a = 0; a < 2; ++a) {
+      LaunchScores(arrays[a].mapped, kv_heads, group, d_q, d_page_ids, q_heads, rows, scale,
+                   d_scores, stream);
+      from[a].resize(per_draw);
+      CHECK_CUDA(cudaMemcpyAsync(from[a].data(), d_scores, per_draw * sizeof(float),
+                                 cudaMemcpyDeviceToHost, stream));
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+    }
+    pages_scores_agree = from[0] == from[1];
+    const int half = q_heads / 2;
+    std::vector<double> us[2][kKinds];  // [array: 0 the 2 MiB one, 1 the 4 KiB one][kind]
+    for (int s = 0; s < draws; ++s) {
+      for (int turn = 0; turn < 2; ++turn) {
+        const int a = (s + turn) % 2;
+        const KvView keys{arrays[a].memory.data(), arrays[a].memory.data(), tokens, kv_heads, d,
+                          KvElement::kBf16};
+        auto draw = [&](int kind) {
+          return per_draw * ((static_cast<size_t>(s) * 2 + a) * kKinds + kind);
+        };
+        CHECK_CUDA(cudaEventRecord(start, stream));
+        LaunchScores(arrays[a].mapped, kv_heads, group, d_q, d_page_ids + draw(kGpu), q_heads,
+                     rows, scale, d_scores, stream);
+        CHECK_CUDA(cudaEventRecord(stop, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+
+        cpu::ParallelFor(threads, threads, [](int64_t) {});  // the pool awake
+        auto t = Clock::now();
+        host_gather(keys, page_ids.data() + draw(kHost), 0);
+        const double host = MicrosSince(t);
+
+        cpu::ParallelFor(threads, threads, [](int64_t) {});
+        t = Clock::now();
+        LaunchScores(arrays[a].mapped, kv_heads, group, d_q, d_page_ids + draw(kSplit), half,
+                     rows, scale, d_scores, stream);
+        host_gather(keys, page_ids.data() + draw(kSplit), half);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const double split = MicrosSince(t);
+        if (s < warmup) continue;
+        us[a][kGpu].push_back(ms * 1e3);
+        us[a][kHost].push_back(host);
+        us[a][kSplit].push_back(split);
+      }
+    }
+    CHECK_CUDA(cudaFree(d_page_ids));
+    pages_result = {{"scores_agree", pages_scores_agree}};
+    const char* const names[kKinds] = {"gpu", "host", "split"};
+    const char* const what[kKinds] = {"device time", "wall", "step wall"};
+    for (int kind = 0; kind < kKinds; ++kind) {
+      const double huge = Percentiles(us[0][kind])["p50"].get<double>();
+      const double small = Percentiles(us[1][kind])["p50"].get<double>();
+      // Rows read: all heads' (a split step's too, half on each side).
+      const double bytes = static_cast<double>(q_heads) * rows * row_bytes;
+      pages_result[names[kind]] = {{"heads", q_heads},
+                                   {"gpu_heads", kind == kHost ? 0 : kind == kGpu ? q_heads : half},
+                                   {"small_pages_us", Percentiles(us[1][kind])},
+                                   {"huge_pages_us", Percentiles(us[0][kind])},
+                                   {"small_pages_gb_per_s", bytes / small / 1e3},
+                                   {"huge_pages_gb_per_s", bytes / huge / 1e3},
+                                   {"small_over_huge", small / huge}};
+      std::fprintf(stderr,
+                   "pages %-5s %2d heads, p50 %s: 4 KiB %.1f us (%.1f GB/s), 2 MiB %.1f us "
+                   "(%.1f GB/s); 4 KiB / 2 MiB = %.3f\n",
+                   names[kind], q_heads, what[kind], small, bytes / small / 1e3, huge,
+                   bytes / huge / 1e3, small / huge);
+    }
+  }
+
   int device = 0;
   CHECK_CUDA(cudaGetDevice(&device));
   cudaDeviceProp prop;
@@ -549,6 +722,7 @@ int Main() {
                                  {"rows_per_head", rows},
                                  {"row_bytes", row_bytes},
                                  {"host_threads", threads},
+                                 {"context_us", context_us},
                                  {"register_us", register_us},
                                  {"registered_read_only", read_only},
                                  {"registered_bytes", key_bytes},
@@ -561,12 +735,20 @@ int Main() {
                                  {"outliers", absl::GetFlag(FLAGS_outliers)},
                                  {"top_k", absl::GetFlag(FLAGS_top_k)},
                                  {"exact", exact},
-                                 {"exact_lse_worst_relative_error", exact_lse_worst_relative}};
+                                 {"exact_lse_worst_relative_error", exact_lse_worst_relative},
+                                 {"huge_pages", pages},
+                                 {"host_pages", host_pages},
+                                 {"pages", pages_result},
+                                 {"host_pages_after",
+                                  HostPagesJson(arrays, "host pages after the runs")}};
   std::printf("%s\n", result.dump(1).c_str());
-  CHECK_CUDA(cudaHostUnregister(host_keys.data()));
-  if (!scores_agree || !(exact_lse_worst_relative < 1e-4)) {
-    std::fprintf(stderr, "the GPU's scores or states differ from the host's (%.3g, %.3g)\n",
-                 worst_relative, exact_lse_worst_relative);
+  for (const KeyArray& array : arrays) CHECK_CUDA(cudaHostUnregister(array.memory.data()));
+  if (!scores_agree || !(exact_lse_worst_relative < 1e-4) || !pages_scores_agree) {
+    std::fprintf(stderr,
+                 "the GPU's scores or states differ from the host's (%.3g, %.3g), or from the "
+                 "4 KiB array's (%s)\n",
+                 worst_relative, exact_lse_worst_relative,
+                 pages_scores_agree ? "they agree" : "they differ");
     return 1;
   }
   return 0;

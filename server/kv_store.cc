@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/cpu/mapped_memory.h"
+#include "absl/strings/str_cat.h"
 #include "proto/tensor_codec.h"
 
 namespace kvrecall {
@@ -44,12 +44,20 @@ absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
     }
     MemoryAccount* budget = arrays[0]->budget_;
     status = budget != nullptr ? budget->Reserve(extra_bytes, what) : absl::OkStatus();
-    if (status.ok()) {
-      for (BudgetedRows* a : arrays) {
-        if (a->capacity_rows_ < capacity) a->Reallocate(capacity);
+    for (size_t i = 0; status.ok() && i < arrays.size(); ++i) {
+      if (arrays[i]->capacity_rows_ >= capacity) continue;
+      status = arrays[i]->Reallocate(capacity, what);
+      if (!status.ok() && budget != nullptr) {
+        // The arrays grown keep their room; the others give their share of the charge back.
+        int64_t unused = 0;
+        for (size_t j = i; j < arrays.size(); ++j) {
+          unused += std::max<int64_t>(capacity - arrays[j]->capacity_rows_, 0) *
+                    arrays[j]->row_bytes();
+        }
+        budget->Release(unused);
       }
-      return status;
     }
+    if (status.ok()) return status;
   }
   return status;
 }
@@ -59,17 +67,22 @@ absl::Status BudgetedRows::Reserve(int64_t more, absl::string_view what) {
   return ReserveRows(self, more, what);
 }
 
-void BudgetedRows::Reallocate(int64_t capacity_rows) {
-  auto grown = std::make_unique_for_overwrite<std::byte[]>(capacity_rows * row_bytes());
-  // Left to first touch, every 4 KiB page faults on its own: a decode step appends a key and a
-  // value row (4 KiB each at 8 KV heads x d=128), so nearly every step took two page faults,
-  // several microseconds in a VM (issue 12).
-  cpu::MapPagesNow(grown.get(), capacity_rows * row_bytes());
-  if (rows_ > 0) std::memcpy(grown.get(), data_.get(), rows_ * row_bytes());
+absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view what) {
+  // Its pages are mapped now: left to first touch, every 4 KiB page faulted on its own, and a
+  // decode step appends a key and a value row (4 KiB each at 8 KV heads x d=128), so nearly
+  // every step took two page faults, several microseconds in a VM (issue 12).
+  absl::StatusOr<HostMemory> grown =
+      AllocateHostMemory(static_cast<size_t>(capacity_rows * row_bytes()));
+  if (!grown.ok()) {
+    return absl::Status(grown.status().code(),
+                        absl::StrCat(what, ": ", grown.status().message()));
+  }
+  if (rows_ > 0) std::memcpy(grown->data(), data_.data(), rows_ * row_bytes());
   UnpinCurrent();
-  data_ = std::move(grown);
+  data_ = *std::move(grown);
   capacity_rows_ = capacity_rows;
   PinCurrent();
+  return absl::OkStatus();
 }
 
 void BudgetedRows::Free() {
@@ -91,11 +104,11 @@ bool BudgetedRows::SetPinning(HostPinning* pinning) {
 
 void BudgetedRows::PinCurrent() {
   if (pinning_ == nullptr || pinned_ || capacity_rows_ == 0) return;
-  pinned_ = pinning_->Pin(data_.get(), static_cast<size_t>(allocated_bytes())).ok();
+  pinned_ = pinning_->Pin(data_.data(), static_cast<size_t>(allocated_bytes())).ok();
 }
 
 void BudgetedRows::UnpinCurrent() {
-  if (pinned_) pinning_->Unpin(data_.get());
+  if (pinned_) pinning_->Unpin(data_.data());
   pinned_ = false;
 }
 

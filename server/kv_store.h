@@ -1,6 +1,7 @@
 // Host storage of a session's per-layer KV cache (and of staged prompt tensors): growable
 // row-major arrays of f32 or of the model's 16-bit dtype whose allocations are charged to a
-// MemoryAccount (the host budget, or a session's grant on it).
+// MemoryAccount (the host budget, or a session's grant on it). Large arrays are in huge pages
+// unless the process turned them off (server/host_memory.h).
 #ifndef KVRECALL_SERVER_KV_STORE_H_
 #define KVRECALL_SERVER_KV_STORE_H_
 
@@ -9,11 +10,13 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "kernels/dtype.h"
 #include "kernels/kv_view.h"
+#include "server/host_memory.h"
 #include "server/memory_budget.h"
 
 namespace kvrecall {
@@ -47,7 +50,7 @@ class BudgetedRows {
 
   // Where the next row goes, in the array's element type; valid for the rows reserved, until
   // the next Reserve.
-  void* raw_tail() { return data_.get() + rows_ * row_bytes(); }
+  void* raw_tail() { return data_.data() + rows_ * row_bytes(); }
   // raw_tail() of an f32 array.
   float* tail() {
     assert(element_ == KvElement::kF32);
@@ -65,7 +68,7 @@ class BudgetedRows {
   // Whether the current allocation is pinned (its address is the device's to read).
   bool pinned() const { return pinned_; }
 
-  const void* raw_data() const { return data_.get(); }
+  const void* raw_data() const { return data_.data(); }
   // raw_data() of an f32 array.
   const float* data() const {
     assert(element_ == KvElement::kF32);
@@ -82,7 +85,8 @@ class BudgetedRows {
                                   absl::string_view what);
   // Moves the content to an allocation of `capacity_rows` (>= rows) that the caller has
   // already charged to the budget (pinned, and the old one unpinned, when there is pinning).
-  void Reallocate(int64_t capacity_rows);
+  // RESOURCE_EXHAUSTED naming `what` when the memory cannot be had; then nothing changed.
+  absl::Status Reallocate(int64_t capacity_rows, absl::string_view what);
   // Pins the current allocation when there is pinning and it is not pinned yet.
   void PinCurrent();
   void UnpinCurrent();
@@ -90,7 +94,7 @@ class BudgetedRows {
   int64_t row_width_ = 0;
   KvElement element_ = KvElement::kF32;
   MemoryAccount* budget_ = nullptr;
-  std::unique_ptr<std::byte[]> data_;
+  HostMemory data_;
   int64_t rows_ = 0;
   int64_t capacity_rows_ = 0;
   HostPinning* pinning_ = nullptr;
@@ -99,8 +103,9 @@ class BudgetedRows {
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
 // budget), all growing to one capacity: at least half again the largest current one, or —
-// when the budget cannot afford that slack — exactly the rows needed. RESOURCE_EXHAUSTED
-// (naming `what`) when not even that fits; then nothing changed.
+// when the budget or the host's memory cannot afford that slack — exactly the rows needed.
+// RESOURCE_EXHAUSTED (naming `what`) when not even that fits; then the content did not change
+// (arrays grown before an allocation failed keep their room, and its charge).
 absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
                          absl::string_view what);
 

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/cpu/thread_pool.h"
+#include "server/host_memory.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50051",
@@ -92,6 +93,12 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "Bearer TOKEN' (else UNAUTHENTICATED), and a session belongs to the tenant that "
           "created it (to others it does not exist); needs TLS");
 
+ABSL_FLAG(bool, host_huge_pages, true,
+          "back sessions' host KV arrays (and staged prompts) of 2 MiB or more with 2 MiB "
+          "transparent huge pages (each its own 2 MiB-aligned mapping, MADV_HUGEPAGE), so that "
+          "scattered row reads by the host's threads and by a GPU over PCIe need fewer address "
+          "translations; takes effect where /sys/kernel/mm/transparent_hugepage/enabled is "
+          "madvise or always; false: 4 KiB pages (MADV_NOHUGEPAGE)");
 ABSL_FLAG(int, malloc_mmap_threshold_kb, 1024,
           "blocks of at least this many KiB get a mapping of their own, returned to the OS when "
           "freed (glibc's M_MMAP_THRESHOLD; the trim threshold is 4x); 0: glibc's adaptive "
@@ -121,6 +128,15 @@ int main(int argc, char** argv) {
   if (threshold_kb > 0) {
     mallopt(M_MMAP_THRESHOLD, threshold_kb << 10);
     mallopt(M_TRIM_THRESHOLD, 4 * (threshold_kb << 10));
+  }
+
+  // Before any session allocates its KV.
+  kvrecall::SetHostHugePages(absl::GetFlag(FLAGS_host_huge_pages));
+  if (absl::GetFlag(FLAGS_host_huge_pages) && kvrecall::TransparentHugePagesMode() == "never") {
+    std::fprintf(stderr,
+                 "kvrecalld: transparent huge pages are off on this host "
+                 "(/sys/kernel/mm/transparent_hugepage/enabled: never): the KV stays in 4 KiB "
+                 "pages\n");
   }
 
   const double budget_gb = absl::GetFlag(FLAGS_host_memory_budget_gb);

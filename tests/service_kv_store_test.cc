@@ -1,13 +1,17 @@
 // The server's host KV store and memory budget: two-phase appends keep content exact through
 // growth, growth is geometric while the budget allows and exact when it does not, a refused
-// reservation changes nothing, and every byte is given back.
+// reservation changes nothing, and every byte is given back. Large arrays are 2 MiB-aligned
+// mappings, in huge pages unless the process turned them off (server/host_memory.h).
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "server/host_memory.h"
 #include "server/kv_store.h"
 #include "server/memory_budget.h"
 #include "tests/server_fixture.h"
@@ -226,6 +230,81 @@ TEST(KvStoreTest, PinningFollowsEveryAllocationAndUnpinsBeforeFreeing) {
   EXPECT_FALSE(kv.SetPinning(nullptr));
   EXPECT_TRUE(pinning.live.empty());
   EXPECT_EQ(budget.used(), kv.allocated_bytes());
+}
+
+bool HugePageAligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % kHugePageBytes == 0;
+}
+
+TEST(KvStoreTest, ContentSurvivesGrowthInHugePagesAndInSmallOnes) {
+  for (const bool huge_pages : {true, false}) {
+    SCOPED_TRACE(huge_pages ? "huge pages" : "4 KiB pages");
+    SetHostHugePages(huge_pages);
+    MemoryBudget budget(0);
+    BudgetedRows rows(1024, &budget);  // 4 KiB rows: 16 rows, 24, ... past 2 MiB at 512
+    int large = 0;
+    for (int step = 0; step < 40; ++step) {
+      const void* before = rows.raw_data();
+      AppendRows(rows, 50);
+      if (rows.raw_data() != before && rows.allocated_bytes() >= int64_t{kHugePageBytes}) {
+        ++large;
+        EXPECT_TRUE(HugePageAligned(rows.raw_data())) << rows.allocated_bytes();
+      }
+      EXPECT_EQ(budget.used(), rows.allocated_bytes());
+    }
+    EXPECT_GE(large, 2) << "grown more than once in mappings of their own";
+    EXPECT_EQ(rows.rows(), 2000);
+    ExpectRowsIntact(rows);
+    absl::StatusOr<int64_t> huge = AnonHugePageBytes(rows.raw_data(), rows.allocated_bytes());
+    ASSERT_TRUE(huge.ok()) << huge.status();
+    if (!huge_pages) EXPECT_EQ(*huge, 0);
+    rows.Free();
+    EXPECT_EQ(budget.used(), 0);
+  }
+  SetHostHugePages(true);
+}
+
+TEST(KvStoreTest, LayerKvIsInHugePagesWhereTheHostAllowsThem) {
+  const std::string mode = TransparentHugePagesMode();
+  if (mode != "madvise" && mode != "always") {
+    GTEST_SKIP() << "transparent huge pages are '" << mode
+                 << "' on this host (/sys/kernel/mm/transparent_hugepage/enabled)";
+  }
+  // 1024 tokens of 8 KV heads x d = 128 in bf16: 2 MiB of keys and 2 MiB of values.
+  MemoryBudget budget(0);
+  LayerKvStore kv(8, 128, &budget, KvElement::kBf16);
+  ASSERT_TRUE(kv.Reserve(1024, "the prompt").ok());
+  const KvView view = kv.view();
+  ASSERT_TRUE(HugePageAligned(view.keys) && HugePageAligned(view.values));
+  for (const void* array : {view.keys, view.values}) {
+    absl::StatusOr<int64_t> huge = AnonHugePageBytes(array, kHugePageBytes);
+    ASSERT_TRUE(huge.ok()) << huge.status();
+    EXPECT_GE(*huge, int64_t{kHugePageBytes});
+  }
+}
+
+TEST(KvStoreTest, MemoryThatCannotBeHadIsAnErrorAndChangesNothing) {
+  MemoryBudget budget(0);
+  LayerKvStore kv(1, 1 << 16, &budget);  // 256 KiB keys and values per token
+  ASSERT_TRUE(kv.Reserve(2, "the prompt").ok());
+  std::memset(kv.key_tail(), 1, 2 << 18);
+  std::memset(kv.value_tail(), 2, 2 << 18);
+  kv.Commit(2);
+  const int64_t allocated = kv.allocated_bytes();
+  // 2^43 tokens: 2^61 bytes each, beyond any address space (and the budget is unlimited).
+  EXPECT_TRUE(HasStatus(kv.Reserve(int64_t{1} << 43, "the announced max_tokens"),
+                        absl::StatusCode::kResourceExhausted,
+                        "the announced max_tokens: cannot allocate"));
+  EXPECT_EQ(kv.tokens(), 2);
+  EXPECT_EQ(kv.allocated_bytes(), allocated);
+  EXPECT_EQ(budget.used(), allocated) << "the charge of what was not allocated is given back";
+  const KvView view = kv.view();
+  EXPECT_EQ(static_cast<const char*>(view.keys)[(2 << 18) - 1], 1);
+  EXPECT_EQ(static_cast<const char*>(view.values)[(2 << 18) - 1], 2);
+  ASSERT_TRUE(kv.Reserve(20, "the new tokens").ok()) << "it still grows";
+  EXPECT_GT(kv.allocated_bytes(), allocated);
+  kv.Free();
+  EXPECT_EQ(budget.used(), 0);
 }
 
 TEST(KvStoreTest, BudgetChargesBeyondTheLimitOnlyWhenForced) {

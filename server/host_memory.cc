@@ -1,0 +1,135 @@
+#include "server/host_memory.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <new>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvrecall {
+namespace {
+
+std::atomic<bool> huge_pages_on{true};
+
+#ifndef MADV_POPULATE_WRITE
+constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
+#endif
+
+absl::Status Exhausted(size_t bytes, int error) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("cannot allocate ", bytes, " bytes of host memory: ", std::strerror(error)));
+}
+
+}  // namespace
+
+void SetHostHugePages(bool on) { huge_pages_on.store(on, std::memory_order_relaxed); }
+bool HostHugePages() { return huge_pages_on.load(std::memory_order_relaxed); }
+
+HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {
+  if (this != &other) {
+    reset();
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    mapped_bytes_ = std::exchange(other.mapped_bytes_, 0);
+    huge_pages_requested_ = std::exchange(other.huge_pages_requested_, false);
+    huge_pages_advised_ = std::exchange(other.huge_pages_advised_, false);
+  }
+  return *this;
+}
+
+void HostMemory::reset() {
+  if (data_ != nullptr) {
+    if (mapped_bytes_ > 0) {
+      munmap(data_, mapped_bytes_);
+    } else {
+      ::operator delete(data_);
+    }
+  }
+  data_ = nullptr;
+  bytes_ = 0;
+  mapped_bytes_ = 0;
+  huge_pages_requested_ = false;
+  huge_pages_advised_ = false;
+}
+
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes) {
+  return AllocateHostMemory(bytes, HostHugePages());
+}
+
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages) {
+  HostMemory memory;
+  memory.bytes_ = bytes;
+  if (bytes < kHugePageBytes) {
+    memory.data_ = static_cast<std::byte*>(::operator new(bytes, std::nothrow));
+    if (memory.data_ == nullptr) return Exhausted(bytes, ENOMEM);
+    return memory;
+  }
+  // Whole pages from a 2 MiB boundary: every 2 MiB range but a partial last one can be a
+  // huge page, and the tail beyond the last boundary stays in small pages (no huge page is
+  // faulted in for a few KiB past it).
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
+  const size_t length = (bytes + page - 1) / page * page;
+  const size_t reserved = length + kHugePageBytes - page;
+  void* const raw =
+      mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return Exhausted(bytes, errno);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (begin + kHugePageBytes - 1) & ~uintptr_t{kHugePageBytes - 1};
+  if (aligned > begin) munmap(raw, aligned - begin);
+  if (begin + reserved > aligned + length) {
+    munmap(reinterpret_cast<void*>(aligned + length), begin + reserved - (aligned + length));
+  }
+  memory.data_ = reinterpret_cast<std::byte*>(aligned);
+  memory.mapped_bytes_ = length;
+  memory.huge_pages_requested_ = huge_pages;
+  memory.huge_pages_advised_ =
+      madvise(memory.data_, length, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0 &&
+      huge_pages;
+  // Kernels before 5.14 refuse the advice (EINVAL): their pages fault in on first touch.
+  if (madvise(memory.data_, length, MADV_POPULATE_WRITE) != 0 && errno == ENOMEM) {
+    return Exhausted(bytes, ENOMEM);  // `memory` unmaps it
+  }
+  return memory;
+}
+
+std::string TransparentHugePagesMode(const std::string& setting) {
+  std::ifstream file("/sys/kernel/mm/transparent_hugepage/" + setting);
+  std::string line;
+  if (!std::getline(file, line)) return "unavailable";
+  const size_t open = line.find('['), close = line.find(']');
+  if (open == std::string::npos || close == std::string::npos || close < open) {
+    return "unavailable";
+  }
+  return line.substr(open + 1, close - open - 1);
+}
+
+absl::StatusOr<int64_t> AnonHugePageBytes(const void* data, size_t bytes) {
+  std::ifstream smaps("/proc/self/smaps");
+  if (!smaps) return absl::UnavailableError("cannot read /proc/self/smaps");
+  const uintptr_t first = reinterpret_cast<uintptr_t>(data), last = first + bytes;
+  bool overlaps = false;
+  int64_t total = 0;
+  std::string line;
+  while (std::getline(smaps, line)) {
+    uintptr_t start = 0, end = 0;
+    int64_t kib = 0;
+    if (std::sscanf(line.c_str(), "AnonHugePages: %" SCNd64 " kB", &kib) == 1) {
+      if (overlaps) total += kib << 10;
+    } else if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR, &start, &end) == 2) {
+      overlaps = start < last && first < end;  // a mapping's first line: START-END perms ...
+    }
+  }
+  return total;
+}
+
+}  // namespace kvrecall

@@ -1,0 +1,79 @@
+// Host allocations for large, long-lived arrays (a session's KV): 2 MiB-aligned mappings of their
+// own backed by transparent huge pages, so that scattered row reads, by host threads and by a GPU
+// over PCIe, need fewer address translations; a process-wide switch (kvrecalld
+// --host_huge_pages) backs them with 4 KiB pages instead.
+#ifndef KVRECALL_SERVER_HOST_MEMORY_H_
+#define KVRECALL_SERVER_HOST_MEMORY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+
+namespace kvrecall {
+
+// A huge page; allocations of at least this many bytes get a mapping of their own.
+inline constexpr size_t kHugePageBytes = size_t{2} << 20;
+
+// Whether large allocations ask for huge pages (true unless turned off); thread-safe, read at
+// every allocation.
+void SetHostHugePages(bool on);
+bool HostHugePages();
+
+// An owning handle of one host allocation (see AllocateHostMemory); move-only.
+class HostMemory {
+ public:
+  HostMemory() = default;
+  HostMemory(HostMemory&& other) noexcept { *this = std::move(other); }
+  HostMemory& operator=(HostMemory&& other) noexcept;
+  ~HostMemory() { reset(); }
+
+  std::byte* data() const { return data_; }
+  // The bytes asked for.
+  size_t size() const { return bytes_; }
+  // Whether it has a 2 MiB-aligned mapping of its own (it is large).
+  bool mapped() const { return mapped_bytes_ > 0; }
+  // Whether MADV_HUGEPAGE was asked for, and whether the kernel accepted it (it refuses where
+  // transparent huge pages are not built in). Accepted advice backs it with 2 MiB pages when
+  // the THP mode (TransparentHugePagesMode) is "madvise" or "always" and memory is available.
+  bool huge_pages_requested() const { return huge_pages_requested_; }
+  bool huge_pages_advised() const { return huge_pages_advised_; }
+
+  // Frees the allocation; empty afterwards.
+  void reset();
+
+ private:
+  friend absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages);
+
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+  size_t mapped_bytes_ = 0;  // 0: an ordinary heap allocation
+  bool huge_pages_requested_ = false;
+  bool huge_pages_advised_ = false;
+};
+
+// `bytes` of host memory (uninitialized). An allocation of at least kHugePageBytes is a mapping of
+// its own, aligned to kHugePageBytes, whose pages are all mapped now (MADV_POPULATE_WRITE: first
+// touches would fault them in one by one, microseconds each in a VM), after MADV_HUGEPAGE when
+// `huge_pages`, else after MADV_NOHUGEPAGE (4 KiB pages even where the THP mode is "always"). A
+// smaller one is an ordinary heap allocation. RESOURCE_EXHAUSTED, saying how many bytes, when
+// the memory cannot be had. The first form follows HostHugePages().
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages);
+
+// The host's transparent huge page mode, the bracketed word of
+// /sys/kernel/mm/transparent_hugepage/<setting>: for "enabled", "always", "madvise" or "never";
+// for "defrag", when faults compact memory to find huge pages. "unavailable" when that cannot be
+// read.
+std::string TransparentHugePagesMode(const std::string& setting = "enabled");
+
+// The AnonHugePages bytes (/proc/self/smaps) of the mappings that overlap [data, data + bytes):
+// how much of them the kernel backs with huge pages now (a neighbouring allocation merged into
+// the same mapping counts too). UNAVAILABLE when smaps cannot be read.
+absl::StatusOr<int64_t> AnonHugePageBytes(const void* data, size_t bytes);
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_HOST_MEMORY_H_
