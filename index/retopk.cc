@@ -134,8 +134,7 @@ void UnionReuseCandidates(const QuerySupportCache& cache, std::span<const int32_
   }
 }
 
-SelectionPath ReTopKHead::Match(const float* q, int64_t tokens, int64_t decode_step,
-                                float* best_cosine) {
+SelectionPath ReTopKHead::Decide(const float* q, int64_t decode_step, float* best_cosine) {
   cpu::Normalize(q, cache_.head_dim(), unit_query_.data());
   const int entries = cache_.size();
   cache_.Cosines(unit_query_.data(), cosines_.data());
@@ -149,6 +148,16 @@ SelectionPath ReTopKHead::Match(const float* q, int64_t tokens, int64_t decode_s
   if (path == SelectionPath::kReuse) {
     cpu::TopKPositions(std::span<const float>(cosines_.data(), entries), params_.reuse_neighbors,
                        &neighbors_);
+  }
+  decided_path_ = path;
+  decided_best_ = best;
+  return path;
+}
+
+SelectionPath ReTopKHead::Match(const float* q, int64_t tokens, int64_t decode_step,
+                                float* best_cosine) {
+  const SelectionPath path = Decide(q, decode_step, best_cosine);
+  if (path == SelectionPath::kReuse) {
     UnionReuseCandidates(cache_, neighbors_, tokens, params_.recent_window, &candidates_);
   }
   return path;
@@ -156,23 +165,33 @@ SelectionPath ReTopKHead::Match(const float* q, int64_t tokens, int64_t decode_s
 
 void ReTopKHead::Step(const float* q, const KvView& kv, int kv_head, int64_t decode_step,
                       HeadSelection* out, SupportSelector* exact_search, int q_head) {
-  out->path = Match(q, kv.tokens, decode_step, &out->best_cosine);
+  Decide(q, decode_step, &out->best_cosine);
+  StepDecided(q, kv, kv_head, out, exact_search, q_head);
+}
+
+void ReTopKHead::StepDecided(const float* q, const KvView& kv, int kv_head, HeadSelection* out,
+                             SupportSelector* exact_search, int q_head) {
+  out->path = decided_path_;
+  out->best_cosine = decided_best_;
   if (out->path == SelectionPath::kReuse) {
+    UnionReuseCandidates(cache_, neighbors_, kv.tokens, params_.recent_window, &candidates_);
     TopKOfCandidates(q, kv, kv_head, params_.scale, params_.top_k, candidates_, &scores_,
                      &positions_, &out->support, &out->support_scores);
     out->candidates = static_cast<int32_t>(candidates_.size());
   } else if (exact_search != nullptr) {
-    const SelectionPath path = out->path;
-    const float best = out->best_cosine;
     exact_search->Select(q_head, q, kv, out);
-    out->path = path;
-    out->best_cosine = best;
+    out->path = decided_path_;
+    out->best_cosine = decided_best_;
   } else {
     cpu::ExactTopK(q, kv, kv_head, params_.scale, params_.top_k, &out->support);
     out->support_scores.clear();
     out->candidates = static_cast<int32_t>(kv.tokens);
   }
   cache_.Push(unit_query_.data(), out->support);
+}
+
+void ReTopKHead::CompleteDecided(std::span<const int32_t> support) {
+  cache_.Push(unit_query_.data(), support);
 }
 
 int64_t ReTopKHead::MemoryBytes() const {
@@ -339,6 +358,24 @@ void ReTopKSelector::OnAppend(const KvView& kv) {
 void ReTopKSelector::Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) {
   heads_[q_head].Step(q, kv, KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads),
                       kv.tokens - prompt_tokens_, out, exact_search_.get(), q_head);
+}
+
+SelectionPath ReTopKSelector::Decide(int q_head, const float* q, int64_t kv_tokens,
+                                     float* best_cosine) {
+  float best = 0.0f;
+  const SelectionPath path = heads_[q_head].Decide(q, kv_tokens - prompt_tokens_, &best);
+  if (best_cosine != nullptr) *best_cosine = best;
+  return path;
+}
+
+void ReTopKSelector::SelectDecided(int q_head, const float* q, const KvView& kv,
+                                   HeadSelection* out) {
+  heads_[q_head].StepDecided(q, kv, KvHeadOf(q_head, shape_.q_heads, shape_.kv_heads), out,
+                             exact_search_.get(), q_head);
+}
+
+void ReTopKSelector::CompleteDecided(int q_head, std::span<const int32_t> support) {
+  heads_[q_head].CompleteDecided(support);
 }
 
 int64_t ReTopKSelector::MemoryBytes() const {

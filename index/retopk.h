@@ -115,6 +115,21 @@ class ReTopKHead {
   // otherwise. Leaves the cache unchanged.
   SelectionPath Match(const float* q, int64_t tokens, int64_t decode_step, float* best_cosine);
   const float* unit_query() const { return unit_query_.data(); }
+
+  // Step in parts, for a caller that decides every head's path before it runs any (the tiered
+  // placement, which hands the exact paths of some heads to its GPU): Decide is Match without
+  // the reuse path's candidates (steps 1-2 and the neighbors); then either StepDecided, the rest
+  // of Step on the host, or CompleteDecided with the support the exact path selected elsewhere
+  // (token ids over the same kv, any order), each of which pushes the decided query into the
+  // cache. Decide itself leaves the cache unchanged: one followed by neither (a step that
+  // failed) is undone by the next Decide or Step.
+  SelectionPath Decide(const float* q, int64_t decode_step, float* best_cosine);
+  void StepDecided(const float* q, const KvView& kv, int kv_head, HeadSelection* out,
+                   SupportSelector* exact_search = nullptr, int q_head = 0);
+  void CompleteDecided(std::span<const int32_t> support);
+  // The last Decide's path and best cosine.
+  SelectionPath decided_path() const { return decided_path_; }
+  float decided_best_cosine() const { return decided_best_; }
   std::span<const int32_t> neighbors() const { return neighbors_; }
   std::span<const int32_t> candidates() const { return candidates_; }
 
@@ -134,6 +149,8 @@ class ReTopKHead {
   std::vector<int32_t> candidates_;
   std::vector<float> scores_;
   std::vector<int32_t> positions_;
+  SelectionPath decided_path_ = SelectionPath::kFallback;
+  float decided_best_ = 0.0f;
 };
 
 // One prompt query replayed through the reuse path during calibration.
@@ -187,6 +204,14 @@ class ReTopKSelector : public SupportSelector {
   }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
+
+  // Select in parts (ReTopKHead::Decide): query head q_head's path for q over kv_tokens tokens
+  // (the kv Select would be given); then SelectDecided (Select's rest, on the same kv) or
+  // CompleteDecided with the support of an exact path run elsewhere (the GPU's). *best_cosine
+  // (may be null): the match's best cosine.
+  SelectionPath Decide(int q_head, const float* q, int64_t kv_tokens, float* best_cosine);
+  void SelectDecided(int q_head, const float* q, const KvView& kv, HeadSelection* out);
+  void CompleteDecided(int q_head, std::span<const int32_t> support);
 
   // The exact and refresh paths select with `search` (built, fed appends and counted with this
   // selector) instead of a flat scan: the graph index in the tiered placement. Before Build.

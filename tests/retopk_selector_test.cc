@@ -300,6 +300,61 @@ TEST(ReTopKSelectorTest, TauTwoEqualsExactTopKBitForBit) {
   }
 }
 
+// Select in parts (what the tiered placement does when its GPU runs some heads' exact paths):
+// Decide, then SelectDecided on the host or CompleteDecided with an exact support chosen
+// elsewhere (here the exact top K, handed over in another order), steps every head exactly as
+// Select does, cache included, over a decode that mixes the paths.
+TEST(ReTopKSelectorTest, DecidedInPartsStepsAsSelect) {
+  const LayerShape shape = Shape(4, 2, 32);
+  const int64_t prompt = 500;
+  const int steps = 60, top_k = 24;
+  RandomKv kv(prompt + steps, shape.kv_heads, shape.head_dim, 41);
+  const std::vector<float> queries = DriftingQueries(prompt + steps, shape.q_heads, 32, 13);
+  std::unique_ptr<SupportSelector> whole = Make(ReTopK(top_k, 0.97f, 11), shape);
+  std::unique_ptr<SupportSelector> parts_owner = Make(ReTopK(top_k, 0.97f, 11), shape);
+  auto* parts = static_cast<ReTopKSelector*>(parts_owner.get());
+  ASSERT_TRUE(whole->Build(Prefix(kv.view(), prompt), queries.data()).ok());
+  ASSERT_TRUE(parts->Build(Prefix(kv.view(), prompt), queries.data()).ok());
+  const int d = shape.head_dim;
+  int reused = 0, completed_elsewhere = 0;
+  for (int s = 0; s < steps; ++s) {
+    const KvView view = Prefix(kv.view(), prompt + s + 1);
+    whole->OnAppend(view);
+    parts->OnAppend(view);
+    const float* q = queries.data() + (prompt + s) * shape.q_heads * d;
+    // Every head decided before any runs.
+    std::vector<SelectionPath> decided(shape.q_heads);
+    std::vector<float> best(shape.q_heads);
+    for (int h = 0; h < shape.q_heads; ++h) {
+      decided[h] = parts->Decide(h, q + h * d, view.tokens, &best[h]);
+    }
+    for (int h = 0; h < shape.q_heads; ++h) {
+      HeadSelection want;
+      whole->Select(h, q + h * d, view, &want);
+      ASSERT_EQ(decided[h], want.path) << "step " << s << " head " << h;
+      EXPECT_EQ(best[h], want.best_cosine) << "step " << s << " head " << h;
+      if (want.path == SelectionPath::kReuse) ++reused;
+      if (want.path != SelectionPath::kReuse && h % 2 == 0) {
+        // The exact path run elsewhere: the same support, reversed.
+        std::vector<int32_t> support = want.support;
+        std::reverse(support.begin(), support.end());
+        parts->CompleteDecided(h, support);
+        ++completed_elsewhere;
+        continue;
+      }
+      HeadSelection got;
+      parts->SelectDecided(h, q + h * d, view, &got);
+      EXPECT_EQ(got.path, want.path) << "step " << s << " head " << h;
+      EXPECT_EQ(got.best_cosine, want.best_cosine);
+      EXPECT_EQ(got.candidates, want.candidates) << "step " << s << " head " << h;
+      EXPECT_EQ(got.support, want.support) << "step " << s << " head " << h;
+    }
+  }
+  // Both paths ran, and the reuse steps after a support handed over read the same cache.
+  EXPECT_GT(reused, steps * shape.q_heads / 10);
+  EXPECT_GT(completed_elsewhere, steps * shape.q_heads / 10);
+}
+
 TEST(ReTopKSelectorTest, TauMinusTwoWithoutRefreshAlwaysReuses) {
   const LayerShape shape = Shape(4, 2, 32);
   const int64_t prompt = 600;

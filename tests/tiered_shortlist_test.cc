@@ -49,6 +49,15 @@ v1::Policy ShortlistPolicy(v1::Selector selector, int top_k, int shortlist) {
   return p;
 }
 
+// ReTopK with a shortlist whose paths mix on DriftingQueryTokens with a few fresh heads: tau 0.6,
+// a refresh every 16 steps.
+v1::Policy MixedPathsReTopKPolicy(int top_k, int shortlist) {
+  v1::Policy p = ShortlistPolicy(v1::SELECTOR_RETOPK, top_k, shortlist);
+  p.mutable_retopk()->set_tau(0.6f);
+  p.mutable_retopk()->set_refresh_interval(16);
+  return p;
+}
+
 // Expects two servers' outputs of the same step to agree: each is f32 arithmetic rounded to the
 // dtype on the way out, so they may sit a rounding apart each (the GPU's heads sum in another
 // order than the host's: d58 saw one bf16 step between them in 3 of 61K elements).
@@ -388,9 +397,7 @@ TEST_F(TieredShortlistTest, ReTopKReusesWhileTheShortlistsAreInFlight) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 3000, 57);
   const int k = 32, n = 96;
-  v1::Policy policy = ShortlistPolicy(v1::SELECTOR_RETOPK, k, n);
-  policy.mutable_retopk()->set_tau(0.6f);
-  policy.mutable_retopk()->set_refresh_interval(16);
+  const v1::Policy policy = MixedPathsReTopKPolicy(k, n);
   const std::string id = CreateAndPrefill(ref, policy, 1000);
   DecodeClient client(stub());
   int mixed_steps = 0;
@@ -430,6 +437,72 @@ TEST_F(TieredShortlistTest, ReTopKReusesWhileTheShortlistsAreInFlight) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_GT(info->paths().reuse(), 0);
   EXPECT_GT(info->paths().fallback() + info->paths().refresh(), 0);
+}
+
+// A retopk layer decides every head's path before the step; on a GPU the heads on the exact
+// path (fallback, refresh), up to half of them, the last ones, run there, and the supports they
+// come back with enter ReTopK's caches as the host's would. Against a host-only server over a
+// decode whose paths mix: every head's path, best cosine, candidates and support size agree at
+// every step (a reuse step's candidates are the union of cached supports, so a support missing
+// from a cache shows), and the outputs to the dtype's tolerance. On the host tier every head is
+// the host's.
+TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 3000, 71);
+  const int k = 32, n = 96;
+  const v1::Policy policy = MixedPathsReTopKPolicy(k, n);
+  ServerOptions host_only;
+  host_only.placements.tiered_device_exact_share = 0;
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::string id = CreateAndPrefill(ref, policy, 1000);
+  const std::string host_id = CreateAndPrefill(ref, policy, 1000, other->get());
+  DecodeClient client(stub()), host_client((*other)->stub());
+  std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 48, 73);
+  for (size_t s = 0; s < tokens.size(); s += 3) {
+    // Every third step a few heads ask something new: they fall back while the others reuse.
+    const std::vector<float> fresh = testing::RandomNormal(5 * g.head_dim(), 800 + s, 1.5f);
+    std::copy(fresh.begin(), fresh.end(), tokens[s].q.begin() + (s % 2) * 3 * g.head_dim());
+  }
+  int device_heads = 0, reuse_heads = 0, mixed_steps = 0;
+  for (size_t step = 0; step < tokens.size(); ++step) {
+    ref.Record(0, tokens[step]);
+    absl::StatusOr<v1::DecodeResponse> reply = Step(client, {id}, tokens[step], ref);
+    absl::StatusOr<v1::DecodeResponse> host_reply = Step(host_client, {host_id}, tokens[step], ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_TRUE(host_reply.ok()) << host_reply.status();
+    ExpectSameOutputs(TensorValues(reply->results(0).output()),
+                      TensorValues(host_reply->results(0).output()), dtype(),
+                      absl::StrCat("step ", step));
+    // The heads the device should have: the last exact-path heads, at most half of them.
+    std::vector<bool> on_device(g.q_heads(), false);
+    int left = gpu_tier() ? g.q_heads() / 2 : 0;
+    for (int h = g.q_heads() - 1; h >= 0 && left > 0; --h) {
+      if (host_reply->results(0).heads(h).path() != v1::PATH_REUSE) {
+        on_device[h] = true;
+        --left;
+      }
+    }
+    int reused = 0;
+    for (int h = 0; h < g.q_heads(); ++h) {
+      SCOPED_TRACE(absl::StrCat("step ", step, " head ", h));
+      const v1::HeadDiagnostics& head = reply->results(0).heads(h);
+      const v1::HeadDiagnostics& host_head = host_reply->results(0).heads(h);
+      ASSERT_EQ(head.path(), host_head.path());
+      EXPECT_NEAR(head.best_cosine(), host_head.best_cosine(), 1e-6f);
+      EXPECT_EQ(head.candidates(), host_head.candidates());
+      EXPECT_EQ(head.support(), host_head.support());
+      EXPECT_EQ(head.bulk_micros() == 0.0f, static_cast<bool>(on_device[h]));
+      device_heads += on_device[h];
+      reused += head.path() == v1::PATH_REUSE;
+    }
+    reuse_heads += reused;
+    mixed_steps += reused > 0 && reused < g.q_heads();
+  }
+  // The decode mixed the paths, and on a GPU the device took exact heads.
+  EXPECT_GT(mixed_steps, 4);
+  EXPECT_GT(reuse_heads, 48);
+  if (gpu_tier()) EXPECT_GT(device_heads, 48);
 }
 
 TEST_F(TieredShortlistTest, GetSessionCountsTheCodesWhereTheyLive) {

@@ -10,11 +10,14 @@
 // since a captured step's launch pays ~2 us of host time for each event or copy node, ~0.1 us
 // for a kernel node (d40-d45).
 //
-// A step may also run some query heads' exact paths here (StaticSetStep::device_exact_heads):
+// A step may also run some query heads' exact paths here (StaticSetStep::device_heads):
 // cuda::CandidateAttention reads the bulk's rows from the layer's host KV, registered with the
 // device (CudaHostPinning), over PCIe, right after the shortlists, while the static sets run on a
-// side stream beside it; the host's threads take the other heads meanwhile (bench/results/pcie_gather.md: 16 of 32 heads so cut the bulk's host part
-// 1.7x at 128K and 512K on the H200 machine).
+// side stream beside it; the host's threads take the other heads meanwhile
+// (bench/results/pcie_gather.md: 16 of 32 heads so cut the bulk's host part 1.7x at 128K and
+// 512K on the H200 machine). A launch is planned for each step's bound of such heads, and the
+// heads themselves travel in the upload, so that a captured step serves whichever heads
+// ReTopK's paths send; their supports come down with the step when it asks for them.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -461,14 +464,17 @@ class GpuStaticSetTier final : public StaticSetTier {
            in_jobs = 0, upload = 0;
     size_t out_o = 0, out_lse = 0, out_errors = 0, out_row_errors = 0, out_stamps = 0,
            out_size = 0;
-    // The exact heads on the device (0: none this step): the most of any step (each step's
-    // rows [batch, exact_heads] in the upload, -1 past its own), the outliers' stride, the
+    // The exact heads on the device (0: none this step): the largest bound of any step (each
+    // step's rows [batch, exact_heads] in the upload, -1 past its own), the outliers' stride, the
     // layout of their inputs and outputs, the supports' scratch and the kernel's error word.
     int exact_heads = 0;
     int64_t outlier_stride = 0;
     size_t in_exact_rows = 0, in_bulk_seqs = 0, in_coded = 0, in_outliers = 0,
            in_outlier_counts = 0;
     size_t out_bulk_o = 0, out_bulk_lse = 0, out_bulk_candidates = 0;
+    // Whether the exact heads' supports come down (out_bulk_support*) or stay in exact_support.
+    bool exact_supports = false;
+    size_t out_bulk_support = 0, out_bulk_support_sizes = 0;
     ChargedBuffer<int32_t> exact_support;  // [batch * q_heads, top_k], then [batch * q_heads]
     std::unique_ptr<cuda::KernelErrors> exact_errors;
     // With exact heads, the static sets (and the new rows' coding and append before them) run on
@@ -773,10 +779,17 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   // The query heads the steps give the device's exact path, with the bounds its kernel reads.
   state.exact_heads = 0;
   state.outlier_stride = 0;
+  state.exact_supports = false;
   for (const StaticSetStep& step : steps) {
-    if (step.codes == nullptr || step.device_exact_heads <= 0) continue;
-    state.exact_heads = std::max(state.exact_heads, step.device_exact_heads);
+    if (step.codes == nullptr || step.device_exact_bound <= 0) continue;
+    if (step.device_exact_heads > step.device_exact_bound) {
+      return absl::InternalError(absl::StrCat("a step gives the device ", step.device_exact_heads,
+                                              " exact heads over its bound of ",
+                                              step.device_exact_bound));
+    }
+    state.exact_heads = std::max(state.exact_heads, step.device_exact_bound);
     state.outlier_stride = std::max(state.outlier_stride, OutlierStride(*step.codes));
+    state.exact_supports |= step.bulk_support != nullptr;
   }
   const bool exact = state.exact_heads > 0;
   Carver in(nullptr);
@@ -815,6 +828,10 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   state.out_bulk_o = out.Take<float>(exact ? static_cast<size_t>(rows) * d : 0);
   state.out_bulk_lse = out.Take<float>(exact ? rows : 0);
   state.out_bulk_candidates = out.Take<int32_t>(exact ? rows : 0);
+  // Their supports and their sizes, by row, when a step wants them back (ReTopK's caches).
+  const size_t support_elems = state.exact_supports ? static_cast<size_t>(rows) : 0;
+  state.out_bulk_support = out.Take<int32_t>(support_elems * config.selector.top_k);
+  state.out_bulk_support_sizes = out.Take<int32_t>(support_elems);
   state.out_size = out.size();
   if (absl::Status s = ctx.EnsureIo(state.upload, state.out_size); !s.ok()) return s;
   if (state.shortlist > 0) {
@@ -931,7 +948,10 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
     const cuda::CandidateOutputs outputs{
         At<float>(ctx.device_out(), state.out_bulk_o),
         At<float>(ctx.device_out(), state.out_bulk_lse),
-        state.exact_support.data(), state.exact_support.data() + static_cast<size_t>(rows) * top_k,
+        state.exact_supports ? At<int32_t>(ctx.device_out(), state.out_bulk_support)
+                             : state.exact_support.data(),
+        state.exact_supports ? At<int32_t>(ctx.device_out(), state.out_bulk_support_sizes)
+                             : state.exact_support.data() + static_cast<size_t>(rows) * top_k,
         At<int32_t>(ctx.device_out(), state.out_bulk_candidates)};
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CandidateAttention(
         ShapeOf(config, batch), top_k, At<const DeviceSeq>(dev_in, state.in_bulk_seqs),
@@ -1002,7 +1022,7 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
       const int heads = step.codes != nullptr ? step.device_exact_heads : 0;
       int32_t* rows = At<int32_t>(host_in, state.in_exact_rows) + b * state.exact_heads;
       for (int j = 0; j < state.exact_heads; ++j) {
-        rows[j] = j < heads ? b * q_heads + (q_heads - heads + j) : -1;
+        rows[j] = j < heads ? b * q_heads + step.device_heads[j] : -1;
       }
       At<DeviceSeq>(host_in, state.in_bulk_seqs)[b] = DeviceSeq::Contiguous(
           step.bulk.keys, step.bulk.values, static_cast<int32_t>(step.bulk.tokens));
@@ -1034,7 +1054,8 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
                   config.selector.sinks, config.selector.recent, state.shortlist,
                   static_cast<int64_t>(ctx.generation()), static_cast<int64_t>(state.generation),
                   static_cast<int64_t>(state.upload), static_cast<int64_t>(state.out_size),
-                  state.exact_heads, state.outlier_stride, config.selector.top_k});
+                  state.exact_heads, state.outlier_stride, config.selector.top_k,
+                  state.exact_supports});
       for (size_t b = 0; b < steps.size(); ++b) {
         const auto* codes = static_cast<const GpuBulkCodes*>(steps[b].codes);
         key.push_back(reinterpret_cast<intptr_t>(codes));
@@ -1124,14 +1145,24 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   const auto* bulk_lse = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_bulk_lse);
   const auto* candidates =
       reinterpret_cast<const int32_t*>(ctx.pinned_out() + state.out_bulk_candidates);
+  const int top_k = config.selector.top_k;
+  const auto* supports =
+      reinterpret_cast<const int32_t*>(ctx.pinned_out() + state.out_bulk_support);
+  const auto* support_sizes =
+      reinterpret_cast<const int32_t*>(ctx.pinned_out() + state.out_bulk_support_sizes);
   for (size_t b = 0; b < steps.size(); ++b) {
     const StaticSetStep& step = steps[b];
     const int heads = step.codes != nullptr ? step.device_exact_heads : 0;
-    for (int h = q_heads - heads; h < q_heads; ++h) {
+    for (int j = 0; j < heads; ++j) {
+      const int h = step.device_heads[j];
       const size_t row = b * q_heads + h;
       std::memcpy(step.bulk_o + static_cast<size_t>(h) * d, bulk_o + row * d, d * sizeof(float));
       step.bulk_lse[h] = bulk_lse[row];
       step.bulk_candidates[h] = candidates[row];
+      if (step.bulk_support == nullptr) continue;
+      step.bulk_support_sizes[h] = support_sizes[row];
+      std::memcpy(step.bulk_support + static_cast<size_t>(h) * top_k, supports + row * top_k,
+                  static_cast<size_t>(support_sizes[row]) * sizeof(int32_t));
     }
   }
   return absl::OkStatus();

@@ -27,9 +27,10 @@ struct PlacementOptions {
   // GPU decode steps replay a CUDA graph captured once per request shape instead of launching
   // their copies and kernels one by one (bench/results/gpu_serving.md says what it saves).
   bool cuda_graphs = true;
-  // The share of an index layer's query heads (with policy.index.shortlist) whose exact paths
-  // run on the GPU in PLACEMENT_TIERED, reading the host's bulk over PCIe, while the host's
-  // threads take the rest (TieredBackend; bench/results/pcie_gather.md). 0: all on the host.
+  // The share of an index or retopk layer's query heads (with policy.index.shortlist) whose
+  // exact paths may run on the GPU in PLACEMENT_TIERED, reading the host's bulk over PCIe, while
+  // the host's threads take the rest (TieredBackend; bench/results/pcie_gather.md). 0: all on
+  // the host.
   double tiered_device_exact_share = 0.5;
 };
 

@@ -102,18 +102,24 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
 
 class TieredLayer final : public LayerBackend {
  public:
-  // device_exact_heads: query heads whose exact paths the static tier may run (the layer's host
-  // KV is pinned for it), the last ones; 0: none.
+  // device_exact_bound: the most query heads whose exact paths the static tier may run in a
+  // step (the layer's host KV is pinned for it); 0: none.
   TieredLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
               BulkSelector bulk, std::unique_ptr<StaticSet> static_set,
-              std::unique_ptr<BulkCodes> codes, int device_exact_heads)
+              std::unique_ptr<BulkCodes> codes, int device_exact_bound)
       : config_(config),
-        device_exact_heads_(device_exact_heads),
+        device_exact_bound_(device_exact_bound),
         host_(host),
         kv_(std::move(kv)),
         bulk_(std::move(bulk)),
+        retopk_(config.selector.kind == SelectorKind::kReTopK
+                    ? static_cast<ReTopKSelector*>(bulk_.selector.get())
+                    : nullptr),
         static_set_(std::move(static_set)),
         codes_(std::move(codes)),
+        on_device_(config.shape.q_heads, 0),
+        decided_paths_(config.shape.q_heads),
+        decided_best_(config.shape.q_heads),
         selections_(config.shape.q_heads),
         bulk_micros_(config.shape.q_heads),
         bulk_start_micros_(config.shape.q_heads),
@@ -155,23 +161,23 @@ class TieredLayer final : public LayerBackend {
   StaticSet* static_set() const { return static_set_.get(); }
   const LayerKvStore& kv() const { return kv_; }
 
-  // The query heads whose exact paths the tier may run in `step` (the last ones): the layer's
-  // own, unless the step wants each head's support reported (the device keeps none) or its
-  // store lost its pin. The tier has the last word (StaticSetTier::ServesExactHeads).
+  // The most query heads whose exact paths the tier may run in `step`: the layer's bound,
+  // unless the step wants each head's support reported (the tier reports none) or its store
+  // lost its pin. The tier has the last word (StaticSetTier::ServesExactHeads).
   int DeviceExactHeadsFor(const LayerStep& step) const {
     if (codes_ == nullptr || step.supports != nullptr || !kv_.pinned()) return 0;
-    return device_exact_heads_;
+    return device_exact_bound_;
   }
   const BulkCodes* codes() const { return codes_.get(); }
   // The static tier's part of a step on `all` (the history with the step's token), the
-  // shortlist's fields included when the layer has codes, and its last `device_heads` query
-  // heads' exact paths given to the tier, their bulk states to bulk_o [q_heads, head_dim] and
-  // bulk_lse [q_heads] (the step's bulk states).
-  StaticSetStep StaticStep(const LayerStep& step, const KvView& all, int device_heads,
+  // shortlist's fields included when the layer has codes, and up to `device_bound` query heads'
+  // exact paths given to the tier (PlanDeviceHeads), their bulk states to bulk_o [q_heads,
+  // head_dim] and bulk_lse [q_heads] (the step's bulk states).
+  StaticSetStep StaticStep(const LayerStep& step, const KvView& all, int device_bound,
                            float* bulk_o, float* bulk_lse) {
     StaticSetStep out{&config_, static_set_.get(), all, step.q, step.k_new, step.v_new, step.o,
                       step.lse};
-    step_device_heads_ = codes_ != nullptr ? device_heads : 0;
+    PlanDeviceHeads(step, all, codes_ != nullptr ? device_bound : 0);
     if (codes_ != nullptr) {
       const int n = config_.selector.shortlist;
       shortlist_ids_.resize(static_cast<size_t>(config_.shape.q_heads) * n);
@@ -183,24 +189,35 @@ class TieredLayer final : public LayerBackend {
       out.shortlist_sizes = shortlist_sizes_.data();
       out.shortlist_coded = &shortlist_coded_;
       device_candidates_.resize(config_.shape.q_heads);
-      out.device_exact_heads = step_device_heads_;
+      out.device_heads = device_heads_.data();
+      out.device_exact_heads = static_cast<int>(device_heads_.size());
+      out.device_exact_bound = device_bound;
       out.bulk_o = bulk_o;
       out.bulk_lse = bulk_lse;
       out.bulk_candidates = device_candidates_.data();
+      if (decided_) {
+        // ReTopK's caches take the supports of the heads the tier runs.
+        device_support_.resize(static_cast<size_t>(config_.shape.q_heads) * config_.selector.top_k);
+        device_support_sizes_.resize(config_.shape.q_heads);
+        out.bulk_support = device_support_.data();
+        out.bulk_support_sizes = device_support_sizes_.data();
+      }
     }
     return out;
   }
   // Whether query head h's bulk runs on the host this step (not on the tier).
-  bool OnHost(int h) const { return h < config_.shape.q_heads - step_device_heads_; }
+  bool OnHost(int h) const { return on_device_[h] == 0; }
   // While a step's shortlists are in flight: the exact path calls `fetch` before it reads them
   // (null: they are not, or no longer).
   void SetShortlistFetch(const std::function<void()>* fetch) {
     if (codes_ != nullptr) bulk_.shortlist->set_fetch(fetch);
   }
   // Whether query head h is expected to read its shortlist this step: the layer has codes and
-  // the head did not reuse in its last step (ReTopK's reuse heads need none).
+  // the head is not on ReTopK's reuse path, which needs none (decided this step, or else as in
+  // its last).
   bool ExpectsShortlist(int h) const {
-    return codes_ != nullptr && selections_[h].path != SelectionPath::kReuse;
+    if (codes_ == nullptr) return false;
+    return (decided_ ? decided_paths_[h] : selections_[h].path) != SelectionPath::kReuse;
   }
   // Hands the shortlists WaitShortlists left in this layer's buffers to the exact path.
   void TakeShortlists() {
@@ -262,6 +279,35 @@ class TieredLayer final : public LayerBackend {
   float last_bulk_micros(int h) const { return bulk_micros_[h]; }
 
  private:
+  // The step's heads for the tier, at most `bound`: an index layer's last `bound`; a retopk
+  // layer decides every head's path first (ReTopKSelector::Decide, the cache match) and gives
+  // the tier up to `bound` of the heads on the exact path, the last ones, so that the host's
+  // threads keep the reuse heads (whose candidates are the host's caches).
+  void PlanDeviceHeads(const LayerStep& step, const KvView& all, int bound) {
+    const int heads = config_.shape.q_heads;
+    for (int32_t h : device_heads_) on_device_[h] = 0;
+    device_heads_.clear();
+    decided_ = false;
+    if (bound <= 0) return;
+    if (retopk_ == nullptr) {
+      for (int h = heads - bound; h < heads; ++h) device_heads_.push_back(h);
+    } else {
+      const KvView bulk = BulkView(all, config_.selector);
+      if (bulk.tokens == 0) return;
+      decided_ = true;
+      const int d = config_.shape.head_dim;
+      for (int h = 0; h < heads; ++h) {
+        decided_paths_[h] = retopk_->Decide(h, step.q + int64_t{h} * d, bulk.tokens,
+                                            &decided_best_[h]);
+      }
+      for (int h = heads - 1; h >= 0 && static_cast<int>(device_heads_.size()) < bound; --h) {
+        if (decided_paths_[h] != SelectionPath::kReuse) device_heads_.push_back(h);
+      }
+      std::reverse(device_heads_.begin(), device_heads_.end());
+    }
+    for (int32_t h : device_heads_) on_device_[h] = 1;
+  }
+
   void ChargeSelectorBytes() {
     const int64_t now = bulk_.selector != nullptr ? bulk_.selector->MemoryBytes() : 0;
     if (now == selector_bytes_) return;
@@ -270,12 +316,21 @@ class TieredLayer final : public LayerBackend {
   }
 
   const LayerConfig config_;
-  const int device_exact_heads_;
-  int step_device_heads_ = 0;                // the step's (StaticStep)
-  std::vector<int32_t> device_candidates_;  // [q_heads]: the tier's exact heads' candidates
+  const int device_exact_bound_;
   MemoryAccount* const host_;
   LayerKvStore kv_;
   BulkSelector bulk_;
+  ReTopKSelector* const retopk_;  // bulk_'s selector when it is ReTopK, else null
+  // The step's heads on the tier (ascending) and, per query head, whether it is one of them;
+  // whether a retopk layer decided every head's path before the step (then each head's path
+  // and best cosine); the tier's exact heads' candidates [q_heads] and, decided, supports
+  // [q_heads, top_k] and their sizes [q_heads].
+  std::vector<int32_t> device_heads_;
+  std::vector<uint8_t> on_device_;
+  bool decided_ = false;
+  std::vector<SelectionPath> decided_paths_;
+  std::vector<float> decided_best_;
+  std::vector<int32_t> device_candidates_, device_support_, device_support_sizes_;
   std::unique_ptr<StaticSet> static_set_;
   std::unique_ptr<BulkCodes> codes_;  // null without policy.index.shortlist (or a bulk at prefill)
   std::vector<int32_t> shortlist_ids_, shortlist_sizes_;  // the step's, [q_heads, shortlist]
@@ -330,7 +385,11 @@ void TieredLayer::AttendBulkHead(const LayerStep& step, const KvView& all, int h
   selection.best_cosine = 0.0f;
   const float* qh = step.q + static_cast<int64_t>(h) * d;
   if (bulk_.selector != nullptr && bulk.tokens > 0) {
-    bulk_.selector->Select(h, qh, bulk_.relative ? bulk : all, &selection);
+    if (decided_) {
+      retopk_->SelectDecided(h, qh, bulk, &selection);  // ReTopK's bulk is relative
+    } else {
+      bulk_.selector->Select(h, qh, bulk_.relative ? bulk : all, &selection);
+    }
     if (const int64_t offset = bulk_.relative ? std::min<int64_t>(p.sinks, all.tokens) : 0;
         offset != 0) {
       for (int32_t& id : selection.support) id += static_cast<int32_t>(offset);
@@ -358,20 +417,29 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
   for (int h = 0; h < config_.shape.q_heads; ++h) {
     HeadSelection& selection = selections_[h];
     if (!OnHost(h)) {
-      // The tier's exact path: its candidates, its top K (its support stays on the device: a
-      // step that asks for supports gives the tier no heads), no host time.
-      selection.path = SelectionPath::kExact;
+      // The tier's exact path: its candidates, its top K (a step that asks for supports gives
+      // the tier no heads), no host time. ReTopK's cache takes the support it came back with.
       selection.candidates = device_candidates_[h];
       selection.support.clear();
       selection.support_scores.clear();
-      selection.best_cosine = 0.0f;
+      int64_t support_size = std::min(selection.candidates, p.top_k);
+      if (decided_) {
+        selection.path = decided_paths_[h];
+        selection.best_cosine = decided_best_[h];
+        support_size = device_support_sizes_[h];
+        retopk_->CompleteDecided(
+            h, std::span<const int32_t>(device_support_.data() + int64_t{h} * p.top_k,
+                                        static_cast<size_t>(support_size)));
+      } else {
+        selection.path = SelectionPath::kExact;
+        selection.best_cosine = 0.0f;
+      }
       bulk_micros_[h] = 0.0f;
       bulk_start_micros_[h] = 0.0f;
       last_scored_tokens_ += selection.candidates;
-      step.heads[h] = HeadReport{
-          selection.path, selection.candidates,
-          static_cast<int32_t>(std::min(selection.candidates, p.top_k) + static_size), 0.0f,
-          0.0f, 0.0f};
+      step.heads[h] = HeadReport{selection.path, selection.candidates,
+                                 static_cast<int32_t>(support_size + static_size),
+                                 selection.best_cosine, 0.0f, 0.0f};
       continue;
     }
     last_scored_tokens_ += selection.candidates;
@@ -584,7 +652,8 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
 
 int TieredBackend::DeviceExactHeads(const LayerConfig& config) const {
   const SelectorParams& p = config.selector;
-  if (device_exact_share_ <= 0 || p.kind != SelectorKind::kIndex || p.shortlist <= 0 ||
+  if (device_exact_share_ <= 0 ||
+      (p.kind != SelectorKind::kIndex && p.kind != SelectorKind::kReTopK) || p.shortlist <= 0 ||
       tier_->host_pinning() == nullptr) {
     return 0;
   }

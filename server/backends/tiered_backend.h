@@ -58,17 +58,25 @@ struct StaticSetStep {
   int32_t* shortlist_ids = nullptr;
   int32_t* shortlist_sizes = nullptr;
   int64_t* shortlist_coded = nullptr;
-  // With codes, the last `device_exact_heads` query heads' exact paths run on the tier instead
-  // of the host (StaticSetTier::ServesExactHeads): ShortlistSelector::Select's candidates (the
-  // shortlist, the KV head's outliers, the uncoded tail), scored exactly against the bulk's rows
-  // in host memory (host_kv, pinned by the tier's HostPinning), their top selector.top_k and the
-  // attention over them. Once Finish returned, head h in [q_heads - device_exact_heads, q_heads)
-  // has its state over the bulk in bulk_o [q_heads, head_dim] and bulk_lse [q_heads], and the
-  // candidates it scored in bulk_candidates [q_heads] (host memory; other heads untouched).
+  // With codes, the query heads device_heads[0, device_exact_heads) (ascending) run their exact
+  // paths on the tier instead of the host (StaticSetTier::ServesExactHeads):
+  // ShortlistSelector::Select's candidates (the shortlist, the KV head's outliers, the uncoded
+  // tail), scored exactly against the bulk's rows in host memory (host_kv, pinned by the tier's
+  // HostPinning), their top selector.top_k and the attention over them. device_exact_bound: the
+  // most heads a step of this layer gives the tier, >= device_exact_heads (constant for a
+  // layer, so that a captured step replays whichever heads a step gives). Once Finish returned,
+  // each such head h has its state over the bulk in bulk_o [q_heads, head_dim] and bulk_lse
+  // [q_heads], and the candidates it scored in bulk_candidates [q_heads]; with bulk_support
+  // (else null) its support too, in bulk_support [q_heads, top_k] (positions in the bulk, in no
+  // particular order) and bulk_support_sizes [q_heads]. Host memory; other heads untouched.
+  const int32_t* device_heads = nullptr;
   int device_exact_heads = 0;
+  int device_exact_bound = 0;
   float* bulk_o = nullptr;
   float* bulk_lse = nullptr;
   int32_t* bulk_candidates = nullptr;
+  int32_t* bulk_support = nullptr;
+  int32_t* bulk_support_sizes = nullptr;
 };
 
 // Where static sets live: a GPU (server/backends/gpu_static_set.cc) or, on a machine without
@@ -117,9 +125,9 @@ class StaticSetTier {
   virtual BatchTopKFunction batch_topk() const { return nullptr; }
   // What makes a layer's host KV readable by the tier (null: the tier reads no host memory).
   virtual HostPinning* host_pinning() { return nullptr; }
-  // Whether the tier can run the exact paths of `heads` query heads of a step of `config` whose
-  // layer has `codes` (one of this tier's: StaticSetStep::device_exact_heads); false when it
-  // has no such kernel or the step's bounds (shortlist, outliers, top_k) do not fit it.
+  // Whether the tier can run the exact paths of up to `heads` query heads of a step of `config`
+  // whose layer has `codes` (one of this tier's: StaticSetStep::device_exact_bound); false when
+  // it has no such kernel or the step's bounds (shortlist, outliers, top_k) do not fit it.
   virtual bool ServesExactHeads(const LayerConfig& config, const BulkCodes& codes,
                                 int heads) const {
     return false;
@@ -139,10 +147,13 @@ class TieredStepContext;
 
 class TieredBackend final : public AttentionBackend {
  public:
-  // device_exact_share: the share of an index layer's query heads (with policy.index.shortlist)
-  // whose exact paths run on the tier, reading the host's bulk over PCIe, when the tier serves
-  // them (StaticSetTier::ServesExactHeads) and the layer's host KV could be pinned; the host's
-  // threads take the rest. 0: every head on the host.
+  // device_exact_share: the share of a layer's query heads (index or retopk, with
+  // policy.index.shortlist) whose exact paths may run on the tier, reading the host's bulk over
+  // PCIe, when the tier serves them (StaticSetTier::ServesExactHeads) and the layer's host KV
+  // could be pinned; the host's threads take the rest. An index layer gives the tier its last
+  // share * q_heads heads every step; a retopk layer decides every head's path first and gives
+  // the tier up to that many of the heads on the exact path (fallback, refresh), whose supports
+  // come back to its caches. 0: every head on the host.
   explicit TieredBackend(std::unique_ptr<StaticSetTier> tier, double device_exact_share = 0)
       : tier_(std::move(tier)), device_exact_share_(device_exact_share) {}
 
