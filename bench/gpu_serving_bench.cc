@@ -444,7 +444,7 @@ int Main() {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         // Tiered: tier_micros.
         std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready,
-            device_exact;
+            device_exact, plan;
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
@@ -502,6 +502,7 @@ int Main() {
             launch.push_back(response.tier_micros().launch());
             shortlists_ready.push_back(response.tier_micros().shortlists_ready());
             device_exact.push_back(response.tier_micros().device_exact());
+            plan.push_back(response.tier_micros().plan());
           }
           double first_start = 1e30, last_end = 0, busy = 0;
           json intervals = json::array();
@@ -561,6 +562,7 @@ int Main() {
           rec["launch_p50_us"] = client::Percentile(launch, 0.5);
           rec["shortlists_ready_p50_us"] = client::Percentile(shortlists_ready, 0.5);
           rec["device_exact_p50_us"] = client::Percentile(device_exact, 0.5);
+          rec["plan_p50_us"] = client::Percentile(plan, 0.5);
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),

@@ -71,11 +71,16 @@ ABSL_FLAG(double, gpu_memory_headroom_gb, 2,
 ABSL_FLAG(bool, cuda_graphs, true,
           "GPU decode steps replay a CUDA graph captured once per request shape (batch, knobs, "
           "history bucket) instead of launching each copy and kernel");
-ABSL_FLAG(double, tiered_gpu_exact_share, 0.5,
+ABSL_FLAG(double, tiered_gpu_exact_share, 0.75,
           "in PLACEMENT_TIERED with policy.index.shortlist and SELECTOR_INDEX or SELECTOR_RETOPK, "
           "the share of a layer's query heads whose exact paths may run on the GPU, reading the "
           "host's KV over PCIe, while the host's threads take the rest (retopk: of the heads "
-          "whose cache match sends them to the exact path); 0 to 1 (0: all on the host)");
+          "whose cache match sends them to the exact path); 0 to 1 (0: all on the host); with "
+          "--tiered_gpu_exact_balance the most the GPU takes");
+ABSL_FLAG(bool, tiered_gpu_exact_balance, true,
+          "each tiered layer moves the number of exact heads it gives the GPU a head at a time "
+          "(up to --tiered_gpu_exact_share of them) towards where the GPU's heads and the host's "
+          "end together; false: the GPU takes the share every step");
 ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "on SIGTERM/SIGINT: health turns NOT_SERVING, new calls and steps get UNAVAILABLE, and "
           "the calls in flight have this long to finish before they are cancelled and the "
@@ -177,7 +182,8 @@ int main(int argc, char** argv) {
   options.limits.session_idle_ttl = absl::Seconds(ttl_seconds);
   absl::StatusOr<kvrecall::PlacementOptions> placements = kvrecall::PlacementOptionsFromFlags(
       absl::GetFlag(FLAGS_gpus), absl::GetFlag(FLAGS_gpu_memory_budget_gb),
-      absl::GetFlag(FLAGS_gpu_memory_headroom_gb), absl::GetFlag(FLAGS_tiered_gpu_exact_share));
+      absl::GetFlag(FLAGS_gpu_memory_headroom_gb), absl::GetFlag(FLAGS_tiered_gpu_exact_share),
+      absl::GetFlag(FLAGS_tiered_gpu_exact_balance));
   if (!placements.ok()) {
     std::fprintf(stderr, "kvrecalld: %s\n", std::string(placements.status().message()).c_str());
     return 2;

@@ -14,6 +14,7 @@
 #include "kernels/cpu/attention.h"
 #include "server/backends/cpu_backend.h"
 #include "server/backends/placements.h"
+#include "server/backends/tiered_backend.h"
 #include "server/memory_budget.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
@@ -249,14 +250,77 @@ TEST(PlacementsTest, FlagsParse) {
                         absl::StatusCode::kInvalidArgument, "--gpu_memory_budget_gb"));
   EXPECT_TRUE(HasStatus(PlacementOptionsFromFlags("all", -1, -1).status(),
                         absl::StatusCode::kInvalidArgument, "--gpu_memory_headroom_gb"));
-  EXPECT_EQ(all->tiered_device_exact_share, 0.5);
+  EXPECT_EQ(all->tiered_device_exact_share, 0.75);
+  EXPECT_TRUE(all->tiered_device_exact_balance);
   absl::StatusOr<PlacementOptions> host_heads = PlacementOptionsFromFlags("all", -1, 2, 0);
   ASSERT_TRUE(host_heads.ok());
   EXPECT_EQ(host_heads->tiered_device_exact_share, 0.0);
+  absl::StatusOr<PlacementOptions> fixed = PlacementOptionsFromFlags("all", -1, 2, 0.5, false);
+  ASSERT_TRUE(fixed.ok());
+  EXPECT_EQ(fixed->tiered_device_exact_share, 0.5);
+  EXPECT_FALSE(fixed->tiered_device_exact_balance);
   for (const double bad : {-0.1, 1.5, std::nan("")}) {
     EXPECT_TRUE(HasStatus(PlacementOptionsFromFlags("all", -1, 2, bad).status(),
                           absl::StatusCode::kInvalidArgument, "--tiered_gpu_exact_share"));
   }
+}
+
+// The balance moves the GPU's count of exact heads a head at a time: down when the host waited
+// for the device's heads, up when the device ended more than one of its heads' time before the
+// host did and ran all it was allowed, never past [0, bound].
+TEST(DeviceHeadBalanceTest, MovesAHeadAtATimeTowardsWhereBothHalvesEndTogether) {
+  DeviceHeadBalance balance(/*bound=*/24, /*start=*/16);
+  EXPECT_EQ(balance.target(), 16);
+  DeviceHeadBalance::StepTimes step;
+  step.device_heads = 16;
+  step.device_exact = 160e-6;  // 10 us a head
+  step.launch = 20e-6;
+  step.device_step = 230e-6;   // the device ends at ~250 us
+  step.host_end = 300e-6;      // the host 50 us later: more than a head's time
+  step.finish_wait = 2e-6;     // the synchronization's own cost
+  balance.Update(step);
+  EXPECT_EQ(balance.target(), 17);
+  // Within a head's time of each other: it stays.
+  step.device_heads = 17;
+  step.host_end = 255e-6;
+  balance.Update(step);
+  EXPECT_EQ(balance.target(), 17);
+  // The host waited for the device's heads: one fewer.
+  step.finish_wait = 40e-6;
+  balance.Update(step);
+  EXPECT_EQ(balance.target(), 16);
+  // A retopk step with fewer exact heads than the count: the count did not hold the device
+  // back, so slack does not raise it.
+  step.finish_wait = 1e-6;
+  step.device_heads = 9;
+  step.device_exact = 90e-6;
+  step.host_end = 600e-6;
+  balance.Update(step);
+  EXPECT_EQ(balance.target(), 16);
+  // Clamped to the bound, and to 0.
+  step.device_heads = 24;
+  for (int i = 0; i < 20; ++i) {
+    step.device_heads = balance.target();
+    balance.Update(step);
+  }
+  EXPECT_EQ(balance.target(), 24);
+  step.finish_wait = 1e-3;
+  step.device_heads = 10;
+  step.device_exact = 100e-6;  // 10 us a head again
+  for (int i = 0; i < 40; ++i) balance.Update(step);
+  EXPECT_EQ(balance.target(), 0);
+  // At 0 the device ran no heads: the last measured head time decides when to come back.
+  step.device_heads = 0;
+  step.device_exact = 0;
+  step.finish_wait = 0;
+  step.host_end = step.launch + step.device_step + 5e-6;  // less than a head (10 us)
+  balance.Update(step);
+  EXPECT_EQ(balance.target(), 0);
+  step.host_end = step.launch + step.device_step + 50e-6;
+  balance.Update(step);
+  EXPECT_EQ(balance.target(), 1);
+  // A start past the bound is the bound.
+  EXPECT_EQ(DeviceHeadBalance(4, 16).target(), 4);
 }
 
 }  // namespace

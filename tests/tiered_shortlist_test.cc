@@ -149,8 +149,35 @@ class ReproducedCodes {
 
 class TieredShortlistTest : public PrefilledSessionTest {
  protected:
+  // The GPU takes half the exact heads every step (the tests below say which), not a balanced
+  // count (BalancedDeviceHeadsTakeTheHostsCandidates has its own server).
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.placements.tiered_device_exact_share = 0.5;
+    options.placements.tiered_device_exact_balance = false;
+    return options;
+  }
   bool gpu_tier() { return TieredOnGpu(); }
   v1::DType dtype() { return gpu_tier() ? v1::DTYPE_BF16 : v1::DTYPE_F32; }
+  // Records `token` in ref and steps it on this server's session `id` and on a host-only
+  // server's `host_id`, expecting the same outputs; false (with the failure) when a step failed.
+  bool StepBoth(DecodeClient& client, const std::string& id, DecodeClient& host_client,
+                const std::string& host_id, const ReferenceSession::Token& token,
+                ReferenceSession& ref, size_t step, v1::DecodeResponse* reply,
+                v1::DecodeResponse* host_reply) {
+    ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> got = Step(client, {id}, token, ref);
+    absl::StatusOr<v1::DecodeResponse> host = Step(host_client, {host_id}, token, ref);
+    EXPECT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(host.ok()) << host.status();
+    if (!got.ok() || !host.ok()) return false;
+    ExpectSameOutputs(TensorValues(got->results(0).output()),
+                      TensorValues(host->results(0).output()), dtype(),
+                      absl::StrCat("step ", step));
+    *reply = *std::move(got);
+    *host_reply = *std::move(host);
+    return true;
+  }
   absl::StatusOr<v1::DecodeResponse> Step(DecodeClient& client,
                                           const std::vector<std::string>& ids,
                                           const ReferenceSession::Token& token,
@@ -293,6 +320,55 @@ TEST_F(TieredShortlistTest, AShortShortlistsDeviceHeadsTakeTheHostsCandidates) {
   }
 }
 
+// Balanced by time (the server's default), a layer gives the GPU a count of heads that moves
+// between steps within the share's bound (here 6 of 8), always its last heads; whichever they
+// are, each head's candidates and support and the outputs are the host-only server's.
+TEST_F(TieredShortlistTest, BalancedDeviceHeadsTakeTheHostsCandidates) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 2600, 79);
+  const int k = 32, n = 96;
+  ServerOptions balanced, host_only;
+  host_only.placements.tiered_device_exact_share = 0;
+  absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(balanced);
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE(other.ok()) << other.status();
+  ASSERT_TRUE(balanced.placements.tiered_device_exact_balance);
+  const int bound = gpu_tier() ? static_cast<int>(balanced.placements.tiered_device_exact_share *
+                                                  g.q_heads())
+                               : 0;
+  const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, n);
+  const std::string id = CreateAndPrefill(ref, policy, 1000, server->get());
+  const std::string host_id = CreateAndPrefill(ref, policy, 1000, other->get());
+  DecodeClient client((*server)->stub()), host_client((*other)->stub());
+  const std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 40, 83);
+  std::vector<int> counts;
+  for (size_t step = 0; step < tokens.size(); ++step) {
+    v1::DecodeResponse reply, host_reply;
+    ASSERT_TRUE(StepBoth(client, id, host_client, host_id, tokens[step], ref, step, &reply,
+                         &host_reply));
+    int device_heads = 0;
+    for (int h = 0; h < g.q_heads(); ++h) {
+      SCOPED_TRACE(absl::StrCat("step ", step, " head ", h));
+      const v1::HeadDiagnostics& head = reply.results(0).heads(h);
+      EXPECT_EQ(head.candidates(), host_reply.results(0).heads(h).candidates());
+      EXPECT_EQ(head.support(), k + kSinks + kRecent);
+      if (head.bulk_micros() == 0.0f) {
+        ++device_heads;
+      } else {
+        EXPECT_EQ(device_heads, 0) << "a host head after a device head: not the last heads";
+      }
+    }
+    EXPECT_LE(device_heads, bound) << "step " << step;
+    counts.push_back(device_heads);
+  }
+  // Half the heads on the first step, then a head at a time.
+  EXPECT_EQ(counts.front(), gpu_tier() ? g.q_heads() / 2 : 0);
+  for (size_t s = 1; s < counts.size(); ++s) {
+    EXPECT_LE(std::abs(counts[s] - counts[s - 1]), 1) << "step " << s;
+  }
+}
+
 // A prompt of 3000 tokens announced as 3000 (the codes' room is the prompt's bulk), then 300
 // steps: the codes grow (twice over) while every step's support stays the reproduction's.
 TEST_F(TieredShortlistTest, AShortShortlistIsRescoredExactlyWhileTheCodesGrow) {
@@ -333,6 +409,8 @@ TEST_F(TieredShortlistTest, AShortShortlistIsRescoredExactlyWhileTheCodesGrow) {
         << "step " << step;
     EXPECT_GE(micros.launch(), 0.0) << "step " << step;
     EXPECT_LE(micros.launch(), micros.bulk() * (1 + 1e-6) + 1) << "step " << step;
+    EXPECT_GT(micros.plan(), 0.0) << "step " << step;
+    EXPECT_LE(micros.plan() + micros.bulk(), reply->server_micros()) << "step " << step;
     if (step % 25 != 0) continue;
     const int64_t tokens = ref.tokens(0);
     const KvView bulk = ref.view(0).Tokens(kSinks, tokens - kSinks - kRecent);
@@ -466,19 +544,14 @@ TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
   }
   int device_heads = 0, reuse_heads = 0, mixed_steps = 0;
   for (size_t step = 0; step < tokens.size(); ++step) {
-    ref.Record(0, tokens[step]);
-    absl::StatusOr<v1::DecodeResponse> reply = Step(client, {id}, tokens[step], ref);
-    absl::StatusOr<v1::DecodeResponse> host_reply = Step(host_client, {host_id}, tokens[step], ref);
-    ASSERT_TRUE(reply.ok()) << reply.status();
-    ASSERT_TRUE(host_reply.ok()) << host_reply.status();
-    ExpectSameOutputs(TensorValues(reply->results(0).output()),
-                      TensorValues(host_reply->results(0).output()), dtype(),
-                      absl::StrCat("step ", step));
+    v1::DecodeResponse reply, host_reply;
+    ASSERT_TRUE(StepBoth(client, id, host_client, host_id, tokens[step], ref, step, &reply,
+                         &host_reply));
     // The heads the device should have: the last exact-path heads, at most half of them.
     std::vector<bool> on_device(g.q_heads(), false);
     int left = gpu_tier() ? g.q_heads() / 2 : 0;
     for (int h = g.q_heads() - 1; h >= 0 && left > 0; --h) {
-      if (host_reply->results(0).heads(h).path() != v1::PATH_REUSE) {
+      if (host_reply.results(0).heads(h).path() != v1::PATH_REUSE) {
         on_device[h] = true;
         --left;
       }
@@ -486,8 +559,8 @@ TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
     int reused = 0;
     for (int h = 0; h < g.q_heads(); ++h) {
       SCOPED_TRACE(absl::StrCat("step ", step, " head ", h));
-      const v1::HeadDiagnostics& head = reply->results(0).heads(h);
-      const v1::HeadDiagnostics& host_head = host_reply->results(0).heads(h);
+      const v1::HeadDiagnostics& head = reply.results(0).heads(h);
+      const v1::HeadDiagnostics& host_head = host_reply.results(0).heads(h);
       ASSERT_EQ(head.path(), host_head.path());
       EXPECT_NEAR(head.best_cosine(), host_head.best_cosine(), 1e-6f);
       EXPECT_EQ(head.candidates(), host_head.candidates());

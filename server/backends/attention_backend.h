@@ -148,6 +148,13 @@ class StepContext {
     double shortlists_ready = 0;
     // The device's time for the exact heads it took (TierMicros.device_exact; 0: none).
     double device_exact = 0;
+    // The host's time before the bulk: the steps staged, the tier's step planned (ReTopK's path
+    // decisions) and prepared (TierMicros.plan).
+    double plan = 0;
+    // On a GPU tier: the device's whole step on its clock (begin to end stamp), and the host's
+    // wait for it at the end of the step (0 when it was done by then).
+    double device_step = 0;
+    double finish_wait = 0;
 
     // Adds every field of `other` (a request's steps, summed).
     TierSeconds& operator+=(const TierSeconds& other) {
@@ -158,6 +165,9 @@ class StepContext {
       launch += other.launch;
       shortlists_ready += other.shortlists_ready;
       device_exact += other.device_exact;
+      plan += other.plan;
+      device_step += other.device_step;
+      finish_wait += other.finish_wait;
       return *this;
     }
   };

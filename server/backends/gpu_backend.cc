@@ -807,7 +807,8 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
         MakeGpuStaticSetTier(ordinal, backend->device_budget(), options.cuda_graphs);
     if (!tier.ok()) return tier.status();
     out.tiered.push_back(
-        std::make_unique<TieredBackend>(*std::move(tier), options.tiered_device_exact_share));
+        std::make_unique<TieredBackend>(*std::move(tier), options.tiered_device_exact_share,
+                                        options.tiered_device_exact_balance));
     out.backends.push_back(std::move(backend));
   }
   if (out.backends.empty()) out.unavailable = "--gpus is empty: only PLACEMENT_CPU is served";

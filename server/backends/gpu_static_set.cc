@@ -1091,8 +1091,15 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   if (!scope.status().ok()) return scope.status();
   auto& state = static_cast<StaticStepContext&>(*context);
   GpuStepContext& ctx = state.gpu;
+  // The host's wait for the device: none when the step was done by now (the synchronization's
+  // own cost is not a wait; DeviceHeadBalance reads it), else until it is.
+  const auto wait_start = std::chrono::steady_clock::now();
+  const bool done = cudaStreamQuery(ctx.stream()) == cudaSuccess;
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
                                            "attending the static sets on the GPU"));
+  state.tier_seconds.finish_wait =
+      done ? 0.0
+           : std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_start).count();
   state.in_flight = false;
   // The new rows' outliers first, whatever the error words say (their coding has none, and a
   // failed step's rows stay coded): the heads are done with the outliers.
@@ -1131,6 +1138,7 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
       static_cast<double>(static_end - stamps[0]) * 1e-9 - state.tier_seconds.shortlist;
   state.tier_seconds.device_exact =
       state.exact_heads > 0 ? static_cast<double>(stamps[1] - stamps[2]) * 1e-9 : 0.0;
+  state.tier_seconds.device_step = static_cast<double>(stamps[1] - stamps[0]) * 1e-9;
   const int q_heads = config.shape.q_heads;
   const int d = config.shape.head_dim;
   const float* o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_o);

@@ -12,7 +12,8 @@ namespace kvrecall {
 
 absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpus,
                                                            double budget_gb, double headroom_gb,
-                                                           double tiered_gpu_exact_share) {
+                                                           double tiered_gpu_exact_share,
+                                                           bool tiered_gpu_exact_balance) {
   PlacementOptions options;
   if (gpus == "none") {
     options.gpus.emplace();
@@ -42,6 +43,7 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
         "--tiered_gpu_exact_share must be in [0, 1], got ", tiered_gpu_exact_share));
   }
   options.tiered_device_exact_share = tiered_gpu_exact_share;
+  options.tiered_device_exact_balance = tiered_gpu_exact_balance;
   return options;
 }
 

@@ -30,16 +30,20 @@ struct PlacementOptions {
   // The share of an index or retopk layer's query heads (with policy.index.shortlist) whose
   // exact paths may run on the GPU in PLACEMENT_TIERED, reading the host's bulk over PCIe, while
   // the host's threads take the rest (TieredBackend; bench/results/pcie_gather.md). 0: all on
-  // the host.
-  double tiered_device_exact_share = 0.5;
+  // the host. With tiered_device_exact_balance it is the most the GPU takes, and each layer
+  // moves its count a head at a time towards where the GPU's heads and the host's end together
+  // (DeviceHeadBalance); without, the GPU takes that share.
+  double tiered_device_exact_share = 0.75;
+  bool tiered_device_exact_balance = true;
 };
 
 // The options of kvrecalld's --gpus ("all", "none" or ordinals "0,2"), --gpu_memory_budget_gb
-// (-1: free minus headroom), --gpu_memory_headroom_gb and --tiered_gpu_exact_share (in [0, 1]);
-// INVALID_ARGUMENT naming the flag.
+// (-1: free minus headroom), --gpu_memory_headroom_gb, --tiered_gpu_exact_share (in [0, 1])
+// and --tiered_gpu_exact_balance; INVALID_ARGUMENT naming the flag.
 absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpus,
                                                            double budget_gb, double headroom_gb,
-                                                           double tiered_gpu_exact_share = 0.5);
+                                                           double tiered_gpu_exact_share = 0.75,
+                                                           bool tiered_gpu_exact_balance = true);
 
 class Placements {
  public:

@@ -12,6 +12,7 @@
 #ifndef KVRECALL_SERVER_BACKENDS_TIERED_BACKEND_H_
 #define KVRECALL_SERVER_BACKENDS_TIERED_BACKEND_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -143,6 +144,39 @@ absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
                                                                     MemoryBudget* budget,
                                                                     bool cuda_graphs);
 
+// How many of a layer's query heads the tier's exact path takes, balanced by time
+// (PlacementOptions::tiered_device_exact_balance): the step ends when both the device's heads
+// and the host's are done, and which half is longer depends on the context, the host's load and
+// the link (bench/results/tiered_serving.md, d57 and d59: at 128K the host's half, at 512K the
+// device's). After each step the count moves by one head: down when the host waited for the
+// device, up when the device's step ended more than one of its heads' time before the host's
+// heads did (and the count was what held the device back). Within [0, bound].
+class DeviceHeadBalance {
+ public:
+  // One step's times, in seconds. device_heads: the heads the device ran; device_exact: its
+  // time for them; device_step: its whole step (launch to download, device clock); launch: the
+  // host's time queueing the step, from the bulk's start; host_end: from the bulk's start to
+  // the end of the host's heads; finish_wait: the host's wait for the device after them.
+  struct StepTimes {
+    int device_heads = 0;
+    double device_exact = 0, device_step = 0, launch = 0, host_end = 0, finish_wait = 0;
+  };
+  // A device head's time when the step ran none (a guess; the first step with heads corrects it).
+  static constexpr double kUnmeasuredHeadSeconds = 10e-6;
+  // A wait below this is too short to move a head for.
+  static constexpr double kNoWaitSeconds = 2e-6;
+
+  DeviceHeadBalance(int bound, int start) : bound_(bound), target_(std::clamp(start, 0, bound)) {}
+  int bound() const { return bound_; }
+  int target() const { return target_; }
+  void Update(const StepTimes& step);
+
+ private:
+  int bound_;
+  int target_;
+  double head_seconds_ = kUnmeasuredHeadSeconds;  // the last measured device head's time
+};
+
 class TieredStepContext;
 
 class TieredBackend final : public AttentionBackend {
@@ -151,11 +185,15 @@ class TieredBackend final : public AttentionBackend {
   // policy.index.shortlist) whose exact paths may run on the tier, reading the host's bulk over
   // PCIe, when the tier serves them (StaticSetTier::ServesExactHeads) and the layer's host KV
   // could be pinned; the host's threads take the rest. An index layer gives the tier its last
-  // share * q_heads heads every step; a retopk layer decides every head's path first and gives
-  // the tier up to that many of the heads on the exact path (fallback, refresh), whose supports
-  // come back to its caches. 0: every head on the host.
-  explicit TieredBackend(std::unique_ptr<StaticSetTier> tier, double device_exact_share = 0)
-      : tier_(std::move(tier)), device_exact_share_(device_exact_share) {}
+  // heads; a retopk layer decides every head's path first and gives the tier heads on the exact
+  // path (fallback, refresh), whose supports come back to its caches. 0: every head on the
+  // host. device_exact_balance: the share is the most, and each layer balances its count by
+  // time (DeviceHeadBalance) from half its heads; else the tier takes the share every step.
+  explicit TieredBackend(std::unique_ptr<StaticSetTier> tier, double device_exact_share = 0,
+                         bool device_exact_balance = false)
+      : tier_(std::move(tier)),
+        device_exact_share_(device_exact_share),
+        device_exact_balance_(device_exact_balance) {}
 
   v1::Placement placement() const override { return v1::PLACEMENT_TIERED; }
   const std::string& device() const override { return tier_->device(); }
@@ -189,6 +227,7 @@ class TieredBackend final : public AttentionBackend {
 
   std::unique_ptr<StaticSetTier> tier_;
   const double device_exact_share_;
+  const bool device_exact_balance_;
 };
 
 }  // namespace kvrecall
