@@ -272,7 +272,7 @@ TEST(DeviceHeadBalanceTest, MovesAHeadAtATimeTowardsWhereBothHalvesEndTogether) 
   DeviceHeadBalance balance(/*bound=*/24, /*start=*/16);
   EXPECT_EQ(balance.target(), 16);
   DeviceHeadBalance::StepTimes step;
-  step.device_heads = 16;
+  step.device_heads = step.run_device_heads = 16;
   step.device_exact = 160e-6;  // 10 us a head
   step.launch = 20e-6;
   step.device_step = 230e-6;   // the device ends at ~250 us
@@ -281,7 +281,8 @@ TEST(DeviceHeadBalanceTest, MovesAHeadAtATimeTowardsWhereBothHalvesEndTogether) 
   balance.Update(step);
   EXPECT_EQ(balance.target(), 17);
   // Within a head's time of each other: it stays.
-  step.device_heads = 17;
+  step.device_heads = step.run_device_heads = 17;
+  step.device_exact = 170e-6;
   step.host_end = 255e-6;
   balance.Update(step);
   EXPECT_EQ(balance.target(), 17);
@@ -292,7 +293,7 @@ TEST(DeviceHeadBalanceTest, MovesAHeadAtATimeTowardsWhereBothHalvesEndTogether) 
   // A retopk step with fewer exact heads than the count: the count did not hold the device
   // back, so slack does not raise it.
   step.finish_wait = 1e-6;
-  step.device_heads = 9;
+  step.device_heads = step.run_device_heads = 9;
   step.device_exact = 90e-6;
   step.host_end = 600e-6;
   balance.Update(step);
@@ -305,13 +306,16 @@ TEST(DeviceHeadBalanceTest, MovesAHeadAtATimeTowardsWhereBothHalvesEndTogether) 
   }
   EXPECT_EQ(balance.target(), 24);
   step.finish_wait = 1e-3;
-  step.device_heads = 10;
+  step.device_heads = step.run_device_heads = 10;
   step.device_exact = 100e-6;  // 10 us a head again
   for (int i = 0; i < 40; ++i) balance.Update(step);
   EXPECT_EQ(balance.target(), 0);
-  // At 0 the device ran no heads: the last measured head time decides when to come back.
-  step.device_heads = 0;
+  // At 0 the device ran no heads: a wait is not its heads' (the shortlists', the static sets')
+  // and the last measured head time decides when to come back.
+  step.device_heads = step.run_device_heads = 0;
   step.device_exact = 0;
+  balance.Update(step);  // finish_wait still 1 ms
+  EXPECT_EQ(balance.target(), 0);
   step.finish_wait = 0;
   step.host_end = step.launch + step.device_step + 5e-6;  // less than a head (10 us)
   balance.Update(step);
@@ -319,6 +323,21 @@ TEST(DeviceHeadBalanceTest, MovesAHeadAtATimeTowardsWhereBothHalvesEndTogether) 
   step.host_end = step.launch + step.device_step + 50e-6;
   balance.Update(step);
   EXPECT_EQ(balance.target(), 1);
+  // Batched: the run's device time is shared by every sequence's heads. This layer's 2 of the
+  // run's 20 heads at 200 us is 10 us a head, not 100: 50 us of slack moves it up.
+  DeviceHeadBalance batched(8, 2);
+  step.device_heads = 2;
+  step.run_device_heads = 20;
+  step.device_exact = 200e-6;
+  step.finish_wait = 0;
+  step.host_end = step.launch + step.device_step + 50e-6;
+  batched.Update(step);
+  EXPECT_EQ(batched.target(), 3);
+  // A wait while this layer ran none of the run's heads does not lower it.
+  step.device_heads = 0;
+  step.finish_wait = 1e-3;
+  batched.Update(step);
+  EXPECT_EQ(batched.target(), 3);
   // A start past the bound is the bound.
   EXPECT_EQ(DeviceHeadBalance(4, 16).target(), 4);
 }

@@ -781,12 +781,20 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   state.outlier_stride = 0;
   state.exact_supports = false;
   for (const StaticSetStep& step : steps) {
-    if (step.codes == nullptr || step.device_exact_bound <= 0) continue;
-    if (step.device_exact_heads > step.device_exact_bound) {
+    if (step.device_exact_heads > std::max(0, step.device_exact_bound) ||
+        (step.device_exact_heads > 0 && step.codes == nullptr)) {
       return absl::InternalError(absl::StrCat("a step gives the device ", step.device_exact_heads,
                                               " exact heads over its bound of ",
                                               step.device_exact_bound));
     }
+    for (int j = 0; j < step.device_exact_heads; ++j) {
+      if (step.device_heads[j] < 0 || step.device_heads[j] >= config.shape.q_heads) {
+        return absl::InternalError(absl::StrCat("a step gives the device query head ",
+                                                step.device_heads[j], " of ",
+                                                config.shape.q_heads));
+      }
+    }
+    if (step.codes == nullptr || step.device_exact_bound <= 0) continue;
     state.exact_heads = std::max(state.exact_heads, step.device_exact_bound);
     state.outlier_stride = std::max(state.outlier_stride, OutlierStride(*step.codes));
     state.exact_supports |= step.bulk_support != nullptr;

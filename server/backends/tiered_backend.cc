@@ -451,8 +451,8 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
         selection.path = SelectionPath::kExact;
         selection.best_cosine = 0.0f;
       }
-      bulk_micros_[h] = 0.0f;
-      bulk_start_micros_[h] = 0.0f;
+      // (bulk_micros_ keeps the head's last host time: the loop's order estimates a head's
+      // cost by it when the head is on the host again.)
       last_scored_tokens_ += selection.candidates;
       step.heads[h] = HeadReport{selection.path, selection.candidates,
                                  static_cast<int32_t>(support_size + static_size),
@@ -861,6 +861,9 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   ctx.tier_seconds.finish_wait += tier.finish_wait;
   // Each layer that could give the tier heads moves its count by the step's times.
   DeviceHeadBalance::StepTimes times;
+  for (const StaticSetStep& step : ctx.static_steps) {
+    times.run_device_heads += step.device_exact_heads;
+  }
   times.device_exact = tier.device_exact;
   times.device_step = tier.device_step;
   times.launch = launched;
@@ -896,10 +899,12 @@ absl::Status TieredBackend::Shadow(std::span<ShadowStep> steps, StepContext*) {
 }
 
 void DeviceHeadBalance::Update(const StepTimes& step) {
-  if (step.device_heads > 0) head_seconds_ = step.device_exact / step.device_heads;
-  // The host waited for the device: its heads were the longer half.
+  // device_exact is the whole run's (every sequence's device heads in one launch).
+  if (step.run_device_heads > 0) head_seconds_ = step.device_exact / step.run_device_heads;
+  // The host waited for the device, which ran heads of this layer: they were the longer half.
+  // (A wait with none is the shortlists', the static sets' or the download's.)
   if (step.finish_wait > std::max(kNoWaitSeconds, 0.5 * head_seconds_)) {
-    if (target_ > 0) --target_;
+    if (step.device_heads > 0 && target_ > 0) --target_;
     return;
   }
   // The device's step ended (at the latest: it began no later than the launch returned) more

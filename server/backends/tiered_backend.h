@@ -150,15 +150,19 @@ absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
 // the link (bench/results/tiered_serving.md, d57 and d59: at 128K the host's half, at 512K the
 // device's). After each step the count moves by one head: down when the host waited for the
 // device, up when the device's step ended more than one of its heads' time before the host's
-// heads did (and the count was what held the device back). Within [0, bound].
+// heads did (and the count was what held the device back). Within [0, bound]. A layer's
+// count is its own, from its launch's times: layers batched in one launch move together.
 class DeviceHeadBalance {
  public:
-  // One step's times, in seconds. device_heads: the heads the device ran; device_exact: its
-  // time for them; device_step: its whole step (launch to download, device clock); launch: the
-  // host's time queueing the step, from the bulk's start; host_end: from the bulk's start to
-  // the end of the host's heads; finish_wait: the host's wait for the device after them.
+  // One step's times, in seconds. device_heads: the layer's heads the device ran;
+  // run_device_heads: every sequence's of the launch; device_exact: the device's time for
+  // those; device_step: its whole step (launch to download, device clock); launch: the host's
+  // time queueing the step, from the bulk's start; host_end: from the bulk's start to the end
+  // of the host's heads; finish_wait: the host's wait for the device after them (0 when it was
+  // done).
   struct StepTimes {
     int device_heads = 0;
+    int run_device_heads = 0;
     double device_exact = 0, device_step = 0, launch = 0, host_end = 0, finish_wait = 0;
   };
   // A device head's time when the step ran none (a guess; the first step with heads corrects it).
