@@ -92,13 +92,10 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages) {
   memory.data_ = reinterpret_cast<std::byte*>(aligned);
   memory.mapped_bytes_ = length;
   memory.huge_pages_requested_ = huge_pages;
-  memory.huge_pages_advised_ =
-      madvise(memory.data_, length, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0 &&
-      huge_pages;
-  // Kernels before 5.14 refuse the advice (EINVAL): their pages fault in on first touch.
-  if (madvise(memory.data_, length, MADV_POPULATE_WRITE) != 0 && errno == ENOMEM) {
-    return Exhausted(bytes, ENOMEM);  // `memory` unmaps it
-  }
+  // Kernels before 5.14 refuse the population (EINVAL): their pages fault in on first touch.
+  const cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
+  memory.huge_pages_advised_ = pages.huge_pages_advised;
+  if (pages.populate_errno == ENOMEM) return Exhausted(bytes, ENOMEM);  // `memory` unmaps it
   return memory;
 }
 

@@ -11,11 +11,13 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "kernels/cpu/mapped_memory.h"
 
 namespace kvrecall {
 
-// A huge page; allocations of at least this many bytes get a mapping of their own.
-inline constexpr size_t kHugePageBytes = size_t{2} << 20;
+// A huge page; allocations of at least this many bytes get a mapping of their own (the
+// threshold of kernels/cpu/mapped_memory.h's, which maps their pages).
+inline constexpr size_t kHugePageBytes = cpu::kMappedAllocationBytes;
 
 // Whether large allocations ask for huge pages (true unless turned off); thread-safe, read at
 // every allocation.

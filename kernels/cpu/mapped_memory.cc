@@ -3,22 +3,28 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
+
 namespace kvrecall::cpu {
 
-void MapPagesNow(void* p, size_t bytes) {
-  if (bytes < kMappedAllocationBytes) return;
+PageMapping MapPagesNow(void* p, size_t bytes, bool huge_pages) {
+  PageMapping mapping;
+  if (bytes < kMappedAllocationBytes) return mapping;
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
-  if (end <= begin) return;
+  if (end <= begin) return mapping;
   void* const start = reinterpret_cast<void*>(begin);
 #ifdef MADV_HUGEPAGE
-  madvise(start, end - begin, MADV_HUGEPAGE);
+  mapping.huge_pages_advised =
+      madvise(start, end - begin, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0 &&
+      huge_pages;
 #endif
 #ifndef MADV_POPULATE_WRITE
   constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
 #endif
-  madvise(start, end - begin, MADV_POPULATE_WRITE);
+  if (madvise(start, end - begin, MADV_POPULATE_WRITE) != 0) mapping.populate_errno = errno;
+  return mapping;
 }
 
 }  // namespace kvrecall::cpu

@@ -15,10 +15,18 @@ namespace kvrecall::cpu {
 // multiple of it, so that they can be backed by whole 2 MiB pages.
 inline constexpr size_t kMappedAllocationBytes = size_t{2} << 20;
 
-// Maps the pages of a fresh allocation [p, p + bytes) in one call (MADV_POPULATE_WRITE, after
-// MADV_HUGEPAGE). Best effort: allocations under kMappedAllocationBytes, and kernels without
+// What MapPagesNow did: whether the kernel accepted the huge-page advice, and the errno of
+// the population (0: mapped; EINVAL where the kernel lacks it; ENOMEM: out of memory).
+struct PageMapping {
+  bool huge_pages_advised = false;
+  int populate_errno = 0;
+};
+
+// Maps the pages of a fresh allocation [p, p + bytes) in one call (MADV_POPULATE_WRITE), after
+// MADV_HUGEPAGE, or with huge_pages false after MADV_NOHUGEPAGE (4 KiB pages even where the THP
+// mode is "always"). Best effort: allocations under kMappedAllocationBytes, and kernels without
 // these advices (Linux < 5.14), fault in on first touch as before.
-void MapPagesNow(void* p, size_t bytes);
+PageMapping MapPagesNow(void* p, size_t bytes, bool huge_pages = true);
 
 // The bytes an allocation of `bytes` through MappedAllocator takes.
 inline size_t MappedBytes(size_t bytes) {
