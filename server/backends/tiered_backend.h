@@ -60,7 +60,8 @@ struct StaticSetStep {
   int32_t* shortlist_sizes = nullptr;
   int64_t* shortlist_coded = nullptr;
   // With codes, the query heads device_heads[0, device_exact_heads) (ascending) run their exact
-  // paths on the tier instead of the host (StaticSetTier::ServesExactHeads):
+  // paths on the tier instead of the host (StaticSetTier::ServesExactHeads; the tier reads the
+  // two in SetExactHeads, after Start, so that the host may choose them while the step runs):
   // ShortlistSelector::Select's candidates (the shortlist, the KV head's outliers, the uncoded
   // tail), scored exactly against the bulk's rows in host memory (host_kv, pinned by the tier's
   // HostPinning), their top selector.top_k and the attention over them. device_exact_bound: the
@@ -119,6 +120,15 @@ class StaticSetTier {
   // join there; the host tier adds them in Start, before the heads).
   virtual absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) = 0;
   virtual absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) = 0;
+  // The steps' exact heads for the tier (StaticSetStep::device_heads, device_exact_heads, within
+  // device_exact_bound), given after Start: the host decides them (ReTopK's cache match) while
+  // the started step uploads and runs its shortlists, and the tier's exact heads wait for them
+  // on the device. Called once for every step Start started, before WaitShortlists; a host that
+  // fails before it leaves the tier to run no exact heads (Finish, or the next Prepare, ends the
+  // step). INTERNAL for heads out of range or over the bound.
+  virtual absl::Status SetExactHeads(std::span<const StaticSetStep> steps, StepContext* context) {
+    return absl::OkStatus();
+  }
   virtual absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
                                       StepContext* context) = 0;
   virtual absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) = 0;
