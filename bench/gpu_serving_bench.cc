@@ -444,7 +444,7 @@ int Main() {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         // Tiered: tier_micros.
         std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready,
-            device_exact, plan;
+            device_exact, plan, decide, device_exact_wait, finish_wait;
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
@@ -503,6 +503,9 @@ int Main() {
             shortlists_ready.push_back(response.tier_micros().shortlists_ready());
             device_exact.push_back(response.tier_micros().device_exact());
             plan.push_back(response.tier_micros().plan());
+            decide.push_back(response.tier_micros().decide());
+            device_exact_wait.push_back(response.tier_micros().device_exact_wait());
+            finish_wait.push_back(response.tier_micros().finish_wait());
           }
           double first_start = 1e30, last_end = 0, busy = 0;
           json intervals = json::array();
@@ -563,6 +566,9 @@ int Main() {
           rec["shortlists_ready_p50_us"] = client::Percentile(shortlists_ready, 0.5);
           rec["device_exact_p50_us"] = client::Percentile(device_exact, 0.5);
           rec["plan_p50_us"] = client::Percentile(plan, 0.5);
+          rec["decide_p50_us"] = client::Percentile(decide, 0.5);
+          rec["device_exact_wait_p50_us"] = client::Percentile(device_exact_wait, 0.5);
+          rec["finish_wait_p50_us"] = client::Percentile(finish_wait, 0.5);
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),

@@ -243,6 +243,9 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     micros->set_shortlists_ready(tiers.shortlists_ready * 1e6);
     micros->set_device_exact(tiers.device_exact * 1e6);
     micros->set_plan(tiers.plan * 1e6);
+    micros->set_decide(tiers.decide * 1e6);
+    micros->set_device_exact_wait(tiers.device_exact_wait * 1e6);
+    micros->set_finish_wait(tiers.finish_wait * 1e6);
   }
   response->set_server_micros(absl::ToDoubleMicroseconds(absl::Now() - start));
   return absl::OkStatus();

@@ -2,7 +2,9 @@
 // host and device memory of every size class (under a vector, vectors and a tail, many blocks'
 // worth) equal their source byte for byte; inside a captured graph they read their source when
 // the graph runs, not when it was captured; a published copy's bytes are on the host once its
-// flag is, without a stream call, launch after launch of a captured graph; stamps are one
+// flag is, without a stream call, launch after launch of a captured graph; words the host gives
+// a running captured step after its launch reach the device, each launch its own, and a wait for
+// words that never come ends at its timeout with the fill and the error bit; stamps are one
 // reading of a clock that advances, written to every place; misfits refused by name.
 #include <cuda_runtime_api.h>
 
@@ -10,10 +12,12 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/kernel_errors.h"
 #include "kernels/cuda/step_io.h"
 #include "tests/cuda_test_util.h"
 
@@ -142,6 +146,83 @@ __global__ void SpinKernel(long long cycles) {
   }
 }
 
+// The server's exact heads: a captured step waits for rows the host writes only after the launch
+// (while the step's earlier kernels run), a new number each launch.
+TEST(StepIoTest, WordsTheHostGivesAfterTheLaunchReachTheStep) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kWords = 300;  // more than a block's threads
+  Pinned host(16 + kWords * sizeof(int32_t));
+  auto* ready = reinterpret_cast<uint64_t*>(host.data());
+  auto* words = reinterpret_cast<int32_t*>(host.data() + 16);
+  *ready = 0;
+  Pinned expected_memory(16);
+  auto* expected_host = reinterpret_cast<uint64_t*>(expected_memory.data());
+  auto expected = ToDevice(std::vector<uint64_t>{0});
+  auto dst = ToDevice(std::vector<int32_t>(kWords + 4, 0));
+  auto stamp = ToDevice(std::vector<uint64_t>{0, 0});
+  absl::StatusOr<cuda::KernelErrors> errors = cuda::KernelErrors::Create();
+  ASSERT_TRUE(errors.ok()) << errors.status();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cuda::HostWords w;
+  w.ready = ready;
+  w.expected = expected.data();
+  w.words = words;
+  w.dst = dst.data();
+  w.count = kWords;
+  w.timeout_ns = 5'000'000'000;
+  w.error_word = errors->device_word();
+  w.stamp = stamp.data() + 1;
+  // The graph: the expected number up (as the step's upload), ~1 ms of other work, the wait.
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  absl::Status queued =
+      cuda::CopyByKernel(expected_host, expected.data(), sizeof(uint64_t), stream);
+  SpinKernel<<<1, 1, 0, stream>>>(2'000'000);
+  if (queued.ok()) queued = cuda::StampTime({stamp.data()}, stream);
+  if (queued.ok()) queued = cuda::AwaitHostWords(w, stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(queued.ok()) << queued;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (uint64_t round = 1; round <= 3; ++round) {
+    SCOPED_TRACE(round);
+    *expected_host = round;
+    std::fill_n(words, kWords, -7);  // the last round's words, until the host gives these
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    // After the launch, while the step spins: a late host (5 ms) is waited for too.
+    if (round == 3) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    for (int i = 0; i < kWords; ++i) words[i] = static_cast<int32_t>(round * 1000 + i);
+    __atomic_store_n(ready, round, __ATOMIC_RELEASE);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<int32_t> got = ToHost(dst.data(), kWords + 4);
+    for (int i = 0; i < kWords; ++i) ASSERT_EQ(got[i], static_cast<int32_t>(round * 1000 + i)) << "word " << i;
+    for (int i = kWords; i < kWords + 4; ++i) ASSERT_EQ(got[i], 0) << "past the words, " << i;
+    const std::vector<uint64_t> stamps = ToHost(stamp.data(), 2);
+    EXPECT_GE(stamps[1], stamps[0]) << "the wait's stamp, when the words came";
+    if (round == 3) {
+      EXPECT_GT(stamps[1], stamps[0] + 1'000'000) << "it waited for the late host";
+    }
+    EXPECT_TRUE(errors->CheckAndClear(stream).ok());
+  }
+  // Words that never come (the number stays the last round's): the wait ends at its timeout,
+  // the destination holds the fill, and the error word says so.
+  w.timeout_ns = 2'000'000;
+  w.fill = -1;
+  *expected_host = 4;
+  ASSERT_TRUE(cuda::CopyByKernel(expected_host, expected.data(), sizeof(uint64_t), stream).ok());
+  ASSERT_TRUE(cuda::AwaitHostWords(w, stream).ok());
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const std::vector<int32_t> got = ToHost(dst.data(), kWords);
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](int32_t v) { return v == -1; }));
+  const absl::Status late = errors->CheckAndClear(stream);
+  EXPECT_EQ(late.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(late.message()), HasSubstr("host words that did not come in time"));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 TEST(StepIoTest, StampsAreOneReadingOfAClockThatAdvances) {
   KVRECALL_SKIP_WITHOUT_GPU();
   Pinned host(16);
@@ -188,6 +269,18 @@ TEST(StepIoTest, MisfitsAreRefusedByName) {
                  "the source at 8");
   expect_invalid(cuda::PublishToHost(nullptr, nullptr, 0, count, word + 5, nullptr),
                  "a source and a destination");
+
+  cuda::HostWords w;
+  w.ready = word;
+  w.expected = word + 1;
+  w.error_word = count;
+  w.count = 4;
+  expect_invalid(cuda::AwaitHostWords(w, nullptr), "words and a destination");
+  w.count = 0;
+  w.ready = reinterpret_cast<const uint64_t*>(bytes + 4);
+  expect_invalid(cuda::AwaitHostWords(w, nullptr), "8-byte aligned ready");
+  w.ready = nullptr;
+  expect_invalid(cuda::AwaitHostWords(w, nullptr), "a ready word");
 
   expect_invalid(cuda::StampTime({}, nullptr), "1 to 4 places; got 0");
   expect_invalid(cuda::StampTime({word, word, word, word, word}, nullptr), "got 5");

@@ -222,6 +222,15 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
     EXPECT_EQ(micros.shortlists_ready(), 0.0) << "the graph, no shortlist";
     EXPECT_GE(micros.launch(), 0.0);
     EXPECT_LE(micros.launch(), micros.bulk() * (1 + 1e-6) + 1) << "step " << step;
+    // The choice of the tier's exact heads comes after the launch, within the bulk; without a
+    // shortlist the tier takes none, and waits for nothing.
+    EXPECT_GE(micros.decide(), 0.0);
+    EXPECT_LE(micros.launch() + micros.decide(), micros.bulk() * (1 + 1e-6) + 1)
+        << "step " << step;
+    EXPECT_EQ(micros.device_exact(), 0.0);
+    EXPECT_EQ(micros.device_exact_wait(), 0.0);
+    EXPECT_GE(micros.finish_wait(), 0.0);
+    EXPECT_LE(micros.plan() + micros.bulk(), reply->server_micros()) << "step " << step;
     EXPECT_LE(micros.bulk() + micros.link_wait(), reply->server_micros()) << "step " << step;
     EXPECT_LE(micros.static_set(), reply->server_micros()) << "step " << step;
     double heads_micros = 0;

@@ -18,6 +18,7 @@ namespace kvrecall::cuda {
 inline constexpr unsigned kErrorIndexOutOfRange = 1u;  // an id outside [0, sequence size)
 inline constexpr unsigned kErrorCountOutOfRange = 2u;  // a count above its stated maximum
 inline constexpr unsigned kErrorSeqTooLong = 4u;       // a sequence longer than max_tokens
+inline constexpr unsigned kErrorHostWordsLate = 8u;    // AwaitHostWords timed out (step_io.h)
 
 // Kernels skip the offending element (it is neither read nor attended) and set a bit here;
 // the owner checks the word where a synchronization is acceptable (tests, the end of a request)

@@ -7,6 +7,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/kernel_errors.h"
 
 namespace kvrecall::cuda {
 namespace {
@@ -59,6 +60,32 @@ __global__ void __launch_bounds__(kThreads)
   *blocks_done = 0;
   __threadfence_system();
   *reinterpret_cast<volatile uint64_t*>(flag) = max(GlobalTimer(), uint64_t{1});
+}
+
+// One block: thread 0 polls (a PCIe read each, spaced so as not to crowd the link the step's
+// other kernels read the host over), then the block copies.
+__global__ void __launch_bounds__(kThreads) AwaitHostWordsKernel(const HostWords w) {
+  __shared__ bool came;
+  if (threadIdx.x == 0) {
+    const uint64_t expected = *w.expected;
+    const uint64_t start = GlobalTimer();
+    const volatile uint64_t* ready = w.ready;
+    bool seen = *ready == expected;
+    while (!seen && GlobalTimer() - start < w.timeout_ns) {
+      __nanosleep(500);
+      seen = *ready == expected;
+    }
+    // The words were written before `ready`: ordered before this thread's reads of them below
+    // (and, through the barrier, the block's).
+    __threadfence_system();
+    came = seen;
+    if (!seen) atomicOr(w.error_word, kErrorHostWordsLate);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < w.count; i += kThreads) {
+    w.dst[i] = came ? reinterpret_cast<const volatile int32_t*>(w.words)[i] : w.fill;
+  }
+  if (w.stamp != nullptr && threadIdx.x == 0) *w.stamp = GlobalTimer();
 }
 
 struct StampPlaces {
@@ -122,6 +149,23 @@ absl::Status PublishToHost(const void* src, void* dst, size_t bytes, unsigned* b
   if (bytes == 0) p->tail = 0;  // nothing to copy: the flag alone
   PublishKernel<<<p->blocks, kThreads, 0, stream>>>(*p, blocks_done, flag);
   return LaunchStatus("PublishKernel");
+}
+
+absl::Status AwaitHostWords(const HostWords& w, cudaStream_t stream) {
+  if (w.ready == nullptr || w.expected == nullptr || w.error_word == nullptr ||
+      (w.count > 0 && (w.words == nullptr || w.dst == nullptr)) || w.count < 0) {
+    return absl::InvalidArgumentError(
+        "awaiting host words needs a ready word, an expected value, an error word, and words and "
+        "a destination for a count >= 0");
+  }
+  if (reinterpret_cast<uintptr_t>(w.ready) % alignof(uint64_t) != 0 ||
+      reinterpret_cast<uintptr_t>(w.expected) % alignof(uint64_t) != 0 ||
+      reinterpret_cast<uintptr_t>(w.stamp) % alignof(uint64_t) != 0) {
+    return absl::InvalidArgumentError(
+        "awaiting host words needs 8-byte aligned ready, expected and stamp words");
+  }
+  AwaitHostWordsKernel<<<1, kThreads, 0, stream>>>(w);
+  return LaunchStatus("AwaitHostWordsKernel");
 }
 
 absl::Status StampTime(std::initializer_list<uint64_t*> places, cudaStream_t stream) {

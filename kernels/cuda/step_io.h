@@ -32,6 +32,29 @@ absl::Status CopyByKernel(const void* src, void* dst, size_t bytes, cudaStream_t
 absl::Status PublishToHost(const void* src, void* dst, size_t bytes, unsigned* blocks_done,
                            uint64_t* flag, cudaStream_t stream);
 
+// Words the host gives a launched step, read by the device once they are there: the host
+// writes words [count] (pinned host memory), then stores `ready` (pinned host memory, 8-byte
+// aligned) with release order; the step's `expected` (device memory, e.g. a word of its upload)
+// names the value that marks this step's words, so that a captured step replays with each
+// step's own. When the kernel runs it polls `ready` until it equals *expected, then copies the
+// words to dst [count] (device memory) and, when `stamp` is non-null, writes the device's clock
+// there (when the words came). A wait past timeout_ns on the device's clock gives up: dst is
+// filled with `fill` and kErrorHostWordsLate is set in *error_word (kernel_errors.h), so that a
+// host that fails before it gives the words costs the stream a timeout, not a hang.
+// INVALID_ARGUMENT for null or misaligned pointers or count < 0. Nothing allocates.
+struct HostWords {
+  const uint64_t* ready = nullptr;
+  const uint64_t* expected = nullptr;
+  const int32_t* words = nullptr;
+  int32_t* dst = nullptr;
+  int count = 0;
+  int32_t fill = -1;
+  uint64_t timeout_ns = 0;
+  unsigned* error_word = nullptr;
+  uint64_t* stamp = nullptr;
+};
+absl::Status AwaitHostWords(const HostWords& w, cudaStream_t stream);
+
 // At most this many places per StampTime.
 inline constexpr int kMaxStampPlaces = 4;
 

@@ -146,11 +146,15 @@ class StepContext {
     // From the bulk's start until the shortlists were on the host, the exact heads' wait
     // (policy.index.shortlist; 0 without).
     double shortlists_ready = 0;
-    // The device's time for the exact heads it took (TierMicros.device_exact; 0: none).
+    // The device's time for the exact heads it took (TierMicros.device_exact; 0: none), and its
+    // wait for the host's choice of them (TierMicros.device_exact_wait).
     double device_exact = 0;
-    // The host's time before the bulk: the steps staged, the tier's step planned (ReTopK's path
-    // decisions) and prepared (TierMicros.plan).
+    double device_exact_wait = 0;
+    // The host's time before the bulk: the steps staged, the tier's step planned and prepared
+    // (TierMicros.plan).
     double plan = 0;
+    // The host's time choosing the tier's exact heads after the launch (TierMicros.decide).
+    double decide = 0;
     // On a GPU tier: the device's whole step on its clock (begin to end stamp), and the host's
     // wait for it at the end of the step (0 when it was done by then).
     double device_step = 0;
@@ -165,7 +169,9 @@ class StepContext {
       launch += other.launch;
       shortlists_ready += other.shortlists_ready;
       device_exact += other.device_exact;
+      device_exact_wait += other.device_exact_wait;
       plan += other.plan;
+      decide += other.decide;
       device_step += other.device_step;
       finish_wait += other.finish_wait;
       return *this;

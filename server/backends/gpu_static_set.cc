@@ -117,6 +117,12 @@ class CudaHostPinning final : public HostPinning {
 
 // The outliers' stride of a step's upload: the most any KV head of `codes` has, rounded up to
 // 512, so that a captured step with them is captured again only after that many more.
+// How long a step's exact heads wait on the device for the host to name them (SetExactHeads)
+// before they give up and fail the step (kErrorHostWordsLate): the host names them within
+// microseconds of the launch, or gives none when it fails first; this bounds what a host that
+// did neither (a bug) costs the stream.
+constexpr uint64_t kExactHeadsTimeoutNs = 1'000'000'000;
+
 int64_t OutlierStride(const BulkCodes& codes) {
   size_t most = 0;
   for (int h = 0; h < codes.kv_heads(); ++h) most = std::max(most, codes.outliers(h).size());
@@ -427,6 +433,8 @@ class GpuStaticSetTier final : public StaticSetTier {
   }
   absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) override;
   absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) override;
+  absl::Status SetExactHeads(std::span<const StaticSetStep> steps,
+                             StepContext* context) override;
   absl::Status WaitShortlists(std::span<const StaticSetStep> steps,
                               StepContext* context) override;
   absl::Status Finish(std::span<const StaticSetStep> steps, StepContext* context) override;
@@ -461,16 +469,26 @@ class GpuStaticSetTier final : public StaticSetTier {
     // Prepare's layout of the step's pinned input (all of it the step's one upload) and
     // download.
     size_t in_q = 0, in_k = 0, in_v = 0, in_seqs = 0, in_rows = 0, in_sets = 0, in_lengths = 0,
-           in_jobs = 0, upload = 0;
+           in_jobs = 0, in_heads_seq = 0, upload = 0;
     size_t out_o = 0, out_lse = 0, out_errors = 0, out_row_errors = 0, out_stamps = 0,
            out_size = 0;
-    // The exact heads on the device (0: none this step): the largest bound of any step (each
-    // step's rows [batch, exact_heads] in the upload, -1 past its own), the outliers' stride, the
-    // layout of their inputs and outputs, the supports' scratch and the kernel's error word.
+    // The exact heads on the device (0: none this step): the largest bound of any step, the
+    // outliers' stride, the layout of their inputs and outputs, the supports' scratch and the
+    // kernel's error word.
     int exact_heads = 0;
     int64_t outlier_stride = 0;
-    size_t in_exact_rows = 0, in_bulk_seqs = 0, in_coded = 0, in_outliers = 0,
-           in_outlier_counts = 0;
+    size_t in_bulk_seqs = 0, in_coded = 0, in_outliers = 0, in_outlier_counts = 0;
+    // Which rows the exact heads are, given after the launch (SetExactHeads): heads_in (pinned)
+    // holds the step's number (word 0, stored last) and its rows from byte kHeadRowsAt
+    // ([batch, exact_heads], -1 past a step's own); the step waits for them on the device
+    // (cuda::AwaitHostWords, expecting heads_seq from the upload) and copies them to exact_rows.
+    // heads_given: the step in flight has its rows (or was given none, ending it); heads_set: the
+    // rows are the steps' device_heads (Finish reads their results).
+    static constexpr size_t kHeadRowsAt = 16;
+    PinnedBuffer heads_in;
+    ChargedBuffer<int32_t> exact_rows;
+    uint64_t heads_seq = 0;
+    bool heads_given = true, heads_set = false;
     size_t out_bulk_o = 0, out_bulk_lse = 0, out_bulk_candidates = 0;
     // Whether the exact heads' supports come down (out_bulk_support*) or stay in exact_support.
     bool exact_supports = false;
@@ -520,12 +538,25 @@ class GpuStaticSetTier final : public StaticSetTier {
 
   // Waits for a failed step's work on both streams (errors ignored: the step already failed).
   static void DrainFailedStep(StaticStepContext& state) {
+    GiveNoExactHeads(state);
     cudaStreamSynchronize(state.gpu.stream());
     if (state.side != nullptr) cudaStreamSynchronize(state.side);
     state.in_flight = false;
   }
-  // The exact heads' kernel, supports' scratch and error word (Prepare's part).
-  absl::Status PrepareExactHeads(const LayerConfig& config, int rows, StaticStepContext& state);
+  // Gives the step in flight no exact heads when SetExactHeads has not given it its own (a host
+  // that failed between Start and SetExactHeads), so that its exact heads' wait ends now.
+  static void GiveNoExactHeads(StaticStepContext& state) {
+    if (state.heads_given) return;
+    auto* rows = reinterpret_cast<int32_t*>(state.heads_in.data() + StaticStepContext::kHeadRowsAt);
+    std::fill_n(rows, state.exact_rows.size(), -1);
+    __atomic_store_n(reinterpret_cast<uint64_t*>(state.heads_in.data()), state.heads_seq,
+                     __ATOMIC_RELEASE);
+    state.heads_given = true;
+  }
+  // The exact heads' kernel, rows (exact_rows of them: batch x bound), supports' scratch (for
+  // `rows` query rows) and error word (Prepare's part).
+  absl::Status PrepareExactHeads(const LayerConfig& config, int exact_rows, int rows,
+                                 StaticStepContext& state);
   // The shortlists' workspace, tables, ids and their publishing (Prepare's part).
   absl::Status PrepareShortlists(std::span<const StaticSetStep> steps, StaticStepContext& state);
   // Each step's shortlist over its codes (queries and sets already on the device), its ids and
@@ -732,6 +763,7 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   auto& state = static_cast<StaticStepContext&>(*context);
   GpuStepContext& ctx = state.gpu;
   if (state.in_flight) {
+    GiveNoExactHeads(state);
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx.stream()),
                                              "draining a failed static-set step"));
     // (Its side stream too: a step that failed before the join leaves work there.)
@@ -776,24 +808,12 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
             ? std::min(codes.capacity(), gpu::GraphTokenBound(codes.coded()))
             : codes.coded();
   }
-  // The query heads the steps give the device's exact path, with the bounds its kernel reads.
+  // The bound of query heads the steps may give the device's exact path (SetExactHeads names
+  // them), with the bounds its kernel reads.
   state.exact_heads = 0;
   state.outlier_stride = 0;
   state.exact_supports = false;
   for (const StaticSetStep& step : steps) {
-    if (step.device_exact_heads > std::max(0, step.device_exact_bound) ||
-        (step.device_exact_heads > 0 && step.codes == nullptr)) {
-      return absl::InternalError(absl::StrCat("a step gives the device ", step.device_exact_heads,
-                                              " exact heads over its bound of ",
-                                              step.device_exact_bound));
-    }
-    for (int j = 0; j < step.device_exact_heads; ++j) {
-      if (step.device_heads[j] < 0 || step.device_heads[j] >= config.shape.q_heads) {
-        return absl::InternalError(absl::StrCat("a step gives the device query head ",
-                                                step.device_heads[j], " of ",
-                                                config.shape.q_heads));
-      }
-    }
     if (step.codes == nullptr || step.device_exact_bound <= 0) continue;
     state.exact_heads = std::max(state.exact_heads, step.device_exact_bound);
     state.outlier_stride = std::max(state.outlier_stride, OutlierStride(*step.codes));
@@ -811,10 +831,10 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   // Per step and KV head: the coding of its new bulk row (a skipped job when it has none).
   state.in_jobs = in.Take<cuda::PqEncodeJob>(state.shortlist > 0 ? batch * config.shape.kv_heads
                                                                  : 0);
-  // The exact heads' rows ([batch, exact_heads], -1 past a step's own), each step's bulk in host
-  // memory, its coded rows, and its KV heads' outliers and their counts.
+  // The number of the exact heads' rows to wait for, each step's bulk in host memory, its coded
+  // rows, and its KV heads' outliers and their counts.
   const int kv_heads = config.shape.kv_heads;
-  state.in_exact_rows = in.Take<int32_t>(exact ? batch * state.exact_heads : 0);
+  state.in_heads_seq = in.Take<uint64_t>(exact ? 1 : 0);
   state.in_bulk_seqs = in.Take<DeviceSeq>(exact ? batch : 0);
   state.in_coded = in.Take<int32_t>(exact ? batch : 0);
   state.in_outliers = in.Take<int32_t>(exact ? batch * kv_heads * state.outlier_stride : 0);
@@ -829,9 +849,10 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   // The new bulk rows' squared reconstruction errors [batch, kv_heads], for their outliers.
   state.out_row_errors =
       out.Take<float>(state.shortlist > 0 ? batch * config.shape.kv_heads : 0);
-  // The step's begin and end on the device's clock; with exact heads, their start and the static
-  // sets' end (the two run side by side).
-  state.out_stamps = out.Take<uint64_t>(4);
+  // The step's begin and end on the device's clock; with exact heads, the shortlists' end, the
+  // static sets' end (the two run side by side), and the exact heads' start (once their rows
+  // came) and end.
+  state.out_stamps = out.Take<uint64_t>(6);
   // The exact heads' states over the bulk and the candidates they scored, by row.
   state.out_bulk_o = out.Take<float>(exact ? static_cast<size_t>(rows) * d : 0);
   state.out_bulk_lse = out.Take<float>(exact ? rows : 0);
@@ -845,12 +866,12 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   if (state.shortlist > 0) {
     if (absl::Status s = PrepareShortlists(steps, state); !s.ok()) return s;
   }
-  if (exact) return PrepareExactHeads(config, rows, state);
+  if (exact) return PrepareExactHeads(config, batch * state.exact_heads, rows, state);
   return absl::OkStatus();
 }
 
-absl::Status GpuStaticSetTier::PrepareExactHeads(const LayerConfig& config, int rows,
-                                                 StaticStepContext& state) {
+absl::Status GpuStaticSetTier::PrepareExactHeads(const LayerConfig& config, int exact_rows,
+                                                 int rows, StaticStepContext& state) {
   const int top_k = config.selector.top_k;
   // The kernel's shared memory raised now, outside any capture.
   if (absl::Status s = cuda::PrepareCandidateAttention(
@@ -865,6 +886,25 @@ absl::Status GpuStaticSetTier::PrepareExactHeads(const LayerConfig& config, int 
         !s.ok()) {
       return s;
     }
+    ++state.generation;
+  }
+  // The rows the host gives after the launch: exactly this step's count (GiveNoExactHeads and
+  // the wait fill all of them).
+  if (state.exact_rows.size() != static_cast<size_t>(exact_rows)) {
+    if (absl::Status s = state.exact_rows.Allocate(exact_rows, budget_, "the exact heads' rows");
+        !s.ok()) {
+      return s;
+    }
+    ++state.generation;
+  }
+  const size_t heads_bytes = StaticStepContext::kHeadRowsAt + exact_rows * sizeof(int32_t);
+  if (state.heads_in.bytes() < heads_bytes) {
+    if (absl::Status s = state.heads_in.Ensure(heads_bytes, nullptr, "the exact heads' rows");
+        !s.ok()) {
+      return s;
+    }
+    // A new buffer holds no step's number yet (the device compares it with the next one's).
+    *reinterpret_cast<uint64_t*>(state.heads_in.data()) = 0;
     ++state.generation;
   }
   if (state.exact_errors == nullptr) {
@@ -945,6 +985,20 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
     KVRECALL_CUDA_RETURN_IF_ERROR(
         CudaStatus(cudaEventRecord(state.join, work), "joining the static sets"));
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 2}, stream));
+    // Which rows they are, given by the host after the launch (SetExactHeads): usually here
+    // before the shortlists are done.
+    cuda::HostWords heads;
+    heads.ready = reinterpret_cast<const uint64_t*>(state.heads_in.data());
+    heads.expected = At<const uint64_t>(dev_in, state.in_heads_seq);
+    heads.words =
+        reinterpret_cast<const int32_t*>(state.heads_in.data() + StaticStepContext::kHeadRowsAt);
+    heads.dst = state.exact_rows.data();
+    heads.count = static_cast<int>(state.exact_rows.size());
+    heads.fill = -1;
+    heads.timeout_ns = kExactHeadsTimeoutNs;
+    heads.error_word = state.exact_errors->device_word();
+    heads.stamp = out_stamps + 4;
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::AwaitHostWords(heads, stream));
     const int rows = batch * config.shape.q_heads;
     const int top_k = config.selector.top_k;
     cuda::CandidateLists lists = ExactHeadBounds(config, state.outlier_stride);
@@ -963,8 +1017,9 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
         At<int32_t>(ctx.device_out(), state.out_bulk_candidates)};
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CandidateAttention(
         ShapeOf(config, batch), top_k, At<const DeviceSeq>(dev_in, state.in_bulk_seqs),
-        At<const float>(dev_in, state.in_q), lists, At<const int32_t>(dev_in, state.in_exact_rows),
+        At<const float>(dev_in, state.in_q), lists, state.exact_rows.data(),
         batch * state.exact_heads, outputs, state.exact_errors->device_word(), stream));
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::StampTime({out_stamps + 5}, stream));
     KVRECALL_CUDA_RETURN_IF_ERROR(
         CudaStatus(cudaStreamWaitEvent(stream, state.join), "joining the static sets"));
   }
@@ -1024,21 +1079,21 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
     }
   }
   if (state.exact_heads > 0) {
+    // The rows come after the launch (SetExactHeads); the step waits for this number with them.
+    At<uint64_t>(host_in, state.in_heads_seq)[0] = ++state.heads_seq;
+    state.heads_given = false;
+    state.heads_set = false;
     const int kv_heads = config.shape.kv_heads;
     for (int b = 0; b < batch; ++b) {
       const StaticSetStep& step = steps[b];
-      const int heads = step.codes != nullptr ? step.device_exact_heads : 0;
-      int32_t* rows = At<int32_t>(host_in, state.in_exact_rows) + b * state.exact_heads;
-      for (int j = 0; j < state.exact_heads; ++j) {
-        rows[j] = j < heads ? b * q_heads + step.device_heads[j] : -1;
-      }
+      const bool may_give = step.codes != nullptr && step.device_exact_bound > 0;
       At<DeviceSeq>(host_in, state.in_bulk_seqs)[b] = DeviceSeq::Contiguous(
           step.bulk.keys, step.bulk.values, static_cast<int32_t>(step.bulk.tokens));
       At<int32_t>(host_in, state.in_coded)[b] = static_cast<int32_t>(state.scanned[b]);
       int32_t* counts = At<int32_t>(host_in, state.in_outlier_counts) + b * kv_heads;
       for (int g = 0; g < kv_heads; ++g) {
         const std::span<const int32_t> outliers =
-            heads > 0 ? step.codes->outliers(g) : std::span<const int32_t>();
+            may_give ? step.codes->outliers(g) : std::span<const int32_t>();
         counts[g] = static_cast<int32_t>(outliers.size());
         std::memcpy(At<int32_t>(host_in, state.in_outliers) +
                         (static_cast<int64_t>(b) * kv_heads + g) * state.outlier_stride,
@@ -1094,11 +1149,50 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
   return queued;
 }
 
+absl::Status GpuStaticSetTier::SetExactHeads(std::span<const StaticSetStep> steps,
+                                             StepContext* context) {
+  auto& state = static_cast<StaticStepContext&>(*context);
+  if (state.heads_given) return absl::OkStatus();  // no exact heads this step (or it ended)
+  const int q_heads = steps.front().config->shape.q_heads;
+  auto* rows = reinterpret_cast<int32_t*>(state.heads_in.data() + StaticStepContext::kHeadRowsAt);
+  for (size_t b = 0; b < steps.size(); ++b) {
+    const StaticSetStep& step = steps[b];
+    const int heads = step.device_exact_heads;
+    if (heads < 0 || heads > std::max(0, step.device_exact_bound) ||
+        (heads > 0 && step.codes == nullptr)) {
+      GiveNoExactHeads(state);
+      return absl::InternalError(absl::StrCat("a step gives the device ", heads,
+                                              " exact heads over its bound of ",
+                                              step.device_exact_bound));
+    }
+    for (int j = 0; j < state.exact_heads; ++j) {
+      if (j >= heads) {
+        rows[b * state.exact_heads + j] = -1;
+        continue;
+      }
+      const int h = step.device_heads[j];
+      if (h < 0 || h >= q_heads) {
+        GiveNoExactHeads(state);
+        return absl::InternalError(
+            absl::StrCat("a step gives the device query head ", h, " of ", q_heads));
+      }
+      rows[b * state.exact_heads + j] = static_cast<int32_t>(b) * q_heads + h;
+    }
+  }
+  // The rows before the number that marks them (the device reads them once it sees it).
+  __atomic_store_n(reinterpret_cast<uint64_t*>(state.heads_in.data()), state.heads_seq,
+                   __ATOMIC_RELEASE);
+  state.heads_given = true;
+  state.heads_set = true;
+  return absl::OkStatus();
+}
+
 absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, StepContext* context) {
   DeviceScope scope(ordinal_);
   if (!scope.status().ok()) return scope.status();
   auto& state = static_cast<StaticStepContext&>(*context);
   GpuStepContext& ctx = state.gpu;
+  GiveNoExactHeads(state);  // (a host that failed before naming them)
   // The host's wait for the device: none when the step was done by now (the synchronization's
   // own cost is not a wait; DeviceHeadBalance reads it), else until it is.
   const auto wait_start = std::chrono::steady_clock::now();
@@ -1145,7 +1239,9 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   state.tier_seconds.static_set =
       static_cast<double>(static_end - stamps[0]) * 1e-9 - state.tier_seconds.shortlist;
   state.tier_seconds.device_exact =
-      state.exact_heads > 0 ? static_cast<double>(stamps[1] - stamps[2]) * 1e-9 : 0.0;
+      state.exact_heads > 0 ? static_cast<double>(stamps[5] - stamps[4]) * 1e-9 : 0.0;
+  state.tier_seconds.device_exact_wait =
+      state.exact_heads > 0 ? static_cast<double>(stamps[4] - stamps[2]) * 1e-9 : 0.0;
   state.tier_seconds.device_step = static_cast<double>(stamps[1] - stamps[0]) * 1e-9;
   const int q_heads = config.shape.q_heads;
   const int d = config.shape.head_dim;
@@ -1155,7 +1251,7 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
     std::memcpy(steps[b].o, o + b * q_heads * d, static_cast<size_t>(q_heads) * d * sizeof(float));
     std::memcpy(steps[b].lse, lse + b * q_heads, q_heads * sizeof(float));
   }
-  if (state.exact_heads == 0) return absl::OkStatus();
+  if (state.exact_heads == 0 || !state.heads_set) return absl::OkStatus();
   // The exact heads' states over the bulk, into the steps' own bulk states.
   const auto* bulk_o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_bulk_o);
   const auto* bulk_lse = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_bulk_lse);

@@ -171,14 +171,20 @@ class TieredLayer final : public LayerBackend {
   }
   const BulkCodes* codes() const { return codes_.get(); }
   // The static tier's part of a step on `all` (the history with the step's token), the
-  // shortlist's fields included when the layer has codes, and up to `device_bound` query heads'
-  // exact paths given to the tier (PlanDeviceHeads), their bulk states to bulk_o [q_heads,
-  // head_dim] and bulk_lse [q_heads] (the step's bulk states).
+  // shortlist's fields included when the layer has codes, and room for up to `device_bound`
+  // query heads' exact paths on the tier, their bulk states to bulk_o [q_heads, head_dim] and
+  // bulk_lse [q_heads] (the step's bulk states). Which heads those are is chosen once the tier's
+  // step is launched (DecidePath, ChooseDeviceHeads).
   StaticSetStep StaticStep(const LayerStep& step, const KvView& all, int device_bound,
                            float* bulk_o, float* bulk_lse) {
     StaticSetStep out{&config_, static_set_.get(), all, step.q, step.k_new, step.v_new, step.o,
                       step.lse};
-    PlanDeviceHeads(step, all, codes_ != nullptr ? device_bound : 0);
+    for (int32_t h : device_heads_) on_device_[h] = 0;
+    device_heads_.clear();
+    device_bound_ = codes_ != nullptr ? std::max(0, device_bound) : 0;
+    // A retopk layer that may give the tier heads decides every head's path first.
+    decided_ = retopk_ != nullptr && device_bound_ > 0 &&
+               BulkView(all, config_.selector).tokens > 0;
     if (codes_ != nullptr) {
       const int n = config_.selector.shortlist;
       shortlist_ids_.resize(static_cast<size_t>(config_.shape.q_heads) * n);
@@ -190,9 +196,7 @@ class TieredLayer final : public LayerBackend {
       out.shortlist_sizes = shortlist_sizes_.data();
       out.shortlist_coded = &shortlist_coded_;
       device_candidates_.resize(config_.shape.q_heads);
-      out.device_heads = device_heads_.data();
-      out.device_exact_heads = static_cast<int>(device_heads_.size());
-      out.device_exact_bound = device_bound;
+      out.device_exact_bound = device_bound_;
       out.bulk_o = bulk_o;
       out.bulk_lse = bulk_lse;
       out.bulk_candidates = device_candidates_.data();
@@ -205,6 +209,35 @@ class TieredLayer final : public LayerBackend {
       }
     }
     return out;
+  }
+  // Whether this step decides every head's path before its heads run (ReTopK giving the tier
+  // its exact-path heads): then DecidePath for each head, before ChooseDeviceHeads.
+  bool DecidesPaths() const { return decided_; }
+  // Query head h's path this step (ReTopKSelector::Decide, the cache match: cosines with the
+  // cached queries, no scoring); heads in parallel, each reading only its own cache.
+  void DecidePath(const LayerStep& step, const KvView& all, int h) {
+    const int d = config_.shape.head_dim;
+    decided_paths_[h] = retopk_->Decide(h, step.q + int64_t{h} * d,
+                                        BulkView(all, config_.selector).tokens, &decided_best_[h]);
+  }
+  // The step's heads for the tier into `out` (its StaticStep), as many as the balance's count
+  // within the step's bound: an index layer's last ones; a decided retopk layer's last heads on
+  // the exact path (fallback, refresh), so that the host's threads keep the reuse heads (whose
+  // candidates are the host's caches).
+  void ChooseDeviceHeads(StaticSetStep* out) {
+    const int heads = config_.shape.q_heads;
+    const int count = std::min(device_bound_, balance_.target());
+    if (count > 0 && retopk_ == nullptr) {
+      for (int h = heads - count; h < heads; ++h) device_heads_.push_back(h);
+    } else if (count > 0 && decided_) {
+      for (int h = heads - 1; h >= 0 && static_cast<int>(device_heads_.size()) < count; --h) {
+        if (decided_paths_[h] != SelectionPath::kReuse) device_heads_.push_back(h);
+      }
+      std::reverse(device_heads_.begin(), device_heads_.end());
+    }
+    for (int32_t h : device_heads_) on_device_[h] = 1;
+    out->device_heads = device_heads_.data();
+    out->device_exact_heads = static_cast<int>(device_heads_.size());
   }
   // Whether query head h's bulk runs on the host this step (not on the tier).
   bool OnHost(int h) const { return on_device_[h] == 0; }
@@ -287,39 +320,6 @@ class TieredLayer final : public LayerBackend {
   float last_bulk_micros(int h) const { return bulk_micros_[h]; }
 
  private:
-  // The step's heads for the tier, as many as the balance's count, at most `bound`: an index
-  // layer's last ones; a retopk layer decides every head's path first (ReTopKSelector::Decide,
-  // the cache match) and gives the tier up to that many of the heads on the exact path, the
-  // last ones, so that the host's threads keep the reuse heads (whose candidates are the
-  // host's caches).
-  void PlanDeviceHeads(const LayerStep& step, const KvView& all, int bound) {
-    const int heads = config_.shape.q_heads;
-    for (int32_t h : device_heads_) on_device_[h] = 0;
-    device_heads_.clear();
-    decided_ = false;
-    if (bound <= 0) return;
-    const int count = std::min(bound, balance_.target());
-    if (retopk_ == nullptr) {
-      for (int h = heads - count; h < heads; ++h) device_heads_.push_back(h);
-    } else {
-      const KvView bulk = BulkView(all, config_.selector);
-      if (bulk.tokens == 0) return;
-      decided_ = true;
-      const int d = config_.shape.head_dim;
-      // Heads in parallel (each reads its own cache, cold in this thread's caches: d59-d61
-      // measured ~85 us for 32 heads on one thread, on the step's critical path).
-      cpu::ParallelFor(heads, std::max(1, heads / 2), [&](int64_t h) {
-        decided_paths_[h] = retopk_->Decide(static_cast<int>(h), step.q + h * d, bulk.tokens,
-                                            &decided_best_[h]);
-      });
-      for (int h = heads - 1; h >= 0 && static_cast<int>(device_heads_.size()) < count; --h) {
-        if (decided_paths_[h] != SelectionPath::kReuse) device_heads_.push_back(h);
-      }
-      std::reverse(device_heads_.begin(), device_heads_.end());
-    }
-    for (int32_t h : device_heads_) on_device_[h] = 1;
-  }
-
   void ChargeSelectorBytes() {
     const int64_t now = bulk_.selector != nullptr ? bulk_.selector->MemoryBytes() : 0;
     if (now == selector_bytes_) return;
@@ -329,6 +329,7 @@ class TieredLayer final : public LayerBackend {
 
   const LayerConfig config_;
   const int device_exact_bound_;
+  int device_bound_ = 0;        // the step's bound of heads on the tier (StaticStep's)
   DeviceHeadBalance balance_;  // the count of heads the tier takes, within device_exact_bound_
   const bool balanced_;
   MemoryAccount* const host_;
@@ -336,7 +337,7 @@ class TieredLayer final : public LayerBackend {
   BulkSelector bulk_;
   ReTopKSelector* const retopk_;  // bulk_'s selector when it is ReTopK, else null
   // The step's heads on the tier (ascending) and, per query head, whether it is one of them;
-  // whether a retopk layer decided every head's path before the step (then each head's path
+  // whether a retopk layer decides every head's path before its heads run (then each head's path
   // and best cosine); the tier's exact heads' candidates [q_heads] and, decided, supports
   // [q_heads, top_k] and their sizes [q_heads].
   std::vector<int32_t> device_heads_;
@@ -500,6 +501,7 @@ class TieredStepContext final : public StepContext {
   std::vector<KvView> histories;
   std::vector<int64_t> order;  // the loop's items: outlier chunks, then heads longest first
   std::vector<OutlierChunk> outlier_chunks;  // of the planned layers
+  std::vector<int64_t> decide_items;         // (sequence, head) pairs whose paths are decided
 };
 
 int64_t TieredBackend::HostKvBytesFor(const LayerConfig& config, int64_t tokens) const {
@@ -746,6 +748,37 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   const double launched = seconds_since(bulk_start);
   ctx.tier_seconds.launch += launched;
   ctx.tier_seconds.plan += std::chrono::duration<double>(bulk_start - plan_start).count();
+  // Which exact heads the tier takes, chosen while its step uploads and runs the shortlists
+  // (which its exact heads wait for on the device): ReTopK's path decisions, every (sequence,
+  // head) of the batch in one parallel loop (d59-d61: ~85 us for 32 heads on one thread, ~35-45
+  // in parallel (d62) on the step's path when they came before the launch).
+  ctx.decide_items.clear();
+  for (size_t i = 0; i < n; ++i) {
+    if (!static_cast<TieredLayer*>(batch[i].layer)->DecidesPaths()) continue;
+    for (int h = 0; h < heads; ++h) ctx.decide_items.push_back(static_cast<int64_t>(i) * heads + h);
+  }
+  if (!ctx.decide_items.empty()) {
+    const auto decisions = static_cast<int64_t>(ctx.decide_items.size());
+    cpu::ParallelFor(decisions, static_cast<int>(std::max<int64_t>(1, decisions / 2)),
+                     [&](int64_t k) {
+                       const int64_t item = ctx.decide_items[k];
+                       const auto i = static_cast<size_t>(item / heads);
+                       static_cast<TieredLayer*>(batch[i].layer)
+                           ->DecidePath(batch[i], ctx.histories[i], static_cast<int>(item % heads));
+                     });
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (ctx.static_steps[i].device_exact_bound > 0) {
+      static_cast<TieredLayer*>(batch[i].layer)->ChooseDeviceHeads(&ctx.static_steps[i]);
+    }
+  }
+  if (absl::Status s = tier_->SetExactHeads(ctx.static_steps, ctx.static_context.get());
+      !s.ok()) {
+    // The step is still on the tier (with no exact heads): Finish drains it.
+    tier_->Finish(ctx.static_steps, ctx.static_context.get()).IgnoreError();
+    return s;
+  }
+  ctx.tier_seconds.decide += seconds_since(bulk_start) - launched;
   // The shortlists are waited for by the first head that reads one, once, so that the heads
   // that need none (ReTopK's reuse heads) run while they are computed.
   std::once_flag shortlists_fetched;
@@ -854,6 +887,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   const StepContext::TierSeconds& tier = ctx.static_context->tier_seconds;
   ctx.tier_seconds.static_set += tier.static_set;
   ctx.tier_seconds.device_exact += tier.device_exact;
+  ctx.tier_seconds.device_exact_wait += tier.device_exact_wait;
   ctx.tier_seconds.device_step += tier.device_step;
   ctx.tier_seconds.finish_wait += tier.finish_wait;
   // Each layer that could give the tier heads moves its count by the step's times.
