@@ -1,11 +1,13 @@
 // PLACEMENT_TIERED with policy.index.shortlist, served by an in-process server over loopback
 // gRPC: the bulk's keys product-quantized on the static tier (the GPU where there is one, the
-// host otherwise), each step's shortlist of every query head rescored exactly on the host.
-// Against brute force: a shortlist as long as the bulk is the bulk's exact top-K (index and
-// ReTopK's exact path); a short one is the exact top-K of what a reproduction of the quantizers
-// (same training, same codes) lists, its worst-coded keys (outliers) included, while decoding
-// grows the codes past the room reserved at prefill; GetSession counts the codes on the tier
-// that holds them; what is refused, by name.
+// host otherwise), each step's shortlist of every query head rescored exactly on the host, or,
+// for the heads the static tier takes, there (on a CPU machine the host tier's stand-in for a
+// device: PlacementOptions::tiered_host_exact_heads), against a host-only server. Against brute
+// force: a shortlist as long as the bulk is the bulk's exact top-K (index and ReTopK's exact
+// path); a short one is the exact top-K of what a reproduction of the quantizers (same
+// training, same codes) lists, its worst-coded keys (outliers) included, while decoding grows
+// the codes past the room reserved at prefill; GetSession counts the codes on the tier that
+// holds them; what is refused, by name.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +20,7 @@
 #include "index/product_quantizer.h"
 #include "kernels/cpu/attention.h"
 #include "server/backends/bulk_codes.h"
+#include "server/backends/tiered_backend.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -147,16 +150,27 @@ class ReproducedCodes {
   std::vector<float> thresholds_;
 };
 
+// A server whose static tier takes exact heads: the GPU where there is one, else the host tier's
+// stand-in for a device (PlacementOptions::tiered_host_exact_heads), so that the device heads'
+// logic runs on a CPU machine too.
+ServerOptions DeviceHeadsOptions() {
+  ServerOptions options;
+  options.placements.tiered_host_exact_heads = true;
+  return options;
+}
+
 class TieredShortlistTest : public PrefilledSessionTest {
  protected:
-  // The GPU takes half the exact heads every step (the tests below say which), not a balanced
+  // The tier takes half the exact heads every step (the tests below say which), not a balanced
   // count (BalancedDeviceHeadsTakeTheHostsCandidates has its own server).
   ServerOptions Options() const override {
-    ServerOptions options;
+    ServerOptions options = DeviceHeadsOptions();
     options.placements.tiered_device_exact_share = 0.5;
     options.placements.tiered_device_exact_balance = false;
     return options;
   }
+  // Whether the static tier is a GPU (bf16 KV, codes in device memory); where it is not, the
+  // host tier's stand-in takes the device's exact heads.
   bool gpu_tier() { return TieredOnGpu(); }
   v1::DType dtype() { return gpu_tier() ? v1::DTYPE_BF16 : v1::DTYPE_F32; }
   // Records `token` in ref and steps it on this server's session `id` and on a host-only
@@ -219,12 +233,12 @@ TEST_F(TieredShortlistTest, AShortlistAsLongAsTheBulkIsTheBulksExactTopK) {
   }
 }
 
-// On a GPU, the last half of an index layer's query heads run their exact paths on the device by
-// default (PlacementOptions::tiered_device_exact_share), reading the host's bulk over PCIe: with
-// a shortlist as long as the bulk their states are the brute-force exact top-K's, as the host's
-// heads' are; they report the same candidates and no host time, and the step their device time
-// (tier_micros.device_exact). A server given 0 keeps every head on the host, with the same
-// outputs. On the host tier every head is the host's.
+// The last half of an index layer's query heads run their exact paths on the device
+// (PlacementOptions::tiered_device_exact_share; on a GPU reading the host's bulk over PCIe, on a
+// CPU machine on the host tier's stand-in): with a shortlist as long as the bulk their states
+// are the brute-force exact top-K's, as the host's heads' are; they report the same candidates
+// and no host time, and the step their device time (tier_micros.device_exact). A server given 0
+// keeps every head on the host, with the same outputs.
 TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 900, 59);
@@ -237,7 +251,7 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
   const std::string id = CreateAndPrefill(ref, policy, 300);
   const std::string host_id = CreateAndPrefill(ref, policy, 300, other->get());
   DecodeClient client(stub()), host_client((*other)->stub());
-  const int device_heads = gpu_tier() ? g.q_heads() / 2 : 0;
+  const int device_heads = g.q_heads() / 2;
   for (int step = 0; step < 12; ++step) {
     const ReferenceSession::Token token = ref.MakeToken(900 + step);
     const std::vector<float> q = ref.Record(0, token);
@@ -246,7 +260,8 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
     ASSERT_TRUE(reply.ok()) << reply.status();
     ASSERT_TRUE(host_reply.ok()) << host_reply.status();
     // The device's time for its heads is reported apart from the static sets'.
-    EXPECT_EQ(reply->tier_micros().device_exact() > 0, device_heads > 0) << "step " << step;
+    EXPECT_GT(reply->tier_micros().device_exact(), 0.0) << "step " << step;
+    EXPECT_LE(reply->tier_micros().device_exact(), reply->server_micros()) << "step " << step;
     EXPECT_EQ(host_reply->tier_micros().device_exact(), 0.0) << "step " << step;
     const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
     const std::vector<std::vector<int32_t>> supports =
@@ -274,10 +289,10 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
 }
 
 // With a short shortlist the device's heads take what the host's Select takes: the shortlist
-// (the same one: the same codes on the same GPU), the outliers (uploaded every step) and the
-// uncoded tail, deduplicated. Against a host-only server, per head: the same candidate count,
-// the same support size, outputs to the dtype's tolerance, while decoding adds outliers; and a
-// session of another top_k in the same request steps apart (one K a launch).
+// (the same one: the same codes on the same tier), the outliers (on a GPU uploaded every step)
+// and the uncoded tail, deduplicated. Against a host-only server, per head: the same candidate
+// count, the same support size, outputs to the dtype's tolerance, while decoding adds outliers;
+// and a session of another top_k in the same request steps apart (one K a launch).
 TEST_F(TieredShortlistTest, AShortShortlistsDeviceHeadsTakeTheHostsCandidates) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 2600, 63);
@@ -313,40 +328,42 @@ TEST_F(TieredShortlistTest, AShortShortlistsDeviceHeadsTakeTheHostsCandidates) {
             << "sequence " << s << " step " << step << " head " << h;
         EXPECT_GT(head.candidates(), n) << "the shortlist and some outliers";
         EXPECT_EQ(head.support(), (s + 1) * k + kSinks + kRecent);
-        EXPECT_EQ(head.bulk_micros() == 0.0f, gpu_tier() && h >= g.q_heads() / 2)
+        EXPECT_EQ(head.bulk_micros() == 0.0f, h >= g.q_heads() / 2)
             << "sequence " << s << " step " << step << " head " << h;
       }
     }
   }
 }
 
-// Balanced by time (the server's default), a layer gives the GPU a count of heads that moves
-// between steps within the share's bound (here 6 of 8), always its last heads; whichever they
-// are, each head's candidates and support and the outputs are the host-only server's.
+// Balanced by time (the server's default), a layer gives the device a count of heads that moves
+// between steps within the share's bound (here 6 of 8), always its last heads, by the rule of
+// DeviceHeadBalance over each step's reported times; whichever they are, each head's candidates
+// and support and the outputs are the host-only server's.
 TEST_F(TieredShortlistTest, BalancedDeviceHeadsTakeTheHostsCandidates) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 2600, 79);
   const int k = 32, n = 96;
-  ServerOptions balanced, host_only;
+  ServerOptions balanced = DeviceHeadsOptions(), host_only;
   host_only.placements.tiered_device_exact_share = 0;
   absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(balanced);
   absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE(other.ok()) << other.status();
   ASSERT_TRUE(balanced.placements.tiered_device_exact_balance);
-  const int bound = gpu_tier() ? static_cast<int>(balanced.placements.tiered_device_exact_share *
-                                                  g.q_heads())
-                               : 0;
+  const int bound =
+      static_cast<int>(balanced.placements.tiered_device_exact_share * g.q_heads());
   const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, n);
   const std::string id = CreateAndPrefill(ref, policy, 1000, server->get());
   const std::string host_id = CreateAndPrefill(ref, policy, 1000, other->get());
   DecodeClient client((*server)->stub()), host_client((*other)->stub());
   const std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 40, 83);
   std::vector<int> counts;
+  std::vector<v1::TierMicros> times;
   for (size_t step = 0; step < tokens.size(); ++step) {
     v1::DecodeResponse reply, host_reply;
     ASSERT_TRUE(StepBoth(client, id, host_client, host_id, tokens[step], ref, step, &reply,
                          &host_reply));
+    times.push_back(reply.tier_micros());
     int device_heads = 0;
     for (int h = 0; h < g.q_heads(); ++h) {
       SCOPED_TRACE(absl::StrCat("step ", step, " head ", h));
@@ -363,9 +380,33 @@ TEST_F(TieredShortlistTest, BalancedDeviceHeadsTakeTheHostsCandidates) {
     counts.push_back(device_heads);
   }
   // Half the heads on the first step, then a head at a time.
-  EXPECT_EQ(counts.front(), gpu_tier() ? g.q_heads() / 2 : 0);
+  EXPECT_EQ(counts.front(), g.q_heads() / 2);
   for (size_t s = 1; s < counts.size(); ++s) {
     EXPECT_LE(std::abs(counts[s] - counts[s - 1]), 1) << "step " << s;
+  }
+  // Each move is DeviceHeadBalance::Update's for the step's times as its reply reports them (the
+  // request's one layer, one launch): a step whose host waited for the device (finish_wait past
+  // the bar) gives the next step a head fewer; any other gives it as many or one more, and one
+  // more only below the bound and when the host's heads outlasted the launch by more than a
+  // device head's time (the device's step, which took no less than nothing, ended that long
+  // before them). Which way a step moves depends on the machine; that it follows the rule not.
+  double head_seconds = DeviceHeadBalance::kUnmeasuredHeadSeconds;
+  constexpr double kRounding = 1e-12;  // seconds through the reply's microseconds and back
+  for (size_t s = 0; s + 1 < counts.size(); ++s) {
+    SCOPED_TRACE(absl::StrCat("step ", s, ": ", times[s].ShortDebugString()));
+    if (counts[s] > 0) head_seconds = times[s].device_exact() * 1e-6 / counts[s];
+    const double bar = std::max(DeviceHeadBalance::kNoWaitSeconds, 0.5 * head_seconds);
+    const double wait = times[s].finish_wait() * 1e-6;
+    if (std::abs(wait - bar) < kRounding) continue;  // either side of the bar
+    if (wait > bar) {
+      EXPECT_EQ(counts[s + 1], std::max(0, counts[s] - 1)) << "the host waited for the device";
+    } else if (counts[s + 1] != counts[s]) {
+      EXPECT_EQ(counts[s + 1], counts[s] + 1);
+      EXPECT_LT(counts[s], bound);
+      const double host_after_launch =
+          (times[s].bulk() + times[s].link_wait() - times[s].launch()) * 1e-6;
+      EXPECT_GT(host_after_launch, head_seconds - kRounding);
+    }
   }
 }
 
@@ -517,13 +558,13 @@ TEST_F(TieredShortlistTest, ReTopKReusesWhileTheShortlistsAreInFlight) {
   EXPECT_GT(info->paths().fallback() + info->paths().refresh(), 0);
 }
 
-// A retopk layer decides every head's path before the step; on a GPU the heads on the exact
-// path (fallback, refresh), up to half of them, the last ones, run there, and the supports they
-// come back with enter ReTopK's caches as the host's would. Against a host-only server over a
+// A retopk layer decides every head's path before the step; the heads on the exact path
+// (fallback, refresh), up to half of them, the last ones, run on the device (a GPU, or the host
+// tier's stand-in), and the supports they come back with enter ReTopK's caches as the host's
+// would. Against a host-only server over a
 // decode whose paths mix: every head's path, best cosine, candidates and support size agree at
 // every step (a reuse step's candidates are the union of cached supports, so a support missing
-// from a cache shows), and the outputs to the dtype's tolerance. On the host tier every head is
-// the host's.
+// from a cache shows), and the outputs to the dtype's tolerance.
 TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 3000, 71);
@@ -549,7 +590,7 @@ TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
                          &host_reply));
     // The heads the device should have: the last exact-path heads, at most half of them.
     std::vector<bool> on_device(g.q_heads(), false);
-    int left = gpu_tier() ? g.q_heads() / 2 : 0;
+    int left = g.q_heads() / 2;
     for (int h = g.q_heads() - 1; h >= 0 && left > 0; --h) {
       if (host_reply.results(0).heads(h).path() != v1::PATH_REUSE) {
         on_device[h] = true;
@@ -572,10 +613,10 @@ TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
     reuse_heads += reused;
     mixed_steps += reused > 0 && reused < g.q_heads();
   }
-  // The decode mixed the paths, and on a GPU the device took exact heads.
+  // The decode mixed the paths, and the device took exact heads.
   EXPECT_GT(mixed_steps, 4);
   EXPECT_GT(reuse_heads, 48);
-  if (gpu_tier()) EXPECT_GT(device_heads, 48);
+  EXPECT_GT(device_heads, 48);
 }
 
 TEST_F(TieredShortlistTest, GetSessionCountsTheCodesWhereTheyLive) {

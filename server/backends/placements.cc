@@ -55,7 +55,13 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
   placements->tiered_ = std::move(gpus->tiered);
   placements->no_gpu_reason_ = std::move(gpus->unavailable);
   if (placements->tiered_.empty()) {
-    placements->tiered_.push_back(std::make_unique<TieredBackend>(MakeHostStaticSetTier()));
+    // The static sets in host memory, and with the stand-in the device's share of exact heads
+    // (without it the host tier serves none, whatever the share).
+    HostStaticSetTierOptions tier;
+    tier.exact_heads = options.tiered_host_exact_heads;
+    placements->tiered_.push_back(std::make_unique<TieredBackend>(
+        MakeHostStaticSetTier(tier), options.tiered_device_exact_share,
+        options.tiered_device_exact_balance));
   }
   return placements;
 }

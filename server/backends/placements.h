@@ -35,6 +35,13 @@ struct PlacementOptions {
   // (DeviceHeadBalance); without, the GPU takes that share.
   double tiered_device_exact_share = 0.75;
   bool tiered_device_exact_balance = true;
+  // The CPU stand-in for a device's exact heads, for tests: on a server without a GPU, the
+  // tiered placement's host tier takes the exact paths that tiered_device_exact_share (and
+  // tiered_device_exact_balance) would give a GPU, and runs them with the host's arithmetic on
+  // a thread of its own beside the host's heads (HostStaticSetTierOptions::exact_heads), so
+  // that the device heads' logic of TieredBackend runs without a device. No effect with a GPU;
+  // off in kvrecalld (on a CPU machine those heads would only take cores from the host's).
+  bool tiered_host_exact_heads = false;
 };
 
 // The options of kvrecalld's --gpus ("all", "none" or ordinals "0,2"), --gpu_memory_budget_gb
@@ -44,6 +51,18 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
                                                            double budget_gb, double headroom_gb,
                                                            double tiered_gpu_exact_share = 0.75,
                                                            bool tiered_gpu_exact_balance = true);
+
+class StaticSetTier;
+
+// The tiered placement's host tier (server/backends/host_static_set.cc), whose static sets are
+// read from host memory.
+struct HostStaticSetTierOptions {
+  // Serve exact heads (StaticSetTier::ServesExactHeads) as a device would: the CPU stand-in of
+  // PlacementOptions::tiered_host_exact_heads. Off: the tier takes none (TieredBackend's host
+  // threads run every head).
+  bool exact_heads = false;
+};
+std::unique_ptr<StaticSetTier> MakeHostStaticSetTier(const HostStaticSetTierOptions& options);
 
 class Placements {
  public:

@@ -1,0 +1,203 @@
+// The host tier's stand-in for a device's exact heads (HostStaticSetTierOptions::exact_heads),
+// through the StaticSetTier calls TieredBackend makes for a step: the heads it is given run the
+// host's exact path (ShortlistSelector over the step's shortlist, outliers and uncoded tail,
+// then the attention over the support), bit for bit, with their supports as bulk positions,
+// and other heads' outputs untouched; a step's exact heads out of range or over its bound, or
+// given to a host tier that serves none, are refused with INTERNAL before any runs, and the
+// step still finishes. (The served side: tests/tiered_shortlist_test.cc.)
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "index/basic_selectors.h"
+#include "index/shortlist_selector.h"
+#include "kernels/cpu/attention.h"
+#include "server/backends/bulk_codes.h"
+#include "server/backends/placements.h"
+#include "server/backends/tiered_backend.h"
+#include "server/memory_budget.h"
+#include "tests/server_fixture.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::RandomKv;
+using ::kvrecall::testing::RandomNormal;
+
+constexpr int kQHeads = 4, kKvHeads = 2, kDim = 64;
+constexpr int kSinks = 4, kRecent = 8, kTopK = 8, kShortlist = 32;
+constexpr int64_t kTokens = 700;
+
+LayerConfig Config() {
+  LayerConfig config;
+  config.shape = LayerShape{kQHeads, kKvHeads, kDim, 1.0f / std::sqrt(float{kDim})};
+  config.selector.kind = SelectorKind::kIndex;
+  config.selector.top_k = kTopK;
+  config.selector.sinks = kSinks;
+  config.selector.recent = kRecent;
+  config.selector.shortlist = kShortlist;
+  return config;
+}
+
+// One layer of kTokens on a host tier, and the buffers of one step of it (the history is the
+// step's: its last token is the new one), as TieredBackend lays them out.
+class HostExactHeadsTest : public ::testing::Test {
+ protected:
+  HostExactHeadsTest() : kv_(kTokens, kKvHeads, kDim, 7), q_(RandomNormal(kQHeads * kDim, 8)) {}
+
+  // Builds the static set and codes on `tier`.
+  void Build(StaticSetTier& tier) {
+    absl::StatusOr<std::unique_ptr<StaticSet>> set = tier.Build(config_, nullptr, kv_.view());
+    ASSERT_TRUE(set.ok()) << set.status();
+    set_ = *std::move(set);
+    absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
+        tier.BuildCodes(config_, accounts_, bulk(), bulk().tokens);
+    ASSERT_TRUE(codes.ok()) << codes.status();
+    codes_ = *std::move(codes);
+    context_ = tier.NewStepContext();
+  }
+  KvView bulk() const {
+    return kv_.view().Tokens(kSinks, BulkTokens(kTokens, kSinks, kRecent));
+  }
+  // A step giving the tier query heads `heads` within `bound`; the bulk outputs are reset to
+  // marks no exact path writes.
+  StaticSetStep Step(const std::vector<int32_t>& heads, int bound) {
+    heads_ = heads;
+    o_.assign(kQHeads * kDim, 0.0f);
+    lse_.assign(kQHeads, 0.0f);
+    ids_.assign(kQHeads * kShortlist, -1);
+    sizes_.assign(kQHeads, 0);
+    bulk_o_.assign(kQHeads * kDim, kMark);
+    bulk_lse_.assign(kQHeads, kMark);
+    candidates_.assign(kQHeads, -1);
+    support_.assign(kQHeads * kTopK, -1);
+    support_sizes_.assign(kQHeads, -1);
+    StaticSetStep step{&config_, set_.get(), kv_.view(), q_.data(), nullptr, nullptr,
+                       o_.data(),  lse_.data()};
+    step.codes = codes_.get();
+    step.bulk = bulk();
+    step.shortlist = kShortlist;
+    step.shortlist_ids = ids_.data();
+    step.shortlist_sizes = sizes_.data();
+    step.shortlist_coded = &coded_;
+    step.device_heads = heads_.data();
+    step.device_exact_heads = static_cast<int>(heads_.size());
+    step.device_exact_bound = bound;
+    step.bulk_o = bulk_o_.data();
+    step.bulk_lse = bulk_lse_.data();
+    step.bulk_candidates = candidates_.data();
+    step.bulk_support = support_.data();
+    step.bulk_support_sizes = support_sizes_.data();
+    return step;
+  }
+  // The step's calls in TieredBackend's order; SetExactHeads' status. Every other call must
+  // succeed whatever it says (a refused step still finishes).
+  absl::Status Run(StaticSetTier& tier, const StaticSetStep& step) {
+    const std::span<const StaticSetStep> steps(&step, 1);
+    EXPECT_TRUE(tier.Prepare(steps, context_.get()).ok());
+    EXPECT_TRUE(tier.Start(steps, context_.get()).ok());
+    const absl::Status given = tier.SetExactHeads(steps, context_.get());
+    if (given.ok()) EXPECT_TRUE(tier.WaitShortlists(steps, context_.get()).ok());
+    EXPECT_TRUE(tier.Finish(steps, context_.get()).ok());
+    return given;
+  }
+  // Whether no exact path wrote query head h's bulk outputs.
+  bool Untouched(int h) const {
+    for (int j = 0; j < kDim; ++j) {
+      if (bulk_o_[h * kDim + j] != kMark) return false;
+    }
+    return bulk_lse_[h] == kMark && candidates_[h] == -1 && support_sizes_[h] == -1;
+  }
+
+  static constexpr float kMark = 12345.0f;
+  LayerConfig config_ = Config();
+  MemoryBudget host_{0};
+  SessionAccounts accounts_{&host_, nullptr};
+  RandomKv kv_;
+  std::vector<float> q_;
+  std::unique_ptr<StaticSet> set_;
+  std::unique_ptr<BulkCodes> codes_;
+  std::unique_ptr<StepContext> context_;
+  std::vector<int32_t> heads_, ids_, sizes_, candidates_, support_, support_sizes_;
+  std::vector<float> o_, lse_, bulk_o_, bulk_lse_;
+  int64_t coded_ = 0;
+};
+
+TEST_F(HostExactHeadsTest, ExactHeadsRunTheHostsExactPathBitForBit) {
+  HostStaticSetTierOptions options;
+  options.exact_heads = true;
+  const std::unique_ptr<StaticSetTier> tier = MakeHostStaticSetTier(options);
+  Build(*tier);
+  ASSERT_TRUE(tier->ServesExactHeads(config_, *codes_, 2));
+  ASSERT_NE(tier->host_pinning(), nullptr);
+  // The host's shortlists of every head: a step with no exact heads.
+  ASSERT_TRUE(Run(*tier, Step({}, 2)).ok());
+  const std::vector<int32_t> shortlists = ids_, shortlist_sizes = sizes_;
+  for (int h = 0; h < kQHeads; ++h) EXPECT_TRUE(Untouched(h)) << "head " << h;
+
+  ASSERT_TRUE(Run(*tier, Step({2, 3}, 2)).ok());
+  EXPECT_TRUE(Untouched(0));
+  EXPECT_TRUE(Untouched(1));
+  // Each exact head as the host's Select takes it, over the same shortlist.
+  ShortlistSelector exact(config_.shape, kTopK);
+  for (int g = 0; g < kKvHeads; ++g) exact.SetOutliers(g, codes_->outliers(g));
+  for (int h : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat("head ", h));
+    exact.SetShortlist(h,
+                       std::span<const int32_t>(shortlists.data() + h * kShortlist,
+                                                shortlist_sizes[h]),
+                       coded_);
+    HeadSelection want;
+    exact.Select(h, q_.data() + h * kDim, bulk(), &want);
+    std::vector<float> o(kDim);
+    float lse = 0;
+    cpu::PartialAttentionScored(want.support_scores, bulk(), KvHeadOf(h, kQHeads, kKvHeads),
+                                want.support, o.data(), &lse);
+    EXPECT_GT(want.candidates, kShortlist) << "the shortlist and some outliers";
+    EXPECT_EQ(candidates_[h], want.candidates);
+    ASSERT_EQ(support_sizes_[h], kTopK);
+    const auto support = support_.begin() + h * kTopK;
+    EXPECT_EQ(std::vector<int32_t>(support, support + kTopK), want.support)
+        << "positions in the bulk";
+    EXPECT_EQ(bulk_lse_[h], lse);
+    EXPECT_EQ(std::vector<float>(bulk_o_.begin() + h * kDim, bulk_o_.begin() + (h + 1) * kDim),
+              o);
+  }
+}
+
+TEST_F(HostExactHeadsTest, ExactHeadsOutOfRangeOrOverTheBoundAreRefused) {
+  HostStaticSetTierOptions options;
+  options.exact_heads = true;
+  const std::unique_ptr<StaticSetTier> tier = MakeHostStaticSetTier(options);
+  Build(*tier);
+  struct Case {
+    std::vector<int32_t> heads;
+    const char* message;
+  };
+  const Case cases[] = {{{1, kQHeads}, "query head 4 of 4"},
+                        {{-1}, "query head -1 of 4"},
+                        {{1, 2, 3}, "3 exact heads over its bound of 2"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
+    EXPECT_TRUE(HasStatus(Run(*tier, Step(c.heads, 2)), absl::StatusCode::kInternal, c.message));
+    for (int h = 0; h < kQHeads; ++h) EXPECT_TRUE(Untouched(h)) << "head " << h;
+    // The static sets were attended all the same.
+    for (int h = 0; h < kQHeads; ++h) EXPECT_TRUE(std::isfinite(lse_[h])) << "head " << h;
+  }
+  // A tier that serves none refuses any.
+  const std::unique_ptr<StaticSetTier> plain = MakeHostStaticSetTier(HostStaticSetTierOptions());
+  Build(*plain);
+  EXPECT_FALSE(plain->ServesExactHeads(config_, *codes_, 2));
+  EXPECT_EQ(plain->host_pinning(), nullptr);
+  EXPECT_TRUE(HasStatus(Run(*plain, Step({3}, 2)), absl::StatusCode::kInternal, "serves none"));
+  EXPECT_TRUE(Untouched(3));
+  EXPECT_TRUE(Run(*plain, Step({}, 0)).ok());
+}
+
+}  // namespace
+}  // namespace kvrecall
