@@ -421,8 +421,4 @@ std::unique_ptr<StaticSetTier> MakeHostStaticSetTier(const HostStaticSetTierOpti
   return std::make_unique<HostStaticSetTier>(options);
 }
 
-std::unique_ptr<StaticSetTier> MakeHostStaticSetTier() {
-  return MakeHostStaticSetTier(HostStaticSetTierOptions());
-}
-
 }  // namespace kvrecall

@@ -52,18 +52,6 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
                                                            double tiered_gpu_exact_share = 0.75,
                                                            bool tiered_gpu_exact_balance = true);
 
-class StaticSetTier;
-
-// The tiered placement's host tier (server/backends/host_static_set.cc), whose static sets are
-// read from host memory.
-struct HostStaticSetTierOptions {
-  // Serve exact heads (StaticSetTier::ServesExactHeads) as a device would: the CPU stand-in of
-  // PlacementOptions::tiered_host_exact_heads. Off: the tier takes none (TieredBackend's host
-  // threads run every head).
-  bool exact_heads = false;
-};
-std::unique_ptr<StaticSetTier> MakeHostStaticSetTier(const HostStaticSetTierOptions& options);
-
 class Placements {
  public:
   // INVALID_ARGUMENT for a device that does not exist; without CUDA (in the build or on the

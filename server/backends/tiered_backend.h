@@ -52,7 +52,8 @@ struct StaticSetStep {
   // by approximate score: shortlist_ids [q_heads, shortlist] (host memory, positions in the
   // bulk, in no particular order) and shortlist_sizes [q_heads], chosen among the bulk's first
   // *shortlist_coded rows (set by Start: a tier may scan the rows coded before the step and leave
-  // its new ones to the exact path's uncoded tail).
+  // its new ones to the exact path's uncoded tail). The rows of the heads given to the tier
+  // (SetExactHeads) may be left as they were: the host reads only its own heads'.
   BulkCodes* codes = nullptr;
   KvView bulk;
   int shortlist = 0;
@@ -145,8 +146,16 @@ class StaticSetTier {
   }
 };
 
-// The host tier: static sets are read from the layer's host KV, attended by kernels/cpu.
-std::unique_ptr<StaticSetTier> MakeHostStaticSetTier();
+// The host tier (server/backends/host_static_set.cc): static sets are read from the layer's host
+// KV, attended by kernels/cpu; the shortlists' codes are scanned on the CPU.
+struct HostStaticSetTierOptions {
+  // Serve exact heads (StaticSetTier::ServesExactHeads) as a device would, on a thread of the
+  // tier's own beside the host's heads: the CPU stand-in of
+  // PlacementOptions::tiered_host_exact_heads, so that TieredBackend's device heads run without
+  // a device. Off: the tier takes none (the host's threads run every head).
+  bool exact_heads = false;
+};
+std::unique_ptr<StaticSetTier> MakeHostStaticSetTier(const HostStaticSetTierOptions& options = {});
 // The tier of CUDA device `ordinal`, charging `budget` (the device's, shared with its GPU
 // placement); the graph index builds its top-k lists there. With `cuda_graphs` a step's launches
 // replay a captured graph (PlacementOptions). CUDA builds only (server/backends/gpu_static_set.cc).
