@@ -72,33 +72,6 @@ TEST(ThreadPoolTest, SleepingWorkersAreWokenForANewLoop) {
   }
 }
 
-// Polls `done` for up to 5 s.
-template <typename Done>
-bool Eventually(Done done) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return true;
-}
-
-TEST(ThreadPoolTest, WakeGetsSleepingWorkersPollingBeforeALoop) {
-  // Workers that poll for a long time once woken: asleep from the start (no loop asked for
-  // them), polling after Wake, asleep again once their spin ran out.
-  ThreadPool pool({.workers = 3, .spin = std::chrono::milliseconds(300)});
-  ASSERT_TRUE(Eventually([&] { return pool.sleeping_workers() == 3; }));
-  pool.Wake(1);  // the caller alone: nobody to wake
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_EQ(pool.sleeping_workers(), 3);
-  pool.Wake(3);  // two helpers
-  ASSERT_TRUE(Eventually([&] { return pool.sleeping_workers() == 1; }));
-  // A loop now finds them awake, and runs as any loop does.
-  const LoopRecord record = RunLoop(pool, 32, 3, std::chrono::microseconds(100));
-  EXPECT_EQ(record.runs, std::vector<int>(32, 1));
-  EXPECT_TRUE(Eventually([&] { return pool.sleeping_workers() == 3; }));
-}
-
 TEST(ThreadPoolTest, CallersOnManyThreadsShareThePool) {
   ThreadPool pool({.workers = 3, .spin = std::chrono::microseconds(50)});
   std::vector<std::thread> callers;

@@ -135,17 +135,6 @@ void ThreadPool::Run(int64_t items, int threads, void (*body)(void*, int64_t), v
   }
 }
 
-void ThreadPool::Wake(int threads) {
-  const int helpers = std::min(threads - 1, workers());
-  if (helpers <= 0) return;
-  // As Run lists a loop, without one: woken workers find nothing to join, and workers
-  // [0, helpers) poll. Every sleeper is woken, since the futex picks which: those past `helpers`
-  // sleep again.
-  polling_workers_.store(helpers, std::memory_order_relaxed);
-  generation_.fetch_add(1);
-  if (sleepers_.load() > 0) FutexWake(&generation_, INT_MAX, FutexScope::kProcess);
-}
-
 ThreadPool::Loop* ThreadPool::Join() {
   for (Loop* loop = loops_; loop != nullptr; loop = loop->older) {
     if (loop->helpers < loop->max_helpers &&

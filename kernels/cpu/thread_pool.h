@@ -64,15 +64,7 @@ class ThreadPool {
         const_cast<void*>(static_cast<const void*>(&body)));
   }
 
-  // Wakes up to threads - 1 sleeping workers to poll for the next loop (for `spin`), so that a
-  // loop the caller is about to run finds them awake: a futex wake-up takes ~10-30 us before the
-  // worker runs, which a loop due after other host work (a decode step's launch) need not pay.
-  // Runs nothing; a no-op for threads <= 1.
-  void Wake(int threads);
-
   int workers() const { return static_cast<int>(workers_.size()); }
-  // Workers asleep in futex(2) now (not polling, not in a loop): for tests.
-  int sleeping_workers() const { return sleepers_.load(); }
 
  private:
   struct Loop;
@@ -105,9 +97,6 @@ void ParallelFor(int64_t items, int threads, Body&& body) {
   }
   ThreadPool::Process().ParallelFor(items, threads, body);
 }
-
-// ThreadPool::Process().Wake(threads).
-inline void WakePool(int threads) { ThreadPool::Process().Wake(threads); }
 
 }  // namespace kvrecall::cpu
 

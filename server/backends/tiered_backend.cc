@@ -728,11 +728,6 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
                                                 ctx.bulk_lse.data() + i * heads));
     shortlists |= ctx.static_steps.back().codes != nullptr;
   }
-  // With shortlists (a long bulk: its heads take the pool), its workers woken now, so that they
-  // poll by the time the decisions and the heads run after the launch (a futex wake-up takes
-  // ~10-30 us before a worker runs; d64: the decisions' loop took 44-50 us for 32 heads, woken
-  // there).
-  if (shortlists) cpu::WakePool(static_cast<int>(n) * heads);
   // The static sets on their tier while the CPU works through the bulk (after the shortlists,
   // which the bulk's exact paths wait for). What the tier needs is reserved first, so that a
   // step that cannot have it fails before a head runs.
