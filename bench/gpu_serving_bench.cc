@@ -444,7 +444,7 @@ int Main() {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         // Tiered: tier_micros.
         std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready,
-            device_exact, plan, decide, device_exact_wait, finish_wait;
+            device_exact, plan, decide, device_exact_wait, finish_wait, finish, reserve;
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
@@ -506,6 +506,8 @@ int Main() {
             decide.push_back(response.tier_micros().decide());
             device_exact_wait.push_back(response.tier_micros().device_exact_wait());
             finish_wait.push_back(response.tier_micros().finish_wait());
+            finish.push_back(response.tier_micros().finish());
+            reserve.push_back(response.tier_micros().reserve());
           }
           double first_start = 1e30, last_end = 0, busy = 0;
           json intervals = json::array();
@@ -569,6 +571,8 @@ int Main() {
           rec["decide_p50_us"] = client::Percentile(decide, 0.5);
           rec["device_exact_wait_p50_us"] = client::Percentile(device_exact_wait, 0.5);
           rec["finish_wait_p50_us"] = client::Percentile(finish_wait, 0.5);
+          rec["finish_p50_us"] = client::Percentile(finish, 0.5);
+          rec["reserve_p50_us"] = client::Percentile(reserve, 0.5);
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),

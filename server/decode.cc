@@ -139,12 +139,14 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
 
   // Phase 2: room for each new token on every tier, and the data decoded into this stream's
   // scratch; an error here still leaves every session as it was.
+  const absl::Time reserve_start = absl::Now();
   for (int i = 0; i < n; ++i) {
     Session& session = *sessions_[i];
     if (absl::Status s = session.layer(layer).ReserveToken(); !s.ok()) {
       return PrefixStatus(s, "steps[", i, "] (session '", session.id(), "', layer ", layer, "): ");
     }
   }
+  const double reserve_seconds = absl::ToDoubleSeconds(absl::Now() - reserve_start);
   queries_.resize(q_offsets_[n]);
   keys_.resize(kv_offsets_[n]);
   values_.resize(kv_offsets_[n]);
@@ -246,6 +248,8 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     micros->set_decide(tiers.decide * 1e6);
     micros->set_device_exact_wait(tiers.device_exact_wait * 1e6);
     micros->set_finish_wait(tiers.finish_wait * 1e6);
+    micros->set_finish(tiers.finish * 1e6);
+    micros->set_reserve(reserve_seconds * 1e6);
   }
   response->set_server_micros(absl::ToDoubleMicroseconds(absl::Now() - start));
   return absl::OkStatus();

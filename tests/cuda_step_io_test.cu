@@ -196,7 +196,9 @@ TEST(StepIoTest, WordsTheHostGivesAfterTheLaunchReachTheStep) {
     __atomic_store_n(ready, round, __ATOMIC_RELEASE);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     const std::vector<int32_t> got = ToHost(dst.data(), kWords + 4);
-    for (int i = 0; i < kWords; ++i) ASSERT_EQ(got[i], static_cast<int32_t>(round * 1000 + i)) << "word " << i;
+    for (int i = 0; i < kWords; ++i) {
+      ASSERT_EQ(got[i], static_cast<int32_t>(round * 1000 + i)) << "word " << i;
+    }
     for (int i = kWords; i < kWords + 4; ++i) ASSERT_EQ(got[i], 0) << "past the words, " << i;
     const std::vector<uint64_t> stamps = ToHost(stamp.data(), 2);
     EXPECT_GE(stamps[1], stamps[0]) << "the wait's stamp, when the words came";
@@ -217,7 +219,7 @@ TEST(StepIoTest, WordsTheHostGivesAfterTheLaunchReachTheStep) {
   EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](int32_t v) { return v == -1; }));
   const absl::Status late = errors->CheckAndClear(stream);
   EXPECT_EQ(late.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(late.message()), HasSubstr("host words that did not come in time"));
+  EXPECT_THAT(std::string(late.message()), HasSubstr("past its timeout"));
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

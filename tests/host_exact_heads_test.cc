@@ -21,6 +21,7 @@
 #include "server/memory_budget.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
+#include "tests/tier_step_buffers.h"
 
 namespace kvrecall {
 namespace {
@@ -67,33 +68,8 @@ class HostExactHeadsTest : public ::testing::Test {
   // A step giving the tier query heads `heads` within `bound`; the bulk outputs are reset to
   // marks no exact path writes.
   StaticSetStep Step(const std::vector<int32_t>& heads, int bound) {
-    heads_ = heads;
-    o_.assign(kQHeads * kDim, 0.0f);
-    lse_.assign(kQHeads, 0.0f);
-    ids_.assign(kQHeads * kShortlist, -1);
-    sizes_.assign(kQHeads, 0);
-    bulk_o_.assign(kQHeads * kDim, kMark);
-    bulk_lse_.assign(kQHeads, kMark);
-    candidates_.assign(kQHeads, -1);
-    support_.assign(kQHeads * kTopK, -1);
-    support_sizes_.assign(kQHeads, -1);
-    StaticSetStep step{&config_, set_.get(), kv_.view(), q_.data(), nullptr, nullptr,
-                       o_.data(),  lse_.data()};
-    step.codes = codes_.get();
-    step.bulk = bulk();
-    step.shortlist = kShortlist;
-    step.shortlist_ids = ids_.data();
-    step.shortlist_sizes = sizes_.data();
-    step.shortlist_coded = &coded_;
-    step.device_heads = heads_.data();
-    step.device_exact_heads = static_cast<int>(heads_.size());
-    step.device_exact_bound = bound;
-    step.bulk_o = bulk_o_.data();
-    step.bulk_lse = bulk_lse_.data();
-    step.bulk_candidates = candidates_.data();
-    step.bulk_support = support_.data();
-    step.bulk_support_sizes = support_sizes_.data();
-    return step;
+    return b_.Step(config_, set_.get(), codes_.get(), kv_.view(), bulk(), q_.data(), nullptr,
+                   nullptr, heads, bound);
   }
   // The step's calls in TieredBackend's order; SetExactHeads' status. Every other call must
   // succeed whatever it says (a refused step still finishes).
@@ -107,14 +83,8 @@ class HostExactHeadsTest : public ::testing::Test {
     return given;
   }
   // Whether no exact path wrote query head h's bulk outputs.
-  bool Untouched(int h) const {
-    for (int j = 0; j < kDim; ++j) {
-      if (bulk_o_[h * kDim + j] != kMark) return false;
-    }
-    return bulk_lse_[h] == kMark && candidates_[h] == -1 && support_sizes_[h] == -1;
-  }
+  bool Untouched(int h) const { return b_.Untouched(h, kDim); }
 
-  static constexpr float kMark = 12345.0f;
   LayerConfig config_ = Config();
   MemoryBudget host_{0};
   SessionAccounts accounts_{&host_, nullptr};
@@ -123,9 +93,7 @@ class HostExactHeadsTest : public ::testing::Test {
   std::unique_ptr<StaticSet> set_;
   std::unique_ptr<BulkCodes> codes_;
   std::unique_ptr<StepContext> context_;
-  std::vector<int32_t> heads_, ids_, sizes_, candidates_, support_, support_sizes_;
-  std::vector<float> o_, lse_, bulk_o_, bulk_lse_;
-  int64_t coded_ = 0;
+  testing::TierStepBuffers b_;
 };
 
 TEST_F(HostExactHeadsTest, ExactHeadsRunTheHostsExactPathBitForBit) {
@@ -137,7 +105,7 @@ TEST_F(HostExactHeadsTest, ExactHeadsRunTheHostsExactPathBitForBit) {
   ASSERT_NE(tier->host_pinning(), nullptr);
   // The host's shortlists of every head: a step with no exact heads.
   ASSERT_TRUE(Run(*tier, Step({}, 2)).ok());
-  const std::vector<int32_t> shortlists = ids_, shortlist_sizes = sizes_;
+  const std::vector<int32_t> shortlists = b_.ids, shortlist_sizes = b_.sizes;
   for (int h = 0; h < kQHeads; ++h) EXPECT_TRUE(Untouched(h)) << "head " << h;
 
   ASSERT_TRUE(Run(*tier, Step({2, 3}, 2)).ok());
@@ -151,7 +119,7 @@ TEST_F(HostExactHeadsTest, ExactHeadsRunTheHostsExactPathBitForBit) {
     exact.SetShortlist(h,
                        std::span<const int32_t>(shortlists.data() + h * kShortlist,
                                                 shortlist_sizes[h]),
-                       coded_);
+                       b_.coded);
     HeadSelection want;
     exact.Select(h, q_.data() + h * kDim, bulk(), &want);
     std::vector<float> o(kDim);
@@ -159,13 +127,13 @@ TEST_F(HostExactHeadsTest, ExactHeadsRunTheHostsExactPathBitForBit) {
     cpu::PartialAttentionScored(want.support_scores, bulk(), KvHeadOf(h, kQHeads, kKvHeads),
                                 want.support, o.data(), &lse);
     EXPECT_GT(want.candidates, kShortlist) << "the shortlist and some outliers";
-    EXPECT_EQ(candidates_[h], want.candidates);
-    ASSERT_EQ(support_sizes_[h], kTopK);
-    const auto support = support_.begin() + h * kTopK;
+    EXPECT_EQ(b_.candidates[h], want.candidates);
+    ASSERT_EQ(b_.support_sizes[h], kTopK);
+    const auto support = b_.support.begin() + h * kTopK;
     EXPECT_EQ(std::vector<int32_t>(support, support + kTopK), want.support)
         << "positions in the bulk";
-    EXPECT_EQ(bulk_lse_[h], lse);
-    EXPECT_EQ(std::vector<float>(bulk_o_.begin() + h * kDim, bulk_o_.begin() + (h + 1) * kDim),
+    EXPECT_EQ(b_.bulk_lse[h], lse);
+    EXPECT_EQ(std::vector<float>(b_.bulk_o.begin() + h * kDim, b_.bulk_o.begin() + (h + 1) * kDim),
               o);
   }
 }
@@ -175,19 +143,13 @@ TEST_F(HostExactHeadsTest, ExactHeadsOutOfRangeOrOverTheBoundAreRefused) {
   options.exact_heads = true;
   const std::unique_ptr<StaticSetTier> tier = MakeHostStaticSetTier(options);
   Build(*tier);
-  struct Case {
-    std::vector<int32_t> heads;
-    const char* message;
-  };
-  const Case cases[] = {{{1, kQHeads}, "query head 4 of 4"},
-                        {{-1}, "query head -1 of 4"},
-                        {{1, 2, 3}, "3 exact heads over its bound of 2"}};
-  for (const Case& c : cases) {
+  static_assert(kQHeads == 4);
+  for (const testing::RefusedExactHeads& c : testing::RefusedExactHeadsOfFourWithinTwo()) {
     SCOPED_TRACE(c.message);
     EXPECT_TRUE(HasStatus(Run(*tier, Step(c.heads, 2)), absl::StatusCode::kInternal, c.message));
     for (int h = 0; h < kQHeads; ++h) EXPECT_TRUE(Untouched(h)) << "head " << h;
     // The static sets were attended all the same.
-    for (int h = 0; h < kQHeads; ++h) EXPECT_TRUE(std::isfinite(lse_[h])) << "head " << h;
+    for (int h = 0; h < kQHeads; ++h) EXPECT_TRUE(std::isfinite(b_.lse[h])) << "head " << h;
   }
   // A tier that serves none refuses any.
   const std::unique_ptr<StaticSetTier> plain = MakeHostStaticSetTier(HostStaticSetTierOptions());

@@ -230,7 +230,13 @@ TEST_F(TieredPlacementTest, AReplySaysWhereItsTimeWent) {
     EXPECT_EQ(micros.device_exact(), 0.0);
     EXPECT_EQ(micros.device_exact_wait(), 0.0);
     EXPECT_GE(micros.finish_wait(), 0.0);
-    EXPECT_LE(micros.plan() + micros.bulk(), reply->server_micros()) << "step " << step;
+    // The step's parts, one after another within the server's time.
+    EXPECT_GT(micros.finish(), 0.0) << "step " << step;
+    EXPECT_GT(micros.reserve(), 0.0) << "step " << step;
+    EXPECT_LE(micros.reserve() + micros.plan() + micros.bulk() + micros.link_wait() +
+                  micros.finish(),
+              reply->server_micros() * (1 + 1e-6) + 1)
+        << "step " << step;
     EXPECT_LE(micros.bulk() + micros.link_wait(), reply->server_micros()) << "step " << step;
     EXPECT_LE(micros.static_set(), reply->server_micros()) << "step " << step;
     double heads_micros = 0;

@@ -63,13 +63,18 @@ v1::Policy MixedPathsReTopKPolicy(int top_k, int shortlist) {
 
 // Expects two servers' outputs of the same step to agree: each is f32 arithmetic rounded to the
 // dtype on the way out, so they may sit a rounding apart each (the GPU's heads sum in another
-// order than the host's: d58 saw one bf16 step between them in 3 of 61K elements).
+// order than the host's: d58 saw one bf16 step between them in 3 of 61K elements). `exact`: the
+// same arithmetic on both (the host tier's stand-in runs the host's own exact path), so equal.
 void ExpectSameOutputs(const std::vector<float>& got, const std::vector<float>& other,
-                       v1::DType dtype, const std::string& what) {
+                       v1::DType dtype, const std::string& what, bool exact) {
   ASSERT_EQ(got.size(), other.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_NEAR(got[i], other[i], 2 * testing::OutputTolerance(dtype, other[i]))
-        << what << " element " << i;
+    if (exact) {
+      ASSERT_EQ(got[i], other[i]) << what << " element " << i;
+    } else {
+      ASSERT_NEAR(got[i], other[i], 2 * testing::OutputTolerance(dtype, other[i]))
+          << what << " element " << i;
+    }
   }
 }
 
@@ -187,7 +192,7 @@ class TieredShortlistTest : public PrefilledSessionTest {
     if (!got.ok() || !host.ok()) return false;
     ExpectSameOutputs(TensorValues(got->results(0).output()),
                       TensorValues(host->results(0).output()), dtype(),
-                      absl::StrCat("step ", step));
+                      absl::StrCat("step ", step), !gpu_tier());
     *reply = *std::move(got);
     *host_reply = *std::move(host);
     return true;
@@ -269,7 +274,8 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
     const std::vector<float> got = TensorValues(reply->results(0).output());
     const std::vector<float> host = TensorValues(host_reply->results(0).output());
     ExpectOutputNear(got, ref.Attention(0, q, supports), dtype(), absl::StrCat("step ", step));
-    ExpectSameOutputs(got, host, dtype(), absl::StrCat("against the host's, step ", step));
+    ExpectSameOutputs(got, host, dtype(), absl::StrCat("against the host's, step ", step),
+                      !gpu_tier());
     for (int h = 0; h < g.q_heads(); ++h) {
       SCOPED_TRACE(absl::StrCat("step ", step, " head ", h));
       const v1::HeadDiagnostics& head = reply->results(0).heads(h);
@@ -320,7 +326,8 @@ TEST_F(TieredShortlistTest, AShortShortlistsDeviceHeadsTakeTheHostsCandidates) {
     for (int s = 0; s < 2; ++s) {
       const std::vector<float> got = TensorValues(reply->results(s).output());
       const std::vector<float> host = TensorValues(host_reply->results(s).output());
-      ExpectSameOutputs(got, host, dtype(), absl::StrCat("sequence ", s, " step ", step));
+      ExpectSameOutputs(got, host, dtype(), absl::StrCat("sequence ", s, " step ", step),
+                        !gpu_tier());
       for (int h = 0; h < g.q_heads(); ++h) {
         const v1::HeadDiagnostics& head = reply->results(s).heads(h);
         const v1::HeadDiagnostics& host_head = host_reply->results(s).heads(h);
@@ -558,13 +565,13 @@ TEST_F(TieredShortlistTest, ReTopKReusesWhileTheShortlistsAreInFlight) {
   EXPECT_GT(info->paths().fallback() + info->paths().refresh(), 0);
 }
 
-// A retopk layer decides every head's path before the step; the heads on the exact path
+// A retopk layer decides every head's path before its heads run; the heads on the exact path
 // (fallback, refresh), up to half of them, the last ones, run on the device (a GPU, or the host
 // tier's stand-in), and the supports they come back with enter ReTopK's caches as the host's
-// would. Against a host-only server over a
-// decode whose paths mix: every head's path, best cosine, candidates and support size agree at
-// every step (a reuse step's candidates are the union of cached supports, so a support missing
-// from a cache shows), and the outputs to the dtype's tolerance.
+// would. Against a host-only server over a decode whose paths mix: every head's path, best
+// cosine, candidates and support size agree at every step (a reuse step's candidates are the
+// union of cached supports, so a support missing from a cache shows), and the outputs to the
+// dtype's tolerance (equal on the host tier's stand-in); the decisions' time is reported.
 TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 3000, 71);
@@ -612,6 +619,14 @@ TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
     }
     reuse_heads += reused;
     mixed_steps += reused > 0 && reused < g.q_heads();
+    // The decisions ran after the launch, within the bulk; the device waited for their heads
+    // (its clock) at most the step's time.
+    const v1::TierMicros& micros = reply.tier_micros();
+    EXPECT_GT(micros.decide(), 0.0) << "step " << step;
+    EXPECT_LE(micros.launch() + micros.decide(), micros.bulk() * (1 + 1e-6) + 1)
+        << "step " << step;
+    EXPECT_GE(micros.device_exact_wait(), 0.0) << "step " << step;
+    EXPECT_LE(micros.device_exact_wait(), reply.server_micros()) << "step " << step;
   }
   // The decode mixed the paths, and the device took exact heads.
   EXPECT_GT(mixed_steps, 4);

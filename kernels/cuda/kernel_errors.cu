@@ -43,7 +43,10 @@ absl::Status KernelErrors::CheckAndClear(cudaStream_t stream) const {
   if (bits & kErrorIndexOutOfRange) what.push_back("an index outside its sequence");
   if (bits & kErrorCountOutOfRange) what.push_back("a count above its stated maximum");
   if (bits & kErrorSeqTooLong) what.push_back("a sequence longer than max_tokens");
-  if (bits & kErrorHostWordsLate) what.push_back("host words that did not come in time");
+  if (bits & kErrorHostWordsLate) {
+    what.push_back("host words a step waited for past its timeout (a tiered step's exact heads "
+                   "not named by the host)");
+  }
   return absl::InvalidArgumentError(
       absl::StrCat("device inputs violated preconditions: ", absl::StrJoin(what, "; "),
                    " (those elements were skipped)"));

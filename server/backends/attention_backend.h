@@ -153,8 +153,10 @@ class StepContext {
     // The host's time before the bulk: the steps staged, the tier's step planned and prepared
     // (TierMicros.plan).
     double plan = 0;
-    // The host's time choosing the tier's exact heads after the launch (TierMicros.decide).
+    // The host's time choosing the tier's exact heads after the launch (TierMicros.decide), and
+    // after the bulk's heads until the step's end (TierMicros.finish).
     double decide = 0;
+    double finish = 0;
     // On a GPU tier: the device's whole step on its clock (begin to end stamp), and the host's
     // wait for it at the end of the step (0 when it was done by then).
     double device_step = 0;
@@ -172,6 +174,7 @@ class StepContext {
       device_exact_wait += other.device_exact_wait;
       plan += other.plan;
       decide += other.decide;
+      finish += other.finish;
       device_step += other.device_step;
       finish_wait += other.finish_wait;
       return *this;

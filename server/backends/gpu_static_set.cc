@@ -65,6 +65,12 @@ using gpu::ShapeOf;
 
 int Slots(const LayerConfig& config) { return config.selector.sinks + config.selector.recent; }
 
+// How long a step's exact heads wait on the device for the host to name them (SetExactHeads)
+// before they give up and fail the step (kErrorHostWordsLate): the host names them some tens of
+// microseconds after the launch (its decisions), or gives none when it fails first; this bounds
+// what a host that did neither costs the stream.
+constexpr uint64_t kExactHeadsTimeoutNs = 1'000'000'000;
+
 // The T at `offset` bytes into a step's upload or download (`base`: host or device side).
 template <typename T>
 T* At(std::byte* base, size_t offset) {
@@ -117,12 +123,6 @@ class CudaHostPinning final : public HostPinning {
 
 // The outliers' stride of a step's upload: the most any KV head of `codes` has, rounded up to
 // 512, so that a captured step with them is captured again only after that many more.
-// How long a step's exact heads wait on the device for the host to name them (SetExactHeads)
-// before they give up and fail the step (kErrorHostWordsLate): the host names them within
-// microseconds of the launch, or gives none when it fails first; this bounds what a host that
-// did neither (a bug) costs the stream.
-constexpr uint64_t kExactHeadsTimeoutNs = 1'000'000'000;
-
 int64_t OutlierStride(const BulkCodes& codes) {
   size_t most = 0;
   for (int h = 0; h < codes.kv_heads(); ++h) most = std::max(most, codes.outliers(h).size());
@@ -486,7 +486,8 @@ class GpuStaticSetTier final : public StaticSetTier {
     // rows are the steps' device_heads (Finish reads their results).
     static constexpr size_t kHeadRowsAt = 16;
     PinnedBuffer heads_in;
-    ChargedBuffer<int32_t> exact_rows;
+    ChargedBuffer<int32_t> exact_rows;  // grown, never shrunk: exact_row_count of them in use
+    int exact_row_count = 0;
     uint64_t heads_seq = 0;
     bool heads_given = true, heads_set = false;
     size_t out_bulk_o = 0, out_bulk_lse = 0, out_bulk_candidates = 0;
@@ -541,14 +542,23 @@ class GpuStaticSetTier final : public StaticSetTier {
     GiveNoExactHeads(state);
     cudaStreamSynchronize(state.gpu.stream());
     if (state.side != nullptr) cudaStreamSynchronize(state.side);
+    ClearErrorWords(state);
     state.in_flight = false;
+  }
+  // After a failed step was drained: what its kernels reported is its own, not the next step's
+  // (its exact heads' wait may have timed out, if nobody named them for that long).
+  static void ClearErrorWords(StaticStepContext& state) {
+    cudaStream_t stream = state.gpu.stream();
+    if (state.ws != nullptr) state.ws->errors().CheckAndClear(stream).IgnoreError();
+    if (state.topk_ws != nullptr) state.topk_ws->errors().CheckAndClear(stream).IgnoreError();
+    if (state.exact_errors != nullptr) state.exact_errors->CheckAndClear(stream).IgnoreError();
   }
   // Gives the step in flight no exact heads when SetExactHeads has not given it its own (a host
   // that failed between Start and SetExactHeads), so that its exact heads' wait ends now.
   static void GiveNoExactHeads(StaticStepContext& state) {
     if (state.heads_given) return;
     auto* rows = reinterpret_cast<int32_t*>(state.heads_in.data() + StaticStepContext::kHeadRowsAt);
-    std::fill_n(rows, state.exact_rows.size(), -1);
+    std::fill_n(rows, state.exact_row_count, -1);
     __atomic_store_n(reinterpret_cast<uint64_t*>(state.heads_in.data()), state.heads_seq,
                      __ATOMIC_RELEASE);
     state.heads_given = true;
@@ -771,6 +781,7 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(state.side),
                                                "draining a failed static-set step"));
     }
+    ClearErrorWords(state);
     state.in_flight = false;
   }
   if (absl::Status s = ctx.Start(); !s.ok()) return s;
@@ -888,9 +899,10 @@ absl::Status GpuStaticSetTier::PrepareExactHeads(const LayerConfig& config, int 
     }
     ++state.generation;
   }
-  // The rows the host gives after the launch: exactly this step's count (GiveNoExactHeads and
-  // the wait fill all of them).
-  if (state.exact_rows.size() != static_cast<size_t>(exact_rows)) {
+  // The rows the host gives after the launch (GiveNoExactHeads and the wait fill all of them).
+  // Grown only: a reallocation frees device memory, which waits for the whole device.
+  state.exact_row_count = exact_rows;
+  if (state.exact_rows.size() < static_cast<size_t>(exact_rows)) {
     if (absl::Status s = state.exact_rows.Allocate(exact_rows, budget_, "the exact heads' rows");
         !s.ok()) {
       return s;
@@ -993,7 +1005,7 @@ absl::Status GpuStaticSetTier::EnqueueStep(std::span<const StaticSetStep> steps,
     heads.words =
         reinterpret_cast<const int32_t*>(state.heads_in.data() + StaticStepContext::kHeadRowsAt);
     heads.dst = state.exact_rows.data();
-    heads.count = static_cast<int>(state.exact_rows.size());
+    heads.count = state.exact_row_count;
     heads.fill = -1;
     heads.timeout_ns = kExactHeadsTimeoutNs;
     heads.error_word = state.exact_errors->device_word();
@@ -1152,31 +1164,32 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
 absl::Status GpuStaticSetTier::SetExactHeads(std::span<const StaticSetStep> steps,
                                              StepContext* context) {
   auto& state = static_cast<StaticStepContext&>(*context);
-  if (state.heads_given) return absl::OkStatus();  // no exact heads this step (or it ended)
   const int q_heads = steps.front().config->shape.q_heads;
+  // Every step checked before any row is written (a step without room for heads gives none).
+  for (const StaticSetStep& step : steps) {
+    const int heads = step.device_exact_heads;
+    const int bound = step.codes != nullptr ? std::max(0, step.device_exact_bound) : 0;
+    if (heads < 0 || heads > bound) {
+      GiveNoExactHeads(state);
+      return absl::InternalError(absl::StrCat("a step gives the device ", heads,
+                                              " exact heads over its bound of ", bound));
+    }
+    for (int j = 0; j < heads; ++j) {
+      if (step.device_heads[j] < 0 || step.device_heads[j] >= q_heads) {
+        GiveNoExactHeads(state);
+        return absl::InternalError(absl::StrCat("a step gives the device query head ",
+                                                step.device_heads[j], " of ", q_heads));
+      }
+    }
+  }
+  if (state.heads_given) return absl::OkStatus();  // no step has room for heads (or it ended)
   auto* rows = reinterpret_cast<int32_t*>(state.heads_in.data() + StaticStepContext::kHeadRowsAt);
   for (size_t b = 0; b < steps.size(); ++b) {
     const StaticSetStep& step = steps[b];
-    const int heads = step.device_exact_heads;
-    if (heads < 0 || heads > std::max(0, step.device_exact_bound) ||
-        (heads > 0 && step.codes == nullptr)) {
-      GiveNoExactHeads(state);
-      return absl::InternalError(absl::StrCat("a step gives the device ", heads,
-                                              " exact heads over its bound of ",
-                                              step.device_exact_bound));
-    }
     for (int j = 0; j < state.exact_heads; ++j) {
-      if (j >= heads) {
-        rows[b * state.exact_heads + j] = -1;
-        continue;
-      }
-      const int h = step.device_heads[j];
-      if (h < 0 || h >= q_heads) {
-        GiveNoExactHeads(state);
-        return absl::InternalError(
-            absl::StrCat("a step gives the device query head ", h, " of ", q_heads));
-      }
-      rows[b * state.exact_heads + j] = static_cast<int32_t>(b) * q_heads + h;
+      rows[b * state.exact_heads + j] =
+          j < step.device_exact_heads ? static_cast<int32_t>(b) * q_heads + step.device_heads[j]
+                                      : -1;
     }
   }
   // The rows before the number that marks them (the device reads them once it sees it).

@@ -27,7 +27,6 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/thread_pool.h"
 #include "server/backends/bulk_codes.h"
-#include "server/backends/placements.h"
 #include "server/backends/tiered_backend.h"
 #include "server/kv_store.h"
 #include "server/work_queue.h"

@@ -1,5 +1,7 @@
-// MakeGpuBackends of a build without CUDA: no GPU placement, and the reason it says.
+// MakeGpuBackends and MakeGpuStaticSetTier of a build without CUDA: no GPU placement or tier,
+// and the reason they say.
 #include "server/backends/placements.h"
+#include "server/backends/tiered_backend.h"
 
 namespace kvrecall {
 
@@ -13,6 +15,11 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
       "this kvrecalld was built without CUDA (KVRECALL_WITH_CUDA=OFF): only PLACEMENT_CPU is "
       "served";
   return none;
+}
+
+absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int, MemoryBudget*, bool) {
+  return absl::FailedPreconditionError(
+      "this kvrecalld was built without CUDA (KVRECALL_WITH_CUDA=OFF): no GPU static-set tier");
 }
 
 }  // namespace kvrecall

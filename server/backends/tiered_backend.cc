@@ -917,6 +917,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     }
     static_cast<TieredLayer*>(batch[i].layer)->CommitToken();
   }
+  ctx.tier_seconds.finish += seconds_since(bulk_start) - host_end;
   return absl::OkStatus();
 }
 

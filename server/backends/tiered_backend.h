@@ -109,14 +109,15 @@ class StaticSetTier {
                                                                  const KvView& bulk,
                                                                  int64_t capacity) = 0;
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
-  // A step of `steps` (every step shares SameStaticSet) in four calls. Prepare reserves what the
+  // A step of `steps` (every step shares SameStaticSet) in five calls. Prepare reserves what the
   // step needs on the tier (workspaces, staging): its resource errors surface there, before the
   // bulk is touched. Start appends each step's token to its static set and starts attending
   // (asynchronously on a device); steps with codes also start their shortlists (before the static
   // sets: the host waits for them) and code their new bulk rows (after the shortlists, which scan
   // the rows before them: a GPU codes the row its ring slot holds until the append). Start
-  // returns before the bulk's heads start; WaitShortlists is called from one of them (or after
-  // them), and the shortlists are in the steps' ids once it returned OK; the static-set results
+  // returns before the bulk's heads start; SetExactHeads names the tier's exact heads before
+  // them; WaitShortlists is called from one of them (or after them), and the shortlists are in
+  // the steps' ids once it returned OK; the static-set results
   // are in o and lse once Finish returned (called after the heads: a GPU's new rows' outliers
   // join there; the host tier adds them in Start, before the heads).
   virtual absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) = 0;
@@ -124,9 +125,10 @@ class StaticSetTier {
   // The steps' exact heads for the tier (StaticSetStep::device_heads, device_exact_heads, within
   // device_exact_bound), given after Start: the host decides them (ReTopK's cache match) while
   // the started step uploads and runs its shortlists, and the tier's exact heads wait for them
-  // on the device. Called once for every step Start started, before WaitShortlists; a host that
-  // fails before it leaves the tier to run no exact heads (Finish, or the next Prepare, ends the
-  // step). INTERNAL for heads out of range or over the bound.
+  // on the device. Called once for every step Start started, before WaitShortlists, and followed
+  // by Finish whatever it returns (which reads the exact heads' results and ends their work); a
+  // host that fails before calling it leaves the tier to run no exact heads (Finish, or the next
+  // Prepare, ends the step). INTERNAL for heads out of range or over the bound (then none run).
   virtual absl::Status SetExactHeads(std::span<const StaticSetStep> steps, StepContext* context) {
     return absl::OkStatus();
   }
@@ -208,8 +210,8 @@ class TieredBackend final : public AttentionBackend {
   // policy.index.shortlist) whose exact paths may run on the tier, reading the host's bulk over
   // PCIe, when the tier serves them (StaticSetTier::ServesExactHeads) and the layer's host KV
   // could be pinned; the host's threads take the rest. An index layer gives the tier its last
-  // heads; a retopk layer decides every head's path first and gives the tier heads on the exact
-  // path (fallback, refresh), whose supports come back to its caches. 0: every head on the
+  // heads; a retopk layer decides every head's path once the tier's step is launched, and gives
+  // the tier heads on the exact path (fallback, refresh), whose supports come back to its caches. 0: every head on the
   // host. device_exact_balance: the share is the most, and each layer balances its count by
   // time (DeviceHeadBalance) from half its heads; else the tier takes the share every step.
   explicit TieredBackend(std::unique_ptr<StaticSetTier> tier, double device_exact_share = 0,
