@@ -215,7 +215,7 @@ class TieredBackend final : public AttentionBackend {
   // host. device_exact_balance: the share is the most, and each layer balances its count by
   // time (DeviceHeadBalance) from half its heads; else the tier takes the share every step.
   explicit TieredBackend(std::unique_ptr<StaticSetTier> tier, double device_exact_share = 0,
-                         bool device_exact_balance = false)
+                         bool device_exact_balance = true)
       : tier_(std::move(tier)),
         device_exact_share_(device_exact_share),
         device_exact_balance_(device_exact_balance) {}
