@@ -316,18 +316,6 @@ class TieredLayer final : public LayerBackend {
   void AttendBulkHead(const LayerStep& step, const KvView& all, int h,
                       std::chrono::steady_clock::time_point bulk_start, float* o, float* lse);
   void EndBulk(const LayerStep& step, const KvView& all);
-  // The step's heads on the tier (valid from ChooseDeviceHeads to the next StaticStep).
-  std::span<const int32_t> device_heads() const { return device_heads_; }
-  // Before EndBulk, for each of the step's heads on the tier (heads in parallel, each touching
-  // only its own cache): a decided retopk layer's ReTopK cache takes the support the tier came
-  // back with (~2 us a head, cold: d68 measured 305 us for 152 heads at batch 8 in one loop).
-  void CompleteDeviceHead(int h) {
-    if (!decided_) return;
-    const int top_k = config_.selector.top_k;
-    retopk_->CompleteDecided(
-        h, std::span<const int32_t>(device_support_.data() + int64_t{h} * top_k,
-                                    static_cast<size_t>(device_support_sizes_[h])));
-  }
   // Microseconds query head h's bulk took in the layer's last step (0 before the first).
   float last_bulk_micros(int h) const { return bulk_micros_[h]; }
 
@@ -451,10 +439,12 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
       selection.support_scores.clear();
       int64_t support_size = std::min(selection.candidates, p.top_k);
       if (decided_) {
-        // (CompleteDeviceHead put its support into ReTopK's cache.)
         selection.path = decided_paths_[h];
         selection.best_cosine = decided_best_[h];
         support_size = device_support_sizes_[h];
+        retopk_->CompleteDecided(
+            h, std::span<const int32_t>(device_support_.data() + int64_t{h} * p.top_k,
+                                        static_cast<size_t>(support_size)));
       } else {
         selection.path = SelectionPath::kExact;
         selection.best_cosine = 0.0f;
@@ -512,7 +502,6 @@ class TieredStepContext final : public StepContext {
   std::vector<int64_t> order;  // the loop's items: outlier chunks, then heads longest first
   std::vector<OutlierChunk> outlier_chunks;  // of the planned layers
   std::vector<int64_t> decide_items;         // (sequence, head) pairs whose paths are decided
-  std::vector<int64_t> device_items;         // (sequence, head) pairs the tier ran
 };
 
 int64_t TieredBackend::HostKvBytesFor(const LayerConfig& config, int64_t tokens) const {
@@ -916,21 +905,7 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
       static_cast<TieredLayer*>(batch[i].layer)->BalanceDeviceHeads(times);
     }
   }
-  // ReTopK's caches take the supports of the tier's heads, every (sequence, head) at once; then
-  // the reports, once the tier's exact heads are in too (their candidates come with Finish).
-  ctx.device_items.clear();
-  for (size_t i = 0; i < n; ++i) {
-    for (int32_t h : static_cast<TieredLayer*>(batch[i].layer)->device_heads()) {
-      ctx.device_items.push_back(static_cast<int64_t>(i) * heads + h);
-    }
-  }
-  const auto device_items = static_cast<int64_t>(ctx.device_items.size());
-  cpu::ParallelFor(device_items, static_cast<int>(std::max<int64_t>(1, device_items / 2)),
-                   [&](int64_t k) {
-                     const int64_t item = ctx.device_items[k];
-                     static_cast<TieredLayer*>(batch[static_cast<size_t>(item / heads)].layer)
-                         ->CompleteDeviceHead(static_cast<int>(item % heads));
-                   });
+  // The reports once the tier's exact heads are in too (their candidates come with Finish).
   for (size_t i = 0; i < n; ++i) {
     static_cast<TieredLayer*>(batch[i].layer)->EndBulk(batch[i], ctx.histories[i]);
   }
