@@ -78,7 +78,10 @@ void QuerySupportCache::Push(const float* unit_query, std::span<const int32_t> s
   }
   std::copy(unit_query, unit_query + head_dim_,
             queries_.begin() + static_cast<size_t>(slot) * head_dim_);
+  const size_t before = supports_[slot].capacity();
   supports_[slot].assign(support.begin(), support.end());
+  support_bytes_ += static_cast<int64_t>(supports_[slot].capacity() - before) *
+                    static_cast<int64_t>(sizeof(int32_t));
 }
 
 void QuerySupportCache::Cosines(const float* unit_query, float* cosines) const {
@@ -89,11 +92,8 @@ void QuerySupportCache::Cosines(const float* unit_query, float* cosines) const {
 }
 
 int64_t QuerySupportCache::MemoryBytes() const {
-  int64_t bytes = static_cast<int64_t>(queries_.capacity()) * sizeof(float);
-  for (const std::vector<int32_t>& s : supports_) {
-    bytes += static_cast<int64_t>(s.capacity()) * sizeof(int32_t);
-  }
-  return bytes;
+  return static_cast<int64_t>(queries_.capacity()) * static_cast<int64_t>(sizeof(float)) +
+         support_bytes_;
 }
 
 ReTopKHead::ReTopKHead(const ReTopKHeadParams& params, int cache_capacity, int head_dim)

@@ -64,6 +64,8 @@ class QuerySupportCache {
   // cache evicts the oldest, so a copy pushed the same entries maps the GPU's slots to ages.
   int AgeOfSlot(int slot) const { return (slot - oldest_ + capacity_) % capacity_; }
 
+  // Its heap bytes, kept as the entries change (a tiered step reads every head's twice: summing
+  // them each time took ~10 us a layer, d70).
   int64_t MemoryBytes() const;
 
  private:
@@ -75,6 +77,7 @@ class QuerySupportCache {
   int oldest_ = 0;                               // slot of age 0
   std::vector<float> queries_;                   // [capacity, head_dim], by slot
   std::vector<std::vector<int32_t>> supports_;   // [capacity], by slot
+  int64_t support_bytes_ = 0;                    // the supports' capacities, in bytes
 };
 
 // Step 3's candidates: the supports of `cache`'s entries of ages `neighbor_ages` ∪ the last

@@ -135,6 +135,31 @@ TEST(QuerySupportCacheTest, KeepsTheNewestCapacityEntriesInFifoOrder) {
   EXPECT_EQ(cache.capacity(), capacity);
 }
 
+// Its bytes, kept as entries come and go, equal the sum over its slots of what a vector given
+// the same supports in the same order holds (supports of changing sizes: a slot's room grows,
+// and stays).
+TEST(QuerySupportCacheTest, MemoryBytesAreThoseOfItsSlotsKeptAsItChanges) {
+  const int capacity = 3, d = 8;
+  QuerySupportCache cache(capacity, d);
+  std::vector<std::vector<int32_t>> slots(capacity);
+  const std::vector<float> query = Unit(RandomNormal(d, 5).data(), d);
+  int64_t last = cache.MemoryBytes();
+  for (int i = 0; i < 12; ++i) {
+    const int size = (i * 7) % 11 + (i == 9 ? 40 : 0);
+    std::vector<int32_t> support(size);
+    for (int j = 0; j < size; ++j) support[j] = i * 100 + j;
+    cache.Push(query.data(), support);
+    slots[i % capacity].assign(support.begin(), support.end());  // FIFO: slot i % capacity
+    int64_t want = int64_t{capacity} * d * static_cast<int64_t>(sizeof(float));
+    for (const std::vector<int32_t>& slot : slots) {
+      want += static_cast<int64_t>(slot.capacity() * sizeof(int32_t));
+    }
+    EXPECT_EQ(cache.MemoryBytes(), want) << "push " << i;
+    EXPECT_GE(cache.MemoryBytes(), last) << "push " << i;
+    last = cache.MemoryBytes();
+  }
+}
+
 // The property the reuse path is built on: when the exact top-K support lies inside the
 // candidate set, the reuse step returns exactly it, in the exact path's order.
 TEST(ReTopKHeadTest, ReuseReturnsTheExactSupportWhenTheCandidatesContainIt) {
