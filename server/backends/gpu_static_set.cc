@@ -1166,21 +1166,9 @@ absl::Status GpuStaticSetTier::SetExactHeads(std::span<const StaticSetStep> step
   auto& state = static_cast<StaticStepContext&>(*context);
   const int q_heads = steps.front().config->shape.q_heads;
   // Every step checked before any row is written (a step without room for heads gives none).
-  for (const StaticSetStep& step : steps) {
-    const int heads = step.device_exact_heads;
-    const int bound = step.codes != nullptr ? std::max(0, step.device_exact_bound) : 0;
-    if (heads < 0 || heads > bound) {
-      GiveNoExactHeads(state);
-      return absl::InternalError(absl::StrCat("a step gives the device ", heads,
-                                              " exact heads over its bound of ", bound));
-    }
-    for (int j = 0; j < heads; ++j) {
-      if (step.device_heads[j] < 0 || step.device_heads[j] >= q_heads) {
-        GiveNoExactHeads(state);
-        return absl::InternalError(absl::StrCat("a step gives the device query head ",
-                                                step.device_heads[j], " of ", q_heads));
-      }
-    }
+  if (absl::Status s = CheckExactHeads(steps); !s.ok()) {
+    GiveNoExactHeads(state);
+    return s;
   }
   if (state.heads_given) return absl::OkStatus();  // no step has room for heads (or it ended)
   auto* rows = reinterpret_cast<int32_t*>(state.heads_in.data() + StaticStepContext::kHeadRowsAt);

@@ -322,24 +322,12 @@ absl::Status HostStaticSetTier::SetExactHeads(std::span<const StaticSetStep> ste
   if (steps.empty()) return absl::OkStatus();
   const int q_heads = steps.front().config->shape.q_heads;
   // Every step checked before any head runs, as the GPU tier checks them.
+  if (absl::Status s = CheckExactHeads(steps); !s.ok()) return s;
   for (const StaticSetStep& step : steps) {
-    const int heads = step.device_exact_heads;
-    if (heads < 0 || heads > std::max(0, step.device_exact_bound) ||
-        (heads > 0 && step.codes == nullptr)) {
-      return absl::InternalError(absl::StrCat("a step gives the device ", heads,
-                                              " exact heads over its bound of ",
-                                              step.device_exact_bound));
-    }
-    if (heads > 0 && worker_ == nullptr) {
+    if (step.device_exact_heads > 0 && worker_ == nullptr) {
       return absl::InternalError(absl::StrCat(
-          "a step gives the host tier ", heads,
+          "a step gives the host tier ", step.device_exact_heads,
           " exact heads; it serves none (HostStaticSetTierOptions::exact_heads)"));
-    }
-    for (int j = 0; j < heads; ++j) {
-      if (step.device_heads[j] < 0 || step.device_heads[j] >= q_heads) {
-        return absl::InternalError(absl::StrCat("a step gives the device query head ",
-                                                step.device_heads[j], " of ", q_heads));
-      }
     }
   }
   ctx.exact.clear();

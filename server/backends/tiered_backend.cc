@@ -483,6 +483,25 @@ bool SameStaticSet(const LayerConfig& a, const LayerConfig& b) {
 
 }  // namespace
 
+absl::Status CheckExactHeads(std::span<const StaticSetStep> steps) {
+  for (const StaticSetStep& step : steps) {
+    const int q_heads = step.config->shape.q_heads;
+    const int heads = step.device_exact_heads;
+    const int bound = step.codes != nullptr ? std::max(0, step.device_exact_bound) : 0;
+    if (heads < 0 || heads > bound) {
+      return absl::InternalError(absl::StrCat("a step gives the device ", heads,
+                                              " exact heads over its bound of ", bound));
+    }
+    for (int j = 0; j < heads; ++j) {
+      if (step.device_heads[j] < 0 || step.device_heads[j] >= q_heads) {
+        return absl::InternalError(absl::StrCat("a step gives the device query head ",
+                                                step.device_heads[j], " of ", q_heads));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // A Decode stream's resources: the static tier's, and the bulk states of the largest batch.
 class TieredStepContext final : public StepContext {
  public:

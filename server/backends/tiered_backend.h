@@ -82,6 +82,11 @@ struct StaticSetStep {
   int32_t* bulk_support_sizes = nullptr;
 };
 
+// What every tier's SetExactHeads checks before it takes any of the steps' exact heads: each
+// step's count within its bound (0 without codes) and its heads among the query heads.
+// INTERNAL naming the first that is not.
+absl::Status CheckExactHeads(std::span<const StaticSetStep> steps);
+
 // Where static sets live: a GPU (server/backends/gpu_static_set.cc) or, on a machine without
 // one, host memory (the same arithmetic on the CPU, so that the placement composes everywhere).
 // Thread-safe as AttentionBackend.
