@@ -12,8 +12,10 @@
 //    keeps the top K and attends, heads on the compute pool. Time: the GPU part (query up,
 //    scan, select, ids down, synchronized) + the host part.
 // Each step runs every variant once, their order rotating so that each goes first (cold) as
-// often. Recall: the share of each head's exact top K of the bulk (a flat scan, untimed) that a
-// variant attends to, and the share of the exact top K's softmax mass it holds.
+// often. With --kernel_repeats, each step also times the shortlist's launches alone, again and
+// again back to back (the GPU part's kernels without the host between them). Recall: the share
+// of each head's exact top K of the bulk (a flat scan, untimed) that a variant attends to, and
+// the share of the exact top K's softmax mass it holds.
 //
 // Decode tokens join the bulk as the ring moves; their codes are encoded up front with the
 // prompt's (one key per KV head per step, negligible next to the step), so the GPU copy always
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -56,6 +59,10 @@ ABSL_FLAG(int, iterations, 10, "PQ: k-means rounds");
 ABSL_FLAG(bool, graph, true, "also run the graph index (its build takes a while at 512K+)");
 ABSL_FLAG(int, search_list_size, 0, "the graph search's list (0: the default, max(K, 200))");
 ABSL_FLAG(int, threads, 0, "the host part's threads of the compute pool (0: all)");
+ABSL_FLAG(int, kernel_repeats, 0,
+          "per step, the shortlist's launches timed this many more times back to back, each "
+          "alone between two events (gpu_kernels_repeat_us): the kernels with no host work "
+          "between steps");
 
 namespace kvrecall {
 namespace {
@@ -87,10 +94,20 @@ class Pinned {
 struct Variant {
   std::string name;
   int shortlist = 0;  // 0: the graph
-  std::vector<double> gpu_us, kernels_us, select_us, host_us, total_us, recall, mass, keys_scored;
+  std::vector<double> gpu_us, kernels_us, repeat_us, select_us, host_us, total_us, recall, mass,
+      keys_scored;
   // Per head (pq): rescoring, the top K of the shortlist, the attention.
   std::vector<double> score_us, topk_us, attend_us;
+  // (pq) FNV-1a over every step's and head's shortlist as a sorted set: two builds whose
+  // shortlists are the same sets on the same trace print the same value.
+  uint64_t ids_fnv = 14695981039346656037ull;
 };
+
+void FoldFnv(uint64_t x, uint64_t* h) {
+  for (int b = 0; b < 8; ++b) {
+    *h = (*h ^ ((x >> (8 * b)) & 0xff)) * 1099511628211ull;
+  }
+}
 
 absl::Status Run() {
   const bench::LayerFlags flags = bench::LayerFromFlags();
@@ -206,6 +223,11 @@ absl::Status Run() {
   KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(cudaStreamCreate(&stream), "stream"));
   cudaEvent_t events[2];
   for (cudaEvent_t& e : events) {
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(cudaEventCreate(&e), "event"));
+  }
+  const int repeats = std::max(0, absl::GetFlag(FLAGS_kernel_repeats));
+  std::vector<cudaEvent_t> repeat_events(2 * repeats);
+  for (cudaEvent_t& e : repeat_events) {
     KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(cudaEventCreate(&e), "event"));
   }
   Pinned<float> pinned_q(q_row);
@@ -328,6 +350,30 @@ absl::Status Run() {
           v.kernels_us.push_back(1e3 * kernels_ms);
           v.select_us.push_back(1e3 * select_ms);
         }
+        // The shortlist again, `repeats` times (same inputs, same ids; timing only).
+        for (int r = 0; r < repeats; ++r) {
+          cudaEventRecord(repeat_events[2 * r], stream);
+          KVRECALL_CUDA_RETURN_IF_ERROR(cuda::PqShortlist(code_sets, rows, n, ws->get(),
+                                                          d_ids->data(), d_sizes->data(),
+                                                          nullptr, stream));
+          cudaEventRecord(repeat_events[2 * r + 1], stream);
+        }
+        if (repeats > 0) {
+          KVRECALL_CUDA_RETURN_IF_ERROR(
+              cuda::CudaStatus(cudaStreamSynchronize(stream), "repeated shortlists"));
+        }
+        for (int r = 0; r < repeats && record; ++r) {
+          float ms = 0;
+          cudaEventElapsedTime(&ms, repeat_events[2 * r], repeat_events[2 * r + 1]);
+          v.repeat_us.push_back(1e3 * ms);
+        }
+        for (int h = 0; h < q_heads; ++h) {  // (untimed)
+          const int32_t* ids = pinned_ids.data() + int64_t{h} * n;
+          std::vector<int32_t> set(ids, ids + pinned_sizes.data()[h]);
+          std::sort(set.begin(), set.end());
+          FoldFnv(set.size(), &v.ids_fnv);
+          for (int32_t id : set) FoldFnv(static_cast<uint32_t>(id), &v.ids_fnv);
+        }
         start = Clock::now();
         cpu::ParallelFor(q_heads, threads, [&](int64_t head) {
           const int h = static_cast<int>(head);
@@ -378,6 +424,7 @@ absl::Status Run() {
     if (graph != nullptr) graph->OnAppend(store.Tokens(0, tokens));
   }
   for (cudaEvent_t e : events) cudaEventDestroy(e);
+  for (cudaEvent_t e : repeat_events) cudaEventDestroy(e);
   cudaStreamDestroy(stream);
 
   for (const Variant& v : variants) {
@@ -389,6 +436,10 @@ absl::Status Run() {
     if (v.shortlist > 0) {
       j["gpu_us"] = Percentiles(v.gpu_us);
       j["gpu_kernels_us"] = Percentiles(v.kernels_us);
+      if (!v.repeat_us.empty()) j["gpu_kernels_repeat_us"] = Percentiles(v.repeat_us);
+      char fnv[17];
+      std::snprintf(fnv, sizeof(fnv), "%016llx", static_cast<unsigned long long>(v.ids_fnv));
+      j["ids_fnv"] = fnv;
       j["gpu_select_alone_us"] = Percentiles(v.select_us);
       j["head_score_us"] = Percentiles(v.score_us);
       j["head_topk_us"] = Percentiles(v.topk_us);

@@ -1,12 +1,16 @@
 // The GPU shortlist of product-quantized keys (kernels/cuda/pq_shortlist.h) against its CPU
 // reference (ProductQuantizer::QueryTable + ScanCodes, index/product_quantizer.h, then the top
 // `shortlist` by cpu::TopKPositions): the same positions up to near-ties, the same scores, over
-// ragged rows of several code sets (8-byte codes and the general path); misfits refused.
+// ragged rows of several code sets (8-byte codes and the general path); exactly the same
+// positions and scores where both sides compute in exact integers (the served geometry, ties
+// broken by position); misfits refused.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <random>
 #include <set>
+#include <span>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -210,6 +214,136 @@ TEST(PqShortlistBinsTest, TiesKeepTheLowestPositionsAndCallsRepeat) {
   }
 }
 
+// The served geometry (d = 128 in 8 parts of 16 dims: 8-byte codes, the tables' vector path)
+// over `rows` rows, the first half over set 0's kLong keys and the rest over set 1's fewer, in
+// groups of `group`, long enough for several scan and collect blocks per row, with integer
+// queries and centroids (the first zero_rows queries all zero), so that every table entry and
+// score is an exact integer on both sides: the GPU's shortlist of `list` must be the CPU
+// reference's exactly, ties (of which there are many) to the lower position, with the exact
+// scores (with_scores). Few distinct scores (few_values) put hundreds of tied keys in each
+// threshold bin (radix-selected on their positions); many put a few there (ranked by counting).
+void ExpectExactShortlists(int rows, int group, bool few_values, bool with_scores, int list,
+                           int zero_rows) {
+  constexpr int kServedDim = 128, kParts = 8, kPartDims = 16, kCodes = 256, kLong = 40000;
+  std::vector<int32_t> set_of_row(rows), lengths(rows);
+  for (int r = 0; r < rows; ++r) {
+    set_of_row[r] = r < rows / 2 ? 0 : 1;
+    lengths[r] = r < rows / 2 ? kLong : kLong - 777;
+  }
+  std::mt19937 rng(few_values ? 7 : 8);
+  std::uniform_int_distribution<int> centroid_value(few_values ? 0 : -8, few_values ? 1 : 8);
+  std::uniform_int_distribution<int> query_value(few_values ? 0 : -3, few_values ? 1 : 3);
+  std::uniform_int_distribution<int> code_value(0, kCodes - 1);
+  std::vector<float> books(2 * kParts * kCodes * kPartDims), queries(rows * kServedDim);
+  std::vector<uint8_t> codes(size_t{2} * kLong * kParts);
+  for (float& x : books) x = static_cast<float>(centroid_value(rng));
+  for (float& x : queries) x = static_cast<float>(query_value(rng));
+  std::fill(queries.begin(), queries.begin() + zero_rows * kServedDim, 0.0f);
+  for (uint8_t& c : codes) c = static_cast<uint8_t>(code_value(rng));
+
+  auto ws = cuda::TopKWorkspace::Create(rows, kLong);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  auto d_books = ToDevice(books);
+  auto d_codes = ToDevice(codes);
+  auto d_queries = ToDevice(queries);
+  auto d_sets = ToDevice(set_of_row);
+  auto d_lengths = ToDevice(lengths);
+  auto d_tables = ToDevice(std::vector<float>(rows * kParts * kCodes));
+  auto d_ids = ToDevice(std::vector<int32_t>(rows * list, -1));
+  auto d_sizes = ToDevice(std::vector<int32_t>(rows, -1));
+  auto d_scores = ToDevice(std::vector<float>(rows * list, -1.0f));
+  const cuda::PqCodeSets code_sets{d_books.data(), d_codes.data(), kLong, kParts, kServedDim};
+  const cuda::PqShortlistRows query_rows{d_queries.data(), d_sets.data(), d_lengths.data(),
+                                         d_tables.data(),  rows,          kLong,
+                                         group};
+  ASSERT_TRUE(cuda::PqShortlist(code_sets, query_rows, list, ws->get(), d_ids.data(),
+                                d_sizes.data(), with_scores ? d_scores.data() : nullptr, nullptr)
+                  .ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<int32_t> ids = ToHost(d_ids.data(), d_ids.size());
+  const std::vector<int32_t> sizes = ToHost(d_sizes.data(), d_sizes.size());
+  const std::vector<float> id_scores = ToHost(d_scores.data(), d_scores.size());
+
+  for (int r = 0; r < rows; ++r) {
+    const int set = set_of_row[r], n = lengths[r];
+    // Exact integers: the table's entries, then each key's score.
+    std::vector<int64_t> table(kParts * kCodes, 0);
+    for (int m = 0; m < kParts; ++m) {
+      for (int c = 0; c < kCodes; ++c) {
+        for (int j = 0; j < kPartDims; ++j) {
+          table[m * kCodes + c] +=
+              static_cast<int64_t>(queries[r * kServedDim + m * kPartDims + j]) *
+              static_cast<int64_t>(books[((set * kParts + m) * kCodes + c) * kPartDims + j]);
+        }
+      }
+    }
+    std::vector<float> scores(n);
+    for (int i = 0; i < n; ++i) {
+      int64_t sum = 0;
+      for (int m = 0; m < kParts; ++m) {
+        sum += table[m * kCodes + codes[(static_cast<size_t>(set) * kLong + i) * kParts + m]];
+      }
+      scores[i] = static_cast<float>(sum);
+    }
+    std::vector<int32_t> expected;
+    cpu::TopKPositions(std::span<const float>(scores.data(), n), list, &expected);
+    ASSERT_EQ(sizes[r], static_cast<int>(expected.size())) << "row " << r;
+    if (few_values) {
+      // The threshold falls inside a run of ties, which only the positions break, and which
+      // is longer than the collect pass ranks by counting (so its radix select runs).
+      const float kth = scores[expected.back()];
+      const auto tied = std::count(scores.begin(), scores.end(), kth);
+      const auto kept_tied = std::count_if(expected.begin(), expected.end(),
+                                           [&](int32_t i) { return scores[i] == kth; });
+      EXPECT_GT(tied, kept_tied) << "row " << r << ": no tie at the threshold";
+      EXPECT_GT(tied, 128) << "row " << r << ": too few ties at the threshold";
+    }
+    const auto row_ids = ids.begin() + static_cast<int64_t>(r) * list;
+    std::vector<int32_t> got(row_ids, row_ids + sizes[r]);
+    std::sort(got.begin(), got.end());
+    std::sort(expected.begin(), expected.end());
+    ASSERT_EQ(got, expected) << "row " << r;
+    if (with_scores) {
+      for (int j = 0; j < sizes[r]; ++j) {
+        const int32_t id = row_ids[j];
+        ASSERT_EQ(id_scores[static_cast<int64_t>(r) * list + j], scores[id])
+            << "row " << r << " id " << id;
+      }
+    }
+  }
+}
+
+// (group, few_values, with_scores): 8 rows, a shortlist of 1024.
+class PqShortlistExactTest : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
+
+TEST_P(PqShortlistExactTest, SelectsExactlyTheCpuTopK) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  const auto [group, few_values, with_scores] = GetParam();
+  ExpectExactShortlists(/*rows=*/8, group, few_values, with_scores, /*list=*/1024,
+                        /*zero_rows=*/0);
+}
+
+INSTANTIATE_TEST_SUITE_P(GroupsValuesAndScores, PqShortlistExactTest,
+                         ::testing::Combine(::testing::Values(4, 2, 1), ::testing::Bool(),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool, bool>>& info) {
+                           return "Group" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "FewValues" : "ManyValues") +
+                                  (std::get<2>(info.param) ? "WithScores" : "IdsOnly");
+                         });
+
+// Many rows (so few collect blocks per row, each over a long part: 4 of 10000 positions on an
+// H200) and a long shortlist: a block's part holds more positions above the threshold bin (the
+// shortlist's 30000 of 40000), or in it (the rows of zero queries, whose scores all tie), than
+// the collect pass holds in shared memory at once.
+TEST(PqShortlistExactLongTest, LongPartsSelectExactlyTheCpuTopK) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  ExpectExactShortlists(/*rows=*/64, /*group=*/4, /*few_values=*/true, /*with_scores=*/true,
+                        /*list=*/30000, /*zero_rows=*/8);
+  ExpectExactShortlists(/*rows=*/64, /*group=*/4, /*few_values=*/true, /*with_scores=*/false,
+                        /*list=*/30000, /*zero_rows=*/8);
+}
+
 TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
   KVRECALL_SKIP_WITHOUT_GPU();
   auto ws = cuda::TopKWorkspace::Create(2, 1000);
@@ -253,6 +387,9 @@ TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
   EXPECT_TRUE(run(10).ok());
   sets.codes = codes.data() + 1;  // 8-byte codes misaligned
   expect_invalid(run(10), "aligned");
+  sets.codes = codes.data();
+  rows.tables = buffer.data() + 1;  // tables misaligned
+  expect_invalid(run(10), "tables must start 16-byte aligned");
 }
 
 }  // namespace
