@@ -13,7 +13,8 @@
 //    scan, select, ids down, synchronized) + the host part.
 // Each step runs every variant once, their order rotating so that each goes first (cold) as
 // often. With --kernel_repeats, each step also times the shortlist's launches alone, again and
-// again back to back (the GPU part's kernels without the host between them). Recall: the share
+// again back to back (the GPU part's kernels without the host between them), and counts the
+// heads whose last repeat lists other ids than the first call did. Recall: the share
 // of each head's exact top K of the bulk (a flat scan, untimed) that a variant attends to, and
 // the share of the exact top K's softmax mass it holds.
 //
@@ -101,6 +102,9 @@ struct Variant {
   // (pq) FNV-1a over every step's and head's shortlist as a sorted set: two builds whose
   // shortlists are the same sets on the same trace print the same value.
   uint64_t ids_fnv = 14695981039346656037ull;
+  // (pq, with --kernel_repeats) Heads whose shortlist after a step's repeated calls differs, as
+  // a set, from its first call's (back-to-back calls on one workspace must agree).
+  int64_t repeat_mismatches = 0;
 };
 
 void FoldFnv(uint64_t x, uint64_t* h) {
@@ -367,12 +371,31 @@ absl::Status Run() {
           cudaEventElapsedTime(&ms, repeat_events[2 * r], repeat_events[2 * r + 1]);
           v.repeat_us.push_back(1e3 * ms);
         }
-        for (int h = 0; h < q_heads; ++h) {  // (untimed)
-          const int32_t* ids = pinned_ids.data() + int64_t{h} * n;
-          std::vector<int32_t> set(ids, ids + pinned_sizes.data()[h]);
+        auto sorted_set = [&](const int32_t* all_ids, const int32_t* sizes, int h) {
+          const int32_t* ids = all_ids + int64_t{h} * n;
+          std::vector<int32_t> set(ids, ids + sizes[h]);
           std::sort(set.begin(), set.end());
+          return set;
+        };
+        for (int h = 0; h < q_heads; ++h) {  // (untimed)
+          const std::vector<int32_t> set = sorted_set(pinned_ids.data(), pinned_sizes.data(), h);
           FoldFnv(set.size(), &v.ids_fnv);
           for (int32_t id : set) FoldFnv(static_cast<uint32_t>(id), &v.ids_fnv);
+        }
+        if (repeats > 0) {  // the last repeat's lists against the first call's (untimed)
+          std::vector<int32_t> ids(int64_t{q_heads} * n), sizes(q_heads);
+          KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(
+              cudaMemcpy(ids.data(), d_ids->data(), ids.size() * sizeof(int32_t),
+                         cudaMemcpyDeviceToHost), "repeated ids down"));
+          KVRECALL_CUDA_RETURN_IF_ERROR(cuda::CudaStatus(
+              cudaMemcpy(sizes.data(), d_sizes->data(), q_heads * sizeof(int32_t),
+                         cudaMemcpyDeviceToHost), "repeated sizes down"));
+          for (int h = 0; h < q_heads; ++h) {
+            if (sorted_set(ids.data(), sizes.data(), h) !=
+                sorted_set(pinned_ids.data(), pinned_sizes.data(), h)) {
+              ++v.repeat_mismatches;
+            }
+          }
         }
         start = Clock::now();
         cpu::ParallelFor(q_heads, threads, [&](int64_t head) {
@@ -440,6 +463,7 @@ absl::Status Run() {
       char fnv[17];
       std::snprintf(fnv, sizeof(fnv), "%016llx", static_cast<unsigned long long>(v.ids_fnv));
       j["ids_fnv"] = fnv;
+      if (repeats > 0) j["ids_repeat_mismatches"] = v.repeat_mismatches;
       j["gpu_select_alone_us"] = Percentiles(v.select_us);
       j["head_score_us"] = Percentiles(v.score_us);
       j["head_topk_us"] = Percentiles(v.topk_us);

@@ -3,7 +3,8 @@
 // `shortlist` by cpu::TopKPositions): the same positions up to near-ties, the same scores, over
 // ragged rows of several code sets (8-byte codes and the general path); exactly the same
 // positions and scores where both sides compute in exact integers (the served geometry, ties
-// broken by position); misfits refused.
+// broken by position); the same lists from calls captured in a CUDA graph (as the server runs
+// them); misfits refused.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -332,6 +333,17 @@ INSTANTIATE_TEST_SUITE_P(GroupsValuesAndScores, PqShortlistExactTest,
                                   (std::get<2>(info.param) ? "WithScores" : "IdsOnly");
                          });
 
+// Rows of one scan block whose threshold-bin candidates are few (ranked by counting) beside rows
+// whose every key ties (all 40000 candidates, more than the collect's last block caches, their
+// keys read again on every radix pass), with scores and without.
+TEST(PqShortlistMixedTest, FewAndAllTiedCandidatesInOneBlock) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  for (const bool with_scores : {true, false}) {
+    ExpectExactShortlists(/*rows=*/8, /*group=*/4, /*few_values=*/false, with_scores,
+                          /*list=*/1024, /*zero_rows=*/2);
+  }
+}
+
 // Many rows (so few collect blocks per row, each over a long part: 4 of 10000 positions on an
 // H200) and a long shortlist: a block's part holds more positions above the threshold bin (the
 // shortlist's 30000 of 40000), or in it (the rows of zero queries, whose scores all tie), than
@@ -342,6 +354,85 @@ TEST(PqShortlistExactLongTest, LongPartsSelectExactlyTheCpuTopK) {
                         /*list=*/30000, /*zero_rows=*/8);
   ExpectExactShortlists(/*rows=*/64, /*group=*/4, /*few_values=*/true, /*with_scores=*/false,
                         /*list=*/30000, /*zero_rows=*/8);
+}
+
+// The server captures a step's shortlists in a CUDA graph (server/backends/gpu_static_set.cc),
+// the calls of a batch one after another on one workspace: two calls captured and the graph
+// replayed twice list what the same call lists uncaptured, ids and scores (so the launches stay
+// capturable, and each call leaves the workspace as the next one needs it).
+TEST(PqShortlistGraphTest, CapturedCallsListTheSame) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kGroup = 4, kCalls = 2, kRows = 8;
+  const CodeSets sets = MakeCodeSets(8);
+  const std::vector<int32_t> set_of_row = {0, 0, 0, 0, 2, 2, 2, 2};
+  const std::vector<int32_t> lengths = {kKeys, kKeys, kKeys, kKeys, 5000, 5000, 5000, 5000};
+  const std::vector<float> queries = RandomNormal(kRows * kDim, 40);
+  const std::vector<ShortlistOutputs> direct =
+      RunShortlists(sets, 8, queries, set_of_row, lengths, kGroup);
+  ASSERT_EQ(direct.size(), 1u);
+
+  auto ws = cuda::TopKWorkspace::Create(kRows, kKeys);
+  ASSERT_TRUE(ws.ok()) << ws.status();
+  auto d_books = ToDevice(sets.codebooks);
+  auto d_codes = ToDevice(sets.codes);
+  auto d_queries = ToDevice(queries);
+  auto d_sets = ToDevice(set_of_row);
+  auto d_lengths = ToDevice(lengths);
+  auto d_tables = ToDevice(std::vector<float>(kRows * 8 * ProductQuantizer::kCentroids));
+  const int outputs = kCalls * kRows * kShortlist;
+  auto d_ids = ToDevice(std::vector<int32_t>(outputs, -1));
+  auto d_sizes = ToDevice(std::vector<int32_t>(kCalls * kRows, -1));
+  auto d_scores = ToDevice(std::vector<float>(outputs, -1.0f));
+  const cuda::PqCodeSets code_sets{d_books.data(), d_codes.data(), kKeys, 8, kDim};
+  const cuda::PqShortlistRows query_rows{
+      d_queries.data(), d_sets.data(), d_lengths.data(), d_tables.data(), kRows, kKeys, kGroup};
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  for (int call = 0; call < kCalls; ++call) {
+    const int at = call * kRows * kShortlist;
+    EXPECT_TRUE(cuda::PqShortlist(code_sets, query_rows, kShortlist, ws->get(),
+                                  d_ids.data() + at, d_sizes.data() + call * kRows,
+                                  d_scores.data() + at, stream)
+                    .ok());
+  }
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  auto listed = [](const std::vector<int32_t>& ids, const std::vector<int32_t>& sizes,
+                   const std::vector<float>& scores, int list, int r) {
+    std::vector<std::pair<int32_t, float>> pairs;
+    for (int j = 0; j < sizes[list * kRows + r]; ++j) {
+      const int at = (list * kRows + r) * kShortlist + j;
+      pairs.emplace_back(ids[at], scores[at]);
+    }
+    std::sort(pairs.begin(), pairs.end());
+    return pairs;
+  };
+  for (int replay = 0; replay < 2; ++replay) {
+    ASSERT_EQ(cudaMemsetAsync(d_ids.data(), 0xff, outputs * sizeof(int32_t), stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d_sizes.data(), 0xff, kCalls * kRows * sizeof(int32_t), stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const std::vector<int32_t> ids = ToHost(d_ids.data(), outputs);
+    const std::vector<int32_t> sizes = ToHost(d_sizes.data(), kCalls * kRows);
+    const std::vector<float> scores = ToHost(d_scores.data(), outputs);
+    for (int call = 0; call < kCalls; ++call) {
+      for (int r = 0; r < kRows; ++r) {
+        ASSERT_EQ(sizes[call * kRows + r], direct[0].sizes[r]) << "replay " << replay;
+        EXPECT_EQ(listed(ids, sizes, scores, call, r),
+                  listed(direct[0].ids, direct[0].sizes, direct[0].id_scores, 0, r))
+            << "replay " << replay << " call " << call << " row " << r;
+      }
+    }
+  }
+  EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 TEST(PqShortlistErrorsTest, MisfitsAreRefused) {
