@@ -824,8 +824,9 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
     link_wait += waited;
   }
   // The outliers' scores need no shortlist: an item per chunk of each KV group's outliers in
-  // the layers that plan them, first in the loop, so that they are scored while the shortlists
-  // are in flight and the exact heads rescore only their shortlists once they arrive.
+  // the layers that plan them, ahead of the heads that wait for a shortlist, so that they are
+  // scored while the shortlists are in flight and the exact heads rescore only their shortlists
+  // once they arrive.
   const int kv_heads = first.shape.kv_heads;
   ctx.outlier_chunks.clear();
   for (size_t i = 0; i < n; ++i) {
@@ -848,29 +849,35 @@ absl::Status TieredBackend::StepRun(std::span<LayerStep> batch, TieredStepContex
   // The head items that took longest in their layer's last step start first (longest
   // processing time first, the last step's time as the estimate): a long item started last
   // holds the loop up while the other threads idle. While shortlists are in flight, the items
-  // expected to need none go first, so that they run while the rest would wait. The order
-  // changes no result: each item writes its own outputs. (A planned head's Select scores the
-  // chunks of its group's outliers no item has taken yet and waits for the rest: it needs no
-  // particular order to make progress.) Heads whose exact paths run on the tier are not items:
-  // their bulk states come with Finish.
+  // expected to need none (ReTopK's reuse heads) go first, the outliers' chunks next, and the
+  // heads that wait for a shortlist last: the reuse heads stream the most rows and need nothing,
+  // so they start as soon as the loop does, and the outliers are scored by the threads they
+  // leave while the shortlists are still on their way. The order changes no result: each item
+  // writes its own outputs. (A planned head's Select scores the chunks of its group's outliers
+  // no item has taken yet and waits for the rest: it needs no particular order to make
+  // progress.) Heads whose exact paths run on the tier are not items: their bulk states come
+  // with Finish.
   ctx.order.clear();
-  for (int64_t k = 0; k < chunks; ++k) ctx.order.push_back(head_items + k);
   for (int64_t item = 0; item < head_items; ++item) {
     if (layer_of(item)->OnHost(static_cast<int>(item % heads))) ctx.order.push_back(item);
   }
-  const auto items = static_cast<int64_t>(ctx.order.size());
-  const int threads = cpu::ThreadsFor(work, items);
   auto waits = [&](int64_t item) {
     return shortlists && layer_of(item)->ExpectsShortlist(static_cast<int>(item % heads));
   };
   // (std::sort with the item as the tie-break: std::stable_sort would allocate every step.)
-  std::sort(ctx.order.begin() + chunks, ctx.order.end(), [&](int64_t a, int64_t b) {
+  std::sort(ctx.order.begin(), ctx.order.end(), [&](int64_t a, int64_t b) {
     const bool waits_a = waits(a), waits_b = waits(b);
     if (waits_a != waits_b) return waits_b;
     const float cost_a = layer_of(a)->last_bulk_micros(static_cast<int>(a % heads));
     const float cost_b = layer_of(b)->last_bulk_micros(static_cast<int>(b % heads));
     return cost_a > cost_b || (cost_a == cost_b && a < b);
   });
+  const auto first_waiting = std::find_if(ctx.order.begin(), ctx.order.end(), waits);
+  const auto chunks_at = first_waiting - ctx.order.begin();
+  ctx.order.insert(first_waiting, static_cast<size_t>(chunks), 0);
+  for (int64_t k = 0; k < chunks; ++k) ctx.order[chunks_at + k] = head_items + k;
+  const auto items = static_cast<int64_t>(ctx.order.size());
+  const int threads = cpu::ThreadsFor(work, items);
   cpu::ParallelFor(items, threads, [&](int64_t k) {
     const int64_t item = ctx.order[k];
     if (item >= head_items) {
