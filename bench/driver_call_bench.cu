@@ -1,6 +1,6 @@
 // What the CUDA driver calls of a tiered step cost the host that makes them (issue 15): the
 // tier's Start (an event, a captured step's launch) runs on the decode path, and on the H200
-// machine's host it took tens of microseconds (bench/results/tiered_serving.md).
+// machine's host it took tens of microseconds (bench/results/tiered_serving_history.md).
 //
 // On one idle stream, each call's host time alone (the stream drained between calls), `reps`
 // times after `warmup`: cudaSetDevice of the current device, cudaEventRecord, a 1-D and a 2-D

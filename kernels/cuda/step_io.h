@@ -1,7 +1,7 @@
 // Host API of the kernels that move a captured decode step's inputs and outputs between pinned
 // host memory and the device, and stamp its times, as kernel nodes: a copy node or an event
 // record node costs a graph's launch ~2 us of host time on the H200 host, a kernel node ~0.1 us
-// (bench/driver_call_bench.cu, bench/results/tiered_serving.md d40-d43). Nothing here
+// (bench/driver_call_bench.cu, bench/results/tiered_serving_history.md d40-d43). Nothing here
 // allocates or synchronizes.
 #ifndef KVRECALL_KERNELS_CUDA_STEP_IO_H_
 #define KVRECALL_KERNELS_CUDA_STEP_IO_H_

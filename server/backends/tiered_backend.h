@@ -173,9 +173,9 @@ absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
 // How many of a layer's query heads the tier's exact path takes, balanced by time
 // (PlacementOptions::tiered_device_exact_balance): the step ends when both the device's heads
 // and the host's are done, and which half is longer depends on the context, the host's load and
-// the link (bench/results/tiered_serving.md, d57 and d59: at 128K the host's half, at 512K the
-// device's). After each step the count moves by one head: down when the host waited for the
-// device, up when the device's step ended more than one of its heads' time before the host's
+// the link (bench/results/tiered_serving_history.md, d57 and d59: at 128K the host's half, at
+// 512K the device's). After each step the count moves by one head: down when the host waited for
+// the device, up when the device's step ended more than one of its heads' time before the host's
 // heads did (and the count was what held the device back). Within [0, bound]. A layer's
 // count is its own, from its launch's times: layers batched in one launch move together.
 class DeviceHeadBalance {
