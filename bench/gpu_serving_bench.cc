@@ -60,7 +60,10 @@ ABSL_FLAG(double, query_rho, 0.97,
 ABSL_FLAG(bool, auto_tau, false, "ReTopK calibrates tau per head from the prefill queries");
 ABSL_FLAG(int32_t, shortlist, 0,
           "tiered: the exact path rescores each head's best N keys by product-quantized score "
-          "(policy.index.shortlist; 0: the graph search)");
+          "(policy.index.shortlist; 0: 2 * K where the shortlist is the exact search)");
+ABSL_FLAG(std::string, exact_search, "",
+          "tiered index / retopk: graph or shortlist (policy.index.exact_search; empty: the "
+          "server's default, the shortlist on a GPU)");
 ABSL_FLAG(int32_t, search_list_size, 0,
           "the graph index's search list (policy.index.search_list_size; 0: the server's "
           "default)");
@@ -363,16 +366,20 @@ int Main() {
       const int with_queries =
           *selector == v1::SELECTOR_RETOPK ? (absl::GetFlag(FLAGS_auto_tau) ? 32 + 256 : 32) : 0;
       // The tiered graph index (the index selector, ReTopK's exact path) needs every query;
-      // a shortlist replaces the graph.
-      const bool all_queries =
-          *placement == v1::PLACEMENT_TIERED && absl::GetFlag(FLAGS_shortlist) == 0 &&
-          (*selector == v1::SELECTOR_INDEX || *selector == v1::SELECTOR_RETOPK);
+      // a shortlist replaces the graph. The sessions' effective policy says which they have.
+      bool all_queries = false;
       v1::Policy policy = client::CpuPolicy(*selector, top_k);
       policy.set_placement(*placement);
       if (absl::GetFlag(FLAGS_auto_tau)) policy.mutable_retopk()->set_auto_tau(true);
       policy.mutable_index()->set_search_width(absl::GetFlag(FLAGS_search_width));
       policy.mutable_index()->set_search_list_size(absl::GetFlag(FLAGS_search_list_size));
       policy.mutable_index()->set_shortlist(absl::GetFlag(FLAGS_shortlist));
+      if (const std::string search = absl::GetFlag(FLAGS_exact_search); !search.empty()) {
+        absl::StatusOr<v1::ExactSearch> parsed = client::ParseExactSearch(search);
+        Check(parsed.status(), "--exact_search");
+        policy.mutable_index()->set_exact_search(*parsed);
+      }
+      v1::Policy effective;  // the first session's, as CreateSession answered
       std::vector<std::string> ids(max_batch);
       std::vector<std::vector<float>> queries(max_batch);
       std::vector<SyntheticTrace> traces;
@@ -392,6 +399,9 @@ int Main() {
         grpc::ClientContext ctx;
         Check(stub->CreateSession(&ctx, request, &response), "CreateSession");
         ids[b] = response.session_id();
+        effective = response.policy();
+        all_queries = *placement == v1::PLACEMENT_TIERED &&
+                      effective.index().exact_search() == v1::EXACT_SEARCH_GRAPH;
         if (synth) {
           SyntheticTraceParams params;
           params.q_heads = g.q_heads;
@@ -541,6 +551,9 @@ int Main() {
                     {"context", context},
                     {"batch", batch},
                     {"steps", steps},
+                    // The sessions' effective exact search and shortlist N (0: none).
+                    {"exact_search", client::ExactSearchName(effective.index().exact_search())},
+                    {"effective_shortlist", effective.index().shortlist()},
                     {"e2e_p50_us", client::Percentile(e2e, 0.5)},
                     {"e2e_p99_us", client::Percentile(e2e, 0.99)},
                     {"server_p50_us", client::Percentile(server, 0.5)},

@@ -74,6 +74,9 @@ std::string PlacementName(v1::Placement placement) {
 std::string DTypeLowerName(v1::DType dtype) {
   return LowerEnumName(v1::DType_descriptor(), dtype, "DTYPE_");
 }
+std::string ExactSearchName(v1::ExactSearch search) {
+  return LowerEnumName(v1::ExactSearch_descriptor(), search, "EXACT_SEARCH_");
+}
 
 absl::StatusOr<v1::Selector> ParseSelector(absl::string_view name) {
   absl::StatusOr<int> v =
@@ -97,6 +100,12 @@ absl::StatusOr<v1::GraphScope> ParseGraphScope(absl::string_view name) {
       ParseLowerEnumName(v1::GraphScope_descriptor(), "GRAPH_SCOPE_", name, "graph_scope");
   if (!v.ok()) return v.status();
   return static_cast<v1::GraphScope>(*v);
+}
+absl::StatusOr<v1::ExactSearch> ParseExactSearch(absl::string_view name) {
+  absl::StatusOr<int> v =
+      ParseLowerEnumName(v1::ExactSearch_descriptor(), "EXACT_SEARCH_", name, "exact_search");
+  if (!v.ok()) return v.status();
+  return static_cast<v1::ExactSearch>(*v);
 }
 
 v1::Policy CpuPolicy(v1::Selector selector, int top_k, int sinks, int recent) {

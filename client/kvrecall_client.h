@@ -36,10 +36,12 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 std::string SelectorName(v1::Selector selector);
 std::string PlacementName(v1::Placement placement);
 std::string DTypeLowerName(v1::DType dtype);
+std::string ExactSearchName(v1::ExactSearch search);  // "unspecified", "graph", "shortlist"
 absl::StatusOr<v1::Selector> ParseSelector(absl::string_view name);
 absl::StatusOr<v1::Placement> ParsePlacement(absl::string_view name);
 absl::StatusOr<v1::DType> ParseDType(absl::string_view name);
 absl::StatusOr<v1::GraphScope> ParseGraphScope(absl::string_view name);
+absl::StatusOr<v1::ExactSearch> ParseExactSearch(absl::string_view name);
 
 // A CPU-placement policy of `selector` with its K and static set (0: the server's defaults).
 v1::Policy CpuPolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0);

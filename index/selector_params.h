@@ -38,6 +38,13 @@ enum class GraphScope {
 
 const char* GraphScopeName(GraphScope scope);
 
+// How the tiered placement's exact steps find the top K of the bulk (policy.index.exact_search).
+enum class ExactSearch {
+  kDefault,    // the placement's choice (a GPU static tier: kShortlist; host memory: kGraph)
+  kGraph,      // the query-aware graph index's search (IndexSelector)
+  kShortlist,  // product-quantized scores on the static tier, rescored exactly (ShortlistSelector)
+};
+
 // What kDefault resolves to.
 // (bench/results/index_bench.md, "One graph per KV head": the same recall at the same scanned
 // fraction within 0.01, a quarter of the build work and graph memory in GQA models.)
@@ -92,9 +99,14 @@ struct SelectorParams {
   int recent = 512;
   ReTopKParams retopk;
   GraphIndexParams index;
-  // The tiered placement's exact path without a graph (policy.index.shortlist): > 0, each
-  // query head's best `shortlist` bulk keys by their scores over product-quantized keys on the
-  // static tier, rescored exactly (index/shortlist_selector.h); 0: the graph search.
+  // How the tiered placement's exact steps (index, and retopk's exact path) find their top K
+  // (policy.index.exact_search). kDefault until the session's placement resolves it (the
+  // server's ResolveExactSearch): then kGraph, or kShortlist with shortlist > 0, or kDefault
+  // where no index is searched.
+  ExactSearch exact_search = ExactSearch::kDefault;
+  // The shortlist's N (policy.index.shortlist): > 0, each query head's best `shortlist` bulk keys
+  // by their scores over product-quantized keys on the static tier, rescored exactly
+  // (index/shortlist_selector.h); 0: no shortlist. The backends read this field alone.
   int shortlist = 0;
 
   // INVALID_ARGUMENT naming the field when a knob is out of its domain.

@@ -107,18 +107,27 @@ absl::Status SelectorParams::Validate() const {
   }
   if (shortlist < 0) return invalid("policy.index.shortlist must be >= 0, got ", shortlist);
   if (shortlist > kMaxTopK) return too_large("index.shortlist", shortlist, kMaxTopK);
-  if (shortlist > 0) {
+  if (exact_search == ExactSearch::kGraph && shortlist > 0) {
+    return invalid("policy.index.exact_search EXACT_SEARCH_GRAPH and policy.index.shortlist ",
+                   shortlist, " name two exact searches; set one");
+  }
+  if (shortlist > 0 || exact_search == ExactSearch::kShortlist) {
+    const char* field = shortlist > 0 ? "policy.index.shortlist"
+                                      : "policy.index.exact_search EXACT_SEARCH_SHORTLIST";
     if (kind != SelectorKind::kIndex && kind != SelectorKind::kReTopK) {
-      return invalid("policy.index.shortlist applies to the index and retopk selectors");
+      return invalid(field, " applies to the index and retopk selectors");
     }
-    if (shortlist < top_k) {
+    if (shortlist > 0 && shortlist < top_k) {
       return invalid("policy.index.shortlist must be >= top_k (", top_k, "), got ", shortlist);
     }
-    if (kind == SelectorKind::kReTopK && retopk.exact_flat_scan) {
-      return invalid(
-          "policy.retopk.exact_flat_scan and policy.index.shortlist name two exact paths; set "
-          "one");
-    }
+  }
+  if (kind == SelectorKind::kReTopK && retopk.exact_flat_scan &&
+      (shortlist > 0 || exact_search != ExactSearch::kDefault)) {
+    const char* other = shortlist > 0 ? "policy.index.shortlist"
+                        : exact_search == ExactSearch::kGraph
+                            ? "policy.index.exact_search EXACT_SEARCH_GRAPH"
+                            : "policy.index.exact_search EXACT_SEARCH_SHORTLIST";
+    return invalid("policy.retopk.exact_flat_scan and ", other, " name two exact paths; set one");
   }
   const GraphIndexParams& g = index;
   if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||

@@ -86,6 +86,33 @@ v1::GraphScope GraphScopeToProto(GraphScope scope) {
   return v1::GRAPH_SCOPE_UNSPECIFIED;
 }
 
+absl::StatusOr<ExactSearch> ExactSearchFromProto(v1::ExactSearch search) {
+  switch (search) {
+    case v1::EXACT_SEARCH_UNSPECIFIED:
+      return ExactSearch::kDefault;
+    case v1::EXACT_SEARCH_GRAPH:
+      return ExactSearch::kGraph;
+    case v1::EXACT_SEARCH_SHORTLIST:
+      return ExactSearch::kShortlist;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "policy.index.exact_search has the unknown value ", static_cast<int>(search)));
+}
+
+v1::ExactSearch ExactSearchToProto(ExactSearch search) {
+  switch (search) {
+    case ExactSearch::kGraph:
+      return v1::EXACT_SEARCH_GRAPH;
+    case ExactSearch::kShortlist:
+      return v1::EXACT_SEARCH_SHORTLIST;
+    case ExactSearch::kDefault:
+      break;
+  }
+  return v1::EXACT_SEARCH_UNSPECIFIED;
+}
+
 }  // namespace
 
 absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
@@ -126,6 +153,9 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   p.index.graph_scope = *scope;
   p.index = p.index.WithDefaults();
   p.shortlist = g.shortlist();
+  absl::StatusOr<ExactSearch> search = ExactSearchFromProto(g.exact_search());
+  if (!search.ok()) return search.status();
+  p.exact_search = *search;
 
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   return out;
@@ -156,6 +186,7 @@ v1::Policy PolicyToProto(const EffectivePolicy& policy) {
   g->set_search_width(p.index.search_width);
   g->set_graph_scope(GraphScopeToProto(p.index.graph_scope));
   g->set_shortlist(p.shortlist);
+  g->set_exact_search(ExactSearchToProto(p.exact_search));
   return out;
 }
 

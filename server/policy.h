@@ -15,9 +15,10 @@ struct EffectivePolicy {
   SelectorParams selector;
 };
 
-// Fills zero/unset knobs with their defaults (index/selector_params.h) and validates the result.
-// INVALID_ARGUMENT naming the field (e.g. "policy.retopk.reuse_neighbors") for a bad knob or an
-// unknown enum value.
+// Fills zero/unset knobs with their defaults (index/selector_params.h) and validates the result;
+// the exact search's default depends on the placement's device and is left to it
+// (server/backends/placements.h, ResolveExactSearch). INVALID_ARGUMENT naming the field (e.g.
+// "policy.retopk.reuse_neighbors") for a bad knob or an unknown enum value.
 absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy);
 
 // The policy as the API spells it, every knob explicit (echoed by CreateSession/GetSession).

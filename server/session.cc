@@ -235,6 +235,10 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   if (absl::Status s = ValidateGeometry(request.geometry()); !s.ok()) return s;
   absl::StatusOr<EffectivePolicy> policy = ResolvePolicy(request.policy());
   if (!policy.ok()) return policy.status();
+  if (absl::Status s = placements_->ResolveExactSearch(policy->placement, &policy->selector);
+      !s.ok()) {
+    return s;
+  }
   if (request.max_tokens() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("max_tokens must be >= 0 (0: not announced), got ", request.max_tokens()));

@@ -245,6 +245,16 @@ TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
   const std::string id = created["session_id"];
   EXPECT_EQ(created["policy"]["top_k"], 16);
 
+  // The tiered exact search by name, and its N filled in (2 * K) in the effective policy.
+  r = Kvrecall("create", {"--q-heads=8", "--kv-heads=2", "--head-dim=32", "--dtype=f16",
+                          "--placement=tiered", "--policy=index", "--k=16",
+                          "--exact_search=shortlist", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json tiered = nlohmann::json::parse(r.out);
+  EXPECT_EQ(tiered["policy"]["index"]["exact_search"], "EXACT_SEARCH_SHORTLIST");
+  EXPECT_EQ(tiered["policy"]["index"]["shortlist"], 32);
+  ASSERT_EQ(Kvrecall("close", {tiered["session_id"]}).exit_code, 0);
+
   r = Kvrecall("get", {id, "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json info = nlohmann::json::parse(r.out);
@@ -283,6 +293,9 @@ TEST_F(CliTest, ErrorsExitNonZeroWithTheServersCodeAndMessage) {
   r = Kvrecall("create", {"--policy=fastest"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("unknown selector 'fastest'; want one of full, exact_topk"));
+  r = Kvrecall("create", {"--placement=tiered", "--policy=index", "--exact_search=fastest"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("unknown exact_search 'fastest'; want one of graph, shortlist"));
   r = Kvrecall("frobnicate", {});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("unknown subcommand 'frobnicate'"));

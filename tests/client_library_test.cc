@@ -332,6 +332,12 @@ TEST(ApiNamesTest, ParseAndPrintTheEnumsInLowerCase) {
             "unknown selector 'unspecified'; want one of full, exact_topk, streaming, index, "
             "retopk");
   EXPECT_THAT(ParseDType("f64").status().message(), HasSubstr("want one of f32, f16, bf16"));
+  for (v1::ExactSearch e : {v1::EXACT_SEARCH_GRAPH, v1::EXACT_SEARCH_SHORTLIST}) {
+    EXPECT_EQ(*ParseExactSearch(ExactSearchName(e)), e);
+  }
+  EXPECT_EQ(ExactSearchName(v1::EXACT_SEARCH_UNSPECIFIED), "unspecified");
+  EXPECT_EQ(ParseExactSearch("unspecified").status().message(),
+            "unknown exact_search 'unspecified'; want one of graph, shortlist");
 }
 
 // A small synthetic trace on disk, opened (the file is removed once mapped).

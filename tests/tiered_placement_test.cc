@@ -36,9 +36,14 @@ using ::kvrecall::testing::TieredExactTopKSupports;
 constexpr int kSinks = 16;
 constexpr int kRecent = 48;
 
+// The tests here hold the graph index's exact search (index, ReTopK's exact path) on either
+// tier, so they name it: on a GPU the default is the shortlist, tiered_shortlist_test's.
 v1::Policy TieredPolicy(v1::Selector selector, int top_k = 0) {
   v1::Policy p = MakePolicy(selector, top_k, kSinks, kRecent);
   p.set_placement(v1::PLACEMENT_TIERED);
+  if (selector == v1::SELECTOR_INDEX || selector == v1::SELECTOR_RETOPK) {
+    p.mutable_index()->set_exact_search(v1::EXACT_SEARCH_GRAPH);
+  }
   return p;
 }
 
@@ -277,6 +282,7 @@ TEST_F(TieredPlacementTest, ReTopKExactPathSearchesTheGraphOrScansTheBulkWhenAsk
   graph.mutable_retopk()->set_tau(2.0f);  // never reuse: every step takes the exact path
   v1::Policy flat = graph;
   flat.mutable_retopk()->set_exact_flat_scan(true);
+  flat.mutable_index()->clear_exact_search();  // the scan, not a search
   const std::string graph_id = CreateAndPrefill(ref, graph, 1000);
   const std::string flat_id = CreateAndPrefill(ref, flat, 1000);
   const std::string short_id = CreateAndPrefill(short_ref, graph, 40);
@@ -313,6 +319,9 @@ TEST_F(TieredPlacementTest, ReTopKExactPathSearchesTheGraphOrScansTheBulkWhenAsk
   absl::StatusOr<v1::SessionInfo> flat_info = GetSession(stub(), flat_id);
   ASSERT_TRUE(flat_info.ok()) << flat_info.status();
   EXPECT_EQ(flat_info->policy().retopk().exact_flat_scan(), true);
+  EXPECT_EQ(info->policy().index().exact_search(), v1::EXACT_SEARCH_GRAPH);
+  EXPECT_EQ(flat_info->policy().index().exact_search(), v1::EXACT_SEARCH_UNSPECIFIED)
+      << "the scan searches no index";
   EXPECT_GT(info->selector_bytes(), flat_info->selector_bytes()) << "the graph index";
 }
 

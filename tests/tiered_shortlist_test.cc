@@ -7,7 +7,8 @@
 // path); a short one is the exact top-K of what a reproduction of the quantizers (same
 // training, same codes) lists, its worst-coded keys (outliers) included, while decoding grows
 // the codes past the room reserved at prefill; GetSession counts the codes on the tier that
-// holds them; what is refused, by name.
+// holds them; the exact search a session gets unasked (the shortlist on a GPU, the graph on the
+// host tier); what is refused, by name.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,8 +19,10 @@
 #include "gtest/gtest.h"
 #include "index/basic_selectors.h"
 #include "index/product_quantizer.h"
+#include "index/selector_params.h"
 #include "kernels/cpu/attention.h"
 #include "server/backends/bulk_codes.h"
+#include "server/backends/placements.h"
 #include "server/backends/tiered_backend.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
@@ -657,6 +660,115 @@ TEST_F(TieredShortlistTest, GetSessionCountsTheCodesWhereTheyLive) {
   }
 }
 
+// policy.index.exact_search: unset, a tiered index session searches with the shortlist of
+// N = 2K where the static tier is a GPU and with the graph where it is host memory, and says so
+// in its effective policy; asked for, the shortlist without an N is the one of N = 2K on either
+// tier (the same outputs as a session given shortlist = 2K), and the graph is the graph.
+TEST_F(TieredShortlistTest, TheExactSearchIsTheShortlistOnAGpuAndTheGraphWithout) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 900, 61);
+  const int k = 40;
+  v1::Policy unset = MakePolicy(v1::SELECTOR_INDEX, k, kSinks, kRecent);
+  unset.set_placement(v1::PLACEMENT_TIERED);
+  v1::Policy shortlist = unset;
+  shortlist.mutable_index()->set_exact_search(v1::EXACT_SEARCH_SHORTLIST);
+  v1::Policy graph = unset;
+  graph.mutable_index()->set_exact_search(v1::EXACT_SEARCH_GRAPH);
+  const v1::Policy given_n = ShortlistPolicy(v1::SELECTOR_INDEX, k, 2 * k);
+  struct Run {
+    std::string id;
+    v1::ExactSearch search;
+    int n;
+  };
+  std::vector<Run> runs = {
+      {CreateAndPrefill(ref, unset, 300),
+       gpu_tier() ? v1::EXACT_SEARCH_SHORTLIST : v1::EXACT_SEARCH_GRAPH, gpu_tier() ? 2 * k : 0},
+      {CreateAndPrefill(ref, shortlist, 300), v1::EXACT_SEARCH_SHORTLIST, 2 * k},
+      {CreateAndPrefill(ref, graph, 300), v1::EXACT_SEARCH_GRAPH, 0},
+      {CreateAndPrefill(ref, given_n, 300), v1::EXACT_SEARCH_SHORTLIST, 2 * k},
+  };
+  for (const Run& run : runs) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), run.id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->policy().index().exact_search(), run.search) << run.id;
+    EXPECT_EQ(info->policy().index().shortlist(), run.n) << run.id;
+  }
+  DecodeClient client(stub());
+  for (int step = 0; step < 6; ++step) {
+    const ReferenceSession::Token token = ref.MakeToken(700 + step);
+    ref.Record(0, token);
+    std::vector<std::string> ids;
+    for (const Run& run : runs) ids.push_back(run.id);
+    absl::StatusOr<v1::DecodeResponse> reply = Step(client, ids, token, ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    std::vector<std::vector<float>> outputs;
+    for (const v1::SequenceResult& result : reply->results()) {
+      outputs.push_back(TensorValues(result.output()));
+    }
+    const std::string what = absl::StrCat("step ", step);
+    ExpectSameOutputs(outputs[1], outputs[3], dtype(), what + ": shortlist asked, N = 2K given",
+                      /*exact=*/true);
+    ExpectSameOutputs(outputs[0], gpu_tier() ? outputs[1] : outputs[2], dtype(),
+                      what + ": unset, the tier's default", /*exact=*/true);
+  }
+}
+
+// The exact search's resolution on either kind of static tier (the device branch runs here
+// without a device; the served one is TheExactSearchIsTheShortlistOnAGpuAndTheGraphWithout).
+TEST(ResolveExactSearchTest, TheDefaultFollowsThePlacementAndItsDevice) {
+  struct Case {
+    v1::Placement placement;
+    SelectorKind kind;
+    bool on_device;
+    ExactSearch asked;
+    int shortlist;
+    bool flat_scan;
+    ExactSearch want;
+    int want_shortlist;
+  };
+  using E = ExactSearch;
+  const v1::Placement tiered = v1::PLACEMENT_TIERED, cpu = v1::PLACEMENT_CPU;
+  const std::vector<Case> cases = {
+      {tiered, SelectorKind::kIndex, true, E::kDefault, 0, false, E::kShortlist, 1024},
+      {tiered, SelectorKind::kReTopK, true, E::kDefault, 0, false, E::kShortlist, 1024},
+      {tiered, SelectorKind::kIndex, false, E::kDefault, 0, false, E::kGraph, 0},
+      {tiered, SelectorKind::kReTopK, false, E::kDefault, 0, false, E::kGraph, 0},
+      {tiered, SelectorKind::kReTopK, true, E::kDefault, 0, true, E::kDefault, 0},
+      {tiered, SelectorKind::kIndex, true, E::kGraph, 0, false, E::kGraph, 0},
+      {tiered, SelectorKind::kIndex, false, E::kShortlist, 0, false, E::kShortlist, 1024},
+      {tiered, SelectorKind::kIndex, false, E::kDefault, 600, false, E::kShortlist, 600},
+      {tiered, SelectorKind::kIndex, true, E::kShortlist, 3000, false, E::kShortlist, 3000},
+      {cpu, SelectorKind::kIndex, true, E::kDefault, 0, false, E::kGraph, 0},
+      {cpu, SelectorKind::kReTopK, true, E::kDefault, 0, false, E::kDefault, 0},
+      {v1::PLACEMENT_GPU, SelectorKind::kReTopK, true, E::kDefault, 0, false, E::kDefault, 0},
+      {tiered, SelectorKind::kExactTopK, true, E::kDefault, 0, false, E::kDefault, 0},
+      {tiered, SelectorKind::kStreaming, true, E::kDefault, 0, false, E::kDefault, 0},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const Case& c = cases[i];
+    SelectorParams p;
+    p.kind = c.kind;
+    p.top_k = 512;
+    p.exact_search = c.asked;
+    p.shortlist = c.shortlist;
+    p.retopk.exact_flat_scan = c.flat_scan;
+    ASSERT_TRUE(p.Validate().ok()) << "case " << i << ": " << p.Validate();
+    ASSERT_TRUE(ResolveExactSearch(c.placement, c.on_device, &p).ok()) << "case " << i;
+    EXPECT_EQ(p.exact_search, c.want) << "case " << i;
+    EXPECT_EQ(p.shortlist, c.want_shortlist) << "case " << i;
+    EXPECT_TRUE(p.Validate().ok()) << "case " << i << ": " << p.Validate();
+  }
+  SelectorParams p;
+  p.kind = SelectorKind::kIndex;
+  p.exact_search = ExactSearch::kShortlist;
+  const absl::Status refused = ResolveExactSearch(cpu, true, &p);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(),
+              HasSubstr("policy.index.exact_search EXACT_SEARCH_SHORTLIST is served by "
+                        "PLACEMENT_TIERED only"));
+  EXPECT_EQ(p.shortlist, 0) << "a refused policy is left as it was";
+}
+
 TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   struct Case {
@@ -668,7 +780,29 @@ TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
   cpu.set_placement(v1::PLACEMENT_CPU);
   v1::Policy flat = ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 64);
   flat.mutable_retopk()->set_exact_flat_scan(true);
+  // policy.index.exact_search's refusals.
+  auto searching = [](v1::Policy p, v1::ExactSearch search) {
+    p.mutable_index()->set_exact_search(search);
+    return p;
+  };
+  v1::Policy flat_graph = ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 0);
+  flat_graph.mutable_retopk()->set_exact_flat_scan(true);
+  flat_graph.mutable_index()->set_exact_search(v1::EXACT_SEARCH_GRAPH);
   const std::vector<Case> cases = {
+      {"policy.index.exact_search EXACT_SEARCH_GRAPH and policy.index.shortlist 64 name two "
+       "exact searches",
+       searching(ShortlistPolicy(v1::SELECTOR_INDEX, 32, 64), v1::EXACT_SEARCH_GRAPH), g},
+      {"policy.index.exact_search EXACT_SEARCH_SHORTLIST applies to the index and retopk "
+       "selectors",
+       searching(ShortlistPolicy(v1::SELECTOR_EXACT_TOPK, 32, 0), v1::EXACT_SEARCH_SHORTLIST), g},
+      {"policy.index.exact_search EXACT_SEARCH_SHORTLIST is served by PLACEMENT_TIERED only",
+       searching(MakePolicy(v1::SELECTOR_INDEX, 32, kSinks, kRecent), v1::EXACT_SEARCH_SHORTLIST),
+       g},
+      {"policy.retopk.exact_flat_scan and policy.index.exact_search EXACT_SEARCH_GRAPH name two "
+       "exact paths",
+       flat_graph, g},
+      {"policy.index.exact_search has the unknown value 7",
+       searching(ShortlistPolicy(v1::SELECTOR_INDEX, 32, 0), static_cast<v1::ExactSearch>(7)), g},
       {"policy.index.shortlist is served by PLACEMENT_TIERED only", cpu, g},
       {"policy.index.shortlist must be >= top_k (32), got 16",
        ShortlistPolicy(v1::SELECTOR_INDEX, 32, 16), g},

@@ -45,9 +45,13 @@ ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per graph (
 ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
 ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
 ABSL_FLAG(int32_t, search_list, 0, "index: beam size of the decode-time search (0: default)");
+ABSL_FLAG(std::string, exact_search, "",
+          "tiered index / retopk: how an exact step finds its top K, graph (the graph index) or "
+          "shortlist (product-quantized scores on the static tier, rescored exactly); empty: "
+          "the server's default (shortlist on a GPU, graph without one)");
 ABSL_FLAG(int32_t, shortlist, 0,
-          "tiered index / retopk: rescore each head's best N keys by product-quantized score on "
-          "the static tier instead of searching the graph (0: the graph)");
+          "tiered index / retopk: the keys N of each head's shortlist, rescored exactly (0: 2 * K "
+          "when the shortlist is the exact search; > 0 asks for the shortlist)");
 ABSL_FLAG(int32_t, search_width, 0,
           "index: candidates the decode-time search expands per round (0: default)");
 ABSL_FLAG(std::string, graph_scope, "",
@@ -117,6 +121,11 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
   index->set_search_list_size(absl::GetFlag(FLAGS_search_list));
   index->set_shortlist(absl::GetFlag(FLAGS_shortlist));
   index->set_search_width(absl::GetFlag(FLAGS_search_width));
+  if (const std::string search = absl::GetFlag(FLAGS_exact_search); !search.empty()) {
+    absl::StatusOr<v1::ExactSearch> parsed = client::ParseExactSearch(search);
+    if (!parsed.ok()) return parsed.status();
+    index->set_exact_search(*parsed);
+  }
   if (const std::string scope = absl::GetFlag(FLAGS_graph_scope); !scope.empty()) {
     absl::StatusOr<v1::GraphScope> parsed = ParseGraphScope(scope);
     if (!parsed.ok()) return parsed.status();

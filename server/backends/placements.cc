@@ -1,5 +1,6 @@
 #include "server/backends/placements.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -53,6 +54,7 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
   if (!gpus.ok()) return gpus.status();
   placements->gpu_ = std::move(gpus->backends);
   placements->tiered_ = std::move(gpus->tiered);
+  placements->tiered_on_device_ = !placements->tiered_.empty();
   placements->no_gpu_reason_ = std::move(gpus->unavailable);
   if (placements->tiered_.empty()) {
     // The static sets in host memory, and with the stand-in the device's share of exact heads
@@ -64,6 +66,40 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
         options.tiered_device_exact_balance));
   }
   return placements;
+}
+
+absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_device,
+                                SelectorParams* selector) {
+  SelectorParams& p = *selector;
+  if (p.kind != SelectorKind::kIndex && p.kind != SelectorKind::kReTopK) return absl::OkStatus();
+  const bool tiered = placement == v1::PLACEMENT_TIERED;
+  if (p.exact_search == ExactSearch::kDefault) {
+    const bool scans = p.kind == SelectorKind::kReTopK && p.retopk.exact_flat_scan;
+    if (p.shortlist > 0) {
+      p.exact_search = ExactSearch::kShortlist;
+    } else if (tiered && !scans) {
+      p.exact_search = static_tier_on_device ? ExactSearch::kShortlist : ExactSearch::kGraph;
+    } else if (!tiered && p.kind == SelectorKind::kIndex) {
+      p.exact_search = ExactSearch::kGraph;
+    }
+    // Else retopk's exact path scans (exact_flat_scan, or the CPU and GPU placements): no
+    // search to name, kDefault stays.
+  }
+  if (p.exact_search != ExactSearch::kShortlist) return absl::OkStatus();
+  if (!tiered) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        p.shortlist > 0 ? "policy.index.shortlist" : "policy.index.exact_search "
+                                                      "EXACT_SEARCH_SHORTLIST",
+        " is served by PLACEMENT_TIERED only (its codes live beside the static set), not by ",
+        v1::Placement_Name(placement)));
+  }
+  if (p.shortlist == 0) p.shortlist = std::min(2 * p.top_k, kMaxTopK);
+  return absl::OkStatus();
+}
+
+absl::Status Placements::ResolveExactSearch(v1::Placement placement,
+                                            SelectorParams* selector) const {
+  return kvrecall::ResolveExactSearch(placement, tiered_on_device_, selector);
 }
 
 absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,

@@ -52,6 +52,18 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
                                                            double tiered_gpu_exact_share = 0.75,
                                                            bool tiered_gpu_exact_balance = true);
 
+// Resolves `selector`'s exact search (policy.index.exact_search) for a session of `placement`,
+// where the tiered placement's static tier is on a device or not. An index or retopk selector's
+// kDefault becomes kShortlist when shortlist > 0 or on a device's tiered tier (its GPU scans the
+// codes: at 128K on the H200 the shortlist of N = 2K finds as much of the exact top K as the
+// graph in about a third of its time, bench/results/tiered_serving.md), else kGraph; it stays
+// kDefault where retopk's exact path scans (exact_flat_scan, the CPU and GPU placements), as it
+// does for the other selectors. kShortlist without an N takes 2 * top_k (its fidelity:
+// bench/results/tiered_tinylm16k.md). INVALID_ARGUMENT for a shortlist asked of a placement
+// other than PLACEMENT_TIERED.
+absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_device,
+                                SelectorParams* selector);
+
 class Placements {
  public:
   // INVALID_ARGUMENT for a device that does not exist; without CUDA (in the build or on the
@@ -63,6 +75,9 @@ class Placements {
   // when the placement has no device here ("no CUDA device"), INVALID_ARGUMENT from the
   // backend's CheckConfig.
   absl::StatusOr<AttentionBackend*> Choose(v1::Placement placement, const LayerConfig& config);
+
+  // ResolveExactSearch for this server's tiered placement (on a device when it has GPUs).
+  absl::Status ResolveExactSearch(v1::Placement placement, SelectorParams* selector) const;
 
   AttentionBackend* cpu() { return &cpu_; }
   // Every GPU-resident backend, one per device.
@@ -78,6 +93,7 @@ class Placements {
   // After gpu_: they charge the budgets the GPU backends own, so they go first.
   std::vector<std::unique_ptr<AttentionBackend>> tiered_;
   std::string no_gpu_reason_;  // why gpu_ is empty
+  bool tiered_on_device_ = false;  // tiered_'s static tiers are GPUs (else host memory)
 };
 
 // The GPU-resident backends of `options` (one per device) or why there are none: implemented by

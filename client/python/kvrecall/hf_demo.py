@@ -6,7 +6,8 @@ give the bytes it gives in the cpu placement. Prints one JSON object (and writes
   python3 -m kvrecall.hf_demo --server 127.0.0.1:50051 --model tinylm-a.npz --text FILE \
       --prompt 1024 --new 64 --batch 2 --policies full exact_topk:64 streaming retopk:64
   python3 -m kvrecall.hf_demo ... --dtype bf16 --prompt 8192 \
-      --policies index:512 tiered/index:512 retopk:512 tiered/retopk:512 --auto-tau
+      --policies index:512 tiered/index:512 retopk:512 tiered/retopk:512 --auto-tau \
+      --exact-search graph
 """
 import argparse
 import json
@@ -33,6 +34,10 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32",
                     help="the model's dtype, hence the sessions' (the GPU tiers hold bf16 / f16)")
     ap.add_argument("--auto-tau", action="store_true", help="retopk policies calibrate tau")
+    ap.add_argument("--exact-search", choices=["graph", "shortlist"],
+                    help="tiered index / retopk policies: the exact search (default: the "
+                         "server's, the shortlist on a GPU; the cpu placement's index is the "
+                         "graph)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     report = {"ok": False}
@@ -94,8 +99,12 @@ def run(a, report):
             runs.append(r)
             try:
                 retopk = {"auto_tau": True} if a.auto_tau and selector == "retopk" else None
+                index = ({"exact_search": "EXACT_SEARCH_" + a.exact_search.upper()}
+                         if a.exact_search and placement == "tiered" and
+                         selector in ("index", "retopk") else None)
                 backend = hf.KvRecallBackend(client, make_policy(
-                    selector, placement=placement, top_k=int(k or 0), retopk=retopk))
+                    selector, placement=placement, top_k=int(k or 0), retopk=retopk,
+                    index=index))
                 t = time.perf_counter()
                 with backend:
                     got = hf.greedy(model, prompt, a.new)

@@ -9,7 +9,8 @@ compare_exact `retained_mass`).
       --runs full exact_topk:512 streaming:512 index:512 retopk:512 --json
 
 A run is selector[:K][/placement][/knob=value...]: the CPU placement unless named (cpu, gpu,
-tiered); knobs of policy.index (e.g. index:512/tiered/shortlist=2048).
+tiered); knobs of policy.index (e.g. index:512/tiered/shortlist=2048,
+index:512/tiered/exact_search=graph).
 
 Every decode step of the trace is replayed in order (ReTopK's cache depends on the steps between
 needles); only the needle steps ask the server for compare_exact diagnostics.
@@ -51,7 +52,8 @@ def policy_for(spec):
     for part in rest:
         if "=" in part:
             key, _, value = part.partition("=")
-            index[key] = int(value)
+            index[key] = ("EXACT_SEARCH_" + value.upper() if key == "exact_search"
+                          else int(value))
         else:
             placement = part
     if selector == "streaming" and k:

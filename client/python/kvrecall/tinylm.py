@@ -185,7 +185,9 @@ def policy_from_args(a):
                                ("max_degree", a.max_degree),
                                ("search_list_size", a.search_list_size),
                                ("search_width", a.search_width),
-                               ("shortlist", a.shortlist)) if v is not None}
+                               ("shortlist", a.shortlist),
+                               ("exact_search", a.exact_search and
+                                "EXACT_SEARCH_" + a.exact_search.upper())) if v}
     return make_policy(a.policy, a.placement, top_k=a.k, sinks=a.sinks, recent=a.recent,
                        retopk=retopk, index=index)
 
@@ -280,6 +282,9 @@ def parser():
                       ("search-list-size", int), ("search-width", int), ("shortlist", int)):
         ap.add_argument("--" + name, type=typ)
     ap.add_argument("--auto-tau", action="store_true", default=None)
+    ap.add_argument("--exact-search", choices=["graph", "shortlist"],
+                    help="tiered index / retopk: how an exact step finds its top K (default: the "
+                         "server's, the shortlist on a GPU and the graph without one)")
     ap.add_argument("--exact-flat-scan", action="store_true", default=None,
                     help="tiered retopk: the exact path scans the bulk instead of the graph")
     ap.add_argument("--cache-dir", default=os.path.join(
