@@ -9,7 +9,9 @@
 // trace per session; or `random`, N(0, 1) keys and values with decode queries that drift at
 // --query_rho (consecutive cosine ~0.97 by default), the structure-free case every index finds
 // hardest. The path mix ReTopK took and, for tiered sessions, each head's bulk time by path are
-// reported. Prints one JSON document.
+// reported; with --fidelity_steps, untimed steps after each run measure the heads' support
+// recall, retained mass and output cosine against full attention (compare_exact). Prints one
+// JSON document.
 //
 //   gpu_serving_bench --server=127.0.0.1:PORT --out=gpu_serving.json
 #include <algorithm>
@@ -64,6 +66,9 @@ ABSL_FLAG(int32_t, shortlist, 0,
 ABSL_FLAG(std::string, exact_search, "",
           "tiered index / retopk: graph or shortlist (policy.index.exact_search; empty: the "
           "server's default, the shortlist on a GPU)");
+ABSL_FLAG(int32_t, fidelity_steps, 0,
+          "after each run's timed steps, this many more with compare_exact (untimed): the "
+          "heads' mean support recall, retained mass and output cosine against full attention");
 ABSL_FLAG(int32_t, search_list_size, 0,
           "the graph index's search list (policy.index.search_list_size; 0: the server's "
           "default)");
@@ -322,6 +327,11 @@ int Main() {
                    absl::GetFlag(FLAGS_head_dim)};
   const int steps = absl::GetFlag(FLAGS_steps);
   const int warmup = absl::GetFlag(FLAGS_warmup);
+  const int fidelity_steps = absl::GetFlag(FLAGS_fidelity_steps);
+  if (fidelity_steps < 0) {
+    Check(absl::InvalidArgumentError(absl::StrCat("must be >= 0, got ", fidelity_steps)),
+          "--fidelity_steps");
+  }
   const int top_k = absl::GetFlag(FLAGS_top_k);
   absl::StatusOr<v1::Placement> placement = client::ParsePlacement(absl::GetFlag(FLAGS_placement));
   Check(placement.status(), "--placement");
@@ -383,7 +393,8 @@ int Main() {
       std::vector<std::string> ids(max_batch);
       std::vector<std::vector<float>> queries(max_batch);
       std::vector<SyntheticTrace> traces;
-      const int total_steps = with_queries + (warmup + steps) * static_cast<int>(runs.size());
+      const int total_steps =
+          with_queries + (warmup + steps + fidelity_steps) * static_cast<int>(runs.size());
       for (int b = 0; b < max_batch; ++b) {
         v1::CreateSessionRequest request;
         v1::Geometry* geo = request.mutable_geometry();
@@ -464,11 +475,16 @@ int Main() {
         // and the last ended, and their summed time (over the span: how many ran at once).
         std::vector<double> heads_first_start, heads_last_end, heads_busy, heads_concurrency;
         json head_intervals = json::array();  // the last steps' [path, start, micros, keys]
-        for (int i = 0; i < warmup + steps; ++i, ++step_index) {
+        // The fidelity steps' sums over heads (support recall, retained mass, output cosine).
+        double fidelity_sums[3] = {};
+        int64_t fidelity_heads = 0;
+        for (int i = 0; i < warmup + steps + fidelity_steps; ++i, ++step_index) {
+          const bool fidelity_step = i >= warmup + steps;
           request.Clear();
           request.set_layer(0);
           request.set_diagnostics(*selector == v1::SELECTOR_RETOPK ||
                                   *placement == v1::PLACEMENT_TIERED);
+          request.set_compare_exact(fidelity_step);
           for (int b = 0; b < batch; ++b) {
             v1::SequenceStep* s = request.add_steps();
             s->set_session_id(ids[b]);
@@ -500,6 +516,17 @@ int Main() {
             Check(stream->Finish(), "Decode");
           }
           const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          if (fidelity_step) {
+            for (const v1::SequenceResult& r : response.results()) {
+              for (const v1::HeadDiagnostics& h : r.heads()) {
+                fidelity_sums[0] += h.support_recall();
+                fidelity_sums[1] += h.retained_mass();
+                fidelity_sums[2] += h.output_cosine();
+                ++fidelity_heads;
+              }
+            }
+            continue;
+          }
           if (i < warmup) continue;
           e2e.push_back(us);
           server.push_back(response.server_micros());
@@ -546,6 +573,18 @@ int Main() {
           }
         }
         const double heads = static_cast<double>(steps) * batch * g.q_heads;
+        json fidelity = nullptr;
+        if (fidelity_heads > 0) {
+          const auto n = static_cast<double>(fidelity_heads);
+          fidelity = {{"steps", fidelity_steps},
+                      {"support_recall", fidelity_sums[0] / n},
+                      {"retained_mass", fidelity_sums[1] / n},
+                      {"output_cosine", fidelity_sums[2] / n}};
+          std::fprintf(stderr, "%s %d x%d fidelity over %d steps: support recall %.4f, retained "
+                       "mass %.4f, output cosine %.5f\n", selector_name.c_str(), context, batch,
+                       fidelity_steps, fidelity_sums[0] / n, fidelity_sums[1] / n,
+                       fidelity_sums[2] / n);
+        }
         json rec = {{"selector", selector_name},
                     {"placement", absl::GetFlag(FLAGS_placement)},
                     {"context", context},
@@ -554,6 +593,7 @@ int Main() {
                     // The sessions' effective exact search and shortlist N (0: none).
                     {"exact_search", client::ExactSearchName(effective.index().exact_search())},
                     {"effective_shortlist", effective.index().shortlist()},
+                    {"fidelity", fidelity},
                     {"e2e_p50_us", client::Percentile(e2e, 0.5)},
                     {"e2e_p99_us", client::Percentile(e2e, 0.99)},
                     {"server_p50_us", client::Percentile(server, 0.5)},

@@ -111,9 +111,11 @@ absl::Status SelectorParams::Validate() const {
     return invalid("policy.index.exact_search EXACT_SEARCH_GRAPH and policy.index.shortlist ",
                    shortlist, " name two exact searches; set one");
   }
-  if (shortlist > 0 || exact_search == ExactSearch::kShortlist) {
+  if (shortlist > 0 || exact_search != ExactSearch::kDefault) {
     const char* field = shortlist > 0 ? "policy.index.shortlist"
-                                      : "policy.index.exact_search EXACT_SEARCH_SHORTLIST";
+                        : exact_search == ExactSearch::kGraph
+                            ? "policy.index.exact_search EXACT_SEARCH_GRAPH"
+                            : "policy.index.exact_search EXACT_SEARCH_SHORTLIST";
     if (kind != SelectorKind::kIndex && kind != SelectorKind::kReTopK) {
       return invalid(field, " applies to the index and retopk selectors");
     }
@@ -123,11 +125,11 @@ absl::Status SelectorParams::Validate() const {
   }
   if (kind == SelectorKind::kReTopK && retopk.exact_flat_scan &&
       (shortlist > 0 || exact_search != ExactSearch::kDefault)) {
-    const char* other = shortlist > 0 ? "policy.index.shortlist"
+    const char* field = shortlist > 0 ? "policy.index.shortlist"
                         : exact_search == ExactSearch::kGraph
                             ? "policy.index.exact_search EXACT_SEARCH_GRAPH"
                             : "policy.index.exact_search EXACT_SEARCH_SHORTLIST";
-    return invalid("policy.retopk.exact_flat_scan and ", other, " name two exact paths; set one");
+    return invalid("policy.retopk.exact_flat_scan and ", field, " name two exact paths; set one");
   }
   const GraphIndexParams& g = index;
   if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||

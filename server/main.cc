@@ -72,7 +72,8 @@ ABSL_FLAG(bool, cuda_graphs, true,
           "GPU decode steps replay a CUDA graph captured once per request shape (batch, knobs, "
           "history bucket) instead of launching each copy and kernel");
 ABSL_FLAG(double, tiered_gpu_exact_share, 0.75,
-          "in PLACEMENT_TIERED with policy.index.shortlist and SELECTOR_INDEX or SELECTOR_RETOPK, "
+          "in PLACEMENT_TIERED with the shortlist exact search (policy.index.exact_search, the "
+          "default on a GPU) and SELECTOR_INDEX or SELECTOR_RETOPK, "
           "the share of a layer's query heads whose exact paths may run on the GPU, reading the "
           "host's KV over PCIe, while the host's threads take the rest (retopk: of the heads "
           "whose cache match sends them to the exact path); 0 to 1 (0: all on the host); with "

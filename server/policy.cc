@@ -156,6 +156,20 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   absl::StatusOr<ExactSearch> search = ExactSearchFromProto(g.exact_search());
   if (!search.ok()) return search.status();
   p.exact_search = *search;
+  // A client that tunes the graph asks for it: where the search is unset (and no shortlist N
+  // is given), the graph's knobs name the graph wherever it could run (so that the GPU's default
+  // shortlist does not ignore them silently).
+  const bool graph_knobs = g.build_queries() != 0 || g.build_topk() != 0 || g.max_degree() != 0 ||
+                           g.search_list_size() != 0 || g.search_width() != 0 ||
+                           g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED;
+  const bool graph_could_run =
+      p.kind == SelectorKind::kIndex ||
+      (p.kind == SelectorKind::kReTopK && out.placement == v1::PLACEMENT_TIERED &&
+       !p.retopk.exact_flat_scan);
+  if (p.exact_search == ExactSearch::kDefault && p.shortlist == 0 && graph_knobs &&
+      graph_could_run) {
+    p.exact_search = ExactSearch::kGraph;
+  }
 
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   return out;

@@ -693,6 +693,34 @@ TEST_F(TieredShortlistTest, TheExactSearchIsTheShortlistOnAGpuAndTheGraphWithout
     EXPECT_EQ(info->policy().index().exact_search(), run.search) << run.id;
     EXPECT_EQ(info->policy().index().shortlist(), run.n) << run.id;
   }
+  // ReTopK's exact path takes the same default; a graph knob asks for the graph; a scan or
+  // another selector searches no index. As CreateSession echoes them.
+  v1::Policy retopk = MakePolicy(v1::SELECTOR_RETOPK, k, kSinks, kRecent);
+  retopk.set_placement(v1::PLACEMENT_TIERED);
+  v1::Policy tuned = unset;
+  tuned.mutable_index()->set_search_width(2);
+  v1::Policy scans = retopk;
+  scans.mutable_retopk()->set_exact_flat_scan(true);
+  v1::Policy exact_topk = MakePolicy(v1::SELECTOR_EXACT_TOPK, k, kSinks, kRecent);
+  exact_topk.set_placement(v1::PLACEMENT_TIERED);
+  const struct {
+    v1::Policy policy;
+    v1::ExactSearch search;
+    int n;
+  } echoes[] = {
+      {retopk, gpu_tier() ? v1::EXACT_SEARCH_SHORTLIST : v1::EXACT_SEARCH_GRAPH,
+       gpu_tier() ? 2 * k : 0},
+      {tuned, v1::EXACT_SEARCH_GRAPH, 0},
+      {scans, v1::EXACT_SEARCH_UNSPECIFIED, 0},
+      {exact_topk, v1::EXACT_SEARCH_UNSPECIFIED, 0},
+  };
+  for (const auto& echo : echoes) {
+    v1::CreateSessionResponse created;
+    absl::StatusOr<std::string> id = CreateSession(stub(), g, echo.policy, &created);
+    ASSERT_TRUE(id.ok()) << id.status();
+    EXPECT_EQ(created.policy().index().exact_search(), echo.search) << echo.policy.DebugString();
+    EXPECT_EQ(created.policy().index().shortlist(), echo.n) << echo.policy.DebugString();
+  }
   DecodeClient client(stub());
   for (int step = 0; step < 6; ++step) {
     const ReferenceSession::Token token = ref.MakeToken(700 + step);
@@ -725,6 +753,7 @@ TEST(ResolveExactSearchTest, TheDefaultFollowsThePlacementAndItsDevice) {
     bool flat_scan;
     ExactSearch want;
     int want_shortlist;
+    int top_k = 512;
   };
   using E = ExactSearch;
   const v1::Placement tiered = v1::PLACEMENT_TIERED, cpu = v1::PLACEMENT_CPU;
@@ -738,6 +767,10 @@ TEST(ResolveExactSearchTest, TheDefaultFollowsThePlacementAndItsDevice) {
       {tiered, SelectorKind::kIndex, false, E::kShortlist, 0, false, E::kShortlist, 1024},
       {tiered, SelectorKind::kIndex, false, E::kDefault, 600, false, E::kShortlist, 600},
       {tiered, SelectorKind::kIndex, true, E::kShortlist, 3000, false, E::kShortlist, 3000},
+      {tiered, SelectorKind::kIndex, true, E::kDefault, 0, false, E::kShortlist, kMaxTopK,
+       kMaxTopK},
+      {tiered, SelectorKind::kIndex, true, E::kDefault, 0, false, E::kShortlist, kMaxTopK,
+       kMaxTopK / 2 + 1},
       {cpu, SelectorKind::kIndex, true, E::kDefault, 0, false, E::kGraph, 0},
       {cpu, SelectorKind::kReTopK, true, E::kDefault, 0, false, E::kDefault, 0},
       {v1::PLACEMENT_GPU, SelectorKind::kReTopK, true, E::kDefault, 0, false, E::kDefault, 0},
@@ -748,7 +781,7 @@ TEST(ResolveExactSearchTest, TheDefaultFollowsThePlacementAndItsDevice) {
     const Case& c = cases[i];
     SelectorParams p;
     p.kind = c.kind;
-    p.top_k = 512;
+    p.top_k = c.top_k;
     p.exact_search = c.asked;
     p.shortlist = c.shortlist;
     p.retopk.exact_flat_scan = c.flat_scan;
@@ -758,15 +791,32 @@ TEST(ResolveExactSearchTest, TheDefaultFollowsThePlacementAndItsDevice) {
     EXPECT_EQ(p.shortlist, c.want_shortlist) << "case " << i;
     EXPECT_TRUE(p.Validate().ok()) << "case " << i << ": " << p.Validate();
   }
-  SelectorParams p;
-  p.kind = SelectorKind::kIndex;
-  p.exact_search = ExactSearch::kShortlist;
-  const absl::Status refused = ResolveExactSearch(cpu, true, &p);
-  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(refused.message(),
-              HasSubstr("policy.index.exact_search EXACT_SEARCH_SHORTLIST is served by "
-                        "PLACEMENT_TIERED only"));
-  EXPECT_EQ(p.shortlist, 0) << "a refused policy is left as it was";
+  // Refusals leave the policy as it was.
+  const struct {
+    SelectorKind kind;
+    ExactSearch asked;
+    int shortlist;
+    const char* message;
+  } refusals[] = {
+      {SelectorKind::kIndex, ExactSearch::kShortlist, 0,
+       "policy.index.exact_search EXACT_SEARCH_SHORTLIST is served by PLACEMENT_TIERED only"},
+      {SelectorKind::kIndex, ExactSearch::kDefault, 600,
+       "policy.index.shortlist is served by PLACEMENT_TIERED only"},
+      {SelectorKind::kReTopK, ExactSearch::kGraph, 0,
+       "policy.index.exact_search applies to retopk in PLACEMENT_TIERED only: in PLACEMENT_CPU "
+       "its exact path scans"},
+  };
+  for (const auto& r : refusals) {
+    SelectorParams p;
+    p.kind = r.kind;
+    p.exact_search = r.asked;
+    p.shortlist = r.shortlist;
+    const absl::Status refused = ResolveExactSearch(cpu, true, &p);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << r.message;
+    EXPECT_THAT(refused.message(), HasSubstr(r.message));
+    EXPECT_EQ(p.exact_search, r.asked) << r.message;
+    EXPECT_EQ(p.shortlist, r.shortlist) << r.message;
+  }
 }
 
 TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
@@ -803,6 +853,11 @@ TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
        flat_graph, g},
       {"policy.index.exact_search has the unknown value 7",
        searching(ShortlistPolicy(v1::SELECTOR_INDEX, 32, 0), static_cast<v1::ExactSearch>(7)), g},
+      {"policy.index.exact_search EXACT_SEARCH_GRAPH applies to the index and retopk selectors",
+       searching(ShortlistPolicy(v1::SELECTOR_EXACT_TOPK, 32, 0), v1::EXACT_SEARCH_GRAPH), g},
+      {"policy.index.exact_search applies to retopk in PLACEMENT_TIERED only",
+       searching(MakePolicy(v1::SELECTOR_RETOPK, 32, kSinks, kRecent), v1::EXACT_SEARCH_GRAPH),
+       g},
       {"policy.index.shortlist is served by PLACEMENT_TIERED only", cpu, g},
       {"policy.index.shortlist must be >= top_k (32), got 16",
        ShortlistPolicy(v1::SELECTOR_INDEX, 32, 16), g},

@@ -73,6 +73,21 @@ absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_dev
   SelectorParams& p = *selector;
   if (p.kind != SelectorKind::kIndex && p.kind != SelectorKind::kReTopK) return absl::OkStatus();
   const bool tiered = placement == v1::PLACEMENT_TIERED;
+  if (p.shortlist > 0 || p.exact_search == ExactSearch::kShortlist) {
+    if (!tiered) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p.shortlist > 0 ? "policy.index.shortlist"
+                          : "policy.index.exact_search EXACT_SEARCH_SHORTLIST",
+          " is served by PLACEMENT_TIERED only (its codes live beside the static set), not by ",
+          v1::Placement_Name(placement)));
+    }
+  } else if (!tiered && p.kind == SelectorKind::kReTopK &&
+             p.exact_search != ExactSearch::kDefault) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "policy.index.exact_search applies to retopk in PLACEMENT_TIERED only: in ",
+        v1::Placement_Name(placement), " its exact path scans the whole context"));
+  }
+  // Refusals are above: what follows only resolves.
   if (p.exact_search == ExactSearch::kDefault) {
     const bool scans = p.kind == SelectorKind::kReTopK && p.retopk.exact_flat_scan;
     if (p.shortlist > 0) {
@@ -85,15 +100,9 @@ absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_dev
     // Else retopk's exact path scans (exact_flat_scan, or the CPU and GPU placements): no
     // search to name, kDefault stays.
   }
-  if (p.exact_search != ExactSearch::kShortlist) return absl::OkStatus();
-  if (!tiered) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        p.shortlist > 0 ? "policy.index.shortlist" : "policy.index.exact_search "
-                                                      "EXACT_SEARCH_SHORTLIST",
-        " is served by PLACEMENT_TIERED only (its codes live beside the static set), not by ",
-        v1::Placement_Name(placement)));
+  if (p.exact_search == ExactSearch::kShortlist && p.shortlist == 0) {
+    p.shortlist = std::min(2 * p.top_k, kMaxTopK);
   }
-  if (p.shortlist == 0) p.shortlist = std::min(2 * p.top_k, kMaxTopK);
   return absl::OkStatus();
 }
 
@@ -104,6 +113,7 @@ absl::Status Placements::ResolveExactSearch(v1::Placement placement,
 
 absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
                                                      const LayerConfig& config) {
+  // (ResolveExactSearch refuses this first for a session; Choose is also called on its own.)
   if (config.selector.shortlist > 0 && placement != v1::PLACEMENT_TIERED) {
     return absl::InvalidArgumentError(absl::StrCat(
         "policy.index.shortlist is served by PLACEMENT_TIERED only (its codes live beside the "

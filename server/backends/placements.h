@@ -59,8 +59,9 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
 // graph in about a third of its time, bench/results/tiered_serving.md), else kGraph; it stays
 // kDefault where retopk's exact path scans (exact_flat_scan, the CPU and GPU placements), as it
 // does for the other selectors. kShortlist without an N takes 2 * top_k (its fidelity:
-// bench/results/tiered_tinylm16k.md). INVALID_ARGUMENT for a shortlist asked of a placement
-// other than PLACEMENT_TIERED.
+// bench/results/tiered_tinylm16k.md), clamped to kMaxTopK. INVALID_ARGUMENT, with `selector`
+// unchanged, for a shortlist asked of a placement other than PLACEMENT_TIERED, or any exact
+// search named for retopk there (its exact path scans the whole context).
 absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_device,
                                 SelectorParams* selector);
 

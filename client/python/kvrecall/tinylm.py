@@ -286,7 +286,7 @@ def parser():
                     help="tiered index / retopk: how an exact step finds its top K (default: the "
                          "server's, the shortlist on a GPU and the graph without one)")
     ap.add_argument("--exact-flat-scan", action="store_true", default=None,
-                    help="tiered retopk: the exact path scans the bulk instead of the graph")
+                    help="tiered retopk: the exact path scans the bulk instead of the exact search")
     ap.add_argument("--cache-dir", default=os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvrecall"),
         help="where prefill q/k/v are cached per model and text window ('' disables)")
