@@ -242,6 +242,9 @@ class SmallBudgetTest : public HardeningTest {
   ServerOptions Options() const override {
     ServerOptions options;
     options.host_memory_budget_bytes = 50ll << 20;
+    // No GPU: the host budget is what these tests hold, and their tiered sessions (f32, which
+    // a GPU's tiered placement refuses) keep their static sets in host memory on any machine.
+    options.placements.gpus.emplace();
     return options;
   }
 };
