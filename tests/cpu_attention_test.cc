@@ -390,7 +390,8 @@ std::vector<int32_t> ReferenceTopK(const std::vector<float>& scores, int k) {
 
 TEST(TopKPositionsTest, MatchesASortOfEveryScore) {
   std::mt19937 rng(7);
-  for (int n : {1, 2, 9, 300, 1537, 5000}) {
+  // Both ways TopKPositions sorts: by comparison up to 64 scores, by radix above.
+  for (int n : {1, 2, 9, 32, 64, 65, 300, 1537, 5000}) {
     for (int distinct : {1, 3, 50, 0}) {  // 0: continuous scores, else that many values
       std::vector<float> scores = RandomNormal(n, 1000 + n + distinct, 3.0f);
       if (distinct > 0) {
