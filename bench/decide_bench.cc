@@ -1,7 +1,7 @@
 // Where a tiered ReTopK step's `decide` time goes (issue 15): the cache match of every query
 // head (ReTopKHead::Decide, 32 cosines of d = 128 against its C = 32 cached queries) run as
 // TieredBackend runs it, one loop on the process's compute pool right after the step's launch,
-// split into the pool's wake-up and the caches' cold reads.
+// its cold pass (sleeping workers, the caches' cold reads) against the warm loop.
 //
 // One "step" mimics the server's between two decisions:
 //   1. the bulk: a loop over every worker streaming --evict_mb of memory (the heads' scattered
@@ -11,11 +11,13 @@
 //   3. the client's round trip: --gap_us of sleep (workers past their spin sleep in futex);
 //   4. the timed decision loop: ParallelFor(heads, threads, Decide) for each --threads;
 // and then, untimed, each head's decided query pushed into its cache, as a step does. Each
-// step also times, after the same prelude, an empty loop on 16 threads (the wake-up alone) and
-// the same decisions again right after (warm caches, awake pool).
+// step also times the same decisions again right after (warm caches, awake pool) and, after the
+// same prelude, an empty loop of 16 items on 16 threads (`empty_loop_16_us`: the caller's wake
+// call and the loop's overhead; the caller may run every item before a worker arrives, so it is
+// not the workers' wake-up, which cold minus warm shows).
 //
 // Prints one JSON object: per thread count the cold and warm decisions' percentiles, and the
-// wake-up's.
+// empty loop's.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -77,9 +79,11 @@ int Main() {
   const int steps = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
   const int finish_threads = absl::GetFlag(FLAGS_finish_threads);
   const auto gap = std::chrono::microseconds(absl::GetFlag(FLAGS_gap_us));
+  const int workers = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   if (heads < 1 || d < 1 || capacity < 1 || steps < 1 || warmup < 0 ||
-      absl::GetFlag(FLAGS_evict_mb) < 1 || finish_threads < 0) {
-    std::fprintf(stderr, "sizes must be positive\n");
+      absl::GetFlag(FLAGS_evict_mb) < 1 || finish_threads < 0 || finish_threads > workers) {
+    std::fprintf(stderr, "sizes must be positive, --finish_threads at most the %d cores\n",
+                 workers);
     return 2;
   }
   cpu::ThreadPool::Configure(
@@ -115,7 +119,6 @@ int Main() {
   }
 
   // The bulk stand-in: every worker streams its share of a buffer larger than the CPU caches.
-  const int workers = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   std::vector<uint64_t> evict(static_cast<size_t>(absl::GetFlag(FLAGS_evict_mb)) << 17, 1);
   std::vector<uint64_t> sums(workers);
   auto prelude = [&] {
@@ -141,7 +144,7 @@ int Main() {
                         {"spin_us", absl::GetFlag(FLAGS_spin_us)},
                         {"runs", nlohmann::json::array()}};
   for (int threads : Ints(absl::GetFlag(FLAGS_threads))) {
-    std::vector<double> cold, warm, wake;
+    std::vector<double> cold, warm, empty_loop;
     for (int s = 0; s < warmup + steps; ++s) {
       next_queries();
       prelude();
@@ -155,19 +158,20 @@ int Main() {
       prelude();
       t0 = Clock::now();
       pool.ParallelFor(16, 16, [](int64_t) {});
-      const double wake_us = MicrosSince(t0);
+      const double empty_loop_us = MicrosSince(t0);
       if (s < warmup) continue;
       cold.push_back(cold_us);
       warm.push_back(warm_us);
-      wake.push_back(wake_us);
+      empty_loop.push_back(empty_loop_us);
     }
     doc["runs"].push_back({{"threads", threads},
                            {"decide_cold_us", Percentiles(cold)},
                            {"decide_warm_us", Percentiles(warm)},
-                           {"wake_16_us", Percentiles(wake)}});
-    std::fprintf(stderr, "threads %2d: decide cold p50 %.1f us, warm %.1f, wake(16) %.1f\n",
+                           {"empty_loop_16_us", Percentiles(empty_loop)}});
+    std::fprintf(stderr, "threads %2d: decide cold p50 %.1f us, warm %.1f, empty loop(16) %.1f\n",
                  threads, Percentiles(cold)["p50"].get<double>(),
-                 Percentiles(warm)["p50"].get<double>(), Percentiles(wake)["p50"].get<double>());
+                 Percentiles(warm)["p50"].get<double>(),
+                 Percentiles(empty_loop)["p50"].get<double>());
   }
   std::printf("%s\n", doc.dump(1).c_str());
   return 0;
