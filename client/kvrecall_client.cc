@@ -150,15 +150,21 @@ absl::Status PrefillStream::SendLayer(int layer, std::span<const float> q, std::
   const int64_t q_row = int64_t{g.q_heads()} * g.head_dim();
   const int64_t kv_row = int64_t{g.kv_heads()} * g.head_dim();
   const int64_t tokens = kv_row > 0 ? static_cast<int64_t>(k.size()) / kv_row : 0;
+  const bool no_queries = session_.prompt_queries == 0;
   if (tokens < 1 || static_cast<int64_t>(k.size()) != tokens * kv_row || v.size() != k.size() ||
-      static_cast<int64_t>(q.size()) != tokens * q_row) {
+      (static_cast<int64_t>(q.size()) != tokens * q_row && !(no_queries && q.empty()))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prefill layer ", layer, ": q, k, v hold ", q.size(), ", ", k.size(), ", ", v.size(),
         " floats; want T * ", q_row, ", T * ", kv_row, ", T * ", kv_row, " for T >= 1 (q_heads=",
         g.q_heads(), ", kv_heads=", g.kv_heads(), ", head_dim=", g.head_dim(), ")"));
   }
-  const int64_t token_bytes = (q_row + 2 * kv_row) * static_cast<int64_t>(DTypeSize(g.dtype()));
+  const int64_t element = DTypeSize(g.dtype());
+  const int64_t token_bytes = (q_row + 2 * kv_row) * element;
   const int64_t chunk_tokens = std::max<int64_t>(1, options_.max_chunk_bytes / token_bytes);
+  // The first token whose query the session needs (the chunks before it leave q out).
+  const int64_t queries_from = session_.prompt_queries < 0
+                                   ? 0
+                                   : std::max<int64_t>(0, tokens - session_.prompt_queries);
   chunk_.set_session_id(session_.id);
   chunk_.set_layer(layer);
   for (int64_t begin = 0; begin < tokens; begin += chunk_tokens) {
@@ -166,14 +172,19 @@ absl::Status PrefillStream::SendLayer(int layer, std::span<const float> q, std::
     const int64_t q_shape[] = {n, g.q_heads(), g.head_dim()};
     const int64_t kv_shape[] = {n, g.kv_heads(), g.head_dim()};
     chunk_.set_offset(begin);
-    EncodeTensor(q.subspan(begin * q_row, n * q_row), q_shape, g.dtype(), false,
-                 chunk_.mutable_q());
+    const bool with_q = begin + n > queries_from;
+    if (with_q) {
+      EncodeTensor(q.subspan(begin * q_row, n * q_row), q_shape, g.dtype(), false,
+                   chunk_.mutable_q());
+    } else {
+      chunk_.clear_q();
+    }
     EncodeTensor(k.subspan(begin * kv_row, n * kv_row), kv_shape, g.dtype(), false,
                  chunk_.mutable_k());
     EncodeTensor(v.subspan(begin * kv_row, n * kv_row), kv_shape, g.dtype(), false,
                  chunk_.mutable_v());
     if (!writer_->Write(chunk_)) return Fail();
-    bytes_sent_ += n * token_bytes;
+    bytes_sent_ += n * (with_q ? token_bytes : 2 * kv_row * element);
     if (options_.progress) options_.progress({layer, begin + n, tokens, bytes_sent_});
   }
   return absl::OkStatus();
@@ -593,7 +604,8 @@ absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry
       !s.ok()) {
     return s;
   }
-  return SessionHandle{response.session_id(), geometry, response.policy()};
+  return SessionHandle{response.session_id(), geometry, response.policy(),
+                       response.has_prompt_queries() ? response.prompt_queries() : -1};
 }
 
 absl::StatusOr<std::unique_ptr<PrefillStream>> Client::StartPrefill(const SessionHandle& session,

@@ -51,13 +51,16 @@ struct SessionHandle {
   std::string id;
   v1::Geometry geometry;
   v1::Policy policy;
+  // The prompt's last tokens whose queries the session needs (CreateSessionResponse's
+  // prompt_queries): 0 none, -1 all. PrefillStream sends q for those alone.
+  int64_t prompt_queries = -1;
 };
 
 struct PrefillProgress {
   int layer = 0;
   int64_t layer_tokens_sent = 0;
   int64_t layer_tokens = 0;
-  int64_t bytes_sent = 0;  // tensor bytes sent on this stream so far, all layers
+  int64_t bytes_sent = 0;  // tensor bytes sent on this stream so far, all layers (q as sent)
 };
 
 struct PrefillOptions {
@@ -75,7 +78,9 @@ class PrefillStream {
  public:
   ~PrefillStream();
 
-  // q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim]; T >= 1.
+  // q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim]; T >= 1. Only the chunks that
+  // hold the session's needed queries (SessionHandle::prompt_queries) carry q; q may be empty
+  // when the session needs none.
   absl::Status SendLayer(int layer, std::span<const float> q, std::span<const float> k,
                          std::span<const float> v);
   absl::StatusOr<v1::PrefillResponse> Finish();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -880,6 +881,11 @@ absl::Status KvRecallService::DoCreateSession(absl::string_view tenant,
   if (!session.ok()) return session.status();
   response->set_session_id((*session)->id());
   *response->mutable_policy() = PolicyToProto((*session)->policy());
+  // The backend's rule for a prompt of any length: a bound below it is a tail of that many.
+  constexpr int64_t kAnyLength = std::numeric_limits<int64_t>::max();
+  const int64_t needed =
+      (*session)->backend()->PromptQueriesNeeded((*session)->layer_config(), kAnyLength);
+  response->set_prompt_queries(needed == kAnyLength ? -1 : needed);
   return absl::OkStatus();
 }
 

@@ -110,7 +110,10 @@ TEST_F(ClientTest, PrefillsInChunksThenDecodesFullAttentionExactly) {
     EXPECT_EQ(progress[29].layer, 0);
     EXPECT_EQ(progress[29].layer_tokens_sent, 300);
     EXPECT_EQ(progress[30].layer_tokens_sent, 10);
-    EXPECT_EQ(progress.back().bytes_sent, 2 * tokens * token_bytes);
+    // Full attention needs no prompt queries: every chunk leaves q out.
+    EXPECT_EQ(session->prompt_queries, 0);
+    const int64_t kv_token_bytes = 2 * 2 * 16 * (dtype == v1::DTYPE_F32 ? 4 : 2);
+    EXPECT_EQ(progress.back().bytes_sent, 2 * tokens * kv_token_bytes);
 
     absl::StatusOr<v1::SessionInfo> info = client_->GetSession(session->id);
     ASSERT_TRUE(info.ok());
@@ -148,6 +151,56 @@ TEST_F(ClientTest, PrefillsInChunksThenDecodesFullAttentionExactly) {
       }
     }
     EXPECT_TRUE((*decode)->Close().ok());
+  }
+}
+
+// CreateSession says which prompt queries a session needs (CreateSessionResponse's
+// prompt_queries), and the prefill sends q in the chunks that hold them alone: none for
+// exact_topk, ReTopK's last C (+256 with auto_tau), every one for the graph index; the server
+// commits each (it refuses a prefill that lacks needed queries).
+TEST_F(ClientTest, PrefillSendsTheQueriesTheSessionNeedsAlone) {
+  const v1::Geometry g = testing::MakeGeometry(1, 4, 2, 16, v1::DTYPE_F32);
+  const int64_t tokens = 700;
+  const RandomPrompt prompt(g, tokens, 11);
+  const int64_t q_bytes = 4 * 16 * 4, kv_bytes = 2 * 2 * 16 * 4;
+  v1::Policy auto_tau = testing::MakePolicy(v1::SELECTOR_RETOPK);
+  auto_tau.mutable_retopk()->set_auto_tau(true);
+  const struct {
+    v1::Policy policy;
+    int64_t prompt_queries;
+  } cases[] = {
+      {testing::MakePolicy(v1::SELECTOR_EXACT_TOPK), 0},
+      {testing::MakePolicy(v1::SELECTOR_RETOPK), 32},
+      {auto_tau, 32 + 256},
+      {testing::MakePolicy(v1::SELECTOR_INDEX), -1},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.policy.DebugString());
+    absl::StatusOr<SessionHandle> session = client_->CreateSession(g, c.policy);
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_EQ(session->prompt_queries, c.prompt_queries);
+    // Chunks of 50 tokens: q goes with those that end after the first needed query.
+    PrefillOptions options;
+    options.max_chunk_bytes = 50 * (q_bytes + kv_bytes);
+    int64_t bytes_sent = 0;
+    options.progress = [&](const PrefillProgress& p) { bytes_sent = p.bytes_sent; };
+    absl::StatusOr<std::unique_ptr<PrefillStream>> stream =
+        client_->StartPrefill(*session, options);
+    ASSERT_TRUE(stream.ok());
+    const std::vector<float> no_q;
+    ASSERT_TRUE((*stream)
+                    ->SendLayer(0, c.prompt_queries == 0 ? no_q : prompt.q[0], prompt.k[0],
+                                prompt.v[0])
+                    .ok());
+    absl::StatusOr<v1::PrefillResponse> prefilled = (*stream)->Finish();
+    ASSERT_TRUE(prefilled.ok()) << prefilled.status();
+    const int64_t queries_from = c.prompt_queries < 0 ? 0 : tokens - c.prompt_queries;
+    int64_t want = 0;
+    for (int64_t begin = 0; begin < tokens; begin += 50) {
+      want += 50 * (kv_bytes + (begin + 50 > queries_from ? q_bytes : 0));
+    }
+    EXPECT_EQ(bytes_sent, want);
+    EXPECT_EQ(prefilled->tokens(), tokens);
   }
 }
 

@@ -122,6 +122,32 @@ class ClientTest(ServerTest):
         self.assertEqual(info.tokens, self.T + 3)
         self.assertEqual(info.decode_steps, 3 * self.L)
 
+    def test_prefill_sends_only_the_queries_the_session_needs(self):
+        # CreateSession's prompt_queries: none for exact_topk, ReTopK's last C = 32, every one
+        # for the graph index; the chunks carry q from the first needed one on, and the server
+        # commits each prompt (it refuses one that lacks needed queries).
+        g = make_geometry(self.L, self.HQ, self.HKV, self.D, "f32")
+        for policy, needed, chunks_with_q in (("exact_topk", 0, 0), ("retopk", 32, 1),
+                                              ("index", -1, 5)):
+            with self.subTest(policy=policy):
+                s = self.client.create_session(g, make_policy(policy))
+                self.addCleanup(s.close)
+                self.assertEqual(s.prompt_queries, needed)
+                layers = self.prompt(5)
+                if needed == 0:
+                    layers = [(None, k, v) for _, k, v in layers]
+                with_q = [c.HasField("q") for c in s._chunks(enumerate(layers), 64)]
+                self.assertEqual(len(with_q), 5 * self.L)  # 300 tokens in chunks of 64
+                self.assertEqual(sum(with_q), chunks_with_q * self.L)
+                self.assertEqual(with_q[:5],
+                                 [False] * (5 - chunks_with_q) + [True] * chunks_with_q)
+                r = s.prefill(layers, chunk_tokens=64)
+                self.assertEqual((r.layers_committed, r.tokens), (self.L, self.T))
+        s = self.client.create_session(g, make_policy("retopk"))
+        self.addCleanup(s.close)
+        with self.assertRaisesRegex(ValueError, "q may be None only for a session that needs"):
+            s.prefill([(None, k, v) for _, k, v in self.prompt(5)])
+
     def test_a_tiered_reply_says_where_its_time_went(self):
         # bf16: on a machine with a GPU the tiered placement keeps its static set in the model's
         # 16-bit dtype and refuses f32 (without one, the CPU stand-in takes either).

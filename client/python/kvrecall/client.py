@@ -244,11 +244,14 @@ class DecodeStream(_LayerStepStream):
 class Session:
     """One sequence's KV cache in the service. Create with Client.create_session."""
 
-    def __init__(self, client, session_id, geometry, policy):
+    def __init__(self, client, session_id, geometry, policy, prompt_queries=-1):
         self.client = client
         self.id = session_id
         self.geometry = geometry
         self.policy = policy  # the effective policy, defaults filled in by the server
+        # The prompt's last tokens whose queries the server needs (CreateSessionResponse):
+        # 0 none, -1 all; prefill sends q for those alone.
+        self.prompt_queries = prompt_queries
         self._step_wire = None
 
     def step_wire(self):
@@ -257,19 +260,31 @@ class Session:
             self._step_wire = _StepWire(self)
         return self._step_wire
 
+    def _check_layers(self, layers):
+        """ValueError for a layer whose q, k and v disagree on their tokens (before the stream
+        starts: an exception inside its request iterator reaches the caller as UNKNOWN)."""
+        for layer, (q, k, v) in layers:
+            n = k.shape[0]
+            if v.shape[0] != n or (q is not None and q.shape[0] != n) or \
+                    (q is None and self.prompt_queries != 0):
+                raise ValueError(f"layer {layer}: q, k and v have "
+                                 f"{None if q is None else q.shape[0]}, {n} and {v.shape[0]} "
+                                 "tokens (q may be None only for a session that needs none)")
+
     def _chunks(self, layers, chunk_tokens):
         g = self.geometry
         first = True
         for layer, (q, k, v) in layers:
-            n = q.shape[0]
-            if k.shape[0] != n or v.shape[0] != n:
-                raise ValueError(f"layer {layer}: q, k and v have {n}, {k.shape[0]} and "
-                                 f"{v.shape[0]} tokens")
+            n = k.shape[0]
+            # The chunks before the first needed query leave q out.
+            queries_from = 0 if self.prompt_queries < 0 else max(0, n - self.prompt_queries)
             for off in range(0, n, chunk_tokens):
                 e = min(n, off + chunk_tokens)
                 c = pb.PrefillChunk(session_id=self.id if first else "", layer=layer, offset=off)
                 first = False
-                tensors.to_tensor(q[off:e], g.dtype, (e - off, g.q_heads, g.head_dim), out=c.q)
+                if e > queries_from:
+                    tensors.to_tensor(q[off:e], g.dtype, (e - off, g.q_heads, g.head_dim),
+                                      out=c.q)
                 tensors.to_tensor(k[off:e], g.dtype, (e - off, g.kv_heads, g.head_dim), out=c.k)
                 tensors.to_tensor(v[off:e], g.dtype, (e - off, g.kv_heads, g.head_dim), out=c.v)
                 yield c
@@ -277,8 +292,11 @@ class Session:
     def prefill(self, layers, chunk_tokens=None):
         """Streams the prompt of several layers in one Prefill call, chunked under the message
         limit. `layers`: a list of (q, k, v), one per layer from 0, or a dict {layer: (q, k, v)};
-        q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim]. Returns pb.PrefillResponse."""
+        q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim]. Only the chunks holding the
+        queries the session needs (prompt_queries) carry q; q may be None when it needs none.
+        Returns pb.PrefillResponse."""
         items = sorted(layers.items()) if isinstance(layers, dict) else list(enumerate(layers))
+        self._check_layers(items)
         if chunk_tokens is None:
             g = self.geometry
             bytes_per_token = (g.q_heads + 2 * g.kv_heads) * g.head_dim * \
@@ -429,7 +447,8 @@ class Client:
     def create_session(self, geometry, policy=None, label=""):
         resp = self.call("CreateSession", pb.CreateSessionRequest(
             geometry=geometry, policy=policy or make_policy(), label=label))
-        return Session(self, resp.session_id, geometry, resp.policy)
+        return Session(self, resp.session_id, geometry, resp.policy,
+                       resp.prompt_queries if resp.HasField("prompt_queries") else -1)
 
     def list_sessions(self):
         """Every session of the caller, by id (following ListSessions' pages)."""
