@@ -156,7 +156,9 @@ absl::Status PrefillStream::SendLayer(int layer, std::span<const float> q, std::
     return absl::InvalidArgumentError(absl::StrCat(
         "prefill layer ", layer, ": q, k, v hold ", q.size(), ", ", k.size(), ", ", v.size(),
         " floats; want T * ", q_row, ", T * ", kv_row, ", T * ", kv_row, " for T >= 1 (q_heads=",
-        g.q_heads(), ", kv_heads=", g.kv_heads(), ", head_dim=", g.head_dim(), ")"));
+        g.q_heads(), ", kv_heads=", g.kv_heads(), ", head_dim=", g.head_dim(),
+        "; q may be empty only for a session that needs no prompt queries, this one's "
+        "prompt_queries=", session_.prompt_queries, ")"));
   }
   const int64_t element = DTypeSize(g.dtype());
   const int64_t token_bytes = (q_row + 2 * kv_row) * element;

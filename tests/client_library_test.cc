@@ -165,6 +165,10 @@ TEST_F(ClientTest, PrefillSendsTheQueriesTheSessionNeedsAlone) {
   const int64_t q_bytes = 4 * 16 * 4, kv_bytes = 2 * 2 * 16 * 4;
   v1::Policy auto_tau = testing::MakePolicy(v1::SELECTOR_RETOPK);
   auto_tau.mutable_retopk()->set_auto_tau(true);
+  // Tiered (static sets in host memory here): ReTopK's exact path is the graph by default
+  // without a GPU, which needs every query.
+  v1::Policy tiered_retopk = testing::MakePolicy(v1::SELECTOR_RETOPK);
+  tiered_retopk.set_placement(v1::PLACEMENT_TIERED);
   const struct {
     v1::Policy policy;
     int64_t prompt_queries;
@@ -173,6 +177,7 @@ TEST_F(ClientTest, PrefillSendsTheQueriesTheSessionNeedsAlone) {
       {testing::MakePolicy(v1::SELECTOR_RETOPK), 32},
       {auto_tau, 32 + 256},
       {testing::MakePolicy(v1::SELECTOR_INDEX), -1},
+      {tiered_retopk, -1},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.policy.DebugString());
