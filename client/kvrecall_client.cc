@@ -161,20 +161,22 @@ absl::Status PrefillStream::SendLayer(int layer, std::span<const float> q, std::
         "prompt_queries=", session_.prompt_queries, ")"));
   }
   const int64_t element = DTypeSize(g.dtype());
-  const int64_t token_bytes = (q_row + 2 * kv_row) * element;
-  const int64_t chunk_tokens = std::max<int64_t>(1, options_.max_chunk_bytes / token_bytes);
-  // The first token whose query the session needs (the chunks before it leave q out).
+  const int64_t q_bytes = q_row * element, kv_bytes = 2 * kv_row * element;
+  // The first token whose query the session needs: the chunks before it carry k and v alone (as
+  // many tokens as the chunk limit holds without q), those from it on q too.
   const int64_t queries_from = session_.prompt_queries < 0
                                    ? 0
                                    : std::max<int64_t>(0, tokens - session_.prompt_queries);
   chunk_.set_session_id(session_.id);
   chunk_.set_layer(layer);
-  for (int64_t begin = 0; begin < tokens; begin += chunk_tokens) {
-    const int64_t n = std::min(chunk_tokens, tokens - begin);
+  for (int64_t begin = 0; begin < tokens;) {
+    const bool with_q = begin >= queries_from;
+    const int64_t token_bytes = kv_bytes + (with_q ? q_bytes : 0);
+    const int64_t n = std::min(std::max<int64_t>(1, options_.max_chunk_bytes / token_bytes),
+                               (with_q ? tokens : queries_from) - begin);
     const int64_t q_shape[] = {n, g.q_heads(), g.head_dim()};
     const int64_t kv_shape[] = {n, g.kv_heads(), g.head_dim()};
     chunk_.set_offset(begin);
-    const bool with_q = begin + n > queries_from;
     if (with_q) {
       EncodeTensor(q.subspan(begin * q_row, n * q_row), q_shape, g.dtype(), false,
                    chunk_.mutable_q());
@@ -186,8 +188,9 @@ absl::Status PrefillStream::SendLayer(int layer, std::span<const float> q, std::
     EncodeTensor(v.subspan(begin * kv_row, n * kv_row), kv_shape, g.dtype(), false,
                  chunk_.mutable_v());
     if (!writer_->Write(chunk_)) return Fail();
-    bytes_sent_ += n * (with_q ? token_bytes : 2 * kv_row * element);
-    if (options_.progress) options_.progress({layer, begin + n, tokens, bytes_sent_});
+    bytes_sent_ += n * token_bytes;
+    begin += n;
+    if (options_.progress) options_.progress({layer, begin, tokens, bytes_sent_});
   }
   return absl::OkStatus();
 }

@@ -64,8 +64,9 @@ struct PrefillProgress {
 };
 
 struct PrefillOptions {
-  // Tensor bytes (q + k + v) per chunk. gRPC servers accept 4 MiB messages by default; 1 MiB
-  // keeps well under that while making per-message overhead negligible.
+  // Tensor bytes (q + k + v, or k + v where a chunk carries no q) per chunk. gRPC servers
+  // accept 4 MiB messages by default; 1 MiB keeps well under that while making per-message
+  // overhead negligible.
   int64_t max_chunk_bytes = 1 << 20;
   // Called after every chunk is written.
   std::function<void(const PrefillProgress&)> progress;

@@ -90,8 +90,10 @@ TEST_F(ClientTest, PrefillsInChunksThenDecodesFullAttentionExactly) {
         client_->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL));
     ASSERT_TRUE(session.ok()) << session.status();
 
-    // Chunks of 10 tokens: 30 per layer, each reported.
+    // Full attention needs no prompt queries: chunks of k and v alone, 20 tokens of them in
+    // the bytes of 10 tokens' q, k and v: 15 per layer, each reported.
     const int64_t token_bytes = (4 + 2 * 2) * 16 * (dtype == v1::DTYPE_F32 ? 4 : 2);
+    const int64_t kv_token_bytes = 2 * 2 * 16 * (dtype == v1::DTYPE_F32 ? 4 : 2);
     PrefillOptions options;
     options.max_chunk_bytes = 10 * token_bytes + 3;
     std::vector<PrefillProgress> progress;
@@ -106,13 +108,11 @@ TEST_F(ClientTest, PrefillsInChunksThenDecodesFullAttentionExactly) {
     ASSERT_TRUE(prefilled.ok()) << prefilled.status();
     EXPECT_EQ(prefilled->layers_committed(), 2);
     EXPECT_EQ(prefilled->tokens(), tokens);
-    ASSERT_EQ(progress.size(), 60u);
-    EXPECT_EQ(progress[29].layer, 0);
-    EXPECT_EQ(progress[29].layer_tokens_sent, 300);
-    EXPECT_EQ(progress[30].layer_tokens_sent, 10);
-    // Full attention needs no prompt queries: every chunk leaves q out.
     EXPECT_EQ(session->prompt_queries, 0);
-    const int64_t kv_token_bytes = 2 * 2 * 16 * (dtype == v1::DTYPE_F32 ? 4 : 2);
+    ASSERT_EQ(progress.size(), 30u);
+    EXPECT_EQ(progress[14].layer, 0);
+    EXPECT_EQ(progress[14].layer_tokens_sent, 300);
+    EXPECT_EQ(progress[15].layer_tokens_sent, 20);
     EXPECT_EQ(progress.back().bytes_sent, 2 * tokens * kv_token_bytes);
 
     absl::StatusOr<v1::SessionInfo> info = client_->GetSession(session->id);
@@ -184,7 +184,7 @@ TEST_F(ClientTest, PrefillSendsTheQueriesTheSessionNeedsAlone) {
     absl::StatusOr<SessionHandle> session = client_->CreateSession(g, c.policy);
     ASSERT_TRUE(session.ok()) << session.status();
     EXPECT_EQ(session->prompt_queries, c.prompt_queries);
-    // Chunks of 50 tokens: q goes with those that end after the first needed query.
+    // q goes with the needed queries' tokens alone.
     PrefillOptions options;
     options.max_chunk_bytes = 50 * (q_bytes + kv_bytes);
     int64_t bytes_sent = 0;
@@ -199,12 +199,8 @@ TEST_F(ClientTest, PrefillSendsTheQueriesTheSessionNeedsAlone) {
                     .ok());
     absl::StatusOr<v1::PrefillResponse> prefilled = (*stream)->Finish();
     ASSERT_TRUE(prefilled.ok()) << prefilled.status();
-    const int64_t queries_from = c.prompt_queries < 0 ? 0 : tokens - c.prompt_queries;
-    int64_t want = 0;
-    for (int64_t begin = 0; begin < tokens; begin += 50) {
-      want += 50 * (kv_bytes + (begin + 50 > queries_from ? q_bytes : 0));
-    }
-    EXPECT_EQ(bytes_sent, want);
+    const int64_t with_q = c.prompt_queries < 0 ? tokens : c.prompt_queries;
+    EXPECT_EQ(bytes_sent, tokens * kv_bytes + with_q * q_bytes);
     EXPECT_EQ(prefilled->tokens(), tokens);
   }
 }

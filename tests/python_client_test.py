@@ -127,8 +127,7 @@ class ClientTest(ServerTest):
         # for the graph index; the chunks carry q from the first needed one on, and the server
         # commits each prompt (it refuses one that lacks needed queries).
         g = make_geometry(self.L, self.HQ, self.HKV, self.D, "f32")
-        for policy, needed, chunks_with_q in (("exact_topk", 0, 0), ("retopk", 32, 1),
-                                              ("index", -1, 5)):
+        for policy, needed in (("exact_topk", 0), ("retopk", 32), ("index", -1)):
             with self.subTest(policy=policy):
                 s = self.client.create_session(g, make_policy(policy))
                 self.addCleanup(s.close)
@@ -136,11 +135,14 @@ class ClientTest(ServerTest):
                 layers = self.prompt(5)
                 if needed == 0:
                     layers = [(None, k, v) for _, k, v in layers]
-                with_q = [c.HasField("q") for c in s._chunks(enumerate(layers), 64)]
-                self.assertEqual(len(with_q), 5 * self.L)  # 300 tokens in chunks of 64
-                self.assertEqual(sum(with_q), chunks_with_q * self.L)
-                self.assertEqual(with_q[:5],
-                                 [False] * (5 - chunks_with_q) + [True] * chunks_with_q)
+                # 300 tokens in chunks of at most 64, q with the last `needed` alone.
+                chunks = list(s._chunks(enumerate(layers), [64, 64]))
+                with_q = self.T if needed < 0 else needed
+                layer0 = [(c.offset, c.k.shape[0], c.HasField("q"))
+                          for c in chunks if c.layer == 0]
+                self.assertEqual(sum(n for _, n, q in layer0 if q), with_q)
+                self.assertTrue(all(q == (off >= self.T - with_q) for off, _, q in layer0))
+                self.assertEqual(len(chunks), self.L * len(layer0))
                 r = s.prefill(layers, chunk_tokens=64)
                 self.assertEqual((r.layers_committed, r.tokens), (self.L, self.T))
         s = self.client.create_session(g, make_policy("retopk"))

@@ -271,39 +271,48 @@ class Session:
                                  f"{None if q is None else q.shape[0]}, {n} and {v.shape[0]} "
                                  "tokens (q may be None only for a session that needs none)")
 
-    def _chunks(self, layers, chunk_tokens):
+    def _chunks(self, layers, per_chunk):
+        """The Prefill stream's chunks; per_chunk: [tokens a chunk without q, with q]."""
         g = self.geometry
         first = True
         for layer, (q, k, v) in layers:
             n = k.shape[0]
-            # The chunks before the first needed query leave q out.
+            # The tokens before the first needed query go in chunks of k and v alone (as many
+            # tokens as the chunk limit holds without q), those from it on with q.
             queries_from = 0 if self.prompt_queries < 0 else max(0, n - self.prompt_queries)
-            for off in range(0, n, chunk_tokens):
-                e = min(n, off + chunk_tokens)
+            off = 0
+            while off < n:
+                with_q = off >= queries_from
+                e = min(n if with_q else queries_from, off + per_chunk[with_q])
                 c = pb.PrefillChunk(session_id=self.id if first else "", layer=layer, offset=off)
                 first = False
-                if e > queries_from:
+                if with_q:
                     tensors.to_tensor(q[off:e], g.dtype, (e - off, g.q_heads, g.head_dim),
                                       out=c.q)
                 tensors.to_tensor(k[off:e], g.dtype, (e - off, g.kv_heads, g.head_dim), out=c.k)
                 tensors.to_tensor(v[off:e], g.dtype, (e - off, g.kv_heads, g.head_dim), out=c.v)
+                off = e
                 yield c
 
     def prefill(self, layers, chunk_tokens=None):
         """Streams the prompt of several layers in one Prefill call, chunked under the message
-        limit. `layers`: a list of (q, k, v), one per layer from 0, or a dict {layer: (q, k, v)};
-        q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim]. Only the chunks holding the
-        queries the session needs (prompt_queries) carry q; q may be None when it needs none.
-        Returns pb.PrefillResponse."""
+        limit (or of `chunk_tokens` tokens). `layers`: a list of (q, k, v), one per layer from 0,
+        or a dict {layer: (q, k, v)}; q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim].
+        q goes with the tokens whose queries the session needs (prompt_queries) alone; it may be
+        None when it needs none. Returns pb.PrefillResponse."""
         items = sorted(layers.items()) if isinstance(layers, dict) else list(enumerate(layers))
         self._check_layers(items)
         if chunk_tokens is None:
+            # Tokens per chunk without q and with it.
             g = self.geometry
-            bytes_per_token = (g.q_heads + 2 * g.kv_heads) * g.head_dim * \
-                (4 if g.dtype == pb.DTYPE_F32 else 2)
-            chunk_tokens = max(1, self.client.prefill_chunk_bytes // bytes_per_token)
+            element = 4 if g.dtype == pb.DTYPE_F32 else 2
+            per_chunk = [max(1, self.client.prefill_chunk_bytes //
+                             ((heads + 2 * g.kv_heads) * g.head_dim * element))
+                         for heads in (0, g.q_heads)]
+        else:
+            per_chunk = [chunk_tokens, chunk_tokens]
         try:
-            return self.client.stub.Prefill(self._chunks(items, chunk_tokens))
+            return self.client.stub.Prefill(self._chunks(items, per_chunk))
         except grpc.RpcError as e:
             raise KvRecallError.from_rpc_error(e) from None
 
