@@ -112,6 +112,7 @@ absl::Status SelectorParams::Validate() const {
                    shortlist, " name two exact searches; set one");
   }
   if (shortlist > 0 || exact_search != ExactSearch::kDefault) {
+    // The knob that names an exact search, as the API spells it.
     const char* field = shortlist > 0 ? "policy.index.shortlist"
                         : exact_search == ExactSearch::kGraph
                             ? "policy.index.exact_search EXACT_SEARCH_GRAPH"
@@ -122,14 +123,10 @@ absl::Status SelectorParams::Validate() const {
     if (shortlist > 0 && shortlist < top_k) {
       return invalid("policy.index.shortlist must be >= top_k (", top_k, "), got ", shortlist);
     }
-  }
-  if (kind == SelectorKind::kReTopK && retopk.exact_flat_scan &&
-      (shortlist > 0 || exact_search != ExactSearch::kDefault)) {
-    const char* field = shortlist > 0 ? "policy.index.shortlist"
-                        : exact_search == ExactSearch::kGraph
-                            ? "policy.index.exact_search EXACT_SEARCH_GRAPH"
-                            : "policy.index.exact_search EXACT_SEARCH_SHORTLIST";
-    return invalid("policy.retopk.exact_flat_scan and ", field, " name two exact paths; set one");
+    if (kind == SelectorKind::kReTopK && retopk.exact_flat_scan) {
+      return invalid("policy.retopk.exact_flat_scan and ", field,
+                     " name two exact paths; set one");
+    }
   }
   const GraphIndexParams& g = index;
   if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||

@@ -113,12 +113,6 @@ absl::Status Placements::ResolveExactSearch(v1::Placement placement,
 
 absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
                                                      const LayerConfig& config) {
-  // (ResolveExactSearch refuses this first for a session; Choose is also called on its own.)
-  if (config.selector.shortlist > 0 && placement != v1::PLACEMENT_TIERED) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "policy.index.shortlist is served by PLACEMENT_TIERED only (its codes live beside the "
-        "static set), not by ", v1::Placement_Name(placement)));
-  }
   if (placement == v1::PLACEMENT_CPU) {
     if (absl::Status s = cpu_.CheckConfig(config); !s.ok()) return s;
     return &cpu_;

@@ -74,7 +74,8 @@ class Placements {
   // The backend for a new session of `layers` layers of `config` under `placement`: the CPU
   // backend, or the device of that placement with the most budget free. FAILED_PRECONDITION
   // when the placement has no device here ("no CUDA device"), INVALID_ARGUMENT from the
-  // backend's CheckConfig.
+  // backend's CheckConfig. `config`'s exact search is resolved (ResolveExactSearch, which
+  // refuses a shortlist outside PLACEMENT_TIERED).
   absl::StatusOr<AttentionBackend*> Choose(v1::Placement placement, const LayerConfig& config);
 
   // ResolveExactSearch for this server's tiered placement (on a device when it has GPUs).

@@ -31,6 +31,7 @@ SELECTORS = {"full": pb.SELECTOR_FULL, "exact_topk": pb.SELECTOR_EXACT_TOPK,
              "streaming": pb.SELECTOR_STREAMING, "index": pb.SELECTOR_INDEX,
              "retopk": pb.SELECTOR_RETOPK}
 PLACEMENTS = {"cpu": pb.PLACEMENT_CPU, "gpu": pb.PLACEMENT_GPU, "tiered": pb.PLACEMENT_TIERED}
+EXACT_SEARCHES = {"graph": pb.EXACT_SEARCH_GRAPH, "shortlist": pb.EXACT_SEARCH_SHORTLIST}
 PATH_NAMES = {pb.PATH_EXACT: "exact", pb.PATH_REUSE: "reuse", pb.PATH_FALLBACK: "fallback",
               pb.PATH_REFRESH: "refresh"}
 
@@ -57,7 +58,8 @@ def make_policy(selector="full", placement="cpu", top_k=0, sinks=0, recent=0, re
                 index=None):
     """A pb.Policy from names ('full' | 'exact_topk' | 'streaming' | 'index' | 'retopk';
     'cpu' | 'gpu' | 'tiered'); `retopk` and `index` are dicts of ReTopKParams / IndexParams
-    fields. Zero values ask for the server's defaults."""
+    fields (index's exact_search by name too: 'graph' | 'shortlist'). Zero values ask for the
+    server's defaults."""
     try:
         sel, place = SELECTORS[selector], PLACEMENTS[placement]
     except KeyError as e:
@@ -67,6 +69,9 @@ def make_policy(selector="full", placement="cpu", top_k=0, sinks=0, recent=0, re
     if retopk:
         p.retopk.CopyFrom(pb.ReTopKParams(**retopk))
     if index:
+        search = index.get("exact_search")
+        if search in EXACT_SEARCHES:
+            index = {**index, "exact_search": EXACT_SEARCHES[search]}
         p.index.CopyFrom(pb.IndexParams(**index))
     return p
 

@@ -99,7 +99,7 @@ def run(a, report):
             runs.append(r)
             try:
                 retopk = {"auto_tau": True} if a.auto_tau and selector == "retopk" else None
-                index = ({"exact_search": "EXACT_SEARCH_" + a.exact_search.upper()}
+                index = ({"exact_search": a.exact_search}
                          if a.exact_search and placement == "tiered" and
                          selector in ("index", "retopk") else None)
                 backend = hf.KvRecallBackend(client, make_policy(

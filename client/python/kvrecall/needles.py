@@ -52,8 +52,7 @@ def policy_for(spec):
     for part in rest:
         if "=" in part:
             key, _, value = part.partition("=")
-            index[key] = ("EXACT_SEARCH_" + value.upper() if key == "exact_search"
-                          else int(value))
+            index[key] = value if key == "exact_search" else int(value)
         else:
             placement = part
     if selector == "streaming" and k:

@@ -186,8 +186,7 @@ def policy_from_args(a):
                                ("search_list_size", a.search_list_size),
                                ("search_width", a.search_width),
                                ("shortlist", a.shortlist),
-                               ("exact_search", a.exact_search and
-                                "EXACT_SEARCH_" + a.exact_search.upper())) if v}
+                               ("exact_search", a.exact_search)) if v}
     return make_policy(a.policy, a.placement, top_k=a.k, sinks=a.sinks, recent=a.recent,
                        retopk=retopk, index=index)
 
