@@ -24,11 +24,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/cuda_bench_check.h"
+#include "bench/int_list.h"
 #include "kernels/retopk_params.h"
 #include "kernels/selection_path.h"
 #include "kernels/cuda/cuda_status.h"
@@ -347,13 +347,9 @@ MixResult RunPattern(const PathPattern& pat, const DecodeShape& shape, int top_k
 }
 
 int Main() {
-  std::vector<int> batches, contexts;
-  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_batches), ',')) {
-    batches.push_back(std::stoi(std::string(s)));
-  }
-  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_contexts), ',')) {
-    contexts.push_back(std::stoi(std::string(s)));
-  }
+  const std::vector<int> batches = bench::IntListOrExit("batches", absl::GetFlag(FLAGS_batches));
+  const std::vector<int> contexts =
+      bench::IntListOrExit("contexts", absl::GetFlag(FLAGS_contexts));
   const int top_k = absl::GetFlag(FLAGS_top_k);
   std::vector<PathPattern> patterns;
   const std::string pattern_flag = absl::GetFlag(FLAGS_patterns);

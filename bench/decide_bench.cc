@@ -31,8 +31,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/int_list.h"
 #include "bench/percentiles.h"
 #include "index/retopk.h"
 #include "kernels/cpu/thread_pool.h"
@@ -57,19 +56,6 @@ using Clock = std::chrono::steady_clock;
 
 double MicrosSince(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-}
-
-std::vector<int> Ints(const std::string& list) {
-  std::vector<int> out;
-  for (absl::string_view part : absl::StrSplit(list, ',')) {
-    int v = 0;
-    if (!absl::SimpleAtoi(part, &v) || v < 1) {
-      std::fprintf(stderr, "--threads: not a positive integer: %s\n", std::string(part).c_str());
-      std::exit(2);
-    }
-    out.push_back(v);
-  }
-  return out;
 }
 
 int Main() {
@@ -143,7 +129,7 @@ int Main() {
                         {"gap_us", absl::GetFlag(FLAGS_gap_us)},
                         {"spin_us", absl::GetFlag(FLAGS_spin_us)},
                         {"runs", nlohmann::json::array()}};
-  for (int threads : Ints(absl::GetFlag(FLAGS_threads))) {
+  for (int threads : bench::IntListOrExit("threads", absl::GetFlag(FLAGS_threads))) {
     std::vector<double> cold, warm, empty_loop;
     for (int s = 0; s < warmup + steps; ++s) {
       next_queries();

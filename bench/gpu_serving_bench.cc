@@ -30,9 +30,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/int_list.h"
 #include "client/kvrecall_client.h"
 #include "client/stats.h"
 #include "client/trace/synthetic.h"
@@ -86,18 +86,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-std::vector<int> Ints(const std::string& text) {
-  std::vector<int> out;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
-    int v = 0;
-    if (!absl::SimpleAtoi(part, &v)) {
-      std::fprintf(stderr, "gpu_serving_bench: not an integer list: %s\n", text.c_str());
-      std::exit(2);
-    }
-    out.push_back(v);
-  }
-  return out;
-}
 
 // The JSON document printed at the end, or at the first failure with what failed as its
 // "error", so that a run that fails at its last context keeps the figures of the others.
@@ -315,13 +303,14 @@ double PrefillSynth(v1::KvRecall::Stub& stub, const std::string& id, const Geome
 }
 
 int Main() {
-  const std::vector<int> contexts = Ints(absl::GetFlag(FLAGS_contexts));
-  const std::vector<int> batches = Ints(absl::GetFlag(FLAGS_batches));
+  const std::vector<int> contexts = bench::IntListOrExit("contexts", absl::GetFlag(FLAGS_contexts));
+  const std::vector<int> batches = bench::IntListOrExit("batches", absl::GetFlag(FLAGS_batches));
   const int max_batch = *std::max_element(batches.begin(), batches.end());
   // (batch, gap) in the order timed: every gap of a batch before the next batch.
   std::vector<std::pair<int, int>> runs;
+  const std::vector<int> gaps = bench::IntListOrExit("gaps_us", absl::GetFlag(FLAGS_gaps_us), 0);
   for (int batch : batches) {
-    for (int gap : Ints(absl::GetFlag(FLAGS_gaps_us))) runs.push_back({batch, gap});
+    for (int gap : gaps) runs.push_back({batch, gap});
   }
   const Geometry g{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads),
                    absl::GetFlag(FLAGS_head_dim)};

@@ -32,8 +32,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/int_list.h"
 #include "bench/percentiles.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/mapped_memory.h"
@@ -82,15 +81,8 @@ int Main() {
                  "1 / (q_heads / kv_heads): a group's union holds one list at least\n");
     return 2;
   }
-  std::vector<int> thread_counts;
-  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_threads), ',')) {
-    int t = 0;
-    if (!absl::SimpleAtoi(part, &t) || t < 1) {
-      std::fprintf(stderr, "--threads: positive counts, comma-separated\n");
-      return 2;
-    }
-    thread_counts.push_back(t);
-  }
+  const std::vector<int> thread_counts =
+      bench::IntListOrExit("threads", absl::GetFlag(FLAGS_threads));
 
   const size_t elements = static_cast<size_t>(tokens) * kv_heads * d;
   cpu::MappedVector<uint16_t> k_rows(elements), v_rows(elements);

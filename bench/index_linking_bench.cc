@@ -23,14 +23,12 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "client/trace/trace.h"
 #include "index/index_selector.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/fidelity.h"
+#include "bench/int_list.h"
 #include "bench/percentiles.h"
 #include "nlohmann/json.hpp"
 
@@ -83,13 +81,10 @@ absl::Status Run() {
   const int heads = g.q_heads;
   const int d = g.head_dim;
 
-  for (absl::string_view batch_text :
-       absl::StrSplit(absl::GetFlag(FLAGS_link_batches), ',', absl::SkipEmpty())) {
-    int link_batch = 0;
-    if (!absl::SimpleAtoi(batch_text, &link_batch) || link_batch < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad --link_batches entry '", batch_text, "'"));
-    }
+  absl::StatusOr<std::vector<int>> link_batches =
+      bench::ParseIntList("link_batches", absl::GetFlag(FLAGS_link_batches));
+  if (!link_batches.ok()) return link_batches.status();
+  for (const int link_batch : *link_batches) {
     SelectorParams params;
     params.kind = SelectorKind::kIndex;
     params.top_k = absl::GetFlag(FLAGS_k);

@@ -38,8 +38,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/int_list.h"
 #include "bench/percentiles.h"
 #include "bench/synthetic_layer.h"
 #include "index/gpu_batch_topk.h"
@@ -130,11 +129,10 @@ absl::Status Run() {
   std::vector<Variant> variants;
   if (absl::GetFlag(FLAGS_graph)) variants.push_back({"graph", 0});
   int max_shortlist = 0;
-  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_shortlists), ',')) {
-    int n = 0;
-    if (!absl::SimpleAtoi(s, &n) || n < 1) {
-      return absl::InvalidArgumentError("--shortlists: comma-separated sizes >= 1");
-    }
+  absl::StatusOr<std::vector<int>> shortlists =
+      bench::ParseIntList("shortlists", absl::GetFlag(FLAGS_shortlists));
+  if (!shortlists.ok()) return shortlists.status();
+  for (const int n : *shortlists) {
     variants.push_back({"pq" + std::to_string(n), n});
     max_shortlist = std::max(max_shortlist, n);
   }

@@ -45,11 +45,10 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "bench/cuda_bench_check.h"
+#include "bench/int_list.h"
 #include "index/retopk.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
@@ -93,19 +92,6 @@ constexpr int kDim = 128;
 constexpr int kQuerySets = 16;  // distinct step queries, cycled
 
 using bench::ValueOrDie;
-
-std::vector<int> ParseInts(const std::string& list) {
-  std::vector<int> out;
-  for (absl::string_view part : absl::StrSplit(list, ',', absl::SkipEmpty())) {
-    int v = 0;
-    if (!absl::SimpleAtoi(part, &v)) {
-      std::fprintf(stderr, "not an integer: %s\n", std::string(part).c_str());
-      std::exit(2);
-    }
-    out.push_back(v);
-  }
-  return out;
-}
 
 double Micros(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::micro>(b - a).count();
@@ -780,9 +766,9 @@ int Main() {
                  absl::GetFlag(FLAGS_gpu) ? "no CUDA device" : "--gpu=false");
   }
   std::vector<std::string> records;
-  for (int32_t n : ParseInts(absl::GetFlag(FLAGS_bulk_tokens))) {
-    for (int top_k : ParseInts(absl::GetFlag(FLAGS_top_ks))) {
-      for (int batch : ParseInts(absl::GetFlag(FLAGS_batches))) {
+  for (int32_t n : bench::IntListOrExit("bulk_tokens", absl::GetFlag(FLAGS_bulk_tokens))) {
+    for (int top_k : bench::IntListOrExit("top_ks", absl::GetFlag(FLAGS_top_ks))) {
+      for (int batch : bench::IntListOrExit("batches", absl::GetFlag(FLAGS_batches))) {
         const Inputs in = MakeInputs(batch, q_heads, top_k, n, params,
                                      absl::GetFlag(FLAGS_support_pool), 1234 + batch + top_k);
         // The team a tiered step runs its bulk on: cpu::ThreadsFor of its predicted work (every

@@ -11,8 +11,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/numbers.h"
-#include "absl/strings/str_split.h"
+#include "bench/int_list.h"
 #include "bench/synth_probe.h"
 
 ABSL_FLAG(std::string, trace, "",
@@ -85,11 +84,12 @@ int Run() {
     }
     return 0;
   }
-  for (absl::string_view field : absl::StrSplit(absl::GetFlag(FLAGS_contexts), ',')) {
+  absl::StatusOr<std::vector<int64_t>> contexts =
+      bench::ParseIntList<int64_t>("contexts", absl::GetFlag(FLAGS_contexts));
+  if (!contexts.ok()) return Fail(contexts.status());
+  for (const int64_t context : *contexts) {
     SyntheticTraceParams p;
-    if (!absl::SimpleAtoi(field, &p.context)) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat("--contexts: not a number: ", field)));
-    }
+    p.context = context;
     o.layer = std::max(layer, 0);
     p.layers = o.layer + 1;
     p.q_heads = absl::GetFlag(FLAGS_q_heads);

@@ -404,7 +404,7 @@ TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
 // kvrecalld's flags and the kvrecall CLI's, end to end.
 class TlsProcessTest : public TlsTest {
  protected:
-  static std::string Cli() { return absl::StrCat(KVRECALL_BINARY_DIR, "/client/kvrecall"); }
+  static std::string Cli() { return testing::BuildProgram("client/kvrecall"); }
 };
 
 TEST_F(TlsProcessTest, KvrecalldServesTlsAndTokensToTheCli) {

@@ -74,7 +74,7 @@ ProcessResult RunProcess(const std::vector<std::string>& argv) {
   return result;
 }
 
-std::string KvrecallBinary() { return std::string(KVRECALL_BINARY_DIR) + "/client/kvrecall"; }
+std::string KvrecallBinary() { return testing::BuildProgram("client/kvrecall"); }
 
 class CliTest : public ::testing::Test {
  protected:

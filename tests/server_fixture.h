@@ -116,13 +116,7 @@ class ServerTest : public ::testing::Test {
 // (it prints the address it listens on; that line is awaited), its output captured.
 class KvrecalldProcess {
  public:
-  static std::string BinaryPath() {
-#ifdef KVRECALL_BINARY_DIR
-    return std::string(KVRECALL_BINARY_DIR) + "/server/kvrecalld";
-#else
-    return "kvrecalld";
-#endif
-  }
+  static std::string BinaryPath() { return BuildProgram("server/kvrecalld"); }
 
   // Starts kvrecalld --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 plus `flags` and waits
   // up to `timeout` for it to listen.

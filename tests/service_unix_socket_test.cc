@@ -194,8 +194,8 @@ TEST_F(UnixSocketTest, KvrecalldAndTheCliOverTheSocket) {
                                  "listed over the socket")
                     .ok());
   }
-  const std::string command = absl::StrCat(KVRECALL_BINARY_DIR, "/client/kvrecall list --server=",
-                                           (*process)->address(), " 2>&1");
+  const std::string command = absl::StrCat(testing::BuildProgram("client/kvrecall"),
+                                           " list --server=", (*process)->address(), " 2>&1");
   FILE* pipe = popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
   std::string output;

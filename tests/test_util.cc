@@ -28,6 +28,19 @@ double PqPartDistance(std::span<const float> codebooks, int sub, const float* x,
   }
   return sum;
 }
+std::string BuildProgram(std::string_view build_path) {
+  namespace fs = std::filesystem;
+  const fs::path in_tree = fs::path(KVRECALL_BINARY_DIR) / build_path;
+  std::error_code error;
+  if (fs::exists(in_tree, error)) return in_tree.string();
+  const fs::path self = fs::read_symlink("/proc/self/exe", error);
+  if (!error) {
+    const fs::path beside = self.parent_path() / in_tree.filename();
+    if (fs::exists(beside, error)) return beside.string();
+  }
+  return in_tree.string();
+}
+
 namespace {
 
 // Element j of a stored row of `element`, widened with kernels/dtype.h's scalar conversions (the

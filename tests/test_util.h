@@ -16,6 +16,11 @@
 
 namespace kvrecall::testing {
 
+// One of this build's programs by its path in the build tree ("server/kvrecalld"): the build
+// tree's when it is there, else the program of the same name beside the running test (a bundle
+// copied to another machine holds them side by side), else the build tree's path all the same.
+std::string BuildProgram(std::string_view build_path);
+
 // n floats from N(0, stddev^2), reproducible from `seed`.
 std::vector<float> RandomNormal(size_t n, uint64_t seed, float stddev = 1.0f);
 
