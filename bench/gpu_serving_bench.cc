@@ -65,15 +65,17 @@ ABSL_FLAG(int32_t, shortlist, 0,
           "(policy.index.shortlist; 0: 2 * K where the shortlist is the exact search)");
 ABSL_FLAG(std::string, exact_search, "",
           "tiered index / retopk: graph or shortlist (policy.index.exact_search; empty: the "
-          "server's default, the shortlist on a GPU)");
+          "server's default, the shortlist on a GPU, or the graph when --search_list_size or "
+          "--search_width is set)");
 ABSL_FLAG(int32_t, fidelity_steps, 0,
           "after each run's timed steps, this many more with compare_exact (untimed): the "
           "heads' mean support recall, retained mass and output cosine against full attention");
 ABSL_FLAG(int32_t, search_list_size, 0,
           "the graph index's search list (policy.index.search_list_size; 0: the server's "
-          "default)");
+          "default; set, asks for the graph)");
 ABSL_FLAG(int32_t, search_width, 0,
-          "the graph index's search width (policy.index.search_width; 0: the server's default)");
+          "the graph index's search width (policy.index.search_width; 0: the server's default; "
+          "set, asks for the graph)");
 ABSL_FLAG(std::string, out, "", "also write the JSON here");
 ABSL_FLAG(std::string, gaps_us, "0",
           "pauses between a reply and the next request to time, one run per value: the gap a "

@@ -100,9 +100,10 @@ struct SelectorParams {
   ReTopKParams retopk;
   GraphIndexParams index;
   // How the tiered placement's exact steps (index, and retopk's exact path) find their top K
-  // (policy.index.exact_search). kDefault until the session's placement resolves it (the
-  // server's ResolveExactSearch): then kGraph, or kShortlist with shortlist > 0, or kDefault
-  // where no index is searched.
+  // (policy.index.exact_search). kDefault until the server resolves it: its ResolvePolicy names
+  // kGraph when a graph knob is set, then the placement's ResolveExactSearch: kGraph, or
+  // kShortlist with shortlist > 0 (or by default on a GPU tier), or kDefault where no index is
+  // searched.
   ExactSearch exact_search = ExactSearch::kDefault;
   // The shortlist's N (policy.index.shortlist): > 0, each query head's best `shortlist` bulk keys
   // by their scores over product-quantized keys on the static tier, rescored exactly

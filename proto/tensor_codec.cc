@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -178,9 +179,12 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
     return rows;
   }
   if (t.dtype() != spec.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(spec.field, " has dtype ",
-                                                   DTypeName(t.dtype()), ", the session's is ",
-                                                   DTypeName(spec.dtype)));
+    // (A value this build does not know is named by its number, not as "unspecified".)
+    const std::string has = v1::DType_IsValid(t.dtype())
+                                ? absl::StrCat("dtype ", DTypeName(t.dtype()))
+                                : absl::StrCat("the unknown dtype ", static_cast<int>(t.dtype()));
+    return absl::InvalidArgumentError(
+        absl::StrCat(spec.field, " has ", has, ", the session's is ", DTypeName(spec.dtype)));
   }
   const size_t want_bytes = static_cast<size_t>(count) * DTypeSize(spec.dtype);
   if (t.data().size() != want_bytes) {

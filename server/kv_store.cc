@@ -71,8 +71,13 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   // Its pages are mapped now: left to first touch, every 4 KiB page faulted on its own, and a
   // decode step appends a key and a value row (4 KiB each at 8 KV heads x d=128), so nearly
   // every step took two page faults, several microseconds in a VM (issue 12).
-  absl::StatusOr<HostMemory> grown =
-      AllocateHostMemory(static_cast<size_t>(capacity_rows * row_bytes()));
+  // (The sessions' token ceiling keeps this product small; an allocator wraps no size.)
+  int64_t bytes = 0;
+  if (capacity_rows < 0 || __builtin_mul_overflow(capacity_rows, row_bytes(), &bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", capacity_rows, " rows of ",
+                                                     row_bytes(), " bytes cannot be counted"));
+  }
+  absl::StatusOr<HostMemory> grown = AllocateHostMemory(static_cast<size_t>(bytes));
   if (!grown.ok()) {
     return absl::Status(grown.status().code(),
                         absl::StrCat(what, ": ", grown.status().message()));

@@ -158,10 +158,31 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   p.exact_search = *search;
   // A client that tunes the graph asks for it: where the search is unset (and no shortlist N
   // is given), the graph's knobs name the graph wherever it could run (so that the GPU's default
-  // shortlist does not ignore them silently).
-  const bool graph_knobs = g.build_queries() != 0 || g.build_topk() != 0 || g.max_degree() != 0 ||
-                           g.search_list_size() != 0 || g.search_width() != 0 ||
-                           g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED;
+  // shortlist does not ignore them silently); beside another exact path named for an index or
+  // retopk session they name two, as EXACT_SEARCH_GRAPH there would.
+  const char* graph_knob = g.build_queries() != 0      ? "build_queries"
+                           : g.build_topk() != 0       ? "build_topk"
+                           : g.max_degree() != 0       ? "max_degree"
+                           : g.search_list_size() != 0 ? "search_list_size"
+                           : g.search_width() != 0     ? "search_width"
+                           : g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED ? "graph_scope"
+                                                                             : nullptr;
+  const bool graph_knobs = graph_knob != nullptr;
+  if (graph_knobs && (p.kind == SelectorKind::kIndex || p.kind == SelectorKind::kReTopK)) {
+    const char* other = nullptr;
+    if (p.shortlist > 0) {
+      other = "policy.index.shortlist";
+    } else if (p.exact_search == ExactSearch::kShortlist) {
+      other = "policy.index.exact_search EXACT_SEARCH_SHORTLIST";
+    } else if (p.kind == SelectorKind::kReTopK && p.retopk.exact_flat_scan) {
+      other = "policy.retopk.exact_flat_scan";
+    }
+    if (other != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "policy.index.", graph_knob, " tunes the graph index and ", other,
+          " names another exact path: set one (the graph's knobs ask for the graph)"));
+    }
+  }
   const bool graph_could_run =
       p.kind == SelectorKind::kIndex ||
       (p.kind == SelectorKind::kReTopK && out.placement == v1::PLACEMENT_TIERED &&

@@ -15,8 +15,10 @@ struct EffectivePolicy {
   SelectorParams selector;
 };
 
-// Fills zero/unset knobs with their defaults (index/selector_params.h) and validates the result;
-// the exact search's default depends on the placement's device and is left to it
+// Fills zero/unset knobs with their defaults (index/selector_params.h) and validates the result.
+// An unset exact search becomes the graph here when the policy sets a graph knob (and no
+// shortlist) where a graph could run, and a graph knob beside another exact path named is
+// refused; otherwise the search's default depends on the placement's device and is left to it
 // (server/backends/placements.h, ResolveExactSearch). INVALID_ARGUMENT naming the field (e.g.
 // "policy.retopk.reuse_neighbors") for a bad knob or an unknown enum value.
 absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy);

@@ -71,9 +71,10 @@ absl::Status SessionLimits::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("max_sessions must be >= 0 (0: no limit), got ", max_sessions));
   }
-  if (max_context_tokens < 0) {
+  if (max_context_tokens < 0 || max_context_tokens > kMaxLayerTokens) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_context_tokens must be >= 0 (0: no limit), got ", max_context_tokens));
+        absl::StrCat("max_context_tokens must be in [0, ", kMaxLayerTokens,
+                     "] (0: no limit but the most a layer can hold), got ", max_context_tokens));
   }
   if (session_idle_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -85,9 +86,15 @@ absl::Status SessionLimits::Validate() const {
 
 absl::Status SessionLimits::CheckContext(int64_t tokens, absl::string_view id,
                                          int layer) const {
-  if (max_context_tokens == 0 || tokens <= max_context_tokens) return absl::OkStatus();
+  const bool past_limit = max_context_tokens != 0 && tokens > max_context_tokens;
+  if (!past_limit && tokens <= kMaxLayerTokens) return absl::OkStatus();
   std::string what = id.empty() ? "the session" : absl::StrCat("session '", id, "'");
   if (layer >= 0) what = absl::StrCat("layer ", layer, " of ", what);
+  if (!past_limit) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, " would hold ", tokens,
+                                                     " tokens, beyond the most a layer can hold (",
+                                                     kMaxLayerTokens, ")"));
+  }
   return RefusedBy(absl::ResourceExhaustedError(absl::StrCat(
                        what, " would hold ", tokens, " tokens, beyond this server's limit of ",
                        max_context_tokens, " tokens per layer (--max_context_tokens=",
@@ -131,17 +138,31 @@ absl::Status Session::Admit() {
   const int64_t tokens = config_.expected_tokens;
   if (tokens <= 0) return absl::OkStatus();
   const int layers = geometry_.layers();
+  // A layer's bytes are far inside int64 (kMaxLayerTokens); every layer's together may not be.
+  auto all_layers = [&](int64_t layer_bytes, absl::string_view where) -> absl::StatusOr<int64_t> {
+    int64_t bytes = 0;
+    if (__builtin_mul_overflow(layer_bytes, int64_t{layers}, &bytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat("max_tokens=", tokens, " of ", layers,
+                                                       " layers needs more bytes", where,
+                                                       " than can be counted"));
+    }
+    return bytes;
+  };
   if (device_grant_ != nullptr) {
-    const int64_t bytes = backend_->DeviceBytesFor(config_, tokens) * layers;
+    const std::string where = absl::StrCat(" on ", backend_->device());
+    absl::StatusOr<int64_t> bytes = all_layers(backend_->DeviceBytesFor(config_, tokens), where);
+    if (!bytes.ok()) return bytes.status();
     if (absl::Status s = device_grant_->SetAside(
-            bytes, absl::StrCat("max_tokens=", tokens, " of ", layers, " layers on ",
-                                backend_->device()));
+            *bytes, absl::StrCat("max_tokens=", tokens, " of ", layers, " layers", where));
         !s.ok()) {
       return s;
     }
   }
-  if (const int64_t bytes = backend_->HostKvBytesFor(config_, tokens) * layers; bytes > 0) {
-    return host_grant_.SetAside(bytes,
+  absl::StatusOr<int64_t> bytes =
+      all_layers(backend_->HostKvBytesFor(config_, tokens), " of host memory");
+  if (!bytes.ok()) return bytes.status();
+  if (*bytes > 0) {
+    return host_grant_.SetAside(*bytes,
                                 absl::StrCat("max_tokens=", tokens, " of ", layers, " layers"));
   }
   return absl::OkStatus();
@@ -239,9 +260,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
       !s.ok()) {
     return s;
   }
-  if (request.max_tokens() < 0) {
+  if (request.max_tokens() < 0 || request.max_tokens() > kMaxLayerTokens) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_tokens must be >= 0 (0: not announced), got ", request.max_tokens()));
+        absl::StrCat("max_tokens must be in [0, ", kMaxLayerTokens,
+                     "] (0: not announced; the most a layer can hold), got ",
+                     request.max_tokens()));
   }
   if (absl::Status s = limits_.CheckContext(request.max_tokens()); !s.ok()) {
     return PrefixStatus(s, "max_tokens: ");

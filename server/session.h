@@ -35,6 +35,12 @@ inline constexpr int kMaxHeads = 1024;
 inline constexpr int kMaxHeadDim = 1024;
 absl::Status ValidateGeometry(const v1::Geometry& geometry);
 
+// The most tokens a layer of a session can ever hold (prompt + decoded), whatever
+// --max_context_tokens says: 2^32, past any model's context. It keeps every byte count a layer
+// makes of its tokens far inside int64 (2^32 rows of the widest row, 8 MiB, are 2^55 bytes), so
+// that no announced max_tokens can wrap an allocation's size.
+inline constexpr int64_t kMaxLayerTokens = int64_t{1} << 32;
+
 // The longest label a session may carry (CreateSessionRequest.label), in bytes.
 inline constexpr int kMaxLabelBytes = 256;
 
@@ -44,9 +50,9 @@ inline constexpr int kMaxLabelBytes = 256;
 struct SessionLimits {
   // Sessions open at once, of every tenant: CreateSession beyond it gets RESOURCE_EXHAUSTED.
   int64_t max_sessions = 0;
-  // Tokens per layer of a session (prompt + decoded): a CreateSession announcing more
-  // (max_tokens), a Prefill chunk or a Decode step that would grow a layer past it get
-  // RESOURCE_EXHAUSTED.
+  // Tokens per layer of a session (prompt + decoded), at most kMaxLayerTokens: a CreateSession
+  // announcing more (max_tokens), a Prefill chunk or a Decode step that would grow a layer past
+  // it get RESOURCE_EXHAUSTED. Zero leaves only kMaxLayerTokens.
   int64_t max_context_tokens = 0;
   // A session that no call has used for this long is closed and its memory freed; its id then
   // answers NOT_FOUND saying that it expired. Zero: sessions never expire.
@@ -55,8 +61,8 @@ struct SessionLimits {
   // INVALID_ARGUMENT for a negative limit.
   absl::Status Validate() const;
   // OK when a layer may hold `tokens` tokens; otherwise RESOURCE_EXHAUSTED naming
-  // max_context_tokens, its value, and `layer` of session `id` (when given). Formats nothing
-  // unless it refuses.
+  // max_context_tokens (or kMaxLayerTokens), its value, and `layer` of session `id` (when
+  // given). Formats nothing unless it refuses.
   absl::Status CheckContext(int64_t tokens, absl::string_view id = "", int layer = -1) const;
 };
 

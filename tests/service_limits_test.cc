@@ -3,6 +3,7 @@
 // prompt of a cancelled Prefill freed at once. Every limit refuses before allocating, with
 // RESOURCE_EXHAUSTED naming the limit and its value, counted by the metrics.
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -88,6 +89,16 @@ class LimitsTest : public ServerTest {
     return *id;
   }
   RunningServer& running() { return server().server(); }
+  // CreateSession of a `full` session announcing `max_tokens`: its status.
+  absl::Status CreateAnnouncing(const v1::Geometry& geometry, int64_t max_tokens) {
+    v1::CreateSessionRequest request;
+    *request.mutable_geometry() = geometry;
+    *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+    request.set_max_tokens(max_tokens);
+    v1::CreateSessionResponse response;
+    grpc::ClientContext context;
+    return FromGrpc(stub().CreateSession(&context, request, &response));
+  }
 
   SessionLimits limits_;
 };
@@ -164,13 +175,7 @@ class MaxContextTokensTest : public LimitsTest {
 };
 
 TEST_F(MaxContextTokensTest, CreateSessionAnnouncingMoreIsRefused) {
-  v1::CreateSessionRequest request;
-  *request.mutable_geometry() = SmallGeometry();
-  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
-  request.set_max_tokens(33);
-  v1::CreateSessionResponse response;
-  grpc::ClientContext context;
-  const absl::Status refused = FromGrpc(stub().CreateSession(&context, request, &response));
+  const absl::Status refused = CreateAnnouncing(SmallGeometry(), 33);
   EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted, "--max_context_tokens=32"))
       << refused;
   EXPECT_THAT(refused.message(), HasSubstr("max_tokens"));
@@ -178,9 +183,7 @@ TEST_F(MaxContextTokensTest, CreateSessionAnnouncingMoreIsRefused) {
   EXPECT_EQ(running().budget().used(), 0);
   EXPECT_EQ(RefusalsCounted(running(), "max_context_tokens"), 1);
 
-  request.set_max_tokens(32);
-  grpc::ClientContext again;
-  EXPECT_TRUE(stub().CreateSession(&again, request, &response).ok());
+  EXPECT_TRUE(CreateAnnouncing(SmallGeometry(), 32).ok());
 }
 
 TEST_F(MaxContextTokensTest, PrefillPastTheLimitCommitsNothing) {
@@ -356,14 +359,65 @@ TEST_F(DeadlineTest, APrefillPastItsDeadlineFreesItsStagedPromptAtOnce) {
 TEST(LimitsOptionsTest, NegativeLimitsAreRefusedAtStart) {
   for (SessionLimits limits : {SessionLimits{.max_sessions = -1},
                                SessionLimits{.max_context_tokens = -1},
+                               SessionLimits{.max_context_tokens = kMaxLayerTokens + 1},
                                SessionLimits{.session_idle_ttl = absl::Seconds(-1)}}) {
     ServerOptions options;
     options.address = "127.0.0.1:0";
     options.limits = limits;
     const absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
     EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument) << server.status();
-    EXPECT_THAT(server.status().message(), HasSubstr("must be >= 0"));
+    EXPECT_THAT(server.status().message(),
+                HasSubstr(limits.max_context_tokens != 0 ? "max_context_tokens must be in [0, "
+                                                         : "must be >= 0"));
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+// Without any limit set, a layer still holds at most kMaxLayerTokens tokens: an announced
+// max_tokens past it used to wrap the KV store's byte count (2^57 + 1 rows of 128 bytes made a
+// 128-byte buffer) and the prompt's first chunk wrote past it.
+using TokenCeilingTest = LimitsTest;
+
+TEST_F(TokenCeilingTest, MaxTokensPastWhatALayerCanHoldIsRefusedAndAllocatesNothing) {
+  for (const int64_t max_tokens :
+       {kMaxLayerTokens + 1, (int64_t{1} << 57) + 1, std::numeric_limits<int64_t>::max()}) {
+    const absl::Status refused = CreateAnnouncing(SmallGeometry(), max_tokens);
+    EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kInvalidArgument,
+                          absl::StrCat("max_tokens must be in [0, 4294967296] (0: not announced; "
+                                       "the most a layer can hold), got ",
+                                       max_tokens)))
+        << refused;
+  }
+  EXPECT_TRUE(running().sessions().List().empty());
+  EXPECT_EQ(running().budget().used(), 0);
+  // The server goes on serving.
+  EXPECT_FALSE(PrefilledSession(16).empty());
+}
+
+TEST_F(TokenCeilingTest, EveryLayersBytesPastInt64AreRefusedAtCreateSession) {
+  // 2^32 tokens of 1024 KV heads x 1024 dims in f32 are 2^55 bytes a layer; 1024 layers would
+  // be 2^65.
+  const absl::Status refused =
+      CreateAnnouncing(MakeGeometry(1024, 1024, 1024, 1024), kMaxLayerTokens);
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "max_tokens=4294967296 of 1024 layers needs more bytes of host memory "
+                        "than can be counted"))
+      << refused;
+  EXPECT_TRUE(running().sessions().List().empty());
+  EXPECT_EQ(running().budget().used(), 0);
+}
+
+TEST(SessionLimitsTest, ALayerPastTheCeilingIsRefusedWithoutALimit) {
+  const SessionLimits none;
+  EXPECT_TRUE(none.CheckContext(kMaxLayerTokens).ok());
+  EXPECT_TRUE(HasStatus(none.CheckContext(kMaxLayerTokens + 1, "s", 3),
+                        absl::StatusCode::kResourceExhausted,
+                        "layer 3 of session 's' would hold 4294967297 tokens, beyond the most a "
+                        "layer can hold (4294967296)"));
+  const SessionLimits limited{.max_context_tokens = 64};
+  EXPECT_TRUE(HasStatus(limited.CheckContext(kMaxLayerTokens + 1),
+                        absl::StatusCode::kResourceExhausted, "--max_context_tokens=64"));
 }
 
 }  // namespace

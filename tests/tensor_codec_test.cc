@@ -106,6 +106,14 @@ TEST(TensorCodecTest, ErrorsNameTheField) {
   absl::Status s = CheckTensor(t, {"steps[0].q", kRow, false, v1::DTYPE_BF16}).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("steps[0].q has dtype f16"), std::string::npos) << s;
+  // A dtype this build does not know is named by its number, not as "unspecified".
+  v1::Tensor unknown = t;
+  unknown.set_dtype(static_cast<v1::DType>(9));
+  s = CheckTensor(unknown, {"chunks[0].q", kRow, false, v1::DTYPE_F32}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("chunks[0].q has the unknown dtype 9, the session's is f32"),
+            std::string::npos)
+      << s;
 
   t.mutable_data()->pop_back();
   s = CheckTensor(t, {"k", kRow, false, v1::DTYPE_F16}).status();

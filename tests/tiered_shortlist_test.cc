@@ -835,6 +835,13 @@ TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
     p.mutable_index()->set_exact_search(search);
     return p;
   };
+  // A graph knob beside another exact path named (the knobs ask for the graph).
+  auto tuning = [](v1::Policy p, auto set) {
+    set(p.mutable_index());
+    return p;
+  };
+  v1::Policy flat_scan = ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 0);
+  flat_scan.mutable_retopk()->set_exact_flat_scan(true);
   v1::Policy flat_graph = ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 0);
   flat_graph.mutable_retopk()->set_exact_flat_scan(true);
   flat_graph.mutable_index()->set_exact_search(v1::EXACT_SEARCH_GRAPH);
@@ -865,6 +872,21 @@ TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
        ShortlistPolicy(v1::SELECTOR_EXACT_TOPK, 32, 64), g},
       {"policy.index.shortlist must be >= 0", ShortlistPolicy(v1::SELECTOR_INDEX, 32, -1), g},
       {"name two exact paths", flat, g},
+      {"policy.index.max_degree tunes the graph index and policy.index.shortlist names another "
+       "exact path: set one",
+       tuning(ShortlistPolicy(v1::SELECTOR_INDEX, 32, 64),
+              [](v1::IndexParams* i) { i->set_max_degree(8); }),
+       g},
+      {"policy.index.search_list_size tunes the graph index and policy.index.exact_search "
+       "EXACT_SEARCH_SHORTLIST names another exact path",
+       tuning(searching(ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 0), v1::EXACT_SEARCH_SHORTLIST),
+              [](v1::IndexParams* i) { i->set_search_list_size(100); }),
+       g},
+      {"policy.index.graph_scope tunes the graph index and policy.retopk.exact_flat_scan names "
+       "another exact path",
+       tuning(flat_scan,
+              [](v1::IndexParams* i) { i->set_graph_scope(v1::GRAPH_SCOPE_QUERY_HEAD); }),
+       g},
       {"policy.index.shortlist needs head_dim a multiple of 16",
        ShortlistPolicy(v1::SELECTOR_INDEX, 32, 64), MakeGeometry(1, 8, 2, 72, dtype())},
   };

@@ -40,23 +40,32 @@ ABSL_FLAG(bool, auto_tau, false, "retopk: calibrate tau per head from the prefil
 ABSL_FLAG(float, target_recall, 0, "retopk with --auto_tau: support recall to keep (0: 0.9)");
 ABSL_FLAG(bool, exact_flat_scan, false,
           "retopk under --placement=tiered: the exact path (fallback, refresh) scans the bulk "
-          "flatly instead of searching the graph index");
-ABSL_FLAG(int32_t, build_queries, 0, "index: prefill queries sampled per graph (0: default)");
-ABSL_FLAG(int32_t, build_topk, 0, "index: exact top-k keys per sampled query (0: default)");
-ABSL_FLAG(int32_t, max_degree, 0, "index: out-degree cap of the key-key graph (0: default)");
-ABSL_FLAG(int32_t, search_list, 0, "index: beam size of the decode-time search (0: default)");
+          "flatly instead of running the exact search (--exact_search)");
+// The graph's knobs: any of them set asks for the graph where --exact_search is empty.
+ABSL_FLAG(int32_t, build_queries, 0,
+          "graph index: prefill queries sampled per graph (0: default; set, asks for the graph)");
+ABSL_FLAG(int32_t, build_topk, 0,
+          "graph index: exact top-k keys per sampled query (0: default; set, asks for the graph)");
+ABSL_FLAG(int32_t, max_degree, 0,
+          "graph index: out-degree cap of the key-key graph (0: default; set, asks for the "
+          "graph)");
+ABSL_FLAG(int32_t, search_list, 0,
+          "graph index: beam size of the decode-time search (0: default; set, asks for the "
+          "graph)");
 ABSL_FLAG(std::string, exact_search, "",
           "tiered index / retopk: how an exact step finds its top K, graph (the graph index) or "
           "shortlist (product-quantized scores on the static tier, rescored exactly); empty: "
-          "the server's default (shortlist on a GPU, graph without one)");
+          "the server's default (shortlist on a GPU, graph without one or when a graph knob is "
+          "set)");
 ABSL_FLAG(int32_t, shortlist, 0,
           "tiered index / retopk: the keys N of each head's shortlist, rescored exactly (0: 2 * K "
           "when the shortlist is the exact search; > 0 asks for the shortlist)");
 ABSL_FLAG(int32_t, search_width, 0,
-          "index: candidates the decode-time search expands per round (0: default)");
+          "graph index: candidates the decode-time search expands per round (0: default; set, "
+          "asks for the graph)");
 ABSL_FLAG(std::string, graph_scope, "",
-          "index: query heads sharing a graph: kv_head (one graph per KV head) or query_head "
-          "(empty: default)");
+          "graph index: query heads sharing a graph: kv_head (one graph per KV head) or "
+          "query_head (empty: default; set, asks for the graph)");
 
 namespace kvrecall::cli {
 

@@ -1,7 +1,9 @@
 // The tiered placement (PLACEMENT_TIERED, RetrievalAttention composed with ReTopK): per layer a
 // small static set — the first `sinks` tokens and a ring of the last `recent` — on a device
 // tier (a GPU), and the complete KV in host memory, both in the session's dtype; the CPU selects
-// from the host's bulk [sinks, T - recent) (graph index, ReTopK, or a flat scan) and attends.
+// from the host's bulk [sinks, T - recent) (the exact search: the product-quantized shortlist,
+// the default on a GPU tier, or the graph index; ReTopK; or a flat scan) and attends, some exact
+// heads on the device tier.
 // The two partial attention states merge exactly by log-sum-exp (kernels/attention_state.h):
 // the merge is the only place the tiers meet.
 //

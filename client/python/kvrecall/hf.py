@@ -9,7 +9,8 @@ attention to the kvrecall service.
         out = model(next_ids, past_key_values=out.past_key_values, use_cache=True)  # decode
 
 Prefill (the first call that reaches a layer): the runner computes its own attention with
-PyTorch's SDPA and uploads the layer's keys, values and post-RoPE queries. Every later call is a
+PyTorch's SDPA and uploads the layer's keys and values, with the post-RoPE queries the session
+needs (CreateSessionResponse.prompt_queries). Every later call is a
 decode call: each new token's query, key and value go to the service over the client's one
 Decode stream, the batch rows of a layer travelling in one request, and the service's output
 replaces local attention. Tensors the attention function sees are query [B, q_heads, n, D] and

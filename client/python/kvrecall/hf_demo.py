@@ -1,7 +1,11 @@
 """Shows the transformers backend: tinylm loaded into LlamaForCausalLM generates greedily with
 local SDPA and with attn_implementation="kvrecall" (every decode attention from the service);
-in f32 with policy `full` the bytes must be the same, and a policy in the tiered placement must
-give the bytes it gives in the cpu placement. Prints one JSON object (and writes it to --out).
+in f32 with policy `full` the bytes must be the same, and a policy in the tiered placement is
+compared with the same policy in the cpu placement: its bytes must agree where both select the
+same tokens (`full`, `streaming`, and `index` whose effective exact search is the graph, as the
+cpu placement's is). The GPU's default shortlist and tiered ReTopK select otherwise
+(bench/results/ppl_hf_backend_gpu.md, runs 2-3): their differences are reported, not failed.
+Prints one JSON object (and writes it to --out).
 
   python3 -m kvrecall.hf_demo --server 127.0.0.1:50051 --model tinylm-a.npz --text FILE \
       --prompt 1024 --new 64 --batch 2 --policies full exact_topk:64 streaming retopk:64
@@ -29,8 +33,9 @@ def main(argv=None):
     ap.add_argument("--device", default=None, help="cuda if available, else cpu")
     ap.add_argument("--policies", nargs="*", default=["full"],
                     help="[placement/]selector[:K] each (placement cpu by default); `full` on the "
-                         "cpu placement must reproduce SDPA exactly in f32, a tiered policy the "
-                         "bytes of the same policy on the cpu placement")
+                         "cpu placement must reproduce SDPA exactly in f32, a tiered policy that "
+                         "selects as the cpu placement does (full, streaming, index with the "
+                         "graph) the bytes of the same policy there")
     ap.add_argument("--dtype", choices=["f32", "bf16", "f16"], default="f32",
                     help="the model's dtype, hence the sessions' (the GPU tiers hold bf16 / f16)")
     ap.add_argument("--auto-tau", action="store_true", help="retopk policies calibrate tau")
@@ -111,6 +116,8 @@ def run(a, report):
                     infos = [s.info() for s in backend.sessions]
                 r["seconds"] = time.perf_counter() - t
                 r["decode_layer_steps"] = int(sum(i.decode_steps for i in infos))
+                r["exact_search"] = kvrecall_pb2.ExactSearch.Name(
+                    infos[0].policy.index.exact_search)
                 same = (got == ref).cpu().numpy()
                 r["same_bytes"] = bool(same.all())
                 r["first_divergence"] = [int(np.argmin(s)) if not s.all() else None for s in same]
@@ -118,8 +125,14 @@ def run(a, report):
             except Exception:
                 r["error"] = traceback.format_exc()
     report["runs"] = runs
-    # A policy off the cpu placement against the same policy on it.
+    # A policy off the cpu placement against the same policy on it; the bytes must agree where
+    # both select the same tokens.
     cpu = {(r["policy"], r["k"]): r for r in runs if r["placement"] == "cpu" and "bytes" in r}
+
+    def selects_as_cpu(r):
+        twin = cpu[(r["policy"], r["k"])]
+        return r["policy"] in ("full", "streaming") or (
+            r["policy"] == "index" and r.get("exact_search") == twin.get("exact_search"))
     compared = []
     for r in runs:
         twin = cpu.get((r["policy"], r["k"]))
@@ -130,11 +143,13 @@ def run(a, report):
             r["first_divergence_from_cpu"] = [
                 next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), None)
                 for g, w in zip(r["bytes"], twin["bytes"])]
+        r["must_match_cpu"] = selects_as_cpu(r)
         compared.append(r)
     full = [r for r in runs if r["policy"] == "full" and r["placement"] == "cpu"]
     report["ok"] = (bool(full) or bool(compared)) and \
         all(r.get("same_bytes") for r in full if a.dtype == "f32") and \
-        all(r.get("same_as_cpu") for r in compared)
+        all(r.get("same_as_cpu") for r in compared if r["must_match_cpu"]) and \
+        all("error" not in r for r in runs)
 
 
 if __name__ == "__main__":

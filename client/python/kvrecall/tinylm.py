@@ -6,8 +6,9 @@ paper's protocol: prefill T bytes, then teacher-force S bytes through the servic
       --model ../shared/models/tinylm-a.npz --text /usr/lib/python3.11 --offset 0 \
       --ctx 16384 --suffix 256 --policy retopk --k 512 --json
 
-The prefill runs here with exact causal attention; its post-RoPE q, k and v of every layer are
-uploaded (and cached on disk per model + text window, so policies share one prefill). Step i
+The prefill runs here with exact causal attention; its post-RoPE k and v of every layer are
+uploaded, with the queries the session needs (CreateSessionResponse.prompt_queries), and all
+three are cached on disk per model + text window, so policies share one prefill. Step i
 then feeds byte T+i and scores byte T+i+1: all S predictions use the service's attention.
 Text is read as ../shared/models/tinylm_np.py reads it (files in sorted order, binary files
 skipped, a newline after each file). Layouts: activations [T, d_model]; q [T, q_heads, head_dim],
@@ -279,11 +280,16 @@ def parser():
                       ("tau", float), ("refresh-interval", int), ("target-recall", float),
                       ("build-queries", int), ("build-topk", int), ("max-degree", int),
                       ("search-list-size", int), ("search-width", int), ("shortlist", int)):
-        ap.add_argument("--" + name, type=typ)
+        graph_knob = name in ("build-queries", "build-topk", "max-degree", "search-list-size",
+                              "search-width")
+        ap.add_argument("--" + name, type=typ,
+                        help="the graph index's knob: set, asks for the graph" if graph_knob
+                        else None)
     ap.add_argument("--auto-tau", action="store_true", default=None)
     ap.add_argument("--exact-search", choices=["graph", "shortlist"],
                     help="tiered index / retopk: how an exact step finds its top K (default: the "
-                         "server's, the shortlist on a GPU and the graph without one)")
+                         "server's, the shortlist on a GPU and the graph without one or when a "
+                         "graph knob is set)")
     ap.add_argument("--exact-flat-scan", action="store_true", default=None,
                     help="tiered retopk: the exact path scans the bulk instead of the exact search")
     ap.add_argument("--cache-dir", default=os.path.join(

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Eighty-second call: the code at ef197b5 checked whole on the H200. Every C++ test binary of the
+# build (the service's tests then serve gpu and tiered sessions on the device, and the process
+# tests start the bundle's kvrecalld) and the Python client's tests; the clients' prefill that
+# sends only the prompt queries a session needs (prompt_queries), end to end through the
+# transformers backend (tinylm-a, tiered default against cpu and SDPA, as d77); then issue 15's
+# 128K rows at batch 1 and 8 with the default policy, as a check of this build's figures.
+# Carry: .device/b82/ship (every tests/*_test, kvrecalld, kvrecall, gpu_serving_bench),
+# .device/model (tinylm-a.npz, prompt.txt), client/python/kvrecall/_gen.
+set -u
+tar -C .device/b82 -xJf .device/b82/ship/bundle.tar.xz
+B=$PWD/.device/b82/bundle/bin
+export LD_LIBRARY_PATH=$PWD/.device/b82/bundle/lib
+. scripts/kvrecalld.sh
+L=/tmp/d82; mkdir -p $L
+S=$OUT/d82_summary.txt
+cat /proc/loadavg | tee -a $S
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a $S
+# 1. Every C++ test binary, six at a time, each with its own log, and beside them the Python
+#    client's tests against the bundle's kvrecalld.
+(cd tests && KVRECALLD=$B/kvrecalld KVRECALL_CLI=$B/kvrecall PYTHONPATH=$PWD/../client/python \
+  KVRECALL_SOURCE_DIR=$PWD/.. timeout 280 python3 -m unittest python_client_test \
+  > $L/python_client_test.log 2>&1; echo "python_client_test rc $?" > $L/python_rc.txt) &
+python_pid=$!
+ls $B/*_test | xargs -P6 -I{} sh -c \
+  't=$(basename {}); timeout 240 {} --gtest_brief=1 > '"$L"'/$t.log 2>&1; echo "$t rc $?"' \
+  | sort > $L/rc.txt
+echo "t=$SECONDS C++ tests: $(grep -c 'rc 0$' $L/rc.txt) of $(wc -l < $L/rc.txt) binaries pass" \
+  | tee -a $S
+grep -v 'rc 0$' $L/rc.txt | tee -a $S
+for log in $L/*_test.log; do
+  grep -H -E "^\[  FAILED  \]|tests ran|SKIPPED \]" $log | grep -v "listed below" | head -12
+done > $L/failures.txt
+grep -E "FAILED|tests ran" $L/failures.txt | grep -v "0 tests" | tail -80 | tee -a $S
+grep -c "SKIPPED" $L/failures.txt | sed 's/^/skipped lines: /' | tee -a $S
+# 2. The Python client's tests (started with the C++ tests).
+wait $python_pid
+echo "$(cat $L/python_rc.txt) t=$SECONDS" | tee -a $S
+tail -4 $L/python_client_test.log | tee -a $S
+grep -E "^(FAIL|ERROR):" $L/python_client_test.log | head -20 | tee -a $S
+# 3. The transformers backend end to end with the default exact search, prompt queries sent as
+#    the session asks (d77 ran the same before the clients did).
+start_kvrecalld $B/kvrecalld $L/kvrecalld_hf.log --address=127.0.0.1:0 || exit 1
+PYTHONPATH=client/python timeout 200 python3 -m kvrecall.hf_demo --server "$kvrecalld_address" \
+  --model .device/model/tinylm-a.npz --text .device/model/prompt.txt --prompt 8192 --new 64 \
+  --batch 2 --dtype bf16 --auto-tau --policies index:512 tiered/index:512 retopk:512 \
+  tiered/retopk:512 --out $OUT/hf_demo_d82.json > $L/hf.log 2>&1
+echo "hf_demo rc $? t=$SECONDS" | tee -a $S
+python3 -c 'import json,sys
+d=json.load(open(sys.argv[1]))
+for r in d["runs"]: print(r["placement"], r["policy"], r["k"], "same_as_sdpa", r.get("same_bytes"), r.get("first_divergence"), "same_as_cpu", r.get("same_as_cpu"), r.get("first_divergence_from_cpu"), "s", round(r.get("seconds", 0), 2), "error" if "error" in r else "")' $OUT/hf_demo_d82.json 2>&1 | tee -a $S
+kill $kvrecalld_pid; wait $kvrecalld_pid 2>/dev/null
+# 4. Issue 15's 128K rows, default policy, batch 1 and 8.
+start_kvrecalld $B/kvrecalld $L/kvrecalld.log --address=127.0.0.1:0 || exit 1
+if [ $SECONDS -lt 420 ]; then
+  cat /proc/loadavg | tee -a $S
+  timeout 150 $B/gpu_serving_bench --server=$kvrecalld_address --out=$L/s1.json \
+    --placement=tiered --contexts=131072 --batches=1,8 --selectors=retopk,index --auto_tau \
+    --steps=30 --warmup=5 > /dev/null 2> $L/s1.log
+  echo "serving rc $? t=$SECONDS" | tee -a $S
+  python3 -c 'import json,sys
+for r in json.load(open(sys.argv[1]))["records"]: print(r["context"], r["batch"], r["selector"], r.get("exact_search"), r.get("effective_shortlist"), "srv", round(r["server_p50_us"]), round(r["server_p99_us"]), "e2e", round(r["e2e_p50_us"]), "devx", round(r.get("device_exact_p50_us",0)), "bulk", round(r.get("bulk_p50_us",0)), "decide", round(r.get("decide_p50_us",0)), "finish", round(r.get("finish_p50_us",0)), "devheads", round(r.get("device_exact_heads_per_step",0),2), "gpuB", r.get("session_gpu_bytes"), "build", round(r.get("build_seconds_max",0),2))' $L/s1.json 2>&1 | tee -a $S
+else
+  echo "t=$SECONDS serving skipped" | tee -a $S
+fi
+kill $kvrecalld_pid; wait $kvrecalld_pid 2>/dev/null
+echo "t=$SECONDS all done" | tee -a $S
+cp $L/s1.json $OUT/d82_serving.json 2>/dev/null
+cd $L && tar czf $OUT/d82_logs.tgz *.log *.txt 2>/dev/null
