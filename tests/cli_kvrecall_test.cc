@@ -245,8 +245,9 @@ TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
   const std::string id = created["session_id"];
   EXPECT_EQ(created["policy"]["top_k"], 16);
 
-  // The tiered exact search by name, and its N filled in (2 * K) in the effective policy.
-  r = Kvrecall("create", {"--q-heads=8", "--kv-heads=2", "--head-dim=32", "--dtype=f16",
+  // The tiered exact search by name, and its N filled in (2 * K) in the effective policy (d = 64:
+  // a GPU's tier serves 64 and 128).
+  r = Kvrecall("create", {"--q-heads=8", "--kv-heads=2", "--head-dim=64", "--dtype=f16",
                           "--placement=tiered", "--policy=index", "--k=16",
                           "--exact_search=shortlist", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

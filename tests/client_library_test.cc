@@ -159,31 +159,41 @@ TEST_F(ClientTest, PrefillsInChunksThenDecodesFullAttentionExactly) {
 // exact_topk, ReTopK's last C (+256 with auto_tau), every one for the graph index; the server
 // commits each (it refuses a prefill that lacks needed queries).
 TEST_F(ClientTest, PrefillSendsTheQueriesTheSessionNeedsAlone) {
-  const v1::Geometry g = testing::MakeGeometry(1, 4, 2, 16, v1::DTYPE_F32);
+  // f32 for the cpu placement; bf16 at d = 64 for the tiered one, which a GPU's tier serves too.
+  const v1::Geometry f32 = testing::MakeGeometry(1, 4, 2, 16, v1::DTYPE_F32);
+  const v1::Geometry bf16 = testing::MakeGeometry(1, 4, 2, 64, v1::DTYPE_BF16);
   const int64_t tokens = 700;
-  const RandomPrompt prompt(g, tokens, 11);
-  const int64_t q_bytes = 4 * 16 * 4, kv_bytes = 2 * 2 * 16 * 4;
   v1::Policy auto_tau = testing::MakePolicy(v1::SELECTOR_RETOPK);
   auto_tau.mutable_retopk()->set_auto_tau(true);
-  // Tiered (static sets in host memory here): ReTopK's exact path is the graph by default
-  // without a GPU, which needs every query.
+  // Tiered: ReTopK's exact path is by default the graph without a GPU, which needs every query,
+  // and the shortlist on one, which needs ReTopK's last C alone.
   v1::Policy tiered_retopk = testing::MakePolicy(v1::SELECTOR_RETOPK);
   tiered_retopk.set_placement(v1::PLACEMENT_TIERED);
   const struct {
     v1::Policy policy;
+    const v1::Geometry& g;
     int64_t prompt_queries;
   } cases[] = {
-      {testing::MakePolicy(v1::SELECTOR_EXACT_TOPK), 0},
-      {testing::MakePolicy(v1::SELECTOR_RETOPK), 32},
-      {auto_tau, 32 + 256},
-      {testing::MakePolicy(v1::SELECTOR_INDEX), -1},
-      {tiered_retopk, -1},
+      {testing::MakePolicy(v1::SELECTOR_EXACT_TOPK), f32, 0},
+      {testing::MakePolicy(v1::SELECTOR_RETOPK), f32, 32},
+      {auto_tau, f32, 32 + 256},
+      {testing::MakePolicy(v1::SELECTOR_INDEX), f32, -1},
+      {tiered_retopk, bf16, TieredOnGpu() ? 32 : -1},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.policy.DebugString());
+    const v1::Geometry& g = c.g;
+    const RandomPrompt prompt(g, tokens, 11);
+    const int64_t element = g.dtype() == v1::DTYPE_F32 ? 4 : 2;
+    const int64_t q_bytes = g.q_heads() * g.head_dim() * element;
+    const int64_t kv_bytes = 2 * g.kv_heads() * g.head_dim() * element;
     absl::StatusOr<SessionHandle> session = client_->CreateSession(g, c.policy);
     ASSERT_TRUE(session.ok()) << session.status();
     EXPECT_EQ(session->prompt_queries, c.prompt_queries);
+    if (c.policy.placement() == v1::PLACEMENT_TIERED) {
+      EXPECT_EQ(session->policy.index().exact_search(),
+                TieredOnGpu() ? v1::EXACT_SEARCH_SHORTLIST : v1::EXACT_SEARCH_GRAPH);
+    }
     // q goes with the needed queries' tokens alone.
     PrefillOptions options;
     options.max_chunk_bytes = 50 * (q_bytes + kv_bytes);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Eighty-second call: the code at ef197b5 checked whole on the H200. Every C++ test binary of the
+# Eighty-second call: the code at 389a3fb checked whole on the H200. Every C++ test binary of the
 # build (the service's tests then serve gpu and tiered sessions on the device, and the process
 # tests start the bundle's kvrecalld) and the Python client's tests; the clients' prefill that
 # sends only the prompt queries a session needs (prompt_queries), end to end through the
