@@ -452,6 +452,7 @@ int Main() {
       std::vector<float> kv(g.kv_row());
       std::mt19937_64 rng(context);
       std::normal_distribution<float> normal(0.0f, 1.0f);
+      const size_t first_record = records.size();  // these sessions' runs' records from here
       for (const auto& [batch, gap_us] : runs) {
         std::vector<double> e2e, server, beyond;  // beyond: e2e - server, step by step
         // Tiered: tier_micros.
@@ -676,8 +677,11 @@ int Main() {
       v1::SessionInfo info;
       grpc::ClientContext get_ctx;
       Check(stub->GetSession(&get_ctx, get, &info), "GetSession");
-      records.back()["session_gpu_bytes"] = info.gpu_bytes();
-      records.back()["session_host_bytes"] = info.host_bytes();
+      // Per session, the same for every batch run of these sessions.
+      for (size_t r = first_record; r < records.size(); ++r) {
+        records[r]["session_gpu_bytes"] = info.gpu_bytes();
+        records[r]["session_host_bytes"] = info.host_bytes();
+      }
       for (const std::string& id : ids) {
         v1::CloseSessionRequest close;
         close.set_session_id(id);

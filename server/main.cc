@@ -2,11 +2,14 @@
 // server reflection on --address until SIGTERM or SIGINT, then shuts down cleanly.
 #include <malloc.h>
 #include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 #include <string>
 
@@ -111,6 +114,21 @@ ABSL_FLAG(int, malloc_mmap_threshold_kb, 1024,
           "freed (glibc's M_MMAP_THRESHOLD; the trim threshold is 4x); 0: glibc's adaptive "
           "default, which keeps up to tens of MiB per arena resident after sessions close");
 
+namespace {
+
+// The shutdown signals' pipe: the handler writes a signal's number, main reads it.
+int shutdown_pipe[2] = {-1, -1};
+
+// Async-signal-safe: one write(2) of one byte (a full pipe already holds a signal to act on).
+extern "C" void WriteShutdownSignal(int signal_number) {
+  const int saved_errno = errno;
+  const auto byte = static_cast<unsigned char>(signal_number);
+  [[maybe_unused]] const ssize_t written = write(shutdown_pipe[1], &byte, 1);
+  errno = saved_errno;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvrecalld --address=HOST:PORT: decode-time attention as a gRPC service (kvrecall.v1)");
@@ -198,13 +216,27 @@ int main(int argc, char** argv) {
   options.security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.security.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
 
-  // Block the shutdown signals in every thread (gRPC's threads inherit this mask) so that
-  // this thread alone receives them, synchronously, through sigwait.
+  // The shutdown signals go to a handler that writes their number to a pipe this thread reads.
+  // (sigwait alone is not enough: threads that libraries start before main, OpenBLAS's, do not
+  // block them, and a signal the kernel hands one of those was lost when the process inherited
+  // SIG_IGN for it, as a background job of a non-interactive shell does, or ended the process
+  // when it had SIG_DFL.) The threads started from here on block them (gRPC's inherit the mask),
+  // so that their calls are not interrupted.
+  if (pipe2(shutdown_pipe, O_CLOEXEC) != 0) {
+    std::fprintf(stderr, "kvrecalld: cannot make the shutdown signals' pipe\n");
+    return 1;
+  }
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  struct sigaction on_signal = {};
+  on_signal.sa_handler = WriteShutdownSignal;
+  sigemptyset(&on_signal.sa_mask);
+  on_signal.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &on_signal, nullptr);
+  sigaction(SIGINT, &on_signal, nullptr);
 
   absl::StatusOr<std::unique_ptr<kvrecall::RunningServer>> server = kvrecall::StartServer(options);
   if (!server.ok()) {
@@ -225,8 +257,15 @@ int main(int argc, char** argv) {
   }
   std::fflush(stdout);
 
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  // This thread takes the signals again (beside any thread a library started before main).
+  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+  unsigned char signal_number = 0;
+  while (read(shutdown_pipe[0], &signal_number, 1) != 1) {
+    if (errno != EINTR) {
+      std::fprintf(stderr, "kvrecalld: reading the shutdown signals' pipe failed\n");
+      return 1;
+    }
+  }
   std::printf("kvrecalld: received %s, shutting down\n", strsignal(signal_number));
   std::fflush(stdout);
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));

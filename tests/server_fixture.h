@@ -119,9 +119,11 @@ class KvrecalldProcess {
   static std::string BinaryPath() { return BuildProgram("server/kvrecalld"); }
 
   // Starts kvrecalld --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 plus `flags` and waits
-  // up to `timeout` for it to listen.
+  // up to `timeout` for it to listen. `shutdown_signals_ignored`: it starts with SIGINT and
+  // SIGTERM ignored, as a background job of a non-interactive shell does.
   static absl::StatusOr<std::unique_ptr<KvrecalldProcess>> Start(
-      std::vector<std::string> flags = {}, absl::Duration timeout = absl::Seconds(30)) {
+      std::vector<std::string> flags = {}, absl::Duration timeout = absl::Seconds(30),
+      bool shutdown_signals_ignored = false) {
     int out[2];
     if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
     std::vector<std::string> args = {BinaryPath(), "--address=127.0.0.1:0",
@@ -135,6 +137,10 @@ class KvrecalldProcess {
     if (pid == 0) {
       dup2(out[1], STDOUT_FILENO);
       dup2(out[1], STDERR_FILENO);
+      if (shutdown_signals_ignored) {
+        signal(SIGINT, SIG_IGN);
+        signal(SIGTERM, SIG_IGN);
+      }
       execv(argv[0], argv.data());
       _exit(127);
     }
