@@ -1,6 +1,7 @@
 #include "proto/shared_decode_region.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +28,75 @@ constexpr char kRegionFilePrefix[] = "kvrecall-decode-";
 
 absl::Status ErrnoStatus(int error, absl::string_view what) {
   return absl::ErrnoToStatus(error, what);
+}
+
+// The regions Create mapped, for the SIGBUS handler: lock-free, so that the handler can read
+// them (begin 0: a free slot; a slot is claimed by its begin, then given its end).
+struct GuardSlot {
+  std::atomic<uintptr_t> begin{0};
+  std::atomic<uintptr_t> end{0};
+  std::atomic<uint32_t> broken{0};
+};
+GuardSlot guard_slots[MappedRegion::kMaxGuardedRegions];
+struct sigaction previous_sigbus;
+
+// An access past the end of a region whose file the peer shrank: anonymous memory over the
+// whole region (mmap is a plain system call on Linux, safe here in practice), and the access
+// is retried on it. Any other SIGBUS goes to the handler before this one, or ends the process
+// as it would have without this one.
+extern "C" void OnSigbus(int signal, siginfo_t* info, void* context) {
+  const auto address = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (GuardSlot& slot : guard_slots) {
+    const uintptr_t begin = slot.begin.load(std::memory_order_acquire);
+    const uintptr_t end = slot.end.load(std::memory_order_acquire);
+    if (begin == 0 || address < begin || address >= end) continue;
+    void* replaced = mmap(reinterpret_cast<void*>(begin), end - begin, PROT_READ | PROT_WRITE,
+                          MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (replaced != MAP_FAILED) {
+      slot.broken.store(1, std::memory_order_release);
+      return;
+    }
+    break;
+  }
+  if (previous_sigbus.sa_flags & SA_SIGINFO) {
+    if (previous_sigbus.sa_sigaction != nullptr) previous_sigbus.sa_sigaction(signal, info, context);
+    return;
+  }
+  if (previous_sigbus.sa_handler != SIG_DFL && previous_sigbus.sa_handler != SIG_IGN) {
+    previous_sigbus.sa_handler(signal);
+    return;
+  }
+  // The default action: the faulting access runs again and ends the process.
+  struct sigaction default_action = {};
+  default_action.sa_handler = SIG_DFL;
+  sigaction(SIGBUS, &default_action, nullptr);
+}
+
+// A slot for [base, base + bytes), the handler installed first; -1 when none is free.
+int GuardRegion(void* base, uint64_t bytes) {
+  static const bool installed = [] {
+    struct sigaction action = {};
+    action.sa_sigaction = OnSigbus;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_SIGINFO | SA_RESTART;
+    return sigaction(SIGBUS, &action, &previous_sigbus) == 0;
+  }();
+  if (!installed) return -1;
+  for (int i = 0; i < MappedRegion::kMaxGuardedRegions; ++i) {
+    uintptr_t free = 0;
+    GuardSlot& slot = guard_slots[i];
+    if (slot.begin.compare_exchange_strong(free, reinterpret_cast<uintptr_t>(base))) {
+      slot.broken.store(0, std::memory_order_relaxed);
+      slot.end.store(reinterpret_cast<uintptr_t>(base) + bytes, std::memory_order_release);
+      return i;
+    }
+  }
+  return -1;
+}
+
+void UnguardRegion(int slot) {
+  guard_slots[slot].end.store(0, std::memory_order_release);
+  guard_slots[slot].begin.store(0, std::memory_order_release);
 }
 
 }  // namespace
@@ -70,6 +140,12 @@ absl::StatusOr<MappedRegion> MappedRegion::Create(const std::string& directory,
   region.base_ = base;
   region.bytes_ = bytes;
   region.layout_ = layout;
+  region.guard_ = GuardRegion(base, bytes);
+  if (region.guard_ < 0) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no room to guard another shared decode region (", MappedRegion::kMaxGuardedRegions,
+        " are mapped)"));
+  }
   auto* header = new (base) RegionHeader{};
   header->magic = kMagic;
   header->version = kLayoutVersion;
@@ -140,6 +216,7 @@ MappedRegion& MappedRegion::operator=(MappedRegion&& other) noexcept {
     layout_ = std::exchange(other.layout_, RegionLayout{});
     path_ = std::move(other.path_);
     remove_file_ = std::exchange(other.remove_file_, false);
+    guard_ = std::exchange(other.guard_, -1);
   }
   return *this;
 }
@@ -151,7 +228,13 @@ void MappedRegion::RemoveFile() {
   remove_file_ = false;
 }
 
+bool MappedRegion::broken() const {
+  return guard_ >= 0 && guard_slots[guard_].broken.load(std::memory_order_acquire) != 0;
+}
+
 void MappedRegion::Reset() {
+  if (guard_ >= 0) UnguardRegion(guard_);
+  guard_ = -1;
   if (base_ != nullptr) munmap(base_, bytes_);
   if (remove_file_) unlink(path_.c_str());
   base_ = nullptr;

@@ -122,8 +122,11 @@ class MappedRegion {
   // A new region file in `directory`, mode 0600, named kvrecall-decode-<pid>-<random>, laid
   // out for the capacities, its blocks allocated now (posix_fallocate: a directory without
   // room, such as a full tmpfs, fails here with RESOURCE_EXHAUSTED instead of a SIGBUS at the
-  // first write into the mapping). The peer must not shrink the file while it is mapped (same
-  // user: it could; the server then faults on its next access).
+  // first write into the mapping). The peer should not shrink the file while it is mapped (same
+  // user: it can): an access past its end then faults, and the process's SIGBUS handler (set
+  // once, here) maps anonymous memory over the whole region, so that the access and every later
+  // one reads zeros and writes nowhere, and marks it broken() instead of the process dying.
+  // RESOURCE_EXHAUSTED when kMaxGuardedRegions regions are mapped already.
   static absl::StatusOr<MappedRegion> Create(const std::string& directory,
                                              uint64_t request_capacity, uint64_t reply_capacity);
   // Maps the region at `path` of `bytes` (SharedDecodeRegion) and checks its header:
@@ -147,6 +150,12 @@ class MappedRegion {
   uint64_t bytes() const { return bytes_; }
   // Removes Create's file now (the mapping stays valid); the destructor then leaves it.
   void RemoveFile();
+  // Whether the peer shrank Create's file under the mapping (an access faulted): the region's
+  // contents are gone, and the stream must end. Any thread may ask.
+  bool broken() const;
+
+  // The regions Create can guard at once (the server's shared streams).
+  static constexpr int kMaxGuardedRegions = 1024;
 
  private:
   void Reset();
@@ -156,6 +165,7 @@ class MappedRegion {
   RegionLayout layout_;
   std::string path_;
   bool remove_file_ = false;  // Create's: the file goes with the mapping
+  int guard_ = -1;            // Create's: its slot of the SIGBUS handler's table
 };
 
 // The pid in a region file's name (Create's kvrecall-decode-<pid>-<random>): the server that

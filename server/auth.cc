@@ -89,9 +89,8 @@ const std::string* TokenTable::Find(absl::string_view token) const {
 
 TokenAuthProcessor::~TokenAuthProcessor() { ReactionFromGrpc(this); }
 
-grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
-                                         grpc::AuthContext* context,
-                                         OutputMetadata* consumed_auth_metadata, OutputMetadata*) {
+grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata, grpc::AuthContext*,
+                                         OutputMetadata*, OutputMetadata*) {
   const GrpcReaction from_grpc(this);  // on gRPC's threads; gRPC destroys it after the last
   auto path = auth_metadata.find(":path");
   if (path != auth_metadata.end() &&
@@ -107,25 +106,29 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata,
   if (header == auth_metadata.end()) {
     return refuse("this server requires a bearer token: send 'authorization: Bearer TOKEN'");
   }
-  absl::string_view value(header->second.data(), header->second.size());
-  if (value.size() < 7 || !absl::EqualsIgnoreCase(value.substr(0, 7), "Bearer ")) {
-    return refuse("the authorization header must be 'Bearer TOKEN'");
-  }
-  const std::string* tenant = tokens_.Find(absl::StripAsciiWhitespace(value.substr(7)));
-  if (tenant == nullptr) return refuse("unknown bearer token");
-  context->AddProperty(kTenantProperty, *tenant);
-  context->SetPeerIdentityPropertyName(kTenantProperty);
-  consumed_auth_metadata->insert(
-      std::make_pair(std::string(header->first.data(), header->first.size()), std::string(value)));
+  const absl::string_view token =
+      BearerToken(absl::string_view(header->second.data(), header->second.size()));
+  if (token.empty()) return refuse("the authorization header must be 'Bearer TOKEN'");
+  if (tokens_->Find(token) == nullptr) return refuse("unknown bearer token");
+  // Not consumed: the service reads the call's tenant from it (TenantOf).
   return grpc::Status::OK;
 }
 
-std::string TenantOf(const grpc::ServerContextBase& context) {
-  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
-  if (auth == nullptr) return "";
-  std::vector<grpc::string_ref> values = auth->FindPropertyValues(kTenantProperty);
-  if (values.empty()) return "";
-  return std::string(values.front().data(), values.front().size());
+absl::string_view BearerToken(absl::string_view authorization) {
+  if (authorization.size() < 7 || !absl::EqualsIgnoreCase(authorization.substr(0, 7), "Bearer ")) {
+    return "";
+  }
+  return absl::StripAsciiWhitespace(authorization.substr(7));
+}
+
+std::string TenantOf(const grpc::ServerContextBase& context, const TokenTable* tokens) {
+  if (tokens == nullptr) return "";
+  const auto& metadata = context.client_metadata();
+  const auto header = metadata.find("authorization");
+  if (header == metadata.end()) return kNoTenant;
+  const std::string* tenant =
+      tokens->Find(BearerToken(absl::string_view(header->second.data(), header->second.size())));
+  return tenant != nullptr ? *tenant : kNoTenant;
 }
 
 }  // namespace kvrecall

@@ -1,6 +1,6 @@
 // Who is calling: bearer tokens mapped to tenants (--auth_token_file, "token tenant" lines),
 // checked for every call but grpc.health.v1 by a gRPC AuthMetadataProcessor on the TLS port;
-// the tenant of an authenticated call is a property of its AuthContext (TenantOf).
+// the tenant of an authenticated call is its own token's (TenantOf).
 #ifndef KVRECALL_SERVER_AUTH_H_
 #define KVRECALL_SERVER_AUTH_H_
 
@@ -16,8 +16,6 @@
 
 namespace kvrecall {
 
-// The AuthContext property that holds an authenticated call's tenant.
-inline constexpr char kTenantProperty[] = "kvrecall_tenant";
 // Tokens shorter than this are refused when the file is loaded: they are too easy to guess.
 inline constexpr int kMinTokenLength = 16;
 inline constexpr int kMaxTenantLength = 64;
@@ -47,14 +45,19 @@ class TokenTable {
   std::vector<Entry> entries_;
 };
 
+// The token of an "authorization" header's value "Bearer TOKEN" (the scheme in any case,
+// surrounding spaces dropped), or "" when the value is not of that form.
+absl::string_view BearerToken(absl::string_view authorization);
+
 // Checks "authorization: Bearer TOKEN" on every call except grpc.health.v1.Health's (probes
 // carry no token): a missing or unknown token fails the call with UNAUTHENTICATED before any
-// service sees it. A known token's tenant becomes the call's kTenantProperty (and its peer
-// identity); the authorization header is consumed, so services never see the token.
+// service sees it. The header stays with the call: its tenant is read from it (TenantOf), not
+// from the AuthContext, which gRPC shares between the calls of a connection, so that a
+// connection carrying several tenants' calls (a gateway's) keeps each call to its own.
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  public:
   // `metrics` (may be null) counts the refusals and must outlive the server.
-  TokenAuthProcessor(TokenTable tokens, ServerMetrics* metrics)
+  TokenAuthProcessor(std::shared_ptr<const TokenTable> tokens, ServerMetrics* metrics)
       : tokens_(std::move(tokens)), metrics_(metrics) {}
   ~TokenAuthProcessor() override;  // by gRPC, after its last Process (proto/tsan_handoff.h)
 
@@ -64,12 +67,15 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
                        OutputMetadata* response_metadata) override;
 
  private:
-  const TokenTable tokens_;
+  const std::shared_ptr<const TokenTable> tokens_;
   ServerMetrics* const metrics_;
 };
 
-// The tenant of a call: its kTenantProperty, or "" when the server authenticates no one.
-std::string TenantOf(const grpc::ServerContextBase& context);
+// The tenant of a call: its own bearer token's in `tokens`, or "" when the server
+// authenticates no one (`tokens` null). A call the processor let through without a known token
+// (none does but health checks) gets kNoTenant, which owns no session.
+inline constexpr char kNoTenant[] = "?";
+std::string TenantOf(const grpc::ServerContextBase& context, const TokenTable* tokens);
 
 }  // namespace kvrecall
 

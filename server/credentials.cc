@@ -29,8 +29,8 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view k
 
 }  // namespace
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const SecurityOptions& options, ServerMetrics* metrics) {
+absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& options,
+                                                     ServerMetrics* metrics) {
   if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
     return absl::InvalidArgumentError(
         "--tls_cert and --tls_key go together: give both (TLS) or neither (plaintext)");
@@ -45,7 +45,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
           "--auth_token_file needs --tls_cert and --tls_key: gRPC clients send bearer tokens "
           "only over TLS, and a token sent in plaintext could be read on the way");
     }
-    return grpc::InsecureServerCredentials();
+    return ServerSecurity{grpc::InsecureServerCredentials(), nullptr};
   }
   absl::StatusOr<std::string> cert = ReadPem(options.tls_cert_file, "CERTIFICATE", "--tls_cert");
   if (!cert.ok()) return cert.status();
@@ -60,17 +60,18 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
     ssl.pem_root_certs = *std::move(ca);
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
-  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::SslServerCredentials(ssl);
+  ServerSecurity security{grpc::SslServerCredentials(ssl), nullptr};
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<TokenTable> tokens = TokenTable::Load(options.auth_token_file);
     if (!tokens.ok()) {
       return absl::Status(tokens.status().code(),
                           absl::StrCat("--auth_token_file: ", tokens.status().message()));
     }
-    credentials->SetAuthMetadataProcessor(
-        std::make_shared<TokenAuthProcessor>(*std::move(tokens), metrics));
+    security.tokens = std::make_shared<const TokenTable>(*std::move(tokens));
+    security.credentials->SetAuthMetadataProcessor(
+        std::make_shared<TokenAuthProcessor>(security.tokens, metrics));
   }
-  return credentials;
+  return security;
 }
 
 }  // namespace kvrecall

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/security/server_credentials.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 
 namespace kvrecall {
@@ -26,12 +27,18 @@ struct SecurityOptions {
   bool tls() const { return !tls_cert_file.empty(); }
 };
 
+// A server's transport security and, with --auth_token_file, the tokens its calls carry.
+struct ServerSecurity {
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  std::shared_ptr<const TokenTable> tokens;  // null: no token check, every call tenant ""
+};
+
 // The credentials `options` describe, files read now. INVALID_ARGUMENT for a combination that
 // cannot work (a key without a certificate, a client CA or a token file without TLS, a file
 // that is not PEM) or a malformed token file; NOT_FOUND / PERMISSION_DENIED for unreadable
 // files. `metrics` (may be null) counts unauthenticated calls and must outlive the server.
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(
-    const SecurityOptions& options, ServerMetrics* metrics);
+absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& options,
+                                                     ServerMetrics* metrics);
 
 }  // namespace kvrecall
 

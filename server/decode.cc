@@ -91,6 +91,12 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
   response->set_layer(request.layer());
   const int n = request.steps_size();
   const int layer = request.layer();
+  // A request without steps (a round trip) has no session to check its layer against: it must
+  // at least be a layer some session could have. (Each step's session checks its own.)
+  if (n == 0 && (layer < 0 || layer >= kMaxLayers)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer must be in [0, ", kMaxLayers, "), got ", layer));
+  }
 
   // Field names ("steps[3].q") are formatted only into errors: a valid request allocates none.
   sessions_.clear();

@@ -119,7 +119,7 @@ namespace {
 // The shutdown signals' pipe: the handler writes a signal's number, main reads it.
 int shutdown_pipe[2] = {-1, -1};
 
-// Async-signal-safe: one write(2) of one byte (a full pipe already holds a signal to act on).
+// Async-signal-safe: one write(2) of one byte to the pipe's non-blocking end.
 extern "C" void WriteShutdownSignal(int signal_number) {
   const int saved_errno = errno;
   const auto byte = static_cast<unsigned char>(signal_number);
@@ -130,6 +130,23 @@ extern "C" void WriteShutdownSignal(int signal_number) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The shutdown signals go to a handler that writes their number to a pipe main reads, set
+  // first of all so that one inherited as ignored is not lost while the process starts. (sigwait
+  // alone was not enough: threads that libraries start before main, OpenBLAS's, do not block the
+  // signals, and one the kernel handed them was dropped when the process inherited SIG_IGN for
+  // it, as a background job of a non-interactive shell does, or ended the process under SIG_DFL.)
+  // The write end never blocks a handler: a full pipe already holds a signal to act on.
+  if (pipe2(shutdown_pipe, O_CLOEXEC) != 0 ||
+      fcntl(shutdown_pipe[1], F_SETFL, fcntl(shutdown_pipe[1], F_GETFL) | O_NONBLOCK) != 0) {
+    std::fprintf(stderr, "kvrecalld: cannot make the shutdown signals' pipe\n");
+    return 1;
+  }
+  struct sigaction on_signal = {};
+  on_signal.sa_handler = WriteShutdownSignal;
+  sigemptyset(&on_signal.sa_mask);
+  on_signal.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &on_signal, nullptr);
+  sigaction(SIGINT, &on_signal, nullptr);
   absl::SetProgramUsageMessage(
       "kvrecalld --address=HOST:PORT: decode-time attention as a gRPC service (kvrecall.v1)");
   absl::ParseCommandLine(argc, argv);
@@ -216,27 +233,13 @@ int main(int argc, char** argv) {
   options.security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.security.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
 
-  // The shutdown signals go to a handler that writes their number to a pipe this thread reads.
-  // (sigwait alone is not enough: threads that libraries start before main, OpenBLAS's, do not
-  // block them, and a signal the kernel hands one of those was lost when the process inherited
-  // SIG_IGN for it, as a background job of a non-interactive shell does, or ended the process
-  // when it had SIG_DFL.) The threads started from here on block them (gRPC's inherit the mask),
-  // so that their calls are not interrupted.
-  if (pipe2(shutdown_pipe, O_CLOEXEC) != 0) {
-    std::fprintf(stderr, "kvrecalld: cannot make the shutdown signals' pipe\n");
-    return 1;
-  }
+  // The threads started from here on block the shutdown signals (gRPC's inherit the mask), so
+  // that their calls are not interrupted; main takes them again once the server listens.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  struct sigaction on_signal = {};
-  on_signal.sa_handler = WriteShutdownSignal;
-  sigemptyset(&on_signal.sa_mask);
-  on_signal.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &on_signal, nullptr);
-  sigaction(SIGINT, &on_signal, nullptr);
 
   absl::StatusOr<std::unique_ptr<kvrecall::RunningServer>> server = kvrecall::StartServer(options);
   if (!server.ok()) {
@@ -266,7 +269,13 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::printf("kvrecalld: received %s, shutting down\n", strsignal(signal_number));
+  // A second signal during the grace ends the process at once (the default action).
+  struct sigaction default_action = {};
+  default_action.sa_handler = SIG_DFL;
+  sigaction(SIGTERM, &default_action, nullptr);
+  sigaction(SIGINT, &default_action, nullptr);
+  std::printf("kvrecalld: received %s, shutting down (again to stop at once)\n",
+              strsignal(signal_number));
   std::fflush(stdout);
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
   (*server)->Wait();

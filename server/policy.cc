@@ -158,17 +158,33 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   p.exact_search = *search;
   // A client that tunes the graph asks for it: where the search is unset (and no shortlist N
   // is given), the graph's knobs name the graph wherever it could run (so that the GPU's default
-  // shortlist does not ignore them silently); beside another exact path named for an index or
-  // retopk session they name two, as EXACT_SEARCH_GRAPH there would.
-  const char* graph_knob = g.build_queries() != 0      ? "build_queries"
-                           : g.build_topk() != 0       ? "build_topk"
-                           : g.max_degree() != 0       ? "max_degree"
-                           : g.search_list_size() != 0 ? "search_list_size"
-                           : g.search_width() != 0     ? "search_width"
-                           : g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED ? "graph_scope"
-                                                                             : nullptr;
-  const bool graph_knobs = graph_knob != nullptr;
-  if (graph_knobs && (p.kind == SelectorKind::kIndex || p.kind == SelectorKind::kReTopK)) {
+  // shortlist does not ignore them silently).
+  const bool graph_knobs = g.build_queries() != 0 || g.build_topk() != 0 || g.max_degree() != 0 ||
+                           g.search_list_size() != 0 || g.search_width() != 0 ||
+                           g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED;
+  // And a knob tuned away from the server's default beside another exact path named for a
+  // tiered index or retopk session names two, as EXACT_SEARCH_GRAPH there would. (A knob at its
+  // default asks for nothing: an effective policy echoes every knob, and sent back it must be
+  // accepted as it was.)
+  GraphIndexParams unset;
+  unset.build_queries = unset.build_topk = unset.max_degree = 0;
+  unset.search_list_size = unset.search_width = 0;
+  unset.graph_scope = GraphScope::kDefault;
+  const GraphIndexParams server = unset.WithDefaults();
+  auto tuned = [](int32_t value, int32_t server_value) {
+    return value != 0 && value != server_value;
+  };
+  const char* graph_knob =
+      tuned(g.build_queries(), server.build_queries)           ? "build_queries"
+      : tuned(g.build_topk(), server.build_topk)               ? "build_topk"
+      : tuned(g.max_degree(), server.max_degree)               ? "max_degree"
+      : tuned(g.search_list_size(), server.search_list_size)   ? "search_list_size"
+      : tuned(g.search_width(), server.search_width)           ? "search_width"
+      : g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED && *scope != server.graph_scope
+          ? "graph_scope"
+          : nullptr;
+  if (graph_knob != nullptr && out.placement == v1::PLACEMENT_TIERED &&
+      (p.kind == SelectorKind::kIndex || p.kind == SelectorKind::kReTopK)) {
     const char* other = nullptr;
     if (p.shortlist > 0) {
       other = "policy.index.shortlist";

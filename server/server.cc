@@ -173,7 +173,20 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& options) {
+absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& given) {
+  ServerOptions options = given;
+  // DecodeShared names its regions to runners by path: an absolute one opens from any working
+  // directory (a relative --shared_memory_dir gave paths only the server's could open).
+  if (!options.shared_memory_dir.empty()) {
+    std::error_code error;
+    const std::filesystem::path absolute =
+        std::filesystem::absolute(options.shared_memory_dir, error);
+    if (error) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shared_memory_dir ", options.shared_memory_dir, ": ", error.message()));
+    }
+    options.shared_memory_dir = absolute.lexically_normal().string();
+  }
   if (options.max_message_bytes < 1 || options.max_message_bytes > INT_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be in [1, ", INT_MAX,
                                                    "], got ", options.max_message_bytes));
@@ -195,16 +208,17 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
 
   const std::vector<std::string> addresses = absl::StrSplit(options.address, ',');
   std::vector<int> ports(addresses.size(), 0);
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+  absl::StatusOr<ServerSecurity> security =
       MakeServerCredentials(options.security, running->metrics_.get());
-  if (!credentials.ok()) return credentials.status();
+  if (!security.ok()) return security.status();
+  running->service_.SetTokenTable(security->tokens);
   grpc::ServerBuilder builder;
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (UnixSocketInUse(addresses[i])) {
       return absl::UnavailableError(absl::StrCat("could not listen on ", addresses[i],
                                                  ": another server listens on that socket"));
     }
-    builder.AddListeningPort(addresses[i], *credentials, &ports[i]);
+    builder.AddListeningPort(addresses[i], security->credentials, &ports[i]);
   }
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would then start and
   // silently take a share of the connections instead of failing.

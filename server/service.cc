@@ -147,7 +147,8 @@ grpc::ServerUnaryReactor* KvRecallService::StartUnary(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
     grpc::ByteBuffer* response,
     absl::Status (KvRecallService::*handler)(absl::string_view, const Request&, Response*)) {
-  auto* call = new UnaryCall<Request, Response>(this, response, handler, TenantOf(*context));
+  auto* call = new UnaryCall<Request, Response>(this, response, handler,
+                                                TenantOf(*context, tokens_.get()));
   call->Start(request);
   return call;
 }
@@ -652,10 +653,17 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       v1::shared_decode::WaitUntil(
           &h->request_signal, &h->server_sleeping, service_->options_.shared_memory_spin,
           absl::Milliseconds(100),
-          [&] { return h->request_seq.load() != seen || cancelled_.load() || draining_.load(); },
+          [&] {
+            return h->request_seq.load() != seen || cancelled_.load() || draining_.load() ||
+                   region_.broken();
+          },
           [] { return false; });
       if (cancelled_.load()) {
         end = CancelledStatus();  // nobody is listening
+        break;
+      }
+      if (region_.broken()) {
+        end = BrokenRegionStatus();
         break;
       }
       const uint32_t request = h->request_seq.load();
@@ -679,6 +687,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       Publish(status, reply_bytes, seen);
       if (!status.ok()) {
         end = std::move(status);
+        break;
+      }
+      if (region_.broken()) {  // the reply went nowhere (the step was applied)
+        end = BrokenRegionStatus();
         break;
       }
     }
@@ -707,6 +719,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
                                        "; nothing of it was applied"));
     }
     request_bytes_.assign(region_.request(), bytes);
+    if (region_.broken()) return BrokenRegionStatus();  // what was copied is zeros: not applied
     if (!request_.ParseFromString(request_bytes_)) {
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
@@ -725,6 +738,15 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     }
     response_.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(region_.reply()));
     return grpc::Status::OK;
+  }
+
+  // The stream's end when its runner shrank the region's file under the mapping (MappedRegion's
+  // broken()): what the region held is gone on both sides.
+  grpc::Status BrokenRegionStatus() const {
+    return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                        absl::StrCat("the shared decode region ", region_.path(),
+                                     " was shrunk while mapped; this stream ends (a request "
+                                     "read as zeros is not applied; open a new stream)"));
   }
 
   // Publishes the answer to request `seq`: the reply already in the region (`reply_bytes` of
@@ -834,17 +856,17 @@ grpc::ServerUnaryReactor* KvRecallService::CreateSession(grpc::CallbackServerCon
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
-  return new PrefillCall(this, context, response, TenantOf(*context));
+  return new PrefillCall(this, context, response, TenantOf(*context, tokens_.get()));
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::Decode(
     grpc::CallbackServerContext* context) {
-  return new DecodeCall(this, TenantOf(*context));
+  return new DecodeCall(this, TenantOf(*context, tokens_.get()));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvRecallService::DecodeShared(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  return new SharedDecodeCall(this, request, TenantOf(*context));
+  return new SharedDecodeCall(this, request, TenantOf(*context, tokens_.get()));
 }
 
 grpc::ServerUnaryReactor* KvRecallService::GetSession(grpc::CallbackServerContext* context,

@@ -19,6 +19,7 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
+#include "server/auth.h"
 #include "server/session.h"
 #include "server/work_queue.h"
 
@@ -66,6 +67,10 @@ class KvRecallService final : public KvRecallRawCallbackService {
   KvRecallService(SessionRegistry* registry, const ServiceOptions& options);
   // The gRPC server using the service must have shut down (every call is done).
   ~KvRecallService() override;
+
+  // The tokens whose tenants own sessions (--auth_token_file; null: no tenants). Set before the
+  // server starts, read by every call after.
+  void SetTokenTable(std::shared_ptr<const TokenTable> tokens) { tokens_ = std::move(tokens); }
 
   // The first step of a drain: from now on new calls, new Decode steps and new Prefill chunks
   // get UNAVAILABLE; a step or chunk in flight finishes (a Decode step's reply is sent with the
@@ -156,6 +161,7 @@ class KvRecallService final : public KvRecallRawCallbackService {
   void ReturnInlineStep();
 
   SessionRegistry* registry_;
+  std::shared_ptr<const TokenTable> tokens_;  // SetTokenTable's
   std::atomic<bool> draining_{false};
   mutable absl::Mutex calls_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(calls_mu_);

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <deque>
 #include <memory>
 #include <string>
@@ -36,10 +37,11 @@ inline constexpr int kMaxHeadDim = 1024;
 absl::Status ValidateGeometry(const v1::Geometry& geometry);
 
 // The most tokens a layer of a session can ever hold (prompt + decoded), whatever
-// --max_context_tokens says: 2^32, past any model's context. It keeps every byte count a layer
-// makes of its tokens far inside int64 (2^32 rows of the widest row, 8 MiB, are 2^55 bytes), so
-// that no announced max_tokens can wrap an allocation's size.
-inline constexpr int64_t kMaxLayerTokens = int64_t{1} << 32;
+// --max_context_tokens says: 2^31 - 1, past any model's context. Token positions are int32
+// through the selectors and kernels (the GPU placement's limit too), and it keeps every byte
+// count a layer makes of its tokens far inside int64 (2^31 rows of the widest row, 8 MiB, are
+// 2^54 bytes), so that no announced max_tokens can wrap an allocation's size.
+inline constexpr int64_t kMaxLayerTokens = std::numeric_limits<int32_t>::max();
 
 // The longest label a session may carry (CreateSessionRequest.label), in bytes.
 inline constexpr int kMaxLabelBytes = 256;

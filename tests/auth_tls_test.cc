@@ -329,6 +329,76 @@ TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {
   EXPECT_TRUE(alice->CloseSession(session->id).ok());
 }
 
+// A gateway multiplexes tenants over one connection: each call is its own token's tenant's.
+// (The tenant was once read from gRPC's AuthContext, which the calls of a connection share: the
+// connection's first tenant then owned every later call on it, whoever's token it carried.)
+TEST_F(TlsTest, EachCallIsItsOwnTokensTenantOnASharedConnection) {
+  Start(WithTokens());
+  absl::StatusOr<std::unique_ptr<client::Client>> c =
+      client::Client::Connect(server_->address(), TrustingCa());  // no token of its own
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto stub = v1::KvRecall::NewStub((*c)->channel());
+  auto as = [](grpc::ClientContext* context, const char* token) {
+    context->AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  };
+  auto create = [&](const char* token, const char* label) {
+    grpc::ClientContext context;
+    as(&context, token);
+    v1::CreateSessionRequest request;
+    *request.mutable_geometry() = testing::MakeGeometry(1, 2, 1, 8);
+    *request.mutable_policy() = testing::MakePolicy(v1::SELECTOR_FULL);
+    request.set_label(label);
+    v1::CreateSessionResponse response;
+    const grpc::Status s = stub->CreateSession(&context, request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return response.session_id();
+  };
+  auto list = [&](const char* token) {
+    grpc::ClientContext context;
+    as(&context, token);
+    v1::ListSessionsResponse response;
+    const grpc::Status s = stub->ListSessions(&context, v1::ListSessionsRequest(), &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    std::vector<std::string> labels;
+    for (const v1::SessionInfo& info : response.sessions()) labels.push_back(info.label());
+    return labels;
+  };
+  auto close = [&](const char* token, const std::string& id) {
+    grpc::ClientContext context;
+    as(&context, token);
+    v1::CloseSessionRequest request;
+    request.set_session_id(id);
+    v1::CloseSessionResponse response;
+    return testing::FromGrpc(stub->CloseSession(&context, request, &response));
+  };
+  // Alice's call first on the connection, then bob's, then alice's again.
+  const std::string alices = create(kAliceToken, "alice's");
+  const std::string bobs = create(kBobToken, "bob's");
+  EXPECT_THAT(list(kAliceToken), ::testing::ElementsAre("alice's"));
+  EXPECT_THAT(list(kBobToken), ::testing::ElementsAre("bob's"));
+  EXPECT_TRUE(HasStatus(close(kBobToken, alices), absl::StatusCode::kNotFound, "no session"));
+  EXPECT_TRUE(HasStatus(close(kAliceToken, bobs), absl::StatusCode::kNotFound, "no session"));
+  // A decode step of bob's on alice's session is NOT_FOUND too, on the same connection.
+  {
+    grpc::ClientContext context;
+    as(&context, kBobToken);
+    auto stream = stub->Decode(&context);
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    *request.add_steps() = testing::MakeStep(alices, testing::MakeGeometry(1, 2, 1, 8),
+                                             testing::RandomNormal(16, 1),
+                                             testing::RandomNormal(8, 2),
+                                             testing::RandomNormal(8, 3));
+    ASSERT_TRUE(stream->Write(request));
+    v1::DecodeResponse response;
+    EXPECT_FALSE(stream->Read(&response));
+    EXPECT_TRUE(HasStatus(testing::FromGrpc(stream->Finish()), absl::StatusCode::kNotFound,
+                          "no session"));
+  }
+  EXPECT_TRUE(close(kAliceToken, alices).ok());
+  EXPECT_TRUE(close(kBobToken, bobs).ok());
+}
+
 TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
   auto start = [](const SecurityOptions& security) {
     ServerOptions options;

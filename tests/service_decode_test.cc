@@ -395,6 +395,17 @@ TEST_F(ServiceDecodeTest, EmptyRequestGetsEmptyReply) {
   EXPECT_TRUE(decode.Finish().ok());
 }
 
+TEST_F(ServiceDecodeTest, AnEmptyRequestOfALayerNoSessionCouldHaveIsRefused) {
+  for (const int layer : {-1, kMaxLayers}) {
+    DecodeClient decode(stub());
+    v1::DecodeRequest request;
+    request.set_layer(layer);
+    EXPECT_TRUE(testing::HasStatus(decode.Step(request).status(),
+                                   absl::StatusCode::kInvalidArgument,
+                                   absl::StrCat("layer must be in [0, 1024), got ", layer)));
+  }
+}
+
 TEST_F(ServiceDecodeTest, LayersPrefilledInSeparateStreamsAndChunkSizes) {
   ReferenceSession ref(MakeGeometry(3, 4, 2, 16), 23, 31);
   absl::StatusOr<std::string> id =

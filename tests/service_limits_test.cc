@@ -384,7 +384,7 @@ TEST_F(TokenCeilingTest, MaxTokensPastWhatALayerCanHoldIsRefusedAndAllocatesNoth
        {kMaxLayerTokens + 1, (int64_t{1} << 57) + 1, std::numeric_limits<int64_t>::max()}) {
     const absl::Status refused = CreateAnnouncing(SmallGeometry(), max_tokens);
     EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kInvalidArgument,
-                          absl::StrCat("max_tokens must be in [0, 4294967296] (0: not announced; "
+                          absl::StrCat("max_tokens must be in [0, 2147483647] (0: not announced; "
                                        "the most a layer can hold), got ",
                                        max_tokens)))
         << refused;
@@ -396,12 +396,12 @@ TEST_F(TokenCeilingTest, MaxTokensPastWhatALayerCanHoldIsRefusedAndAllocatesNoth
 }
 
 TEST_F(TokenCeilingTest, EveryLayersBytesPastInt64AreRefusedAtCreateSession) {
-  // 2^32 tokens of 1024 KV heads x 1024 dims in f32 are 2^55 bytes a layer; 1024 layers would
-  // be 2^65.
+  // 2^31 - 1 tokens of 1024 KV heads x 1024 dims in f32 are ~2^54 bytes a layer; 1024 layers
+  // would be ~2^64.
   const absl::Status refused =
       CreateAnnouncing(MakeGeometry(1024, 1024, 1024, 1024), kMaxLayerTokens);
   EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
-                        "max_tokens=4294967296 of 1024 layers needs more bytes of host memory "
+                        "max_tokens=2147483647 of 1024 layers needs more bytes of host memory "
                         "than can be counted"))
       << refused;
   EXPECT_TRUE(running().sessions().List().empty());
@@ -413,8 +413,8 @@ TEST(SessionLimitsTest, ALayerPastTheCeilingIsRefusedWithoutALimit) {
   EXPECT_TRUE(none.CheckContext(kMaxLayerTokens).ok());
   EXPECT_TRUE(HasStatus(none.CheckContext(kMaxLayerTokens + 1, "s", 3),
                         absl::StatusCode::kResourceExhausted,
-                        "layer 3 of session 's' would hold 4294967297 tokens, beyond the most a "
-                        "layer can hold (4294967296)"));
+                        "layer 3 of session 's' would hold 2147483648 tokens, beyond the most a "
+                        "layer can hold (2147483647)"));
   const SessionLimits limited{.max_context_tokens = 64};
   EXPECT_TRUE(HasStatus(limited.CheckContext(kMaxLayerTokens + 1),
                         absl::StatusCode::kResourceExhausted, "--max_context_tokens=64"));

@@ -278,6 +278,53 @@ TEST_F(SharedDecodeTest, HostileRegionBytesGetClearStatuses) {
   EXPECT_TRUE(dir_.AwaitRegions(0));
 }
 
+// A runner that shrinks its region's file under the mapping ends its own stream with DATA_LOSS
+// (the server's access past the file's end faults, and its SIGBUS handler maps zeros over the
+// region instead of the process dying); nothing of a request read as zeros is applied, and the
+// server goes on serving. (The test's own mapping is not touched past what the file keeps.)
+TEST_F(SharedDecodeTest, ARegionShrunkByItsRunnerEndsItsOwnStreamAlone) {
+  ReferenceSession ref(g_, kPrompt, 31);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), 64);
+  {
+    // Shrunk to nothing while idle: the server's next look at the header faults.
+    RawRegion raw(stub());
+    ASSERT_TRUE(raw.ok());
+    ASSERT_EQ(truncate(raw.region().path().c_str(), 0), 0);
+    EXPECT_TRUE(
+        HasStatus(raw.Finish(), absl::StatusCode::kDataLoss, "was shrunk while mapped"));
+  }
+  {
+    // A whole step written, the request area cut off, then the step published (the header
+    // stays): the server's copy of the request faults.
+    RawRegion raw(stub());
+    ASSERT_TRUE(raw.ok());
+    const ReferenceSession::Token t = ref.MakeToken(6);
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    *request.add_steps() = ::kvrecall::testing::MakeStep(id, g_, t.q, t.k, t.v);
+    const std::string bytes = request.SerializeAsString();
+    std::copy(bytes.begin(), bytes.end(), raw.region().request());
+    ASSERT_EQ(truncate(raw.region().path().c_str(), shared::kHeaderBytes), 0);
+    raw.h()->request_bytes = static_cast<uint32_t>(bytes.size());
+    raw.h()->request_seq.store(raw.h()->request_seq.load() + 1);
+    shared::Signal(&raw.h()->request_signal, &raw.h()->server_sleeping);
+    EXPECT_TRUE(HasStatus(raw.Finish(), absl::StatusCode::kDataLoss,
+                          "a request read as zeros is not applied"));
+  }
+  absl::StatusOr<v1::SessionInfo> info = ::kvrecall::testing::GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layer_tokens(0), kPrompt);
+  EXPECT_TRUE(dir_.AwaitRegions(0));
+  // The server goes on: a shared stream steps as before.
+  client::Client c = MakeClient();
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream = c.OpenDecodeStream(g_, Shared());
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  const ReferenceSession::Token t = ref.MakeToken(7);
+  const client::SequenceInput one{id, t.q, t.k, t.v};
+  client::StepResult result;
+  EXPECT_TRUE((*stream)->Step(0, std::span(&one, 1), {}, &result).ok());
+}
+
 TEST_F(SharedDecodeTest, AHeaderRewrittenByTheRunnerDoesNotMoveTheServersAreas) {
   // The runner overwrites the layout fields (capacities past the file, offsets anywhere):
   // the server keeps to the layout it made, so the oversized claim is refused by its own
@@ -408,6 +455,31 @@ TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {
   EXPECT_FALSE(std::filesystem::exists(stale));
   EXPECT_TRUE(std::filesystem::exists(live));
   EXPECT_TRUE(std::filesystem::exists(other));
+}
+
+// A relative --shared_memory_dir names its regions by absolute path, so that a runner in any
+// working directory opens them.
+TEST(SharedMemoryDirTest, ARelativeDirectoryNamesRegionsByAbsolutePath) {
+  SharedDirectory dir;
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.shared_memory_dir =
+      std::filesystem::relative(dir.path(), std::filesystem::current_path()).string();
+  ASSERT_FALSE(std::filesystem::path(options.shared_memory_dir).is_absolute());
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = v1::KvRecall::NewStub(
+      grpc::CreateChannel((*server)->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  auto reader = stub->DecodeShared(&context, v1::SharedDecodeRequest());
+  v1::SharedDecodeRegion region;
+  ASSERT_TRUE(reader->Read(&region));
+  EXPECT_TRUE(std::filesystem::path(region.path()).is_absolute()) << region.path();
+  EXPECT_TRUE(std::filesystem::equivalent(std::filesystem::path(region.path()).parent_path(),
+                                          dir.path()))
+      << region.path();
+  context.TryCancel();
+  reader->Finish().IgnoreError();
 }
 
 }  // namespace

@@ -898,5 +898,25 @@ TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
   }
 }
 
+// An effective policy, sent back as a new session's policy, is accepted and gives the same
+// effective policy: it names the exact search and carries every graph knob at the server's
+// default, which asks for nothing.
+TEST_F(TieredShortlistTest, AnEchoedEffectivePolicyIsAcceptedAsItWas) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  v1::Policy flat = ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 0);
+  flat.mutable_retopk()->set_exact_flat_scan(true);
+  v1::Policy named = ShortlistPolicy(v1::SELECTOR_INDEX, 32, 0);
+  named.mutable_index()->set_exact_search(v1::EXACT_SEARCH_SHORTLIST);
+  for (const v1::Policy& policy : {ShortlistPolicy(v1::SELECTOR_INDEX, 32, 64),
+                                   ShortlistPolicy(v1::SELECTOR_RETOPK, 32, 64), named, flat,
+                                   ShortlistPolicy(v1::SELECTOR_INDEX, 32, 0)}) {
+    SCOPED_TRACE(policy.DebugString());
+    v1::CreateSessionResponse first, again;
+    ASSERT_TRUE(CreateSession(stub(), g, policy, &first).ok());
+    ASSERT_TRUE(CreateSession(stub(), g, first.policy(), &again).ok());
+    EXPECT_EQ(again.policy().DebugString(), first.policy().DebugString());
+  }
+}
+
 }  // namespace
 }  // namespace kvrecall
