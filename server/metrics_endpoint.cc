@@ -2,7 +2,9 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -12,6 +14,38 @@
 #include "prometheus/text_serializer.h"
 
 namespace kvrecall {
+namespace {
+
+// The endpoint's connections: `workers` threads and at most `max_queued` connections waiting
+// for one. Past that the listening thread serves the connection itself, so it accepts no more
+// until it is done: later peers wait in the kernel's backlog, holding none of this process's
+// file descriptors. (httplib's own pool queues every accepted connection: idle peers could take
+// every descriptor the process has, and gRPC's listener, failing accept4, stopped for good.)
+class BoundedTaskQueue final : public httplib::TaskQueue {
+ public:
+  BoundedTaskQueue(int workers, int max_queued)
+      : pool_(static_cast<size_t>(workers)), limit_(workers + max_queued) {}
+
+  void enqueue(std::function<void()> fn) override {
+    if (pending_.fetch_add(1) >= limit_) {
+      pending_.fetch_sub(1);
+      fn();
+      return;
+    }
+    pool_.enqueue([this, fn = std::move(fn)] {
+      fn();
+      pending_.fetch_sub(1);
+    });
+  }
+  void shutdown() override { pool_.shutdown(); }
+
+ private:
+  httplib::ThreadPool pool_;
+  const int limit_;
+  std::atomic<int> pending_{0};  // connections queued or being served by the pool
+};
+
+}  // namespace
 
 MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
                                  std::unique_ptr<httplib::Server> http, std::string address,
@@ -58,9 +92,16 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
-  // Two workers: one scrape at a time is the norm, a second keeps a slow scraper from blocking
-  // another one.
-  http->new_task_queue = [] { return new httplib::ThreadPool(2); };
+  // Four workers: one scrape at a time is the norm, the others keep a few slow or idle peers
+  // from blocking it; a bounded queue and short timeouts keep any number of them from taking
+  // the process's file descriptors or the workers for long.
+  http->new_task_queue = [] {
+    return new BoundedTaskQueue(MetricsEndpoint::kWorkers, MetricsEndpoint::kMaxQueued);
+  };
+  http->set_read_timeout(std::chrono::seconds(2));
+  http->set_write_timeout(std::chrono::seconds(2));
+  http->set_keep_alive_timeout(2);
+  http->set_keep_alive_max_count(16);
   std::weak_ptr<ServerMetrics> source = metrics;
   http->Get("/metrics", [source](const httplib::Request&, httplib::Response& response) {
     std::shared_ptr<ServerMetrics> collected = source.lock();

@@ -32,6 +32,12 @@ class MetricsEndpoint {
       const std::string& address, std::shared_ptr<ServerMetrics> metrics);
   ~MetricsEndpoint();
 
+  // Connections served at once, and accepted ones waiting for a worker; past both the endpoint
+  // accepts no more until one is done (the rest wait in the kernel's backlog). A peer that
+  // sends nothing for 2 s is dropped.
+  static constexpr int kWorkers = 4;
+  static constexpr int kMaxQueued = 16;
+
   // HOST:PORT actually listened on (the requested host with the bound port).
   const std::string& address() const { return address_; }
   int port() const { return port_; }

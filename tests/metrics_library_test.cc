@@ -1,6 +1,14 @@
 // ServerMetrics' families as the Prometheus text format shows them, and MetricsEndpoint's
 // address handling; a real scrape of a real kvrecalld is tests/metrics_prometheus_test.py's.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
@@ -191,6 +199,80 @@ TEST(MetricsEndpointTest, ServerStartFailsWhenTheMetricsPortIsTaken) {
   options.metrics_address = (*taken)->address();
   EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kUnavailable,
                         "could not serve metrics on " + (*taken)->address()));
+}
+
+int OpenDescriptors() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    ++n;
+  }
+  return n;
+}
+
+// GET /metrics over a fresh connection: the response's first line ("" when none came).
+std::string ScrapeStatusLine(int port) {
+  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval timeout = {10, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  std::string reply;
+  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
+    if (write(s, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[256];
+      const ssize_t n = read(s, buffer, sizeof buffer);
+      if (n > 0) reply.assign(buffer, static_cast<size_t>(n));
+    }
+  }
+  close(s);
+  return reply.substr(0, reply.find("\r\n"));
+}
+
+// Idle peers by the hundred hold no more of the process's file descriptors than the endpoint's
+// workers and queue (httplib's own pool accepted them all, and with the process's descriptors
+// gone gRPC's listener stopped accepting for good), and scrapes are answered once they leave.
+TEST(MetricsEndpointTest, IdlePeersCannotTakeTheProcesssDescriptors) {
+  auto metrics = std::make_shared<ServerMetrics>();
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  EXPECT_THAT(ScrapeStatusLine(port), ::testing::MatchesRegex("HTTP/1\\.[01] 200 OK"));
+  const int before = OpenDescriptors();
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  // The peers live in a child, so that only the endpoint's side of them is counted here.
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    sockaddr_in address = {};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    for (int i = 0; i < 200; ++i) {  // (non-blocking: past the backlog, connect would wait)
+      const int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address);
+    }
+    const char done = 1;
+    [[maybe_unused]] const ssize_t written = write(ready[1], &done, 1);
+    pause();
+    _exit(0);
+  }
+  close(ready[1]);
+  char done = 0;
+  ASSERT_EQ(read(ready[0], &done, 1), 1);
+  close(ready[0]);
+  // The endpoint accepts what it will (past the listen backlog, the peers' handshakes complete
+  // as their SYNs are retried, after 1 s and 3 s).
+  absl::SleepFor(absl::Milliseconds(3500));
+  const int during = OpenDescriptors();
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_LE(during - before, MetricsEndpoint::kWorkers + MetricsEndpoint::kMaxQueued + 2);
+  EXPECT_THAT(ScrapeStatusLine(port), ::testing::MatchesRegex("HTTP/1\\.[01] 200 OK"));
 }
 
 }  // namespace

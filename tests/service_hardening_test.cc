@@ -752,7 +752,10 @@ TEST(HardeningProcessTest, ExitsWithinTheGraceWhileWorkStillRuns) {
   auto stub = v1::KvRecall::NewStub(MakeChannel(server->address()));
   SlowPrefill slow(*stub, /*heavy=*/true);
   PrefillInFlight prefill(*stub, slow.chunks);
-  absl::SleepFor(absl::Seconds(2));  // the chunks are staged, the build runs
+  // Every chunk is written: the server stages the last ones and starts the build. (Signalled
+  // soon after, not seconds after: on a machine with a GPU the build's top-k lists take
+  // milliseconds, and the whole build about a second; d85 once saw it end within 2 s.)
+  absl::SleepFor(absl::Milliseconds(200));
   const absl::Time signalled = absl::Now();
   absl::StatusOr<int> status = server->Stop(SIGTERM, absl::Seconds(60));
   ASSERT_TRUE(status.ok()) << status.status();
