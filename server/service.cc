@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/shared_decode_region.h"
+#include "proto/tensor_codec.h"
 #include "proto/tsan_handoff.h"  // HandoffToGrpc, ReactionFromGrpc: what TSan cannot see in gRPC
 #include "server/auth.h"
 #include "server/decode.h"
@@ -723,6 +724,27 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     if (!request_.ParseFromString(request_bytes_)) {
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
+    }
+    // A reply holds at least every step's output (q's shape, in q's encoding): a region that
+    // cannot hold that is refused before anything is applied.
+    uint64_t least_reply = 0;
+    for (const v1::SequenceStep& step : request_.steps()) {
+      uint64_t elements = step.q().shape_size() > 0 ? 1 : 0;
+      for (const int64_t extent : step.q().shape()) {
+        elements = std::min<uint64_t>(elements * static_cast<uint64_t>(std::clamp<int64_t>(
+                                                     extent, 0, int64_t{1} << 20)),
+                                      uint64_t{1} << 40);
+      }
+      const uint64_t element_bytes =
+          step.q().values_size() > 0 ? sizeof(float) : DTypeSize(step.q().dtype());
+      least_reply += elements * element_bytes;
+    }
+    if (least_reply > region_.reply_capacity()) {
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("the reply to Decode request ", index, " needs at least ", least_reply,
+                       " bytes (its outputs), over the region's max_reply_bytes of ",
+                       region_.reply_capacity(), "; nothing of it was applied"));
     }
     response_.Clear();
     grpc::Status status = service_->Answer(decoder_.Serve(request_, &response_));

@@ -190,6 +190,13 @@ TEST_F(SharedDecodeTest, LimitsAndCapacitiesAreEnforced) {
   client::StepResult result;
   EXPECT_TRUE(HasStatus((*small)->Step(0, {&in, 1}, {}, &result),
                         absl::StatusCode::kResourceExhausted, "max_request_bytes of 64"));
+  // A reply area smaller than the step's output (4 heads x 16 dims of f32): refused before the
+  // step is applied, so that a retry does not append the token twice.
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> tiny =
+      open_when_free({.shared_memory = true, .max_reply_bytes = 16});
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  // (The region holds 16 bytes of the message; the call's final status holds all of it.)
+  EXPECT_EQ((*tiny)->Step(0, {&in, 1}, {}, &result).code(), absl::StatusCode::kResourceExhausted);
   absl::StatusOr<v1::SessionInfo> info = ::kvrecall::testing::GetSession(stub(), id);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->layer_tokens(0), kPrompt);
