@@ -127,6 +127,16 @@ extern "C" void WriteShutdownSignal(int signal_number) {
   errno = saved_errno;
 }
 
+// SIGTERM's and SIGINT's action: `handler` (WriteShutdownSignal, or SIG_DFL).
+void SetShutdownSignalsHandler(void (*handler)(int)) {
+  struct sigaction action = {};
+  action.sa_handler = handler;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,12 +151,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvrecalld: cannot make the shutdown signals' pipe\n");
     return 1;
   }
-  struct sigaction on_signal = {};
-  on_signal.sa_handler = WriteShutdownSignal;
-  sigemptyset(&on_signal.sa_mask);
-  on_signal.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &on_signal, nullptr);
-  sigaction(SIGINT, &on_signal, nullptr);
+  SetShutdownSignalsHandler(WriteShutdownSignal);
   absl::SetProgramUsageMessage(
       "kvrecalld --address=HOST:PORT: decode-time attention as a gRPC service (kvrecall.v1)");
   absl::ParseCommandLine(argc, argv);
@@ -270,10 +275,7 @@ int main(int argc, char** argv) {
     }
   }
   // A second signal during the grace ends the process at once (the default action).
-  struct sigaction default_action = {};
-  default_action.sa_handler = SIG_DFL;
-  sigaction(SIGTERM, &default_action, nullptr);
-  sigaction(SIGINT, &default_action, nullptr);
+  SetShutdownSignalsHandler(SIG_DFL);
   std::printf("kvrecalld: received %s, shutting down (again to stop at once)\n",
               strsignal(signal_number));
   std::fflush(stdout);

@@ -166,23 +166,15 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   // tiered index or retopk session names two, as EXACT_SEARCH_GRAPH there would. (A knob at its
   // default asks for nothing: an effective policy echoes every knob, and sent back it must be
   // accepted as it was.)
-  GraphIndexParams unset;
-  unset.build_queries = unset.build_topk = unset.max_degree = 0;
-  unset.search_list_size = unset.search_width = 0;
-  unset.graph_scope = GraphScope::kDefault;
-  const GraphIndexParams server = unset.WithDefaults();
-  auto tuned = [](int32_t value, int32_t server_value) {
-    return value != 0 && value != server_value;
-  };
-  const char* graph_knob =
-      tuned(g.build_queries(), server.build_queries)           ? "build_queries"
-      : tuned(g.build_topk(), server.build_topk)               ? "build_topk"
-      : tuned(g.max_degree(), server.max_degree)               ? "max_degree"
-      : tuned(g.search_list_size(), server.search_list_size)   ? "search_list_size"
-      : tuned(g.search_width(), server.search_width)           ? "search_width"
-      : g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED && *scope != server.graph_scope
-          ? "graph_scope"
-          : nullptr;
+  const GraphIndexParams unset = GraphIndexParams{}.WithDefaults();  // what unset knobs become
+  const GraphIndexParams& knobs = p.index;                            // resolved the same way
+  const char* graph_knob = knobs.build_queries != unset.build_queries         ? "build_queries"
+                           : knobs.build_topk != unset.build_topk             ? "build_topk"
+                           : knobs.max_degree != unset.max_degree             ? "max_degree"
+                           : knobs.search_list_size != unset.search_list_size ? "search_list_size"
+                           : knobs.search_width != unset.search_width         ? "search_width"
+                           : knobs.graph_scope != unset.graph_scope           ? "graph_scope"
+                                                                              : nullptr;
   if (graph_knob != nullptr && out.placement == v1::PLACEMENT_TIERED &&
       (p.kind == SelectorKind::kIndex || p.kind == SelectorKind::kReTopK)) {
     const char* other = nullptr;

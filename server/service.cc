@@ -12,7 +12,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/shared_decode_region.h"
-#include "proto/tensor_codec.h"
 #include "proto/tsan_handoff.h"  // HandoffToGrpc, ReactionFromGrpc: what TSan cannot see in gRPC
 #include "server/auth.h"
 #include "server/decode.h"
@@ -725,19 +724,11 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
     }
-    // A reply holds at least every step's output (q's shape, in q's encoding): a region that
-    // cannot hold that is refused before anything is applied.
+    // A reply holds at least every step's output, which has q's shape and encoding (as many
+    // bytes as q): a region that cannot hold that is refused before anything is applied.
     uint64_t least_reply = 0;
     for (const v1::SequenceStep& step : request_.steps()) {
-      uint64_t elements = step.q().shape_size() > 0 ? 1 : 0;
-      for (const int64_t extent : step.q().shape()) {
-        elements = std::min<uint64_t>(elements * static_cast<uint64_t>(std::clamp<int64_t>(
-                                                     extent, 0, int64_t{1} << 20)),
-                                      uint64_t{1} << 40);
-      }
-      const uint64_t element_bytes =
-          step.q().values_size() > 0 ? sizeof(float) : DTypeSize(step.q().dtype());
-      least_reply += elements * element_bytes;
+      least_reply += step.q().data().size() + step.q().values_size() * sizeof(float);
     }
     if (least_reply > region_.reply_capacity()) {
       return grpc::Status(

@@ -16,28 +16,8 @@ L=/tmp/d82; mkdir -p $L
 S=$OUT/d82_summary.txt
 cat /proc/loadavg | tee -a $S
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a $S
-# 1. Every C++ test binary, six at a time, each with its own log, and beside them the Python
-#    client's tests against the bundle's kvrecalld.
-(cd tests && KVRECALLD=$B/kvrecalld KVRECALL_CLI=$B/kvrecall PYTHONPATH=$PWD/../client/python \
-  KVRECALL_SOURCE_DIR=$PWD/.. timeout 280 python3 -m unittest python_client_test \
-  > $L/python_client_test.log 2>&1; echo "python_client_test rc $?" > $L/python_rc.txt) &
-python_pid=$!
-ls $B/*_test | xargs -P6 -I{} sh -c \
-  't=$(basename {}); timeout 240 {} --gtest_brief=1 > '"$L"'/$t.log 2>&1; echo "$t rc $?"' \
-  | sort > $L/rc.txt
-echo "t=$SECONDS C++ tests: $(grep -c 'rc 0$' $L/rc.txt) of $(wc -l < $L/rc.txt) binaries pass" \
-  | tee -a $S
-grep -v 'rc 0$' $L/rc.txt | tee -a $S
-for log in $L/*_test.log; do
-  grep -H -E "^\[  FAILED  \]|tests ran|SKIPPED \]" $log | grep -v "listed below" | head -12
-done > $L/failures.txt
-grep -E "FAILED|tests ran" $L/failures.txt | grep -v "0 tests" | tail -80 | tee -a $S
-grep -c "SKIPPED" $L/failures.txt | sed 's/^/skipped lines: /' | tee -a $S
-# 2. The Python client's tests (started with the C++ tests).
-wait $python_pid
-echo "$(cat $L/python_rc.txt) t=$SECONDS" | tee -a $S
-tail -4 $L/python_client_test.log | tee -a $S
-grep -E "^(FAIL|ERROR):" $L/python_client_test.log | head -20 | tee -a $S
+# 1. Every C++ test binary and, beside them, the Python client's tests.
+bash bench/device_test_suite.sh $B $L $S
 # 3. The transformers backend end to end with the default exact search, prompt queries sent as
 #    the session asks (d77 ran the same before the clients did).
 start_kvrecalld $B/kvrecalld $L/kvrecalld_hf.log --address=127.0.0.1:0 || exit 1

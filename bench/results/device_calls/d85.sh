@@ -11,22 +11,5 @@ L=/tmp/d85; mkdir -p $L
 S=$OUT/d85_summary.txt
 cat /proc/loadavg | tee -a $S
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a $S
-(cd tests && KVRECALLD=$B/kvrecalld KVRECALL_CLI=$B/kvrecall PYTHONPATH=$PWD/../client/python \
-  KVRECALL_SOURCE_DIR=$PWD/.. timeout 280 python3 -m unittest python_client_test \
-  > $L/python_client_test.log 2>&1; echo "python_client_test rc $?" > $L/python_rc.txt) &
-python_pid=$!
-ls $B/*_test | xargs -P6 -I{} sh -c \
-  't=$(basename {}); timeout 240 {} --gtest_brief=1 > '"$L"'/$t.log 2>&1; echo "$t rc $?"' \
-  | sort > $L/rc.txt
-echo "t=$SECONDS C++ tests: $(grep -c 'rc 0$' $L/rc.txt) of $(wc -l < $L/rc.txt) binaries pass" \
-  | tee -a $S
-grep -v 'rc 0$' $L/rc.txt | tee -a $S
-for log in $L/*_test.log; do
-  grep -H -E "^\[  FAILED  \]|tests ran" $log | grep -v "listed below" | head -12
-done > $L/failures.txt
-grep -E "FAILED" $L/failures.txt | tail -40 | tee -a $S
-wait $python_pid
-echo "$(cat $L/python_rc.txt) t=$SECONDS" | tee -a $S
-tail -3 $L/python_client_test.log | tee -a $S
-grep -E "^(FAIL|ERROR):" $L/python_client_test.log | head -20 | tee -a $S
+bash bench/device_test_suite.sh $B $L $S
 cd $L && tar czf $OUT/d85_logs.tgz *.log *.txt 2>/dev/null

@@ -421,8 +421,8 @@ def connection_from_args(args):
 class Client:
     """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; prefill chunks
     are kept under `prefill_chunk_bytes` (kvrecalld receives up to --max_message_mb, 64 MiB by
-    default; a gRPC server's own default is 4 MiB). `tls`
-    and `token` secure the channel (see make_channel). `shared_memory`: decode steps go through
+    default; a gRPC server's own default is 4 MiB). `tls` and `token` secure the channel (see
+    make_channel). `shared_memory`: decode steps go through
     a shared-memory region (DecodeShared, kvrecall.shared.SharedDecodeStream) instead of the
     Decode call, for a runner on the server's host (a server with --shared_memory_dir)."""
 
