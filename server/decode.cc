@@ -8,6 +8,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/message.h"
 #include "kernels/fidelity.h"
 #include "proto/tensor_codec.h"
 #include "server/status_util.h"
@@ -75,7 +78,101 @@ absl::Status RunByBackend(std::span<const std::shared_ptr<Session>> sessions,
   return absl::OkStatus();
 }
 
+// Sets every singular scalar field of `message` to a value of its widest encoding (ten-byte
+// varints, any nonzero float), so that its ByteSizeLong bounds that of every message of its
+// type with the same strings and repeated fields, whatever fields the type gains later.
+void FillWidest(google::protobuf::Message* message) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Descriptor* descriptor = message->GetDescriptor();
+  const google::protobuf::Reflection* reflection = message->GetReflection();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const FieldDescriptor* f = descriptor->field(i);
+    if (f->is_repeated()) continue;
+    const bool zigzag = f->type() == FieldDescriptor::TYPE_SINT32 ||
+                        f->type() == FieldDescriptor::TYPE_SINT64;
+    switch (f->cpp_type()) {
+      case FieldDescriptor::CPPTYPE_INT32:
+        reflection->SetInt32(message, f, zigzag ? INT32_MIN : -1);
+        break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        reflection->SetInt64(message, f, zigzag ? INT64_MIN : -1);
+        break;
+      case FieldDescriptor::CPPTYPE_UINT32: reflection->SetUInt32(message, f, UINT32_MAX); break;
+      case FieldDescriptor::CPPTYPE_UINT64: reflection->SetUInt64(message, f, UINT64_MAX); break;
+      case FieldDescriptor::CPPTYPE_FLOAT: reflection->SetFloat(message, f, 1); break;
+      case FieldDescriptor::CPPTYPE_DOUBLE: reflection->SetDouble(message, f, 1); break;
+      case FieldDescriptor::CPPTYPE_BOOL: reflection->SetBool(message, f, true); break;
+      case FieldDescriptor::CPPTYPE_ENUM:  // proto3 enums are open: -1 is ten bytes
+        reflection->SetEnumValue(message, f, -1);
+        break;
+      default: break;  // strings and messages: the caller sizes them
+    }
+  }
+}
+
+template <typename Message>
+uint64_t WidestBytes() {
+  Message message;
+  FillWidest(&message);
+  return message.ByteSizeLong();
+}
+
+// The bytes of a length-delimited field (a string, a message, a packed array) of `bytes`.
+uint64_t DelimitedBytes(int field_number, uint64_t bytes) {
+  using google::protobuf::io::CodedOutputStream;
+  return CodedOutputStream::VarintSize32(static_cast<uint32_t>(field_number) << 3) +
+         CodedOutputStream::VarintSize64(bytes) + bytes;
+}
+
+// A Tensor of `shape` (its scalars at their widest) holding `payload` bytes in field
+// `payload_field` (data, or packed values).
+uint64_t TensorBytes(std::span<const int64_t> shape, int payload_field, uint64_t payload) {
+  v1::Tensor skeleton;
+  FillWidest(&skeleton);
+  for (int64_t extent : shape) skeleton.add_shape(extent);
+  return skeleton.ByteSizeLong() + DelimitedBytes(payload_field, payload);
+}
+
 }  // namespace
+
+uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
+                             std::span<const v1::Geometry* const> geometries) {
+  static const uint64_t kResponseScalars = WidestBytes<v1::DecodeResponse>();
+  static const uint64_t kResultScalars = WidestBytes<v1::SequenceResult>();
+  static const uint64_t kHead = WidestBytes<v1::HeadDiagnostics>();
+  static const uint64_t kTierMicros = WidestBytes<v1::TierMicros>();
+  uint64_t total = kResponseScalars +
+                   DelimitedBytes(v1::DecodeResponse::kTierMicrosFieldNumber, kTierMicros);
+  for (int i = 0; i < request.steps_size(); ++i) {
+    const v1::Geometry& g = *geometries[i];
+    const bool as_values = request.steps(i).q().values_size() > 0;
+    const uint64_t heads = g.q_heads();
+    const int64_t out_shape[] = {g.q_heads(), g.head_dim()};
+    const int64_t lse_shape[] = {g.q_heads()};
+    const uint64_t outputs = heads * g.head_dim();
+    uint64_t result =
+        kResultScalars +
+        DelimitedBytes(v1::SequenceResult::kSessionIdFieldNumber,
+                       request.steps(i).session_id().size()) +
+        DelimitedBytes(v1::SequenceResult::kOutputFieldNumber,
+                       as_values ? TensorBytes(out_shape, v1::Tensor::kValuesFieldNumber,
+                                               outputs * sizeof(float))
+                                 : TensorBytes(out_shape, v1::Tensor::kDataFieldNumber,
+                                               outputs * DTypeSize(g.dtype())));
+    if (request.return_lse()) {
+      result += DelimitedBytes(
+          v1::SequenceResult::kLseFieldNumber,
+          TensorBytes(lse_shape, as_values ? v1::Tensor::kValuesFieldNumber
+                                           : v1::Tensor::kDataFieldNumber,
+                      heads * sizeof(float)));
+    }
+    if (request.diagnostics() || request.compare_exact()) {
+      result += heads * DelimitedBytes(v1::SequenceResult::kHeadsFieldNumber, kHead);
+    }
+    total += DelimitedBytes(v1::DecodeResponse::kResultsFieldNumber, result);
+  }
+  return total;
+}
 
 StepContext* DecodeStream::ContextFor(AttentionBackend* backend) {
   for (auto& [b, context] : contexts_) {
@@ -85,7 +182,8 @@ StepContext* DecodeStream::ContextFor(AttentionBackend* backend) {
   return contexts_.back().second.get();
 }
 
-absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response) {
+absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response,
+                                 uint64_t max_reply_bytes) {
   const absl::Time start = absl::Now();
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
@@ -141,6 +239,17 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     q_offsets_[i + 1] = q_offsets_[i] + specs.q_row[0] * specs.q_row[1];
     kv_offsets_[i + 1] = kv_offsets_[i] + specs.kv_row[0] * specs.kv_row[1];
     head_offsets_[i + 1] = head_offsets_[i] + specs.q_row[0];
+  }
+  if (max_reply_bytes > 0) {
+    absl::InlinedVector<const v1::Geometry*, 16> geometries;
+    for (const auto& session : sessions_) geometries.push_back(&session->geometry());
+    if (const uint64_t most = MaxDecodeReplyBytes(request, geometries); most > max_reply_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the reply to this request can take up to ", most,
+          " bytes (its outputs", request.return_lse() ? ", lse" : "",
+          request.diagnostics() || request.compare_exact() ? ", per-head diagnostics" : "",
+          "), over the reply area's ", max_reply_bytes, " bytes; nothing of it was applied"));
+    }
   }
 
   // Phase 2: room for each new token on every tier, and the data decoded into this stream's

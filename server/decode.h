@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,6 +20,14 @@
 
 namespace kvrecall {
 
+// The most bytes the serialized reply to `request` can take: its outputs (and lse, heads'
+// diagnostics as the request asks) with every scalar at its widest encoding, so that a step
+// can be refused before it is applied rather than after. geometries[i] is the geometry of
+// request.steps(i)'s session (its output is [q_heads, head_dim] in that dtype, or f32 values
+// when q came as values).
+uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
+                             std::span<const v1::Geometry* const> geometries);
+
 class DecodeStream {
  public:
   // Steps only sessions of `tenant` (SessionRegistry::Find).
@@ -28,8 +37,11 @@ class DecodeStream {
   // Serves one request into `response` (which the caller cleared). A request with no steps
   // gets an empty reply. On a validation or budget error nothing was appended for any sequence
   // of the request. The sessions of a request are locked together, so streams sharing a
-  // session serialize.
-  absl::Status Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response);
+  // session serialize. With `max_reply_bytes` > 0 (a shared region's reply area), a request
+  // whose reply could take more (MaxDecodeReplyBytes) is RESOURCE_EXHAUSTED before anything is
+  // applied.
+  absl::Status Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response,
+                     uint64_t max_reply_bytes = 0);
 
  private:
   // The backend's per-stream context, made on first use.

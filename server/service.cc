@@ -724,30 +724,19 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
     }
-    // A reply holds at least every step's output, which has q's shape and encoding (as many
-    // bytes as q): a region that cannot hold that is refused before anything is applied.
-    uint64_t least_reply = 0;
-    for (const v1::SequenceStep& step : request_.steps()) {
-      least_reply += step.q().data().size() + step.q().values_size() * sizeof(float);
-    }
-    if (least_reply > region_.reply_capacity()) {
-      return grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("the reply to Decode request ", index, " needs at least ", least_reply,
-                       " bytes (its outputs), over the region's max_reply_bytes of ",
-                       region_.reply_capacity(), "; nothing of it was applied"));
-    }
+    // Serve refuses a request whose reply could overflow the reply area before applying it.
     response_.Clear();
-    grpc::Status status = service_->Answer(decoder_.Serve(request_, &response_));
+    grpc::Status status =
+        service_->Answer(decoder_.Serve(request_, &response_, region_.reply_capacity()));
     if (!status.ok()) return status;
     const size_t size = response_.ByteSizeLong();
-    if (size > region_.reply_capacity()) {
+    if (size > region_.reply_capacity()) {  // MaxDecodeReplyBytes fell short: a bug
       return grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          grpc::StatusCode::INTERNAL,
           absl::StrCat("the reply to Decode request ", index, " takes ", size,
                        " bytes, over the region's max_reply_bytes of ", region_.reply_capacity(),
-                       "; its step was applied (SequenceResult.position and GetSession's "
-                       "layer_tokens tell where each layer is)"));
+                       " and over its bound; its step was applied (SequenceResult.position and "
+                       "GetSession's layer_tokens tell where each layer is)"));
     }
     response_.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(region_.reply()));
     return grpc::Status::OK;

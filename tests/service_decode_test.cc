@@ -13,6 +13,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
 #include "kernels/kv_view.h"
+#include "server/decode.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -379,6 +380,51 @@ TEST_F(ServiceDecodeTest, OneRequestDecodesSeveralSessions) {
                        v1::DTYPE_F16, "b");
       ExpectOutputNear(TensorValues(reply->results(2).output()), c.FullAttention(layer, qc),
                        v1::DTYPE_BF16, "c");
+    }
+  }
+}
+
+// MaxDecodeReplyBytes, which a shared region checks before a step is applied, bounds every
+// reply: batches of sessions of different geometries and dtypes, q as data and as values, each
+// of lse, diagnostics and compare_exact; and it is not far above the real size: beyond the
+// numbers at their widest it counts the fields a reply may leave out (tier_micros, ~130 bytes;
+// each head's fidelity and timing fields, up to ~60 bytes a head).
+TEST_F(ServiceDecodeTest, EveryReplyFitsItsBoundAndTheBoundIsNearIt) {
+  ReferenceSession a(MakeGeometry(1, 8, 2, 32), 25, 41);
+  ReferenceSession b(MakeGeometry(1, 4, 4, 16, v1::DTYPE_F16), 40, 42);
+  ReferenceSession c(MakeGeometry(1, 6, 3, 8, v1::DTYPE_BF16), 10, 43);
+  const std::string id_a = CreateAndPrefill(a, MakePolicy(v1::SELECTOR_EXACT_TOPK, 4), 25);
+  const std::string id_b = CreateAndPrefill(b, MakePolicy(v1::SELECTOR_STREAMING, 0, 2, 5), 7);
+  const std::string id_c = CreateAndPrefill(c, MakePolicy(v1::SELECTOR_FULL), 3);
+  ASSERT_FALSE(id_a.empty() || id_b.empty() || id_c.empty());
+  const v1::Geometry* const geometries[] = {&a.geometry(), &b.geometry(), &c.geometry()};
+  DecodeClient decode(stub());
+  uint64_t seed = 100;
+  for (const bool as_values : {false, true}) {
+    for (int flags = 0; flags < 8; ++flags) {
+      for (const int batch : {1, 3}) {
+        SCOPED_TRACE(absl::StrCat("as_values ", as_values, ", flags ", flags, ", batch ", batch));
+        v1::DecodeRequest request;
+        request.set_request_id(~0ull - flags);
+        request.set_return_lse(flags & 1);
+        request.set_diagnostics(flags & 2);
+        request.set_compare_exact(flags & 4);
+        std::vector<float> q;
+        *request.add_steps() = a.NextStep(id_a, 0, ++seed, &q, as_values);
+        if (batch == 3) {
+          *request.add_steps() = b.NextStep(id_b, 0, ++seed, &q, as_values);
+          *request.add_steps() = c.NextStep(id_c, 0, ++seed, &q, as_values);
+        }
+        const uint64_t bound =
+            MaxDecodeReplyBytes(request, {geometries, static_cast<size_t>(batch)});
+        absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        int heads = 0;
+        for (const v1::SequenceResult& r : reply->results()) heads += r.heads_size();
+        const uint64_t size = reply->ByteSizeLong();
+        EXPECT_LE(size, bound);
+        EXPECT_LE(bound, size + 160 + 24 * batch + 64 * heads);
+      }
     }
   }
 }

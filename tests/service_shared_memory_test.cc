@@ -19,6 +19,7 @@
 #include "client/kvrecall_client.h"
 #include "gtest/gtest.h"
 #include "proto/shared_decode_region.h"
+#include "server/decode.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -200,6 +201,25 @@ TEST_F(SharedDecodeTest, LimitsAndCapacitiesAreEnforced) {
   absl::StatusOr<v1::SessionInfo> info = ::kvrecall::testing::GetSession(stub(), id);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->layer_tokens(0), kPrompt);
+  // A reply area that holds the step's output but not its per-head diagnostics: a step asking
+  // for them is refused before it is applied (the reply's bound is checked, not its outcome),
+  // and the same step without them is served.
+  v1::DecodeRequest request;  // what the client sends for `in`, as far as the bound reads it
+  request.add_steps()->set_session_id(id);
+  const v1::Geometry* const geometry[] = {&g_};
+  const uint64_t plain = MaxDecodeReplyBytes(request, geometry);
+  request.set_diagnostics(true);
+  ASSERT_LT(plain, MaxDecodeReplyBytes(request, geometry));
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> narrow =
+      open_when_free({.shared_memory = true, .max_reply_bytes = plain});
+  ASSERT_TRUE(narrow.ok()) << narrow.status();
+  EXPECT_TRUE(HasStatus((*narrow)->Step(0, {&in, 1}, {.diagnostics = true}, &result),
+                        absl::StatusCode::kResourceExhausted, "nothing of it was applied"));
+  info = ::kvrecall::testing::GetSession(stub(), id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens(0), kPrompt);
+  ASSERT_TRUE((*narrow)->Step(0, {&in, 1}, {}, &result).ok());
+  EXPECT_EQ(result.response->results(0).position(), kPrompt);
 }
 
 // What a runner that writes the region by hand (or a hostile one) gets.
