@@ -66,11 +66,23 @@ absl::StatusOr<v1::PrefillResponse> PrefillFromTrace(Client& client, const Sessi
 absl::StatusOr<ReplayReport> Replay(Client& client, const Trace& trace,
                                     const ReplayOptions& options) {
   const TraceGeometry& g = trace.geometry();
-  const int64_t steps = options.steps < 0 ? g.decode_steps : options.steps;
+  if (options.steps < -1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("steps must be >= 1 (or -1: all of the trace's), got ", options.steps));
+  }
+  const int64_t steps = options.steps == -1 ? g.decode_steps : options.steps;
   if (steps > g.decode_steps) {
     return absl::InvalidArgumentError(absl::StrCat("steps (", steps, ") exceeds the ",
                                                    g.decode_steps, " decode steps of ",
                                                    trace.file().label()));
+  }
+  // Every figure of the report is a mean or quantile over the steps: none is nothing measured,
+  // not a fidelity of 0.
+  if (steps == 0) {
+    return absl::InvalidArgumentError(
+        options.steps == 0
+            ? std::string("nothing to replay: steps is 0")
+            : absl::StrCat("nothing to replay: ", trace.file().label(), " has no decode steps"));
   }
   v1::Geometry geometry;
   geometry.set_layers(g.layers);

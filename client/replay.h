@@ -60,7 +60,8 @@ struct ReplayReport {
 // Creates a session with the trace's geometry (its dtype) and `options.policy`, streams the
 // prompt of every layer in one Prefill call, then for t in [0, steps) and layer in [0, L) one
 // Decode step with compare_exact on one stream, and closes the session (also on error).
-// Errors carry the server's status; INVALID_ARGUMENT when steps exceeds the trace's.
+// Errors carry the server's status; INVALID_ARGUMENT when steps is not in [1, the trace's]
+// (or -1), before anything is sent.
 absl::StatusOr<ReplayReport> Replay(Client& client, const Trace& trace,
                                     const ReplayOptions& options);
 

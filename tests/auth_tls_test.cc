@@ -506,7 +506,7 @@ TEST_F(TlsProcessTest, KvrecalldServesTlsAndTokensToTheCli) {
   CommandResult bad_file = RunCommand(absl::StrCat(base, " --tls_cert=", pki().Path("client.pem"),
                                                    " --tls_key=/nonexistent.key list"));
   EXPECT_EQ(bad_file.exit_code, 1);
-  EXPECT_THAT(bad_file.output, HasSubstr("key_file: cannot read /nonexistent.key"));
+  EXPECT_THAT(bad_file.output, HasSubstr("--tls_key: cannot read /nonexistent.key"));
   CommandResult empty_token =
       RunCommand(absl::StrCat(base, cert, " --token_file=", pki().Path("not-a-file"), " list"));
   EXPECT_EQ(empty_token.exit_code, 1);

@@ -234,6 +234,17 @@ TEST_F(CliReplayTest, ServerRejectionsExitNonZeroWithTheServersMessage) {
   r = Kvrecall("replay", {"--trace=" + *trace_, "--steps=9"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("steps (9) exceeds the 8 decode steps"));
+  // Nothing measured is not a fidelity of 0 (it printed cosines of 0.0 for full attention).
+  r = Kvrecall("replay", {"--trace=" + *trace_, "--steps=0"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT: nothing to replay: steps is 0"));
+  EXPECT_EQ(r.out, "");
+  r = Kvrecall("replay", {"--trace=" + *trace_, "--steps=-5"});  // replayed everything
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("steps must be >= 1 (or -1: all of the trace's), got -5"));
+  r = Kvrecall("replay", {"--trace=" + *trace_, "--policy=retopk", "--refresh=-7"});  // was 128
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--refresh must be >= 0 (or -1: the server's default), got -7"));
 }
 
 TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
@@ -308,6 +319,53 @@ TEST_F(CliTest, ErrorsExitNonZeroWithTheServersCodeAndMessage) {
   r = RunProcess({KvrecallBinary(), "list", "--server=127.0.0.1:1"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("kvrecall list: UNAVAILABLE: "));
+}
+
+// What the CLI reads and writes locally (traces, flags of bench-index and synth, PEM files)
+// is checked by flag name before any work, where it crashed, read past buffers, aborted or
+// silently substituted defaults (probe 3).
+TEST_F(CliTest, LocalInputsAreRefusedByFlagName) {
+  const std::string trace =
+      absl::StrCat(::testing::TempDir(), "/cli_local.", getpid(), ".safetensors");
+  ProcessResult r = RunProcess({KvrecallBinary(), "synth", "--out=" + trace, "--context=512",
+                                "--decode_steps=4", "--needles=1", "--layers=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  struct Case {
+    std::vector<std::string> args;
+    int exit_code;
+    std::string message;
+  };
+  const Case cases[] = {
+      {{"bench-index", "--sinks=-1000000"}, 2, "--sinks must be >= 0 (0: none left out)"},
+      {{"bench-index", "--recent=-100"}, 2, "--recent must be >= 0 (0: none left out)"},
+      {{"bench-index", "--k=-5"}, 2, "--k must be >= 0 (0: 100), got -5"},
+      {{"bench-index", "--lists=100,0"}, 2, "--lists must be >= 1 each, got 0"},
+      {{"bench-index", "--build_queries=-5"}, 2, "--build_queries must be >= 0 (0: the default)"},
+      {{"bench-index", "--search_width=-3"}, 2, "--search_width must be >= 0"},
+      {{"bench-index", "--build_queries=99999999"}, 2, "policy.index.build_queries must be <="},
+      {{"bench-index", "--hnsw_m=1"}, 2, "--hnsw_m must be >= 2"},
+      {{"bench-index", "--index_layers=-1"}, 2, "--index_layers takes non-negative integers"},
+      {{"demo", "--decode_steps=0"}, 2, "--decode_steps must be >= 1, got 0"},
+      {{"synth", "--out=" + trace + ".x", "--context=100000000000"}, 2,
+       "context must be in [1, 2147483647], got 100000000000"},
+      {{"synth", "--out=" + trace + ".x", "--topics=2000000000"}, 2, "topics must be in [1, "},
+      {{"synth", "--out=" + trace + ".x", "--context=4"}, 2,
+       "sinks (attention-sink tokens) must be in [0, context = 4), got 4"},
+      {{"replay", "--trace=" + ::testing::TempDir()}, 1, "is not a regular file"},
+      {{"list", "--tls_ca=" + trace}, 1, "--tls_ca: " + trace + " is not a PEM file"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> argv = {KvrecallBinary()};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    if (c.args[0] == "bench-index") argv.push_back("--trace=" + trace);
+    if (c.args[0] == "replay" || c.args[0] == "demo") argv.push_back("--server=127.0.0.1:1");
+    r = RunProcess(argv);
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.args[1] << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr(c.message)) << c.args[1];
+    EXPECT_EQ(r.out, "") << c.args[1];
+  }
+  EXPECT_FALSE(std::filesystem::exists(trace + ".x"));
+  std::filesystem::remove(trace);
 }
 
 TEST_F(CliTest, DemoPrintsATableOfPolicies) {

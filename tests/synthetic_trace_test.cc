@@ -368,7 +368,8 @@ TEST(SyntheticTraceTest, RejectsInvalidParameters) {
   p.q_heads = 3;
   absl::StatusOr<SyntheticTrace> made = SyntheticTrace::Create(p);
   EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(made.status().message(), HasSubstr("q_heads (3) must be a positive multiple of kv_heads (2)"));
+  EXPECT_THAT(made.status().message(),
+              HasSubstr("q_heads (3) must be a multiple of kv_heads (2) in [1, 1024]"));
   p = Small();
   p.needles = 65;
   made = SyntheticTrace::Create(p);
@@ -382,6 +383,44 @@ TEST(SyntheticTraceTest, RejectsInvalidParameters) {
   p.rotary_dims = 62;
   made = SyntheticTrace::Create(p);
   EXPECT_THAT(made.status().message(), HasSubstr("rotary_dims must be even and in [0, head_dim - 4]"));
+  // Sizes past what the service accepts, or whose products overflowed (a context of 10^11
+  // aborted in std::bad_alloc; context * 9 overflowed past 2^63 / 9).
+  struct Case {
+    void (*set)(SyntheticTraceParams&);
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](SyntheticTraceParams& q) { q.context = 100'000'000'000; },
+       "context must be in [1, 2147483647], got 100000000000"},
+      {[](SyntheticTraceParams& q) { q.context = INT64_MAX; }, "context must be in [1, "},
+      {[](SyntheticTraceParams& q) { q.decode_steps = 2147483647; },
+       "(context + decode_steps tokens at most 2147483647)"},
+      {[](SyntheticTraceParams& q) { q.layers = 1025; }, "layers must be in [1, 1024]"},
+      {[](SyntheticTraceParams& q) { q.head_dim = 2048; }, "head_dim must be even and in [8, 1024]"},
+      {[](SyntheticTraceParams& q) { q.topics = 2'000'000'000; }, "topics must be in [1, 1048576]"},
+  };
+  for (const Case& c : cases) {
+    p = Small();
+    c.set(p);
+    made = SyntheticTrace::Create(p);
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(made.status().message(), HasSubstr(c.message));
+  }
+  // Within the bounds, tables that do not fit in the machine's memory are RESOURCE_EXHAUSTED
+  // before anything is allocated, not an abort: 1024 layers x 2 KV heads of 2 x 2^20 topics of
+  // 1024 floats (16 PiB).
+  p = Small();
+  p.context = 2147483647;
+  p.decode_steps = 0;
+  p.needles = 0;
+  p.layers = 1024;
+  p.head_dim = 1024;
+  p.rotary_dims = 32;
+  p.topics = 1 << 20;
+  made = SyntheticTrace::Create(p);
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kResourceExhausted) << made.status();
+  EXPECT_THAT(made.status().message(), HasSubstr("do not fit in memory"));
+  EXPECT_THAT(made.status().message(), HasSubstr("1024 layers x 2 KV heads"));
 }
 
 }  // namespace

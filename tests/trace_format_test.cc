@@ -1,11 +1,14 @@
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "client/trace/safetensors.h"
 #include "client/trace/trace.h"
 #include "gmock/gmock.h"
@@ -138,7 +141,7 @@ TEST(SafetensorsTest, RejectsCorruptFilesWithClearErrors) {
        "dtype I32 is not supported"},
       {RawFile(R"({"x":{"shape":[2],"data_offsets":[0,8]}})", 8), "dtype missing"},
       {RawFile(R"({"x":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8),
-       "not a list of non-negative integers"},
+       "shape[0] is not a non-negative integer (a JSON number)"},
       {RawFile(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", 8),
        "data_offsets must be two non-negative integers"},
       {RawFile(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8),
@@ -159,6 +162,38 @@ TEST(SafetensorsTest, RejectsCorruptFilesWithClearErrors) {
     EXPECT_THAT(s.message(), HasSubstr(c.message));
     EXPECT_THAT(s.message(), HasSubstr("bad.safetensors"));
   }
+}
+
+// Headers a hostile file can hold that the cases above do not: a shape nested 10^5 deep (its
+// message once dumped the JSON, recursing per level: a stack overflow) and a tensor with no rows
+// whose rows' size overflows (row_elements multiplied it unchecked).
+TEST(SafetensorsTest, RejectsDeepAndOverflowingShapesWithoutEchoingThem) {
+  const int depth = 100000;
+  const std::string deep = R"({"x":{"dtype":"F32","shape":)" + std::string(depth, '[') +
+                           std::string(depth, ']') + R"(,"data_offsets":[0,0]}})";
+  absl::Status s = ParseStatus(RawFile(deep, 0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(),
+              HasSubstr("tensor 'x': shape[0] is not a non-negative integer (a JSON array)"));
+  EXPECT_LT(s.message().size(), 200u);
+  s = ParseStatus(RawFile(
+      R"({"x":{"dtype":"F32","shape":[0,4611686018427387904,4611686018427387904],)"
+      R"("data_offsets":[0,0]}})",
+      0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("overflows 64-bit element counts"));
+}
+
+TEST(SafetensorsTest, OpenRefusesWhatIsNotARegularFile) {
+  const std::string fifo = ::testing::TempDir() + "/st_fifo." + std::to_string(::getpid());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // A FIFO with no writer: opening it must not block.
+  for (const std::string& path : {::testing::TempDir(), fifo}) {
+    absl::Status s = SafetensorsFile::Open(path).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_THAT(s.message(), HasSubstr(path + " is not a regular file"));
+  }
+  std::remove(fifo.c_str());
 }
 
 TEST(SafetensorsTest, OpenReportsAMissingFile) {
@@ -194,6 +229,71 @@ TEST(SafetensorsTest, WriterRejectsMisuse) {
   s = (*writer2)->Append(three);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("1 values appended past the last declared tensor"));
+}
+
+// The files in `dir` whose names start with `prefix`.
+std::vector<std::string> FilesStartingWith(const std::string& dir, const std::string& prefix) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) names.push_back(name);
+  }
+  return names;
+}
+
+// A writer replaces its file only when it finishes: a reader that has the old file mapped reads
+// it whole throughout (once truncated in place: SIGBUS), and a writer abandoned or failed leaves
+// the old file and no temporary one.
+TEST(SafetensorsTest, AWriterReplacesItsFileOnlyWhenFinished) {
+  TempPath tmp("st_replace");
+  const std::string name = std::filesystem::path(tmp.path()).filename().string();
+  const std::string dir = std::filesystem::path(tmp.path()).parent_path().string();
+  auto write = [&](float value, bool finish) {
+    auto w = SafetensorsWriter::Create(tmp.path(), {{"a", v1::DTYPE_F32, {1024}}}, {});
+    ASSERT_TRUE(w.ok()) << w.status();
+    const std::vector<float> values(finish ? 1024 : 512, value);
+    ASSERT_TRUE((*w)->Append(values).ok());
+    if (finish) ASSERT_TRUE((*w)->Finish().ok());
+  };
+  write(1.0f, true);
+  absl::StatusOr<SafetensorsFile> old = SafetensorsFile::Open(tmp.path());
+  ASSERT_TRUE(old.ok()) << old.status();
+  const std::string before = ReadAll(tmp.path());
+  write(2.0f, false);  // abandoned half-way
+  EXPECT_EQ(ReadAll(tmp.path()), before);
+  EXPECT_EQ(FilesStartingWith(dir, name), std::vector<std::string>{name});
+  auto unfinished = SafetensorsWriter::Create(tmp.path(), {{"a", v1::DTYPE_F32, {1024}}}, {});
+  ASSERT_TRUE(unfinished.ok());
+  EXPECT_FALSE((*unfinished)->Finish().ok());  // elements missing: a failed writer
+  unfinished->reset();
+  EXPECT_EQ(ReadAll(tmp.path()), before);
+  write(3.0f, true);
+  absl::StatusOr<std::vector<float>> now = SafetensorsFile::Open(tmp.path())->ReadF32("a");
+  ASSERT_TRUE(now.ok());
+  EXPECT_EQ(*now, std::vector<float>(1024, 3.0f));
+  absl::StatusOr<std::vector<float>> then = old->ReadF32("a");  // the replaced file, still mapped
+  ASSERT_TRUE(then.ok());
+  EXPECT_EQ(*then, std::vector<float>(1024, 1.0f));
+  EXPECT_EQ(FilesStartingWith(dir, name), std::vector<std::string>{name});
+}
+
+TEST(SafetensorsTest, WriterRefusesAFilePast2To63Bytes) {
+  TempPath tmp("st_huge");
+  absl::Status s = SafetensorsWriter::Create(tmp.path(),
+                                             {{"a", v1::DTYPE_F32, {int64_t{1} << 62}}}, {})
+                       .status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("takes the file past 2^63 bytes"));
+  s = SafetensorsWriter::Create(tmp.path(),
+                                {{"a", v1::DTYPE_BF16, {int64_t{1} << 60}},
+                                 {"b", v1::DTYPE_BF16, {int64_t{1} << 60}},
+                                 {"c", v1::DTYPE_BF16, {int64_t{1} << 60}},
+                                 {"d", v1::DTYPE_BF16, {int64_t{1} << 60}}},
+                                {})
+          .status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("tensor 'd'"));
+  EXPECT_FALSE(std::filesystem::exists(tmp.path()));
 }
 
 TraceGeometry SmallGeometry() {
@@ -304,6 +404,12 @@ TEST(TraceTest, RejectsInconsistentTraces) {
                    {{"context", "512"}},
                    "__metadata__.context is \"512\" but the tensors say 5"});
   cases.push_back({"no layers", {{"x", v1::DTYPE_F32, {1}}}, {}, "not a kvrecall trace"});
+  for (const int layer : {1024, 2147483647}) {  // the second once overflowed layer + 1
+    auto specs = TraceTensorSpecs(g);
+    specs.push_back({absl::StrCat("layer", layer, ".prefill.q"), v1::DTYPE_BF16, {0, 1, 1}});
+    cases.push_back({absl::StrCat("layer ", layer), specs, {},
+                     absl::StrCat("is of layer ", layer, ": a trace has at most 1024 layers")});
+  }
   for (Case& c : cases) {
     absl::StatusOr<SafetensorsFile> file =
         SafetensorsFile::FromBytes(RandomFile(c.specs, c.metadata), "t.safetensors");

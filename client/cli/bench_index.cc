@@ -34,6 +34,7 @@
 #include "index/graph_index.h"
 #include "index/hnsw_index.h"
 #include "index/index_selector.h"
+#include "index/selector_params.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/mapped_memory.h"
 #include "kernels/dtype.h"
@@ -401,9 +402,41 @@ int RunBenchIndex(const std::vector<char*>& args) {
   if (!args.empty()) return UsageError("bench-index", "takes no arguments, only flags");
   const std::string path = absl::GetFlag(FLAGS_trace);
   if (path.empty()) return UsageError("bench-index", "--trace FILE is required");
+  if (absl::GetFlag(FLAGS_k) < 0) {
+    return UsageError("bench-index", absl::StrCat("--k must be >= 0 (0: 100), got ",
+                                                  absl::GetFlag(FLAGS_k)));
+  }
   const int k = absl::GetFlag(FLAGS_k) > 0 ? absl::GetFlag(FLAGS_k) : 100;
   absl::StatusOr<std::vector<int>> lists = ParseInts("lists", absl::GetFlag(FLAGS_lists));
   if (!lists.ok()) return UsageError("bench-index", lists.status().message());
+  for (const int list : *lists) {
+    if (list < 1) {  // a list of 0 would search with the method's own default, mislabelled
+      return UsageError("bench-index", absl::StrCat("--lists must be >= 1 each, got ", list));
+    }
+  }
+  struct CountFlag {
+    const char* name;
+    int value;
+    const char* zero;  // what 0 means
+  };
+  for (const CountFlag& flag :
+       {CountFlag{"--sinks", absl::GetFlag(FLAGS_sinks), "none left out"},
+        CountFlag{"--recent", absl::GetFlag(FLAGS_recent), "none left out"},
+        CountFlag{"--build_queries", absl::GetFlag(FLAGS_build_queries), "the default"},
+        CountFlag{"--search_width", absl::GetFlag(FLAGS_search_width), "the default"},
+        CountFlag{"--build_topk", absl::GetFlag(FLAGS_build_topk), "the default"},
+        CountFlag{"--max_degree", absl::GetFlag(FLAGS_max_degree), "the default"}}) {
+    if (flag.value < 0) {
+      return UsageError("bench-index", absl::StrCat(flag.name, " must be >= 0 (0: ", flag.zero,
+                                                    "), got ", flag.value));
+    }
+  }
+  if (absl::GetFlag(FLAGS_hnsw_m) < 2 || absl::GetFlag(FLAGS_hnsw_ef_construction) < 1) {
+    return UsageError("bench-index",
+                      absl::StrCat("--hnsw_m must be >= 2 and --hnsw_ef_construction >= 1, got ",
+                                   absl::GetFlag(FLAGS_hnsw_m), " and ",
+                                   absl::GetFlag(FLAGS_hnsw_ef_construction)));
+  }
   std::vector<std::string> methods = absl::StrSplit(absl::GetFlag(FLAGS_methods), ',',
                                                     absl::SkipEmpty());
   for (const std::string& m : methods) {
@@ -424,7 +457,7 @@ int RunBenchIndex(const std::vector<char*>& args) {
     if (!chosen.ok()) return UsageError("bench-index", chosen.status().message());
     layers = *chosen;
     for (int l : layers) {
-      if (l >= g.layers) {
+      if (l >= g.layers) {  // ParseInts refuses negatives
         return UsageError("bench-index", absl::StrCat("--index_layers: the trace has ",
                                                       g.layers, " layers, got ", l));
       }
@@ -440,6 +473,15 @@ int RunBenchIndex(const std::vector<char*>& args) {
   absl::StatusOr<GraphScope> scope = GraphScopeFromFlag();
   if (!scope.ok()) return UsageError("bench-index", scope.status().message());
   graph_params.graph_scope = *scope;
+  // The service's bounds on K and the graph's knobs (their upper bounds: the lower ones are
+  // checked above, by flag name).
+  SelectorParams as_policy;
+  as_policy.kind = SelectorKind::kIndex;
+  as_policy.top_k = k;
+  as_policy.index = graph_params;
+  if (absl::Status s = as_policy.Validate(); !s.ok()) {
+    return UsageError("bench-index", s.message());
+  }
   graph_params = graph_params.WithDefaults();
   HnswParams hnsw_params;
   hnsw_params.m = absl::GetFlag(FLAGS_hnsw_m);

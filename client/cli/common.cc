@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_format.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -27,15 +28,20 @@ ABSL_FLAG(std::string, token_file, "",
 ABSL_FLAG(std::string, placement, "cpu", "where the KV lives: cpu, gpu or tiered");
 ABSL_FLAG(std::string, policy, "full",
           "the selector: full, exact_topk, streaming, index or retopk");
-ABSL_FLAG(int32_t, k, 0, "K for exact_topk, index and retopk (0: server default, 512)");
-ABSL_FLAG(int32_t, sinks, 0, "attention-sink tokens kept by streaming and index (0: default)");
-ABSL_FLAG(int32_t, recent, 0, "recent tokens kept by streaming and index (0: default)");
+ABSL_FLAG(int32_t, k, 0,
+          "K for exact_topk, index and retopk (0: server default, 512; bench-index: 100)");
+ABSL_FLAG(int32_t, sinks, 0,
+          "attention-sink tokens kept by streaming and index (0: default; bench-index: the "
+          "first tokens left out of the index, 0: none)");
+ABSL_FLAG(int32_t, recent, 0,
+          "recent tokens kept by streaming and index (0: default; bench-index: the last "
+          "tokens left out of the index, 0: none)");
 ABSL_FLAG(int32_t, C, 0, "retopk: cached (query, support) entries per head (0: default)");
 ABSL_FLAG(int32_t, R, 0, "retopk: most similar cached supports unioned (0: default)");
 ABSL_FLAG(int32_t, W, 0, "retopk: recent positions added to the candidates (0: default)");
 ABSL_FLAG(float, tau, NAN, "retopk: reuse when the best cosine >= tau (unset: default 0.85)");
 ABSL_FLAG(int32_t, refresh, -1,
-          "retopk: every N-th decode step runs the exact path; 0 disables (unset: default)");
+          "retopk: every N-th decode step runs the exact path; 0 disables (-1: default)");
 ABSL_FLAG(bool, auto_tau, false, "retopk: calibrate tau per head from the prefill queries");
 ABSL_FLAG(float, target_recall, 0, "retopk with --auto_tau: support recall to keep (0: 0.9)");
 ABSL_FLAG(bool, exact_flat_scan, false,
@@ -95,8 +101,14 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectToServer() {
   absl::StatusOr<std::unique_ptr<Client>> client =
       Client::Connect(absl::GetFlag(FLAGS_server), security);
   if (!client.ok()) {
-    return absl::Status(client.status().code(),
-                        absl::StrCat("--tls_*: ", client.status().message()));
+    // The client library names ClientSecurity's fields; the user wrote flags.
+    std::string message(client.status().message());
+    for (const auto& [field, flag] : {std::pair{"ca_file", "--tls_ca"},
+                                      std::pair{"cert_file", "--tls_cert"},
+                                      std::pair{"key_file", "--tls_key"}}) {
+      absl::StrReplaceAll({{field, flag}}, &message);
+    }
+    return absl::Status(client.status().code(), message);
   }
   return client;
 }
@@ -119,6 +131,9 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
   if (const float tau = absl::GetFlag(FLAGS_tau); !std::isnan(tau)) retopk->set_tau(tau);
   if (const int refresh = absl::GetFlag(FLAGS_refresh); refresh >= 0) {
     retopk->set_refresh_interval(refresh);
+  } else if (refresh != -1) {  // -1 alone means unset: any other negative is a mistake
+    return absl::InvalidArgumentError(
+        absl::StrCat("--refresh must be >= 0 (or -1: the server's default), got ", refresh));
   }
   retopk->set_auto_tau(absl::GetFlag(FLAGS_auto_tau));
   retopk->set_target_recall(absl::GetFlag(FLAGS_target_recall));

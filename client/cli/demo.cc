@@ -55,6 +55,10 @@ int RunDemo(const std::vector<char*>& args) {
   params.head_dim = 64;
   params.context = absl::GetFlag(FLAGS_context);
   params.decode_steps = absl::GetFlag(FLAGS_decode_steps);
+  if (params.decode_steps < 1) {  // every figure of the table is over the decode steps
+    return UsageError("demo", absl::StrCat("--decode_steps must be >= 1, got ",
+                                           params.decode_steps));
+  }
   params.mean_segment = 256;
   params.drift_period = 8;
   params.needles = std::min<int64_t>(2, params.decode_steps);

@@ -33,14 +33,15 @@ int RunReplay(const std::vector<char*>& args) {
   if (!trace.ok()) return ReportError("replay", trace.status());
 
   const TraceGeometry& g = trace->geometry();
-  const int64_t stream_bytes = g.layers * g.context * (g.q_heads + 2 * g.kv_heads) *
-                               int64_t{g.head_dim} * static_cast<int64_t>(DTypeSize(g.dtype));
   TerminalProgress progress;
   ReplayOptions options;
   options.policy = *policy;
   options.steps = absl::GetFlag(FLAGS_steps);
   options.prefill.progress = [&](const PrefillProgress& p) {
-    progress.Update("prefill", static_cast<double>(p.bytes_sent) / stream_bytes,
+    // By tokens, not bytes: how many of a prompt's q travel depends on the policy.
+    progress.Update("prefill",
+                    (p.layer + static_cast<double>(p.layer_tokens_sent) /
+                                   std::max<int64_t>(p.layer_tokens, 1)) / g.layers,
                     absl::StrFormat("layer %d/%d, %.0f MiB", p.layer + 1, g.layers,
                                     p.bytes_sent / double{1 << 20}));
   };

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -67,10 +68,17 @@ absl::StatusOr<std::string> BuildHeader(std::span<const SafetensorsTensorSpec> t
             "safetensors writer: tensor '", t.name, "' has invalid shape ", ShapeString(t.shape)));
       }
     }
-    const int64_t bytes = count * static_cast<int64_t>(DTypeSize(t.dtype));
+    int64_t bytes = 0;
+    int64_t end = 0;
+    if (!CheckedMul(count, static_cast<int64_t>(DTypeSize(t.dtype)), &bytes) ||
+        __builtin_add_overflow(offset, bytes, &end)) {
+      return absl::InvalidArgumentError(absl::StrCat("safetensors writer: tensor '", t.name,
+                                                     "' of shape ", ShapeString(t.shape),
+                                                     " takes the file past 2^63 bytes"));
+    }
     header[t.name] = {
-        {"dtype", dtype_name}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
+        {"dtype", dtype_name}, {"shape", t.shape}, {"data_offsets", {offset, end}}};
+    offset = end;
     elements->push_back(count);
   }
   std::string text = header.dump();
@@ -98,6 +106,7 @@ const char* SafetensorsDTypeName(v1::DType dtype) {
 }
 
 int64_t SafetensorsTensor::row_elements() const {
+  // SafetensorsFile::Parse refuses shapes whose rows overflow.
   if (shape.size() <= 1) return 1;
   int64_t n = 1;
   for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
@@ -105,7 +114,8 @@ int64_t SafetensorsTensor::row_elements() const {
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO given as a trace is refused below instead of blocking the open.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     return absl::ErrnoToStatus(err, absl::StrCat("cannot open ", path));
@@ -115,6 +125,11 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     const int err = errno;
     ::close(fd);
     return absl::ErrnoToStatus(err, absl::StrCat("cannot stat ", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a regular file (a safetensors file is mapped)"));
   }
   SafetensorsFile file;
   file.label_ = path;
@@ -229,14 +244,21 @@ absl::Status SafetensorsFile::Parse() {
     if (t.dtype == v1::DTYPE_UNSPECIFIED) {
       return bad("dtype ", dtype_name, " is not supported (want BF16, F16 or F32)");
     }
+    // The product of every dimension and, apart, of a row's (shape[1:]): a tensor with no rows
+    // still has rows whose size must be representable (row_elements). Messages name the
+    // offending dimension, never the untrusted JSON itself (dumping a deeply nested value
+    // recurses once per level).
     int64_t count = 1;
+    int64_t row = 1;
     for (const auto& dim : *shape_it) {
+      const size_t i = t.shape.size();
       if (!dim.is_number_unsigned() || dim.get<uint64_t>() > std::numeric_limits<int64_t>::max()) {
-        return bad("shape ", shape_it->dump(), " is not a list of non-negative integers");
+        return bad("shape[", i, "] is not a non-negative integer (a JSON ", dim.type_name(), ")");
       }
       t.shape.push_back(dim.get<int64_t>());
-      if (!CheckedMul(count, t.shape.back(), &count)) {
-        return bad("shape ", shape_it->dump(), " overflows");
+      if (!CheckedMul(count, t.shape.back(), &count) ||
+          (i > 0 && !CheckedMul(row, t.shape.back(), &row))) {
+        return bad("shape ", ShapeString(t.shape), "... overflows 64-bit element counts");
       }
     }
     t.elements = count;
@@ -317,9 +339,21 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   if (!header.ok()) return header.status();
   w->path_ = path;
   w->tensors_ = std::move(tensors);
-  w->file_ = std::fopen(path.c_str(), "wb");
+  // A name of this process's own (pid and a counter) in the target's directory, so that the
+  // rename stays on one filesystem; O_EXCL never reuses a stranger's file.
+  static std::atomic<uint64_t> writers{0};
+  w->temporary_path_ = absl::StrCat(path, ".partial-", ::getpid(), "-", writers++);
+  const int fd = ::open(w->temporary_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    const int err = errno;
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot create ", path, " (written as ",
+                                                 w->temporary_path_, " first)"));
+  }
+  w->file_ = ::fdopen(fd, "wb");
   if (w->file_ == nullptr) {
     const int err = errno;
+    ::close(fd);
+    ::unlink(w->temporary_path_.c_str());
     return absl::ErrnoToStatus(err, absl::StrCat("cannot create ", path));
   }
   if (std::fwrite(header->data(), 1, header->size(), w->file_) != header->size()) {
@@ -332,7 +366,10 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
-  if (file_ != nullptr) std::fclose(file_);
+  if (file_ != nullptr) {  // not finished: the target stays as it was
+    std::fclose(file_);
+    ::unlink(temporary_path_.c_str());
+  }
 }
 
 int64_t SafetensorsWriter::remaining_elements() const {
@@ -379,8 +416,17 @@ absl::Status SafetensorsWriter::Finish() {
                                                    tensors_[current_].name, "'"));
   }
   const bool ok = std::fclose(file_) == 0;
+  const int close_error = errno;
   file_ = nullptr;
-  if (!ok) return absl::ErrnoToStatus(errno, absl::StrCat("cannot close ", path_));
+  if (!ok) {
+    ::unlink(temporary_path_.c_str());
+    return absl::ErrnoToStatus(close_error, absl::StrCat("cannot write ", path_));
+  }
+  if (::rename(temporary_path_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temporary_path_.c_str());
+    return absl::ErrnoToStatus(err, absl::StrCat("cannot rename ", temporary_path_, " to ", path_));
+  }
   return absl::OkStatus();
 }
 

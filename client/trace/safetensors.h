@@ -92,6 +92,9 @@ struct SafetensorsTensorSpec {
 // end mid-tensor or span several — converting each to its tensor's dtype, then Finish.
 // INVALID_ARGUMENT for duplicate or empty names, "__metadata__" as a name, unsupported dtypes,
 // negative dims, appending past the last tensor, or Finish before every element was written.
+// The file is written beside `path` under a temporary name and renamed over it by Finish: a
+// reader that has the old file mapped keeps reading it, and a writer that fails or is
+// abandoned leaves `path` as it was (and removes its temporary file).
 class SafetensorsWriter {
  public:
   static absl::StatusOr<std::unique_ptr<SafetensorsWriter>> Create(
@@ -110,6 +113,7 @@ class SafetensorsWriter {
   SafetensorsWriter() = default;
 
   std::string path_;
+  std::string temporary_path_;  // where the file is written until Finish renames it
   std::FILE* file_ = nullptr;
   std::vector<SafetensorsTensorSpec> tensors_;
   std::vector<int64_t> elements_;  // per tensor

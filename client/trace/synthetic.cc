@@ -1,10 +1,14 @@
 #include "client/trace/synthetic.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/kv_view.h"
 #include "nlohmann/json.hpp"
 
@@ -154,24 +158,38 @@ absl::Status SyntheticTraceParams::Validate() const {
   auto invalid = [](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat("synthetic trace: ", parts...));
   };
-  if (layers < 1) return invalid("layers must be >= 1, got ", layers);
-  if (q_heads < 1 || kv_heads < 1 || q_heads % kv_heads != 0) {
-    return invalid("q_heads (", q_heads, ") must be a positive multiple of kv_heads (", kv_heads,
-                   ")");
+  constexpr int kMaxShape = 1024;  // the service's most layers, heads and head_dim
+  constexpr int64_t kMaxTokens = (int64_t{1} << 31) - 1;  // its most tokens of a layer
+  constexpr int kMaxTopics = 1 << 20;
+  if (layers < 1 || layers > kMaxTraceLayers) {
+    return invalid("layers must be in [1, ", kMaxTraceLayers, "], got ", layers);
   }
-  if (head_dim < 8 || head_dim % 2 != 0) {
-    return invalid("head_dim must be even and >= 8, got ", head_dim);
+  if (q_heads < 1 || kv_heads < 1 || q_heads > kMaxShape || q_heads % kv_heads != 0) {
+    return invalid("q_heads (", q_heads, ") must be a multiple of kv_heads (", kv_heads,
+                   ") in [1, ", kMaxShape, "]");
+  }
+  if (head_dim < 8 || head_dim > kMaxShape || head_dim % 2 != 0) {
+    return invalid("head_dim must be even and in [8, ", kMaxShape, "], got ", head_dim);
   }
   if (rotary_dims < 0 || rotary_dims % 2 != 0 || rotary_dims > head_dim - 4) {
     return invalid("rotary_dims must be even and in [0, head_dim - 4], got ", rotary_dims);
   }
   if (!(rope_base > 1.0)) return invalid("rope_base must be > 1, got ", rope_base);
-  if (context < 1) return invalid("context must be >= 1, got ", context);
-  if (decode_steps < 0) return invalid("decode_steps must be >= 0, got ", decode_steps);
-  if (sinks < 0 || sinks >= context) {
-    return invalid("sinks must be in [0, context), got ", sinks);
+  if (context < 1 || context > kMaxTokens) {
+    return invalid("context must be in [1, ", kMaxTokens, "], got ", context);
   }
-  if (topics < 1) return invalid("topics must be >= 1, got ", topics);
+  if (decode_steps < 0 || decode_steps > kMaxTokens - context) {
+    return invalid("decode_steps must be in [0, ", kMaxTokens - context,
+                   "] (context + decode_steps tokens at most ", kMaxTokens, "), got ",
+                   decode_steps);
+  }
+  if (sinks < 0 || sinks >= context) {
+    return invalid("sinks (attention-sink tokens) must be in [0, context = ", context, "), got ",
+                   sinks);
+  }
+  if (topics < 1 || topics > kMaxTopics) {
+    return invalid("topics must be in [1, ", kMaxTopics, "], got ", topics);
+  }
   if (mean_segment < 1) return invalid("mean_segment must be >= 1, got ", mean_segment);
   if (drift_period < 1) return invalid("drift_period must be >= 1, got ", drift_period);
   if (query_drift != QueryDrift::kCalibrated && query_drift != QueryDrift::kAdversarial) {
@@ -191,6 +209,35 @@ absl::Status SyntheticTraceParams::Validate() const {
 
 absl::StatusOr<SyntheticTrace> SyntheticTrace::Create(const SyntheticTraceParams& params) {
   if (absl::Status s = params.Validate(); !s.ok()) return s;
+  // The tables Build holds (a trace's tensors are generated from them chunk by chunk): 12 bytes
+  // per prompt token, 4 per decode step and 8 per query head and drift period, and per layer
+  // and KV head the topics' key directions and value centres, the needles and a basis, each
+  // head_dim floats. Measured in double: within Validate's bounds it stays exact enough and
+  // cannot overflow. Refused before allocating when above the machine's memory (an allocation
+  // the kernel grants lazily would be killed later instead of failing).
+  const double d = params.head_dim;
+  const double bytes =
+      12.0 * params.context + 4.0 * params.decode_steps +
+      8.0 * params.q_heads * (params.decode_steps / params.drift_period + 2) +
+      4.0 * d * params.layers * params.kv_heads * (2.0 * params.topics + params.needles + d + 3);
+  const double memory =
+      static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  auto too_large = [&] {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "synthetic trace: its tables (%.3g GiB: context %d, decode_steps %d, %d layers x %d KV "
+        "heads x (2 x %d topics + %d needles) x head_dim %d) do not fit in memory (%.3g GiB)",
+        bytes / (1 << 30), params.context, params.decode_steps, params.layers, params.kv_heads,
+        params.topics, params.needles, params.head_dim, memory / (1 << 30)));
+  };
+  if (memory > 0 && bytes > memory) return too_large();
+  try {
+    return Build(params);
+  } catch (const std::bad_alloc&) {
+    return too_large();
+  }
+}
+
+SyntheticTrace SyntheticTrace::Build(const SyntheticTraceParams& params) {
   SyntheticTrace trace(params);
   const Layout layout = LayoutOf(params);
   const int d = params.head_dim;

@@ -79,7 +79,9 @@ struct SyntheticTraceParams {
   double rope_base = 500000.0;
   v1::DType dtype = v1::DTYPE_BF16;  // of the written file
 
-  // INVALID_ARGUMENT naming the field when out of its domain.
+  // INVALID_ARGUMENT naming the field when out of its domain. Sizes are bounded by what the
+  // service accepts (layers, heads and head_dim up to 1024; context + decode_steps tokens up to
+  // 2^31 - 1) and topics by 2^20, so that no product of them overflows.
   absl::Status Validate() const;
 };
 
@@ -91,7 +93,8 @@ struct Needle {
 
 class SyntheticTrace {
  public:
-  // INVALID_ARGUMENT from params.Validate().
+  // INVALID_ARGUMENT from params.Validate(); RESOURCE_EXHAUSTED when its tables (a few bytes
+  // per prompt token, topics x head_dim floats per layer and KV head) do not fit in memory.
   static absl::StatusOr<SyntheticTrace> Create(const SyntheticTraceParams& params);
 
   const SyntheticTraceParams& params() const { return params_; }
@@ -126,6 +129,8 @@ class SyntheticTrace {
   };
 
   explicit SyntheticTrace(const SyntheticTraceParams& params) : params_(params) {}
+  // Create once params are valid (std::bad_alloc escapes).
+  static SyntheticTrace Build(const SyntheticTraceParams& params);
   const KeySpace& space(int layer, int kv_head) const {
     return spaces_[layer * params_.kv_heads + kv_head];
   }

@@ -19,7 +19,9 @@ absl::Status CheckGeometry(const TraceGeometry& g, absl::string_view where) {
   auto invalid = [&](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": ", parts...));
   };
-  if (g.layers < 1) return invalid("layers must be >= 1, got ", g.layers);
+  if (g.layers < 1 || g.layers > kMaxTraceLayers) {
+    return invalid("layers must be in [1, ", kMaxTraceLayers, "], got ", g.layers);
+  }
   if (g.q_heads < 1 || g.kv_heads < 1 || g.q_heads % g.kv_heads != 0) {
     return invalid("kv_heads (", g.kv_heads, ") must be >= 1 and divide q_heads (", g.q_heads, ")");
   }
@@ -76,7 +78,12 @@ absl::Status Trace::Validate() {
   };
   int layers = 0;
   for (const auto& [name, tensor] : file_.tensors()) {
-    layers = std::max(layers, TraceTensorLayer(name) + 1);
+    const int layer = TraceTensorLayer(name);
+    if (layer >= kMaxTraceLayers) {
+      return invalid("tensor '", name, "' is of layer ", layer, ": a trace has at most ",
+                     kMaxTraceLayers, " layers (the service's limit)");
+    }
+    layers = std::max(layers, layer + 1);
   }
   if (layers == 0) return invalid("no layer0.* tensors: not a kvrecall trace");
   auto find_rank3 = [&](const std::string& name) -> absl::StatusOr<const SafetensorsTensor*> {

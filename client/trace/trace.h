@@ -30,6 +30,10 @@ enum class TraceTensor { kQ, kK, kV };
 // "layer{layer}.{prefill|decode}.{q|k|v}".
 std::string TraceTensorName(int layer, TracePhase phase, TraceTensor tensor);
 
+// The most layers a trace may have: the service's per-session limit (kMaxLayers, which the
+// client cannot include), so that a trace is refused here rather than by CreateSession.
+inline constexpr int kMaxTraceLayers = 1024;
+
 struct TraceGeometry {
   int layers = 0;
   int q_heads = 0;
@@ -46,8 +50,8 @@ struct TraceGeometry {
 // A validated trace. Open checks, with INVALID_ARGUMENT naming the file and the tensor: every
 // layer 0..L-1 has all six tensors, each of rank 3 with the shapes above, T, N, heads and
 // head_dim the same in every layer, kv_heads dividing q_heads, one dtype throughout, and the
-// metadata's geometry (when present) equal to the shapes'. Tensors not named layer{l}.* are
-// ignored. Data is read lazily from the mapping.
+// metadata's geometry (when present) equal to the shapes', and at most kMaxTraceLayers layers.
+// Tensors not named layer{l}.* are ignored. Data is read lazily from the mapping.
 class Trace {
  public:
   static absl::StatusOr<Trace> Open(const std::string& path);
