@@ -10,10 +10,9 @@ apt_packages=(
   python3-grpcio python3-numpy python3-protobuf
   nghttp2-client
   unzip python3-yaml
-  # Metrics: the Prometheus C++ client (registry and text format), cpp-httplib (serves /metrics),
-  # and Prometheus itself for the tests (promtool checks a scrape; a real prometheus scrapes a
-  # real kvrecalld).
-  prometheus-cpp-dev libcpp-httplib-dev prometheus
+  # Metrics: the Prometheus C++ client (registry and text format), and Prometheus itself for
+  # the tests (promtool checks a scrape; a real prometheus scrapes a real kvrecalld).
+  prometheus-cpp-dev prometheus
   # TLS tests make their certificates with openssl; the package test pip-installs the Python
   # client into a fresh virtual environment.
   openssl python3-venv python3-pip python3-setuptools python3-wheel

@@ -1,73 +1,71 @@
 #include "server/metrics_endpoint.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
-#include <atomic>
-#include <chrono>
-#include <functional>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "httplib.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "prometheus/text_serializer.h"
 
 namespace kvrecall {
 namespace {
 
-// The endpoint's connections: `workers` threads and at most `max_queued` connections waiting
-// for one. Past that the listening thread serves the connection itself, so it accepts no more
-// until it is done: later peers wait in the kernel's backlog, holding none of this process's
-// file descriptors. (httplib's own pool queues every accepted connection: idle peers could take
-// every descriptor the process has, and gRPC's listener, failing accept4, stopped for good.)
-class BoundedTaskQueue final : public httplib::TaskQueue {
- public:
-  BoundedTaskQueue(int workers, int max_queued)
-      : pool_(static_cast<size_t>(workers)), limit_(workers + max_queued) {}
+// One peer's connection: its request as read so far, then its response as written so far.
+struct Connection {
+  int fd = -1;
+  absl::Time deadline;
+  std::string request;
+  std::string response;  // non-empty once the request is complete
+  size_t sent = 0;
+  bool draining = false;  // response sent and our side shut: reading until the peer closes
 
-  void enqueue(std::function<void()> fn) override {
-    if (pending_.fetch_add(1) >= limit_) {
-      pending_.fetch_sub(1);
-      fn();
-      return;
-    }
-    pool_.enqueue([this, fn = std::move(fn)] {
-      fn();
-      pending_.fetch_sub(1);
-    });
-  }
-  void shutdown() override { pool_.shutdown(); }
-
- private:
-  httplib::ThreadPool pool_;
-  const int limit_;
-  std::atomic<int> pending_{0};  // connections queued or being served by the pool
+  short events() const { return !response.empty() && !draining ? POLLOUT : POLLIN; }
 };
+
+std::string HttpResponse(absl::string_view status, absl::string_view content_type,
+                         absl::string_view body, bool with_body, absl::string_view extra = "") {
+  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
+                      "\r\nContent-Length: ", body.size(), "\r\n", extra,
+                      "Connection: close\r\n\r\n", with_body ? body : "");
+}
+
+std::string PlainResponse(absl::string_view status, bool with_body,
+                          absl::string_view extra = "") {
+  return HttpResponse(status, "text/plain; charset=utf-8", absl::StrCat(status, "\n"), with_body,
+                      extra);
+}
 
 }  // namespace
 
-MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
-                                 std::unique_ptr<httplib::Server> http, std::string address,
-                                 int port)
-    : metrics_(std::move(metrics)),
-      http_(std::move(http)),
-      address_(std::move(address)),
+MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, int listener,
+                                 std::string address, int port)
+    : metrics_(std::move(metrics)), listener_(listener), address_(std::move(address)),
       port_(port) {
-  listener_ = std::thread([this] {
-    http_->listen_after_bind();
-    listen_returned_ = true;
-  });
-  // stop() only stops a server that is running: wait for it, or a destructor that came first
-  // would leave the listener running and block on the join.
-  while (!http_->is_running() && !listen_returned_) {
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
+  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) wake_[0] = wake_[1] = -1;
+  thread_ = std::thread([this] { Serve(); });
 }
 
 MetricsEndpoint::~MetricsEndpoint() {
-  http_->stop();
-  if (listener_.joinable()) listener_.join();
+  const char stop = 1;
+  [[maybe_unused]] const ssize_t written = ::write(wake_[1], &stop, 1);
+  if (thread_.joinable()) thread_.join();
+  ::close(listener_);
+  ::close(wake_[0]);
+  ::close(wake_[1]);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
@@ -85,46 +83,147 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
     host = host.substr(1, host.size() - 2);
   }
-  auto http = std::make_unique<httplib::Server>();
-  // httplib's default also sets SO_REUSEPORT, which would let a second server (another
-  // kvrecalld) bind the same port and take half the scrapes; a busy port must be an error.
-  http->set_socket_options([](socket_t sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  // Four workers: one scrape at a time is the norm, the others keep a few slow or idle peers
-  // from blocking it; a bounded queue and short timeouts keep any number of them from taking
-  // the process's file descriptors or the workers for long.
-  http->new_task_queue = [] {
-    return new BoundedTaskQueue(MetricsEndpoint::kWorkers, MetricsEndpoint::kMaxQueued);
+  auto unavailable = [&](absl::string_view why) {
+    return absl::UnavailableError(
+        absl::StrCat("could not serve metrics on ", address, " (", why, ")"));
   };
-  http->set_read_timeout(std::chrono::seconds(2));
-  http->set_write_timeout(std::chrono::seconds(2));
-  http->set_keep_alive_timeout(2);
-  http->set_keep_alive_max_count(16);
-  std::weak_ptr<ServerMetrics> source = metrics;
-  http->Get("/metrics", [source](const httplib::Request&, httplib::Response& response) {
-    std::shared_ptr<ServerMetrics> collected = source.lock();
-    if (collected == nullptr) {
-      response.status = 503;
-      return;
+  addrinfo hints = {};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (const int error = ::getaddrinfo(host.c_str(), std::to_string(requested_port).c_str(),
+                                      &hints, &found);
+      error != 0) {
+    return unavailable(::gai_strerror(error));
+  }
+  int listener = -1;
+  int bind_errno = 0;
+  for (addrinfo* a = found; a != nullptr && listener < 0; a = a->ai_next) {
+    const int s = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
+                           a->ai_protocol);
+    if (s < 0) continue;
+    // SO_REUSEADDR alone (not SO_REUSEPORT, which would let another kvrecalld bind the same
+    // port and take half the scrapes): a busy port is an error.
+    const int yes = 1;
+    ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    if (::bind(s, a->ai_addr, a->ai_addrlen) == 0 && ::listen(s, SOMAXCONN) == 0) {
+      listener = s;
+    } else {
+      bind_errno = errno;
+      ::close(s);
     }
-    response.set_content(prometheus::TextSerializer().Serialize(collected->Collect()),
-                         "text/plain; version=0.0.4; charset=utf-8");
-  });
-  int port = requested_port;
-  if (requested_port == 0) {
-    port = http->bind_to_any_port(host);
-  } else if (!http->bind_to_port(host, requested_port)) {
-    port = -1;
   }
-  if (port <= 0) {
-    return absl::UnavailableError(absl::StrCat("could not serve metrics on ", address,
-                                               " (address in use or invalid?)"));
+  ::freeaddrinfo(found);
+  if (listener < 0) return unavailable(bind_errno != 0 ? strerror(bind_errno) : "no address");
+  sockaddr_storage bound = {};
+  socklen_t length = sizeof bound;
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&bound), &length);
+  const int port = ntohs(bound.ss_family == AF_INET6
+                             ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                             : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(
+      std::move(metrics), listener, absl::StrCat(address.substr(0, colon), ":", port), port));
+}
+
+std::string MetricsEndpoint::Respond(const std::string& request) const {
+  // The request line: METHOD SP TARGET SP HTTP/x.y (RFC 9112 3); headers are not needed.
+  const absl::string_view line = absl::string_view(request).substr(0, request.find('\n'));
+  const std::vector<absl::string_view> parts =
+      absl::StrSplit(absl::StripTrailingAsciiWhitespace(line), ' ');
+  if (parts.size() != 3 || !absl::StartsWith(parts[2], "HTTP/1.")) {
+    return PlainResponse("400 Bad Request", true);
   }
-  const std::string bound = absl::StrCat(address.substr(0, colon), ":", port);
-  return std::unique_ptr<MetricsEndpoint>(
-      new MetricsEndpoint(std::move(metrics), std::move(http), bound, port));
+  const bool head = parts[0] == "HEAD";
+  if (parts[0] != "GET" && !head) {
+    return PlainResponse("405 Method Not Allowed", true, "Allow: GET, HEAD\r\n");
+  }
+  const absl::string_view path = parts[1].substr(0, parts[1].find('?'));
+  if (path != "/metrics") return PlainResponse("404 Not Found", !head);
+  return HttpResponse("200 OK", "text/plain; version=0.0.4; charset=utf-8",
+                      prometheus::TextSerializer().Serialize(metrics_->Collect()), !head);
+}
+
+void MetricsEndpoint::Serve() {
+  std::vector<Connection> connections;
+  std::vector<pollfd> polled;
+  absl::Time accept_paused_until = absl::InfinitePast();
+  char buffer[4096];
+  for (;;) {
+    polled.clear();
+    polled.push_back({wake_[0], POLLIN, 0});
+    // Past kMaxConnections the listener is not polled: new peers wait in the kernel's backlog.
+    // Nor for a moment after accept failed for want of descriptors (it would stay readable).
+    const bool accepting = static_cast<int>(connections.size()) < kMaxConnections &&
+                           absl::Now() >= accept_paused_until;
+    polled.push_back({accepting ? listener_ : -1, POLLIN, 0});
+    absl::Time next = accepting ? absl::InfiniteFuture() : accept_paused_until;
+    for (const Connection& c : connections) {
+      polled.push_back({c.fd, c.events(), 0});
+      next = std::min(next, c.deadline);
+    }
+    const int timeout_ms =
+        next == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::clamp<int64_t>(
+                  absl::ToInt64Milliseconds(next - absl::Now()) + 1, 0, 60'000));
+    if (::poll(polled.data(), polled.size(), timeout_ms) < 0 && errno != EINTR) break;
+    if (polled[0].revents != 0) break;  // the destructor
+    const absl::Time now = absl::Now();
+    for (size_t i = 0; i < connections.size(); ++i) {
+      Connection& c = connections[i];
+      const short revents = polled[i + 2].revents;
+      bool done = now >= c.deadline || (revents & POLLNVAL) != 0;
+      if (!done && (revents & (POLLIN | POLLHUP | POLLERR)) != 0 && c.events() == POLLIN) {
+        const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
+        if (n > 0 && !c.draining) {
+          c.request.append(buffer, static_cast<size_t>(n));
+          if (c.request.find("\r\n\r\n") != std::string::npos ||
+              c.request.find("\n\n") != std::string::npos) {
+            c.response = Respond(c.request);
+          } else if (c.request.size() > kMaxRequestBytes) {
+            c.response = PlainResponse("400 Bad Request", true);
+          }
+        } else if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          done = true;  // the peer closed (or failed): nothing more to read or send
+        }
+      }
+      if (!done && (revents & (POLLOUT | POLLERR)) != 0 && c.events() == POLLOUT) {
+        // MSG_NOSIGNAL: a peer that reset the connection must not raise SIGPIPE.
+        const ssize_t n = ::send(c.fd, c.response.data() + c.sent, c.response.size() - c.sent,
+                                 MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) {
+          c.sent += static_cast<size_t>(n);
+          if (c.sent == c.response.size()) {
+            // Our side is done; reading on until the peer closes lets the response arrive
+            // whole (a close with unread request bytes would reset the connection).
+            ::shutdown(c.fd, SHUT_WR);
+            c.draining = true;
+          }
+        } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+          done = true;
+        }
+      }
+      if (done) {
+        ::close(c.fd);
+        c.fd = -1;
+      }
+    }
+    std::erase_if(connections, [](const Connection& c) { return c.fd < 0; });
+    if (accepting && polled[1].revents != 0) {
+      while (static_cast<int>(connections.size()) < kMaxConnections) {
+        const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+            accept_paused_until = now + absl::Milliseconds(100);
+          }
+          break;  // EAGAIN: none left; ECONNABORTED and the like: polled again
+        }
+        connections.push_back({.fd = fd, .deadline = now + kConnectionDeadline});
+      }
+    }
+  }
+  for (const Connection& c : connections) ::close(c.fd);
 }
 
 }  // namespace kvrecall

@@ -1,57 +1,66 @@
 // The HTTP endpoint that serves ServerMetrics in the Prometheus text format at /metrics
-// (cpp-httplib; prometheus-cpp's text serializer), started by RunningServer when
-// --metrics_address is set.
+// (prometheus-cpp's text serializer), started by RunningServer when --metrics_address is set.
 //
-// Not prometheus-cpp's Exposer: its civetweb workers run on a fixed 100 KiB stack from which
-// glibc also carves the static TLS of every loaded library (OpenBLAS alone takes 60 KiB, the
-// CUDA runtime 4 KiB more), and a scrape overflowed what was left. httplib's workers are
-// std::threads with the default stack.
+// A small HTTP/1.1 server of its own on one thread that polls every connection: the port is
+// unauthenticated, so what a peer can hold is bounded by construction. Each connection has one
+// deadline for its whole life (its request read, its response written), so a peer that trickles
+// a byte at a time is cut like an idle one and cannot hold a scrape or the process's shutdown;
+// at most kMaxConnections are open at once (the rest wait in the kernel's backlog, holding none
+// of this process's descriptors). Not prometheus-cpp's Exposer (its civetweb workers run on a
+// 100 KiB stack that the static TLS of OpenBLAS and CUDA leaves too little of) and not
+// cpp-httplib (its deadlines are per read: one byte a second held a worker for hours, and four
+// such peers held every scrape and the shutdown).
 #ifndef KVRECALL_SERVER_METRICS_ENDPOINT_H_
 #define KVRECALL_SERVER_METRICS_ENDPOINT_H_
 
-#include <atomic>
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "server/metrics.h"
-
-namespace httplib {
-class Server;
-}  // namespace httplib
 
 namespace kvrecall {
 
 class MetricsEndpoint {
  public:
-  // Listens on `address` (HOST:PORT; port 0 picks a free one) and serves `metrics` at
-  // /metrics (GET; other paths answer 404) until destroyed. INVALID_ARGUMENT for an address
-  // without a port, UNAVAILABLE when it cannot be bound.
+  // Listens on `address` (HOST:PORT, HOST a name or an address, [::1] for IPv6; port 0 picks a
+  // free one) and serves `metrics` at /metrics (GET or HEAD; other paths answer 404, other
+  // methods 405, a malformed or oversized request 400) until destroyed. INVALID_ARGUMENT for an
+  // address without a port, UNAVAILABLE when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
       const std::string& address, std::shared_ptr<ServerMetrics> metrics);
+  // Closes every connection at once and returns.
   ~MetricsEndpoint();
 
-  // Connections served at once, and accepted ones waiting for a worker; past both the endpoint
-  // accepts no more until one is done (the rest wait in the kernel's backlog). A peer that
-  // sends nothing for 2 s is dropped.
-  static constexpr int kWorkers = 4;
-  static constexpr int kMaxQueued = 16;
+  // Connections open at once; past that the endpoint accepts no more until one ends.
+  static constexpr int kMaxConnections = 32;
+  // A connection's whole life: from its accept to its response's last byte. A scrape of the
+  // loopback or the cluster network takes a few milliseconds.
+  static constexpr absl::Duration kConnectionDeadline = absl::Seconds(2);
+  // The most bytes of a request (its line and headers; a GET has no body).
+  static constexpr size_t kMaxRequestBytes = 8192;
 
   // HOST:PORT actually listened on (the requested host with the bound port).
   const std::string& address() const { return address_; }
   int port() const { return port_; }
 
  private:
-  MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, std::unique_ptr<httplib::Server> http,
-                  std::string address, int port);
+  MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, int listener, std::string address,
+                  int port);
+  // Serves connections until wake_[0] becomes readable.
+  void Serve();
+  // The response to one complete request (`request` holds its line and headers).
+  std::string Respond(const std::string& request) const;
 
-  std::shared_ptr<ServerMetrics> metrics_;
-  std::unique_ptr<httplib::Server> http_;
-  std::atomic<bool> listen_returned_ = false;
-  std::thread listener_;
-  std::string address_;
-  int port_;
+  const std::shared_ptr<ServerMetrics> metrics_;
+  const int listener_;
+  int wake_[2] = {-1, -1};  // a byte written to wake_[1] stops Serve
+  const std::string address_;
+  const int port_;
+  std::thread thread_;
 };
 
 }  // namespace kvrecall

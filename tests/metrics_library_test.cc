@@ -7,10 +7,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -232,8 +234,9 @@ std::string ScrapeStatusLine(int port) {
 }
 
 // Idle peers by the hundred hold no more of the process's file descriptors than the endpoint's
-// workers and queue (httplib's own pool accepted them all, and with the process's descriptors
-// gone gRPC's listener stopped accepting for good), and scrapes are answered once they leave.
+// connections (httplib's pool, which served it before, accepted them all, and with the
+// process's descriptors gone gRPC's listener stopped accepting for good), and scrapes are
+// answered once they leave.
 TEST(MetricsEndpointTest, IdlePeersCannotTakeTheProcesssDescriptors) {
   auto metrics = std::make_shared<ServerMetrics>();
   absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
@@ -271,8 +274,112 @@ TEST(MetricsEndpointTest, IdlePeersCannotTakeTheProcesssDescriptors) {
   const int during = OpenDescriptors();
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
-  EXPECT_LE(during - before, MetricsEndpoint::kWorkers + MetricsEndpoint::kMaxQueued + 2);
+  EXPECT_LE(during - before, MetricsEndpoint::kMaxConnections + 2);
   EXPECT_THAT(ScrapeStatusLine(port), ::testing::MatchesRegex("HTTP/1\\.[01] 200 OK"));
+}
+
+// A socket connected to the endpoint on `port`, or -1.
+int Connect(int port) {
+  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(s);
+    return -1;
+  }
+  return s;
+}
+
+// Peers that trickle a request a byte at a time (the per-read timeouts of httplib, which served
+// the endpoint before, never fired: four such peers held every scrape and the process's
+// shutdown for as long as they kept trickling) neither delay a scrape nor outlive the
+// connection deadline, and the endpoint stops at once while they still trickle.
+TEST(MetricsEndpointTest, TricklingPeersHoldNeitherScrapesNorTheShutdown) {
+  auto metrics = std::make_shared<ServerMetrics>();
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  std::vector<int> peers;
+  for (int i = 0; i < 8; ++i) peers.push_back(Connect(port));
+  std::atomic<bool> stop = false;
+  std::atomic<int> cut = 0;  // peers whose connection the endpoint ended
+  const absl::Time started = absl::Now();
+  std::thread trickle([&] {
+    const std::string request = "GET /metrics?" + std::string(4096, 'a');
+    std::vector<bool> ended(peers.size(), false);
+    for (size_t byte = 0; !stop && byte < request.size(); ++byte) {
+      for (size_t i = 0; i < peers.size(); ++i) {
+        if (ended[i]) continue;
+        if (send(peers[i], &request[byte], 1, MSG_NOSIGNAL) != 1) {
+          ended[i] = true;
+          ++cut;
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time scrape_start = absl::Now();
+  EXPECT_THAT(ScrapeStatusLine(port), ::testing::MatchesRegex("HTTP/1\\.[01] 200 OK"));
+  EXPECT_LT(absl::Now() - scrape_start, absl::Milliseconds(500));
+  // Cut at their deadline (a send fails once the endpoint's close reset the connection).
+  while (cut < static_cast<int>(peers.size()) && absl::Now() - started < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(cut, static_cast<int>(peers.size()));
+  EXPECT_LT(absl::Now() - started, MetricsEndpoint::kConnectionDeadline + absl::Seconds(2));
+  // New trickling peers, and the endpoint destroyed under them.
+  stop = true;
+  trickle.join();
+  for (int s : peers) close(s);
+  peers.clear();
+  for (int i = 0; i < 8; ++i) {
+    peers.push_back(Connect(port));
+    ASSERT_EQ(send(peers.back(), "GET /met", 8, MSG_NOSIGNAL), 8);
+  }
+  const absl::Time destroy_start = absl::Now();
+  endpoint->reset();
+  EXPECT_LT(absl::Now() - destroy_start, absl::Milliseconds(200));
+  for (int s : peers) close(s);
+}
+
+// What a request gets: 404 for another path, 405 for another method, 400 for a request that is
+// not HTTP or whose headers never end within kMaxRequestBytes; HEAD the headers alone.
+TEST(MetricsEndpointTest, AnswersEachKindOfRequestAsHttpSays) {
+  auto metrics = std::make_shared<ServerMetrics>();
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  auto exchange = [&](const std::string& request) {
+    const int s = Connect((*endpoint)->port());
+    timeval timeout = {5, 0};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+    send(s, request.data(), request.size(), MSG_NOSIGNAL);
+    std::string reply;
+    char buffer[4096];
+    for (ssize_t n; (n = read(s, buffer, sizeof buffer)) > 0;) reply.append(buffer, n);
+    close(s);
+    return reply;
+  };
+  const std::string ok = exchange("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_THAT(ok, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(ok, HasSubstr("Content-Type: text/plain; version=0.0.4"));
+  EXPECT_THAT(ok, HasSubstr("# TYPE kvrecall_sessions_open gauge"));
+  const std::string head = exchange("HEAD /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_THAT(head, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(head, ::testing::EndsWith("\r\n\r\n"));
+  EXPECT_THAT(exchange("GET /other HTTP/1.1\r\n\r\n"),
+              ::testing::StartsWith("HTTP/1.1 404 Not Found"));
+  const std::string post = exchange("POST /metrics HTTP/1.1\r\n\r\n");
+  EXPECT_THAT(post, ::testing::StartsWith("HTTP/1.1 405 Method Not Allowed"));
+  EXPECT_THAT(post, HasSubstr("Allow: GET, HEAD"));
+  EXPECT_THAT(exchange("hello\r\n\r\n"), ::testing::StartsWith("HTTP/1.1 400 Bad Request"));
+  EXPECT_THAT(exchange("GET /metrics HTTP/1.1\r\nX: " +
+                       std::string(MetricsEndpoint::kMaxRequestBytes, 'x')),
+              ::testing::StartsWith("HTTP/1.1 400 Bad Request"));
 }
 
 }  // namespace
