@@ -2,7 +2,9 @@
 chunked prefill, decode steps over one stream (the Decode call, and a shared-memory region:
 DecodeShared), batching, errors, and the tinylm runner's agreement with exact local attention. Run by CTest (client/python/CMakeLists.txt) as
 `python3 -m unittest -v python_client_test` with KVRECALLD and PYTHONPATH set."""
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -12,15 +14,18 @@ import signal
 import socket
 import subprocess
 import sys
+import struct
 import tempfile
+import threading
 import time
+import types
 import unittest
 
 import grpc
 import numpy as np
 
 import kvrecall
-from kvrecall import needles, tensors, tinylm
+from kvrecall import evaluate, needles, tensors, tinylm
 from kvrecall.client import Session, make_geometry, make_policy
 from kvrecalld_process import Kvrecalld
 
@@ -271,6 +276,134 @@ class ClientTest(ServerTest):
         with self.assertRaises(ValueError) as e:
             make_policy("nearest")
         self.assertIn("nearest", str(e.exception))
+
+
+class ArgumentCheckTest(ServerTest):
+    """What the client checks itself: bad arguments raise ValueError naming them before anything
+    is sent; a closed client raises KvRecallError; a failed step leaves no thread behind."""
+    HQ, HKV, D, T = 2, 1, 8, 4
+
+    def small_session(self, client=None, layers=1, prefill=True):
+        s = (client or self.client).create_session(
+            make_geometry(layers, self.HQ, self.HKV, self.D), make_policy("full"),
+            label="python argument checks")
+        # Closed through the class's client: the session's own may be closed by then.
+        self.addCleanup(self.client.call, "CloseSession",
+                        kvrecall.client.pb.CloseSessionRequest(session_id=s.id))
+        prompt = self.prompt(layers)
+        if prefill:
+            s.prefill(prompt)
+        return s, prompt
+
+    def prompt(self, layers, seed=0):
+        rng = np.random.default_rng(seed)
+        return [tuple(rng.standard_normal((self.T, h, self.D), dtype=np.float32)
+                      for h in (self.HQ, self.HKV, self.HKV)) for _ in range(layers)]
+
+    def step(self, seed=1):
+        rng = np.random.default_rng(seed)
+        return tuple(rng.standard_normal((h, self.D), dtype=np.float32)
+                     for h in (self.HQ, self.HKV, self.HKV))
+
+    def test_a_layer_outside_int32_is_refused_before_it_is_sent(self):
+        # DecodeRequest.layer is an int32: a hand-encoded 2^32 + 1 reached the server as layer 1
+        # (its low 32 bits), and 2^31 as -2^31.
+        s, _ = self.small_session(layers=2)
+        for layer, message in ((2 ** 32 + 1, "layer must be in [0, 2^31), got 4294967297"),
+                               (2 ** 31, "layer must be in [0, 2^31), got 2147483648"),
+                               (-1, "layer must be in [0, 2^31), got -1"),
+                               (1.0, "layer must be an integer, got float 1.0")):
+            with self.subTest(layer=layer):
+                with self.assertRaises(ValueError) as e:
+                    s.attend(layer, *self.step())
+                self.assertEqual(str(e.exception), message)
+                with self.assertRaises(ValueError) as e:
+                    self.client.decode_stream.step(layer, [(s, *self.step())])
+                self.assertEqual(str(e.exception), message)
+        self.assertEqual(list(s.info().layer_tokens), [self.T, self.T])  # nothing appended
+        self.assertEqual(s.attend(np.int64(1), *self.step()).position, self.T)
+
+    def test_prefill_checks_shapes_layers_and_chunk_tokens_before_sending(self):
+        # A wrong head count or head_dim (or chunk_tokens <= 0) was found inside the request
+        # iterator, where gRPC turns it into UNKNOWN "Exception iterating requests!".
+        s, _ = self.small_session(prefill=False)
+        q, k, v = self.prompt(1)[0]
+        wide_k = np.concatenate([k, k], axis=1)
+        cases = [([(q, wide_k, v)], {}, "layer 0: k has shape [4, 2, 8], want [4, 1, 8] "
+                                        "([tokens, kv_heads, head_dim])"),
+                 ([(q[:, :, :4], k, v)], {}, "layer 0: q has shape [4, 2, 4], want [4, 2, 8] "
+                                             "([tokens, q_heads, head_dim])"),
+                 ([(q, k, v[:, :, :, None])], {}, "layer 0: v has shape [4, 1, 8, 1], want "
+                                                  "[4, 1, 8] ([tokens, kv_heads, head_dim])"),
+                 ({1: (q, k, v)}, {}, "layers: layer 1 is not in [0, 1) (the geometry's layers)"),
+                 ([(q, k, v)], {"chunk_tokens": -1},
+                  "chunk_tokens must be None or an integer >= 1, got -1"),
+                 ([(q, k, v)], {"chunk_tokens": 0},
+                  "chunk_tokens must be None or an integer >= 1, got 0"),
+                 ([(q, k, v)], {"chunk_tokens": 2.5},
+                  "chunk_tokens must be None or an integer >= 1, got 2.5")]
+        for layers, kwargs, message in cases:
+            with self.subTest(message):
+                with self.assertRaises(ValueError) as e:
+                    s.prefill(layers, **kwargs)
+                self.assertEqual(str(e.exception), message)
+        self.assertEqual(s.info().tokens, 0)  # nothing reached the session
+        r = s.prefill([(q, k, v)], chunk_tokens=1)
+        self.assertEqual((r.layers_committed, r.tokens), (1, self.T))
+
+    def test_failed_steps_leave_no_thread_behind(self):
+        # gRPC drains a Decode call's requests on a thread blocked in the stream's queue; a step
+        # the server refuses ends the call, and before the fix that thread waited forever.
+        with kvrecall.Client(self.address, wait_ready_s=30) as c:
+            s, _ = self.small_session(client=c)
+            q, k, v = self.step()
+            bad = q.copy()
+            bad[0, 0] = np.nan
+            before = set(threading.enumerate())
+            streams = []
+            for i in range(10):
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    if i % 2:
+                        s.attend(0, bad, k, v)
+                    else:
+                        s.attend(5, q, k, v)  # a layer the session does not have
+                self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                streams.append(c._stream)
+                self.assertTrue(c._stream.broken)
+            self.assertEqual(len(set(map(id, streams))), 10)  # each failure ended its stream
+            self.assertEqual(s.attend(0, q, k, v).position, self.T)  # a new stream serves
+            c.decode_stream.close()
+            # With no call left, every thread started since `before` ends (each call's request
+            # consumer, and gRPC's channel thread that lives while calls do); the client, still
+            # open, is not what ends them.
+            new = lambda: [t.name for t in threading.enumerate() if t not in before]
+            deadline = time.monotonic() + 10
+            while new() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self.assertEqual(new(), [])
+
+    def test_a_closed_client_raises_kvrecall_error(self):
+        # The module's docstring promises KvRecallError for every failed call; gRPC's own
+        # answer for a closed channel is ValueError.
+        c = kvrecall.Client(self.address, wait_ready_s=30)
+        s, prompt = self.small_session(client=c)
+        s.attend(0, *self.step())
+        c.close()
+        for name, call in (("attend", lambda: s.attend(0, *self.step())),
+                           ("info", s.info), ("close", s.close),
+                           ("prefill", lambda: s.prefill(prompt)),
+                           ("list_sessions", c.list_sessions),
+                           ("create_session", lambda: c.create_session(s.geometry))):
+            with self.subTest(name):
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    call()
+                self.assertEqual(e.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+                self.assertEqual(e.exception.message,
+                                 "the client is closed (Client.close() was called)")
+        c.close()  # a second close does nothing
+        # The session itself is still there: nothing reached the server after the close.
+        self.assertEqual(self.client.call("GetSession", kvrecall.client.pb.GetSessionRequest(
+            session_id=s.id)).tokens, self.T + 1)
 
 
 @unittest.skipUnless(sys.platform.startswith("linux") and platform.machine() == "x86_64",
@@ -588,6 +721,328 @@ class TinyLMTest(ServerTest):
             self.assertIn("kvrecall.tinylm: INVALID_ARGUMENT: policy.retopk.target_recall", bad.stderr)
 
 
+def write_safetensors(path, tensors_by_name, metadata=None):
+    """A safetensors file of float32 arrays (and __metadata__ strings)."""
+    header, blobs, offset = {}, [], 0
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    for name, a in tensors_by_name.items():
+        data = np.ascontiguousarray(a, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+class ToolInputTest(ServerTest):
+    """The command-line tools (kvrecall.needles, kvrecall.evaluate, kvrecall.tinylm) refuse bad
+    input with a message naming the flag, spec or file, before any work: no traceback, no NaN
+    in their JSON, and one bad run spec does not cost the others their work."""
+    HQ, HKV, D, T, STEPS = 2, 1, 8, 16, 3
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory(prefix="kvrecall-tools-")
+        self.addCleanup(tmp.cleanup)
+        self.tmp = tmp.name
+
+    def trace(self, name, needles_meta='[{"decode_step": 1, "position": 5}]', layers=1):
+        rng = np.random.default_rng(3)
+        arrays = {}
+        for l in range(layers):
+            for part, n in (("prefill", self.T), ("decode", self.STEPS)):
+                for x, h in (("q", self.HQ), ("k", self.HKV), ("v", self.HKV)):
+                    arrays[f"layer{l}.{part}.{x}"] = rng.standard_normal((n, h, self.D))
+        meta = {"layers": str(layers)}
+        if needles_meta is not None:
+            meta["needles"] = needles_meta
+        path = os.path.join(self.tmp, name)
+        write_safetensors(path, arrays, meta)
+        return path
+
+    def raw_file(self, name, data):
+        path = os.path.join(self.tmp, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def test_needles_reads_only_well_formed_traces(self):
+        def header(h, data=b""):
+            raw = json.dumps(h).encode()
+            return struct.pack("<Q", len(raw)) + raw + data
+        entry = {"dtype": "F32", "shape": [2, 1, 2], "data_offsets": [0, 16]}
+        depth = 100000
+        cases = [
+            ("empty.st", b"", "0 bytes, shorter than the 8-byte header length"),
+            ("huge.st", struct.pack("<Q", 1 << 40) + b"{}",
+             "header length 1099511627776 exceeds the 2 bytes after it"),
+            ("badjson.st", struct.pack("<Q", 6) + b'{"a": ', "the header is not JSON: "),
+            ("deep.st", struct.pack("<Q", 2 * depth) + b"[" * depth + b"]" * depth,
+             "the header's JSON is nested too deeply"),
+            ("list.st", header([1, 2]), "the header is not a JSON object"),
+            ("dtype.st", header({"t": {**entry, "dtype": "I8"}}, bytes(16)),
+             "tensor 't': dtype 'I8' is not one of ['BF16', 'F16', 'F32']"),
+            ("shape.st", header({"t": {**entry, "shape": [2, -1]}}, bytes(16)),
+             "tensor 't': shape [2, -1] is not a list of integers >= 0"),
+            ("truncated.st", header({"t": entry}, bytes(7)),
+             "tensor 't': data_offsets [0, 16] are not [begin, end] within the 7 data bytes"),
+            ("disagree.st", header({"t": {**entry, "shape": [4, 1, 2]}}, bytes(16)),
+             "tensor 't': shape [4, 1, 2] of F32 takes 32 bytes, data_offsets [0, 16] hold 16"),
+        ]
+        for name, data, message in cases:
+            with self.subTest(name):
+                path = self.raw_file(name, data)
+                with self.assertRaises(ValueError) as e:
+                    needles.read_safetensors(path)
+                self.assertTrue(str(e.exception).startswith(f"{path}: {message}"),
+                                str(e.exception))
+        good = needles.read_safetensors(self.trace("good.st"))
+        self.assertEqual(needles.needle_trace(good)["needles"], {1: 5})
+        self.assertEqual(good[2]["layer0.decode.k"].shape, (self.STEPS, self.HKV, self.D))
+
+    def test_needles_refuses_a_trace_without_needles_before_a_session_is_made(self):
+        # A trace of --needles=0 gave "found": NaN (not JSON); one without the metadata a
+        # KeyError as the run's error.
+        cases = [(self.trace("none.st", needles_meta="[]"), "the trace has no needles (make one "
+                  "with kvrecall synth --needles N, N >= 1)"),
+                 (self.trace("absent.st", needles_meta=None), 'not a needle trace (no "needles" '
+                  "in __metadata__; make one with kvrecall synth --needles N)"),
+                 (self.trace("late.st", needles_meta='[{"decode_step": 3, "position": 5}]'),
+                  "__metadata__ needles")]  # step 3 of a trace of 3 decode steps
+        before = {i.session_id for i in self.client.list_sessions()}
+        for path, message in cases:
+            with self.subTest(os.path.basename(path)):
+                trace = needles.read_safetensors(path)
+                with self.assertRaises(ValueError) as e:
+                    needles.replay(self.client, trace, "full")
+                self.assertIn(message, str(e.exception))
+                with self.assertRaises(ValueError) as e:
+                    needles.needle_trace(trace, path)
+                self.assertTrue(str(e.exception).startswith(f"{path}: {message}"))
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    rc = needles.main(["--server", self.address, "--trace", path,
+                                       "--runs", "full"])
+                self.assertEqual((rc, out.getvalue()), (1, ""))
+                self.assertEqual(err.getvalue(), f"kvrecall.needles: {path}: "
+                                 f"{str(e.exception)[len(path) + 2:]}\n")
+        self.assertEqual({i.session_id for i in self.client.list_sessions()}, before)
+        r = needles.replay(self.client, needles.read_safetensors(self.trace("two.st", layers=2)),
+                           "full")
+        self.assertEqual((r["needles"], r["layers"], r["context"]), (1, 2, self.T))
+        self.assertFalse(math.isnan(r["retained_mass_mean"]))
+        self.assertAlmostEqual(r["retained_mass_mean"], 1.0, places=5)
+
+    def test_needles_and_evaluate_check_every_run_spec_before_the_first_run(self):
+        trace = self.trace("good.st")
+        jsonl = os.path.join(self.tmp, "runs.jsonl")
+        text = self.raw_file("text.txt", b"tiny text\n")
+        ev = ["run", "--server", self.address, "--model", os.path.join(self.tmp, "none.npz"),
+              "--text", text, "--ctx", "4", "--suffix", "2", "--jsonl", jsonl]
+        streaming = "streaming:K needs K > 128 (it keeps 128 sinks and K-128 recent tokens), got 64"
+        cases = [
+            (needles.main, ["--server", self.address, "--trace", trace, "--jsonl", jsonl,
+                            "--runs", "full", "streaming:64"],
+             f"python3 -m kvrecall.needles: error: argument --runs: run 'streaming:64': "
+             f"{streaming}"),
+            (needles.main, ["--server", self.address, "--trace", trace, "--jsonl", jsonl,
+                            "--runs", "exact_topk:abc", "full"],
+             "error: argument --runs: run 'exact_topk:abc': K must be an integer >= 1, "
+             "got 'abc'"),
+            (evaluate.main, ev + ["--runs", "full", "streaming:64"],
+             f"python3 -m kvrecall.evaluate run: error: argument --runs: streaming:64: "
+             f"{streaming}"),
+            (evaluate.main, ev + ["--runs", "exact_topk:abc", "full"],
+             "python3 -m kvrecall.evaluate run: error: argument --runs: exact_topk:abc: K must "
+             "be an integer >= 1, got 'abc'"),
+            (evaluate.main, ev + ["--runs", "nearest:64"],
+             "argument --runs: nearest:64: unknown selector 'nearest'"),
+            (evaluate.main, ev + ["--runs", "full@moon"],
+             "argument --runs: full@moon: unknown placement 'moon'"),
+            (evaluate.main, ev + ["--runs", "full", "--ctx", "0"],
+             "python3 -m kvrecall.evaluate run: error: argument --ctx: must be >= 1, got 0"),
+            (evaluate.main, ev + ["--runs", "full", "--offset", "-1"],
+             "argument --offset: must be >= 0, got -1"),
+        ]
+        for main, argv, message in cases:
+            with self.subTest(" ".join(argv[-3:])):
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                    with self.assertRaises(SystemExit) as e:
+                        main(argv)
+                self.assertEqual(e.exception.code, 2)
+                self.assertIn(message, err.getvalue())
+                self.assertNotIn("Traceback", err.getvalue())
+                self.assertFalse(os.path.exists(jsonl))  # no run was made
+
+    def test_evaluate_records_a_failed_run_and_goes_on(self):
+        # tinylm's "not enough text" was a SystemExit, which `except Exception` let through:
+        # the first run ended the tool and the others were never tried.
+        jsonl = os.path.join(self.tmp, "runs.jsonl")
+        text = self.raw_file("text.txt", b"tiny text\n")  # 10 bytes and the newline after
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = evaluate.main(["run", "--server", self.address, "--model",
+                                os.path.join(self.tmp, "none.npz"), "--text", text,
+                                "--ctx", "16", "--suffix", "4", "--jsonl", jsonl,
+                                "--runs", "full", "exact_topk:16", "streaming:256@tiered"])
+        self.assertEqual(rc, 1)
+        rows = evaluate.load(jsonl)
+        self.assertEqual([r["run"] for r in rows],
+                         ["full", "exact_topk:16", "streaming:256@tiered"])
+        for r in rows:
+            self.assertEqual(r["error"], "ValueError: --text: only 11 bytes of text; --offset + "
+                             "--ctx + --suffix + 1 = 21")
+        self.assertIn("--sinks 128 --recent 128", rows[2]["command"])
+
+    def test_tinylm_refuses_bad_window_flags_before_any_work(self):
+        # A negative offset sliced from the text's end; --suffix 0 ended in a traceback after
+        # the whole prefill upload. The model path does not exist: any work would fail on it.
+        base = ["ppl", "--server", self.address, "--model", os.path.join(self.tmp, "none.npz"),
+                "--text", self.raw_file("text.txt", b"x" * 100)]
+        for flags, message in ((["--ctx", "0"], "argument --ctx: must be >= 1, got 0"),
+                               (["--suffix", "0"], "argument --suffix: must be >= 1, got 0"),
+                               (["--suffix", "-3"], "argument --suffix: must be >= 1, got -3"),
+                               (["--offset", "-1"], "argument --offset: must be >= 0, got -1"),
+                               (["--ctx", "x"], "argument --ctx: invalid int value: 'x'")):
+            with self.subTest(flags):
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
+                    tinylm.main(base + flags)
+                self.assertEqual(e.exception.code, 2)
+                self.assertIn(f"python3 -m kvrecall.tinylm: error: {message}", err.getvalue())
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = tinylm.main(base + ["--ctx", "90", "--suffix", "20"])
+        self.assertEqual(rc, 1)
+        self.assertEqual(err.getvalue(), "kvrecall.tinylm: --text: only 101 bytes of text; "
+                         "--offset + --ctx + --suffix + 1 = 111\n")
+
+
+@unittest.skipUnless(importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"),
+                     "kvrecall.hf needs torch and transformers")
+class HfBackendTest(ServerTest):
+    """kvrecall.hf's KvRecallBackend: sessions are never left open on the server, and what the
+    service cannot serve (a padded batch, a second generation in one backend) is refused."""
+
+    def label(self):
+        return f"hf test {self.id().rsplit('.', 1)[-1]}"
+
+    def open_sessions(self):
+        """Ids of this test's sessions the server still holds."""
+        return sorted(i.session_id for i in self.client.list_sessions()
+                      if i.label.startswith(self.label()))
+
+    def model(self):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from kvrecall import hf
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256)
+        model = LlamaForCausalLM(config).float().eval()
+        hf.set_attn_implementation(model, "kvrecall")
+        return model
+
+    def test_a_failed_create_closes_the_rows_made_before_it(self):
+        import torch
+        from kvrecall import hf
+        client, calls = self.client, []
+
+        class ThirdCreateFails:  # the third row's label is one the server refuses
+            def create_session(self, geometry, policy, label):
+                calls.append(label)
+                return client.create_session(geometry, policy,
+                                             label if len(calls) != 3 else label + "x" * 300)
+
+        backend = hf.KvRecallBackend(ThirdCreateFails(), make_policy("full"), label=self.label())
+        module = types.SimpleNamespace(config=types.SimpleNamespace(num_hidden_layers=2),
+                                       layer_idx=0)
+        q, kv = torch.zeros(4, 2, 3, 8), torch.zeros(4, 1, 3, 8)
+        with self.assertRaises(kvrecall.KvRecallError) as e, backend:
+            backend.attention(module, q, kv, kv, None)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("label must be at most 256 bytes", e.exception.message)
+        self.assertEqual(len(calls), 3)
+        self.assertIsNone(backend.sessions)
+        self.assertEqual(self.open_sessions(), [])  # rows 0 and 1 were closed
+
+    def test_close_sessions_closes_every_session_and_keeps_the_bodys_error(self):
+        from kvrecall import hf
+        backend = hf.KvRecallBackend(self.client, make_policy("full"), label=self.label())
+        g = make_geometry(1, 2, 1, 8)
+        backend.sessions = [self.client.create_session(g, label=f"{self.label()} {i}")
+                             for i in range(3)]
+        gone = backend.sessions[0]
+        gone.close()  # its close in close_sessions fails: NOT_FOUND
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            backend.close_sessions()
+        self.assertEqual(e.exception.code, grpc.StatusCode.NOT_FOUND)
+        self.assertIn(gone.id, e.exception.message)
+        self.assertIsNone(backend.sessions)
+        self.assertEqual(self.open_sessions(), [])  # the others were closed all the same
+        # Leaving the block with an error: that error, not the close's, reaches the caller.
+        backend.sessions = [self.client.create_session(g, label=f"{self.label()} {i}")
+                            for i in range(2)]
+        backend.sessions[0].close()
+        with self.assertRaisesRegex(RuntimeError, "^the body's error$"), backend:
+            raise RuntimeError("the body's error")
+        self.assertEqual(self.open_sessions(), [])
+
+    def test_a_padded_batch_is_refused_before_a_session_is_made(self):
+        import torch
+        from transformers import DynamicCache
+        from kvrecall import hf
+        model = self.model()
+        ids = torch.randint(0, 64, (2, 6))
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[0, :2] = 0  # row 0 left-padded by two
+        backend = hf.KvRecallBackend(self.client, make_policy("full"), label=self.label())
+        with torch.no_grad(), self.assertRaises(ValueError) as e, backend:
+            model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(),
+                  use_cache=True)
+        self.assertIn("layer 0: attention_mask hides or biases position 0 from query",
+                      str(e.exception))
+        self.assertIn("batch row 0; the kvrecall backend takes unpadded batches only",
+                      str(e.exception))
+        self.assertEqual(self.open_sessions(), [])
+
+    def test_decode_matches_sdpa_and_a_second_generation_is_refused(self):
+        import torch
+        from transformers import DynamicCache
+        from kvrecall import hf
+        model = self.model()
+        ids = torch.randint(0, 64, (2, 12))
+        with torch.no_grad():
+            hf.set_attn_implementation(model, "sdpa")
+            want = model(input_ids=ids, use_cache=False).logits[:, -3:]
+            hf.set_attn_implementation(model, "kvrecall")
+            backend = hf.KvRecallBackend(self.client, make_policy("full"), label=self.label())
+            with backend:
+                out = model(input_ids=ids[:, :9], past_key_values=DynamicCache(), use_cache=True)
+                got = []
+                for t in range(9, 12):  # one token at a time, every layer through the service
+                    out = model(input_ids=ids[:, t:t + 1], past_key_values=out.past_key_values,
+                                use_cache=True)
+                    got.append(out.logits[:, -1])
+                self.assertEqual(len(self.open_sessions()), 2)
+                self.assertEqual([list(s.info().layer_tokens) for s in backend.sessions],
+                                 [[12, 12], [12, 12]])
+                with self.assertRaises(ValueError) as e:  # a new prompt, a fresh cache
+                    model(input_ids=ids[:, :5], past_key_values=DynamicCache(), use_cache=True)
+                self.assertEqual(str(e.exception), (
+                    "layer 0: the model's cache holds 0 tokens before these 5, the service's "
+                    "sessions 12; one backend serves one generation (leave `with backend:` or "
+                    "call close_sessions() before the next)"))
+                self.assertEqual([list(s.info().layer_tokens) for s in backend.sessions],
+                                 [[12, 12], [12, 12]])  # nothing appended
+        torch.testing.assert_close(torch.stack(got, dim=1), want, rtol=1e-4, atol=1e-4)
+        self.assertEqual(self.open_sessions(), [])
+
+
 CLI = os.environ.get("KVRECALL_CLI", "")
 
 
@@ -699,7 +1154,7 @@ class WireTest(unittest.TestCase):
         from kvrecall.client import _request_head
         steps = b"".join(pieces[1:])
         for request_id in (0, 1, 127, 128, 300, 2 ** 40 + 3, 2 ** 64 - 1):
-            for layer in (0, 1, 5, 127, 128, 2 ** 31 - 1, -1):
+            for layer in (0, 1, 5, 127, 128, 2 ** 31 - 1):
                 for flags in ((False, False, False), (True, False, True), (True, True, True)):
                     expected = pb.DecodeRequest(request_id=request_id, layer=layer,
                                                 return_lse=flags[0], diagnostics=flags[1],
@@ -708,6 +1163,11 @@ class WireTest(unittest.TestCase):
                     self.assertEqual(
                         pb.DecodeRequest.FromString(_request_head(request_id, layer, *flags) + steps),
                         expected, (request_id, layer, flags))
+        # int32's range only: the server would read 2^32 + 5 as layer 5 (its low 32 bits).
+        for layer in (-1, -2 ** 31, 2 ** 31, 2 ** 32 + 5, 2 ** 64):
+            with self.assertRaisesRegex(ValueError,
+                                        rf"^layer must be in \[0, 2\^31\), got {layer}$"):
+                _request_head(1, layer, False, False, False)
 
     def test_float32_inputs_of_a_bf16_session_are_rounded_in_one_batch(self):
         from kvrecall.client import Session

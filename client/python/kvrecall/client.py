@@ -5,7 +5,9 @@ Shapes (row-major, as in the .proto): prompt q [T, q_heads, head_dim], prompt k/
 [T, kv_heads, head_dim]; a decode step's q [q_heads, head_dim], k_new/v_new
 [kv_heads, head_dim]; its output [q_heads, head_dim] and lse [q_heads]. Arrays are numpy arrays
 or torch tensors; outputs are float32 numpy arrays. Every failed call raises KvRecallError with
-the gRPC status code and message.
+the gRPC status code and message (FAILED_PRECONDITION for a call through a closed Client).
+Arguments the client can check itself (a layer index, tensor shapes, chunk_tokens) raise
+ValueError naming the argument before anything is sent.
 
     with Client("127.0.0.1:50051") as c:
         s = c.create_session(make_geometry(6, 8, 2, 64), make_policy("retopk", top_k=512))
@@ -15,6 +17,7 @@ the gRPC status code and message.
 """
 import argparse
 import dataclasses
+import operator
 import os
 import queue
 import sys
@@ -74,6 +77,20 @@ def make_policy(selector="full", placement="cpu", top_k=0, sinks=0, recent=0, re
             index = {**index, "exact_search": EXACT_SEARCHES[search]}
         p.index.CopyFrom(pb.IndexParams(**index))
     return p
+
+
+STREAMING_SINKS = 128
+
+
+def streaming_window(k):
+    """(sinks, recent) of the streaming policy that the tools' run spec `streaming:K` names:
+    STREAMING_SINKS sinks and K - STREAMING_SINKS recent tokens, so that its budget equals the
+    top-K selectors'. ValueError unless K > STREAMING_SINKS: recent 0 would ask for the
+    server's default window (512), not for none."""
+    if k <= STREAMING_SINKS:
+        raise ValueError(f"streaming:K needs K > {STREAMING_SINKS} (it keeps {STREAMING_SINKS} "
+                         f"sinks and K-{STREAMING_SINKS} recent tokens), got {k}")
+    return STREAMING_SINKS, k - STREAMING_SINKS
 
 
 @dataclasses.dataclass
@@ -153,12 +170,25 @@ _FLAGS = {flags: b"".join(tag for tag, on in zip((b"\x20\x01", b"\x28\x01", b"\x
           for flags in [(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)]}
 
 
+def _check_layer(layer):
+    """`layer` as an int; ValueError unless it is an integer in [0, 2^31) (DecodeRequest.layer
+    is an int32: the server reads the low 32 bits of a larger varint, so layer 2^32 + 5 would
+    be layer 5; a negative layer is no session's)."""
+    try:
+        layer = operator.index(layer)
+    except TypeError:
+        raise ValueError(f"layer must be an integer, got {type(layer).__name__} "
+                         f"{layer!r}") from None
+    if not 0 <= layer < 1 << 31:
+        raise ValueError(f"layer must be in [0, 2^31), got {layer}")
+    return layer
+
+
 def _request_head(request_id, layer, return_lse, diagnostics, compare_exact):
     """A DecodeRequest's fields but its steps, serialized by hand (no message built per step);
-    protobuf parses fields in any order, so the steps may follow."""
-    if layer < 0:  # int32's ten-byte negative varint: left to protobuf
-        return pb.DecodeRequest(request_id=request_id, layer=layer, return_lse=return_lse,
-                                diagnostics=diagnostics, compare_exact=compare_exact).SerializeToString()
+    protobuf parses fields in any order, so the steps may follow. ValueError for a layer
+    outside [0, 2^31) (_check_layer)."""
+    layer = _check_layer(layer)
     head = b"\x08" + _varint(request_id) if request_id else b""
     if layer:
         head += b"\x10" + _varint(layer)
@@ -170,13 +200,16 @@ class _LayerStepStream:
     built from _request_head and the sessions' _StepWire pieces, one request in flight under a
     lock, and the reply checked and converted. A subclass sets up _lock, _next_id, broken and
     the last_* timings, and implements _exchange(pieces) -> pb.DecodeResponse (marking the
-    stream broken when the server ended it)."""
+    stream broken when the server ended it) and _break(cancel) (marks it broken and lets go of
+    what it holds; `cancel` also cancels a call the server still serves)."""
 
     def step(self, layer, steps, return_lse=False, diagnostics=False, compare_exact=False):
         """Sends one layer of one decode step for several sequences.
 
         steps: [(session, q, k_new, v_new), ...]; returns one SequenceResult per step, in order.
+        ValueError (nothing sent) for a layer outside [0, 2^31) or a tensor of the wrong shape.
         """
+        _check_layer(layer)
         with self._lock:
             if self.broken:
                 raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION, "decode stream is closed")
@@ -187,7 +220,7 @@ class _LayerStepStream:
             self._next_id += 1
             resp = self._exchange(pieces)
         if resp.request_id != request_id or len(resp.results) != len(steps):
-            self.broken = True
+            self._break(cancel=True)  # the server still serves a call we no longer trust
             raise KvRecallError(grpc.StatusCode.INTERNAL,
                                 f"reply {resp.request_id} with {len(resp.results)} results "
                                 f"to request {request_id} with {len(steps)} steps")
@@ -202,7 +235,12 @@ class DecodeStream(_LayerStepStream):
     """One Decode call kept open: requests go through a queue that the call's request iterator
     drains, replies are read in lock step. Requests travel pre-serialized (_StepWire), replies
     are parsed by protobuf. After an error the stream is `broken` (the server ended the call)
-    and Client opens a new one for the next step."""
+    and Client opens a new one for the next step.
+
+    gRPC drains the request iterator on a thread of its own, blocked in the queue's get() until
+    a request or the None that ends the iterator arrives; the call's end does not wake it. So
+    every way the stream ends puts None (_break, close), or each failed step would leave one
+    thread behind for good."""
 
     _METHOD = "/{}/Decode".format(pb.DESCRIPTOR.services_by_name["KvRecall"].full_name)
 
@@ -224,17 +262,28 @@ class DecodeStream(_LayerStepStream):
         try:
             return next(self._responses)
         except grpc.RpcError as e:
-            self.broken = True
+            self._break()
             raise KvRecallError.from_rpc_error(e) from None
         except StopIteration:
-            self.broken = True
+            self._break()
             raise KvRecallError(grpc.StatusCode.UNKNOWN,
                                 "decode stream ended without a reply") from None
+        except BaseException:  # KeyboardInterrupt in the wait: the request may still be read
+            self._break(cancel=True)
+            raise
+
+    def _break(self, cancel=False):
+        """Marks the stream broken and ends the request iterator (its thread exits); `cancel`
+        also cancels the call (nothing when it has ended)."""
+        self.broken = True
+        if cancel:
+            self._responses.cancel()
+        self._requests.put(None)
 
     def close(self):
         """Half-closes the call and waits for the server to end it."""
         with self._lock:
-            if self.broken:
+            if self.broken:  # _break has ended the request iterator
                 return
             self.broken = True
             self._requests.put(None)
@@ -266,15 +315,29 @@ class Session:
         return self._step_wire
 
     def _check_layers(self, layers):
-        """ValueError for a layer whose q, k and v disagree on their tokens (before the stream
-        starts: an exception inside its request iterator reaches the caller as UNKNOWN)."""
+        """ValueError for a layer index outside the geometry or a q, k or v whose shape is not
+        the geometry's (before the stream starts: an exception inside its request iterator
+        reaches the caller as UNKNOWN "Exception iterating requests!", its message lost)."""
+        g = self.geometry
         for layer, (q, k, v) in layers:
+            try:
+                if not 0 <= operator.index(layer) < g.layers:
+                    raise TypeError
+            except TypeError:
+                raise ValueError(f"layers: layer {layer!r} is not in [0, {g.layers}) (the "
+                                 "geometry's layers)") from None
             n = k.shape[0]
             if v.shape[0] != n or (q is not None and q.shape[0] != n) or \
                     (q is None and self.prompt_queries != 0):
                 raise ValueError(f"layer {layer}: q, k and v have "
                                  f"{None if q is None else q.shape[0]}, {n} and {v.shape[0]} "
                                  "tokens (q may be None only for a session that needs none)")
+            for name, x, heads in (("q", q, g.q_heads), ("k", k, g.kv_heads),
+                                   ("v", v, g.kv_heads)):
+                if x is not None and tuple(x.shape) != (n, heads, g.head_dim):
+                    raise ValueError(f"layer {layer}: {name} has shape {list(x.shape)}, want "
+                                     f"[{n}, {heads}, {g.head_dim}] ([tokens, "
+                                     f"{'q_heads' if name == 'q' else 'kv_heads'}, head_dim])")
 
     def _chunks(self, layers, per_chunk):
         """The Prefill stream's chunks; per_chunk: [tokens a chunk without q, with q]."""
@@ -304,9 +367,20 @@ class Session:
         limit (or of `chunk_tokens` tokens). `layers`: a list of (q, k, v), one per layer from 0,
         or a dict {layer: (q, k, v)}; q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim].
         q goes with the tokens whose queries the session needs (prompt_queries) alone; it may be
-        None when it needs none. Returns pb.PrefillResponse."""
+        None when it needs none. Returns pb.PrefillResponse. ValueError (nothing sent) for a
+        shape that is not the geometry's, a layer outside it, or chunk_tokens not an int >= 1.
+        """
         items = sorted(layers.items()) if isinstance(layers, dict) else list(enumerate(layers))
         self._check_layers(items)
+        if chunk_tokens is not None:
+            try:
+                if isinstance(chunk_tokens, bool) or operator.index(chunk_tokens) < 1:
+                    raise TypeError
+            except TypeError:
+                raise ValueError("chunk_tokens must be None or an integer >= 1, got "
+                                 f"{chunk_tokens!r}") from None
+            chunk_tokens = operator.index(chunk_tokens)
+        self.client.check_open()
         if chunk_tokens is None:
             # Tokens per chunk without q and with it.
             g = self.geometry
@@ -435,6 +509,7 @@ class Client:
         self.prefill_chunk_bytes = prefill_chunk_bytes
         self.shared_memory = shared_memory
         self._stream = None
+        self._closed = False
         if wait_ready_s:
             try:
                 grpc.channel_ready_future(self.channel).result(timeout=wait_ready_s)
@@ -452,8 +527,16 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
+    def check_open(self):
+        """KvRecallError FAILED_PRECONDITION once close() has run (gRPC itself raises
+        ValueError for a closed channel, which the module promises not to)."""
+        if self._closed:
+            raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the client is closed (Client.close() was called)")
+
     def call(self, method, request):
         """A unary call by name; gRPC errors become KvRecallError."""
+        self.check_open()
         try:
             return getattr(self.stub, method)(request)
         except grpc.RpcError as e:
@@ -479,6 +562,7 @@ class Client:
     def decode_stream(self):
         """The client's Decode stream (a SharedDecodeStream when `shared_memory`), (re)opened
         on first use and after a failed step."""
+        self.check_open()
         if self._stream is None or self._stream.broken:
             if self.shared_memory:
                 from kvrecall.shared import SharedDecodeStream  # it imports this module
@@ -489,9 +573,11 @@ class Client:
 
     def attend_batch(self, layer, steps, **options):
         """One layer of one decode step for several sessions: steps [(session, q, k, v)]."""
+        _check_layer(layer)  # before decode_stream opens a stream (a shared region) for nothing
         return self.decode_stream.step(layer, steps, **options)
 
     def close(self):
+        self._closed = True
         try:
             if self._stream is not None:
                 self._stream.close()

@@ -11,7 +11,8 @@ result to a .jsonl file, and renders a Markdown table and a PNG plot (matplotlib
       --png bench/results/ppl_tinylm_16k.png
 
 A run is `selector[:K][@placement]`; streaming:K keeps 128 sinks and K-128 recent tokens, so
-its budget equals the top-K selectors'.
+its budget equals the top-K selectors' (K > 128). Every spec and flag is checked before the
+first run starts: a bad one is a usage error, and no run is made.
 """
 import argparse
 import json
@@ -19,17 +20,36 @@ import shlex
 import sys
 
 from kvrecall import tinylm
+from kvrecall.client import PLACEMENTS, SELECTORS, streaming_window
 
 
 def run_args(spec, common):
-    """tinylm ppl arguments for one run spec 'selector[:K][@placement]'."""
-    spec, _, placement = spec.partition("@")
-    selector, _, k = spec.partition(":")
+    """tinylm ppl arguments for one run spec 'selector[:K][@placement]'; ValueError naming the
+    spec for an unknown selector or placement, or a K that is not an integer >= 1 (> 128 for
+    streaming). Checked here because tinylm's parser would exit the whole process on it."""
+    head, _, placement = spec.partition("@")
+    selector, colon, k = head.partition(":")
+    if selector not in SELECTORS:
+        raise ValueError(f"{spec}: unknown selector {selector!r}; selectors: {sorted(SELECTORS)}")
+    if placement and placement not in PLACEMENTS:
+        raise ValueError(f"{spec}: unknown placement {placement!r}; placements: "
+                         f"{sorted(PLACEMENTS)}")
     args = common + ["--policy", selector, "--placement", placement or "cpu"]
-    if k and selector == "streaming":
-        args += ["--sinks", "128", "--recent", str(int(k) - 128)]
-    elif k:
-        args += ["--k", k]
+    if colon:
+        try:
+            k = int(k)
+            if k < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{spec}: K must be an integer >= 1, got {k!r}") from None
+        if selector == "streaming":
+            try:
+                sinks, recent = streaming_window(k)
+            except ValueError as e:
+                raise ValueError(f"{spec}: {e}") from None
+            args += ["--sinks", str(sinks), "--recent", str(recent)]
+        else:
+            args += ["--k", str(k)]
     return args
 
 
@@ -132,9 +152,9 @@ def main(argv=None):
     r.add_argument("--server", required=True)
     r.add_argument("--model", required=True)
     r.add_argument("--text", nargs="+", required=True)
-    r.add_argument("--offset", type=int, default=0)
-    r.add_argument("--ctx", type=int, default=16384)
-    r.add_argument("--suffix", type=int, default=512)
+    r.add_argument("--offset", type=tinylm.int_at_least(0), default=0)
+    r.add_argument("--ctx", type=tinylm.int_at_least(1), default=16384)
+    r.add_argument("--suffix", type=tinylm.int_at_least(1), default=512)
     r.add_argument("--cache-dir")
     r.add_argument("--runs", nargs="+", required=True, help="selector[:K][@placement] ...")
     r.add_argument("--jsonl", required=True)
@@ -145,6 +165,12 @@ def main(argv=None):
     d.add_argument("--title", default="tinylm-a: bits per byte vs decode cost, by policy")
     d.add_argument("--notes", default="")
     a = ap.parse_args(argv)
+    if a.cmd == "run":
+        for spec in a.runs:  # every spec before the first run: none is made for nothing
+            try:
+                run_args(spec, [])
+            except ValueError as e:
+                r.error(f"argument --runs: {e}")
     return cmd_run(a) if a.cmd == "run" else cmd_render(a)
 
 

@@ -15,8 +15,12 @@ decode call: each new token's query, key and value go to the service over the cl
 Decode stream, the batch rows of a layer travelling in one request, and the service's output
 replaces local attention. Tensors the attention function sees are query [B, q_heads, n, D] and
 key/value [B, kv_heads, S, D] (the model's own cache appended; only the last n positions are
-read); it returns [B, n, q_heads, D]. Batches must not be padded (the service cannot know which
-positions a pad mask hides), so rows have equal lengths.
+read); it returns [B, n, q_heads, D]. Batches must not be padded (the service attends over
+every position it holds, so it cannot honour a pad mask): rows have equal lengths, and a call
+whose attention_mask hides (or biases) a position a query would see raises ValueError. One
+backend holds one generation: a decode call whose cache length is not the service's (a second
+prompt with a fresh DynamicCache in the same `with backend:`) raises ValueError too; leave the
+block, or call close_sessions(), to start another.
 """
 import contextvars
 import math
@@ -41,6 +45,7 @@ class KvRecallBackend:
         self.label = label
         self.sessions = None
         self._prefilled = set()
+        self._tokens = {}  # layer: tokens the sessions hold in it (every row the same)
         self._token = None
 
     def __enter__(self):
@@ -49,26 +54,58 @@ class KvRecallBackend:
         self._token = _ACTIVE.set(self)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         _ACTIVE.reset(self._token)
         self._token = None
-        self.close_sessions()
+        try:
+            self.close_sessions()
+        except Exception as e:
+            if exc is None:
+                raise
+            # The body's exception is the one to see: a failed close goes with it as a note
+            # instead of replacing it.
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"closing the kvrecall sessions failed too: {e}")
 
     def close_sessions(self):
-        for s in self.sessions or []:
-            s.close()
-        self.sessions, self._prefilled = None, set()
+        """Closes every session, even after one close fails (each holds server memory until
+        closed), and forgets them; then raises the first close's error."""
+        sessions = self.sessions or []
+        self.sessions, self._prefilled, self._tokens = None, set(), {}
+        first = None
+        for s in sessions:
+            try:
+                s.close()
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def _open(self, module, query, key, scaling):
         layers = module.config.num_hidden_layers
         g = make_geometry(layers, query.shape[1], key.shape[1], query.shape[-1],
                           _TORCH_DTYPES[query.dtype], softmax_scale=float(scaling))
-        self.sessions = [self.client.create_session(g, self.policy, f"{self.label} row {b}")
-                         for b in range(query.shape[0])]
+        sessions = []
+        try:
+            for b in range(query.shape[0]):
+                sessions.append(self.client.create_session(g, self.policy,
+                                                           f"{self.label} row {b}"))
+        except BaseException:
+            # The rows made before the failure would otherwise hold server memory until the
+            # server restarts: nothing else knows them. The create's error is the one raised.
+            for s in sessions:
+                try:
+                    s.close()
+                except Exception:
+                    pass
+            raise
+        self.sessions = sessions
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                   **kwargs):
         layer = module.layer_idx
+        n, total = query.shape[2], key.shape[2]
+        _check_unpadded(attention_mask, layer, n, total)  # before a session is made for nothing
         scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         if self.sessions is None:
             self._open(module, query, key, scaling)
@@ -78,12 +115,22 @@ class KvRecallBackend:
         if layer not in self._prefilled:
             return self._prefill(module, layer, query, key, value, attention_mask, scaling,
                                  dropout, **kwargs)
-        n = query.shape[2]
+        held = self._tokens[layer]
+        if total != held + n:
+            raise ValueError(f"layer {layer}: the model's cache holds {total - n} tokens before "
+                             f"these {n}, the service's sessions {held}; one backend serves one "
+                             "generation (leave `with backend:` or call close_sessions() before "
+                             "the next)")
         outs = []
         for t in range(n):  # several new tokens: one decode step each, in order (causal)
-            steps = [(s, query[b, :, t], key[b, :, key.shape[2] - n + t],
-                      value[b, :, key.shape[2] - n + t]) for b, s in enumerate(self.sessions)]
+            steps = [(s, query[b, :, t], key[b, :, total - n + t],
+                      value[b, :, total - n + t]) for b, s in enumerate(self.sessions)]
             res = self.client.attend_batch(layer, steps)
+            positions = {r.position for r in res}
+            if positions != {held + t}:  # each token went where the model's cache has it
+                raise ValueError(f"layer {layer}: the service appended at positions "
+                                 f"{sorted(positions)}, the model's cache at {held + t}")
+            self._tokens[layer] = held + t + 1
             outs.append(np.stack([r.output for r in res]))  # [B, q_heads, D]
         out = torch.from_numpy(np.stack(outs, axis=1))       # [B, n, q_heads, D]
         return out.to(device=query.device, dtype=query.dtype), None
@@ -100,7 +147,40 @@ class KvRecallBackend:
             s.prefill({layer: (query[b].transpose(0, 1), key[b].transpose(0, 1),
                                value[b].transpose(0, 1))})
         self._prefilled.add(layer)
+        self._tokens[layer] = key.shape[2]
         return out
+
+
+def _check_unpadded(attention_mask, layer, n, total):
+    """ValueError unless attention_mask lets each of the n queries (the last n of `total`
+    positions) see every position up to its own, unbiased: the service attends over all the
+    positions it holds, so a pad (or any bias) the mask applies would be silently ignored.
+    None (SDPA's mask where nothing is hidden) passes; a boolean mask is True where seen, a
+    float one 0 there (additive)."""
+    if attention_mask is None:
+        return
+    # Keys beyond `total` are cut off as sdpa_attention_forward cuts them (transformers before
+    # 4.53 make a DynamicCache's mask one position longer than its keys).
+    m = attention_mask[..., :total]
+    if m.dim() != 4 or m.shape[-1] != total or m.shape[-2] not in (1, n):
+        raise ValueError(f"layer {layer}: attention_mask of shape {list(m.shape)} is not "
+                         f"[batch, heads, {n} queries, {total} keys]")
+    if m.dtype == torch.bool:
+        seen = m
+    elif m.is_floating_point():
+        seen = m == 0
+    else:
+        raise ValueError(f"layer {layer}: attention_mask of dtype {m.dtype} is neither boolean "
+                         "nor an additive float mask")
+    positions = torch.arange(total, device=m.device)
+    causal = positions[None, :] <= positions[total - n:, None]  # [n, total]: what each sees
+    hidden = (causal & ~seen).nonzero()
+    if len(hidden):
+        row, _, query_index, position = (int(i) for i in hidden[0])
+        raise ValueError(f"layer {layer}: attention_mask hides or biases position {position} "
+                         f"from query {total - n + query_index} of batch row {row}; the kvrecall "
+                         "backend takes unpadded batches only (the service attends over every "
+                         "position it holds)")
 
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -115,6 +195,15 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
 def register():
     from transformers import AttentionInterface
     AttentionInterface.register(NAME, attention_forward)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    except ImportError:  # older transformers build a 4-D float mask for an unknown name
+        return
+    # From transformers 4.53 on, an implementation without a mask function of its own gets no
+    # mask at all, so a padded batch could not be noticed. SDPA's (None where nothing is
+    # hidden, a boolean mask where something is) is what _prefill's sdpa_attention_forward
+    # takes anyway.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 register()

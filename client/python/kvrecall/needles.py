@@ -10,66 +10,198 @@ compare_exact `retained_mass`).
 
 A run is selector[:K][/placement][/knob=value...]: the CPU placement unless named (cpu, gpu,
 tiered); knobs of policy.index (e.g. index:512/tiered/shortlist=2048,
-index:512/tiered/exact_search=graph).
+index:512/tiered/exact_search=graph). streaming:K keeps 128 sinks and K-128 recent tokens
+(K > 128). Every spec, and the trace, is checked before the first run.
 
 Every decode step of the trace is replayed in order (ReTopK's cache depends on the steps between
 needles); only the needle steps ask the server for compare_exact diagnostics.
 """
 import argparse
 import json
+import math
+import os
+import re
+import stat
 import sys
 import time
 
 import numpy as np
 
 from kvrecall.client import (PATH_NAMES, Client, add_connection_arguments, connection_from_args,
-                             make_geometry, make_policy)
+                             make_geometry, make_policy, streaming_window)
 
 _DTYPES = {"BF16": ("<u2", "bf16"), "F16": ("<f2", "f16"), "F32": ("<f4", "f32")}
+_ITEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_at_least(text, what, low):
+    """int(text); ValueError naming `what` unless it is an integer >= low."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise ValueError(f"{what} must be an integer >= {low}, got {text!r}")
+    return value
 
 
 def read_safetensors(path):
     """(header, metadata, {name: array}) with arrays memory-mapped; bf16 tensors are uint16
-    bit patterns (what kvrecall.tensors sends as bf16 without conversion)."""
+    bit patterns (what kvrecall.tensors sends as bf16 without conversion). ValueError naming
+    the file (and the tensor) for anything that is not a well-formed safetensors file: the
+    header length, JSON and entries are checked before a byte of data is mapped."""
     with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        size = st.st_size
+        first = f.read(8)
+        if len(first) < 8:
+            raise ValueError(f"{path}: {size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(first, "little")
+        if n > size - 8:  # read before allocating: a bogus length would take n bytes of memory
+            raise ValueError(f"{path}: header length {n} exceeds the {size - 8} bytes after it")
+        try:
+            header = json.loads(f.read(n))
+        except RecursionError:
+            raise ValueError(f"{path}: the header's JSON is nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ValueError(f"{path}: the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
     meta = header.pop("__metadata__", {})
-    raw = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError(f"{path}: __metadata__ is not an object of strings")
+    data_bytes = size - 8 - n
+    # np.memmap refuses an empty mapping; a file of empty tensors has no data to map.
+    raw = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_bytes
+           else np.zeros(0, np.uint8))
     arrays = {}
     for name, h in header.items():
-        dt = _DTYPES[h["dtype"]][0]
-        b, e = h["data_offsets"]
-        arrays[name] = raw[b:e].view(dt).reshape(h["shape"])
+        what = f"{path}: tensor {name!r}"
+        if not isinstance(h, dict) or h.get("dtype") not in _DTYPES:
+            dtype = h.get("dtype") if isinstance(h, dict) else None
+            raise ValueError(f"{what}: dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        shape, offsets = h.get("shape"), h.get("data_offsets")
+        if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
+            raise ValueError(f"{what}: shape {shape!r} is not a list of integers >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+                and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise ValueError(f"{what}: data_offsets {offsets!r} are not [begin, end] within "
+                             f"the {data_bytes} data bytes")
+        b, e = offsets
+        want = math.prod(shape) * _ITEM_BYTES[h["dtype"]]
+        if e - b != want:
+            raise ValueError(f"{what}: shape {shape} of {h['dtype']} takes {want} bytes, "
+                             f"data_offsets [{b}, {e}] hold {e - b}")
+        arrays[name] = raw[b:e].view(_DTYPES[h["dtype"]][0]).reshape(shape)
     return header, meta, arrays
 
 
+def needle_trace(trace, path="the trace"):
+    """The geometry and needles of a trace (read_safetensors) as replay needs them: a dict of
+    layers, context, q_heads, kv_heads, head_dim, decode_steps, dtype and needles
+    ({decode_step: position}). ValueError naming the tensor or field that is missing or does
+    not fit, or for a trace without needles (they are what is measured)."""
+    header, meta, t = trace
+    if "layers" in meta:
+        try:
+            layers = int(meta["layers"])
+        except ValueError:
+            layers = 0
+        if layers < 1:
+            raise ValueError(f"{path}: __metadata__ layers {meta['layers']!r} is not an "
+                             "integer >= 1")
+    else:
+        found = [int(m.group(1)) for m in map(re.compile(r"layer(\d+)\.").match, header) if m]
+        if not found:
+            raise ValueError(f"{path}: no layer<N>.* tensors")
+        layers = 1 + max(found)
+    first = {}  # part: layer 0's [q, k, v] shapes, which every layer must have
+    for l in range(layers):
+        for part in ("prefill", "decode"):
+            shapes = []
+            for x in "qkv":
+                name = f"layer{l}.{part}.{x}"
+                if name not in t:
+                    raise ValueError(f"{path}: tensor {name!r} is missing (the trace has "
+                                     f"{layers} layers)")
+                if t[name].ndim != 3:
+                    raise ValueError(f"{path}: tensor {name!r} has shape {list(t[name].shape)}, "
+                                     "want [tokens, heads, head_dim]")
+                shapes.append(tuple(t[name].shape))
+            (n, _, d), (nk, _, dk), shape_v = shapes
+            if (nk, dk) != (n, d) or shape_v != shapes[1]:
+                raise ValueError(f"{path}: layer{l}.{part}.q, k and v have shapes "
+                                 f"{[list(x) for x in shapes]}, want [n, q_heads, head_dim], "
+                                 "[n, kv_heads, head_dim] and [n, kv_heads, head_dim]")
+            first.setdefault(part, shapes)
+            if shapes != first[part]:
+                raise ValueError(f"{path}: layer{l}.{part} has shapes {[list(x) for x in shapes]}"
+                                 f", layer0.{part} {[list(x) for x in first[part]]}")
+    (T, hq, d), (_, hkv, _), _ = first["prefill"]
+    (steps, hq_decode, d_decode), (_, hkv_decode, _), _ = first["decode"]
+    if (hq_decode, hkv_decode, d_decode) != (hq, hkv, d):
+        raise ValueError(f"{path}: decode tensors have {hq_decode} q heads, {hkv_decode} kv heads "
+                         f"and head_dim {d_decode}, prefill ones {hq}, {hkv} and {d}")
+    dtypes = {h["dtype"] for name, h in header.items() if name.startswith("layer")}
+    if len(dtypes) != 1:
+        raise ValueError(f"{path}: the layer tensors mix dtypes {sorted(dtypes)}")
+    if "needles" not in meta:
+        raise ValueError(f"{path}: not a needle trace (no \"needles\" in __metadata__; make one "
+                         "with kvrecall synth --needles N)")
+    try:
+        listed = json.loads(meta["needles"])
+        needles = {n["decode_step"]: n["position"] for n in listed}
+        if not all(_is_int(s) and 0 <= s < steps and _is_int(p) and p >= 0
+                   for s, p in needles.items()):
+            raise ValueError
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        raise ValueError(f"{path}: __metadata__ needles {meta['needles']!r} is not a list of "
+                         f"{{\"decode_step\": 0..{steps - 1}, \"position\": >= 0}}") from None
+    if not needles:
+        raise ValueError(f"{path}: the trace has no needles (make one with kvrecall synth "
+                         "--needles N, N >= 1)")
+    return {"layers": layers, "context": T, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
+            "decode_steps": steps, "dtype": _DTYPES[dtypes.pop()][1], "needles": needles}
+
+
 def policy_for(spec):
+    """The pb.Policy of a run spec; ValueError naming the spec for a K or knob value that is
+    not an integer, streaming:K with K <= 128, or an unknown selector, placement or knob."""
     head, *rest = spec.split("/")
-    selector, _, k = head.partition(":")
+    selector, colon, k = head.partition(":")
     placement = "cpu"
     index = {}
-    for part in rest:
-        if "=" in part:
-            key, _, value = part.partition("=")
-            index[key] = value if key == "exact_search" else int(value)
-        else:
-            placement = part
-    if selector == "streaming" and k:
-        return make_policy("streaming", placement, sinks=128, recent=int(k) - 128)
-    return make_policy(selector, placement, top_k=int(k or 0), index=index or None)
+    try:
+        for part in rest:
+            if "=" in part:
+                key, _, value = part.partition("=")
+                index[key] = value if key == "exact_search" else _int_at_least(value, key, 0)
+            else:
+                placement = part
+        if colon:
+            k = _int_at_least(k, "K", 1)
+        if selector == "streaming" and colon:
+            sinks, recent = streaming_window(k)
+            return make_policy("streaming", placement, sinks=sinks, recent=recent)
+        return make_policy(selector, placement, top_k=int(k or 0), index=index or None)
+    except ValueError as e:
+        raise ValueError(f"run {spec!r}: {e}") from None
 
 
 def replay(client, trace, spec):
-    header, meta, t = trace
-    layers = int(meta["layers"]) if "layers" in meta else \
-        1 + max(int(k.split(".")[0][5:]) for k in header)
-    q0 = t["layer0.prefill.q"]
-    T, hq, d = q0.shape
-    hkv = t["layer0.prefill.k"].shape[1]
-    n_steps = t["layer0.decode.q"].shape[0]
-    dtype = _DTYPES[header["layer0.prefill.q"]["dtype"]][1]
-    needles = {n["decode_step"]: n["position"] for n in json.loads(meta["needles"])}
+    """One run: the trace (read_safetensors) replayed in a session of `spec`'s policy; its
+    result as a dict. ValueError (before a session is made) for a trace needle_trace refuses
+    or a spec policy_for refuses."""
+    t = trace[2]
+    g = needle_trace(trace)
+    layers, T, hq, hkv, d = g["layers"], g["context"], g["q_heads"], g["kv_heads"], g["head_dim"]
+    n_steps, dtype, needles = g["decode_steps"], g["dtype"], g["needles"]
     s = client.create_session(make_geometry(layers, hq, hkv, d, dtype), policy_for(spec),
                               label=f"needles {spec}")
     try:
@@ -154,7 +286,17 @@ def main(argv=None):
         return 0
     if not (a.server and a.trace and a.runs):
         ap.error("--server, --trace and --runs are required (unless --render-md)")
-    trace = read_safetensors(a.trace)
+    for spec in a.runs:  # every spec before the first run: none is made for nothing
+        try:
+            policy_for(spec)
+        except ValueError as e:
+            ap.error(f"argument --runs: {e}")
+    try:
+        trace = read_safetensors(a.trace)
+        needle_trace(trace, a.trace)
+    except (OSError, ValueError) as e:
+        print(f"kvrecall.needles: {e}", file=sys.stderr)
+        return 1
     failures = 0
     with Client(a.server, **connection_from_args(a)) as client:
         for spec in a.runs:

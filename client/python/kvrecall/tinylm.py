@@ -193,12 +193,16 @@ def policy_from_args(a):
 
 
 def run_ppl(a):
+    """The `ppl` protocol for parsed arguments (parser()); ValueError for text too short or a
+    policy the client refuses, before the model is loaded or the prefill computed."""
     from kvrecall.client import Client, connection_from_args, make_geometry, path_mix
-    model = TinyLM(a.model)
+    policy = policy_from_args(a)
     need = a.offset + a.ctx + a.suffix + 1
     data = read_text(a.text, need)
-    if len(data) < need:
-        raise SystemExit(f"only {len(data)} bytes of text; need {need}")
+    if len(data) < need:  # ValueError, not SystemExit: kvrecall.evaluate goes on to its next run
+        raise ValueError(f"--text: only {len(data)} bytes of text; --offset + --ctx + --suffix "
+                         f"+ 1 = {need}")
+    model = TinyLM(a.model)
     seq = data[a.offset:need].astype(np.int64)
     t0 = time.perf_counter()
     caps, cached = prefill_qkv(model, seq[:a.ctx], a.cache_dir, a.model)
@@ -206,7 +210,7 @@ def run_ppl(a):
 
     geometry = make_geometry(model.layers, model.q_heads, model.kv_heads, model.head_dim, a.dtype)
     with Client(a.server, **connection_from_args(a)) as client:
-        session = client.create_session(geometry, policy_from_args(a), label=f"tinylm ppl {a.policy}")
+        session = client.create_session(geometry, policy, label=f"tinylm ppl {a.policy}")
         try:
             t0 = time.perf_counter()
             pre = session.prefill(caps)
@@ -257,6 +261,19 @@ def run_ppl(a):
     return result
 
 
+def int_at_least(low):
+    """An argparse type: an int >= low (argparse names the flag in its error)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
 def parser():
     ap = argparse.ArgumentParser(prog="python3 -m kvrecall.tinylm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -265,9 +282,13 @@ def parser():
     add_connection_arguments(ap, server_required=True)
     ap.add_argument("--model", required=True, help="tinylm .npz")
     ap.add_argument("--text", nargs="+", required=True, help="files or folders")
-    ap.add_argument("--offset", type=int, default=0, help="first byte of the window in the text")
-    ap.add_argument("--ctx", type=int, default=16384, help="prefilled bytes (T)")
-    ap.add_argument("--suffix", type=int, default=256, help="teacher-forced bytes (S)")
+    # Checked here, before any work: a negative offset would slice from the text's end, and
+    # an empty prompt or suffix fails only after the prefill upload.
+    ap.add_argument("--offset", type=int_at_least(0), default=0,
+                    help="first byte of the window in the text")
+    ap.add_argument("--ctx", type=int_at_least(1), default=16384, help="prefilled bytes (T)")
+    ap.add_argument("--suffix", type=int_at_least(1), default=256,
+                    help="teacher-forced bytes (S)")
     ap.add_argument("--policy", default="full", help="full|exact_topk|streaming|index|retopk")
     ap.add_argument("--placement", default="cpu", help="cpu|gpu|tiered")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
