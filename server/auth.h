@@ -24,7 +24,8 @@ inline constexpr int kMaxTenantLength = 64;
 class TokenTable {
  public:
   // `text` holds one "TOKEN TENANT" pair per line, separated by spaces or tabs; blank lines
-  // and lines starting with '#' are skipped. A token is printable ASCII without spaces, at
+  // and lines starting with '#' are skipped (so no token can begin with '#': its line would
+  // read as a comment). A token is printable ASCII without spaces, at
   // least kMinTokenLength long, and appears once; a tenant is 1..kMaxTenantLength characters
   // of [A-Za-z0-9._-] and may have several tokens (rotation). INVALID_ARGUMENT naming
   // `source` and the line otherwise, and for a file without any token.

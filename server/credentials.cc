@@ -50,6 +50,15 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
   absl::StatusOr<std::string> cert = ReadPem(options.tls_cert_file, "CERTIFICATE", "--tls_cert");
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadPem(options.tls_key_file, "PRIVATE KEY", "--tls_key");
+  // gRPC cannot ask for a passphrase: an encrypted key only failed later, as an address that
+  // could not be listened on.
+  if (key.ok() && (absl::StrContains(*key, "ENCRYPTED PRIVATE KEY") ||
+                   absl::StrContains(*key, "Proc-Type: 4,ENCRYPTED"))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_key: ", options.tls_key_file,
+        " is encrypted, which kvrecalld cannot use; decrypt it (openssl pkey -in KEY -out "
+        "PLAIN) and protect the file instead"));
+  }
   if (!key.ok()) return key.status();
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});

@@ -24,10 +24,12 @@
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50051",
           "HOST:PORT to listen on (port 0 picks one), or unix:PATH (a Unix domain socket for a "
-          "runner on the same host); several separated by commas");
+          "runner on the same host, made 0600: the server's user alone may connect; "
+          "unix-abstract:NAME has no permissions at all, any process of the network namespace "
+          "may connect); several separated by commas");
 ABSL_FLAG(int, worker_threads, 0,
           "threads serving decode steps, prompt chunks and unary calls (as many again build "
-          "selectors); open streams hold no thread; 0: one per hardware thread");
+          "selectors), at most 1024; open streams hold no thread; 0: one per hardware thread");
 ABSL_FLAG(int, inline_decode_steps, -1,
           "Decode steps that may run at once on the gRPC thread that read them, saving the "
           "hand-off to a worker thread (a wake-up per layer-step); further steps queue for the "
@@ -152,6 +154,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   SetShutdownSignalsHandler(WriteShutdownSignal);
+  // A peer that resets a connection mid-write must end that write (EPIPE), not the process:
+  // gRPC and the metrics endpoint write with MSG_NOSIGNAL, but a library that does not would
+  // raise SIGPIPE, whose default action ends the process with every session.
+  signal(SIGPIPE, SIG_IGN);
   absl::SetProgramUsageMessage(
       "kvrecalld --address=HOST:PORT: decode-time attention as a gRPC service (kvrecall.v1)");
   absl::ParseCommandLine(argc, argv);
@@ -188,8 +194,13 @@ int main(int argc, char** argv) {
 
   const double budget_gb = absl::GetFlag(FLAGS_host_memory_budget_gb);
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
-  if (!(budget_gb >= 0) || !std::isfinite(budget_gb)) {
-    std::fprintf(stderr, "kvrecalld: --host_memory_budget_gb must be >= 0\n");
+  // At most 2^33 GiB (2^63 bytes), and a nonzero budget of at least a byte: past either the
+  // conversion to bytes overflowed or rounded to 0, both of which mean "unlimited".
+  if (!(budget_gb >= 0) || !(budget_gb < 0x1p33) || (budget_gb > 0 && budget_gb * 0x1p30 < 1)) {
+    std::fprintf(stderr,
+                 "kvrecalld: --host_memory_budget_gb must be 0 (no budget) or in [2^-30, 2^33) "
+                 "GiB, got %g\n",
+                 budget_gb);
     return 2;
   }
   if (max_message_mb < 1 || max_message_mb > 2047) {
@@ -221,6 +232,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.limits.session_idle_ttl = absl::Seconds(ttl_seconds);
+  // NaN and infinity would make the grace endless (absl::Seconds maps both to forever).
+  const double grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  if (!(grace_seconds >= 0) || !std::isfinite(grace_seconds)) {
+    std::fprintf(stderr, "kvrecalld: --shutdown_grace_seconds must be finite and >= 0, got %g\n",
+                 grace_seconds);
+    return 2;
+  }
   absl::StatusOr<kvrecall::PlacementOptions> placements = kvrecall::PlacementOptionsFromFlags(
       absl::GetFlag(FLAGS_gpus), absl::GetFlag(FLAGS_gpu_memory_budget_gb),
       absl::GetFlag(FLAGS_gpu_memory_headroom_gb), absl::GetFlag(FLAGS_tiered_gpu_exact_share),
@@ -279,7 +297,7 @@ int main(int argc, char** argv) {
   std::printf("kvrecalld: received %s, shutting down (again to stop at once)\n",
               strsignal(signal_number));
   std::fflush(stdout);
-  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
+  (*server)->Shutdown(absl::Seconds(grace_seconds));
   (*server)->Wait();
   std::printf("kvrecalld: stopped\n");
   std::fflush(stdout);

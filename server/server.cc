@@ -2,6 +2,7 @@
 
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -31,8 +33,9 @@ namespace {
 // RESOURCE_EXHAUSTED, no other service is affected.
 constexpr int kReflectionThreads = 4;
 
-// "host:0" with the bound port in place of the requested one.
+// "host:0" with the bound port in place of the requested one (a Unix socket's address as it is).
 std::string WithPort(const std::string& address, int port) {
+  if (IsUnixSocketAddress(address)) return address;
   const size_t colon = address.rfind(':');
   return absl::StrCat(address.substr(0, colon == std::string::npos ? address.size() : colon), ":",
                       port);
@@ -41,10 +44,16 @@ std::string WithPort(const std::string& address, int port) {
 // True when a server accepts connections on the socket file of `address` (unix:PATH or
 // unix:///PATH). gRPC unlinks an existing socket file before it binds, so without this check a
 // second server would silently take the path from a live one.
-bool UnixSocketInUse(absl::string_view address) {
+// The file of a unix:PATH or unix:///PATH address ("" for any other).
+std::string UnixSocketPath(absl::string_view address) {
   absl::string_view path = address;
-  if (!absl::ConsumePrefix(&path, "unix:")) return false;  // unix-abstract: binding fails itself
+  if (!absl::ConsumePrefix(&path, "unix:")) return "";
   if (absl::StartsWith(path, "///")) path.remove_prefix(2);
+  return std::string(path);
+}
+
+bool UnixSocketInUse(absl::string_view address) {
+  const std::string path = UnixSocketPath(address);  // unix-abstract: binding fails itself
   sockaddr_un sa{};
   sa.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof sa.sun_path) return false;  // gRPC rejects it
@@ -54,6 +63,25 @@ bool UnixSocketInUse(absl::string_view address) {
   const bool in_use = connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
   close(fd);
   return in_use;
+}
+
+// builder.BuildAndStart() with the socket files of `addresses`' unix:PATH entries readable and
+// writable by this process's user alone (connecting takes write permission): made under a
+// umask of 077, so that no other user can connect between the bind and the chmod that follows
+// (a socket's mode is otherwise whatever umask the process inherited: 000 let any local user
+// drive every session of a server without tokens). unix-abstract: names have no permissions.
+std::unique_ptr<grpc::Server> BuildWithPrivateSockets(grpc::ServerBuilder& builder,
+                                                      const std::vector<std::string>& addresses) {
+  std::vector<std::string> paths;
+  for (const std::string& address : addresses) {
+    if (std::string path = UnixSocketPath(address); !path.empty()) paths.push_back(path);
+  }
+  if (paths.empty()) return builder.BuildAndStart();
+  const mode_t inherited = umask(077);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  umask(inherited);
+  for (const std::string& path : paths) chmod(path.c_str(), 0600);
+  return server;
 }
 
 }  // namespace
@@ -127,12 +155,17 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
     metrics_address_ = metrics_endpoint_->address();
   }
   if (!options.health_address.empty()) {
+    if (UnixSocketInUse(options.health_address)) {
+      return absl::UnavailableError(absl::StrCat("could not serve health on ",
+                                                 options.health_address,
+                                                 ": another server listens on that socket"));
+    }
     int port = 0;
     grpc::ServerBuilder builder;
     builder.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &port);
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.RegisterService(&probe_health_);
-    probe_server_ = builder.BuildAndStart();
+    probe_server_ = BuildWithPrivateSockets(builder, {options.health_address});
     if (probe_server_ == nullptr || port == 0) {
       return absl::UnavailableError(absl::StrCat("could not serve health on ",
                                                  options.health_address,
@@ -145,7 +178,8 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
 
 // Checks DecodeShared's options, and removes the region files a kvrecalld that is gone left in
 // its directory (a stream's file is removed when the stream ends; a killed server leaves its
-// own). A file names its server's pid: another live server's files are left alone.
+// own). A file names its server's pid: another live server's files are left alone. (Servers in
+// different pid namespaces must not share a directory: each would take the other's for gone.)
 absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
   if (options.max_shared_streams < 1) {
     return absl::InvalidArgumentError(
@@ -167,7 +201,10 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
     const std::optional<int> pid =
         v1::shared_decode::RegionFileServerPid(entry.path().filename().string());
     if (!pid.has_value()) continue;
-    const bool live = *pid > 0 && (kill(*pid, 0) == 0 || errno != ESRCH);
+    // A file of this process's own pid is a predecessor's: this one has made none yet (in a
+    // container every kvrecalld is PID 1, so a restarted one would keep them all for good).
+    const bool live =
+        *pid > 0 && *pid != getpid() && (kill(*pid, 0) == 0 || errno != ESRCH);
     if (!live) std::filesystem::remove(entry.path(), error);
   }
   return absl::OkStatus();
@@ -195,9 +232,10 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
     return absl::InvalidArgumentError(absl::StrCat(
         "inline_decode_steps must be >= -1 (-1: the default), got ", options.inline_decode_steps));
   }
-  if (options.worker_threads < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("worker_threads must be >= 0, got ", options.worker_threads));
+  if (options.worker_threads < 0 || options.worker_threads > kMaxWorkerThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("worker_threads must be in [0, ",
+                                                   kMaxWorkerThreads, "], got ",
+                                                   options.worker_threads));
   }
   if (absl::Status s = options.limits.Validate(); !s.ok()) return s;
   if (absl::Status s = PrepareSharedMemoryDir(options); !s.ok()) return s;
@@ -205,8 +243,19 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(options.placements);
   if (!placements.ok()) return placements.status();
   std::unique_ptr<RunningServer> running(new RunningServer(options, *std::move(placements)));
+  if (absl::Status s = running->service_.ThreadsStarted(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(), " (--worker_threads ",
+                                               options.worker_threads, ", 0: one per core)"));
+  }
 
   const std::vector<std::string> addresses = absl::StrSplit(options.address, ',');
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    if (absl::StripAsciiWhitespace(addresses[i]).empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "address '", options.address, "' has an empty entry (", i + 1, " of ",
+          addresses.size(), "): addresses are separated by single commas"));
+    }
+  }
   std::vector<int> ports(addresses.size(), 0);
   absl::StatusOr<ServerSecurity> security =
       MakeServerCredentials(options.security, running->metrics_.get());
@@ -238,7 +287,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
     builder.experimental().SetInterceptorCreators(
         MakeRpcMetricsInterceptors(running->metrics_.get()));
   }
-  running->server_ = builder.BuildAndStart();
+  running->server_ = BuildWithPrivateSockets(builder, addresses);
   // gRPC reports port 1 for a Unix socket it bound, 0 for an address it could not bind.
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (running->server_ == nullptr || ports[i] == 0) {

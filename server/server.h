@@ -23,10 +23,15 @@
 
 namespace kvrecall {
 
+// The most worker threads a server starts (ServerOptions::worker_threads; as many again build
+// selectors): far above any host's cores, low enough for a process's thread limits.
+inline constexpr int kMaxWorkerThreads = 1024;
+
 struct ServerOptions {
   // Where to listen (insecure): HOST:PORT, where port 0 picks a free port, or unix:PATH, a Unix
   // domain socket for a runner on the same host (unix:///ABSOLUTE and unix-abstract:NAME too);
-  // several separated by commas ("0.0.0.0:50051,unix:/run/kvrecall/kvrecall.sock").
+  // several separated by commas ("0.0.0.0:50051,unix:/run/kvrecall/kvrecall.sock"). A socket
+  // file is made 0600 (this user alone may connect); an abstract name has no permissions.
   std::string address = "0.0.0.0:50051";
   // Threads that serve decode steps, prompt chunks and unary calls (as many again build
   // selectors); 0: one per hardware thread. Open streams hold no thread.

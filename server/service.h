@@ -90,6 +90,10 @@ class KvRecallService final : public KvRecallRawCallbackService {
   // Decode and Prefill streams open right now.
   int open_streams() const;
   int worker_threads() const { return steps_.threads(); }
+  // RESOURCE_EXHAUSTED when the system refused some of the service's threads.
+  absl::Status ThreadsStarted() const {
+    return !steps_.status().ok() ? steps_.status() : builds_.status();
+  }
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
                                           const grpc::ByteBuffer* request,

@@ -2,14 +2,23 @@
 
 #include <pthread.h>
 
+#include <system_error>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace kvrecall {
 
 WorkQueue::WorkQueue(int threads, std::string name) {
   threads_.reserve(threads);
   for (int i = 0; i < threads; ++i) {
-    threads_.emplace_back([this] { Loop(); });
+    try {
+      threads_.emplace_back([this] { Loop(); });
+    } catch (const std::system_error& e) {
+      status_ = absl::ResourceExhaustedError(absl::StrCat(
+          "could start only ", i, " of ", threads, " '", name, "' threads: ", e.what()));
+      return;
+    }
     pthread_setname_np(threads_.back().native_handle(), name.substr(0, 15).c_str());
   }
 }

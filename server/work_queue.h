@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace kvrecall {
@@ -28,7 +29,9 @@ class WorkItem {
 
 class WorkQueue {
  public:
-  // Starts `threads` (>= 1) threads named `name` (at most 15 characters show in ps/top).
+  // Starts `threads` (>= 1) threads named `name` (at most 15 characters show in ps/top). When
+  // the system refuses a thread (a thread or pid limit), it keeps those it started and
+  // status() says so.
   WorkQueue(int threads, std::string name);
   // Runs what is queued, then joins the threads.
   ~WorkQueue();
@@ -39,6 +42,8 @@ class WorkQueue {
   void Push(WorkItem* item);
 
   int threads() const { return static_cast<int>(threads_.size()); }
+  // RESOURCE_EXHAUSTED when fewer threads than asked for could be started.
+  const absl::Status& status() const { return status_; }
   // Items queued or running.
   int active() const;
 
@@ -51,6 +56,7 @@ class WorkQueue {
   int active_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
+  absl::Status status_;
 };
 
 }  // namespace kvrecall

@@ -425,6 +425,13 @@ TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
   not_a_key.tls_key_file = pki().Path("not-pem");
   EXPECT_TRUE(HasStatus(start(not_a_key), absl::StatusCode::kInvalidArgument,
                         "holds no PEM PRIVATE KEY block"));
+  SecurityOptions encrypted = Tls();  // failed later, as an address that could not be listened on
+  encrypted.tls_key_file = pki().Path("encrypted.key");
+  WriteFile(encrypted.tls_key_file,
+            "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIFHDBOBgkqhkiG9w0BBQ0wQTApBgkqhkiG9w0B\n"
+            "-----END ENCRYPTED PRIVATE KEY-----\n");
+  EXPECT_TRUE(HasStatus(start(encrypted), absl::StatusCode::kInvalidArgument,
+                        "encrypted.key is encrypted, which kvrecalld cannot use"));
   SecurityOptions mismatched = Tls();
   mismatched.tls_key_file = pki().Path("client.key");
   EXPECT_TRUE(HasStatus(start(mismatched), absl::StatusCode::kUnavailable,

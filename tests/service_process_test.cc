@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -193,6 +194,23 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
       absl::StrCat(KvrecalldProcess::BinaryPath(), " --compute_spin_us=-1"), &code);
   EXPECT_EQ(code, 2);
   EXPECT_THAT(output3, HasSubstr("--compute_spin_us must be in [0, 1000000]"));
+  // Values that were silently taken for something else: an endless grace (nan, inf), no grace
+  // (negative), no budget (a budget past 2^63 bytes, or one that rounds to 0 bytes), and two
+  // backends each budgeting one device's whole memory.
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--shutdown_grace_seconds=nan", "--shutdown_grace_seconds must be finite and >= 0"},
+           {"--shutdown_grace_seconds=inf", "--shutdown_grace_seconds must be finite and >= 0"},
+           {"--shutdown_grace_seconds=-5", "--shutdown_grace_seconds must be finite and >= 0"},
+           {"--host_memory_budget_gb=1e10", "--host_memory_budget_gb must be 0 (no budget) or"},
+           {"--host_memory_budget_gb=1e-10", "--host_memory_budget_gb must be 0 (no budget) or"},
+           {"--gpus=0,0", "--gpus names device 0 twice"},
+           {"--gpu_memory_budget_gb=1e10", "--gpu_memory_budget_gb must be in [0, 2^33) or -1"},
+       }) {
+    const std::string out =
+        RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", flag), &code);
+    EXPECT_EQ(code, 2) << flag << ": " << out;
+    EXPECT_THAT(out, HasSubstr(message)) << flag;
+  }
 }
 
 // The resident memory of a process, from /proc (0 when unreadable).

@@ -464,12 +464,16 @@ TEST(SharedDecodeOptionsTest, StartServerChecksTheDirectory) {
 
 TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {
   SharedDirectory dir;
-  // A pid above any pid_max is no process; this test's own pid is a live one.
+  // A pid above any pid_max is no process; the parent's (ctest's) is a live one. A file of the
+  // starting server's own pid is a predecessor's: in a container every kvrecalld is PID 1, and
+  // a restarted one kept its predecessor's regions for good.
   const std::string stale = dir.path() + "/kvrecall-decode-999999999-0123456789abcdef01234567";
-  const std::string live =
+  const std::string own_pid =
       absl::StrCat(dir.path(), "/kvrecall-decode-", getpid(), "-0123456789abcdef01234567");
+  const std::string live =
+      absl::StrCat(dir.path(), "/kvrecall-decode-", getppid(), "-0123456789abcdef01234567");
   const std::string other = dir.path() + "/runner-notes";
-  for (const std::string& path : {stale, live, other}) {
+  for (const std::string& path : {stale, own_pid, live, other}) {
     std::FILE* f = std::fopen(path.c_str(), "w");
     ASSERT_NE(f, nullptr);
     std::fclose(f);
@@ -480,6 +484,7 @@ TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {
   absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_FALSE(std::filesystem::exists(stale));
+  EXPECT_FALSE(std::filesystem::exists(own_pid));
   EXPECT_TRUE(std::filesystem::exists(live));
   EXPECT_TRUE(std::filesystem::exists(other));
 }

@@ -4,6 +4,7 @@
 // server listens on, replaces a stale socket file, and kvrecalld and the CLI work over it.
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -147,6 +148,48 @@ TEST_F(UnixSocketTest, RefusesASocketAnotherServerListensOn) {
                             ": another server listens on that socket"));
   // The first server still has its socket (gRPC would have unlinked it for the second).
   EXPECT_EQ(CheckHealth(address), HealthCheckResponse::SERVING);
+}
+
+// The socket file is the server's user's alone whatever umask the process inherited (it was
+// the umask's: under 000 any local user could drive every session), and a health port on a
+// Unix socket is reported as such and guarded like the main one.
+TEST_F(UnixSocketTest, SocketsArePrivateAndAHealthSocketIsGuarded) {
+  const std::string path = SocketPath("private.sock");
+  const std::string health = "unix:" + SocketPath("health.sock");
+  const mode_t inherited = umask(0);
+  ServerOptions options;
+  options.address = "127.0.0.1:0,unix:" + path;
+  options.health_address = health;
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  umask(inherited);
+  ASSERT_TRUE(server.ok()) << server.status();
+  struct stat st;
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  ASSERT_EQ(stat(SocketPath("health.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ((*server)->health_address(), health);  // it read "unix:1"
+  EXPECT_EQ(CheckHealth(health), HealthCheckResponse::SERVING);
+  ServerOptions second;
+  second.address = "127.0.0.1:0";
+  second.health_address = health;
+  EXPECT_TRUE(HasStatus(StartServer(second).status(), absl::StatusCode::kUnavailable,
+                        "could not serve health on " + health +
+                            ": another server listens on that socket"));
+  EXPECT_EQ(CheckHealth(health), HealthCheckResponse::SERVING);
+}
+
+TEST(ServerAddressTest, EmptyEntriesAndTooManyWorkersAreRefused) {
+  for (const char* address : {"127.0.0.1:0,", ",127.0.0.1:0", "127.0.0.1:0,,unix:/tmp/x"}) {
+    EXPECT_TRUE(HasStatus(StartOn(address).status(), absl::StatusCode::kInvalidArgument,
+                          "has an empty entry"))
+        << address;
+  }
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.worker_threads = kMaxWorkerThreads + 1;
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                        "worker_threads must be in [0, 1024], got 1025"));
 }
 
 TEST_F(UnixSocketTest, ReplacesAStaleSocketFile) {

@@ -799,7 +799,14 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
       size_t free_bytes = 0, total_bytes = 0;
       KVRECALL_CUDA_RETURN_IF_ERROR(
           CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "reading the device's memory"));
-      budget = std::max<int64_t>(1, static_cast<int64_t>(free_bytes) - options.gpu_headroom_bytes);
+      // A headroom at or above the free memory would leave no budget: every gpu and tiered
+      // session refused, with nothing said at startup.
+      if (options.gpu_headroom_bytes >= static_cast<int64_t>(free_bytes)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--gpu_memory_headroom_gb leaves no budget on device ", ordinal, ": ",
+            options.gpu_headroom_bytes, " bytes of headroom, ", free_bytes, " bytes free"));
+      }
+      budget = static_cast<int64_t>(free_bytes) - options.gpu_headroom_bytes;
     }
     auto backend = std::make_unique<GpuBackend>(ordinal, budget, options.cuda_graphs);
     // The tiered placement's static sets on the same device, charged to the same budget.

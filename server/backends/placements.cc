@@ -26,17 +26,23 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
         return absl::InvalidArgumentError(absl::StrCat(
             "--gpus must be 'all', 'none' or device ordinals such as 0,2; got '", gpus, "'"));
       }
+      if (std::find(options.gpus->begin(), options.gpus->end(), ordinal) !=
+          options.gpus->end()) {  // two backends would each budget the device's whole memory
+        return absl::InvalidArgumentError(
+            absl::StrCat("--gpus names device ", ordinal, " twice; got '", gpus, "'"));
+      }
       options.gpus->push_back(ordinal);
     }
   }
-  if (!std::isfinite(budget_gb) || (budget_gb < 0 && budget_gb != -1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--gpu_memory_budget_gb must be >= 0 or -1, got ", budget_gb));
+  // Below 2^33 GiB (2^63 bytes): past it the conversion to bytes overflows.
+  if (!std::isfinite(budget_gb) || (budget_gb < 0 && budget_gb != -1) || budget_gb >= 0x1p33) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu_memory_budget_gb must be in [0, 2^33) or -1, got ", budget_gb));
   }
   if (budget_gb >= 0) options.gpu_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
-  if (!std::isfinite(headroom_gb) || headroom_gb < 0) {
+  if (!std::isfinite(headroom_gb) || headroom_gb < 0 || headroom_gb >= 0x1p33) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--gpu_memory_headroom_gb must be >= 0, got ", headroom_gb));
+        absl::StrCat("--gpu_memory_headroom_gb must be in [0, 2^33), got ", headroom_gb));
   }
   options.gpu_headroom_bytes = static_cast<int64_t>(headroom_gb * (1ll << 30));
   if (!(tiered_gpu_exact_share >= 0 && tiered_gpu_exact_share <= 1)) {
