@@ -109,7 +109,7 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& auth_metadata, grp
   const absl::string_view token =
       BearerToken(absl::string_view(header->second.data(), header->second.size()));
   if (token.empty()) return refuse("the authorization header must be 'Bearer TOKEN'");
-  if (tokens_->Find(token) == nullptr) return refuse("unknown bearer token");
+  if (tokens_->table()->Find(token) == nullptr) return refuse("unknown bearer token");
   // Not consumed: the service reads the call's tenant from it (TenantOf).
   return grpc::Status::OK;
 }
@@ -121,13 +121,14 @@ absl::string_view BearerToken(absl::string_view authorization) {
   return absl::StripAsciiWhitespace(authorization.substr(7));
 }
 
-std::string TenantOf(const grpc::ServerContextBase& context, const TokenTable* tokens) {
+std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens) {
   if (tokens == nullptr) return "";
   const auto& metadata = context.client_metadata();
   const auto header = metadata.find("authorization");
   if (header == metadata.end()) return kNoTenant;
+  const std::shared_ptr<const TokenTable> table = tokens->table();
   const std::string* tenant =
-      tokens->Find(BearerToken(absl::string_view(header->second.data(), header->second.size())));
+      table->Find(BearerToken(absl::string_view(header->second.data(), header->second.size())));
   return tenant != nullptr ? *tenant : kNoTenant;
 }
 

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/server_context.h"
 #include "server/metrics.h"
@@ -46,6 +47,26 @@ class TokenTable {
   std::vector<Entry> entries_;
 };
 
+// The token table in force. kvrecalld replaces it on SIGHUP (RunningServer::ReloadTokens), so
+// that a token is revoked or added without a restart losing every session; a call's check and
+// its tenant each read the table once. Thread-safe.
+class TokenStore {
+ public:
+  explicit TokenStore(std::shared_ptr<const TokenTable> table) : table_(std::move(table)) {}
+  std::shared_ptr<const TokenTable> table() const {
+    absl::MutexLock lock(&mu_);
+    return table_;
+  }
+  void Replace(std::shared_ptr<const TokenTable> table) {
+    absl::MutexLock lock(&mu_);
+    table_ = std::move(table);
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
+};
+
 // The token of an "authorization" header's value "Bearer TOKEN" (the scheme in any case,
 // surrounding spaces dropped), or "" when the value is not of that form.
 absl::string_view BearerToken(absl::string_view authorization);
@@ -58,7 +79,7 @@ absl::string_view BearerToken(absl::string_view authorization);
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  public:
   // `metrics` (may be null) counts the refusals and must outlive the server.
-  TokenAuthProcessor(std::shared_ptr<const TokenTable> tokens, ServerMetrics* metrics)
+  TokenAuthProcessor(std::shared_ptr<const TokenStore> tokens, ServerMetrics* metrics)
       : tokens_(std::move(tokens)), metrics_(metrics) {}
   ~TokenAuthProcessor() override;  // by gRPC, after its last Process (proto/tsan_handoff.h)
 
@@ -68,7 +89,7 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
                        OutputMetadata* response_metadata) override;
 
  private:
-  const std::shared_ptr<const TokenTable> tokens_;
+  const std::shared_ptr<const TokenStore> tokens_;
   ServerMetrics* const metrics_;
 };
 
@@ -76,7 +97,7 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
 // authenticates no one (`tokens` null). A call the processor let through without a known token
 // (none does but health checks) gets kNoTenant, which owns no session.
 inline constexpr char kNoTenant[] = "?";
-std::string TenantOf(const grpc::ServerContextBase& context, const TokenTable* tokens);
+std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens);
 
 }  // namespace kvrecall
 

@@ -76,7 +76,8 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
       return absl::Status(tokens.status().code(),
                           absl::StrCat("--auth_token_file: ", tokens.status().message()));
     }
-    security.tokens = std::make_shared<const TokenTable>(*std::move(tokens));
+    security.tokens =
+        std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*std::move(tokens)));
     security.credentials->SetAuthMetadataProcessor(
         std::make_shared<TokenAuthProcessor>(security.tokens, metrics));
   }

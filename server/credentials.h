@@ -30,7 +30,7 @@ struct SecurityOptions {
 // A server's transport security and, with --auth_token_file, the tokens its calls carry.
 struct ServerSecurity {
   std::shared_ptr<grpc::ServerCredentials> credentials;
-  std::shared_ptr<const TokenTable> tokens;  // null: no token check, every call tenant ""
+  std::shared_ptr<TokenStore> tokens;  // null: no token check, every call tenant ""
 };
 
 // The credentials `options` describe, files read now. INVALID_ARGUMENT for a combination that

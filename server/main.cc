@@ -1,5 +1,6 @@
 // kvrecalld: the kvrecall server. Serves kvrecall.v1.KvRecall, grpc.health.v1.Health and
-// server reflection on --address until SIGTERM or SIGINT, then shuts down cleanly.
+// server reflection on --address until SIGTERM or SIGINT, then shuts down cleanly; SIGHUP reloads
+// --auth_token_file.
 #include <malloc.h>
 #include <pthread.h>
 #include <fcntl.h>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cerrno>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -103,7 +105,8 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of 'TOKEN TENANT' lines: every call but grpc.health.v1 needs 'authorization: "
           "Bearer TOKEN' (else UNAUTHENTICATED), and a session belongs to the tenant that "
-          "created it (to others it does not exist); needs TLS");
+          "created it (to others it does not exist); needs TLS. SIGHUP reads the file again "
+          "(a line starting with # is a comment)");
 
 ABSL_FLAG(bool, host_huge_pages, true,
           "back sessions' host KV arrays (and staged prompts) of 2 MiB or more with 2 MiB "
@@ -118,7 +121,8 @@ ABSL_FLAG(int, malloc_mmap_threshold_kb, 1024,
 
 namespace {
 
-// The shutdown signals' pipe: the handler writes a signal's number, main reads it.
+// The signals' pipe: the handler writes a signal's number (SIGTERM, SIGINT: shut down; SIGHUP:
+// reload the tokens), main reads it.
 int shutdown_pipe[2] = {-1, -1};
 
 // Async-signal-safe: one write(2) of one byte to the pipe's non-blocking end.
@@ -129,14 +133,13 @@ extern "C" void WriteShutdownSignal(int signal_number) {
   errno = saved_errno;
 }
 
-// SIGTERM's and SIGINT's action: `handler` (WriteShutdownSignal, or SIG_DFL).
-void SetShutdownSignalsHandler(void (*handler)(int)) {
+// The action of `signals`: `handler` (WriteShutdownSignal, or SIG_DFL).
+void SetSignalsHandler(std::initializer_list<int> signals, void (*handler)(int)) {
   struct sigaction action = {};
   action.sa_handler = handler;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &action, nullptr);
-  sigaction(SIGINT, &action, nullptr);
+  for (const int signal_number : signals) sigaction(signal_number, &action, nullptr);
 }
 
 }  // namespace
@@ -153,7 +156,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvrecalld: cannot make the shutdown signals' pipe\n");
     return 1;
   }
-  SetShutdownSignalsHandler(WriteShutdownSignal);
+  // SIGHUP too: by default it ended the process at once, without the drain.
+  SetSignalsHandler({SIGTERM, SIGINT, SIGHUP}, WriteShutdownSignal);
   // A peer that resets a connection mid-write must end that write (EPIPE), not the process:
   // gRPC and the metrics endpoint write with MSG_NOSIGNAL, but a library that does not would
   // raise SIGPIPE, whose default action ends the process with every session.
@@ -262,6 +266,7 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   absl::StatusOr<std::unique_ptr<kvrecall::RunningServer>> server = kvrecall::StartServer(options);
@@ -286,14 +291,26 @@ int main(int argc, char** argv) {
   // This thread takes the signals again (beside any thread a library started before main).
   pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
   unsigned char signal_number = 0;
-  while (read(shutdown_pipe[0], &signal_number, 1) != 1) {
-    if (errno != EINTR) {
+  for (;;) {
+    if (read(shutdown_pipe[0], &signal_number, 1) != 1) {
+      if (errno == EINTR) continue;
       std::fprintf(stderr, "kvrecalld: reading the shutdown signals' pipe failed\n");
       return 1;
     }
+    if (signal_number != SIGHUP) break;
+    // SIGHUP: the token file again (revoking or adding a token keeps every session).
+    absl::StatusOr<size_t> reloaded = (*server)->ReloadTokens();
+    if (reloaded.ok()) {
+      std::printf("kvrecalld: SIGHUP: reloaded %zu tokens from %s\n", *reloaded,
+                  absl::GetFlag(FLAGS_auth_token_file).c_str());
+    } else {
+      std::printf("kvrecalld: SIGHUP: %s; the tokens in force stay\n",
+                  std::string(reloaded.status().message()).c_str());
+    }
+    std::fflush(stdout);
   }
   // A second signal during the grace ends the process at once (the default action).
-  SetShutdownSignalsHandler(SIG_DFL);
+  SetSignalsHandler({SIGTERM, SIGINT}, SIG_DFL);
   std::printf("kvrecalld: received %s, shutting down (again to stop at once)\n",
               strsignal(signal_number));
   std::fflush(stdout);

@@ -144,6 +144,20 @@ void RunningServer::Wait() {
   }
 }
 
+absl::StatusOr<size_t> RunningServer::ReloadTokens() {
+  if (tokens_ == nullptr) {
+    return absl::FailedPreconditionError("no --auth_token_file to reload: calls carry no tokens");
+  }
+  absl::StatusOr<TokenTable> table = TokenTable::Load(token_file_);
+  if (!table.ok()) {
+    return absl::Status(table.status().code(),
+                        absl::StrCat("--auth_token_file: ", table.status().message()));
+  }
+  const size_t size = table->size();
+  tokens_->Replace(std::make_shared<const TokenTable>(*std::move(table)));
+  return size;
+}
+
 absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) {
   metrics_->SetGaugeSource(
       [this] { return CollectServerGauges(registry_, budget_, *placements_); });
@@ -260,7 +274,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   absl::StatusOr<ServerSecurity> security =
       MakeServerCredentials(options.security, running->metrics_.get());
   if (!security.ok()) return security.status();
-  running->service_.SetTokenTable(security->tokens);
+  running->service_.SetTokens(security->tokens);
+  running->tokens_ = security->tokens;
+  running->token_file_ = options.security.auth_token_file;
   grpc::ServerBuilder builder;
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (UnixSocketInUse(addresses[i])) {

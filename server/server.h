@@ -88,6 +88,12 @@ class RunningServer {
   bool busy() const { return service_.busy(); }
   // Blocks until the server has shut down.
   void Wait();
+  // Reads --auth_token_file again and puts its tokens in force for every call that starts
+  // after (kvrecalld does on SIGHUP): a revoked token is refused, a new one accepted, and the
+  // sessions stay (they belong to tenants, not tokens). The number of tokens; the file's error
+  // with the old tokens kept when it cannot be read or parsed; FAILED_PRECONDITION without a
+  // token file.
+  absl::StatusOr<size_t> ReloadTokens();
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
@@ -119,6 +125,8 @@ class RunningServer {
   std::unique_ptr<grpc::Server> server_;
   std::vector<std::string> addresses_;
   int port_ = 0;
+  std::shared_ptr<TokenStore> tokens_;  // null without --auth_token_file
+  std::string token_file_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

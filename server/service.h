@@ -69,8 +69,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   ~KvRecallService() override;
 
   // The tokens whose tenants own sessions (--auth_token_file; null: no tenants). Set before the
-  // server starts, read by every call after.
-  void SetTokenTable(std::shared_ptr<const TokenTable> tokens) { tokens_ = std::move(tokens); }
+  // server starts, read by every call after (the store's table may be replaced meanwhile).
+  void SetTokens(std::shared_ptr<const TokenStore> tokens) { tokens_ = std::move(tokens); }
 
   // The first step of a drain: from now on new calls, new Decode steps and new Prefill chunks
   // get UNAVAILABLE; a step or chunk in flight finishes (a Decode step's reply is sent with the
@@ -165,7 +165,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   void ReturnInlineStep();
 
   SessionRegistry* registry_;
-  std::shared_ptr<const TokenTable> tokens_;  // SetTokenTable's
+  std::shared_ptr<const TokenStore> tokens_;  // SetTokens'
+
   std::atomic<bool> draining_{false};
   mutable absl::Mutex calls_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(calls_mu_);

@@ -1,6 +1,7 @@
 // TLS, mutual TLS and bearer-token tenants with real certificates that openssl makes for the
 // suite: an in-process kvrecall server reached through the C++ client, kvrecalld's flags, and
 // the kvrecall CLI against a real kvrecalld.
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/kvrecall_client.h"
 #include "gmock/gmock.h"
@@ -522,6 +524,51 @@ TEST_F(TlsProcessTest, KvrecalldServesTlsAndTokensToTheCli) {
   absl::StatusOr<int> stopped = (*server)->Stop();
   ASSERT_TRUE(stopped.ok());
   EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0);
+}
+
+// SIGHUP reads --auth_token_file again: a token taken out is refused, one put in accepted for
+// the same tenant's sessions, which stay; a file that does not parse keeps the tokens in force.
+// (Revoking a token meant a restart that lost every session, and SIGHUP ended the process.)
+TEST_F(TlsProcessTest, SighupReloadsTheTokensAndTheSessionsStay) {
+  constexpr char kCarolToken[] = "carol-token-0123456789";
+  const std::string tokens = pki().Path("reloaded.tokens");
+  WriteFile(tokens, absl::StrCat(kAliceToken, " alice\n"));
+  WriteFile(pki().Path("carol.token"), absl::StrCat(kCarolToken, "\n"));
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start({"--tls_cert=" + pki().Path("server.pem"),
+                                        "--tls_key=" + pki().Path("server.key"),
+                                        "--auth_token_file=" + tokens});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string base =
+      absl::StrCat(Cli(), " --server=", (*server)->address(), " --tls_ca=", pki().Path("ca.pem"));
+  const std::string as_alice = absl::StrCat(base, " --token_file=", pki().Path("alice.token"));
+  const std::string as_carol = absl::StrCat(base, " --token_file=", pki().Path("carol.token"));
+  CommandResult created = RunCommand(
+      absl::StrCat(as_alice, " create --layers=1 --q_heads=2 --kv_heads=1 --head_dim=8 --json"));
+  ASSERT_EQ(created.exit_code, 0) << created.output;
+  EXPECT_EQ(RunCommand(as_carol + " list").exit_code, 1);  // not yet a token
+  auto hang_up_and_await = [&](const std::string& line) {
+    kill((*server)->pid(), SIGHUP);
+    return testing::Eventually([&] { return absl::StrContains((*server)->output(), line); });
+  };
+  // Alice's token rotated out, Carol's in for the same tenant.
+  WriteFile(tokens, absl::StrCat("# rotated\n", kCarolToken, " alice\n"));
+  ASSERT_TRUE(hang_up_and_await("kvrecalld: SIGHUP: reloaded 1 tokens from " + tokens))
+      << (*server)->output();
+  CommandResult old_token = RunCommand(as_alice + " list");
+  EXPECT_EQ(old_token.exit_code, 1);
+  EXPECT_THAT(old_token.output, HasSubstr("UNAUTHENTICATED: unknown bearer token"));
+  CommandResult listed = RunCommand(as_carol + " list --json");
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_THAT(listed.output, HasSubstr("session_id"));  // alice's session, through Carol's token
+  // A file that does not parse: the tokens in force stay.
+  WriteFile(tokens, "short alice\n");
+  ASSERT_TRUE(hang_up_and_await("the tokens in force stay")) << (*server)->output();
+  EXPECT_THAT((*server)->output(), HasSubstr("token is 5 characters, at least 16"));
+  EXPECT_EQ(RunCommand(as_carol + " list").exit_code, 0);
+  absl::StatusOr<int> stopped = (*server)->Stop();
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
 }
 
 TEST_F(TlsProcessTest, KvrecalldRefusesTokensWithoutTls) {
