@@ -19,6 +19,8 @@ for variant in default gpu; do
   {
     echo "# Rendered from deploy/helm/kvrecall${source_note} by deploy/render-manifests.sh;"
     echo "# do not edit (change the chart and render again). Apply: kubectl apply -n NAMESPACE -f $(basename "$file")"
+    echo "# after pointing the StatefulSet's image at your registry: no registry holds the local tag"
+    echo "# below (or apply, then kubectl set image statefulset/kvrecall kvrecalld=REGISTRY/kvrecalld:TAG)."
     render_chart "$variant"
   } >"$fresh"
   if [ "$check" -eq 1 ]; then

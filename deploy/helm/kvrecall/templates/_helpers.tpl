@@ -69,31 +69,33 @@ Fails on forms the chart does not read (exponents, milli-bytes) rather than gues
 {{/*
 --host_memory_budget_gb in GiB with two decimals, rounded down: server.hostMemoryBudget.gib
 when set, else fractionOfLimit of resources.limits.memory. Either way it must stay below the
-memory limit, or the kernel would kill the pod before the budget refuses a request.
+memory limit, or the kernel would kill the pod before the budget refuses a request; so a
+memory limit is required, with or without gib.
 */}}
 {{- define "kvrecall.hostMemoryBudgetGiB" -}}
 {{- $budget := .Values.server.hostMemoryBudget }}
 {{- $limit := dig "limits" "memory" "" .Values.resources }}
-{{- $limitGiB := 0.0 }}
-{{- if $limit }}
-{{- $limitGiB = divf (include "kvrecall.quantityBytes" $limit) 1073741824 }}
+{{- if not $limit }}
+{{- if $budget.gib }}
+{{- fail "server.hostMemoryBudget.gib needs resources.limits.memory as well: the budget must stay below a memory limit, or the node's OOM killer (not RESOURCE_EXHAUSTED) ends every session when memory runs short" }}
 {{- end }}
+{{- fail "set resources.limits.memory: the host memory budget is server.hostMemoryBudget.fractionOfLimit of it, or server.hostMemoryBudget.gib below it" }}
+{{- end }}
+{{- $limitGiB := divf (include "kvrecall.quantityBytes" $limit) 1073741824 }}
 {{- $gib := 0.0 }}
 {{- if $budget.gib }}
 {{- $gib = float64 $budget.gib }}
-{{- else if $limit }}
+{{- else }}
 {{- $fraction := float64 $budget.fractionOfLimit }}
 {{- if or (le $fraction 0.0) (ge $fraction 1.0) }}
 {{- fail (printf "server.hostMemoryBudget.fractionOfLimit must be in (0, 1), got %v" $budget.fractionOfLimit) }}
 {{- end }}
 {{- $gib = mulf $limitGiB $fraction }}
-{{- else }}
-{{- fail "set resources.limits.memory (the host memory budget is derived from it) or server.hostMemoryBudget.gib" }}
 {{- end }}
 {{- if le $gib 0.0 }}
 {{- fail (printf "the host memory budget must be positive, got %v GiB" $gib) }}
 {{- end }}
-{{- if and $limit (ge $gib $limitGiB) }}
+{{- if ge $gib $limitGiB }}
 {{- fail (printf "server.hostMemoryBudget.gib (%v) must be below resources.limits.memory (%s = %v GiB)" $gib $limit $limitGiB) }}
 {{- end }}
 {{- printf "%.2f" (divf (floor (mulf $gib 100)) 100) }}
@@ -110,11 +112,38 @@ unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 
 {{/* The port the probes call: the plaintext health port with TLS, else the gRPC port. */}}
 {{- define "kvrecall.probePort" -}}
-{{- if .Values.tls.enabled }}{{ .Values.tls.probePort }}{{ else }}{{ .Values.server.port }}{{ end }}
+{{- if .Values.tls.enabled }}{{ int64 .Values.tls.probePort }}{{ else }}{{ int64 .Values.server.port }}{{ end }}
 {{- end }}
 
-{{/* The metrics, TLS and token values that cannot work together are refused. */}}
+{{/*
+A number from values as a flag value without an exponent. A values file's numbers reach the
+templates as float64, which prints 1000000 as 1e+06 (kvrecalld's integer flags refuse that):
+a whole number prints through int64, a fraction as it is.
+*/}}
+{{- define "kvrecall.number" -}}
+{{- $f := float64 . }}
+{{- if eq $f (float64 (int64 $f)) }}{{ int64 $f }}{{ else }}{{ $f }}{{ end }}
+{{- end }}
+
+{{/*
+The chart's own Service for the API is published outside the cluster (NodePort, LoadBalancer).
+The metrics port is then on a Service of its own, of type ClusterIP, never on that one.
+*/}}
+{{- define "kvrecall.serviceIsPublic" -}}
+{{- if ne .Values.service.type "ClusterIP" }}true{{ end }}
+{{- end }}
+{{- define "kvrecall.metricsServiceName" -}}
+{{- if include "kvrecall.serviceIsPublic" . }}{{ printf "%s-metrics" (include "kvrecall.fullname" .) }}{{ else }}{{ include "kvrecall.fullname" . }}{{ end }}
+{{- end }}
+
+{{/* The Service, metrics, TLS, token and runner values that cannot work together are refused. */}}
 {{- define "kvrecall.checkOperateValues" -}}
+{{- if and (include "kvrecall.serviceIsPublic" .) (not (and .Values.tls.enabled .Values.auth.tokenSecretName)) }}
+{{- fail (printf "service.type %s publishes the gRPC API outside the cluster: it needs tls.enabled (with tls.secretName) and auth.tokenSecretName (bearer tokens), else anyone who reaches it can list, drive and close every session. Keep service.type ClusterIP (kubectl port-forward reaches it from outside) or set both" .Values.service.type) }}
+{{- end }}
+{{- if and .Values.colocatedRunner.enabled .Values.tls.enabled }}
+{{- fail "colocatedRunner.enabled with tls.enabled: kvrecalld serves the runner's Unix socket with the gRPC port's TLS credentials (and client-certificate and token checks), and the chart gives the runner no CA, client certificate or token; the server certificate would also have to name localhost. Leave tls.enabled false for a pod whose runner is its client (the socket is private to the pod; networkPolicy.grpc.from: [] closes the gRPC port to other pods), or run the runner as a pod of its own that connects over TLS" }}
+{{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.secretName: name the kubernetes.io/tls Secret (tls.crt, tls.key; ca.crt for tls.clientAuth) when tls.enabled is true" }}
 {{- end }}
@@ -137,38 +166,38 @@ unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 
 {{/* kvrecalld's command line (the container's args; the image's entrypoint is kvrecalld). */}}
 {{- define "kvrecall.args" -}}
-- --address=0.0.0.0:{{ .Values.server.port }}{{ if .Values.colocatedRunner.enabled }},{{ include "kvrecall.socketAddress" . }}{{ end }}
+- --address=0.0.0.0:{{ int64 .Values.server.port }}{{ if .Values.colocatedRunner.enabled }},{{ include "kvrecall.socketAddress" . }}{{ end }}
 {{- if .Values.server.workerThreads }}
-- --worker_threads={{ .Values.server.workerThreads }}
+- --worker_threads={{ int64 .Values.server.workerThreads }}
 {{- end }}
-- --max_message_mb={{ .Values.server.maxMessageMb }}
+- --max_message_mb={{ int64 .Values.server.maxMessageMb }}
 {{- if and .Values.colocatedRunner.enabled .Values.colocatedRunner.sharedMemory.enabled }}
 - --shared_memory_dir={{ .Values.colocatedRunner.socketDir }}
-- --max_shared_streams={{ .Values.colocatedRunner.sharedMemory.maxStreams }}
+- --max_shared_streams={{ int64 .Values.colocatedRunner.sharedMemory.maxStreams }}
 {{- end }}
 - --host_memory_budget_gb={{ include "kvrecall.hostMemoryBudgetGiB" . }}
 {{- if ge (float64 .Values.server.shutdownGraceSeconds) (float64 .Values.terminationGracePeriodSeconds) }}
 {{- fail (printf "server.shutdownGraceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the kubelet kills the container then" .Values.server.shutdownGraceSeconds .Values.terminationGracePeriodSeconds) }}
 {{- end }}
-- --shutdown_grace_seconds={{ .Values.server.shutdownGraceSeconds }}
+- --shutdown_grace_seconds={{ include "kvrecall.number" .Values.server.shutdownGraceSeconds }}
 {{- if .Values.server.maxSessions }}
-- --max_sessions={{ .Values.server.maxSessions }}
+- --max_sessions={{ int64 .Values.server.maxSessions }}
 {{- end }}
 {{- if .Values.server.maxContextTokens }}
 - --max_context_tokens={{ int64 .Values.server.maxContextTokens }}
 {{- end }}
 {{- if .Values.server.sessionIdleTtlSeconds }}
-- --session_idle_ttl_seconds={{ .Values.server.sessionIdleTtlSeconds }}
+- --session_idle_ttl_seconds={{ include "kvrecall.number" .Values.server.sessionIdleTtlSeconds }}
 {{- end }}
 {{- include "kvrecall.checkOperateValues" . }}
-- --metrics_address={{ if .Values.metrics.enabled }}0.0.0.0:{{ .Values.metrics.port }}{{ end }}
+- --metrics_address={{ if .Values.metrics.enabled }}0.0.0.0:{{ int64 .Values.metrics.port }}{{ end }}
 {{- if .Values.tls.enabled }}
 - --tls_cert={{ include "kvrecall.tlsDir" . }}/tls.crt
 - --tls_key={{ include "kvrecall.tlsDir" . }}/tls.key
 {{- if .Values.tls.clientAuth }}
 - --tls_client_ca={{ include "kvrecall.tlsDir" . }}/ca.crt
 {{- end }}
-- --health_address=0.0.0.0:{{ .Values.tls.probePort }}
+- --health_address=0.0.0.0:{{ int64 .Values.tls.probePort }}
 {{- end }}
 {{- if .Values.auth.tokenSecretName }}
 - --auth_token_file={{ include "kvrecall.authDir" . }}/{{ .Values.auth.tokenSecretKey }}
