@@ -18,6 +18,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/cpu/thread_pool.h"
@@ -94,7 +97,10 @@ ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "the calls in flight have this long to finish before they are cancelled and the "
           "process exits");
 ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
-          "HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none");
+          "HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none. "
+          "Unauthenticated plain HTTP: when not given, its host is that of --address's first "
+          "HOST:PORT entry (127.0.0.1 when there is none, only Unix sockets), so that the "
+          "metrics are no more exposed than the API");
 ABSL_FLAG(std::string, health_address, "",
           "HOST:PORT of a plaintext port serving grpc.health.v1 alone, for probes that cannot "
           "speak TLS (Kubernetes' gRPC probes); empty: none");
@@ -140,6 +146,19 @@ void SetSignalsHandler(std::initializer_list<int> signals, void (*handler)(int))
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
   for (const int signal_number : signals) sigaction(signal_number, &action, nullptr);
+}
+
+// Whether argv sets flag `name` (--name=V, --name V, -name=V; Abseil's own record of it is not
+// public in this version). Before "--", which ends the flags.
+bool GivenOnCommandLine(int argc, char** argv, absl::string_view name) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (!absl::ConsumePrefix(&arg, "-")) continue;
+    absl::ConsumePrefix(&arg, "-");
+    if (absl::ConsumePrefix(&arg, name) && (arg.empty() || arg.front() == '=')) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -254,6 +273,9 @@ int main(int argc, char** argv) {
   options.placements = *std::move(placements);
   options.placements.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  if (!GivenOnCommandLine(argc, argv, "metrics_address")) {
+    options.metrics_address = kvrecall::DefaultMetricsAddress(options.address);
+  }
   options.health_address = absl::GetFlag(FLAGS_health_address);
   options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);

@@ -86,6 +86,16 @@ std::unique_ptr<grpc::Server> BuildWithPrivateSockets(grpc::ServerBuilder& build
 
 }  // namespace
 
+std::string DefaultMetricsAddress(absl::string_view address) {
+  for (absl::string_view entry : absl::StrSplit(address, ',')) {
+    entry = absl::StripAsciiWhitespace(entry);
+    const size_t colon = entry.rfind(':');
+    if (IsUnixSocketAddress(entry) || colon == absl::string_view::npos || colon == 0) continue;
+    return absl::StrCat(entry.substr(0, colon), ":9090");
+  }
+  return "127.0.0.1:9090";
+}
+
 bool IsUnixSocketAddress(absl::string_view address) {
   return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
 }

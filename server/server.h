@@ -131,6 +131,12 @@ class RunningServer {
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
+// Where metrics are served when --metrics_address is not given: port 9090 on the host of
+// `address`'s first HOST:PORT entry ("0.0.0.0:9090" for "0.0.0.0:50051", "[::1]:9090" for
+// "[::1]:0"), or 127.0.0.1 when every entry is a Unix socket: the unauthenticated endpoint is
+// then no more exposed than the API.
+std::string DefaultMetricsAddress(absl::string_view address);
+
 // Whether `address` names a Unix domain socket (unix:PATH or unix-abstract:NAME) for gRPC.
 bool IsUnixSocketAddress(absl::string_view address);
 

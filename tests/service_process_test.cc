@@ -1,13 +1,18 @@
 // The real kvrecalld binary: it listens where it says, answers health checks and reflection
 // (also through buf curl where buf is installed), serves decode steps, and shuts down cleanly
 // on SIGTERM and SIGINT — turning NOT_SERVING for health watchers first.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -137,6 +142,77 @@ TEST(KvrecalldProcessTest, InheritedIgnoredShutdownSignalsStillStopIt) {
     EXPECT_TRUE(WIFEXITED(*status)) << "signal " << WTERMSIG(*status) << (*server)->output();
     EXPECT_EQ(WEXITSTATUS(*status), 0) << (*server)->output();
     EXPECT_THAT((*server)->output(), HasSubstr("shutting down"));
+  }
+}
+
+// A shutdown signal that comes while kvrecalld is still starting (here: reading its
+// certificate from a FIFO the test holds) stops it as soon as it listens, whether the process
+// inherited the signal ignored or at its default action. Deterministic where the test above
+// signals only once kvrecalld listens: the test opens the FIFO's write end, which returns once
+// kvrecalld opened it to read, inside its start and after its handler was installed.
+TEST(KvrecalldProcessTest, AShutdownSignalDuringStartupStopsItOnceListening) {
+  testing::TempDirectory dir("startup_signal");
+  const std::string key = dir.Path("key.pem"), cert = dir.Path("cert.pem");
+  int code = -1;
+  const std::string made = RunCommand(
+      absl::StrCat("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
+                   "-keyout ", key, " -out ", cert, " -days 1 -subj /CN=localhost"),
+      &code);
+  if (code == 127) GTEST_SKIP() << "no openssl: " << made;
+  ASSERT_EQ(code, 0) << made;
+  std::ifstream cert_file(cert);
+  const std::string cert_text((std::istreambuf_iterator<char>(cert_file)),
+                              std::istreambuf_iterator<char>());
+  for (const bool inherited_ignored : {true, false}) {
+    for (const int signal_number : {SIGTERM, SIGINT}) {
+      SCOPED_TRACE(absl::StrCat(strsignal(signal_number), inherited_ignored ? " ignored" : ""));
+      const std::string fifo = dir.Path(absl::StrCat("cert-", signal_number, inherited_ignored));
+      ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+      int out[2];
+      ASSERT_EQ(pipe2(out, O_CLOEXEC), 0);
+      // Everything the child needs, made before the fork (a child of a threaded process may
+      // not allocate).
+      const std::string binary = KvrecalldProcess::BinaryPath();
+      const std::string tls_cert = "--tls_cert=" + fifo, tls_key = "--tls_key=" + key;
+      const pid_t pid = fork();
+      ASSERT_GE(pid, 0);
+      if (pid == 0) {
+        dup2(out[1], STDOUT_FILENO);
+        dup2(out[1], STDERR_FILENO);
+        signal(SIGINT, inherited_ignored ? SIG_IGN : SIG_DFL);
+        signal(SIGTERM, inherited_ignored ? SIG_IGN : SIG_DFL);
+        execl(binary.c_str(), binary.c_str(), "--address=127.0.0.1:0", "--metrics_address=",
+              tls_cert.c_str(), tls_key.c_str(), static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      close(out[1]);
+      const int writer = open(fifo.c_str(), O_WRONLY);  // returns once kvrecalld reads it
+      ASSERT_GE(writer, 0);
+      kill(pid, signal_number);
+      absl::SleepFor(absl::Milliseconds(100));  // the signal is taken before the server starts
+      ASSERT_EQ(write(writer, cert_text.data(), cert_text.size()),
+                static_cast<ssize_t>(cert_text.size()));
+      close(writer);
+      int status = 0;
+      pid_t waited = 0;
+      for (int i = 0; i < 400 && waited == 0; ++i) {  // 20 s
+        waited = waitpid(pid, &status, WNOHANG);
+        if (waited == 0) absl::SleepFor(absl::Milliseconds(50));
+      }
+      if (waited == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+      }
+      std::string output;
+      char buffer[4096];
+      for (ssize_t n; (n = read(out[0], buffer, sizeof buffer)) > 0;) output.append(buffer, n);
+      close(out[0]);
+      ASSERT_NE(waited, 0) << "still running 20 s after the signal:\n" << output;
+      EXPECT_TRUE(WIFEXITED(status)) << "ended by signal " << WTERMSIG(status) << "\n" << output;
+      EXPECT_EQ(WEXITSTATUS(status), 0) << output;
+      EXPECT_THAT(output, HasSubstr("kvrecalld listening on"));
+      EXPECT_THAT(output, HasSubstr("shutting down"));
+    }
   }
 }
 

@@ -179,6 +179,17 @@ TEST_F(UnixSocketTest, SocketsArePrivateAndAHealthSocketIsGuarded) {
   EXPECT_EQ(CheckHealth(health), HealthCheckResponse::SERVING);
 }
 
+// kvrecalld's --metrics_address when not given: as exposed as the API, no more (it was
+// 0.0.0.0:9090 whatever --address said).
+TEST(ServerAddressTest, MetricsDefaultToTheHostOfTheFirstTcpAddress) {
+  EXPECT_EQ(DefaultMetricsAddress("0.0.0.0:50051"), "0.0.0.0:9090");
+  EXPECT_EQ(DefaultMetricsAddress("127.0.0.1:0,unix:/run/k.sock"), "127.0.0.1:9090");
+  EXPECT_EQ(DefaultMetricsAddress("unix:/run/k.sock,[::1]:50051"), "[::1]:9090");
+  EXPECT_EQ(DefaultMetricsAddress("localhost:50051"), "localhost:9090");
+  EXPECT_EQ(DefaultMetricsAddress("unix:/run/k.sock"), "127.0.0.1:9090");
+  EXPECT_EQ(DefaultMetricsAddress("unix-abstract:kv"), "127.0.0.1:9090");
+}
+
 TEST(ServerAddressTest, EmptyEntriesAndTooManyWorkersAreRefused) {
   for (const char* address : {"127.0.0.1:0,", ",127.0.0.1:0", "127.0.0.1:0,,unix:/tmp/x"}) {
     EXPECT_TRUE(HasStatus(StartOn(address).status(), absl::StatusCode::kInvalidArgument,
