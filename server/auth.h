@@ -95,7 +95,8 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
 
 // The tenant of a call: its own bearer token's in `tokens`, or "" when the server
 // authenticates no one (`tokens` null). A call the processor let through without a known token
-// (none does but health checks) gets kNoTenant, which owns no session.
+// (health checks, or a call whose token a reload removed between the check and this lookup)
+// gets kNoTenant, which owns no session and may create none.
 inline constexpr char kNoTenant[] = "?";
 std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens);
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "prometheus/text_serializer.h"
 
@@ -36,6 +38,13 @@ struct Connection {
   short events() const { return !response.empty() && !draining ? POLLOUT : POLLIN; }
 };
 
+// `request` without the empty lines that may precede its request line (RFC 9112 2.2: ignored).
+absl::string_view WithoutLeadingEmptyLines(absl::string_view request) {
+  while (absl::ConsumePrefix(&request, "\r\n") || absl::ConsumePrefix(&request, "\n")) {
+  }
+  return request;
+}
+
 std::string HttpResponse(absl::string_view status, absl::string_view content_type,
                          absl::string_view body, bool with_body, absl::string_view extra = "") {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
@@ -52,10 +61,9 @@ std::string PlainResponse(absl::string_view status, bool with_body,
 }  // namespace
 
 MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, int listener,
-                                 std::string address, int port)
-    : metrics_(std::move(metrics)), listener_(listener), address_(std::move(address)),
-      port_(port) {
-  if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) wake_[0] = wake_[1] = -1;
+                                 const int wake[2], std::string address, int port)
+    : metrics_(std::move(metrics)), listener_(listener), wake_{wake[0], wake[1]},
+      address_(std::move(address)), port_(port) {
   thread_ = std::thread([this] { Serve(); });
 }
 
@@ -122,13 +130,21 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   const int port = ntohs(bound.ss_family == AF_INET6
                              ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  int wake[2];
+  if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {  // without it the endpoint could not stop
+    const int error = errno;
+    ::close(listener);
+    return unavailable(absl::StrCat("no pipe to stop it by: ", strerror(error)));
+  }
   return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(
-      std::move(metrics), listener, absl::StrCat(address.substr(0, colon), ":", port), port));
+      std::move(metrics), listener, wake, absl::StrCat(address.substr(0, colon), ":", port),
+      port));
 }
 
 std::string MetricsEndpoint::Respond(const std::string& request) const {
   // The request line: METHOD SP TARGET SP HTTP/x.y (RFC 9112 3); headers are not needed.
-  const absl::string_view line = absl::string_view(request).substr(0, request.find('\n'));
+  const absl::string_view start = WithoutLeadingEmptyLines(request);
+  const absl::string_view line = start.substr(0, start.find('\n'));
   const std::vector<absl::string_view> parts =
       absl::StrSplit(absl::StripTrailingAsciiWhitespace(line), ' ');
   if (parts.size() != 3 || !absl::StartsWith(parts[2], "HTTP/1.")) {
@@ -138,7 +154,12 @@ std::string MetricsEndpoint::Respond(const std::string& request) const {
   if (parts[0] != "GET" && !head) {
     return PlainResponse("405 Method Not Allowed", true, "Allow: GET, HEAD\r\n");
   }
-  const absl::string_view path = parts[1].substr(0, parts[1].find('?'));
+  absl::string_view path = parts[1].substr(0, parts[1].find('?'));
+  // The absolute form (a proxy's): http://host:port/metrics.
+  if (absl::ConsumePrefix(&path, "http://") || absl::ConsumePrefix(&path, "https://")) {
+    const size_t slash = path.find('/');
+    path = slash == absl::string_view::npos ? "/" : path.substr(slash);
+  }
   if (path != "/metrics") return PlainResponse("404 Not Found", !head);
   return HttpResponse("200 OK", "text/plain; version=0.0.4; charset=utf-8",
                       prometheus::TextSerializer().Serialize(metrics_->Collect()), !head);
@@ -152,12 +173,14 @@ void MetricsEndpoint::Serve() {
   for (;;) {
     polled.clear();
     polled.push_back({wake_[0], POLLIN, 0});
-    // Past kMaxConnections the listener is not polled: new peers wait in the kernel's backlog.
-    // Nor for a moment after accept failed for want of descriptors (it would stay readable).
-    const bool accepting = static_cast<int>(connections.size()) < kMaxConnections &&
-                           absl::Now() >= accept_paused_until;
+    // Past kMaxConnections the listener is not polled: new peers wait in the kernel's backlog
+    // until a connection ends. Nor for a moment after accept failed for want of descriptors
+    // (the listener would stay readable): then the moment's end is a deadline too.
+    const bool full = static_cast<int>(connections.size()) >= kMaxConnections;
+    const bool paused = absl::Now() < accept_paused_until;
+    const bool accepting = !full && !paused;
     polled.push_back({accepting ? listener_ : -1, POLLIN, 0});
-    absl::Time next = accepting ? absl::InfiniteFuture() : accept_paused_until;
+    absl::Time next = !full && paused ? accept_paused_until : absl::InfiniteFuture();
     for (const Connection& c : connections) {
       polled.push_back({c.fd, c.events(), 0});
       next = std::min(next, c.deadline);
@@ -167,7 +190,11 @@ void MetricsEndpoint::Serve() {
             ? -1
             : static_cast<int>(std::clamp<int64_t>(
                   absl::ToInt64Milliseconds(next - absl::Now()) + 1, 0, 60'000));
-    if (::poll(polled.data(), polled.size(), timeout_ms) < 0 && errno != EINTR) break;
+    if (::poll(polled.data(), polled.size(), timeout_ms) < 0 && errno != EINTR) {
+      std::fprintf(stderr, "kvrecalld: the metrics endpoint stopped: poll failed: %s\n",
+                   std::strerror(errno));
+      break;
+    }
     if (polled[0].revents != 0) break;  // the destructor
     const absl::Time now = absl::Now();
     for (size_t i = 0; i < connections.size(); ++i) {
@@ -178,8 +205,9 @@ void MetricsEndpoint::Serve() {
         const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
         if (n > 0 && !c.draining) {
           c.request.append(buffer, static_cast<size_t>(n));
-          if (c.request.find("\r\n\r\n") != std::string::npos ||
-              c.request.find("\n\n") != std::string::npos) {
+          const absl::string_view head = WithoutLeadingEmptyLines(c.request);
+          if (head.find("\r\n\r\n") != absl::string_view::npos ||
+              head.find("\n\n") != absl::string_view::npos) {
             c.response = Respond(c.request);
           } else if (c.request.size() > kMaxRequestBytes) {
             c.response = PlainResponse("400 Bad Request", true);

@@ -48,8 +48,8 @@ class MetricsEndpoint {
   int port() const { return port_; }
 
  private:
-  MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, int listener, std::string address,
-                  int port);
+  MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, int listener, const int wake[2],
+                  std::string address, int port);
   // Serves connections until wake_[0] becomes readable.
   void Serve();
   // The response to one complete request (`request` holds its line and headers).
@@ -57,7 +57,7 @@ class MetricsEndpoint {
 
   const std::shared_ptr<ServerMetrics> metrics_;
   const int listener_;
-  int wake_[2] = {-1, -1};  // a byte written to wake_[1] stops Serve
+  const int wake_[2];  // a byte written to wake_[1] stops Serve
   const std::string address_;
   const int port_;
   std::thread thread_;

@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/resource_quota.h"
@@ -44,6 +46,9 @@ std::string WithPort(const std::string& address, int port) {
 // True when a server accepts connections on the socket file of `address` (unix:PATH or
 // unix:///PATH). gRPC unlinks an existing socket file before it binds, so without this check a
 // second server would silently take the path from a live one.
+// RunningServers alive in this process (their region files carry its pid).
+std::atomic<int> running_servers{0};
+
 // The file of a unix:PATH or unix:///PATH address ("" for any other).
 std::string UnixSocketPath(absl::string_view address) {
   absl::string_view path = address;
@@ -77,6 +82,9 @@ std::unique_ptr<grpc::Server> BuildWithPrivateSockets(grpc::ServerBuilder& build
     if (std::string path = UnixSocketPath(address); !path.empty()) paths.push_back(path);
   }
   if (paths.empty()) return builder.BuildAndStart();
+  // The umask is the process's: servers starting at once in one process take turns.
+  static absl::Mutex umask_mu(absl::kConstInit);
+  absl::MutexLock lock(&umask_mu);
   const mode_t inherited = umask(077);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   umask(inherited);
@@ -114,11 +122,14 @@ RunningServer::RunningServer(const ServerOptions& options,
                               .shared_memory_spin = options.shared_memory_spin,
                               .max_message_bytes = options.max_message_bytes}),
       health_({v1::KvRecall::service_full_name()}),
-      probe_health_({v1::KvRecall::service_full_name()}) {}
+      probe_health_({v1::KvRecall::service_full_name()}) {
+  ++running_servers;
+}
 
 RunningServer::~RunningServer() {
   Shutdown(absl::ZeroDuration());
   Wait();
+  --running_servers;
 }
 
 void RunningServer::Shutdown(absl::Duration grace) {
@@ -225,10 +236,12 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
     const std::optional<int> pid =
         v1::shared_decode::RegionFileServerPid(entry.path().filename().string());
     if (!pid.has_value()) continue;
-    // A file of this process's own pid is a predecessor's: this one has made none yet (in a
-    // container every kvrecalld is PID 1, so a restarted one would keep them all for good).
-    const bool live =
-        *pid > 0 && *pid != getpid() && (kill(*pid, 0) == 0 || errno != ESRCH);
+    // A file of this process's own pid is a predecessor's when no other server runs in this
+    // process (in a container every kvrecalld is PID 1, so a restarted one would keep them all
+    // for good); a server starting has made none yet.
+    const bool live = *pid > 0 &&
+                      (*pid == getpid() ? running_servers.load() > 0
+                                        : kill(*pid, 0) == 0 || errno != ESRCH);
     if (!live) std::filesystem::remove(entry.path(), error);
   }
   return absl::OkStatus();

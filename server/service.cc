@@ -901,6 +901,12 @@ grpc::Status KvRecallService::Answer(const absl::Status& status) {
 absl::Status KvRecallService::DoCreateSession(absl::string_view tenant,
                                               const v1::CreateSessionRequest& request,
                                               v1::CreateSessionResponse* response) {
+  // A call whose token the processor accepted but whose tenant lookup no longer finds it (the
+  // token file was reloaded in between) owns nothing, and may not start owning.
+  if (tenant == kNoTenant) {
+    return absl::UnauthenticatedError(
+        "this call's bearer token is no longer valid (the token file was reloaded)");
+  }
   absl::StatusOr<std::shared_ptr<Session>> session = registry_->Create(request, tenant);
   if (!session.ok()) return session.status();
   response->set_session_id((*session)->id());

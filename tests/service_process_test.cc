@@ -280,7 +280,8 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
            {"--host_memory_budget_gb=1e10", "--host_memory_budget_gb must be 0 (no budget) or"},
            {"--host_memory_budget_gb=1e-10", "--host_memory_budget_gb must be 0 (no budget) or"},
            {"--gpus=0,0", "--gpus names device 0 twice"},
-           {"--gpu_memory_budget_gb=1e10", "--gpu_memory_budget_gb must be in [0, 2^33) or -1"},
+           {"--gpu_memory_budget_gb=1e10", "--gpu_memory_budget_gb must be 0, in [2^-30, 2^33)"},
+           {"--gpu_memory_budget_gb=1e-10", "--gpu_memory_budget_gb must be 0, in [2^-30, 2^33)"},
        }) {
     const std::string out =
         RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", flag), &code);

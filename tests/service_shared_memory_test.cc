@@ -489,6 +489,30 @@ TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {
   EXPECT_TRUE(std::filesystem::exists(other));
 }
 
+// Files of this process's pid are another server's while one runs in this process (tests and
+// embedders start several): only with none left are they a predecessor's.
+TEST(SharedDecodeOptionsTest, ASecondServerInTheProcessKeepsTheFirstsRegions) {
+  SharedDirectory dir;
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.shared_memory_dir = dir.path();
+  absl::StatusOr<std::unique_ptr<RunningServer>> first = StartServer(options);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string region =
+      absl::StrCat(dir.path(), "/kvrecall-decode-", getpid(), "-0123456789abcdef01234567");
+  std::FILE* f = std::fopen(region.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  absl::StatusOr<std::unique_ptr<RunningServer>> second = StartServer(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE(std::filesystem::exists(region));
+  first->reset();
+  second->reset();
+  absl::StatusOr<std::unique_ptr<RunningServer>> third = StartServer(options);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_FALSE(std::filesystem::exists(region));
+}
+
 // A relative --shared_memory_dir names its regions by absolute path, so that a runner in any
 // working directory opens them.
 TEST(SharedMemoryDirTest, ARelativeDirectoryNamesRegionsByAbsolutePath) {

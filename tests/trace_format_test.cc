@@ -277,6 +277,35 @@ TEST(SafetensorsTest, AWriterReplacesItsFileOnlyWhenFinished) {
   EXPECT_EQ(FilesStartingWith(dir, name), std::vector<std::string>{name});
 }
 
+// What the path names is kept: a symlink stays a link (its target gets the new file), a file's
+// permission bits stay, and what is not a regular file is written in place, never replaced (as
+// root, `synth --out /dev/null` would have replaced the system's /dev/null with a file).
+TEST(SafetensorsTest, AWriterKeepsLinksModesAndDevices) {
+  testing::TempDirectory dir("st_keep");
+  const std::string target = dir.Path("real.st"), link = dir.Path("link.st");
+  auto write = [](const std::string& path, float value) {
+    auto w = SafetensorsWriter::Create(path, {{"a", v1::DTYPE_F32, {4}}}, {});
+    ASSERT_TRUE(w.ok()) << w.status();
+    ASSERT_TRUE((*w)->Append(std::vector<float>(4, value)).ok());
+    ASSERT_TRUE((*w)->Finish().ok());
+  };
+  write(target, 1.0f);
+  ASSERT_EQ(::chmod(target.c_str(), 0640), 0);
+  ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+  write(link, 2.0f);
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_EQ(*SafetensorsFile::Open(target)->ReadF32("a"), std::vector<float>(4, 2.0f));
+  struct stat st;
+  ASSERT_EQ(::stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  write("/dev/null", 3.0f);
+  ASSERT_EQ(::stat("/dev/null", &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode));
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()),
+                          std::filesystem::directory_iterator()),
+            2);  // no temporary file left
+}
+
 TEST(SafetensorsTest, WriterRefusesAFilePast2To63Bytes) {
   TempPath tmp("st_huge");
   absl::Status s = SafetensorsWriter::Create(tmp.path(),

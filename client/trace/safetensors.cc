@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -339,21 +340,45 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
   if (!header.ok()) return header.status();
   w->path_ = path;
   w->tensors_ = std::move(tensors);
-  // A name of this process's own (pid and a counter) in the target's directory, so that the
-  // rename stays on one filesystem; O_EXCL never reuses a stranger's file.
-  static std::atomic<uint64_t> writers{0};
-  w->temporary_path_ = absl::StrCat(path, ".partial-", ::getpid(), "-", writers++);
-  const int fd = ::open(w->temporary_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  // What the path names now, its links followed: a file that is not a regular one (/dev/null,
+  // a FIFO, a device) is written in place, as it must not be replaced; a regular one (or none)
+  // is written beside its real path and renamed over it, keeping its permission bits.
+  struct stat existing;
+  const bool exists = ::stat(path.c_str(), &existing) == 0;
+  int fd = -1;
+  if (exists && !S_ISREG(existing.st_mode)) {
+    fd = ::open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  } else {
+    std::string target = path;
+    if (exists) {
+      char* real = ::realpath(path.c_str(), nullptr);
+      if (real != nullptr) {
+        target = real;
+        std::free(real);
+      }
+    }
+    w->path_ = target;
+    // A name of this process's own (pid and a counter) in the target's directory, so that the
+    // rename stays on one filesystem; O_EXCL never reuses a stranger's file.
+    static std::atomic<uint64_t> writers{0};
+    w->temporary_path_ = absl::StrCat(target, ".partial-", ::getpid(), "-", writers++);
+    fd = ::open(w->temporary_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
+                exists ? existing.st_mode & 07777 : 0666);
+    if (fd >= 0 && exists) ::fchmod(fd, existing.st_mode & 07777);  // beyond the umask, as before
+  }
   if (fd < 0) {
     const int err = errno;
-    return absl::ErrnoToStatus(err, absl::StrCat("cannot create ", path, " (written as ",
-                                                 w->temporary_path_, " first)"));
+    return absl::ErrnoToStatus(
+        err, absl::StrCat("cannot create ", path,
+                          w->temporary_path_.empty()
+                              ? ""
+                              : absl::StrCat(" (written as ", w->temporary_path_, " first)")));
   }
   w->file_ = ::fdopen(fd, "wb");
   if (w->file_ == nullptr) {
     const int err = errno;
     ::close(fd);
-    ::unlink(w->temporary_path_.c_str());
+    if (!w->temporary_path_.empty()) ::unlink(w->temporary_path_.c_str());
     return absl::ErrnoToStatus(err, absl::StrCat("cannot create ", path));
   }
   if (std::fwrite(header->data(), 1, header->size(), w->file_) != header->size()) {
@@ -366,9 +391,9 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
-  if (file_ != nullptr) {  // not finished: the target stays as it was
+  if (file_ != nullptr) {  // not finished: the target stays as it was (unless written in place)
     std::fclose(file_);
-    ::unlink(temporary_path_.c_str());
+    if (!temporary_path_.empty()) ::unlink(temporary_path_.c_str());
   }
 }
 
@@ -418,6 +443,10 @@ absl::Status SafetensorsWriter::Finish() {
   const bool ok = std::fclose(file_) == 0;
   const int close_error = errno;
   file_ = nullptr;
+  if (temporary_path_.empty()) {  // written in place
+    return ok ? absl::OkStatus()
+              : absl::ErrnoToStatus(close_error, absl::StrCat("cannot write ", path_));
+  }
   if (!ok) {
     ::unlink(temporary_path_.c_str());
     return absl::ErrnoToStatus(close_error, absl::StrCat("cannot write ", path_));

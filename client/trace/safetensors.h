@@ -92,9 +92,11 @@ struct SafetensorsTensorSpec {
 // end mid-tensor or span several — converting each to its tensor's dtype, then Finish.
 // INVALID_ARGUMENT for duplicate or empty names, "__metadata__" as a name, unsupported dtypes,
 // negative dims, appending past the last tensor, or Finish before every element was written.
-// The file is written beside `path` under a temporary name and renamed over it by Finish: a
-// reader that has the old file mapped keeps reading it, and a writer that fails or is
-// abandoned leaves `path` as it was (and removes its temporary file).
+// The file is written beside `path` (its links followed) under a temporary name and renamed
+// over it by Finish, with the old file's permission bits: a reader that has the old file
+// mapped keeps reading it, and a writer that fails or is abandoned leaves `path` as it was
+// (and removes its temporary file). A path that names something other than a regular file
+// (/dev/null, a FIFO) is written in place.
 class SafetensorsWriter {
  public:
   static absl::StatusOr<std::unique_ptr<SafetensorsWriter>> Create(

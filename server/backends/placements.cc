@@ -34,10 +34,12 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
       options.gpus->push_back(ordinal);
     }
   }
-  // Below 2^33 GiB (2^63 bytes): past it the conversion to bytes overflows.
-  if (!std::isfinite(budget_gb) || (budget_gb < 0 && budget_gb != -1) || budget_gb >= 0x1p33) {
+  // Below 2^33 GiB (2^63 bytes): past it the conversion to bytes overflows; and a nonzero
+  // budget of at least a byte (a smaller one rounds to 0).
+  if (!std::isfinite(budget_gb) || (budget_gb < 0 && budget_gb != -1) || budget_gb >= 0x1p33 ||
+      (budget_gb > 0 && budget_gb * 0x1p30 < 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--gpu_memory_budget_gb must be in [0, 2^33) or -1, got ", budget_gb));
+        "--gpu_memory_budget_gb must be 0, in [2^-30, 2^33) or -1, got ", budget_gb));
   }
   if (budget_gb >= 0) options.gpu_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
   if (!std::isfinite(headroom_gb) || headroom_gb < 0 || headroom_gb >= 0x1p33) {
