@@ -4,6 +4,8 @@
 #ifndef KVRECALL_SERVER_AUTH_H_
 #define KVRECALL_SERVER_AUTH_H_
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,11 +62,16 @@ class TokenStore {
   void Replace(std::shared_ptr<const TokenTable> table) {
     absl::MutexLock lock(&mu_);
     table_ = std::move(table);
+    epoch_.fetch_add(1, std::memory_order_release);
   }
+  // How many times the table was replaced: a stream checks its token again only when this
+  // changed since its last check (one atomic load per request otherwise).
+  uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
 
  private:
   mutable absl::Mutex mu_;
   std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> epoch_{0};
 };
 
 // The token of an "authorization" header's value "Bearer TOKEN" (the scheme in any case,

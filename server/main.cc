@@ -111,8 +111,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of 'TOKEN TENANT' lines: every call but grpc.health.v1 needs 'authorization: "
           "Bearer TOKEN' (else UNAUTHENTICATED), and a session belongs to the tenant that "
-          "created it (to others it does not exist); needs TLS. SIGHUP reads the file again "
-          "for the calls that start after it (a line starting with # is a comment)");
+          "created it (to others it does not exist); needs TLS. SIGHUP reads the file again: a "
+          "token taken out is refused, and its open streams end at their next request (a line "
+          "starting with # is a comment)");
 
 ABSL_FLAG(bool, host_huge_pages, true,
           "back sessions' host KV arrays (and staged prompts) of 2 MiB or more with 2 MiB "

@@ -90,8 +90,8 @@ class RunningServer {
   void Wait();
   // Reads --auth_token_file again and puts its tokens in force for every call that starts
   // after (kvrecalld does on SIGHUP): a revoked token is refused, a new one accepted, and the
-  // sessions stay (they belong to tenants, not tokens). Streams already open keep the tenant
-  // they started with until they end. The number of tokens; the file's error
+  // sessions stay (they belong to tenants, not tokens). A stream open with a token taken out
+  // ends at its next request (KvRecallService::StillAuthorized). The number of tokens; the file's error
   // with the old tokens kept when it cannot be read or parsed; FAILED_PRECONDITION without a
   // token file.
   absl::StatusOr<size_t> ReloadTokens();

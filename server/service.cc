@@ -242,9 +242,9 @@ class KvRecallService::PrefillCall final
     : public StreamCall<grpc::ServerReadReactor<grpc::ByteBuffer>, PrefillCall> {
  public:
   PrefillCall(KvRecallService* service, grpc::CallbackServerContext* context,
-              grpc::ByteBuffer* reply, std::string tenant)
-      : StreamCall(service), context_(context), reply_(reply), tenant_(std::move(tenant)),
-        stream_(service->registry_, tenant_) {
+              grpc::ByteBuffer* reply, CallIdentity identity)
+      : StreamCall(service), context_(context), reply_(reply), identity_(std::move(identity)),
+        tenant_(identity_.tenant), stream_(service->registry_, tenant_) {
     Begin(&in_);
   }
 
@@ -275,6 +275,8 @@ class KvRecallService::PrefillCall final
     grpc::Status status;
     if (committing && service_->draining()) {
       status = ShuttingDownStatus();  // the builds have not started: refuse them
+    } else if (absl::Status s = service_->StillAuthorized(identity_); !s.ok()) {
+      status = service_->Answer(s);  // nothing staged is committed
     } else if (!committing) {
       if (!ParseRawMessage(&in_, &chunk_)) {
         status = UnparsableStatus(absl::StrCat("chunks[", chunks_, "]"), chunk_);
@@ -335,7 +337,8 @@ class KvRecallService::PrefillCall final
 
   grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
-  const std::string tenant_;       // the caller's (server/auth.h)
+  CallIdentity identity_;          // the caller's (server/auth.h), checked on each chunk
+  const std::string tenant_;       // identity_'s
   grpc::ByteBuffer in_;
   v1::PrefillChunk chunk_;
   v1::PrefillResponse response_;
@@ -354,8 +357,9 @@ class KvRecallService::PrefillCall final
 class KvRecallService::DecodeCall final
     : public StreamCall<grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>, DecodeCall> {
  public:
-  DecodeCall(KvRecallService* service, std::string tenant)
-      : StreamCall(service), decoder_(service->registry_, std::move(tenant)) {
+  DecodeCall(KvRecallService* service, CallIdentity identity)
+      : StreamCall(service), identity_(std::move(identity)),
+        decoder_(service->registry_, identity_.tenant) {
     if (service->decode_calls_ != nullptr) opened_ = absl::Now();
     Begin(&in_);
   }
@@ -432,6 +436,9 @@ class KvRecallService::DecodeCall final
   // Run by the one run of the call in flight (busy_).
   grpc::Status Serve() {
     const int64_t index = requests_++;
+    if (absl::Status s = service_->StillAuthorized(identity_); !s.ok()) {
+      return service_->Answer(s);
+    }
     if (!ParseRawMessage(&in_, &request_)) {
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
@@ -480,6 +487,7 @@ class KvRecallService::DecodeCall final
   grpc::ByteBuffer out_;
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
+  CallIdentity identity_;  // the caller's (server/auth.h), checked on each request
   DecodeStream decoder_;
   int64_t requests_ = 0;  // touched by one run at a time
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the reply is being written
@@ -503,8 +511,10 @@ constexpr uint64_t kDefaultSharedCapacity = 4 << 20;
 class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                                                 public KvRecallService::Stream {
  public:
-  SharedDecodeCall(KvRecallService* service, const grpc::ByteBuffer* request, std::string tenant)
-      : service_(service), decoder_(service->registry_, std::move(tenant)) {
+  SharedDecodeCall(KvRecallService* service, const grpc::ByteBuffer* request,
+                   CallIdentity identity)
+      : service_(service), identity_(std::move(identity)),
+        decoder_(service->registry_, identity_.tenant) {
     grpc::Status status = Open(request);
     if (!status.ok()) {
       Finish(std::move(status));
@@ -720,6 +730,9 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     }
     request_bytes_.assign(region_.request(), bytes);
     if (region_.broken()) return BrokenRegionStatus();  // what was copied is zeros: not applied
+    if (absl::Status s = service_->StillAuthorized(identity_); !s.ok()) {
+      return service_->Answer(s);
+    }
     if (!request_.ParseFromString(request_bytes_)) {
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
@@ -767,6 +780,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   }
 
   KvRecallService* const service_;
+  CallIdentity identity_;  // the caller's (server/auth.h), checked on each request
   DecodeStream decoder_;
   v1::shared_decode::MappedRegion region_;
   grpc::ByteBuffer region_message_;
@@ -856,19 +870,47 @@ grpc::ServerUnaryReactor* KvRecallService::CreateSession(grpc::CallbackServerCon
   return StartUnary(context, request, response, &KvRecallService::DoCreateSession);
 }
 
+KvRecallService::CallIdentity KvRecallService::IdentityOf(
+    const grpc::ServerContextBase& context) const {
+  CallIdentity identity;
+  if (tokens_ == nullptr) return identity;  // tenant "": no tokens to check again
+  identity.epoch = tokens_->epoch();  // before the table: a reload after shows as a change
+  const auto& metadata = context.client_metadata();
+  if (const auto header = metadata.find("authorization"); header != metadata.end()) {
+    identity.token =
+        std::string(BearerToken(absl::string_view(header->second.data(), header->second.size())));
+  }
+  identity.tenant = TenantOf(context, tokens_.get());
+  return identity;
+}
+
+absl::Status KvRecallService::StillAuthorized(CallIdentity& identity) const {
+  if (tokens_ == nullptr) return absl::OkStatus();
+  const uint64_t epoch = tokens_->epoch();
+  if (epoch == identity.epoch) return absl::OkStatus();
+  const std::string* tenant = tokens_->table()->Find(identity.token);
+  if (tenant == nullptr || *tenant != identity.tenant) {
+    return absl::UnauthenticatedError(
+        "this stream's bearer token was revoked (the token file was reloaded); nothing of this "
+        "request was applied");
+  }
+  identity.epoch = epoch;
+  return absl::OkStatus();
+}
+
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
-  return new PrefillCall(this, context, response, TenantOf(*context, tokens_.get()));
+  return new PrefillCall(this, context, response, IdentityOf(*context));
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::Decode(
     grpc::CallbackServerContext* context) {
-  return new DecodeCall(this, TenantOf(*context, tokens_.get()));
+  return new DecodeCall(this, IdentityOf(*context));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvRecallService::DecodeShared(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
-  return new SharedDecodeCall(this, request, TenantOf(*context, tokens_.get()));
+  return new SharedDecodeCall(this, request, IdentityOf(*context));
 }
 
 grpc::ServerUnaryReactor* KvRecallService::GetSession(grpc::CallbackServerContext* context,

@@ -72,6 +72,19 @@ class KvRecallService final : public KvRecallRawCallbackService {
   // server starts, read by every call after (the store's table may be replaced meanwhile).
   void SetTokens(std::shared_ptr<const TokenStore> tokens) { tokens_ = std::move(tokens); }
 
+  // Who a stream acts for: its tenant, and the bearer token that named it, checked again on
+  // each request once the token file has been reloaded (StillAuthorized), so that a token
+  // revoked by a reload stops the streams open with it too.
+  struct CallIdentity {
+    std::string tenant;
+    std::string token;
+    uint64_t epoch = 0;  // TokenStore::epoch() of the last check
+  };
+  CallIdentity IdentityOf(const grpc::ServerContextBase& context) const;
+  // OK while the identity's token still names its tenant; UNAUTHENTICATED once a reload took
+  // the token away (or gave it to another tenant).
+  absl::Status StillAuthorized(CallIdentity& identity) const;
+
   // The first step of a drain: from now on new calls, new Decode steps and new Prefill chunks
   // get UNAVAILABLE; a step or chunk in flight finishes (a Decode step's reply is sent with the
   // stream's UNAVAILABLE status), idle streams end at once. Idempotent.

@@ -265,6 +265,64 @@ TEST_F(TlsTest, TokensGateEveryServiceButHealth) {
   EXPECT_THAT(text, HasSubstr("\nkvrecall_unauthenticated_requests_total 3\n"));
 }
 
+// A reload that takes a token away stops the streams open with it at their next request, with
+// nothing of that request applied; a stream whose token stays goes on (SIGHUP calls
+// ReloadTokens; a revoked token's streams otherwise kept serving as long as they stayed open).
+TEST_F(TlsTest, ARevokedTokensOpenStreamsStopAtTheirNextRequest) {
+  constexpr char kCarolToken[] = "carol-token-0123456789";
+  SecurityOptions security = WithTokens();
+  security.auth_token_file = pki().Path("revoked.tokens");
+  WriteFile(security.auth_token_file,
+            absl::StrCat(kAliceToken, " alice\n", kCarolToken, " alice\n"));
+  Start(security);
+  auto connect = [&](const char* token) {
+    client::ChannelSecurity channel = TrustingCa();
+    channel.token = token;
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect(server_->address(), channel);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return *std::move(c);
+  };
+  std::unique_ptr<client::Client> alice = connect(kAliceToken);
+  std::unique_ptr<client::Client> carol = connect(kCarolToken);  // alice's tenant too
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  absl::StatusOr<client::SessionHandle> session =
+      alice->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL), "revoked");
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<float> q = testing::RandomNormal(4 * 2 * 8, 1);
+  const std::vector<float> kv = testing::RandomNormal(4 * 8, 2);
+  absl::StatusOr<std::unique_ptr<client::PrefillStream>> prefill = alice->StartPrefill(*session);
+  ASSERT_TRUE(prefill.ok());
+  ASSERT_TRUE((*prefill)->SendLayer(0, q, kv, kv).ok());
+  ASSERT_TRUE((*prefill)->Finish().ok());
+  const std::vector<float> q_t = testing::RandomNormal(2 * 8, 3);
+  const std::vector<float> kv_t = testing::RandomNormal(8, 4);
+  const client::SequenceInput input{session->id, q_t, kv_t, kv_t};
+  client::StepResult result;
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> alices = alice->OpenDecodeStream(g);
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> carols = carol->OpenDecodeStream(g);
+  ASSERT_TRUE(alices.ok() && carols.ok());
+  ASSERT_TRUE((*alices)->Step(0, std::span(&input, 1), {}, &result).ok());
+  ASSERT_TRUE((*carols)->Step(0, std::span(&input, 1), {}, &result).ok());
+  // Alice's token taken out.
+  WriteFile(security.auth_token_file, absl::StrCat(kCarolToken, " alice\n"));
+  absl::StatusOr<size_t> reloaded = server_->server().ReloadTokens();
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_EQ(*reloaded, 1u);
+  EXPECT_TRUE(HasStatus((*alices)->Step(0, std::span(&input, 1), {}, &result),
+                        absl::StatusCode::kUnauthenticated,
+                        "this stream's bearer token was revoked"));
+  ASSERT_TRUE((*carols)->Step(0, std::span(&input, 1), {}, &result).ok());
+  EXPECT_EQ(result.response->results(0).position(), 6);  // 4 + 2 steps: alice's last not taken
+  EXPECT_TRUE((*carols)->Close().ok());
+  EXPECT_EQ(alice->ListSessions().status().code(), absl::StatusCode::kUnauthenticated);
+  // A file that does not parse leaves the tokens in force.
+  WriteFile(security.auth_token_file, "short alice\n");
+  EXPECT_EQ(server_->server().ReloadTokens().status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(carol->ListSessions().ok());
+}
+
 TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {
   Start(WithTokens());
   auto connect = [&](const char* token) {
