@@ -6,8 +6,10 @@
 set -u
 B=$1 L=$2 S=$3
 mkdir -p "$L"
+# (The source directory absolute: the tests find ../shared/models beside it by dirname, which a
+# path ending in /.. defeats.)
 (cd tests && KVRECALLD=$B/kvrecalld KVRECALL_CLI=$B/kvrecall PYTHONPATH=$PWD/../client/python \
-  KVRECALL_SOURCE_DIR=$PWD/.. timeout 280 python3 -m unittest python_client_test \
+  KVRECALL_SOURCE_DIR=$(cd .. && pwd) timeout 280 python3 -m unittest python_client_test \
   > "$L/python_client_test.log" 2>&1; echo "python_client_test rc $?" > "$L/python_rc.txt") &
 python_pid=$!
 ls "$B"/*_test | xargs -P6 -I{} sh -c \
