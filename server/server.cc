@@ -228,9 +228,20 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
   if (options.shared_memory_dir.empty()) return absl::OkStatus();
   std::error_code error;
   if (!std::filesystem::is_directory(options.shared_memory_dir, error)) {
+    return absl::InvalidArgumentError(
+        error && error != std::errc::no_such_file_or_directory
+            ? absl::StrCat("shared_memory_dir ", options.shared_memory_dir,
+                           " cannot be reached by this process (uid ", getuid(),
+                           "): ", error.message())
+            : absl::StrCat("shared_memory_dir ", options.shared_memory_dir,
+                           " is not a directory", error ? " (it does not exist)" : ""));
+  }
+  // Found at start, not at the first DecodeShared call (which failed FAILED_PRECONDITION).
+  if (access(options.shared_memory_dir.c_str(), W_OK | X_OK) != 0) {
+    const int access_error = errno;
     return absl::InvalidArgumentError(absl::StrCat(
-        "shared_memory_dir ", options.shared_memory_dir, " is not a directory",
-        error ? absl::StrCat(" (", error.message(), ")") : ""));
+        "shared_memory_dir ", options.shared_memory_dir, " is not writable by this process (uid ",
+        getuid(), "): ", strerror(access_error), "; DecodeShared makes its regions there"));
   }
   for (const auto& entry : std::filesystem::directory_iterator(options.shared_memory_dir, error)) {
     const std::optional<int> pid =

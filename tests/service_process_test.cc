@@ -216,6 +216,39 @@ TEST(KvrecalldProcessTest, AShutdownSignalDuringStartupStopsItOnceListening) {
   }
 }
 
+// A --shared_memory_dir this process cannot write is refused at start (it was found at the first
+// DecodeShared call). Root writes everywhere, so as root kvrecalld runs as nobody (setpriv).
+TEST(KvrecalldProcessTest, AnUnwritableSharedMemoryDirIsRefusedAtStart) {
+  testing::TempDirectory dir("unwritable_shm");
+  const std::string shm = dir.Path("regions");
+  ASSERT_TRUE(std::filesystem::create_directory(shm));
+  ASSERT_EQ(chmod(dir.path().c_str(), 0755), 0);  // reachable by all
+  ASSERT_EQ(chmod(shm.c_str(), 0555), 0);         // writable by none but root
+  int code = -1;
+  std::string as_user;
+  if (geteuid() == 0) {
+    RunCommand("command -v setpriv", &code);
+    if (code != 0) GTEST_SKIP() << "running as root without setpriv to drop to nobody";
+    as_user = "setpriv --reuid=65534 --regid=65534 --clear-groups ";
+  }
+  const std::string output = RunCommand(
+      absl::StrCat(as_user, KvrecalldProcess::BinaryPath(),
+                   " --address=127.0.0.1:0 --metrics_address= --shared_memory_dir=", shm),
+      &code);
+  EXPECT_EQ(code, 1) << output;
+  EXPECT_THAT(output, HasSubstr("shared_memory_dir " + shm + " is not writable by this process"));
+  // One it cannot even reach is named as such (it was "not a directory (Permission denied)");
+  // its owner reaches a 0700 directory, so this takes another user.
+  if (as_user.empty()) return;
+  ASSERT_EQ(chmod(dir.path().c_str(), 0700), 0);
+  const std::string unreachable = RunCommand(
+      absl::StrCat(as_user, KvrecalldProcess::BinaryPath(),
+                   " --address=127.0.0.1:0 --metrics_address= --shared_memory_dir=", shm),
+      &code);
+  EXPECT_EQ(code, 1) << unreachable;
+  EXPECT_THAT(unreachable, HasSubstr("cannot be reached by this process"));
+}
+
 TEST(KvrecalldProcessTest, HealthWatchSeesNotServingOnShutdown) {
   std::unique_ptr<KvrecalldProcess> server = StartOrFail();
   ASSERT_NE(server, nullptr);
