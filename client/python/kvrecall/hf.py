@@ -179,8 +179,9 @@ def _check_unpadded(attention_mask, layer, n, total):
         row, _, query_index, position = (int(i) for i in hidden[0])
         raise ValueError(f"layer {layer}: attention_mask hides or biases position {position} "
                          f"from query {total - n + query_index} of batch row {row}; the kvrecall "
-                         "backend takes unpadded batches only (the service attends over every "
-                         "position it holds)")
+                         "backend takes unpadded batches only, with plain causal attention (the "
+                         "service attends over every position it holds: no padding, sliding "
+                         "window or other mask)")
 
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
