@@ -121,15 +121,21 @@ absl::string_view BearerToken(absl::string_view authorization) {
   return absl::StripAsciiWhitespace(authorization.substr(7));
 }
 
-std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens) {
-  if (tokens == nullptr) return "";
+absl::string_view CallBearerToken(const grpc::ServerContextBase& context) {
   const auto& metadata = context.client_metadata();
   const auto header = metadata.find("authorization");
-  if (header == metadata.end()) return kNoTenant;
-  const std::shared_ptr<const TokenTable> table = tokens->table();
-  const std::string* tenant =
-      table->Find(BearerToken(absl::string_view(header->second.data(), header->second.size())));
+  if (header == metadata.end()) return "";
+  return BearerToken(absl::string_view(header->second.data(), header->second.size()));
+}
+
+std::string TenantOf(const TokenTable& tokens, absl::string_view token) {
+  const std::string* tenant = tokens.Find(token);  // "" is no token's (kMinTokenLength)
   return tenant != nullptr ? *tenant : kNoTenant;
+}
+
+std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens) {
+  if (tokens == nullptr) return "";
+  return TenantOf(*tokens->table(), CallBearerToken(context));
 }
 
 }  // namespace kvrecall

@@ -106,6 +106,10 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
 // gets kNoTenant, which owns no session and may create none.
 inline constexpr char kNoTenant[] = "?";
 std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens);
+// The same for a call whose bearer token (CallBearerToken) was read already.
+std::string TenantOf(const TokenTable& tokens, absl::string_view token);
+// A call's bearer token ("" without an authorization header of the form "Bearer TOKEN").
+absl::string_view CallBearerToken(const grpc::ServerContextBase& context);
 
 }  // namespace kvrecall
 

@@ -124,13 +124,17 @@ uint64_t DelimitedBytes(int field_number, uint64_t bytes) {
          CodedOutputStream::VarintSize64(bytes) + bytes;
 }
 
-// A Tensor of `shape` (its scalars at their widest) holding `payload` bytes in field
-// `payload_field` (data, or packed values).
+// A Tensor of `shape` (its scalars at their widest; the shape packed) holding `payload` bytes
+// in field `payload_field` (data, or packed values). Arithmetic alone: it runs for every
+// sequence of every shared step.
 uint64_t TensorBytes(std::span<const int64_t> shape, int payload_field, uint64_t payload) {
-  v1::Tensor skeleton;
-  FillWidest(&skeleton);
-  for (int64_t extent : shape) skeleton.add_shape(extent);
-  return skeleton.ByteSizeLong() + DelimitedBytes(payload_field, payload);
+  static const uint64_t kTensorScalars = WidestBytes<v1::Tensor>();
+  uint64_t shape_bytes = 0;
+  for (int64_t extent : shape) {
+    shape_bytes += google::protobuf::io::CodedOutputStream::VarintSize64(extent);
+  }
+  return kTensorScalars + DelimitedBytes(v1::Tensor::kShapeFieldNumber, shape_bytes) +
+         DelimitedBytes(payload_field, payload);
 }
 
 }  // namespace

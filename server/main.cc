@@ -218,9 +218,7 @@ int main(int argc, char** argv) {
 
   const double budget_gb = absl::GetFlag(FLAGS_host_memory_budget_gb);
   const int max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
-  // At most 2^33 GiB (2^63 bytes), and a nonzero budget of at least a byte: past either the
-  // conversion to bytes overflowed or rounded to 0, both of which mean "unlimited".
-  if (!(budget_gb >= 0) || !(budget_gb < 0x1p33) || (budget_gb > 0 && budget_gb * 0x1p30 < 1)) {
+  if (!kvrecall::IsBudgetGib(budget_gb)) {
     std::fprintf(stderr,
                  "kvrecalld: --host_memory_budget_gb must be 0 (no budget) or in [2^-30, 2^33) "
                  "GiB, got %g\n",
@@ -247,7 +245,7 @@ int main(int argc, char** argv) {
   options.shared_memory_dir = absl::GetFlag(FLAGS_shared_memory_dir);
   options.max_shared_streams = absl::GetFlag(FLAGS_max_shared_streams);
   options.shared_memory_spin = absl::Microseconds(absl::GetFlag(FLAGS_shared_memory_spin_us));
-  options.host_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
+  options.host_memory_budget_bytes = kvrecall::GibToBytes(budget_gb);
   options.limits.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.limits.max_context_tokens = absl::GetFlag(FLAGS_max_context_tokens);
   const double ttl_seconds = absl::GetFlag(FLAGS_session_idle_ttl_seconds);

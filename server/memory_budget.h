@@ -88,6 +88,14 @@ class MemoryGrant final : public MemoryAccount {
   std::atomic<int64_t> set_aside_{0};
 };
 
+// Whether `gib` (GiB, as the budget flags take it) is 0 (no budget) or from one byte (2^-30) to
+// below 2^33 GiB (2^63 bytes): past that range GibToBytes would overflow, or round a budget
+// asked for to 0, which means unlimited.
+inline bool IsBudgetGib(double gib) {
+  return gib == 0 || (gib * 0x1p30 >= 1 && gib < 0x1p33);
+}
+inline int64_t GibToBytes(double gib) { return static_cast<int64_t>(gib * 0x1p30); }
+
 }  // namespace kvrecall
 
 #endif  // KVRECALL_SERVER_MEMORY_BUDGET_H_

@@ -43,9 +43,6 @@ std::string WithPort(const std::string& address, int port) {
                       port);
 }
 
-// True when a server accepts connections on the socket file of `address` (unix:PATH or
-// unix:///PATH). gRPC unlinks an existing socket file before it binds, so without this check a
-// second server would silently take the path from a live one.
 // RunningServers alive in this process (their region files carry its pid).
 std::atomic<int> running_servers{0};
 
@@ -57,6 +54,9 @@ std::string UnixSocketPath(absl::string_view address) {
   return std::string(path);
 }
 
+// True when a server accepts connections on the socket file of `address` (unix:PATH or
+// unix:///PATH). gRPC unlinks an existing socket file before it binds, so without this check a
+// second server would silently take the path from a live one.
 bool UnixSocketInUse(absl::string_view address) {
   const std::string path = UnixSocketPath(address);  // unix-abstract: binding fails itself
   sockaddr_un sa{};

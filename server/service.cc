@@ -244,7 +244,7 @@ class KvRecallService::PrefillCall final
   PrefillCall(KvRecallService* service, grpc::CallbackServerContext* context,
               grpc::ByteBuffer* reply, CallIdentity identity)
       : StreamCall(service), context_(context), reply_(reply), identity_(std::move(identity)),
-        tenant_(identity_.tenant), stream_(service->registry_, tenant_) {
+        stream_(service->registry_, identity_.tenant) {
     Begin(&in_);
   }
 
@@ -330,7 +330,7 @@ class KvRecallService::PrefillCall final
 
   // Frees the staged prompt (a commit has moved what it committed into the session).
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    stream_ = PrefillStream(service_->registry_, tenant_);
+    stream_ = PrefillStream(service_->registry_, identity_.tenant);
   }
 
  private:
@@ -338,7 +338,6 @@ class KvRecallService::PrefillCall final
   grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   CallIdentity identity_;          // the caller's (server/auth.h), checked on each chunk
-  const std::string tenant_;       // identity_'s
   grpc::ByteBuffer in_;
   v1::PrefillChunk chunk_;
   v1::PrefillResponse response_;
@@ -875,12 +874,8 @@ KvRecallService::CallIdentity KvRecallService::IdentityOf(
   CallIdentity identity;
   if (tokens_ == nullptr) return identity;  // tenant "": no tokens to check again
   identity.epoch = tokens_->epoch();  // before the table: a reload after shows as a change
-  const auto& metadata = context.client_metadata();
-  if (const auto header = metadata.find("authorization"); header != metadata.end()) {
-    identity.token =
-        std::string(BearerToken(absl::string_view(header->second.data(), header->second.size())));
-  }
-  identity.tenant = TenantOf(context, tokens_.get());
+  identity.token = std::string(CallBearerToken(context));
+  identity.tenant = TenantOf(*tokens_->table(), identity.token);
   return identity;
 }
 

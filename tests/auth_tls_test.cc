@@ -131,6 +131,15 @@ class TlsTest : public ::testing::Test {
     c.ca_file = pki().Path("ca.pem");
     return c;
   }
+  // A client of the running server that trusts its CA and sends `token`.
+  std::unique_ptr<client::Client> ConnectWithToken(const char* token) const {
+    client::ChannelSecurity channel = TrustingCa();
+    channel.token = token;
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect(server_->address(), channel);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
 
   void Start(const SecurityOptions& security) {
     ServerOptions options;
@@ -275,16 +284,8 @@ TEST_F(TlsTest, ARevokedTokensOpenStreamsStopAtTheirNextRequest) {
   WriteFile(security.auth_token_file,
             absl::StrCat(kAliceToken, " alice\n", kCarolToken, " alice\n"));
   Start(security);
-  auto connect = [&](const char* token) {
-    client::ChannelSecurity channel = TrustingCa();
-    channel.token = token;
-    absl::StatusOr<std::unique_ptr<client::Client>> c =
-        client::Client::Connect(server_->address(), channel);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return *std::move(c);
-  };
-  std::unique_ptr<client::Client> alice = connect(kAliceToken);
-  std::unique_ptr<client::Client> carol = connect(kCarolToken);  // alice's tenant too
+  std::unique_ptr<client::Client> alice = ConnectWithToken(kAliceToken);
+  std::unique_ptr<client::Client> carol = ConnectWithToken(kCarolToken);  // alice's tenant too
   const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
   absl::StatusOr<client::SessionHandle> session =
       alice->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL), "revoked");
@@ -325,16 +326,8 @@ TEST_F(TlsTest, ARevokedTokensOpenStreamsStopAtTheirNextRequest) {
 
 TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {
   Start(WithTokens());
-  auto connect = [&](const char* token) {
-    client::ChannelSecurity security = TrustingCa();
-    security.token = token;
-    absl::StatusOr<std::unique_ptr<client::Client>> c =
-        client::Client::Connect(server_->address(), security);
-    EXPECT_TRUE(c.ok()) << c.status();
-    return *std::move(c);
-  };
-  std::unique_ptr<client::Client> alice = connect(kAliceToken);
-  std::unique_ptr<client::Client> bob = connect(kBobToken);
+  std::unique_ptr<client::Client> alice = ConnectWithToken(kAliceToken);
+  std::unique_ptr<client::Client> bob = ConnectWithToken(kBobToken);
   const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
   absl::StatusOr<client::SessionHandle> session =
       alice->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL), "alice's");

@@ -212,23 +212,32 @@ int OpenDescriptors() {
   return n;
 }
 
-// GET /metrics over a fresh connection: the response's first line ("" when none came).
-std::string ScrapeStatusLine(int port) {
+// A socket connected to the endpoint on `port`, or -1.
+int Connect(int port) {
   const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in address = {};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(port));
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(s);
+    return -1;
+  }
+  return s;
+}
+
+// GET /metrics over a fresh connection: the response's first line ("" when none came).
+std::string ScrapeStatusLine(int port) {
+  const int s = Connect(port);
+  if (s < 0) return "";
   timeval timeout = {10, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
   std::string reply;
-  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
-    const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
-    if (write(s, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[256];
-      const ssize_t n = read(s, buffer, sizeof buffer);
-      if (n > 0) reply.assign(buffer, static_cast<size_t>(n));
-    }
+  const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
+  if (write(s, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+    char buffer[256];
+    const ssize_t n = read(s, buffer, sizeof buffer);
+    if (n > 0) reply.assign(buffer, static_cast<size_t>(n));
   }
   close(s);
   return reply.substr(0, reply.find("\r\n"));
@@ -277,20 +286,6 @@ TEST(MetricsEndpointTest, IdlePeersCannotTakeTheProcesssDescriptors) {
   waitpid(child, nullptr, 0);
   EXPECT_LE(during - before, MetricsEndpoint::kMaxConnections + 2);
   EXPECT_THAT(ScrapeStatusLine(port), ::testing::MatchesRegex("HTTP/1\\.[01] 200 OK"));
-}
-
-// A socket connected to the endpoint on `port`, or -1.
-int Connect(int port) {
-  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    close(s);
-    return -1;
-  }
-  return s;
 }
 
 // Peers that trickle a request a byte at a time (the per-read timeouts of httplib, which served

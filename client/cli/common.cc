@@ -102,13 +102,11 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectToServer() {
       Client::Connect(absl::GetFlag(FLAGS_server), security);
   if (!client.ok()) {
     // The client library names ClientSecurity's fields; the user wrote flags.
-    std::string message(client.status().message());
-    for (const auto& [field, flag] : {std::pair{"ca_file", "--tls_ca"},
-                                      std::pair{"cert_file", "--tls_cert"},
-                                      std::pair{"key_file", "--tls_key"}}) {
-      absl::StrReplaceAll({{field, flag}}, &message);
-    }
-    return absl::Status(client.status().code(), message);
+    return absl::Status(client.status().code(),
+                        absl::StrReplaceAll(client.status().message(),
+                                            {{"ca_file", "--tls_ca"},
+                                             {"cert_file", "--tls_cert"},
+                                             {"key_file", "--tls_key"}}));
   }
   return client;
 }

@@ -1,13 +1,13 @@
 #include "server/backends/placements.h"
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "server/backends/tiered_backend.h"
+#include "server/memory_budget.h"
 
 namespace kvrecall {
 
@@ -34,19 +34,17 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
       options.gpus->push_back(ordinal);
     }
   }
-  // Below 2^33 GiB (2^63 bytes): past it the conversion to bytes overflows; and a nonzero
-  // budget of at least a byte (a smaller one rounds to 0).
-  if (!std::isfinite(budget_gb) || (budget_gb < 0 && budget_gb != -1) || budget_gb >= 0x1p33 ||
-      (budget_gb > 0 && budget_gb * 0x1p30 < 1)) {
+  if (budget_gb != -1 && !IsBudgetGib(budget_gb)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--gpu_memory_budget_gb must be 0, in [2^-30, 2^33) or -1, got ", budget_gb));
   }
-  if (budget_gb >= 0) options.gpu_memory_budget_bytes = static_cast<int64_t>(budget_gb * (1ll << 30));
-  if (!std::isfinite(headroom_gb) || headroom_gb < 0 || headroom_gb >= 0x1p33) {
+  if (budget_gb >= 0) options.gpu_memory_budget_bytes = GibToBytes(budget_gb);
+  // A headroom may round to 0 bytes (none), but must not overflow.
+  if (!(headroom_gb >= 0 && headroom_gb < 0x1p33)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--gpu_memory_headroom_gb must be in [0, 2^33), got ", headroom_gb));
   }
-  options.gpu_headroom_bytes = static_cast<int64_t>(headroom_gb * (1ll << 30));
+  options.gpu_headroom_bytes = GibToBytes(headroom_gb);
   if (!(tiered_gpu_exact_share >= 0 && tiered_gpu_exact_share <= 1)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--tiered_gpu_exact_share must be in [0, 1], got ", tiered_gpu_exact_share));
