@@ -36,6 +36,9 @@ struct Connection {
   bool draining = false;  // response sent and our side shut: reading until the peer closes
 
   short events() const { return !response.empty() && !draining ? POLLOUT : POLLIN; }
+  // Not being answered: its request is incomplete, or its response is sent and the peer keeps
+  // the connection open. The endpoint full, a new peer takes the place of the oldest of these.
+  bool Evictable() const { return response.empty() || draining; }
 };
 
 // `request` without the empty lines that may precede its request line (RFC 9112 2.2: ignored).
@@ -173,12 +176,15 @@ void MetricsEndpoint::Serve() {
   for (;;) {
     polled.clear();
     polled.push_back({wake_[0], POLLIN, 0});
-    // Past kMaxConnections the listener is not polled: new peers wait in the kernel's backlog
-    // until a connection ends. Nor for a moment after accept failed for want of descriptors
-    // (the listener would stay readable): then the moment's end is a deadline too.
+    // At kMaxConnections a new peer takes the place of the oldest that is not being answered,
+    // so that idle peers cannot keep a scrape waiting; with every connection being answered the
+    // listener is not polled (new peers wait in the kernel's backlog for a moment). Nor is it
+    // for a moment after accept failed for want of descriptors (the listener would stay
+    // readable): then the moment's end is a deadline too.
     const bool full = static_cast<int>(connections.size()) >= kMaxConnections;
     const bool paused = absl::Now() < accept_paused_until;
-    const bool accepting = !full && !paused;
+    const bool accepting =
+        !paused && (!full || std::ranges::any_of(connections, &Connection::Evictable));
     polled.push_back({accepting ? listener_ : -1, POLLIN, 0});
     absl::Time next = !full && paused ? accept_paused_until : absl::InfiniteFuture();
     for (const Connection& c : connections) {
@@ -239,13 +245,22 @@ void MetricsEndpoint::Serve() {
     }
     std::erase_if(connections, [](const Connection& c) { return c.fd < 0; });
     if (accepting && polled[1].revents != 0) {
-      while (static_cast<int>(connections.size()) < kMaxConnections) {
+      // At most kMaxConnections accepts a round, so that a flood of peers cannot keep the
+      // connections already open from being served.
+      for (int accepted = 0; accepted < kMaxConnections; ++accepted) {
+        const auto oldest_evictable = std::ranges::find_if(connections, &Connection::Evictable);
+        const bool room = static_cast<int>(connections.size()) < kMaxConnections;
+        if (!room && oldest_evictable == connections.end()) break;
         const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) {
           if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
             accept_paused_until = now + absl::Milliseconds(100);
           }
           break;  // EAGAIN: none left; ECONNABORTED and the like: polled again
+        }
+        if (!room) {
+          ::close(oldest_evictable->fd);
+          connections.erase(oldest_evictable);
         }
         connections.push_back({.fd = fd, .deadline = now + kConnectionDeadline});
       }

@@ -5,8 +5,10 @@
 // unauthenticated, so what a peer can hold is bounded by construction. Each connection has one
 // deadline for its whole life (its request read, its response written), so a peer that trickles
 // a byte at a time is cut like an idle one and cannot hold a scrape or the process's shutdown;
-// at most kMaxConnections are open at once (the rest wait in the kernel's backlog, holding none
-// of this process's descriptors). Not prometheus-cpp's Exposer (its civetweb workers run on a
+// at most kMaxConnections are open at once, and a new peer beyond them takes the place of the
+// oldest that is not being answered (its request still incomplete), so idle peers by the
+// hundred delay no scrape: only as many peers connecting within a scrape's own milliseconds
+// could push it out. Not prometheus-cpp's Exposer (its civetweb workers run on a
 // 100 KiB stack that the static TLS of OpenBLAS and CUDA leaves too little of) and not
 // cpp-httplib (its deadlines are per read: one byte a second held a worker for hours, and four
 // such peers held every scrape and the shutdown).
@@ -35,7 +37,8 @@ class MetricsEndpoint {
   // Closes every connection at once and returns.
   ~MetricsEndpoint();
 
-  // Connections open at once; past that the endpoint accepts no more until one ends.
+  // Connections open at once; past that a new peer takes the place of the oldest connection
+  // that is not being answered (none: it waits in the kernel's backlog until one ends).
   static constexpr int kMaxConnections = 32;
   // A connection's whole life: from its accept to its response's last byte. A scrape of the
   // loopback or the cluster network takes a few milliseconds.

@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <string>
@@ -344,8 +346,9 @@ TEST(MetricsEndpointTest, TricklingPeersHoldNeitherScrapesNorTheShutdown) {
   for (int s : peers) close(s);
 }
 
-// With every connection slot held by idle peers the endpoint waits for a deadline instead of
-// polling a listener it does not serve (it spun a core until the first deadline, 2 s at a time).
+// With every connection slot held by idle peers and no new peer waiting, the endpoint waits for a
+// deadline or a peer instead of polling in a loop (it spun a core until the first deadline, 2 s
+// at a time, when it polled a listener it did not serve).
 TEST(MetricsEndpointTest, AFullEndpointWaitsWithoutSpinning) {
   auto metrics = std::make_shared<ServerMetrics>();
   absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
@@ -364,6 +367,37 @@ TEST(MetricsEndpointTest, AFullEndpointWaitsWithoutSpinning) {
   const absl::Duration before = cpu();
   absl::SleepFor(absl::Milliseconds(1000));  // within the peers' 2 s deadline
   EXPECT_LT(cpu() - before, absl::Milliseconds(200));
+  for (int s : peers) close(s);
+}
+
+// Idle peers beyond the connection limit delay no scrape: the scrape takes the place of the
+// oldest idle peer, which is cut before its deadline. (Before, a scrape behind three times the
+// limit of idle peers waited in the backlog for two of their deadlines: review 3 measured 4-5 s
+// behind 100 reconnecting peers.)
+TEST(MetricsEndpointTest, IdlePeersBeyondTheLimitDelayNoScrape) {
+  auto metrics = std::make_shared<ServerMetrics>();
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  std::vector<int> peers;
+  for (int i = 0; i < 3 * MetricsEndpoint::kMaxConnections; ++i) {
+    peers.push_back(Connect(port));
+    ASSERT_GE(peers.back(), 0) << i;
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // accepted, the oldest pushed out by the newest
+  const absl::Time scrape_start = absl::Now();
+  EXPECT_THAT(ScrapeStatusLine(port), ::testing::MatchesRegex("HTTP/1\\.[01] 200 OK"));
+  EXPECT_LT(absl::Now() - scrape_start, absl::Milliseconds(1000));  // bounds for a loaded CI
+  // The first peers were cut (their reads end), well before their 2 s deadline.
+  EXPECT_LT(absl::Now() - scrape_start + absl::Milliseconds(200),
+            MetricsEndpoint::kConnectionDeadline);
+  char byte;
+  const ssize_t n = recv(peers.front(), &byte, 1, MSG_DONTWAIT);
+  EXPECT_TRUE(n == 0 || (n < 0 && errno == ECONNRESET)) << n << " " << std::strerror(errno);
+  // The newest are still open (recv would block).
+  EXPECT_EQ(recv(peers.back(), &byte, 1, MSG_DONTWAIT), -1);
+  EXPECT_EQ(errno, EAGAIN);
   for (int s : peers) close(s);
 }
 
