@@ -650,13 +650,16 @@ TEST_F(TieredShortlistTest, GetSessionCountsTheCodesWhereTheyLive) {
   // Room for the bulk after the first step, 4 code bytes per 64-dim key.
   const int64_t codes = (2001 - kSinks - kRecent) * g.kv_heads() * 4;
   const int64_t codebooks = int64_t{g.kv_heads()} * 256 * g.head_dim() * 4;
+  // The steps' lists on the host: each query head's shortlist, its size and candidates.
+  const int64_t lists = int64_t{g.q_heads()} * (64 + 2) * 4;
   EXPECT_EQ(b->policy().index().shortlist(), 64);
   if (gpu_tier()) {
     EXPECT_EQ(b->gpu_bytes() - a->gpu_bytes(), codes + codebooks);
-    EXPECT_EQ(b->selector_bytes(), codes + codebooks + codebooks) << "the host's quantizers too";
+    EXPECT_EQ(b->selector_bytes(), codes + codebooks + codebooks + lists)
+        << "the host's quantizers too";
   } else {
     EXPECT_EQ(b->gpu_bytes(), 0);
-    EXPECT_EQ(b->selector_bytes(), codes + codebooks);
+    EXPECT_EQ(b->selector_bytes(), codes + codebooks + lists);
   }
 }
 

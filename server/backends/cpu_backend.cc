@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -122,8 +123,9 @@ void CpuLayer::Shadow(const ShadowStep& step) const { HostShadow(shape_, kv_.vie
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
-    const LayerShape& shape, MemoryAccount* host, KvElement element, int64_t expected_tokens) {
-  auto staging = std::make_unique<HostPromptStaging>(shape, host, element);
+    const LayerShape& shape, MemoryAccount* host, KvElement element, int64_t expected_tokens,
+    bool keep_queries) {
+  auto staging = std::make_unique<HostPromptStaging>(shape, host, element, keep_queries);
   if (expected_tokens > 0) {
     if (absl::Status s = staging->kv.Reserve(expected_tokens, "the announced max_tokens");
         !s.ok()) {
@@ -135,14 +137,21 @@ absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
 
 absl::Status HostPromptStaging::Reserve(int64_t more, absl::string_view what) {
   if (absl::Status s = kv.Reserve(more, what); !s.ok()) return s;
+  // Not kept, the queries are never committed: the scratch holds one chunk's.
   return queries.Reserve(more, what);
 }
 
 absl::Status HostPromptStaging::Commit(int64_t n, bool with_queries) {
-  if (!with_queries) std::fill_n(queries.tail(), n * queries.row_width(), 0.0f);
   kv.Commit(n);
-  queries.Commit(n);
+  if (keep_queries_) {
+    if (!with_queries) std::fill_n(queries.tail(), n * queries.row_width(), 0.0f);
+    queries.Commit(n);
+  }
   return absl::OkStatus();
+}
+
+bool KeepsPromptQueries(const AttentionBackend& backend, const LayerConfig& config) {
+  return backend.PromptQueriesNeeded(config, std::numeric_limits<int64_t>::max()) > 0;
 }
 
 void HostShadow(const LayerShape& shape, const KvView& kv, const ShadowStep& step) {
@@ -170,7 +179,7 @@ int64_t CpuBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t to
 absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
   return HostPromptStaging::Create(config.shape, accounts.host, KvElement::kF32,
-                                   config.expected_tokens);
+                                   config.expected_tokens, KeepsPromptQueries(*this, config));
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
@@ -180,7 +189,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
   absl::StatusOr<std::unique_ptr<SupportSelector>> selector =
       MakeSelector(config.selector, config.shape);
   if (!selector.ok()) return selector.status();
-  if (absl::Status s = (*selector)->Build(staged.kv.view(), staged.queries.data()); !s.ok()) {
+  if (absl::Status s = (*selector)->Build(staged.kv.view(), staged.prompt_queries()); !s.ok()) {
     return s;
   }
   // An announced length is reserved now, so that decoding up to it never reallocates.

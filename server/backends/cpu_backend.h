@@ -18,10 +18,15 @@ namespace kvrecall {
 // dtype).
 class HostPromptStaging final : public PromptStaging {
  public:
-  HostPromptStaging(const LayerShape& shape, MemoryAccount* host,
-                    KvElement element = KvElement::kF32)
+  // keep_queries: whether the selector's build reads the prompt's queries
+  // (PromptQueriesNeeded); without, a chunk's queries are decoded (and so checked) into a
+  // chunk-sized scratch and dropped, instead of staging [T, q_heads, head_dim] f32 (4x the KV of
+  // a bf16 GQA layer with 4 query heads per KV head) that nothing reads.
+  HostPromptStaging(const LayerShape& shape, MemoryAccount* host, KvElement element,
+                    bool keep_queries)
       : kv(shape.kv_heads, shape.head_dim, host, element),
-        queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
+        queries(int64_t{shape.q_heads} * shape.head_dim, host),
+        keep_queries_(keep_queries) {}
 
   // A staging whose KV already holds room for `expected_tokens` (CreateSession's announced
   // max_tokens; 0: none announced), so that the prompt's chunks land in the layer's final
@@ -30,7 +35,8 @@ class HostPromptStaging final : public PromptStaging {
   static absl::StatusOr<std::unique_ptr<HostPromptStaging>> Create(const LayerShape& shape,
                                                                    MemoryAccount* host,
                                                                    KvElement element,
-                                                                   int64_t expected_tokens);
+                                                                   int64_t expected_tokens,
+                                                                   bool keep_queries);
 
   absl::Status Reserve(int64_t more, absl::string_view what) override;
   float* query_tail() override { return queries.tail(); }
@@ -40,9 +46,22 @@ class HostPromptStaging final : public PromptStaging {
   absl::Status Commit(int64_t n, bool with_queries) override;
   int64_t tokens() const override { return kv.tokens(); }
 
+  // The prompt's queries [T, q_heads, head_dim] for the selector's build (zeros where a chunk
+  // came without q); null where they are not kept.
+  const float* prompt_queries() const { return keep_queries_ ? queries.data() : nullptr; }
+
   LayerKvStore kv;
-  BudgetedRows queries;  // [tokens, q_heads, head_dim]; zeros where a chunk came without q
+  // Kept: [tokens, q_heads, head_dim], zeros where a chunk came without q. Not kept: the last
+  // chunk's, uncommitted.
+  BudgetedRows queries;
+
+ private:
+  const bool keep_queries_;
 };
+
+// Whether `backend`'s layers of `config` build from the prompt's queries (PromptQueriesNeeded of
+// any length > 0): HostPromptStaging's keep_queries.
+bool KeepsPromptQueries(const AttentionBackend& backend, const LayerConfig& config);
 
 // Full attention and each head's exact top-K over the history `kv` (compare_exact's shadow of
 // every placement whose complete KV is on the host).

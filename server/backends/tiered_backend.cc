@@ -30,6 +30,19 @@ namespace {
 
 // The bulk as a view of its own, positions relative to `sinks`: what the flat and ReTopK bulk
 // selectors see (the graph index takes the whole history and knows its bulk itself).
+// The bytes of a tiered layer's per-step lists.
+template <typename... Lists>
+int64_t StepListBytes(const Lists&... lists) {
+  return static_cast<int64_t>(sizeof(int32_t) * (lists.capacity() + ...));
+}
+
+// The most a tiered layer's per-step lists take with `config` (its constructor's sizes).
+int64_t StepListBytesBound(const LayerConfig& config) {
+  const int64_t heads = config.shape.q_heads;
+  return static_cast<int64_t>(sizeof(int32_t)) * heads *
+         (int64_t{config.selector.shortlist} + 2 + config.selector.top_k + 1);
+}
+
 KvView BulkView(const KvView& all, const SelectorParams& p) {
   return all.Tokens(std::min<int64_t>(p.sinks, all.tokens),
                     BulkTokens(all.tokens, p.sinks, p.recent));
@@ -126,6 +139,19 @@ class TieredLayer final : public LayerBackend {
         bulk_start_micros_(config.shape.q_heads),
         appended_(bulk_.selector.get()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
+    if (codes_ != nullptr) {
+      // The steps' shortlists and the tier's exact heads' results, allocated (and charged with
+      // the selector's state) once here rather than at the first step, uncharged: a shortlist
+      // of 2^20 takes 4 MiB a query head whatever the context.
+      const size_t heads = config.shape.q_heads;
+      shortlist_ids_.resize(heads * config.selector.shortlist);
+      shortlist_sizes_.resize(heads);
+      device_candidates_.resize(heads);
+      if (retopk_ != nullptr && device_exact_bound_ > 0) {
+        device_support_.resize(heads * config.selector.top_k);
+        device_support_sizes_.resize(heads);
+      }
+    }
     ChargeSelectorBytes();
   }
   ~TieredLayer() override {
@@ -187,23 +213,19 @@ class TieredLayer final : public LayerBackend {
                BulkView(all, config_.selector).tokens > 0;
     if (codes_ != nullptr) {
       const int n = config_.selector.shortlist;
-      shortlist_ids_.resize(static_cast<size_t>(config_.shape.q_heads) * n);
-      shortlist_sizes_.resize(config_.shape.q_heads);
       out.codes = codes_.get();
       out.bulk = BulkView(all, config_.selector);
       out.shortlist = n;
       out.shortlist_ids = shortlist_ids_.data();
       out.shortlist_sizes = shortlist_sizes_.data();
       out.shortlist_coded = &shortlist_coded_;
-      device_candidates_.resize(config_.shape.q_heads);
       out.device_exact_bound = device_bound_;
       out.bulk_o = bulk_o;
       out.bulk_lse = bulk_lse;
       out.bulk_candidates = device_candidates_.data();
       if (decided_) {
-        // ReTopK's caches take the supports of the heads the tier runs.
-        device_support_.resize(static_cast<size_t>(config_.shape.q_heads) * config_.selector.top_k);
-        device_support_sizes_.resize(config_.shape.q_heads);
+        // ReTopK's caches take the supports of the heads the tier runs (sized at construction:
+        // a layer decides only with device_exact_bound_ > 0).
         out.bulk_support = device_support_.data();
         out.bulk_support_sizes = device_support_sizes_.data();
       }
@@ -320,8 +342,11 @@ class TieredLayer final : public LayerBackend {
   float last_bulk_micros(int h) const { return bulk_micros_[h]; }
 
  private:
+  // The selector's state and the steps' shortlist buffers, as host memory the layer holds.
   void ChargeSelectorBytes() {
-    const int64_t now = bulk_.selector != nullptr ? bulk_.selector->MemoryBytes() : 0;
+    const int64_t now = (bulk_.selector != nullptr ? bulk_.selector->MemoryBytes() : 0) +
+                        StepListBytes(shortlist_ids_, shortlist_sizes_, device_candidates_,
+                                      device_support_, device_support_sizes_);
     if (now == selector_bytes_) return;
     host_->Charge(now - selector_bytes_);
     selector_bytes_ = now;
@@ -558,7 +583,7 @@ int64_t TieredBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t
     int64_t bytes = p.kind == SelectorKind::kReTopK
                         ? SelectorStateBytesBound(p, config.shape, tokens, build_threads)
                         : 0;
-    bytes += BulkCodes::CodebookBytesFor(config);
+    bytes += BulkCodes::CodebookBytesFor(config) + StepListBytesBound(config);
     if (tier_->device_budget() == nullptr) {
       bytes += BulkCodes::CodeBytesFor(config, BulkTokens(tokens, p.sinks, p.recent));
     }
@@ -593,7 +618,7 @@ absl::StatusOr<std::unique_ptr<PromptStaging>> TieredBackend::NewPromptStaging(
   // The host keeps the complete KV in the session's dtype (bf16 / f16: half of f32's bytes, and
   // half the bytes the CPU reads per scored key).
   return HostPromptStaging::Create(config.shape, accounts.host, KvElementOf(config.dtype),
-                                   config.expected_tokens);
+                                   config.expected_tokens, KeepsPromptQueries(*this, config));
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
@@ -610,8 +635,10 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
     if (bulk->relative) {
       // Query of bulk row r: the prompt's query of token sinks + recent + r (see above).
       const KvView view = BulkView(all, p);
-      const float* queries =
-          view.tokens > 0 ? staged.queries.data() + (int64_t{p.sinks} + p.recent) * q_row : nullptr;
+      const float* prompt_queries = staged.prompt_queries();
+      const float* queries = view.tokens > 0 && prompt_queries != nullptr
+                                 ? prompt_queries + (int64_t{p.sinks} + p.recent) * q_row
+                                 : nullptr;
       auto* retopk = p.kind == SelectorKind::kReTopK
                          ? static_cast<ReTopKSelector*>(bulk->selector.get())
                          : nullptr;
@@ -619,7 +646,6 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
         // auto_tau calibrates on the whole attention: what the static set of that prompt query
         // held (the sinks and its own last `recent` tokens) counts as kept.
         const LayerShape shape = config.shape;
-        const float* prompt_queries = staged.queries.data();
         retopk->set_outside_lse([&all, shape, prompt_queries, q_row, p](int64_t row, int h) {
           const int64_t at = row + p.sinks + p.recent;  // the query's own token
           thread_local std::vector<int32_t> ids;
@@ -639,7 +665,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
       built = bulk->selector->Build(view, queries);
       if (retopk != nullptr) retopk->set_outside_lse(nullptr);
     } else {
-      built = bulk->selector->Build(all, staged.queries.data());
+      built = bulk->selector->Build(all, staged.prompt_queries());
     }
     if (!built.ok()) return built;
   }
