@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -13,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/descriptor.h"
 #include "absl/synchronization/notification.h"
+#include "grpc/grpc_security_constants.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -488,6 +491,11 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
     EncodeTensor(in.q, q_row, g.dtype(), false, step.mutable_q());
     EncodeTensor(in.k_new, kv_row, g.dtype(), false, step.mutable_k_new());
     EncodeTensor(in.v_new, kv_row, g.dtype(), false, step.mutable_v_new());
+    if (in.position.has_value()) {
+      step.set_position(*in.position);
+    } else {
+      step.clear_position();  // the message is reused from the last Step
+    }
   }
   if (absl::Status s = transport_->Exchange(request_, &response_); !s.ok()) {
     status_ = s;
@@ -556,8 +564,24 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_vi
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
-    const ChannelSecurity& security) {
+    const ChannelSecurity& security, absl::string_view target) {
   if (!security.secure()) return grpc::InsecureChannelCredentials();
+  if (!security.tls_requested()) {  // a token alone: where it may go depends on the target
+    if (absl::StartsWith(target, "unix-abstract:")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a bearer token to ", target, " without TLS: an abstract socket has no file "
+          "permissions (any process of the network namespace may connect), so kvrecalld never "
+          "serves one in plaintext; ask for TLS, or connect to a unix:PATH socket"));
+    }
+    if (absl::StartsWith(target, "unix:")) {
+      // Plaintext on a Unix socket (kvrecalld --plaintext_unix_sockets): gRPC's local
+      // credentials refuse any other kind of connection and, counting a Unix socket as
+      // private, send call credentials over it, which they never do over plaintext TCP.
+      return grpc::CompositeChannelCredentials(grpc::experimental::LocalCredentials(UDS),
+                                               grpc::AccessTokenCredentials(security.token));
+    }
+    // HOST:PORT (or any other target): TLS with the system's roots, below.
+  }
   if (security.cert_file.empty() != security.key_file.empty()) {
     return absl::InvalidArgumentError(
         "cert_file and key_file go together (a client certificate for mutual TLS)");
@@ -584,11 +608,33 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   return credentials;
 }
 
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  errno = 0;
+  std::ifstream in(path);
+  if (!in) {
+    const int error = errno;
+    return absl::NotFoundError(
+        absl::StrCat("cannot read ", path, error != 0 ? absl::StrCat(": ", strerror(error)) : ""));
+  }
+  std::string line;
+  if (!std::getline(in, line)) {
+    if (in.bad()) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is empty (its first line should be the bearer token)"));
+  }
+  std::string token(absl::StripAsciiWhitespace(line));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " starts with an empty line (its first line should be the token)"));
+  }
+  return token;
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
                                                         const ChannelSecurity& security,
                                                         int max_message_bytes) {
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      MakeChannelCredentials(security);
+      MakeChannelCredentials(security, address);
   if (!credentials.ok()) return credentials.status();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -109,6 +110,10 @@ struct SequenceInput {
   std::span<const float> q;      // [q_heads, head_dim]
   std::span<const float> k_new;  // [kv_heads, head_dim]
   std::span<const float> v_new;  // [kv_heads, head_dim]
+  // The position the token must take in the layer (SequenceStep.position): set, a layer holding
+  // another number of tokens refuses the step with ABORTED and nothing of it is applied, so a
+  // step resent after a lost reply cannot append its token twice.
+  std::optional<int64_t> position;
 };
 
 struct StepOptions {
@@ -186,24 +191,44 @@ class DecodeStream {
 
 // How a channel to kvrecalld is secured: plaintext (the default), TLS, mutual TLS, and a
 // bearer token for servers started with --auth_token_file. Paths name PEM files.
+//
+// Any field but `token` set means TLS, whatever the target. A token alone goes, by the target:
+// to HOST:PORT (any target but the two below) over TLS with the system's roots, as gRPC sends
+// call credentials over private channels alone (a token in plaintext TCP could be read on the
+// way); to unix:PATH without TLS, over gRPC's local credentials (plaintext on the socket, which
+// they check is a Unix socket), for kvrecalld's --plaintext_unix_sockets; to
+// unix-abstract:NAME nowhere: MakeChannelCredentials refuses it (such a socket has no file
+// permissions, so kvrecalld serves it with TLS alone; set `tls` to send the token over TLS).
 struct ChannelSecurity {
-  bool tls = false;          // implied by any of the fields below
+  bool tls = false;          // TLS; implied by every field below but `token` (see above)
   std::string ca_file;       // roots that signed the server's certificate; empty: system roots
   std::string cert_file;     // the client's certificate chain and key, for mutual TLS
   std::string key_file;
   std::string server_name;   // checked against the server's certificate instead of the host
   std::string token;         // sent as "authorization: Bearer TOKEN" with every call
 
-  bool secure() const {
+  // Whether the channel is other than plaintext: TLS, or local credentials carrying a token.
+  bool secure() const { return tls_requested() || !token.empty(); }
+  // Whether a field that means TLS is set (every field but `token`).
+  bool tls_requested() const {
     return tls || !ca_file.empty() || !cert_file.empty() || !key_file.empty() ||
-           !server_name.empty() || !token.empty();
+           !server_name.empty();
   }
 };
 
-// The gRPC channel credentials for `security`, files read now: INVALID_ARGUMENT for a key
-// without a certificate (or the reverse) or a file that is not PEM, NOT_FOUND for a missing one.
+// The gRPC channel credentials for `security` on a channel to `target` (an address as
+// Client::Connect takes it; empty counts as HOST:PORT), files read now: INVALID_ARGUMENT for a
+// key without a certificate (or the reverse), a file that is not PEM, or a token alone to a
+// unix-abstract:NAME target (ChannelSecurity above), NOT_FOUND for a missing file.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
-    const ChannelSecurity& security);
+    const ChannelSecurity& security, absl::string_view target = "");
+
+// The bearer token in the file at `path`: its first line without the whitespace around it (a
+// trailing newline, say), as in a Kubernetes Secret's file; the chart's co-located runner finds
+// that path in $KVRECALL_TOKEN_FILE (the library reads no environment: the kvrecall CLI's
+// --token_file defaults to it). NOT_FOUND naming `path` when it cannot be read,
+// INVALID_ARGUMENT when it is empty or its first line blank.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
 // Connects to kvrecalld. Thread-safe: the channel and stub may be shared.
 class Client {
@@ -212,8 +237,9 @@ class Client {
   // An insecure channel to HOST:PORT accepting replies up to max_message_bytes.
   static std::unique_ptr<Client> Connect(const std::string& address,
                                          int max_message_bytes = 64 << 20);
-  // A channel secured as `security` says; fails only when its files are unusable (the
-  // connection itself is made, and checked, by the first call).
+  // A channel secured as `security` says; fails only when its files are unusable or its token
+  // alone cannot go to `address` (MakeChannelCredentials; the connection itself is made, and
+  // checked, by the first call).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
                                                          const ChannelSecurity& security,
                                                          int max_message_bytes = 64 << 20);

@@ -161,8 +161,10 @@ absl::StatusOr<ReplayReport> Replay(Client& client, const Trace& trace,
         }
       }
       const std::span<const float> k_span(k_new, kv_row), v_span(v_new, kv_row);
-      const SequenceInput timed_input{timed->id, q, k_span, v_span};
-      const SequenceInput probe_input{probe->id, q, k_span, v_span};
+      // Each token's position said, so that a session out of step with the trace is refused
+      // instead of measured.
+      const SequenceInput timed_input{timed->id, q, k_span, v_span, row};
+      const SequenceInput probe_input{probe->id, q, k_span, v_span, row};
 
       const Clock::time_point start = Clock::now();
       if (absl::Status s = (*stream)->Step(l, {&timed_input, 1}, timed_options, &timed_result);

@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc_security_constants.h"
 #include "server/auth.h"
 #include "server/file_util.h"
 
@@ -45,6 +46,12 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
           "--auth_token_file needs --tls_cert and --tls_key: gRPC clients send bearer tokens "
           "only over TLS, and a token sent in plaintext could be read on the way");
     }
+    // Refused rather than ignored: whoever asks for it expects the TCP listeners to be TLS.
+    if (options.plaintext_unix_sockets) {
+      return absl::InvalidArgumentError(
+          "--plaintext_unix_sockets needs --tls_cert and --tls_key: it exempts the unix:PATH "
+          "sockets from TLS, and without TLS every address is plaintext already");
+    }
     return ServerSecurity{grpc::InsecureServerCredentials(), nullptr};
   }
   absl::StatusOr<std::string> cert = ReadPem(options.tls_cert_file, "CERTIFICATE", "--tls_cert");
@@ -70,6 +77,15 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   ServerSecurity security{grpc::SslServerCredentials(ssl), nullptr};
+  // gRPC's local credentials for Unix sockets: plaintext HTTP/2 on the wire (a plaintext
+  // client connects as it would to InsecureServerCredentials), refusing any connection that is
+  // not over a Unix socket, and, unlike InsecureServerCredentials (whose
+  // SetAuthMetadataProcessor aborts the process), running the token check below. Their calls
+  // count as private, so a client's call credentials (grpc::AccessTokenCredentials composed
+  // with grpc::experimental::LocalCredentials(UDS)) send the token over them.
+  if (options.plaintext_unix_sockets) {
+    security.unix_socket_credentials = grpc::experimental::LocalServerCredentials(UDS);
+  }
   if (!options.auth_token_file.empty()) {
     absl::StatusOr<TokenTable> tokens = TokenTable::Load(options.auth_token_file);
     if (!tokens.ok()) {
@@ -80,6 +96,10 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
         std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*std::move(tokens)));
     security.credentials->SetAuthMetadataProcessor(
         std::make_shared<TokenAuthProcessor>(security.tokens, metrics));
+    if (security.unix_socket_credentials != nullptr) {
+      security.unix_socket_credentials->SetAuthMetadataProcessor(
+          std::make_shared<TokenAuthProcessor>(security.tokens, metrics));
+    }
   }
   return security;
 }

@@ -1,6 +1,7 @@
 // Transport security of kvrecalld's gRPC port: plaintext, TLS, or mutual TLS from PEM files
 // (--tls_cert, --tls_key, --tls_client_ca), with the bearer-token check of server/auth.h
-// attached when --auth_token_file is given.
+// attached when --auth_token_file is given; with --plaintext_unix_sockets, plaintext credentials
+// for the unix:PATH listeners beside the TLS ones, with the same token check.
 #ifndef KVRECALL_SERVER_CREDENTIALS_H_
 #define KVRECALL_SERVER_CREDENTIALS_H_
 
@@ -23,20 +24,31 @@ struct SecurityOptions {
   // "TOKEN TENANT" lines (server/auth.h); empty: no token check. Needs TLS: gRPC clients send
   // bearer tokens only over TLS, and a token sent in plaintext is anyone's.
   std::string auth_token_file;
+  // With TLS: the unix:PATH listeners serve plaintext (their socket file, made 0600, admits
+  // this process's user alone) while the TCP ones keep TLS. No client certificate is asked for
+  // on them (--tls_client_ca applies to TLS listeners only); bearer tokens still are. Needs TLS;
+  // StartServer also wants a unix:PATH address and no unix-abstract:NAME one, which has no
+  // permissions.
+  bool plaintext_unix_sockets = false;
 
   bool tls() const { return !tls_cert_file.empty(); }
 };
 
 // A server's transport security and, with --auth_token_file, the tokens its calls carry.
 struct ServerSecurity {
+  // Every listener's, but for the unix:PATH ones when unix_socket_credentials is set.
   std::shared_ptr<grpc::ServerCredentials> credentials;
   std::shared_ptr<TokenStore> tokens;  // null: no token check, every call tenant ""
+  // With plaintext_unix_sockets, the unix:PATH listeners': plaintext (gRPC's local credentials,
+  // which take Unix-socket connections alone) with the same token check; null otherwise.
+  std::shared_ptr<grpc::ServerCredentials> unix_socket_credentials;
 };
 
 // The credentials `options` describe, files read now. INVALID_ARGUMENT for a combination that
-// cannot work (a key without a certificate, a client CA or a token file without TLS, a file
-// that is not PEM) or a malformed token file; NOT_FOUND / PERMISSION_DENIED for unreadable
-// files. `metrics` (may be null) counts unauthenticated calls and must outlive the server.
+// cannot work (a key without a certificate, a client CA, a token file or plaintext Unix
+// sockets without TLS, a file that is not PEM) or a malformed token file; NOT_FOUND /
+// PERMISSION_DENIED for unreadable files. `metrics` (may be null) counts unauthenticated calls
+// and must outlive the server.
 absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& options,
                                                      ServerMetrics* metrics);
 

@@ -52,6 +52,24 @@ struct StepSpecs {
   const TensorSpec q, k_new, v_new;
 };
 
+// A step's sequencer check: the position it says its token takes, where it says one, must be
+// the layer's length (the position the token would take). Errors read after "steps[i].position ".
+absl::Status CheckStepPosition(const v1::SequenceStep& step, Session& session, int layer)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu()) {
+  if (!step.has_position()) return absl::OkStatus();
+  if (step.position() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("must be >= 0 (the tokens the layer holds before it), got ", step.position()));
+  }
+  const int64_t held = session.layer(layer).tokens();
+  if (step.position() == held) return absl::OkStatus();
+  return absl::AbortedError(absl::StrCat(
+      step.position(), ": session '", session.id(), "' layer ", layer, " holds ", held,
+      " tokens, so its next token takes position ", held,
+      step.position() < held ? " (a step resent after its first send was applied?)" : "",
+      "; nothing of this request was applied"));
+}
+
 // Builds make(i) for the request's steps i in [0, n), those of one backend contiguous (in the
 // order backends first appear, request order within one), and calls run(backend, group) once per
 // backend: all sequences a backend serves step in one batch.
@@ -226,13 +244,16 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     if (absl::Status s = session.CheckDecodable(layer); !s.ok()) {
       return PrefixStatus(s, "steps[", i, "]: ");
     }
+    const v1::SequenceStep& step = request.steps(i);
+    if (absl::Status s = CheckStepPosition(step, session, layer); !s.ok()) {
+      return PrefixStatus(s, "steps[", i, "].position ");
+    }
     if (absl::Status s = registry_->limits().CheckContext(session.layer(layer).tokens() + 1,
                                                           session.id(), layer);
         !s.ok()) {
       return PrefixStatus(s, "steps[", i, "]: ");
     }
     const StepSpecs specs(session.geometry());
-    const v1::SequenceStep& step = request.steps(i);
     for (auto [tensor, spec] :
          {std::pair{&step.q(), &specs.q}, std::pair{&step.k_new(), &specs.k_new},
           std::pair{&step.v_new(), &specs.v_new}}) {

@@ -31,7 +31,8 @@ ABSL_FLAG(std::string, address, "0.0.0.0:50051",
           "HOST:PORT to listen on (port 0 picks one), or unix:PATH (a Unix domain socket for a "
           "runner on the same host, made 0600: the server's user alone may connect; "
           "unix-abstract:NAME has no permissions at all, any process of the network namespace "
-          "may connect); several separated by commas");
+          "may connect); several separated by commas. Every entry is served with the same "
+          "credentials (TLS with --tls_cert), but see --plaintext_unix_sockets");
 ABSL_FLAG(int, worker_threads, 0,
           "threads serving decode steps, prompt chunks and unary calls (as many again build "
           "selectors), at most 1024; open streams hold no thread; 0: one per hardware thread");
@@ -104,14 +105,27 @@ ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
 ABSL_FLAG(std::string, health_address, "",
           "HOST:PORT of a plaintext port serving grpc.health.v1 alone, for probes that cannot "
           "speak TLS (Kubernetes' gRPC probes); empty: none");
-ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of the server; with --tls_key: TLS");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of the server; with --tls_key: TLS on every --address entry "
+          "(but unix:PATH ones with --plaintext_unix_sockets)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
-          "PEM roots: clients must present a certificate they signed (mutual TLS)");
+          "PEM roots: clients must present a certificate they signed (mutual TLS; not on "
+          "the plaintext sockets of --plaintext_unix_sockets)");
+ABSL_FLAG(bool, plaintext_unix_sockets, false,
+          "with --tls_cert/--tls_key: serve --address's unix:PATH sockets without TLS while its "
+          "HOST:PORT entries keep it, for a runner on this host (a co-located container) that "
+          "holds no certificate; the socket file, made 0600, admits this process's user alone. "
+          "--auth_token_file's tokens are still required there (sent as 'authorization: Bearer "
+          "TOKEN' metadata, or by gRPC's local credentials with access-token call credentials); "
+          "client certificates (--tls_client_ca) cannot be checked without TLS and are not. "
+          "Refused without TLS, without a unix:PATH entry, and with a unix-abstract:NAME entry "
+          "(no file permissions: any process of the network namespace could connect)");
 ABSL_FLAG(std::string, auth_token_file, "",
           "file of 'TOKEN TENANT' lines: every call but grpc.health.v1 needs 'authorization: "
           "Bearer TOKEN' (else UNAUTHENTICATED), and a session belongs to the tenant that "
-          "created it (to others it does not exist); needs TLS. SIGHUP reads the file again: a "
+          "created it (to others it does not exist); needs TLS, and applies to every listener, "
+          "the plaintext sockets of --plaintext_unix_sockets too. SIGHUP reads the file again: a "
           "token taken out is refused, and its open streams end at their next request (a line "
           "starting with # is a comment)");
 
@@ -280,6 +294,7 @@ int main(int argc, char** argv) {
   options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.security.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.security.plaintext_unix_sockets = absl::GetFlag(FLAGS_plaintext_unix_sockets);
 
   // The threads started from here on block the shutdown signals (gRPC's inherit the mask), so
   // that their calls are not interrupted; main takes them again once the server listens.

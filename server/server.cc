@@ -70,6 +70,39 @@ bool UnixSocketInUse(absl::string_view address) {
   return in_use;
 }
 
+// The credentials `address` is listened on with: with --plaintext_unix_sockets, a unix:PATH
+// socket's are the plaintext ones (its file, made 0600 by BuildWithPrivateSockets, admits this
+// user alone); every other address's are the server's (TLS with --tls_cert).
+std::shared_ptr<grpc::ServerCredentials> ListenerCredentials(const ServerSecurity& security,
+                                                             absl::string_view address) {
+  if (security.unix_socket_credentials != nullptr && !UnixSocketPath(address).empty()) {
+    return security.unix_socket_credentials;
+  }
+  return security.credentials;
+}
+
+// --plaintext_unix_sockets' addresses: one unix:PATH at least (else the flag does nothing,
+// which its user would not expect), and no unix-abstract:NAME, which has no permissions at all:
+// served in plaintext, any process of the network namespace could drive every session.
+absl::Status CheckPlaintextUnixSockets(const std::vector<std::string>& addresses) {
+  bool any_path = false;
+  for (const std::string& address : addresses) {
+    if (absl::StartsWith(address, "unix-abstract:")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--plaintext_unix_sockets with --address entry '", address,
+          "': an abstract socket has no file permissions (any process of the network namespace "
+          "may connect), so it cannot go without TLS; use a unix:PATH socket (made 0600) "
+          "instead, or leave the flag out"));
+    }
+    any_path = any_path || !UnixSocketPath(address).empty();
+  }
+  if (!any_path) {
+    return absl::InvalidArgumentError(
+        "--plaintext_unix_sockets: --address has no unix:PATH entry to serve without TLS");
+  }
+  return absl::OkStatus();
+}
+
 // builder.BuildAndStart() with the socket files of `addresses`' unix:PATH entries readable and
 // writable by this process's user alone (connecting takes write permission): made under a
 // umask of 077, so that no other user can connect between the bind and the chmod that follows
@@ -308,6 +341,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   absl::StatusOr<ServerSecurity> security =
       MakeServerCredentials(options.security, running->metrics_.get());
   if (!security.ok()) return security.status();
+  if (options.security.plaintext_unix_sockets) {
+    if (absl::Status s = CheckPlaintextUnixSockets(addresses); !s.ok()) return s;
+  }
   running->service_.SetTokens(security->tokens);
   running->tokens_ = security->tokens;
   running->token_file_ = options.security.auth_token_file;
@@ -317,7 +353,8 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
       return absl::UnavailableError(absl::StrCat("could not listen on ", addresses[i],
                                                  ": another server listens on that socket"));
     }
-    builder.AddListeningPort(addresses[i], security->credentials, &ports[i]);
+    builder.AddListeningPort(addresses[i], ListenerCredentials(*security, addresses[i]),
+                             &ports[i]);
   }
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would then start and
   // silently take a share of the connections instead of failing.

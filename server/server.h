@@ -28,10 +28,11 @@ namespace kvrecall {
 inline constexpr int kMaxWorkerThreads = 1024;
 
 struct ServerOptions {
-  // Where to listen (insecure): HOST:PORT, where port 0 picks a free port, or unix:PATH, a Unix
-  // domain socket for a runner on the same host (unix:///ABSOLUTE and unix-abstract:NAME too);
-  // several separated by commas ("0.0.0.0:50051,unix:/run/kvrecall/kvrecall.sock"). A socket
-  // file is made 0600 (this user alone may connect); an abstract name has no permissions.
+  // Where to listen (secured as `security` says): HOST:PORT, where port 0 picks a free port,
+  // or unix:PATH, a Unix domain socket for a runner on the same host (unix:///ABSOLUTE and
+  // unix-abstract:NAME too); several separated by commas
+  // ("0.0.0.0:50051,unix:/run/kvrecall/kvrecall.sock"). A socket file is made 0600 (this user
+  // alone may connect); an abstract name has no permissions.
   std::string address = "0.0.0.0:50051";
   // Threads that serve decode steps, prompt chunks and unary calls (as many again build
   // selectors); 0: one per hardware thread. Open streams hold no thread.
@@ -54,7 +55,9 @@ struct ServerOptions {
   SessionLimits limits;
   // The GPUs sessions may be placed on, and their budgets.
   PlacementOptions placements;
-  // TLS, mutual TLS and bearer tokens for every address above (server/credentials.h).
+  // TLS, mutual TLS and bearer tokens for every address above, but with
+  // security.plaintext_unix_sockets the unix:PATH ones are plaintext (tokens still checked);
+  // that needs TLS, a unix:PATH address and no unix-abstract:NAME one (server/credentials.h).
   SecurityOptions security;
   // HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none, and
   // calls are not counted or timed (kvrecall_rpcs_total and the latency histograms stay empty).

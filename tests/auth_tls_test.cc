@@ -1,12 +1,16 @@
 // TLS, mutual TLS and bearer-token tenants with real certificates that openssl makes for the
-// suite: an in-process kvrecall server reached through the C++ client, kvrecalld's flags, and
-// the kvrecall CLI against a real kvrecalld.
+// suite: an in-process kvrecall server reached through the C++ client, plaintext Unix sockets
+// beside a TLS port (plaintext_unix_sockets), kvrecalld's flags, and the kvrecall CLI against a
+// real kvrecalld.
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -15,7 +19,10 @@
 #include "absl/strings/str_cat.h"
 #include "client/kvrecall_client.h"
 #include "gmock/gmock.h"
+#include "grpc/grpc_security_constants.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "server/auth.h"
 #include "server/credentials.h"
@@ -452,6 +459,298 @@ TEST_F(TlsTest, EachCallIsItsOwnTokensTenantOnASharedConnection) {
   EXPECT_TRUE(close(kBobToken, bobs).ok());
 }
 
+// plaintext_unix_sockets (kvrecalld --plaintext_unix_sockets): a TLS server whose unix:PATH
+// socket speaks plaintext, for a runner beside it that holds no certificate (the chart's
+// co-located runner), while its TCP port keeps TLS. The socket file (0600) admits the server's
+// user alone; tokens are still checked there. (Every address was served with the port's TLS
+// credentials, so a co-located runner needed a CA, a client certificate and a token.)
+class PlaintextUnixSocketTest : public TlsTest {
+ protected:
+  void SetUp() override {
+    TlsTest::SetUp();
+    ASSERT_NE(sockets_.path(), "");
+  }
+  std::string SocketPath() const { return sockets_.Path("kvrecall.sock"); }
+  std::string Socket() const { return "unix:" + SocketPath(); }
+  const std::string& Tcp() const { return running_->address(); }
+
+  // A server on 127.0.0.1 (port 0) and Socket(), secured as `security` says.
+  void StartWithSocket(SecurityOptions security, bool plaintext_unix_sockets = true) {
+    ServerOptions options;
+    options.address = absl::StrCat("127.0.0.1:0,", Socket());
+    options.security = std::move(security);
+    options.security.plaintext_unix_sockets = plaintext_unix_sockets;
+    absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    running_ = *std::move(server);
+  }
+
+  // ListSessions at `address` through the C++ client, its channel secured as `security` says.
+  static absl::StatusOr<std::vector<v1::SessionInfo>> ListAt(
+      const std::string& address, const client::ChannelSecurity& security) {
+    absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(address, security);
+    if (!c.ok()) return c.status();
+    return (*c)->ListSessions();
+  }
+
+  // A stub at `address` over `credentials`, and a call context that sends "authorization:
+  // Bearer `token`" as plain metadata (none for nullptr).
+  static std::unique_ptr<v1::KvRecall::Stub> StubAt(
+      const std::string& address, const std::shared_ptr<grpc::ChannelCredentials>& credentials) {
+    return v1::KvRecall::NewStub(grpc::CreateChannel(address, credentials));
+  }
+  static void Prepare(grpc::ClientContext* context, const char* token) {
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (token != nullptr) context->AddMetadata("authorization", absl::StrCat("Bearer ", token));
+  }
+  static absl::Status RawList(const std::string& address,
+                              const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                              const char* token) {
+    grpc::ClientContext context;
+    Prepare(&context, token);
+    v1::ListSessionsResponse response;
+    return testing::FromGrpc(
+        StubAt(address, credentials)->ListSessions(&context, v1::ListSessionsRequest(), &response));
+  }
+  // Health/Check at `address` in plaintext: its status, or the call's error.
+  static absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> PlaintextHealth(
+      const std::string& address) {
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    Prepare(&context, nullptr);
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status s = stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+    if (!s.ok()) return testing::FromGrpc(s);
+    return response.status();
+  }
+
+  testing::TempDirectory sockets_{"tls-sock"};
+  std::unique_ptr<RunningServer> running_;  // before sockets_ goes
+};
+
+TEST_F(PlaintextUnixSocketTest, TheSocketSpeaksPlaintextAndTheTcpPortKeepsTls) {
+  StartWithSocket(Tls());
+  ASSERT_EQ(running_->addresses().size(), 2u);
+  EXPECT_EQ(running_->addresses()[1], Socket());
+  struct stat st;
+  ASSERT_EQ(stat(SocketPath().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // The runner: a plaintext client on the socket decodes.
+  std::unique_ptr<client::Client> runner = client::Client::Connect(Socket());
+  ExpectDecodeMatchesFullAttention(*runner);
+  EXPECT_EQ(PlaintextHealth(Socket()).value_or(grpc::health::v1::HealthCheckResponse::UNKNOWN),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  // The TCP port: a plaintext client gets no answer, a TLS one does.
+  EXPECT_EQ(ListAt(Tcp(), {}).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(PlaintextHealth(Tcp()).status().code(), absl::StatusCode::kUnavailable);
+  absl::StatusOr<std::unique_ptr<client::Client>> tls =
+      client::Client::Connect(Tcp(), TrustingCa());
+  ASSERT_TRUE(tls.ok()) << tls.status();
+  ExpectDecodeMatchesFullAttention(**tls);
+  // The socket speaks no TLS: a TLS client's handshake fails there.
+  EXPECT_EQ(ListAt(Socket(), TrustingCa()).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// Client certificates cannot be checked without TLS: the socket asks for none, the TCP port
+// still does.
+TEST_F(PlaintextUnixSocketTest, MutualTlsStaysOnTheTcpPort) {
+  StartWithSocket(MutualTls());
+  EXPECT_TRUE(ListAt(Socket(), {}).ok());
+  EXPECT_EQ(ListAt(Tcp(), TrustingCa()).status().code(), absl::StatusCode::kUnavailable);
+  client::ChannelSecurity with_cert = TrustingCa();
+  with_cert.cert_file = pki().Path("client.pem");
+  with_cert.key_file = pki().Path("client.key");
+  EXPECT_TRUE(ListAt(Tcp(), with_cert).ok());
+}
+
+// A token file applies to the plaintext socket as to the TLS port: a call needs a known token
+// (as plain metadata, or through gRPC's local credentials, which carry call credentials over
+// a Unix socket), health excepted, and its tenant is the token's on either listener.
+TEST_F(PlaintextUnixSocketTest, TokensAreStillRequiredOnTheSocket) {
+  StartWithSocket(WithTokens());
+  const std::shared_ptr<grpc::ChannelCredentials> plaintext = grpc::InsecureChannelCredentials();
+  EXPECT_TRUE(HasStatus(RawList(Socket(), plaintext, nullptr), absl::StatusCode::kUnauthenticated,
+                        "requires a bearer token"));
+  EXPECT_TRUE(HasStatus(RawList(Socket(), plaintext, "not-a-token-of-this-server"),
+                        absl::StatusCode::kUnauthenticated, "unknown bearer token"));
+  EXPECT_TRUE(RawList(Socket(), plaintext, kAliceToken).ok());
+  const std::shared_ptr<grpc::ChannelCredentials> local_with_token =
+      grpc::CompositeChannelCredentials(grpc::experimental::LocalCredentials(UDS),
+                                        grpc::AccessTokenCredentials(kAliceToken));
+  EXPECT_TRUE(RawList(Socket(), local_with_token, nullptr).ok());
+  EXPECT_EQ(PlaintextHealth(Socket()).value_or(grpc::health::v1::HealthCheckResponse::UNKNOWN),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // Alice's session made over the socket is alice's over the TLS port, and not bob's.
+  {
+    grpc::ClientContext context;
+    Prepare(&context, kAliceToken);
+    v1::CreateSessionRequest request;
+    *request.mutable_geometry() = testing::MakeGeometry(1, 2, 1, 8);
+    *request.mutable_policy() = testing::MakePolicy(v1::SELECTOR_FULL);
+    request.set_label("made over the socket");
+    v1::CreateSessionResponse response;
+    const grpc::Status s = StubAt(Socket(), plaintext)->CreateSession(&context, request, &response);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  client::ChannelSecurity alice = TrustingCa();
+  alice.token = kAliceToken;
+  absl::StatusOr<std::vector<v1::SessionInfo>> alices = ListAt(Tcp(), alice);
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  ASSERT_EQ(alices->size(), 1u);
+  EXPECT_EQ((*alices)[0].label(), "made over the socket");
+  client::ChannelSecurity bob = TrustingCa();
+  bob.token = kBobToken;
+  absl::StatusOr<std::vector<v1::SessionInfo>> bobs = ListAt(Tcp(), bob);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_TRUE(bobs->empty());
+  EXPECT_THAT(running_->metrics().TextFormat(),
+              HasSubstr("\nkvrecall_unauthenticated_requests_total 2\n"));
+}
+
+// Without the flag, the socket is served with the TCP port's TLS credentials, as before.
+TEST_F(PlaintextUnixSocketTest, WithoutTheFlagTheSocketSpeaksTls) {
+  StartWithSocket(Tls(), /*plaintext_unix_sockets=*/false);
+  EXPECT_EQ(ListAt(Socket(), {}).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(PlaintextHealth(Socket()).status().code(), absl::StatusCode::kUnavailable);
+  // A unix: target's authority is "localhost", which the server's certificate names.
+  EXPECT_TRUE(ListAt(Socket(), TrustingCa()).ok());
+}
+
+// The flag without TLS (every address is plaintext already: its user expected TLS on the TCP
+// ports), without a unix:PATH address (nothing to apply it to), or with a unix-abstract:NAME
+// one (no file permissions: plaintext would admit every process of the network namespace) is
+// refused before anything listens.
+TEST_F(PlaintextUnixSocketTest, NonsensicalCombinationsAreRefusedAtStart) {
+  auto start = [](const std::string& address, SecurityOptions security) {
+    ServerOptions options;
+    options.address = address;
+    options.security = std::move(security);
+    options.security.plaintext_unix_sockets = true;
+    return StartServer(options).status();
+  };
+  EXPECT_TRUE(HasStatus(start(absl::StrCat("127.0.0.1:0,", Socket()), SecurityOptions()),
+                        absl::StatusCode::kInvalidArgument,
+                        "--plaintext_unix_sockets needs --tls_cert and --tls_key"));
+  EXPECT_TRUE(HasStatus(start("127.0.0.1:0", Tls()), absl::StatusCode::kInvalidArgument,
+                        "--plaintext_unix_sockets: --address has no unix:PATH entry"));
+  const std::string abstract = absl::StrCat("unix-abstract:kvrecall-tls-test-", getpid());
+  EXPECT_TRUE(HasStatus(start(absl::StrCat(Socket(), ",", abstract), Tls()),
+                        absl::StatusCode::kInvalidArgument,
+                        absl::StrCat("--plaintext_unix_sockets with --address entry '", abstract,
+                                     "': an abstract socket has no file permissions")));
+  EXPECT_FALSE(std::filesystem::exists(SocketPath()));
+}
+
+// kvrecall's own token option over the plaintext socket: ChannelSecurity::token alone to a
+// unix:PATH target travels over gRPC's local credentials (plaintext, Unix sockets alone) with
+// access-token call credentials. (It implied TLS, whose handshake the plaintext socket fails,
+// so a co-located runner had to build its channel by hand.) Any TLS field still means TLS.
+TEST_F(PlaintextUnixSocketTest, TheClientsTokenGoesOverTheSocketWithoutTls) {
+  StartWithSocket(WithTokens());
+  client::ChannelSecurity alice;
+  alice.token = kAliceToken;
+  absl::StatusOr<std::unique_ptr<client::Client>> runner = client::Client::Connect(Socket(), alice);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  ExpectDecodeMatchesFullAttention(**runner);
+  // No token, a wrong one, a prefix of a real one: UNAUTHENTICATED on the socket.
+  EXPECT_TRUE(HasStatus(ListAt(Socket(), {}).status(), absl::StatusCode::kUnauthenticated,
+                        "requires a bearer token"));
+  client::ChannelSecurity wrong;
+  wrong.token = "not-a-token-of-this-server";
+  EXPECT_TRUE(HasStatus(ListAt(Socket(), wrong).status(), absl::StatusCode::kUnauthenticated,
+                        "unknown bearer token"));
+  wrong.token = std::string(kAliceToken).substr(0, 20);
+  EXPECT_EQ(ListAt(Socket(), wrong).status().code(), absl::StatusCode::kUnauthenticated);
+  // The token's tenant is alice on either listener: a session made over the socket is hers
+  // over the TLS port, not bob's.
+  absl::StatusOr<client::SessionHandle> made = (*runner)->CreateSession(
+      testing::MakeGeometry(1, 2, 1, 8), testing::MakePolicy(v1::SELECTOR_FULL), "socket");
+  ASSERT_TRUE(made.ok()) << made.status();
+  client::ChannelSecurity alice_tls = TrustingCa();
+  alice_tls.token = kAliceToken;
+  absl::StatusOr<std::vector<v1::SessionInfo>> alices = ListAt(Tcp(), alice_tls);
+  ASSERT_TRUE(alices.ok()) << alices.status();
+  ASSERT_EQ(alices->size(), 1u);
+  EXPECT_EQ((*alices)[0].session_id(), made->id);
+  client::ChannelSecurity bob;
+  bob.token = kBobToken;
+  absl::StatusOr<std::vector<v1::SessionInfo>> bobs = ListAt(Socket(), bob);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_TRUE(bobs->empty());
+  // A token alone to the TCP port still means TLS, with the system's roots, which do not
+  // trust the suite's CA: no answer. With the CA it is answered.
+  EXPECT_EQ(ListAt(Tcp(), alice).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(ListAt(Tcp(), alice_tls).ok());
+  // A TLS field with the token asks for TLS on the socket too, whose handshake it fails there.
+  EXPECT_EQ(ListAt(Socket(), alice_tls).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(running_->metrics().TextFormat(),
+              HasSubstr("\nkvrecall_unauthenticated_requests_total 3\n"));
+}
+
+// A token alone to an abstract socket is refused before any channel is made: kvrecalld never
+// serves one in plaintext (no file permissions), and a silent plaintext token is what the
+// caller would not expect. With a TLS field it goes over TLS, as to any target.
+TEST_F(TlsTest, ATokenAloneToAnAbstractSocketIsRefused) {
+  client::ChannelSecurity alice;
+  alice.token = kAliceToken;
+  const std::string abstract = "unix-abstract:kvrecall-token-test";
+  const std::string message = absl::StrCat("a bearer token to ", abstract, " without TLS");
+  EXPECT_TRUE(HasStatus(client::MakeChannelCredentials(alice, abstract).status(),
+                        absl::StatusCode::kInvalidArgument, message));
+  EXPECT_TRUE(HasStatus(client::Client::Connect(abstract, alice).status(),
+                        absl::StatusCode::kInvalidArgument, message));
+  client::ChannelSecurity over_tls = TrustingCa();
+  over_tls.token = kAliceToken;
+  EXPECT_TRUE(client::MakeChannelCredentials(over_tls, abstract).ok());
+  over_tls = alice;
+  over_tls.tls = true;
+  EXPECT_TRUE(client::Client::Connect(abstract, over_tls).ok());
+  // Without a token an abstract socket is plaintext as before, and no target refuses one.
+  EXPECT_TRUE(client::Client::Connect(abstract, client::ChannelSecurity()).ok());
+  EXPECT_TRUE(client::MakeChannelCredentials(alice).ok());
+}
+
+// A token alone to HOST:PORT is never sent in plaintext: the client speaks TLS (system roots),
+// so a plaintext server gets a handshake it cannot answer, and no call.
+TEST_F(TlsTest, ATokenAloneToHostPortGoesOverTls) {
+  Start(SecurityOptions());  // plaintext
+  EXPECT_TRUE(List({}).ok());
+  client::ChannelSecurity alice;
+  alice.token = kAliceToken;
+  EXPECT_EQ(List(alice).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(ReadTokenFileTest, ReadsTheFirstLineAndNamesTheFileWhenItCannot) {
+  testing::TempDirectory dir("token-file");
+  ASSERT_NE(dir.path(), "");
+  // The first line without the whitespace around it, however the file ends.
+  const std::vector<std::pair<const char*, const char*>> files = {
+      {"newline", "tok-0123456789abcdef\n"},
+      {"bare", "tok-0123456789abcdef"},
+      {"crlf", "tok-0123456789abcdef\r\n"},
+      {"padded", "  tok-0123456789abcdef \nsecond line\n"}};
+  for (const auto& [name, text] : files) {
+    WriteFile(dir.Path(name), text);
+    absl::StatusOr<std::string> token = client::ReadTokenFile(dir.Path(name));
+    ASSERT_TRUE(token.ok()) << name << ": " << token.status();
+    EXPECT_EQ(*token, "tok-0123456789abcdef") << name;
+  }
+  WriteFile(dir.Path("empty"), "");
+  EXPECT_TRUE(HasStatus(client::ReadTokenFile(dir.Path("empty")).status(),
+                        absl::StatusCode::kInvalidArgument, dir.Path("empty") + " is empty"));
+  WriteFile(dir.Path("blank"), " \ntok-0123456789abcdef\n");
+  EXPECT_TRUE(HasStatus(client::ReadTokenFile(dir.Path("blank")).status(),
+                        absl::StatusCode::kInvalidArgument,
+                        dir.Path("blank") + " starts with an empty line"));
+  EXPECT_TRUE(HasStatus(client::ReadTokenFile(dir.Path("absent")).status(),
+                        absl::StatusCode::kNotFound,
+                        "cannot read " + dir.Path("absent") + ": No such file or directory"));
+  EXPECT_TRUE(HasStatus(client::ReadTokenFile(dir.path()).status(), absl::StatusCode::kNotFound,
+                        "cannot read " + dir.path()));
+}
+
 TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
   auto start = [](const SecurityOptions& security) {
     ServerOptions options;
@@ -534,6 +833,12 @@ TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
 // kvrecalld's flags and the kvrecall CLI's, end to end.
 class TlsProcessTest : public TlsTest {
  protected:
+  void SetUp() override {
+    TlsTest::SetUp();
+    // A CLI run sends no token unless its flags (or a test's own KVRECALL_TOKEN_FILE=) say so:
+    // --token_file defaults to $KVRECALL_TOKEN_FILE, which the tests' environment might hold.
+    unsetenv("KVRECALL_TOKEN_FILE");
+  }
   static std::string Cli() { return testing::BuildProgram("client/kvrecall"); }
 };
 
@@ -617,6 +922,97 @@ TEST_F(TlsProcessTest, SighupReloadsTheTokensAndTheSessionsStay) {
   ASSERT_TRUE(hang_up_and_await("the tokens in force stay")) << (*server)->output();
   EXPECT_THAT((*server)->output(), HasSubstr("token is 5 characters, at least 16"));
   EXPECT_EQ(RunCommand(as_carol + " list").exit_code, 0);
+  absl::StatusOr<int> stopped = (*server)->Stop();
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
+}
+
+// kvrecalld --plaintext_unix_sockets: the CLI reaches the socket without TLS and the TCP port
+// with it alone; the flag without a unix:PATH address is refused, saying so.
+TEST_F(TlsProcessTest, KvrecalldServesItsUnixSocketInPlaintextWithTheFlag) {
+  testing::TempDirectory sockets("tls-sock");
+  ASSERT_NE(sockets.path(), "");
+  const std::string socket = "unix:" + sockets.Path("kvrecall.sock");
+  const std::vector<std::string> tls = {"--tls_cert=" + pki().Path("server.pem"),
+                                        "--tls_key=" + pki().Path("server.key"),
+                                        "--plaintext_unix_sockets"};
+  std::vector<std::string> flags = tls;
+  flags.push_back("--address=127.0.0.1:0," + socket);
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start(flags);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_THAT((*server)->output(), HasSubstr("kvrecalld also listening on " + socket));
+  CommandResult over_socket = RunCommand(absl::StrCat(Cli(), " --server=", socket, " list"));
+  EXPECT_EQ(over_socket.exit_code, 0) << over_socket.output;
+  const std::string tcp = absl::StrCat(Cli(), " --server=", (*server)->address());
+  CommandResult plaintext_tcp = RunCommand(tcp + " list");
+  EXPECT_EQ(plaintext_tcp.exit_code, 1);
+  EXPECT_THAT(plaintext_tcp.output, HasSubstr("UNAVAILABLE"));
+  CommandResult tls_tcp =
+      RunCommand(absl::StrCat(tcp, " --tls_ca=", pki().Path("ca.pem"), " list"));
+  EXPECT_EQ(tls_tcp.exit_code, 0) << tls_tcp.output;
+  absl::StatusOr<int> stopped = (*server)->Stop();
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
+
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> refused =
+      testing::KvrecalldProcess::Start(tls);  // --address=127.0.0.1:0 alone
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("kvrecalld: --plaintext_unix_sockets: --address has no unix:PATH entry"));
+}
+
+// The CLI's token over kvrecalld's plaintext socket, from --token_file or from
+// $KVRECALL_TOKEN_FILE (what the chart's co-located runner gets), while to the TCP port a
+// token still means TLS.
+TEST_F(TlsProcessTest, TheCliSendsItsTokenOverThePlaintextSocket) {
+  testing::TempDirectory sockets("tls-sock");
+  ASSERT_NE(sockets.path(), "");
+  const std::string socket = "unix:" + sockets.Path("kvrecall.sock");
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start(
+          {"--tls_cert=" + pki().Path("server.pem"), "--tls_key=" + pki().Path("server.key"),
+           "--auth_token_file=" + pki().Path("tokens"), "--plaintext_unix_sockets",
+           "--address=127.0.0.1:0," + socket});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string over_socket = absl::StrCat(Cli(), " --server=", socket);
+  const std::string alice = " --token_file=" + pki().Path("alice.token");
+  const std::string env = "KVRECALL_TOKEN_FILE=" + pki().Path("alice.token") + " ";
+
+  CommandResult created = RunCommand(absl::StrCat(
+      over_socket, alice, " create --layers=1 --q_heads=2 --kv_heads=1 --head_dim=8 --json"));
+  ASSERT_EQ(created.exit_code, 0) << created.output;
+  CommandResult listed = RunCommand(absl::StrCat(env, over_socket, " list --json"));
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_THAT(listed.output, HasSubstr("session_id"));  // alice's, through the variable
+  CommandResult no_token = RunCommand(over_socket + " list");
+  EXPECT_EQ(no_token.exit_code, 1);
+  EXPECT_THAT(no_token.output, HasSubstr("UNAUTHENTICATED: this server requires a bearer token"));
+  // --token_file= sends none, even with the variable set.
+  CommandResult none = RunCommand(absl::StrCat(env, over_socket, " --token_file= list"));
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_THAT(none.output, HasSubstr("UNAUTHENTICATED: this server requires a bearer token"));
+  WriteFile(pki().Path("wrong.token"), "not-a-token-of-this-server\n");
+  CommandResult wrong =
+      RunCommand(absl::StrCat(over_socket, " --token_file=", pki().Path("wrong.token"), " list"));
+  EXPECT_EQ(wrong.exit_code, 1);
+  EXPECT_THAT(wrong.output, HasSubstr("UNAUTHENTICATED: unknown bearer token"));
+  CommandResult unreadable = RunCommand(
+      absl::StrCat("KVRECALL_TOKEN_FILE=", pki().Path("absent.token"), " ", over_socket, " list"));
+  EXPECT_EQ(unreadable.exit_code, 1);
+  EXPECT_THAT(unreadable.output, HasSubstr("NOT_FOUND: $KVRECALL_TOKEN_FILE: cannot read " +
+                                           pki().Path("absent.token")));
+
+  // To the TCP port the variable's token means TLS: the system's roots refuse the suite's
+  // certificate, the CA accepts it.
+  const std::string tcp = absl::StrCat(Cli(), " --server=", (*server)->address());
+  CommandResult system_roots = RunCommand(absl::StrCat(env, tcp, " list"));
+  EXPECT_EQ(system_roots.exit_code, 1);
+  EXPECT_THAT(system_roots.output, HasSubstr("UNAVAILABLE"));
+  CommandResult with_ca =
+      RunCommand(absl::StrCat(env, tcp, " --tls_ca=", pki().Path("ca.pem"), " list --json"));
+  EXPECT_EQ(with_ca.exit_code, 0) << with_ca.output;
+  EXPECT_THAT(with_ca.output, HasSubstr("session_id"));
   absl::StatusOr<int> stopped = (*server)->Stop();
   ASSERT_TRUE(stopped.ok());
   EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();

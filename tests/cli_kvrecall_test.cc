@@ -1,7 +1,7 @@
 // The `kvrecall` binary against the real `kvrecalld` binary on loopback: replay of a real
 // tinylm trace (generated at test time), the session subcommands, the demo, errors (non-zero
-// exit with the server's code and message), and a prompt + decode step sent as plain float
-// JSON through `buf curl` and server reflection.
+// exit with the server's code and message), --token_file and $KVRECALL_TOKEN_FILE, and a
+// prompt + decode step sent as plain float JSON through `buf curl` and server reflection.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/wait.h>
@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +80,9 @@ std::string KvrecallBinary() { return testing::BuildProgram("client/kvrecall"); 
 class CliTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
+    // The runs here send no token unless a test says so (the CLI's --token_file defaults to
+    // $KVRECALL_TOKEN_FILE, which the environment running the tests might hold).
+    unsetenv("KVRECALL_TOKEN_FILE");
     absl::StatusOr<std::unique_ptr<KvrecalldProcess>> server = KvrecalldProcess::Start();
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
@@ -366,6 +370,60 @@ TEST_F(CliTest, LocalInputsAreRefusedByFlagName) {
   }
   EXPECT_FALSE(std::filesystem::exists(trace + ".x"));
   std::filesystem::remove(trace);
+}
+
+// --token_file and its default, $KVRECALL_TOKEN_FILE: the file is read before anything is
+// sent (an unreadable or empty one exits 1 naming the flag or the variable and the file), a
+// token alone to this plaintext HOST:PORT server means TLS and so gets no answer (never a
+// plaintext call carrying it), --token_file= sends none, and to a unix-abstract:NAME server a
+// token alone is refused. (tests/auth_tls_test.cc sends tokens to servers that check them.)
+TEST_F(CliTest, TokenFileAndItsEnvironmentDefault) {
+  testing::TempDirectory dir("cli-token");
+  ASSERT_NE(dir.path(), "");
+  const std::string token = dir.Path("runner.token");
+  const std::string empty = dir.Path("empty.token");
+  {
+    std::ofstream(token) << "runner-token-0123456789\n";
+    std::ofstream(empty) << "";
+  }
+  struct EnvVar {  // KVRECALL_TOKEN_FILE for the runs in its scope
+    explicit EnvVar(const std::string& value) { setenv("KVRECALL_TOKEN_FILE", value.c_str(), 1); }
+    ~EnvVar() { unsetenv("KVRECALL_TOKEN_FILE"); }
+  };
+
+  ProcessResult r = Kvrecall("list", {"--token_file=" + dir.Path("absent.token")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall list: NOT_FOUND: --token_file: cannot read " +
+                               dir.Path("absent.token") + ": No such file or directory"));
+  r = Kvrecall("list", {"--token_file=" + empty});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall list: INVALID_ARGUMENT: --token_file: " + empty +
+                               " is empty"));
+  r = Kvrecall("list", {"--token_file=" + token});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall list: UNAVAILABLE: "));  // TLS to a plaintext port
+  {
+    EnvVar env(dir.Path("absent.token"));
+    r = Kvrecall("list", {});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_THAT(r.err, HasSubstr("kvrecall list: NOT_FOUND: $KVRECALL_TOKEN_FILE: cannot read " +
+                                 dir.Path("absent.token")));
+    r = Kvrecall("list", {"--token_file=" + empty});  // the flag wins over the variable
+    EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT: --token_file: " + empty + " is empty"));
+  }
+  {
+    EnvVar env(token);
+    r = Kvrecall("list", {});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_THAT(r.err, HasSubstr("kvrecall list: UNAVAILABLE: "));
+    r = Kvrecall("list", {"--token_file="});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_THAT(r.out, HasSubstr("SESSION"));
+    r = RunProcess({KvrecallBinary(), "list", "--server=unix-abstract:kvrecall-cli-token-test"});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_THAT(r.err, HasSubstr("kvrecall list: INVALID_ARGUMENT: a bearer token to "
+                                 "unix-abstract:kvrecall-cli-token-test without TLS"));
+  }
 }
 
 TEST_F(CliTest, DemoPrintsATableOfPolicies) {

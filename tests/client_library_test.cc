@@ -349,6 +349,32 @@ TEST_F(ClientTest, DecodeStreamRecoversAfterAFailedStep) {
   EXPECT_EQ((*decode)->streams_opened(), 2);
 }
 
+TEST_F(ClientTest, AStepThatSaysItsPositionIsNotAppendedTwice) {
+  const v1::Geometry g = testing::MakeGeometry(1, 4, 2, 8);
+  const RandomPrompt prompt(g, 12, 11);
+  const SessionHandle session = Prefilled(g, prompt);
+  absl::StatusOr<std::unique_ptr<DecodeStream>> decode = client_->OpenDecodeStream(g);
+  ASSERT_TRUE(decode.ok());
+  const std::vector<float> q = testing::RandomNormal(32, 12), kv = testing::RandomNormal(16, 13);
+  const SequenceInput at_12{session.id, q, kv, kv, 12};
+  StepResult result;
+  ASSERT_TRUE((*decode)->Step(0, {&at_12, 1}, {}, &result).ok());
+  EXPECT_EQ(result.response->results(0).position(), 12);
+  // Resent (its reply lost, say): refused, nothing appended; the stream goes on afterwards.
+  absl::Status resent = (*decode)->Step(0, {&at_12, 1}, {}, &result);
+  EXPECT_EQ(resent.code(), absl::StatusCode::kAborted) << resent;
+  EXPECT_THAT(resent.message(), HasSubstr("holds 13 tokens, so its next token takes position 13"));
+  EXPECT_EQ(client_->GetSession(session.id)->tokens(), 13);
+  const SequenceInput at_13{session.id, q, kv, kv, 13};
+  ASSERT_TRUE((*decode)->Step(0, {&at_13, 1}, {}, &result).ok());
+  EXPECT_EQ(result.response->results(0).position(), 13);
+  // A step that says none goes at the end: the reused request carries no earlier position.
+  const SequenceInput anywhere{session.id, q, kv, kv};
+  ASSERT_TRUE((*decode)->Step(0, {&anywhere, 1}, {}, &result).ok());
+  EXPECT_EQ(result.response->results(0).position(), 14);
+  EXPECT_EQ(client_->GetSession(session.id)->tokens(), 15);
+}
+
 TEST_F(ClientTest, DecodeBeforePrefillIsAFailedPrecondition) {
   const v1::Geometry g = testing::MakeGeometry(1, 4, 2, 8);
   absl::StatusOr<SessionHandle> s =

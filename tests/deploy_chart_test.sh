@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Checks the Helm chart and the manifests rendered from it; one CTest entry per case:
-#   lint          helm lint --strict: default, GPU, secure values, and secure + LoadBalancer +
-#                 NetworkPolicy
-#   validate      every object helm renders (default, GPU, secure, co-located runner, a
-#                 published API with its NetworkPolicy) against the Kubernetes schemas
+#   lint          helm lint --strict: default, GPU, secure values, secure + LoadBalancer +
+#                 NetworkPolicy, and secure + a co-located runner with its token
+#   validate      every object helm renders (default, GPU, secure, co-located runner, secure
+#                 with a co-located runner, a published API with its NetworkPolicy) against
+#                 the Kubernetes schemas
 #   rejects       deploy/validate.mjs rejects each defect in deploy_invalid_manifests.yaml
 #   up_to_date    deploy/k8s/ equals a fresh render of the chart
 #   values        derived values (memory budget, GPU limit, the co-located runner's socket,
+#                 its plaintext socket and token under TLS and tokens,
 #                 the metrics Service of a published API, the NetworkPolicy, integer flags
 #                 from a values file) and the chart's refusals (its own checks and
 #                 values.schema.json)
@@ -42,6 +44,9 @@ case "$case_name" in
     "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-secure.yaml"
     "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-secure.yaml" \
       --set service.type=LoadBalancer --set networkPolicy.enabled=true
+    "$HELM" lint --strict "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1 \
+      --set colocatedRunner.tokenSecretName=kvrecall-tokens --set colocatedRunner.tokenSecretKey=runner
     ;;
   validate)
     require_helm
@@ -59,6 +64,11 @@ case "$case_name" in
     echo "== colocated runner"
     "$HELM" template kvrecall "$chart_dir" --set colocatedRunner.enabled=true \
       --set colocatedRunner.image=runner:1 --set 'colocatedRunner.args={python3,-m,runner}' \
+      | "$NODE" "$deploy_root/deploy/validate.mjs" -
+    echo "== secure, colocated runner with its token"
+    "$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1 \
+      --set colocatedRunner.tokenSecretName=kvrecall-tokens --set colocatedRunner.tokenSecretKey=runner \
       | "$NODE" "$deploy_root/deploy/validate.mjs" -
     # A published API (secure values, LoadBalancer) with its metrics Service and a NetworkPolicy
     # whose peers cover each kind (podSelector, namespaceSelector with podSelector, ipBlock).
@@ -263,12 +273,54 @@ case "$case_name" in
       --set networkPolicy.enabled=true --set 'networkPolicy.grpc.from[0].podSelecter.x=y'
     expect_render_error "at '/networkPolicy': additional properties 'ingress' not allowed" \
       --set networkPolicy.enabled=true --set 'networkPolicy.ingress=x'
-    # TLS with a co-located runner: the Unix socket would need TLS, a client certificate and a
-    # token the runner is not given; refused, saying why.
-    expect_render_error "colocatedRunner.enabled with tls.enabled: kvrecalld serves the runner's Unix socket with the gRPC port's TLS credentials" \
+    # TLS with a co-located runner: kvrecalld serves the runner's socket in plaintext
+    # (--plaintext_unix_sockets) and the gRPC port in TLS; the runner gets no CA, certificate
+    # or TLS Secret. (The combination was refused: the socket spoke the port's TLS.)
+    if grep -qF -- '--plaintext_unix_sockets' <<<"$colocated"; then
+      fail "colocated render without TLS passes --plaintext_unix_sockets"
+    fi
+    tls_runner="$("$HELM" template kvrecall "$chart_dir" --set tls.enabled=true --set tls.secretName=s \
+      --set tls.clientAuth=true --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1)"
+    for line in '- --plaintext_unix_sockets=true' '- --tls_cert=/etc/kvrecall/tls/tls.crt' \
+        '- --tls_client_ca=/etc/kvrecall/tls/ca.crt' '- --address=0.0.0.0:50051,unix:/run/kvrecall/kvrecall.sock'; do
+      grep -qF -- "$line" <<<"$tls_runner" || fail "TLS + colocated render lacks: $line"
+    done
+    [ "$(grep -c 'mountPath: /etc/kvrecall/tls$' <<<"$tls_runner")" = 1 ] \
+      || fail "TLS + colocated render: the TLS Secret must be mounted in kvrecalld alone"
+    if grep -qE 'KVRECALL_TOKEN_FILE|runner-token' <<<"$tls_runner"; then
+      fail "TLS + colocated render without tokens gives the runner a token"
+    fi
+    # With tokens the socket checks them too: the runner's own token, from its own Secret key,
+    # in its container alone; refused without one, and a runner token without a token file.
+    secure_runner="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1 \
+      --set colocatedRunner.tokenSecretName=runner-secret --set colocatedRunner.tokenSecretKey=runner)"
+    for line in '- --plaintext_unix_sockets=true' '- --auth_token_file=/etc/kvrecall/auth/tokens' \
+        'name: KVRECALL_TOKEN_FILE' 'value: "/etc/kvrecall/runner/runner"' 'secretName: runner-secret' \
+        '- key: runner'; do
+      grep -qF -- "$line" <<<"$secure_runner" || fail "secure + colocated render lacks: $line"
+    done
+    for mount in /etc/kvrecall/runner /etc/kvrecall/auth /etc/kvrecall/tls; do
+      [ "$(grep -c "mountPath: $mount$" <<<"$secure_runner")" = 1 ] \
+        || fail "secure + colocated render: $mount must be mounted in one container"
+    done
+    runner_container="$(sed -n '/^        - name: runner$/,/^      volumes:$/p' <<<"$secure_runner")"
+    grep -qF 'mountPath: /etc/kvrecall/runner' <<<"$runner_container" \
+      || fail "secure + colocated render: the runner does not mount its token"
+    if grep -qE 'mountPath: /etc/kvrecall/(tls|auth)$' <<<"$runner_container"; then
+      fail "secure + colocated render: the runner mounts kvrecalld's Secrets"
+    fi
+    expect_render_error "colocatedRunner.tokenSecretName: with auth.tokenSecretName, calls on the runner's Unix socket need a bearer token too" \
       -f "$chart_dir/values-secure.yaml" --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1
-    expect_render_error "colocatedRunner.enabled with tls.enabled" \
-      --set tls.enabled=true --set tls.secretName=s --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1
+    expect_render_error "colocatedRunner.tokenSecretName needs auth.tokenSecretName: without a token file kvrecalld checks no token" \
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1 --set colocatedRunner.tokenSecretName=t
+    expect_render_error "colocatedRunner.tokenSecretKey: the runner's token needs a key of its own, not auth.tokenSecretKey of the same Secret" \
+      -f "$chart_dir/values-secure.yaml" --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1 \
+      --set colocatedRunner.tokenSecretName=kvrecall-tokens --set colocatedRunner.tokenSecretKey=tokens
+    expect_render_error "server.extraArgs: --plaintext_unix_sockets is set by the chart" \
+      --set "server.extraArgs={--plaintext_unix_sockets}"
+    expect_render_error "at '/colocatedRunner/tokenSecretKey': 'a/b' does not match pattern" \
+      --set colocatedRunner.tokenSecretKey=a/b
     # Integer flags from a values file: YAML numbers reach the templates as float64, which
     # prints 1000000 as 1e+06, a value kvrecalld's integer flags refuse.
     big_values="$(mktemp)"

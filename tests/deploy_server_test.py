@@ -6,7 +6,9 @@ declares (`--helpfull`); kvrecalld started with exactly the chart's arguments (l
 moved to free loopback ports, the Secrets' mount points to a folder of certificates made by
 openssl) answers the readiness and liveness probes' grpc.health.v1.Health/Check SERVING,
 serves /metrics where the pod's annotations say, takes a call over TLS with a token (secure),
-and on SIGTERM it exits 0 within the pod's termination grace period.
+and on SIGTERM it exits 0 within the pod's termination grace period. With a co-located runner
+it answers on the runner's socket: with the secure values there in plaintext
+(--plaintext_unix_sockets) with the runner's token, while the gRPC port keeps mutual TLS.
 
 Usage: deploy_server_test.py KVRECALLD   (exits 77, CTest's skip, when helm is missing)
 """
@@ -85,6 +87,21 @@ def health_check(address, service, timeout_s):
     if len(response) != 2 or response[0] != 0x08:
         raise AssertionError(f"unexpected HealthCheckResponse bytes {response!r}")
     return response[1]
+
+
+def list_sessions(address, credentials=None, metadata=None):
+    """ListSessions at `address` (plaintext unless `credentials`): the call's status code."""
+    channel = (grpc.secure_channel(address, credentials) if credentials is not None
+               else grpc.insecure_channel(address))
+    with channel:
+        call = channel.unary_unary("/kvrecall.v1.KvRecall/ListSessions",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        try:
+            call(b"", timeout=10, metadata=metadata)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            return error.code()
 
 
 def free_port():
@@ -256,6 +273,75 @@ class ChartDrivesKvrecalld(unittest.TestCase):
             try:
                 self.assert_probes_pass(server, f"127.0.0.1:{port}", containers["kvrecalld"])
                 self.assertEqual(health_check(socket_address, "kvrecall.v1.KvRecall", 5), SERVING)
+                server.send_signal(signal.SIGTERM)
+                output, _ = server.communicate(timeout=pod["spec"]["terminationGracePeriodSeconds"])
+                self.assertEqual(server.returncode, 0, output)
+                self.assertIn(f"kvrecalld also listening on {socket_address}", output)
+            finally:
+                if server.poll() is None:
+                    server.kill()
+                    server.communicate()
+
+    def test_colocated_runner_with_tls_and_tokens_uses_the_plaintext_socket(self):
+        # Secure values with a co-located runner: kvrecalld keeps mutual TLS and tokens on its
+        # port, serves the runner's socket in plaintext (--plaintext_unix_sockets), and checks
+        # the token the runner reads from its own Secret (KVRECALL_TOKEN_FILE) there too.
+        with tempfile.TemporaryDirectory(prefix="kvrecall-sock-") as socket_dir, \
+                tempfile.TemporaryDirectory(prefix="kvrecall-secrets-") as secrets_dir:
+            objects = render(VARIANTS["secure"] + [
+                "--set", "colocatedRunner.enabled=true", "--set", "colocatedRunner.image=runner:1",
+                "--set", f"colocatedRunner.socketDir={socket_dir}",
+                "--set", "colocatedRunner.tokenSecretName=kvrecall-tokens",
+                "--set", "colocatedRunner.tokenSecretKey=runner"])
+            pod = only(objects, "StatefulSet")["spec"]["template"]
+            containers = {c["name"]: c for c in pod["spec"]["containers"]}
+            self.assertEqual(set(containers), {"kvrecalld", "runner"})
+            runner = containers["runner"]
+            runner_env = {e["name"]: e["value"] for e in runner["env"]}
+            socket_address = runner_env["KVRECALL_ADDRESS"]
+            self.assertEqual(runner_env["KVRECALL_TOKEN_FILE"], "/etc/kvrecall/runner/runner")
+            # The runner mounts the socket directory and its token, not the server's Secrets.
+            self.assertEqual(sorted(m["mountPath"] for m in runner["volumeMounts"]),
+                             sorted([socket_dir, "/etc/kvrecall/runner"]))
+            (token_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "runner-token"]
+            self.assertEqual(token_volume["secret"]["items"], [{"key": "runner", "path": "runner"}])
+            chart_args = containers["kvrecalld"]["args"]
+            self.assertIn("--plaintext_unix_sockets=true", chart_args)
+            self.assertTrue(flag_value(chart_args, "address").endswith("," + socket_address))
+            for arg in chart_args:
+                self.assertIn(re.fullmatch(r"--([A-Za-z0-9_]+)=.*", arg).group(1),
+                              self.declared_flags)
+            port, metrics_port, health_port = free_port(), free_port(), free_port()
+            args = [f"--address=127.0.0.1:{port},{socket_address}" if a.startswith("--address=")
+                    else a
+                    for a in self.local_args(chart_args, port, metrics_port, health_port,
+                                             secrets_dir)]
+            # What the runner's Secret would hold: alice's token.
+            token_file = runner_env["KVRECALL_TOKEN_FILE"].replace("/etc/kvrecall/",
+                                                                   f"{secrets_dir}/")
+            os.makedirs(os.path.dirname(token_file))
+            shutil.copy(os.path.join(secrets_dir, "pki", "alice.token"), token_file)
+            with open(token_file) as f:
+                token = f.readline().strip()
+            server = subprocess.Popen([KVRECALLD, *args], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+            try:
+                self.assert_probes_pass(server, f"127.0.0.1:{health_port}",
+                                        containers["kvrecalld"])
+                self.assertEqual(health_check(socket_address, "kvrecall.v1.KvRecall", 5), SERVING)
+                local_with_token = grpc.composite_channel_credentials(
+                    grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+                    grpc.access_token_call_credentials(token))
+                bearer = [("authorization", f"Bearer {token}")]
+                for credentials, metadata, code in (
+                        (local_with_token, None, grpc.StatusCode.OK),
+                        (None, bearer, grpc.StatusCode.OK),
+                        (None, None, grpc.StatusCode.UNAUTHENTICATED)):
+                    self.assertEqual(list_sessions(socket_address, credentials, metadata), code)
+                # The gRPC port: no plaintext, mutual TLS with a token as before.
+                self.assertEqual(list_sessions(f"127.0.0.1:{port}", None, bearer),
+                                 grpc.StatusCode.UNAVAILABLE)
+                self.assert_tls_and_token_required(f"127.0.0.1:{port}", secrets_dir)
                 server.send_signal(signal.SIGTERM)
                 output, _ = server.communicate(timeout=pod["spec"]["terminationGracePeriodSeconds"])
                 self.assertEqual(server.returncode, 0, output)

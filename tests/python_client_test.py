@@ -31,6 +31,9 @@ from kvrecalld_process import Kvrecalld
 
 SOURCE_DIR = os.environ.get("KVRECALL_SOURCE_DIR",
                             os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The tools' --token-file defaults to $KVRECALL_TOKEN_FILE: the tests' calls send no token unless
+# a test says so, whatever the environment running them holds.
+os.environ.pop("KVRECALL_TOKEN_FILE", None)
 MODELS_DIR = os.path.join(os.path.dirname(SOURCE_DIR), "shared", "models")
 
 
@@ -45,6 +48,27 @@ def reference_attention(q, k, v, scale):
         lse[h] = m + math.log(p.sum())
         out[h] = (p / p.sum()) @ v[:, h // group]
     return out, lse
+
+
+def decode_one_step_checked(test, client, label="python test"):
+    """Makes a 1-layer full-attention session on `client`, prefills 20 random tokens, decodes one
+    more and checks its output against reference_attention and its position; returns the
+    session."""
+    g = make_geometry(1, 4, 2, 16)
+    s = client.create_session(g, make_policy("full"), label=label)
+    rng = np.random.default_rng(9)
+    k0 = rng.standard_normal((20, 2, 16), dtype=np.float32)
+    v0 = rng.standard_normal((20, 2, 16), dtype=np.float32)
+    s.prefill([(rng.standard_normal((20, 4, 16), dtype=np.float32), k0, v0)])
+    q = rng.standard_normal((4, 16), dtype=np.float32)
+    k = rng.standard_normal((2, 16), dtype=np.float32)
+    v = rng.standard_normal((2, 16), dtype=np.float32)
+    r = s.attend(0, q, k, v)
+    want, _ = reference_attention(q, np.concatenate([k0, k[None]]),
+                                  np.concatenate([v0, v[None]]), 1 / math.sqrt(16))
+    np.testing.assert_allclose(r.output, want, rtol=0, atol=2e-5)
+    test.assertEqual(r.position, 20)
+    return s
 
 
 class ServerTest(unittest.TestCase):
@@ -246,6 +270,33 @@ class ClientTest(ServerTest):
                                       np.concatenate([layers[1][2], v[None]]),
                                       1 / math.sqrt(self.D))
         np.testing.assert_allclose(r.output, want, rtol=1e-4, atol=1e-5)
+        self.assertEqual(list(s.info().layer_tokens), [self.T + 1, self.T + 1])
+
+    def test_a_step_that_says_its_position_is_not_appended_twice(self):
+        s, layers = self.new_session(seed=8)
+        other, _ = self.new_session(seed=9)
+        q, k, v = self.step_inputs(10)
+        r = s.attend(0, q, k, v, position=self.T, return_lse=True)
+        self.check_full_attention(r, layers, 0, q, k, v)
+        self.assertEqual(r.position, self.T)
+        # Resent as it was (its reply lost, say): refused before anything of the batch applies.
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            self.client.attend_batch(0, [(other, q, k, v, self.T), (s, q, k, v, self.T)])
+        self.assertEqual(e.exception.code, grpc.StatusCode.ABORTED)
+        self.assertIn(f"steps[1].position {self.T}: session '{s.id}' layer 0 holds "
+                      f"{self.T + 1} tokens", e.exception.message)
+        self.assertEqual(list(s.info().layer_tokens), [self.T + 1, self.T])
+        self.assertEqual(list(other.info().layer_tokens), [self.T, self.T])
+        r = s.attend(1, q, k, v, position=self.T, return_lse=True)  # on a new stream
+        self.check_full_attention(r, layers, 1, q, k, v)
+        # Checked here, nothing sent: not an integer, negative, beyond int64, a malformed step.
+        for position, message in ((1.5, "position must be an integer, got float 1.5"),
+                                  (-1, "position must be in [0, 2^63), got -1"),
+                                  (2 ** 63, f"position must be in [0, 2^63), got {2 ** 63}")):
+            with self.assertRaisesRegex(ValueError, "^" + re.escape(message) + "$"):
+                s.attend(0, q, k, v, position=position)
+        with self.assertRaisesRegex(ValueError, r"a step is \(session, q, k_new, v_new\) or"):
+            self.client.attend_batch(0, [(s, q, k)])
         self.assertEqual(list(s.info().layer_tokens), [self.T + 1, self.T + 1])
 
     def test_list_sessions_follows_the_pages(self):
@@ -1149,6 +1200,17 @@ class WireTest(unittest.TestCase):
             tensors.to_tensor(v, g.dtype, out=step.v_new)
             s.step_wire().append(pieces, q, k, v)
         self.assertEqual(pb.DecodeRequest.FromString(b"".join(pieces)), want)
+        # With positions (SequenceStep.position after the tensors; the step's frame grows).
+        for position in (0, 1, 127, 128, 2 ** 40 + 3, 2 ** 63 - 1):
+            positioned, pieces_with = pb.DecodeRequest(), []
+            positioned.CopyFrom(want)
+            for s, step in zip(sessions, positioned.steps):
+                step.position = position
+                s.step_wire().append(pieces_with, *(tensors.from_tensor(t) for t in
+                                                    (step.q, step.k_new, step.v_new)), position)
+            pieces_with.insert(0, pieces[0])
+            self.assertEqual(pb.DecodeRequest.FromString(b"".join(pieces_with)), positioned,
+                             position)
         self.assertIsInstance(sessions[0].step_wire(), _StepWire)
         # The head the client writes by hand, with the steps after it.
         from kvrecall.client import _request_head
@@ -1231,20 +1293,7 @@ class UnixSocketTest(unittest.TestCase):
                                       stderr=subprocess.STDOUT)
             try:
                 with kvrecall.Client(address, wait_ready_s=30) as c:
-                    g = make_geometry(1, 4, 2, 16)
-                    s = c.create_session(g, make_policy("full"))
-                    rng = np.random.default_rng(9)
-                    k0 = rng.standard_normal((20, 2, 16), dtype=np.float32)
-                    v0 = rng.standard_normal((20, 2, 16), dtype=np.float32)
-                    s.prefill([(rng.standard_normal((20, 4, 16), dtype=np.float32), k0, v0)])
-                    q = rng.standard_normal((4, 16), dtype=np.float32)
-                    k = rng.standard_normal((2, 16), dtype=np.float32)
-                    v = rng.standard_normal((2, 16), dtype=np.float32)
-                    r = s.attend(0, q, k, v)
-                    want, _ = reference_attention(q, np.concatenate([k0, k[None]]),
-                                                  np.concatenate([v0, v[None]]), 1 / math.sqrt(16))
-                    np.testing.assert_allclose(r.output, want, rtol=0, atol=2e-5)
-                    self.assertEqual(r.position, 20)
+                    decode_one_step_checked(self, c)
             finally:
                 server.terminate()
                 server.wait(timeout=20)
@@ -1254,6 +1303,178 @@ class UnixSocketTest(unittest.TestCase):
             self.assertIn(f"kvrecalld listening on {address}", output)
             self.assertEqual(server.returncode, 0, output)
 
+
+
+class TokenOverPlaintextSocketTest(unittest.TestCase):
+    """kvrecalld --plaintext_unix_sockets with TLS and tokens (the chart's co-located runner): a
+    token alone to the unix:PATH socket travels over gRPC's local credentials with access-token
+    call credentials (it implied TLS, whose handshake the plaintext socket fails), while to
+    HOST:PORT a token still means TLS; the tools read $KVRECALL_TOKEN_FILE."""
+
+    @classmethod
+    def setUpClass(cls):
+        from auth_pki import make_pki
+        cls.dir = tempfile.TemporaryDirectory(prefix="kvrecall-py-token-")
+        cls.pki = make_pki(cls.dir.name)
+        cls.socket = f"unix:{cls.dir.name}/kvrecall.sock"
+        cls.server = Kvrecalld(f"--address=127.0.0.1:0,{cls.socket}",
+                               f"--tls_cert={cls.pki['server.pem']}",
+                               f"--tls_key={cls.pki['server.key']}",
+                               f"--auth_token_file={cls.pki['tokens']}", "--plaintext_unix_sockets")
+        cls.tcp = cls.server.address
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+        cls.dir.cleanup()
+
+    def set_token_file_variable(self, path):
+        """$KVRECALL_TOKEN_FILE for the rest of the test (None: unset)."""
+        os.environ.pop("KVRECALL_TOKEN_FILE", None)
+        if path is not None:
+            os.environ["KVRECALL_TOKEN_FILE"] = path
+        self.addCleanup(os.environ.pop, "KVRECALL_TOKEN_FILE", None)
+
+    def test_a_token_alone_goes_over_the_plaintext_socket(self):
+        from auth_pki import ALICE_TOKEN, BOB_TOKEN
+        from kvrecall.client import Tls
+        with kvrecall.Client(self.socket, token=ALICE_TOKEN, wait_ready_s=30) as c:
+            s = decode_one_step_checked(self, c, label="over the socket")
+            # The session is alice's over the TLS port too, and not bob's.
+            with kvrecall.Client(self.tcp, tls=Tls(ca=self.pki["ca.pem"]), token=ALICE_TOKEN,
+                                 wait_ready_s=30) as over_tls:
+                self.assertEqual([i.session_id for i in over_tls.list_sessions()], [s.id])
+            with kvrecall.Client(self.socket, token=BOB_TOKEN, wait_ready_s=30) as bob:
+                self.assertEqual(bob.list_sessions(), [])
+            s.close()
+
+    def test_without_a_token_or_with_a_wrong_one_the_socket_answers_unauthenticated(self):
+        from auth_pki import ALICE_TOKEN
+        for token, message in ((None, "this server requires a bearer token"),
+                               ("not-a-token-of-this-server", "unknown bearer token"),
+                               (ALICE_TOKEN[:20], "unknown bearer token")):
+            with self.subTest(token=token), \
+                    kvrecall.Client(self.socket, token=token, wait_ready_s=30) as c:
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    c.list_sessions()
+                self.assertEqual(e.exception.code, grpc.StatusCode.UNAUTHENTICATED)
+                self.assertIn(message, e.exception.message)
+
+    def test_a_token_alone_to_host_port_still_goes_over_tls(self):
+        from auth_pki import ALICE_TOKEN
+        from kvrecall.client import Tls
+        # TLS with the system's roots, which do not trust the suite's CA: no answer.
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            kvrecall.Client(self.tcp, token=ALICE_TOKEN, wait_ready_s=2)
+        self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertIn("the TLS handshake failed", e.exception.message)
+        with kvrecall.Client(self.tcp, tls=Tls(ca=self.pki["ca.pem"]), token=ALICE_TOKEN,
+                             wait_ready_s=30) as c:
+            c.list_sessions()
+        # What such a client sends a plaintext listener: a TLS ClientHello, never HTTP/2's
+        # plaintext preface with the token in a header.
+        received = []
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(4)
+            listener.settimeout(20)
+
+            def record():
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.settimeout(10)
+                    data = b""
+                    try:
+                        while chunk := conn.recv(4096):
+                            data += chunk
+                    except OSError:
+                        pass
+                    received.append(data)
+            thread = threading.Thread(target=record)
+            thread.start()
+            with self.assertRaises(kvrecall.KvRecallError):
+                kvrecall.Client(f"127.0.0.1:{listener.getsockname()[1]}", token=ALICE_TOKEN,
+                                wait_ready_s=2)
+            thread.join()
+        self.assertEqual(len(received), 1)
+        self.assertEqual(received[0][:2], b"\x16\x03")  # a TLS handshake record
+        self.assertNotIn(ALICE_TOKEN.encode(), received[0])
+
+    def test_a_token_alone_to_an_abstract_socket_is_refused(self):
+        from auth_pki import ALICE_TOKEN
+        from kvrecall.client import Tls
+        target = f"unix-abstract:kvrecall-py-token-{os.getpid()}"
+        with self.assertRaisesRegex(ValueError,
+                                    f"^a bearer token to {target} without TLS: an abstract "
+                                    "socket has no file permissions"):
+            kvrecall.Client(target, token=ALICE_TOKEN, wait_ready_s=0)
+        # With TLS asked for, or without a token, the channel is made (nothing connects here).
+        kvrecall.Client(target, tls=Tls(ca=self.pki["ca.pem"]), token=ALICE_TOKEN,
+                        wait_ready_s=0).close()
+        kvrecall.Client(target, tls=True, token=ALICE_TOKEN, wait_ready_s=0).close()
+        kvrecall.Client(target, wait_ready_s=0).close()
+
+    def test_the_tools_read_the_token_file_the_variable_names(self):
+        import argparse
+        from auth_pki import ALICE_TOKEN, BOB_TOKEN
+        from kvrecall.client import add_connection_arguments, connection_from_args
+
+        def parse(*argv):
+            ap = argparse.ArgumentParser()
+            add_connection_arguments(ap)
+            return connection_from_args(ap.parse_args(list(argv)))
+
+        self.set_token_file_variable(None)
+        self.assertIsNone(parse()["token"])
+        self.set_token_file_variable(self.pki["alice.token"])  # what the chart's runner gets
+        self.assertEqual((parse()["token"], parse()["tls"]), (ALICE_TOKEN, None))
+        self.assertEqual(parse("--token-file", self.pki["bob.token"])["token"], BOB_TOKEN)
+        self.assertIsNone(parse("--token-file", "")["token"])  # none, whatever the variable says
+        empty, blank = os.path.join(self.dir.name, "empty"), os.path.join(self.dir.name, "blank")
+        with open(empty, "w"), open(blank, "w") as f:
+            f.write("\n" + ALICE_TOKEN + "\n")
+        missing = os.path.join(self.dir.name, "absent.token")
+        for argv, variable, message in (
+                ((), missing, f"$KVRECALL_TOKEN_FILE: cannot read {missing}: No such file or "
+                              "directory"),
+                ((), empty, f"$KVRECALL_TOKEN_FILE: {empty} is empty (its first line should be "
+                            "the bearer token)"),
+                (("--token-file", blank), self.pki["alice.token"],
+                 f"--token-file: {blank} starts with an empty line"),
+                (("--token-file", missing), None, f"--token-file: cannot read {missing}")):
+            with self.subTest(argv=argv, variable=variable):
+                self.set_token_file_variable(variable)
+                with self.assertRaisesRegex(ValueError, "^" + re.escape(message)):
+                    parse(*argv)
+
+        # A client from the flags, and a tool, reach the plaintext socket with the variable's
+        # token; without it the tool's run is UNAUTHENTICATED.
+        self.set_token_file_variable(self.pki["alice.token"])
+        with kvrecall.Client(self.socket, wait_ready_s=30, **parse()) as c:
+            c.list_sessions()
+        rng = np.random.default_rng(5)
+        trace = os.path.join(self.dir.name, "needles.safetensors")
+        write_safetensors(trace, {f"layer0.{part}.{x}": rng.standard_normal((n, h, 8))
+                                  for part, n in (("prefill", 16), ("decode", 3))
+                                  for x, h in (("q", 2), ("k", 1), ("v", 1))},
+                          {"layers": "1", "needles": '[{"decode_step": 1, "position": 5}]'})
+        for variable, rc in ((self.pki["alice.token"], 0), (None, 1)):
+            with self.subTest(variable=variable):
+                self.set_token_file_variable(variable)
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    got = needles.main(["--server", self.socket, "--trace", trace,
+                                        "--runs", "full"])
+                self.assertEqual(got, rc, out.getvalue())
+                r = json.loads(out.getvalue())
+                if rc == 0:
+                    self.assertEqual((r["run"], r["needles"]), ("full", 1))
+                else:
+                    self.assertIn("UNAUTHENTICATED: this server requires a bearer token",
+                                  r["error"])
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -166,6 +166,57 @@ TEST_F(ServiceErrorsTest, EmptyOrRepeatedSessionIdIsInvalid) {
   ExpectNothingChanged();
 }
 
+TEST_F(ServiceErrorsTest, AStepWhosePositionTheLayerContradictsIsAbortedAndAppendsNothing) {
+  const int64_t held = victim_.ref->tokens(0);
+  ASSERT_EQ(bystander_.ref->tokens(0), held);
+  // The bystander's step says the right position, the victim's another: the whole batch fails.
+  for (const int64_t wrong : {held - 1, held + 1, int64_t{0}}) {
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    *request.add_steps() = bystander_.ref->Step(bystander_.id, bystander_.NextToken());
+    request.mutable_steps(0)->set_position(held);
+    *request.add_steps() = victim_.ref->Step(victim_.id, victim_.NextToken());
+    request.mutable_steps(1)->set_position(wrong);
+    EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kAborted,
+                          absl::StrCat("steps[1].position ", wrong, ": session '", victim_.id,
+                                       "' layer 0 holds ", held,
+                                       " tokens, so its next token takes position ", held)))
+        << wrong;
+  }
+  v1::DecodeRequest request = VictimRequest(1);
+  request.mutable_steps(0)->set_position(-1);
+  EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kInvalidArgument,
+                        "steps[0].position must be >= 0 (the tokens the layer holds before "
+                        "it), got -1"));
+  ExpectNothingChanged();
+}
+
+TEST_F(ServiceErrorsTest, AResentStepThatSaysItsPositionIsNotAppendedTwice) {
+  // A runner whose reply was lost resends the request as it was: the layers that took the token
+  // refuse it, and each holds it once.
+  for (int layer = 0; layer < kLayers; ++layer) {
+    v1::DecodeRequest request;
+    request.set_layer(layer);
+    std::vector<float> q;
+    *request.add_steps() = victim_.ref->NextStep(victim_.id, layer, victim_.seed += 3, &q);
+    const int64_t position = victim_.ref->tokens(layer) - 1;
+    request.mutable_steps(0)->set_position(position);
+    DecodeClient decode(stub());
+    absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->results(0).position(), position);
+    ExpectOutputNear(TensorValues(reply->results(0).output()),
+                     victim_.ref->FullAttention(layer, q), v1::DTYPE_F32,
+                     absl::StrCat("layer ", layer));
+    EXPECT_TRUE(HasStatus(DecodeError(request), absl::StatusCode::kAborted,
+                          absl::StrCat("holds ", position + 1, " tokens, so its next token takes "
+                                       "position ", position + 1,
+                                       " (a step resent after its first send was applied?); "
+                                       "nothing of this request was applied")));
+  }
+  ExpectNothingChanged();
+}
+
 TEST_F(ServiceErrorsTest, WrongTensorShapesAndSizes) {
   v1::DecodeRequest request = VictimRequest();
   *request.mutable_steps(0)->mutable_q() =
@@ -571,7 +622,7 @@ TEST_F(ServerTest, AnnouncedTokensStageThePromptInItsFinalAllocation) {
 
 TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
   const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
-  // A prompt of 400 tokens needs 400 x (4 + 2 + 2) x 16 x 4 bytes = 200 KiB while staged.
+  // A prompt of 400 tokens needs 400 x (2 + 2) x 16 x 4 bytes = 100 KiB of KV while staged.
   absl::StatusOr<std::string> big = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(big.ok());
   PromptLayer p{RandomNormal(400 * kQHeads * kHeadDim, 1),
@@ -625,6 +676,96 @@ TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
   absl::StatusOr<std::string> again = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(Prefill(stub(), PromptChunks(*again, g, 0, p, 60)).ok());
+}
+
+// A prompt's queries are staged only where the selector's build reads them: a 200-token prompt
+// whose KV takes 50 KiB fits the 64 KiB budget with its queries sent (each chunk's are decoded,
+// so checked, and dropped), where staging them too took 100 KiB (probe 4: a tiered bf16 session
+// of 144 MiB peaked at 720 MiB during its prefill). A selector that reads them (retopk seeds its
+// caches from the last ones) still stages them, and such a prompt does not fit.
+TEST_F(ServiceMemoryBudgetTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsThem) {
+  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
+  constexpr int kTokens = 200;
+  const PromptLayer p{RandomNormal(kTokens * kQHeads * kHeadDim, 1),
+                      RandomNormal(kTokens * kKvHeads * kHeadDim, 2),
+                      RandomNormal(kTokens * kKvHeads * kHeadDim, 3)};
+  struct Case {
+    v1::Placement placement;
+    v1::Selector selector;
+    bool fits;
+  };
+  for (const Case& c : {Case{v1::PLACEMENT_CPU, v1::SELECTOR_FULL, true},
+                        Case{v1::PLACEMENT_CPU, v1::SELECTOR_EXACT_TOPK, true},
+                        Case{v1::PLACEMENT_TIERED, v1::SELECTOR_EXACT_TOPK, true},
+                        Case{v1::PLACEMENT_TIERED, v1::SELECTOR_STREAMING, true},
+                        Case{v1::PLACEMENT_CPU, v1::SELECTOR_RETOPK, false}}) {
+    const std::string name =
+        absl::StrCat(v1::Placement_Name(c.placement), " ", v1::Selector_Name(c.selector));
+    v1::CreateSessionRequest request;
+    *request.mutable_geometry() = g;
+    *request.mutable_policy() = MakePolicy(c.selector, 8, 4, 8);
+    request.mutable_policy()->set_placement(c.placement);
+    request.set_max_tokens(kTokens);  // the KV staged in its final allocation, without slack
+    v1::CreateSessionResponse response;
+    grpc::ClientContext create_context;
+    ASSERT_TRUE(stub().CreateSession(&create_context, request, &response).ok()) << name;
+    const std::string* id = &response.session_id();
+    const absl::Status prefilled = Prefill(stub(), PromptChunks(*id, g, 0, p, 20)).status();
+    if (c.fits) {
+      ASSERT_TRUE(prefilled.ok()) << name << ": " << prefilled;
+      absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->tokens(), kTokens) << name;
+    } else {
+      EXPECT_TRUE(HasStatus(prefilled, absl::StatusCode::kResourceExhausted,
+                            "host memory budget exceeded: the prompt of layer 0 needs"))
+          << name << ": " << prefilled;
+    }
+    ASSERT_TRUE(testing::CloseSession(stub(), *id).ok());
+    EXPECT_EQ(server().server().budget().used(), 0) << name;
+  }
+}
+
+// Room for a small tiered shortlist session: its build holds the 32 KiB of codebooks twice (the
+// state reserved for the build, then what the build charges) beside the prompt.
+class ServiceShortlistBudgetTest : public ServerTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.host_memory_budget_bytes = 256 << 10;
+    return options;
+  }
+};
+
+// A tiered session's per-step shortlist lists (a query head's N ids) are host memory it holds:
+// counted in the state a prefill must fit, so that a shortlist of 2^16 on a 20-token prompt is
+// refused by the budget instead of allocating 1 MiB a layer unseen (probe 4: 16 layers of
+// shortlist 2^20 took 2 GiB past a 50 MB budget, GetSession saying 0.46 MB).
+TEST_F(ServiceShortlistBudgetTest, ATieredShortlistsListsAreCountedInItsState) {
+  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
+  const PromptLayer p{RandomNormal(kPrompt * kQHeads * kHeadDim, 1),
+                      RandomNormal(kPrompt * kKvHeads * kHeadDim, 2),
+                      RandomNormal(kPrompt * kKvHeads * kHeadDim, 3)};
+  for (const int shortlist : {1 << 16, 64}) {
+    v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, 8, 4, 8);
+    policy.set_placement(v1::PLACEMENT_TIERED);
+    policy.mutable_index()->set_shortlist(shortlist);
+    absl::StatusOr<std::string> id = CreateSession(stub(), g, policy);
+    ASSERT_TRUE(id.ok()) << id.status();
+    const absl::Status prefilled = Prefill(stub(), PromptChunks(*id, g, 0, p, 10)).status();
+    if (shortlist > 64) {
+      EXPECT_TRUE(HasStatus(prefilled, absl::StatusCode::kResourceExhausted,
+                            "host memory budget exceeded: the index selector state of 1 layers"))
+          << prefilled;
+    } else {
+      EXPECT_TRUE(prefilled.ok()) << prefilled;
+      absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_GE(info->selector_bytes(), int64_t{kQHeads} * (shortlist + 2) * 4);
+    }
+    ASSERT_TRUE(testing::CloseSession(stub(), *id).ok());
+    EXPECT_EQ(server().server().budget().used(), 0) << shortlist;
+  }
 }
 
 }  // namespace

@@ -4,10 +4,9 @@
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
+#include <cstdlib>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_format.h"
@@ -16,14 +15,27 @@
 ABSL_FLAG(std::string, server, "localhost:50051", "kvrecalld address, HOST:PORT or unix:PATH");
 ABSL_FLAG(bool, json, false, "print machine-readable JSON (one object per line)");
 
-ABSL_FLAG(bool, tls, false, "connect with TLS (implied by the other --tls_* flags and --token_file)");
+ABSL_FLAG(bool, tls, false,
+          "connect with TLS (implied by the other --tls_* flags, and by --token_file to a "
+          "HOST:PORT --server)");
 ABSL_FLAG(std::string, tls_ca, "", "PEM roots that signed the server's certificate (default: system roots)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM client certificate chain, for servers that require mutual TLS");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_server_name, "",
           "the name to check the server's certificate against, when not --server's host");
-ABSL_FLAG(std::string, token_file, "",
-          "a file whose first line is the bearer token for servers started with --auth_token_file");
+namespace {
+// --token_file's default: the Helm chart's co-located runner finds its token file there.
+std::string TokenFileFromEnvironment() {
+  const char* path = std::getenv("KVRECALL_TOKEN_FILE");
+  return path == nullptr ? "" : path;
+}
+}  // namespace
+ABSL_FLAG(std::string, token_file, TokenFileFromEnvironment(),
+          "a file whose first line is the bearer token for servers started with "
+          "--auth_token_file; default: $KVRECALL_TOKEN_FILE (the Helm chart's co-located runner "
+          "gets it; --token_file= sends none). Without --tls* flags the token goes over TLS to a "
+          "HOST:PORT --server, in plaintext to a unix:PATH one (gRPC's local credentials, for "
+          "kvrecalld --plaintext_unix_sockets), and to a unix-abstract:NAME one not at all");
 
 ABSL_FLAG(std::string, placement, "cpu", "where the KV lives: cpu, gpu or tiered");
 ABSL_FLAG(std::string, policy, "full",
@@ -88,15 +100,15 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectToServer() {
   security.key_file = absl::GetFlag(FLAGS_tls_key);
   security.server_name = absl::GetFlag(FLAGS_tls_server_name);
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
-    std::ifstream in(path);
-    std::string line;
-    if (!in || !std::getline(in, line)) {
-      return absl::NotFoundError(absl::StrCat("--token_file: cannot read a line from ", path));
+    absl::StatusOr<std::string> token = client::ReadTokenFile(path);
+    if (!token.ok()) {
+      // Named as the user gave it: the flag, or the variable the flag defaults to.
+      const absl::string_view source =
+          path == TokenFileFromEnvironment() ? "$KVRECALL_TOKEN_FILE" : "--token_file";
+      return absl::Status(token.status().code(),
+                          absl::StrCat(source, ": ", token.status().message()));
     }
-    security.token = std::string(absl::StripAsciiWhitespace(line));
-    if (security.token.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--token_file: ", path, " starts with an empty line"));
-    }
+    security.token = *std::move(token);
   }
   absl::StatusOr<std::unique_ptr<Client>> client =
       Client::Connect(absl::GetFlag(FLAGS_server), security);

@@ -21,7 +21,9 @@ ABSL_DECLARE_FLAG(bool, json);
 namespace kvrecall::cli {
 
 // A client of --server, secured as --tls, --tls_ca, --tls_cert, --tls_key, --tls_server_name
-// and --token_file say; INVALID_ARGUMENT / NOT_FOUND naming the flag when a file is unusable.
+// and --token_file (where not given, $KVRECALL_TOKEN_FILE) say; INVALID_ARGUMENT / NOT_FOUND
+// naming the flag (or the variable) when a file is unusable, INVALID_ARGUMENT for a token alone
+// to a unix-abstract:NAME server (client::ChannelSecurity).
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectToServer();
 
 // The policy that --placement, --policy, --k, --sinks, --recent, the ReTopK flags (--C, --R,

@@ -124,9 +124,13 @@ class _StepWire:
         if b"".join(parts) != step.SerializeToString():
             raise RuntimeError("protobuf serialized a SequenceStep out of field order")
         framed = pb.DecodeRequest(steps=[step]).SerializeToString()
-        frame = framed[:len(framed) - len(b"".join(parts))]
+        self._length = len(b"".join(parts))  # the step's bytes without a position
+        frame = framed[:len(framed) - self._length]
+        if frame != _STEP_TAG + _varint(self._length):
+            raise RuntimeError("protobuf framed DecodeRequest.steps unlike field 3 of a message")
         cut = [len(p) - b.nbytes for p, b in zip(parts[1:], self.buffers)]
-        self.heads = [frame + parts[0] + parts[1][:cut[0]], parts[2][:cut[1]], parts[3][:cut[2]]]
+        self._first = parts[0] + parts[1][:cut[0]]  # the first head without its frame
+        self.heads = [frame + self._first, parts[2][:cut[1]], parts[3][:cut[2]]]
         # float32 numpy inputs of a bf16 session are rounded in one pass over the three tensors
         # (a handful of numpy calls a step instead of a handful per tensor).
         self._batch = None
@@ -137,8 +141,10 @@ class _StepWire:
                            [f32[a:e].reshape(b.shape) for a, e, b in zip(ends, ends[1:], self.buffers)],
                            [bits[a:e].reshape(b.shape) for a, e, b in zip(ends, ends[1:], self.buffers)])
 
-    def append(self, pieces, q, k, v):
-        """Appends the step's pieces to `pieces`; the views stay valid until the next append."""
+    def append(self, pieces, q, k, v, position=None):
+        """Appends the step's pieces to `pieces`; the views stay valid until the next append.
+        `position` (SequenceStep.position, after the tensors: protobuf parses fields in any
+        order) must have passed _check_position."""
         xs = (q, k, v)
         if (self._batch is not None and "torch" not in sys.modules
                 and all(type(x) is np.ndarray and x.dtype == np.float32 for x in xs)):
@@ -150,9 +156,15 @@ class _StepWire:
             views = bits_parts
         else:
             views = [buffer.view(x) for buffer, x in zip(self.buffers, xs)]
-        for head, view in zip(self.heads, views):
+        heads = self.heads
+        if position is not None:
+            tail = _POSITION_TAG + _varint(position)
+            heads = [_STEP_TAG + _varint(self._length + len(tail)) + self._first, *heads[1:]]
+        for head, view in zip(heads, views):
             pieces.append(head)
             pieces.append(view)
+        if position is not None:
+            pieces.append(tail)
 
 
 def _varint(n):
@@ -165,23 +177,50 @@ def _varint(n):
     return bytes(out)
 
 
+# The tags of DecodeRequest.steps (field 3, length-delimited) and SequenceStep.position (field 5,
+# a varint).
+_STEP_TAG, _POSITION_TAG = b"\x1a", b"\x28"
+
 # DecodeRequest's flags (fields 4, 5, 6: return_lse, diagnostics, compare_exact), serialized.
 _FLAGS = {flags: b"".join(tag for tag, on in zip((b"\x20\x01", b"\x28\x01", b"\x30\x01"), flags) if on)
           for flags in [(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)]}
+
+
+def _int_below(name, value, bound, bound_text):
+    """`value` as an int; ValueError naming `name` unless it is an integer in [0, bound)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} "
+                         f"{value!r}") from None
+    if not 0 <= value < bound:
+        raise ValueError(f"{name} must be in [0, {bound_text}), got {value}")
+    return value
 
 
 def _check_layer(layer):
     """`layer` as an int; ValueError unless it is an integer in [0, 2^31) (DecodeRequest.layer
     is an int32: the server reads the low 32 bits of a larger varint, so layer 2^32 + 5 would
     be layer 5; a negative layer is no session's)."""
-    try:
-        layer = operator.index(layer)
-    except TypeError:
-        raise ValueError(f"layer must be an integer, got {type(layer).__name__} "
-                         f"{layer!r}") from None
-    if not 0 <= layer < 1 << 31:
-        raise ValueError(f"layer must be in [0, 2^31), got {layer}")
-    return layer
+    return _int_below("layer", layer, 1 << 31, "2^31")
+
+
+def _check_position(position):
+    """A step's `position` (None: the token goes at the end) as an int; ValueError unless None
+    or an integer in [0, 2^63) (SequenceStep.position is an int64; the server refuses a negative
+    one)."""
+    return None if position is None else _int_below("position", position, 1 << 63, "2^63")
+
+
+def _step_parts(step):
+    """(session, q, k_new, v_new, position) of a step given as (session, q, k_new, v_new) or
+    (session, q, k_new, v_new, position); ValueError otherwise."""
+    if not isinstance(step, (tuple, list)) or len(step) not in (4, 5):
+        raise ValueError("a step is (session, q, k_new, v_new) or (session, q, k_new, v_new, "
+                         f"position), got {type(step).__name__} of "
+                         f"{len(step) if isinstance(step, (tuple, list)) else 'no'} items")
+    session, q, k, v, *position = step
+    return session, q, k, v, _check_position(position[0] if position else None)
 
 
 def _request_head(request_id, layer, return_lse, diagnostics, compare_exact):
@@ -207,16 +246,21 @@ class _LayerStepStream:
         """Sends one layer of one decode step for several sequences.
 
         steps: [(session, q, k_new, v_new), ...]; returns one SequenceResult per step, in order.
-        ValueError (nothing sent) for a layer outside [0, 2^31) or a tensor of the wrong shape.
+        A step may add the position its token must take in the layer, (session, q, k_new, v_new,
+        position): a layer holding another number of tokens refuses the request (ABORTED,
+        nothing of it applied), so a step resent after a lost reply is not appended twice.
+        ValueError (nothing sent) for a layer outside [0, 2^31), a tensor of the wrong shape or
+        a position that is not an integer in [0, 2^63).
         """
         _check_layer(layer)
+        steps = [_step_parts(step) for step in steps]
         with self._lock:
             if self.broken:
                 raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION, "decode stream is closed")
             request_id = self._next_id
             pieces = [_request_head(request_id, layer, return_lse, diagnostics, compare_exact)]
-            for session, q, k, v in steps:
-                session.step_wire().append(pieces, q, k, v)
+            for session, q, k, v, position in steps:
+                session.step_wire().append(pieces, q, k, v, position)
             self._next_id += 1
             resp = self._exchange(pieces)
         if resp.request_id != request_id or len(resp.results) != len(steps):
@@ -395,10 +439,13 @@ class Session:
         except grpc.RpcError as e:
             raise KvRecallError.from_rpc_error(e) from None
 
-    def attend(self, layer, q, k_new, v_new, **options):
+    def attend(self, layer, q, k_new, v_new, position=None, **options):
         """Attention of one decode step of one layer (options: return_lse, diagnostics,
-        compare_exact); k_new/v_new are appended first. Returns a SequenceResult."""
-        return self.client.attend_batch(layer, [(self, q, k_new, v_new)], **options)[0]
+        compare_exact); k_new/v_new are appended first. `position`, when given, is the position
+        the token must take (the layer's length): otherwise the step is refused with ABORTED and
+        appends nothing. Returns a SequenceResult."""
+        return self.client.attend_batch(layer, [(self, q, k_new, v_new, position)],
+                                        **options)[0]
 
     def info(self):
         return self.client.call("GetSession", pb.GetSessionRequest(session_id=self.id))
@@ -430,12 +477,40 @@ def _read_pem(path, what):
     return data
 
 
-def make_channel(target, options=(), tls=None, token=None):
-    """A gRPC channel to `target`: plaintext, or TLS when `tls` is a Tls (or True: system roots)
-    or a bearer `token` is given (servers started with --auth_token_file; gRPC sends call
-    credentials only over TLS). ValueError for unusable files."""
+def _channel_kind(target, tls, token):
+    """How make_channel secures a channel to `target`: "plaintext", "local" (gRPC's local
+    credentials on a Unix socket, carrying `token`) or "tls"; ValueError for a token alone to
+    an abstract socket."""
     if tls is None and token is None:
+        return "plaintext"
+    if tls is None:  # a token alone: where it may go depends on the target
+        if target.startswith("unix-abstract:"):
+            raise ValueError(
+                f"a bearer token to {target} without TLS: an abstract socket has no file "
+                "permissions (any process of the network namespace may connect), so kvrecalld "
+                "never serves one in plaintext; pass tls=, or connect to a unix:PATH socket")
+        if target.startswith("unix:"):
+            return "local"
+    return "tls"
+
+
+def make_channel(target, options=(), tls=None, token=None):
+    """A gRPC channel to `target`: plaintext, or TLS when `tls` is a Tls (or True: system roots),
+    with a bearer `token` for servers started with --auth_token_file. A token alone (tls None)
+    goes, by the target: to HOST:PORT over TLS with the system's roots (gRPC sends call
+    credentials only over private channels: never in plaintext over TCP); to unix:PATH in
+    plaintext, over gRPC's local credentials (which check that the connection is a Unix
+    socket), for kvrecalld --plaintext_unix_sockets; to unix-abstract:NAME nowhere (ValueError:
+    such a socket has no file permissions, so kvrecalld serves it with TLS alone). ValueError
+    also for unusable files."""
+    kind = _channel_kind(target, tls, token)
+    if kind == "plaintext":
         return grpc.insecure_channel(target, options=list(options))
+    if kind == "local":
+        credentials = grpc.composite_channel_credentials(
+            grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
+            grpc.access_token_call_credentials(token))
+        return grpc.secure_channel(target, credentials, options=list(options))
     tls = Tls() if tls in (None, True) else tls
     if (tls.cert is None) != (tls.key is None):
         raise ValueError("Tls.cert and Tls.key go together (a client certificate for mutual TLS)")
@@ -452,20 +527,46 @@ def make_channel(target, options=(), tls=None, token=None):
     return grpc.secure_channel(target, credentials, options=options)
 
 
+def read_token_file(path):
+    """The bearer token in the file at `path`: its first line without the whitespace around it
+    (a trailing newline, say), as in a Kubernetes Secret's file. The chart's co-located runner
+    finds that path in $KVRECALL_TOKEN_FILE; Client reads no environment (the tools' --token-file
+    defaults to it), so a runner passes token=read_token_file(os.environ["KVRECALL_TOKEN_FILE"]).
+    ValueError naming `path` when it cannot be read, is empty or starts with a blank line."""
+    try:
+        with open(path) as f:
+            line = f.readline()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not text"
+        raise ValueError(f"cannot read {path}: {reason}") from None
+    if not line:
+        raise ValueError(f"{path} is empty (its first line should be the bearer token)")
+    token = line.strip()
+    if not token:
+        raise ValueError(f"{path} starts with an empty line (its first line should be the token)")
+    return token
+
+
 def add_connection_arguments(parser, server_required=False):
     """--server and the TLS / token flags of the kvrecall CLI, for a command-line tool's
     argparse parser; `connection_from_args` turns them into Client keyword arguments."""
     parser.add_argument("--server", required=server_required,
                         help="kvrecalld address, HOST:PORT or unix:PATH")
     parser.add_argument("--tls", action="store_true",
-                        help="connect with TLS (implied by the other --tls-* flags)")
+                        help="connect with TLS (implied by the other --tls-* flags, and by "
+                             "--token-file to a HOST:PORT --server)")
     parser.add_argument("--tls-ca", help="PEM roots that signed the server's certificate")
     parser.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-server-name",
                         help="the name to check the server's certificate against")
     parser.add_argument("--token-file",
-                        help="a file whose first line is the bearer token (--auth_token_file servers)")
+                        help="a file whose first line is the bearer token (--auth_token_file "
+                             "servers); default: $KVRECALL_TOKEN_FILE, as the chart's co-located "
+                             "runner gets (--token-file '' sends none). Without --tls* flags it "
+                             "goes over TLS to a HOST:PORT --server, in plaintext to a unix:PATH "
+                             "one (kvrecalld --plaintext_unix_sockets), and to a "
+                             "unix-abstract:NAME one not at all")
     parser.add_argument("--shared-memory", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("KVRECALL_SHARED_MEMORY") == "1",
                         help="decode through shared memory (DecodeShared; a runner on kvrecalld's "
@@ -475,16 +576,18 @@ def add_connection_arguments(parser, server_required=False):
 
 def connection_from_args(args):
     """The tls=, token= and shared_memory= keyword arguments of Client for
-    add_connection_arguments' flags."""
+    add_connection_arguments' flags; the token from --token-file or, where that is not given,
+    from the file $KVRECALL_TOKEN_FILE names. ValueError naming the flag (or the variable) for
+    an unusable file."""
+    path, source = args.token_file, "--token-file"
+    if path is None:
+        path, source = os.environ.get("KVRECALL_TOKEN_FILE"), "$KVRECALL_TOKEN_FILE"
     token = None
-    if args.token_file:
+    if path:
         try:
-            with open(args.token_file) as f:
-                token = f.readline().strip()
-        except OSError as e:
-            raise ValueError(f"--token-file: cannot read {args.token_file}: {e.strerror}") from None
-        if not token:
-            raise ValueError(f"--token-file: {args.token_file} starts with an empty line")
+            token = read_token_file(path)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
     tls = None
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
         tls = Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
@@ -496,12 +599,14 @@ class Client:
     """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; prefill chunks
     are kept under `prefill_chunk_bytes` (kvrecalld receives up to --max_message_mb, 64 MiB by
     default; a gRPC server's own default is 4 MiB). `tls` and `token` secure the channel (see
-    make_channel). `shared_memory`: decode steps go through
+    make_channel: a token alone goes over TLS to HOST:PORT, in plaintext to a unix:PATH socket;
+    the environment is not read, see read_token_file). `shared_memory`: decode steps go through
     a shared-memory region (DecodeShared, kvrecall.shared.SharedDecodeStream) instead of the
     Decode call, for a runner on the server's host (a server with --shared_memory_dir)."""
 
     def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=2 << 20,
                  wait_ready_s=10.0, tls=None, token=None, shared_memory=False):
+        kind = _channel_kind(target, tls, token)
         self.channel = make_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)], tls=tls, token=token)
@@ -515,8 +620,9 @@ class Client:
                 grpc.channel_ready_future(self.channel).result(timeout=wait_ready_s)
             except grpc.FutureTimeoutError:
                 self.channel.close()
-                hint = "" if tls is None and token is None else (
-                    " (or the TLS handshake failed: check the CA, certificates and server name)")
+                hint = {"plaintext": "", "local": " (or it speaks TLS on that socket: pass tls=)",
+                        "tls": " (or the TLS handshake failed: check the CA, certificates and "
+                               "server name)"}[kind]
                 raise KvRecallError(grpc.StatusCode.UNAVAILABLE,
                                     f"no kvrecalld answered at {target} within {wait_ready_s} s"
                                     + hint)
@@ -572,8 +678,11 @@ class Client:
         return self._stream
 
     def attend_batch(self, layer, steps, **options):
-        """One layer of one decode step for several sessions: steps [(session, q, k, v)]."""
+        """One layer of one decode step for several sessions: steps [(session, q, k, v)], each
+        optionally with the position its token must take, (session, q, k, v, position)
+        (_LayerStepStream.step)."""
         _check_layer(layer)  # before decode_stream opens a stream (a shared region) for nothing
+        steps = [_step_parts(step) for step in steps]
         return self.decode_stream.step(layer, steps, **options)
 
     def close(self):

@@ -106,9 +106,13 @@ memory limit is required, with or without gib.
 unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
 {{- end }}
 
-{{/* Where the TLS and token Secrets are mounted in the kvrecalld container. */}}
+{{/*
+Where the TLS and token Secrets are mounted in the kvrecalld container, and the runner's token
+Secret in the co-located runner's.
+*/}}
 {{- define "kvrecall.tlsDir" -}}/etc/kvrecall/tls{{- end }}
 {{- define "kvrecall.authDir" -}}/etc/kvrecall/auth{{- end }}
+{{- define "kvrecall.runnerTokenDir" -}}/etc/kvrecall/runner{{- end }}
 
 {{/* The port the probes call: the plaintext health port with TLS, else the gRPC port. */}}
 {{- define "kvrecall.probePort" -}}
@@ -136,13 +140,25 @@ The metrics port is then on a Service of its own, of type ClusterIP, never on th
 {{- if include "kvrecall.serviceIsPublic" . }}{{ printf "%s-metrics" (include "kvrecall.fullname" .) }}{{ else }}{{ include "kvrecall.fullname" . }}{{ end }}
 {{- end }}
 
-{{/* The Service, metrics, TLS, token and runner values that cannot work together are refused. */}}
+{{/*
+The Service, metrics, TLS, token and runner values that cannot work together are refused. A
+co-located runner goes with TLS (its socket is plaintext: --plaintext_unix_sockets), but with
+tokens only when it is given one.
+*/}}
 {{- define "kvrecall.checkOperateValues" -}}
 {{- if and (include "kvrecall.serviceIsPublic" .) (not (and .Values.tls.enabled .Values.auth.tokenSecretName)) }}
 {{- fail (printf "service.type %s publishes the gRPC API outside the cluster: it needs tls.enabled (with tls.secretName) and auth.tokenSecretName (bearer tokens), else anyone who reaches it can list, drive and close every session. Keep service.type ClusterIP (kubectl port-forward reaches it from outside) or set both" .Values.service.type) }}
 {{- end }}
-{{- if and .Values.colocatedRunner.enabled .Values.tls.enabled }}
-{{- fail "colocatedRunner.enabled with tls.enabled: kvrecalld serves the runner's Unix socket with the gRPC port's TLS credentials (and client-certificate and token checks), and the chart gives the runner no CA, client certificate or token; the server certificate would also have to name localhost. Leave tls.enabled false for a pod whose runner is its client (the socket is private to the pod; networkPolicy.grpc.from: [] closes the gRPC port to other pods), or run the runner as a pod of its own that connects over TLS" }}
+{{- if .Values.colocatedRunner.enabled }}
+{{- if and .Values.auth.tokenSecretName (not .Values.colocatedRunner.tokenSecretName) }}
+{{- fail "colocatedRunner.tokenSecretName: with auth.tokenSecretName, calls on the runner's Unix socket need a bearer token too (the socket goes without TLS, not without the token check); name a Secret whose key colocatedRunner.tokenSecretKey (token) holds the runner's token (one that auth.tokenSecretName's file lists)" }}
+{{- end }}
+{{- if and .Values.colocatedRunner.tokenSecretName (not .Values.auth.tokenSecretName) }}
+{{- fail "colocatedRunner.tokenSecretName needs auth.tokenSecretName: without a token file kvrecalld checks no token" }}
+{{- end }}
+{{- if and .Values.colocatedRunner.tokenSecretName (eq .Values.colocatedRunner.tokenSecretName .Values.auth.tokenSecretName) (eq .Values.colocatedRunner.tokenSecretKey .Values.auth.tokenSecretKey) }}
+{{- fail "colocatedRunner.tokenSecretKey: the runner's token needs a key of its own, not auth.tokenSecretKey of the same Secret, which would mount every tenant's token in the runner" }}
+{{- end }}
 {{- end }}
 {{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
 {{- fail "tls.secretName: name the kubernetes.io/tls Secret (tls.crt, tls.key; ca.crt for tls.clientAuth) when tls.enabled is true" }}
@@ -198,12 +214,18 @@ The metrics port is then on a Service of its own, of type ClusterIP, never on th
 - --tls_client_ca={{ include "kvrecall.tlsDir" . }}/ca.crt
 {{- end }}
 - --health_address=0.0.0.0:{{ int64 .Values.tls.probePort }}
+{{- if .Values.colocatedRunner.enabled }}
+- --plaintext_unix_sockets=true
+{{- end }}
 {{- end }}
 {{- if .Values.auth.tokenSecretName }}
 - --auth_token_file={{ include "kvrecall.authDir" . }}/{{ .Values.auth.tokenSecretKey }}
 {{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
+{{- if eq (trimPrefix "-" (trimPrefix "-" $flag)) "plaintext_unix_sockets" }}
+{{- fail "server.extraArgs: --plaintext_unix_sockets is set by the chart: with colocatedRunner.enabled and tls.enabled the runner's Unix socket goes without TLS" }}
+{{- end }}
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
