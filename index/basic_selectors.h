@@ -14,7 +14,7 @@ namespace kvrecall {
 // Every token: exact attention.
 class FullSelector : public SupportSelector {
  public:
-  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  absl::Status Build(const KvView&, const PromptQueries&) override { return absl::OkStatus(); }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
 };
 
@@ -22,7 +22,7 @@ class FullSelector : public SupportSelector {
 class ExactTopKSelector : public SupportSelector {
  public:
   ExactTopKSelector(const LayerShape& shape, int top_k) : shape_(shape), top_k_(top_k) {}
-  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  absl::Status Build(const KvView&, const PromptQueries&) override { return absl::OkStatus(); }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
 
  private:
@@ -34,7 +34,7 @@ class ExactTopKSelector : public SupportSelector {
 class StreamingSelector : public SupportSelector {
  public:
   StreamingSelector(int sinks, int recent) : sinks_(sinks), recent_(recent) {}
-  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  absl::Status Build(const KvView&, const PromptQueries&) override { return absl::OkStatus(); }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
 
  private:

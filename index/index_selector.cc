@@ -160,12 +160,18 @@ void IndexSelector::ComputeGroupLists(const KvView& kv, const float* prompt_quer
   out->seconds_per_graph = SecondsSince(start) / graphs;
 }
 
-absl::Status IndexSelector::Build(const KvView& kv, const float* prompt_queries) {
+absl::Status IndexSelector::Build(const KvView& kv, const PromptQueries& queries) {
   if (kv.head_dim != shape_.head_dim || kv.kv_heads != shape_.kv_heads) {
     return absl::InvalidArgumentError(absl::StrCat(
         "index selector built for kv_heads=", shape_.kv_heads, " head_dim=", shape_.head_dim,
         " got a KV of kv_heads=", kv.kv_heads, " head_dim=", kv.head_dim));
   }
+  // Every prompt query shapes the graph.
+  if (queries.data != nullptr && queries.first != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "index: the graph is built from every prompt query, got them from row ", queries.first));
+  }
+  const float* prompt_queries = queries.data;
   const int64_t bulk_end = BulkEnd(kv.tokens);
   const int group = shape_.q_heads / shape_.kv_heads;
   const int graphs_per_kv_head = group / heads_per_graph_;

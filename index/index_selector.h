@@ -40,7 +40,7 @@ class IndexSelector : public SupportSelector {
   IndexSelector(const LayerShape& shape, const SelectorParams& params, bool bulk_only = false,
                 BatchTopKFunction batch_topk = CpuBatchTopK);
 
-  absl::Status Build(const KvView& kv, const float* prompt_queries) override;
+  absl::Status Build(const KvView& kv, const PromptQueries& prompt_queries) override;
   void OnAppend(const KvView& kv) override;
   bool OnAppendIsCostly() const override { return true; }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;

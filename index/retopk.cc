@@ -232,13 +232,13 @@ ReTopKSelector::ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKP
   heads_.assign(shape.q_heads, ReTopKHead(head_params, params.cache_capacity, shape.head_dim));
 }
 
-absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries) {
+absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt_queries) {
   if (kv.kv_heads != shape_.kv_heads || kv.head_dim != shape_.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(
         "retopk: KV has ", kv.kv_heads, " heads of dim ", kv.head_dim, ", the layer expects ",
         shape_.kv_heads, " of dim ", shape_.head_dim));
   }
-  if (kv.tokens > 0 && prompt_queries == nullptr) {
+  if (kv.tokens > 0 && prompt_queries.data == nullptr) {
     return absl::InvalidArgumentError("retopk: the prompt queries are required to seed the cache");
   }
   if (exact_search_ != nullptr) {
@@ -258,6 +258,11 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
   // replayed window and its warm-up before them.
   const int64_t needed = params_.auto_tau ? int64_t{kCalibrationQueries} + capacity : capacity;
   const int64_t begin = std::max<int64_t>(0, tokens - needed);
+  if (begin < prompt_queries.first) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "retopk: the prompt queries from row ", begin, " are needed, got them from row ",
+        prompt_queries.first));
+  }
 
   // Exact top-K of query p over keys [0, p]: one batched top-K (GEMM) over the keys before
   // `begin` for all needed queries, then per query an exact rescoring of that list together
@@ -265,7 +270,7 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
   std::vector<TopKLists> head_lists(shape_.q_heads);
   for (int h = 0; h < shape_.q_heads; ++h) {
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
-    const VectorSet queries{prompt_queries + begin * query_stride + static_cast<int64_t>(h) * d,
+    const VectorSet queries{prompt_queries.row(begin, query_stride) + static_cast<int64_t>(h) * d,
                             tokens - begin, query_stride, d};
     if (absl::Status s =
             CpuBatchTopK(queries, VectorSet::KeysOf(kv, kv_head, 0, begin), top_k_,
@@ -282,7 +287,7 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const float* prompt_queries
   for (int h = 0; h < shape_.q_heads; ++h) {
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     const TopKLists& lists = head_lists[h];
-    auto query_at = [&](int64_t p) { return prompt_queries + p * query_stride + h * d; };
+    auto query_at = [&](int64_t p) { return prompt_queries.row(p, query_stride) + h * d; };
     // The last key query p sees (its own position, shifted by the lead).
     auto seen_until = [&](int64_t p) { return std::min(p + query_lead_, tokens - 1); };
     std::vector<std::vector<int32_t>> exact(tokens - begin);

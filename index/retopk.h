@@ -200,7 +200,7 @@ class ReTopKSelector : public SupportSelector {
   ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params,
                  int64_t query_lead = 0);
 
-  absl::Status Build(const KvView& kv, const float* prompt_queries) override;
+  absl::Status Build(const KvView& kv, const PromptQueries& prompt_queries) override;
   void OnAppend(const KvView& kv) override;
   bool OnAppendIsCostly() const override {
     return exact_search_ != nullptr && exact_search_->OnAppendIsCostly();

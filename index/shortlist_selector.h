@@ -27,7 +27,7 @@ class ShortlistSelector final : public SupportSelector {
   ShortlistSelector(const LayerShape& shape, int top_k);
 
   // Nothing to build: the codes are the tier's.
-  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  absl::Status Build(const KvView&, const PromptQueries&) override { return absl::OkStatus(); }
 
   // Before a step's Selects: the outliers of KV head `kv_head`, positions of the bulk view that
   // Select will see (every query head of the KV group rescores them). Read, not copied: they

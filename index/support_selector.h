@@ -35,6 +35,29 @@ struct LayerShape {
   float scale = 0.0f;  // softmax scale applied to <q, k>
 };
 
+// The prompt's queries a selector is built from: rows [first, T) of [T, q_heads, head_dim]
+// (post-RoPE, f32), `data` pointing at row `first`. The placements keep only the last rows the
+// selector needs (PromptQueriesNeeded), so that a 128K prompt's queries (2 GiB of f32 for 32
+// heads of 128 dims) are not held for a selector that reads its last few hundred.
+struct PromptQueries {
+  PromptQueries() = default;
+  // Every row, from `all` (may be null: none).
+  PromptQueries(const float* all) : data(all) {}  // NOLINT(google-explicit-constructor)
+  PromptQueries(const float* rows, int64_t first_row) : data(rows), first(first_row) {}
+
+  // Row p (p >= first) of rows of `stride` floats.
+  const float* row(int64_t p, int64_t stride) const { return data + (p - first) * stride; }
+  // The same rows seen from `by` rows later (row p here is row p - by there; rows before `by`
+  // are dropped).
+  PromptQueries Shifted(int64_t by, int64_t stride) const {
+    if (data == nullptr) return {};
+    return by >= first ? PromptQueries(row(by, stride), 0) : PromptQueries(data, first - by);
+  }
+
+  const float* data = nullptr;
+  int64_t first = 0;
+};
+
 // One instance serves one layer of one session. The call order is:
 //   Build (once, after the prompt is committed) then, per decode step,
 //   Select (once per query head, possibly from several threads at once for different heads)
@@ -46,9 +69,10 @@ class SupportSelector {
  public:
   virtual ~SupportSelector() = default;
 
-  // Builds state from the committed prompt. kv holds the prompt's T tokens;
-  // prompt_queries: [T, q_heads, head_dim], post-RoPE.
-  virtual absl::Status Build(const KvView& kv, const float* prompt_queries) = 0;
+  // Builds state from the committed prompt. kv holds the prompt's T tokens; prompt_queries
+  // holds at least the last PromptQueriesNeeded of them (a selector needing rows it does not
+  // hold fails with FAILED_PRECONDITION).
+  virtual absl::Status Build(const KvView& kv, const PromptQueries& prompt_queries) = 0;
 
   // Absorbs the tokens appended since the last call (kv.tokens includes them).
   virtual void OnAppend(const KvView& kv) {}

@@ -218,31 +218,17 @@ absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* ou
   return DecodeTensorInto(t, spec, KvElement::kF32, out);
 }
 
-absl::Status DecodeTensorInto(const v1::Tensor& t, const TensorSpec& spec, KvElement element,
-                              void* out) {
-  absl::StatusOr<int64_t> rows = CheckTensor(t, spec);
-  if (!rows.ok()) return rows.status();
-  const int64_t count = *rows * Product(spec.row_shape);
-  const bool raw = t.values_size() == 0;
-  if (raw && DTypeSize(spec.dtype) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(spec.field, " has no dtype"));
-  }
-  if (element == KvElement::kF32) {
-    auto* f32 = static_cast<float*>(out);
-    if (raw) {
-      ConvertToF32(t.data().data(), spec.dtype, count, f32);
-    } else {
-      std::memcpy(f32, t.values().data(), count * sizeof(float));
-    }
-    return CheckValues(spec.field, f32, count, 0);
-  }
-  // 16-bit storage: a piece at a time is widened (or taken from the values) to be checked, then
-  // stored as raw bits when it came in the storage's own dtype, else narrowed.
-  const v1::DType stored = DTypeOf(element);
+namespace {
+
+// Hands `t`'s `count` values (a tensor that passed CheckTensor) to `store(first, values, n)` a
+// piece at a time, each piece widened to f32 (or taken from the values) and checked first.
+template <typename Store>
+absl::Status ForEachCheckedPiece(const v1::Tensor& t, const TensorSpec& spec, int64_t count,
+                                 Store store) {
   constexpr int64_t kPiece = 4096;
   thread_local std::vector<float> piece;
   piece.resize(kPiece);
-  auto* bytes = static_cast<char*>(out);
+  const bool raw = t.values_size() == 0;
   for (int64_t first = 0; first < count; first += kPiece) {
     const int64_t n = std::min(kPiece, count - first);
     const float* values;
@@ -253,13 +239,55 @@ absl::Status DecodeTensorInto(const v1::Tensor& t, const TensorSpec& spec, KvEle
       values = t.values().data() + first;
     }
     if (absl::Status s = CheckValues(spec.field, values, n, first); !s.ok()) return s;
+    store(first, values, n);
+  }
+  return absl::OkStatus();
+}
+
+// CheckTensor's rows times the row size, or its error; INVALID_ARGUMENT for raw data without a
+// dtype.
+absl::StatusOr<int64_t> CheckedCount(const v1::Tensor& t, const TensorSpec& spec) {
+  absl::StatusOr<int64_t> rows = CheckTensor(t, spec);
+  if (!rows.ok()) return rows.status();
+  if (t.values_size() == 0 && DTypeSize(spec.dtype) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(spec.field, " has no dtype"));
+  }
+  return *rows * Product(spec.row_shape);
+}
+
+}  // namespace
+
+absl::Status DecodeTensorInto(const v1::Tensor& t, const TensorSpec& spec, KvElement element,
+                              void* out) {
+  absl::StatusOr<int64_t> count = CheckedCount(t, spec);
+  if (!count.ok()) return count.status();
+  const bool raw = t.values_size() == 0;
+  if (element == KvElement::kF32) {
+    auto* f32 = static_cast<float*>(out);
+    if (raw) {
+      ConvertToF32(t.data().data(), spec.dtype, *count, f32);
+    } else {
+      std::memcpy(f32, t.values().data(), *count * sizeof(float));
+    }
+    return CheckValues(spec.field, f32, *count, 0);
+  }
+  // 16-bit storage: a piece at a time is widened (or taken from the values) to be checked, then
+  // stored as raw bits when it came in the storage's own dtype, else narrowed.
+  const v1::DType stored = DTypeOf(element);
+  auto* bytes = static_cast<char*>(out);
+  return ForEachCheckedPiece(t, spec, *count, [&](int64_t first, const float* values, int64_t n) {
     if (raw && spec.dtype == stored) {
       std::memcpy(bytes + first * 2, t.data().data() + first * 2, n * 2);
     } else {
       ConvertFromF32(std::span<const float>(values, n), stored, bytes + first * 2);
     }
-  }
-  return absl::OkStatus();
+  });
+}
+
+absl::Status CheckTensorValues(const v1::Tensor& t, const TensorSpec& spec) {
+  absl::StatusOr<int64_t> count = CheckedCount(t, spec);
+  if (!count.ok()) return count.status();
+  return ForEachCheckedPiece(t, spec, *count, [](int64_t, const float*, int64_t) {});
 }
 
 v1::DType DTypeOf(KvElement element) {

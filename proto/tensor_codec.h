@@ -52,6 +52,10 @@ absl::Status DecodeTensor(const v1::Tensor& t, const TensorSpec& spec, float* ou
 absl::Status DecodeTensorInto(const v1::Tensor& t, const TensorSpec& spec, KvElement element,
                               void* out);
 
+// DecodeTensor's checks without its output: the shape, and every value (a piece at a time) for
+// the tensors whose values nothing keeps.
+absl::Status CheckTensorValues(const v1::Tensor& t, const TensorSpec& spec);
+
 // The wire dtype of a stored element type, and back (DTYPE_F32 <-> kF32 for anything else).
 v1::DType DTypeOf(KvElement element);
 KvElement KvElementOf(v1::DType dtype);

@@ -8,6 +8,7 @@
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <utility>
@@ -58,6 +59,12 @@ class BudgetedRows {
   }
   // Makes the next n reserved rows part of the content.
   void Commit(int64_t n) { rows_ += n; }
+  // Drops the first n committed rows (n <= rows()): the rest move to the front, the allocation
+  // stays (a window over the last rows of a stream).
+  void DropFront(int64_t n) {
+    std::memmove(data_.data(), data_.data() + n * row_bytes(), (rows_ - n) * row_bytes());
+    rows_ -= n;
+  }
 
   // Releases the allocation and its budget charge; the array is empty afterwards.
   void Free();

@@ -103,7 +103,12 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   if (absl::Status s = staging.Reserve(n, what); !s.ok()) return s;
   // Decoded straight into the reserved tails; a failure leaves them uncommitted.
   if (with_queries) {
-    if (absl::Status s = DecodeTensor(chunk.q(), q_spec, staging.query_tail()); !s.ok()) return s;
+    float* queries = staging.query_tail();
+    if (absl::Status s = queries != nullptr ? DecodeTensor(chunk.q(), q_spec, queries)
+                                            : CheckTensorValues(chunk.q(), q_spec);
+        !s.ok()) {
+      return s;
+    }
   }
   if (absl::Status s = DecodeTensorInto(chunk.k(), k_spec, staging.kv_element(),
                                         staging.key_tail());

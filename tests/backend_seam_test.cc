@@ -56,7 +56,10 @@ std::unique_ptr<PromptStaging> Stage(CpuBackend& backend, const LayerConfig& con
   for (int64_t t = 0; t < kv.tokens; t += chunk) {
     const int64_t n = std::min(chunk, kv.tokens - t);
     EXPECT_TRUE((*staging)->Reserve(n, "test").ok());
-    std::copy_n(queries.data() + t * q_row, n * q_row, (*staging)->query_tail());
+    // (A staging whose selector builds from no query keeps none: query_tail() is null.)
+    if (float* tail = (*staging)->query_tail(); tail != nullptr) {
+      std::copy_n(queries.data() + t * q_row, n * q_row, tail);
+    }
     std::copy_n(kv.keys.data() + t * kv_row, n * kv_row, key_tail());
     std::copy_n(kv.values.data() + t * kv_row, n * kv_row, value_tail());
     EXPECT_TRUE((*staging)->Commit(n, /*with_queries=*/true).ok());

@@ -17,7 +17,7 @@ namespace {
 // Records its OnAppends; each blocks until released when `gate` is set.
 class RecordingSelector final : public SupportSelector {
  public:
-  absl::Status Build(const KvView&, const float*) override { return absl::OkStatus(); }
+  absl::Status Build(const KvView&, const PromptQueries&) override { return absl::OkStatus(); }
   void Select(int, const float*, const KvView&, HeadSelection*) override {}
   void OnAppend(const KvView& kv) override {
     if (gate != nullptr) gate->WaitForNotification();

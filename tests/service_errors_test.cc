@@ -678,14 +678,15 @@ TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
   EXPECT_TRUE(Prefill(stub(), PromptChunks(*again, g, 0, p, 60)).ok());
 }
 
-// A prompt's queries are staged only where the selector's build reads them: a 200-token prompt
-// whose KV takes 50 KiB fits the 64 KiB budget with its queries sent (each chunk's are decoded,
-// so checked, and dropped), where staging them too took 100 KiB (probe 4: a tiered bf16 session
-// of 144 MiB peaked at 720 MiB during its prefill). A selector that reads them (retopk seeds its
-// caches from the last ones) still stages them, and such a prompt does not fit.
+// A prompt's queries are staged only as far as the selector's build reads them: a 160-token
+// prompt whose KV takes 40 KiB (f32 on the cpu placement) fits the 64 KiB budget with its
+// queries sent (each chunk's are checked, and dropped beyond the last ones the build reads:
+// ReTopK's 8 seeds here), where staging them all took 80 KiB (probe 4: a tiered bf16 session of
+// 144 MiB peaked at 720 MiB during its prefill). The graph index, built from every query,
+// stages them all, and such a prompt does not fit. (bf16: what a GPU's tiered placement serves.)
 TEST_F(ServiceMemoryBudgetTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsThem) {
-  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
-  constexpr int kTokens = 200;
+  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim, v1::DTYPE_BF16);
+  constexpr int kTokens = 160;
   const PromptLayer p{RandomNormal(kTokens * kQHeads * kHeadDim, 1),
                       RandomNormal(kTokens * kKvHeads * kHeadDim, 2),
                       RandomNormal(kTokens * kKvHeads * kHeadDim, 3)};
@@ -698,13 +699,17 @@ TEST_F(ServiceMemoryBudgetTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsTh
                         Case{v1::PLACEMENT_CPU, v1::SELECTOR_EXACT_TOPK, true},
                         Case{v1::PLACEMENT_TIERED, v1::SELECTOR_EXACT_TOPK, true},
                         Case{v1::PLACEMENT_TIERED, v1::SELECTOR_STREAMING, true},
-                        Case{v1::PLACEMENT_CPU, v1::SELECTOR_RETOPK, false}}) {
+                        Case{v1::PLACEMENT_CPU, v1::SELECTOR_RETOPK, true},
+                        Case{v1::PLACEMENT_CPU, v1::SELECTOR_INDEX, false}}) {
     const std::string name =
         absl::StrCat(v1::Placement_Name(c.placement), " ", v1::Selector_Name(c.selector));
     v1::CreateSessionRequest request;
     *request.mutable_geometry() = g;
     *request.mutable_policy() = MakePolicy(c.selector, 8, 4, 8);
     request.mutable_policy()->set_placement(c.placement);
+    if (c.selector == v1::SELECTOR_RETOPK) {
+      request.mutable_policy()->mutable_retopk()->set_cache_capacity(8);
+    }
     request.set_max_tokens(kTokens);  // the KV staged in its final allocation, without slack
     v1::CreateSessionResponse response;
     grpc::ClientContext create_context;
@@ -742,7 +747,7 @@ class ServiceShortlistBudgetTest : public ServerTest {
 // refused by the budget instead of allocating 1 MiB a layer unseen (probe 4: 16 layers of
 // shortlist 2^20 took 2 GiB past a 50 MB budget, GetSession saying 0.46 MB).
 TEST_F(ServiceShortlistBudgetTest, ATieredShortlistsListsAreCountedInItsState) {
-  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim);
+  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim, v1::DTYPE_BF16);
   const PromptLayer p{RandomNormal(kPrompt * kQHeads * kHeadDim, 1),
                       RandomNormal(kPrompt * kKvHeads * kHeadDim, 2),
                       RandomNormal(kPrompt * kKvHeads * kHeadDim, 3)};

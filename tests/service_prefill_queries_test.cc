@@ -5,6 +5,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "index/support_selector.h"
+#include "server/policy.h"
+#include "server/session.h"
 #include "tests/server_fixture.h"
 
 namespace kvrecall {
@@ -70,6 +73,55 @@ TEST_F(PrefillQueriesTest, ReTopKNeedsTheQueriesOfItsSeeds) {
   absl::StatusOr<v1::PrefillResponse> ok = Prefill(stub(), Chunks(ref, *id, 64, 128));
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->tokens(), 200);
+}
+
+// The server keeps only the prompt's last queries a ReTopK layer reads (its seeds and, with
+// auto_tau, the calibration window: 32 + 256 of 600 here, across chunks of 50), and builds the
+// same layer as a ReTopK selector built from every query: each step's paths and outputs match
+// that reference's, step after step.
+TEST_F(PrefillQueriesTest, AReTopKLayerBuiltFromItsLastQueriesIsBuiltAsFromAll) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 16, v1::DTYPE_F32);
+  ReferenceSession ref(g, 600, 3);
+  v1::Policy policy = MakePolicy(v1::SELECTOR_RETOPK, 16);
+  policy.mutable_retopk()->set_cache_capacity(32);
+  policy.mutable_retopk()->set_auto_tau(true);
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, policy);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(Prefill(stub(), Chunks(ref, *id, 50, 0)).ok());
+
+  absl::StatusOr<EffectivePolicy> effective = ResolvePolicy(policy);
+  ASSERT_TRUE(effective.ok()) << effective.status();
+  const LayerShape shape{g.q_heads(), g.kv_heads(), g.head_dim(),
+                         static_cast<float>(ref.scale())};
+  absl::StatusOr<std::unique_ptr<SupportSelector>> local =
+      MakeSelector(effective->selector, shape);
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_TRUE((*local)->Build(ref.view(0), ref.prompt(0).q.data()).ok());
+
+  DecodeClient decode(stub());
+  int reused = 0;
+  for (int step = 0; step < 24; ++step) {
+    const ReferenceSession::Token token = ref.MakeToken(7000 + 10 * step);
+    const std::vector<float> q = ref.Record(0, token);
+    v1::DecodeRequest request;
+    request.set_diagnostics(true);
+    *request.add_steps() = ref.Step(*id, token);
+    absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    std::vector<std::vector<int32_t>> supports(g.q_heads());
+    for (int h = 0; h < g.q_heads(); ++h) {
+      HeadSelection selection;
+      (*local)->Select(h, q.data() + h * g.head_dim(), ref.view(0), &selection);
+      supports[h] = selection.support;
+      EXPECT_EQ(reply->results(0).heads(h).path(), PathToProto(selection.path))
+          << "step " << step << " head " << h;
+      reused += selection.path == SelectionPath::kReuse;
+    }
+    (*local)->OnAppend(ref.view(0));
+    ExpectOutputNear(TensorValues(reply->results(0).output()), ref.Attention(0, q, supports),
+                     v1::DTYPE_F32, absl::StrCat("step ", step));
+  }
+  EXPECT_GT(reused, 0) << "the steps exercise the caches the prompt's queries seeded";
 }
 
 }  // namespace

@@ -73,7 +73,9 @@ class PromptStaging {
   // Room for `more` tokens beyond the committed ones; RESOURCE_EXHAUSTED naming `what` changes
   // nothing.
   virtual absl::Status Reserve(int64_t more, absl::string_view what) = 0;
-  // Where the reserved tokens go; valid until Commit or the next Reserve.
+  // Where the reserved tokens go; valid until Commit or the next Reserve. query_tail() is null
+  // where the staging keeps no queries (the selector's build reads none): a chunk's q is then
+  // checked and dropped.
   virtual float* query_tail() = 0;
   virtual void* key_tail() = 0;
   virtual void* value_tail() = 0;

@@ -124,8 +124,8 @@ void CpuLayer::Shadow(const ShadowStep& step) const { HostShadow(shape_, kv_.vie
 
 absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
     const LayerShape& shape, MemoryAccount* host, KvElement element, int64_t expected_tokens,
-    bool keep_queries) {
-  auto staging = std::make_unique<HostPromptStaging>(shape, host, element, keep_queries);
+    int64_t kept_queries) {
+  auto staging = std::make_unique<HostPromptStaging>(shape, host, element, kept_queries);
   if (expected_tokens > 0) {
     if (absl::Status s = staging->kv.Reserve(expected_tokens, "the announced max_tokens");
         !s.ok()) {
@@ -137,21 +137,24 @@ absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
 
 absl::Status HostPromptStaging::Reserve(int64_t more, absl::string_view what) {
   if (absl::Status s = kv.Reserve(more, what); !s.ok()) return s;
-  // Not kept, the queries are never committed: the scratch holds one chunk's.
-  return queries.Reserve(more, what);
+  return kept_queries_ > 0 ? queries.Reserve(more, what) : absl::OkStatus();
 }
 
 absl::Status HostPromptStaging::Commit(int64_t n, bool with_queries) {
   kv.Commit(n);
-  if (keep_queries_) {
+  if (kept_queries_ > 0) {
     if (!with_queries) std::fill_n(queries.tail(), n * queries.row_width(), 0.0f);
     queries.Commit(n);
+    if (const int64_t excess = queries.rows() - kept_queries_; excess > 0) {
+      queries.DropFront(excess);
+      first_query_ += excess;
+    }
   }
   return absl::OkStatus();
 }
 
-bool KeepsPromptQueries(const AttentionBackend& backend, const LayerConfig& config) {
-  return backend.PromptQueriesNeeded(config, std::numeric_limits<int64_t>::max()) > 0;
+int64_t KeptPromptQueries(const AttentionBackend& backend, const LayerConfig& config) {
+  return backend.PromptQueriesNeeded(config, std::numeric_limits<int64_t>::max());
 }
 
 void HostShadow(const LayerShape& shape, const KvView& kv, const ShadowStep& step) {
@@ -179,7 +182,7 @@ int64_t CpuBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t to
 absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
   return HostPromptStaging::Create(config.shape, accounts.host, KvElement::kF32,
-                                   config.expected_tokens, KeepsPromptQueries(*this, config));
+                                   config.expected_tokens, KeptPromptQueries(*this, config));
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(

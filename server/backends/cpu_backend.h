@@ -18,15 +18,16 @@ namespace kvrecall {
 // dtype).
 class HostPromptStaging final : public PromptStaging {
  public:
-  // keep_queries: whether the selector's build reads the prompt's queries
-  // (PromptQueriesNeeded); without, a chunk's queries are decoded (and so checked) into a
-  // chunk-sized scratch and dropped, instead of staging [T, q_heads, head_dim] f32 (4x the KV of
-  // a bf16 GQA layer with 4 query heads per KV head) that nothing reads.
+  // kept_queries: how many of the prompt's last queries the selector's build reads
+  // (PromptQueriesNeeded of any length: 0, a window such as ReTopK's seeds, or every one).
+  // Only those are held (with none, a chunk's q is only checked), instead of staging
+  // [T, q_heads, head_dim] f32 (4x the KV of a bf16 GQA layer with 4 query heads per KV head)
+  // that nothing reads.
   HostPromptStaging(const LayerShape& shape, MemoryAccount* host, KvElement element,
-                    bool keep_queries)
+                    int64_t kept_queries)
       : kv(shape.kv_heads, shape.head_dim, host, element),
         queries(int64_t{shape.q_heads} * shape.head_dim, host),
-        keep_queries_(keep_queries) {}
+        kept_queries_(kept_queries) {}
 
   // A staging whose KV already holds room for `expected_tokens` (CreateSession's announced
   // max_tokens; 0: none announced), so that the prompt's chunks land in the layer's final
@@ -36,32 +37,35 @@ class HostPromptStaging final : public PromptStaging {
                                                                    MemoryAccount* host,
                                                                    KvElement element,
                                                                    int64_t expected_tokens,
-                                                                   bool keep_queries);
+                                                                   int64_t kept_queries);
 
   absl::Status Reserve(int64_t more, absl::string_view what) override;
-  float* query_tail() override { return queries.tail(); }
+  float* query_tail() override { return kept_queries_ > 0 ? queries.tail() : nullptr; }
   void* key_tail() override { return kv.key_tail(); }
   void* value_tail() override { return kv.value_tail(); }
   KvElement kv_element() const override { return kv.element(); }
   absl::Status Commit(int64_t n, bool with_queries) override;
   int64_t tokens() const override { return kv.tokens(); }
 
-  // The prompt's queries [T, q_heads, head_dim] for the selector's build (zeros where a chunk
-  // came without q); null where they are not kept.
-  const float* prompt_queries() const { return keep_queries_ ? queries.data() : nullptr; }
+  // The prompt's last kept queries for the selector's build (zeros where a chunk came without
+  // q); none where none are kept.
+  PromptQueries prompt_queries() const {
+    return kept_queries_ > 0 ? PromptQueries(queries.data(), first_query_) : PromptQueries();
+  }
 
   LayerKvStore kv;
-  // Kept: [tokens, q_heads, head_dim], zeros where a chunk came without q. Not kept: the last
-  // chunk's, uncommitted.
+  // The last min(tokens, kept_queries) queries [rows, q_heads, head_dim], from the prompt's row
+  // first_query_ (a chunk's beyond them until its Commit drops them); empty with none kept.
   BudgetedRows queries;
 
  private:
-  const bool keep_queries_;
+  const int64_t kept_queries_;
+  int64_t first_query_ = 0;
 };
 
-// Whether `backend`'s layers of `config` build from the prompt's queries (PromptQueriesNeeded of
-// any length > 0): HostPromptStaging's keep_queries.
-bool KeepsPromptQueries(const AttentionBackend& backend, const LayerConfig& config);
+// How many of a prompt's last queries `backend`'s layers of `config` build from, whatever the
+// prompt's length (PromptQueriesNeeded of any length): HostPromptStaging's kept_queries.
+int64_t KeptPromptQueries(const AttentionBackend& backend, const LayerConfig& config);
 
 // Full attention and each head's exact top-K over the history `kv` (compare_exact's shadow of
 // every placement whose complete KV is on the host).

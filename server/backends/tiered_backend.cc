@@ -618,7 +618,7 @@ absl::StatusOr<std::unique_ptr<PromptStaging>> TieredBackend::NewPromptStaging(
   // The host keeps the complete KV in the session's dtype (bf16 / f16: half of f32's bytes, and
   // half the bytes the CPU reads per scored key).
   return HostPromptStaging::Create(config.shape, accounts.host, KvElementOf(config.dtype),
-                                   config.expected_tokens, KeepsPromptQueries(*this, config));
+                                   config.expected_tokens, KeptPromptQueries(*this, config));
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
@@ -635,10 +635,10 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
     if (bulk->relative) {
       // Query of bulk row r: the prompt's query of token sinks + recent + r (see above).
       const KvView view = BulkView(all, p);
-      const float* prompt_queries = staged.prompt_queries();
-      const float* queries = view.tokens > 0 && prompt_queries != nullptr
-                                 ? prompt_queries + (int64_t{p.sinks} + p.recent) * q_row
-                                 : nullptr;
+      const PromptQueries prompt_queries = staged.prompt_queries();
+      const PromptQueries queries = view.tokens > 0
+                                        ? prompt_queries.Shifted(int64_t{p.sinks} + p.recent, q_row)
+                                        : PromptQueries();
       auto* retopk = p.kind == SelectorKind::kReTopK
                          ? static_cast<ReTopKSelector*>(bulk->selector.get())
                          : nullptr;
@@ -653,7 +653,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
           ids.clear();
           AppendStaticSet(at + 1, p.sinks, p.recent, &ids);
           scores.resize(ids.size());
-          cpu::ScoreTokens(prompt_queries + at * q_row + int64_t{h} * shape.head_dim, all,
+          cpu::ScoreTokens(prompt_queries.row(at, q_row) + int64_t{h} * shape.head_dim, all,
                            KvHeadOf(h, shape.q_heads, shape.kv_heads), ids, shape.scale,
                            scores.data());
           const float top = *std::max_element(scores.begin(), scores.end());
