@@ -1,5 +1,8 @@
 #include "client/kvrecall_client.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -13,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/descriptor.h"
 #include "absl/synchronization/notification.h"
 #include "grpc/grpc_security_constants.h"
@@ -561,6 +565,38 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_vi
   return text.str();
 }
 
+// The file a unix: target names (unix:PATH, unix:///ABSOLUTE).
+std::string UnixTargetPath(absl::string_view target) {
+  absl::ConsumePrefix(&target, "unix:");
+  if (absl::StartsWith(target, "///")) target.remove_prefix(2);
+  return std::string(target);
+}
+
+// OK when a bearer token may go in plaintext to the Unix socket of `target`: a socket (not a
+// link) that this user owns. kvrecalld makes its socket 0600, so a runner that may connect runs
+// as its user; gRPC's local credentials authenticate no server, and without this check a token
+// alone would go to whatever listens at the path (another user's process in a shared /tmp).
+// (Not its directory: a pod's emptyDir is 0777, shared by the pod's own containers alone.)
+// FAILED_PRECONDITION otherwise.
+absl::Status CheckOwnSocket(absl::string_view target) {
+  const std::string path = UnixTargetPath(target);
+  auto refuse = [&](absl::string_view why) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a bearer token goes in plaintext only to a Unix socket of this user's: ", path, " ",
+        why, "; ask for TLS to send it there"));
+  };
+  struct stat socket_stat;
+  if (::lstat(path.c_str(), &socket_stat) != 0) {
+    return refuse(absl::StrCat("cannot be read (", std::strerror(errno), ")"));
+  }
+  if (!S_ISSOCK(socket_stat.st_mode)) return refuse("is not a socket");
+  if (socket_stat.st_uid != ::geteuid()) {
+    return refuse(absl::StrCat("belongs to uid ", socket_stat.st_uid, ", this process is uid ",
+                               ::geteuid()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
@@ -577,6 +613,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
       // Plaintext on a Unix socket (kvrecalld --plaintext_unix_sockets): gRPC's local
       // credentials refuse any other kind of connection and, counting a Unix socket as
       // private, send call credentials over it, which they never do over plaintext TCP.
+      if (absl::Status s = CheckOwnSocket(target); !s.ok()) return s;
       return grpc::CompositeChannelCredentials(grpc::experimental::LocalCredentials(UDS),
                                                grpc::AccessTokenCredentials(security.token));
     }

@@ -246,11 +246,16 @@ void MetricsEndpoint::Serve() {
     std::erase_if(connections, [](const Connection& c) { return c.fd < 0; });
     if (accepting && polled[1].revents != 0) {
       // At most kMaxConnections accepts a round, so that a flood of peers cannot keep the
-      // connections already open from being served.
+      // connections already open from being served; a round's own peers (at the end) are not
+      // evicted by its later ones before their requests were even read.
       for (int accepted = 0; accepted < kMaxConnections; ++accepted) {
-        const auto oldest_evictable = std::ranges::find_if(connections, &Connection::Evictable);
+        const auto older = connections.end() - accepted;
+        const auto oldest_evictable =
+            std::find_if(connections.begin(), older, [](const Connection& c) {
+              return c.Evictable();
+            });
         const bool room = static_cast<int>(connections.size()) < kMaxConnections;
-        if (!room && oldest_evictable == connections.end()) break;
+        if (!room && oldest_evictable == older) break;
         const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) {
           if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {

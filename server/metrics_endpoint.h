@@ -6,12 +6,12 @@
 // deadline for its whole life (its request read, its response written), so a peer that trickles
 // a byte at a time is cut like an idle one and cannot hold a scrape or the process's shutdown;
 // at most kMaxConnections are open at once, and a new peer beyond them takes the place of the
-// oldest that is not being answered (its request still incomplete), so idle peers by the
-// hundred delay no scrape: only as many peers connecting within a scrape's own milliseconds
-// could push it out. Not prometheus-cpp's Exposer (its civetweb workers run on a
-// 100 KiB stack that the static TLS of OpenBLAS and CUDA leaves too little of) and not
-// cpp-httplib (its deadlines are per read: one byte a second held a worker for hours, and four
-// such peers held every scrape and the shutdown).
+// oldest that is not being answered (its request still incomplete, or its response sent and the
+// connection still open), so idle peers by the hundred delay no scrape: only as many peers
+// connecting within a scrape's own milliseconds could push it out. Not prometheus-cpp's
+// Exposer (its civetweb workers run on a 100 KiB stack that the static TLS of OpenBLAS and CUDA
+// leaves too little of) and not cpp-httplib (its deadlines are per read: one byte a second held
+// a worker for hours, and four such peers held every scrape and the shutdown).
 #ifndef KVRECALL_SERVER_METRICS_ENDPOINT_H_
 #define KVRECALL_SERVER_METRICS_ENDPOINT_H_
 

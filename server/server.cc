@@ -90,9 +90,9 @@ absl::Status CheckPlaintextUnixSockets(const std::vector<std::string>& addresses
     if (absl::StartsWith(address, "unix-abstract:")) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--plaintext_unix_sockets with --address entry '", address,
-          "': an abstract socket has no file permissions (any process of the network namespace "
-          "may connect), so it cannot go without TLS; use a unix:PATH socket (made 0600) "
-          "instead, or leave the flag out"));
+          "': the flag serves Unix sockets in plaintext, and an abstract socket has no file "
+          "permissions (any process of the network namespace may connect); use a unix:PATH "
+          "socket (made 0600) instead, or leave the flag out"));
     }
     any_path = any_path || !UnixSocketPath(address).empty();
   }

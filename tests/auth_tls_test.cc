@@ -639,7 +639,8 @@ TEST_F(PlaintextUnixSocketTest, NonsensicalCombinationsAreRefusedAtStart) {
   EXPECT_TRUE(HasStatus(start(absl::StrCat(Socket(), ",", abstract), Tls()),
                         absl::StatusCode::kInvalidArgument,
                         absl::StrCat("--plaintext_unix_sockets with --address entry '", abstract,
-                                     "': an abstract socket has no file permissions")));
+                                     "': the flag serves Unix sockets in plaintext, and an "
+                                     "abstract socket has no file permissions")));
   EXPECT_FALSE(std::filesystem::exists(SocketPath()));
 }
 
@@ -687,6 +688,37 @@ TEST_F(PlaintextUnixSocketTest, TheClientsTokenGoesOverTheSocketWithoutTls) {
   EXPECT_EQ(ListAt(Socket(), alice_tls).status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(running_->metrics().TextFormat(),
               HasSubstr("\nkvrecall_unauthenticated_requests_total 3\n"));
+}
+
+// A token alone goes in plaintext only to a socket of this user's (review 4: local credentials
+// authenticate no server, so it went to whatever listened at the path, another user's process
+// in a shared /tmp): not to a path that is no socket, a link to the real one, or (as root here)
+// a socket another user owns. Refused before any channel is made, by code and message.
+TEST_F(PlaintextUnixSocketTest, ATokenAloneGoesOnlyToASocketOfThisUsers) {
+  StartWithSocket(WithTokens());
+  client::ChannelSecurity alice;
+  alice.token = kAliceToken;
+  const std::string dir = std::filesystem::path(SocketPath()).parent_path();
+  auto refused = [&](const std::string& path, const std::string& why) {
+    const std::string message = absl::StrCat(
+        "a bearer token goes in plaintext only to a Unix socket of this user's: ", path, " ", why);
+    EXPECT_TRUE(HasStatus(client::Client::Connect("unix:" + path, alice).status(),
+                          absl::StatusCode::kFailedPrecondition, message));
+  };
+  refused(dir + "/absent.sock", "cannot be read (No such file or directory)");
+  const std::string link = dir + "/link.sock";
+  std::filesystem::create_symlink(SocketPath(), link);
+  refused(link, "is not a socket");
+  ASSERT_TRUE(client::Client::Connect(Socket(), alice).ok()) << "the socket itself is this user's";
+  if (geteuid() == 0) {
+    ASSERT_EQ(chown(SocketPath().c_str(), 65534, 65534), 0) << std::strerror(errno);
+    refused(SocketPath(), "belongs to uid 65534, this process is uid 0");
+    ASSERT_EQ(chown(SocketPath().c_str(), 0, 0), 0);
+  }
+  // With a TLS field the caller asked for TLS: no check (the handshake authenticates).
+  client::ChannelSecurity over_tls = TrustingCa();
+  over_tls.token = kAliceToken;
+  EXPECT_TRUE(client::Client::Connect("unix:" + link, over_tls).ok());
 }
 
 // A token alone to an abstract socket is refused before any channel is made: kvrecalld never

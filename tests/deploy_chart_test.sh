@@ -319,6 +319,8 @@ case "$case_name" in
       --set colocatedRunner.tokenSecretName=kvrecall-tokens --set colocatedRunner.tokenSecretKey=tokens
     expect_render_error "server.extraArgs: --plaintext_unix_sockets is set by the chart" \
       --set "server.extraArgs={--plaintext_unix_sockets}"
+    expect_render_error "server.extraArgs: --plaintext_unix_sockets is set by the chart" \
+      --set "server.extraArgs={--noplaintext_unix_sockets}"
     expect_render_error "at '/colocatedRunner/tokenSecretKey': 'a/b' does not match pattern" \
       --set colocatedRunner.tokenSecretKey=a/b
     # Integer flags from a values file: YAML numbers reach the templates as float64, which

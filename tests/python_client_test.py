@@ -1335,6 +1335,32 @@ class TokenOverPlaintextSocketTest(unittest.TestCase):
             os.environ["KVRECALL_TOKEN_FILE"] = path
         self.addCleanup(os.environ.pop, "KVRECALL_TOKEN_FILE", None)
 
+    def test_a_token_alone_goes_only_to_a_socket_of_this_users(self):
+        # Local credentials authenticate no server (review 4): the token would go to whatever
+        # listens at the path. Refused, before a channel is made, for a path that is no socket
+        # (a link to the real one) and, as root here, for a socket another user owns.
+        from auth_pki import ALICE_TOKEN
+        path = self.socket[len("unix:"):]
+        link = f"{self.dir.name}/link.sock"
+        if not os.path.islink(link):
+            os.symlink(path, link)
+        prefix = "a bearer token goes in plaintext only to a Unix socket of this user's: "
+        for target, why in ((f"unix:{self.dir.name}/absent.sock",
+                             "cannot be read (No such file or directory)"),
+                            (f"unix:{link}", "is not a socket")):
+            with self.assertRaisesRegex(ValueError, "^" + re.escape(prefix + target[5:] + " " + why)):
+                kvrecall.Client(target, token=ALICE_TOKEN)
+        if os.geteuid() == 0:
+            os.chown(path, 65534, 65534)
+            try:
+                with self.assertRaisesRegex(ValueError, re.escape(
+                        f"{path} belongs to uid 65534, this process is uid 0")):
+                    kvrecall.Client(self.socket, token=ALICE_TOKEN)
+            finally:
+                os.chown(path, 0, 0)
+        with kvrecall.Client(self.socket, token=ALICE_TOKEN, wait_ready_s=30) as c:
+            self.assertIsInstance(c.list_sessions(), list)
+
     def test_a_token_alone_goes_over_the_plaintext_socket(self):
         from auth_pki import ALICE_TOKEN, BOB_TOKEN
         from kvrecall.client import Tls

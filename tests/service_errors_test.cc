@@ -678,18 +678,31 @@ TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
   EXPECT_TRUE(Prefill(stub(), PromptChunks(*again, g, 0, p, 60)).ok());
 }
 
-// A prompt's queries are staged only as far as the selector's build reads them: a 160-token
-// prompt whose KV takes 40 KiB (f32 on the cpu placement) fits the 64 KiB budget with its
+// A server with room for 64 tokens' prompt (1 KiB a token of f32 KV with 2 KV heads of 64
+// dims: the cpu placement's) and their queries' window, not all of their queries too.
+class ServiceQueryStagingTest : public ServerTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.host_memory_budget_bytes = 112 << 10;
+    return options;
+  }
+};
+
+// A prompt's queries are staged only as far as the selector's build reads them: a 64-token
+// prompt whose KV takes 64 KiB (f32 on the cpu placement) fits the 112 KiB budget with its
 // queries sent (each chunk's are checked, and dropped beyond the last ones the build reads:
-// ReTopK's 8 seeds here), where staging them all took 80 KiB (probe 4: a tiered bf16 session of
-// 144 MiB peaked at 720 MiB during its prefill). The graph index, built from every query,
-// stages them all, and such a prompt does not fit. (bf16: what a GPU's tiered placement serves.)
-TEST_F(ServiceMemoryBudgetTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsThem) {
-  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim, v1::DTYPE_BF16);
-  constexpr int kTokens = 160;
-  const PromptLayer p{RandomNormal(kTokens * kQHeads * kHeadDim, 1),
-                      RandomNormal(kTokens * kKvHeads * kHeadDim, 2),
-                      RandomNormal(kTokens * kKvHeads * kHeadDim, 3)};
+// ReTopK's 8 seeds here), where staging them all takes 128 KiB (probe 4: a tiered bf16 session
+// of 144 MiB peaked at 720 MiB during its prefill). The graph index, built from every query,
+// stages them all, and such a prompt does not fit. (bf16 and 64 dims: what a GPU's tiered
+// placement serves.)
+TEST_F(ServiceQueryStagingTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsThem) {
+  constexpr int kDim = 64;
+  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kDim, v1::DTYPE_BF16);
+  constexpr int kTokens = 64;
+  const PromptLayer p{RandomNormal(kTokens * kQHeads * kDim, 1),
+                      RandomNormal(kTokens * kKvHeads * kDim, 2),
+                      RandomNormal(kTokens * kKvHeads * kDim, 3)};
   struct Case {
     v1::Placement placement;
     v1::Selector selector;
@@ -713,9 +726,10 @@ TEST_F(ServiceMemoryBudgetTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsTh
     request.set_max_tokens(kTokens);  // the KV staged in its final allocation, without slack
     v1::CreateSessionResponse response;
     grpc::ClientContext create_context;
-    ASSERT_TRUE(stub().CreateSession(&create_context, request, &response).ok()) << name;
+    const grpc::Status created = stub().CreateSession(&create_context, request, &response);
+    ASSERT_TRUE(created.ok()) << name << ": " << created.error_message();
     const std::string* id = &response.session_id();
-    const absl::Status prefilled = Prefill(stub(), PromptChunks(*id, g, 0, p, 20)).status();
+    const absl::Status prefilled = Prefill(stub(), PromptChunks(*id, g, 0, p, 8)).status();
     if (c.fits) {
       ASSERT_TRUE(prefilled.ok()) << name << ": " << prefilled;
       absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
@@ -731,13 +745,14 @@ TEST_F(ServiceMemoryBudgetTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsTh
   }
 }
 
-// Room for a small tiered shortlist session: its build holds the 32 KiB of codebooks twice (the
-// state reserved for the build, then what the build charges) beside the prompt.
+// Room for a small tiered shortlist session: its build holds the 128 KiB of codebooks (2 KV
+// heads of 64 dims) twice (the state reserved for the build, then what the build charges) beside
+// the prompt.
 class ServiceShortlistBudgetTest : public ServerTest {
  protected:
   ServerOptions Options() const override {
     ServerOptions options;
-    options.host_memory_budget_bytes = 256 << 10;
+    options.host_memory_budget_bytes = 1 << 20;
     return options;
   }
 };
@@ -747,10 +762,11 @@ class ServiceShortlistBudgetTest : public ServerTest {
 // refused by the budget instead of allocating 1 MiB a layer unseen (probe 4: 16 layers of
 // shortlist 2^20 took 2 GiB past a 50 MB budget, GetSession saying 0.46 MB).
 TEST_F(ServiceShortlistBudgetTest, ATieredShortlistsListsAreCountedInItsState) {
-  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kHeadDim, v1::DTYPE_BF16);
-  const PromptLayer p{RandomNormal(kPrompt * kQHeads * kHeadDim, 1),
-                      RandomNormal(kPrompt * kKvHeads * kHeadDim, 2),
-                      RandomNormal(kPrompt * kKvHeads * kHeadDim, 3)};
+  constexpr int kDim = 64;
+  const v1::Geometry g = MakeGeometry(1, kQHeads, kKvHeads, kDim, v1::DTYPE_BF16);
+  const PromptLayer p{RandomNormal(kPrompt * kQHeads * kDim, 1),
+                      RandomNormal(kPrompt * kKvHeads * kDim, 2),
+                      RandomNormal(kPrompt * kKvHeads * kDim, 3)};
   for (const int shortlist : {1 << 16, 64}) {
     v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, 8, 4, 8);
     policy.set_placement(v1::PLACEMENT_TIERED);

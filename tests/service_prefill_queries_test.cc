@@ -124,5 +124,55 @@ TEST_F(PrefillQueriesTest, AReTopKLayerBuiltFromItsLastQueriesIsBuiltAsFromAll) 
   EXPECT_GT(reused, 0) << "the steps exercise the caches the prompt's queries seeded";
 }
 
+// The tiered placement shifts the window onto its bulk (bulk row r is the prompt's token
+// sinks + recent + r): its ReTopK caches are seeded from the prompt's last queries whether the
+// staging kept every query (the graph, which is built from all) or the window alone (the flat
+// scan). A fresh session asked the prompt's own last and C-th last queries finds them in its
+// caches (best cosine 1), and both sessions decide alike, head by head.
+TEST_F(PrefillQueriesTest, ATieredReTopKSeedsItsCachesFromThePromptsLastQueries) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 64, v1::DTYPE_BF16);
+  constexpr int kTokens = 700, kCapacity = 32;
+  ReferenceSession ref(g, kTokens, 5);
+  auto policy = [](bool graph) {
+    v1::Policy p = MakePolicy(v1::SELECTOR_RETOPK, 16, 16, 32);
+    p.set_placement(v1::PLACEMENT_TIERED);
+    p.mutable_retopk()->set_cache_capacity(kCapacity);
+    p.mutable_retopk()->set_auto_tau(true);
+    if (graph) {
+      p.mutable_index()->set_exact_search(v1::EXACT_SEARCH_GRAPH);
+    } else {
+      p.mutable_retopk()->set_exact_flat_scan(true);
+    }
+    return p;
+  };
+  const int q_row = g.q_heads() * g.head_dim();
+  for (const int64_t probe : {int64_t{kTokens - 1}, int64_t{kTokens - kCapacity}}) {
+    std::vector<v1::DecodeResponse> replies;
+    for (const bool graph : {true, false}) {
+      absl::StatusOr<std::string> id = CreateSession(stub(), g, policy(graph));
+      ASSERT_TRUE(id.ok()) << id.status();
+      ASSERT_TRUE(Prefill(stub(), Chunks(ref, *id, 100, 0)).ok());
+      ReferenceSession::Token token = ref.MakeToken(9000 + probe);
+      token.q.assign(ref.prompt(0).q.begin() + probe * q_row,
+                     ref.prompt(0).q.begin() + (probe + 1) * q_row);
+      v1::DecodeRequest request;
+      request.set_diagnostics(true);
+      *request.add_steps() = ref.Step(*id, token);
+      DecodeClient decode(stub());
+      absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      replies.push_back(*std::move(reply));
+      ASSERT_TRUE(testing::CloseSession(stub(), *id).ok());
+    }
+    for (int h = 0; h < g.q_heads(); ++h) {
+      const v1::HeadDiagnostics& all = replies[0].results(0).heads(h);
+      const v1::HeadDiagnostics& window = replies[1].results(0).heads(h);
+      EXPECT_GT(window.best_cosine(), 0.999f) << "probe " << probe << " head " << h;
+      EXPECT_EQ(window.best_cosine(), all.best_cosine()) << "probe " << probe << " head " << h;
+      EXPECT_EQ(window.path(), all.path()) << "probe " << probe << " head " << h;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvrecall

@@ -6,10 +6,10 @@
 # retopk builds from the window); and the peak host memory of one 128K tiered retopk session's
 # prefill, d93's kvrecalld (every query staged for retopk) against this one (the window).
 # Carry: .device/b94/ship (every tests/*_test, kvrecalld, kvrecall, gpu_serving_bench),
-# .device/b93/ship (d93's kvrecalld for the comparison), .device/model, client/python/kvrecall/_gen.
+# .device/b93k (d93's kvrecalld, stripped, xz: the comparison), .device/model, _gen.
 set -u
 tar -C .device/b94 -xJf .device/b94/ship/bundle.tar.xz
-tar -C .device/b93 -xJf .device/b93/ship/bundle.tar.xz
+xz -dc .device/b93k/kvrecalld.xz > /tmp/kvrecalld_b93 && chmod +x /tmp/kvrecalld_b93
 B=$PWD/.device/b94/bundle/bin
 export LD_LIBRARY_PATH=$PWD/.device/b94/bundle/lib
 . scripts/kvrecalld.sh
@@ -35,7 +35,8 @@ kill $kvrecalld_pid; wait $kvrecalld_pid 2>/dev/null
 # 3. Peak host memory of a 128K tiered retopk prefill (one layer, 32 / 8 heads, d = 128, bf16):
 # the prompt's queries are 2 GiB of f32; the KV 512 MiB.
 for build in b93 b94; do
-  start_kvrecalld $PWD/.device/$build/bundle/bin/kvrecalld $L/kvrecalld_$build.log \
+  binary=$B/kvrecalld; [ $build = b93 ] && binary=/tmp/kvrecalld_b93  # (b94's libraries)
+  start_kvrecalld $binary $L/kvrecalld_$build.log \
     --address=127.0.0.1:0 || exit 1
   timeout 120 $B/gpu_serving_bench --server=$kvrecalld_address --out=$L/m_$build.json \
     --placement=tiered --contexts=131072 --batches=1 --selectors=retopk --auto_tau \

@@ -20,6 +20,7 @@ import dataclasses
 import operator
 import os
 import queue
+import stat
 import sys
 import threading
 
@@ -187,7 +188,10 @@ _FLAGS = {flags: b"".join(tag for tag, on in zip((b"\x20\x01", b"\x28\x01", b"\x
 
 
 def _int_below(name, value, bound, bound_text):
-    """`value` as an int; ValueError naming `name` unless it is an integer in [0, bound)."""
+    """`value` as an int; ValueError naming `name` unless it is an integer in [0, bound) (not a
+    bool: True would be 1)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got bool {value!r}")
     try:
         value = operator.index(value)
     except TypeError:
@@ -494,19 +498,43 @@ def _channel_kind(target, tls, token):
     return "tls"
 
 
+def _check_own_socket(target):
+    """ValueError unless the Unix socket of `target` (unix:PATH, unix:///ABSOLUTE) is a socket,
+    not a link, that this user owns: gRPC's local credentials authenticate no server, so a token
+    alone would otherwise go in plaintext to whatever listens at the path (another user's process
+    in a shared /tmp). kvrecalld makes its socket 0600, so a runner that may connect runs as its
+    user. (Not the directory: a pod's emptyDir is 0777, shared by the pod's own containers.)"""
+    path = target[len("unix:"):]
+    if path.startswith("///"):
+        path = path[2:]
+    refuse = ("a bearer token goes in plaintext only to a Unix socket of this user's: {} {}; "
+              "pass tls= to send it there")
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise ValueError(refuse.format(path, f"cannot be read ({e.strerror})")) from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ValueError(refuse.format(path, "is not a socket"))
+    if st.st_uid != os.geteuid():
+        raise ValueError(refuse.format(
+            path, f"belongs to uid {st.st_uid}, this process is uid {os.geteuid()}"))
+
+
 def make_channel(target, options=(), tls=None, token=None):
     """A gRPC channel to `target`: plaintext, or TLS when `tls` is a Tls (or True: system roots),
     with a bearer `token` for servers started with --auth_token_file. A token alone (tls None)
     goes, by the target: to HOST:PORT over TLS with the system's roots (gRPC sends call
     credentials only over private channels: never in plaintext over TCP); to unix:PATH in
     plaintext, over gRPC's local credentials (which check that the connection is a Unix
-    socket), for kvrecalld --plaintext_unix_sockets; to unix-abstract:NAME nowhere (ValueError:
+    socket), for kvrecalld --plaintext_unix_sockets, when the socket is this user's
+    (_check_own_socket); to unix-abstract:NAME nowhere (ValueError:
     such a socket has no file permissions, so kvrecalld serves it with TLS alone). ValueError
     also for unusable files."""
     kind = _channel_kind(target, tls, token)
     if kind == "plaintext":
         return grpc.insecure_channel(target, options=list(options))
     if kind == "local":
+        _check_own_socket(target)
         credentials = grpc.composite_channel_credentials(
             grpc.local_channel_credentials(grpc.LocalConnectionType.UDS),
             grpc.access_token_call_credentials(token))

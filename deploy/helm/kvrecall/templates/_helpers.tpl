@@ -223,7 +223,7 @@ tokens only when it is given one.
 {{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
-{{- if eq (trimPrefix "-" (trimPrefix "-" $flag)) "plaintext_unix_sockets" }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "plaintext_unix_sockets" "noplaintext_unix_sockets") }}
 {{- fail "server.extraArgs: --plaintext_unix_sockets is set by the chart: with colocatedRunner.enabled and tls.enabled the runner's Unix socket goes without TLS" }}
 {{- end }}
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
