@@ -678,16 +678,20 @@ TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {
   EXPECT_TRUE(Prefill(stub(), PromptChunks(*again, g, 0, p, 60)).ok());
 }
 
-// A server with room for 64 tokens' prompt (1 KiB a token of f32 KV with 2 KV heads of 64
-// dims: the cpu placement's) and their queries' window, not all of their queries too.
-class ServiceQueryStagingTest : public ServerTest {
+// A server whose host memory budget is kBudgetBytes.
+template <int64_t kBudgetBytes>
+class BudgetedServerTest : public ServerTest {
  protected:
   ServerOptions Options() const override {
     ServerOptions options;
-    options.host_memory_budget_bytes = 112 << 10;
+    options.host_memory_budget_bytes = kBudgetBytes;
     return options;
   }
 };
+
+// Room for 64 tokens' prompt (1 KiB a token of f32 KV with 2 KV heads of 64 dims: the cpu
+// placement's) and their queries' window, not all of their queries too.
+using ServiceQueryStagingTest = BudgetedServerTest<112 << 10>;
 
 // A prompt's queries are staged only as far as the selector's build reads them: a 64-token
 // prompt whose KV takes 64 KiB (f32 on the cpu placement) fits the 112 KiB budget with its
@@ -748,14 +752,7 @@ TEST_F(ServiceQueryStagingTest, APromptsQueriesAreStagedOnlyWhereTheBuildReadsTh
 // Room for a small tiered shortlist session: its build holds the 128 KiB of codebooks (2 KV
 // heads of 64 dims) twice (the state reserved for the build, then what the build charges) beside
 // the prompt.
-class ServiceShortlistBudgetTest : public ServerTest {
- protected:
-  ServerOptions Options() const override {
-    ServerOptions options;
-    options.host_memory_budget_bytes = 1 << 20;
-    return options;
-  }
-};
+using ServiceShortlistBudgetTest = BudgetedServerTest<1 << 20>;
 
 // A tiered session's per-step shortlist lists (a query head's N ids) are host memory it holds:
 // counted in the state a prefill must fit, so that a shortlist of 2^16 on a 20-token prompt is
