@@ -36,11 +36,9 @@ struct LayerShape {
 };
 
 // The prompt's queries a selector is built from: rows [first, T) of [T, q_heads, head_dim]
-// (post-RoPE, f32), `data` pointing at row `first`. The cpu and tiered placements keep only the
-// last rows the selector needs (PromptQueriesNeeded), so that a 128K prompt's queries (2 GiB of
-// f32 for 32 heads of 128 dims) are not held for a selector that reads its last few hundred.
-// (The gpu placement's ReTopK calibration, server/backends/gpu_backend.cc, still stages them
-// all on the host under auto_tau.)
+// (post-RoPE, f32), `data` pointing at row `first`. The placements keep only the last rows the
+// selector needs (PromptQueriesNeeded), so that a 128K prompt's queries (2 GiB of f32 for 32
+// heads of 128 dims) are not held for a selector that reads its last few hundred.
 struct PromptQueries {
   PromptQueries() = default;
   // Every row, from `all` (may be null: none).

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -141,7 +142,8 @@ int KeptQueries(const LayerConfig& config) {
 // A prompt on its way to the device: each chunk is decoded into pinned memory, then copied
 // asynchronously (while the stream receives the next chunk) and converted to the KV dtype on the
 // device. Host memory keeps only the last C queries (ReTopK's seeds) — and, under auto_tau, the
-// f32 prompt that the CPU calibration replays, freed when the layer is built.
+// f32 keys and the window of queries that the CPU calibration replays, freed when the layer is
+// built.
 class GpuPromptStaging final : public PromptStaging {
  public:
   GpuPromptStaging(int ordinal, const LayerConfig& config, const SessionAccounts& accounts)
@@ -150,7 +152,9 @@ class GpuPromptStaging final : public PromptStaging {
         accounts_(accounts),
         kv_(config, accounts.device) {
     if (config.selector.kind == SelectorKind::kReTopK && config.selector.retopk.auto_tau) {
-      host_prompt_ = std::make_unique<CalibrationPrompt>(config.shape, accounts.host);
+      host_prompt_ = std::make_unique<CalibrationPrompt>(
+          config.shape, accounts.host,
+          PromptQueriesNeeded(config.selector, std::numeric_limits<int64_t>::max()));
     }
   }
   ~GpuPromptStaging() override {
@@ -238,10 +242,13 @@ class GpuPromptStaging final : public PromptStaging {
   cudaStream_t stream() const { return stream_; }
   const std::vector<float>& last_queries() const { return last_queries_; }
   // The f32 prompt keys and queries (auto_tau only; null otherwise).
+  // Every key, and the last `kept_queries` queries (the calibration's window: the ones its
+  // Build reads, PromptQueriesNeeded), as the host staging keeps them.
   struct CalibrationPrompt {
-    CalibrationPrompt(const LayerShape& shape, MemoryAccount* host)
+    CalibrationPrompt(const LayerShape& shape, MemoryAccount* host, int64_t kept_queries)
         : keys(int64_t{shape.kv_heads} * shape.head_dim, host),
-          queries(int64_t{shape.q_heads} * shape.head_dim, host) {}
+          queries(int64_t{shape.q_heads} * shape.head_dim, host),
+          kept_queries(kept_queries) {}
     absl::Status Reserve(int64_t more, absl::string_view what) {
       if (absl::Status s = keys.Reserve(more, what); !s.ok()) return s;
       return queries.Reserve(more, what);
@@ -251,9 +258,16 @@ class GpuPromptStaging final : public PromptStaging {
       std::memcpy(keys.tail(), k, n * kv_row * sizeof(float));
       queries.Commit(n);
       keys.Commit(n);
+      if (const int64_t excess = queries.rows() - kept_queries; excess > 0) {
+        queries.DropFront(excess);
+        first_query += excess;
+      }
     }
+    PromptQueries prompt_queries() const { return PromptQueries(queries.data(), first_query); }
     BudgetedRows keys;
-    BudgetedRows queries;
+    BudgetedRows queries;  // the prompt's rows [first_query, first_query + rows())
+    const int64_t kept_queries;
+    int64_t first_query = 0;
   };
   const CalibrationPrompt* host_prompt() const { return host_prompt_.get(); }
 
@@ -403,7 +417,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> GpuBackend::BuildLayer(
       ReTopKSelector calibration(config.shape, p.top_k, p.retopk);
       const KvView view{host->keys.data(), nullptr, host->keys.rows(), config.shape.kv_heads,
                         config.shape.head_dim};
-      if (absl::Status s = calibration.Build(view, host->queries.data()); !s.ok()) return s;
+      if (absl::Status s = calibration.Build(view, host->prompt_queries()); !s.ok()) return s;
       for (int h = 0; h < config.shape.q_heads; ++h) taus.push_back(calibration.head(h).tau());
     }
     const int64_t caches_bytes = cuda::ReTopKCaches::DeviceBytesFor(
