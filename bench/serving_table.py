@@ -16,16 +16,20 @@ figures, and prints one markdown table per placement:
     serving_table.py --serving bench/results/gpu_serving.json \
         --own bench/results/gpu_serving.json --torch bench/results/gpu_serving.json
 
-With --tiers FILE (a JSON of several tiered runs under keys naming their builds, such as
-bench/results/tiered_serving.json) it prints instead one table of those runs side by side: per
+With --tiers FILE... (the records of tiered device calls, one file a call, such as
+bench/results/tiered_serving/*.json) it prints instead one table of their runs side by side: per
 build, selector, context, batch and gap between requests, the end-to-end and server p50 (p99)
 and the parts of the server's time the replies report (tier_micros: the static set's own time
-on its tier, the bulk's on the host, the wait for the previous step's deferred linking).
+on its tier, the bulk's on the host, the wait for the previous step's deferred linking). A file
+may be one gpu_serving_bench run or hold several anywhere inside it (a call's `serving`, `runs`
+or `result`); the build column names the file and, for a run inside it, the keys that lead there.
 
-    serving_table.py --tiers bench/results/tiered_serving.json
+    serving_table.py --tiers bench/results/tiered_serving/final_default_matrix_d79.json
+    serving_table.py --tiers bench/results/tiered_serving/*.json
 """
 import argparse
 import json
+import os
 
 # The kernel-only figure that a serving selector is compared with.
 KERNEL_OF = {
@@ -63,24 +67,42 @@ def build_seconds(r):
     return "—" if b is None else f"{b:.2f}"
 
 
-def Tiers(path):
-    doc = json.load(open(path))
+def Runs(doc, path=()):
+    """(keys, run) for each gpu_serving_bench run in doc: doc itself, or any dict or list inside it
+    with records of selectors (not PyTorch's or the kernels'), the keys leading to it in order."""
+    if isinstance(doc, dict):
+        records = doc.get("records")
+        if isinstance(records, list):
+            if all(isinstance(r, dict) and "selector" in r for r in records):
+                yield path, doc
+            return
+        items = doc.items()
+    elif isinstance(doc, list):
+        items = enumerate(doc)
+    else:
+        return
+    for k, v in items:
+        yield from Runs(v, path + (str(k),))
+
+
+def Tiers(paths):
     print("| build | selector | context | batch | gap µs | e2e p50 (p99) | server p50 (p99) "
           "| static set p50 (p99) | bulk p50 (p99) | link wait p50 (p99) | prefill s "
           "| build s | ReTopK mix |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
           "| --- |")
-    for build, run in doc.items():
-        if not isinstance(run, dict) or "records" not in run:
-            continue
-        for r in run["records"]:
-            m = r.get("path_mix")
-            mix = "" if not m else f"{m['reuse']:.2f}/{m['fallback']:.2f}/{m['refresh']:.2f}"
-            print(f"| {build} | {r['selector']} | {ctx(r['context'])} | {r['batch']} "
-                  f"| {r.get('gap_us', 0)} | {p50_p99(r, 'e2e')} | {p50_p99(r, 'server')} "
-                  f"| {p50_p99(r, 'static_set')} | {p50_p99(r, 'bulk')} "
-                  f"| {p50_p99(r, 'link_wait')} | {r['prefill_seconds']:.1f} "
-                  f"| {build_seconds(r)} | {mix} |")
+    for path in paths:
+        name = os.path.splitext(os.path.basename(path))[0]
+        for keys, run in Runs(json.load(open(path))):
+            build = " ".join([name, "/".join(keys)]) if keys else name
+            for r in run["records"]:
+                m = r.get("path_mix")
+                mix = "" if not m else f"{m['reuse']:.2f}/{m['fallback']:.2f}/{m['refresh']:.2f}"
+                print(f"| {build} | {r['selector']} | {ctx(r['context'])} | {r['batch']} "
+                      f"| {r.get('gap_us', 0)} | {p50_p99(r, 'e2e')} | {p50_p99(r, 'server')} "
+                      f"| {p50_p99(r, 'static_set')} | {p50_p99(r, 'bulk')} "
+                      f"| {p50_p99(r, 'link_wait')} | {r['prefill_seconds']:.1f} "
+                      f"| {build_seconds(r)} | {mix} |")
 
 
 def main():
@@ -88,7 +110,7 @@ def main():
     parser.add_argument("--serving", nargs="+")
     parser.add_argument("--own")
     parser.add_argument("--torch")
-    parser.add_argument("--tiers")
+    parser.add_argument("--tiers", nargs="+")
     args = parser.parse_args()
     if args.tiers:
         Tiers(args.tiers)
@@ -101,10 +123,12 @@ def main():
     geometry = None
     for path in args.serving:
         doc = json.load(open(path))
-        # A file may hold several runs (bench/results/gpu_serving.json): each key with records.
+        # A file may hold several runs (bench/results/gpu_serving.json): each key with records;
+        # a tiered call's file (bench/results/tiered_serving/) holds them deeper.
         docs = [doc] if "records" in doc else [v for v in doc.values()
                                                if isinstance(v, dict) and "records" in v
                                                and "q_heads" in v]
+        docs = docs or [run for _, run in Runs(doc)]
         for doc in docs:
             geometry = (doc["q_heads"], doc["kv_heads"], doc["head_dim"])
             for r in doc["records"]:
