@@ -117,6 +117,16 @@ void BudgetedRows::UnpinCurrent() {
   pinned_ = false;
 }
 
+void PromptQueryWindow::Commit(int64_t n, bool written) {
+  if (kept_ == 0) return;
+  if (!written) std::fill_n(rows_.tail(), n * rows_.row_width(), 0.0f);
+  rows_.Commit(n);
+  if (const int64_t excess = rows_.rows() - kept_; excess > 0) {
+    rows_.DropFront(excess);
+    first_ += excess;
+  }
+}
+
 absl::Status LayerKvStore::Reserve(int64_t more, absl::string_view what) {
   BudgetedRows* const arrays[] = {&keys_, &values_};
   return ReserveRows(arrays, more, what);

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "index/support_selector.h"
 #include "kernels/dtype.h"
 #include "kernels/kv_view.h"
 #include "server/host_memory.h"
@@ -86,6 +87,8 @@ class BudgetedRows {
   KvElement element() const { return element_; }
   int64_t row_bytes() const { return row_width_ * KvElementBytes(element_); }
   int64_t allocated_bytes() const { return capacity_rows_ * row_bytes(); }
+  // Rows the allocation holds: a Reserve beyond them moves the content.
+  int64_t capacity_rows() const { return capacity_rows_; }
 
  private:
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
@@ -115,6 +118,51 @@ class BudgetedRows {
 // (arrays grown before an allocation failed keep their room, and its charge).
 absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
                          absl::string_view what);
+
+// The prompt's queries that a selector's build reads, staged as the prompt's chunks arrive: a
+// window over the prompt's last `kept` rows (PromptQueriesNeeded), so that a placement holds
+// those rather than [T, q_heads, head_dim] f32 of which the build reads a few hundred rows, or
+// none. Appends are two-phase as in BudgetedRows: Reserve room for a chunk, write its queries
+// at tail(), then Commit them.
+class PromptQueryWindow {
+ public:
+  // row_width: floats per row (q_heads * head_dim). kept: how many of the prompt's last rows
+  // the window holds (0: none; then nothing is reserved, stored or charged to `budget`).
+  PromptQueryWindow(int64_t row_width, int64_t kept, MemoryAccount* budget)
+      : rows_(row_width, budget), kept_(kept) {}
+
+  // Room for a chunk's `more` rows, all of them: a chunk is written whole, and its rows before
+  // the window are only dropped at Commit. RESOURCE_EXHAUSTED naming `what`. Nothing with none
+  // kept.
+  absl::Status Reserve(int64_t more, absl::string_view what) {
+    return kept_ > 0 ? rows_.Reserve(more, what) : absl::OkStatus();
+  }
+  // [more, row_width] f32 slots, row-major, for the reserved rows; valid until Commit or the
+  // next Reserve. Null with none kept (the caller writes nothing).
+  float* tail() { return kept_ > 0 ? rows_.tail() : nullptr; }
+  // Makes the next n reserved rows the prompt's next ones — zeros where `written` is false (a
+  // chunk that came without queries: the selector must not have needed them, but the rows
+  // keep the window's positions) — then keeps only the last `kept`.
+  void Commit(int64_t n, bool written = true);
+
+  // The window as the selector's build reads it: rows [first(), first() + rows()) of the
+  // prompt's [T, row_width], data at row first(); empty (PromptQueries()) with none kept.
+  PromptQueries prompt_queries() const {
+    return kept_ > 0 ? PromptQueries(rows_.data(), first_) : PromptQueries();
+  }
+  // The window's rows: min(prompt rows committed, kept).
+  int64_t rows() const { return rows_.rows(); }
+  // The prompt's row index of the window's first row.
+  int64_t first() const { return first_; }
+  int64_t kept() const { return kept_; }
+  int64_t row_width() const { return rows_.row_width(); }
+  int64_t allocated_bytes() const { return rows_.allocated_bytes(); }
+
+ private:
+  BudgetedRows rows_;  // f32 [rows, row_width]: the prompt's rows [first_, first_ + rows)
+  int64_t kept_ = 0;
+  int64_t first_ = 0;
+};
 
 // One layer's KV cache: keys and values, [tokens, kv_heads, head_dim] each, row-major, stored
 // as `element` (f32, or the model's bf16 / f16) — exactly the layout of KvView. Appends are
@@ -165,6 +213,8 @@ class LayerKvStore {
                   keys_.element()};
   }
   int64_t tokens() const { return keys_.rows(); }
+  // Tokens the allocation holds: Reserve beyond them moves every row (and view() with them).
+  int64_t capacity() const { return keys_.capacity_rows(); }
   KvElement element() const { return keys_.element(); }
   int64_t allocated_bytes() const { return keys_.allocated_bytes() + values_.allocated_bytes(); }
 

@@ -1,7 +1,8 @@
 // The server's host KV store and memory budget: two-phase appends keep content exact through
 // growth, growth is geometric while the budget allows and exact when it does not, a refused
 // reservation changes nothing, and every byte is given back. Large arrays are 2 MiB-aligned
-// mappings, in huge pages unless the process turned them off (server/host_memory.h).
+// mappings, in huge pages unless the process turned them off (server/host_memory.h). The prompt
+// query window keeps exactly the prompt's last rows, and nothing when none are kept.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "index/support_selector.h"
 #include "kernels/dtype.h"
 #include "server/host_memory.h"
 #include "server/kv_store.h"
@@ -304,6 +306,95 @@ TEST(KvStoreTest, MemoryThatCannotBeHadIsAnErrorAndChangesNothing) {
   ASSERT_TRUE(kv.Reserve(20, "the new tokens").ok()) << "it still grows";
   EXPECT_GT(kv.allocated_bytes(), allocated);
   kv.Free();
+  EXPECT_EQ(budget.used(), 0);
+}
+
+// Stages the prompt's next n query rows, [first_row, first_row + n), whose values encode
+// (prompt row, column), as a chunk: Reserve, write at the tail, Commit.
+void AppendQueryChunk(PromptQueryWindow& window, int64_t first_row, int64_t n) {
+  ASSERT_TRUE(window.Reserve(n, "test queries").ok());
+  float* tail = window.tail();
+  ASSERT_NE(tail, nullptr);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < window.row_width(); ++c) {
+      tail[r * window.row_width() + c] = static_cast<float>((first_row + r) * 1000 + c);
+    }
+  }
+  window.Commit(n);
+}
+
+// Expects the window to hold exactly the prompt's rows [first, end) as AppendQueryChunk wrote
+// them, read through the PromptQueries a selector's build gets.
+void ExpectQueryRows(const PromptQueryWindow& window, int64_t first, int64_t end) {
+  ASSERT_EQ(window.first(), first);
+  ASSERT_EQ(window.rows(), end - first);
+  const PromptQueries queries = window.prompt_queries();
+  ASSERT_NE(queries.data, nullptr);
+  ASSERT_EQ(queries.first, first);
+  const int64_t width = window.row_width();
+  for (int64_t p = first; p < end; ++p) {
+    for (int64_t c = 0; c < width; ++c) {
+      ASSERT_EQ(queries.row(p, width)[c], static_cast<float>(p * 1000 + c)) << p << ", " << c;
+    }
+  }
+}
+
+TEST(KvStoreTest, PromptQueryWindowKeepsThePromptsLastRows) {
+  MemoryBudget budget(0);
+  PromptQueryWindow window(/*row_width=*/4, /*kept=*/3, &budget);
+  EXPECT_EQ(window.prompt_queries().data, nullptr) << "nothing allocated before the prompt";
+  AppendQueryChunk(window, 0, 2);
+  ExpectQueryRows(window, 0, 2);
+  AppendQueryChunk(window, 2, 2);
+  ExpectQueryRows(window, 1, 4);
+  AppendQueryChunk(window, 4, 1);
+  ExpectQueryRows(window, 2, 5);
+  // A chunk longer than the window: written whole, only its last rows kept.
+  AppendQueryChunk(window, 5, 7);
+  ExpectQueryRows(window, 9, 12);
+  EXPECT_EQ(budget.used(), window.allocated_bytes());
+  // Room for the window and the whole chunk: 10 rows.
+  EXPECT_GE(window.allocated_bytes(), 10 * 4 * int64_t{sizeof(float)});
+}
+
+TEST(KvStoreTest, PromptQueryWindowZeroFillsAChunkWithoutQueries) {
+  MemoryBudget budget(0);
+  PromptQueryWindow window(/*row_width=*/2, /*kept=*/3, &budget);
+  AppendQueryChunk(window, 0, 2);
+  ASSERT_TRUE(window.Reserve(2, "test queries").ok());
+  std::fill_n(window.tail(), 2 * 2, -1.0f);  // whatever the tail held before
+  window.Commit(2, /*written=*/false);
+  // Prompt rows 1..3: row 1 as written, rows 2 and 3 zeros.
+  ASSERT_EQ(window.first(), 1);
+  ASSERT_EQ(window.rows(), 3);
+  const PromptQueries queries = window.prompt_queries();
+  ASSERT_EQ(queries.first, 1);
+  EXPECT_EQ(queries.row(1, 2)[0], 1000.0f);
+  EXPECT_EQ(queries.row(1, 2)[1], 1001.0f);
+  for (int64_t p = 2; p < 4; ++p) {
+    EXPECT_EQ(queries.row(p, 2)[0], 0.0f) << p;
+    EXPECT_EQ(queries.row(p, 2)[1], 0.0f) << p;
+  }
+  AppendQueryChunk(window, 4, 1);
+  ASSERT_EQ(window.first(), 2);
+  EXPECT_EQ(window.prompt_queries().row(3, 2)[1], 0.0f);
+  EXPECT_EQ(window.prompt_queries().row(4, 2)[1], 4001.0f);
+}
+
+TEST(KvStoreTest, PromptQueryWindowOfNoneStoresNothing) {
+  MemoryBudget budget(0);
+  PromptQueryWindow window(/*row_width=*/4, /*kept=*/0, &budget);
+  ASSERT_TRUE(window.Reserve(16, "test queries").ok());
+  EXPECT_EQ(budget.used(), 0);
+  EXPECT_EQ(window.allocated_bytes(), 0);
+  EXPECT_EQ(window.tail(), nullptr);
+  window.Commit(16);
+  ASSERT_TRUE(window.Reserve(8, "test queries").ok());
+  window.Commit(8, /*written=*/false);
+  EXPECT_EQ(window.rows(), 0);
+  EXPECT_EQ(window.first(), 0);
+  EXPECT_EQ(window.prompt_queries().data, nullptr);
+  EXPECT_EQ(window.prompt_queries().first, 0);
   EXPECT_EQ(budget.used(), 0);
 }
 

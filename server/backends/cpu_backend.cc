@@ -1,6 +1,5 @@
 #include "server/backends/cpu_backend.h"
 
-#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -137,19 +136,12 @@ absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
 
 absl::Status HostPromptStaging::Reserve(int64_t more, absl::string_view what) {
   if (absl::Status s = kv.Reserve(more, what); !s.ok()) return s;
-  return kept_queries_ > 0 ? queries.Reserve(more, what) : absl::OkStatus();
+  return queries.Reserve(more, what);
 }
 
 absl::Status HostPromptStaging::Commit(int64_t n, bool with_queries) {
   kv.Commit(n);
-  if (kept_queries_ > 0) {
-    if (!with_queries) std::fill_n(queries.tail(), n * queries.row_width(), 0.0f);
-    queries.Commit(n);
-    if (const int64_t excess = queries.rows() - kept_queries_; excess > 0) {
-      queries.DropFront(excess);
-      first_query_ += excess;
-    }
-  }
+  queries.Commit(n, with_queries);
   return absl::OkStatus();
 }
 

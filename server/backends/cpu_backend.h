@@ -26,8 +26,7 @@ class HostPromptStaging final : public PromptStaging {
   HostPromptStaging(const LayerShape& shape, MemoryAccount* host, KvElement element,
                     int64_t kept_queries)
       : kv(shape.kv_heads, shape.head_dim, host, element),
-        queries(int64_t{shape.q_heads} * shape.head_dim, host),
-        kept_queries_(kept_queries) {}
+        queries(int64_t{shape.q_heads} * shape.head_dim, kept_queries, host) {}
 
   // A staging whose KV already holds room for `expected_tokens` (CreateSession's announced
   // max_tokens; 0: none announced), so that the prompt's chunks land in the layer's final
@@ -40,7 +39,7 @@ class HostPromptStaging final : public PromptStaging {
                                                                    int64_t kept_queries);
 
   absl::Status Reserve(int64_t more, absl::string_view what) override;
-  float* query_tail() override { return kept_queries_ > 0 ? queries.tail() : nullptr; }
+  float* query_tail() override { return queries.tail(); }
   void* key_tail() override { return kv.key_tail(); }
   void* value_tail() override { return kv.value_tail(); }
   KvElement kv_element() const override { return kv.element(); }
@@ -49,18 +48,12 @@ class HostPromptStaging final : public PromptStaging {
 
   // The prompt's last kept queries for the selector's build (zeros where a chunk came without
   // q); none where none are kept.
-  PromptQueries prompt_queries() const {
-    return kept_queries_ > 0 ? PromptQueries(queries.data(), first_query_) : PromptQueries();
-  }
+  PromptQueries prompt_queries() const { return queries.prompt_queries(); }
 
   LayerKvStore kv;
   // The last min(tokens, kept_queries) queries [rows, q_heads, head_dim], from the prompt's row
-  // first_query_ (a chunk's beyond them until its Commit drops them); empty with none kept.
-  BudgetedRows queries;
-
- private:
-  const int64_t kept_queries_;
-  int64_t first_query_ = 0;
+  // queries.first() (a chunk's beyond them until its Commit drops them); empty with none kept.
+  PromptQueryWindow queries;
 };
 
 // How many of a prompt's last queries `backend`'s layers of `config` build from, whatever the

@@ -247,27 +247,23 @@ class GpuPromptStaging final : public PromptStaging {
   struct CalibrationPrompt {
     CalibrationPrompt(const LayerShape& shape, MemoryAccount* host, int64_t kept_queries)
         : keys(int64_t{shape.kv_heads} * shape.head_dim, host),
-          queries(int64_t{shape.q_heads} * shape.head_dim, host),
-          kept_queries(kept_queries) {}
+          queries(int64_t{shape.q_heads} * shape.head_dim, kept_queries, host) {}
     absl::Status Reserve(int64_t more, absl::string_view what) {
       if (absl::Status s = keys.Reserve(more, what); !s.ok()) return s;
       return queries.Reserve(more, what);
     }
+    // q [n, q_row] (zeros for a chunk without queries), k [n, kv_row], f32.
     void Append(const float* q, const float* k, int64_t n, int64_t q_row, int64_t kv_row) {
-      std::memcpy(queries.tail(), q, n * q_row * sizeof(float));
+      if (float* tail = queries.tail(); tail != nullptr) {
+        std::memcpy(tail, q, n * q_row * sizeof(float));
+      }
       std::memcpy(keys.tail(), k, n * kv_row * sizeof(float));
       queries.Commit(n);
       keys.Commit(n);
-      if (const int64_t excess = queries.rows() - kept_queries; excess > 0) {
-        queries.DropFront(excess);
-        first_query += excess;
-      }
     }
-    PromptQueries prompt_queries() const { return PromptQueries(queries.data(), first_query); }
-    BudgetedRows keys;
-    BudgetedRows queries;  // the prompt's rows [first_query, first_query + rows())
-    const int64_t kept_queries;
-    int64_t first_query = 0;
+    PromptQueries prompt_queries() const { return queries.prompt_queries(); }
+    BudgetedRows keys;          // [tokens, kv_heads, head_dim]
+    PromptQueryWindow queries;  // the prompt's rows [first(), first() + rows())
   };
   const CalibrationPrompt* host_prompt() const { return host_prompt_.get(); }
 
