@@ -1,6 +1,7 @@
-// BulkCodes' outliers (server/backends/bulk_codes.h): the prompt's bulk sets the threshold, and
-// a new key coded worse than it joins them, whether coded on the host (EncodeRows) or elsewhere
-// with its error given (AddOutliers: the GPU tier codes a step's new row in the step's launches).
+// BulkCodes' outliers (server/backends/bulk_codes.h): the prompt bulk's held-out rows set the
+// threshold, and a new key coded worse than it joins them, whether coded on the host
+// (EncodeRows) or elsewhere with its error given (AddOutliers: the GPU tier codes a step's new
+// row in the step's launches).
 #include "server/backends/bulk_codes.h"
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "index/product_quantizer.h"
 #include "kernels/vector_set.h"
 #include "server/memory_budget.h"
 #include "tests/test_util.h"
@@ -35,6 +37,10 @@ class CodesUnderTest final : public BulkCodes {
   }
   int64_t device_bytes() const override { return 0; }
   absl::Status Reserve(int64_t) override { return absl::OkStatus(); }
+  absl::Status CodeRows(const KvView& bulk) override {
+    Code(bulk, coded(), bulk.tokens);
+    return absl::OkStatus();
+  }
   // Codes rows [begin, end): the rows from coded() on.
   void Code(const KvView& bulk, int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(static_cast<size_t>(end - begin) * kv_heads() * subspaces());
@@ -72,9 +78,45 @@ TEST(BulkCodesTest, ANewKeyCodedWorseThanThePromptsOutliersJoinsThem) {
 
   std::unique_ptr<CodesUnderTest> codes = CodesUnderTest::Create(all.Tokens(0, kPrompt), &host);
   ASSERT_NE(codes, nullptr);
-  // The prompt's worst-coded 1/kOutlierShare are its outliers.
+  // The quantizers learned from the prompt's first TrainedRowsOf rows.
+  const int64_t trained = BulkCodes::TrainedRowsOf(kPrompt);
+  ASSERT_EQ(trained, kPrompt - kPrompt / BulkCodes::kHeldOutShare);
+  for (int h = 0; h < kKvHeads; ++h) {
+    absl::StatusOr<ProductQuantizer> pq = ProductQuantizer::Train(
+        VectorSet::KeysOf(all, h, 0, trained), BulkCodes::TrainingParams(kDim));
+    ASSERT_TRUE(pq.ok()) << pq.status();
+    EXPECT_EQ(codes->quantizer(h).codebooks(), pq->codebooks()) << "KV head " << h;
+  }
+  // The prompt's outliers: its rows coded worse than the held-out rows' 1/kOutlierShare worst.
+  // The held-out keys, which the codebooks never saw, are coded worse than the trained ones.
+  std::vector<float> prompt_errors(kPrompt);
+  {
+    const ProductQuantizer& pq = codes->quantizer(0);
+    std::vector<uint8_t> code(pq.subspaces());
+    std::vector<float> back(kDim);
+    for (int64_t r = 0; r < kPrompt; ++r) {
+      pq.Encode(VectorSet::KeysOf(all, 0, r, r + 1), code.data());
+      pq.Reconstruct(code.data(), back.data());
+      const float* x = keys.data() + r * kKvHeads * kDim;
+      float error = 0.0f;
+      for (int j = 0; j < kDim; ++j) error += (x[j] - back[j]) * (x[j] - back[j]);
+      prompt_errors[r] = error;
+    }
+  }
+  std::vector<float> held_out(prompt_errors.begin() + trained, prompt_errors.end());
+  const auto m = static_cast<int64_t>(held_out.size());
+  const int64_t rank = m - 1 - m / BulkCodes::kOutlierShare;
+  std::nth_element(held_out.begin(), held_out.begin() + rank, held_out.end());
+  const float bar = held_out[rank];
+  std::vector<int32_t> expected_before;
+  int64_t trained_above = 0;
+  for (int64_t r = 0; r < kPrompt; ++r) {
+    if (prompt_errors[r] > bar) expected_before.push_back(static_cast<int32_t>(r));
+    trained_above += r < trained && prompt_errors[r] > bar;
+  }
   const std::vector<int32_t> before(codes->outliers(0).begin(), codes->outliers(0).end());
-  EXPECT_EQ(before.size(), static_cast<size_t>(kPrompt / BulkCodes::kOutlierShare));
+  EXPECT_EQ(before, expected_before);
+  EXPECT_LE(trained_above, trained / BulkCodes::kOutlierShare);
 
   // Coded on the host: the far key joins head 0's outliers, once.
   codes->Code(all, kPrompt, kPrompt + 4);

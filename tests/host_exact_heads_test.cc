@@ -49,15 +49,23 @@ LayerConfig Config() {
 // step's: its last token is the new one), as TieredBackend lays them out.
 class HostExactHeadsTest : public ::testing::Test {
  protected:
-  HostExactHeadsTest() : kv_(kTokens, kKvHeads, kDim, 7), q_(RandomNormal(kQHeads * kDim, 8)) {}
+  HostExactHeadsTest() : kv_(kTokens, kKvHeads, kDim, 7), q_(RandomNormal(kQHeads * kDim, 8)) {
+    // Keys far from every centroid among the bulk's last kUncoded rows, which the codes are
+    // built without (the step's Start codes them): the shortlist's outliers (the codes' bar,
+    // set on rows they did not learn from, leaves random keys almost none of their own).
+    const int64_t row = int64_t{kKvHeads} * kDim;
+    const int64_t bulk_end = kTokens - kRecent;
+    for (int64_t i = (bulk_end - 4) * row; i < bulk_end * row; ++i) kv_.keys[i] *= 40.0f;
+  }
+  static constexpr int64_t kUncoded = 8;
 
-  // Builds the static set and codes on `tier`.
+  // Builds the static set, and codes of the bulk but its last kUncoded rows, on `tier`.
   void Build(StaticSetTier& tier) {
     absl::StatusOr<std::unique_ptr<StaticSet>> set = tier.Build(config_, nullptr, kv_.view());
     ASSERT_TRUE(set.ok()) << set.status();
     set_ = *std::move(set);
-    absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
-        tier.BuildCodes(config_, accounts_, bulk(), bulk().tokens);
+    absl::StatusOr<std::unique_ptr<BulkCodes>> codes = tier.BuildCodes(
+        config_, accounts_, bulk().Tokens(0, bulk().tokens - kUncoded), bulk().tokens);
     ASSERT_TRUE(codes.ok()) << codes.status();
     codes_ = *std::move(codes);
     context_ = tier.NewStepContext();

@@ -3,18 +3,23 @@
 // through the layer-backend seam: every coded row, the prompt's and those the steps coded as
 // their tokens left the ring, holds the nearest centroids of that row's own key, and the keys
 // planted far from the rest are outliers at their own rows. A step that coded the wrong ring
-// slot, or wrote a code or an outlier to the wrong row, fails here.
+// slot, or wrote a code or an outlier to the wrong row, fails here. So do codes learned again
+// as a short prompt's bulk grows (server/backends/codes_learning.h) that take over at another
+// length, miss rows, or leave the exact path scanning the whole bulk.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
+#include "index/basic_selectors.h"
 #include "server/backends/bulk_codes.h"
+#include "server/backends/codes_learning.h"
 #include "server/backends/placements.h"
 #include "server/backends/tiered_backend.h"
 #include "server/memory_budget.h"
@@ -55,62 +60,60 @@ std::vector<float> Rounded(std::vector<float> x) {
   return x;
 }
 
-void CheckCodes(AttentionBackend& backend) {
-  SCOPED_TRACE(backend.device());
-  MemoryBudget host(0);
-  const SessionAccounts accounts{&host, backend.device_budget()};
-  const LayerConfig config = Config();
-  ASSERT_TRUE(backend.CheckConfig(config).ok());
-
-  // Every token's keys as the layer stores them, [tokens, kv_heads, head_dim].
+// A layer of Config()'s shape with a prompt of `prompt` tokens (keys and values drawn from
+// `seed`), whose keys as the layer stores them go to *keys ([tokens, kv_heads, head_dim]).
+absl::StatusOr<std::unique_ptr<LayerBackend>> PrefilledLayer(AttentionBackend& backend,
+                                                            const SessionAccounts& accounts,
+                                                            const LayerConfig& config,
+                                                            int64_t prompt, uint64_t seed,
+                                                            std::vector<float>* keys) {
   const int64_t row = int64_t{kKvHeads} * kDim;
-  std::vector<float> keys = Rounded(RandomNormal(kPrompt * row, /*seed=*/21));
-  const std::vector<float> values = RandomNormal(kPrompt * row, /*seed=*/22);
+  *keys = Rounded(RandomNormal(prompt * row, seed));
+  const std::vector<float> values = RandomNormal(prompt * row, seed + 1);
   absl::StatusOr<std::unique_ptr<PromptStaging>> staging =
       backend.NewPromptStaging(config, accounts);
-  ASSERT_TRUE(staging.ok()) << staging.status();
-  ASSERT_EQ((*staging)->kv_element(), KvElement::kBf16);
-  ASSERT_TRUE((*staging)->Reserve(kPrompt, "test").ok());
+  if (!staging.ok()) return staging.status();
+  if ((*staging)->kv_element() != KvElement::kBf16) {
+    return absl::InternalError("a tiered layer of a bf16 session stages bf16 KV");
+  }
+  if (absl::Status s = (*staging)->Reserve(prompt, "test"); !s.ok()) return s;
   auto* key_tail = static_cast<uint16_t*>((*staging)->key_tail());
   auto* value_tail = static_cast<uint16_t*>((*staging)->value_tail());
-  for (int64_t i = 0; i < kPrompt * row; ++i) {
-    key_tail[i] = FloatToBf16(keys[i]);
+  for (int64_t i = 0; i < prompt * row; ++i) {
+    key_tail[i] = FloatToBf16((*keys)[i]);
     value_tail[i] = FloatToBf16(values[i]);
   }
-  ASSERT_TRUE((*staging)->Commit(kPrompt, /*with_queries=*/false).ok());
-  absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
-      backend.BuildLayer(config, accounts, *std::move(staging));
-  ASSERT_TRUE(layer.ok()) << layer.status();
+  if (absl::Status s = (*staging)->Commit(prompt, /*with_queries=*/false); !s.ok()) return s;
+  return backend.BuildLayer(config, accounts, *std::move(staging));
+}
 
-  std::unique_ptr<StepContext> context = backend.NewStepContext();
+// A decode step of `layer` with step `step`'s query and token (its key 40x longer than the
+// others' when planted: far from every centroid), the key appended to *keys.
+void DecodeStep(AttentionBackend& backend, StepContext* context, LayerBackend* layer, int step,
+                bool planted, std::vector<float>* keys, std::vector<HeadReport>* heads) {
+  const int64_t row = int64_t{kKvHeads} * kDim;
+  const std::vector<float> q = RandomNormal(kQHeads * kDim, 1000 + step);
+  const std::vector<float> k = Rounded(RandomNormal(row, 2000 + step, planted ? 40 : 1));
+  const std::vector<float> v = RandomNormal(row, 3000 + step);
+  keys->insert(keys->end(), k.begin(), k.end());
   std::vector<float> o(kQHeads * kDim), lse(kQHeads);
-  std::vector<HeadReport> heads(kQHeads);
-  for (int step = 0; step < kSteps; ++step) {
-    const std::vector<float> q = RandomNormal(kQHeads * kDim, 1000 + step);
-    std::vector<float> k = Rounded(RandomNormal(row, 2000 + step, kPlanted.count(step) ? 40 : 1));
-    const std::vector<float> v = RandomNormal(row, 3000 + step);
-    keys.insert(keys.end(), k.begin(), k.end());
-    ASSERT_TRUE((*layer)->ReserveToken().ok());
-    LayerStep one{layer->get(), q.data(), k.data(), v.data(), o.data(), lse.data(), heads.data()};
-    ASSERT_TRUE(backend.Step(std::span<LayerStep>(&one, 1), context.get()).ok()) << step;
-  }
+  heads->assign(kQHeads, HeadReport{});
+  ASSERT_TRUE(layer->ReserveToken().ok()) << step;
+  LayerStep one{layer, q.data(), k.data(), v.data(), o.data(), lse.data(), heads->data()};
+  ASSERT_TRUE(backend.Step(std::span<LayerStep>(&one, 1), context).ok()) << step;
+  for (float x : lse) ASSERT_TRUE(std::isfinite(x)) << step;
+}
 
-  const BulkCodes* codes = (*layer)->bulk_codes();
-  ASSERT_NE(codes, nullptr);
-  const int64_t tokens = kPrompt + kSteps;
-  const int64_t bulk = tokens - kSinks - kRecent;
-  // The bulk as it stands: the prompt's, and a token for every step that pushed one out.
-  ASSERT_EQ(codes->coded(), bulk);
-  const int subspaces = codes->subspaces();
+// Every coded row of `codes` (bulk rows [0, coded)) holds the nearest centroids of its own
+// key (`keys`: every token's, the bulk from token kSinks).
+void ExpectNearestCodes(const BulkCodes& codes, const std::vector<float>& keys) {
+  const int64_t row = int64_t{kKvHeads} * kDim;
+  const int64_t bulk = codes.coded();
+  const int subspaces = codes.subspaces();
   for (int h = 0; h < kKvHeads; ++h) {
-    absl::StatusOr<std::vector<uint8_t>> read = codes->ReadCodes(h, 0, bulk);
+    absl::StatusOr<std::vector<uint8_t>> read = codes.ReadCodes(h, 0, bulk);
     ASSERT_TRUE(read.ok()) << read.status();
-    // A part of the range reads the same rows.
-    absl::StatusOr<std::vector<uint8_t>> part = codes->ReadCodes(h, 600, 700);
-    ASSERT_TRUE(part.ok()) << part.status();
-    EXPECT_EQ(*part, std::vector<uint8_t>(read->begin() + 600 * subspaces,
-                                          read->begin() + 700 * subspaces));
-    const ProductQuantizer& pq = codes->quantizer(h);
+    const ProductQuantizer& pq = codes.quantizer(h);
     int misses = 0;
     for (int64_t r = 0; r < bulk; ++r) {
       const float* x = keys.data() + (kSinks + r) * row + int64_t{h} * kDim;
@@ -124,11 +127,50 @@ void CheckCodes(AttentionBackend& backend) {
         if (got > best * (1 + 1e-4) + 1e-6 && ++misses <= 5) {
           ADD_FAILURE() << "KV head " << h << " bulk row " << r << " part " << m << ": code "
                         << int{(*read)[r * subspaces + m]} << " at " << got << ", nearest "
-                        << best << (r >= kPrompt - kSinks - kRecent ? " (coded by a step)" : "");
+                        << best;
         }
       }
     }
     EXPECT_EQ(misses, 0) << "KV head " << h;
+  }
+}
+
+void CheckCodes(AttentionBackend& backend) {
+  SCOPED_TRACE(backend.device());
+  MemoryBudget host(0);
+  const SessionAccounts accounts{&host, backend.device_budget()};
+  const LayerConfig config = Config();
+  ASSERT_TRUE(backend.CheckConfig(config).ok());
+  // Every token's keys as the layer stores them, [tokens, kv_heads, head_dim].
+  std::vector<float> keys;
+  absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
+      PrefilledLayer(backend, accounts, config, kPrompt, /*seed=*/21, &keys);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+
+  std::unique_ptr<StepContext> context = backend.NewStepContext();
+  std::vector<HeadReport> heads;
+  for (int step = 0; step < kSteps; ++step) {
+    DecodeStep(backend, context.get(), layer->get(), step, kPlanted.count(step) > 0, &keys,
+               &heads);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+
+  const BulkCodes* codes = (*layer)->bulk_codes();
+  ASSERT_NE(codes, nullptr);
+  const int64_t tokens = kPrompt + kSteps;
+  const int64_t bulk = tokens - kSinks - kRecent;
+  // The bulk as it stands: the prompt's, and a token for every step that pushed one out.
+  ASSERT_EQ(codes->coded(), bulk);
+  ExpectNearestCodes(*codes, keys);
+  const int subspaces = codes->subspaces();
+  for (int h = 0; h < kKvHeads; ++h) {
+    // A part of the range reads the same rows.
+    absl::StatusOr<std::vector<uint8_t>> read = codes->ReadCodes(h, 0, bulk);
+    ASSERT_TRUE(read.ok()) << read.status();
+    absl::StatusOr<std::vector<uint8_t>> part = codes->ReadCodes(h, 600, 700);
+    ASSERT_TRUE(part.ok()) << part.status();
+    EXPECT_EQ(*part, std::vector<uint8_t>(read->begin() + 600 * subspaces,
+                                          read->begin() + 700 * subspaces));
     // The planted keys left the ring kRecent steps after they came: outliers at their rows.
     const std::set<int32_t> outliers(codes->outliers(h).begin(), codes->outliers(h).end());
     for (int step : kPlanted) {
@@ -148,6 +190,141 @@ void CheckCodes(AttentionBackend& backend) {
                         "rows [5, 4)"));
   EXPECT_TRUE(HasStatus(codes->ReadCodes(kKvHeads, 0, 1).status(),
                         absl::StatusCode::kOutOfRange, "KV head 2 out of [0, 2)"));
+}
+
+// Codes learned again as the bulk grows (server/backends/codes_learning.h), on `backend`:
+// a prompt of `prompt` tokens decodes until its bulk has passed the first learning's
+// take-over; the codes change at that length exactly, hold every row's nearest centroids and
+// the keys planted since as outliers, and the exact path's candidates shrink to the shortlist,
+// the outliers and the uncoded rows.
+void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt) {
+  SCOPED_TRACE(backend.device() + " prompt " + std::to_string(prompt));
+  MemoryBudget host(0);
+  const SessionAccounts accounts{&host, backend.device_budget()};
+  const LayerConfig config = Config();
+  std::vector<float> keys;
+  absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
+      PrefilledLayer(backend, accounts, config, prompt, /*seed=*/31, &keys);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  const int64_t prompt_bulk = std::max<int64_t>(0, prompt - kSinks - kRecent);
+  const BulkCodes* codes = (*layer)->bulk_codes();
+  ASSERT_EQ(codes != nullptr, prompt_bulk > 0);
+  if (codes != nullptr) EXPECT_EQ(codes->learned_rows(), prompt_bulk);
+
+  const int64_t learn_at = CodesLearning::kFirstLearnRows;
+  const int64_t take_over = CodesLearning::TakeOverAt(learn_at);
+  ASSERT_EQ(CodesLearning::NextLearnAt(prompt_bulk, kDim), learn_at);
+  std::unique_ptr<StepContext> context = backend.NewStepContext();
+  std::vector<HeadReport> heads;
+  // Keys planted beyond the rows the codes learn from (the learning sees a planted key among
+  // its rows, and gives it a centroid of its own): outliers of the learned codes.
+  std::set<int64_t> planted_rows;
+  int64_t tokens = prompt;
+  int64_t before_candidates = 0, before_bulk = 0;
+  for (int step = 0; BulkTokens(tokens, kSinks, kRecent) < take_over + 40; ++step) {
+    const int64_t bulk = BulkTokens(tokens + 1, kSinks, kRecent);  // with the step's token
+    const bool planted = tokens - kSinks >= learn_at && step % 29 == 5;
+    if (planted) planted_rows.insert(tokens - kSinks);
+    DecodeStep(backend, context.get(), layer->get(), step, planted, &keys, &heads);
+    if (::testing::Test::HasFatalFailure()) return;
+    ++tokens;
+    codes = (*layer)->bulk_codes();
+    if (bulk - 1 < take_over) {
+      // The codes of the prompt (or none) until the take-over, whatever the learning's pace.
+      ASSERT_EQ(codes != nullptr, prompt_bulk > 0) << step;
+      if (codes != nullptr) ASSERT_EQ(codes->learned_rows(), prompt_bulk) << step;
+      if (bulk - 1 == take_over - 1) {
+        for (const HeadReport& head : heads) before_candidates += head.candidates;
+        before_bulk = bulk;
+      }
+    } else {
+      ASSERT_NE(codes, nullptr) << step;
+      ASSERT_EQ(codes->learned_rows(), learn_at) << step;
+    }
+  }
+  if (prompt_bulk == 0) {
+    // The last step before the take-over scanned the whole bulk a head: no codes yet.
+    EXPECT_EQ(before_candidates, kQHeads * before_bulk);
+  } else {
+    // A tiny prompt bulk's codes held its last rows out to set the outlier bar, so that keys
+    // they never saw are not all outliers (a bar set on the rows they learned from, coded
+    // almost exactly, made nearly every later key one: every step then scanned the bulk).
+    EXPECT_LT(before_candidates, kQHeads * before_bulk / 2);
+  }
+
+  codes = (*layer)->bulk_codes();
+  const int64_t bulk = BulkTokens(tokens, kSinks, kRecent);
+  ASSERT_EQ(codes->coded(), bulk);
+  ExpectNearestCodes(*codes, keys);
+  for (int h = 0; h < kKvHeads; ++h) {
+    const std::set<int32_t> outliers(codes->outliers(h).begin(), codes->outliers(h).end());
+    for (int64_t r : planted_rows) {
+      EXPECT_TRUE(outliers.count(static_cast<int32_t>(r))) << "KV head " << h << " row " << r;
+    }
+    // The bar is the learned rows' 1/512 worst, so the outliers are the planted rows and a few.
+    const auto planted = static_cast<int64_t>(planted_rows.size());
+    EXPECT_LT(static_cast<int64_t>(outliers.size()), 2 * planted + 16) << "KV head " << h;
+  }
+  // Now a head's exact path scores its shortlist, the outliers and the few uncoded rows.
+  for (const HeadReport& head : heads) {
+    EXPECT_LT(head.candidates, config.selector.shortlist + 64) << bulk;
+  }
+  EXPECT_EQ(CodesLearning::NextLearnAt(learn_at, kDim), 2 * learn_at);
+}
+
+TEST(TieredCodesTest, CodesAreLearnedOnceAShortPromptsBulkHasGrown) {
+  TieredBackend host_tier(MakeHostStaticSetTier());
+  CheckCodesLearnedAgain(host_tier, /*prompt=*/12);
+  // The stand-in of a device's exact heads takes half the heads once codes are there.
+  HostStaticSetTierOptions options;
+  options.exact_heads = true;
+  TieredBackend exact_heads(MakeHostStaticSetTier(options), 0.5);
+  CheckCodesLearnedAgain(exact_heads, /*prompt=*/12);
+  absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(PlacementOptions{});
+  ASSERT_TRUE(placements.ok()) << placements.status();
+  for (const std::unique_ptr<AttentionBackend>& tiered : (*placements)->tiered()) {
+    if (tiered->device_budget() != nullptr) CheckCodesLearnedAgain(*tiered, /*prompt=*/12);
+  }
+}
+
+TEST(TieredCodesTest, CodesOfATinyPromptBulkAreLearnedAgain) {
+  TieredBackend host_tier(MakeHostStaticSetTier());
+  CheckCodesLearnedAgain(host_tier, /*prompt=*/kSinks + kRecent + 40);
+  absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(PlacementOptions{});
+  ASSERT_TRUE(placements.ok()) << placements.status();
+  for (const std::unique_ptr<AttentionBackend>& tiered : (*placements)->tiered()) {
+    if (tiered->device_budget() != nullptr) {
+      CheckCodesLearnedAgain(*tiered, /*prompt=*/kSinks + kRecent + 40);
+    }
+  }
+}
+
+// A layer closed while its codes are being learned waits for the learning (which reads its KV
+// and charges its session), and gives every byte back.
+TEST(TieredCodesTest, ALayerClosedWhileItsCodesAreLearnedGivesItsMemoryBack) {
+  TieredBackend backend(MakeHostStaticSetTier());
+  MemoryBudget host(0);
+  const SessionAccounts accounts{&host, nullptr};
+  LayerConfig config = Config();
+  config.expected_tokens = 0;
+  std::vector<float> keys;
+  for (int64_t extra : {0, 1, 3}) {
+    absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
+        PrefilledLayer(backend, accounts, config, /*prompt=*/12, /*seed=*/41, &keys);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    std::unique_ptr<StepContext> context = backend.NewStepContext();
+    std::vector<HeadReport> heads;
+    // Up to the step that starts the learning, and `extra` more.
+    const int64_t steps = CodesLearning::kFirstLearnRows + kSinks + kRecent - 12 + extra;
+    for (int64_t step = 0; step < steps; ++step) {
+      DecodeStep(backend, context.get(), layer->get(), static_cast<int>(step), false, &keys,
+                 &heads);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    EXPECT_EQ((*layer)->bulk_codes(), nullptr);
+    layer->reset();
+    EXPECT_EQ(host.used(), 0) << extra;
+  }
 }
 
 // The host tier everywhere; the device tiers where there is a device.

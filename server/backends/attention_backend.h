@@ -99,8 +99,9 @@ class LayerBackend {
   virtual absl::Status ReserveToken() = 0;
   virtual LayerMemory memory() const = 0;
   // The product-quantized codes of the layer's bulk keys where it keeps them (a tiered layer
-  // with policy.index.shortlist whose prompt had a bulk), for inspection between steps and
-  // token reservations; null otherwise.
+  // with policy.index.shortlist whose bulk had rows to learn from: at prefill, or once the bulk
+  // grew: server/backends/codes_learning.h), for inspection between steps and token
+  // reservations; null otherwise.
   virtual const BulkCodes* bulk_codes() const { return nullptr; }
 };
 

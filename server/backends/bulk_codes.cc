@@ -55,8 +55,8 @@ absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bul
   std::vector<ProductQuantizer> quantizers;
   const ProductQuantizerParams params = TrainingParams(bulk.head_dim);
   for (int h = 0; h < bulk.kv_heads; ++h) {
-    absl::StatusOr<ProductQuantizer> pq =
-        ProductQuantizer::Train(VectorSet::KeysOf(bulk, h, 0, bulk.tokens), params, assigner);
+    absl::StatusOr<ProductQuantizer> pq = ProductQuantizer::Train(
+        VectorSet::KeysOf(bulk, h, 0, TrainedRowsOf(bulk.tokens)), params, assigner);
     if (!pq.ok()) return pq.status();
     quantizers.push_back(*std::move(pq));
   }
@@ -118,9 +118,12 @@ void BulkCodes::AddOutliers(int kv_head, int64_t begin, std::span<const float> e
   const int64_t n = static_cast<int64_t>(errors.size());
   float& threshold = outlier_threshold_[kv_head];
   if (std::isnan(threshold) && n > 0) {
-    // The prompt's bulk sets the bar: its 1/kOutlierShare worst-coded keys are above it.
-    std::vector<float> sorted(errors.begin(), errors.end());
-    const int64_t rank = n - 1 - n / kOutlierShare;
+    // The trained bulk's held-out rows set the bar (all of it when too short to hold any out):
+    // their 1/kOutlierShare worst-coded keys are above it.
+    const int64_t held_out = n - TrainedRowsOf(n);
+    std::vector<float> sorted(errors.end() - (held_out > 0 ? held_out : n), errors.end());
+    const auto m = static_cast<int64_t>(sorted.size());
+    const int64_t rank = m - 1 - m / kOutlierShare;
     std::nth_element(sorted.begin(), sorted.begin() + rank, sorted.end());
     threshold = sorted[rank];
   }

@@ -38,12 +38,22 @@ class BulkCodes {
 
   // Bulk rows coded so far: [0, coded()).
   int64_t coded() const { return coded_; }
+  // The bulk rows the quantizers were learned from: [0, learned_rows()) (codes_learning.h
+  // learns them again as the bulk grows past what they saw).
+  int64_t learned_rows() const { return learned_rows_; }
   // The coded bulk rows of `kv_head` whose codes misrepresent their key most (the largest
   // reconstruction errors: above the prompt bulk's 1 - 1/kOutlierShare quantile), which every
   // exact step rescores whatever the shortlist says: a key unlike the others (a needle) is the
   // one a product quantizer codes worst and the one attention may need most.
   std::span<const int32_t> outliers(int kv_head) const { return outliers_[kv_head]; }
   static constexpr int kOutlierShare = 512;
+  // The quantizers learn from a bulk's first TrainedRowsOf(rows) rows; its last fifth sets the
+  // outlier bar (the 1 - 1/kOutlierShare quantile of their reconstruction errors). A key the
+  // codebooks learned from is coded better than one they never saw, as every key to come: a
+  // bar set on their own rows (a few rows a centroid in a short bulk code almost exactly) made
+  // most later keys outliers.
+  static constexpr int kHeldOutShare = 5;
+  static int64_t TrainedRowsOf(int64_t rows) { return rows - rows / kHeldOutShare; }
   int subspaces() const { return subspaces_; }
   int kv_heads() const { return static_cast<int>(quantizers_.size()); }
   const ProductQuantizer& quantizer(int kv_head) const { return quantizers_[kv_head]; }
@@ -54,6 +64,11 @@ class BulkCodes {
   // Room for `rows` coded bulk rows in all (RESOURCE_EXHAUSTED naming the budget: nothing
   // changed).
   virtual absl::Status Reserve(int64_t rows) = 0;
+  // Codes `bulk`'s rows [coded(), bulk.tokens) from its keys in host memory ([tokens, kv_heads,
+  // head_dim], the layer's bulk; Reserve made room), their outliers included: the rows a
+  // layer's bulk gained while these codes were learned (codes_learning.h). Not while a step
+  // runs on them. On failure (a device error) the rows stay uncoded.
+  virtual absl::Status CodeRows(const KvView& bulk) = 0;
   // The codes of rows [begin, end) of KV head `kv_head`: [end - begin, subspaces()] u8, read
   // from wherever they live (device memory: copied down once the device is idle), so that they
   // can be checked against the quantizer's encoding of the same keys. Between the layer's steps
@@ -62,8 +77,9 @@ class BulkCodes {
   absl::StatusOr<std::vector<uint8_t>> ReadCodes(int kv_head, int64_t begin, int64_t end) const;
 
  protected:
-  // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token), with
-  // `assigner`'s assignments when given (the GPU tier's device).
+  // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token): its
+  // first TrainedRowsOf(tokens) rows, with `assigner`'s assignments when given (the GPU tier's
+  // device).
   static absl::StatusOr<std::vector<ProductQuantizer>> Train(const KvView& bulk,
                                                              PqAssigner* assigner = nullptr);
   // ReadCodes' copy once its range is checked: [end - begin, subspaces()] into `codes`.
@@ -81,8 +97,9 @@ class BulkCodes {
   void EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes);
   // Rows [begin, begin + errors.size()) of `kv_head` coded elsewhere (the GPU tier codes the
   // bulk on its device), given their squared reconstruction errors: those beyond the outlier
-  // threshold join the outliers. The head's first call (the prompt's bulk) sets the threshold.
-  // Not while outliers() is read.
+  // threshold join the outliers. The head's first call (the bulk the quantizers were trained
+  // on, from row 0) sets the threshold from its held-out rows (kHeldOutShare). Not while
+  // outliers() is read.
   void AddOutliers(int kv_head, int64_t begin, std::span<const float> errors);
 
   std::vector<ProductQuantizer> quantizers_;
@@ -91,6 +108,7 @@ class BulkCodes {
                                                 // (NaN until the head's first AddOutliers)
   int subspaces_ = 0;
   int64_t coded_ = 0;
+  int64_t learned_rows_ = 0;
 
  private:
   MemoryAccount* const host_;

@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -206,8 +207,8 @@ class GpuBulkCodes final : public BulkCodes {
                    cudaMemcpyHostToDevice),
         "uploading the shortlist's codebooks"));
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
-    if (absl::Status s = codes->CodePrompt(bulk); !s.ok()) return s;
-    codes->coded_ = bulk.tokens;
+    if (absl::Status s = codes->CodeRows(bulk); !s.ok()) return s;
+    codes->learned_rows_ = bulk.tokens;
     return codes;
   }
   int64_t device_bytes() const override {
@@ -235,11 +236,13 @@ class GpuBulkCodes final : public BulkCodes {
     }
     codes_ = std::move(grown);
     capacity_ = grown_capacity;
-    ++generation_;
+    generation_ = next_generation_.fetch_add(1, std::memory_order_relaxed);
     return absl::OkStatus();
   }
   int64_t capacity() const { return capacity_; }
-  // Changes whenever the codes move (a captured step names them by address).
+  // Changes whenever the codes move, and no two allocations of codes share one, whichever
+  // object holds them (a captured step names them by address; a layer's relearned codes may
+  // take the address of codes freed before).
   uint64_t generation() const { return generation_; }
   // Rows of `bulk` not coded yet: 1 in a step whose token pushes one out of the ring, else 0.
   int64_t Pending(const KvView& bulk) const { return std::max<int64_t>(0, bulk.tokens - coded_); }
@@ -273,8 +276,8 @@ class GpuBulkCodes final : public BulkCodes {
   // when the budget has no room.
   static absl::StatusOr<std::vector<ProductQuantizer>> TrainOnDevice(
       const KvView& bulk, const SessionAccounts& accounts) {
-    const int64_t rows =
-        std::min(TrainingParams(bulk.head_dim).training_keys, std::max<int64_t>(bulk.tokens, 1));
+    const int64_t rows = std::min(TrainingParams(bulk.head_dim).training_keys,
+                                  std::max<int64_t>(TrainedRowsOf(bulk.tokens), 1));
     const int64_t bytes = GpuPqAssigner::DeviceBytesFor(rows, bulk.head_dim);
     if (absl::Status s = accounts.device->Reserve(bytes, "the quantizers' training"); !s.ok()) {
       SayOnHost(training_on_host_, "training", s);
@@ -306,38 +309,44 @@ class GpuBulkCodes final : public BulkCodes {
   }
   static inline std::once_flag training_on_host_, coding_on_host_;
 
-  // Prompt tokens whose keys go up at a time to be coded: 4 MB of staging at 8 KV heads of 128
-  // bf16 dims, charged to the session while the prompt is coded.
+  // Bulk rows whose keys go up at a time to be coded: 4 MB of staging at 8 KV heads of 128
+  // bf16 dims, charged to the session while they are coded.
   static constexpr int64_t kCodingChunkTokens = 2048;
 
-  // Codes the prompt's bulk into the codes' first rows, its outliers included. On the device
-  // (cuda::PqEncode: the host's encoding was most of a long prompt's build): the keys go up a
-  // chunk at a time, each KV head's codes are written in place and the keys' reconstruction
-  // errors come down. On the host, then uploaded, when the keys are not 16-bit or the budget
-  // has no room for the staging.
-  absl::Status CodePrompt(const KvView& bulk) {
-    if (bulk.element == KvElement::kF32) return CodePromptOnHost(bulk);  // 16-bit staging
+  // Codes rows [coded(), bulk.tokens) of the bulk (the prompt's at prefill, or those a
+  // relearned layer's bulk gained while its codes were learned), their outliers included. On
+  // the device (cuda::PqEncode: the host's encoding was most of a long prompt's build): the keys
+  // go up a chunk at a time, each KV head's codes are written in place and the keys'
+  // reconstruction errors come down. On the host, then uploaded, when the keys are not 16-bit
+  // or the budget has no room for the staging.
+  absl::Status CodeRows(const KvView& bulk) override {
+    const int64_t first = coded_;
+    if (bulk.tokens <= first) return absl::OkStatus();
+    DeviceScope scope(ordinal_);
+    if (!scope.status().ok()) return scope.status();
+    if (bulk.element == KvElement::kF32) return CodeRowsOnHost(bulk);  // 16-bit staging
     const int d = bulk.head_dim;
     const int64_t row = int64_t{kv_heads()} * d;  // elements of one token's keys
-    const int64_t chunk = std::min(bulk.tokens, kCodingChunkTokens);
+    const int64_t rows = bulk.tokens - first;
+    const int64_t chunk = std::min(rows, kCodingChunkTokens);
     ChargedBuffer<uint16_t> keys;
     ChargedBuffer<float> errors;
     absl::Status staged = keys.Allocate(chunk * row, device_, "the keys being coded");
     if (staged.ok()) staged = errors.Allocate(chunk * kv_heads(), device_, "their errors");
     if (absl::IsResourceExhausted(staged)) {
-      SayOnHost(coding_on_host_, "coding of the prompt", staged);
-      return CodePromptOnHost(bulk);
+      SayOnHost(coding_on_host_, "coding of the bulk", staged);
+      return CodeRowsOnHost(bulk);
     }
     if (!staged.ok()) return staged;
     const int64_t book_floats = int64_t{ProductQuantizer::kCentroids} * d;
-    std::vector<std::vector<float>> head_errors(kv_heads(), std::vector<float>(bulk.tokens));
+    std::vector<std::vector<float>> head_errors(kv_heads(), std::vector<float>(rows));
     std::vector<float> chunk_errors(chunk * kv_heads());
-    for (int64_t begin = 0; begin < bulk.tokens; begin += chunk) {
+    for (int64_t begin = first; begin < bulk.tokens; begin += chunk) {
       const int64_t n = std::min(chunk, bulk.tokens - begin);
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpy(keys.data(), bulk.key_row(begin, 0), n * row * sizeof(uint16_t),
                      cudaMemcpyHostToDevice),
-          "uploading the prompt's keys to code"));
+          "uploading the bulk's keys to code"));
       for (int h = 0; h < kv_heads(); ++h) {
         cuda::PqEncodeParams p;
         p.keys = keys.data() + int64_t{h} * d;
@@ -354,21 +363,27 @@ class GpuBulkCodes final : public BulkCodes {
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpy(chunk_errors.data(), errors.data(), n * kv_heads() * sizeof(float),
                      cudaMemcpyDeviceToHost),
-          "downloading the prompt's coding errors"));
+          "downloading the bulk's coding errors"));
       for (int h = 0; h < kv_heads(); ++h) {
-        std::copy_n(chunk_errors.data() + h * n, n, head_errors[h].data() + begin);
+        std::copy_n(chunk_errors.data() + h * n, n, head_errors[h].data() + (begin - first));
       }
     }
-    for (int h = 0; h < kv_heads(); ++h) AddOutliers(h, 0, head_errors[h]);
+    for (int h = 0; h < kv_heads(); ++h) AddOutliers(h, first, head_errors[h]);
+    coded_ = bulk.tokens;
     return absl::OkStatus();
   }
-  absl::Status CodePromptOnHost(const KvView& bulk) {
-    std::vector<uint8_t> staged(bulk.tokens * kv_heads() * subspaces_);
-    EncodeRows(bulk, 0, bulk.tokens, staged.data());
-    return CudaStatus(cudaMemcpy2D(codes_.data(), capacity_ * subspaces_, staged.data(),
-                                   bulk.tokens * subspaces_, bulk.tokens * subspaces_,
-                                   kv_heads(), cudaMemcpyHostToDevice),
-                      "uploading the shortlist's codes");
+  absl::Status CodeRowsOnHost(const KvView& bulk) {
+    const int64_t first = coded_;
+    const int64_t rows = bulk.tokens - first;
+    std::vector<uint8_t> staged(rows * kv_heads() * subspaces_);
+    EncodeRows(bulk, first, bulk.tokens, staged.data());
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy2D(codes_.data() + first * subspaces_, capacity_ * subspaces_,
+                                staged.data(), rows * subspaces_, rows * subspaces_, kv_heads(),
+                                cudaMemcpyHostToDevice),
+                   "uploading the shortlist's codes"));
+    coded_ = bulk.tokens;
+    return absl::OkStatus();
   }
 
   GpuBulkCodes(int ordinal, std::vector<ProductQuantizer> quantizers,
@@ -395,6 +410,7 @@ class GpuBulkCodes final : public BulkCodes {
   ChargedBuffer<uint8_t> codes_;
   int64_t capacity_ = 0;
   uint64_t generation_ = 0;
+  static inline std::atomic<uint64_t> next_generation_{1};
 };
 
 class GpuStaticSetTier final : public StaticSetTier {

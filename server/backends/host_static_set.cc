@@ -53,6 +53,7 @@ class HostBulkCodes final : public BulkCodes {
     if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
     codes->Append(bulk);
+    codes->learned_rows_ = bulk.tokens;
     return codes;
   }
   int64_t device_bytes() const override { return 0; }
@@ -63,6 +64,10 @@ class HostBulkCodes final : public BulkCodes {
     if (absl::Status s = ChargeHost(bytes, "the shortlist's codes"); !s.ok()) return s;
     for (std::vector<uint8_t>& head : codes_) head.resize(grown * subspaces_);
     capacity_ = grown;
+    return absl::OkStatus();
+  }
+  absl::Status CodeRows(const KvView& bulk) override {
+    Append(bulk);
     return absl::OkStatus();
   }
   // Codes the bulk's rows [coded(), bulk.tokens) (Reserve made room for them).

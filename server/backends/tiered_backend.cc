@@ -20,6 +20,7 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/thread_pool.h"
 #include "proto/tensor_codec.h"
+#include "server/backends/codes_learning.h"
 #include "server/backends/cpu_backend.h"
 #include "server/backends/deferred_append.h"
 #include "server/backends/step_runs.h"
@@ -115,15 +116,17 @@ class TieredLayer final : public LayerBackend {
   // device_exact_bound: the most query heads whose exact paths the static tier may run in a
   // step (the layer's host KV is pinned for it); 0: none. balance: the count moves within it by
   // time from half the heads (DeviceHeadBalance), else it is the bound.
-  TieredLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
-              BulkSelector bulk, std::unique_ptr<StaticSet> static_set,
+  // With policy.index.shortlist the codes (null: the prompt had no bulk) are learned again on
+  // `tier`, charged to `accounts`, as the bulk grows (CodesLearning).
+  TieredLayer(const LayerConfig& config, StaticSetTier* tier, const SessionAccounts& accounts,
+              LayerKvStore kv, BulkSelector bulk, std::unique_ptr<StaticSet> static_set,
               std::unique_ptr<BulkCodes> codes, int device_exact_bound, bool balance)
       : config_(config),
         device_exact_bound_(device_exact_bound),
         balance_(device_exact_bound,
                  balance ? config.shape.q_heads / 2 : device_exact_bound),
         balanced_(balance),
-        host_(host),
+        host_(accounts.host),
         kv_(std::move(kv)),
         bulk_(std::move(bulk)),
         retopk_(config.selector.kind == SelectorKind::kReTopK
@@ -139,10 +142,13 @@ class TieredLayer final : public LayerBackend {
         bulk_start_micros_(config.shape.q_heads),
         appended_(bulk_.selector.get()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
-    if (codes_ != nullptr) {
+    if (config.selector.shortlist > 0) {
+      learning_ = std::make_unique<CodesLearning>(
+          tier, &config_, accounts, codes_ != nullptr ? codes_->learned_rows() : 0,
+          CodesLearningQueue());
       // The steps' shortlists and the tier's exact heads' results, allocated (and charged with
       // the selector's state) once here rather than at the first step, uncharged: a shortlist
-      // of 2^20 takes 4 MiB a query head whatever the context.
+      // of 2^20 takes 4 MiB a query head whatever the context (and codes may come later).
       const size_t heads = config.shape.q_heads;
       shortlist_ids_.resize(heads * config.selector.shortlist);
       shortlist_sizes_.resize(heads);
@@ -155,6 +161,7 @@ class TieredLayer final : public LayerBackend {
     ChargeSelectorBytes();
   }
   ~TieredLayer() override {
+    learning_.reset();  // a learning in flight reads the KV and charges the accounts
     appended_.Wait();
     if (selector_bytes_ != 0) host_->Release(selector_bytes_);
   }
@@ -162,9 +169,14 @@ class TieredLayer final : public LayerBackend {
   int64_t tokens() const override { return kv_.tokens(); }
   // The static set has a slot for every token it will ever hold; the host store grows (which
   // may move the rows a deferred OnAppend reads: it finishes first), and so do the codes of the
-  // bulk when the token pushes one out of the ring.
+  // bulk when the token pushes one out of the ring. Codes learned again take over first, at
+  // their length (which a learning in flight waits for, as it does for rows about to move).
   absl::Status ReserveToken() override {
     appended_.Wait();
+    if (learning_ != nullptr) {
+      learning_->BeforeReserve(BulkView(kv_.view(), config_.selector),
+                               kv_.tokens() + 1 > kv_.capacity(), &codes_);
+    }
     if (codes_ != nullptr) {
       const SelectorParams& p = config_.selector;
       if (absl::Status s = codes_->Reserve(BulkTokens(kv_.tokens() + 1, p.sinks, p.recent));
@@ -372,7 +384,8 @@ class TieredLayer final : public LayerBackend {
   std::vector<float> decided_best_;
   std::vector<int32_t> device_candidates_, device_support_, device_support_sizes_;
   std::unique_ptr<StaticSet> static_set_;
-  std::unique_ptr<BulkCodes> codes_;  // null without policy.index.shortlist (or a bulk at prefill)
+  std::unique_ptr<BulkCodes> codes_;  // null without policy.index.shortlist (or a bulk yet)
+  std::unique_ptr<CodesLearning> learning_;  // with policy.index.shortlist
   std::vector<int32_t> shortlist_ids_, shortlist_sizes_;  // the step's, [q_heads, shortlist]
   int64_t shortlist_coded_ = 0;                           // the bulk rows they were chosen among
   int64_t selector_bytes_ = 0;
@@ -387,9 +400,10 @@ class TieredLayer final : public LayerBackend {
 
 void TieredLayer::CommitToken() {
   kv_.Commit(1);
-  if (bulk_.selector == nullptr) return;
   const KvView all = kv_.view();
   const KvView bulk = BulkView(all, config_.selector);
+  if (learning_ != nullptr) learning_->OnCommitted(bulk);
+  if (bulk_.selector == nullptr) return;
   if (bulk.tokens > bulk_tokens_seen_) {
     appended_.Queue(bulk_.relative ? bulk : all);
     bulk_tokens_seen_ = bulk.tokens;
@@ -675,7 +689,8 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
   std::unique_ptr<BulkCodes> codes;
   if (p.shortlist > 0) {
     // The quantizers learn from the prompt's bulk; a prompt without one is served by the
-    // shortlist selector's scan of the (then short) bulk instead.
+    // shortlist selector's scan of the (then short) bulk instead, until its bulk has grown
+    // enough to learn from (CodesLearning).
     const KvView bulk = BulkView(all, p);
     if (bulk.tokens > 0) {
       const int64_t capacity = BulkTokens(std::max(config.expected_tokens, all.tokens + 1),
@@ -695,7 +710,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
   }
   // The tier reads the host KV of the heads it takes: pinned once it has its room for
   // max_tokens (a growth pins the new allocation again). Without the pin the host takes them.
-  int device_heads = codes != nullptr ? DeviceExactHeads(config) : 0;
+  int device_heads = DeviceExactHeads(config);  // once the layer has codes (maybe later)
   if (device_heads > 0 && !staged.kv.SetPinning(tier_->host_pinning())) {
     staged.kv.SetPinning(nullptr);
     device_heads = 0;
@@ -706,7 +721,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
                    "exact heads run on the host\n");
     });
   }
-  return std::make_unique<TieredLayer>(config, accounts.host, std::move(staged.kv),
+  return std::make_unique<TieredLayer>(config, tier_.get(), accounts, std::move(staged.kv),
                                        *std::move(bulk), *std::move(static_set),
                                        std::move(codes), device_heads, device_exact_balance_);
 }

@@ -1,0 +1,105 @@
+// Learns a tiered layer's shortlist codes (server/backends/bulk_codes.h) again, off the decode
+// path, while its bulk grows past what they were learned from: a prompt with no bulk (a short
+// one) would otherwise never get codes, and every exact step would scan the whole bulk; codes
+// learned from a few dozen rows code their own rows almost exactly, so that almost every later
+// key lands above the outlier bar and is rescored by every step.
+//
+// When: codes are learned once the bulk holds kFirstLearnRows rows, then again each time it
+// doubles, until they were learned from as many rows as the training samples
+// (BulkCodes::TrainingParams: more rows would not change what they learn from). A learning
+// starts after the step that brings the bulk to that length; it trains on the bulk as it stood
+// then, on a thread of its own, and codes the rows the bulk gains meanwhile; the new codes take
+// over at a fixed length (TakeOverAt: a quarter more rows), waiting for the learning if it is
+// not done by then. So which step a layer's codes change at depends on its length alone, never
+// on timing, and a session decodes the same tokens however loaded the machine is.
+#ifndef KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
+#define KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/kv_view.h"
+#include "server/backends/attention_backend.h"
+#include "server/backends/bulk_codes.h"
+#include "server/work_queue.h"
+
+namespace kvrecall {
+
+class StaticSetTier;
+
+// The queue that learnings run on: one thread for the process, started on first use (a
+// learning's training spreads over an OpenMP team, or runs on the tier's device).
+WorkQueue* CodesLearningQueue();
+
+// One layer's learnings. Thread-compatible like the layer that owns it (its methods run under
+// the session's lock); only the queued learning runs beside them.
+class CodesLearning final : private WorkItem {
+ public:
+  // The bulk length of a layer's first codes when its prompt had too short a bulk for any: a
+  // quantizer of 256 centroids per subspace then learns from 4 keys a centroid, and until then
+  // an exact step's flat scan reads at most 1024 rows a head.
+  static constexpr int64_t kFirstLearnRows = 1024;
+
+  // The bulk length at which codes learned from `learned_rows` rows (0: none) of a layer of
+  // `head_dim` are learned again; 0 when never (they saw as many rows as the training samples).
+  static int64_t NextLearnAt(int64_t learned_rows, int head_dim);
+  // The bulk length at which codes learned from a bulk of `rows` take over.
+  static int64_t TakeOverAt(int64_t rows) { return rows + std::max<int64_t>(1, rows / 4); }
+
+  // For a layer of `config` whose codes live on `tier`, charged to `accounts` (every one of
+  // them outlives this object), learned from `learned_rows` bulk rows so far (0: no codes).
+  // queue: where learnings run (CodesLearningQueue()).
+  CodesLearning(StaticSetTier* tier, const LayerConfig* config, SessionAccounts accounts,
+                int64_t learned_rows, WorkQueue* queue);
+  // Waits for a learning in flight (it reads the layer's KV).
+  ~CodesLearning();
+  CodesLearning(const CodesLearning&) = delete;
+  CodesLearning& operator=(const CodesLearning&) = delete;
+
+  // After a step committed its token: `bulk` is the layer's bulk now ([tokens, kv_heads,
+  // head_dim] in host memory, whose committed rows stay put until BeforeReserve says they
+  // move); starts a learning when the bulk has reached the next learning's length.
+  void OnCommitted(const KvView& bulk);
+  // Before a token is reserved: when the bulk (`bulk`, as in OnCommitted) has reached the
+  // learned codes' take-over length, waits for them, codes the rows they lack and puts them in
+  // *codes (the old ones go); a learning that failed leaves *codes as it was (and says why on
+  // stderr, once a process). `rows_move`: the reservation is about to move the KV's rows, so a
+  // learning in flight is waited for first (its codes still take over at their length).
+  void BeforeReserve(const KvView& bulk, bool rows_move, std::unique_ptr<BulkCodes>* codes);
+
+  // Whether a learning is started and its codes have not taken over yet.
+  bool learning() const { return started_; }
+  // The bulk length of the next learning's start (0: none), and the take-over length of the
+  // one started (0: none).
+  int64_t next_learn_at() const { return next_learn_at_; }
+  int64_t take_over_at() const { return take_over_at_; }
+
+ private:
+  void Run() override;
+  // Returns once no learning runs.
+  void Wait();
+
+  StaticSetTier* const tier_;
+  const LayerConfig* const config_;
+  const SessionAccounts accounts_;
+  WorkQueue* const queue_;
+  int64_t next_learn_at_ = 0;
+  int64_t take_over_at_ = 0;
+  bool started_ = false;
+  // The learning's bulk (its tokens: the rows it learns from), the room its codes take, and the
+  // committed bulk rows it may code beyond them (stored by OnCommitted, read by the learning).
+  KvView bulk_;
+  int64_t capacity_ = 0;
+  std::atomic<int64_t> committed_{0};
+  std::atomic<bool> cancelled_{false};
+  absl::Mutex mu_;
+  bool running_ ABSL_GUARDED_BY(mu_) = false;
+  absl::StatusOr<std::unique_ptr<BulkCodes>> learned_;  // the learning's, once it ran
+};
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
