@@ -48,6 +48,8 @@ class MemoryBudget final : public MemoryAccount {
   // What Reserve would still grant (INT64_MAX when unlimited).
   int64_t available() const;
   const std::string& name() const { return name_; }
+  // The setting that bounds it ("host_memory_budget_gb").
+  const std::string& flag() const { return flag_; }
 
  private:
   const int64_t limit_;

@@ -11,6 +11,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "proto/tensor_codec.h"
 #include "server/status_util.h"
 
@@ -101,6 +102,45 @@ absl::Status SessionLimits::CheckContext(int64_t tokens, absl::string_view id,
                        max_context_tokens, ")")),
                    "max_context_tokens");
 }
+
+namespace {
+
+// Whether a session's selector state could ever fit the host budget: what its builds reserve
+// (Prefill reserves it for the prompt: for the announced max_tokens, or one token when none is
+// announced; a ReTopK cache reserves its eventual C x K supports whatever the prompt) beside the
+// KV of max_tokens. A policy for which that exceeds the whole budget could never be built:
+// RESOURCE_EXHAUSTED naming the budget, at CreateSession rather than after the prompt streamed
+// in. (A KV alone past the budget is Session::Admit's to refuse.)
+absl::Status CheckSelectorStateFits(const AttentionBackend& backend, const LayerConfig& config,
+                                    int layers, const MemoryBudget& budget) {
+  if (budget.limit() <= 0) return absl::OkStatus();
+  const int64_t max_tokens = config.expected_tokens;
+  const int64_t layer_kv = max_tokens > 0 ? backend.HostKvBytesFor(config, max_tokens) : 0;
+  int64_t kv = 0;
+  if (__builtin_mul_overflow(layer_kv, int64_t{layers}, &kv) || kv > budget.limit()) {
+    return absl::OkStatus();
+  }
+  const int64_t layer_state = backend.HostSelectorBytesBound(
+      config, std::max<int64_t>(max_tokens, 1), /*build_threads=*/1);
+  int64_t state = 0;
+  const bool overflow = __builtin_mul_overflow(layer_state, int64_t{layers}, &state);
+  if (!overflow && state <= budget.limit() - kv) return absl::OkStatus();
+  absl::string_view limit = budget.flag();
+  absl::ConsumeSuffix(&limit, "_gb");
+  return RefusedBy(
+      absl::ResourceExhaustedError(absl::StrFormat(
+          "%s budget exceeded: the %s selector state of %d layers needs %s bytes%s, more than "
+          "the whole %d-byte budget (%s=%.3f) could ever hold: choose smaller selector knobs "
+          "(top_k, retopk.cache_capacity, the index's) or fewer layers",
+          budget.name(), SelectorKindName(config.selector.kind), layers,
+          overflow ? "more" : absl::StrCat(state),
+          kv > 0 ? absl::StrCat(" beside the ", kv, " of its KV for max_tokens=", max_tokens)
+                 : "",
+          budget.limit(), budget.flag(), static_cast<double>(budget.limit()) / (1ll << 30))),
+      limit);
+}
+
+}  // namespace
 
 void ReturnFreedMemory() {
 #ifdef __GLIBC__
@@ -279,6 +319,10 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
       policy->selector, request.max_tokens()};
   absl::StatusOr<AttentionBackend*> backend = placements_->Choose(policy->placement, config);
   if (!backend.ok()) return backend.status();
+  if (absl::Status s = CheckSelectorStateFits(**backend, config, g.layers(), *host_budget_);
+      !s.ok()) {
+    return s;
+  }
 
   thread_local absl::BitGen gen;
   std::string id;

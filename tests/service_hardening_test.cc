@@ -235,8 +235,10 @@ TEST_F(HardeningTest, HugeSelectorKnobsAreRefusedAtOnce) {
 }
 
 // Selector state is reserved before it is built: with --host_memory_budget_gb=0.05, a ReTopK
-// policy whose cache may grow to gigabytes is refused at commit, before any of it exists.
-// Before: capacity 3*10^6 was accepted with 864 MB of selector state, charged only once built.
+// policy whose cache may grow to gigabytes is refused at CreateSession (probe 4: it was accepted
+// there, then refused at Prefill), and one that fits the budget but not what is left of it at
+// commit, before any of it exists. Before: capacity 3*10^6 was accepted with 864 MB of selector
+// state, charged only once built.
 class SmallBudgetTest : public HardeningTest {
  protected:
   ServerOptions Options() const override {
@@ -251,9 +253,31 @@ class SmallBudgetTest : public HardeningTest {
 
 TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   const v1::Geometry g = SmallGeometry();
+  // More than the whole budget could ever hold: refused at CreateSession.
   v1::Policy huge = MakePolicy(v1::SELECTOR_RETOPK, /*top_k=*/65536);
   huge.mutable_retopk()->set_cache_capacity(4096);  // up to 4 x 1 GiB of cached supports
-  absl::StatusOr<std::string> id = CreateSession(stub(), g, huge);
+  const absl::StatusOr<std::string> never = CreateSession(stub(), g, huge);
+  EXPECT_TRUE(HasStatus(never.status(), absl::StatusCode::kResourceExhausted,
+                        "host_memory_budget_gb"))
+      << never.status();
+  EXPECT_THAT(never.status().message(), HasSubstr("retopk selector state of 1 layers"));
+  EXPECT_THAT(never.status().message(), HasSubstr("could ever hold"));
+  EXPECT_EQ(server().server().budget().used(), 0);
+
+  // Within the budget but not beside what another session set aside (its announced max_tokens:
+  // 122880 tokens of 2 x 2 x 16 f32 keys and values, 30 MiB): refused at Prefill, before any
+  // of it exists.
+  v1::CreateSessionRequest holder;
+  *holder.mutable_geometry() = g;
+  *holder.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  holder.set_max_tokens(122880);
+  v1::CreateSessionResponse held;
+  grpc::ClientContext holder_context;
+  ASSERT_TRUE(stub().CreateSession(&holder_context, holder, &held).ok());
+  EXPECT_EQ(server().server().budget().used(), 30 << 20);
+  v1::Policy large = MakePolicy(v1::SELECTOR_RETOPK, /*top_k=*/65536);
+  large.mutable_retopk()->set_cache_capacity(30);  // up to 30 MiB of cached supports
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, large);
   ASSERT_TRUE(id.ok()) << id.status();
   const absl::StatusOr<v1::PrefillResponse> refused =
       Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(64, 4), 16));
@@ -264,6 +288,8 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->layers_prefilled(), 0);
+  EXPECT_EQ(server().server().budget().used(), 30 << 20);
+  ASSERT_TRUE(testing::CloseSession(stub(), held.session_id()).ok());
   EXPECT_EQ(server().server().budget().used(), 0);
 
   // The paper's knobs fit easily.
