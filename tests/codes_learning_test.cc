@@ -1,0 +1,201 @@
+// CodesLearning (server/backends/codes_learning.h) on the host tier, driven as a tiered layer
+// drives it (OnCommitted after each token, BeforeReserve before the next): its schedule; codes
+// that take over at their length whatever the learning's pace (a learning held up on its queue
+// until the take-over gives the same codes, bit for bit, as one that ran at once and coded the
+// later rows as they came); a learning waited for before the rows it reads move; and a learning
+// the budget refuses, which leaves the codes as they were.
+#include "server/backends/codes_learning.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+#include "server/backends/bulk_codes.h"
+#include "server/backends/tiered_backend.h"
+#include "server/memory_budget.h"
+#include "server/work_queue.h"
+#include "tests/test_util.h"
+
+namespace kvrecall {
+namespace {
+
+using ::kvrecall::testing::RandomKv;
+
+constexpr int kQHeads = 4, kKvHeads = 2, kDim = 64;
+
+LayerConfig Config() {
+  LayerConfig config;
+  config.shape = LayerShape{kQHeads, kKvHeads, kDim, 1.0f / std::sqrt(float{kDim})};
+  config.selector.kind = SelectorKind::kIndex;
+  config.selector.top_k = 16;
+  config.selector.shortlist = 64;
+  config.selector.sinks = 4;
+  config.selector.recent = 16;
+  return config;
+}
+
+// Holds its queue's thread until released: what a learning queued behind another layer's
+// finds.
+class QueueBlocker final : public WorkItem {
+ public:
+  void Run() override { release_.WaitForNotification(); }
+  void Release() { release_.Notify(); }
+
+ private:
+  absl::Notification release_;
+};
+
+// Every coded row's codes and every head's outliers, as read back.
+struct CodesState {
+  int64_t coded = 0, learned_rows = 0;
+  std::vector<std::vector<uint8_t>> codes;
+  std::vector<std::vector<int32_t>> outliers;
+  bool operator==(const CodesState&) const = default;
+};
+CodesState StateOf(const BulkCodes& codes) {
+  CodesState state{codes.coded(), codes.learned_rows(), {}, {}};
+  for (int h = 0; h < codes.kv_heads(); ++h) {
+    absl::StatusOr<std::vector<uint8_t>> read = codes.ReadCodes(h, 0, codes.coded());
+    EXPECT_TRUE(read.ok()) << read.status();
+    state.codes.push_back(read.ok() ? *read : std::vector<uint8_t>());
+    state.outliers.emplace_back(codes.outliers(h).begin(), codes.outliers(h).end());
+  }
+  return state;
+}
+
+class CodesLearningTest : public ::testing::Test {
+ protected:
+  // A bulk of up to kRows rows, its first `rows` committed.
+  static constexpr int64_t kRows = 1400;
+  KvView Bulk(int64_t rows) const { return kv_.view().Tokens(0, rows); }
+
+  // Drives a layer with no codes from an empty bulk to `rows` rows on `queue`. Without `held`,
+  // the learning has time to run and code the rows so far before the bulk grows further (the
+  // take-over codes the rest); with it, the learning waits on the queue until the take-over,
+  // which waits for it (it codes every row then). Returns the codes.
+  std::unique_ptr<BulkCodes> Drive(WorkQueue* queue, int64_t rows, QueueBlocker* held) {
+    CodesLearning learning(tier_.get(), &config_, accounts_, 0, queue);
+    std::unique_ptr<BulkCodes> codes;
+    const int64_t take_over = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows);
+    std::thread releaser;
+    for (int64_t n = 0; n < rows; ++n) {
+      if (held != nullptr && n == take_over) {
+        // The take-over's BeforeReserve waits for the held learning: released from elsewhere.
+        releaser = std::thread([held] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          held->Release();
+        });
+      }
+      if (held == nullptr && n == CodesLearning::kFirstLearnRows + 10) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      }
+      learning.BeforeReserve(Bulk(n), /*rows_move=*/false, &codes);
+      EXPECT_EQ(codes != nullptr, n >= take_over) << n;
+      learning.OnCommitted(Bulk(n + 1));
+      EXPECT_EQ(learning.learning(), n + 1 >= CodesLearning::kFirstLearnRows && n < take_over)
+          << n;
+    }
+    if (releaser.joinable()) releaser.join();
+    return codes;
+  }
+
+  LayerConfig config_ = Config();
+  RandomKv kv_{kRows, kKvHeads, kDim, 5};
+  std::unique_ptr<StaticSetTier> tier_ = MakeHostStaticSetTier();
+  MemoryBudget host_{0};
+  SessionAccounts accounts_{&host_, nullptr};
+};
+
+TEST(CodesLearningScheduleTest, FirstAt1024ThenAtEveryDoublingUntilTheTrainingsSample) {
+  const int64_t sample = BulkCodes::TrainingParams(kDim).training_keys;
+  EXPECT_EQ(CodesLearning::NextLearnAt(0, kDim), 1024);
+  EXPECT_EQ(CodesLearning::NextLearnAt(40, kDim), 1024);
+  EXPECT_EQ(CodesLearning::NextLearnAt(1024, kDim), 2048);
+  EXPECT_EQ(CodesLearning::NextLearnAt(10000, kDim), 20000);
+  EXPECT_EQ(CodesLearning::NextLearnAt(sample - 1, kDim), 2 * (sample - 1));
+  EXPECT_EQ(CodesLearning::NextLearnAt(sample, kDim), 0);
+  EXPECT_EQ(CodesLearning::TakeOverAt(1024), 1280);
+  EXPECT_EQ(CodesLearning::TakeOverAt(3), 4);
+}
+
+TEST_F(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
+  const int64_t rows = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows) + 20;
+  const int64_t take_over = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows);
+  // At once, on a queue of its own.
+  WorkQueue prompt(1, "test-prompt");
+  const std::unique_ptr<BulkCodes> at_once = Drive(&prompt, rows, nullptr);
+  ASSERT_NE(at_once, nullptr);
+  EXPECT_EQ(at_once->learned_rows(), CodesLearning::kFirstLearnRows);
+  EXPECT_EQ(at_once->coded(), take_over);  // later rows are the tier's to code, at its steps
+  // Held on its queue until the take-over.
+  WorkQueue held_queue(1, "test-held");
+  QueueBlocker blocker;
+  held_queue.Push(&blocker);
+  const std::unique_ptr<BulkCodes> held = Drive(&held_queue, rows, &blocker);
+  ASSERT_NE(held, nullptr);
+  EXPECT_TRUE(StateOf(*held) == StateOf(*at_once));
+  // Rows beyond those the codebooks learned from are there, and the outliers are few.
+  for (int h = 0; h < kKvHeads; ++h) {
+    EXPECT_LT(at_once->outliers(h).size(), 16u) << "KV head " << h;
+  }
+  EXPECT_GT(host_.used(), 0);  // the codes' bytes, charged to the session
+}
+
+TEST_F(CodesLearningTest, ALearningInFlightIsWaitedForBeforeTheRowsMove) {
+  WorkQueue queue(1, "test-move");
+  QueueBlocker blocker;
+  CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue);
+  std::unique_ptr<BulkCodes> codes;
+  const int64_t start = CodesLearning::kFirstLearnRows;
+  queue.Push(&blocker);
+  learning.OnCommitted(Bulk(start));
+  ASSERT_TRUE(learning.learning());
+  // Not yet its take-over, and the rows stay: nothing waits.
+  learning.BeforeReserve(Bulk(start), /*rows_move=*/false, &codes);
+  EXPECT_EQ(codes, nullptr);
+  // The rows are about to move: the learning (held on its queue) is waited for.
+  std::atomic<bool> released{false};
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    released.store(true);
+    blocker.Release();
+  });
+  learning.BeforeReserve(Bulk(start), /*rows_move=*/true, &codes);
+  EXPECT_TRUE(released.load()) << "returned before the learning ran";
+  releaser.join();
+  // Its codes still take over at their length, not before.
+  EXPECT_EQ(codes, nullptr);
+  EXPECT_TRUE(learning.learning());
+  const int64_t take_over = CodesLearning::TakeOverAt(start);
+  EXPECT_EQ(learning.take_over_at(), take_over);
+  learning.BeforeReserve(Bulk(take_over), /*rows_move=*/false, &codes);
+  ASSERT_NE(codes, nullptr);
+  EXPECT_EQ(codes->coded(), take_over);
+  EXPECT_FALSE(learning.learning());
+  EXPECT_EQ(learning.next_learn_at(), 2 * start);
+}
+
+TEST_F(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
+  MemoryBudget tight(1 << 10);  // not even the codebooks fit
+  const SessionAccounts accounts{&tight, nullptr};
+  WorkQueue queue(1, "test-refused");
+  CodesLearning learning(tier_.get(), &config_, accounts, 0, &queue);
+  std::unique_ptr<BulkCodes> codes;
+  const int64_t start = CodesLearning::kFirstLearnRows;
+  learning.OnCommitted(Bulk(start));
+  ASSERT_TRUE(learning.learning());
+  learning.BeforeReserve(Bulk(CodesLearning::TakeOverAt(start)), false, &codes);
+  EXPECT_EQ(codes, nullptr);
+  EXPECT_FALSE(learning.learning());
+  EXPECT_EQ(learning.next_learn_at(), 2 * start) << "tried again at the next doubling";
+  EXPECT_EQ(tight.used(), 0);
+}
+
+}  // namespace
+}  // namespace kvrecall
