@@ -590,6 +590,10 @@ int Main() {
                     {"e2e_p99_us", client::Percentile(e2e, 0.99)},
                     {"server_p50_us", client::Percentile(server, 0.5)},
                     {"server_p99_us", client::Percentile(server, 0.99)},
+                    // A step that waited (a take-over of relearned codes, a store's growth)
+                    // shows here and in the per-step times, in the timed steps' order.
+                    {"server_max_us", *std::max_element(server.begin(), server.end())},
+                    {"server_us_by_step", server},
                     {"e2e_minus_server_p50_us", client::Percentile(beyond, 0.5)},
                     {"e2e_minus_server_p99_us", client::Percentile(beyond, 0.99)},
                     {"prefill_seconds", prefill_s},

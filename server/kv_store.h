@@ -5,6 +5,7 @@
 #ifndef KVRECALL_SERVER_KV_STORE_H_
 #define KVRECALL_SERVER_KV_STORE_H_
 
+#include <algorithm>
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
@@ -213,8 +214,11 @@ class LayerKvStore {
                   keys_.element()};
   }
   int64_t tokens() const { return keys_.rows(); }
-  // Tokens the allocation holds: Reserve beyond them moves every row (and view() with them).
-  int64_t capacity() const { return keys_.capacity_rows(); }
+  // Tokens the allocations hold: a Reserve beyond them moves the rows (view() with them; both
+  // arrays grow together, though a growth refused halfway may leave the keys the larger).
+  int64_t capacity() const {
+    return std::min(keys_.capacity_rows(), values_.capacity_rows());
+  }
   KvElement element() const { return keys_.element(); }
   int64_t allocated_bytes() const { return keys_.allocated_bytes() + values_.allocated_bytes(); }
 

@@ -105,12 +105,12 @@ absl::Status SessionLimits::CheckContext(int64_t tokens, absl::string_view id,
 
 namespace {
 
-// Whether a session's selector state could ever fit the host budget: what its builds reserve
-// (Prefill reserves it for the prompt: for the announced max_tokens, or one token when none is
-// announced; a ReTopK cache reserves its eventual C x K supports whatever the prompt) beside the
-// KV of max_tokens. A policy for which that exceeds the whole budget could never be built:
-// RESOURCE_EXHAUSTED naming the budget, at CreateSession rather than after the prompt streamed
-// in. (A KV alone past the budget is Session::Admit's to refuse.)
+// Whether a session's selector state could ever fit the host budget: the least its builds
+// reserve (Prefill reserves the bound for the prompt's length; at one token, what every prompt
+// needs: a ReTopK cache reserves its eventual C x K supports whatever the prompt) beside the
+// KV set aside for max_tokens. A policy for which that exceeds the whole budget could never be
+// built: RESOURCE_EXHAUSTED naming the budget, at CreateSession rather than after the prompt
+// streamed in. (A KV alone past the budget is Session::Admit's to refuse.)
 absl::Status CheckSelectorStateFits(const AttentionBackend& backend, const LayerConfig& config,
                                     int layers, const MemoryBudget& budget) {
   if (budget.limit() <= 0) return absl::OkStatus();
@@ -120,8 +120,8 @@ absl::Status CheckSelectorStateFits(const AttentionBackend& backend, const Layer
   if (__builtin_mul_overflow(layer_kv, int64_t{layers}, &kv) || kv > budget.limit()) {
     return absl::OkStatus();
   }
-  const int64_t layer_state = backend.HostSelectorBytesBound(
-      config, std::max<int64_t>(max_tokens, 1), /*build_threads=*/1);
+  const int64_t layer_state =
+      backend.HostSelectorBytesBound(config, /*tokens=*/1, /*build_threads=*/1);
   int64_t state = 0;
   const bool overflow = __builtin_mul_overflow(layer_state, int64_t{layers}, &state);
   if (!overflow && state <= budget.limit() - kv) return absl::OkStatus();
@@ -131,12 +131,13 @@ absl::Status CheckSelectorStateFits(const AttentionBackend& backend, const Layer
       absl::ResourceExhaustedError(absl::StrFormat(
           "%s budget exceeded: the %s selector state of %d layers needs %s bytes%s, more than "
           "the whole %d-byte budget (%s=%.3f) could ever hold: choose smaller selector knobs "
-          "(top_k, retopk.cache_capacity, the index's) or fewer layers",
+          "(top_k, retopk.cache_capacity, the index's)%s or fewer layers",
           budget.name(), SelectorKindName(config.selector.kind), layers,
           overflow ? "more" : absl::StrCat(state),
           kv > 0 ? absl::StrCat(" beside the ", kv, " of its KV for max_tokens=", max_tokens)
                  : "",
-          budget.limit(), budget.flag(), static_cast<double>(budget.limit()) / (1ll << 30))),
+          budget.limit(), budget.flag(), static_cast<double>(budget.limit()) / (1ll << 30),
+          kv > 0 ? ", a smaller max_tokens" : "")),
       limit);
 }
 

@@ -14,17 +14,19 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "server/backends/bulk_codes.h"
 #include "server/backends/tiered_backend.h"
 #include "server/memory_budget.h"
 #include "server/work_queue.h"
+#include "tests/queue_blocker.h"
 #include "tests/test_util.h"
 
 namespace kvrecall {
 namespace {
 
+using ::kvrecall::testing::NarrowedKv;
+using ::kvrecall::testing::QueueBlocker;
 using ::kvrecall::testing::RandomKv;
 
 constexpr int kQHeads = 4, kKvHeads = 2, kDim = 64;
@@ -37,19 +39,9 @@ LayerConfig Config() {
   config.selector.shortlist = 64;
   config.selector.sinks = 4;
   config.selector.recent = 16;
+  config.dtype = v1::DTYPE_BF16;
   return config;
 }
-
-// Holds its queue's thread until released: what a learning queued behind another layer's
-// finds.
-class QueueBlocker final : public WorkItem {
- public:
-  void Run() override { release_.WaitForNotification(); }
-  void Release() { release_.Notify(); }
-
- private:
-  absl::Notification release_;
-};
 
 // Every coded row's codes and every head's outliers, as read back.
 struct CodesState {
@@ -69,16 +61,27 @@ CodesState StateOf(const BulkCodes& codes) {
   return state;
 }
 
-class CodesLearningTest : public ::testing::Test {
+// On the host tier, and on the GPU tier where there is a device (its learning codes on the
+// device, in chunks, whoever codes which rows).
+class CodesLearningTest : public ::testing::TestWithParam<bool> {
  protected:
-  // A bulk of up to kRows rows, its first `rows` committed.
-  static constexpr int64_t kRows = 1400;
-  KvView Bulk(int64_t rows) const { return kv_.view().Tokens(0, rows); }
+  void SetUp() override {
+    if (!GetParam()) return;
+    absl::StatusOr<std::unique_ptr<StaticSetTier>> tier =
+        MakeGpuStaticSetTier(0, &device_, /*cuda_graphs=*/true);
+    if (!tier.ok()) GTEST_SKIP() << "no GPU tier here: " << tier.status();
+    tier_ = *std::move(tier);
+    accounts_.device = &device_;
+  }
+
+  // A bulk of up to kRows rows, its first `rows` committed (bf16, as a GPU tier codes it).
+  static constexpr int64_t kRows = 2048;
+  KvView Bulk(int64_t rows) const { return narrowed_.view().Tokens(0, rows); }
 
   // Drives a layer with no codes from an empty bulk to `rows` rows on `queue`. Without `held`,
-  // the learning has time to run and code the rows so far before the bulk grows further (the
-  // take-over codes the rest); with it, the learning waits on the queue until the take-over,
-  // which waits for it (it codes every row then). Returns the codes.
+  // the learning is waited for (as before rows move) ten rows in, so that it has coded those
+  // and the take-over codes the rest; with it, the learning waits on the queue until the
+  // take-over, which waits for it (it codes every row then). Returns the codes.
   std::unique_ptr<BulkCodes> Drive(WorkQueue* queue, int64_t rows, QueueBlocker* held) {
     CodesLearning learning(tier_.get(), &config_, accounts_, 0, queue);
     std::unique_ptr<BulkCodes> codes;
@@ -92,10 +95,8 @@ class CodesLearningTest : public ::testing::Test {
           held->Release();
         });
       }
-      if (held == nullptr && n == CodesLearning::kFirstLearnRows + 10) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(500));
-      }
-      learning.BeforeReserve(Bulk(n), /*rows_move=*/false, &codes);
+      const bool wait = held == nullptr && n == CodesLearning::kFirstLearnRows + 10;
+      learning.BeforeReserve(Bulk(n), /*rows_move=*/wait, &codes);
       EXPECT_EQ(codes != nullptr, n >= take_over) << n;
       learning.OnCommitted(Bulk(n + 1));
       EXPECT_EQ(learning.learning(), n + 1 >= CodesLearning::kFirstLearnRows && n < take_over)
@@ -106,11 +107,17 @@ class CodesLearningTest : public ::testing::Test {
   }
 
   LayerConfig config_ = Config();
-  RandomKv kv_{kRows, kKvHeads, kDim, 5};
+  NarrowedKv narrowed_{RandomKv(kRows, kKvHeads, kDim, 5), KvElement::kBf16};
   std::unique_ptr<StaticSetTier> tier_ = MakeHostStaticSetTier();
   MemoryBudget host_{0};
+  MemoryBudget device_{0};
   SessionAccounts accounts_{&host_, nullptr};
 };
+
+INSTANTIATE_TEST_SUITE_P(Tiers, CodesLearningTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Gpu" : "Host";
+                         });
 
 TEST(CodesLearningScheduleTest, FirstAt1024ThenAtEveryDoublingUntilTheTrainingsSample) {
   const int64_t sample = BulkCodes::TrainingParams(kDim).training_keys;
@@ -120,11 +127,11 @@ TEST(CodesLearningScheduleTest, FirstAt1024ThenAtEveryDoublingUntilTheTrainingsS
   EXPECT_EQ(CodesLearning::NextLearnAt(10000, kDim), 20000);
   EXPECT_EQ(CodesLearning::NextLearnAt(sample - 1, kDim), 2 * (sample - 1));
   EXPECT_EQ(CodesLearning::NextLearnAt(sample, kDim), 0);
-  EXPECT_EQ(CodesLearning::TakeOverAt(1024), 1280);
+  EXPECT_EQ(CodesLearning::TakeOverAt(1024), 1536);
   EXPECT_EQ(CodesLearning::TakeOverAt(3), 4);
 }
 
-TEST_F(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
+TEST_P(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
   const int64_t rows = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows) + 20;
   const int64_t take_over = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows);
   // At once, on a queue of its own.
@@ -144,10 +151,10 @@ TEST_F(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
   for (int h = 0; h < kKvHeads; ++h) {
     EXPECT_LT(at_once->outliers(h).size(), 16u) << "KV head " << h;
   }
-  EXPECT_GT(host_.used(), 0);  // the codes' bytes, charged to the session
+  EXPECT_GT((GetParam() ? device_ : host_).used(), 0);  // the codes, charged to the session
 }
 
-TEST_F(CodesLearningTest, ALearningInFlightIsWaitedForBeforeTheRowsMove) {
+TEST_P(CodesLearningTest, ALearningInFlightIsWaitedForBeforeTheRowsMove) {
   WorkQueue queue(1, "test-move");
   QueueBlocker blocker;
   CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue);
@@ -181,20 +188,29 @@ TEST_F(CodesLearningTest, ALearningInFlightIsWaitedForBeforeTheRowsMove) {
   EXPECT_EQ(learning.next_learn_at(), 2 * start);
 }
 
-TEST_F(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
-  MemoryBudget tight(1 << 10);  // not even the codebooks fit
-  const SessionAccounts accounts{&tight, nullptr};
+TEST_P(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
+  // Room for the prompt's codes (128 KiB of codebooks and their codes), not for a second set.
+  MemoryBudget tight(200 << 10);
+  const SessionAccounts accounts{&tight, GetParam() ? &device_ : nullptr};
+  const int64_t prompt = CodesLearning::kMinLearnRows + 44;
+  absl::StatusOr<std::unique_ptr<BulkCodes>> built =
+      tier_->BuildCodes(config_, accounts, Bulk(prompt), kRows);
+  ASSERT_TRUE(built.ok()) << built.status();
+  std::unique_ptr<BulkCodes> codes = *std::move(built);
+  const BulkCodes* const prompts = codes.get();
+  const int64_t held = tight.used();
   WorkQueue queue(1, "test-refused");
-  CodesLearning learning(tier_.get(), &config_, accounts, 0, &queue);
-  std::unique_ptr<BulkCodes> codes;
+  CodesLearning learning(tier_.get(), &config_, accounts, prompt, &queue);
   const int64_t start = CodesLearning::kFirstLearnRows;
+  EXPECT_EQ(learning.next_learn_at(), start);
   learning.OnCommitted(Bulk(start));
   ASSERT_TRUE(learning.learning());
   learning.BeforeReserve(Bulk(CodesLearning::TakeOverAt(start)), false, &codes);
-  EXPECT_EQ(codes, nullptr);
+  EXPECT_EQ(codes.get(), prompts);
+  EXPECT_EQ(codes->learned_rows(), prompt);
   EXPECT_FALSE(learning.learning());
   EXPECT_EQ(learning.next_learn_at(), 2 * start) << "tried again at the next doubling";
-  EXPECT_EQ(tight.used(), 0);
+  EXPECT_EQ(tight.used(), held) << "the refused learning's charges given back";
 }
 
 }  // namespace

@@ -7,23 +7,27 @@
 // as a short prompt's bulk grows (server/backends/codes_learning.h) that take over at another
 // length, miss rows, or leave the exact path scanning the whole bulk.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/dtype.h"
 #include "index/basic_selectors.h"
+#include "kernels/dtype.h"
 #include "server/backends/bulk_codes.h"
 #include "server/backends/codes_learning.h"
 #include "server/backends/placements.h"
 #include "server/backends/tiered_backend.h"
 #include "server/memory_budget.h"
+#include "server/work_queue.h"
 #include "tests/server_fixture.h"
+#include "tests/queue_blocker.h"
 #include "tests/test_util.h"
 
 namespace kvrecall {
@@ -31,6 +35,7 @@ namespace {
 
 using ::kvrecall::testing::HasStatus;
 using ::kvrecall::testing::PqPartDistance;
+using ::kvrecall::testing::QueueBlocker;
 using ::kvrecall::testing::RandomNormal;
 
 constexpr int kQHeads = 8, kKvHeads = 2, kDim = 64;
@@ -207,8 +212,9 @@ void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt) {
       PrefilledLayer(backend, accounts, config, prompt, /*seed=*/31, &keys);
   ASSERT_TRUE(layer.ok()) << layer.status();
   const int64_t prompt_bulk = std::max<int64_t>(0, prompt - kSinks - kRecent);
+  const bool prompt_codes = prompt_bulk >= CodesLearning::kMinLearnRows;
   const BulkCodes* codes = (*layer)->bulk_codes();
-  ASSERT_EQ(codes != nullptr, prompt_bulk > 0);
+  ASSERT_EQ(codes != nullptr, prompt_codes);
   if (codes != nullptr) EXPECT_EQ(codes->learned_rows(), prompt_bulk);
 
   const int64_t learn_at = CodesLearning::kFirstLearnRows;
@@ -231,7 +237,7 @@ void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt) {
     codes = (*layer)->bulk_codes();
     if (bulk - 1 < take_over) {
       // The codes of the prompt (or none) until the take-over, whatever the learning's pace.
-      ASSERT_EQ(codes != nullptr, prompt_bulk > 0) << step;
+      ASSERT_EQ(codes != nullptr, prompt_codes) << step;
       if (codes != nullptr) ASSERT_EQ(codes->learned_rows(), prompt_bulk) << step;
       if (bulk - 1 == take_over - 1) {
         for (const HeadReport& head : heads) before_candidates += head.candidates;
@@ -242,11 +248,11 @@ void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt) {
       ASSERT_EQ(codes->learned_rows(), learn_at) << step;
     }
   }
-  if (prompt_bulk == 0) {
+  if (prompt_bulk < CodesLearning::kMinLearnRows) {
     // The last step before the take-over scanned the whole bulk a head: no codes yet.
     EXPECT_EQ(before_candidates, kQHeads * before_bulk);
   } else {
-    // A tiny prompt bulk's codes held its last rows out to set the outlier bar, so that keys
+    // A short prompt bulk's codes held its last rows out to set the outlier bar, so that keys
     // they never saw are not all outliers (a bar set on the rows they learned from, coded
     // almost exactly, made nearly every later key one: every step then scanned the bulk).
     EXPECT_LT(before_candidates, kQHeads * before_bulk / 2);
@@ -259,9 +265,11 @@ void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt) {
   for (int h = 0; h < kKvHeads; ++h) {
     const std::set<int32_t> outliers(codes->outliers(h).begin(), codes->outliers(h).end());
     for (int64_t r : planted_rows) {
+      if (r >= bulk) continue;  // still in the ring
       EXPECT_TRUE(outliers.count(static_cast<int32_t>(r))) << "KV head " << h << " row " << r;
     }
-    // The bar is the learned rows' 1/512 worst, so the outliers are the planted rows and a few.
+    // The bar is the held-out rows' 1/512 worst (here their worst), so the outliers are the
+    // planted rows and a few.
     const auto planted = static_cast<int64_t>(planted_rows.size());
     EXPECT_LT(static_cast<int64_t>(outliers.size()), 2 * planted + 16) << "KV head " << h;
   }
@@ -287,20 +295,38 @@ TEST(TieredCodesTest, CodesAreLearnedOnceAShortPromptsBulkHasGrown) {
   }
 }
 
-TEST(TieredCodesTest, CodesOfATinyPromptBulkAreLearnedAgain) {
+TEST(TieredCodesTest, CodesOfAShortPromptBulkAreLearnedAgain) {
+  constexpr int64_t kPromptBulk = CodesLearning::kMinLearnRows + 44;
   TieredBackend host_tier(MakeHostStaticSetTier());
-  CheckCodesLearnedAgain(host_tier, /*prompt=*/kSinks + kRecent + 40);
+  CheckCodesLearnedAgain(host_tier, /*prompt=*/kSinks + kRecent + kPromptBulk);
   absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(PlacementOptions{});
   ASSERT_TRUE(placements.ok()) << placements.status();
   for (const std::unique_ptr<AttentionBackend>& tiered : (*placements)->tiered()) {
     if (tiered->device_budget() != nullptr) {
-      CheckCodesLearnedAgain(*tiered, /*prompt=*/kSinks + kRecent + 40);
+      CheckCodesLearnedAgain(*tiered, /*prompt=*/kSinks + kRecent + kPromptBulk);
     }
   }
 }
 
+// Too short a prompt bulk gets no codes (their held-out bar would pass too many keys): a flat
+// scan of it until the first learning.
+TEST(TieredCodesTest, ATinyPromptBulkGetsNoCodes) {
+  TieredBackend backend(MakeHostStaticSetTier());
+  MemoryBudget host(0);
+  const SessionAccounts accounts{&host, nullptr};
+  std::vector<float> keys;
+  for (const int64_t bulk : {int64_t{40}, CodesLearning::kMinLearnRows - 1,
+                             CodesLearning::kMinLearnRows}) {
+    absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
+        PrefilledLayer(backend, accounts, Config(), kSinks + kRecent + bulk, /*seed=*/51, &keys);
+    ASSERT_TRUE(layer.ok()) << layer.status();
+    EXPECT_EQ((*layer)->bulk_codes() != nullptr, bulk >= CodesLearning::kMinLearnRows) << bulk;
+  }
+}
+
 // A layer closed while its codes are being learned waits for the learning (which reads its KV
-// and charges its session), and gives every byte back.
+// and charges its session) and gives every byte back: one queued behind other layers' (held
+// here) learns nothing once it runs, and one running (a step or three in) ends.
 TEST(TieredCodesTest, ALayerClosedWhileItsCodesAreLearnedGivesItsMemoryBack) {
   TieredBackend backend(MakeHostStaticSetTier());
   MemoryBudget host(0);
@@ -309,6 +335,9 @@ TEST(TieredCodesTest, ALayerClosedWhileItsCodesAreLearnedGivesItsMemoryBack) {
   config.expected_tokens = 0;
   std::vector<float> keys;
   for (int64_t extra : {0, 1, 3}) {
+    SCOPED_TRACE(extra);
+    QueueBlocker blocker;
+    if (extra == 0) CodesLearningQueue()->Push(&blocker);
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         PrefilledLayer(backend, accounts, config, /*prompt=*/12, /*seed=*/41, &keys);
     ASSERT_TRUE(layer.ok()) << layer.status();
@@ -319,11 +348,19 @@ TEST(TieredCodesTest, ALayerClosedWhileItsCodesAreLearnedGivesItsMemoryBack) {
     for (int64_t step = 0; step < steps; ++step) {
       DecodeStep(backend, context.get(), layer->get(), static_cast<int>(step), false, &keys,
                  &heads);
-      if (::testing::Test::HasFatalFailure()) return;
+      if (::testing::Test::HasFatalFailure()) break;
     }
     EXPECT_EQ((*layer)->bulk_codes(), nullptr);
+    std::thread releaser;
+    if (extra == 0) {
+      releaser = std::thread([&blocker] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        blocker.Release();
+      });
+    }
     layer->reset();
-    EXPECT_EQ(host.used(), 0) << extra;
+    if (releaser.joinable()) releaser.join();
+    EXPECT_EQ(host.used(), 0);
   }
 }
 

@@ -95,7 +95,8 @@ class LayerBackend {
   // Tokens held: the prompt and every committed decode token.
   virtual int64_t tokens() const = 0;
   // Room for one more token on every tier the layer uses; RESOURCE_EXHAUSTED (a budget) leaves
-  // the layer as it was. Step consumes the reservation.
+  // the layer as it was (but for a tiered layer's shortlist codes, which change at a length:
+  // codes_learning.h). Step consumes the reservation.
   virtual absl::Status ReserveToken() = 0;
   virtual LayerMemory memory() const = 0;
   // The product-quantized codes of the layer's bulk keys where it keeps them (a tiered layer

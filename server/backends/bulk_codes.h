@@ -38,8 +38,9 @@ class BulkCodes {
 
   // Bulk rows coded so far: [0, coded()).
   int64_t coded() const { return coded_; }
-  // The bulk rows the quantizers were learned from: [0, learned_rows()) (codes_learning.h
-  // learns them again as the bulk grows past what they saw).
+  // The bulk the codes were learned on: rows [0, learned_rows()), of which the quantizers
+  // trained on the first TrainedRowsOf (the rest set the outlier bar). codes_learning.h learns
+  // them again as the bulk grows past it.
   int64_t learned_rows() const { return learned_rows_; }
   // The coded bulk rows of `kv_head` whose codes misrepresent their key most (the largest
   // reconstruction errors: above the prompt bulk's 1 - 1/kOutlierShare quantile), which every

@@ -1,5 +1,7 @@
 #include "server/backends/codes_learning.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <mutex>
@@ -57,8 +59,18 @@ void CodesLearning::OnCommitted(const KvView& bulk) {
 }
 
 void CodesLearning::Run() {
+  // A learning's OpenMP team (the training, the coding on the host) takes a few cores, not the
+  // ones the decode steps run on (the setting is this thread's: the queue's, or the step's when
+  // it learns inline).
+  static thread_local const bool team_set = [] {
+    omp_set_num_threads(std::min(kLearningThreads, omp_get_num_procs()));
+    return true;
+  }();
+  (void)team_set;
   absl::StatusOr<std::unique_ptr<BulkCodes>> learned =
-      tier_->BuildCodes(*config_, accounts_, bulk_, capacity_);
+      cancelled_.load(std::memory_order_relaxed)
+          ? absl::CancelledError("the layer was closed before its codes were learned")
+          : tier_->BuildCodes(*config_, accounts_, bulk_, capacity_);
   // The rows committed since, while the layer keeps stepping: fewer are left for the take-over.
   // (Committed rows stay put until BeforeReserve waits for this learning.)
   KvView grown = bulk_;
@@ -91,8 +103,8 @@ void CodesLearning::BeforeReserve(const KvView& bulk, bool rows_move,
   absl::StatusOr<std::unique_ptr<BulkCodes>> learned = std::move(learned_);
   learned_ = std::unique_ptr<BulkCodes>();
   if (learned.ok()) {
-    // The rows the learning did not code (it stops when the rows are to move, or the steps
-    // outran it); a learning always leaves room for the bulk at its take-over.
+    // The rows the learning did not code: those committed after it ended (it codes the rows
+    // that come while it runs, until it has caught up).
     if (absl::Status s = (*learned)->Reserve(bulk.tokens); !s.ok()) {
       learned = s;
     } else if (absl::Status s = (*learned)->CodeRows(bulk); !s.ok()) {

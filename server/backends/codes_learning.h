@@ -1,20 +1,26 @@
 // Learns a tiered layer's shortlist codes (server/backends/bulk_codes.h) again, off the decode
-// path, while its bulk grows past what they were learned from: a prompt with no bulk (a short
-// one) would otherwise never get codes, and every exact step would scan the whole bulk; codes
-// learned from a few dozen rows code their own rows almost exactly, so that almost every later
-// key lands above the outlier bar and is rescored by every step.
+// path, while its bulk grows past what they were learned from: a prompt with little or no bulk
+// (a short one) would otherwise never get codes, and every exact step would scan the whole
+// bulk; codes learned from a few hundred rows code later keys worse than a longer bulk's.
 //
 // When: codes are learned once the bulk holds kFirstLearnRows rows, then again each time it
-// doubles, until they were learned from as many rows as the training samples
-// (BulkCodes::TrainingParams: more rows would not change what they learn from). A learning
+// doubles, until they were learned from a bulk of as many rows as the training samples
+// (BulkCodes::TrainingParams: a longer bulk would not change what they learn from). A learning
 // starts after the step that brings the bulk to that length; it trains on the bulk as it stood
-// then, on a thread of its own, and codes the rows the bulk gains meanwhile; the new codes take
-// over at a fixed length (TakeOverAt: a quarter more rows), waiting for the learning if it is
-// not done by then. So which step a layer's codes change at depends on its length alone, never
-// on timing, and a session decodes the same tokens however loaded the machine is.
+// then, on a thread of its own (one for the process, kLearningThreads cores of OpenMP team), and
+// codes the rows the bulk gains meanwhile; the new codes take over at a fixed length
+// (TakeOverAt: half again as many rows), waiting for the learning if it is not done by then. So
+// the step at which a layer's codes change depends on its length alone, not on when the
+// learning happened to finish.
+//
+// Memory: a learning holds a second set of codes (sized, as the first, for the announced
+// max_tokens) beside the layer's until it takes over, charged to the session's accounts as it
+// is made; when they refuse it, the layer keeps the codes it has and tries again at the next
+// doubling. GetSession reports the codes in use.
 #ifndef KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
 #define KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -38,23 +44,31 @@ WorkQueue* CodesLearningQueue();
 // the session's lock); only the queued learning runs beside them.
 class CodesLearning final : private WorkItem {
  public:
+  // The shortest bulk codes are learned from, at prefill: its held-out fifth (51 rows) sets an
+  // outlier bar that about 2 % of later keys pass (a bar from fewer keys lets many more pass:
+  // half of them from 5 rows), and a flat scan of a shorter bulk costs little.
+  static constexpr int64_t kMinLearnRows = 256;
   // The bulk length of a layer's first codes when its prompt had too short a bulk for any: a
-  // quantizer of 256 centroids per subspace then learns from 4 keys a centroid, and until then
-  // an exact step's flat scan reads at most 1024 rows a head.
+  // quantizer of 256 centroids per subspace then learns from 3 keys a centroid (the trained four
+  // fifths), and until then an exact step's flat scan reads at most 1024 rows a head.
   static constexpr int64_t kFirstLearnRows = 1024;
 
   // The bulk length at which codes learned from `learned_rows` rows (0: none) of a layer of
   // `head_dim` are learned again; 0 when never (they saw as many rows as the training samples).
   static int64_t NextLearnAt(int64_t learned_rows, int head_dim);
-  // The bulk length at which codes learned from a bulk of `rows` take over.
-  static int64_t TakeOverAt(int64_t rows) { return rows + std::max<int64_t>(1, rows / 4); }
+  // The bulk length at which codes learned from a bulk of `rows` take over: half again as many
+  // rows, so that the steps between (512 tokens at the first learning) cover a queue of the
+  // learnings every layer of a model starts at the same step.
+  static int64_t TakeOverAt(int64_t rows) { return rows + std::max<int64_t>(1, rows / 2); }
+  // The cores a learning's OpenMP team takes.
+  static constexpr int kLearningThreads = 2;
 
   // For a layer of `config` whose codes live on `tier`, charged to `accounts` (every one of
   // them outlives this object), learned from `learned_rows` bulk rows so far (0: no codes).
   // queue: where learnings run (CodesLearningQueue()).
   CodesLearning(StaticSetTier* tier, const LayerConfig* config, SessionAccounts accounts,
                 int64_t learned_rows, WorkQueue* queue);
-  // Waits for a learning in flight (it reads the layer's KV).
+  // Waits for a learning in flight (it reads the layer's KV); one still queued learns nothing.
   ~CodesLearning();
   CodesLearning(const CodesLearning&) = delete;
   CodesLearning& operator=(const CodesLearning&) = delete;
@@ -97,7 +111,9 @@ class CodesLearning final : private WorkItem {
   std::atomic<bool> cancelled_{false};
   absl::Mutex mu_;
   bool running_ ABSL_GUARDED_BY(mu_) = false;
-  absl::StatusOr<std::unique_ptr<BulkCodes>> learned_;  // the learning's, once it ran
+  // The learning's, once it ran (read and written under mu_, or by the owner once no learning
+  // runs).
+  absl::StatusOr<std::unique_ptr<BulkCodes>> learned_;
 };
 
 }  // namespace kvrecall

@@ -313,6 +313,7 @@ class GpuBulkCodes final : public BulkCodes {
   // bf16 dims, charged to the session while they are coded.
   static constexpr int64_t kCodingChunkTokens = 2048;
 
+ public:
   // Codes rows [coded(), bulk.tokens) of the bulk (the prompt's at prefill, or those a
   // relearned layer's bulk gained while its codes were learned), their outliers included. On
   // the device (cuda::PqEncode: the host's encoding was most of a long prompt's build): the keys
@@ -372,6 +373,8 @@ class GpuBulkCodes final : public BulkCodes {
     coded_ = bulk.tokens;
     return absl::OkStatus();
   }
+
+ private:
   absl::Status CodeRowsOnHost(const KvView& bulk) {
     const int64_t first = coded_;
     const int64_t rows = bulk.tokens - first;

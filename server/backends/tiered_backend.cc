@@ -688,11 +688,11 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
   if (!static_set.ok()) return static_set.status();
   std::unique_ptr<BulkCodes> codes;
   if (p.shortlist > 0) {
-    // The quantizers learn from the prompt's bulk; a prompt without one is served by the
-    // shortlist selector's scan of the (then short) bulk instead, until its bulk has grown
-    // enough to learn from (CodesLearning).
+    // The quantizers learn from the prompt's bulk; a prompt with too short a bulk is served by
+    // the shortlist selector's scan of the bulk instead, until the bulk has grown enough to
+    // learn from (CodesLearning).
     const KvView bulk = BulkView(all, p);
-    if (bulk.tokens > 0) {
+    if (bulk.tokens >= CodesLearning::kMinLearnRows) {
       const int64_t capacity = BulkTokens(std::max(config.expected_tokens, all.tokens + 1),
                                           p.sinks, p.recent);
       absl::StatusOr<std::unique_ptr<BulkCodes>> built =

@@ -108,9 +108,11 @@ class StaticSetTier {
   virtual absl::StatusOr<std::unique_ptr<StaticSet>> Build(const LayerConfig& config,
                                                            MemoryAccount* device,
                                                            const KvView& prompt) = 0;
-  // The codes of a layer's bulk at prefill (`bulk`: [tokens, kv_heads, head_dim], at least one
-  // token) with room for `capacity` rows: the codes charged to the tier's memory (accounts.device
-  // on a GPU, accounts.host on the host tier), the quantizers to accounts.host.
+  // The codes of a layer's bulk (`bulk`: [tokens, kv_heads, head_dim], at least one token) with
+  // room for `capacity` rows: the codes charged to the tier's memory (accounts.device on a GPU,
+  // accounts.host on the host tier), the quantizers to accounts.host. At prefill, and on the
+  // codes' learning thread (codes_learning.h) while steps run, this layer's included (on its
+  // other codes): thread-safe, as the rest of the tier.
   virtual absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(const LayerConfig& config,
                                                                  const SessionAccounts& accounts,
                                                                  const KvView& bulk,
