@@ -125,7 +125,7 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(const std::atomic<bool>* cancelled) {
+absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool()> cancelled) {
   if (session_ == nullptr) {
     return absl::InvalidArgumentError("the Prefill stream carried no chunks");
   }
@@ -163,9 +163,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(const std::atomic<bool
   }
   layers_.clear();
 
-  auto is_cancelled = [cancelled] {
-    return cancelled != nullptr && cancelled->load(std::memory_order_acquire);
-  };
+  auto is_cancelled = [cancelled] { return cancelled(); };
   auto cancelled_status = [] {
     return absl::CancelledError("the Prefill call was cancelled (or its deadline passed): "
                                 "nothing was committed");

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -36,10 +37,12 @@ class PrefillStream {
   absl::Status Add(const v1::PrefillChunk& chunk, int64_t index);
 
   // Builds every staged layer (indexes, caches; layers in parallel), then commits the layers to
-  // the session atomically. The staging is released afterwards. When `cancelled` (may be null)
-  // turns true before the layers are installed (the call was cancelled or its deadline passed),
-  // builds not yet started are skipped and nothing is committed (CANCELLED).
-  absl::StatusOr<v1::PrefillResponse> Commit(const std::atomic<bool>* cancelled = nullptr);
+  // the session atomically. The staging is released afterwards. When `cancelled` says true
+  // before the layers are installed (the call was cancelled or its deadline passed; asked from
+  // the builds' threads and last under the session's lock, just before the install), builds
+  // not yet started are skipped and nothing is committed (CANCELLED).
+  absl::StatusOr<v1::PrefillResponse> Commit(
+      absl::FunctionRef<bool()> cancelled = [] { return false; });
 
  private:
   const SessionRegistry* registry_;

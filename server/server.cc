@@ -153,7 +153,8 @@ RunningServer::RunningServer(const ServerOptions& options,
                               .shared_memory_dir = options.shared_memory_dir,
                               .max_shared_streams = options.max_shared_streams,
                               .shared_memory_spin = options.shared_memory_spin,
-                              .max_message_bytes = options.max_message_bytes}),
+                              .max_message_bytes = options.max_message_bytes,
+                              .test_hooks = options.service_test_hooks}),
       health_({v1::KvRecall::service_full_name()}),
       probe_health_({v1::KvRecall::service_full_name()}) {
   ++running_servers;

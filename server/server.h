@@ -65,6 +65,8 @@ struct ServerOptions {
   // HOST:PORT of a plaintext port that serves grpc.health.v1 alone, for probes that cannot
   // speak TLS (Kubernetes' gRPC probes); empty: none.
   std::string health_address;
+  // For tests only (in-process servers): the service's hooks (ServiceTestHooks).
+  ServiceTestHooks service_test_hooks;
 };
 
 // A started server. Destroying it shuts it down.

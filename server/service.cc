@@ -63,9 +63,15 @@ template <typename Request, typename Response>
 class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public WorkItem {
  public:
   using Handler = absl::Status (KvRecallService::*)(absl::string_view, const Request&, Response*);
+  using Undo = void (KvRecallService::*)(absl::string_view, const Response&);
 
-  UnaryCall(KvRecallService* service, grpc::ByteBuffer* reply, Handler handler, std::string tenant)
-      : service_(service), reply_(reply), handler_(handler), tenant_(std::move(tenant)) {
+  UnaryCall(KvRecallService* service, grpc::ByteBuffer* reply, Handler handler, Undo undo,
+            std::string tenant)
+      : service_(service),
+        reply_(reply),
+        handler_(handler),
+        undo_(undo),
+        tenant_(std::move(tenant)) {
     service_->CountUnary(1);
   }
 
@@ -88,13 +94,18 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
                                     : service_->Answer((service_->*handler_)(tenant_, request_,
                                                                              &response_));
     }
+    bool undo = false;
     {
       absl::MutexLock lock(&mu_);
       if (!finished_) {
         if (status.ok()) SerializeRawMessage(response_, reply_);
         FinishLocked(std::move(status));
+      } else {
+        // Answered CANCELLED while the handler ran: the client never learns what it made.
+        undo = !skip && status.ok() && undo_ != nullptr;
       }
     }
+    if (undo) (service_->*undo_)(tenant_, response_);
     refs_.Unref(this);
   }
 
@@ -134,6 +145,7 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   KvRecallService* const service_;
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   const Handler handler_;
+  const Undo undo_;
   const std::string tenant_;  // the caller's (server/auth.h)
   Request request_;
   Response response_;
@@ -146,8 +158,9 @@ template <typename Request, typename Response>
 grpc::ServerUnaryReactor* KvRecallService::StartUnary(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
     grpc::ByteBuffer* response,
-    absl::Status (KvRecallService::*handler)(absl::string_view, const Request&, Response*)) {
-  auto* call = new UnaryCall<Request, Response>(this, response, handler,
+    absl::Status (KvRecallService::*handler)(absl::string_view, const Request&, Response*),
+    void (KvRecallService::*undo)(absl::string_view, const Response&)) {
+  auto* call = new UnaryCall<Request, Response>(this, response, handler, undo,
                                                 TenantOf(*context, tokens_.get()));
   call->Start(request);
   return call;
@@ -188,11 +201,12 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
     HandoffToGrpc(static_cast<Call*>(this));
   }
   // Ends the call. What the call holds for its work (a Prefill's staged prompt) is released
-  // first unless a run still uses it (that run releases it), so that a client that got the
-  // status sees the memory back.
+  // first unless a run is using it (that run releases it; one still queued will not start),
+  // so that a client that got the status sees the memory back, not once a queue of builds
+  // reaches the run.
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
-    if (!busy_) static_cast<Call*>(this)->ReleaseLocked();
+    if (!running_) static_cast<Call*>(this)->ReleaseLocked();
     static_cast<Call*>(this)->CountLocked(status);
     HandoffToGrpc(static_cast<Call*>(this));
     this->Finish(std::move(status));
@@ -212,7 +226,10 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   bool BeginRun() {
     {
       absl::MutexLock lock(&mu_);
-      if (!finished_) return true;
+      if (!finished_) {
+        running_ = true;
+        return true;
+      }
       busy_ = false;
     }
     Unref();
@@ -226,6 +243,7 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a run of this call is queued or running
+  bool running_ ABSL_GUARDED_BY(mu_) = false;  // ... and has begun (BeginRun, or inline)
 
  private:
   bool registered_ = false;
@@ -243,7 +261,11 @@ class KvRecallService::PrefillCall final
  public:
   PrefillCall(KvRecallService* service, grpc::CallbackServerContext* context,
               grpc::ByteBuffer* reply, CallIdentity identity)
-      : StreamCall(service), context_(context), reply_(reply), identity_(std::move(identity)),
+      : StreamCall(service),
+        context_(context),
+        deadline_(context->deadline()),
+        reply_(reply),
+        identity_(std::move(identity)),
         stream_(service->registry_, identity_.tenant) {
     Begin(&in_);
   }
@@ -285,7 +307,12 @@ class KvRecallService::PrefillCall final
       }
       ++chunks_;
     } else {
-      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit(&abandoned_);
+      // Cancelled when OnCancel says so, or once the deadline has passed (gRPC's OnCancel may
+      // come much later, its threads busy: the builds take the cores).
+      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit([this] {
+        return abandoned_.load(std::memory_order_acquire) ||
+               std::chrono::system_clock::now() >= deadline_;
+      });
       if (committed.ok()) {
         response_ = *std::move(committed);
       } else {
@@ -295,6 +322,7 @@ class KvRecallService::PrefillCall final
     {
       absl::MutexLock lock(&mu_);
       busy_ = false;
+      running_ = false;
       if (finished_) {
         ReleaseLocked();  // cancelled while this run worked
       } else if (!status.ok()) {
@@ -336,6 +364,9 @@ class KvRecallService::PrefillCall final
  private:
 
   grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
+  // The call's deadline (system_clock::time_point::max() without one), read where the context
+  // may be gone.
+  const std::chrono::system_clock::time_point deadline_;
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   CallIdentity identity_;          // the caller's (server/auth.h), checked on each chunk
   grpc::ByteBuffer in_;
@@ -374,6 +405,7 @@ class KvRecallService::DecodeCall final
       if (service_->draining()) return FinishLocked(ShuttingDownStatus());
       if (!service_->TakeInlineStep()) return QueueLocked(service_->steps_);
       busy_ = true;  // a run, on this thread
+      running_ = true;
       Ref();
     }
     // Served on the gRPC thread that read the request, while few steps run so: a hand-off to
@@ -455,6 +487,7 @@ class KvRecallService::DecodeCall final
     {
       absl::MutexLock lock(&mu_);
       busy_ = false;
+      running_ = false;
       if (!finished_) {
         if (!status.ok()) {
           FinishLocked(std::move(status));
@@ -866,7 +899,8 @@ void KvRecallService::CountUnary(int delta) {
 grpc::ServerUnaryReactor* KvRecallService::CreateSession(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response) {
-  return StartUnary(context, request, response, &KvRecallService::DoCreateSession);
+  return StartUnary(context, request, response, &KvRecallService::DoCreateSession,
+                    &KvRecallService::UndoCreateSession);
 }
 
 KvRecallService::CallIdentity KvRecallService::IdentityOf(
@@ -953,7 +987,15 @@ absl::Status KvRecallService::DoCreateSession(absl::string_view tenant,
   const int64_t needed =
       (*session)->backend()->PromptQueriesNeeded((*session)->layer_config(), kAnyLength);
   response->set_prompt_queries(needed == kAnyLength ? -1 : needed);
+  if (options_.test_hooks.after_create_session) options_.test_hooks.after_create_session();
   return absl::OkStatus();
+}
+
+void KvRecallService::UndoCreateSession(absl::string_view tenant,
+                                        const v1::CreateSessionResponse& response) {
+  // Nothing else can have found it: its id was never sent (and ids are not reused).
+  registry_->Close(response.session_id(), tenant).IgnoreError();
+  ReturnFreedMemory();
 }
 
 absl::Status KvRecallService::DoGetSession(absl::string_view tenant,

@@ -9,6 +9,7 @@
 #define KVRECALL_SERVER_SERVICE_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -24,6 +25,13 @@
 #include "server/work_queue.h"
 
 namespace kvrecall {
+
+// Points inside the service's calls where a test acts, on the thread that serves the call: to
+// cancel a call at an instant no client could aim at. Unset in kvrecalld.
+struct ServiceTestHooks {
+  // Once CreateSession's handler has made the session, before the call is answered.
+  std::function<void()> after_create_session;
+};
 
 struct ServiceOptions {
   // Threads that serve decode steps, prompt chunks and the short unary calls (FIFO, so every
@@ -52,6 +60,7 @@ struct ServiceOptions {
   absl::Duration shared_memory_spin = absl::Microseconds(100);
   // The largest message either way (the gRPC limit), also the regions' default capacities.
   int64_t max_message_bytes = 64ll << 20;
+  ServiceTestHooks test_hooks;
 };
 
 // Every method of kvrecall.v1.KvRecall, raw and callback-based.
@@ -128,6 +137,10 @@ class KvRecallService final : public KvRecallRawCallbackService {
                                          grpc::ByteBuffer* response) override;
 
  private:
+  // A CreateSession answered CANCELLED while its handler ran (the client cancelled, or its
+  // deadline passed): the session it made, whose id no client has, is closed again.
+  void UndoCreateSession(absl::string_view tenant, const v1::CreateSessionResponse& response);
+
   // The unary methods' logic, on typed messages (run on a work queue).
   // The gRPC status of a call's or a step's outcome; a refusal by a limit (RefusedLimit) is
   // counted in the metrics on the way.
@@ -161,12 +174,14 @@ class KvRecallService final : public KvRecallRawCallbackService {
   class DecodeCall;
   class SharedDecodeCall;
 
+  // `undo` (may be null): what undoes a successful handler whose call was answered CANCELLED
+  // while it ran.
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* StartUnary(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
       grpc::ByteBuffer* response,
-      absl::Status (KvRecallService::*handler)(absl::string_view, const Request&,
-                                                                     Response*));
+      absl::Status (KvRecallService::*handler)(absl::string_view, const Request&, Response*),
+      void (KvRecallService::*undo)(absl::string_view, const Response&) = nullptr);
 
   // Streams register while open, so that StartDrain reaches them. Register returns false when
   // the drain has begun (the stream must then end with UNAVAILABLE). Unary calls are counted.

@@ -15,6 +15,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -37,6 +39,7 @@ using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::FromGrpc;
 using ::kvrecall::testing::GetSession;
 using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::InProcessServer;
 using ::kvrecall::testing::KvrecalldProcess;
 using ::kvrecall::testing::MakeChannel;
 using ::kvrecall::testing::MakeGeometry;
@@ -769,6 +772,89 @@ TEST_F(HardeningTest, PrefillCancelledDuringItsCommitCommitsNothing) {
   absl::StatusOr<v1::PrefillResponse> again = Prefill(stub(), slow.chunks);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->tokens(), slow.tokens);
+}
+
+// A CreateSession whose deadline passes while its handler runs (held there by a test hook, at
+// an instant no client could aim at) is answered DEADLINE_EXCEEDED, and the session it made,
+// whose id no client has, is closed again with its memory. Before: it stayed, holding its
+// max_tokens' set-aside and a --max_sessions slot until its idle TTL (forever without one).
+TEST(CancelRaceTest, ACreateSessionCancelledWhileItsHandlerRunsLeavesNoSession) {
+  ServerOptions options;
+  options.service_test_hooks.after_create_session = [] {
+    absl::SleepFor(absl::Milliseconds(300));
+  };
+  absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  RunningServer& running = (*server)->server();
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = SmallGeometry();
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_max_tokens(64);
+  auto create = [&](absl::Duration deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    v1::CreateSessionResponse response;
+    return FromGrpc((*server)->stub().CreateSession(&context, request, &response));
+  };
+  // Answered: the session stays.
+  ASSERT_TRUE(create(absl::Seconds(60)).ok());
+  ASSERT_EQ(running.sessions().List().size(), 1u);
+  const int64_t one_session = running.budget().used();
+  EXPECT_GT(one_session, 0);
+  // The deadline passes in the handler.
+  const absl::Status late = create(absl::Milliseconds(50));
+  EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((running.busy() || running.sessions().List().size() > 1) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_EQ(running.sessions().List().size(), 1u);
+  EXPECT_EQ(running.budget().used(), one_session);
+}
+
+// One build thread, so that a second Prefill's commit queues behind a long one.
+class OneBuildThreadTest : public HardeningTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.worker_threads = 1;
+    return options;
+  }
+};
+
+// A Prefill cancelled while its commit waits behind another's build gives its staged prompt
+// back when the client hears CANCELLED, not once the queue reaches the commit (which then does
+// nothing). Before: the staging stayed charged until then, minutes behind long builds.
+TEST_F(OneBuildThreadTest, APrefillCancelledWhileItsCommitQueuesGivesItsStagingBackAtOnce) {
+  SlowPrefill slow(stub());
+  PrefillInFlight building(stub(), slow.chunks);
+  AwaitCommit(server().server());
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const int64_t before = server().server().budget().used();
+  PrefillInFlight queued(stub(), PromptChunks(*id, g, 0, RandomPrompt(256, 21), 64));
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (server().server().service().builds_in_flight() < 2 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(server().server().service().builds_in_flight(), 2) << "the second commit queued";
+  EXPECT_GT(server().server().budget().used(), before) << "its prompt staged";
+  queued.Cancel();
+  EXPECT_EQ(queued.Finish().status().code(), absl::StatusCode::kCancelled);
+  // (The client hears CANCELLED at once; the server learns of it a moment later.)
+  const absl::Time released = absl::Now() + absl::Seconds(5);
+  while (server().server().budget().used() != before && absl::Now() < released) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_EQ(server().server().budget().used(), before);
+  ASSERT_EQ(server().server().service().builds_in_flight(), 2)
+      << "the first build ended first: the release was not seen ahead of the queue";
+  // The first commit is answered, and the second session can take its prompt.
+  ASSERT_TRUE(building.Finish().ok());
+  absl::StatusOr<v1::PrefillResponse> again =
+      Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(256, 21), 64));
+  ASSERT_TRUE(again.ok()) << again.status();
 }
 
 TEST(HardeningProcessTest, ExitsWithinTheGraceWhileWorkStillRuns) {
