@@ -263,7 +263,7 @@ class KvRecallService::PrefillCall final
               grpc::ByteBuffer* reply, CallIdentity identity)
       : StreamCall(service),
         context_(context),
-        deadline_(context->deadline()),
+        deadline_(SteadyDeadline(context->deadline())),
         reply_(reply),
         identity_(std::move(identity)),
         stream_(service->registry_, identity_.tenant) {
@@ -307,11 +307,14 @@ class KvRecallService::PrefillCall final
       }
       ++chunks_;
     } else {
+      if (service_->options_.test_hooks.before_prefill_commit) {
+        service_->options_.test_hooks.before_prefill_commit();
+      }
       // Cancelled when OnCancel says so, or once the deadline has passed (gRPC's OnCancel may
       // come much later, its threads busy: the builds take the cores).
       absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit([this] {
         return abandoned_.load(std::memory_order_acquire) ||
-               std::chrono::system_clock::now() >= deadline_;
+               std::chrono::steady_clock::now() >= deadline_;
       });
       if (committed.ok()) {
         response_ = *std::move(committed);
@@ -364,9 +367,16 @@ class KvRecallService::PrefillCall final
  private:
 
   grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
-  // The call's deadline (system_clock::time_point::max() without one), read where the context
-  // may be gone.
-  const std::chrono::system_clock::time_point deadline_;
+  // The call's deadline on the steady clock (max() without one), read where the context may be
+  // gone, and immune to the wall clock's steps.
+  static std::chrono::steady_clock::time_point SteadyDeadline(
+      std::chrono::system_clock::time_point deadline) {
+    if (deadline == std::chrono::system_clock::time_point::max()) {
+      return std::chrono::steady_clock::time_point::max();
+    }
+    return std::chrono::steady_clock::now() + (deadline - std::chrono::system_clock::now());
+  }
+  const std::chrono::steady_clock::time_point deadline_;
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   CallIdentity identity_;          // the caller's (server/auth.h), checked on each chunk
   grpc::ByteBuffer in_;
@@ -993,7 +1003,8 @@ absl::Status KvRecallService::DoCreateSession(absl::string_view tenant,
 
 void KvRecallService::UndoCreateSession(absl::string_view tenant,
                                         const v1::CreateSessionResponse& response) {
-  // Nothing else can have found it: its id was never sent (and ids are not reused).
+  // Its id was not sent (a ListSessions in the meantime may have listed it: the proto says a
+  // cancelled CreateSession closes what it made).
   registry_->Close(response.session_id(), tenant).IgnoreError();
   ReturnFreedMemory();
 }

@@ -31,6 +31,8 @@ namespace kvrecall {
 struct ServiceTestHooks {
   // Once CreateSession's handler has made the session, before the call is answered.
   std::function<void()> after_create_session;
+  // On the build queue, before a Prefill stream's commit starts its builds.
+  std::function<void()> before_prefill_commit;
 };
 
 struct ServiceOptions {
@@ -138,7 +140,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
 
  private:
   // A CreateSession answered CANCELLED while its handler ran (the client cancelled, or its
-  // deadline passed): the session it made, whose id no client has, is closed again.
+  // deadline passed): the session it made, whose id the client was not sent, is closed again
+  // (a ListSessions in the meantime may have listed it).
   void UndoCreateSession(absl::string_view tenant, const v1::CreateSessionResponse& response);
 
   // The unary methods' logic, on typed messages (run on a work queue).

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -15,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -774,14 +776,16 @@ TEST_F(HardeningTest, PrefillCancelledDuringItsCommitCommitsNothing) {
   EXPECT_EQ(again->tokens(), slow.tokens);
 }
 
-// A CreateSession whose deadline passes while its handler runs (held there by a test hook, at
-// an instant no client could aim at) is answered DEADLINE_EXCEEDED, and the session it made,
+// A CreateSession whose deadline passes while its handler runs (held there by a test hook past
+// the deadline) is answered DEADLINE_EXCEEDED, and the session it made,
 // whose id no client has, is closed again with its memory. Before: it stayed, holding its
 // max_tokens' set-aside and a --max_sessions slot until its idle TTL (forever without one).
 TEST(CancelRaceTest, ACreateSessionCancelledWhileItsHandlerRunsLeavesNoSession) {
   ServerOptions options;
-  options.service_test_hooks.after_create_session = [] {
-    absl::SleepFor(absl::Milliseconds(300));
+  std::atomic<int> handled{0};
+  options.service_test_hooks.after_create_session = [&handled] {
+    ++handled;
+    absl::SleepFor(absl::Seconds(2));
   };
   absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(options);
   ASSERT_TRUE(server.ok()) << server.status();
@@ -801,35 +805,51 @@ TEST(CancelRaceTest, ACreateSessionCancelledWhileItsHandlerRunsLeavesNoSession) 
   ASSERT_EQ(running.sessions().List().size(), 1u);
   const int64_t one_session = running.budget().used();
   EXPECT_GT(one_session, 0);
-  // The deadline passes in the handler.
-  const absl::Status late = create(absl::Milliseconds(50));
+  // The deadline passes in the handler (a second: long enough for the call to reach it on a
+  // slow machine, under sanitizers too).
+  const absl::Status late = create(absl::Seconds(1));
   EXPECT_EQ(late.code(), absl::StatusCode::kDeadlineExceeded) << late;
   const absl::Time until = absl::Now() + absl::Seconds(10);
   while ((running.busy() || running.sessions().List().size() > 1) && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(5));
   }
+  ASSERT_EQ(handled.load(), 2) << "the late call's handler did not run: nothing was tested";
   EXPECT_EQ(running.sessions().List().size(), 1u);
   EXPECT_EQ(running.budget().used(), one_session);
 }
 
-// One build thread, so that a second Prefill's commit queues behind a long one.
+// One build thread, whose first commit a test hook holds until released, so that a second
+// Prefill's commit queues behind it.
 class OneBuildThreadTest : public HardeningTest {
  protected:
+  struct Hold {
+    std::atomic<bool> held{false};
+    absl::Notification release;
+  };
   ServerOptions Options() const override {
     ServerOptions options;
     options.worker_threads = 1;
+    // Shared with the server, which may outlive the fixture's members.
+    options.service_test_hooks.before_prefill_commit = [hold = hold_] {
+      if (!hold->held.exchange(true)) hold->release.WaitForNotification();
+    };
     return options;
   }
+  void TearDown() override {
+    if (!hold_->release.HasBeenNotified()) hold_->release.Notify();
+  }
+  const std::shared_ptr<Hold> hold_ = std::make_shared<Hold>();
 };
 
 // A Prefill cancelled while its commit waits behind another's build gives its staged prompt
 // back when the client hears CANCELLED, not once the queue reaches the commit (which then does
 // nothing). Before: the staging stayed charged until then, minutes behind long builds.
 TEST_F(OneBuildThreadTest, APrefillCancelledWhileItsCommitQueuesGivesItsStagingBackAtOnce) {
-  SlowPrefill slow(stub());
-  PrefillInFlight building(stub(), slow.chunks);
-  AwaitCommit(server().server());
   const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> first = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(first.ok()) << first.status();
+  PrefillInFlight building(stub(), PromptChunks(*first, g, 0, RandomPrompt(256, 20), 64));
+  AwaitCommit(server().server());  // held by the hook
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(id.ok()) << id.status();
   const int64_t before = server().server().budget().used();
@@ -848,9 +868,9 @@ TEST_F(OneBuildThreadTest, APrefillCancelledWhileItsCommitQueuesGivesItsStagingB
     absl::SleepFor(absl::Milliseconds(1));
   }
   EXPECT_EQ(server().server().budget().used(), before);
-  ASSERT_EQ(server().server().service().builds_in_flight(), 2)
-      << "the first build ended first: the release was not seen ahead of the queue";
-  // The first commit is answered, and the second session can take its prompt.
+  EXPECT_EQ(server().server().service().builds_in_flight(), 2) << "the first commit still held";
+  // The first commit, released, is answered, and the second session can take its prompt.
+  hold_->release.Notify();
   ASSERT_TRUE(building.Finish().ok());
   absl::StatusOr<v1::PrefillResponse> again =
       Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(256, 21), 64));

@@ -23,6 +23,77 @@ int64_t CodesLearning::NextLearnAt(int64_t learned_rows, int head_dim) {
   return std::max(kFirstLearnRows, 2 * learned_rows);
 }
 
+struct CodesLearning::Job final : WorkItem {
+  Job(const CodesLearning& owner, const KvView& bulk, int64_t capacity)
+      : tier(owner.tier_),
+        config(owner.config_),
+        accounts(owner.accounts_),
+        bulk(bulk),
+        capacity(capacity),
+        committed(bulk.tokens) {}
+
+  // Learns unless cancelled before it began; then drops its own reference (it may be the last:
+  // nothing of the job is touched after).
+  void Run() override {
+    std::shared_ptr<Job> self;
+    {
+      absl::MutexLock lock(&mu);
+      self = std::move(queued_self);
+      if (cancelled.load(std::memory_order_acquire)) {
+        done = true;
+        return;
+      }
+      begun = true;
+    }
+    // A learning's OpenMP team (the training, the coding on the host) takes a few cores, not
+    // the ones the decode steps run on. The setting is the calling thread's (the queue's, or a
+    // step's when it learns inline), so it is given back after.
+    const int team = omp_get_max_threads();
+    omp_set_num_threads(std::min(kLearningThreads, team));
+    absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
+        tier->BuildCodes(*config, accounts, bulk, capacity);
+    // The rows committed since, while the layer keeps stepping: fewer are left for the
+    // take-over. (Committed rows stay put until BeforeReserve waits for this learning.)
+    KvView grown = bulk;
+    while (codes.ok() && !cancelled.load(std::memory_order_acquire)) {
+      grown.tokens = std::min(committed.load(std::memory_order_acquire), capacity);
+      if (grown.tokens <= (*codes)->coded()) break;
+      if (absl::Status s = (*codes)->CodeRows(grown); !s.ok()) codes = s;
+    }
+    omp_set_num_threads(team);
+    absl::MutexLock lock(&mu);
+    learned = std::move(codes);
+    done = true;
+  }
+  // Returns once the job has run, or at once when it has not begun (it will not).
+  void WaitUnlessQueued() {
+    absl::MutexLock lock(&mu);
+    auto settled = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return done || !begun; };
+    mu.Await(absl::Condition(&settled));
+  }
+  // Returns once the job has run.
+  void Wait() {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&done));
+  }
+
+  StaticSetTier* const tier;
+  const LayerConfig* const config;
+  const SessionAccounts accounts;
+  // The bulk it learns from (its tokens), the room its codes take, and the committed bulk rows
+  // it may code beyond them (stored by OnCommitted, read by the learning).
+  const KvView bulk;
+  const int64_t capacity;
+  std::atomic<int64_t> committed;
+  std::atomic<bool> cancelled{false};
+  absl::Mutex mu;
+  bool begun ABSL_GUARDED_BY(mu) = false;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  std::shared_ptr<Job> queued_self ABSL_GUARDED_BY(mu);  // while queued
+  // Once done (read by the owner after Wait).
+  absl::StatusOr<std::unique_ptr<BulkCodes>> learned ABSL_GUARDED_BY(mu);
+};
+
 CodesLearning::CodesLearning(StaticSetTier* tier, const LayerConfig* config,
                              SessionAccounts accounts, int64_t learned_rows, WorkQueue* queue)
     : tier_(tier),
@@ -32,76 +103,53 @@ CodesLearning::CodesLearning(StaticSetTier* tier, const LayerConfig* config,
       next_learn_at_(NextLearnAt(learned_rows, config->shape.head_dim)) {}
 
 CodesLearning::~CodesLearning() {
-  cancelled_.store(true, std::memory_order_relaxed);
-  Wait();
+  if (job_ == nullptr) return;
+  job_->cancelled.store(true, std::memory_order_release);
+  job_->WaitUnlessQueued();
+  // What it learned goes here, while the accounts it charged exist (the job itself may outlive
+  // this on the queue's thread, holding nothing charged).
+  absl::StatusOr<std::unique_ptr<BulkCodes>> learned;
+  absl::MutexLock lock(&job_->mu);
+  learned = std::move(job_->learned);
+  job_->learned = std::unique_ptr<BulkCodes>();
 }
 
 void CodesLearning::OnCommitted(const KvView& bulk) {
-  committed_.store(bulk.tokens, std::memory_order_release);
-  if (started_ || next_learn_at_ <= 0 || bulk.tokens < next_learn_at_) return;
-  started_ = true;
+  if (job_ != nullptr) job_->committed.store(bulk.tokens, std::memory_order_release);
+  if (job_ != nullptr || next_learn_at_ <= 0 || bulk.tokens < next_learn_at_) return;
   take_over_at_ = TakeOverAt(bulk.tokens);
   next_learn_at_ = NextLearnAt(bulk.tokens, config_->shape.head_dim);
-  bulk_ = bulk;
   const SelectorParams& p = config_->selector;
   // Room for the announced context, as at prefill, and at least past the take-over.
-  capacity_ = std::max(BulkTokens(config_->expected_tokens, p.sinks, p.recent),
-                       take_over_at_ + 1);
-  {
-    absl::MutexLock lock(&mu_);
-    running_ = true;
-  }
+  const int64_t capacity =
+      std::max(BulkTokens(config_->expected_tokens, p.sinks, p.recent), take_over_at_ + 1);
+  job_ = std::make_shared<Job>(*this, bulk, capacity);
   if (queue_->threads() == 0) {
-    Run();  // the system refused the queue its thread: learned here, on the step's
+    job_->Run();  // the system refused the queue its thread: learned here, on the step's
     return;
   }
-  queue_->Push(this);
-}
-
-void CodesLearning::Run() {
-  // A learning's OpenMP team (the training, the coding on the host) takes a few cores, not the
-  // ones the decode steps run on (the setting is this thread's: the queue's, or the step's when
-  // it learns inline).
-  static thread_local const bool team_set = [] {
-    omp_set_num_threads(std::min(kLearningThreads, omp_get_num_procs()));
-    return true;
-  }();
-  (void)team_set;
-  absl::StatusOr<std::unique_ptr<BulkCodes>> learned =
-      cancelled_.load(std::memory_order_relaxed)
-          ? absl::CancelledError("the layer was closed before its codes were learned")
-          : tier_->BuildCodes(*config_, accounts_, bulk_, capacity_);
-  // The rows committed since, while the layer keeps stepping: fewer are left for the take-over.
-  // (Committed rows stay put until BeforeReserve waits for this learning.)
-  KvView grown = bulk_;
-  while (learned.ok() && !cancelled_.load(std::memory_order_relaxed)) {
-    grown.tokens = std::min(committed_.load(std::memory_order_acquire), capacity_);
-    if (grown.tokens <= (*learned)->coded()) break;
-    if (absl::Status s = (*learned)->CodeRows(grown); !s.ok()) learned = s;
+  {
+    absl::MutexLock lock(&job_->mu);
+    job_->queued_self = job_;
   }
-  absl::MutexLock lock(&mu_);
-  learned_ = std::move(learned);
-  running_ = false;
-}
-
-void CodesLearning::Wait() {
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](bool* running) { return !*running; }, &running_));
+  queue_->Push(job_.get());
 }
 
 void CodesLearning::BeforeReserve(const KvView& bulk, bool rows_move,
                                   std::unique_ptr<BulkCodes>* codes) {
-  if (!started_) return;
+  if (job_ == nullptr) return;
   if (bulk.tokens < take_over_at_) {
-    if (rows_move) Wait();
+    if (rows_move) job_->Wait();
     return;
   }
-  Wait();
-  started_ = false;
+  job_->Wait();
+  const std::shared_ptr<Job> job = std::move(job_);
   take_over_at_ = 0;
-  absl::StatusOr<std::unique_ptr<BulkCodes>> learned = std::move(learned_);
-  learned_ = std::unique_ptr<BulkCodes>();
+  absl::StatusOr<std::unique_ptr<BulkCodes>> learned;
+  {
+    absl::MutexLock lock(&job->mu);
+    learned = std::move(job->learned);
+  }
   if (learned.ok()) {
     // The rows the learning did not code: those committed after it ended (it codes the rows
     // that come while it runs, until it has caught up).

@@ -42,7 +42,7 @@ WorkQueue* CodesLearningQueue();
 
 // One layer's learnings. Thread-compatible like the layer that owns it (its methods run under
 // the session's lock); only the queued learning runs beside them.
-class CodesLearning final : private WorkItem {
+class CodesLearning final {
  public:
   // The shortest bulk codes are learned from, at prefill: its held-out fifth (51 rows) sets an
   // outlier bar that about 2 % of later keys pass (a bar from fewer keys lets many more pass:
@@ -68,7 +68,8 @@ class CodesLearning final : private WorkItem {
   // queue: where learnings run (CodesLearningQueue()).
   CodesLearning(StaticSetTier* tier, const LayerConfig* config, SessionAccounts accounts,
                 int64_t learned_rows, WorkQueue* queue);
-  // Waits for a learning in flight (it reads the layer's KV); one still queued learns nothing.
+  // Waits for a learning that has begun (it reads the layer's KV); one still queued (behind
+  // other layers' learnings) is dropped at once, and learns nothing when the queue reaches it.
   ~CodesLearning();
   CodesLearning(const CodesLearning&) = delete;
   CodesLearning& operator=(const CodesLearning&) = delete;
@@ -85,16 +86,16 @@ class CodesLearning final : private WorkItem {
   void BeforeReserve(const KvView& bulk, bool rows_move, std::unique_ptr<BulkCodes>* codes);
 
   // Whether a learning is started and its codes have not taken over yet.
-  bool learning() const { return started_; }
+  bool learning() const { return job_ != nullptr; }
   // The bulk length of the next learning's start (0: none), and the take-over length of the
   // one started (0: none).
   int64_t next_learn_at() const { return next_learn_at_; }
   int64_t take_over_at() const { return take_over_at_; }
 
  private:
-  void Run() override;
-  // Returns once no learning runs.
-  void Wait();
+  // One learning on the queue: shared by the layer and, while queued or running, by itself,
+  // so that a layer closed before its learning began need not wait for the queue.
+  struct Job;
 
   StaticSetTier* const tier_;
   const LayerConfig* const config_;
@@ -102,18 +103,7 @@ class CodesLearning final : private WorkItem {
   WorkQueue* const queue_;
   int64_t next_learn_at_ = 0;
   int64_t take_over_at_ = 0;
-  bool started_ = false;
-  // The learning's bulk (its tokens: the rows it learns from), the room its codes take, and the
-  // committed bulk rows it may code beyond them (stored by OnCommitted, read by the learning).
-  KvView bulk_;
-  int64_t capacity_ = 0;
-  std::atomic<int64_t> committed_{0};
-  std::atomic<bool> cancelled_{false};
-  absl::Mutex mu_;
-  bool running_ ABSL_GUARDED_BY(mu_) = false;
-  // The learning's, once it ran (read and written under mu_, or by the owner once no learning
-  // runs).
-  absl::StatusOr<std::unique_ptr<BulkCodes>> learned_;
+  std::shared_ptr<Job> job_;  // the learning started, until its codes take over
 };
 
 }  // namespace kvrecall
