@@ -3,11 +3,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <mutex>
 #include <string>
 #include <utility>
 
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "index/basic_selectors.h"
 #include "server/backends/tiered_backend.h"
 

@@ -21,12 +21,9 @@
 #define KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 
-#include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
 #include "server/backends/bulk_codes.h"
@@ -41,7 +38,7 @@ class StaticSetTier;
 WorkQueue* CodesLearningQueue();
 
 // One layer's learnings. Thread-compatible like the layer that owns it (its methods run under
-// the session's lock); only the queued learning runs beside them.
+// the session's lock); only its learning's job runs beside them, on the queue.
 class CodesLearning final {
  public:
   // The shortest bulk codes are learned from, at prefill: its held-out fifth (51 rows) sets an
