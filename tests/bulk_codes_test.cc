@@ -18,6 +18,7 @@
 namespace kvrecall {
 namespace {
 
+using ::kvrecall::testing::PqReconstructionErrors;
 using ::kvrecall::testing::RandomNormal;
 
 constexpr int kKvHeads = 2;
@@ -89,20 +90,8 @@ TEST(BulkCodesTest, ANewKeyCodedWorseThanThePromptsOutliersJoinsThem) {
   }
   // The prompt's outliers: its rows coded worse than the held-out rows' 1/kOutlierShare worst.
   // The held-out keys, which the codebooks never saw, are coded worse than the trained ones.
-  std::vector<float> prompt_errors(kPrompt);
-  {
-    const ProductQuantizer& pq = codes->quantizer(0);
-    std::vector<uint8_t> code(pq.subspaces());
-    std::vector<float> back(kDim);
-    for (int64_t r = 0; r < kPrompt; ++r) {
-      pq.Encode(VectorSet::KeysOf(all, 0, r, r + 1), code.data());
-      pq.Reconstruct(code.data(), back.data());
-      const float* x = keys.data() + r * kKvHeads * kDim;
-      float error = 0.0f;
-      for (int j = 0; j < kDim; ++j) error += (x[j] - back[j]) * (x[j] - back[j]);
-      prompt_errors[r] = error;
-    }
-  }
+  const std::vector<float> prompt_errors =
+      PqReconstructionErrors(codes->quantizer(0), all.Tokens(0, kPrompt), 0);
   std::vector<float> held_out(prompt_errors.begin() + trained, prompt_errors.end());
   const auto m = static_cast<int64_t>(held_out.size());
   const int64_t rank = m - 1 - m / BulkCodes::kOutlierShare;

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "kernels/dtype.h"
+#include "kernels/vector_set.h"
 
 namespace kvrecall::testing {
 
@@ -28,6 +29,21 @@ double PqPartDistance(std::span<const float> codebooks, int sub, const float* x,
   }
   return sum;
 }
+std::vector<float> PqReconstructionErrors(const ProductQuantizer& pq, const KvView& kv,
+                                          int kv_head) {
+  std::vector<uint8_t> code(pq.subspaces());
+  std::vector<float> back(kv.head_dim), errors(kv.tokens);
+  for (int64_t i = 0; i < kv.tokens; ++i) {
+    pq.Encode(VectorSet::KeysOf(kv, kv_head, i, i + 1), code.data());
+    pq.Reconstruct(code.data(), back.data());
+    const float* x = static_cast<const float*>(kv.key_row(i, kv_head));
+    float error = 0.0f;
+    for (int j = 0; j < kv.head_dim; ++j) error += (x[j] - back[j]) * (x[j] - back[j]);
+    errors[i] = error;
+  }
+  return errors;
+}
+
 std::string BuildProgram(std::string_view build_path) {
   namespace fs = std::filesystem;
   const fs::path in_tree = fs::path(KVRECALL_BINARY_DIR) / build_path;

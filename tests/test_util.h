@@ -56,6 +56,10 @@ struct NarrowedKv {
 // ([M, 256, sub]) or of `pq`'s: what a product quantizer's code should minimize.
 double PqPartDistance(std::span<const float> codebooks, int sub, const float* x, int m, int c);
 double PqPartDistance(const ProductQuantizer& pq, const float* x, int m, int c);
+// Each key's squared reconstruction error under `pq` (its nearest centroids side by side), as
+// BulkCodes measures it: keys of KV head `kv_head` of `kv`, [tokens] (f32 rows).
+std::vector<float> PqReconstructionErrors(const ProductQuantizer& pq, const KvView& kv,
+                                          int kv_head);
 
 // Attention of q over kv's tokens `ids` for one KV head, in double precision (any element type).
 // o: [head_dim]; returns the natural-log log-sum-exp (-inf for an empty set).

@@ -38,6 +38,7 @@ using ::kvrecall::testing::GetSession;
 using ::kvrecall::testing::InProcessServer;
 using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
+using ::kvrecall::testing::PqReconstructionErrors;
 using ::kvrecall::testing::PrefilledSessionTest;
 using ::kvrecall::testing::ReferenceSession;
 using ::kvrecall::testing::TensorValues;
@@ -146,19 +147,7 @@ class ReproducedCodes {
  private:
   // Squared reconstruction error of every key of `kv_head` in `bulk`.
   std::vector<float> Errors(const KvView& bulk, int kv_head) const {
-    const ProductQuantizer& pq = quantizers_[kv_head];
-    std::vector<uint8_t> code(pq.subspaces());
-    std::vector<float> back(bulk.head_dim), errors(bulk.tokens);
-    for (int64_t i = 0; i < bulk.tokens; ++i) {
-      const VectorSet key = VectorSet::KeysOf(bulk, kv_head, i, i + 1);
-      pq.Encode(key, code.data());
-      pq.Reconstruct(code.data(), back.data());
-      const float* x = static_cast<const float*>(bulk.key_row(i, kv_head));
-      float error = 0.0f;
-      for (int j = 0; j < bulk.head_dim; ++j) error += (x[j] - back[j]) * (x[j] - back[j]);
-      errors[i] = error;
-    }
-    return errors;
+    return PqReconstructionErrors(quantizers_[kv_head], bulk, kv_head);
   }
 
   std::vector<ProductQuantizer> quantizers_;

@@ -52,7 +52,7 @@ class HostBulkCodes final : public BulkCodes {
     auto codes = absl::WrapUnique(new HostBulkCodes(*std::move(quantizers), host));
     if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
-    codes->Append(bulk);
+    codes->CodeRows(bulk).IgnoreError();  // cannot fail on the host
     codes->learned_rows_ = bulk.tokens;
     return codes;
   }
@@ -66,13 +66,9 @@ class HostBulkCodes final : public BulkCodes {
     capacity_ = grown;
     return absl::OkStatus();
   }
+  // On the calling thread; never fails (host memory, room made by Reserve).
   absl::Status CodeRows(const KvView& bulk) override {
-    Append(bulk);
-    return absl::OkStatus();
-  }
-  // Codes the bulk's rows [coded(), bulk.tokens) (Reserve made room for them).
-  void Append(const KvView& bulk) {
-    if (bulk.tokens <= coded_) return;
+    if (bulk.tokens <= coded_) return absl::OkStatus();
     const int64_t n = bulk.tokens - coded_;
     scratch_.resize(n * kv_heads() * subspaces_);
     EncodeRows(bulk, coded_, bulk.tokens, scratch_.data());
@@ -81,6 +77,7 @@ class HostBulkCodes final : public BulkCodes {
                   codes_[h].data() + coded_ * subspaces_);
     }
     coded_ = bulk.tokens;
+    return absl::OkStatus();
   }
   // The best `n` of the first `rows` coded rows for query head q_head's query q.
   void Shortlist(const LayerShape& shape, int q_head, const float* q, int64_t rows, int n,
@@ -288,7 +285,7 @@ class HostStaticSetTier final : public StaticSetTier {
     ctx.on_worker.clear();
     for (const StaticSetStep& step : steps) {
       if (step.codes == nullptr) continue;
-      static_cast<HostBulkCodes*>(step.codes)->Append(step.bulk);
+      step.codes->CodeRows(step.bulk).IgnoreError();  // cannot fail on the host
       *step.shortlist_coded = step.bulk.tokens;  // every bulk row is coded: none left to the tail
     }
     ctx.started = HostStepContext::Clock::now();
