@@ -133,19 +133,11 @@ absl::StatusOr<SynthProbeReport> ProbeTrace(const TraceGeometry& g, int rotary_d
     return all.Tokens(std::min<int64_t>(sinks, all.tokens), BulkTokens(all.tokens, sinks, recent));
   };
   if (options.tiered) {
-    // As the tiered placement does: the static set of prompt query `row + sinks + recent` (the
-    // sinks and its own last `recent` tokens) counts as kept.
-    selector.set_outside_lse([&](int64_t row, int h) {
-      const int64_t at = row + sinks + recent;
-      std::vector<int32_t> ids;
-      AppendStaticSet(at + 1, sinks, recent, &ids);
-      std::vector<float> scores(ids.size());
-      cpu::ScoreTokens(prompt_q.get() + at * q_row + static_cast<int64_t>(h) * d, prompt,
-                       KvHeadOf(h, q_heads, g.kv_heads), ids, scale, scores.data());
-      const float top = *std::max_element(scores.begin(), scores.end());
-      double sum = 0;
-      for (float s : scores) sum += std::exp(static_cast<double>(s) - top);
-      return static_cast<float>(top + std::log(sum));
+    // As the tiered placement does: the static set of the prompt query whose bulk view ends at
+    // row `last_row` (the sinks and its own last `recent` tokens) counts as kept.
+    selector.set_outside_lse([&](const float* q, int64_t last_row, int h) {
+      return StaticSetLse(q, prompt, KvHeadOf(h, q_heads, g.kv_heads), scale,
+                          last_row + sinks + recent + 1, sinks, recent);
     });
   }
   const KvView prompt_view = view_of(prompt);

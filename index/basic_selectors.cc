@@ -1,6 +1,8 @@
 #include "index/basic_selectors.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "kernels/cpu/attention.h"
@@ -15,6 +17,21 @@ void AppendStaticSet(int64_t tokens, int sinks, int recent, std::vector<int32_t>
   ids->resize(at + static_cast<size_t>(sink_end + tokens - recent_begin));
   std::iota(ids->begin() + at, ids->begin() + at + sink_end, 0);
   std::iota(ids->begin() + at + sink_end, ids->end(), static_cast<int32_t>(recent_begin));
+}
+
+float StaticSetLse(const float* q, const KvView& kv, int kv_head, float scale, int64_t tokens,
+                   int sinks, int recent) {
+  thread_local std::vector<int32_t> ids;
+  thread_local std::vector<float> scores;
+  ids.clear();
+  AppendStaticSet(tokens, sinks, recent, &ids);
+  if (ids.empty()) return -std::numeric_limits<float>::infinity();
+  scores.resize(ids.size());
+  cpu::ScoreTokens(q, kv, kv_head, ids, scale, scores.data());
+  const float top = *std::max_element(scores.begin(), scores.end());
+  double sum = 0;
+  for (float x : scores) sum += std::exp(static_cast<double>(x) - top);
+  return static_cast<float>(top + std::log(sum));
 }
 
 void FullSelector::Select(int, const float*, const KvView& kv, HeadSelection* out) {

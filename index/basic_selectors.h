@@ -46,6 +46,12 @@ class StreamingSelector : public SupportSelector {
 // Shared by the streaming selector and the tiered/index policies.
 void AppendStaticSet(int64_t tokens, int sinks, int recent, std::vector<int32_t>* ids);
 
+// The log-sum-exp of q's [head_dim] scaled scores (scale * <q, k>) through kv_head over the
+// static set of the first `tokens` tokens of kv; -inf when it is empty. What a bulk selector's
+// calibration counts as kept whatever it chooses (ReTopKSelector::set_outside_lse).
+float StaticSetLse(const float* q, const KvView& kv, int kv_head, float scale, int64_t tokens,
+                   int sinks, int recent);
+
 // Tokens of the bulk, [sinks, tokens - recent): what lies outside the static set of a history
 // of `tokens`, the part the graph index and the tiered placement's host tier select from.
 inline int64_t BulkTokens(int64_t tokens, int sinks, int recent) {

@@ -224,6 +224,49 @@ float CalibrateTau(std::span<const ReuseSample> samples, float target_recall,
   return kInf;
 }
 
+TauCalibration::TauCalibration(const ReTopKHeadParams& head, int cache_capacity, int head_dim,
+                               int64_t min_view)
+    : scale_(head.scale),
+      min_view_(min_view),
+      replay_(
+          [&head] {
+            ReTopKHeadParams always_reuse = head;
+            always_reuse.tau = -kInf;
+            always_reuse.refresh_interval = 0;
+            return always_reuse;
+          }(),
+          cache_capacity, head_dim),
+      unit_query_(head_dim) {
+  samples_.reserve(kCalibrationQueries);
+}
+
+void TauCalibration::Observe(const float* q, const KvView& kv, int kv_head,
+                             std::span<const int32_t> exact, float outside_lse) {
+  if (done() || kv.tokens < min_view_) return;
+  QuerySupportCache* cache = replay_.mutable_cache();
+  if (cache->size() < cache->capacity()) {  // warming: the query enters with its exact support
+    cpu::Normalize(q, cache->head_dim(), unit_query_.data());
+    cache->Push(unit_query_.data(), exact);
+    return;
+  }
+  replay_.Step(q, kv, kv_head, /*decode_step=*/1, &selection_);
+  exact_scores_.resize(exact.size());
+  cpu::ScoreTokens(q, kv, kv_head, exact, scale_, exact_scores_.data());
+  double recall = WeightedSupportRecall(selection_.support, exact, exact_scores_, kv.tokens,
+                                        &marks_);
+  if (outside_lse > -kInf && !exact_scores_.empty()) {
+    // The mass outside the view is attended whatever the selector chooses: the recall of the
+    // whole attention is (kept + outside) / (exact + outside).
+    const double top = std::max<double>(
+        outside_lse, *std::max_element(exact_scores_.begin(), exact_scores_.end()));
+    double exact_mass = 0;
+    for (float score : exact_scores_) exact_mass += std::exp(score - top);
+    const double outside = std::exp(outside_lse - top);
+    recall = (recall * exact_mass + outside) / (exact_mass + outside);
+  }
+  samples_.push_back({selection_.best_cosine, static_cast<float>(recall)});
+}
+
 ReTopKSelector::ReTopKSelector(const LayerShape& shape, int top_k, const ReTopKParams& params,
                                int64_t query_lead)
     : shape_(shape), top_k_(top_k), params_(params), query_lead_(query_lead) {
@@ -244,29 +287,37 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
   if (exact_search_ != nullptr) {
     if (absl::Status s = exact_search_->Build(kv, prompt_queries); !s.ok()) return s;
   }
-  const int64_t tokens = kv.tokens;
-  if (tokens == 0) {
-    // Nothing to seed the caches with (the tiered bulk before it holds a token); the queries
-    // may be null, and offsetting a null pointer would be undefined even unread.
-    prompt_tokens_ = 0;
-    return absl::OkStatus();
-  }
   const int capacity = params_.cache_capacity;
   const int d = shape_.head_dim;
+  const ReTopKHeadParams head_params{top_k_, params_.reuse_neighbors, params_.recent_window,
+                                     params_.refresh_interval, params_.tau, shape_.scale};
+  const int64_t tokens = kv.tokens;
+  prompt_tokens_ = tokens;
+  for (int h = 0; h < shape_.q_heads; ++h) heads_[h] = ReTopKHead(head_params, capacity, d);
+  // Nothing to seed the caches with (the tiered bulk before it holds a token); the queries may
+  // be null, and offsetting a null pointer would be undefined even unread.
+  if (tokens == 0) return absl::OkStatus();
+
   const int64_t query_stride = static_cast<int64_t>(shape_.q_heads) * d;
   // Prompt positions whose exact top-K is needed: the last C (seeding) and, with auto_tau, the
-  // replayed window and its warm-up before them.
-  const int64_t needed = params_.auto_tau ? int64_t{kCalibrationQueries} + capacity : capacity;
-  const int64_t begin = std::max<int64_t>(0, tokens - needed);
+  // calibration's (C to warm, then the replayed ones) among those whose view (keys [0, p]) it
+  // counts.
+  const int64_t min_view = TauCalibration::MinView(top_k_, params_);
+  const int64_t calibration_begin =
+      params_.auto_tau ? std::max(tokens - (int64_t{capacity} + kCalibrationQueries),
+                                  std::min(min_view - 1, tokens))
+                       : tokens;
+  const int64_t seed_begin = std::max<int64_t>(0, tokens - capacity);
+  const int64_t begin = std::min(calibration_begin, seed_begin);
   if (begin < prompt_queries.first) {
     return absl::FailedPreconditionError(absl::StrCat(
         "retopk: the prompt queries from row ", begin, " are needed, got them from row ",
         prompt_queries.first));
   }
 
-  // Exact top-K of query p over keys [0, p]: one batched top-K (GEMM) over the keys before
+  // Exact top-K of query p over keys [0, last]: one batched top-K (GEMM) over the keys before
   // `begin` for all needed queries, then per query an exact rescoring of that list together
-  // with the keys [begin, p].
+  // with the keys [begin, last].
   std::vector<TopKLists> head_lists(shape_.q_heads);
   for (int h = 0; h < shape_.q_heads; ++h) {
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
@@ -280,78 +331,41 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
     }
   }
 
-  prompt_tokens_ = tokens;
-  const ReTopKHeadParams head_params{top_k_, params_.reuse_neighbors, params_.recent_window,
-                                     params_.refresh_interval, params_.tau, shape_.scale};
 #pragma omp parallel for schedule(dynamic, 1)
   for (int h = 0; h < shape_.q_heads; ++h) {
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     const TopKLists& lists = head_lists[h];
     auto query_at = [&](int64_t p) { return prompt_queries.row(p, query_stride) + h * d; };
-    // The last key query p sees (its own position, shifted by the lead).
-    auto seen_until = [&](int64_t p) { return std::min(p + query_lead_, tokens - 1); };
-    std::vector<std::vector<int32_t>> exact(tokens - begin);
-    std::vector<int32_t> candidates, positions;
+    std::vector<int32_t> candidates, positions, exact;
     std::vector<float> scores;
-    for (int64_t p = begin; p < tokens; ++p) {
+    auto exact_top_k = [&](int64_t p, int64_t last) {
       const int32_t* list = lists.list(p - begin);
       candidates.assign(list, list + lists.k);
       std::sort(candidates.begin(), candidates.end());
-      for (int64_t t = begin; t <= seen_until(p); ++t) {
-        candidates.push_back(static_cast<int32_t>(t));
-      }
+      for (int64_t t = begin; t <= last; ++t) candidates.push_back(static_cast<int32_t>(t));
       TopKOfCandidates(query_at(p), kv, kv_head, shape_.scale, top_k_, candidates, &scores,
-                       &positions, &exact[p - begin]);
-    }
-
-    std::vector<float> unit(d);
-    auto push_exact = [&](QuerySupportCache* cache, int64_t p) {
-      cpu::Normalize(query_at(p), d, unit.data());
-      cache->Push(unit.data(), exact[p - begin]);
+                       &positions, &exact);
     };
-
-    ReTopKHeadParams params = head_params;
+    // The calibration: each query over the keys up to its own position, as its decode step
+    // would have seen the view. Too few queries counted: the fixed tau.
     if (params_.auto_tau) {
-      ReTopKHeadParams always_reuse = head_params;
-      always_reuse.tau = -kInf;
-      always_reuse.refresh_interval = 0;
-      ReTopKHead replay(always_reuse, capacity, d);
-      const int64_t warm_end = std::min(begin + capacity, tokens);
-      for (int64_t p = begin; p < warm_end; ++p) push_exact(replay.mutable_cache(), p);
-      std::vector<ReuseSample> samples;
-      std::vector<uint8_t> marks;
-      std::vector<float> exact_scores;
-      HeadSelection selection;
-      for (int64_t p = warm_end; p < tokens; ++p) {
-        const KvView prefix = Prefix(kv, seen_until(p) + 1);
-        const std::vector<int32_t>& exact_support = exact[p - begin];
-        replay.Step(query_at(p), prefix, kv_head, /*decode_step=*/1, &selection);
-        exact_scores.resize(exact_support.size());
-        cpu::ScoreTokens(query_at(p), prefix, kv_head, exact_support, shape_.scale,
-                         exact_scores.data());
-        double recall = WeightedSupportRecall(selection.support, exact_support, exact_scores,
-                                              seen_until(p) + 1, &marks);
-        if (outside_lse_ && !exact_scores.empty()) {
-          // The mass outside the view is attended whatever this selector chooses: the recall
-          // of the whole attention is (kept + outside) / (exact + outside).
-          const double lse = outside_lse_(p, h);
-          const double top = std::max<double>(
-              lse, *std::max_element(exact_scores.begin(), exact_scores.end()));
-          double exact_mass = 0;
-          for (float s : exact_scores) exact_mass += std::exp(s - top);
-          const double outside = std::exp(lse - top);
-          recall = (recall * exact_mass + outside) / (exact_mass + outside);
-        }
-        samples.push_back({selection.best_cosine, static_cast<float>(recall)});
+      TauCalibration calibration(head_params, capacity, d, min_view);
+      for (int64_t p = calibration_begin; p < tokens; ++p) {
+        exact_top_k(p, p);
+        const float outside = outside_lse_ ? outside_lse_(query_at(p), p, h) : -kInf;
+        calibration.Observe(query_at(p), Prefix(kv, p + 1), kv_head, exact, outside);
       }
-      params.tau = CalibrateTau(samples, params_.target_recall, params_.tau);
+      if (calibration.done()) {
+        heads_[h].set_tau(calibration.Tau(params_.target_recall, params_.tau));
+      }
     }
-
-    ReTopKHead head(params, capacity, d);
-    for (int64_t p = std::max<int64_t>(begin, tokens - capacity); p < tokens; ++p) {
-      push_exact(head.mutable_cache(), p);
+    // The seeds: each query over the keys it sees now (its position shifted by the lead).
+    std::vector<float> unit(d);
+    for (int64_t p = seed_begin; p < tokens; ++p) {
+      exact_top_k(p, std::min(p + query_lead_, tokens - 1));
+      cpu::Normalize(query_at(p), d, unit.data());
+      heads_[h].mutable_cache()->Push(unit.data(), exact);
     }
-    heads_[h] = std::move(head);
   }
   return absl::OkStatus();
 }

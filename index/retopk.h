@@ -20,6 +20,7 @@
 #ifndef KVRECALL_INDEX_RETOPK_H_
 #define KVRECALL_INDEX_RETOPK_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -137,6 +138,7 @@ class ReTopKHead {
   std::span<const int32_t> candidates() const { return candidates_; }
 
   float tau() const { return params_.tau; }
+  void set_tau(float tau) { params_.tau = tau; }
   const QuerySupportCache& cache() const { return cache_; }
   QuerySupportCache* mutable_cache() { return &cache_; }
 
@@ -176,21 +178,69 @@ float CalibrateTau(std::span<const ReuseSample> samples, float target_recall, fl
 // with the prompt.
 inline constexpr int kCalibrationQueries = 256;
 
+// auto_tau's calibration of one query head, fed prompt queries in order, each with the keys it
+// would attend in the selector's view at its decode step. A query whose view is shorter than
+// min_view is not counted: with a view no longer than the most candidates a reuse step scores
+// (R * K + W), reusing scores all of it and recalls everything whatever the cache, which says
+// nothing of tau. Of the queries counted, the first C (the cache's capacity) warm a copy of the
+// head that always reuses (tau = -inf, no refresh) with their exact supports; each of the next
+// kCalibrationQueries is replayed through that copy and becomes a ReuseSample: the copy's best
+// cosine, and the attention-weighted support recall (WeightedSupportRecall) of the support the
+// copy reused against the query's exact top-K, counting the mass the query attends outside the
+// view as kept. Always reusing makes the copy's cache staler than the real one at any tau (which
+// also holds exact supports), so the recall estimate errs low and the chosen tau errs high (safe).
+class TauCalibration {
+ public:
+  // The min_view of a ReTopK selector's calibrations: R * K + W (R capped at C).
+  static int64_t MinView(int top_k, const ReTopKParams& params) {
+    return int64_t{std::min(params.reuse_neighbors, params.cache_capacity)} * top_k +
+           params.recent_window;
+  }
+
+  // head: the knobs of the head being calibrated (its tau is not used).
+  TauCalibration(const ReTopKHeadParams& head, int cache_capacity, int head_dim,
+                 int64_t min_view);
+
+  // Feeds query q [head_dim] of KV head kv_head over kv (the tokens it attends in the view, its
+  // own last) with `exact`, its exact top-K over kv (token ids, any order), and outside_lse, the
+  // log-sum-exp of its scaled scores over what it attends outside the view (-inf: nothing).
+  // Does nothing once done() or when kv is shorter than min_view.
+  void Observe(const float* q, const KvView& kv, int kv_head, std::span<const int32_t> exact,
+               float outside_lse);
+  // Whether every replay sample is in (warming and replaying take C + kCalibrationQueries).
+  bool done() const { return static_cast<int>(samples_.size()) >= kCalibrationQueries; }
+  // CalibrateTau over the samples.
+  float Tau(float target_recall, float fallback_tau) const {
+    return CalibrateTau(samples_, target_recall, fallback_tau);
+  }
+
+ private:
+  float scale_;
+  int64_t min_view_;
+  ReTopKHead replay_;
+  std::vector<ReuseSample> samples_;
+  // Per-query scratch.
+  std::vector<float> unit_query_;
+  std::vector<float> exact_scores_;
+  std::vector<uint8_t> marks_;
+  HeadSelection selection_;
+};
+
 // The ReTopK selector of one layer: one ReTopKHead per query head (heads of a GQA group share
 // the KV, not the cache).
 //
 // Build seeds each head's cache with the last C prompt queries, each with its exact top-K over
-// the keys up to its own position. With auto_tau it first calibrates each head's tau: the last
-// kCalibrationQueries prompt queries are replayed in order through a copy of the head that always
-// reuses (tau = -inf, no refresh), its cache warmed with the C queries before them and their
-// exact supports (a shorter prompt gives the warm-up its C queries first and replays the rest);
-// each replayed step's best cosine and attention-weighted support recall against its exact top-K
-// feed CalibrateTau. The recall is weighted by softmax mass because plain support recall counts
-// a near-zero tail token like the dominant one: calibrated on it, tau over-restricts heads whose
-// mass sits in a few stable tokens and under-restricts diffuse ones, which measured no better than
-// a fixed tau (bench/results/retopk_tinylm16k.md). Always reusing makes the simulated cache staler than the real one at any tau (which also holds
-// exact supports), so the recall estimate errs low and the chosen tau errs high (safe). A prompt
-// of at most C tokens leaves nothing to replay and keeps the fixed tau.
+// the keys it sees (up to its own position, shifted by query_lead). With auto_tau each head's
+// tau is calibrated (TauCalibration) on the prompt's last C + kCalibrationQueries queries whose
+// view is at least R * K + W tokens, each over the keys up to its own position (as its decode
+// step would have seen the view, whatever the lead). A prompt with fewer keeps the fixed tau:
+// calibrating on the first decode steps instead was measured, and a tau calibrated on views of
+// 2K-5K tokens cost tinylm-a 0.3-0.5 % more bits/byte than exact top-K by 8K, where the fixed
+// tau cost 0.1 % (bench/results/tiered_tinylm16k.md, "auto_tau on a short prompt"). The recall
+// is weighted by softmax mass because plain support recall counts a near-zero tail token like
+// the dominant one: calibrated on it, tau over-restricts heads whose mass sits in a few stable
+// tokens and under-restricts diffuse ones, which measured no better than a fixed tau
+// (bench/results/retopk_tinylm16k.md).
 class ReTopKSelector : public SupportSelector {
  public:
   // query_lead: prompt query p sits query_lead positions after key p and sees keys
@@ -221,13 +271,14 @@ class ReTopKSelector : public SupportSelector {
   void set_exact_search(std::unique_ptr<SupportSelector> search) {
     exact_search_ = std::move(search);
   }
-  // For a selector over part of the history (the tiered bulk): the log-sum-exp of prompt query
-  // p's (query head q_head's) scaled scores over the tokens it attends outside this selector's
-  // view. auto_tau then calibrates on the recall of the whole attention's mass, static set
-  // included, rather than of the part's alone. Valid during Build only (unset: none outside).
-  void set_outside_lse(std::function<float(int64_t p, int q_head)> outside_lse) {
-    outside_lse_ = std::move(outside_lse);
-  }
+  // For a selector over part of the history (the tiered bulk): outside_lse(q, last_row, q_head)
+  // is the log-sum-exp of prompt query q's (query head q_head's) scaled scores over the tokens
+  // it would attend outside this selector's view at its decode step, the one whose view ends
+  // at row last_row. auto_tau then calibrates on the recall of the whole attention's mass,
+  // static set included, rather than of the part's alone. Called from the heads' threads;
+  // valid during Build only (unset: nothing outside the view).
+  using OutsideLse = std::function<float(const float* q, int64_t last_row, int q_head)>;
+  void set_outside_lse(OutsideLse outside_lse) { outside_lse_ = std::move(outside_lse); }
 
   // The state of query head q_head, for tests and diagnostics.
   const ReTopKHead& head(int q_head) const { return heads_[q_head]; }
@@ -241,7 +292,7 @@ class ReTopKSelector : public SupportSelector {
   int64_t prompt_tokens_ = 0;
   std::vector<ReTopKHead> heads_;
   std::unique_ptr<SupportSelector> exact_search_;  // null: the flat scan
-  std::function<float(int64_t, int)> outside_lse_;  // Build only; may be empty
+  OutsideLse outside_lse_;                         // Build only; may be empty
 };
 
 }  // namespace kvrecall

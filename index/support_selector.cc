@@ -102,7 +102,9 @@ absl::Status SelectorParams::Validate() const {
   if (r.refresh_interval < 0) {
     return invalid("policy.retopk.refresh_interval must be >= 0, got ", r.refresh_interval);
   }
-  if (r.auto_tau && !(r.target_recall > 0.0f && r.target_recall <= 1.0f)) {
+  // Checked with auto_tau off too: a value that could never be served is not echoed back in
+  // the effective policy as if it were.
+  if (!(r.target_recall > 0.0f && r.target_recall <= 1.0f)) {
     return invalid("policy.retopk.target_recall must be in (0, 1], got ", r.target_recall);
   }
   if (shortlist < 0) return invalid("policy.index.shortlist must be >= 0, got ", shortlist);

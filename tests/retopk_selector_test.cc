@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <set>
 #include <vector>
@@ -511,6 +512,9 @@ TEST(ReTopKSelectorTest, InvalidKnobsAreRejectedNamingTheField) {
          p->retopk.target_recall = 1.5f;
        },
        "policy.retopk.target_recall"},
+      // Without auto_tau too: never echoed back in the effective policy as if it were served.
+      {[](SelectorParams* p) { p->retopk.target_recall = std::nanf(""); },
+       "policy.retopk.target_recall"},
   };
   for (const Case& c : cases) {
     SelectorParams params = ReTopK(16, 0.85f, 128);
@@ -627,15 +631,15 @@ TEST(ReTopKSelectorTest, AutoTauCountsTheMassOutsideTheViewAsKept) {
   SelectorParams params = ReTopK(top_k, 0.85f, 0);
   params.retopk.auto_tau = true;
   params.retopk.target_recall = 0.9f;
-  auto calibrated = [&](std::function<float(int64_t, int)> outside) {
+  auto calibrated = [&](ReTopKSelector::OutsideLse outside) {
     ReTopKSelector selector(shape, top_k, params.retopk);
     if (outside) selector.set_outside_lse(std::move(outside));
     EXPECT_TRUE(selector.Build(kv.view(), queries.data()).ok());
     return std::vector<float>{selector.head(0).tau(), selector.head(1).tau()};
   };
   const std::vector<float> alone = calibrated(nullptr);
-  const std::vector<float> dominated = calibrated([](int64_t, int) { return 1e4f; });
-  const std::vector<float> negligible = calibrated([](int64_t, int) { return -1e4f; });
+  const std::vector<float> dominated = calibrated([](const float*, int64_t, int) { return 1e4f; });
+  const std::vector<float> negligible = calibrated([](const float*, int64_t, int) { return -1e4f; });
   // The jumping head reuses only at its very highest cosines on its own.
   EXPECT_LT(dominated[1], alone[1]);
   for (int h = 0; h < q_heads; ++h) {
@@ -655,6 +659,60 @@ TEST(ReTopKSelectorTest, AutoTauOnAPromptWithoutRoomToReplayKeepsTheFixedTau) {
   ASSERT_TRUE(selector.Build(kv.view(), queries.data()).ok());
   EXPECT_EQ(selector.head(0).tau(), 0.7f);
   EXPECT_EQ(selector.head(1).tau(), 0.7f);
+}
+
+// auto_tau counts a prompt query only when its view is at least R * K + W tokens (a shorter
+// one's reuse step scores all of it and recalls everything): a prompt one query short of
+// C + kCalibrationQueries counted ones keeps the fixed tau, one more calibrates every head.
+TEST(ReTopKSelectorTest, AutoTauCountsOnlyQueriesWhoseViewOutgrowsAReuseStep) {
+  const int q_heads = 2, d = 32, top_k = 32;
+  const LayerShape shape = Shape(q_heads, 1, d);
+  SelectorParams params = ReTopK(top_k, 0.85f, 0);
+  params.retopk.auto_tau = true;
+  const int64_t min_view = TauCalibration::MinView(top_k, params.retopk);
+  EXPECT_EQ(min_view, 4 * top_k + params.retopk.recent_window);
+  const int64_t enough = min_view - 1 + params.retopk.cache_capacity + kCalibrationQueries;
+  RandomKv kv(enough, 1, d, 53);
+  const std::vector<float> queries = PlantedQueries(enough, q_heads, d);
+  ReTopKSelector short_one(shape, top_k, params.retopk);
+  ASSERT_TRUE(short_one.Build(Prefix(kv.view(), enough - 1), queries.data()).ok());
+  ReTopKSelector long_one(shape, top_k, params.retopk);
+  ASSERT_TRUE(long_one.Build(kv.view(), queries.data()).ok());
+  for (int h = 0; h < q_heads; ++h) {
+    EXPECT_EQ(short_one.head(h).tau(), 0.85f) << "head " << h;
+    EXPECT_NE(long_one.head(h).tau(), 0.85f) << "head " << h;
+  }
+}
+
+// The replay sees each prompt query's view as its decode step would have (the keys up to its
+// own position), whatever the lead the seeds are chosen with: the tiered bulk's queries, whose
+// seeds see the whole bulk, calibrate as the same queries do over the plain prefix. (Before, a
+// replayed query saw `lead` rows more, which the static set then counted again as kept.)
+TEST(ReTopKSelectorTest, AutoTauReplaysEachQueryOverItsOwnPrefixWhateverTheLead) {
+  const int q_heads = 2, d = 32, top_k = 32;
+  const LayerShape shape = Shape(q_heads, 1, d);
+  const int64_t prompt = 1200;
+  RandomKv kv(prompt, 1, d, 57);
+  const std::vector<float> queries = PlantedQueries(prompt, q_heads, d);
+  SelectorParams params = ReTopK(top_k, 0.85f, 0);
+  params.retopk.auto_tau = true;
+  ReTopKSelector plain(shape, top_k, params.retopk);
+  ASSERT_TRUE(plain.Build(kv.view(), queries.data()).ok());
+  ReTopKSelector led(shape, top_k, params.retopk, /*query_lead=*/64);
+  std::vector<int64_t> rows_asked;
+  std::mutex mu;
+  led.set_outside_lse([&](const float*, int64_t last_row, int) {
+    std::lock_guard<std::mutex> lock(mu);
+    rows_asked.push_back(last_row);
+    return -1e4f;  // nothing outside: the same recall as the plain selector's
+  });
+  ASSERT_TRUE(led.Build(kv.view(), queries.data()).ok());
+  for (int h = 0; h < q_heads; ++h) EXPECT_EQ(led.head(h).tau(), plain.head(h).tau());
+  // Asked for the replayed queries' own rows (the last C + kCalibrationQueries, per head).
+  const int64_t window = params.retopk.cache_capacity + kCalibrationQueries;
+  ASSERT_EQ(rows_asked.size(), static_cast<size_t>(q_heads * window));
+  EXPECT_EQ(*std::min_element(rows_asked.begin(), rows_asked.end()), prompt - window);
+  EXPECT_EQ(*std::max_element(rows_asked.begin(), rows_asked.end()), prompt - 1);
 }
 
 }  // namespace

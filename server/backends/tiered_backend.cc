@@ -49,6 +49,17 @@ KvView BulkView(const KvView& all, const SelectorParams& p) {
                     BulkTokens(all.tokens, p.sinks, p.recent));
 }
 
+// The log-sum-exp of query head h's scaled scores for q [head_dim] over the static set of the
+// step whose bulk view ends at row last_bulk_row (the sinks and the ring of a history of
+// last_bulk_row + sinks + recent + 1 tokens of `all`): ReTopK's calibration counts it as kept.
+float BulkQueryStaticSetLse(const LayerConfig& config, const KvView& all,
+                            int64_t last_bulk_row, const float* q, int h) {
+  const LayerShape& shape = config.shape;
+  const SelectorParams& p = config.selector;
+  return StaticSetLse(q, all, KvHeadOf(h, shape.q_heads, shape.kv_heads), shape.scale,
+                      last_bulk_row + p.sinks + p.recent + 1, p.sinks, p.recent);
+}
+
 // What the graph index of ReTopK's exact path is built with: the policy's graph knobs over the
 // bulk view, which has no static set of its own (the view is the bulk).
 SelectorParams ExactPathGraphParams(const SelectorParams& p) {
@@ -657,23 +668,11 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
                          ? static_cast<ReTopKSelector*>(bulk->selector.get())
                          : nullptr;
       if (retopk != nullptr) {
-        // auto_tau calibrates on the whole attention: what the static set of that prompt query
-        // held (the sinks and its own last `recent` tokens) counts as kept.
-        const LayerShape shape = config.shape;
-        retopk->set_outside_lse([&all, shape, prompt_queries, q_row, p](int64_t row, int h) {
-          const int64_t at = row + p.sinks + p.recent;  // the query's own token
-          thread_local std::vector<int32_t> ids;
-          thread_local std::vector<float> scores;
-          ids.clear();
-          AppendStaticSet(at + 1, p.sinks, p.recent, &ids);
-          scores.resize(ids.size());
-          cpu::ScoreTokens(prompt_queries.row(at, q_row) + int64_t{h} * shape.head_dim, all,
-                           KvHeadOf(h, shape.q_heads, shape.kv_heads), ids, shape.scale,
-                           scores.data());
-          const float top = *std::max_element(scores.begin(), scores.end());
-          double sum = 0;
-          for (float x : scores) sum += std::exp(static_cast<double>(x) - top);
-          return static_cast<float>(top + std::log(sum));
+        // auto_tau calibrates on the whole attention: what the static set of a prompt query
+        // would have held at its decode step (the sinks and its own last `recent` tokens)
+        // counts as kept.
+        retopk->set_outside_lse([&all, &config](const float* q, int64_t last_row, int h) {
+          return BulkQueryStaticSetLse(config, all, last_row, q, h);
         });
       }
       built = bulk->selector->Build(view, queries);
