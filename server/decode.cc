@@ -205,7 +205,7 @@ StepContext* DecodeStream::ContextFor(AttentionBackend* backend) {
 }
 
 absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response,
-                                 uint64_t max_reply_bytes) {
+                                 uint64_t max_reply_bytes, absl::string_view reply_limit) {
   const absl::Time start = absl::Now();
   response->set_request_id(request.request_id());
   response->set_layer(request.layer());
@@ -273,7 +273,8 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
           "the reply to this request can take up to ", most,
           " bytes (its outputs", request.return_lse() ? ", lse" : "",
           request.diagnostics() || request.compare_exact() ? ", per-head diagnostics" : "",
-          "), over the reply area's ", max_reply_bytes, " bytes; nothing of it was applied"));
+          "), over ", reply_limit, " of ", max_reply_bytes,
+          " bytes; nothing of it was applied (send fewer sequences a request)"));
     }
   }
 

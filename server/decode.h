@@ -37,11 +37,12 @@ class DecodeStream {
   // Serves one request into `response` (which the caller cleared). A request with no steps
   // gets an empty reply. On a validation or budget error nothing was appended for any sequence
   // of the request. The sessions of a request are locked together, so streams sharing a
-  // session serialize. With `max_reply_bytes` > 0 (a shared region's reply area), a request
-  // whose reply could take more (MaxDecodeReplyBytes) is RESOURCE_EXHAUSTED before anything is
-  // applied.
+  // session serialize. With `max_reply_bytes` > 0 (a shared region's reply area, gRPC's
+  // message limit), a request whose reply could take more (MaxDecodeReplyBytes) is
+  // RESOURCE_EXHAUSTED before anything is applied; the message names the limit as `reply_limit`.
   absl::Status Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response,
-                     uint64_t max_reply_bytes = 0);
+                     uint64_t max_reply_bytes = 0,
+                     absl::string_view reply_limit = "the reply area");
 
  private:
   // The backend's per-stream context, made on first use.

@@ -61,6 +61,13 @@ void HostMemory::reset() {
   huge_pages_advised_ = false;
 }
 
+int64_t PhysicalMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return static_cast<int64_t>(pages) * page;
+}
+
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes) {
   return AllocateHostMemory(bytes, HostHugePages());
 }

@@ -56,6 +56,9 @@ class HostMemory {
   bool huge_pages_advised_ = false;
 };
 
+// The machine's physical memory in bytes (0 when the system does not say).
+int64_t PhysicalMemoryBytes();
+
 // `bytes` of host memory (uninitialized). An allocation of at least kHugePageBytes is a mapping of
 // its own, aligned to kHugePageBytes, whose pages are all mapped now (MADV_POPULATE_WRITE: first
 // touches would fault them in one by one, microseconds each in a VM), after MADV_HUGEPAGE when

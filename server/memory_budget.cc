@@ -23,7 +23,7 @@ absl::Status MemoryBudget::Reserve(int64_t bytes, absl::string_view what) {
       return RefusedBy(
           absl::ResourceExhaustedError(absl::StrFormat(
               "%s budget exceeded: %s needs %d more bytes, %d of the %d-byte budget "
-              "(%s=%.3f) are in use",
+              "(%s=%.6g) are in use",
               name_, what, bytes, used, limit_, flag_, static_cast<double>(limit_) / (1ll << 30))),
           limit);
     }

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -38,7 +39,9 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
     started_ = absl::Now();
   } else if (!chunk.session_id().empty() && chunk.session_id() != session_->id()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(prefix, ".session_id '", chunk.session_id(), "' differs from the stream's ",
+        absl::StrCat(prefix, ".session_id '",
+                     absl::CHexEscape(chunk.session_id().substr(0, 64)),
+                     chunk.session_id().size() > 64 ? "...'" : "'", " differs from the stream's ",
                      "session '", session_->id(), "': one stream prefills one session"));
   } else {
     session_->Touch();  // a long prompt keeps its session from expiring

@@ -33,6 +33,21 @@ grpc::Status CancelledStatus() {
                       "the call was cancelled (by the client, or its deadline passed)");
 }
 
+// A call's deadline on the steady clock (max() without one): immune to the wall clock's steps,
+// and read where gRPC's context may be gone.
+std::chrono::steady_clock::time_point SteadyDeadline(
+    std::chrono::system_clock::time_point deadline) {
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return std::chrono::steady_clock::time_point::max();
+  }
+  return std::chrono::steady_clock::now() + (deadline - std::chrono::system_clock::now());
+}
+
+grpc::Status DeadlinePassedStatus() {
+  return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                      "the call's deadline passed before the server answered it");
+}
+
 // Shared ownership of a call object between gRPC (until OnDone) and the work queue (while an
 // item is queued or running): whoever lets go last deletes it.
 template <typename Call>
@@ -66,12 +81,13 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   using Undo = void (KvRecallService::*)(absl::string_view, const Response&);
 
   UnaryCall(KvRecallService* service, grpc::ByteBuffer* reply, Handler handler, Undo undo,
-            std::string tenant)
+            std::string tenant, std::chrono::steady_clock::time_point deadline)
       : service_(service),
         reply_(reply),
         handler_(handler),
         undo_(undo),
-        tenant_(std::move(tenant)) {
+        tenant_(std::move(tenant)),
+        deadline_(deadline) {
     service_->CountUnary(1);
   }
 
@@ -89,10 +105,23 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
       skip = finished_;
     }
     grpc::Status status;
+    bool made = false;  // the handler ran and succeeded
     if (!skip) {
-      status = service_->draining() ? ShuttingDownStatus()
-                                    : service_->Answer((service_->*handler_)(tenant_, request_,
-                                                                             &response_));
+      if (service_->draining()) {
+        status = ShuttingDownStatus();
+      } else if (Expired()) {
+        status = DeadlinePassedStatus();  // queued past it: the client has given up
+      } else {
+        status = service_->Answer((service_->*handler_)(tenant_, request_, &response_));
+        made = status.ok();
+      }
+    }
+    if (made && undo_ != nullptr && Expired()) {
+      // The deadline passed while the handler ran: gRPC drops a late answer (its OnCancel may
+      // come much later, its threads busy), so what the call made is undone before it answers.
+      (service_->*undo_)(tenant_, response_);
+      made = false;
+      status = DeadlinePassedStatus();
     }
     bool undo = false;
     {
@@ -102,7 +131,7 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
         FinishLocked(std::move(status));
       } else {
         // Answered CANCELLED while the handler ran: the client never learns what it made.
-        undo = !skip && status.ok() && undo_ != nullptr;
+        undo = made && undo_ != nullptr;
       }
     }
     if (undo) (service_->*undo_)(tenant_, response_);
@@ -122,8 +151,12 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   }
 
  private:
+  bool Expired() const { return std::chrono::steady_clock::now() >= deadline_; }
+
   void StartInHandler(const grpc::ByteBuffer* request) {
     if (service_->draining()) return FinishOnce(ShuttingDownStatus());
+    // Past its deadline the call may have no request to parse: not the client's error.
+    if (Expired()) return FinishOnce(DeadlinePassedStatus());
     grpc::ByteBuffer bytes(*request);  // shares the slices
     if (!ParseRawMessage(&bytes, &request_)) {
       return FinishOnce(UnparsableStatus("the request", request_));
@@ -147,6 +180,7 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   const Handler handler_;
   const Undo undo_;
   const std::string tenant_;  // the caller's (server/auth.h)
+  const std::chrono::steady_clock::time_point deadline_;
   Request request_;
   Response response_;
   CallRefs<UnaryCall> refs_;
@@ -161,7 +195,8 @@ grpc::ServerUnaryReactor* KvRecallService::StartUnary(
     absl::Status (KvRecallService::*handler)(absl::string_view, const Request&, Response*),
     void (KvRecallService::*undo)(absl::string_view, const Response&)) {
   auto* call = new UnaryCall<Request, Response>(this, response, handler, undo,
-                                                TenantOf(*context, tokens_.get()));
+                                                TenantOf(*context, tokens_.get()),
+                                                SteadyDeadline(context->deadline()));
   call->Start(request);
   return call;
 }
@@ -367,16 +402,7 @@ class KvRecallService::PrefillCall final
  private:
 
   grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
-  // The call's deadline on the steady clock (max() without one), read where the context may be
-  // gone, and immune to the wall clock's steps.
-  static std::chrono::steady_clock::time_point SteadyDeadline(
-      std::chrono::system_clock::time_point deadline) {
-    if (deadline == std::chrono::system_clock::time_point::max()) {
-      return std::chrono::steady_clock::time_point::max();
-    }
-    return std::chrono::steady_clock::now() + (deadline - std::chrono::system_clock::now());
-  }
-  const std::chrono::steady_clock::time_point deadline_;
+  const std::chrono::steady_clock::time_point deadline_;  // SteadyDeadline's
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   CallIdentity identity_;          // the caller's (server/auth.h), checked on each chunk
   grpc::ByteBuffer in_;
@@ -485,7 +511,10 @@ class KvRecallService::DecodeCall final
                               request_);
     }
     response_.Clear();
-    grpc::Status status = service_->Answer(decoder_.Serve(request_, &response_));
+    // A reply over gRPC's message limit would fail to send after the step was applied.
+    grpc::Status status = service_->Answer(
+        decoder_.Serve(request_, &response_, service_->options_.max_message_bytes,
+                       "the server's message limit (--max_message_mb)"));
     if (status.ok()) SerializeRawMessage(response_, &out_);
     return status;
   }

@@ -9,10 +9,12 @@
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "proto/tensor_codec.h"
+#include "server/host_memory.h"
 #include "server/status_util.h"
 
 namespace kvrecall {
@@ -202,6 +204,14 @@ absl::Status Session::Admit() {
   absl::StatusOr<int64_t> bytes =
       all_layers(backend_->HostKvBytesFor(config_, tokens), " of host memory");
   if (!bytes.ok()) return bytes.status();
+  // Without a budget nothing else would refuse a set-aside the machine can never hold (its first
+  // Prefill would fail to allocate, or fault in all of it).
+  if (const int64_t physical = PhysicalMemoryBytes(); physical > 0 && *bytes > physical) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes,
+        " bytes of host KV, more than this machine's ", physical,
+        " bytes of memory: announce fewer tokens"));
+  }
   if (*bytes > 0) {
     return host_grant_.SetAside(*bytes,
                                 absl::StrCat("max_tokens=", tokens, " of ", layers, " layers"));
@@ -415,6 +425,13 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
 }
 
 absl::Status SessionRegistry::NotFound(absl::string_view id, absl::string_view tenant) const {
+  if (id.size() > kMaxSessionIdBytes) {
+    // Not echoed: a client's limit on the reply's metadata (8 KiB by default) would turn an
+    // echo of a long id into another error.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a session id of ", id.size(), " bytes: this server's ids are at most ",
+        kMaxSessionIdBytes));
+  }
   if (auto it = expired_.find(id); it != expired_.end() && it->second == tenant) {
     return absl::NotFoundError(absl::StrCat(
         "session '", id, "' expired: no call used it for ",
@@ -422,7 +439,7 @@ absl::Status SessionRegistry::NotFound(absl::string_view id, absl::string_view t
         " (--session_idle_ttl_seconds=", absl::ToDoubleSeconds(limits_.session_idle_ttl),
         "), so it was closed and its memory freed"));
   }
-  return absl::NotFoundError(absl::StrCat("no session '", id, "'"));
+  return absl::NotFoundError(absl::StrCat("no session '", absl::CHexEscape(id), "'"));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view id,

@@ -211,7 +211,10 @@ class SessionRegistry {
   Placements* const placements_;
   ServerMetrics* const metrics_;
   const SessionLimits limits_;
-  // NOT_FOUND for `id`, saying that it expired when it did (of `tenant`).
+  // The longest session id looked up: this server's are "s-" and 16 hex digits.
+  static constexpr size_t kMaxSessionIdBytes = 64;
+  // NOT_FOUND for `id`, saying that it expired when it did (of `tenant`); INVALID_ARGUMENT,
+  // without echoing it, for an id longer than kMaxSessionIdBytes.
   absl::Status NotFound(absl::string_view id, absl::string_view tenant) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
 

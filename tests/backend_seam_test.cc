@@ -224,6 +224,9 @@ TEST(PlacementsTest, WithoutACudaDeviceGpuPlacementsSayWhy) {
   EXPECT_THAT(gpu.status().message(),
               ::testing::AnyOf(::testing::HasSubstr("no CUDA device"),
                                ::testing::HasSubstr("built without CUDA")));
+  EXPECT_THAT(gpu.status().message(),
+              ::testing::HasSubstr("PLACEMENT_CPU is, and PLACEMENT_TIERED with its static sets "
+                                   "in host memory"));
   absl::StatusOr<AttentionBackend*> cpu =
       (*placements)->Choose(v1::PLACEMENT_CPU, Config(SelectorKind::kFull));
   ASSERT_TRUE(cpu.ok());

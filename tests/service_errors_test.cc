@@ -143,6 +143,21 @@ TEST_F(ServiceErrorsTest, UnknownSessionIsNotFound) {
   v1::CloseSessionResponse closed;
   EXPECT_TRUE(HasStatus(testing::FromGrpc(stub().CloseSession(&context, close, &closed)),
                         absl::StatusCode::kNotFound, "no session 's-nonexistent'"));
+  // An id longer than any the server makes is not echoed: a client's 8 KiB limit on the reply's
+  // metadata would turn the echo into another error. Bytes that are not text are escaped.
+  const std::string long_id(10000, 'x');
+  for (const absl::Status& status :
+       {GetSession(stub(), long_id).status(), [&] {
+          v1::DecodeRequest long_request = VictimRequest();
+          long_request.mutable_steps(0)->set_session_id(long_id);
+          return DecodeError(long_request);
+        }()}) {
+    EXPECT_TRUE(HasStatus(status, absl::StatusCode::kInvalidArgument,
+                          "a session id of 10000 bytes: this server's ids are at most 64"))
+        << status;
+  }
+  EXPECT_TRUE(HasStatus(GetSession(stub(), std::string("s-\0\n", 4)).status(),
+                        absl::StatusCode::kNotFound, "no session 's-\\x00\\n'"));
   ExpectNothingChanged();
 }
 
@@ -547,6 +562,52 @@ TEST_F(ServiceMessageLimitTest, OversizeMessagesAreResourceExhausted) {
   request.mutable_steps(0)->mutable_q()->mutable_data()->resize(2 << 20);
   EXPECT_TRUE(
       HasStatus(DecodeError(request), absl::StatusCode::kResourceExhausted, "larger than max"));
+  ExpectNothingChanged();
+}
+
+// A Decode request under the message limit whose reply could exceed it (many query heads a KV
+// head, with per-head diagnostics) is refused before it is applied: gRPC would fail to send the
+// reply of a step every session had taken, and a runner that resends would append each token
+// twice. Without the diagnostics the same steps fit and are served.
+TEST_F(ServiceMessageLimitTest, ADecodeWhoseReplyCouldExceedTheLimitIsRefusedFirst) {
+  const v1::Geometry g = MakeGeometry(1, 128, 1, 2);
+  constexpr int kSessions = 300;
+  std::vector<std::unique_ptr<ReferenceSession>> refs;
+  std::vector<std::string> ids;
+  for (int i = 0; i < kSessions; ++i) {
+    refs.push_back(std::make_unique<ReferenceSession>(g, 1, 40 + i));
+    absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(Prefill(stub(), refs.back()->InterleavedPrompt(*id, 1)).ok());
+    ids.push_back(*id);
+  }
+  v1::DecodeRequest request;
+  for (int i = 0; i < kSessions; ++i) {
+    *request.add_steps() = refs[i]->Step(ids[i], refs[i]->MakeToken(900 + i));
+  }
+  request.set_return_lse(true);
+  request.set_diagnostics(true);
+  request.set_compare_exact(true);
+  ASSERT_LT(request.ByteSizeLong(), 1u << 20);
+  const absl::Status refused = DecodeError(request);
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "over the server's message limit (--max_message_mb) of 1048576 bytes; "
+                        "nothing of it was applied"))
+      << refused;
+  for (const std::string& id : {ids.front(), ids.back()}) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), 1) << "a refused step was applied";
+  }
+  request.set_diagnostics(false);
+  request.set_compare_exact(false);
+  DecodeClient decode(stub());
+  absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->results_size(), kSessions);
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), ids.back());
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokens(), 2);
   ExpectNothingChanged();
 }
 

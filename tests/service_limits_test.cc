@@ -395,6 +395,20 @@ TEST_F(TokenCeilingTest, MaxTokensPastWhatALayerCanHoldIsRefusedAndAllocatesNoth
   EXPECT_FALSE(PrefilledSession(16).empty());
 }
 
+// Without a memory budget, a max_tokens whose KV is more than the machine's memory is refused
+// at CreateSession (before: set aside, reported as held, and the first Prefill failed to
+// allocate). 2^30 tokens of 8 KV heads x 128 dims in f32: 8 TiB a layer.
+TEST_F(TokenCeilingTest, MoreKvThanTheMachineHoldsIsRefusedAtCreateSession) {
+  const absl::Status refused = CreateAnnouncing(MakeGeometry(1, 8, 8, 128), int64_t{1} << 30);
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "max_tokens=1073741824 of 1 layers needs 8796093022208 bytes of host KV, "
+                        "more than this machine's"))
+      << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("announce fewer tokens"));
+  EXPECT_TRUE(running().sessions().List().empty());
+  EXPECT_EQ(running().budget().used(), 0);
+}
+
 TEST_F(TokenCeilingTest, EveryLayersBytesPastInt64AreRefusedAtCreateSession) {
   // 2^31 - 1 tokens of 1024 KV heads x 1024 dims in f32 are ~2^54 bytes a layer; 1024 layers
   // would be ~2^64.

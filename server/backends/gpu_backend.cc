@@ -785,7 +785,7 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
     cudaGetLastError();  // clear the sticky error of a machine without a driver
     out.unavailable = absl::StrCat("no CUDA device (", cudaGetErrorName(err), ": ",
                                    err == cudaSuccess ? "0 devices" : cudaGetErrorString(err),
-                                   "): only PLACEMENT_CPU is served");
+                                   ")");
     return out;
   }
   std::vector<int> ordinals;
@@ -828,7 +828,7 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
                                         options.tiered_device_exact_balance));
     out.backends.push_back(std::move(backend));
   }
-  if (out.backends.empty()) out.unavailable = "--gpus is empty: only PLACEMENT_CPU is served";
+  if (out.backends.empty()) out.unavailable = "--gpus is empty";
   return out;
 }
 

@@ -12,8 +12,7 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
   }
   GpuBackends none;
   none.unavailable =
-      "this kvrecalld was built without CUDA (KVRECALL_WITH_CUDA=OFF): only PLACEMENT_CPU is "
-      "served";
+      "this kvrecalld was built without CUDA (KVRECALL_WITH_CUDA=OFF)";
   return none;
 }
 

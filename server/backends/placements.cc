@@ -132,7 +132,9 @@ absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
   if (candidates.empty()) {
     return absl::FailedPreconditionError(
         absl::StrCat("policy.placement ", v1::Placement_Name(placement),
-                     " cannot be served: ", no_gpu_reason_));
+                     " cannot be served: ", no_gpu_reason_,
+                     "; PLACEMENT_CPU is, and PLACEMENT_TIERED with its static sets in host "
+                     "memory"));
   }
   // Every device serves the same configurations; the check names what is served.
   if (absl::Status s = candidates.front()->CheckConfig(config); !s.ok()) return s;

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# NOT RUN (2026-12-04, fifth session): no device was lent when this call was to run; kept for
-# the next session, which should run it on the code it names (the bundle is rebuilt then).
-# Ninety-eighth call: the code after review 5 and the cancellation fixes (the codes' take-over
-# at half again as many rows, no prompt codes under 256 bulk rows, a learning's OpenMP team of
-# two, a CreateSession cancelled in its handler undone, a queued Prefill's staging released on
-# cancel, the Prefill's deadline checked before the install). 1. Every C++ test binary and the
-# Python client's tests. 2. Steps across a take-over: a prompt with no bulk, timed from bulk
-# 900 to 1600 (a learning starts at 1024 and takes over at 1536), batch 1 and 8 (eight
-# layers' learnings queued at one step), each step's server time kept. 3. The transformers
-# backend end to end.
+# NOT RUN yet: no device was lent in the fifth (2026-12-04) or sixth (2026-12-05) session; kept
+# for the next session, which rebuilds the bundle from its HEAD and runs this first.
+# Ninety-eighth call: the code after review 5, the cancellation fixes and probe 5's fixes (the
+# codes' take-over at half again as many rows, no prompt codes under 256 bulk rows, a learning's
+# OpenMP team of two; a CreateSession cancelled in its handler or past its deadline undone, a
+# queued Prefill's staging released on cancel, the Prefill's deadline checked before the
+# install; a Decode whose reply could pass --max_message_mb refused first; auto_tau's replay
+# over each query's own prefix, counting views of at least R * K + W). 1. Every C++ test binary
+# and the Python client's tests (gpu_placement_test's ReTopK-vs-cpu check covers the
+# calibration change on the GPU placement). 2. Steps across a take-over: a prompt with no bulk,
+# timed from bulk 900 to 1600 (a learning starts at 1024 and takes over at 1536), batch 1 and 8
+# (eight layers' learnings queued at one step), each step's server time kept. 3. The
+# transformers backend end to end.
 # Carry: .device/b98/ship (every tests/*_test, kvrecalld, kvrecall, gpu_serving_bench),
 # .device/model (tinylm-a.npz, prompt.txt), client/python/kvrecall/_gen.
 set -u
