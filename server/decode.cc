@@ -1,6 +1,7 @@
 #include "server/decode.h"
 
 #include <algorithm>
+#include <array>
 #include <span>
 #include <string>
 #include <utility>
@@ -96,11 +97,21 @@ absl::Status RunByBackend(std::span<const std::shared_ptr<Session>> sessions,
   return absl::OkStatus();
 }
 
-// Sets every singular scalar field of `message` to a value of its widest encoding (ten-byte
-// varints, any nonzero float), so that its ByteSizeLong bounds that of every message of its
-// type with the same strings and repeated fields, whatever fields the type gains later.
-void FillWidest(google::protobuf::Message* message) {
+// Sets every singular scalar field of `message` to a value of its widest encoding, so that its
+// ByteSizeLong bounds that of every message of its type with the same strings and repeated
+// fields, whatever fields the type gains later. varint_bytes = 10: any value (ten-byte varints:
+// negative ints, undeclared enums). Fewer: the non-negative values of at most that many varint
+// bytes, an enum its largest declared value; what a reply's counts, positions and paths are
+// (bounded by the history's length, which the caller knows).
+void FillWidest(google::protobuf::Message* message, int varint_bytes = 10) {
   using google::protobuf::FieldDescriptor;
+  const bool any = varint_bytes >= 10;
+  // The largest value of `varint_bytes` varint bytes (7 bits each), capped at `cap`.
+  auto largest = [varint_bytes](uint64_t cap) {
+    const uint64_t most =
+        varint_bytes >= 9 ? UINT64_MAX : (uint64_t{1} << (7 * varint_bytes)) - 1;
+    return std::min(most, cap);
+  };
   const google::protobuf::Descriptor* descriptor = message->GetDescriptor();
   const google::protobuf::Reflection* reflection = message->GetReflection();
   for (int i = 0; i < descriptor->field_count(); ++i) {
@@ -110,29 +121,55 @@ void FillWidest(google::protobuf::Message* message) {
                         f->type() == FieldDescriptor::TYPE_SINT64;
     switch (f->cpp_type()) {
       case FieldDescriptor::CPPTYPE_INT32:
-        reflection->SetInt32(message, f, zigzag ? INT32_MIN : -1);
+        reflection->SetInt32(
+            message, f,
+            any ? (zigzag ? INT32_MIN : -1)
+                : static_cast<int32_t>(largest(zigzag ? INT32_MAX / 2 : INT32_MAX)));
         break;
       case FieldDescriptor::CPPTYPE_INT64:
-        reflection->SetInt64(message, f, zigzag ? INT64_MIN : -1);
+        reflection->SetInt64(
+            message, f,
+            any ? (zigzag ? INT64_MIN : -1)
+                : static_cast<int64_t>(largest(zigzag ? INT64_MAX / 2 : INT64_MAX)));
         break;
-      case FieldDescriptor::CPPTYPE_UINT32: reflection->SetUInt32(message, f, UINT32_MAX); break;
-      case FieldDescriptor::CPPTYPE_UINT64: reflection->SetUInt64(message, f, UINT64_MAX); break;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        reflection->SetUInt32(message, f, static_cast<uint32_t>(largest(UINT32_MAX)));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT64:
+        reflection->SetUInt64(message, f, largest(UINT64_MAX));
+        break;
       case FieldDescriptor::CPPTYPE_FLOAT: reflection->SetFloat(message, f, 1); break;
       case FieldDescriptor::CPPTYPE_DOUBLE: reflection->SetDouble(message, f, 1); break;
       case FieldDescriptor::CPPTYPE_BOOL: reflection->SetBool(message, f, true); break;
-      case FieldDescriptor::CPPTYPE_ENUM:  // proto3 enums are open: -1 is ten bytes
-        reflection->SetEnumValue(message, f, -1);
+      case FieldDescriptor::CPPTYPE_ENUM: {  // proto3 enums are open: -1 is ten bytes
+        int declared = 0;
+        for (int v = 0; v < f->enum_type()->value_count(); ++v) {
+          declared = std::max(declared, f->enum_type()->value(v)->number());
+        }
+        reflection->SetEnumValue(message, f, any ? -1 : declared);
         break;
+      }
       default: break;  // strings and messages: the caller sizes them
     }
   }
 }
 
 template <typename Message>
-uint64_t WidestBytes() {
+uint64_t WidestBytes(int varint_bytes = 10) {
   Message message;
-  FillWidest(&message);
+  FillWidest(&message, varint_bytes);
   return message.ByteSizeLong();
+}
+
+// WidestBytes<Message>(b) for every varint width b in [1, 10] (index b).
+template <typename Message>
+const std::array<uint64_t, 11>& WidestBytesByVarint() {
+  static const std::array<uint64_t, 11> bytes = [] {
+    std::array<uint64_t, 11> out{};
+    for (int b = 1; b <= 10; ++b) out[b] = WidestBytes<Message>(b);
+    return out;
+  }();
+  return bytes;
 }
 
 // The bytes of a length-delimited field (a string, a message, a packed array) of `bytes`.
@@ -158,22 +195,30 @@ uint64_t TensorBytes(std::span<const int64_t> shape, int payload_field, uint64_t
 }  // namespace
 
 uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
-                             std::span<const v1::Geometry* const> geometries) {
+                             std::span<const v1::Geometry* const> geometries,
+                             std::span<const int64_t> tokens) {
   static const uint64_t kResponseScalars = WidestBytes<v1::DecodeResponse>();
-  static const uint64_t kResultScalars = WidestBytes<v1::SequenceResult>();
-  static const uint64_t kHead = WidestBytes<v1::HeadDiagnostics>();
   static const uint64_t kTierMicros = WidestBytes<v1::TierMicros>();
+  const auto& result_scalars = WidestBytesByVarint<v1::SequenceResult>();
+  const auto& head_bytes = WidestBytesByVarint<v1::HeadDiagnostics>();
   uint64_t total = kResponseScalars +
                    DelimitedBytes(v1::DecodeResponse::kTierMicrosFieldNumber, kTierMicros);
   for (int i = 0; i < request.steps_size(); ++i) {
     const v1::Geometry& g = *geometries[i];
+    // A position, count of candidates or support is at most the history's length.
+    const int varint = tokens.empty()
+                           ? 10
+                           : google::protobuf::io::CodedOutputStream::VarintSize64(
+                                 static_cast<uint64_t>(tokens[i]));
+    const uint64_t result_scalar_bytes = result_scalars[varint];
+    const uint64_t head_entry_bytes = head_bytes[varint];
     const bool as_values = request.steps(i).q().values_size() > 0;
     const uint64_t heads = g.q_heads();
     const int64_t out_shape[] = {g.q_heads(), g.head_dim()};
     const int64_t lse_shape[] = {g.q_heads()};
     const uint64_t outputs = heads * g.head_dim();
     uint64_t result =
-        kResultScalars +
+        result_scalar_bytes +
         DelimitedBytes(v1::SequenceResult::kSessionIdFieldNumber,
                        request.steps(i).session_id().size()) +
         DelimitedBytes(v1::SequenceResult::kOutputFieldNumber,
@@ -189,7 +234,7 @@ uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
                       heads * sizeof(float)));
     }
     if (request.diagnostics() || request.compare_exact()) {
-      result += heads * DelimitedBytes(v1::SequenceResult::kHeadsFieldNumber, kHead);
+      result += heads * DelimitedBytes(v1::SequenceResult::kHeadsFieldNumber, head_entry_bytes);
     }
     total += DelimitedBytes(v1::DecodeResponse::kResultsFieldNumber, result);
   }
@@ -267,8 +312,13 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
   }
   if (max_reply_bytes > 0) {
     absl::InlinedVector<const v1::Geometry*, 16> geometries;
-    for (const auto& session : sessions_) geometries.push_back(&session->geometry());
-    if (const uint64_t most = MaxDecodeReplyBytes(request, geometries); most > max_reply_bytes) {
+    absl::InlinedVector<int64_t, 16> tokens;
+    for (const auto& session : sessions_) {
+      geometries.push_back(&session->geometry());
+      tokens.push_back(session->layer(layer).tokens() + 1);
+    }
+    if (const uint64_t most = MaxDecodeReplyBytes(request, geometries, tokens);
+        most > max_reply_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the reply to this request can take up to ", most,
           " bytes (its outputs", request.return_lse() ? ", lse" : "",

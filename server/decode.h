@@ -24,9 +24,11 @@ namespace kvrecall {
 // diagnostics as the request asks) with every scalar at its widest encoding, so that a step
 // can be refused before it is applied rather than after. geometries[i] is the geometry of
 // request.steps(i)'s session (its output is [q_heads, head_dim] in that dtype, or f32 values
-// when q came as values).
+// when q came as values); tokens[i], when given, the tokens its layer holds with the step's
+// (which bound the positions and per-head counts the reply carries; empty: any value).
 uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
-                             std::span<const v1::Geometry* const> geometries);
+                             std::span<const v1::Geometry* const> geometries,
+                             std::span<const int64_t> tokens = {});
 
 class DecodeStream {
  public:

@@ -80,14 +80,15 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   using Handler = absl::Status (KvRecallService::*)(absl::string_view, const Request&, Response*);
   using Undo = void (KvRecallService::*)(absl::string_view, const Response&);
 
-  UnaryCall(KvRecallService* service, grpc::ByteBuffer* reply, Handler handler, Undo undo,
-            std::string tenant, std::chrono::steady_clock::time_point deadline)
+  UnaryCall(KvRecallService* service, grpc::CallbackServerContext* context,
+            grpc::ByteBuffer* reply, Handler handler, Undo undo, std::string tenant)
       : service_(service),
+        context_(context),
+        deadline_(SteadyDeadline(context->deadline())),
         reply_(reply),
         handler_(handler),
         undo_(undo),
-        tenant_(std::move(tenant)),
-        deadline_(deadline) {
+        tenant_(std::move(tenant)) {
     service_->CountUnary(1);
   }
 
@@ -128,6 +129,7 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
       absl::MutexLock lock(&mu_);
       if (!finished_) {
         if (status.ok()) SerializeRawMessage(response_, reply_);
+        answered_made_ = made;
         FinishLocked(std::move(status));
       } else {
         // Answered CANCELLED while the handler ran: the client never learns what it made.
@@ -145,6 +147,15 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   void OnDone() override {
     ReactionFromGrpc(this);
     KvRecallService* const service = service_;
+    bool undo;
+    {
+      absl::MutexLock lock(&mu_);
+      undo = answered_made_ && undo_ != nullptr;
+    }
+    // Answered OK, but the answer never reached the client (its deadline passed or it
+    // cancelled first: the server's deadline runs later than the client's by the request's
+    // transit and gRPC's rounding of the timeout): it never learns what the call made.
+    if (undo && context_->IsCancelled()) (service_->*undo_)(tenant_, response_);
     service->CountUnary(-1);
     refs_.Unref(this);  // may delete the call (and what it holds: sessions, their grants)
     HandoffToGrpc(service);  // gRPC's last touch of the service for this call (Server::Wait)
@@ -155,8 +166,10 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
 
   void StartInHandler(const grpc::ByteBuffer* request) {
     if (service_->draining()) return FinishOnce(ShuttingDownStatus());
-    // Past its deadline the call may have no request to parse: not the client's error.
+    // Past its deadline, or cancelled before its request came, the call has no request to
+    // parse: not the client's error.
     if (Expired()) return FinishOnce(DeadlinePassedStatus());
+    if (request == nullptr || !request->Valid()) return FinishOnce(CancelledStatus());
     grpc::ByteBuffer bytes(*request);  // shares the slices
     if (!ParseRawMessage(&bytes, &request_)) {
       return FinishOnce(UnparsableStatus("the request", request_));
@@ -176,16 +189,19 @@ class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public
   }
 
   KvRecallService* const service_;
+  grpc::CallbackServerContext* const context_;  // gRPC's; read in OnDone
+  const std::chrono::steady_clock::time_point deadline_;  // SteadyDeadline's
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   const Handler handler_;
   const Undo undo_;
   const std::string tenant_;  // the caller's (server/auth.h)
-  const std::chrono::steady_clock::time_point deadline_;
   Request request_;
   Response response_;
   CallRefs<UnaryCall> refs_;
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // Answered OK with what the handler made (which OnDone undoes if the answer was lost).
+  bool answered_made_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 template <typename Request, typename Response>
@@ -194,9 +210,8 @@ grpc::ServerUnaryReactor* KvRecallService::StartUnary(
     grpc::ByteBuffer* response,
     absl::Status (KvRecallService::*handler)(absl::string_view, const Request&, Response*),
     void (KvRecallService::*undo)(absl::string_view, const Response&)) {
-  auto* call = new UnaryCall<Request, Response>(this, response, handler, undo,
-                                                TenantOf(*context, tokens_.get()),
-                                                SteadyDeadline(context->deadline()));
+  auto* call = new UnaryCall<Request, Response>(this, context, response, handler, undo,
+                                                TenantOf(*context, tokens_.get()));
   call->Start(request);
   return call;
 }

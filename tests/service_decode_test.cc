@@ -384,7 +384,7 @@ TEST_F(ServiceDecodeTest, OneRequestDecodesSeveralSessions) {
   }
 }
 
-// MaxDecodeReplyBytes, which a shared region checks before a step is applied, bounds every
+// MaxDecodeReplyBytes, which every step checks before it is applied, bounds every
 // reply: batches of sessions of different geometries and dtypes, q as data and as values, each
 // of lse, diagnostics and compare_exact; and it is not far above the real size: beyond the
 // numbers at their widest it counts the fields a reply may leave out (tier_micros, ~130 bytes;
@@ -417,6 +417,12 @@ TEST_F(ServiceDecodeTest, EveryReplyFitsItsBoundAndTheBoundIsNearIt) {
         }
         const uint64_t bound =
             MaxDecodeReplyBytes(request, {geometries, static_cast<size_t>(batch)});
+        // Knowing each history's length (which bounds positions and per-head counts), as the
+        // server does: tighter.
+        const int64_t tokens[] = {a.tokens(0), b.tokens(0), c.tokens(0)};
+        const uint64_t tight =
+            MaxDecodeReplyBytes(request, {geometries, static_cast<size_t>(batch)},
+                                {tokens, static_cast<size_t>(batch)});
         absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
         ASSERT_TRUE(reply.ok()) << reply.status();
         int heads = 0;
@@ -424,6 +430,9 @@ TEST_F(ServiceDecodeTest, EveryReplyFitsItsBoundAndTheBoundIsNearIt) {
         const uint64_t size = reply->ByteSizeLong();
         EXPECT_LE(size, bound);
         EXPECT_LE(bound, size + 160 + 24 * batch + 64 * heads);
+        EXPECT_LE(size, tight);
+        EXPECT_LE(tight, size + 160 + 16 * batch + 40 * heads);
+        EXPECT_LE(tight, bound);
       }
     }
   }
