@@ -172,6 +172,24 @@ const std::array<uint64_t, 11>& WidestBytesByVarint() {
   return bytes;
 }
 
+// The widest HeadDiagnostics of varint width b (index b) without the fields compare_exact alone
+// sets (support_recall, retained_mass, output_cosine).
+const std::array<uint64_t, 11>& WidestHeadBytesWithoutFidelity() {
+  static const std::array<uint64_t, 11> bytes = [] {
+    std::array<uint64_t, 11> out{};
+    for (int b = 1; b <= 10; ++b) {
+      v1::HeadDiagnostics head;
+      FillWidest(&head, b);
+      head.clear_support_recall();
+      head.clear_retained_mass();
+      head.clear_output_cosine();
+      out[b] = head.ByteSizeLong();
+    }
+    return out;
+  }();
+  return bytes;
+}
+
 // The bytes of a length-delimited field (a string, a message, a packed array) of `bytes`.
 uint64_t DelimitedBytes(int field_number, uint64_t bytes) {
   using google::protobuf::io::CodedOutputStream;
@@ -200,7 +218,8 @@ uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
   static const uint64_t kResponseScalars = WidestBytes<v1::DecodeResponse>();
   static const uint64_t kTierMicros = WidestBytes<v1::TierMicros>();
   const auto& result_scalars = WidestBytesByVarint<v1::SequenceResult>();
-  const auto& head_bytes = WidestBytesByVarint<v1::HeadDiagnostics>();
+  const auto& head_bytes = request.compare_exact() ? WidestBytesByVarint<v1::HeadDiagnostics>()
+                                                   : WidestHeadBytesWithoutFidelity();
   uint64_t total = kResponseScalars +
                    DelimitedBytes(v1::DecodeResponse::kTierMicrosFieldNumber, kTierMicros);
   for (int i = 0; i < request.steps_size(); ++i) {
