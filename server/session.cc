@@ -132,7 +132,7 @@ absl::Status CheckSelectorStateFits(const AttentionBackend& backend, const Layer
   return RefusedBy(
       absl::ResourceExhaustedError(absl::StrFormat(
           "%s budget exceeded: the %s selector state of %d layers needs %s bytes%s, more than "
-          "the whole %d-byte budget (%s=%.3f) could ever hold: choose smaller selector knobs "
+          "the whole %d-byte budget (%s=%.6g) could ever hold: choose smaller selector knobs "
           "(top_k, retopk.cache_capacity, the index's)%s or fewer layers",
           budget.name(), SelectorKindName(config.selector.kind), layers,
           overflow ? "more" : absl::StrCat(state),
