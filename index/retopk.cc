@@ -289,9 +289,24 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
   }
   const int capacity = params_.cache_capacity;
   const int d = shape_.head_dim;
+  const int64_t tokens = kv.tokens;
+  // Prompt positions whose exact top-K is needed: the last C (seeding) and, with auto_tau, the
+  // calibration's (C to warm, then the replayed ones) among those whose view (keys [0, p]) it
+  // counts; none when too few are counted to calibrate (the fixed tau then).
+  const int64_t window = int64_t{capacity} + kCalibrationQueries;
+  const int64_t min_view = TauCalibration::MinView(top_k_, params_);
+  int64_t calibration_begin =
+      params_.auto_tau ? std::max(tokens - window, std::min(min_view - 1, tokens)) : tokens;
+  if (tokens - calibration_begin < window) calibration_begin = tokens;
+  const int64_t seed_begin = std::max<int64_t>(0, tokens - capacity);
+  const int64_t begin = std::min(calibration_begin, seed_begin);
+  if (tokens > 0 && begin < prompt_queries.first) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "retopk: the prompt queries from row ", begin, " are needed, got them from row ",
+        prompt_queries.first));
+  }
   const ReTopKHeadParams head_params{top_k_, params_.reuse_neighbors, params_.recent_window,
                                      params_.refresh_interval, params_.tau, shape_.scale};
-  const int64_t tokens = kv.tokens;
   prompt_tokens_ = tokens;
   for (int h = 0; h < shape_.q_heads; ++h) heads_[h] = ReTopKHead(head_params, capacity, d);
   // Nothing to seed the caches with (the tiered bulk before it holds a token); the queries may
@@ -299,21 +314,6 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
   if (tokens == 0) return absl::OkStatus();
 
   const int64_t query_stride = static_cast<int64_t>(shape_.q_heads) * d;
-  // Prompt positions whose exact top-K is needed: the last C (seeding) and, with auto_tau, the
-  // calibration's (C to warm, then the replayed ones) among those whose view (keys [0, p]) it
-  // counts.
-  const int64_t min_view = TauCalibration::MinView(top_k_, params_);
-  const int64_t calibration_begin =
-      params_.auto_tau ? std::max(tokens - (int64_t{capacity} + kCalibrationQueries),
-                                  std::min(min_view - 1, tokens))
-                       : tokens;
-  const int64_t seed_begin = std::max<int64_t>(0, tokens - capacity);
-  const int64_t begin = std::min(calibration_begin, seed_begin);
-  if (begin < prompt_queries.first) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "retopk: the prompt queries from row ", begin, " are needed, got them from row ",
-        prompt_queries.first));
-  }
 
   // Exact top-K of query p over keys [0, last]: one batched top-K (GEMM) over the keys before
   // `begin` for all needed queries, then per query an exact rescoring of that list together
@@ -347,17 +347,15 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
                        &positions, &exact);
     };
     // The calibration: each query over the keys up to its own position, as its decode step
-    // would have seen the view. Too few queries counted: the fixed tau.
-    if (params_.auto_tau) {
+    // would have seen the view.
+    if (calibration_begin < tokens) {
       TauCalibration calibration(head_params, capacity, d, min_view);
       for (int64_t p = calibration_begin; p < tokens; ++p) {
         exact_top_k(p, p);
         const float outside = outside_lse_ ? outside_lse_(query_at(p), p, h) : -kInf;
         calibration.Observe(query_at(p), Prefix(kv, p + 1), kv_head, exact, outside);
       }
-      if (calibration.done()) {
-        heads_[h].set_tau(calibration.Tau(params_.target_recall, params_.tau));
-      }
+      heads_[h].set_tau(calibration.Tau(params_.target_recall, params_.tau));
     }
     // The seeds: each query over the keys it sees now (its position shifted by the lead).
     std::vector<float> unit(d);

@@ -180,9 +180,9 @@ inline constexpr int kCalibrationQueries = 256;
 
 // auto_tau's calibration of one query head, fed prompt queries in order, each with the keys it
 // would attend in the selector's view at its decode step. A query whose view is shorter than
-// min_view is not counted: with a view no longer than the most candidates a reuse step scores
-// (R * K + W), reusing scores all of it and recalls everything whatever the cache, which says
-// nothing of tau. Of the queries counted, the first C (the cache's capacity) warm a copy of the
+// min_view (R * K + W: the most candidates a reuse step scores) is not counted: a reuse step
+// may score all of a shorter view and recall everything whatever the cache, which says nothing
+// of tau. Of the queries counted, the first C (the cache's capacity) warm a copy of the
 // head that always reuses (tau = -inf, no refresh) with their exact supports; each of the next
 // kCalibrationQueries is replayed through that copy and becomes a ReuseSample: the copy's best
 // cosine, and the attention-weighted support recall (WeightedSupportRecall) of the support the

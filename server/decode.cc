@@ -173,7 +173,7 @@ const std::array<uint64_t, 11>& WidestBytesByVarint() {
 }
 
 // The widest HeadDiagnostics of varint width b (index b) without the fields compare_exact alone
-// sets (support_recall, retained_mass, output_cosine).
+// sets (support_recall, retained_mass, output_cosine, rel_l2).
 const std::array<uint64_t, 11>& WidestHeadBytesWithoutFidelity() {
   static const std::array<uint64_t, 11> bytes = [] {
     std::array<uint64_t, 11> out{};
@@ -183,6 +183,7 @@ const std::array<uint64_t, 11>& WidestHeadBytesWithoutFidelity() {
       head.clear_support_recall();
       head.clear_retained_mass();
       head.clear_output_cosine();
+      head.clear_rel_l2();
       out[b] = head.ByteSizeLong();
     }
     return out;
@@ -343,7 +344,8 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
           " bytes (its outputs", request.return_lse() ? ", lse" : "",
           request.diagnostics() || request.compare_exact() ? ", per-head diagnostics" : "",
           "), over ", reply_limit, " of ", max_reply_bytes,
-          " bytes; nothing of it was applied (send fewer sequences a request)"));
+          " bytes; nothing of it was applied (send fewer sequences a request, or ask for less "
+          "of each: diagnostics, compare_exact, lse)"));
     }
   }
 

@@ -72,7 +72,8 @@ grpc::Status ShuttingDownStatus() {
 
 // ---------------------------------------------------------------------------------------------
 // Unary calls: parsed on gRPC's thread, served on the step queue, answered unless the call was
-// cancelled first. Nothing of gRPC's call is touched once it is finished.
+// cancelled first. Once it is finished nothing of gRPC's call is touched but, in OnDone, the
+// context's IsCancelled (whether the answer reached the client).
 
 template <typename Request, typename Response>
 class KvRecallService::UnaryCall final : public grpc::ServerUnaryReactor, public WorkItem {

@@ -822,8 +822,7 @@ TEST(CancelRaceTest, ACreateSessionCancelledWhileItsHandlerRunsLeavesNoSession) 
 // server checks the deadline itself when the handler returns, so what it made is closed again
 // whether or not gRPC's OnCancel (from another thread) has come yet, and an answer that did not
 // reach the client (the server's deadline runs later than the client's by the request's transit
-// and gRPC's rounding of the timeout: under load, by more than this test's 2 ms) is undone when
-// the call is done. Probe 5 found 31 of 39 such calls leaving a session no client knew of.
+// and gRPC's rounding of the timeout) is undone when the call is done. Probe 5 found 31 of 39 such calls leaving a session no client knew of.
 // (Which of the three catches it here depends on the timing; the contract is checked.)
 // And a call whose deadline passed before the server read it is DEADLINE_EXCEEDED in the
 // server's metrics, not INVALID_ARGUMENT (its request never parsed).
@@ -840,23 +839,37 @@ TEST(CancelRaceTest, ACreateSessionEndingJustPastItsDeadlineLeavesNoSession) {
   *request.mutable_geometry() = SmallGeometry();
   *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
   request.set_max_tokens(64);
-  int answered = 0;
+  // What one session holds (its max_tokens set aside).
+  int64_t one_session = 0;
+  {
+    grpc::ClientContext context;
+    v1::CreateSessionResponse response;
+    ASSERT_TRUE((*server)->stub().CreateSession(&context, request, &response).ok());
+    one_session = running.budget().used();
+    ASSERT_GT(one_session, 0);
+    ASSERT_TRUE(CloseSession((*server)->stub(), response.session_id()).ok());
+  }
+  int answered = 0, expired = 0;
   for (int i = 0; i < 20; ++i) {
     const absl::Time at = absl::Now() + absl::Milliseconds(100);
-    // Past the server's deadline too (it counts the timeout from the request's arrival).
-    deadline->store(absl::ToUnixNanos(at + absl::Milliseconds(2)));
+    // Past the server's deadline too (it counts the timeout from the request's arrival, up to
+    // a millisecond later after gRPC's rounding, and later still under load).
+    deadline->store(absl::ToUnixNanos(at + absl::Milliseconds(20)));
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(at));
     v1::CreateSessionResponse response;
     const absl::Status status =
         FromGrpc((*server)->stub().CreateSession(&context, request, &response));
-    EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    EXPECT_TRUE(status.ok() || status.code() == absl::StatusCode::kDeadlineExceeded) << status;
     answered += status.ok();
+    expired += status.code() == absl::StatusCode::kDeadlineExceeded;
   }
+  EXPECT_GT(expired, 0) << "no call ended past its deadline: nothing was tested";
   const absl::Time until = absl::Now() + absl::Seconds(10);
   while (running.busy() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  // The sessions left are exactly those whose answer the client has.
   EXPECT_EQ(running.sessions().List().size(), static_cast<size_t>(answered));
-  EXPECT_EQ(running.budget().used(), 0);
+  EXPECT_EQ(running.budget().used(), answered * one_session);
   // Expired before it was read: the metrics say DEADLINE_EXCEEDED.
   deadline->store(0);
   for (int i = 0; i < 5; ++i) {
