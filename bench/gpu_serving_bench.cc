@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -458,6 +459,7 @@ int Main() {
         // Tiered: tier_micros.
         std::vector<double> static_set, bulk, link_wait, shortlist, launch, shortlists_ready,
             device_exact, plan, decide, device_exact_wait, finish_wait, finish, reserve;
+        std::vector<v1::TierMicros> tier_by_step;  // the timed steps' phases, in their order
         int64_t paths[5] = {};
         // Tiered: each head's bulk time and candidates, by the path it took.
         std::vector<double> head_micros[5], head_candidates[5];
@@ -537,6 +539,7 @@ int Main() {
             finish_wait.push_back(response.tier_micros().finish_wait());
             finish.push_back(response.tier_micros().finish());
             reserve.push_back(response.tier_micros().reserve());
+            tier_by_step.push_back(response.tier_micros());
           }
           double first_start = 1e30, last_end = 0, busy = 0;
           json intervals = json::array();
@@ -622,6 +625,22 @@ int Main() {
           rec["finish_wait_p50_us"] = client::Percentile(finish_wait, 0.5);
           rec["finish_p50_us"] = client::Percentile(finish, 0.5);
           rec["reserve_p50_us"] = client::Percentile(reserve, 0.5);
+          // Where a stall went: the slowest timed steps (by server time) with their phases.
+          std::vector<size_t> order(server.size());
+          std::iota(order.begin(), order.end(), size_t{0});
+          const size_t slowest = std::min<size_t>(5, order.size());
+          std::partial_sort(order.begin(), order.begin() + slowest, order.end(),
+                            [&](size_t a, size_t b) { return server[a] > server[b]; });
+          json slow = json::array();
+          for (size_t j = 0; j < slowest && order[j] < tier_by_step.size(); ++j) {
+            const v1::TierMicros& t = tier_by_step[order[j]];
+            slow.push_back({{"step", order[j]}, {"server_us", server[order[j]]},
+                            {"reserve_us", t.reserve()}, {"plan_us", t.plan()},
+                            {"launch_us", t.launch()}, {"bulk_us", t.bulk()},
+                            {"static_set_us", t.static_set()}, {"finish_us", t.finish()},
+                            {"link_wait_us", t.link_wait()}});
+          }
+          rec["slowest_steps"] = slow;
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
                        "link wait p50 %.1f us (p99 %.1f)\n",
                        rec["static_set_p50_us"].get<double>(), rec["static_set_p99_us"].get<double>(),
