@@ -1157,12 +1157,9 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
         key.push_back(state.scan_bound[b]);
       }
       if (key != state.graph_key) {
-        // The same steps at another bound or with other codes keep the graph's topology: the
-        // previous graph is updated rather than instantiated again (a take-over's, or each
-        // ~6 % of growth's, stall).
+        if (state.graph != nullptr) cudaGraphExecDestroy(state.graph);
         state.graph = gpu::CaptureStep(
-            stream, [&] { return EnqueueStep(steps, state, /*capturing=*/true); },
-            std::exchange(state.graph, nullptr));
+            stream, [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
         state.graph_key = key;
       }
       if (state.graph == nullptr) {

@@ -444,14 +444,9 @@ inline int64_t GraphTokenBound(int64_t tokens) {
 }
 
 // `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
-// captured (the step then runs eagerly: the reason goes to stderr once per process). `previous`
-// (null, or an executable graph the caller gives up) is updated in place when the new capture has
-// its topology (cudaGraphExecUpdate: only the nodes' parameters differ, e.g. another bound's
-// grid or another buffer), which costs a fraction of an instantiation; otherwise it is
-// destroyed. An update leaves the previous graph's launches already queued as they were.
+// captured (the step then runs eagerly: the reason goes to stderr once per process).
 template <typename Enqueue>
-cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue,
-                            cudaGraphExec_t previous = nullptr) {
+cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
   absl::Status status = CudaStatus(
       cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "beginning a capture");
   cudaGraph_t graph = nullptr;
@@ -462,16 +457,7 @@ cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue,
     if (status.ok()) status = ended;
   }
   cudaGraphExec_t exec = nullptr;
-  if (status.ok() && previous != nullptr) {
-    cudaGraphExecUpdateResultInfo info;
-    if (cudaGraphExecUpdate(previous, graph, &info) == cudaSuccess) {
-      std::swap(exec, previous);
-    } else {
-      cudaGetLastError();  // a refused update is not an error: the graph is instantiated anew
-    }
-  }
-  if (previous != nullptr) cudaGraphExecDestroy(previous);
-  if (status.ok() && exec == nullptr) {
+  if (status.ok()) {
     status = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step");
   }
   if (graph != nullptr) cudaGraphDestroy(graph);

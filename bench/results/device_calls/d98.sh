@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# NOT RUN yet: no device was lent in the fifth (2026-12-04) or sixth (2026-12-05) session; kept
-# for the next session, which rebuilds the bundle from its HEAD and runs this first.
+# Run in the seventh session (2026-12-05; no device was lent in the fifth or sixth): results in
+# device_tests.md, tiered_serving.md ("The step at a take-over") and ppl_hf_backend_gpu.md.
 # Ninety-eighth call: the code after review 5, the cancellation fixes and probe 5's fixes (the
 # codes' take-over at half again as many rows, no prompt codes under 256 bulk rows, a learning's
 # OpenMP team of two; a CreateSession cancelled in its handler or past its deadline undone, a

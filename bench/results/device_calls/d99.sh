@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Run 2026-12-05 (results: tiered_serving.md, "The step at a take-over"). The in-place update
+# showed no benefit and was taken out again after this call.
 # Ninety-ninth call: a captured static-set step whose key changes (the bound, every ~6 % of
 # growth; the codes, at a take-over) updates the previous CUDA graph in place
 # (cudaGraphExecUpdate) instead of instantiating a new one, and gpu_serving_bench records the
