@@ -41,13 +41,16 @@ int64_t MemoryBudget::available() const {
 MemoryGrant::~MemoryGrant() { ReleaseSetAside(); }
 
 void MemoryGrant::ReleaseSetAside() {
-  budget_->Release(set_aside_.exchange(0, std::memory_order_relaxed));
+  const int64_t released = set_aside_.exchange(0, std::memory_order_relaxed);
+  held_.fetch_sub(released, std::memory_order_relaxed);
+  budget_->Release(released);
 }
 
 absl::Status MemoryGrant::SetAside(int64_t bytes, absl::string_view what) {
   if (bytes <= 0) return absl::OkStatus();
   if (absl::Status s = budget_->Reserve(bytes, what); !s.ok()) return s;
   set_aside_.fetch_add(bytes, std::memory_order_relaxed);
+  held_.fetch_add(bytes, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 
@@ -66,11 +69,13 @@ absl::Status MemoryGrant::Reserve(int64_t bytes, absl::string_view what) {
     set_aside_.fetch_add(drawn, std::memory_order_relaxed);  // give back what was drawn
     return s;
   }
+  held_.fetch_add(bytes - drawn, std::memory_order_relaxed);  // the drawn bytes were held
   return absl::OkStatus();
 }
 
 void MemoryGrant::Charge(int64_t bytes) {
   const int64_t drawn = Draw(bytes);
+  held_.fetch_add(bytes - drawn, std::memory_order_relaxed);
   budget_->Charge(bytes - drawn);
 }
 

@@ -74,12 +74,18 @@ class MemoryGrant final : public MemoryAccount {
 
   absl::Status Reserve(int64_t bytes, absl::string_view what) override;
   void Charge(int64_t bytes) override;
-  void Release(int64_t bytes) override { budget_->Release(bytes); }
+  void Release(int64_t bytes) override {
+    held_.fetch_sub(bytes, std::memory_order_relaxed);
+    budget_->Release(bytes);
+  }
 
   // Gives back to the budget whatever is still set aside (the session closed).
   void ReleaseSetAside();
 
   int64_t set_aside() const { return set_aside_.load(std::memory_order_relaxed); }
+  // What the session holds of the budget: its charges and what is still set aside for it.
+  // The budget's used() is these summed over its grants (and whatever is charged beside them).
+  int64_t held() const { return held_.load(std::memory_order_relaxed); }
   MemoryBudget* budget() const { return budget_; }
 
  private:
@@ -88,6 +94,7 @@ class MemoryGrant final : public MemoryAccount {
 
   MemoryBudget* const budget_;
   std::atomic<int64_t> set_aside_{0};
+  std::atomic<int64_t> held_{0};  // see held()
 };
 
 // Whether `gib` (GiB, as the budget flags take it) is 0 (no budget) or from one byte (2^-30) to

@@ -238,6 +238,17 @@ ServerMetrics::ServerMetrics()
       gauge("kvrecall_gpu_memory_bytes", "GPU memory held by sessions, summed over devices");
   gpu_bytes_budget_ = gauge("kvrecall_gpu_memory_budget_bytes",
                             "GPU memory budgets summed over devices; +Inf: unlimited");
+  prometheus::Family<Counter>& learnings =
+      prometheus::BuildCounter()
+          .Name("kvrecall_codes_learnings_total")
+          .Help("Tiered layers' shortlist codes learned again as their bulk grew, by outcome: "
+                "taken_over; refused (no memory in the budgets: the layer keeps its codes, its "
+                "exact steps scoring more keys); failed; abandoned (the session closed first)")
+          .Register(*registry_);
+  for (int i = 0; i < kLearningOutcomes; ++i) {
+    codes_learnings_[i] =
+        &learnings.Add({{"outcome", LearningOutcomeLabel(static_cast<LearningOutcome>(i))}});
+  }
   prometheus::BuildGauge()
       .Name("kvrecall_build_info")
       .Help("Always 1; the labels describe the build")
@@ -326,6 +337,12 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
   {
     absl::MutexLock lock(&mu_);
     if (gauge_source_) gauges = gauge_source_();
+    for (int i = 0; i < kLearningOutcomes; ++i) {
+      const int64_t more = gauges.codes_learnings[i] - codes_learnings_counted_[i];
+      if (more <= 0) continue;  // a source without learnings (or a test's) counts none back
+      codes_learnings_[i]->Increment(static_cast<double>(more));
+      codes_learnings_counted_[i] = gauges.codes_learnings[i];
+    }
   }
   sessions_open_->Set(static_cast<double>(gauges.sessions_open));
   tokens_held_->Set(static_cast<double>(gauges.tokens_held));

@@ -30,10 +30,12 @@
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "server/backends/attention_backend.h"
+#include "server/backends/learning_outcomes.h"
 
 namespace kvrecall {
 
-// What the scrape-time gauges report; filled by the callback given to SetGaugeSource.
+// What the scrape-time gauges report, and the running totals that counters count up to;
+// filled by the callback given to SetGaugeSource.
 struct ServerGauges {
   int64_t sessions_open = 0;
   int64_t tokens_held = 0;  // sequence length summed over open sessions
@@ -41,6 +43,8 @@ struct ServerGauges {
   double host_bytes_budget = 0;  // +Inf: unlimited (see BudgetGaugeValue)
   int64_t gpu_bytes_held = 0;    // summed over devices
   double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf when one is unlimited
+  // Tiered layers' codes learnings by how they ended (LearningOutcome), since the start.
+  std::array<int64_t, kLearningOutcomes> codes_learnings{};
 };
 
 // A budget's limit as its gauge reads: limit_bytes <= 0 (unlimited) is +Inf, so that
@@ -147,6 +151,8 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Gauge* host_bytes_budget_;
   prometheus::Gauge* gpu_bytes_held_;
   prometheus::Gauge* gpu_bytes_budget_;
+  // kvrecall_codes_learnings_total, by LearningOutcome: counted up to the source's totals.
+  std::array<prometheus::Counter*, kLearningOutcomes> codes_learnings_{};
 
   // Built in the constructor, read-only afterwards.
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> methods_;
@@ -154,6 +160,9 @@ class ServerMetrics final : public prometheus::Collectable {
 
   mutable absl::Mutex mu_;
   std::function<ServerGauges()> gauge_source_ ABSL_GUARDED_BY(mu_);
+  // The source's codes_learnings at the last scrape (its counters have counted them).
+  mutable std::array<int64_t, kLearningOutcomes> codes_learnings_counted_ ABSL_GUARDED_BY(mu_) =
+      {};
   absl::flat_hash_map<std::string, prometheus::Counter*> refusals_by_limit_ ABSL_GUARDED_BY(mu_);
   // [placement][selector], flattened; null until first used.
   std::vector<std::unique_ptr<PolicyMetrics>> policies_ ABSL_GUARDED_BY(mu_);

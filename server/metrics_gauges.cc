@@ -23,6 +23,7 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
     gauges.gpu_bytes_held += budget->used();
     gauges.gpu_bytes_budget += BudgetGaugeValue(budget->limit());
   }
+  gauges.codes_learnings = placements.CodesLearnings();
   return gauges;
 }
 

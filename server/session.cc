@@ -290,6 +290,8 @@ v1::SessionInfo Session::Info() const {
   info.set_host_bytes(total.host_bytes);
   info.set_gpu_bytes(total.device_bytes);
   info.set_selector_bytes(total.selector_bytes);
+  info.set_host_budget_bytes(host_grant_.held());
+  info.set_gpu_budget_bytes(device_grant_ != nullptr ? device_grant_->held() : 0);
   v1::PathCounts* paths = info.mutable_paths();
   paths->set_exact(counters_.paths[static_cast<int>(SelectionPath::kExact)]);
   paths->set_reuse(counters_.paths[static_cast<int>(SelectionPath::kReuse)]);
@@ -327,7 +329,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   const v1::Geometry& g = request.geometry();
   const LayerConfig config{
       LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), EffectiveScale(g)}, g.dtype(),
-      policy->selector, request.max_tokens()};
+      policy->selector, request.max_tokens(),
+      limits_.max_context_tokens != 0 ? limits_.max_context_tokens : kMaxLayerTokens};
   absl::StatusOr<AttentionBackend*> backend = placements_->Choose(policy->placement, config);
   if (!backend.ok()) return backend.status();
   if (absl::Status s = CheckSelectorStateFits(**backend, config, g.layers(), *host_budget_);

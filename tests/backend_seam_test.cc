@@ -196,6 +196,7 @@ TEST(MemoryGrantTest, SetAsideIsDrawnFirstAndGivenBack) {
     MemoryGrant grant(&budget);
     ASSERT_TRUE(grant.SetAside(600, "the announcement").ok());
     EXPECT_EQ(budget.used(), 600);
+    EXPECT_EQ(grant.held(), 600) << "what is set aside is held";
     EXPECT_TRUE(HasStatus(grant.SetAside(600, "a second one"),
                           absl::StatusCode::kResourceExhausted, "a second one"));
     // Another session cannot take what is set aside.
@@ -207,9 +208,30 @@ TEST(MemoryGrantTest, SetAsideIsDrawnFirstAndGivenBack) {
     EXPECT_EQ(budget.used(), 800);
     EXPECT_FALSE(grant.Reserve(300, "too much").ok());
     EXPECT_EQ(budget.used(), 800) << "a refusal changes nothing";
-    grant.Release(800);
+    EXPECT_EQ(grant.held(), 800);
+    grant.Charge(150);  // memory that exists: past the limit if need be
+    EXPECT_EQ(grant.held(), 950);
+    EXPECT_EQ(budget.used(), 950);
+    grant.Release(950);
     EXPECT_EQ(budget.used(), 0);
+    EXPECT_EQ(grant.held(), 0);
     ASSERT_TRUE(grant.SetAside(50, "again").ok());
+    EXPECT_FALSE(grant.Reserve(2000, "past the budget").ok());
+    EXPECT_EQ(grant.set_aside(), 50) << "what a refusal drew is put back";
+    EXPECT_EQ(grant.held(), 50);
+    grant.Charge(70);  // 50 drawn from the set-aside, 20 more from the budget
+    EXPECT_EQ(grant.set_aside(), 0);
+    EXPECT_EQ(grant.held(), 70);
+    EXPECT_EQ(budget.used(), 70);
+    grant.Release(70);
+    ASSERT_TRUE(grant.SetAside(50, "again").ok());
+    ASSERT_TRUE(grant.Reserve(20, "drawn").ok());
+    EXPECT_EQ(grant.held(), 50);
+    EXPECT_EQ(budget.used(), 50);
+    grant.ReleaseSetAside();
+    EXPECT_EQ(grant.held(), 20) << "the drawn bytes are still charged";
+    EXPECT_EQ(budget.used(), 20);
+    grant.Release(20);
   }
   EXPECT_EQ(budget.used(), 0) << "what was still set aside goes back with the grant";
 }

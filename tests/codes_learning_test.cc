@@ -83,7 +83,7 @@ class CodesLearningTest : public ::testing::TestWithParam<bool> {
   // and the take-over codes the rest; with it, the learning waits on the queue until the
   // take-over, which waits for it (it codes every row then). Returns the codes.
   std::unique_ptr<BulkCodes> Drive(WorkQueue* queue, int64_t rows, QueueBlocker* held) {
-    CodesLearning learning(tier_.get(), &config_, accounts_, 0, queue);
+    CodesLearning learning(tier_.get(), &config_, accounts_, 0, queue, &tally_);
     std::unique_ptr<BulkCodes> codes;
     const int64_t take_over = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows);
     std::thread releaser;
@@ -112,6 +112,7 @@ class CodesLearningTest : public ::testing::TestWithParam<bool> {
   MemoryBudget host_{0};
   MemoryBudget device_{0};
   SessionAccounts accounts_{&host_, nullptr};
+  CodesLearningTally tally_;
 };
 
 INSTANTIATE_TEST_SUITE_P(Tiers, CodesLearningTest, ::testing::Values(false, true),
@@ -147,6 +148,10 @@ TEST_P(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
   const std::unique_ptr<BulkCodes> held = Drive(&held_queue, rows, &blocker);
   ASSERT_NE(held, nullptr);
   EXPECT_TRUE(StateOf(*held) == StateOf(*at_once));
+  EXPECT_EQ(tally_.count(LearningOutcome::kTakenOver), 2);
+  EXPECT_EQ(tally_.count(LearningOutcome::kRefused) + tally_.count(LearningOutcome::kFailed) +
+                tally_.count(LearningOutcome::kAbandoned),
+            0);
   // Rows beyond those the codebooks learned from are there, and the outliers are few.
   for (int h = 0; h < kKvHeads; ++h) {
     EXPECT_LT(at_once->outliers(h).size(), 16u) << "KV head " << h;
@@ -188,6 +193,30 @@ TEST_P(CodesLearningTest, ALearningInFlightIsWaitedForBeforeTheRowsMove) {
   EXPECT_EQ(learning.next_learn_at(), 2 * start);
 }
 
+TEST_P(CodesLearningTest, NoLearningStartsWhoseCodesCouldNeverTakeOver) {
+  // A layer that may hold (the server's --max_context_tokens) a bulk of exactly the take-over's
+  // length: its last reservation, the one that would take over, sees a row fewer. No learning,
+  // nothing charged, none later either.
+  const int64_t start = CodesLearning::kFirstLearnRows;
+  const int64_t static_rows = config_.selector.sinks + config_.selector.recent;
+  config_.max_layer_tokens = static_rows + CodesLearning::TakeOverAt(start);
+  {
+    WorkQueue queue(1, "test-unreachable");
+    CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue);
+    learning.OnCommitted(Bulk(start));
+    EXPECT_FALSE(learning.learning());
+    EXPECT_EQ(learning.next_learn_at(), 0);
+    EXPECT_EQ(host_.used() + device_.used(), 0);
+  }
+  // One token more and the take-over is within reach: the learning starts.
+  config_.max_layer_tokens += 1;
+  WorkQueue queue(1, "test-reachable");
+  CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue);
+  learning.OnCommitted(Bulk(start));
+  EXPECT_TRUE(learning.learning());
+  EXPECT_EQ(learning.take_over_at(), CodesLearning::TakeOverAt(start));
+}
+
 TEST_P(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
   // Room for the prompt's codes (128 KiB of codebooks and their codes), not for a second set.
   MemoryBudget tight(200 << 10);
@@ -200,7 +229,7 @@ TEST_P(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
   const BulkCodes* const prompts = codes.get();
   const int64_t held = tight.used();
   WorkQueue queue(1, "test-refused");
-  CodesLearning learning(tier_.get(), &config_, accounts, prompt, &queue);
+  CodesLearning learning(tier_.get(), &config_, accounts, prompt, &queue, &tally_);
   const int64_t start = CodesLearning::kFirstLearnRows;
   EXPECT_EQ(learning.next_learn_at(), start);
   learning.OnCommitted(Bulk(start));
@@ -211,6 +240,55 @@ TEST_P(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
   EXPECT_FALSE(learning.learning());
   EXPECT_EQ(learning.next_learn_at(), 2 * start) << "tried again at the next doubling";
   EXPECT_EQ(tight.used(), held) << "the refused learning's charges given back";
+  EXPECT_EQ(tally_.count(LearningOutcome::kRefused), 1) << "counted for the metrics";
+  EXPECT_EQ(tally_.count(LearningOutcome::kTakenOver), 0);
+}
+
+TEST_P(CodesLearningTest, ALearningItsLayerClosesFirstIsCountedAbandoned) {
+  const int64_t start = CodesLearning::kFirstLearnRows;
+  // Closed while still queued (behind a blocker): dropped unrun.
+  {
+    WorkQueue queue(1, "test-abandoned-queued");
+    QueueBlocker blocker;
+    queue.Push(&blocker);
+    {
+      CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue, &tally_);
+      learning.OnCommitted(Bulk(start));
+      ASSERT_TRUE(learning.learning());
+    }
+    blocker.Release();
+  }
+  EXPECT_EQ(tally_.count(LearningOutcome::kAbandoned), 1);
+  // Closed after it learned (waited for as before rows move), its codes charged until then.
+  WorkQueue queue(1, "test-abandoned-learned");
+  {
+    CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue, &tally_);
+    learning.OnCommitted(Bulk(start));
+    std::unique_ptr<BulkCodes> codes;
+    learning.BeforeReserve(Bulk(start), /*rows_move=*/true, &codes);
+    EXPECT_EQ(codes, nullptr);
+    EXPECT_GT(host_.used() + device_.used(), 0) << "the learned codes, held until the take-over";
+  }
+  EXPECT_EQ(tally_.count(LearningOutcome::kAbandoned), 2);
+  EXPECT_EQ(tally_.count(LearningOutcome::kTakenOver) + tally_.count(LearningOutcome::kRefused) +
+                tally_.count(LearningOutcome::kFailed),
+            0);
+  EXPECT_EQ(host_.used() + device_.used(), 0) << "its memory given back";
+}
+
+TEST_P(CodesLearningTest, ALearningRefusedIsCountedSoThoughItsLayerClosesBeforeTheTakeOver) {
+  MemoryBudget tight(1 << 10);  // no room for codebooks
+  const SessionAccounts accounts{&tight, GetParam() ? &tight : nullptr};
+  WorkQueue queue(1, "test-refused-closed");
+  {
+    CodesLearning learning(tier_.get(), &config_, accounts, 0, &queue, &tally_);
+    learning.OnCommitted(Bulk(CodesLearning::kFirstLearnRows));
+    std::unique_ptr<BulkCodes> codes;
+    learning.BeforeReserve(Bulk(CodesLearning::kFirstLearnRows), /*rows_move=*/true, &codes);
+  }
+  EXPECT_EQ(tally_.count(LearningOutcome::kRefused), 1);
+  EXPECT_EQ(tally_.count(LearningOutcome::kAbandoned), 0);
+  EXPECT_EQ(tight.used(), 0);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -158,6 +159,32 @@ TEST(ServerMetricsTest, GaugesComeFromTheSourceAtEveryScrape) {
   EXPECT_EQ(Sample(text, "kvrecall_host_memory_bytes"), 4096);
   EXPECT_THAT(text, HasSubstr("\nkvrecall_host_memory_budget_bytes +Inf\n"));
   EXPECT_EQ(Sample(text, "kvrecall_gpu_memory_budget_bytes"), 1 << 30);
+}
+
+TEST(ServerMetricsTest, CodesLearningsCountUpToTheSourcesTotals) {
+  ServerMetrics metrics;
+  // Every outcome is exported from the start, at 0.
+  const std::string before = metrics.TextFormat();
+  for (const char* outcome : {"taken_over", "refused", "failed", "abandoned"}) {
+    EXPECT_EQ(Sample(before, absl::StrCat("kvrecall_codes_learnings_total{outcome=\"", outcome,
+                                          "\"}")),
+              0)
+        << outcome;
+  }
+  std::array<int64_t, kLearningOutcomes> totals{3, 1, 0, 0};
+  metrics.SetGaugeSource([&] {
+    ServerGauges g;
+    g.codes_learnings = totals;
+    return g;
+  });
+  metrics.TextFormat();
+  totals = {5, 1, 0, 2};
+  const std::string text = metrics.TextFormat();
+  EXPECT_EQ(Sample(text, "kvrecall_codes_learnings_total{outcome=\"taken_over\"}"), 5);
+  EXPECT_EQ(Sample(text, "kvrecall_codes_learnings_total{outcome=\"refused\"}"), 1);
+  EXPECT_EQ(Sample(text, "kvrecall_codes_learnings_total{outcome=\"failed\"}"), 0);
+  EXPECT_EQ(Sample(text, "kvrecall_codes_learnings_total{outcome=\"abandoned\"}"), 2);
+  EXPECT_THAT(text, HasSubstr("# TYPE kvrecall_codes_learnings_total counter"));
 }
 
 TEST(ServerMetricsTest, CountsRefusalsByLimitAndTypesEveryFamily) {

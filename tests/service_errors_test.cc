@@ -7,8 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/backends/codes_learning.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -658,6 +660,108 @@ TEST_F(ServiceMemoryBudgetTest, AnnouncedTokensSetTheHostKvAsideInThePlacementsL
       EXPECT_EQ(server().server().budget().used(), 0);
     }
   }
+}
+
+// Random prompts and tokens of a 1-layer session of `g`.
+PromptLayer RandomPromptOf(const v1::Geometry& g, int tokens, uint64_t seed) {
+  const int q_row = g.q_heads() * g.head_dim(), kv_row = g.kv_heads() * g.head_dim();
+  return PromptLayer{RandomNormal(tokens * q_row, seed), RandomNormal(tokens * kv_row, seed + 1),
+                     RandomNormal(tokens * kv_row, seed + 2)};
+}
+
+// Decodes `steps` random tokens into the 1-layer session `id` of `g`.
+void DecodeRandomTokens(v1::KvRecall::Stub& stub, const std::string& id, const v1::Geometry& g,
+                        int steps, uint64_t seed) {
+  DecodeClient decode(stub);
+  for (int step = 0; step < steps; ++step) {
+    const PromptLayer token = RandomPromptOf(g, 1, seed + 3 * step);
+    v1::DecodeRequest one;
+    one.set_layer(0);
+    *one.add_steps() = MakeStep(id, g, token.q, token.k, token.v);
+    ASSERT_TRUE(decode.Step(one).ok()) << step;
+  }
+}
+
+// Waits (60 s at most) until no codes learning is queued or running.
+void WaitForTheLearnings() {
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  while (CodesLearningQueue()->active() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(CodesLearningQueue()->active(), 0) << "a learning still runs after 60 s";
+}
+
+// What each session holds of the host budget (SessionInfo.host_budget_bytes) adds up to the
+// memory gauge, where host_bytes leaves out what is set aside for max_tokens (all of it before
+// the Prefill) and shortlist codes being learned beside those in use; the learning's outcome
+// reaches the metrics once its codes take over.
+TEST_F(ServerTest, EachSessionsBudgetBytesAddUpToTheMemoryGauge) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 64);
+  const MemoryBudget& gauge = server().server().budget();
+  auto info_of = [&](const std::string& id) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? *info : v1::SessionInfo();
+  };
+  // Announced and not prefilled: its KV for max_tokens set aside, none of it used yet.
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = g;
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_max_tokens(500);
+  v1::CreateSessionResponse announced;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub().CreateSession(&context, request, &announced).ok());
+  v1::SessionInfo info = info_of(announced.session_id());
+  EXPECT_EQ(info.host_bytes(), 0);
+  EXPECT_EQ(info.host_budget_bytes(), 500 * 2 * 64 * 4 * 2) << "keys and values, f32";
+  EXPECT_EQ(info.host_budget_bytes(), gauge.used());
+  // Without --max_context_tokens a layer may grow to the most a layer can hold.
+  for (const std::shared_ptr<Session>& session : server().server().sessions().List()) {
+    EXPECT_EQ(session->layer_config().max_layer_tokens, kMaxLayerTokens);
+  }
+
+  // A tiered index layer with a shortlist: codes learned from its prompt's 512 bulk rows, and
+  // learned again once decoding brings the bulk to 1024, beside those in use until 1536.
+  constexpr int kSinks = 4, kRecent = 16, kPromptBulk = 512;
+  v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, 16, kSinks, kRecent);
+  policy.set_placement(v1::PLACEMENT_TIERED);
+  policy.mutable_index()->set_shortlist(64);
+  absl::StatusOr<std::string> tiered = CreateSession(stub(), g, policy);
+  ASSERT_TRUE(tiered.ok()) << tiered.status();
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*tiered, g, 0,
+                                           RandomPromptOf(g, kSinks + kRecent + kPromptBulk, 10),
+                                           128))
+                  .ok());
+  const int64_t learn_at = CodesLearning::kFirstLearnRows;
+  ASSERT_EQ(CodesLearning::NextLearnAt(kPromptBulk, g.head_dim()), learn_at);
+  DecodeRandomTokens(stub(), *tiered, g, learn_at - kPromptBulk, 100);
+  WaitForTheLearnings();
+  info = info_of(*tiered);
+  EXPECT_GT(info.host_budget_bytes() + info.gpu_budget_bytes(),
+            info.host_bytes() + info.gpu_bytes())
+      << "the codes being learned are held beside those in use";
+
+  // A cpu session, prefilled without an announcement: it holds what it uses.
+  absl::StatusOr<std::string> plain = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*plain, g, 0, RandomPromptOf(g, 100, 20), 64)).ok());
+  const v1::SessionInfo plain_info = info_of(*plain);
+  EXPECT_EQ(plain_info.host_budget_bytes(), plain_info.host_bytes());
+
+  EXPECT_EQ(info_of(announced.session_id()).host_budget_bytes() + info.host_budget_bytes() +
+                plain_info.host_budget_bytes(),
+            gauge.used());
+
+  // At the take-over the second set replaces the first, and the metrics count it.
+  const std::string taken_over = "kvrecall_codes_learnings_total{outcome=\"taken_over\"} ";
+  EXPECT_THAT(server().server().metrics().TextFormat(), HasSubstr(taken_over + "0\n"));
+  DecodeRandomTokens(stub(), *tiered, g, CodesLearning::TakeOverAt(learn_at) - learn_at + 1,
+                     5000);
+  info = info_of(*tiered);
+  EXPECT_EQ(info.host_budget_bytes() + info.gpu_budget_bytes(),
+            info.host_bytes() + info.gpu_bytes())
+      << "the old codes given back";
+  EXPECT_THAT(server().server().metrics().TextFormat(), HasSubstr(taken_over + "1\n"));
 }
 
 // With max_tokens announced the prompt is staged in the layer's final allocation: the host KV

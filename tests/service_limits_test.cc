@@ -184,6 +184,11 @@ TEST_F(MaxContextTokensTest, CreateSessionAnnouncingMoreIsRefused) {
   EXPECT_EQ(RefusalsCounted(running(), "max_context_tokens"), 1);
 
   EXPECT_TRUE(CreateAnnouncing(SmallGeometry(), 32).ok());
+  // Its layers know the limit: work that pays off only past it is not started (a tiered
+  // layer's codes learned again, server/backends/codes_learning.h).
+  const std::vector<std::shared_ptr<Session>> sessions = running().sessions().List();
+  ASSERT_EQ(sessions.size(), 1u);
+  EXPECT_EQ(sessions[0]->layer_config().max_layer_tokens, 32);
 }
 
 TEST_F(MaxContextTokensTest, PrefillPastTheLimitCommitsNothing) {

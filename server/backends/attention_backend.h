@@ -12,6 +12,7 @@
 #define KVRECALL_SERVER_BACKENDS_ATTENTION_BACKEND_H_
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -37,6 +38,10 @@ struct LayerConfig {
   v1::DType dtype = v1::DTYPE_F32;    // the model's dtype: device tiers keep KV in it
   SelectorParams selector;
   int64_t expected_tokens = 0;        // CreateSession's max_tokens; 0: not announced
+  // The most tokens the layer may ever hold: the server's --max_context_tokens, else the most a
+  // layer can (kMaxLayerTokens). Work that pays off only past it (a learning whose codes would
+  // take over beyond it) is not started.
+  int64_t max_layer_tokens = std::numeric_limits<int32_t>::max();
 };
 
 // Where a session's memory is charged: host bytes and, for placements with a GPU part, the

@@ -98,11 +98,13 @@ struct CodesLearning::Job final : WorkItem {
 };
 
 CodesLearning::CodesLearning(StaticSetTier* tier, const LayerConfig* config,
-                             SessionAccounts accounts, int64_t learned_rows, WorkQueue* queue)
+                             SessionAccounts accounts, int64_t learned_rows, WorkQueue* queue,
+                             CodesLearningTally* tally)
     : tier_(tier),
       config_(config),
       accounts_(accounts),
       queue_(queue),
+      tally_(tally),
       next_learn_at_(NextLearnAt(learned_rows, config->shape.head_dim)) {}
 
 CodesLearning::~CodesLearning() {
@@ -113,6 +115,13 @@ CodesLearning::~CodesLearning() {
   // this on the queue's thread, holding nothing charged).
   absl::StatusOr<std::unique_ptr<BulkCodes>> learned;
   absl::MutexLock lock(&job_->mu);
+  // A learning that ended refused or failed is counted so even if its take-over never came.
+  const bool failed = job_->begun && job_->done && !job_->learned.ok();
+  if (tally_ != nullptr) {
+    tally_->Count(!failed ? LearningOutcome::kAbandoned
+                  : absl::IsResourceExhausted(job_->learned.status()) ? LearningOutcome::kRefused
+                                                                       : LearningOutcome::kFailed);
+  }
   learned = std::move(job_->learned);
   job_->learned = std::unique_ptr<BulkCodes>();
 }
@@ -120,9 +129,15 @@ CodesLearning::~CodesLearning() {
 void CodesLearning::OnCommitted(const KvView& bulk) {
   if (job_ != nullptr) job_->committed.store(bulk.tokens, std::memory_order_release);
   if (job_ != nullptr || next_learn_at_ <= 0 || bulk.tokens < next_learn_at_) return;
+  const SelectorParams& p = config_->selector;
+  if (TakeOverAt(bulk.tokens) >= BulkTokens(config_->max_layer_tokens, p.sinks, p.recent)) {
+    // The layer can never grow to where these codes (or any later ones) would take over: a
+    // learning would cost its memory and cores for nothing.
+    next_learn_at_ = 0;
+    return;
+  }
   take_over_at_ = TakeOverAt(bulk.tokens);
   next_learn_at_ = NextLearnAt(bulk.tokens, config_->shape.head_dim);
-  const SelectorParams& p = config_->selector;
   // Room for the announced context, as at prefill, and at least past the take-over.
   const int64_t capacity =
       std::max(BulkTokens(config_->expected_tokens, p.sinks, p.recent), take_over_at_ + 1);
@@ -161,6 +176,11 @@ void CodesLearning::BeforeReserve(const KvView& bulk, bool rows_move,
     } else if (absl::Status s = (*learned)->CodeRows(bulk); !s.ok()) {
       learned = s;
     }
+  }
+  if (tally_ != nullptr) {
+    tally_->Count(learned.ok() ? LearningOutcome::kTakenOver
+                  : absl::IsResourceExhausted(learned.status()) ? LearningOutcome::kRefused
+                                                                : LearningOutcome::kFailed);
   }
   if (!learned.ok()) {
     static std::once_flag said;

@@ -11,12 +11,15 @@
 // codes the rows the bulk gains meanwhile; the new codes take over at a fixed length
 // (TakeOverAt: half again as many rows), waiting for the learning if it is not done by then. So
 // the step at which a layer's codes change depends on its length alone, not on when the
-// learning happened to finish.
+// learning happened to finish. A learning whose codes could take over only past the most tokens
+// the layer may hold (LayerConfig::max_layer_tokens: --max_context_tokens) is not started.
 //
 // Memory: a learning holds a second set of codes (sized, as the first, for the announced
 // max_tokens) beside the layer's until it takes over, charged to the session's accounts as it
 // is made; when they refuse it, the layer keeps the codes it has and tries again at the next
-// doubling. GetSession reports the codes in use.
+// doubling. GetSession reports the codes in use (SessionInfo.host_budget_bytes and
+// gpu_budget_bytes the second set too); kvrecall_codes_learnings_total counts how learnings
+// ended (server/backends/learning_outcomes.h), a refused one among them.
 #ifndef KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
 #define KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
 
@@ -27,6 +30,7 @@
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
 #include "server/backends/bulk_codes.h"
+#include "server/backends/learning_outcomes.h"
 #include "server/work_queue.h"
 
 namespace kvrecall {
@@ -62,9 +66,10 @@ class CodesLearning final {
 
   // For a layer of `config` whose codes live on `tier`, charged to `accounts` (every one of
   // them outlives this object), learned from `learned_rows` bulk rows so far (0: no codes).
-  // queue: where learnings run (CodesLearningQueue()).
+  // queue: where learnings run (CodesLearningQueue()); tally (null: none) counts how each
+  // learning ended.
   CodesLearning(StaticSetTier* tier, const LayerConfig* config, SessionAccounts accounts,
-                int64_t learned_rows, WorkQueue* queue);
+                int64_t learned_rows, WorkQueue* queue, CodesLearningTally* tally = nullptr);
   // Waits for a learning that has begun (it reads the layer's KV); one still queued (behind
   // other layers' learnings) is dropped at once, and learns nothing when the queue reaches it.
   ~CodesLearning();
@@ -73,7 +78,9 @@ class CodesLearning final {
 
   // After a step committed its token: `bulk` is the layer's bulk now ([tokens, kv_heads,
   // head_dim] in host memory, whose committed rows stay put until BeforeReserve says they
-  // move); starts a learning when the bulk has reached the next learning's length.
+  // move); starts a learning when the bulk has reached the next learning's length, unless its
+  // codes could take over only past LayerConfig::max_layer_tokens: then none ever starts
+  // (next_learn_at() is 0).
   void OnCommitted(const KvView& bulk);
   // Before a token is reserved: when the bulk (`bulk`, as in OnCommitted) has reached the
   // learned codes' take-over length, waits for them, codes the rows they lack and puts them in
@@ -98,6 +105,7 @@ class CodesLearning final {
   const LayerConfig* const config_;
   const SessionAccounts accounts_;
   WorkQueue* const queue_;
+  CodesLearningTally* const tally_;
   int64_t next_learn_at_ = 0;
   int64_t take_over_at_ = 0;
   std::shared_ptr<Job> job_;  // the learning started, until its codes take over

@@ -74,6 +74,18 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
   return placements;
 }
 
+std::array<int64_t, kLearningOutcomes> Placements::CodesLearnings() const {
+  std::array<int64_t, kLearningOutcomes> counts{};
+  for (const std::unique_ptr<AttentionBackend>& backend : tiered_) {
+    // Every tiered backend is a TieredBackend (Create, MakeGpuBackends).
+    const CodesLearningTally& tally = static_cast<const TieredBackend&>(*backend).codes_learnings();
+    for (int i = 0; i < kLearningOutcomes; ++i) {
+      counts[i] += tally.count(static_cast<LearningOutcome>(i));
+    }
+  }
+  return counts;
+}
+
 absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_device,
                                 SelectorParams* selector) {
   SelectorParams& p = *selector;

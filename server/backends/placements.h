@@ -5,6 +5,7 @@
 #ifndef KVRECALL_SERVER_BACKENDS_PLACEMENTS_H_
 #define KVRECALL_SERVER_BACKENDS_PLACEMENTS_H_
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -13,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/backends/attention_backend.h"
+#include "server/backends/learning_outcomes.h"
 #include "server/backends/cpu_backend.h"
 
 namespace kvrecall {
@@ -86,6 +88,9 @@ class Placements {
   const std::vector<std::unique_ptr<AttentionBackend>>& gpu() const { return gpu_; }
   // Every tiered backend: one per device, or one whose static sets are in host memory.
   const std::vector<std::unique_ptr<AttentionBackend>>& tiered() const { return tiered_; }
+  // How the tiered layers' codes learnings ended, by LearningOutcome, summed over the tiered
+  // backends (server/backends/codes_learning.h).
+  std::array<int64_t, kLearningOutcomes> CodesLearnings() const;
 
  private:
   Placements() = default;

@@ -128,10 +128,12 @@ class TieredLayer final : public LayerBackend {
   // step (the layer's host KV is pinned for it); 0: none. balance: the count moves within it by
   // time from half the heads (DeviceHeadBalance), else it is the bound.
   // With policy.index.shortlist the codes (null: the prompt had no bulk) are learned again on
-  // `tier`, charged to `accounts`, as the bulk grows (CodesLearning).
+  // `tier`, charged to `accounts`, as the bulk grows (CodesLearning), each learning's outcome
+  // counted in `learnings`.
   TieredLayer(const LayerConfig& config, StaticSetTier* tier, const SessionAccounts& accounts,
               LayerKvStore kv, BulkSelector bulk, std::unique_ptr<StaticSet> static_set,
-              std::unique_ptr<BulkCodes> codes, int device_exact_bound, bool balance)
+              std::unique_ptr<BulkCodes> codes, int device_exact_bound, bool balance,
+              CodesLearningTally* learnings)
       : config_(config),
         device_exact_bound_(device_exact_bound),
         balance_(device_exact_bound,
@@ -156,7 +158,7 @@ class TieredLayer final : public LayerBackend {
     if (config.selector.shortlist > 0) {
       learning_ = std::make_unique<CodesLearning>(
           tier, &config_, accounts, codes_ != nullptr ? codes_->learned_rows() : 0,
-          CodesLearningQueue());
+          CodesLearningQueue(), learnings);
       // The steps' shortlists and the tier's exact heads' results, allocated (and charged with
       // the selector's state) once here rather than at the first step, uncharged: a shortlist
       // of 2^20 takes 4 MiB a query head whatever the context (and codes may come later).
@@ -722,7 +724,8 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
   }
   return std::make_unique<TieredLayer>(config, tier_.get(), accounts, std::move(staged.kv),
                                        *std::move(bulk), *std::move(static_set),
-                                       std::move(codes), device_heads, device_exact_balance_);
+                                       std::move(codes), device_heads, device_exact_balance_,
+                                       &codes_learnings_);
 }
 
 int TieredBackend::DeviceExactHeads(const LayerConfig& config) const {

@@ -26,6 +26,7 @@
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
 #include "server/backends/bulk_codes.h"
+#include "server/backends/codes_learning.h"
 #include "server/kv_store.h"
 
 namespace kvrecall {
@@ -252,6 +253,9 @@ class TieredBackend final : public AttentionBackend {
   absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
   absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
 
+  // How its layers' codes learnings ended (server/backends/codes_learning.h).
+  const CodesLearningTally& codes_learnings() const { return codes_learnings_; }
+
  private:
   // One launch of the static tier and the bulk work for `batch`, whose static sets match.
   absl::Status StepRun(std::span<LayerStep> batch, TieredStepContext& ctx);
@@ -262,6 +266,7 @@ class TieredBackend final : public AttentionBackend {
   std::unique_ptr<StaticSetTier> tier_;
   const double device_exact_share_;
   const bool device_exact_balance_;
+  CodesLearningTally codes_learnings_;  // outlives the layers, as the backend does
 };
 
 }  // namespace kvrecall

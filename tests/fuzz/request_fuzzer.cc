@@ -64,10 +64,16 @@ std::vector<v1::SessionInfo> Snapshot(const SessionRegistry& registry) {
   return out;
 }
 
+// Whether no session changed: what they hold of the budgets aside, which a prompt's staging
+// moves before its commit (and a failed one's release gives back).
 bool SameSessions(const std::vector<v1::SessionInfo>& a, const std::vector<v1::SessionInfo>& b) {
   if (a.size() != b.size()) return false;
+  const google::protobuf::Descriptor* info = v1::SessionInfo::descriptor();
+  google::protobuf::util::MessageDifferencer same;
+  same.IgnoreField(info->FindFieldByName("host_budget_bytes"));
+  same.IgnoreField(info->FindFieldByName("gpu_budget_bytes"));
   for (size_t i = 0; i < a.size(); ++i) {
-    if (!google::protobuf::util::MessageDifferencer::Equals(a[i], b[i])) return false;
+    if (!same.Compare(a[i], b[i])) return false;
   }
   return true;
 }
