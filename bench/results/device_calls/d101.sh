@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Run 2026-12-05: 49 of 49 binaries, 59 Python tests (device_tests.md).
 # Hundred-and-first call: the seventh session's final code (the learnings' outcomes counted,
 # SessionInfo's budget bytes, no learning past --max_context_tokens; d100's failing budget test
 # mended to a bf16 session and to what a GPU tier holds beyond its layers' memory). Every C++
