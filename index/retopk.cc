@@ -319,13 +319,14 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
   // `begin` for all needed queries, then per query an exact rescoring of that list together
   // with the keys [begin, last].
   std::vector<TopKLists> head_lists(shape_.q_heads);
+  const BatchTopKFunction& batch_topk =
+      batch_topk_ != nullptr ? batch_topk_ : BatchTopKFunction(CpuBatchTopK);
   for (int h = 0; h < shape_.q_heads; ++h) {
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     const VectorSet queries{prompt_queries.row(begin, query_stride) + static_cast<int64_t>(h) * d,
                             tokens - begin, query_stride, d};
-    if (absl::Status s =
-            CpuBatchTopK(queries, VectorSet::KeysOf(kv, kv_head, 0, begin), top_k_,
-                         &head_lists[h]);
+    if (absl::Status s = batch_topk(queries, VectorSet::KeysOf(kv, kv_head, 0, begin), top_k_,
+                                    &head_lists[h], {});
         !s.ok()) {
       return s;
     }

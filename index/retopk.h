@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "index/batch_topk.h"
 #include "index/selector_params.h"
 #include "index/support_selector.h"
 #include "kernels/kv_view.h"
@@ -279,6 +280,10 @@ class ReTopKSelector : public SupportSelector {
   // valid during Build only (unset: nothing outside the view).
   using OutsideLse = std::function<float(const float* q, int64_t last_row, int q_head)>;
   void set_outside_lse(OutsideLse outside_lse) { outside_lse_ = std::move(outside_lse); }
+  // Where Build finds its queries' exact top-K over the keys before the last ones it needs (the
+  // seeds' and auto_tau's: C + 256 queries against nearly the whole prompt, most of a long
+  // prompt's build): CpuBatchTopK unless set, the GPU's (cuBLAS) where the layer has one.
+  void set_batch_topk(BatchTopKFunction batch_topk) { batch_topk_ = std::move(batch_topk); }
 
   // The state of query head q_head, for tests and diagnostics.
   const ReTopKHead& head(int q_head) const { return heads_[q_head]; }
@@ -293,6 +298,7 @@ class ReTopKSelector : public SupportSelector {
   std::vector<ReTopKHead> heads_;
   std::unique_ptr<SupportSelector> exact_search_;  // null: the flat scan
   OutsideLse outside_lse_;                         // Build only; may be empty
+  BatchTopKFunction batch_topk_;                   // Build only; empty: CpuBatchTopK
 };
 
 }  // namespace kvrecall

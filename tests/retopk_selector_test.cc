@@ -1,6 +1,7 @@
 #include "index/retopk.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <mutex>
 #include <random>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -713,6 +715,47 @@ TEST(ReTopKSelectorTest, AutoTauReplaysEachQueryOverItsOwnPrefixWhateverTheLead)
   ASSERT_EQ(rows_asked.size(), static_cast<size_t>(q_heads * window));
   EXPECT_EQ(*std::min_element(rows_asked.begin(), rows_asked.end()), prompt - window);
   EXPECT_EQ(*std::max_element(rows_asked.begin(), rows_asked.end()), prompt - 1);
+}
+
+// Build's batch top-K can be another implementation (the GPU's where the layer has one): the
+// selector is built from its lists, one call a query head, to the same taus and cache entries.
+TEST(ReTopKSelectorTest, BuildFindsItsTopKWithTheBatchTopKItIsGiven) {
+  const int q_heads = 4, d = 32, top_k = 32;
+  const LayerShape shape = Shape(q_heads, 2, d);
+  const int64_t prompt = 1200;
+  RandomKv kv(prompt, 2, d, 59);
+  const std::vector<float> queries = PlantedQueries(prompt, q_heads, d);
+  SelectorParams params = ReTopK(top_k, 0.85f, 0);
+  params.retopk.auto_tau = true;
+  ReTopKSelector plain(shape, top_k, params.retopk);
+  ASSERT_TRUE(plain.Build(kv.view(), queries.data()).ok());
+  ReTopKSelector given(shape, top_k, params.retopk);
+  std::atomic<int> calls{0};
+  given.set_batch_topk([&](const VectorSet& q, const VectorSet& keys, int k, TopKLists* out,
+                           std::span<const int64_t> visible) {
+    ++calls;
+    return CpuBatchTopK(q, keys, k, out, visible);
+  });
+  ASSERT_TRUE(given.Build(kv.view(), queries.data()).ok());
+  EXPECT_EQ(calls.load(), q_heads);
+  for (int h = 0; h < q_heads; ++h) {
+    EXPECT_EQ(given.head(h).tau(), plain.head(h).tau()) << "head " << h;
+    const QuerySupportCache& a = given.head(h).cache();
+    const QuerySupportCache& b = plain.head(h).cache();
+    ASSERT_EQ(a.size(), b.size()) << "head " << h;
+    for (int age = 0; age < a.size(); ++age) {
+      EXPECT_TRUE(std::ranges::equal(a.support(age), b.support(age))) << h << " " << age;
+    }
+  }
+  // An error of the batch top-K is Build's.
+  ReTopKSelector failing(shape, top_k, params.retopk);
+  failing.set_batch_topk([](const VectorSet&, const VectorSet&, int, TopKLists*,
+                            std::span<const int64_t>) {
+    return absl::ResourceExhaustedError("the device is full");
+  });
+  const absl::Status failed = failing.Build(kv.view(), queries.data());
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  EXPECT_THAT(failed.message(), HasSubstr("the device is full"));
 }
 
 }  // namespace

@@ -644,8 +644,10 @@ TEST(HardeningProcessTest, IdleStreamsHoldNoThreads) {
   ASSERT_GT(before, 0);
   IdleStreams idle(server->address(), 1000, 8);
   const int during = ThreadsOf(server->pid());
-  EXPECT_LE(during, before + 8) << "threads before " << before << ", with 1000 idle streams "
-                                << during;
+  // gRPC's own pollers and executor may grow with 8 connections' traffic (by 9 once on the
+  // 16-core H200 host, d102); a thread a stream would be 1000 more.
+  EXPECT_LE(during, before + 16) << "threads before " << before << ", with 1000 idle streams "
+                                 << during;
   HealthCheckResponse health;
   EXPECT_TRUE(CheckHealth(server->address(), &health).ok());
 }

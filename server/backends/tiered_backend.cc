@@ -94,6 +94,8 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       // Bulk row r is token sinks + r; the prompt queries it is built from are offset so that
       // query r is the one of token sinks + recent + r, which sees bulk rows [0, r + recent].
       auto retopk = std::make_unique<ReTopKSelector>(config.shape, p.top_k, p.retopk, p.recent);
+      // Its build's exact top-K (seeds, auto_tau) on the tier's device where it has one.
+      if (batch_topk != nullptr) retopk->set_batch_topk(batch_topk);
       if (p.shortlist > 0) {
         auto shortlist = std::make_unique<ShortlistSelector>(config.shape, p.top_k);
         ShortlistSelector* exact = shortlist.get();
