@@ -690,17 +690,34 @@ TEST(ReTopKSelectorTest, AutoTauCountsOnlyQueriesWhoseViewOutgrowsAReuseStep) {
 // own position), whatever the lead the seeds are chosen with: the tiered bulk's queries, whose
 // seeds see the whole bulk, calibrate as the same queries do over the plain prefix. (Before, a
 // replayed query saw `lead` rows more, which the static set then counted again as kept.)
+// A planted prompt (PlantedQueries) of 1200 tokens, K = 32, auto_tau, and a selector built on
+// it the plain way, to compare other builds with.
+struct AutoTauPrompt {
+  static constexpr int kDim = 32, kTopK = 32;
+  static constexpr int64_t kTokens = 1200;
+  AutoTauPrompt(int q_heads, int kv_heads, uint64_t seed)
+      : shape(Shape(q_heads, kv_heads, kDim)),
+        kv(kTokens, kv_heads, kDim, seed),
+        queries(PlantedQueries(kTokens, q_heads, kDim)),
+        params(ReTopK(kTopK, 0.85f, 0)) {
+    params.retopk.auto_tau = true;
+    plain = std::make_unique<ReTopKSelector>(shape, kTopK, params.retopk);
+    EXPECT_TRUE(plain->Build(kv.view(), queries.data()).ok());
+  }
+  LayerShape shape;
+  RandomKv kv;
+  std::vector<float> queries;
+  SelectorParams params;
+  std::unique_ptr<ReTopKSelector> plain;
+};
+
 TEST(ReTopKSelectorTest, AutoTauReplaysEachQueryOverItsOwnPrefixWhateverTheLead) {
-  const int q_heads = 2, d = 32, top_k = 32;
-  const LayerShape shape = Shape(q_heads, 1, d);
-  const int64_t prompt = 1200;
-  RandomKv kv(prompt, 1, d, 57);
-  const std::vector<float> queries = PlantedQueries(prompt, q_heads, d);
-  SelectorParams params = ReTopK(top_k, 0.85f, 0);
-  params.retopk.auto_tau = true;
-  ReTopKSelector plain(shape, top_k, params.retopk);
-  ASSERT_TRUE(plain.Build(kv.view(), queries.data()).ok());
-  ReTopKSelector led(shape, top_k, params.retopk, /*query_lead=*/64);
+  const int q_heads = 2;
+  AutoTauPrompt t(q_heads, 1, 57);
+  const int64_t prompt = AutoTauPrompt::kTokens;
+  const ReTopKSelector& plain = *t.plain;
+  const SelectorParams& params = t.params;
+  ReTopKSelector led(t.shape, AutoTauPrompt::kTopK, params.retopk, /*query_lead=*/64);
   std::vector<int64_t> rows_asked;
   std::mutex mu;
   led.set_outside_lse([&](const float*, int64_t last_row, int) {
@@ -708,7 +725,7 @@ TEST(ReTopKSelectorTest, AutoTauReplaysEachQueryOverItsOwnPrefixWhateverTheLead)
     rows_asked.push_back(last_row);
     return -1e4f;  // nothing outside: the same recall as the plain selector's
   });
-  ASSERT_TRUE(led.Build(kv.view(), queries.data()).ok());
+  ASSERT_TRUE(led.Build(t.kv.view(), t.queries.data()).ok());
   for (int h = 0; h < q_heads; ++h) EXPECT_EQ(led.head(h).tau(), plain.head(h).tau());
   // Asked for the replayed queries' own rows (the last C + kCalibrationQueries, per head).
   const int64_t window = params.retopk.cache_capacity + kCalibrationQueries;
@@ -720,15 +737,13 @@ TEST(ReTopKSelectorTest, AutoTauReplaysEachQueryOverItsOwnPrefixWhateverTheLead)
 // Build's batch top-K can be another implementation (the GPU's where the layer has one): the
 // selector is built from its lists, one call a query head, to the same taus and cache entries.
 TEST(ReTopKSelectorTest, BuildFindsItsTopKWithTheBatchTopKItIsGiven) {
-  const int q_heads = 4, d = 32, top_k = 32;
-  const LayerShape shape = Shape(q_heads, 2, d);
-  const int64_t prompt = 1200;
-  RandomKv kv(prompt, 2, d, 59);
-  const std::vector<float> queries = PlantedQueries(prompt, q_heads, d);
-  SelectorParams params = ReTopK(top_k, 0.85f, 0);
-  params.retopk.auto_tau = true;
-  ReTopKSelector plain(shape, top_k, params.retopk);
-  ASSERT_TRUE(plain.Build(kv.view(), queries.data()).ok());
+  const int q_heads = 4, top_k = AutoTauPrompt::kTopK;
+  AutoTauPrompt t(q_heads, 2, 59);
+  const LayerShape& shape = t.shape;
+  const SelectorParams& params = t.params;
+  const ReTopKSelector& plain = *t.plain;
+  const KvView kv = t.kv.view();
+  const std::vector<float>& queries = t.queries;
   ReTopKSelector given(shape, top_k, params.retopk);
   std::atomic<int> calls{0};
   given.set_batch_topk([&](const VectorSet& q, const VectorSet& keys, int k, TopKLists* out,
@@ -736,7 +751,7 @@ TEST(ReTopKSelectorTest, BuildFindsItsTopKWithTheBatchTopKItIsGiven) {
     ++calls;
     return CpuBatchTopK(q, keys, k, out, visible);
   });
-  ASSERT_TRUE(given.Build(kv.view(), queries.data()).ok());
+  ASSERT_TRUE(given.Build(kv, queries.data()).ok());
   EXPECT_EQ(calls.load(), q_heads);
   for (int h = 0; h < q_heads; ++h) {
     EXPECT_EQ(given.head(h).tau(), plain.head(h).tau()) << "head " << h;
@@ -753,7 +768,7 @@ TEST(ReTopKSelectorTest, BuildFindsItsTopKWithTheBatchTopKItIsGiven) {
                             std::span<const int64_t>) {
     return absl::ResourceExhaustedError("the device is full");
   });
-  const absl::Status failed = failing.Build(kv.view(), queries.data());
+  const absl::Status failed = failing.Build(kv, queries.data());
   EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
   EXPECT_THAT(failed.message(), HasSubstr("the device is full"));
 }
