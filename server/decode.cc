@@ -161,34 +161,26 @@ uint64_t WidestBytes(int varint_bytes = 10) {
   return message.ByteSizeLong();
 }
 
-// WidestBytes<Message>(b) for every varint width b in [1, 10] (index b).
+// WidestBytes<Message>(b) for every varint width b in [1, 10] (index b), each widest message
+// first passed to `trim` (when given), which clears the fields a reply leaves out.
 template <typename Message>
-const std::array<uint64_t, 11>& WidestBytesByVarint() {
-  static const std::array<uint64_t, 11> bytes = [] {
-    std::array<uint64_t, 11> out{};
-    for (int b = 1; b <= 10; ++b) out[b] = WidestBytes<Message>(b);
-    return out;
-  }();
-  return bytes;
+std::array<uint64_t, 11> WidestBytesByVarint(void (*trim)(Message*) = nullptr) {
+  std::array<uint64_t, 11> out{};
+  for (int b = 1; b <= 10; ++b) {
+    Message message;
+    FillWidest(&message, b);
+    if (trim != nullptr) trim(&message);
+    out[b] = message.ByteSizeLong();
+  }
+  return out;
 }
 
-// The widest HeadDiagnostics of varint width b (index b) without the fields compare_exact alone
-// sets (support_recall, retained_mass, output_cosine, rel_l2).
-const std::array<uint64_t, 11>& WidestHeadBytesWithoutFidelity() {
-  static const std::array<uint64_t, 11> bytes = [] {
-    std::array<uint64_t, 11> out{};
-    for (int b = 1; b <= 10; ++b) {
-      v1::HeadDiagnostics head;
-      FillWidest(&head, b);
-      head.clear_support_recall();
-      head.clear_retained_mass();
-      head.clear_output_cosine();
-      head.clear_rel_l2();
-      out[b] = head.ByteSizeLong();
-    }
-    return out;
-  }();
-  return bytes;
+// Clears the HeadDiagnostics fields that compare_exact alone sets.
+void ClearFidelity(v1::HeadDiagnostics* head) {
+  head->clear_support_recall();
+  head->clear_retained_mass();
+  head->clear_output_cosine();
+  head->clear_rel_l2();
 }
 
 // The bytes of a length-delimited field (a string, a message, a packed array) of `bytes`.
@@ -218,9 +210,12 @@ uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
                              std::span<const int64_t> tokens) {
   static const uint64_t kResponseScalars = WidestBytes<v1::DecodeResponse>();
   static const uint64_t kTierMicros = WidestBytes<v1::TierMicros>();
-  const auto& result_scalars = WidestBytesByVarint<v1::SequenceResult>();
-  const auto& head_bytes = request.compare_exact() ? WidestBytesByVarint<v1::HeadDiagnostics>()
-                                                   : WidestHeadBytesWithoutFidelity();
+  static const auto result_scalars = WidestBytesByVarint<v1::SequenceResult>();
+  static const auto head_bytes_with_fidelity = WidestBytesByVarint<v1::HeadDiagnostics>();
+  static const auto head_bytes_without_fidelity =
+      WidestBytesByVarint<v1::HeadDiagnostics>(&ClearFidelity);
+  const auto& head_bytes =
+      request.compare_exact() ? head_bytes_with_fidelity : head_bytes_without_fidelity;
   uint64_t total = kResponseScalars +
                    DelimitedBytes(v1::DecodeResponse::kTierMicrosFieldNumber, kTierMicros);
   for (int i = 0; i < request.steps_size(); ++i) {
