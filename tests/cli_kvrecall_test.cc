@@ -285,6 +285,7 @@ TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
   EXPECT_THAT(r.out, HasSubstr(id));
   EXPECT_THAT(r.out, HasSubstr("exact_topk"));
   EXPECT_THAT(r.out, HasSubstr("3 x 8/2 x 32"));
+  EXPECT_THAT(r.out, HasSubstr("HELD MiB"));  // what it holds of the host budget
 
   r = Kvrecall("close", {id});
   ASSERT_EQ(r.exit_code, 0) << r.err;
