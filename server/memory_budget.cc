@@ -41,29 +41,31 @@ int64_t MemoryBudget::available() const {
 MemoryGrant::~MemoryGrant() { ReleaseSetAside(); }
 
 void MemoryGrant::ReleaseSetAside() {
+  absl::MutexLock lock(&mu_);
   const int64_t released = set_aside_.exchange(0, std::memory_order_relaxed);
   held_.fetch_sub(released, std::memory_order_relaxed);
+  announced_ = 0;
   budget_->Release(released);
 }
 
 absl::Status MemoryGrant::SetAside(int64_t bytes, absl::string_view what) {
   if (bytes <= 0) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
   if (absl::Status s = budget_->Reserve(bytes, what); !s.ok()) return s;
   set_aside_.fetch_add(bytes, std::memory_order_relaxed);
   held_.fetch_add(bytes, std::memory_order_relaxed);
+  announced_ += bytes;
   return absl::OkStatus();
 }
 
 int64_t MemoryGrant::Draw(int64_t bytes) {
-  int64_t have = set_aside_.load(std::memory_order_relaxed);
-  while (true) {
-    const int64_t take = std::clamp<int64_t>(bytes, 0, have);
-    if (take == 0) return 0;
-    if (set_aside_.compare_exchange_weak(have, have - take, std::memory_order_relaxed)) return take;
-  }
+  const int64_t take = std::clamp<int64_t>(bytes, 0, set_aside_.load(std::memory_order_relaxed));
+  set_aside_.fetch_sub(take, std::memory_order_relaxed);
+  return take;
 }
 
 absl::Status MemoryGrant::Reserve(int64_t bytes, absl::string_view what) {
+  absl::MutexLock lock(&mu_);
   const int64_t drawn = Draw(bytes);
   if (absl::Status s = budget_->Reserve(bytes - drawn, what); !s.ok()) {
     set_aside_.fetch_add(drawn, std::memory_order_relaxed);  // give back what was drawn
@@ -74,9 +76,20 @@ absl::Status MemoryGrant::Reserve(int64_t bytes, absl::string_view what) {
 }
 
 void MemoryGrant::Charge(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
   const int64_t drawn = Draw(bytes);
   held_.fetch_add(bytes - drawn, std::memory_order_relaxed);
   budget_->Charge(bytes - drawn);
+}
+
+void MemoryGrant::Release(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  // The session keeps holding what it announced: freed bytes refill the set-aside up to that.
+  const int64_t held = held_.load(std::memory_order_relaxed);
+  const int64_t kept = std::clamp<int64_t>(announced_ - (held - bytes), 0, bytes);
+  set_aside_.fetch_add(kept, std::memory_order_relaxed);
+  held_.fetch_sub(bytes - kept, std::memory_order_relaxed);
+  budget_->Release(bytes - kept);
 }
 
 }  // namespace kvrecall

@@ -7,8 +7,10 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 
 namespace kvrecall {
 
@@ -61,7 +63,10 @@ class MemoryBudget final : public MemoryAccount {
 // A session's account on a budget: what the session announced at admission (CreateSession's
 // max_tokens) is set aside in the budget up front, and the session's allocations draw on that
 // before they ask the budget for more, so an admitted session cannot be starved later by
-// sessions admitted after it. Thread-safe; whatever is still set aside goes back on destruction.
+// sessions admitted after it. What it frees goes back to the set-aside while the session holds
+// less than it announced (a failed Prefill's staging, drawn from it, must not hand it to other
+// sessions), the rest to the budget. Thread-safe; whatever is still set aside goes back on
+// destruction.
 class MemoryGrant final : public MemoryAccount {
  public:
   explicit MemoryGrant(MemoryBudget* budget) : budget_(budget) {}
@@ -69,32 +74,34 @@ class MemoryGrant final : public MemoryAccount {
   MemoryGrant(const MemoryGrant&) = delete;
   MemoryGrant& operator=(const MemoryGrant&) = delete;
 
-  // Sets `bytes` aside in the budget (RESOURCE_EXHAUSTED naming `what` when they do not fit).
+  // Sets `bytes` more aside in the budget (RESOURCE_EXHAUSTED naming `what` when they do not
+  // fit): the session holds at least its announcements from then on.
   absl::Status SetAside(int64_t bytes, absl::string_view what);
 
   absl::Status Reserve(int64_t bytes, absl::string_view what) override;
   void Charge(int64_t bytes) override;
-  void Release(int64_t bytes) override {
-    held_.fetch_sub(bytes, std::memory_order_relaxed);
-    budget_->Release(bytes);
-  }
+  void Release(int64_t bytes) override;
 
-  // Gives back to the budget whatever is still set aside (the session closed).
+  // Gives back to the budget whatever is still set aside, and ends the announcements (the
+  // session closed): what is released later goes to the budget.
   void ReleaseSetAside();
 
   int64_t set_aside() const { return set_aside_.load(std::memory_order_relaxed); }
-  // What the session holds of the budget: its charges and what is still set aside for it.
-  // The budget's used() is these summed over its grants (and whatever is charged beside them).
+  // What the session holds of the budget: its charges and what is still set aside for it, at
+  // least what it announced. The budget's used() is these summed over its grants (and whatever
+  // is charged beside them).
   int64_t held() const { return held_.load(std::memory_order_relaxed); }
   MemoryBudget* budget() const { return budget_; }
 
  private:
   // Takes up to `bytes` of what is set aside; returns how much it took.
-  int64_t Draw(int64_t bytes);
+  int64_t Draw(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   MemoryBudget* const budget_;
-  std::atomic<int64_t> set_aside_{0};
-  std::atomic<int64_t> held_{0};  // see held()
+  absl::Mutex mu_;  // orders the updates of the three counts; the reads take none
+  int64_t announced_ ABSL_GUARDED_BY(mu_) = 0;  // the set-asides asked for, until released
+  std::atomic<int64_t> set_aside_{0};           // written under mu_
+  std::atomic<int64_t> held_{0};                // see held(); written under mu_
 };
 
 // Whether `gib` (GiB, as the budget flags take it) is 0 (no budget) or from one byte (2^-30) to

@@ -212,26 +212,37 @@ TEST(MemoryGrantTest, SetAsideIsDrawnFirstAndGivenBack) {
     grant.Charge(150);  // memory that exists: past the limit if need be
     EXPECT_EQ(grant.held(), 950);
     EXPECT_EQ(budget.used(), 950);
-    grant.Release(950);
-    EXPECT_EQ(budget.used(), 0);
-    EXPECT_EQ(grant.held(), 0);
-    ASSERT_TRUE(grant.SetAside(50, "again").ok());
-    EXPECT_FALSE(grant.Reserve(2000, "past the budget").ok());
-    EXPECT_EQ(grant.set_aside(), 50) << "what a refusal drew is put back";
-    EXPECT_EQ(grant.held(), 50);
-    grant.Charge(70);  // 50 drawn from the set-aside, 20 more from the budget
+    // Freed memory goes to the budget while the session holds more than it announced, then
+    // back to the set-aside: it keeps its 600.
+    grant.Release(300);
+    EXPECT_EQ(budget.used(), 650);
     EXPECT_EQ(grant.set_aside(), 0);
-    EXPECT_EQ(grant.held(), 70);
-    EXPECT_EQ(budget.used(), 70);
-    grant.Release(70);
+    grant.Release(650);
+    EXPECT_EQ(grant.held(), 600);
+    EXPECT_EQ(grant.set_aside(), 600);
+    EXPECT_EQ(budget.used(), 600);
+    EXPECT_FALSE(budget.Reserve(500, "another session").ok()) << "nor can it take it now";
+    EXPECT_FALSE(grant.Reserve(2000, "past the budget").ok());
+    EXPECT_EQ(grant.set_aside(), 600) << "what a refusal drew is put back";
+    grant.Charge(700);  // 600 drawn from the set-aside, 100 more from the budget
+    EXPECT_EQ(grant.set_aside(), 0);
+    EXPECT_EQ(grant.held(), 700);
+    EXPECT_EQ(budget.used(), 700);
+    // A second announcement adds to the first.
     ASSERT_TRUE(grant.SetAside(50, "again").ok());
+    grant.Release(700);
+    EXPECT_EQ(grant.set_aside(), 650);
+    EXPECT_EQ(budget.used(), 650);
     ASSERT_TRUE(grant.Reserve(20, "drawn").ok());
-    EXPECT_EQ(grant.held(), 50);
-    EXPECT_EQ(budget.used(), 50);
+    EXPECT_EQ(grant.held(), 650);
+    // Closed: the set-aside goes back, and what is freed after goes to the budget.
     grant.ReleaseSetAside();
     EXPECT_EQ(grant.held(), 20) << "the drawn bytes are still charged";
     EXPECT_EQ(budget.used(), 20);
     grant.Release(20);
+    EXPECT_EQ(grant.held(), 0);
+    EXPECT_EQ(budget.used(), 0);
+    ASSERT_TRUE(grant.SetAside(100, "after").ok());
   }
   EXPECT_EQ(budget.used(), 0) << "what was still set aside goes back with the grant";
 }

@@ -662,6 +662,44 @@ TEST_F(ServiceMemoryBudgetTest, AnnouncedTokensSetTheHostKvAsideInThePlacementsL
   }
 }
 
+// A Prefill that fails after staging some of an announced session's prompt gives what it staged
+// back to the session's set-aside, not to the budget: the session still holds its max_tokens,
+// and its whole prompt still fits however the budget fills meanwhile (probe 7: every failed or
+// cancelled Prefill handed the set-aside to other sessions).
+TEST_F(ServiceMemoryBudgetTest, AFailedPrefillKeepsTheSessionsSetAside) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 64);
+  constexpr int kAnnounced = 32;  // 32 KiB of f32 KV, half the budget
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = g;
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_max_tokens(kAnnounced);
+  v1::CreateSessionResponse created;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub().CreateSession(&context, request, &created).ok());
+  const std::string& id = created.session_id();
+  const MemoryBudget& budget = server().server().budget();
+  ASSERT_EQ(budget.used(), kAnnounced * 1024);
+
+  const PromptLayer prompt{RandomNormal(kAnnounced * 4 * 64, 1),
+                           RandomNormal(kAnnounced * 2 * 64, 2),
+                           RandomNormal(kAnnounced * 2 * 64, 3)};
+  std::vector<v1::PrefillChunk> chunks = PromptChunks(id, g, 0, prompt, 16);
+  chunks[1].set_offset(17);  // not where the first chunk ended
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "offset"));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->host_budget_bytes(), kAnnounced * 1024) << "its set-aside, whole";
+  EXPECT_EQ(budget.used(), kAnnounced * 1024);
+  EXPECT_EQ(budget.available(), (64 << 10) - kAnnounced * 1024) << "nothing more for others";
+
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(id, g, 0, prompt, 16)).ok());
+  info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokens(), kAnnounced);
+  EXPECT_EQ(info->host_budget_bytes(), budget.used());
+}
+
 // Random prompts and tokens of a 1-layer session of `g`.
 PromptLayer RandomPromptOf(const v1::Geometry& g, int tokens, uint64_t seed) {
   const int q_row = g.q_heads() * g.head_dim(), kv_row = g.kv_heads() * g.head_dim();
