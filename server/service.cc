@@ -1074,6 +1074,10 @@ absl::Status KvRecallService::DoListSessions(absl::string_view tenant,
                                                    "] (0: ", kDefaultPageSize, "), got ",
                                                    request.page_size()));
   }
+  if (!request.page_token().empty() && !SessionRegistry::IsSessionIdForm(request.page_token())) {
+    return absl::InvalidArgumentError(
+        "page_token must be empty or the next_page_token of a previous reply (a session id)");
+  }
   const size_t page_size = request.page_size() == 0 ? kDefaultPageSize : request.page_size();
   // The token is the last id of the previous page: the page goes on after it.
   std::vector<std::shared_ptr<Session>> sessions = registry_->List(tenant);

@@ -9,7 +9,9 @@
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -302,6 +304,13 @@ v1::SessionInfo Session::Info() const {
                                : static_cast<double>(counters_.candidates) /
                                      static_cast<double>(counters_.head_steps));
   return info;
+}
+
+bool SessionRegistry::IsSessionIdForm(absl::string_view id) {
+  // As Create makes them: "s-%016x".
+  if (id.size() != 18 || !absl::StartsWith(id, "s-")) return false;
+  return std::all_of(id.begin() + 2, id.end(),
+                     [](char c) { return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f'); });
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(

@@ -206,6 +206,10 @@ class SessionRegistry {
   Placements* placements() const { return placements_; }
   ServerMetrics* metrics() const { return metrics_; }
 
+  // Whether `id` has the form of this server's session ids ("s-" and 16 lower-case hex digits),
+  // whether or not such a session exists: what a ListSessions page token may be.
+  static bool IsSessionIdForm(absl::string_view id);
+
  private:
   MemoryBudget* const host_budget_;
   Placements* const placements_;

@@ -411,6 +411,21 @@ TEST_F(HardeningTest, ListSessionsCannotBeMadeToFailForEveryone) {
   v1::ListSessionsResponse page;
   EXPECT_TRUE(HasStatus(FromGrpc(defaults->ListSessions(&context, list, &page)),
                         absl::StatusCode::kInvalidArgument, "page_size must be in [0, 500]"));
+  // A page token is a session id, of a session closed since or not (probe 7: "zzz" read as an
+  // id past every session and answered an empty page).
+  list.set_page_size(0);
+  for (const std::string token :
+       {"zzz", "a", "s-0123", "S-0123456789ABCDEF", "s-0123456789abcdeg"}) {
+    grpc::ClientContext bad_context;
+    list.set_page_token(token);
+    EXPECT_TRUE(HasStatus(FromGrpc(defaults->ListSessions(&bad_context, list, &page)),
+                          absl::StatusCode::kInvalidArgument, "page_token must be empty or"))
+        << token;
+  }
+  grpc::ClientContext closed_context;
+  list.set_page_token("s-0000000000000000");  // before every id: the first page
+  ASSERT_TRUE(defaults->ListSessions(&closed_context, list, &page).ok());
+  EXPECT_EQ(page.sessions_size(), 100);
 }
 
 // ---------------------------------------------------------------------------------------------
