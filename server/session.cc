@@ -221,8 +221,13 @@ absl::Status Session::Admit() {
   return absl::OkStatus();
 }
 
+absl::Status Session::ClosedStatus() const {
+  return absl::NotFoundError(absl::StrCat("session '", id_, "' was closed",
+                                          closed_why_.empty() ? "" : ": ", closed_why_));
+}
+
 absl::Status Session::CheckPrefillable(int layer) const {
-  if (closed_) return absl::NotFoundError(absl::StrCat("session '", id_, "' was closed"));
+  if (closed_) return ClosedStatus();
   if (layers_[layer] != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("layer ", layer, " of session '", id_,
@@ -248,7 +253,7 @@ absl::Status Session::CommitPrompt(std::vector<StagedLayer>& staged) {
 }
 
 absl::Status Session::CheckDecodable(int layer) const {
-  if (closed_) return absl::NotFoundError(absl::StrCat("session '", id_, "' was closed"));
+  if (closed_) return ClosedStatus();
   if (layer < 0 || layer >= geometry_.layers()) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is out of range [0, ",
                                                    geometry_.layers(), ") of session '", id_, "'"));
@@ -260,8 +265,9 @@ absl::Status Session::CheckDecodable(int layer) const {
   return absl::OkStatus();
 }
 
-void Session::Close() {
+void Session::Close(absl::string_view why) {
   closed_ = true;
+  closed_why_ = std::string(why);
   for (std::unique_ptr<LayerBackend>& layer : layers_) layer.reset();
   host_grant_.ReleaseSetAside();
   if (device_grant_ != nullptr) device_grant_->ReleaseSetAside();
@@ -428,10 +434,14 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
       }
     }
   }
-  // As in Close: streams still holding a session see it closed, its memory is freed now.
+  // As in Close: streams still holding a session see it closed (a Prefill stream paused past
+  // the TTL, told why at its next chunk), its memory is freed now.
+  const std::string why = absl::StrCat(
+      "it expired: no call used it for ", absl::FormatDuration(limits_.session_idle_ttl),
+      " (--session_idle_ttl_seconds=", absl::ToDoubleSeconds(limits_.session_idle_ttl), ")");
   for (const std::shared_ptr<Session>& session : expired) {
     absl::MutexLock lock(&session->mu());
-    session->Close();
+    session->Close(why);
   }
   return static_cast<int>(expired.size());
 }

@@ -139,8 +139,9 @@ class Session {
   DecodeCounters& counters() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return counters_; }
 
   bool closed() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return closed_; }
-  // Frees every layer; later calls find the session closed.
-  void Close() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees every layer; later calls find the session closed, and are told `why` (empty: a
+  // CloseSession) by the NOT_FOUND that streams still holding it get.
+  void Close(absl::string_view why = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   v1::SessionInfo Info() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
@@ -159,6 +160,9 @@ class Session {
 
   mutable absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::string closed_why_ ABSL_GUARDED_BY(mu_);  // see Close
+  // NOT_FOUND: the session was closed (and why).
+  absl::Status ClosedStatus() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   int64_t prompt_tokens_ ABSL_GUARDED_BY(mu_) = 0;  // 0 until a layer is committed
   std::vector<std::unique_ptr<LayerBackend>> layers_ ABSL_GUARDED_BY(mu_);  // null: no prompt yet
   DecodeCounters counters_ ABSL_GUARDED_BY(mu_);

@@ -300,6 +300,26 @@ TEST_F(SessionIdleTtlTest, APromptStreamedSlowlyKeepsItsSessionAlive) {
   EXPECT_EQ(response.tokens(), 64);
 }
 
+TEST_F(SessionIdleTtlTest, APrefillStreamPausedPastTheTtlHearsTheSessionExpired) {
+  // A stream whose chunks stop for longer than the TTL: its session expires, and its next
+  // chunk is told so (probe 7: "was closed", as for a CloseSession).
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPrompt(16, 6), 8);
+  grpc::ClientContext context;
+  v1::PrefillResponse response;
+  auto writer = stub().Prefill(&context, &response);
+  ASSERT_TRUE(writer->Write(chunks[0]));
+  absl::SleepFor(absl::Milliseconds(1500));  // the TTL is 600 ms
+  writer->Write(chunks[1]);  // may find the stream already ended
+  writer->WritesDone();
+  const absl::Status status = FromGrpc(writer->Finish());
+  EXPECT_TRUE(HasStatus(status, absl::StatusCode::kNotFound, "expired")) << status;
+  EXPECT_THAT(status.message(), HasSubstr("--session_idle_ttl_seconds=0.6"));
+  EXPECT_EQ(running().budget().used(), 0) << "the staged chunk freed";
+}
+
 // ---------------------------------------------------------------------------------------------
 // Deadlines: streams end at their deadline, and what they staged is freed then. (A unary
 // call's deadline: HardeningTest.HugeSelectorKnobsAreRefusedAtOnce; a Prefill cancelled while
