@@ -154,24 +154,20 @@ void FillWidest(google::protobuf::Message* message, int varint_bytes = 10) {
   }
 }
 
+// `trim` (when given) clears the fields a reply leaves out of the widest message.
 template <typename Message>
-uint64_t WidestBytes(int varint_bytes = 10) {
+uint64_t WidestBytes(int varint_bytes = 10, void (*trim)(Message*) = nullptr) {
   Message message;
   FillWidest(&message, varint_bytes);
+  if (trim != nullptr) trim(&message);
   return message.ByteSizeLong();
 }
 
-// WidestBytes<Message>(b) for every varint width b in [1, 10] (index b), each widest message
-// first passed to `trim` (when given), which clears the fields a reply leaves out.
+// WidestBytes<Message>(b, trim) for every varint width b in [1, 10] (index b).
 template <typename Message>
 std::array<uint64_t, 11> WidestBytesByVarint(void (*trim)(Message*) = nullptr) {
   std::array<uint64_t, 11> out{};
-  for (int b = 1; b <= 10; ++b) {
-    Message message;
-    FillWidest(&message, b);
-    if (trim != nullptr) trim(&message);
-    out[b] = message.ByteSizeLong();
-  }
+  for (int b = 1; b <= 10; ++b) out[b] = WidestBytes<Message>(b, trim);
   return out;
 }
 

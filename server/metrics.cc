@@ -242,8 +242,9 @@ ServerMetrics::ServerMetrics()
       prometheus::BuildCounter()
           .Name("kvrecall_codes_learnings_total")
           .Help("Tiered layers' shortlist codes learned again as their bulk grew, by outcome: "
-                "taken_over; refused (no memory in the budgets: the layer keeps its codes, its "
-                "exact steps scoring more keys); failed; abandoned (the session closed first)")
+                "taken_over; refused (no memory, a budget's or the device's: the layer keeps its "
+                "codes, its exact steps scoring more keys); failed (another error); abandoned "
+                "(the session closed first)")
           .Register(*registry_);
   for (int i = 0; i < kLearningOutcomes; ++i) {
     codes_learnings_[i] =

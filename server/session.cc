@@ -145,6 +145,13 @@ absl::Status CheckSelectorStateFits(const AttentionBackend& backend, const Layer
       limit);
 }
 
+// Why an expired session was closed: "expired: no call used it for ... (--session_idle_ttl_
+// seconds=...)", for the calls that name it later and the streams that held it.
+std::string ExpiryReason(absl::Duration ttl) {
+  return absl::StrCat("expired: no call used it for ", absl::FormatDuration(ttl),
+                      " (--session_idle_ttl_seconds=", absl::ToDoubleSeconds(ttl), ")");
+}
+
 }  // namespace
 
 void ReturnFreedMemory() {
@@ -436,9 +443,7 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
   }
   // As in Close: streams still holding a session see it closed (a Prefill stream paused past
   // the TTL, told why at its next chunk), its memory is freed now.
-  const std::string why = absl::StrCat(
-      "it expired: no call used it for ", absl::FormatDuration(limits_.session_idle_ttl),
-      " (--session_idle_ttl_seconds=", absl::ToDoubleSeconds(limits_.session_idle_ttl), ")");
+  const std::string why = absl::StrCat("it ", ExpiryReason(limits_.session_idle_ttl));
   for (const std::shared_ptr<Session>& session : expired) {
     absl::MutexLock lock(&session->mu());
     session->Close(why);
@@ -455,11 +460,9 @@ absl::Status SessionRegistry::NotFound(absl::string_view id, absl::string_view t
         kMaxSessionIdBytes));
   }
   if (auto it = expired_.find(id); it != expired_.end() && it->second == tenant) {
-    return absl::NotFoundError(absl::StrCat(
-        "session '", id, "' expired: no call used it for ",
-        absl::FormatDuration(limits_.session_idle_ttl),
-        " (--session_idle_ttl_seconds=", absl::ToDoubleSeconds(limits_.session_idle_ttl),
-        "), so it was closed and its memory freed"));
+    return absl::NotFoundError(absl::StrCat("session '", id, "' ",
+                                            ExpiryReason(limits_.session_idle_ttl),
+                                            ", so it was closed and its memory freed"));
   }
   return absl::NotFoundError(absl::StrCat("no session '", absl::CHexEscape(id), "'"));
 }

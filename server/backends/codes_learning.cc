@@ -26,6 +26,17 @@ int64_t CodesLearning::NextLearnAt(int64_t learned_rows, int head_dim) {
   return std::max(kFirstLearnRows, 2 * learned_rows);
 }
 
+namespace {
+
+// How a learning that ended with `status` ended: its codes took over, or no memory, or another
+// error.
+LearningOutcome OutcomeOf(const absl::Status& status) {
+  if (status.ok()) return LearningOutcome::kTakenOver;
+  return absl::IsResourceExhausted(status) ? LearningOutcome::kRefused : LearningOutcome::kFailed;
+}
+
+}  // namespace
+
 struct CodesLearning::Job final : WorkItem {
   Job(const CodesLearning& owner, const KvView& bulk, int64_t capacity)
       : tier(owner.tier_),
@@ -118,9 +129,7 @@ CodesLearning::~CodesLearning() {
   // A learning that ended refused or failed is counted so even if its take-over never came.
   const bool failed = job_->begun && job_->done && !job_->learned.ok();
   if (tally_ != nullptr) {
-    tally_->Count(!failed ? LearningOutcome::kAbandoned
-                  : absl::IsResourceExhausted(job_->learned.status()) ? LearningOutcome::kRefused
-                                                                       : LearningOutcome::kFailed);
+    tally_->Count(failed ? OutcomeOf(job_->learned.status()) : LearningOutcome::kAbandoned);
   }
   learned = std::move(job_->learned);
   job_->learned = std::unique_ptr<BulkCodes>();
@@ -177,11 +186,7 @@ void CodesLearning::BeforeReserve(const KvView& bulk, bool rows_move,
       learned = s;
     }
   }
-  if (tally_ != nullptr) {
-    tally_->Count(learned.ok() ? LearningOutcome::kTakenOver
-                  : absl::IsResourceExhausted(learned.status()) ? LearningOutcome::kRefused
-                                                                : LearningOutcome::kFailed);
-  }
+  if (tally_ != nullptr) tally_->Count(OutcomeOf(learned.status()));
   if (!learned.ok()) {
     static std::once_flag said;
     std::call_once(said, [&] {
