@@ -319,8 +319,7 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
   // `begin` for all needed queries, then per query an exact rescoring of that list together
   // with the keys [begin, last].
   std::vector<TopKLists> head_lists(shape_.q_heads);
-  const BatchTopKFunction& batch_topk =
-      batch_topk_ != nullptr ? batch_topk_ : BatchTopKFunction(CpuBatchTopK);
+  const BatchTopKFunction& batch_topk = batch_topk_;
   for (int h = 0; h < shape_.q_heads; ++h) {
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     const VectorSet queries{prompt_queries.row(begin, query_stride) + static_cast<int64_t>(h) * d,

@@ -283,7 +283,9 @@ class ReTopKSelector : public SupportSelector {
   // Where Build finds its queries' exact top-K over the keys before the last ones it needs (the
   // seeds' and auto_tau's: C + 256 queries against nearly the whole prompt, most of a long
   // prompt's build): CpuBatchTopK unless set, the GPU's (cuBLAS) where the layer has one.
-  void set_batch_topk(BatchTopKFunction batch_topk) { batch_topk_ = std::move(batch_topk); }
+  void set_batch_topk(BatchTopKFunction batch_topk) {
+    batch_topk_ = batch_topk != nullptr ? std::move(batch_topk) : BatchTopKFunction(CpuBatchTopK);
+  }
 
   // The state of query head q_head, for tests and diagnostics.
   const ReTopKHead& head(int q_head) const { return heads_[q_head]; }
@@ -298,7 +300,7 @@ class ReTopKSelector : public SupportSelector {
   std::vector<ReTopKHead> heads_;
   std::unique_ptr<SupportSelector> exact_search_;  // null: the flat scan
   OutsideLse outside_lse_;                         // Build only; may be empty
-  BatchTopKFunction batch_topk_;                   // Build only; empty: CpuBatchTopK
+  BatchTopKFunction batch_topk_ = CpuBatchTopK;    // Build only
 };
 
 }  // namespace kvrecall

@@ -25,6 +25,13 @@ PrefillStream& PrefillStream::operator=(PrefillStream&& other) noexcept {
   return *this;
 }
 
+absl::Status PrefillStream::SessionStatus() const {
+  // An open session's lock is not waited for (the service asks of every stream at a close).
+  if (session_ == nullptr || !session_->closed_now()) return absl::OkStatus();
+  absl::ReaderMutexLock lock(&session_->mu());
+  return session_->CheckOpen();
+}
+
 absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   const std::string prefix = absl::StrCat("chunks[", index, "]");
   if (session_ == nullptr) {
@@ -45,6 +52,8 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
                      "session '", session_->id(), "': one stream prefills one session"));
   } else {
     session_->Touch();  // a long prompt keeps its session from expiring
+    // A session closed (or expired) since the stream began takes no more of its prompt.
+    if (absl::Status s = SessionStatus(); !s.ok()) return s;
   }
 
   const v1::Geometry& g = session_->geometry();
@@ -203,6 +212,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
       built[i] = cancelled_status();
       continue;
     }
+    if (session_->closed_now()) continue;  // closed meanwhile: said below
     const absl::Time layer_start = absl::Now();
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         backend->BuildLayer(config, accounts, std::move(prompts[i]));
@@ -217,6 +227,9 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
   }
   if (state_bound > 0) registry_->budget()->Release(state_bound);
   const double build_seconds = absl::ToDoubleSeconds(absl::Now() - build_start);
+  // A session closed (CloseSession, or it expired) while its layers built skips the builds not
+  // yet begun, and the stream hears why.
+  if (absl::Status s = SessionStatus(); !s.ok()) return s;
   for (int i = 0; i < count; ++i) {
     if (!built[i].ok()) {
       return PrefixStatus(built[i], "building layer ", staged[i].layer, ": ");

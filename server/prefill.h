@@ -44,6 +44,12 @@ class PrefillStream {
   absl::StatusOr<v1::PrefillResponse> Commit(
       absl::FunctionRef<bool()> cancelled = [] { return false; });
 
+  // OK unless the session this stream stages a prompt for was closed (a CloseSession, or it
+  // expired): then the NOT_FOUND its next chunk would get, saying why. Add and Commit ask it
+  // themselves (Commit skips the builds not yet begun); from another thread, not while they
+  // run (they set the session).
+  absl::Status SessionStatus() const;
+
  private:
   const SessionRegistry* registry_;
   std::string tenant_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <memory>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -386,6 +387,9 @@ class KvRecallService::PrefillCall final
         FinishLocked(grpc::Status::OK);
       } else if (service_->draining()) {
         FinishLocked(ShuttingDownStatus());
+      } else if (absl::Status closed = stream_.SessionStatus(); !closed.ok()) {
+        // Its session closed while the chunk was staged (OnSessionsClosed passed it by).
+        FinishLocked(service_->Answer(closed));
       } else {
         HandoffToGrpc(this);
         StartRead(&in_);
@@ -408,6 +412,23 @@ class KvRecallService::PrefillCall final
     // Finished at once, even while a chunk or a commit runs: that work's result is dropped
     // (a commit running skips the builds it has not started and installs nothing).
     if (!finished_) FinishLocked(CancelledStatus());
+  }
+
+  // A stream waiting for its next chunk whose session closed (a CloseSession, or it expired
+  // while the client paused) ends now, and its staging is freed with it: it would otherwise
+  // hold the memory of a session that no longer exists until the client writes again or its
+  // deadline passes. (A run in flight checks the session itself: a chunk's once it is staged,
+  // a commit's as each layer's build would begin and before it installs them.)
+  std::shared_ptr<void> OnSessionsClosed() override {
+    absl::MutexLock lock(&mu_);
+    if (finished_ || busy_) return nullptr;
+    absl::Status closed = stream_.SessionStatus();
+    if (closed.ok()) return nullptr;
+    // The staging leaves with the caller (FinishLocked's release then frees nothing).
+    auto released = std::make_shared<PrefillStream>(
+        std::exchange(stream_, PrefillStream(service_->registry_, identity_.tenant)));
+    FinishLocked(service_->Answer(closed));
+    return released;
   }
 
   // Frees the staged prompt (a commit has moved what it committed into the session).
@@ -897,9 +918,11 @@ KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions
       options_(options),
       decode_calls_(options.decode_call_metrics && registry->metrics() != nullptr
                         ? registry->metrics()->ForMethod(kDecodeMethod)
-                        : nullptr) {}
+                        : nullptr) {
+  registry_->SetClosedListener([this] { TellStreamsSessionsClosed(); });
+}
 
-KvRecallService::~KvRecallService() = default;
+KvRecallService::~KvRecallService() { registry_->SetClosedListener(nullptr); }
 
 bool KvRecallService::TakeInlineStep() {
   int running = inline_steps_.load(std::memory_order_relaxed);
@@ -919,6 +942,19 @@ void KvRecallService::StartDrain() {
   draining_.store(true, std::memory_order_release);
   absl::MutexLock lock(&calls_mu_);
   for (Stream* stream : streams_) stream->Drain();
+}
+
+void KvRecallService::TellStreamsSessionsClosed() {
+  std::vector<std::shared_ptr<void>> released;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    for (Stream* stream : streams_) {
+      if (std::shared_ptr<void> r = stream->OnSessionsClosed(); r != nullptr) {
+        released.push_back(std::move(r));
+      }
+    }
+  }
+  released.clear();  // outside calls_mu_, which every call's start and end takes
 }
 
 bool KvRecallService::AwaitIdle(absl::Time deadline) const {

@@ -159,11 +159,17 @@ class KvRecallService final : public KvRecallRawCallbackService {
   absl::Status DoCloseSession(absl::string_view tenant, const v1::CloseSessionRequest& request,
                               v1::CloseSessionResponse* response);
 
-  // A Decode or Prefill stream, as the drain sees it.
+  // A Decode or Prefill stream, as the drain and the sessions' closing see it.
   class Stream {
    public:
     // Ends the stream with UNAVAILABLE when it is idle; otherwise after the work in flight.
     virtual void Drain() = 0;
+    // Some session closed: a stream that holds memory for one that did (a Prefill stream's
+    // staged prompt) and is waiting for its client ends now, with the NOT_FOUND its next
+    // message would get (a stream at work meets the closed session itself). Returns what it
+    // let go of (null: nothing), for the caller to destroy once it holds no lock: freeing a
+    // staged prompt may take long (unmapping it, or a device's free).
+    virtual std::shared_ptr<void> OnSessionsClosed() { return nullptr; }
 
    protected:
     ~Stream() = default;
@@ -190,6 +196,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   // the drain has begun (the stream must then end with UNAVAILABLE). Unary calls are counted.
   bool Register(Stream* stream);
   void Unregister(Stream* stream);
+  // The registry's closed listener: tells every open stream (Stream::OnSessionsClosed).
+  void TellStreamsSessionsClosed();
   void CountUnary(int delta);
   // A slot to run a Decode step on gRPC's thread (ServiceOptions::inline_steps); false: queue it.
   bool TakeInlineStep();

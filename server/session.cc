@@ -213,13 +213,20 @@ absl::Status Session::Admit() {
   absl::StatusOr<int64_t> bytes =
       all_layers(backend_->HostKvBytesFor(config_, tokens), " of host memory");
   if (!bytes.ok()) return bytes.status();
-  // Without a budget nothing else would refuse a set-aside the machine can never hold (its first
-  // Prefill would fail to allocate, or fault in all of it).
-  if (const int64_t physical = PhysicalMemoryBytes(); physical > 0 && *bytes > physical) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes,
-        " bytes of host KV, more than this machine's ", physical,
-        " bytes of memory: announce fewer tokens"));
+  // Without a budget (or with one larger than the machine) nothing else would refuse set-asides
+  // the machine can never hold (a first Prefill would fail to allocate, or fault in all of it):
+  // this one beside what the server holds already (every session's set-asides and memory, the
+  // prompts being staged; admissions racing this check may pass it together: a budget flag is
+  // exact).
+  if (const int64_t physical = PhysicalMemoryBytes(); physical > 0) {
+    const int64_t held = host_grant_.budget()->used();
+    if (*bytes > physical - std::min(held, physical)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes, " bytes of host KV",
+          held > 0 ? absl::StrCat(" beside the ", held, " bytes this server holds") : "",
+          ", more than this machine's ", physical, " bytes of memory: announce fewer tokens",
+          held > 0 ? ", or wait for memory to be freed" : ""));
+    }
   }
   if (*bytes > 0) {
     return host_grant_.SetAside(*bytes,
@@ -274,6 +281,7 @@ absl::Status Session::CheckDecodable(int layer) const {
 
 void Session::Close(absl::string_view why) {
   closed_ = true;
+  closed_now_.store(true, std::memory_order_release);
   closed_why_ = std::string(why);
   for (std::unique_ptr<LayerBackend>& layer : layers_) layer.reset();
   host_grant_.ReleaseSetAside();
@@ -319,10 +327,23 @@ v1::SessionInfo Session::Info() const {
   return info;
 }
 
+namespace {
+
+// This server's session ids: a prefix and 16 lower-case hex digits, one id per 64-bit number.
+constexpr absl::string_view kSessionIdPrefix = "s-";
+constexpr size_t kSessionIdDigits = 16;
+std::string SessionIdOf(uint64_t number) {
+  return absl::StrCat(kSessionIdPrefix, absl::Hex(number, absl::kZeroPad16));
+}
+
+}  // namespace
+
 bool SessionRegistry::IsSessionIdForm(absl::string_view id) {
-  // As Create makes them: "s-%016x".
-  if (id.size() != 18 || !absl::StartsWith(id, "s-")) return false;
-  return std::all_of(id.begin() + 2, id.end(),
+  if (id.size() != kSessionIdPrefix.size() + kSessionIdDigits ||
+      !absl::StartsWith(id, kSessionIdPrefix)) {
+    return false;
+  }
+  return std::all_of(id.begin() + kSessionIdPrefix.size(), id.end(),
                      [](char c) { return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f'); });
 }
 
@@ -374,7 +395,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     }
     ++creating_;  // the slot is held while the session is admitted
     do {
-      id = absl::StrFormat("s-%016x", absl::Uniform<uint64_t>(gen));
+      id = SessionIdOf(absl::Uniform<uint64_t>(gen));
     } while (sessions_.contains(id) || expired_.contains(id));
   }
   auto session =
@@ -448,7 +469,18 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
     absl::MutexLock lock(&session->mu());
     session->Close(why);
   }
+  if (!expired.empty()) TellClosedListener();
   return static_cast<int>(expired.size());
+}
+
+void SessionRegistry::SetClosedListener(absl::AnyInvocable<void()> listener) {
+  absl::MutexLock lock(&listener_mu_);
+  closed_listener_ = std::move(listener);
+}
+
+void SessionRegistry::TellClosedListener() {
+  absl::MutexLock lock(&listener_mu_);
+  if (closed_listener_) closed_listener_();
 }
 
 absl::Status SessionRegistry::NotFound(absl::string_view id, absl::string_view tenant) const {
@@ -491,8 +523,11 @@ absl::Status SessionRegistry::Close(absl::string_view id, absl::string_view tena
   }
   // Streams still holding the session see it closed; its memory is freed now, not when the
   // last of them lets go.
-  absl::MutexLock lock(&session->mu());
-  session->Close();
+  {
+    absl::MutexLock lock(&session->mu());
+    session->Close();
+  }
+  TellClosedListener();
   return absl::OkStatus();
 }
 

@@ -6,14 +6,15 @@
 
 #include <atomic>
 #include <cstdint>
-#include <limits>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -139,6 +140,14 @@ class Session {
   DecodeCounters& counters() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return counters_; }
 
   bool closed() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return closed_; }
+  // Whether Close has run, without the lock: for work that asks under the session's lock, or
+  // that must not wait for it (a Prefill's builds; the service looking for streams to end).
+  bool closed_now() const { return closed_now_.load(std::memory_order_acquire); }
+  // OK while open; once closed, the NOT_FOUND that calls still holding the session are told
+  // (naming it and saying why it closed).
+  absl::Status CheckOpen() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return closed_ ? ClosedStatus() : absl::OkStatus();
+  }
   // Frees every layer; later calls find the session closed, and are told `why` (empty: a
   // CloseSession) by the NOT_FOUND that streams still holding it get.
   void Close(absl::string_view why = "") ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -160,6 +169,7 @@ class Session {
 
   mutable absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> closed_now_{false};  // closed_, for closed_now()
   std::string closed_why_ ABSL_GUARDED_BY(mu_);  // see Close
   // NOT_FOUND: the session was closed (and why).
   absl::Status ClosedStatus() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -204,6 +214,13 @@ class SessionRegistry {
   // tests may too) and returns how many it closed.
   int ExpireIdle(absl::Time now);
 
+  // `listener` (null: none) is called after sessions close (Close, ExpireIdle), outside the
+  // registry's and the sessions' locks, so that calls still holding a closed session can end
+  // now rather than at their next message (the service ends the Prefill streams that stage a
+  // prompt for one: their staging is memory no session owns any more). Once this returns, a
+  // listener set before is no longer running nor will be called.
+  void SetClosedListener(absl::AnyInvocable<void()> listener);
+
   const SessionLimits& limits() const { return limits_; }
 
   MemoryBudget* budget() const { return host_budget_; }
@@ -237,6 +254,10 @@ class SessionRegistry {
   std::deque<std::string> expired_order_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread reaper_;  // with an idle TTL: runs ExpireIdle
+  // Held while the listener runs (after mu_ and the sessions' locks are let go).
+  absl::Mutex listener_mu_;
+  absl::AnyInvocable<void()> closed_listener_ ABSL_GUARDED_BY(listener_mu_);
+  void TellClosedListener();
 };
 
 }  // namespace kvrecall

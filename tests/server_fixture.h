@@ -323,6 +323,15 @@ struct PromptLayer {
   std::vector<float> q, k, v;
 };
 
+// A layer's prompt of `tokens` tokens of `g`, every element N(0, 1) (q, k and v drawn from
+// seeds `seed`, `seed` + 1 and `seed` + 2).
+inline PromptLayer RandomPromptOf(const v1::Geometry& g, int64_t tokens, uint64_t seed) {
+  const int64_t q_row = int64_t{g.q_heads()} * g.head_dim();
+  const int64_t kv_row = int64_t{g.kv_heads()} * g.head_dim();
+  return PromptLayer{RandomNormal(tokens * q_row, seed), RandomNormal(tokens * kv_row, seed + 1),
+                     RandomNormal(tokens * kv_row, seed + 2)};
+}
+
 // Cuts a layer's prompt into chunks of at most `chunk_tokens` tokens, encoded in `dtype`.
 inline std::vector<v1::PrefillChunk> PromptChunks(const std::string& session_id,
                                                   const v1::Geometry& g, int layer,

@@ -29,6 +29,7 @@ using ::kvrecall::testing::MakeTensor;
 using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
 using ::kvrecall::testing::PromptLayer;
+using ::kvrecall::testing::RandomPromptOf;
 using ::kvrecall::testing::RandomNormal;
 using ::kvrecall::testing::ReferenceSession;
 using ::kvrecall::testing::ServerTest;
@@ -78,11 +79,7 @@ class ServiceErrorsTest : public ServerTest {
     return CreateSession(stub(), victim_.geometry(), MakePolicy(v1::SELECTOR_FULL));
   }
   // A random prompt layer of kPrompt tokens for fresh sessions.
-  static PromptLayer FreshPrompt() {
-    return {RandomNormal(kPrompt * kQHeads * kHeadDim, 1),
-            RandomNormal(kPrompt * kKvHeads * kHeadDim, 2),
-            RandomNormal(kPrompt * kKvHeads * kHeadDim, 3)};
-  }
+  PromptLayer FreshPrompt() const { return RandomPromptOf(victim_.geometry(), kPrompt, 1); }
 
   // Decodes one valid token on every layer of `s` and checks the positions and outputs.
   void ExpectServesCorrectly(TrackedSession& s) {
@@ -698,13 +695,6 @@ TEST_F(ServiceMemoryBudgetTest, AFailedPrefillKeepsTheSessionsSetAside) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->tokens(), kAnnounced);
   EXPECT_EQ(info->host_budget_bytes(), budget.used());
-}
-
-// Random prompts and tokens of a 1-layer session of `g`.
-PromptLayer RandomPromptOf(const v1::Geometry& g, int tokens, uint64_t seed) {
-  const int q_row = g.q_heads() * g.head_dim(), kv_row = g.kv_heads() * g.head_dim();
-  return PromptLayer{RandomNormal(tokens * q_row, seed), RandomNormal(tokens * kv_row, seed + 1),
-                     RandomNormal(tokens * kv_row, seed + 2)};
 }
 
 // Decodes `steps` random tokens into the 1-layer session `id` of `g`.

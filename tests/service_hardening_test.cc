@@ -50,7 +50,7 @@ using ::kvrecall::testing::MakeStep;
 using ::kvrecall::testing::MakeTensor;
 using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
-using ::kvrecall::testing::PromptLayer;
+using ::kvrecall::testing::RandomPromptOf;
 using ::kvrecall::testing::RandomNormal;
 using ::kvrecall::testing::ServerTest;
 using ::testing::HasSubstr;
@@ -61,13 +61,6 @@ constexpr int kHeadDim = 16;
 
 v1::Geometry SmallGeometry(int layers = 1) {
   return MakeGeometry(layers, kQHeads, kKvHeads, kHeadDim);
-}
-
-PromptLayer RandomPrompt(int64_t tokens, uint64_t seed, int q_heads = kQHeads,
-                         int kv_heads = kKvHeads, int head_dim = kHeadDim) {
-  return {RandomNormal(tokens * q_heads * head_dim, seed),
-          RandomNormal(tokens * kv_heads * head_dim, seed + 1),
-          RandomNormal(tokens * kv_heads * head_dim, seed + 2)};
 }
 
 // Bytes that parse as no protobuf message: field 1, length-delimited, with a length that runs
@@ -156,7 +149,7 @@ class HardeningTest : public ServerTest {
     EXPECT_TRUE(id.ok()) << id.status();
     std::vector<v1::PrefillChunk> chunks;
     for (int l = 0; l < layers; ++l) {
-      for (v1::PrefillChunk& c : PromptChunks(*id, g, l, RandomPrompt(tokens, 10 + l), 8)) {
+      for (v1::PrefillChunk& c : PromptChunks(*id, g, l, RandomPromptOf(g, tokens, 10 + l), 8)) {
         chunks.push_back(std::move(c));
       }
     }
@@ -285,7 +278,7 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   absl::StatusOr<std::string> id = CreateSession(stub(), g, large);
   ASSERT_TRUE(id.ok()) << id.status();
   const absl::StatusOr<v1::PrefillResponse> refused =
-      Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(64, 4), 16));
+      Prefill(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, 64, 4), 16));
   EXPECT_TRUE(HasStatus(refused.status(), absl::StatusCode::kResourceExhausted,
                         "host_memory_budget_gb"))
       << refused.status();
@@ -301,7 +294,7 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   v1::Policy usual = MakePolicy(v1::SELECTOR_RETOPK, /*top_k=*/32);
   absl::StatusOr<std::string> ok = CreateSession(stub(), g, usual);
   ASSERT_TRUE(ok.ok());
-  EXPECT_TRUE(Prefill(stub(), PromptChunks(*ok, g, 0, RandomPrompt(64, 4), 16)).ok());
+  EXPECT_TRUE(Prefill(stub(), PromptChunks(*ok, g, 0, RandomPromptOf(g, 64, 4), 16)).ok());
 }
 
 // The graph index's state and its build are reserved too: its knobs at their bounds (out-degree
@@ -314,8 +307,8 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
 TEST_F(SmallBudgetTest, GraphIndexStateIsReservedBeforeItIsBuilt) {
   const v1::Geometry g = SmallGeometry(/*layers=*/2);
   auto both_layers = [&](const std::string& id, int64_t tokens) {
-    std::vector<v1::PrefillChunk> chunks = PromptChunks(id, g, 0, RandomPrompt(tokens, 5), 512);
-    for (v1::PrefillChunk& c : PromptChunks(id, g, 1, RandomPrompt(tokens, 6), 512)) {
+    std::vector<v1::PrefillChunk> chunks = PromptChunks(id, g, 0, RandomPromptOf(g, tokens, 5), 512);
+    for (v1::PrefillChunk& c : PromptChunks(id, g, 1, RandomPromptOf(g, tokens, 6), 512)) {
       chunks.push_back(std::move(c));
     }
     return chunks;
@@ -435,7 +428,7 @@ TEST_F(HardeningTest, UndecodablePrefillChunkFailsTheStreamAndCommitsNothing) {
   const v1::Geometry g = SmallGeometry();
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(id.ok()) << id.status();
-  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPrompt(16, 1), 8);
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 1), 8);
   ASSERT_EQ(chunks.size(), 2u);
   {
     RawStream stream(server().channel().get(), "/kvrecall.v1.KvRecall/Prefill",
@@ -518,7 +511,7 @@ TEST_F(HardeningTest, ASessionClosedWhileItsPromptStreamsInFreesTheStagedPromptF
   v1::PrefillResponse response;
   std::unique_ptr<grpc::ClientWriter<v1::PrefillChunk>> writer =
       stub().Prefill(&context, &response);
-  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPrompt(256, 3), 64)) {
+  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPromptOf(g, 256, 3), 64)) {
     ASSERT_TRUE(writer->Write(chunk));
   }
   const MemoryBudget& budget = server().server().budget();
@@ -686,7 +679,7 @@ struct SlowPrefill {
     absl::StatusOr<std::string> created = CreateSession(stub, g, policy);
     EXPECT_TRUE(created.ok()) << created.status();
     id = *created;
-    chunks = PromptChunks(id, g, 0, RandomPrompt(tokens, 9, heads, heads, kDim), 2048);
+    chunks = PromptChunks(id, g, 0, RandomPromptOf(g, tokens, 9), 2048);
   }
   const int64_t tokens;
   const int heads;
@@ -932,12 +925,12 @@ TEST_F(OneBuildThreadTest, APrefillCancelledWhileItsCommitQueuesGivesItsStagingB
   const v1::Geometry g = SmallGeometry();
   absl::StatusOr<std::string> first = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(first.ok()) << first.status();
-  PrefillInFlight building(stub(), PromptChunks(*first, g, 0, RandomPrompt(256, 20), 64));
+  PrefillInFlight building(stub(), PromptChunks(*first, g, 0, RandomPromptOf(g, 256, 20), 64));
   AwaitCommit(server().server());  // held by the hook
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(id.ok()) << id.status();
   const int64_t before = server().server().budget().used();
-  PrefillInFlight queued(stub(), PromptChunks(*id, g, 0, RandomPrompt(256, 21), 64));
+  PrefillInFlight queued(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, 256, 21), 64));
   const absl::Time until = absl::Now() + absl::Seconds(30);
   while (server().server().service().builds_in_flight() < 2 && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(2));
@@ -957,7 +950,7 @@ TEST_F(OneBuildThreadTest, APrefillCancelledWhileItsCommitQueuesGivesItsStagingB
   hold_->release.Notify();
   ASSERT_TRUE(building.Finish().ok());
   absl::StatusOr<v1::PrefillResponse> again =
-      Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(256, 21), 64));
+      Prefill(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, 256, 21), 64));
   ASSERT_TRUE(again.ok()) << again.status();
 }
 

@@ -9,12 +9,15 @@
 #include <thread>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/host_memory.h"
+#include "server/prefill.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -31,7 +34,7 @@ using ::kvrecall::testing::MakePolicy;
 using ::kvrecall::testing::MakeStep;
 using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
-using ::kvrecall::testing::PromptLayer;
+using ::kvrecall::testing::RandomPromptOf;
 using ::kvrecall::testing::RandomNormal;
 using ::kvrecall::testing::ServerTest;
 using ::testing::HasSubstr;
@@ -42,12 +45,6 @@ constexpr int kHeadDim = 16;
 
 v1::Geometry SmallGeometry(int layers = 1) {
   return MakeGeometry(layers, kQHeads, kKvHeads, kHeadDim);
-}
-
-PromptLayer RandomPrompt(int64_t tokens, uint64_t seed) {
-  return {RandomNormal(tokens * kQHeads * kHeadDim, seed),
-          RandomNormal(tokens * kKvHeads * kHeadDim, seed + 1),
-          RandomNormal(tokens * kKvHeads * kHeadDim, seed + 2)};
 }
 
 v1::DecodeRequest OneStep(const std::string& id, uint64_t seed, int layer = 0) {
@@ -84,7 +81,7 @@ class LimitsTest : public ServerTest {
     EXPECT_TRUE(id.ok()) << id.status();
     if (!id.ok()) return "";
     const absl::StatusOr<v1::PrefillResponse> prefilled =
-        Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(tokens, 10), 8));
+        Prefill(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, tokens, 10), 8));
     EXPECT_TRUE(prefilled.ok()) << prefilled.status();
     return *id;
   }
@@ -197,7 +194,7 @@ TEST_F(MaxContextTokensTest, PrefillPastTheLimitCommitsNothing) {
   ASSERT_TRUE(id.ok()) << id.status();
   // Chunks of 8: chunks[4] would take the layer from 32 to 40 tokens.
   const absl::StatusOr<v1::PrefillResponse> refused =
-      Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(40, 3), 8));
+      Prefill(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, 40, 3), 8));
   EXPECT_TRUE(HasStatus(refused.status(), absl::StatusCode::kResourceExhausted,
                         "--max_context_tokens=32"))
       << refused.status();
@@ -210,7 +207,7 @@ TEST_F(MaxContextTokensTest, PrefillPastTheLimitCommitsNothing) {
   EXPECT_EQ(RefusalsCounted(running(), "max_context_tokens"), 1);
 
   // A prompt at the limit is fine.
-  EXPECT_TRUE(Prefill(stub(), PromptChunks(*id, g, 0, RandomPrompt(32, 3), 8)).ok());
+  EXPECT_TRUE(Prefill(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, 32, 3), 8)).ok());
 }
 
 TEST_F(MaxContextTokensTest, DecodeStepPastTheLimitIsRefusedAndAppendsNothing) {
@@ -290,7 +287,7 @@ TEST_F(SessionIdleTtlTest, APromptStreamedSlowlyKeepsItsSessionAlive) {
   grpc::ClientContext context;
   v1::PrefillResponse response;
   auto writer = stub().Prefill(&context, &response);
-  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPrompt(64, 5), 4)) {
+  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPromptOf(g, 64, 5), 4)) {
     ASSERT_TRUE(writer->Write(chunk));
     absl::SleepFor(absl::Milliseconds(100));  // 16 chunks: 1.6 s, well past the TTL
   }
@@ -300,24 +297,88 @@ TEST_F(SessionIdleTtlTest, APromptStreamedSlowlyKeepsItsSessionAlive) {
   EXPECT_EQ(response.tokens(), 64);
 }
 
-TEST_F(SessionIdleTtlTest, APrefillStreamPausedPastTheTtlHearsTheSessionExpired) {
-  // A stream whose chunks stop for longer than the TTL: its session expires, and its next
-  // chunk is told so (probe 7: "was closed", as for a CloseSession).
+// Polls `done` every 10 ms until it holds or `timeout` passes; whether it held.
+bool Within(absl::Duration timeout, absl::FunctionRef<bool()> done) {
+  const absl::Time until = absl::Now() + timeout;
+  while (!done()) {
+    if (absl::Now() >= until) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+TEST_F(SessionIdleTtlTest, APrefillStreamPausedPastTheTtlEndsAndFreesItsStaging) {
+  // A stream whose chunks stop for longer than the TTL: its session expires, and the stream
+  // ends then, its staged chunk freed, without waiting for the client's next chunk (probe 7,
+  // F2: it held the memory of a session that no longer existed); it hears why.
   const v1::Geometry g = SmallGeometry();
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(id.ok()) << id.status();
-  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPrompt(16, 6), 8);
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 6), 8);
   grpc::ClientContext context;
   v1::PrefillResponse response;
   auto writer = stub().Prefill(&context, &response);
   ASSERT_TRUE(writer->Write(chunks[0]));
-  absl::SleepFor(absl::Milliseconds(1500));  // the TTL is 600 ms
-  writer->Write(chunks[1]);  // may find the stream already ended
+  ASSERT_TRUE(Within(absl::Milliseconds(500), [&] { return running().budget().used() > 0; }))
+      << "the first chunk staged";
+  // The TTL is 600 ms; the client writes nothing meanwhile.
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] { return running().budget().used() == 0; }))
+      << "the staged chunk freed at the expiry: " << running().budget().used() << " bytes held";
+  writer->Write(chunks[1]);  // the stream has ended: the write fails or is dropped
   writer->WritesDone();
   const absl::Status status = FromGrpc(writer->Finish());
   EXPECT_TRUE(HasStatus(status, absl::StatusCode::kNotFound, "expired")) << status;
   EXPECT_THAT(status.message(), HasSubstr("--session_idle_ttl_seconds=0.6"));
-  EXPECT_EQ(running().budget().used(), 0) << "the staged chunk freed";
+  EXPECT_EQ(running().budget().used(), 0);
+}
+
+TEST_F(LimitsTest, APrefillStreamWhoseSessionIsClosedEndsAndFreesItsStaging) {
+  // CloseSession from another call while a Prefill stream waits for its next chunk: the
+  // stream ends at once with the NOT_FOUND its next chunk would get, its staging freed.
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 7), 8);
+  grpc::ClientContext context;
+  v1::PrefillResponse response;
+  auto writer = stub().Prefill(&context, &response);
+  ASSERT_TRUE(writer->Write(chunks[0]));
+  ASSERT_TRUE(Within(absl::Seconds(2), [&] { return running().budget().used() > 0; }));
+
+  v1::CloseSessionRequest close;
+  close.set_session_id(*id);
+  v1::CloseSessionResponse closed;
+  grpc::ClientContext close_context;
+  ASSERT_TRUE(stub().CloseSession(&close_context, close, &closed).ok());
+  // Freed at the close (the registry tells the service before CloseSession answers), or, when
+  // the chunk's run was still finishing then, by that run as it ends.
+  EXPECT_TRUE(Within(absl::Seconds(2), [&] { return running().budget().used() == 0; }))
+      << running().budget().used() << " bytes held";
+  writer->Write(chunks[1]);
+  writer->WritesDone();
+  const absl::Status status = FromGrpc(writer->Finish());
+  EXPECT_TRUE(HasStatus(status, absl::StatusCode::kNotFound, "was closed")) << status;
+  EXPECT_THAT(status.message(), HasSubstr(*id));
+  EXPECT_FALSE(absl::StrContains(status.message(), "expired"));
+}
+
+TEST_F(LimitsTest, APrefillStreamStagesNothingMoreOnceItsSessionIsClosed) {
+  // A layer already staged takes no more chunks for a closed session: PrefillStream itself
+  // checks the session at every chunk (the service's ending of paused streams aside).
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 8), 8);
+  PrefillStream stream(&running().sessions());
+  ASSERT_TRUE(stream.Add(chunks[0], 0).ok());
+  EXPECT_TRUE(stream.SessionStatus().ok());
+  const int64_t staged = running().budget().used();
+  ASSERT_GT(staged, 0);
+  ASSERT_TRUE(running().sessions().Close(*id).ok());
+  const absl::Status next = stream.Add(chunks[1], 1);
+  EXPECT_TRUE(HasStatus(next, absl::StatusCode::kNotFound, "was closed")) << next;
+  EXPECT_TRUE(HasStatus(stream.SessionStatus(), absl::StatusCode::kNotFound, "was closed"));
+  EXPECT_EQ(running().budget().used(), staged) << "nothing more staged";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -359,7 +420,7 @@ TEST_F(DeadlineTest, APrefillPastItsDeadlineFreesItsStagedPromptAtOnce) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(500)));
   v1::PrefillResponse response;
   auto writer = stub().Prefill(&context, &response);
-  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPrompt(4096, 8), 512)) {
+  for (const v1::PrefillChunk& chunk : PromptChunks(*id, g, 0, RandomPromptOf(g, 4096, 8), 512)) {
     ASSERT_TRUE(writer->Write(chunk));
   }
   // The chunks are staged (charged to the host budget) while the stream stays open.
@@ -432,6 +493,41 @@ TEST_F(TokenCeilingTest, MoreKvThanTheMachineHoldsIsRefusedAtCreateSession) {
   EXPECT_THAT(refused.message(), HasSubstr("announce fewer tokens"));
   EXPECT_TRUE(running().sessions().List().empty());
   EXPECT_EQ(running().budget().used(), 0);
+}
+
+// The same check counts what the other sessions hold (probe 5, 6b: six sessions each under
+// the machine's memory were all accepted, together several times over it). Set-asides are only
+// counted, never allocated, so this holds nothing of the machine's memory.
+TEST_F(TokenCeilingTest, SetAsidesTogetherPastTheMachinesMemoryAreRefused) {
+  const int64_t physical = PhysicalMemoryBytes();
+  if (physical <= 0) GTEST_SKIP() << "the system does not say how much memory it has";
+  // f32, 8 KV heads x 128 dims: 8 KiB a token; each session announces 60 % of the memory.
+  const v1::Geometry g = MakeGeometry(1, 8, 8, 128);
+  const int64_t tokens = physical * 6 / 10 / 8192;
+  ASSERT_LE(tokens, kMaxLayerTokens);
+  ASSERT_TRUE(CreateAnnouncing(g, tokens).ok());
+  ASSERT_EQ(running().sessions().List().size(), 1u);
+  const std::string first = running().sessions().List()[0]->id();
+  const int64_t held = running().budget().used();
+  ASSERT_GE(held, tokens * 8192);
+
+  const absl::Status refused = CreateAnnouncing(g, tokens);
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        absl::StrCat("max_tokens=", tokens, " of 1 layers needs ")))
+      << refused;
+  EXPECT_THAT(refused.message(),
+              HasSubstr(absl::StrCat(" beside the ", held, " bytes this server holds")));
+  EXPECT_THAT(refused.message(), HasSubstr("or wait for memory to be freed"));
+  EXPECT_EQ(running().sessions().List().size(), 1u);
+  EXPECT_EQ(running().budget().used(), held) << "the refused session holds nothing";
+
+  // Once the first closes, the same announcement fits.
+  v1::CloseSessionRequest close;
+  close.set_session_id(first);
+  v1::CloseSessionResponse closed;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub().CloseSession(&context, close, &closed).ok());
+  EXPECT_TRUE(CreateAnnouncing(g, tokens).ok());
 }
 
 TEST_F(TokenCeilingTest, EveryLayersBytesPastInt64AreRefusedAtCreateSession) {

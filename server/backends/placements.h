@@ -14,8 +14,8 @@
 
 #include "absl/status/statusor.h"
 #include "server/backends/attention_backend.h"
-#include "server/backends/learning_outcomes.h"
 #include "server/backends/cpu_backend.h"
+#include "server/backends/learning_outcomes.h"
 
 namespace kvrecall {
 

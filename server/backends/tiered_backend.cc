@@ -83,6 +83,9 @@ struct BulkSelector {
 absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
                                               const BatchTopKFunction& batch_topk) {
   const SelectorParams& p = config.selector;
+  // Where a build's exact top-K lists come from: the tier's device (cuBLAS), or the host's.
+  const BatchTopKFunction build_topk =
+      batch_topk != nullptr ? batch_topk : BatchTopKFunction(CpuBatchTopK);
   switch (p.kind) {
     case SelectorKind::kStreaming:
       return BulkSelector{};
@@ -94,8 +97,8 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       // Bulk row r is token sinks + r; the prompt queries it is built from are offset so that
       // query r is the one of token sinks + recent + r, which sees bulk rows [0, r + recent].
       auto retopk = std::make_unique<ReTopKSelector>(config.shape, p.top_k, p.retopk, p.recent);
-      // Its build's exact top-K (seeds, auto_tau) on the tier's device where it has one.
-      if (batch_topk != nullptr) retopk->set_batch_topk(batch_topk);
+      // Its build's exact top-K (seeds, auto_tau).
+      retopk->set_batch_topk(build_topk);
       if (p.shortlist > 0) {
         auto shortlist = std::make_unique<ShortlistSelector>(config.shape, p.top_k);
         ShortlistSelector* exact = shortlist.get();
@@ -105,8 +108,7 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       if (!p.retopk.exact_flat_scan) {
         // The exact path searches a graph index over the bulk view.
         retopk->set_exact_search(std::make_unique<IndexSelector>(
-            config.shape, ExactPathGraphParams(p), /*bulk_only=*/true,
-            batch_topk != nullptr ? batch_topk : BatchTopKFunction(CpuBatchTopK)));
+            config.shape, ExactPathGraphParams(p), /*bulk_only=*/true, build_topk));
       }
       return BulkSelector{std::move(retopk), true};
     }
@@ -116,10 +118,8 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
         ShortlistSelector* exact = shortlist.get();
         return BulkSelector{std::move(shortlist), true, exact};
       }
-      return BulkSelector{std::make_unique<IndexSelector>(
-                              config.shape, p, /*bulk_only=*/true,
-                              batch_topk != nullptr ? batch_topk : BatchTopKFunction(CpuBatchTopK)),
-                          false};
+      return BulkSelector{
+          std::make_unique<IndexSelector>(config.shape, p, /*bulk_only=*/true, build_topk), false};
   }
   return absl::InvalidArgumentError("policy.selector: unknown selector");
 }
