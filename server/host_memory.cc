@@ -9,11 +9,18 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <new>
+#include <string>
 #include <utility>
+#include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace kvrecall {
 namespace {
@@ -66,6 +73,62 @@ int64_t PhysicalMemoryBytes() {
   const long page = sysconf(_SC_PAGE_SIZE);
   if (pages <= 0 || page <= 0) return 0;
   return static_cast<int64_t>(pages) * page;
+}
+
+namespace {
+
+// The limit a cgroup file holds (a decimal byte count), or 0 when it is absent, unreadable or
+// "max" (no limit).
+int64_t ReadLimitFile(const std::string& path) {
+  std::ifstream file(path);
+  std::string word;
+  if (!(file >> word)) return 0;
+  int64_t bytes = 0;
+  return absl::SimpleAtoi(word, &bytes) && bytes > 0 ? bytes : 0;
+}
+
+}  // namespace
+
+int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& membership) {
+  int64_t lowest = 0;
+  for (absl::string_view line : absl::StrSplit(membership, '\n', absl::SkipWhitespace())) {
+    const std::vector<std::string> fields = absl::StrSplit(line, absl::MaxSplits(':', 2));
+    if (fields.size() != 3 || !absl::StartsWith(fields[2], "/")) continue;
+    std::vector<std::pair<std::string, const char*>> hierarchies;  // mount point, limit file
+    if (fields[0] == "0" && fields[1].empty()) {
+      hierarchies = {{mount, "memory.max"}, {mount + "/unified", "memory.max"}};
+    } else if (absl::c_linear_search(absl::StrSplit(fields[1], ','), "memory")) {
+      hierarchies = {{mount + "/memory", "memory.limit_in_bytes"}};
+    } else {
+      continue;
+    }
+    for (const auto& [root, file] : hierarchies) {
+      // The group, then each one above it up to the hierarchy's root: a limit anywhere above
+      // bounds the group too.
+      std::string group = fields[2];
+      while (true) {
+        const std::string dir = group == "/" ? root : root + group;
+        if (const int64_t limit = ReadLimitFile(absl::StrCat(dir, "/", file));
+            limit > 0 && (lowest == 0 || limit < lowest)) {
+          lowest = limit;
+        }
+        if (group == "/") break;
+        const size_t slash = group.rfind('/');
+        group = slash == 0 ? "/" : group.substr(0, slash);
+      }
+    }
+  }
+  return lowest;
+}
+
+int64_t MemoryLimitBytes() {
+  const int64_t physical = PhysicalMemoryBytes();
+  std::ifstream file("/proc/self/cgroup");
+  const std::string membership((std::istreambuf_iterator<char>(file)),
+                               std::istreambuf_iterator<char>());
+  const int64_t group = CgroupMemoryLimitBytes("/sys/fs/cgroup", membership);
+  if (group > 0 && (physical <= 0 || group < physical)) return group;
+  return physical;
 }
 
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes) {

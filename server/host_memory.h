@@ -59,6 +59,17 @@ class HostMemory {
 // The machine's physical memory in bytes (0 when the system does not say).
 int64_t PhysicalMemoryBytes();
 
+// The memory this process may use, in bytes: the machine's physical memory, or less where its
+// control group says so (a container's limit: cgroup v2 memory.max, v1 memory.limit_in_bytes,
+// of its group or any group above it). 0 when nothing says.
+int64_t MemoryLimitBytes();
+
+// The lowest memory limit, in bytes, of the control groups named by `membership` (the lines of
+// /proc/self/cgroup: "0::PATH" for cgroup v2, "ID:CONTROLLERS:PATH" for v1) and of every group
+// above them, read from the hierarchies mounted under `mount` (/sys/fs/cgroup: v2 there or in
+// its unified/, v1's memory controller in its memory/). 0 when none is set ("max", or absent).
+int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& membership);
+
 // `bytes` of host memory (uninitialized). An allocation of at least kHugePageBytes is a mapping of
 // its own, aligned to kHugePageBytes, whose pages are all mapped now (MADV_POPULATE_WRITE: first
 // touches would fault them in one by one, microseconds each in a VM), after MADV_HUGEPAGE when

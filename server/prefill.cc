@@ -32,6 +32,11 @@ absl::Status PrefillStream::SessionStatus() const {
   return session_->CheckOpen();
 }
 
+std::optional<Session::Use> PrefillStream::UseSession() const {
+  if (session_ == nullptr) return std::nullopt;
+  return std::optional<Session::Use>(std::in_place, session_.get());
+}
+
 absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   const std::string prefix = absl::StrCat("chunks[", index, "]");
   if (session_ == nullptr) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -49,6 +50,10 @@ class PrefillStream {
   // themselves (Commit skips the builds not yet begun); from another thread, not while they
   // run (they set the session).
   absl::Status SessionStatus() const;
+
+  // Keeps the stream's session from expiring while the guard lives (Session::Use): for its
+  // commit, whose builds may outlast the idle TTL. Empty before the first chunk.
+  std::optional<Session::Use> UseSession() const;
 
  private:
   const SessionRegistry* registry_;

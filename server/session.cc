@@ -214,17 +214,19 @@ absl::Status Session::Admit() {
       all_layers(backend_->HostKvBytesFor(config_, tokens), " of host memory");
   if (!bytes.ok()) return bytes.status();
   // Without a budget (or with one larger than the machine) nothing else would refuse set-asides
-  // the machine can never hold (a first Prefill would fail to allocate, or fault in all of it):
-  // this one beside what the server holds already (every session's set-asides and memory, the
-  // prompts being staged; admissions racing this check may pass it together: a budget flag is
-  // exact).
-  if (const int64_t physical = PhysicalMemoryBytes(); physical > 0) {
+  // the machine can never hold (a first Prefill would fail to allocate, or fault in all of it,
+  // or a container's limit would kill the server): this one beside what the server holds
+  // already (every session's set-asides and memory, the prompts being staged; admissions racing
+  // this check may pass it together: a budget flag is exact).
+  if (const int64_t usable = MemoryLimitBytes(); usable > 0) {
     const int64_t held = host_grant_.budget()->used();
-    if (*bytes > physical - std::min(held, physical)) {
+    if (*bytes > usable - std::min(held, usable)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes, " bytes of host KV",
           held > 0 ? absl::StrCat(" beside the ", held, " bytes this server holds") : "",
-          ", more than this machine's ", physical, " bytes of memory: announce fewer tokens",
+          ", more than the ", usable,
+          " bytes of memory it may use (the machine's, or its control group's limit): announce "
+          "fewer tokens",
           held > 0 ? ", or wait for memory to be freed" : ""));
     }
   }
@@ -446,7 +448,7 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
   {
     absl::MutexLock lock(&mu_);
     for (auto it = sessions_.begin(); it != sessions_.end();) {
-      if (now - it->second->last_used() <= limits_.session_idle_ttl) {
+      if (it->second->in_use() || now - it->second->last_used() <= limits_.session_idle_ttl) {
         ++it;
         continue;
       }

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -120,6 +121,24 @@ class Session {
   absl::Time last_used() const {
     return absl::FromUnixNanos(last_used_ns_.load(std::memory_order_relaxed));
   }
+  // A call at work on the session for longer than a message (a Prefill's commit, whose builds
+  // may outlast the idle TTL): while one lives the session does not expire, and its end counts
+  // as a use. Movable; the session must outlive it.
+  class Use {
+   public:
+    explicit Use(Session* session) : session_(session) { session_->users_.fetch_add(1); }
+    Use(Use&& other) noexcept : session_(std::exchange(other.session_, nullptr)) {}
+    Use& operator=(Use&&) = delete;
+    ~Use() {
+      if (session_ == nullptr) return;
+      session_->Touch();  // before the count drops: the reaper never sees it idle and stale
+      session_->users_.fetch_sub(1);
+    }
+
+   private:
+    Session* session_;
+  };
+  bool in_use() const { return users_.load() > 0; }
 
   // Sets aside what the announced max_tokens needs for every layer on each tier
   // (RESOURCE_EXHAUSTED naming the budget when it does not fit). Called once, at admission.
@@ -163,6 +182,7 @@ class Session {
   AttentionBackend* const backend_;
   PolicyMetrics* metrics_ = nullptr;
   std::atomic<int64_t> last_used_ns_{absl::GetCurrentTimeNanos()};
+  std::atomic<int> users_{0};  // Use objects alive
   // Declared before the layers, which charge them, so that they outlive the layers.
   MemoryGrant host_grant_;
   std::unique_ptr<MemoryGrant> device_grant_;  // null when the backend has no device budget

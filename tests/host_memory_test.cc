@@ -1,16 +1,21 @@
 // Host allocations in huge pages (server/host_memory.h): large ones are 2 MiB-aligned mappings
 // of their own, in huge pages where the host's THP mode allows it and in 4 KiB pages when
 // asked; small ones are ordinary; the process-wide switch picks the default; an allocation that
-// cannot be had is RESOURCE_EXHAUSTED.
+// cannot be had is RESOURCE_EXHAUSTED. The memory a process may use: the machine's, or its
+// control group's limit.
 #include "server/host_memory.h"
 
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "tests/server_fixture.h"
+#include "tests/test_util.h"
 
 namespace kvrecall {
 namespace {
@@ -139,6 +144,69 @@ TEST(HostMemoryTest, TheModeIsTheBracketedWord) {
   const std::string mode = TransparentHugePagesMode();
   EXPECT_TRUE(mode == "always" || mode == "madvise" || mode == "never") << mode;
   EXPECT_NE(line.find("[" + mode + "]"), std::string::npos) << line;
+}
+
+// A fake /sys/fs/cgroup: writes `contents` to each mount-relative file in `files`.
+void WriteFiles(const ::kvrecall::testing::TempDirectory& mount,
+                const std::vector<std::pair<std::string, std::string>>& files) {
+  for (const auto& [name, contents] : files) {
+    const std::string path = mount.path() + name;
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    std::ofstream(path) << contents;
+  }
+}
+
+TEST(MemoryLimitTest, CgroupV2TakesTheLowestLimitOfTheGroupAndItsAncestors) {
+  ::kvrecall::testing::TempDirectory mount("cgroup-v2");
+  ASSERT_FALSE(mount.path().empty());
+  WriteFiles(mount, {{"/memory.max", "max\n"},
+                     {"/pod/memory.max", "8589934592\n"},
+                     {"/pod/app/memory.max", "max\n"}});
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/pod/app\n"), int64_t{8} << 30);
+  // A limit on the group itself below its parent's.
+  WriteFiles(mount, {{"/pod/app/memory.max", "1073741824\n"}});
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/pod/app\n"), int64_t{1} << 30);
+  // The namespace's own root (a container's view: "0::/"), and no limit anywhere.
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/\n"), 0);
+  WriteFiles(mount, {{"/memory.max", "2147483648"}});
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/\n"), int64_t{2} << 30);
+}
+
+TEST(MemoryLimitTest, CgroupV1ReadsTheMemoryControllersHierarchy) {
+  // A hybrid host, as this project's development machine: v1 controllers beside an empty
+  // unified hierarchy; "unlimited" is a huge number there, which the caller bounds by the
+  // machine's memory.
+  ::kvrecall::testing::TempDirectory mount("cgroup-v1");
+  ASSERT_FALSE(mount.path().empty());
+  WriteFiles(mount, {{"/memory/memory.limit_in_bytes", "9223372036854771712\n"},
+                     {"/memory/api/job/memory.limit_in_bytes", "4294967296\n"},
+                     {"/cpu/api/job/cpu.shares", "1024\n"},
+                     {"/unified/cgroup.procs", ""}});
+  const std::string membership =
+      "9:name=systemd:/\n8:pids:/\n4:memory:/api/job\n2:cpu,cpuacct:/api/job\n0::/\n";
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), membership), int64_t{4} << 30);
+  // The controller listed among others on its line.
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "4:blkio,memory:/api/job\n"), int64_t{4} << 30);
+  // Outside the limited group only the root's "unlimited" is left.
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "4:memory:/other\n"), 9223372036854771712);
+}
+
+TEST(MemoryLimitTest, WhatSaysNothingIsNoLimit) {
+  ::kvrecall::testing::TempDirectory mount("cgroup-none");
+  ASSERT_FALSE(mount.path().empty());
+  WriteFiles(mount, {{"/memory.max", "lots\n"}, {"/a/memory.max", "-5\n"}});
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), ""), 0);
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/a\n"), 0) << "unparsable limits";
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/missing\n"), 0);
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "garbage\n7:memory\n0::relative\n"), 0);
+}
+
+TEST(MemoryLimitTest, TheProcessLimitIsAtMostThePhysicalMemory) {
+  const int64_t physical = PhysicalMemoryBytes();
+  if (physical <= 0) GTEST_SKIP() << "the system does not say how much memory it has";
+  const int64_t usable = MemoryLimitBytes();
+  EXPECT_GT(usable, 0);
+  EXPECT_LE(usable, physical);
 }
 
 }  // namespace

@@ -666,6 +666,23 @@ class SharedMemoryTest(ClientTest):
         self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("max_request_bytes", e.exception.message)
 
+    def test_a_runner_whose_step_failed_reopens_in_the_one_slot_at_once(self):
+        # --max_shared_streams=1: a failed step ends its stream, and the client's next step opens
+        # another at once, which finds the slot free (probe 8: the slot was given back only
+        # after the failure reached the runner, and 6-14 of 100 next steps were refused).
+        with tempfile.TemporaryDirectory(prefix="kvrecall-shm-") as d, \
+                Kvrecalld(f"--shared_memory_dir={d}", "--max_shared_streams=1") as server, \
+                kvrecall.Client(server.address, wait_ready_s=30, shared_memory=True) as c:
+            s = c.create_session(make_geometry(1, self.HQ, self.HKV, self.D))
+            s.prefill([tuple(x[:8] for x in self.prompt(73)[0])])
+            for i in range(60):
+                q, k, v = self.step_inputs(200 + i)
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    s.attend(0, q, k, v, position=8 + i + 5)  # not the layer's length
+                self.assertEqual(e.exception.code, grpc.StatusCode.ABORTED, e.exception.message)
+                self.assertEqual(s.attend(0, q, k, v, position=8 + i).position, 8 + i,
+                                 f"cycle {i}")
+
     def test_a_drained_or_killed_server_ends_the_stream_with_the_calls_status(self):
         with tempfile.TemporaryDirectory(prefix="kvrecall-shm-") as d:
             for ending in ("drain", "kill"):

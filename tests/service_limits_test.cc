@@ -332,6 +332,33 @@ TEST_F(SessionIdleTtlTest, APrefillStreamPausedPastTheTtlEndsAndFreesItsStaging)
   EXPECT_EQ(running().budget().used(), 0);
 }
 
+// A commit whose builds outlast the TTL (here a hook holds it 1.5 s before they start; the TTL
+// is 600 ms): the session is in use meanwhile and does not expire (probe 8: a 24K-token graph
+// build lost its session, "no call used it", after the client had sent everything).
+class SlowCommitTtlTest : public SessionIdleTtlTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = SessionIdleTtlTest::Options();
+    options.service_test_hooks.before_prefill_commit = [] {
+      absl::SleepFor(absl::Milliseconds(1500));
+    };
+    return options;
+  }
+};
+
+TEST_F(SlowCommitTtlTest, ASessionDoesNotExpireWhileItsPromptIsCommitted) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<v1::PrefillResponse> committed =
+      Prefill(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, 32, 9), 8));
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(committed->tokens(), 32);
+  // The commit's end counts as a use: the session is there, then expires as any other.
+  EXPECT_TRUE(GetSession(stub(), *id).ok());
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] { return running().sessions().List().empty(); }));
+}
+
 TEST_F(LimitsTest, APrefillStreamWhoseSessionIsClosedEndsAndFreesItsStaging) {
   // CloseSession from another call while a Prefill stream waits for its next chunk: the
   // stream ends at once with the NOT_FOUND its next chunk would get, its staging freed.
@@ -412,6 +439,57 @@ TEST_F(DeadlineTest, AnIdleDecodeStreamEndsAtItsDeadline) {
   EXPECT_EQ(info->tokens(), 9);  // the step answered before the deadline was committed
 }
 
+// Decode streams count their own calls (kvrecall_rpcs_total, when metrics are served): one
+// that ends at its deadline or by the client's cancel is counted so, not OK (probe 8: the failed
+// read reached the stream before gRPC's OnCancel, and 20 of 20 were counted OK).
+class DecodeCallCountTest : public LimitsTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = LimitsTest::Options();
+    options.metrics_address = "127.0.0.1:0";
+    return options;
+  }
+  // The Decode calls counted with `code` so far.
+  int Counted(absl::string_view code) {
+    const std::string series = absl::StrCat("kvrecall_rpcs_total{code=\"", code,
+                                            "\",method=\"kvrecall.v1.KvRecall/Decode\"} ");
+    const std::string text = running().metrics().TextFormat();
+    const size_t at = text.find(series);
+    return at == std::string::npos ? 0 : std::stoi(text.substr(at + series.size()));
+  }
+};
+
+TEST_F(DecodeCallCountTest, StreamsEndedByDeadlineOrCancelAreNotCountedOk) {
+  const std::string id = PrefilledSession(8);
+  {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(300)));
+    auto stream = stub().Decode(&context);
+    ASSERT_TRUE(stream->Write(OneStep(id, 1)));
+    v1::DecodeResponse response;
+    ASSERT_TRUE(stream->Read(&response));
+    EXPECT_FALSE(stream->Read(&response));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  {
+    grpc::ClientContext context;
+    auto stream = stub().Decode(&context);
+    ASSERT_TRUE(stream->Write(OneStep(id, 2)));
+    v1::DecodeResponse response;
+    ASSERT_TRUE(stream->Read(&response));
+    context.TryCancel();
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  {
+    DecodeClient decode(stub());  // a stream the client ends cleanly
+    ASSERT_TRUE(decode.Step(OneStep(id, 3)).ok());
+  }
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] { return running().service().open_streams() == 0; }));
+  EXPECT_EQ(Counted("DEADLINE_EXCEEDED"), 1);
+  EXPECT_EQ(Counted("CANCELLED"), 1);
+  EXPECT_EQ(Counted("OK"), 1);
+}
+
 TEST_F(DeadlineTest, APrefillPastItsDeadlineFreesItsStagedPromptAtOnce) {
   const v1::Geometry g = SmallGeometry();
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
@@ -488,8 +566,10 @@ TEST_F(TokenCeilingTest, MoreKvThanTheMachineHoldsIsRefusedAtCreateSession) {
   const absl::Status refused = CreateAnnouncing(MakeGeometry(1, 8, 8, 128), int64_t{1} << 30);
   EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
                         "max_tokens=1073741824 of 1 layers needs 8796093022208 bytes of host KV, "
-                        "more than this machine's"))
+                        "more than the "))
       << refused;
+  EXPECT_THAT(refused.message(),
+              HasSubstr(absl::StrCat(MemoryLimitBytes(), " bytes of memory it may use")));
   EXPECT_THAT(refused.message(), HasSubstr("announce fewer tokens"));
   EXPECT_TRUE(running().sessions().List().empty());
   EXPECT_EQ(running().budget().used(), 0);
@@ -499,11 +579,11 @@ TEST_F(TokenCeilingTest, MoreKvThanTheMachineHoldsIsRefusedAtCreateSession) {
 // the machine's memory were all accepted, together several times over it). Set-asides are only
 // counted, never allocated, so this holds nothing of the machine's memory.
 TEST_F(TokenCeilingTest, SetAsidesTogetherPastTheMachinesMemoryAreRefused) {
-  const int64_t physical = PhysicalMemoryBytes();
-  if (physical <= 0) GTEST_SKIP() << "the system does not say how much memory it has";
+  const int64_t usable = MemoryLimitBytes();
+  if (usable <= 0) GTEST_SKIP() << "the system does not say how much memory it has";
   // f32, 8 KV heads x 128 dims: 8 KiB a token; each session announces 60 % of the memory.
   const v1::Geometry g = MakeGeometry(1, 8, 8, 128);
-  const int64_t tokens = physical * 6 / 10 / 8192;
+  const int64_t tokens = usable * 6 / 10 / 8192;
   ASSERT_LE(tokens, kMaxLayerTokens);
   ASSERT_TRUE(CreateAnnouncing(g, tokens).ok());
   ASSERT_EQ(running().sessions().List().size(), 1u);
