@@ -352,6 +352,7 @@ class SharedDecodeTransport final : public DecodeTransport,
     }
     HandoffToWaiter(this);
     if (!first_read_.HasBeenNotified()) first_read_.Notify();
+    HandoffToWaiter(this);  // again: the check above, too, comes before the owner's delete
     done_.Notify();
   }
 

@@ -485,8 +485,11 @@ TEST_F(DecodeCallCountTest, StreamsEndedByDeadlineOrCancelAreNotCountedOk) {
     ASSERT_TRUE(decode.Step(OneStep(id, 3)).ok());
   }
   EXPECT_TRUE(Within(absl::Seconds(5), [&] { return running().service().open_streams() == 0; }));
-  EXPECT_EQ(Counted("DEADLINE_EXCEEDED"), 1);
-  EXPECT_EQ(Counted("CANCELLED"), 1);
+  // The server's deadline runs later than the client's (the request's transit, the timeout's
+  // rounding), so the client's own end of its expired call may reach the server first, as a
+  // cancel: the expired stream is one or the other, never OK.
+  EXPECT_EQ(Counted("DEADLINE_EXCEEDED") + Counted("CANCELLED"), 2);
+  EXPECT_GE(Counted("CANCELLED"), 1);
   EXPECT_EQ(Counted("OK"), 1);
 }
 
