@@ -15,6 +15,7 @@
 #ifndef KVRECALL_INDEX_PRODUCT_QUANTIZER_H_
 #define KVRECALL_INDEX_PRODUCT_QUANTIZER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -32,6 +33,9 @@ struct ProductQuantizerParams {
   int64_t training_keys = 16384;
   // Rounds of k-means (assignment, then every centroid moved to its keys' mean).
   int iterations = 10;
+  // Asked before each round (null: never): once it holds true, Train stops with CANCELLED (a
+  // learning whose layer closed: codes_learning.h). Must outlive the call.
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 // The assignment step of training (most of its arithmetic), which a device can take over: Load

@@ -223,7 +223,7 @@ TEST_P(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
   const SessionAccounts accounts{&tight, GetParam() ? &device_ : nullptr};
   const int64_t prompt = CodesLearning::kMinLearnRows + 44;
   absl::StatusOr<std::unique_ptr<BulkCodes>> built =
-      tier_->BuildCodes(config_, accounts, Bulk(prompt), kRows);
+      tier_->BuildCodes(config_, accounts, Bulk(prompt), kRows, /*cancelled=*/nullptr);
   ASSERT_TRUE(built.ok()) << built.status();
   std::unique_ptr<BulkCodes> codes = *std::move(built);
   const BulkCodes* const prompts = codes.get();
@@ -274,6 +274,29 @@ TEST_P(CodesLearningTest, ALearningItsLayerClosesFirstIsCountedAbandoned) {
                 tally_.count(LearningOutcome::kFailed),
             0);
   EXPECT_EQ(host_.used() + device_.used(), 0) << "its memory given back";
+}
+
+// A learning's training stops when its layer closes (probe 8: CloseSession waited up to 1.7 s
+// for one): the tier's build asks the flag between heads and k-means rounds, returns CANCELLED
+// and leaves nothing charged; a learning that ends so counts as abandoned, not failed.
+TEST_P(CodesLearningTest, ATrainingWhoseLayerClosedStopsAndHoldsNothing) {
+  std::atomic<bool> cancelled{true};
+  absl::StatusOr<std::unique_ptr<BulkCodes>> built = tier_->BuildCodes(
+      config_, accounts_, Bulk(CodesLearning::kFirstLearnRows), kRows, &cancelled);
+  EXPECT_EQ(built.status().code(), absl::StatusCode::kCancelled) << built.status();
+  EXPECT_EQ(host_.used() + device_.used(), 0);
+
+  // Closed while its training runs (a queue thread of its own; the close sets the flag): the
+  // learning is counted abandoned whether the close came mid-training or after it.
+  WorkQueue queue(1, "test-closed-training");
+  {
+    CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue, &tally_);
+    learning.OnCommitted(Bulk(CodesLearning::kFirstLearnRows));
+    ASSERT_TRUE(learning.learning());
+  }
+  EXPECT_EQ(tally_.count(LearningOutcome::kAbandoned), 1);
+  EXPECT_EQ(tally_.count(LearningOutcome::kFailed), 0);
+  EXPECT_EQ(host_.used() + device_.used(), 0);
 }
 
 TEST_P(CodesLearningTest, ALearningRefusedIsCountedSoThoughItsLayerClosesBeforeTheTakeOver) {

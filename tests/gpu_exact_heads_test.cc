@@ -64,7 +64,8 @@ class GpuExactHeadsTest : public ::testing::Test {
     ASSERT_TRUE(set.ok()) << set.status();
     set_ = *std::move(set);
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
-        tier_->BuildCodes(config_, SessionAccounts{&host_, &device_}, bulk(), bulk().tokens);
+        tier_->BuildCodes(config_, SessionAccounts{&host_, &device_}, bulk(), bulk().tokens,
+                          /*cancelled=*/nullptr);
     ASSERT_TRUE(codes.ok()) << codes.status();
     codes_ = *std::move(codes);
     context_ = tier_->NewStepContext();

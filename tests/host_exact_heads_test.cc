@@ -65,7 +65,8 @@ class HostExactHeadsTest : public ::testing::Test {
     ASSERT_TRUE(set.ok()) << set.status();
     set_ = *std::move(set);
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes = tier.BuildCodes(
-        config_, accounts_, bulk().Tokens(0, bulk().tokens - kUncoded), bulk().tokens);
+        config_, accounts_, bulk().Tokens(0, bulk().tokens - kUncoded), bulk().tokens,
+        /*cancelled=*/nullptr);
     ASSERT_TRUE(codes.ok()) << codes.status();
     codes_ = *std::move(codes);
     context_ = tier.NewStepContext();

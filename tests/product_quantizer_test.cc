@@ -4,6 +4,7 @@
 // fewer keys than centroids are reproduced exactly, and bad parameters are refused by name.
 #include "index/product_quantizer.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -195,6 +196,7 @@ class CountingAssigner final : public PqAssigner {
   }
   absl::Status Assign(std::span<const float> codebooks, int subspaces, uint8_t* codes) override {
     ++assigns;
+    if (assigns == cancel_after && cancel != nullptr) cancel->store(true);
     const int sub = dim_ / subspaces;
     for (int64_t i = 0; i < count_; ++i) {
       for (int m = 0; m < subspaces; ++m) {
@@ -212,6 +214,9 @@ class CountingAssigner final : public PqAssigner {
   }
   int loads = 0, assigns = 0;
   bool fail = false;
+  // Sets *cancel as its cancel_after-th Assign runs (a layer closing mid-training).
+  std::atomic<bool>* cancel = nullptr;
+  int cancel_after = 0;
 
  private:
   const float* rows_ = nullptr;
@@ -246,6 +251,35 @@ TEST(ProductQuantizerTest, AnAssignerTakesOverTheTrainingAssignments) {
       ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params, &failing);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(failing.assigns, 0);
+}
+
+// Training asks `cancelled` before each round: set during round 2, it stops before round 3 with
+// CANCELLED; left false, it changes nothing.
+TEST(ProductQuantizerTest, ACancelledTrainingStopsBeforeItsNextRound) {
+  constexpr int kDim = 32, kKeys = 3000;
+  const std::vector<float> keys = RandomNormal(kKeys * kDim, 6);
+  ProductQuantizerParams params;
+  params.subspaces = 4;
+  params.iterations = 6;
+  std::atomic<bool> cancelled{false};
+  params.cancelled = &cancelled;
+  CountingAssigner assigner;
+  assigner.cancel = &cancelled;
+  assigner.cancel_after = 2;
+  const absl::StatusOr<ProductQuantizer> stopped =
+      ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params, &assigner);
+  EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
+  EXPECT_THAT(stopped.status().message(), HasSubstr("before round 3 of 6"));
+  EXPECT_EQ(assigner.assigns, 2);
+
+  cancelled.store(false);
+  const absl::StatusOr<ProductQuantizer> asked = ProductQuantizer::Train(
+      F32Set(keys, kKeys, kDim), params);
+  params.cancelled = nullptr;
+  const absl::StatusOr<ProductQuantizer> plain = ProductQuantizer::Train(
+      F32Set(keys, kKeys, kDim), params);
+  ASSERT_TRUE(asked.ok() && plain.ok());
+  EXPECT_EQ(asked->codebooks(), plain->codebooks());
 }
 
 TEST(ProductQuantizerTest, BadParametersAreRefusedByName) {

@@ -50,10 +50,11 @@ absl::Status BulkCodes::ChargeQuantizers() {
   return ChargeHost(bytes, "the shortlist's codebooks");
 }
 
-absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(const KvView& bulk,
-                                                               PqAssigner* assigner) {
+absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(
+    const KvView& bulk, PqAssigner* assigner, const std::atomic<bool>* cancelled) {
   std::vector<ProductQuantizer> quantizers;
-  const ProductQuantizerParams params = TrainingParams(bulk.head_dim);
+  ProductQuantizerParams params = TrainingParams(bulk.head_dim);
+  params.cancelled = cancelled;
   for (int h = 0; h < bulk.kv_heads; ++h) {
     absl::StatusOr<ProductQuantizer> pq = ProductQuantizer::Train(
         VectorSet::KeysOf(bulk, h, 0, TrainedRowsOf(bulk.tokens)), params, assigner);

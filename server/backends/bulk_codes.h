@@ -7,6 +7,7 @@
 #ifndef KVRECALL_SERVER_BACKENDS_BULK_CODES_H_
 #define KVRECALL_SERVER_BACKENDS_BULK_CODES_H_
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -80,9 +81,11 @@ class BulkCodes {
  protected:
   // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token): its
   // first TrainedRowsOf(tokens) rows, with `assigner`'s assignments when given (the GPU tier's
-  // device).
-  static absl::StatusOr<std::vector<ProductQuantizer>> Train(const KvView& bulk,
-                                                             PqAssigner* assigner = nullptr);
+  // device). CANCELLED once `cancelled` (null: never) holds true, asked between heads and
+  // rounds.
+  static absl::StatusOr<std::vector<ProductQuantizer>> Train(
+      const KvView& bulk, PqAssigner* assigner = nullptr,
+      const std::atomic<bool>* cancelled = nullptr);
   // ReadCodes' copy once its range is checked: [end - begin, subspaces()] into `codes`.
   virtual absl::Status CopyCodes(int kv_head, int64_t begin, int64_t end,
                                  uint8_t* codes) const = 0;

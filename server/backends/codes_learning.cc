@@ -32,6 +32,8 @@ namespace {
 // error.
 LearningOutcome OutcomeOf(const absl::Status& status) {
   if (status.ok()) return LearningOutcome::kTakenOver;
+  // Its training stopped because its layer closed (~CodesLearning).
+  if (absl::IsCancelled(status)) return LearningOutcome::kAbandoned;
   return absl::IsResourceExhausted(status) ? LearningOutcome::kRefused : LearningOutcome::kFailed;
 }
 
@@ -65,7 +67,7 @@ struct CodesLearning::Job final : WorkItem {
     const int team = omp_get_max_threads();
     omp_set_num_threads(std::min(kLearningThreads, team));
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
-        tier->BuildCodes(*config, accounts, bulk, capacity);
+        tier->BuildCodes(*config, accounts, bulk, capacity, &cancelled);
     // The rows committed since, while the layer keeps stepping: fewer are left for the
     // take-over. (Committed rows stay put until BeforeReserve waits for this learning.)
     KvView grown = bulk;

@@ -184,10 +184,11 @@ class GpuStaticSet final : public StaticSet {
 class GpuBulkCodes final : public BulkCodes {
  public:
   // On device `ordinal`, which the calling thread has made current.
-  static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(int ordinal, const KvView& bulk,
-                                                              const SessionAccounts& accounts,
-                                                              int64_t capacity) {
-    absl::StatusOr<std::vector<ProductQuantizer>> quantizers = TrainOnDevice(bulk, accounts);
+  static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(
+      int ordinal, const KvView& bulk, const SessionAccounts& accounts, int64_t capacity,
+      const std::atomic<bool>* cancelled) {
+    absl::StatusOr<std::vector<ProductQuantizer>> quantizers =
+        TrainOnDevice(bulk, accounts, cancelled);
     if (!quantizers.ok()) return quantizers.status();
     auto codes =
         absl::WrapUnique(new GpuBulkCodes(ordinal, *std::move(quantizers), accounts));
@@ -275,23 +276,23 @@ class GpuBulkCodes final : public BulkCodes {
   // host's were most of the layer's build), charged to the session while they train; on the host
   // when the budget has no room.
   static absl::StatusOr<std::vector<ProductQuantizer>> TrainOnDevice(
-      const KvView& bulk, const SessionAccounts& accounts) {
+      const KvView& bulk, const SessionAccounts& accounts, const std::atomic<bool>* cancelled) {
     const int64_t rows = std::min(TrainingParams(bulk.head_dim).training_keys,
                                   std::max<int64_t>(TrainedRowsOf(bulk.tokens), 1));
     const int64_t bytes = GpuPqAssigner::DeviceBytesFor(rows, bulk.head_dim);
     if (absl::Status s = accounts.device->Reserve(bytes, "the quantizers' training"); !s.ok()) {
       SayOnHost(training_on_host_, "training", s);
-      return Train(bulk);
+      return Train(bulk, nullptr, cancelled);
     }
     absl::StatusOr<std::vector<ProductQuantizer>> trained;
     {
       absl::StatusOr<std::unique_ptr<GpuPqAssigner>> assigner =
           GpuPqAssigner::Create(rows, bulk.head_dim);
       if (assigner.ok()) {
-        trained = Train(bulk, assigner->get());
+        trained = Train(bulk, assigner->get(), cancelled);
       } else if (absl::IsResourceExhausted(assigner.status())) {
         SayOnHost(training_on_host_, "training", assigner.status());
-        trained = Train(bulk);
+        trained = Train(bulk, nullptr, cancelled);
       } else {
         trained = assigner.status();
       }
@@ -436,14 +437,13 @@ class GpuStaticSetTier final : public StaticSetTier {
   absl::StatusOr<std::unique_ptr<StaticSet>> Build(const LayerConfig& config,
                                                    MemoryAccount* device,
                                                    const KvView& prompt) override;
-  absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(const LayerConfig& config,
-                                                         const SessionAccounts& accounts,
-                                                         const KvView& bulk,
-                                                         int64_t capacity) override {
+  absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(
+      const LayerConfig& config, const SessionAccounts& accounts, const KvView& bulk,
+      int64_t capacity, const std::atomic<bool>* cancelled) override {
     DeviceScope scope(ordinal_);
     if (!scope.status().ok()) return scope.status();
     absl::StatusOr<std::unique_ptr<GpuBulkCodes>> codes =
-        GpuBulkCodes::Create(ordinal_, bulk, accounts, capacity);
+        GpuBulkCodes::Create(ordinal_, bulk, accounts, capacity, cancelled);
     if (!codes.ok()) return codes.status();
     return std::unique_ptr<BulkCodes>(*std::move(codes));
   }

@@ -44,10 +44,11 @@ class HostStaticSet final : public StaticSet {
 // so that the placement composes without a device.
 class HostBulkCodes final : public BulkCodes {
  public:
-  static absl::StatusOr<std::unique_ptr<HostBulkCodes>> Create(const KvView& bulk,
-                                                               MemoryAccount* host,
-                                                               int64_t capacity) {
-    absl::StatusOr<std::vector<ProductQuantizer>> quantizers = Train(bulk);
+  static absl::StatusOr<std::unique_ptr<HostBulkCodes>> Create(
+      const KvView& bulk, MemoryAccount* host, int64_t capacity,
+      const std::atomic<bool>* cancelled) {
+    absl::StatusOr<std::vector<ProductQuantizer>> quantizers =
+        Train(bulk, /*assigner=*/nullptr, cancelled);
     if (!quantizers.ok()) return quantizers.status();
     auto codes = absl::WrapUnique(new HostBulkCodes(*std::move(quantizers), host));
     if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
@@ -260,12 +261,11 @@ class HostStaticSetTier final : public StaticSetTier {
                                                    const KvView&) override {
     return std::make_unique<HostStaticSet>();
   }
-  absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(const LayerConfig&,
-                                                         const SessionAccounts& accounts,
-                                                         const KvView& bulk,
-                                                         int64_t capacity) override {
+  absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(
+      const LayerConfig&, const SessionAccounts& accounts, const KvView& bulk, int64_t capacity,
+      const std::atomic<bool>* cancelled) override {
     absl::StatusOr<std::unique_ptr<HostBulkCodes>> codes =
-        HostBulkCodes::Create(bulk, accounts.host, capacity);
+        HostBulkCodes::Create(bulk, accounts.host, capacity, cancelled);
     if (!codes.ok()) return codes.status();
     return std::unique_ptr<BulkCodes>(*std::move(codes));
   }

@@ -699,7 +699,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
       const int64_t capacity = BulkTokens(std::max(config.expected_tokens, all.tokens + 1),
                                           p.sinks, p.recent);
       absl::StatusOr<std::unique_ptr<BulkCodes>> built =
-          tier_->BuildCodes(config, accounts, bulk, capacity);
+          tier_->BuildCodes(config, accounts, bulk, capacity, /*cancelled=*/nullptr);
       if (!built.ok()) return built.status();
       codes = *std::move(built);
     }

@@ -15,6 +15,7 @@
 #define KVRECALL_SERVER_BACKENDS_TIERED_BACKEND_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -113,11 +114,11 @@ class StaticSetTier {
   // room for `capacity` rows: the codes charged to the tier's memory (accounts.device on a GPU,
   // accounts.host on the host tier), the quantizers to accounts.host. At prefill, and on the
   // codes' learning thread (codes_learning.h) while steps run, this layer's included (on its
-  // other codes): thread-safe, as the rest of the tier.
-  virtual absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(const LayerConfig& config,
-                                                                 const SessionAccounts& accounts,
-                                                                 const KvView& bulk,
-                                                                 int64_t capacity) = 0;
+  // other codes): thread-safe, as the rest of the tier. CANCELLED once `cancelled` (null: never)
+  // holds true, asked as the quantizers train (a learning whose layer closed).
+  virtual absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(
+      const LayerConfig& config, const SessionAccounts& accounts, const KvView& bulk,
+      int64_t capacity, const std::atomic<bool>* cancelled) = 0;
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
   // A step of `steps` (every step shares SameStaticSet) in five calls. Prepare reserves what the
   // step needs on the tier (workspaces, staging): its resource errors surface there, before the
