@@ -93,7 +93,10 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
   int64_t lowest = 0;
   for (absl::string_view line : absl::StrSplit(membership, '\n', absl::SkipWhitespace())) {
     const std::vector<std::string> fields = absl::StrSplit(line, absl::MaxSplits(':', 2));
-    if (fields.size() != 3 || !absl::StartsWith(fields[2], "/")) continue;
+    if (fields.size() != 3 || !absl::StartsWith(fields[2], "/") ||
+        absl::StrContains(absl::StrCat(fields[2], "/"), "/../")) {
+      continue;
+    }
     std::vector<std::pair<std::string, const char*>> hierarchies;  // mount point, limit file
     if (fields[0] == "0" && fields[1].empty()) {
       hierarchies = {{mount, "memory.max"}, {mount + "/unified", "memory.max"}};

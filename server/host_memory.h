@@ -67,7 +67,10 @@ int64_t MemoryLimitBytes();
 // The lowest memory limit, in bytes, of the control groups named by `membership` (the lines of
 // /proc/self/cgroup: "0::PATH" for cgroup v2, "ID:CONTROLLERS:PATH" for v1) and of every group
 // above them, read from the hierarchies mounted under `mount` (/sys/fs/cgroup: v2 there or in
-// its unified/, v1's memory controller in its memory/). 0 when none is set ("max", or absent).
+// its unified/, v1's memory controller in its memory/), each assumed mounted at its root (as
+// in a container with its own cgroup namespace, or on the host). 0 when none is set ("max",
+// absent or unreadable); v1 writes "no limit" as a huge number, returned as it is (the caller
+// bounds it by the machine's memory). A path with a ".." component is ignored.
 int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& membership);
 
 // `bytes` of host memory (uninitialized). An allocation of at least kHugePageBytes is a mapping of

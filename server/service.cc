@@ -337,6 +337,13 @@ class KvRecallService::PrefillCall final
     }
     // !ok: the client closed its side cleanly, so the prompt is complete.
     committing_ = !ok;
+    if (committing_) {
+      // Its builds may wait in the build queue and then take longer than the idle TTL: the
+      // session is in use from now until the call lets go of its prompt (ReleaseLocked).
+      if (std::optional<Session::Use> use = stream_.UseSession()) {
+        commit_use_.emplace(*std::move(use));
+      }
+    }
     QueueLocked(committing_ ? service_->builds_ : service_->steps_);
   }
 
@@ -360,8 +367,6 @@ class KvRecallService::PrefillCall final
       }
       ++chunks_;
     } else {
-      // The builds may take longer than the idle TTL: the session is in use until they end.
-      const std::optional<Session::Use> in_use = stream_.UseSession();
       if (service_->options_.test_hooks.before_prefill_commit) {
         service_->options_.test_hooks.before_prefill_commit();
       }
@@ -434,8 +439,10 @@ class KvRecallService::PrefillCall final
     return released;
   }
 
-  // Frees the staged prompt (a commit has moved what it committed into the session).
+  // Frees the staged prompt (a commit has moved what it committed into the session), and ends
+  // the commit's use of the session before the stream lets go of it.
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    commit_use_.reset();
     stream_ = PrefillStream(service_->registry_, identity_.tenant);
   }
 
@@ -451,6 +458,7 @@ class KvRecallService::PrefillCall final
   PrefillStream stream_;
   int64_t chunks_ = 0;
   bool committing_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<Session::Use> commit_use_ ABSL_GUARDED_BY(mu_);  // from the commit's queueing
   std::atomic<bool> abandoned_{false};  // cancelled: a commit in flight must install nothing
 };
 

@@ -170,6 +170,8 @@ TEST(MemoryLimitTest, CgroupV2TakesTheLowestLimitOfTheGroupAndItsAncestors) {
   EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/\n"), 0);
   WriteFiles(mount, {{"/memory.max", "2147483648"}});
   EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/\n"), int64_t{2} << 30);
+  // A path that would climb out of the mount is not followed.
+  EXPECT_EQ(CgroupMemoryLimitBytes(mount.path(), "0::/pod/../..\n"), 0);
 }
 
 TEST(MemoryLimitTest, CgroupV1ReadsTheMemoryControllersHierarchy) {
