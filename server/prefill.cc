@@ -27,7 +27,7 @@ PrefillStream& PrefillStream::operator=(PrefillStream&& other) noexcept {
 
 absl::Status PrefillStream::SessionStatus() const {
   // An open session's lock is not waited for (the service asks of every stream at a close).
-  if (session_ == nullptr || !session_->closed_now()) return absl::OkStatus();
+  if (session_ == nullptr || !session_->closed()) return absl::OkStatus();
   absl::ReaderMutexLock lock(&session_->mu());
   return session_->CheckOpen();
 }
@@ -217,7 +217,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
       built[i] = cancelled_status();
       continue;
     }
-    if (session_->closed_now()) continue;  // closed meanwhile: said below
+    if (session_->closed()) continue;  // closed meanwhile: said below
     const absl::Time layer_start = absl::Now();
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         backend->BuildLayer(config, accounts, std::move(prompts[i]));

@@ -243,7 +243,7 @@ absl::Status Session::ClosedStatus() const {
 }
 
 absl::Status Session::CheckPrefillable(int layer) const {
-  if (closed_) return ClosedStatus();
+  if (closed()) return ClosedStatus();
   if (layers_[layer] != nullptr) {
     return absl::FailedPreconditionError(
         absl::StrCat("layer ", layer, " of session '", id_,
@@ -269,7 +269,7 @@ absl::Status Session::CommitPrompt(std::vector<StagedLayer>& staged) {
 }
 
 absl::Status Session::CheckDecodable(int layer) const {
-  if (closed_) return ClosedStatus();
+  if (closed()) return ClosedStatus();
   if (layer < 0 || layer >= geometry_.layers()) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is out of range [0, ",
                                                    geometry_.layers(), ") of session '", id_, "'"));
@@ -282,9 +282,8 @@ absl::Status Session::CheckDecodable(int layer) const {
 }
 
 void Session::Close(absl::string_view why) {
-  closed_ = true;
-  closed_now_.store(true, std::memory_order_release);
   closed_why_ = std::string(why);
+  closed_.store(true, std::memory_order_release);
   for (std::unique_ptr<LayerBackend>& layer : layers_) layer.reset();
   host_grant_.ReleaseSetAside();
   if (device_grant_ != nullptr) device_grant_->ReleaseSetAside();

@@ -158,14 +158,13 @@ class Session {
   LayerBackend& layer(int index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return *layers_[index]; }
   DecodeCounters& counters() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return counters_; }
 
-  bool closed() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return closed_; }
-  // Whether Close has run, without the lock: for work that asks under the session's lock, or
-  // that must not wait for it (a Prefill's builds; the service looking for streams to end).
-  bool closed_now() const { return closed_now_.load(std::memory_order_acquire); }
+  // Whether Close has run. Needs no lock (a Prefill's builds and the service looking for
+  // streams to end must not wait for it); under the lock, it cannot change.
+  bool closed() const { return closed_.load(std::memory_order_acquire); }
   // OK while open; once closed, the NOT_FOUND that calls still holding the session are told
   // (naming it and saying why it closed).
   absl::Status CheckOpen() const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return closed_ ? ClosedStatus() : absl::OkStatus();
+    return closed() ? ClosedStatus() : absl::OkStatus();
   }
   // Frees every layer; later calls find the session closed, and are told `why` (empty: a
   // CloseSession) by the NOT_FOUND that streams still holding it get.
@@ -188,8 +187,7 @@ class Session {
   std::unique_ptr<MemoryGrant> device_grant_;  // null when the backend has no device budget
 
   mutable absl::Mutex mu_;
-  bool closed_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> closed_now_{false};  // closed_, for closed_now()
+  std::atomic<bool> closed_{false};  // written under mu_ (see closed())
   std::string closed_why_ ABSL_GUARDED_BY(mu_);  // see Close
   // NOT_FOUND: the session was closed (and why).
   absl::Status ClosedStatus() const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -56,10 +56,6 @@ absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(
   ProductQuantizerParams params = TrainingParams(bulk.head_dim);
   params.cancelled = cancelled;
   for (int h = 0; h < bulk.kv_heads; ++h) {
-    if (cancelled != nullptr && cancelled->load(std::memory_order_acquire)) {
-      return absl::CancelledError(absl::StrCat(
-          "the shortlist's training: cancelled before KV head ", h, " of ", bulk.kv_heads));
-    }
     absl::StatusOr<ProductQuantizer> pq = ProductQuantizer::Train(
         VectorSet::KeysOf(bulk, h, 0, TrainedRowsOf(bulk.tokens)), params, assigner);
     if (!pq.ok()) return pq.status();

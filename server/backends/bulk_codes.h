@@ -81,8 +81,8 @@ class BulkCodes {
  protected:
   // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token): its
   // first TrainedRowsOf(tokens) rows, with `assigner`'s assignments when given (the GPU tier's
-  // device). CANCELLED once `cancelled` (null: never) holds true, asked between heads and
-  // rounds.
+  // device). CANCELLED once `cancelled` (null: never) holds true, asked before each k-means
+  // round of each head (ProductQuantizerParams::cancelled).
   static absl::StatusOr<std::vector<ProductQuantizer>> Train(
       const KvView& bulk, PqAssigner* assigner = nullptr,
       const std::atomic<bool>* cancelled = nullptr);
