@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <mutex>
 #include <utility>
@@ -126,7 +127,7 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
 
 bool IsCpuBatchTopK(const BatchTopKFunction& batch_topk) {
   using Function = absl::Status (*)(const VectorSet&, const VectorSet&, int, TopKLists*,
-                                    std::span<const int64_t>);
+                                    std::span<const int64_t>, const BuildStop&);
   const Function* function = batch_topk.target<Function>();
   return function != nullptr && *function == &CpuBatchTopK;
 }
@@ -143,7 +144,8 @@ int64_t CpuBatchTopKScratchBytes(int64_t keys, int k, int dim, int threads) {
 }
 
 absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
-                          TopKLists* out, std::span<const int64_t> visible) {
+                          TopKLists* out, std::span<const int64_t> visible,
+                          const BuildStop& stop) {
   if (absl::Status s = CheckBatchTopKArgs(queries, keys, k, visible); !s.ok()) return s;
   auto visible_of = [&](int64_t query) {
     return visible.empty() ? keys.count : std::clamp<int64_t>(visible[query], 0, keys.count);
@@ -156,6 +158,8 @@ absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k
 
   const int64_t query_blocks = (queries.count + kQueryBlock - 1) / kQueryBlock;
   const int64_t key_block = std::min(kKeyBlock, keys.count);
+  // Set once a thread sees the stop requested: the other threads skip their remaining blocks.
+  std::atomic<bool> stopped = false;
 #pragma omp parallel
   {
     std::vector<float> block_scores(static_cast<size_t>(kQueryBlock) * key_block);
@@ -166,6 +170,11 @@ absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k
     std::vector<RunningTopK> selectors(kQueryBlock, RunningTopK(out->k));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < query_blocks; ++b) {
+      if (stopped.load(std::memory_order_relaxed)) continue;
+      if (stop.requested()) {
+        stopped.store(true, std::memory_order_relaxed);
+        continue;
+      }
       const int64_t q0 = b * kQueryBlock;
       const int rows = static_cast<int>(std::min<int64_t>(kQueryBlock, queries.count - q0));
       int64_t block_visible = 0;
@@ -204,6 +213,7 @@ absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k
       }
     }
   }
+  if (stopped.load(std::memory_order_relaxed)) return BuildStop::Status("the batch top-k");
   return absl::OkStatus();
 }
 

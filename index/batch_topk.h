@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "index/build_stop.h"
 #include "index/key_index.h"
 
 namespace kvrecall {
@@ -17,10 +18,12 @@ namespace kvrecall {
 // Computes the exact top-k keys of every query. queries and keys have the same dim;
 // keys.count must fit in int32. `visible` is empty (every query sees every key) or holds one
 // count per query: query i sees only keys [0, visible[i]) (a causal mask), and its list is
-// min(k, visible[i]) long, padded with -1.
-using BatchTopKFunction =
-    std::function<absl::Status(const VectorSet& queries, const VectorSet& keys, int k,
-                               TopKLists* out, std::span<const int64_t> visible)>;
+// min(k, visible[i]) long, padded with -1. Once `stop` is requested it returns CANCELLED
+// (BuildStop::Status), `out` unspecified: the CPU's asks before each block of queries, the GPU's
+// once it has the device.
+using BatchTopKFunction = std::function<absl::Status(
+    const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
+    std::span<const int64_t> visible, const BuildStop& stop)>;
 
 // The argument checks every backend applies: INVALID_ARGUMENT when k < 1, the dims differ,
 // keys.count exceeds int32, `visible` is neither empty nor one count per query, or the queries
@@ -31,9 +34,11 @@ absl::Status CheckBatchTopKArgs(const VectorSet& queries, const VectorSet& keys,
 // The CPU backend: scores blocks of queries against blocks of keys with cblas_sgemm (f32 keys
 // read in place through their strides, 16-bit keys widened a block at a time) and keeps each
 // query's best k with a running threshold, query blocks in parallel with OpenMP. BLAS runs
-// single-threaded inside (the parallelism is ours). Errors: CheckBatchTopKArgs.
+// single-threaded inside (the parallelism is ours). Errors: CheckBatchTopKArgs; CANCELLED once
+// `stop` is requested (asked before each block of 64 queries).
 absl::Status CpuBatchTopK(const VectorSet& queries, const VectorSet& keys, int k,
-                          TopKLists* out, std::span<const int64_t> visible = {});
+                          TopKLists* out, std::span<const int64_t> visible = {},
+                          const BuildStop& stop = {});
 
 // Whether `batch_topk` is CpuBatchTopK itself: the CPU backend, which runs on the caller's
 // OpenMP team (any other function is taken to run elsewhere, as the GPU's does).

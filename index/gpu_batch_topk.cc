@@ -25,9 +25,12 @@ absl::StatusOr<BatchTopKFunction> MakeGpuBatchTopKFunction(
   shared->stats = std::move(stats);
   return BatchTopKFunction(
       [shared](const VectorSet& queries, const VectorSet& keys, int k, TopKLists* out,
-               std::span<const int64_t> visible) {
+               std::span<const int64_t> visible, const BuildStop& stop) {
         if (absl::Status s = CheckBatchTopKArgs(queries, keys, k, visible); !s.ok()) return s;
         std::lock_guard<std::mutex> lock(shared->mu);
+        // Asked once the device is ours: other builds' calls may have kept it long. A call
+        // itself is short (a 128K layer's lists take ~0.3 s on an H200) and is not stopped.
+        if (stop.requested()) return BuildStop::Status("the GPU batch top-k");
         const auto start = std::chrono::steady_clock::now();
         absl::Status s = shared->gpu->Run(queries, keys, k, out, visible);
         if (s.ok() && shared->stats != nullptr) {

@@ -562,7 +562,7 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
   TopKLists lists;
   if (keys.count > 0) {
     if (absl::Status s = batch_topk_(VectorSet{queries.data(), sampled, keys.dim, keys.dim}, keys,
-                                     params_.build_topk, &lists, visible);
+                                     params_.build_topk, &lists, visible, BuildStop());
         !s.ok()) {
       return s;
     }
@@ -573,7 +573,8 @@ absl::Status GraphIndex::Build(const VectorSet& keys, const BuildQueries& build_
 
 absl::Status GraphIndex::BuildFromLists(const VectorSet& stored_keys,
                                         std::span<const float> query_sum,
-                                        const TopKLists& lists, double topk_seconds) {
+                                        const TopKLists& lists, double topk_seconds,
+                                        const BuildStop& stop) {
   if (absl::Status s = CheckBuildArgs(stored_keys); !s.ok()) return s;
   if (stored_keys.count > 0) {
     const int expected_k =
@@ -604,6 +605,19 @@ absl::Status GraphIndex::BuildFromLists(const VectorSet& stored_keys,
   entry_ = -1;
   projection_credit_ = projection_cursor_ = 0;
   last_link_ = GraphLinkStats();
+  // Asked before each step of the build (the longest, at 128K keys on one thread, takes a few
+  // tenths of a second): a stopped build leaves the index empty, holding nothing.
+  auto stopped = [&] {
+    if (!stop.requested()) return false;
+    adjacency_ = cpu::MappedVector<int32_t>();
+    degree_ = std::vector<uint16_t>();
+    key_mean_ = std::vector<float>();
+    row_distances_ = cpu::MappedVector<float>();
+    size_ = linked_ = 0;
+    entry_ = -1;
+    return true;
+  };
+  if (stored_keys.count > 0 && stopped()) return BuildStop::Status("the graph build");
   Reserve(stored_keys.count);
   if (stored_keys.count == 0) return absl::OkStatus();
   const int64_t sampled = lists.queries;
@@ -673,7 +687,9 @@ absl::Status GraphIndex::BuildFromLists(const VectorSet& stored_keys,
     }
   };
   grouped.Group(keys.count, /*with_kept=*/false, /*with_distances=*/false, for_each_projected);
+  if (stopped()) return BuildStop::Status("the graph build");
   build_stats_.pruning_distances += MergeGrouped(keys, grouped);
+  if (stopped()) return BuildStop::Status("the graph build");
   Clock::time_point step_start = Clock::now();
   build_stats_.projection_seconds =
       std::chrono::duration<double>(step_start - graph_start).count() -
@@ -686,12 +702,15 @@ absl::Status GraphIndex::BuildFromLists(const VectorSet& stored_keys,
   };
   build_stats_.pruning_distances += AddReverseEdges(keys, &grouped);
   step_done(&build_stats_.reverse_seconds);
+  if (stopped()) return BuildStop::Status("the graph build");
   ChooseEntry(keys, query_sum);
   key_mean_.assign(keys.dim, 0.0f);
   AddToMean(keys, 0, keys.count, &key_mean_);
   step_done(&build_stats_.entry_seconds);
+  if (stopped()) return BuildStop::Status("the graph build");
   build_stats_.pruning_distances += LinkOutliers(keys, &grouped);
   step_done(&build_stats_.outlier_seconds);
+  if (stopped()) return BuildStop::Status("the graph build");
   build_stats_.repaired_keys = RepairConnectivity(
       keys, &grouped, &build_stats_.unreachable_keys, &build_stats_.pruning_distances);
   step_done(&build_stats_.repair_seconds);

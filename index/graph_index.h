@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "index/batch_topk.h"
+#include "index/build_stop.h"
 #include "index/key_index.h"
 #include "index/selector_params.h"
 #include "kernels/cpu/mapped_memory.h"
@@ -134,9 +135,11 @@ class GraphIndex : public KeyIndex {
   // builds from their top-k lists over `keys` (k = build_topk, as a BatchTopKFunction returns
   // them) and their sum; `topk_seconds` (what the lists took) goes to build_stats.
   // INVALID_ARGUMENT for lists of another k or holding ids outside the keys, or a sum of
-  // another dim; the index is unchanged then.
+  // another dim; the index is unchanged then. CANCELLED once `stop` is requested, asked
+  // before each step of the build; the index is empty then.
   absl::Status BuildFromLists(const VectorSet& keys, std::span<const float> query_sum,
-                              const TopKLists& lists, double topk_seconds);
+                              const TopKLists& lists, double topk_seconds,
+                              const BuildStop& stop = BuildStop());
 
   const GraphBuildStats& build_stats() const { return build_stats_; }
   // Keys linked into the graph; [linked(), size()) is the tail.

@@ -140,7 +140,7 @@ void IndexSelector::ComputeGroupLists(const KvView& kv, const float* prompt_quer
   if (keys.count == 0) return;
   TopKLists all;
   out->status = batch_topk_(VectorSet{queries.data(), total, shape_.head_dim, shape_.head_dim},
-                            keys, index_params_.build_topk, &all, visible);
+                            keys, index_params_.build_topk, &all, visible, build_stop());
   if (!out->status.ok()) return;
   if (graphs == 1) {
     out->lists[0] = std::move(all);  // the KV head's one graph takes every list
@@ -181,7 +181,8 @@ absl::Status IndexSelector::Build(const KvView& kv, const PromptQueries& queries
   std::condition_variable ready;
   auto compute = [&](int kv_head) {
     GroupLists lists;
-    ComputeGroupLists(kv, prompt_queries, kv_head, &lists);
+    lists.status = build_stop().Check("the index build");
+    if (lists.status.ok()) ComputeGroupLists(kv, prompt_queries, kv_head, &lists);
     std::lock_guard<std::mutex> lock(mu);
     groups[kv_head] = std::move(lists);
     groups[kv_head].ready = true;
@@ -196,12 +197,14 @@ absl::Status IndexSelector::Build(const KvView& kv, const PromptQueries& queries
       std::unique_lock<std::mutex> lock(mu);
       ready.wait(lock, [&] { return lists->ready; });
     }
+    if (!lists->status.ok()) {  // (its lists may not be there: stopped before they were made)
+      built[g] = lists->status;
+      return;
+    }
     const int i = g - kv_head * graphs_per_kv_head;
-    built[g] = lists->status.ok() ? graph.index.BuildFromLists(BulkKeys(kv, kv_head, bulk_end),
-                                                               lists->query_sums[i],
-                                                               lists->lists[i],
-                                                               lists->seconds_per_graph)
-                                  : lists->status;
+    built[g] = graph.index.BuildFromLists(BulkKeys(kv, kv_head, bulk_end), lists->query_sums[i],
+                                          lists->lists[i], lists->seconds_per_graph,
+                                          build_stop());
     lists->lists[i] = TopKLists();  // its lists are done with
     graph.recent_queries.assign(
         static_cast<size_t>(kRecentQueries) * heads_per_graph_ * shape_.head_dim, 0.0f);

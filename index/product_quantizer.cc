@@ -182,10 +182,9 @@ absl::StatusOr<ProductQuantizer> ProductQuantizer::Train(const VectorSet& keys,
     if (absl::Status s = assigner->Load(sample.data(), n, dim); !s.ok()) return s;
   }
   for (int round = 0; round < params.iterations; ++round) {
-    if (params.cancelled != nullptr && params.cancelled->load(std::memory_order_acquire)) {
-      return absl::CancelledError(
-          absl::StrCat("product quantizer: cancelled before round ", round + 1, " of ",
-                       params.iterations));
+    if (params.stop.requested()) {
+      return BuildStop::Status(absl::StrCat("the product quantizer's training (before round ",
+                                            round + 1, " of ", params.iterations, ")"));
     }
     if (assigner != nullptr) {
       if (absl::Status s = assigner->Assign(pq.codebooks_, subspaces, codes.data()); !s.ok()) {

@@ -15,13 +15,13 @@
 #ifndef KVRECALL_INDEX_PRODUCT_QUANTIZER_H_
 #define KVRECALL_INDEX_PRODUCT_QUANTIZER_H_
 
-#include <atomic>
 #include <cstdint>
 #include <span>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "index/build_stop.h"
 #include "kernels/vector_set.h"
 
 namespace kvrecall {
@@ -33,9 +33,9 @@ struct ProductQuantizerParams {
   int64_t training_keys = 16384;
   // Rounds of k-means (assignment, then every centroid moved to its keys' mean).
   int iterations = 10;
-  // Asked before each round (null: never): once it holds true, Train stops with CANCELLED (a
-  // learning whose layer closed: codes_learning.h). Must outlive the call.
-  const std::atomic<bool>* cancelled = nullptr;
+  // Asked before each round: once it is requested, Train stops with CANCELLED (a learning whose
+  // layer closed, server/backends/codes_learning.h; a Prefill that will not commit).
+  BuildStop stop;
 };
 
 // The assignment step of training (most of its arithmetic), which a device can take over: Load

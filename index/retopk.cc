@@ -1,6 +1,7 @@
 #include "index/retopk.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 
@@ -285,7 +286,9 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
     return absl::InvalidArgumentError("retopk: the prompt queries are required to seed the cache");
   }
   if (exact_search_ != nullptr) {
-    if (absl::Status s = exact_search_->Build(kv, prompt_queries); !s.ok()) return s;
+    if (absl::Status s = exact_search_->BuildUnless(build_stop(), kv, prompt_queries); !s.ok()) {
+      return s;
+    }
   }
   const int capacity = params_.cache_capacity;
   const int d = shape_.head_dim;
@@ -325,14 +328,25 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
     const VectorSet queries{prompt_queries.row(begin, query_stride) + static_cast<int64_t>(h) * d,
                             tokens - begin, query_stride, d};
     if (absl::Status s = batch_topk(queries, VectorSet::KeysOf(kv, kv_head, 0, begin), top_k_,
-                                    &head_lists[h], {});
+                                    &head_lists[h], {}, build_stop());
         !s.ok()) {
       return s;
     }
   }
 
+  // Asked before every 16th query of a head's calibration and seeding (each query rescores its
+  // list and the keys after `begin`, and a 128K head's calibration takes seconds), and heads
+  // not begun are skipped once it is requested.
+  std::atomic<bool> stopped = false;
+  auto stop_now = [&](int64_t i) {
+    if (stopped.load(std::memory_order_relaxed)) return true;
+    if (i % 16 != 0 || !build_stop().requested()) return false;
+    stopped.store(true, std::memory_order_relaxed);
+    return true;
+  };
 #pragma omp parallel for schedule(dynamic, 1)
   for (int h = 0; h < shape_.q_heads; ++h) {
+    if (stop_now(0)) continue;
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     const TopKLists& lists = head_lists[h];
     auto query_at = [&](int64_t p) { return prompt_queries.row(p, query_stride) + h * d; };
@@ -351,20 +365,24 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
     if (calibration_begin < tokens) {
       TauCalibration calibration(head_params, capacity, d, min_view);
       for (int64_t p = calibration_begin; p < tokens; ++p) {
+        if (p > calibration_begin && stop_now(p - calibration_begin)) break;
         exact_top_k(p, p);
         const float outside = outside_lse_ ? outside_lse_(query_at(p), p, h) : -kInf;
         calibration.Observe(query_at(p), Prefix(kv, p + 1), kv_head, exact, outside);
       }
+      if (stopped.load(std::memory_order_relaxed)) continue;
       heads_[h].set_tau(calibration.Tau(params_.target_recall, params_.tau));
     }
     // The seeds: each query over the keys it sees now (its position shifted by the lead).
     std::vector<float> unit(d);
     for (int64_t p = seed_begin; p < tokens; ++p) {
+      if (p > seed_begin && stop_now(p - seed_begin)) break;
       exact_top_k(p, std::min(p + query_lead_, tokens - 1));
       cpu::Normalize(query_at(p), d, unit.data());
       heads_[h].mutable_cache()->Push(unit.data(), exact);
     }
   }
+  if (stopped.load(std::memory_order_relaxed)) return BuildStop::Status("the ReTopK build");
   return absl::OkStatus();
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "index/basic_selectors.h"
 #include "index/index_selector.h"
@@ -43,6 +44,14 @@ GraphIndexParams GraphIndexParams::WithDefaults() const {
   out.link_batch = pick(link_batch, defaults.link_batch);
   out.graph_scope = graph_scope == GraphScope::kDefault ? kDefaultGraphScope : graph_scope;
   return out;
+}
+
+absl::Status SupportSelector::BuildUnless(const BuildStop& stop, const KvView& kv,
+                                          const PromptQueries& prompt_queries) {
+  build_stop_ = stop;
+  // What it asks may not outlive the build.
+  absl::Cleanup forget = [this] { build_stop_ = BuildStop(); };
+  return Build(kv, prompt_queries);
 }
 
 int64_t SelectorStateBytesBound(const SelectorParams& params, const LayerShape& shape,

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "index/build_stop.h"
 #include "index/selector_params.h"
 #include "kernels/kv_view.h"
 #include "kernels/selection_path.h"
@@ -86,6 +87,18 @@ class SupportSelector {
 
   // Host bytes held by the selector itself (indexes, caches), not counting the KV.
   virtual int64_t MemoryBytes() const { return 0; }
+
+  // Build, asking `stop` between its units of work (index/build_stop.h): once it is requested,
+  // it returns CANCELLED and the selector must not be used. `stop` is forgotten after.
+  absl::Status BuildUnless(const BuildStop& stop, const KvView& kv,
+                           const PromptQueries& prompt_queries);
+
+ protected:
+  // For Build: the stop of BuildUnless (never requested in a plain Build).
+  const BuildStop& build_stop() const { return build_stop_; }
+
+ private:
+  BuildStop build_stop_;
 };
 
 // How many of a prompt's last tokens must come with their queries for the selector `params`

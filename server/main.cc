@@ -354,8 +354,8 @@ int main(int argc, char** argv) {
   (*server)->Wait();
   std::printf("kvrecalld: stopped\n");
   std::fflush(stdout);
-  // Work of calls cancelled at the end of the grace (a selector build, say) cannot be
-  // interrupted and nobody waits for its result: exit without waiting for it.
+  // Work of calls cancelled at the end of the grace (a selector build, say) stops at its next
+  // check (index/build_stop.h), but nobody waits for its result: exit without waiting for it.
   if ((*server)->busy()) std::_Exit(0);
   return 0;
 }

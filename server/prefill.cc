@@ -210,6 +210,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
       return s;
     }
   }
+  // The builds in progress stop too (between their units of work: a block of queries, a graph's
+  // step, a k-means round), not only those not yet begun: a client retrying with short
+  // deadlines would otherwise pile up builds nobody waits for.
+  const BuildStop stop([&is_cancelled, this] { return is_cancelled() || session_->closed(); });
   std::vector<absl::Status> built(staged.size());
 #pragma omp parallel for schedule(dynamic) if (count > 1)
   for (int i = 0; i < count; ++i) {
@@ -220,7 +224,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
     if (session_->closed()) continue;  // closed meanwhile: said below
     const absl::Time layer_start = absl::Now();
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
-        backend->BuildLayer(config, accounts, std::move(prompts[i]));
+        backend->BuildLayer(config, accounts, std::move(prompts[i]), stop);
     if (layer.ok()) {
       if (PolicyMetrics* metrics = session_->metrics(); metrics != nullptr) {
         metrics->ObserveIndexBuild(absl::ToDoubleSeconds(absl::Now() - layer_start));
@@ -232,8 +236,9 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
   }
   if (state_bound > 0) registry_->budget()->Release(state_bound);
   const double build_seconds = absl::ToDoubleSeconds(absl::Now() - build_start);
-  // A session closed (CloseSession, or it expired) while its layers built skips the builds not
-  // yet begun, and the stream hears why.
+  // A Prefill cancelled, or whose session closed (CloseSession, or it expired), while its layers
+  // built stops them, and the stream hears why (not that a build stopped).
+  if (is_cancelled()) return cancelled_status();
   if (absl::Status s = SessionStatus(); !s.ok()) return s;
   for (int i = 0; i < count; ++i) {
     if (!built[i].ok()) {

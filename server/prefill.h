@@ -40,15 +40,17 @@ class PrefillStream {
   // Builds every staged layer (indexes, caches; layers in parallel), then commits the layers to
   // the session atomically. The staging is released afterwards. When `cancelled` says true
   // before the layers are installed (the call was cancelled or its deadline passed; asked from
-  // the builds' threads and last under the session's lock, just before the install), builds
-  // not yet started are skipped and nothing is committed (CANCELLED).
+  // the builds' threads as they go and last under the session's lock, just before the
+  // install), the builds stop (index/build_stop.h) and nothing is committed (CANCELLED). A
+  // session closed meanwhile stops them too (NOT_FOUND, as SessionStatus). `cancelled` is
+  // asked often and from several threads at once: it must be thread-safe and cheap.
   absl::StatusOr<v1::PrefillResponse> Commit(
       absl::FunctionRef<bool()> cancelled = [] { return false; });
 
   // OK unless the session this stream stages a prompt for was closed (a CloseSession, or it
   // expired): then the NOT_FOUND its next chunk would get, saying why. Add and Commit ask it
-  // themselves (Commit skips the builds not yet begun); from another thread, not while they
-  // run (they set the session).
+  // themselves (Commit's builds stop when the session closes); from another thread, not while
+  // they run (they set the session).
   absl::Status SessionStatus() const;
 
   // Keeps the stream's session from expiring while the guard lives (Session::Use): for its

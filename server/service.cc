@@ -418,7 +418,7 @@ class KvRecallService::PrefillCall final
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
     // Finished at once, even while a chunk or a commit runs: that work's result is dropped
-    // (a commit running skips the builds it has not started and installs nothing).
+    // (a commit running stops its builds, index/build_stop.h, and installs nothing).
     if (!finished_) FinishLocked(CancelledStatus());
   }
 
@@ -426,7 +426,7 @@ class KvRecallService::PrefillCall final
   // while the client paused) ends now, and its staging is freed with it: it would otherwise
   // hold the memory of a session that no longer exists until the client writes again or its
   // deadline passes. (A run in flight checks the session itself: a chunk's once it is staged,
-  // a commit's as each layer's build would begin and before it installs them.)
+  // a commit's builds as they go, and the commit before it installs them.)
   std::shared_ptr<void> OnSessionsClosed() override {
     absl::MutexLock lock(&mu_);
     if (finished_ || busy_) return nullptr;

@@ -27,6 +27,7 @@ using ::kvrecall::testing::RandomKv;
 using ::kvrecall::testing::RandomNormal;
 using ::kvrecall::testing::ReferenceAttention;
 using ::kvrecall::testing::ReferenceTopK;
+using ::kvrecall::testing::StopAfterAsks;
 
 constexpr int kQHeads = 4, kKvHeads = 2, kDim = 16;
 
@@ -87,9 +88,11 @@ TEST_F(CpuBackendSeamTest, StepsOfABatchMatchBruteForceAndReportTheirPaths) {
   RandomKv prompt_a = kv_a, prompt_b = kv_b;
   prompt_a.tokens = prompt_b.tokens = kPrompt;
   auto layer_a = backend_.BuildLayer(full, accounts_, Stage(backend_, full, accounts_, prompt_a,
-                                                            queries, 33));
+                                                            queries, 33),
+                                    BuildStop());
   auto layer_b = backend_.BuildLayer(topk, accounts_, Stage(backend_, topk, accounts_, prompt_b,
-                                                            queries, 100));
+                                                            queries, 100),
+                                    BuildStop());
   ASSERT_TRUE(layer_a.ok()) << layer_a.status();
   ASSERT_TRUE(layer_b.ok()) << layer_b.status();
   EXPECT_EQ((*layer_a)->tokens(), kPrompt);
@@ -159,7 +162,8 @@ TEST_F(CpuBackendSeamTest, ARefusedReservationChangesNothingAndMemoryIsGivenBack
   const std::vector<float> queries = RandomNormal(60 * kQHeads * kDim, 5);
   {
     auto layer = backend_.BuildLayer(config, accounts, Stage(backend_, config, accounts, kv,
-                                                             queries, 60));
+                                                             queries, 60),
+                                      BuildStop());
     ASSERT_TRUE(layer.ok()) << layer.status();
     const LayerMemory before = (*layer)->memory();
     EXPECT_GT(before.selector_bytes, 0);  // the ReTopK caches
@@ -188,6 +192,28 @@ TEST_F(CpuBackendSeamTest, ARefusedReservationChangesNothingAndMemoryIsGivenBack
     small.Release(rest);
   }
   EXPECT_EQ(small.used(), 0) << "every byte of the layer and its staging is given back";
+}
+
+// A layer whose Prefill will not commit stops building (index/build_stop.h): BuildLayer hands
+// the stop to its selector's build and returns CANCELLED, and every byte of the staging and of
+// what the build made is given back.
+TEST_F(CpuBackendSeamTest, AStoppedBuildReturnsCancelledAndHoldsNothing) {
+  constexpr int64_t kPrompt = 600;
+  RandomKv kv(kPrompt, kKvHeads, kDim, 6);
+  const std::vector<float> queries = RandomNormal(kPrompt * kQHeads * kDim, 7);
+  for (const SelectorKind kind : {SelectorKind::kIndex, SelectorKind::kReTopK}) {
+    SCOPED_TRACE(SelectorKindName(kind));
+    const LayerConfig config = Config(kind);
+    StopAfterAsks stop(1);
+    auto layer = backend_.BuildLayer(config, accounts_,
+                                     Stage(backend_, config, accounts_, kv, queries, 100),
+                                     stop.stop());
+    EXPECT_TRUE(HasStatus(layer.status(), absl::StatusCode::kCancelled,
+                          "stopped: its result will not be used"))
+        << layer.status();
+    EXPECT_GE(stop.asks(), 1);  // (and once for each KV head's lists that were not begun)
+    EXPECT_EQ(budget_.used(), 0);
+  }
 }
 
 TEST(MemoryGrantTest, SetAsideIsDrawnFirstAndGivenBack) {

@@ -223,7 +223,7 @@ TEST_P(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {
   const SessionAccounts accounts{&tight, GetParam() ? &device_ : nullptr};
   const int64_t prompt = CodesLearning::kMinLearnRows + 44;
   absl::StatusOr<std::unique_ptr<BulkCodes>> built =
-      tier_->BuildCodes(config_, accounts, Bulk(prompt), kRows, /*cancelled=*/nullptr);
+      tier_->BuildCodes(config_, accounts, Bulk(prompt), kRows, BuildStop());
   ASSERT_TRUE(built.ok()) << built.status();
   std::unique_ptr<BulkCodes> codes = *std::move(built);
   const BulkCodes* const prompts = codes.get();
@@ -282,7 +282,8 @@ TEST_P(CodesLearningTest, ALearningItsLayerClosesFirstIsCountedAbandoned) {
 TEST_P(CodesLearningTest, ATrainingWhoseLayerClosedStopsAndHoldsNothing) {
   std::atomic<bool> cancelled{true};
   absl::StatusOr<std::unique_ptr<BulkCodes>> built = tier_->BuildCodes(
-      config_, accounts_, Bulk(CodesLearning::kFirstLearnRows), kRows, &cancelled);
+      config_, accounts_, Bulk(CodesLearning::kFirstLearnRows), kRows,
+      BuildStop::WhenSet(&cancelled));
   EXPECT_EQ(built.status().code(), absl::StatusCode::kCancelled) << built.status();
   EXPECT_EQ(host_.used() + device_.used(), 0);
 

@@ -435,7 +435,7 @@ TEST(CudaBatchTopKTest, MatchesCpuBatchTopKUpToNearTies) {
   ASSERT_TRUE(CpuBatchTopK(query_set, key_set, kTopK, &want).ok());
   auto gpu = MakeGpuBatchTopKFunction();
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  ASSERT_TRUE((*gpu)(query_set, key_set, kTopK, &got, {}).ok());
+  ASSERT_TRUE((*gpu)(query_set, key_set, kTopK, &got, {}, BuildStop()).ok());
   ASSERT_EQ(got.k, want.k);
   ASSERT_EQ(got.queries, want.queries);
   int exact_lists = 0;
@@ -459,7 +459,7 @@ TEST(CudaBatchTopKTest, MatchesCpuBatchTopKUpToNearTies) {
   visible[0] = 0;
   visible[1] = 3;
   ASSERT_TRUE(CpuBatchTopK(query_set, key_set, kTopK, &want, visible).ok());
-  ASSERT_TRUE((*gpu)(query_set, key_set, kTopK, &got, visible).ok());
+  ASSERT_TRUE((*gpu)(query_set, key_set, kTopK, &got, visible, BuildStop()).ok());
   for (int64_t i = 0; i < kQueries; ++i) {
     const std::vector<int32_t> g(got.list(i), got.list(i) + got.k);
     const std::vector<int32_t> w(want.list(i), want.list(i) + want.k);
@@ -476,11 +476,16 @@ TEST(CudaBatchTopKTest, MatchesCpuBatchTopKUpToNearTies) {
     }
   }
   // The CPU backend's argument errors, with the same codes.
-  EXPECT_EQ((*gpu)(query_set, key_set, 0, &got, {}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*gpu)(query_set, key_set, 0, &got, {}, BuildStop()).code(),
+            absl::StatusCode::kInvalidArgument);
   const VectorSet short_keys{keys.data(), kKeys, 2 * kDim, kDim - 1};
-  const absl::Status status = (*gpu)(query_set, short_keys, kTopK, &got, {});
+  const absl::Status status = (*gpu)(query_set, short_keys, kTopK, &got, {}, BuildStop());
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), ::testing::HasSubstr("differs from key dim"));
+  // A build that will not be used stops: CANCELLED once the call has the device.
+  const absl::Status stopped =
+      (*gpu)(query_set, key_set, kTopK, &got, {}, BuildStop([] { return true; }));
+  EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled) << stopped;
 }
 
 // The ordering contract, exactly: with small integers times one scale as keys and queries,

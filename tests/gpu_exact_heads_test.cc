@@ -65,7 +65,7 @@ class GpuExactHeadsTest : public ::testing::Test {
     set_ = *std::move(set);
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
         tier_->BuildCodes(config_, SessionAccounts{&host_, &device_}, bulk(), bulk().tokens,
-                          /*cancelled=*/nullptr);
+                          BuildStop());
     ASSERT_TRUE(codes.ok()) << codes.status();
     codes_ = *std::move(codes);
     context_ = tier_->NewStepContext();

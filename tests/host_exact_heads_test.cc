@@ -66,7 +66,7 @@ class HostExactHeadsTest : public ::testing::Test {
     set_ = *std::move(set);
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes = tier.BuildCodes(
         config_, accounts_, bulk().Tokens(0, bulk().tokens - kUncoded), bulk().tokens,
-        /*cancelled=*/nullptr);
+        BuildStop());
     ASSERT_TRUE(codes.ok()) << codes.status();
     codes_ = *std::move(codes);
     context_ = tier.NewStepContext();

@@ -1,5 +1,7 @@
 #include "index/batch_topk.h"
 
+#include <omp.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -13,6 +15,7 @@ namespace {
 using ::kvrecall::testing::RandomKv;
 using ::kvrecall::testing::RandomNormal;
 using ::kvrecall::testing::ReferenceTopK;
+using ::kvrecall::testing::StopAfterAsks;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 
@@ -102,6 +105,37 @@ TEST(CpuBatchTopKTest, KLargerThanTheKeysReturnsEveryKey) {
   EXPECT_EQ(lists.k, 10);
   EXPECT_THAT(std::vector<int32_t>(lists.list(2), lists.list(2) + 10),
               ElementsAreArray(ReferenceTopK(q.data() + 16, kv.view(), 0, 1.0, 10)));
+}
+
+// A build nobody will use stops (index/build_stop.h): the batch top-k asks before each block of
+// queries, computes no block once the stop is requested, and ends with CANCELLED; a stop never
+// requested is asked before every block and changes nothing.
+TEST(CpuBatchTopKTest, AStopRequestedMidwayEndsItWithCancelled) {
+  const int64_t tokens = 3000, queries = 40 * 64;  // 40 blocks of 64 queries
+  const int d = 16, k = 10;
+  const int threads = omp_get_max_threads();
+  RandomKv kv(tokens, 1, d, 3);
+  const std::vector<float> q = RandomNormal(queries * d, 4);
+  const VectorSet keys = VectorSet::KeysOf(kv.view(), 0, 0, tokens);
+  for (const int from : {1, 5}) {
+    SCOPED_TRACE(from);
+    StopAfterAsks stop(from);
+    TopKLists lists;
+    const absl::Status s =
+        CpuBatchTopK(QueriesOf(q, queries, 1, d, 0), keys, k, &lists, {}, stop.stop());
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_THAT(s.message(), HasSubstr("the batch top-k stopped"));
+    // The other threads may each have asked once before they saw it.
+    EXPECT_GE(stop.asks(), from);
+    EXPECT_LE(stop.asks(), from + threads - 1);
+  }
+  StopAfterAsks never(0);
+  TopKLists asked, plain;
+  ASSERT_TRUE(
+      CpuBatchTopK(QueriesOf(q, queries, 1, d, 0), keys, k, &asked, {}, never.stop()).ok());
+  ASSERT_TRUE(CpuBatchTopK(QueriesOf(q, queries, 1, d, 0), keys, k, &plain).ok());
+  EXPECT_EQ(never.asks(), 40);
+  EXPECT_EQ(asked.ids, plain.ids);
 }
 
 TEST(CpuBatchTopKTest, RejectsBadArguments) {

@@ -20,6 +20,7 @@
 namespace kvrecall {
 namespace {
 
+using ::kvrecall::testing::StopAfterAsks;
 using ::testing::HasSubstr;
 
 // A planted case where queries are out of distribution for the keys, as attention's are: both
@@ -593,6 +594,55 @@ TEST(GraphIndexTest, BuildFromListsIsBuildsLastStep) {
     EXPECT_EQ(std::vector<int32_t>(from_lists.neighbors(i).begin(), from_lists.neighbors(i).end()),
               std::vector<int32_t>(built.neighbors(i).begin(), built.neighbors(i).end()))
         << "key " << i;
+  }
+}
+
+// A build nobody will use stops (index/build_stop.h): BuildFromLists asks before each of its
+// steps, and a stop requested at any of them ends the build with CANCELLED and the index empty;
+// a stop never requested is asked at every step and builds the graph a plain build does.
+TEST(GraphIndexTest, AStopEndsBuildFromListsBeforeItsNextStepAndLeavesItEmpty) {
+  OodCase ood(3000, 700, 16, 4, 5);
+  GraphIndexParams params;
+  params.build_queries = 256;
+  const BuildQueries queries{ood.query_set(0, 700), /*causal=*/true, /*first_key_position=*/0};
+  const int64_t sampled = GraphIndex::SampledQueryCount(params, 3000, queries);
+  std::vector<float> copies(sampled * 16);
+  std::vector<int64_t> visible;
+  const std::vector<float> sum =
+      GraphIndex::SampleQueries(params, ood.key_set(), queries, copies.data(), &visible);
+  TopKLists lists;
+  ASSERT_TRUE(CpuBatchTopK(VectorSet{copies.data(), sampled, 16, 16}, ood.key_set(),
+                           GraphIndexParams().build_topk, &lists, visible)
+                  .ok());
+  GraphIndex plain(params);
+  ASSERT_TRUE(plain.BuildFromLists(ood.key_set(), sum, lists, 0.0).ok());
+
+  StopAfterAsks never(0);
+  GraphIndex asked(params);
+  ASSERT_TRUE(asked.BuildFromLists(ood.key_set(), sum, lists, 0.0, never.stop()).ok());
+  const int steps = never.asks();
+  EXPECT_GE(steps, 5) << "asked between the build's steps";
+  ASSERT_EQ(asked.linked(), plain.linked());
+  for (int64_t i = 0; i < plain.linked(); ++i) {
+    ASSERT_EQ(std::vector<int32_t>(asked.neighbors(i).begin(), asked.neighbors(i).end()),
+              std::vector<int32_t>(plain.neighbors(i).begin(), plain.neighbors(i).end()))
+        << "key " << i;
+  }
+
+  for (int from = 1; from <= steps; ++from) {
+    SCOPED_TRACE(from);
+    StopAfterAsks stop(from);
+    GraphIndex graph(params);
+    const absl::Status s = graph.BuildFromLists(ood.key_set(), sum, lists, 0.0, stop.stop());
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+    EXPECT_THAT(s.message(), HasSubstr("the graph build stopped"));
+    EXPECT_EQ(stop.asks(), from) << "nothing asked after it stopped";
+    EXPECT_EQ(graph.size(), 0);
+    EXPECT_EQ(graph.linked(), 0);
+    EXPECT_EQ(graph.MemoryBytes(), 0) << "a stopped build holds nothing";
+    SearchResult result;
+    graph.Search(ood.key_set().Slice(0, 0), ood.queries.data(), 5, SearchParams{}, &result);
+    EXPECT_TRUE(result.ids.empty());
   }
 }
 

@@ -18,10 +18,13 @@
 #include "index/batch_topk.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
+#include "tests/test_util.h"
 
 namespace kvrecall {
 namespace {
 
+using ::kvrecall::testing::StopAfterAsks;
+using ::testing::HasSubstr;
 using ::testing::IsSupersetOf;
 
 // One layer of a synthetic trace (sinks, recency, topics, queries out of distribution for the
@@ -86,11 +89,11 @@ SelectorParams IndexParams(int list_size, GraphScope scope = GraphScope::kDefaul
 
 // The tests that hold for either graph scope run for both: one graph per KV head, shared by its
 // query heads, and one per query head.
-class IndexSelectorScopeTest : public testing::TestWithParam<GraphScope> {};
+class IndexSelectorScopeTest : public ::testing::TestWithParam<GraphScope> {};
 
 INSTANTIATE_TEST_SUITE_P(Scopes, IndexSelectorScopeTest,
-                         testing::Values(GraphScope::kKvHead, GraphScope::kQueryHead),
-                         [](const testing::TestParamInfo<GraphScope>& info) {
+                         ::testing::Values(GraphScope::kKvHead, GraphScope::kQueryHead),
+                         [](const ::testing::TestParamInfo<GraphScope>& info) {
                            return std::string(GraphScopeName(info.param));
                          });
 
@@ -103,7 +106,7 @@ TEST_P(IndexSelectorScopeTest, MemoryBoundCoversWhatABuildHolds) {
       GetParam() == GraphScope::kKvHead ? layer.shape.kv_heads : layer.shape.q_heads;
   for (int max_degree : {16, 64}) {
     for (int64_t prompt : {int64_t{0}, int64_t{100}, int64_t{6144}}) {
-      SCOPED_TRACE(testing::Message() << "max_degree " << max_degree << ", prompt " << prompt);
+      SCOPED_TRACE(::testing::Message() << "max_degree " << max_degree << ", prompt " << prompt);
       SelectorParams params = IndexParams(128, GetParam());
       params.index.max_degree = max_degree;
       IndexSelector selector(layer.shape, params);
@@ -171,12 +174,13 @@ void ExpectEveryBuildMakes(const Layer& layer, const SelectorParams& params,
   std::atomic<int> calls = 0;
   const BatchTopKFunction elsewhere = [&calls](const VectorSet& queries, const VectorSet& keys,
                                                int k, TopKLists* out,
-                                               std::span<const int64_t> visible) {
+                                               std::span<const int64_t> visible,
+                                               const BuildStop& stop) {
     ++calls;
-    return CpuBatchTopK(queries, keys, k, out, visible);
+    return CpuBatchTopK(queries, keys, k, out, visible, stop);
   };
   for (const int threads : {omp_get_max_threads(), 1, 2 * layer.shape.kv_heads}) {
-    SCOPED_TRACE(testing::Message() << threads << " threads");
+    SCOPED_TRACE(::testing::Message() << threads << " threads");
     for (const BatchTopKFunction& topk : {BatchTopKFunction(CpuBatchTopK), elsewhere}) {
       calls = 0;
       IndexSelector selector(layer.shape, params, /*bulk_only=*/false, topk);
@@ -271,9 +275,10 @@ TEST_P(IndexSelectorScopeTest, ABatchTopKErrorFailsTheBuild) {
   // The second KV head's batch top-k fails.
   const BatchTopKFunction failing = [&calls](const VectorSet& queries, const VectorSet& keys,
                                              int k, TopKLists* out,
-                                             std::span<const int64_t> visible) {
+                                             std::span<const int64_t> visible,
+                                             const BuildStop& stop) {
     if (++calls == 2) return absl::ResourceExhaustedError("device out of memory");
-    return CpuBatchTopK(queries, keys, k, out, visible);
+    return CpuBatchTopK(queries, keys, k, out, visible, stop);
   };
   for (const int threads : {omp_get_max_threads(), 1}) {
     calls = 0;
@@ -560,6 +565,39 @@ TEST(IndexSelectorTest, EachQueryHeadFindsItsOwnTopKInTheSharedGraph) {
               recall[0], recall[1]);
   EXPECT_GE(recall[0], 0.9);
   EXPECT_GE(recall[0], recall[1] - 0.02);
+}
+
+// A build nobody will use stops (index/build_stop.h) wherever the stop is first seen: before a
+// KV head's lists, between blocks of their batch top-k, or between a graph's build steps; it
+// ends with CANCELLED. A stop never requested is asked, and the build is a plain one's.
+TEST_P(IndexSelectorScopeTest, AStopEndsTheBuildWhereverItIsSeen) {
+  const Layer layer(SmallTrace());
+  const int64_t prompt = layer.trace.geometry().context;
+  const SelectorParams params = IndexParams(128, GetParam());
+  IndexSelector plain(layer.shape, params, /*bulk_only=*/false);
+  ASSERT_TRUE(plain.Build(layer.view(prompt), layer.prompt_q.data()).ok());
+  StopAfterAsks never(0);
+  IndexSelector asked(layer.shape, params, /*bulk_only=*/false);
+  ASSERT_TRUE(asked.BuildUnless(never.stop(), layer.view(prompt), layer.prompt_q.data()).ok());
+  const int asks = never.asks();
+  EXPECT_GT(asks, layer.shape.kv_heads);
+  EXPECT_EQ(asked.MemoryBytes(), plain.MemoryBytes());
+  const KvView kv = layer.view(prompt + 1);
+  for (int h = 0; h < layer.shape.q_heads; ++h) {
+    HeadSelection a, b;
+    asked.Select(h, layer.decode_query(0, h), kv, &a);
+    plain.Select(h, layer.decode_query(0, h), kv, &b);
+    EXPECT_EQ(a.support, b.support) << "head " << h;
+  }
+  for (const int from : {1, 2, asks / 2, asks}) {
+    StopAfterAsks stop(from);
+    IndexSelector stopped(layer.shape, params, /*bulk_only=*/false);
+    const absl::Status s =
+        stopped.BuildUnless(stop.stop(), layer.view(prompt), layer.prompt_q.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << "stopped at ask " << from << " of "
+                                                      << asks << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr("stopped: its result will not be used"));
+  }
 }
 
 // The Selects of a step may run concurrently, the heads of one graph among them: each head

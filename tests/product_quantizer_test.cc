@@ -253,8 +253,8 @@ TEST(ProductQuantizerTest, AnAssignerTakesOverTheTrainingAssignments) {
   EXPECT_EQ(failing.assigns, 0);
 }
 
-// Training asks `cancelled` before each round: set during round 2, it stops before round 3 with
-// CANCELLED; left false, it changes nothing.
+// Training asks its stop before each round: requested during round 2, it stops before round 3
+// with CANCELLED; never requested, it changes nothing.
 TEST(ProductQuantizerTest, ACancelledTrainingStopsBeforeItsNextRound) {
   constexpr int kDim = 32, kKeys = 3000;
   const std::vector<float> keys = RandomNormal(kKeys * kDim, 6);
@@ -262,20 +262,20 @@ TEST(ProductQuantizerTest, ACancelledTrainingStopsBeforeItsNextRound) {
   params.subspaces = 4;
   params.iterations = 6;
   std::atomic<bool> cancelled{false};
-  params.cancelled = &cancelled;
+  params.stop = BuildStop::WhenSet(&cancelled);
   CountingAssigner assigner;
   assigner.cancel = &cancelled;
   assigner.cancel_after = 2;
   const absl::StatusOr<ProductQuantizer> stopped =
       ProductQuantizer::Train(F32Set(keys, kKeys, kDim), params, &assigner);
   EXPECT_EQ(stopped.status().code(), absl::StatusCode::kCancelled) << stopped.status();
-  EXPECT_THAT(stopped.status().message(), HasSubstr("before round 3 of 6"));
+  EXPECT_THAT(stopped.status().message(), HasSubstr("training (before round 3 of 6) stopped"));
   EXPECT_EQ(assigner.assigns, 2);
 
   cancelled.store(false);
   const absl::StatusOr<ProductQuantizer> asked = ProductQuantizer::Train(
       F32Set(keys, kKeys, kDim), params);
-  params.cancelled = nullptr;
+  params.stop = BuildStop();
   const absl::StatusOr<ProductQuantizer> plain = ProductQuantizer::Train(
       F32Set(keys, kKeys, kDim), params);
   ASSERT_TRUE(asked.ok() && plain.ok());

@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "index/basic_selectors.h"
+#include "index/index_selector.h"
 #include "index/support_selector.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
@@ -27,6 +28,7 @@ namespace {
 using ::kvrecall::testing::RandomKv;
 using ::kvrecall::testing::RandomNormal;
 using ::kvrecall::testing::ReferenceTopK;
+using ::kvrecall::testing::StopAfterAsks;
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
 
@@ -747,9 +749,9 @@ TEST(ReTopKSelectorTest, BuildFindsItsTopKWithTheBatchTopKItIsGiven) {
   ReTopKSelector given(shape, top_k, params.retopk);
   std::atomic<int> calls{0};
   given.set_batch_topk([&](const VectorSet& q, const VectorSet& keys, int k, TopKLists* out,
-                           std::span<const int64_t> visible) {
+                           std::span<const int64_t> visible, const BuildStop& stop) {
     ++calls;
-    return CpuBatchTopK(q, keys, k, out, visible);
+    return CpuBatchTopK(q, keys, k, out, visible, stop);
   });
   ASSERT_TRUE(given.Build(kv, queries.data()).ok());
   EXPECT_EQ(calls.load(), q_heads);
@@ -765,12 +767,56 @@ TEST(ReTopKSelectorTest, BuildFindsItsTopKWithTheBatchTopKItIsGiven) {
   // An error of the batch top-K is Build's.
   ReTopKSelector failing(shape, top_k, params.retopk);
   failing.set_batch_topk([](const VectorSet&, const VectorSet&, int, TopKLists*,
-                            std::span<const int64_t>) {
+                            std::span<const int64_t>, const BuildStop&) {
     return absl::ResourceExhaustedError("the device is full");
   });
   const absl::Status failed = failing.Build(kv, queries.data());
   EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
   EXPECT_THAT(failed.message(), HasSubstr("the device is full"));
+}
+
+// A build nobody will use stops (index/build_stop.h): ReTopK asks between blocks of each head's
+// batch top-K and before every 16th query of each head's calibration and seeding (a 128K head's
+// calibration takes seconds), and hands the stop to its exact search (a graph index here, whose
+// build asks it first); once it is requested the build ends with CANCELLED. A stop never
+// requested changes nothing.
+TEST(ReTopKSelectorTest, AStopEndsTheBuildAndReachesItsExactSearch) {
+  const int q_heads = 4, top_k = AutoTauPrompt::kTopK;
+  AutoTauPrompt t(q_heads, 2, 61);
+  const KvView kv = t.kv.view();
+  StopAfterAsks never(0);
+  ReTopKSelector asked(t.shape, top_k, t.params.retopk);
+  ASSERT_TRUE(asked.BuildUnless(never.stop(), kv, t.queries.data()).ok());
+  const int asks = never.asks();
+  EXPECT_GE(asks, q_heads * kCalibrationQueries / 16) << "asked within each head's calibration";
+  for (int h = 0; h < q_heads; ++h) {
+    EXPECT_EQ(asked.head(h).tau(), t.plain->head(h).tau()) << "head " << h;
+    const QuerySupportCache& a = asked.head(h).cache();
+    const QuerySupportCache& b = t.plain->head(h).cache();
+    ASSERT_EQ(a.size(), b.size()) << "head " << h;
+    for (int age = 0; age < a.size(); ++age) {
+      EXPECT_TRUE(std::ranges::equal(a.support(age), b.support(age))) << h << " " << age;
+    }
+  }
+  for (const int from : {1, asks / 2, asks}) {
+    StopAfterAsks stop(from);
+    ReTopKSelector stopped(t.shape, top_k, t.params.retopk);
+    const absl::Status s = stopped.BuildUnless(stop.stop(), kv, t.queries.data());
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << "stopped at ask " << from << " of "
+                                                      << asks << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr("stopped: its result will not be used"));
+  }
+
+  SelectorParams graph = t.params;
+  graph.kind = SelectorKind::kIndex;
+  graph.sinks = graph.recent = 0;
+  ReTopKSelector with_graph(t.shape, top_k, t.params.retopk);
+  with_graph.set_exact_search(
+      std::make_unique<IndexSelector>(t.shape, graph, /*bulk_only=*/true));
+  StopAfterAsks at_once(1);
+  const absl::Status s = with_graph.BuildUnless(at_once.stop(), kv, t.queries.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_THAT(s.message(), HasSubstr("the index build stopped"));
 }
 
 }  // namespace

@@ -770,20 +770,48 @@ TEST_F(HardeningTest, PrefillCancelledDuringItsCommitCommitsNothing) {
   prefill.Cancel();
   EXPECT_EQ(prefill.Finish().status().code(), absl::StatusCode::kCancelled);
   EXPECT_LT(absl::Now() - cancelled, absl::Milliseconds(500));
-  // The build cannot be interrupted; once it has ended, nothing of it is installed and its
-  // memory is back.
+  // The build stops too (index/build_stop.h; probe 8: it ran its 4-6 s to the end after the
+  // client had gone); once it has, nothing of it is installed and its memory is back.
   const absl::Time until = absl::Now() + absl::Seconds(120);
   while (server().server().busy() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
   ASSERT_FALSE(server().server().busy());
+  const absl::Duration stopped_after = absl::Now() - cancelled;
   absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), slow.id);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->layers_prefilled(), 0);
   EXPECT_EQ(info->tokens(), 0);
   EXPECT_EQ(server().server().budget().used(), 0);
-  // The prompt can be sent again.
+  // The prompt can be sent again. Its build takes several times what the cancelled build took
+  // to stop, 20 ms into it.
   absl::StatusOr<v1::PrefillResponse> again = Prefill(stub(), slow.chunks);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->tokens(), slow.tokens);
+  EXPECT_LT(stopped_after, absl::Seconds(again->build_seconds()) / 2)
+      << "the cancelled build ran on";
+}
+
+// A Prefill whose session is closed (by another call, or its idle TTL) while its layers build
+// stops the builds and hears why at once, not once the builds would have ended.
+TEST_F(HardeningTest, APrefillWhoseSessionClosesDuringItsCommitStopsItsBuild) {
+  // The build of a Prefill like it, for comparison.
+  SlowPrefill measured(stub());
+  absl::StatusOr<v1::PrefillResponse> whole = Prefill(stub(), measured.chunks);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const int64_t measured_bytes = server().server().budget().used();
+
+  SlowPrefill slow(stub());
+  PrefillInFlight prefill(stub(), slow.chunks);
+  AwaitCommit(server().server());
+  const absl::Time closed = absl::Now();
+  ASSERT_TRUE(CloseSession(stub(), slow.id).ok());
+  const absl::Status status = prefill.Finish().status();
+  const absl::Duration answered_after = absl::Now() - closed;
+  EXPECT_TRUE(HasStatus(status, absl::StatusCode::kNotFound, "was closed")) << status;
+  EXPECT_LT(answered_after, absl::Seconds(whole->build_seconds()) / 2)
+      << "the build of a closed session ran on";
+  const absl::Time until = absl::Now() + absl::Seconds(120);
+  while (server().server().busy() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  EXPECT_EQ(server().server().budget().used(), measured_bytes) << "the closed one's is back";
 }
 
 // A CreateSession whose deadline passes while its handler runs (held there by a test hook past

@@ -3,6 +3,7 @@
 #ifndef KVRECALL_TESTS_TEST_UTIL_H_
 #define KVRECALL_TESTS_TEST_UTIL_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -11,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "index/build_stop.h"
 #include "index/product_quantizer.h"
 #include "kernels/kv_view.h"
 
@@ -76,6 +78,24 @@ std::vector<int32_t> ReferenceTopK(const float* q, const KvView& kv, int kv_head
 // Polls `done` every 10 ms for up to `timeout`; whether it came true (its last answer).
 bool Eventually(const std::function<bool()>& done,
                 std::chrono::milliseconds timeout = std::chrono::seconds(10));
+
+// A build stop (index/build_stop.h) requested from its `from`-th ask on (1: at once; 0: never),
+// counting how often builds asked it: where in a build a stop is seen, and that it is asked.
+class StopAfterAsks {
+ public:
+  explicit StopAfterAsks(int from) : from_(from) {}
+  StopAfterAsks(const StopAfterAsks&) = delete;
+  StopAfterAsks& operator=(const StopAfterAsks&) = delete;
+
+  BuildStop stop() {
+    return BuildStop([this] { return ++asks_ >= from_ && from_ > 0; });
+  }
+  int asks() const { return asks_.load(); }
+
+ private:
+  const int from_;
+  std::atomic<int> asks_ = 0;
+};
 
 // A fresh directory under /tmp (/tmp/kvrecall-TAG-XXXXXX), removed with everything in it when
 // this is destroyed. path() is empty when it could not be made (a test asserts on it).

@@ -37,6 +37,7 @@ using ::kvrecall::testing::HasStatus;
 using ::kvrecall::testing::PqPartDistance;
 using ::kvrecall::testing::QueueBlocker;
 using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::StopAfterAsks;
 
 constexpr int kQHeads = 8, kKvHeads = 2, kDim = 64;
 constexpr int kSinks = 4, kRecent = 16;
@@ -71,7 +72,8 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> PrefilledLayer(AttentionBackend& b
                                                             const SessionAccounts& accounts,
                                                             const LayerConfig& config,
                                                             int64_t prompt, uint64_t seed,
-                                                            std::vector<float>* keys) {
+                                                            std::vector<float>* keys,
+                                                            const BuildStop& stop = BuildStop()) {
   const int64_t row = int64_t{kKvHeads} * kDim;
   *keys = Rounded(RandomNormal(prompt * row, seed));
   const std::vector<float> values = RandomNormal(prompt * row, seed + 1);
@@ -89,7 +91,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> PrefilledLayer(AttentionBackend& b
     value_tail[i] = FloatToBf16(values[i]);
   }
   if (absl::Status s = (*staging)->Commit(prompt, /*with_queries=*/false); !s.ok()) return s;
-  return backend.BuildLayer(config, accounts, *std::move(staging));
+  return backend.BuildLayer(config, accounts, *std::move(staging), stop);
 }
 
 // A decode step of `layer` with step `step`'s query and token (its key 40x longer than the
@@ -321,6 +323,33 @@ TEST(TieredCodesTest, ATinyPromptBulkGetsNoCodes) {
         PrefilledLayer(backend, accounts, Config(), kSinks + kRecent + bulk, /*seed=*/51, &keys);
     ASSERT_TRUE(layer.ok()) << layer.status();
     EXPECT_EQ((*layer)->bulk_codes() != nullptr, bulk >= CodesLearning::kMinLearnRows) << bulk;
+  }
+}
+
+// A tiered layer whose Prefill will not commit stops building (index/build_stop.h): asked
+// before its static set is made and as its quantizers train, either ends the build with
+// CANCELLED, holding nothing.
+TEST(TieredCodesTest, AStoppedBuildReturnsCancelledAndHoldsNothing) {
+  TieredBackend backend(MakeHostStaticSetTier());
+  MemoryBudget host(0);
+  const SessionAccounts accounts{&host, nullptr};
+  const int64_t prompt = kSinks + kRecent + CodesLearning::kMinLearnRows + 100;
+  std::vector<float> keys;
+  StopAfterAsks never(0);
+  ASSERT_TRUE(PrefilledLayer(backend, accounts, Config(), prompt, 61, &keys, never.stop()).ok());
+  EXPECT_GT(never.asks(), 2) << "the layer's check and the quantizers' rounds";
+  EXPECT_EQ(host.used(), 0);
+  for (const int from : {1, 2, never.asks()}) {
+    SCOPED_TRACE(from);
+    StopAfterAsks stop(from);
+    absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
+        PrefilledLayer(backend, accounts, Config(), prompt, 61, &keys, stop.stop());
+    EXPECT_TRUE(HasStatus(layer.status(), absl::StatusCode::kCancelled,
+                          from == 1 ? "the tiered layer's build stopped"
+                                    : "the product quantizer's training (before round"))
+        << layer.status();
+    EXPECT_EQ(stop.asks(), from);
+    EXPECT_EQ(host.used(), 0);
   }
 }
 

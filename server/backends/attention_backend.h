@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "index/build_stop.h"
 #include "index/selector_params.h"
 #include "index/support_selector.h"
 #include "kernels/dtype.h"
@@ -232,10 +233,12 @@ class AttentionBackend {
   virtual absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
       const LayerConfig& config, const SessionAccounts& accounts) = 0;
   // Builds a layer (indexes, caches) from a staged prompt, which it consumes. May take long;
-  // runs outside the session's lock, several layers in parallel.
+  // runs outside the session's lock, several layers in parallel. Its builds ask `stop` as they
+  // go (index/build_stop.h): once it is requested (the Prefill will not commit), BuildLayer
+  // returns CANCELLED soon, having charged nothing it keeps.
   virtual absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
       const LayerConfig& config, const SessionAccounts& accounts,
-      std::unique_ptr<PromptStaging> prompt) = 0;
+      std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) = 0;
 
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
   // One decode step of `steps` (layers this backend built, of sessions the caller has locked,

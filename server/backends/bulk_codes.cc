@@ -51,10 +51,10 @@ absl::Status BulkCodes::ChargeQuantizers() {
 }
 
 absl::StatusOr<std::vector<ProductQuantizer>> BulkCodes::Train(
-    const KvView& bulk, PqAssigner* assigner, const std::atomic<bool>* cancelled) {
+    const KvView& bulk, PqAssigner* assigner, const BuildStop& stop) {
   std::vector<ProductQuantizer> quantizers;
   ProductQuantizerParams params = TrainingParams(bulk.head_dim);
-  params.cancelled = cancelled;
+  params.stop = stop;
   for (int h = 0; h < bulk.kv_heads; ++h) {
     absl::StatusOr<ProductQuantizer> pq = ProductQuantizer::Train(
         VectorSet::KeysOf(bulk, h, 0, TrainedRowsOf(bulk.tokens)), params, assigner);

@@ -7,7 +7,6 @@
 #ifndef KVRECALL_SERVER_BACKENDS_BULK_CODES_H_
 #define KVRECALL_SERVER_BACKENDS_BULK_CODES_H_
 
-#include <atomic>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -15,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "index/build_stop.h"
 #include "index/product_quantizer.h"
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
@@ -81,11 +81,11 @@ class BulkCodes {
  protected:
   // Quantizers trained on `bulk`'s keys ([tokens, kv_heads, head_dim]; at least one token): its
   // first TrainedRowsOf(tokens) rows, with `assigner`'s assignments when given (the GPU tier's
-  // device). CANCELLED once `cancelled` (null: never) holds true, asked before each k-means
-  // round of each head (ProductQuantizerParams::cancelled).
+  // device). CANCELLED once `stop` is requested, asked before each k-means round of each head
+  // (ProductQuantizerParams::stop).
   static absl::StatusOr<std::vector<ProductQuantizer>> Train(
       const KvView& bulk, PqAssigner* assigner = nullptr,
-      const std::atomic<bool>* cancelled = nullptr);
+      const BuildStop& stop = BuildStop());
   // ReadCodes' copy once its range is checked: [end - begin, subspaces()] into `codes`.
   virtual absl::Status CopyCodes(int kv_head, int64_t begin, int64_t end,
                                  uint8_t* codes) const = 0;

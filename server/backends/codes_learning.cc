@@ -67,7 +67,7 @@ struct CodesLearning::Job final : WorkItem {
     const int team = omp_get_max_threads();
     omp_set_num_threads(std::min(kLearningThreads, team));
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
-        tier->BuildCodes(*config, accounts, bulk, capacity, &cancelled);
+        tier->BuildCodes(*config, accounts, bulk, capacity, BuildStop::WhenSet(&cancelled));
     // The rows committed since, while the layer keeps stepping: fewer are left for the
     // take-over. (Committed rows stay put until BeforeReserve waits for this learning.)
     KvView grown = bulk;

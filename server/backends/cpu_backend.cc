@@ -179,12 +179,14 @@ absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
     const LayerConfig& config, const SessionAccounts& accounts,
-    std::unique_ptr<PromptStaging> prompt) {
+    std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) {
   auto& staged = static_cast<HostPromptStaging&>(*prompt);
   absl::StatusOr<std::unique_ptr<SupportSelector>> selector =
       MakeSelector(config.selector, config.shape);
   if (!selector.ok()) return selector.status();
-  if (absl::Status s = (*selector)->Build(staged.kv.view(), staged.prompt_queries()); !s.ok()) {
+  if (absl::Status s =
+          (*selector)->BuildUnless(stop, staged.kv.view(), staged.prompt_queries());
+      !s.ok()) {
     return s;
   }
   // An announced length is reserved now, so that decoding up to it never reallocates.

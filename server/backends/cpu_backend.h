@@ -82,7 +82,7 @@ class CpuBackend final : public AttentionBackend {
       const LayerConfig& config, const SessionAccounts& accounts) override;
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
       const LayerConfig& config, const SessionAccounts& accounts,
-      std::unique_ptr<PromptStaging> prompt) override;
+      std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) override;
   std::unique_ptr<StepContext> NewStepContext() override;
   absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
   absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;

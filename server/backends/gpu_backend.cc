@@ -354,7 +354,7 @@ class GpuBackend final : public AttentionBackend {
   }
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
       const LayerConfig& config, const SessionAccounts& accounts,
-      std::unique_ptr<PromptStaging> prompt) override;
+      std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) override;
   std::unique_ptr<StepContext> NewStepContext() override {
     return std::make_unique<GpuStepContext>(ordinal_, &budget_);
   }
@@ -392,7 +392,7 @@ absl::Status GpuBackend::CheckConfig(const LayerConfig& config) const {
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> GpuBackend::BuildLayer(
     const LayerConfig& config, const SessionAccounts& accounts,
-    std::unique_ptr<PromptStaging> prompt) {
+    std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) {
   DeviceScope scope(ordinal_);
   if (!scope.status().ok()) return scope.status();
   auto& staged = static_cast<GpuPromptStaging&>(*prompt);
@@ -413,7 +413,9 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> GpuBackend::BuildLayer(
       ReTopKSelector calibration(config.shape, p.top_k, p.retopk);
       const KvView view{host->keys.data(), nullptr, host->keys.rows(), config.shape.kv_heads,
                         config.shape.head_dim};
-      if (absl::Status s = calibration.Build(view, host->prompt_queries()); !s.ok()) return s;
+      if (absl::Status s = calibration.BuildUnless(stop, view, host->prompt_queries()); !s.ok()) {
+        return s;
+      }
       for (int h = 0; h < config.shape.q_heads; ++h) taus.push_back(calibration.head(h).tau());
     }
     const int64_t caches_bytes = cuda::ReTopKCaches::DeviceBytesFor(

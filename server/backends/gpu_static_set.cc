@@ -186,9 +186,9 @@ class GpuBulkCodes final : public BulkCodes {
   // On device `ordinal`, which the calling thread has made current.
   static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(
       int ordinal, const KvView& bulk, const SessionAccounts& accounts, int64_t capacity,
-      const std::atomic<bool>* cancelled) {
+      const BuildStop& stop) {
     absl::StatusOr<std::vector<ProductQuantizer>> quantizers =
-        TrainOnDevice(bulk, accounts, cancelled);
+        TrainOnDevice(bulk, accounts, stop);
     if (!quantizers.ok()) return quantizers.status();
     auto codes =
         absl::WrapUnique(new GpuBulkCodes(ordinal, *std::move(quantizers), accounts));
@@ -276,23 +276,23 @@ class GpuBulkCodes final : public BulkCodes {
   // host's were most of the layer's build), charged to the session while they train; on the host
   // when the budget has no room.
   static absl::StatusOr<std::vector<ProductQuantizer>> TrainOnDevice(
-      const KvView& bulk, const SessionAccounts& accounts, const std::atomic<bool>* cancelled) {
+      const KvView& bulk, const SessionAccounts& accounts, const BuildStop& stop) {
     const int64_t rows = std::min(TrainingParams(bulk.head_dim).training_keys,
                                   std::max<int64_t>(TrainedRowsOf(bulk.tokens), 1));
     const int64_t bytes = GpuPqAssigner::DeviceBytesFor(rows, bulk.head_dim);
     if (absl::Status s = accounts.device->Reserve(bytes, "the quantizers' training"); !s.ok()) {
       SayOnHost(training_on_host_, "training", s);
-      return Train(bulk, nullptr, cancelled);
+      return Train(bulk, nullptr, stop);
     }
     absl::StatusOr<std::vector<ProductQuantizer>> trained;
     {
       absl::StatusOr<std::unique_ptr<GpuPqAssigner>> assigner =
           GpuPqAssigner::Create(rows, bulk.head_dim);
       if (assigner.ok()) {
-        trained = Train(bulk, assigner->get(), cancelled);
+        trained = Train(bulk, assigner->get(), stop);
       } else if (absl::IsResourceExhausted(assigner.status())) {
         SayOnHost(training_on_host_, "training", assigner.status());
-        trained = Train(bulk, nullptr, cancelled);
+        trained = Train(bulk, nullptr, stop);
       } else {
         trained = assigner.status();
       }
@@ -439,11 +439,11 @@ class GpuStaticSetTier final : public StaticSetTier {
                                                    const KvView& prompt) override;
   absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(
       const LayerConfig& config, const SessionAccounts& accounts, const KvView& bulk,
-      int64_t capacity, const std::atomic<bool>* cancelled) override {
+      int64_t capacity, const BuildStop& stop) override {
     DeviceScope scope(ordinal_);
     if (!scope.status().ok()) return scope.status();
     absl::StatusOr<std::unique_ptr<GpuBulkCodes>> codes =
-        GpuBulkCodes::Create(ordinal_, bulk, accounts, capacity, cancelled);
+        GpuBulkCodes::Create(ordinal_, bulk, accounts, capacity, stop);
     if (!codes.ok()) return codes.status();
     return std::unique_ptr<BulkCodes>(*std::move(codes));
   }
@@ -1312,10 +1312,11 @@ absl::StatusOr<std::unique_ptr<StaticSetTier>> MakeGpuStaticSetTier(int ordinal,
   // The graph build runs on whichever thread builds the layer: make it this tier's device.
   BatchTopKFunction on_device = [ordinal, topk = *std::move(topk)](
                                     const VectorSet& queries, const VectorSet& keys, int k,
-                                    TopKLists* out, std::span<const int64_t> visible) {
+                                    TopKLists* out, std::span<const int64_t> visible,
+                                    const BuildStop& stop) {
     DeviceScope scope(ordinal);
     if (!scope.status().ok()) return scope.status();
-    return topk(queries, keys, k, out, visible);
+    return topk(queries, keys, k, out, visible, stop);
   };
   int host_pointers = 0;
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(

@@ -46,9 +46,9 @@ class HostBulkCodes final : public BulkCodes {
  public:
   static absl::StatusOr<std::unique_ptr<HostBulkCodes>> Create(
       const KvView& bulk, MemoryAccount* host, int64_t capacity,
-      const std::atomic<bool>* cancelled) {
+      const BuildStop& stop) {
     absl::StatusOr<std::vector<ProductQuantizer>> quantizers =
-        Train(bulk, /*assigner=*/nullptr, cancelled);
+        Train(bulk, /*assigner=*/nullptr, stop);
     if (!quantizers.ok()) return quantizers.status();
     auto codes = absl::WrapUnique(new HostBulkCodes(*std::move(quantizers), host));
     if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
@@ -263,9 +263,9 @@ class HostStaticSetTier final : public StaticSetTier {
   }
   absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(
       const LayerConfig&, const SessionAccounts& accounts, const KvView& bulk, int64_t capacity,
-      const std::atomic<bool>* cancelled) override {
+      const BuildStop& stop) override {
     absl::StatusOr<std::unique_ptr<HostBulkCodes>> codes =
-        HostBulkCodes::Create(bulk, accounts.host, capacity, cancelled);
+        HostBulkCodes::Create(bulk, accounts.host, capacity, stop);
     if (!codes.ok()) return codes.status();
     return std::unique_ptr<BulkCodes>(*std::move(codes));
   }

@@ -652,7 +652,7 @@ absl::StatusOr<std::unique_ptr<PromptStaging>> TieredBackend::NewPromptStaging(
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
     const LayerConfig& config, const SessionAccounts& accounts,
-    std::unique_ptr<PromptStaging> prompt) {
+    std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) {
   auto& staged = static_cast<HostPromptStaging&>(*prompt);
   const SelectorParams& p = config.selector;
   const KvView all = staged.kv.view();
@@ -679,13 +679,14 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
           return BulkQueryStaticSetLse(config, all, last_row, q, h);
         });
       }
-      built = bulk->selector->Build(view, queries);
+      built = bulk->selector->BuildUnless(stop, view, queries);
       if (retopk != nullptr) retopk->set_outside_lse(nullptr);
     } else {
-      built = bulk->selector->Build(all, staged.prompt_queries());
+      built = bulk->selector->BuildUnless(stop, all, staged.prompt_queries());
     }
     if (!built.ok()) return built;
   }
+  if (absl::Status s = stop.Check("the tiered layer's build"); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<StaticSet>> static_set =
       tier_->Build(config, accounts.device, all);
   if (!static_set.ok()) return static_set.status();
@@ -699,7 +700,7 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
       const int64_t capacity = BulkTokens(std::max(config.expected_tokens, all.tokens + 1),
                                           p.sinks, p.recent);
       absl::StatusOr<std::unique_ptr<BulkCodes>> built =
-          tier_->BuildCodes(config, accounts, bulk, capacity, /*cancelled=*/nullptr);
+          tier_->BuildCodes(config, accounts, bulk, capacity, stop);
       if (!built.ok()) return built.status();
       codes = *std::move(built);
     }

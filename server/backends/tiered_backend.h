@@ -15,7 +15,6 @@
 #define KVRECALL_SERVER_BACKENDS_TIERED_BACKEND_H_
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -24,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "index/batch_topk.h"
+#include "index/build_stop.h"
 #include "kernels/kv_view.h"
 #include "server/backends/attention_backend.h"
 #include "server/backends/bulk_codes.h"
@@ -114,11 +114,12 @@ class StaticSetTier {
   // room for `capacity` rows: the codes charged to the tier's memory (accounts.device on a GPU,
   // accounts.host on the host tier), the quantizers to accounts.host. At prefill, and on the
   // codes' learning thread (codes_learning.h) while steps run, this layer's included (on its
-  // other codes): thread-safe, as the rest of the tier. CANCELLED once `cancelled` (null: never)
-  // holds true, asked as the quantizers train (a learning whose layer closed).
+  // other codes): thread-safe, as the rest of the tier. CANCELLED once `stop` is requested,
+  // asked as the quantizers train (a learning whose layer closed, a Prefill that will not
+  // commit).
   virtual absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(
       const LayerConfig& config, const SessionAccounts& accounts, const KvView& bulk,
-      int64_t capacity, const std::atomic<bool>* cancelled) = 0;
+      int64_t capacity, const BuildStop& stop) = 0;
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
   // A step of `steps` (every step shares SameStaticSet) in five calls. Prepare reserves what the
   // step needs on the tier (workspaces, staging): its resource errors surface there, before the
@@ -249,7 +250,7 @@ class TieredBackend final : public AttentionBackend {
       const LayerConfig& config, const SessionAccounts& accounts) override;
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
       const LayerConfig& config, const SessionAccounts& accounts,
-      std::unique_ptr<PromptStaging> prompt) override;
+      std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) override;
   std::unique_ptr<StepContext> NewStepContext() override;
   absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
   absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
