@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# NOT RUN: no device was lent in the eighth session (2026-12-05). Its bundle .device/b105 holds
-# dd68e3e's binaries; a later session rebuilds it from its HEAD (the recipe in device_tests.md),
-# runs this first, and records what it shows.
+# NOT RUN: no device was lent in the eighth or the ninth session (2026-12-05). Its bundle
+# .device/b105 holds 0da1e9b's binaries (rebuilt in the ninth session); a later session rebuilds
+# it from its HEAD if the code has moved on (the recipe in device_tests.md), runs this first, and
+# records what it shows.
 # Hundred-and-fifth call: the final code on the GPU, and why a warm machine stepped at ~500 us
 # (d102-d103) where a fresh one stepped at 285 (d104).
 #   1. On the fresh machine, first: 128K tiered retopk and index, batch 1 (d104's run), with a
