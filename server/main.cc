@@ -4,6 +4,7 @@
 #include <malloc.h>
 #include <pthread.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -328,7 +329,12 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
   unsigned char signal_number = 0;
   for (;;) {
-    if (read(shutdown_pipe[0], &signal_number, 1) != 1) {
+    // poll first: unlike a read under SA_RESTART it returns after any handler (signal(7)), so
+    // that a handler deferred to the end of the interrupted call still runs. ThreadSanitizer
+    // defers them so: a read restarted in the kernel never ended, and its kvrecalld never saw
+    // SIGTERM (KvrecalldProcessTest under scripts/sanitize.sh tsan).
+    pollfd readable = {.fd = shutdown_pipe[0], .events = POLLIN, .revents = 0};
+    if (poll(&readable, 1, -1) != 1 || read(shutdown_pipe[0], &signal_number, 1) != 1) {
       if (errno == EINTR) continue;
       std::fprintf(stderr, "kvrecalld: reading the shutdown signals' pipe failed\n");
       return 1;
