@@ -1016,6 +1016,7 @@ void KvRecallService::CountUnary(int delta) {
 grpc::ServerUnaryReactor* KvRecallService::CreateSession(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response) {
+  ReactionFromGrpc(this);  // the service as StartServer handed it over
   return StartUnary(context, request, response, &KvRecallService::DoCreateSession,
                     &KvRecallService::UndoCreateSession);
 }
@@ -1046,34 +1047,40 @@ absl::Status KvRecallService::StillAuthorized(CallIdentity& identity) const {
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {
+  ReactionFromGrpc(this);  // the service as StartServer handed it over
   return new PrefillCall(this, context, response, IdentityOf(*context));
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::Decode(
     grpc::CallbackServerContext* context) {
+  ReactionFromGrpc(this);  // the service as StartServer handed it over
   return new DecodeCall(this, context, IdentityOf(*context));
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvRecallService::DecodeShared(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  ReactionFromGrpc(this);  // the service as StartServer handed it over
   return new SharedDecodeCall(this, request, IdentityOf(*context));
 }
 
 grpc::ServerUnaryReactor* KvRecallService::GetSession(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request,
                                                       grpc::ByteBuffer* response) {
+  ReactionFromGrpc(this);  // the service as StartServer handed it over
   return StartUnary(context, request, response, &KvRecallService::DoGetSession);
 }
 
 grpc::ServerUnaryReactor* KvRecallService::ListSessions(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
+  ReactionFromGrpc(this);  // the service as StartServer handed it over
   return StartUnary(context, request, response, &KvRecallService::DoListSessions);
 }
 
 grpc::ServerUnaryReactor* KvRecallService::CloseSession(grpc::CallbackServerContext* context,
                                                         const grpc::ByteBuffer* request,
                                                         grpc::ByteBuffer* response) {
+  ReactionFromGrpc(this);  // the service as StartServer handed it over
   return StartUnary(context, request, response, &KvRecallService::DoCloseSession);
 }
 
