@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # NOT RUN: no device was lent in the eighth or the ninth session (2026-12-05). Its bundle
-# .device/b105 holds 0da1e9b's binaries (rebuilt in the ninth session); a later session rebuilds
+# .device/b105 holds fe8ffbe's binaries (rebuilt in the ninth session); a later session rebuilds
 # it from its HEAD if the code has moved on (the recipe in device_tests.md), runs this first, and
 # records what it shows.
 # Hundred-and-fifth call: the final code on the GPU, and why a warm machine stepped at ~500 us
