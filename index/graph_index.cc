@@ -702,7 +702,6 @@ absl::Status GraphIndex::BuildFromLists(const VectorSet& stored_keys,
   };
   build_stats_.pruning_distances += AddReverseEdges(keys, &grouped);
   step_done(&build_stats_.reverse_seconds);
-  if (stopped()) return BuildStop::Status("the graph build");
   ChooseEntry(keys, query_sum);
   key_mean_.assign(keys.dim, 0.0f);
   AddToMean(keys, 0, keys.count, &key_mean_);

@@ -334,9 +334,9 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
     }
   }
 
-  // Asked before every 16th query of a head's calibration and seeding (each query rescores its
-  // list and the keys after `begin`, and a 128K head's calibration takes seconds), and heads
-  // not begun are skipped once it is requested.
+  // Asked before every 16th query of a head's calibration and of its seeding (each query
+  // rescores its list and the keys after `begin`, and a 128K head's calibration takes
+  // seconds); heads begun after it is requested stop at their first query.
   std::atomic<bool> stopped = false;
   auto stop_now = [&](int64_t i) {
     if (stopped.load(std::memory_order_relaxed)) return true;
@@ -346,7 +346,6 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
   };
 #pragma omp parallel for schedule(dynamic, 1)
   for (int h = 0; h < shape_.q_heads; ++h) {
-    if (stop_now(0)) continue;
     const int kv_head = KvHeadOf(h, shape_.q_heads, shape_.kv_heads);
     const TopKLists& lists = head_lists[h];
     auto query_at = [&](int64_t p) { return prompt_queries.row(p, query_stride) + h * d; };
@@ -365,7 +364,7 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
     if (calibration_begin < tokens) {
       TauCalibration calibration(head_params, capacity, d, min_view);
       for (int64_t p = calibration_begin; p < tokens; ++p) {
-        if (p > calibration_begin && stop_now(p - calibration_begin)) break;
+        if (stop_now(p - calibration_begin)) break;
         exact_top_k(p, p);
         const float outside = outside_lse_ ? outside_lse_(query_at(p), p, h) : -kInf;
         calibration.Observe(query_at(p), Prefix(kv, p + 1), kv_head, exact, outside);
@@ -376,7 +375,7 @@ absl::Status ReTopKSelector::Build(const KvView& kv, const PromptQueries& prompt
     // The seeds: each query over the keys it sees now (its position shifted by the lead).
     std::vector<float> unit(d);
     for (int64_t p = seed_begin; p < tokens; ++p) {
-      if (p > seed_begin && stop_now(p - seed_begin)) break;
+      if (stop_now(p - seed_begin)) break;
       exact_top_k(p, std::min(p + query_lead_, tokens - 1));
       cpu::Normalize(query_at(p), d, unit.data());
       heads_[h].mutable_cache()->Push(unit.data(), exact);

@@ -217,11 +217,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
   std::vector<absl::Status> built(staged.size());
 #pragma omp parallel for schedule(dynamic) if (count > 1)
   for (int i = 0; i < count; ++i) {
-    if (is_cancelled()) {
-      built[i] = cancelled_status();
-      continue;
-    }
-    if (session_->closed()) continue;  // closed meanwhile: said below
+    if (stop.requested()) continue;  // cancelled or closed meanwhile: said below
     const absl::Time layer_start = absl::Now();
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         backend->BuildLayer(config, accounts, std::move(prompts[i]), stop);
