@@ -38,14 +38,14 @@ class CodesUnderTest final : public BulkCodes {
   }
   int64_t device_bytes() const override { return 0; }
   absl::Status Reserve(int64_t) override { return absl::OkStatus(); }
-  absl::Status CodeRows(const KvView& bulk) override {
+  absl::Status CodeRowsUnless(const BuildStop&, const KvView& bulk) override {
     Code(bulk, coded(), bulk.tokens);
     return absl::OkStatus();
   }
   // Codes rows [begin, end): the rows from coded() on.
   void Code(const KvView& bulk, int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(static_cast<size_t>(end - begin) * kv_heads() * subspaces());
-    EncodeRows(bulk, begin, end, codes.data());
+    EXPECT_TRUE(EncodeRows(bulk, begin, end, codes.data()).ok());
     const int64_t n = (end - begin) * subspaces();
     for (int h = 0; h < kv_heads(); ++h) {
       codes_[h].resize(end * subspaces());

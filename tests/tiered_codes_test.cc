@@ -327,8 +327,8 @@ TEST(TieredCodesTest, ATinyPromptBulkGetsNoCodes) {
 }
 
 // A tiered layer whose Prefill will not commit stops building (index/build_stop.h): asked
-// before its static set is made and as its quantizers train, either ends the build with
-// CANCELLED, holding nothing.
+// before its static set is made, as its quantizers train and before each KV head's coding of
+// the prompt's bulk, each ends the build with CANCELLED, holding nothing.
 TEST(TieredCodesTest, AStoppedBuildReturnsCancelledAndHoldsNothing) {
   TieredBackend backend(MakeHostStaticSetTier());
   MemoryBudget host(0);
@@ -337,16 +337,19 @@ TEST(TieredCodesTest, AStoppedBuildReturnsCancelledAndHoldsNothing) {
   std::vector<float> keys;
   StopAfterAsks never(0);
   ASSERT_TRUE(PrefilledLayer(backend, accounts, Config(), prompt, 61, &keys, never.stop()).ok());
-  EXPECT_GT(never.asks(), 2) << "the layer's check and the quantizers' rounds";
+  EXPECT_GT(never.asks(), 2 + kKvHeads)
+      << "the layer's check, the quantizers' rounds and the coding's heads";
   EXPECT_EQ(host.used(), 0);
-  for (const int from : {1, 2, never.asks()}) {
+  const int last_round = never.asks() - kKvHeads;  // then one ask per KV head's coding
+  for (const int from : {1, 2, last_round, last_round + 1, never.asks()}) {
     SCOPED_TRACE(from);
     StopAfterAsks stop(from);
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         PrefilledLayer(backend, accounts, Config(), prompt, 61, &keys, stop.stop());
     EXPECT_TRUE(HasStatus(layer.status(), absl::StatusCode::kCancelled,
-                          from == 1 ? "the tiered layer's build stopped"
-                                    : "the product quantizer's training (before round"))
+                          from == 1            ? "the tiered layer's build stopped"
+                          : from <= last_round ? "the product quantizer's training (before round"
+                                               : "the shortlist's coding stopped"))
         << layer.status();
     EXPECT_EQ(stop.asks(), from);
     EXPECT_EQ(host.used(), 0);

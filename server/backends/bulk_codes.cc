@@ -91,10 +91,12 @@ absl::StatusOr<std::vector<uint8_t>> BulkCodes::ReadCodes(int kv_head, int64_t b
   return codes;
 }
 
-void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes) {
+absl::Status BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end,
+                                   uint8_t* codes, const BuildStop& stop) {
   const int64_t n = end - begin;
   std::vector<float> errors(n);
   for (int h = 0; h < kv_heads(); ++h) {
+    if (absl::Status s = stop.Check(kCodingStopped); !s.ok()) return s;
     const VectorSet keys = VectorSet::KeysOf(bulk, h, begin, end);
     uint8_t* head_codes = codes + h * n * subspaces_;
     quantizers_[h].Encode(keys, head_codes);
@@ -113,6 +115,7 @@ void BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8
     }
     AddOutliers(h, begin, errors);
   }
+  return absl::OkStatus();
 }
 
 void BulkCodes::AddOutliers(int kv_head, int64_t begin, std::span<const float> errors) {

@@ -70,7 +70,12 @@ class BulkCodes {
   // head_dim], the layer's bulk; Reserve made room), their outliers included: the rows a
   // layer's bulk gained while these codes were learned (codes_learning.h). Not while a step
   // runs on them. On failure (a device error) the rows stay uncoded.
-  virtual absl::Status CodeRows(const KvView& bulk) = 0;
+  absl::Status CodeRows(const KvView& bulk) { return CodeRowsUnless(BuildStop(), bulk); }
+  // CodeRows for a build (the prompt's bulk at prefill, a learning's): asks `stop` between
+  // units of work (each KV head's rows on the host, each chunk of rows on a device) and, once
+  // it says so, returns CANCELLED with the rows uncoded, though some heads' outliers may be
+  // in: codes stopped so are only to be dropped.
+  virtual absl::Status CodeRowsUnless(const BuildStop& stop, const KvView& bulk) = 0;
   // The codes of rows [begin, end) of KV head `kv_head`: [end - begin, subspaces()] u8, read
   // from wherever they live (device memory: copied down once the device is idle), so that they
   // can be checked against the quantizer's encoding of the same keys. Between the layer's steps
@@ -97,8 +102,12 @@ class BulkCodes {
   absl::Status ChargeQuantizers();
   // codes [kv_heads, end - begin, M]: rows [begin, end) of `bulk` encoded (on the calling
   // thread's OpenMP team when there are many), and those among them beyond the outlier
-  // threshold added to the outliers (AddOutliers). Not while outliers() is read.
-  void EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes);
+  // threshold added to the outliers (AddOutliers). Not while outliers() is read. `stop` is
+  // asked before each KV head: CANCELLED (the heads before it encoded, their outliers added).
+  absl::Status EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes,
+                          const BuildStop& stop = BuildStop());
+  // What CodeRowsUnless's CANCELLED names.
+  static constexpr char kCodingStopped[] = "the shortlist's coding";
   // Rows [begin, begin + errors.size()) of `kv_head` coded elsewhere (the GPU tier codes the
   // bulk on its device), given their squared reconstruction errors: those beyond the outlier
   // threshold join the outliers. The head's first call (the bulk the quantizers were trained

@@ -66,15 +66,16 @@ struct CodesLearning::Job final : WorkItem {
     // step's when it learns inline), so it is given back after.
     const int team = omp_get_max_threads();
     omp_set_num_threads(std::min(kLearningThreads, team));
+    const BuildStop stop = BuildStop::WhenSet(&cancelled);
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
-        tier->BuildCodes(*config, accounts, bulk, capacity, BuildStop::WhenSet(&cancelled));
+        tier->BuildCodes(*config, accounts, bulk, capacity, stop);
     // The rows committed since, while the layer keeps stepping: fewer are left for the
     // take-over. (Committed rows stay put until BeforeReserve waits for this learning.)
     KvView grown = bulk;
-    while (codes.ok() && !cancelled.load(std::memory_order_acquire)) {
+    while (codes.ok() && !stop.requested()) {
       grown.tokens = std::min(committed.load(std::memory_order_acquire), capacity);
       if (grown.tokens <= (*codes)->coded()) break;
-      if (absl::Status s = (*codes)->CodeRows(grown); !s.ok()) codes = s;
+      if (absl::Status s = (*codes)->CodeRowsUnless(stop, grown); !s.ok()) codes = s;
     }
     omp_set_num_threads(team);
     absl::MutexLock lock(&mu);

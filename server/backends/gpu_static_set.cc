@@ -208,7 +208,7 @@ class GpuBulkCodes final : public BulkCodes {
                    cudaMemcpyHostToDevice),
         "uploading the shortlist's codebooks"));
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
-    if (absl::Status s = codes->CodeRows(bulk); !s.ok()) return s;
+    if (absl::Status s = codes->CodeRowsUnless(stop, bulk); !s.ok()) return s;
     codes->learned_rows_ = bulk.tokens;
     return codes;
   }
@@ -320,13 +320,13 @@ class GpuBulkCodes final : public BulkCodes {
   // the device (cuda::PqEncode: the host's encoding was most of a long prompt's build): the keys
   // go up a chunk at a time, each KV head's codes are written in place and the keys'
   // reconstruction errors come down. On the host, then uploaded, when the keys are not 16-bit
-  // or the budget has no room for the staging.
-  absl::Status CodeRows(const KvView& bulk) override {
+  // or the budget has no room for the staging. `stop` is asked before each chunk.
+  absl::Status CodeRowsUnless(const BuildStop& stop, const KvView& bulk) override {
     const int64_t first = coded_;
     if (bulk.tokens <= first) return absl::OkStatus();
     DeviceScope scope(ordinal_);
     if (!scope.status().ok()) return scope.status();
-    if (bulk.element == KvElement::kF32) return CodeRowsOnHost(bulk);  // 16-bit staging
+    if (bulk.element == KvElement::kF32) return CodeRowsOnHost(stop, bulk);  // 16-bit staging
     const int d = bulk.head_dim;
     const int64_t row = int64_t{kv_heads()} * d;  // elements of one token's keys
     const int64_t rows = bulk.tokens - first;
@@ -337,13 +337,14 @@ class GpuBulkCodes final : public BulkCodes {
     if (staged.ok()) staged = errors.Allocate(chunk * kv_heads(), device_, "their errors");
     if (absl::IsResourceExhausted(staged)) {
       SayOnHost(coding_on_host_, "coding of the bulk", staged);
-      return CodeRowsOnHost(bulk);
+      return CodeRowsOnHost(stop, bulk);
     }
     if (!staged.ok()) return staged;
     const int64_t book_floats = int64_t{ProductQuantizer::kCentroids} * d;
     std::vector<std::vector<float>> head_errors(kv_heads(), std::vector<float>(rows));
     std::vector<float> chunk_errors(chunk * kv_heads());
     for (int64_t begin = first; begin < bulk.tokens; begin += chunk) {
+      if (absl::Status s = stop.Check(kCodingStopped); !s.ok()) return s;
       const int64_t n = std::min(chunk, bulk.tokens - begin);
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpy(keys.data(), bulk.key_row(begin, 0), n * row * sizeof(uint16_t),
@@ -376,11 +377,13 @@ class GpuBulkCodes final : public BulkCodes {
   }
 
  private:
-  absl::Status CodeRowsOnHost(const KvView& bulk) {
+  absl::Status CodeRowsOnHost(const BuildStop& stop, const KvView& bulk) {
     const int64_t first = coded_;
     const int64_t rows = bulk.tokens - first;
     std::vector<uint8_t> staged(rows * kv_heads() * subspaces_);
-    EncodeRows(bulk, first, bulk.tokens, staged.data());
+    if (absl::Status s = EncodeRows(bulk, first, bulk.tokens, staged.data(), stop); !s.ok()) {
+      return s;
+    }
     KVRECALL_CUDA_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpy2D(codes_.data() + first * subspaces_, capacity_ * subspaces_,
                                 staged.data(), rows * subspaces_, rows * subspaces_, kv_heads(),

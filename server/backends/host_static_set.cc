@@ -53,7 +53,7 @@ class HostBulkCodes final : public BulkCodes {
     auto codes = absl::WrapUnique(new HostBulkCodes(*std::move(quantizers), host));
     if (absl::Status s = codes->ChargeQuantizers(); !s.ok()) return s;
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
-    codes->CodeRows(bulk).IgnoreError();  // cannot fail on the host
+    if (absl::Status s = codes->CodeRowsUnless(stop, bulk); !s.ok()) return s;
     codes->learned_rows_ = bulk.tokens;
     return codes;
   }
@@ -67,12 +67,15 @@ class HostBulkCodes final : public BulkCodes {
     capacity_ = grown;
     return absl::OkStatus();
   }
-  // On the calling thread; never fails (host memory, room made by Reserve).
-  absl::Status CodeRows(const KvView& bulk) override {
+  // On the calling thread; fails only when stopped (host memory, room made by Reserve).
+  absl::Status CodeRowsUnless(const BuildStop& stop, const KvView& bulk) override {
     if (bulk.tokens <= coded_) return absl::OkStatus();
     const int64_t n = bulk.tokens - coded_;
     scratch_.resize(n * kv_heads() * subspaces_);
-    EncodeRows(bulk, coded_, bulk.tokens, scratch_.data());
+    if (absl::Status s = EncodeRows(bulk, coded_, bulk.tokens, scratch_.data(), stop);
+        !s.ok()) {
+      return s;
+    }
     for (int h = 0; h < kv_heads(); ++h) {
       std::copy_n(scratch_.data() + h * n * subspaces_, n * subspaces_,
                   codes_[h].data() + coded_ * subspaces_);
@@ -285,7 +288,7 @@ class HostStaticSetTier final : public StaticSetTier {
     ctx.on_worker.clear();
     for (const StaticSetStep& step : steps) {
       if (step.codes == nullptr) continue;
-      step.codes->CodeRows(step.bulk).IgnoreError();  // cannot fail on the host
+      step.codes->CodeRows(step.bulk).IgnoreError();  // cannot fail on the host unstopped
       *step.shortlist_coded = step.bulk.tokens;  // every bulk row is coded: none left to the tail
     }
     ctx.started = HostStepContext::Clock::now();
