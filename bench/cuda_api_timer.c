@@ -43,9 +43,14 @@ static void Open(void) {
   if (out != NULL) return;
   const char* us = getenv("KVRECALL_API_TIMER_US");
   if (us != NULL) threshold_ns = atoll(us) * 1000;
+  // Appended to: every process that inherits LD_PRELOAD loads the shim, and one that makes no
+  // CUDA call must not wipe what the process being timed wrote.
   const char* path = getenv("KVRECALL_API_TIMER_OUT");
-  out = path != NULL ? fopen(path, "w") : NULL;
-  if (out == NULL) out = stderr;
+  out = path != NULL ? fopen(path, "a") : NULL;
+  if (out == NULL) {
+    if (path != NULL) fprintf(stderr, "cuda_api_timer: cannot open %s: writing here\n", path);
+    out = stderr;
+  }
   origin_ns = NowNs();
 }
 
@@ -63,7 +68,10 @@ static struct Tally* TallyOf(const char* name, int* slot) {
   return *slot < kMaxFunctions ? &tallies[*slot] : NULL;
 }
 
-static void Record(const char* name, int* slot, long long start, long long end) {
+// Records a call of `name` from `start` to `end`; when it is written (slow), `detail` (null:
+// none) follows its name: what it moved or allocated.
+static void Record(const char* name, int* slot, long long start, long long end,
+                   const char* detail) {
   struct Tally* tally = TallyOf(name, slot);
   const long long ns = end - start;
   if (tally != NULL) {
@@ -78,15 +86,19 @@ static void Record(const char* name, int* slot, long long start, long long end) 
   pthread_getname_np(pthread_self(), thread, sizeof(thread));
   pthread_mutex_lock(&out_mutex);
   Open();
-  fprintf(out, "%lld %lld %s %s\n", (start - origin_ns) / 1000, ns / 1000, name, thread);
+  fprintf(out, "%lld %lld %s%s%s %s\n", (start - origin_ns) / 1000, ns / 1000, name,
+          detail != NULL ? ":" : "", detail != NULL ? detail : "", thread);
   fflush(out);
   pthread_mutex_unlock(&out_mutex);
 }
 
+// At exit (from main or exit(); not after _Exit or a kill: the slow calls are written as they
+// happen).
 __attribute__((destructor)) static void Summary(void) {
+  const int n = atomic_load(&functions);
+  if (n == 0) return;  // a process that made no timed call (a shell's child)
   pthread_mutex_lock(&out_mutex);
   Open();
-  const int n = atomic_load(&functions);
   fprintf(out, "# function calls total_us max_us\n");
   for (int i = 0; i < n && i < kMaxFunctions; ++i) {
     fprintf(out, "# %s %lld %lld %lld\n", tallies[i].name, atomic_load(&tallies[i].count),
@@ -95,6 +107,85 @@ __attribute__((destructor)) static void Summary(void) {
   fflush(out);
   pthread_mutex_unlock(&out_mutex);
 }
+
+// The real function `name` of the runtime after the shim.
+static void* Real(const char* name) {
+  pthread_mutex_lock(&out_mutex);
+  Open();
+  pthread_mutex_unlock(&out_mutex);
+  void* real = dlsym(RTLD_NEXT, name);
+  if (real == NULL) {
+    fprintf(stderr, "cuda_api_timer: no %s after the shim\n", name);
+    abort();
+  }
+  return real;
+}
+
+// The memory type of `p` (cudaPointerGetAttributes: 0 unregistered host, 1 registered or pinned
+// host, 2 device, 3 managed; -1 when it fails).
+static int MemoryType(const void* p) {
+  struct Attributes {
+    int type, device;
+    void *device_pointer, *host_pointer;
+    long reserved[8];
+  } attributes;
+  static int (*get)(struct Attributes*, const void*) = NULL;
+  if (get == NULL) get = (int (*)(struct Attributes*, const void*))Real("cudaPointerGetAttributes");
+  return get(&attributes, p) == 0 ? attributes.type : -1;
+}
+
+// Wrappers whose written lines say what was moved or allocated: kind (cudaMemcpyKind), bytes and
+// the two sides' memory types for copies; bytes for allocations.
+int cudaMemcpy(void* d, const void* s, size_t n, int kind) {
+  static int (*real)(void*, const void*, size_t, int) = NULL;
+  static int slot = -1;
+  if (real == NULL) real = (int (*)(void*, const void*, size_t, int))Real("cudaMemcpy");
+  const long long start = NowNs();
+  const int result = real(d, s, n, kind);
+  const long long end = NowNs();
+  char detail[96] = "";
+  if (end - start >= threshold_ns) {
+    snprintf(detail, sizeof(detail), "kind%d,%zuB,src%d,dst%d", kind, n, MemoryType(s),
+             MemoryType(d));
+  }
+  Record("cudaMemcpy", &slot, start, end, detail);
+  return result;
+}
+
+int cudaMemcpy2D(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind) {
+  static int (*real)(void*, size_t, const void*, size_t, size_t, size_t, int) = NULL;
+  static int slot = -1;
+  if (real == NULL) {
+    real = (int (*)(void*, size_t, const void*, size_t, size_t, size_t, int))Real("cudaMemcpy2D");
+  }
+  const long long start = NowNs();
+  const int result = real(d, dp, s, sp, w, h, kind);
+  const long long end = NowNs();
+  char detail[96] = "";
+  if (end - start >= threshold_ns) {
+    snprintf(detail, sizeof(detail), "kind%d,%zuB,src%d,dst%d", kind, w * h, MemoryType(s),
+             MemoryType(d));
+  }
+  Record("cudaMemcpy2D", &slot, start, end, detail);
+  return result;
+}
+
+#define TIMED_BYTES(name, params, args, bytes)                          \
+  int name params {                                                     \
+    static int (*real) params = NULL;                                   \
+    static int slot = -1;                                               \
+    if (real == NULL) real = (int(*) params)Real(#name);                \
+    const long long start = NowNs();                                    \
+    const int result = real args;                                       \
+    char detail[32];                                                    \
+    snprintf(detail, sizeof(detail), "%zuB", (size_t)(bytes));          \
+    Record(#name, &slot, start, NowNs(), detail);                       \
+    return result;                                                      \
+  }
+
+TIMED_BYTES(cudaMalloc, (void** p, size_t n), (p, n), n)
+TIMED_BYTES(cudaHostAlloc, (void** p, size_t n, unsigned flags), (p, n, flags), n)
+TIMED_BYTES(cudaHostRegister, (void* p, size_t n, unsigned flags), (p, n, flags), n)
 
 // Defines `name(params)` to time the real `name(args)`.
 #define TIMED(name, params, args)                                              \
@@ -106,24 +197,22 @@ __attribute__((destructor)) static void Summary(void) {
       Open();                                                                  \
       pthread_mutex_unlock(&out_mutex);                                        \
       real = (int(*) params)dlsym(RTLD_NEXT, #name);                           \
+      if (real == NULL) {                                                      \
+        fprintf(stderr, "cuda_api_timer: no %s after the shim\n", #name);     \
+        abort();                                                               \
+      }                                                                        \
     }                                                                          \
     const long long start = NowNs();                                           \
     const int result = real args;                                              \
-    Record(#name, &slot, start, NowNs());                                      \
+    Record(#name, &slot, start, NowNs(), NULL);                                \
     return result;                                                             \
   }
 
-TIMED(cudaMalloc, (void** p, size_t n), (p, n))
 TIMED(cudaFree, (void* p), (p))
 TIMED(cudaMallocHost, (void** p, size_t n), (p, n))
-TIMED(cudaHostAlloc, (void** p, size_t n, unsigned flags), (p, n, flags))
 TIMED(cudaFreeHost, (void* p), (p))
-TIMED(cudaHostRegister, (void* p, size_t n, unsigned flags), (p, n, flags))
 TIMED(cudaHostUnregister, (void* p), (p))
 TIMED(cudaMemset, (void* p, int v, size_t n), (p, v, n))
-TIMED(cudaMemcpy, (void* d, const void* s, size_t n, int kind), (d, s, n, kind))
-TIMED(cudaMemcpy2D, (void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind),
-      (d, dp, s, sp, w, h, kind))
 TIMED(cudaMemcpyAsync, (void* d, const void* s, size_t n, int kind, void* stream),
       (d, s, n, kind, stream))
 TIMED(cudaStreamSynchronize, (void* stream), (stream))

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Run 2026-12-05 on an H100 machine (no H200 could be started), with the shim before it wrote
+# what each copy moved (the lines have no bytes); results: tiered_serving.md, "The step at a
+# take-over".
 # Hundred-and-sixth call: where a take-over's stall goes (d98-d99: `reserve` 1.3 ms a layer,
 # `plan` + `launch` 1-3 ms at batch 1), on a machine without Nsight Systems (d105: no nsys).
 # kvrecalld runs under bench/cuda_api_timer.c (LD_PRELOAD), which writes every blocking CUDA
@@ -9,10 +12,15 @@
 set -u
 . bench/device_call.sh
 device_call_begin 106
+# kvrecalld alone gets the shim (exec: the wrapper's PID is kvrecalld's).
+cat > $L/kvrecalld_timed <<SH
+#!/bin/sh
 export LD_PRELOAD=$PWD/.device/b106/ship/libkvrecall_cuda_api_timer.so
 export KVRECALL_API_TIMER_OUT=$L/api_calls.txt
-start_kvrecalld $B/kvrecalld $L/kvrecalld.log --address=127.0.0.1:0 || exit 1
-unset LD_PRELOAD KVRECALL_API_TIMER_OUT
+exec $B/kvrecalld "\$@"
+SH
+chmod +x $L/kvrecalld_timed
+start_kvrecalld $L/kvrecalld_timed $L/kvrecalld.log --address=127.0.0.1:0 || exit 1
 timeout 240 $B/gpu_serving_bench --server=$kvrecalld_address --out=$L/takeover.json \
   --placement=tiered --contexts=640 --batches=1,8 --selectors=index,retopk --auto_tau \
   --steps=700 --warmup=900 > /dev/null 2> $L/takeover.log
@@ -34,7 +42,7 @@ grep "^#" $L/api_calls.txt | tee -a $S
 # before each, so that the take-overs' bursts stand out.
 python3 - $L/api_calls.txt <<'PY' 2>&1 | tee -a $S
 import sys
-rows = [l.split() for l in open(sys.argv[1]) if not l.startswith("#")]
+rows = [l.rstrip("\n").split(None, 3) for l in open(sys.argv[1]) if not l.startswith("#")]
 print(len(rows), "calls over 100 us;", sum(r[3] == "kvrecall-codes" for r in rows), "of them the learning's")
 steps = [r for r in rows if r[3] != "kvrecall-codes"]
 prev = 0
