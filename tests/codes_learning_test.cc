@@ -20,14 +20,17 @@
 #include "server/memory_budget.h"
 #include "server/work_queue.h"
 #include "tests/queue_blocker.h"
+#include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
 namespace kvrecall {
 namespace {
 
+using ::kvrecall::testing::HasStatus;
 using ::kvrecall::testing::NarrowedKv;
 using ::kvrecall::testing::QueueBlocker;
 using ::kvrecall::testing::RandomKv;
+using ::kvrecall::testing::StopAfterAsks;
 
 constexpr int kQHeads = 4, kKvHeads = 2, kDim = 64;
 
@@ -279,6 +282,35 @@ TEST_P(CodesLearningTest, ALearningItsLayerClosesFirstIsCountedAbandoned) {
 // A learning's training stops when its layer closes (probe 8: CloseSession waited up to 1.7 s
 // for one): the tier's build asks the flag between heads and k-means rounds, returns CANCELLED
 // and leaves nothing charged; a learning that ends so counts as abandoned, not failed.
+// A coding of more rows that is stopped (a learning whose layer closed in its catch-up) leaves
+// the codes as they were, outliers included: coded again unstopped, they are the codes of a
+// coding never stopped. (The host asks before each KV head's rows: stopped at the second head,
+// with the first one's coded; a device asks before each chunk.)
+TEST_P(CodesLearningTest, AStoppedCodingLeavesTheCodesAsTheyWere) {
+  const int64_t learned = CodesLearning::kFirstLearnRows;
+  absl::StatusOr<std::unique_ptr<BulkCodes>> reference =
+      tier_->BuildCodes(config_, accounts_, Bulk(learned), kRows, BuildStop());
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_TRUE((*reference)->CodeRows(Bulk(kRows)).ok());
+  absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
+      tier_->BuildCodes(config_, accounts_, Bulk(learned), kRows, BuildStop());
+  ASSERT_TRUE(codes.ok()) << codes.status();
+  const CodesState before = StateOf(**codes);
+  const int from = GetParam() ? 1 : 2;
+  StopAfterAsks stop(from);
+  EXPECT_TRUE(HasStatus((*codes)->CodeRowsUnless(stop.stop(), Bulk(kRows)),
+                        absl::StatusCode::kCancelled, "the shortlist's coding stopped"));
+  EXPECT_EQ(stop.asks(), from);
+  EXPECT_TRUE(StateOf(**codes) == before);
+  ASSERT_TRUE((*codes)->CodeRows(Bulk(kRows)).ok());
+  EXPECT_TRUE(StateOf(**codes) == StateOf(**reference));
+  int64_t outliers_coded_after = 0;  // the test's teeth: rows whose outliers a stop could leave
+  for (int h = 0; h < kKvHeads; ++h) {
+    for (const int32_t row : (*reference)->outliers(h)) outliers_coded_after += row >= learned;
+  }
+  EXPECT_GT(outliers_coded_after, 0);
+}
+
 TEST_P(CodesLearningTest, ATrainingWhoseLayerClosedStopsAndHoldsNothing) {
   std::atomic<bool> cancelled{true};
   absl::StatusOr<std::unique_ptr<BulkCodes>> built = tier_->BuildCodes(

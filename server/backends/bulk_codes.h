@@ -72,9 +72,9 @@ class BulkCodes {
   // runs on them. On failure (a device error) the rows stay uncoded.
   absl::Status CodeRows(const KvView& bulk) { return CodeRowsUnless(BuildStop(), bulk); }
   // CodeRows for a build (the prompt's bulk at prefill, a learning's): asks `stop` between
-  // units of work (each KV head's rows on the host, each chunk of rows on a device) and, once
-  // it says so, returns CANCELLED with the rows uncoded, though some heads' outliers may be
-  // in: codes stopped so are only to be dropped.
+  // units of work (each block of 16384 rows of each KV head on the host, each chunk of rows
+  // on a device) and, once it says so, returns CANCELLED with the rows uncoded and the
+  // outliers as they were.
   virtual absl::Status CodeRowsUnless(const BuildStop& stop, const KvView& bulk) = 0;
   // The codes of rows [begin, end) of KV head `kv_head`: [end - begin, subspaces()] u8, read
   // from wherever they live (device memory: copied down once the device is idle), so that they
@@ -103,7 +103,7 @@ class BulkCodes {
   // codes [kv_heads, end - begin, M]: rows [begin, end) of `bulk` encoded (on the calling
   // thread's OpenMP team when there are many), and those among them beyond the outlier
   // threshold added to the outliers (AddOutliers). Not while outliers() is read. `stop` is
-  // asked before each KV head: CANCELLED (the heads before it encoded, their outliers added).
+  // asked before each block of rows of each KV head: CANCELLED, the outliers as they were.
   absl::Status EncodeRows(const KvView& bulk, int64_t begin, int64_t end, uint8_t* codes,
                           const BuildStop& stop = BuildStop());
   // What CodeRowsUnless's CANCELLED names.
