@@ -32,7 +32,7 @@ namespace {
 // error.
 LearningOutcome OutcomeOf(const absl::Status& status) {
   if (status.ok()) return LearningOutcome::kTakenOver;
-  // Its training stopped because its layer closed (~CodesLearning).
+  // Its training or coding stopped because its layer closed (~CodesLearning).
   if (absl::IsCancelled(status)) return LearningOutcome::kAbandoned;
   return absl::IsResourceExhausted(status) ? LearningOutcome::kRefused : LearningOutcome::kFailed;
 }

@@ -324,6 +324,8 @@ class GpuBulkCodes final : public BulkCodes {
   absl::Status CodeRowsUnless(const BuildStop& stop, const KvView& bulk) override {
     const int64_t first = coded_;
     if (bulk.tokens <= first) return absl::OkStatus();
+    // Before the staging is made (a build stopped already pays for none).
+    if (absl::Status s = stop.Check(kCodingStopped); !s.ok()) return s;
     DeviceScope scope(ordinal_);
     if (!scope.status().ok()) return scope.status();
     if (bulk.element == KvElement::kF32) return CodeRowsOnHost(stop, bulk);  // 16-bit staging
