@@ -134,79 +134,35 @@ static int MemoryType(const void* p) {
   return get(&attributes, p) == 0 ? attributes.type : -1;
 }
 
-// Wrappers whose written lines say what was moved or allocated: kind (cudaMemcpyKind), bytes and
-// the two sides' memory types for copies; bytes for allocations.
-int cudaMemcpy(void* d, const void* s, size_t n, int kind) {
-  static int (*real)(void*, const void*, size_t, int) = NULL;
-  static int slot = -1;
-  if (real == NULL) real = (int (*)(void*, const void*, size_t, int))Real("cudaMemcpy");
-  const long long start = NowNs();
-  const int result = real(d, s, n, kind);
-  const long long end = NowNs();
-  char detail[96] = "";
-  if (end - start >= threshold_ns) {
-    snprintf(detail, sizeof(detail), "kind%d,%zuB,src%d,dst%d", kind, n, MemoryType(s),
-             MemoryType(d));
+// Defines `name(params)` to time the real `name(args)`; a call written (slow) says after its
+// name what `format` and its arguments make of the call's (what it moved or allocated).
+#define TIMED_DETAIL(name, params, args, format, ...)                        \
+  int name params {                                                         \
+    static int (*real) params = NULL;                                       \
+    static int slot = -1;                                                   \
+    if (real == NULL) real = (int(*) params)Real(#name);                    \
+    const long long start = NowNs();                                        \
+    const int result = real args;                                           \
+    const long long end = NowNs();                                          \
+    char detail[96] = "";                                                   \
+    if (end - start >= threshold_ns) {                                      \
+      snprintf(detail, sizeof(detail), format, __VA_ARGS__);                \
+    }                                                                       \
+    Record(#name, &slot, start, end, detail[0] != '\0' ? detail : NULL);    \
+    return result;                                                          \
   }
-  Record("cudaMemcpy", &slot, start, end, detail);
-  return result;
-}
+#define TIMED(name, params, args) TIMED_DETAIL(name, params, args, "%s", "")
 
-int cudaMemcpy2D(void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind) {
-  static int (*real)(void*, size_t, const void*, size_t, size_t, size_t, int) = NULL;
-  static int slot = -1;
-  if (real == NULL) {
-    real = (int (*)(void*, size_t, const void*, size_t, size_t, size_t, int))Real("cudaMemcpy2D");
-  }
-  const long long start = NowNs();
-  const int result = real(d, dp, s, sp, w, h, kind);
-  const long long end = NowNs();
-  char detail[96] = "";
-  if (end - start >= threshold_ns) {
-    snprintf(detail, sizeof(detail), "kind%d,%zuB,src%d,dst%d", kind, w * h, MemoryType(s),
-             MemoryType(d));
-  }
-  Record("cudaMemcpy2D", &slot, start, end, detail);
-  return result;
-}
-
-#define TIMED_BYTES(name, params, args, bytes)                          \
-  int name params {                                                     \
-    static int (*real) params = NULL;                                   \
-    static int slot = -1;                                               \
-    if (real == NULL) real = (int(*) params)Real(#name);                \
-    const long long start = NowNs();                                    \
-    const int result = real args;                                       \
-    char detail[32];                                                    \
-    snprintf(detail, sizeof(detail), "%zuB", (size_t)(bytes));          \
-    Record(#name, &slot, start, NowNs(), detail);                       \
-    return result;                                                      \
-  }
-
-TIMED_BYTES(cudaMalloc, (void** p, size_t n), (p, n), n)
-TIMED_BYTES(cudaHostAlloc, (void** p, size_t n, unsigned flags), (p, n, flags), n)
-TIMED_BYTES(cudaHostRegister, (void* p, size_t n, unsigned flags), (p, n, flags), n)
-
-// Defines `name(params)` to time the real `name(args)`.
-#define TIMED(name, params, args)                                              \
-  int name params {                                                            \
-    static int (*real) params = NULL;                                          \
-    static int slot = -1;                                                      \
-    if (real == NULL) {                                                        \
-      pthread_mutex_lock(&out_mutex);                                          \
-      Open();                                                                  \
-      pthread_mutex_unlock(&out_mutex);                                        \
-      real = (int(*) params)dlsym(RTLD_NEXT, #name);                           \
-      if (real == NULL) {                                                      \
-        fprintf(stderr, "cuda_api_timer: no %s after the shim\n", #name);     \
-        abort();                                                               \
-      }                                                                        \
-    }                                                                          \
-    const long long start = NowNs();                                           \
-    const int result = real args;                                              \
-    Record(#name, &slot, start, NowNs(), NULL);                                \
-    return result;                                                             \
-  }
+// Copies: kind (cudaMemcpyKind), bytes and the two sides' memory types; allocations: bytes.
+TIMED_DETAIL(cudaMemcpy, (void* d, const void* s, size_t n, int kind), (d, s, n, kind),
+             "kind%d,%zuB,src%d,dst%d", kind, n, MemoryType(s), MemoryType(d))
+TIMED_DETAIL(cudaMemcpy2D,
+             (void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind),
+             (d, dp, s, sp, w, h, kind), "kind%d,%zuB,src%d,dst%d", kind, w * h, MemoryType(s),
+             MemoryType(d))
+TIMED_DETAIL(cudaMalloc, (void** p, size_t n), (p, n), "%zuB", n)
+TIMED_DETAIL(cudaHostAlloc, (void** p, size_t n, unsigned flags), (p, n, flags), "%zuB", n)
+TIMED_DETAIL(cudaHostRegister, (void* p, size_t n, unsigned flags), (p, n, flags), "%zuB", n)
 
 TIMED(cudaFree, (void* p), (p))
 TIMED(cudaMallocHost, (void** p, size_t n), (p, n))

@@ -279,9 +279,6 @@ TEST_P(CodesLearningTest, ALearningItsLayerClosesFirstIsCountedAbandoned) {
   EXPECT_EQ(host_.used() + device_.used(), 0) << "its memory given back";
 }
 
-// A learning's training stops when its layer closes (probe 8: CloseSession waited up to 1.7 s
-// for one): the tier's build asks the flag between heads and k-means rounds, returns CANCELLED
-// and leaves nothing charged; a learning that ends so counts as abandoned, not failed.
 // A coding of more rows that is stopped (a learning whose layer closed in its catch-up) leaves
 // the codes as they were, outliers included: coded again unstopped, they are the codes of a
 // coding never stopped. (The host asks before each KV head's rows: stopped at the second head,
@@ -311,6 +308,9 @@ TEST_P(CodesLearningTest, AStoppedCodingLeavesTheCodesAsTheyWere) {
   EXPECT_GT(outliers_coded_after, 0);
 }
 
+// A learning's training stops when its layer closes (probe 8: CloseSession waited up to 1.7 s
+// for one): the tier's build asks the flag between heads and k-means rounds, returns CANCELLED
+// and leaves nothing charged; a learning that ends so counts as abandoned, not failed.
 TEST_P(CodesLearningTest, ATrainingWhoseLayerClosedStopsAndHoldsNothing) {
   std::atomic<bool> cancelled{true};
   absl::StatusOr<std::unique_ptr<BulkCodes>> built = tier_->BuildCodes(

@@ -103,16 +103,16 @@ constexpr int64_t kStopRows = 16384;
 absl::Status BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t end,
                                    uint8_t* codes, const BuildStop& stop) {
   const int64_t n = end - begin;
-  // [kv_heads][n]: added to the outliers once every head is coded, so that a stopped coding
+  // [kv_heads, n]: added to the outliers once every head is coded, so that a stopped coding
   // changes nothing.
-  std::vector<std::vector<float>> errors(kv_heads(), std::vector<float>(n));
+  std::vector<float> errors(kv_heads() * n);
   for (int h = 0; h < kv_heads(); ++h) {
     for (int64_t first = 0; first < n; first += kStopRows) {
       if (absl::Status s = stop.Check(kCodingStopped); !s.ok()) return s;
       const int64_t rows = std::min(kStopRows, n - first);
       const VectorSet keys = VectorSet::KeysOf(bulk, h, begin + first, begin + first + rows);
       uint8_t* block_codes = codes + (h * n + first) * subspaces_;
-      float* block_errors = errors[h].data() + first;
+      float* block_errors = errors.data() + h * n + first;
       quantizers_[h].Encode(keys, block_codes);
       // Each key's squared reconstruction error (a team for the prompt's bulk; a step codes
       // one).
@@ -130,7 +130,9 @@ absl::Status BulkCodes::EncodeRows(const KvView& bulk, int64_t begin, int64_t en
       }
     }
   }
-  for (int h = 0; h < kv_heads(); ++h) AddOutliers(h, begin, errors[h]);
+  for (int h = 0; h < kv_heads(); ++h) {
+    AddOutliers(h, begin, std::span<const float>(errors.data() + h * n, n));
+  }
   return absl::OkStatus();
 }
 
