@@ -7,6 +7,9 @@
 #   bash bench/device_test_suite.sh $B $L $S
 #   serving_summary $L/x.json   # one line per gpu_serving_bench record, into $S
 #   hf_demo_check NAME          # the transformers backend end to end, into $OUT/NAME.json
+#   takeover_run NAME BIN [F..] # d98's take-over run against kvrecalld BIN with flags F
+#   tiered_rows BIN CONTEXT...  # issue 15's headline rows (batch 1) at each context
+#   api_windows FILE            # bench/cuda_api_timer.c's heaviest windows of calls
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -71,4 +74,99 @@ PY
 
 device_call_end() {
   (cd "$L" && tar czf "$OUT/d${N}_logs.tgz" ./*.log ./*.txt 2>/dev/null)
+}
+
+# d98's take-over run against BINARY with FLAGs: a prompt of 640 tokens stepped from bulk 900 to
+# 1600 (its first codes, learned at bulk 1024, take over at 1536), index and retopk, batches 1 and
+# 8. One line per record into $S: p50 (p99), the take-over step and its reserve / plan / launch,
+# and the steps over twice the p50 inside the learning's window (bulk 1024-1535) and outside it.
+# Raw: $OUT/takeover_NAME.json.
+takeover_run() {  # NAME BINARY [FLAG...]
+  local name=$1 binary=$2
+  shift 2
+  start_kvrecalld "$binary" "$L/kvrecalld_$name.log" --address=127.0.0.1:0 "$@" || return 1
+  timeout 240 "$B/gpu_serving_bench" --server="$kvrecalld_address" \
+    --out="$L/takeover_$name.json" --placement=tiered --contexts=640 --batches=1,8 \
+    --selectors=index,retopk --auto_tau --steps=700 --warmup=900 \
+    > /dev/null 2> "$L/takeover_$name.log"
+  echo "take-over $name rc $? t=$SECONDS" | tee -a "$S"
+  kill "$kvrecalld_pid"
+  wait "$kvrecalld_pid" 2>/dev/null
+  python3 - "$L/takeover_$name.json" "$name" <<'PY' 2>&1 | tee -a "$S"
+import json, sys
+for r in json.load(open(sys.argv[1]))["records"]:
+    t = r["server_us_by_step"]
+    p50 = r["server_p50_us"]
+    at = {s["step"]: s for s in r.get("slowest_steps", [])}.get(1536 - 900, {})
+    window = t[1024 - 900:1536 - 900]
+    outside = t[:1024 - 900] + t[1537 - 900:]
+    print(sys.argv[2], r["selector"], "batch", r["batch"], "p50", round(p50),
+          "p99", round(r["server_p99_us"]), "take-over step", round(t[1536 - 900]),
+          "reserve", round(at.get("reserve_us", -1)), "plan", round(at.get("plan_us", -1)),
+          "launch", round(at.get("launch_us", -1)),
+          "over 2x p50: window", sum(x > 2 * p50 for x in window),
+          "outside", sum(x > 2 * p50 for x in outside))
+PY
+  cp "$L/takeover_$name.json" "$OUT/"
+}
+
+# Issue 15's headline rows on one kvrecalld (BINARY): tiered retopk and index, batch 1, 60 steps,
+# at each CONTEXT, one serving_summary line each. Raw: $OUT/sCONTEXT.json.
+tiered_rows() {  # BINARY CONTEXT...
+  local binary=$1 context
+  shift
+  start_kvrecalld "$binary" "$L/kvrecalld_rows.log" --address=127.0.0.1:0 || return 1
+  for context in "$@"; do
+    cat /proc/loadavg | tee -a "$S"
+    timeout 200 "$B/gpu_serving_bench" --server="$kvrecalld_address" --out="$L/s$context.json" \
+      --placement=tiered --contexts="$context" --batches=1 --selectors=retopk,index \
+      --auto_tau --steps=60 --warmup=8 > /dev/null 2> "$L/s$context.log"
+    echo "$context rc $? t=$SECONDS" | tee -a "$S"
+    serving_summary "$L/s$context.json"
+    cp "$L/s$context.json" "$OUT/"
+  done
+  kill "$kvrecalld_pid"
+  wait "$kvrecalld_pid" 2>/dev/null
+}
+
+# bench/cuda_api_timer.c's calls (FILE) on the stepping threads (all but the codes learning's
+# and the builds'): how many, then the three 10 ms windows whose calls take longest, apart, by
+# function, and their calls of 50 us or more.
+api_windows() {  # FILE
+  python3 - "$1" <<'PY' 2>&1 | tee -a "$S"
+import collections, sys
+rows = []
+for l in open(sys.argv[1]):
+    if l.startswith("#"):
+        continue
+    p = l.rstrip("\n").split(None, 3)
+    rows.append((int(p[0]), int(p[1]), p[2], p[3] if len(p) > 3 else "?"))
+steps = sorted(r for r in rows if r[3] != "kvrecall-codes" and r[3] != "kvrecall-build")
+print(len(rows), "calls timed;", len(steps), "on the stepping threads")
+j, total, windows = 0, 0, []
+for i, r in enumerate(steps):
+    while j < len(steps) and steps[j][0] < r[0] + 10000:
+        total += steps[j][1]; j += 1
+    windows.append((total, i, j))
+    total -= r[1]
+taken = []
+for total, i, j in sorted(windows, reverse=True):
+    if any(abs(steps[i][0] - steps[a][0]) < 20000 for _, a, _ in taken):
+        continue
+    taken.append((total, i, j))
+    if len(taken) == 3:
+        break
+for total, i, j in taken:
+    calls = steps[i:j]
+    by = collections.defaultdict(lambda: [0, 0])
+    for c in calls:
+        by[c[2].split(":")[0]][0] += 1; by[c[2].split(":")[0]][1] += c[1]
+    print("window at %.4f s: %d us in %d calls;" % (steps[i][0] / 1e6, total, len(calls)),
+          ", ".join("%s %d/%dus" % (k, v[0], v[1])
+                    for k, v in sorted(by.items(), key=lambda x: -x[1][1])))
+    for c in calls:
+        if c[1] >= 50:
+            print("   %.4f %5d %s %s" % (c[0] / 1e6, c[1], c[2], c[3]))
+PY
+  grep "^#" "$1" | tee -a "$S"
 }

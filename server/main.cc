@@ -10,9 +10,10 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <initializer_list>
 #include <string>
 
@@ -83,6 +84,10 @@ ABSL_FLAG(double, gpu_memory_headroom_gb, 2,
 ABSL_FLAG(bool, cuda_graphs, true,
           "GPU decode steps replay a CUDA graph captured once per request shape (batch, knobs, "
           "history bucket) instead of launching each copy and kernel");
+ABSL_FLAG(std::string, cuda_module_loading, "",
+          "when CUDA loads the GPU placements' kernels: `eager` (all as the server starts) or "
+          "`lazy` (each on its first launch, CUDA's own default); empty: CUDA_MODULE_LOADING "
+          "from the environment, else eager. Sets CUDA_MODULE_LOADING");
 ABSL_FLAG(double, tiered_gpu_exact_share, 0.75,
           "in PLACEMENT_TIERED with the shortlist exact search (policy.index.exact_search, the "
           "default on a GPU) and SELECTOR_INDEX or SELECTOR_RETOPK, "
@@ -205,6 +210,24 @@ int main(int argc, char** argv) {
   // instructions per Decode round trip (bench/results/rpc_floor.md, dev-machine figures). The
   // tests keep the check; the served process does without it.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // Before anything starts CUDA, which reads CUDA_MODULE_LOADING once (other threads may run:
+  // OpenBLAS's, started before main, which read no environment). Loaded lazily (CUDA's
+  // default), a kernel first launched mid-decode (a new shape's, a take-over's) loads its module
+  // on the step's thread, once per process: the first index take-over at batch 1 took 3.4-4.1
+  // ms lazily and 1.5 eagerly in d108-d109 (an H100), for ~2-3 s more at start and ~450 MiB more
+  // device memory (bench/results/tiered_serving.md, "The step at a take-over").
+  const std::string module_loading = absl::GetFlag(FLAGS_cuda_module_loading);
+  if (module_loading != "" && module_loading != "eager" && module_loading != "lazy") {
+    std::fprintf(stderr,
+                 "kvrecalld: --cuda_module_loading must be eager, lazy or empty, got '%s'\n",
+                 module_loading.c_str());
+    return 2;
+  }
+  if (setenv("CUDA_MODULE_LOADING", module_loading == "lazy" ? "LAZY" : "EAGER",
+             /*overwrite=*/module_loading.empty() ? 0 : 1) != 0) {
+    std::fprintf(stderr, "kvrecalld: cannot set CUDA_MODULE_LOADING: %s\n", strerror(errno));
+    return 1;
+  }
   // Memory a closed session frees must go back to the OS. By default glibc raises its mmap
   // threshold to the size of every large block freed (up to 32 MiB) and its trim threshold to
   // twice that, so once the first session has closed, KV arrays below 32 MiB come from malloc's
@@ -312,6 +335,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   // Printed before the line below, so that whoever waits for that one can read these.
+  std::printf("kvrecalld: %s (CUDA_MODULE_LOADING=%s)\n",
+              (*server)->placements().gpu_description().c_str(), getenv("CUDA_MODULE_LOADING"));
   if (!(*server)->metrics_address().empty()) {
     std::printf("kvrecalld metrics on http://%s/metrics\n", (*server)->metrics_address().c_str());
   }

@@ -11,10 +11,12 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/vector_set.h"
 #include "server/backends/bulk_codes.h"
 #include "server/backends/tiered_backend.h"
 #include "server/memory_budget.h"
@@ -160,6 +162,49 @@ TEST_P(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
     EXPECT_LT(at_once->outliers(h).size(), 16u) << "KV head " << h;
   }
   EXPECT_GT((GetParam() ? device_ : host_).used(), 0);  // the codes, charged to the session
+}
+
+// A tier codes a bulk's keys as its quantizers encode them, whether the rows are few or many
+// (the GPU tier codes up to 1024 rows by a block per row and KV head, more by a thread per row:
+// a prompt's bulk; a few rows, then many, coded after it), and each row's error goes to its own
+// KV head's outliers: keys planted far from every centroid in KV head 1 alone, in rows coded by
+// either kernel, are that head's outliers and not the other's.
+TEST_P(CodesLearningTest, CodedRowsAreTheQuantizersEncodingFewOrMany) {
+  constexpr int64_t kPlanted[] = {302, 1200, 1503, 1800};
+  for (const int64_t prompt : {300, 1500}) {
+    SCOPED_TRACE(prompt);
+    // Planted after the prompt alone: a far key among the rows that train the codebooks (or
+    // set the outliers' bar) would shape them instead.
+    RandomKv kv(kRows, kKvHeads, kDim, 5);
+    for (const int64_t row : kPlanted) {
+      if (row < prompt) continue;
+      float* key = kv.keys.data() + (row * kKvHeads + 1) * kDim;
+      for (int i = 0; i < kDim; ++i) key[i] *= 20.0f;
+    }
+    const NarrowedKv planted(kv, KvElement::kBf16);
+    const KvView all = planted.view().Tokens(0, kRows);
+    absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
+        tier_->BuildCodes(config_, accounts_, all.Tokens(0, prompt), kRows, BuildStop());
+    ASSERT_TRUE(codes.ok()) << codes.status();
+    for (const int64_t grown : {prompt + 7, kRows}) {
+      ASSERT_TRUE((*codes)->CodeRows(all.Tokens(0, grown)).ok()) << grown;
+    }
+    ASSERT_EQ((*codes)->coded(), kRows);
+    for (int h = 0; h < kKvHeads; ++h) {
+      std::vector<uint8_t> want(kRows * (*codes)->subspaces());
+      (*codes)->quantizer(h).Encode(VectorSet::KeysOf(all, h, 0, kRows), want.data());
+      absl::StatusOr<std::vector<uint8_t>> got = (*codes)->ReadCodes(h, 0, kRows);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_TRUE(*got == want) << "KV head " << h;
+      const std::set<int32_t> outliers((*codes)->outliers(h).begin(),
+                                       (*codes)->outliers(h).end());
+      for (const int64_t row : kPlanted) {
+        if (row < prompt) continue;
+        EXPECT_EQ(outliers.count(static_cast<int32_t>(row)), h == 1 ? 1u : 0u)
+            << "KV head " << h << " row " << row;
+      }
+    }
+  }
 }
 
 TEST_P(CodesLearningTest, ALearningInFlightIsWaitedForBeforeTheRowsMove) {

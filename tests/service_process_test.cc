@@ -14,11 +14,13 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
@@ -315,12 +317,77 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
            {"--gpus=0,0", "--gpus names device 0 twice"},
            {"--gpu_memory_budget_gb=1e10", "--gpu_memory_budget_gb must be 0, in [2^-30, 2^33)"},
            {"--gpu_memory_budget_gb=1e-10", "--gpu_memory_budget_gb must be 0, in [2^-30, 2^33)"},
+           {"--cuda_module_loading=EAGER",
+            "--cuda_module_loading must be eager, lazy or empty, got 'EAGER'"},
        }) {
     const std::string out =
         RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", flag), &code);
     EXPECT_EQ(code, 2) << flag << ": " << out;
     EXPECT_THAT(out, HasSubstr(message)) << flag;
   }
+}
+
+// Sets an environment variable for its scope, then restores what the process had.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* was = std::getenv(name); was != nullptr) saved_ = was;
+    if (value == nullptr) {
+      unsetenv(name);
+    } else {
+      setenv(name, value, 1);
+    }
+  }
+  ~ScopedEnv() {
+    if (saved_.has_value()) {
+      setenv(name_, saved_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* const name_;
+  std::optional<std::string> saved_;
+};
+
+// The start-up log says what GPU placements are served and which CUDA_MODULE_LOADING kvrecalld
+// put in force: EAGER by default, the flag's when given (over the environment's), else the
+// environment's. With a device it also says how the driver loads the kernels, its own answer
+// (cuModuleGetLoadingMode), not the flag's echo; without one, why there are no GPU placements.
+TEST(KvrecalldProcessTest, TheLogSaysHowCudaLoadsTheKernels) {
+  auto log_of = [](std::vector<std::string> flags, const char* environment) -> std::string {
+    ScopedEnv env("CUDA_MODULE_LOADING", environment);
+    std::unique_ptr<KvrecalldProcess> server = StartOrFail(std::move(flags));
+    if (server == nullptr) return "";
+    const std::string output = server->output();
+    EXPECT_TRUE(server->Stop().ok());
+    return output;
+  };
+  const std::string by_default = log_of({}, nullptr);
+  ASSERT_THAT(by_default, HasSubstr("kvrecalld listening on "));
+  const bool device = !absl::StrContains(by_default, "kvrecalld: no GPU placements: ");
+  // What each start must say: the variable in force and, with a device, the driver's mode.
+  auto expect = [&](const std::string& log, const std::string& variable, const std::string& how) {
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("(CUDA_MODULE_LOADING=", variable, ")\n")));
+    if (device) {
+      EXPECT_THAT(log, HasSubstr(absl::StrCat("; CUDA loads their kernels ", how, " (")));
+    } else {
+      EXPECT_THAT(log, ::testing::ContainsRegex(
+                           "kvrecalld: no GPU placements: (no CUDA device|this kvrecalld was "
+                           "built without CUDA)"));
+      EXPECT_THAT(log, ::testing::Not(HasSubstr("loads their kernels")));
+    }
+  };
+  expect(by_default, "EAGER", "eagerly");
+  if (device) EXPECT_THAT(by_default, HasSubstr("kvrecalld: GPU placements on device"));
+  expect(log_of({"--cuda_module_loading=lazy"}, nullptr), "LAZY", "lazily");
+  expect(log_of({}, "LAZY"), "LAZY", "lazily");
+  expect(log_of({"--cuda_module_loading="}, "LAZY"), "LAZY", "lazily");
+  expect(log_of({"--cuda_module_loading=eager"}, "LAZY"), "EAGER", "eagerly");
+  expect(log_of({"--cuda_module_loading=lazy"}, "EAGER"), "LAZY", "lazily");
 }
 
 // The resident memory of a process, from /proc (0 when unreadable).

@@ -5,6 +5,7 @@
 // stream has its own CUDA stream, pinned buffers and workspaces (GpuStepContext), and a step of a
 // batch costs one upload, the kernels and one download, for all sequences that share a kernel
 // configuration.
+#include <cudaTypedefs.h>  // the driver's entry points, reached through the runtime
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -773,6 +774,32 @@ absl::Status GpuBackend::Shadow(std::span<ShadowStep> steps, StepContext* contex
   return absl::OkStatus();
 }
 
+// How the CUDA driver loads this process's kernels, as it decided when it initialized
+// (CUDA_MODULE_LOADING): "eagerly" (every kernel with the context) or "lazily" (each on its first
+// launch, on the launching thread). Asked through the runtime's entry point, so that kvrecalld
+// does not link the driver library itself.
+std::string KernelLoading() {
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &entry, 11070,
+                                       cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || entry == nullptr) {
+    cudaGetLastError();
+    return "as its driver does not say";
+  }
+  CUmoduleLoadingMode mode = CU_MODULE_LAZY_LOADING;
+  if (reinterpret_cast<PFN_cuModuleGetLoadingMode_v11070>(entry)(&mode) != CUDA_SUCCESS) {
+    return "as its driver does not say";
+  }
+  switch (mode) {
+    case CU_MODULE_EAGER_LOADING:
+      return "eagerly";
+    case CU_MODULE_LAZY_LOADING:
+      return "lazily";
+  }
+  return absl::StrCat("in the driver's mode ", static_cast<int>(mode));
+}
+
 }  // namespace
 
 absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
@@ -830,7 +857,21 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
                                         options.tiered_device_exact_balance));
     out.backends.push_back(std::move(backend));
   }
-  if (out.backends.empty()) out.unavailable = "--gpus is empty";
+  if (out.backends.empty()) {
+    out.unavailable = "--gpus is empty";
+    return out;
+  }
+  out.description = "GPU placements on device";
+  if (ordinals.size() > 1) out.description += "s";
+  for (size_t i = 0; i < ordinals.size(); ++i) {
+    // (A log line: a device whose name cannot be read is still served.)
+    cudaDeviceProp properties;
+    const cudaError_t read = cudaGetDeviceProperties(&properties, ordinals[i]);
+    absl::StrAppend(&out.description, i == 0 ? " " : ", ", ordinals[i], " (",
+                    read == cudaSuccess ? properties.name : cudaGetErrorName(read), ")");
+    if (read != cudaSuccess) cudaGetLastError();
+  }
+  absl::StrAppend(&out.description, "; CUDA loads their kernels ", KernelLoading());
   return out;
 }
 

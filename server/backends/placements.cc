@@ -62,6 +62,9 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
   placements->tiered_ = std::move(gpus->tiered);
   placements->tiered_on_device_ = !placements->tiered_.empty();
   placements->no_gpu_reason_ = std::move(gpus->unavailable);
+  placements->gpu_description_ =
+      placements->gpu_.empty() ? absl::StrCat("no GPU placements: ", placements->no_gpu_reason_)
+                               : std::move(gpus->description);
   if (placements->tiered_.empty()) {
     // The static sets in host memory, and with the stand-in the device's share of exact heads
     // (without it the host tier serves none, whatever the share).

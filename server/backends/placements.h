@@ -91,6 +91,9 @@ class Placements {
   // How the tiered layers' codes learnings ended, by LearningOutcome, summed over the tiered
   // backends (server/backends/codes_learning.h).
   std::array<int64_t, kLearningOutcomes> CodesLearnings() const;
+  // One line for the server's log on the GPU placements: the devices served and how CUDA loads
+  // their kernels, or why there are none.
+  const std::string& gpu_description() const { return gpu_description_; }
 
  private:
   Placements() = default;
@@ -100,6 +103,7 @@ class Placements {
   // After gpu_: they charge the budgets the GPU backends own, so they go first.
   std::vector<std::unique_ptr<AttentionBackend>> tiered_;
   std::string no_gpu_reason_;  // why gpu_ is empty
+  std::string gpu_description_;
   bool tiered_on_device_ = false;  // tiered_'s static tiers are GPUs (else host memory)
 };
 
@@ -109,6 +113,9 @@ struct GpuBackends {
   std::vector<std::unique_ptr<AttentionBackend>> backends;  // PLACEMENT_GPU, one per device
   std::vector<std::unique_ptr<AttentionBackend>> tiered;    // PLACEMENT_TIERED, one per device
   std::string unavailable;  // set when `backends` is empty
+  // Set when `backends` is not: the devices served and how the CUDA driver loads this process's
+  // kernels (CUDA_MODULE_LOADING, which kvrecalld's --cuda_module_loading sets).
+  std::string description;
 };
 absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options);
 

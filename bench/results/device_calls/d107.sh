@@ -5,7 +5,8 @@
 # only one call over 100 us in a batch-1 take-over step of ~4 ms (a ~960 us cudaMemcpy) and one
 # in a batch-8 step whose reservations took 7.8 ms (a 2.3 ms cudaHostAlloc). Prints the three
 # 10 ms windows whose calls on the stepping threads (all but the learning's) take longest,
-# by function. Carry: .device/b106/ship.
+# by function. Carry: .device/b106/ship. (Its analysis of the calls is bench/device_call.sh's
+# api_windows since d110: the same code.)
 set -u
 . bench/device_call.sh
 device_call_begin 106  # d106's bundle and shim
@@ -33,41 +34,6 @@ for r in json.load(open(sys.argv[1]))["records"]:
         print(r["selector"], r["batch"], "bulk", 900 + s["step"],
               {k: round(v) for k, v in s.items() if k != "step"})
 PY
-python3 - $L/api_calls_20us.txt <<'PY' 2>&1 | tee -a $S
-import collections, sys
-rows = []
-for l in open(sys.argv[1]):
-    if l.startswith("#"):
-        continue
-    p = l.rstrip("\n").split(None, 3)
-    rows.append((int(p[0]), int(p[1]), p[2], p[3] if len(p) > 3 else "?"))
-steps = sorted(r for r in rows if r[3] != "kvrecall-codes" and r[3] != "kvrecall-build")
-print(len(rows), "calls over 20 us;", len(steps), "on the stepping threads")
-# Each call's window [t, t + 10 ms): the time its calls took; the three heaviest, apart.
-j, total, windows = 0, 0, []
-for i, r in enumerate(steps):
-    while j < len(steps) and steps[j][0] < r[0] + 10000:
-        total += steps[j][1]; j += 1
-    windows.append((total, i, j))
-    total -= r[1]
-taken = []
-for total, i, j in sorted(windows, reverse=True):
-    if any(abs(steps[i][0] - steps[a][0]) < 20000 for _, a, _ in taken):
-        continue
-    taken.append((total, i, j))
-    if len(taken) == 3:
-        break
-for total, i, j in taken:
-    calls = steps[i:j]
-    by = collections.defaultdict(lambda: [0, 0])
-    for c in calls:
-        by[c[2].split(":")[0]][0] += 1; by[c[2].split(":")[0]][1] += c[1]
-    print("window at %.4f s: %d us in %d calls;" % (steps[i][0] / 1e6, total, len(calls)),
-          ", ".join("%s %d/%dus" % (k, v[0], v[1]) for k, v in sorted(by.items(), key=lambda x: -x[1][1])))
-    for c in calls:
-        if c[1] >= 50:
-            print("   %.4f %5d %s %s" % (c[0] / 1e6, c[1], c[2], c[3]))
-PY
-grep "^#" $L/api_calls_20us.txt | tee -a $S
+api_windows $L/api_calls_20us.txt
 cp $L/takeover_20us.json $L/api_calls_20us.txt $OUT/
 device_call_end

@@ -1,47 +1,42 @@
 #!/usr/bin/env bash
-# NOT RUN: the tenth session's device time ran out (2026-12-05). The change it measures is
-# d108_takeover_rows.patch (beside this file; not on main: its GPU path has not run): apply it
-# (git apply), build, bundle the four tests below with kvrecalld, gpu_serving_bench and, as
-# kvrecalld_before, a kvrecalld built without it, into .device/b108 (device_tests.md's recipe),
-# run this, and land the patch if the tests pass and the take-over step is shorter.
-# Hundred-and-eighth call: a take-over's catch-up coding by one launch of a block per (row, KV
-# head) (cuda::PqEncodeRows) instead of a PqEncode launch per KV head, which for the few
-# hundred rows a take-over codes ran ~1 ms a layer on the step's path (d107: the errors'
-# 16 KB download waiting ~985 us for eight launches of one or two blocks).
-#   1. The GPU tests that code bulks on the device (codes_learning_test's new case compares the
-#      GPU tier's codes, few rows and many, with the quantizers' encoding), and the kernels'.
+# Run 2026-12-05 on an H100 machine (no H200 could be started): device_tests.md,
+# tiered_serving.md ("The step at a take-over"). The patch it measured landed with its results
+# (the commit after 6f23f93), so it is no longer beside this file. Its take-over runs and rows
+# are written with bench/device_call.sh's takeover_run and tiered_rows since it ran: the same
+# commands (the summary line then added the slow steps' counts).
+# Hundred-and-eighth call (eleventh session, 2026-12-05): the code since 8258121 on a GPU, and
+# d108_takeover_rows.patch: a take-over's catch-up coding by one launch of a
+# block per (row, KV head) (cuda::PqEncodeRows) instead of a PqEncode launch per KV head, which
+# for the few hundred rows a take-over codes ran ~1 ms a layer on the step's path (d107: the
+# errors' 16 KB download waiting ~985 us for eight launches of one or two blocks).
+#   1. The whole test suite, built with the patch (codes_learning_test's new cases compare the
+#      GPU tier's codes, few rows and many, with the quantizers' encoding, and stop a coding).
 #   2. d107's take-over run (index and retopk, batches 1 and 8) against kvrecalld before
-#      (8258121) and after: the take-over step (bulk 1536) and p50.
-#   (Cut for want of device time: a second pair of runs, and the after binary under the shim.)
-# Carry: .device/b108/ship (the tests, kvrecalld, kvrecalld_before, gpu_serving_bench, the shim).
+#      (6f23f93, without the patch) and after: the take-over step (bulk 1536) and p50.
+#   2b. The patched binary again with CUDA_MODULE_LOADING=EAGER: is the take-over's host time in
+#      plan and launch the driver's lazy loading of kernels launched for the first time?
+#   3. Issue 15's headline rows (d104's: 128K and 512K, retopk and index, batch 1) with the
+#      patched kvrecalld (the patch does not touch a step that codes nothing).
+# Bundle: .device/b108 (device_tests.md's recipe: every test, kvrecalld, kvrecall,
+# gpu_serving_bench, the shim; kvrecalld_before built at 6f23f93 without the patch).
+# Carry: .device/b108/ship, client/python/kvrecall/_gen.
 set -u
 . bench/device_call.sh
 device_call_begin 108
-for t in codes_learning_test cuda_pq_encode_test tiered_shortlist_test tiered_placement_test; do
-  timeout 200 $B/$t --gtest_brief=1 > $L/$t.log 2>&1
-  echo "$t rc $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' $L/$t.log | tr '\n' ' ')" | tee -a $S
+echo "THP $(cat /sys/kernel/mm/transparent_hugepage/enabled)" | tee -a $S
+bash bench/device_test_suite.sh $B $L $S
+for t in codes_learning_test tiered_codes_test cuda_pq_encode_test; do
+  grep -E '^\[  (PASSED|FAILED|SKIPPED) ' $L/$t.log | tr '\n' ' ' | sed "s/^/$t: /" | tee -a $S
+  echo | tee -a $S
 done
-grep -h "FAILED\|Failure" $L/*_test.log | head -20 | tee -a $S
 
-takeover() {  # $1: the binary's name in $B, $2: a name for the run
-  start_kvrecalld $B/$1 $L/kvrecalld_$2.log --address=127.0.0.1:0 || return 1
-  timeout 120 $B/gpu_serving_bench --server=$kvrecalld_address --out=$L/takeover_$2.json \
-    --placement=tiered --contexts=640 --batches=1,8 --selectors=index,retopk --auto_tau \
-    --steps=700 --warmup=900 > /dev/null 2> $L/takeover_$2.log
-  echo "take-over $2 rc $? t=$SECONDS" | tee -a $S
-  kill $kvrecalld_pid; wait $kvrecalld_pid 2>/dev/null
-  python3 - $L/takeover_$2.json $2 <<'PY' 2>&1 | tee -a $S
-import json, sys
-for r in json.load(open(sys.argv[1]))["records"]:
-    t = r["server_us_by_step"]
-    at = {s["step"]: s for s in r.get("slowest_steps", [])}.get(1536 - 900, {})
-    print(sys.argv[2], r["selector"], "batch", r["batch"], "p50", round(r["server_p50_us"]),
-          "p99", round(r["server_p99_us"]), "take-over step", round(t[1536 - 900]),
-          "reserve", round(at.get("reserve_us", -1)), "plan", round(at.get("plan_us", -1)),
-          "launch", round(at.get("launch_us", -1)))
-PY
-  cp $L/takeover_$2.json $OUT/
-}
-takeover kvrecalld_before before
-takeover kvrecalld after
+takeover_run before $B/kvrecalld_before
+takeover_run after $B/kvrecalld
+# Whether the take-over's 1-3 ms of host work in plan and launch (d106-d107: in no CUDA runtime
+# call) is the CUDA driver loading, on their first launch, kernels no step had launched before
+# (lazy module loading, CUDA's default): the same binary with every module loaded at start.
+CUDA_MODULE_LOADING=EAGER takeover_run after_eager $B/kvrecalld
+echo "profilers: $(command -v perf nsys ncu gdb | tr '\n' ' ')" | tee -a $S
+
+tiered_rows $B/kvrecalld 131072 524288
 device_call_end
