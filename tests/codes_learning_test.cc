@@ -164,11 +164,11 @@ TEST_P(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
   EXPECT_GT((GetParam() ? device_ : host_).used(), 0);  // the codes, charged to the session
 }
 
-// A tier codes a bulk's keys as its quantizers encode them, whether the rows are few or many
-// (the GPU tier codes up to 1024 rows by a block per row and KV head, more by a thread per row:
-// a prompt's bulk; a few rows, then many, coded after it), and each row's error goes to its own
-// KV head's outliers: keys planted far from every centroid in KV head 1 alone, in rows coded by
-// either kernel, are that head's outliers and not the other's.
+// A tier codes a bulk's keys as its quantizers encode them, whether the rows are few or many (a
+// prompt's bulk; a few rows, then many, coded after it: the GPU tier codes every KV head in one
+// launch a chunk), and each row's error goes to its own KV head's outliers: keys planted far
+// from every centroid in KV head 1 alone, in rows coded by each call, are that head's outliers
+// and not the other's.
 TEST_P(CodesLearningTest, CodedRowsAreTheQuantizersEncodingFewOrMany) {
   constexpr int64_t kPlanted[] = {302, 1200, 1503, 1800};
   for (const int64_t prompt : {300, 1500}) {

@@ -2,7 +2,8 @@
 // (ProductQuantizer::Encode, index/product_quantizer.h, and the squared reconstruction error
 // BulkCodes weighs its outliers by): over one KV head of a [count, kv_heads, dim] block of bf16,
 // f16 or f32 keys, every part size the encoder takes, the same codes (a differing one only where
-// two centroids are equally near, to rounding) and the same errors; PqEncodeRows (a decode
+// two centroids are equally near, to rounding) and the same errors; every KV head in one call
+// (sets) as each in its own, bit for bit; PqEncodeRows (a decode
 // step's keys, one job each, each with its codebooks) bit for bit as PqEncode, exact ties to the
 // lower centroid, non-finite distances ordered alike, its skipped jobs untouched; training with
 // the GPU's assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
@@ -39,7 +40,7 @@ using ::testing::HasSubstr;
 
 constexpr int kKvHeads = 2;
 constexpr int kHead = 1;  // the code set: every other row of the block
-constexpr int kCount = 3000;  // not a multiple of the kernel's block
+constexpr int kCount = 2999;  // a multiple of neither the kernel's block nor its warp's keys
 
 // (key element type, dim, M).
 class PqEncodeTest : public ::testing::TestWithParam<std::tuple<KvElement, int, int>> {};
@@ -111,6 +112,52 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   }
   // Near-ties are rare: almost every code is the host's bit for bit.
   EXPECT_LE(differing, kCount * subspaces / 1000);
+
+  // Both KV heads in one call (sets), each with its own codebooks (head 0 against codebooks whose
+  // every coordinate is 0.25 more): set 1 is the call above bit for bit, set 0 a call of its own.
+  std::vector<float> shifted = pq->codebooks();
+  for (float& c : shifted) c += 0.25f;
+  std::vector<float> both_books = shifted;
+  both_books.insert(both_books.end(), pq->codebooks().begin(), pq->codebooks().end());
+  auto d_both_books = ToDevice(both_books);
+  auto d_set0_codes = ToDevice(std::vector<uint8_t>(want.size(), 0));
+  auto d_set0_errors = ToDevice(std::vector<float>(kCount, -1.0f));
+  cuda::PqEncodeParams alone = p;
+  alone.keys = d_keys.data();
+  alone.codebooks = d_both_books.data();
+  alone.codes = d_set0_codes.data();
+  alone.errors = d_set0_errors.data();
+  ASSERT_TRUE(cuda::PqEncode(alone, nullptr).ok());
+  const int64_t code_stride = int64_t{kCount} * subspaces + 5;  // not the sets' own size
+  auto d_sets_codes = ToDevice(std::vector<uint8_t>(2 * code_stride, 0));
+  auto d_sets_errors = ToDevice(std::vector<float>(2 * (kCount + 3), -1.0f));
+  cuda::PqEncodeParams sets = alone;
+  sets.codes = d_sets_codes.data();
+  sets.errors = d_sets_errors.data();
+  sets.sets = 2;
+  sets.key_set_stride = dim;
+  sets.codebook_set_stride = static_cast<int64_t>(pq->codebooks().size());
+  sets.code_set_stride = code_stride;
+  sets.error_set_stride = kCount + 3;
+  ASSERT_TRUE(cuda::PqEncode(sets, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> sets_codes = ToHost(d_sets_codes.data(), d_sets_codes.size());
+  const std::vector<float> sets_errors = ToHost(d_sets_errors.data(), d_sets_errors.size());
+  EXPECT_EQ(std::vector<uint8_t>(sets_codes.begin(), sets_codes.begin() + got.size()),
+            ToHost(d_set0_codes.data(), d_set0_codes.size()));
+  EXPECT_EQ(std::vector<uint8_t>(sets_codes.begin() + code_stride,
+                                 sets_codes.begin() + code_stride + got.size()),
+            got);
+  EXPECT_EQ(std::vector<float>(sets_errors.begin(), sets_errors.begin() + kCount),
+            ToHost(d_set0_errors.data(), kCount));
+  EXPECT_EQ(std::vector<float>(sets_errors.begin() + kCount + 3,
+                               sets_errors.begin() + 2 * kCount + 3),
+            errors);
+  // Nothing written between the sets.
+  for (int i = kCount; i < kCount + 3; ++i) EXPECT_EQ(sets_errors[i], -1.0f) << i;
+  for (int64_t b = int64_t{kCount} * subspaces; b < code_stride; ++b) {
+    EXPECT_EQ(sets_codes[b], 0) << b;
+  }
 
   // The same keys one job each (a decode step's), in reverse order, every fifth job skipped, odd
   // keys against other codebooks full of exact ties (centroids 128-255 repeat 0-127 across
@@ -227,8 +274,10 @@ TEST(GpuPqAssignerTest, TrainsTheQuantizersTheHostTrains) {
 }
 
 // Keys whose distances are not finite (huge finite bf16 values overflow -2 x c; NaN and inf
-// keys, which the service refuses but the kernels take): PqEncodeRows orders them as PqEncode's
-// scan does, code for code and error for error.
+// keys, which the service refuses but the kernels take): PqEncode orders them as a scan of the
+// centroids in order does (centroid 0 kept when its distance is NaN, any other NaN passed over,
+// the lower centroid on a tie), computed here on the host with the kernels' arithmetic, and
+// PqEncodeRows as PqEncode, code for code and error for error.
 TEST(PqEncodeRowsTest, NonFiniteDistancesAreOrderedAsTheScanOrdersThem) {
   KVRECALL_SKIP_WITHOUT_GPU();
   constexpr int kDim = 128, kSubspaces = 8, kKeys = 6;
@@ -278,12 +327,44 @@ TEST(PqEncodeRowsTest, NonFiniteDistancesAreOrderedAsTheScanOrdersThem) {
             ToHost(d_codes.data(), d_codes.size()));
   const std::vector<float> want = ToHost(d_errors.data(), kKeys);
   const std::vector<float> got = ToHost(d_row_errors.data(), kKeys);
+  auto same = [](float a, float b) { return (std::isnan(a) && std::isnan(b)) || a == b; };
+  for (int i = 0; i < kKeys; ++i) EXPECT_PRED2(same, got[i], want[i]) << "key " << i;
+
+  // The scan, on the host: |c|^2 and -2 x (bf16 widened) as fmaf chains in dim order, as
+  // pq_encode.h states (a correctly rounded fma on both sides), then the squared errors.
+  constexpr int kSub = kDim / kSubspaces;
+  const std::vector<uint8_t> codes = ToHost(d_codes.data(), d_codes.size());
   for (int i = 0; i < kKeys; ++i) {
-    if (std::isnan(want[i])) {
-      EXPECT_TRUE(std::isnan(got[i])) << "key " << i;
-    } else {
-      EXPECT_EQ(got[i], want[i]) << "key " << i;
+    float error = 0.0f;
+    for (int m = 0; m < kSubspaces; ++m) {
+      float scaled[kSub];
+      for (int j = 0; j < kSub; ++j) {
+        const uint32_t bits = uint32_t{keys[i * kDim + m * kSub + j]} << 16;
+        float x;
+        std::memcpy(&x, &bits, sizeof x);
+        scaled[j] = -2.0f * x;
+      }
+      int best_c = 0;
+      float best = 0.0f;
+      for (int c = 0; c < 256; ++c) {
+        const float* centroid = books.data() + (static_cast<size_t>(m) * 256 + c) * kSub;
+        float norm = 0.0f;
+        for (int j = 0; j < kSub; ++j) norm = std::fmaf(centroid[j], centroid[j], norm);
+        float distance = norm;
+        for (int j = 0; j < kSub; ++j) distance = std::fmaf(scaled[j], centroid[j], distance);
+        if (c == 0 || distance < best) {
+          best = distance;
+          best_c = c;
+        }
+      }
+      EXPECT_EQ(codes[i * kSubspaces + m], best_c) << "key " << i << " part " << m;
+      const float* chosen = books.data() + (static_cast<size_t>(m) * 256 + best_c) * kSub;
+      for (int j = 0; j < kSub; ++j) {
+        const float diff = -0.5f * scaled[j] - chosen[j];
+        error = std::fmaf(diff, diff, error);
+      }
     }
+    EXPECT_PRED2(same, want[i], error) << "key " << i;
   }
 }
 
@@ -315,6 +396,17 @@ TEST(PqEncodeErrorsTest, MisfitsAreRefused) {
   p.row_stride = 64;
   p.codes = nullptr;
   expect_invalid(cuda::PqEncode(p, nullptr), "device pointers");
+  p.codes = codes.data();
+  p.sets = 0;
+  expect_invalid(cuda::PqEncode(p, nullptr), "sets=0");
+  p.sets = 65536;
+  expect_invalid(cuda::PqEncode(p, nullptr), "sets=65536");
+  p.sets = 2;  // set 1 would write set 0's codes (strides 0)
+  expect_invalid(cuda::PqEncode(p, nullptr), "code_set_stride=0");
+  p.code_set_stride = 4 * 8;
+  EXPECT_TRUE(cuda::PqEncode(p, nullptr).ok());  // no errors: their stride unread
+  p.sets = 1;
+  p.codes = nullptr;
   p.count = 0;  // nothing to code: nothing read
   EXPECT_TRUE(cuda::PqEncode(p, nullptr).ok());
 

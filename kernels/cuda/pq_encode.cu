@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/cuda_status.h"
@@ -55,45 +57,89 @@ __device__ __forceinline__ float AddSquaredError(float error, const float* scale
   return error;
 }
 
-// Thread i of block b codes key b * kThreads + i: codebook after codebook, the block stages the
-// codebook and its centroids' |c|^2 in shared memory, and every thread weighs all 256 centroids
-// against its key's part (each centroid read by the whole block at once: a broadcast).
+// Keys a block of PqEncodeKernel codes (of one set), and each of its warps.
+constexpr int kTileKeys = 64;
+constexpr int kWarps = kThreads / 32;
+constexpr int kKeysPerWarp = kTileKeys / kWarps;
+static_assert(kKeysPerWarp <= 32, "a lane of each warp keeps one of its keys' errors");
+
+// The least (distance, centroid) of two, the lower centroid on a tie: PqEncodeKernel's and
+// PqEncodeRowsKernel's reductions, so that both pick as a scan of the centroids in order does.
+__device__ __forceinline__ void KeepLeast(float other, int other_c, float* best, int* best_c) {
+  if (other < *best || (other == *best && other_c < *best_c)) {
+    *best = other;
+    *best_c = other_c;
+  }
+}
+// A centroid's distance as the reductions order it: a scan in order keeps centroid 0 when its
+// distance is NaN (nothing compares below NaN) and passes over any other NaN.
+__device__ __forceinline__ float Ordered(float distance, int c) {
+  return isnan(distance) ? (c == 0 ? -INFINITY : INFINITY) : distance;
+}
+
+// Block (b, s) codes keys [b * kTileKeys, (b + 1) * kTileKeys) of set s, codebook after
+// codebook: the block stages the codebook (each centroid padded by a float, so that the 32
+// centroids a warp reads at once fall in different banks) and its centroids' |c|^2, then each
+// warp weighs its keys one at a time, lane l taking centroids l, l + 32, ..., and the warp keeps
+// the least (KeepLeast); lane k of the warp adds its k-th key's part errors, in part order.
 template <typename T, int kSub>
 __global__ void __launch_bounds__(kThreads) PqEncodeKernel(const PqEncodeParams p) {
-  __shared__ __align__(16) float book[kCentroids * kSub];
+  constexpr int kStride = kSub + 1;
+  __shared__ float book[kCentroids * kStride];
   __shared__ float norms[kCentroids];
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const bool valid = i < p.count;
-  const T* key = static_cast<const T*>(p.keys) + (valid ? i : 0) * p.row_stride;
-  float error = 0.0f;
+  const int set = blockIdx.y;
+  const T* keys = static_cast<const T*>(p.keys) + set * p.key_set_stride;
+  const float* codebooks = p.codebooks + set * p.codebook_set_stride;
+  uint8_t* codes = p.codes + set * p.code_set_stride;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTileKeys + warp * kKeysPerWarp;
+  float error = 0.0f;  // lane k < kKeysPerWarp: key first + k's
   for (int m = 0; m < p.subspaces; ++m) {
     __syncthreads();  // the previous codebook's last readers are done
-    const float* src = p.codebooks + static_cast<int64_t>(m) * kCentroids * kSub;
-    for (int e = threadIdx.x; e < kCentroids * kSub; e += kThreads) book[e] = src[e];
-    __syncthreads();
-    norms[threadIdx.x] = CentroidNorm<kSub>(book + threadIdx.x * kSub);
-    __syncthreads();
-    float scaled[kSub];
-    ScaledPart<T, kSub>(key + m * kSub, scaled);
-    float best = 0.0f;
-    int best_c = 0;
-    for (int c = 0; c < kCentroids; ++c) {
-      const float distance = Distance<kSub>(norms[c], scaled, book + c * kSub);
-      if (c == 0 || distance < best) {
-        best = distance;
-        best_c = c;
-      }
+    const float* src = codebooks + static_cast<int64_t>(m) * kCentroids * kSub;
+    for (int e = threadIdx.x; e < kCentroids * kSub; e += kThreads) {
+      book[(e / kSub) * kStride + e % kSub] = src[e];
     }
-    error = AddSquaredError<kSub>(error, scaled, book + best_c * kSub);
-    if (valid) p.codes[i * p.subspaces + m] = static_cast<uint8_t>(best_c);
+    __syncthreads();
+    norms[threadIdx.x] = CentroidNorm<kSub>(book + threadIdx.x * kStride);
+    __syncthreads();
+    for (int k = 0; k < kKeysPerWarp; ++k) {
+      const int64_t i = first + k;
+      if (i >= p.count) break;  // (uniform across the warp)
+      float scaled[kSub];
+      ScaledPart<T, kSub>(keys + i * p.row_stride + m * kSub, scaled);
+      float best = 0.0f;
+      int best_c = 0;
+#pragma unroll 2
+      for (int q = 0; q < kCentroids / 32; ++q) {
+        const int c = q * 32 + lane;
+        const float distance =
+            Ordered(Distance<kSub>(norms[c], scaled, book + c * kStride), c);
+        if (q == 0) {
+          best = distance;
+          best_c = c;
+        } else {
+          KeepLeast(distance, c, &best, &best_c);
+        }
+      }
+      for (int offset = 16; offset > 0; offset /= 2) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_c = __shfl_xor_sync(0xffffffffu, best_c, offset);
+        KeepLeast(other, other_c, &best, &best_c);
+      }
+      if (lane == k) error = AddSquaredError<kSub>(error, scaled, book + best_c * kStride);
+      if (lane == 0) codes[i * p.subspaces + m] = static_cast<uint8_t>(best_c);
+    }
   }
-  if (valid && p.errors != nullptr) p.errors[i] = error;
+  if (lane < kKeysPerWarp && first + lane < p.count && p.errors != nullptr) {
+    p.errors[set * p.error_set_stride + first + lane] = error;
+  }
 }
 
 // Block j codes job j's key: codebook after codebook, thread c weighs centroid c (its |c|^2 and
-// distance with PqEncodeKernel's arithmetic), the block takes the least distance (the lower c on
-// a tie, as PqEncodeKernel's scan in order does), and the winning thread adds its part's squared
-// errors to the key's, in PqEncodeKernel's order.
+// distance with PqEncodeKernel's arithmetic), the block takes the least distance (KeepLeast,
+// then the warps' winners in order), and the winning thread adds its part's squared errors to
+// the key's, in PqEncodeKernel's order.
 template <typename T, int kSub>
 __global__ void __launch_bounds__(kThreads) PqEncodeRowsKernel(const PqEncodeJob* jobs,
                                                                int subspaces) {
@@ -113,18 +159,12 @@ __global__ void __launch_bounds__(kThreads) PqEncodeRowsKernel(const PqEncodeJob
     for (int j = 0; j < kSub; ++j) centroid[j] = src[j];
     float scaled[kSub];
     ScaledPart<T, kSub>(key + m * kSub, scaled);
-    float best = Distance<kSub>(CentroidNorm<kSub>(centroid), scaled, centroid);
-    // PqEncodeKernel's scan keeps centroid 0 when its distance is NaN (nothing compares below
-    // NaN) and passes over any other NaN: the same order, for keys that are not finite.
-    if (isnan(best)) best = c == 0 ? -INFINITY : INFINITY;
+    float best = Ordered(Distance<kSub>(CentroidNorm<kSub>(centroid), scaled, centroid), c);
     int best_c = c;
     for (int offset = 16; offset > 0; offset /= 2) {
       const float other = __shfl_xor_sync(0xffffffffu, best, offset);
       const int other_c = __shfl_xor_sync(0xffffffffu, best_c, offset);
-      if (other < best || (other == best && other_c < best_c)) {
-        best = other;
-        best_c = other_c;
-      }
+      KeepLeast(other, other_c, &best, &best_c);
     }
     if (lane == 0) {
       warp_best[warp] = best;
@@ -206,14 +246,28 @@ absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
         absl::StrCat("PQ encoding needs count >= 0 and row_stride >= dim; got count=", p.count,
                      " row_stride=", p.row_stride, " dim=", p.dim));
   }
-  if (p.count > int64_t{kThreads} * 0x7fffffff) {
+  if (p.count > int64_t{kTileKeys} * 0x7fffffff) {
     return absl::InvalidArgumentError(absl::StrCat("too many keys to code in one call: ", p.count));
+  }
+  if (p.sets < 1 || p.sets > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PQ encoding needs 1 <= sets <= 65535; got sets=", p.sets));
+  }
+  // Sets that write over one another would race: their codes (and errors) must not overlap.
+  if (p.sets > 1 &&
+      (std::abs(p.code_set_stride) < p.count * p.subspaces ||
+       (p.errors != nullptr && std::abs(p.error_set_stride) < p.count))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PQ encoding's sets would overlap: code_set_stride=", p.code_set_stride,
+        " error_set_stride=", p.error_set_stride, " for count=", p.count,
+        " subspaces=", p.subspaces));
   }
   if (p.count == 0) return absl::OkStatus();
   if (p.keys == nullptr || p.codebooks == nullptr || p.codes == nullptr) {
     return absl::InvalidArgumentError("keys, codebooks and codes must be device pointers");
   }
-  const unsigned blocks = static_cast<unsigned>((p.count + kThreads - 1) / kThreads);
+  const dim3 blocks(static_cast<unsigned>((p.count + kTileKeys - 1) / kTileKeys),
+                    static_cast<unsigned>(p.sets));
   return WithKeyAndPart(p.element, p.dim / p.subspaces, [&](auto key, auto part) {
     PqEncodeKernel<typename decltype(key)::type, decltype(part)::dims>
         <<<blocks, kThreads, 0, stream>>>(p);

@@ -31,6 +31,15 @@ struct PqEncodeParams {
   const float* codebooks = nullptr;
   uint8_t* codes = nullptr;  // [count, M]
   float* errors = nullptr;   // [count], or null
+  // Code sets coded by the one call (a bulk's KV heads): set s's keys, codebooks, codes and
+  // errors start these many elements, floats, bytes and floats after set 0's. 1 <= sets <= 65535;
+  // with more than one, the sets' codes (|code_set_stride| >= count * M) and errors
+  // (|error_set_stride| >= count) must not overlap.
+  int sets = 1;
+  int64_t key_set_stride = 0;
+  int64_t codebook_set_stride = 0;
+  int64_t code_set_stride = 0;
+  int64_t error_set_stride = 0;
 };
 
 // For every key i < count and codebook m, with x its part m widened to f32:
@@ -39,6 +48,10 @@ struct PqEncodeParams {
 //     multiply-add of -2 x_j and c_j per dim in order);
 //   errors[i] = the sum over the key's dims, in order, of (key_j - reconstruction_j)^2, as
 //     BulkCodes weighs its outliers.
+// Every set's keys in one launch of a block per (64 keys, set); a warp weighs the 256 centroids of
+// a codebook staged in shared memory against one key at a time, 8 a lane. (A thread per key, as
+// before, left few keys a block's worth of work done serially: ~110 us a launch whatever the
+// count: bench/results/pq_encode.md.)
 // INVALID_ARGUMENT for shapes outside the bounds above, or null pointers with keys to code.
 absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream);
 

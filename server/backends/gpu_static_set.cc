@@ -313,23 +313,17 @@ class GpuBulkCodes final : public BulkCodes {
   // Bulk rows whose keys go up at a time to be coded: 4 MB of staging at 8 KV heads of 128
   // bf16 dims, charged to the session while they are coded.
   static constexpr int64_t kCodingChunkTokens = 2048;
-  // Up to this many rows are coded by one launch of a block per (row, KV head)
-  // (cuda::PqEncodeRows), more by a launch of a thread per row for each KV head (cuda::PqEncode:
-  // the codebook staged once per 256 rows). The codes and errors are the same bit for bit. A
-  // few hundred rows (what a take-over codes on the step's path, codes_learning.h, or a short
-  // prompt's bulk at prefill) left PqEncode a block or two per head, eight heads one after the
-  // other: ~1 ms a layer (d107), ~0.65 ms by rows (d108, ~500 rows). At 1024 rows the rows
-  // kernel is not measured against PqEncode: the bound keeps room for later learnings' larger
-  // catch-ups. (Its jobs, times a session's at most 1024 KV heads, fit PqEncodeRows' int count.)
-  static constexpr int64_t kRowsKernelMaxRows = 1024;
 
  public:
   // Codes rows [coded(), bulk.tokens) of the bulk (the prompt's at prefill, or those a
   // relearned layer's bulk gained while its codes were learned), their outliers included. On
   // the device (cuda::PqEncode: the host's encoding was most of a long prompt's build): the keys
-  // go up a chunk at a time, each KV head's codes are written in place and the keys'
-  // reconstruction errors come down. On the host, then uploaded, when the keys are not 16-bit
-  // or the budget has no room for the staging. `stop` is asked before each chunk.
+  // go up a chunk at a time, one launch codes every KV head's in place (~160 us for up to a
+  // chunk on an H100, bench/results/pq_encode.md; a take-over's catch-up of under ~250 rows would
+  // take less by cuda::PqEncodeRows, up to ~130 us less, but the measured ones were 500-1020
+  // rows: one path) and the keys' reconstruction errors come down. On the host, then uploaded,
+  // when the keys are not 16-bit or the budget has no room for the staging. `stop` is asked
+  // before each chunk.
   absl::Status CodeRowsUnless(const BuildStop& stop, const KvView& bulk) override {
     const int64_t first = coded_;
     if (bulk.tokens <= first) return absl::OkStatus();
@@ -342,15 +336,10 @@ class GpuBulkCodes final : public BulkCodes {
     const int64_t row = int64_t{kv_heads()} * d;  // elements of one token's keys
     const int64_t rows = bulk.tokens - first;
     const int64_t chunk = std::min(rows, kCodingChunkTokens);
-    const bool by_rows = chunk <= kRowsKernelMaxRows;
     ChargedBuffer<uint16_t> keys;
     ChargedBuffer<float> errors;
-    ChargedBuffer<cuda::PqEncodeJob> jobs;  // [kv_heads, chunk] when by_rows
     absl::Status staged = keys.Allocate(chunk * row, device_, "the keys being coded");
     if (staged.ok()) staged = errors.Allocate(chunk * kv_heads(), device_, "their errors");
-    if (staged.ok() && by_rows) {
-      staged = jobs.Allocate(chunk * kv_heads(), device_, "their coding jobs");
-    }
     if (absl::IsResourceExhausted(staged)) {
       SayOnHost(coding_on_host_, "coding of the bulk", staged);
       return CodeRowsOnHost(stop, bulk);
@@ -359,7 +348,6 @@ class GpuBulkCodes final : public BulkCodes {
     const int64_t book_floats = int64_t{ProductQuantizer::kCentroids} * d;
     std::vector<std::vector<float>> head_errors(kv_heads(), std::vector<float>(rows));
     std::vector<float> chunk_errors(chunk * kv_heads());
-    std::vector<cuda::PqEncodeJob> host_jobs(by_rows ? chunk * kv_heads() : 0);
     for (int64_t begin = first; begin < bulk.tokens; begin += chunk) {
       if (absl::Status s = stop.Check(kCodingStopped); !s.ok()) return s;
       const int64_t n = std::min(chunk, bulk.tokens - begin);
@@ -367,42 +355,24 @@ class GpuBulkCodes final : public BulkCodes {
           cudaMemcpy(keys.data(), bulk.key_row(begin, 0), n * row * sizeof(uint16_t),
                      cudaMemcpyHostToDevice),
           "uploading the bulk's keys to code"));
-      if (by_rows) {
-        // Job (h, i): row begin + i of KV head h, its error where PqEncode's would be.
-        for (int h = 0; h < kv_heads(); ++h) {
-          for (int64_t i = 0; i < n; ++i) {
-            host_jobs[h * n + i] = cuda::PqEncodeJob{
-                keys.data() + i * row + int64_t{h} * d, codebooks_.data() + h * book_floats,
-                codes_.data() + (h * capacity_ + begin + i) * subspaces_,
-                errors.data() + h * n + i};
-          }
-        }
-        KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-            cudaMemcpy(jobs.data(), host_jobs.data(), n * kv_heads() * sizeof(cuda::PqEncodeJob),
-                       cudaMemcpyHostToDevice),
-            "uploading the coding jobs"));
-        cuda::PqEncodeRowsParams p;
-        p.jobs = jobs.data();
-        p.count = static_cast<int>(n * kv_heads());
-        p.element = bulk.element;
-        p.dim = d;
-        p.subspaces = subspaces_;
-        if (absl::Status s = cuda::PqEncodeRows(p, nullptr); !s.ok()) return s;
-      } else {
-        for (int h = 0; h < kv_heads(); ++h) {
-          cuda::PqEncodeParams p;
-          p.keys = keys.data() + int64_t{h} * d;
-          p.element = bulk.element;
-          p.count = n;
-          p.row_stride = row;
-          p.dim = d;
-          p.subspaces = subspaces_;
-          p.codebooks = codebooks_.data() + h * book_floats;
-          p.codes = codes_.data() + (h * capacity_ + begin) * subspaces_;
-          p.errors = errors.data() + h * n;
-          if (absl::Status s = cuda::PqEncode(p, nullptr); !s.ok()) return s;
-        }
-      }
+      // Every KV head in one launch: head h's keys are every row's h-th part, its codes rows
+      // [begin, begin + n) of its [capacity_, M] block, its errors [h, n] of the chunk's.
+      cuda::PqEncodeParams p;
+      p.keys = keys.data();
+      p.element = bulk.element;
+      p.count = n;
+      p.row_stride = row;
+      p.dim = d;
+      p.subspaces = subspaces_;
+      p.codebooks = codebooks_.data();
+      p.codes = codes_.data() + begin * subspaces_;
+      p.errors = errors.data();
+      p.sets = kv_heads();
+      p.key_set_stride = d;
+      p.codebook_set_stride = book_floats;
+      p.code_set_stride = capacity_ * subspaces_;
+      p.error_set_stride = n;
+      if (absl::Status s = cuda::PqEncode(p, nullptr); !s.ok()) return s;
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpy(chunk_errors.data(), errors.data(), n * kv_heads() * sizeof(float),
                      cudaMemcpyDeviceToHost),

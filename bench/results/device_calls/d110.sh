@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Hundred-and-tenth call (eleventh session, 2026-12-05): the session's final code on a GPU.
+# Run 2026-12-05 on an H100 machine: device_tests.md, tiered_serving.md ("The step at a
+# take-over"). The take-over under the shim read -1 for its breakdown (not among the slowest
+# steps); its heaviest window was index batch 1's take-over (1020 rows coded by rows).
+# Hundred-and-tenth call (eleventh session, 2026-12-05): 95956e6's code on a GPU.
 #   1. The whole test suite: CodesLearningTest.CodedRowsAreTheQuantizersEncodingFewOrMany now
 #      plants far keys in one KV head, in rows the GPU tier codes by each kernel, and asks that
 #      they be that head's outliers alone (the rows kernel's error indexing); the start-up log's
