@@ -1,5 +1,5 @@
 # Sourced by the device-call scripts (bench/results/device_calls/dNN.sh, from d98 on): what every
-# call to the H200 machine does around its measurements, so that a script holds only those.
+# call to the GPU machine (an H200, or an H100) does around its measurements, so that a script holds only those.
 #
 #   . bench/device_call.sh
 #   device_call_begin 98        # unpacks .device/b98/ship/bundle.tar.xz; sets B (its bin/),

@@ -101,21 +101,24 @@ int main(int argc, char** argv) {
   float *d_books, *d_errors;
   uint8_t* d_codes;
   cuda::PqEncodeJob* d_jobs;
-  Check(cudaMalloc(&d_keys, keys.size() * 2), "cudaMalloc");
-  Check(cudaMalloc(&d_books, books.size() * 4), "cudaMalloc");
+  Check(cudaMalloc(&d_keys, keys.size() * sizeof(uint16_t)), "cudaMalloc");
+  Check(cudaMalloc(&d_books, books.size() * sizeof(float)), "cudaMalloc");
   Check(cudaMalloc(&d_errors, int64_t{max_rows} * kv_heads * 4), "cudaMalloc");
   Check(cudaMalloc(&d_codes, int64_t{max_rows} * kv_heads * subspaces), "cudaMalloc");
   Check(cudaMalloc(&d_jobs, int64_t{max_rows} * kv_heads * sizeof(cuda::PqEncodeJob)),
         "cudaMalloc");
-  Check(cudaMemcpy(d_keys, keys.data(), keys.size() * 2, cudaMemcpyHostToDevice), "upload");
-  Check(cudaMemcpy(d_books, books.data(), books.size() * 4, cudaMemcpyHostToDevice), "upload");
+  Check(cudaMemcpy(d_keys, keys.data(), keys.size() * sizeof(uint16_t), cudaMemcpyHostToDevice),
+        "upload");
+  Check(cudaMemcpy(d_books, books.data(), books.size() * sizeof(float), cudaMemcpyHostToDevice),
+        "upload");
   cudaStream_t stream;
   Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   const int64_t row = int64_t{kv_heads} * dim;
 
   nlohmann::json runs = nlohmann::json::array();
   for (const int n : *rows_list) {
-    // As GpuBulkCodes::CodeRowsUnless lays them out: codes [kv_heads, n, M], errors [kv_heads, n].
+    // As GpuBulkCodes::CodeRowsUnless lays them out: codes [kv_heads, capacity, M] (capacity n
+    // here), errors [kv_heads, n].
     // Every KV head as one call's sets; head h alone is the same call from h's offsets.
     cuda::PqEncodeParams every_head;
     every_head.keys = d_keys;

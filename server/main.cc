@@ -217,15 +217,20 @@ int main(int argc, char** argv) {
   // ms lazily and 1.5 eagerly in d108-d109 (an H100), for ~2-3 s more at start and ~450 MiB more
   // device memory (bench/results/tiered_serving.md, "The step at a take-over").
   const std::string module_loading = absl::GetFlag(FLAGS_cuda_module_loading);
-  if (module_loading != "" && module_loading != "eager" && module_loading != "lazy") {
+  if (!module_loading.empty() && module_loading != "eager" && module_loading != "lazy") {
     std::fprintf(stderr,
                  "kvrecalld: --cuda_module_loading must be eager, lazy or empty, got '%s'\n",
                  module_loading.c_str());
     return 2;
   }
-  if (setenv("CUDA_MODULE_LOADING", module_loading == "lazy" ? "LAZY" : "EAGER",
-             /*overwrite=*/module_loading.empty() ? 0 : 1) != 0) {
-    std::fprintf(stderr, "kvrecalld: cannot set CUDA_MODULE_LOADING: %s\n", strerror(errno));
+  // Empty: the environment's value, unless it has none (or an empty one, which CUDA would take
+  // for its own default, lazy).
+  const char* inherited = std::getenv("CUDA_MODULE_LOADING");
+  const bool keep = module_loading.empty() && inherited != nullptr && *inherited != '\0';
+  if (!keep && setenv("CUDA_MODULE_LOADING", module_loading == "lazy" ? "LAZY" : "EAGER",
+                      /*overwrite=*/1) != 0) {
+    std::fprintf(stderr, "kvrecalld: cannot set CUDA_MODULE_LOADING: %s\n",
+                 std::strerror(errno));
     return 1;
   }
   // Memory a closed session frees must go back to the OS. By default glibc raises its mmap
@@ -336,7 +341,8 @@ int main(int argc, char** argv) {
   }
   // Printed before the line below, so that whoever waits for that one can read these.
   std::printf("kvrecalld: %s (CUDA_MODULE_LOADING=%s)\n",
-              (*server)->placements().gpu_description().c_str(), getenv("CUDA_MODULE_LOADING"));
+              (*server)->placements().gpu_description().c_str(),
+              std::getenv("CUDA_MODULE_LOADING"));
   if (!(*server)->metrics_address().empty()) {
     std::printf("kvrecalld metrics on http://%s/metrics\n", (*server)->metrics_address().c_str());
   }

@@ -27,6 +27,7 @@ namespace kvrecall {
 namespace {
 
 using ::kvrecall::testing::KvrecalldProcess;
+using ::kvrecall::testing::ScopedEnv;
 using ::testing::HasSubstr;
 
 struct ProcessResult {
@@ -387,11 +388,6 @@ TEST_F(CliTest, TokenFileAndItsEnvironmentDefault) {
     std::ofstream(token) << "runner-token-0123456789\n";
     std::ofstream(empty) << "";
   }
-  struct EnvVar {  // KVRECALL_TOKEN_FILE for the runs in its scope
-    explicit EnvVar(const std::string& value) { setenv("KVRECALL_TOKEN_FILE", value.c_str(), 1); }
-    ~EnvVar() { unsetenv("KVRECALL_TOKEN_FILE"); }
-  };
-
   ProcessResult r = Kvrecall("list", {"--token_file=" + dir.Path("absent.token")});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("kvrecall list: NOT_FOUND: --token_file: cannot read " +
@@ -404,7 +400,7 @@ TEST_F(CliTest, TokenFileAndItsEnvironmentDefault) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("kvrecall list: UNAVAILABLE: "));  // TLS to a plaintext port
   {
-    EnvVar env(dir.Path("absent.token"));
+    ScopedEnv env("KVRECALL_TOKEN_FILE", dir.Path("absent.token").c_str());
     r = Kvrecall("list", {});
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_THAT(r.err, HasSubstr("kvrecall list: NOT_FOUND: $KVRECALL_TOKEN_FILE: cannot read " +
@@ -413,7 +409,7 @@ TEST_F(CliTest, TokenFileAndItsEnvironmentDefault) {
     EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT: --token_file: " + empty + " is empty"));
   }
   {
-    EnvVar env(token);
+    ScopedEnv env("KVRECALL_TOKEN_FILE", token.c_str());
     r = Kvrecall("list", {});
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_THAT(r.err, HasSubstr("kvrecall list: UNAVAILABLE: "));

@@ -278,7 +278,7 @@ TEST(GpuPqAssignerTest, TrainsTheQuantizersTheHostTrains) {
 // centroids in order does (centroid 0 kept when its distance is NaN, any other NaN passed over,
 // the lower centroid on a tie), computed here on the host with the kernels' arithmetic, and
 // PqEncodeRows as PqEncode, code for code and error for error.
-TEST(PqEncodeRowsTest, NonFiniteDistancesAreOrderedAsTheScanOrdersThem) {
+TEST(PqEncodeNonFiniteTest, DistancesAreOrderedAsTheScanOrdersThem) {
   KVRECALL_SKIP_WITHOUT_GPU();
   constexpr int kDim = 128, kSubspaces = 8, kKeys = 6;
   constexpr uint16_t kMax = 0x7f7f, kMinusMax = 0xff7f, kInf = 0x7f80, kNan = 0x7fc0;

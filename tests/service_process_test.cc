@@ -14,7 +14,6 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -45,6 +44,7 @@ using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
 using ::kvrecall::testing::PromptLayer;
 using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::ScopedEnv;
 using ::testing::HasSubstr;
 
 std::unique_ptr<KvrecalldProcess> StartOrFail(std::vector<std::string> flags = {}) {
@@ -327,36 +327,11 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
   }
 }
 
-// Sets an environment variable for its scope, then restores what the process had.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* was = std::getenv(name); was != nullptr) saved_ = was;
-    if (value == nullptr) {
-      unsetenv(name);
-    } else {
-      setenv(name, value, 1);
-    }
-  }
-  ~ScopedEnv() {
-    if (saved_.has_value()) {
-      setenv(name_, saved_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* const name_;
-  std::optional<std::string> saved_;
-};
-
 // The start-up log says what GPU placements are served and which CUDA_MODULE_LOADING kvrecalld
 // put in force: EAGER by default, the flag's when given (over the environment's), else the
-// environment's. With a device it also says how the driver loads the kernels, its own answer
-// (cuModuleGetLoadingMode), not the flag's echo; without one, why there are no GPU placements.
+// environment's when it has one. With a device it also says how the driver loads the kernels,
+// its own answer (cuModuleGetLoadingMode), not the flag's echo; without one, why there are no
+// GPU placements.
 TEST(KvrecalldProcessTest, TheLogSaysHowCudaLoadsTheKernels) {
   auto log_of = [](std::vector<std::string> flags, const char* environment) -> std::string {
     ScopedEnv env("CUDA_MODULE_LOADING", environment);
@@ -386,6 +361,7 @@ TEST(KvrecalldProcessTest, TheLogSaysHowCudaLoadsTheKernels) {
   expect(log_of({"--cuda_module_loading=lazy"}, nullptr), "LAZY", "lazily");
   expect(log_of({}, "LAZY"), "LAZY", "lazily");
   expect(log_of({"--cuda_module_loading="}, "LAZY"), "LAZY", "lazily");
+  expect(log_of({}, ""), "EAGER", "eagerly");  // set but empty: not a value
   expect(log_of({"--cuda_module_loading=eager"}, "LAZY"), "EAGER", "eagerly");
   expect(log_of({"--cuda_module_loading=lazy"}, "EAGER"), "LAZY", "lazily");
 }

@@ -1,12 +1,15 @@
 // Shared test fixtures: random KV data, brute-force double-precision references, temporary
-// directories and a bounded wait for what another thread finishes.
+// directories, an environment variable for a scope and a bounded wait for what another thread
+// finishes.
 #ifndef KVRECALL_TESTS_TEST_UTIL_H_
 #define KVRECALL_TESTS_TEST_UTIL_H_
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -22,6 +25,33 @@ namespace kvrecall::testing {
 // tree's when it is there, else the program of the same name beside the running test (a bundle
 // copied to another machine holds them side by side), else the build tree's path all the same.
 std::string BuildProgram(std::string_view build_path);
+
+// Sets (or, given null, unsets) an environment variable for its scope, then restores what the
+// process had: for a child process started in the scope, or code that reads it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* was = std::getenv(name); was != nullptr) saved_ = was;
+    if (value == nullptr) {
+      unsetenv(name);
+    } else {
+      setenv(name, value, 1);
+    }
+  }
+  ~ScopedEnv() {
+    if (saved_.has_value()) {
+      setenv(name_, saved_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* const name_;
+  std::optional<std::string> saved_;
+};
 
 // n floats from N(0, stddev^2), reproducible from `seed`.
 std::vector<float> RandomNormal(size_t n, uint64_t seed, float stddev = 1.0f);

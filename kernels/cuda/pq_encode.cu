@@ -16,7 +16,8 @@ namespace {
 
 constexpr int kCentroids = 256;
 constexpr int kThreads = 256;
-static_assert(kThreads == kCentroids, "a block weighs its codebook one centroid per thread");
+static_assert(kThreads == kCentroids,
+              "a block stages a codebook's norms, and PqEncodeRows weighs it, a centroid a thread");
 
 __device__ __forceinline__ float Widen(float x) { return x; }
 __device__ __forceinline__ float Widen(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -110,6 +111,7 @@ __global__ void __launch_bounds__(kThreads) PqEncodeKernel(const PqEncodeParams 
       ScaledPart<T, kSub>(keys + i * p.row_stride + m * kSub, scaled);
       float best = 0.0f;
       int best_c = 0;
+// (Unrolled twice: two centroids' multiply-add chains in flight. Not tuned.)
 #pragma unroll 2
       for (int q = 0; q < kCentroids / 32; ++q) {
         const int c = q * 32 + lane;

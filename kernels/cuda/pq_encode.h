@@ -17,10 +17,10 @@
 
 namespace kvrecall::cuda {
 
-// The keys of one code set in device memory and where their codes go: `count` rows of `dim`
-// elements of `element` (f32, bf16 or f16), row i at element i * row_stride of `keys`
-// (row_stride >= dim, so that one KV head of a [tokens, kv_heads, dim] block is a code set);
-// codebooks [M, 256, dim / M] f32.
+// The keys of one or more code sets in device memory and where their codes go. Set 0: `count`
+// rows of `dim` elements of `element` (f32, bf16 or f16), row i at element i * row_stride of
+// `keys` (row_stride >= dim, so that one KV head of a [tokens, kv_heads, dim] block is a code
+// set); codebooks [M, 256, dim / M] f32. Set s: the same from the set strides below.
 struct PqEncodeParams {
   const void* keys = nullptr;
   KvElement element = KvElement::kBf16;
@@ -29,8 +29,8 @@ struct PqEncodeParams {
   int dim = 0;
   int subspaces = 0;  // M: dividing dim into parts of 4, 8, 16 or 32; M <= kMaxPqSubspaces
   const float* codebooks = nullptr;
-  uint8_t* codes = nullptr;  // [count, M]
-  float* errors = nullptr;   // [count], or null
+  uint8_t* codes = nullptr;  // [count, M] per set
+  float* errors = nullptr;   // [count] per set, or null
   // Code sets coded by the one call (a bulk's KV heads): set s's keys, codebooks, codes and
   // errors start these many elements, floats, bytes and floats after set 0's. 1 <= sets <= 65535;
   // with more than one, the sets' codes (|code_set_stride| >= count * M) and errors
@@ -42,16 +42,16 @@ struct PqEncodeParams {
   int64_t error_set_stride = 0;
 };
 
-// For every key i < count and codebook m, with x its part m widened to f32:
+// For every set, key i < count and codebook m, with x its part m widened to f32:
 //   codes[i, m] = the c of the least |c|^2 - 2 <x, c> over codebook m's centroids c, the lower
 //     c on a tie, computed as ProductQuantizer::Encode does (|c|^2 summed in order, then one
 //     multiply-add of -2 x_j and c_j per dim in order);
 //   errors[i] = the sum over the key's dims, in order, of (key_j - reconstruction_j)^2, as
 //     BulkCodes weighs its outliers.
 // Every set's keys in one launch of a block per (64 keys, set); a warp weighs the 256 centroids of
-// a codebook staged in shared memory against one key at a time, 8 a lane. (A thread per key, as
-// before, left few keys a block's worth of work done serially: ~110 us a launch whatever the
-// count: bench/results/pq_encode.md.)
+// a codebook staged in shared memory against one key at a time, 8 a lane, so that a few hundred
+// keys of 8 sets spread over the device: ~160 us for 8 to 2048 keys of 8 sets on an H100
+// (bench/results/pq_encode.md).
 // INVALID_ARGUMENT for shapes outside the bounds above, or null pointers with keys to code.
 absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream);
 

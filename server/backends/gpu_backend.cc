@@ -22,6 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "index/basic_selectors.h"
 #include "index/retopk.h"
@@ -775,29 +776,30 @@ absl::Status GpuBackend::Shadow(std::span<ShadowStep> steps, StepContext* contex
 }
 
 // How the CUDA driver loads this process's kernels, as it decided when it initialized
-// (CUDA_MODULE_LOADING): "eagerly" (every kernel with the context) or "lazily" (each on its first
-// launch, on the launching thread). Asked through the runtime's entry point, so that kvrecalld
-// does not link the driver library itself.
+// (CUDA_MODULE_LOADING), for the start-up log: "CUDA loads their kernels eagerly" (every kernel
+// with the context) or "lazily" (each on its first launch, on the launching thread). Asked
+// through the runtime's entry point, so that kvrecalld does not link the driver library itself.
 std::string KernelLoading() {
+  constexpr absl::string_view kUnknown = "the driver does not say how CUDA loads their kernels";
   void* entry = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
   if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &entry, 11070,
                                        cudaEnableDefault, &found) != cudaSuccess ||
       found != cudaDriverEntryPointSuccess || entry == nullptr) {
     cudaGetLastError();
-    return "as its driver does not say";
+    return std::string(kUnknown);
   }
   CUmoduleLoadingMode mode = CU_MODULE_LAZY_LOADING;
   if (reinterpret_cast<PFN_cuModuleGetLoadingMode_v11070>(entry)(&mode) != CUDA_SUCCESS) {
-    return "as its driver does not say";
+    return std::string(kUnknown);
   }
   switch (mode) {
     case CU_MODULE_EAGER_LOADING:
-      return "eagerly";
+      return "CUDA loads their kernels eagerly";
     case CU_MODULE_LAZY_LOADING:
-      return "lazily";
+      return "CUDA loads their kernels lazily";
   }
-  return absl::StrCat("in the driver's mode ", static_cast<int>(mode));
+  return absl::StrCat("CUDA loads their kernels in the driver's mode ", static_cast<int>(mode));
 }
 
 }  // namespace
@@ -871,7 +873,7 @@ absl::StatusOr<GpuBackends> MakeGpuBackends(const PlacementOptions& options) {
                     read == cudaSuccess ? properties.name : cudaGetErrorName(read), ")");
     if (read != cudaSuccess) cudaGetLastError();
   }
-  absl::StrAppend(&out.description, "; CUDA loads their kernels ", KernelLoading());
+  absl::StrAppend(&out.description, "; ", KernelLoading());
   return out;
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run 2026-12-05 on an H100 machine (no H200 could be started): device_tests.md,
 # tiered_serving.md ("The step at a take-over"). The patch it measured landed with its results
-# (the commit after 6f23f93), so it is no longer beside this file. Its take-over runs and rows
+# (the commit after 6f23f93), so it is no longer beside this file (git show
+# 6f23f93:bench/results/device_calls/d108_takeover_rows.patch). Its take-over runs and rows
 # are written with bench/device_call.sh's takeover_run and tiered_rows since it ran: the same
 # commands (the summary line then added the slow steps' counts).
 # Hundred-and-eighth call (eleventh session, 2026-12-05): the code since 8258121 on a GPU, and

@@ -3,7 +3,7 @@
 # Hundred-and-twelfth call (eleventh session, 2026-12-05): PqEncode rewritten (a block per (64
 # keys, code set), a warp weighing a codebook staged in shared memory against one key at a time,
 # every KV head in one launch) after d111 found the old kernel (a thread per key) ~110 us a
-# launch whatever the count, eight launches a coding, and PqEncodeRows linear in the rows.
+# launch whatever the count (~107-125 us), eight launches a coding, and PqEncodeRows linear in the rows.
 #   1. The whole test suite (cuda_pq_encode_test: the new kernel against the CPU encoder, sets
 #      against single calls, PqEncodeRows against it; every GPU coding and training through it).
 #   2. bench/pq_encode_bench: per KV head, every head at once, by rows, at 8 to 2048 rows.
