@@ -10,6 +10,7 @@
 #   takeover_run NAME BIN [F..] # d98's take-over run against kvrecalld BIN with flags F
 #   tiered_rows BIN CONTEXT...  # issue 15's headline rows (batch 1) at each context
 #   api_windows FILE            # bench/cuda_api_timer.c's heaviest windows of calls
+#   timed_kvrecalld SHIM F US   # $L/kvrecalld_timed: kvrecalld under that shim
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -169,4 +170,18 @@ for total, i, j in taken:
             print("   %.4f %5d %s %s" % (c[0] / 1e6, c[1], c[2], c[3]))
 PY
   grep "^#" "$1" | tee -a "$S"
+}
+
+# Writes $L/kvrecalld_timed: $B/kvrecalld under bench/cuda_api_timer.c (SHIM, LD_PRELOAD), its
+# calls of THRESHOLD us or more into FILE. kvrecalld alone gets the shim (exec: the wrapper's
+# PID is kvrecalld's); start it with start_kvrecalld or takeover_run.
+timed_kvrecalld() {  # SHIM FILE THRESHOLD_US
+  cat > "$L/kvrecalld_timed" <<SH
+#!/bin/sh
+export LD_PRELOAD=$1
+export KVRECALL_API_TIMER_OUT=$2
+export KVRECALL_API_TIMER_US=$3
+exec $B/kvrecalld "\$@"
+SH
+  chmod +x "$L/kvrecalld_timed"
 }

@@ -19,6 +19,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "bench/cuda_bench_check.h"
 #include "bench/int_list.h"
 #include "bench/percentiles.h"
 #include "kernels/cuda/pq_encode.h"
@@ -33,32 +34,20 @@ ABSL_FLAG(int, warmup, 3, "untimed runs first");
 
 namespace {
 
-// Exits with the call's error: a benchmark has nothing to recover.
-void Check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  std::fprintf(stderr, "pq_encode_bench: %s: %s\n", what, cudaGetErrorString(e));
-  std::exit(1);
-}
-void Check(const absl::Status& s) {
-  if (s.ok()) return;
-  std::fprintf(stderr, "pq_encode_bench: %s\n", std::string(s.message()).c_str());
-  std::exit(1);
-}
-
 // The device time of `run` on `stream`, µs, p50 etc. over `reps` after `warmup` runs.
 template <typename Run>
 nlohmann::json Timed(cudaStream_t stream, int warmup, int reps, Run run) {
   cudaEvent_t begin, end;
-  Check(cudaEventCreate(&begin), "cudaEventCreate");
-  Check(cudaEventCreate(&end), "cudaEventCreate");
+  CHECK_CUDA(cudaEventCreate(&begin));
+  CHECK_CUDA(cudaEventCreate(&end));
   std::vector<double> us;
   for (int i = 0; i < warmup + reps; ++i) {
-    Check(cudaEventRecord(begin, stream), "cudaEventRecord");
+    CHECK_CUDA(cudaEventRecord(begin, stream));
     run();
-    Check(cudaEventRecord(end, stream), "cudaEventRecord");
-    Check(cudaEventSynchronize(end), "cudaEventSynchronize");
+    CHECK_CUDA(cudaEventRecord(end, stream));
+    CHECK_CUDA(cudaEventSynchronize(end));
     float ms = 0;
-    Check(cudaEventElapsedTime(&ms, begin, end), "cudaEventElapsedTime");
+    CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
     if (i >= warmup) us.push_back(ms * 1e3);
   }
   cudaEventDestroy(begin);
@@ -76,7 +65,7 @@ int main(int argc, char** argv) {
   namespace cuda = kvrecall::cuda;
   absl::StatusOr<std::vector<int>> rows_list =
       kvrecall::bench::ParseIntList("--rows", absl::GetFlag(FLAGS_rows));
-  Check(rows_list.status());
+  CHECK_OK(rows_list.status());
   const int kv_heads = absl::GetFlag(FLAGS_kv_heads), dim = absl::GetFlag(FLAGS_dim);
   const int subspaces = absl::GetFlag(FLAGS_subspaces);
   const int reps = absl::GetFlag(FLAGS_reps), warmup = absl::GetFlag(FLAGS_warmup);
@@ -101,18 +90,17 @@ int main(int argc, char** argv) {
   float *d_books, *d_errors;
   uint8_t* d_codes;
   cuda::PqEncodeJob* d_jobs;
-  Check(cudaMalloc(&d_keys, keys.size() * sizeof(uint16_t)), "cudaMalloc");
-  Check(cudaMalloc(&d_books, books.size() * sizeof(float)), "cudaMalloc");
-  Check(cudaMalloc(&d_errors, int64_t{max_rows} * kv_heads * 4), "cudaMalloc");
-  Check(cudaMalloc(&d_codes, int64_t{max_rows} * kv_heads * subspaces), "cudaMalloc");
-  Check(cudaMalloc(&d_jobs, int64_t{max_rows} * kv_heads * sizeof(cuda::PqEncodeJob)),
-        "cudaMalloc");
-  Check(cudaMemcpy(d_keys, keys.data(), keys.size() * sizeof(uint16_t), cudaMemcpyHostToDevice),
-        "upload");
-  Check(cudaMemcpy(d_books, books.data(), books.size() * sizeof(float), cudaMemcpyHostToDevice),
-        "upload");
+  CHECK_CUDA(cudaMalloc(&d_keys, keys.size() * sizeof(uint16_t)));
+  CHECK_CUDA(cudaMalloc(&d_books, books.size() * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&d_errors, int64_t{max_rows} * kv_heads * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&d_codes, int64_t{max_rows} * kv_heads * subspaces));
+  CHECK_CUDA(cudaMalloc(&d_jobs, int64_t{max_rows} * kv_heads * sizeof(cuda::PqEncodeJob)));
+  CHECK_CUDA(
+      cudaMemcpy(d_keys, keys.data(), keys.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+  CHECK_CUDA(
+      cudaMemcpy(d_books, books.data(), books.size() * sizeof(float), cudaMemcpyHostToDevice));
   cudaStream_t stream;
-  Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int64_t row = int64_t{kv_heads} * dim;
 
   nlohmann::json runs = nlohmann::json::array();
@@ -143,10 +131,10 @@ int main(int argc, char** argv) {
         p.codebooks = d_books + h * every_head.codebook_set_stride;
         p.codes = d_codes + h * every_head.code_set_stride;
         p.errors = d_errors + h * every_head.error_set_stride;
-        Check(cuda::PqEncode(p, stream));
+        CHECK_OK(cuda::PqEncode(p, stream));
       }
     };
-    auto all_sets = [&] { Check(cuda::PqEncode(every_head, stream)); };
+    auto all_sets = [&] { CHECK_OK(cuda::PqEncode(every_head, stream)); };
     std::vector<cuda::PqEncodeJob> jobs(int64_t{n} * kv_heads);
     for (int h = 0; h < kv_heads; ++h) {
       for (int i = 0; i < n; ++i) {
@@ -157,12 +145,11 @@ int main(int argc, char** argv) {
       }
     }
     auto upload_jobs = [&] {
-      Check(cudaMemcpyAsync(d_jobs, jobs.data(), jobs.size() * sizeof(cuda::PqEncodeJob),
-                            cudaMemcpyHostToDevice, stream),
-            "uploading the jobs");
+      CHECK_CUDA(cudaMemcpyAsync(d_jobs, jobs.data(), jobs.size() * sizeof(cuda::PqEncodeJob),
+                                 cudaMemcpyHostToDevice, stream));
     };
     upload_jobs();
-    Check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    CHECK_CUDA(cudaStreamSynchronize(stream));
     auto by_rows = [&] {
       cuda::PqEncodeRowsParams p;
       p.jobs = d_jobs;
@@ -170,7 +157,7 @@ int main(int argc, char** argv) {
       p.element = kvrecall::KvElement::kBf16;
       p.dim = dim;
       p.subspaces = subspaces;
-      Check(cuda::PqEncodeRows(p, stream));
+      CHECK_OK(cuda::PqEncodeRows(p, stream));
     };
     const nlohmann::json heads_us = Timed(stream, warmup, reps, per_head);
     const nlohmann::json sets_us = Timed(stream, warmup, reps, all_sets);
@@ -190,7 +177,7 @@ int main(int argc, char** argv) {
                  rows_us["p50"].get<double>(), jobs_us["p50"].get<double>());
   }
   cudaDeviceProp properties;
-  Check(cudaGetDeviceProperties(&properties, 0), "cudaGetDeviceProperties");
+  CHECK_CUDA(cudaGetDeviceProperties(&properties, 0));
   const nlohmann::json out = {{"device", properties.name}, {"kv_heads", kv_heads},
                               {"dim", dim},                {"subspaces", subspaces},
                               {"reps", reps},              {"runs", runs}};

@@ -8,18 +8,12 @@
 # runtime call over 100 us with its thread, and each function's totals at exit; d99's take-over
 # run (a 640-token prompt, bulk 900 to 1600, index and retopk, batches 1 and 8) against it.
 # Carry: .device/b106/ship (d105's bundle, HEAD 8258121's binaries, and
-# libkvrecall_cuda_api_timer.so).
+# libkvrecall_cuda_api_timer.so). Its wrapper is bench/device_call.sh's timed_kvrecalld since
+# d110 (the same script; the 100 us it set by default now given).
 set -u
 . bench/device_call.sh
 device_call_begin 106
-# kvrecalld alone gets the shim (exec: the wrapper's PID is kvrecalld's).
-cat > $L/kvrecalld_timed <<SH
-#!/bin/sh
-export LD_PRELOAD=$PWD/.device/b106/ship/libkvrecall_cuda_api_timer.so
-export KVRECALL_API_TIMER_OUT=$L/api_calls.txt
-exec $B/kvrecalld "\$@"
-SH
-chmod +x $L/kvrecalld_timed
+timed_kvrecalld $PWD/.device/b106/ship/libkvrecall_cuda_api_timer.so $L/api_calls.txt 100
 start_kvrecalld $L/kvrecalld_timed $L/kvrecalld.log --address=127.0.0.1:0 || exit 1
 timeout 240 $B/gpu_serving_bench --server=$kvrecalld_address --out=$L/takeover.json \
   --placement=tiered --contexts=640 --batches=1,8 --selectors=index,retopk --auto_tau \

@@ -6,20 +6,13 @@
 # in a batch-8 step whose reservations took 7.8 ms (a 2.3 ms cudaHostAlloc). Prints the three
 # 10 ms windows whose calls on the stepping threads (all but the learning's) take longest,
 # by function. Carry: .device/b106/ship. (Its analysis of the calls is bench/device_call.sh's
-# api_windows since d110: the same code.)
+# api_windows since d110, its wrapper timed_kvrecalld: the same code.)
 set -u
 . bench/device_call.sh
 device_call_begin 106  # d106's bundle and shim
 N=107
 S=$OUT/d107_summary.txt
-cat > $L/kvrecalld_timed <<SH
-#!/bin/sh
-export LD_PRELOAD=$PWD/.device/b106/ship/libkvrecall_cuda_api_timer.so
-export KVRECALL_API_TIMER_OUT=$L/api_calls_20us.txt
-export KVRECALL_API_TIMER_US=20
-exec $B/kvrecalld "\$@"
-SH
-chmod +x $L/kvrecalld_timed
+timed_kvrecalld $PWD/.device/b106/ship/libkvrecall_cuda_api_timer.so $L/api_calls_20us.txt 20
 start_kvrecalld $L/kvrecalld_timed $L/kvrecalld_20us.log --address=127.0.0.1:0 || exit 1
 timeout 240 $B/gpu_serving_bench --server=$kvrecalld_address --out=$L/takeover_20us.json \
   --placement=tiered --contexts=640 --batches=1,8 --selectors=index --auto_tau \

@@ -20,14 +20,7 @@ $B/codes_learning_test --gtest_filter='*FewOrMany*:*AStoppedCoding*' 2>&1 |
   grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Failure|Which is|row" | head -12 | tee -a $S
 $B/service_process_test --gtest_filter='*TheLogSaysHowCudaLoadsTheKernels' 2>&1 |
   grep -E "^\[ +(OK|FAILED) +\]|Failure|Expected|Which is|Actual" | head -12 | tee -a $S
-cat > $L/kvrecalld_timed <<SH
-#!/bin/sh
-export LD_PRELOAD=$B/libkvrecall_cuda_api_timer.so
-export KVRECALL_API_TIMER_OUT=$L/api_calls_20us.txt
-export KVRECALL_API_TIMER_US=20
-exec $B/kvrecalld "\$@"
-SH
-chmod +x $L/kvrecalld_timed
+timed_kvrecalld $B/libkvrecall_cuda_api_timer.so $L/api_calls_20us.txt 20
 takeover_run api $L/kvrecalld_timed
 api_windows $L/api_calls_20us.txt
 cp $L/api_calls_20us.txt $OUT/
