@@ -5,7 +5,8 @@
 // two centroids are equally near, to rounding) and the same errors; every KV head in one call
 // (sets) as each in its own, bit for bit; PqEncodeRows (a decode
 // step's keys, one job each, each with its codebooks) bit for bit as PqEncode, exact ties to the
-// lower centroid, non-finite distances ordered alike, its skipped jobs untouched; training with
+// lower centroid, non-finite distances ordered alike, its skipped jobs untouched; the same codes
+// however the kernel splits the keys among its warps; training with
 // the GPU's assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
 #include <cuda_runtime_api.h>
 
@@ -41,6 +42,22 @@ using ::testing::HasSubstr;
 constexpr int kKvHeads = 2;
 constexpr int kHead = 1;  // the code set: every other row of the block
 constexpr int kCount = 2999;  // a multiple of neither the kernel's block nor its warp's keys
+
+// A PqEncode call over `count` packed [count, dim] bf16 keys (one set).
+cuda::PqEncodeParams PackedBf16Params(const void* keys, int64_t count, int dim, int subspaces,
+                                      const float* codebooks, uint8_t* codes, float* errors) {
+  cuda::PqEncodeParams p;
+  p.keys = keys;
+  p.element = KvElement::kBf16;
+  p.count = count;
+  p.row_stride = dim;
+  p.dim = dim;
+  p.subspaces = subspaces;
+  p.codebooks = codebooks;
+  p.codes = codes;
+  p.errors = errors;
+  return p;
+}
 
 // (key element type, dim, M).
 class PqEncodeTest : public ::testing::TestWithParam<std::tuple<KvElement, int, int>> {};
@@ -237,6 +254,45 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<2>(info.param));
     });
 
+// PqEncode gives a warp 8, 2 or 1 keys by how many blocks the device would get (its SM count):
+// whichever, the codes and errors are the same, bit for bit. Calls sized from this device's SM
+// count take each split (1 key a warp: 16 (S - 1) keys, fewer than a block per SM at 2; 2 a
+// warp: 64 (S - 1), fewer than a block per SM at 8; 8 a warp: 64 S + 37), over the same keys.
+TEST(PqEncodeSplitTest, TheCodesAreTheSameHoweverTheWarpsSplitTheKeys) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  constexpr int kDim = 128, kSubspaces = 8;
+  int device = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  ASSERT_GE(sms, 2);
+  const std::vector<int64_t> counts = {16 * (sms - 1), 64 * (sms - 1), 64 * sms + 37};
+  const int64_t most = counts.back();
+  std::vector<float> keys = RandomNormal(static_cast<size_t>(most) * kDim, 13);
+  std::vector<uint16_t> stored(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) stored[i] = EncodeHalf(keys[i], cuda::KvDtype::kBf16);
+  auto d_keys = ToDevice(stored);
+  auto d_books = ToDevice(RandomNormal(static_cast<size_t>(256) * kDim, 14));
+  std::vector<std::vector<uint8_t>> codes;
+  std::vector<std::vector<float>> errors;
+  for (const int64_t count : counts) {
+    auto d_codes = ToDevice(std::vector<uint8_t>(count * kSubspaces, 0));
+    auto d_errors = ToDevice(std::vector<float>(count, -1.0f));
+    const cuda::PqEncodeParams p = PackedBf16Params(
+        d_keys.data(), count, kDim, kSubspaces, d_books.data(), d_codes.data(), d_errors.data());
+    ASSERT_TRUE(cuda::PqEncode(p, nullptr).ok()) << count;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    codes.push_back(ToHost(d_codes.data(), d_codes.size()));
+    errors.push_back(ToHost(d_errors.data(), d_errors.size()));
+    EXPECT_EQ(std::count(errors.back().begin(), errors.back().end(), -1.0f), 0) << count;
+  }
+  for (size_t c = 0; c + 1 < counts.size(); ++c) {
+    EXPECT_TRUE(std::equal(codes[c].begin(), codes[c].end(), codes.back().begin()))
+        << counts[c] << " keys against " << most;
+    EXPECT_TRUE(std::equal(errors[c].begin(), errors[c].end(), errors.back().begin()))
+        << counts[c] << " keys against " << most;
+  }
+}
+
 // Training with the GPU's assignments (index/gpu_pq_assigner.h) gives the host team's
 // quantizers: the same rule and arithmetic, so the same codebooks up to a near-tie's rounding.
 TEST(GpuPqAssignerTest, TrainsTheQuantizersTheHostTrains) {
@@ -296,16 +352,8 @@ TEST(PqEncodeNonFiniteTest, DistancesAreOrderedAsTheScanOrdersThem) {
   auto d_books = ToDevice(books);
   auto d_codes = ToDevice(std::vector<uint8_t>(kKeys * kSubspaces, 0));
   auto d_errors = ToDevice(std::vector<float>(kKeys, 0.0f));
-  cuda::PqEncodeParams p;
-  p.keys = d_keys.data();
-  p.element = KvElement::kBf16;
-  p.count = kKeys;
-  p.row_stride = kDim;
-  p.dim = kDim;
-  p.subspaces = kSubspaces;
-  p.codebooks = d_books.data();
-  p.codes = d_codes.data();
-  p.errors = d_errors.data();
+  const cuda::PqEncodeParams p = PackedBf16Params(
+      d_keys.data(), kKeys, kDim, kSubspaces, d_books.data(), d_codes.data(), d_errors.data());
   ASSERT_TRUE(cuda::PqEncode(p, nullptr).ok());
   auto d_row_codes = ToDevice(std::vector<uint8_t>(kKeys * kSubspaces, 0));
   auto d_row_errors = ToDevice(std::vector<float>(kKeys, 0.0f));

@@ -58,11 +58,11 @@ __device__ __forceinline__ float AddSquaredError(float error, const float* scale
   return error;
 }
 
-// Keys a block of PqEncodeKernel codes (of one set), and each of its warps.
-constexpr int kTileKeys = 64;
+// The warps of a PqEncodeKernel block; each weighs kKeysPerWarp keys (8, 2 or 1: PqEncode takes
+// the most that still gives the device a block per SM), so a block codes kWarps * kKeysPerWarp.
 constexpr int kWarps = kThreads / 32;
-constexpr int kKeysPerWarp = kTileKeys / kWarps;
-static_assert(kKeysPerWarp <= 32, "a lane of each warp keeps one of its keys' errors");
+constexpr int kMostKeysPerWarp = 8;
+static_assert(kMostKeysPerWarp <= 32, "a lane of each warp keeps one of its keys' errors");
 
 // The least (distance, centroid) of two, the lower centroid on a tie: PqEncodeKernel's and
 // PqEncodeRowsKernel's reductions, so that both pick as a scan of the centroids in order does.
@@ -78,63 +78,129 @@ __device__ __forceinline__ float Ordered(float distance, int c) {
   return isnan(distance) ? (c == 0 ? -INFINITY : INFINITY) : distance;
 }
 
-// Block (b, s) codes keys [b * kTileKeys, (b + 1) * kTileKeys) of set s, codebook after
-// codebook: the block stages the codebook (each centroid padded by a float, so that the 32
-// centroids a warp reads at once fall in different banks) and its centroids' |c|^2, then each
-// warp weighs its keys one at a time, lane l taking centroids l, l + 32, ..., and the warp keeps
-// the least (KeepLeast); lane k of the warp adds its k-th key's part errors, in part order.
-template <typename T, int kSub>
+// Block (b, s) codes keys [b * kTileKeys, (b + 1) * kTileKeys) of set s (kTileKeys = kWarps *
+// kKeysPerWarp), codebook after codebook. For each codebook the block stages the codebook (each
+// centroid padded by a float, so that the 32 centroids a warp reads at once fall in different
+// banks), its centroids' |c|^2 and the tile's parts of the keys, already scaled by -2; the next
+// codebook's and parts' loads are issued before the block weighs this one, so that their
+// latency is hidden behind it. Warp w weighs its tile keys w, w + kWarps, ... (so that a few keys
+// still spread over the warps) all at once: lane l takes centroids l, l + 32, ..., reads each
+// centroid once for every key, and keeps a least per key (KeepLeast); then the warp reduces the
+// keys' leasts by shuffles, interleaved. The keys' independent chains hide the latencies that
+// weighing one key at a time waited on (d112's kernel: ~160 us for 8 to 2048 keys of 8 sets).
+// Lane k of the warp adds its k-th key's part errors, in part order. A warp skips its keys past
+// `count` (their staged parts are zeros).
+template <typename T, int kSub, int kKeysPerWarp>
 __global__ void __launch_bounds__(kThreads) PqEncodeKernel(const PqEncodeParams p) {
   constexpr int kStride = kSub + 1;
+  constexpr int kTileKeys = kWarps * kKeysPerWarp;
+  // A thread's share of a codebook's and of the tile's parts' elements (the last share of the
+  // parts partial when the tile has fewer than kThreads).
+  constexpr int kBookLoads = kCentroids * kSub / kThreads;
+  constexpr int kPartElements = kTileKeys * kSub;
+  constexpr int kPartLoads = (kPartElements + kThreads - 1) / kThreads;
+  static_assert(kBookLoads * kThreads == kCentroids * kSub);
   __shared__ float book[kCentroids * kStride];
   __shared__ float norms[kCentroids];
+  __shared__ __align__(16) float parts[kTileKeys * kSub];  // the tile's scaled parts, [key, dim]
   const int set = blockIdx.y;
   const T* keys = static_cast<const T*>(p.keys) + set * p.key_set_stride;
   const float* codebooks = p.codebooks + set * p.codebook_set_stride;
   uint8_t* codes = p.codes + set * p.code_set_stride;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kTileKeys + warp * kKeysPerWarp;
-  float error = 0.0f;  // lane k < kKeysPerWarp: key first + k's
-  for (int m = 0; m < p.subspaces; ++m) {
-    __syncthreads();  // the previous codebook's last readers are done
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kTileKeys;
+  // This warp's keys before `count`: its keys k < live.
+  const int64_t ahead = p.count - tile - warp;  // (>= 1 for a warp with a key)
+  const int live = ahead >= int64_t{kKeysPerWarp} * kWarps
+                       ? kKeysPerWarp
+                       : static_cast<int>(ahead <= 0 ? 0 : (ahead + kWarps - 1) / kWarps);
+  // Codebook m's and the parts' elements of this thread, loaded into registers.
+  float next_book[kBookLoads], next_parts[kPartLoads];
+  auto load = [&](int m) {
     const float* src = codebooks + static_cast<int64_t>(m) * kCentroids * kSub;
-    for (int e = threadIdx.x; e < kCentroids * kSub; e += kThreads) {
-      book[(e / kSub) * kStride + e % kSub] = src[e];
+#pragma unroll
+    for (int r = 0; r < kBookLoads; ++r) next_book[r] = src[r * kThreads + threadIdx.x];
+#pragma unroll
+    for (int r = 0; r < kPartLoads; ++r) {
+      const int e = r * kThreads + threadIdx.x;
+      const int64_t i = tile + e / kSub;
+      next_parts[r] = e < kPartElements && i < p.count
+                          ? Widen(keys[i * p.row_stride + m * kSub + e % kSub])
+                          : 0.0f;
+    }
+  };
+  load(0);
+  float error = 0.0f;  // lane k < kKeysPerWarp: tile key warp + k * kWarps's
+  for (int m = 0; m < p.subspaces; ++m) {
+    __syncthreads();  // the previous codebook's and parts' last readers are done
+#pragma unroll
+    for (int r = 0; r < kBookLoads; ++r) {
+      const int e = r * kThreads + threadIdx.x;
+      book[(e / kSub) * kStride + e % kSub] = next_book[r];
+    }
+#pragma unroll
+    for (int r = 0; r < kPartLoads; ++r) {
+      const int e = r * kThreads + threadIdx.x;
+      if (e < kPartElements) parts[e] = -2.0f * next_parts[r];
     }
     __syncthreads();
+    if (m + 1 < p.subspaces) load(m + 1);
     norms[threadIdx.x] = CentroidNorm<kSub>(book + threadIdx.x * kStride);
     __syncthreads();
-    for (int k = 0; k < kKeysPerWarp; ++k) {
-      const int64_t i = first + k;
-      if (i >= p.count) break;  // (uniform across the warp)
-      float scaled[kSub];
-      ScaledPart<T, kSub>(keys + i * p.row_stride + m * kSub, scaled);
-      float best = 0.0f;
-      int best_c = 0;
-// (Unrolled twice: two centroids' multiply-add chains in flight. Not tuned.)
-#pragma unroll 2
-      for (int q = 0; q < kCentroids / 32; ++q) {
-        const int c = q * 32 + lane;
-        const float distance =
-            Ordered(Distance<kSub>(norms[c], scaled, book + c * kStride), c);
+    float best[kKeysPerWarp];
+    int best_c[kKeysPerWarp];
+// (Unrolled twice below 32 dims a part: two centroids' loads ahead of their keys' multiply-adds.
+// At 32 the second centroid's registers would spill. Not tuned further.)
+#pragma unroll(kSub < 32 ? 2 : 1)
+    for (int q = 0; q < kCentroids / 32; ++q) {
+      const int c = q * 32 + lane;
+      float centroid[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) centroid[j] = book[c * kStride + j];
+      const float norm = norms[c];
+#pragma unroll
+      for (int k = 0; k < kKeysPerWarp; ++k) {
+        if (k >= live) break;  // (uniform across the warp)
+        // The key's part, four floats a load (every lane reads the same: a broadcast).
+        float part[kSub];
+        const auto* part4 = reinterpret_cast<const float4*>(parts + (warp + k * kWarps) * kSub);
+#pragma unroll
+        for (int j = 0; j < kSub / 4; ++j) {
+          const float4 v = part4[j];
+          part[4 * j] = v.x;
+          part[4 * j + 1] = v.y;
+          part[4 * j + 2] = v.z;
+          part[4 * j + 3] = v.w;
+        }
+        const float distance = Ordered(Distance<kSub>(norm, part, centroid), c);
         if (q == 0) {
-          best = distance;
-          best_c = c;
+          best[k] = distance;
+          best_c[k] = c;
         } else {
-          KeepLeast(distance, c, &best, &best_c);
+          KeepLeast(distance, c, &best[k], &best_c[k]);
         }
       }
-      for (int offset = 16; offset > 0; offset /= 2) {
-        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_c = __shfl_xor_sync(0xffffffffu, best_c, offset);
-        KeepLeast(other, other_c, &best, &best_c);
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int k = 0; k < kKeysPerWarp; ++k) {
+        if (k >= live) break;
+        const float other = __shfl_xor_sync(0xffffffffu, best[k], offset);
+        const int other_c = __shfl_xor_sync(0xffffffffu, best_c[k], offset);
+        KeepLeast(other, other_c, &best[k], &best_c[k]);
       }
-      if (lane == k) error = AddSquaredError<kSub>(error, scaled, book + best_c * kStride);
-      if (lane == 0) codes[i * p.subspaces + m] = static_cast<uint8_t>(best_c);
+    }
+#pragma unroll
+    for (int k = 0; k < kKeysPerWarp; ++k) {
+      if (k >= live) break;
+      if (lane != k) continue;
+      const int key = warp + k * kWarps;
+      error = AddSquaredError<kSub>(error, parts + key * kSub, book + best_c[k] * kStride);
+      codes[(tile + key) * p.subspaces + m] = static_cast<uint8_t>(best_c[k]);
     }
   }
-  if (lane < kKeysPerWarp && first + lane < p.count && p.errors != nullptr) {
-    p.errors[set * p.error_set_stride + first + lane] = error;
+  if (lane < live && p.errors != nullptr) {
+    p.errors[set * p.error_set_stride + tile + warp + lane * kWarps] = error;
   }
 }
 
@@ -248,7 +314,8 @@ absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
         absl::StrCat("PQ encoding needs count >= 0 and row_stride >= dim; got count=", p.count,
                      " row_stride=", p.row_stride, " dim=", p.dim));
   }
-  if (p.count > int64_t{kTileKeys} * 0x7fffffff) {
+  // (So that a grid of a key a warp, the smallest tiles, fits the grid's x.)
+  if (p.count > int64_t{kWarps} * 0x7fffffff) {
     return absl::InvalidArgumentError(absl::StrCat("too many keys to code in one call: ", p.count));
   }
   if (p.sets < 1 || p.sets > 65535) {
@@ -268,11 +335,29 @@ absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
   if (p.keys == nullptr || p.codebooks == nullptr || p.codes == nullptr) {
     return absl::InvalidArgumentError("keys, codebooks and codes must be device pointers");
   }
-  const dim3 blocks(static_cast<unsigned>((p.count + kTileKeys - 1) / kTileKeys),
-                    static_cast<unsigned>(p.sets));
+  // The most keys a warp that still gives every SM a block (or the fewest blocks of one key a
+  // warp, when even those are fewer than the SMs): more keys a warp share each centroid's reads
+  // and the codebooks' staging, more blocks keep more of the device busy (d116).
+  const absl::StatusOr<int> sms = MultiprocessorCount();
+  if (!sms.ok()) return sms.status();
+  auto tiles = [&](int keys_per_warp) {
+    const int64_t tile = int64_t{kWarps} * keys_per_warp;
+    return (p.count + tile - 1) / tile;
+  };
+  const int keys_per_warp = tiles(kMostKeysPerWarp) * p.sets >= *sms ? kMostKeysPerWarp
+                            : tiles(2) * p.sets >= *sms              ? 2
+                                                                    : 1;
+  const dim3 blocks(static_cast<unsigned>(tiles(keys_per_warp)), static_cast<unsigned>(p.sets));
   return WithKeyAndPart(p.element, p.dim / p.subspaces, [&](auto key, auto part) {
-    PqEncodeKernel<typename decltype(key)::type, decltype(part)::dims>
-        <<<blocks, kThreads, 0, stream>>>(p);
+    using T = typename decltype(key)::type;
+    constexpr int kSub = decltype(part)::dims;
+    if (keys_per_warp == kMostKeysPerWarp) {
+      PqEncodeKernel<T, kSub, kMostKeysPerWarp><<<blocks, kThreads, 0, stream>>>(p);
+    } else if (keys_per_warp == 2) {
+      PqEncodeKernel<T, kSub, 2><<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      PqEncodeKernel<T, kSub, 1><<<blocks, kThreads, 0, stream>>>(p);
+    }
     return LaunchStatus("PqEncodeKernel");
   });
 }

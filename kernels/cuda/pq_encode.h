@@ -48,10 +48,12 @@ struct PqEncodeParams {
 //     multiply-add of -2 x_j and c_j per dim in order);
 //   errors[i] = the sum over the key's dims, in order, of (key_j - reconstruction_j)^2, as
 //     BulkCodes weighs its outliers.
-// Every set's keys in one launch of a block per (64 keys, set); a warp weighs the 256 centroids of
-// a codebook staged in shared memory against one key at a time, 8 a lane, so that a few hundred
-// keys of 8 sets spread over the device: ~160 us for 8 to 2048 keys of 8 sets on an H100
-// (bench/results/pq_encode.md).
+// Every set's keys in one launch of a block per (8 warps' keys, set): a warp weighs the 256
+// centroids of a codebook staged in shared memory, 8 a lane, against its 8, 2 or 1 keys at once
+// (the most that still give every SM of the device a block), so that the keys' chains hide each
+// other's latencies and a few hundred keys still spread over the device: 25-90 us for 8 to 2048
+// keys of 8 sets on an H100 (bench/results/pq_encode.md). Reads the device's SM count (once).
+// Nothing else here depends on the device: the codes are the same on any.
 // INVALID_ARGUMENT for shapes outside the bounds above, or null pointers with keys to code.
 absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream);
 
