@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-enum { kMaxFunctions = 32 };
+enum { kMaxFunctions = 48 };
 
 struct Tally {
   const char* name;
@@ -187,3 +187,31 @@ TIMED(cudaStreamCreateWithFlags, (void** stream, unsigned flags), (stream, flags
 TIMED(cudaStreamDestroy, (void* stream), (stream))
 TIMED(cudaEventCreateWithFlags, (void** event, unsigned flags), (event, flags))
 TIMED(cudaEventDestroy, (void* event), (event))
+
+// The calls a step makes many of (launches, their attributes, events, async copies), so that a
+// low threshold shows where a step's host time goes between the blocking ones. dim3 by value, as
+// the runtime's launch takes it.
+struct Dim3 {
+  unsigned x, y, z;
+};
+TIMED_DETAIL(cudaLaunchKernel,
+             (const void* func, struct Dim3 grid, struct Dim3 block, void** args, size_t shmem,
+              void* stream),
+             (func, grid, block, args, shmem, stream), "%p,%ux%u,%zuB", func, grid.x, grid.y,
+             shmem)
+// (What nvcc's launch stubs call since CUDA 13: a kernel handle where cudaLaunchKernel takes the
+// function.)
+TIMED_DETAIL(__cudaLaunchKernel,
+             (const void* kernel, struct Dim3 grid, struct Dim3 block, void** args, size_t shmem,
+              void* stream),
+             (kernel, grid, block, args, shmem, stream), "%p,%ux%u,%zuB", kernel, grid.x, grid.y,
+             shmem)
+TIMED(cudaFuncSetAttribute, (const void* func, int attribute, int value), (func, attribute, value))
+TIMED(cudaFuncGetAttributes, (void* attributes, const void* func), (attributes, func))
+TIMED(cudaMemsetAsync, (void* p, int v, size_t n, void* stream), (p, v, n, stream))
+TIMED(cudaMemcpy2DAsync,
+      (void* d, size_t dp, const void* s, size_t sp, size_t w, size_t h, int kind, void* stream),
+      (d, dp, s, sp, w, h, kind, stream))
+TIMED(cudaEventRecord, (void* event, void* stream), (event, stream))
+TIMED(cudaStreamWaitEvent, (void* stream, void* event, unsigned flags), (stream, event, flags))
+TIMED(cudaSetDevice, (int device), (device))

@@ -11,6 +11,9 @@
 #   tiered_rows BIN CONTEXT...  # issue 15's headline rows (batch 1) at each context
 #   api_windows FILE            # bench/cuda_api_timer.c's heaviest windows of calls
 #   timed_kvrecalld SHIM F US   # $L/kvrecalld_timed: kvrecalld under that shim
+#   pq_encode_runs NAME BIN..   # pq_encode_bench of each BIN dir in turn, into $R (d114 on)
+#   ncu_pq_encode NAME ROWS..   # ncu's report of PqEncodeKernel at ROWS rows, into $R
+#   api_bursts FILE             # the shim's allocation bursts on the stepping threads
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -184,4 +187,72 @@ export KVRECALL_API_TIMER_US=$3
 exec $B/kvrecalld "\$@"
 SH
   chmod +x "$L/kvrecalld_timed"
+}
+
+# pq_encode_bench (default rows) of each BIN directory in turn, its JSON into
+# $R/pq_encode_NAME_<i>.json (i: the BIN's place, from 1) and its table into $S.
+pq_encode_runs() {  # NAME BIN...
+  local name=$1 i=0 bin
+  shift
+  for bin in "$@"; do
+    i=$((i + 1))
+    timeout 120 "$bin/pq_encode_bench" > "$R/pq_encode_${name}_$i.json" 2> "$L/pq_$name$i.log"
+    echo "pq_encode_bench $name $i ($bin) rc $? t=$SECONDS" | tee -a "$S"
+    tee -a "$S" < "$L/pq_$name$i.log"
+  done
+}
+
+# ncu's sections of one PqEncodeKernel launch (every KV head at once, as served) at each row
+# count: $R/ncu_pq_encode_NAME_ROWS.txt, its headline figures into $S.
+ncu_pq_encode() {  # NAME ROWS...
+  local name=$1 rows
+  shift
+  for rows in "$@"; do
+    timeout 90 ncu --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      --section LaunchStats -k regex:PqEncodeKernel --launch-skip 16 --launch-count 1 \
+      "$B/pq_encode_bench" --rows="$rows" --reps=2 --warmup=0 \
+      > "$R/ncu_pq_encode_${name}_$rows.txt" 2> "$L/ncu_$rows.err"
+    echo "ncu $name rows $rows rc $? t=$SECONDS" | tee -a "$S"
+    grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|"\
+"Compute \(SM\) Th|Memory Th" "$R/ncu_pq_encode_${name}_$rows.txt" | head -20 | tee -a "$S"
+  done
+}
+
+# bench/cuda_api_timer.c's calls (FILE) on the threads that step (gRPC's and the pool's: not the
+# codes learning's, the builds' or kvrecalld's main thread) that allocate, free, fill or make
+# graphs and streams, in bursts (a gap of 5 ms or more between two ends one): per burst, its
+# start and, by function, its calls and microseconds. A step's allocations show as a burst (the
+# first steps, a take-over, the close); d117 on.
+api_bursts() {  # FILE
+  python3 - "$1" <<'PY' 2>&1 | tee -a "$S"
+import collections, sys
+kinds = ("cudaMalloc", "cudaMemset", "cudaFree", "cudaHostAlloc", "cudaFreeHost",
+         "cudaHostRegister", "cudaHostUnregister", "cudaGraphInstantiate",
+         "cudaGraphExecDestroy", "cudaStreamCreateWithFlags", "cudaEventCreateWithFlags",
+         "cudaMemcpy")
+calls = []
+for l in open(sys.argv[1]):
+    if l.startswith("#"):
+        continue
+    p = l.rstrip("\n").split(None, 3)
+    name, thread = p[2].split(":")[0], p[3] if len(p) > 3 else "?"
+    if name in kinds and thread not in ("kvrecall-codes", "kvrecall-build", "kvrecalld"):
+        calls.append((int(p[0]), int(p[1]), name))
+calls.sort()
+bursts, last = [], None
+for c in calls:
+    if last is None or c[0] - last >= 5000:
+        bursts.append([])
+    bursts[-1].append(c)
+    last = c[0] + c[1]
+for b in bursts:
+    by = collections.defaultdict(lambda: [0, 0])
+    for c in b:
+        by[c[2]][0] += 1
+        by[c[2]][1] += c[1]
+    print("burst at %.4f s, %d us in calls over %d us:" % (b[0][0] / 1e6, sum(c[1] for c in b),
+          b[-1][0] + b[-1][1] - b[0][0]),
+          ", ".join("%s %d/%dus" % (k, v[0], v[1]) for k, v in sorted(by.items(),
+                                                                  key=lambda x: -x[1][1])))
+PY
 }

@@ -2,7 +2,8 @@
 // buffer reads as zeros there as soon as Zeroed returns, and a copy between device buffers is
 // complete when CopyDeviceToDevice returns. Memory that cudaMalloc recycles holds its previous
 // owner's bytes, so a zero fill still in flight on the legacy default stream (which
-// non-blocking streams do not wait for) hands a kernel garbage counters.
+// non-blocking streams do not wait for) hands a kernel garbage counters. A buffer for overwrite
+// (not filled) is device memory of its size.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -107,6 +108,30 @@ TEST_F(DeviceBufferTest, AnUploadFromPageableMemoryIsCompleteWhenItReturns) {
     ASSERT_TRUE(copied.ok()) << copied;
     EXPECT_EQ(MismatchesSeenOnTheStream(dst->data(), 0x13572468u), 0u) << "round " << round;
   }
+}
+
+// A buffer for overwrite is device memory of the size asked for, not filled (nothing is queued
+// on any stream), and holds what a copy writes; none for zero elements.
+TEST_F(DeviceBufferTest, ABufferForOverwriteIsDeviceMemoryOfItsSize) {
+  absl::StatusOr<DeviceBuffer<uint32_t>> none = DeviceBuffer<uint32_t>::ForOverwrite(0);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->data(), nullptr);
+  EXPECT_EQ(none->size(), 0u);
+  constexpr size_t kCount = 1000;
+  absl::StatusOr<DeviceBuffer<uint32_t>> staging = DeviceBuffer<uint32_t>::ForOverwrite(kCount);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  EXPECT_EQ(staging->size(), kCount);
+  EXPECT_EQ(staging->bytes(), kCount * sizeof(uint32_t));
+  cudaPointerAttributes attributes;
+  ASSERT_EQ(cudaPointerGetAttributes(&attributes, staging->data()), cudaSuccess);
+  EXPECT_EQ(attributes.type, cudaMemoryTypeDevice);
+  std::vector<uint32_t> host(kCount);
+  for (size_t i = 0; i < kCount; ++i) host[i] = static_cast<uint32_t>(i * 2654435761u);
+  ASSERT_TRUE(CopyToDevice(staging->data(), host.data(), staging->bytes(), "staging").ok());
+  std::vector<uint32_t> back(kCount);
+  ASSERT_EQ(cudaMemcpy(back.data(), staging->data(), staging->bytes(), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(back, host);
 }
 
 }  // namespace

@@ -3,11 +3,11 @@
 // BulkCodes weighs its outliers by): over one KV head of a [count, kv_heads, dim] block of bf16,
 // f16 or f32 keys, every part size the encoder takes, the same codes (a differing one only where
 // two centroids are equally near, to rounding) and the same errors; every KV head in one call
-// (sets) as each in its own, bit for bit; PqEncodeRows (a decode
-// step's keys, one job each, each with its codebooks) bit for bit as PqEncode, exact ties to the
-// lower centroid, non-finite distances ordered alike, its skipped jobs untouched; the same codes
-// however the kernel splits the keys among its warps; training with
-// the GPU's assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
+// (sets) as each in its own, bit for bit; PqEncodeRows (a decode step's keys, one job each, each
+// with its codebooks) bit for bit as PqEncode, exact ties to the lower centroid, non-finite
+// distances ordered alike, its skipped jobs untouched; every split of the keys among PqEncode's
+// warps (and its choice of one) as PqEncodeRows, bit for bit; training with the GPU's
+// assignments (index/gpu_pq_assigner.h) as with the host's; misfits refused.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -43,24 +43,40 @@ constexpr int kKvHeads = 2;
 constexpr int kHead = 1;  // the code set: every other row of the block
 constexpr int kCount = 2999;  // a multiple of neither the kernel's block nor its warp's keys
 
-// A PqEncode call over `count` packed [count, dim] bf16 keys (one set).
-cuda::PqEncodeParams PackedBf16Params(const void* keys, int64_t count, int dim, int subspaces,
-                                      const float* codebooks, uint8_t* codes, float* errors) {
-  cuda::PqEncodeParams p;
-  p.keys = keys;
-  p.element = KvElement::kBf16;
-  p.count = count;
-  p.row_stride = dim;
-  p.dim = dim;
-  p.subspaces = subspaces;
-  p.codebooks = codebooks;
-  p.codes = codes;
-  p.errors = errors;
-  return p;
+// `keys` as `element` stores them: their bytes for the device, and `keys` rounded in place to
+// the values those bytes hold, for the host.
+std::vector<uint8_t> StoredAs(KvElement element, std::vector<float>* keys) {
+  std::vector<uint8_t> stored(keys->size() * KvElementBytes(element));
+  if (element == KvElement::kF32) {
+    std::memcpy(stored.data(), keys->data(), stored.size());
+    return stored;
+  }
+  const cuda::KvDtype dtype =
+      element == KvElement::kBf16 ? cuda::KvDtype::kBf16 : cuda::KvDtype::kF16;
+  auto* bits = reinterpret_cast<uint16_t*>(stored.data());
+  for (size_t i = 0; i < keys->size(); ++i) {
+    bits[i] = EncodeHalf((*keys)[i], dtype);
+    (*keys)[i] = DecodeHalf(bits[i], dtype);
+  }
+  return stored;
 }
 
-// (key element type, dim, M).
-class PqEncodeTest : public ::testing::TestWithParam<std::tuple<KvElement, int, int>> {};
+// (key element type, dim, M): every part size and element type the encoder takes.
+using PartSize = std::tuple<KvElement, int, int>;
+std::vector<PartSize> PartSizes() {
+  return {std::make_tuple(KvElement::kBf16, 128, 8),  // the served shape
+          std::make_tuple(KvElement::kF16, 128, 8),
+          std::make_tuple(KvElement::kF32, 128, 8),   // a training sample
+          std::make_tuple(KvElement::kBf16, 64, 16),  // parts of 4
+          std::make_tuple(KvElement::kBf16, 64, 8),   // 8
+          std::make_tuple(KvElement::kF16, 64, 2)};   // 32
+}
+std::string PartSizeName(const PartSize& size) {
+  return std::string(KvElementName(std::get<0>(size))) + "Dim" +
+         std::to_string(std::get<1>(size)) + "M" + std::to_string(std::get<2>(size));
+}
+
+class PqEncodeTest : public ::testing::TestWithParam<PartSize> {};
 
 TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   KVRECALL_SKIP_WITHOUT_GPU();
@@ -69,18 +85,7 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   // `element`: their stored bytes for the device, their exact f32 values for the host.
   std::vector<float> keys = RandomNormal(static_cast<size_t>(kCount) * kKvHeads * dim, 7);
   for (size_t i = 0; i < keys.size(); ++i) keys[i] = keys[i] * (1.0f + (i % dim) % 5) + 0.5f;
-  std::vector<uint8_t> stored(keys.size() * KvElementBytes(element));
-  if (element == KvElement::kF32) {
-    std::memcpy(stored.data(), keys.data(), stored.size());
-  } else {
-    const cuda::KvDtype dtype =
-        element == KvElement::kBf16 ? cuda::KvDtype::kBf16 : cuda::KvDtype::kF16;
-    auto* bits = reinterpret_cast<uint16_t*>(stored.data());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      bits[i] = EncodeHalf(keys[i], dtype);
-      keys[i] = DecodeHalf(bits[i], dtype);
-    }
-  }
+  const std::vector<uint8_t> stored = StoredAs(element, &keys);
   const VectorSet set{keys.data() + kHead * dim, kCount, kKvHeads * dim, dim, KvElement::kF32};
   ProductQuantizerParams params;
   params.subspaces = subspaces;
@@ -211,12 +216,11 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
     job.error = d_job_errors.data() + i;
   }
   auto d_jobs = ToDevice(jobs);
-  cuda::PqEncodeRowsParams rows;
-  rows.jobs = d_jobs.data();
-  rows.count = kCount;
-  rows.element = element;
-  rows.dim = dim;
-  rows.subspaces = subspaces;
+  const cuda::PqEncodeRowsParams rows{.jobs = d_jobs.data(),
+                                      .count = kCount,
+                                      .element = element,
+                                      .dim = dim,
+                                      .subspaces = subspaces};
   ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<uint8_t> job_codes = ToHost(d_job_codes.data(), d_job_codes.size());
@@ -240,58 +244,94 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
   EXPECT_GT(ties_resolved_low, 0) << "some keys fall on the tied centroids within a warp";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    PartSizes, PqEncodeTest,
-    ::testing::Values(std::make_tuple(KvElement::kBf16, 128, 8),  // the served shape
-                      std::make_tuple(KvElement::kF16, 128, 8),
-                      std::make_tuple(KvElement::kF32, 128, 8),    // a training sample
-                      std::make_tuple(KvElement::kBf16, 64, 16),   // parts of 4
-                      std::make_tuple(KvElement::kBf16, 64, 8),    // 8
-                      std::make_tuple(KvElement::kF16, 64, 2)),    // 32
-    [](const ::testing::TestParamInfo<std::tuple<KvElement, int, int>>& info) {
-      return std::string(KvElementName(std::get<0>(info.param))) + "Dim" +
-             std::to_string(std::get<1>(info.param)) + "M" +
-             std::to_string(std::get<2>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(PartSizes, PqEncodeTest, ::testing::ValuesIn(PartSizes()),
+                         [](const ::testing::TestParamInfo<PartSize>& info) {
+                           return PartSizeName(info.param);
+                         });
 
-// PqEncode gives a warp 8, 2 or 1 keys by how many blocks the device would get (its SM count):
-// whichever, the codes and errors are the same, bit for bit. Calls sized from this device's SM
-// count take each split (1 key a warp: 16 (S - 1) keys, fewer than a block per SM at 2; 2 a
-// warp: 64 (S - 1), fewer than a block per SM at 8; 8 a warp: 64 S + 37), over the same keys.
-TEST(PqEncodeSplitTest, TheCodesAreTheSameHoweverTheWarpsSplitTheKeys) {
-  KVRECALL_SKIP_WITHOUT_GPU();
-  constexpr int kDim = 128, kSubspaces = 8;
-  int device = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
-  ASSERT_GE(sms, 2);
-  const std::vector<int64_t> counts = {16 * (sms - 1), 64 * (sms - 1), 64 * sms + 37};
-  const int64_t most = counts.back();
-  std::vector<float> keys = RandomNormal(static_cast<size_t>(most) * kDim, 13);
-  std::vector<uint16_t> stored(keys.size());
-  for (size_t i = 0; i < keys.size(); ++i) stored[i] = EncodeHalf(keys[i], cuda::KvDtype::kBf16);
-  auto d_keys = ToDevice(stored);
-  auto d_books = ToDevice(RandomNormal(static_cast<size_t>(256) * kDim, 14));
-  std::vector<std::vector<uint8_t>> codes;
-  std::vector<std::vector<float>> errors;
-  for (const int64_t count : counts) {
-    auto d_codes = ToDevice(std::vector<uint8_t>(count * kSubspaces, 0));
-    auto d_errors = ToDevice(std::vector<float>(count, -1.0f));
-    const cuda::PqEncodeParams p = PackedBf16Params(
-        d_keys.data(), count, kDim, kSubspaces, d_books.data(), d_codes.data(), d_errors.data());
-    ASSERT_TRUE(cuda::PqEncode(p, nullptr).ok()) << count;
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    codes.push_back(ToHost(d_codes.data(), d_codes.size()));
-    errors.push_back(ToHost(d_errors.data(), d_errors.size()));
-    EXPECT_EQ(std::count(errors.back().begin(), errors.back().end(), -1.0f), 0) << count;
+// PqEncode gives a warp 8 keys while blocks of 64 keys give every SM one, else 2 while blocks of
+// 16 do, else 1 (the most blocks). Host arithmetic: runs without a device.
+TEST(PqEncodeKeysPerWarpTest, TakesTheMostKeysThatStillGiveEverySmABlock) {
+  for (const int sms : {2, 16, 132, 144}) {
+    EXPECT_EQ(cuda::PqEncodeKeysPerWarp(1, 1, sms), 1) << sms;
+    EXPECT_EQ(cuda::PqEncodeKeysPerWarp(16 * (sms - 1), 1, sms), 1) << sms;
+    EXPECT_EQ(cuda::PqEncodeKeysPerWarp(16 * (sms - 1) + 1, 1, sms), 2) << sms;
+    EXPECT_EQ(cuda::PqEncodeKeysPerWarp(64 * (sms - 1), 1, sms), 2) << sms;
+    EXPECT_EQ(cuda::PqEncodeKeysPerWarp(64 * (sms - 1) + 1, 1, sms), 8) << sms;
   }
-  for (size_t c = 0; c + 1 < counts.size(); ++c) {
-    EXPECT_TRUE(std::equal(codes[c].begin(), codes[c].end(), codes.back().begin()))
-        << counts[c] << " keys against " << most;
-    EXPECT_TRUE(std::equal(errors[c].begin(), errors[c].end(), errors.back().begin()))
-        << counts[c] << " keys against " << most;
+  // The served chunks (8 KV heads) on an H100's 132 SMs, as pq_encode.md timed them.
+  EXPECT_EQ(cuda::PqEncodeKeysPerWarp(8, 8, 132), 1);
+  EXPECT_EQ(cuda::PqEncodeKeysPerWarp(512, 8, 132), 2);
+  EXPECT_EQ(cuda::PqEncodeKeysPerWarp(1024, 8, 132), 2);  // 128 blocks of 64 keys: too few
+  EXPECT_EQ(cuda::PqEncodeKeysPerWarp(1056, 8, 132), 8);
+  EXPECT_EQ(cuda::PqEncodeKeysPerWarp(16384, 1, 132), 8);  // a training's sample
+}
+
+// Whichever split PqEncode takes (chosen from the device, or each asked for), every key's code
+// and error is PqEncodeRows' for the same key and codebooks, bit for bit: 2999 keys (a multiple
+// of no split's block) of one KV head of two, every part size and element type.
+class PqEncodeSplitTest : public ::testing::TestWithParam<std::tuple<PartSize, int>> {};
+
+TEST_P(PqEncodeSplitTest, EverySplitCodesAsPqEncodeRows) {
+  KVRECALL_SKIP_WITHOUT_GPU();
+  const auto [size, keys_per_warp] = GetParam();
+  const auto [element, dim, subspaces] = size;
+  std::vector<float> keys = RandomNormal(static_cast<size_t>(kCount) * kKvHeads * dim, 13);
+  auto d_keys = ToDevice(StoredAs(element, &keys));
+  auto d_books = ToDevice(RandomNormal(static_cast<size_t>(256) * dim, 14));
+  constexpr uint8_t kUntouched = 0xee;
+  auto d_codes =
+      ToDevice(std::vector<uint8_t>(static_cast<size_t>(kCount) * subspaces, kUntouched));
+  auto d_errors = ToDevice(std::vector<float>(kCount, -1.0f));
+  const size_t key_bytes = static_cast<size_t>(dim) * KvElementBytes(element);
+  const cuda::PqEncodeParams p{.keys = d_keys.data() + kHead * key_bytes,
+                               .element = element,
+                               .count = kCount,
+                               .row_stride = kKvHeads * dim,
+                               .dim = dim,
+                               .subspaces = subspaces,
+                               .codebooks = d_books.data(),
+                               .codes = d_codes.data(),
+                               .errors = d_errors.data(),
+                               .keys_per_warp = keys_per_warp};
+  ASSERT_TRUE(cuda::PqEncode(p, nullptr).ok());
+  auto d_row_codes = ToDevice(std::vector<uint8_t>(d_codes.size(), kUntouched));
+  auto d_row_errors = ToDevice(std::vector<float>(kCount, -2.0f));
+  std::vector<cuda::PqEncodeJob> jobs(kCount);
+  for (int i = 0; i < kCount; ++i) {
+    jobs[i] = cuda::PqEncodeJob{d_keys.data() + (int64_t{i} * kKvHeads + kHead) * key_bytes,
+                                d_books.data(), d_row_codes.data() + int64_t{i} * subspaces,
+                                d_row_errors.data() + i};
+  }
+  auto d_jobs = ToDevice(jobs);
+  const cuda::PqEncodeRowsParams rows{.jobs = d_jobs.data(),
+                                      .count = kCount,
+                                      .element = element,
+                                      .dim = dim,
+                                      .subspaces = subspaces};
+  ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint8_t> codes = ToHost(d_codes.data(), d_codes.size());
+  const std::vector<uint8_t> row_codes = ToHost(d_row_codes.data(), d_row_codes.size());
+  const std::vector<float> errors = ToHost(d_errors.data(), d_errors.size());
+  const std::vector<float> row_errors = ToHost(d_row_errors.data(), d_row_errors.size());
+  for (int i = 0; i < kCount; ++i) {
+    for (int m = 0; m < subspaces; ++m) {
+      ASSERT_EQ(codes[i * subspaces + m], row_codes[i * subspaces + m])
+          << "key " << i << " part " << m;
+    }
+    ASSERT_EQ(errors[i], row_errors[i]) << "key " << i;  // (-1 and -2 where untouched)
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Splits, PqEncodeSplitTest,
+    ::testing::Combine(::testing::ValuesIn(PartSizes()), ::testing::Values(0, 1, 2, 8)),
+    [](const ::testing::TestParamInfo<std::tuple<PartSize, int>>& info) {
+      const int split = std::get<1>(info.param);
+      return PartSizeName(std::get<0>(info.param)) +
+             (split == 0 ? std::string("Chosen") : "KeysPerWarp" + std::to_string(split));
+    });
 
 // Training with the GPU's assignments (index/gpu_pq_assigner.h) gives the host team's
 // quantizers: the same rule and arithmetic, so the same codebooks up to a near-tie's rounding.
@@ -352,8 +392,15 @@ TEST(PqEncodeNonFiniteTest, DistancesAreOrderedAsTheScanOrdersThem) {
   auto d_books = ToDevice(books);
   auto d_codes = ToDevice(std::vector<uint8_t>(kKeys * kSubspaces, 0));
   auto d_errors = ToDevice(std::vector<float>(kKeys, 0.0f));
-  const cuda::PqEncodeParams p = PackedBf16Params(
-      d_keys.data(), kKeys, kDim, kSubspaces, d_books.data(), d_codes.data(), d_errors.data());
+  const cuda::PqEncodeParams p{.keys = d_keys.data(),
+                               .element = KvElement::kBf16,
+                               .count = kKeys,
+                               .row_stride = kDim,
+                               .dim = kDim,
+                               .subspaces = kSubspaces,
+                               .codebooks = d_books.data(),
+                               .codes = d_codes.data(),
+                               .errors = d_errors.data()};
   ASSERT_TRUE(cuda::PqEncode(p, nullptr).ok());
   auto d_row_codes = ToDevice(std::vector<uint8_t>(kKeys * kSubspaces, 0));
   auto d_row_errors = ToDevice(std::vector<float>(kKeys, 0.0f));
@@ -453,6 +500,10 @@ TEST(PqEncodeErrorsTest, MisfitsAreRefused) {
   expect_invalid(cuda::PqEncode(p, nullptr), "code_set_stride=0");
   p.code_set_stride = 4 * 8;
   EXPECT_TRUE(cuda::PqEncode(p, nullptr).ok());  // no errors: their stride unread
+  p.keys_per_warp = 4;
+  expect_invalid(cuda::PqEncode(p, nullptr), "keys_per_warp is 0 (chosen), 1, 2 or 8; got 4");
+  p.keys_per_warp = 2;
+  EXPECT_TRUE(cuda::PqEncode(p, nullptr).ok());
   p.sets = 1;
   p.codes = nullptr;
   p.count = 0;  // nothing to code: nothing read

@@ -58,10 +58,12 @@ __device__ __forceinline__ float AddSquaredError(float error, const float* scale
   return error;
 }
 
-// The warps of a PqEncodeKernel block; each weighs kKeysPerWarp keys (8, 2 or 1: PqEncode takes
-// the most that still gives the device a block per SM), so a block codes kWarps * kKeysPerWarp.
+// The warps of a PqEncodeKernel block; each weighs kKeysPerWarp keys, one of the splits below
+// (PqEncodeKeysPerWarp), so a block codes kWarps * kKeysPerWarp.
 constexpr int kWarps = kThreads / 32;
 constexpr int kMostKeysPerWarp = 8;
+constexpr int kFewerKeysPerWarp = 2;
+constexpr int kFewestKeysPerWarp = 1;
 static_assert(kMostKeysPerWarp <= 32, "a lane of each warp keeps one of its keys' errors");
 
 // The least (distance, centroid) of two, the lower centroid on a tie: PqEncodeKernel's and
@@ -85,7 +87,7 @@ __device__ __forceinline__ float Ordered(float distance, int c) {
 // codebook's and parts' loads are issued before the block weighs this one, so that their
 // latency is hidden behind it. Warp w weighs its tile keys w, w + kWarps, ... (so that a few keys
 // still spread over the warps) all at once: lane l takes centroids l, l + 32, ..., reads each
-// centroid once for every key, and keeps a least per key (KeepLeast); then the warp reduces the
+// centroid once for all its keys, and keeps a least per key (KeepLeast); then the warp reduces the
 // keys' leasts by shuffles, interleaved. The keys' independent chains hide the latencies that
 // weighing one key at a time waited on (d112's kernel: ~160 us for 8 to 2048 keys of 8 sets).
 // Lane k of the warp adds its k-th key's part errors, in part order. A warp skips its keys past
@@ -150,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) PqEncodeKernel(const PqEncodeParams 
     float best[kKeysPerWarp];
     int best_c[kKeysPerWarp];
 // (Unrolled twice below 32 dims a part: two centroids' loads ahead of their keys' multiply-adds.
-// At 32 the second centroid's registers would spill. Not tuned further.)
+// At 32 a first form of this loop spilled so (d114's, 8 keys a warp); not tried again since.)
 #pragma unroll(kSub < 32 ? 2 : 1)
     for (int q = 0; q < kCentroids / 32; ++q) {
       const int c = q * 32 + lane;
@@ -305,7 +307,21 @@ absl::Status CheckParts(int dim, int subspaces) {
   return absl::OkStatus();
 }
 
+// Blocks of `keys_per_warp` keys a warp that cover `count` keys of one set.
+int64_t TilesOf(int64_t count, int keys_per_warp) {
+  const int64_t tile = int64_t{kWarps} * keys_per_warp;
+  return (count + tile - 1) / tile;
+}
+
 }  // namespace
+
+int PqEncodeKeysPerWarp(int64_t count, int sets, int sms) {
+  // More keys a warp share each centroid's reads and each codebook's staging; more blocks keep
+  // more of the device busy: at 64 rows of 8 sets, 8 keys a warp kept 8 of 132 SMs busy (d114).
+  if (TilesOf(count, kMostKeysPerWarp) * sets >= sms) return kMostKeysPerWarp;
+  if (TilesOf(count, kFewerKeysPerWarp) * sets >= sms) return kFewerKeysPerWarp;
+  return kFewestKeysPerWarp;
+}
 
 absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
   if (absl::Status s = CheckParts(p.dim, p.subspaces); !s.ok()) return s;
@@ -322,6 +338,11 @@ absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
     return absl::InvalidArgumentError(
         absl::StrCat("PQ encoding needs 1 <= sets <= 65535; got sets=", p.sets));
   }
+  if (p.keys_per_warp != 0 && p.keys_per_warp != kMostKeysPerWarp &&
+      p.keys_per_warp != kFewerKeysPerWarp && p.keys_per_warp != kFewestKeysPerWarp) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "PQ encoding's keys_per_warp is 0 (chosen), 1, 2 or 8; got ", p.keys_per_warp));
+  }
   // Sets that write over one another would race: their codes (and errors) must not overlap.
   if (p.sets > 1 &&
       (std::abs(p.code_set_stride) < p.count * p.subspaces ||
@@ -335,28 +356,23 @@ absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream) {
   if (p.keys == nullptr || p.codebooks == nullptr || p.codes == nullptr) {
     return absl::InvalidArgumentError("keys, codebooks and codes must be device pointers");
   }
-  // The most keys a warp that still gives every SM a block (or the fewest blocks of one key a
-  // warp, when even those are fewer than the SMs): more keys a warp share each centroid's reads
-  // and the codebooks' staging, more blocks keep more of the device busy (d116).
-  const absl::StatusOr<int> sms = MultiprocessorCount();
-  if (!sms.ok()) return sms.status();
-  auto tiles = [&](int keys_per_warp) {
-    const int64_t tile = int64_t{kWarps} * keys_per_warp;
-    return (p.count + tile - 1) / tile;
-  };
-  const int keys_per_warp = tiles(kMostKeysPerWarp) * p.sets >= *sms ? kMostKeysPerWarp
-                            : tiles(2) * p.sets >= *sms              ? 2
-                                                                    : 1;
-  const dim3 blocks(static_cast<unsigned>(tiles(keys_per_warp)), static_cast<unsigned>(p.sets));
+  int keys_per_warp = p.keys_per_warp;
+  if (keys_per_warp == 0) {
+    const absl::StatusOr<int> sms = MultiprocessorCount();
+    if (!sms.ok()) return sms.status();
+    keys_per_warp = PqEncodeKeysPerWarp(p.count, p.sets, *sms);
+  }
+  const dim3 blocks(static_cast<unsigned>(TilesOf(p.count, keys_per_warp)),
+                    static_cast<unsigned>(p.sets));
   return WithKeyAndPart(p.element, p.dim / p.subspaces, [&](auto key, auto part) {
     using T = typename decltype(key)::type;
     constexpr int kSub = decltype(part)::dims;
     if (keys_per_warp == kMostKeysPerWarp) {
       PqEncodeKernel<T, kSub, kMostKeysPerWarp><<<blocks, kThreads, 0, stream>>>(p);
-    } else if (keys_per_warp == 2) {
-      PqEncodeKernel<T, kSub, 2><<<blocks, kThreads, 0, stream>>>(p);
+    } else if (keys_per_warp == kFewerKeysPerWarp) {
+      PqEncodeKernel<T, kSub, kFewerKeysPerWarp><<<blocks, kThreads, 0, stream>>>(p);
     } else {
-      PqEncodeKernel<T, kSub, 1><<<blocks, kThreads, 0, stream>>>(p);
+      PqEncodeKernel<T, kSub, kFewestKeysPerWarp><<<blocks, kThreads, 0, stream>>>(p);
     }
     return LaunchStatus("PqEncodeKernel");
   });

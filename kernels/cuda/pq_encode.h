@@ -40,7 +40,15 @@ struct PqEncodeParams {
   int64_t codebook_set_stride = 0;
   int64_t code_set_stride = 0;
   int64_t error_set_stride = 0;
+  // Keys a warp weighs at once: 0 lets PqEncodeKeysPerWarp choose from the device's SM count;
+  // 1, 2 or 8 takes that split (the codes are the same whichever: tests take each).
+  int keys_per_warp = 0;
 };
+
+// The keys a warp of PqEncode weighs at once for `count` keys of `sets` sets on a device of `sms`
+// multiprocessors: 8 (each centroid read serves 8 keys, each staged codebook 64) when blocks of
+// 8 warps' 8 keys still give every SM one; else 2, or 1 (the most blocks) when even 2 would not.
+int PqEncodeKeysPerWarp(int64_t count, int sets, int sms);
 
 // For every set, key i < count and codebook m, with x its part m widened to f32:
 //   codes[i, m] = the c of the least |c|^2 - 2 <x, c> over codebook m's centroids c, the lower
@@ -50,11 +58,13 @@ struct PqEncodeParams {
 //     BulkCodes weighs its outliers.
 // Every set's keys in one launch of a block per (8 warps' keys, set): a warp weighs the 256
 // centroids of a codebook staged in shared memory, 8 a lane, against its 8, 2 or 1 keys at once
-// (the most that still give every SM of the device a block), so that the keys' chains hide each
-// other's latencies and a few hundred keys still spread over the device: 25-90 us for 8 to 2048
-// keys of 8 sets on an H100 (bench/results/pq_encode.md). Reads the device's SM count (once).
-// Nothing else here depends on the device: the codes are the same on any.
-// INVALID_ARGUMENT for shapes outside the bounds above, or null pointers with keys to code.
+// (PqEncodeKeysPerWarp, unless keys_per_warp says), so that the keys' chains hide each other's
+// latencies and a few hundred keys still spread over the device: 28-92 us for 8 to 2048 keys of
+// 8 sets on an H100 (bench/results/pq_encode.md). Reads the device's SM count (once per device)
+// when it chooses; the codes are the same on any device and split.
+// INVALID_ARGUMENT for shapes outside the bounds above, null pointers with keys to code, or a
+// keys_per_warp other than 0, 1, 2 or 8; the runtime's error (or OUT_OF_RANGE for a device
+// ordinal of 64 or more) when the SM count cannot be read.
 absl::Status PqEncode(const PqEncodeParams& p, cudaStream_t stream);
 
 // One key of a PqEncodeRows call, in device memory: the key (dim elements of the call's

@@ -318,10 +318,9 @@ class GpuBulkCodes final : public BulkCodes {
   // Codes rows [coded(), bulk.tokens) of the bulk (the prompt's at prefill, or those a
   // relearned layer's bulk gained while its codes were learned), their outliers included. On
   // the device (cuda::PqEncode: the host's encoding was most of a long prompt's build): the keys
-  // go up a chunk at a time, one launch codes every KV head's in place (~160 us for up to a
-  // chunk on an H100, bench/results/pq_encode.md; a take-over's catch-up of under ~250 rows would
-  // take less by cuda::PqEncodeRows, up to ~130 us less, but the measured ones were 500-1020
-  // rows: one path) and the keys' reconstruction errors come down. On the host, then uploaded,
+  // go up a chunk at a time, one launch codes every KV head's in place (28-92 us for 8 rows to a
+  // chunk on an H100, bench/results/pq_encode.md; cuda::PqEncodeRows is faster only for a handful
+  // of rows) and the keys' reconstruction errors come down. On the host, then uploaded,
   // when the keys are not 16-bit or the budget has no room for the staging. `stop` is asked
   // before each chunk.
   absl::Status CodeRowsUnless(const BuildStop& stop, const KvView& bulk) override {
@@ -338,8 +337,12 @@ class GpuBulkCodes final : public BulkCodes {
     const int64_t chunk = std::min(rows, kCodingChunkTokens);
     ChargedBuffer<uint16_t> keys;
     ChargedBuffer<float> errors;
-    absl::Status staged = keys.Allocate(chunk * row, device_, "the keys being coded");
-    if (staged.ok()) staged = errors.Allocate(chunk * kv_heads(), device_, "their errors");
+    // Not zeroed: each chunk's upload writes the keys the launch reads, the launch every error
+    // the download reads.
+    absl::Status staged = keys.AllocateForOverwrite(chunk * row, device_, "the keys being coded");
+    if (staged.ok()) {
+      staged = errors.AllocateForOverwrite(chunk * kv_heads(), device_, "their errors");
+    }
     if (absl::IsResourceExhausted(staged)) {
       SayOnHost(coding_on_host_, "coding of the bulk", staged);
       return CodeRowsOnHost(stop, bulk);

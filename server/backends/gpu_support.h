@@ -144,17 +144,13 @@ class ChargedBuffer {
 
   // `count` zeroed elements, the previous content freed; RESOURCE_EXHAUSTED naming `what`.
   absl::Status Allocate(size_t count, MemoryAccount* account, absl::string_view what) {
-    Free();
-    const int64_t bytes = static_cast<int64_t>(count * sizeof(T));
-    if (absl::Status s = account->Reserve(bytes, what); !s.ok()) return s;
-    absl::StatusOr<DeviceBuffer<T>> fresh = DeviceBuffer<T>::Zeroed(count);
-    if (!fresh.ok()) {
-      account->Release(bytes);
-      return fresh.status();
-    }
-    buffer_ = *std::move(fresh);
-    account_ = account;
-    return absl::OkStatus();
+    return Charge(count, account, what, &DeviceBuffer<T>::Zeroed);
+  }
+  // The same, not zeroed (DeviceBuffer::ForOverwrite): for staging whose every element is
+  // written before any is read.
+  absl::Status AllocateForOverwrite(size_t count, MemoryAccount* account,
+                                    absl::string_view what) {
+    return Charge(count, account, what, &DeviceBuffer<T>::ForOverwrite);
   }
   void Free() {
     if (account_ != nullptr) account_->Release(static_cast<int64_t>(buffer_.bytes()));
@@ -166,6 +162,21 @@ class ChargedBuffer {
   size_t bytes() const { return buffer_.bytes(); }
 
  private:
+  absl::Status Charge(size_t count, MemoryAccount* account, absl::string_view what,
+                      absl::StatusOr<DeviceBuffer<T>> (*make)(size_t)) {
+    Free();
+    const int64_t bytes = static_cast<int64_t>(count * sizeof(T));
+    if (absl::Status s = account->Reserve(bytes, what); !s.ok()) return s;
+    absl::StatusOr<DeviceBuffer<T>> fresh = make(count);
+    if (!fresh.ok()) {
+      account->Release(bytes);
+      return fresh.status();
+    }
+    buffer_ = *std::move(fresh);
+    account_ = account;
+    return absl::OkStatus();
+  }
+
   DeviceBuffer<T> buffer_;
   MemoryAccount* account_ = nullptr;
 };

@@ -32,7 +32,8 @@ for rows in 64 2048; do
     $B/pq_encode_bench --rows=$rows --reps=2 --warmup=0 > $OUT/ncu_pq_encode_${rows}_d114.txt \
     2> $L/ncu_$rows.err
   echo "ncu rows $rows rc $? t=$SECONDS" | tee -a $S
-  grep -E "Duration|Registers Per|Achieved Occupancy|Stall|Compute \(SM\) Throughput|Memory Throughput" \
+  grep -E "Duration|Registers Per|Achieved Occupancy|Stall|"\
+"Compute \(SM\) Throughput|Memory Throughput" \
     $OUT/ncu_pq_encode_${rows}_d114.txt | head -20 | tee -a $S
 done
 for rep in 1 2; do
