@@ -14,6 +14,7 @@
 #   pq_encode_runs NAME BIN..   # pq_encode_bench of each BIN dir in turn, into $R (d114 on)
 #   ncu_pq_encode NAME ROWS..   # ncu's report of PqEncodeKernel at ROWS rows, into $R
 #   api_bursts FILE             # the shim's allocation bursts on the stepping threads
+#   takeover_calls SHIM         # a batch-1 take-over run under the shim at 3 us, its bursts
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -255,4 +256,20 @@ for b in bursts:
           ", ".join("%s %d/%dus" % (k, v[0], v[1]) for k, v in sorted(by.items(),
                                                                   key=lambda x: -x[1][1])))
 PY
+}
+
+# d98's take-over run at batch 1 (index, retopk) against $B/kvrecalld under bench/cuda_api_timer.c
+# (SHIM) at a 3 us threshold: the run's JSON to $R/takeover_3us.json, its allocation bursts
+# (api_bursts) into $S, every timed call to $R/api_calls_3us_dN.txt.xz; d118 on.
+takeover_calls() {  # SHIM
+  timed_kvrecalld "$1" "$L/api_calls_3us.txt" 3
+  start_kvrecalld "$L/kvrecalld_timed" "$L/kvrecalld_3us.log" --address=127.0.0.1:0 || return 1
+  timeout 240 "$B/gpu_serving_bench" --server="$kvrecalld_address" --out="$R/takeover_3us.json" \
+    --placement=tiered --contexts=640 --batches=1 --selectors=index,retopk --auto_tau \
+    --steps=700 --warmup=900 > /dev/null 2> "$L/takeover_3us.log"
+  echo "take-over under the shim rc $? t=$SECONDS" | tee -a "$S"
+  kill "$kvrecalld_pid"
+  wait "$kvrecalld_pid" 2>/dev/null
+  api_bursts "$L/api_calls_3us.txt"
+  xz -T4 -c "$L/api_calls_3us.txt" > "$R/api_calls_3us_d$N.txt.xz"
 }

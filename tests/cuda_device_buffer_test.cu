@@ -110,8 +110,8 @@ TEST_F(DeviceBufferTest, AnUploadFromPageableMemoryIsCompleteWhenItReturns) {
   }
 }
 
-// A buffer for overwrite is device memory of the size asked for, not filled (nothing is queued
-// on any stream), and holds what a copy writes; none for zero elements.
+// A buffer for overwrite is device memory of the size asked for and holds what a copy writes;
+// none for zero elements.
 TEST_F(DeviceBufferTest, ABufferForOverwriteIsDeviceMemoryOfItsSize) {
   absl::StatusOr<DeviceBuffer<uint32_t>> none = DeviceBuffer<uint32_t>::ForOverwrite(0);
   ASSERT_TRUE(none.ok()) << none.status();

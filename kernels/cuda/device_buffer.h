@@ -26,9 +26,10 @@ inline absl::Status WaitForLegacyStream(absl::string_view what) {
   return CudaStatus(cudaStreamSynchronize(cudaStreamLegacy), what);
 }
 
-// `count` elements of T in device memory, zero-filled at allocation (workspaces rely on it:
-// their counters and histograms start at zero and every step leaves them at zero again); the
-// zeros are in place, for every stream, when Zeroed returns.
+// `count` elements of T in device memory: zero-filled at allocation by Zeroed (workspaces rely
+// on it: their counters and histograms start at zero and every step leaves them at zero again;
+// the zeros are in place, for every stream, when Zeroed returns), or left unfilled by
+// ForOverwrite for staging that is written in full before it is read.
 template <typename T>
 class DeviceBuffer {
  public:
@@ -57,9 +58,10 @@ class DeviceBuffer {
   }
 
   // `count` elements left as cudaMalloc gives them (a recycled block's old bytes), for a buffer
-  // whose every element is written before any is read: staging that a copy or a kernel fills.
-  // Saves Zeroed's fill and its wait for the legacy stream (~50 us for a MB; a take-over's
-  // coding stages its rows on the step's path).
+  // whose every element is written before any is read, the writes ordered before the reads
+  // (the same stream, or a wait): staging that a copy or a kernel fills. Saves Zeroed's fill and
+  // its wait for the legacy stream (~50 us for a MB; a take-over's coding stages its rows on
+  // the step's path).
   static absl::StatusOr<DeviceBuffer> ForOverwrite(size_t count) {
     DeviceBuffer buffer;
     if (count == 0) return buffer;

@@ -11,6 +11,8 @@
 # Bundle: .device/b118 (this code, and 34256b1's kvrecalld as kvrecalld_34256b1; the shim in
 # its ship). Carry .device/b118/ship and client/python/kvrecall/_gen. Everything but the
 # summary comes back in d118_out.tgz.
+# (Its run under the shim was inline when it ran; bench/device_call.sh's takeover_calls since,
+# the same commands.)
 set -u
 . bench/device_call.sh
 device_call_begin 118
@@ -26,15 +28,7 @@ for rep in 1 2; do
   takeover_run old$rep $B/kvrecalld_34256b1
   takeover_run new$rep $B/kvrecalld
 done
-timed_kvrecalld $PWD/.device/b118/ship/libkvrecall_cuda_api_timer.so $L/api_calls_3us.txt 3
-start_kvrecalld $L/kvrecalld_timed $L/kvrecalld_3us.log --address=127.0.0.1:0 || exit 1
-timeout 240 $B/gpu_serving_bench --server=$kvrecalld_address --out=$R/takeover_3us.json \
-  --placement=tiered --contexts=640 --batches=1 --selectors=index,retopk --auto_tau \
-  --steps=700 --warmup=900 > /dev/null 2> $L/takeover_3us.log
-echo "take-over under the shim rc $? t=$SECONDS" | tee -a $S
-kill $kvrecalld_pid; wait $kvrecalld_pid 2>/dev/null
-api_bursts $L/api_calls_3us.txt
-xz -T4 -c $L/api_calls_3us.txt > $R/api_calls_3us_d118.txt.xz
+takeover_calls $PWD/.device/b118/ship/libkvrecall_cuda_api_timer.so
 mv $OUT/*.json $R/ 2>/dev/null
 tar -C $L -czf $OUT/d118_out.tgz out
 device_call_end
