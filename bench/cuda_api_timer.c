@@ -2,9 +2,10 @@
 // synchronizations, graph instantiation; launches, events and attributes too, since d117), for
 // finding where a stall on the step path goes on a machine without Nsight Systems (the H200/H100
 // machines of bench/results). It wraps the calls of libcudart.so (kvrecalld links it
-// dynamically) by name and forwards each to the real one; a call over KVRECALL_API_TIMER_US microseconds (default 100) is written to
-// KVRECALL_API_TIMER_OUT (default stderr) as "start_us duration_us name thread", start from the
-// first call; at exit every wrapped function's count, total and largest duration follow.
+// dynamically) by name and forwards each to the real one; a call over KVRECALL_API_TIMER_US
+// microseconds (default 100) is written to KVRECALL_API_TIMER_OUT (default stderr) as "start_us
+// duration_us name thread", start from the first call; at exit every wrapped function's count,
+// total and largest duration follow.
 //
 //   LD_PRELOAD=libkvrecall_cuda_api_timer.so KVRECALL_API_TIMER_OUT=calls.txt kvrecalld ...
 //

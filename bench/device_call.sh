@@ -1,9 +1,11 @@
 # Sourced by the device-call scripts (bench/results/device_calls/dNN.sh, from d98 on): what every
-# call to the GPU machine (an H200, or an H100) does around its measurements, so that a script holds only those.
+# call to the GPU machine (an H200, or an H100) does around its measurements, so that a script
+# holds only those.
 #
 #   . bench/device_call.sh
 #   device_call_begin 98        # unpacks .device/b98/ship/bundle.tar.xz; sets B (its bin/),
-#                               # L (/tmp/d98, the logs), S ($OUT/d98_summary.txt), N (98)
+#                               # L (/tmp/d98, the logs), S ($OUT/d98_summary.txt), N (98),
+#                               # R ($L/out: raw results a script tars into $OUT)
 #   bash bench/device_test_suite.sh $B $L $S
 #   serving_summary $L/x.json   # one line per gpu_serving_bench record, into $S
 #   hf_demo_check NAME          # the transformers backend end to end, into $OUT/NAME.json
@@ -11,7 +13,7 @@
 #   tiered_rows BIN CONTEXT...  # issue 15's headline rows (batch 1) at each context
 #   api_windows FILE            # bench/cuda_api_timer.c's heaviest windows of calls
 #   timed_kvrecalld SHIM F US   # $L/kvrecalld_timed: kvrecalld under that shim
-#   pq_encode_runs NAME BIN..   # pq_encode_bench of each BIN dir in turn, into $R (d114 on)
+#   pq_encode_runs NAME BIN..   # pq_encode_bench of each BIN dir in turn, into $R (d118 on)
 #   ncu_pq_encode NAME ROWS..   # ncu's report of PqEncodeKernel at ROWS rows, into $R
 #   api_bursts FILE             # the shim's allocation bursts on the stepping threads
 #   takeover_calls SHIM         # a batch-1 take-over run under the shim at 3 us, its bursts
@@ -28,7 +30,8 @@ device_call_begin() {
   export LD_LIBRARY_PATH=$PWD/.device/b$N/bundle/lib
   L=/tmp/d$N
   S=$OUT/d${N}_summary.txt
-  mkdir -p "$L"
+  R=$L/out
+  mkdir -p "$L" "$R"
   cat /proc/loadavg | tee -a "$S"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$S"
 }
@@ -204,7 +207,9 @@ pq_encode_runs() {  # NAME BIN...
 }
 
 # ncu's sections of one PqEncodeKernel launch (every KV head at once, as served) at each row
-# count: $R/ncu_pq_encode_NAME_ROWS.txt, its headline figures into $S.
+# count: $R/ncu_pq_encode_NAME_ROWS.txt, its headline figures into $S. The launch skipped to is
+# the bench's 17th: after two runs of its 8 launches a KV head (its default --kv_heads=8).
+# (d114-d116 ran these commands inline.)
 ncu_pq_encode() {  # NAME ROWS...
   local name=$1 rows
   shift
@@ -220,9 +225,10 @@ ncu_pq_encode() {  # NAME ROWS...
 }
 
 # bench/cuda_api_timer.c's calls (FILE) on the threads that step (gRPC's and the pool's: not the
-# codes learning's, the builds' or kvrecalld's main thread) that allocate, free, fill or make
-# graphs and streams, in bursts (a gap of 5 ms or more between two ends one): per burst, its
-# start and, by function, its calls and microseconds. A step's allocations show as a burst (the
+# codes learning's, the builds' or kvrecalld's main thread) that allocate, free, fill, copy
+# synchronously, or make graphs, streams and events, in bursts (5 ms or more from the latest
+# end of a call to the next call's start ends one): per burst, its start, its calls' time and
+# span and, by function, its calls and microseconds. A step's allocations show as a burst (the
 # first steps, a take-over, the close); d117 on.
 api_bursts() {  # FILE
   python3 - "$1" <<'PY' 2>&1 | tee -a "$S"
@@ -245,7 +251,7 @@ for c in calls:
     if last is None or c[0] - last >= 5000:
         bursts.append([])
     bursts[-1].append(c)
-    last = c[0] + c[1]
+    last = max(last, c[0] + c[1]) if last is not None else c[0] + c[1]
 for b in bursts:
     by = collections.defaultdict(lambda: [0, 0])
     for c in b:
@@ -262,6 +268,7 @@ PY
 # (SHIM) at a 3 us threshold: the run's JSON to $R/takeover_3us.json, its allocation bursts
 # (api_bursts) into $S, every timed call to $R/api_calls_3us_dN.txt.xz; d118 on.
 takeover_calls() {  # SHIM
+  rm -f "$L/api_calls_3us.txt"  # (the shim appends)
   timed_kvrecalld "$1" "$L/api_calls_3us.txt" 3
   start_kvrecalld "$L/kvrecalld_timed" "$L/kvrecalld_3us.log" --address=127.0.0.1:0 || return 1
   timeout 240 "$B/gpu_serving_bench" --server="$kvrecalld_address" --out="$R/takeover_3us.json" \

@@ -849,16 +849,8 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
     }
     if (pending == 1) state.new_row[b] = codes.coded();
     state.scanned[b] = codes.coded();
-    // A captured step is planned for the row the next step will scan too: its bound then moves
-    // (and the step is captured again) on the step that reaches a bucket's end rather than the
-    // one after. The take-overs of a layer whose codes were first learned at 1024 rows come at
-    // bucket ends (1536, 3072, ... rows), so such a step, captured anyway for the new codes,
-    // plans the next bucket, and the step after it is not captured once more (d117: 45 + ~140 +
-    // 92 us to destroy, capture and instantiate; d119).
     state.scan_bound[b] =
-        cuda_graphs_ && codes.coded() > 0
-            ? std::min(codes.capacity(), gpu::GraphTokenBound(codes.coded() + 1))
-            : codes.coded();
+        cuda_graphs_ ? gpu::CapturedScanBound(codes.coded(), codes.capacity()) : codes.coded();
   }
   // The bound of query heads the steps may give the device's exact path (SetExactHeads names
   // them), with the bounds its kernel reads.

@@ -49,7 +49,8 @@ inline constexpr int kMaxSplits = 512;
 // backend runs on whichever thread gRPC gives it).
 class DeviceScope {
  public:
-  explicit DeviceScope(int ordinal) { status_ = CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"); }
+  explicit DeviceScope(int ordinal)
+      : status_(CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice")) {}
   const absl::Status& status() const { return status_; }
 
  private:
@@ -162,6 +163,8 @@ class ChargedBuffer {
   size_t bytes() const { return buffer_.bytes(); }
 
  private:
+  // Allocate's and AllocateForOverwrite's: reserves the bytes, then makes the buffer with
+  // `make` (DeviceBuffer's Zeroed or ForOverwrite), the reservation given back if it fails.
   absl::Status Charge(size_t count, MemoryAccount* account, absl::string_view what,
                       absl::StatusOr<DeviceBuffer<T>> (*make)(size_t)) {
     Free();
@@ -444,14 +447,26 @@ class Carver {
   size_t offset_ = 0;
 };
 
-// The history bound a captured step is planned for: the longest sequence's rounded up to a
-// sixteenth of its power of two (at least 256 tokens), so that a growing session captures again
-// after ~6 % of growth and its launches plan for at most ~6 % more keys than there are.
+// The bound a captured step is planned for: `tokens` rounded up to a sixteenth of its power of
+// two (at least 256 tokens), so that a growing session captures again after ~6 % of growth and
+// its launches plan for at most ~6 % more keys than there are. The gpu placement bounds its
+// histories so, the tiered placement its shortlists' scans (CapturedScanBound).
 inline int64_t GraphTokenBound(int64_t tokens) {
   int64_t bucket = 256;
   while (bucket * 32 <= tokens) bucket *= 2;
   const int64_t rounded = (tokens + bucket - 1) / bucket * bucket;
   return std::max(tokens, std::min<int64_t>(INT32_MAX / 2, rounded));
+}
+
+// The scan bound of a captured step whose shortlist scans `coded` rows of codes with room for
+// `capacity` (>= coded): planned for the row the next step will scan too, so that the bound
+// moves (and the step is captured again) on the step that reaches a bucket's end rather than
+// the one after. The take-overs of a layer whose codes were first learned at 1024 rows come at
+// bucket ends (1536, 3072, ... rows): such a step, captured anyway for the new codes, plans the
+// next bucket, and the step after it is not captured once more (d117: 45 + ~140 + 92 us to
+// destroy, capture and instantiate; d119). 0 rows: 0 (no scan).
+inline int64_t CapturedScanBound(int64_t coded, int64_t capacity) {
+  return coded > 0 ? std::min(capacity, GraphTokenBound(coded + 1)) : 0;
 }
 
 // `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
@@ -468,8 +483,11 @@ cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
     if (status.ok()) status = ended;
   }
   cudaGraphExec_t exec = nullptr;
+  // (Update, not an assignment: nvcc's front end warns of the discarded Status& of one, and
+  // tests/gpu_support_test.cu compiles this header with it.)
   if (status.ok()) {
-    status = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step");
+    status.Update(
+        CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step"));
   }
   if (graph != nullptr) cudaGraphDestroy(graph);
   if (!status.ok()) {
@@ -490,7 +508,7 @@ cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
 inline absl::Status ReportedErrors(const cuda::KernelErrors& errors, cudaStream_t stream,
                                    absl::string_view who) {
   absl::Status s = errors.CheckAndClear(stream);
-  if (s.ok()) s = absl::InternalError("the kernels' error word was set, then read as clear");
+  if (s.ok()) s.Update(absl::InternalError("the kernels' error word was set, then read as clear"));
   return absl::InternalError(absl::StrCat(who, " reported: ", s.message()));
 }
 

@@ -28,7 +28,8 @@ for rep in 1 2; do
     cat $L/pq_$v$rep.log | tee -a $S
   done
 done
-# The server's other shape: the training's f32 sample, one set a launch (GpuPqAssigner).
+# The server's other shape: the training's (16384 keys, one set a launch: GpuPqAssigner; bf16
+# here, the training's sample is f32).
 timeout 60 $B/pq_encode_bench --rows=16384 --kv_heads=1 > $R/pq_encode_train_d115.json \
   2> $L/pq_train.log
 cat $L/pq_train.log | tee -a $S

@@ -2,9 +2,10 @@
 # Run 2026-12-05 (twelfth session): device_tests.md, tiered_serving.md ("The step at a
 # take-over").
 # Hundred-and-nineteenth call: a captured step plans its scan bound for the row the next step
-# scans too (GraphTokenBound(coded + 1)), so that the step after a take-over (whose length is
-# always a bucket's end) is not captured once more (d117, d118: two captures a take-over). Also
-# the last refactors (DeviceBuffer::Zeroed on ForOverwrite).
+# scans too (GraphTokenBound(coded + 1)), so that the step after a take-over (at a bucket's end
+# for a layer whose codes were first learned at 1024 rows, as here) is not captured once more
+# (d117, d118: two captures a take-over). Also the last refactors (DeviceBuffer::Zeroed on
+# ForOverwrite).
 #   1. The whole test suite.
 #   2. This kvrecalld's batch-1 take-over under bench/cuda_api_timer.c at 3 us: its allocation
 #      bursts (a take-over's should show one cudaGraphInstantiate, d118's showed two).
