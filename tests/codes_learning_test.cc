@@ -13,8 +13,10 @@
 #include <memory>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/vector_set.h"
 #include "server/backends/bulk_codes.h"
@@ -166,40 +168,46 @@ TEST_P(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
 
 // A tier codes a bulk's keys as its quantizers encode them, whether the rows are few or many (a
 // prompt's bulk; a few rows, then many, coded after it: the GPU tier codes every KV head in one
-// launch a chunk), and each row's error goes to its own KV head's outliers: keys planted far
-// from every centroid in KV head 1 alone, in rows coded by each call, are that head's outliers
-// and not the other's.
+// launch a chunk of 2048 rows, its staging not zeroed, and the last case takes three chunks),
+// and each row's error goes to its own KV head's outliers: keys planted far from every centroid
+// in KV head 1 alone, in rows coded by each call, are that head's outliers and not the other's.
 TEST_P(CodesLearningTest, CodedRowsAreTheQuantizersEncodingFewOrMany) {
-  constexpr int64_t kPlanted[] = {302, 1200, 1503, 1800};
-  for (const int64_t prompt : {300, 1500}) {
-    SCOPED_TRACE(prompt);
+  // The last case codes past two of the GPU tier's chunks of 2048 rows in one call, a far key in
+  // its last, partial chunk.
+  constexpr int64_t kMostRows = 4700;
+  constexpr int64_t kPlanted[] = {302, 1200, 1503, 1800, 4500};
+  for (const auto& [prompt, rows] : {std::pair<int64_t, int64_t>{300, kRows},
+                                     std::pair<int64_t, int64_t>{1500, kRows},
+                                     std::pair<int64_t, int64_t>{300, kMostRows}}) {
+    SCOPED_TRACE(absl::StrCat(prompt, " rows of prompt, ", rows, " coded"));
     // Planted after the prompt alone: a far key among the rows that train the codebooks (or
     // set the outliers' bar) would shape them instead.
-    RandomKv kv(kRows, kKvHeads, kDim, 5);
+    RandomKv kv(rows, kKvHeads, kDim, 5);
+    auto planted_in = [&](int64_t row) { return row >= prompt && row < rows; };
     for (const int64_t row : kPlanted) {
-      if (row < prompt) continue;
+      if (!planted_in(row)) continue;
       float* key = kv.keys.data() + (row * kKvHeads + 1) * kDim;
       for (int i = 0; i < kDim; ++i) key[i] *= 20.0f;
     }
     const NarrowedKv planted(kv, KvElement::kBf16);
-    const KvView all = planted.view().Tokens(0, kRows);
+    const KvView all = planted.view().Tokens(0, rows);
     absl::StatusOr<std::unique_ptr<BulkCodes>> codes =
-        tier_->BuildCodes(config_, accounts_, all.Tokens(0, prompt), kRows, BuildStop());
+        tier_->BuildCodes(config_, accounts_, all.Tokens(0, prompt), rows, BuildStop());
     ASSERT_TRUE(codes.ok()) << codes.status();
-    for (const int64_t grown : {prompt + 7, kRows}) {
+    for (const int64_t grown : {prompt + 7, rows}) {
       ASSERT_TRUE((*codes)->CodeRows(all.Tokens(0, grown)).ok()) << grown;
     }
-    ASSERT_EQ((*codes)->coded(), kRows);
+    ASSERT_EQ((*codes)->coded(), rows);
     for (int h = 0; h < kKvHeads; ++h) {
-      std::vector<uint8_t> want(kRows * (*codes)->subspaces());
-      (*codes)->quantizer(h).Encode(VectorSet::KeysOf(all, h, 0, kRows), want.data());
-      absl::StatusOr<std::vector<uint8_t>> got = (*codes)->ReadCodes(h, 0, kRows);
+      std::vector<uint8_t> want(rows * (*codes)->subspaces());
+      (*codes)->quantizer(h).Encode(VectorSet::KeysOf(all, h, 0, rows), want.data());
+      absl::StatusOr<std::vector<uint8_t>> got = (*codes)->ReadCodes(h, 0, rows);
       ASSERT_TRUE(got.ok()) << got.status();
       EXPECT_TRUE(*got == want) << "KV head " << h;
       const std::set<int32_t> outliers((*codes)->outliers(h).begin(),
                                        (*codes)->outliers(h).end());
       for (const int64_t row : kPlanted) {
-        if (row < prompt) continue;
+        if (!planted_in(row)) continue;
         EXPECT_EQ(outliers.count(static_cast<int32_t>(row)), h == 1 ? 1u : 0u)
             << "KV head " << h << " row " << row;
       }
