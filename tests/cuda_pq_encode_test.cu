@@ -76,6 +76,20 @@ std::string PartSizeName(const PartSize& size) {
          std::to_string(std::get<1>(size)) + "M" + std::to_string(std::get<2>(size));
 }
 
+// Codes `jobs` by PqEncodeRows (their keys of `element`, `dim` elements in `subspaces` parts)
+// and waits for them: the reference every PqEncode result here is held to bit for bit.
+void CodeByRows(const std::vector<cuda::PqEncodeJob>& jobs, KvElement element, int dim,
+                int subspaces) {
+  auto d_jobs = ToDevice(jobs);
+  const cuda::PqEncodeRowsParams rows{.jobs = d_jobs.data(),
+                                      .count = static_cast<int>(jobs.size()),
+                                      .element = element,
+                                      .dim = dim,
+                                      .subspaces = subspaces};
+  ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 class PqEncodeTest : public ::testing::TestWithParam<PartSize> {};
 
 TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
@@ -215,14 +229,7 @@ TEST_P(PqEncodeTest, MatchesTheCpuEncoder) {
     job.codes = i % 5 == 4 ? nullptr : d_job_codes.data() + static_cast<int64_t>(i) * subspaces;
     job.error = d_job_errors.data() + i;
   }
-  auto d_jobs = ToDevice(jobs);
-  const cuda::PqEncodeRowsParams rows{.jobs = d_jobs.data(),
-                                      .count = kCount,
-                                      .element = element,
-                                      .dim = dim,
-                                      .subspaces = subspaces};
-  ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(CodeByRows(jobs, element, dim, subspaces));
   const std::vector<uint8_t> job_codes = ToHost(d_job_codes.data(), d_job_codes.size());
   const std::vector<float> job_errors = ToHost(d_job_errors.data(), d_job_errors.size());
   int ties_resolved_low = 0;
@@ -303,14 +310,7 @@ TEST_P(PqEncodeSplitTest, EverySplitCodesAsPqEncodeRows) {
                                 d_books.data(), d_row_codes.data() + int64_t{i} * subspaces,
                                 d_row_errors.data() + i};
   }
-  auto d_jobs = ToDevice(jobs);
-  const cuda::PqEncodeRowsParams rows{.jobs = d_jobs.data(),
-                                      .count = kCount,
-                                      .element = element,
-                                      .dim = dim,
-                                      .subspaces = subspaces};
-  ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(CodeByRows(jobs, element, dim, subspaces));
   const std::vector<uint8_t> codes = ToHost(d_codes.data(), d_codes.size());
   const std::vector<uint8_t> row_codes = ToHost(d_row_codes.data(), d_row_codes.size());
   const std::vector<float> errors = ToHost(d_errors.data(), d_errors.size());
@@ -409,15 +409,7 @@ TEST(PqEncodeNonFiniteTest, DistancesAreOrderedAsTheScanOrdersThem) {
     jobs[i] = cuda::PqEncodeJob{d_keys.data() + i * kDim, d_books.data(),
                                 d_row_codes.data() + i * kSubspaces, d_row_errors.data() + i};
   }
-  auto d_jobs = ToDevice(jobs);
-  cuda::PqEncodeRowsParams rows;
-  rows.jobs = d_jobs.data();
-  rows.count = kKeys;
-  rows.element = KvElement::kBf16;
-  rows.dim = kDim;
-  rows.subspaces = kSubspaces;
-  ASSERT_TRUE(cuda::PqEncodeRows(rows, nullptr).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(CodeByRows(jobs, KvElement::kBf16, kDim, kSubspaces));
   EXPECT_EQ(ToHost(d_row_codes.data(), d_row_codes.size()),
             ToHost(d_codes.data(), d_codes.size()));
   const std::vector<float> want = ToHost(d_errors.data(), kKeys);
