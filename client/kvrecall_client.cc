@@ -115,13 +115,14 @@ absl::StatusOr<v1::ExactSearch> ParseExactSearch(absl::string_view name) {
   return static_cast<v1::ExactSearch>(*v);
 }
 
-v1::Policy CpuPolicy(v1::Selector selector, int top_k, int sinks, int recent) {
+v1::Policy CpuPolicy(v1::Selector selector, int top_k, std::optional<int> sinks,
+                     std::optional<int> recent) {
   v1::Policy policy;
   policy.set_placement(v1::PLACEMENT_CPU);
   policy.set_selector(selector);
   policy.set_top_k(top_k);
-  policy.set_sinks(sinks);
-  policy.set_recent(recent);
+  if (sinks.has_value()) policy.set_sinks(*sinks);
+  if (recent.has_value()) policy.set_recent(*recent);
   return policy;
 }
 

@@ -44,8 +44,10 @@ absl::StatusOr<v1::DType> ParseDType(absl::string_view name);
 absl::StatusOr<v1::GraphScope> ParseGraphScope(absl::string_view name);
 absl::StatusOr<v1::ExactSearch> ParseExactSearch(absl::string_view name);
 
-// A CPU-placement policy of `selector` with its K and static set (0: the server's defaults).
-v1::Policy CpuPolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0);
+// A CPU-placement policy of `selector` with its K (0: the server's default) and static set
+// (nullopt: the server's defaults; 0: none).
+v1::Policy CpuPolicy(v1::Selector selector, int top_k = 0, std::optional<int> sinks = std::nullopt,
+                     std::optional<int> recent = std::nullopt);
 
 // A session as the client needs it to shape tensors: its id, geometry and effective policy.
 struct SessionHandle {

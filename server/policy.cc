@@ -127,13 +127,15 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   const SelectorParams defaults;
   p.kind = *kind;
   p.top_k = OrDefault(policy.top_k(), defaults.top_k);
-  p.sinks = OrDefault(policy.sinks(), defaults.sinks);
-  p.recent = OrDefault(policy.recent(), defaults.recent);
+  // Present, a zero is served as sent (no sinks, no ring): the fields are proto3 optional.
+  p.sinks = policy.has_sinks() ? policy.sinks() : defaults.sinks;
+  p.recent = policy.has_recent() ? policy.recent() : defaults.recent;
 
   const v1::ReTopKParams& r = policy.retopk();
   p.retopk.cache_capacity = OrDefault(r.cache_capacity(), defaults.retopk.cache_capacity);
   p.retopk.reuse_neighbors = OrDefault(r.reuse_neighbors(), defaults.retopk.reuse_neighbors);
-  p.retopk.recent_window = OrDefault(r.recent_window(), defaults.retopk.recent_window);
+  p.retopk.recent_window =
+      r.has_recent_window() ? r.recent_window() : defaults.retopk.recent_window;
   p.retopk.tau = r.has_tau() ? r.tau() : defaults.retopk.tau;
   p.retopk.refresh_interval =
       r.has_refresh_interval() ? r.refresh_interval() : defaults.retopk.refresh_interval;

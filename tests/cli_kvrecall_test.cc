@@ -272,6 +272,16 @@ TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
   EXPECT_EQ(tiered["policy"]["index"]["shortlist"], 32);
   ASSERT_EQ(Kvrecall("close", {tiered["session_id"]}).exit_code, 0);
 
+  // --sinks, --recent and --W: -1 (their default) leaves the field unset, the server's
+  // default; 0 is sent and served (none).
+  r = Kvrecall("create", {"--policy=retopk", "--sinks=0", "--W=0", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json zeros = nlohmann::json::parse(r.out);
+  EXPECT_EQ(zeros["policy"]["sinks"], 0);
+  EXPECT_EQ(zeros["policy"]["recent"], 512);
+  EXPECT_EQ(zeros["policy"]["retopk"]["recent_window"], 0);
+  ASSERT_EQ(Kvrecall("close", {zeros["session_id"]}).exit_code, 0);
+
   r = Kvrecall("get", {id, "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json info = nlohmann::json::parse(r.out);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -34,7 +35,9 @@ using ::kvrecall::testing::ReferenceSession;
 using ::kvrecall::testing::ReferenceTopK;
 using ::kvrecall::testing::TensorValues;
 
-v1::Policy GpuPolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0) {
+v1::Policy GpuPolicy(v1::Selector selector, int top_k = 0,
+                     std::optional<int> sinks = std::nullopt,
+                     std::optional<int> recent = std::nullopt) {
   v1::Policy p = MakePolicy(selector, top_k, sinks, recent);
   p.set_placement(v1::PLACEMENT_GPU);
   return p;

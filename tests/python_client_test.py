@@ -328,6 +328,23 @@ class ClientTest(ServerTest):
             make_policy("nearest")
         self.assertIn("nearest", str(e.exception))
 
+    def test_a_zero_window_is_sent_and_none_takes_the_default(self):
+        # sinks, recent and retopk's recent_window are proto3 optional: None leaves them unset
+        # (the server's defaults), 0 is served as sent.
+        g = make_geometry(1, 2, 1, 8)
+        unset = self.client.create_session(g, make_policy("streaming"))
+        self.addCleanup(unset.close)
+        self.assertEqual((unset.policy.sinks, unset.policy.recent), (128, 512))
+        zero = self.client.create_session(
+            g, make_policy("retopk", sinks=0, recent=16, retopk={"recent_window": 0}))
+        self.addCleanup(zero.close)
+        self.assertEqual((zero.policy.sinks, zero.policy.recent), (0, 16))
+        self.assertEqual(zero.policy.retopk.recent_window, 0)
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            self.client.create_session(g, make_policy("streaming", sinks=0, recent=0))
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("policy.sinks + policy.recent must be >= 1", e.exception.message)
+
 
 class ArgumentCheckTest(ServerTest):
     """What the client checks itself: bad arguments raise ValueError naming them before anything

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -244,7 +245,10 @@ inline v1::Geometry MakeGeometry(int layers, int q_heads, int kv_heads, int head
   return g;
 }
 
-inline v1::Policy MakePolicy(v1::Selector selector, int top_k = 0, int sinks = 0, int recent = 0) {
+// sinks, recent: nullopt leaves them unset (the server's defaults).
+inline v1::Policy MakePolicy(v1::Selector selector, int top_k = 0,
+                             std::optional<int> sinks = std::nullopt,
+                             std::optional<int> recent = std::nullopt) {
   return client::CpuPolicy(selector, top_k, sinks, recent);
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -282,30 +283,38 @@ TEST_F(ServiceDecodeTest, ReTopKFallsBackToExactTopKBelowTau) {
 }
 
 TEST_F(ServiceDecodeTest, StreamingAttendsSinksAndRecentWindow) {
-  constexpr int kSinks = 4;
-  constexpr int kRecent = 8;
-  ReferenceSession ref(MakeGeometry(1, 4, 1, 16, v1::DTYPE_BF16), 40, 11);
-  const std::string id =
-      CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_STREAMING, 0, kSinks, kRecent), 16);
-  ASSERT_FALSE(id.empty());
-  DecodeClient decode(stub());
-  for (int step = 0; step < 3; ++step) {
-    std::vector<float> q;
-    absl::StatusOr<v1::SequenceResult> result =
-        DecodeOne(decode, ref, id, 0, 900 + step, &q, /*diagnostics=*/true, false);
-    ASSERT_TRUE(result.ok()) << result.status();
-    std::vector<int32_t> support(kSinks);
-    std::iota(support.begin(), support.end(), 0);
-    for (int64_t t = ref.tokens(0) - kRecent; t < ref.tokens(0); ++t) support.push_back(t);
-    const std::vector<double> want =
-        ref.Attention(0, q, std::vector<std::vector<int32_t>>(4, support));
-    ExpectOutputNear(TensorValues(result->output()), want, v1::DTYPE_BF16, "streaming");
-    ASSERT_EQ(result->heads_size(), 4);
-    for (const v1::HeadDiagnostics& head : result->heads()) {
-      EXPECT_EQ(head.path(), v1::PATH_EXACT);
-      EXPECT_EQ(head.support(), kSinks + kRecent);
-      EXPECT_EQ(head.candidates(), 0);
-      EXPECT_EQ(head.retained_mass(), 0.0f);  // not measured without compare_exact
+  // Either part of the window may be empty: a zero is served as sent (proto3 optional fields),
+  // so a window of recent tokens alone (StreamingLLM without sinks) or of sinks alone can be
+  // asked for.
+  for (const auto& [sinks, recent] : {std::pair{4, 8}, std::pair{0, 8}, std::pair{4, 0}}) {
+    SCOPED_TRACE(absl::StrCat("sinks ", sinks, ", recent ", recent));
+    ReferenceSession ref(MakeGeometry(1, 4, 1, 16, v1::DTYPE_BF16), 40, 11);
+    const std::string id =
+        CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_STREAMING, 0, sinks, recent), 16);
+    ASSERT_FALSE(id.empty());
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->policy().sinks(), sinks);
+    EXPECT_EQ(info->policy().recent(), recent);
+    DecodeClient decode(stub());
+    for (int step = 0; step < 3; ++step) {
+      std::vector<float> q;
+      absl::StatusOr<v1::SequenceResult> result =
+          DecodeOne(decode, ref, id, 0, 900 + step, &q, /*diagnostics=*/true, false);
+      ASSERT_TRUE(result.ok()) << result.status();
+      std::vector<int32_t> support(sinks);
+      std::iota(support.begin(), support.end(), 0);
+      for (int64_t t = ref.tokens(0) - recent; t < ref.tokens(0); ++t) support.push_back(t);
+      const std::vector<double> want =
+          ref.Attention(0, q, std::vector<std::vector<int32_t>>(4, support));
+      ExpectOutputNear(TensorValues(result->output()), want, v1::DTYPE_BF16, "streaming");
+      ASSERT_EQ(result->heads_size(), 4);
+      for (const v1::HeadDiagnostics& head : result->heads()) {
+        EXPECT_EQ(head.path(), v1::PATH_EXACT);
+        EXPECT_EQ(head.support(), sinks + recent);
+        EXPECT_EQ(head.candidates(), 0);
+        EXPECT_EQ(head.retained_mass(), 0.0f);  // not measured without compare_exact
+      }
     }
   }
 }
@@ -557,6 +566,29 @@ TEST_F(ServiceDecodeTest, CreateSessionEchoesTheEffectivePolicy) {
   EXPECT_FLOAT_EQ(info->geometry().softmax_scale(), 1.0f / std::sqrt(8.0f));
   EXPECT_EQ(info->layers_prefilled(), 0);
   EXPECT_EQ(info->tokens(), 0);
+}
+
+TEST_F(ServiceDecodeTest, ZerosOfOptionalKnobsAreServedAsSent) {
+  // sinks, recent and retopk.recent_window are proto3 optional: unset takes the default (above),
+  // a zero sent is a zero served (before they were optional, a zero could not be told from
+  // unset). An effective policy sent back is accepted as it was.
+  v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, 8, /*sinks=*/0, /*recent=*/16);
+  policy.mutable_retopk()->set_recent_window(0);
+  v1::CreateSessionResponse response;
+  ASSERT_TRUE(CreateSession(stub(), MakeGeometry(1, 2, 1, 8), policy, &response).ok());
+  const v1::Policy& p = response.policy();
+  EXPECT_EQ(p.sinks(), 0);
+  EXPECT_EQ(p.recent(), 16);
+  EXPECT_EQ(p.retopk().recent_window(), 0);
+  v1::CreateSessionResponse again;
+  ASSERT_TRUE(CreateSession(stub(), MakeGeometry(1, 2, 1, 8), p, &again).ok());
+  EXPECT_EQ(again.policy().SerializeAsString(), p.SerializeAsString());
+
+  policy.clear_sinks();
+  policy.mutable_retopk()->clear_recent_window();
+  ASSERT_TRUE(CreateSession(stub(), MakeGeometry(1, 2, 1, 8), policy, &response).ok());
+  EXPECT_EQ(response.policy().sinks(), 128);
+  EXPECT_EQ(response.policy().retopk().recent_window(), 32);
 }
 
 // Either graph scope is served and echoed as asked.

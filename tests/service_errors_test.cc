@@ -489,6 +489,21 @@ TEST_F(ServiceErrorsTest, BadPolicyKnobs) {
   add(invalid, "policy.top_k must be >= 1, got -5", [](v1::Policy& p) { p.set_top_k(-5); });
   add(invalid, "policy.sinks must be >= 0, got -1", [](v1::Policy& p) { p.set_sinks(-1); });
   add(invalid, "policy.recent must be >= 0, got -3", [](v1::Policy& p) { p.set_recent(-3); });
+  // A zero is served as sent where the field is present (proto3 optional), so these can be
+  // asked for now: a streaming selector with an empty window, a tiered ring of no tokens.
+  add(invalid, "policy.sinks + policy.recent must be >= 1 for the streaming selector",
+      [](v1::Policy& p) {
+        p.set_selector(v1::SELECTOR_STREAMING);
+        p.set_sinks(0);
+        p.set_recent(0);
+      });
+  add(invalid, "policy.recent must be >= 1 in PLACEMENT_TIERED", [](v1::Policy& p) {
+    p.set_placement(v1::PLACEMENT_TIERED);
+    p.set_selector(v1::SELECTOR_STREAMING);
+    p.set_recent(0);
+  });
+  add(invalid, "policy.retopk.recent_window must be >= 0, got -2",
+      [](v1::Policy& p) { p.mutable_retopk()->set_recent_window(-2); });
   add(invalid, "policy.retopk.reuse_neighbors must be in [1, cache_capacity=8], got 9",
       [](v1::Policy& p) {
         p.mutable_retopk()->set_cache_capacity(8);

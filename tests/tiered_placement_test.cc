@@ -161,6 +161,42 @@ TEST_F(TieredPlacementTest, StreamingIsTheStaticSetAlone) {
   }
 }
 
+// sinks = 0 (a zero is served as sent): the static set is the ring alone, and the bulk starts
+// at token 0. Full attention through the merge, and exact top-K of that bulk, as with sinks.
+TEST_F(TieredPlacementTest, AStaticSetWithoutSinksIsTheRingAlone) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
+  for (const v1::Selector selector : {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK}) {
+    const int k = 40;
+    ReferenceSession ref(g, 300, 17);
+    v1::Policy policy = TieredPolicy(selector, k);
+    policy.set_sinks(0);
+    const std::string id = CreateAndPrefill(ref, policy, 128);
+    ASSERT_FALSE(id.empty());
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->policy().sinks(), 0);
+    EXPECT_EQ(info->gpu_bytes(), gpu_tier() ? 2 * 2 * kRecent * g.kv_heads() * g.head_dim() : 0);
+    DecodeClient client(stub());
+    for (int step = 0; step < kRecent + 8; ++step) {  // the ring turns over once
+      const ReferenceSession::Token token = ref.MakeToken(500 + step);
+      const std::vector<float> q = ref.Record(0, token);
+      absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {id}, token, ref, false);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      const int64_t n = ref.tokens(0);
+      const std::vector<std::vector<int32_t>> supports =
+          selector == v1::SELECTOR_FULL
+              ? std::vector<std::vector<int32_t>>(g.q_heads(), testing::AllTokens(n))
+              : TieredExactTopKSupports(ref, q, k, /*sinks=*/0, kRecent);
+      const char* name = selector == v1::SELECTOR_FULL ? "full" : "exact_topk";
+      ExpectOutputNear(TensorValues(reply->results(0).output()), ref.Attention(0, q, supports),
+                       g.dtype(), absl::StrCat(name, " step ", step));
+      const v1::HeadDiagnostics& head = reply->results(0).heads(0);
+      EXPECT_EQ(head.support(), selector == v1::SELECTOR_FULL ? n : k + kRecent);
+      if (selector == v1::SELECTOR_EXACT_TOPK) EXPECT_EQ(head.candidates(), n - kRecent);
+    }
+  }
+}
+
 TEST_F(TieredPlacementTest, ReTopKAndTheGraphIndexSelectFromTheBulkOnly) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
   ReferenceSession ref(g, 3000, 17);

@@ -123,6 +123,10 @@ absl::StatusOr<BatchTopKFunction> MakeGraphTopK(const std::string& where,
 }
 
 // --graph_scope (the policy flag's names) as the selector's knob.
+// --sinks / --recent as the tokens bench-index leaves out of the index: their -1 (unset, the
+// server's default for the other commands) leaves none out, as 0 does.
+int ExcludedTokens(int flag) { return flag == -1 ? 0 : flag; }
+
 absl::StatusOr<GraphScope> GraphScopeFromFlag() {
   const std::string name = absl::GetFlag(FLAGS_graph_scope);
   if (name.empty()) return GraphScope::kDefault;
@@ -420,8 +424,8 @@ int RunBenchIndex(const std::vector<char*>& args) {
     const char* zero;  // what 0 means
   };
   for (const CountFlag& flag :
-       {CountFlag{"--sinks", absl::GetFlag(FLAGS_sinks), "none left out"},
-        CountFlag{"--recent", absl::GetFlag(FLAGS_recent), "none left out"},
+       {CountFlag{"--sinks", ExcludedTokens(absl::GetFlag(FLAGS_sinks)), "none left out"},
+        CountFlag{"--recent", ExcludedTokens(absl::GetFlag(FLAGS_recent)), "none left out"},
         CountFlag{"--build_queries", absl::GetFlag(FLAGS_build_queries), "the default"},
         CountFlag{"--search_width", absl::GetFlag(FLAGS_search_width), "the default"},
         CountFlag{"--build_topk", absl::GetFlag(FLAGS_build_topk), "the default"},
@@ -497,8 +501,8 @@ int RunBenchIndex(const std::vector<char*>& args) {
     return UsageError("bench-index",
                       absl::StrCat("--keys must be f32 or served, got '", keys, "'"));
   }
-  IndexBench bench(*trace, k, absl::GetFlag(FLAGS_sinks), absl::GetFlag(FLAGS_recent), *lists,
-                   keys == "served");
+  IndexBench bench(*trace, k, ExcludedTokens(absl::GetFlag(FLAGS_sinks)),
+                   ExcludedTokens(absl::GetFlag(FLAGS_recent)), *lists, keys == "served");
   if (bench.keys() < k) {
     return UsageError("bench-index", absl::StrCat("only ", bench.keys(), " keys to index for k=", k));
   }

@@ -42,15 +42,18 @@ ABSL_FLAG(std::string, policy, "full",
           "the selector: full, exact_topk, streaming, index or retopk");
 ABSL_FLAG(int32_t, k, 0,
           "K for exact_topk, index and retopk (0: server default, 512; bench-index: 100)");
-ABSL_FLAG(int32_t, sinks, 0,
-          "attention-sink tokens kept by streaming and index (0: default; bench-index: the "
-          "first tokens left out of the index, 0: none)");
-ABSL_FLAG(int32_t, recent, 0,
-          "recent tokens kept by streaming and index (0: default; bench-index: the last "
-          "tokens left out of the index, 0: none)");
+ABSL_FLAG(int32_t, sinks, -1,
+          "attention-sink tokens kept by streaming and index, and on the GPU by tiered (-1: "
+          "the server's default, 128; 0: none; bench-index: the first tokens left out of the "
+          "index, -1 or 0: none)");
+ABSL_FLAG(int32_t, recent, -1,
+          "recent tokens kept by streaming and index, and on the GPU by tiered (-1: the "
+          "server's default, 512; 0: none; bench-index: the last tokens left out of the index, "
+          "-1 or 0: none)");
 ABSL_FLAG(int32_t, C, 0, "retopk: cached (query, support) entries per head (0: default)");
 ABSL_FLAG(int32_t, R, 0, "retopk: most similar cached supports unioned (0: default)");
-ABSL_FLAG(int32_t, W, 0, "retopk: recent positions added to the candidates (0: default)");
+ABSL_FLAG(int32_t, W, -1,
+          "retopk: recent positions added to the candidates (-1: the server's default, 32)");
 ABSL_FLAG(float, tau, NAN, "retopk: reuse when the best cosine >= tau (unset: default 0.85)");
 ABSL_FLAG(int32_t, refresh, -1,
           "retopk: every N-th decode step runs the exact path; 0 disables (-1: default)");
@@ -132,12 +135,14 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
   policy.set_placement(*placement);
   policy.set_selector(*selector);
   policy.set_top_k(absl::GetFlag(FLAGS_k));
-  policy.set_sinks(absl::GetFlag(FLAGS_sinks));
-  policy.set_recent(absl::GetFlag(FLAGS_recent));
   v1::ReTopKParams* retopk = policy.mutable_retopk();
   retopk->set_cache_capacity(absl::GetFlag(FLAGS_C));
   retopk->set_reuse_neighbors(absl::GetFlag(FLAGS_R));
-  retopk->set_recent_window(absl::GetFlag(FLAGS_W));
+  // -1 alone means unset (the server's default); a 0 is sent (none), and any other negative
+  // is the server's INVALID_ARGUMENT, as any out-of-range value.
+  if (const int sinks = absl::GetFlag(FLAGS_sinks); sinks != -1) policy.set_sinks(sinks);
+  if (const int recent = absl::GetFlag(FLAGS_recent); recent != -1) policy.set_recent(recent);
+  if (const int w = absl::GetFlag(FLAGS_W); w != -1) retopk->set_recent_window(w);
   if (const float tau = absl::GetFlag(FLAGS_tau); !std::isnan(tau)) retopk->set_tau(tau);
   if (const int refresh = absl::GetFlag(FLAGS_refresh); refresh >= 0) {
     retopk->set_refresh_interval(refresh);

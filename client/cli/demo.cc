@@ -82,11 +82,11 @@ int RunDemo(const std::vector<char*>& args) {
     v1::Policy policy;
   };
   const Row rows[] = {
-      {"full", CpuPolicy(v1::SELECTOR_FULL, 128, 0, 0)},
-      {"exact_topk K=128", CpuPolicy(v1::SELECTOR_EXACT_TOPK, 128, 0, 0)},
+      {"full", CpuPolicy(v1::SELECTOR_FULL, 128)},
+      {"exact_topk K=128", CpuPolicy(v1::SELECTOR_EXACT_TOPK, 128)},
       {"streaming 16+256", CpuPolicy(v1::SELECTOR_STREAMING, 128, 16, 256)},
       {"index K=128", CpuPolicy(v1::SELECTOR_INDEX, 128, 16, 256)},
-      {"retopk K=128", CpuPolicy(v1::SELECTOR_RETOPK, 128, 0, 0)},
+      {"retopk K=128", CpuPolicy(v1::SELECTOR_RETOPK, 128)},
   };
   absl::StatusOr<std::unique_ptr<Client>> connected = ConnectToServer();
   if (!connected.ok()) return ReportError("demo", connected.status());

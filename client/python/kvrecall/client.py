@@ -58,18 +58,23 @@ def make_geometry(layers, q_heads, kv_heads, head_dim, dtype="f32", softmax_scal
                        dtype=tensors.dtype_of(dtype), softmax_scale=softmax_scale)
 
 
-def make_policy(selector="full", placement="cpu", top_k=0, sinks=0, recent=0, retopk=None,
+def make_policy(selector="full", placement="cpu", top_k=0, sinks=None, recent=None, retopk=None,
                 index=None):
     """A pb.Policy from names ('full' | 'exact_topk' | 'streaming' | 'index' | 'retopk';
     'cpu' | 'gpu' | 'tiered'); `retopk` and `index` are dicts of ReTopKParams / IndexParams
-    fields (index's exact_search by name too: 'graph' | 'shortlist'). Zero values ask for the
-    server's defaults."""
+    fields (index's exact_search by name too: 'graph' | 'shortlist'). A zero top_k, and the
+    knobs left out, ask for the server's defaults; sinks and recent (and retopk's optional
+    fields) left as None do, and 0 asks for none."""
     try:
         sel, place = SELECTORS[selector], PLACEMENTS[placement]
     except KeyError as e:
         raise ValueError(f"unknown selector or placement {e.args[0]!r}; selectors: "
                          f"{sorted(SELECTORS)}, placements: {sorted(PLACEMENTS)}") from None
-    p = pb.Policy(placement=place, selector=sel, top_k=top_k, sinks=sinks, recent=recent)
+    p = pb.Policy(placement=place, selector=sel, top_k=top_k)
+    if sinks is not None:
+        p.sinks = sinks
+    if recent is not None:
+        p.recent = recent
     if retopk:
         p.retopk.CopyFrom(pb.ReTopKParams(**retopk))
     if index:

@@ -295,8 +295,10 @@ def parser():
                     help="the session's KV dtype: the prompt and every step travel in it (gpu "
                          "and tiered keep the KV in bf16 or f16 and refuse f32)")
     ap.add_argument("--k", type=int, default=0, help="top K (0: server default)")
-    ap.add_argument("--sinks", type=int, default=0)
-    ap.add_argument("--recent", type=int, default=0)
+    ap.add_argument("--sinks", type=int, default=None,
+                    help="attention sinks of the static set (unset: server default, 128; 0: none)")
+    ap.add_argument("--recent", type=int, default=None,
+                    help="recent tokens of the static set (unset: server default, 512; 0: none)")
     for name, typ in (("cache-capacity", int), ("reuse-neighbors", int), ("recent-window", int),
                       ("tau", float), ("refresh-interval", int), ("target-recall", float),
                       ("build-queries", int), ("build-topk", int), ("max-degree", int),
