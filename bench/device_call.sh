@@ -17,6 +17,8 @@
 #   ncu_pq_encode NAME ROWS..   # ncu's report of PqEncodeKernel at ROWS rows, into $R
 #   api_bursts FILE             # the shim's allocation bursts on the stepping threads
 #   takeover_calls SHIM         # a batch-1 take-over run under the shim at 3 us, its bursts
+#   model_tokens_run NAME BIN SELECTOR [ARGS..]  # bench/model_tokens.py against kvrecalld
+#                               # BIN (d123 on), into $R/NAME.json
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -76,6 +78,21 @@ for r in d["runs"]:
           r.get("first_divergence_from_cpu"), "s", round(r.get("seconds", 0), 2),
           "error" if "error" in r else "")
 PY
+  kill "$kvrecalld_pid"
+  wait "$kvrecalld_pid" 2>/dev/null
+}
+
+# bench/model_tokens.py (ARGS: its flags) against a kvrecalld BIN of its own: a whole model's
+# tokens, every layer of one session stepped in turn. Raw: $R/NAME.json; its first lines to $S.
+model_tokens_run() {  # NAME KVRECALLD SELECTOR [ARGS...]
+  local name=$1 binary=$2 selector=$3
+  shift 3
+  start_kvrecalld "$binary" "$L/kvrecalld_$name.log" --address=127.0.0.1:0 || return 1
+  PYTHONPATH=client/python timeout 200 python3 bench/model_tokens.py \
+    --server="$kvrecalld_address" --selector=$selector --out="$R/$name.json" "$@" \
+    > "$L/$name.txt" 2>&1
+  echo "$name rc $? t=$SECONDS" | tee -a "$S"
+  head -4 "$L/$name.txt" | cut -c1-400 | tee -a "$S"
   kill "$kvrecalld_pid"
   wait "$kvrecalld_pid" 2>/dev/null
 }

@@ -479,15 +479,16 @@ class ReferenceSession {
   std::vector<std::vector<float>> values_;
 };
 
-// The supports of a tiered exact top-K over layer 0 of `ref` for the step's queries q
+// The supports of a tiered exact top-K over `layer` of `ref` for the step's queries q
 // ([q_heads, head_dim]): per query head the exact top `k` of the bulk [sinks, n - recent) and
 // the static set (the first `sinks` and last `recent` tokens), as token positions.
 inline std::vector<std::vector<int32_t>> TieredExactTopKSupports(const ReferenceSession& ref,
                                                                  const std::vector<float>& q,
-                                                                 int k, int sinks, int recent) {
+                                                                 int k, int sinks, int recent,
+                                                                 int layer = 0) {
   const v1::Geometry& g = ref.geometry();
-  const int64_t n = ref.tokens(0);
-  const KvView bulk = ref.view(0).Tokens(sinks, n - sinks - recent);
+  const int64_t n = ref.tokens(layer);
+  const KvView bulk = ref.view(layer).Tokens(sinks, n - sinks - recent);
   std::vector<std::vector<int32_t>> supports(g.q_heads());
   for (int h = 0; h < g.q_heads(); ++h) {
     supports[h] = ReferenceTopK(q.data() + h * g.head_dim(), bulk,

@@ -237,6 +237,48 @@ TEST_F(TieredShortlistTest, AShortlistAsLongAsTheBulkIsTheBulksExactTopK) {
   }
 }
 
+// A model's layers step in turn through one Decode stream, each with codes of its own (a GPU
+// keeps a captured step per layer's codes: one per stream was captured anew at every layer),
+// and several tokens after each other: every layer's state is its own bulk's exact top-K (a
+// shortlist as long as the bulk), whichever layer stepped before it.
+TEST_F(TieredShortlistTest, LayersSteppingInTurnEachAttendTheirOwnBulk) {
+  constexpr int kLayers = 3;
+  const v1::Geometry g = MakeGeometry(kLayers, 8, 2, 64, dtype());
+  ReferenceSession ref(g, 700, 53);
+  const int k = 40;
+  for (const v1::Selector selector : {v1::SELECTOR_INDEX, v1::SELECTOR_RETOPK}) {
+    SCOPED_TRACE(selector == v1::SELECTOR_INDEX ? "index" : "retopk");
+    ReferenceSession session_ref = ref;
+    const std::string id =
+        CreateAndPrefill(session_ref, ShortlistPolicy(selector, k, 4096), 300);
+    ASSERT_FALSE(id.empty());
+    DecodeClient client(stub());
+    for (int step = 0; step < 6; ++step) {
+      for (int layer = 0; layer < kLayers; ++layer) {
+        const ReferenceSession::Token token = session_ref.MakeToken(800 + 10 * step + layer);
+        const std::vector<float> q = session_ref.Record(layer, token);
+        v1::DecodeRequest request;
+        request.set_layer(layer);
+        request.set_diagnostics(true);
+        *request.add_steps() = session_ref.Step(id, token);
+        absl::StatusOr<v1::DecodeResponse> reply = client.Step(request);
+        ASSERT_TRUE(reply.ok()) << reply.status();
+        const int64_t bulk = session_ref.tokens(layer) - kSinks - kRecent;
+        const v1::SequenceResult& result = reply->results(0);
+        for (const v1::HeadDiagnostics& head : result.heads()) {
+          EXPECT_EQ(head.candidates(), bulk);
+          EXPECT_EQ(head.support(), k + kSinks + kRecent);
+        }
+        ExpectOutputNear(
+            TensorValues(result.output()),
+            session_ref.Attention(
+                layer, q, TieredExactTopKSupports(session_ref, q, k, kSinks, kRecent, layer)),
+            dtype(), absl::StrCat("step ", step, " layer ", layer));
+      }
+    }
+  }
+}
+
 // The last half of an index layer's query heads run their exact paths on the device
 // (PlacementOptions::tiered_device_exact_share; on a GPU reading the host's bulk over PCIe, on a
 // CPU machine on the host tier's stand-in): with a shortlist as long as the bulk their states

@@ -494,7 +494,7 @@ class GpuStaticSetTier final : public StaticSetTier {
     ~StaticStepContext() override {
       DeviceScope scope(ordinal);
       if (in_flight) DrainFailedStep(*this);
-      if (graph != nullptr) cudaGraphExecDestroy(graph);
+      DropCapturedSteps();
       if (fork != nullptr) cudaEventDestroy(fork);
       if (join != nullptr) cudaEventDestroy(join);
       if (side != nullptr) cudaStreamDestroy(side);
@@ -550,11 +550,51 @@ class GpuStaticSetTier final : public StaticSetTier {
     // the bulk grows within the bound).
     std::vector<int64_t> scanned, scan_bound;
     int shortlist = 0;  // the run's (0: no step has codes)
-    // The captured step (null: none, or its capture failed) and what it bakes in; `generation`
-    // changes whenever a buffer of this context is reallocated.
-    cudaGraphExec_t graph = nullptr;
-    std::vector<int64_t> graph_key, key_scratch;  // graph_key empty: nothing captured yet
+    // The captured steps, by what each bakes in (its key: EnqueueStep's caller), with the
+    // step they last ran at. A model's layers step in turn through one Decode stream and each
+    // layer's codes are its own, so one graph per context would be captured anew at every layer
+    // of every token (d122: 1.1-1.5 ms a layer-step at 32 layers against ~0.3 at one). A null
+    // graph: its capture failed, and that step launches eagerly without trying again.
+    // `generation` changes whenever a buffer of this context is reallocated.
+    struct CapturedStep {
+      cudaGraphExec_t graph = nullptr;
+      uint64_t last_run = 0;
+    };
+    absl::flat_hash_map<std::vector<int64_t>, CapturedStep> captured;
+    uint64_t captured_runs = 0;
+    std::pair<uint64_t, uint64_t> captured_generations{0, 0};  // of `gpu` and of this context
+    std::vector<int64_t> key_scratch;
     uint64_t generation = 0;
+    // The most captured steps kept: a model's layers (each live key is used once a token, so
+    // stale keys, of bounds left behind or sessions gone, go first) and a few batch shapes.
+    static constexpr size_t kMaxCapturedSteps = 256;
+    // The captured step for `key`, captured by `capture` (returning null when that failed) the
+    // first time, the least recently run one dropped past kMaxCapturedSteps.
+    template <typename Capture>
+    cudaGraphExec_t CapturedFor(const std::vector<int64_t>& key, Capture capture) {
+      ++captured_runs;
+      if (auto it = captured.find(key); it != captured.end()) {
+        it->second.last_run = captured_runs;
+        return it->second.graph;
+      }
+      if (captured.size() >= kMaxCapturedSteps) {
+        auto oldest = captured.begin();
+        for (auto it = captured.begin(); it != captured.end(); ++it) {
+          if (it->second.last_run < oldest->second.last_run) oldest = it;
+        }
+        if (oldest->second.graph != nullptr) cudaGraphExecDestroy(oldest->second.graph);
+        captured.erase(oldest);
+      }
+      const cudaGraphExec_t graph = capture();
+      captured.emplace(key, CapturedStep{graph, captured_runs});
+      return graph;
+    }
+    void DropCapturedSteps() {
+      for (auto& [key, step] : captured) {
+        if (step.graph != nullptr) cudaGraphExecDestroy(step.graph);
+      }
+      captured.clear();
+    }
     cuda::AttentionWorkspace* ws = nullptr;
     // The shortlists: tables and ids on the device ([batch, q_heads, ...], then the step's begin
     // stamp at word ids_stamps), and ids_down, where they are published to the host with the
@@ -1170,16 +1210,21 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
         key.push_back(codes != nullptr ? static_cast<int64_t>(codes->generation()) : 0);
         key.push_back(state.scan_bound[b]);
       }
-      if (key != state.graph_key) {
-        if (state.graph != nullptr) cudaGraphExecDestroy(state.graph);
-        state.graph = gpu::CaptureStep(
-            stream, [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
-        state.graph_key = key;
+      // A reallocated buffer of the contexts leaves every step captured before naming freed
+      // memory: none of their keys can come again.
+      const std::pair<uint64_t, uint64_t> generations{ctx.generation(), state.generation};
+      if (generations != state.captured_generations) {
+        state.DropCapturedSteps();
+        state.captured_generations = generations;
       }
-      if (state.graph == nullptr) {
+      const cudaGraphExec_t graph = state.CapturedFor(key, [&] {
+        return gpu::CaptureStep(stream,
+                                [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
+      });
+      if (graph == nullptr) {
         if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
       } else {
-        KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(state.graph, stream),
+        KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(graph, stream),
                                                  "launching a captured static-set step"));
         MarkNewRowsCoded(steps, state);
       }
