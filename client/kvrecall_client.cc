@@ -683,11 +683,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
 
 absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry,
                                                     const v1::Policy& policy,
-                                                    absl::string_view label) {
+                                                    absl::string_view label,
+                                                    int64_t max_tokens) {
   v1::CreateSessionRequest request;
   *request.mutable_geometry() = geometry;
   *request.mutable_policy() = policy;
   request.set_label(std::string(label));
+  request.set_max_tokens(max_tokens);
   v1::CreateSessionResponse response;
   grpc::ClientContext context;
   if (absl::Status s = FromGrpcStatus(stub_->CreateSession(&context, request, &response));

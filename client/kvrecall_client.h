@@ -246,9 +246,15 @@ class Client {
                                                          const ChannelSecurity& security,
                                                          int max_message_bytes = 64 << 20);
 
+  // max_tokens: the most tokens the session will hold (prompt + decoded), when the runner knows
+  // it (CreateSessionRequest.max_tokens): their memory is set aside now, so that decoding up to
+  // it never grows a layer's KV (a growth copies and pins each layer's KV again, all layers at
+  // the same token: bench/results/tiered_serving.md, "A model's layers in turn"). 0: not
+  // announced.
   absl::StatusOr<SessionHandle> CreateSession(const v1::Geometry& geometry,
                                               const v1::Policy& policy,
-                                              absl::string_view label = "");
+                                              absl::string_view label = "",
+                                              int64_t max_tokens = 0);
   absl::StatusOr<std::unique_ptr<PrefillStream>> StartPrefill(const SessionHandle& session,
                                                               PrefillOptions options = {});
   // Opens the stream now (a shared one maps its region now: its errors come back here).

@@ -407,6 +407,23 @@ TEST_F(ClientTest, ListsAndClosesSessions) {
   EXPECT_EQ(client_->CloseSession(a->id).code(), absl::StatusCode::kNotFound);
 }
 
+// max_tokens goes with the request: the KV of that many tokens of every layer is set aside at
+// creation (2 layers x 1000 tokens x k and v x 2 KV heads x d = 8 x f32), none without it.
+TEST_F(ClientTest, CreateSessionAnnouncesMaxTokens) {
+  const v1::Geometry g = testing::MakeGeometry(2, 4, 2, 8);
+  const v1::Policy policy = testing::MakePolicy(v1::SELECTOR_FULL);
+  absl::StatusOr<SessionHandle> plain = client_->CreateSession(g, policy, "plain");
+  absl::StatusOr<SessionHandle> announced = client_->CreateSession(g, policy, "announced", 1000);
+  ASSERT_TRUE(plain.ok() && announced.ok());
+  absl::StatusOr<v1::SessionInfo> plain_info = client_->GetSession(plain->id);
+  absl::StatusOr<v1::SessionInfo> announced_info = client_->GetSession(announced->id);
+  ASSERT_TRUE(plain_info.ok() && announced_info.ok());
+  EXPECT_EQ(plain_info->host_budget_bytes(), 0);
+  EXPECT_GE(announced_info->host_budget_bytes(), 2 * 1000 * 2 * 2 * 8 * 4);
+  EXPECT_EQ(client_->CreateSession(g, policy, "", int64_t{1} << 40).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ApiNamesTest, ParseAndPrintTheEnumsInLowerCase) {
   for (v1::Selector s : {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK, v1::SELECTOR_STREAMING,
                          v1::SELECTOR_INDEX, v1::SELECTOR_RETOPK}) {

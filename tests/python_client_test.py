@@ -328,6 +328,22 @@ class ClientTest(ServerTest):
             make_policy("nearest")
         self.assertIn("nearest", str(e.exception))
 
+    def test_max_tokens_sets_the_kv_aside_at_creation(self):
+        # 2 layers x 1000 tokens x (k + v) x 1 KV head x d = 8 x f32: 128000 bytes set aside
+        # before any prompt, and nothing without max_tokens; a max_tokens past what a layer can
+        # hold is the server's INVALID_ARGUMENT.
+        g = make_geometry(2, 2, 1, 8)
+        plain = self.client.create_session(g, make_policy("full"))
+        self.addCleanup(plain.close)
+        announced = self.client.create_session(g, make_policy("full"), max_tokens=1000)
+        self.addCleanup(announced.close)
+        self.assertEqual(plain.info().host_budget_bytes, 0)
+        self.assertGreaterEqual(announced.info().host_budget_bytes, 2 * 1000 * 2 * 8 * 4)
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            self.client.create_session(g, make_policy("full"), max_tokens=1 << 40)
+        self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("max_tokens", e.exception.message)
+
     def test_a_zero_window_is_sent_and_none_takes_the_default(self):
         # sinks, recent and retopk's recent_window are proto3 optional: None leaves them unset
         # (the server's defaults), 0 is served as sent.

@@ -11,6 +11,9 @@ ABSL_FLAG(int32_t, kv_heads, 2, "create, synth: key/value heads (must divide q_h
 ABSL_FLAG(int32_t, head_dim, 64, "create, synth: head dimension");
 ABSL_FLAG(std::string, dtype, "bf16", "create, synth: the model's dtype: bf16, f16 or f32");
 ABSL_FLAG(std::string, label, "", "create: free text shown by get and list");
+ABSL_FLAG(int64_t, max_tokens, 0,
+          "create: the most tokens the session will hold (prompt + decoded), set aside now so "
+          "that its KV never grows (0: not announced)");
 
 namespace kvrecall::cli {
 
@@ -32,7 +35,8 @@ int RunCreate(const std::vector<char*>& args) {
   absl::StatusOr<std::unique_ptr<client::Client>> client = ConnectToServer();
   if (!client.ok()) return ReportError("create", client.status());
   absl::StatusOr<SessionHandle> session =
-      (*client)->CreateSession(geometry, *policy, absl::GetFlag(FLAGS_label));
+      (*client)->CreateSession(geometry, *policy, absl::GetFlag(FLAGS_label),
+                               absl::GetFlag(FLAGS_max_tokens));
   if (!session.ok()) return ReportError("create", session.status());
   if (absl::GetFlag(FLAGS_json)) {
     v1::CreateSessionResponse response;

@@ -681,9 +681,14 @@ class Client:
         except grpc.RpcError as e:
             raise KvRecallError.from_rpc_error(e) from None
 
-    def create_session(self, geometry, policy=None, label=""):
+    def create_session(self, geometry, policy=None, label="", max_tokens=0):
+        """A new session. max_tokens: the most tokens it will hold (prompt + decoded), when the
+        runner knows it: their memory is set aside now (RESOURCE_EXHAUSTED when it does not
+        fit), so that decoding up to it never grows a layer's KV, which copies and pins every
+        layer's KV again at the same token. 0: not announced."""
         resp = self.call("CreateSession", pb.CreateSessionRequest(
-            geometry=geometry, policy=policy or make_policy(), label=label))
+            geometry=geometry, policy=policy or make_policy(), label=label,
+            max_tokens=max_tokens))
         return Session(self, resp.session_id, geometry, resp.policy,
                        resp.prompt_queries if resp.HasField("prompt_queries") else -1)
 

@@ -39,10 +39,15 @@ class KvRecallBackend:
     """The sessions of one batch of sequences. Enter it around the forward calls of one
     generation; leaving it closes the sessions."""
 
-    def __init__(self, client, policy=None, label="transformers"):
+    def __init__(self, client, policy=None, label="transformers", max_tokens=0):
+        """max_tokens: the most tokens a generation holds (its prompt and new tokens), when the
+        caller knows it: each session sets their memory aside at creation, so that its KV never
+        grows mid-generation (a growth copies and pins every layer's KV at one token). 0: not
+        announced."""
         self.client = client
         self.policy = policy
         self.label = label
+        self.max_tokens = max_tokens
         self.sessions = None
         self._prefilled = set()
         self._tokens = {}  # layer: tokens the sessions hold in it (every row the same)
@@ -89,7 +94,8 @@ class KvRecallBackend:
         try:
             for b in range(query.shape[0]):
                 sessions.append(self.client.create_session(g, self.policy,
-                                                           f"{self.label} row {b}"))
+                                                           f"{self.label} row {b}",
+                                                           max_tokens=self.max_tokens))
         except BaseException:
             # The rows made before the failure would otherwise hold server memory until the
             # server restarts: nothing else knows them. The create's error is the one raised.

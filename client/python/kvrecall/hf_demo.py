@@ -109,7 +109,7 @@ def run(a, report):
                          selector in ("index", "retopk") else None)
                 backend = hf.KvRecallBackend(client, make_policy(
                     selector, placement=placement, top_k=int(k or 0), retopk=retopk,
-                    index=index))
+                    index=index), max_tokens=prompt.shape[1] + a.new)
                 t = time.perf_counter()
                 with backend:
                     got = hf.greedy(model, prompt, a.new)
