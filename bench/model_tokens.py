@@ -7,9 +7,11 @@ same lengths together (a short prompt's codes take-over, server/backends/codes_l
 times the token: a session of --layers layers (the Llama-3-8B layer geometry by default, bf16,
 N(0, 1) keys and values, each layer its own), a --prompt-token prompt prefilled layer by layer,
 then one Decode per layer per token, the layers in order, until the bulk (the tokens past the
-static set's 128 sinks and 512-token ring) holds --to rows; the tokens from bulk --from on are
-timed. Per token: the server time summed over the layers (each reply's server_micros) and the
-wall time of its requests; per layer-step the server time; the tokens whose sum is largest.
+static set's sinks and ring, 128 and 512 by default) holds --to rows; the tokens from bulk
+--from on are timed. --max-tokens announces the session's length (its KV set aside at
+creation, never grown). Per token: the server time summed over the layers (each reply's
+server_micros) and the wall time of its requests; per layer-step the server time; the tokens
+whose sum is largest.
 
   PYTHONPATH=client/python python3 bench/model_tokens.py --server 127.0.0.1:50051 \
       --layers 32 --selector index --prompt 640 --from 900 --to 1600 --out tokens.json
@@ -21,8 +23,6 @@ import time
 import numpy as np
 
 from kvrecall.client import Client, make_geometry, make_policy
-
-SINKS, RECENT = 128, 512  # the server's default static set
 
 
 def main():
@@ -37,9 +37,13 @@ def main():
     ap.add_argument("--from", dest="first", type=int, default=900,
                     help="bulk rows after the first timed token")
     ap.add_argument("--to", type=int, default=1600, help="bulk rows after the last token")
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="announced at creation (0: not announced; the KV then grows as it fills)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
+    if not 0 <= a.first < a.to:
+        ap.error(f"--from must be in [0, --to), got {a.first} and {a.to}")
 
     g = make_geometry(a.layers, a.q_heads, a.kv_heads, a.head_dim, dtype="bf16")
     retopk = {"auto_tau": True} if a.selector == "retopk" else None
@@ -50,7 +54,9 @@ def main():
         return rng.standard_normal((n, heads, a.head_dim), dtype=np.float32)
 
     with Client(a.server) as client:
-        session = client.create_session(g, policy, label="model_tokens")
+        session = client.create_session(g, policy, label="model_tokens",
+                                        max_tokens=a.max_tokens)
+        static_set = session.policy.sinks + session.policy.recent  # the effective policy's
         # Layer by layer, so that a long prompt's f32 arrays are made one layer at a time. The
         # queries the session needs (prompt_queries: ReTopK's seeds) are random rows; the rest
         # of q is never written (np.empty: no memory behind it), since the client sends q for
@@ -68,7 +74,7 @@ def main():
             build_s = max(build_s, built.build_seconds)
         prefill_s = time.perf_counter() - t0
         tokens = []
-        bulk = max(0, a.prompt - SINKS - RECENT)  # bulk rows before the token's step
+        bulk = max(0, a.prompt - static_set)  # bulk rows before the token's step
         # One token's inputs, drawn once and reused: a decode token's content does not matter.
         q, k, v = rows(1, a.q_heads)[0], rows(1, a.kv_heads)[0], rows(1, a.kv_heads)[0]
         tokens_held = a.prompt
@@ -80,7 +86,7 @@ def main():
                 server.append(client.decode_stream.last_server_micros)
             wall = (time.perf_counter() - t0) * 1e6
             tokens_held += 1
-            bulk = max(0, tokens_held - SINKS - RECENT)
+            bulk = max(0, tokens_held - static_set)
             if bulk >= a.first:
                 tokens.append({"bulk": bulk, "server_us": sum(server), "wall_us": wall,
                                "layers_us": server})
@@ -93,6 +99,7 @@ def main():
     slowest = sorted(tokens, key=lambda t: -t["server_us"])[:8]
     record = {
         "layers": a.layers, "selector": a.selector, "prompt": a.prompt,
+        "max_tokens": a.max_tokens,
         "bulk_from": a.first, "bulk_to": a.to, "prefill_s": prefill_s,
         "build_seconds_max": build_s, "tokens": len(tokens),
         "token_server_p50_us": float(np.percentile(sums, 50)),

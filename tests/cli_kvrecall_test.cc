@@ -283,14 +283,14 @@ TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
   ASSERT_EQ(Kvrecall("close", {zeros["session_id"]}).exit_code, 0);
 
   // --max_tokens sets the KV aside at creation: 1000 tokens x k and v x 2 KV heads x d = 64 x
-  // bf16 (the flags' default geometry, one layer).
+  // f32 (the flags' default geometry, one layer; the cpu placement keeps f32).
   r = Kvrecall("create", {"--max_tokens=1000", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::string announced = nlohmann::json::parse(r.out)["session_id"];
   r = Kvrecall("get", {announced, "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_GE(std::stoll(nlohmann::json::parse(r.out)["host_budget_bytes"].get<std::string>()),
-            1000 * 2 * 2 * 64 * 2);
+            1000 * 2 * 2 * 64 * 4);
   ASSERT_EQ(Kvrecall("close", {announced}).exit_code, 0);
 
   r = Kvrecall("get", {id, "--json"});

@@ -397,6 +397,15 @@ class ReferenceSession {
 
   const v1::Geometry& geometry() const { return g_; }
   const PromptLayer& prompt(int layer) const { return prompts_[layer]; }
+  // Replaces prompt token t's key in `layer` and `kv_head` (head_dim values), before the prompt
+  // is sent.
+  void SetPromptKey(int layer, int64_t t, int kv_head, std::span<const float> key) {
+    const size_t at = (static_cast<size_t>(t) * g_.kv_heads() + kv_head) * g_.head_dim();
+    std::copy(key.begin(), key.end(), prompts_[layer].k.begin() + at);
+    const std::vector<float> kept = RoundTrip(std::vector<float>(key.begin(), key.end()),
+                                              g_.dtype());
+    std::copy(kept.begin(), kept.end(), keys_[layer].begin() + at);
+  }
   int64_t tokens(int layer) const {
     return static_cast<int64_t>(keys_[layer].size()) / (g_.kv_heads() * g_.head_dim());
   }
@@ -404,7 +413,11 @@ class ReferenceSession {
     return KvView{keys_[layer].data(), values_[layer].data(), tokens(layer), g_.kv_heads(),
                   g_.head_dim()};
   }
-  double scale() const { return 1.0 / std::sqrt(static_cast<double>(g_.head_dim())); }
+  // The geometry's softmax scale, 1 / sqrt(head_dim) when unset (as the server resolves it).
+  double scale() const {
+    return g_.softmax_scale() > 0 ? static_cast<double>(g_.softmax_scale())
+                                  : 1.0 / std::sqrt(static_cast<double>(g_.head_dim()));
+  }
 
   // The f32 inputs of one decode token, before encoding.
   struct Token {

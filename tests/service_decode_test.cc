@@ -588,6 +588,7 @@ TEST_F(ServiceDecodeTest, ZerosOfOptionalKnobsAreServedAsSent) {
   policy.mutable_retopk()->clear_recent_window();
   ASSERT_TRUE(CreateSession(stub(), MakeGeometry(1, 2, 1, 8), policy, &response).ok());
   EXPECT_EQ(response.policy().sinks(), 128);
+  EXPECT_EQ(response.policy().recent(), 16);
   EXPECT_EQ(response.policy().retopk().recent_window(), 32);
 }
 

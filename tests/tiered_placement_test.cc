@@ -161,6 +161,34 @@ TEST_F(TieredPlacementTest, StreamingIsTheStaticSetAlone) {
   }
 }
 
+// Two sessions of one shape whose softmax scales differ, stepping in turn on one Decode stream:
+// each attends with its own scale (a GPU's captured steps are kept per stream by what they bake
+// in, the scale among it).
+TEST_F(TieredPlacementTest, SessionsOfOneShapeKeepTheirOwnSoftmaxScale) {
+  v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
+  std::vector<ReferenceSession> refs;
+  std::vector<std::string> ids;
+  for (const float scale : {0.0f, 0.05f}) {  // 0: 1 / sqrt(64)
+    g.set_softmax_scale(scale);
+    refs.emplace_back(g, 300, 19);
+    ids.push_back(CreateAndPrefill(refs.back(), TieredPolicy(v1::SELECTOR_FULL), 128));
+    ASSERT_FALSE(ids.back().empty());
+  }
+  DecodeClient client(stub());
+  for (int step = 0; step < 4; ++step) {
+    for (size_t i = 0; i < refs.size(); ++i) {
+      const ReferenceSession::Token token = refs[i].MakeToken(600 + step);
+      const std::vector<float> q = refs[i].Record(0, token);
+      absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {ids[i]}, token, refs[i], false);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      const std::vector<std::vector<int32_t>> all(g.q_heads(),
+                                                  testing::AllTokens(refs[i].tokens(0)));
+      ExpectOutputNear(TensorValues(reply->results(0).output()), refs[i].Attention(0, q, all),
+                       g.dtype(), absl::StrCat("session ", i, " step ", step));
+    }
+  }
+}
+
 // sinks = 0 (a zero is served as sent): the static set is the ring alone, and the bulk starts
 // at token 0. Full attention through the merge, and exact top-K of that bulk, as with sinks.
 TEST_F(TieredPlacementTest, AStaticSetWithoutSinksIsTheRingAlone) {

@@ -122,11 +122,11 @@ absl::StatusOr<BatchTopKFunction> MakeGraphTopK(const std::string& where,
 #endif
 }
 
-// --graph_scope (the policy flag's names) as the selector's knob.
 // --sinks / --recent as the tokens bench-index leaves out of the index: their -1 (unset, the
 // server's default for the other commands) leaves none out, as 0 does.
 int ExcludedTokens(int flag) { return flag == -1 ? 0 : flag; }
 
+// --graph_scope (the policy flag's names) as the selector's knob.
 absl::StatusOr<GraphScope> GraphScopeFromFlag() {
   const std::string name = absl::GetFlag(FLAGS_graph_scope);
   if (name.empty()) return GraphScope::kDefault;

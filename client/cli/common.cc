@@ -53,7 +53,8 @@ ABSL_FLAG(int32_t, recent, -1,
 ABSL_FLAG(int32_t, C, 0, "retopk: cached (query, support) entries per head (0: default)");
 ABSL_FLAG(int32_t, R, 0, "retopk: most similar cached supports unioned (0: default)");
 ABSL_FLAG(int32_t, W, -1,
-          "retopk: recent positions added to the candidates (-1: the server's default, 32)");
+          "retopk: recent positions added to the candidates (-1: the server's default, 32; 0: "
+          "none)");
 ABSL_FLAG(float, tau, NAN, "retopk: reuse when the best cosine >= tau (unset: default 0.85)");
 ABSL_FLAG(int32_t, refresh, -1,
           "retopk: every N-th decode step runs the exact path; 0 disables (-1: default)");

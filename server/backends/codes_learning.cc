@@ -150,9 +150,14 @@ void CodesLearning::OnCommitted(const KvView& bulk) {
   }
   take_over_at_ = TakeOverAt(bulk.tokens);
   next_learn_at_ = NextLearnAt(bulk.tokens, config_->shape.head_dim);
-  // Room for the announced context, as at prefill, and at least past the take-over.
+  // Room for the announced context, as at prefill, and for the rows these codes serve: up to
+  // the next learning's take-over (or twice this one's, the last learning's), so that they do
+  // not grow (a new allocation, and a new captured step at every layer) on the token after they
+  // take over, as they did sized one row past it (review 13).
+  const int64_t serves_until =
+      next_learn_at_ > 0 ? TakeOverAt(next_learn_at_) + 1 : 2 * take_over_at_;
   const int64_t capacity =
-      std::max(BulkTokens(config_->expected_tokens, p.sinks, p.recent), take_over_at_ + 1);
+      std::max(BulkTokens(config_->expected_tokens, p.sinks, p.recent), serves_until);
   job_ = std::make_shared<Job>(*this, bulk, capacity);
   if (queue_->threads() == 0) {
     job_->Run();  // the system refused the queue its thread: learned here, on the step's

@@ -15,7 +15,8 @@
 // the layer may hold (LayerConfig::max_layer_tokens: --max_context_tokens) is not started.
 //
 // Memory: a learning holds a second set of codes (sized, as the first, for the announced
-// max_tokens) beside the layer's until it takes over, charged to the session's accounts as it
+// max_tokens, and at least for the rows they serve until the next learning takes over) beside
+// the layer's until it takes over, charged to the session's accounts as it
 // is made; when they refuse it, the layer keeps the codes it has and tries again at the next
 // doubling. GetSession reports the codes in use (SessionInfo.host_budget_bytes and
 // gpu_budget_bytes the second set too); kvrecall_codes_learnings_total counts how learnings

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
@@ -550,12 +551,12 @@ class GpuStaticSetTier final : public StaticSetTier {
     // the bulk grows within the bound).
     std::vector<int64_t> scanned, scan_bound;
     int shortlist = 0;  // the run's (0: no step has codes)
-    // The captured steps, by what each bakes in (its key: EnqueueStep's caller), with the
-    // step they last ran at. A model's layers step in turn through one Decode stream and each
-    // layer's codes are its own, so one graph per context would be captured anew at every layer
-    // of every token (d122: 1.1-1.5 ms a layer-step at 32 layers against ~0.3 at one). A null
-    // graph: its capture failed, and that step launches eagerly without trying again.
-    // `generation` changes whenever a buffer of this context is reallocated.
+    // The captured steps, by what each bakes in (the key Start builds), with the step they last
+    // ran at. A model's layers step in turn through one Decode stream and each layer's codes
+    // are its own, so one graph per context was captured anew at every layer of every token
+    // once the layers had codes (d123, 32 layers at a bulk of ~1.5K rows: 0.54-0.62 ms a
+    // layer-step, 0.33-0.41 with a graph per key). A null graph: its capture failed, and that
+    // step launches eagerly without trying again while its entry lasts.
     struct CapturedStep {
       cudaGraphExec_t graph = nullptr;
       uint64_t last_run = 0;
@@ -564,6 +565,7 @@ class GpuStaticSetTier final : public StaticSetTier {
     uint64_t captured_runs = 0;
     std::pair<uint64_t, uint64_t> captured_generations{0, 0};  // of `gpu` and of this context
     std::vector<int64_t> key_scratch;
+    // Changes whenever a buffer of this context is reallocated.
     uint64_t generation = 0;
     // The most captured steps kept: a model's layers (each live key is used once a token, so
     // stale keys, of bounds left behind or sessions gone, go first) and a few batch shapes.
@@ -588,6 +590,12 @@ class GpuStaticSetTier final : public StaticSetTier {
       const cudaGraphExec_t graph = capture();
       captured.emplace(key, CapturedStep{graph, captured_runs});
       return graph;
+    }
+    void DropCapturedStep(const std::vector<int64_t>& key) {
+      if (auto it = captured.find(key); it != captured.end()) {
+        if (it->second.graph != nullptr) cudaGraphExecDestroy(it->second.graph);
+        captured.erase(it);
+      }
     }
     void DropCapturedSteps() {
       for (auto& [key, step] : captured) {
@@ -1194,12 +1202,15 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
     if (!cuda_graphs_) {
       if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
     } else {
-      // What the captured step bakes in: the shapes and knobs, the buffers (by address and
-      // generation), the upload's layout, each step's codes and launch bound. Everything else
-      // (queries, new tokens, static-set slots, scanned lengths) travels in the upload.
+      // What the captured step bakes in: the shapes and knobs (the softmax scale among them:
+      // the kernels take it by value, and sessions of one shape may differ in it), the
+      // buffers (by address and generation), the upload's layout, each step's codes and launch
+      // bound. Everything else (queries, new tokens, static-set slots, scanned lengths) travels
+      // in the upload.
       std::vector<int64_t>& key = state.key_scratch;
       key.assign({batch, q_heads, config.shape.kv_heads, d, static_cast<int64_t>(config.dtype),
-                  config.selector.sinks, config.selector.recent, state.shortlist,
+                  absl::bit_cast<uint32_t>(config.shape.scale), config.selector.sinks,
+                  config.selector.recent, state.shortlist,
                   static_cast<int64_t>(ctx.generation()), static_cast<int64_t>(state.generation),
                   static_cast<int64_t>(state.upload), static_cast<int64_t>(state.out_size),
                   state.exact_heads, state.outlier_stride, config.selector.top_k,
@@ -1224,8 +1235,12 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
       if (graph == nullptr) {
         if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;
       } else {
-        KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaGraphLaunch(graph, stream),
-                                                 "launching a captured static-set step"));
+        if (absl::Status s = CudaStatus(cudaGraphLaunch(graph, stream),
+                                        "launching a captured static-set step");
+            !s.ok()) {
+          state.DropCapturedStep(key);  // captured anew by the next step that needs it
+          return s;
+        }
         MarkNewRowsCoded(steps, state);
       }
     }

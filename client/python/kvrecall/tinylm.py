@@ -210,7 +210,9 @@ def run_ppl(a):
 
     geometry = make_geometry(model.layers, model.q_heads, model.kv_heads, model.head_dim, a.dtype)
     with Client(a.server, **connection_from_args(a)) as client:
-        session = client.create_session(geometry, policy, label=f"tinylm ppl {a.policy}")
+        # The prompt and the suffix's steps: every layer's KV set aside now, never grown.
+        session = client.create_session(geometry, policy, label=f"tinylm ppl {a.policy}",
+                                        max_tokens=a.ctx + a.suffix)
         try:
             t0 = time.perf_counter()
             pre = session.prefill(caps)
@@ -299,7 +301,9 @@ def parser():
                     help="attention sinks of the static set (unset: server default, 128; 0: none)")
     ap.add_argument("--recent", type=int, default=None,
                     help="recent tokens of the static set (unset: server default, 512; 0: none)")
-    for name, typ in (("cache-capacity", int), ("reuse-neighbors", int), ("recent-window", int),
+    ap.add_argument("--recent-window", type=int,
+                    help="retopk's W (unset: server default, 32; 0: none)")
+    for name, typ in (("cache-capacity", int), ("reuse-neighbors", int),
                       ("tau", float), ("refresh-interval", int), ("target-recall", float),
                       ("build-queries", int), ("build-topk", int), ("max-degree", int),
                       ("search-list-size", int), ("search-width", int), ("shortlist", int)):
