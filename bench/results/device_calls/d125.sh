@@ -8,6 +8,7 @@
 # (2) the whole suite (the captured steps keyed by the softmax scale too:
 # TieredPlacementTest.SessionsOfOneShapeKeepTheirOwnSoftmaxScale; LayersSteppingInTurn with
 # each layer's own key that only its codes shortlist).
+# Not run: no device machine was lent for the rest of the session. Run it first next time.
 # Bundle: .device/b125 (every *_test, kvrecalld, kvrecall, gpu_serving_bench). Carry
 # .device/b125/ship and client/python/kvrecall/_gen.
 set -u
