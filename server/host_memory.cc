@@ -172,6 +172,57 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages) {
   return memory;
 }
 
+absl::Status HostMemory::Grow(size_t bytes) {
+  if (!mapped() || bytes < bytes_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "only a mapped allocation grows in place (", bytes_, " bytes, ",
+        mapped() ? "mapped" : "a heap allocation", ", asked for ", bytes, ")"));
+  }
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  if (bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
+  const size_t length = (bytes + page - 1) / page * page;
+  if (length <= mapped_bytes_) {
+    bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  const size_t old_length = mapped_bytes_;
+  // Where the addresses after it are free, it grows where it is; else its pages move to a
+  // 2 MiB-aligned destination, reserved without memory (PROT_NONE), which mremap replaces.
+  if (mremap(data_, old_length, length, 0) == MAP_FAILED) {
+    const size_t reserved = length + kHugePageBytes - page;
+    void* const raw = mmap(nullptr, reserved, PROT_NONE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (raw == MAP_FAILED) return Exhausted(bytes, errno);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (begin + kHugePageBytes - 1) & ~uintptr_t{kHugePageBytes - 1};
+    void* const moved = mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED,
+                               reinterpret_cast<void*>(aligned));
+    if (moved == MAP_FAILED) {
+      const int error = errno;
+      munmap(raw, reserved);
+      return Exhausted(bytes, error);
+    }
+    // The reservation's ends beyond the moved mapping.
+    if (aligned > begin) munmap(raw, aligned - begin);
+    if (begin + reserved > aligned + length) {
+      munmap(reinterpret_cast<void*>(aligned + length), begin + reserved - (aligned + length));
+    }
+    data_ = static_cast<std::byte*>(moved);
+  }
+  mapped_bytes_ = length;
+  // The pages added, mapped now as AllocateHostMemory maps a fresh allocation's, whatever their
+  // size (they share the mapping's huge-page advice, which moves with it). Kernels before 5.14
+  // refuse the population (EINVAL): their pages fault in on first touch.
+  if (madvise(data_ + old_length, length - old_length, MADV_POPULATE_WRITE) != 0 &&
+      errno == ENOMEM) {
+    // Shrunk back in place (a shrink never moves): the allocation as it was, perhaps moved.
+    if (mremap(data_, length, old_length, 0) != MAP_FAILED) mapped_bytes_ = old_length;
+    return Exhausted(bytes, ENOMEM);
+  }
+  bytes_ = bytes;
+  return absl::OkStatus();
+}
+
 std::string TransparentHugePagesMode(const std::string& setting) {
   std::ifstream file("/sys/kernel/mm/transparent_hugepage/" + setting);
   std::string line;

@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cpu/mapped_memory.h"
 
@@ -42,6 +43,16 @@ class HostMemory {
   // the THP mode (TransparentHugePagesMode) is "madvise" or "always" and memory is available.
   bool huge_pages_requested() const { return huge_pages_requested_; }
   bool huge_pages_advised() const { return huge_pages_advised_; }
+
+  // Grows a mapped allocation to `bytes` (>= size()) without copying it: its pages move, by
+  // their page tables (mremap), to a new 2 MiB-aligned range when they do not fit where they
+  // are, and only the pages added are mapped now (as AllocateHostMemory maps its pages), so a
+  // growth costs the new rows, not the old ones (a copy into a new allocation populated and
+  // wrote every byte of both). data() may change; the content up to the old size() is kept.
+  // FAILED_PRECONDITION for a heap allocation (not mapped()) or a smaller `bytes`;
+  // RESOURCE_EXHAUSTED when the address space or the pages cannot be had, the allocation then
+  // as it was (perhaps moved).
+  absl::Status Grow(size_t bytes);
 
   // Frees the allocation; empty afterwards.
   void reset();

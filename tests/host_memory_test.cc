@@ -5,6 +5,9 @@
 // control group's limit.
 #include "server/host_memory.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -68,6 +71,59 @@ TEST(HostMemoryTest, SmallAllocationsAreOrdinary) {
     EXPECT_FALSE(memory->mapped()) << bytes;
     EXPECT_FALSE(memory->huge_pages_requested()) << bytes;
     ExpectWritable(*memory);
+  }
+}
+
+// The share of the pages of [data, data + bytes) (page-aligned) that are resident.
+double ResidentShare(const std::byte* data, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((bytes + page - 1) / page);
+  if (mincore(const_cast<std::byte*>(data), bytes, resident.data()) != 0) return -1;
+  size_t n = 0;
+  for (unsigned char r : resident) n += r & 1;
+  return static_cast<double>(n) / resident.size();
+}
+
+// A mapped allocation grows without a copy: its content kept, 2 MiB-aligned wherever it lands,
+// the new bytes mapped now (where the kernel maps a fresh allocation's now) and writable; where
+// it cannot grow where it is (another mapping right after it), it moves. A heap allocation, or
+// a smaller size, is FAILED_PRECONDITION and changes nothing.
+TEST(HostMemoryTest, AMappedAllocationGrowsKeepingItsContent) {
+  for (const bool huge_pages : {true, false}) {
+    SCOPED_TRACE(huge_pages ? "huge pages" : "4 KiB pages");
+    absl::StatusOr<HostMemory> memory = AllocateHostMemory(kHugePageBytes + 12345, huge_pages);
+    ASSERT_TRUE(memory.ok()) << memory.status();
+    const size_t old_size = memory->size();
+    for (size_t i = 0; i < old_size; ++i) memory->data()[i] = static_cast<std::byte>(i * 13);
+    // Another mapping right after it, so that the first growth cannot stay where it is.
+    absl::StatusOr<HostMemory> neighbour = AllocateHostMemory(kHugePageBytes, huge_pages);
+    ASSERT_TRUE(neighbour.ok());
+    absl::StatusOr<HostMemory> fresh = AllocateHostMemory(kHugePageBytes, huge_pages);
+    ASSERT_TRUE(fresh.ok());
+    const bool populates = ResidentShare(fresh->data(), kHugePageBytes) == 1.0;  // Linux 5.14+
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (const size_t bytes : {old_size + 100, 3 * kHugePageBytes + 7, 9 * kHugePageBytes}) {
+      const size_t from = (memory->size() + page - 1) / page * page;
+      ASSERT_TRUE(memory->Grow(bytes).ok()) << bytes;
+      if (populates && bytes > from) {
+        EXPECT_EQ(ResidentShare(memory->data() + from, bytes - from), 1.0) << bytes;
+      }
+      EXPECT_EQ(memory->size(), bytes);
+      EXPECT_TRUE(memory->mapped());
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(memory->data()) % kHugePageBytes, 0u) << bytes;
+      for (size_t i = 0; i < old_size; ++i) {
+        ASSERT_EQ(memory->data()[i], static_cast<std::byte>(i * 13)) << bytes << " byte " << i;
+      }
+      std::memset(memory->data() + old_size, 0x5a, bytes - old_size);  // the new bytes
+    }
+    EXPECT_EQ(memory->Grow(100).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(memory->size(), 9 * kHugePageBytes);
+    absl::StatusOr<HostMemory> small = AllocateHostMemory(4096, huge_pages);
+    ASSERT_TRUE(small.ok());
+    const std::byte* small_data = small->data();
+    EXPECT_EQ(small->Grow(2 * kHugePageBytes).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(small->data(), small_data);
+    EXPECT_EQ(small->size(), 4096u);
   }
 }
 

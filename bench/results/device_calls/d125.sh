@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run 2026-12-05 (thirteenth session): tiered_serving.md ("A model's layers in turn"),
 # device_tests.md.
-# Hundred-and-twenty-fifth call, review 13's mends: (1) bench/model_tokens.py, 32 layers, a
+# Hundred-and-twenty-fifth call, review 13's mends and the host KV's growth in place
+# (HostMemory::Grow, kv_growth.md): (1) bench/model_tokens.py, 32 layers, a
 # 640-token prompt, bulk 900 -> 1600, index: learned codes now sized for the rows they serve
 # (the token after the take-over grew them before), and the same with max_tokens announced
 # (2300: the KV set aside at creation, so the host-KV growth stall of d123 cannot come);
