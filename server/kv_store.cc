@@ -90,10 +90,12 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
       PinCurrent();
       return absl::OkStatus();
     }
-    PinCurrent();  // as it was; a new allocation below, or its error
+    // Left unpinned (the old pages may have moved, a failed Grow keeps their content) for the
+    // new allocation below, which is pinned once made; pinned again only if that fails too.
   }
   absl::StatusOr<HostMemory> grown = AllocateHostMemory(static_cast<size_t>(bytes));
   if (!grown.ok()) {
+    PinCurrent();  // as it was
     return absl::Status(grown.status().code(),
                         absl::StrCat(what, ": ", grown.status().message()));
   }

@@ -95,8 +95,9 @@ class BudgetedRows {
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
                                   absl::string_view what);
   // Moves the content to an allocation of `capacity_rows` (>= rows) that the caller has
-  // already charged to the budget (pinned, and the old one unpinned, when there is pinning).
-  // RESOURCE_EXHAUSTED naming `what` when the memory cannot be had; then nothing changed.
+  // already charged to the budget (pinned, and the old one unpinned, when there is pinning): a
+  // mapped one grown in place where it can be (HostMemory::Grow). RESOURCE_EXHAUSTED naming
+  // `what` when the memory cannot be had; then nothing changed but, perhaps, the address.
   absl::Status Reallocate(int64_t capacity_rows, absl::string_view what);
   // Pins the current allocation when there is pinning and it is not pinned yet.
   void PinCurrent();

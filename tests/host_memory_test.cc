@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -28,6 +29,18 @@ using ::kvrecall::testing::HasStatus;
 bool Aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kHugePageBytes == 0; }
 
 // Writes a pattern over every byte and reads it back.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadSanitizer = true;
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+
 void ExpectWritable(const HostMemory& memory) {
   for (size_t i = 0; i < memory.size(); ++i) memory.data()[i] = static_cast<std::byte>(i * 7);
   for (size_t i = 0; i < memory.size(); ++i) {
@@ -84,29 +97,57 @@ double ResidentShare(const std::byte* data, size_t bytes) {
   return static_cast<double>(n) / resident.size();
 }
 
-// A mapped allocation grows without a copy: its content kept, 2 MiB-aligned wherever it lands,
-// the new bytes mapped now (where the kernel maps a fresh allocation's now) and writable; where
-// it cannot grow where it is (another mapping right after it), it moves. A heap allocation, or
-// a smaller size, is FAILED_PRECONDITION and changes nothing.
+// Whether [p, p + bytes) (page-aligned) is mapped by nothing (mincore answers ENOMEM there).
+bool Unmapped(const std::byte* p, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident(1);
+  for (size_t at = 0; at < bytes; at += page) {
+    if (mincore(const_cast<std::byte*>(p + at), page, resident.data()) == 0 || errno != ENOMEM) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A mapped allocation grows without a copy: where the addresses after it are free it stays
+// where it is (but in a ThreadSanitizer build, which always moves it), else (a mapping right
+// after it) it moves to a 2 MiB-aligned range; either way its content is kept and the new
+// bytes are mapped now (where the kernel maps a fresh allocation's now) and writable. A heap
+// allocation, or a smaller size, is FAILED_PRECONDITION and changes nothing.
 TEST(HostMemoryTest, AMappedAllocationGrowsKeepingItsContent) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   for (const bool huge_pages : {true, false}) {
     SCOPED_TRACE(huge_pages ? "huge pages" : "4 KiB pages");
+    absl::StatusOr<HostMemory> fresh = AllocateHostMemory(kHugePageBytes, huge_pages);
+    ASSERT_TRUE(fresh.ok());
+    const bool populates = ResidentShare(fresh->data(), kHugePageBytes) == 1.0;  // Linux 5.14+
     absl::StatusOr<HostMemory> memory = AllocateHostMemory(kHugePageBytes + 12345, huge_pages);
     ASSERT_TRUE(memory.ok()) << memory.status();
     const size_t old_size = memory->size();
     for (size_t i = 0; i < old_size; ++i) memory->data()[i] = static_cast<std::byte>(i * 13);
-    // Another mapping right after it, so that the first growth cannot stay where it is.
-    absl::StatusOr<HostMemory> neighbour = AllocateHostMemory(kHugePageBytes, huge_pages);
-    ASSERT_TRUE(neighbour.ok());
-    absl::StatusOr<HostMemory> fresh = AllocateHostMemory(kHugePageBytes, huge_pages);
-    ASSERT_TRUE(fresh.ok());
-    const bool populates = ResidentShare(fresh->data(), kHugePageBytes) == 1.0;  // Linux 5.14+
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    for (const size_t bytes : {old_size + 100, 3 * kHugePageBytes + 7, 9 * kHugePageBytes}) {
+    int stayed = 0, moved = 0;
+    for (const bool blocked : {false, true, false, true}) {
       const size_t from = (memory->size() + page - 1) / page * page;
+      const size_t bytes = from + (blocked ? 3 * kHugePageBytes : 16 * page) + 7;
+      std::byte* const end = memory->data() + from;
+      // A one-page mapping right after it where asked (and where the addresses are free).
+      void* blocker = nullptr;
+      if (blocked && Unmapped(end, page)) {
+        blocker = mmap(end, page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE,
+                       -1, 0);
+        ASSERT_EQ(blocker, static_cast<void*>(end));
+      }
+      const bool free_after = Unmapped(end, (bytes - from + page - 1) / page * page);
+      const std::byte* before = memory->data();
       ASSERT_TRUE(memory->Grow(bytes).ok()) << bytes;
-      if (populates && bytes > from) {
-        EXPECT_EQ(ResidentShare(memory->data() + from, bytes - from), 1.0) << bytes;
+      if (blocker != nullptr) munmap(blocker, page);
+      if (memory->data() == before) {
+        ++stayed;
+        EXPECT_TRUE(free_after) << "grown over a mapping";
+      } else {
+        ++moved;
+        if (kThreadSanitizer) continue;
+        EXPECT_FALSE(free_after) << "moved though it could stay";
       }
       EXPECT_EQ(memory->size(), bytes);
       EXPECT_TRUE(memory->mapped());
@@ -114,10 +155,16 @@ TEST(HostMemoryTest, AMappedAllocationGrowsKeepingItsContent) {
       for (size_t i = 0; i < old_size; ++i) {
         ASSERT_EQ(memory->data()[i], static_cast<std::byte>(i * 13)) << bytes << " byte " << i;
       }
-      std::memset(memory->data() + old_size, 0x5a, bytes - old_size);  // the new bytes
+      if (populates) {
+        EXPECT_EQ(ResidentShare(memory->data() + from, bytes - from), 1.0) << bytes;
+      }
+      std::memset(memory->data() + from, 0x5a, bytes - from);  // the new bytes
     }
+    EXPECT_GE(moved, 2) << "a mapping right after it moves it";
+    if (!kThreadSanitizer) EXPECT_GE(stayed + moved, 4);
+    const size_t size = memory->size();
     EXPECT_EQ(memory->Grow(100).code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_EQ(memory->size(), 9 * kHugePageBytes);
+    EXPECT_EQ(memory->size(), size);
     absl::StatusOr<HostMemory> small = AllocateHostMemory(4096, huge_pages);
     ASSERT_TRUE(small.ok());
     const std::byte* small_data = small->data();

@@ -234,9 +234,10 @@ TEST(KvStoreTest, PinningFollowsEveryAllocationAndUnpinsBeforeFreeing) {
   EXPECT_EQ(budget.used(), kv.allocated_bytes());
 }
 
-// A mapped array grows in place (HostMemory::Grow): its rows kept, its budget charged for the
-// new capacity, and a pinned one unpinned before and pinned again, whole, after.
-TEST(KvStoreTest, AMappedArrayGrowsInPlaceAndIsPinnedAgainWhole) {
+// A mapped array grows (HostMemory::Grow, or a new allocation where that fails): its rows kept,
+// its budget charged for the new capacity, and a pinned one unpinned while still mapped where
+// it was and pinned again, whole, after: once each per growth.
+TEST(KvStoreTest, AMappedArrayGrowsKeepingItsRowsAndIsPinnedAgainWhole) {
   MemoryBudget budget(0);
   RecordingPinning pinning;
   BudgetedRows rows(1024, &budget);  // 4 KiB rows: 512 of them fill 2 MiB
@@ -246,7 +247,9 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlaceAndIsPinnedAgainWhole) {
   for (int growth = 0; growth < 3; ++growth) {
     const int64_t capacity = rows.capacity_rows();
     const void* before = rows.raw_data();
+    const size_t events = pinning.events.size();
     AppendRows(rows, capacity - rows.rows() + 1);  // one row past it: a growth
+    EXPECT_EQ(pinning.events.size(), events + 2);
     ASSERT_GT(rows.capacity_rows(), capacity);
     // Unpinned while still mapped where it was (RecordingPinning reads it), then pinned whole.
     ASSERT_GE(pinning.events.size(), 2u);
