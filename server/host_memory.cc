@@ -31,18 +31,6 @@ std::atomic<bool> huge_pages_on{true};
 constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
 #endif
 
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kGrowsWhereItIs = false;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kGrowsWhereItIs = false;
-#else
-constexpr bool kGrowsWhereItIs = true;
-#endif
-#else
-constexpr bool kGrowsWhereItIs = true;
-#endif
-
 absl::Status Exhausted(size_t bytes, int error) {
   return absl::ResourceExhaustedError(
       absl::StrCat("cannot allocate ", bytes, " bytes of host memory: ", std::strerror(error)));
@@ -200,10 +188,7 @@ absl::Status HostMemory::Grow(size_t bytes) {
   const size_t old_length = mapped_bytes_;
   // Where the addresses after it are free, it grows where it is; else its pages move to a
   // 2 MiB-aligned destination, reserved without memory (PROT_NONE), which mremap replaces.
-  // (ThreadSanitizer does not see mremap: grown in place into a range a moved allocation left,
-  // the new pages could carry that range's access history. Its builds always move, into a
-  // fresh mapping it has seen.)
-  if (!kGrowsWhereItIs || mremap(data_, old_length, length, 0) == MAP_FAILED) {
+  if (!kHostMemoryGrowsWhereItIs || mremap(data_, old_length, length, 0) == MAP_FAILED) {
     const size_t reserved = length + kHugePageBytes - page;
     void* const raw = mmap(nullptr, reserved, PROT_NONE,
                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);

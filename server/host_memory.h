@@ -25,6 +25,22 @@ inline constexpr size_t kHugePageBytes = cpu::kMappedAllocationBytes;
 void SetHostHugePages(bool on);
 bool HostHugePages();
 
+// Whether HostMemory::Grow grows an allocation where it is when the addresses after it are
+// free. Not in ThreadSanitizer builds, which always move it, into a fresh mapping: TSan does not
+// see mremap, and pages grown into a range a moved allocation left could carry that range's
+// access history.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool kHostMemoryGrowsWhereItIs = false;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+inline constexpr bool kHostMemoryGrowsWhereItIs = false;
+#else
+inline constexpr bool kHostMemoryGrowsWhereItIs = true;
+#endif
+#else
+inline constexpr bool kHostMemoryGrowsWhereItIs = true;
+#endif
+
 // An owning handle of one host allocation (see AllocateHostMemory); move-only.
 class HostMemory {
  public:
