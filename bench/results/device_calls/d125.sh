@@ -10,7 +10,9 @@
 # TieredPlacementTest.SessionsOfOneShapeKeepTheirOwnSoftmaxScale; LayersSteppingInTurn with
 # each layer's own key that only its codes shortlist).
 # Not run: no device machine was lent for the rest of the session. Run it first next time.
-# Bundle: .device/b125 (every *_test, kvrecalld, kvrecall, gpu_serving_bench). Carry
+# (The growth run now also measures HostMemory::Grow's pinned path: unpinned, grown without a
+# copy, pinned again whole.)
+# Bundle: .device/b125, built at 40319d3 (every *_test, kvrecalld, kvrecall, gpu_serving_bench). Carry
 # .device/b125/ship and client/python/kvrecall/_gen.
 set -u
 . bench/device_call.sh
