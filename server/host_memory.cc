@@ -31,6 +31,29 @@ std::atomic<bool> huge_pages_on{true};
 constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
 #endif
 
+// `bytes` rounded up to whole pages.
+size_t WholePages(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return (bytes + page - 1) / page * page;
+}
+
+// A private anonymous mapping of exactly `length` bytes (whole pages) from a 2 MiB boundary,
+// with `prot` and `flags` besides MAP_PRIVATE | MAP_ANONYMOUS; null (errno set) when it cannot
+// be had. Mapped with a huge page's slack, whose ends are unmapped again.
+std::byte* MapAligned(size_t length, int prot, int flags) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t reserved = length + kHugePageBytes - page;
+  void* const raw = mmap(nullptr, reserved, prot, MAP_PRIVATE | MAP_ANONYMOUS | flags, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (begin + kHugePageBytes - 1) & ~uintptr_t{kHugePageBytes - 1};
+  if (aligned > begin) munmap(raw, aligned - begin);
+  if (begin + reserved > aligned + length) {
+    munmap(reinterpret_cast<void*>(aligned + length), begin + reserved - (aligned + length));
+  }
+  return reinterpret_cast<std::byte*>(aligned);
+}
+
 absl::Status Exhausted(size_t bytes, int error) {
   return absl::ResourceExhaustedError(
       absl::StrCat("cannot allocate ", bytes, " bytes of host memory: ", std::strerror(error)));
@@ -149,20 +172,11 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages) {
   // Whole pages from a 2 MiB boundary: every 2 MiB range but a partial last one can be a
   // huge page, and the tail beyond the last boundary stays in small pages (no huge page is
   // faulted in for a few KiB past it).
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   if (bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
-  const size_t length = (bytes + page - 1) / page * page;
-  const size_t reserved = length + kHugePageBytes - page;
-  void* const raw =
-      mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return Exhausted(bytes, errno);
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-  const uintptr_t aligned = (begin + kHugePageBytes - 1) & ~uintptr_t{kHugePageBytes - 1};
-  if (aligned > begin) munmap(raw, aligned - begin);
-  if (begin + reserved > aligned + length) {
-    munmap(reinterpret_cast<void*>(aligned + length), begin + reserved - (aligned + length));
-  }
-  memory.data_ = reinterpret_cast<std::byte*>(aligned);
+  const size_t length = WholePages(bytes);
+  std::byte* const aligned = MapAligned(length, PROT_READ | PROT_WRITE, 0);
+  if (aligned == nullptr) return Exhausted(bytes, errno);
+  memory.data_ = aligned;
   memory.mapped_bytes_ = length;
   memory.huge_pages_requested_ = huge_pages;
   // Kernels before 5.14 refuse the population (EINVAL): their pages fault in on first touch.
@@ -178,9 +192,8 @@ absl::Status HostMemory::Grow(size_t bytes) {
         "only a mapped allocation grows in place (", bytes_, " bytes, ",
         mapped() ? "mapped" : "a heap allocation", ", asked for ", bytes, ")"));
   }
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   if (bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
-  const size_t length = (bytes + page - 1) / page * page;
+  const size_t length = WholePages(bytes);
   if (length <= mapped_bytes_) {
     bytes_ = bytes;
     return absl::OkStatus();
@@ -189,23 +202,14 @@ absl::Status HostMemory::Grow(size_t bytes) {
   // Where the addresses after it are free, it grows where it is; else its pages move to a
   // 2 MiB-aligned destination, reserved without memory (PROT_NONE), which mremap replaces.
   if (!kHostMemoryGrowsWhereItIs || mremap(data_, old_length, length, 0) == MAP_FAILED) {
-    const size_t reserved = length + kHugePageBytes - page;
-    void* const raw = mmap(nullptr, reserved, PROT_NONE,
-                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (raw == MAP_FAILED) return Exhausted(bytes, errno);
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (begin + kHugePageBytes - 1) & ~uintptr_t{kHugePageBytes - 1};
-    void* const moved = mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED,
-                               reinterpret_cast<void*>(aligned));
+    std::byte* const aligned = MapAligned(length, PROT_NONE, MAP_NORESERVE);
+    if (aligned == nullptr) return Exhausted(bytes, errno);
+    void* const moved =
+        mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
     if (moved == MAP_FAILED) {
       const int error = errno;
-      munmap(raw, reserved);
+      munmap(aligned, length);
       return Exhausted(bytes, error);
-    }
-    // The reservation's ends beyond the moved mapping.
-    if (aligned > begin) munmap(raw, aligned - begin);
-    if (begin + reserved > aligned + length) {
-      munmap(reinterpret_cast<void*>(aligned + length), begin + reserved - (aligned + length));
     }
     data_ = static_cast<std::byte*>(moved);
   }

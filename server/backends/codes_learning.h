@@ -16,9 +16,8 @@
 //
 // Memory: a learning holds a second set of codes (sized, as the first, for the announced
 // max_tokens, and at least for the rows they serve until the next learning takes over) beside
-// the layer's until it takes over, charged to the session's accounts as it
-// is made; when they refuse it, the layer keeps the codes it has and tries again at the next
-// doubling. GetSession reports the codes in use (SessionInfo.host_budget_bytes and
+// the layer's until it takes over, charged to the session's accounts as it is made; when they
+// refuse it, the layer keeps the codes it has and tries again at the next doubling. GetSession reports the codes in use (SessionInfo.host_budget_bytes and
 // gpu_budget_bytes the second set too); kvrecall_codes_learnings_total counts how learnings
 // ended (server/backends/learning_outcomes.h), a refused one among them.
 #ifndef KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
