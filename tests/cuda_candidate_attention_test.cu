@@ -2,15 +2,18 @@
 // reference (ShortlistSelector::Select's candidates, cpu::ScoreTokens, cpu::TopKPositions,
 // cpu::PartialAttention): the same deduplicated candidates, the same support up to near-ties,
 // outputs to tolerance; from device memory and from host memory mapped for the device (the
-// tiered placement's bulk); rows not asked for untouched; bad device data reported, bad bounds
+// tiered placement's bulk), in one registration or two adjacent ones; rows not asked for untouched; bad device data reported, bad bounds
 // refused.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstdlib>
 #include <limits>
 #include <random>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -104,21 +107,45 @@ std::vector<int32_t> ReferenceCandidates(const HostLists& l, int b, int h, int q
   return out;
 }
 
-// Host memory registered with the device for the kernel to read through its mapped address.
+// Host memory registered with the device for the kernel to read through its mapped address, in
+// one registration or in two adjacent ones split at a page inside it (as an array whose address
+// never changes is pinned a growth at a time): the kernel's rows then cross from one into the
+// other through the host pointer itself (unified addressing, as the tiered placement reads it).
 class MappedCopy {
  public:
-  explicit MappedCopy(const cuda::DeviceBuffer<uint16_t>& device) : host_(device.size()) {
-    EXPECT_EQ(cudaMemcpy(host_.data(), device.data(), device.bytes(), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    EXPECT_EQ(cudaHostRegister(host_.data(), device.bytes(), cudaHostRegisterMapped),
-              cudaSuccess);
-    EXPECT_EQ(cudaHostGetDevicePointer(&mapped_, host_.data(), 0), cudaSuccess);
+  MappedCopy(const cuda::DeviceBuffer<uint16_t>& device, int registrations) {
+    const size_t bytes = device.bytes();
+    const size_t rounded = (bytes + kPage - 1) / kPage * kPage;
+    host_ = static_cast<std::byte*>(std::aligned_alloc(kPage, rounded));
+    EXPECT_EQ(cudaMemcpy(host_, device.data(), bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    if (registrations == 1) {
+      pieces_ = {{host_, rounded}};
+    } else {
+      const size_t split = rounded / 2 / kPage * kPage;
+      pieces_ = {{host_, split}, {host_ + split, rounded - split}};
+    }
+    for (const auto& [data, size] : pieces_) {
+      EXPECT_EQ(cudaHostRegister(data, size, cudaHostRegisterMapped), cudaSuccess);
+    }
+    int host_pointers = 0;
+    cudaDeviceGetAttribute(&host_pointers, cudaDevAttrCanUseHostPointerForRegisteredMem, 0);
+    if (registrations > 1) {
+      EXPECT_NE(host_pointers, 0) << "two registrations read as one need the host's address";
+      mapped_ = host_;
+    } else {
+      EXPECT_EQ(cudaHostGetDevicePointer(&mapped_, host_, 0), cudaSuccess);
+    }
   }
-  ~MappedCopy() { cudaHostUnregister(host_.data()); }
+  ~MappedCopy() {
+    for (const auto& piece : pieces_) cudaHostUnregister(piece.first);
+    std::free(host_);
+  }
   const void* mapped() const { return mapped_; }
 
  private:
-  std::vector<uint16_t> host_;
+  static constexpr size_t kPage = 4096;
+  std::byte* host_ = nullptr;
+  std::vector<std::pair<std::byte*, size_t>> pieces_;
   void* mapped_ = nullptr;
 };
 
@@ -135,7 +162,8 @@ TEST_P(CudaCandidateAttentionTest, MatchesTheCpuExactPathFromDeviceAndMappedHost
   constexpr int kTopK = 128;
   const std::vector<int32_t> sizes = {5000, 3000, 90};  // the last: fewer candidates than K
   DeviceKv kv(5000, g.kv_heads, g.head_dim, g.dtype, 7);
-  MappedCopy mapped_keys(kv.keys), mapped_values(kv.values);
+  MappedCopy mapped_keys(kv.keys, 1), mapped_values(kv.values, 1);
+  MappedCopy split_keys(kv.keys, 2), split_values(kv.values, 2);
   const int batch = static_cast<int>(sizes.size());
   const cuda::DecodeShape shape = g.Shape(batch);
   const std::vector<float> q = RandomNormal(shape.rows() * g.head_dim, 3, 2.0f);
@@ -178,12 +206,16 @@ TEST_P(CudaCandidateAttentionTest, MatchesTheCpuExactPathFromDeviceAndMappedHost
   };
   const StepResult device = run(kv.keys.data(), kv.values.data());
   const StepResult host = run(mapped_keys.mapped(), mapped_values.mapped());
+  const StepResult split = run(split_keys.mapped(), split_values.mapped());
 
   const KvView view = kv.host.view();
-  for (const StepResult* got : {&device, &host}) {
+  for (const StepResult* got : {&device, &host, &split}) {
     for (int b = 0; b < batch; ++b) {
       for (int h = 0; h < g.q_heads; ++h) {
-        SCOPED_TRACE(absl::StrCat(got == &device ? "device" : "mapped host", " b=", b, " h=", h));
+        SCOPED_TRACE(absl::StrCat(got == &device ? "device"
+                                  : got == &host ? "mapped host"
+                                                 : "mapped host, two registrations",
+                                  " b=", b, " h=", h));
         const int row = b * g.q_heads + h;
         if (std::find(rows.begin(), rows.end(), row) == rows.end()) {
           EXPECT_EQ(got->sizes[row], -1) << "a row not asked for was written";
