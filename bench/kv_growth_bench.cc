@@ -1,8 +1,9 @@
 // What a host KV array's growth costs on the decode path: the copy into a new allocation that
 // BudgetedRows made before (a new mapping populated whole, then every old byte copied) against
-// HostMemory::Grow (the old pages moved by their page tables, only the new ones populated), for
-// arrays of a layer's keys (or values) at several lengths, grown by half again as ReserveRows
-// grows them. Built with CUDA and run where a device is, it also times what a pinned array
+// HostMemory::Grow (the old pages moved by their page tables, only the new ones populated), and
+// Grow within the address space reserved at allocation (as BudgetedRows reserves it: nothing
+// moves, the new pages made accessible and populated), for arrays of a layer's keys (or values)
+// at several lengths, grown by half again as ReserveRows grows them. Built with CUDA and run where a device is, it also times what a pinned array
 // (the tiered placement's, read by the device's exact heads) pays beside: unregistering the old
 // array and registering the grown one whole (what BudgetedRows does today), against
 // registering only the added third (an array whose address never changes). Prints one JSON
@@ -27,6 +28,7 @@
 #include "bench/int_list.h"
 #include "nlohmann/json.hpp"
 #include "server/host_memory.h"
+#include "server/kv_store.h"
 
 ABSL_FLAG(std::string, rows, "1728,16384,131072",
           "rows the array holds when it grows (it grows to half again as many)");
@@ -43,9 +45,10 @@ double Millis(std::chrono::steady_clock::time_point since) {
       .count();
 }
 
-// A freshly allocated and written array of `bytes` (what a layer holds before it grows).
-HostMemory Filled(size_t bytes) {
-  absl::StatusOr<HostMemory> memory = AllocateHostMemory(bytes);
+// A freshly allocated and written array of `bytes` (what a layer holds before it grows), with
+// `reserve` bytes of address space to grow into.
+HostMemory Filled(size_t bytes, size_t reserve = 0) {
+  absl::StatusOr<HostMemory> memory = AllocateHostMemory(bytes, HostHugePages(), reserve);
   if (!memory.ok()) {
     std::fprintf(stderr, "%s\n", std::string(memory.status().message()).c_str());
     std::exit(1);
@@ -102,7 +105,7 @@ int Main() {
   for (const int64_t rows : lengths) {
     const size_t old_bytes = static_cast<size_t>(rows) * row;
     const size_t new_bytes = old_bytes + old_bytes / 2;
-    std::vector<double> copy_ms, grow_ms, repin_whole_ms, pin_added_ms;
+    std::vector<double> copy_ms, grow_ms, grow_reserved_ms, repin_whole_ms, pin_added_ms;
     for (int r = 0; r < repeats; ++r) {
       {
         HostMemory old = Filled(old_bytes);
@@ -118,6 +121,13 @@ int Main() {
         const auto t = std::chrono::steady_clock::now();
         if (!memory.Grow(new_bytes).ok()) return 1;
         grow_ms.push_back(Millis(t));
+      }
+      {
+        HostMemory memory = Filled(old_bytes, kHostRowsAddressReserve * old_bytes);
+        const std::byte* before = memory.data();
+        const auto t = std::chrono::steady_clock::now();
+        if (!memory.Grow(new_bytes).ok() || memory.data() != before) return 1;
+        grow_reserved_ms.push_back(Millis(t));
       }
       if (pins) {
         // Today's way: the old array unregistered, the grown one registered whole (Grow's
@@ -147,7 +157,8 @@ int Main() {
                               {"bytes_before", old_bytes},
                               {"bytes_after", new_bytes},
                               {"copy", Summary(copy_ms)},
-                              {"grow", Summary(grow_ms)}});
+                              {"grow", Summary(grow_ms)},
+                              {"grow_reserved", Summary(grow_reserved_ms)}});
     if (pins) {
       // unpin_repin_whole: the old registration undone and the grown array registered whole
       // (the Grow between them untimed); pin_added: the added bytes' registration alone.

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cinttypes>
@@ -70,6 +71,7 @@ HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
     mapped_bytes_ = std::exchange(other.mapped_bytes_, 0);
+    reserved_bytes_ = std::exchange(other.reserved_bytes_, 0);
     huge_pages_requested_ = std::exchange(other.huge_pages_requested_, false);
     huge_pages_advised_ = std::exchange(other.huge_pages_advised_, false);
   }
@@ -79,7 +81,7 @@ HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {
 void HostMemory::reset() {
   if (data_ != nullptr) {
     if (mapped_bytes_ > 0) {
-      munmap(data_, mapped_bytes_);
+      munmap(data_, reserved_bytes_);
     } else {
       ::operator delete(data_);
     }
@@ -87,6 +89,7 @@ void HostMemory::reset() {
   data_ = nullptr;
   bytes_ = 0;
   mapped_bytes_ = 0;
+  reserved_bytes_ = 0;
   huge_pages_requested_ = false;
   huge_pages_advised_ = false;
 }
@@ -161,7 +164,33 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes) {
   return AllocateHostMemory(bytes, HostHugePages());
 }
 
-absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages) {
+namespace {
+
+// A 2 MiB-aligned range of max(length, reserve) bytes (whole pages) of address space, its first
+// `length` bytes readable and writable (not yet populated), the rest PROT_NONE; the whole range
+// advised as `huge_pages` asks (MADV_HUGEPAGE or MADV_NOHUGEPAGE), so that the part made
+// accessible later is like the first, and their mappings merge. Null (errno set) when it cannot
+// be had. Only accessible pages count against the system's commit limit.
+std::byte* MapReserved(size_t length, size_t reserve, bool huge_pages) {
+  const size_t reserved = std::max(length, WholePages(reserve));
+  std::byte* const aligned = MapAligned(reserved, PROT_NONE, 0);
+  if (aligned == nullptr) return nullptr;
+  if (mprotect(aligned, length, PROT_READ | PROT_WRITE) != 0) {
+    const int error = errno;
+    munmap(aligned, reserved);
+    errno = error;
+    return nullptr;
+  }
+#ifdef MADV_HUGEPAGE
+  madvise(aligned, reserved, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+#endif
+  return aligned;
+}
+
+}  // namespace
+
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
+                                              size_t reserve_bytes) {
   HostMemory memory;
   memory.bytes_ = bytes;
   if (bytes < kHugePageBytes) {
@@ -172,12 +201,13 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages) {
   // Whole pages from a 2 MiB boundary: every 2 MiB range but a partial last one can be a
   // huge page, and the tail beyond the last boundary stays in small pages (no huge page is
   // faulted in for a few KiB past it).
-  if (bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
+  if (bytes > SIZE_MAX / 2 || reserve_bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
   const size_t length = WholePages(bytes);
-  std::byte* const aligned = MapAligned(length, PROT_READ | PROT_WRITE, 0);
+  std::byte* const aligned = MapReserved(length, reserve_bytes, huge_pages);
   if (aligned == nullptr) return Exhausted(bytes, errno);
   memory.data_ = aligned;
   memory.mapped_bytes_ = length;
+  memory.reserved_bytes_ = std::max(length, WholePages(reserve_bytes));
   memory.huge_pages_requested_ = huge_pages;
   // Kernels before 5.14 refuse the population (EINVAL): their pages fault in on first touch.
   const cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
@@ -186,41 +216,61 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages) {
   return memory;
 }
 
-absl::Status HostMemory::Grow(size_t bytes) {
+absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
   if (!mapped() || bytes < bytes_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "only a mapped allocation grows in place (", bytes_, " bytes, ",
         mapped() ? "mapped" : "a heap allocation", ", asked for ", bytes, ")"));
   }
-  if (bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
+  if (bytes > SIZE_MAX / 2 || reserve_bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
   const size_t length = WholePages(bytes);
   if (length <= mapped_bytes_) {
     bytes_ = bytes;
     return absl::OkStatus();
   }
   const size_t old_length = mapped_bytes_;
-  // Where the addresses after it are free, it grows where it is; else its pages move to a
-  // 2 MiB-aligned destination, reserved without memory (PROT_NONE), which mremap replaces.
-  if (!kHostMemoryGrowsWhereItIs || mremap(data_, old_length, length, 0) == MAP_FAILED) {
-    std::byte* const aligned = MapAligned(length, PROT_NONE, MAP_NORESERVE);
+  if (length <= reserved_bytes_) {
+    // Within the reserved range: its next pages made accessible, nothing moves. (Their
+    // advice was given with the range's, so the two mappings merge.)
+    if (mprotect(data_ + old_length, length - old_length, PROT_READ | PROT_WRITE) != 0) {
+      return Exhausted(bytes, errno);
+    }
+  } else if (reserved_bytes_ == old_length && WholePages(reserve_bytes) <= length &&
+             kHostMemoryGrowsWhereItIs && mremap(data_, old_length, length, 0) != MAP_FAILED) {
+    // Nothing reserved past it or asked for, and the addresses after it were free: grown where
+    // it is.
+    reserved_bytes_ = length;
+  } else {
+    // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose
+    // start mremap replaces; the old range's reserved tail is given back.
+    const size_t reserved = std::max(length, WholePages(reserve_bytes));
+    std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
     if (aligned == nullptr) return Exhausted(bytes, errno);
     void* const moved =
         mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
     if (moved == MAP_FAILED) {
       const int error = errno;
-      munmap(aligned, length);
+      munmap(aligned, reserved);
       return Exhausted(bytes, error);
     }
+    if (reserved_bytes_ > old_length) {
+      munmap(data_ + old_length, reserved_bytes_ - old_length);
+    }
     data_ = static_cast<std::byte*>(moved);
+    reserved_bytes_ = reserved;
   }
   mapped_bytes_ = length;
   // The pages added, mapped now as AllocateHostMemory maps a fresh allocation's, whatever their
-  // size (they share the mapping's huge-page advice, which moves with it). Kernels before 5.14
-  // refuse the population (EINVAL): their pages fault in on first touch.
+  // size (they share the mapping's huge-page advice). Kernels before 5.14 refuse the
+  // population (EINVAL): their pages fault in on first touch.
   if (madvise(data_ + old_length, length - old_length, MADV_POPULATE_WRITE) != 0 &&
       errno == ENOMEM) {
-    // Shrunk back in place (a shrink never moves): the allocation as it was, perhaps moved.
-    if (mremap(data_, length, old_length, 0) != MAP_FAILED) mapped_bytes_ = old_length;
+    // Back to the old length where it is now (nothing moves): the added pages given back and
+    // their range reserved again. The allocation as it was, perhaps moved.
+    madvise(data_ + old_length, length - old_length, MADV_DONTNEED);
+    if (mprotect(data_ + old_length, length - old_length, PROT_NONE) == 0) {
+      mapped_bytes_ = old_length;
+    }
     return Exhausted(bytes, ENOMEM);
   }
   bytes_ = bytes;

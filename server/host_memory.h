@@ -60,25 +60,38 @@ class HostMemory {
   bool huge_pages_requested() const { return huge_pages_requested_; }
   bool huge_pages_advised() const { return huge_pages_advised_; }
 
-  // Grows a mapped allocation to `bytes` (>= size()) without copying it: its pages move, by
-  // their page tables (mremap), to a new 2 MiB-aligned range when they do not fit where they
-  // are, and only the pages added are mapped now (as AllocateHostMemory maps its pages), so a
-  // growth costs the new rows, not the old ones (a copy into a new allocation populated and
-  // wrote every byte of both). data() may change; the content up to the old size() is kept.
+  // The address space the allocation holds from data(): at least its mapped pages, and beyond
+  // them what AllocateHostMemory or a moving Grow set aside (mapped without memory, PROT_NONE),
+  // into which it grows without moving. 0 for a heap allocation.
+  size_t reserved_bytes() const { return reserved_bytes_; }
+  // Whether Grow(bytes) keeps data() where it is: a mapped allocation whose reserved address
+  // space holds `bytes`. Readers of the old bytes may then go on while it grows.
+  bool GrowsInPlaceTo(size_t bytes) const { return mapped() && bytes <= reserved_bytes_; }
+
+  // Grows a mapped allocation to `bytes` (>= size()) without copying it, and maps only the pages
+  // added (as AllocateHostMemory maps its pages), so a growth costs the new rows, not the old
+  // ones (a copy into a new allocation populated and wrote every byte of both):
+  // - within reserved_bytes(), the pages added are made accessible where they are; data() and
+  //   every old byte stay as they were (GrowsInPlaceTo);
+  // - beyond it, its pages move, by their page tables (mremap), to a new 2 MiB-aligned range of
+  //   max(bytes, reserve_bytes) bytes of address space (or grow where they are, when no address
+  //   space is reserved past them or asked for, and the addresses after them are free). data()
+  //   may change; the content up to the old size() is kept.
   // FAILED_PRECONDITION for a heap allocation (not mapped()) or a smaller `bytes`;
   // RESOURCE_EXHAUSTED when the address space or the pages cannot be had, the allocation then
   // as it was (perhaps moved).
-  absl::Status Grow(size_t bytes);
-
+  absl::Status Grow(size_t bytes, size_t reserve_bytes = 0);
   // Frees the allocation; empty afterwards.
   void reset();
 
  private:
-  friend absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages);
+  friend absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
+                                                       size_t reserve_bytes);
 
   std::byte* data_ = nullptr;
   size_t bytes_ = 0;
   size_t mapped_bytes_ = 0;  // 0: an ordinary heap allocation
+  size_t reserved_bytes_ = 0;  // >= mapped_bytes_; beyond them PROT_NONE
   bool huge_pages_requested_ = false;
   bool huge_pages_advised_ = false;
 };
@@ -103,11 +116,15 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // `bytes` of host memory (uninitialized). An allocation of at least kHugePageBytes is a mapping of
 // its own, aligned to kHugePageBytes, whose pages are all mapped now (MADV_POPULATE_WRITE: first
 // touches would fault them in one by one, microseconds each in a VM), after MADV_HUGEPAGE when
-// `huge_pages`, else after MADV_NOHUGEPAGE (4 KiB pages even where the THP mode is "always"). A
-// smaller one is an ordinary heap allocation. RESOURCE_EXHAUSTED, saying how many bytes, when
-// the memory cannot be had. The first form follows HostHugePages().
+// `huge_pages`, else after MADV_NOHUGEPAGE (4 KiB pages even where the THP mode is "always"),
+// with the address space after it up to `reserve_bytes` from its start set aside for it to grow
+// into without moving (HostMemory::Grow; no memory is mapped there, and none counted against
+// the system's commit limit). A smaller one is an ordinary heap allocation (nothing reserved).
+// RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the address space cannot be
+// had. The first form follows HostHugePages() and reserves nothing.
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
-absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages);
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
+                                              size_t reserve_bytes = 0);
 
 // The host's transparent huge page mode, the bracketed word of
 // /sys/kernel/mm/transparent_hugepage/<setting>: for "enabled", "always", "madvise" or "never";

@@ -1,5 +1,7 @@
 #include "server/kv_store.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -19,7 +21,7 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
     rows_ = std::exchange(other.rows_, 0);
     capacity_rows_ = std::exchange(other.capacity_rows_, 0);
     pinning_ = std::exchange(other.pinning_, nullptr);
-    pinned_ = std::exchange(other.pinned_, false);
+    pinned_ranges_ = std::exchange(other.pinned_ranges_, {});
   }
   return *this;
 }
@@ -34,8 +36,12 @@ absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
     return absl::OkStatus();
   }
   // Geometric growth keeps appends amortized O(1); when the budget cannot afford the slack,
-  // the exact size may still fit.
-  const int64_t grown = std::max({needed, largest + largest / 2, int64_t{16}});
+  // the exact size may still fit. Arrays that hold what is needed in place grow at most to
+  // the end of their reserved address space: their rows then stay where they are.
+  int64_t grown = std::max({needed, largest + largest / 2, int64_t{16}});
+  int64_t in_place = grown;
+  for (const BudgetedRows* a : arrays) in_place = std::min(in_place, a->rows_in_place());
+  if (needed <= in_place) grown = in_place;
   absl::Status status;
   for (const int64_t capacity : {grown, needed}) {
     int64_t extra_bytes = 0;
@@ -67,6 +73,12 @@ absl::Status BudgetedRows::Reserve(int64_t more, absl::string_view what) {
   return ReserveRows(self, more, what);
 }
 
+int64_t BudgetedRows::rows_in_place() const {
+  if (!data_.mapped() || row_bytes() == 0) return capacity_rows_;
+  return std::max(capacity_rows_,
+                  static_cast<int64_t>(data_.reserved_bytes() / static_cast<size_t>(row_bytes())));
+}
+
 absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view what) {
   // Its pages are mapped now: left to first touch, every 4 KiB page faulted on its own, and a
   // decode step appends a key and a value row (4 KiB each at 8 KV heads x d=128), so nearly
@@ -77,23 +89,38 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
     return absl::ResourceExhaustedError(absl::StrCat(what, ": ", capacity_rows, " rows of ",
                                                      row_bytes(), " bytes cannot be counted"));
   }
-  // A mapped allocation grows in place: its pages move by their page tables, and only the new
-  // rows' pages are populated. A copy into a new allocation populated and wrote every byte of
-  // both, in the step that needed the row, and every layer of a model fills at the same token
-  // (bench/results/tiered_serving.md, "A model's layers in turn": 128-191 ms a 32-layer token
-  // at 1.7K tokens, ~0.5 GB a layer at 128K). A pinned region is pinned again whole (its
-  // address may change).
+  // Address space for the growths to come (a mapped allocation's only; none mapped yet).
+  int64_t reserve = 0;
+  if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve)) reserve = bytes;
+  // A mapped allocation grows without a copy: only the new rows' pages are populated. A copy
+  // into a new allocation populated and wrote every byte of both, in the step that needed the
+  // row, and every layer of a model fills at the same token (bench/results/tiered_serving.md,
+  // "A model's layers in turn": 128-191 ms a 32-layer token at 1.7K tokens, ~0.5 GB a layer at
+  // 128K). Within its reserved address space it stays where it is: its pinned rows stay pinned
+  // and only the added ones are pinned (kv_growth.md: at 128K rows 2.3 ms, against 8.6 to
+  // unpin and pin again whole); past it, it moves and is pinned again whole.
   if (capacity_rows > capacity_rows_ && data_.mapped()) {
-    UnpinCurrent();
-    if (data_.Grow(static_cast<size_t>(bytes)).ok()) {
-      capacity_rows_ = capacity_rows;
-      PinCurrent();
-      return absl::OkStatus();
+    const int64_t old_bytes = allocated_bytes();
+    if (data_.GrowsInPlaceTo(static_cast<size_t>(bytes))) {
+      if (data_.Grow(static_cast<size_t>(bytes)).ok()) {
+        capacity_rows_ = capacity_rows;
+        PinAdded(old_bytes);
+        return absl::OkStatus();
+      }
+      // Still where it was, and pinned as it was: the new allocation below is tried.
+    } else {
+      UnpinCurrent();
+      if (data_.Grow(static_cast<size_t>(bytes), static_cast<size_t>(reserve)).ok()) {
+        capacity_rows_ = capacity_rows;
+        PinCurrent();
+        return absl::OkStatus();
+      }
+      // Left unpinned (the old pages may have moved, a failed Grow keeps their content) for
+      // the new allocation below, which is pinned once made; pinned again only if that fails.
     }
-    // Left unpinned (the old pages may have moved, a failed Grow keeps their content) for the
-    // new allocation below, which is pinned once made; pinned again only if that fails too.
   }
-  absl::StatusOr<HostMemory> grown = AllocateHostMemory(static_cast<size_t>(bytes));
+  absl::StatusOr<HostMemory> grown =
+      AllocateHostMemory(static_cast<size_t>(bytes), HostHugePages(), static_cast<size_t>(reserve));
   if (!grown.ok()) {
     PinCurrent();  // as it was
     return absl::Status(grown.status().code(),
@@ -121,17 +148,38 @@ bool BudgetedRows::SetPinning(HostPinning* pinning) {
     pinning_ = pinning;
   }
   PinCurrent();
-  return pinned_;
+  return pinned();
 }
 
 void BudgetedRows::PinCurrent() {
-  if (pinning_ == nullptr || pinned_ || capacity_rows_ == 0) return;
-  pinned_ = pinning_->Pin(data_.data(), static_cast<size_t>(allocated_bytes())).ok();
+  if (pinning_ == nullptr || pinned() || capacity_rows_ == 0) return;
+  if (pinning_->Pin(data_.data(), static_cast<size_t>(allocated_bytes())).ok()) {
+    pinned_ranges_.push_back(data_.data());
+  }
+}
+
+void BudgetedRows::PinAdded(int64_t from) {
+  if (!pinned()) {
+    PinCurrent();  // a pinning refused before is asked again, for the whole allocation
+    return;
+  }
+  // From the first whole page added: the page the old end was in is pinned already (a
+  // registration covers whole pages, and two may not share one).
+  const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+  const int64_t first = (from + page - 1) / page * page;
+  if (first >= allocated_bytes()) return;
+  std::byte* const start = data_.data() + first;
+  if (pinning_->Pin(start, static_cast<size_t>(allocated_bytes() - first)).ok()) {
+    pinned_ranges_.push_back(start);
+  } else {
+    UnpinCurrent();
+  }
 }
 
 void BudgetedRows::UnpinCurrent() {
-  if (pinned_) pinning_->Unpin(data_.data());
-  pinned_ = false;
+  // The newest range first, as pinned in reverse.
+  for (auto it = pinned_ranges_.rbegin(); it != pinned_ranges_.rend(); ++it) pinning_->Unpin(*it);
+  pinned_ranges_.clear();
 }
 
 void PromptQueryWindow::Commit(int64_t n, bool written) {

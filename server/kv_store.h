@@ -13,6 +13,7 @@
 #include <memory>
 #include <span>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -34,6 +35,13 @@ class HostPinning {
   virtual absl::Status Pin(void* data, size_t bytes) = 0;
   virtual void Unpin(void* data) = 0;
 };
+
+// Address space a mapped BudgetedRows sets aside, as a multiple of its allocation, to grow into
+// without moving (HostMemory::Grow): three growths of half again (3.4x) keep its rows where
+// they are, so readers elsewhere (a device's exact heads, a learning in flight) need not wait
+// for it and a pinned array pins only the rows it adds. Address space only: no memory is
+// mapped there.
+inline constexpr int kHostRowsAddressReserve = 4;
 
 // A [rows, row_width] array of `element`s, row-major, that grows geometrically (amortized O(1)
 // per appended row). Appending is two-phase so that callers can validate in place and stay
@@ -75,7 +83,7 @@ class BudgetedRows {
   // unpinned first). Returns whether the allocation is pinned now (an empty array is not).
   bool SetPinning(HostPinning* pinning);
   // Whether the current allocation is pinned (its address is the device's to read).
-  bool pinned() const { return pinned_; }
+  bool pinned() const { return !pinned_ranges_.empty(); }
 
   const void* raw_data() const { return data_.data(); }
   // raw_data() of an f32 array.
@@ -88,19 +96,26 @@ class BudgetedRows {
   KvElement element() const { return element_; }
   int64_t row_bytes() const { return row_width_ * KvElementBytes(element_); }
   int64_t allocated_bytes() const { return capacity_rows_ * row_bytes(); }
-  // Rows the allocation holds: a Reserve beyond them moves the content.
+  // Rows the allocation holds.
   int64_t capacity_rows() const { return capacity_rows_; }
+  // Rows it can hold without moving (at least capacity_rows()): a mapped allocation grows into
+  // its reserved address space in place; a Reserve beyond them moves the content.
+  int64_t rows_in_place() const;
 
  private:
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
                                   absl::string_view what);
-  // Moves the content to an allocation of `capacity_rows` (>= rows) that the caller has
-  // already charged to the budget (pinned, and the old one unpinned, when there is pinning): a
-  // mapped one grown in place where it can be (HostMemory::Grow). RESOURCE_EXHAUSTED naming
-  // `what` when the memory cannot be had; then nothing changed but, perhaps, the address.
+  // Grows the allocation to `capacity_rows` (>= rows), which the caller has already charged to
+  // the budget: within rows_in_place() where it is (only the rows added pinned, when it is
+  // pinned), else moved, without a copy where it is mapped (HostMemory::Grow), into an
+  // allocation pinned whole (the old one unpinned). RESOURCE_EXHAUSTED naming `what` when the
+  // memory cannot be had; then nothing changed but, perhaps, the address.
   absl::Status Reallocate(int64_t capacity_rows, absl::string_view what);
   // Pins the current allocation when there is pinning and it is not pinned yet.
   void PinCurrent();
+  // Pins the bytes from `from` to the allocation's end, added by a growth in place, next to
+  // the pinned rest; when that fails, unpins the rest too (the device reads all of it or none).
+  void PinAdded(int64_t from);
   void UnpinCurrent();
 
   int64_t row_width_ = 0;
@@ -110,7 +125,9 @@ class BudgetedRows {
   int64_t rows_ = 0;
   int64_t capacity_rows_ = 0;
   HostPinning* pinning_ = nullptr;
-  bool pinned_ = false;
+  // The starts of the allocation's pinned ranges, in address order: the whole allocation as it
+  // was pinned, then the rows each growth in place added. Empty: not pinned.
+  std::vector<std::byte*> pinned_ranges_;
 };
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
@@ -209,16 +226,21 @@ class LayerKvStore {
   }
   bool pinned() const { return keys_.pinned() && values_.pinned(); }
 
-  // Valid until the next Reserve or Free.
+  // Valid until the next Reserve that moves the rows (past tokens_in_place()), or Free.
   KvView view() const {
     return KvView{keys_.raw_data(), values_.raw_data(), keys_.rows(), kv_heads_, head_dim_,
                   keys_.element()};
   }
   int64_t tokens() const { return keys_.rows(); }
-  // Tokens the allocations hold: a Reserve beyond them moves the rows (view() with them; both
-  // arrays grow together, though a growth refused halfway may leave the keys the larger).
+  // Tokens the allocations hold (both arrays grow together, though a growth refused halfway
+  // may leave the keys the larger).
   int64_t capacity() const {
     return std::min(keys_.capacity_rows(), values_.capacity_rows());
+  }
+  // Tokens they hold without moving: a Reserve up to them keeps view()'s addresses (the rows
+  // already there may be read meanwhile); beyond them the rows move.
+  int64_t tokens_in_place() const {
+    return std::min(keys_.rows_in_place(), values_.rows_in_place());
   }
   KvElement element() const { return keys_.element(); }
   int64_t allocated_bytes() const { return keys_.allocated_bytes() + values_.allocated_bytes(); }

@@ -161,6 +161,65 @@ TEST(HostMemoryTest, AMappedAllocationGrowsKeepingItsContent) {
   }
 }
 
+// An allocation made with address space reserved after it grows within that space where it
+// is: no memory there until then (only its first pages resident), then the pages added mapped
+// and writable, the content and the address kept, up to the last reserved byte. Past it, it
+// moves to a new range with the reservation asked for, content kept, and the old range is
+// given back whole (its reserved tail too).
+TEST(HostMemoryTest, AReservedAllocationGrowsWhereItIsUntilItsReservationEnds) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  for (const bool huge_pages : {true, false}) {
+    SCOPED_TRACE(huge_pages ? "huge pages" : "4 KiB pages");
+    const size_t reserve = 4 * kHugePageBytes + 3 * page;
+    absl::StatusOr<HostMemory> memory =
+        AllocateHostMemory(kHugePageBytes + 12345, huge_pages, reserve - 100);
+    ASSERT_TRUE(memory.ok()) << memory.status();
+    ASSERT_TRUE(memory->mapped());
+    EXPECT_EQ(memory->reserved_bytes(), reserve) << "whole pages";
+    EXPECT_TRUE(memory->GrowsInPlaceTo(reserve));
+    EXPECT_FALSE(memory->GrowsInPlaceTo(reserve + 1));
+    std::byte* const data = memory->data();
+    const size_t first = (memory->size() + page - 1) / page * page;
+    EXPECT_EQ(ResidentShare(data + first, reserve - first), 0.0) << "reserved, not mapped";
+    EXPECT_FALSE(Unmapped(data + first, reserve - first)) << "the range is held";
+    const bool populates = ResidentShare(data, first) == 1.0;  // Linux 5.14+
+    const size_t old_size = memory->size();
+    for (size_t i = 0; i < old_size; ++i) data[i] = static_cast<std::byte>(i * 13);
+    for (const size_t bytes : {2 * kHugePageBytes + 77, 3 * kHugePageBytes, reserve}) {
+      SCOPED_TRACE(bytes);
+      const size_t from = (memory->size() + page - 1) / page * page;
+      ASSERT_TRUE(memory->Grow(bytes).ok());
+      EXPECT_EQ(memory->data(), data) << "grown where it is";
+      EXPECT_EQ(memory->size(), bytes);
+      EXPECT_EQ(memory->reserved_bytes(), reserve);
+      for (size_t i = 0; i < old_size; ++i) {
+        ASSERT_EQ(data[i], static_cast<std::byte>(i * 13)) << "byte " << i;
+      }
+      if (populates) EXPECT_EQ(ResidentShare(data + from, bytes - from), 1.0);
+      std::memset(data + from, 0x5a, bytes - from);  // the new bytes, writable
+      if (bytes < reserve) {
+        const size_t end = (bytes + page - 1) / page * page;
+        EXPECT_EQ(ResidentShare(data + end, reserve - end), 0.0) << "the rest still reserved";
+      }
+    }
+    // Past the reservation: moved to a new one of the size asked for.
+    const size_t moved_reserve = 8 * kHugePageBytes;
+    ASSERT_TRUE(memory->Grow(reserve + 1, moved_reserve).ok());
+    EXPECT_NE(memory->data(), data);
+    EXPECT_TRUE(Aligned(memory->data()));
+    EXPECT_EQ(memory->reserved_bytes(), moved_reserve);
+    EXPECT_TRUE(memory->GrowsInPlaceTo(moved_reserve));
+    for (size_t i = 0; i < old_size; ++i) {
+      ASSERT_EQ(memory->data()[i], static_cast<std::byte>(i * 13)) << "byte " << i;
+    }
+    EXPECT_EQ(memory->data()[reserve - 1], std::byte{0x5a});
+    EXPECT_TRUE(Unmapped(data, reserve)) << "the old range, its reservation too, given back";
+    std::byte* const moved = memory->data();
+    memory->reset();
+    EXPECT_TRUE(Unmapped(moved, moved_reserve)) << "reset gives the reservation back";
+  }
+}
+
 TEST(HostMemoryTest, MovingHandsTheAllocationOver) {
   absl::StatusOr<HostMemory> memory = AllocateHostMemory(kHugePageBytes * 2, true);
   ASSERT_TRUE(memory.ok()) << memory.status();

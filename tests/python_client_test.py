@@ -1054,10 +1054,11 @@ class HfBackendTest(ServerTest):
         client, calls = self.client, []
 
         class ThirdCreateFails:  # the third row's label is one the server refuses
-            def create_session(self, geometry, policy, label):
+            def create_session(self, geometry, policy, label, max_tokens=0):
                 calls.append(label)
                 return client.create_session(geometry, policy,
-                                             label if len(calls) != 3 else label + "x" * 300)
+                                             label if len(calls) != 3 else label + "x" * 300,
+                                             max_tokens=max_tokens)
 
         backend = hf.KvRecallBackend(ThirdCreateFails(), make_policy("full"), label=self.label())
         module = types.SimpleNamespace(config=types.SimpleNamespace(num_hidden_layers=2),

@@ -161,13 +161,25 @@ TEST(KvStoreTest, MovingTransfersTheChargeOnce) {
   EXPECT_EQ(budget.used(), 0);
 }
 
-// Records what a HostPinning is asked, and refuses pins while `refuse` is set. Each Unpin must
-// name a live pin, and the pinned bytes must still be readable then (the rows unpin an
-// allocation before freeing it).
+// Records what a HostPinning is asked, and refuses pins while `refuse` is set. A pin may not
+// share a 4 KiB page with a live one (cudaHostRegister refuses it); each Unpin must name a live
+// pin, and the pinned bytes must still be readable then (the rows unpin an allocation before
+// freeing it).
 struct RecordingPinning final : HostPinning {
   absl::Status Pin(void* data, size_t bytes) override {
     events.push_back({true, data, bytes});
     if (refuse) return absl::ResourceExhaustedError("refused");
+    const auto first_page = [](const void* p) { return reinterpret_cast<uintptr_t>(p) / 4096; };
+    const auto last_page = [](const void* p, size_t n) {
+      return (reinterpret_cast<uintptr_t>(p) + n - 1) / 4096;
+    };
+    for (const auto& [start, size] : live) {
+      if (first_page(data) <= last_page(start, size) &&
+          first_page(start) <= last_page(data, bytes)) {
+        ADD_FAILURE() << "a pin shares a page with a live one";
+        return absl::AlreadyExistsError("already registered");
+      }
+    }
     live.push_back({data, bytes});
     return absl::OkStatus();
   }
@@ -234,39 +246,72 @@ TEST(KvStoreTest, PinningFollowsEveryAllocationAndUnpinsBeforeFreeing) {
   EXPECT_EQ(budget.used(), kv.allocated_bytes());
 }
 
-// A mapped array grows (HostMemory::Grow, or a new allocation where that fails): its rows kept,
-// its budget charged for the new capacity, and a pinned one unpinned while still mapped where
-// it was and pinned again, whole, after: once each per growth.
-TEST(KvStoreTest, AMappedArrayGrowsKeepingItsRowsAndIsPinnedAgainWhole) {
+// A mapped array grows (HostMemory::Grow, or a new allocation where that fails), its rows kept
+// and its budget charged for the new capacity. Within the address space it reserved
+// (kHostRowsAddressReserve times its allocation) it stays where it is: a pinned one stays
+// pinned, and only the pages it added are pinned, next to the rest (no page pinned twice).
+// Past it, it moves: every range unpinned while still mapped where it was, newest first, then
+// the array pinned again whole where it is now.
+TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole) {
   MemoryBudget budget(0);
   RecordingPinning pinning;
   BudgetedRows rows(1024, &budget);  // 4 KiB rows: 512 of them fill 2 MiB
   AppendRows(rows, 600);
   ASSERT_TRUE(rows.SetPinning(&pinning));
   ASSERT_GE(rows.allocated_bytes(), int64_t{kHugePageBytes});
-  for (int growth = 0; growth < 3; ++growth) {
+  int in_place = 0, moved = 0;
+  for (int growth = 0; growth < 8 && moved < 2; ++growth) {
+    SCOPED_TRACE(growth);
     const int64_t capacity = rows.capacity_rows();
+    const int64_t in_place_rows = rows.rows_in_place();
+    ASSERT_GE(in_place_rows, capacity);
     const void* before = rows.raw_data();
+    const std::vector<std::pair<void*, size_t>> live_before = pinning.live;
     const size_t events = pinning.events.size();
     AppendRows(rows, capacity - rows.rows() + 1);  // one row past it: a growth
-    EXPECT_EQ(pinning.events.size(), events + 2);
     ASSERT_GT(rows.capacity_rows(), capacity);
-    // Unpinned while still mapped where it was (RecordingPinning reads it), then pinned whole.
-    ASSERT_GE(pinning.events.size(), 2u);
-    const RecordingPinning::Event& unpin = pinning.events[pinning.events.size() - 2];
-    const RecordingPinning::Event& pin = pinning.events.back();
-    EXPECT_FALSE(unpin.pin);
-    EXPECT_EQ(unpin.data, before);
-    EXPECT_TRUE(pin.pin);
-    EXPECT_EQ(pin.data, rows.raw_data());
-    EXPECT_EQ(pin.bytes, static_cast<size_t>(rows.allocated_bytes()));
     ExpectRowsIntact(rows);
     EXPECT_EQ(budget.used(), rows.allocated_bytes());
     ASSERT_TRUE(rows.pinned());
-    ASSERT_EQ(pinning.live.size(), 1u);
-    EXPECT_EQ(pinning.live[0].first, rows.raw_data());
-    EXPECT_EQ(pinning.live[0].second, static_cast<size_t>(rows.allocated_bytes()));
+    if (capacity + 1 <= in_place_rows) {
+      ++in_place;
+      // Grown to at most the end of its reservation, where it was; one pin of what it added,
+      // from the first page past the old end.
+      EXPECT_LE(rows.capacity_rows(), in_place_rows);
+      EXPECT_EQ(rows.raw_data(), before);
+      ASSERT_EQ(pinning.events.size(), events + 1);
+      const RecordingPinning::Event& pin = pinning.events.back();
+      EXPECT_TRUE(pin.pin);
+      const auto old_end = reinterpret_cast<uintptr_t>(before) + capacity * rows.row_bytes();
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(pin.data), (old_end + 4095) / 4096 * 4096);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(pin.data) + pin.bytes,
+                reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
+      ASSERT_EQ(pinning.live.size(), live_before.size() + 1);
+    } else {
+      ++moved;
+      // Every range unpinned where it was, newest first, then one pin of the whole.
+      ASSERT_EQ(pinning.events.size(), events + live_before.size() + 1);
+      for (size_t i = 0; i < live_before.size(); ++i) {
+        const RecordingPinning::Event& unpin = pinning.events[events + i];
+        EXPECT_FALSE(unpin.pin);
+        EXPECT_EQ(unpin.data, live_before[live_before.size() - 1 - i].first);
+      }
+      const RecordingPinning::Event& pin = pinning.events.back();
+      EXPECT_TRUE(pin.pin);
+      EXPECT_EQ(pin.data, rows.raw_data());
+      EXPECT_EQ(pin.bytes, static_cast<size_t>(rows.allocated_bytes()));
+      ASSERT_EQ(pinning.live.size(), 1u);
+    }
+    // The live pins cover the allocation from its start, one after another.
+    uintptr_t next = reinterpret_cast<uintptr_t>(rows.raw_data());
+    for (const auto& [start, size] : pinning.live) {
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(start), next);
+      next = (reinterpret_cast<uintptr_t>(start) + size + 4095) / 4096 * 4096;
+    }
+    EXPECT_GE(next, reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
   }
+  EXPECT_GE(in_place, 2) << "grown in place within its reservation";
+  EXPECT_GE(moved, 1) << "moved past it";
   rows.Free();
   EXPECT_TRUE(pinning.live.empty());
   EXPECT_EQ(budget.used(), 0);

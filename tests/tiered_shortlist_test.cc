@@ -173,6 +173,13 @@ class TieredShortlistTest : public PrefilledSessionTest {
     options.placements.tiered_device_exact_balance = false;
     return options;
   }
+  // A server of the defaults whose host takes every exact head (the device none): what the
+  // tests compare this one's device heads with.
+  static absl::StatusOr<std::unique_ptr<InProcessServer>> StartHostOnlyServer() {
+    ServerOptions host_only;
+    host_only.placements.tiered_device_exact_share = 0;
+    return InProcessServer::Start(host_only);
+  }
   // Whether the static tier is a GPU (bf16 KV, codes in device memory); where it is not, the
   // host tier's stand-in takes the device's exact heads.
   bool gpu_tier() { return TieredOnGpu(); }
@@ -300,9 +307,7 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
   ReferenceSession ref(g, 900, 59);
   const int k = 40;
   const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, 4096);
-  ServerOptions host_only;
-  host_only.placements.tiered_device_exact_share = 0;
-  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = StartHostOnlyServer();
   ASSERT_TRUE(other.ok()) << other.status();
   const std::string id = CreateAndPrefill(ref, policy, 300);
   const std::string host_id = CreateAndPrefill(ref, policy, 300, other->get());
@@ -345,6 +350,54 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
   }
 }
 
+// A prompt whose host KV arrays are mappings of their own (1100 tokens of 8 KV heads x 128: over
+// 2 MiB each) and whose session announced no max_tokens: the first decode token grows them, in
+// place within the address space they reserved, the device's pin extended by the rows added
+// (server/kv_store.h, kHostRowsAddressReserve). Once those rows have left the ring for the
+// bulk, the device's exact heads score the bulk across both pins: every step is the bulk's
+// exact top-K (a shortlist as long as the bulk) and matches a host-only server.
+TEST_F(TieredShortlistTest, AHostKvGrownWhereItIsIsReadAcrossItsPins) {
+  const v1::Geometry g = MakeGeometry(1, 32, 8, 128, dtype());
+  const int64_t prompt = 1100;
+  ReferenceSession ref(g, prompt, 62);  // (61 has a near-tie at the K-th score: 1e-7 apart)
+  const int k = 40;
+  const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, 4096);
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = StartHostOnlyServer();
+  ASSERT_TRUE(other.ok()) << other.status();
+  // One chunk: each array holds exactly the prompt, so the first token grows it.
+  const std::string id = CreateAndPrefill(ref, policy, prompt);
+  const std::string host_id = CreateAndPrefill(ref, policy, prompt, other->get());
+  absl::StatusOr<v1::SessionInfo> before = GetSession(stub(), id);
+  ASSERT_TRUE(before.ok()) << before.status();
+  DecodeClient client(stub()), host_client((*other)->stub());
+  for (int step = 0; step < kRecent + 8; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    const ReferenceSession::Token token = ref.MakeToken(prompt + step);
+    const std::vector<float> q = ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply = Step(client, {id}, token, ref);
+    absl::StatusOr<v1::DecodeResponse> host_reply = Step(host_client, {host_id}, token, ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_TRUE(host_reply.ok()) << host_reply.status();
+    if (step == 0) {
+      absl::StatusOr<v1::SessionInfo> grown = GetSession(stub(), id);
+      ASSERT_TRUE(grown.ok()) << grown.status();
+      EXPECT_GT(grown->host_bytes(), before->host_bytes()) << "the first token grew the KV";
+    }
+    if (gpu_tier()) EXPECT_GT(reply->tier_micros().device_exact(), 0.0);
+    const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
+    const std::vector<std::vector<int32_t>> supports =
+        TieredExactTopKSupports(ref, q, k, kSinks, kRecent);
+    const std::vector<float> got = TensorValues(reply->results(0).output());
+    ExpectOutputNear(got, ref.Attention(0, q, supports), dtype(), "against the reference");
+    ExpectSameOutputs(got, TensorValues(host_reply->results(0).output()), dtype(),
+                      "against the host's", !gpu_tier());
+    for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
+      ASSERT_EQ(head.candidates(), bulk) << "the whole bulk, shortlisted";
+    }
+  }
+  EXPECT_GT(ref.tokens(0) - kRecent, prompt) << "rows added by the growth are in the bulk";
+}
+
 // With a short shortlist the device's heads take what the host's Select takes: the shortlist
 // (the same one: the same codes on the same tier), the outliers (on a GPU uploaded every step)
 // and the uncoded tail, deduplicated. Against a host-only server, per head: the same candidate
@@ -354,9 +407,7 @@ TEST_F(TieredShortlistTest, AShortShortlistsDeviceHeadsTakeTheHostsCandidates) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 2600, 63);
   const int k = 32, n = 96;
-  ServerOptions host_only;
-  host_only.placements.tiered_device_exact_share = 0;
-  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = StartHostOnlyServer();
   ASSERT_TRUE(other.ok()) << other.status();
   const std::string id = CreateAndPrefill(ref, ShortlistPolicy(v1::SELECTOR_INDEX, k, n), 1000);
   const std::string wide_id =
@@ -408,10 +459,9 @@ TEST_F(TieredShortlistTest, BalancedDeviceHeadsTakeTheHostsCandidates) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
   ReferenceSession ref(g, 2600, 79);
   const int k = 32, n = 96;
-  ServerOptions balanced = DeviceHeadsOptions(), host_only;
-  host_only.placements.tiered_device_exact_share = 0;
+  ServerOptions balanced = DeviceHeadsOptions();
   absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(balanced);
-  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = StartHostOnlyServer();
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE(other.ok()) << other.status();
   ASSERT_TRUE(balanced.placements.tiered_device_exact_balance);
@@ -640,9 +690,7 @@ TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
   ReferenceSession ref(g, 3000, 71);
   const int k = 32, n = 96;
   const v1::Policy policy = MixedPathsReTopKPolicy(k, n);
-  ServerOptions host_only;
-  host_only.placements.tiered_device_exact_share = 0;
-  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(host_only);
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = StartHostOnlyServer();
   ASSERT_TRUE(other.ok()) << other.status();
   const std::string id = CreateAndPrefill(ref, policy, 1000);
   const std::string host_id = CreateAndPrefill(ref, policy, 1000, other->get());

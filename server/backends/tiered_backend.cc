@@ -185,12 +185,13 @@ class TieredLayer final : public LayerBackend {
   // The static set has a slot for every token it will ever hold; the host store grows (which
   // may move the rows a deferred OnAppend reads: it finishes first), and so do the codes of the
   // bulk when the token pushes one out of the ring. Codes learned again take over first, at
-  // their length (which a learning in flight waits for, as it does for rows about to move).
+  // their length (which a learning in flight waits for, as it does for rows about to move: a
+  // growth within the store's reserved address space moves none).
   absl::Status ReserveToken() override {
     appended_.Wait();
     if (learning_ != nullptr) {
       learning_->BeforeReserve(BulkView(kv_.view(), config_.selector),
-                               kv_.tokens() + 1 > kv_.capacity(), &codes_);
+                               kv_.tokens() + 1 > kv_.tokens_in_place(), &codes_);
     }
     if (codes_ != nullptr) {
       const SelectorParams& p = config_.selector;
