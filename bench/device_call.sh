@@ -19,6 +19,9 @@
 #   takeover_calls SHIM         # a batch-1 take-over run under the shim at 3 us, its bursts
 #   model_tokens_run NAME BIN SELECTOR [ARGS..]  # bench/model_tokens.py against kvrecalld
 #                               # BIN (d123 on), into $R/NAME.json
+#                               # (KVRECALLD_FLAGS: flags for that kvrecalld, d127 on)
+#   model_tokens_stretches NAME..  # each $R/NAME.json's stretches around the learning (d127 on)
+#   kv_growth_run BIN           # BIN/kv_growth_bench with the device, into $R/kv_growth.json
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -87,7 +90,9 @@ PY
 model_tokens_run() {  # NAME KVRECALLD SELECTOR [ARGS...]
   local name=$1 binary=$2 selector=$3
   shift 3
-  start_kvrecalld "$binary" "$L/kvrecalld_$name.log" --address=127.0.0.1:0 || return 1
+  # shellcheck disable=SC2086  # KVRECALLD_FLAGS: kvrecalld's own flags, split on spaces
+  start_kvrecalld "$binary" "$L/kvrecalld_$name.log" --address=127.0.0.1:0 ${KVRECALLD_FLAGS:-} \
+    || return 1
   PYTHONPATH=client/python timeout 200 python3 bench/model_tokens.py \
     --server="$kvrecalld_address" --selector=$selector --out="$R/$name.json" "$@" \
     > "$L/$name.txt" 2>&1
@@ -296,4 +301,38 @@ takeover_calls() {  # SHIM
   wait "$kvrecalld_pid" 2>/dev/null
   api_bursts "$L/api_calls_3us.txt"
   xz -T4 -c "$L/api_calls_3us.txt" > "$R/api_calls_3us_d$N.txt.xz"
+}
+
+kv_growth_run() {  # BIN
+  "$1/kv_growth_bench" --rows=1728,16384,131072 --row_bytes=2048 --repeats=5 \
+    > "$R/kv_growth.json" 2> "$L/kv_growth.err"
+  echo "kv_growth rc $? t=$SECONDS" | tee -a "$S"
+  python3 - "$R/kv_growth.json" <<'PY' | tee -a "$S"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("pins", d["pins"], "huge", d["huge_pages"])
+for l in d["lengths"]:
+    print(l["rows"], {k: round(v["p50_ms"], 3) for k, v in l.items() if isinstance(v, dict)})
+PY
+}
+
+# Per bench/model_tokens.py record $R/NAME.json: a token's server ms, median (max), over the
+# stretches of a 640-token prompt's learning (bulk 900-1023, 1024-1535, the take-over at 1537,
+# 1538-1539, 1540-1600), and its three slowest tokens.
+model_tokens_stretches() {  # NAME...
+  python3 - "$R" "$@" <<'PY' | tee -a "$S"
+import json, statistics as st, sys
+for n in sys.argv[2:]:
+    try:
+        d = json.load(open(f"{sys.argv[1]}/{n}.json"))
+    except OSError:
+        continue
+    s, f = d["server_us_by_token"], d["bulk_from"]
+    def seg(a, b):
+        v = [s[i - f] for i in range(a, b + 1) if 0 <= i - f < len(s)]
+        return "%.1f (%.1f)" % (st.median(v) / 1000, max(v) / 1000) if v else "-"
+    print(n, "pre", seg(900, 1023), "learn", seg(1024, 1535), "take", seg(1537, 1537),
+          "next2", seg(1538, 1539), "after", seg(1540, 1600), "slowest",
+          [(t["bulk"], t["server_us"]) for t in d["slowest_tokens"][:3]])
+PY
 }

@@ -229,52 +229,66 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
     return absl::OkStatus();
   }
   const size_t old_length = mapped_bytes_;
-  if (length <= reserved_bytes_) {
-    // Within the reserved range: its next pages made accessible, nothing moves. (Their
-    // advice was given with the range's, so the two mappings merge.)
-    if (mprotect(data_ + old_length, length - old_length, PROT_READ | PROT_WRITE) != 0) {
-      return Exhausted(bytes, errno);
+  if (length > reserved_bytes_) {
+    if (reserved_bytes_ == old_length && WholePages(reserve_bytes) <= length &&
+        kHostMemoryGrowsWhereItIs && mremap(data_, old_length, length, 0) != MAP_FAILED) {
+      // Nothing reserved past it or asked for, and the addresses after it were free: grown
+      // where it is.
+      reserved_bytes_ = length;
+    } else {
+      // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose
+      // start mremap replaces; the old range's reserved tail is given back.
+      const size_t reserved = std::max(length, WholePages(reserve_bytes));
+      std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
+      if (aligned == nullptr) return Exhausted(bytes, errno);
+      void* const moved =
+          mremap(data_, old_length, old_length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
+      if (moved == MAP_FAILED) {
+        const int error = errno;
+        munmap(aligned, reserved);
+        return Exhausted(bytes, error);
+      }
+      if (reserved_bytes_ > old_length) {
+        munmap(data_ + old_length, reserved_bytes_ - old_length);
+      }
+      data_ = static_cast<std::byte*>(moved);
+      reserved_bytes_ = reserved;
     }
-  } else if (reserved_bytes_ == old_length && WholePages(reserve_bytes) <= length &&
-             kHostMemoryGrowsWhereItIs && mremap(data_, old_length, length, 0) != MAP_FAILED) {
-    // Nothing reserved past it or asked for, and the addresses after it were free: grown where
-    // it is.
-    reserved_bytes_ = length;
-  } else {
-    // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose
-    // start mremap replaces; the old range's reserved tail is given back.
-    const size_t reserved = std::max(length, WholePages(reserve_bytes));
-    std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
-    if (aligned == nullptr) return Exhausted(bytes, errno);
-    void* const moved =
-        mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
-    if (moved == MAP_FAILED) {
-      const int error = errno;
-      munmap(aligned, reserved);
-      return Exhausted(bytes, error);
-    }
-    if (reserved_bytes_ > old_length) {
-      munmap(data_ + old_length, reserved_bytes_ - old_length);
-    }
-    data_ = static_cast<std::byte*>(moved);
-    reserved_bytes_ = reserved;
   }
+  // The pages added, within the reserved range now, mapped as AllocateHostMemory maps a fresh
+  // allocation's, whatever their size (they share its huge-page advice). Where that fails, the
+  // allocation is as it was (perhaps moved).
+  if (absl::Status s = MapAhead(bytes); !s.ok()) return s;
   mapped_bytes_ = length;
-  // The pages added, mapped now as AllocateHostMemory maps a fresh allocation's, whatever their
-  // size (they share the mapping's huge-page advice). Kernels before 5.14 refuse the
-  // population (EINVAL): their pages fault in on first touch.
-  if (madvise(data_ + old_length, length - old_length, MADV_POPULATE_WRITE) != 0 &&
-      errno == ENOMEM) {
-    // Back to the old length where it is now (nothing moves): the added pages given back and
-    // their range reserved again. The allocation as it was, perhaps moved.
-    madvise(data_ + old_length, length - old_length, MADV_DONTNEED);
-    if (mprotect(data_ + old_length, length - old_length, PROT_NONE) == 0) {
-      mapped_bytes_ = old_length;
-    }
-    return Exhausted(bytes, ENOMEM);
-  }
   bytes_ = bytes;
   return absl::OkStatus();
+}
+
+absl::Status HostMemory::MapAhead(size_t bytes) const {
+  if (!GrowsInPlaceTo(bytes)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "only pages of the reserved address space are mapped ahead (", reserved_bytes_,
+        " bytes reserved, asked for ", bytes, ")"));
+  }
+  const size_t length = WholePages(bytes);
+  if (length <= mapped_bytes_) return absl::OkStatus();
+  std::byte* const from = data_ + mapped_bytes_;
+  if (mprotect(from, length - mapped_bytes_, PROT_READ | PROT_WRITE) != 0) {
+    return Exhausted(bytes, errno);
+  }
+  if (madvise(from, length - mapped_bytes_, MADV_POPULATE_WRITE) != 0 && errno == ENOMEM) {
+    UnmapAhead(bytes);
+    return Exhausted(bytes, ENOMEM);
+  }
+  return absl::OkStatus();
+}
+
+void HostMemory::UnmapAhead(size_t bytes) const {
+  const size_t length = std::min(WholePages(bytes), reserved_bytes_);
+  if (!mapped() || length <= mapped_bytes_) return;
+  std::byte* const from = data_ + mapped_bytes_;
+  madvise(from, length - mapped_bytes_, MADV_DONTNEED);
+  mprotect(from, length - mapped_bytes_, PROT_NONE);
 }
 
 std::string TransparentHugePagesMode(const std::string& setting) {

@@ -81,6 +81,18 @@ class HostMemory {
   // RESOURCE_EXHAUSTED when the address space or the pages cannot be had, the allocation then
   // as it was (perhaps moved).
   absl::Status Grow(size_t bytes, size_t reserve_bytes = 0);
+  // Makes the pages a growth to `bytes` within the reserved address space adds accessible and
+  // maps them now (populated), without changing this object: another thread may run it while
+  // the mapped bytes are read and written, so that the growth itself (Grow(bytes), on the
+  // owner's thread) finds them ready and costs next to nothing. GrowsInPlaceTo(bytes) must
+  // hold, and nothing else may grow or free the allocation meanwhile (else FAILED_PRECONDITION
+  // when that is seen); RESOURCE_EXHAUSTED when the pages cannot be had (those mapped given
+  // back).
+  absl::Status MapAhead(size_t bytes) const;
+  // Gives back the pages MapAhead(bytes) mapped past size() that no Grow took: their memory
+  // freed and their range reserved again.
+  void UnmapAhead(size_t bytes) const;
+
   // Frees the allocation; empty afterwards.
   void reset();
 

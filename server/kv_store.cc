@@ -134,6 +134,67 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   return absl::OkStatus();
 }
 
+void GrowthAhead::Run() {
+  if (ran_ || memory_ == nullptr) return;
+  ran_ = true;
+  status_ = memory_->MapAhead(bytes_);
+  if (status_.ok() && pinning_ != nullptr && pin_bytes_ > 0) {
+    // Where the pin fails, the pages stay: the owner unpins the rest when it ends the growth
+    // (the device reads all of the array or none of it).
+    pinned_ = pinning_->Pin(pin_start_, pin_bytes_).ok();
+  }
+}
+
+absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows,
+                                                          absl::string_view what) {
+  if (capacity_rows <= capacity_rows_ || capacity_rows > rows_in_place() || !data_.mapped()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": ", capacity_rows, " rows cannot be made ahead where the array is (it holds ",
+        capacity_rows_, " and ", rows_in_place(), " in place)"));
+  }
+  GrowthAhead growth;
+  growth.charged_bytes_ = (capacity_rows - capacity_rows_) * row_bytes();
+  if (budget_ != nullptr) {
+    if (absl::Status s = budget_->Reserve(growth.charged_bytes_, what); !s.ok()) return s;
+  }
+  growth.memory_ = &data_;
+  growth.bytes_ = static_cast<size_t>(capacity_rows * row_bytes());
+  growth.capacity_rows_ = capacity_rows;
+  if (pinned()) {
+    const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+    const int64_t first = (allocated_bytes() + page - 1) / page * page;
+    if (first < capacity_rows * row_bytes()) {
+      growth.pinning_ = pinning_;
+      growth.pin_start_ = data_.data() + first;
+      growth.pin_bytes_ = static_cast<size_t>(capacity_rows * row_bytes() - first);
+    }
+  }
+  return growth;
+}
+
+absl::Status BudgetedRows::EndGrowthAhead(GrowthAhead growth) {
+  if (growth.memory_ != &data_) {
+    return absl::InvalidArgumentError("a growth ahead ended on another array than its own");
+  }
+  if (growth.ran_ && growth.status_.ok()) {
+    // Its pages are ready: the growth records them (nothing left to map).
+    growth.status_ = data_.Grow(growth.bytes_);
+    if (growth.status_.ok()) {
+      capacity_rows_ = growth.capacity_rows_;
+      if (growth.pinned_) {
+        pinned_ranges_.push_back(growth.pin_start_);
+      } else if (growth.pinning_ != nullptr) {
+        UnpinCurrent();  // its rows could not be pinned: the device reads none of the array
+      }
+      return absl::OkStatus();
+    }
+  }
+  if (growth.pinned_) growth.pinning_->Unpin(growth.pin_start_);
+  data_.UnmapAhead(growth.bytes_);
+  if (budget_ != nullptr) budget_->Release(growth.charged_bytes_);
+  return growth.status_;
+}
+
 void BudgetedRows::Free() {
   if (budget_ != nullptr) budget_->Release(allocated_bytes());
   UnpinCurrent();
@@ -195,6 +256,24 @@ void PromptQueryWindow::Commit(int64_t n, bool written) {
 absl::Status LayerKvStore::Reserve(int64_t more, absl::string_view what) {
   BudgetedRows* const arrays[] = {&keys_, &values_};
   return ReserveRows(arrays, more, what);
+}
+
+absl::StatusOr<LayerKvStore::GrowthAhead> LayerKvStore::StartGrowthAhead(
+    int64_t capacity, absl::string_view what) {
+  absl::StatusOr<kvrecall::GrowthAhead> keys = keys_.StartGrowthAhead(capacity, what);
+  if (!keys.ok()) return keys.status();
+  absl::StatusOr<kvrecall::GrowthAhead> values = values_.StartGrowthAhead(capacity, what);
+  if (!values.ok()) {
+    keys_.EndGrowthAhead(*std::move(keys)).IgnoreError();  // never ran: its charge given back
+    return values.status();
+  }
+  return GrowthAhead{*std::move(keys), *std::move(values)};
+}
+
+absl::Status LayerKvStore::EndGrowthAhead(GrowthAhead growth) {
+  absl::Status keys = keys_.EndGrowthAhead(std::move(growth.keys));
+  absl::Status values = values_.EndGrowthAhead(std::move(growth.values));
+  return keys.ok() ? values : keys;
 }
 
 void LayerKvStore::StageToken(const float* key, const float* value) {

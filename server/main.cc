@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 #include "kernels/cpu/thread_pool.h"
 #include "server/host_memory.h"
+#include "server/kv_growth.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50051",
@@ -141,6 +142,10 @@ ABSL_FLAG(bool, host_huge_pages, true,
           "scattered row reads by the host's threads and by a GPU over PCIe need fewer address "
           "translations; takes effect where /sys/kernel/mm/transparent_hugepage/enabled is "
           "madvise or always; false: 4 KiB pages (MADV_NOHUGEPAGE)");
+ABSL_FLAG(bool, host_kv_growth_ahead, true,
+          "grow a tiered layer's host KV ahead of need on a thread of its own (within the "
+          "address space its arrays reserve), so that no decode step populates and pins the rows "
+          "a growth adds; false: the step that needs a row grows the KV");
 ABSL_FLAG(int, malloc_mmap_threshold_kb, 1024,
           "blocks of at least this many KiB get a mapping of their own, returned to the OS when "
           "freed (glibc's M_MMAP_THRESHOLD; the trim threshold is 4x); 0: glibc's adaptive "
@@ -252,6 +257,7 @@ int main(int argc, char** argv) {
 
   // Before any session allocates its KV.
   kvrecall::SetHostHugePages(absl::GetFlag(FLAGS_host_huge_pages));
+  kvrecall::SetHostKvGrowthAhead(absl::GetFlag(FLAGS_host_kv_growth_ahead));
   if (absl::GetFlag(FLAGS_host_huge_pages) && kvrecall::TransparentHugePagesMode() == "never") {
     std::fprintf(stderr,
                  "kvrecalld: transparent huge pages are off on this host "

@@ -8,14 +8,19 @@
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "index/support_selector.h"
 #include "kernels/dtype.h"
 #include "server/host_memory.h"
+#include "server/kv_growth.h"
 #include "server/kv_store.h"
 #include "server/memory_budget.h"
+#include "server/session.h"
+#include "server/work_queue.h"
 #include "tests/server_fixture.h"
 
 namespace kvrecall {
@@ -315,6 +320,176 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
   rows.Free();
   EXPECT_TRUE(pinning.live.empty());
   EXPECT_EQ(budget.used(), 0);
+}
+
+// A growth ahead (BudgetedRows::StartGrowthAhead) runs on another thread while the owner
+// appends within its capacity: its bytes charged at the start, its pages pinned by the run next
+// to the rest, and at its end the capacity taken where the array is, every row kept. One never
+// run gives its charge back; one whose pin is refused leaves the array unpinned whole (as a
+// growth in the step does). It cannot start past where the array grows in place, on a heap
+// array, or beyond the budget, and then charges nothing.
+TEST(KvStoreTest, AGrowthAheadRunsElsewhereAndIsTakenOrGivenBack) {
+  MemoryBudget budget(0);
+  RecordingPinning pinning;
+  BudgetedRows rows(1024, &budget);  // 4 KiB rows: mapped from 512 on
+  AppendRows(rows, 600);
+  ASSERT_TRUE(rows.SetPinning(&pinning));
+  const int64_t capacity = rows.capacity_rows();
+  const int64_t in_place = rows.rows_in_place();
+  ASSERT_GT(in_place, capacity + 10);
+  EXPECT_TRUE(HasStatus(rows.StartGrowthAhead(capacity, "ahead").status(),
+                        absl::StatusCode::kFailedPrecondition, "cannot be made ahead"));
+  EXPECT_TRUE(HasStatus(rows.StartGrowthAhead(in_place + 1, "ahead").status(),
+                        absl::StatusCode::kFailedPrecondition, "cannot be made ahead"));
+  EXPECT_EQ(budget.used(), rows.allocated_bytes());
+
+  // Run on another thread while this one appends up to the old capacity.
+  const int64_t target = capacity + (in_place - capacity) / 2;
+  absl::StatusOr<GrowthAhead> growth = rows.StartGrowthAhead(target, "ahead");
+  ASSERT_TRUE(growth.ok()) << growth.status();
+  EXPECT_EQ(budget.used(), target * rows.row_bytes()) << "charged when it starts";
+  const void* data = rows.raw_data();
+  const size_t pins = pinning.live.size();
+  std::thread runner([&] { growth->Run(); });
+  AppendRows(rows, capacity - rows.rows());
+  runner.join();
+  EXPECT_TRUE(growth->status().ok()) << growth->status();
+  EXPECT_EQ(rows.capacity_rows(), capacity) << "not taken before it ends";
+  ASSERT_TRUE(rows.EndGrowthAhead(*std::move(growth)).ok());
+  EXPECT_EQ(rows.capacity_rows(), target);
+  EXPECT_EQ(rows.raw_data(), data);
+  EXPECT_EQ(budget.used(), rows.allocated_bytes());
+  ASSERT_TRUE(rows.pinned());
+  ASSERT_EQ(pinning.live.size(), pins + 1) << "its pin joined the rest";
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(pinning.live.back().first) + pinning.live.back().second,
+            reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
+  const size_t events = pinning.events.size();
+  AppendRows(rows, target - rows.rows());  // the rows it added: no growth in the step
+  EXPECT_EQ(rows.capacity_rows(), target);
+  EXPECT_EQ(pinning.events.size(), events);
+  ExpectRowsIntact(rows);
+
+  // Never run: its charge given back, nothing taken.
+  growth = rows.StartGrowthAhead(rows.rows_in_place(), "ahead");
+  ASSERT_TRUE(growth.ok()) << growth.status();
+  EXPECT_GT(budget.used(), rows.allocated_bytes());
+  EXPECT_TRUE(rows.EndGrowthAhead(*std::move(growth)).ok());
+  EXPECT_EQ(rows.capacity_rows(), target);
+  EXPECT_EQ(budget.used(), rows.allocated_bytes());
+
+  // Its pin refused: the capacity taken, the array unpinned whole.
+  growth = rows.StartGrowthAhead(rows.rows_in_place(), "ahead");
+  ASSERT_TRUE(growth.ok()) << growth.status();
+  pinning.refuse = true;
+  growth->Run();
+  pinning.refuse = false;
+  EXPECT_TRUE(rows.EndGrowthAhead(*std::move(growth)).ok());
+  EXPECT_EQ(rows.capacity_rows(), rows.rows_in_place());
+  EXPECT_FALSE(rows.pinned());
+  EXPECT_TRUE(pinning.live.empty());
+  EXPECT_EQ(budget.used(), rows.allocated_bytes());
+  ExpectRowsIntact(rows);
+
+  // Refused by the budget, or on a heap array: nothing charged.
+  rows.Free();
+  MemoryBudget tight(4 << 20);
+  BudgetedRows small(1024, &tight);
+  AppendRows(small, 600);
+  EXPECT_TRUE(HasStatus(small.StartGrowthAhead(small.rows_in_place(), "the growth").status(),
+                        absl::StatusCode::kResourceExhausted, "the growth"));
+  EXPECT_EQ(tight.used(), small.allocated_bytes());
+  BudgetedRows heap(4, &budget);
+  AppendRows(heap, 10);
+  EXPECT_TRUE(HasStatus(heap.StartGrowthAhead(heap.capacity_rows() + 1, "ahead").status(),
+                        absl::StatusCode::kFailedPrecondition, "cannot be made ahead"));
+  EXPECT_EQ(budget.used(), heap.allocated_bytes());
+}
+
+// Appends one token to `kv` as a tiered layer steps (KvGrowthAhead around the reservation);
+// returns whether the reservation itself grew the store.
+bool StepToken(LayerKvStore& kv, KvGrowthAhead& ahead, int64_t limit) {
+  ahead.BeforeReserve(kv, 1);
+  const int64_t capacity = kv.capacity();
+  EXPECT_TRUE(kv.Reserve(1, "the token").ok());
+  const bool grew = kv.capacity() != capacity;
+  std::memset(kv.key_tail(), 1, kv.view().kv_heads * kv.view().head_dim * 2);
+  kv.Commit(1);
+  ahead.AfterCommit(kv, limit);
+  return grew;
+}
+
+// A layer's store stepped token by token grows ahead of its steps on the queue: no reservation
+// grows it where it could have grown in place (a heap array's, or one past its reserved address
+// space, still grows in the step, moving), and every growth within the reservation came ahead.
+// A limit (an announced max_tokens) is never grown past ahead.
+TEST(KvGrowthAheadTest, AStoreGrowsAheadOfItsStepsUntilItMustMove) {
+  MemoryBudget budget(0);
+  LayerKvStore kv(8, 128, &budget, KvElement::kBf16);  // 2 KiB a token: mapped from 1024 on
+  KvGrowthAhead ahead(KvGrowthQueue());
+  int in_step = 0, in_step_in_place = 0;
+  for (int t = 0; t < 12000; ++t) {
+    const bool could_stay = kv.tokens() + 1 <= kv.tokens_in_place();
+    const void* keys = kv.view().keys;
+    if (StepToken(kv, ahead, kMaxLayerTokens)) {
+      ++in_step;
+      if (could_stay || kv.view().keys == keys) ++in_step_in_place;
+    }
+  }
+  ahead.Finish(kv);
+  EXPECT_GE(ahead.grown(), 3) << "grown ahead";
+  EXPECT_GE(in_step, 2) << "the heap array's growths, and the moves";
+  EXPECT_EQ(in_step_in_place, 0) << "a step grew what could have grown ahead";
+  EXPECT_EQ(budget.used(), kv.allocated_bytes());
+  // With a limit: ahead to it, never past it.
+  LayerKvStore limited(8, 128, &budget, KvElement::kBf16);
+  ASSERT_TRUE(limited.Reserve(3000, "prompt").ok());
+  limited.Commit(3000);
+  KvGrowthAhead limited_ahead(KvGrowthQueue());
+  limited_ahead.AfterCommit(limited, 4000);  // the prompt filled it: a growth starts at once
+  for (int t = 0; t < 1000; ++t) StepToken(limited, limited_ahead, 4000);
+  limited_ahead.Finish(limited);
+  EXPECT_EQ(limited.capacity(), 4000);
+  EXPECT_EQ(limited_ahead.grown(), 1);
+}
+
+// Something on a queue that holds its thread until released.
+struct Blocker final : WorkItem {
+  void Run() override { release.WaitForNotification(); }
+  absl::Notification release;
+};
+
+// Finish drops a growth still queued: the store as it was, its charge given back; with no
+// queue thread the growth runs in AfterCommit's call; with growths ahead turned off none starts.
+TEST(KvGrowthAheadTest, AGrowthStillQueuedIsDroppedAndNoQueueGrowsInTheCall) {
+  MemoryBudget budget(0);
+  WorkQueue queue(1, "test-grow");
+  Blocker blocker;
+  queue.Push(&blocker);
+  LayerKvStore kv(8, 128, &budget, KvElement::kBf16);
+  ASSERT_TRUE(kv.Reserve(1200, "prompt").ok());
+  kv.Commit(1200);
+  ASSERT_GT(kv.tokens_in_place(), kv.capacity());
+  KvGrowthAhead ahead(&queue);
+  ahead.AfterCommit(kv, kMaxLayerTokens);
+  EXPECT_TRUE(ahead.in_flight()) << "its store is full: a growth starts";
+  EXPECT_GT(budget.used(), kv.allocated_bytes()) << "charged";
+  ahead.Finish(kv);
+  EXPECT_FALSE(ahead.in_flight());
+  EXPECT_EQ(kv.capacity(), 1200);
+  EXPECT_EQ(budget.used(), kv.allocated_bytes());
+  blocker.release.Notify();
+
+  KvGrowthAhead inline_ahead(nullptr);
+  SetHostKvGrowthAhead(false);  // kvrecalld --host_kv_growth_ahead=false: none starts
+  inline_ahead.AfterCommit(kv, kMaxLayerTokens);
+  EXPECT_FALSE(inline_ahead.in_flight());
+  SetHostKvGrowthAhead(true);
+  inline_ahead.AfterCommit(kv, kMaxLayerTokens);
+  inline_ahead.BeforeReserve(kv, 0);  // taken at once: it ran in the call
+  EXPECT_FALSE(inline_ahead.in_flight());
+  EXPECT_EQ(kv.capacity(), 1800);
+  EXPECT_EQ(inline_ahead.grown(), 1);
+  EXPECT_EQ(budget.used(), kv.allocated_bytes());
 }
 
 bool HugePageAligned(const void* p) {

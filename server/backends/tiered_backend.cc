@@ -24,6 +24,7 @@
 #include "server/backends/cpu_backend.h"
 #include "server/backends/deferred_append.h"
 #include "server/backends/step_runs.h"
+#include "server/kv_growth.h"
 #include "server/kv_store.h"
 
 namespace kvrecall {
@@ -157,6 +158,8 @@ class TieredLayer final : public LayerBackend {
         bulk_start_micros_(config.shape.q_heads),
         appended_(bulk_.selector.get()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
+    // A prompt that (nearly) filled its store has it grown before the first step needs it.
+    growth_ahead_.AfterCommit(kv_, TokensToHold());
     if (config.selector.shortlist > 0) {
       learning_ = std::make_unique<CodesLearning>(
           tier, &config_, accounts, codes_ != nullptr ? codes_->learned_rows() : 0,
@@ -176,19 +179,26 @@ class TieredLayer final : public LayerBackend {
     ChargeSelectorBytes();
   }
   ~TieredLayer() override {
+    growth_ahead_.Finish(kv_);  // it maps the KV's pages, and charged the host account
     learning_.reset();  // a learning in flight reads the KV and charges the accounts
     appended_.Wait();
     if (selector_bytes_ != 0) host_->Release(selector_bytes_);
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
-  // The static set has a slot for every token it will ever hold; the host store grows (which
+  // The most tokens the layer is to hold: its announced max_tokens, else its ceiling.
+  int64_t TokensToHold() const {
+    return config_.expected_tokens > 0 ? config_.expected_tokens : config_.max_layer_tokens;
+  }
+  // The static set has a slot for every token it will ever hold; the host store grows, ahead of
+  // need off the step where it can (KvGrowthAhead: here its growth is taken), else here (which
   // may move the rows a deferred OnAppend reads: it finishes first), and so do the codes of the
   // bulk when the token pushes one out of the ring. Codes learned again take over first, at
   // their length (which a learning in flight waits for, as it does for rows about to move: a
   // growth within the store's reserved address space moves none).
   absl::Status ReserveToken() override {
     appended_.Wait();
+    growth_ahead_.BeforeReserve(kv_, 1);
     if (learning_ != nullptr) {
       learning_->BeforeReserve(BulkView(kv_.view(), config_.selector),
                                kv_.tokens() + 1 > kv_.tokens_in_place(), &codes_);
@@ -387,6 +397,7 @@ class TieredLayer final : public LayerBackend {
   const bool balanced_;
   MemoryAccount* const host_;
   LayerKvStore kv_;
+  KvGrowthAhead growth_ahead_{KvGrowthQueue()};  // kv_'s, off the steps
   BulkSelector bulk_;
   ReTopKSelector* const retopk_;  // bulk_'s selector when it is ReTopK, else null
   // The step's heads on the tier (ascending) and, per query head, whether it is one of them;
@@ -416,6 +427,7 @@ class TieredLayer final : public LayerBackend {
 
 void TieredLayer::CommitToken() {
   kv_.Commit(1);
+  growth_ahead_.AfterCommit(kv_, TokensToHold());
   const KvView all = kv_.view();
   const KvView bulk = BulkView(all, config_.selector);
   if (learning_ != nullptr) learning_->OnCommitted(bulk);
