@@ -241,8 +241,12 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
       const size_t reserved = std::max(length, WholePages(reserve_bytes));
       std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
       if (aligned == nullptr) return Exhausted(bytes, errno);
+      // Moved and grown in one call: one mapping, as an in-place mremap later needs. (The
+      // pages reserved past it become mappings of their own when a growth makes them
+      // accessible: a moved mapping keeps its page offsets. A later move over several then
+      // fails, and BudgetedRows copies instead.)
       void* const moved =
-          mremap(data_, old_length, old_length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
+          mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
       if (moved == MAP_FAILED) {
         const int error = errno;
         munmap(aligned, reserved);
