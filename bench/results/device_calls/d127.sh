@@ -12,7 +12,7 @@
 # --host_kv_growth_ahead=false (in place, in the step) and b127's default (ahead);
 # (3) the whole suite (TieredShortlistTest.AHostKvGrownWhereItIsIsReadAcrossItsPins reads a
 # grown pinned array across its two pins on the device; KvGrowthAheadTest).
-# Bundles: .device/b126 (fe2b8a4) and .device/b127 (8251f22).
+# Bundles: .device/b126 (fe2b8a4) and .device/b127 (88e0f8e).
 # Carry both ship/ and client/python/kvrecall/_gen.
 set -u
 . bench/device_call.sh
