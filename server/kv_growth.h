@@ -24,8 +24,8 @@ bool HostKvGrowthAhead();
 // pinning pages, bound by memory bandwidth, not cores).
 WorkQueue* KvGrowthQueue();
 
-// The growth ahead of one LayerKvStore, driven by its owner (not thread-safe: the owner's lock
-// guards it, as it guards the store). The owner calls AfterCommit after committing tokens,
+// The growth ahead of one LayerKvStore (a cpu or tiered layer's), driven by its owner (not
+// thread-safe: the owner's lock guards it, as it guards the store). The owner calls AfterCommit after committing tokens,
 // BeforeReserve before reserving, and Finish before the store is freed, moved or pinned anew.
 class KvGrowthAhead {
  public:

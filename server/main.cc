@@ -143,9 +143,9 @@ ABSL_FLAG(bool, host_huge_pages, true,
           "translations; takes effect where /sys/kernel/mm/transparent_hugepage/enabled is "
           "madvise or always; false: 4 KiB pages (MADV_NOHUGEPAGE)");
 ABSL_FLAG(bool, host_kv_growth_ahead, true,
-          "grow a tiered layer's host KV ahead of need on a thread of its own (within the "
-          "address space its arrays reserve), so that no decode step populates and pins the rows "
-          "a growth adds; false: the step that needs a row grows the KV");
+          "grow a layer's host KV (cpu and tiered placements) ahead of need on a thread of its "
+          "own (within the address space its arrays reserve), so that no decode step populates "
+          "and pins the rows a growth adds; false: the step that needs a row grows the KV");
 ABSL_FLAG(int, malloc_mmap_threshold_kb, 1024,
           "blocks of at least this many KiB get a mapping of their own, returned to the OS when "
           "freed (glibc's M_MMAP_THRESHOLD; the trim threshold is 4x); 0: glibc's adaptive "

@@ -43,6 +43,12 @@ struct LayerConfig {
   // layer can (kMaxLayerTokens). Work that pays off only past it (a learning whose codes would
   // take over beyond it) is not started.
   int64_t max_layer_tokens = std::numeric_limits<int32_t>::max();
+
+  // The most tokens the layer is to hold: the announced max_tokens, else max_layer_tokens (what
+  // a store grown ahead of need grows to at most: KvGrowthAhead).
+  int64_t tokens_to_hold() const {
+    return expected_tokens > 0 ? expected_tokens : max_layer_tokens;
+  }
 };
 
 // Where a session's memory is charged: host bytes and, for placements with a GPU part, the

@@ -10,6 +10,7 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/thread_pool.h"
 #include "server/backends/deferred_append.h"
+#include "server/kv_growth.h"
 #include "server/kv_store.h"
 
 namespace kvrecall {
@@ -20,6 +21,7 @@ class CpuLayer final : public LayerBackend {
   CpuLayer(const LayerConfig& config, MemoryAccount* host, LayerKvStore kv,
            std::unique_ptr<SupportSelector> selector)
       : shape_(config.shape),
+        tokens_to_hold_(config.tokens_to_hold()),
         host_(host),
         kv_(std::move(kv)),
         selector_(std::move(selector)),
@@ -27,16 +29,21 @@ class CpuLayer final : public LayerBackend {
         supports_(config.shape.q_heads),
         appended_(selector_.get()) {
     ChargeSelectorBytes();
+    // A prompt that (nearly) filled its store has it grown before the first step needs it.
+    growth_ahead_.AfterCommit(kv_, tokens_to_hold_);
   }
   ~CpuLayer() override {
+    growth_ahead_.Finish(kv_);  // it maps the KV's pages, and charged the host account
     appended_.Wait();
     if (selector_bytes_ != 0) host_->Release(selector_bytes_);
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
-  // Growing the store may move the rows a deferred OnAppend reads: it finishes first.
+  // Growing the store may move the rows a deferred OnAppend reads: it finishes first. A growth
+  // made ahead of need (KvGrowthAhead) is taken here.
   absl::Status ReserveToken() override {
     appended_.Wait();
+    growth_ahead_.BeforeReserve(kv_, 1);
     return kv_.Reserve(1, "the new token");
   }
   LayerMemory memory() const override {
@@ -60,8 +67,10 @@ class CpuLayer final : public LayerBackend {
   }
 
   const LayerShape shape_;
+  const int64_t tokens_to_hold_;
   MemoryAccount* const host_;
   LayerKvStore kv_;
+  KvGrowthAhead growth_ahead_{KvGrowthQueue()};  // kv_'s, off the steps
   std::unique_ptr<SupportSelector> selector_;
   int64_t selector_bytes_ = 0;  // what is charged to host_ for the selector
   std::vector<HeadSelection> selections_;       // per query head, reused across steps
@@ -81,6 +90,7 @@ double CpuLayer::Step(const LayerStep& step) {
   const int d = shape_.head_dim;
   kv_.StageToken(step.k_new, step.v_new);
   kv_.Commit(1);
+  growth_ahead_.AfterCommit(kv_, tokens_to_hold_);
   const KvView kv = kv_.view();
 
   SupportSelector* selector = selector_.get();

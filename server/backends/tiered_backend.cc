@@ -159,7 +159,7 @@ class TieredLayer final : public LayerBackend {
         appended_(bulk_.selector.get()) {
     bulk_tokens_seen_ = BulkTokens(kv_.tokens(), config.selector.sinks, config.selector.recent);
     // A prompt that (nearly) filled its store has it grown before the first step needs it.
-    growth_ahead_.AfterCommit(kv_, TokensToHold());
+    growth_ahead_.AfterCommit(kv_, config_.tokens_to_hold());
     if (config.selector.shortlist > 0) {
       learning_ = std::make_unique<CodesLearning>(
           tier, &config_, accounts, codes_ != nullptr ? codes_->learned_rows() : 0,
@@ -186,10 +186,6 @@ class TieredLayer final : public LayerBackend {
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
-  // The most tokens the layer is to hold: its announced max_tokens, else its ceiling.
-  int64_t TokensToHold() const {
-    return config_.expected_tokens > 0 ? config_.expected_tokens : config_.max_layer_tokens;
-  }
   // The static set has a slot for every token it will ever hold; the host store grows, ahead of
   // need off the step where it can (KvGrowthAhead: here its growth is taken), else here (which
   // may move the rows a deferred OnAppend reads: it finishes first), and so do the codes of the
@@ -427,7 +423,7 @@ class TieredLayer final : public LayerBackend {
 
 void TieredLayer::CommitToken() {
   kv_.Commit(1);
-  growth_ahead_.AfterCommit(kv_, TokensToHold());
+  growth_ahead_.AfterCommit(kv_, config_.tokens_to_hold());
   const KvView all = kv_.view();
   const KvView bulk = BulkView(all, config_.selector);
   if (learning_ != nullptr) learning_->OnCommitted(bulk);
