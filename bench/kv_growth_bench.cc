@@ -1,13 +1,14 @@
 // What a host KV array's growth costs on the decode path: the copy into a new allocation that
-// BudgetedRows made before (a new mapping populated whole, then every old byte copied) against
-// HostMemory::Grow (the old pages moved by their page tables, only the new ones populated), and
-// Grow within the address space reserved at allocation (as BudgetedRows reserves it: nothing
-// moves, the new pages made accessible and populated), for arrays of a layer's keys (or values)
-// at several lengths, grown by half again as ReserveRows grows them. Built with CUDA and run where a device is, it also times what a pinned array
-// (the tiered placement's, read by the device's exact heads) pays beside: unregistering the old
-// array and registering the grown one whole (what BudgetedRows does today), against
-// registering only the added third (an array whose address never changes). Prints one JSON
-// object: per length, each way's p50 and max milliseconds.
+// BudgetedRows made before 0890631 (a new mapping populated whole, then every old byte copied)
+// against HostMemory::Grow moving the old pages by their page tables (only the new ones
+// populated), and Grow within the address space reserved at allocation (BudgetedRows's way
+// since c9a57fd: nothing moves, the new pages made accessible and populated), for arrays of a
+// layer's keys (or values) at several lengths, grown by half again as ReserveRows grows them.
+// Built with CUDA and run where a device is, it also times what a pinned array (the tiered
+// placement's, read by the device's exact heads) pays beside: unregistering the old array and
+// registering the grown one whole (what a move costs), against registering only the added
+// third (a growth in place). Prints one JSON object: per length, each way's p50 and max
+// milliseconds.
 //
 //   kv_growth_bench --rows=1728,16384,131072 --row_bytes=4096 --repeats=5
 #include <algorithm>

@@ -55,6 +55,11 @@ std::byte* MapAligned(size_t length, int prot, int flags) {
   return reinterpret_cast<std::byte*>(aligned);
 }
 
+// The alignment of a heap allocation: a page.
+std::align_val_t HeapAlignment() {
+  return static_cast<std::align_val_t>(sysconf(_SC_PAGESIZE));
+}
+
 absl::Status Exhausted(size_t bytes, int error) {
   return absl::ResourceExhaustedError(
       absl::StrCat("cannot allocate ", bytes, " bytes of host memory: ", std::strerror(error)));
@@ -83,7 +88,7 @@ void HostMemory::reset() {
     if (mapped_bytes_ > 0) {
       munmap(data_, reserved_bytes_);
     } else {
-      ::operator delete(data_);
+      ::operator delete(data_, HeapAlignment());
     }
   }
   data_ = nullptr;
@@ -194,7 +199,11 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   HostMemory memory;
   memory.bytes_ = bytes;
   if (bytes < kHugePageBytes) {
-    memory.data_ = static_cast<std::byte*>(::operator new(bytes, std::nothrow));
+    // Whole pages of their own, so that pinning one (cudaHostRegister, which pins whole pages
+    // and refuses a page pinned twice) never meets another's: a layer's keys and values were
+    // neighbours in one page where the heap put them so.
+    memory.data_ = static_cast<std::byte*>(
+        ::operator new(WholePages(std::max<size_t>(bytes, 1)), HeapAlignment(), std::nothrow));
     if (memory.data_ == nullptr) return Exhausted(bytes, ENOMEM);
     return memory;
   }
@@ -203,11 +212,17 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   // faulted in for a few KiB past it).
   if (bytes > SIZE_MAX / 2 || reserve_bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
   const size_t length = WholePages(bytes);
-  std::byte* const aligned = MapReserved(length, reserve_bytes, huge_pages);
+  size_t reserved = std::max(length, WholePages(reserve_bytes));
+  std::byte* aligned = MapReserved(length, reserved, huge_pages);
+  if (aligned == nullptr && reserved > length) {
+    // The reservation refused (an address-space limit, RLIMIT_AS): the pages alone.
+    reserved = length;
+    aligned = MapReserved(length, reserved, huge_pages);
+  }
   if (aligned == nullptr) return Exhausted(bytes, errno);
   memory.data_ = aligned;
   memory.mapped_bytes_ = length;
-  memory.reserved_bytes_ = std::max(length, WholePages(reserve_bytes));
+  memory.reserved_bytes_ = reserved;
   memory.huge_pages_requested_ = huge_pages;
   // Kernels before 5.14 refuse the population (EINVAL): their pages fault in on first touch.
   const cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
@@ -237,16 +252,26 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
       reserved_bytes_ = length;
     } else {
       // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose
-      // start mremap replaces; the old range's reserved tail is given back.
+      // start mremap replaces; the old range's reserved tail is given back. Moved and grown to
+      // the whole reservation in one call, the tail past `length` then made inaccessible
+      // again: one mapping whose page offsets run on through the tail, so that the tail's
+      // pages merge into it as growths make them accessible, and a later move is one call
+      // again (mremap moves one mapping, not several). That tail stays counted against the
+      // system's commit limit (it was writable once), which matters only under
+      // vm.overcommit_memory=2; where that refuses the tail, only `length` moves, the tail
+      // stays a mapping of its own, and a second move past it copies (BudgetedRows's
+      // fallback).
       const size_t reserved = std::max(length, WholePages(reserve_bytes));
       std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
       if (aligned == nullptr) return Exhausted(bytes, errno);
-      // Moved and grown in one call: one mapping, as an in-place mremap later needs. (The
-      // pages reserved past it become mappings of their own when a growth makes them
-      // accessible: a moved mapping keeps its page offsets. A later move over several then
-      // fails, and BudgetedRows copies instead.)
-      void* const moved =
-          mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
+      void* moved = mremap(data_, old_length, reserved, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
+      if (moved != MAP_FAILED) {
+        // (A split of one mapping, not expected to fail; where it did, the tail would stay
+        // accessible, unpopulated, and reserved all the same.)
+        if (reserved > length) mprotect(aligned + length, reserved - length, PROT_NONE);
+      } else {
+        moved = mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
+      }
       if (moved == MAP_FAILED) {
         const int error = errno;
         munmap(aligned, reserved);
@@ -280,10 +305,28 @@ absl::Status HostMemory::MapAhead(size_t bytes) const {
   if (mprotect(from, length - mapped_bytes_, PROT_READ | PROT_WRITE) != 0) {
     return Exhausted(bytes, errno);
   }
-  if (madvise(from, length - mapped_bytes_, MADV_POPULATE_WRITE) != 0 && errno == ENOMEM) {
-    UnmapAhead(bytes);
-    return Exhausted(bytes, ENOMEM);
+  // In pieces: each call holds the process's memory map for reading while it faults its pages
+  // in (tens of ms for a large growth), and every mmap or munmap of the process, a step's
+  // included, waits for the write side until it ends.
+  constexpr size_t kPiece = size_t{8} << 20;
+  for (size_t at = mapped_bytes_; at < length; at += kPiece) {
+    if (madvise(data_ + at, std::min(kPiece, length - at), MADV_POPULATE_WRITE) != 0) {
+      if (errno != ENOMEM) break;  // kernels before 5.14: pages fault in on first touch
+      UnmapAhead(bytes);
+      return Exhausted(bytes, ENOMEM);
+    }
   }
+  return absl::OkStatus();
+}
+
+absl::Status HostMemory::TakeMappedAhead(size_t bytes) {
+  if (!GrowsInPlaceTo(bytes) || bytes < bytes_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "only pages mapped ahead within the reserved address space are taken (", bytes_,
+        " bytes, ", reserved_bytes_, " reserved, asked for ", bytes, ")"));
+  }
+  mapped_bytes_ = std::max(mapped_bytes_, WholePages(bytes));
+  bytes_ = bytes;
   return absl::OkStatus();
 }
 

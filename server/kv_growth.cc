@@ -26,7 +26,7 @@ WorkQueue* KvGrowthQueue() {
 // One growth on the queue: shared by the owner and, while queued, by itself, so that an owner
 // that finishes before it began need not wait for the queue.
 struct KvGrowthAhead::Job final : WorkItem {
-  explicit Job(LayerKvStore::GrowthAhead growth) : growth(std::move(growth)) {}
+  explicit Job(LayerKvStore::Growth growth) : growth(std::move(growth)) {}
 
   void Run() override {
     std::shared_ptr<Job> self;
@@ -47,10 +47,6 @@ struct KvGrowthAhead::Job final : WorkItem {
     absl::MutexLock lock(&mu);
     return done;
   }
-  void Wait() {
-    absl::MutexLock lock(&mu);
-    mu.Await(absl::Condition(&done));
-  }
   // Waits for a begun growth; one not begun never will.
   void CancelOrWait() {
     absl::MutexLock lock(&mu);
@@ -64,7 +60,7 @@ struct KvGrowthAhead::Job final : WorkItem {
   absl::Mutex mu;
   bool begun = false, done = false, cancelled = false;
   std::shared_ptr<Job> queued_self;
-  LayerKvStore::GrowthAhead growth;
+  LayerKvStore::Growth growth;
 };
 
 KvGrowthAhead::~KvGrowthAhead() {
@@ -75,14 +71,15 @@ void KvGrowthAhead::AfterCommit(LayerKvStore& kv, int64_t limit) {
   if (job_ != nullptr || kv.tokens() < retry_at_tokens_ || !HostKvGrowthAhead()) return;
   const int64_t capacity = kv.capacity();
   const int64_t left = capacity - kv.tokens();
-  if (capacity >= limit || left * kStartDenominator > capacity * (kStartDenominator - kStartNumerator)) {
+  if (capacity >= limit ||
+      left * kStartDenominator > capacity * (kStartDenominator - kStartNumerator)) {
     return;
   }
   // As ReserveRows grows it: half again, within where it grows in place.
   const int64_t target = std::min({kv.tokens_in_place(), limit,
                                    std::max(capacity + capacity / 2, kv.tokens() + 1)});
   if (target <= capacity) return;  // it would move: the step that needs the row grows it
-  absl::StatusOr<LayerKvStore::GrowthAhead> growth =
+  absl::StatusOr<LayerKvStore::Growth> growth =
       kv.StartGrowthAhead(target, "the host KV grown ahead of need");
   if (!growth.ok()) {
     retry_at_tokens_ = kv.tokens() + std::max<int64_t>(1, left / 2);
@@ -103,7 +100,10 @@ void KvGrowthAhead::AfterCommit(LayerKvStore& kv, int64_t limit) {
 void KvGrowthAhead::BeforeReserve(LayerKvStore& kv, int64_t more) {
   if (job_ == nullptr) return;
   if (kv.tokens() + more <= kv.capacity() && !job_->Done()) return;
-  job_->Wait();
+  // Needed now: a growth begun is waited for; one still queued (behind other layers' and
+  // sessions' growths on the one queue thread) is dropped, and the reservation grows the store
+  // itself, in place.
+  job_->CancelOrWait();
   End(kv);
 }
 

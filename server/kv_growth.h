@@ -25,8 +25,9 @@ bool HostKvGrowthAhead();
 WorkQueue* KvGrowthQueue();
 
 // The growth ahead of one LayerKvStore (a cpu or tiered layer's), driven by its owner (not
-// thread-safe: the owner's lock guards it, as it guards the store). The owner calls AfterCommit after committing tokens,
-// BeforeReserve before reserving, and Finish before the store is freed, moved or pinned anew.
+// thread-safe: the owner's lock guards it, as it guards the store). The owner calls AfterCommit
+// after committing tokens, BeforeReserve before reserving, and Finish before the store is
+// freed, moved or pinned anew.
 class KvGrowthAhead {
  public:
   // The share of a store's capacity whose use starts a growth ahead: with growths of half
@@ -47,9 +48,9 @@ class KvGrowthAhead {
   // ceiling), starts its growth to half again (at most to `limit` and to where it can grow in
   // place). A refusal (the budget) is tried again once half the rows left have been used.
   void AfterCommit(LayerKvStore& kv, int64_t limit);
-  // Before `more` tokens are reserved in `kv`: ends a growth that has run, and waits for one in
-  // flight that they need. A growth that failed leaves the store as it was (the reservation
-  // then grows it, or says why it cannot).
+  // Before `more` tokens are reserved in `kv`: ends a growth that has run, and, when they need
+  // it, waits for one that has begun or drops one still queued. A growth that failed or was
+  // dropped leaves the store as it was (the reservation then grows it, or says why it cannot).
   void BeforeReserve(LayerKvStore& kv, int64_t more);
   // Waits for a growth in flight (one still queued is dropped) and ends it.
   void Finish(LayerKvStore& kv);

@@ -22,6 +22,7 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
     capacity_rows_ = std::exchange(other.capacity_rows_, 0);
     pinning_ = std::exchange(other.pinning_, nullptr);
     pinned_ranges_ = std::exchange(other.pinned_ranges_, {});
+    pin_broken_ = std::exchange(other.pin_broken_, false);
   }
   return *this;
 }
@@ -102,12 +103,14 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   if (capacity_rows > capacity_rows_ && data_.mapped()) {
     const int64_t old_bytes = allocated_bytes();
     if (data_.GrowsInPlaceTo(static_cast<size_t>(bytes))) {
-      if (data_.Grow(static_cast<size_t>(bytes)).ok()) {
-        capacity_rows_ = capacity_rows;
-        PinAdded(old_bytes);
-        return absl::OkStatus();
+      // No fallback to a new allocation: the caller was told the rows stay (rows_in_place:
+      // a learning may be reading them), so a growth that cannot stay is refused.
+      if (absl::Status s = data_.Grow(static_cast<size_t>(bytes)); !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
       }
-      // Still where it was, and pinned as it was: the new allocation below is tried.
+      capacity_rows_ = capacity_rows;
+      PinAdded(old_bytes);
+      return absl::OkStatus();
     } else {
       UnpinCurrent();
       if (data_.Grow(static_cast<size_t>(bytes), static_cast<size_t>(reserve)).ok()) {
@@ -147,7 +150,8 @@ void GrowthAhead::Run() {
 
 absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows,
                                                           absl::string_view what) {
-  if (capacity_rows <= capacity_rows_ || capacity_rows > rows_in_place() || !data_.mapped()) {
+  if (capacity_rows <= capacity_rows_) return GrowthAhead();  // holds them already: nothing
+  if (capacity_rows > rows_in_place() || !data_.mapped()) {
     return absl::FailedPreconditionError(absl::StrCat(
         what, ": ", capacity_rows, " rows cannot be made ahead where the array is (it holds ",
         capacity_rows_, " and ", rows_in_place(), " in place)"));
@@ -160,9 +164,14 @@ absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows
   growth.memory_ = &data_;
   growth.bytes_ = static_cast<size_t>(capacity_rows * row_bytes());
   growth.capacity_rows_ = capacity_rows;
-  if (pinned()) {
-    const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-    const int64_t first = (allocated_bytes() + page - 1) / page * page;
+  if (pinning_ != nullptr && !pin_broken_) {
+    // The pages it adds, next to the pinned rest; or, where a pinning was refused before and
+    // nothing is pinned, the whole array, asked again.
+    int64_t first = 0;
+    if (pinned()) {
+      const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+      first = (allocated_bytes() + page - 1) / page * page;
+    }
     if (first < capacity_rows * row_bytes()) {
       growth.pinning_ = pinning_;
       growth.pin_start_ = data_.data() + first;
@@ -173,18 +182,19 @@ absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows
 }
 
 absl::Status BudgetedRows::EndGrowthAhead(GrowthAhead growth) {
+  if (growth.memory_ == nullptr) return absl::OkStatus();  // an empty one: nothing to end
   if (growth.memory_ != &data_) {
     return absl::InvalidArgumentError("a growth ahead ended on another array than its own");
   }
   if (growth.ran_ && growth.status_.ok()) {
-    // Its pages are ready: the growth records them (nothing left to map).
-    growth.status_ = data_.Grow(growth.bytes_);
+    // Its pages are ready: the allocation takes them as they are (nothing mapped again).
+    growth.status_ = data_.TakeMappedAhead(growth.bytes_);
     if (growth.status_.ok()) {
       capacity_rows_ = growth.capacity_rows_;
       if (growth.pinned_) {
         pinned_ranges_.push_back(growth.pin_start_);
-      } else if (growth.pinning_ != nullptr) {
-        UnpinCurrent();  // its rows could not be pinned: the device reads none of the array
+      } else if (growth.pinning_ != nullptr && !pinned_ranges_.empty()) {
+        pin_broken_ = true;  // as PinAdded: the device reads none of it from now on
       }
       return absl::OkStatus();
     }
@@ -213,17 +223,18 @@ bool BudgetedRows::SetPinning(HostPinning* pinning) {
 }
 
 void BudgetedRows::PinCurrent() {
-  if (pinning_ == nullptr || pinned() || capacity_rows_ == 0) return;
+  if (pinning_ == nullptr || !pinned_ranges_.empty() || capacity_rows_ == 0) return;
   if (pinning_->Pin(data_.data(), static_cast<size_t>(allocated_bytes())).ok()) {
     pinned_ranges_.push_back(data_.data());
   }
 }
 
 void BudgetedRows::PinAdded(int64_t from) {
-  if (!pinned()) {
+  if (pinned_ranges_.empty()) {
     PinCurrent();  // a pinning refused before is asked again, for the whole allocation
     return;
   }
+  if (pin_broken_) return;  // its ranges stay until the rows move or go
   // From the first whole page added: the page the old end was in is pinned already (a
   // registration covers whole pages, and two may not share one).
   const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
@@ -233,7 +244,9 @@ void BudgetedRows::PinAdded(int64_t from) {
   if (pinning_->Pin(start, static_cast<size_t>(allocated_bytes() - first)).ok()) {
     pinned_ranges_.push_back(start);
   } else {
-    UnpinCurrent();
+    // The device reads none of it from now on; the pinned ranges stay registered (a learning
+    // may be copying from them) until the rows move or are freed, which wait for it.
+    pin_broken_ = true;
   }
 }
 
@@ -241,6 +254,7 @@ void BudgetedRows::UnpinCurrent() {
   // The newest range first, as pinned in reverse.
   for (auto it = pinned_ranges_.rbegin(); it != pinned_ranges_.rend(); ++it) pinning_->Unpin(*it);
   pinned_ranges_.clear();
+  pin_broken_ = false;
 }
 
 void PromptQueryWindow::Commit(int64_t n, bool written) {
@@ -258,19 +272,19 @@ absl::Status LayerKvStore::Reserve(int64_t more, absl::string_view what) {
   return ReserveRows(arrays, more, what);
 }
 
-absl::StatusOr<LayerKvStore::GrowthAhead> LayerKvStore::StartGrowthAhead(
+absl::StatusOr<LayerKvStore::Growth> LayerKvStore::StartGrowthAhead(
     int64_t capacity, absl::string_view what) {
-  absl::StatusOr<kvrecall::GrowthAhead> keys = keys_.StartGrowthAhead(capacity, what);
+  absl::StatusOr<GrowthAhead> keys = keys_.StartGrowthAhead(capacity, what);
   if (!keys.ok()) return keys.status();
-  absl::StatusOr<kvrecall::GrowthAhead> values = values_.StartGrowthAhead(capacity, what);
+  absl::StatusOr<GrowthAhead> values = values_.StartGrowthAhead(capacity, what);
   if (!values.ok()) {
     keys_.EndGrowthAhead(*std::move(keys)).IgnoreError();  // never ran: its charge given back
     return values.status();
   }
-  return GrowthAhead{*std::move(keys), *std::move(values)};
+  return Growth{*std::move(keys), *std::move(values)};
 }
 
-absl::Status LayerKvStore::EndGrowthAhead(GrowthAhead growth) {
+absl::Status LayerKvStore::EndGrowthAhead(Growth growth) {
   absl::Status keys = keys_.EndGrowthAhead(std::move(growth.keys));
   absl::Status values = values_.EndGrowthAhead(std::move(growth.values));
   return keys.ok() ? values : keys;

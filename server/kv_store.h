@@ -38,10 +38,10 @@ class HostPinning {
 };
 
 // Address space a mapped BudgetedRows sets aside, as a multiple of its allocation, to grow into
-// without moving (HostMemory::Grow): three growths of half again (3.4x) keep its rows where
-// they are, so readers elsewhere (a device's exact heads, a learning in flight) need not wait
-// for it and a pinned array pins only the rows it adds. Address space only: no memory is
-// mapped there.
+// without moving (HostMemory::Grow): four growths (half again three times, then to the
+// reservation's end, ReserveRows's cap) keep its rows where they are, so readers elsewhere (a
+// device's exact heads, a learning in flight) need not wait for it and a pinned array pins
+// only the rows it adds. Address space only: no memory is mapped there.
 inline constexpr int kHostRowsAddressReserve = 4;
 
 class BudgetedRows;
@@ -55,9 +55,23 @@ class BudgetedRows;
 // populate and ~2 ms to pin the rows added to an array of 128K rows). Move-only.
 class GrowthAhead {
  public:
+  // An empty one (nothing to make: BudgetedRows::StartGrowthAhead of rows it holds already).
   GrowthAhead() = default;
-  GrowthAhead(GrowthAhead&&) = default;
-  GrowthAhead& operator=(GrowthAhead&&) = default;
+  // Moved from, it is empty (nothing for an owner to end).
+  GrowthAhead(GrowthAhead&& other) noexcept { *this = std::move(other); }
+  GrowthAhead& operator=(GrowthAhead&& other) noexcept {
+    memory_ = std::exchange(other.memory_, nullptr);
+    pinning_ = other.pinning_;
+    bytes_ = other.bytes_;
+    pin_start_ = other.pin_start_;
+    pin_bytes_ = other.pin_bytes_;
+    capacity_rows_ = other.capacity_rows_;
+    charged_bytes_ = other.charged_bytes_;
+    ran_ = other.ran_;
+    pinned_ = other.pinned_;
+    status_ = std::move(other.status_);
+    return *this;
+  }
 
   // Maps (and pins) the pages; at most once. Safe beside the owner's reads and appends below
   // the old capacity.
@@ -116,22 +130,24 @@ class BudgetedRows {
   // Releases the allocation and its budget charge; the array is empty afterwards.
   void Free();
 
-  // Starts a growth to `capacity_rows` (more than capacity_rows(), at most rows_in_place())
-  // that another thread makes ahead of need (GrowthAhead), its bytes charged to the budget now.
-  // Until EndGrowthAhead the array may be read, reserved within its capacity and appended to,
-  // but not grown past it, freed, moved from or (un)pinned. FAILED_PRECONDITION when it cannot
-  // grow there in place; RESOURCE_EXHAUSTED naming `what` when the budget refuses.
+  // Starts a growth to `capacity_rows` (at most rows_in_place()) that another thread makes
+  // ahead of need (GrowthAhead), its bytes charged to the budget now; an empty one where the
+  // array holds them already. Until EndGrowthAhead the array may be read, reserved within its
+  // capacity and appended to, but not grown past it, freed, moved from or (un)pinned (nothing
+  // checks this). FAILED_PRECONDITION when it cannot grow there in place; RESOURCE_EXHAUSTED
+  // naming `what` when the budget refuses.
   absl::StatusOr<GrowthAhead> StartGrowthAhead(int64_t capacity_rows, absl::string_view what);
   // Ends a growth started here (after its Run, or without it): the array's capacity is then
-  // its, or, where it failed or never ran, its pages, pin and charge are given back and Run's
-  // status returned (OK for one that never ran: nothing to report).
+  // its (where its pin was refused, the device reads none of the array from then on: pinned()
+  // false), or, where it failed or never ran, its pages, pin and charge are given back and
+  // Run's status returned (OK for one that never ran, or an empty one: nothing to report).
   absl::Status EndGrowthAhead(GrowthAhead growth);
 
   // Pins the allocation, and every one after it, with `pinning` (null: none; the current one is
   // unpinned first). Returns whether the allocation is pinned now (an empty array is not).
   bool SetPinning(HostPinning* pinning);
   // Whether the current allocation is pinned (its address is the device's to read).
-  bool pinned() const { return !pinned_ranges_.empty(); }
+  bool pinned() const { return !pinned_ranges_.empty() && !pin_broken_; }
 
   const void* raw_data() const { return data_.data(); }
   // raw_data() of an f32 array.
@@ -162,7 +178,8 @@ class BudgetedRows {
   // Pins the current allocation when there is pinning and it is not pinned yet.
   void PinCurrent();
   // Pins the bytes from `from` to the allocation's end, added by a growth in place, next to
-  // the pinned rest; when that fails, unpins the rest too (the device reads all of it or none).
+  // the pinned rest; when that fails, the array is not the device's to read (pin_broken_: the
+  // device reads all of it or none), its ranges kept until the rows move or are freed.
   void PinAdded(int64_t from);
   void UnpinCurrent();
 
@@ -176,6 +193,10 @@ class BudgetedRows {
   // The starts of the allocation's pinned ranges, in address order: the whole allocation as it
   // was pinned, then the rows each growth in place added. Empty: not pinned.
   std::vector<std::byte*> pinned_ranges_;
+  // A growth's rows could not be pinned: the device reads none of the array (pinned() false),
+  // though its ranges stay registered, since a reader (a learning's copy) may be using them;
+  // they go when the rows move or are freed, which wait for it.
+  bool pin_broken_ = false;
 };
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
@@ -268,17 +289,17 @@ class LayerKvStore {
   }
   // Keys' and values' growths to `capacity` tokens ahead of need, as BudgetedRows's
   // (StartGrowthAhead: the same contract until EndGrowthAhead). Run them on any thread.
-  struct GrowthAhead {
-    kvrecall::GrowthAhead keys, values;
+  struct Growth {
+    GrowthAhead keys, values;
     void Run() {
       keys.Run();
       values.Run();
     }
   };
-  absl::StatusOr<GrowthAhead> StartGrowthAhead(int64_t capacity, absl::string_view what);
+  absl::StatusOr<Growth> StartGrowthAhead(int64_t capacity, absl::string_view what);
   // Ends both (the arrays' capacity then theirs, or what either took given back: a failure's
   // status); see BudgetedRows::EndGrowthAhead.
-  absl::Status EndGrowthAhead(GrowthAhead growth);
+  absl::Status EndGrowthAhead(Growth growth);
 
   // Pins keys and values, now and after every growth (BudgetedRows::SetPinning); returns whether
   // both are pinned.

@@ -63,11 +63,22 @@ TEST(HostMemoryTest, LargeAllocationsAreAlignedMappingsOfTheirOwn) {
   ExpectWritable(*small_pages);
 }
 
-TEST(HostMemoryTest, SmallAllocationsAreOrdinary) {
+// Smaller allocations come from the heap, in whole pages of their own (a pinning of one never
+// meets another's page): two made one after the other share none.
+TEST(HostMemoryTest, SmallAllocationsAreHeapPagesOfTheirOwn) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   for (const size_t bytes : {size_t{0}, size_t{1}, size_t{4096}, kHugePageBytes - 1}) {
     absl::StatusOr<HostMemory> memory = AllocateHostMemory(bytes, /*huge_pages=*/true);
+    absl::StatusOr<HostMemory> next = AllocateHostMemory(bytes, /*huge_pages=*/true);
     ASSERT_TRUE(memory.ok()) << bytes << ": " << memory.status();
+    ASSERT_TRUE(next.ok()) << bytes << ": " << next.status();
     EXPECT_NE(memory->data(), nullptr) << bytes;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(memory->data()) % page, 0u) << bytes;
+    const auto first = reinterpret_cast<uintptr_t>(memory->data()) / page;
+    const auto last = (reinterpret_cast<uintptr_t>(memory->data()) + std::max<size_t>(bytes, 1) +
+                       page - 1) / page;
+    const auto other = reinterpret_cast<uintptr_t>(next->data()) / page;
+    EXPECT_TRUE(other < first || other >= last) << bytes << ": a page shared";
     EXPECT_EQ(memory->size(), bytes);
     EXPECT_FALSE(memory->mapped()) << bytes;
     EXPECT_FALSE(memory->huge_pages_requested()) << bytes;
@@ -165,7 +176,7 @@ TEST(HostMemoryTest, AMappedAllocationGrowsKeepingItsContent) {
 // is: no memory there until then (only its first pages resident), then the pages added mapped
 // and writable, the content and the address kept, up to the last reserved byte. Past it, it
 // moves to a new range with the reservation asked for, content kept, and the old range is
-// given back whole (its reserved tail too).
+// given back whole (its reserved tail too); grown within that one, it moves again.
 TEST(HostMemoryTest, AReservedAllocationGrowsWhereItIsUntilItsReservationEnds) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   for (const bool huge_pages : {true, false}) {
@@ -214,9 +225,23 @@ TEST(HostMemoryTest, AReservedAllocationGrowsWhereItIsUntilItsReservationEnds) {
     }
     EXPECT_EQ(memory->data()[reserve - 1], std::byte{0x5a});
     EXPECT_TRUE(Unmapped(data, reserve)) << "the old range, its reservation too, given back";
+    // Grown in place within the new reservation, then moved again past it (one mapping to
+    // move: the reserved tail merged into the moved pages as it became accessible).
     std::byte* const moved = memory->data();
+    ASSERT_TRUE(memory->Grow(moved_reserve - page).ok());
+    EXPECT_EQ(memory->data(), moved);
+    std::memset(moved + reserve + 1, 0x6b, moved_reserve - page - reserve - 1);
+    ASSERT_TRUE(memory->Grow(moved_reserve + 1, 2 * moved_reserve).ok()) << "moved again";
+    EXPECT_NE(memory->data(), moved);
+    EXPECT_EQ(memory->reserved_bytes(), 2 * moved_reserve);
+    for (size_t i = 0; i < old_size; ++i) {
+      ASSERT_EQ(memory->data()[i], static_cast<std::byte>(i * 13)) << "byte " << i;
+    }
+    EXPECT_EQ(memory->data()[moved_reserve - page - 1], std::byte{0x6b});
+    EXPECT_TRUE(Unmapped(moved, moved_reserve)) << "the second range given back";
+    std::byte* const last = memory->data();
     memory->reset();
-    EXPECT_TRUE(Unmapped(moved, moved_reserve)) << "reset gives the reservation back";
+    EXPECT_TRUE(Unmapped(last, 2 * moved_reserve)) << "reset gives the reservation back";
   }
 }
 

@@ -3,6 +3,8 @@
 // reservation changes nothing, and every byte is given back. Large arrays are 2 MiB-aligned
 // mappings, in huge pages unless the process turned them off (server/host_memory.h). The prompt
 // query window keeps exactly the prompt's last rows, and nothing when none are kept.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "index/support_selector.h"
@@ -166,17 +169,20 @@ TEST(KvStoreTest, MovingTransfersTheChargeOnce) {
   EXPECT_EQ(budget.used(), 0);
 }
 
+// The system's page: what a pinning pins whole.
+uintptr_t Page() { return static_cast<uintptr_t>(sysconf(_SC_PAGESIZE)); }
+
 // Records what a HostPinning is asked, and refuses pins while `refuse` is set. A pin may not
-// share a 4 KiB page with a live one (cudaHostRegister refuses it); each Unpin must name a live
+// share a page with a live one (cudaHostRegister refuses it); each Unpin must name a live
 // pin, and the pinned bytes must still be readable then (the rows unpin an allocation before
 // freeing it).
 struct RecordingPinning final : HostPinning {
   absl::Status Pin(void* data, size_t bytes) override {
     events.push_back({true, data, bytes});
     if (refuse) return absl::ResourceExhaustedError("refused");
-    const auto first_page = [](const void* p) { return reinterpret_cast<uintptr_t>(p) / 4096; };
+    const auto first_page = [](const void* p) { return reinterpret_cast<uintptr_t>(p) / Page(); };
     const auto last_page = [](const void* p, size_t n) {
-      return (reinterpret_cast<uintptr_t>(p) + n - 1) / 4096;
+      return (reinterpret_cast<uintptr_t>(p) + n - 1) / Page();
     };
     for (const auto& [start, size] : live) {
       if (first_page(data) <= last_page(start, size) &&
@@ -194,7 +200,7 @@ struct RecordingPinning final : HostPinning {
         std::find_if(live.begin(), live.end(), [&](const auto& p) { return p.first == data; });
     ASSERT_NE(it, live.end()) << "unpinning what is not pinned";
     volatile const char* bytes = static_cast<const char*>(data);
-    for (size_t i = 0; i < it->second; i += 4096) (void)bytes[i];  // still mapped
+    for (size_t i = 0; i < it->second; i += Page()) (void)bytes[i];  // still mapped
     live.erase(it);
   }
   struct Event {
@@ -288,7 +294,7 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
       const RecordingPinning::Event& pin = pinning.events.back();
       EXPECT_TRUE(pin.pin);
       const auto old_end = reinterpret_cast<uintptr_t>(before) + capacity * rows.row_bytes();
-      EXPECT_EQ(reinterpret_cast<uintptr_t>(pin.data), (old_end + 4095) / 4096 * 4096);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(pin.data), (old_end + Page() - 1) / Page() * Page());
       EXPECT_EQ(reinterpret_cast<uintptr_t>(pin.data) + pin.bytes,
                 reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
       ASSERT_EQ(pinning.live.size(), live_before.size() + 1);
@@ -311,7 +317,7 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
     uintptr_t next = reinterpret_cast<uintptr_t>(rows.raw_data());
     for (const auto& [start, size] : pinning.live) {
       EXPECT_EQ(reinterpret_cast<uintptr_t>(start), next);
-      next = (reinterpret_cast<uintptr_t>(start) + size + 4095) / 4096 * 4096;
+      next = (reinterpret_cast<uintptr_t>(start) + size + Page() - 1) / Page() * Page();
     }
     EXPECT_GE(next, reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
   }
@@ -337,8 +343,11 @@ TEST(KvStoreTest, AGrowthAheadRunsElsewhereAndIsTakenOrGivenBack) {
   const int64_t capacity = rows.capacity_rows();
   const int64_t in_place = rows.rows_in_place();
   ASSERT_GT(in_place, capacity + 10);
-  EXPECT_TRUE(HasStatus(rows.StartGrowthAhead(capacity, "ahead").status(),
-                        absl::StatusCode::kFailedPrecondition, "cannot be made ahead"));
+  absl::StatusOr<GrowthAhead> held = rows.StartGrowthAhead(capacity, "ahead");
+  ASSERT_TRUE(held.ok()) << held.status();  // rows it holds already: an empty growth
+  held->Run();
+  EXPECT_TRUE(rows.EndGrowthAhead(*std::move(held)).ok());
+  EXPECT_EQ(rows.capacity_rows(), capacity);
   EXPECT_TRUE(HasStatus(rows.StartGrowthAhead(in_place + 1, "ahead").status(),
                         absl::StatusCode::kFailedPrecondition, "cannot be made ahead"));
   EXPECT_EQ(budget.used(), rows.allocated_bytes());
@@ -377,16 +386,18 @@ TEST(KvStoreTest, AGrowthAheadRunsElsewhereAndIsTakenOrGivenBack) {
   EXPECT_EQ(rows.capacity_rows(), target);
   EXPECT_EQ(budget.used(), rows.allocated_bytes());
 
-  // Its pin refused: the capacity taken, the array unpinned whole.
+  // Its pin refused: the capacity taken, the array no longer the device's to read, its
+  // ranges kept registered (a reader may be using them) until the array is freed.
   growth = rows.StartGrowthAhead(rows.rows_in_place(), "ahead");
   ASSERT_TRUE(growth.ok()) << growth.status();
   pinning.refuse = true;
   growth->Run();
   pinning.refuse = false;
+  const size_t live = pinning.live.size();
   EXPECT_TRUE(rows.EndGrowthAhead(*std::move(growth)).ok());
   EXPECT_EQ(rows.capacity_rows(), rows.rows_in_place());
   EXPECT_FALSE(rows.pinned());
-  EXPECT_TRUE(pinning.live.empty());
+  EXPECT_EQ(pinning.live.size(), live) << "nothing unpinned while the rows stay";
   EXPECT_EQ(budget.used(), rows.allocated_bytes());
   ExpectRowsIntact(rows);
 
@@ -418,14 +429,15 @@ bool StepToken(LayerKvStore& kv, KvGrowthAhead& ahead, int64_t limit) {
   return grew;
 }
 
-// A layer's store stepped token by token grows ahead of its steps on the queue: no reservation
+// A layer's store stepped token by token grows ahead of its steps (here in AfterCommit's call,
+// as without a queue thread, so that nothing races the loop): no reservation
 // grows it where it could have grown in place (a heap array's, or one past its reserved address
 // space, still grows in the step, moving), and every growth within the reservation came ahead.
 // A limit (an announced max_tokens) is never grown past ahead.
 TEST(KvGrowthAheadTest, AStoreGrowsAheadOfItsStepsUntilItMustMove) {
   MemoryBudget budget(0);
   LayerKvStore kv(8, 128, &budget, KvElement::kBf16);  // 2 KiB a token: mapped from 1024 on
-  KvGrowthAhead ahead(KvGrowthQueue());
+  KvGrowthAhead ahead(nullptr);  // each growth made in AfterCommit's call: no race with the loop
   int in_step = 0, in_step_in_place = 0;
   for (int t = 0; t < 12000; ++t) {
     const bool could_stay = kv.tokens() + 1 <= kv.tokens_in_place();
@@ -444,7 +456,7 @@ TEST(KvGrowthAheadTest, AStoreGrowsAheadOfItsStepsUntilItMustMove) {
   LayerKvStore limited(8, 128, &budget, KvElement::kBf16);
   ASSERT_TRUE(limited.Reserve(3000, "prompt").ok());
   limited.Commit(3000);
-  KvGrowthAhead limited_ahead(KvGrowthQueue());
+  KvGrowthAhead limited_ahead(nullptr);
   limited_ahead.AfterCommit(limited, 4000);  // the prompt filled it: a growth starts at once
   for (int t = 0; t < 1000; ++t) StepToken(limited, limited_ahead, 4000);
   limited_ahead.Finish(limited);
@@ -462,8 +474,8 @@ struct Blocker final : WorkItem {
 // queue thread the growth runs in AfterCommit's call; with growths ahead turned off none starts.
 TEST(KvGrowthAheadTest, AGrowthStillQueuedIsDroppedAndNoQueueGrowsInTheCall) {
   MemoryBudget budget(0);
+  Blocker blocker;  // outlives the queue, which runs it
   WorkQueue queue(1, "test-grow");
-  Blocker blocker;
   queue.Push(&blocker);
   LayerKvStore kv(8, 128, &budget, KvElement::kBf16);
   ASSERT_TRUE(kv.Reserve(1200, "prompt").ok());
@@ -477,17 +489,34 @@ TEST(KvGrowthAheadTest, AGrowthStillQueuedIsDroppedAndNoQueueGrowsInTheCall) {
   EXPECT_FALSE(ahead.in_flight());
   EXPECT_EQ(kv.capacity(), 1200);
   EXPECT_EQ(budget.used(), kv.allocated_bytes());
+  // A token that needs the rows while the growth is still queued: dropped, and the reservation
+  // grows the store itself, in place.
+  ahead.AfterCommit(kv, kMaxLayerTokens);
+  ASSERT_TRUE(ahead.in_flight());
+  const void* keys = kv.view().keys;
+  ahead.BeforeReserve(kv, 1);
+  EXPECT_FALSE(ahead.in_flight());
+  EXPECT_EQ(budget.used(), kv.allocated_bytes());
+  ASSERT_TRUE(kv.Reserve(1, "the token").ok());
+  EXPECT_EQ(kv.capacity(), 1800);
+  EXPECT_EQ(kv.view().keys, keys);
+  EXPECT_EQ(ahead.grown(), 0);
   blocker.release.Notify();
 
   KvGrowthAhead inline_ahead(nullptr);
-  SetHostKvGrowthAhead(false);  // kvrecalld --host_kv_growth_ahead=false: none starts
-  inline_ahead.AfterCommit(kv, kMaxLayerTokens);
-  EXPECT_FALSE(inline_ahead.in_flight());
-  SetHostKvGrowthAhead(true);
+  kv.Commit(1);
+  ASSERT_TRUE(kv.Reserve(1799 - kv.tokens(), "prompt").ok());
+  kv.Commit(1799 - kv.tokens());
+  {
+    SetHostKvGrowthAhead(false);  // kvrecalld --host_kv_growth_ahead=false: none starts
+    const absl::Cleanup on_again = [] { SetHostKvGrowthAhead(true); };
+    inline_ahead.AfterCommit(kv, kMaxLayerTokens);
+    EXPECT_FALSE(inline_ahead.in_flight());
+  }
   inline_ahead.AfterCommit(kv, kMaxLayerTokens);
   inline_ahead.BeforeReserve(kv, 0);  // taken at once: it ran in the call
   EXPECT_FALSE(inline_ahead.in_flight());
-  EXPECT_EQ(kv.capacity(), 1800);
+  EXPECT_EQ(kv.capacity(), 2700);
   EXPECT_EQ(inline_ahead.grown(), 1);
   EXPECT_EQ(budget.used(), kv.allocated_bytes());
 }

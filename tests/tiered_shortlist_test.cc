@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "index/basic_selectors.h"
@@ -24,6 +25,7 @@
 #include "server/backends/bulk_codes.h"
 #include "server/backends/placements.h"
 #include "server/backends/tiered_backend.h"
+#include "server/kv_growth.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -351,51 +353,58 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
 }
 
 // A prompt whose host KV arrays are mappings of their own (1100 tokens of 8 KV heads x 128: over
-// 2 MiB each) and whose session announced no max_tokens: the first decode token grows them, in
-// place within the address space they reserved, the device's pin extended by the rows added
-// (server/kv_store.h, kHostRowsAddressReserve). Once those rows have left the ring for the
-// bulk, the device's exact heads score the bulk across both pins: every step is the bulk's
-// exact top-K (a shortlist as long as the bulk) and matches a host-only server.
+// 2 MiB each) and whose session announced no max_tokens: the first decode token grows them
+// (kvrecalld --host_kv_growth_ahead=false: in the step; by default: ahead of need, begun when
+// the prompt filled them, or in the step where that had not begun), in place within the
+// address space they reserved, the device's pin extended by the rows added (server/kv_store.h,
+// kHostRowsAddressReserve). Once those rows have left the ring for the bulk, the device's exact
+// heads score the bulk across both pins: every step is the bulk's exact top-K (a shortlist as
+// long as the bulk) and matches a host-only server.
 TEST_F(TieredShortlistTest, AHostKvGrownWhereItIsIsReadAcrossItsPins) {
-  const v1::Geometry g = MakeGeometry(1, 32, 8, 128, dtype());
-  const int64_t prompt = 1100;
-  ReferenceSession ref(g, prompt, 62);  // (61 has a near-tie at the K-th score: 1e-7 apart)
-  const int k = 40;
-  const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, 4096);
-  absl::StatusOr<std::unique_ptr<InProcessServer>> other = StartHostOnlyServer();
-  ASSERT_TRUE(other.ok()) << other.status();
-  // One chunk: each array holds exactly the prompt, so the first token grows it.
-  const std::string id = CreateAndPrefill(ref, policy, prompt);
-  const std::string host_id = CreateAndPrefill(ref, policy, prompt, other->get());
-  absl::StatusOr<v1::SessionInfo> before = GetSession(stub(), id);
-  ASSERT_TRUE(before.ok()) << before.status();
-  DecodeClient client(stub()), host_client((*other)->stub());
-  for (int step = 0; step < kRecent + 8; ++step) {
-    SCOPED_TRACE(absl::StrCat("step ", step));
-    const ReferenceSession::Token token = ref.MakeToken(prompt + step);
-    const std::vector<float> q = ref.Record(0, token);
-    absl::StatusOr<v1::DecodeResponse> reply = Step(client, {id}, token, ref);
-    absl::StatusOr<v1::DecodeResponse> host_reply = Step(host_client, {host_id}, token, ref);
-    ASSERT_TRUE(reply.ok()) << reply.status();
-    ASSERT_TRUE(host_reply.ok()) << host_reply.status();
-    if (step == 0) {
-      absl::StatusOr<v1::SessionInfo> grown = GetSession(stub(), id);
-      ASSERT_TRUE(grown.ok()) << grown.status();
-      EXPECT_GT(grown->host_bytes(), before->host_bytes()) << "the first token grew the KV";
+  for (const bool ahead : {false, true}) {
+    SCOPED_TRACE(ahead ? "grown ahead of need" : "grown in the step");
+    SetHostKvGrowthAhead(ahead);
+    const absl::Cleanup restore = [] { SetHostKvGrowthAhead(true); };
+    const v1::Geometry g = MakeGeometry(1, 32, 8, 128, dtype());
+    const int64_t prompt = 1100;
+    ReferenceSession ref(g, prompt, 62);  // (61 has a near-tie at the K-th score: 1e-7 apart)
+    const int k = 40;
+    const v1::Policy policy = ShortlistPolicy(v1::SELECTOR_INDEX, k, 4096);
+    absl::StatusOr<std::unique_ptr<InProcessServer>> other = StartHostOnlyServer();
+    ASSERT_TRUE(other.ok()) << other.status();
+    // One chunk: each array holds exactly the prompt, so the first token grows it.
+    const std::string id = CreateAndPrefill(ref, policy, prompt);
+    const std::string host_id = CreateAndPrefill(ref, policy, prompt, other->get());
+    absl::StatusOr<v1::SessionInfo> before = GetSession(stub(), id);
+    ASSERT_TRUE(before.ok()) << before.status();
+    DecodeClient client(stub()), host_client((*other)->stub());
+    for (int step = 0; step < kRecent + 8; ++step) {
+      SCOPED_TRACE(absl::StrCat("step ", step));
+      const ReferenceSession::Token token = ref.MakeToken(prompt + step);
+      const std::vector<float> q = ref.Record(0, token);
+      absl::StatusOr<v1::DecodeResponse> reply = Step(client, {id}, token, ref);
+      absl::StatusOr<v1::DecodeResponse> host_reply = Step(host_client, {host_id}, token, ref);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      ASSERT_TRUE(host_reply.ok()) << host_reply.status();
+      if (step == 0) {
+        absl::StatusOr<v1::SessionInfo> grown = GetSession(stub(), id);
+        ASSERT_TRUE(grown.ok()) << grown.status();
+        EXPECT_GT(grown->host_bytes(), before->host_bytes()) << "the first token grew the KV";
+      }
+      if (gpu_tier()) EXPECT_GT(reply->tier_micros().device_exact(), 0.0);
+      const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
+      const std::vector<std::vector<int32_t>> supports =
+          TieredExactTopKSupports(ref, q, k, kSinks, kRecent);
+      const std::vector<float> got = TensorValues(reply->results(0).output());
+      ExpectOutputNear(got, ref.Attention(0, q, supports), dtype(), "against the reference");
+      ExpectSameOutputs(got, TensorValues(host_reply->results(0).output()), dtype(),
+                        "against the host's", !gpu_tier());
+      for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
+        ASSERT_EQ(head.candidates(), bulk) << "the whole bulk, shortlisted";
+      }
     }
-    if (gpu_tier()) EXPECT_GT(reply->tier_micros().device_exact(), 0.0);
-    const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
-    const std::vector<std::vector<int32_t>> supports =
-        TieredExactTopKSupports(ref, q, k, kSinks, kRecent);
-    const std::vector<float> got = TensorValues(reply->results(0).output());
-    ExpectOutputNear(got, ref.Attention(0, q, supports), dtype(), "against the reference");
-    ExpectSameOutputs(got, TensorValues(host_reply->results(0).output()), dtype(),
-                      "against the host's", !gpu_tier());
-    for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
-      ASSERT_EQ(head.candidates(), bulk) << "the whole bulk, shortlisted";
-    }
+    EXPECT_GT(ref.tokens(0) - kRecent, prompt) << "rows added by the growth are in the bulk";
   }
-  EXPECT_GT(ref.tokens(0) - kRecent, prompt) << "rows added by the growth are in the bulk";
 }
 
 // With a short shortlist the device's heads take what the host's Select takes: the shortlist
