@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <cstring>
 
@@ -12,6 +13,7 @@
 namespace kvrecall {
 
 BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
+  assert(other.growths_ahead_ == 0 && "a growth ahead in flight holds the array's address");
   if (this != &other) {
     Free();
     row_width_ = other.row_width_;
@@ -90,6 +92,11 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
     return absl::ResourceExhaustedError(absl::StrCat(what, ": ", capacity_rows, " rows of ",
                                                      row_bytes(), " bytes cannot be counted"));
   }
+  if (growths_ahead_ > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": the array cannot grow while a growth made ahead of need is in flight (end it "
+              "first)"));
+  }
   // Address space for the growths to come (a mapped allocation's only; none mapped yet).
   int64_t reserve = 0;
   if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve)) reserve = bytes;
@@ -161,6 +168,7 @@ absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows
   if (budget_ != nullptr) {
     if (absl::Status s = budget_->Reserve(growth.charged_bytes_, what); !s.ok()) return s;
   }
+  ++growths_ahead_;
   growth.memory_ = &data_;
   growth.bytes_ = static_cast<size_t>(capacity_rows * row_bytes());
   growth.capacity_rows_ = capacity_rows;
@@ -186,6 +194,7 @@ absl::Status BudgetedRows::EndGrowthAhead(GrowthAhead growth) {
   if (growth.memory_ != &data_) {
     return absl::InvalidArgumentError("a growth ahead ended on another array than its own");
   }
+  --growths_ahead_;
   if (growth.ran_ && growth.status_.ok()) {
     // Its pages are ready: the allocation takes them as they are (nothing mapped again).
     growth.status_ = data_.TakeMappedAhead(growth.bytes_);
@@ -206,6 +215,7 @@ absl::Status BudgetedRows::EndGrowthAhead(GrowthAhead growth) {
 }
 
 void BudgetedRows::Free() {
+  assert(growths_ahead_ == 0 && "a growth ahead in flight maps this allocation");
   if (budget_ != nullptr) budget_->Release(allocated_bytes());
   UnpinCurrent();
   data_.reset();
@@ -214,6 +224,7 @@ void BudgetedRows::Free() {
 }
 
 bool BudgetedRows::SetPinning(HostPinning* pinning) {
+  assert(growths_ahead_ == 0 && "a growth ahead in flight pins by the current pinning");
   if (pinning != pinning_) {
     UnpinCurrent();
     pinning_ = pinning;

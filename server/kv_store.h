@@ -133,9 +133,10 @@ class BudgetedRows {
   // Starts a growth to `capacity_rows` (at most rows_in_place()) that another thread makes
   // ahead of need (GrowthAhead), its bytes charged to the budget now; an empty one where the
   // array holds them already. Until EndGrowthAhead the array may be read, reserved within its
-  // capacity and appended to, but not grown past it, freed, moved from or (un)pinned (nothing
-  // checks this). FAILED_PRECONDITION when it cannot grow there in place; RESOURCE_EXHAUSTED
-  // naming `what` when the budget refuses.
+  // capacity and appended to, but not grown past it (a Reserve that would is refused:
+  // FAILED_PRECONDITION), nor freed, moved from or (un)pinned (asserted). FAILED_PRECONDITION
+  // when it cannot grow there in place; RESOURCE_EXHAUSTED naming `what` when the budget
+  // refuses.
   absl::StatusOr<GrowthAhead> StartGrowthAhead(int64_t capacity_rows, absl::string_view what);
   // Ends a growth started here (after its Run, or without it): the array's capacity is then
   // its (where its pin was refused, the device reads none of the array from then on: pinned()
@@ -197,6 +198,8 @@ class BudgetedRows {
   // though its ranges stay registered, since a reader (a learning's copy) may be using them;
   // they go when the rows move or are freed, which wait for it.
   bool pin_broken_ = false;
+  // Growths ahead started and not ended (StartGrowthAhead): the allocation is theirs to map.
+  int growths_ahead_ = 0;
 };
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one

@@ -362,6 +362,8 @@ TEST(KvStoreTest, AGrowthAheadRunsElsewhereAndIsTakenOrGivenBack) {
   std::thread runner([&] { growth->Run(); });
   AppendRows(rows, capacity - rows.rows());
   runner.join();
+  EXPECT_TRUE(HasStatus(rows.Reserve(1, "past it"), absl::StatusCode::kFailedPrecondition,
+                        "while a growth made ahead of need is in flight"));
   EXPECT_TRUE(growth->status().ok()) << growth->status();
   EXPECT_EQ(rows.capacity_rows(), capacity) << "not taken before it ends";
   ASSERT_TRUE(rows.EndGrowthAhead(*std::move(growth)).ok());
