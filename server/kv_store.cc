@@ -149,8 +149,8 @@ void GrowthAhead::Run() {
   ran_ = true;
   status_ = memory_->MapAhead(bytes_);
   if (status_.ok() && pinning_ != nullptr && pin_bytes_ > 0) {
-    // Where the pin fails, the pages stay: the owner unpins the rest when it ends the growth
-    // (the device reads all of the array or none of it).
+    // Where the pin fails, the pages stay: the owner takes them, and the array is then not
+    // the device's to read (EndGrowthAhead: the device reads all of it or none of it).
     pinned_ = pinning_->Pin(pin_start_, pin_bytes_).ok();
   }
 }
