@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Run 2026-12-05 (fourteenth session): kv_growth.md, tiered_serving.md, device_tests.md.
+# Written 2026-12-05 (fourteenth session) for kv_growth.md, tiered_serving.md, device_tests.md.
+# NOT RUN: no device machine could be started for the rest of the session (and then too little
+# device time was left). Run it first next time (its bundle is .device/b129, at 32e36bd; the
+# code after it, 8c1bfff and ebecf22, adds a refusal that the steps never reach, asserts and a
+# comment).
 # Hundred-and-twenty-ninth call, review 14's mends (32e36bd: an in-place growth refused rather
 # than copied, one mapping after a move, a growth ahead taken without a system call, a refused
 # pin kept registered, a queued growth dropped when needed, heap arrays in pages of their own):
