@@ -157,6 +157,32 @@ TEST_F(ServiceDecodeTest, ExactTopKAttendsTheBruteForceTopK) {
   }
 }
 
+// A cpu session's host KV grown ahead of need (KvGrowthAhead): a prompt of arrays that are
+// mappings of their own (600 tokens of 8 KV heads x 128 in f32: 2.4 MiB each), sent in one
+// chunk so that it fills them and a growth starts at once, then decoded past that capacity and
+// past five sixths of the next (a second growth ahead), every step equal to full attention over
+// the whole context; the session holds the grown capacity.
+TEST_F(ServiceDecodeTest, AHostKvGrownAheadOfNeedKeepsEveryStepExact) {
+  constexpr int kPrompt = 600, kSteps = 160;
+  ReferenceSession ref(MakeGeometry(1, 8, 8, 128), kPrompt, 13);
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), kPrompt);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  for (int step = 0; step < kSteps; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, id, 0, 900 + step, &q, false, false);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ExpectOutputNear(TensorValues(result->output()), ref.FullAttention(0, q), v1::DTYPE_F32,
+                     "full attention");
+  }
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  // At least the first growth (600 -> 900 tokens): keys and values, 4 KiB a token each.
+  EXPECT_GE(info->host_bytes(), int64_t{2} * 900 * 8 * 128 * 4);
+}
+
 // The index selector (RetrievalAttention) through the service. A search list longer than the
 // bulk makes the graph search exhaustive, so every head must attend exactly the static set
 // (sinks + recent window) plus the brute-force top-K of the bulk between them, also once decode
