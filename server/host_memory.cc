@@ -32,12 +32,6 @@ std::atomic<bool> huge_pages_on{true};
 constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
 #endif
 
-// `bytes` rounded up to whole pages.
-size_t WholePages(size_t bytes) {
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  return (bytes + page - 1) / page * page;
-}
-
 // A private anonymous mapping of exactly `length` bytes (whole pages) from a 2 MiB boundary,
 // with `prot` and `flags` besides MAP_PRIVATE | MAP_ANONYMOUS; null (errno set) when it cannot
 // be had. Mapped with a huge page's slack, whose ends are unmapped again.
@@ -66,6 +60,11 @@ absl::Status Exhausted(size_t bytes, int error) {
 }
 
 }  // namespace
+
+size_t WholePages(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return (bytes + page - 1) / page * page;
+}
 
 void SetHostHugePages(bool on) { huge_pages_on.store(on, std::memory_order_relaxed); }
 bool HostHugePages() { return huge_pages_on.load(std::memory_order_relaxed); }

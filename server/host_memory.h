@@ -114,6 +114,9 @@ class HostMemory {
   bool huge_pages_advised_ = false;
 };
 
+// `bytes` rounded up to whole pages of the system (what a mapping, or a pinning, covers).
+size_t WholePages(size_t bytes);
+
 // The machine's physical memory in bytes (0 when the system does not say).
 int64_t PhysicalMemoryBytes();
 

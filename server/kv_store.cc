@@ -1,7 +1,5 @@
 #include "server/kv_store.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cassert>
 #include <cstdint>
@@ -175,11 +173,8 @@ absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows
   if (pinning_ != nullptr && !pin_broken_) {
     // The pages it adds, next to the pinned rest; or, where a pinning was refused before and
     // nothing is pinned, the whole array, asked again.
-    int64_t first = 0;
-    if (pinned()) {
-      const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-      first = (allocated_bytes() + page - 1) / page * page;
-    }
+    const int64_t first =
+        pinned() ? static_cast<int64_t>(WholePages(static_cast<size_t>(allocated_bytes()))) : 0;
     if (first < capacity_rows * row_bytes()) {
       growth.pinning_ = pinning_;
       growth.pin_start_ = data_.data() + first;
@@ -248,8 +243,7 @@ void BudgetedRows::PinAdded(int64_t from) {
   if (pin_broken_) return;  // its ranges stay until the rows move or go
   // From the first whole page added: the page the old end was in is pinned already (a
   // registration covers whole pages, and two may not share one).
-  const auto page = static_cast<int64_t>(sysconf(_SC_PAGESIZE));
-  const int64_t first = (from + page - 1) / page * page;
+  const auto first = static_cast<int64_t>(WholePages(static_cast<size_t>(from)));
   if (first >= allocated_bytes()) return;
   std::byte* const start = data_.data() + first;
   if (pinning_->Pin(start, static_cast<size_t>(allocated_bytes() - first)).ok()) {

@@ -58,18 +58,12 @@ class GrowthAhead {
   // An empty one (nothing to make: BudgetedRows::StartGrowthAhead of rows it holds already).
   GrowthAhead() = default;
   // Moved from, it is empty (nothing for an owner to end).
-  GrowthAhead(GrowthAhead&& other) noexcept { *this = std::move(other); }
+  GrowthAhead(GrowthAhead&& other) noexcept : GrowthAhead(other) { other.memory_ = nullptr; }
   GrowthAhead& operator=(GrowthAhead&& other) noexcept {
-    memory_ = std::exchange(other.memory_, nullptr);
-    pinning_ = other.pinning_;
-    bytes_ = other.bytes_;
-    pin_start_ = other.pin_start_;
-    pin_bytes_ = other.pin_bytes_;
-    capacity_rows_ = other.capacity_rows_;
-    charged_bytes_ = other.charged_bytes_;
-    ran_ = other.ran_;
-    pinned_ = other.pinned_;
-    status_ = std::move(other.status_);
+    if (this != &other) {
+      *this = other;
+      other.memory_ = nullptr;
+    }
     return *this;
   }
 
@@ -82,6 +76,10 @@ class GrowthAhead {
 
  private:
   friend class BudgetedRows;
+  // Copies only through the moves above, which empty their source.
+  GrowthAhead(const GrowthAhead&) = default;
+  GrowthAhead& operator=(const GrowthAhead&) = default;
+
   const HostMemory* memory_ = nullptr;
   HostPinning* pinning_ = nullptr;  // null: the array is not pinned
   size_t bytes_ = 0;                // the allocation's size after the growth
