@@ -219,8 +219,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
   for (int i = 0; i < count; ++i) {
     if (stop.requested()) continue;  // cancelled or closed meanwhile: said below
     const absl::Time layer_start = absl::Now();
+    LayerConfig layer_config = config;
+    layer_config.layer = staged[i].layer;
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
-        backend->BuildLayer(config, accounts, std::move(prompts[i]), stop);
+        backend->BuildLayer(layer_config, accounts, std::move(prompts[i]), stop);
     if (layer.ok()) {
       if (PolicyMetrics* metrics = session_->metrics(); metrics != nullptr) {
         metrics->ObserveIndexBuild(absl::ToDoubleSeconds(absl::Now() - layer_start));

@@ -139,6 +139,23 @@ TEST(CodesLearningScheduleTest, FirstAt1024ThenAtEveryDoublingUntilTheTrainingsS
   EXPECT_EQ(CodesLearning::TakeOverAt(3), 4);
 }
 
+// A model's layers, which all learn at the same token, take over one a token: each a row
+// later than the layer before, wrapping after a quarter of the rows learned from, so that every
+// take-over comes before the next learning (twice the rows).
+TEST(CodesLearningScheduleTest, EachLayerTakesOverARowAfterTheLayerBefore) {
+  EXPECT_EQ(CodesLearning::TakeOverAt(1024, 0), 1536);
+  EXPECT_EQ(CodesLearning::TakeOverAt(1024, 1), 1537);
+  EXPECT_EQ(CodesLearning::TakeOverAt(1024, 31), 1567);
+  EXPECT_EQ(CodesLearning::TakeOverAt(1024, 255), 1791);
+  EXPECT_EQ(CodesLearning::TakeOverAt(1024, 256), 1536);
+  EXPECT_EQ(CodesLearning::TakeOverAt(3, 5), 4) << "too few rows to spread over";
+  for (const int64_t rows : {int64_t{3}, int64_t{256}, int64_t{1024}, int64_t{40000}}) {
+    for (int32_t layer = 0; layer < 400; ++layer) {
+      ASSERT_LT(CodesLearning::TakeOverAt(rows, layer), 2 * rows) << rows << " " << layer;
+    }
+  }
+}
+
 TEST_P(CodesLearningTest, CodesTakeOverAtTheirLengthWhateverTheLearningsPace) {
   const int64_t rows = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows) + 20;
   const int64_t take_over = CodesLearning::TakeOverAt(CodesLearning::kFirstLearnRows);
@@ -252,25 +269,29 @@ TEST_P(CodesLearningTest, ALearningInFlightIsWaitedForBeforeTheRowsMove) {
 TEST_P(CodesLearningTest, NoLearningStartsWhoseCodesCouldNeverTakeOver) {
   // A layer that may hold (the server's --max_context_tokens) a bulk of exactly the take-over's
   // length: its last reservation, the one that would take over, sees a row fewer. No learning,
-  // nothing charged, none later either.
+  // nothing charged, none later either. A model's layer 3 takes over three rows later.
   const int64_t start = CodesLearning::kFirstLearnRows;
   const int64_t static_rows = config_.selector.sinks + config_.selector.recent;
-  config_.max_layer_tokens = static_rows + CodesLearning::TakeOverAt(start);
-  {
-    WorkQueue queue(1, "test-unreachable");
+  for (const int32_t layer : {0, 3}) {
+    SCOPED_TRACE(absl::StrCat("layer ", layer));
+    config_.layer = layer;
+    config_.max_layer_tokens = static_rows + CodesLearning::TakeOverAt(start, layer);
+    {
+      WorkQueue queue(1, "test-unreachable");
+      CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue);
+      learning.OnCommitted(Bulk(start));
+      EXPECT_FALSE(learning.learning());
+      EXPECT_EQ(learning.next_learn_at(), 0);
+      EXPECT_EQ(host_.used() + device_.used(), 0);
+    }
+    // One token more and the take-over is within reach: the learning starts.
+    config_.max_layer_tokens += 1;
+    WorkQueue queue(1, "test-reachable");
     CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue);
     learning.OnCommitted(Bulk(start));
-    EXPECT_FALSE(learning.learning());
-    EXPECT_EQ(learning.next_learn_at(), 0);
-    EXPECT_EQ(host_.used() + device_.used(), 0);
+    EXPECT_TRUE(learning.learning());
+    EXPECT_EQ(learning.take_over_at(), CodesLearning::TakeOverAt(start) + layer);
   }
-  // One token more and the take-over is within reach: the learning starts.
-  config_.max_layer_tokens += 1;
-  WorkQueue queue(1, "test-reachable");
-  CodesLearning learning(tier_.get(), &config_, accounts_, 0, &queue);
-  learning.OnCommitted(Bulk(start));
-  EXPECT_TRUE(learning.learning());
-  EXPECT_EQ(learning.take_over_at(), CodesLearning::TakeOverAt(start));
 }
 
 TEST_P(CodesLearningTest, ALearningTheBudgetRefusesKeepsTheCodesAsTheyWere) {

@@ -712,16 +712,18 @@ TEST_F(ServiceMemoryBudgetTest, AFailedPrefillKeepsTheSessionsSetAside) {
   EXPECT_EQ(info->host_budget_bytes(), budget.used());
 }
 
-// Decodes `steps` random tokens into the 1-layer session `id` of `g`.
+// Decodes `steps` random tokens into the session `id` of `g`, each through its layers in turn.
 void DecodeRandomTokens(v1::KvRecall::Stub& stub, const std::string& id, const v1::Geometry& g,
                         int steps, uint64_t seed) {
   DecodeClient decode(stub);
   for (int step = 0; step < steps; ++step) {
-    const PromptLayer token = RandomPromptOf(g, 1, seed + 3 * step);
-    v1::DecodeRequest one;
-    one.set_layer(0);
-    *one.add_steps() = MakeStep(id, g, token.q, token.k, token.v);
-    ASSERT_TRUE(decode.Step(one).ok()) << step;
+    for (int layer = 0; layer < g.layers(); ++layer) {
+      const PromptLayer token = RandomPromptOf(g, 1, seed + 3 * step + 1000003 * layer);
+      v1::DecodeRequest one;
+      one.set_layer(layer);
+      *one.add_steps() = MakeStep(id, g, token.q, token.k, token.v);
+      ASSERT_TRUE(decode.Step(one).ok()) << step << " layer " << layer;
+    }
   }
 }
 
@@ -809,6 +811,48 @@ TEST_F(ServerTest, EachSessionsBudgetBytesAddUpToTheMemoryGauge) {
                      5000);
   EXPECT_EQ(beyond_memory(info_of(*tiered)), beyond_before) << "the old codes given back";
   EXPECT_THAT(server().server().metrics().TextFormat(), HasSubstr(taken_over + "1\n"));
+}
+
+// A model's layers all start learning their codes at the same token; they take over one a
+// token (CodesLearning::TakeOverAt, by the layer's index the Prefill gives each layer), so that
+// no token pays every layer's take-over: the metrics count one more take-over a token.
+TEST_F(ServerTest, AModelsLayersTakeOverTheirLearnedCodesOneAToken) {
+  constexpr int kLayers = 4, kSinks = 4, kRecent = 16, kPromptBulk = 512;
+  const v1::Geometry g = MakeGeometry(kLayers, 4, 2, 64, v1::DTYPE_BF16);
+  v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, 16, kSinks, kRecent);
+  policy.set_placement(v1::PLACEMENT_TIERED);
+  policy.mutable_index()->set_shortlist(64);
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, policy);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<v1::PrefillChunk> chunks;
+  for (int layer = 0; layer < kLayers; ++layer) {
+    for (v1::PrefillChunk& chunk :
+         PromptChunks(*id, g, layer,
+                      RandomPromptOf(g, kSinks + kRecent + kPromptBulk, 10 + layer), 256)) {
+      chunks.push_back(std::move(chunk));
+    }
+  }
+  ASSERT_TRUE(Prefill(stub(), chunks).ok());
+  auto taken_over = [this] {
+    const std::string text = server().server().metrics().TextFormat();
+    const std::string name = "kvrecall_codes_learnings_total{outcome=\"taken_over\"} ";
+    const size_t at = text.find(name);
+    return at == std::string::npos ? -1 : std::stoll(text.substr(at + name.size()));
+  };
+  const int64_t before = taken_over();
+  ASSERT_GE(before, 0);
+  const int64_t learn_at = CodesLearning::kFirstLearnRows;
+  ASSERT_EQ(CodesLearning::NextLearnAt(kPromptBulk, g.head_dim()), learn_at);
+  DecodeRandomTokens(stub(), *id, g, learn_at - kPromptBulk, 100);
+  WaitForTheLearnings();
+  // Up to the token whose step reserves bulk row TakeOverAt(learn_at), none has taken over.
+  const int64_t first = CodesLearning::TakeOverAt(learn_at);
+  DecodeRandomTokens(stub(), *id, g, static_cast<int>(first - learn_at), 200);
+  EXPECT_EQ(taken_over(), before);
+  for (int token = 0; token < kLayers + 2; ++token) {
+    DecodeRandomTokens(stub(), *id, g, 1, 300 + 7 * token);
+    EXPECT_EQ(taken_over() - before, std::min(token + 1, kLayers)) << "token " << token;
+  }
 }
 
 // With max_tokens announced the prompt is staged in the layer's final allocation: the host KV

@@ -200,15 +200,17 @@ void CheckCodes(AttentionBackend& backend) {
 }
 
 // Codes learned again as the bulk grows (server/backends/codes_learning.h), on `backend`:
-// a prompt of `prompt` tokens decodes until its bulk has passed the first learning's
-// take-over; the codes change at that length exactly, hold every row's nearest centroids and
-// the keys planted since as outliers, and the exact path's candidates shrink to the shortlist,
-// the outliers and the uncoded rows.
-void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt) {
-  SCOPED_TRACE(backend.device() + " prompt " + std::to_string(prompt));
+// a prompt of `prompt` tokens decodes, in the model's layer `model_layer`, until its bulk has
+// passed the first learning's take-over; the codes change at that length exactly (later by the
+// layer's index), hold every row's nearest centroids and the keys planted since as outliers,
+// and the exact path's candidates shrink to the shortlist, the outliers and the uncoded rows.
+void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt, int32_t model_layer = 0) {
+  SCOPED_TRACE(backend.device() + " prompt " + std::to_string(prompt) + " layer " +
+               std::to_string(model_layer));
   MemoryBudget host(0);
   const SessionAccounts accounts{&host, backend.device_budget()};
-  const LayerConfig config = Config();
+  LayerConfig config = Config();
+  config.layer = model_layer;
   std::vector<float> keys;
   absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
       PrefilledLayer(backend, accounts, config, prompt, /*seed=*/31, &keys);
@@ -220,7 +222,8 @@ void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt) {
   if (codes != nullptr) EXPECT_EQ(codes->learned_rows(), prompt_bulk);
 
   const int64_t learn_at = CodesLearning::kFirstLearnRows;
-  const int64_t take_over = CodesLearning::TakeOverAt(learn_at);
+  const int64_t take_over = CodesLearning::TakeOverAt(learn_at, model_layer);
+  ASSERT_EQ(take_over, CodesLearning::TakeOverAt(learn_at) + model_layer);
   ASSERT_EQ(CodesLearning::NextLearnAt(prompt_bulk, kDim), learn_at);
   std::unique_ptr<StepContext> context = backend.NewStepContext();
   std::vector<HeadReport> heads;
@@ -297,15 +300,17 @@ TEST(TieredCodesTest, CodesAreLearnedOnceAShortPromptsBulkHasGrown) {
   }
 }
 
+// In a model's layer 7: its codes take over seven rows after layer 0's would.
 TEST(TieredCodesTest, CodesOfAShortPromptBulkAreLearnedAgain) {
   constexpr int64_t kPromptBulk = CodesLearning::kMinLearnRows + 44;
+  constexpr int32_t kLayer = 7;
   TieredBackend host_tier(MakeHostStaticSetTier());
-  CheckCodesLearnedAgain(host_tier, /*prompt=*/kSinks + kRecent + kPromptBulk);
+  CheckCodesLearnedAgain(host_tier, /*prompt=*/kSinks + kRecent + kPromptBulk, kLayer);
   absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(PlacementOptions{});
   ASSERT_TRUE(placements.ok()) << placements.status();
   for (const std::unique_ptr<AttentionBackend>& tiered : (*placements)->tiered()) {
     if (tiered->device_budget() != nullptr) {
-      CheckCodesLearnedAgain(*tiered, /*prompt=*/kSinks + kRecent + kPromptBulk);
+      CheckCodesLearnedAgain(*tiered, /*prompt=*/kSinks + kRecent + kPromptBulk, kLayer);
     }
   }
 }

@@ -43,6 +43,10 @@ struct LayerConfig {
   // layer can (kMaxLayerTokens). Work that pays off only past it (a learning whose codes would
   // take over beyond it) is not started.
   int64_t max_layer_tokens = std::numeric_limits<int32_t>::max();
+  // The layer's index in its session's model (0 where a layer is built alone). Work that every
+  // layer of a model would otherwise do at the same token is spread over tokens by it: a
+  // learning's take-over (CodesLearning::TakeOverAt).
+  int32_t layer = 0;
 
   // The most tokens the layer is to hold: the announced max_tokens, else max_layer_tokens (what
   // a store grown ahead of need grows to at most: KvGrowthAhead).

@@ -142,20 +142,21 @@ void CodesLearning::OnCommitted(const KvView& bulk) {
   if (job_ != nullptr) job_->committed.store(bulk.tokens, std::memory_order_release);
   if (job_ != nullptr || next_learn_at_ <= 0 || bulk.tokens < next_learn_at_) return;
   const SelectorParams& p = config_->selector;
-  if (TakeOverAt(bulk.tokens) >= BulkTokens(config_->max_layer_tokens, p.sinks, p.recent)) {
+  if (TakeOverAt(bulk.tokens, config_->layer) >=
+      BulkTokens(config_->max_layer_tokens, p.sinks, p.recent)) {
     // The layer can never grow to where these codes (or any later ones) would take over: a
     // learning would cost its memory and cores for nothing.
     next_learn_at_ = 0;
     return;
   }
-  take_over_at_ = TakeOverAt(bulk.tokens);
+  take_over_at_ = TakeOverAt(bulk.tokens, config_->layer);
   next_learn_at_ = NextLearnAt(bulk.tokens, config_->shape.head_dim);
   // Room for the announced context, as at prefill, and for the rows these codes serve: up to
   // the next learning's take-over (or twice this one's, the last learning's), so that they do
   // not grow (a new allocation, and a new captured step at every layer) on the token after they
   // take over, as they did sized one row past it (review 13).
   const int64_t serves_until =
-      next_learn_at_ > 0 ? TakeOverAt(next_learn_at_) + 1 : 2 * take_over_at_;
+      next_learn_at_ > 0 ? TakeOverAt(next_learn_at_, config_->layer) + 1 : 2 * take_over_at_;
   const int64_t capacity =
       std::max(BulkTokens(config_->expected_tokens, p.sinks, p.recent), serves_until);
   job_ = std::make_shared<Job>(*this, bulk, capacity);

@@ -9,9 +9,12 @@
 // starts after the step that brings the bulk to that length; it trains on the bulk as it stood
 // then, on a thread of its own (one for the process, kLearningThreads cores of OpenMP team), and
 // codes the rows the bulk gains meanwhile; the new codes take over at a fixed length
-// (TakeOverAt: half again as many rows), waiting for the learning if it is not done by then. So
-// the step at which a layer's codes change depends on its length alone, not on when the
-// learning happened to finish. A learning whose codes could take over only past the most tokens
+// (TakeOverAt: half again as many rows, and as many more as the layer's index in its model),
+// waiting for the learning if it is not done by then. So the step at which a layer's codes
+// change depends on its length and index alone, not on when the learning happened to finish;
+// and a model's layers, which all start learning at the same token, take over one a token
+// rather than all at one token (0.3-1 ms each on a GPU tier: the catch-up rows coded, a step
+// captured anew; 32 at once made one token cost 2-3x its neighbours). A learning whose codes could take over only past the most tokens
 // the layer may hold (LayerConfig::max_layer_tokens: --max_context_tokens) is not started.
 //
 // Memory: a learning holds a second set of codes (sized, as the first, for the announced
@@ -57,10 +60,15 @@ class CodesLearning final {
   // The bulk length at which codes learned from `learned_rows` rows (0: none) of a layer of
   // `head_dim` are learned again; 0 when never (they saw as many rows as the training samples).
   static int64_t NextLearnAt(int64_t learned_rows, int head_dim);
-  // The bulk length at which codes learned from a bulk of `rows` take over: half again as many
-  // rows, so that the steps between (512 tokens at the first learning) cover a queue of the
-  // learnings every layer of a model starts at the same step.
-  static int64_t TakeOverAt(int64_t rows) { return rows + std::max<int64_t>(1, rows / 2); }
+  // The bulk length at which codes learned from a bulk of `rows` take over in the model's
+  // layer `layer` (LayerConfig::layer): half again as many rows, so that the steps between (512
+  // tokens at the first learning) cover a queue of the learnings every layer of a model starts
+  // at the same step; then one row later for each layer before it, wrapping after a quarter of
+  // `rows` (256 layers at the first learning), so that the take-over stays a quarter of `rows`
+  // before the next learning (NextLearnAt: twice `rows`).
+  static int64_t TakeOverAt(int64_t rows, int32_t layer = 0) {
+    return rows + std::max<int64_t>(1, rows / 2) + layer % std::max<int64_t>(1, rows / 4);
+  }
   // The cores a learning's OpenMP team takes.
   static constexpr int kLearningThreads = 2;
 
