@@ -11,7 +11,9 @@
 // node (which kinds of node make a served step's launch cost what it does), and of those named
 // by `pool_graphs` again as the first item of a loop on kvrecall's compute pool whose other items
 // gather rows from host memory, as a served step's launch is (TieredBackend::StepRun). Prints one
-// JSON object, microseconds.
+// JSON object, microseconds; and the device memory an executable copy of each spelled graph
+// takes (`graph_copies` of them instantiated and launched, by cudaMemGetInfo), which the
+// server's cached captured steps hold beside what its budgets charge.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -55,6 +57,10 @@ ABSL_FLAG(std::string, pool_graphs, "served,step5",
 ABSL_FLAG(int, pool_items, 32, "the pool loop's other items (a step's heads)");
 ABSL_FLAG(int, pool_item_rows, 1280, "256-byte rows each of them gathers at random");
 ABSL_FLAG(int, pool_gap_us, 300, "the pause between pool loops (a request's round trip)");
+ABSL_FLAG(int, graph_copies, 256,
+          "executable copies of each --graphs graph instantiated and launched at once, for the "
+          "device memory each takes (0: not measured); 256 is the captured steps a Decode "
+          "stream keeps at most (gpu_static_set.cc, kMaxCapturedSteps)");
 
 namespace {
 
@@ -313,6 +319,29 @@ int Run() {
       }
       out["pool_launch_us"][parts[0]] = kvrecall::Percentiles(pool_us);
       out["pool_launch_us"][parts[0]]["checksum"] = sums[1];
+    }
+    if (const int copies = absl::GetFlag(FLAGS_graph_copies); copies > 0) {
+      size_t free_before = 0, free_after = 0, total = 0;
+      if (!Check(cudaDeviceSynchronize(), "draining") ||
+          !Check(cudaMemGetInfo(&free_before, &total), "free memory")) {
+        return 1;
+      }
+      std::vector<cudaGraphExec_t> execs(copies);
+      for (cudaGraphExec_t& copy : execs) {
+        if (!Check(cudaGraphInstantiate(&copy, spelled, 0), "instantiating a copy") ||
+            !Check(cudaGraphLaunch(copy, stream), "launching a copy")) {
+          return 1;
+        }
+      }
+      if (!Check(cudaStreamSynchronize(stream), "draining") ||
+          !Check(cudaMemGetInfo(&free_after, &total), "free memory")) {
+        return 1;
+      }
+      for (cudaGraphExec_t copy : execs) cudaGraphExecDestroy(copy);
+      const auto held = static_cast<int64_t>(free_before) - static_cast<int64_t>(free_after);
+      out["graph_device_bytes"][parts[0]] = {{"copies", copies},
+                                             {"bytes", held},
+                                             {"bytes_each", held / copies}};
     }
     cudaGraphExecDestroy(spelled_exec);
     cudaGraphDestroy(spelled);
