@@ -20,7 +20,8 @@
 #   model_tokens_run NAME BIN SELECTOR [ARGS..]  # bench/model_tokens.py against kvrecalld
 #                               # BIN (d123 on), into $R/NAME.json
 #                               # (KVRECALLD_FLAGS: flags for that kvrecalld, d127 on)
-#   model_tokens_stretches NAME..  # each $R/NAME.json's stretches around the learning (d127 on)
+#   model_tokens_stretches NAME..  # each $R/NAME.json's stretches around the learning (d127 on;
+#                               # the 32 layers' staggered take-overs from d130 on)
 #   kv_growth_run BIN           # BIN/kv_growth_bench with the device, into $R/kv_growth.json
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
@@ -331,8 +332,11 @@ for n in sys.argv[2:]:
     def seg(a, b):
         v = [s[i - f] for i in range(a, b + 1) if 0 <= i - f < len(s)]
         return "%.1f (%.1f)" % (st.median(v) / 1000, max(v) / 1000) if v else "-"
+    # From d130 on a model's layers take over one a token: layer l's codes at bulk 1537 + l
+    # (CodesLearning::TakeOverAt), so 32 layers' take-overs span 1537-1568.
     print(n, "pre", seg(900, 1023), "learn", seg(1024, 1535), "take", seg(1537, 1537),
-          "next2", seg(1538, 1539), "after", seg(1540, 1600), "slowest",
+          "next2", seg(1538, 1539), "after", seg(1540, 1600), "takes32", seg(1537, 1568),
+          "after32", seg(1569, 1600), "slowest",
           [(t["bulk"], t["server_us"]) for t in d["slowest_tokens"][:3]])
 PY
 }
