@@ -4,8 +4,8 @@
 // (candidates, support, state); and every way a step can end without naming them leaves no
 // trace on the next: heads refused with INTERNAL, a host that never names them before Finish, a
 // step abandoned after Start (the next Prepare drains it), a bound that grows and shrinks. A
-// step whose wait ran into its timeout would fail its own Finish or the next step. Skipped
-// without a CUDA device (or a CUDA build).
+// step whose wait ran into its timeout would fail its own Finish or the next step. And what the
+// captured steps cost the device budget. Skipped without a CUDA device (or a CUDA build).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +18,7 @@
 #include "index/shortlist_selector.h"
 #include "kernels/cpu/attention.h"
 #include "server/backends/bulk_codes.h"
+#include "server/backends/captured_step_charge.h"
 #include "server/backends/tiered_backend.h"
 #include "server/kv_store.h"
 #include "server/memory_budget.h"
@@ -137,7 +138,8 @@ class GpuExactHeadsTest : public ::testing::Test {
 
   LayerConfig config_;
   MemoryBudget host_{0};
-  MemoryBudget device_{0, "GPU 0 memory", "gpu_memory_budget_gb"};
+  // Bounded (far above what these tests use), so that a test can leave it no room.
+  MemoryBudget device_{int64_t{1} << 36, "GPU 0 memory", "gpu_memory_budget_gb"};
   NarrowedKv kv_;
   std::vector<float> q_;
   std::unique_ptr<StaticSetTier> tier_;
@@ -185,6 +187,63 @@ TEST_F(GpuExactHeadsTest, AStepThatNamesNoHeadsLeavesNoTraceOnTheNext) {
   ASSERT_TRUE(Run(Step({0, 1}, 2), /*calls=*/2).ok());
   ASSERT_TRUE(Run(Step({2, 3}, 2)).ok());
   ExpectHostsExactPath({2, 3});
+}
+
+// A captured step is charged to the device budget while the step context keeps it
+// (gpu::kCapturedStepDeviceBytes) and given back with the context; a step the budget has no
+// room to capture runs eagerly, as exact, and is captured once its retry is due
+// (gpu::kCaptureRetryRuns lookups later) and there is room (review 13's L5 and L6).
+TEST_F(GpuExactHeadsTest, ACapturedStepIsChargedWhileKeptAndRunsEagerlyWithoutRoom) {
+  const int64_t before = device_.used();  // the static set and the codes
+  ASSERT_TRUE(Run(Step({2, 3}, 2)).ok());
+  ExpectHostsExactPath({2, 3});
+  const int64_t one_step = device_.used();  // and the context's buffers, one step captured
+  ASSERT_TRUE(Run(Step({0, 1}, 2)).ok());
+  EXPECT_EQ(device_.used(), one_step) << "the same key: the step kept is replayed";
+  // Codes of the same bulk, another object: another key (a step names its codes by address),
+  // the same buffers.
+  int64_t codes_bytes = 0;
+  std::vector<std::unique_ptr<BulkCodes>> kept_codes;
+  auto other_codes = [&] {
+    const int64_t used = device_.used();
+    absl::StatusOr<std::unique_ptr<BulkCodes>> codes = tier_->BuildCodes(
+        config_, SessionAccounts{&host_, &device_}, bulk(), bulk().tokens, BuildStop());
+    EXPECT_TRUE(codes.ok()) << codes.status();
+    codes_bytes += device_.used() - used;
+    kept_codes.push_back(std::move(codes_));
+    codes_ = codes.ok() ? *std::move(codes) : nullptr;
+    return codes_ != nullptr;
+  };
+  ASSERT_TRUE(other_codes());
+  int64_t used = device_.used();
+  ASSERT_TRUE(Run(Step({2, 3}, 2)).ok());
+  ExpectHostsExactPath({2, 3});
+  EXPECT_EQ(device_.used() - used, gpu::kCapturedStepDeviceBytes) << "a second step kept";
+
+  // No room for a third: it runs eagerly, as exact, charging nothing.
+  ASSERT_TRUE(other_codes());
+  const int64_t filler = device_.available() - gpu::kCapturedStepDeviceBytes + 1;
+  device_.Charge(filler);
+  used = device_.used();
+  ASSERT_TRUE(Run(Step({2, 3}, 2)).ok());
+  ExpectHostsExactPath({2, 3});
+  EXPECT_EQ(device_.used(), used);
+  // Room again: still eager until its retry is due, then captured and charged.
+  device_.Release(filler);
+  used = device_.used();
+  for (uint64_t lookup = 1; lookup < gpu::kCaptureRetryRuns; ++lookup) {
+    ASSERT_TRUE(Run(Step({2, 3}, 2)).ok()) << lookup;
+  }
+  EXPECT_EQ(device_.used(), used) << "tried again before its retry was due";
+  ASSERT_TRUE(Run(Step({2, 3}, 2)).ok());
+  ExpectHostsExactPath({2, 3});
+  EXPECT_EQ(device_.used() - used, gpu::kCapturedStepDeviceBytes);
+  ASSERT_TRUE(Run(Step({0, 1}, 2)).ok());
+  ExpectHostsExactPath({0, 1});
+
+  // The context gone, its kept steps' charges go with its buffers.
+  context_.reset();
+  EXPECT_EQ(device_.used(), before + codes_bytes);
 }
 
 }  // namespace

@@ -13,9 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/fidelity.h"
+#include "server/backends/captured_step_charge.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -27,6 +30,7 @@ using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::ExpectOutputNear;
 using ::kvrecall::testing::GetSession;
 using ::kvrecall::testing::HasStatus;
+using ::kvrecall::testing::InProcessServer;
 using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
 using ::kvrecall::testing::Prefill;
@@ -331,6 +335,46 @@ TEST_P(GpuPlacementTest, WhatTheGpuDoesNotServeIsRefusedAtCreateSession) {
   v1::ListSessionsResponse list;
   ASSERT_TRUE(stub().ListSessions(&context, {}, &list).ok());
   EXPECT_EQ(list.sessions_size(), 0);
+}
+
+// A Decode stream's captured step is charged to the GPU budget while the stream keeps it
+// (gpu::kCapturedStepDeviceBytes, review 13's L5): with the same session and steps, a server
+// that captures holds exactly one step's charge more than one that launches eagerly, and both
+// hold the same once their streams are gone.
+TEST_P(GpuPlacementTest, AKeptCapturedStepIsChargedToTheGpuBudget) {
+  ServerOptions options = Options();
+  options.placements.cuda_graphs = !GetParam();
+  absl::StatusOr<std::unique_ptr<InProcessServer>> other = InProcessServer::Start(options);
+  ASSERT_TRUE(other.ok()) << other.status();
+  auto gpu_used = [](InProcessServer& server) {
+    return server.server().placements().gpu().front()->device_budget()->used();
+  };
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, v1::DTYPE_BF16);
+  ReferenceSession ref(g, 300, 41);
+  const std::string id = CreateAndPrefill(ref, GpuPolicy(v1::SELECTOR_FULL), 300);
+  const std::string other_id =
+      CreateAndPrefill(ref, GpuPolicy(v1::SELECTOR_FULL), 300, other->get());
+  const int64_t sessions = gpu_used(server());
+  ASSERT_EQ(gpu_used(**other), sessions);
+  {
+    DecodeClient client(stub()), other_client((*other)->stub());
+    for (int step = 0; step < 3; ++step) {
+      const ReferenceSession::Token token = ref.MakeToken(step);
+      ref.Record(0, token);
+      ASSERT_TRUE(StepAll(client, {id}, {token}, ref).ok());
+      ASSERT_TRUE(StepAll(other_client, {other_id}, {token}, ref).ok());
+    }
+    const int64_t captured = gpu::kCapturedStepDeviceBytes;
+    EXPECT_EQ(gpu_used(server()) - gpu_used(**other), GetParam() ? captured : -captured);
+  }
+  // The streams' contexts go when their calls end, after the clients see them end.
+  for (int wait = 0; wait < 100 && (gpu_used(server()) != sessions ||
+                                    gpu_used(**other) != sessions);
+       ++wait) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(gpu_used(server()), sessions);
+  EXPECT_EQ(gpu_used(**other), sessions);
 }
 
 // A server whose GPU budget is 128 MiB.

@@ -48,7 +48,6 @@ using cuda::DecodeShape;
 using cuda::DeviceBuffer;
 using cuda::DeviceSeq;
 using cuda::KvDtype;
-using gpu::CaptureStep;
 using gpu::ChargedBuffer;
 using gpu::Carver;
 using gpu::DeviceScope;
@@ -634,17 +633,14 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
     if (absl::Status s = enqueue(); !s.ok()) return s;
   } else {
     const GpuStepContext::StepGraphKey key{config, batch, max_tokens, want_supports};
-    bool found = false;
-    cudaGraphExec_t exec = ctx.FindGraph(key, &found);
-    if (!found) {
-      exec = CaptureStep(stream, enqueue);
-      ctx.AddGraph(key, exec);
-    }
+    const cudaGraphExec_t exec = ctx.CapturedFor(key, enqueue);
     if (exec == nullptr) {
       if (absl::Status s = enqueue(); !s.ok()) return s;
-    } else {
-      KVRECALL_CUDA_RETURN_IF_ERROR(
-          CudaStatus(cudaGraphLaunch(exec, stream), "launching a captured decode step"));
+    } else if (absl::Status s =
+                   CudaStatus(cudaGraphLaunch(exec, stream), "launching a captured decode step");
+               !s.ok()) {
+      ctx.DropGraph(key);  // captured anew by the next step that needs it
+      return s;
     }
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(

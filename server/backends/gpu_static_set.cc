@@ -551,17 +551,14 @@ class GpuStaticSetTier final : public StaticSetTier {
     // the bulk grows within the bound).
     std::vector<int64_t> scanned, scan_bound;
     int shortlist = 0;  // the run's (0: no step has codes)
-    // The captured steps, by what each bakes in (the key Start builds), with the step they last
-    // ran at. A model's layers step in turn through one Decode stream and each layer's codes
-    // are its own, so one graph per context was captured anew at every layer of every token
-    // once the layers had codes (d123, 32 layers at a bulk of ~1.5K rows: 0.54-0.62 ms a
-    // layer-step, 0.33-0.41 with a graph per key). A null graph: its capture failed, and that
-    // step launches eagerly without trying again while its entry lasts.
-    struct CapturedStep {
-      cudaGraphExec_t graph = nullptr;
-      uint64_t last_run = 0;
-    };
-    absl::flat_hash_map<std::vector<int64_t>, CapturedStep> captured;
+    // The captured steps, by what each bakes in (the key Start builds), with the lookup they
+    // were last used at. A model's layers step in turn through one Decode stream and each
+    // layer's codes are its own, so one graph per context was captured anew at every layer of
+    // every token once the layers had codes (d123, 32 layers at a bulk of ~1.5K rows: 0.54-0.62
+    // ms a layer-step, 0.33-0.41 with a graph per key). Each is charged to the device budget
+    // (gpu::kCapturedStepDeviceBytes); an empty one (refused or failed) launches eagerly until
+    // it is due for another try (gpu::KeptStep).
+    absl::flat_hash_map<std::vector<int64_t>, gpu::KeptStep> captured;
     uint64_t captured_runs = 0;
     std::pair<uint64_t, uint64_t> captured_generations{0, 0};  // of `gpu` and of this context
     std::vector<int64_t> key_scratch;
@@ -570,40 +567,32 @@ class GpuStaticSetTier final : public StaticSetTier {
     // The most captured steps kept: a model's layers (each live key is used once a token, so
     // stale keys, of bounds left behind or sessions gone, go first) and a few batch shapes.
     static constexpr size_t kMaxCapturedSteps = 256;
-    // The captured step for `key`, captured by `capture` (returning null when that failed) the
-    // first time, the least recently run one dropped past kMaxCapturedSteps.
+    // The captured step for `key`: the one kept, else what `capture` returns (a
+    // gpu::CapturedStep, empty when it could not be made), the least recently used one dropped
+    // past kMaxCapturedSteps. Null: the step runs eagerly.
     template <typename Capture>
     cudaGraphExec_t CapturedFor(const std::vector<int64_t>& key, Capture capture) {
       ++captured_runs;
       if (auto it = captured.find(key); it != captured.end()) {
-        it->second.last_run = captured_runs;
-        return it->second.graph;
+        if (it->second.Usable(captured_runs)) {
+          it->second.last_run = captured_runs;
+          return it->second.step.get();
+        }
+        captured.erase(it);  // an empty step due for another try
       }
       if (captured.size() >= kMaxCapturedSteps) {
         auto oldest = captured.begin();
         for (auto it = captured.begin(); it != captured.end(); ++it) {
           if (it->second.last_run < oldest->second.last_run) oldest = it;
         }
-        if (oldest->second.graph != nullptr) cudaGraphExecDestroy(oldest->second.graph);
         captured.erase(oldest);
       }
-      const cudaGraphExec_t graph = capture();
-      captured.emplace(key, CapturedStep{graph, captured_runs});
-      return graph;
+      return captured.emplace(key, gpu::KeptStep::Of(capture(), captured_runs))
+          .first->second.step.get();
     }
-    void DropCapturedStep(const std::vector<int64_t>& key) {
-      if (auto it = captured.find(key); it != captured.end()) {
-        if (it->second.graph != nullptr) cudaGraphExecDestroy(it->second.graph);
-        captured.erase(it);
-      }
-    }
-    void DropCapturedSteps() {
-      for (auto& [key, step] : captured) {
-        if (step.graph != nullptr) cudaGraphExecDestroy(step.graph);
-      }
-      captured.clear();
-    }
-    cuda::AttentionWorkspace* ws = nullptr;
+    void DropCapturedStep(const std::vector<int64_t>& key) { captured.erase(key); }
+    void DropCapturedSteps() { captured.clear(); }
+      cuda::AttentionWorkspace* ws = nullptr;
     // The shortlists: tables and ids on the device ([batch, q_heads, ...], then the step's begin
     // stamp at word ids_stamps), and ids_down, where they are published to the host with the
     // shortlisted flag after them (cuda::PublishToHost: the flag is the shortlisted stamp, which
@@ -1229,8 +1218,8 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
         state.captured_generations = generations;
       }
       const cudaGraphExec_t graph = state.CapturedFor(key, [&] {
-        return gpu::CaptureStep(stream,
-                                [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
+        return gpu::CaptureChargedStep(
+            stream, budget_, [&] { return EnqueueStep(steps, state, /*capturing=*/true); });
       });
       if (graph == nullptr) {
         if (absl::Status s = EnqueueStep(steps, state, /*capturing=*/false); !s.ok()) return s;

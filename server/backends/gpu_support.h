@@ -30,6 +30,7 @@
 #include "kernels/cuda/topk_workspace.h"
 #include "kernels/dtype.h"
 #include "server/backends/attention_backend.h"
+#include "server/backends/captured_step_charge.h"
 #include "server/backends/step_runs.h"
 #include "server/memory_budget.h"
 
@@ -227,6 +228,97 @@ inline bool SameKernels(const LayerConfig& a, const LayerConfig& b) {
   }
 }
 
+// `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
+// captured (the step then runs eagerly: the reason goes to stderr once per process).
+template <typename Enqueue>
+cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
+  absl::Status status = CudaStatus(
+      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "beginning a capture");
+  cudaGraph_t graph = nullptr;
+  if (status.ok()) {
+    status = enqueue();
+    // Ended whatever enqueue said, so that the stream leaves capture mode.
+    absl::Status ended = CudaStatus(cudaStreamEndCapture(stream, &graph), "ending a capture");
+    if (status.ok()) status = ended;
+  }
+  cudaGraphExec_t exec = nullptr;
+  // (Update, not an assignment: nvcc's front end warns of the discarded Status& of one, and
+  // tests/gpu_support_test.cu compiles this header with it.)
+  if (status.ok()) {
+    status.Update(
+        CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step"));
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (!status.ok()) {
+    cudaGetLastError();  // a failed capture leaves no sticky error behind
+    exec = nullptr;
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      std::fprintf(stderr, "kvrecalld: a decode step could not be captured in a CUDA graph (%s); "
+                   "such steps run eagerly\n", std::string(status.message()).c_str());
+    });
+  }
+  return exec;
+}
+
+// An executable captured step and its charge, destroyed and given back together. Move-only;
+// empty: no step (its capture refused or failed).
+class CapturedStep {
+ public:
+  CapturedStep() = default;
+  CapturedStep(cudaGraphExec_t exec, MemoryAccount* account) : exec_(exec), account_(account) {}
+  CapturedStep(CapturedStep&& other) noexcept { *this = std::move(other); }
+  CapturedStep& operator=(CapturedStep&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      exec_ = std::exchange(other.exec_, nullptr);
+      account_ = std::exchange(other.account_, nullptr);
+    }
+    return *this;
+  }
+  ~CapturedStep() { Reset(); }
+
+  cudaGraphExec_t get() const { return exec_; }
+  void Reset() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (account_ != nullptr) account_->Release(kCapturedStepDeviceBytes);
+    exec_ = nullptr;
+    account_ = nullptr;
+  }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+  MemoryAccount* account_ = nullptr;
+};
+
+// `enqueue`'s work captured (CaptureStep) and charged to `account`: empty, nothing charged,
+// when the account has no room for it (nothing is captured then) or the capture failed.
+template <typename Enqueue>
+CapturedStep CaptureChargedStep(cudaStream_t stream, MemoryAccount* account,
+                                const Enqueue& enqueue) {
+  if (!account->Reserve(kCapturedStepDeviceBytes, "a captured decode step").ok()) return {};
+  const cudaGraphExec_t exec = CaptureStep(stream, enqueue);
+  if (exec == nullptr) {
+    account->Release(kCapturedStepDeviceBytes);
+    return {};
+  }
+  return CapturedStep(exec, account);
+}
+
+// A context's captured step for one key: the step (empty: it runs eagerly), the lookup it was
+// last used at, and, when empty, the lookup from which it is captured again.
+struct KeptStep {
+  CapturedStep step;
+  uint64_t last_run = 0;
+  uint64_t retry_at = 0;
+  // Kept as it is at lookup `run`: a step, or an empty one not yet due for another try.
+  bool Usable(uint64_t run) const { return step.get() != nullptr || run < retry_at; }
+  static KeptStep Of(CapturedStep step, uint64_t run) {
+    const uint64_t retry_at = step.get() == nullptr ? run + kCaptureRetryRuns : 0;
+    return KeptStep{std::move(step), run, retry_at};
+  }
+};
+
 // A Decode stream's resources on one device. Buffers grow to the largest batch and history the
 // stream has seen and are charged to the device's budget while the stream lives.
 class GpuStepContext final : public StepContext {
@@ -358,25 +450,32 @@ class GpuStepContext final : public StepContext {
              supports == other.supports && SameKernels(config, other.config);
     }
   };
-  // The captured step for `key`: `*found` false when none was captured; a null graph when its
-  // capture failed (the step then launches eagerly, without trying again).
-  cudaGraphExec_t FindGraph(const StepGraphKey& key, bool* found) {
-    for (StepGraph& g : graphs_) {
-      if (g.key.Matches(key)) {
-        *found = true;
-        return g.exec;
+  // The captured step for `key`: the one kept, else `enqueue` captured on the stream and
+  // charged to the budget (CaptureChargedStep), the oldest kept dropped beyond kMaxGraphs. Null
+  // when it could not be captured (the step then runs eagerly; tried again after
+  // kCaptureRetryRuns lookups).
+  template <typename Enqueue>
+  cudaGraphExec_t CapturedFor(const StepGraphKey& key, const Enqueue& enqueue) {
+    ++graph_runs_;
+    for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
+      if (!it->key.Matches(key)) continue;
+      if (it->kept.Usable(graph_runs_)) return it->kept.step.get();
+      graphs_.erase(it);  // an empty step due for another try
+      break;
+    }
+    if (graphs_.size() >= kMaxGraphs) graphs_.erase(graphs_.begin());
+    graphs_.push_back(
+        StepGraph{key, KeptStep::Of(CaptureChargedStep(stream_, budget_, enqueue), graph_runs_)});
+    return graphs_.back().kept.step.get();
+  }
+  // Drops the step kept for `key` (its launch failed): captured anew by the next step.
+  void DropGraph(const StepGraphKey& key) {
+    for (auto it = graphs_.begin(); it != graphs_.end(); ++it) {
+      if (it->key.Matches(key)) {
+        graphs_.erase(it);
+        return;
       }
     }
-    *found = false;
-    return nullptr;
-  }
-  // Keeps `exec` (may be null: capture failed) for `key`, the oldest dropped beyond kMaxGraphs.
-  void AddGraph(const StepGraphKey& key, cudaGraphExec_t exec) {
-    if (graphs_.size() >= kMaxGraphs) {
-      if (graphs_.front().exec != nullptr) cudaGraphExecDestroy(graphs_.front().exec);
-      graphs_.erase(graphs_.begin());
-    }
-    graphs_.push_back(StepGraph{key, exec});
   }
 
  private:
@@ -384,13 +483,10 @@ class GpuStepContext final : public StepContext {
   static constexpr size_t kMaxGraphs = 8;
   struct StepGraph {
     StepGraphKey key;
-    cudaGraphExec_t exec;
+    KeptStep kept;
   };
   // Graphs name the step buffers and workspaces by address: any reallocation drops them all.
   void DropGraphs() {
-    for (StepGraph& g : graphs_) {
-      if (g.exec != nullptr) cudaGraphExecDestroy(g.exec);
-    }
     graphs_.clear();
     ++generation_;
   }
@@ -421,6 +517,7 @@ class GpuStepContext final : public StepContext {
   int64_t attention_bytes_ = 0, topk_bytes_ = 0, retopk_bytes_ = 0;
   int64_t workspace_bytes_ = 0;  // the sum of the three, charged to budget_
   std::vector<StepGraph> graphs_;
+  uint64_t graph_runs_ = 0;  // CapturedFor's lookups
   uint64_t generation_ = 0;  // see generation()
 };
 
@@ -467,39 +564,6 @@ inline int64_t GraphTokenBound(int64_t tokens) {
 // destroy, capture and instantiate; d119). 0 rows: 0 (no scan).
 inline int64_t CapturedScanBound(int64_t coded, int64_t capacity) {
   return coded > 0 ? std::min(capacity, GraphTokenBound(coded + 1)) : 0;
-}
-
-// `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
-// captured (the step then runs eagerly: the reason goes to stderr once per process).
-template <typename Enqueue>
-cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
-  absl::Status status = CudaStatus(
-      cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "beginning a capture");
-  cudaGraph_t graph = nullptr;
-  if (status.ok()) {
-    status = enqueue();
-    // Ended whatever enqueue said, so that the stream leaves capture mode.
-    absl::Status ended = CudaStatus(cudaStreamEndCapture(stream, &graph), "ending a capture");
-    if (status.ok()) status = ended;
-  }
-  cudaGraphExec_t exec = nullptr;
-  // (Update, not an assignment: nvcc's front end warns of the discarded Status& of one, and
-  // tests/gpu_support_test.cu compiles this header with it.)
-  if (status.ok()) {
-    status.Update(
-        CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "instantiating a captured step"));
-  }
-  if (graph != nullptr) cudaGraphDestroy(graph);
-  if (!status.ok()) {
-    cudaGetLastError();  // a failed capture leaves no sticky error behind
-    exec = nullptr;
-    static std::once_flag said;
-    std::call_once(said, [&] {
-      std::fprintf(stderr, "kvrecalld: a decode step could not be captured in a CUDA graph (%s); "
-                   "such steps run eagerly\n", std::string(status.message()).c_str());
-    });
-  }
-  return exec;
 }
 
 // INTERNAL naming `who` and what `errors` holds, once its word came down set: device-side
