@@ -23,6 +23,7 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
     pinning_ = std::exchange(other.pinning_, nullptr);
     pinned_ranges_ = std::exchange(other.pinned_ranges_, {});
     pin_broken_ = std::exchange(other.pin_broken_, false);
+    most_rows_ = std::exchange(other.most_rows_, 0);
   }
   return *this;
 }
@@ -95,9 +96,15 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
         what, ": the array cannot grow while a growth made ahead of need is in flight (end it "
               "first)"));
   }
-  // Address space for the growths to come (a mapped allocation's only; none mapped yet).
+  // Address space for the growths to come (a mapped allocation's only; none mapped yet): for
+  // the rows the array may ever hold, up to kHostRowsReserveMostBytes, and at least four times
+  // the allocation.
   int64_t reserve = 0;
   if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve)) reserve = bytes;
+  int64_t most_bytes = 0;
+  if (most_rows_ > 0 && !__builtin_mul_overflow(most_rows_, row_bytes(), &most_bytes)) {
+    reserve = std::max(reserve, std::min(most_bytes, kHostRowsReserveMostBytes));
+  }
   // A mapped allocation grows without a copy: only the new rows' pages are populated. A copy
   // into a new allocation populated and wrote every byte of both, in the step that needed the
   // row, and every layer of a model fills at the same token (bench/results/tiered_serving.md,

@@ -43,6 +43,15 @@ class HostPinning {
 // device's exact heads, a learning in flight) need not wait for it and a pinned array pins
 // only the rows it adds. Address space only: no memory is mapped there.
 inline constexpr int kHostRowsAddressReserve = 4;
+// The most address space a mapped BudgetedRows reserves for the rows it may ever hold
+// (set_most_rows: its layer's announced max_tokens, else --max_context_tokens, else the most a
+// layer holds) where that is more than kHostRowsAddressReserve times its allocation: with 4x
+// alone, a layer that grew from a short prompt moved at every 4x, and every layer of a model at
+// the same token (d130: 155 ms for 32 layers at 4.6K tokens, against ~11 for its neighbours;
+// a move populates the added rows and pins the array again whole in the step). 1 GiB is 512K
+// rows of a bf16 layer of 8 KV heads x d = 128. Address space only: a 32-layer session's 64
+// arrays take 64 GiB of the 128 TiB a process has, no memory (PROT_NONE, not committed).
+inline constexpr int64_t kHostRowsReserveMostBytes = int64_t{1} << 30;
 
 class BudgetedRows;
 
@@ -164,6 +173,10 @@ class BudgetedRows {
   // Rows it can hold without moving (at least capacity_rows()): a mapped allocation grows into
   // its reserved address space in place; a Reserve beyond them moves the content.
   int64_t rows_in_place() const;
+  // The most rows the array will hold (0: not known): a mapped allocation made from now on
+  // reserves address space for them (at most kHostRowsReserveMostBytes; at least
+  // kHostRowsAddressReserve times itself), so that it grows to them without moving.
+  void set_most_rows(int64_t rows) { most_rows_ = rows; }
 
  private:
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
@@ -198,6 +211,7 @@ class BudgetedRows {
   bool pin_broken_ = false;
   // Growths ahead started and not ended (StartGrowthAhead): the allocation is theirs to map.
   int growths_ahead_ = 0;
+  int64_t most_rows_ = 0;  // set_most_rows
 };
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
@@ -302,6 +316,12 @@ class LayerKvStore {
   // status); see BudgetedRows::EndGrowthAhead.
   absl::Status EndGrowthAhead(Growth growth);
 
+  // The most tokens the layer will hold (LayerConfig::tokens_to_hold): the arrays reserve
+  // address space for them (BudgetedRows::set_most_rows).
+  void set_most_tokens(int64_t tokens) {
+    keys_.set_most_rows(tokens);
+    values_.set_most_rows(tokens);
+  }
   // Pins keys and values, now and after every growth (BudgetedRows::SetPinning); returns whether
   // both are pinned.
   bool SetPinning(HostPinning* pinning) {

@@ -328,6 +328,46 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
   EXPECT_EQ(budget.used(), 0);
 }
 
+// A mapped array told the most rows it will hold (its layer's ceiling) reserves address space
+// for them, up to kHostRowsReserveMostBytes, and grows there without moving, far past four times
+// its first allocation (where an array told nothing moves); its rows are kept and its budget
+// charged for its capacity alone.
+TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
+  MemoryBudget budget(0);
+  constexpr int64_t kMost = 20000;
+  BudgetedRows rows(1024, &budget);  // 4 KiB rows: mapped from 512 on
+  rows.set_most_rows(kMost);
+  AppendRows(rows, 600);
+  ASSERT_GE(rows.allocated_bytes(), int64_t{kHugePageBytes});
+  EXPECT_EQ(rows.rows_in_place(), kMost) << "80 MB of address space, not 4x 2.4 MB";
+  const void* const where = rows.raw_data();
+  int growths = 0;
+  while (rows.rows() < kMost) {
+    const int64_t capacity = rows.capacity_rows();
+    AppendRows(rows, std::min(capacity - rows.rows() + 1, kMost - rows.rows()));
+    growths += rows.capacity_rows() > capacity;
+    ASSERT_EQ(rows.raw_data(), where) << "moved at " << rows.rows() << " rows";
+    EXPECT_EQ(budget.used(), rows.allocated_bytes());
+  }
+  EXPECT_GE(growths, 8) << "grew geometrically, from 600 rows";
+  EXPECT_EQ(rows.capacity_rows(), kMost);
+  ExpectRowsIntact(rows);
+  // Past them it may still grow: it moves then, its rows kept.
+  AppendRows(rows, 1);
+  ExpectRowsIntact(rows);
+
+  // Told nothing, it reserves four times its allocation; told more than the most it reserves,
+  // it reserves that most.
+  BudgetedRows plain(1024, &budget);
+  AppendRows(plain, 600);
+  EXPECT_EQ(plain.rows_in_place(),
+            WholePages(plain.allocated_bytes() * kHostRowsAddressReserve) / 4096);
+  BudgetedRows capped(1024, &budget);
+  capped.set_most_rows(int64_t{1} << 31);
+  AppendRows(capped, 600);
+  EXPECT_EQ(capped.rows_in_place(), kHostRowsReserveMostBytes / 4096);
+}
+
 // A growth ahead (BudgetedRows::StartGrowthAhead) runs on another thread while the owner
 // appends within its capacity: its bytes charged at the start, its pages pinned by the run next
 // to the rest, and at its end the capacity taken where the array is, every row kept. One never

@@ -132,11 +132,11 @@ void CpuLayer::Shadow(const ShadowStep& step) const { HostShadow(shape_, kv_.vie
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
-    const LayerShape& shape, MemoryAccount* host, KvElement element, int64_t expected_tokens,
-    int64_t kept_queries) {
-  auto staging = std::make_unique<HostPromptStaging>(shape, host, element, kept_queries);
-  if (expected_tokens > 0) {
-    if (absl::Status s = staging->kv.Reserve(expected_tokens, "the announced max_tokens");
+    const LayerConfig& config, MemoryAccount* host, KvElement element, int64_t kept_queries) {
+  auto staging = std::make_unique<HostPromptStaging>(config.shape, host, element, kept_queries);
+  staging->kv.set_most_tokens(config.tokens_to_hold());
+  if (config.expected_tokens > 0) {
+    if (absl::Status s = staging->kv.Reserve(config.expected_tokens, "the announced max_tokens");
         !s.ok()) {
       return s;
     }
@@ -183,8 +183,8 @@ int64_t CpuBackend::HostSelectorBytesBound(const LayerConfig& config, int64_t to
 
 absl::StatusOr<std::unique_ptr<PromptStaging>> CpuBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
-  return HostPromptStaging::Create(config.shape, accounts.host, KvElement::kF32,
-                                   config.expected_tokens, KeptPromptQueries(*this, config));
+  return HostPromptStaging::Create(config, accounts.host, KvElement::kF32,
+                                   KeptPromptQueries(*this, config));
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(

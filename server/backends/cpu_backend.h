@@ -28,14 +28,15 @@ class HostPromptStaging final : public PromptStaging {
       : kv(shape.kv_heads, shape.head_dim, host, element),
         queries(int64_t{shape.q_heads} * shape.head_dim, kept_queries, host) {}
 
-  // A staging whose KV already holds room for `expected_tokens` (CreateSession's announced
-  // max_tokens; 0: none announced), so that the prompt's chunks land in the layer's final
-  // allocation: growing geometrically and then to the announced size at the build would copy
-  // the whole prompt KV (and map its pages) twice more, ~0.2 s of a 128K layer's build.
-  static absl::StatusOr<std::unique_ptr<HostPromptStaging>> Create(const LayerShape& shape,
+  // A staging for a layer of `config` whose KV already holds room for its announced max_tokens
+  // (LayerConfig::expected_tokens; 0: none announced), so that the prompt's chunks land in the
+  // layer's final allocation: growing geometrically and then to the announced size at the
+  // build would copy the whole prompt KV (and map its pages) twice more, ~0.2 s of a 128K
+  // layer's build. Its arrays reserve address space for the most tokens the layer will hold
+  // (LayerConfig::tokens_to_hold), to grow without moving.
+  static absl::StatusOr<std::unique_ptr<HostPromptStaging>> Create(const LayerConfig& config,
                                                                    MemoryAccount* host,
                                                                    KvElement element,
-                                                                   int64_t expected_tokens,
                                                                    int64_t kept_queries);
 
   absl::Status Reserve(int64_t more, absl::string_view what) override;

@@ -655,8 +655,8 @@ absl::StatusOr<std::unique_ptr<PromptStaging>> TieredBackend::NewPromptStaging(
     const LayerConfig& config, const SessionAccounts& accounts) {
   // The host keeps the complete KV in the session's dtype (bf16 / f16: half of f32's bytes, and
   // half the bytes the CPU reads per scored key).
-  return HostPromptStaging::Create(config.shape, accounts.host, KvElementOf(config.dtype),
-                                   config.expected_tokens, KeptPromptQueries(*this, config));
+  return HostPromptStaging::Create(config, accounts.host, KvElementOf(config.dtype),
+                                   KeptPromptQueries(*this, config));
 }
 
 absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
