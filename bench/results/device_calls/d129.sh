@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Written 2026-12-05 (fourteenth session) for kv_growth.md, tiered_serving.md, device_tests.md.
-# NOT RUN: no device machine could be started for the rest of the session (and then too little
-# device time was left). Run it first next time (its bundle is .device/b129, at 32e36bd; the
-# code after it, 8c1bfff and ebecf22, adds a refusal that the steps never reach, asserts and a
-# comment).
+# NEVER RUN: no device machine could be started for the rest of that session. The next session
+# ran its bundle's kvrecalld in d130 (as the take-over's "before") and the suite at b130, which
+# holds all of it; kept as written. It read: run it first next time (its bundle is
+# .device/b129, at 32e36bd; the code after it, 8c1bfff and ebecf22, adds a refusal that the
+# steps never reach, asserts and a comment).
 # Hundred-and-twenty-ninth call, review 14's mends (32e36bd: an in-place growth refused rather
 # than copied, one mapping after a move, a growth ahead taken without a system call, a refused
 # pin kept registered, a queued growth dropped when needed, heap arrays in pages of their own):
