@@ -1,6 +1,7 @@
 #include "server/host_memory.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +28,24 @@ namespace kvrecall {
 namespace {
 
 std::atomic<bool> huge_pages_on{true};
+// HostAddressSpaceHeld, and the bound set for tests (0: none set).
+std::atomic<size_t> address_space_held{0};
+std::atomic<size_t> address_space_bound_for_testing{0};
+
+size_t AddressSpaceBound() {
+  if (const size_t set = address_space_bound_for_testing.load(std::memory_order_relaxed)) {
+    return set;
+  }
+  static const size_t bound = [] {
+    size_t bound = size_t{32} << 40;
+    rlimit limit{};
+    if (getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+      bound = std::min<size_t>(bound, limit.rlim_cur / 2);
+    }
+    return bound;
+  }();
+  return bound;
+}
 
 #ifndef MADV_POPULATE_WRITE
 constexpr int MADV_POPULATE_WRITE = 23;  // <linux/mman.h>, Linux 5.14
@@ -66,6 +85,17 @@ size_t WholePages(size_t bytes) {
   return (bytes + page - 1) / page * page;
 }
 
+size_t HostAddressSpaceHeld() { return address_space_held.load(std::memory_order_relaxed); }
+
+bool HostAddressSpaceAllows(size_t bytes) {
+  const size_t bound = AddressSpaceBound();
+  return bytes <= bound && HostAddressSpaceHeld() <= bound - bytes;
+}
+
+void SetHostAddressSpaceBoundForTesting(size_t bytes) {
+  address_space_bound_for_testing.store(bytes, std::memory_order_relaxed);
+}
+
 void SetHostHugePages(bool on) { huge_pages_on.store(on, std::memory_order_relaxed); }
 bool HostHugePages() { return huge_pages_on.load(std::memory_order_relaxed); }
 
@@ -86,6 +116,7 @@ void HostMemory::reset() {
   if (data_ != nullptr) {
     if (mapped_bytes_ > 0) {
       munmap(data_, reserved_bytes_);
+      address_space_held.fetch_sub(reserved_bytes_, std::memory_order_relaxed);
     } else {
       ::operator delete(data_, HeapAlignment());
     }
@@ -222,6 +253,7 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   memory.data_ = aligned;
   memory.mapped_bytes_ = length;
   memory.reserved_bytes_ = reserved;
+  address_space_held.fetch_add(reserved, std::memory_order_relaxed);
   memory.huge_pages_requested_ = huge_pages;
   // Kernels before 5.14 refuse the population (EINVAL): their pages fault in on first touch.
   const cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
@@ -248,6 +280,7 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
         kHostMemoryGrowsWhereItIs && mremap(data_, old_length, length, 0) != MAP_FAILED) {
       // Nothing reserved past it or asked for, and the addresses after it were free: grown
       // where it is.
+      address_space_held.fetch_add(length - reserved_bytes_, std::memory_order_relaxed);
       reserved_bytes_ = length;
     } else {
       // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose
@@ -280,6 +313,8 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
         munmap(data_ + old_length, reserved_bytes_ - old_length);
       }
       data_ = static_cast<std::byte*>(moved);
+      address_space_held.fetch_add(reserved, std::memory_order_relaxed);
+      address_space_held.fetch_sub(reserved_bytes_, std::memory_order_relaxed);
       reserved_bytes_ = reserved;
     }
   }

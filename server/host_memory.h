@@ -117,6 +117,17 @@ class HostMemory {
 // `bytes` rounded up to whole pages of the system (what a mapping, or a pinning, covers).
 size_t WholePages(size_t bytes);
 
+// The address space the process's mapped HostMemory allocations hold, their reservations
+// included (thread-safe).
+size_t HostAddressSpaceHeld();
+// Whether an allocation may reserve `bytes` more address space than it maps: while what they
+// all hold stays within half the process's address-space limit (RLIMIT_AS), or 32 TiB (a
+// quarter of x86-64's user space) without one, so that reservations made only to grow into
+// never starve other mappings (the allocator's, the CUDA driver's). Thread-safe.
+bool HostAddressSpaceAllows(size_t bytes);
+// Sets the bound HostAddressSpaceAllows keeps to (0: the default above), for tests.
+void SetHostAddressSpaceBoundForTesting(size_t bytes);
+
 // The machine's physical memory in bytes (0 when the system does not say).
 int64_t PhysicalMemoryBytes();
 

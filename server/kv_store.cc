@@ -96,14 +96,21 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
         what, ": the array cannot grow while a growth made ahead of need is in flight (end it "
               "first)"));
   }
-  // Address space for the growths to come (a mapped allocation's only; none mapped yet): for
-  // the rows the array may ever hold, up to kHostRowsReserveMostBytes, and at least four times
-  // the allocation.
+  // Address space for the growths to come (a mapped allocation's only; none mapped yet): four
+  // times the allocation, or, where the process's reservations leave room
+  // (HostAddressSpaceAllows), the rows the array may ever hold, up to
+  // kHostRowsReserveMostBytes.
   int64_t reserve = 0;
   if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve)) reserve = bytes;
-  int64_t most_bytes = 0;
-  if (most_rows_ > 0 && !__builtin_mul_overflow(most_rows_, row_bytes(), &most_bytes)) {
-    reserve = std::max(reserve, std::min(most_bytes, kHostRowsReserveMostBytes));
+  if (most_rows_ > 0) {
+    int64_t most_bytes = 0;
+    if (__builtin_mul_overflow(most_rows_, row_bytes(), &most_bytes) ||
+        most_bytes > kHostRowsReserveMostBytes) {
+      most_bytes = kHostRowsReserveMostBytes;
+    }
+    if (most_bytes > reserve && HostAddressSpaceAllows(static_cast<size_t>(most_bytes))) {
+      reserve = most_bytes;
+    }
   }
   // A mapped allocation grows without a copy: only the new rows' pages are populated. A copy
   // into a new allocation populated and wrote every byte of both, in the step that needed the

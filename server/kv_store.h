@@ -50,7 +50,9 @@ inline constexpr int kHostRowsAddressReserve = 4;
 // the same token (d130: 155 ms for 32 layers at 4.6K tokens, against ~11 for its neighbours;
 // a move populates the added rows and pins the array again whole in the step). 1 GiB is 512K
 // rows of a bf16 layer of 8 KV heads x d = 128. Address space only: a 32-layer session's 64
-// arrays take 64 GiB of the 128 TiB a process has, no memory (PROT_NONE, not committed).
+// arrays take 64 GiB of the 128 TiB a process has, no memory (PROT_NONE, not committed); past
+// the process's bound on reservations (HostAddressSpaceAllows: 32 TiB, or half its RLIMIT_AS)
+// arrays reserve 4x again.
 inline constexpr int64_t kHostRowsReserveMostBytes = int64_t{1} << 30;
 
 class BudgetedRows;

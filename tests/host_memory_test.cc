@@ -182,11 +182,13 @@ TEST(HostMemoryTest, AReservedAllocationGrowsWhereItIsUntilItsReservationEnds) {
   for (const bool huge_pages : {true, false}) {
     SCOPED_TRACE(huge_pages ? "huge pages" : "4 KiB pages");
     const size_t reserve = 4 * kHugePageBytes + 3 * page;
+    const size_t held = HostAddressSpaceHeld();
     absl::StatusOr<HostMemory> memory =
         AllocateHostMemory(kHugePageBytes + 12345, huge_pages, reserve - 100);
     ASSERT_TRUE(memory.ok()) << memory.status();
     ASSERT_TRUE(memory->mapped());
     EXPECT_EQ(memory->reserved_bytes(), reserve) << "whole pages";
+    EXPECT_EQ(HostAddressSpaceHeld(), held + reserve) << "the reservation counted";
     EXPECT_TRUE(memory->GrowsInPlaceTo(reserve));
     EXPECT_FALSE(memory->GrowsInPlaceTo(reserve + 1));
     std::byte* const data = memory->data();
@@ -219,6 +221,7 @@ TEST(HostMemoryTest, AReservedAllocationGrowsWhereItIsUntilItsReservationEnds) {
     EXPECT_NE(memory->data(), data);
     EXPECT_TRUE(Aligned(memory->data()));
     EXPECT_EQ(memory->reserved_bytes(), moved_reserve);
+    EXPECT_EQ(HostAddressSpaceHeld(), held + moved_reserve);
     EXPECT_TRUE(memory->GrowsInPlaceTo(moved_reserve));
     for (size_t i = 0; i < old_size; ++i) {
       ASSERT_EQ(memory->data()[i], static_cast<std::byte>(i * 13)) << "byte " << i;
@@ -234,6 +237,7 @@ TEST(HostMemoryTest, AReservedAllocationGrowsWhereItIsUntilItsReservationEnds) {
     ASSERT_TRUE(memory->Grow(moved_reserve + 1, 2 * moved_reserve).ok()) << "moved again";
     EXPECT_NE(memory->data(), moved);
     EXPECT_EQ(memory->reserved_bytes(), 2 * moved_reserve);
+    EXPECT_EQ(HostAddressSpaceHeld(), held + 2 * moved_reserve);
     for (size_t i = 0; i < old_size; ++i) {
       ASSERT_EQ(memory->data()[i], static_cast<std::byte>(i * 13)) << "byte " << i;
     }
@@ -242,7 +246,29 @@ TEST(HostMemoryTest, AReservedAllocationGrowsWhereItIsUntilItsReservationEnds) {
     std::byte* const last = memory->data();
     memory->reset();
     EXPECT_TRUE(Unmapped(last, 2 * moved_reserve)) << "reset gives the reservation back";
+    EXPECT_EQ(HostAddressSpaceHeld(), held);
   }
+}
+
+// The address space reservations may take is bounded (HostAddressSpaceAllows: what the mapped
+// allocations hold, and what is asked, within the bound), and a heap allocation holds none.
+TEST(HostMemoryTest, ReservationsKeepWithinTheProcesssBound) {
+  EXPECT_TRUE(HostAddressSpaceAllows(size_t{1} << 30)) << "32 TiB, or half of RLIMIT_AS";
+  EXPECT_FALSE(HostAddressSpaceAllows(size_t{1} << 62));
+  const size_t held = HostAddressSpaceHeld();
+  absl::StatusOr<HostMemory> small = AllocateHostMemory(1000, true, 1 << 30);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(HostAddressSpaceHeld(), held) << "a heap allocation reserves nothing";
+  SetHostAddressSpaceBoundForTesting(held + (64 << 20));
+  EXPECT_TRUE(HostAddressSpaceAllows(64 << 20));
+  EXPECT_FALSE(HostAddressSpaceAllows((64 << 20) + 1));
+  absl::StatusOr<HostMemory> memory = AllocateHostMemory(kHugePageBytes, true, 16 << 20);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  EXPECT_TRUE(HostAddressSpaceAllows(48 << 20));
+  EXPECT_FALSE(HostAddressSpaceAllows((48 << 20) + 1)) << "16 MiB of it held";
+  memory->reset();
+  EXPECT_TRUE(HostAddressSpaceAllows(64 << 20));
+  SetHostAddressSpaceBoundForTesting(0);
 }
 
 TEST(HostMemoryTest, MovingHandsTheAllocationOver) {

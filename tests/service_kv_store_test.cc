@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "index/support_selector.h"
 #include "kernels/dtype.h"
+#include "server/backends/cpu_backend.h"
 #include "server/host_memory.h"
 #include "server/kv_growth.h"
 #include "server/kv_store.h"
@@ -366,6 +367,32 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   capped.set_most_rows(int64_t{1} << 31);
   AppendRows(capped, 600);
   EXPECT_EQ(capped.rows_in_place(), kHostRowsReserveMostBytes / 4096);
+  // Where the process's reservations have no room for its most rows, 4x as before.
+  SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + (kMost * 4096 - 1));
+  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
+  BudgetedRows bounded(1024, &budget);
+  bounded.set_most_rows(kMost);
+  AppendRows(bounded, 600);
+  EXPECT_EQ(bounded.rows_in_place(), plain.rows_in_place());
+}
+
+// A layer's prompt staging (cpu and tiered placements) tells its KV arrays the most tokens the
+// layer will hold: its announced max_tokens, else the server's --max_context_tokens.
+TEST(KvStoreTest, APromptStagingsArraysReserveForTheLayersMostTokens) {
+  MemoryBudget budget(0);
+  LayerConfig config;
+  config.shape = LayerShape{4, 2, 512, 1.0f};  // 4 KiB f32 rows of keys: mapped from 512 on
+  config.max_layer_tokens = 30000;
+  absl::StatusOr<std::unique_ptr<HostPromptStaging>> staging =
+      HostPromptStaging::Create(config, &budget, KvElement::kF32, /*kept_queries=*/0);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  ASSERT_TRUE((*staging)->Reserve(600, "test prompt").ok());
+  EXPECT_EQ((*staging)->kv.tokens_in_place(), 30000);
+  config.expected_tokens = 700;  // announced: its allocation, and 4x that reserved
+  staging = HostPromptStaging::Create(config, &budget, KvElement::kF32, 0);
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  EXPECT_EQ((*staging)->kv.capacity(), 700);
+  EXPECT_EQ((*staging)->kv.tokens_in_place(), 2800);
 }
 
 // A growth ahead (BudgetedRows::StartGrowthAhead) runs on another thread while the owner

@@ -357,7 +357,7 @@ TEST_F(TieredShortlistTest, HalfTheHeadsExactPathsRunOnTheDevice) {
 // (kvrecalld --host_kv_growth_ahead=false: in the step; by default: ahead of need, begun when
 // the prompt filled them, or in the step where that had not begun), in place within the
 // address space they reserved, the device's pin extended by the rows added (server/kv_store.h,
-// kHostRowsAddressReserve). Once those rows have left the ring for the bulk, the device's exact
+// kHostRowsAddressReserve, kHostRowsReserveMostBytes). Once those rows have left the ring for the bulk, the device's exact
 // heads score the bulk across both pins: every step is the bulk's exact top-K (a shortlist as
 // long as the bulk) and matches a host-only server.
 TEST_F(TieredShortlistTest, AHostKvGrownWhereItIsIsReadAcrossItsPins) {
