@@ -76,9 +76,9 @@ ABSL_FLAG(std::string, gpus, "all",
           "comma-separated list of ordinals such as 0,2; each session lives on the one with the "
           "most budget free");
 ABSL_FLAG(double, gpu_memory_budget_gb, -1,
-          "GPU memory (GiB) that sessions and decode workspaces may hold on each device; beyond it "
-          "requests get RESOURCE_EXHAUSTED; -1: what the device reports free at start minus "
-          "--gpu_memory_headroom_gb; 0: unlimited");
+          "GPU memory (GiB) that sessions, decode workspaces and the Decode streams' captured "
+          "steps may hold on each device; beyond it requests get RESOURCE_EXHAUSTED; -1: what "
+          "the device reports free at start minus --gpu_memory_headroom_gb; 0: unlimited");
 ABSL_FLAG(double, gpu_memory_headroom_gb, 2,
           "with --gpu_memory_budget_gb=-1, device memory left outside the budget for the CUDA "
           "context, cuBLAS and kernel launch resources");

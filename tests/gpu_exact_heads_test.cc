@@ -246,5 +246,26 @@ TEST_F(GpuExactHeadsTest, ACapturedStepIsChargedWhileKeptAndRunsEagerlyWithoutRo
   EXPECT_EQ(device_.used(), before + codes_bytes);
 }
 
+// A kept step not run for gpu::kCapturedStepStaleRuns lookups (the key of codes that took
+// over) is dropped and its charge given back, while the live one stays.
+TEST_F(GpuExactHeadsTest, AStaleCapturedStepGivesItsChargeBack) {
+  ASSERT_TRUE(Run(Step({2, 3}, 2)).ok());  // captured with the fixture's codes
+  std::unique_ptr<BulkCodes> first = std::move(codes_);
+  absl::StatusOr<std::unique_ptr<BulkCodes>> codes = tier_->BuildCodes(
+      config_, SessionAccounts{&host_, &device_}, bulk(), bulk().tokens, BuildStop());
+  ASSERT_TRUE(codes.ok()) << codes.status();
+  codes_ = *std::move(codes);
+  ASSERT_TRUE(Run(Step({2, 3}, 2)).ok());  // another key: a second step kept
+  const int64_t both = device_.used();
+  uint64_t lookups = 2;
+  for (; lookups <= gpu::kCapturedStepStaleRuns + gpu::kCaptureRetryRuns; ++lookups) {
+    ASSERT_TRUE(Run(Step({2, 3}, 2)).ok()) << lookups;
+  }
+  EXPECT_EQ(device_.used(), both - gpu::kCapturedStepDeviceBytes) << "the first codes' step";
+  ExpectHostsExactPath({2, 3});
+  ASSERT_TRUE(Run(Step({0, 1}, 2)).ok());
+  EXPECT_EQ(device_.used(), both - gpu::kCapturedStepDeviceBytes) << "the live one kept";
+}
+
 }  // namespace
 }  // namespace kvrecall

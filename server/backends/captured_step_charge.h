@@ -21,6 +21,12 @@ inline constexpr int64_t kCapturedStepDeviceBytes = int64_t{128} << 10;
 // model's layers look up once each a layer-step: ~8 tokens of a 32-layer model), so that a
 // passing shortage does not leave it eager for good (review 13's L6).
 inline constexpr uint64_t kCaptureRetryRuns = 256;
+// A kept step not run for this many lookups of its context is dropped, its charge given back:
+// the keys of codes that took over, of scan bounds left behind and of sessions gone never come
+// again, and a Decode stream keeps up to 256 steps (32 MiB charged). A live key of a model's
+// layers comes once a token (1024 lookups: 32 tokens of 32 layers); one dropped while still
+// live is captured again (~0.3 ms, d117).
+inline constexpr uint64_t kCapturedStepStaleRuns = 1024;
 
 }  // namespace kvrecall::gpu
 

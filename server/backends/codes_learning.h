@@ -13,15 +13,20 @@
 // waiting for the learning if it is not done by then. So the step at which a layer's codes
 // change depends on its length and index alone, not on when the learning happened to finish;
 // and a model's layers, which all start learning at the same token, take over one a token
-// rather than all at one token (0.3-1 ms each on a GPU tier: the catch-up rows coded, a step
-// captured anew; 32 at once made one token cost 2-3x its neighbours). A learning whose codes could take over only past the most tokens
-// the layer may hold (LayerConfig::max_layer_tokens: --max_context_tokens) is not started.
+// rather than all at one token (each codes its catch-up rows and captures its step anew: 32 at
+// once made one token cost 1.6-2.6x its neighbours, d130). The price: layer l serves l more
+// tokens with the old codes (or, after a prompt too short for codes, a scan of the whole bulk),
+// so the 32 tokens of the span cost 1.4-2.2 ms more each, against one token 8-17 ms more (d130,
+// bench/results/tiered_serving.md). A learning whose codes could take over only past the most
+// tokens the layer may hold (LayerConfig::max_layer_tokens: --max_context_tokens) is not
+// started.
 //
 // Memory: a learning holds a second set of codes (sized, as the first, for the announced
 // max_tokens, and at least for the rows they serve until the next learning takes over) beside
 // the layer's until it takes over, charged to the session's accounts as it is made; when they
-// refuse it, the layer keeps the codes it has and tries again at the next doubling. GetSession reports the codes in use (SessionInfo.host_budget_bytes and
-// gpu_budget_bytes the second set too); kvrecall_codes_learnings_total counts how learnings
+// refuse it, the layer keeps the codes it has and tries again at the next doubling. GetSession
+// reports the codes in use (SessionInfo.host_budget_bytes and gpu_budget_bytes the second set
+// too); kvrecall_codes_learnings_total counts how learnings
 // ended (server/backends/learning_outcomes.h), a refused one among them.
 #ifndef KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
 #define KVRECALL_SERVER_BACKENDS_CODES_LEARNING_H_
@@ -67,7 +72,8 @@ class CodesLearning final {
   // `rows` (256 layers at the first learning), so that the take-over stays a quarter of `rows`
   // before the next learning (NextLearnAt: twice `rows`).
   static int64_t TakeOverAt(int64_t rows, int32_t layer = 0) {
-    return rows + std::max<int64_t>(1, rows / 2) + layer % std::max<int64_t>(1, rows / 4);
+    return rows + std::max<int64_t>(1, rows / 2) +
+           std::max<int32_t>(layer, 0) % std::max<int64_t>(1, rows / 4);
   }
   // The cores a learning's OpenMP team takes.
   static constexpr int kLearningThreads = 2;

@@ -569,10 +569,16 @@ class GpuStaticSetTier final : public StaticSetTier {
     static constexpr size_t kMaxCapturedSteps = 256;
     // The captured step for `key`: the one kept, else what `capture` returns (a
     // gpu::CapturedStep, empty when it could not be made), the least recently used one dropped
-    // past kMaxCapturedSteps. Null: the step runs eagerly.
+    // past kMaxCapturedSteps. Null: the step runs eagerly. Every kCaptureRetryRuns lookups,
+    // the steps not run for gpu::kCapturedStepStaleRuns are dropped.
     template <typename Capture>
     cudaGraphExec_t CapturedFor(const std::vector<int64_t>& key, Capture capture) {
       ++captured_runs;
+      if (captured_runs % gpu::kCaptureRetryRuns == 0) {
+        absl::erase_if(captured, [this](const auto& entry) {
+          return entry.second.last_run + gpu::kCapturedStepStaleRuns < captured_runs;
+        });
+      }
       if (auto it = captured.find(key); it != captured.end()) {
         if (it->second.Usable(captured_runs)) {
           it->second.last_run = captured_runs;
@@ -592,7 +598,7 @@ class GpuStaticSetTier final : public StaticSetTier {
     }
     void DropCapturedStep(const std::vector<int64_t>& key) { captured.erase(key); }
     void DropCapturedSteps() { captured.clear(); }
-      cuda::AttentionWorkspace* ws = nullptr;
+    cuda::AttentionWorkspace* ws = nullptr;
     // The shortlists: tables and ids on the device ([batch, q_heads, ...], then the step's begin
     // stamp at word ids_stamps), and ids_down, where they are published to the host with the
     // shortlisted flag after them (cuda::PublishToHost: the flag is the shortlisted stamp, which

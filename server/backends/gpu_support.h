@@ -296,7 +296,17 @@ class CapturedStep {
 template <typename Enqueue>
 CapturedStep CaptureChargedStep(cudaStream_t stream, MemoryAccount* account,
                                 const Enqueue& enqueue) {
-  if (!account->Reserve(kCapturedStepDeviceBytes, "a captured decode step").ok()) return {};
+  if (absl::Status s = account->Reserve(kCapturedStepDeviceBytes, "a captured decode step");
+      !s.ok()) {
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      std::fprintf(stderr,
+                   "kvrecalld: a decode step was not captured in a CUDA graph (%s); such steps "
+                   "run eagerly until there is room\n",
+                   std::string(s.message()).c_str());
+    });
+    return {};
+  }
   const cudaGraphExec_t exec = CaptureStep(stream, enqueue);
   if (exec == nullptr) {
     account->Release(kCapturedStepDeviceBytes);
@@ -558,10 +568,12 @@ inline int64_t GraphTokenBound(int64_t tokens) {
 // The scan bound of a captured step whose shortlist scans `coded` rows of codes with room for
 // `capacity` (>= coded): planned for the row the next step will scan too, so that the bound
 // moves (and the step is captured again) on the step that reaches a bucket's end rather than
-// the one after. The take-overs of a layer whose codes were first learned at 1024 rows come at
-// bucket ends (1536, 3072, ... rows): such a step, captured anyway for the new codes, plans the
-// next bucket, and the step after it is not captured once more (d117: 45 + ~140 + 92 us to
-// destroy, capture and instantiate; d119). 0 rows: 0 (no scan).
+// the one after. The take-overs of a model's layer 0 whose codes were first learned at 1024
+// rows come at bucket ends (1536, 3072, ... rows): such a step, captured anyway for the new
+// codes, plans the next bucket, and the step after it is not captured once more (d117: 45 +
+// ~140 + 92 us to destroy, capture and instantiate; d119). Layer l takes over l rows later
+// (CodesLearning::TakeOverAt), within the next bucket: where it had codes before, the bound's
+// move and the take-over are two captures. 0 rows: 0 (no scan).
 inline int64_t CapturedScanBound(int64_t coded, int64_t capacity) {
   return coded > 0 ? std::min(capacity, GraphTokenBound(coded + 1)) : 0;
 }
