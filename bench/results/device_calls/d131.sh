@@ -9,9 +9,9 @@
 # (2) driver_call_bench's spelled graphs, each in a process of its own (d130 measured them in
 # one process, where the driver's pool, grown for the first, served the rest), 1 and 256
 # executable copies: the device memory one takes;
-# (3) the whole suite at b131 (captured steps charged to the GPU budget and tried again:
-# GpuExactHeadsTest.ACapturedStepIsChargedWhileKeptAndRunsEagerlyWithoutRoom,
-# GpuPlacementTest.AKeptCapturedStepIsChargedToTheGpuBudget).
+# (3) the whole suite at b131 (captured steps charged to the GPU budget, tried again, dropped
+# when stale: GpuExactHeadsTest.ACapturedStepIsChargedWhileKeptAndRunsEagerlyWithoutRoom,
+# .AStaleCapturedStepGivesItsChargeBack, GpuPlacementTest.AKeptCapturedStepIsChargedToTheGpuBudget).
 # Bundles: .device/b130 and .device/b131. Carry both ship/ and client/python/kvrecall/_gen.
 set -u
 . bench/device_call.sh
@@ -27,8 +27,9 @@ import json, statistics as st, sys
 for name in ("moves", "reserves"):
     d = json.load(open(f"{sys.argv[1]}/index_{name}.json"))
     s = d["server_us_by_token"]
-    print(name, "median %.1f ms" % (st.median(s) / 1000), "p99 %.1f" % (d["token_server_p99_us"] / 1000),
-          "slowest", [(t["bulk"], round(t["server_us"] / 1000, 1)) for t in d["slowest_tokens"][:5]])
+    print(name, "median %.1f ms" % (st.median(s) / 1000),
+          "p99 %.1f" % (d["token_server_p99_us"] / 1000), "slowest",
+          [(t["bulk"], round(t["server_us"] / 1000, 1)) for t in d["slowest_tokens"][:5]])
 PY
 for graph in served=euKKKKKdekKKKccde served_no_small_copies=euKKKKKdekKKKde \
     served_no_events=uKKKKKdkKKKccd served_kernels_only=KKKKKkKKK step5=eukde \
