@@ -200,7 +200,8 @@ TEST_P(CodesLearningTest, CodedRowsAreTheQuantizersEncodingFewOrMany) {
     // Planted after the prompt alone: a far key among the rows that train the codebooks (or
     // set the outliers' bar) would shape them instead.
     RandomKv kv(rows, kKvHeads, kDim, 5);
-    auto planted_in = [&](int64_t row) { return row >= prompt && row < rows; };
+    // (Init-captures: clang's OpenMP mode cannot capture a structured binding.)
+    auto planted_in = [from = prompt, to = rows](int64_t row) { return row >= from && row < to; };
     for (const int64_t row : kPlanted) {
       if (!planted_in(row)) continue;
       float* key = kv.keys.data() + (row * kKvHeads + 1) * kDim;
