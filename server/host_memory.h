@@ -151,9 +151,11 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // `huge_pages`, else after MADV_NOHUGEPAGE (4 KiB pages even where the THP mode is "always"),
 // with the address space after it up to `reserve_bytes` from its start set aside for it to grow
 // into without moving (HostMemory::Grow; no memory is mapped there, and none counted against
-// the system's commit limit; where an address-space limit refuses it, none is reserved). A
-// smaller one is a heap allocation of whole pages of its own (nothing reserved), so that
-// pinning it never meets another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the
+// the system's commit limit; where an address-space limit refuses it, none is reserved); so is
+// a smaller one, of a quarter of kHugePageBytes or more, that reserves room to grow to
+// kHugePageBytes or more. Any other is a heap
+// allocation of whole pages of its own (nothing reserved), so that pinning it never meets
+// another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the
 // memory or the address space cannot be had. The first form follows HostHugePages() and
 // reserves nothing.
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);

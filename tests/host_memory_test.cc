@@ -256,9 +256,25 @@ TEST(HostMemoryTest, ReservationsKeepWithinTheProcesssBound) {
   EXPECT_TRUE(HostAddressSpaceAllows(size_t{1} << 30)) << "32 TiB, or half of RLIMIT_AS";
   EXPECT_FALSE(HostAddressSpaceAllows(size_t{1} << 62));
   const size_t held = HostAddressSpaceHeld();
-  absl::StatusOr<HostMemory> small = AllocateHostMemory(1000, true, 1 << 30);
+  absl::StatusOr<HostMemory> small = AllocateHostMemory(1000, true, 100000);
   ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_FALSE(small->mapped());
   EXPECT_EQ(HostAddressSpaceHeld(), held) << "a heap allocation reserves nothing";
+  absl::StatusOr<HostMemory> tiny = AllocateHostMemory(1000, true, kHugePageBytes);
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  EXPECT_FALSE(tiny->mapped()) << "too small for a mapping of its own";
+  // Under a huge page, but with room to grow past one: a mapping, its reservation held.
+  absl::StatusOr<HostMemory> growing =
+      AllocateHostMemory(kHugePageBytes / 4, true, kHugePageBytes);
+  ASSERT_TRUE(growing.ok()) << growing.status();
+  EXPECT_TRUE(growing->mapped());
+  EXPECT_EQ(growing->reserved_bytes(), kHugePageBytes);
+  EXPECT_EQ(HostAddressSpaceHeld(), held + kHugePageBytes);
+  std::memset(growing->data(), 0x3c, kHugePageBytes / 4);
+  ASSERT_TRUE(growing->Grow(kHugePageBytes).ok());
+  EXPECT_EQ(growing->data()[kHugePageBytes / 4 - 1], std::byte{0x3c});
+  EXPECT_EQ(growing->size(), kHugePageBytes) << "grown where it is";
+  growing->reset();
   SetHostAddressSpaceBoundForTesting(held + (64 << 20));
   EXPECT_TRUE(HostAddressSpaceAllows(64 << 20));
   EXPECT_FALSE(HostAddressSpaceAllows((64 << 20) + 1));
