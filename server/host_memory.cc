@@ -31,6 +31,24 @@ std::atomic<bool> huge_pages_on{true};
 // HostAddressSpaceHeld, and the bound set for tests (0: none set).
 std::atomic<size_t> address_space_held{0};
 std::atomic<size_t> address_space_bound_for_testing{0};
+// HostMappings, and the bound set for tests (0: none set).
+std::atomic<int64_t> mappings{0};
+std::atomic<int64_t> mappings_bound_for_testing{0};
+
+// Mapped allocations under a huge page are made while the process's mappings stay under a
+// quarter of the kernel's limit on memory areas (vm.max_map_count, 65530 by default: each
+// mapping takes two or three, its reserved tail apart), so that they never take the areas that
+// larger allocations, the allocator and the CUDA driver need.
+int64_t SmallMappingsBound() {
+  if (const int64_t set = mappings_bound_for_testing.load(std::memory_order_relaxed)) return set;
+  static const int64_t bound = [] {
+    int64_t areas = 65530;
+    std::ifstream in("/proc/sys/vm/max_map_count");
+    if (int64_t read = 0; in >> read && read > 0) areas = read;
+    return areas / 4 / 3;
+  }();
+  return bound;
+}
 
 size_t AddressSpaceBound() {
   if (const size_t set = address_space_bound_for_testing.load(std::memory_order_relaxed)) {
@@ -96,6 +114,12 @@ void SetHostAddressSpaceBoundForTesting(size_t bytes) {
   address_space_bound_for_testing.store(bytes, std::memory_order_relaxed);
 }
 
+int64_t HostMappings() { return mappings.load(std::memory_order_relaxed); }
+
+void SetHostSmallMappingsBoundForTesting(int64_t mappings) {
+  mappings_bound_for_testing.store(mappings, std::memory_order_relaxed);
+}
+
 void SetHostHugePages(bool on) { huge_pages_on.store(on, std::memory_order_relaxed); }
 bool HostHugePages() { return huge_pages_on.load(std::memory_order_relaxed); }
 
@@ -117,6 +141,7 @@ void HostMemory::reset() {
     if (mapped_bytes_ > 0) {
       munmap(data_, reserved_bytes_);
       address_space_held.fetch_sub(reserved_bytes_, std::memory_order_relaxed);
+      mappings.fetch_sub(1, std::memory_order_relaxed);
     } else {
       ::operator delete(data_, HeapAlignment());
     }
@@ -233,7 +258,8 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   // room (the copy, the new pages and their pin: ~0.5 ms for a 1.5 MiB array), and every layer
   // of a model at the same token. A smaller one's copy costs little.)
   if (bytes < kHugePageBytes &&
-      (reserve_bytes < kHugePageBytes || bytes < kHugePageBytes / 4)) {
+      (reserve_bytes < kHugePageBytes || bytes < kHugePageBytes / 4 ||
+       mappings.load(std::memory_order_relaxed) >= SmallMappingsBound())) {
     // Whole pages of their own, so that pinning one (cudaHostRegister, which pins whole pages
     // and refuses a page pinned twice) never meets another's: a layer's keys and values were
     // neighbours in one page where the heap put them so.
@@ -259,9 +285,16 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   memory.mapped_bytes_ = length;
   memory.reserved_bytes_ = reserved;
   address_space_held.fetch_add(reserved, std::memory_order_relaxed);
+  mappings.fetch_add(1, std::memory_order_relaxed);
   memory.huge_pages_requested_ = huge_pages;
   // Kernels before 5.14 refuse the population (EINVAL): their pages fault in on first touch.
-  const cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
+  cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
+  if (length < cpu::kMappedAllocationBytes &&
+      madvise(memory.data_, length, MADV_POPULATE_WRITE) != 0) {
+    // (MapPagesNow leaves what is under a huge page to first touch; a mapping of its own is
+    // populated here all the same. Its huge-page advice came with its reservation.)
+    pages.populate_errno = errno;
+  }
   memory.huge_pages_advised_ = pages.huge_pages_advised;
   if (pages.populate_errno == ENOMEM) return Exhausted(bytes, ENOMEM);  // `memory` unmaps it
   return memory;

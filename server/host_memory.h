@@ -127,6 +127,12 @@ size_t HostAddressSpaceHeld();
 bool HostAddressSpaceAllows(size_t bytes);
 // Sets the bound HostAddressSpaceAllows keeps to (0: the default above), for tests.
 void SetHostAddressSpaceBoundForTesting(size_t bytes);
+// The process's mapped HostMemory allocations (thread-safe). Allocations under kHugePageBytes
+// are mapped only while they stay under a quarter of the kernel's limit on memory areas
+// (vm.max_map_count / 12: each mapping takes up to three); past it, the heap.
+int64_t HostMappings();
+// Sets that bound (0: the default), for tests.
+void SetHostSmallMappingsBoundForTesting(int64_t mappings);
 
 // The machine's physical memory in bytes (0 when the system does not say).
 int64_t PhysicalMemoryBytes();
@@ -153,10 +159,10 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // into without moving (HostMemory::Grow; no memory is mapped there, and none counted against
 // the system's commit limit; where an address-space limit refuses it, none is reserved); so is
 // a smaller one, of a quarter of kHugePageBytes or more, that reserves room to grow to
-// kHugePageBytes or more. Any other is a heap
-// allocation of whole pages of its own (nothing reserved), so that pinning it never meets
-// another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the
-// memory or the address space cannot be had. The first form follows HostHugePages() and
+// kHugePageBytes or more, while the process's mappings are few (HostMappings). Any other is a
+// heap allocation of whole pages of its own (nothing reserved), so that pinning it never meets
+// another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the address
+// space cannot be had. The first form follows HostHugePages() and
 // reserves nothing.
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "gtest/gtest.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
@@ -263,19 +264,38 @@ TEST(HostMemoryTest, ReservationsKeepWithinTheProcesssBound) {
   absl::StatusOr<HostMemory> tiny = AllocateHostMemory(1000, true, kHugePageBytes);
   ASSERT_TRUE(tiny.ok()) << tiny.status();
   EXPECT_FALSE(tiny->mapped()) << "too small for a mapping of its own";
-  // Under a huge page, but with room to grow past one: a mapping, its reservation held.
+  // Under a huge page, but with room to grow past one: a mapping, its reservation held, its
+  // pages populated as a larger mapping's are (where the kernel populates: Linux 5.14+).
+  absl::StatusOr<HostMemory> large = AllocateHostMemory(kHugePageBytes, true);
+  ASSERT_TRUE(large.ok()) << large.status();
+  const bool kernel_populates = ResidentShare(large->data(), kHugePageBytes) == 1.0;
+  large->reset();
+  const int64_t mappings = HostMappings();
   absl::StatusOr<HostMemory> growing =
       AllocateHostMemory(kHugePageBytes / 4, true, kHugePageBytes);
   ASSERT_TRUE(growing.ok()) << growing.status();
   EXPECT_TRUE(growing->mapped());
+  EXPECT_EQ(HostMappings(), mappings + 1);
   EXPECT_EQ(growing->reserved_bytes(), kHugePageBytes);
   EXPECT_EQ(HostAddressSpaceHeld(), held + kHugePageBytes);
+  EXPECT_TRUE(Aligned(growing->data()));
+  if (kernel_populates) EXPECT_EQ(ResidentShare(growing->data(), kHugePageBytes / 4), 1.0);
   std::memset(growing->data(), 0x3c, kHugePageBytes / 4);
   ASSERT_TRUE(growing->Grow(kHugePageBytes).ok());
   EXPECT_EQ(growing->data()[kHugePageBytes / 4 - 1], std::byte{0x3c});
   EXPECT_EQ(growing->size(), kHugePageBytes) << "grown where it is";
+  // With the process's mappings at their bound, such an allocation is the heap's again.
+  SetHostSmallMappingsBoundForTesting(HostMappings());
+  absl::StatusOr<HostMemory> bounded =
+      AllocateHostMemory(kHugePageBytes / 4, true, kHugePageBytes);
+  SetHostSmallMappingsBoundForTesting(0);
+  ASSERT_TRUE(bounded.ok()) << bounded.status();
+  EXPECT_FALSE(bounded->mapped());
   growing->reset();
+  EXPECT_EQ(HostMappings(), mappings);
+  EXPECT_EQ(HostAddressSpaceHeld(), held);
   SetHostAddressSpaceBoundForTesting(held + (64 << 20));
+  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
   EXPECT_TRUE(HostAddressSpaceAllows(64 << 20));
   EXPECT_FALSE(HostAddressSpaceAllows((64 << 20) + 1));
   absl::StatusOr<HostMemory> memory = AllocateHostMemory(kHugePageBytes, true, 16 << 20);
@@ -284,7 +304,6 @@ TEST(HostMemoryTest, ReservationsKeepWithinTheProcesssBound) {
   EXPECT_FALSE(HostAddressSpaceAllows((48 << 20) + 1)) << "16 MiB of it held";
   memory->reset();
   EXPECT_TRUE(HostAddressSpaceAllows(64 << 20));
-  SetHostAddressSpaceBoundForTesting(0);
 }
 
 TEST(HostMemoryTest, MovingHandsTheAllocationOver) {
