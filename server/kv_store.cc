@@ -96,12 +96,15 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
         what, ": the array cannot grow while a growth made ahead of need is in flight (end it "
               "first)"));
   }
-  // Address space for the growths to come (a mapped allocation's only; none mapped yet): four
-  // times the allocation, or, where the process's reservations leave room
-  // (HostAddressSpaceAllows), the rows the array may ever hold, up to
-  // kHostRowsReserveMostBytes.
+  // Address space for the growths to come (a mapped allocation's only; none mapped yet), where
+  // the process's reservations leave room (HostAddressSpaceAllows): four times the allocation,
+  // or the rows the array may ever hold, up to kHostRowsReserveMostBytes; else none (the
+  // allocation alone: it moves at every growth).
   int64_t reserve = 0;
-  if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve)) reserve = bytes;
+  if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve) ||
+      !HostAddressSpaceAllows(static_cast<size_t>(reserve))) {
+    reserve = bytes;
+  }
   if (most_rows_ > 0) {
     int64_t most_bytes = 0;
     if (__builtin_mul_overflow(most_rows_, row_bytes(), &most_bytes) ||

@@ -52,7 +52,7 @@ inline constexpr int kHostRowsAddressReserve = 4;
 // rows of a bf16 layer of 8 KV heads x d = 128. Address space only: a 32-layer session's 64
 // arrays take 64 GiB of the 128 TiB a process has, no memory (PROT_NONE, not committed); past
 // the process's bound on reservations (HostAddressSpaceAllows: 32 TiB, or half its RLIMIT_AS)
-// arrays reserve 4x again.
+// arrays reserve 4x again, and past it with that, nothing beyond their allocation.
 inline constexpr int64_t kHostRowsReserveMostBytes = int64_t{1} << 30;
 
 class BudgetedRows;

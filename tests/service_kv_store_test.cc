@@ -374,6 +374,15 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   bounded.set_most_rows(kMost);
   AppendRows(bounded, 600);
   EXPECT_EQ(bounded.rows_in_place(), plain.rows_in_place());
+  // Where they have no room for 4x either, the allocation alone.
+  SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + 2 * 600 * 4096);
+  BudgetedRows alone(1024, &budget);
+  alone.set_most_rows(kMost);
+  AppendRows(alone, 600);
+  EXPECT_TRUE(alone.raw_data() != nullptr);
+  EXPECT_EQ(alone.rows_in_place(), alone.capacity_rows());
+  AppendRows(alone, 1);  // grows, moved (nothing reserved), its rows kept
+  ExpectRowsIntact(alone);
 }
 
 // A layer's prompt staging (cpu and tiered placements) tells its KV arrays the most tokens the
