@@ -288,13 +288,7 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   mappings.fetch_add(1, std::memory_order_relaxed);
   memory.huge_pages_requested_ = huge_pages;
   // Kernels before 5.14 refuse the population (EINVAL): their pages fault in on first touch.
-  cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
-  if (length < cpu::kMappedAllocationBytes &&
-      madvise(memory.data_, length, MADV_POPULATE_WRITE) != 0) {
-    // (MapPagesNow leaves what is under a huge page to first touch; a mapping of its own is
-    // populated here all the same. Its huge-page advice came with its reservation.)
-    pages.populate_errno = errno;
-  }
+  const cpu::PageMapping pages = cpu::MapPagesNow(memory.data_, length, huge_pages);
   memory.huge_pages_advised_ = pages.huge_pages_advised;
   if (pages.populate_errno == ENOMEM) return Exhausted(bytes, ENOMEM);  // `memory` unmaps it
   return memory;

@@ -162,8 +162,7 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // kHugePageBytes or more, while the process's mappings are few (HostMappings). Any other is a
 // heap allocation of whole pages of its own (nothing reserved), so that pinning it never meets
 // another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the address
-// space cannot be had. The first form follows HostHugePages() and
-// reserves nothing.
+// space cannot be had. The first form follows HostHugePages() and reserves nothing.
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
                                               size_t reserve_bytes = 0);

@@ -9,7 +9,6 @@ namespace kvrecall::cpu {
 
 PageMapping MapPagesNow(void* p, size_t bytes, bool huge_pages) {
   PageMapping mapping;
-  if (bytes < kMappedAllocationBytes) return mapping;
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);

@@ -24,8 +24,8 @@ struct PageMapping {
 
 // Maps the pages of a fresh allocation [p, p + bytes) in one call (MADV_POPULATE_WRITE), after
 // MADV_HUGEPAGE, or with huge_pages false after MADV_NOHUGEPAGE (4 KiB pages even where the THP
-// mode is "always"). Best effort: allocations under kMappedAllocationBytes, and kernels without
-// these advices (Linux < 5.14), fault in on first touch as before.
+// mode is "always"), whatever its size. Best effort: kernels without these advices (Linux <
+// 5.14) fault the pages in on first touch as before.
 PageMapping MapPagesNow(void* p, size_t bytes, bool huge_pages = true);
 
 // The bytes an allocation of `bytes` through MappedAllocator takes.
