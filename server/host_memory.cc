@@ -253,12 +253,13 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
                                               size_t reserve_bytes) {
   HostMemory memory;
   memory.bytes_ = bytes;
-  // (One of a quarter of a huge page or more that reserves room to grow past one is a mapping
-  // already: a heap allocation grows by a copy into a new mapping, in the step that needs the
-  // room (the copy, the new pages and their pin: ~0.5 ms for a 1.5 MiB array), and every layer
-  // of a model at the same token. A smaller one's copy costs little.)
+  // (One that reserves room to grow past a huge page is a mapping already, however small: a
+  // heap allocation grows by a copy into a new allocation, in the step that needs the room
+  // (the copy, the new pages and their pin: ~0.5 ms for a 1.5 MiB array), and every layer of a
+  // model at the same token, where a mapping grows ahead of need, off the step. Its pages are
+  // whole pages, as the heap's below, so it costs no more memory.)
   if (bytes < kHugePageBytes &&
-      (reserve_bytes < kHugePageBytes || bytes < kHugePageBytes / 4 ||
+      (reserve_bytes < kHugePageBytes ||
        mappings.load(std::memory_order_relaxed) >= SmallMappingsBound())) {
     // Whole pages of their own, so that pinning one (cudaHostRegister, which pins whole pages
     // and refuses a page pinned twice) never meets another's: a layer's keys and values were

@@ -158,8 +158,8 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // with the address space after it up to `reserve_bytes` from its start set aside for it to grow
 // into without moving (HostMemory::Grow; no memory is mapped there, and none counted against
 // the system's commit limit; where an address-space limit refuses it, none is reserved); so is
-// a smaller one, of a quarter of kHugePageBytes or more, that reserves room to grow to
-// kHugePageBytes or more, while the process's mappings are few (HostMappings). Any other is a
+// a smaller one, of any size, that reserves room to grow to kHugePageBytes or more, while the
+// process's mappings are few (HostMappings). Any other is a
 // heap allocation of whole pages of its own (nothing reserved), so that pinning it never meets
 // another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the address
 // space cannot be had. The first form follows HostHugePages() and reserves nothing.

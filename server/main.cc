@@ -137,8 +137,8 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "starting with # is a comment)");
 
 ABSL_FLAG(bool, host_huge_pages, true,
-          "back sessions' host KV arrays (and staged prompts) of 2 MiB or more, or of 512 KiB or "
-          "more with room to grow past 2 MiB, with 2 MiB transparent huge pages (each its own "
+          "back sessions' host KV arrays (and staged prompts) of 2 MiB or more, or smaller with "
+          "room to grow past 2 MiB, with 2 MiB transparent huge pages (each its own "
           "2 MiB-aligned mapping, MADV_HUGEPAGE), so that "
           "scattered row reads by the host's threads and by a GPU over PCIe need fewer address "
           "translations; takes effect where /sys/kernel/mm/transparent_hugepage/enabled is "

@@ -261,16 +261,24 @@ TEST(HostMemoryTest, ReservationsKeepWithinTheProcesssBound) {
   ASSERT_TRUE(small.ok()) << small.status();
   EXPECT_FALSE(small->mapped());
   EXPECT_EQ(HostAddressSpaceHeld(), held) << "a heap allocation reserves nothing";
-  absl::StatusOr<HostMemory> tiny = AllocateHostMemory(1000, true, kHugePageBytes);
-  ASSERT_TRUE(tiny.ok()) << tiny.status();
-  EXPECT_FALSE(tiny->mapped()) << "too small for a mapping of its own";
-  // Under a huge page, but with room to grow past one: a mapping, its reservation held, its
-  // pages populated as a larger mapping's are (where the kernel populates: Linux 5.14+).
+  // Under a huge page, but with room to grow past one: a mapping however small (whole pages,
+  // as the heap's), its reservation held, its pages populated as a larger mapping's are (where
+  // the kernel populates: Linux 5.14+).
   absl::StatusOr<HostMemory> large = AllocateHostMemory(kHugePageBytes, true);
   ASSERT_TRUE(large.ok()) << large.status();
   const bool kernel_populates = ResidentShare(large->data(), kHugePageBytes) == 1.0;
   large->reset();
   const int64_t mappings = HostMappings();
+  absl::StatusOr<HostMemory> tiny = AllocateHostMemory(1000, true, kHugePageBytes);
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  EXPECT_TRUE(tiny->mapped());
+  EXPECT_EQ(tiny->size(), 1000u);
+  EXPECT_EQ(HostMappings(), mappings + 1);
+  EXPECT_EQ(HostAddressSpaceHeld(), held + kHugePageBytes);
+  if (kernel_populates) EXPECT_EQ(ResidentShare(tiny->data(), 1000), 1.0);
+  ExpectWritable(*tiny);
+  tiny->reset();
+  EXPECT_EQ(HostAddressSpaceHeld(), held);
   absl::StatusOr<HostMemory> growing =
       AllocateHostMemory(kHugePageBytes / 4, true, kHugePageBytes);
   ASSERT_TRUE(growing.ok()) << growing.status();

@@ -228,8 +228,11 @@ inline bool SameKernels(const LayerConfig& a, const LayerConfig& b) {
   }
 }
 
+namespace internal {
+
 // `enqueue`'s work on `stream` captured into an executable graph, or null when it cannot be
-// captured (the step then runs eagerly: the reason goes to stderr once per process).
+// captured (the step then runs eagerly: the reason goes to stderr once per process). Not for
+// callers: a kept graph holds device memory no budget sees (CaptureChargedStep charges it).
 template <typename Enqueue>
 cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
   absl::Status status = CudaStatus(
@@ -261,6 +264,8 @@ cudaGraphExec_t CaptureStep(cudaStream_t stream, const Enqueue& enqueue) {
   return exec;
 }
 
+}  // namespace internal
+
 // An executable captured step and its charge, destroyed and given back together. Move-only;
 // empty: no step (its capture refused or failed).
 class CapturedStep {
@@ -291,8 +296,8 @@ class CapturedStep {
   MemoryAccount* account_ = nullptr;
 };
 
-// `enqueue`'s work captured (CaptureStep) and charged to `account`: empty, nothing charged,
-// when the account has no room for it (nothing is captured then) or the capture failed.
+// `enqueue`'s work captured (internal::CaptureStep) and charged to `account`: empty, nothing
+// charged, when the account has no room for it (nothing is captured then) or the capture failed.
 template <typename Enqueue>
 CapturedStep CaptureChargedStep(cudaStream_t stream, MemoryAccount* account,
                                 const Enqueue& enqueue) {
@@ -307,7 +312,7 @@ CapturedStep CaptureChargedStep(cudaStream_t stream, MemoryAccount* account,
     });
     return {};
   }
-  const cudaGraphExec_t exec = CaptureStep(stream, enqueue);
+  const cudaGraphExec_t exec = internal::CaptureStep(stream, enqueue);
   if (exec == nullptr) {
     account->Release(kCapturedStepDeviceBytes);
     return {};

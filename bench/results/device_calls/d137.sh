@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Written 2026-12-06 (sixteenth session) for kv_growth.md and device_tests.md.
+# Hundred-and-thirty-seventh call: review 15b's M3 mended. d136 measured a short prompt's host
+# KV arrays (under 512 KiB) growing on the heap in the step: tokens 65, 97, 145 and 217 of a
+# 64-token prompt cost 29-44 ms against a 2.9 ms median, 161 and 241 of a 160-token prompt
+# 41-44 ms. Now any array that reserves room to grow past 2 MiB is a mapping from its first
+# allocation, which the growth ahead grows off the step. (1) bench/model_tokens.py as in d136,
+# b136's kvrecalld (84edc63) against b137's, alternating, twice; (2) the whole suite at b137.
+# Bundles .device/b136 and .device/b137; carry both ship/ and client/python/kvrecall/_gen.
+set -u
+. bench/device_call.sh
+tar -C .device/b136 -xJf .device/b136/ship/bundle.tar.xz
+OLD=$PWD/.device/b136/bundle/bin
+device_call_begin 137
+for round in 1 2; do
+  for binary in heap:$OLD mapped:$B; do
+    for prompt in 64 160; do
+      name=${binary%%:*}_${prompt}_$round
+      model_tokens_run $name ${binary#*:}/kvrecalld index --layers=32 --prompt=$prompt \
+        --from=0 --to=200 > /dev/null
+      python3 - $R/$name.json $name <<'PY' 2>&1 | tee -a $S
+import json, statistics as st, sys
+d = json.load(open(sys.argv[1]))
+s = d["server_us_by_token"]
+held = [d["prompt"] + 1 + i for i in range(len(s))]  # tokens held after each timed token
+worst = sorted(range(len(s)), key=lambda i: -s[i])[:6]
+print(sys.argv[2], "median %.1f ms" % (st.median(s) / 1000), "p99 %.1f" %
+      (d["token_server_p99_us"] / 1000), "slowest (held, ms)",
+      [(held[i], round(s[i] / 1000, 1)) for i in worst])
+PY
+    done
+  done
+done
+bash bench/device_test_suite.sh $B $L $S
+tar -C $L -czf $OUT/d137_out.tgz out
+device_call_end
