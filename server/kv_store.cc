@@ -4,6 +4,7 @@
 #include <cassert>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "proto/tensor_codec.h"
@@ -24,6 +25,7 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
     pinned_ranges_ = std::exchange(other.pinned_ranges_, {});
     pin_broken_ = std::exchange(other.pin_broken_, false);
     most_rows_ = std::exchange(other.most_rows_, 0);
+    most_rows_kind_ = other.most_rows_kind_;
   }
   return *this;
 }
@@ -98,8 +100,8 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   }
   // Address space for the growths to come (a mapped allocation's only; none mapped yet), where
   // the process's reservations leave room (HostAddressSpaceAllows): four times the allocation,
-  // or the rows the array may ever hold, up to kHostRowsReserveMostBytes; else none (the
-  // allocation alone: it moves at every growth).
+  // or the rows the array may ever hold (MostRows: whole, or up to kHostRowsReserveMostBytes);
+  // else none (the allocation alone: it moves at every growth).
   int64_t reserve = 0;
   if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve) ||
       !HostAddressSpaceAllows(static_cast<size_t>(reserve))) {
@@ -107,9 +109,11 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   }
   if (most_rows_ > 0) {
     int64_t most_bytes = 0;
-    if (__builtin_mul_overflow(most_rows_, row_bytes(), &most_bytes) ||
-        most_bytes > kHostRowsReserveMostBytes) {
-      most_bytes = kHostRowsReserveMostBytes;
+    if (__builtin_mul_overflow(most_rows_, row_bytes(), &most_bytes)) {
+      most_bytes = std::numeric_limits<int64_t>::max();  // more than any bound allows
+    }
+    if (most_rows_kind_ == MostRows::kCeiling) {
+      most_bytes = std::min(most_bytes, kHostRowsReserveMostBytes);
     }
     if (most_bytes > reserve && HostAddressSpaceAllows(static_cast<size_t>(most_bytes))) {
       reserve = most_bytes;

@@ -43,16 +43,26 @@ class HostPinning {
 // device's exact heads, a learning in flight) need not wait for it and a pinned array pins
 // only the rows it adds. Address space only: no memory is mapped there.
 inline constexpr int kHostRowsAddressReserve = 4;
-// The most address space a mapped BudgetedRows reserves for the rows it may ever hold
-// (set_most_rows: its layer's announced max_tokens, else --max_context_tokens, else the most a
-// layer holds) where that is more than kHostRowsAddressReserve times its allocation: with 4x
-// alone, a layer that grew from a short prompt moved at every 4x, and every layer of a model at
-// the same token (d130: 155 ms for 32 layers at 4.6K tokens, against ~11 for its neighbours;
-// a move populates the added rows and pins the array again whole in the step). 1 GiB is 512K
-// rows of a bf16 layer of 8 KV heads x d = 128. Address space only: a 32-layer session's 64
-// arrays take 64 GiB of the 128 TiB a process has, no memory (PROT_NONE, not committed); past
-// the process's bound on reservations (HostAddressSpaceAllows: 32 TiB, or half its RLIMIT_AS)
-// arrays reserve 4x again, and past it with that, nothing beyond their allocation.
+// A mapped BudgetedRows reserves address space for the rows it may ever hold (set_most_rows)
+// where that is more than kHostRowsAddressReserve times its allocation: with 4x alone, a layer
+// that grew from a short prompt moved at every 4x, and every layer of a model at the same token
+// (d130: 155 ms for 32 layers at 4.6K tokens, against ~11 for its neighbours; a move populates
+// the added rows and pins the array again whole in the step). Address space only: no memory
+// (PROT_NONE, not committed). Past the process's bound on reservations (HostAddressSpaceAllows:
+// 32 TiB, or half its RLIMIT_AS) arrays reserve 4x again, and past it with that, nothing beyond
+// their allocation.
+enum class MostRows {
+  // A length someone set (an announced max_tokens, kvrecalld --max_context_tokens): reserved
+  // whole, so that the array never moves below it (an announced length is allocated at once;
+  // the operator's ceiling bounds every session, 2 GiB an array at 1M tokens of a bf16 layer of
+  // 8 KV heads x d = 128).
+  kSet,
+  // Only the most a layer can hold (kMaxLayerTokens, 2^31 - 1): reserved up to
+  // kHostRowsReserveMostBytes, 1 GiB (512K such rows; a 32-layer session's 64 arrays take
+  // 64 GiB of the 128 TiB a process has). Past it the array moves once in the step, pinned
+  // again whole, and reserves 4x from there.
+  kCeiling,
+};
 inline constexpr int64_t kHostRowsReserveMostBytes = int64_t{1} << 30;
 
 class BudgetedRows;
@@ -175,10 +185,13 @@ class BudgetedRows {
   // Rows it can hold without moving (at least capacity_rows()): a mapped allocation grows into
   // its reserved address space in place; a Reserve beyond them moves the content.
   int64_t rows_in_place() const;
-  // The most rows the array will hold (0: not known): a mapped allocation made from now on
-  // reserves address space for them (at most kHostRowsReserveMostBytes; at least
+  // The most rows the array will hold (0: not known), and what bounds them: a mapped allocation
+  // made from now on reserves address space for them (MostRows says how much; at least
   // kHostRowsAddressReserve times itself), so that it grows to them without moving.
-  void set_most_rows(int64_t rows) { most_rows_ = rows; }
+  void set_most_rows(int64_t rows, MostRows kind) {
+    most_rows_ = rows;
+    most_rows_kind_ = kind;
+  }
 
  private:
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
@@ -214,6 +227,7 @@ class BudgetedRows {
   // Growths ahead started and not ended (StartGrowthAhead): the allocation is theirs to map.
   int growths_ahead_ = 0;
   int64_t most_rows_ = 0;  // set_most_rows
+  MostRows most_rows_kind_ = MostRows::kCeiling;
 };
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
@@ -318,11 +332,11 @@ class LayerKvStore {
   // status); see BudgetedRows::EndGrowthAhead.
   absl::Status EndGrowthAhead(Growth growth);
 
-  // The most tokens the layer will hold (LayerConfig::tokens_to_hold): the arrays reserve
-  // address space for them (BudgetedRows::set_most_rows).
-  void set_most_tokens(int64_t tokens) {
-    keys_.set_most_rows(tokens);
-    values_.set_most_rows(tokens);
+  // The most tokens the layer will hold (LayerConfig::tokens_to_hold) and what bounds them: the
+  // arrays reserve address space for them (BudgetedRows::set_most_rows).
+  void set_most_tokens(int64_t tokens, MostRows kind) {
+    keys_.set_most_rows(tokens, kind);
+    values_.set_most_rows(tokens, kind);
   }
   // Pins keys and values, now and after every growth (BudgetedRows::SetPinning); returns whether
   // both are pinned.

@@ -329,15 +329,22 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
   EXPECT_EQ(budget.used(), 0);
 }
 
-// A mapped array told the most rows it will hold (its layer's ceiling) reserves address space
-// for them, up to kHostRowsReserveMostBytes, and grows there without moving, far past four times
-// its first allocation (where an array told nothing moves); its rows are kept and its budget
+// An array told the most rows it will hold (its layer's length) is a mapping from its first
+// row, which reserves address space for them (a length someone set whole; the most a layer can
+// hold up to kHostRowsReserveMostBytes) and grows there without moving, far past four times its
+// first allocation (where an array told nothing moves); its rows are kept and its budget
 // charged for its capacity alone.
 TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   MemoryBudget budget(0);
   constexpr int64_t kMost = 20000;
-  BudgetedRows rows(1024, &budget);  // 4 KiB rows: mapped from 512 on
-  rows.set_most_rows(kMost);
+  {
+    BudgetedRows first_row(1024, &budget);  // 4 KiB rows
+    first_row.set_most_rows(kMost, MostRows::kSet);
+    AppendRows(first_row, 1);
+    EXPECT_EQ(first_row.rows_in_place(), kMost) << "a mapping from its first row";
+  }
+  BudgetedRows rows(1024, &budget);
+  rows.set_most_rows(kMost, MostRows::kSet);
   AppendRows(rows, 600);
   ASSERT_GE(rows.allocated_bytes(), int64_t{kHugePageBytes});
   EXPECT_EQ(rows.rows_in_place(), kMost) << "80 MB of address space, not 4x 2.4 MB";
@@ -357,27 +364,33 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   AppendRows(rows, 1);
   ExpectRowsIntact(rows);
 
-  // Told nothing, it reserves four times its allocation; told more than the most it reserves,
-  // it reserves that most.
+  // Told nothing, it reserves four times its allocation. Told only the most a layer can hold,
+  // it reserves up to kHostRowsReserveMostBytes; told a length someone set, all of it, past that.
   BudgetedRows plain(1024, &budget);
   AppendRows(plain, 600);
   EXPECT_EQ(plain.rows_in_place(),
             WholePages(plain.allocated_bytes() * kHostRowsAddressReserve) / 4096);
   BudgetedRows capped(1024, &budget);
-  capped.set_most_rows(int64_t{1} << 31);
+  capped.set_most_rows(int64_t{1} << 31, MostRows::kCeiling);
   AppendRows(capped, 600);
   EXPECT_EQ(capped.rows_in_place(), kHostRowsReserveMostBytes / 4096);
+  constexpr int64_t kSetPastTheCap = 3 * kHostRowsReserveMostBytes / 4096;  // 3 GiB
+  BudgetedRows whole(1024, &budget);
+  whole.set_most_rows(kSetPastTheCap, MostRows::kSet);
+  AppendRows(whole, 600);
+  EXPECT_EQ(whole.rows_in_place(), kSetPastTheCap);
+  whole = BudgetedRows();  // its address space given back before the bounds below
   // Where the process's reservations have no room for its most rows, 4x as before.
   SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + (kMost * 4096 - 1));
   absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
   BudgetedRows bounded(1024, &budget);
-  bounded.set_most_rows(kMost);
+  bounded.set_most_rows(kMost, MostRows::kSet);
   AppendRows(bounded, 600);
   EXPECT_EQ(bounded.rows_in_place(), plain.rows_in_place());
   // Where they have no room for 4x either, the allocation alone.
   SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + 2 * 600 * 4096);
   BudgetedRows alone(1024, &budget);
-  alone.set_most_rows(kMost);
+  alone.set_most_rows(kMost, MostRows::kSet);
   AppendRows(alone, 600);
   EXPECT_TRUE(alone.raw_data() != nullptr);
   EXPECT_EQ(alone.rows_in_place(), alone.capacity_rows());
@@ -386,17 +399,26 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
 }
 
 // A layer's prompt staging (cpu and tiered placements) tells its KV arrays the most tokens the
-// layer will hold: its announced max_tokens, else the server's --max_context_tokens.
+// layer will hold: its announced max_tokens, else the server's --max_context_tokens (both
+// reserved whole), else the most a layer can hold (reserved up to kHostRowsReserveMostBytes).
 TEST(KvStoreTest, APromptStagingsArraysReserveForTheLayersMostTokens) {
   MemoryBudget budget(0);
   LayerConfig config;
-  config.shape = LayerShape{4, 2, 512, 1.0f};  // 4 KiB f32 rows of keys: mapped from 512 on
+  config.shape = LayerShape{4, 2, 512, 1.0f};  // 4 KiB f32 rows of keys
   config.max_layer_tokens = 30000;
   absl::StatusOr<std::unique_ptr<HostPromptStaging>> staging =
       HostPromptStaging::Create(config, &budget, KvElement::kF32, /*kept_queries=*/0);
   ASSERT_TRUE(staging.ok()) << staging.status();
   ASSERT_TRUE((*staging)->Reserve(600, "test prompt").ok());
   EXPECT_EQ((*staging)->kv.tokens_in_place(), 30000);
+  for (const int64_t ceiling : {int64_t{600000}, LayerConfig().max_layer_tokens}) {
+    config.max_layer_tokens = ceiling;  // 2.4 GB of keys; then none set
+    staging = HostPromptStaging::Create(config, &budget, KvElement::kF32, 0);
+    ASSERT_TRUE(staging.ok()) << staging.status();
+    ASSERT_TRUE((*staging)->Reserve(600, "test prompt").ok());
+    EXPECT_EQ((*staging)->kv.tokens_in_place(),
+              ceiling == 600000 ? ceiling : kHostRowsReserveMostBytes / 4096);
+  }
   config.expected_tokens = 700;  // announced: its allocation, and 4x that reserved
   staging = HostPromptStaging::Create(config, &budget, KvElement::kF32, 0);
   ASSERT_TRUE(staging.ok()) << staging.status();
@@ -413,7 +435,7 @@ TEST(KvStoreTest, APromptStagingsArraysReserveForTheLayersMostTokens) {
 TEST(KvStoreTest, AGrowthAheadRunsElsewhereAndIsTakenOrGivenBack) {
   MemoryBudget budget(0);
   RecordingPinning pinning;
-  BudgetedRows rows(1024, &budget);  // 4 KiB rows: mapped from 512 on
+  BudgetedRows rows(1024, &budget);  // 4 KiB rows: mapped from 128 on (512 KiB, reserving 4x)
   AppendRows(rows, 600);
   ASSERT_TRUE(rows.SetPinning(&pinning));
   const int64_t capacity = rows.capacity_rows();
@@ -514,7 +536,7 @@ bool StepToken(LayerKvStore& kv, KvGrowthAhead& ahead, int64_t limit) {
 // A limit (an announced max_tokens) is never grown past ahead.
 TEST(KvGrowthAheadTest, AStoreGrowsAheadOfItsStepsUntilItMustMove) {
   MemoryBudget budget(0);
-  LayerKvStore kv(8, 128, &budget, KvElement::kBf16);  // 2 KiB a token: mapped from 1024 on
+  LayerKvStore kv(8, 128, &budget, KvElement::kBf16);  // 2 KiB a token: mapped from 256 on
   KvGrowthAhead ahead(nullptr);  // each growth made in AfterCommit's call: no race with the loop
   int in_step = 0, in_step_in_place = 0;
   for (int t = 0; t < 12000; ++t) {

@@ -53,6 +53,11 @@ struct LayerConfig {
   int64_t tokens_to_hold() const {
     return expected_tokens > 0 ? expected_tokens : max_layer_tokens;
   }
+  // Whether tokens_to_hold() is a length someone set (max_tokens, --max_context_tokens) rather
+  // than only the most a layer can hold.
+  bool tokens_to_hold_set() const {
+    return expected_tokens > 0 || max_layer_tokens < std::numeric_limits<int32_t>::max();
+  }
 };
 
 // Where a session's memory is charged: host bytes and, for placements with a GPU part, the

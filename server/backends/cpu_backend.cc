@@ -134,7 +134,8 @@ void CpuLayer::Shadow(const ShadowStep& step) const { HostShadow(shape_, kv_.vie
 absl::StatusOr<std::unique_ptr<HostPromptStaging>> HostPromptStaging::Create(
     const LayerConfig& config, MemoryAccount* host, KvElement element, int64_t kept_queries) {
   auto staging = std::make_unique<HostPromptStaging>(config.shape, host, element, kept_queries);
-  staging->kv.set_most_tokens(config.tokens_to_hold());
+  staging->kv.set_most_tokens(config.tokens_to_hold(),
+                              config.tokens_to_hold_set() ? MostRows::kSet : MostRows::kCeiling);
   if (config.expected_tokens > 0) {
     if (absl::Status s = staging->kv.Reserve(config.expected_tokens, "the announced max_tokens");
         !s.ok()) {
