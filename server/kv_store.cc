@@ -1,6 +1,7 @@
 #include "server/kv_store.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +11,21 @@
 #include "proto/tensor_codec.h"
 
 namespace kvrecall {
+
+namespace {
+
+// HostKvGrowthCounts's, by how.
+std::atomic<int64_t> growths_ahead{0}, growths_in_place{0}, growths_moved{0};
+
+void Count(std::atomic<int64_t>& growths) { growths.fetch_add(1, std::memory_order_relaxed); }
+
+}  // namespace
+
+HostKvGrowths HostKvGrowthCounts() {
+  return {growths_ahead.load(std::memory_order_relaxed),
+          growths_in_place.load(std::memory_order_relaxed),
+          growths_moved.load(std::memory_order_relaxed)};
+}
 
 BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
   assert(other.growths_ahead_ == 0 && "a growth ahead in flight holds the array's address");
@@ -136,12 +152,14 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
       }
       capacity_rows_ = capacity_rows;
       PinAdded(old_bytes);
+      Count(growths_in_place);
       return absl::OkStatus();
     } else {
       UnpinCurrent();
       if (data_.Grow(static_cast<size_t>(bytes), static_cast<size_t>(reserve)).ok()) {
         capacity_rows_ = capacity_rows;
         PinCurrent();
+        Count(growths_moved);
         return absl::OkStatus();
       }
       // Left unpinned (the old pages may have moved, a failed Grow keeps their content) for
@@ -157,6 +175,7 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   }
   if (rows_ > 0) std::memcpy(grown->data(), data_.data(), rows_ * row_bytes());
   UnpinCurrent();
+  if (capacity_rows_ > 0) Count(growths_moved);  // (else its first allocation)
   data_ = *std::move(grown);
   capacity_rows_ = capacity_rows;
   PinCurrent();
@@ -216,6 +235,7 @@ absl::Status BudgetedRows::EndGrowthAhead(GrowthAhead growth) {
     growth.status_ = data_.TakeMappedAhead(growth.bytes_);
     if (growth.status_.ok()) {
       capacity_rows_ = growth.capacity_rows_;
+      Count(growths_ahead);
       if (growth.pinned_) {
         pinned_ranges_.push_back(growth.pin_start_);
       } else if (growth.pinning_ != nullptr && !pinned_ranges_.empty()) {

@@ -65,6 +65,15 @@ enum class MostRows {
 };
 inline constexpr int64_t kHostRowsReserveMostBytes = int64_t{1} << 30;
 
+// Host KV arrays' growths since the process started, by how each was made (a layer's keys and
+// values are an array each). Thread-safe; for the metrics (kvrecall_host_kv_growths_total).
+struct HostKvGrowths {
+  int64_t ahead = 0;     // ahead of need, off the request's path (KvGrowthAhead)
+  int64_t in_place = 0;  // in the request that needed the rows, where the array is
+  int64_t moved = 0;     // in that request, to a new address: moved or copied, pinned again whole
+};
+HostKvGrowths HostKvGrowthCounts();
+
 class BudgetedRows;
 
 // A growth of a BudgetedRows within its reserved address space, made ahead of need by another

@@ -20,6 +20,14 @@ using prometheus::Family;
 using prometheus::Gauge;
 using prometheus::Histogram;
 
+// Counts `counter` up to a source's running `total`, of which `counted` it has counted. A total
+// below that (a source without such events, a test's) counts nothing back.
+void CountUpTo(int64_t total, Counter* counter, int64_t* counted) {
+  if (total <= *counted) return;
+  counter->Increment(static_cast<double>(total - *counted));
+  *counted = total;
+}
+
 // The services whose methods get their own series.
 constexpr const char* kServedServices[] = {
     "kvrecall.v1.KvRecall",
@@ -250,6 +258,20 @@ ServerMetrics::ServerMetrics()
     codes_learnings_[i] =
         &learnings.Add({{"outcome", LearningOutcomeLabel(static_cast<LearningOutcome>(i))}});
   }
+  prometheus::Family<Counter>& growths =
+      prometheus::BuildCounter()
+          .Name("kvrecall_host_kv_growths_total")
+          .Help("Sessions' host KV arrays grown as they filled (a layer's keys and values count "
+                "one each), by how: ahead (of need, off the requests' path); in_place (in the "
+                "Prefill or Decode that needed the rows, where the array is: its added pages "
+                "populated, and pinned where a GPU reads them, then); moved (in that request, to "
+                "a new address: moved or copied, and pinned again whole). A Decode that grows "
+                "an array waits for it, every layer of a model at the same token")
+          .Register(*registry_);
+  int how = 0;
+  for (const char* label : {"ahead", "in_place", "moved"}) {
+    host_kv_growths_[how++] = &growths.Add({{"how", label}});
+  }
   prometheus::BuildGauge()
       .Name("kvrecall_build_info")
       .Help("Always 1; the labels describe the build")
@@ -339,10 +361,13 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
     absl::MutexLock lock(&mu_);
     if (gauge_source_) gauges = gauge_source_();
     for (int i = 0; i < kLearningOutcomes; ++i) {
-      const int64_t more = gauges.codes_learnings[i] - codes_learnings_counted_[i];
-      if (more <= 0) continue;  // a source without learnings (or a test's) counts none back
-      codes_learnings_[i]->Increment(static_cast<double>(more));
-      codes_learnings_counted_[i] = gauges.codes_learnings[i];
+      CountUpTo(gauges.codes_learnings[i], codes_learnings_[i], &codes_learnings_counted_[i]);
+    }
+    const HostKvGrowths& grown = gauges.host_kv_growths;
+    int how = 0;
+    for (const int64_t total : {grown.ahead, grown.in_place, grown.moved}) {
+      CountUpTo(total, host_kv_growths_[how], &host_kv_growths_counted_[how]);
+      ++how;
     }
   }
   sessions_open_->Set(static_cast<double>(gauges.sessions_open));

@@ -31,6 +31,7 @@
 #include "prometheus/registry.h"
 #include "server/backends/attention_backend.h"
 #include "server/backends/learning_outcomes.h"
+#include "server/kv_store.h"
 
 namespace kvrecall {
 
@@ -45,6 +46,8 @@ struct ServerGauges {
   double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf when one is unlimited
   // Tiered layers' codes learnings by how they ended (LearningOutcome), since the start.
   std::array<int64_t, kLearningOutcomes> codes_learnings{};
+  // Host KV arrays' growths by how they were made, since the start (HostKvGrowthCounts).
+  HostKvGrowths host_kv_growths;
 };
 
 // A budget's limit as its gauge reads: limit_bytes <= 0 (unlimited) is +Inf, so that
@@ -153,6 +156,8 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Gauge* gpu_bytes_budget_;
   // kvrecall_codes_learnings_total, by LearningOutcome: counted up to the source's totals.
   std::array<prometheus::Counter*, kLearningOutcomes> codes_learnings_{};
+  // kvrecall_host_kv_growths_total: ahead, in_place, moved (HostKvGrowths), the same way.
+  std::array<prometheus::Counter*, 3> host_kv_growths_{};
 
   // Built in the constructor, read-only afterwards.
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> methods_;
@@ -163,6 +168,8 @@ class ServerMetrics final : public prometheus::Collectable {
   // The source's codes_learnings at the last scrape (its counters have counted them).
   mutable std::array<int64_t, kLearningOutcomes> codes_learnings_counted_ ABSL_GUARDED_BY(mu_) =
       {};
+  // And its host_kv_growths, in host_kv_growths_'s order.
+  mutable std::array<int64_t, 3> host_kv_growths_counted_ ABSL_GUARDED_BY(mu_) = {};
   absl::flat_hash_map<std::string, prometheus::Counter*> refusals_by_limit_ ABSL_GUARDED_BY(mu_);
   // [placement][selector], flattened; null until first used.
   std::vector<std::unique_ptr<PolicyMetrics>> policies_ ABSL_GUARDED_BY(mu_);

@@ -3,6 +3,8 @@
 #include <memory>
 #include <vector>
 
+#include "server/kv_store.h"
+
 namespace kvrecall {
 
 ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,
@@ -24,6 +26,7 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
     gauges.gpu_bytes_budget += BudgetGaugeValue(budget->limit());
   }
   gauges.codes_learnings = placements.CodesLearnings();
+  gauges.host_kv_growths = HostKvGrowthCounts();
   return gauges;
 }
 

@@ -61,6 +61,14 @@ inline ::testing::AssertionResult HasStatus(const absl::Status& status, absl::St
 
 // A channel to `address` whose messages may be as large as the server's default limit and
 // beyond (so that tests of the server's limit are not stopped by the client's).
+// The value of one series in a Prometheus text exposition (`series`: the name and its labels as
+// exposed, `kvrecall_x_total{how="ahead"}`); 0 where the text has no such series.
+inline double SeriesValue(const std::string& text, absl::string_view series) {
+  const std::string line = absl::StrCat("\n", series, " ");
+  const size_t at = text.find(line);
+  return at == std::string::npos ? 0 : std::stod(text.substr(at + line.size()));
+}
+
 inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
                                                   int max_message_bytes = 256 << 20) {
   grpc::ChannelArguments args;

@@ -33,6 +33,7 @@ using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
 using ::kvrecall::testing::ReferenceSession;
 using ::kvrecall::testing::ReferenceTopK;
+using ::kvrecall::testing::SeriesValue;
 using ::kvrecall::testing::PrefilledSessionTest;
 using ::kvrecall::testing::TensorValues;
 
@@ -181,6 +182,39 @@ TEST_F(ServiceDecodeTest, AHostKvGrownAheadOfNeedKeepsEveryStepExact) {
   ASSERT_TRUE(info.ok()) << info.status();
   // At least the first growth (600 -> 900 tokens): keys and values, 4 KiB a token each.
   EXPECT_GE(info->host_bytes(), int64_t{2} * 900 * 8 * 128 * 4);
+}
+
+// A short prompt's host KV arrays (16 tokens: 8 KiB each) are mappings from their first row,
+// which grow ahead of need: decoding it past eight growths moves or copies neither array in a
+// request (before, arrays under 512 KiB lived on the heap, and each growth copied them in the
+// step that needed the room), every step still exact, and kvrecall_host_kv_growths_total counts
+// how each growth was made.
+TEST_F(ServiceDecodeTest, AShortPromptsKvGrowsAheadAndNeverMovesInAStep) {
+  constexpr int kPrompt = 16, kSteps = 300;
+  ReferenceSession ref(MakeGeometry(1, 4, 2, 64), kPrompt, 17);
+  auto growths = [&](const char* how) {
+    return SeriesValue(server().server().metrics().TextFormat(),
+                       absl::StrCat("kvrecall_host_kv_growths_total{how=\"", how, "\"}"));
+  };
+  const double ahead = growths("ahead"), in_place = growths("in_place"), moved = growths("moved");
+  const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), kPrompt);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  for (int step = 0; step < kSteps; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, id, 0, 900 + step, &q, false, false);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ExpectOutputNear(TensorValues(result->output()), ref.FullAttention(0, q), v1::DTYPE_F32,
+                     "full attention");
+  }
+  EXPECT_EQ(growths("moved"), moved) << "an array moved or copied in a request";
+  // 16 -> 24 -> 36 -> ... -> 406 rows: keys and values, eight growths each, made ahead unless a
+  // step needed the rows before the growth thread took them up (then in place, in the step).
+  const double made_ahead = growths("ahead") - ahead;
+  EXPECT_GE(made_ahead + growths("in_place") - in_place, 2 * 8);
+  EXPECT_GE(made_ahead, 2 * 4) << "most growths made ahead";
 }
 
 // The index selector (RetrievalAttention) through the service. A search list longer than the

@@ -36,6 +36,7 @@ using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
 using ::kvrecall::testing::RandomPromptOf;
 using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::SeriesValue;
 using ::kvrecall::testing::ServerTest;
 using ::testing::HasSubstr;
 
@@ -59,11 +60,9 @@ v1::DecodeRequest OneStep(const std::string& id, uint64_t seed, int layer = 0) {
 
 // How often the server refused a request because of `limit` (kvrecall_requests_refused_total).
 int RefusalsCounted(RunningServer& server, absl::string_view limit) {
-  const std::string series = absl::StrCat("kvrecall_requests_refused_total{limit=\"", limit, "\"} ");
-  const std::string text = server.metrics().TextFormat();
-  const size_t at = text.find(series);
-  if (at == std::string::npos) return 0;
-  return std::stoi(text.substr(at + series.size()));
+  return static_cast<int>(
+      SeriesValue(server.metrics().TextFormat(),
+                  absl::StrCat("kvrecall_requests_refused_total{limit=\"", limit, "\"}")));
 }
 
 class LimitsTest : public ServerTest {
