@@ -116,6 +116,21 @@ absl::StatusOr<v1::SequenceResult> DecodeOne(DecodeClient& decode, ReferenceSess
   return reply->results(0);
 }
 
+// Decodes `steps` tokens into layer 0 of `ref`'s session `id` (f32 KV), each step's output
+// equal to full attention over the whole context.
+void DecodeStepsOfFullAttention(DecodeClient& decode, ReferenceSession& ref,
+                                const std::string& id, int steps) {
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, id, 0, 900 + step, &q, false, false);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ExpectOutputNear(TensorValues(result->output()), ref.FullAttention(0, q), v1::DTYPE_F32,
+                     "full attention");
+  }
+}
+
 TEST_F(ServiceDecodeTest, ExactTopKAttendsTheBruteForceTopK) {
   constexpr int kTopK = 16;
   ReferenceSession ref(MakeGeometry(2, 8, 2, 32), 120, 7);
@@ -169,15 +184,7 @@ TEST_F(ServiceDecodeTest, AHostKvGrownAheadOfNeedKeepsEveryStepExact) {
   const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), kPrompt);
   ASSERT_FALSE(id.empty());
   DecodeClient decode(stub());
-  for (int step = 0; step < kSteps; ++step) {
-    SCOPED_TRACE(absl::StrCat("step ", step));
-    std::vector<float> q;
-    absl::StatusOr<v1::SequenceResult> result =
-        DecodeOne(decode, ref, id, 0, 900 + step, &q, false, false);
-    ASSERT_TRUE(result.ok()) << result.status();
-    ExpectOutputNear(TensorValues(result->output()), ref.FullAttention(0, q), v1::DTYPE_F32,
-                     "full attention");
-  }
+  ASSERT_NO_FATAL_FAILURE(DecodeStepsOfFullAttention(decode, ref, id, kSteps));
   absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
   ASSERT_TRUE(info.ok()) << info.status();
   // At least the first growth (600 -> 900 tokens): keys and values, 4 KiB a token each.
@@ -200,15 +207,7 @@ TEST_F(ServiceDecodeTest, AShortPromptsKvGrowsAheadAndNeverMovesInAStep) {
   const std::string id = CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_FULL), kPrompt);
   ASSERT_FALSE(id.empty());
   DecodeClient decode(stub());
-  for (int step = 0; step < kSteps; ++step) {
-    SCOPED_TRACE(absl::StrCat("step ", step));
-    std::vector<float> q;
-    absl::StatusOr<v1::SequenceResult> result =
-        DecodeOne(decode, ref, id, 0, 900 + step, &q, false, false);
-    ASSERT_TRUE(result.ok()) << result.status();
-    ExpectOutputNear(TensorValues(result->output()), ref.FullAttention(0, q), v1::DTYPE_F32,
-                     "full attention");
-  }
+  ASSERT_NO_FATAL_FAILURE(DecodeStepsOfFullAttention(decode, ref, id, kSteps));
   EXPECT_EQ(growths("moved"), moved) << "an array moved or copied in a request";
   // 16 -> 24 -> 36 -> ... -> 406 rows: keys and values, eight growths each, made ahead unless a
   // step needed the rows before the growth thread took them up (then in place, in the step).
