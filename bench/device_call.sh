@@ -22,6 +22,7 @@
 #                               # (KVRECALLD_FLAGS: flags for that kvrecalld, d127 on)
 #   model_tokens_stretches NAME..  # each $R/NAME.json's stretches around the learning (d127 on;
 #                               # the 32 layers' staggered take-overs from d130 on)
+#   model_tokens_slowest_held NAME  # its slowest tokens by tokens held (--from=0; d138 on)
 #   kv_growth_run BIN           # BIN/kv_growth_bench with the device, into $R/kv_growth.json
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
@@ -302,6 +303,21 @@ takeover_calls() {  # SHIM
   wait "$kvrecalld_pid" 2>/dev/null
   api_bursts "$L/api_calls_3us.txt"
   xz -T4 -c "$L/api_calls_3us.txt" > "$R/api_calls_3us_d$N.txt.xz"
+}
+
+# The slowest tokens of a model_tokens_run run timed from the prompt's end (--from=0), by the
+# tokens held after each: one line into $S.
+model_tokens_slowest_held() {  # NAME
+  python3 - "$R/$1.json" "$1" <<'PY' 2>&1 | tee -a "$S"
+import json, statistics as st, sys
+d = json.load(open(sys.argv[1]))
+s = d["server_us_by_token"]
+held = [d["prompt"] + 1 + i for i in range(len(s))]  # tokens held after each timed token
+worst = sorted(range(len(s)), key=lambda i: -s[i])[:6]
+print(sys.argv[2], "median %.1f ms" % (st.median(s) / 1000), "p99 %.1f" %
+      (d["token_server_p99_us"] / 1000), "slowest (held, ms)",
+      [(held[i], round(s[i] / 1000, 1)) for i in worst])
+PY
 }
 
 kv_growth_run() {  # BIN

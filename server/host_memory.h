@@ -75,8 +75,9 @@ class HostMemory {
   // - within reserved_bytes(), the pages added are made accessible where they are; data() and
   //   every old byte stay as they were (GrowsInPlaceTo);
   // - beyond it, its pages move, by their page tables (mremap), to a new 2 MiB-aligned range of
-  //   max(bytes, reserve_bytes) bytes of address space (or grow where they are, when no address
-  //   space is reserved past them or asked for, and the addresses after them are free). data()
+  //   max(bytes, reserve_bytes) bytes of address space (bytes alone where the process's bound
+  //   has no room for more: HostAddressSpaceBound), or grow where they are, when no address
+  //   space is reserved past them or asked for, and the addresses after them are free. data()
   //   may change; the content up to the old size() is kept.
   // FAILED_PRECONDITION for a heap allocation (not mapped()) or a smaller `bytes`;
   // RESOURCE_EXHAUSTED when the address space or the pages cannot be had, the allocation then
@@ -120,12 +121,17 @@ size_t WholePages(size_t bytes);
 // The address space the process's mapped HostMemory allocations hold, their reservations
 // included (thread-safe).
 size_t HostAddressSpaceHeld();
-// Whether an allocation may reserve `bytes` more address space than it maps: while what they
-// all hold stays within half the process's address-space limit (RLIMIT_AS), or 32 TiB (a
-// quarter of x86-64's user space) without one, so that reservations made only to grow into
-// never starve other mappings (the allocator's, the CUDA driver's). Thread-safe.
+// The bound on what they hold with their reservations: half the process's address-space limit
+// (RLIMIT_AS), or 32 TiB (a quarter of x86-64's user space) without one, so that reservations
+// made only to grow into never starve other mappings (the allocator's, the CUDA driver's). An
+// allocation's reservation is held only where it fits (AllocateHostMemory, HostMemory::Grow:
+// else its pages alone, in one atomic step with the check); its pages are held whatever the
+// bound.
+size_t HostAddressSpaceBound();
+// Whether `bytes` more would fit the bound now (thread-safe; advice for choosing a
+// reservation, which AllocateHostMemory then holds only if it still fits).
 bool HostAddressSpaceAllows(size_t bytes);
-// Sets the bound HostAddressSpaceAllows keeps to (0: the default above), for tests.
+// Sets the bound (0: the default above), for tests.
 void SetHostAddressSpaceBoundForTesting(size_t bytes);
 // The process's mapped HostMemory allocations (thread-safe). Allocations under kHugePageBytes
 // are mapped only while they stay under a quarter of the kernel's limit on memory areas
@@ -157,11 +163,11 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // `huge_pages`, else after MADV_NOHUGEPAGE (4 KiB pages even where the THP mode is "always"),
 // with the address space after it up to `reserve_bytes` from its start set aside for it to grow
 // into without moving (HostMemory::Grow; no memory is mapped there, and none counted against
-// the system's commit limit; where an address-space limit refuses it, none is reserved); so is
-// a smaller one, of any size, that reserves room to grow to kHugePageBytes or more, while the
-// process's mappings are few (HostMappings). Any other is a
-// heap allocation of whole pages of its own (nothing reserved), so that pinning it never meets
-// another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the address
+// the system's commit limit; where the process's bound (HostAddressSpaceBound) or an
+// address-space limit refuses it, none is reserved); so is a smaller one, of any size, that
+// reserves room to grow to kHugePageBytes or more, while the process's mappings are few
+// (HostMappings). Any other is a heap allocation of whole pages of its own (nothing reserved),
+// so that pinning it never meets another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the address
 // space cannot be had. The first form follows HostHugePages() and reserves nothing.
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,

@@ -114,10 +114,11 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
         what, ": the array cannot grow while a growth made ahead of need is in flight (end it "
               "first)"));
   }
-  // Address space for the growths to come (a mapped allocation's only; none mapped yet), where
-  // the process's reservations leave room (HostAddressSpaceAllows): four times the allocation,
-  // or the rows the array may ever hold (MostRows: whole, or up to kHostRowsReserveMostBytes);
-  // else none (the allocation alone: it moves at every growth).
+  // Address space for the growths to come (a mapped allocation's only; none mapped yet): the
+  // first of these that the process's reservations leave room for (HostAddressSpaceAllows;
+  // kHostRowsReserveShares): the rows the array may ever hold (MostRows: whole, or up to
+  // kHostRowsReserveMostBytes), up to 1 GiB of them, four times the allocation; else none (the
+  // allocation alone: it moves at every growth).
   int64_t reserve = 0;
   if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve) ||
       !HostAddressSpaceAllows(static_cast<size_t>(reserve))) {
@@ -128,11 +129,15 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
     if (__builtin_mul_overflow(most_rows_, row_bytes(), &most_bytes)) {
       most_bytes = std::numeric_limits<int64_t>::max();  // more than any bound allows
     }
-    if (most_rows_kind_ == MostRows::kCeiling) {
-      most_bytes = std::min(most_bytes, kHostRowsReserveMostBytes);
-    }
-    if (most_bytes > reserve && HostAddressSpaceAllows(static_cast<size_t>(most_bytes))) {
-      reserve = most_bytes;
+    most_bytes = std::min(
+        most_bytes, static_cast<int64_t>(HostAddressSpaceBound() / kHostRowsReserveShares));
+    const int64_t capped = std::min(most_bytes, kHostRowsReserveMostBytes);
+    for (const int64_t candidate :
+         {most_rows_kind_ == MostRows::kSet ? most_bytes : capped, capped}) {
+      if (candidate > reserve && HostAddressSpaceAllows(static_cast<size_t>(candidate))) {
+        reserve = candidate;
+        break;
+      }
     }
   }
   // A mapped allocation grows without a copy: only the new rows' pages are populated. A copy

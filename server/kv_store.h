@@ -48,22 +48,26 @@ inline constexpr int kHostRowsAddressReserve = 4;
 // that grew from a short prompt moved at every 4x, and every layer of a model at the same token
 // (d130: 155 ms for 32 layers at 4.6K tokens, against ~11 for its neighbours; a move populates
 // the added rows and pins the array again whole in the step). Address space only: no memory
-// (PROT_NONE, not committed). Past the process's bound on reservations (HostAddressSpaceAllows:
-// 32 TiB, or half its RLIMIT_AS) arrays reserve 4x again, and past it with that, nothing beyond
-// their allocation.
+// (PROT_NONE, not committed). No array reserves more than 1/kHostRowsReserveShares of the
+// process's bound on reservations (HostAddressSpaceBound: 32 TiB, or half its RLIMIT_AS), so
+// that at least 64 sessions of 64 arrays reserve in full before any has to do with less. Past
+// the bound's room an array reserves what still fits of: its most rows, 1 GiB, 4x, nothing
+// beyond its allocation (it then moves in the step at each growth).
 enum class MostRows {
-  // A length someone set (an announced max_tokens, kvrecalld --max_context_tokens): reserved
-  // whole, so that the array never moves below it (an announced length is allocated at once;
-  // the operator's ceiling bounds every session, 2 GiB an array at 1M tokens of a bf16 layer of
-  // 8 KV heads x d = 128).
+  // A length someone set (kvrecalld --max_context_tokens, an announced max_tokens): reserved
+  // whole, within the share above, so that the array never moves below it. (An announced
+  // length is allocated, and charged to the budget, at once: its 4x is the larger. The
+  // operator's ceiling is what reaches here: 2 GiB an array at 1M tokens of a bf16 layer of 8
+  // KV heads x d = 128.)
   kSet,
   // Only the most a layer can hold (kMaxLayerTokens, 2^31 - 1): reserved up to
   // kHostRowsReserveMostBytes, 1 GiB (512K such rows; a 32-layer session's 64 arrays take
-  // 64 GiB of the 128 TiB a process has). Past it the array moves once in the step, pinned
-  // again whole, and reserves 4x from there.
+  // 64 GiB of the 32 TiB bound). Past it the array moves once in the step, pinned again whole,
+  // and reserves 4x from there.
   kCeiling,
 };
 inline constexpr int64_t kHostRowsReserveMostBytes = int64_t{1} << 30;
+inline constexpr int64_t kHostRowsReserveShares = 4096;
 
 // Host KV arrays' growths since the process started, by how each was made (a layer's keys and
 // values are an array each). Thread-safe; for the metrics (kvrecall_host_kv_growths_total).

@@ -67,7 +67,8 @@ ABSL_FLAG(int64_t, max_sessions, 0,
 ABSL_FLAG(int64_t, max_context_tokens, 0,
           "tokens (prompt + decoded) each layer of a session may hold; a CreateSession "
           "announcing more, or a Prefill chunk or Decode step growing a layer past it, gets "
-          "RESOURCE_EXHAUSTED; 0: no limit");
+          "RESOURCE_EXHAUSTED; each host KV array reserves address space (not memory) for this "
+          "many tokens, to grow to them without moving; 0: no limit");
 ABSL_FLAG(double, session_idle_ttl_seconds, 0,
           "a session that no call used for this long is closed and its memory freed (its id "
           "then answers NOT_FOUND saying it expired); 0: sessions never expire");
@@ -138,7 +139,7 @@ ABSL_FLAG(std::string, auth_token_file, "",
 
 ABSL_FLAG(bool, host_huge_pages, true,
           "back sessions' host KV arrays (and staged prompts) of 2 MiB or more, or smaller with "
-          "room to grow past 2 MiB, with 2 MiB transparent huge pages (each its own "
+          "room to grow past 2 MiB while the process's mappings are few, with 2 MiB transparent huge pages (each its own "
           "2 MiB-aligned mapping, MADV_HUGEPAGE), so that "
           "scattered row reads by the host's threads and by a GPU over PCIe need fewer address "
           "translations; takes effect where /sys/kernel/mm/transparent_hugepage/enabled is "

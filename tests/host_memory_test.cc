@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -312,6 +313,43 @@ TEST(HostMemoryTest, ReservationsKeepWithinTheProcesssBound) {
   EXPECT_FALSE(HostAddressSpaceAllows((48 << 20) + 1)) << "16 MiB of it held";
   memory->reset();
   EXPECT_TRUE(HostAddressSpaceAllows(64 << 20));
+}
+
+// An allocation holds its reservation only where the process's bound has room for it, checked
+// and held in one atomic step: allocations made at once on eight threads, each asking for
+// 4 MiB, hold as many reservations as fit the bound and no more; the rest hold their pages
+// alone (and still work).
+TEST(HostMemoryTest, ReservationsMadeAtOnceNeverPassTheBoundTogether) {
+  constexpr size_t kReserve = 4 << 20;
+  constexpr int kThreads = 8, kEach = 8, kFit = 10;
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  // Room for ten reservations, beside the pages of all 64 allocations.
+  const size_t room = kFit * kReserve + kThreads * kEach * page;
+  SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + room);
+  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
+  std::vector<std::vector<HostMemory>> made(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&made, t] {
+      for (int i = 0; i < kEach; ++i) {
+        absl::StatusOr<HostMemory> memory = AllocateHostMemory(100, true, kReserve);
+        if (memory.ok()) made[t].push_back(*std::move(memory));
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  int reserved = 0, total = 0;
+  for (std::vector<HostMemory>& memories : made) {
+    for (HostMemory& memory : memories) {
+      ++total;
+      ASSERT_TRUE(memory.mapped());
+      reserved += memory.reserved_bytes() == kReserve;
+      if (memory.reserved_bytes() != kReserve) EXPECT_EQ(memory.reserved_bytes(), page);
+      ExpectWritable(memory);
+    }
+  }
+  EXPECT_EQ(total, kThreads * kEach);
+  EXPECT_EQ(reserved, kFit) << "as many as fit the bound, and no more";
 }
 
 TEST(HostMemoryTest, MovingHandsTheAllocationOver) {

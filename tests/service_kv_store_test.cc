@@ -375,11 +375,12 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   AppendRows(capped, 600);
   EXPECT_EQ(capped.rows_in_place(), kHostRowsReserveMostBytes / 4096);
   constexpr int64_t kSetPastTheCap = 3 * kHostRowsReserveMostBytes / 4096;  // 3 GiB
-  BudgetedRows whole(1024, &budget);
-  whole.set_most_rows(kSetPastTheCap, MostRows::kSet);
-  AppendRows(whole, 600);
-  EXPECT_EQ(whole.rows_in_place(), kSetPastTheCap);
-  whole = BudgetedRows();  // its address space given back before the bounds below
+  if (HostAddressSpaceBound() / kHostRowsReserveShares >= 3 * kHostRowsReserveMostBytes) {
+    BudgetedRows whole(1024, &budget);
+    whole.set_most_rows(kSetPastTheCap, MostRows::kSet);
+    AppendRows(whole, 600);
+    EXPECT_EQ(whole.rows_in_place(), kSetPastTheCap);
+  }  // (else a process bound under 12 TiB: the share test below covers it)
   // Where the process's reservations have no room for its most rows, 4x as before.
   SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + (kMost * 4096 - 1));
   absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
@@ -398,6 +399,45 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   ExpectRowsIntact(alone);
 }
 
+// No array reserves more than its share of the process's bound (1/kHostRowsReserveShares),
+// whatever length it is told; and where the bound has no room left for a length someone set,
+// it reserves what still fits of 1 GiB, then 4x its allocation.
+TEST(KvStoreTest, AnArraysReservationKeepsToItsShareAndTakesWhatStillFits) {
+  MemoryBudget budget(0);
+  constexpr int64_t kTwoGiB = 2 * kHostRowsReserveMostBytes / 4096;  // rows of 4 KiB
+  SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + (size_t{64} << 30));
+  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
+  const int64_t share = static_cast<int64_t>(HostAddressSpaceBound()) / kHostRowsReserveShares;
+  ASSERT_LT(share, kHostRowsReserveMostBytes) << "a 64 GiB bound: a share of ~16 MiB";
+  for (const MostRows kind : {MostRows::kSet, MostRows::kCeiling}) {
+    BudgetedRows told(1024, &budget);
+    told.set_most_rows(kTwoGiB, kind);
+    AppendRows(told, 600);
+    EXPECT_EQ(told.rows_in_place(), WholePages(share) / 4096);
+  }
+
+  // A bound whose share would reserve 2 GiB whole (8 TiB / 4096), all but 1.5 GiB of it held by
+  // another allocation's reservation: 1 GiB of the length fits.
+  constexpr size_t kBound = size_t{8} << 40, kRoom = size_t{3} << 29;
+  SetHostAddressSpaceBoundForTesting(kBound);
+  const size_t hog_bytes = kBound - kRoom - HostAddressSpaceHeld();
+  absl::StatusOr<HostMemory> hog = AllocateHostMemory(kHugePageBytes, true, hog_bytes);
+  ASSERT_TRUE(hog.ok()) << hog.status();
+  if (hog->reserved_bytes() != hog_bytes) {
+    GTEST_SKIP() << "no 8 TiB of address space to reserve here (an address-space limit)";
+  }
+  BudgetedRows set(1024, &budget);
+  set.set_most_rows(kTwoGiB, MostRows::kSet);
+  AppendRows(set, 600);
+  EXPECT_EQ(set.rows_in_place(), kHostRowsReserveMostBytes / 4096) << "1 GiB of the 2";
+  // With under 1 GiB of room, four times its allocation.
+  BudgetedRows four_times(1024, &budget);
+  four_times.set_most_rows(kTwoGiB, MostRows::kSet);
+  AppendRows(four_times, 600);
+  EXPECT_EQ(four_times.rows_in_place(),
+            WholePages(four_times.allocated_bytes() * kHostRowsAddressReserve) / 4096);
+}
+
 // A layer's prompt staging (cpu and tiered placements) tells its KV arrays the most tokens the
 // layer will hold: its announced max_tokens, else the server's --max_context_tokens (both
 // reserved whole), else the most a layer can hold (reserved up to kHostRowsReserveMostBytes).
@@ -412,7 +452,13 @@ TEST(KvStoreTest, APromptStagingsArraysReserveForTheLayersMostTokens) {
   ASSERT_TRUE((*staging)->Reserve(600, "test prompt").ok());
   EXPECT_EQ((*staging)->kv.tokens_in_place(), 30000);
   for (const int64_t ceiling : {int64_t{600000}, LayerConfig().max_layer_tokens}) {
-    config.max_layer_tokens = ceiling;  // 2.4 GB of keys; then none set
+    // 2.4 GB of keys (where the process's bound gives an array that share); then none set.
+    if (ceiling == 600000 &&
+        HostAddressSpaceBound() / kHostRowsReserveShares < 600000 * 4096) {
+      continue;
+    }
+    config.max_layer_tokens = ceiling;
+    staging->reset();  // its reservations given back first
     staging = HostPromptStaging::Create(config, &budget, KvElement::kF32, 0);
     ASSERT_TRUE(staging.ok()) << staging.status();
     ASSERT_TRUE((*staging)->Reserve(600, "test prompt").ok());
