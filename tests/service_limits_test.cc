@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/host_memory.h"
+#include "server/kv_store.h"
 #include "server/prefill.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
@@ -227,6 +228,30 @@ TEST_F(MaxContextTokensTest, DecodeStepPastTheLimitIsRefusedAndAppendsNothing) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->tokens(), 32);
   EXPECT_EQ(RefusalsCounted(running(), "max_context_tokens"), 1);
+}
+
+// --max_context_tokens is the most a session's layers will hold, so each host KV array reserves
+// address space for that many tokens whole (MostRows::kSet), past the 1 GiB a server without it
+// reserves an array: a 16-token prompt's two arrays hold 2 x 16M rows of 128 bytes, 4 GiB.
+class ContextReservationTest : public LimitsTest {
+ protected:
+  ContextReservationTest() { limits_.max_context_tokens = kTokens; }
+  static constexpr int64_t kTokens = int64_t{16} << 20;
+};
+
+TEST_F(ContextReservationTest, EachHostKvArrayReservesTheServersMostTokens) {
+  constexpr int64_t kRowBytes = kKvHeads * kHeadDim * sizeof(float);  // cpu placement: f32
+  if (static_cast<int64_t>(HostAddressSpaceBound()) / kHostRowsReserveShares <
+      kTokens * kRowBytes) {
+    GTEST_SKIP() << "the process's bound on reservations is under 8 TiB (an address-space "
+                    "limit): an array's share is smaller than the length";
+  }
+  const size_t held = HostAddressSpaceHeld();
+  const std::string id = PrefilledSession(16);
+  ASSERT_FALSE(id.empty());
+  const auto reserved = static_cast<int64_t>(HostAddressSpaceHeld() - held);
+  EXPECT_GE(reserved, 2 * kTokens * kRowBytes) << "the ceiling's 1 GiB an array, not the length";
+  EXPECT_LT(reserved, 2 * kTokens * kRowBytes + (int64_t{64} << 20));
 }
 
 // ---------------------------------------------------------------------------------------------
