@@ -282,9 +282,11 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   // the same token, where a mapping grows ahead of need, off the step. Its pages are whole
   // pages, as the heap's below, but all populated at once, and each mapping takes a page-table
   // page of the kernel's.)
-  if (bytes < kHugePageBytes &&
-      (reserve_bytes < kHugePageBytes ||
-       mappings.load(std::memory_order_relaxed) >= SmallMappingsBound())) {
+  // (And none of no bytes: a mapping of none would not be mapped().)
+  if (bytes == 0 ||
+      (bytes < kHugePageBytes &&
+       (reserve_bytes < kHugePageBytes ||
+        mappings.load(std::memory_order_relaxed) >= SmallMappingsBound()))) {
     // Whole pages of their own, so that pinning one (cudaHostRegister, which pins whole pages
     // and refuses a page pinned twice) never meets another's: a layer's keys and values were
     // neighbours in one page where the heap put them so.

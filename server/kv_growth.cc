@@ -47,14 +47,16 @@ struct KvGrowthAhead::Job final : WorkItem {
     absl::MutexLock lock(&mu);
     return done;
   }
-  // Waits for a begun growth; one not begun never will.
-  void CancelOrWait() {
+  // Waits for a begun growth (returns whether it was still running); one not begun never will.
+  bool CancelOrWait() {
     absl::MutexLock lock(&mu);
     if (!begun) {
       cancelled = true;
-      return;
+      return false;
     }
+    const bool running = !done;
     mu.Await(absl::Condition(&done));
+    return running;
   }
 
   absl::Mutex mu;
@@ -103,7 +105,7 @@ void KvGrowthAhead::BeforeReserve(LayerKvStore& kv, int64_t more) {
   // Needed now: a growth begun is waited for; one still queued (behind other layers' and
   // sessions' growths on the one queue thread) is dropped, and the reservation grows the store
   // itself, in place.
-  job_->CancelOrWait();
+  if (job_->CancelOrWait()) job_->growth.MarkWaitedFor();
   End(kv);
 }
 

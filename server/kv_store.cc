@@ -15,14 +15,17 @@ namespace kvrecall {
 namespace {
 
 // HostKvGrowthCounts's, by how.
-std::atomic<int64_t> growths_ahead{0}, growths_in_place{0}, growths_moved{0};
+std::atomic<int64_t> growths_ahead{0}, growths_waited{0}, growths_in_place{0}, growths_moved{0};
 
-void Count(std::atomic<int64_t>& growths) { growths.fetch_add(1, std::memory_order_relaxed); }
+void Count(std::atomic<int64_t>& growths, bool counted) {
+  if (counted) growths.fetch_add(1, std::memory_order_relaxed);
+}
 
 }  // namespace
 
 HostKvGrowths HostKvGrowthCounts() {
   return {growths_ahead.load(std::memory_order_relaxed),
+          growths_waited.load(std::memory_order_relaxed),
           growths_in_place.load(std::memory_order_relaxed),
           growths_moved.load(std::memory_order_relaxed)};
 }
@@ -42,6 +45,7 @@ BudgetedRows& BudgetedRows::operator=(BudgetedRows&& other) noexcept {
     pin_broken_ = std::exchange(other.pin_broken_, false);
     most_rows_ = std::exchange(other.most_rows_, 0);
     most_rows_kind_ = other.most_rows_kind_;
+    counts_growths_ = other.counts_growths_;
   }
   return *this;
 }
@@ -157,14 +161,14 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
       }
       capacity_rows_ = capacity_rows;
       PinAdded(old_bytes);
-      Count(growths_in_place);
+      Count(growths_in_place, counts_growths_);
       return absl::OkStatus();
     } else {
       UnpinCurrent();
       if (data_.Grow(static_cast<size_t>(bytes), static_cast<size_t>(reserve)).ok()) {
         capacity_rows_ = capacity_rows;
         PinCurrent();
-        Count(growths_moved);
+        Count(growths_moved, counts_growths_);
         return absl::OkStatus();
       }
       // Left unpinned (the old pages may have moved, a failed Grow keeps their content) for
@@ -180,7 +184,7 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   }
   if (rows_ > 0) std::memcpy(grown->data(), data_.data(), rows_ * row_bytes());
   UnpinCurrent();
-  if (capacity_rows_ > 0) Count(growths_moved);  // (else its first allocation)
+  Count(growths_moved, counts_growths_ && capacity_rows_ > 0);  // (else its first allocation)
   data_ = *std::move(grown);
   capacity_rows_ = capacity_rows;
   PinCurrent();
@@ -240,7 +244,7 @@ absl::Status BudgetedRows::EndGrowthAhead(GrowthAhead growth) {
     growth.status_ = data_.TakeMappedAhead(growth.bytes_);
     if (growth.status_.ok()) {
       capacity_rows_ = growth.capacity_rows_;
-      Count(growths_ahead);
+      Count(growth.waited_for_ ? growths_waited : growths_ahead, counts_growths_);
       if (growth.pinned_) {
         pinned_ranges_.push_back(growth.pin_start_);
       } else if (growth.pinning_ != nullptr && !pinned_ranges_.empty()) {

@@ -69,10 +69,12 @@ enum class MostRows {
 inline constexpr int64_t kHostRowsReserveMostBytes = int64_t{1} << 30;
 inline constexpr int64_t kHostRowsReserveShares = 4096;
 
-// Host KV arrays' growths since the process started, by how each was made (a layer's keys and
-// values are an array each). Thread-safe; for the metrics (kvrecall_host_kv_growths_total).
+// Sessions' host KV arrays' growths since the process started, by how each was made (a
+// LayerKvStore's keys and values are an array each; other BudgetedRows are not counted).
+// Thread-safe; for the metrics (kvrecall_host_kv_growths_total).
 struct HostKvGrowths {
   int64_t ahead = 0;     // ahead of need, off the request's path (KvGrowthAhead)
+  int64_t waited = 0;    // ahead, but still running when a request needed its rows and waited
   int64_t in_place = 0;  // in the request that needed the rows, where the array is
   int64_t moved = 0;     // in that request, to a new address: moved or copied, pinned again whole
 };
@@ -104,6 +106,8 @@ class GrowthAhead {
   // Maps (and pins) the pages; at most once. Safe beside the owner's reads and appends below
   // the old capacity.
   void Run();
+  // A request needed its rows while it ran, and waited for it (counted so: HostKvGrowths).
+  void MarkWaitedFor() { waited_for_ = true; }
   int64_t capacity_rows() const { return capacity_rows_; }
   // Run's outcome (OK before it ran).
   const absl::Status& status() const { return status_; }
@@ -123,6 +127,7 @@ class GrowthAhead {
   int64_t charged_bytes_ = 0;
   bool ran_ = false;
   bool pinned_ = false;
+  bool waited_for_ = false;
   absl::Status status_;
 };
 
@@ -205,6 +210,8 @@ class BudgetedRows {
     most_rows_ = rows;
     most_rows_kind_ = kind;
   }
+  // Whether its growths count in HostKvGrowthCounts (a session's host KV: LayerKvStore's).
+  void set_counts_growths(bool on) { counts_growths_ = on; }
 
  private:
   friend absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
@@ -241,6 +248,7 @@ class BudgetedRows {
   int growths_ahead_ = 0;
   int64_t most_rows_ = 0;  // set_most_rows
   MostRows most_rows_kind_ = MostRows::kCeiling;
+  bool counts_growths_ = false;
 };
 
 // Makes room for `more` rows in each of `arrays` (which hold equally many rows and share one
@@ -307,7 +315,10 @@ class LayerKvStore {
       : keys_(int64_t{kv_heads} * head_dim, budget, element),
         values_(int64_t{kv_heads} * head_dim, budget, element),
         kv_heads_(kv_heads),
-        head_dim_(head_dim) {}
+        head_dim_(head_dim) {
+    keys_.set_counts_growths(true);
+    values_.set_counts_growths(true);
+  }
 
   // Host bytes of `tokens` tokens' keys and values of this shape and element type.
   static int64_t BytesFor(int64_t tokens, int kv_heads, int head_dim, KvElement element) {
@@ -338,6 +349,10 @@ class LayerKvStore {
     void Run() {
       keys.Run();
       values.Run();
+    }
+    void MarkWaitedFor() {
+      keys.MarkWaitedFor();
+      values.MarkWaitedFor();
     }
   };
   absl::StatusOr<Growth> StartGrowthAhead(int64_t capacity, absl::string_view what);

@@ -261,15 +261,16 @@ ServerMetrics::ServerMetrics()
   prometheus::Family<Counter>& growths =
       prometheus::BuildCounter()
           .Name("kvrecall_host_kv_growths_total")
-          .Help("Sessions' host KV arrays grown as they filled (a layer's keys and values count "
-                "one each), by how: ahead (of need, off the requests' path); in_place (in the "
-                "Prefill or Decode that needed the rows, where the array is: its added pages "
-                "populated, and pinned where a GPU reads them, then); moved (in that request, to "
-                "a new address: moved or copied, and pinned again whole). A Decode that grows "
-                "an array waits for it, every layer of a model at the same token")
+          .Help("Sessions' host KV arrays grown as they filled, in this process (a layer's keys "
+                "and values count one each), by how: ahead (of need, off the requests' path); "
+                "waited (ahead, but a request needed its rows before it was done, and waited); "
+                "in_place (in the Prefill or Decode that needed the rows, where the array is: "
+                "its added pages populated, and pinned where a GPU reads them, then); moved (in "
+                "that request, to a new address: moved or copied, and pinned again whole). A "
+                "Decode that grows or waits stalls, every layer of a model at the same token")
           .Register(*registry_);
   int how = 0;
-  for (const char* label : {"ahead", "in_place", "moved"}) {
+  for (const char* label : {"ahead", "waited", "in_place", "moved"}) {
     host_kv_growths_[how++] = &growths.Add({{"how", label}});
   }
   prometheus::BuildGauge()
@@ -365,7 +366,7 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
     }
     const HostKvGrowths& grown = gauges.host_kv_growths;
     int how = 0;
-    for (const int64_t total : {grown.ahead, grown.in_place, grown.moved}) {
+    for (const int64_t total : {grown.ahead, grown.waited, grown.in_place, grown.moved}) {
       CountUpTo(total, host_kv_growths_[how], &host_kv_growths_counted_[how]);
       ++how;
     }

@@ -156,8 +156,9 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Gauge* gpu_bytes_budget_;
   // kvrecall_codes_learnings_total, by LearningOutcome: counted up to the source's totals.
   std::array<prometheus::Counter*, kLearningOutcomes> codes_learnings_{};
-  // kvrecall_host_kv_growths_total: ahead, in_place, moved (HostKvGrowths), the same way.
-  std::array<prometheus::Counter*, 3> host_kv_growths_{};
+  // kvrecall_host_kv_growths_total: ahead, waited, in_place, moved (HostKvGrowths), the same
+  // way.
+  std::array<prometheus::Counter*, 4> host_kv_growths_{};
 
   // Built in the constructor, read-only afterwards.
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> methods_;
@@ -169,7 +170,7 @@ class ServerMetrics final : public prometheus::Collectable {
   mutable std::array<int64_t, kLearningOutcomes> codes_learnings_counted_ ABSL_GUARDED_BY(mu_) =
       {};
   // And its host_kv_growths, in host_kv_growths_'s order.
-  mutable std::array<int64_t, 3> host_kv_growths_counted_ ABSL_GUARDED_BY(mu_) = {};
+  mutable std::array<int64_t, 4> host_kv_growths_counted_ ABSL_GUARDED_BY(mu_) = {};
   absl::flat_hash_map<std::string, prometheus::Counter*> refusals_by_limit_ ABSL_GUARDED_BY(mu_);
   // [placement][selector], flattened; null until first used.
   std::vector<std::unique_ptr<PolicyMetrics>> policies_ ABSL_GUARDED_BY(mu_);

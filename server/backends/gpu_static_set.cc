@@ -355,13 +355,13 @@ class GpuBulkCodes final : public BulkCodes {
     // The keys go up from a copy: the host KV is pinned a range per growth made where it is, and
     // the driver refuses a copy from pinned memory that runs past its range
     // (cudaErrorInvalidValue; the device's own reads cross them: its kernels read by address).
-    std::vector<uint16_t> host_keys(chunk * row);
+    const auto host_keys = std::make_unique_for_overwrite<uint16_t[]>(chunk * row);
     for (int64_t begin = first; begin < bulk.tokens; begin += chunk) {
       if (absl::Status s = stop.Check(kCodingStopped); !s.ok()) return s;
       const int64_t n = std::min(chunk, bulk.tokens - begin);
-      std::memcpy(host_keys.data(), bulk.key_row(begin, 0), n * row * sizeof(uint16_t));
+      std::memcpy(host_keys.get(), bulk.key_row(begin, 0), n * row * sizeof(uint16_t));
       KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpy(keys.data(), host_keys.data(), n * row * sizeof(uint16_t),
+          cudaMemcpy(keys.data(), host_keys.get(), n * row * sizeof(uint16_t),
                      cudaMemcpyHostToDevice),
           "uploading the bulk's keys to code"));
       // Every KV head in one launch: head h's keys are every row's h-th part, its codes rows
