@@ -34,6 +34,8 @@ std::atomic<size_t> address_space_bound_for_testing{0};
 // HostMappings, and the bound set for tests (0: none set).
 std::atomic<int64_t> mappings{0};
 std::atomic<int64_t> mappings_bound_for_testing{0};
+// SetHostMemoryRefusedMovesForTesting's count of moves still to refuse.
+std::atomic<int> refused_moves_for_testing{0};
 
 // Mapped allocations under a huge page are made while the process's mappings stay under a
 // quarter of the kernel's limit on memory areas (vm.max_map_count, 65530 by default: each
@@ -270,7 +272,48 @@ std::byte* MapReserved(size_t length, size_t reserve, bool huge_pages) {
   return aligned;
 }
 
+#ifndef MAP_FIXED_NOREPLACE
+constexpr int MAP_FIXED_NOREPLACE = 0x100000;  // <linux/mman.h>, Linux 4.17
+#endif
+
+// Maps [at, at + bytes) again as reserved address space (PROT_NONE, with the huge-page advice)
+// where nothing is mapped there now, and leaves it as it is where something is
+// (MAP_FIXED_NOREPLACE: all of it or none; a kernel before 4.17 takes the address as a hint,
+// and what it mapped elsewhere is undone).
+void RetakeReserved(std::byte* at, size_t bytes, bool huge_pages) {
+  void* const p = mmap(at, bytes, PROT_NONE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+  if (p == MAP_FAILED) return;
+  if (p != at) {
+    munmap(p, bytes);
+    return;
+  }
+#ifdef MADV_HUGEPAGE
+  madvise(at, bytes, huge_pages ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+#endif
+}
+
+// mremap(old, old_length, new_length, MREMAP_MAYMOVE | MREMAP_FIXED, to), or, while tests ask
+// for it, that call refused as the kernel refuses it for the commit limit: `to`'s range unmapped
+// first, then ENOMEM.
+void* MoveMapping(void* old, size_t old_length, size_t new_length, std::byte* to) {
+  int left = refused_moves_for_testing.load(std::memory_order_relaxed);
+  while (left > 0 && !refused_moves_for_testing.compare_exchange_weak(
+                         left, left - 1, std::memory_order_relaxed)) {
+  }
+  if (left > 0) {
+    munmap(to, new_length);
+    errno = ENOMEM;
+    return MAP_FAILED;
+  }
+  return mremap(old, old_length, new_length, MREMAP_MAYMOVE | MREMAP_FIXED, to);
+}
+
 }  // namespace
+
+void SetHostMemoryRefusedMovesForTesting(int moves) {
+  refused_moves_for_testing.store(moves, std::memory_order_relaxed);
+}
 
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
                                               size_t reserve_bytes) {
@@ -354,9 +397,9 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
       // pages merge into it as growths make them accessible, and a later move is one call
       // again (mremap moves one mapping, not several). That tail stays counted against the
       // system's commit limit (it was writable once), which matters only under
-      // vm.overcommit_memory=2; where that refuses the tail, only `length` moves, the tail
-      // stays a mapping of its own, and a second move past it copies (BudgetedRows's
-      // fallback).
+      // vm.overcommit_memory=2; where that refuses the tail, the pages move as they are (a move
+      // charges nothing), the tail stays a mapping of its own that MapAhead makes accessible,
+      // and a second move past it copies (BudgetedRows's fallback).
       const size_t reserved = HoldAddressSpace(length, std::max(length, WholePages(reserve_bytes)));
       std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
       if (aligned == nullptr) {
@@ -364,16 +407,22 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
         ReleaseAddressSpace(reserved);
         return Exhausted(bytes, error);
       }
-      void* moved = mremap(data_, old_length, reserved, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
+      void* moved = MoveMapping(data_, old_length, reserved, aligned);
       if (moved != MAP_FAILED) {
         // (A split of one mapping, not expected to fail; where it did, the tail would stay
         // accessible, unpopulated, and reserved all the same.)
         if (reserved > length) mprotect(aligned + length, reserved - length, PROT_NONE);
       } else {
-        moved = mremap(data_, old_length, length, MREMAP_MAYMOVE | MREMAP_FIXED, aligned);
+        // The kernel unmaps the target before it charges the commit (mm/mremap.c): a move
+        // refused for the commit left the reserved range unmapped, where anything could be
+        // mapped next. Taken back first, so that the range stays this allocation's.
+        RetakeReserved(aligned, reserved, huge_pages_requested_);
+        moved = MoveMapping(data_, old_length, old_length, aligned);
       }
       if (moved == MAP_FAILED) {
         const int error = errno;
+        // (What that move's refusal may have unmapped, taken back: all ours to unmap, then.)
+        RetakeReserved(aligned, old_length, huge_pages_requested_);
         munmap(aligned, reserved);
         ReleaseAddressSpace(reserved);
         return Exhausted(bytes, error);

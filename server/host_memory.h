@@ -133,6 +133,9 @@ size_t HostAddressSpaceBound();
 bool HostAddressSpaceAllows(size_t bytes);
 // Sets the bound (0: the default above), for tests.
 void SetHostAddressSpaceBoundForTesting(size_t bytes);
+// Refuses the next `moves` moves of a growing HostMemory::Grow as the kernel refuses one for the
+// commit limit (vm.overcommit_memory=2): the target's range unmapped first, then ENOMEM. Tests.
+void SetHostMemoryRefusedMovesForTesting(int moves);
 // The process's mapped HostMemory allocations (thread-safe). Allocations under kHugePageBytes
 // are mapped only while they stay under a quarter of the kernel's limit on memory areas
 // (vm.max_map_count / 12: each mapping takes up to three); past it, the heap.

@@ -352,6 +352,42 @@ TEST(HostMemoryTest, ReservationsMadeAtOnceNeverPassTheBoundTogether) {
   EXPECT_EQ(reserved, kFit) << "as many as fit the bound, and no more";
 }
 
+// A move the kernel refuses for the commit limit (vm.overcommit_memory=2) has unmapped its
+// target first (mm/mremap.c): Grow takes that range back and moves the pages as they are, so that
+// its reservation stays its own (mapped, inaccessible: no hole another mapping could take) and
+// later growths into it work. Refused again, it fails, the allocation where it was with its
+// content, and the address space it held for the move given back.
+TEST(HostMemoryTest, AMoveRefusedForTheCommitKeepsItsReservation) {
+  absl::StatusOr<HostMemory> memory = AllocateHostMemory(kHugePageBytes, true);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  std::memset(memory->data(), 0x5a, kHugePageBytes);
+  absl::Cleanup refuse_none = [] { SetHostMemoryRefusedMovesForTesting(0); };
+  SetHostMemoryRefusedMovesForTesting(1);
+  ASSERT_TRUE(memory->Grow(2 * kHugePageBytes, 8 * kHugePageBytes).ok());
+  EXPECT_EQ(memory->reserved_bytes(), 8 * kHugePageBytes);
+  EXPECT_EQ(memory->data()[kHugePageBytes - 1], std::byte{0x5a});
+  EXPECT_FALSE(Unmapped(memory->data() + 2 * kHugePageBytes, 6 * kHugePageBytes))
+      << "a hole in its reservation";
+  std::memset(memory->data() + kHugePageBytes, 0x6b, kHugePageBytes);
+  std::byte* const where = memory->data();
+  ASSERT_TRUE(memory->Grow(6 * kHugePageBytes).ok()) << "into its reservation";
+  EXPECT_EQ(memory->data(), where);
+  EXPECT_EQ(memory->data()[2 * kHugePageBytes - 1], std::byte{0x6b});
+  std::memset(memory->data() + 2 * kHugePageBytes, 0x7c, 4 * kHugePageBytes);
+
+  const size_t held = HostAddressSpaceHeld();
+  SetHostMemoryRefusedMovesForTesting(2);
+  const absl::Status refused = memory->Grow(10 * kHugePageBytes, 16 * kHugePageBytes);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_EQ(memory->data(), where);
+  EXPECT_EQ(memory->size(), 6 * kHugePageBytes);
+  EXPECT_EQ(memory->data()[0], std::byte{0x5a});
+  EXPECT_EQ(memory->data()[6 * kHugePageBytes - 1], std::byte{0x7c});
+  EXPECT_EQ(HostAddressSpaceHeld(), held);
+  ASSERT_TRUE(memory->Grow(10 * kHugePageBytes, 16 * kHugePageBytes).ok()) << "moves now";
+  EXPECT_EQ(memory->data()[6 * kHugePageBytes - 1], std::byte{0x7c});
+}
+
 TEST(HostMemoryTest, MovingHandsTheAllocationOver) {
   absl::StatusOr<HostMemory> memory = AllocateHostMemory(kHugePageBytes * 2, true);
   ASSERT_TRUE(memory.ok()) << memory.status();
