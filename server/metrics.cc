@@ -244,6 +244,14 @@ ServerMetrics::ServerMetrics()
                              "The host memory budget (--host_memory_budget_gb); +Inf: unlimited");
   gpu_bytes_held_ =
       gauge("kvrecall_gpu_memory_bytes", "GPU memory held by sessions, summed over devices");
+  host_address_space_held_ =
+      gauge("kvrecall_host_address_space_reserved_bytes",
+            "Address space (not memory) that sessions' host KV mappings hold, with what each "
+            "reserves to grow into without moving");
+  host_address_space_bound_ =
+      gauge("kvrecall_host_address_space_bound_bytes",
+            "The bound on that: 32 TiB, or half the process's RLIMIT_AS. Near it, arrays reserve "
+            "less and move in the step as they grow");
   gpu_bytes_budget_ = gauge("kvrecall_gpu_memory_budget_bytes",
                             "GPU memory budgets summed over devices; +Inf: unlimited");
   prometheus::Family<Counter>& learnings =
@@ -377,6 +385,8 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
   host_bytes_budget_->Set(gauges.host_bytes_budget);
   gpu_bytes_held_->Set(static_cast<double>(gauges.gpu_bytes_held));
   gpu_bytes_budget_->Set(gauges.gpu_bytes_budget);
+  host_address_space_held_->Set(static_cast<double>(gauges.host_address_space_held));
+  host_address_space_bound_->Set(static_cast<double>(gauges.host_address_space_bound));
   return registry_->Collect();
 }
 

@@ -44,6 +44,10 @@ struct ServerGauges {
   double host_bytes_budget = 0;  // +Inf: unlimited (see BudgetGaugeValue)
   int64_t gpu_bytes_held = 0;    // summed over devices
   double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf when one is unlimited
+  // Address space the host KV's mappings hold with their reservations, and its bound
+  // (HostAddressSpaceHeld, HostAddressSpaceBound).
+  int64_t host_address_space_held = 0;
+  int64_t host_address_space_bound = 0;
   // Tiered layers' codes learnings by how they ended (LearningOutcome), since the start.
   std::array<int64_t, kLearningOutcomes> codes_learnings{};
   // Host KV arrays' growths by how they were made, since the start (HostKvGrowthCounts).
@@ -154,6 +158,8 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Gauge* host_bytes_budget_;
   prometheus::Gauge* gpu_bytes_held_;
   prometheus::Gauge* gpu_bytes_budget_;
+  prometheus::Gauge* host_address_space_held_;
+  prometheus::Gauge* host_address_space_bound_;
   // kvrecall_codes_learnings_total, by LearningOutcome: counted up to the source's totals.
   std::array<prometheus::Counter*, kLearningOutcomes> codes_learnings_{};
   // kvrecall_host_kv_growths_total: ahead, waited, in_place, moved (HostKvGrowths), the same

@@ -3,6 +3,7 @@
 #include <memory>
 #include <vector>
 
+#include "server/host_memory.h"
 #include "server/kv_store.h"
 
 namespace kvrecall {
@@ -27,6 +28,8 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
   }
   gauges.codes_learnings = placements.CodesLearnings();
   gauges.host_kv_growths = HostKvGrowthCounts();
+  gauges.host_address_space_held = static_cast<int64_t>(HostAddressSpaceHeld());
+  gauges.host_address_space_bound = static_cast<int64_t>(HostAddressSpaceBound());
   return gauges;
 }
 

@@ -252,6 +252,12 @@ TEST_F(ContextReservationTest, EachHostKvArrayReservesTheServersMostTokens) {
   const auto reserved = static_cast<int64_t>(HostAddressSpaceHeld() - held);
   EXPECT_GE(reserved, 2 * kTokens * kRowBytes) << "the ceiling's 1 GiB an array, not the length";
   EXPECT_LT(reserved, 2 * kTokens * kRowBytes + (int64_t{64} << 20));
+  // What the operator sees of it.
+  const std::string metrics = running().metrics().TextFormat();
+  EXPECT_EQ(SeriesValue(metrics, "kvrecall_host_address_space_bound_bytes"),
+            static_cast<double>(HostAddressSpaceBound()));
+  EXPECT_GE(SeriesValue(metrics, "kvrecall_host_address_space_reserved_bytes"),
+            static_cast<double>(reserved));
 }
 
 // ---------------------------------------------------------------------------------------------
