@@ -169,9 +169,10 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // the system's commit limit; where the process's bound (HostAddressSpaceBound) or an
 // address-space limit refuses it, none is reserved); so is a smaller one, of any size, that
 // reserves room to grow to kHugePageBytes or more, while the process's mappings are few
-// (HostMappings). Any other is a heap allocation of whole pages of its own (nothing reserved),
-// so that pinning it never meets another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the address
-// space cannot be had. The first form follows HostHugePages() and reserves nothing.
+// (HostMappings). Any other (and one of no bytes) is a heap allocation of whole pages of its own
+// (nothing reserved), so that pinning it never meets another's pages. RESOURCE_EXHAUSTED, saying
+// how many bytes, when the memory or the address space cannot be had. The first form follows
+// HostHugePages() and reserves nothing.
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
                                               size_t reserve_bytes = 0);

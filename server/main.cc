@@ -139,11 +139,11 @@ ABSL_FLAG(std::string, auth_token_file, "",
 
 ABSL_FLAG(bool, host_huge_pages, true,
           "back sessions' host KV arrays (and staged prompts) of 2 MiB or more, or smaller with "
-          "room to grow past 2 MiB while the process's mappings are few, with 2 MiB transparent huge pages (each its own "
-          "2 MiB-aligned mapping, MADV_HUGEPAGE), so that "
-          "scattered row reads by the host's threads and by a GPU over PCIe need fewer address "
-          "translations; takes effect where /sys/kernel/mm/transparent_hugepage/enabled is "
-          "madvise or always; false: 4 KiB pages (MADV_NOHUGEPAGE)");
+          "room to grow past 2 MiB while the process's mappings are few, with 2 MiB transparent "
+          "huge pages (each its own 2 MiB-aligned mapping, MADV_HUGEPAGE), so that scattered row "
+          "reads by the host's threads and by a GPU over PCIe need fewer address translations; "
+          "takes effect where /sys/kernel/mm/transparent_hugepage/enabled is madvise or always; "
+          "false: 4 KiB pages (MADV_NOHUGEPAGE)");
 ABSL_FLAG(bool, host_kv_growth_ahead, true,
           "grow a layer's host KV (cpu and tiered placements) ahead of need on a thread of its "
           "own (within the address space its arrays reserve), so that no decode step populates "
