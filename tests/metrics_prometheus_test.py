@@ -119,6 +119,22 @@ class ScrapeTest(unittest.TestCase):
         self.assertEqual(m["kvrecall_sessions_open"], 0)
         self.assertEqual(m["kvrecall_host_memory_budget_bytes"], math.inf)
 
+    def test_the_readme_names_every_family_exported_and_no_other(self):
+        # The README's metrics table is the operator's reference: every kvrecall_ family a
+        # scrape shows after a workload is in it, and it names none that is not exported.
+        with Kvrecalld() as server:
+            run_workload(server.address)
+            _, text = scrape(server.metrics_url)
+        exported = set(re.findall(r"^# TYPE (kvrecall_\w+) ", text, re.M))
+        readme_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+        with open(readme_path) as f:
+            section = f.read().split("**Metrics.**", 1)[1].split("\n\n**", 1)[0]
+        documented = set(re.findall(r"`(kvrecall_\w+)", section))
+        self.assertEqual(exported - documented, set(), "exported, not in the README's table")
+        # (A refusal's series is made at the first refusal by its limit: none in this workload.)
+        self.assertEqual(documented - exported, {"kvrecall_requests_refused_total"},
+                         "in the README's table, not exported")
+
     def test_other_paths_are_not_found_and_the_endpoint_keeps_serving(self):
         # A probe of any other path once crashed kvrecalld (civetweb's file handler overflowed
         # its worker's stack); it must answer 404 and leave /metrics and the server up.
