@@ -157,6 +157,7 @@ HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {
     reserved_bytes_ = std::exchange(other.reserved_bytes_, 0);
     huge_pages_requested_ = std::exchange(other.huge_pages_requested_, false);
     huge_pages_advised_ = std::exchange(other.huge_pages_advised_, false);
+    split_ = std::exchange(other.split_, false);
   }
   return *this;
 }
@@ -177,6 +178,7 @@ void HostMemory::reset() {
   reserved_bytes_ = 0;
   huge_pages_requested_ = false;
   huge_pages_advised_ = false;
+  split_ = false;
 }
 
 int64_t PhysicalMemoryBytes() {
@@ -279,10 +281,13 @@ constexpr int MAP_FIXED_NOREPLACE = 0x100000;  // <linux/mman.h>, Linux 4.17
 // Maps [at, at + bytes) again as reserved address space (PROT_NONE, with the huge-page advice)
 // where nothing is mapped there now, and leaves it as it is where something is
 // (MAP_FIXED_NOREPLACE: all of it or none; a kernel before 4.17 takes the address as a hint,
-// and what it mapped elsewhere is undone).
+// and what it mapped elsewhere is undone). Where something is, it is taken to be the range as
+// it was (a move refused before its target was unmapped: the mapping count, a source of several
+// mappings): another thread's mapping could have landed in a hole only between the kernel's
+// unmapping and this call.
 void RetakeReserved(std::byte* at, size_t bytes, bool huge_pages) {
-  void* const p = mmap(at, bytes, PROT_NONE,
-                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+  void* const p =
+      mmap(at, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
   if (p == MAP_FAILED) return;
   if (p != at) {
     munmap(p, bytes);
@@ -382,6 +387,12 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
     return absl::OkStatus();
   }
   const size_t old_length = mapped_bytes_;
+  if (length > reserved_bytes_ && split_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot grow ", bytes_, " bytes of host memory to ", bytes,
+        " without a copy: its pages and its reservation are two mappings, which do not move "
+        "together"));
+  }
   if (length > reserved_bytes_) {
     if (reserved_bytes_ == old_length && WholePages(reserve_bytes) <= length &&
         kHostMemoryGrowsWhereItIs && mremap(data_, old_length, length, 0) != MAP_FAILED) {
@@ -399,7 +410,7 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
       // system's commit limit (it was writable once), which matters only under
       // vm.overcommit_memory=2; where that refuses the tail, the pages move as they are (a move
       // charges nothing), the tail stays a mapping of its own that MapAhead makes accessible,
-      // and a second move past it copies (BudgetedRows's fallback).
+      // and a growth past it is refused (split_), which BudgetedRows answers with a copy.
       const size_t reserved = HoldAddressSpace(length, std::max(length, WholePages(reserve_bytes)));
       std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
       if (aligned == nullptr) {
@@ -416,8 +427,14 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
         // The kernel unmaps the target before it charges the commit (mm/mremap.c): a move
         // refused for the commit left the reserved range unmapped, where anything could be
         // mapped next. Taken back first, so that the range stays this allocation's.
+        const int refused = errno;
         RetakeReserved(aligned, reserved, huge_pages_requested_);
         moved = MoveMapping(data_, old_length, old_length, aligned);
+        if (moved != MAP_FAILED) {
+          split_ = reserved > old_length;
+        } else {
+          errno = refused;  // the first refusal's reason
+        }
       }
       if (moved == MAP_FAILED) {
         const int error = errno;

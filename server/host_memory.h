@@ -81,7 +81,9 @@ class HostMemory {
   //   may change; the content up to the old size() is kept.
   // FAILED_PRECONDITION for a heap allocation (not mapped()) or a smaller `bytes`;
   // RESOURCE_EXHAUSTED when the address space or the pages cannot be had, the allocation then
-  // as it was (perhaps moved).
+  // as it was (perhaps moved), and past the reservation of one whose move the kernel refused
+  // for the commit once (its pages and its reservation are then two mappings: it does not move
+  // again; a caller copies).
   absl::Status Grow(size_t bytes, size_t reserve_bytes = 0);
   // Makes the pages a growth to `bytes` within the reserved address space adds accessible and
   // maps them now (populated), without changing this object: another thread may run it while
@@ -113,6 +115,10 @@ class HostMemory {
   size_t reserved_bytes_ = 0;  // >= mapped_bytes_; beyond them PROT_NONE
   bool huge_pages_requested_ = false;
   bool huge_pages_advised_ = false;
+  // Its pages and its reserved tail are two mappings (a move refused for the commit, then made
+  // without growing): never moved again, since a move of several mappings fails (Linux before
+  // 6.17) or may stop halfway; a growth past its reservation is refused (the caller copies).
+  bool split_ = false;
 };
 
 // `bytes` rounded up to whole pages of the system (what a mapping, or a pinning, covers).
