@@ -30,6 +30,9 @@ namespace kvrecall {
 // so that its kernels read the tiered placement's bulk over PCIe (server/backends/
 // gpu_static_set.cc). Pin may fail (the allocation then stays unpinned and the device does not
 // read it); Unpin is called, before the memory is freed, for every allocation Pin accepted.
+// An array grown where it is holds one pinned range per growth: kernels read across them (by
+// address), but a single cudaMemcpy from it must not span two (the driver refuses it:
+// cudaErrorInvalidValue); copy through memory of your own.
 class HostPinning {
  public:
   virtual ~HostPinning() = default;
@@ -50,9 +53,9 @@ inline constexpr int kHostRowsAddressReserve = 4;
 // the added rows and pins the array again whole in the step). Address space only: no memory
 // (PROT_NONE, not committed). No array reserves more than 1/kHostRowsReserveShares of the
 // process's bound on reservations (HostAddressSpaceBound: 32 TiB, or half its RLIMIT_AS), so
-// that at least 64 sessions of 64 arrays reserve in full before any has to do with less. Past
-// the bound's room an array reserves what still fits of: its most rows, 1 GiB, 4x, nothing
-// beyond its allocation (it then moves in the step at each growth).
+// that at least 64 sessions of 64 arrays reserve in full before any has to do with less. Where
+// the bound's room is spent an array reserves the first that still fits of: its most rows,
+// 1 GiB, 4x; else nothing beyond its allocation (it then moves in the step at each growth).
 enum class MostRows {
   // A length someone set (kvrecalld --max_context_tokens, an announced max_tokens): reserved
   // whole, within the share above, so that the array never moves below it. (An announced
