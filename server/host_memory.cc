@@ -67,6 +67,11 @@ size_t AddressSpaceBound() {
   return bound;
 }
 
+// Whether `bytes` more beside `held` stay within `bound`.
+bool Fits(size_t held, size_t bytes, size_t bound) {
+  return bytes <= bound && held <= bound - bytes;
+}
+
 // Adds `wanted` bytes to the address space the process's allocations hold where that stays
 // within the bound, else `least` (an allocation's own pages, held whatever the bound), and
 // returns which it added: one atomic step, so that allocations made at once never pass the
@@ -74,7 +79,7 @@ size_t AddressSpaceBound() {
 size_t HoldAddressSpace(size_t least, size_t wanted) {
   const size_t bound = AddressSpaceBound();
   size_t held = address_space_held.load(std::memory_order_relaxed);
-  while (wanted > least && wanted <= bound && held <= bound - wanted) {
+  while (wanted > least && Fits(held, wanted, bound)) {
     if (address_space_held.compare_exchange_weak(held, held + wanted,
                                                  std::memory_order_relaxed)) {
       return wanted;
@@ -131,8 +136,7 @@ size_t HostAddressSpaceHeld() { return address_space_held.load(std::memory_order
 size_t HostAddressSpaceBound() { return AddressSpaceBound(); }
 
 bool HostAddressSpaceAllows(size_t bytes) {
-  const size_t bound = AddressSpaceBound();
-  return bytes <= bound && HostAddressSpaceHeld() <= bound - bytes;
+  return Fits(HostAddressSpaceHeld(), bytes, AddressSpaceBound());
 }
 
 void SetHostAddressSpaceBoundForTesting(size_t bytes) {
@@ -166,7 +170,7 @@ void HostMemory::reset() {
   if (data_ != nullptr) {
     if (mapped_bytes_ > 0) {
       munmap(data_, reserved_bytes_);
-      address_space_held.fetch_sub(reserved_bytes_, std::memory_order_relaxed);
+      ReleaseAddressSpace(reserved_bytes_);
       mappings.fetch_sub(1, std::memory_order_relaxed);
     } else {
       ::operator delete(data_, HeapAlignment());
@@ -398,7 +402,7 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
         kHostMemoryGrowsWhereItIs && mremap(data_, old_length, length, 0) != MAP_FAILED) {
       // Nothing reserved past it or asked for, and the addresses after it were free: grown
       // where it is.
-      address_space_held.fetch_add(length - reserved_bytes_, std::memory_order_relaxed);
+      HoldAddressSpace(length - reserved_bytes_, length - reserved_bytes_);  // its own pages
       reserved_bytes_ = length;
     } else {
       // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose

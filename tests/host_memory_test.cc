@@ -98,17 +98,20 @@ double ResidentShare(const std::byte* data, size_t bytes) {
   return static_cast<double>(n) / resident.size();
 }
 
-// Whether [p, p + bytes) (page-aligned) is mapped by nothing (mincore answers ENOMEM there).
-bool Unmapped(const std::byte* p, size_t bytes) {
+// The pages of [p, p + bytes) (page-aligned) that are mapped, inaccessible ones too (mincore
+// answers ENOMEM for an address nothing maps).
+size_t MappedPages(const std::byte* p, size_t bytes) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   std::vector<unsigned char> resident(1);
+  size_t mapped = 0;
   for (size_t at = 0; at < bytes; at += page) {
-    if (mincore(const_cast<std::byte*>(p + at), page, resident.data()) == 0 || errno != ENOMEM) {
-      return false;
-    }
+    mapped += mincore(const_cast<std::byte*>(p + at), page, resident.data()) == 0;
   }
-  return true;
+  return mapped;
 }
+
+// Whether [p, p + bytes) (page-aligned) is mapped by nothing.
+bool Unmapped(const std::byte* p, size_t bytes) { return MappedPages(p, bytes) == 0; }
 
 // A mapped allocation grows without a copy: where the addresses after it are free it stays
 // where it is (unless kHostMemoryGrowsWhereItIs says it always moves), else (a mapping right
@@ -354,12 +357,7 @@ TEST(HostMemoryTest, ReservationsMadeAtOnceNeverPassTheBoundTogether) {
 
 // Whether every page of [p, p + bytes) (page-aligned) is mapped (inaccessible ones too).
 bool WhollyMapped(const std::byte* p, size_t bytes) {
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> resident(1);
-  for (size_t at = 0; at < bytes; at += page) {
-    if (mincore(const_cast<std::byte*>(p + at), page, resident.data()) != 0) return false;
-  }
-  return true;
+  return MappedPages(p, bytes) * static_cast<size_t>(sysconf(_SC_PAGESIZE)) == bytes;
 }
 
 // A move the kernel refuses for the commit limit (vm.overcommit_memory=2) has unmapped its
