@@ -23,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/types/span.h"
 
 namespace kvrecall {
 namespace {
@@ -72,25 +73,46 @@ bool Fits(size_t held, size_t bytes, size_t bound) {
   return bytes <= bound && held <= bound - bytes;
 }
 
-// Adds `wanted` bytes to the address space the process's allocations hold where that stays
-// within the bound, else `least` (an allocation's own pages, held whatever the bound), and
-// returns which it added: one atomic step, so that allocations made at once never pass the
-// bound together.
-size_t HoldAddressSpace(size_t least, size_t wanted) {
+// Adds to the address space the process's allocations hold the largest of `choices` that stays
+// within the bound, else `least` (an allocation's own pages, held whatever the bound), in place
+// of `replacing` bytes held until now (a moving allocation's old reservation, given back as
+// the new one is held), and returns which it added: the choice and the hold are one atomic
+// step, so that allocations made at once never pass the bound together, and one that finds
+// its first choice taken gets the next that fits, not its pages alone.
+size_t HoldAddressSpace(size_t least, absl::Span<const size_t> choices, size_t replacing = 0) {
   const size_t bound = AddressSpaceBound();
   size_t held = address_space_held.load(std::memory_order_relaxed);
-  while (wanted > least && Fits(held, wanted, bound)) {
-    if (address_space_held.compare_exchange_weak(held, held + wanted,
+  for (;;) {
+    size_t pick = least;
+    for (const size_t choice : choices) {
+      if (choice > pick && Fits(held - replacing, choice, bound)) pick = choice;
+    }
+    if (address_space_held.compare_exchange_weak(held, held - replacing + pick,
                                                  std::memory_order_relaxed)) {
-      return wanted;
+      return pick;
     }
   }
-  address_space_held.fetch_add(least, std::memory_order_relaxed);
-  return least;
 }
 
 void ReleaseAddressSpace(size_t bytes) {
   address_space_held.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+// Undoes HoldAddressSpace(.., replacing): `held` given back, `replacing` held again (it is
+// still mapped; added first, so that the count never reads low meanwhile).
+void HoldAgainInstead(size_t replacing, size_t held) {
+  address_space_held.fetch_add(replacing, std::memory_order_relaxed);
+  address_space_held.fetch_sub(held, std::memory_order_relaxed);
+}
+
+// The reservation choices, in whole pages, none under `length` (the pages themselves).
+std::vector<size_t> ReservationChoices(size_t length, absl::Span<const size_t> reserve_choices) {
+  std::vector<size_t> choices;
+  choices.reserve(reserve_choices.size());
+  for (const size_t choice : reserve_choices) {
+    choices.push_back(std::max(length, WholePages(choice)));
+  }
+  return choices;
 }
 
 #ifndef MADV_POPULATE_WRITE
@@ -326,8 +348,15 @@ void SetHostMemoryRefusedMovesForTesting(int moves) {
 
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
                                               size_t reserve_bytes) {
+  return AllocateHostMemory(bytes, huge_pages, absl::MakeConstSpan(&reserve_bytes, 1));
+}
+
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
+                                              absl::Span<const size_t> reserve_choices) {
   HostMemory memory;
   memory.bytes_ = bytes;
+  const size_t most_reserved =
+      reserve_choices.empty() ? 0 : *absl::c_max_element(reserve_choices);
   // (One that reserves room to grow past a huge page is a mapping already, however small: a
   // heap allocation grows by a copy into a new allocation, in the step that needs the room
   // (d136: 29-44 ms a 32-layer token for arrays of 128-500 KiB), and every layer of a model at
@@ -335,10 +364,21 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   // pages, as the heap's below, but all populated at once, and each mapping takes a page-table
   // page of the kernel's.)
   // (And none of no bytes: a mapping of none would not be mapped().)
-  if (bytes == 0 ||
-      (bytes < kHugePageBytes &&
-       (reserve_bytes < kHugePageBytes ||
-        mappings.load(std::memory_order_relaxed) >= SmallMappingsBound()))) {
+  const bool small = bytes < kHugePageBytes;
+  size_t length = 0, reserved = 0;
+  if (bytes > 0 && (!small || (most_reserved >= kHugePageBytes &&
+                               mappings.load(std::memory_order_relaxed) < SmallMappingsBound()))) {
+    if (bytes > SIZE_MAX / 2 || most_reserved > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
+    length = WholePages(bytes);
+    // The largest reservation the process's bound has room for, else the pages alone; a
+    // small one left without room to grow past a huge page is the heap's after all.
+    reserved = HoldAddressSpace(length, ReservationChoices(length, reserve_choices));
+    if (small && reserved < kHugePageBytes) {
+      ReleaseAddressSpace(reserved);
+      reserved = 0;
+    }
+  }
+  if (reserved == 0) {
     // Whole pages of their own, so that pinning one (cudaHostRegister, which pins whole pages
     // and refuses a page pinned twice) never meets another's: a layer's keys and values were
     // neighbours in one page where the heap put them so.
@@ -350,10 +390,6 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   // Whole pages from a 2 MiB boundary: every 2 MiB range but a partial last one can be a
   // huge page, and the tail beyond the last boundary stays in small pages (no huge page is
   // faulted in for a few KiB past it).
-  if (bytes > SIZE_MAX / 2 || reserve_bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
-  const size_t length = WholePages(bytes);
-  // The reservation where the process's bound has room for it, else the pages alone.
-  size_t reserved = HoldAddressSpace(length, std::max(length, WholePages(reserve_bytes)));
   std::byte* aligned = MapReserved(length, reserved, huge_pages);
   if (aligned == nullptr && reserved > length) {
     // The reservation refused (an address-space limit, RLIMIT_AS): the pages alone.
@@ -379,12 +415,18 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
 }
 
 absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
+  return Grow(bytes, absl::MakeConstSpan(&reserve_bytes, 1));
+}
+
+absl::Status HostMemory::Grow(size_t bytes, absl::Span<const size_t> reserve_choices) {
   if (!mapped() || bytes < bytes_) {
     return absl::FailedPreconditionError(absl::StrCat(
         "only a mapped allocation grows in place (", bytes_, " bytes, ",
         mapped() ? "mapped" : "a heap allocation", ", asked for ", bytes, ")"));
   }
-  if (bytes > SIZE_MAX / 2 || reserve_bytes > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
+  const size_t most_reserved =
+      reserve_choices.empty() ? 0 : *absl::c_max_element(reserve_choices);
+  if (bytes > SIZE_MAX / 2 || most_reserved > SIZE_MAX / 2) return Exhausted(bytes, ENOMEM);
   const size_t length = WholePages(bytes);
   if (length <= mapped_bytes_) {
     bytes_ = bytes;
@@ -398,11 +440,11 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
         "together"));
   }
   if (length > reserved_bytes_) {
-    if (reserved_bytes_ == old_length && WholePages(reserve_bytes) <= length &&
+    if (reserved_bytes_ == old_length && WholePages(most_reserved) <= length &&
         kHostMemoryGrowsWhereItIs && mremap(data_, old_length, length, 0) != MAP_FAILED) {
       // Nothing reserved past it or asked for, and the addresses after it were free: grown
       // where it is.
-      HoldAddressSpace(length - reserved_bytes_, length - reserved_bytes_);  // its own pages
+      HoldAddressSpace(length - reserved_bytes_, {});  // its own pages
       reserved_bytes_ = length;
     } else {
       // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose
@@ -415,11 +457,14 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
       // vm.overcommit_memory=2; where that refuses the tail, the pages move as they are (a move
       // charges nothing), the tail stays a mapping of its own that MapAhead makes accessible,
       // and a growth past it is refused (split_), which BudgetedRows answers with a copy.
-      const size_t reserved = HoldAddressSpace(length, std::max(length, WholePages(reserve_bytes)));
+      // The new reservation is held in place of the old one, which it replaces (so that near
+      // the bound a move needs room for the new one only).
+      const size_t reserved = HoldAddressSpace(
+          length, ReservationChoices(length, reserve_choices), /*replacing=*/reserved_bytes_);
       std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
       if (aligned == nullptr) {
         const int error = errno;
-        ReleaseAddressSpace(reserved);
+        HoldAgainInstead(reserved_bytes_, reserved);
         return Exhausted(bytes, error);
       }
       void* moved = MoveMapping(data_, old_length, reserved, aligned);
@@ -445,14 +490,13 @@ absl::Status HostMemory::Grow(size_t bytes, size_t reserve_bytes) {
         // (What that move's refusal may have unmapped, taken back: all ours to unmap, then.)
         RetakeReserved(aligned, old_length, huge_pages_requested_);
         munmap(aligned, reserved);
-        ReleaseAddressSpace(reserved);
+        HoldAgainInstead(reserved_bytes_, reserved);
         return Exhausted(bytes, error);
       }
       if (reserved_bytes_ > old_length) {
         munmap(data_ + old_length, reserved_bytes_ - old_length);
       }
       data_ = static_cast<std::byte*>(moved);
-      ReleaseAddressSpace(reserved_bytes_);
       reserved_bytes_ = reserved;
     }
   }

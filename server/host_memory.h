@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/cpu/mapped_memory.h"
 
 namespace kvrecall {
@@ -75,8 +76,9 @@ class HostMemory {
   // - within reserved_bytes(), the pages added are made accessible where they are; data() and
   //   every old byte stay as they were (GrowsInPlaceTo);
   // - beyond it, its pages move, by their page tables (mremap), to a new 2 MiB-aligned range of
-  //   max(bytes, reserve_bytes) bytes of address space (bytes alone where the process's bound
-  //   has no room for more: HostAddressSpaceBound), or grow where they are, when no address
+  //   max(bytes, reserve) bytes of address space, `reserve` the largest of `reserve_choices`
+  //   that the process's bound has room for (HostAddressSpaceBound; bytes alone where none
+  //   has; the old reservation counts as given back), or grow where they are, when no address
   //   space is reserved past them or asked for, and the addresses after them are free. data()
   //   may change; the content up to the old size() is kept.
   // FAILED_PRECONDITION for a heap allocation (not mapped()) or a smaller `bytes`;
@@ -84,6 +86,7 @@ class HostMemory {
   // as it was (perhaps moved), and past the reservation of one whose move the kernel refused
   // for the commit once (its pages and its reservation are then two mappings: it does not move
   // again; a caller copies).
+  absl::Status Grow(size_t bytes, absl::Span<const size_t> reserve_choices);
   absl::Status Grow(size_t bytes, size_t reserve_bytes = 0);
   // Makes the pages a growth to `bytes` within the reserved address space adds accessible and
   // maps them now (populated), without changing this object: another thread may run it while
@@ -106,8 +109,8 @@ class HostMemory {
   void reset();
 
  private:
-  friend absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
-                                                       size_t reserve_bytes);
+  friend absl::StatusOr<HostMemory> AllocateHostMemory(
+      size_t bytes, bool huge_pages, absl::Span<const size_t> reserve_choices);
 
   std::byte* data_ = nullptr;
   size_t bytes_ = 0;
@@ -131,11 +134,11 @@ size_t HostAddressSpaceHeld();
 // (RLIMIT_AS), or 32 TiB (a quarter of x86-64's user space) without one, so that reservations
 // made only to grow into never starve other mappings (the allocator's, the CUDA driver's). An
 // allocation's reservation is held only where it fits (AllocateHostMemory, HostMemory::Grow:
-// else its pages alone, in one atomic step with the check); its pages are held whatever the
-// bound.
+// the largest choice that fits, else its pages alone, in one atomic step with the check); its
+// pages are held whatever the bound.
 size_t HostAddressSpaceBound();
-// Whether `bytes` more would fit the bound now (thread-safe; advice for choosing a
-// reservation, which AllocateHostMemory then holds only if it still fits).
+// Whether `bytes` more would fit the bound now (thread-safe; what is held may change at once:
+// AllocateHostMemory and Grow choose and hold a reservation in one step).
 bool HostAddressSpaceAllows(size_t bytes);
 // Sets the bound (0: the default above), for tests.
 void SetHostAddressSpaceBoundForTesting(size_t bytes);
@@ -170,16 +173,20 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // its own, aligned to kHugePageBytes, whose pages are all mapped now (MADV_POPULATE_WRITE: first
 // touches would fault them in one by one, microseconds each in a VM), after MADV_HUGEPAGE when
 // `huge_pages`, else after MADV_NOHUGEPAGE (4 KiB pages even where the THP mode is "always"),
-// with the address space after it up to `reserve_bytes` from its start set aside for it to grow
-// into without moving (HostMemory::Grow; no memory is mapped there, and none counted against
-// the system's commit limit; where the process's bound (HostAddressSpaceBound) or an
-// address-space limit refuses it, none is reserved); so is a smaller one, of any size, that
-// reserves room to grow to kHugePageBytes or more, while the process's mappings are few
-// (HostMappings). Any other (and one of no bytes) is a heap allocation of whole pages of its own
-// (nothing reserved), so that pinning it never meets another's pages. RESOURCE_EXHAUSTED, saying
-// how many bytes, when the memory or the address space cannot be had. The first form follows
-// HostHugePages() and reserves nothing.
+// with the address space after it up to the largest of `reserve_choices` (bytes from its start)
+// that the process's bound (HostAddressSpaceBound) has room for set aside for it to grow into
+// without moving (HostMemory::Grow; no memory is mapped there, and none counted against the
+// system's commit limit). The choice and its hold are one atomic step: allocations made at once
+// each get the largest that still fits, else none is reserved, as where an address-space limit
+// refuses it. So is a smaller one, of any size, that reserves room to grow to kHugePageBytes or
+// more, while the process's mappings are few (HostMappings). Any other (and one of no bytes) is
+// a heap allocation of whole pages of its own (nothing reserved), so that pinning it never
+// meets another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the
+// address space cannot be had. The first form follows HostHugePages() and reserves nothing; the
+// third reserves up to `reserve_bytes` (one choice).
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
+absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
+                                              absl::Span<const size_t> reserve_choices);
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
                                               size_t reserve_bytes = 0);
 

@@ -1,6 +1,7 @@
 #include "server/kv_store.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cassert>
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "proto/tensor_codec.h"
 
 namespace kvrecall {
@@ -119,14 +121,15 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
               "first)"));
   }
   // Address space for the growths to come (a mapped allocation's only; none mapped yet): the
-  // first of these that the process's reservations leave room for (HostAddressSpaceAllows;
-  // kHostRowsReserveShares): the rows the array may ever hold (MostRows: whole, or up to
-  // kHostRowsReserveMostBytes), up to 1 GiB of them, four times the allocation; else none (the
-  // allocation alone: it moves at every growth).
-  int64_t reserve = 0;
-  if (__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &reserve) ||
-      !HostAddressSpaceAllows(static_cast<size_t>(reserve))) {
-    reserve = bytes;
+  // largest of these that the process's reservations leave room for (HostMemory chooses and
+  // holds it at once; kHostRowsReserveShares): the rows the array may ever hold (MostRows:
+  // whole, or up to kHostRowsReserveMostBytes), up to 1 GiB of them, four times the
+  // allocation; else none (the allocation alone: it moves at every growth).
+  std::array<size_t, 3> reserve_choices{};
+  size_t choices = 0;
+  if (int64_t four_times = 0;
+      !__builtin_mul_overflow(bytes, int64_t{kHostRowsAddressReserve}, &four_times)) {
+    reserve_choices[choices++] = static_cast<size_t>(four_times);
   }
   if (most_rows_ > 0) {
     int64_t most_bytes = 0;
@@ -136,14 +139,13 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
     most_bytes = std::min(
         most_bytes, static_cast<int64_t>(HostAddressSpaceBound() / kHostRowsReserveShares));
     const int64_t capped = std::min(most_bytes, kHostRowsReserveMostBytes);
-    for (const int64_t candidate :
-         {most_rows_kind_ == MostRows::kSet ? most_bytes : capped, capped}) {
-      if (candidate > reserve && HostAddressSpaceAllows(static_cast<size_t>(candidate))) {
-        reserve = candidate;
-        break;
-      }
+    reserve_choices[choices++] = static_cast<size_t>(capped);
+    if (most_rows_kind_ == MostRows::kSet) {
+      reserve_choices[choices++] = static_cast<size_t>(most_bytes);
     }
   }
+  const absl::Span<const size_t> reserve =
+      absl::MakeConstSpan(reserve_choices.data(), choices);
   // A mapped allocation grows without a copy: only the new rows' pages are populated. A copy
   // into a new allocation populated and wrote every byte of both, in the step that needed the
   // row, and every layer of a model fills at the same token (bench/results/tiered_serving.md,
@@ -165,7 +167,7 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
       return absl::OkStatus();
     } else {
       UnpinCurrent();
-      if (data_.Grow(static_cast<size_t>(bytes), static_cast<size_t>(reserve)).ok()) {
+      if (data_.Grow(static_cast<size_t>(bytes), reserve).ok()) {
         capacity_rows_ = capacity_rows;
         PinCurrent();
         Count(growths_moved, counts_growths_);
@@ -176,7 +178,7 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
     }
   }
   absl::StatusOr<HostMemory> grown =
-      AllocateHostMemory(static_cast<size_t>(bytes), HostHugePages(), static_cast<size_t>(reserve));
+      AllocateHostMemory(static_cast<size_t>(bytes), HostHugePages(), reserve);
   if (!grown.ok()) {
     PinCurrent();  // as it was
     return absl::Status(grown.status().code(),

@@ -54,8 +54,9 @@ inline constexpr int kHostRowsAddressReserve = 4;
 // (PROT_NONE, not committed). No array reserves more than 1/kHostRowsReserveShares of the
 // process's bound on reservations (HostAddressSpaceBound: 32 TiB, or half its RLIMIT_AS), so
 // that at least 64 sessions of 64 arrays reserve in full before any has to do with less. Where
-// the bound's room is spent an array reserves the first that still fits of: its most rows,
-// 1 GiB, 4x; else nothing beyond its allocation (it then moves in the step at each growth).
+// the bound's room is spent an array reserves the largest that still fits of its most rows,
+// 1 GiB and 4x (chosen and held in one step: HostMemory), else nothing beyond its allocation
+// (it then moves in the step at each growth).
 enum class MostRows {
   // A length someone set (kvrecalld --max_context_tokens, an announced max_tokens): reserved
   // whole, within the share above, so that the array never moves below it. (An announced

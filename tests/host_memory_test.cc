@@ -13,6 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <string>
 #include <thread>
 #include <utility>
@@ -318,41 +320,115 @@ TEST(HostMemoryTest, ReservationsKeepWithinTheProcesssBound) {
   EXPECT_TRUE(HostAddressSpaceAllows(64 << 20));
 }
 
-// An allocation holds its reservation only where the process's bound has room for it, checked
-// and held in one atomic step: allocations made at once on eight threads, each asking for
-// 4 MiB, hold as many reservations as fit the bound and no more; the rest hold their pages
-// alone (and still work).
-TEST(HostMemoryTest, ReservationsMadeAtOnceNeverPassTheBoundTogether) {
-  constexpr size_t kReserve = 4 << 20;
-  constexpr int kThreads = 8, kEach = 8, kFit = 10;
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  // Room for ten reservations, beside the pages of all 64 allocations.
-  const size_t room = kFit * kReserve + kThreads * kEach * page;
-  SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + room);
-  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
-  std::vector<std::vector<HostMemory>> made(kThreads);
+// Allocations made at once: `each` made by `allocate` on each of eight threads, all kept (a
+// failed one fails the test).
+std::vector<HostMemory> AllocateOnEightThreads(
+    int each, const std::function<absl::StatusOr<HostMemory>()>& allocate) {
+  std::vector<std::vector<HostMemory>> made(8);
   std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&made, t] {
-      for (int i = 0; i < kEach; ++i) {
-        absl::StatusOr<HostMemory> memory = AllocateHostMemory(100, true, kReserve);
-        if (memory.ok()) made[t].push_back(*std::move(memory));
+  for (std::vector<HostMemory>& mine : made) {
+    threads.emplace_back([&mine, &allocate, each] {
+      for (int i = 0; i < each; ++i) {
+        absl::StatusOr<HostMemory> memory = allocate();
+        EXPECT_TRUE(memory.ok()) << memory.status();
+        if (memory.ok()) mine.push_back(*std::move(memory));
       }
     });
   }
   for (std::thread& thread : threads) thread.join();
+  std::vector<HostMemory> all;
+  for (std::vector<HostMemory>& mine : made) {
+    for (HostMemory& memory : mine) all.push_back(std::move(memory));
+  }
+  return all;
+}
+
+// An allocation holds its reservation only where the process's bound has room for it, checked
+// and held in one atomic step: allocations made at once on eight threads, each asking for
+// 4 MiB for 100 bytes, hold as many reservations as fit the bound and no more; the rest are
+// heap allocations (and still work).
+TEST(HostMemoryTest, ReservationsMadeAtOnceNeverPassTheBoundTogether) {
+  constexpr size_t kReserve = 4 << 20;
+  constexpr int kThreads = 8, kEach = 8, kFit = 10;
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  // Room for ten reservations, and slack less than an eleventh.
+  const size_t room = kFit * kReserve + kThreads * kEach * page;
+  SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + room);
+  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
+  std::vector<HostMemory> made =
+      AllocateOnEightThreads(kEach, [] { return AllocateHostMemory(100, true, kReserve); });
   int reserved = 0, total = 0;
-  for (std::vector<HostMemory>& memories : made) {
-    for (HostMemory& memory : memories) {
-      ++total;
-      ASSERT_TRUE(memory.mapped());
-      reserved += memory.reserved_bytes() == kReserve;
-      if (memory.reserved_bytes() != kReserve) EXPECT_EQ(memory.reserved_bytes(), page);
-      ExpectWritable(memory);
-    }
+  for (HostMemory& memory : made) {
+    ++total;
+    reserved += memory.reserved_bytes() == kReserve;
+    // (A small one without its room to grow is the heap's: no reservation, no mapping.)
+    EXPECT_EQ(memory.mapped(), memory.reserved_bytes() == kReserve);
+    if (memory.reserved_bytes() != kReserve) EXPECT_EQ(memory.reserved_bytes(), 0u);
+    ExpectWritable(memory);
   }
   EXPECT_EQ(total, kThreads * kEach);
   EXPECT_EQ(reserved, kFit) << "as many as fit the bound, and no more";
+}
+
+// Given several reservations to choose from, an allocation holds the largest that still fits,
+// chosen and held in one step: on eight threads, 64 allocations asking for 16 MiB or else 4
+// MiB hold exactly the ten 16 MiB and then the three 4 MiB reservations that fit (no 4 MiB is
+// taken while 16 MiB still fits); the rest hold their pages alone (past the bound). Before, the
+// choice was made by an unlocked check (HostAddressSpaceAllows), and an allocation that lost a
+// race for it got its pages alone, however much room the smaller choice still had.
+TEST(HostMemoryTest, ReservationsMadeAtOnceTakeTheLargestChoiceThatStillFits) {
+  constexpr size_t kLarge = 16 << 20, kSmall = 4 << 20;
+  constexpr int kThreads = 8, kEach = 8, kLargeFit = 10, kSmallFit = 3;
+  // (kSmallFit small ones take less than a large one: the eleventh large one does not fit.)
+  const size_t room = kLargeFit * kLarge + kSmallFit * kSmall;
+  SetHostAddressSpaceBoundForTesting(HostAddressSpaceHeld() + room);
+  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
+  std::vector<HostMemory> made = AllocateOnEightThreads(kEach, [] {
+    const size_t choices[] = {kSmall, kLarge};  // (any order: the largest that fits)
+    return AllocateHostMemory(kHugePageBytes, true, choices);
+  });
+  std::map<size_t, int> by_reservation;
+  for (HostMemory& memory : made) {
+    ASSERT_TRUE(memory.mapped());
+    ++by_reservation[memory.reserved_bytes()];
+    ExpectWritable(memory);
+  }
+  EXPECT_EQ(by_reservation,
+            (std::map<size_t, int>{{kHugePageBytes, kThreads * kEach - kLargeFit - kSmallFit},
+                                   {kSmall, kSmallFit},
+                                   {kLarge, kLargeFit}}));
+}
+
+// A small allocation whose every choice of room to grow past a huge page is refused by the
+// bound is the heap's (as one that asks for none), not a mapping without room that moves at
+// every growth and counts against the process's mappings; and a move holds its new reservation
+// in place of its old one, so that near the bound it needs room for the new one only.
+TEST(HostMemoryTest, ReservationsLeftWithoutRoomFallBackAndMovesReplaceTheirOwn) {
+  const size_t held = HostAddressSpaceHeld();
+  SetHostAddressSpaceBoundForTesting(held + (16 << 20));
+  absl::Cleanup unbound = [] { SetHostAddressSpaceBoundForTesting(0); };
+  const size_t too_large[] = {size_t{32} << 20, size_t{64} << 20};
+  absl::StatusOr<HostMemory> small = AllocateHostMemory(4096, true, too_large);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_FALSE(small->mapped()) << "no room to grow into: the heap's";
+  EXPECT_EQ(HostAddressSpaceHeld(), held);
+  const size_t fits[] = {size_t{32} << 20, size_t{8} << 20, 4 * kHugePageBytes};
+  absl::StatusOr<HostMemory> array = AllocateHostMemory(4096, true, fits);
+  ASSERT_TRUE(array.ok()) << array.status();
+  ASSERT_TRUE(array->mapped());
+  EXPECT_EQ(array->reserved_bytes(), size_t{8} << 20);
+  EXPECT_EQ(HostAddressSpaceHeld(), held + (8 << 20));
+  std::memset(array->data(), 0x5a, 4096);
+  // Past its reservation, asking for 12 MiB: with its own 8 MiB given back as it moves, the
+  // bound's 16 MiB have room for it (counting both, they would not: 20 MiB).
+  const size_t twelve[] = {size_t{12} << 20};
+  ASSERT_TRUE(array->Grow((8 << 20) + 4096, twelve).ok());
+  EXPECT_EQ(array->reserved_bytes(), size_t{12} << 20);
+  EXPECT_EQ(HostAddressSpaceHeld(), held + (12 << 20));
+  EXPECT_EQ(array->data()[4095], std::byte{0x5a});
+  ExpectWritable(*array);
+  array->reset();
+  EXPECT_EQ(HostAddressSpaceHeld(), held);
 }
 
 // Whether every page of [p, p + bytes) (page-aligned) is mapped (inaccessible ones too).

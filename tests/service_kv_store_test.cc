@@ -464,7 +464,7 @@ TEST(KvStoreTest, APromptStagingsArraysReserveForTheLayersMostTokens) {
   for (const int64_t ceiling : {int64_t{600000}, LayerConfig().max_layer_tokens}) {
     // 2.4 GB of keys (where the process's bound gives an array that share); then none set.
     if (ceiling == 600000 &&
-        HostAddressSpaceBound() / kHostRowsReserveShares < 600000 * 4096) {
+        HostAddressSpaceBound() / kHostRowsReserveShares < size_t{600000} * 4096) {
       continue;
     }
     config.max_layer_tokens = ceiling;
