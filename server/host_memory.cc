@@ -447,21 +447,26 @@ absl::Status HostMemory::Grow(size_t bytes, absl::Span<const size_t> reserve_cho
       HoldAddressSpace(length - reserved_bytes_, {});  // its own pages
       reserved_bytes_ = length;
     } else {
-      // Its pages move to a new 2 MiB-aligned range, reserved without memory (PROT_NONE), whose
-      // start mremap replaces; the old range's reserved tail is given back. Moved and grown to
-      // the whole reservation in one call, the tail past `length` then made inaccessible
-      // again: one mapping whose page offsets run on through the tail, so that the tail's
-      // pages merge into it as growths make them accessible, and a later move is one call
-      // again (mremap moves one mapping, not several). That tail stays counted against the
-      // system's commit limit (it was writable once), which matters only under
-      // vm.overcommit_memory=2; where that refuses the tail, the pages move as they are (a move
-      // charges nothing), the tail stays a mapping of its own that MapAhead makes accessible,
-      // and a growth past it is refused (split_), which BudgetedRows answers with a copy.
+      // Its pages move to a new 2 MiB-aligned range, mapped without memory, which mremap
+      // replaces; the old range's reserved tail is given back. Moved and grown to the whole
+      // reservation in one call, the tail past `length` then made inaccessible again: one
+      // mapping whose page offsets run on through the tail, so that the tail's pages merge
+      // into it as growths make them accessible, and a later move is one call again (mremap
+      // moves one mapping, not several). That tail stays counted against the system's commit
+      // limit (it was writable once), which matters only under vm.overcommit_memory=2. There
+      // the target is mapped writable, so that its mapping takes that charge: refused, nothing
+      // has moved; taken, the kernel gives it back as it unmaps the target for the move, which
+      // then needs less (the growth), so that the move is not refused after the target's
+      // unmapping (mm/mremap.c charges after it) unless another process takes the commit in
+      // between. Where it still is, the pages move as they are (a move charges nothing), the
+      // tail stays a mapping of its own that MapAhead makes accessible, and a growth past it is
+      // refused (split_), which BudgetedRows answers with a copy.
       // The new reservation is held in place of the old one, which it replaces (so that near
       // the bound a move needs room for the new one only).
       const size_t reserved = HoldAddressSpace(
           length, ReservationChoices(length, reserve_choices), /*replacing=*/reserved_bytes_);
-      std::byte* const aligned = MapReserved(0, reserved, huge_pages_requested_);
+      std::byte* const aligned =
+          MapReserved(/*length=*/reserved, reserved, huge_pages_requested_);
       if (aligned == nullptr) {
         const int error = errno;
         HoldAgainInstead(reserved_bytes_, reserved);
@@ -481,6 +486,8 @@ absl::Status HostMemory::Grow(size_t bytes, absl::Span<const size_t> reserve_cho
         moved = MoveMapping(data_, old_length, old_length, aligned);
         if (moved != MAP_FAILED) {
           split_ = reserved > old_length;
+          // (Inaccessible as a reservation is, where the refusal left the target mapped.)
+          if (split_) mprotect(aligned + old_length, reserved - old_length, PROT_NONE);
         } else {
           errno = refused;  // the first refusal's reason
         }
