@@ -140,9 +140,16 @@ absl::Status SelectorParams::Validate() const {
     }
   }
   const GraphIndexParams& g = index;
-  if (g.build_queries < 0 || g.build_topk < 0 || g.max_degree < 0 || g.search_list_size < 0 ||
-      g.search_width < 0 || g.link_threshold < 0 || g.link_batch < 0) {
-    return invalid("policy.index parameters must be >= 0 (0 takes the default)");
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"build_queries", g.build_queries},
+                                    {"build_topk", g.build_topk},
+                                    {"max_degree", g.max_degree},
+                                    {"search_list_size", g.search_list_size},
+                                    {"search_width", g.search_width},
+                                    {"link_threshold", g.link_threshold},
+                                    {"link_batch", g.link_batch}}) {
+    if (value < 0) {
+      return invalid("policy.index.", name, " must be >= 0 (0 takes the default), got ", value);
+    }
   }
   if (g.build_topk == 1) return invalid("policy.index.build_topk must be >= 2, got 1");
   if (g.build_queries > kMaxGraphBuildQueries) {

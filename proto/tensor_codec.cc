@@ -162,7 +162,10 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
     return absl::InvalidArgumentError(absl::StrCat(
         spec.field, " has shape ", ShapeString(shape), ", want ",
         spec.rows_free ? "[n, " : "", ShapeString(spec.row_shape).substr(spec.rows_free ? 1 : 0),
-        rows > 1 && spec.rows_free ? " with n * row elements <= 2^31" : ""));
+        !spec.rows_free ? ""
+        : rows < 1      ? " with n >= 1"
+        : rows > 1      ? " with n * row elements <= 2^31"
+                        : ""));
   }
   const int64_t count = rows * row_elements;
   const bool has_data = !t.data().empty();

@@ -167,7 +167,9 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
         return absl::InvalidArgumentError(absl::StrCat(
             "layer ", layer, ": the ", SelectorKindName(selector.kind),
             " selector needs the queries (q) of the prompt's last ", needed,
-            " tokens, but chunks left q out up to token ", staged.queries_from));
+            " tokens, but the chunks give them only from token ", staged.queries_from,
+            " on, of ", received, " (a layer reads q from the chunks after its last chunk "
+            "without q)"));
       }
     }
   }

@@ -15,6 +15,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -68,6 +69,26 @@ bool UnixSocketInUse(absl::string_view address) {
   const bool in_use = connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa) == 0;
   close(fd);
   return in_use;
+}
+
+// An address gRPC is to listen on: a unix:PATH, unix:///PATH or unix-abstract:NAME socket, or
+// [SCHEME:]HOST:PORT with a port in [0, 65535] (0: one the system picks). gRPC's own parser
+// takes the port modulo 2^16, so a typo (:99999) served on an unrelated port, or on a random
+// one (:65536), and said it listened. `flag` names the flag in the message.
+absl::Status CheckListeningAddress(absl::string_view flag, absl::string_view address) {
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+    return absl::OkStatus();
+  }
+  const size_t colon = address.rfind(':');
+  int port = -1;
+  if (colon == absl::string_view::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " entry '", address,
+        "' must be HOST:PORT with a port in [0, 65535] (0: any free port), unix:PATH or "
+        "unix-abstract:NAME"));
+  }
+  return absl::OkStatus();
 }
 
 // The credentials `address` is listened on with: with --plaintext_unix_sockets, a unix:PATH
@@ -252,12 +273,13 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
 absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
   if (options.max_shared_streams < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_shared_streams must be >= 1, got ", options.max_shared_streams));
+        absl::StrCat("--max_shared_streams must be >= 1, got ", options.max_shared_streams));
   }
   if (options.shared_memory_spin < absl::ZeroDuration() ||
       options.shared_memory_spin > absl::Seconds(1)) {
-    return absl::InvalidArgumentError(absl::StrCat("shared_memory_spin must be in [0, 1 s], got ",
-                                                   absl::FormatDuration(options.shared_memory_spin)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shared_memory_spin_us must be in [0, 1000000], got ",
+                     absl::ToInt64Microseconds(options.shared_memory_spin)));
   }
   if (options.shared_memory_dir.empty()) return absl::OkStatus();
   std::error_code error;
@@ -315,7 +337,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
         "inline_decode_steps must be >= -1 (-1: the default), got ", options.inline_decode_steps));
   }
   if (options.worker_threads < 0 || options.worker_threads > kMaxWorkerThreads) {
-    return absl::InvalidArgumentError(absl::StrCat("worker_threads must be in [0, ",
+    return absl::InvalidArgumentError(absl::StrCat("--worker_threads must be in [0, ",
                                                    kMaxWorkerThreads, "], got ",
                                                    options.worker_threads));
   }
@@ -336,6 +358,13 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
       return absl::InvalidArgumentError(absl::StrCat(
           "address '", options.address, "' has an empty entry (", i + 1, " of ",
           addresses.size(), "): addresses are separated by single commas"));
+    }
+    if (absl::Status s = CheckListeningAddress("--address", addresses[i]); !s.ok()) return s;
+  }
+  if (!options.health_address.empty()) {
+    if (absl::Status s = CheckListeningAddress("--health_address", options.health_address);
+        !s.ok()) {
+      return s;
     }
   }
   std::vector<int> ports(addresses.size(), 0);

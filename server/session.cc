@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -28,6 +29,16 @@ absl::Status CheckRange(absl::string_view field, int value, int min, int max) {
         absl::StrCat("geometry.", field, " must be in [", min, ", ", max, "], got ", value));
   }
   return absl::OkStatus();
+}
+
+// The largest softmax scale at which every logit of tensors within kMaxTensorMagnitude stays
+// finite in f32 with room to spare (a quarter of FLT_MAX: kernels scale by log2(e) too): the
+// tensors' bound holds products of two elements within f32, and an unbounded scale undid it
+// (lse +inf, NaN diagnostics, from tensors the API accepts).
+float MostSoftmaxScale(int head_dim) {
+  const double largest_dot =
+      static_cast<double>(head_dim) * kMaxTensorMagnitude * static_cast<double>(kMaxTensorMagnitude);
+  return static_cast<float>(std::numeric_limits<float>::max() / 4.0 / largest_dot);
 }
 
 float EffectiveScale(const v1::Geometry& g) {
@@ -68,22 +79,28 @@ absl::Status ValidateGeometry(const v1::Geometry& g) {
         absl::StrCat("geometry.softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got ",
                      g.softmax_scale()));
   }
+  if (const float most = MostSoftmaxScale(g.head_dim()); g.softmax_scale() > most) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "geometry.softmax_scale must be at most ", most, " at head_dim ", g.head_dim(),
+        " (so that the logits of tensors within +-", kMaxTensorMagnitude,
+        " stay finite in f32), got ", g.softmax_scale()));
+  }
   return absl::OkStatus();
 }
 
 absl::Status SessionLimits::Validate() const {
   if (max_sessions < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_sessions must be >= 0 (0: no limit), got ", max_sessions));
+        absl::StrCat("--max_sessions must be >= 0 (0: no limit), got ", max_sessions));
   }
   if (max_context_tokens < 0 || max_context_tokens > kMaxLayerTokens) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_context_tokens must be in [0, ", kMaxLayerTokens,
+        absl::StrCat("--max_context_tokens must be in [0, ", kMaxLayerTokens,
                      "] (0: no limit but the most a layer can hold), got ", max_context_tokens));
   }
   if (session_idle_ttl < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("session_idle_ttl_seconds must be >= 0 (0: sessions never expire), got ",
+        absl::StrCat("--session_idle_ttl_seconds must be >= 0 (0: sessions never expire), got ",
                      absl::ToDoubleSeconds(session_idle_ttl)));
   }
   return absl::OkStatus();

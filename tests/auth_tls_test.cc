@@ -900,6 +900,9 @@ TEST_F(TlsProcessTest, KvrecalldServesTlsAndTokensToTheCli) {
   CommandResult no_cert = RunCommand(absl::StrCat(base, token, " list"));
   EXPECT_EQ(no_cert.exit_code, 1);
   EXPECT_THAT(no_cert.output, HasSubstr("UNAVAILABLE"));
+  // (gRPC says "Socket closed"; the CLI names the likely causes, as the Python client does.)
+  EXPECT_THAT(no_cert.output, HasSubstr("the TLS handshake failed: check --tls_ca, the client "
+                                        "certificate a mutual-TLS server requires"));
   CommandResult bad_file = RunCommand(absl::StrCat(base, " --tls_cert=", pki().Path("client.pem"),
                                                    " --tls_key=/nonexistent.key list"));
   EXPECT_EQ(bad_file.exit_code, 1);
@@ -980,6 +983,7 @@ TEST_F(TlsProcessTest, KvrecalldServesItsUnixSocketInPlaintextWithTheFlag) {
   CommandResult plaintext_tcp = RunCommand(tcp + " list");
   EXPECT_EQ(plaintext_tcp.exit_code, 1);
   EXPECT_THAT(plaintext_tcp.output, HasSubstr("UNAVAILABLE"));
+  EXPECT_THAT(plaintext_tcp.output, HasSubstr("it may speak TLS: pass --tls or --tls_ca"));
   CommandResult tls_tcp =
       RunCommand(absl::StrCat(tcp, " --tls_ca=", pki().Path("ca.pem"), " list"));
   EXPECT_EQ(tls_tcp.exit_code, 0) << tls_tcp.output;

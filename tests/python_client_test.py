@@ -228,6 +228,11 @@ class ClientTest(ServerTest):
         with self.assertRaises(ValueError) as e:  # a wrong shape never leaves the client
             s.attend(0, q[:, :8], k, v)
         self.assertIn("does not fit shape [4, 16]", str(e.exception))
+        with self.assertRaises(ValueError) as e:  # nested lists too (an AttributeError before)
+            s.attend(0, q[:, :8].tolist(), k.tolist(), v.tolist())
+        self.assertIn("does not fit shape [4, 16]", str(e.exception))
+        with self.assertRaises(ValueError):
+            s.attend(0, [[1.0, 2.0], [3.0]], k, v)  # ragged
         bad = q.copy()
         bad[1, 3] = np.nan
         with self.assertRaises(kvrecall.KvRecallError) as e:
@@ -236,6 +241,9 @@ class ClientTest(ServerTest):
         self.assertIn("steps[0].q", e.exception.message)
         r = s.attend(0, q, k, v)  # a new stream; the rejected step appended nothing
         self.assertEqual(r.position, self.T)
+        as_lists = s.attend(0, q.tolist(), k.tolist(), v.tolist())  # lists are numbers too
+        self.assertEqual(as_lists.position, self.T + 1)
+        self.assertEqual(as_lists.output.shape, r.output.shape)
 
         gone = self.client.create_session(make_geometry(self.L, self.HQ, self.HKV, self.D))
         gone.close()

@@ -3,6 +3,7 @@
 // double-precision brute force over the KV the server was sent.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -397,6 +398,55 @@ TEST_F(ServiceDecodeTest, CompareExactOfFullAttentionIsPerfect) {
     EXPECT_NEAR(head.retained_mass(), 1.0f, 1e-6);
     EXPECT_NEAR(head.output_cosine(), 1.0f, 1e-6);
     EXPECT_NEAR(head.rel_l2(), 0.0f, 1e-6);
+  }
+}
+
+// At the largest softmax scale a session may ask for, tensors at the API's bound (65504, f16's
+// largest) still give a finite lse and output under every selector: the scale's bound keeps
+// the bound of the tensors meaningful (probe 17, 4: at 1e30, lse was +inf and the diagnostics
+// NaN).
+TEST_F(ServiceDecodeTest, TheLargestScaleKeepsTheLargestTensorsFinite) {
+  v1::Geometry g = MakeGeometry(1, 2, 1, 16);
+  const double most = std::numeric_limits<float>::max() / 4.0 / (16.0 * 65504.0 * 65504.0);
+  g.set_softmax_scale(static_cast<float>(most) * (1.0f - 1e-6f));
+  constexpr int kPrompt = 12;
+  testing::PromptLayer prompt = testing::RandomPromptOf(g, kPrompt, 5);
+  for (float& x : prompt.q) x = 65504.0f;
+  for (float& x : prompt.k) x = 65504.0f;
+  for (size_t i = 0; i < prompt.v.size(); ++i) prompt.v[i] = i % 3 == 0 ? -65504.0f : 65504.0f;
+  const std::vector<float> q(2 * 16, 65504.0f), k(16, 65504.0f), v(16, -65504.0f);
+  for (const v1::Selector selector : {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK,
+                                      v1::SELECTOR_STREAMING, v1::SELECTOR_INDEX,
+                                      v1::SELECTOR_RETOPK}) {
+    SCOPED_TRACE(v1::Selector_Name(selector));
+    v1::CreateSessionResponse created;
+    ASSERT_TRUE(CreateSession(stub(), g, MakePolicy(selector, /*top_k=*/4, /*sinks=*/2,
+                                                    /*recent=*/4),
+                              &created)
+                    .ok());
+    ASSERT_TRUE(
+        Prefill(stub(), testing::PromptChunks(created.session_id(), g, 0, prompt, 5)).ok());
+    DecodeClient decode(stub());
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    request.set_return_lse(true);
+    request.set_diagnostics(true);
+    request.set_compare_exact(true);
+    *request.add_steps() =
+        testing::MakeStep(created.session_id(), g, q, k, v, /*as_values=*/true);
+    absl::StatusOr<v1::DecodeResponse> reply = decode.Step(request);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_EQ(reply->results_size(), 1);
+    const v1::SequenceResult& result = reply->results(0);
+    // (Read as sent: an lse is a logit, which may pass the tensors' bound by far.)
+    ASSERT_EQ(result.lse().values_size(), 2);
+    for (const float lse : result.lse().values()) EXPECT_TRUE(std::isfinite(lse)) << lse;
+    for (const float o : TensorValues(result.output())) {
+      EXPECT_TRUE(std::isfinite(o) && std::abs(o) <= 65504.0f) << o;
+    }
+    for (const v1::HeadDiagnostics& head : result.heads()) {
+      EXPECT_TRUE(std::isfinite(head.output_cosine())) << head.output_cosine();
+    }
   }
 }
 

@@ -380,6 +380,12 @@ TEST_F(ServiceErrorsTest, BadPrefillStreamsCommitNothing) {
                         "chunks[1].k has shape [5, 3, 16], want [n, 2, 16]"));
 
   chunks = good0;
+  *chunks[1].mutable_k() = MakeTensor(std::vector<float>(), {0, kKvHeads, kHeadDim},
+                                      v1::DTYPE_F32);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
+                        "chunks[1].k has shape [0, 2, 16], want [n, 2, 16] with n >= 1"));
+
+  chunks = good0;
   *chunks[1].mutable_v() = MakeTensor(std::vector<float>(4 * kKvHeads * kHeadDim, 1.0f),
                                       {4, kKvHeads, kHeadDim}, v1::DTYPE_F32);
   EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kInvalidArgument,
@@ -452,6 +458,8 @@ TEST_F(ServiceErrorsTest, BadGeometryIsInvalid) {
   nan_scale.set_softmax_scale(std::numeric_limits<float>::quiet_NaN());
   v1::Geometry negative_scale = MakeGeometry(1, 4, 2, 16);
   negative_scale.set_softmax_scale(-1.0f);
+  v1::Geometry huge_scale = MakeGeometry(1, 4, 2, 16);
+  huge_scale.set_softmax_scale(1e30f);  // (probe 17, 4: lse +inf from in-range tensors)
   const std::vector<Case> cases = {
       {MakeGeometry(1, 8, 3, 16), "geometry.kv_heads (3) must divide geometry.q_heads (8)"},
       {MakeGeometry(0, 8, 2, 16), "geometry.layers must be in [1, 1024], got 0"},
@@ -463,6 +471,7 @@ TEST_F(ServiceErrorsTest, BadGeometryIsInvalid) {
        "geometry.dtype must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16, got 0"},
       {nan_scale, "geometry.softmax_scale must be finite and >= 0"},
       {negative_scale, "geometry.softmax_scale must be finite and >= 0"},
+      {huge_scale, "geometry.softmax_scale must be at most 1.23915e+27 at head_dim 16"},
   };
   for (const Case& c : cases) {
     EXPECT_TRUE(HasStatus(CreateSession(stub(), c.geometry, MakePolicy(v1::SELECTOR_FULL)).status(),
@@ -521,11 +530,13 @@ TEST_F(ServiceErrorsTest, BadPolicyKnobs) {
   });
   add(invalid, "policy.index.max_degree must be <= 256, got 300",
       [](v1::Policy& p) { p.mutable_index()->set_max_degree(300); });
-  add(invalid, "policy.index parameters must be >= 0",
+  add(invalid, "policy.index.search_list_size must be >= 0 (0 takes the default), got -2",
       [](v1::Policy& p) { p.mutable_index()->set_search_list_size(-2); });
+  add(invalid, "policy.index.build_queries must be >= 0 (0 takes the default), got -1",
+      [](v1::Policy& p) { p.mutable_index()->set_build_queries(-1); });
   add(invalid, "policy.index.search_width must be <= 4, got 5",
       [](v1::Policy& p) { p.mutable_index()->set_search_width(5); });
-  add(invalid, "policy.index parameters must be >= 0",
+  add(invalid, "policy.index.search_width must be >= 0 (0 takes the default), got -1",
       [](v1::Policy& p) { p.mutable_index()->set_search_width(-1); });
   add(invalid, "policy.index.graph_scope has the unknown value 3",
       [](v1::Policy& p) { p.mutable_index()->set_graph_scope(static_cast<v1::GraphScope>(3)); });

@@ -65,7 +65,7 @@ TEST_F(PrefillQueriesTest, ReTopKNeedsTheQueriesOfItsSeeds) {
   EXPECT_TRUE(HasStatus(Prefill(stub(), Chunks(ref, *id, 64, 192)).status(),
                         absl::StatusCode::kInvalidArgument,
                         "layer 0: the retopk selector needs the queries (q) of the prompt's last "
-                        "32 tokens, but chunks left q out up to token 192"));
+                        "32 tokens, but the chunks give them only from token 192 on, of 200"));
   absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->layers_prefilled(), 0) << "the refused Prefill committed nothing";

@@ -325,6 +325,23 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
     EXPECT_EQ(code, 2) << flag << ": " << out;
     EXPECT_THAT(out, HasSubstr(message)) << flag;
   }
+  // Values the server's own options refuse, each naming its flag as given (probe 17, 1 and 8:
+  // a port past 65535 was served modulo 2^16; the spin's message named no flag there is).
+  for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--address=127.0.0.1:99999",
+            "--address entry '127.0.0.1:99999' must be HOST:PORT with a port in [0, 65535]"},
+           {"--address=127.0.0.1:0 --health_address=127.0.0.1:112664",
+            "--health_address entry '127.0.0.1:112664' must be HOST:PORT"},
+           {"--shared_memory_spin_us=2000000",
+            "--shared_memory_spin_us must be in [0, 1000000], got 2000000"},
+           {"--worker_threads=5000", "--worker_threads must be in [0, 1024], got 5000"},
+           {"--max_sessions=-1", "--max_sessions must be >= 0"},
+       }) {
+    const std::string out = RunCommand(
+        absl::StrCat(KvrecalldProcess::BinaryPath(), " --metrics_address= ", flag), &code);
+    EXPECT_EQ(code, 1) << flag << ": " << out;
+    EXPECT_THAT(out, HasSubstr(message)) << flag;
+  }
 }
 
 // The start-up log says what GPU placements are served and which CUDA_MODULE_LOADING kvrecalld

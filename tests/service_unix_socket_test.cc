@@ -203,6 +203,34 @@ TEST(ServerAddressTest, EmptyEntriesAndTooManyWorkersAreRefused) {
                         "worker_threads must be in [0, 1024], got 1025"));
 }
 
+// A port past 65535 is refused, naming the flag: gRPC's parser takes it modulo 2^16, so
+// :99999 served on 34463 and :65536 on a random port, saying it listened (probe 17, 1); and a
+// health port that wrapped onto the API's failed as "address in use".
+TEST(ServerAddressTest, PortsOutsideTheirRangeAreRefused) {
+  for (const char* address :
+       {"127.0.0.1:99999", "127.0.0.1:65536", "127.0.0.1:0,127.0.0.1:113665", "127.0.0.1:-1",
+        "127.0.0.1:", "127.0.0.1", "[::1]:70000", "127.0.0.1:12ab"}) {
+    EXPECT_TRUE(HasStatus(StartOn(address).status(), absl::StatusCode::kInvalidArgument,
+                          "must be HOST:PORT with a port in [0, 65535]"))
+        << address;
+  }
+  EXPECT_TRUE(HasStatus(StartOn("127.0.0.1:0,localhost:70000").status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "--address entry 'localhost:70000' must be HOST:PORT"));
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.health_address = "127.0.0.1:112664";
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                        "--health_address entry '127.0.0.1:112664' must be HOST:PORT"));
+  // A port the system picks, by address or by name, is served.
+  options.health_address = "";
+  for (const char* address : {"127.0.0.1:0", "localhost:0"}) {
+    options.address = address;
+    absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+    EXPECT_TRUE(server.ok()) << address << ": " << server.status();
+  }
+}
+
 TEST_F(UnixSocketTest, ReplacesAStaleSocketFile) {
   // A socket file nobody listens on, as a killed server leaves behind.
   const std::string path = SocketPath("stale.sock");

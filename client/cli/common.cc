@@ -7,6 +7,8 @@
 #include <cstdlib>
 
 #include "absl/flags/flag.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_format.h"
@@ -175,8 +177,24 @@ absl::StatusOr<v1::Policy> PolicyFromFlags() {
 }
 
 int ReportError(absl::string_view subcommand, const absl::Status& status) {
-  std::fprintf(stderr, "kvrecall %s: %s\n", std::string(subcommand).c_str(),
-               status.ToString().c_str());
+  // gRPC says only "Socket closed" where a TLS handshake fails, or where one side speaks TLS
+  // and the other does not: the likely causes, as the Python client gives them.
+  std::string hint;
+  if (absl::IsUnavailable(status) &&
+      absl::StrContains(status.message(), "failed to connect to all addresses")) {
+    // (As ConnectToServer's channel decides: any --tls* flag, or a token to a HOST:PORT.)
+    const bool tls =
+        absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty() ||
+        !absl::GetFlag(FLAGS_tls_cert).empty() ||
+        (!absl::GetFlag(FLAGS_token_file).empty() &&
+         !absl::StartsWith(absl::GetFlag(FLAGS_server), "unix"));
+    hint = tls ? " (if kvrecalld listens there, the TLS handshake failed: check --tls_ca, the "
+                 "client certificate a mutual-TLS server requires (--tls_cert, --tls_key) and "
+                 "--tls_server_name)"
+               : " (if kvrecalld listens there, it may speak TLS: pass --tls or --tls_ca)";
+  }
+  std::fprintf(stderr, "kvrecall %s: %s%s\n", std::string(subcommand).c_str(),
+               status.ToString().c_str(), hint.c_str());
   return 1;
 }
 

@@ -127,6 +127,9 @@ class WireBuffer:
                              f"{list(self.shape)}")
 
     def view(self, x):
+        if not _is_torch(x) and not isinstance(x, np.ndarray):
+            # A sequence of numbers (nested lists); ValueError where it is not one.
+            x = np.asarray(x, dtype=np.float32)
         self.check_fits(x)
         if _is_torch(x):
             return self._view_torch(x)
