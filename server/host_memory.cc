@@ -153,6 +153,14 @@ size_t WholePages(size_t bytes) {
   return (bytes + page - 1) / page * page;
 }
 
+int64_t HostFootprint(int64_t bytes) {
+  if (bytes <= 0) return 0;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t huge = static_cast<int64_t>(kHugePageBytes);
+  return static_cast<int64_t>(WholePages(static_cast<size_t>(bytes))) +
+         page * ((bytes + huge - 1) / huge);
+}
+
 size_t HostAddressSpaceHeld() { return address_space_held.load(std::memory_order_relaxed); }
 
 size_t HostAddressSpaceBound() { return AddressSpaceBound(); }

@@ -70,10 +70,14 @@ absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
   if (needed <= in_place) grown = in_place;
   absl::Status status;
   for (const int64_t capacity : {grown, needed}) {
+    // (Charged as the allocations take the host's memory: HostFootprint.)
+    const auto extra_for = [capacity](const BudgetedRows* a) {
+      return capacity > a->capacity_rows_
+                 ? HostFootprint(capacity * a->row_bytes()) - a->allocated_bytes()
+                 : int64_t{0};
+    };
     int64_t extra_bytes = 0;
-    for (const BudgetedRows* a : arrays) {
-      extra_bytes += std::max<int64_t>(capacity - a->capacity_rows_, 0) * a->row_bytes();
-    }
+    for (const BudgetedRows* a : arrays) extra_bytes += extra_for(a);
     MemoryAccount* budget = arrays[0]->budget_;
     status = budget != nullptr ? budget->Reserve(extra_bytes, what) : absl::OkStatus();
     for (size_t i = 0; status.ok() && i < arrays.size(); ++i) {
@@ -82,10 +86,7 @@ absl::Status ReserveRows(std::span<BudgetedRows* const> arrays, int64_t more,
       if (!status.ok() && budget != nullptr) {
         // The arrays grown keep their room; the others give their share of the charge back.
         int64_t unused = 0;
-        for (size_t j = i; j < arrays.size(); ++j) {
-          unused += std::max<int64_t>(capacity - arrays[j]->capacity_rows_, 0) *
-                    arrays[j]->row_bytes();
-        }
+        for (size_t j = i; j < arrays.size(); ++j) unused += extra_for(arrays[j]);
         budget->Release(unused);
       }
     }
@@ -154,7 +155,7 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
   // and only the added ones are pinned (kv_growth.md: at 128K rows 2.3 ms, against 8.6 to
   // unpin and pin again whole); past it, it moves and is pinned again whole.
   if (capacity_rows > capacity_rows_ && data_.mapped()) {
-    const int64_t old_bytes = allocated_bytes();
+    const int64_t old_bytes = capacity_bytes();
     if (data_.GrowsInPlaceTo(static_cast<size_t>(bytes))) {
       // No fallback to a new allocation: the caller was told the rows stay (rows_in_place:
       // a learning may be reading them), so a growth that cannot stay is refused.
@@ -213,7 +214,7 @@ absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows
         capacity_rows_, " and ", rows_in_place(), " in place)"));
   }
   GrowthAhead growth;
-  growth.charged_bytes_ = (capacity_rows - capacity_rows_) * row_bytes();
+  growth.charged_bytes_ = HostFootprint(capacity_rows * row_bytes()) - allocated_bytes();
   if (budget_ != nullptr) {
     if (absl::Status s = budget_->Reserve(growth.charged_bytes_, what); !s.ok()) return s;
   }
@@ -225,7 +226,7 @@ absl::StatusOr<GrowthAhead> BudgetedRows::StartGrowthAhead(int64_t capacity_rows
     // The pages it adds, next to the pinned rest; or, where a pinning was refused before and
     // nothing is pinned, the whole array, asked again.
     const int64_t first =
-        pinned() ? static_cast<int64_t>(WholePages(static_cast<size_t>(allocated_bytes()))) : 0;
+        pinned() ? static_cast<int64_t>(WholePages(static_cast<size_t>(capacity_bytes()))) : 0;
     if (first < capacity_rows * row_bytes()) {
       growth.pinning_ = pinning_;
       growth.pin_start_ = data_.data() + first;
@@ -282,7 +283,7 @@ bool BudgetedRows::SetPinning(HostPinning* pinning) {
 
 void BudgetedRows::PinCurrent() {
   if (pinning_ == nullptr || !pinned_ranges_.empty() || capacity_rows_ == 0) return;
-  if (pinning_->Pin(data_.data(), static_cast<size_t>(allocated_bytes())).ok()) {
+  if (pinning_->Pin(data_.data(), static_cast<size_t>(capacity_bytes())).ok()) {
     pinned_ranges_.push_back(data_.data());
   }
 }
@@ -296,9 +297,9 @@ void BudgetedRows::PinAdded(int64_t from) {
   // From the first whole page added: the page the old end was in is pinned already (a
   // registration covers whole pages, and two may not share one).
   const auto first = static_cast<int64_t>(WholePages(static_cast<size_t>(from)));
-  if (first >= allocated_bytes()) return;
+  if (first >= capacity_bytes()) return;
   std::byte* const start = data_.data() + first;
-  if (pinning_->Pin(start, static_cast<size_t>(allocated_bytes() - first)).ok()) {
+  if (pinning_->Pin(start, static_cast<size_t>(capacity_bytes() - first)).ok()) {
     pinned_ranges_.push_back(start);
   } else {
     // The device reads none of it from now on; the pinned ranges stay registered (a learning

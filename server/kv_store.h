@@ -201,7 +201,11 @@ class BudgetedRows {
   int64_t row_width() const { return row_width_; }
   KvElement element() const { return element_; }
   int64_t row_bytes() const { return row_width_ * KvElementBytes(element_); }
-  int64_t allocated_bytes() const { return capacity_rows_ * row_bytes(); }
+  // The bytes of its capacity (capacity_rows() x row_bytes(): the extent written and pinned).
+  int64_t capacity_bytes() const { return capacity_rows_ * row_bytes(); }
+  // The host memory its allocation takes, and its budget is charged: HostFootprint of
+  // capacity_bytes() (whole pages, and a page for each 2 MiB begun).
+  int64_t allocated_bytes() const { return HostFootprint(capacity_bytes()); }
   // Rows the allocation holds.
   int64_t capacity_rows() const { return capacity_rows_; }
   // Rows it can hold without moving (at least capacity_rows()): a mapped allocation grows into
@@ -324,9 +328,10 @@ class LayerKvStore {
     values_.set_counts_growths(true);
   }
 
-  // Host bytes of `tokens` tokens' keys and values of this shape and element type.
+  // Host bytes of `tokens` tokens' keys and values of this shape and element type, as a store
+  // allocated for them is charged (allocated_bytes()).
   static int64_t BytesFor(int64_t tokens, int kv_heads, int head_dim, KvElement element) {
-    return 2 * tokens * kv_heads * head_dim * int64_t{KvElementBytes(element)};
+    return 2 * HostFootprint(tokens * kv_heads * head_dim * int64_t{KvElementBytes(element)});
   }
 
   // Room for `more` tokens beyond the committed ones; RESOURCE_EXHAUSTED naming `what`.
@@ -396,6 +401,8 @@ class LayerKvStore {
   }
   KvElement element() const { return keys_.element(); }
   int64_t allocated_bytes() const { return keys_.allocated_bytes() + values_.allocated_bytes(); }
+  // The bytes of both arrays' capacity (BudgetedRows::capacity_bytes).
+  int64_t capacity_bytes() const { return keys_.capacity_bytes() + values_.capacity_bytes(); }
 
  private:
   BudgetedRows keys_;

@@ -1,10 +1,13 @@
 // Bad input to the service: every case gets the right status code and a message naming the
 // field, changes nothing (the session's length and later answers are as if it never came), and
 // leaves the server serving other sessions.
+#include <unistd.h>
+
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -13,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "server/backends/codes_learning.h"
 #include "server/kv_growth.h"
+#include "server/kv_store.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -652,11 +656,16 @@ class ServiceMemoryBudgetTest : public ServerTest {
 
 // An announced max_tokens sets the layers' host KV aside at CreateSession, in the bytes the
 // placement keeps it in: f32 on the cpu placement, the session's dtype (bf16 here, half of it)
-// on the tiered one. 64 KiB holds 64 tokens of 2 x 2 x 64 f32 and 128 of bf16.
+// on the tiered one. 64 KiB holds 56 tokens of 2 x 2 x 64 f32 and 112 of bf16 (each array is
+// charged its whole pages and a page table's: LayerKvStore::BytesFor).
 TEST_F(ServiceMemoryBudgetTest, AnnouncedTokensSetTheHostKvAsideInThePlacementsLayout) {
   const v1::Geometry g = MakeGeometry(1, 4, 2, 64, v1::DTYPE_BF16);
-  for (const auto& [placement, fits] :
-       {std::pair{v1::PLACEMENT_CPU, 64}, std::pair{v1::PLACEMENT_TIERED, 128}}) {
+  if (sysconf(_SC_PAGESIZE) != 4096) GTEST_SKIP() << "pages of another size";
+  for (const auto& [placement, fits, element] :
+       {std::tuple{v1::PLACEMENT_CPU, 56, KvElement::kF32},
+        std::tuple{v1::PLACEMENT_TIERED, 112, KvElement::kBf16}}) {
+    ASSERT_LE(LayerKvStore::BytesFor(fits, 2, 64, element), 64 << 10);
+    ASSERT_GT(LayerKvStore::BytesFor(fits + 1, 2, 64, element), 64 << 10);
     v1::Policy policy = MakePolicy(v1::SELECTOR_FULL, 0, 4, 8);
     policy.set_placement(placement);
     for (const int tokens : {fits + 1, fits}) {
@@ -676,7 +685,7 @@ TEST_F(ServiceMemoryBudgetTest, AnnouncedTokensSetTheHostKvAsideInThePlacementsL
         continue;
       }
       ASSERT_TRUE(status.ok()) << v1::Placement_Name(placement) << " " << status;
-      EXPECT_EQ(server().server().budget().used(), 64 << 10);
+      EXPECT_EQ(server().server().budget().used(), LayerKvStore::BytesFor(fits, 2, 64, element));
       grpc::ClientContext close_context;
       v1::CloseSessionRequest close;
       close.set_session_id(response.session_id());
@@ -693,7 +702,8 @@ TEST_F(ServiceMemoryBudgetTest, AnnouncedTokensSetTheHostKvAsideInThePlacementsL
 // cancelled Prefill handed the set-aside to other sessions).
 TEST_F(ServiceMemoryBudgetTest, AFailedPrefillKeepsTheSessionsSetAside) {
   const v1::Geometry g = MakeGeometry(1, 4, 2, 64);
-  constexpr int kAnnounced = 32;  // 32 KiB of f32 KV, half the budget
+  constexpr int kAnnounced = 32;  // 32 KiB of f32 KV (40 KiB charged), most of the budget
+  const int64_t set_aside = LayerKvStore::BytesFor(kAnnounced, 2, 64, KvElement::kF32);
   v1::CreateSessionRequest request;
   *request.mutable_geometry() = g;
   *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
@@ -703,7 +713,7 @@ TEST_F(ServiceMemoryBudgetTest, AFailedPrefillKeepsTheSessionsSetAside) {
   ASSERT_TRUE(stub().CreateSession(&context, request, &created).ok());
   const std::string& id = created.session_id();
   const MemoryBudget& budget = server().server().budget();
-  ASSERT_EQ(budget.used(), kAnnounced * 1024);
+  ASSERT_EQ(budget.used(), set_aside);
 
   const PromptLayer prompt{RandomNormal(kAnnounced * 4 * 64, 1),
                            RandomNormal(kAnnounced * 2 * 64, 2),
@@ -714,9 +724,9 @@ TEST_F(ServiceMemoryBudgetTest, AFailedPrefillKeepsTheSessionsSetAside) {
                         "offset"));
   absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
   ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->host_budget_bytes(), kAnnounced * 1024) << "its set-aside, whole";
-  EXPECT_EQ(budget.used(), kAnnounced * 1024);
-  EXPECT_EQ(budget.available(), (64 << 10) - kAnnounced * 1024) << "nothing more for others";
+  EXPECT_EQ(info->host_budget_bytes(), set_aside) << "its set-aside, whole";
+  EXPECT_EQ(budget.used(), set_aside);
+  EXPECT_EQ(budget.available(), (64 << 10) - set_aside) << "nothing more for others";
 
   ASSERT_TRUE(Prefill(stub(), PromptChunks(id, g, 0, prompt, 16)).ok());
   info = GetSession(stub(), id);
@@ -777,7 +787,8 @@ TEST_F(ServerTest, EachSessionsBudgetBytesAddUpToTheMemoryGauge) {
   ASSERT_TRUE(stub().CreateSession(&context, request, &announced).ok());
   v1::SessionInfo info = info_of(announced.session_id());
   EXPECT_EQ(info.host_bytes(), 0);
-  EXPECT_EQ(info.host_budget_bytes(), 500 * 2 * 64 * 4 * 2) << "keys and values, f32";
+  EXPECT_EQ(info.host_budget_bytes(), LayerKvStore::BytesFor(500, 2, 64, KvElement::kF32))
+      << "keys and values, f32";
   EXPECT_EQ(info.host_budget_bytes(), gauge.used());
   // Without --max_context_tokens a layer may grow to the most a layer can hold.
   for (const std::shared_ptr<Session>& session : server().server().sessions().List()) {
@@ -893,7 +904,7 @@ TEST_F(ServerTest, AnnouncedTokensStageThePromptInItsFinalAllocation) {
   ASSERT_TRUE(info.ok()) << info.status();
   // Keys and values, f32 on the cpu placement.
   EXPECT_EQ(info->host_bytes() - info->selector_bytes(),
-            int64_t{kPrompt + kDecode} * 2 * 64 * 4 * 2);
+            LayerKvStore::BytesFor(kPrompt + kDecode, 2, 64, KvElement::kF32));
 }
 
 TEST_F(ServiceMemoryBudgetTest, PrefillAndDecodeStopAtTheBudget) {

@@ -26,6 +26,8 @@
 #include "grpcpp/impl/codegen/rpc_method.h"
 #include "grpcpp/impl/codegen/sync_stream.h"
 #include "gtest/gtest.h"
+#include "server/host_memory.h"
+#include "server/kv_store.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -263,8 +265,10 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   EXPECT_EQ(server().server().budget().used(), 0);
 
   // Within the budget but not beside what another session set aside (its announced max_tokens:
-  // 122880 tokens of 2 x 2 x 16 f32 keys and values, 30 MiB): refused at Prefill, before any
-  // of it exists.
+  // 122880 tokens of 2 x 2 x 16 f32 keys and values, 30 MiB, charged with their pages' tables):
+  // refused at Prefill, before any of it exists.
+  const int64_t set_aside = LayerKvStore::BytesFor(122880, 2, 16, KvElement::kF32);
+  ASSERT_EQ(set_aside, 2 * HostFootprint(15 << 20));
   v1::CreateSessionRequest holder;
   *holder.mutable_geometry() = g;
   *holder.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
@@ -272,7 +276,7 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   v1::CreateSessionResponse held;
   grpc::ClientContext holder_context;
   ASSERT_TRUE(stub().CreateSession(&holder_context, holder, &held).ok());
-  EXPECT_EQ(server().server().budget().used(), 30 << 20);
+  EXPECT_EQ(server().server().budget().used(), set_aside);
   v1::Policy large = MakePolicy(v1::SELECTOR_RETOPK, /*top_k=*/65536);
   large.mutable_retopk()->set_cache_capacity(30);  // up to 30 MiB of cached supports
   absl::StatusOr<std::string> id = CreateSession(stub(), g, large);
@@ -286,7 +290,7 @@ TEST_F(SmallBudgetTest, SelectorStateIsReservedBeforeItIsBuilt) {
   absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->layers_prefilled(), 0);
-  EXPECT_EQ(server().server().budget().used(), 30 << 20);
+  EXPECT_EQ(server().server().budget().used(), set_aside);
   ASSERT_TRUE(testing::CloseSession(stub(), held.session_id()).ok());
   EXPECT_EQ(server().server().budget().used(), 0);
 

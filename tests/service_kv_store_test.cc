@@ -67,7 +67,9 @@ TEST(KvStoreTest, GrowsGeometricallyAndKeepsContent) {
   EXPECT_EQ(rows.rows(), 1000);
   // 16, 24, 36, ... : amortized O(1) appends take O(log n) reallocations.
   EXPECT_LE(reallocations, 15);
-  EXPECT_LE(rows.allocated_bytes(), 1000 * 3 * 4 * 3 / 2 + 3 * 4 * 16);
+  EXPECT_LE(rows.capacity_bytes(), 1000 * 3 * 4 * 3 / 2 + 3 * 4 * 16);
+  // Charged as the allocation takes the host's memory: whole pages, and a page table's.
+  EXPECT_EQ(rows.allocated_bytes(), HostFootprint(rows.capacity_bytes()));
   rows.Free();
   EXPECT_EQ(budget.used(), 0);
   EXPECT_EQ(rows.rows(), 0);
@@ -84,10 +86,17 @@ TEST(KvStoreTest, UncommittedRowsAreNotContent) {
 }
 
 TEST(KvStoreTest, BudgetRefusalChangesNothingAndFallsBackToExactGrowth) {
-  // Keys and values of 2 floats per token: 16 bytes per token for the pair.
-  MemoryBudget budget(16 * 40);
-  LayerKvStore kv(1, 2, &budget);
-  std::vector<float> token(2);
+  // Keys and values of 1024 floats per token: a page each, so that every row added is a page
+  // more of the host's memory (and the budget's: HostFootprint, an array's pages and its page
+  // table's). A budget of exactly 40 tokens.
+  constexpr int kWidth = 1024;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  if (page != 4096) GTEST_SKIP() << "pages of " << page << " bytes";
+  const int64_t forty = 2 * HostFootprint(40 * kWidth * 4);
+  ASSERT_EQ(forty, 2 * (40 + 1) * 4096);
+  MemoryBudget budget(forty);
+  LayerKvStore kv(1, kWidth, &budget);
+  std::vector<float> token(kWidth);
   int64_t appended = 0;
   absl::Status refused;
   while (refused.ok() && appended < 100) {
@@ -95,8 +104,8 @@ TEST(KvStoreTest, BudgetRefusalChangesNothingAndFallsBackToExactGrowth) {
     if (!refused.ok()) break;
     token[0] = static_cast<float>(appended);
     token[1] = -static_cast<float>(appended);
-    std::memcpy(kv.key_tail(), token.data(), sizeof(float) * 2);
-    std::memcpy(kv.value_tail(), token.data(), sizeof(float) * 2);
+    std::memcpy(kv.key_tail(), token.data(), sizeof(float) * kWidth);
+    std::memcpy(kv.value_tail(), token.data(), sizeof(float) * kWidth);
     kv.Commit(1);
     ++appended;
   }
@@ -104,10 +113,10 @@ TEST(KvStoreTest, BudgetRefusalChangesNothingAndFallsBackToExactGrowth) {
   // the last token.
   EXPECT_EQ(appended, 40);
   EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
-                        "host memory budget exceeded: the new token needs 16 more bytes, 640 of "
-                        "the 640-byte budget"));
+                        absl::StrCat("host memory budget exceeded: the new token needs 8192 more "
+                                     "bytes, ", forty, " of the ", forty, "-byte budget")));
   EXPECT_EQ(kv.tokens(), 40);
-  EXPECT_EQ(budget.used(), 640);
+  EXPECT_EQ(budget.used(), forty);
   const KvView view = kv.view();
   for (int64_t t = 0; t < view.tokens; ++t) {
     EXPECT_EQ(view.key(t, 0)[0], static_cast<float>(t));
@@ -125,7 +134,8 @@ TEST(KvStoreTest, SixteenBitStoreHalvesTheBytesAndRoundsStagedTokens) {
     LayerKvStore kv(2, 8, &budget, element);
     EXPECT_EQ(kv.element(), element);
     ASSERT_TRUE(kv.Reserve(16, "the prompt").ok());
-    EXPECT_EQ(budget.used(), 2 * 16 * 16 * 2);
+    EXPECT_EQ(kv.capacity_bytes(), 2 * 16 * 16 * 2);
+    EXPECT_EQ(budget.used(), kv.allocated_bytes());
     EXPECT_EQ(kv.allocated_bytes(), LayerKvStore::BytesFor(16, 2, 8, element));
     std::vector<float> key(16), value(16);
     for (int i = 0; i < 16; ++i) {
@@ -224,7 +234,7 @@ TEST(KvStoreTest, PinningFollowsEveryAllocationAndUnpinsBeforeFreeing) {
   ASSERT_TRUE(rows.pinned());
   ASSERT_EQ(pinning.live.size(), 1u);
   EXPECT_EQ(pinning.live[0].first, rows.raw_data());
-  EXPECT_EQ(pinning.live[0].second, static_cast<size_t>(rows.allocated_bytes()));
+  EXPECT_EQ(pinning.live[0].second, static_cast<size_t>(rows.capacity_bytes()));
   // Growth pins the new allocation and unpins the old one before it goes.
   const void* before = rows.raw_data();
   AppendRows(rows, 100);
@@ -270,7 +280,7 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
   BudgetedRows rows(1024, &budget);  // 4 KiB rows: 512 of them fill 2 MiB
   AppendRows(rows, 600);
   ASSERT_TRUE(rows.SetPinning(&pinning));
-  ASSERT_GE(rows.allocated_bytes(), int64_t{kHugePageBytes});
+  ASSERT_GE(rows.capacity_bytes(), int64_t{kHugePageBytes});
   int in_place = 0, moved = 0;
   for (int growth = 0; growth < 8 && moved < 2; ++growth) {
     SCOPED_TRACE(growth);
@@ -297,7 +307,7 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
       const auto old_end = reinterpret_cast<uintptr_t>(before) + capacity * rows.row_bytes();
       EXPECT_EQ(reinterpret_cast<uintptr_t>(pin.data), (old_end + Page() - 1) / Page() * Page());
       EXPECT_EQ(reinterpret_cast<uintptr_t>(pin.data) + pin.bytes,
-                reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
+                reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.capacity_bytes());
       ASSERT_EQ(pinning.live.size(), live_before.size() + 1);
     } else {
       ++moved;
@@ -311,7 +321,7 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
       const RecordingPinning::Event& pin = pinning.events.back();
       EXPECT_TRUE(pin.pin);
       EXPECT_EQ(pin.data, rows.raw_data());
-      EXPECT_EQ(pin.bytes, static_cast<size_t>(rows.allocated_bytes()));
+      EXPECT_EQ(pin.bytes, static_cast<size_t>(rows.capacity_bytes()));
       ASSERT_EQ(pinning.live.size(), 1u);
     }
     // The live pins cover the allocation from its start, one after another.
@@ -320,7 +330,7 @@ TEST(KvStoreTest, AMappedArrayGrowsInPlacePinningWhatItAddsThenMovesPinnedWhole)
       EXPECT_EQ(reinterpret_cast<uintptr_t>(start), next);
       next = (reinterpret_cast<uintptr_t>(start) + size + Page() - 1) / Page() * Page();
     }
-    EXPECT_GE(next, reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
+    EXPECT_GE(next, reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.capacity_bytes());
   }
   EXPECT_GE(in_place, 2) << "grown in place within its reservation";
   EXPECT_GE(moved, 1) << "moved past it";
@@ -355,7 +365,7 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   BudgetedRows rows(1024, &budget);
   rows.set_most_rows(kMost, MostRows::kSet);
   AppendRows(rows, 600);
-  ASSERT_GE(rows.allocated_bytes(), int64_t{kHugePageBytes});
+  ASSERT_GE(rows.capacity_bytes(), int64_t{kHugePageBytes});
   EXPECT_EQ(rows.rows_in_place(), kMost) << "80 MB of address space, not 4x 2.4 MB";
   const void* const where = rows.raw_data();
   int growths = 0;
@@ -378,7 +388,7 @@ TEST(KvStoreTest, AnArrayToldItsMostRowsGrowsToThemWithoutMoving) {
   BudgetedRows plain(1024, &budget);
   AppendRows(plain, 600);
   EXPECT_EQ(plain.rows_in_place(),
-            WholePages(plain.allocated_bytes() * kHostRowsAddressReserve) / 4096);
+            WholePages(plain.capacity_bytes() * kHostRowsAddressReserve) / 4096);
   BudgetedRows capped(1024, &budget);
   capped.set_most_rows(int64_t{1} << 31, MostRows::kCeiling);
   AppendRows(capped, 600);
@@ -444,7 +454,7 @@ TEST(KvStoreTest, AnArraysReservationKeepsToItsShareAndTakesWhatStillFits) {
   four_times.set_most_rows(kTwoGiB, MostRows::kSet);
   AppendRows(four_times, 600);
   EXPECT_EQ(four_times.rows_in_place(),
-            WholePages(four_times.allocated_bytes() * kHostRowsAddressReserve) / 4096);
+            WholePages(four_times.capacity_bytes() * kHostRowsAddressReserve) / 4096);
 }
 
 // A layer's prompt staging (cpu and tiered placements) tells its KV arrays the most tokens the
@@ -510,7 +520,7 @@ TEST(KvStoreTest, AGrowthAheadRunsElsewhereAndIsTakenOrGivenBack) {
   const int64_t target = capacity + (in_place - capacity) / 2;
   absl::StatusOr<GrowthAhead> growth = rows.StartGrowthAhead(target, "ahead");
   ASSERT_TRUE(growth.ok()) << growth.status();
-  EXPECT_EQ(budget.used(), target * rows.row_bytes()) << "charged when it starts";
+  EXPECT_EQ(budget.used(), HostFootprint(target * rows.row_bytes())) << "charged when it starts";
   const void* data = rows.raw_data();
   const size_t pins = pinning.live.size();
   std::thread runner([&] { growth->Run(); });
@@ -527,7 +537,7 @@ TEST(KvStoreTest, AGrowthAheadRunsElsewhereAndIsTakenOrGivenBack) {
   ASSERT_TRUE(rows.pinned());
   ASSERT_EQ(pinning.live.size(), pins + 1) << "its pin joined the rest";
   EXPECT_EQ(reinterpret_cast<uintptr_t>(pinning.live.back().first) + pinning.live.back().second,
-            reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.allocated_bytes());
+            reinterpret_cast<uintptr_t>(rows.raw_data()) + rows.capacity_bytes());
   const size_t events = pinning.events.size();
   AppendRows(rows, target - rows.rows());  // the rows it added: no growth in the step
   EXPECT_EQ(rows.capacity_rows(), target);
@@ -692,16 +702,16 @@ TEST(KvStoreTest, ContentSurvivesGrowthInHugePagesAndInSmallOnes) {
       const int64_t capacity = rows.capacity_rows();
       AppendRows(rows, 50);
       // (A mapped array may grow where it is: a growth is a new capacity, not a new address.)
-      if (rows.capacity_rows() != capacity && rows.allocated_bytes() >= int64_t{kHugePageBytes}) {
+      if (rows.capacity_rows() != capacity && rows.capacity_bytes() >= int64_t{kHugePageBytes}) {
         ++large;
-        EXPECT_TRUE(HugePageAligned(rows.raw_data())) << rows.allocated_bytes();
+        EXPECT_TRUE(HugePageAligned(rows.raw_data())) << rows.capacity_bytes();
       }
       EXPECT_EQ(budget.used(), rows.allocated_bytes());
     }
     EXPECT_GE(large, 2) << "grown more than once in mappings of their own";
     EXPECT_EQ(rows.rows(), 2000);
     ExpectRowsIntact(rows);
-    absl::StatusOr<int64_t> huge = AnonHugePageBytes(rows.raw_data(), rows.allocated_bytes());
+    absl::StatusOr<int64_t> huge = AnonHugePageBytes(rows.raw_data(), rows.capacity_bytes());
     ASSERT_TRUE(huge.ok()) << huge.status();
     if (!huge_pages) EXPECT_EQ(*huge, 0);
     rows.Free();

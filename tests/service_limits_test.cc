@@ -601,8 +601,10 @@ TEST_F(TokenCeilingTest, MaxTokensPastWhatALayerCanHoldIsRefusedAndAllocatesNoth
 TEST_F(TokenCeilingTest, MoreKvThanTheMachineHoldsIsRefusedAtCreateSession) {
   const absl::Status refused = CreateAnnouncing(MakeGeometry(1, 8, 8, 128), int64_t{1} << 30);
   EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
-                        "max_tokens=1073741824 of 1 layers needs 8796093022208 bytes of host KV, "
-                        "more than the "))
+                        absl::StrCat("max_tokens=1073741824 of 1 layers needs ",
+                                     LayerKvStore::BytesFor(int64_t{1} << 30, 8, 128,
+                                                            KvElement::kF32),
+                                     " bytes of host KV, more than the ")))
       << refused;
   EXPECT_THAT(refused.message(),
               HasSubstr(absl::StrCat(MemoryLimitBytes(), " bytes of memory it may use")));

@@ -450,7 +450,10 @@ TEST_F(TieredPlacementTest, TheHostKeepsTheKvInTheSessionsDtype) {
     if (dtype == v1::DTYPE_F32) {
       EXPECT_EQ(tiered_info->host_bytes(), cpu_info->host_bytes());
     } else {
-      EXPECT_EQ(2 * tiered_info->host_bytes(), cpu_info->host_bytes()) << DTypeName(dtype);
+      // Half, to within the pages each array is charged beside its rows (its last page's
+      // rounding and its page table's: HostFootprint), two arrays on each side.
+      EXPECT_NEAR(2.0 * tiered_info->host_bytes(), cpu_info->host_bytes(), 4.0 * 2 * 4096)
+          << DTypeName(dtype);
     }
     DecodeClient client(stub());
     for (int step = 0; step < 3; ++step) {
