@@ -230,6 +230,7 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
     ReactionFromGrpc(static_cast<Call*>(this));
     KvRecallService* const service = service_;
     if (registered_) service->Unregister(this);
+    static_cast<Call*>(this)->CountDone();
     Unref();  // may delete the call (and what it holds: sessions, their grants)
     HandoffToGrpc(service);  // gRPC's last touch of the service for this call (Server::Wait)
   }
@@ -266,8 +267,10 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   }
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
   // Records the call's end with `status` where the call counts itself (not through the RPC
-  // interceptor).
+  // interceptor), and counts it once it is done (CountDone, in OnDone: only then does gRPC say
+  // whether the status reached the client).
   void CountLocked(const grpc::Status&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
+  void CountDone() {}
   // Queues a run of the call on `queue`.
   void QueueLocked(WorkQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     busy_ = true;
@@ -540,10 +543,20 @@ class KvRecallService::DecodeCall final
   }
 
   void CountLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (service_->decode_calls_ != nullptr) {
-      service_->decode_calls_->CountCall(status.error_code(),
-                                         absl::ToDoubleSeconds(absl::Now() - opened_));
-    }
+    finished_code_ = status.error_code();
+    finished_after_ = absl::Now() - opened_;
+  }
+  // A stream that ended OK on its side but whose status never reached the client is counted
+  // CANCELLED: gRPC failed the call itself (a request past --max_message_mb: the read fails as
+  // a half-close does, and the client gets RESOURCE_EXHAUSTED from gRPC), or the client went
+  // first. IsCancelled says so once the call is done (probe 17, 2: such calls were counted OK).
+  void CountDone() {
+    if (service_->decode_calls_ == nullptr) return;
+    absl::MutexLock lock(&mu_);
+    const grpc::StatusCode code = finished_code_ == grpc::StatusCode::OK && context_->IsCancelled()
+                                      ? grpc::StatusCode::CANCELLED
+                                      : finished_code_;
+    service_->decode_calls_->CountCall(code, absl::ToDoubleSeconds(finished_after_));
   }
 
  private:
@@ -622,6 +635,9 @@ class KvRecallService::DecodeCall final
   GrpcStartOutsideLock write_start_;  // the reply's StartWrite, outside mu_ (TSan's view)
   absl::Time opened_;                              // with decode_calls_ only
   absl::Time arrived_ ABSL_GUARDED_BY(mu_);        // the request in flight's, likewise
+  // How the call finished, and when, for CountDone.
+  grpc::StatusCode finished_code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
+  absl::Duration finished_after_ ABSL_GUARDED_BY(mu_);
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -526,6 +526,67 @@ TEST_F(DecodeCallCountTest, StreamsEndedByDeadlineOrCancelAreNotCountedOk) {
   EXPECT_EQ(Counted("OK"), 1);
 }
 
+// A request past --max_message_mb is refused by gRPC itself (the client gets
+// RESOURCE_EXHAUSTED): a stream's is counted CANCELLED under its method, never OK (probe 17, 2:
+// a Decode stream's failed read looked like a half-close and was counted OK). A unary call's
+// never reaches the service (gRPC reads its one message before it dispatches the call), so it
+// is not counted at all (the README's metrics table says so).
+class OversizeCallCountTest : public DecodeCallCountTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = DecodeCallCountTest::Options();
+    options.max_message_bytes = 1 << 20;
+    return options;
+  }
+  int Counted(absl::string_view method, absl::string_view code) {
+    const std::string series = absl::StrCat("kvrecall_rpcs_total{code=\"", code,
+                                            "\",method=\"kvrecall.v1.KvRecall/", method, "\"} ");
+    const std::string text = running().metrics().TextFormat();
+    const size_t at = text.find(series);
+    return at == std::string::npos ? 0 : std::stoi(text.substr(at + series.size()));
+  }
+};
+
+TEST_F(OversizeCallCountTest, RequestsPastTheMessageLimitAreCountedCancelled) {
+  const std::string id = PrefilledSession(8);
+  const std::string huge(2 << 20, 'x');
+  {
+    v1::GetSessionRequest request;
+    request.set_session_id(huge);
+    grpc::ClientContext context;
+    v1::SessionInfo info;
+    EXPECT_EQ(stub().GetSession(&context, request, &info).error_code(),
+              grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  {
+    grpc::ClientContext context;
+    v1::PrefillResponse response;
+    auto writer = stub().Prefill(&context, &response);
+    v1::PrefillChunk chunk;
+    chunk.set_session_id(huge);
+    writer->Write(chunk);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  {
+    grpc::ClientContext context;
+    auto stream = stub().Decode(&context);
+    v1::DecodeRequest request = OneStep(id, 9);
+    request.mutable_steps(0)->set_session_id(huge);
+    stream->Write(request);
+    stream->WritesDone();
+    v1::DecodeResponse response;
+    EXPECT_FALSE(stream->Read(&response));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  }
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] {
+    return Counted("Prefill", "CANCELLED") == 1 && Counted("Decode", "CANCELLED") == 1;
+  })) << running().metrics().TextFormat();
+  EXPECT_EQ(Counted("Prefill", "OK"), 1) << "the session's own prompt";
+  EXPECT_EQ(Counted("Decode", "OK"), 0);
+  EXPECT_EQ(Counted("GetSession", "OK") + Counted("GetSession", "CANCELLED"), 0);
+}
+
 TEST_F(DeadlineTest, APrefillPastItsDeadlineFreesItsStagedPromptAtOnce) {
   const v1::Geometry g = SmallGeometry();
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
