@@ -400,7 +400,12 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
   // faulted in for a few KiB past it).
   std::byte* aligned = MapReserved(length, reserved, huge_pages);
   if (aligned == nullptr && reserved > length) {
-    // The reservation refused (an address-space limit, RLIMIT_AS): the pages alone.
+    // The reservation refused (an address-space limit, RLIMIT_AS): the pages alone, or, for a
+    // small allocation, which would then have no room to grow, the heap.
+    if (small) {
+      ReleaseAddressSpace(reserved);
+      return AllocateHostMemory(bytes, huge_pages, /*reserve_bytes=*/0);
+    }
     ReleaseAddressSpace(reserved - length);
     reserved = length;
     aligned = MapReserved(length, reserved, huge_pages);
@@ -471,10 +476,16 @@ absl::Status HostMemory::Grow(size_t bytes, absl::Span<const size_t> reserve_cho
       // refused (split_), which BudgetedRows answers with a copy.
       // The new reservation is held in place of the old one, which it replaces (so that near
       // the bound a move needs room for the new one only).
-      const size_t reserved = HoldAddressSpace(
+      size_t reserved = HoldAddressSpace(
           length, ReservationChoices(length, reserve_choices), /*replacing=*/reserved_bytes_);
-      std::byte* const aligned =
-          MapReserved(/*length=*/reserved, reserved, huge_pages_requested_);
+      std::byte* aligned = MapReserved(/*length=*/reserved, reserved, huge_pages_requested_);
+      if (aligned == nullptr && reserved > length) {
+        // The reservation refused (its commit, an address-space limit): the pages alone, which
+        // still move without a copy (a copy would hold both, in the step).
+        ReleaseAddressSpace(reserved - length);
+        reserved = length;
+        aligned = MapReserved(length, reserved, huge_pages_requested_);
+      }
       if (aligned == nullptr) {
         const int error = errno;
         HoldAgainInstead(reserved_bytes_, reserved);

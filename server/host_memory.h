@@ -54,7 +54,8 @@ class HostMemory {
   std::byte* data() const { return data_; }
   // The bytes asked for.
   size_t size() const { return bytes_; }
-  // Whether it has a 2 MiB-aligned mapping of its own (it is large).
+  // Whether it has a 2 MiB-aligned mapping of its own (it is large, or reserves room to grow
+  // past a huge page).
   bool mapped() const { return mapped_bytes_ > 0; }
   // Whether MADV_HUGEPAGE was asked for, and whether the kernel accepted it (it refuses where
   // transparent huge pages are not built in). Accepted advice backs it with 2 MiB pages when

@@ -51,7 +51,8 @@ inline constexpr int kHostRowsAddressReserve = 4;
 // that grew from a short prompt moved at every 4x, and every layer of a model at the same token
 // (d130: 155 ms for 32 layers at 4.6K tokens, against ~11 for its neighbours; a move populates
 // the added rows and pins the array again whole in the step). Address space only: no memory
-// (PROT_NONE, not committed). No array reserves more than 1/kHostRowsReserveShares of the
+// (PROT_NONE; counted against the system's commit limit only once it has moved, which matters
+// only under vm.overcommit_memory=2). No array reserves more than 1/kHostRowsReserveShares of the
 // process's bound on reservations (HostAddressSpaceBound: 32 TiB, or half its RLIMIT_AS), so
 // that at least 64 sessions of 64 arrays reserve in full before any has to do with less. Where
 // the bound's room is spent an array reserves the largest that still fits of its most rows,

@@ -142,7 +142,26 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool()> cancelled) {
+bool CommittedPrompt::Undo() {
+  if (session_ == nullptr) return false;
+  bool undone;
+  {
+    absl::MutexLock lock(&session_->mu());
+    undone = session_->UncommitPrompt(layers_, tokens_before_);
+  }
+  session_.reset();
+  layers_.clear();
+  return undone;
+}
+
+absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool()> cancelled,
+                                                          CommittedPrompt* committed) {
+  auto cancelled_status = [] {
+    return absl::CancelledError("the Prefill call was cancelled (or its deadline passed): "
+                                "nothing was committed");
+  };
+  // (A call cancelled before its commit began is told so, whatever its chunks were.)
+  if (cancelled()) return cancelled_status();
   if (session_ == nullptr) {
     return absl::InvalidArgumentError("the Prefill stream carried no chunks");
   }
@@ -183,10 +202,6 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
   layers_.clear();
 
   auto is_cancelled = [cancelled] { return cancelled(); };
-  auto cancelled_status = [] {
-    return absl::CancelledError("the Prefill call was cancelled (or its deadline passed): "
-                                "nothing was committed");
-  };
   const absl::Time build_start = absl::Now();
   AttentionBackend* backend = session_->backend();
   const LayerConfig& config = session_->layer_config();
@@ -251,8 +266,17 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
     absl::MutexLock lock(&session_->mu());
     // Checked last, just before the layers are installed.
     if (is_cancelled()) return cancelled_status();
+    const int64_t tokens_before = session_->prompt_tokens();
     if (absl::Status s = session_->CommitPrompt(staged); !s.ok()) return s;
     response.set_tokens(session_->prompt_tokens());
+    if (committed != nullptr) {
+      committed->session_ = session_;
+      committed->tokens_before_ = tokens_before;
+      committed->layers_.clear();
+      for (const StagedLayer& s : staged) {
+        committed->layers_.emplace_back(s.layer, &session_->layer(s.layer));
+      }
+    }
   }
   session_->Touch();
   response.set_session_id(session_->id());

@@ -10,6 +10,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -20,6 +22,21 @@
 #include "server/session.h"
 
 namespace kvrecall {
+
+// What a Prefill's commit installed (PrefillStream::Commit), to take it back where the call's OK
+// never reached its client.
+class CommittedPrompt {
+ public:
+  // Takes the layers back (Session::UncommitPrompt) unless they are in use since; whether it
+  // did. Once at most; nothing for an empty one.
+  bool Undo();
+
+ private:
+  friend class PrefillStream;
+  std::shared_ptr<Session> session_;
+  std::vector<std::pair<int, const LayerBackend*>> layers_;
+  int64_t tokens_before_ = 0;
+};
 
 class PrefillStream {
  public:
@@ -44,8 +61,10 @@ class PrefillStream {
   // install), the builds stop (index/build_stop.h) and nothing is committed (CANCELLED). A
   // session closed meanwhile stops them too (NOT_FOUND, as SessionStatus). `cancelled` is
   // asked often and from several threads at once: it must be thread-safe and cheap.
+  // What it installed goes to `committed` (when given), for an Undo.
   absl::StatusOr<v1::PrefillResponse> Commit(
-      absl::FunctionRef<bool()> cancelled = [] { return false; });
+      absl::FunctionRef<bool()> cancelled = [] { return false; },
+      CommittedPrompt* committed = nullptr);
 
   // OK unless the session this stream stages a prompt for was closed (a CloseSession, or it
   // expired): then the NOT_FOUND its next chunk would get, saying why. Add and Commit ask it

@@ -46,7 +46,9 @@ class RpcMetricsInterceptorFactory final
       grpc::experimental::ServerRpcInfo* info) override {
     const char* method = info->method() == nullptr ? "" : info->method();
     // No interceptor at all: gRPC then runs the call's messages without its hook machinery.
-    if (std::strcmp(method, kDecodeMethod) == 0) return nullptr;
+    if (std::strcmp(method, kDecodeMethod) == 0 || std::strcmp(method, kPrefillMethod) == 0) {
+      return nullptr;
+    }
     return new RpcMetricsInterceptor(metrics_->ForMethod(method));
   }
 

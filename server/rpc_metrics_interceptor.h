@@ -14,8 +14,11 @@
 
 namespace kvrecall {
 
-// The method the interceptor leaves to the service.
+// The methods the interceptor leaves to the service: its streams count themselves once gRPC
+// says whether their status reached the client (a stream that answered OK is CANCELLED where
+// gRPC failed it meanwhile).
 inline constexpr char kDecodeMethod[] = "/kvrecall.v1.KvRecall/Decode";
+inline constexpr char kPrefillMethod[] = "/kvrecall.v1.KvRecall/Prefill";
 
 // For ServerBuilder::experimental().SetInterceptorCreators(). `metrics` must outlive the server.
 std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>

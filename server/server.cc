@@ -72,21 +72,26 @@ bool UnixSocketInUse(absl::string_view address) {
 }
 
 // An address gRPC is to listen on: a unix:PATH, unix:///PATH or unix-abstract:NAME socket, or
-// [SCHEME:]HOST:PORT with a port in [0, 65535] (0: one the system picks). gRPC's own parser
-// takes the port modulo 2^16, so a typo (:99999) served on an unrelated port, or on a random
-// one (:65536), and said it listened. `flag` names the flag in the message.
+// HOST:PORT with a port in [0, 65535] (0: one the system picks), an IPv6 host in brackets
+// ([::1]:50051). gRPC's own parser takes the port modulo 2^16, so a typo (:99999) served on an
+// unrelated port, or on a random one (:65536), and said it listened; and it reads a bare IPv6
+// address (::1, fe80::1:8080) as a host without a port, served on 443. `flag` names the flag
+// in the message.
 absl::Status CheckListeningAddress(absl::string_view flag, absl::string_view address) {
   if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
     return absl::OkStatus();
   }
   const size_t colon = address.rfind(':');
+  const absl::string_view host =
+      colon == absl::string_view::npos ? address : address.substr(0, colon);
   int port = -1;
   if (colon == absl::string_view::npos || colon == 0 ||
+      (absl::StrContains(host, ':') && !(host.front() == '[' && host.back() == ']')) ||
       !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         flag, " entry '", address,
-        "' must be HOST:PORT with a port in [0, 65535] (0: any free port), unix:PATH or "
-        "unix-abstract:NAME"));
+        "' must be HOST:PORT with a port in [0, 65535] (0: any free port; an IPv6 host in "
+        "brackets: [::1]:50051), unix:PATH or unix-abstract:NAME"));
   }
   return absl::OkStatus();
 }

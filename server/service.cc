@@ -229,8 +229,10 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   void OnDone() override {
     ReactionFromGrpc(static_cast<Call*>(this));
     KvRecallService* const service = service_;
+    // (Before the call leaves the open streams: whoever waits for none to be open sees it
+    // counted, and its commit taken back.)
+    static_cast<Call*>(this)->OnCallDone();
     if (registered_) service->Unregister(this);
-    static_cast<Call*>(this)->CountDone();
     Unref();  // may delete the call (and what it holds: sessions, their grants)
     HandoffToGrpc(service);  // gRPC's last touch of the service for this call (Server::Wait)
   }
@@ -267,10 +269,11 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   }
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
   // Records the call's end with `status` where the call counts itself (not through the RPC
-  // interceptor), and counts it once it is done (CountDone, in OnDone: only then does gRPC say
-  // whether the status reached the client).
+  // interceptor).
   void CountLocked(const grpc::Status&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
-  void CountDone() {}
+  // What the call does once gRPC says it is done (OnDone: only then does gRPC say whether the
+  // status reached the client).
+  void OnCallDone() {}
   // Queues a run of the call on `queue`.
   void QueueLocked(WorkQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     busy_ = true;
@@ -373,12 +376,17 @@ class KvRecallService::PrefillCall final
       if (service_->options_.test_hooks.before_prefill_commit) {
         service_->options_.test_hooks.before_prefill_commit();
       }
-      // Cancelled when OnCancel says so, or once the deadline has passed (gRPC's OnCancel may
-      // come much later, its threads busy: the builds take the cores).
-      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit([this] {
-        return abandoned_.load(std::memory_order_acquire) ||
+      // Cancelled when OnCancel says so, once gRPC has marked the call cancelled, or once the
+      // deadline has passed (gRPC's OnCancel may come much later, its threads busy: the builds
+      // take the cores). gRPC fails a read it refuses (a chunk past --max_message_mb) as a
+      // clean close fails it, and marks the call cancelled about then: checked here again, up
+      // to the install, so that a prompt cut short by such a chunk is not committed while the
+      // client is told RESOURCE_EXHAUSTED (review 17, 1).
+      const auto cancelled = [this] {
+        return abandoned_.load(std::memory_order_acquire) || context_->IsCancelled() ||
                std::chrono::steady_clock::now() >= deadline_;
-      });
+      };
+      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit(cancelled, &installed_);
       if (committed.ok()) {
         response_ = *std::move(committed);
       } else {
@@ -442,6 +450,26 @@ class KvRecallService::PrefillCall final
     return released;
   }
 
+  // A commit answered OK whose answer never reached the client (gRPC failed the call
+  // meanwhile: a chunk past --max_message_mb fails the read as a clean close does, and the
+  // client hears RESOURCE_EXHAUSTED; or the client went first) is taken back: the client, told
+  // of a failure, finds nothing committed (review 17, 1: a prompt cut short at that chunk was
+  // committed).
+  void OnCallDone() {
+    const bool cancelled = context_->IsCancelled();
+    if (cancelled) installed_.Undo();
+    if (service_->prefill_calls_ == nullptr) return;
+    absl::MutexLock lock(&mu_);
+    service_->prefill_calls_->CountCall(
+        finished_code_ == grpc::StatusCode::OK && cancelled ? grpc::StatusCode::CANCELLED
+                                                            : finished_code_,
+        absl::ToDoubleSeconds(finished_after_));
+  }
+  void CountLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_code_ = status.error_code();
+    finished_after_ = absl::Now() - opened_;
+  }
+
   // Frees the staged prompt (a commit has moved what it committed into the session), and ends
   // the commit's use of the session before the stream lets go of it.
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -459,6 +487,11 @@ class KvRecallService::PrefillCall final
   v1::PrefillChunk chunk_;
   v1::PrefillResponse response_;
   PrefillStream stream_;
+  CommittedPrompt installed_;  // what a commit installed, until OnDone (OnCallDone)
+  const absl::Time opened_ = absl::Now();
+  // How the call finished, and when, for OnCallDone.
+  grpc::StatusCode finished_code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
+  absl::Duration finished_after_ ABSL_GUARDED_BY(mu_);
   int64_t chunks_ = 0;
   bool committing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<Session::Use> commit_use_ ABSL_GUARDED_BY(mu_);  // from the commit's queueing
@@ -550,7 +583,7 @@ class KvRecallService::DecodeCall final
   // CANCELLED: gRPC failed the call itself (a request past --max_message_mb: the read fails as
   // a half-close does, and the client gets RESOURCE_EXHAUSTED from gRPC), or the client went
   // first. IsCancelled says so once the call is done (probe 17, 2: such calls were counted OK).
-  void CountDone() {
+  void OnCallDone() {
     if (service_->decode_calls_ == nullptr) return;
     absl::MutexLock lock(&mu_);
     const grpc::StatusCode code = finished_code_ == grpc::StatusCode::OK && context_->IsCancelled()
@@ -635,7 +668,7 @@ class KvRecallService::DecodeCall final
   GrpcStartOutsideLock write_start_;  // the reply's StartWrite, outside mu_ (TSan's view)
   absl::Time opened_;                              // with decode_calls_ only
   absl::Time arrived_ ABSL_GUARDED_BY(mu_);        // the request in flight's, likewise
-  // How the call finished, and when, for CountDone.
+  // How the call finished, and when, for OnCallDone.
   grpc::StatusCode finished_code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
   absl::Duration finished_after_ ABSL_GUARDED_BY(mu_);
 };
@@ -960,7 +993,10 @@ KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions
       options_(options),
       decode_calls_(options.decode_call_metrics && registry->metrics() != nullptr
                         ? registry->metrics()->ForMethod(kDecodeMethod)
-                        : nullptr) {
+                        : nullptr),
+      prefill_calls_(options.decode_call_metrics && registry->metrics() != nullptr
+                         ? registry->metrics()->ForMethod(kPrefillMethod)
+                         : nullptr) {
   registry_->SetClosedListener([this] { TellStreamsSessionsClosed(); });
 }
 

@@ -216,8 +216,10 @@ class KvRecallService final : public KvRecallRawCallbackService {
   std::atomic<int> inline_steps_{0};
   const ServiceOptions options_;
   std::atomic<int> shared_streams_{0};
-  // Where Decode streams count their calls (ServiceOptions::decode_call_metrics); null: nowhere.
+  // Where Decode and Prefill streams count their calls (ServiceOptions::decode_call_metrics);
+  // null: nowhere.
   MethodMetrics* const decode_calls_;
+  MethodMetrics* const prefill_calls_;
 };
 
 // The status of work refused because the server is draining.

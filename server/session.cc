@@ -285,6 +285,18 @@ absl::Status Session::CommitPrompt(std::vector<StagedLayer>& staged) {
   return absl::OkStatus();
 }
 
+bool Session::UncommitPrompt(const std::vector<std::pair<int, const LayerBackend*>>& installed,
+                             int64_t tokens_before) {
+  for (const auto& [layer, backend] : installed) {
+    if (layers_[layer].get() != backend || backend->tokens() != prompt_tokens_) return false;
+  }
+  for (const auto& [layer, backend] : installed) layers_[layer].reset();
+  if (std::all_of(layers_.begin(), layers_.end(), [](const auto& l) { return l == nullptr; })) {
+    prompt_tokens_ = tokens_before;
+  }
+  return true;
+}
+
 absl::Status Session::CheckDecodable(int layer) const {
   if (closed()) return ClosedStatus();
   if (layer < 0 || layer >= geometry_.layers()) {

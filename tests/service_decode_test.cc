@@ -412,7 +412,9 @@ TEST_F(ServiceDecodeTest, TheLargestScaleKeepsTheLargestTensorsFinite) {
   constexpr int kPrompt = 12;
   testing::PromptLayer prompt = testing::RandomPromptOf(g, kPrompt, 5);
   for (float& x : prompt.q) x = 65504.0f;
-  for (float& x : prompt.k) x = 65504.0f;
+  // Keys of either sign, token by token: logits at both ends of what the bound allows, so that
+  // the softmax spans all of it (its smaller terms underflow to 0, as they must).
+  for (size_t i = 0; i < prompt.k.size(); ++i) prompt.k[i] = (i / 16) % 2 ? -65504.0f : 65504.0f;
   for (size_t i = 0; i < prompt.v.size(); ++i) prompt.v[i] = i % 3 == 0 ? -65504.0f : 65504.0f;
   const std::vector<float> q(2 * 16, 65504.0f), k(16, 65504.0f), v(16, -65504.0f);
   for (const v1::Selector selector : {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK,

@@ -209,7 +209,7 @@ TEST(ServerAddressTest, EmptyEntriesAndTooManyWorkersAreRefused) {
 TEST(ServerAddressTest, PortsOutsideTheirRangeAreRefused) {
   for (const char* address :
        {"127.0.0.1:99999", "127.0.0.1:65536", "127.0.0.1:0,127.0.0.1:113665", "127.0.0.1:-1",
-        "127.0.0.1:", "127.0.0.1", "[::1]:70000", "127.0.0.1:12ab"}) {
+        "127.0.0.1:", "127.0.0.1", "[::1]:70000", "127.0.0.1:12ab", "::1", "fe80::1:8080"}) {
     EXPECT_TRUE(HasStatus(StartOn(address).status(), absl::StatusCode::kInvalidArgument,
                           "must be HOST:PORT with a port in [0, 65535]"))
         << address;

@@ -481,6 +481,16 @@ TEST_F(TieredPlacementTest, AGpuStaticTierRefusesWhatItCannotHold) {
                             .status(),
                         absl::StatusCode::kInvalidArgument,
                         "geometry.head_dim 80 is not served by PLACEMENT_TIERED on a GPU"));
+  // f16 carries q x scale (x log2 e) in the kernels: a scale past ln 2 would give inf scores
+  // for q the API accepts; bf16 (f32's range) serves it.
+  v1::Geometry large_scale = MakeGeometry(1, 8, 2, 64, v1::DTYPE_F16);
+  large_scale.set_softmax_scale(1.0f);
+  EXPECT_TRUE(HasStatus(CreateSession(stub(), large_scale, TieredPolicy(v1::SELECTOR_FULL)).status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "geometry.softmax_scale 1 is not served by PLACEMENT_TIERED on a GPU in "
+                        "DTYPE_F16"));
+  large_scale.set_dtype(v1::DTYPE_BF16);
+  EXPECT_TRUE(CreateSession(stub(), large_scale, TieredPolicy(v1::SELECTOR_FULL)).ok());
 }
 
 }  // namespace

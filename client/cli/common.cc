@@ -185,7 +185,8 @@ int ReportError(absl::string_view subcommand, const absl::Status& status) {
     // (As ConnectToServer's channel decides: any --tls* flag, or a token to a HOST:PORT.)
     const bool tls =
         absl::GetFlag(FLAGS_tls) || !absl::GetFlag(FLAGS_tls_ca).empty() ||
-        !absl::GetFlag(FLAGS_tls_cert).empty() ||
+        !absl::GetFlag(FLAGS_tls_cert).empty() || !absl::GetFlag(FLAGS_tls_key).empty() ||
+        !absl::GetFlag(FLAGS_tls_server_name).empty() ||
         (!absl::GetFlag(FLAGS_token_file).empty() &&
          !absl::StartsWith(absl::GetFlag(FLAGS_server), "unix"));
     hint = tls ? " (if kvrecalld listens there, the TLS handshake failed: check --tls_ca, the "
