@@ -606,6 +606,10 @@ TEST_F(OversizeCallCountTest, RequestsPastTheMessageLimitAreCountedCancelled) {
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->layers_prefilled(), 0) << "nothing committed";
   EXPECT_EQ(info->tokens(), 0);
+  EXPECT_EQ(info->host_bytes(), 0) << "and nothing held";
+  EXPECT_EQ(info->host_budget_bytes(), 0);
+  // The session takes a whole prompt afterwards.
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*fresh, g, 0, RandomPromptOf(g, 8, 4), 4)).ok());
 }
 
 TEST_F(DeadlineTest, APrefillPastItsDeadlineFreesItsStagedPromptAtOnce) {
