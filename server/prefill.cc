@@ -144,11 +144,14 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
 
 bool CommittedPrompt::Undo() {
   if (session_ == nullptr) return false;
-  bool undone;
+  std::vector<std::unique_ptr<LayerBackend>> taken;
   {
     absl::MutexLock lock(&session_->mu());
-    undone = session_->UncommitPrompt(layers_, tokens_before_);
+    taken = session_->UncommitPrompt(layers_);
   }
+  const bool undone = !taken.empty();
+  taken.clear();  // freed outside the session's lock
+  if (undone) ReturnFreedMemory();
   session_.reset();
   layers_.clear();
   return undone;
@@ -266,12 +269,10 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
     absl::MutexLock lock(&session_->mu());
     // Checked last, just before the layers are installed.
     if (is_cancelled()) return cancelled_status();
-    const int64_t tokens_before = session_->prompt_tokens();
     if (absl::Status s = session_->CommitPrompt(staged); !s.ok()) return s;
     response.set_tokens(session_->prompt_tokens());
     if (committed != nullptr) {
       committed->session_ = session_;
-      committed->tokens_before_ = tokens_before;
       committed->layers_.clear();
       for (const StagedLayer& s : staged) {
         committed->layers_.emplace_back(s.layer, &session_->layer(s.layer));

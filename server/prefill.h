@@ -27,15 +27,15 @@ namespace kvrecall {
 // never reached its client.
 class CommittedPrompt {
  public:
-  // Takes the layers back (Session::UncommitPrompt) unless they are in use since; whether it
-  // did. Once at most; nothing for an empty one.
+  // Takes the layers back (Session::UncommitPrompt) unless they are in use since, frees them
+  // and gives the freed memory back to the system; whether it did. Once at most; nothing for an
+  // empty one. (The layers are the session's, visible to other streams, until then.)
   bool Undo();
 
  private:
   friend class PrefillStream;
   std::shared_ptr<Session> session_;
   std::vector<std::pair<int, const LayerBackend*>> layers_;
-  int64_t tokens_before_ = 0;
 };
 
 class PrefillStream {

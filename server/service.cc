@@ -355,6 +355,7 @@ class KvRecallService::PrefillCall final
 
   void Run() override {
     if (!BeginRun()) return;
+    CommittedPrompt installed;  // what a commit installs, handed to OnDone with its OK
     bool committing;
     {
       absl::MutexLock lock(&mu_);
@@ -376,32 +377,38 @@ class KvRecallService::PrefillCall final
       if (service_->options_.test_hooks.before_prefill_commit) {
         service_->options_.test_hooks.before_prefill_commit();
       }
-      // Cancelled when OnCancel says so, once gRPC has marked the call cancelled, or once the
-      // deadline has passed (gRPC's OnCancel may come much later, its threads busy: the builds
-      // take the cores). gRPC fails a read it refuses (a chunk past --max_message_mb) as a
-      // clean close fails it, and marks the call cancelled about then: checked here again, up
-      // to the install, so that a prompt cut short by such a chunk is not committed while the
-      // client is told RESOURCE_EXHAUSTED (review 17, 1).
-      const auto cancelled = [this] {
-        return abandoned_.load(std::memory_order_acquire) || context_->IsCancelled() ||
-               std::chrono::steady_clock::now() >= deadline_;
-      };
-      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit(cancelled, &installed_);
+      // Cancelled when OnCancel says so, or once the deadline has passed (gRPC's OnCancel may
+      // come much later, its threads busy: the builds take the cores). (Not gRPC's context:
+      // once OnCancel has finished the call, gRPC may run OnDone and free it while this runs.)
+      absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit(
+          [this] {
+            return abandoned_.load(std::memory_order_acquire) ||
+                   std::chrono::steady_clock::now() >= deadline_;
+          },
+          &installed);
       if (committed.ok()) {
         response_ = *std::move(committed);
+        if (service_->options_.test_hooks.after_prefill_install) {
+          service_->options_.test_hooks.after_prefill_install();
+        }
       } else {
         status = service_->Answer(committed.status());
       }
     }
+    bool take_back = false;
     {
       absl::MutexLock lock(&mu_);
       busy_ = false;
       running_ = false;
       if (finished_) {
-        ReleaseLocked();  // cancelled while this run worked
+        // Cancelled while this run worked: what it installed is taken back here (the call's
+        // OnDone may have run already).
+        take_back = true;
+        ReleaseLocked();
       } else if (!status.ok()) {
         FinishLocked(std::move(status));
       } else if (committing) {
+        installed_ = std::move(installed);  // OnDone's to take back, should the OK be lost
         SerializeRawMessage(response_, reply_);
         FinishLocked(grpc::Status::OK);
       } else if (service_->draining()) {
@@ -414,6 +421,7 @@ class KvRecallService::PrefillCall final
         StartRead(&in_);
       }
     }
+    if (take_back) installed.Undo();
     Unref();
   }
 
@@ -455,15 +463,25 @@ class KvRecallService::PrefillCall final
   // client hears RESOURCE_EXHAUSTED; or the client went first) is taken back: the client, told
   // of a failure, finds nothing committed (review 17, 1: a prompt cut short at that chunk was
   // committed).
+  // (What a run that was still working when the call finished installed, that run takes back
+  // itself: this sees only what a FinishLocked(OK) handed over.)
   void OnCallDone() {
     const bool cancelled = context_->IsCancelled();
-    if (cancelled) installed_.Undo();
-    if (service_->prefill_calls_ == nullptr) return;
-    absl::MutexLock lock(&mu_);
-    service_->prefill_calls_->CountCall(
-        finished_code_ == grpc::StatusCode::OK && cancelled ? grpc::StatusCode::CANCELLED
-                                                            : finished_code_,
-        absl::ToDoubleSeconds(finished_after_));
+    CommittedPrompt installed;
+    grpc::StatusCode code;
+    absl::Duration after;
+    {
+      absl::MutexLock lock(&mu_);
+      installed = std::move(installed_);
+      code = finished_code_;
+      after = finished_after_;
+    }
+    if (cancelled) installed.Undo();
+    if (service_->prefill_calls_ != nullptr) {
+      service_->prefill_calls_->CountCall(
+          code == grpc::StatusCode::OK && cancelled ? grpc::StatusCode::CANCELLED : code,
+          absl::ToDoubleSeconds(after));
+    }
   }
   void CountLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_code_ = status.error_code();
@@ -479,7 +497,8 @@ class KvRecallService::PrefillCall final
 
  private:
 
-  grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
+  // gRPC's: valid until OnDone (a run still working after the call finished must not use it)
+  grpc::CallbackServerContext* const context_;
   const std::chrono::steady_clock::time_point deadline_;  // SteadyDeadline's
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   CallIdentity identity_;          // the caller's (server/auth.h), checked on each chunk
@@ -487,7 +506,7 @@ class KvRecallService::PrefillCall final
   v1::PrefillChunk chunk_;
   v1::PrefillResponse response_;
   PrefillStream stream_;
-  CommittedPrompt installed_;  // what a commit installed, until OnDone (OnCallDone)
+  CommittedPrompt installed_ ABSL_GUARDED_BY(mu_);  // a commit's, answered OK, until OnDone
   const absl::Time opened_ = absl::Now();
   // How the call finished, and when, for OnCallDone.
   grpc::StatusCode finished_code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;

@@ -33,6 +33,9 @@ struct ServiceTestHooks {
   std::function<void()> after_create_session;
   // On the build queue, before a Prefill stream's commit starts its builds.
   std::function<void()> before_prefill_commit;
+  // Run right after a Prefill's commit installed its layers, before the call is answered (on
+  // the build queue's thread).
+  std::function<void()> after_prefill_install;
 };
 
 struct ServiceOptions {
@@ -216,8 +219,8 @@ class KvRecallService final : public KvRecallRawCallbackService {
   std::atomic<int> inline_steps_{0};
   const ServiceOptions options_;
   std::atomic<int> shared_streams_{0};
-  // Where Decode and Prefill streams count their calls (ServiceOptions::decode_call_metrics);
-  // null: nowhere.
+  // Where Decode and Prefill streams count their calls (ServiceOptions::decode_call_metrics,
+  // which turns both on); null: nowhere.
   MethodMetrics* const decode_calls_;
   MethodMetrics* const prefill_calls_;
 };

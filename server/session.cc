@@ -285,16 +285,17 @@ absl::Status Session::CommitPrompt(std::vector<StagedLayer>& staged) {
   return absl::OkStatus();
 }
 
-bool Session::UncommitPrompt(const std::vector<std::pair<int, const LayerBackend*>>& installed,
-                             int64_t tokens_before) {
+std::vector<std::unique_ptr<LayerBackend>> Session::UncommitPrompt(
+    const std::vector<std::pair<int, const LayerBackend*>>& installed) {
+  std::vector<std::unique_ptr<LayerBackend>> taken;
   for (const auto& [layer, backend] : installed) {
-    if (layers_[layer].get() != backend || backend->tokens() != prompt_tokens_) return false;
+    if (layers_[layer].get() != backend || backend->tokens() != prompt_tokens_) return taken;
   }
-  for (const auto& [layer, backend] : installed) layers_[layer].reset();
+  for (const auto& [layer, backend] : installed) taken.push_back(std::move(layers_[layer]));
   if (std::all_of(layers_.begin(), layers_.end(), [](const auto& l) { return l == nullptr; })) {
-    prompt_tokens_ = tokens_before;
+    prompt_tokens_ = 0;
   }
-  return true;
+  return taken;
 }
 
 absl::Status Session::CheckDecodable(int layer) const {

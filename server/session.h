@@ -150,13 +150,14 @@ class Session {
   // prefillable, and all prompts of a session have one length (INVALID_ARGUMENT otherwise).
   absl::Status CommitPrompt(std::vector<StagedLayer>& layers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes back layers CommitPrompt installed (`installed`: each layer's index and its backend
-  // as installed), the session's prompt length then `tokens_before` again where no layer is
-  // left: for a Prefill whose OK never reached its client (gRPC failed the call meanwhile), so
-  // that the client, told of a failure, finds nothing committed. Nothing is taken back where
-  // any of them was replaced or has been stepped since (someone uses the prompt). Returns
-  // whether they were taken back.
-  bool UncommitPrompt(const std::vector<std::pair<int, const LayerBackend*>>& installed,
-                      int64_t tokens_before) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // as installed), the session's prompt length 0 again where no layer is left: for a Prefill
+  // whose OK never reached its client (gRPC failed the call meanwhile), so that the client, told
+  // of a failure, finds nothing committed. Nothing is taken back where any of them was replaced
+  // or has been stepped since (someone uses the prompt). Returns the layers taken, for the
+  // caller to free outside the lock (none: nothing taken back).
+  std::vector<std::unique_ptr<LayerBackend>> UncommitPrompt(
+      const std::vector<std::pair<int, const LayerBackend*>>& installed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t prompt_tokens() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return prompt_tokens_; }
 
   // NOT_FOUND when closed; INVALID_ARGUMENT when `layer` is out of range; FAILED_PRECONDITION

@@ -2,6 +2,7 @@
 // --max_context_tokens, --session_idle_ttl_seconds, deadlines on every kind of call, and the
 // prompt of a cancelled Prefill freed at once. Every limit refuses before allocating, with
 // RESOURCE_EXHAUSTED naming the limit and its value, counted by the metrics.
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -13,6 +14,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
@@ -391,6 +393,60 @@ TEST_F(SlowCommitTtlTest, ASessionDoesNotExpireWhileItsPromptIsCommitted) {
   // The commit's end counts as a use: the session is there, then expires as any other.
   EXPECT_TRUE(GetSession(stub(), *id).ok());
   EXPECT_TRUE(Within(absl::Seconds(5), [&] { return running().sessions().List().empty(); }));
+}
+
+// A Prefill cancelled after its commit installed the layers, before the call was answered (a
+// hook holds the run there until the call's OnDone has run): the run that installed them takes
+// them back, so the client, told CANCELLED, finds nothing committed and nothing held, and the
+// session takes its prompt again (review 17b, 1: OnDone and the run raced for what it installed).
+class PrefillTakenBackTest : public LimitsTest {
+ protected:
+  struct Gate {
+    std::atomic<bool> armed{true};  // the first commit only
+    absl::Notification entered, release;
+  };
+  ServerOptions Options() const override {
+    ServerOptions options = LimitsTest::Options();
+    options.service_test_hooks.after_prefill_install = [gate = gate_] {
+      if (!gate->armed.exchange(false)) return;
+      gate->entered.Notify();
+      gate->release.WaitForNotification();
+    };
+    return options;
+  }
+  std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
+};
+
+TEST_F(PrefillTakenBackTest, ACommitCancelledBeforeItsAnswerIsTakenBack) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 3), 8);
+  grpc::ClientContext context;
+  v1::PrefillResponse response;
+  auto writer = stub().Prefill(&context, &response);
+  for (const v1::PrefillChunk& chunk : chunks) ASSERT_TRUE(writer->Write(chunk));
+  ASSERT_TRUE(writer->WritesDone());
+  ASSERT_TRUE(gate_->entered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layers_prefilled(), 1) << "installed, not answered yet";
+  context.TryCancel();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // The call is done (its OnDone ran) while the run that installed the layers still holds them.
+  ASSERT_TRUE(Within(absl::Seconds(5), [&] { return running().service().open_streams() == 0; }));
+  gate_->release.Notify();
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] {
+    info = GetSession(stub(), *id);
+    return info.ok() && info->layers_prefilled() == 0;
+  })) << "the installed layers were kept";
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokens(), 0);
+  EXPECT_EQ(info->host_bytes(), 0);
+  EXPECT_EQ(running().budget().used(), 0);
+  absl::StatusOr<v1::PrefillResponse> again = Prefill(stub(), chunks);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tokens(), 16);
 }
 
 TEST_F(LimitsTest, APrefillStreamWhoseSessionIsClosedEndsAndFreesItsStaging) {
