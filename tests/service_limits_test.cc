@@ -449,6 +449,46 @@ TEST_F(PrefillTakenBackTest, ACommitCancelledBeforeItsAnswerIsTakenBack) {
   EXPECT_EQ(again->tokens(), 16);
 }
 
+// A layer taken back leaves the layers an earlier Prefill committed, and their prompt length;
+// the layer takes its prompt again, of that length.
+TEST_F(PrefillTakenBackTest, ATakenBackLayerLeavesTheOthersAndTheirLength) {
+  gate_->armed = false;  // layer 0's Prefill passes
+  const v1::Geometry g = SmallGeometry(2);
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(Prefill(stub(), PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 5), 8)).ok());
+  const int64_t layer0_bytes = running().budget().used();
+  gate_->armed = true;
+  const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 1, RandomPromptOf(g, 16, 6), 8);
+  grpc::ClientContext context;
+  v1::PrefillResponse response;
+  auto writer = stub().Prefill(&context, &response);
+  for (const v1::PrefillChunk& chunk : chunks) ASSERT_TRUE(writer->Write(chunk));
+  ASSERT_TRUE(writer->WritesDone());
+  ASSERT_TRUE(gate_->entered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  context.TryCancel();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(Within(absl::Seconds(5), [&] { return running().service().open_streams() == 0; }));
+  gate_->release.Notify();
+  absl::StatusOr<v1::SessionInfo> info;
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] {
+    info = GetSession(stub(), *id);
+    return info.ok() && info->layers_prefilled() == 1;
+  })) << "layer 1 kept";
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->tokens(), 16) << "layer 0's prompt length";
+  EXPECT_EQ(running().budget().used(), layer0_bytes);
+  // Layer 1 takes a prompt of that length again (another length is refused, as ever).
+  EXPECT_TRUE(HasStatus(
+      Prefill(stub(), PromptChunks(*id, g, 1, RandomPromptOf(g, 12, 7), 8)).status(),
+      absl::StatusCode::kInvalidArgument, "every layer's prompt must have one length"));
+  ASSERT_TRUE(Prefill(stub(), chunks).ok());
+  DecodeClient decode(stub());
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_TRUE(decode.Step(OneStep(*id, 30 + layer, layer)).ok()) << layer;
+  }
+}
+
 TEST_F(LimitsTest, APrefillStreamWhoseSessionIsClosedEndsAndFreesItsStaging) {
   // CloseSession from another call while a Prefill stream waits for its next chunk: the
   // stream ends at once with the NOT_FOUND its next chunk would get, its staging freed.
