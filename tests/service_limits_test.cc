@@ -4,6 +4,7 @@
 // RESOURCE_EXHAUSTED naming the limit and its value, counted by the metrics.
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -414,6 +415,23 @@ class PrefillTakenBackTest : public LimitsTest {
     };
     return options;
   }
+  // Streams `chunks` as one Prefill whose commit the hook holds after its install, runs
+  // `while_held`, cancels the call, waits until its OnDone has run, then lets the run go on.
+  void CancelAfterTheInstall(const std::vector<v1::PrefillChunk>& chunks,
+                             const std::function<void()>& while_held = [] {}) {
+    grpc::ClientContext context;
+    v1::PrefillResponse response;
+    auto writer = stub().Prefill(&context, &response);
+    for (const v1::PrefillChunk& chunk : chunks) ASSERT_TRUE(writer->Write(chunk));
+    ASSERT_TRUE(writer->WritesDone());
+    ASSERT_TRUE(gate_->entered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+    while_held();
+    context.TryCancel();
+    EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    // The call is done (its OnDone ran) while the run that installed the layers holds them.
+    ASSERT_TRUE(Within(absl::Seconds(5), [&] { return running().service().open_streams() == 0; }));
+    gate_->release.Notify();
+  }
   std::shared_ptr<Gate> gate_ = std::make_shared<Gate>();
 };
 
@@ -422,20 +440,12 @@ TEST_F(PrefillTakenBackTest, ACommitCancelledBeforeItsAnswerIsTakenBack) {
   absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(id.ok()) << id.status();
   const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 3), 8);
-  grpc::ClientContext context;
-  v1::PrefillResponse response;
-  auto writer = stub().Prefill(&context, &response);
-  for (const v1::PrefillChunk& chunk : chunks) ASSERT_TRUE(writer->Write(chunk));
-  ASSERT_TRUE(writer->WritesDone());
-  ASSERT_TRUE(gate_->entered.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), *id);
-  ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->layers_prefilled(), 1) << "installed, not answered yet";
-  context.TryCancel();
-  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  // The call is done (its OnDone ran) while the run that installed the layers still holds them.
-  ASSERT_TRUE(Within(absl::Seconds(5), [&] { return running().service().open_streams() == 0; }));
-  gate_->release.Notify();
+  absl::StatusOr<v1::SessionInfo> info;
+  CancelAfterTheInstall(chunks, [&] {
+    info = GetSession(stub(), *id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->layers_prefilled(), 1) << "installed, not answered yet";
+  });
   EXPECT_TRUE(Within(absl::Seconds(5), [&] {
     info = GetSession(stub(), *id);
     return info.ok() && info->layers_prefilled() == 0;
@@ -460,16 +470,7 @@ TEST_F(PrefillTakenBackTest, ATakenBackLayerLeavesTheOthersAndTheirLength) {
   const int64_t layer0_bytes = running().budget().used();
   gate_->armed = true;
   const std::vector<v1::PrefillChunk> chunks = PromptChunks(*id, g, 1, RandomPromptOf(g, 16, 6), 8);
-  grpc::ClientContext context;
-  v1::PrefillResponse response;
-  auto writer = stub().Prefill(&context, &response);
-  for (const v1::PrefillChunk& chunk : chunks) ASSERT_TRUE(writer->Write(chunk));
-  ASSERT_TRUE(writer->WritesDone());
-  ASSERT_TRUE(gate_->entered.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  context.TryCancel();
-  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  ASSERT_TRUE(Within(absl::Seconds(5), [&] { return running().service().open_streams() == 0; }));
-  gate_->release.Notify();
+  CancelAfterTheInstall(chunks);
   absl::StatusOr<v1::SessionInfo> info;
   EXPECT_TRUE(Within(absl::Seconds(5), [&] {
     info = GetSession(stub(), *id);
