@@ -345,7 +345,9 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<kvrecall::RunningServer>> server = kvrecall::StartServer(options);
   if (!server.ok()) {
     std::fprintf(stderr, "kvrecalld: %s\n", std::string(server.status().message()).c_str());
-    return 1;
+    // 2, as for the flags checked above, where the server refuses a flag's value (an address, a
+    // limit, a file a flag names); 1 where it could not start (a port in use, a device).
+    return absl::IsInvalidArgument(server.status()) ? 2 : 1;
   }
   // Printed before the line below, so that whoever waits for that one can read these.
   std::printf("kvrecalld: %s (CUDA_MODULE_LOADING=%s)\n",

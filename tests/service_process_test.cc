@@ -237,7 +237,7 @@ TEST(KvrecalldProcessTest, AnUnwritableSharedMemoryDirIsRefusedAtStart) {
       absl::StrCat(as_user, KvrecalldProcess::BinaryPath(),
                    " --address=127.0.0.1:0 --metrics_address= --shared_memory_dir=", shm),
       &code);
-  EXPECT_EQ(code, 1) << output;
+  EXPECT_EQ(code, 2) << output;  // a flag's value refused
   EXPECT_THAT(output, HasSubstr("shared_memory_dir " + shm + " is not writable by this process"));
   // One it cannot even reach is named as such (it was "not a directory (Permission denied)");
   // its owner reaches a 0700 directory, so this takes another user.
@@ -247,7 +247,7 @@ TEST(KvrecalldProcessTest, AnUnwritableSharedMemoryDirIsRefusedAtStart) {
       absl::StrCat(as_user, KvrecalldProcess::BinaryPath(),
                    " --address=127.0.0.1:0 --metrics_address= --shared_memory_dir=", shm),
       &code);
-  EXPECT_EQ(code, 1) << unreachable;
+  EXPECT_EQ(code, 2) << unreachable;
   EXPECT_THAT(unreachable, HasSubstr("cannot be reached by this process"));
 }
 
@@ -325,8 +325,9 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
     EXPECT_EQ(code, 2) << flag << ": " << out;
     EXPECT_THAT(out, HasSubstr(message)) << flag;
   }
-  // Values the server's own options refuse, each naming its flag as given (probe 17, 1 and 8:
-  // a port past 65535 was served modulo 2^16; the spin's message named no flag there is).
+  // Values the server's own options refuse, each naming its flag as given, with the exit code of
+  // the flags above (probe 17, 1 and 8: a port past 65535 was served modulo 2^16; the spin's
+  // message named no flag there is; these exited 1, the others 2).
   for (const auto& [flag, message] : std::vector<std::pair<std::string, std::string>>{
            {"--address=127.0.0.1:99999",
             "--address entry '127.0.0.1:99999' must be HOST:PORT with a port in [0, 65535]"},
@@ -339,7 +340,7 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
        }) {
     const std::string out = RunCommand(
         absl::StrCat(KvrecalldProcess::BinaryPath(), " --metrics_address= ", flag), &code);
-    EXPECT_EQ(code, 1) << flag << ": " << out;
+    EXPECT_EQ(code, 2) << flag << ": " << out;
     EXPECT_THAT(out, HasSubstr(message)) << flag;
   }
 }
