@@ -346,8 +346,11 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     std::fprintf(stderr, "kvrecalld: %s\n", std::string(server.status().message()).c_str());
     // 2, as for the flags checked above, where the server refuses a flag's value (an address, a
-    // limit, a file a flag names); 1 where it could not start (a port in use, a device).
-    return absl::IsInvalidArgument(server.status()) ? 2 : 1;
+    // limit, a file a flag names that is missing, unreadable or malformed); 1 where it could not
+    // start (a port in use, a device).
+    const absl::Status& s = server.status();
+    return absl::IsInvalidArgument(s) || absl::IsNotFound(s) || absl::IsPermissionDenied(s) ? 2
+                                                                                           : 1;
   }
   // Printed before the line below, so that whoever waits for that one can read these.
   std::printf("kvrecalld: %s (CUDA_MODULE_LOADING=%s)\n",

@@ -259,7 +259,8 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   // Ends the call. What the call holds for its work (a Prefill's staged prompt) is released
   // first unless a run is using it (that run releases it; one still queued will not start),
   // so that a client that got the status sees the memory back, not once a queue of builds
-  // reaches the run.
+  // reaches the run. (Layers a commit installed and then takes back are freed once taken back:
+  // PrefillCall::Run, OnCallDone.)
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
     if (!running_) static_cast<Call*>(this)->ReleaseLocked();
@@ -679,7 +680,7 @@ class KvRecallService::DecodeCall final
   grpc::ByteBuffer out_;
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
-  grpc::CallbackServerContext* const context_;  // gRPC's; outlives the reactor
+  grpc::CallbackServerContext* const context_;  // gRPC's: valid until OnDone
   CallIdentity identity_;  // the caller's (server/auth.h), checked on each request
   DecodeStream decoder_;
   int64_t requests_ = 0;  // touched by one run at a time

@@ -337,6 +337,8 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
             "--shared_memory_spin_us must be in [0, 1000000], got 2000000"},
            {"--worker_threads=5000", "--worker_threads must be in [0, 1024], got 5000"},
            {"--max_sessions=-1", "--max_sessions must be >= 0"},
+           {"--tls_cert=/nonexistent.pem --tls_key=/nonexistent.key",
+            "--tls_cert: cannot read /nonexistent.pem"},
        }) {
     const std::string out = RunCommand(
         absl::StrCat(KvrecalldProcess::BinaryPath(), " --metrics_address= ", flag), &code);
