@@ -73,8 +73,8 @@ bool Fits(size_t held, size_t bytes, size_t bound) {
   return bytes <= bound && held <= bound - bytes;
 }
 
-// Adds to the address space the process's allocations hold the largest of `choices` that stays
-// within the bound, else `least` (an allocation's own pages, held whatever the bound), in place
+// Adds to the address space the process's allocations hold the largest of `choices` (in whole
+// pages; none counts under `least`) that stays within the bound, else `least` (an allocation's own pages, held whatever the bound), in place
 // of `replacing` bytes held until now (a moving allocation's old reservation, given back as
 // the new one is held), and returns which it added: the choice and the hold are one atomic
 // step, so that allocations made at once never pass the bound together, and one that finds
@@ -84,7 +84,8 @@ size_t HoldAddressSpace(size_t least, absl::Span<const size_t> choices, size_t r
   size_t held = address_space_held.load(std::memory_order_relaxed);
   for (;;) {
     size_t pick = least;
-    for (const size_t choice : choices) {
+    for (const size_t bytes : choices) {
+      const size_t choice = WholePages(bytes);
       if (choice > pick && Fits(held - replacing, choice, bound)) pick = choice;
     }
     if (address_space_held.compare_exchange_weak(held, held - replacing + pick,
@@ -103,16 +104,6 @@ void ReleaseAddressSpace(size_t bytes) {
 void HoldAgainInstead(size_t replacing, size_t held) {
   address_space_held.fetch_add(replacing, std::memory_order_relaxed);
   address_space_held.fetch_sub(held, std::memory_order_relaxed);
-}
-
-// The reservation choices, in whole pages, none under `length` (the pages themselves).
-std::vector<size_t> ReservationChoices(size_t length, absl::Span<const size_t> reserve_choices) {
-  std::vector<size_t> choices;
-  choices.reserve(reserve_choices.size());
-  for (const size_t choice : reserve_choices) {
-    choices.push_back(std::max(length, WholePages(choice)));
-  }
-  return choices;
 }
 
 #ifndef MADV_POPULATE_WRITE
@@ -380,7 +371,7 @@ absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
     length = WholePages(bytes);
     // The largest reservation the process's bound has room for, else the pages alone; a
     // small one left without room to grow past a huge page is the heap's after all.
-    reserved = HoldAddressSpace(length, ReservationChoices(length, reserve_choices));
+    reserved = HoldAddressSpace(length, reserve_choices);
     if (small && reserved < kHugePageBytes) {
       ReleaseAddressSpace(reserved);
       reserved = 0;
@@ -476,8 +467,8 @@ absl::Status HostMemory::Grow(size_t bytes, absl::Span<const size_t> reserve_cho
       // refused (split_), which BudgetedRows answers with a copy.
       // The new reservation is held in place of the old one, which it replaces (so that near
       // the bound a move needs room for the new one only).
-      size_t reserved = HoldAddressSpace(
-          length, ReservationChoices(length, reserve_choices), /*replacing=*/reserved_bytes_);
+      size_t reserved =
+          HoldAddressSpace(length, reserve_choices, /*replacing=*/reserved_bytes_);
       std::byte* aligned = MapReserved(/*length=*/reserved, reserved, huge_pages_requested_);
       if (aligned == nullptr && reserved > length) {
         // The reservation refused (its commit, an address-space limit): the pages alone, which

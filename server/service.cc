@@ -226,19 +226,38 @@ grpc::ServerUnaryReactor* KvRecallService::StartUnary(
 template <typename Reactor, typename Call>
 class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRecallService::Stream {
  public:
+  // The stream counts itself (the RPC interceptor leaves Decode and Prefill to it) here, where
+  // gRPC says whether its status reached the client: one that ended OK on its side but whose
+  // status never arrived is CANCELLED (gRPC failed the call itself: a request past
+  // --max_message_mb fails the read as a half-close does, and the client gets
+  // RESOURCE_EXHAUSTED; or the client went first; probe 17, 2: such calls were counted OK).
   void OnDone() override {
     ReactionFromGrpc(static_cast<Call*>(this));
     KvRecallService* const service = service_;
+    const bool cancelled = context_->IsCancelled();
+    grpc::StatusCode code;
+    absl::Duration after;
+    {
+      absl::MutexLock lock(&mu_);
+      code = finished_code_;
+      after = finished_after_;
+    }
     // (Before the call leaves the open streams: whoever waits for none to be open sees it
     // counted, and its commit taken back.)
-    static_cast<Call*>(this)->OnCallDone();
+    static_cast<Call*>(this)->OnCallDone(cancelled);
+    if (MethodMetrics* const calls = static_cast<Call*>(this)->calls(); calls != nullptr) {
+      calls->CountCall(code == grpc::StatusCode::OK && cancelled ? grpc::StatusCode::CANCELLED
+                                                                 : code,
+                       absl::ToDoubleSeconds(after));
+    }
     if (registered_) service->Unregister(this);
     Unref();  // may delete the call (and what it holds: sessions, their grants)
     HandoffToGrpc(service);  // gRPC's last touch of the service for this call (Server::Wait)
   }
 
  protected:
-  explicit StreamCall(KvRecallService* service) : service_(service) {}
+  StreamCall(KvRecallService* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {}
 
   // Registers for the drain and reads the first message into `in`, or, when the drain has
   // begun, ends the call with UNAVAILABLE.
@@ -264,17 +283,18 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
     if (!running_) static_cast<Call*>(this)->ReleaseLocked();
-    static_cast<Call*>(this)->CountLocked(status);
+    RecordFinishLocked(status);
     HandoffToGrpc(static_cast<Call*>(this));
     this->Finish(std::move(status));
   }
   void ReleaseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
-  // Records the call's end with `status` where the call counts itself (not through the RPC
-  // interceptor).
-  void CountLocked(const grpc::Status&) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {}
-  // What the call does once gRPC says it is done (OnDone: only then does gRPC say whether the
-  // status reached the client).
-  void OnCallDone() {}
+  // Records how and when the call finished, for OnDone's count.
+  void RecordFinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_code_ = status.error_code();
+    finished_after_ = absl::Now() - opened_;
+  }
+  // What the call does once gRPC says it is done, and whether its status reached the client.
+  void OnCallDone(bool /*cancelled*/) {}
   // Queues a run of the call on `queue`.
   void QueueLocked(WorkQueue& queue) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     busy_ = true;
@@ -299,11 +319,17 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   void Unref() { refs_.Unref(static_cast<Call*>(this)); }
 
   KvRecallService* const service_;
+  // gRPC's: valid until OnDone (a run still working after the call finished must not use it).
+  grpc::CallbackServerContext* const context_;
+  const absl::Time opened_ = absl::Now();
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;  // a run of this call is queued or running
   bool running_ ABSL_GUARDED_BY(mu_) = false;  // ... and has begun (BeginRun, or inline)
+  // How the call finished, and when (RecordFinishLocked).
+  grpc::StatusCode finished_code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
+  absl::Duration finished_after_ ABSL_GUARDED_BY(mu_);
 
  private:
   bool registered_ = false;
@@ -321,8 +347,7 @@ class KvRecallService::PrefillCall final
  public:
   PrefillCall(KvRecallService* service, grpc::CallbackServerContext* context,
               grpc::ByteBuffer* reply, CallIdentity identity)
-      : StreamCall(service),
-        context_(context),
+      : StreamCall(service, context),
         deadline_(SteadyDeadline(context->deadline())),
         reply_(reply),
         identity_(std::move(identity)),
@@ -466,28 +491,15 @@ class KvRecallService::PrefillCall final
   // committed).
   // (What a run that was still working when the call finished installed, that run takes back
   // itself: this sees only what a FinishLocked(OK) handed over.)
-  void OnCallDone() {
-    const bool cancelled = context_->IsCancelled();
+  void OnCallDone(bool cancelled) {
     CommittedPrompt installed;
-    grpc::StatusCode code;
-    absl::Duration after;
     {
       absl::MutexLock lock(&mu_);
       installed = std::move(installed_);
-      code = finished_code_;
-      after = finished_after_;
     }
     if (cancelled) installed.Undo();
-    if (service_->prefill_calls_ != nullptr) {
-      service_->prefill_calls_->CountCall(
-          code == grpc::StatusCode::OK && cancelled ? grpc::StatusCode::CANCELLED : code,
-          absl::ToDoubleSeconds(after));
-    }
   }
-  void CountLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    finished_code_ = status.error_code();
-    finished_after_ = absl::Now() - opened_;
-  }
+  MethodMetrics* calls() const { return service_->prefill_calls_; }
 
   // Frees the staged prompt (a commit has moved what it committed into the session), and ends
   // the commit's use of the session before the stream lets go of it.
@@ -498,8 +510,6 @@ class KvRecallService::PrefillCall final
 
  private:
 
-  // gRPC's: valid until OnDone (a run still working after the call finished must not use it)
-  grpc::CallbackServerContext* const context_;
   const std::chrono::steady_clock::time_point deadline_;  // SteadyDeadline's
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
   CallIdentity identity_;          // the caller's (server/auth.h), checked on each chunk
@@ -508,10 +518,6 @@ class KvRecallService::PrefillCall final
   v1::PrefillResponse response_;
   PrefillStream stream_;
   CommittedPrompt installed_ ABSL_GUARDED_BY(mu_);  // a commit's, answered OK, until OnDone
-  const absl::Time opened_ = absl::Now();
-  // How the call finished, and when, for OnCallDone.
-  grpc::StatusCode finished_code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
-  absl::Duration finished_after_ ABSL_GUARDED_BY(mu_);
   int64_t chunks_ = 0;
   bool committing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<Session::Use> commit_use_ ABSL_GUARDED_BY(mu_);  // from the commit's queueing
@@ -529,9 +535,8 @@ class KvRecallService::DecodeCall final
  public:
   DecodeCall(KvRecallService* service, grpc::CallbackServerContext* context,
              CallIdentity identity)
-      : StreamCall(service), context_(context), identity_(std::move(identity)),
+      : StreamCall(service, context), identity_(std::move(identity)),
         decoder_(service->registry_, identity_.tenant) {
-    if (service->decode_calls_ != nullptr) opened_ = absl::Now();
     Begin(&in_);
   }
 
@@ -595,22 +600,7 @@ class KvRecallService::DecodeCall final
     if (!finished_ && !writing_) FinishLocked(CancelledStatus());
   }
 
-  void CountLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    finished_code_ = status.error_code();
-    finished_after_ = absl::Now() - opened_;
-  }
-  // A stream that ended OK on its side but whose status never reached the client is counted
-  // CANCELLED: gRPC failed the call itself (a request past --max_message_mb: the read fails as
-  // a half-close does, and the client gets RESOURCE_EXHAUSTED from gRPC), or the client went
-  // first. IsCancelled says so once the call is done (probe 17, 2: such calls were counted OK).
-  void OnCallDone() {
-    if (service_->decode_calls_ == nullptr) return;
-    absl::MutexLock lock(&mu_);
-    const grpc::StatusCode code = finished_code_ == grpc::StatusCode::OK && context_->IsCancelled()
-                                      ? grpc::StatusCode::CANCELLED
-                                      : finished_code_;
-    service_->decode_calls_->CountCall(code, absl::ToDoubleSeconds(finished_after_));
-  }
+  MethodMetrics* calls() const { return service_->decode_calls_; }
 
  private:
   // The latency of the request being answered, from its arrival to its reply.
@@ -656,7 +646,7 @@ class KvRecallService::DecodeCall final
           // The step in flight is answered; the stream ends with it.
           finished_ = true;
           CountReplyLocked();
-          CountLocked(ShuttingDownStatus());
+          RecordFinishLocked(ShuttingDownStatus());
           HandoffToGrpc(this);
           StartWriteAndFinish(&out_, grpc::WriteOptions(), ShuttingDownStatus());
         } else {
@@ -680,17 +670,12 @@ class KvRecallService::DecodeCall final
   grpc::ByteBuffer out_;
   v1::DecodeRequest request_;
   v1::DecodeResponse response_;
-  grpc::CallbackServerContext* const context_;  // gRPC's: valid until OnDone
   CallIdentity identity_;  // the caller's (server/auth.h), checked on each request
   DecodeStream decoder_;
   int64_t requests_ = 0;  // touched by one run at a time
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // the reply is being written
   GrpcStartOutsideLock write_start_;  // the reply's StartWrite, outside mu_ (TSan's view)
-  absl::Time opened_;                              // with decode_calls_ only
-  absl::Time arrived_ ABSL_GUARDED_BY(mu_);        // the request in flight's, likewise
-  // How the call finished, and when, for OnCallDone.
-  grpc::StatusCode finished_code_ ABSL_GUARDED_BY(mu_) = grpc::StatusCode::OK;
-  absl::Duration finished_after_ ABSL_GUARDED_BY(mu_);
+  absl::Time arrived_ ABSL_GUARDED_BY(mu_);  // the request in flight's (with decode_calls_)
 };
 
 // ---------------------------------------------------------------------------------------------

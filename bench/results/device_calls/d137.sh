@@ -18,16 +18,7 @@ for round in 1 2; do
       name=${binary%%:*}_${prompt}_$round
       model_tokens_run $name ${binary#*:}/kvrecalld index --layers=32 --prompt=$prompt \
         --from=0 --to=200 > /dev/null
-      python3 - $R/$name.json $name <<'PY' 2>&1 | tee -a $S
-import json, statistics as st, sys
-d = json.load(open(sys.argv[1]))
-s = d["server_us_by_token"]
-held = [d["prompt"] + 1 + i for i in range(len(s))]  # tokens held after each timed token
-worst = sorted(range(len(s)), key=lambda i: -s[i])[:6]
-print(sys.argv[2], "median %.1f ms" % (st.median(s) / 1000), "p99 %.1f" %
-      (d["token_server_p99_us"] / 1000), "slowest (held, ms)",
-      [(held[i], round(s[i] / 1000, 1)) for i in worst])
-PY
+      model_tokens_slowest_held $name  # (its lines were written out here when d137 ran)
     done
   done
 done
