@@ -200,6 +200,8 @@ class ReTopKHarness {
         const std::vector<float> fresh = RandomNormal(row, seed + 100 + step, 2.0f);
         std::copy(fresh.begin(), fresh.end(), queries.begin() + (prompt + step - 1) * row);
       }
+      // Scores spread as at the usual scale, whatever the geometry's (cosines do not change).
+      for (float& x : queries) x *= g.QueryStd(1.0f);
     }
     int64_t prompt;
     DeviceKv kv;
@@ -280,6 +282,10 @@ INSTANTIATE_TEST_SUITE_P(Geometries, CudaReTopKTest,
                          ::testing::Values(Geometry{16, 4, 128, KvDtype::kBf16},
                                            Geometry{8, 8, 64, KvDtype::kF16},
                                            Geometry{32, 4, 64, KvDtype::kBf16},
+                                           // Scales past ln 2: f16's kernels apply them to
+                                           // the scores.
+                                           Geometry{8, 8, 64, KvDtype::kF16, 1.0f},
+                                           Geometry{16, 4, 128, KvDtype::kF16, 0.75f},
                                            Geometry{64, 8, 128, KvDtype::kBf16}),
                          ::kvrecall::testing::GeometryName);
 

@@ -37,17 +37,26 @@ struct Geometry {
   int kv_heads;
   int head_dim;
   cuda::KvDtype dtype;
+  float scale = 0.0f;  // the softmax scale; 0 is the usual 1 / sqrt(head_dim)
+
+  float DefaultScale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+  float Scale() const { return scale > 0.0f ? scale : DefaultScale(); }
+  // The standard deviation of test queries whose scores spread as queries of `at_default`
+  // would at the usual scale: a test's tolerances then hold at any scale.
+  float QueryStd(float at_default) const { return at_default * DefaultScale() / Scale(); }
 
   cuda::DecodeShape Shape(int batch) const {
-    return cuda::DecodeShape{batch, q_heads, kv_heads, head_dim, dtype,
-                             1.0f / std::sqrt(static_cast<float>(head_dim))};
+    return cuda::DecodeShape{batch, q_heads, kv_heads, head_dim, dtype, Scale()};
   }
 };
 
 inline std::string GeometryName(const ::testing::TestParamInfo<Geometry>& info) {
   const Geometry& g = info.param;
-  return absl::StrCat("q", g.q_heads, "kv", g.kv_heads, "d", g.head_dim,
-                      g.dtype == cuda::KvDtype::kBf16 ? "bf16" : "f16");
+  std::string name = absl::StrCat("q", g.q_heads, "kv", g.kv_heads, "d", g.head_dim,
+                                  g.dtype == cuda::KvDtype::kBf16 ? "bf16" : "f16");
+  // Scales past ln 2 are the ones f16's kernels apply to the scores (mma.cuh, ScoreFactor).
+  if (g.scale > 0.0f) absl::StrAppend(&name, "scale", static_cast<int>(g.scale * 100), "pct");
+  return name;
 }
 
 inline bool HasCudaDevice() {

@@ -77,17 +77,28 @@ class GpuPlacementTest : public PrefilledSessionTest, public ::testing::WithPara
   }
 };
 
-// Geometries the GPU kernels serve: tinylm-a's and Llama-3-8B's.
+// Geometries the GPU kernels serve: tinylm-a's and Llama-3-8B's, and f16 at a softmax scale of
+// 1 (a model that scales its queries in their projection), past ln 2, where f16's kernels apply
+// the scale to the scores rather than to the query (kernels/cuda/mma.cuh, ScoreFactor).
 struct GpuGeometry {
   int q_heads, kv_heads, head_dim;
   v1::DType dtype;
+  float softmax_scale = 0.0f;  // 0: the server's 1 / sqrt(head_dim)
+
+  v1::Geometry Of(int layers) const {
+    v1::Geometry g = MakeGeometry(layers, q_heads, kv_heads, head_dim, dtype);
+    g.set_softmax_scale(softmax_scale);
+    return g;
+  }
 };
-constexpr GpuGeometry kGeometries[] = {{8, 2, 64, v1::DTYPE_BF16}, {32, 8, 128, v1::DTYPE_BF16},
-                                       {8, 8, 64, v1::DTYPE_F16}};
+constexpr GpuGeometry kGeometries[] = {{8, 2, 64, v1::DTYPE_BF16},
+                                       {32, 8, 128, v1::DTYPE_BF16},
+                                       {8, 8, 64, v1::DTYPE_F16},
+                                       {8, 2, 64, v1::DTYPE_F16, 1.0f}};
 
 TEST_P(GpuPlacementTest, FullStreamingAndExactTopKMatchBruteForce) {
   for (const GpuGeometry& geo : kGeometries) {
-    const v1::Geometry g = MakeGeometry(2, geo.q_heads, geo.kv_heads, geo.head_dim, geo.dtype);
+    const v1::Geometry g = geo.Of(2);
     ReferenceSession ref(g, 1500, 11);
     const std::vector<v1::Policy> policies = {GpuPolicy(v1::SELECTOR_FULL),
                                               GpuPolicy(v1::SELECTOR_STREAMING, 0, 16, 64),
@@ -167,7 +178,7 @@ std::vector<ReferenceSession::Token> DriftingTokens(const ReferenceSession& ref,
 
 TEST_P(GpuPlacementTest, ReTopKTakesTheCpuPlacementsPathsAndOutputs) {
   for (const GpuGeometry& geo : kGeometries) {
-    const v1::Geometry g = MakeGeometry(1, geo.q_heads, geo.kv_heads, geo.head_dim, geo.dtype);
+    const v1::Geometry g = geo.Of(1);
     // Prompt queries that drift too, so that the seeded caches hold similar queries.
     ReferenceSession ref(g, 2000, 21);
     for (bool auto_tau : {false, true}) {

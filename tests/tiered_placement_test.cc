@@ -481,16 +481,30 @@ TEST_F(TieredPlacementTest, AGpuStaticTierRefusesWhatItCannotHold) {
                             .status(),
                         absl::StatusCode::kInvalidArgument,
                         "geometry.head_dim 80 is not served by PLACEMENT_TIERED on a GPU"));
-  // f16 carries q x scale (x log2 e) in the kernels: a scale past ln 2 would give inf scores
-  // for q the API accepts; bf16 (f32's range) serves it.
-  v1::Geometry large_scale = MakeGeometry(1, 8, 2, 64, v1::DTYPE_F16);
-  large_scale.set_softmax_scale(1.0f);
-  EXPECT_TRUE(HasStatus(CreateSession(stub(), large_scale, TieredPolicy(v1::SELECTOR_FULL)).status(),
-                        absl::StatusCode::kInvalidArgument,
-                        "geometry.softmax_scale 1 is not served by PLACEMENT_TIERED on a GPU in "
-                        "DTYPE_F16"));
-  large_scale.set_dtype(v1::DTYPE_BF16);
-  EXPECT_TRUE(CreateSession(stub(), large_scale, TieredPolicy(v1::SELECTOR_FULL)).ok());
+}
+
+// A softmax scale past ln 2 in f16 (1: a model that scales its queries in their projection),
+// with queries near f16's bound: the static set's kernels apply such a scale to the f32 scores,
+// not to the f16 query operand, which it would carry past 65504 (kernels/cuda/mma.cuh), and
+// the host tier computes in f32. The output is full attention's, and finite.
+TEST_F(TieredPlacementTest, F16ServesSoftmaxScalesPastLn2) {
+  v1::Geometry g = MakeGeometry(1, 8, 2, 64, v1::DTYPE_F16);
+  g.set_softmax_scale(1.0f);
+  ReferenceSession ref(g, 700, 61);
+  const std::string id = CreateAndPrefill(ref, TieredPolicy(v1::SELECTOR_FULL), 700);
+  DecodeClient client(stub());
+  for (int step = 0; step < 3; ++step) {
+    ReferenceSession::Token token = ref.MakeToken(950 + step);
+    // One head's query near the bound: 65504 x log2(e) would not be an f16.
+    for (int i = 0; i < g.head_dim(); ++i) token.q[i] = i % 2 == 0 ? 60000.0f : -60000.0f;
+    const std::vector<float> q = ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {id}, token, ref, false);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    const std::vector<std::vector<int32_t>> all(g.q_heads(), testing::AllTokens(ref.tokens(0)));
+    const std::vector<float> got = TensorValues(reply->results(0).output());
+    for (float x : got) ASSERT_TRUE(std::isfinite(x)) << "step " << step;
+    ExpectOutputNear(got, ref.Attention(0, q, all), v1::DTYPE_F16, absl::StrCat("step ", step));
+  }
 }
 
 }  // namespace

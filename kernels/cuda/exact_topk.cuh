@@ -107,8 +107,8 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
   const RangeTokens tokens{seq, end};
 
   uint32_t q_frag[kHeadDim / 16][4];
-  LoadQueryFragments<T, kGroup, kHeadDim>(p.batch.q + row0 * kHeadDim, p.batch.scale_log2,
-                                          q_frag);
+  const ScoreFactor factor = SplitScoreFactor<T>(p.batch.scale_log2);
+  LoadQueryFragments<T, kGroup, kHeadDim>(p.batch.q + row0 * kHeadDim, factor, q_frag);
 
   auto issue = [&](int tile) {
     const int stage = tile % kStages;
@@ -126,7 +126,8 @@ __global__ void __launch_bounds__(Shape::kThreads) ScoreKeysKernel(const ScoreKe
     // four tokens (a quad covers 8 consecutive positions) and counts them in g's histogram.
     const int first = warp * 16;
     float s[4];
-    MmaScores<T, kHeadDim>(k_tiles + (tile % kStages * kTile + first) * kHeadDim, q_frag, s);
+    MmaScores<T, kHeadDim>(k_tiles + (tile % kStages * kTile + first) * kHeadDim, q_frag,
+                           factor.after, s);
     if (scores_row) {
       const int32_t tile_begin = begin + tile * kTile + first;
 #pragma unroll

@@ -77,22 +77,43 @@ __device__ __forceinline__ void SplitPair(float x, float y, uint32_t* hi, uint32
   }
 }
 
+// How a score factor (softmax scale x log2(e)) is applied: the part folded into the query
+// operand before the products, and the part that multiplies the f32 scores after them. bf16
+// has f32's range, so all of it is folded. f16 holds only |x| <= 65504, which a query the API
+// accepts (|q| <= 65504) keeps only while the folded factor is at most 1, so a larger factor is
+// applied to the scores instead (a scale past ln 2, e.g. 1 for a model that scales its queries
+// in their projection). Folded or not, the products keep the same precision: the query is
+// carried as a (hi, lo) pair either way.
+struct ScoreFactor {
+  float folded;  // multiplies the query before it is split into (hi, lo)
+  float after;   // multiplies the f32 scores; exactly 1 where everything was folded
+};
+template <typename T>
+__host__ __device__ __forceinline__ ScoreFactor SplitScoreFactor(float factor) {
+  if constexpr (std::is_same_v<T, __half>) {
+    if (factor > 1.0f) return ScoreFactor{1.0f, factor};
+  }
+  return ScoreFactor{factor, 1.0f};
+}
+
 // A-operand fragments of kGroup consecutive f32 queries (rows of kHeadDim starting at q, times
-// `factor`), one per 16-element k-step, hi parts in rows g, lo parts in rows g + 8.
+// `factor.folded`), one per 16-element k-step, hi parts in rows g, lo parts in rows g + 8.
+// MmaScores' scores of them are then to be multiplied by `factor.after`.
 template <typename T, int kGroup, int kHeadDim>
-__device__ __forceinline__ void LoadQueryFragments(const float* q, float factor,
+__device__ __forceinline__ void LoadQueryFragments(const float* q, ScoreFactor factor,
                                                    uint32_t (&frag)[kHeadDim / 16][4]) {
   static_assert(kGroup <= 8);
   const int g = (threadIdx.x % 32) / 4;
   const int t = threadIdx.x % 4;
+  const float f = factor.folded;
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     if (g < kGroup) {
       const float* src = q + g * kHeadDim + ks * 16 + 2 * t;
       const float2 low = __ldg(reinterpret_cast<const float2*>(src));
       const float2 high = __ldg(reinterpret_cast<const float2*>(src + 8));
-      SplitPair<T>(low.x * factor, low.y * factor, &frag[ks][0], &frag[ks][1]);
-      SplitPair<T>(high.x * factor, high.y * factor, &frag[ks][2], &frag[ks][3]);
+      SplitPair<T>(low.x * f, low.y * f, &frag[ks][0], &frag[ks][1]);
+      SplitPair<T>(high.x * f, high.y * f, &frag[ks][2], &frag[ks][3]);
     } else {
       frag[ks][0] = frag[ks][1] = frag[ks][2] = frag[ks][3] = 0u;
     }
@@ -105,11 +126,12 @@ __device__ __forceinline__ int MmaScoreToken(int i) {
 }
 
 // Scores of the 16 staged tokens at k_rows (token rows of a swizzled tile, the first of them a
-// multiple of 8) against the queries of `frag`: lane (g, t) gets head g's scores of tokens
-// MmaScoreToken(0..3) = 2t, 2t + 1, 2t + 8, 2t + 9 (zeros for g >= kGroup).
+// multiple of 8) against the queries of `frag`, times `after` (ScoreFactor::after): lane (g, t)
+// gets head g's scores of tokens MmaScoreToken(0..3) = 2t, 2t + 1, 2t + 8, 2t + 9 (zeros for
+// g >= kGroup).
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void MmaScores(const T* k_rows, const uint32_t (&frag)[kHeadDim / 16][4],
-                                          float (&s)[4]) {
+                                          float after, float (&s)[4]) {
   const int lane = threadIdx.x % 32;
   // ldmatrix matrix i = lane / 8: tokens (i / 2) * 8 + lane % 8, chunk 2 * ks + i % 2.
   const int token = (lane >> 4) * 8 + (lane & 7);
@@ -124,10 +146,10 @@ __device__ __forceinline__ void MmaScores(const T* k_rows, const uint32_t (&frag
     Mma16816<T>(c[2 * (ks & 1)], frag[ks], b[0], b[1]);
     Mma16816<T>(c[2 * (ks & 1) + 1], frag[ks], b[2], b[3]);
   }
-  s[0] = (c[0][0] + c[0][2]) + (c[2][0] + c[2][2]);
-  s[1] = (c[0][1] + c[0][3]) + (c[2][1] + c[2][3]);
-  s[2] = (c[1][0] + c[1][2]) + (c[3][0] + c[3][2]);
-  s[3] = (c[1][1] + c[1][3]) + (c[3][1] + c[3][3]);
+  s[0] = ((c[0][0] + c[0][2]) + (c[2][0] + c[2][2])) * after;
+  s[1] = ((c[0][1] + c[0][3]) + (c[2][1] + c[2][3])) * after;
+  s[2] = ((c[1][0] + c[1][2]) + (c[3][0] + c[3][2])) * after;
+  s[3] = ((c[1][1] + c[1][3]) + (c[3][1] + c[3][3])) * after;
 }
 
 // acc += P V for the 16 staged tokens at v_rows (as MmaScores' k_rows), P being this lane's

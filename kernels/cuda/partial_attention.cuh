@@ -220,8 +220,8 @@ __global__ void __launch_bounds__(Shape::kThreads)
   }();
 
   uint32_t q_frag[kHeadDim / 16][4];
-  LoadQueryFragments<T, kGroup, kHeadDim>(p.batch.q + row0 * kHeadDim, p.batch.scale_log2,
-                                          q_frag);
+  const ScoreFactor factor = SplitScoreFactor<T>(p.batch.scale_log2);
+  LoadQueryFragments<T, kGroup, kHeadDim>(p.batch.q + row0 * kHeadDim, factor, q_frag);
   // Lane (g, t) holds head g's state: m (log2 domain) and l agree over the lanes of a quad,
   // l summed over it only at the end; acc as MmaAccumulatePV leaves it.
   float m = -INFINITY;
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(Shape::kThreads)
   RunTilePipeline<kStages>(num_tiles, issue, [&](int tile) {
     const int first = tile % kStages * kTile + warp * 16;  // the warp's first staged token
     float s[4];
-    MmaScores<T, kHeadDim>(k_tiles + first * kHeadDim, q_frag, s);
+    MmaScores<T, kHeadDim>(k_tiles + first * kHeadDim, q_frag, factor.after, s);
     float mx = m;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

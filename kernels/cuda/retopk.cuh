@@ -251,17 +251,22 @@ struct CandidateScorer {
   static constexpr int kVectors = kDim / 32;  // 16-byte loads per lane and token
   static constexpr int kSteps = kDim / 16;
   uint32_t a[kSteps][4];
+  float after = 1.0f;  // ScoreFactor::after, applied by Score
 
-  // The query (f32 [kDim]) times `factor` as A fragments.
+  // The query (f32 [kDim]) as A fragments; Score's scores are it times `factor`, which
+  // SplitScoreFactor divides between the fragments and the scores.
   __device__ __forceinline__ void LoadQuery(const float* q, float factor) {
+    const ScoreFactor split = SplitScoreFactor<T>(factor);
+    const float f = split.folded;
+    after = split.after;
     const int lane = threadIdx.x % 32;
     const int t = lane % 4;
 #pragma unroll
     for (int ks = 0; ks < kSteps; ++ks) {
       if (lane < 4) {
         const float4 v = __ldg(reinterpret_cast<const float4*>(q + t * (kDim / 4) + 4 * ks));
-        SplitPair<T>(v.x * factor, v.y * factor, &a[ks][0], &a[ks][1]);
-        SplitPair<T>(v.z * factor, v.w * factor, &a[ks][2], &a[ks][3]);
+        SplitPair<T>(v.x * f, v.y * f, &a[ks][0], &a[ks][1]);
+        SplitPair<T>(v.z * f, v.w * f, &a[ks][2], &a[ks][3]);
       } else {
         a[ks][0] = a[ks][1] = a[ks][2] = a[ks][3] = 0u;
       }
@@ -287,8 +292,8 @@ struct CandidateScorer {
       const uint32_t* words = reinterpret_cast<const uint32_t*>(&raw[ks / 2]);
       Mma16816<T>(c[ks & 1], a[ks], words[2 * (ks % 2)], words[2 * (ks % 2) + 1]);
     }
-    s[0] = (c[0][0] + c[0][2]) + (c[1][0] + c[1][2]);
-    s[1] = (c[0][1] + c[0][3]) + (c[1][1] + c[1][3]);
+    s[0] = ((c[0][0] + c[0][2]) + (c[1][0] + c[1][2])) * after;
+    s[1] = ((c[0][1] + c[0][3]) + (c[1][1] + c[1][3])) * after;
   }
 };
 

@@ -185,14 +185,9 @@ class ChargedBuffer {
   MemoryAccount* account_ = nullptr;
 };
 
-// The largest softmax scale the kernels serve in f16: ln 2, so that q x scale x log2(e) stays
-// within f16's range for every |q| <= 65504 (the API's bound on tensors).
-inline constexpr float kMostF16Scale = 0.69314718f;
-
 // INVALID_ARGUMENT naming the geometry field when the KV of `config` cannot live on a GPU: the
-// kernels keep it in the model's dtype (bf16 or f16), serve head dims 64 and 128, and in f16
-// softmax scales up to kMostF16Scale. `served_by`
-// names the placement ("PLACEMENT_GPU"), `what` what it keeps there ("the KV").
+// kernels keep it in the model's dtype (bf16 or f16) and serve head dims 64 and 128.
+// `served_by` names the placement ("PLACEMENT_GPU"), `what` what it keeps there ("the KV").
 inline absl::Status CheckGpuKv(const LayerConfig& config, absl::string_view served_by,
                                absl::string_view what) {
   if (config.dtype != v1::DTYPE_BF16 && config.dtype != v1::DTYPE_F16) {
@@ -205,16 +200,6 @@ inline absl::Status CheckGpuKv(const LayerConfig& config, absl::string_view serv
     return absl::InvalidArgumentError(absl::StrCat("geometry.head_dim ", config.shape.head_dim,
                                                    " is not served by ", served_by,
                                                    ": its kernels serve 64 and 128"));
-  }
-  // The kernels carry q x scale x log2(e) in the KV's dtype (kernels/cuda/mma.cuh,
-  // LoadQueryFragments): in f16 that stays within its range for every q the API accepts
-  // (|q| <= 65504) only while scale x log2(e) <= 1 (review 17, 2: past it, inf scores).
-  if (config.dtype == v1::DTYPE_F16 && config.shape.scale > kMostF16Scale) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "geometry.softmax_scale ", config.shape.scale, " is not served by ", served_by,
-        " in DTYPE_F16: its kernels carry q x scale in f16, which holds it for every q within "
-        "+-65504 only up to a scale of ", kMostF16Scale, " (ln 2); use DTYPE_BF16, or "
-        "PLACEMENT_CPU"));
   }
   return absl::OkStatus();
 }
