@@ -142,18 +142,40 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   return absl::OkStatus();
 }
 
-bool CommittedPrompt::Undo() {
+// Layers taken back, freed on a queue's thread; deletes itself once run. The layers give their
+// memory back through the session's grants, so they go before the session.
+class CommittedPrompt::FreeItem : public WorkItem {
+ public:
+  FreeItem(std::vector<std::unique_ptr<LayerBackend>> layers, std::shared_ptr<Session> session)
+      : layers_(std::move(layers)), session_(std::move(session)) {}
+  void Run() override {
+    layers_.clear();
+    ReturnFreedMemory();
+    session_.reset();
+    delete this;
+  }
+
+ private:
+  std::vector<std::unique_ptr<LayerBackend>> layers_;
+  std::shared_ptr<Session> session_;
+};
+
+bool CommittedPrompt::Undo(WorkQueue* frees) {
   if (session_ == nullptr) return false;
   std::vector<std::unique_ptr<LayerBackend>> taken;
   {
     absl::MutexLock lock(&session_->mu());
     taken = session_->UncommitPrompt(layers_);
   }
+  layers_.clear();
   const bool undone = !taken.empty();
+  if (undone && frees != nullptr) {
+    frees->Push(new FreeItem(std::move(taken), std::move(session_)));
+    return true;
+  }
   taken.clear();  // freed outside the session's lock
   if (undone) ReturnFreedMemory();
   session_.reset();
-  layers_.clear();
   return undone;
 }
 

@@ -20,6 +20,7 @@
 #include "kvrecall/v1/kvrecall.pb.h"
 #include "server/backends/attention_backend.h"
 #include "server/session.h"
+#include "server/work_queue.h"
 
 namespace kvrecall {
 
@@ -29,10 +30,13 @@ class CommittedPrompt {
  public:
   // Takes the layers back (Session::UncommitPrompt) unless they are in use since, frees them
   // and gives the freed memory back to the system; whether it did. Once at most; nothing for an
-  // empty one. (The layers are the session's, visible to other streams, until then.)
-  bool Undo();
+  // empty one. (The layers are the session's, visible to other streams, until then.) With
+  // `frees`, the freeing and the giving back (munmaps, device frees, malloc_trim) run on that
+  // queue instead, after Undo has returned: for a caller on one of gRPC's threads.
+  bool Undo(WorkQueue* frees = nullptr);
 
  private:
+  class FreeItem;
   friend class PrefillStream;
   std::shared_ptr<Session> session_;
   std::vector<std::pair<int, const LayerBackend*>> layers_;

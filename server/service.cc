@@ -278,8 +278,9 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   // Ends the call. What the call holds for its work (a Prefill's staged prompt) is released
   // first unless a run is using it (that run releases it; one still queued will not start),
   // so that a client that got the status sees the memory back, not once a queue of builds
-  // reaches the run. (Layers a commit installed and then takes back are freed once taken back:
-  // PrefillCall::Run, OnCallDone.)
+  // reaches the run (a run in flight releases it as it ends). (Layers a commit installed and
+  // then takes back are freed once taken back: by the run, or on the build queue from
+  // OnCallDone.)
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
     if (!running_) static_cast<Call*>(this)->ReleaseLocked();
@@ -433,6 +434,11 @@ class KvRecallService::PrefillCall final
         ReleaseLocked();
       } else if (!status.ok()) {
         FinishLocked(std::move(status));
+      } else if (committing && std::chrono::steady_clock::now() >= deadline_) {
+        // The deadline passed since the commit last asked (just before the install): the
+        // client has given up, or will before an OK arrives. Taken back, and said so.
+        take_back = true;
+        FinishLocked(DeadlinePassedStatus());
       } else if (committing) {
         installed_ = std::move(installed);  // OnDone's to take back, should the OK be lost
         SerializeRawMessage(response_, reply_);
@@ -490,14 +496,18 @@ class KvRecallService::PrefillCall final
   // of a failure, finds nothing committed (review 17, 1: a prompt cut short at that chunk was
   // committed).
   // (What a run that was still working when the call finished installed, that run takes back
-  // itself: this sees only what a FinishLocked(OK) handed over.)
+  // itself: this sees only what a FinishLocked(OK) handed over.) The layers leave the session
+  // here, before the call is counted and leaves the open streams; they are freed on the build
+  // queue, not on this gRPC thread (a long prompt's munmaps and device frees, malloc_trim).
   void OnCallDone(bool cancelled) {
     CommittedPrompt installed;
     {
       absl::MutexLock lock(&mu_);
       installed = std::move(installed_);
     }
-    if (cancelled) installed.Undo();
+    const ServiceTestHooks& hooks = service_->options_.test_hooks;
+    if (!cancelled && hooks.prefill_answer_lost && hooks.prefill_answer_lost()) cancelled = true;
+    if (cancelled) installed.Undo(&service_->builds_);
   }
   MethodMetrics* calls() const { return service_->prefill_calls_; }
 

@@ -36,6 +36,10 @@ struct ServiceTestHooks {
   // Run right after a Prefill's commit installed its layers, before the call is answered (on
   // the build queue's thread).
   std::function<void()> after_prefill_install;
+  // Asked when a Prefill call is done (its OnDone) after its commit was answered OK: true makes
+  // the call's status count as lost, as when gRPC cancels the call before the OK goes out, so
+  // that what the commit installed is taken back (a race gRPC alone gives only by chance).
+  std::function<bool()> prefill_answer_lost;
 };
 
 struct ServiceOptions {

@@ -33,6 +33,19 @@ def scrape(url):
         return r.headers.get("Content-Type", ""), r.read().decode()
 
 
+def scrape_until(url, wanted, timeout_s=10):
+    """The samples of a scrape in which every series of `wanted` has its value: a Decode or
+    Prefill stream is counted when gRPC says it is done, which may be a moment after its client
+    has its status. The last scrape's samples when the time runs out (the test then fails on
+    them, naming the series)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = samples(scrape(url)[1])
+        if all(m.get(k) == v for k, v in wanted.items()) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 def samples(text):
     """{'name{labels}': value} of the text format, labels as exported."""
     out = {}
@@ -73,8 +86,12 @@ def run_workload(address):
 
 class ScrapeTest(unittest.TestCase):
     def test_scrape_passes_promtool_and_counts_what_was_served(self):
+        method = 'method="kvrecall.v1.KvRecall/{}"'
         with Kvrecalld() as server:
             steps = run_workload(server.address)
+            scrape_until(server.metrics_url, {
+                f'kvrecall_rpcs_total{{code="OK",{method.format("Prefill")}}}': 2,
+                f'kvrecall_rpcs_total{{code="OK",{method.format("Decode")}}}': 1})
             content_type, text = scrape(server.metrics_url)
         self.assertIn("text/plain", content_type)
         check = subprocess.run(["promtool", "check", "metrics"], input=text, text=True,
@@ -83,7 +100,6 @@ class ScrapeTest(unittest.TestCase):
         self.assertEqual(check.stdout + check.stderr, "", "promtool found problems")
 
         m = samples(text)
-        method = 'method="kvrecall.v1.KvRecall/{}"'
         self.assertEqual(m[f'kvrecall_rpcs_total{{code="OK",{method.format("CreateSession")}}}'], 2)
         self.assertEqual(
             m[f'kvrecall_rpcs_total{{code="INVALID_ARGUMENT",{method.format("CreateSession")}}}'], 1)
@@ -176,7 +192,9 @@ class ScrapeTest(unittest.TestCase):
                     s.prefill([(np.ones((1000, hq, d), np.float32),
                                 np.ones((1000, hkv, d), np.float32),
                                 np.ones((1000, hkv, d), np.float32))])
-                m = samples(scrape(server.metrics_url)[1])
+                m = scrape_until(server.metrics_url, {
+                    'kvrecall_rpcs_total{code="RESOURCE_EXHAUSTED",'
+                    'method="kvrecall.v1.KvRecall/Prefill"}': 1})
         self.assertEqual(refused.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.assertIn("host_memory_budget_gb", refused.exception.message)
         self.assertEqual(m['kvrecall_requests_refused_total{limit="host_memory_budget"}'], 1)

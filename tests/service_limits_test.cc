@@ -492,6 +492,69 @@ TEST_F(PrefillTakenBackTest, ATakenBackLayerLeavesTheOthersAndTheirLength) {
   }
 }
 
+// The other side of the take-back: a commit answered OK whose OK gRPC then lost (the call
+// cancelled before the status went out: a chunk past --max_message_mb, or a client gone) is
+// taken back when the call is done (OnDone), its layers freed on the build queue. gRPC gives
+// that ordering only by chance (OversizeCallCountTest reaches it about one run in five), so a
+// hook says the answer was lost. The session, with and without an announced max_tokens,
+// holds no layer and no prompt length, keeps exactly its set-aside, and takes its prompt again
+// from it.
+class PrefillAnswerLostTest : public LimitsTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = LimitsTest::Options();
+    options.service_test_hooks.prefill_answer_lost = [lost = lost_] { return lost->load(); };
+    return options;
+  }
+  std::shared_ptr<std::atomic<bool>> lost_ = std::make_shared<std::atomic<bool>>(true);
+};
+
+TEST_F(PrefillAnswerLostTest, ACommitWhoseOkWasLostIsTakenBackAtTheCallsEnd) {
+  const v1::Geometry g = SmallGeometry();
+  for (const int64_t announced : {0, 64}) {
+    SCOPED_TRACE(absl::StrCat("max_tokens ", announced));
+    v1::CreateSessionRequest request;
+    *request.mutable_geometry() = g;
+    *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+    request.set_max_tokens(announced);
+    v1::CreateSessionResponse created;
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub().CreateSession(&context, request, &created).ok());
+    const std::string& id = created.session_id();
+    const int64_t set_aside = running().budget().used();
+    EXPECT_EQ(set_aside > 0, announced > 0);
+
+    lost_->store(true);
+    const std::vector<v1::PrefillChunk> chunks =
+        PromptChunks(id, g, 0, RandomPromptOf(g, 16, 11), 8);
+    ASSERT_TRUE(Prefill(stub(), chunks).ok()) << "the client heard OK; the hook says it did not";
+    absl::StatusOr<v1::SessionInfo> info;
+    EXPECT_TRUE(Within(absl::Seconds(5), [&] {
+      info = GetSession(stub(), id);
+      return info.ok() && info->layers_prefilled() == 0 && info->tokens() == 0 &&
+             info->host_budget_bytes() == set_aside && running().budget().used() == set_aside;
+    })) << "kept: " << running().budget().used() << " bytes held, " << set_aside
+        << " set aside";
+
+    lost_->store(false);
+    ASSERT_TRUE(Prefill(stub(), chunks).ok());
+    info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), 16);
+    if (announced > 0) {
+      EXPECT_EQ(running().budget().used(), set_aside) << "drawn from the set-aside";
+    }
+    DecodeClient decode(stub());
+    EXPECT_TRUE(decode.Step(OneStep(id, 40, 0)).ok());
+    v1::CloseSessionRequest close;
+    close.set_session_id(id);
+    v1::CloseSessionResponse closed;
+    grpc::ClientContext close_context;
+    ASSERT_TRUE(stub().CloseSession(&close_context, close, &closed).ok());
+    ASSERT_TRUE(Within(absl::Seconds(5), [&] { return running().budget().used() == 0; }));
+  }
+}
+
 TEST_F(LimitsTest, APrefillStreamWhoseSessionIsClosedEndsAndFreesItsStaging) {
   // CloseSession from another call while a Prefill stream waits for its next chunk: the
   // stream ends at once with the NOT_FOUND its next chunk would get, its staging freed.
