@@ -1,12 +1,64 @@
 #include "index/shortlist_selector.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
+#include <cstdint>
+#include <vector>
 
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/spin_wait.h"
 
 namespace kvrecall {
+namespace {
+
+// The ids one Select has taken, in an open-addressing table sized to the ids it may take (the
+// shortlist and the group's outliers: about 2K at 512K), not to the bulk. A table of the bulk's
+// positions (4 bytes each: 2 MiB a thread at 512K) was allocated, zeroed and then grown by each
+// pool thread's first Selects at a new length, inside a step: one host head of ~16 took 1.5-2.2
+// ms instead of ~0.2 in 7-12 of 100 steps at 512K (bench/results/tiered_serving.md, "One slow
+// head a step"). This one stays in a core's first caches. A stamp per slot says which Reset
+// filled it, so emptying the set costs nothing.
+class TakenIds {
+ public:
+  // Empties the set, for up to `most` ids.
+  void Reset(size_t most) {
+    size_t slots = 64;
+    while (slots < 2 * most) slots *= 2;  // at most half full: short probes
+    if (slots > slots_.size()) {
+      slots_.assign(slots, Slot{});
+      stamp_ = 0;
+      shift_ = 32 - std::countr_zero(slots);
+    }
+    if (++stamp_ == 0) {  // every 2^32 Resets: the stamps start over
+      std::fill(slots_.begin(), slots_.end(), Slot{});
+      stamp_ = 1;
+    }
+  }
+  // Adds `id`; false when the set holds it already.
+  bool Insert(int32_t id) {
+    const size_t mask = slots_.size() - 1;
+    // Fibonacci hashing: the product's high bits, which every bit of the id moves.
+    size_t i = (static_cast<uint32_t>(id) * 2654435769u) >> shift_;
+    while (slots_[i].stamp == stamp_) {
+      if (slots_[i].id == id) return false;
+      i = (i + 1) & mask;
+    }
+    slots_[i] = Slot{id, stamp_};
+    return true;
+  }
+
+ private:
+  struct Slot {
+    int32_t id = 0;
+    uint32_t stamp = 0;
+  };
+  std::vector<Slot> slots_;
+  uint32_t stamp_ = 0;
+  int shift_ = 32;
+};
+
+}  // namespace
 
 ShortlistSelector::ShortlistSelector(const LayerShape& shape, int top_k)
     : shape_(shape),
@@ -133,18 +185,11 @@ void ShortlistSelector::Select(int q_head, const float* q, const KvView& kv, Hea
   thread_local std::vector<float> scores;
   thread_local std::vector<float> outlier_scores;  // of the outliers taken, in their order
   thread_local std::vector<int32_t> positions;
-  // Outliers the shortlist holds too are taken once: a stamp per coded row says which Select
-  // took it last (stamps are per thread, and a Select's is new).
-  thread_local std::vector<uint32_t> taken;
-  thread_local uint32_t stamp = 0;
-  if (taken.size() < static_cast<size_t>(coded)) taken.resize(coded, 0);
-  if (++stamp == 0) {
-    std::fill(taken.begin(), taken.end(), 0);
-    stamp = 1;
-  }
+  // Outliers the shortlist holds too, and repeats, are taken once.
+  thread_local TakenIds taken;
+  taken.Reset(head.ids.size() + outliers.size());
   auto take = [&](int32_t id) {
-    if (id < 0 || id >= coded || taken[id] == stamp) return false;
-    taken[id] = stamp;
+    if (id < 0 || id >= coded || !taken.Insert(id)) return false;
     candidates.push_back(id);
     return true;
   };

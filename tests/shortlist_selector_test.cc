@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <random>
 #include <set>
 #include <thread>
 #include <vector>
@@ -75,6 +76,38 @@ TEST(ShortlistSelectorTest, RescoresTheShortlistTheOutliersAndTheUncodedTailOnce
           << "head " << h;
     }
     EXPECT_EQ(out.path, SelectionPath::kExact);
+  }
+}
+
+// Shortlists of many ids with many repeats, of growing and shrinking lengths on one thread (the
+// set of ids taken is sized to a Select's ids, not to the bulk, and reused): every candidate
+// once, every time.
+TEST(ShortlistSelectorTest, LongShortlistsWithRepeatsAreTakenOnceEveryTime) {
+  constexpr int64_t kLong = 20000;
+  const testing::RandomKv kv(kLong, kKvHeads, kDim, /*seed=*/9);
+  const std::vector<float> q = testing::RandomNormal(kQHeads * kDim, /*seed=*/10);
+  std::mt19937 rng(11);
+  ShortlistSelector selector(Shape(), kTopK);
+  for (const int n : {100, 5000, 40, 9000, 3000}) {
+    const int64_t coded = kLong - 64;
+    std::uniform_int_distribution<int32_t> position(0, static_cast<int32_t>(n));  // repeats
+    std::vector<int32_t> ids(n), outliers(n / 10);
+    for (int32_t& id : ids) id = position(rng);
+    for (int32_t& id : outliers) id = position(rng) + static_cast<int32_t>(n / 2);
+    for (int g = 0; g < kKvHeads; ++g) selector.SetOutliers(g, outliers);
+    for (int h = 0; h < kQHeads; ++h) selector.SetShortlist(h, ids, coded);
+    std::set<int32_t> expected(ids.begin(), ids.end());
+    expected.insert(outliers.begin(), outliers.end());
+    for (int64_t t = coded; t < kLong; ++t) expected.insert(static_cast<int32_t>(t));
+    for (int h = 0; h < kQHeads; ++h) {
+      HeadSelection out;
+      selector.Select(h, q.data() + h * kDim, kv.view(), &out);
+      EXPECT_EQ(out.candidates, static_cast<int32_t>(expected.size())) << n << " ids, head " << h;
+      EXPECT_THAT(out.support,
+                  UnorderedElementsAreArray(TopKOf(expected, q.data() + h * kDim, kv,
+                                                   KvHeadOf(h, kQHeads, kKvHeads), kTopK)))
+          << n << " ids, head " << h;
+    }
   }
 }
 
