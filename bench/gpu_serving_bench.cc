@@ -469,6 +469,7 @@ int Main() {
         // and the last ended, and their summed time (over the span: how many ran at once).
         std::vector<double> heads_first_start, heads_last_end, heads_busy, heads_concurrency;
         json head_intervals = json::array();  // the last steps' [path, start, micros, keys]
+        std::vector<json> step_intervals;  // every timed step's, for the slowest steps
         // The fidelity steps' sums over heads (support recall, retained mass, output cosine).
         double fidelity_sums[3] = {};
         int64_t fidelity_heads = 0;
@@ -566,6 +567,7 @@ int Main() {
             heads_concurrency.push_back(busy / std::max(1e-3, last_end - first_start));
             if (i >= warmup + steps - 5) head_intervals.push_back(intervals);
           }
+          step_intervals.push_back(std::move(intervals));
         }
         const double heads = static_cast<double>(steps) * batch * g.q_heads;
         json fidelity = nullptr;
@@ -638,7 +640,16 @@ int Main() {
                             {"reserve_us", t.reserve()}, {"plan_us", t.plan()},
                             {"launch_us", t.launch()}, {"bulk_us", t.bulk()},
                             {"static_set_us", t.static_set()}, {"finish_us", t.finish()},
-                            {"link_wait_us", t.link_wait()}});
+                            {"link_wait_us", t.link_wait()}, {"decide_us", t.decide()},
+                            {"shortlist_us", t.shortlist()},
+                            {"shortlists_ready_us", t.shortlists_ready()},
+                            {"device_exact_us", t.device_exact()},
+                            {"device_exact_wait_us", t.device_exact_wait()},
+                            {"finish_wait_us", t.finish_wait()},
+                            // The step's host heads: [path, start, micros, keys] each.
+                            {"heads", order[j] < step_intervals.size()
+                                          ? step_intervals[order[j]]
+                                          : json::array()}});
           }
           rec["slowest_steps"] = slow;
           std::fprintf(stderr, "  static set p50 %.1f us (p99 %.1f), bulk p50 %.1f us (p99 %.1f), "
