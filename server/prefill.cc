@@ -144,7 +144,7 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
 
 // Layers taken back, freed on a queue's thread; deletes itself once run. The layers give their
 // memory back through the session's grants, so they go before the session.
-class CommittedPrompt::FreeItem : public WorkItem {
+class CommittedPrompt::FreeItem final : public WorkItem {
  public:
   FreeItem(std::vector<std::unique_ptr<LayerBackend>> layers, std::shared_ptr<Session> session)
       : layers_(std::move(layers)), session_(std::move(session)) {}

@@ -279,7 +279,7 @@ class KvRecallService::StreamCall : public Reactor, public WorkItem, public KvRe
   // first unless a run is using it (that run releases it; one still queued will not start),
   // so that a client that got the status sees the memory back, not once a queue of builds
   // reaches the run (a run in flight releases it as it ends). (Layers a commit installed and
-  // then takes back are freed once taken back: by the run, or on the build queue from
+  // then takes back are freed once taken back: by the run, or on the frees queue from
   // OnCallDone.)
   void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     finished_ = true;
@@ -497,8 +497,9 @@ class KvRecallService::PrefillCall final
   // committed).
   // (What a run that was still working when the call finished installed, that run takes back
   // itself: this sees only what a FinishLocked(OK) handed over.) The layers leave the session
-  // here, before the call is counted and leaves the open streams; they are freed on the build
-  // queue, not on this gRPC thread (a long prompt's munmaps and device frees, malloc_trim).
+  // here, before the call is counted and leaves the open streams; they are freed on the frees
+  // queue, not on this gRPC thread (a long prompt's munmaps and device frees, malloc_trim), and
+  // not behind the builds.
   void OnCallDone(bool cancelled) {
     CommittedPrompt installed;
     {
@@ -507,7 +508,7 @@ class KvRecallService::PrefillCall final
     }
     const ServiceTestHooks& hooks = service_->options_.test_hooks;
     if (!cancelled && hooks.prefill_answer_lost && hooks.prefill_answer_lost()) cancelled = true;
-    if (cancelled) installed.Undo(&service_->builds_);
+    if (cancelled) installed.Undo(&service_->frees_);
   }
   MethodMetrics* calls() const { return service_->prefill_calls_; }
 
@@ -999,19 +1000,20 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
 
 KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions& options)
     : registry_(registry),
-      steps_(ThreadsOrDefault(options.worker_threads, std::thread::hardware_concurrency()),
-             "kvrecall-step"),
-      builds_(ThreadsOrDefault(options.build_threads, steps_.threads()), "kvrecall-build"),
-      max_inline_steps_(options.inline_steps >= 0
-                            ? options.inline_steps
-                            : std::max<int>(1, std::thread::hardware_concurrency() / 4)),
       options_(options),
       decode_calls_(options.decode_call_metrics && registry->metrics() != nullptr
                         ? registry->metrics()->ForMethod(kDecodeMethod)
                         : nullptr),
       prefill_calls_(options.decode_call_metrics && registry->metrics() != nullptr
                          ? registry->metrics()->ForMethod(kPrefillMethod)
-                         : nullptr) {
+                         : nullptr),
+      frees_(1, "kvrecall-free"),
+      steps_(ThreadsOrDefault(options.worker_threads, std::thread::hardware_concurrency()),
+             "kvrecall-step"),
+      builds_(ThreadsOrDefault(options.build_threads, steps_.threads()), "kvrecall-build"),
+      max_inline_steps_(options.inline_steps >= 0
+                            ? options.inline_steps
+                            : std::max<int>(1, std::thread::hardware_concurrency() / 4)) {
   registry_->SetClosedListener([this] { TellStreamsSessionsClosed(); });
 }
 

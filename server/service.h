@@ -38,7 +38,8 @@ struct ServiceTestHooks {
   std::function<void()> after_prefill_install;
   // Asked when a Prefill call is done (its OnDone) after its commit was answered OK: true makes
   // the call's status count as lost, as when gRPC cancels the call before the OK goes out, so
-  // that what the commit installed is taken back (a race gRPC alone gives only by chance).
+  // that what the commit installed is taken back (a race gRPC alone gives only by chance). The
+  // call is still counted by what gRPC says (OK here, CANCELLED where gRPC lost it).
   std::function<bool()> prefill_answer_lost;
 };
 
@@ -113,17 +114,24 @@ class KvRecallService final : public KvRecallRawCallbackService {
   // Whether work is queued or running on the service's threads (possibly for calls that were
   // cancelled: their results are dropped).
   bool busy() const {
-    return steps_.active() + builds_.active() + inline_steps_.load(std::memory_order_acquire) > 0;
+    return steps_.active() + builds_.active() + frees_.active() +
+               inline_steps_.load(std::memory_order_acquire) >
+           0;
   }
   // Prefill commits (selector builds) queued or running.
   int builds_in_flight() const { return builds_.active(); }
+  // Frees of layers taken back from a Prefill whose OK was lost, queued or running.
+  int frees_in_flight() const { return frees_.active(); }
 
   // Decode and Prefill streams open right now.
   int open_streams() const;
   int worker_threads() const { return steps_.threads(); }
   // RESOURCE_EXHAUSTED when the system refused some of the service's threads.
   absl::Status ThreadsStarted() const {
-    return !steps_.status().ok() ? steps_.status() : builds_.status();
+    for (const WorkQueue* queue : {&steps_, &builds_, &frees_}) {
+      if (!queue->status().ok()) return queue->status();
+    }
+    return absl::OkStatus();
   }
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
@@ -217,16 +225,22 @@ class KvRecallService final : public KvRecallRawCallbackService {
   mutable absl::Mutex calls_mu_;
   absl::flat_hash_set<Stream*> streams_ ABSL_GUARDED_BY(calls_mu_);
   int unary_calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
-  WorkQueue steps_;
-  WorkQueue builds_;
-  const int max_inline_steps_;
-  std::atomic<int> inline_steps_{0};
+  // (Before the queues, so that they outlive every run: a commit's run may outlast its call,
+  // and reads the test hooks.)
   const ServiceOptions options_;
-  std::atomic<int> shared_streams_{0};
   // Where Decode and Prefill streams count their calls (ServiceOptions::decode_call_metrics,
   // which turns both on); null: nowhere.
   MethodMetrics* const decode_calls_;
   MethodMetrics* const prefill_calls_;
+  // Frees the layers a Prefill's OnDone took back (review 17c, 3; review 18, 1): off gRPC's
+  // thread, and behind no selector build (those queue for seconds), so that their memory is
+  // back promptly. One thread; declared before the other queues, which it outlives.
+  WorkQueue frees_;
+  WorkQueue steps_;
+  WorkQueue builds_;
+  const int max_inline_steps_;
+  std::atomic<int> inline_steps_{0};
+  std::atomic<int> shared_streams_{0};
 };
 
 // The status of work refused because the server is draining.

@@ -33,7 +33,8 @@ class WorkQueue {
   // the system refuses a thread (a thread or pid limit), it keeps those it started and
   // status() says so.
   WorkQueue(int threads, std::string name);
-  // Runs what is queued, then joins the threads.
+  // Runs what is queued, then joins the threads. (A queue none of whose threads started runs
+  // nothing: a server refuses to start then, ThreadsStarted.)
   ~WorkQueue();
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;

@@ -89,7 +89,7 @@ TEST_P(CudaExactTopKTest, RaggedBatchMatchesCpuExactTopK) {
   };
   const int batch = static_cast<int>(seqs.size());
   const cuda::DecodeShape shape = g.Shape(batch);
-  const std::vector<float> q = RandomNormal(shape.rows() * g.head_dim, 3, g.QueryStd(2.0f));
+  const std::vector<float> q = g.Queries(shape.rows() * g.head_dim, 3, 2.0f);
   auto ws = cuda::TopKWorkspace::Create(shape.rows(), 12000);
   ASSERT_TRUE(ws.ok()) << ws.status();
   // What a caller charges before allocating is what was allocated.
@@ -151,7 +151,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Geometry{6, 2, 128, KvDtype::kBf16},
                       // Scales past ln 2: f16's kernels apply them to the scores.
                       Geometry{16, 4, 64, KvDtype::kF16, 1.0f},
-                      Geometry{32, 4, 128, KvDtype::kF16, 2.0f}),
+                      Geometry{32, 4, 128, KvDtype::kF16, 2.0f},
+                      // Queries at f16's bound: their scores' factor could not be folded in.
+                      Geometry{16, 4, 64, KvDtype::kF16, 4.0f, 65504.0f}),
     ::kvrecall::testing::GeometryName);
 
 TEST(CudaExactTopKTiesTest, EqualScoresGoToTheLowerPositions) {

@@ -200,8 +200,10 @@ class ReTopKHarness {
         const std::vector<float> fresh = RandomNormal(row, seed + 100 + step, 2.0f);
         std::copy(fresh.begin(), fresh.end(), queries.begin() + (prompt + step - 1) * row);
       }
-      // Scores spread as at the usual scale, whatever the geometry's (cosines do not change).
+      // Scores spread as at the usual scale, whatever the geometry's, or queries at the
+      // geometry's peak (cosines do not change).
       for (float& x : queries) x *= g.QueryStd(1.0f);
+      g.ScaleToPeak(&queries);
     }
     int64_t prompt;
     DeviceKv kv;
@@ -286,6 +288,9 @@ INSTANTIATE_TEST_SUITE_P(Geometries, CudaReTopKTest,
                                            // the scores.
                                            Geometry{8, 8, 64, KvDtype::kF16, 1.0f},
                                            Geometry{16, 4, 128, KvDtype::kF16, 0.75f},
+                                           // Queries at f16's bound (the reuse path's
+                                           // CandidateScorer and the exact path's scores).
+                                           Geometry{8, 8, 64, KvDtype::kF16, 4.0f, 65504.0f},
                                            Geometry{64, 8, 128, KvDtype::kBf16}),
                          ::kvrecall::testing::GeometryName);
 

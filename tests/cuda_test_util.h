@@ -38,12 +38,28 @@ struct Geometry {
   int head_dim;
   cuda::KvDtype dtype;
   float scale = 0.0f;  // the softmax scale; 0 is the usual 1 / sqrt(head_dim)
+  // When set, test queries are scaled so that their largest |q| is this (65504: f16's bound,
+  // which the API's tensors keep), whatever their spread would be.
+  float query_peak = 0.0f;
 
   float DefaultScale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
   float Scale() const { return scale > 0.0f ? scale : DefaultScale(); }
   // The standard deviation of test queries whose scores spread as queries of `at_default`
   // would at the usual scale: a test's tolerances then hold at any scale.
   float QueryStd(float at_default) const { return at_default * DefaultScale() / Scale(); }
+  // With query_peak: scales `q` so that its largest |q| is query_peak.
+  void ScaleToPeak(std::vector<float>* q) const {
+    if (query_peak <= 0.0f || q->empty()) return;
+    float most = 0.0f;
+    for (float x : *q) most = std::max(most, std::abs(x));
+    for (float& x : *q) x = std::clamp(x * (query_peak / most), -query_peak, query_peak);
+  }
+  // n test queries: N(0, QueryStd(at_default)), or those scaled to query_peak.
+  std::vector<float> Queries(int64_t n, uint64_t seed, float at_default) const {
+    std::vector<float> q = RandomNormal(n, seed, QueryStd(at_default));
+    ScaleToPeak(&q);
+    return q;
+  }
 
   cuda::DecodeShape Shape(int batch) const {
     return cuda::DecodeShape{batch, q_heads, kv_heads, head_dim, dtype, Scale()};
@@ -56,6 +72,7 @@ inline std::string GeometryName(const ::testing::TestParamInfo<Geometry>& info) 
                                   g.dtype == cuda::KvDtype::kBf16 ? "bf16" : "f16");
   // Scales past ln 2 are the ones f16's kernels apply to the scores (mma.cuh, ScoreFactor).
   if (g.scale > 0.0f) absl::StrAppend(&name, "scale", static_cast<int>(g.scale * 100), "pct");
+  if (g.query_peak > 0.0f) absl::StrAppend(&name, "peak", static_cast<int>(g.query_peak));
   return name;
 }
 

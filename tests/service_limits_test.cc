@@ -529,9 +529,14 @@ TEST_F(PrefillAnswerLostTest, ACommitWhoseOkWasLostIsTakenBackAtTheCallsEnd) {
         PromptChunks(id, g, 0, RandomPromptOf(g, 16, 11), 8);
     ASSERT_TRUE(Prefill(stub(), chunks).ok()) << "the client heard OK; the hook says it did not";
     absl::StatusOr<v1::SessionInfo> info;
+    // (Freed on the service's frees queue once taken back: waited for, or a set-aside's layers
+    // would still hold it, and the next Prefill be charged to the budget beside it. The call
+    // queues the free before it leaves the open streams: read in that order.)
     EXPECT_TRUE(Within(absl::Seconds(5), [&] {
       info = GetSession(stub(), id);
       return info.ok() && info->layers_prefilled() == 0 && info->tokens() == 0 &&
+             running().service().open_streams() == 0 &&
+             running().service().frees_in_flight() == 0 &&
              info->host_budget_bytes() == set_aside && running().budget().used() == set_aside;
     })) << "kept: " << running().budget().used() << " bytes held, " << set_aside
         << " set aside";

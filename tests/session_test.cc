@@ -72,7 +72,8 @@ class SessionPromptTest : public ::testing::Test {
     return installed;
   }
 
-  // Takes back `installed`; returns how many layers it took (freed here, unlocked).
+  // Takes back `installed`; returns how many layers it took (freed here, under the lock: a
+  // test's).
   size_t Uncommit(const Installed& installed) {
     absl::MutexLock lock(&session_->mu());
     return session_->UncommitPrompt(installed).size();

@@ -61,7 +61,8 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], 
 #undef KVRECALL_MMA_16816
 
 // (x, y) as a packed pair of T (x in the low half) rounded to nearest, and the pair of what
-// that rounding left over: x = hi.x + lo.x to about 2^-16 relative (2^-22 for f16).
+// that rounding left over: x = hi.x + lo.x to about 2^-16 relative (2^-22 for f16 where
+// |x| >= 2^-3, whose lo part is a normal f16; below that to 2^-25 absolute).
 template <typename T>
 __device__ __forceinline__ void SplitPair(float x, float y, uint32_t* hi, uint32_t* lo) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
