@@ -30,6 +30,11 @@
 
 . scripts/kvrecalld.sh
 
+# kvrecalld's threads that never run a decode step: its main thread and the build, codes
+# learning, growth, deferred linking and frees queues. The CUDA-call analyses below count every
+# other thread's calls as the steps' (the step queue, the compute pool, gRPC's threads).
+background_threads="kvrecalld,kvrecall-build,kvrecall-codes,kvrecall-grow,kvrecall-link,kvrecall-free"
+
 device_call_begin() {
   N=$1
   tar -C ".device/b$N" -xJf ".device/b$N/ship/bundle.tar.xz"
@@ -161,19 +166,20 @@ tiered_rows() {  # BINARY CONTEXT...
   wait "$kvrecalld_pid" 2>/dev/null
 }
 
-# bench/cuda_api_timer.c's calls (FILE) on the stepping threads (all but the codes learning's
-# and the builds'): how many, then the three 10 ms windows whose calls take longest, apart, by
+# bench/cuda_api_timer.c's calls (FILE) on the stepping threads (all but $background_threads):
+# how many, then the three 10 ms windows whose calls take longest, apart, by
 # function, and their calls of 50 us or more.
 api_windows() {  # FILE
-  python3 - "$1" <<'PY' 2>&1 | tee -a "$S"
+  python3 - "$1" "$background_threads" <<'PY' 2>&1 | tee -a "$S"
 import collections, sys
+background = set(sys.argv[2].split(","))
 rows = []
 for l in open(sys.argv[1]):
     if l.startswith("#"):
         continue
     p = l.rstrip("\n").split(None, 3)
     rows.append((int(p[0]), int(p[1]), p[2], p[3] if len(p) > 3 else "?"))
-steps = sorted(r for r in rows if r[3] != "kvrecall-codes" and r[3] != "kvrecall-build")
+steps = sorted(r for r in rows if r[3] not in background)
 print(len(rows), "calls timed;", len(steps), "on the stepping threads")
 j, total, windows = 0, 0, []
 for i, r in enumerate(steps):
@@ -255,8 +261,9 @@ ncu_pq_encode() {  # NAME ROWS...
 # span and, by function, its calls and microseconds. A step's allocations show as a burst (the
 # first steps, a take-over, the close); d117 on.
 api_bursts() {  # FILE
-  python3 - "$1" <<'PY' 2>&1 | tee -a "$S"
+  python3 - "$1" "$background_threads" <<'PY' 2>&1 | tee -a "$S"
 import collections, sys
+background = set(sys.argv[2].split(","))
 kinds = ("cudaMalloc", "cudaMemset", "cudaFree", "cudaHostAlloc", "cudaFreeHost",
          "cudaHostRegister", "cudaHostUnregister", "cudaGraphInstantiate",
          "cudaGraphExecDestroy", "cudaStreamCreateWithFlags", "cudaEventCreateWithFlags",
@@ -267,7 +274,7 @@ for l in open(sys.argv[1]):
         continue
     p = l.rstrip("\n").split(None, 3)
     name, thread = p[2].split(":")[0], p[3] if len(p) > 3 else "?"
-    if name in kinds and thread not in ("kvrecall-codes", "kvrecall-build", "kvrecalld"):
+    if name in kinds and thread not in background:
         calls.append((int(p[0]), int(p[1]), name))
 calls.sort()
 bursts, last = [], None

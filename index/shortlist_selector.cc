@@ -16,7 +16,7 @@ namespace {
 // shortlist and the group's outliers: about 2K at 512K), not to the bulk. A table of the bulk's
 // positions (4 bytes each: 2 MiB a thread at 512K) was allocated, zeroed and then grown by each
 // pool thread's first Selects at a new length, inside a step: one host head of ~16 took 1.5-2.2
-// ms instead of ~0.2 in 7-12 of 100 steps at 512K (bench/results/tiered_serving.md, "One slow
+// ms instead of ~0.2 in 4-12 of 100 steps at 512K (bench/results/tiered_serving.md, "One slow
 // head a step"). This one stays in a core's first caches. A stamp per slot says which Reset
 // filled it, so emptying the set costs nothing.
 class TakenIds {

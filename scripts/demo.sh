@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, starts kvrecalld on loopback and runs the demo client
-# against it (CPU placement), then stops the server.
+# Installs what is missing, builds kvrecalld and the kvrecall CLI, starts kvrecalld on loopback
+# and runs the demo client against it (CPU placement), then stops the server.
+# KVRECALL_PORT: the port to serve on (default 0: a free one, printed); KVRECALL_BUILD_DIR: the
+# build directory (default build/).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${KVRECALL_BUILD_DIR:-$root/build}"
-port="${KVRECALL_PORT:-50051}"
+port="${KVRECALL_PORT:-0}"
 "$root/scripts/install_deps.sh"
-KVRECALL_BUILD_DIR="$build" "$root/scripts/build.sh"
+KVRECALL_BUILD_DIR="$build" KVRECALL_BUILD_TARGETS="kvrecalld kvrecall" "$root/scripts/build.sh"
 
 log="$(mktemp)"
 kvrecalld_pid=""

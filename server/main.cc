@@ -20,6 +20,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
@@ -38,7 +39,8 @@ ABSL_FLAG(std::string, address, "0.0.0.0:50051",
           "credentials (TLS with --tls_cert), but see --plaintext_unix_sockets");
 ABSL_FLAG(int, worker_threads, 0,
           "threads serving decode steps, prompt chunks and unary calls (as many again build "
-          "selectors), at most 1024; open streams hold no thread; 0: one per hardware thread");
+          "selectors), at most 1024; an open gRPC stream holds no thread (a DecodeShared "
+          "stream holds one of its own); 0: one per hardware thread");
 ABSL_FLAG(int, inline_decode_steps, -1,
           "Decode steps that may run at once on the gRPC thread that read them, saving the "
           "hand-off to a worker thread (a wake-up per layer-step); further steps queue for the "
@@ -211,6 +213,13 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   absl::SetProgramUsageMessage(
       "kvrecalld --address=HOST:PORT: decode-time attention as a gRPC service (kvrecall.v1)");
+  // --help lists the flags of this file (Abseil's default looks for a file named after the
+  // program, and found none: "No flags matched").
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/main.cc");
+  };
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   // Abseil built without NDEBUG (Debian's, which gRPC's locks use too) checks every absl::Mutex
   // acquisition for lock-order cycles, in a graph behind one process-wide lock: thousands of

@@ -142,16 +142,27 @@ absl::Status PrefillStream::Add(const v1::PrefillChunk& chunk, int64_t index) {
   return absl::OkStatus();
 }
 
-// Layers taken back, freed on a queue's thread; deletes itself once run. The layers give their
-// memory back through the session's grants, so they go before the session.
+namespace {
+
+// Frees layers taken back from a session, then gives the freed memory back to the system. The
+// layers go before the session: they give their memory back through its grants.
+void FreeTakenLayers(std::vector<std::unique_ptr<LayerBackend>>& layers,
+                     std::shared_ptr<Session>& session) {
+  const bool any = !layers.empty();
+  layers.clear();
+  if (any) ReturnFreedMemory();
+  session.reset();
+}
+
+}  // namespace
+
+// Layers taken back, freed on a queue's thread; deletes itself once run.
 class CommittedPrompt::FreeItem final : public WorkItem {
  public:
   FreeItem(std::vector<std::unique_ptr<LayerBackend>> layers, std::shared_ptr<Session> session)
       : layers_(std::move(layers)), session_(std::move(session)) {}
   void Run() override {
-    layers_.clear();
-    ReturnFreedMemory();
-    session_.reset();
+    FreeTakenLayers(layers_, session_);
     delete this;
   }
 
@@ -171,11 +182,9 @@ bool CommittedPrompt::Undo(WorkQueue* frees) {
   const bool undone = !taken.empty();
   if (undone && frees != nullptr) {
     frees->Push(new FreeItem(std::move(taken), std::move(session_)));
-    return true;
+  } else {
+    FreeTakenLayers(taken, session_);  // outside the session's lock
   }
-  taken.clear();  // freed outside the session's lock
-  if (undone) ReturnFreedMemory();
-  session_.reset();
   return undone;
 }
 

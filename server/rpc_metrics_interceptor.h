@@ -1,8 +1,9 @@
 // A gRPC server interceptor that records every call into ServerMetrics, calls by method and
-// status code and their duration, except the Decode streams, which KvRecallService records
-// itself (server/service.h): gRPC runs an intercepted call's every message through its
+// status code and their duration, except the Decode and Prefill streams, which KvRecallService
+// records itself (server/service.h): gRPC runs an intercepted call's every message through its
 // interceptor machinery, about 13K instructions per Decode round trip (bench/results/
-// rpc_floor.md, dev-machine figures). Works with the synchronous and the callback API alike.
+// rpc_floor.md, dev-machine figures), and a stream counts itself once gRPC says whether its
+// status reached the client. Works with the synchronous and the callback API alike.
 #ifndef KVRECALL_SERVER_RPC_METRICS_INTERCEPTOR_H_
 #define KVRECALL_SERVER_RPC_METRICS_INTERCEPTOR_H_
 

@@ -409,8 +409,7 @@ class KvRecallService::PrefillCall final
       // once OnCancel has finished the call, gRPC may run OnDone and free it while this runs.)
       absl::StatusOr<v1::PrefillResponse> committed = stream_.Commit(
           [this] {
-            return abandoned_.load(std::memory_order_acquire) ||
-                   std::chrono::steady_clock::now() >= deadline_;
+            return abandoned_.load(std::memory_order_acquire) || Expired();
           },
           &installed);
       if (committed.ok()) {
@@ -434,7 +433,7 @@ class KvRecallService::PrefillCall final
         ReleaseLocked();
       } else if (!status.ok()) {
         FinishLocked(std::move(status));
-      } else if (committing && std::chrono::steady_clock::now() >= deadline_) {
+      } else if (committing && Expired()) {
         // The deadline passed since the commit last asked (just before the install): the
         // client has given up, or will before an OK arrives. Taken back, and said so.
         take_back = true;
@@ -520,6 +519,9 @@ class KvRecallService::PrefillCall final
   }
 
  private:
+
+  // Whether the call's deadline has passed (a run asks it; gRPC's own OnCancel may come late).
+  bool Expired() const { return std::chrono::steady_clock::now() >= deadline_; }
 
   const std::chrono::steady_clock::time_point deadline_;  // SteadyDeadline's
   grpc::ByteBuffer* const reply_;  // gRPC's; written only before Finish
@@ -1001,10 +1003,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
 KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions& options)
     : registry_(registry),
       options_(options),
-      decode_calls_(options.decode_call_metrics && registry->metrics() != nullptr
+      decode_calls_(options.stream_call_metrics && registry->metrics() != nullptr
                         ? registry->metrics()->ForMethod(kDecodeMethod)
                         : nullptr),
-      prefill_calls_(options.decode_call_metrics && registry->metrics() != nullptr
+      prefill_calls_(options.stream_call_metrics && registry->metrics() != nullptr
                          ? registry->metrics()->ForMethod(kPrefillMethod)
                          : nullptr),
       frees_(1, "kvrecall-free"),

@@ -1,6 +1,6 @@
 // The gRPC service kvrecall.v1.KvRecall on gRPC's callback API: sessions, Prefill streams and
-// Decode streams over a SessionRegistry. An open stream holds no thread; the compute of every
-// call runs on the service's own work queues, so gRPC's threads stay free for I/O and health
+// Decode streams over a SessionRegistry. An open gRPC stream holds no thread (a DecodeShared
+// stream holds one of its own); the compute of every call runs on the service's own work queues, so gRPC's threads stay free for I/O and health
 // checks under any load, except for a bounded number of Decode steps at once
 // (ServiceOptions::inline_steps), which run on the gRPC thread that read them. Messages are
 // taken raw (server/raw_messages.h) so that an undecodable message gets INVALID_ARGUMENT and
@@ -55,10 +55,11 @@ struct ServiceOptions {
   // Bounded so that gRPC's threads stay free for I/O and health checks. -1: a quarter of the
   // hardware threads, at least 1; 0: every step queues.
   int inline_steps = -1;
-  // Decode streams record their calls (status code, duration) and each request's latency, from
-  // its arrival to its reply, into the registry's ServerMetrics: the part of the RPC metrics
-  // that server/rpc_metrics_interceptor.h leaves to the service. On when metrics are served.
-  bool decode_call_metrics = false;
+  // Decode and Prefill streams record their calls (status code, duration), and Decode each
+  // request's latency from its arrival to its reply, into the registry's ServerMetrics: the part
+  // of the RPC metrics that server/rpc_metrics_interceptor.h leaves to the service. On when
+  // metrics are served.
+  bool stream_call_metrics = false;
   // DecodeShared (kvrecall.proto): the directory where shared-memory regions are created, one
   // file per stream, removed when it ends; a runner on the same host must be able to open its
   // files (same user; a pod's shared emptyDir). Empty: DecodeShared answers FAILED_PRECONDITION.
@@ -228,7 +229,7 @@ class KvRecallService final : public KvRecallRawCallbackService {
   // (Before the queues, so that they outlive every run: a commit's run may outlast its call,
   // and reads the test hooks.)
   const ServiceOptions options_;
-  // Where Decode and Prefill streams count their calls (ServiceOptions::decode_call_metrics,
+  // Where Decode and Prefill streams count their calls (ServiceOptions::stream_call_metrics,
   // which turns both on); null: nowhere.
   MethodMetrics* const decode_calls_;
   MethodMetrics* const prefill_calls_;

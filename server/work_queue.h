@@ -1,6 +1,8 @@
-// A fixed pool of threads that runs the service's compute (decode steps, prompt chunks, selector
-// builds) off gRPC's callback threads, so that those stay free for I/O and health checks however
-// busy the pool is. Work items are intrusive: queueing one allocates nothing.
+// A fixed pool of threads that runs queued work in order: the service's compute (decode steps,
+// prompt chunks, selector builds) off gRPC's callback threads, so that those stay free for I/O
+// and health checks however busy the pool is, and the one-thread queues of background work (the
+// frees of taken-back layers, the host KV's growth, deferred index linking, codes learning, a
+// host tier's exact heads). Work items are intrusive: queueing one allocates nothing.
 #ifndef KVRECALL_SERVER_WORK_QUEUE_H_
 #define KVRECALL_SERVER_WORK_QUEUE_H_
 

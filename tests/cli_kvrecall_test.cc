@@ -29,6 +29,7 @@ namespace {
 using ::kvrecall::testing::KvrecalldProcess;
 using ::kvrecall::testing::ScopedEnv;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 struct ProcessResult {
   int exit_code = -1;
@@ -250,6 +251,17 @@ TEST_F(CliReplayTest, ServerRejectionsExitNonZeroWithTheServersMessage) {
   r = Kvrecall("replay", {"--trace=" + *trace_, "--policy=retopk", "--refresh=-7"});  // was 128
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.err, HasSubstr("--refresh must be >= 0 (or -1: the server's default), got -7"));
+}
+
+// --help names the subcommands and lists their flags (Abseil's default looked for a source
+// file named after the program and printed "No flags matched").
+TEST(CliUsageTest, HelpListsTheSubcommandsAndTheirFlags) {
+  const ProcessResult r = RunProcess({KvrecallBinary(), "--help"});
+  const std::string all = r.out + r.err;
+  EXPECT_THAT(all, HasSubstr("replay"));
+  EXPECT_THAT(all, HasSubstr("--server"));
+  EXPECT_THAT(all, HasSubstr("--policy"));
+  EXPECT_THAT(all, Not(HasSubstr("No flags matched")));
 }
 
 TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {

@@ -494,7 +494,7 @@ TEST_F(PrefillTakenBackTest, ATakenBackLayerLeavesTheOthersAndTheirLength) {
 
 // The other side of the take-back: a commit answered OK whose OK gRPC then lost (the call
 // cancelled before the status went out: a chunk past --max_message_mb, or a client gone) is
-// taken back when the call is done (OnDone), its layers freed on the build queue. gRPC gives
+// taken back when the call is done (OnDone), its layers freed on the frees queue. gRPC gives
 // that ordering only by chance (OversizeCallCountTest reaches it about one run in five), so a
 // hook says the answer was lost. The session, with and without an announced max_tokens,
 // holds no layer and no prompt length, keeps exactly its set-aside, and takes its prompt again

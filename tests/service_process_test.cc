@@ -46,6 +46,7 @@ using ::kvrecall::testing::PromptLayer;
 using ::kvrecall::testing::RandomNormal;
 using ::kvrecall::testing::ScopedEnv;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::unique_ptr<KvrecalldProcess> StartOrFail(std::vector<std::string> flags = {}) {
   absl::StatusOr<std::unique_ptr<KvrecalldProcess>> process =
@@ -282,6 +283,18 @@ TEST(KvrecalldProcessTest, UnknownHealthServiceIsNotFound) {
   const grpc::Status status = stub->Check(&context, request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(status.error_message(), HasSubstr("unknown service 'no.such.Service'"));
+}
+
+// --help lists kvrecalld's flags with their help (Abseil's default looked for a source file
+// named after the program and printed "No flags matched").
+TEST(KvrecalldProcessTest, HelpListsTheFlags) {
+  int code = -1;
+  const std::string output =
+      RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " --help"), &code);
+  EXPECT_EQ(code, 1) << "Abseil's --help exits 1";
+  EXPECT_THAT(output, HasSubstr("--address (HOST:PORT to listen on"));
+  EXPECT_THAT(output, HasSubstr("--host_memory_budget_gb"));
+  EXPECT_THAT(output, Not(HasSubstr("No flags matched")));
 }
 
 TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {

@@ -8,6 +8,8 @@
 
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/subcommands.h"
@@ -55,6 +57,13 @@ int Main(int argc, char** argv) {
   }
   absl::StrAppend(&usage, "\n--helpfull lists every flag.");
   absl::SetProgramUsageMessage(usage);
+  // --help lists the subcommands' flags (Abseil's default looks for a file named after the
+  // program, and found none: "No flags matched").
+  absl::FlagsUsageConfig flags_usage;
+  flags_usage.contains_help_flags = [](absl::string_view file) {
+    return absl::StrContains(file, "client/cli/");
+  };
+  absl::SetFlagsUsageConfig(flags_usage);
 
   std::vector<std::string> storage = UnderscoreFlagNames(argc, argv);
   std::vector<char*> args;
