@@ -339,7 +339,8 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   }
   if (options.inline_decode_steps < -1) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "inline_decode_steps must be >= -1 (-1: the default), got ", options.inline_decode_steps));
+        "--inline_decode_steps must be >= -1 (-1: the default), got ",
+        options.inline_decode_steps));
   }
   if (options.worker_threads < 0 || options.worker_threads > kMaxWorkerThreads) {
     return absl::InvalidArgumentError(absl::StrCat("--worker_threads must be in [0, ",
