@@ -30,9 +30,12 @@
 
 . scripts/kvrecalld.sh
 
-# kvrecalld's threads that never run a decode step: its main thread and the build, codes
-# learning, growth, deferred linking and frees queues. The CUDA-call analyses below count every
-# other thread's calls as the steps' (the step queue, the compute pool, gRPC's threads).
+# kvrecalld's threads left out of the CUDA-call analyses below, which count every other thread's
+# calls as the steps' (the step queue, the compute pool, gRPC's threads): the build, codes
+# learning, growth, deferred linking and frees queues, and those named after the process (its
+# main thread, the metrics endpoint, the reaper, and DecodeShared streams' threads, which do
+# step, but which the analysed runs, all over gRPC, do not open). Before the eighteenth session
+# only the codes learning's and the builds' threads and the main thread were left out.
 background_threads="kvrecalld,kvrecall-build,kvrecall-codes,kvrecall-grow,kvrecall-link,kvrecall-free"
 
 device_call_begin() {
@@ -254,8 +257,8 @@ ncu_pq_encode() {  # NAME ROWS...
   done
 }
 
-# bench/cuda_api_timer.c's calls (FILE) on the threads that step (gRPC's and the pool's: not the
-# codes learning's, the builds' or kvrecalld's main thread) that allocate, free, fill, copy
+# bench/cuda_api_timer.c's calls (FILE) on the threads that step (all but $background_threads)
+# that allocate, free, fill, copy
 # synchronously, or make graphs, streams and events, in bursts (5 ms or more from the latest
 # end of a call to the next call's start ends one): per burst, its start, its calls' time and
 # span and, by function, its calls and microseconds. A step's allocations show as a burst (the

@@ -5,7 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${KVRECALL_BUILD_DIR:-$root/build}"
 "$root/scripts/install_deps.sh"
-KVRECALL_BUILD_DIR="$build" "$root/scripts/build.sh"
+KVRECALL_BUILD_DIR="$build" KVRECALL_BUILD_TARGETS= "$root/scripts/build.sh"  # everything
 cd "$build"
 ctest --output-on-failure -j"$(nproc)" --timeout 900
 # A short bounded fuzz run (issue 14) on an ASan + UBSan build of the fuzzers alone (under 11

@@ -259,8 +259,8 @@ TEST(CliUsageTest, HelpListsTheSubcommandsAndTheirFlags) {
   const ProcessResult r = RunProcess({KvrecallBinary(), "--help"});
   const std::string all = r.out + r.err;
   EXPECT_THAT(all, HasSubstr("replay"));
-  EXPECT_THAT(all, HasSubstr("--server"));
-  EXPECT_THAT(all, HasSubstr("--policy"));
+  EXPECT_THAT(all, HasSubstr("Flags from"));
+  EXPECT_THAT(all, HasSubstr("--server ("));
   EXPECT_THAT(all, Not(HasSubstr("No flags matched")));
 }
 

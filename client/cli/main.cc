@@ -63,6 +63,7 @@ int Main(int argc, char** argv) {
   flags_usage.contains_help_flags = [](absl::string_view file) {
     return absl::StrContains(file, "client/cli/");
   };
+  flags_usage.contains_helpshort_flags = flags_usage.contains_help_flags;
   absl::SetFlagsUsageConfig(flags_usage);
 
   std::vector<std::string> storage = UnderscoreFlagNames(argc, argv);
