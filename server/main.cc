@@ -259,7 +259,8 @@ int main(int argc, char** argv) {
   // adjacency, caches) in a mapping of its own, unmapped when it is freed.
   const int threshold_kb = absl::GetFlag(FLAGS_malloc_mmap_threshold_kb);
   if (threshold_kb < 0 || threshold_kb > (32 << 10)) {
-    std::fprintf(stderr, "kvrecalld: --malloc_mmap_threshold_kb must be in [0, 32768]\n");
+    std::fprintf(stderr, "kvrecalld: --malloc_mmap_threshold_kb must be in [0, 32768], got %d\n",
+                 threshold_kb);
     return 2;
   }
   if (threshold_kb > 0) {
@@ -287,12 +288,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (max_message_mb < 1 || max_message_mb > 2047) {
-    std::fprintf(stderr, "kvrecalld: --max_message_mb must be in [1, 2047]\n");
+    std::fprintf(stderr, "kvrecalld: --max_message_mb must be in [1, 2047], got %d\n",
+                 max_message_mb);
     return 2;
   }
   const int compute_spin_us = absl::GetFlag(FLAGS_compute_spin_us);
   if (compute_spin_us < 0 || compute_spin_us > 1000000) {
-    std::fprintf(stderr, "kvrecalld: --compute_spin_us must be in [0, 1000000]\n");
+    std::fprintf(stderr, "kvrecalld: --compute_spin_us must be in [0, 1000000], got %d\n",
+                 compute_spin_us);
     return 2;
   }
   // Before any server thread runs a step (the pool is made on first use).
@@ -311,7 +314,8 @@ int main(int argc, char** argv) {
   options.limits.max_context_tokens = absl::GetFlag(FLAGS_max_context_tokens);
   const double ttl_seconds = absl::GetFlag(FLAGS_session_idle_ttl_seconds);
   if (!(ttl_seconds >= 0) || !std::isfinite(ttl_seconds)) {
-    std::fprintf(stderr, "kvrecalld: --session_idle_ttl_seconds must be >= 0\n");
+    std::fprintf(stderr, "kvrecalld: --session_idle_ttl_seconds must be finite and >= 0, got %g\n",
+                 ttl_seconds);
     return 2;
   }
   options.limits.session_idle_ttl = absl::Seconds(ttl_seconds);
