@@ -180,7 +180,9 @@ bool CommittedPrompt::Undo(WorkQueue* frees) {
   }
   layers_.clear();
   const bool undone = !taken.empty();
-  if (undone && frees != nullptr) {
+  if (frees != nullptr) {
+    // The session goes too, taken back or not: this may be its last reference (it was closed
+    // meanwhile), and its end frees every layer it still holds.
     frees->Push(new FreeItem(std::move(taken), std::move(session_)));
   } else {
     FreeTakenLayers(taken, session_);  // outside the session's lock

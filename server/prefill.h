@@ -31,8 +31,9 @@ class CommittedPrompt {
   // Takes the layers back (Session::UncommitPrompt) unless they are in use since, frees them
   // and gives the freed memory back to the system; whether it did. Once at most; nothing for an
   // empty one. (The layers are the session's, visible to other streams, until then.) With
-  // `frees`, the freeing and the giving back (munmaps, device frees, malloc_trim) run on that
-  // queue instead, after Undo has returned: for a caller on one of gRPC's threads.
+  // `frees`, the freeing and the giving back (munmaps, device frees, malloc_trim), and the
+  // release of the session, run on that queue instead, after Undo has returned: for a caller
+  // on one of gRPC's threads.
   bool Undo(WorkQueue* frees = nullptr);
 
  private:
