@@ -11,6 +11,8 @@
 #   hf_demo_check NAME          # the transformers backend end to end, into $OUT/NAME.json
 #   takeover_run NAME BIN [F..] # d98's take-over run against kvrecalld BIN with flags F
 #   tiered_rows BIN CONTEXT...  # issue 15's headline rows (batch 1) at each context
+#   rows_run NAME CONTEXT STEPS # one run of those rows against $kvrecalld_address (d145 on)
+#   steps_tail FILE [slowest]   # a rows JSON's tail: p90, p99, slow steps (d145 on)
 #   api_windows FILE            # bench/cuda_api_timer.c's heaviest windows of calls
 #   timed_kvrecalld SHIM F US   # $L/kvrecalld_timed: kvrecalld under that shim
 #   pq_encode_runs NAME BIN..   # pq_encode_bench of each BIN dir in turn, into $R (d118 on)
@@ -150,19 +152,52 @@ PY
   cp "$L/takeover_$name.json" "$OUT/"
 }
 
-# Issue 15's headline rows on one kvrecalld (BINARY): tiered retopk and index, batch 1, 60 steps,
-# at each CONTEXT, one serving_summary line each. Raw: $OUT/sCONTEXT.json.
+# One run of issue 15's rows (tiered retopk and index, batch 1, K = 512, auto_tau, 8 warm-up
+# steps) against the kvrecalld at $kvrecalld_address: CONTEXT, STEPS timed steps, into
+# $L/NAME.json (its log beside it); its serving_summary and steps_tail lines into $S (d145 on).
+rows_run() {  # NAME CONTEXT STEPS [slowest]
+  local name=$1 context=$2 steps=$3
+  timeout 200 "$B/gpu_serving_bench" --server="$kvrecalld_address" --out="$L/$name.json" \
+    --placement=tiered --contexts="$context" --batches=1 --selectors=retopk,index \
+    --auto_tau --steps="$steps" --warmup=8 > /dev/null 2> "$L/$name.log"
+  echo "$name rc $? t=$SECONDS" | tee -a "$S"
+  serving_summary "$L/$name.json"
+  steps_tail "$L/$name.json" "${4:-}"
+}
+
+# The tail of each record of a gpu_serving_bench --out JSON, from its per-step server times: p50,
+# p90, p99, max, the steps over twice the p50, and each path's head p99; with `slowest`, the
+# slowest steps' phases and their two slowest host heads ([path, start, us, keys]; d147 on).
+steps_tail() {  # FILE [slowest]
+  python3 - "$1" "${2:-}" <<'PY' 2>&1 | tee -a "$S"
+import json, sys
+for r in json.load(open(sys.argv[1]))["records"]:
+    s = sorted(r["server_us_by_step"])
+    p50 = s[len(s) // 2]
+    paths = " ".join("%s p99 %d" % (k, v["bulk_p99_us"])
+                     for k, v in r.get("head_bulk_by_path", {}).items())
+    print("  ", r["selector"], r["context"], "p50", round(p50), "p90",
+          round(s[int(0.9 * len(s))]), "p99", round(s[int(0.99 * len(s))]), "max", round(s[-1]),
+          "over 2x p50:", sum(x > 2 * p50 for x in s), "|", paths)
+    if sys.argv[2] != "slowest":
+        continue
+    for st in r["slowest_steps"]:
+        heads = st.pop("heads", [])
+        slow = sorted(heads, key=lambda h: -h[2])[:2]
+        print("    ", {k: round(v) for k, v in st.items()}, "heads", len(heads),
+              "slowest", [[round(x) for x in h] for h in slow])
+PY
+}
+
+# Issue 15's headline rows on one kvrecalld (BINARY): rows_run at each CONTEXT, ${rows_steps:-60}
+# steps. Raw: $OUT/sCONTEXT.json.
 tiered_rows() {  # BINARY CONTEXT...
   local binary=$1 context
   shift
   start_kvrecalld "$binary" "$L/kvrecalld_rows.log" --address=127.0.0.1:0 || return 1
   for context in "$@"; do
     cat /proc/loadavg | tee -a "$S"
-    timeout 200 "$B/gpu_serving_bench" --server="$kvrecalld_address" --out="$L/s$context.json" \
-      --placement=tiered --contexts="$context" --batches=1 --selectors=retopk,index \
-      --auto_tau --steps=60 --warmup=8 > /dev/null 2> "$L/s$context.log"
-    echo "$context rc $? t=$SECONDS" | tee -a "$S"
-    serving_summary "$L/s$context.json"
+    rows_run "s$context" "$context" "${rows_steps:-60}"
     cp "$L/s$context.json" "$OUT/"
   done
   kill "$kvrecalld_pid"

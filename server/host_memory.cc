@@ -74,11 +74,12 @@ bool Fits(size_t held, size_t bytes, size_t bound) {
 }
 
 // Adds to the address space the process's allocations hold the largest of `choices` (in whole
-// pages; none counts under `least`) that stays within the bound, else `least` (an allocation's own pages, held whatever the bound), in place
-// of `replacing` bytes held until now (a moving allocation's old reservation, given back as
-// the new one is held), and returns which it added: the choice and the hold are one atomic
-// step, so that allocations made at once never pass the bound together, and one that finds
-// its first choice taken gets the next that fits, not its pages alone.
+// pages; none counts under `least`) that stays within the bound, else `least` (an allocation's
+// own pages, held whatever the bound), in place of `replacing` bytes held until now (a moving
+// allocation's old reservation, given back as the new one is held), and returns which it
+// added: the choice and the hold are one atomic step, so that allocations made at once never
+// pass the bound together, and one that finds its first choice taken gets the next that fits,
+// not its pages alone.
 size_t HoldAddressSpace(size_t least, absl::Span<const size_t> choices, size_t replacing = 0) {
   const size_t bound = AddressSpaceBound();
   size_t held = address_space_held.load(std::memory_order_relaxed);

@@ -1,10 +1,10 @@
 // The gRPC service kvrecall.v1.KvRecall on gRPC's callback API: sessions, Prefill streams and
 // Decode streams over a SessionRegistry. An open gRPC stream holds no thread (a DecodeShared
 // stream holds one of its own); the compute of every call runs on the service's own work
-// queues, so gRPC's threads stay free for I/O and health checks under any load, except for a bounded number of Decode steps at once
-// (ServiceOptions::inline_steps), which run on the gRPC thread that read them. Messages are
-// taken raw (server/raw_messages.h) so that an undecodable message gets INVALID_ARGUMENT and
-// changes nothing.
+// queues, so gRPC's threads stay free for I/O and health checks under any load, except for a
+// bounded number of Decode steps at once (ServiceOptions::inline_steps), which run on the gRPC
+// thread that read them. Messages are taken raw (server/raw_messages.h) so that an undecodable
+// message gets INVALID_ARGUMENT and changes nothing.
 #ifndef KVRECALL_SERVER_SERVICE_H_
 #define KVRECALL_SERVER_SERVICE_H_
 

@@ -551,11 +551,7 @@ TEST_F(PrefillAnswerLostTest, ACommitWhoseOkWasLostIsTakenBackAtTheCallsEnd) {
     }
     DecodeClient decode(stub());
     EXPECT_TRUE(decode.Step(OneStep(id, 40, 0)).ok());
-    v1::CloseSessionRequest close;
-    close.set_session_id(id);
-    v1::CloseSessionResponse closed;
-    grpc::ClientContext close_context;
-    ASSERT_TRUE(stub().CloseSession(&close_context, close, &closed).ok());
+    ASSERT_TRUE(testing::CloseSession(stub(), id).ok());
     ASSERT_TRUE(Within(absl::Seconds(5), [&] { return running().budget().used() == 0; }));
   }
 }

@@ -25,22 +25,9 @@ for round in 1 2; do
       --address=127.0.0.1:0 || continue
     for context in 131072 524288; do
       before=$(switches $kvrecalld_pid)
-      timeout 200 "$B/gpu_serving_bench" --server="$kvrecalld_address" \
-        --out="$L/${name}_$context.json" --placement=tiered --contexts=$context --batches=1 \
-        --selectors=retopk,index --auto_tau --steps=100 --warmup=8 > /dev/null \
-        2> "$L/${name}_$context.log"
-      echo "$name $context rc $? t=$SECONDS" | tee -a "$S"
+      rows_run "${name}_$context" "$context" 100
       echo "  switches before: $before" | tee -a "$S"
       echo "  switches after:  $(switches $kvrecalld_pid)" | tee -a "$S"
-      serving_summary "$L/${name}_$context.json"
-      python3 - "$L/${name}_$context.json" <<'PY' 2>&1 | tee -a "$S"
-import json, sys
-for r in json.load(open(sys.argv[1]))["records"]:
-    s = sorted(r["server_us_by_step"])
-    p50 = s[len(s) // 2]
-    print("  ", r["selector"], r["context"], "p90", round(s[int(0.9 * len(s))]),
-          "max", round(s[-1]), "steps over 2x p50:", sum(x > 2 * p50 for x in s))
-PY
       cp "$L/${name}_$context.json" "$R/"
     done
     kill "$kvrecalld_pid"; wait "$kvrecalld_pid" 2>/dev/null
