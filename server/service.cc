@@ -389,6 +389,7 @@ class KvRecallService::PrefillCall final
       committing = committing_;
     }
     grpc::Status status;
+    bool deadline_passed_at_install = false;  // the test hook's say
     if (committing && service_->draining()) {
       status = ShuttingDownStatus();  // the builds have not started: refuse them
     } else if (absl::Status s = service_->StillAuthorized(identity_); !s.ok()) {
@@ -414,9 +415,10 @@ class KvRecallService::PrefillCall final
           &installed);
       if (committed.ok()) {
         response_ = *std::move(committed);
-        if (service_->options_.test_hooks.after_prefill_install) {
-          service_->options_.test_hooks.after_prefill_install();
-        }
+        const ServiceTestHooks& hooks = service_->options_.test_hooks;
+        if (hooks.after_prefill_install) hooks.after_prefill_install();
+        deadline_passed_at_install =
+            hooks.prefill_deadline_passed_at_install && hooks.prefill_deadline_passed_at_install();
       } else {
         status = service_->Answer(committed.status());
       }
@@ -433,7 +435,7 @@ class KvRecallService::PrefillCall final
         ReleaseLocked();
       } else if (!status.ok()) {
         FinishLocked(std::move(status));
-      } else if (committing && Expired()) {
+      } else if (committing && (deadline_passed_at_install || Expired())) {
         // The deadline passed since the commit last asked (just before the install): the
         // client has given up, or will before an OK arrives. Taken back, and said so.
         take_back = true;

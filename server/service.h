@@ -41,6 +41,11 @@ struct ServiceTestHooks {
   // that what the commit installed is taken back (a race gRPC alone gives only by chance). The
   // call is still counted by what gRPC says (OK here, CANCELLED where gRPC lost it).
   std::function<bool()> prefill_answer_lost;
+  // Asked right after a Prefill's commit installed its layers (after after_prefill_install):
+  // true makes the run find the call's deadline passed there, as when the builds outlast it
+  // and gRPC's own cancellation has not come yet (its threads busy), so that the run takes
+  // what it installed back and answers DEADLINE_EXCEEDED (a race gRPC alone gives by chance).
+  std::function<bool()> prefill_deadline_passed_at_install;
 };
 
 struct ServiceOptions {

@@ -556,6 +556,47 @@ TEST_F(PrefillAnswerLostTest, ACommitWhoseOkWasLostIsTakenBackAtTheCallsEnd) {
   }
 }
 
+// A commit whose call's deadline passed by the time it installed its layers (the builds outlast
+// it; gRPC's own cancellation, its threads busy, has not come): the run takes the layers back
+// and answers DEADLINE_EXCEEDED itself, rather than an OK gRPC would drop. A hook says the
+// deadline passed there. The session holds nothing and takes its prompt again.
+class PrefillDeadlineAtInstallTest : public LimitsTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = LimitsTest::Options();
+    options.service_test_hooks.prefill_deadline_passed_at_install = [passed = passed_] {
+      return passed->load();
+    };
+    return options;
+  }
+  std::shared_ptr<std::atomic<bool>> passed_ = std::make_shared<std::atomic<bool>>(true);
+};
+
+TEST_F(PrefillDeadlineAtInstallTest, ACommitPastItsDeadlineAtTheInstallIsTakenBack) {
+  const v1::Geometry g = SmallGeometry();
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<v1::PrefillChunk> chunks =
+      PromptChunks(*id, g, 0, RandomPromptOf(g, 16, 12), 8);
+  EXPECT_TRUE(HasStatus(Prefill(stub(), chunks).status(), absl::StatusCode::kDeadlineExceeded,
+                        "the call's deadline passed before the server answered it"));
+  // (Taken back by the run after it answered: waited for.)
+  absl::StatusOr<v1::SessionInfo> info;
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] {
+    info = GetSession(stub(), *id);
+    return info.ok() && info->layers_prefilled() == 0 && info->tokens() == 0 &&
+           info->host_bytes() == 0 && running().service().open_streams() == 0 &&
+           running().budget().used() == 0;
+  })) << "kept: " << running().budget().used() << " bytes held";
+
+  passed_->store(false);
+  absl::StatusOr<v1::PrefillResponse> again = Prefill(stub(), chunks);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tokens(), 16);
+  DecodeClient decode(stub());
+  EXPECT_TRUE(decode.Step(OneStep(*id, 41, 0)).ok());
+}
+
 TEST_F(LimitsTest, APrefillStreamWhoseSessionIsClosedEndsAndFreesItsStaging) {
   // CloseSession from another call while a Prefill stream waits for its next chunk: the
   // stream ends at once with the NOT_FOUND its next chunk would get, its staging freed.
