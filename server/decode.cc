@@ -71,9 +71,11 @@ absl::Status CheckStepPosition(const v1::SequenceStep& step, Session& session, i
       "; nothing of this request was applied"));
 }
 
-// Builds make(i) for the request's steps i in [0, n), those of one backend contiguous (in the
-// order backends first appear, request order within one), and calls run(backend, group) once per
-// backend: all sequences a backend serves step in one batch.
+// Builds make(i) for the request's steps i in [0, n), those of one backend contiguous, and calls
+// run(backend, group) once per backend: all sequences a backend serves step in one batch. The
+// backends whose Step can fail (a device's) go first, in the order they first appear, then the
+// others (the CPU's), so that a request with one such backend is applied whole or not at all;
+// request order within a backend.
 template <typename Item, typename Make, typename Run>
 absl::Status RunByBackend(std::span<const std::shared_ptr<Session>> sessions,
                           std::vector<Item>& items, Make make, Run run) {
@@ -83,6 +85,8 @@ absl::Status RunByBackend(std::span<const std::shared_ptr<Session>> sessions,
       backends.push_back(session->backend());
     }
   }
+  std::stable_partition(backends.begin(), backends.end(),
+                        [](const AttentionBackend* backend) { return backend->StepCanFail(); });
   items.clear();
   for (AttentionBackend* backend : backends) {
     const size_t begin = items.size();
@@ -252,6 +256,27 @@ uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
   return total;
 }
 
+absl::Status DecodeStream::WithStepsApplied(const absl::Status& failure, int layer) const {
+  std::string applied;
+  int count = 0;
+  for (size_t i = 0; i < sessions_.size(); ++i) {
+    const int64_t tokens = sessions_[i]->layer(layer).tokens();
+    if (tokens == tokens_before_[i]) continue;
+    absl::StrAppend(&applied, count++ == 0 ? "" : ", ", "steps[", i, "] (session '",
+                    sessions_[i]->id(), "' now holds ", tokens, ")");
+  }
+  if (count == 0) {
+    return absl::Status(failure.code(),
+                        absl::StrCat(failure.message(), "; nothing of this request was applied"));
+  }
+  return absl::Status(
+      failure.code(),
+      absl::StrCat(failure.message(), "; applied before it failed: ", applied,
+                   count == static_cast<int>(sessions_.size())
+                       ? ""
+                       : "; the other steps were not (resend only those)"));
+}
+
 StepContext* DecodeStream::ContextFor(AttentionBackend* backend) {
   for (auto& [b, context] : contexts_) {
     if (b == backend) return context.get();
@@ -372,6 +397,8 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
   }
   const absl::Time compute_start = absl::Now();
   StepContext::TierSeconds tiers;
+  tokens_before_.resize(n);
+  for (int i = 0; i < n; ++i) tokens_before_[i] = sessions_[i]->layer(layer).tokens();
   if (absl::Status s = RunByBackend(
           sessions_, steps_,
           [&](int i) {
@@ -388,7 +415,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
             return stepped;
           });
       !s.ok()) {
-    return PrefixStatus(s, "layer ", layer, ": ");
+    return PrefixStatus(WithStepsApplied(s, layer), "layer ", layer, ": ");
   }
   const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - compute_start);
 
@@ -435,7 +462,7 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
   }
   if (shadow) {
     if (absl::Status s = CompareExact(request, response); !s.ok()) {
-      return PrefixStatus(s, "layer ", layer, " (compare_exact): ");
+      return PrefixStatus(WithStepsApplied(s, layer), "layer ", layer, " (compare_exact): ");
     }
   }
   if (tiers.static_set != 0 || tiers.bulk != 0 || tiers.link_wait != 0) {

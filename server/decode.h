@@ -38,10 +38,15 @@ class DecodeStream {
 
   // Serves one request into `response` (which the caller cleared). A request with no steps
   // gets an empty reply. On a validation or budget error nothing was appended for any sequence
-  // of the request. The sessions of a request are locked together, so streams sharing a
-  // session serialize. With `max_reply_bytes` > 0 (a shared region's reply area, gRPC's
-  // message limit), a request whose reply could take more (MaxDecodeReplyBytes) is
-  // RESOURCE_EXHAUSTED before anything is applied; the message names the limit as `reply_limit`.
+  // of the request. A backend's Step may still fail after that (a device's workspace refused,
+  // a fault): the backends whose Step can fail step first, so that a request on one of them
+  // and the CPU is still applied whole or not at all; where a failure follows steps that were
+  // applied (several device runs, or compare_exact's shadow after the step), its message names
+  // them, else it says nothing was applied. The sessions of a request are locked together, so
+  // streams sharing a session serialize. With `max_reply_bytes` > 0 (a shared region's reply
+  // area, gRPC's message limit), a request whose reply could take more (MaxDecodeReplyBytes)
+  // is RESOURCE_EXHAUSTED before anything is applied; the message names the limit as
+  // `reply_limit`.
   absl::Status Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response,
                      uint64_t max_reply_bytes = 0,
                      absl::string_view reply_limit = "the reply area");
@@ -51,6 +56,9 @@ class DecodeStream {
   StepContext* ContextFor(AttentionBackend* backend);
   // Fills the fidelity fields of each result's heads against the shadow (full attention).
   absl::Status CompareExact(const v1::DecodeRequest& request, v1::DecodeResponse* response);
+  // `failure` (a backend's, after validation) with what of the request was applied before it:
+  // the steps whose layer holds more tokens than tokens_before_ says, or nothing.
+  absl::Status WithStepsApplied(const absl::Status& failure, int layer) const;
 
   const SessionRegistry* registry_;
   const std::string tenant_;
@@ -62,6 +70,7 @@ class DecodeStream {
   std::vector<int64_t> q_offsets_;
   std::vector<int64_t> kv_offsets_;
   std::vector<int64_t> head_offsets_;
+  std::vector<int64_t> tokens_before_;  // each step's layer's tokens before the backends ran
   std::vector<float> queries_;
   std::vector<float> keys_;
   std::vector<float> values_;

@@ -6,7 +6,9 @@
 // the bulk only (supports never larger than K plus the static set) and ReTopK reuses; GetSession
 // reports the tiers' bytes (GPU bytes constant in the context); a batch equals its sequences
 // stepped alone; what a GPU static tier refuses.
+#include <atomic>
 #include <cmath>
+#include <memory>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -505,6 +507,115 @@ TEST_F(TieredPlacementTest, F16ServesSoftmaxScalesPastLn2) {
     for (float x : got) ASSERT_TRUE(std::isfinite(x)) << "step " << step;
     ExpectOutputNear(got, ref.Attention(0, q, all), v1::DTYPE_F16, absl::StrCat("step ", step));
   }
+}
+
+// A step a tier refuses after its request was validated (on a GPU: a workspace past the
+// device's budget; here the host tier's test check, PlacementOptions::tiered_host_prepare_check,
+// refuses the run it is told to). The device's backends step before the CPU's, so a request
+// of a cpu and a tiered session is applied whole or not at all; where one run of steps was
+// applied before another failed (two static-set shapes), the error names what was applied.
+// Either way a resend of what was not applied gives brute force's outputs.
+class TieredStepRefusedTest : public PrefilledSessionTest {
+ protected:
+  // Refuses the run whose Prepare is the `refuse_at`-th from now (1: the next), once.
+  struct Refusal {
+    std::atomic<int> countdown{0};
+  };
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.placements.tiered_host_prepare_check = [refusal = refusal_]() -> absl::Status {
+      if (refusal->countdown.load() > 0 && refusal->countdown.fetch_sub(1) == 1) {
+        return absl::ResourceExhaustedError("test: the tier refused the run's workspace");
+      }
+      return absl::OkStatus();
+    };
+    return options;
+  }
+  // The session's layer 0 tokens (GetSession).
+  int64_t Tokens(const std::string& id) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->tokens() : -1;
+  }
+  // One request of each (ref, id)'s step of its token, the outputs checked against full
+  // attention (every session's policy is full) once the server applied them.
+  void StepAndCheck(const std::vector<std::pair<ReferenceSession*, std::string>>& sessions,
+                    const std::vector<ReferenceSession::Token>& tokens) {
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      *request.add_steps() = sessions[i].first->Step(sessions[i].second, tokens[i]);
+    }
+    DecodeClient client(stub());
+    absl::StatusOr<v1::DecodeResponse> reply = client.Step(request);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    for (size_t i = 0; i < sessions.size(); ++i) {
+      ReferenceSession& ref = *sessions[i].first;
+      const std::vector<float> q = ref.Record(0, tokens[i]);
+      const std::vector<std::vector<int32_t>> all(ref.geometry().q_heads(),
+                                                  testing::AllTokens(ref.tokens(0)));
+      EXPECT_EQ(reply->results(i).position(), ref.tokens(0) - 1);
+      ExpectOutputNear(TensorValues(reply->results(i).output()), ref.Attention(0, q, all),
+                       ref.geometry().dtype(), absl::StrCat("steps[", i, "]"));
+    }
+  }
+  std::shared_ptr<Refusal> refusal_ = std::make_shared<Refusal>();
+};
+
+TEST_F(TieredStepRefusedTest, ARequestOfACpuAndATieredSessionIsAppliedWholeOrNotAtAll) {
+  if (TieredOnGpu()) GTEST_SKIP() << "the refusal is the host tier's test check";
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 16, v1::DTYPE_F32);
+  ReferenceSession cpu_ref(g, 100, 71), tiered_ref(g, 200, 73);
+  const std::string cpu = CreateAndPrefill(cpu_ref, MakePolicy(v1::SELECTOR_FULL), 100);
+  const std::string tiered = CreateAndPrefill(tiered_ref, TieredPolicy(v1::SELECTOR_FULL), 200);
+  const std::vector<ReferenceSession::Token> tokens = {cpu_ref.MakeToken(801),
+                                                       tiered_ref.MakeToken(803)};
+  v1::DecodeRequest request;  // the cpu session first
+  request.set_layer(0);
+  *request.add_steps() = cpu_ref.Step(cpu, tokens[0]);
+  *request.add_steps() = tiered_ref.Step(tiered, tokens[1]);
+  refusal_->countdown = 1;
+  DecodeClient client(stub());
+  EXPECT_TRUE(HasStatus(client.Step(request).status(), absl::StatusCode::kResourceExhausted,
+                        "test: the tier refused the run's workspace; nothing of this request "
+                        "was applied"));
+  EXPECT_EQ(Tokens(cpu), 100) << "the cpu session's step was applied";
+  EXPECT_EQ(Tokens(tiered), 200);
+  StepAndCheck({{&cpu_ref, cpu}, {&tiered_ref, tiered}}, tokens);
+  EXPECT_EQ(Tokens(cpu), 101);
+  EXPECT_EQ(Tokens(tiered), 201);
+}
+
+TEST_F(TieredStepRefusedTest, ARunRefusedAfterAnotherWasAppliedSaysWhichStepsWere) {
+  if (TieredOnGpu()) GTEST_SKIP() << "the refusal is the host tier's test check";
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 16, v1::DTYPE_F32);
+  ReferenceSession cpu_ref(g, 100, 81), a_ref(g, 200, 83), b_ref(g, 300, 85);
+  const std::string cpu = CreateAndPrefill(cpu_ref, MakePolicy(v1::SELECTOR_FULL), 100);
+  const std::string a = CreateAndPrefill(a_ref, TieredPolicy(v1::SELECTOR_FULL), 200);
+  v1::Policy other_shape = TieredPolicy(v1::SELECTOR_FULL);
+  other_shape.set_sinks(kSinks / 2);  // another static set: its own run, after a's
+  const std::string b = CreateAndPrefill(b_ref, other_shape, 300);
+  const std::vector<ReferenceSession::Token> tokens = {
+      cpu_ref.MakeToken(811), a_ref.MakeToken(813), b_ref.MakeToken(815)};
+  v1::DecodeRequest request;
+  request.set_layer(0);
+  *request.add_steps() = cpu_ref.Step(cpu, tokens[0]);
+  *request.add_steps() = a_ref.Step(a, tokens[1]);
+  *request.add_steps() = b_ref.Step(b, tokens[2]);
+  refusal_->countdown = 2;  // b's run
+  DecodeClient client(stub());
+  EXPECT_TRUE(HasStatus(client.Step(request).status(), absl::StatusCode::kResourceExhausted,
+                        absl::StrCat("test: the tier refused the run's workspace; applied before "
+                                     "it failed: steps[1] (session '",
+                                     a, "' now holds 201); the other steps were not (resend "
+                                     "only those)")));
+  EXPECT_EQ(Tokens(cpu), 100);
+  EXPECT_EQ(Tokens(a), 201);
+  EXPECT_EQ(Tokens(b), 300);
+  a_ref.Record(0, tokens[1]);  // as the server applied it
+  StepAndCheck({{&cpu_ref, cpu}, {&b_ref, b}}, {tokens[0], tokens[2]});
+  StepAndCheck({{&cpu_ref, cpu}, {&a_ref, a}, {&b_ref, b}},
+               {cpu_ref.MakeToken(821), a_ref.MakeToken(823), b_ref.MakeToken(825)});
 }
 
 }  // namespace

@@ -258,8 +258,15 @@ class AttentionBackend {
   virtual std::unique_ptr<StepContext> NewStepContext() = 0;
   // One decode step of `steps` (layers this backend built, of sessions the caller has locked,
   // each with a token reserved): appends each step's token, selects, attends and reports.
-  // Errors here are the device's (INTERNAL): every input was validated before.
+  // Every input was validated before; what may still fail is the device's: a workspace its
+  // budget refuses (RESOURCE_EXHAUSTED), a fault (INTERNAL). A failed Step appends nothing to
+  // any of `steps` (its runs of steps apply one after another: one that fails leaves the runs
+  // before it applied; the caller tells which from the layers' tokens).
   virtual absl::Status Step(std::span<LayerStep> steps, StepContext* context) = 0;
+  // Whether Step can fail at all. A request's steps on several backends are stepped one
+  // backend after another, those whose Step can fail first, so that such a failure leaves the
+  // others' sessions as they were (server/decode.cc).
+  virtual bool StepCanFail() const { return true; }
   // Full attention and the exact top-K for each of `steps`, over the histories as they are.
   virtual absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) = 0;
 };

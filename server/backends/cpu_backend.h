@@ -70,6 +70,7 @@ class CpuBackend final : public AttentionBackend {
   CpuBackend() = default;
 
   v1::Placement placement() const override { return v1::PLACEMENT_CPU; }
+  bool StepCanFail() const override { return false; }
   const std::string& device() const override { return device_; }
   absl::Status CheckConfig(const LayerConfig& config) const override;
   // Keys and values in f32 (the host store's layout here).

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -254,7 +255,8 @@ class HostStaticSetTier final : public StaticSetTier {
  public:
   explicit HostStaticSetTier(const HostStaticSetTierOptions& options)
       : worker_(options.exact_heads ? std::make_unique<WorkQueue>(1, "kvrecall-exact")
-                                    : nullptr) {}
+                                    : nullptr),
+        prepare_check_(options.prepare_check) {}
 
   const std::string& device() const override { return device_; }
   MemoryBudget* device_budget() const override { return nullptr; }
@@ -275,10 +277,10 @@ class HostStaticSetTier final : public StaticSetTier {
   std::unique_ptr<StepContext> NewStepContext() override {
     return std::make_unique<HostStepContext>();
   }
-  // Ends the exact heads of a step that failed before its Finish.
+  // Ends the exact heads of a step that failed before its Finish; then the test's check.
   absl::Status Prepare(std::span<const StaticSetStep>, StepContext* context) override {
     static_cast<HostStepContext*>(context)->Join();
-    return absl::OkStatus();
+    return prepare_check_ ? prepare_check_() : absl::OkStatus();
   }
   // The static set is read from the host KV, which has the new token already; the bulk's new
   // rows are coded here.
@@ -319,6 +321,7 @@ class HostStaticSetTier final : public StaticSetTier {
   // turns on it, as on one device), and the pin that needs none.
   std::unique_ptr<WorkQueue> worker_;
   NoPinning no_pinning_;
+  const std::function<absl::Status()> prepare_check_;  // HostStaticSetTierOptions'
 };
 
 absl::Status HostStaticSetTier::SetExactHeads(std::span<const StaticSetStep> steps,

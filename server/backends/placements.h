@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,6 +45,12 @@ struct PlacementOptions {
   // that the device heads' logic of TieredBackend runs without a device. No effect with a GPU;
   // off in kvrecalld (on a CPU machine those heads would only take cores from the host's).
   bool tiered_host_exact_heads = false;
+  // For tests: on a server without a GPU, asked by the tiered placement's host tier as it
+  // prepares each run of steps (HostStaticSetTierOptions::prepare_check); a status that is not
+  // OK fails the run there, as a device tier's workspace refused by its budget does, so that a
+  // step's failure after its request was validated is reached without a device. Unset in
+  // kvrecalld.
+  std::function<absl::Status()> tiered_host_prepare_check;
 };
 
 // The options of kvrecalld's --gpus ("all", "none" or ordinals "0,2"), --gpu_memory_budget_gb

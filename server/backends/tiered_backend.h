@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -168,6 +169,9 @@ struct HostStaticSetTierOptions {
   // PlacementOptions::tiered_host_exact_heads, so that TieredBackend's device heads run without
   // a device. Off: the tier takes none (the host's threads run every head).
   bool exact_heads = false;
+  // For tests: asked by Prepare; a status that is not OK is Prepare's, as a device tier's
+  // refusal of a workspace would be (PlacementOptions::tiered_host_prepare_check).
+  std::function<absl::Status()> prepare_check;
 };
 std::unique_ptr<StaticSetTier> MakeHostStaticSetTier(const HostStaticSetTierOptions& options = {});
 // The tier of CUDA device `ordinal`, charging `budget` (the device's, shared with its GPU
