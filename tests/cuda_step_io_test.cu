@@ -120,8 +120,10 @@ TEST(StepIoTest, APublishedCopyIsOnTheHostOnceItsFlagIs) {
     ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
     for (int round = 1; round <= 3; ++round) {
       for (size_t i = 0; i < bytes; ++i) source[i] = static_cast<unsigned char>(i * 7 + round);
-      ASSERT_EQ(cudaMemcpy(device.data(), source.data(), bytes, cudaMemcpyHostToDevice),
-                cudaSuccess);
+      // (Landed before the launch: a pageable cudaMemcpy may return before its bytes are on the
+      // device, and `stream` does not wait for the legacy stream: d151 once found other bytes.)
+      const absl::Status copied = cuda::CopyToDevice(device.data(), source.data(), bytes, "source");
+      ASSERT_TRUE(copied.ok()) << copied;
       std::fill_n(out.data(), bytes + 16, 0xee);
       __atomic_store_n(flag, 0, __ATOMIC_RELEASE);
       ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);

@@ -84,16 +84,18 @@ inline bool HasCudaDevice() {
 #define KVRECALL_SKIP_WITHOUT_GPU() \
   if (!::kvrecall::testing::HasCudaDevice()) GTEST_SKIP() << "no CUDA device"
 
-// Copies host data into a new device buffer; dies on failure (tests only).
+// Copies host data into a new device buffer, there for every stream when it returns (a
+// pageable cudaMemcpy may return before its bytes land, and a non-blocking stream does not wait
+// for it: cuda::CopyToDevice waits); fails the test on an error (tests only).
 template <typename T>
 cuda::DeviceBuffer<T> ToDevice(const std::vector<T>& host) {
   absl::StatusOr<cuda::DeviceBuffer<T>> buffer =
       cuda::DeviceBuffer<T>::Zeroed(std::max<size_t>(host.size(), 1));
   EXPECT_TRUE(buffer.ok()) << buffer.status();
   if (!host.empty()) {
-    EXPECT_EQ(cudaMemcpy(buffer->data(), host.data(), host.size() * sizeof(T),
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    const absl::Status copied = cuda::CopyToDevice(buffer->data(), host.data(),
+                                                   host.size() * sizeof(T), "ToDevice");
+    EXPECT_TRUE(copied.ok()) << copied;
   }
   return *std::move(buffer);
 }

@@ -42,6 +42,7 @@
 #include "kernels/cpu/spin_wait.h"
 #include "kernels/cuda/candidate_attention.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/device_buffer.h"
 #include "kernels/cuda/kv_write.h"
 #include "kernels/cuda/partial_attention.h"
 #include "kernels/cuda/pq_encode.h"
@@ -204,10 +205,14 @@ class GpuBulkCodes final : public BulkCodes {
         !s.ok()) {
       return s;
     }
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpy(codes->codebooks_.data(), books.data(), books.size() * sizeof(float),
-                   cudaMemcpyHostToDevice),
-        "uploading the shortlist's codebooks"));
+    // (Landed when this returns: a pageable cudaMemcpy may return before its bytes do, and the
+    // steps' streams, non-blocking, would not wait for them where no row is coded below.)
+    if (absl::Status s = cuda::CopyToDevice(codes->codebooks_.data(), books.data(),
+                                            books.size() * sizeof(float),
+                                            "uploading the shortlist's codebooks");
+        !s.ok()) {
+      return s;
+    }
     if (absl::Status s = codes->Reserve(std::max(capacity, bulk.tokens)); !s.ok()) return s;
     if (absl::Status s = codes->CodeRowsUnless(stop, bulk); !s.ok()) return s;
     codes->learned_rows_ = bulk.tokens;
