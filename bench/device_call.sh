@@ -26,6 +26,8 @@
 #                               # the 32 layers' staggered take-overs from d130 on)
 #   model_tokens_slowest_held NAME  # its slowest tokens by tokens held (--from=0; d138 on)
 #   kv_growth_run BIN           # BIN/kv_growth_bench with the device, into $R/kv_growth.json
+#   host_stalls_run NAME [F..]  # bench/host_stalls (flags F) on the idle host, into
+#                               # $OUT/NAME.json, its rates to $S (d151 on)
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -112,6 +114,25 @@ model_tokens_run() {  # NAME KVRECALLD SELECTOR [ARGS...]
   head -4 "$L/$name.txt" | cut -c1-400 | tee -a "$S"
   kill "$kvrecalld_pid"
   wait "$kvrecalld_pid" 2>/dev/null
+}
+
+host_stalls_run() {  # NAME [FLAG...]
+  local name=$1
+  shift
+  "$B/host_stalls" "$@" > "$OUT/$name.json" 2> "$L/$name.err"
+  echo "host_stalls $name rc $? t=$SECONDS" | tee -a "$S"
+  python3 - "$OUT/$name.json" <<'PY' 2>&1 | tee -a "$S"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("threads", d["threads"], "s", d["seconds"], "stalls", d["stalls"], "steal", d["steal_fraction"],
+      "rates/thread-s", d["per_thread_second"], "long", d["long_stalls"],
+      "at once", d["long_stall_threads_at_once"])
+print("stall_us", d["stall_us"])
+print("not preempted", d["not_preempted_stall_us"])
+for t in d["per_thread"]:
+    print(" cpu", t["cpu"], "n", t["stalls"], "pre", t["preempted_by_bin"], "not",
+          t["not_preempted_by_bin"], "max", round(t["longest_us"]))
+PY
 }
 
 device_call_end() {
