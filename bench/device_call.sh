@@ -124,14 +124,15 @@ host_stalls_run() {  # NAME [FLAG...]
   python3 - "$OUT/$name.json" <<'PY' 2>&1 | tee -a "$S"
 import json, sys
 d = json.load(open(sys.argv[1]))
-print("threads", d["threads"], "s", d["seconds"], "stalls", d["stalls"], "steal", d["steal_fraction"],
-      "rates/thread-s", d["per_thread_second"], "long", d["long_stalls"],
-      "at once", d["long_stall_threads_at_once"])
-print("stall_us", d["stall_us"])
-print("not preempted", d["not_preempted_stall_us"])
+print("threads", d["threads"], "s", d["seconds"], "rates/thread-s", d["per_thread_second"])
+for k in ("preempted_stall_us", "not_preempted_stall_us", "threads_at_once_preempted",
+          "threads_at_once_not_preempted"):
+    print(k, d[k])
 for t in d["per_thread"]:
     print(" cpu", t["cpu"], "n", t["stalls"], "pre", t["preempted_by_bin"], "not",
-          t["not_preempted_by_bin"], "max", round(t["longest_us"]))
+          t["not_preempted_by_bin"], "ms pre/not", round(t["preempted_ms"], 1),
+          round(t["not_preempted_ms"], 1), "steal/irq/softirq ms", t.get("steal_ms"),
+          t.get("irq_ms"), t.get("softirq_ms"))
 PY
 }
 

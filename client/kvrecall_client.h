@@ -155,8 +155,9 @@ class DecodeTransport;
 // one token for a batch of sequences and waits for its reply. Request and reply messages are
 // reused, so a warm stream allocates little per step. The server ends the stream on a rejected
 // step (kvrecall.proto, Decode and DecodeShared): that Step returns its status, which appended
-// nothing, and the next Step opens a new stream and continues the sessions, as they were before
-// the failed step. (After a broken connection or a deadline the failed step may have been
+// nothing (unless its message says "tokens appended before it failed: ...", a device's failure
+// after some of its runs: kvrecall.proto), and the next Step opens a new stream and continues
+// the sessions, as they were before the failed step. (After a broken connection or a deadline the failed step may have been
 // committed in some layers: SequenceResult.position and GetSession's layer_tokens tell a runner
 // where each layer is.) Not thread-safe; use one stream per thread.
 class DecodeStream {

@@ -74,19 +74,24 @@ absl::Status CheckStepPosition(const v1::SequenceStep& step, Session& session, i
 // Builds make(i) for the request's steps i in [0, n), those of one backend contiguous, and calls
 // run(backend, group) once per backend: all sequences a backend serves step in one batch. The
 // backends whose Step can fail (a device's) go first, in the order they first appear, then the
-// others (the CPU's), so that a request with one such backend is applied whole or not at all;
-// request order within a backend.
+// others (the CPU's), so that a request whose device sessions step in one run of one backend
+// (AttentionBackend::Step) appends its tokens whole or not at all; request order within a
+// backend.
 template <typename Item, typename Make, typename Run>
 absl::Status RunByBackend(std::span<const std::shared_ptr<Session>> sessions,
                           std::vector<Item>& items, Make make, Run run) {
   absl::InlinedVector<AttentionBackend*, 2> backends;
+  size_t can_fail = 0;  // backends[0, can_fail): those whose Step can fail, in order met
   for (const auto& session : sessions) {
-    if (std::find(backends.begin(), backends.end(), session->backend()) == backends.end()) {
-      backends.push_back(session->backend());
+    AttentionBackend* backend = session->backend();
+    if (std::find(backends.begin(), backends.end(), backend) != backends.end()) continue;
+    // (Not std::stable_partition afterwards: it allocates a buffer, here for every request.)
+    if (backend->StepCanFail()) {
+      backends.insert(backends.begin() + can_fail++, backend);
+    } else {
+      backends.push_back(backend);
     }
   }
-  std::stable_partition(backends.begin(), backends.end(),
-                        [](const AttentionBackend* backend) { return backend->StepCanFail(); });
   items.clear();
   for (AttentionBackend* backend : backends) {
     const size_t begin = items.size();
@@ -257,24 +262,19 @@ uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
 }
 
 absl::Status DecodeStream::WithStepsApplied(const absl::Status& failure, int layer) const {
-  std::string applied;
+  std::string appended;
   int count = 0;
   for (size_t i = 0; i < sessions_.size(); ++i) {
     const int64_t tokens = sessions_[i]->layer(layer).tokens();
     if (tokens == tokens_before_[i]) continue;
-    absl::StrAppend(&applied, count++ == 0 ? "" : ", ", "steps[", i, "] (session '",
+    absl::StrAppend(&appended, count++ == 0 ? "" : ", ", "steps[", i, "] (session '",
                     sessions_[i]->id(), "' now holds ", tokens, ")");
   }
-  if (count == 0) {
-    return absl::Status(failure.code(),
-                        absl::StrCat(failure.message(), "; nothing of this request was applied"));
-  }
-  return absl::Status(
-      failure.code(),
-      absl::StrCat(failure.message(), "; applied before it failed: ", applied,
-                   count == static_cast<int>(sessions_.size())
-                       ? ""
-                       : "; the other steps were not (resend only those)"));
+  if (count == 0) return SuffixStatus(failure, "; no token of this request was appended");
+  return SuffixStatus(failure, "; tokens appended before it failed: ", appended,
+                      count == static_cast<int>(sessions_.size())
+                          ? ""
+                          : "; the other steps' tokens were not (resend only those)");
 }
 
 StepContext* DecodeStream::ContextFor(AttentionBackend* backend) {

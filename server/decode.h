@@ -39,10 +39,10 @@ class DecodeStream {
   // Serves one request into `response` (which the caller cleared). A request with no steps
   // gets an empty reply. On a validation or budget error nothing was appended for any sequence
   // of the request. A backend's Step may still fail after that (a device's workspace refused,
-  // a fault): the backends whose Step can fail step first, so that a request on one of them
-  // and the CPU is still applied whole or not at all; where a failure follows steps that were
-  // applied (several device runs, or compare_exact's shadow after the step), its message names
-  // them, else it says nothing was applied. The sessions of a request are locked together, so
+  // a fault): the backends whose Step can fail step first, so that a request whose device
+  // sessions step in one run still appends its tokens whole or not at all; where a failure
+  // follows tokens that were appended (several device runs, or compare_exact's shadow after the
+  // step), its message names those steps, else it says no token was appended. The sessions of a request are locked together, so
   // streams sharing a session serialize. With `max_reply_bytes` > 0 (a shared region's reply
   // area, gRPC's message limit), a request whose reply could take more (MaxDecodeReplyBytes)
   // is RESOURCE_EXHAUSTED before anything is applied; the message names the limit as
@@ -56,8 +56,8 @@ class DecodeStream {
   StepContext* ContextFor(AttentionBackend* backend);
   // Fills the fidelity fields of each result's heads against the shadow (full attention).
   absl::Status CompareExact(const v1::DecodeRequest& request, v1::DecodeResponse* response);
-  // `failure` (a backend's, after validation) with what of the request was applied before it:
-  // the steps whose layer holds more tokens than tokens_before_ says, or nothing.
+  // `failure` (a backend's, after validation; its payloads kept) with the tokens of the request
+  // appended before it (the steps whose layer holds more than tokens_before_ says), or none.
   absl::Status WithStepsApplied(const absl::Status& failure, int layer) const;
 
   const SessionRegistry* registry_;

@@ -1,5 +1,5 @@
 // Small helpers for statuses crossing the server's layers: prefixing a message with the
-// request field it concerns, and converting to gRPC's status type.
+// request field it concerns (or adding what followed), and converting to gRPC's status type.
 #ifndef KVRECALL_SERVER_STATUS_UTIL_H_
 #define KVRECALL_SERVER_STATUS_UTIL_H_
 
@@ -25,6 +25,17 @@ absl::Status PrefixStatus(const absl::Status& status, const Parts&... prefix) {
     prefixed.SetPayload(type, payload);
   });
   return prefixed;
+}
+
+// `status` with `suffix` put after its message (OK stays OK); its payloads are kept.
+template <typename... Parts>
+absl::Status SuffixStatus(const absl::Status& status, const Parts&... suffix) {
+  if (status.ok()) return status;
+  absl::Status suffixed(status.code(), absl::StrCat(status.message(), suffix...));
+  status.ForEachPayload([&](absl::string_view type, const absl::Cord& payload) {
+    suffixed.SetPayload(type, payload);
+  });
+  return suffixed;
 }
 
 // A request refused by a server limit (RESOURCE_EXHAUSTED from a memory budget, say) names the

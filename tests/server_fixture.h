@@ -59,8 +59,6 @@ inline ::testing::AssertionResult HasStatus(const absl::Status& status, absl::St
          << " with a message containing \"" << substring << "\"";
 }
 
-// A channel to `address` whose messages may be as large as the server's default limit and
-// beyond (so that tests of the server's limit are not stopped by the client's).
 // The value of one series in a Prometheus text exposition (`series`: the name and its labels as
 // exposed, `kvrecall_x_total{how="ahead"}`); 0 where the text has no such series.
 inline double SeriesValue(const std::string& text, absl::string_view series) {
@@ -69,6 +67,8 @@ inline double SeriesValue(const std::string& text, absl::string_view series) {
   return at == std::string::npos ? 0 : std::stod(text.substr(at + line.size()));
 }
 
+// A channel to `address` whose messages may be as large as the server's default limit and
+// beyond (so that tests of the server's limit are not stopped by the client's).
 inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
                                                   int max_message_bytes = 256 << 20) {
   grpc::ChannelArguments args;

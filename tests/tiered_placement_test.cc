@@ -5,17 +5,20 @@
 // plus the static set, streaming as the static set alone; ReTopK and the graph index select from
 // the bulk only (supports never larger than K plus the static set) and ReTopK reuses; GetSession
 // reports the tiers' bytes (GPU bytes constant in the context); a batch equals its sequences
-// stepped alone; what a GPU static tier refuses.
+// stepped alone; what a GPU static tier refuses; a step a tier refuses after validation appends
+// its request's tokens whole or not at all, or says which it appended.
 #include <atomic>
 #include <cmath>
-#include <memory>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/fidelity.h"
+#include "server/status_util.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -517,7 +520,7 @@ TEST_F(TieredPlacementTest, F16ServesSoftmaxScalesPastLn2) {
 // Either way a resend of what was not applied gives brute force's outputs.
 class TieredStepRefusedTest : public PrefilledSessionTest {
  protected:
-  // Refuses the run whose Prepare is the `refuse_at`-th from now (1: the next), once.
+  // Refuses the run whose Prepare is the `countdown`-th from now (1: the next), once.
   struct Refusal {
     std::atomic<int> countdown{0};
   };
@@ -525,11 +528,18 @@ class TieredStepRefusedTest : public PrefilledSessionTest {
     ServerOptions options;
     options.placements.tiered_host_prepare_check = [refusal = refusal_]() -> absl::Status {
       if (refusal->countdown.load() > 0 && refusal->countdown.fetch_sub(1) == 1) {
-        return absl::ResourceExhaustedError("test: the tier refused the run's workspace");
+        // (As a device's budget refuses one: the limit named, for the refusals' count.)
+        return RefusedBy(absl::ResourceExhaustedError("test: the tier refused the run's workspace"),
+                         "gpu_memory_budget");
       }
       return absl::OkStatus();
     };
     return options;
+  }
+  // How often the server refused a request for the GPU's budget.
+  double GpuBudgetRefusals() {
+    return testing::SeriesValue(server().server().metrics().TextFormat(),
+                                "kvrecall_requests_refused_total{limit=\"gpu_memory_budget\"}");
   }
   // The session's layer 0 tokens (GetSession).
   int64_t Tokens(const std::string& id) {
@@ -575,10 +585,12 @@ TEST_F(TieredStepRefusedTest, ARequestOfACpuAndATieredSessionIsAppliedWholeOrNot
   *request.add_steps() = cpu_ref.Step(cpu, tokens[0]);
   *request.add_steps() = tiered_ref.Step(tiered, tokens[1]);
   refusal_->countdown = 1;
+  const double refusals = GpuBudgetRefusals();
   DecodeClient client(stub());
   EXPECT_TRUE(HasStatus(client.Step(request).status(), absl::StatusCode::kResourceExhausted,
-                        "test: the tier refused the run's workspace; nothing of this request "
-                        "was applied"));
+                        "test: the tier refused the run's workspace; no token of this request "
+                        "was appended"));
+  EXPECT_EQ(GpuBudgetRefusals(), refusals + 1) << "counted by the limit it names";
   EXPECT_EQ(Tokens(cpu), 100) << "the cpu session's step was applied";
   EXPECT_EQ(Tokens(tiered), 200);
   StepAndCheck({{&cpu_ref, cpu}, {&tiered_ref, tiered}}, tokens);
@@ -605,10 +617,10 @@ TEST_F(TieredStepRefusedTest, ARunRefusedAfterAnotherWasAppliedSaysWhichStepsWer
   refusal_->countdown = 2;  // b's run
   DecodeClient client(stub());
   EXPECT_TRUE(HasStatus(client.Step(request).status(), absl::StatusCode::kResourceExhausted,
-                        absl::StrCat("test: the tier refused the run's workspace; applied before "
-                                     "it failed: steps[1] (session '",
-                                     a, "' now holds 201); the other steps were not (resend "
-                                     "only those)")));
+                        absl::StrCat("test: the tier refused the run's workspace; tokens "
+                                     "appended before it failed: steps[1] (session '",
+                                     a, "' now holds 201); the other steps' tokens were not "
+                                     "(resend only those)")));
   EXPECT_EQ(Tokens(cpu), 100);
   EXPECT_EQ(Tokens(a), 201);
   EXPECT_EQ(Tokens(b), 300);

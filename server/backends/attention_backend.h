@@ -259,9 +259,9 @@ class AttentionBackend {
   // One decode step of `steps` (layers this backend built, of sessions the caller has locked,
   // each with a token reserved): appends each step's token, selects, attends and reports.
   // Every input was validated before; what may still fail is the device's: a workspace its
-  // budget refuses (RESOURCE_EXHAUSTED), a fault (INTERNAL). A failed Step appends nothing to
-  // any of `steps` (its runs of steps apply one after another: one that fails leaves the runs
-  // before it applied; the caller tells which from the layers' tokens).
+  // budget refuses (RESOURCE_EXHAUSTED), a fault (INTERNAL). Steps that need different launches
+  // step in runs, one after another: a run that fails appends no token to its steps, and the
+  // runs of this Step before it stay applied (the caller tells which from the layers' tokens).
   virtual absl::Status Step(std::span<LayerStep> steps, StepContext* context) = 0;
   // Whether Step can fail at all. A request's steps on several backends are stepped one
   // backend after another, those whose Step can fail first, so that such a failure leaves the
