@@ -261,6 +261,22 @@ uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
   return total;
 }
 
+void DecodeStream::CountStep(int i, double compute_seconds) {
+  Session& session = *sessions_[i];
+  const int heads = session.geometry().q_heads();
+  DecodeCounters& counters = session.counters();
+  ++counters.layer_steps;
+  counters.head_steps += heads;
+  const HeadReport* reports = heads_.data() + head_offsets_[i];
+  for (int h = 0; h < heads; ++h) {
+    counters.candidates += reports[h].candidates;
+    ++counters.paths[static_cast<int>(reports[h].path)];
+  }
+  if (PolicyMetrics* metrics = session.metrics(); metrics != nullptr) {
+    metrics->CountLayerStep(std::span<const HeadReport>(reports, heads), compute_seconds);
+  }
+}
+
 absl::Status DecodeStream::WithStepsApplied(const absl::Status& failure, int layer) const {
   std::string appended;
   int count = 0;
@@ -415,25 +431,23 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
             return stepped;
           });
       !s.ok()) {
+    // The steps a run before the failure appended are counted as any other.
+    const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - compute_start);
+    for (int i = 0; i < n; ++i) {
+      if (sessions_[i]->layer(layer).tokens() != tokens_before_[i]) {
+        CountStep(i, compute_seconds);
+      }
+    }
     return PrefixStatus(WithStepsApplied(s, layer), "layer ", layer, ": ");
   }
   const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - compute_start);
 
   for (int i = 0; i < n; ++i) {
+    CountStep(i, compute_seconds);
     Session& session = *sessions_[i];
     const v1::Geometry& g = session.geometry();
     const int heads = g.q_heads();
-    DecodeCounters& counters = session.counters();
-    ++counters.layer_steps;
-    counters.head_steps += heads;
     const HeadReport* reports = heads_.data() + head_offsets_[i];
-    for (int h = 0; h < heads; ++h) {
-      counters.candidates += reports[h].candidates;
-      ++counters.paths[static_cast<int>(reports[h].path)];
-    }
-    if (PolicyMetrics* metrics = session.metrics(); metrics != nullptr) {
-      metrics->CountLayerStep(std::span<const HeadReport>(reports, heads), compute_seconds);
-    }
 
     v1::SequenceResult* result = response->add_results();
     result->set_session_id(session.id());

@@ -56,6 +56,9 @@ class DecodeStream {
   StepContext* ContextFor(AttentionBackend* backend);
   // Fills the fidelity fields of each result's heads against the shadow (full attention).
   absl::Status CompareExact(const v1::DecodeRequest& request, v1::DecodeResponse* response);
+  // Counts step i of the request, which its backend appended, in its session's counters and
+  // policy metrics.
+  void CountStep(int i, double compute_seconds);
   // `failure` (a backend's, after validation; its payloads kept) with the tokens of the request
   // appended before it (the steps whose layer holds more than tokens_before_ says), or none.
   absl::Status WithStepsApplied(const absl::Status& failure, int layer) const;

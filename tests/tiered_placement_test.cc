@@ -624,6 +624,13 @@ TEST_F(TieredStepRefusedTest, ARunRefusedAfterAnotherWasAppliedSaysWhichStepsWer
   EXPECT_EQ(Tokens(cpu), 100);
   EXPECT_EQ(Tokens(a), 201);
   EXPECT_EQ(Tokens(b), 300);
+  // The appended step is counted as any other (its heads' paths), the others not.
+  for (const auto& [id, steps] : {std::pair{a, 1}, std::pair{b, 0}, std::pair{cpu, 0}}) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->decode_steps(), steps) << id;
+    EXPECT_EQ(info->paths().exact(), steps * g.q_heads()) << id;
+  }
   a_ref.Record(0, tokens[1]);  // as the server applied it
   StepAndCheck({{&cpu_ref, cpu}, {&b_ref, b}}, {tokens[0], tokens[2]});
   StepAndCheck({{&cpu_ref, cpu}, {&a_ref, a}, {&b_ref, b}},
