@@ -157,9 +157,9 @@ class DecodeTransport;
 // step (kvrecall.proto, Decode and DecodeShared): that Step returns its status, which appended
 // nothing (unless its message says "tokens appended before it failed: ...", a device's failure
 // after some of its runs: kvrecall.proto), and the next Step opens a new stream and continues
-// the sessions, as they were before the failed step. (After a broken connection or a deadline the failed step may have been
-// committed in some layers: SequenceResult.position and GetSession's layer_tokens tell a runner
-// where each layer is.) Not thread-safe; use one stream per thread.
+// the sessions, as they were before the failed step. (After a broken connection or a deadline
+// the failed step may have been committed in some layers: SequenceResult.position and
+// GetSession's layer_tokens tell a runner where each layer is.) Not thread-safe; use one stream per thread.
 class DecodeStream {
  public:
   ~DecodeStream();

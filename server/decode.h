@@ -42,11 +42,11 @@ class DecodeStream {
   // a fault): the backends whose Step can fail step first, so that a request whose device
   // sessions step in one run still appends its tokens whole or not at all; where a failure
   // follows tokens that were appended (several device runs, or compare_exact's shadow after the
-  // step), its message names those steps, else it says no token was appended. The sessions of a request are locked together, so
-  // streams sharing a session serialize. With `max_reply_bytes` > 0 (a shared region's reply
-  // area, gRPC's message limit), a request whose reply could take more (MaxDecodeReplyBytes)
-  // is RESOURCE_EXHAUSTED before anything is applied; the message names the limit as
-  // `reply_limit`.
+  // step), its message names those steps, else it says no token was appended. The sessions of
+  // a request are locked together, so streams sharing a session serialize. With
+  // `max_reply_bytes` > 0 (a shared region's reply area, gRPC's message limit), a request whose
+  // reply could take more (MaxDecodeReplyBytes) is RESOURCE_EXHAUSTED before anything is
+  // applied; the message names the limit as `reply_limit`.
   absl::Status Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response,
                      uint64_t max_reply_bytes = 0,
                      absl::string_view reply_limit = "the reply area");
