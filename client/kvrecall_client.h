@@ -159,7 +159,8 @@ class DecodeTransport;
 // after some of its runs: kvrecall.proto), and the next Step opens a new stream and continues
 // the sessions, as they were before the failed step. (After a broken connection or a deadline
 // the failed step may have been committed in some layers: SequenceResult.position and
-// GetSession's layer_tokens tell a runner where each layer is.) Not thread-safe; use one stream per thread.
+// GetSession's layer_tokens tell a runner where each layer is.) Not thread-safe; use one stream
+// per thread.
 class DecodeStream {
  public:
   ~DecodeStream();
