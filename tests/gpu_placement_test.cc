@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -20,6 +21,7 @@
 #include "gtest/gtest.h"
 #include "kernels/fidelity.h"
 #include "server/backends/captured_step_charge.h"
+#include "server/memory_budget.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -470,6 +472,106 @@ TEST_P(GpuBudgetTest, AdmissionAndGrowthAreRefusedAndChangeNothing) {
   absl::StatusOr<v1::SessionInfo> grown = GetSession(stub(), response.session_id());
   ASSERT_TRUE(grown.ok());
   EXPECT_EQ(grown->gpu_bytes(), reserved->gpu_bytes()) << "no reallocation up to max_tokens";
+}
+
+// A request of a cpu session and two gpu sessions whose batch needs a larger workspace than the
+// GPU's budget has left: the GPU refuses it after validation, in its Step. The gpu sessions step
+// before the cpu one (server/decode.cc), so no token of the request is appended, the cpu
+// session's included, and the refusal says so; with room again the same request is served and
+// matches brute force.
+TEST_P(GpuBudgetTest, ARequestTheGpuRefusesInItsStepAppendsNoToken) {
+  // Llama-3-8B's heads: a batch of 2 needs ~8.5 MB more attention workspace than a batch of 1
+  // (32 more rows of 512 splits), more than a set-aside's rounding leaves of the budget below.
+  const v1::Geometry g = MakeGeometry(1, 32, 8, 128, v1::DTYPE_BF16);
+  ReferenceSession cpu_ref(g, 64, 91), a_ref(g, 64, 93), b_ref(g, 64, 95);
+  const std::string cpu = CreateAndPrefill(cpu_ref, MakePolicy(v1::SELECTOR_FULL), 64);
+  const std::string a = CreateAndPrefill(a_ref, GpuPolicy(v1::SELECTOR_FULL), 64);
+  const std::string b = CreateAndPrefill(b_ref, GpuPolicy(v1::SELECTOR_FULL), 64);
+  {
+    // Each gpu session alone first: the stream's workspaces and buffers for a batch of 1.
+    DecodeClient client(stub());
+    for (auto [ref, id] : {std::pair{&a_ref, a}, std::pair{&b_ref, b}}) {
+      v1::DecodeRequest alone;
+      const ReferenceSession::Token token = ref->MakeToken(700);
+      *alone.add_steps() = ref->Step(id, token);
+      ASSERT_TRUE(client.Step(alone).ok());
+      ref->Record(0, token);
+    }
+  }
+  // The budget filled by a session's set-aside (max_tokens), as far as admission lets it.
+  MemoryBudget& budget = *server().server().placements().gpu().front()->device_budget();
+  // (The stream's workspaces go with it, once gRPC is done with its call.)
+  for (int wait = 0; wait < 500 && server().server().service().open_streams() > 0; ++wait) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const int64_t base = budget.used();
+  // (A closed session's memory is given back when its last reference goes: waited for.)
+  auto back_to_base = [&] {
+    for (int wait = 0; wait < 500 && budget.used() > base; ++wait) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return budget.used() <= base;
+  };
+  int64_t lo = 0, hi = budget.available() / 256 + 1;  // set-asides of lo tokens fit, hi's not
+  auto create_filler = [&](int64_t tokens) -> absl::StatusOr<std::string> {
+    v1::CreateSessionRequest request;
+    *request.mutable_geometry() = g;
+    *request.mutable_policy() = GpuPolicy(v1::SELECTOR_FULL);
+    request.set_max_tokens(tokens);
+    v1::CreateSessionResponse response;
+    grpc::ClientContext context;
+    absl::Status s = testing::FromGrpc(stub().CreateSession(&context, request, &response));
+    if (!s.ok()) return s;
+    return response.session_id();
+  };
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    absl::StatusOr<std::string> filler = create_filler(mid);
+    if (filler.ok()) {
+      lo = mid;
+      ASSERT_TRUE(testing::CloseSession(stub(), *filler).ok());
+      ASSERT_TRUE(back_to_base()) << budget.used() << " used, " << base << " before";
+    } else {
+      ASSERT_EQ(filler.status().code(), absl::StatusCode::kResourceExhausted) << filler.status();
+      hi = mid;
+    }
+  }
+  ASSERT_GT(lo, 0);
+  absl::StatusOr<std::string> filler = create_filler(lo);
+  ASSERT_TRUE(filler.ok()) << filler.status();
+
+  const std::vector<ReferenceSession::Token> tokens = {
+      cpu_ref.MakeToken(801), a_ref.MakeToken(803), b_ref.MakeToken(805)};
+  v1::DecodeRequest request;  // the cpu session first
+  request.set_layer(0);
+  *request.add_steps() = cpu_ref.Step(cpu, tokens[0]);
+  *request.add_steps() = a_ref.Step(a, tokens[1]);
+  *request.add_steps() = b_ref.Step(b, tokens[2]);
+  {
+    DecodeClient client(stub());
+    EXPECT_TRUE(HasStatus(client.Step(request).status(), absl::StatusCode::kResourceExhausted,
+                          "no token of this request was appended"))
+        << budget.available() << " bytes of the budget left";
+  }
+  for (const auto& [id, tokens_held] : {std::pair{cpu, 64}, std::pair{a, 65}, std::pair{b, 65}}) {
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), tokens_held) << id;
+  }
+
+  ASSERT_TRUE(testing::CloseSession(stub(), *filler).ok());
+  ASSERT_TRUE(back_to_base()) << budget.used() << " used, " << base << " before";
+  DecodeClient client(stub());
+  absl::StatusOr<v1::DecodeResponse> reply = client.Step(request);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ReferenceSession* refs[] = {&cpu_ref, &a_ref, &b_ref};
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<float> q = refs[i]->Record(0, tokens[i]);
+    const std::vector<std::vector<int32_t>> all(g.q_heads(),
+                                                testing::AllTokens(refs[i]->tokens(0)));
+    ExpectOutputNear(TensorValues(reply->results(i).output()), refs[i]->Attention(0, q, all),
+                     g.dtype(), absl::StrCat("steps[", i, "]"));
+  }
 }
 
 std::string LaunchName(const ::testing::TestParamInfo<bool>& info) {
