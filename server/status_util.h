@@ -14,28 +14,30 @@
 
 namespace kvrecall {
 
+// `status` with `message` for its message, its code and payloads kept (OK stays OK).
+inline absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
+  if (status.ok()) return status;
+  absl::Status changed(status.code(), message);
+  status.ForEachPayload([&](absl::string_view type, const absl::Cord& payload) {
+    changed.SetPayload(type, payload);
+  });
+  return changed;
+}
+
 // `status` with `prefix` put before its message (OK stays OK); its payloads are kept. Lets hot
 // paths name a field such as "steps[3]." only when something is wrong, instead of formatting it
 // for every request.
 template <typename... Parts>
 absl::Status PrefixStatus(const absl::Status& status, const Parts&... prefix) {
   if (status.ok()) return status;
-  absl::Status prefixed(status.code(), absl::StrCat(prefix..., status.message()));
-  status.ForEachPayload([&](absl::string_view type, const absl::Cord& payload) {
-    prefixed.SetPayload(type, payload);
-  });
-  return prefixed;
+  return WithMessage(status, absl::StrCat(prefix..., status.message()));
 }
 
 // `status` with `suffix` put after its message (OK stays OK); its payloads are kept.
 template <typename... Parts>
 absl::Status SuffixStatus(const absl::Status& status, const Parts&... suffix) {
   if (status.ok()) return status;
-  absl::Status suffixed(status.code(), absl::StrCat(status.message(), suffix...));
-  status.ForEachPayload([&](absl::string_view type, const absl::Cord& payload) {
-    suffixed.SetPayload(type, payload);
-  });
-  return suffixed;
+  return WithMessage(status, absl::StrCat(status.message(), suffix...));
 }
 
 // A request refused by a server limit (RESOURCE_EXHAUSTED from a memory budget, say) names the

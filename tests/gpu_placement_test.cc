@@ -41,6 +41,7 @@ using ::kvrecall::testing::PrefilledSessionTest;
 using ::kvrecall::testing::ReferenceSession;
 using ::kvrecall::testing::ReferenceTopK;
 using ::kvrecall::testing::TensorValues;
+using ::kvrecall::testing::Within;
 
 v1::Policy GpuPolicy(v1::Selector selector, int top_k = 0,
                      std::optional<int> sinks = std::nullopt,
@@ -501,16 +502,11 @@ TEST_P(GpuBudgetTest, ARequestTheGpuRefusesInItsStepAppendsNoToken) {
   // The budget filled by a session's set-aside (max_tokens), as far as admission lets it.
   MemoryBudget& budget = *server().server().placements().gpu().front()->device_budget();
   // (The stream's workspaces go with it, once gRPC is done with its call.)
-  for (int wait = 0; wait < 500 && server().server().service().open_streams() > 0; ++wait) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  Within(absl::Seconds(5), [&] { return server().server().service().open_streams() == 0; });
   const int64_t base = budget.used();
   // (A closed session's memory is given back when its last reference goes: waited for.)
   auto back_to_base = [&] {
-    for (int wait = 0; wait < 500 && budget.used() > base; ++wait) {
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    return budget.used() <= base;
+    return Within(absl::Seconds(5), [&] { return budget.used() <= base; });
   };
   int64_t lo = 0, hi = budget.available() / 256 + 1;  // set-asides of lo tokens fit, hi's not
   auto create_filler = [&](int64_t tokens) -> absl::StatusOr<std::string> {

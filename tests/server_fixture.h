@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
@@ -57,6 +58,16 @@ inline ::testing::AssertionResult HasStatus(const absl::Status& status, absl::St
   return ::testing::AssertionFailure()
          << "got " << status << "; want " << absl::StatusCodeToString(code)
          << " with a message containing \"" << substring << "\"";
+}
+
+// Polls `done` every 10 ms until it holds or `timeout` passes; whether it held.
+inline bool Within(absl::Duration timeout, absl::FunctionRef<bool()> done) {
+  const absl::Time until = absl::Now() + timeout;
+  while (!done()) {
+    if (absl::Now() >= until) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
 }
 
 // The value of one series in a Prometheus text exposition (`series`: the name and its labels as

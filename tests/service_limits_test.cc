@@ -38,6 +38,7 @@ using ::kvrecall::testing::HasStatus;
 using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
 using ::kvrecall::testing::MakeStep;
+using ::kvrecall::testing::Within;
 using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
 using ::kvrecall::testing::RandomPromptOf;
@@ -333,16 +334,6 @@ TEST_F(SessionIdleTtlTest, APromptStreamedSlowlyKeepsItsSessionAlive) {
   const grpc::Status status = writer->Finish();
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response.tokens(), 64);
-}
-
-// Polls `done` every 10 ms until it holds or `timeout` passes; whether it held.
-bool Within(absl::Duration timeout, absl::FunctionRef<bool()> done) {
-  const absl::Time until = absl::Now() + timeout;
-  while (!done()) {
-    if (absl::Now() >= until) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
 }
 
 TEST_F(SessionIdleTtlTest, APrefillStreamPausedPastTheTtlEndsAndFreesItsStaging) {
