@@ -555,8 +555,11 @@ std::unique_ptr<Client> Client::Connect(const std::string& address, int max_mess
 
 namespace {
 
-// A PEM file's text; `what` names it in errors ("ca_file").
-absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view what) {
+// A PEM file's text, which must hold a block of `kind` ("CERTIFICATE"; "PRIVATE KEY" matches
+// "RSA PRIVATE KEY" and "EC PRIVATE KEY" too): a key given as the CA, or the reverse, failed
+// only as a server that never answered. `what` names it in errors ("ca_file").
+absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_view what,
+                                        absl::string_view kind) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat(what, ": cannot read ", path));
   std::ostringstream text;
@@ -564,7 +567,27 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, absl::string_vi
   if (!absl::StrContains(text.str(), "-----BEGIN ")) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", path, " is not a PEM file"));
   }
+  if (!absl::StrContains(text.str(), absl::StrCat(" ", kind, "-----"))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", path, " holds no PEM ", kind, " block"));
+  }
   return text.str();
+}
+
+// OK when `token` can travel as an "authorization: Bearer" header: printable ASCII without
+// blanks, as kvrecalld's --auth_token_file lists them. A newline (a token file read whole) or a
+// non-ASCII character failed every call as UNAVAILABLE "Illegal metadata", which a retry never
+// mends.
+absl::Status CheckToken(absl::string_view token) {
+  for (size_t i = 0; i < token.size(); ++i) {
+    if (!absl::ascii_isgraph(static_cast<unsigned char>(token[i]))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token: character ", i + 1, " of ", token.size(),
+          " is not printable ASCII (a bearer token has no blanks or newlines: ReadTokenFile "
+          "takes a file's first line without them)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // The file a unix: target names (unix:PATH, unix:///ABSOLUTE).
@@ -604,6 +627,7 @@ absl::Status CheckOwnSocket(absl::string_view target) {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ChannelSecurity& security, absl::string_view target) {
   if (!security.secure()) return grpc::InsecureChannelCredentials();
+  if (absl::Status s = CheckToken(security.token); !s.ok()) return s;
   if (!security.tls_requested()) {  // a token alone: where it may go depends on the target
     if (absl::StartsWith(target, "unix-abstract:")) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -627,14 +651,14 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
   }
   grpc::SslCredentialsOptions ssl;
   if (!security.ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPemFile(security.ca_file, "ca_file");
+    absl::StatusOr<std::string> ca = ReadPemFile(security.ca_file, "ca_file", "CERTIFICATE");
     if (!ca.ok()) return ca.status();
     ssl.pem_root_certs = *std::move(ca);
   }
   if (!security.cert_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadPemFile(security.cert_file, "cert_file");
+    absl::StatusOr<std::string> cert = ReadPemFile(security.cert_file, "cert_file", "CERTIFICATE");
     if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPemFile(security.key_file, "key_file");
+    absl::StatusOr<std::string> key = ReadPemFile(security.key_file, "key_file", "PRIVATE KEY");
     if (!key.ok()) return key.status();
     ssl.pem_cert_chain = *std::move(cert);
     ssl.pem_private_key = *std::move(key);

@@ -222,7 +222,9 @@ struct ChannelSecurity {
 
 // The gRPC channel credentials for `security` on a channel to `target` (an address as
 // Client::Connect takes it; empty counts as HOST:PORT), files read now: INVALID_ARGUMENT for a
-// key without a certificate (or the reverse), a file that is not PEM, or a token alone to a
+// key without a certificate (or the reverse), a file that is not PEM or holds no block of its
+// kind (CERTIFICATE for ca_file and cert_file, PRIVATE KEY for key_file), a token that is not
+// printable ASCII without blanks (as --auth_token_file lists them), or a token alone to a
 // unix-abstract:NAME target (ChannelSecurity above), NOT_FOUND for a missing file.
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ChannelSecurity& security, absl::string_view target = "");

@@ -13,9 +13,9 @@ apt_packages=(
   # Metrics: the Prometheus C++ client (registry and text format), and Prometheus itself for
   # the tests (promtool checks a scrape; a real prometheus scrapes a real kvrecalld).
   prometheus-cpp-dev prometheus
-  # TLS tests make their certificates with openssl; the package test pip-installs the Python
-  # client into a fresh virtual environment.
-  openssl python3-venv python3-pip python3-setuptools python3-wheel
+  # kvrecalld checks its TLS files with libcrypto; the TLS tests make their certificates with
+  # openssl; the package test pip-installs the Python client into a fresh virtual environment.
+  libssl-dev openssl python3-venv python3-pip python3-setuptools python3-wheel
   # Fuzzing and sanitizers (scripts/fuzz.sh, scripts/sanitize.sh): clang with libFuzzer and the
   # sanitizer runtimes, LLVM's OpenMP runtime with its TSan tool (libarcher).
   clang-16 libclang-rt-16-dev libomp-16-dev

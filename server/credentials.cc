@@ -1,6 +1,16 @@
 #include "server/credentials.h"
 
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+
+#include <memory>
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -26,6 +36,80 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view k
         absl::StrCat(flag, ": ", path, " holds no PEM ", kind, " block"));
   }
   return text;
+}
+
+// OpenSSL's reason for the last error of this thread's queue, which it empties ("" if none).
+std::string OpenSslReason() {
+  const unsigned long error = ERR_peek_last_error();  // NOLINT(runtime/int): OpenSSL's type
+  ERR_clear_error();
+  if (error == 0) return "";
+  const char* reason = ERR_reason_error_string(error);
+  return reason != nullptr ? reason : absl::StrCat("OpenSSL error ", error);
+}
+
+using UniqueX509 = std::unique_ptr<X509, decltype(&X509_free)>;
+
+// The certificates of PEM `text` (the file `path` of `flag`), each parsed, in order: a block
+// that does not parse is named, where gRPC would only fail to listen later, blaming no file.
+absl::StatusOr<std::vector<UniqueX509>> ParseCertificates(const std::string& text,
+                                                          const std::string& path,
+                                                          absl::string_view flag) {
+  std::vector<UniqueX509> certificates;
+  size_t at = 0;
+  const std::string begin = "-----BEGIN CERTIFICATE-----";
+  while ((at = text.find(begin, at)) != std::string::npos) {
+    std::unique_ptr<BIO, decltype(&BIO_free)> bio(
+        BIO_new_mem_buf(text.data() + at, static_cast<int>(text.size() - at)), &BIO_free);
+    UniqueX509 certificate(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)
+                               : nullptr,
+                           &X509_free);
+    if (certificate == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, ": ", path, ": certificate ", certificates.size() + 1,
+          " does not parse (", OpenSslReason(), ")"));
+    }
+    certificates.push_back(std::move(certificate));
+    at += begin.size();
+  }
+  if (certificates.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", path, " holds no -----BEGIN CERTIFICATE----- block"));
+  }
+  return certificates;
+}
+
+// Refuses key material gRPC would take and then fail to listen with: a certificate or CA block
+// that does not parse, a key that does not, or a key that is not the certificate's.
+absl::Status CheckKeyMaterial(const SecurityOptions& options, const std::string& cert,
+                              const std::string& key, const std::string* client_ca) {
+  absl::StatusOr<std::vector<UniqueX509>> chain =
+      ParseCertificates(cert, options.tls_cert_file, "--tls_cert");
+  if (!chain.ok()) return chain.status();
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(
+      BIO_new_mem_buf(key.data(), static_cast<int>(key.size())), &BIO_free);
+  // No passphrase callback's prompt: a key that wants one is refused (an encrypted key was
+  // refused before this, by its PEM header).
+  pem_password_cb* no_passphrase = [](char*, int, int, void*) { return -1; };
+  std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> private_key(
+      bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, no_passphrase, nullptr) : nullptr,
+      &EVP_PKEY_free);
+  if (private_key == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("--tls_key: ", options.tls_key_file,
+                                                   ": the private key does not parse (",
+                                                   OpenSslReason(), ")"));
+  }
+  if (X509_check_private_key(chain->front().get(), private_key.get()) != 1) {
+    OpenSslReason();  // empties the queue
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_key: ", options.tls_key_file, " is not the key of --tls_cert's certificate (",
+        options.tls_cert_file, "; its first, the server's own)"));
+  }
+  if (client_ca != nullptr) {
+    absl::StatusOr<std::vector<UniqueX509>> roots =
+        ParseCertificates(*client_ca, options.tls_client_ca_file, "--tls_client_ca");
+    if (!roots.ok()) return roots.status();
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -67,12 +151,19 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
         "PLAIN) and protect the file instead"));
   }
   if (!key.ok()) return key.status();
+  std::optional<std::string> ca;
+  if (!options.tls_client_ca_file.empty()) {
+    absl::StatusOr<std::string> read =
+        ReadPem(options.tls_client_ca_file, "CERTIFICATE", "--tls_client_ca");
+    if (!read.ok()) return read.status();
+    ca = *std::move(read);
+  }
+  if (absl::Status s = CheckKeyMaterial(options, *cert, *key, ca ? &*ca : nullptr); !s.ok()) {
+    return s;
+  }
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
-  if (!options.tls_client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca =
-        ReadPem(options.tls_client_ca_file, "CERTIFICATE", "--tls_client_ca");
-    if (!ca.ok()) return ca.status();
+  if (ca) {
     ssl.pem_root_certs = *std::move(ca);
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }

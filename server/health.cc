@@ -1,7 +1,11 @@
 #include "server/health.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 #include "proto/tsan_handoff.h"
 #include "server/raw_messages.h"
@@ -126,8 +130,16 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
   const ServingStatus status = StatusOf(parsed.service());
   HandoffToGrpc(this);  // this call's last touch of the service (Server::Wait)
   if (status == HealthCheckResponse::SERVICE_UNKNOWN) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND,
-                                 "unknown service '" + parsed.service() + "'"));
+    // A long name is not echoed whole: a client's limit on the reply's metadata (8 KiB by
+    // default) would turn the echo into another error (as SessionRegistry::NotFound's ids).
+    constexpr size_t kEchoedBytes = 128;
+    const std::string& name = parsed.service();
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::NOT_FOUND,
+        name.size() <= kEchoedBytes
+            ? absl::StrCat("unknown service '", name, "'")
+            : absl::StrCat("unknown service of ", name.size(), " bytes, beginning '",
+                           absl::string_view(name).substr(0, kEchoedBytes), "'")));
     return reactor;
   }
   HealthCheckResponse answer;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cerrno>
 #include <cstdio>
+#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -66,6 +67,10 @@ ABSL_FLAG(double, host_memory_budget_gb, 0,
 ABSL_FLAG(int64_t, max_sessions, 0,
           "sessions open at once (of every tenant); CreateSession beyond it gets "
           "RESOURCE_EXHAUSTED; 0: no limit");
+ABSL_FLAG(int64_t, max_sessions_per_tenant, 0,
+          "sessions open at once of one tenant (--auth_token_file's; without tokens every "
+          "caller is one tenant), so that no tenant takes every --max_sessions slot; "
+          "CreateSession beyond it gets RESOURCE_EXHAUSTED; 0: no limit");
 ABSL_FLAG(int64_t, max_context_tokens, 0,
           "tokens (prompt + decoded) each layer of a session may hold; a CreateSession "
           "announcing more, or a Prefill chunk or Decode step growing a layer past it, gets "
@@ -107,11 +112,11 @@ ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "on SIGTERM/SIGINT: health turns NOT_SERVING, new calls and steps get UNAVAILABLE, and "
           "the calls in flight have this long to finish before they are cancelled and the "
           "process exits");
-ABSL_FLAG(std::string, metrics_address, "0.0.0.0:9090",
+ABSL_FLAG(std::string, metrics_address, "auto",
           "HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none. "
-          "Unauthenticated plain HTTP: when not given, its host is that of --address's first "
-          "HOST:PORT entry (127.0.0.1 when there is none, only Unix sockets), so that the "
-          "metrics are no more exposed than the API");
+          "Unauthenticated plain HTTP: auto (the default) is port 9090 on the host of "
+          "--address's first HOST:PORT entry (127.0.0.1 when there is none, only Unix sockets), "
+          "so that the metrics are no more exposed than the API");
 ABSL_FLAG(std::string, health_address, "",
           "HOST:PORT of a plaintext port serving grpc.health.v1 alone, for probes that cannot "
           "speak TLS (Kubernetes' gRPC probes); empty: none");
@@ -178,19 +183,6 @@ void SetSignalsHandler(std::initializer_list<int> signals, void (*handler)(int))
   for (const int signal_number : signals) sigaction(signal_number, &action, nullptr);
 }
 
-// Whether argv sets flag `name` (--name=V, --name V, -name=V; Abseil's own record of it is not
-// public in this version). Before "--", which ends the flags.
-bool GivenOnCommandLine(int argc, char** argv, absl::string_view name) {
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg == "--") break;
-    if (!absl::ConsumePrefix(&arg, "-")) continue;
-    absl::ConsumePrefix(&arg, "-");
-    if (absl::ConsumePrefix(&arg, name) && (arg.empty() || arg.front() == '=')) return true;
-  }
-  return false;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -221,7 +213,16 @@ int main(int argc, char** argv) {
   };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  // What is left is the program's name and any argument that is not a flag: a value after a
+  // space where a boolean takes `=` (--plaintext_unix_sockets false sets it true and leaves
+  // "false"), a flag without its dashes, or anything after `--`. Served, it would be ignored.
+  if (const std::vector<char*> rest = absl::ParseCommandLine(argc, argv); rest.size() > 1) {
+    std::fprintf(stderr,
+                 "kvrecalld: unexpected argument '%s' (%zu not a flag): flags are --name=value "
+                 "(a boolean's value after '=', as in --plaintext_unix_sockets=false)\n",
+                 rest[1], rest.size() - 1);
+    return 2;
+  }
   // Abseil built without NDEBUG (Debian's, which gRPC's locks use too) checks every absl::Mutex
   // acquisition for lock-order cycles, in a graph behind one process-wide lock: thousands of
   // instructions per Decode round trip (bench/results/rpc_floor.md, dev-machine figures). The
@@ -311,6 +312,7 @@ int main(int argc, char** argv) {
   options.shared_memory_spin = absl::Microseconds(absl::GetFlag(FLAGS_shared_memory_spin_us));
   options.host_memory_budget_bytes = kvrecall::GibToBytes(budget_gb);
   options.limits.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.limits.max_sessions_per_tenant = absl::GetFlag(FLAGS_max_sessions_per_tenant);
   options.limits.max_context_tokens = absl::GetFlag(FLAGS_max_context_tokens);
   const double ttl_seconds = absl::GetFlag(FLAGS_session_idle_ttl_seconds);
   if (!(ttl_seconds >= 0) || !std::isfinite(ttl_seconds)) {
@@ -337,7 +339,9 @@ int main(int argc, char** argv) {
   options.placements = *std::move(placements);
   options.placements.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  if (!GivenOnCommandLine(argc, argv, "metrics_address")) {
+  // A sentinel, not a scan of argv: a --flagfile's (or --fromenv's) value was taken for no
+  // value and replaced.
+  if (options.metrics_address == "auto") {
     options.metrics_address = kvrecall::DefaultMetricsAddress(options.address);
   }
   options.health_address = absl::GetFlag(FLAGS_health_address);

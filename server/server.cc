@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -71,14 +72,37 @@ bool UnixSocketInUse(absl::string_view address) {
   return in_use;
 }
 
+// True when `path` names a socket file itself (not through a symbolic link).
+bool IsSocketFile(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
+}
+
 // An address gRPC is to listen on: a unix:PATH, unix:///PATH or unix-abstract:NAME socket, or
 // HOST:PORT with a port in [0, 65535] (0: one the system picks), an IPv6 host in brackets
 // ([::1]:50051). gRPC's own parser takes the port modulo 2^16, so a typo (:99999) served on an
 // unrelated port, or on a random one (:65536), and said it listened; and it reads a bare IPv6
-// address (::1, fe80::1:8080) as a host without a port, served on 443. `flag` names the flag
-// in the message.
+// address (::1, fe80::1:8080) as a host without a port, served on 443. An empty socket name
+// (an unset variable: unix:$SOCK) gRPC binds as an abstract socket of NULs, which any process
+// of the network namespace may connect to; a PATH that exists and is not a socket (a file, a
+// directory, a symbolic link) gRPC cannot bind, and the socket's chmod must not reach it.
+// `flag` names the flag in the message.
 absl::Status CheckListeningAddress(absl::string_view flag, absl::string_view address) {
   if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:")) {
+    const bool abstract = absl::StartsWith(address, "unix-abstract:");
+    const std::string path = UnixSocketPath(address);
+    if (abstract ? address.size() == strlen("unix-abstract:") : path.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, " entry '", address, "' names no socket: ",
+          abstract ? "unix-abstract:NAME needs a NAME" : "unix:PATH needs a PATH"));
+    }
+    struct stat st;
+    if (!abstract && lstat(path.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, " entry '", address, "': ", path, " exists and is not a socket (",
+          S_ISLNK(st.st_mode) ? "a symbolic link" : S_ISDIR(st.st_mode) ? "a directory" : "a file",
+          "); kvrecalld binds a new socket there and replaces only a stale socket"));
+    }
     return absl::OkStatus();
   }
   const size_t colon = address.rfind(':');
@@ -147,9 +171,27 @@ std::unique_ptr<grpc::Server> BuildWithPrivateSockets(grpc::ServerBuilder& build
   const mode_t inherited = umask(077);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   umask(inherited);
-  for (const std::string& path : paths) chmod(path.c_str(), 0600);
+  if (server == nullptr) return nullptr;  // it bound nothing this call should touch
+  for (const std::string& path : paths) {
+    if (IsSocketFile(path)) chmod(path.c_str(), 0600);
+  }
   return server;
 }
+
+// Leaves server reflection out of one builder's server (the health port's). gRPC adds it to
+// every server the process builds once grpc++_reflection is loaded (its static initializer
+// calls InitProtoReflectionServerBuilderPlugin): the plaintext, token-free health port served
+// the API's schema, a thread per stream, with no cap on the threads.
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string reflection = grpc::reflection::ProtoServerReflectionPlugin().name();
+    std::erase_if(*plugins, [&](const std::unique_ptr<grpc::ServerBuilderPlugin>& plugin) {
+      return plugin->name() == reflection;
+    });
+  }
+};
 
 }  // namespace
 
@@ -260,6 +302,7 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
     builder.AddListeningPort(options.health_address, grpc::InsecureServerCredentials(), &port);
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.RegisterService(&probe_health_);
+    builder.SetOption(std::make_unique<WithoutReflection>());
     probe_server_ = BuildWithPrivateSockets(builder, {options.health_address});
     if (probe_server_ == nullptr || port == 0) {
       return absl::UnavailableError(absl::StrCat("could not serve health on ",
@@ -349,6 +392,8 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   }
   if (absl::Status s = options.limits.Validate(); !s.ok()) return s;
   if (absl::Status s = PrepareSharedMemoryDir(options); !s.ok()) return s;
+  // For every server built after it (loading grpc++_reflection does it too); the health port's
+  // leaves it out (WithoutReflection).
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   absl::StatusOr<std::unique_ptr<Placements>> placements = Placements::Create(options.placements);
   if (!placements.ok()) return placements.status();
@@ -358,14 +403,24 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
                                                options.worker_threads, ", 0: one per core)"));
   }
 
-  const std::vector<std::string> addresses = absl::StrSplit(options.address, ',');
+  // Entries are taken without the blanks around them ("a:1, b:2"), as DefaultMetricsAddress
+  // takes them.
+  std::vector<std::string> addresses;
+  for (absl::string_view entry : absl::StrSplit(options.address, ',')) {
+    addresses.emplace_back(absl::StripAsciiWhitespace(entry));
+  }
   for (size_t i = 0; i < addresses.size(); ++i) {
-    if (absl::StripAsciiWhitespace(addresses[i]).empty()) {
+    if (addresses[i].empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "address '", options.address, "' has an empty entry (", i + 1, " of ",
           addresses.size(), "): addresses are separated by single commas"));
     }
     if (absl::Status s = CheckListeningAddress("--address", addresses[i]); !s.ok()) return s;
+    if (std::find(addresses.begin(), addresses.begin() + i, addresses[i]) !=
+        addresses.begin() + i) {
+      return absl::InvalidArgumentError(absl::StrCat("address '", options.address,
+                                                     "' names '", addresses[i], "' twice"));
+    }
   }
   if (!options.health_address.empty()) {
     if (absl::Status s = CheckListeningAddress("--health_address", options.health_address);
@@ -419,8 +474,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (running->server_ == nullptr || ports[i] == 0) {
       return absl::UnavailableError(absl::StrCat(
-          "could not listen on ", addresses[i], " (address in use or invalid?",
-          options.security.tls() ? " or the TLS key does not match the certificate?" : "", ")"));
+          "could not listen on ", addresses[i], " (address in use or invalid?)"));
     }
     const bool unix_socket = IsUnixSocketAddress(addresses[i]);
     running->addresses_.push_back(unix_socket ? addresses[i] : WithPort(addresses[i], ports[i]));

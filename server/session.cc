@@ -93,6 +93,10 @@ absl::Status SessionLimits::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_sessions must be >= 0 (0: no limit), got ", max_sessions));
   }
+  if (max_sessions_per_tenant < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_sessions_per_tenant must be >= 0 (0: no limit), got ", max_sessions_per_tenant));
+  }
   if (max_context_tokens < 0 || max_context_tokens > kMaxLayerTokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_context_tokens must be in [0, ", kMaxLayerTokens,
@@ -417,14 +421,31 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   {
     absl::MutexLock lock(&mu_);
     const int64_t open = static_cast<int64_t>(sessions_.size()) + creating_;
+    const auto held = held_by_tenant_.find(tenant);
+    const int64_t own = held == held_by_tenant_.end() ? 0 : held->second;
+    // The caller is told how many of the sessions are its own, so that it knows whether closing
+    // one of its own would make room; other tenants' are not named.
+    if (limits_.max_sessions_per_tenant > 0 && own >= limits_.max_sessions_per_tenant) {
+      return RefusedBy(
+          absl::ResourceExhaustedError(absl::StrCat(
+              tenant.empty() ? "this server's callers (it authenticates no tenants) hold "
+                             : absl::StrCat("tenant '", tenant, "' holds "),
+              own, " sessions, the limit per tenant (--max_sessions_per_tenant=",
+              limits_.max_sessions_per_tenant, "): close one (CloseSession)")),
+          "max_sessions_per_tenant");
+    }
     if (limits_.max_sessions > 0 && open >= limits_.max_sessions) {
       return RefusedBy(
           absl::ResourceExhaustedError(absl::StrCat(
               "this server holds ", open, " sessions, its limit (--max_sessions=",
-              limits_.max_sessions, "): close one (CloseSession) or retry on another server")),
+              limits_.max_sessions, "), ",
+              own == 0 ? "none of them yours: retry on another server"
+                       : absl::StrCat(own, " of them yours: close one (CloseSession) or retry "
+                                      "on another server"))),
           "max_sessions");
     }
     ++creating_;  // the slot is held while the session is admitted
+    ++held_by_tenant_[tenant];
     do {
       id = SessionIdOf(absl::Uniform<uint64_t>(gen));
     } while (sessions_.contains(id) || expired_.contains(id));
@@ -437,7 +458,10 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   }
   absl::MutexLock lock(&mu_);
   --creating_;
-  if (!admitted.ok()) return admitted;
+  if (!admitted.ok()) {
+    ReleaseTenantSlot(tenant);
+    return admitted;
+  }
   session->Touch();
   sessions_.emplace(id, session);
   tenants_.emplace(id, tenant);
@@ -485,6 +509,7 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
       expired.push_back(std::move(it->second));
       sessions_.erase(it++);
       auto tenant = tenants_.extract(id);
+      ReleaseTenantSlot(tenant.mapped());
       expired_order_.push_back(id);
       expired_.emplace(id, std::move(tenant.mapped()));
       if (expired_order_.size() > kExpiredRemembered) {
@@ -540,6 +565,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view
   return it->second;
 }
 
+void SessionRegistry::ReleaseTenantSlot(absl::string_view tenant) {
+  auto it = held_by_tenant_.find(tenant);
+  if (it != held_by_tenant_.end() && --it->second == 0) held_by_tenant_.erase(it);
+}
+
 absl::Status SessionRegistry::Close(absl::string_view id, absl::string_view tenant) {
   std::shared_ptr<Session> session;
   {
@@ -550,6 +580,7 @@ absl::Status SessionRegistry::Close(absl::string_view id, absl::string_view tena
     }
     session = std::move(it->second);
     sessions_.erase(it);
+    ReleaseTenantSlot(tenants_.at(id));
     tenants_.erase(id);
   }
   // Streams still holding the session see it closed; its memory is freed now, not when the

@@ -54,6 +54,10 @@ inline constexpr int kMaxLabelBytes = 256;
 struct SessionLimits {
   // Sessions open at once, of every tenant: CreateSession beyond it gets RESOURCE_EXHAUSTED.
   int64_t max_sessions = 0;
+  // Sessions open at once of one tenant (server/auth.h; without tokens every caller is the one
+  // tenant ""), so that one tenant cannot take every slot of max_sessions: CreateSession beyond
+  // it gets RESOURCE_EXHAUSTED naming it.
+  int64_t max_sessions_per_tenant = 0;
   // Tokens per layer of a session (prompt + decoded), at most kMaxLayerTokens: a CreateSession
   // announcing more (max_tokens), a Prefill chunk or a Decode step that would grow a layer past
   // it get RESOURCE_EXHAUSTED. Zero leaves only kMaxLayerTokens.
@@ -274,6 +278,11 @@ class SessionRegistry {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> tenants_ ABSL_GUARDED_BY(mu_);  // by session id
   int64_t creating_ ABSL_GUARDED_BY(mu_) = 0;  // admissions in progress (count for max_sessions)
+  // Per tenant, its sessions and admissions in progress (max_sessions_per_tenant); a tenant
+  // holding none has no entry.
+  absl::flat_hash_map<std::string, int64_t> held_by_tenant_ ABSL_GUARDED_BY(mu_);
+  // Counts one session of `tenant` fewer in held_by_tenant_.
+  void ReleaseTenantSlot(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ids of expired sessions and their tenants, the latest kExpiredRemembered of them, so that
   // their owners hear why they are gone.
   static constexpr size_t kExpiredRemembered = 1 << 16;

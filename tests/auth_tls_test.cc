@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,10 @@ CommandResult RunCommand(const std::string& command) {
 }
 
 void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
 constexpr char kAliceToken[] = "alice-token-0123456789";
 constexpr char kBobToken[] = "bob-token-0123456789ab";
@@ -148,9 +153,10 @@ class TlsTest : public ::testing::Test {
     return c.ok() ? *std::move(c) : nullptr;
   }
 
-  void Start(const SecurityOptions& security) {
+  void Start(const SecurityOptions& security, const SessionLimits& limits = {}) {
     ServerOptions options;
     options.security = security;
+    options.limits = limits;
     absl::StatusOr<std::unique_ptr<testing::InProcessServer>> server =
         testing::InProcessServer::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -387,6 +393,55 @@ TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {
   EXPECT_EQ((*alices)[0].session_id(), session->id);
   EXPECT_EQ((*alices)[0].tokens(), 5);  // 4 prompt tokens and alice's step; bob's took none
   EXPECT_TRUE(alice->CloseSession(session->id).ok());
+}
+
+// --max_sessions_per_tenant keeps one tenant from taking every --max_sessions slot, and a refusal
+// by either says how many of the sessions are the caller's, never whose the others are: bob,
+// holding none, was told to close one (probe 20, 5).
+TEST_F(TlsTest, OneTenantCannotTakeEverySlot) {
+  SessionLimits limits;
+  limits.max_sessions = 3;
+  limits.max_sessions_per_tenant = 2;
+  Start(WithTokens(), limits);
+  std::unique_ptr<client::Client> alice = ConnectWithToken(kAliceToken);
+  std::unique_ptr<client::Client> bob = ConnectWithToken(kBobToken);
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  const v1::Policy policy = testing::MakePolicy(v1::SELECTOR_FULL);
+  std::vector<std::string> alices;
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<client::SessionHandle> s = alice->CreateSession(g, policy);
+    ASSERT_TRUE(s.ok()) << s.status();
+    alices.push_back(s->id);
+  }
+  EXPECT_TRUE(HasStatus(alice->CreateSession(g, policy).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "tenant 'alice' holds 2 sessions, the limit per tenant "
+                        "(--max_sessions_per_tenant=2): close one (CloseSession)"));
+  EXPECT_EQ(testing::RefusalsCounted(server_->server(), "max_sessions_per_tenant"), 1);
+  absl::StatusOr<client::SessionHandle> bobs = bob->CreateSession(g, policy);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_TRUE(HasStatus(bob->CreateSession(g, policy).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "this server holds 3 sessions, its limit (--max_sessions=3), 1 of them "
+                        "yours: close one (CloseSession) or retry on another server"));
+  EXPECT_EQ(testing::RefusalsCounted(server_->server(), "max_sessions"), 1);
+  // A closed session gives its tenant's slot back, and the server's.
+  ASSERT_TRUE(bob->CloseSession(bobs->id).ok());
+  ASSERT_TRUE(bob->CreateSession(g, policy).ok());
+  ASSERT_TRUE(alice->CloseSession(alices[0]).ok());
+  ASSERT_TRUE(alice->CreateSession(g, policy).ok());
+
+  // A tenant holding none of a full server's sessions is told so, not to close one.
+  limits.max_sessions = 2;
+  limits.max_sessions_per_tenant = 0;
+  Start(WithTokens(), limits);
+  alice = ConnectWithToken(kAliceToken);
+  bob = ConnectWithToken(kBobToken);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(alice->CreateSession(g, policy).ok());
+  EXPECT_TRUE(HasStatus(bob->CreateSession(g, policy).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "this server holds 2 sessions, its limit (--max_sessions=2), none of them "
+                        "yours: retry on another server"));
 }
 
 // A gateway multiplexes tenants over one connection: each call is its own token's tenant's.
@@ -754,6 +809,38 @@ TEST_F(TlsTest, ATokenAloneToHostPortGoesOverTls) {
   EXPECT_EQ(List(alice).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// A token a header cannot carry (a newline: a token file read whole; a non-ASCII character)
+// failed every call as UNAVAILABLE "Illegal metadata", a code a runner retries (probe 20, 11);
+// a key given as the CA failed as a server that never answered.
+TEST_F(TlsTest, ATokenOrPemFileTheChannelCannotUseIsRefusedAtOnce) {
+  for (const auto& [token, message] : std::vector<std::pair<std::string, std::string>>{
+           {std::string(kAliceToken) + "\n", "is not printable ASCII"},
+           {"tok\xc3\xa9-0123456789abcdef", "token: character 4 of 22 is not printable ASCII"},
+           {"two words", "token: character 4 of 9"}}) {
+    client::ChannelSecurity security = TrustingCa();
+    security.token = token;
+    EXPECT_TRUE(HasStatus(client::MakeChannelCredentials(security, "127.0.0.1:1").status(),
+                          absl::StatusCode::kInvalidArgument, message))
+        << token;
+    security = client::ChannelSecurity();
+    security.token = token;  // a token alone to a socket, checked before the socket is
+    EXPECT_TRUE(HasStatus(client::MakeChannelCredentials(security, "unix:/nonexistent").status(),
+                          absl::StatusCode::kInvalidArgument, message))
+        << token;
+  }
+  client::ChannelSecurity key_as_ca;
+  key_as_ca.ca_file = pki().Path("server.key");
+  EXPECT_TRUE(HasStatus(client::MakeChannelCredentials(key_as_ca, "127.0.0.1:1").status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "ca_file: " + pki().Path("server.key") + " holds no PEM CERTIFICATE"));
+  client::ChannelSecurity cert_as_key = TrustingCa();
+  cert_as_key.cert_file = pki().Path("client.pem");
+  cert_as_key.key_file = pki().Path("client.pem");
+  EXPECT_TRUE(HasStatus(client::MakeChannelCredentials(cert_as_key, "127.0.0.1:1").status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "key_file: " + pki().Path("client.pem") + " holds no PEM PRIVATE KEY"));
+}
+
 TEST(ReadTokenFileTest, ReadsTheFirstLineAndNamesTheFileWhenItCannot) {
   testing::TempDirectory dir("token-file");
   ASSERT_NE(dir.path(), "");
@@ -816,10 +903,42 @@ TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
             "-----END ENCRYPTED PRIVATE KEY-----\n");
   EXPECT_TRUE(HasStatus(start(encrypted), absl::StatusCode::kInvalidArgument,
                         "encrypted.key is encrypted, which kvrecalld cannot use"));
+  // Files with the right PEM markers that gRPC would take and then fail to listen with, blaming
+  // no file (probe 20, 7): each is refused naming its flag and what is wrong.
   SecurityOptions mismatched = Tls();
   mismatched.tls_key_file = pki().Path("client.key");
-  EXPECT_TRUE(HasStatus(start(mismatched), absl::StatusCode::kUnavailable,
-                        "the TLS key does not match the certificate"));
+  EXPECT_TRUE(HasStatus(start(mismatched), absl::StatusCode::kInvalidArgument,
+                        "--tls_key: " + pki().Path("client.key") +
+                            " is not the key of --tls_cert's certificate"));
+  const std::string garbled_block = "-----BEGIN CERTIFICATE-----\nnot base64 at all\n"
+                                    "-----END CERTIFICATE-----\n";
+  WriteFile(pki().Path("garbled.pem"), garbled_block);
+  SecurityOptions garbled_cert = Tls();
+  garbled_cert.tls_cert_file = pki().Path("garbled.pem");
+  EXPECT_TRUE(HasStatus(start(garbled_cert), absl::StatusCode::kInvalidArgument,
+                        "--tls_cert: " + pki().Path("garbled.pem") +
+                            ": certificate 1 does not parse"));
+  WriteFile(pki().Path("garbled.key"),
+            "-----BEGIN PRIVATE KEY-----\nnot base64 at all\n-----END PRIVATE KEY-----\n");
+  SecurityOptions garbled_key = Tls();
+  garbled_key.tls_key_file = pki().Path("garbled.key");
+  EXPECT_TRUE(HasStatus(start(garbled_key), absl::StatusCode::kInvalidArgument,
+                        "--tls_key: " + pki().Path("garbled.key") +
+                            ": the private key does not parse"));
+  // A CA file whose second certificate is garbled: the first alone would have been trusted.
+  WriteFile(pki().Path("half-ca.pem"), ReadFile(pki().Path("ca.pem")) + garbled_block);
+  SecurityOptions garbled_ca = MutualTls();
+  garbled_ca.tls_client_ca_file = pki().Path("half-ca.pem");
+  EXPECT_TRUE(HasStatus(start(garbled_ca), absl::StatusCode::kInvalidArgument,
+                        "--tls_client_ca: " + pki().Path("half-ca.pem") +
+                            ": certificate 2 does not parse"));
+  // A certificate file holding only "TRUSTED CERTIFICATE" blocks passes the marker check.
+  WriteFile(pki().Path("trusted.pem"),
+            "-----BEGIN TRUSTED CERTIFICATE-----\nAAAA\n-----END TRUSTED CERTIFICATE-----\n");
+  SecurityOptions trusted_only = Tls();
+  trusted_only.tls_cert_file = pki().Path("trusted.pem");
+  EXPECT_TRUE(HasStatus(start(trusted_only), absl::StatusCode::kInvalidArgument,
+                        "holds no -----BEGIN CERTIFICATE----- block"));
   WriteFile(pki().Path("bad-tokens"), "short alice\n");
   SecurityOptions bad_tokens = WithTokens();
   bad_tokens.auth_token_file = pki().Path("bad-tokens");

@@ -148,6 +148,21 @@ case "$case_name" in
       --set resources.limits.memory=8e9
     expect_render_error "server.hostMemoryBudget.fractionOfLimit must be in (0, 1), got 1.5" \
       --set server.hostMemoryBudget.fractionOfLimit=1.5
+    # A budget that rounds down to 0.00 rendered --host_memory_budget_gb=0.00, which kvrecalld
+    # reads as no budget at all (probe 20, 6).
+    expect_render_error "rounds down to 0.00 GiB, which kvrecalld reads as no budget at all" \
+      --set server.hostMemoryBudget.gib=0.005
+    expect_render_error "rounds down to 0.00 GiB, which kvrecalld reads as no budget at all" \
+      --set resources.limits.memory=12Mi
+    [ "$(rendered_budget --set resources.limits.memory=13Mi)" = "0.01" ] || fail "13Mi budget, expected 0.01"
+    # --flagfile (and Abseil's --fromenv, --tryfromenv) would set the flags the chart checks.
+    expect_render_error "server.extraArgs: --flagfile would set flags past the chart's checks" \
+      --set "server.extraArgs={--flagfile=/etc/kvrecalld.flags}"
+    expect_render_error "server.extraArgs: --fromenv would set flags past the chart's checks" \
+      --set "server.extraArgs={--fromenv=max_sessions}"
+    # A fraction of a second from --set arrives as a string, as shutdownGraceSeconds' does.
+    grep -q -- '--session_idle_ttl_seconds=2.5' <<<"$("$HELM" template kvrecall "$chart_dir" \
+      --set server.sessionIdleTtlSeconds=2.5)" || fail "sessionIdleTtlSeconds=2.5 from --set"
     expect_render_error "server.extraArgs: --max_message_mb is set by the chart; use its value under server.* instead" \
       --set "server.extraArgs={--max_message_mb=8}"
     expect_render_error "server.shutdownGraceSeconds (30) must be below terminationGracePeriodSeconds (30)" \
@@ -182,6 +197,8 @@ case "$case_name" in
     expect_render_error "server.extraArgs: --shared_memory_dir is set by the chart" \
       --set "server.extraArgs={--shared_memory_dir=/tmp}"
     expect_render_error "colocatedRunner.image: set the runner's image" --set colocatedRunner.enabled=true
+    expect_render_error "colocatedRunner.name: kvrecalld is the server's container" \
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=r --set colocatedRunner.name=kvrecalld
     expect_render_error "at '/colocatedRunner/socketDir': 'run/kvrecall' does not match pattern" \
       --set colocatedRunner.enabled=true --set colocatedRunner.image=r --set colocatedRunner.socketDir=run/kvrecall
     # Metrics, TLS and tokens: the flags and mounts they derive, and what cannot work together.
@@ -331,6 +348,7 @@ replicaCount: 1000000
 terminationGracePeriodSeconds: 10000000
 server:
   maxSessions: 1000000
+  maxSessionsPerTenant: 1000000
   maxContextTokens: 1000000
   sessionIdleTtlSeconds: 1000000
   shutdownGraceSeconds: 2000000

@@ -1502,6 +1502,28 @@ class TokenOverPlaintextSocketTest(unittest.TestCase):
         kvrecall.Client(target, tls=True, token=ALICE_TOKEN, wait_ready_s=0).close()
         kvrecall.Client(target, wait_ready_s=0).close()
 
+    def test_a_token_or_pem_file_the_channel_cannot_use_is_refused_at_once(self):
+        # A newline or a non-ASCII character failed every call as UNAVAILABLE "Illegal
+        # metadata", a code a runner retries (probe 20, 11); a key given as the CA failed as a
+        # server that never answered.
+        from auth_pki import ALICE_TOKEN
+        from kvrecall.client import Tls
+        for token, message in ((ALICE_TOKEN + "\n", f"character {len(ALICE_TOKEN) + 1} of "),
+                               ("tok\u00e9-0123456789abcdef", "character 4 of "),
+                               ("two words", "character 4 of 9 is not printable ASCII"),
+                               ("", "token is empty"), (b"bytes", "token must be a str")):
+            with self.subTest(token=token), self.assertRaisesRegex(ValueError, re.escape(message)):
+                kvrecall.Client(self.tcp, tls=Tls(ca=self.pki["ca.pem"]), token=token,
+                                wait_ready_s=0)
+        key = self.pki["server.key"]
+        with self.assertRaisesRegex(ValueError, re.escape(
+                f"Tls.ca: {key} holds no PEM CERTIFICATE block")):
+            kvrecall.Client(self.tcp, tls=Tls(ca=key), wait_ready_s=0)
+        with self.assertRaisesRegex(ValueError, re.escape(
+                f"Tls.key: {self.pki['client.pem']} holds no PEM PRIVATE KEY block")):
+            kvrecall.Client(self.tcp, tls=Tls(ca=self.pki["ca.pem"], cert=self.pki["client.pem"],
+                                              key=self.pki["client.pem"]), wait_ready_s=0)
+
     def test_the_tools_read_the_token_file_the_variable_names(self):
         import argparse
         from auth_pki import ALICE_TOKEN, BOB_TOKEN

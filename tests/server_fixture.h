@@ -78,6 +78,13 @@ inline double SeriesValue(const std::string& text, absl::string_view series) {
   return at == std::string::npos ? 0 : std::stod(text.substr(at + line.size()));
 }
 
+// How often `server` refused a request because of `limit` (kvrecall_requests_refused_total).
+inline int RefusalsCounted(RunningServer& server, absl::string_view limit) {
+  return static_cast<int>(
+      SeriesValue(server.metrics().TextFormat(),
+                  absl::StrCat("kvrecall_requests_refused_total{limit=\"", limit, "\"}")));
+}
+
 // A channel to `address` whose messages may be as large as the server's default limit and
 // beyond (so that tests of the server's limit are not stopped by the client's).
 inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,

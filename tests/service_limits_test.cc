@@ -43,6 +43,7 @@ using ::kvrecall::testing::Prefill;
 using ::kvrecall::testing::PromptChunks;
 using ::kvrecall::testing::RandomPromptOf;
 using ::kvrecall::testing::RandomNormal;
+using ::kvrecall::testing::RefusalsCounted;
 using ::kvrecall::testing::SeriesValue;
 using ::kvrecall::testing::ServerTest;
 using ::testing::HasSubstr;
@@ -63,13 +64,6 @@ v1::DecodeRequest OneStep(const std::string& id, uint64_t seed, int layer = 0) {
                                   RandomNormal(kKvHeads * kHeadDim, seed + 1),
                                   RandomNormal(kKvHeads * kHeadDim, seed + 2));
   return request;
-}
-
-// How often the server refused a request because of `limit` (kvrecall_requests_refused_total).
-int RefusalsCounted(RunningServer& server, absl::string_view limit) {
-  return static_cast<int>(
-      SeriesValue(server.metrics().TextFormat(),
-                  absl::StrCat("kvrecall_requests_refused_total{limit=\"", limit, "\"}")));
 }
 
 class LimitsTest : public ServerTest {

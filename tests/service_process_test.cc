@@ -283,6 +283,15 @@ TEST(KvrecalldProcessTest, UnknownHealthServiceIsNotFound) {
   const grpc::Status status = stub->Check(&context, request, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_THAT(status.error_message(), HasSubstr("unknown service 'no.such.Service'"));
+  // A long name is not echoed whole: the client's limit on the reply's metadata turned it into
+  // RESOURCE_EXHAUSTED (probe 20, 8).
+  grpc::ClientContext long_context;
+  request.set_service(std::string(9000, 'x'));
+  const grpc::Status long_status = stub->Check(&long_context, request, &response);
+  EXPECT_EQ(long_status.error_code(), grpc::StatusCode::NOT_FOUND) << long_status.error_message();
+  EXPECT_THAT(long_status.error_message(),
+              HasSubstr("unknown service of 9000 bytes, beginning '" + std::string(128, 'x') +
+                        "'"));
 }
 
 // --help lists kvrecalld's flags with their help (Abseil's default looked for a source file
@@ -332,6 +341,11 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
            {"--gpu_memory_budget_gb=1e-10", "--gpu_memory_budget_gb must be 0, in [2^-30, 2^33)"},
            {"--cuda_module_loading=EAGER",
             "--cuda_module_loading must be eager, lazy or empty, got 'EAGER'"},
+           // Arguments that are not flags were ignored (probe 20, 3): a boolean's value after a
+           // space left the flag true, a flag without dashes or after `--` did nothing.
+           {"--plaintext_unix_sockets false", "unexpected argument 'false' (1 not a flag)"},
+           {"max_sessions=1", "unexpected argument 'max_sessions=1'"},
+           {"-- --max_sessions=1", "unexpected argument '--max_sessions=1'"},
        }) {
     const std::string out =
         RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", flag), &code);
@@ -350,14 +364,33 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
             "--shared_memory_spin_us must be in [0, 1000000], got 2000000"},
            {"--worker_threads=5000", "--worker_threads must be in [0, 1024], got 5000"},
            {"--max_sessions=-1", "--max_sessions must be >= 0"},
+           {"--max_sessions_per_tenant=-1", "--max_sessions_per_tenant must be >= 0"},
            {"--tls_cert=/nonexistent.pem --tls_key=/nonexistent.key",
             "--tls_cert: cannot read /nonexistent.pem"},
+           {"--address=unix:", "--address entry 'unix:' names no socket"},
+           {"--address=127.0.0.1:0 --health_address=unix:/",
+            "--health_address entry 'unix:/': / exists and is not a socket (a directory)"},
        }) {
     const std::string out = RunCommand(
         absl::StrCat(KvrecalldProcess::BinaryPath(), " --metrics_address= ", flag), &code);
     EXPECT_EQ(code, 2) << flag << ": " << out;
     EXPECT_THAT(out, HasSubstr(message)) << flag;
   }
+}
+
+// Flags from a --flagfile are flags like any other: its --metrics_address was replaced by the
+// default (port 9090), because only argv was searched for it.
+TEST(KvrecalldProcessTest, AFlagfilesMetricsAddressIsServed) {
+  testing::TempDirectory dir("flagfile");
+  ASSERT_NE(dir.path(), "");
+  std::ofstream(dir.Path("flags")) << "--metrics_address=127.0.0.1:0\n";
+  int code = -1;
+  const std::string output =
+      RunCommand(absl::StrCat("timeout -s TERM 3 ", KvrecalldProcess::BinaryPath(),
+                              " --address=127.0.0.1:0 --flagfile=", dir.Path("flags")),
+                 &code);
+  EXPECT_THAT(output, HasSubstr("kvrecalld metrics on http://127.0.0.1:"));
+  EXPECT_THAT(output, Not(HasSubstr("127.0.0.1:9090")));
 }
 
 // The start-up log says what GPU placements are served and which CUDA_MODULE_LOADING kvrecalld

@@ -1,7 +1,9 @@
 // kvrecall over a Unix domain socket (--address=unix:PATH), for a runner on the same host: the
 // server listens there (alone or beside a TCP port), reports the address as given, serves
 // decode steps that match brute-force attention through the C++ client, refuses a path another
-// server listens on, replaces a stale socket file, and kvrecalld and the CLI work over it.
+// server listens on or one that is not a socket, replaces a stale socket file, and kvrecalld and
+// the CLI work over it. Also the listening addresses' checks (ports, empty and repeated
+// entries) and what the health port serves.
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -9,18 +11,22 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "client/kvrecall_client.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
@@ -179,6 +185,54 @@ TEST_F(UnixSocketTest, SocketsArePrivateAndAHealthSocketIsGuarded) {
   EXPECT_EQ(CheckHealth(health), HealthCheckResponse::SERVING);
 }
 
+// grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo asked to list the services at
+// `address`, as one request on the stream (`list_services: "*"`, field 7): the call's status,
+// and in *reply the response's bytes.
+grpc::Status ListServicesByReflection(const std::string& address, std::string* reply) {
+  grpc::GenericStub stub(MakeChannel(address));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  const std::string request_bytes = {0x3a, 0x01, '*'};
+  grpc::Slice slice(request_bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  grpc::ByteBuffer response;
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                 grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  reply->clear();
+  std::vector<grpc::Slice> slices;
+  if (status.ok() && response.Dump(&slices).ok()) {
+    for (const grpc::Slice& piece : slices) {
+      reply->append(reinterpret_cast<const char*>(piece.begin()), piece.size());
+    }
+  }
+  return status;
+}
+
+// The health port (plaintext, token-free, open to the probes' network) serves grpc.health.v1
+// alone: server reflection, registered process-wide before, was served there too, unthrottled,
+// a thread per stream (probe 20, 2). The main port still serves it.
+TEST(ServerAddressTest, TheHealthPortServesHealthAloneWithoutReflection) {
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.health_address = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  std::string reply;
+  const grpc::Status on_health = ListServicesByReflection((*server)->health_address(), &reply);
+  EXPECT_EQ(on_health.error_code(), grpc::StatusCode::UNIMPLEMENTED) << on_health.error_message();
+  EXPECT_EQ(CheckHealth((*server)->health_address()), HealthCheckResponse::SERVING);
+  const grpc::Status on_main = ListServicesByReflection((*server)->addresses().front(), &reply);
+  ASSERT_TRUE(on_main.ok()) << on_main.error_message();
+  EXPECT_THAT(reply, HasSubstr("kvrecall.v1.KvRecall"));
+  EXPECT_THAT(reply, HasSubstr("grpc.health.v1.Health"));
+}
+
 // kvrecalld's --metrics_address when not given: as exposed as the API, no more (it was
 // 0.0.0.0:9090 whatever --address said).
 TEST(ServerAddressTest, MetricsDefaultToTheHostOfTheFirstTcpAddress) {
@@ -247,18 +301,72 @@ TEST_F(UnixSocketTest, ReplacesAStaleSocketFile) {
   EXPECT_EQ(CheckHealth("unix:" + path), HealthCheckResponse::SERVING);
 }
 
-TEST_F(UnixSocketTest, FailsOnAPathThatIsNotASocket) {
-  const std::string path = SocketPath("plain-file");
-  std::FILE* f = std::fopen(path.c_str(), "w");
+// A unix:PATH that names something other than a socket is refused before anything binds, and
+// left as it was: a failed start chmod-ed it (and a symbolic link's target) to 0600 (probe 20,
+// 1). The health port's address is held to the same.
+TEST_F(UnixSocketTest, RefusesAPathThatIsNotASocketAndLeavesItAlone) {
+  const std::string file = SocketPath("plain-file");
+  const std::string directory = SocketPath("a-directory");
+  const std::string link = SocketPath("a-link");
+  std::FILE* f = std::fopen(file.c_str(), "w");
   ASSERT_NE(f, nullptr);
   std::fclose(f);
-  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartOn("unix:" + path);
-  EXPECT_TRUE(HasStatus(server.status(), absl::StatusCode::kUnavailable,
-                        "could not listen on unix:" + path + " (address in use or invalid?)"));
-  EXPECT_TRUE(std::filesystem::is_regular_file(path));  // left as it was
-  // And a directory that does not exist.
-  server = StartOn("unix:" + SocketPath("missing/kv.sock"));
-  EXPECT_TRUE(HasStatus(server.status(), absl::StatusCode::kUnavailable, "could not listen on"));
+  ASSERT_EQ(chmod(file.c_str(), 0644), 0);
+  ASSERT_TRUE(std::filesystem::create_directory(directory));
+  ASSERT_EQ(chmod(directory.c_str(), 0755), 0);
+  ASSERT_EQ(symlink(file.c_str(), link.c_str()), 0);
+  auto mode = [](const std::string& path) {
+    struct stat st;
+    return stat(path.c_str(), &st) == 0 ? st.st_mode & 0777 : 0u;
+  };
+  for (const auto& [path, what] : std::vector<std::pair<std::string, std::string>>{
+           {file, "a file"}, {directory, "a directory"}, {link, "a symbolic link"}}) {
+    EXPECT_TRUE(HasStatus(StartOn("127.0.0.1:0,unix:" + path).status(),
+                          absl::StatusCode::kInvalidArgument,
+                          "--address entry 'unix:" + path + "': " + path +
+                              " exists and is not a socket (" + what + ")"))
+        << what;
+    ServerOptions options;
+    options.address = "127.0.0.1:0";
+    options.health_address = "unix:" + path;
+    EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                          "--health_address entry 'unix:" + path + "': " + path +
+                              " exists and is not a socket"))
+        << what;
+  }
+  EXPECT_EQ(mode(file), 0644u);
+  EXPECT_EQ(mode(directory), 0755u);
+  EXPECT_TRUE(std::filesystem::is_regular_file(file));
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  // A directory that does not exist: gRPC cannot bind there.
+  EXPECT_TRUE(HasStatus(StartOn("unix:" + SocketPath("missing/kv.sock")).status(),
+                        absl::StatusCode::kUnavailable, "could not listen on"));
+}
+
+// An empty socket name (an unset variable: --address=unix:$SOCK) is refused: gRPC bound it as
+// an abstract socket of NULs that any process of the network namespace could connect to (probe
+// 20, 4). Blanks around an entry are not part of it (probe 20, 9: the valid entry was blamed),
+// and an entry named twice is refused.
+TEST_F(UnixSocketTest, EmptySocketNamesAndRepeatedEntriesAreRefused) {
+  for (const char* address : {"unix:", "127.0.0.1:0,unix:", "unix-abstract:"}) {
+    EXPECT_TRUE(HasStatus(StartOn(address).status(), absl::StatusCode::kInvalidArgument,
+                          "names no socket"))
+        << address;
+  }
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.health_address = "unix:";
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                        "--health_address entry 'unix:' names no socket: unix:PATH needs a PATH"));
+  const std::string path = SocketPath("twice.sock");
+  EXPECT_TRUE(HasStatus(StartOn("unix:" + path + ", unix:" + path).status(),
+                        absl::StatusCode::kInvalidArgument,
+                        "names 'unix:" + path + "' twice"));
+  absl::StatusOr<std::unique_ptr<RunningServer>> server =
+      StartOn(" 127.0.0.1:0 , unix:" + path + " ");
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->addresses().back(), "unix:" + path);
+  EXPECT_EQ(CheckHealth("unix:" + path), HealthCheckResponse::SERVING);
 }
 
 // The real binaries: kvrecalld reports the socket it listens on, the CLI reaches it there, and

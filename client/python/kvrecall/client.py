@@ -475,7 +475,10 @@ class Tls:
     server_name: str | None = None
 
 
-def _read_pem(path, what):
+def _read_pem(path, what, kind):
+    """The PEM file's bytes; it must hold a block of `kind` ("CERTIFICATE"; "PRIVATE KEY"
+    matches "RSA PRIVATE KEY" too): a key given as the CA failed only as a server that never
+    answered."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -483,7 +486,26 @@ def _read_pem(path, what):
         raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
     if b"-----BEGIN " not in data:
         raise ValueError(f"{what}: {path} is not a PEM file")
+    if f" {kind}-----".encode() not in data:
+        raise ValueError(f"{what}: {path} holds no PEM {kind} block")
     return data
+
+
+def _check_token(token):
+    """ValueError unless `token` can travel as an "authorization: Bearer" header: a str of
+    printable ASCII without blanks, as kvrecalld's --auth_token_file lists them. A newline (a
+    token file read whole) or a non-ASCII character failed every call as UNAVAILABLE "Illegal
+    metadata", which a retry never mends."""
+    if not isinstance(token, str):
+        raise ValueError(f"token must be a str, got {type(token).__name__}")
+    if not token:
+        raise ValueError("token is empty (token=None sends none)")
+    for i, c in enumerate(token):
+        if not ("!" <= c <= "~"):
+            raise ValueError(
+                f"token: character {i + 1} of {len(token)} is not printable ASCII (a bearer "
+                "token has no blanks or newlines: read_token_file takes a file's first line "
+                "without them)")
 
 
 def _channel_kind(target, tls, token):
@@ -535,6 +557,8 @@ def make_channel(target, options=(), tls=None, token=None):
     (_check_own_socket); to unix-abstract:NAME nowhere (ValueError:
     such a socket has no file permissions, so kvrecalld serves it with TLS alone). ValueError
     also for unusable files."""
+    if token is not None:
+        _check_token(token)
     kind = _channel_kind(target, tls, token)
     if kind == "plaintext":
         return grpc.insecure_channel(target, options=list(options))
@@ -548,9 +572,9 @@ def make_channel(target, options=(), tls=None, token=None):
     if (tls.cert is None) != (tls.key is None):
         raise ValueError("Tls.cert and Tls.key go together (a client certificate for mutual TLS)")
     credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read_pem(tls.ca, "Tls.ca") if tls.ca else None,
-        private_key=_read_pem(tls.key, "Tls.key") if tls.key else None,
-        certificate_chain=_read_pem(tls.cert, "Tls.cert") if tls.cert else None)
+        root_certificates=_read_pem(tls.ca, "Tls.ca", "CERTIFICATE") if tls.ca else None,
+        private_key=_read_pem(tls.key, "Tls.key", "PRIVATE KEY") if tls.key else None,
+        certificate_chain=_read_pem(tls.cert, "Tls.cert", "CERTIFICATE") if tls.cert else None)
     if token is not None:
         credentials = grpc.composite_channel_credentials(
             credentials, grpc.access_token_call_credentials(token))

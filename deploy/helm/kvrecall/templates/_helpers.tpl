@@ -98,7 +98,13 @@ memory limit is required, with or without gib.
 {{- if ge $gib $limitGiB }}
 {{- fail (printf "server.hostMemoryBudget.gib (%v) must be below resources.limits.memory (%s = %v GiB)" $gib $limit $limitGiB) }}
 {{- end }}
-{{- printf "%.2f" (divf (floor (mulf $gib 100)) 100) }}
+{{- /* Rendered in hundredths of a GiB, rounded down to stay below the limit; kvrecalld reads 0
+       as no budget at all, so a budget that rounds to 0 is refused here (probe 20, 6). */}}
+{{- $rendered := divf (floor (mulf $gib 100)) 100 }}
+{{- if le $rendered 0.0 }}
+{{- fail (printf "the host memory budget (%v GiB) rounds down to 0.00 GiB, which kvrecalld reads as no budget at all: give at least 0.01 GiB (server.hostMemoryBudget, resources.limits.memory)" $gib) }}
+{{- end }}
+{{- printf "%.2f" $rendered }}
 {{- end }}
 
 {{/* The Unix socket a co-located runner reaches kvrecalld on (colocatedRunner). */}}
@@ -199,6 +205,9 @@ tokens only when it is given one.
 {{- if .Values.server.maxSessions }}
 - --max_sessions={{ int64 .Values.server.maxSessions }}
 {{- end }}
+{{- if .Values.server.maxSessionsPerTenant }}
+- --max_sessions_per_tenant={{ int64 .Values.server.maxSessionsPerTenant }}
+{{- end }}
 {{- if .Values.server.maxContextTokens }}
 - --max_context_tokens={{ int64 .Values.server.maxContextTokens }}
 {{- end }}
@@ -226,7 +235,10 @@ tokens only when it is given one.
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "plaintext_unix_sockets" "noplaintext_unix_sockets") }}
 {{- fail "server.extraArgs: --plaintext_unix_sockets is set by the chart: with colocatedRunner.enabled and tls.enabled the runner's Unix socket goes without TLS" }}
 {{- end }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "flagfile" "fromenv" "tryfromenv") }}
+{{- fail (printf "server.extraArgs: %s would set flags past the chart's checks (those it sets, and --plaintext_unix_sockets); give each flag in server.extraArgs instead" $flag) }}
+{{- end }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}
