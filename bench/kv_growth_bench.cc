@@ -49,7 +49,7 @@ double Millis(std::chrono::steady_clock::time_point since) {
 // A freshly allocated and written array of `bytes` (what a layer holds before it grows), with
 // `reserve` bytes of address space to grow into.
 HostMemory Filled(size_t bytes, size_t reserve = 0) {
-  absl::StatusOr<HostMemory> memory = AllocateHostMemory(bytes, HostHugePages(), reserve);
+  absl::StatusOr<HostMemory> memory = AllocateHostMemory(bytes, cpu::HostHugePages(), reserve);
   if (!memory.ok()) {
     std::fprintf(stderr, "%s\n", std::string(memory.status().message()).c_str());
     std::exit(1);
@@ -102,7 +102,7 @@ int Main() {
   const auto row = static_cast<size_t>(absl::GetFlag(FLAGS_row_bytes));
   const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
   const bool pins = DeviceForPinning();
-  nlohmann::json out = {{"row_bytes", row}, {"huge_pages", HostHugePages()}, {"pins", pins}};
+  nlohmann::json out = {{"row_bytes", row}, {"huge_pages", cpu::HostHugePages()}, {"pins", pins}};
   for (const int64_t rows : lengths) {
     const size_t old_bytes = static_cast<size_t>(rows) * row;
     const size_t new_bytes = old_bytes + old_bytes / 2;

@@ -132,9 +132,6 @@ class ReTopKHead {
   void StepDecided(const float* q, const KvView& kv, int kv_head, HeadSelection* out,
                    SupportSelector* exact_search = nullptr, int q_head = 0);
   void CompleteDecided(std::span<const int32_t> support);
-  // The last Decide's path and best cosine.
-  SelectionPath decided_path() const { return decided_path_; }
-  float decided_best_cosine() const { return decided_best_; }
   std::span<const int32_t> neighbors() const { return neighbors_; }
   std::span<const int32_t> candidates() const { return candidates_; }
 

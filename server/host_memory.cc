@@ -28,7 +28,6 @@
 namespace kvrecall {
 namespace {
 
-std::atomic<bool> huge_pages_on{true};
 // HostAddressSpaceHeld, and the bound set for tests (0: none set).
 std::atomic<size_t> address_space_held{0};
 std::atomic<size_t> address_space_bound_for_testing{0};
@@ -171,8 +170,6 @@ void SetHostSmallMappingsBoundForTesting(int64_t mappings) {
   mappings_bound_for_testing.store(mappings, std::memory_order_relaxed);
 }
 
-void SetHostHugePages(bool on) { huge_pages_on.store(on, std::memory_order_relaxed); }
-bool HostHugePages() { return huge_pages_on.load(std::memory_order_relaxed); }
 
 HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {
   if (this != &other) {
@@ -274,7 +271,7 @@ int64_t MemoryLimitBytes() {
 }
 
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes) {
-  return AllocateHostMemory(bytes, HostHugePages());
+  return AllocateHostMemory(bytes, cpu::HostHugePages());
 }
 
 namespace {

@@ -21,11 +21,6 @@ namespace kvrecall {
 // threshold of kernels/cpu/mapped_memory.h's, which maps their pages).
 inline constexpr size_t kHugePageBytes = cpu::kMappedAllocationBytes;
 
-// Whether large allocations ask for huge pages (true unless turned off); thread-safe, read at
-// every allocation.
-void SetHostHugePages(bool on);
-bool HostHugePages();
-
 // Whether HostMemory::Grow grows an allocation with no address space reserved past it where
 // it is, when the addresses after it are free. Not in ThreadSanitizer builds, which move it
 // then, into a fresh mapping: TSan does not see mremap, and pages grown into a range a moved
@@ -190,8 +185,8 @@ int64_t CgroupMemoryLimitBytes(const std::string& mount, const std::string& memb
 // more, while the process's mappings are few (HostMappings). Any other (and one of no bytes) is
 // a heap allocation of whole pages of its own (nothing reserved), so that pinning it never
 // meets another's pages. RESOURCE_EXHAUSTED, saying how many bytes, when the memory or the
-// address space cannot be had. The first form follows HostHugePages() and reserves nothing; the
-// third reserves up to `reserve_bytes` (one choice).
+// address space cannot be had. The first form follows cpu::HostHugePages() and reserves
+// nothing; the third reserves up to `reserve_bytes` (one choice).
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes);
 absl::StatusOr<HostMemory> AllocateHostMemory(size_t bytes, bool huge_pages,
                                               absl::Span<const size_t> reserve_choices);

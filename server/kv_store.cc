@@ -179,7 +179,7 @@ absl::Status BudgetedRows::Reallocate(int64_t capacity_rows, absl::string_view w
     }
   }
   absl::StatusOr<HostMemory> grown =
-      AllocateHostMemory(static_cast<size_t>(bytes), HostHugePages(), reserve);
+      AllocateHostMemory(static_cast<size_t>(bytes), cpu::HostHugePages(), reserve);
   if (!grown.ok()) {
     PinCurrent();  // as it was
     return absl::Status(grown.status().code(),

@@ -150,6 +150,7 @@ ABSL_FLAG(bool, host_huge_pages, true,
           "huge pages (each its own 2 MiB-aligned mapping, MADV_HUGEPAGE), so that scattered row "
           "reads by the host's threads and by a GPU over PCIe need fewer address translations; "
           "takes effect where /sys/kernel/mm/transparent_hugepage/enabled is madvise or always; "
+          "the graph index's adjacency and build scratch of 2 MiB or more follow it too; "
           "false: 4 KiB pages (MADV_NOHUGEPAGE)");
 ABSL_FLAG(bool, host_kv_growth_ahead, true,
           "grow a layer's host KV (cpu and tiered placements) ahead of need on a thread of its "
@@ -270,7 +271,7 @@ int main(int argc, char** argv) {
   }
 
   // Before any session allocates its KV.
-  kvrecall::SetHostHugePages(absl::GetFlag(FLAGS_host_huge_pages));
+  kvrecall::cpu::SetHostHugePages(absl::GetFlag(FLAGS_host_huge_pages));
   kvrecall::SetHostKvGrowthAhead(absl::GetFlag(FLAGS_host_kv_growth_ahead));
   if (absl::GetFlag(FLAGS_host_huge_pages) && kvrecall::TransparentHugePagesMode() == "never") {
     std::fprintf(stderr,

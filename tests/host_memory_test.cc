@@ -548,10 +548,10 @@ TEST(HostMemoryTest, MovingHandsTheAllocationOver) {
 }
 
 TEST(HostMemoryTest, TheSwitchPicksTheDefault) {
-  ASSERT_TRUE(HostHugePages()) << "on unless turned off";
-  SetHostHugePages(false);
+  ASSERT_TRUE(cpu::HostHugePages()) << "on unless turned off";
+  cpu::SetHostHugePages(false);
   absl::StatusOr<HostMemory> off = AllocateHostMemory(2 * kHugePageBytes);
-  SetHostHugePages(true);
+  cpu::SetHostHugePages(true);
   absl::StatusOr<HostMemory> on = AllocateHostMemory(2 * kHugePageBytes);
   ASSERT_TRUE(off.ok() && on.ok());
   EXPECT_FALSE(off->huge_pages_requested());

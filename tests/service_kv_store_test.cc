@@ -694,7 +694,7 @@ bool HugePageAligned(const void* p) {
 TEST(KvStoreTest, ContentSurvivesGrowthInHugePagesAndInSmallOnes) {
   for (const bool huge_pages : {true, false}) {
     SCOPED_TRACE(huge_pages ? "huge pages" : "4 KiB pages");
-    SetHostHugePages(huge_pages);
+    cpu::SetHostHugePages(huge_pages);
     MemoryBudget budget(0);
     BudgetedRows rows(1024, &budget);  // 4 KiB rows: 16 rows, 24, ... past 2 MiB at 512
     int large = 0;
@@ -717,7 +717,7 @@ TEST(KvStoreTest, ContentSurvivesGrowthInHugePagesAndInSmallOnes) {
     rows.Free();
     EXPECT_EQ(budget.used(), 0);
   }
-  SetHostHugePages(true);
+  cpu::SetHostHugePages(true);
 }
 
 TEST(KvStoreTest, LayerKvIsInHugePagesWhereTheHostAllowsThem) {

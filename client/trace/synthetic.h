@@ -100,8 +100,6 @@ class SyntheticTrace {
   const SyntheticTraceParams& params() const { return params_; }
   TraceGeometry geometry() const;
   const std::vector<Needle>& needles() const { return needles_; }
-  // Topic of each prompt token (0 for sinks), for tests.
-  const std::vector<int32_t>& prompt_topics() const { return prompt_topics_; }
   // The trace's __metadata__: "source", "generator", "seed", "sinks", "topics", "mean_segment",
   // "drift_period", "query_drift", "decode_noise", "rotary_dims", "rope_base", "rope" and
   // "needles" (a JSON list of {"position", "decode_step"} objects).

@@ -46,7 +46,8 @@ void ScoreTokensForQueries(std::span<const float* const> queries, const KvView& 
                            std::span<const int32_t> ids, std::span<const uint32_t> which,
                            float scale, float* const* scores);
 
-// scores[t - begin] = scale * <q, key(t, kv_head)> for t in [begin, end).
+// scores[t - begin] = scale * <q, key(t, kv_head)> for t in [begin, end). q: [head_dim];
+// scores: [end - begin].
 void ScoreRange(const float* q, const KvView& kv, int kv_head, int64_t begin, int64_t end,
                 float scale, float* scores);
 
@@ -74,7 +75,8 @@ float Normalize(const float* x, int n, float* unit);
 // scores are ordered by position so that every backend breaks ties the same way.
 void TopKPositions(std::span<const float> scores, int k, std::vector<int32_t>* positions);
 
-// The exact top-k tokens of [0, kv.tokens) for q by a full scan, highest score first.
+// The exact top-k tokens of [0, kv.tokens) for q ([head_dim]) by a full scan, highest score
+// first; *ids gets min(k, kv.tokens) of them.
 void ExactTopK(const float* q, const KvView& kv, int kv_head, float scale, int k,
                std::vector<int32_t>* ids);
 
@@ -86,10 +88,12 @@ void PartialAttention(const float* q, const KvView& kv, int kv_head,
 // The attention state of q over the tokens `ids` whose scaled scores the caller has already
 // computed (scores[i] for ids[i], as ScoreTokens gives them): only the softmax and the weighted
 // sum of the values remain. Equal to PartialAttention over the same ids, bit for bit.
+// scores: [ids.size()]; o: [head_dim]; *lse as PartialAttention's.
 void PartialAttentionScored(std::span<const float> scores, const KvView& kv, int kv_head,
                             std::span<const int32_t> ids, float* o, float* lse);
 
-// The attention state of q over the contiguous tokens [begin, end).
+// The attention state of q over the contiguous tokens [begin, end). q, o: [head_dim]; *lse as
+// PartialAttention's.
 void PartialAttentionRange(const float* q, const KvView& kv, int kv_head, int64_t begin,
                            int64_t end, float scale, float* o, float* lse);
 

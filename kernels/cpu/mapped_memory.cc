@@ -3,9 +3,18 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 
 namespace kvrecall::cpu {
+namespace {
+
+std::atomic<bool> huge_pages_on{true};
+
+}  // namespace
+
+void SetHostHugePages(bool on) { huge_pages_on.store(on, std::memory_order_relaxed); }
+bool HostHugePages() { return huge_pages_on.load(std::memory_order_relaxed); }
 
 PageMapping MapPagesNow(void* p, size_t bytes, bool huge_pages) {
   PageMapping mapping;

@@ -22,6 +22,12 @@ struct PageMapping {
   int populate_errno = 0;
 };
 
+// Whether large host allocations ask for huge pages (kvrecalld's --host_huge_pages; true unless
+// turned off): MappedAllocator's below and server/host_memory.h's, one switch for both.
+// Thread-safe, read at every allocation.
+void SetHostHugePages(bool on);
+bool HostHugePages();
+
 // Maps the pages of a fresh allocation [p, p + bytes) in one call (MADV_POPULATE_WRITE), after
 // MADV_HUGEPAGE, or with huge_pages false after MADV_NOHUGEPAGE (4 KiB pages even where the THP
 // mode is "always"), whatever its size. Best effort: kernels without these advices (Linux <
@@ -36,7 +42,8 @@ inline size_t MappedBytes(size_t bytes) {
                    kMappedAllocationBytes;
 }
 
-// A std::allocator whose large allocations (MappedBytes) are 2 MiB-aligned and mapped now.
+// A std::allocator whose large allocations (MappedBytes) are 2 MiB-aligned and mapped now, in
+// huge pages unless HostHugePages() is off.
 template <typename T>
 struct MappedAllocator {
   using value_type = T;
@@ -48,7 +55,7 @@ struct MappedAllocator {
     const size_t bytes = n * sizeof(T);
     if (bytes < kMappedAllocationBytes) return std::allocator<T>().allocate(n);
     void* p = ::operator new(MappedBytes(bytes), std::align_val_t{kMappedAllocationBytes});
-    MapPagesNow(p, MappedBytes(bytes));
+    MapPagesNow(p, MappedBytes(bytes), HostHugePages());
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t n) {

@@ -245,8 +245,7 @@ absl::Status CheckArgs(const DecodeShape& shape, int top_k, const CandidateLists
   return absl::OkStatus();
 }
 
-}  // namespace
-
+// Shared memory the kernel needs for these bounds, in bytes (0 for bounds CheckArgs refuses).
 int64_t CandidateAttentionSmemBytes(const DecodeShape& shape, int top_k,
                                     const CandidateLists& lists) {
   if (!CheckArgs(shape, top_k, lists).ok()) return 0;
@@ -256,6 +255,8 @@ int64_t CandidateAttentionSmemBytes(const DecodeShape& shape, int top_k,
         LayoutOf<kDim>(Log2SlotsFor(lists), max_candidates, top_k).total);
   });
 }
+
+}  // namespace
 
 absl::Status CheckCandidateAttention(const DecodeShape& shape, int top_k,
                                      const CandidateLists& lists) {

@@ -47,10 +47,6 @@ struct CandidateOutputs {
   int32_t* candidate_count = nullptr;
 };
 
-// Shared memory the kernel needs for these bounds, in bytes.
-int64_t CandidateAttentionSmemBytes(const DecodeShape& shape, int top_k,
-                                    const CandidateLists& lists);
-
 // OK when the kernel serves this geometry, top_k and these list bounds on the current device
 // (its shared memory holds the largest candidate set), else INVALID_ARGUMENT naming what does
 // not fit. Reads the device's limits, allocates nothing.

@@ -82,66 +82,6 @@ __device__ __forceinline__ float GroupMax(float x) {
   return x;
 }
 
-// One butterfly stage of TransposeReduce per instantiation (template recursion keeps every
-// array index a compile-time constant, so the values stay in registers).
-template <int kValues, int kCount, int kOffset>
-__device__ __forceinline__ void TransposeReduceFrom(float (&vals)[kValues]) {
-  if constexpr (kOffset > 0) {
-    if constexpr (kCount > 1) {
-      constexpr int kHalf = kCount / 2;
-      const bool upper = (threadIdx.x & kOffset) != 0;
-#pragma unroll
-      for (int i = 0; i < kHalf; ++i) {
-        const float send = upper ? vals[i] : vals[i + kHalf];
-        const float keep = upper ? vals[i + kHalf] : vals[i];
-        vals[i] = keep + __shfl_xor_sync(0xffffffffu, send, kOffset);
-      }
-      TransposeReduceFrom<kValues, kHalf, kOffset / 2>(vals);
-    } else {
-      vals[0] += __shfl_xor_sync(0xffffffffu, vals[0], kOffset);
-      TransposeReduceFrom<kValues, 1, kOffset / 2>(vals);
-    }
-  }
-}
-
-// Sums kValues per-lane partial values over aligned groups of kLanes lanes with a butterfly
-// that hands half of the remaining values to the partner at each stage: kValues - 1 shuffles
-// (plus log2(kLanes / kValues) when kValues < kLanes) instead of kValues * log2(kLanes). On
-// return lane p of a group holds the totals of values [p * kKept, (p + 1) * kKept) in
-// vals[0, kKept) when kValues >= kLanes (kKept = kValues / kLanes), else the total of value
-// p / (kLanes / kValues) in vals[0]. Both counts are powers of two.
-template <int kValues, int kLanes>
-__device__ __forceinline__ void TransposeReduce(float (&vals)[kValues]) {
-  static_assert((kValues & (kValues - 1)) == 0 && (kLanes & (kLanes - 1)) == 0);
-  TransposeReduceFrom<kValues, kValues, kLanes / 2>(vals);
-}
-
-template <int kValues, int kCount, int kOffset, int kLanes>
-__device__ __forceinline__ void AllGatherFrom(float (&vals)[kValues]) {
-  if constexpr (kOffset < kLanes) {
-    const bool upper = (threadIdx.x & kOffset) != 0;
-    float received[kCount];
-#pragma unroll
-    for (int i = 0; i < kCount; ++i) received[i] = __shfl_xor_sync(0xffffffffu, vals[i], kOffset);
-#pragma unroll
-    for (int i = 0; i < kCount; ++i) {
-      const float own = vals[i];
-      vals[i] = upper ? received[i] : own;
-      vals[i + kCount] = upper ? own : received[i];
-    }
-    AllGatherFrom<kValues, 2 * kCount, 2 * kOffset, kLanes>(vals);
-  }
-}
-
-// After TransposeReduce: gives every lane of the group all kValues totals, in index order
-// (kValues - kKept shuffles).
-template <int kValues, int kLanes>
-__device__ __forceinline__ void AllGather(float (&vals)[kValues]) {
-  constexpr int kKept = kValues >= kLanes ? kValues / kLanes : 1;
-  constexpr int kFirstOffset = kValues >= kLanes ? 1 : kLanes / kValues;
-  AllGatherFrom<kValues, kKept, kFirstOffset, kLanes>(vals);
-}
-
 // Slot of logical position p (0 <= p < head_count + ring_count) of a DeviceSeq.
 __device__ __forceinline__ int32_t SlotOf(const DeviceSeq& seq, int32_t p) {
   if (p < seq.head_count) return p;

@@ -109,28 +109,6 @@ __device__ __forceinline__ void RunTilePipeline(int num_tiles, const Issue& issu
   __syncthreads();
 }
 
-// Loads this lane's 8 elements of kGroup consecutive queries (f32, [q_heads, head_dim] rows
-// starting at `q`), times `factor`.
-template <int kLanes, int kGroup>
-__device__ __forceinline__ void LoadQueries(const float* q, int head_dim, float factor,
-                                            float (&out)[kGroup][kVecElems]) {
-  const int part = threadIdx.x % kLanes;
-#pragma unroll
-  for (int h = 0; h < kGroup; ++h) {
-    const float4* src = reinterpret_cast<const float4*>(q + h * head_dim + part * kVecElems);
-    const float4 a = __ldg(src);
-    const float4 b = __ldg(src + 1);
-    out[h][0] = a.x * factor;
-    out[h][1] = a.y * factor;
-    out[h][2] = a.z * factor;
-    out[h][3] = a.w * factor;
-    out[h][4] = b.x * factor;
-    out[h][5] = b.y * factor;
-    out[h][6] = b.z * factor;
-    out[h][7] = b.w * factor;
-  }
-}
-
 // The queries of one decode step and where their keys live, as every key-reading kernel takes
 // them.
 struct DecodeBatch {

@@ -11,8 +11,7 @@
 namespace kvrecall {
 ProductQuantizerParams BulkCodes::TrainingParams(int head_dim) {
   ProductQuantizerParams params;
-  params.subspaces = SubspacesFor(head_dim);
-  params.training_keys = 16384;
+  params.subspaces = SubspacesFor(head_dim);  // training_keys: the quantizer's default
   params.iterations = 8;
   return params;
 }
