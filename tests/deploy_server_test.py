@@ -264,8 +264,11 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                 self.assertIn({"name": volume["name"], "mountPath": socket_dir}, c["volumeMounts"])
             runner_env = {e["name"]: e["value"] for e in containers["runner"]["env"]}
             socket_address = runner_env["KVRECALL_ADDRESS"]
-            port = free_port()
-            args = [re.sub(r"^--address=[^,]*", f"--address=127.0.0.1:{port}", a)
+            port, metrics_port = free_port(), free_port()
+            # Loopback ports: the chart's metrics port (9090) may be taken on a shared machine.
+            metrics = f"--metrics_address=127.0.0.1:{metrics_port}"
+            args = [re.sub(r"^--metrics_address=.*", metrics,
+                           re.sub(r"^--address=[^,]*", f"--address=127.0.0.1:{port}", a))
                     for a in containers["kvrecalld"]["args"]]
             self.assertIn(f"--address=127.0.0.1:{port},{socket_address}", args)
             server = subprocess.Popen([KVRECALLD, *args], stdout=subprocess.PIPE,
