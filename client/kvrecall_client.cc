@@ -693,9 +693,32 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   return token;
 }
 
+absl::Status CheckServerAddress(absl::string_view address) {
+  if (absl::StrContains(address, "://") || absl::StartsWith(address, "unix:") ||
+      absl::StartsWith(address, "unix-abstract:") || absl::StartsWith(address, "dns:") ||
+      absl::StartsWith(address, "ipv4:") || absl::StartsWith(address, "ipv6:")) {
+    return absl::OkStatus();  // gRPC's own schemes: its resolvers check them
+  }
+  const size_t colon = address.rfind(':');
+  const absl::string_view host =
+      colon == absl::string_view::npos ? address : address.substr(0, colon);
+  int64_t port = 0;
+  if (colon == absl::string_view::npos || colon == 0 ||
+      (absl::StrContains(host, ':') && !(host.front() == '[' && host.back() == ']')) ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "server address '", address,
+        "' must be HOST:PORT with a port in [1, 65535] (an IPv6 host in brackets: [::1]:50051), "
+        "unix:PATH or unix-abstract:NAME (gRPC would take the port modulo 2^16, or 443 where "
+        "none is given)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
                                                         const ChannelSecurity& security,
                                                         int max_message_bytes) {
+  if (absl::Status s = CheckServerAddress(address); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(security, address);
   if (!credentials.ok()) return credentials.status();

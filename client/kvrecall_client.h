@@ -229,6 +229,13 @@ struct ChannelSecurity {
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ChannelSecurity& security, absl::string_view target = "");
 
+// OK when `address` can name a kvrecalld: HOST:PORT with a port in [1, 65535] (an IPv6 host in
+// brackets), or a target of one of gRPC's schemes (unix:PATH, unix-abstract:NAME, dns:, ipv4:,
+// ipv6:, SCHEME://...), which its resolvers check; INVALID_ARGUMENT otherwise. gRPC takes a
+// port modulo 2^16 and a missing one as 443: a typo reached another server. Connect (with a
+// ChannelSecurity) checks it.
+absl::Status CheckServerAddress(absl::string_view address);
+
 // The bearer token in the file at `path`: its first line without the whitespace around it (a
 // trailing newline, say), as in a Kubernetes Secret's file; the chart's co-located runner finds
 // that path in $KVRECALL_TOKEN_FILE (the library reads no environment: the kvrecall CLI's
@@ -243,9 +250,9 @@ class Client {
   // An insecure channel to HOST:PORT accepting replies up to max_message_bytes.
   static std::unique_ptr<Client> Connect(const std::string& address,
                                          int max_message_bytes = 64 << 20);
-  // A channel secured as `security` says; fails only when its files are unusable or its token
-  // alone cannot go to `address` (MakeChannelCredentials; the connection itself is made, and
-  // checked, by the first call).
+  // A channel secured as `security` says; fails only when `address` is malformed
+  // (CheckServerAddress), its files are unusable or its token alone cannot go to `address`
+  // (MakeChannelCredentials; the connection itself is made, and checked, by the first call).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
                                                          const ChannelSecurity& security,
                                                          int max_message_bytes = 64 << 20);

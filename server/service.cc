@@ -870,7 +870,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
         break;
       }
       if (region_.broken()) {
-        end = BrokenRegionStatus();
+        end = BrokenRegionStatus("no request of it was being served");
         break;
       }
       const uint32_t request = h->request_seq.load();
@@ -902,8 +902,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
         end = std::move(status);
         break;
       }
-      if (region_.broken()) {  // the reply went nowhere (the step was applied)
-        end = BrokenRegionStatus();
+      if (region_.broken()) {  // the reply went nowhere: the step was applied (probe 21, 1)
+        end = BrokenRegionStatus(absl::StrCat(
+            "Decode request ", requests_ - 1, "'s step was applied and its reply lost: do not "
+            "resend it (GetSession's layer_tokens tell where each layer is)"));
         break;
       }
     }
@@ -932,7 +934,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
                                        "; nothing of it was applied"));
     }
     request_bytes_.assign(region_.request(), bytes);
-    if (region_.broken()) return BrokenRegionStatus();  // what was copied is zeros: not applied
+    if (region_.broken()) {  // what was copied is zeros: not applied
+      return BrokenRegionStatus(
+          absl::StrCat("Decode request ", index, " was read as zeros and not applied"));
+    }
     if (absl::Status s = service_->StillAuthorized(identity_); !s.ok()) {
       return service_->Answer(s);
     }
@@ -959,12 +964,13 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   }
 
   // The stream's end when its runner shrank the region's file under the mapping (MappedRegion's
-  // broken()): what the region held is gone on both sides.
-  grpc::Status BrokenRegionStatus() const {
+  // broken()): what the region held is gone on both sides. `what_happened` says whether the
+  // request in flight was applied: a runner told "not applied" resends it.
+  grpc::Status BrokenRegionStatus(absl::string_view what_happened) const {
     return grpc::Status(grpc::StatusCode::DATA_LOSS,
                         absl::StrCat("the shared decode region ", region_.path(),
-                                     " was shrunk while mapped; this stream ends (a request "
-                                     "read as zeros is not applied; open a new stream)"));
+                                     " was shrunk while mapped; this stream ends (",
+                                     what_happened, "; open a new stream)"));
   }
 
   // Publishes the answer to request `seq`: the reply already in the region (`reply_bytes` of

@@ -4,6 +4,7 @@
 // prompt + decode step sent as plain float JSON through `buf curl` and server reflection.
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
@@ -405,6 +407,83 @@ TEST_F(CliTest, LocalInputsAreRefusedByFlagName) {
   }
   EXPECT_FALSE(std::filesystem::exists(trace + ".x"));
   std::filesystem::remove(trace);
+}
+
+// Traces the service would refuse are refused where they are made or read (probe 21, 6 and 7):
+// synth's knobs that push a value past what f16 holds or to infinity, and bench-index on a
+// trace holding NaN (it reported recall 1.0: a NaN query found every list "exact").
+TEST_F(CliTest, TracesOfValuesTheServiceRefusesAreRefused) {
+  testing::TempDirectory dir("cli-values");
+  ASSERT_NE(dir.path(), "");
+  const std::vector<std::string> synth = {KvrecallBinary(), "synth", "--context=256",
+                                          "--decode_steps=8", "--layers=1"};
+  auto with = [&](std::vector<std::string> args, const std::vector<std::string>& more) {
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  ProcessResult r = RunProcess(with(synth, {"--out=" + dir.Path("noisy"), "--decode_noise=1e38"}));
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("beyond the +-65504 the service takes: lower decode_noise"));
+  EXPECT_FALSE(std::filesystem::exists(dir.Path("noisy")));
+  r = RunProcess(with(synth, {"--out=" + dir.Path("flat"), "--rope_base=inf"}));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("rope_base must be finite and > 1, got inf"));
+
+  // A trace whose first prompt key is NaN (f32, so the value lands as written).
+  const std::string trace = dir.Path("trace");
+  r = RunProcess(with(synth, {"--out=" + trace, "--dtype=f32"}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  {
+    // safetensors: an 8-byte little-endian header length, the JSON header, then the data.
+    std::fstream f(trace, std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t header_bytes = 0;
+    f.read(reinterpret_cast<char*>(&header_bytes), sizeof header_bytes);
+    std::string header(header_bytes, '\0');
+    f.read(header.data(), static_cast<std::streamsize>(header_bytes));
+    const nlohmann::json j = nlohmann::json::parse(header);
+    const int64_t at = 8 + static_cast<int64_t>(header_bytes) +
+                       j.at("layer0.prefill.k").at("data_offsets")[0].get<int64_t>();
+    const float nan = std::nanf("");
+    f.seekp(at);
+    f.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+  }
+  r = RunProcess({KvrecallBinary(), "bench-index", "--trace=" + trace, "--methods=flat"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("layer 0 prefill k holds nan at element 0"));
+}
+
+// An interrupted synth removes its temporary file (it left gigabytes of ".partial-" files at
+// 1M tokens: probe 21, 5) and ends as the signal ends a process.
+TEST_F(CliTest, AnInterruptedSynthLeavesNoPartialFile) {
+  testing::TempDirectory dir("cli-partial");
+  ASSERT_NE(dir.path(), "");
+  const std::string out = dir.Path("big.safetensors");
+  const std::string binary = KvrecallBinary();
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int null = open("/dev/null", O_WRONLY);
+    dup2(null, 1);
+    dup2(null, 2);
+    execl(binary.c_str(), binary.c_str(), "synth", ("--out=" + out).c_str(), "--context=1048576",
+          "--decode_steps=16", "--q_heads=32", "--kv_heads=8", "--head_dim=128", "--layers=4",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  auto partial = [&] {
+    for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+      if (absl::StrContains(entry.path().filename().string(), ".partial-")) return true;
+    }
+    return false;
+  };
+  const bool started = testing::Within(absl::Seconds(60), partial);
+  kill(pid, SIGTERM);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(started) << "synth made no partial file";
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+  EXPECT_FALSE(partial());
+  EXPECT_FALSE(std::filesystem::exists(out));
 }
 
 // --token_file and its default, $KVRECALL_TOKEN_FILE: the file is read before anything is

@@ -424,6 +424,24 @@ TEST_F(ClientTest, CreateSessionAnnouncesMaxTokens) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A port past 65535 reached another server (gRPC takes it modulo 2^16: :113657 listed the
+// sessions of the server on 48121), and a missing one port 443 (probe 21, 8); gRPC's own
+// schemes pass to its resolvers.
+TEST(ServerAddressTest, AConnectionsPortIsCheckedBeforeGrpcWrapsIt) {
+  for (const char* address : {"127.0.0.1:113657", "127.0.0.1:99999", "127.0.0.1:0", "localhost",
+                              "::1", "fe80::1:8080", ":50051", "127.0.0.1:", "127.0.0.1:5x"}) {
+    EXPECT_TRUE(testing::HasStatus(Client::Connect(address, ChannelSecurity()).status(),
+                                   absl::StatusCode::kInvalidArgument,
+                                   absl::StrCat("server address '", address,
+                                                "' must be HOST:PORT with a port in [1, 65535]")))
+        << address;
+  }
+  for (const char* address : {"127.0.0.1:50051", "localhost:1", "[::1]:65535", "unix:/tmp/k.sock",
+                              "unix-abstract:kv", "dns:///localhost:50051", "ipv4:127.0.0.1:1"}) {
+    EXPECT_TRUE(CheckServerAddress(address).ok()) << address;
+  }
+}
+
 TEST(ApiNamesTest, ParseAndPrintTheEnumsInLowerCase) {
   for (v1::Selector s : {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK, v1::SELECTOR_STREAMING,
                          v1::SELECTOR_INDEX, v1::SELECTOR_RETOPK}) {

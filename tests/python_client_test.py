@@ -397,6 +397,16 @@ class ArgumentCheckTest(ServerTest):
         return tuple(rng.standard_normal((h, self.D), dtype=np.float32)
                      for h in (self.HQ, self.HKV, self.HKV))
 
+    def test_a_server_address_whose_port_grpc_would_wrap_is_refused(self):
+        # gRPC takes a port modulo 2^16 (:113657 reached the server on 48121) and a missing one
+        # as 443 (probe 21, 8): the client refuses both before making a channel.
+        for target in ("127.0.0.1:113657", "127.0.0.1:0", "localhost", "::1", "[::1]:70000"):
+            with self.subTest(target=target), self.assertRaisesRegex(
+                    ValueError, re.escape(f"server address {target!r} must be HOST:PORT")):
+                kvrecall.Client(target, wait_ready_s=0)
+        for target in ("[::1]:1", "unix:/nonexistent.sock", "dns:///localhost:1"):
+            kvrecall.Client(target, wait_ready_s=0).close()
+
     def test_a_layer_outside_int32_is_refused_before_it_is_sent(self):
         # DecodeRequest.layer is an int32: a hand-encoded 2^32 + 1 reached the server as layer 1
         # (its low 32 bits), and 2^31 as -2^31.
@@ -1005,6 +1015,71 @@ class ToolInputTest(ServerTest):
             self.assertEqual(r["error"], "ValueError: --text: only 11 bytes of text; --offset + "
                              "--ctx + --suffix + 1 = 21")
         self.assertIn("--sinks 128 --recent 128", rows[2]["command"])
+
+    def test_needle_metadata_that_does_not_fit_the_tensors_is_refused(self):
+        # A needle past the prompt was "found", two at one step became one, a context the
+        # tensors do not have was ignored and layers "1_0" read as 10 (probe 21, 9).
+        cases = [('[{"decode_step": 1, "position": 999999}]', {},
+                  "(a needle is a prompt position)"),
+                 ('[{"decode_step": 1, "position": 5}, {"decode_step": 1, "position": 7}]', {},
+                  "lists a decode step twice"),
+                 ('[{"decode_step": 1, "position": 5}]', {"context": "512"},
+                  f"__metadata__ context is '512' but the tensors say {self.T}"),
+                 ('[{"decode_step": 1, "position": 5}]', {"layers": "1_0"},
+                  "__metadata__ layers '1_0' is not an integer >= 1")]
+        for i, (needles_meta, extra, message) in enumerate(cases):
+            with self.subTest(message):
+                path = self.trace(f"meta{i}.st", needles_meta=needles_meta)
+                header, meta, t = needles.read_safetensors(path)
+                with self.assertRaises(ValueError) as e:
+                    needles.needle_trace((header, {**meta, **extra}, t), path)
+                self.assertIn(message, str(e.exception))
+
+    def test_tinylm_reads_text_in_bounded_memory_and_names_what_it_cannot_read(self):
+        # /dev/zero was read whole (out of memory) and a FIFO hung the read; a model that does
+        # not exist, or a corrupt cache entry, ended in a traceback (probe 21, 2 and 4).
+        fifo = os.path.join(self.tmp, "fifo")
+        os.mkfifo(fifo)
+        for path in (fifo, "/dev/zero"):
+            with self.assertRaisesRegex(ValueError, re.escape(
+                    f"--text: {path} is neither a regular file nor a directory")):
+                tinylm.read_text([path], 10)
+        self.assertEqual(tinylm.read_text([self.raw_file("a.txt", b"abc"),
+                                           self.raw_file("b.txt", b"x\0y"),
+                                           self.raw_file("c.txt", b"defgh")], 7).tobytes(),
+                         b"abc\ndef")  # b.txt is binary: skipped whole, as tinylm_np.py does
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = tinylm.main(["ppl", "--server", self.address, "--model",
+                              os.path.join(self.tmp, "none.npz"), "--text",
+                              self.raw_file("text.txt", b"x" * 200), "--ctx", "90",
+                              "--suffix", "20", "--cache-dir", ""])
+        self.assertEqual(rc, 1)
+        self.assertIn("none.npz: No such file or directory", err.getvalue())
+        with contextlib.redirect_stderr(io.StringIO()):
+            rc = tinylm.main(["ppl", "--server", self.address, "--model", "m.npz", "--text",
+                              self.raw_file("t2.txt", b"x" * 200), "--ctx", "90", "--suffix",
+                              "20", "--cache-dir", self.raw_file("not-a-dir", b"")])
+        self.assertEqual(rc, 1)
+
+    def test_evaluate_checks_its_files_before_any_run(self):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
+            evaluate.main(["run", "--server", self.address, "--model", "m.npz", "--text", "t",
+                           "--runs", "full", "--jsonl", os.path.join(self.tmp, "no", "x.jsonl")])
+        self.assertEqual(e.exception.code, 2)
+        self.assertIn("--jsonl: cannot write", err.getvalue())
+        empty_error = '{"run": "full", "error": "", "command": "c"}\n'
+        for name, text, message in (("bad.jsonl", "notjson\n", "bad.jsonl:1: not JSON"),
+                                    ("empty.jsonl", empty_error, "field 'error' is empty"),
+                                    ("short.jsonl", '{"run": "full"}\n', "field 'policy' missing")):
+            with self.subTest(name):
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err):
+                    rc = evaluate.main(["render", "--jsonl", self.raw_file(name, text.encode()),
+                                        "--md", os.path.join(self.tmp, "x.md")])
+                self.assertEqual(rc, 1)
+                self.assertIn(message, err.getvalue())
 
     def test_tinylm_refuses_bad_window_flags_before_any_work(self):
         # A negative offset sliced from the text's end; --suffix 0 ended in a traceback after

@@ -336,17 +336,41 @@ TEST_F(SharedDecodeTest, ARegionShrunkByItsRunnerEndsItsOwnStreamAlone) {
     raw.h()->request_seq.store(raw.h()->request_seq.load() + 1);
     shared::Signal(&raw.h()->request_signal, &raw.h()->server_sleeping);
     EXPECT_TRUE(HasStatus(raw.Finish(), absl::StatusCode::kDataLoss,
-                          "a request read as zeros is not applied"));
+                          "Decode request 0 was read as zeros and not applied"));
   }
   absl::StatusOr<v1::SessionInfo> info = ::kvrecall::testing::GetSession(stub(), id);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->layer_tokens(0), kPrompt);
+  {
+    // The request whole and the reply area cut off: the step is applied and its reply lost,
+    // and the status says so (it said "not applied", and a runner resending appended the token
+    // twice: probe 21, 1).
+    RawRegion raw(stub());
+    ASSERT_TRUE(raw.ok());
+    const ReferenceSession::Token t = ref.MakeToken(7);
+    v1::DecodeRequest request;
+    request.set_layer(0);
+    *request.add_steps() = ::kvrecall::testing::MakeStep(id, g_, t.q, t.k, t.v);
+    const std::string bytes = request.SerializeAsString();
+    std::copy(bytes.begin(), bytes.end(), raw.region().request());
+    const auto reply_offset = raw.region().reply() - reinterpret_cast<char*>(raw.h());
+    ASSERT_EQ(truncate(raw.region().path().c_str(), reply_offset), 0);
+    raw.h()->request_bytes = static_cast<uint32_t>(bytes.size());
+    raw.h()->request_seq.store(raw.h()->request_seq.load() + 1);
+    shared::Signal(&raw.h()->request_signal, &raw.h()->server_sleeping);
+    EXPECT_TRUE(HasStatus(raw.Finish(), absl::StatusCode::kDataLoss,
+                          "Decode request 0's step was applied and its reply lost: do not "
+                          "resend it"));
+  }
+  info = ::kvrecall::testing::GetSession(stub(), id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layer_tokens(0), kPrompt + 1);
   EXPECT_TRUE(dir_.AwaitRegions(0));
   // The server goes on: a shared stream steps as before.
   client::Client c = MakeClient();
   absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream = c.OpenDecodeStream(g_, Shared());
   ASSERT_TRUE(stream.ok()) << stream.status();
-  const ReferenceSession::Token t = ref.MakeToken(7);
+  const ReferenceSession::Token t = ref.MakeToken(8);
   const client::SequenceInput one{id, t.q, t.k, t.v};
   client::StepResult result;
   EXPECT_TRUE((*stream)->Step(0, std::span(&one, 1), {}, &result).ok());

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -39,6 +40,7 @@
 #include "kernels/cpu/mapped_memory.h"
 #include "kernels/dtype.h"
 #include "kernels/fidelity.h"
+#include "proto/tensor_codec.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 
@@ -196,6 +198,16 @@ class IndexBench {
           std::tuple{TracePhase::kDecode, TraceTensor::kQ, &data.decode_q}}) {
       absl::StatusOr<std::vector<float>> read = trace_.Read(layer, phase, tensor);
       if (!read.ok()) return read.status();
+      // As the service refuses them: a NaN key scored as nothing and a NaN query found every
+      // list "exact", so recall read 1.0 (probe 21, 6).
+      for (size_t i = 0; i < read->size(); ++i) {
+        if (!(std::fabs((*read)[i]) <= kMaxTensorMagnitude)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layer ", layer, " ", phase == TracePhase::kPrefill ? "prefill" : "decode", " ",
+              tensor == TraceTensor::kQ ? "q" : "k", " holds ", (*read)[i], " at element ", i,
+              ": the service takes finite values within +-", kMaxTensorMagnitude));
+        }
+      }
       *out = std::move(*read);
     }
     KvView kv{data.prefill_k.data(), nullptr, g_.context, g_.kv_heads, g_.head_dim};

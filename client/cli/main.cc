@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/subcommands.h"
+#include "client/trace/safetensors.h"
 
 namespace kvrecall::cli {
 namespace {
@@ -51,6 +52,8 @@ std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
 }
 
 int Main(int argc, char** argv) {
+  // An interrupted synth (or any trace write) removes its temporary file, gigabytes at 1M.
+  RemovePartialFilesOnSignals();
   std::string usage = "kvrecall SUBCOMMAND [--flags] [args]\n\nsubcommands:\n";
   for (const Subcommand& s : kSubcommands) {
     absl::StrAppend(&usage, absl::StrFormat("  %-12s %s\n", s.name, s.summary));

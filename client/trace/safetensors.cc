@@ -1,6 +1,8 @@
 #include "client/trace/safetensors.h"
 
 #include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -332,6 +334,61 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadF32(absl::string_view na
   return out;
 }
 
+namespace {
+
+// The temporary files of writers not finished, for RemovePartialFilesOnSignals' handler: fixed
+// slots of fixed-size paths, as a signal handler may read them (no allocation, no lock). A
+// slot's state: 0 free, 1 being filled or cleared, 2 a path to remove.
+constexpr int kTrackedPartialFiles = 8;
+struct PartialFileSlot {
+  std::atomic<int> state{0};
+  char path[PATH_MAX];
+};
+PartialFileSlot partial_files[kTrackedPartialFiles];
+
+// Tracks `path`; its slot, or -1 when every slot is taken or the path is too long (then an
+// interrupted write leaves it behind, as before).
+int TrackPartialFile(const std::string& path) {
+  if (path.size() >= PATH_MAX) return -1;
+  for (int i = 0; i < kTrackedPartialFiles; ++i) {
+    int expected = 0;
+    if (partial_files[i].state.compare_exchange_strong(expected, 1)) {
+      std::memcpy(partial_files[i].path, path.c_str(), path.size() + 1);
+      partial_files[i].state.store(2);
+      return i;
+    }
+  }
+  return -1;
+}
+
+void UntrackPartialFile(int slot) {
+  if (slot >= 0) partial_files[slot].state.store(0);
+}
+
+extern "C" void RemovePartialFilesAndRaise(int signal_number) {
+  for (PartialFileSlot& slot : partial_files) {
+    if (slot.state.load() == 2) ::unlink(slot.path);
+  }
+  ::signal(signal_number, SIG_DFL);
+  ::raise(signal_number);
+}
+
+}  // namespace
+
+void RemovePartialFilesOnSignals() {
+  struct sigaction action = {};
+  action.sa_handler = RemovePartialFilesAndRaise;
+  sigemptyset(&action.sa_mask);
+  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction previous = {};
+    // A signal the process was started ignoring (nohup) stays ignored.
+    if (::sigaction(signal_number, nullptr, &previous) == 0 && previous.sa_handler == SIG_IGN) {
+      continue;
+    }
+    ::sigaction(signal_number, &action, nullptr);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
     const std::string& path, std::vector<SafetensorsTensorSpec> tensors,
     const std::map<std::string, std::string>& metadata) {
@@ -364,6 +421,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
     w->temporary_path_ = absl::StrCat(target, ".partial-", ::getpid(), "-", writers++);
     fd = ::open(w->temporary_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
                 exists ? existing.st_mode & 07777 : 0666);
+    if (fd >= 0) w->tracked_slot_ = TrackPartialFile(w->temporary_path_);
     if (fd >= 0 && exists) ::fchmod(fd, existing.st_mode & 07777);  // beyond the umask, as before
   }
   if (fd < 0) {
@@ -395,6 +453,7 @@ SafetensorsWriter::~SafetensorsWriter() {
     std::fclose(file_);
     if (!temporary_path_.empty()) ::unlink(temporary_path_.c_str());
   }
+  UntrackPartialFile(tracked_slot_);
 }
 
 int64_t SafetensorsWriter::remaining_elements() const {
@@ -456,6 +515,8 @@ absl::Status SafetensorsWriter::Finish() {
     ::unlink(temporary_path_.c_str());
     return absl::ErrnoToStatus(err, absl::StrCat("cannot rename ", temporary_path_, " to ", path_));
   }
+  // After the rename: a signal between the two unlinks a name that is gone, harmlessly.
+  UntrackPartialFile(std::exchange(tracked_slot_, -1));
   return absl::OkStatus();
 }
 

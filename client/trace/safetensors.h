@@ -87,6 +87,12 @@ struct SafetensorsTensorSpec {
   std::vector<int64_t> shape;
 };
 
+// Makes SIGINT, SIGTERM and SIGHUP remove the temporary files of the SafetensorsWriters not
+// finished (a large trace's is gigabytes: an interrupted `kvrecall synth` left them), then end
+// the process as the signal would have. For command-line tools: a library leaves a process's
+// signals to it. Up to 8 writers at once are tracked.
+void RemovePartialFilesOnSignals();
+
 // Streams a safetensors file to disk without holding it in memory: declare every tensor up
 // front (Create writes the header), then Append f32 values in declaration order — a call may
 // end mid-tensor or span several — converting each to its tensor's dtype, then Finish.
@@ -116,6 +122,7 @@ class SafetensorsWriter {
 
   std::string path_;
   std::string temporary_path_;  // where the file is written until Finish renames it
+  int tracked_slot_ = -1;       // RemovePartialFilesOnSignals' slot of temporary_path_, or -1
   std::FILE* file_ = nullptr;
   std::vector<SafetensorsTensorSpec> tensors_;
   std::vector<int64_t> elements_;  // per tensor

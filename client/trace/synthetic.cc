@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/kv_view.h"
 #include "nlohmann/json.hpp"
+#include "proto/tensor_codec.h"
 
 namespace kvrecall {
 namespace {
@@ -174,7 +175,9 @@ absl::Status SyntheticTraceParams::Validate() const {
   if (rotary_dims < 0 || rotary_dims % 2 != 0 || rotary_dims > head_dim - 4) {
     return invalid("rotary_dims must be even and in [0, head_dim - 4], got ", rotary_dims);
   }
-  if (!(rope_base > 1.0)) return invalid("rope_base must be > 1, got ", rope_base);
+  if (!(rope_base > 1.0) || !std::isfinite(rope_base)) {
+    return invalid("rope_base must be finite and > 1, got ", rope_base);
+  }
   if (context < 1 || context > kMaxTokens) {
     return invalid("context must be in [1, ", kMaxTokens, "], got ", context);
   }
@@ -589,6 +592,17 @@ absl::Status SyntheticTrace::Write(const std::string& path) const {
           const int64_t rows = std::min(kChunkRows, total - begin);
           chunk.resize(rows * row_floats);
           GenerateRows(layer, phase, tensor, begin, rows, chunk.data());
+          // A value the service refuses (non-finite, or past what f16 holds) makes a trace no
+          // replay can serve: the knobs (a huge decode_noise) are refused here, not there.
+          for (size_t i = 0; i < chunk.size(); ++i) {
+            if (!(std::fabs(chunk[i]) <= kMaxTensorMagnitude)) {
+              return absl::InvalidArgumentError(absl::StrCat(
+                  "the trace would hold ", chunk[i], " (layer ", layer, ", row ",
+                  begin + static_cast<int64_t>(i) / row_floats,
+                  "), beyond the +-", kMaxTensorMagnitude,
+                  " the service takes: lower decode_noise (", decode_noise(), ")"));
+            }
+          }
           if (absl::Status s = (*writer)->Append(chunk); !s.ok()) return s;
         }
       }

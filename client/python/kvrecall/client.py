@@ -547,6 +547,25 @@ def _check_own_socket(target):
             path, f"belongs to uid {st.st_uid}, this process is uid {os.geteuid()}"))
 
 
+def check_server_address(target):
+    """ValueError unless `target` can name a kvrecalld: HOST:PORT with a port in [1, 65535] (an
+    IPv6 host in brackets), or a target of one of gRPC's schemes (unix:PATH, unix-abstract:NAME,
+    dns:, ipv4:, ipv6:, SCHEME://...), which its resolvers check. gRPC takes a port modulo 2^16
+    and a missing one as 443: a typo reached another server. (kvrecall_client.h's
+    CheckServerAddress.)"""
+    if not isinstance(target, str):
+        raise ValueError(f"server address must be a str, got {type(target).__name__}")
+    if "://" in target or target.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return
+    host, colon, port = target.rpartition(":")
+    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+    if not colon or not host or bare_ipv6 or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"server address {target!r} must be HOST:PORT with a port in [1, 65535] (an IPv6 "
+            "host in brackets: [::1]:50051), unix:PATH or unix-abstract:NAME (gRPC would take "
+            "the port modulo 2^16, or 443 where none is given)")
+
+
 def make_channel(target, options=(), tls=None, token=None):
     """A gRPC channel to `target`: plaintext, or TLS when `tls` is a Tls (or True: system roots),
     with a bearer `token` for servers started with --auth_token_file. A token alone (tls None)
@@ -557,6 +576,7 @@ def make_channel(target, options=(), tls=None, token=None):
     (_check_own_socket); to unix-abstract:NAME nowhere (ValueError:
     such a socket has no file permissions, so kvrecalld serves it with TLS alone). ValueError
     also for unusable files."""
+    check_server_address(target)
     if token is not None:
         _check_token(token)
     kind = _channel_kind(target, tls, token)

@@ -74,9 +74,37 @@ def cmd_run(a):
     return 1 if failures else 0
 
 
+# The fields a rendered row reads, and their types (render checks them before writing).
+ROW_FIELDS = {"run": str, "policy": str, "placement": str, "bits_per_byte": (int, float),
+              "path_mix": dict, "mean_candidates": (int, float), "layer_step_ms_p50": (int, float),
+              "server_layer_step_ms_mean": (int, float), "token_ms_mean": (int, float),
+              "command": str}
+
+
 def load(path):
+    """The rows of the .jsonl at `path`; ValueError naming the file and line of one that is not
+    a JSON object with the fields render reads (a failed run's row: run, error, command)."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            fields = ({"run": str, "error": str, "command": str}
+                      if isinstance(r, dict) and "error" in r else ROW_FIELDS)
+            if not isinstance(r, dict):
+                raise ValueError(f"{path}:{n}: not a JSON object")
+            for name, typ in fields.items():
+                if not isinstance(r.get(name), typ) or isinstance(r.get(name), bool):
+                    raise ValueError(f"{path}:{n}: field {name!r} missing or not "
+                                     f"{getattr(typ, '__name__', 'a number')}")
+            if "error" in r and not r["error"].strip():
+                raise ValueError(f"{path}:{n}: field 'error' is empty")
+            rows.append(r)
+    return rows
 
 
 def label(r):
@@ -144,6 +172,16 @@ def plot(rows, full, title, path):
     fig.savefig(path, dpi=120)
 
 
+def writable(path, what):
+    """ValueError unless `path` can be opened for appending (created if missing): checked before
+    anything runs, so that no run's result is lost to a path that cannot take it."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write {path}: {e.strerror}") from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python3 -m kvrecall.evaluate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +209,23 @@ def main(argv=None):
                 run_args(spec, [])
             except ValueError as e:
                 r.error(f"argument --runs: {e}")
-    return cmd_run(a) if a.cmd == "run" else cmd_render(a)
+        try:
+            writable(a.jsonl, "--jsonl")
+        except ValueError as e:
+            r.error(str(e))
+        return cmd_run(a)
+    if a.png:  # before the .md is written: a plot that cannot be drawn leaves nothing half done
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            d.error("--png needs matplotlib (apt-get install python3-matplotlib), or leave it out")
+    try:
+        return cmd_render(a)
+    except (OSError, ValueError) as e:
+        print(f"python3 -m kvrecall.evaluate render: "
+              f"{e if isinstance(e, ValueError) else f'{e.filename}: {e.strerror}'}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

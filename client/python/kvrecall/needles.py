@@ -109,10 +109,8 @@ def needle_trace(trace, path="the trace"):
     not fit, or for a trace without needles (they are what is measured)."""
     header, meta, t = trace
     if "layers" in meta:
-        try:
-            layers = int(meta["layers"])
-        except ValueError:
-            layers = 0
+        # Digits alone: int() reads "1_0" as 10 and " 2" as 2.
+        layers = int(meta["layers"]) if re.fullmatch(r"[0-9]+", str(meta["layers"])) else 0
         if layers < 1:
             raise ValueError(f"{path}: __metadata__ layers {meta['layers']!r} is not an "
                              "integer >= 1")
@@ -148,6 +146,13 @@ def needle_trace(trace, path="the trace"):
     if (hq_decode, hkv_decode, d_decode) != (hq, hkv, d):
         raise ValueError(f"{path}: decode tensors have {hq_decode} q heads, {hkv_decode} kv heads "
                          f"and head_dim {d_decode}, prefill ones {hq}, {hkv} and {d}")
+    # The geometry __metadata__ declares must be the tensors' (as the C++ Trace::Validate holds
+    # it): a replay would otherwise measure something other than what the file says it holds.
+    for key, actual in (("layers", layers), ("q_heads", hq), ("kv_heads", hkv),
+                        ("head_dim", d), ("context", T), ("decode", steps)):
+        if key in meta and str(meta[key]) != str(actual):
+            raise ValueError(f"{path}: __metadata__ {key} is {meta[key]!r} but the tensors say "
+                             f"{actual}")
     dtypes = {h["dtype"] for name, h in header.items() if name.startswith("layer")}
     if len(dtypes) != 1:
         raise ValueError(f"{path}: the layer tensors mix dtypes {sorted(dtypes)}")
@@ -157,12 +162,16 @@ def needle_trace(trace, path="the trace"):
     try:
         listed = json.loads(meta["needles"])
         needles = {n["decode_step"]: n["position"] for n in listed}
-        if not all(_is_int(s) and 0 <= s < steps and _is_int(p) and p >= 0
+        if not all(_is_int(s) and 0 <= s < steps and _is_int(p) and 0 <= p < T
                    for s, p in needles.items()):
             raise ValueError
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         raise ValueError(f"{path}: __metadata__ needles {meta['needles']!r} is not a list of "
-                         f"{{\"decode_step\": 0..{steps - 1}, \"position\": >= 0}}") from None
+                         f"{{\"decode_step\": 0..{steps - 1}, \"position\": 0..{T - 1}}} (a "
+                         "needle is a prompt position)") from None
+    if len(needles) != len(listed):
+        raise ValueError(f"{path}: __metadata__ needles {meta['needles']!r} lists a decode step "
+                         "twice (one needle a step)")
     if not needles:
         raise ValueError(f"{path}: the trace has no needles (make one with kvrecall synth "
                          "--needles N, N >= 1)")

@@ -22,33 +22,46 @@ import math
 import os
 import sys
 import time
+import zipfile
 
 import numpy as np
 
 
 def read_text(paths, limit):
-    """Bytes of the files under `paths` in sorted order (binary files skipped, a newline after
-    each), stopping once `limit` bytes are read: the same bytes tinylm_np.py reads."""
+    """The first `limit` bytes (fewer if there are not as many) of the regular files under
+    `paths` in sorted order, binary files (any NUL byte) skipped and a newline after each: the
+    same bytes tinylm_np.py reads. Files are read in chunks and kept only up to `limit`, so a
+    large file costs no more memory than that (it was read whole: /dev/zero ran out of memory);
+    what is not a regular file (a FIFO, a device) is skipped, and ValueError names such a path
+    given directly (a FIFO hung the read)."""
     files = []
     for p in paths:
         if os.path.isdir(p):
             for root, _, names in os.walk(p):
                 files += [os.path.join(root, n) for n in names]
+        elif os.path.exists(p) and not os.path.isfile(p):
+            raise ValueError(f"--text: {p} is neither a regular file nor a directory")
         else:
             files.append(p)
     buf = bytearray()
     for f in sorted(set(files)):
-        try:
-            with open(f, "rb") as fh:
-                b = fh.read()
-        except OSError:
-            continue
-        if b"\0" in b:
-            continue
-        buf += b + b"\n"
         if len(buf) >= limit:
             break
-    return np.frombuffer(bytes(buf), dtype=np.uint8)
+        if not os.path.isfile(f):  # gone, or a FIFO, socket or device found by the walk
+            continue
+        kept, binary = bytearray(), False
+        try:
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    if b"\0" in chunk:  # the whole file is scanned, as tinylm_np.py does
+                        binary = True
+                        break
+                    kept += chunk[:max(0, limit - len(buf) - len(kept))]
+        except OSError:
+            continue
+        if not binary:
+            buf += kept + b"\n"
+    return np.frombuffer(bytes(buf[:limit]), dtype=np.uint8)
 
 
 def log_softmax_at(logits, targets):
@@ -157,8 +170,12 @@ def prefill_qkv(model, tokens, cache_dir=None, model_path=""):
             h.update(hashlib.sha256(f.read()).digest())
         path = os.path.join(cache_dir, f"prefill-{h.hexdigest()[:24]}.npz")
         if os.path.exists(path):
-            z = np.load(path)
-            return [(z[f"q{l}"], z[f"k{l}"], z[f"v{l}"]) for l in range(model.layers)], True
+            try:
+                with np.load(path) as z:
+                    return [(z[f"q{l}"], z[f"k{l}"], z[f"v{l}"])
+                            for l in range(model.layers)], True
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+                pass  # an entry cut short or not ours: computed again and stored over it
     caps = [None] * model.layers
 
     def keep(layer, q, k, v):
@@ -197,6 +214,8 @@ def run_ppl(a):
     policy the client refuses, before the model is loaded or the prefill computed."""
     from kvrecall.client import Client, connection_from_args, make_geometry, path_mix
     policy = policy_from_args(a)
+    if a.cache_dir and os.path.exists(a.cache_dir) and not os.path.isdir(a.cache_dir):
+        raise ValueError(f"--cache-dir: {a.cache_dir} is not a directory ('' disables the cache)")
     need = a.offset + a.ctx + a.suffix + 1
     data = read_text(a.text, need)
     if len(data) < need:  # ValueError, not SystemExit: kvrecall.evaluate goes on to its next run
@@ -335,6 +354,9 @@ def main(argv=None):
         r = run_ppl(a)
     except (KvRecallError, ValueError) as e:
         print(f"kvrecall.tinylm: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a model, cache directory or text that cannot be read or written
+        print(f"kvrecall.tinylm: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
     if a.json:
         print(json.dumps(r))
