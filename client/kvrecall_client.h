@@ -230,7 +230,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     const ChannelSecurity& security, absl::string_view target = "");
 
 // OK when `address` can name a kvrecalld: HOST:PORT with a port in [1, 65535] (an IPv6 host in
-// brackets), or a target of one of gRPC's schemes (unix:PATH, unix-abstract:NAME, dns:, ipv4:,
+// brackets; the port is always written, 443 behind an ingress included), or a target of one of gRPC's schemes (unix:PATH, unix-abstract:NAME, dns:, ipv4:,
 // ipv6:, SCHEME://...), which its resolvers check; INVALID_ARGUMENT otherwise. gRPC takes a
 // port modulo 2^16 and a missing one as 443: a typo reached another server. Connect (with a
 // ChannelSecurity) checks it.
@@ -247,7 +247,9 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 class Client {
  public:
   explicit Client(std::shared_ptr<grpc::Channel> channel);
-  // An insecure channel to HOST:PORT accepting replies up to max_message_bytes.
+  // An insecure channel to HOST:PORT accepting replies up to max_message_bytes. Checks nothing
+  // (gRPC wraps a port past 65535): a caller taking `address` from a user checks it first with
+  // CheckServerAddress, as the overload below does.
   static std::unique_ptr<Client> Connect(const std::string& address,
                                          int max_message_bytes = 64 << 20);
   // A channel secured as `security` says; fails only when `address` is malformed

@@ -49,31 +49,36 @@ std::string OpenSslReason() {
 
 using UniqueX509 = std::unique_ptr<X509, decltype(&X509_free)>;
 
-// The certificates of PEM `text` (the file `path` of `flag`), each parsed, in order: a block
-// that does not parse is named, where gRPC would only fail to listen later, blaming no file.
+// The certificates of PEM `text` (the file `path` of `flag`), each parsed, in order, as gRPC
+// reads them (PEM_read_bio_X509_AUX: CERTIFICATE, TRUSTED CERTIFICATE and X509 CERTIFICATE
+// blocks; other blocks, a key beside the certificate, skipped): a block that does not parse is
+// named, where gRPC would only fail to listen later, blaming no file.
 absl::StatusOr<std::vector<UniqueX509>> ParseCertificates(const std::string& text,
                                                           const std::string& path,
                                                           absl::string_view flag) {
   std::vector<UniqueX509> certificates;
-  size_t at = 0;
-  const std::string begin = "-----BEGIN CERTIFICATE-----";
-  while ((at = text.find(begin, at)) != std::string::npos) {
-    std::unique_ptr<BIO, decltype(&BIO_free)> bio(
-        BIO_new_mem_buf(text.data() + at, static_cast<int>(text.size() - at)), &BIO_free);
-    UniqueX509 certificate(bio ? PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr)
-                               : nullptr,
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(
+      BIO_new_mem_buf(text.data(), static_cast<int>(text.size())), &BIO_free);
+  if (bio == nullptr) return absl::ResourceExhaustedError("no memory to read a PEM file");
+  ERR_clear_error();
+  while (true) {
+    UniqueX509 certificate(PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr),
                            &X509_free);
     if (certificate == nullptr) {
+      const unsigned long error = ERR_peek_last_error();  // NOLINT(runtime/int): OpenSSL's
+      if (ERR_GET_LIB(error) == ERR_LIB_PEM && ERR_GET_REASON(error) == PEM_R_NO_START_LINE) {
+        ERR_clear_error();  // no block left: the end of the file
+        break;
+      }
       return absl::InvalidArgumentError(absl::StrCat(
           flag, ": ", path, ": certificate ", certificates.size() + 1,
           " does not parse (", OpenSslReason(), ")"));
     }
     certificates.push_back(std::move(certificate));
-    at += begin.size();
   }
   if (certificates.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": ", path, " holds no -----BEGIN CERTIFICATE----- block"));
+        absl::StrCat(flag, ": ", path, " holds no PEM certificate block"));
   }
   return certificates;
 }

@@ -170,7 +170,6 @@ void SetHostSmallMappingsBoundForTesting(int64_t mappings) {
   mappings_bound_for_testing.store(mappings, std::memory_order_relaxed);
 }
 
-
 HostMemory& HostMemory::operator=(HostMemory&& other) noexcept {
   if (this != &other) {
     reset();

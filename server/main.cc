@@ -12,11 +12,11 @@
 #include <cmath>
 #include <cerrno>
 #include <cstdio>
-#include <vector>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"

@@ -416,10 +416,19 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
           addresses.size(), "): addresses are separated by single commas"));
     }
     if (absl::Status s = CheckListeningAddress("--address", addresses[i]); !s.ok()) return s;
-    if (std::find(addresses.begin(), addresses.begin() + i, addresses[i]) !=
-        addresses.begin() + i) {
-      return absl::InvalidArgumentError(absl::StrCat("address '", options.address,
-                                                     "' names '", addresses[i], "' twice"));
+    // The same listener twice: a socket file however its entry spells it (unix:P, unix:///P),
+    // any other entry as written but for port 0 (each asks for a port of its own).
+    auto listener = [](const std::string& address) {
+      const std::string path = UnixSocketPath(address);
+      return path.empty() ? address : absl::StrCat("unix:", path);
+    };
+    for (size_t j = 0; j < i; ++j) {
+      if (listener(addresses[j]) == listener(addresses[i]) &&
+          !absl::EndsWith(addresses[i], ":0")) {
+        return absl::InvalidArgumentError(absl::StrCat("address '", options.address,
+                                                       "' names the listener '", addresses[i],
+                                                       "' twice"));
+      }
     }
   }
   if (!options.health_address.empty()) {

@@ -430,7 +430,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
           absl::ResourceExhaustedError(absl::StrCat(
               tenant.empty() ? "this server's callers (it authenticates no tenants) hold "
                              : absl::StrCat("tenant '", tenant, "' holds "),
-              own, " sessions, the limit per tenant (--max_sessions_per_tenant=",
+              own, own == 1 ? " session" : " sessions",
+              ", the limit per tenant (--max_sessions_per_tenant=",
               limits_.max_sessions_per_tenant, "): close one (CloseSession)")),
           "max_sessions_per_tenant");
     }

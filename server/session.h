@@ -273,6 +273,8 @@ class SessionRegistry {
   // without echoing it, for an id longer than kMaxSessionIdBytes.
   absl::Status NotFound(absl::string_view id, absl::string_view tenant) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Counts one session of `tenant` fewer in held_by_tenant_.
+  void ReleaseTenantSlot(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
@@ -281,8 +283,6 @@ class SessionRegistry {
   // Per tenant, its sessions and admissions in progress (max_sessions_per_tenant); a tenant
   // holding none has no entry.
   absl::flat_hash_map<std::string, int64_t> held_by_tenant_ ABSL_GUARDED_BY(mu_);
-  // Counts one session of `tenant` fewer in held_by_tenant_.
-  void ReleaseTenantSlot(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ids of expired sessions and their tenants, the latest kExpiredRemembered of them, so that
   // their owners hear why they are gone.
   static constexpr size_t kExpiredRemembered = 1 << 16;

@@ -99,6 +99,7 @@ class Pki {
                      " -keyout stranger.key -out stranger.csr -subj '/CN=stranger'"),
         "openssl x509 -req -in stranger.csr -CA wrong-ca.pem -CAkey wrong-ca.key -CAcreateserial"
         " -days 2 -extfile client.ext -out stranger.pem",
+        "openssl x509 -in ca.pem -trustout -out ca-trusted.pem",  // TRUSTED CERTIFICATE
     };
     for (const std::string& step : steps) {
       CommandResult r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", step));
@@ -442,6 +443,20 @@ TEST_F(TlsTest, OneTenantCannotTakeEverySlot) {
                         absl::StatusCode::kResourceExhausted,
                         "this server holds 2 sessions, its limit (--max_sessions=2), none of them "
                         "yours: retry on another server"));
+
+  // A session that expired gives its tenant's slot back too (as one closed does, and one whose
+  // admission failed: SessionRegistry::Create).
+  limits = SessionLimits();
+  limits.max_sessions_per_tenant = 1;
+  limits.session_idle_ttl = absl::Milliseconds(200);
+  Start(WithTokens(), limits);
+  alice = ConnectWithToken(kAliceToken);
+  ASSERT_TRUE(alice->CreateSession(g, policy).ok());
+  EXPECT_TRUE(HasStatus(alice->CreateSession(g, policy).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "tenant 'alice' holds 1 session, the limit per tenant"));
+  EXPECT_TRUE(testing::Within(absl::Seconds(10),
+                              [&] { return alice->CreateSession(g, policy).ok(); }));
 }
 
 // A gateway multiplexes tenants over one connection: each call is its own token's tenant's.
@@ -932,13 +947,17 @@ TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
   EXPECT_TRUE(HasStatus(start(garbled_ca), absl::StatusCode::kInvalidArgument,
                         "--tls_client_ca: " + pki().Path("half-ca.pem") +
                             ": certificate 2 does not parse"));
-  // A certificate file holding only "TRUSTED CERTIFICATE" blocks passes the marker check.
+  // A garbled "TRUSTED CERTIFICATE" block is a certificate that does not parse; a valid one
+  // (openssl x509 -trustout), which gRPC reads, is served (review 20b: it was refused).
   WriteFile(pki().Path("trusted.pem"),
             "-----BEGIN TRUSTED CERTIFICATE-----\nAAAA\n-----END TRUSTED CERTIFICATE-----\n");
-  SecurityOptions trusted_only = Tls();
-  trusted_only.tls_cert_file = pki().Path("trusted.pem");
-  EXPECT_TRUE(HasStatus(start(trusted_only), absl::StatusCode::kInvalidArgument,
-                        "holds no -----BEGIN CERTIFICATE----- block"));
+  SecurityOptions trusted_garbled = Tls();
+  trusted_garbled.tls_cert_file = pki().Path("trusted.pem");
+  EXPECT_TRUE(HasStatus(start(trusted_garbled), absl::StatusCode::kInvalidArgument,
+                        "certificate 1 does not parse"));
+  SecurityOptions trusted_ca = MutualTls();
+  trusted_ca.tls_client_ca_file = pki().Path("ca-trusted.pem");
+  EXPECT_TRUE(start(trusted_ca).ok());
   WriteFile(pki().Path("bad-tokens"), "short alice\n");
   SecurityOptions bad_tokens = WithTokens();
   bad_tokens.auth_token_file = pki().Path("bad-tokens");

@@ -1056,11 +1056,14 @@ class ToolInputTest(ServerTest):
                               "--suffix", "20", "--cache-dir", ""])
         self.assertEqual(rc, 1)
         self.assertIn("none.npz: No such file or directory", err.getvalue())
-        with contextlib.redirect_stderr(io.StringIO()):
+        err = io.StringIO()
+        not_a_dir = self.raw_file("not-a-dir", b"")
+        with contextlib.redirect_stderr(err):
             rc = tinylm.main(["ppl", "--server", self.address, "--model", "m.npz", "--text",
                               self.raw_file("t2.txt", b"x" * 200), "--ctx", "90", "--suffix",
-                              "20", "--cache-dir", self.raw_file("not-a-dir", b"")])
+                              "20", "--cache-dir", not_a_dir])
         self.assertEqual(rc, 1)
+        self.assertIn(f"--cache-dir: {not_a_dir} is not a directory", err.getvalue())
 
     def test_evaluate_checks_its_files_before_any_run(self):
         err = io.StringIO()

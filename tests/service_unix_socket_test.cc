@@ -361,7 +361,15 @@ TEST_F(UnixSocketTest, EmptySocketNamesAndRepeatedEntriesAreRefused) {
   const std::string path = SocketPath("twice.sock");
   EXPECT_TRUE(HasStatus(StartOn("unix:" + path + ", unix:" + path).status(),
                         absl::StatusCode::kInvalidArgument,
-                        "names 'unix:" + path + "' twice"));
+                        "names the listener 'unix:" + path + "' twice"));
+  if (path.front() == '/') {  // one socket file, spelled two ways
+    EXPECT_TRUE(HasStatus(StartOn("unix:" + path + ",unix://" + path).status(),
+                          absl::StatusCode::kInvalidArgument, "twice"));
+  }
+  // Two entries of port 0 ask for two ports.
+  absl::StatusOr<std::unique_ptr<RunningServer>> two = StartOn("127.0.0.1:0,127.0.0.1:0");
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_NE((*two)->addresses()[0], (*two)->addresses()[1]);
   absl::StatusOr<std::unique_ptr<RunningServer>> server =
       StartOn(" 127.0.0.1:0 , unix:" + path + " ");
   ASSERT_TRUE(server.ok()) << server.status();

@@ -42,7 +42,6 @@
 #include "kernels/fidelity.h"
 #include "proto/tensor_codec.h"
 #include "nlohmann/json.hpp"
-#include "proto/tensor_codec.h"
 
 #ifdef KVRECALL_WITH_CUDA
 #include "index/gpu_batch_topk.h"

@@ -549,7 +549,7 @@ def _check_own_socket(target):
 
 def check_server_address(target):
     """ValueError unless `target` can name a kvrecalld: HOST:PORT with a port in [1, 65535] (an
-    IPv6 host in brackets), or a target of one of gRPC's schemes (unix:PATH, unix-abstract:NAME,
+    IPv6 host in brackets; the port is always written, 443 behind an ingress included), or a target of one of gRPC's schemes (unix:PATH, unix-abstract:NAME,
     dns:, ipv4:, ipv6:, SCHEME://...), which its resolvers check. gRPC takes a port modulo 2^16
     and a missing one as 443: a typo reached another server. (kvrecall_client.h's
     CheckServerAddress.)"""
