@@ -189,6 +189,10 @@ int Run() {
     std::fprintf(stderr, "load_test: %s\n", trace.status().ToString().c_str());
     return 2;
   }
+  if (absl::Status s = kvrecall::client::CheckServerAddress(address); !s.ok()) {
+    std::fprintf(stderr, "load_test: --server: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   std::unique_ptr<Client> client = Client::Connect(address);
   nlohmann::json out;
   out["config"] = {{"sessions", sessions},     {"tokens", tokens},

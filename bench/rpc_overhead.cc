@@ -381,6 +381,9 @@ int Main() {
         "--protocol must be kvrecall, echo or echo-unary, got '", protocol, "'")));
   }
   std::string address = absl::GetFlag(FLAGS_server);
+  if (!address.empty()) {
+    if (absl::Status s = kvrecall::client::CheckServerAddress(address); !s.ok()) return Fail(s);
+  }
   std::unique_ptr<RunningServer> in_process;
   std::string shm_dir;  // the in-process server's, removed at the end
   absl::Cleanup remove_shm_dir = [&] {

@@ -249,7 +249,7 @@ class Client {
   explicit Client(std::shared_ptr<grpc::Channel> channel);
   // An insecure channel to HOST:PORT accepting replies up to max_message_bytes. Checks nothing
   // (gRPC wraps a port past 65535): a caller taking `address` from a user checks it first with
-  // CheckServerAddress, as the overload below does.
+  // CheckServerAddress, as the overload below and the benches do.
   static std::unique_ptr<Client> Connect(const std::string& address,
                                          int max_message_bytes = 64 << 20);
   // A channel secured as `security` says; fails only when `address` is malformed
