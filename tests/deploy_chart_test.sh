@@ -163,6 +163,10 @@ case "$case_name" in
     # A fraction of a second from --set arrives as a string, as shutdownGraceSeconds' does.
     grep -q -- '--session_idle_ttl_seconds=2.5' <<<"$("$HELM" template kvrecall "$chart_dir" \
       --set server.sessionIdleTtlSeconds=2.5)" || fail "sessionIdleTtlSeconds=2.5 from --set"
+    if "$HELM" template kvrecall "$chart_dir" --set-string server.sessionIdleTtlSeconds=0 \
+        | grep -q -- '--session_idle_ttl_seconds'; then
+      fail "sessionIdleTtlSeconds=0 from --set-string rendered a flag (0 is no TTL)"
+    fi
     expect_render_error "server.extraArgs: --max_message_mb is set by the chart; use its value under server.* instead" \
       --set "server.extraArgs={--max_message_mb=8}"
     expect_render_error "server.shutdownGraceSeconds (30) must be below terminationGracePeriodSeconds (30)" \

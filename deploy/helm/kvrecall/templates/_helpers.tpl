@@ -211,7 +211,8 @@ tokens only when it is given one.
 {{- if .Values.server.maxContextTokens }}
 - --max_context_tokens={{ int64 .Values.server.maxContextTokens }}
 {{- end }}
-{{- if .Values.server.sessionIdleTtlSeconds }}
+{{- /* As a number: --set-string's "0" is a non-empty string, not the 0 that means no TTL. */}}
+{{- if ne (float64 .Values.server.sessionIdleTtlSeconds) 0.0 }}
 - --session_idle_ttl_seconds={{ include "kvrecall.number" .Values.server.sessionIdleTtlSeconds }}
 {{- end }}
 {{- include "kvrecall.checkOperateValues" . }}
