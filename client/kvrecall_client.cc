@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -23,6 +24,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "proto/host_port.h"
 #include "proto/shared_decode_region.h"
 #include "proto/tensor_codec.h"
 #include "proto/tsan_handoff.h"
@@ -699,13 +701,8 @@ absl::Status CheckServerAddress(absl::string_view address) {
       absl::StartsWith(address, "ipv4:") || absl::StartsWith(address, "ipv6:")) {
     return absl::OkStatus();  // gRPC's own schemes: its resolvers check them
   }
-  const size_t colon = address.rfind(':');
-  const absl::string_view host =
-      colon == absl::string_view::npos ? address : address.substr(0, colon);
-  int64_t port = 0;
-  if (colon == absl::string_view::npos || colon == 0 ||
-      (absl::StrContains(host, ':') && !(host.front() == '[' && host.back() == ']')) ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 1 || port > 65535) {
+  if (const std::optional<int64_t> port = PortOfHostPort(address);
+      !port.has_value() || *port < 1 || *port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         "server address '", address,
         "' must be HOST:PORT with a port in [1, 65535] (an IPv6 host in brackets: [::1]:50051), "

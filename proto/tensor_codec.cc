@@ -33,25 +33,6 @@ uint16_t LoadU16(const char* p) {
   return v;
 }
 
-// Index of the first value in x[0, n) that is NaN, infinite or beyond kMaxTensorMagnitude, or
-// -1. The common case (none) is one branch-free (vectorizable) pass over the bits: |x| as an
-// unsigned integer orders like |x|, and NaN and infinity lie above every finite value.
-int64_t FirstOutOfRange(const float* x, int64_t n) {
-  uint32_t max_bits;
-  std::memcpy(&max_bits, &kMaxTensorMagnitude, sizeof max_bits);
-  uint32_t out = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, x + i, sizeof u);
-    out |= (u & 0x7fffffffu) > max_bits;
-  }
-  if (out == 0) return -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!(std::abs(x[i]) <= kMaxTensorMagnitude)) return i;
-  }
-  return -1;
-}
-
 #if defined(__AVX2__) && defined(__F16C__)
 // Vector forms of kernels/dtype.h's conversions, 16 elements a pass; each returns how many
 // elements it converted (a multiple of 16), the caller does the rest with the scalar form.
@@ -198,12 +179,32 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
   return rows;
 }
 
+// The common case (none out of range) is one branch-free (vectorizable) pass over the bits: |x|
+// as an unsigned integer orders like |x|, and NaN and infinity lie above every finite value.
+int64_t FirstOutOfRange(std::span<const float> values) {
+  const float* x = values.data();
+  const int64_t n = static_cast<int64_t>(values.size());
+  uint32_t max_bits;
+  std::memcpy(&max_bits, &kMaxTensorMagnitude, sizeof max_bits);
+  uint32_t out = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    out |= (u & 0x7fffffffu) > max_bits;
+  }
+  if (out == 0) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(std::abs(x[i]) <= kMaxTensorMagnitude)) return i;
+  }
+  return -1;
+}
+
 namespace {
 
 // INVALID_ARGUMENT naming `field` and the element's index when x[0, n) (the elements from
 // `first` on) holds a value the service refuses; OK otherwise.
 absl::Status CheckValues(absl::string_view field, const float* x, int64_t n, int64_t first) {
-  const int64_t i = FirstOutOfRange(x, n);
+  const int64_t i = FirstOutOfRange(std::span<const float>(x, n));
   if (i < 0) return absl::OkStatus();
   if (!std::isfinite(x[i])) {
     return absl::InvalidArgumentError(absl::StrCat(field, " holds a non-finite value (", x[i],

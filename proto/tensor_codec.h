@@ -39,6 +39,10 @@ absl::StatusOr<int64_t> CheckTensor(const v1::Tensor& t, const TensorSpec& spec)
 // so attention scores, their exponentials and the outputs cannot overflow.
 inline constexpr float kMaxTensorMagnitude = 65504.0f;
 
+// Index of the first of `values` that is NaN, infinite or beyond kMaxTensorMagnitude (what the
+// service refuses in a request), or -1.
+int64_t FirstOutOfRange(std::span<const float> values);
+
 // Converts a tensor that passed CheckTensor into f32 at `out` (rows * prod(row_shape)
 // floats). INVALID_ARGUMENT naming the field if any value is NaN, infinite or beyond
 // kMaxTensorMagnitude; `out` may then hold partial data, so decode into staging memory, never

@@ -25,6 +25,7 @@
 #include "grpcpp/resource_quota.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "proto/host_port.h"
 #include "proto/shared_decode_region.h"
 #include "proto/tsan_handoff.h"
 #include "server/metrics_gauges.h"
@@ -105,13 +106,8 @@ absl::Status CheckListeningAddress(absl::string_view flag, absl::string_view add
     }
     return absl::OkStatus();
   }
-  const size_t colon = address.rfind(':');
-  const absl::string_view host =
-      colon == absl::string_view::npos ? address : address.substr(0, colon);
-  int port = -1;
-  if (colon == absl::string_view::npos || colon == 0 ||
-      (absl::StrContains(host, ':') && !(host.front() == '[' && host.back() == ']')) ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
+  if (const std::optional<int64_t> port = PortOfHostPort(address);
+      !port.has_value() || *port < 0 || *port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat(
         flag, " entry '", address,
         "' must be HOST:PORT with a port in [0, 65535] (0: any free port; an IPv6 host in "

@@ -242,10 +242,7 @@ class RawRegion {
   // the reply's status code, and its message in *message when it is not OK.
   int Send(const std::string& bytes, uint32_t claimed, std::string* message) {
     std::copy(bytes.begin(), bytes.end(), region_.request());
-    h()->request_bytes = claimed;
-    const uint32_t seq = h()->request_seq.load() + 1;
-    h()->request_seq.store(seq);
-    shared::Signal(&h()->request_signal, &h()->server_sleeping);
+    const uint32_t seq = Publish(claimed);
     const bool answered = shared::WaitUntil(
         &h()->reply_signal, &h()->runner_sleeping, absl::Milliseconds(1), absl::Milliseconds(10),
         [&] { return h()->reply_seq.load() == seq || h()->ended.load(); }, [] { return false; });
@@ -253,6 +250,15 @@ class RawRegion {
     if (h()->reply_seq.load() != seq) return -1;
     if (h()->status_code != 0) message->assign(region_.reply(), h()->reply_bytes);
     return h()->status_code;
+  }
+  // Publishes the request already in the region, claiming `claimed` bytes, and wakes the
+  // server; the request's sequence number.
+  uint32_t Publish(uint32_t claimed) {
+    h()->request_bytes = claimed;
+    const uint32_t seq = h()->request_seq.load() + 1;
+    h()->request_seq.store(seq);
+    shared::Signal(&h()->request_signal, &h()->server_sleeping);
+    return seq;
   }
   absl::Status Finish() { return FromGrpc(reader_->Finish()); }
   void Cancel() { context_.TryCancel(); }
@@ -332,9 +338,7 @@ TEST_F(SharedDecodeTest, ARegionShrunkByItsRunnerEndsItsOwnStreamAlone) {
     const std::string bytes = request.SerializeAsString();
     std::copy(bytes.begin(), bytes.end(), raw.region().request());
     ASSERT_EQ(truncate(raw.region().path().c_str(), shared::kHeaderBytes), 0);
-    raw.h()->request_bytes = static_cast<uint32_t>(bytes.size());
-    raw.h()->request_seq.store(raw.h()->request_seq.load() + 1);
-    shared::Signal(&raw.h()->request_signal, &raw.h()->server_sleeping);
+    raw.Publish(static_cast<uint32_t>(bytes.size()));
     EXPECT_TRUE(HasStatus(raw.Finish(), absl::StatusCode::kDataLoss,
                           "Decode request 0 was read as zeros and not applied"));
   }
@@ -355,9 +359,7 @@ TEST_F(SharedDecodeTest, ARegionShrunkByItsRunnerEndsItsOwnStreamAlone) {
     std::copy(bytes.begin(), bytes.end(), raw.region().request());
     const auto reply_offset = raw.region().reply() - reinterpret_cast<char*>(raw.h());
     ASSERT_EQ(truncate(raw.region().path().c_str(), reply_offset), 0);
-    raw.h()->request_bytes = static_cast<uint32_t>(bytes.size());
-    raw.h()->request_seq.store(raw.h()->request_seq.load() + 1);
-    shared::Signal(&raw.h()->request_signal, &raw.h()->server_sleeping);
+    raw.Publish(static_cast<uint32_t>(bytes.size()));
     EXPECT_TRUE(HasStatus(raw.Finish(), absl::StatusCode::kDataLoss,
                           "Decode request 0's step was applied and its reply lost: do not "
                           "resend it"));

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -199,13 +198,11 @@ class IndexBench {
       if (!read.ok()) return read.status();
       // As the service refuses them: a NaN key scored as nothing and a NaN query found every
       // list "exact", so recall read 1.0 (probe 21, 6).
-      for (size_t i = 0; i < read->size(); ++i) {
-        if (!(std::fabs((*read)[i]) <= kMaxTensorMagnitude)) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "layer ", layer, " ", phase == TracePhase::kPrefill ? "prefill" : "decode", " ",
-              tensor == TraceTensor::kQ ? "q" : "k", " holds ", (*read)[i], " at element ", i,
-              ": the service takes finite values within +-", kMaxTensorMagnitude));
-        }
+      if (const int64_t i = FirstOutOfRange(*read); i >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", layer, " ", phase == TracePhase::kPrefill ? "prefill" : "decode", " ",
+            tensor == TraceTensor::kQ ? "q" : "k", " holds ", (*read)[i], " at element ", i,
+            ": the service takes finite values within +-", kMaxTensorMagnitude));
       }
       *out = std::move(*read);
     }

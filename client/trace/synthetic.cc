@@ -594,14 +594,11 @@ absl::Status SyntheticTrace::Write(const std::string& path) const {
           GenerateRows(layer, phase, tensor, begin, rows, chunk.data());
           // A value the service refuses (non-finite, or past what f16 holds) makes a trace no
           // replay can serve: the knobs (a huge decode_noise) are refused here, not there.
-          for (size_t i = 0; i < chunk.size(); ++i) {
-            if (!(std::fabs(chunk[i]) <= kMaxTensorMagnitude)) {
-              return absl::InvalidArgumentError(absl::StrCat(
-                  "the trace would hold ", chunk[i], " (layer ", layer, ", row ",
-                  begin + static_cast<int64_t>(i) / row_floats,
-                  "), beyond the +-", kMaxTensorMagnitude,
-                  " the service takes: lower decode_noise (", decode_noise(), ")"));
-            }
+          if (const int64_t i = FirstOutOfRange(chunk); i >= 0) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "the trace would hold ", chunk[i], " (layer ", layer, ", row ",
+                begin + i / row_floats, "), beyond the +-", kMaxTensorMagnitude,
+                " the service takes: lower decode_noise (", decode_noise(), ")"));
           }
           if (absl::Status s = (*writer)->Append(chunk); !s.ok()) return s;
         }
