@@ -95,8 +95,9 @@ absl::Status Run() {
   graph.kind = SelectorKind::kIndex;
   graph.sinks = 0;
   graph.recent = 0;
+  // As the tiered placement builds it: the queries see `recent` rows past their own.
   auto exact = std::make_unique<IndexSelector>(shape, graph, /*bulk_only=*/true,
-                                               BatchTopKFunction(CpuBatchTopK));
+                                               BatchTopKFunction(CpuBatchTopK), p.recent);
   IndexSelector* search = exact.get();
   ReTopKSelector selector(shape, p.top_k, p.retopk, p.recent);
   selector.set_exact_search(std::move(exact));

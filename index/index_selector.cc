@@ -28,11 +28,12 @@ double SecondsSince(Clock::time_point start) {
 }  // namespace
 
 IndexSelector::IndexSelector(const LayerShape& shape, const SelectorParams& params,
-                             bool bulk_only, BatchTopKFunction batch_topk)
+                             bool bulk_only, BatchTopKFunction batch_topk, int64_t query_lead)
     : shape_(shape),
       top_k_(params.top_k),
       sinks_(params.sinks),
       recent_(params.recent),
+      query_lead_(query_lead),
       index_params_(params.index.WithDefaults()),
       bulk_only_(bulk_only),
       batch_topk_(batch_topk),
@@ -95,7 +96,8 @@ BuildQueries IndexSelector::HeadQueries(int q_head, const float* prompt_queries,
                                 shape_.head_dim};
   }
   queries.causal = true;
-  queries.first_key_position = sinks_;
+  // Query i is token i + query_lead's: key 0 (token sinks) sits at i's position sinks - lead.
+  queries.first_key_position = sinks_ - query_lead_;
   return queries;
 }
 

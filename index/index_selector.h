@@ -36,9 +36,12 @@ class IndexSelector : public SupportSelector {
  public:
   // params.index zeros take GraphIndexParams defaults. bulk_only: the support holds the bulk's
   // tokens alone (the tiered placement attends the static set elsewhere). batch_topk: the exact
-  // top-k of the graph build's sampled queries (CpuBatchTopK, or the GPU's).
+  // top-k of the graph build's sampled queries (CpuBatchTopK, or the GPU's). query_lead: prompt
+  // query p sits query_lead positions after token p and saw the keys up to its own position
+  // (0: the prompt's own queries; ReTopK's exact search over the tiered bulk gets query r of
+  // token sinks + recent + r for bulk row r, which saw rows [0, r + recent]: lead `recent`).
   IndexSelector(const LayerShape& shape, const SelectorParams& params, bool bulk_only = false,
-                BatchTopKFunction batch_topk = CpuBatchTopK);
+                BatchTopKFunction batch_topk = CpuBatchTopK, int64_t query_lead = 0);
 
   absl::Status Build(const KvView& kv, const PromptQueries& prompt_queries) override;
   void OnAppend(const KvView& kv) override;
@@ -109,6 +112,7 @@ class IndexSelector : public SupportSelector {
   int top_k_;
   int sinks_;
   int recent_;
+  int64_t query_lead_;
   GraphIndexParams index_params_;
   bool bulk_only_;
   BatchTopKFunction batch_topk_;

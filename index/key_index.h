@@ -17,7 +17,9 @@ namespace kvrecall {
 struct BuildQueries {
   VectorSet queries;                 // count 0: none (the index then uses the keys themselves)
   bool causal = false;               // query i attended only to keys at positions <= i
-  int64_t first_key_position = 0;    // token position of key 0 of the key set
+  // Position of key 0 of the key set, with query i at position i: a causal query i saw keys
+  // [0, i - first_key_position] (negative when the queries start after key 0's token).
+  int64_t first_key_position = 0;
 };
 
 struct SearchParams {

@@ -284,6 +284,13 @@ class ReTopKSelector : public SupportSelector {
     batch_topk_ = batch_topk != nullptr ? std::move(batch_topk) : BatchTopKFunction(CpuBatchTopK);
   }
 
+  // The view's token count at the end of the prompt, from which decode steps count (the
+  // refresh_interval's): Build's view's. For a selector over part of the history (the tiered
+  // bulk, which grows only once the static set is full), after Build: the prompt's tokens less
+  // those outside the view (negative for a prompt shorter than the static set), so that the
+  // n-th decode step is counted n however long the view was then.
+  void set_prompt_tokens(int64_t tokens) { prompt_tokens_ = tokens; }
+
   // The state of query head q_head, for tests and diagnostics.
   const ReTopKHead& head(int q_head) const { return heads_[q_head]; }
   int64_t prompt_tokens() const { return prompt_tokens_; }

@@ -394,6 +394,84 @@ TEST_F(TieredPlacementTest, ReTopKExactPathSearchesTheGraphOrScansTheBulkWhenAsk
   EXPECT_GT(info->selector_bytes(), flat_info->selector_bytes()) << "the graph index";
 }
 
+// ReTopK's graph over the bulk learns from prompt queries that see `recent` tokens past their
+// own bulk row (query r is token sinks + recent + r's): the newest bulk keys of the prompt are
+// linked from the queries of the ring's tokens too. (Its graph once took query r to see bulk rows
+// [0, r] only: bulk row B - m was linked from m queries, and a query aimed at one of the last
+// rows missed it in a third of the heads, where the `index` selector's graph found it; probe 22.)
+TEST_F(TieredPlacementTest, ReTopKsGraphFindsTheNewestKeysOfThePromptsBulk) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 32, Dtypes().front());
+  constexpr int64_t kPrompt = 400;
+  constexpr int64_t kLastBulk = kPrompt - kRecent - 1;
+  v1::Policy policy = TieredPolicy(v1::SELECTOR_RETOPK, 8);
+  policy.mutable_retopk()->set_tau(2.0f);  // never reuse: the step takes the exact path
+  policy.mutable_retopk()->set_refresh_interval(0);
+  DecodeClient client(stub());
+  int misses = 0;
+  int head_steps = 0;
+  for (uint64_t seed = 0; seed < 6; ++seed) {
+    for (const int64_t target : {kLastBulk, kLastBulk - 1, kLastBulk - 2, kLastBulk - 200}) {
+      ReferenceSession ref(g, kPrompt, 7000 + 10 * seed);
+      const std::string id = CreateAndPrefill(ref, policy, kPrompt);
+      // Each head's query is twice the target's key: a score ~11 against the others' ~N(0, 2).
+      ReferenceSession::Token token = ref.MakeToken(9000 + seed);
+      const int group = g.q_heads() / g.kv_heads();
+      const KvView keys = ref.view(0);
+      for (int h = 0; h < g.q_heads(); ++h) {
+        const float* key = keys.key(target, h / group);
+        for (int i = 0; i < g.head_dim(); ++i) token.q[h * g.head_dim() + i] = 2.0f * key[i];
+      }
+      ref.Record(0, token);
+      absl::StatusOr<v1::DecodeResponse> reply =
+          StepAll(client, {id}, token, ref, /*compare=*/true);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
+        EXPECT_EQ(head.path(), v1::PATH_FALLBACK);
+        ++head_steps;
+        if (head.retained_mass() < 0.5f) {
+          ++misses;
+          ADD_FAILURE() << "seed " << seed << ": bulk token " << target << " missed, retained mass "
+                        << head.retained_mass();
+        }
+      }
+      ASSERT_TRUE(testing::CloseSession(stub(), id).ok());
+    }
+  }
+  EXPECT_EQ(misses, 0) << "of " << head_steps << " head-steps";
+}
+
+// ReTopK's refresh comes every refresh_interval-th decode step counted from the prompt, as the
+// API says, also after a prompt shorter than the static set, whose bulk begins to grow only
+// once the ring is full (it was counted by the bulk's growth: probe 22). While the bulk is
+// empty the static set is the whole attention and the step says PATH_EXACT.
+TEST_F(TieredPlacementTest, ReTopKRefreshesCountDecodeStepsFromTheShortPrompt) {
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 32, Dtypes().front());
+  constexpr int64_t kPrompt = 10;
+  constexpr int kInterval = 7;
+  v1::Policy policy = TieredPolicy(v1::SELECTOR_RETOPK, 8);
+  policy.mutable_retopk()->set_tau(-1.0f);  // reuse whenever the cache holds a support
+  policy.mutable_retopk()->set_refresh_interval(kInterval);
+  ReferenceSession ref(g, kPrompt, 31);
+  const std::string id = CreateAndPrefill(ref, policy, kPrompt);
+  DecodeClient client(stub());
+  for (int64_t step = 1; step <= 80; ++step) {
+    const ReferenceSession::Token token = ref.MakeToken(500 + step);
+    ref.Record(0, token);
+    absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {id}, token, ref, false);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    const bool bulk_empty = kPrompt + step <= kSinks + kRecent;
+    for (const v1::HeadDiagnostics& head : reply->results(0).heads()) {
+      if (bulk_empty) {
+        EXPECT_EQ(head.path(), v1::PATH_EXACT) << "step " << step;
+      } else if (step % kInterval == 0) {
+        EXPECT_EQ(head.path(), v1::PATH_REFRESH) << "step " << step;
+      } else {
+        EXPECT_NE(head.path(), v1::PATH_REFRESH) << "step " << step;
+      }
+    }
+  }
+}
+
 TEST_F(TieredPlacementTest, ABatchEqualsEachSequenceAloneAndGpuBytesStayConstant) {
   const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
   ReferenceSession short_ref(g, 300, 41);

@@ -108,8 +108,9 @@ absl::StatusOr<BulkSelector> MakeBulkSelector(const LayerConfig& config,
       }
       if (!p.retopk.exact_flat_scan) {
         // The exact path searches a graph index over the bulk view.
+        // Its Build hands the graph the queries it is given: query r saw bulk rows [0, r + recent].
         retopk->set_exact_search(std::make_unique<IndexSelector>(
-            config.shape, ExactPathGraphParams(p), /*bulk_only=*/true, build_topk));
+            config.shape, ExactPathGraphParams(p), /*bulk_only=*/true, build_topk, p.recent));
       }
       return BulkSelector{std::move(retopk), true};
     }
@@ -689,7 +690,11 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
         });
       }
       built = bulk->selector->BuildUnless(stop, view, queries);
-      if (retopk != nullptr) retopk->set_outside_lse(nullptr);
+      if (retopk != nullptr) {
+        retopk->set_outside_lse(nullptr);
+        // Decode step n holds prompt + n tokens, the bulk all but the static set's once full.
+        retopk->set_prompt_tokens(all.tokens - p.sinks - p.recent);
+      }
     } else {
       built = bulk->selector->BuildUnless(stop, all, staged.prompt_queries());
     }
