@@ -71,6 +71,16 @@ ABSL_FLAG(int64_t, max_sessions_per_tenant, 0,
           "sessions open at once of one tenant (--auth_token_file's; without tokens every "
           "caller is one tenant), so that no tenant takes every --max_sessions slot; "
           "CreateSession beyond it gets RESOURCE_EXHAUSTED; 0: no limit");
+ABSL_FLAG(double, host_memory_budget_per_tenant_gb, 0,
+          "host memory (GiB) that the sessions of one tenant may hold, within "
+          "--host_memory_budget_gb (KV, staged prompts, selector state, shared decode "
+          "regions), so that no tenant takes all of it; beyond it the tenant's requests get "
+          "RESOURCE_EXHAUSTED; 0: none but the server's");
+ABSL_FLAG(double, gpu_memory_budget_per_tenant_gb, 0,
+          "GPU memory (GiB) that the sessions of one tenant may hold on each device, within "
+          "--gpu_memory_budget_gb (the decode workspaces and captured steps of a request are "
+          "the server's); beyond it the tenant's requests get RESOURCE_EXHAUSTED; 0: none but "
+          "the server's");
 ABSL_FLAG(int64_t, max_context_tokens, 0,
           "tokens (prompt + decoded) each layer of a session may hold; a CreateSession "
           "announcing more, or a Prefill chunk or Decode step growing a layer past it, gets "
@@ -289,6 +299,19 @@ int main(int argc, char** argv) {
                  budget_gb);
     return 2;
   }
+  for (const auto& [flag, gib] :
+       {std::pair{"host_memory_budget_per_tenant_gb",
+                  absl::GetFlag(FLAGS_host_memory_budget_per_tenant_gb)},
+        std::pair{"gpu_memory_budget_per_tenant_gb",
+                  absl::GetFlag(FLAGS_gpu_memory_budget_per_tenant_gb)}}) {
+    if (!kvrecall::IsBudgetGib(gib)) {
+      std::fprintf(stderr,
+                   "kvrecalld: --%s must be 0 (none but the server's budget) or in [2^-30, 2^33) "
+                   "GiB, got %g\n",
+                   flag, gib);
+      return 2;
+    }
+  }
   if (max_message_mb < 1 || max_message_mb > 2047) {
     std::fprintf(stderr, "kvrecalld: --max_message_mb must be in [1, 2047], got %d\n",
                  max_message_mb);
@@ -315,6 +338,10 @@ int main(int argc, char** argv) {
   options.limits.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.limits.max_sessions_per_tenant = absl::GetFlag(FLAGS_max_sessions_per_tenant);
   options.limits.max_context_tokens = absl::GetFlag(FLAGS_max_context_tokens);
+  options.limits.host_bytes_per_tenant =
+      kvrecall::GibToBytes(absl::GetFlag(FLAGS_host_memory_budget_per_tenant_gb));
+  options.limits.gpu_bytes_per_tenant =
+      kvrecall::GibToBytes(absl::GetFlag(FLAGS_gpu_memory_budget_per_tenant_gb));
   const double ttl_seconds = absl::GetFlag(FLAGS_session_idle_ttl_seconds);
   if (!(ttl_seconds >= 0) || !std::isfinite(ttl_seconds)) {
     std::fprintf(stderr, "kvrecalld: --session_idle_ttl_seconds must be finite and >= 0, got %g\n",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "server/status_util.h"
@@ -10,6 +11,27 @@
 namespace kvrecall {
 
 absl::Status MemoryBudget::Reserve(int64_t bytes, absl::string_view what) {
+  if (absl::Status s = ReserveHere(bytes, what); !s.ok()) return s;
+  if (parent_ != nullptr) {
+    if (absl::Status s = parent_->Reserve(bytes, what); !s.ok()) {
+      used_.fetch_sub(bytes, std::memory_order_relaxed);
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+void MemoryBudget::Charge(int64_t bytes) {
+  used_.fetch_add(bytes, std::memory_order_relaxed);
+  if (parent_ != nullptr) parent_->Charge(bytes);
+}
+
+void MemoryBudget::Release(int64_t bytes) {
+  used_.fetch_sub(bytes, std::memory_order_relaxed);
+  if (parent_ != nullptr) parent_->Release(bytes);
+}
+
+absl::Status MemoryBudget::ReserveHere(int64_t bytes, absl::string_view what) {
   if (limit_ <= 0 || bytes <= 0) {
     used_.fetch_add(bytes, std::memory_order_relaxed);
     return absl::OkStatus();
@@ -90,6 +112,32 @@ void MemoryGrant::Release(int64_t bytes) {
   set_aside_.fetch_add(kept, std::memory_order_relaxed);
   held_.fetch_sub(bytes - kept, std::memory_order_relaxed);
   budget_->Release(bytes - kept);
+}
+
+namespace {
+
+std::string TenantSuffix(absl::string_view tenant) {
+  return tenant.empty() ? " (of every caller: the server authenticates no tenants)"
+                        : absl::StrCat(" (tenant '", tenant, "')");
+}
+
+}  // namespace
+
+TenantBudgets::TenantBudgets(absl::string_view tenant, int64_t host_limit_bytes,
+                             int64_t gpu_limit_bytes, MemoryBudget* host)
+    : who_(TenantSuffix(tenant)),
+      gpu_limit_(gpu_limit_bytes),
+      host_(host_limit_bytes, absl::StrCat(host->name(), who_),
+            "host_memory_budget_per_tenant_gb", host) {}
+
+MemoryBudget* TenantBudgets::Within(MemoryBudget* device) {
+  absl::MutexLock lock(&mu_);
+  std::unique_ptr<MemoryBudget>& budget = devices_[device];
+  if (budget == nullptr) {
+    budget = std::make_unique<MemoryBudget>(gpu_limit_, absl::StrCat(device->name(), who_),
+                                            "gpu_memory_budget_per_tenant_gb", device);
+  }
+  return budget.get();
 }
 
 }  // namespace kvrecall

@@ -1,13 +1,16 @@
-// A server-wide account of the bytes sessions hold in one kind of memory (host DRAM, or one GPU),
-// checked against the operator's budget whenever a prefill or a decode step needs more.
+// An account of the bytes sessions hold in one kind of memory (host DRAM, or one GPU), server-wide
+// or one tenant's within it, checked against the operator's budget whenever a prefill or a
+// decode step needs more.
 #ifndef KVRECALL_SERVER_MEMORY_BUDGET_H_
 #define KVRECALL_SERVER_MEMORY_BUDGET_H_
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -29,34 +32,48 @@ class MemoryBudget final : public MemoryAccount {
  public:
   // limit_bytes <= 0 means unlimited. `name` says which memory ("host memory", "GPU 0 memory")
   // and `flag` which setting bounds it ("host_memory_budget_gb"), for the refusal messages.
-  MemoryBudget(int64_t limit_bytes, std::string name, std::string flag)
-      : limit_(limit_bytes), name_(std::move(name)), flag_(std::move(flag)) {}
+  // With a `parent` (a tenant's budget within the server's; it must outlive this one) whatever
+  // is charged here is charged there too, and a Reserve must fit both.
+  MemoryBudget(int64_t limit_bytes, std::string name, std::string flag,
+               MemoryBudget* parent = nullptr)
+      : limit_(limit_bytes), name_(std::move(name)), flag_(std::move(flag)), parent_(parent) {}
   explicit MemoryBudget(int64_t limit_bytes)
       : MemoryBudget(limit_bytes, "host memory", "host_memory_budget_gb") {}
   MemoryBudget(const MemoryBudget&) = delete;
   MemoryBudget& operator=(const MemoryBudget&) = delete;
 
-  // Charges `bytes`, or charges nothing and returns RESOURCE_EXHAUSTED naming the budget and
-  // `what` needed it when the charge would exceed the limit.
+  // Charges `bytes`, or charges nothing and returns RESOURCE_EXHAUSTED naming the budget (this
+  // one or its parent's, whichever is exceeded) and `what` needed it.
   absl::Status Reserve(int64_t bytes, absl::string_view what) override;
 
   // Charges memory that already exists (selector state after it was built): the account may
   // then exceed the limit, and further Reserve calls fail until memory is released.
-  void Charge(int64_t bytes) override { used_.fetch_add(bytes, std::memory_order_relaxed); }
-  void Release(int64_t bytes) override { used_.fetch_sub(bytes, std::memory_order_relaxed); }
+  void Charge(int64_t bytes) override;
+  void Release(int64_t bytes) override;
 
   int64_t used() const { return used_.load(std::memory_order_relaxed); }
   int64_t limit() const { return limit_; }
-  // What Reserve would still grant (INT64_MAX when unlimited).
+  // What Reserve would still grant here, not counting the parent's limit (INT64_MAX when
+  // unlimited).
   int64_t available() const;
+  // The budget this one is part of (null: the server's own).
+  MemoryBudget* parent() const { return parent_; }
+  // The server-wide budget: this one's outermost parent, or itself.
+  const MemoryBudget& server_wide() const {
+    return parent_ == nullptr ? *this : parent_->server_wide();
+  }
   const std::string& name() const { return name_; }
   // The setting that bounds it ("host_memory_budget_gb").
   const std::string& flag() const { return flag_; }
 
  private:
+  // Reserve against this budget's own limit only.
+  absl::Status ReserveHere(int64_t bytes, absl::string_view what);
+
   const int64_t limit_;
   const std::string name_;
   const std::string flag_;
+  MemoryBudget* const parent_;
   std::atomic<int64_t> used_{0};
 };
 
@@ -102,6 +119,33 @@ class MemoryGrant final : public MemoryAccount {
   int64_t announced_ ABSL_GUARDED_BY(mu_) = 0;  // the set-asides asked for, until released
   std::atomic<int64_t> set_aside_{0};           // written under mu_
   std::atomic<int64_t> held_{0};                // see held(); written under mu_
+};
+
+// One tenant's share of the server's budgets (kvrecalld's --host_memory_budget_per_tenant_gb and
+// --gpu_memory_budget_per_tenant_gb): a budget within the host budget, and one within each GPU's
+// budget, made when the tenant first uses that GPU. Its sessions (and other holders of tenant
+// memory, such as a shared decode region) share it and keep it alive while they are charged to
+// it. Thread-safe.
+class TenantBudgets {
+ public:
+  // `tenant` names it in refusals ("" for the one tenant of a server without tokens); a limit
+  // <= 0 leaves that memory bounded by the server's budget alone. `host` outlives it.
+  TenantBudgets(absl::string_view tenant, int64_t host_limit_bytes, int64_t gpu_limit_bytes,
+                MemoryBudget* host);
+  TenantBudgets(const TenantBudgets&) = delete;
+  TenantBudgets& operator=(const TenantBudgets&) = delete;
+
+  MemoryBudget* host() { return &host_; }
+  // The tenant's budget within `device` (a GPU's server-wide budget, which outlives this).
+  MemoryBudget* Within(MemoryBudget* device);
+
+ private:
+  const std::string who_;  // " (tenant 'name')", for the budgets' names
+  const int64_t gpu_limit_;
+  MemoryBudget host_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<const MemoryBudget*, std::unique_ptr<MemoryBudget>> devices_
+      ABSL_GUARDED_BY(mu_);
 };
 
 // Whether `gib` (GiB, as the budget flags take it) is 0 (no budget) or from one byte (2^-30) to

@@ -805,11 +805,16 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     // budget as a session's KV is, until the stream ends.
     const int64_t region_bytes = static_cast<int64_t>(
         v1::shared_decode::RegionLayout::For(request_capacity, reply_capacity).bytes());
-    if (absl::Status s = service_->registry_->budget()->Reserve(
+    // The caller's tenant's budget when tenants have one (it holds it until the charge goes).
+    region_budgets_ = service_->registry_->BudgetsOf(identity_.tenant);
+    MemoryBudget* budget =
+        region_budgets_ != nullptr ? region_budgets_->host() : service_->registry_->budget();
+    if (absl::Status s = budget->Reserve(
             region_bytes, "a shared decode region (SharedDecodeRequest's capacities)");
         !s.ok()) {
       return service_->Answer(s);
     }
+    charged_budget_ = budget;
     charged_bytes_ = region_bytes;
     absl::StatusOr<v1::shared_decode::MappedRegion> region =
         v1::shared_decode::MappedRegion::Create(options.shared_memory_dir, request_capacity,
@@ -839,7 +844,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   void ReleaseSlot() {
     if (counted_.exchange(false)) {
       service_->shared_streams_.fetch_sub(1);
-      if (charged_bytes_ > 0) service_->registry_->budget()->Release(charged_bytes_);
+      if (charged_bytes_ > 0) charged_budget_->Release(charged_bytes_);
     }
   }
 
@@ -994,7 +999,9 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   v1::shared_decode::MappedRegion region_;
   grpc::ByteBuffer region_message_;
   std::atomic<bool> counted_{false};  // holds a --max_shared_streams slot (and the charge)
-  int64_t charged_bytes_ = 0;          // the region's, on the host budget
+  std::shared_ptr<TenantBudgets> region_budgets_;  // the caller's tenant's, when it has some
+  MemoryBudget* charged_budget_ = nullptr;         // the region's bytes are charged here
+  int64_t charged_bytes_ = 0;
   bool registered_ = false;  // for the drain
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> draining_{false};

@@ -97,6 +97,11 @@ absl::Status SessionLimits::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat(
         "--max_sessions_per_tenant must be >= 0 (0: no limit), got ", max_sessions_per_tenant));
   }
+  if (host_bytes_per_tenant < 0 || gpu_bytes_per_tenant < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the memory budgets per tenant must be >= 0 (0: none but the server's), got host ",
+        host_bytes_per_tenant, " and GPU ", gpu_bytes_per_tenant, " bytes"));
+  }
   if (max_context_tokens < 0 || max_context_tokens > kMaxLayerTokens) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_context_tokens must be in [0, ", kMaxLayerTokens,
@@ -187,17 +192,21 @@ v1::Path PathToProto(SelectionPath path) {
 
 Session::Session(std::string id, std::string label, const v1::Geometry& geometry,
                  const EffectivePolicy& policy, const LayerConfig& config,
-                 AttentionBackend* backend, MemoryBudget* host_budget)
+                 AttentionBackend* backend, MemoryBudget* host_budget,
+                 std::shared_ptr<TenantBudgets> tenant)
     : id_(std::move(id)),
       label_(std::move(label)),
       geometry_(WithEffectiveScale(geometry)),
       policy_(policy),
       config_(config),
       backend_(backend),
-      host_grant_(host_budget),
-      device_grant_(backend->device_budget() != nullptr
-                        ? std::make_unique<MemoryGrant>(backend->device_budget())
-                        : nullptr) {
+      tenant_budgets_(std::move(tenant)),
+      host_grant_(tenant_budgets_ != nullptr ? tenant_budgets_->host() : host_budget),
+      device_grant_(backend->device_budget() == nullptr ? nullptr
+                    : std::make_unique<MemoryGrant>(
+                          tenant_budgets_ != nullptr
+                              ? tenant_budgets_->Within(backend->device_budget())
+                              : backend->device_budget())) {
   absl::MutexLock lock(&mu_);
   layers_.resize(geometry.layers());
 }
@@ -240,7 +249,7 @@ absl::Status Session::Admit() {
   // already (every session's set-asides and memory, the prompts being staged; admissions racing
   // this check may pass it together: a budget flag is exact).
   if (const int64_t usable = MemoryLimitBytes(); usable > 0) {
-    const int64_t held = host_grant_.budget()->used();
+    const int64_t held = host_grant_.budget()->server_wide().used();
     if (*bytes > usable - std::min(held, usable)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes, " bytes of host KV",
@@ -415,6 +424,13 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
       !s.ok()) {
     return s;
   }
+  std::shared_ptr<TenantBudgets> budgets = BudgetsOf(tenant);
+  if (budgets != nullptr) {
+    if (absl::Status s = CheckSelectorStateFits(**backend, config, g.layers(), *budgets->host());
+        !s.ok()) {
+      return s;
+    }
+  }
 
   thread_local absl::BitGen gen;
   std::string id;
@@ -451,8 +467,8 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
       id = SessionIdOf(absl::Uniform<uint64_t>(gen));
     } while (sessions_.contains(id) || expired_.contains(id));
   }
-  auto session =
-      std::make_shared<Session>(id, request.label(), g, *policy, config, *backend, host_budget_);
+  auto session = std::make_shared<Session>(id, request.label(), g, *policy, config, *backend,
+                                           host_budget_, std::move(budgets));
   const absl::Status admitted = session->Admit();
   if (admitted.ok() && metrics_ != nullptr) {
     session->set_metrics(metrics_->ForPolicy(policy->placement, policy->selector.kind));
@@ -564,6 +580,21 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Find(absl::string_view
   if (it == sessions_.end() || tenants_.at(id) != tenant) return NotFound(id, tenant);
   it->second->Touch();
   return it->second;
+}
+
+std::shared_ptr<TenantBudgets> SessionRegistry::BudgetsOf(absl::string_view tenant) {
+  if (limits_.host_bytes_per_tenant <= 0 && limits_.gpu_bytes_per_tenant <= 0) return nullptr;
+  absl::MutexLock lock(&mu_);
+  std::weak_ptr<TenantBudgets>& entry = tenant_budgets_[tenant];
+  if (std::shared_ptr<TenantBudgets> held = entry.lock()) return held;
+  auto budgets = std::make_shared<TenantBudgets>(tenant, limits_.host_bytes_per_tenant,
+                                                 limits_.gpu_bytes_per_tenant, host_budget_);
+  entry = budgets;
+  if (tenant_budgets_.size() >= 2 * tenant_budgets_swept_) {
+    absl::erase_if(tenant_budgets_, [](const auto& e) { return e.second.expired(); });
+    tenant_budgets_swept_ = tenant_budgets_.size();
+  }
+  return budgets;
 }
 
 void SessionRegistry::ReleaseTenantSlot(absl::string_view tenant) {

@@ -48,7 +48,8 @@ inline constexpr int64_t kMaxLayerTokens = std::numeric_limits<int32_t>::max();
 // The longest label a session may carry (CreateSessionRequest.label), in bytes.
 inline constexpr int kMaxLabelBytes = 256;
 
-// Limits a server puts on sessions (kvrecalld's --max_sessions, --max_context_tokens and
+// Limits a server puts on sessions (kvrecalld's --max_sessions, --max_sessions_per_tenant,
+// --host_memory_budget_per_tenant_gb, --gpu_memory_budget_per_tenant_gb, --max_context_tokens and
 // --session_idle_ttl_seconds); 0 leaves a limit off. Each refuses before anything is allocated,
 // with a status naming the limit (server/status_util.h's RefusedBy, counted by the metrics).
 struct SessionLimits {
@@ -58,6 +59,11 @@ struct SessionLimits {
   // tenant ""), so that one tenant cannot take every slot of max_sessions: CreateSession beyond
   // it gets RESOURCE_EXHAUSTED naming it.
   int64_t max_sessions_per_tenant = 0;
+  // Bytes of host memory, and of each GPU's, that the sessions of one tenant may hold within the
+  // server's budgets (TenantBudgets), so that one tenant cannot take all of them: what a
+  // tenant's request needs beyond it gets RESOURCE_EXHAUSTED naming the tenant's budget.
+  int64_t host_bytes_per_tenant = 0;
+  int64_t gpu_bytes_per_tenant = 0;
   // Tokens per layer of a session (prompt + decoded), at most kMaxLayerTokens: a CreateSession
   // announcing more (max_tokens), a Prefill chunk or a Decode step that would grow a layer past
   // it get RESOURCE_EXHAUSTED. Zero leaves only kMaxLayerTokens.
@@ -98,10 +104,12 @@ struct DecodeCounters {
 
 class Session {
  public:
-  // `geometry` must have passed ValidateGeometry and `config` the backend's CheckConfig.
+  // `geometry` must have passed ValidateGeometry and `config` the backend's CheckConfig. The
+  // session's memory is charged to `tenant`'s budgets when given (it keeps them alive), else to
+  // `host_budget` and the backend's device budget.
   Session(std::string id, std::string label, const v1::Geometry& geometry,
           const EffectivePolicy& policy, const LayerConfig& config, AttentionBackend* backend,
-          MemoryBudget* host_budget);
+          MemoryBudget* host_budget, std::shared_ptr<TenantBudgets> tenant = nullptr);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -117,6 +125,9 @@ class Session {
   void set_metrics(PolicyMetrics* metrics) { metrics_ = metrics; }
   // Where the session's memory is charged (its grants on the host and device budgets).
   SessionAccounts accounts() { return SessionAccounts{&host_grant_, device_grant_.get()}; }
+  // The budget the session's host memory is charged to (its tenant's, or the server's): where
+  // the memory a call needs for the session beside its grant (a Prefill's builds) is reserved.
+  MemoryBudget* host_budget() const { return host_grant_.budget(); }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(mu_) { return mu_; }
 
   // Marks the session used now: idle sessions expire (SessionLimits::session_idle_ttl) counting
@@ -195,7 +206,9 @@ class Session {
   PolicyMetrics* metrics_ = nullptr;
   std::atomic<int64_t> last_used_ns_{absl::GetCurrentTimeNanos()};
   std::atomic<int> users_{0};  // Use objects alive
-  // Declared before the layers, which charge them, so that they outlive the layers.
+  // Declared before the layers, which charge them, so that they outlive the layers; the
+  // tenant's budgets before the grants on them.
+  const std::shared_ptr<TenantBudgets> tenant_budgets_;
   MemoryGrant host_grant_;
   std::unique_ptr<MemoryGrant> device_grant_;  // null when the backend has no device budget
 
@@ -254,7 +267,11 @@ class SessionRegistry {
 
   const SessionLimits& limits() const { return limits_; }
 
+  // The server's host budget.
   MemoryBudget* budget() const { return host_budget_; }
+  // `tenant`'s budgets within the server's (the one a session of it holds, if any), or null when
+  // the limits give tenants no memory budget of their own.
+  std::shared_ptr<TenantBudgets> BudgetsOf(absl::string_view tenant);
   Placements* placements() const { return placements_; }
   ServerMetrics* metrics() const { return metrics_; }
 
@@ -283,6 +300,11 @@ class SessionRegistry {
   // Per tenant, its sessions and admissions in progress (max_sessions_per_tenant); a tenant
   // holding none has no entry.
   absl::flat_hash_map<std::string, int64_t> held_by_tenant_ ABSL_GUARDED_BY(mu_);
+  // Each tenant's budgets while anything holds them (BudgetsOf); expired entries are dropped
+  // when the map has doubled since the last sweep.
+  absl::flat_hash_map<std::string, std::weak_ptr<TenantBudgets>> tenant_budgets_
+      ABSL_GUARDED_BY(mu_);
+  size_t tenant_budgets_swept_ ABSL_GUARDED_BY(mu_) = 0;
   // Ids of expired sessions and their tenants, the latest kExpiredRemembered of them, so that
   // their owners hear why they are gone.
   static constexpr size_t kExpiredRemembered = 1 << 16;

@@ -154,10 +154,12 @@ class TlsTest : public ::testing::Test {
     return c.ok() ? *std::move(c) : nullptr;
   }
 
-  void Start(const SecurityOptions& security, const SessionLimits& limits = {}) {
+  void Start(const SecurityOptions& security, const SessionLimits& limits = {},
+             int64_t host_memory_budget_bytes = 0) {
     ServerOptions options;
     options.security = security;
     options.limits = limits;
+    options.host_memory_budget_bytes = host_memory_budget_bytes;
     absl::StatusOr<std::unique_ptr<testing::InProcessServer>> server =
         testing::InProcessServer::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -457,6 +459,59 @@ TEST_F(TlsTest, OneTenantCannotTakeEverySlot) {
                         "tenant 'alice' holds 1 session, the limit per tenant"));
   EXPECT_TRUE(testing::Within(absl::Seconds(10),
                               [&] { return alice->CreateSession(g, policy).ok(); }));
+}
+
+// --host_memory_budget_per_tenant_gb keeps one tenant from taking all of the host budget: a
+// tenant's sessions hold at most its share (their KV set aside for max_tokens, their selector
+// state), refused naming the tenant's budget while other tenants still get theirs, within the
+// server's budget; a closed session gives its share back.
+TEST_F(TlsTest, OneTenantCannotTakeAllTheHostMemory) {
+  constexpr int64_t kMiB = 1 << 20;
+  SessionLimits limits;
+  limits.host_bytes_per_tenant = 64 * kMiB;
+  Start(WithTokens(), limits, /*host_memory_budget_bytes=*/100 * kMiB);
+  std::unique_ptr<client::Client> alice = ConnectWithToken(kAliceToken);
+  std::unique_ptr<client::Client> bob = ConnectWithToken(kBobToken);
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 64);
+  const v1::Policy full = testing::MakePolicy(v1::SELECTOR_FULL);
+  // f32 keys and values of one KV head of 64: 51.2 MB (and its pages' rounding) set aside for
+  // 100000 tokens.
+  constexpr int64_t kTokens = 100000;
+  absl::StatusOr<client::SessionHandle> first = alice->CreateSession(g, full, "", kTokens);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const int64_t set_aside = server_->server().budget().used();
+  ASSERT_GE(set_aside, 51200000);
+  ASSERT_LT(set_aside, 52 * kMiB);
+  EXPECT_TRUE(HasStatus(alice->CreateSession(g, full, "", kTokens).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        absl::StrCat("host memory (tenant 'alice') budget exceeded: "
+                                     "max_tokens=100000 of 1 layers needs ", set_aside,
+                                     " more bytes, ", set_aside,
+                                     " of the 67108864-byte budget "
+                                     "(host_memory_budget_per_tenant_gb=0.0625) are in use")));
+  EXPECT_EQ(testing::RefusalsCounted(server_->server(), "host_memory_budget_per_tenant"), 1);
+  // Bob has a share of his own; the server's budget (100 MiB) is what refuses more.
+  absl::StatusOr<client::SessionHandle> bobs = bob->CreateSession(g, full, "", kTokens);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_EQ(server_->server().budget().used(), 2 * set_aside);
+  EXPECT_TRUE(HasStatus(alice->CreateSession(g, full, "", kTokens / 4).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        absl::StrCat("host memory budget exceeded: max_tokens=25000 of 1 layers "
+                                     "needs ")));
+  EXPECT_EQ(testing::RefusalsCounted(server_->server(), "host_memory_budget"), 1);
+  // A selector whose state could never fit the tenant's share (but would the server's) is
+  // refused at CreateSession.
+  v1::Policy retopk = testing::MakePolicy(v1::SELECTOR_RETOPK, 2048);
+  retopk.mutable_retopk()->set_cache_capacity(4096);
+  EXPECT_TRUE(HasStatus(bob->CreateSession(g, retopk, "", 1000).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "host memory (tenant 'bob') budget exceeded: the retopk selector state"));
+  // A closed session gives its tenant's share back.
+  ASSERT_TRUE(alice->CloseSession(first->id).ok());
+  EXPECT_EQ(server_->server().budget().used(), set_aside);
+  ASSERT_TRUE(alice->CreateSession(g, full, "", kTokens).ok());
+  ASSERT_TRUE(bob->CloseSession(bobs->id).ok());
+  ASSERT_TRUE(bob->CreateSession(g, full, "", kTokens).ok());
 }
 
 // A gateway multiplexes tenants over one connection: each call is its own token's tenant's.

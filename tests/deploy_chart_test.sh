@@ -155,6 +155,20 @@ case "$case_name" in
     expect_render_error "rounds down to 0.00 GiB, which kvrecalld reads as no budget at all" \
       --set resources.limits.memory=12Mi
     [ "$(rendered_budget --set resources.limits.memory=13Mi)" = "0.01" ] || fail "13Mi budget, expected 0.01"
+    # A tenant's share of the host budget: a fraction of it, rounded down, no flag when unset.
+    tenant_share="$("$HELM" template kvrecall "$chart_dir" \
+      --set server.hostMemoryBudget.perTenantFraction=0.25 \
+      | sed -n 's/^ *- --host_memory_budget_per_tenant_gb=//p')"
+    [ "$tenant_share" = "1.60" ] || fail "a quarter of the 6.40 GiB budget per tenant: got '$tenant_share'"
+    if "$HELM" template kvrecall "$chart_dir" | grep -q -- '--host_memory_budget_per_tenant_gb'; then
+      fail "the default render gives tenants a budget of their own"
+    fi
+    expect_render_error "the host memory budget per tenant (0.0064 GiB) rounds down to 0.00 GiB" \
+      --set server.hostMemoryBudget.perTenantFraction=0.001
+    expect_render_error "server.hostMemoryBudget.perTenantFraction must be in (0, 1], got 1.5" \
+      --set server.hostMemoryBudget.perTenantFraction=1.5
+    expect_render_error "server.extraArgs: --host_memory_budget_per_tenant_gb is set by the chart" \
+      --set "server.extraArgs={--host_memory_budget_per_tenant_gb=1}"
     # --flagfile (and Abseil's --fromenv, --tryfromenv) would set the flags the chart checks.
     expect_render_error "server.extraArgs: --flagfile would set flags past the chart's checks" \
       --set "server.extraArgs={--flagfile=/etc/kvrecalld.flags}"

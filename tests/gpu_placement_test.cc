@@ -28,6 +28,7 @@
 namespace kvrecall {
 namespace {
 
+using ::testing::HasSubstr;
 using ::kvrecall::testing::CreateSession;
 using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::ExpectOutputNear;
@@ -570,11 +571,56 @@ TEST_P(GpuBudgetTest, ARequestTheGpuRefusesInItsStepAppendsNoToken) {
   }
 }
 
+// --gpu_memory_budget_per_tenant_gb: a tenant's sessions hold at most its share of each GPU's
+// budget (here the one tenant of a server without tokens), refused naming the tenant's budget,
+// charged within the device's, and given back when a session closes.
+class GpuTenantBudgetTest : public GpuPlacementTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = GpuPlacementTest::Options();
+    options.placements.gpu_memory_budget_bytes = 512 << 20;
+    options.limits.gpu_bytes_per_tenant = 128 << 20;
+    return options;
+  }
+};
+
+TEST_P(GpuTenantBudgetTest, ATenantsSessionsHoldAtMostItsShareOfTheGpu) {
+  const v1::Geometry g = MakeGeometry(1, 8, 8, 128, v1::DTYPE_BF16);  // 4 KiB of KV a token
+  auto create = [&](int64_t max_tokens) -> absl::StatusOr<std::string> {
+    v1::CreateSessionRequest request;
+    *request.mutable_geometry() = g;
+    *request.mutable_policy() = GpuPolicy(v1::SELECTOR_FULL);
+    request.set_max_tokens(max_tokens);
+    v1::CreateSessionResponse response;
+    grpc::ClientContext context;
+    absl::Status s = testing::FromGrpc(stub().CreateSession(&context, request, &response));
+    if (!s.ok()) return s;
+    return response.session_id();
+  };
+  MemoryBudget* device = server().server().placements().gpu().front()->device_budget();
+  const int64_t before = device->used();
+  absl::StatusOr<std::string> first = create(20000);  // 82 MB of the tenant's 134
+  ASSERT_TRUE(first.ok()) << first.status();
+  const int64_t set_aside = device->used() - before;
+  EXPECT_GE(set_aside, 20000 * 4096);
+  const absl::Status refused = create(20000).status();
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "GPU 0 memory (of every caller: the server authenticates no tenants) "
+                        "budget exceeded: max_tokens=20000 of 1 layers on cuda:0"));
+  EXPECT_THAT(refused.message(), HasSubstr("(gpu_memory_budget_per_tenant_gb=0.125)"));
+  EXPECT_EQ(testing::RefusalsCounted(server().server(), "gpu_memory_budget_per_tenant"), 1);
+  EXPECT_EQ(device->used() - before, set_aside) << "the refusal charged nothing";
+  ASSERT_TRUE(create(5000).ok()) << "what is left of the share";
+  ASSERT_TRUE(testing::CloseSession(stub(), *first).ok());
+  EXPECT_TRUE(create(20000).ok()) << "the closed session's share is back";
+}
+
 std::string LaunchName(const ::testing::TestParamInfo<bool>& info) {
   return info.param ? "CudaGraphs" : "Eager";
 }
 INSTANTIATE_TEST_SUITE_P(Launches, GpuPlacementTest, ::testing::Bool(), LaunchName);
 INSTANTIATE_TEST_SUITE_P(Launches, GpuBudgetTest, ::testing::Bool(), LaunchName);
+INSTANTIATE_TEST_SUITE_P(Launches, GpuTenantBudgetTest, ::testing::Bool(), LaunchName);
 
 }  // namespace
 }  // namespace kvrecall

@@ -24,6 +24,7 @@
 #include "server/kv_store.h"
 #include "server/memory_budget.h"
 #include "server/session.h"
+#include "server/status_util.h"
 #include "server/work_queue.h"
 #include "tests/server_fixture.h"
 
@@ -862,6 +863,52 @@ TEST(KvStoreTest, BudgetChargesBeyondTheLimitOnlyWhenForced) {
   EXPECT_FALSE(budget.Reserve(1, "c").ok());
   budget.Release(110);
   EXPECT_TRUE(budget.Reserve(100, "d").ok());
+}
+
+// A tenant's budget within the server's: a Reserve must fit both, is refused by whichever is
+// exceeded (and then charges neither), and charges and releases reach the server's.
+TEST(KvStoreTest, ATenantsBudgetIsChargedWithinTheServers) {
+  MemoryBudget server(100);
+  TenantBudgets alice("alice", 60, 0, &server);
+  TenantBudgets bob("bob", 0, 0, &server);  // bounded by the server's alone
+  ASSERT_TRUE(alice.host()->Reserve(50, "a").ok());
+  EXPECT_TRUE(HasStatus(alice.host()->Reserve(11, "b"), absl::StatusCode::kResourceExhausted,
+                        "host memory (tenant 'alice') budget exceeded: b needs 11 more bytes, 50 "
+                        "of the 60-byte budget (host_memory_budget_per_tenant_gb=5.58794e-08)"));
+  EXPECT_EQ(RefusedLimit(alice.host()->Reserve(11, "b")), "host_memory_budget_per_tenant");
+  EXPECT_EQ(alice.host()->used(), 50);
+  EXPECT_EQ(server.used(), 50);
+  ASSERT_TRUE(bob.host()->Reserve(45, "c").ok());
+  // Alice's 10 bytes left do not fit the server's: refused there, charged nowhere.
+  const absl::Status full = alice.host()->Reserve(10, "d");
+  EXPECT_TRUE(HasStatus(full, absl::StatusCode::kResourceExhausted,
+                        "host memory budget exceeded: d needs 10 more bytes, 95 of the 100-byte"));
+  EXPECT_EQ(RefusedLimit(full), "host_memory_budget");
+  EXPECT_EQ(alice.host()->used(), 50);
+  EXPECT_EQ(server.used(), 95);
+  alice.host()->Charge(30);  // built state, past both limits
+  EXPECT_EQ(server.used(), 125);
+  EXPECT_EQ(alice.host()->server_wide().used(), 125);
+  alice.host()->Release(80);
+  bob.host()->Release(45);
+  EXPECT_EQ(alice.host()->used(), 0);
+  EXPECT_EQ(server.used(), 0);
+
+  // A GPU's budget per tenant is made on first use, one per device, named after it.
+  MemoryBudget gpu0(0, "GPU 0 memory", "gpu_memory_budget_gb");
+  MemoryBudget gpu1(0, "GPU 1 memory", "gpu_memory_budget_gb");
+  TenantBudgets carol("carol", 0, 8, &server);
+  MemoryBudget* on0 = carol.Within(&gpu0);
+  EXPECT_EQ(carol.Within(&gpu0), on0);
+  EXPECT_NE(carol.Within(&gpu1), on0);
+  EXPECT_EQ(on0->parent(), &gpu0);
+  ASSERT_TRUE(on0->Reserve(8, "e").ok());
+  EXPECT_TRUE(HasStatus(on0->Reserve(1, "f"), absl::StatusCode::kResourceExhausted,
+                        "GPU 0 memory (tenant 'carol') budget exceeded"));
+  EXPECT_TRUE(carol.Within(&gpu1)->Reserve(8, "g").ok());
+  EXPECT_EQ(gpu0.used(), 8);
+  EXPECT_EQ(gpu1.used(), 8);
+  EXPECT_TRUE(carol.host()->Reserve(1000, "h").code() == absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace

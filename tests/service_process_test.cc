@@ -365,6 +365,11 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
            {"--worker_threads=5000", "--worker_threads must be in [0, 1024], got 5000"},
            {"--max_sessions=-1", "--max_sessions must be >= 0"},
            {"--max_sessions_per_tenant=-1", "--max_sessions_per_tenant must be >= 0"},
+           {"--host_memory_budget_per_tenant_gb=-1",
+            "--host_memory_budget_per_tenant_gb must be 0 (none but the server's budget) or in "
+            "[2^-30, 2^33) GiB, got -1"},
+           {"--gpu_memory_budget_per_tenant_gb=nan",
+            "--gpu_memory_budget_per_tenant_gb must be 0"},
            {"--tls_cert=/nonexistent.pem --tls_key=/nonexistent.key",
             "--tls_cert: cannot read /nonexistent.pem"},
            {"--address=unix:", "--address entry 'unix:' names no socket"},

@@ -66,6 +66,26 @@ class SharedDecodeTest : public ::kvrecall::testing::PrefilledSessionTest {
   }
   client::Client MakeClient() { return client::Client(server().channel()); }
   static client::DecodeStreamOptions Shared() { return {.shared_memory = true}; }
+  // Opens a stream whose region (1 MiB each way) fills the budget that refuses a second one with
+  // `refusal`; the region is charged to the server's budget until the stream closes, and the
+  // charge gone after.
+  void ExpectARegionChargedWhileItsStreamLives(client::Client& c, absl::string_view refusal) {
+    RunningServer& running = server().server();
+    const int64_t region =
+        static_cast<int64_t>(shared::RegionLayout::For(1 << 20, 1 << 20).bytes());
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> first = c.OpenDecodeStream(g_, Shared());
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(running.budget().used(), region);
+    EXPECT_TRUE(HasStatus(c.OpenDecodeStream(g_, Shared()).status(),
+                          absl::StatusCode::kResourceExhausted, refusal));
+    EXPECT_EQ(running.budget().used(), region);
+    ASSERT_TRUE((*first)->Close().ok());
+    testing::Eventually([&] { return running.budget().used() == 0; }, std::chrono::seconds(5));
+    EXPECT_EQ(running.budget().used(), 0);
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> second =
+        c.OpenDecodeStream(g_, Shared());
+    EXPECT_TRUE(second.ok()) << second.status();
+  }
 
   static constexpr int kHq = 4, kHkv = 2, kD = 16, kPrompt = 48;
   const v1::Geometry g_ = MakeGeometry(2, kHq, kHkv, kD);
@@ -452,19 +472,28 @@ class SharedDecodeBudgetTest : public SharedDecodeTest {
 
 TEST_F(SharedDecodeBudgetTest, ARegionIsChargedToTheHostBudgetWhileItsStreamLives) {
   client::Client c = MakeClient();
-  const int64_t region = static_cast<int64_t>(shared::RegionLayout::For(1 << 20, 1 << 20).bytes());
-  absl::StatusOr<std::unique_ptr<client::DecodeStream>> first = c.OpenDecodeStream(g_, Shared());
-  ASSERT_TRUE(first.ok()) << first.status();
-  EXPECT_EQ(server().server().budget().used(), region);
-  EXPECT_TRUE(HasStatus(c.OpenDecodeStream(g_, Shared()).status(),
-                        absl::StatusCode::kResourceExhausted, "shared decode region"));
-  EXPECT_EQ(server().server().budget().used(), region);
-  ASSERT_TRUE((*first)->Close().ok());
-  testing::Eventually([&] { return server().server().budget().used() == 0; },
-                      std::chrono::seconds(5));
-  EXPECT_EQ(server().server().budget().used(), 0);
-  absl::StatusOr<std::unique_ptr<client::DecodeStream>> second = c.OpenDecodeStream(g_, Shared());
-  EXPECT_TRUE(second.ok()) << second.status();
+  ExpectARegionChargedWhileItsStreamLives(c, "host memory budget exceeded: a shared decode region");
+}
+
+// With a budget per tenant a region is charged to its caller's tenant (here the one tenant of
+// a server without tokens), within the server's budget.
+class SharedDecodeTenantBudgetTest : public SharedDecodeTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = SharedDecodeTest::Options();  // 1 MiB capacities each way
+    options.host_memory_budget_bytes = 8 << 20;
+    options.limits.host_bytes_per_tenant = 3 << 20;
+    return options;
+  }
+};
+
+TEST_F(SharedDecodeTenantBudgetTest, ARegionIsChargedToItsCallersTenant) {
+  client::Client c = MakeClient();
+  ExpectARegionChargedWhileItsStreamLives(
+      c,
+      "host memory (of every caller: the server authenticates no tenants) budget exceeded: a "
+      "shared decode region");
+  EXPECT_EQ(testing::RefusalsCounted(server().server(), "host_memory_budget_per_tenant"), 1);
 }
 
 class SharedDecodeOffTest : public ::kvrecall::testing::ServerTest {};

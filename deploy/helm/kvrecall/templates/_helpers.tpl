@@ -107,6 +107,26 @@ memory limit is required, with or without gib.
 {{- printf "%.2f" $rendered }}
 {{- end }}
 
+{{/*
+--host_memory_budget_per_tenant_gb in GiB with two decimals, rounded down:
+server.hostMemoryBudget.perTenantFraction of the host memory budget (empty when unset).
+*/}}
+{{- define "kvrecall.hostMemoryBudgetPerTenantGiB" -}}
+{{- $fraction := .Values.server.hostMemoryBudget.perTenantFraction }}
+{{- if not (kindIs "invalid" $fraction) }}
+{{- $share := float64 $fraction }}
+{{- if or (le $share 0.0) (gt $share 1.0) }}
+{{- fail (printf "server.hostMemoryBudget.perTenantFraction must be in (0, 1], got %v" $fraction) }}
+{{- end }}
+{{- $gib := mulf (float64 (include "kvrecall.hostMemoryBudgetGiB" .)) $share }}
+{{- $rendered := divf (floor (mulf $gib 100)) 100 }}
+{{- if le $rendered 0.0 }}
+{{- fail (printf "the host memory budget per tenant (%v GiB) rounds down to 0.00 GiB, which kvrecalld reads as none: give at least 0.01 GiB (server.hostMemoryBudget.perTenantFraction)" $gib) }}
+{{- end }}
+{{- printf "%.2f" $rendered }}
+{{- end }}
+{{- end }}
+
 {{/* The Unix socket a co-located runner reaches kvrecalld on (colocatedRunner). */}}
 {{- define "kvrecall.socketAddress" -}}
 unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
@@ -198,6 +218,9 @@ tokens only when it is given one.
 - --max_shared_streams={{ int64 .Values.colocatedRunner.sharedMemory.maxStreams }}
 {{- end }}
 - --host_memory_budget_gb={{ include "kvrecall.hostMemoryBudgetGiB" . }}
+{{- with include "kvrecall.hostMemoryBudgetPerTenantGiB" . }}
+- --host_memory_budget_per_tenant_gb={{ . }}
+{{- end }}
 {{- if ge (float64 .Values.server.shutdownGraceSeconds) (float64 .Values.terminationGracePeriodSeconds) }}
 {{- fail (printf "server.shutdownGraceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the kubelet kills the container then" .Values.server.shutdownGraceSeconds .Values.terminationGracePeriodSeconds) }}
 {{- end }}
@@ -239,7 +262,7 @@ tokens only when it is given one.
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "flagfile" "fromenv" "tryfromenv") }}
 {{- fail (printf "server.extraArgs: %s would set flags past the chart's checks (those it sets, and --plaintext_unix_sockets); give each flag in server.extraArgs instead" $flag) }}
 {{- end }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}
