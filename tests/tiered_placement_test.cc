@@ -400,7 +400,7 @@ TEST_F(TieredPlacementTest, ReTopKExactPathSearchesTheGraphOrScansTheBulkWhenAsk
 // [0, r] only: bulk row B - m was linked from m queries, and a query aimed at one of the last
 // rows missed it in a third of the heads, where the `index` selector's graph found it; probe 22.)
 TEST_F(TieredPlacementTest, ReTopKsGraphFindsTheNewestKeysOfThePromptsBulk) {
-  const v1::Geometry g = MakeGeometry(1, 4, 2, 32, Dtypes().front());
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 64, Dtypes().front());  // a GPU tier's head_dim
   constexpr int64_t kPrompt = 400;
   constexpr int64_t kLastBulk = kPrompt - kRecent - 1;
   v1::Policy policy = TieredPolicy(v1::SELECTOR_RETOPK, 8);
@@ -413,7 +413,7 @@ TEST_F(TieredPlacementTest, ReTopKsGraphFindsTheNewestKeysOfThePromptsBulk) {
     for (const int64_t target : {kLastBulk, kLastBulk - 1, kLastBulk - 2, kLastBulk - 200}) {
       ReferenceSession ref(g, kPrompt, 7000 + 10 * seed);
       const std::string id = CreateAndPrefill(ref, policy, kPrompt);
-      // Each head's query is twice the target's key: a score ~11 against the others' ~N(0, 2).
+      // Each head's query is twice the target's key: a score ~16 against the others' ~N(0, 2).
       ReferenceSession::Token token = ref.MakeToken(9000 + seed);
       const int group = g.q_heads() / g.kv_heads();
       const KvView keys = ref.view(0);
@@ -445,7 +445,7 @@ TEST_F(TieredPlacementTest, ReTopKsGraphFindsTheNewestKeysOfThePromptsBulk) {
 // once the ring is full (it was counted by the bulk's growth: probe 22). While the bulk is
 // empty the static set is the whole attention and the step says PATH_EXACT.
 TEST_F(TieredPlacementTest, ReTopKRefreshesCountDecodeStepsFromTheShortPrompt) {
-  const v1::Geometry g = MakeGeometry(1, 4, 2, 32, Dtypes().front());
+  const v1::Geometry g = MakeGeometry(1, 4, 2, 64, Dtypes().front());
   constexpr int64_t kPrompt = 10;
   constexpr int kInterval = 7;
   v1::Policy policy = TieredPolicy(v1::SELECTOR_RETOPK, 8);
