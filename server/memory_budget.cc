@@ -31,6 +31,27 @@ void MemoryBudget::Release(int64_t bytes) {
   if (parent_ != nullptr) parent_->Release(bytes);
 }
 
+absl::Status MemoryBudget::Refused(int64_t used, absl::string_view why,
+                                   absl::string_view then) const {
+  // The limit is the flag without its unit: "host_memory_budget".
+  absl::string_view limit = flag_;
+  absl::ConsumeSuffix(&limit, "_gb");
+  return RefusedBy(absl::ResourceExhaustedError(absl::StrFormat(
+                       "%s budget exceeded: %s, %d of the %d-byte budget (%s=%.6g) are in use%s",
+                       name_, why, used, limit_, flag_,
+                       static_cast<double>(limit_) / (1ll << 30), then)),
+                   limit);
+}
+
+absl::Status MemoryBudget::CheckNotOver(absl::string_view what) const {
+  const int64_t used = used_.load(std::memory_order_relaxed);
+  if (limit_ > 0 && used > limit_) {
+    return Refused(used, absl::StrCat(what, " grew past it"),
+                   ": it grows no more until memory is freed");
+  }
+  return parent_ != nullptr ? parent_->CheckNotOver(what) : absl::OkStatus();
+}
+
 absl::Status MemoryBudget::ReserveHere(int64_t bytes, absl::string_view what) {
   if (limit_ <= 0 || bytes <= 0) {
     used_.fetch_add(bytes, std::memory_order_relaxed);
@@ -39,15 +60,7 @@ absl::Status MemoryBudget::ReserveHere(int64_t bytes, absl::string_view what) {
   int64_t used = used_.load(std::memory_order_relaxed);
   while (true) {
     if (used + bytes > limit_) {
-      // The limit is the flag without its unit: "host_memory_budget".
-      absl::string_view limit = flag_;
-      absl::ConsumeSuffix(&limit, "_gb");
-      return RefusedBy(
-          absl::ResourceExhaustedError(absl::StrFormat(
-              "%s budget exceeded: %s needs %d more bytes, %d of the %d-byte budget "
-              "(%s=%.6g) are in use",
-              name_, what, bytes, used, limit_, flag_, static_cast<double>(limit_) / (1ll << 30))),
-          limit);
+      return Refused(used, absl::StrCat(what, " needs ", bytes, " more bytes"), "");
     }
     if (used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed)) {
       return absl::OkStatus();
@@ -102,6 +115,14 @@ void MemoryGrant::Charge(int64_t bytes) {
   const int64_t drawn = Draw(bytes);
   held_.fetch_add(bytes - drawn, std::memory_order_relaxed);
   budget_->Charge(bytes - drawn);
+}
+
+absl::Status MemoryGrant::CheckNotOver(absl::string_view what) const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (held_.load(std::memory_order_relaxed) <= announced_) return absl::OkStatus();
+  }
+  return budget_->CheckNotOver(what);
 }
 
 void MemoryGrant::Release(int64_t bytes) {

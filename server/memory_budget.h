@@ -26,6 +26,16 @@ class MemoryAccount {
   // Charges memory that already exists (selector state after it was built), past any limit.
   virtual void Charge(int64_t bytes) = 0;
   virtual void Release(int64_t bytes) = 0;
+  // OK unless memory charged past a limit holds this account over it: then RESOURCE_EXHAUSTED
+  // naming the budget and `what` would grow further. A session's state that grows as it decodes
+  // (a graph index linking its new tokens) is charged once it exists; its next step asks this
+  // first, so that a session past its budget grows no more until memory is freed.
+  virtual absl::Status CheckNotOver(absl::string_view what) const = 0;
+  // Charges `bytes` more (Charge) or gives back -`bytes` (Release).
+  void Adjust(int64_t bytes) {
+    if (bytes > 0) Charge(bytes);
+    if (bytes < 0) Release(-bytes);
+  }
 };
 
 class MemoryBudget final : public MemoryAccount {
@@ -50,6 +60,8 @@ class MemoryBudget final : public MemoryAccount {
   // then exceed the limit, and further Reserve calls fail until memory is released.
   void Charge(int64_t bytes) override;
   void Release(int64_t bytes) override;
+  // Over when more than the limit is used here or in a parent.
+  absl::Status CheckNotOver(absl::string_view what) const override;
 
   int64_t used() const { return used_.load(std::memory_order_relaxed); }
   int64_t limit() const { return limit_; }
@@ -69,6 +81,9 @@ class MemoryBudget final : public MemoryAccount {
  private:
   // Reserve against this budget's own limit only.
   absl::Status ReserveHere(int64_t bytes, absl::string_view what);
+  // RESOURCE_EXHAUSTED: "<name> budget exceeded: <why>, <used> of the <limit>-byte budget
+  // (<flag>=<GiB>) are in use<then>", naming the limit for the metrics.
+  absl::Status Refused(int64_t used, absl::string_view why, absl::string_view then) const;
 
   const int64_t limit_;
   const std::string name_;
@@ -98,6 +113,9 @@ class MemoryGrant final : public MemoryAccount {
   absl::Status Reserve(int64_t bytes, absl::string_view what) override;
   void Charge(int64_t bytes) override;
   void Release(int64_t bytes) override;
+  // OK while the session holds no more than it announced (what it announced it may always
+  // hold); past that, its budget's check.
+  absl::Status CheckNotOver(absl::string_view what) const override;
 
   // Gives back to the budget whatever is still set aside, and ends the announcements (the
   // session closed): what is released later goes to the budget.
@@ -115,7 +133,7 @@ class MemoryGrant final : public MemoryAccount {
   int64_t Draw(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   MemoryBudget* const budget_;
-  absl::Mutex mu_;  // orders the updates of the three counts; the reads take none
+  mutable absl::Mutex mu_;  // orders the updates of the three counts; most reads take none
   int64_t announced_ ABSL_GUARDED_BY(mu_) = 0;  // the set-asides asked for, until released
   std::atomic<int64_t> set_aside_{0};           // written under mu_
   std::atomic<int64_t> held_{0};                // see held(); written under mu_

@@ -243,10 +243,9 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
   const LayerConfig& config = session_->layer_config();
   const SessionAccounts accounts = session_->accounts();
   // Host-held selector state is charged once built; what it and its builds may take is
-  // reserved on the session's budget first (its tenant's or the server's; not on the session's
-  // grant, whose set-aside is for its KV)
-  // and given back after the builds, which charge what they made: a policy whose state cannot
-  // fit is refused before anything is allocated.
+  // reserved on the session's grant first (drawn from what max_tokens set aside for it, the rest
+  // from its budget: its tenant's or the server's) and given back after the builds, which charge
+  // what they made: a policy whose state cannot fit is refused before anything is allocated.
   const int count = static_cast<int>(staged.size());
   // Several layers build in parallel, each on one thread then (a nested region is inactive
   // unless OpenMP was told otherwise); a layer alone builds on the whole team.
@@ -257,7 +256,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
     state_bound += backend->HostSelectorBytesBound(config, prompt->tokens(), build_threads);
   }
   if (state_bound > 0) {
-    if (absl::Status s = session_->host_budget()->Reserve(
+    if (absl::Status s = accounts.host->Reserve(
             state_bound, absl::StrCat("the ", SelectorKindName(config.selector.kind),
                                       " selector state of ", staged.size(), " layers"));
         !s.ok()) {
@@ -286,7 +285,7 @@ absl::StatusOr<v1::PrefillResponse> PrefillStream::Commit(absl::FunctionRef<bool
       built[i] = layer.status();
     }
   }
-  if (state_bound > 0) session_->host_budget()->Release(state_bound);
+  if (state_bound > 0) accounts.host->Release(state_bound);
   const double build_seconds = absl::ToDoubleSeconds(absl::Now() - build_start);
   // A Prefill cancelled, or whose session closed (CloseSession, or it expired), while its layers
   // built stops them, and the stream hears why (not that a build stopped).

@@ -240,8 +240,15 @@ absl::Status Session::Admit() {
       return s;
     }
   }
-  absl::StatusOr<int64_t> bytes =
-      all_layers(backend_->HostKvBytesFor(config_, tokens), " of host memory");
+  // On the host: the KV and what the selector state may grow to by then (a graph index over
+  // every token, ReTopK's caches: the bound of a build over as many, one thread's scratch), so
+  // that decoding up to max_tokens draws on the set-aside alone however the state grows. (The
+  // prompt's queries, staged for the build and freed after it, are not set aside: a prompt's
+  // length is not known here, and all of max_tokens' queries would be most of the set-aside.)
+  const int64_t layer_host =
+      backend_->HostKvBytesFor(config_, tokens) +
+      backend_->HostSelectorBytesBound(config_, tokens, /*build_threads=*/1);
+  absl::StatusOr<int64_t> bytes = all_layers(layer_host, " of host memory");
   if (!bytes.ok()) return bytes.status();
   // Without a budget (or with one larger than the machine) nothing else would refuse set-asides
   // the machine can never hold (a first Prefill would fail to allocate, or fault in all of it,
@@ -252,7 +259,8 @@ absl::Status Session::Admit() {
     const int64_t held = host_grant_.budget()->server_wide().used();
     if (*bytes > usable - std::min(held, usable)) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes, " bytes of host KV",
+          "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes,
+          " bytes of host KV and selector state",
           held > 0 ? absl::StrCat(" beside the ", held, " bytes this server holds") : "",
           ", more than the ", usable,
           " bytes of memory it may use (the machine's, or its control group's limit): announce "

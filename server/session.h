@@ -125,9 +125,6 @@ class Session {
   void set_metrics(PolicyMetrics* metrics) { metrics_ = metrics; }
   // Where the session's memory is charged (its grants on the host and device budgets).
   SessionAccounts accounts() { return SessionAccounts{&host_grant_, device_grant_.get()}; }
-  // The budget the session's host memory is charged to (its tenant's, or the server's): where
-  // the memory a call needs for the session beside its grant (a Prefill's builds) is reserved.
-  MemoryBudget* host_budget() const { return host_grant_.budget(); }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(mu_) { return mu_; }
 
   // Marks the session used now: idle sessions expire (SessionLimits::session_idle_ttl) counting

@@ -976,6 +976,92 @@ class BudgetedServerTest : public ServerTest {
   }
 };
 
+// A graph index grows as it links decoded tokens (here 32 graphs, one per query head, over a
+// KV of 512 bytes a token: its state grows ~20 times faster than the KV). That growth exists
+// before it is charged, so it was charged past the budget, step after step, without limit (probe
+// 23: a tenant held 317 % of its share, 158 % of the server's budget, and other tenants were
+// refused). Now a session past its budget by such growth takes no more steps until memory is
+// freed (its refused step appends nothing), unless its max_tokens set the growth aside: then it
+// decodes to max_tokens within what it was given.
+using SelectorGrowthBudgetTest = BudgetedServerTest<4 << 20>;
+
+v1::Policy GrowingIndexPolicy() {
+  v1::Policy policy = MakePolicy(v1::SELECTOR_INDEX, 8);
+  policy.mutable_index()->set_graph_scope(v1::GRAPH_SCOPE_QUERY_HEAD);
+  return policy;
+}
+
+TEST_F(SelectorGrowthBudgetTest, ASessionPastTheBudgetByItsSelectorsGrowthStepsNoMore) {
+  const v1::Geometry g = MakeGeometry(1, 32, 1, 64);
+  ReferenceSession ref(g, 300, 7);
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, GrowingIndexPolicy());
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(Prefill(stub(), ref.InterleavedPrompt(*id, 300)).ok());
+  MemoryBudget& budget = const_cast<MemoryBudget&>(server().server().budget());
+  DecodeClient client(stub());
+  absl::Status refused;
+  int64_t most_used = 0;
+  int steps = 0;
+  for (; steps < 20000; ++steps) {
+    v1::DecodeRequest request;
+    *request.add_steps() = ref.Step(*id, ref.MakeToken(1000 + steps));
+    refused = client.Step(request).status();
+    most_used = std::max(most_used, budget.used());
+    if (!refused.ok()) break;
+  }
+  ASSERT_FALSE(refused.ok()) << "the graph grew to " << most_used << " bytes unrefused";
+  EXPECT_TRUE(HasStatus(refused, absl::StatusCode::kResourceExhausted,
+                        "host memory budget exceeded: "));
+  EXPECT_THAT(refused.message(), HasSubstr("the selector state this session's decoding grows"));
+  // Past the budget by one step's growth at most (a graph's arrays doubling once), not by every
+  // step's.
+  EXPECT_LT(most_used, 2 * budget.limit()) << steps << " steps";
+  absl::StatusOr<v1::SessionInfo> before = GetSession(stub(), *id);
+  ASSERT_TRUE(before.ok());
+  v1::DecodeRequest again;
+  *again.add_steps() = ref.Step(*id, ref.MakeToken(99));
+  EXPECT_EQ(client.Step(again).status().code(), absl::StatusCode::kResourceExhausted);
+  absl::StatusOr<v1::SessionInfo> after = GetSession(stub(), *id);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->tokens(), before->tokens()) << "a refused step appends nothing";
+  ASSERT_TRUE(testing::CloseSession(stub(), *id).ok());
+  EXPECT_EQ(budget.used(), 0);
+}
+
+using AnnouncedGrowthBudgetTest = BudgetedServerTest<256 << 20>;
+
+TEST_F(AnnouncedGrowthBudgetTest, MaxTokensSetsTheSelectorsGrowthAside) {
+  const v1::Geometry g = MakeGeometry(1, 32, 1, 64);
+  constexpr int64_t kMaxTokens = 1500;
+  ReferenceSession ref(g, 300, 8);
+  v1::CreateSessionRequest create;
+  *create.mutable_geometry() = g;
+  *create.mutable_policy() = GrowingIndexPolicy();
+  create.set_max_tokens(kMaxTokens);
+  v1::CreateSessionResponse created;
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub().CreateSession(&context, create, &created).ok());
+  const std::string id = created.session_id();
+  const MemoryBudget& budget = server().server().budget();
+  const int64_t set_aside = budget.used();
+  // The KV for 1500 tokens (768 KB) and what its graphs may grow to.
+  EXPECT_GT(set_aside, 4 * kMaxTokens * 64 * 4 * 2);
+  ASSERT_TRUE(Prefill(stub(), ref.InterleavedPrompt(id, 300)).ok());
+  EXPECT_EQ(budget.used(), set_aside) << "the prompt and its graphs drew on the set-aside";
+  DecodeClient client(stub());
+  for (int64_t step = 300; step < kMaxTokens; ++step) {
+    v1::DecodeRequest request;
+    *request.add_steps() = ref.Step(id, ref.MakeToken(step));
+    ASSERT_TRUE(client.Step(request).ok()) << "step " << step;
+    ASSERT_EQ(budget.used(), set_aside) << "step " << step << ": held past what it announced";
+  }
+  absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_GT(info->selector_bytes(), 20 * kMaxTokens * 64) << "the graphs grew";
+  ASSERT_TRUE(testing::CloseSession(stub(), id).ok());
+  EXPECT_EQ(budget.used(), 0);
+}
+
 // Room for 64 tokens' prompt (1 KiB a token of f32 KV with 2 KV heads of 64 dims: the cpu
 // placement's) and their queries' window, not all of their queries too.
 using ServiceQueryStagingTest = BudgetedServerTest<112 << 10>;

@@ -881,7 +881,7 @@ TEST_F(TokenCeilingTest, MoreKvThanTheMachineHoldsIsRefusedAtCreateSession) {
                         absl::StrCat("max_tokens=1073741824 of 1 layers needs ",
                                      LayerKvStore::BytesFor(int64_t{1} << 30, 8, 128,
                                                             KvElement::kF32),
-                                     " bytes of host KV, more than the ")))
+                                     " bytes of host KV and selector state, more than the ")))
       << refused;
   EXPECT_THAT(refused.message(),
               HasSubstr(absl::StrCat(MemoryLimitBytes(), " bytes of memory it may use")));

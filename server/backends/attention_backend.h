@@ -67,6 +67,11 @@ struct SessionAccounts {
   MemoryAccount* device = nullptr;
 };
 
+// What grows a layer's host memory as it decodes beside its KV (a graph index linking its new
+// tokens), as a refusal names it (MemoryAccount::CheckNotOver).
+inline constexpr char kSelectorGrowth[] =
+    "the selector state this session's decoding grows (CreateSession's max_tokens sets it aside)";
+
 // Bytes one layer holds, by tier.
 struct LayerMemory {
   int64_t host_bytes = 0;      // KV and selector state in host memory

@@ -43,6 +43,10 @@ class CpuLayer final : public LayerBackend {
   // made ahead of need (KvGrowthAhead) is taken here.
   absl::Status ReserveToken() override {
     appended_.Wait();
+    // What the previous step's OnAppend grew the selector by is charged; a session past its
+    // budget by such growth takes no more steps until memory is freed.
+    ChargeSelectorBytes();
+    if (absl::Status s = host_->CheckNotOver(kSelectorGrowth); !s.ok()) return s;
     growth_ahead_.BeforeReserve(kv_, 1);
     return kv_.Reserve(1, "the new token");
   }
@@ -62,7 +66,7 @@ class CpuLayer final : public LayerBackend {
   void ChargeSelectorBytes() {
     const int64_t now = selector_->MemoryBytes();
     if (now == selector_bytes_) return;
-    host_->Charge(now - selector_bytes_);
+    host_->Adjust(now - selector_bytes_);
     selector_bytes_ = now;
   }
 

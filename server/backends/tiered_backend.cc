@@ -195,6 +195,8 @@ class TieredLayer final : public LayerBackend {
   // growth within the store's reserved address space moves none).
   absl::Status ReserveToken() override {
     appended_.Wait();
+    ChargeSelectorBytes();  // as CpuLayer::ReserveToken: no growth past the budget
+    if (absl::Status s = host_->CheckNotOver(kSelectorGrowth); !s.ok()) return s;
     growth_ahead_.BeforeReserve(kv_, 1);
     if (learning_ != nullptr) {
       learning_->BeforeReserve(BulkView(kv_.view(), config_.selector),
@@ -383,7 +385,7 @@ class TieredLayer final : public LayerBackend {
                         StepListBytes(shortlist_ids_, shortlist_sizes_, device_candidates_,
                                       device_support_, device_support_sizes_);
     if (now == selector_bytes_) return;
-    host_->Charge(now - selector_bytes_);
+    host_->Adjust(now - selector_bytes_);
     selector_bytes_ = now;
   }
 
