@@ -320,6 +320,14 @@ int Main() {
   const int steps = absl::GetFlag(FLAGS_steps);
   const int warmup = absl::GetFlag(FLAGS_warmup);
   const int fidelity_steps = absl::GetFlag(FLAGS_fidelity_steps);
+  // Every run reports its timed steps' percentiles: it needs one (probe 24: --steps=0 read
+  // past an empty list).
+  if (steps < 1) {
+    Check(absl::InvalidArgumentError(absl::StrCat("must be >= 1, got ", steps)), "--steps");
+  }
+  if (warmup < 0) {
+    Check(absl::InvalidArgumentError(absl::StrCat("must be >= 0, got ", warmup)), "--warmup");
+  }
   if (fidelity_steps < 0) {
     Check(absl::InvalidArgumentError(absl::StrCat("must be >= 0, got ", fidelity_steps)),
           "--fidelity_steps");

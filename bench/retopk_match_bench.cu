@@ -49,6 +49,7 @@
 #include "absl/strings/str_join.h"
 #include "bench/cuda_bench_check.h"
 #include "bench/int_list.h"
+#include "client/stats.h"
 #include "index/retopk.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
@@ -100,14 +101,9 @@ double Micros(Clock::time_point a, Clock::time_point b) {
 struct Percentiles {
   double p50 = 0, p99 = 0, mean = 0;
 };
-Percentiles Summarize(std::vector<double> v) {
-  Percentiles p;
-  if (v.empty()) return p;
-  std::sort(v.begin(), v.end());
-  p.p50 = v[v.size() / 2];
-  p.p99 = v[std::min(v.size() - 1, static_cast<size_t>(std::ceil(0.99 * v.size())) - 1)];
-  p.mean = std::accumulate(v.begin(), v.end(), 0.0) / v.size();
-  return p;
+// Interpolated, as every tool's percentiles are (client/stats.h).
+Percentiles Summarize(const std::vector<double>& v) {
+  return Percentiles{client::Percentile(v, 0.5), client::Percentile(v, 0.99), client::Mean(v)};
 }
 
 // One configuration's inputs, shared by every variant: per row (b * q_heads + h) a bank of
