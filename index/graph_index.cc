@@ -496,6 +496,11 @@ int64_t GraphIndex::GraphScratchBytesBound(const GraphIndexParams& params, int64
   return bytes;
 }
 
+void GraphIndex::ReserveCapacity(int64_t keys) {
+  adjacency_.reserve(static_cast<size_t>(keys) * params_.max_degree);
+  degree_.reserve(static_cast<size_t>(keys));
+}
+
 void GraphIndex::Reserve(int64_t nodes) {
   adjacency_.resize(static_cast<size_t>(nodes) * params_.max_degree);
   degree_.resize(nodes, 0);

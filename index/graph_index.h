@@ -101,6 +101,8 @@ class GraphIndex : public KeyIndex {
               SearchResult* out) const override;
   int64_t size() const override { return size_; }
   int64_t MemoryBytes() const override;
+  // Room for `keys` keys' links, so that adding up to them allocates nothing more (GraphBytes).
+  void ReserveCapacity(int64_t keys);
 
   // What a graph over `keys` keys holds (the adjacency; MemoryBytes after a Build), and the most
   // a Build from `queries` prompt queries of dimension `dim` allocates beyond that on the way

@@ -368,6 +368,7 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
                             int64_t{kRecentQueries} * heads_per_graph * shape.head_dim *
                                 int64_t{sizeof(float)} +
                             heads_per_graph * int64_t{sizeof(int64_t)};
+  if (build_threads == 0) return per_graph * graphs;  // the state alone, no build
   // A build holds every head's top-k lists at most (their KV heads' batch top-k may run ahead
   // of the graphs), one KV head's sampled queries at a time with the batch top-k's scratch,
   // and the graph scratch of the graphs that build at once, each on its share of the threads
@@ -387,6 +388,11 @@ int64_t IndexSelector::MemoryBytesBound(const LayerShape& shape, const SelectorP
          side_by_side * GraphIndex::GraphScratchBytesBound(
                             sampling, bulk, tokens, shape.head_dim,
                             BuildThreadsPerGraph(graphs, build_threads), heads_per_graph);
+}
+
+void IndexSelector::ReserveTokens(int64_t tokens) {
+  const int64_t bulk = BulkTokens(tokens, sinks_, recent_);
+  for (Graph& graph : graphs_) graph.index.ReserveCapacity(bulk);
 }
 
 int64_t IndexSelector::MemoryBytes() const {

@@ -48,12 +48,14 @@ class IndexSelector : public SupportSelector {
   bool OnAppendIsCostly() const override { return true; }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
+  void ReserveTokens(int64_t tokens) override;
 
   // What MemoryBytes() is, or a Build on `build_threads` OpenMP threads uses on the way, at
   // most, for a selector of `params` built from a prompt of `tokens` tokens: every graph over
   // the bulk and its ring of recent queries, every query head's top-k lists, one KV head's
   // sampled queries and batch top-k scratch, and the graph scratch of the graphs that build at
-  // once (BuildSideBySide), each on its threads (BuildThreadsPerGraph).
+  // once (BuildSideBySide), each on its threads (BuildThreadsPerGraph). build_threads 0: the
+  // graphs and rings alone (no build).
   static int64_t MemoryBytesBound(const LayerShape& shape, const SelectorParams& params,
                                   int64_t tokens, int build_threads);
 

@@ -255,6 +255,10 @@ class ReTopKSelector : public SupportSelector {
   }
   void Select(int q_head, const float* q, const KvView& kv, HeadSelection* out) override;
   int64_t MemoryBytes() const override;
+  // The exact search's (its graph's), over the same view.
+  void ReserveTokens(int64_t tokens) override {
+    if (exact_search_ != nullptr) exact_search_->ReserveTokens(tokens);
+  }
 
   // Select in parts (ReTopKHead::Decide): query head q_head's path for q over kv_tokens tokens
   // (the kv Select would be given); then SelectDecided (Select's rest, on the same kv) or

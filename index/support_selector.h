@@ -87,6 +87,11 @@ class SupportSelector {
 
   // Host bytes held by the selector itself (indexes, caches), not counting the KV.
   virtual int64_t MemoryBytes() const { return 0; }
+  // After Build: makes room for a history of `tokens` tokens (a session's announced max_tokens),
+  // so that growing to it allocates nothing more: MemoryBytes() is then what
+  // SelectorStateBytesBound(params, shape, tokens, 0) says (the graph index's arrays; the
+  // others hold no state that grows with the history).
+  virtual void ReserveTokens(int64_t tokens) {}
 
   // Build, asking `stop` between its units of work (index/build_stop.h): once it is requested,
   // it returns CANCELLED and the selector must not be used. `stop` is forgotten after.
@@ -114,6 +119,8 @@ int64_t PromptQueriesNeeded(const SelectorParams& params, int64_t tokens);
 // (IndexSelector::MemoryBytesBound); 0 for the others.
 // Reserved before a layer is built, so that a policy whose state cannot fit the memory budget
 // is refused before anything is allocated; what decoding adds later is charged as it grows.
+// build_threads 0: the state a built selector keeps over `tokens` tokens, without a build's
+// scratch (what a session announcing `tokens` sets aside for its selector's growth).
 int64_t SelectorStateBytesBound(const SelectorParams& params, const LayerShape& shape,
                                 int64_t tokens, int build_threads);
 

@@ -240,14 +240,14 @@ absl::Status Session::Admit() {
       return s;
     }
   }
-  // On the host: the KV and what the selector state may grow to by then (a graph index over
-  // every token, ReTopK's caches: the bound of a build over as many, one thread's scratch), so
-  // that decoding up to max_tokens draws on the set-aside alone however the state grows. (The
-  // prompt's queries, staged for the build and freed after it, are not set aside: a prompt's
-  // length is not known here, and all of max_tokens' queries would be most of the set-aside.)
+  // On the host: the KV and what the selector state grows to by then (a graph index over every
+  // token, ReTopK's caches; not a build's scratch, which the Prefill reserves while it builds),
+  // so that decoding up to max_tokens draws on the set-aside. (The prompt's queries, staged for
+  // the build and freed after it, are not set aside either: a prompt's length is not known
+  // here, and all of max_tokens' queries would be most of the set-aside.)
   const int64_t layer_host =
       backend_->HostKvBytesFor(config_, tokens) +
-      backend_->HostSelectorBytesBound(config_, tokens, /*build_threads=*/1);
+      backend_->HostSelectorBytesBound(config_, tokens, /*build_threads=*/0);
   absl::StatusOr<int64_t> bytes = all_layers(layer_host, " of host memory");
   if (!bytes.ok()) return bytes.status();
   // Without a budget (or with one larger than the machine) nothing else would refuse set-asides

@@ -14,6 +14,7 @@
 #include "kernels/cpu/attention.h"
 #include "server/backends/cpu_backend.h"
 #include "server/backends/placements.h"
+#include "server/backends/selector_charge.h"
 #include "server/backends/tiered_backend.h"
 #include "server/memory_budget.h"
 #include "tests/server_fixture.h"

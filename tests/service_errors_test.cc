@@ -993,6 +993,11 @@ v1::Policy GrowingIndexPolicy() {
 
 TEST_F(SelectorGrowthBudgetTest, ASessionPastTheBudgetByItsSelectorsGrowthStepsNoMore) {
   const v1::Geometry g = MakeGeometry(1, 32, 1, 64);
+  // A bystander: a `full` session whose KV has room for its next tokens.
+  ReferenceSession bystander_ref(g, 300, 6);
+  absl::StatusOr<std::string> bystander = CreateSession(stub(), g, MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(bystander.ok()) << bystander.status();
+  ASSERT_TRUE(Prefill(stub(), bystander_ref.InterleavedPrompt(*bystander, 300)).ok());
   ReferenceSession ref(g, 300, 7);
   absl::StatusOr<std::string> id = CreateSession(stub(), g, GrowingIndexPolicy());
   ASSERT_TRUE(id.ok()) << id.status();
@@ -1024,7 +1029,14 @@ TEST_F(SelectorGrowthBudgetTest, ASessionPastTheBudgetByItsSelectorsGrowthStepsN
   absl::StatusOr<v1::SessionInfo> after = GetSession(stub(), *id);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->tokens(), before->tokens()) << "a refused step appends nothing";
+  // The growth is that session's: the bystander, within its own memory, still steps (the
+  // refusal once reached every session that announced nothing; review 21).
+  v1::DecodeRequest bystander_step;
+  *bystander_step.add_steps() = bystander_ref.Step(*bystander, bystander_ref.MakeToken(5));
+  DecodeClient bystander_client(stub());
+  EXPECT_TRUE(bystander_client.Step(bystander_step).ok());
   ASSERT_TRUE(testing::CloseSession(stub(), *id).ok());
+  ASSERT_TRUE(testing::CloseSession(stub(), *bystander).ok());
   EXPECT_EQ(budget.used(), 0);
 }
 

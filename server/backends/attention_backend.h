@@ -67,11 +67,6 @@ struct SessionAccounts {
   MemoryAccount* device = nullptr;
 };
 
-// What grows a layer's host memory as it decodes beside its KV (a graph index linking its new
-// tokens), as a refusal names it (MemoryAccount::CheckNotOver).
-inline constexpr char kSelectorGrowth[] =
-    "the selector state this session's decoding grows (CreateSession's max_tokens sets it aside)";
-
 // Bytes one layer holds, by tier.
 struct LayerMemory {
   int64_t host_bytes = 0;      // KV and selector state in host memory
@@ -244,7 +239,8 @@ class AttentionBackend {
   // `build_threads` OpenMP threads holds or uses on the way in selector state (indexes, caches;
   // index/support_selector.h's SelectorStateBytesBound for the selectors the placement makes).
   // The Prefill reserves it before any build, so that a policy whose state cannot fit is
-  // refused before it is made.
+  // refused before it is made. build_threads 0: the state alone, without a build's scratch
+  // (what CreateSession's max_tokens sets aside for the state's growth).
   virtual int64_t HostSelectorBytesBound(const LayerConfig& config, int64_t tokens,
                                          int build_threads) const {
     return 0;

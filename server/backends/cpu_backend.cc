@@ -10,6 +10,7 @@
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/thread_pool.h"
 #include "server/backends/deferred_append.h"
+#include "server/backends/selector_charge.h"
 #include "server/kv_growth.h"
 #include "server/kv_store.h"
 
@@ -23,19 +24,19 @@ class CpuLayer final : public LayerBackend {
       : shape_(config.shape),
         tokens_to_hold_(config.tokens_to_hold()),
         host_(host),
+        selector_charge_(host),
         kv_(std::move(kv)),
         selector_(std::move(selector)),
         selections_(config.shape.q_heads),
         supports_(config.shape.q_heads),
         appended_(selector_.get()) {
-    ChargeSelectorBytes();
+    selector_charge_.Set(selector_->MemoryBytes());  // built: reserved by the Prefill
     // A prompt that (nearly) filled its store has it grown before the first step needs it.
     growth_ahead_.AfterCommit(kv_, tokens_to_hold_);
   }
   ~CpuLayer() override {
     growth_ahead_.Finish(kv_);  // it maps the KV's pages, and charged the host account
     appended_.Wait();
-    if (selector_bytes_ != 0) host_->Release(selector_bytes_);
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
@@ -43,15 +44,16 @@ class CpuLayer final : public LayerBackend {
   // made ahead of need (KvGrowthAhead) is taken here.
   absl::Status ReserveToken() override {
     appended_.Wait();
-    // What the previous step's OnAppend grew the selector by is charged; a session past its
-    // budget by such growth takes no more steps until memory is freed.
-    ChargeSelectorBytes();
-    if (absl::Status s = host_->CheckNotOver(kSelectorGrowth); !s.ok()) return s;
+    // What the previous step's OnAppend grew the selector by is charged (SelectorCharge).
+    if (absl::Status s = selector_charge_.ReserveStep(selector_->MemoryBytes()); !s.ok()) {
+      return s;
+    }
     growth_ahead_.BeforeReserve(kv_, 1);
     return kv_.Reserve(1, "the new token");
   }
   LayerMemory memory() const override {
-    return LayerMemory{kv_.allocated_bytes() + selector_bytes_, 0, selector_bytes_};
+    const int64_t selector = selector_charge_.charged();
+    return LayerMemory{kv_.allocated_bytes() + selector, 0, selector};
   }
 
   // Appends the step's token, selects every head's support, attends and reports; the selector
@@ -62,21 +64,13 @@ class CpuLayer final : public LayerBackend {
   void Shadow(const ShadowStep& step) const;
 
  private:
-  // Re-charges the host account for the selector's state after it changed.
-  void ChargeSelectorBytes() {
-    const int64_t now = selector_->MemoryBytes();
-    if (now == selector_bytes_) return;
-    host_->Adjust(now - selector_bytes_);
-    selector_bytes_ = now;
-  }
-
   const LayerShape shape_;
   const int64_t tokens_to_hold_;
   MemoryAccount* const host_;
+  SelectorCharge selector_charge_;  // the selector's state, charged to host_
   LayerKvStore kv_;
   KvGrowthAhead growth_ahead_{KvGrowthQueue()};  // kv_'s, off the steps
   std::unique_ptr<SupportSelector> selector_;
-  int64_t selector_bytes_ = 0;  // what is charged to host_ for the selector
   std::vector<HeadSelection> selections_;       // per query head, reused across steps
   std::vector<std::vector<int32_t>> supports_;  // per query head, reused across steps
   // Tokens the selector scored at the previous step, summed over heads (-1: no step yet);
@@ -89,7 +83,7 @@ class CpuLayer final : public LayerBackend {
 double CpuLayer::Step(const LayerStep& step) {
   appended_.Wait();
   const double waited = appended_.waited_seconds();
-  ChargeSelectorBytes();  // what the previous step's OnAppend grew the selector by
+  selector_charge_.Update(selector_->MemoryBytes());  // what the previous OnAppend grew
   const int heads = shape_.q_heads;
   const int d = shape_.head_dim;
   kv_.StageToken(step.k_new, step.v_new);
@@ -124,7 +118,7 @@ double CpuLayer::Step(const LayerStep& step) {
                                static_cast<int32_t>(supports_[h].size()), selection.best_cosine};
     if (step.supports != nullptr) step.supports[h] = supports_[h];
   }
-  ChargeSelectorBytes();
+  selector_charge_.Update(selector_->MemoryBytes());
   // After the Selects: inline unless deferring pays (then the selector must not be read until
   // the next Wait; what it grows by is charged then).
   appended_.Queue(kv);
@@ -204,13 +198,15 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
       !s.ok()) {
     return s;
   }
-  // An announced length is reserved now, so that decoding up to it never reallocates.
+  // An announced length is reserved now, so that decoding up to it never reallocates: the KV
+  // and the selector's state (charged with the layer, from what max_tokens set aside).
   if (config.expected_tokens > staged.kv.tokens()) {
     if (absl::Status s = staged.kv.Reserve(config.expected_tokens - staged.kv.tokens(),
                                            "the announced max_tokens");
         !s.ok()) {
       return s;
     }
+    (*selector)->ReserveTokens(config.expected_tokens);
   }
   return std::make_unique<CpuLayer>(config, accounts.host, std::move(staged.kv),
                                     *std::move(selector));

@@ -22,6 +22,7 @@
 #include "proto/tensor_codec.h"
 #include "server/backends/codes_learning.h"
 #include "server/backends/cpu_backend.h"
+#include "server/backends/selector_charge.h"
 #include "server/backends/deferred_append.h"
 #include "server/backends/step_runs.h"
 #include "server/kv_growth.h"
@@ -144,6 +145,7 @@ class TieredLayer final : public LayerBackend {
                  balance ? config.shape.q_heads / 2 : device_exact_bound),
         balanced_(balance),
         host_(accounts.host),
+        selector_charge_(accounts.host),
         kv_(std::move(kv)),
         bulk_(std::move(bulk)),
         retopk_(config.selector.kind == SelectorKind::kReTopK
@@ -177,13 +179,12 @@ class TieredLayer final : public LayerBackend {
         device_support_sizes_.resize(heads);
       }
     }
-    ChargeSelectorBytes();
+    selector_charge_.Set(SelectorBytes());  // built: reserved by the Prefill
   }
   ~TieredLayer() override {
     growth_ahead_.Finish(kv_);  // it maps the KV's pages, and charged the host account
     learning_.reset();  // a learning in flight reads the KV and charges the accounts
     appended_.Wait();
-    if (selector_bytes_ != 0) host_->Release(selector_bytes_);
   }
 
   int64_t tokens() const override { return kv_.tokens(); }
@@ -195,8 +196,8 @@ class TieredLayer final : public LayerBackend {
   // growth within the store's reserved address space moves none).
   absl::Status ReserveToken() override {
     appended_.Wait();
-    ChargeSelectorBytes();  // as CpuLayer::ReserveToken: no growth past the budget
-    if (absl::Status s = host_->CheckNotOver(kSelectorGrowth); !s.ok()) return s;
+    // What the previous step's OnAppend grew the selector by is charged (SelectorCharge).
+    if (absl::Status s = selector_charge_.ReserveStep(SelectorBytes()); !s.ok()) return s;
     growth_ahead_.BeforeReserve(kv_, 1);
     if (learning_ != nullptr) {
       learning_->BeforeReserve(BulkView(kv_.view(), config_.selector),
@@ -214,9 +215,10 @@ class TieredLayer final : public LayerBackend {
   LayerMemory memory() const override {
     const int64_t codes_host = codes_ != nullptr ? codes_->host_bytes() : 0;
     const int64_t codes_device = codes_ != nullptr ? codes_->device_bytes() : 0;
-    return LayerMemory{kv_.allocated_bytes() + selector_bytes_ + codes_host,
+    const int64_t selector = selector_charge_.charged();
+    return LayerMemory{kv_.allocated_bytes() + selector + codes_host,
                        static_set_->device_bytes() + codes_device,
-                       selector_bytes_ + codes_host + codes_device};
+                       selector + codes_host + codes_device};
   }
 
   const BulkCodes* bulk_codes() const override { return codes_.get(); }
@@ -380,13 +382,10 @@ class TieredLayer final : public LayerBackend {
 
  private:
   // The selector's state and the steps' shortlist buffers, as host memory the layer holds.
-  void ChargeSelectorBytes() {
-    const int64_t now = (bulk_.selector != nullptr ? bulk_.selector->MemoryBytes() : 0) +
-                        StepListBytes(shortlist_ids_, shortlist_sizes_, device_candidates_,
-                                      device_support_, device_support_sizes_);
-    if (now == selector_bytes_) return;
-    host_->Adjust(now - selector_bytes_);
-    selector_bytes_ = now;
+  int64_t SelectorBytes() const {
+    return (bulk_.selector != nullptr ? bulk_.selector->MemoryBytes() : 0) +
+           StepListBytes(shortlist_ids_, shortlist_sizes_, device_candidates_, device_support_,
+                         device_support_sizes_);
   }
 
   const LayerConfig config_;
@@ -395,6 +394,7 @@ class TieredLayer final : public LayerBackend {
   DeviceHeadBalance balance_;  // the count of heads the tier takes, within device_exact_bound_
   const bool balanced_;
   MemoryAccount* const host_;
+  SelectorCharge selector_charge_;  // the selector's state and step lists, charged to host_
   LayerKvStore kv_;
   KvGrowthAhead growth_ahead_{KvGrowthQueue()};  // kv_'s, off the steps
   BulkSelector bulk_;
@@ -414,7 +414,6 @@ class TieredLayer final : public LayerBackend {
   std::unique_ptr<CodesLearning> learning_;  // with policy.index.shortlist
   std::vector<int32_t> shortlist_ids_, shortlist_sizes_;  // the step's, [q_heads, shortlist]
   int64_t shortlist_coded_ = 0;                           // the bulk rows they were chosen among
-  int64_t selector_bytes_ = 0;
   int64_t bulk_tokens_seen_ = 0;  // the bulk's length at the selector's last OnAppend or Build
   std::vector<HeadSelection> selections_;  // per query head, reused across steps
   std::vector<float> bulk_micros_;          // per query head, the last step's
@@ -443,7 +442,7 @@ int64_t TieredLayer::BeginBulk(const KvView& all, double* waited) {
   appended_.Wait();
   *waited = appended_.waited_seconds();
   // What the last OnAppend grew the selector by (a deferred one is charged a step late).
-  ChargeSelectorBytes();
+  selector_charge_.Update(SelectorBytes());
   const int heads = config_.shape.q_heads;
   const int64_t predicted = last_scored_tokens_ >= 0 ? last_scored_tokens_
                                                      : static_cast<int64_t>(heads) * bulk.tokens;
@@ -533,7 +532,7 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
       AppendStaticSet(all.tokens, p.sinks, p.recent, &support);
     }
   }
-  ChargeSelectorBytes();
+  selector_charge_.Update(SelectorBytes());
 }
 
 // Whether two layers' static sets step in one launch: the same shapes, dtype, static set and
@@ -726,6 +725,12 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> TieredBackend::BuildLayer(
                                            "the announced max_tokens");
         !s.ok()) {
       return s;
+    }
+    // The bulk selector's state too (in its view: ReTopK's graph over the bulk rows).
+    if (bulk->selector != nullptr) {
+      bulk->selector->ReserveTokens(
+          bulk->relative ? BulkTokens(config.expected_tokens, p.sinks, p.recent)
+                         : config.expected_tokens);
     }
   }
   // The tier reads the host KV of the heads it takes: pinned once it has its room for
