@@ -426,13 +426,14 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
       LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), EffectiveScale(g)}, g.dtype(),
       policy->selector, request.max_tokens(),
       limits_.max_context_tokens != 0 ? limits_.max_context_tokens : kMaxLayerTokens};
-  absl::StatusOr<AttentionBackend*> backend = placements_->Choose(policy->placement, config);
+  std::shared_ptr<TenantBudgets> budgets = BudgetsOf(tenant);
+  absl::StatusOr<AttentionBackend*> backend =
+      placements_->Choose(policy->placement, config, budgets.get());
   if (!backend.ok()) return backend.status();
   if (absl::Status s = CheckSelectorStateFits(**backend, config, g.layers(), *host_budget_);
       !s.ok()) {
     return s;
   }
-  std::shared_ptr<TenantBudgets> budgets = BudgetsOf(tenant);
   if (budgets != nullptr) {
     if (absl::Status s = CheckSelectorStateFits(**backend, config, g.layers(), *budgets->host());
         !s.ok()) {

@@ -301,6 +301,58 @@ TEST(PlacementsTest, WithoutACudaDeviceGpuPlacementsSayWhy) {
                         "--gpus names"));
 }
 
+// A device's backend as MostRoom sees it: its device budget; nothing else is asked of it.
+class DeviceBudgetOnlyBackend final : public AttentionBackend {
+ public:
+  DeviceBudgetOnlyBackend(std::string device, int64_t limit)
+      : device_(std::move(device)), budget_(limit, device_ + " memory", "gpu_memory_budget_gb") {}
+  v1::Placement placement() const override { return v1::PLACEMENT_GPU; }
+  const std::string& device() const override { return device_; }
+  MemoryBudget* device_budget() const override { return &budget_; }
+  absl::Status CheckConfig(const LayerConfig&) const override { return absl::OkStatus(); }
+  absl::StatusOr<std::unique_ptr<PromptStaging>> NewPromptStaging(
+      const LayerConfig&, const SessionAccounts&) override {
+    return absl::UnimplementedError("a budget only");
+  }
+  absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(const LayerConfig&,
+                                                           const SessionAccounts&,
+                                                           std::unique_ptr<PromptStaging>,
+                                                           const BuildStop&) override {
+    return absl::UnimplementedError("a budget only");
+  }
+  std::unique_ptr<StepContext> NewStepContext() override { return nullptr; }
+  absl::Status Step(std::span<LayerStep>, StepContext*) override {
+    return absl::UnimplementedError("a budget only");
+  }
+  absl::Status Shadow(std::span<ShadowStep>, StepContext*) override {
+    return absl::UnimplementedError("a budget only");
+  }
+
+ private:
+  const std::string device_;
+  mutable MemoryBudget budget_;
+};
+
+// A new session goes to the device with the most room for its tenant: a tenant whose share of
+// GPU 0 is full goes to GPU 1 though GPU 0 has more free server-wide (review 21: the device with
+// the most free budget was chosen, and the tenant refused there with its share of GPU 1 empty).
+TEST(PlacementsTest, ASessionGoesWhereItsTenantHasRoom) {
+  std::vector<std::unique_ptr<AttentionBackend>> gpus;
+  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:0", 100));
+  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:1", 100));
+  MemoryBudget host(0);
+  TenantBudgets alice("alice", 0, 30, &host);
+  TenantBudgets bob("bob", 0, 60, &host);
+  ASSERT_TRUE(alice.Within(gpus[0]->device_budget())->Reserve(30, "alice's").ok());
+  ASSERT_TRUE(bob.Within(gpus[1]->device_budget())->Reserve(50, "bob's").ok());
+  // Server-wide GPU 0 has 70 free and GPU 1 50: without tenants, GPU 0.
+  EXPECT_EQ(MostRoom(gpus, nullptr)->device(), "cuda:0");
+  EXPECT_EQ(MostRoom(gpus, &alice)->device(), "cuda:1") << "alice's share of GPU 0 is full";
+  EXPECT_EQ(MostRoom(gpus, &bob)->device(), "cuda:0") << "bob has 10 left on GPU 1, 60 on GPU 0";
+  alice.Within(gpus[0]->device_budget())->Release(30);
+  bob.Within(gpus[1]->device_budget())->Release(50);
+}
+
 TEST(PlacementsTest, FlagsParse) {
   absl::StatusOr<PlacementOptions> all = PlacementOptionsFromFlags("all", -1, 2);
   ASSERT_TRUE(all.ok());

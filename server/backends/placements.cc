@@ -133,8 +133,28 @@ absl::Status Placements::ResolveExactSearch(v1::Placement placement,
   return kvrecall::ResolveExactSearch(placement, tiered_on_device_, selector);
 }
 
+AttentionBackend* MostRoom(std::span<const std::unique_ptr<AttentionBackend>> candidates,
+                           TenantBudgets* tenant) {
+  auto room = [tenant](MemoryBudget* device) {
+    const int64_t free = device->available();
+    return tenant != nullptr ? std::min(free, tenant->Within(device)->available()) : free;
+  };
+  AttentionBackend* best = candidates.front().get();
+  if (best->device_budget() == nullptr) return best;
+  int64_t best_room = room(best->device_budget());
+  for (const auto& backend : candidates.subspan(1)) {
+    if (backend->device_budget() == nullptr) continue;
+    if (const int64_t r = room(backend->device_budget()); r > best_room) {
+      best = backend.get();
+      best_room = r;
+    }
+  }
+  return best;
+}
+
 absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
-                                                     const LayerConfig& config) {
+                                                     const LayerConfig& config,
+                                                     TenantBudgets* tenant) {
   if (placement == v1::PLACEMENT_CPU) {
     if (absl::Status s = cpu_.CheckConfig(config); !s.ok()) return s;
     return &cpu_;
@@ -154,16 +174,7 @@ absl::StatusOr<AttentionBackend*> Placements::Choose(v1::Placement placement,
   }
   // Every device serves the same configurations; the check names what is served.
   if (absl::Status s = candidates.front()->CheckConfig(config); !s.ok()) return s;
-  // The device with the most budget free (a tier without a device budget has one candidate).
-  AttentionBackend* best = nullptr;
-  for (const auto& backend : candidates) {
-    if (best == nullptr || (backend->device_budget() != nullptr &&
-                            backend->device_budget()->available() >
-                                best->device_budget()->available())) {
-      best = backend.get();
-    }
-  }
-  return best;
+  return MostRoom(candidates, tenant);
 }
 
 }  // namespace kvrecall

@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "server/backends/attention_backend.h"
 #include "server/backends/cpu_backend.h"
 #include "server/backends/learning_outcomes.h"
+#include "server/memory_budget.h"
 
 namespace kvrecall {
 
@@ -71,6 +73,13 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
 // bench/results/tiered_tinylm16k.md), clamped to kMaxTopK. INVALID_ARGUMENT, with `selector`
 // unchanged, for a shortlist asked of a placement other than PLACEMENT_TIERED, or any exact
 // search named for retopk there (its exact path scans the whole context).
+// Of `candidates` (one placement's backends, one per device), the one whose device budget has
+// the most room: its free bytes, or with `tenant` the least of those and the tenant's share free
+// there (a tenant full on one GPU goes to another where its share is empty). The first when
+// none has a device budget (a tier in host memory). `candidates` is not empty.
+AttentionBackend* MostRoom(std::span<const std::unique_ptr<AttentionBackend>> candidates,
+                           TenantBudgets* tenant);
+
 absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_device,
                                 SelectorParams* selector);
 
@@ -81,11 +90,13 @@ class Placements {
   static absl::StatusOr<std::unique_ptr<Placements>> Create(const PlacementOptions& options);
 
   // The backend for a new session of `layers` layers of `config` under `placement`: the CPU
-  // backend, or the device of that placement with the most budget free. FAILED_PRECONDITION
-  // when the placement has no device here ("no CUDA device"), INVALID_ARGUMENT from the
-  // backend's CheckConfig. `config`'s exact search is resolved (ResolveExactSearch, which
-  // refuses a shortlist outside PLACEMENT_TIERED).
-  absl::StatusOr<AttentionBackend*> Choose(v1::Placement placement, const LayerConfig& config);
+  // backend, or the device of that placement with the most room (MostRoom; `tenant`: the
+  // caller's budgets, when tenants have their own). FAILED_PRECONDITION when the placement has
+  // no device here ("no CUDA device"), INVALID_ARGUMENT from the backend's CheckConfig.
+  // `config`'s exact search is resolved (ResolveExactSearch, which refuses a shortlist outside
+  // PLACEMENT_TIERED).
+  absl::StatusOr<AttentionBackend*> Choose(v1::Placement placement, const LayerConfig& config,
+                                           TenantBudgets* tenant = nullptr);
 
   // ResolveExactSearch for this server's tiered placement (on a device when it has GPUs).
   absl::Status ResolveExactSearch(v1::Placement placement, SelectorParams* selector) const;
