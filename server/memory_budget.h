@@ -31,11 +31,6 @@ class MemoryAccount {
   // (a graph index linking its new tokens) is charged once it exists; its next step asks this
   // first, so that a session past its budget grows no more until memory is freed.
   virtual absl::Status CheckNotOver(absl::string_view what) const = 0;
-  // Charges `bytes` more (Charge) or gives back -`bytes` (Release).
-  void Adjust(int64_t bytes) {
-    if (bytes > 0) Charge(bytes);
-    if (bytes < 0) Release(-bytes);
-  }
 };
 
 class MemoryBudget final : public MemoryAccount {

@@ -83,7 +83,7 @@ class CpuLayer final : public LayerBackend {
 double CpuLayer::Step(const LayerStep& step) {
   appended_.Wait();
   const double waited = appended_.waited_seconds();
-  selector_charge_.Update(selector_->MemoryBytes());  // what the previous OnAppend grew
+  // (What the previous OnAppend grew the selector by was charged by ReserveToken.)
   const int heads = shape_.q_heads;
   const int d = shape_.head_dim;
   kv_.StageToken(step.k_new, step.v_new);

@@ -63,6 +63,13 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
                                                            double tiered_gpu_exact_share = 0.75,
                                                            bool tiered_gpu_exact_balance = true);
 
+// Of `candidates` (one placement's backends, one per device), the one whose device budget has
+// the most room: its free bytes, or with `tenant` the least of those and the tenant's share free
+// there (a tenant full on one GPU goes to another where its share is empty). The first when
+// none has a device budget (a tier in host memory). `candidates` is not empty.
+AttentionBackend* MostRoom(std::span<const std::unique_ptr<AttentionBackend>> candidates,
+                           TenantBudgets* tenant);
+
 // Resolves `selector`'s exact search (policy.index.exact_search) for a session of `placement`,
 // where the tiered placement's static tier is on a device or not. An index or retopk selector's
 // kDefault becomes kShortlist when shortlist > 0 or on a device's tiered tier (its GPU scans the
@@ -73,13 +80,6 @@ absl::StatusOr<PlacementOptions> PlacementOptionsFromFlags(absl::string_view gpu
 // bench/results/tiered_tinylm16k.md), clamped to kMaxTopK. INVALID_ARGUMENT, with `selector`
 // unchanged, for a shortlist asked of a placement other than PLACEMENT_TIERED, or any exact
 // search named for retopk there (its exact path scans the whole context).
-// Of `candidates` (one placement's backends, one per device), the one whose device budget has
-// the most room: its free bytes, or with `tenant` the least of those and the tenant's share free
-// there (a tenant full on one GPU goes to another where its share is empty). The first when
-// none has a device budget (a tier in host memory). `candidates` is not empty.
-AttentionBackend* MostRoom(std::span<const std::unique_ptr<AttentionBackend>> candidates,
-                           TenantBudgets* tenant);
-
 absl::Status ResolveExactSearch(v1::Placement placement, bool static_tier_on_device,
                                 SelectorParams* selector);
 

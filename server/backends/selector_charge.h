@@ -31,11 +31,13 @@ class SelectorCharge {
 
   // Charges the state at `bytes` now, past any limit: built state (its Prefill reserved it).
   void Set(int64_t bytes) {
-    account_->Adjust(bytes - charged_);
+    const int64_t growth = bytes - charged_;
     charged_ = bytes;
+    if (growth > 0) account_->Charge(growth);
+    if (growth < 0) account_->Release(-growth);
   }
-  // The state is at `bytes` (after a step's selections, or its deferred linking): its growth
-  // is charged where it fits, else charged all the same and this layer marked past its budget.
+  // The state is at `bytes` (after a step's selections): its growth is charged where it fits,
+  // else charged all the same and this layer marked past its budget.
   void Update(int64_t bytes) {
     const int64_t growth = bytes - charged_;
     charged_ = bytes;
@@ -45,8 +47,8 @@ class SelectorCharge {
       over_ = true;
     }
   }
-  // Before a step, with the state at `bytes` (Update): OK unless this layer's growth holds its
-  // budget over the limit, then RESOURCE_EXHAUSTED naming the budget (the step must then change
+  // Before a step (ReserveToken, after the previous step's deferred linking), with the state at
+  // `bytes` (Update): OK unless this layer's growth holds its budget over the limit, then RESOURCE_EXHAUSTED naming the budget (the step must then change
   // nothing). OK again once the budget has room.
   absl::Status ReserveStep(int64_t bytes) {
     Update(bytes);

@@ -441,8 +441,7 @@ int64_t TieredLayer::BeginBulk(const KvView& all, double* waited) {
   const KvView bulk = BulkView(all, p);
   appended_.Wait();
   *waited = appended_.waited_seconds();
-  // What the last OnAppend grew the selector by (a deferred one is charged a step late).
-  selector_charge_.Update(SelectorBytes());
+  // (What the last OnAppend grew the selector by was charged by ReserveToken.)
   const int heads = config_.shape.q_heads;
   const int64_t predicted = last_scored_tokens_ >= 0 ? last_scored_tokens_
                                                      : static_cast<int64_t>(heads) * bulk.tokens;
