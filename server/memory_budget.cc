@@ -161,4 +161,11 @@ MemoryBudget* TenantBudgets::Within(MemoryBudget* device) {
   return budget.get();
 }
 
+int64_t TenantBudgets::gpu_used() const {
+  absl::MutexLock lock(&mu_);
+  int64_t used = 0;
+  for (const auto& [device, budget] : devices_) used += budget->used();
+  return used;
+}
+
 }  // namespace kvrecall

@@ -149,14 +149,19 @@ class TenantBudgets {
   TenantBudgets& operator=(const TenantBudgets&) = delete;
 
   MemoryBudget* host() { return &host_; }
+  const MemoryBudget& host() const { return host_; }
   // The tenant's budget within `device` (a GPU's server-wide budget, which outlives this).
   MemoryBudget* Within(MemoryBudget* device);
+  // What the tenant holds of the GPUs' budgets, summed over the devices it has used.
+  int64_t gpu_used() const;
+  // The limit of its budget within each GPU (<= 0: none of its own).
+  int64_t gpu_limit() const { return gpu_limit_; }
 
  private:
   const std::string who_;  // " (tenant 'name')", for the budgets' names
   const int64_t gpu_limit_;
   MemoryBudget host_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::flat_hash_map<const MemoryBudget*, std::unique_ptr<MemoryBudget>> devices_
       ABSL_GUARDED_BY(mu_);
 };

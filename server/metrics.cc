@@ -215,7 +215,35 @@ ServerMetrics::ServerMetrics()
       refusals_(prometheus::BuildCounter()
                     .Name("kvrecall_requests_refused_total")
                     .Help("Requests refused because they would exceed a server limit")
-                    .Register(*registry_)) {
+                    .Register(*registry_)),
+      tenant_sessions_open_(prometheus::BuildGauge()
+                                .Name("kvrecall_tenant_sessions_open")
+                                .Help("Sessions of a tenant created and not closed")
+                                .Register(*registry_)),
+      tenant_host_bytes_held_(
+          prometheus::BuildGauge()
+              .Name("kvrecall_tenant_host_memory_bytes")
+              .Help("Host memory held by a tenant (its sessions, their builds, its shared decode "
+                    "regions); with --host_memory_budget_per_tenant_gb or "
+                    "--gpu_memory_budget_per_tenant_gb only")
+              .Register(*registry_)),
+      tenant_host_bytes_budget_(
+          prometheus::BuildGauge()
+              .Name("kvrecall_tenant_host_memory_budget_bytes")
+              .Help("A tenant's host memory budget (--host_memory_budget_per_tenant_gb); +Inf: "
+                    "none of its own")
+              .Register(*registry_)),
+      tenant_gpu_bytes_held_(prometheus::BuildGauge()
+                                 .Name("kvrecall_tenant_gpu_memory_bytes")
+                                 .Help("GPU memory held by a tenant, summed over devices; with "
+                                       "budgets per tenant only")
+                                 .Register(*registry_)),
+      tenant_gpu_bytes_budget_(
+          prometheus::BuildGauge()
+              .Name("kvrecall_tenant_gpu_memory_budget_bytes")
+              .Help("A tenant's GPU memory budgets (--gpu_memory_budget_per_tenant_gb) summed "
+                    "over devices; +Inf: none of its own")
+              .Register(*registry_)) {
   decode_request_seconds_ =
       &prometheus::BuildHistogram()
            .Name("kvrecall_decode_request_seconds")
@@ -387,7 +415,36 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
   gpu_bytes_budget_->Set(gauges.gpu_bytes_budget);
   host_address_space_held_->Set(static_cast<double>(gauges.host_address_space_held));
   host_address_space_bound_->Set(static_cast<double>(gauges.host_address_space_bound));
+  {
+    absl::MutexLock lock(&mu_);
+    SetTenantGauges(gauges.tenants);
+  }
   return registry_->Collect();
+}
+
+void ServerMetrics::SetTenantGauges(const std::vector<TenantGauges>& tenants) const {
+  for (auto& [name, series] : tenant_series_) {
+    series.sessions_open->Set(0);
+    if (series.host_bytes_held != nullptr) series.host_bytes_held->Set(0);
+    if (series.gpu_bytes_held != nullptr) series.gpu_bytes_held->Set(0);
+  }
+  for (const TenantGauges& tenant : tenants) {
+    const prometheus::Labels labels = {{"tenant", tenant.tenant}};
+    TenantSeries& series = tenant_series_[tenant.tenant];
+    if (series.sessions_open == nullptr) series.sessions_open = &tenant_sessions_open_.Add(labels);
+    series.sessions_open->Set(static_cast<double>(tenant.sessions_open));
+    if (!tenant.has_budgets) continue;
+    if (series.host_bytes_held == nullptr) {
+      series.host_bytes_held = &tenant_host_bytes_held_.Add(labels);
+      series.host_bytes_budget = &tenant_host_bytes_budget_.Add(labels);
+      series.gpu_bytes_held = &tenant_gpu_bytes_held_.Add(labels);
+      series.gpu_bytes_budget = &tenant_gpu_bytes_budget_.Add(labels);
+    }
+    series.host_bytes_held->Set(static_cast<double>(tenant.host_bytes_held));
+    series.host_bytes_budget->Set(tenant.host_bytes_budget);
+    series.gpu_bytes_held->Set(static_cast<double>(tenant.gpu_bytes_held));
+    series.gpu_bytes_budget->Set(tenant.gpu_bytes_budget);
+  }
 }
 
 std::string ServerMetrics::TextFormat() const {

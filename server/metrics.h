@@ -35,6 +35,18 @@
 
 namespace kvrecall {
 
+// One tenant's scrape-time gauges (server/auth.h's tenants; "" for the one tenant of a server
+// without tokens). Its memory is reported only with budgets per tenant, which are what count it.
+struct TenantGauges {
+  std::string tenant;
+  int64_t sessions_open = 0;
+  bool has_budgets = false;      // whether the limits give tenants memory budgets of their own
+  int64_t host_bytes_held = 0;   // what the tenant's host budget has charged
+  double host_bytes_budget = 0;  // +Inf: no host budget of its own (the server's bounds it)
+  int64_t gpu_bytes_held = 0;    // summed over devices
+  double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf: none of its own
+};
+
 // What the scrape-time gauges report, and the running totals that counters count up to;
 // filled by the callback given to SetGaugeSource.
 struct ServerGauges {
@@ -52,6 +64,8 @@ struct ServerGauges {
   std::array<int64_t, kLearningOutcomes> codes_learnings{};
   // Host KV arrays' growths by how they were made, since the start (HostKvGrowthCounts).
   HostKvGrowths host_kv_growths;
+  // Each tenant that holds a session or memory now.
+  std::vector<TenantGauges> tenants;
 };
 
 // A budget's limit as its gauge reads: limit_bytes <= 0 (unlimited) is +Inf, so that
@@ -166,6 +180,25 @@ class ServerMetrics final : public prometheus::Collectable {
   // way.
   std::array<prometheus::Counter*, 4> host_kv_growths_{};
 
+  // kvrecall_tenant_*: a tenant's series are made at the first scrape that sees it, and stay,
+  // at 0, once it holds nothing (tenants are the token file's, so the labels stay bounded).
+  prometheus::Family<prometheus::Gauge>& tenant_sessions_open_;
+  prometheus::Family<prometheus::Gauge>& tenant_host_bytes_held_;
+  prometheus::Family<prometheus::Gauge>& tenant_host_bytes_budget_;
+  prometheus::Family<prometheus::Gauge>& tenant_gpu_bytes_held_;
+  prometheus::Family<prometheus::Gauge>& tenant_gpu_bytes_budget_;
+  struct TenantSeries {
+    prometheus::Gauge* sessions_open = nullptr;
+    // Null until a scrape sees the tenant with budgets of its own.
+    prometheus::Gauge* host_bytes_held = nullptr;
+    prometheus::Gauge* host_bytes_budget = nullptr;
+    prometheus::Gauge* gpu_bytes_held = nullptr;
+    prometheus::Gauge* gpu_bytes_budget = nullptr;
+  };
+  // Sets the tenants' series from `tenants` (and those it leaves out to 0).
+  void SetTenantGauges(const std::vector<TenantGauges>& tenants) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Built in the constructor, read-only afterwards.
   absl::flat_hash_map<std::string, std::unique_ptr<MethodMetrics>> methods_;
   MethodMetrics* unknown_method_ = nullptr;
@@ -178,6 +211,7 @@ class ServerMetrics final : public prometheus::Collectable {
   // And its host_kv_growths, in host_kv_growths_'s order.
   mutable std::array<int64_t, 4> host_kv_growths_counted_ ABSL_GUARDED_BY(mu_) = {};
   absl::flat_hash_map<std::string, prometheus::Counter*> refusals_by_limit_ ABSL_GUARDED_BY(mu_);
+  mutable absl::flat_hash_map<std::string, TenantSeries> tenant_series_ ABSL_GUARDED_BY(mu_);
   // [placement][selector], flattened; null until first used.
   std::vector<std::unique_ptr<PolicyMetrics>> policies_ ABSL_GUARDED_BY(mu_);
 };

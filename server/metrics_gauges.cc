@@ -20,11 +20,30 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
   }
   gauges.host_bytes_held = host_budget.used();
   gauges.host_bytes_budget = BudgetGaugeValue(host_budget.limit());
+  int devices = 0;
   for (const std::unique_ptr<AttentionBackend>& backend : placements.gpu()) {
     const MemoryBudget* budget = backend->device_budget();
     if (budget == nullptr) continue;
+    ++devices;
     gauges.gpu_bytes_held += budget->used();
     gauges.gpu_bytes_budget += BudgetGaugeValue(budget->limit());
+  }
+  const SessionLimits& limits = registry.limits();
+  const bool tenants_have_budgets =
+      limits.host_bytes_per_tenant > 0 || limits.gpu_bytes_per_tenant > 0;
+  for (const SessionRegistry::TenantHoldings& holdings : registry.Tenants()) {
+    TenantGauges& tenant = gauges.tenants.emplace_back();
+    tenant.tenant = holdings.tenant;
+    tenant.sessions_open = holdings.sessions_open;
+    tenant.has_budgets = tenants_have_budgets;
+    if (!tenants_have_budgets) continue;
+    tenant.host_bytes_budget = BudgetGaugeValue(limits.host_bytes_per_tenant);
+    // As the server's: 0 without a device (not 0 * +Inf).
+    tenant.gpu_bytes_budget =
+        devices == 0 ? 0 : devices * BudgetGaugeValue(limits.gpu_bytes_per_tenant);
+    if (holdings.budgets == nullptr) continue;  // nothing charged to it now
+    tenant.host_bytes_held = holdings.budgets->host().used();
+    tenant.gpu_bytes_held = holdings.budgets->gpu_used();
   }
   gauges.codes_learnings = placements.CodesLearnings();
   gauges.host_kv_growths = HostKvGrowthCounts();

@@ -9,6 +9,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/btree_map.h"
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -648,6 +649,26 @@ std::vector<std::shared_ptr<Session>> SessionRegistry::List() const {
   std::vector<std::shared_ptr<Session>> out;
   out.reserve(sessions_.size());
   for (const auto& [id, session] : sessions_) out.push_back(session);
+  return out;
+}
+
+std::vector<SessionRegistry::TenantHoldings> SessionRegistry::Tenants() const {
+  absl::btree_map<std::string, TenantHoldings> by_name;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, tenant] : tenants_) ++by_name[tenant].sessions_open;
+    for (const auto& [tenant, entry] : tenant_budgets_) {
+      if (std::shared_ptr<TenantBudgets> budgets = entry.lock()) {
+        by_name[tenant].budgets = std::move(budgets);
+      }
+    }
+  }
+  std::vector<TenantHoldings> out;
+  out.reserve(by_name.size());
+  for (auto& [tenant, holdings] : by_name) {
+    holdings.tenant = tenant;
+    out.push_back(std::move(holdings));
+  }
   return out;
 }
 

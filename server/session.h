@@ -251,6 +251,14 @@ class SessionRegistry {
   std::vector<std::shared_ptr<Session>> List(absl::string_view tenant) const;
   // Every session, of every tenant (the server's own accounting: metrics).
   std::vector<std::shared_ptr<Session>> List() const;
+  // What one tenant holds: its open sessions, and its budgets while anything is charged to them.
+  struct TenantHoldings {
+    std::string tenant;
+    int64_t sessions_open = 0;
+    std::shared_ptr<const TenantBudgets> budgets;  // null: none held, or no per-tenant budgets
+  };
+  // Every tenant that holds a session or tenant memory (a shared decode region's), by name.
+  std::vector<TenantHoldings> Tenants() const;
   // Closes the sessions idle for longer than the TTL at `now` (the registry's thread calls it;
   // tests may too) and returns how many it closed.
   int ExpireIdle(absl::Time now);

@@ -494,6 +494,15 @@ TEST_F(TlsTest, OneTenantCannotTakeAllTheHostMemory) {
   absl::StatusOr<client::SessionHandle> bobs = bob->CreateSession(g, full, "", kTokens);
   ASSERT_TRUE(bobs.ok()) << bobs.status();
   EXPECT_EQ(server_->server().budget().used(), 2 * set_aside);
+  // The operator sees each tenant's sessions and share on /metrics.
+  std::string scrape = server_->server().metrics().TextFormat();
+  EXPECT_EQ(testing::SeriesValue(scrape, R"(kvrecall_tenant_sessions_open{tenant="alice"})"), 1);
+  EXPECT_EQ(testing::SeriesValue(scrape, R"(kvrecall_tenant_sessions_open{tenant="bob"})"), 1);
+  EXPECT_EQ(testing::SeriesValue(scrape, R"(kvrecall_tenant_host_memory_bytes{tenant="alice"})"),
+            set_aside);
+  EXPECT_EQ(
+      testing::SeriesValue(scrape, R"(kvrecall_tenant_host_memory_budget_bytes{tenant="bob"})"),
+      64 * kMiB);
   EXPECT_TRUE(HasStatus(alice->CreateSession(g, full, "", kTokens / 4).status(),
                         absl::StatusCode::kResourceExhausted,
                         absl::StrCat("host memory budget exceeded: max_tokens=25000 of 1 layers "
@@ -511,7 +520,15 @@ TEST_F(TlsTest, OneTenantCannotTakeAllTheHostMemory) {
   EXPECT_EQ(server_->server().budget().used(), set_aside);
   ASSERT_TRUE(alice->CreateSession(g, full, "", kTokens).ok());
   ASSERT_TRUE(bob->CloseSession(bobs->id).ok());
-  ASSERT_TRUE(bob->CreateSession(g, full, "", kTokens).ok());
+  absl::StatusOr<client::SessionHandle> bobs_again = bob->CreateSession(g, full, "", kTokens);
+  ASSERT_TRUE(bobs_again.ok()) << bobs_again.status();
+  // A tenant that holds nothing any more reads 0, its series kept.
+  ASSERT_TRUE(bob->CloseSession(bobs_again->id).ok());
+  scrape = server_->server().metrics().TextFormat();
+  EXPECT_THAT(scrape, HasSubstr("\nkvrecall_tenant_sessions_open{tenant=\"bob\"} 0\n"));
+  EXPECT_THAT(scrape, HasSubstr("\nkvrecall_tenant_host_memory_bytes{tenant=\"bob\"} 0\n"));
+  EXPECT_EQ(testing::SeriesValue(scrape, R"(kvrecall_tenant_host_memory_bytes{tenant="alice"})"),
+            set_aside);
 }
 
 // A gateway multiplexes tenants over one connection: each call is its own token's tenant's.

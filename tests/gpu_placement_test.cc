@@ -611,6 +611,12 @@ TEST_P(GpuTenantBudgetTest, ATenantsSessionsHoldAtMostItsShareOfTheGpu) {
   EXPECT_EQ(testing::RefusalsCounted(server().server(), "gpu_memory_budget_per_tenant"), 1);
   EXPECT_EQ(device->used() - before, set_aside) << "the refusal charged nothing";
   ASSERT_TRUE(create(5000).ok()) << "what is left of the share";
+  // /metrics shows the one tenant's GPU memory and its share (one device here).
+  const std::string scrape = server().server().metrics().TextFormat();
+  EXPECT_EQ(testing::SeriesValue(scrape, R"(kvrecall_tenant_gpu_memory_bytes{tenant=""})"),
+            device->used() - before);
+  EXPECT_EQ(testing::SeriesValue(scrape, R"(kvrecall_tenant_gpu_memory_budget_bytes{tenant=""})"),
+            (128 << 20) * server().server().placements().gpu().size());
   ASSERT_TRUE(testing::CloseSession(stub(), *first).ok());
   EXPECT_TRUE(create(20000).ok()) << "the closed session's share is back";
 }

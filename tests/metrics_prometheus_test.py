@@ -137,10 +137,14 @@ class ScrapeTest(unittest.TestCase):
 
     def test_the_readme_names_every_family_exported_and_no_other(self):
         # The README's metrics table is the operator's reference: every kvrecall_ family a
-        # scrape shows after a workload is in it, and it names none that is not exported.
-        with Kvrecalld() as server:
+        # scrape shows after a workload is in it, and it names none that is not exported. (A
+        # budget per tenant makes the per-tenant memory series; a tenant's series are made by a
+        # scrape that sees it holding a session.)
+        with Kvrecalld("--host_memory_budget_per_tenant_gb=1") as server:
             run_workload(server.address)
-            _, text = scrape(server.metrics_url)
+            with kvrecall.Client(server.address, wait_ready_s=30) as c:
+                c.create_session(make_geometry(**GEOMETRY), make_policy("full"))
+                _, text = scrape(server.metrics_url)
         exported = set(re.findall(r"^# TYPE (kvrecall_\w+) ", text, re.M))
         readme_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
         with open(readme_path) as f:
@@ -181,6 +185,33 @@ class ScrapeTest(unittest.TestCase):
         self.assertEqual(m["kvrecall_host_memory_budget_bytes"], 1 << 30)
         self.assertGreaterEqual(m["kvrecall_host_memory_bytes"], info.host_bytes)
         self.assertGreater(info.host_bytes, 0)
+        # Without tokens every caller is the one tenant "" (Prometheus reads an empty label as
+        # none); without budgets per tenant its memory is not reported apart.
+        self.assertEqual(m['kvrecall_tenant_sessions_open{tenant=""}'], 1)
+        self.assertNotIn('kvrecall_tenant_host_memory_bytes{tenant=""}', m)
+
+    def test_a_tenants_gauges_follow_its_sessions_and_its_budget(self):
+        with Kvrecalld("--host_memory_budget_gb=1", "--host_memory_budget_per_tenant_gb=0.5") \
+                as server:
+            with kvrecall.Client(server.address, wait_ready_s=30) as c:
+                s = c.create_session(make_geometry(**GEOMETRY), make_policy("full"),
+                                     max_tokens=1000)
+                held = samples(scrape(server.metrics_url)[1])
+                s.close()
+                after = samples(scrape(server.metrics_url)[1])
+        self.assertEqual(held['kvrecall_tenant_sessions_open{tenant=""}'], 1)
+        # The one tenant holds all that is held: its session's KV set aside for 1000 tokens.
+        self.assertEqual(held['kvrecall_tenant_host_memory_bytes{tenant=""}'],
+                         held["kvrecall_host_memory_bytes"])
+        self.assertGreaterEqual(held['kvrecall_tenant_host_memory_bytes{tenant=""}'],
+                                2 * 1000 * GEOMETRY["layers"] * GEOMETRY["kv_heads"] *
+                                GEOMETRY["head_dim"] * 4)
+        self.assertEqual(held['kvrecall_tenant_host_memory_budget_bytes{tenant=""}'], 1 << 29)
+        # No GPU here: its budgets sum to 0 as the server's do.
+        self.assertEqual(held['kvrecall_tenant_gpu_memory_budget_bytes{tenant=""}'],
+                         held["kvrecall_gpu_memory_budget_bytes"])
+        self.assertEqual(after['kvrecall_tenant_sessions_open{tenant=""}'], 0)
+        self.assertEqual(after['kvrecall_tenant_host_memory_bytes{tenant=""}'], 0)
 
     def test_a_request_the_budget_refuses_is_counted_by_its_limit(self):
         # 64 KiB of host memory: one layer of 1000 prompt tokens (q, k, v in f32) does not fit.
