@@ -7,6 +7,9 @@
 #                 the Kubernetes schemas
 #   rejects       deploy/validate.mjs rejects each defect in deploy_invalid_manifests.yaml
 #   up_to_date    deploy/k8s/ equals a fresh render of the chart
+#   rules         the alerting rules (helm/kvrecall/files/kvrecall.rules.yaml): promtool check
+#                 rules and test rules (tests/prometheus_rules_test.yaml), and the
+#                 PrometheusRule the chart renders holds exactly the file's groups
 #   values        derived values (memory budget, GPU limit, the co-located runner's socket,
 #                 its plaintext socket and token under TLS and tokens,
 #                 the metrics Service of a published API, the NetworkPolicy, integer flags
@@ -16,7 +19,7 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/../deploy/tools.sh"
-case_name="${1:?usage: $0 lint|validate|rejects|up_to_date|values}"
+case_name="${1:?usage: $0 lint|validate|rejects|up_to_date|rules|values}"
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
@@ -56,7 +59,7 @@ case "$case_name" in
       echo "== $variant"
       "$NODE" "$deploy_root/deploy/validate.mjs" - <<<"$rendered"
       kinds=(StatefulSet Service ServiceAccount PodDisruptionBudget)
-      [ "$variant" = secure ] && kinds+=(ServiceMonitor)
+      [ "$variant" = secure ] && kinds+=(ServiceMonitor PrometheusRule)
       for kind in "${kinds[@]}"; do
         grep -q "^kind: $kind$" <<<"$rendered" || fail "$variant render has no $kind"
       done
@@ -299,6 +302,7 @@ case "$case_name" in
     grep -qF 'ingress: []' <<<"$closed" || fail "NetworkPolicy with no peers must close every port: $closed"
     tls_policy="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
       --set networkPolicy.enabled=true --set metrics.enabled=false --set metrics.serviceMonitor.enabled=false \
+      --set metrics.prometheusRule.enabled=false \
       --show-only templates/networkpolicy.yaml)"
     grep -qF -- '- port: 50052' <<<"$tls_policy" || fail "NetworkPolicy with TLS: the health port is closed"
     if grep -qF -- '- port: 9090' <<<"$tls_policy"; then
@@ -405,6 +409,29 @@ VALUES
       --set probes.readiness.sevice=kvrecall.v1.KvRecall
     expect_render_error "at '/server/port': maximum: got 70,000, want 65,535" --set server.port=70000
     expect_render_error "at '/server/extraArgs/0': 'oops' does not match pattern" --set "server.extraArgs={oops}"
+    ;;
+  rules)
+    command -v promtool >/dev/null || { echo "SKIP: promtool is not installed"; exit 77; }
+    rules_file="$chart_dir/files/kvrecall.rules.yaml"
+    promtool check rules "$rules_file"
+    (cd "$here" && promtool test rules prometheus_rules_test.yaml)
+    require_helm
+    # The chart's PrometheusRule is the file, groups and all (its templates left to Prometheus).
+    "$HELM" template kvrecall "$chart_dir" --set metrics.prometheusRule.enabled=true \
+        --show-only templates/prometheusrule.yaml \
+      | /usr/bin/python3 -c '
+import sys, yaml
+rendered = yaml.safe_load(sys.stdin)
+with open(sys.argv[1]) as f:
+    expected = yaml.safe_load(f)
+if rendered["kind"] != "PrometheusRule" or rendered["spec"] != expected:
+    sys.exit("the rendered PrometheusRule differs from " + sys.argv[1])
+' "$rules_file" || fail "rendered PrometheusRule"
+    if "$HELM" template kvrecall "$chart_dir" | grep -q '^kind: PrometheusRule$'; then
+      fail "the default render has a PrometheusRule"
+    fi
+    expect_render_error "metrics.prometheusRule.enabled needs metrics.enabled" \
+      --set metrics.enabled=false --set metrics.prometheusRule.enabled=true
     ;;
   *)
     fail "unknown case $case_name"

@@ -154,6 +154,15 @@ class ScrapeTest(unittest.TestCase):
         # (A refusal's series is made at the first refusal by its limit: none in this workload.)
         self.assertEqual(documented - exported, {"kvrecall_requests_refused_total"},
                          "in the README's table, not exported")
+        # The alerting rules (deploy/helm/kvrecall/files/kvrecall.rules.yaml, whose promtool
+        # tests use series of their own) read only families the README documents.
+        rules_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "deploy",
+                                  "helm", "kvrecall", "files", "kvrecall.rules.yaml")
+        with open(rules_path) as f:
+            read = {re.sub(r"_bucket$", "", name)
+                    for name in re.findall(r"\b(kvrecall_\w+)", f.read())}
+        self.assertTrue(read)
+        self.assertEqual(read - documented, set(), "read by the alerting rules, not documented")
 
     def test_other_paths_are_not_found_and_the_endpoint_keeps_serving(self):
         # A probe of any other path once crashed kvrecalld (civetweb's file handler overflowed

@@ -198,6 +198,9 @@ tokens only when it is given one.
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled needs metrics.enabled" }}
 {{- end }}
+{{- if and .Values.metrics.prometheusRule.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.prometheusRule.enabled needs metrics.enabled" }}
+{{- end }}
 {{- $ports := list (int .Values.server.port) }}
 {{- if .Values.metrics.enabled }}{{ $ports = append $ports (int .Values.metrics.port) }}{{ end }}
 {{- if .Values.tls.enabled }}{{ $ports = append $ports (int .Values.tls.probePort) }}{{ end }}
