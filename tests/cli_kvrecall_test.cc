@@ -535,6 +535,46 @@ TEST_F(CliTest, TokenFileAndItsEnvironmentDefault) {
   }
 }
 
+// `kvrecall health` asks grpc.health.v1 of the API port and of the health-only port that
+// kvrecalld serves beside a TLS port (which has no reflection for grpcurl-style clients): its
+// status on stdout, exit 0 only when SERVING.
+TEST_F(CliTest, HealthAsksTheServerOrItsHealthPort) {
+  ProcessResult r = Kvrecall("health", {});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "SERVING\n");
+  r = Kvrecall("health", {"kvrecall.v1.KvRecall", "--json"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "{\"status\":\"SERVING\"}\n");
+  r = Kvrecall("health", {"kvrecall.v1.NoSuchService"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall health: NOT_FOUND: unknown service "
+                               "'kvrecall.v1.NoSuchService'"));
+  r = Kvrecall("health", {"a", "b"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("usage: kvrecall health [SERVICE]"));
+  r = Kvrecall("health", {"--health_deadline=0s"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--health_deadline must be positive"));
+
+  absl::StatusOr<std::unique_ptr<KvrecalldProcess>> with_health_port =
+      KvrecalldProcess::Start({"--health_address=127.0.0.1:0"});
+  ASSERT_TRUE(with_health_port.ok()) << with_health_port.status();
+  const std::string output = (*with_health_port)->output();
+  const std::string marker = "kvrecalld health on ";
+  const size_t at = output.find(marker);
+  ASSERT_NE(at, std::string::npos) << output;
+  const std::string health_port =
+      output.substr(at + marker.size(), output.find('\n', at) - at - marker.size());
+  r = RunProcess({KvrecallBinary(), "health", "kvrecall.v1.KvRecall", "--server=" + health_port});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "SERVING\n");
+  // Nobody listening: the deadline's error, exit 1.
+  ASSERT_TRUE((*with_health_port)->Stop().ok());
+  r = RunProcess({KvrecallBinary(), "health", "--server=" + health_port, "--health_deadline=1s"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall health: DEADLINE_EXCEEDED"));
+}
+
 TEST_F(CliTest, DemoPrintsATableOfPolicies) {
   const ProcessResult r = Kvrecall("demo", {"--context=1024", "--decode_steps=4"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -5,12 +5,13 @@ probes and Services agree with each other; every flag the chart passes is one kv
 declares (`--helpfull`); kvrecalld started with exactly the chart's arguments (listen addresses
 moved to free loopback ports, the Secrets' mount points to a folder of certificates made by
 openssl) answers the readiness and liveness probes' grpc.health.v1.Health/Check SERVING,
-serves /metrics where the pod's annotations say, takes a call over TLS with a token (secure),
+serves /metrics where the pod's annotations say, takes a call over TLS with a token (secure)
+and answers the NOTES' `kvrecall health` on the plaintext health port (secure, given KVRECALL),
 and on SIGTERM it exits 0 within the pod's termination grace period. With a co-located runner
 it answers on the runner's socket: with the secure values there in plaintext
 (--plaintext_unix_sockets) with the runner's token, while the gRPC port keeps mutual TLS.
 
-Usage: deploy_server_test.py KVRECALLD   (exits 77, CTest's skip, when helm is missing)
+Usage: deploy_server_test.py KVRECALLD [KVRECALL]   (exits 77, CTest's skip, when helm is missing)
 """
 
 import os
@@ -36,6 +37,7 @@ CHART = os.path.join(REPO, "deploy", "helm", "kvrecall")
 TOOLS = os.environ.get("KVRECALL_TOOLS_DIR", os.path.join(REPO, ".tools"))
 HELM = os.path.join(TOOLS, "bin", "helm")  # the pinned one scripts/install_deps.sh installs
 KVRECALLD = None  # set from argv
+KVRECALL = None  # the CLI, when given: the NOTES' health check with TLS
 
 VARIANTS = {"default": [], "gpu": ["-f", os.path.join(CHART, "values-gpu.yaml")],
             "secure": ["-f", os.path.join(CHART, "values-secure.yaml")],
@@ -238,6 +240,14 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                         self.assertIn("\nkvrecall_build_info{", r.read().decode())
                     if tls:
                         self.assert_tls_and_token_required(f"127.0.0.1:{port}", secrets.name)
+                    if tls and KVRECALL is not None:
+                        # The NOTES' check of the plaintext health port (no reflection there).
+                        check = subprocess.run(
+                            [KVRECALL, "health", f"--server=127.0.0.1:{health_port}"],
+                            capture_output=True, text=True, timeout=30,
+                            env=dict(os.environ, KVRECALL_TOKEN_FILE=""))
+                        self.assertEqual((check.returncode, check.stdout), (0, "SERVING\n"),
+                                         check.stderr)
                     grace = pod["spec"]["terminationGracePeriodSeconds"]
                     server.send_signal(signal.SIGTERM)
                     output, _ = server.communicate(timeout=grace)
@@ -423,8 +433,9 @@ class ChartDrivesKvrecalld(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: deploy_server_test.py KVRECALLD")
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: deploy_server_test.py KVRECALLD [KVRECALL]")
+    KVRECALL = sys.argv.pop(2) if len(sys.argv) == 3 else None
     KVRECALLD = sys.argv.pop(1)
     if not os.access(HELM, os.X_OK):
         print(f"SKIP: {HELM} not found (scripts/install_deps.sh installs it)")

@@ -31,6 +31,8 @@ constexpr Subcommand kSubcommands[] = {
     {"get", "show a session: kvrecall get SESSION_ID", RunGet},
     {"list", "list the server's sessions", RunList},
     {"close", "close sessions: kvrecall close SESSION_ID...", RunClose},
+    {"health", "ask grpc.health.v1 of the server (or of SERVICE): kvrecall health [SERVICE]",
+     RunHealth},
     {"replay", "replay a trace: --trace FILE --policy P [knobs] [--steps N] [--json]", RunReplay},
     {"synth", "write a synthetic trace: --out FILE [--context T --decode_steps N ...]", RunSynth},
     {"bench-index", "graph vs hnsw vs flat index: --trace FILE [--k 100] [--json]",

@@ -18,6 +18,7 @@ int RunClose(const std::vector<char*>& args);
 int RunReplay(const std::vector<char*>& args);
 int RunSynth(const std::vector<char*>& args);
 int RunBenchIndex(const std::vector<char*>& args);
+int RunHealth(const std::vector<char*>& args);
 
 }  // namespace kvrecall::cli
 
