@@ -66,11 +66,16 @@ struct PrefillProgress {
   int64_t bytes_sent = 0;  // tensor bytes sent on this stream so far, all layers (q as sent)
 };
 
+// The tensor bytes of a prefill chunk by default: a 1 MiB message, the smallest limit kvrecalld
+// takes (--max_message_mb=1), less 4 KiB for the chunk's other fields and its framing (chunks
+// of exactly 1 MiB of tensors were refused by such a server, probe 25, 4). Large enough that
+// the per-message overhead is negligible.
+inline constexpr int64_t kDefaultPrefillChunkBytes = (1 << 20) - (4 << 10);
+
 struct PrefillOptions {
-  // Tensor bytes (q + k + v, or k + v where a chunk carries no q) per chunk. gRPC servers
-  // accept 4 MiB messages by default; 1 MiB keeps well under that while making per-message
-  // overhead negligible.
-  int64_t max_chunk_bytes = 1 << 20;
+  // Tensor bytes (q + k + v, or k + v where a chunk carries no q) per chunk, at least one
+  // token's: the message is that and its framing (see kDefaultPrefillChunkBytes).
+  int64_t max_chunk_bytes = kDefaultPrefillChunkBytes;
   // Called after every chunk is written.
   std::function<void(const PrefillProgress&)> progress;
 };

@@ -1,5 +1,7 @@
 #include "server/policy.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvrecall {
@@ -7,6 +9,12 @@ namespace {
 
 // Proto3 scalars cannot say "unset", so the API defines 0 as "take the default".
 int OrDefault(int value, int fallback) { return value == 0 ? fallback : value; }
+
+// The graph search list a session's searches use: the one asked for, else max(top_k, the floor)
+// (index/selector_params.h). The effective policy says it so; sent back, it asks for nothing.
+int EffectiveSearchListSize(int asked, int top_k) {
+  return asked > 0 ? asked : std::max(top_k, kDefaultSearchListFloor);
+}
 
 absl::StatusOr<SelectorKind> SelectorKindFromProto(v1::Selector selector) {
   switch (selector) {
@@ -162,7 +170,9 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   // is given), the graph's knobs name the graph wherever it could run (so that the GPU's default
   // shortlist does not ignore them silently).
   const bool graph_knobs = g.build_queries() != 0 || g.build_topk() != 0 || g.max_degree() != 0 ||
-                           g.search_list_size() != 0 || g.search_width() != 0 ||
+                           (g.search_list_size() != 0 &&
+                            g.search_list_size() != EffectiveSearchListSize(0, p.top_k)) ||
+                           g.search_width() != 0 ||
                            g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED;
   // And a knob tuned away from the server's default beside another exact path named for a
   // tiered index or retopk session names two, as EXACT_SEARCH_GRAPH there would. (A knob at its
@@ -173,7 +183,9 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   const char* graph_knob = knobs.build_queries != unset.build_queries         ? "build_queries"
                            : knobs.build_topk != unset.build_topk             ? "build_topk"
                            : knobs.max_degree != unset.max_degree             ? "max_degree"
-                           : knobs.search_list_size != unset.search_list_size ? "search_list_size"
+                           : EffectiveSearchListSize(knobs.search_list_size, p.top_k) !=
+                                   EffectiveSearchListSize(unset.search_list_size, p.top_k)
+                               ? "search_list_size"
                            : knobs.search_width != unset.search_width         ? "search_width"
                            : knobs.graph_scope != unset.graph_scope           ? "graph_scope"
                                                                               : nullptr;
@@ -227,7 +239,7 @@ v1::Policy PolicyToProto(const EffectivePolicy& policy) {
   g->set_build_queries(p.index.build_queries);
   g->set_build_topk(p.index.build_topk);
   g->set_max_degree(p.index.max_degree);
-  g->set_search_list_size(p.index.search_list_size);
+  g->set_search_list_size(EffectiveSearchListSize(p.index.search_list_size, p.top_k));
   g->set_search_width(p.index.search_width);
   g->set_graph_scope(GraphScopeToProto(p.index.graph_scope));
   g->set_shortlist(p.shortlist);

@@ -791,10 +791,12 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     if (service_->draining()) return ShuttingDownStatus();
     if (service_->shared_streams_.fetch_add(1) >= options.max_shared_streams) {
       service_->shared_streams_.fetch_sub(1);
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          absl::StrCat("--max_shared_streams=", options.max_shared_streams,
-                                       " shared Decode streams are open; close one or use "
-                                       "Decode"));
+      return service_->Answer(RefusedBy(
+          absl::ResourceExhaustedError(absl::StrCat("--max_shared_streams=",
+                                                    options.max_shared_streams,
+                                                    " shared Decode streams are open; close one "
+                                                    "or use Decode")),
+          "max_shared_streams"));
     }
     counted_.store(true);
     const uint64_t request_capacity =

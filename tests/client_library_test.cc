@@ -424,6 +424,27 @@ TEST_F(ClientTest, CreateSessionAnnouncesMaxTokens) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// The smallest message limit kvrecalld takes (--max_message_mb=1) receives the default chunks:
+// 128 tokens of k and v (8 KiB each) made exactly 1 MiB of tensors, refused with the chunk's
+// framing ("1048644 vs. 1048576", probe 25, 4).
+class SmallestMessageLimitTest : public ClientTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options;
+    options.max_message_bytes = 1 << 20;
+    return options;
+  }
+};
+
+TEST_F(SmallestMessageLimitTest, TheDefaultChunksFit) {
+  const v1::Geometry g = testing::MakeGeometry(1, 8, 8, 128);
+  const RandomPrompt prompt(g, 1000, 3);
+  const SessionHandle session = Prefilled(g, prompt);
+  absl::StatusOr<v1::SessionInfo> info = client_->GetSession(session.id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->prompt_tokens(), 1000);
+}
+
 // A port past 65535 reached another server (gRPC takes it modulo 2^16: :113657 listed the
 // sessions of the server on 48121), and a missing one port 443 (probe 21, 8); gRPC's own
 // schemes pass to its resolvers.

@@ -151,6 +151,16 @@ class ClientTest(ServerTest):
         self.assertEqual(info.tokens, self.T + 3)
         self.assertEqual(info.decode_steps, 3 * self.L)
 
+    def test_the_default_chunks_fit_the_smallest_message_limit(self):
+        # --max_message_mb=1: 2 MiB chunks, and chunks of exactly 1 MiB of tensors with their
+        # framing, were refused (probe 25, 4): 1000 tokens of k and v, 8 KiB each.
+        with Kvrecalld("--max_message_mb=1") as server, \
+                kvrecall.Client(server.address, wait_ready_s=30) as c:
+            s = c.create_session(make_geometry(1, 8, 8, 128), make_policy("full"))
+            k = np.ones((1000, 8, 128), np.float32)
+            s.prefill([(None, k, k)])
+            self.assertEqual(s.info().prompt_tokens, 1000)
+
     def test_prefill_sends_only_the_queries_the_session_needs(self):
         # CreateSession's prompt_queries: none for exact_topk, ReTopK's last C = 32, every one
         # for the graph index; the chunks carry q from the first needed one on, and the server
@@ -1498,9 +1508,34 @@ class TokenOverPlaintextSocketTest(unittest.TestCase):
         with kvrecall.Client(self.socket, token=ALICE_TOKEN, wait_ready_s=30) as c:
             self.assertIsInstance(c.list_sessions(), list)
 
+    @unittest.skipUnless(os.path.exists(os.path.join(MODELS_DIR, "tinylm-a.npz")),
+                         f"no tinylm-a.npz in {MODELS_DIR}")
+    def test_evaluate_passes_its_connection_flags_to_each_run(self):
+        # Probe 25, 3: `evaluate run` took --server alone, so it could not reach a server with
+        # TLS of a private CA (nor send a token but through $KVRECALL_TOKEN_FILE).
+        from auth_pki import ALICE_TOKEN
+        self.set_token_file_variable(None)
+        token_file = os.path.join(self.dir.name, "alice.token")
+        with open(token_file, "w") as f:
+            f.write(ALICE_TOKEN + "\n")
+        jsonl = os.path.join(self.dir.name, "evaluate.jsonl")
+        base = ["run", "--server", self.tcp, "--model", os.path.join(MODELS_DIR, "tinylm-a.npz"),
+                "--text", MODELS_DIR, "--ctx", "96", "--suffix", "4", "--runs", "full",
+                "--jsonl", jsonl]
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.assertEqual(evaluate.main(base + ["--tls-ca", self.pki["ca.pem"],
+                                                   "--token-file", token_file]), 0)
+            self.assertEqual(evaluate.main(base + ["--token-file", token_file]), 1)
+        with open(jsonl) as f:
+            trusted, untrusted = [json.loads(line) for line in f]
+        self.assertGreater(trusted["bits_per_byte"], 0)
+        self.assertIn("--tls-ca", trusted["command"])
+        self.assertNotIn("error", trusted)
+        self.assertIn("UNAVAILABLE", untrusted["error"])  # the private CA is not the system's
+
     def test_a_token_alone_goes_over_the_plaintext_socket(self):
         from auth_pki import ALICE_TOKEN, BOB_TOKEN
-        from kvrecall.client import Tls
+        Tls = kvrecall.Tls  # exported by the package, as the READMEs write it (probe 25, 9)
         with kvrecall.Client(self.socket, token=ALICE_TOKEN, wait_ready_s=30) as c:
             s = decode_one_step_checked(self, c, label="over the socket")
             # The session is alice's over the TLS port too, and not bob's.

@@ -671,7 +671,7 @@ TEST_F(ServiceDecodeTest, CreateSessionEchoesTheEffectivePolicy) {
   EXPECT_EQ(p.index().build_queries(), index_defaults.build_queries);
   EXPECT_EQ(p.index().build_topk(), index_defaults.build_topk);
   EXPECT_EQ(p.index().max_degree(), index_defaults.max_degree);
-  EXPECT_EQ(p.index().search_list_size(), index_defaults.search_list_size);
+  EXPECT_EQ(p.index().search_list_size(), 512);  // max(top_k, 200), filled in (probe 25, 7)
   EXPECT_EQ(p.index().graph_scope(), kDefaultGraphScope == GraphScope::kKvHead
                                          ? v1::GRAPH_SCOPE_KV_HEAD
                                          : v1::GRAPH_SCOPE_QUERY_HEAD);

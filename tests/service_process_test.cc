@@ -316,6 +316,18 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
   EXPECT_EQ(code, 1);
   EXPECT_THAT(output, HasSubstr("could not listen on " + server->address()));
 
+  // A command line Abseil's parser refuses exits 1, as the README says (probe 25, 1: it said 2).
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--no_such_flag=1", "Unknown command line flag 'no_such_flag'"},
+           {"--max_sessions=abc", "Illegal value 'abc' specified for flag 'max_sessions'"},
+           {"--flagfile=/nonexistent/flags", "/nonexistent/flags"},
+       }) {
+    const std::string out =
+        RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", flags), &code);
+    EXPECT_EQ(code, 1) << flags << ": " << out;
+    EXPECT_THAT(out, HasSubstr(message)) << flags;
+  }
+
   const std::string bad =
       absl::StrCat(KvrecalldProcess::BinaryPath(), " --max_message_mb=0 2>&1 >/dev/null");
   EXPECT_EQ(WEXITSTATUS(std::system(bad.c_str())), 2);

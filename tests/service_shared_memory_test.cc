@@ -188,6 +188,7 @@ TEST_F(SharedDecodeTest, LimitsAndCapacitiesAreEnforced) {
   }
   EXPECT_TRUE(HasStatus(c.OpenDecodeStream(g_, Shared()).status(),
                         absl::StatusCode::kResourceExhausted, "--max_shared_streams=4"));
+  EXPECT_EQ(testing::RefusalsCounted(server().server(), "max_shared_streams"), 1);
   // A slot is given back once its call is done (just after Close returns).
   auto open_when_free = [&](const client::DecodeStreamOptions& options) {
     absl::StatusOr<std::unique_ptr<client::DecodeStream>> s;

@@ -840,6 +840,11 @@ TEST_F(TieredShortlistTest, TheExactSearchIsTheShortlistOnAGpuAndTheGraphWithout
     ASSERT_TRUE(id.ok()) << id.status();
     EXPECT_EQ(created.policy().index().exact_search(), echo.search) << echo.policy.DebugString();
     EXPECT_EQ(created.policy().index().shortlist(), echo.n) << echo.policy.DebugString();
+    // The effective policy, every default filled in (the search list's max(K, 200) too), sent
+    // back is served as it was.
+    v1::CreateSessionResponse again;
+    ASSERT_TRUE(CreateSession(stub(), g, created.policy(), &again).ok());
+    EXPECT_EQ(again.policy().SerializeAsString(), created.policy().SerializeAsString());
   }
   DecodeClient client(stub());
   for (int step = 0; step < 6; ++step) {

@@ -14,7 +14,9 @@ from kvrecall.client import (  # noqa: E402  (the path above must be set first)
     KvRecallError,
     SequenceResult,
     Session,
+    Tls,
     make_policy,
 )
 
-__all__ = ["Client", "DecodeStream", "KvRecallError", "SequenceResult", "Session", "make_policy"]
+__all__ = ["Client", "DecodeStream", "KvRecallError", "SequenceResult", "Session", "Tls",
+           "make_policy"]

@@ -651,6 +651,21 @@ def add_connection_arguments(parser, server_required=False):
                              "KVRECALL_SHARED_MEMORY=1, as the chart's co-located runner gets")
 
 
+def connection_argv(args):
+    """add_connection_arguments' flags as `args` holds them, as arguments for another tool's
+    parser (a tool that runs another one passes its connection on)."""
+    argv = ["--server", args.server] if args.server is not None else []
+    if args.tls:
+        argv.append("--tls")
+    for flag, value in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert),
+                        ("--tls-key", args.tls_key), ("--tls-server-name", args.tls_server_name),
+                        ("--token-file", args.token_file)):
+        if value is not None:  # --token-file '' (send none) included
+            argv += [flag, value]
+    argv.append("--shared-memory" if args.shared_memory else "--no-shared-memory")
+    return argv
+
+
 def connection_from_args(args):
     """The tls=, token= and shared_memory= keyword arguments of Client for
     add_connection_arguments' flags; the token from --token-file or, where that is not given,
@@ -673,15 +688,16 @@ def connection_from_args(args):
 
 
 class Client:
-    """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; prefill chunks
-    are kept under `prefill_chunk_bytes` (kvrecalld receives up to --max_message_mb, 64 MiB by
-    default; a gRPC server's own default is 4 MiB). `tls` and `token` secure the channel (see
+    """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; a prefill chunk
+    carries at most `prefill_chunk_bytes` of tensors (at least one token's), to which its framing
+    adds a few hundred bytes: the default leaves 4 KiB of a 1 MiB message, the smallest
+    --max_message_mb kvrecalld takes (64 MiB by default; a gRPC server's own default is 4 MiB). `tls` and `token` secure the channel (see
     make_channel: a token alone goes over TLS to HOST:PORT, in plaintext to a unix:PATH socket;
     the environment is not read, see read_token_file). `shared_memory`: decode steps go through
     a shared-memory region (DecodeShared, kvrecall.shared.SharedDecodeStream) instead of the
     Decode call, for a runner on the server's host (a server with --shared_memory_dir)."""
 
-    def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=2 << 20,
+    def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=(1 << 20) - 4096,
                  wait_ready_s=10.0, tls=None, token=None, shared_memory=False):
         kind = _channel_kind(target, tls, token)
         self.channel = make_channel(target, options=[

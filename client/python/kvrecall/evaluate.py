@@ -20,7 +20,8 @@ import shlex
 import sys
 
 from kvrecall import tinylm
-from kvrecall.client import PLACEMENTS, SELECTORS, streaming_window
+from kvrecall.client import (PLACEMENTS, SELECTORS, add_connection_arguments, connection_argv,
+                             streaming_window)
 
 
 def run_args(spec, common):
@@ -54,7 +55,7 @@ def run_args(spec, common):
 
 
 def cmd_run(a):
-    common = ["ppl", "--server", a.server, "--model", a.model, "--text", *a.text,
+    common = ["ppl", *connection_argv(a), "--model", a.model, "--text", *a.text,
               "--offset", str(a.offset), "--ctx", str(a.ctx), "--suffix", str(a.suffix), "--json"]
     if a.cache_dir is not None:
         common += ["--cache-dir", a.cache_dir]
@@ -187,7 +188,7 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--server", required=True)
+    add_connection_arguments(r, server_required=True)
     r.add_argument("--model", required=True)
     r.add_argument("--text", nargs="+", required=True)
     r.add_argument("--offset", type=tinylm.int_at_least(0), default=0)

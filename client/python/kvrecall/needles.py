@@ -6,7 +6,7 @@ its support keeps more than half of the mass that full attention gives (the serv
 compare_exact `retained_mass`).
 
   PYTHONPATH=client/python python3 -m kvrecall.needles --server ADDR --trace t.safetensors \
-      --runs full exact_topk:512 streaming:512 index:512 retopk:512 --json
+      --runs full exact_topk:512 streaming:512 index:512 retopk:512 --jsonl runs.jsonl
 
 A run is selector[:K][/placement][/knob=value...]: the CPU placement unless named (cpu, gpu,
 tiered); knobs of policy.index (e.g. index:512/tiered/shortlist=2048,
