@@ -311,34 +311,25 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
   ASSERT_NE(server, nullptr);
   const std::string taken = absl::StrCat("--address=", server->address());
   int code = -1;
-  const std::string output =
-      RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", taken), &code);
-  EXPECT_EQ(code, 1);
-  EXPECT_THAT(output, HasSubstr("could not listen on " + server->address()));
-
-  // A command line Abseil's parser refuses exits 1, as the README says (probe 25, 1: it said 2).
-  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
-           {"--no_such_flag=1", "Unknown command line flag 'no_such_flag'"},
-           {"--max_sessions=abc", "Illegal value 'abc' specified for flag 'max_sessions'"},
-           {"--flagfile=/nonexistent/flags", "/nonexistent/flags"},
-       }) {
+  // kvrecalld with `flags` exits `want` and says `message`.
+  auto expect_exit = [&](const std::string& flags, int want, const std::string& message) {
     const std::string out =
         RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", flags), &code);
-    EXPECT_EQ(code, 1) << flags << ": " << out;
+    EXPECT_EQ(code, want) << flags << ": " << out;
     EXPECT_THAT(out, HasSubstr(message)) << flags;
-  }
+  };
+  expect_exit(taken, 1, "could not listen on " + server->address());
+  // A command line Abseil's parser refuses exits 1, as the README says (probe 25, 1: it said 2).
+  expect_exit("--no_such_flag=1", 1, "Unknown command line flag 'no_such_flag'");
+  expect_exit("--max_sessions=abc", 1, "Illegal value 'abc' specified for flag 'max_sessions'");
+  expect_exit("--flagfile=/nonexistent/flags", 1, "/nonexistent/flags");
 
   const std::string bad =
       absl::StrCat(KvrecalldProcess::BinaryPath(), " --max_message_mb=0 2>&1 >/dev/null");
   EXPECT_EQ(WEXITSTATUS(std::system(bad.c_str())), 2);
-  const std::string output2 = RunCommand(
-      absl::StrCat(KvrecalldProcess::BinaryPath(), " --malloc_mmap_threshold_kb=-1"), &code);
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(output2, HasSubstr("--malloc_mmap_threshold_kb must be in [0, 32768]"));
-  const std::string output3 = RunCommand(
-      absl::StrCat(KvrecalldProcess::BinaryPath(), " --compute_spin_us=-1"), &code);
-  EXPECT_EQ(code, 2);
-  EXPECT_THAT(output3, HasSubstr("--compute_spin_us must be in [0, 1000000]"));
+  expect_exit("--malloc_mmap_threshold_kb=-1", 2,
+              "--malloc_mmap_threshold_kb must be in [0, 32768]");
+  expect_exit("--compute_spin_us=-1", 2, "--compute_spin_us must be in [0, 1000000]");
   // Values that were silently taken for something else: an endless grace (nan, inf), no grace
   // (negative), no budget (a budget past 2^63 bytes, or one that rounds to 0 bytes), and two
   // backends each budgeting one device's whole memory.
@@ -359,10 +350,7 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
            {"max_sessions=1", "unexpected argument 'max_sessions=1'"},
            {"-- --max_sessions=1", "unexpected argument '--max_sessions=1'"},
        }) {
-    const std::string out =
-        RunCommand(absl::StrCat(KvrecalldProcess::BinaryPath(), " ", flag), &code);
-    EXPECT_EQ(code, 2) << flag << ": " << out;
-    EXPECT_THAT(out, HasSubstr(message)) << flag;
+    expect_exit(flag, 2, message);
   }
   // Values the server's own options refuse, each naming its flag as given, with the exit code of
   // the flags above (probe 17, 1 and 8: a port past 65535 was served modulo 2^16; the spin's
@@ -388,10 +376,7 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
            {"--address=127.0.0.1:0 --health_address=unix:/",
             "--health_address entry 'unix:/': / exists and is not a socket (a directory)"},
        }) {
-    const std::string out = RunCommand(
-        absl::StrCat(KvrecalldProcess::BinaryPath(), " --metrics_address= ", flag), &code);
-    EXPECT_EQ(code, 2) << flag << ": " << out;
-    EXPECT_THAT(out, HasSubstr(message)) << flag;
+    expect_exit("--metrics_address= " + flag, 2, message);
   }
 }
 
