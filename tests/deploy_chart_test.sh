@@ -9,7 +9,8 @@
 #   up_to_date    deploy/k8s/ equals a fresh render of the chart
 #   rules         the alerting rules (helm/kvrecall/files/kvrecall.rules.yaml): promtool check
 #                 rules and test rules (tests/prometheus_rules_test.yaml), and the
-#                 PrometheusRule the chart renders holds exactly the file's groups
+#                 PrometheusRule the chart renders holds exactly the file's groups; the
+#                 Grafana dashboard's ConfigMap holds exactly its JSON
 #   values        derived values (memory budget, GPU limit, the co-located runner's socket,
 #                 its plaintext socket and token under TLS and tokens,
 #                 the metrics Service of a published API, the NetworkPolicy, integer flags
@@ -32,6 +33,27 @@ expect_render_error() {
   fi
   grep -qF -- "$expected" <<<"$out" || fail "helm template $*: expected '$expected', got: $out"
   echo "ok: $* -> $expected"
+}
+
+# expect_renders_file TEMPLATE VALUE FILE: with VALUE.enabled, templates/TEMPLATE holds FILE as it
+# is: a rules file as its spec, a JSON file as its one data entry.
+expect_renders_file() {
+  local template="$1" value="$2" file="$3"
+  "$HELM" template kvrecall "$chart_dir" --set "$value.enabled=true" \
+      --show-only "templates/$template" \
+    | /usr/bin/python3 -c '
+import json, sys, yaml
+rendered = yaml.safe_load(sys.stdin)
+path, template = sys.argv[1], sys.argv[2]
+with open(path) as f:
+    if path.endswith(".json"):
+        held, expected = json.loads(next(iter(rendered["data"].values()))), json.load(f)
+    else:
+        held, expected = rendered["spec"], yaml.safe_load(f)
+if held != expected:
+    sys.exit("templates/" + template + " does not hold " + path + " as it is")
+' "$file" "$template" || fail "rendered $template"
+  echo "ok: templates/$template holds $file"
 }
 
 # rendered_arg VARIANT-ARGS... prints the --host_memory_budget_gb value the chart renders.
@@ -59,7 +81,7 @@ case "$case_name" in
       echo "== $variant"
       "$NODE" "$deploy_root/deploy/validate.mjs" - <<<"$rendered"
       kinds=(StatefulSet Service ServiceAccount PodDisruptionBudget)
-      [ "$variant" = secure ] && kinds+=(ServiceMonitor PrometheusRule)
+      [ "$variant" = secure ] && kinds+=(ServiceMonitor PrometheusRule ConfigMap)
       for kind in "${kinds[@]}"; do
         grep -q "^kind: $kind$" <<<"$rendered" || fail "$variant render has no $kind"
       done
@@ -302,7 +324,7 @@ case "$case_name" in
     grep -qF 'ingress: []' <<<"$closed" || fail "NetworkPolicy with no peers must close every port: $closed"
     tls_policy="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
       --set networkPolicy.enabled=true --set metrics.enabled=false --set metrics.serviceMonitor.enabled=false \
-      --set metrics.prometheusRule.enabled=false \
+      --set metrics.prometheusRule.enabled=false --set metrics.grafanaDashboard.enabled=false \
       --show-only templates/networkpolicy.yaml)"
     grep -qF -- '- port: 50052' <<<"$tls_policy" || fail "NetworkPolicy with TLS: the health port is closed"
     if grep -qF -- '- port: 9090' <<<"$tls_policy"; then
@@ -416,22 +438,23 @@ VALUES
     promtool check rules "$rules_file"
     (cd "$here" && promtool test rules prometheus_rules_test.yaml)
     require_helm
-    # The chart's PrometheusRule is the file, groups and all (its templates left to Prometheus).
-    "$HELM" template kvrecall "$chart_dir" --set metrics.prometheusRule.enabled=true \
-        --show-only templates/prometheusrule.yaml \
-      | /usr/bin/python3 -c '
-import sys, yaml
-rendered = yaml.safe_load(sys.stdin)
-with open(sys.argv[1]) as f:
-    expected = yaml.safe_load(f)
-if rendered["kind"] != "PrometheusRule" or rendered["spec"] != expected:
-    sys.exit("the rendered PrometheusRule differs from " + sys.argv[1])
-' "$rules_file" || fail "rendered PrometheusRule"
-    if "$HELM" template kvrecall "$chart_dir" | grep -q '^kind: PrometheusRule$'; then
-      fail "the default render has a PrometheusRule"
-    fi
-    expect_render_error "metrics.prometheusRule.enabled needs metrics.enabled" \
-      --set metrics.enabled=false --set metrics.prometheusRule.enabled=true
+    # The PrometheusRule holds the rules file, groups and all, and the dashboard's ConfigMap its
+    # JSON (both as they are, their templates left to Prometheus and Grafana); neither renders
+    # by default nor without metrics.
+    expect_renders_file prometheusrule.yaml metrics.prometheusRule "$rules_file"
+    expect_renders_file grafana-dashboard.yaml metrics.grafanaDashboard \
+      "$chart_dir/files/kvrecall-dashboard.json"
+    "$HELM" template kvrecall "$chart_dir" --set metrics.grafanaDashboard.enabled=true \
+        --show-only templates/grafana-dashboard.yaml | grep -qF 'grafana_dashboard: "1"' \
+      || fail "the dashboard's ConfigMap lacks the sidecar's label grafana_dashboard: \"1\""
+    default_kinds="$("$HELM" template kvrecall "$chart_dir" | grep '^kind: ')"
+    for kind in PrometheusRule ConfigMap; do
+      if grep -q "^kind: $kind$" <<<"$default_kinds"; then fail "the default render has a $kind"; fi
+    done
+    for value in prometheusRule grafanaDashboard; do
+      expect_render_error "metrics.$value.enabled needs metrics.enabled" \
+        --set metrics.enabled=false --set "metrics.$value.enabled=true"
+    done
     ;;
   *)
     fail "unknown case $case_name"

@@ -252,55 +252,126 @@ def free_port():
 @unittest.skipIf(shutil.which("prometheus") is None,
                  "prometheus is not installed (scripts/install_deps.sh installs Debian's)")
 class PrometheusServerTest(unittest.TestCase):
+    """A real prometheus scraping a real kvrecalld every second, with the chart's alerting rules
+    loaded: what it stores, what the rules and the dashboard's queries make of it."""
+
+    REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    RULES = os.path.join(REPO, "deploy", "helm", "kvrecall", "files", "kvrecall.rules.yaml")
+    DASHBOARD = os.path.join(REPO, "deploy", "helm", "kvrecall", "files", "kvrecall-dashboard.json")
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory(prefix="kvrecall-prometheus-")
+        cls.server = Kvrecalld()
+        target = urllib.parse.urlparse(cls.server.metrics_url).netloc
+        config = os.path.join(cls.tmp.name, "prometheus.yml")
+        with open(config, "w") as f:
+            f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                    "  evaluation_interval: 1s\n"
+                    f"rule_files: ['{cls.RULES}']\n"
+                    "scrape_configs:\n  - job_name: kvrecalld\n"
+                    f"    static_configs:\n      - targets: ['{target}']\n")
+        cls.check_config = subprocess.run(["promtool", "check", "config", config],
+                                          capture_output=True, text=True)
+        port = free_port()
+        cls.log = open(os.path.join(cls.tmp.name, "prometheus.log"), "w+")
+        cls.prometheus = subprocess.Popen(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={cls.tmp.name}/data",
+             f"--web.listen-address=127.0.0.1:{port}"], stdout=cls.log, stderr=subprocess.STDOUT)
+        cls.api = f"http://127.0.0.1:{port}"
+        cls.steps = None
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.prometheus.terminate()
+        cls.prometheus.wait(30)
+        cls.log.close()
+        cls.server.stop()
+        cls.tmp.cleanup()
+
+    def query(self, expr):
+        url = f"{self.api}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as r:
+            body = json.load(r)
+        self.assertEqual(body["status"], "success", body)
+        return body["data"]["result"]
+
+    def served_and_scraped(self):
+        """Runs the workload once per class and waits until prometheus has every layer-step of
+        it; the layer-steps sent."""
+        cls = type(self)
+        self.assertEqual(cls.check_config.returncode, 0,
+                         cls.check_config.stdout + cls.check_config.stderr)
+        if cls.steps is None:
+            self.wait_for(lambda: urllib.request.urlopen(f"{self.api}/-/ready", timeout=2).status
+                          == 200, "prometheus ready")
+            # A scrape before the workload, so that rates over it have two samples.
+            self.wait_for(lambda: self.query('up{job="kvrecalld"} == 1'), "a first scrape")
+            cls.steps = run_workload(cls.server.address)
+
+        def counted():
+            result = self.query("sum(kvrecall_layer_steps_total)")
+            return result and float(result[0]["value"][1]) == cls.steps
+
+        self.wait_for(counted, f"sum(kvrecall_layer_steps_total) == {cls.steps}")
+        # And two samples of each series the sessions made (rates need two).
+        self.wait_for(lambda: self.query("min(count_over_time(kvrecall_layer_steps_total[1m])) "
+                                         ">= 2"), "two samples of every layer-step series")
+        return cls.steps
+
     def test_prometheus_scrapes_kvrecalld_and_counts_the_layer_steps_sent(self):
-        with tempfile.TemporaryDirectory(prefix="kvrecall-prometheus-") as tmp, \
-                Kvrecalld() as server:
-            target = urllib.parse.urlparse(server.metrics_url).netloc
-            config = os.path.join(tmp, "prometheus.yml")
-            with open(config, "w") as f:
-                f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                        "scrape_configs:\n  - job_name: kvrecalld\n"
-                        f"    static_configs:\n      - targets: ['{target}']\n")
-            check = subprocess.run(["promtool", "check", "config", config], capture_output=True,
-                                   text=True)
-            self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
-            port = free_port()
-            log = open(os.path.join(tmp, "prometheus.log"), "w+")
-            prometheus = subprocess.Popen(
-                ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
-                 f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-            api = f"http://127.0.0.1:{port}"
-            try:
-                self.wait_for(lambda: urllib.request.urlopen(f"{api}/-/ready", timeout=2).status
-                              == 200, "prometheus ready", log)
-                steps = run_workload(server.address)
+        steps = self.served_and_scraped()
+        up = self.query('up{job="kvrecalld"}')
+        self.assertEqual(up[0]["value"][1], "1")
+        by_selector = {r["metric"]["selector"]: float(r["value"][1])
+                       for r in self.query("kvrecall_layer_steps_total")}
+        self.assertEqual(by_selector, {"exact_topk": steps / 2, "retopk": steps / 2})
+        created = self.query('kvrecall_rpcs_total{method="kvrecall.v1.KvRecall/CreateSession",'
+                             'code="OK"}')
+        self.assertEqual(float(created[0]["value"][1]), 2)
 
-                def query(expr):
-                    url = f"{api}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-                    with urllib.request.urlopen(url, timeout=5) as r:
-                        body = json.load(r)
-                    self.assertEqual(body["status"], "success", body)
-                    return body["data"]["result"]
+    def test_the_alerting_rules_evaluate_on_the_real_series_and_stay_quiet(self):
+        # promtool's unit tests (tests/prometheus_rules_test.yaml) use series of their own;
+        # here every rule runs on what kvrecalld exports, without an error, and a healthy
+        # server under a small workload fires none of them.
+        self.served_and_scraped()
 
-                def counted():
-                    result = query("sum(kvrecall_layer_steps_total)")
-                    return result and float(result[0]["value"][1]) == steps
+        def evaluated():
+            with urllib.request.urlopen(f"{self.api}/api/v1/rules", timeout=5) as r:
+                groups = json.load(r)["data"]["groups"]
+            rules = [rule for group in groups for rule in group["rules"]]
+            return rules if rules and all(rule.get("lastEvaluation", "").startswith("2")
+                                          and not rule["lastEvaluation"].startswith("0001")
+                                          for rule in rules) else None
 
-                self.wait_for(counted, f"sum(kvrecall_layer_steps_total) == {steps}", log)
-                up = query('up{job="kvrecalld"}')
-                self.assertEqual(up[0]["value"][1], "1")
-                by_selector = {r["metric"]["selector"]: float(r["value"][1])
-                               for r in query("kvrecall_layer_steps_total")}
-                self.assertEqual(by_selector, {"exact_topk": steps / 2, "retopk": steps / 2})
-                created = query('kvrecall_rpcs_total{method="kvrecall.v1.KvRecall/CreateSession",'
-                                'code="OK"}')
-                self.assertEqual(float(created[0]["value"][1]), 2)
-            finally:
-                prometheus.terminate()
-                prometheus.wait(30)
-                log.close()
+        self.wait_for(evaluated, "every rule evaluated")
+        rules = evaluated()
+        self.assertEqual(len(rules), 9)
+        for rule in rules:
+            self.assertEqual((rule["health"], rule.get("lastError", "")), ("ok", ""), rule["name"])
+            self.assertEqual(rule["state"], "inactive", rule["name"])
 
-    def wait_for(self, condition, what, log, timeout=60):
+    def test_every_dashboard_query_runs_and_the_core_panels_show_the_workload(self):
+        self.served_and_scraped()
+        with open(self.DASHBOARD) as f:
+            dashboard = json.load(f)
+        shown = {}
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                # What Grafana sends with every instance selected.
+                expr = (target["expr"].replace("$__rate_interval", "1m")
+                        .replace("$instance", ".+"))
+                shown.setdefault(panel["title"], []).append(bool(self.query(expr)))
+        # A workload of two sessions decoding on the CPU, no budget (the budgets' lines are
+        # empty), no budget per tenant, no refusal.
+        for title in ("Decode request latency", "Layer-step compute p99 by policy",
+                      "Layer-steps served", "Head-steps by path", "Sessions and tokens",
+                      "Calls by method and code"):
+            self.assertTrue(shown[title] and all(shown[title]), title)
+        self.assertEqual(shown["Host memory"], [True, False])  # held; no budget
+        self.assertEqual(len(shown), len(dashboard["panels"]))
+
+    def wait_for(self, condition, what, timeout=60):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -309,8 +380,8 @@ class PrometheusServerTest(unittest.TestCase):
             except OSError:
                 pass  # not listening yet
             time.sleep(0.5)
-        log.seek(0)
-        self.fail(f"timed out waiting for {what}; prometheus said: {log.read()[-3000:]}")
+        self.log.seek(0)
+        self.fail(f"timed out waiting for {what}; prometheus said: {self.log.read()[-3000:]}")
 
 
 if __name__ == "__main__":

@@ -201,6 +201,9 @@ tokens only when it is given one.
 {{- if and .Values.metrics.prometheusRule.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.prometheusRule.enabled needs metrics.enabled" }}
 {{- end }}
+{{- if and .Values.metrics.grafanaDashboard.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.grafanaDashboard.enabled needs metrics.enabled" }}
+{{- end }}
 {{- $ports := list (int .Values.server.port) }}
 {{- if .Values.metrics.enabled }}{{ $ports = append $ports (int .Values.metrics.port) }}{{ end }}
 {{- if .Values.tls.enabled }}{{ $ports = append $ports (int .Values.tls.probePort) }}{{ end }}
