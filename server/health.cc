@@ -15,6 +15,26 @@ namespace kvrecall {
 using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
+namespace {
+
+// A health request names a service (the longest this server answers for has 21 bytes). Health
+// needs no token, so one larger is refused at once, before it is parsed or copied: a Watch
+// held the request's bytes for its life, and streams of 60 MB names (gzip makes them 60 KB on
+// the wire) took gigabytes (probe 26, 1).
+constexpr size_t kMaxRequestBytes = 1024;
+// Watch calls open at once (each holds a reactor and its request); beyond, RESOURCE_EXHAUSTED.
+constexpr size_t kMaxWatches = 1024;
+
+// INVALID_ARGUMENT for a request of more than kMaxRequestBytes.
+grpc::Status CheckRequestSize(const grpc::ByteBuffer& request) {
+  if (request.Length() <= kMaxRequestBytes) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("a health check request of ", request.Length(),
+                                   " bytes: at most ", kMaxRequestBytes, " (a service name)"));
+}
+
+}  // namespace
+
 // One Watch call: sends the status now and again whenever it changes; ends after sending
 // NOT_SERVING at shutdown, or when the client goes away.
 class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
@@ -121,6 +141,10 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
                                                const grpc::ByteBuffer* request,
                                                grpc::ByteBuffer* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (grpc::Status too_large = CheckRequestSize(*request); !too_large.ok()) {
+    reactor->Finish(std::move(too_large));
+    return reactor;
+  }
   HealthCheckRequest parsed;
   grpc::ByteBuffer bytes(*request);
   if (!ParseRawMessage(&bytes, &parsed)) {
@@ -151,13 +175,22 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* HealthService::Watch(
     grpc::CallbackServerContext*, const grpc::ByteBuffer* request) {
+  grpc::Status refused = CheckRequestSize(*request);
+  if (refused.ok()) {
+    absl::MutexLock lock(&watches_mu_);
+    if (watches_.size() >= kMaxWatches) {
+      refused = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                             absl::StrCat(kMaxWatches, " health Watch calls are open; use Check"));
+    }
+  }
   HealthCheckRequest parsed;
   grpc::ByteBuffer bytes(*request);
-  const bool ok = ParseRawMessage(&bytes, &parsed);
+  if (refused.ok() && !ParseRawMessage(&bytes, &parsed)) {
+    refused = UnparsableStatus("the request", parsed);
+  }
   auto* watch = new WatchCall(this, parsed.service());
-  if (!ok) {
-    // A write reactor that ends at once with the parse error.
-    watch->FinishWith(UnparsableStatus("the request", parsed));
+  if (!refused.ok()) {
+    watch->FinishWith(std::move(refused));  // a write reactor that ends at once
   } else {
     watch->Update();
   }

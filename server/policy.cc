@@ -170,9 +170,7 @@ absl::StatusOr<EffectivePolicy> ResolvePolicy(const v1::Policy& policy) {
   // is given), the graph's knobs name the graph wherever it could run (so that the GPU's default
   // shortlist does not ignore them silently).
   const bool graph_knobs = g.build_queries() != 0 || g.build_topk() != 0 || g.max_degree() != 0 ||
-                           (g.search_list_size() != 0 &&
-                            g.search_list_size() != EffectiveSearchListSize(0, p.top_k)) ||
-                           g.search_width() != 0 ||
+                           g.search_list_size() != 0 || g.search_width() != 0 ||
                            g.graph_scope() != v1::GRAPH_SCOPE_UNSPECIFIED;
   // And a knob tuned away from the server's default beside another exact path named for a
   // tiered index or retopk session names two, as EXACT_SEARCH_GRAPH there would. (A knob at its

@@ -299,6 +299,8 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.RegisterService(&probe_health_);
     builder.SetOption(std::make_unique<WithoutReflection>());
+    // Health requests name a service: nothing near gRPC's 4 MiB default need reach this port.
+    builder.SetMaxReceiveMessageSize(4096);
     probe_server_ = BuildWithPrivateSockets(builder, {options.health_address});
     if (probe_server_ == nullptr || port == 0) {
       return absl::UnavailableError(absl::StrCat("could not serve health on ",

@@ -773,6 +773,14 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
                           "DecodeShared with --shared_memory_dir=DIR, a directory the runner "
                           "on the same host can open files in; use Decode otherwise");
     }
+    // Two sizes: anything more is padding, which gRPC holds for the stream's life (60 MB of it
+    // in each of 8 streams pinned 490 MB that no budget saw, probe 26, 1).
+    constexpr size_t kMaxOpenBytes = 1024;
+    if (request->Length() > kMaxOpenBytes) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("a SharedDecodeRequest of ", request->Length(),
+                                       " bytes: at most ", kMaxOpenBytes));
+    }
     grpc::ByteBuffer bytes(*request);  // shares the slices
     v1::SharedDecodeRequest open;
     if (!ParseRawMessage(&bytes, &open)) return UnparsableStatus("the request", open);

@@ -179,6 +179,21 @@ TEST_F(SharedDecodeTest, LimitsAndCapacitiesAreEnforced) {
   EXPECT_TRUE(HasStatus(
       c.OpenDecodeStream(g_, {.shared_memory = true, .max_request_bytes = 2 << 20}).status(),
       absl::StatusCode::kInvalidArgument, "max_request_bytes must be at most"));
+  // A request padded past its two sizes (held by gRPC for the stream's life: probe 26, 1).
+  {
+    v1::SharedDecodeRequest padded;
+    padded.GetReflection()->MutableUnknownFields(&padded)->AddLengthDelimited(
+        99, std::string(4096, 'x'));
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::SharedDecodeRegion>> reader =
+        stub().DecodeShared(&context, padded);
+    v1::SharedDecodeRegion region;
+    EXPECT_FALSE(reader->Read(&region));
+    const grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("bytes: at most 1024"), std::string::npos)
+        << status.error_message();
+  }
   // --max_shared_streams.
   std::vector<std::unique_ptr<client::DecodeStream>> open;
   for (int i = 0; i < max_shared_streams_; ++i) {

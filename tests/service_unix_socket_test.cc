@@ -233,6 +233,48 @@ TEST(ServerAddressTest, TheHealthPortServesHealthAloneWithoutReflection) {
   EXPECT_THAT(reply, HasSubstr("grpc.health.v1.Health"));
 }
 
+// Health needs no token, so what a health request may hold is bounded: a Watch held its request
+// for its life, and streams of 60 MB names, gzip-compressed to 60 KB, took gigabytes (probe 26,
+// 1). A request of more than 1 KiB is refused at once on the API port (after gRPC's own limit
+// and decompression); the health-only port takes 4 KiB messages at most.
+TEST(ServerAddressTest, LargeHealthRequestsAreRefusedAtOnce) {
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.health_address = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  // Each call's status: Check, and Watch's first read.
+  auto call = [](const std::string& address, size_t name_bytes) {
+    auto stub = Health::NewStub(MakeChannel(address));
+    HealthCheckRequest request;
+    request.set_service(std::string(name_bytes, 'a'));
+    grpc::ClientContext check_context, watch_context;
+    check_context.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+    watch_context.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+    HealthCheckResponse response;
+    std::vector<grpc::Status> statuses = {stub->Check(&check_context, request, &response)};
+    std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> watch =
+        stub->Watch(&watch_context, request);
+    while (watch->Read(&response)) watch_context.TryCancel();  // an unknown name's one answer
+    statuses.push_back(watch->Finish());
+    return statuses;
+  };
+  const std::string api = (*server)->addresses().front();
+  for (const grpc::Status& status : call(api, 8 << 20)) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(),
+                HasSubstr("a health check request of 8388613 bytes: at most 1024"));
+  }
+  for (const grpc::Status& status : call((*server)->health_address(), 8 << 20)) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(status.error_message(), HasSubstr("larger than max"));
+  }
+  // A name of 1000 bytes is only unknown.
+  const std::vector<grpc::Status> small = call(api, 1000);
+  EXPECT_EQ(small[0].error_code(), grpc::StatusCode::NOT_FOUND) << small[0].error_message();
+  EXPECT_EQ(CheckHealth((*server)->health_address()), HealthCheckResponse::SERVING);
+}
+
 // kvrecalld's --metrics_address when not given: as exposed as the API, no more (it was
 // 0.0.0.0:9090 whatever --address said).
 TEST(ServerAddressTest, MetricsDefaultToTheHostOfTheFirstTcpAddress) {

@@ -819,6 +819,11 @@ TEST_F(TieredShortlistTest, TheExactSearchIsTheShortlistOnAGpuAndTheGraphWithout
   retopk.set_placement(v1::PLACEMENT_TIERED);
   v1::Policy tuned = unset;
   tuned.mutable_index()->set_search_width(2);
+  // A search list asked for asks for the graph, even the default's length (max(K, 200)), which
+  // the effective policy shows (and which an effective policy sent back, its exact search
+  // resolved, asks for nothing more: below).
+  v1::Policy listed = unset;
+  listed.mutable_index()->set_search_list_size(std::max(k, 200));
   v1::Policy scans = retopk;
   scans.mutable_retopk()->set_exact_flat_scan(true);
   v1::Policy exact_topk = MakePolicy(v1::SELECTOR_EXACT_TOPK, k, kSinks, kRecent);
@@ -831,6 +836,7 @@ TEST_F(TieredShortlistTest, TheExactSearchIsTheShortlistOnAGpuAndTheGraphWithout
       {retopk, gpu_tier() ? v1::EXACT_SEARCH_SHORTLIST : v1::EXACT_SEARCH_GRAPH,
        gpu_tier() ? 2 * k : 0},
       {tuned, v1::EXACT_SEARCH_GRAPH, 0},
+      {listed, v1::EXACT_SEARCH_GRAPH, 0},
       {scans, v1::EXACT_SEARCH_UNSPECIFIED, 0},
       {exact_topk, v1::EXACT_SEARCH_UNSPECIFIED, 0},
   };
