@@ -154,8 +154,6 @@ class TenantBudgets {
   MemoryBudget* Within(MemoryBudget* device);
   // What the tenant holds of the GPUs' budgets, summed over the devices it has used.
   int64_t gpu_used() const;
-  // The limit of its budget within each GPU (<= 0: none of its own).
-  int64_t gpu_limit() const { return gpu_limit_; }
 
  private:
   const std::string who_;  // " (tenant 'name')", for the budgets' names

@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -128,7 +129,16 @@ double BudgetGaugeValue(int64_t limit_bytes) {
 }
 
 MethodMetrics::MethodMetrics(std::string method, Family<Counter>* calls, Histogram* duration)
-    : method_(std::move(method)), calls_(calls), duration_(duration) {}
+    : method_(std::move(method)), calls_(calls), duration_(duration) {
+  // The codes of a server's own faults are exported from the start, at 0, so that an alert on
+  // their increase sees the first one (a series born at 1 shows no increase).
+  absl::MutexLock lock(&mu_);
+  for (const grpc::StatusCode code :
+       {grpc::StatusCode::INTERNAL, grpc::StatusCode::UNKNOWN, grpc::StatusCode::DATA_LOSS}) {
+    by_code_[static_cast<int>(code)] =
+        &calls_->Add({{"method", method_}, {"code", CodeLabel(code)}});
+  }
+}
 
 void MethodMetrics::CountCall(grpc::StatusCode code, double seconds) {
   duration_->Observe(seconds);
@@ -406,6 +416,7 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
       CountUpTo(total, host_kv_growths_[how], &host_kv_growths_counted_[how]);
       ++how;
     }
+    SetTenantGauges(gauges.tenants);
   }
   sessions_open_->Set(static_cast<double>(gauges.sessions_open));
   tokens_held_->Set(static_cast<double>(gauges.tokens_held));
@@ -415,20 +426,13 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
   gpu_bytes_budget_->Set(gauges.gpu_bytes_budget);
   host_address_space_held_->Set(static_cast<double>(gauges.host_address_space_held));
   host_address_space_bound_->Set(static_cast<double>(gauges.host_address_space_bound));
-  {
-    absl::MutexLock lock(&mu_);
-    SetTenantGauges(gauges.tenants);
-  }
   return registry_->Collect();
 }
 
 void ServerMetrics::SetTenantGauges(const std::vector<TenantGauges>& tenants) const {
-  for (auto& [name, series] : tenant_series_) {
-    series.sessions_open->Set(0);
-    if (series.host_bytes_held != nullptr) series.host_bytes_held->Set(0);
-    if (series.gpu_bytes_held != nullptr) series.gpu_bytes_held->Set(0);
-  }
+  absl::flat_hash_set<std::string> holding;
   for (const TenantGauges& tenant : tenants) {
+    holding.insert(tenant.tenant);
     const prometheus::Labels labels = {{"tenant", tenant.tenant}};
     TenantSeries& series = tenant_series_[tenant.tenant];
     if (series.sessions_open == nullptr) series.sessions_open = &tenant_sessions_open_.Add(labels);
@@ -445,6 +449,20 @@ void ServerMetrics::SetTenantGauges(const std::vector<TenantGauges>& tenants) co
     series.gpu_bytes_held->Set(static_cast<double>(tenant.gpu_bytes_held));
     series.gpu_bytes_budget->Set(tenant.gpu_bytes_budget);
   }
+  // A tenant that holds nothing any more has no series (a revoked one included), so that the
+  // labels are bounded by the tenants holding something, not by every token file since start.
+  absl::erase_if(tenant_series_, [&](auto& entry) {
+    if (holding.contains(entry.first)) return false;
+    TenantSeries& series = entry.second;
+    tenant_sessions_open_.Remove(series.sessions_open);
+    if (series.host_bytes_held != nullptr) {
+      tenant_host_bytes_held_.Remove(series.host_bytes_held);
+      tenant_host_bytes_budget_.Remove(series.host_bytes_budget);
+      tenant_gpu_bytes_held_.Remove(series.gpu_bytes_held);
+      tenant_gpu_bytes_budget_.Remove(series.gpu_bytes_budget);
+    }
+    return true;
+  });
 }
 
 std::string ServerMetrics::TextFormat() const {

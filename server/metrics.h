@@ -3,8 +3,8 @@
 //
 // Names follow Prometheus conventions: the `kvrecall_` prefix, base units (seconds, bytes),
 // `_total` for counters. Label values are bounded: gRPC methods of the services kvrecalld serves
-// (`unknown` for anything else), status code names, placement / selector / path names and the
-// limits of server/ that refuse requests.
+// (`unknown` for anything else), status code names, placement / selector / path names, the
+// limits of server/ that refuse requests, and the tenants holding something (server/auth.h).
 #ifndef KVRECALL_SERVER_METRICS_H_
 #define KVRECALL_SERVER_METRICS_H_
 
@@ -89,7 +89,8 @@ class MethodMetrics {
   prometheus::Family<prometheus::Counter>* const calls_;
   prometheus::Histogram* const duration_;
   absl::Mutex mu_;
-  // Indexed by status code (0..16); created on first use so that only codes seen are exported.
+  // Indexed by status code (0..16); created on first use so that only codes seen are exported,
+  // but for the server's faults' (INTERNAL, UNKNOWN, DATA_LOSS), exported from the start.
   std::array<prometheus::Counter*, 17> by_code_ ABSL_GUARDED_BY(mu_) = {};
 };
 
@@ -180,8 +181,8 @@ class ServerMetrics final : public prometheus::Collectable {
   // way.
   std::array<prometheus::Counter*, 4> host_kv_growths_{};
 
-  // kvrecall_tenant_*: a tenant's series are made at the first scrape that sees it, and stay,
-  // at 0, once it holds nothing (tenants are the token file's, so the labels stay bounded).
+  // kvrecall_tenant_*: a tenant's series are made at the first scrape that sees it holding
+  // anything, and removed at the first that sees it holding nothing.
   prometheus::Family<prometheus::Gauge>& tenant_sessions_open_;
   prometheus::Family<prometheus::Gauge>& tenant_host_bytes_held_;
   prometheus::Family<prometheus::Gauge>& tenant_host_bytes_budget_;
@@ -195,7 +196,7 @@ class ServerMetrics final : public prometheus::Collectable {
     prometheus::Gauge* gpu_bytes_held = nullptr;
     prometheus::Gauge* gpu_bytes_budget = nullptr;
   };
-  // Sets the tenants' series from `tenants` (and those it leaves out to 0).
+  // Sets the tenants' series from `tenants`; removes those of the tenants it leaves out.
   void SetTenantGauges(const std::vector<TenantGauges>& tenants) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -568,11 +568,16 @@ TEST_F(CliTest, HealthAsksTheServerOrItsHealthPort) {
   r = RunProcess({KvrecallBinary(), "health", "kvrecall.v1.KvRecall", "--server=" + health_port});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "SERVING\n");
-  // Nobody listening: the deadline's error, exit 1.
+  // TLS asked of a plaintext port, and nobody listening: the deadline says why, exit 1.
+  r = RunProcess({KvrecallBinary(), "health", "--server=" + health_port, "--tls",
+                  "--health_deadline=2s"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall health: UNAVAILABLE: could not connect to " +
+                               health_port + " within --health_deadline=2s"));
   ASSERT_TRUE((*with_health_port)->Stop().ok());
   r = RunProcess({KvrecallBinary(), "health", "--server=" + health_port, "--health_deadline=1s"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_THAT(r.err, HasSubstr("kvrecall health: DEADLINE_EXCEEDED"));
+  EXPECT_THAT(r.err, HasSubstr("kvrecall health: UNAVAILABLE: could not connect to "));
 }
 
 TEST_F(CliTest, DemoPrintsATableOfPolicies) {

@@ -219,8 +219,8 @@ class ScrapeTest(unittest.TestCase):
         # No GPU here: its budgets sum to 0 as the server's do.
         self.assertEqual(held['kvrecall_tenant_gpu_memory_budget_bytes{tenant=""}'],
                          held["kvrecall_gpu_memory_budget_bytes"])
-        self.assertEqual(after['kvrecall_tenant_sessions_open{tenant=""}'], 0)
-        self.assertEqual(after['kvrecall_tenant_host_memory_bytes{tenant=""}'], 0)
+        # Holding nothing, the tenant has no series.
+        self.assertEqual([series for series in after if "tenant=" in series], [])
 
     def test_a_request_the_budget_refuses_is_counted_by_its_limit(self):
         # 64 KiB of host memory: one layer of 1000 prompt tokens (q, k, v in f32) does not fit.
@@ -346,7 +346,7 @@ class PrometheusServerTest(unittest.TestCase):
 
         self.wait_for(evaluated, "every rule evaluated")
         rules = evaluated()
-        self.assertEqual(len(rules), 9)
+        self.assertEqual(len(rules), 10)
         for rule in rules:
             self.assertEqual((rule["health"], rule.get("lastError", "")), ("ok", ""), rule["name"])
             self.assertEqual(rule["state"], "inactive", rule["name"])

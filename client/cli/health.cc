@@ -38,6 +38,17 @@ int RunHealth(const std::vector<char*>& args) {
   context.set_wait_for_ready(true);  // a server still starting answers within the deadline
   const grpc::Status status =
       grpc::health::v1::Health::NewStub((*client)->channel())->Check(&context, request, &response);
+  if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+      (*client)->channel()->GetState(/*try_to_connect=*/false) ==
+          GRPC_CHANNEL_TRANSIENT_FAILURE) {
+    // Waiting for the server hides why it never came: say what failed (as the other
+    // subcommands, which do not wait, do).
+    return ReportError("health", absl::UnavailableError(absl::StrCat(
+                                     "could not connect to ", absl::GetFlag(FLAGS_server),
+                                     " within --health_deadline=", absl::FormatDuration(deadline),
+                                     ": nobody listening there, or TLS asked of a plaintext port "
+                                     "(or the reverse)")));
+  }
   if (!status.ok()) return ReportError("health", client::FromGrpcStatus(status));
   const std::string name = HealthCheckResponse::ServingStatus_Name(response.status());
   if (absl::GetFlag(FLAGS_json)) {

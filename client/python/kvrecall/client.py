@@ -691,9 +691,10 @@ class Client:
     """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; a prefill chunk
     carries at most `prefill_chunk_bytes` of tensors (at least one token's), to which its framing
     adds a few hundred bytes: the default leaves 4 KiB of a 1 MiB message, the smallest
-    --max_message_mb kvrecalld takes (64 MiB by default; a gRPC server's own default is 4 MiB). `tls` and `token` secure the channel (see
-    make_channel: a token alone goes over TLS to HOST:PORT, in plaintext to a unix:PATH socket;
-    the environment is not read, see read_token_file). `shared_memory`: decode steps go through
+    --max_message_mb kvrecalld takes (64 MiB by default; a gRPC server's own default is 4 MiB).
+    `tls` and `token` secure the channel (see make_channel: a token alone goes over TLS to
+    HOST:PORT, in plaintext to a unix:PATH socket; the environment is not read, see
+    read_token_file). `shared_memory`: decode steps go through
     a shared-memory region (DecodeShared, kvrecall.shared.SharedDecodeStream) instead of the
     Decode call, for a runner on the server's host (a server with --shared_memory_dir)."""
 
