@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <climits>
@@ -246,13 +247,20 @@ std::optional<int> RegionFileServerPid(std::string_view name) {
   const std::string_view prefix = kRegionFilePrefix;
   if (!name.starts_with(prefix)) return std::nullopt;
   name.remove_prefix(prefix.size());
+  // Exactly Create's form: the pid, a dash, 24 lower-case hex digits. Anything else beside
+  // the prefix is not a region's (a runner's notes named alike were removed, probe 26, 7).
   const size_t dash = name.find('-');
-  if (dash == std::string_view::npos || name.find('-', dash + 1) != std::string_view::npos) {
-    return 0;
+  if (dash == std::string_view::npos) return std::nullopt;
+  const std::string_view random = name.substr(dash + 1);
+  if (random.size() != 24 || !std::all_of(random.begin(), random.end(), [](char c) {
+        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+      })) {
+    return std::nullopt;
   }
   int pid = 0;
   const auto [end, error] = std::from_chars(name.data(), name.data() + dash, pid);
-  return error == std::errc() && end == name.data() + dash && pid > 0 ? pid : 0;
+  if (error != std::errc() || end != name.data() + dash || pid <= 0) return std::nullopt;
+  return pid;
 }
 
 // Both sides map the region from different processes: the futex is a shared one (no

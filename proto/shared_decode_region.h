@@ -168,9 +168,8 @@ class MappedRegion {
   int guard_ = -1;            // Create's: its slot of the SIGBUS handler's table
 };
 
-// The pid in a region file's name (Create's kvrecall-decode-<pid>-<random>): the server that
-// made it; 0 for a region file's name without one (an older server's); nullopt when `name` is
-// not a region file's.
+// The pid in a region file's name (Create's kvrecall-decode-<pid>-<24 hex digits>): the server
+// that made it; nullopt when `name` is not of that form.
 std::optional<int> RegionFileServerPid(std::string_view name);
 
 // A runner-written word of the header, read once (a relaxed atomic load: the runner may write

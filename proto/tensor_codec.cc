@@ -23,8 +23,14 @@ int64_t Product(std::span<const int64_t> dims) {
   return n;
 }
 
+// A shape as "[a, b, c]"; past 8 dimensions the first 8 and how many there are, so that an error
+// about a shape of millions of dimensions is not megabytes long (probe 26, 5: such echoes
+// overflowed clients' 8 KiB limit on a status's metadata, hiding the error).
 std::string ShapeString(std::span<const int64_t> dims) {
-  return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
+  constexpr size_t kShown = 8;
+  if (dims.size() <= kShown) return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
+  return absl::StrCat("[", absl::StrJoin(dims.first(kShown), ", "), ", ... (", dims.size(),
+                      " dimensions)]");
 }
 
 uint16_t LoadU16(const char* p) {

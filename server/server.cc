@@ -349,12 +349,18 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
     const std::optional<int> pid =
         v1::shared_decode::RegionFileServerPid(entry.path().filename().string());
     if (!pid.has_value()) continue;
+    // Only this user's own files, and no link: run as root, the sweep removed other users'
+    // files named alike (probe 26, 7).
+    struct stat file;
+    if (lstat(entry.path().c_str(), &file) != 0 || !S_ISREG(file.st_mode) ||
+        file.st_uid != geteuid()) {
+      continue;
+    }
     // A file of this process's own pid is a predecessor's when no other server runs in this
     // process (in a container every kvrecalld is PID 1, so a restarted one would keep them all
     // for good); a server starting has made none yet.
-    const bool live = *pid > 0 &&
-                      (*pid == getpid() ? running_servers.load() > 0
-                                        : kill(*pid, 0) == 0 || errno != ESRCH);
+    const bool live = *pid == getpid() ? running_servers.load() > 0
+                                       : kill(*pid, 0) == 0 || errno != ESRCH;
     if (!live) std::filesystem::remove(entry.path(), error);
   }
   return absl::OkStatus();

@@ -544,11 +544,18 @@ TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {
   const std::string live =
       absl::StrCat(dir.path(), "/kvrecall-decode-", getppid(), "-0123456789abcdef01234567");
   const std::string other = dir.path() + "/runner-notes";
-  for (const std::string& path : {stale, own_pid, live, other}) {
+  // Named like regions but not of their form, or another user's: not this server's to remove
+  // (run as root, the sweep removed them: probe 26, 7).
+  const std::string alike = dir.path() + "/kvrecall-decode-notes.txt";
+  const std::string alike_pid = dir.path() + "/kvrecall-decode-999999999-userfile";
+  const std::string others = dir.path() + "/kvrecall-decode-999999998-0123456789abcdef01234567";
+  for (const std::string& path : {stale, own_pid, live, other, alike, alike_pid, others}) {
     std::FILE* f = std::fopen(path.c_str(), "w");
     ASSERT_NE(f, nullptr);
     std::fclose(f);
   }
+  const bool root = geteuid() == 0;
+  if (root) ASSERT_EQ(chown(others.c_str(), 65534, 65534), 0);
   ServerOptions options;
   options.address = "127.0.0.1:0";
   options.shared_memory_dir = dir.path();
@@ -558,6 +565,9 @@ TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {
   EXPECT_FALSE(std::filesystem::exists(own_pid));
   EXPECT_TRUE(std::filesystem::exists(live));
   EXPECT_TRUE(std::filesystem::exists(other));
+  EXPECT_TRUE(std::filesystem::exists(alike));
+  EXPECT_TRUE(std::filesystem::exists(alike_pid));
+  EXPECT_EQ(std::filesystem::exists(others), root) << "another user's (as root), else ours";
 }
 
 // Files of this process's pid are another server's while one runs in this process (tests and

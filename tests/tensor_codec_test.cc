@@ -124,6 +124,16 @@ TEST(TensorCodecTest, ErrorsNameTheField) {
                &wrong_shape);
   s = CheckTensor(wrong_shape, {"v_new", kRow, false, v1::DTYPE_F32}).status();
   EXPECT_NE(s.message().find("v_new has shape [3, 2], want [2, 3]"), std::string::npos) << s;
+  // A shape of a million dimensions is named by its first 8 and its rank, not echoed whole.
+  v1::Tensor many_dims = wrong_shape;
+  many_dims.clear_shape();
+  for (int i = 0; i < 1000000; ++i) many_dims.add_shape(1);
+  s = CheckTensor(many_dims, {"q", kRow, false, v1::DTYPE_F32}).status();
+  EXPECT_NE(s.message().find("q has shape [1, 1, 1, 1, 1, 1, 1, 1, ... (1000000 dimensions)], "
+                             "want [2, 3]"),
+            std::string::npos)
+      << s;
+  EXPECT_LT(s.message().size(), 200u);
 
   v1::Tensor empty;
   empty.add_shape(2);
