@@ -274,6 +274,7 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
   }
   const size_t size = table->size();
   tokens_->Replace(std::make_shared<const TokenTable>(*std::move(table)));
+  service_.TokensReloaded();
   return size;
 }
 

@@ -30,6 +30,13 @@ int ThreadsOrDefault(int threads, int fallback) {
   return std::max(1, fallback);
 }
 
+// How a stream of a revoked token ends when the reload finds it idle (TokensReloaded).
+grpc::Status RevokedWhileIdleStatus() {
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      "this stream's bearer token was revoked (the token file was reloaded) "
+                      "while it waited for its next request");
+}
+
 grpc::Status CancelledStatus() {
   return grpc::Status(grpc::StatusCode::CANCELLED,
                       "the call was cancelled (by the client, or its deadline passed)");
@@ -464,6 +471,12 @@ class KvRecallService::PrefillCall final
     if (!finished_ && !busy_) FinishLocked(ShuttingDownStatus());
   }
 
+  void TokensReloaded() override {
+    if (!service_->Revoked(identity_)) return;
+    absl::MutexLock lock(&mu_);
+    if (!finished_ && !busy_) FinishLocked(RevokedWhileIdleStatus());  // nothing staged commits
+  }
+
   void OnCancel() override {
     const GrpcReaction reaction(this);
     abandoned_.store(true, std::memory_order_release);
@@ -605,6 +618,12 @@ class KvRecallService::DecodeCall final
   void Drain() override {
     absl::MutexLock lock(&mu_);
     if (!finished_ && !busy_ && !writing_) FinishLocked(ShuttingDownStatus());
+  }
+
+  void TokensReloaded() override {
+    if (!service_->Revoked(identity_)) return;
+    absl::MutexLock lock(&mu_);
+    if (!finished_ && !busy_ && !writing_) FinishLocked(RevokedWhileIdleStatus());
   }
 
   void OnCancel() override {
@@ -750,6 +769,12 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     Wake();
   }
 
+  void TokensReloaded() override {
+    if (!service_->Revoked(identity_)) return;
+    revoked_.store(true);
+    Wake();
+  }
+
   void OnDone() override {
     // The thread's last act was Finish (OnDone comes after it), so this join does not wait on
     // a step.
@@ -877,7 +902,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
           absl::Milliseconds(100),
           [&] {
             return h->request_seq.load() != seen || cancelled_.load() || draining_.load() ||
-                   region_.broken();
+                   revoked_.load() || region_.broken();
           },
           [] { return false; });
       if (cancelled_.load()) {
@@ -886,6 +911,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       }
       if (region_.broken()) {
         end = BrokenRegionStatus("no request of it was being served");
+        break;
+      }
+      if (revoked_.load()) {
+        end = RevokedWhileIdleStatus();  // a request that came with it would be refused too
         break;
       }
       const uint32_t request = h->request_seq.load();
@@ -1015,6 +1044,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   bool registered_ = false;  // for the drain
   std::atomic<bool> cancelled_{false};
   std::atomic<bool> draining_{false};
+  std::atomic<bool> revoked_{false};  // TokensReloaded: the stream's token was revoked
   std::thread server_thread_;
   // The serving thread's alone.
   int64_t requests_ = 0;
@@ -1131,8 +1161,7 @@ absl::Status KvRecallService::StillAuthorized(CallIdentity& identity) const {
   if (tokens_ == nullptr) return absl::OkStatus();
   const uint64_t epoch = tokens_->epoch();
   if (epoch == identity.epoch) return absl::OkStatus();
-  const std::string* tenant = tokens_->table()->Find(identity.token);
-  if (tenant == nullptr || *tenant != identity.tenant) {
+  if (Revoked(identity)) {
     return absl::UnauthenticatedError(
         "this stream's bearer token was revoked (the token file was reloaded); nothing of this "
         "request was applied");
@@ -1140,6 +1169,18 @@ absl::Status KvRecallService::StillAuthorized(CallIdentity& identity) const {
   identity.epoch = epoch;
   return absl::OkStatus();
 }
+
+bool KvRecallService::Revoked(const CallIdentity& identity) const {
+  if (tokens_ == nullptr) return false;
+  const std::string* tenant = tokens_->table()->Find(identity.token);
+  return tenant == nullptr || *tenant != identity.tenant;
+}
+
+void KvRecallService::TokensReloaded() {
+  absl::MutexLock lock(&calls_mu_);
+  for (Stream* stream : streams_) stream->TokensReloaded();
+}
+
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* KvRecallService::Prefill(
     grpc::CallbackServerContext* context, grpc::ByteBuffer* response) {

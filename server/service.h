@@ -109,6 +109,13 @@ class KvRecallService final : public KvRecallRawCallbackService {
   // OK while the identity's token still names its tenant; UNAUTHENTICATED once a reload took
   // the token away (or gave it to another tenant).
   absl::Status StillAuthorized(CallIdentity& identity) const;
+  // Whether the token table in force no longer gives the identity's token its tenant.
+  bool Revoked(const CallIdentity& identity) const;
+  // After the token file was reloaded: every open stream whose token it revoked ends now if it
+  // is idle (UNAUTHENTICATED), else at its next request; an idle stream of a revoked token held
+  // its slot (a DecodeShared one of --max_shared_streams) until its client sent again, which
+  // one that wants the slot never does (probe 26, 3).
+  void TokensReloaded();
 
   // The first step of a drain: from now on new calls, new Decode steps and new Prefill chunks
   // get UNAVAILABLE; a step or chunk in flight finishes (a Decode step's reply is sent with the
@@ -185,6 +192,9 @@ class KvRecallService final : public KvRecallRawCallbackService {
    public:
     // Ends the stream with UNAVAILABLE when it is idle; otherwise after the work in flight.
     virtual void Drain() = 0;
+    // The token file was reloaded: a stream whose token it revoked ends with UNAUTHENTICATED
+    // when it is idle (at work, its next request is refused by StillAuthorized).
+    virtual void TokensReloaded() = 0;
     // Some session closed: a stream that holds memory for one that did (a Prefill stream's
     // staged prompt) and is waiting for its client ends now, with the NOT_FOUND its next
     // message would get (a stream at work meets the closed session itself). Returns what it

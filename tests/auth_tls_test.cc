@@ -322,11 +322,18 @@ TEST_F(TlsTest, ARevokedTokensOpenStreamsStopAtTheirNextRequest) {
   ASSERT_TRUE(alices.ok() && carols.ok());
   ASSERT_TRUE((*alices)->Step(0, std::span(&input, 1), {}, &result).ok());
   ASSERT_TRUE((*carols)->Step(0, std::span(&input, 1), {}, &result).ok());
-  // Alice's token taken out.
+  ASSERT_TRUE(testing::Within(absl::Seconds(5), [&] {
+    return server_->server().service().open_streams() == 2;  // the prefill's is done
+  }));
+  // Alice's token taken out: her stream, idle, ends at once, without a request of hers (one
+  // that never sends again held its slot for good: probe 26, 3); carol's goes on.
   WriteFile(security.auth_token_file, absl::StrCat(kCarolToken, " alice\n"));
   absl::StatusOr<size_t> reloaded = server_->server().ReloadTokens();
   ASSERT_TRUE(reloaded.ok()) << reloaded.status();
   EXPECT_EQ(*reloaded, 1u);
+  EXPECT_TRUE(testing::Within(absl::Seconds(5), [&] {
+    return server_->server().service().open_streams() == 1;
+  }));
   EXPECT_TRUE(HasStatus((*alices)->Step(0, std::span(&input, 1), {}, &result),
                         absl::StatusCode::kUnauthenticated,
                         "this stream's bearer token was revoked"));
