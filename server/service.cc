@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/shared_decode_region.h"
@@ -28,6 +29,14 @@ namespace {
 int ThreadsOrDefault(int threads, int fallback) {
   if (threads > 0) return threads;
   return std::max(1, fallback);
+}
+
+// Whether gRPC's peer string ("unix:/path", "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000") names a
+// caller on this host: a Unix socket or a loopback address.
+bool IsLocalPeer(absl::string_view peer) {
+  return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:") ||
+         absl::StartsWith(peer, "ipv4:127.") || absl::StartsWith(peer, "ipv6:[::1]:") ||
+         absl::StartsWith(peer, "ipv6:[::ffff:127.");
 }
 
 // How a stream of a revoked token ends when the reload finds it idle (TokensReloaded).
@@ -728,10 +737,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
                                                 public KvRecallService::Stream {
  public:
   SharedDecodeCall(KvRecallService* service, const grpc::ByteBuffer* request,
-                   CallIdentity identity)
+                   CallIdentity identity, absl::string_view peer)
       : service_(service), identity_(std::move(identity)),
         decoder_(service->registry_, identity_.tenant) {
-    grpc::Status status = Open(request);
+    grpc::Status status = Open(request, peer);
     if (!status.ok()) {
       Finish(std::move(status));
     } else {
@@ -790,13 +799,22 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
  private:
   // Checks the request and the server's limits, creates the region and its answer; registered
   // for the drain once it holds a slot.
-  grpc::Status Open(const grpc::ByteBuffer* request) {
+  grpc::Status Open(const grpc::ByteBuffer* request, absl::string_view peer) {
     const ServiceOptions& options = service_->options_;
     if (options.shared_memory_dir.empty()) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           "shared-memory decode is off on this server: kvrecalld serves "
                           "DecodeShared with --shared_memory_dir=DIR, a directory the runner "
                           "on the same host can open files in; use Decode otherwise");
+    }
+    // Only a runner on this host can map the region: a remote caller would only hold a slot
+    // of --max_shared_streams (and learn the directory), as one tenant did for every slot from
+    // another host (probe 26, 2).
+    if (!IsLocalPeer(peer)) {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "DecodeShared is for a runner on the server's host, over a Unix socket "
+                          "or loopback; this call came over another network address: use "
+                          "Decode");
     }
     // Two sizes: anything more is padding, which gRPC holds for the stream's life (60 MB of it
     // in each of 8 streams pinned 490 MB that no budget saw, probe 26, 1).
@@ -1197,7 +1215,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* KvRecallService::De
 grpc::ServerWriteReactor<grpc::ByteBuffer>* KvRecallService::DecodeShared(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   ReactionFromGrpc(this);  // the service as StartServer handed it over
-  return new SharedDecodeCall(this, request, IdentityOf(*context));
+  return new SharedDecodeCall(this, request, IdentityOf(*context), context->peer());
 }
 
 grpc::ServerUnaryReactor* KvRecallService::GetSession(grpc::CallbackServerContext* context,

@@ -4,6 +4,9 @@
 // appends nothing, and the next step continues on a new stream; the region's file lives as long
 // as the stream (close, cancellation); the server's limits and a hostile runner's bytes get
 // clear statuses; the drain ends an idle shared stream with UNAVAILABLE.
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -592,6 +595,51 @@ TEST(SharedDecodeOptionsTest, ASecondServerInTheProcessKeepsTheFirstsRegions) {
   absl::StatusOr<std::unique_ptr<RunningServer>> third = StartServer(options);
   ASSERT_TRUE(third.ok()) << third.status();
   EXPECT_FALSE(std::filesystem::exists(region));
+}
+
+// Only a runner on the server's host can map a region: a call over a network address (here this
+// host's own, not loopback) is refused before it holds a slot (probe 26, 2: a tenant on another
+// host took every slot of --max_shared_streams).
+TEST(SharedDecodeOptionsTest, ACallOverANetworkAddressIsRefused) {
+  std::string own_address;
+  ifaddrs* interfaces = nullptr;
+  ASSERT_EQ(getifaddrs(&interfaces), 0);
+  for (ifaddrs* i = interfaces; i != nullptr && own_address.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN];
+    inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text,
+              sizeof text);
+    if (!absl::StartsWith(text, "127.")) own_address = text;
+  }
+  freeifaddrs(interfaces);
+  if (own_address.empty()) GTEST_SKIP() << "this host has no IPv4 address but loopback";
+  SharedDirectory dir;
+  ServerOptions options;
+  options.address = "0.0.0.0:0";
+  options.shared_memory_dir = dir.path();
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string port = (*server)->address().substr((*server)->address().rfind(':') + 1);
+  for (const std::string& host : {own_address, std::string("127.0.0.1")}) {
+    auto stub = v1::KvRecall::NewStub(grpc::CreateChannel(absl::StrCat(host, ":", port),
+                                                          grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::SharedDecodeRegion>> reader =
+        stub->DecodeShared(&context, v1::SharedDecodeRequest());
+    v1::SharedDecodeRegion region;
+    const bool opened = reader->Read(&region);
+    if (opened) context.TryCancel();  // its slot back
+    const grpc::Status status = reader->Finish();
+    if (host == own_address) {
+      EXPECT_FALSE(opened);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << host;
+      EXPECT_TRUE(absl::StrContains(status.error_message(),
+                                    "DecodeShared is for a runner on the server's host"))
+          << status.error_message();
+    } else {
+      EXPECT_TRUE(opened) << status.error_message();  // loopback: a region
+    }
+  }
 }
 
 // A relative --shared_memory_dir names its regions by absolute path, so that a runner in any
