@@ -942,6 +942,10 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
         break;
       }
       seen = request;
+      // The runner has mapped the region: its file goes now, so that no other process of the
+      // server's user (which the file's 0600 lets in, tokens or not) can open the region and
+      // read or inject its steps from here on (probe 26, 4).
+      region_.RemoveFile();
       const absl::Time arrived = absl::Now();
       if (v1::shared_decode::ReadPeerWord(h->closing) != 0) {
         Publish(grpc::Status::OK, 0, seen);

@@ -181,6 +181,11 @@ class SharedDecodeStream(_LayerStepStream):
         self.last_server_micros = 0.0
         self.last_tier_micros = None  # as DecodeStream's
 
+    @property
+    def ended(self):
+        """Whether the server has ended the stream (a drain, a revoked token, an error)."""
+        return self._words is not None and bool(self._words[_ENDED])
+
     def close(self):
         """Ends the stream through the region (closing) and waits for the call's end."""
         with self._lock:
