@@ -36,11 +36,16 @@ absl::Status MemoryBudget::Refused(int64_t used, absl::string_view why,
   // The limit is the flag without its unit: "host_memory_budget".
   absl::string_view limit = flag_;
   absl::ConsumeSuffix(&limit, "_gb");
-  return RefusedBy(absl::ResourceExhaustedError(absl::StrFormat(
-                       "%s budget exceeded: %s, %d of the %d-byte budget (%s=%.6g) are in use%s",
-                       name_, why, used, limit_, flag_,
-                       static_cast<double>(limit_) / (1ll << 30), then)),
-                   limit);
+  const double gib = static_cast<double>(limit_) / (1ll << 30);
+  return RefusedBy(
+      absl::ResourceExhaustedError(
+          hide_use_ ? absl::StrFormat("%s budget exceeded: %s, more than the %d-byte budget "
+                                      "(%s=%.6g) that this server's tenants share has free%s",
+                                      name_, why, limit_, flag_, gib, then)
+                    : absl::StrFormat("%s budget exceeded: %s, %d of the %d-byte budget "
+                                      "(%s=%.6g) are in use%s",
+                                      name_, why, used, limit_, flag_, gib, then)),
+      limit);
 }
 
 absl::Status MemoryBudget::CheckNotOver(absl::string_view what) const {

@@ -72,6 +72,10 @@ class MemoryBudget final : public MemoryAccount {
   const std::string& name() const { return name_; }
   // The setting that bounds it ("host_memory_budget_gb").
   const std::string& flag() const { return flag_; }
+  // Marks the budget as shared by tenants who must not learn what the others hold (the
+  // server's, where tokens name tenants): its refusals then say that it has not the room, not
+  // how much of it is in use (probe 26, 6). Call before the budget is used.
+  void HideUseFromRefusals() { hide_use_ = true; }
 
  private:
   // Reserve against this budget's own limit only.
@@ -83,6 +87,7 @@ class MemoryBudget final : public MemoryAccount {
   const int64_t limit_;
   const std::string name_;
   const std::string flag_;
+  bool hide_use_ = false;  // HideUseFromRefusals
   MemoryBudget* const parent_;
   std::atomic<int64_t> used_{0};
 };

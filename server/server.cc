@@ -451,6 +451,15 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   }
   running->service_.SetTokens(security->tokens);
   running->tokens_ = security->tokens;
+  if (security->tokens != nullptr) {
+    // Tenants share the server's budgets: a refusal must not tell one what the others hold.
+    running->budget_.HideUseFromRefusals();
+    for (const std::unique_ptr<AttentionBackend>& backend : running->placements().gpu()) {
+      if (MemoryBudget* device = backend->device_budget(); device != nullptr) {
+        device->HideUseFromRefusals();
+      }
+    }
+  }
   running->token_file_ = options.security.auth_token_file;
   grpc::ServerBuilder builder;
   for (size_t i = 0; i < addresses.size(); ++i) {

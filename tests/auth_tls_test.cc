@@ -511,10 +511,16 @@ TEST_F(TlsTest, OneTenantCannotTakeAllTheHostMemory) {
   EXPECT_EQ(
       testing::SeriesValue(scrape, R"(kvrecall_tenant_host_memory_budget_bytes{tenant="bob"})"),
       64 * kMiB);
-  EXPECT_TRUE(HasStatus(alice->CreateSession(g, full, "", kTokens / 4).status(),
-                        absl::StatusCode::kResourceExhausted,
+  // The server's budget, which the tenants share, refuses without telling alice how much of
+  // it bob holds (probe 26, 6).
+  const absl::Status full_server = alice->CreateSession(g, full, "", kTokens / 4).status();
+  EXPECT_TRUE(HasStatus(full_server, absl::StatusCode::kResourceExhausted,
                         absl::StrCat("host memory budget exceeded: max_tokens=25000 of 1 layers "
                                      "needs ")));
+  EXPECT_THAT(full_server.message(), HasSubstr("more than the 104857600-byte budget "
+                                               "(host_memory_budget_gb=0.0976562) that this "
+                                               "server's tenants share has free"));
+  EXPECT_THAT(full_server.message(), Not(HasSubstr(absl::StrCat(2 * set_aside))));
   EXPECT_EQ(testing::RefusalsCounted(server_->server(), "host_memory_budget"), 1);
   // A selector whose state could never fit the tenant's share (but would the server's) is
   // refused at CreateSession.
