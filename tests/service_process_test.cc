@@ -286,12 +286,19 @@ TEST(KvrecalldProcessTest, UnknownHealthServiceIsNotFound) {
   // A long name is not echoed whole: the client's limit on the reply's metadata turned it into
   // RESOURCE_EXHAUSTED (probe 20, 8).
   grpc::ClientContext long_context;
-  request.set_service(std::string(9000, 'x'));
+  request.set_service(std::string(1000, 'x'));
   const grpc::Status long_status = stub->Check(&long_context, request, &response);
   EXPECT_EQ(long_status.error_code(), grpc::StatusCode::NOT_FOUND) << long_status.error_message();
   EXPECT_THAT(long_status.error_message(),
-              HasSubstr("unknown service of 9000 bytes, beginning '" + std::string(128, 'x') +
+              HasSubstr("unknown service of 1000 bytes, beginning '" + std::string(128, 'x') +
                         "'"));
+  // Past 1 KiB a request is no service name (probe 26, 1).
+  grpc::ClientContext longer_context;
+  request.set_service(std::string(9000, 'x'));
+  const grpc::Status longer_status = stub->Check(&longer_context, request, &response);
+  EXPECT_EQ(longer_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(longer_status.error_message(),
+              HasSubstr("a health check request of 9003 bytes: at most 1024"));
 }
 
 // --help lists kvrecalld's flags with their help (Abseil's default looked for a source file
