@@ -292,6 +292,15 @@ ServerMetrics::ServerMetrics()
             "less and move in the step as they grow");
   gpu_bytes_budget_ = gauge("kvrecall_gpu_memory_budget_bytes",
                             "GPU memory budgets summed over devices; +Inf: unlimited");
+  device_bytes_held_ = &prometheus::BuildGauge()
+                            .Name("kvrecall_gpu_device_memory_bytes")
+                            .Help("GPU memory held by sessions on one device")
+                            .Register(*registry_);
+  device_bytes_budget_ = &prometheus::BuildGauge()
+                              .Name("kvrecall_gpu_device_memory_budget_bytes")
+                              .Help("One device's GPU memory budget (--gpu_memory_budget_gb, "
+                                    "or its memory); +Inf: unlimited")
+                              .Register(*registry_);
   prometheus::Family<Counter>& learnings =
       prometheus::BuildCounter()
           .Name("kvrecall_codes_learnings_total")
@@ -417,6 +426,15 @@ std::vector<prometheus::MetricFamily> ServerMetrics::Collect() const {
       ++how;
     }
     SetTenantGauges(gauges.tenants);
+    for (const DeviceGauges& device : gauges.devices) {
+      auto& [held, budget] = device_series_[device.device];
+      if (held == nullptr) {
+        held = &device_bytes_held_->Add({{"device", device.device}});
+        budget = &device_bytes_budget_->Add({{"device", device.device}});
+      }
+      held->Set(static_cast<double>(device.bytes_held));
+      budget->Set(device.bytes_budget);
+    }
   }
   sessions_open_->Set(static_cast<double>(gauges.sessions_open));
   tokens_held_->Set(static_cast<double>(gauges.tokens_held));

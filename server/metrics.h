@@ -47,6 +47,13 @@ struct TenantGauges {
   double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf: none of its own
 };
 
+// One GPU's memory: what sessions hold of its budget, and the budget (+Inf: unlimited).
+struct DeviceGauges {
+  std::string device;  // "cuda:0"
+  int64_t bytes_held = 0;
+  double bytes_budget = 0;
+};
+
 // What the scrape-time gauges report, and the running totals that counters count up to;
 // filled by the callback given to SetGaugeSource.
 struct ServerGauges {
@@ -56,6 +63,8 @@ struct ServerGauges {
   double host_bytes_budget = 0;  // +Inf: unlimited (see BudgetGaugeValue)
   int64_t gpu_bytes_held = 0;    // summed over devices
   double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf when one is unlimited
+  // And each device's (a device refuses when it is full, however much room the others have).
+  std::vector<DeviceGauges> devices;
   // Address space the host KV's mappings hold with their reservations, and its bound
   // (HostAddressSpaceHeld, HostAddressSpaceBound).
   int64_t host_address_space_held = 0;
@@ -173,6 +182,12 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Gauge* host_bytes_budget_;
   prometheus::Gauge* gpu_bytes_held_;
   prometheus::Gauge* gpu_bytes_budget_;
+  // kvrecall_gpu_device_memory_bytes and _budget_bytes {device}: made at the first scrape (the
+  // devices are the process's for its life).
+  prometheus::Family<prometheus::Gauge>* device_bytes_held_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* device_bytes_budget_ = nullptr;
+  mutable absl::flat_hash_map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>>
+      device_series_ ABSL_GUARDED_BY(mu_);
   prometheus::Gauge* host_address_space_held_;
   prometheus::Gauge* host_address_space_bound_;
   // kvrecall_codes_learnings_total, by LearningOutcome: counted up to the source's totals.

@@ -8,6 +8,17 @@
 
 namespace kvrecall {
 
+std::vector<DeviceGauges> DeviceGaugesOf(
+    const std::vector<std::unique_ptr<AttentionBackend>>& gpus) {
+  std::vector<DeviceGauges> devices;
+  for (const std::unique_ptr<AttentionBackend>& backend : gpus) {
+    const MemoryBudget* budget = backend->device_budget();
+    if (budget == nullptr) continue;
+    devices.push_back({backend->device(), budget->used(), BudgetGaugeValue(budget->limit())});
+  }
+  return devices;
+}
+
 ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,
                                  const Placements& placements) {
   ServerGauges gauges;
@@ -20,13 +31,11 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
   }
   gauges.host_bytes_held = host_budget.used();
   gauges.host_bytes_budget = BudgetGaugeValue(host_budget.limit());
-  int devices = 0;
-  for (const std::unique_ptr<AttentionBackend>& backend : placements.gpu()) {
-    const MemoryBudget* budget = backend->device_budget();
-    if (budget == nullptr) continue;
-    ++devices;
-    gauges.gpu_bytes_held += budget->used();
-    gauges.gpu_bytes_budget += BudgetGaugeValue(budget->limit());
+  gauges.devices = DeviceGaugesOf(placements.gpu());
+  const int devices = static_cast<int>(gauges.devices.size());
+  for (const DeviceGauges& device : gauges.devices) {
+    gauges.gpu_bytes_held += device.bytes_held;
+    gauges.gpu_bytes_budget += device.bytes_budget;
   }
   const SessionLimits& limits = registry.limits();
   const bool tenants_have_budgets =

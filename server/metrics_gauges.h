@@ -11,6 +11,10 @@
 
 namespace kvrecall {
 
+// Each of `gpus`' devices that has a budget: its name, what is held of it, its limit.
+std::vector<DeviceGauges> DeviceGaugesOf(
+    const std::vector<std::unique_ptr<AttentionBackend>>& gpus);
+
 // Sums over the open sessions of `registry` (each session's lock taken in shared mode, one at
 // a time) and over the device budgets of `placements`' GPU backends.
 ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,

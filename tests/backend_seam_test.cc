@@ -17,6 +17,8 @@
 #include "server/backends/selector_charge.h"
 #include "server/backends/tiered_backend.h"
 #include "server/memory_budget.h"
+#include "server/metrics.h"
+#include "server/metrics_gauges.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -351,6 +353,38 @@ TEST(PlacementsTest, ASessionGoesWhereItsTenantHasRoom) {
   EXPECT_EQ(MostRoom(gpus, &bob)->device(), "cuda:0") << "bob has 10 left on GPU 1, 60 on GPU 0";
   alice.Within(gpus[0]->device_budget())->Release(30);
   bob.Within(gpus[1]->device_budget())->Release(50);
+}
+
+// /metrics reports each device's memory beside the sum: one device full beside an idle one read
+// 50 % summed, though that device refuses (review 22, 5).
+TEST(PlacementsTest, EachDevicesMemoryIsReportedApart) {
+  std::vector<std::unique_ptr<AttentionBackend>> gpus;
+  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:0", 100));
+  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:1", 0));  // unlimited
+  ASSERT_TRUE(gpus[0]->device_budget()->Reserve(95, "a session's").ok());
+  const std::vector<DeviceGauges> devices = DeviceGaugesOf(gpus);
+  ASSERT_EQ(devices.size(), 2u);
+  EXPECT_EQ(devices[0].device, "cuda:0");
+  EXPECT_EQ(devices[0].bytes_held, 95);
+  EXPECT_EQ(devices[0].bytes_budget, 100);
+  EXPECT_EQ(devices[1].device, "cuda:1");
+  EXPECT_EQ(devices[1].bytes_held, 0);
+  EXPECT_TRUE(std::isinf(devices[1].bytes_budget));
+  ServerMetrics metrics;
+  metrics.SetGaugeSource([&] {
+    ServerGauges gauges;
+    gauges.devices = devices;
+    return gauges;
+  });
+  const std::string text = metrics.TextFormat();
+  EXPECT_EQ(testing::SeriesValue(text, R"(kvrecall_gpu_device_memory_bytes{device="cuda:0"})"),
+            95);
+  EXPECT_EQ(
+      testing::SeriesValue(text, R"(kvrecall_gpu_device_memory_budget_bytes{device="cuda:0"})"),
+      100);
+  EXPECT_THAT(text, ::testing::HasSubstr(
+                        "\nkvrecall_gpu_device_memory_budget_bytes{device=\"cuda:1\"} +Inf\n"));
+  gpus[0]->device_budget()->Release(95);
 }
 
 TEST(PlacementsTest, FlagsParse) {

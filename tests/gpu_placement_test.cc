@@ -617,6 +617,11 @@ TEST_P(GpuTenantBudgetTest, ATenantsSessionsHoldAtMostItsShareOfTheGpu) {
             device->used() - before);
   EXPECT_EQ(testing::SeriesValue(scrape, R"(kvrecall_tenant_gpu_memory_budget_bytes{tenant=""})"),
             (128 << 20) * server().server().placements().gpu().size());
+  EXPECT_EQ(testing::SeriesValue(scrape, absl::StrCat("kvrecall_gpu_device_memory_bytes{device=\"",
+                                                      server().server().placements().gpu()
+                                                          .front()->device(),
+                                                      "\"}")),
+            device->used());
   ASSERT_TRUE(testing::CloseSession(stub(), *first).ok());
   EXPECT_TRUE(create(20000).ok()) << "the closed session's share is back";
 }
