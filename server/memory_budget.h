@@ -76,6 +76,7 @@ class MemoryBudget final : public MemoryAccount {
   // server's, where tokens name tenants): its refusals then say that it has not the room, not
   // how much of it is in use (probe 26, 6). Call before the budget is used.
   void HideUseFromRefusals() { hide_use_ = true; }
+  bool hides_use() const { return hide_use_; }
 
  private:
   // Reserve against this budget's own limit only.

@@ -31,12 +31,13 @@ int ThreadsOrDefault(int threads, int fallback) {
   return std::max(1, fallback);
 }
 
-// Whether gRPC's peer string ("unix:/path", "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000") names a
-// caller on this host: a Unix socket or a loopback address.
+// Whether gRPC's peer string names a caller on this host: a Unix socket ("unix:", either kind)
+// or a loopback address ("ipv4:127.0.0.1:5000"; gRPC 1.51 prints IPv6 URL-encoded,
+// "ipv6:%5B::1%5D:5000", and an IPv4-mapped one as ipv4; review 23 found [::1] refused).
 bool IsLocalPeer(absl::string_view peer) {
   return absl::StartsWith(peer, "unix:") || absl::StartsWith(peer, "unix-abstract:") ||
-         absl::StartsWith(peer, "ipv4:127.") || absl::StartsWith(peer, "ipv6:[::1]:") ||
-         absl::StartsWith(peer, "ipv6:[::ffff:127.");
+         absl::StartsWith(peer, "ipv4:127.") || absl::StartsWith(peer, "ipv6:%5B::1%5D:") ||
+         absl::StartsWith(peer, "ipv6:[::1]:");
 }
 
 // How a stream of a revoked token ends when the reload finds it idle (TokensReloaded).
@@ -465,6 +466,9 @@ class KvRecallService::PrefillCall final
       } else if (absl::Status closed = stream_.SessionStatus(); !closed.ok()) {
         // Its session closed while the chunk was staged (OnSessionsClosed passed it by).
         FinishLocked(service_->Answer(closed));
+      } else if (!service_->StillAuthorized(identity_).ok()) {
+        // A reload revoked its token while the chunk was staged (TokensReloaded passed it by).
+        FinishLocked(RevokedWhileIdleStatus());
       } else {
         HandoffToGrpc(this);
         StartRead(&in_);
@@ -620,6 +624,11 @@ class KvRecallService::DecodeCall final
     if (finished_) return;
     if (!ok) return FinishLocked(CancelledStatus());  // the stream broke under the reply
     if (service_->draining()) return FinishLocked(ShuttingDownStatus());
+    // A reload that found the stream at work (TokensReloaded passed it by) is met here, as
+    // it goes idle (review 23: it waited for a request its client need never send).
+    if (!service_->StillAuthorized(identity_).ok()) {
+      return FinishLocked(RevokedWhileIdleStatus());
+    }
     HandoffToGrpc(this);
     StartRead(&in_);
   }
@@ -1194,7 +1203,9 @@ absl::Status KvRecallService::StillAuthorized(CallIdentity& identity) const {
 
 bool KvRecallService::Revoked(const CallIdentity& identity) const {
   if (tokens_ == nullptr) return false;
-  const std::string* tenant = tokens_->table()->Find(identity.token);
+  // Held while `tenant` points into it: a reload may replace the store's table meanwhile.
+  const std::shared_ptr<const TokenTable> table = tokens_->table();
+  const std::string* tenant = table->Find(identity.token);
   return tenant == nullptr || *tenant != identity.tenant;
 }
 

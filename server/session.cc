@@ -257,15 +257,21 @@ absl::Status Session::Admit() {
   // already (every session's set-asides and memory, the prompts being staged; admissions racing
   // this check may pass it together: a budget flag is exact).
   if (const int64_t usable = MemoryLimitBytes(); usable > 0) {
-    const int64_t held = host_grant_.budget()->server_wide().used();
+    const MemoryBudget& server_wide = host_grant_.budget()->server_wide();
+    const int64_t held = server_wide.used();
     if (*bytes > usable - std::min(held, usable)) {
+      // Where tenants share the server, what it holds is the others' business (review 23).
+      const std::string beside =
+          held == 0 ? ""
+          : server_wide.hides_use()
+              ? " beside what this server holds"
+              : absl::StrCat(" beside the ", held, " bytes this server holds");
       return absl::ResourceExhaustedError(absl::StrCat(
           "max_tokens=", tokens, " of ", layers, " layers needs ", *bytes,
-          " bytes of host KV and selector state",
-          held > 0 ? absl::StrCat(" beside the ", held, " bytes this server holds") : "",
-          ", more than the ", usable,
-          " bytes of memory it may use (the machine's, or its control group's limit): announce "
-          "fewer tokens",
+          " bytes of host KV and selector state", beside, ", more than the ",
+          server_wide.hides_use() ? "" : absl::StrCat(usable, " bytes of "),
+          "memory it may use (the machine's, or its control group's limit): announce fewer "
+          "tokens",
           held > 0 ? ", or wait for memory to be freed" : ""));
     }
   }

@@ -521,6 +521,11 @@ TEST_F(TlsTest, OneTenantCannotTakeAllTheHostMemory) {
                                                "(host_memory_budget_gb=0.0976562) that this "
                                                "server's tenants share has free"));
   EXPECT_THAT(full_server.message(), Not(HasSubstr(absl::StrCat(2 * set_aside))));
+  // Nor does the machine's own limit, which a max_tokens past the machine meets first where
+  // the machine is smaller than 51 GB (review 23).
+  const absl::Status past_machine = alice->CreateSession(g, full, "", 100000000).status();
+  EXPECT_EQ(past_machine.code(), absl::StatusCode::kResourceExhausted) << past_machine;
+  EXPECT_THAT(past_machine.message(), Not(HasSubstr(absl::StrCat(2 * set_aside))));
   EXPECT_EQ(testing::RefusalsCounted(server_->server(), "host_memory_budget"), 1);
   // A selector whose state could never fit the tenant's share (but would the server's) is
   // refused at CreateSession.

@@ -615,12 +615,12 @@ TEST(SharedDecodeOptionsTest, ACallOverANetworkAddressIsRefused) {
   if (own_address.empty()) GTEST_SKIP() << "this host has no IPv4 address but loopback";
   SharedDirectory dir;
   ServerOptions options;
-  options.address = "0.0.0.0:0";
+  options.address = "[::]:0";  // both families: IPv6 loopback too (review 23: refused)
   options.shared_memory_dir = dir.path();
   absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
   ASSERT_TRUE(server.ok()) << server.status();
   const std::string port = (*server)->address().substr((*server)->address().rfind(':') + 1);
-  for (const std::string& host : {own_address, std::string("127.0.0.1")}) {
+  for (const std::string& host : {own_address, std::string("127.0.0.1"), std::string("[::1]")}) {
     auto stub = v1::KvRecall::NewStub(grpc::CreateChannel(absl::StrCat(host, ":", port),
                                                           grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
