@@ -5,7 +5,8 @@
 # DecodeShared request caps, a revoked token's idle streams ended, region files removed once
 # mapped, refusals that hide the shared budgets' use), review 22's. (1) The whole suite;
 # (2) issue 15's rows at 128K and 512K, 100 steps; (3) the transformers backend end to end.
-# Bundle .device/b163; carry its ship/, client/python/kvrecall/_gen and .device/model.
+# Bundle .device/b163; carry its ship/, client/python/kvrecall/_gen and .device/model. Not run
+# in the twenty-second session: every start was refused (device_tests.md, d163).
 set -u
 . bench/device_call.sh
 device_call_begin 163
