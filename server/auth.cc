@@ -133,9 +133,4 @@ std::string TenantOf(const TokenTable& tokens, absl::string_view token) {
   return tenant != nullptr ? *tenant : kNoTenant;
 }
 
-std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens) {
-  if (tokens == nullptr) return "";
-  return TenantOf(*tokens->table(), CallBearerToken(context));
-}
-
 }  // namespace kvrecall

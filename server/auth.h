@@ -100,13 +100,11 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
   ServerMetrics* const metrics_;
 };
 
-// The tenant of a call: its own bearer token's in `tokens`, or "" when the server
-// authenticates no one (`tokens` null). A call the processor let through without a known token
-// (health checks, or a call whose token a reload removed between the check and this lookup)
-// gets kNoTenant, which owns no session and may create none.
+// The tenant of a call whose bearer token (CallBearerToken) is `token`: the token's tenant in
+// `tokens` (a server without tokens gives every call the tenant ""). A call the processor let
+// through without a known token (health checks, or a call whose token a reload removed between
+// the check and this lookup) gets kNoTenant, which the service refuses (UNAUTHENTICATED).
 inline constexpr char kNoTenant[] = "?";
-std::string TenantOf(const grpc::ServerContextBase& context, const TokenStore* tokens);
-// The same for a call whose bearer token (CallBearerToken) was read already.
 std::string TenantOf(const TokenTable& tokens, absl::string_view token);
 // A call's bearer token ("" without an authorization header of the form "Bearer TOKEN").
 absl::string_view CallBearerToken(const grpc::ServerContextBase& context);

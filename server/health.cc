@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
@@ -22,8 +23,15 @@ namespace {
 // held the request's bytes for its life, and streams of 60 MB names (gzip makes them 60 KB on
 // the wire) took gigabytes (probe 26, 1).
 constexpr size_t kMaxRequestBytes = 1024;
-// Watch calls open at once (each holds a reactor and its request); beyond, RESOURCE_EXHAUSTED.
-constexpr size_t kMaxWatches = 1024;
+// The host part of gRPC's peer string ("ipv4:10.0.0.7:5000" -> "ipv4:10.0.0.7", IPv6 alike);
+// any other peer ("unix:..."; Unix-socket peers carry no identity of their own) is its whole.
+std::string PeerHost(absl::string_view peer) {
+  if (!absl::StartsWith(peer, "ipv4:") && !absl::StartsWith(peer, "ipv6:")) {
+    return std::string(peer);
+  }
+  const size_t port = peer.rfind(':');
+  return std::string(peer.substr(0, port));
+}
 
 // INVALID_ARGUMENT for a request of more than kMaxRequestBytes.
 grpc::Status CheckRequestSize(const grpc::ByteBuffer& request) {
@@ -40,10 +48,10 @@ grpc::Status CheckRequestSize(const grpc::ByteBuffer& request) {
 class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   WatchCall(HealthService* health, std::string service)
-      : health_(health), service_(std::move(service)) {
-    absl::MutexLock lock(&health_->watches_mu_);
-    health_->watches_.insert(this);
-  }
+      : health_(health), service_(std::move(service)) {}
+
+  // The host it was registered under (HealthService::Register); empty while it is not.
+  std::string& host() { return host_; }
 
   // Sends the current status unless it was sent already or a write is pending (its completion
   // looks again).
@@ -75,10 +83,7 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
 
   void OnDone() override {
     ReactionFromGrpc(this);
-    {
-      absl::MutexLock lock(&health_->watches_mu_);
-      health_->watches_.erase(this);
-    }
+    health_->Unregister(this);
     HealthService* const health = health_;
     delete this;
     HandoffToGrpc(health);  // the last touch of the service: Server::Wait returns after it
@@ -115,6 +120,7 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
 
   HealthService* const health_;
   const std::string service_;
+  std::string host_;  // guarded by health_->watches_mu_
   absl::Mutex mu_;
   grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);
   ServingStatus sent_ ABSL_GUARDED_BY(mu_) = HealthCheckResponse::UNKNOWN;
@@ -173,22 +179,41 @@ grpc::ServerUnaryReactor* HealthService::Check(grpc::CallbackServerContext* cont
   return reactor;
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* HealthService::Watch(
-    grpc::CallbackServerContext*, const grpc::ByteBuffer* request) {
-  grpc::Status refused = CheckRequestSize(*request);
-  if (refused.ok()) {
-    absl::MutexLock lock(&watches_mu_);
-    if (watches_.size() >= kMaxWatches) {
-      refused = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                             absl::StrCat(kMaxWatches, " health Watch calls are open; use Check"));
-    }
+grpc::Status HealthService::Register(WatchCall* watch, const std::string& host) {
+  absl::MutexLock lock(&watches_mu_);
+  if (watches_.size() >= kMaxWatches) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(kMaxWatches, " health Watch calls are open; use Check"));
   }
+  int& from_host = watches_per_host_[host];
+  if (from_host >= kMaxWatchesPerHost) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(kMaxWatchesPerHost, " health Watch calls are open from ",
+                                     host, "; use Check"));
+  }
+  ++from_host;
+  watch->host() = host;
+  watches_.insert(watch);
+  return grpc::Status::OK;
+}
+
+void HealthService::Unregister(WatchCall* watch) {
+  absl::MutexLock lock(&watches_mu_);
+  if (!watches_.erase(watch)) return;  // refused: never counted
+  auto from_host = watches_per_host_.find(watch->host());
+  if (--from_host->second == 0) watches_per_host_.erase(from_host);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* HealthService::Watch(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
+  grpc::Status refused = CheckRequestSize(*request);
   HealthCheckRequest parsed;
   grpc::ByteBuffer bytes(*request);
   if (refused.ok() && !ParseRawMessage(&bytes, &parsed)) {
     refused = UnparsableStatus("the request", parsed);
   }
   auto* watch = new WatchCall(this, parsed.service());
+  if (refused.ok()) refused = Register(watch, PeerHost(context->peer()));
   if (!refused.ok()) {
     watch->FinishWith(std::move(refused));  // a write reactor that ends at once
   } else {

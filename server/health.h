@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -30,6 +31,13 @@ class HealthService final : public HealthRawCallbackService {
   // server stops so that load balancers and watchers see the shutdown coming.
   void Shutdown();
 
+  // Watch calls open at once (each holds a reactor and its request), and from one host (the
+  // peer's address without its port; every Unix-socket peer is one): health needs no token, so
+  // one peer must not take every slot from the load balancers' client-side health checks,
+  // which open one Watch per connection (review 23). Beyond either, RESOURCE_EXHAUSTED.
+  static constexpr size_t kMaxWatches = 1024;
+  static constexpr int kMaxWatchesPerHost = 64;
+
   grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* context,
                                   const grpc::ByteBuffer* request,
                                   grpc::ByteBuffer* response) override;
@@ -41,11 +49,16 @@ class HealthService final : public HealthRawCallbackService {
   class WatchCall;
 
   ServingStatus StatusOf(const std::string& service) const;
+  // Counts `watch` as open from `host` (it is told of changes from then on), or refuses it
+  // past a cap.
+  grpc::Status Register(WatchCall* watch, const std::string& host);
+  void Unregister(WatchCall* watch);
 
   const std::vector<std::string> services_;
   std::atomic<bool> shut_down_{false};
   absl::Mutex watches_mu_;
   absl::flat_hash_set<WatchCall*> watches_ ABSL_GUARDED_BY(watches_mu_);
+  absl::flat_hash_map<std::string, int> watches_per_host_ ABSL_GUARDED_BY(watches_mu_);
 };
 
 }  // namespace kvrecall

@@ -46,6 +46,9 @@ struct ServiceTestHooks {
   // and gRPC's own cancellation has not come yet (its threads busy), so that the run takes
   // what it installed back and answers DEADLINE_EXCEEDED (a race gRPC alone gives by chance).
   std::function<bool()> prefill_deadline_passed_at_install;
+  // Run as a call is identified against the token table, after the auth processor accepted
+  // its token: a test reloads the table here, the race a reload between the two meets by chance.
+  std::function<void()> before_call_identified;
 };
 
 struct ServiceOptions {

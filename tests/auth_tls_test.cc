@@ -7,11 +7,13 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -161,6 +163,7 @@ class TlsTest : public ::testing::Test {
     options.security = security;
     options.limits = limits;
     options.host_memory_budget_bytes = host_memory_budget_bytes;
+    options.service_test_hooks = hooks_;
     absl::StatusOr<std::unique_ptr<testing::InProcessServer>> server =
         testing::InProcessServer::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -189,6 +192,7 @@ class TlsTest : public ::testing::Test {
     return response.status();
   }
 
+  ServiceTestHooks hooks_;  // the next Start's
   std::unique_ptr<testing::InProcessServer> server_;
 };
 
@@ -346,6 +350,74 @@ TEST_F(TlsTest, ARevokedTokensOpenStreamsStopAtTheirNextRequest) {
   EXPECT_EQ(server_->server().ReloadTokens().status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(carol->ListSessions().ok());
+}
+
+// A reload between the auth processor's check of a call's token and the service's lookup of its
+// tenant leaves the call with no tenant: every kind of call is refused by name, nothing applied
+// (review 23: such a call ran as the no-tenant identity and met NOT_FOUND, or a stream stayed
+// open serving nothing).
+TEST_F(TlsTest, ACallWhoseTokenIsReloadedAwayAsItStartsIsRefused) {
+  SecurityOptions security = WithTokens();
+  security.auth_token_file = pki().Path("reloaded_at_start.tokens");
+  const std::string with_alice = absl::StrCat(kAliceToken, " alice\n", kBobToken, " bob\n");
+  WriteFile(security.auth_token_file, with_alice);
+  std::atomic<bool> reload_next_call{false};
+  hooks_.before_call_identified = [&] {
+    if (!reload_next_call.exchange(false)) return;
+    WriteFile(security.auth_token_file, absl::StrCat(kBobToken, " bob\n"));
+    ASSERT_TRUE(server_->server().ReloadTokens().ok());
+  };
+  Start(security);
+  std::unique_ptr<client::Client> alice = ConnectWithToken(kAliceToken);
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  absl::StatusOr<client::SessionHandle> session =
+      alice->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<float> q = testing::RandomNormal(4 * 2 * 8, 1);
+  const std::vector<float> kv = testing::RandomNormal(4 * 8, 2);
+  const std::vector<float> q_t = testing::RandomNormal(2 * 8, 3);
+  const std::vector<float> kv_t = testing::RandomNormal(8, 4);
+  const client::SequenceInput input{session->id, q_t, kv_t, kv_t};
+  client::StepResult result;
+  constexpr char kRefused[] = "bearer token is no longer valid (the token file was reloaded as";
+  // Each call below starts as its token is reloaded away; the token is then put back.
+  auto refused_as_it_starts = [&](const std::function<absl::Status()>& call) {
+    reload_next_call = true;
+    const absl::Status status = call();
+    EXPECT_FALSE(reload_next_call) << "the call was not identified";
+    WriteFile(security.auth_token_file, with_alice);
+    EXPECT_TRUE(server_->server().ReloadTokens().ok());
+    return HasStatus(status, absl::StatusCode::kUnauthenticated, kRefused);
+  };
+  EXPECT_TRUE(refused_as_it_starts([&] { return alice->ListSessions().status(); }));
+  EXPECT_TRUE(refused_as_it_starts([&] {
+    return alice->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL)).status();
+  }));
+  EXPECT_TRUE(refused_as_it_starts([&] { return alice->GetSession(session->id).status(); }));
+  EXPECT_TRUE(refused_as_it_starts([&] { return alice->CloseSession(session->id); }));
+  EXPECT_TRUE(refused_as_it_starts([&] {
+    absl::StatusOr<std::unique_ptr<client::PrefillStream>> prefill =
+        alice->StartPrefill(*session);
+    if (!prefill.ok()) return prefill.status();
+    absl::Status sent = (*prefill)->SendLayer(0, q, kv, kv);
+    absl::Status finished = (*prefill)->Finish().status();
+    return sent.ok() ? finished : sent;
+  }));
+  EXPECT_TRUE(refused_as_it_starts([&] {
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> decode = alice->OpenDecodeStream(g);
+    if (!decode.ok()) return decode.status();
+    return (*decode)->Step(0, std::span(&input, 1), {}, &result);
+  }));
+  // Nothing was applied: one session, never prefilled; the token works again.
+  absl::StatusOr<std::vector<v1::SessionInfo>> listed = alice->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].tokens(), 0);
+  absl::StatusOr<std::unique_ptr<client::PrefillStream>> prefill = alice->StartPrefill(*session);
+  ASSERT_TRUE(prefill.ok());
+  ASSERT_TRUE((*prefill)->SendLayer(0, q, kv, kv).ok());
+  ASSERT_TRUE((*prefill)->Finish().ok());
+  EXPECT_TRUE(alice->CloseSession(session->id).ok());
 }
 
 TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {

@@ -28,6 +28,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
+#include "server/health.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -273,6 +274,62 @@ TEST(ServerAddressTest, LargeHealthRequestsAreRefusedAtOnce) {
   const std::vector<grpc::Status> small = call(api, 1000);
   EXPECT_EQ(small[0].error_code(), grpc::StatusCode::NOT_FOUND) << small[0].error_message();
   EXPECT_EQ(CheckHealth((*server)->health_address()), HealthCheckResponse::SERVING);
+}
+
+// Health needs no token, so one host must not take every Watch slot (review 23: one peer could
+// take all 1024, and the load balancers' client-side health checks, which watch, were refused):
+// past HealthService::kMaxWatchesPerHost from one host its next is refused, another host's is
+// served, and a slot comes back when its Watch ends.
+TEST(ServerAddressTest, OneHostCannotTakeEveryHealthWatch) {
+  ServerOptions options;
+  options.address = "[::]:0";  // both families: two hosts on one machine, 127.0.0.1 and ::1
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string port = (*server)->address().substr((*server)->address().rfind(':') + 1);
+  struct Watcher {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> reader;
+    HealthCheckResponse first;
+    bool read = false;
+  };
+  auto watch = [&](const std::string& host) {
+    auto w = std::make_unique<Watcher>();
+    auto stub = Health::NewStub(MakeChannel(absl::StrCat(host, ":", port)));
+    w->reader = stub->Watch(&w->context, HealthCheckRequest());
+    w->read = w->reader->Read(&w->first);
+    return w;
+  };
+  auto end = [](Watcher& w) {
+    w.context.TryCancel();
+    return w.reader->Finish();
+  };
+  std::vector<std::unique_ptr<Watcher>> from_ipv4;
+  for (int i = 0; i < HealthService::kMaxWatchesPerHost; ++i) {
+    from_ipv4.push_back(watch("127.0.0.1"));
+    ASSERT_TRUE(from_ipv4.back()->read) << i;
+    EXPECT_EQ(from_ipv4.back()->first.status(), HealthCheckResponse::SERVING);
+  }
+  std::unique_ptr<Watcher> refused = watch("127.0.0.1");
+  EXPECT_FALSE(refused->read);
+  const grpc::Status status = refused->reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(),
+              HasSubstr("64 health Watch calls are open from ipv4:127.0.0.1; use Check"));
+  std::unique_ptr<Watcher> other_host = watch("[::1]");
+  EXPECT_TRUE(other_host->read);
+  EXPECT_EQ(other_host->first.status(), HealthCheckResponse::SERVING);
+  EXPECT_EQ(CheckHealth(absl::StrCat("127.0.0.1:", port)), HealthCheckResponse::SERVING);
+  // One ended: its host's next is served (once the server has seen it end).
+  end(*from_ipv4.back());
+  from_ipv4.pop_back();
+  EXPECT_TRUE(testing::Within(absl::Seconds(5), [&] {
+    std::unique_ptr<Watcher> again = watch("127.0.0.1");
+    if (!again->read) return false;
+    from_ipv4.push_back(std::move(again));
+    return true;
+  }));
+  for (auto& w : from_ipv4) end(*w);
+  end(*other_host);
 }
 
 // kvrecalld's --metrics_address when not given: as exposed as the API, no more (it was
