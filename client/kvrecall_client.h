@@ -205,7 +205,9 @@ class DecodeStream {
 // to HOST:PORT (any target but the two below) over TLS with the system's roots, as gRPC sends
 // call credentials over private channels alone (a token in plaintext TCP could be read on the
 // way); to unix:PATH without TLS, over gRPC's local credentials (plaintext on the socket, which
-// they check is a Unix socket), for kvrecalld's --plaintext_unix_sockets; to
+// they check is a Unix socket), for kvrecalld's --plaintext_unix_sockets, and only when PATH is
+// a socket this user owns (gRPC's local credentials authenticate no server: kvrecalld makes
+// its socket 0600, so a runner that may connect runs as its user); to
 // unix-abstract:NAME nowhere: MakeChannelCredentials refuses it (such a socket has no file
 // permissions, so kvrecalld serves it with TLS alone; set `tls` to send the token over TLS).
 struct ChannelSecurity {
@@ -230,7 +232,9 @@ struct ChannelSecurity {
 // key without a certificate (or the reverse), a file that is not PEM or holds no block of its
 // kind (CERTIFICATE for ca_file and cert_file, PRIVATE KEY for key_file), a token that is not
 // printable ASCII without blanks (as --auth_token_file lists them), or a token alone to a
-// unix-abstract:NAME target (ChannelSecurity above), NOT_FOUND for a missing file.
+// unix-abstract:NAME target (ChannelSecurity above), NOT_FOUND for a missing file,
+// FAILED_PRECONDITION for a token alone to a unix:PATH that does not exist yet, is not a socket
+// or is not this user's (so a runner connects once kvrecalld's socket is there).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(
     const ChannelSecurity& security, absl::string_view target = "");
 
@@ -259,16 +263,18 @@ class Client {
                                          int max_message_bytes = 64 << 20);
   // A channel secured as `security` says; fails only when `address` is malformed
   // (CheckServerAddress), its files are unusable or its token alone cannot go to `address`
-  // (MakeChannelCredentials; the connection itself is made, and checked, by the first call).
+  // (MakeChannelCredentials: FAILED_PRECONDITION for a Unix socket that is missing or not
+  // this user's; the connection itself is made, and checked, by the first call).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
                                                          const ChannelSecurity& security,
                                                          int max_message_bytes = 64 << 20);
 
   // max_tokens: the most tokens the session will hold (prompt + decoded), when the runner knows
   // it (CreateSessionRequest.max_tokens): their memory is set aside now, so that decoding up to
-  // it never grows a layer's KV (a growth copies and pins each layer's KV again, all layers at
-  // the same token: bench/results/tiered_serving.md, "A model's layers in turn"). 0: not
-  // announced.
+  // it never grows a layer's KV (the server grows an array ahead of need, off the step, within
+  // the address space it reserved; past that, or with --host_kv_growth_ahead=false, a growth
+  // copies and pins each layer's KV again in the step, all layers at the same token:
+  // bench/results/tiered_serving.md, "A model's layers in turn"). 0: not announced.
   absl::StatusOr<SessionHandle> CreateSession(const v1::Geometry& geometry,
                                               const v1::Policy& policy,
                                               absl::string_view label = "",

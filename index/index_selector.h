@@ -1,6 +1,7 @@
-// The RetrievalAttention policy as a support selector for the CPU placement: every head attends
-// to the static set (attention sinks + the recent window) and to the top-K keys of the bulk (the
-// tokens in between) that its query-aware graph index finds.
+// The RetrievalAttention policy as a support selector for the CPU placement and the tiered
+// placement's bulk (where the static set is attended apart): every head attends to the static
+// set (attention sinks + the recent window) and to the top-K keys of the bulk (the tokens in
+// between) that its query-aware graph index finds.
 #ifndef KVRECALL_INDEX_INDEX_SELECTOR_H_
 #define KVRECALL_INDEX_INDEX_SELECTOR_H_
 

@@ -237,8 +237,9 @@ class TauCalibration {
 // tau cost 0.1 % (bench/results/tiered_tinylm16k.md, "auto_tau on a short prompt"). The recall
 // is weighted by softmax mass because plain support recall counts a near-zero tail token like
 // the dominant one: calibrated on it, tau over-restricts heads whose mass sits in a few stable
-// tokens and under-restricts diffuse ones, which measured no better than a fixed tau
-// (bench/results/retopk_tinylm16k.md).
+// tokens and under-restricts diffuse ones, which measured no better than a fixed tau (an early
+// measurement, not kept; the weighted calibration's rows are bench/results/replay_tinylm16k.md's
+// `--auto_tau` runs).
 class ReTopKSelector : public SupportSelector {
  public:
   // query_lead: prompt query p sits query_lead positions after key p and sees keys

@@ -1,6 +1,7 @@
 // Who is calling: bearer tokens mapped to tenants (--auth_token_file, "token tenant" lines),
-// checked for every call but grpc.health.v1 by a gRPC AuthMetadataProcessor on the TLS port;
-// the tenant of an authenticated call is its own token's (TenantOf).
+// checked for every call but grpc.health.v1 by a gRPC AuthMetadataProcessor on every listener
+// (TLS, and the plaintext Unix sockets of --plaintext_unix_sockets); the tenant of an
+// authenticated call is its own token's (TenantOf).
 #ifndef KVRECALL_SERVER_AUTH_H_
 #define KVRECALL_SERVER_AUTH_H_
 

@@ -71,13 +71,17 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
     absl::MutexLock lock(&mu_);
     writing_ = false;
     if (finished_) return;
-    if (!ok) return FinishLocked(grpc::Status::CANCELLED);
+    // A cancellation during the write (OnCancel left the finish to here): the write may still
+    // have succeeded, and nothing else would ever finish the call (no read is pending), which
+    // kept its Watch slot and connection until shutdown (probe 27, 1).
+    if (!ok || cancelled_) return FinishLocked(grpc::Status::CANCELLED);
     UpdateLocked();
   }
 
   void OnCancel() override {
     const GrpcReaction reaction(this);
     absl::MutexLock lock(&mu_);
+    cancelled_ = true;
     if (!finished_ && !writing_) FinishLocked(grpc::Status::CANCELLED);
   }
 
@@ -125,6 +129,7 @@ class HealthService::WatchCall final : public grpc::ServerWriteReactor<grpc::Byt
   grpc::ByteBuffer out_ ABSL_GUARDED_BY(mu_);
   ServingStatus sent_ ABSL_GUARDED_BY(mu_) = HealthCheckResponse::UNKNOWN;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 

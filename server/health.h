@@ -27,6 +27,12 @@ class HealthService final : public HealthRawCallbackService {
   // "kvrecall.v1.KvRecall"), all SERVING from the start.
   explicit HealthService(std::vector<std::string> services);
 
+  // Watch calls open now (ended ones leave once gRPC is done with them).
+  size_t open_watches() const {
+    absl::MutexLock lock(&watches_mu_);
+    return watches_.size();
+  }
+
   // Every service becomes NOT_SERVING, every Watch call is told so and ends; call before the
   // server stops so that load balancers and watchers see the shutdown coming.
   void Shutdown();
@@ -56,7 +62,7 @@ class HealthService final : public HealthRawCallbackService {
 
   const std::vector<std::string> services_;
   std::atomic<bool> shut_down_{false};
-  absl::Mutex watches_mu_;
+  mutable absl::Mutex watches_mu_;
   absl::flat_hash_set<WatchCall*> watches_ ABSL_GUARDED_BY(watches_mu_);
   absl::flat_hash_map<std::string, int> watches_per_host_ ABSL_GUARDED_BY(watches_mu_);
 };

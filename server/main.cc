@@ -62,7 +62,8 @@ ABSL_FLAG(int, compute_spin_us, 100,
           "polls for the next step's work before it sleeps; a runner's next layer-step usually "
           "comes within a round trip (0 to 1000000)");
 ABSL_FLAG(double, host_memory_budget_gb, 0,
-          "host memory (GiB) that sessions may hold: KV, staged prompts and selector state; "
+          "host memory (GiB) that sessions may hold: KV, staged prompts, selector state and "
+          "DecodeShared regions; "
           "requests that need more get RESOURCE_EXHAUSTED; 0: unlimited");
 ABSL_FLAG(int64_t, max_sessions, 0,
           "sessions open at once (of every tenant); CreateSession beyond it gets "
@@ -151,8 +152,8 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "Bearer TOKEN' (else UNAUTHENTICATED), and a session belongs to the tenant that "
           "created it (to others it does not exist); needs TLS, and applies to every listener, "
           "the plaintext sockets of --plaintext_unix_sockets too. SIGHUP reads the file again: a "
-          "token taken out is refused, and its open streams end at their next request (a line "
-          "starting with # is a comment)");
+          "token taken out is refused, and its open streams end: an idle one at once, one at work "
+          "as its step is answered (a line starting with # is a comment)");
 
 ABSL_FLAG(bool, host_huge_pages, true,
           "back sessions' host KV arrays (and staged prompts) of 2 MiB or more, or smaller with "

@@ -1,5 +1,6 @@
 // Starting and stopping a kvrecall server in-process: the KvRecall service, grpc.health.v1 and
-// server reflection on one listening address. kvrecalld's main and the tests both use it.
+// server reflection on ServerOptions::address's listeners (HOST:PORT and Unix sockets), beside
+// an optional health-only port and the metrics endpoint. kvrecalld's main and the tests use it.
 #ifndef KVRECALL_SERVER_SERVER_H_
 #define KVRECALL_SERVER_SERVER_H_
 
@@ -96,13 +97,15 @@ class RunningServer {
   // Reads --auth_token_file again and puts its tokens in force for every call that starts
   // after (kvrecalld does on SIGHUP): a revoked token is refused, a new one accepted, and the
   // sessions stay (they belong to tenants, not tokens). A stream open with a token taken out
-  // ends at its next request (KvRecallService::StillAuthorized). The number of tokens; the file's error
-  // with the old tokens kept when it cannot be read or parsed; FAILED_PRECONDITION without a
-  // token file.
+  // ends: an idle one at once, one at work as its step is answered, nothing of a later request
+  // applied (KvRecallService::TokensReloaded, StillAuthorized). The number of tokens; the file's
+  // error with the old tokens kept when it cannot be read or parsed; FAILED_PRECONDITION without
+  // a token file.
   absl::StatusOr<size_t> ReloadTokens();
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
+  const HealthService& health() const { return health_; }
   ServerMetrics& metrics() { return *metrics_; }
   // Where metrics and the plaintext health port are served (bound ports); empty when not.
   const std::string& metrics_address() const { return metrics_address_; }

@@ -26,7 +26,7 @@ import numpy as np
 
 import kvrecall
 from kvrecall import evaluate, needles, tensors, tinylm
-from kvrecall.client import Session, make_geometry, make_policy
+from kvrecall.client import Session, make_geometry, make_policy, streaming_window
 from kvrecalld_process import Kvrecalld
 
 SOURCE_DIR = os.environ.get("KVRECALL_SOURCE_DIR",
@@ -188,6 +188,17 @@ class ClientTest(ServerTest):
         self.addCleanup(s.close)
         with self.assertRaisesRegex(ValueError, "q may be None only for a session that needs"):
             s.prefill([(None, k, v) for _, k, v in self.prompt(5)])
+
+    def test_streaming_k_of_the_sinks_alone_keeps_no_recent_window(self):
+        # review 24, 3: streaming:128 was refused, said to ask for the server's default window,
+        # but make_policy sends recent 0 as set and the server serves it.
+        self.assertEqual(streaming_window(128), (128, 0))
+        sinks, recent = streaming_window(128)
+        g = make_geometry(self.L, self.HQ, self.HKV, self.D)
+        s = self.client.create_session(g, make_policy("streaming", sinks=sinks, recent=recent))
+        self.addCleanup(s.close)
+        self.assertEqual((s.policy.sinks, s.policy.recent), (128, 0))
+        self.assertTrue(s.policy.HasField("recent"))
 
     def test_a_tiered_reply_says_where_its_time_went(self):
         # bf16 at d = 64: on a machine with a GPU the tiered placement keeps its static set in the
@@ -974,7 +985,7 @@ class ToolInputTest(ServerTest):
         text = self.raw_file("text.txt", b"tiny text\n")
         ev = ["run", "--server", self.address, "--model", os.path.join(self.tmp, "none.npz"),
               "--text", text, "--ctx", "4", "--suffix", "2", "--jsonl", jsonl]
-        streaming = "streaming:K needs K > 128 (it keeps 128 sinks and K-128 recent tokens), got 64"
+        streaming = "streaming:K needs K >= 128 (it keeps 128 sinks and K-128 recent tokens), got 64"
         cases = [
             (needles.main, ["--server", self.address, "--trace", trace, "--jsonl", jsonl,
                             "--runs", "full", "streaming:64"],

@@ -332,6 +332,33 @@ TEST(ServerAddressTest, OneHostCannotTakeEveryHealthWatch) {
   end(*other_host);
 }
 
+// A Watch cancelled while its first status was being written, the write then done, was never
+// finished (no read pending to see the cancellation): it kept its slot and connection until
+// shutdown, and a few thousand quick cancellations took every slot of their host (probe 27, 1).
+TEST_F(UnixSocketTest, CancelledHealthWatchesGiveTheirSlotsBack) {
+  const std::string socket = SocketPath("watch.sock");  // the race came most often over one
+  ServerOptions options;
+  options.address = absl::StrCat("127.0.0.1:0,unix:", socket);
+  absl::StatusOr<std::unique_ptr<RunningServer>> server = StartServer(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (const std::string& address :
+       {(*server)->addresses().front(), absl::StrCat("unix:", socket)}) {
+    auto stub = Health::NewStub(MakeChannel(address));
+    for (int i = 0; i < 2000; ++i) {
+      grpc::ClientContext context;
+      std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> reader =
+          stub->Watch(&context, HealthCheckRequest());
+      // Cancelled at moments spread around the server's first write.
+      absl::SleepFor(absl::Microseconds(20 * (i % 16)));
+      context.TryCancel();
+      reader->Finish();
+    }
+  }
+  EXPECT_TRUE(testing::Within(absl::Seconds(10), [&] {
+    return (*server)->health().open_watches() == 0;
+  })) << (*server)->health().open_watches() << " cancelled Watch calls still open";
+}
+
 // kvrecalld's --metrics_address when not given: as exposed as the API, no more (it was
 // 0.0.0.0:9090 whatever --address said).
 TEST(ServerAddressTest, MetricsDefaultToTheHostOfTheFirstTcpAddress) {

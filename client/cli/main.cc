@@ -29,7 +29,7 @@ constexpr Subcommand kSubcommands[] = {
     {"create", "create a session (--layers --q_heads --kv_heads --head_dim --dtype + policy)",
      RunCreate},
     {"get", "show a session: kvrecall get SESSION_ID", RunGet},
-    {"list", "list the server's sessions", RunList},
+    {"list", "list your sessions (with tokens: your tenant's)", RunList},
     {"close", "close sessions: kvrecall close SESSION_ID...", RunClose},
     {"health", "ask grpc.health.v1 of the server (or of SERVICE): kvrecall health [SERVICE]",
      RunHealth},

@@ -32,9 +32,9 @@ absl::Status CheckKnobs(int q_heads, int head_dim, int top_k, const ReTopKParams
         absl::StrCat("head_dim must be 64 or 128 on the GPU, got ", head_dim));
   }
   if (top_k < 1) return absl::InvalidArgumentError(absl::StrCat("top_k must be >= 1, got ", top_k));
-  if (params.cache_capacity < 1 || params.cache_capacity > kMaxReTopKCacheCapacity) {
+  if (params.cache_capacity < 1 || params.cache_capacity > kMaxGpuReTopKCacheCapacity) {
     return absl::InvalidArgumentError(absl::StrCat("cache_capacity must be in [1, ",
-                                                   kMaxReTopKCacheCapacity, "] on the GPU, got ",
+                                                   kMaxGpuReTopKCacheCapacity, "] on the GPU, got ",
                                                    params.cache_capacity));
   }
   if (params.reuse_neighbors < 1 || params.recent_window < 0 || params.refresh_interval < 0) {

@@ -115,9 +115,9 @@ inline constexpr int kReTopKDecideThreads = 128;
 template <int kDim, int kThreads>
 __global__ void __launch_bounds__(kThreads) ReTopKDecideKernel(const ReTopKStepParams p) {
   constexpr int kWarps = kThreads / 32;
-  constexpr int kSlotsPerWarp = kMaxReTopKCacheCapacity / kWarps;
+  constexpr int kSlotsPerWarp = kMaxGpuReTopKCacheCapacity / kWarps;
   constexpr int kPerLane = kDim / 32;
-  __shared__ float cosines[kMaxReTopKCacheCapacity];  // by slot
+  __shared__ float cosines[kMaxGpuReTopKCacheCapacity];  // by slot
   const ReTopKStepState& s = p.state;
   const int row = blockIdx.x;
   const int b = row / s.q_heads;
@@ -326,8 +326,8 @@ __global__ void __launch_bounds__(kThreads, kThreads <= 256 ? 2 : 1)
   constexpr int kInFlight = kDim == 128 ? 5 : 8;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ RadixSelectSmem radix;
-  __shared__ int32_t neighbor_slot[kMaxReTopKCacheCapacity];
-  __shared__ int32_t neighbor_size[kMaxReTopKCacheCapacity];
+  __shared__ int32_t neighbor_slot[kMaxGpuReTopKCacheCapacity];
+  __shared__ int32_t neighbor_size[kMaxGpuReTopKCacheCapacity];
   __shared__ uint32_t candidate_total;
   __shared__ uint32_t appended;
   const ReTopKStepState& s = p.state;

@@ -36,7 +36,7 @@ namespace kvrecall::cuda {
 
 // The largest cache capacity C the kernels serve (cosines live in shared memory, neighbors are
 // picked by one warp holding two ages per lane).
-inline constexpr int kMaxReTopKCacheCapacity = 64;
+inline constexpr int kMaxGpuReTopKCacheCapacity = 64;
 
 // R * K + W: the most candidates a reuse step unions (R capped at C).
 inline int64_t ReTopKMaxCandidates(int top_k, const ReTopKParams& params) {

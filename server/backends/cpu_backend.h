@@ -1,5 +1,6 @@
 // The CPU placement: every layer's KV in host memory (f32) behind its support selector
-// (index/), attended by the CPU kernels (kernels/cpu), query heads in parallel with OpenMP.
+// (index/), attended by the CPU kernels (kernels/cpu), query heads in parallel on the decode
+// compute pool (kernels/cpu/thread_pool.h; OpenMP only in the selectors' builds).
 #ifndef KVRECALL_SERVER_BACKENDS_CPU_BACKEND_H_
 #define KVRECALL_SERVER_BACKENDS_CPU_BACKEND_H_
 

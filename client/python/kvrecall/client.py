@@ -91,10 +91,10 @@ STREAMING_SINKS = 128
 def streaming_window(k):
     """(sinks, recent) of the streaming policy that the tools' run spec `streaming:K` names:
     STREAMING_SINKS sinks and K - STREAMING_SINKS recent tokens, so that its budget equals the
-    top-K selectors'. ValueError unless K > STREAMING_SINKS: recent 0 would ask for the
-    server's default window (512), not for none."""
-    if k <= STREAMING_SINKS:
-        raise ValueError(f"streaming:K needs K > {STREAMING_SINKS} (it keeps {STREAMING_SINKS} "
+    top-K selectors' (K = STREAMING_SINKS: the sinks alone; make_policy sends recent 0 as set,
+    not as "the server's default"). ValueError unless K >= STREAMING_SINKS."""
+    if k < STREAMING_SINKS:
+        raise ValueError(f"streaming:K needs K >= {STREAMING_SINKS} (it keeps {STREAMING_SINKS} "
                          f"sinks and K-{STREAMING_SINKS} recent tokens), got {k}")
     return STREAMING_SINKS, k - STREAMING_SINKS
 
@@ -745,8 +745,10 @@ class Client:
     def create_session(self, geometry, policy=None, label="", max_tokens=0):
         """A new session. max_tokens: the most tokens it will hold (prompt + decoded), when the
         runner knows it: their memory is set aside now (RESOURCE_EXHAUSTED when it does not
-        fit), so that decoding up to it never grows a layer's KV, which copies and pins every
-        layer's KV again at the same token. 0: not announced."""
+        fit), so that decoding up to it never grows a layer's KV (the server grows an array
+        ahead of need, off the step, within the address space it reserved; one past it, or with
+        --host_kv_growth_ahead=false, is copied and pinned again in the step, every layer at the
+        same token). 0: not announced."""
         resp = self.call("CreateSession", pb.CreateSessionRequest(
             geometry=geometry, policy=policy or make_policy(), label=label,
             max_tokens=max_tokens))

@@ -11,7 +11,7 @@ result to a .jsonl file, and renders a Markdown table and a PNG plot (matplotlib
       --png bench/results/ppl_tinylm_16k.png
 
 A run is `selector[:K][@placement]`; streaming:K keeps 128 sinks and K-128 recent tokens, so
-its budget equals the top-K selectors' (K > 128). Every spec and flag is checked before the
+its budget equals the top-K selectors' (K >= 128). Every spec and flag is checked before the
 first run starts: a bad one is a usage error, and no run is made.
 """
 import argparse

@@ -11,7 +11,7 @@ compare_exact `retained_mass`).
 A run is selector[:K][/placement][/knob=value...]: the CPU placement unless named (cpu, gpu,
 tiered); knobs of policy.index (e.g. index:512/tiered/shortlist=2048,
 index:512/tiered/exact_search=graph). streaming:K keeps 128 sinks and K-128 recent tokens
-(K > 128). Every spec, and the trace, is checked before the first run.
+(K >= 128). Every spec, and the trace, is checked before the first run.
 
 Every decode step of the trace is replayed in order (ReTopK's cache depends on the steps between
 needles); only the needle steps ask the server for compare_exact diagnostics.
