@@ -299,9 +299,15 @@ class SharedDecodeTransport final : public DecodeTransport,
     const auto code = static_cast<int32_t>(
         shared::ReadPeerWord(reinterpret_cast<uint32_t&>(h->status_code)));
     if (code != 0) {
-      // The step failed and the stream ended (the call ends with the same status).
+      // The step failed and the stream ended (the call ends with the same status, its message
+      // whole: the reply area's is cut to its capacity, which lost "nothing of it was
+      // applied" from a 64-byte one: probe 28, 7).
       const std::string message(region_.reply(), std::min(bytes, region_.reply_capacity()));
       AwaitDone();
+      if (static_cast<int32_t>(final_status_.error_code()) == code &&
+          !final_status_.error_message().empty()) {
+        return FromGrpcStatus(final_status_);
+      }
       return absl::Status(static_cast<absl::StatusCode>(code), message);
     }
     if (bytes > region_.reply_capacity() ||
@@ -435,9 +441,12 @@ class SharedDecodeTransport final : public DecodeTransport,
 
 }  // namespace
 
-DecodeStream::DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry,
-                           const DecodeStreamOptions& options)
-    : stub_(&stub), geometry_(geometry), options_(options) {}
+DecodeStream::DecodeStream(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes,
+                           const v1::Geometry& geometry, const DecodeStreamOptions& options)
+    : stub_(v1::KvRecall::NewStub(std::move(channel))), geometry_(geometry), options_(options) {
+  // A shared region's reply area is the bound there (the server checks it).
+  if (!options_.shared_memory) request_.set_max_reply_bytes(max_reply_bytes);
+}
 
 DecodeStream::~DecodeStream() { Close().IgnoreError(); }
 
@@ -545,14 +554,17 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
 
 // ---------------------------------------------------------------------------------------------
 
-Client::Client(std::shared_ptr<grpc::Channel> channel)
-    : channel_(std::move(channel)), stub_(v1::KvRecall::NewStub(channel_)) {}
+Client::Client(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes)
+    : channel_(std::move(channel)),
+      stub_(v1::KvRecall::NewStub(channel_)),
+      max_reply_bytes_(max_reply_bytes) {}
 
 std::unique_ptr<Client> Client::Connect(const std::string& address, int max_message_bytes) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   return std::make_unique<Client>(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args),
+      max_message_bytes);
 }
 
 namespace {
@@ -722,18 +734,21 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(max_message_bytes);
   if (!security.server_name.empty()) args.SetSslTargetNameOverride(security.server_name);
-  return std::make_unique<Client>(grpc::CreateCustomChannel(address, *credentials, args));
+  return std::make_unique<Client>(grpc::CreateCustomChannel(address, *credentials, args),
+                                  max_message_bytes);
 }
 
 absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry,
                                                     const v1::Policy& policy,
                                                     absl::string_view label,
-                                                    int64_t max_tokens) {
+                                                    int64_t max_tokens,
+                                                    absl::string_view request_id) {
   v1::CreateSessionRequest request;
   *request.mutable_geometry() = geometry;
   *request.mutable_policy() = policy;
   request.set_label(std::string(label));
   request.set_max_tokens(max_tokens);
+  request.set_request_id(std::string(request_id));
   v1::CreateSessionResponse response;
   grpc::ClientContext context;
   if (absl::Status s = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
@@ -761,7 +776,8 @@ absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream(
         absl::StrCat("OpenDecodeStream needs a geometry with heads, head_dim and a dtype; got ",
                      geometry.ShortDebugString()));
   }
-  std::unique_ptr<DecodeStream> stream(new DecodeStream(*stub_, geometry, options));
+  std::unique_ptr<DecodeStream> stream(
+      new DecodeStream(channel_, max_reply_bytes_, geometry, options));
   if (absl::Status s = stream->Open(); !s.ok()) return s;
   return stream;
 }

@@ -165,7 +165,7 @@ class DecodeTransport;
 // the sessions, as they were before the failed step. (After a broken connection or a deadline
 // the failed step may have been committed in some layers: SequenceResult.position and
 // GetSession's layer_tokens tell a runner where each layer is.) Not thread-safe; use one stream
-// per thread.
+// per thread. It shares its Client's channel and may outlive the Client.
 class DecodeStream {
  public:
   ~DecodeStream();
@@ -173,7 +173,8 @@ class DecodeStream {
   // An empty `batch` sends a request with no steps (a no-op round trip on the stream).
   absl::Status Step(int layer, std::span<const SequenceInput> batch, const StepOptions& options,
                     StepResult* result);
-  // Ends the stream from this side and returns the server's final status; later Steps fail
+  // Ends the stream from this side and returns the server's final status: after a failed Step
+  // with no Step since, how that stream ended (the Step's status, once more); later Steps fail
   // with FAILED_PRECONDITION.
   absl::Status Close();
   // Streams opened so far: 1, plus one per Step that followed a failed one.
@@ -181,12 +182,14 @@ class DecodeStream {
 
  private:
   friend class Client;
-  DecodeStream(v1::KvRecall::Stub& stub, const v1::Geometry& geometry,
-               const DecodeStreamOptions& options);
+  DecodeStream(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes,
+               const v1::Geometry& geometry, const DecodeStreamOptions& options);
   // Opens a new stream (the first, or one after a failure).
   absl::Status Open();
 
-  v1::KvRecall::Stub* stub_;
+  // Its own stub on the Client's channel: a stream kept after its Client reopened itself
+  // through the Client's freed stub after a failed step (probe 28, 1).
+  const std::unique_ptr<v1::KvRecall::Stub> stub_;
   v1::Geometry geometry_;
   DecodeStreamOptions options_;
   std::unique_ptr<DecodeTransport> transport_;  // null while no stream is open
@@ -255,7 +258,10 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 // Connects to kvrecalld. Thread-safe: the channel and stub may be shared.
 class Client {
  public:
-  explicit Client(std::shared_ptr<grpc::Channel> channel);
+  // max_reply_bytes: the channel's receive limit, which Decode requests tell the server
+  // (DecodeRequest.max_reply_bytes: a step whose reply could not arrive is refused before it is
+  // applied); 0: none known (the server's limit alone). Connect sets it.
+  explicit Client(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes = 0);
   // An insecure channel to HOST:PORT accepting replies up to max_message_bytes. Checks nothing
   // (gRPC wraps a port past 65535): a caller taking `address` from a user checks it first with
   // CheckServerAddress, as the overload below and the benches do.
@@ -275,10 +281,15 @@ class Client {
   // the address space it reserved; past that, or with --host_kv_growth_ahead=false, a growth
   // copies and pins each layer's KV again in the step, all layers at the same token:
   // bench/results/tiered_serving.md, "A model's layers in turn"). 0: not announced.
+  // request_id: makes a retry safe (CreateSessionRequest.request_id): a call that failed
+  // without an answer (UNAVAILABLE, DEADLINE_EXCEEDED) resent with the same request_id gets the
+  // session the first one made, if it made one (ABORTED while that one is still being made:
+  // retry; ALREADY_EXISTS for another request under the id). "": none.
   absl::StatusOr<SessionHandle> CreateSession(const v1::Geometry& geometry,
                                               const v1::Policy& policy,
                                               absl::string_view label = "",
-                                              int64_t max_tokens = 0);
+                                              int64_t max_tokens = 0,
+                                              absl::string_view request_id = "");
   absl::StatusOr<std::unique_ptr<PrefillStream>> StartPrefill(const SessionHandle& session,
                                                               PrefillOptions options = {});
   // Opens the stream now (a shared one maps its region now: its errors come back here).
@@ -295,6 +306,7 @@ class Client {
  private:
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvRecall::Stub> stub_;
+  int64_t max_reply_bytes_;
 };
 
 }  // namespace kvrecall::client

@@ -102,9 +102,10 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
 };
 
 // The tenant of a call whose bearer token (CallBearerToken) is `token`: the token's tenant in
-// `tokens` (a server without tokens gives every call the tenant ""). A call the processor let
-// through without a known token (health checks, or a call whose token a reload removed between
-// the check and this lookup) gets kNoTenant, which the service refuses (UNAUTHENTICATED).
+// `tokens` (a server without tokens gives every call the tenant "": KvRecallService::IdentityOf).
+// A call the processor let through without a known token (health checks, or a call whose token
+// a reload removed between the check and this lookup) gets kNoTenant, which the service refuses
+// (UNAUTHENTICATED).
 inline constexpr char kNoTenant[] = "?";
 std::string TenantOf(const TokenTable& tokens, absl::string_view token);
 // A call's bearer token ("" without an authorization header of the form "Bearer TOKEN").

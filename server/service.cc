@@ -686,10 +686,15 @@ class KvRecallService::DecodeCall final
                               request_);
     }
     response_.Clear();
-    // A reply over gRPC's message limit would fail to send after the step was applied.
-    grpc::Status status = service_->Answer(
-        decoder_.Serve(request_, &response_, service_->options_.max_message_bytes,
-                       "the server's message limit (--max_message_mb)"));
+    // A reply over gRPC's message limit, the server's or the client's, would fail to arrive
+    // after the step was applied.
+    const uint64_t server_limit = service_->options_.max_message_bytes;
+    const uint64_t client_limit = request_.max_reply_bytes();
+    const bool clients = client_limit > 0 && client_limit < server_limit;
+    grpc::Status status = service_->Answer(decoder_.Serve(
+        request_, &response_, clients ? client_limit : server_limit,
+        clients ? "the client's max_reply_bytes"
+                : "the server's message limit (--max_message_mb)"));
     if (status.ok()) SerializeRawMessage(response_, &out_);
     return status;
   }
@@ -821,6 +826,8 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   // for the drain once it holds a slot.
   grpc::Status Open(const grpc::ByteBuffer* request, absl::string_view peer) {
     const ServiceOptions& options = service_->options_;
+    // Before it takes a slot and a region (review 25: it was refused at its first request).
+    if (identity_.tenant == kNoTenant) return service_->Answer(TokenReloadedAtCallStartStatus());
     if (options.shared_memory_dir.empty()) {
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                           "shared-memory decode is off on this server: kvrecalld serves "
@@ -1033,8 +1040,11 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     }
     // Serve refuses a request whose reply could overflow the reply area before applying it.
     response_.Clear();
-    grpc::Status status =
-        service_->Answer(decoder_.Serve(request_, &response_, region_.reply_capacity()));
+    const uint64_t client_limit = request_.max_reply_bytes();
+    const bool clients = client_limit > 0 && client_limit < region_.reply_capacity();
+    grpc::Status status = service_->Answer(
+        clients ? decoder_.Serve(request_, &response_, client_limit, "the client's max_reply_bytes")
+                : decoder_.Serve(request_, &response_, region_.reply_capacity()));
     if (!status.ok()) return status;
     const size_t size = response_.ByteSizeLong();
     if (size > region_.reply_capacity()) {  // MaxDecodeReplyBytes fell short: a bug
@@ -1295,8 +1305,8 @@ absl::Status KvRecallService::DoCreateSession(absl::string_view tenant,
 void KvRecallService::UndoCreateSession(absl::string_view tenant,
                                         const v1::CreateSessionResponse& response) {
   // Its id was not sent (a ListSessions in the meantime may have listed it: the proto says a
-  // cancelled CreateSession closes what it made).
-  registry_->Close(response.session_id(), tenant).IgnoreError();
+  // cancelled CreateSession closes what it made), unless a retry with its request_id got it.
+  registry_->UndoCreate(response.session_id(), tenant);
   ReturnFreedMemory();
 }
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/btree_map.h"
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
@@ -17,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "proto/tensor_codec.h"
 #include "server/host_memory.h"
 #include "server/status_util.h"
@@ -395,6 +397,23 @@ std::string SessionIdOf(uint64_t number) {
   return absl::StrCat(kSessionIdPrefix, absl::Hex(number, absl::kZeroPad16));
 }
 
+// CreateSessionRequest.request_id: 1 to kMaxRequestIdBytes printable ASCII characters, no
+// spaces (a UUID fits); INVALID_ARGUMENT, without echoing it, otherwise.
+constexpr size_t kMaxRequestIdBytes = 128;
+absl::Status CheckRequestId(absl::string_view request_id) {
+  const bool printable = std::ranges::all_of(request_id, [](char c) { return c > ' ' && c < 127; });
+  if (request_id.size() <= kMaxRequestIdBytes && printable) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("request_id must be 1 to ", kMaxRequestIdBytes,
+                   " printable ASCII characters without spaces, got ", request_id.size(),
+                   " bytes", printable ? "" : " with others"));
+}
+
+// made_by_request_'s key: request ids are per tenant.
+std::string RequestKey(absl::string_view tenant, absl::string_view request_id) {
+  return absl::StrCat(tenant, absl::string_view("\0", 1), request_id);
+}
+
 }  // namespace
 
 bool SessionRegistry::IsSessionIdForm(absl::string_view id) {
@@ -428,6 +447,43 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
     return absl::InvalidArgumentError(absl::StrCat("label must be at most ", kMaxLabelBytes,
                                                    " bytes, got ", request.label().size()));
   }
+  // A request_id names what its first call made, before the limits and budgets, which that
+  // session itself may now fill; a new one is marked as being made until it is registered.
+  std::string request_key;
+  if (!request.request_id().empty()) {
+    if (absl::Status s = CheckRequestId(request.request_id()); !s.ok()) return s;
+    request_key = RequestKey(tenant, request.request_id());
+    v1::CreateSessionRequest without_id = request;
+    without_id.clear_request_id();
+    // Kept while the session lives: unknown fields a client padded it with are not (review 25).
+    without_id.DiscardUnknownFields();
+    absl::MutexLock lock(&mu_);
+    auto [made, is_new] = made_by_request_.try_emplace(request_key);
+    if (!is_new) {
+      if (made->second.session_id.empty()) {
+        return absl::AbortedError(absl::StrCat("a CreateSession with request_id '",
+                                               request.request_id(),
+                                               "' is still making its session: retry it"));
+      }
+      if (!google::protobuf::util::MessageDifferencer::Equals(made->second.request,
+                                                              without_id)) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "request_id '", request.request_id(), "' made session ", made->second.session_id,
+            " from another request (its geometry, policy, label or max_tokens differ): a new "
+            "session needs a new request_id"));
+      }
+      ++made->second.answers;
+      const std::shared_ptr<Session>& session = sessions_.at(made->second.session_id);
+      session->Touch();
+      return session;
+    }
+    made->second.request = std::move(without_id);
+  }
+  absl::Cleanup forget_request = [this, &request_key] {
+    if (request_key.empty()) return;
+    absl::MutexLock lock(&mu_);
+    made_by_request_.erase(request_key);
+  };
   const v1::Geometry& g = request.geometry();
   const LayerConfig config{
       LayerShape{g.q_heads(), g.kv_heads(), g.head_dim(), EffectiveScale(g)}, g.dtype(),
@@ -498,7 +554,36 @@ absl::StatusOr<std::shared_ptr<Session>> SessionRegistry::Create(
   session->Touch();
   sessions_.emplace(id, session);
   tenants_.emplace(id, tenant);
+  if (!request_key.empty()) {
+    MadeByRequest& made = made_by_request_.at(request_key);
+    made.session_id = id;
+    made.answers = 1;
+    request_key_of_.emplace(id, request_key);
+    request_key.clear();  // made: the cleanup leaves it
+  }
   return session;
+}
+
+void SessionRegistry::UndoCreate(absl::string_view id, absl::string_view tenant) {
+  std::shared_ptr<Session> session;
+  {
+    // The count and the unregistering under one hold of mu_: a retry between them got the
+    // session and answered it, and the undo then closed it (review 25).
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end() || tenants_.at(id) != tenant) return;  // closed meanwhile
+    const auto key = request_key_of_.find(id);
+    if (key != request_key_of_.end() && --made_by_request_.at(key->second).answers > 0) return;
+    session = UnregisterLocked(it);
+  }
+  CloseUnregistered(*session);
+}
+
+void SessionRegistry::ForgetRequestOf(absl::string_view id) {
+  const auto key = request_key_of_.find(id);
+  if (key == request_key_of_.end()) return;
+  made_by_request_.erase(key->second);
+  request_key_of_.erase(key);
 }
 
 SessionRegistry::SessionRegistry(MemoryBudget* host_budget, Placements* placements,
@@ -541,6 +626,7 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
       const std::string id = it->first;
       expired.push_back(std::move(it->second));
       sessions_.erase(it++);
+      ForgetRequestOf(id);
       auto tenant = tenants_.extract(id);
       ReleaseTenantSlot(tenant.mapped());
       expired_order_.push_back(id);
@@ -626,19 +712,31 @@ absl::Status SessionRegistry::Close(absl::string_view id, absl::string_view tena
     if (it == sessions_.end() || tenants_.at(id) != tenant) {
       return PrefixStatus(NotFound(id, tenant), "session_id: ");
     }
-    session = std::move(it->second);
-    sessions_.erase(it);
-    ReleaseTenantSlot(tenants_.at(id));
-    tenants_.erase(id);
+    session = UnregisterLocked(it);
   }
+  CloseUnregistered(*session);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<Session> SessionRegistry::UnregisterLocked(
+    absl::flat_hash_map<std::string, std::shared_ptr<Session>>::iterator it) {
+  const std::string id = it->first;
+  std::shared_ptr<Session> session = std::move(it->second);
+  sessions_.erase(it);
+  ForgetRequestOf(id);
+  ReleaseTenantSlot(tenants_.at(id));
+  tenants_.erase(id);
+  return session;
+}
+
+void SessionRegistry::CloseUnregistered(Session& session) {
   // Streams still holding the session see it closed; its memory is freed now, not when the
   // last of them lets go.
   {
-    absl::MutexLock lock(&session->mu());
-    session->Close();
+    absl::MutexLock lock(&session.mu());
+    session.Close();
   }
   TellClosedListener();
-  return absl::OkStatus();
 }
 
 std::vector<std::shared_ptr<Session>> SessionRegistry::List(absl::string_view tenant) const {

@@ -237,8 +237,13 @@ class SessionRegistry {
   // an id nobody holds, and List leaves them out.
 
   // Validates geometry and policy, places the session on a backend, admits it, then registers it.
+  // With a request_id (CreateSessionRequest.request_id): the session an earlier call of
+  // `tenant` with that id made, while it is open and the request is the same.
   absl::StatusOr<std::shared_ptr<Session>> Create(const v1::CreateSessionRequest& request,
                                                   absl::string_view tenant = "");
+  // A Create's answer that did not reach its client: closes the session unless another Create
+  // with its request_id answered it too (each answer is counted; this takes one back).
+  void UndoCreate(absl::string_view id, absl::string_view tenant);
   // NOT_FOUND when there is no such session of `tenant` (saying so when it expired),
   // INVALID_ARGUMENT for an empty id. The message names the id, not the field: callers prefix
   // it (PrefixStatus). Marks the session used (Session::Touch).
@@ -297,10 +302,28 @@ class SessionRegistry {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Counts one session of `tenant` fewer in held_by_tenant_.
   void ReleaseTenantSlot(absl::string_view tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets the request_id of session `id` (it closed), if it had one.
+  void ForgetRequestOf(absl::string_view id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the session at `it` out of the registry (its tenant's slot and request_id too) and
+  // returns it; then CloseUnregistered, outside mu_, frees it and tells the listener.
+  std::shared_ptr<Session> UnregisterLocked(
+      absl::flat_hash_map<std::string, std::shared_ptr<Session>>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseUnregistered(Session& session) ABSL_LOCKS_EXCLUDED(mu_);
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::string> tenants_ ABSL_GUARDED_BY(mu_);  // by session id
+  // What CreateSession's request_id made: by tenant and request id (RequestKey), the session
+  // (empty while it is being made), the request without its id, and the calls that answered
+  // it (UndoCreate takes one back); and each such session's key, to forget it at its close.
+  struct MadeByRequest {
+    std::string session_id;
+    v1::CreateSessionRequest request;
+    int64_t answers = 0;
+  };
+  absl::flat_hash_map<std::string, MadeByRequest> made_by_request_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::string> request_key_of_ ABSL_GUARDED_BY(mu_);
   int64_t creating_ ABSL_GUARDED_BY(mu_) = 0;  // admissions in progress (count for max_sessions)
   // Per tenant, its sessions and admissions in progress (max_sessions_per_tenant); a tenant
   // holding none has no entry.

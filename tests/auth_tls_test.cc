@@ -164,6 +164,7 @@ class TlsTest : public ::testing::Test {
     options.limits = limits;
     options.host_memory_budget_bytes = host_memory_budget_bytes;
     options.service_test_hooks = hooks_;
+    options.shared_memory_dir = shared_memory_dir_;
     absl::StatusOr<std::unique_ptr<testing::InProcessServer>> server =
         testing::InProcessServer::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -193,6 +194,7 @@ class TlsTest : public ::testing::Test {
   }
 
   ServiceTestHooks hooks_;  // the next Start's
+  std::string shared_memory_dir_;  // the next Start's --shared_memory_dir
   std::unique_ptr<testing::InProcessServer> server_;
 };
 
@@ -361,6 +363,8 @@ TEST_F(TlsTest, ACallWhoseTokenIsReloadedAwayAsItStartsIsRefused) {
   security.auth_token_file = pki().Path("reloaded_at_start.tokens");
   const std::string with_alice = absl::StrCat(kAliceToken, " alice\n", kBobToken, " bob\n");
   WriteFile(security.auth_token_file, with_alice);
+  testing::TempDirectory regions("tls-regions");
+  shared_memory_dir_ = regions.path();
   std::atomic<bool> reload_next_call{false};
   hooks_.before_call_identified = [&] {
     if (!reload_next_call.exchange(false)) return;
@@ -408,6 +412,11 @@ TEST_F(TlsTest, ACallWhoseTokenIsReloadedAwayAsItStartsIsRefused) {
     if (!decode.ok()) return decode.status();
     return (*decode)->Step(0, std::span(&input, 1), {}, &result);
   }));
+  // DecodeShared is refused as it opens, before it takes a slot and a region.
+  EXPECT_TRUE(refused_as_it_starts([&] {
+    return alice->OpenDecodeStream(g, {.shared_memory = true}).status();
+  }));
+  EXPECT_TRUE(std::filesystem::is_empty(regions.path()));
   // Nothing was applied: one session, never prefilled; the token works again.
   absl::StatusOr<std::vector<v1::SessionInfo>> listed = alice->ListSessions();
   ASSERT_TRUE(listed.ok()) << listed.status();
@@ -418,6 +427,30 @@ TEST_F(TlsTest, ACallWhoseTokenIsReloadedAwayAsItStartsIsRefused) {
   ASSERT_TRUE((*prefill)->SendLayer(0, q, kv, kv).ok());
   ASSERT_TRUE((*prefill)->Finish().ok());
   EXPECT_TRUE(alice->CloseSession(session->id).ok());
+}
+
+// A CreateSession's request_id is its tenant's: another tenant's call with the same id makes a
+// session of its own, and does not learn of the first.
+TEST_F(TlsTest, RequestIdsArePerTenant) {
+  Start(WithTokens());
+  std::unique_ptr<client::Client> alice = ConnectWithToken(kAliceToken);
+  std::unique_ptr<client::Client> bob = ConnectWithToken(kBobToken);
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  const v1::Policy full = testing::MakePolicy(v1::SELECTOR_FULL);
+  absl::StatusOr<client::SessionHandle> alices = alice->CreateSession(g, full, "", 0, "same-id");
+  absl::StatusOr<client::SessionHandle> bobs = bob->CreateSession(g, full, "", 0, "same-id");
+  ASSERT_TRUE(alices.ok() && bobs.ok());
+  EXPECT_NE(alices->id, bobs->id);
+  absl::StatusOr<client::SessionHandle> alices_again =
+      alice->CreateSession(g, full, "", 0, "same-id");
+  ASSERT_TRUE(alices_again.ok());
+  EXPECT_EQ(alices_again->id, alices->id);
+  // Bob's other request under the id is checked against his own session alone.
+  absl::StatusOr<client::SessionHandle> bobs_other =
+      bob->CreateSession(g, full, "another label", 0, "same-id");
+  EXPECT_TRUE(HasStatus(bobs_other.status(), absl::StatusCode::kAlreadyExists,
+                        absl::StrCat("made session ", bobs->id)));
+  EXPECT_EQ(bob->GetSession(alices->id).status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {

@@ -307,6 +307,18 @@ TEST_F(CliTest, SessionSubcommandsCreateGetListAndClose) {
             1000 * 2 * 2 * 64 * 4);
   ASSERT_EQ(Kvrecall("close", {announced}).exit_code, 0);
 
+  // --request_id: run again, the same session; other flags with it, ALREADY_EXISTS.
+  r = Kvrecall("create", {"--request_id=cli-retry-1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string first = r.out;
+  r = Kvrecall("create", {"--request_id=cli-retry-1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, first);
+  r = Kvrecall("create", {"--request_id=cli-retry-1", "--label=other"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("ALREADY_EXISTS: request_id 'cli-retry-1' made session"));
+  ASSERT_EQ(Kvrecall("close", {first.substr(0, first.size() - 1)}).exit_code, 0);
+
   r = Kvrecall("get", {id, "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json info = nlohmann::json::parse(r.out);

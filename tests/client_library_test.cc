@@ -349,6 +349,55 @@ TEST_F(ClientTest, DecodeStreamRecoversAfterAFailedStep) {
   EXPECT_EQ((*decode)->streams_opened(), 2);
 }
 
+// A DecodeStream kept after its Client is gone goes on, across a failed step too: it reopened
+// itself through the Client's stub, freed with it (a crash: probe 28, 1).
+TEST_F(ClientTest, ADecodeStreamOutlivesItsClient) {
+  const v1::Geometry g = testing::MakeGeometry(1, 4, 2, 8);
+  RandomPrompt prompt(g, 12, 21);
+  const SessionHandle session = Prefilled(g, prompt);
+  absl::StatusOr<std::unique_ptr<DecodeStream>> decode;
+  {
+    Client own(server().channel());
+    decode = own.OpenDecodeStream(g);
+    ASSERT_TRUE(decode.ok());
+  }
+  const std::vector<float> q = testing::RandomNormal(32, 22), kv = testing::RandomNormal(16, 23);
+  SequenceInput step{session.id, q, kv, kv};
+  StepResult result;
+  ASSERT_TRUE((*decode)->Step(0, {&step, 1}, {}, &result).ok());
+  step.position = 99;  // refused: nothing appended, the stream ends
+  EXPECT_EQ((*decode)->Step(0, {&step, 1}, {}, &result).code(), absl::StatusCode::kAborted);
+  step.position.reset();
+  ASSERT_TRUE((*decode)->Step(0, {&step, 1}, {}, &result).ok());  // on a stream of its own stub
+  EXPECT_EQ((*decode)->streams_opened(), 2);
+  EXPECT_EQ(result.response->results(0).position(), 13);
+  EXPECT_TRUE((*decode)->Close().ok());
+}
+
+// A client's own receive limit (Connect's max_message_bytes) travels with its requests: a step
+// whose reply could exceed it is refused before it applies. (gRPC refused such a reply on the
+// client after the server had applied the step: probe 28, 3.)
+TEST_F(ClientTest, AReplyPastTheClientsLimitIsRefusedBeforeTheStepApplies) {
+  const v1::Geometry g = testing::MakeGeometry(1, 32, 1, 16);
+  RandomPrompt prompt(g, 6, 31);
+  const SessionHandle session = Prefilled(g, prompt);
+  std::unique_ptr<Client> small = Client::Connect(server().address(), 3072);
+  absl::StatusOr<std::unique_ptr<DecodeStream>> decode = small->OpenDecodeStream(g);
+  ASSERT_TRUE(decode.ok());
+  const std::vector<float> q = testing::RandomNormal(32 * 16, 32);
+  const std::vector<float> kv = testing::RandomNormal(16, 33);
+  const SequenceInput step{session.id, q, kv, kv};
+  StepResult result;
+  const StepOptions everything{.return_lse = true, .diagnostics = true, .compare_exact = true};
+  EXPECT_TRUE(testing::HasStatus((*decode)->Step(0, {&step, 1}, everything, &result),
+                                 absl::StatusCode::kResourceExhausted,
+                                 "over the client's max_reply_bytes of 3072 bytes; nothing of it "
+                                 "was applied"));
+  EXPECT_EQ(client_->GetSession(session.id)->tokens(), 6);
+  ASSERT_TRUE((*decode)->Step(0, {&step, 1}, {}, &result).ok());  // a smaller reply fits
+  EXPECT_EQ(result.response->results(0).position(), 6);
+}
+
 TEST_F(ClientTest, AStepThatSaysItsPositionIsNotAppendedTwice) {
   const v1::Geometry g = testing::MakeGeometry(1, 4, 2, 8);
   const RandomPrompt prompt(g, 12, 11);

@@ -160,6 +160,14 @@ class ClientTest(ServerTest):
             k = np.ones((1000, 8, 128), np.float32)
             s.prefill([(None, k, k)])
             self.assertEqual(s.info().prompt_tokens, 1000)
+        # A client's own smaller limit shrinks its default chunks too (they were refused as
+        # "Sent message larger than max (1044532 vs. 262144)": probe 28, 10).
+        with Kvrecalld() as server, kvrecall.Client(server.address, wait_ready_s=30,
+                                                    max_message_bytes=256 << 10) as c:
+            s = c.create_session(make_geometry(1, 8, 8, 128), make_policy("full"))
+            k = np.ones((1000, 8, 128), np.float32)
+            s.prefill([(None, k, k)])
+            self.assertEqual(s.info().prompt_tokens, 1000)
 
     def test_prefill_sends_only_the_queries_the_session_needs(self):
         # CreateSession's prompt_queries: none for exact_topk, ReTopK's last C = 32, every one
@@ -188,6 +196,18 @@ class ClientTest(ServerTest):
         self.addCleanup(s.close)
         with self.assertRaisesRegex(ValueError, "q may be None only for a session that needs"):
             s.prefill([(None, k, v) for _, k, v in self.prompt(5)])
+
+    def test_a_create_session_resent_with_its_request_id_gets_the_same_session(self):
+        g = make_geometry(self.L, self.HQ, self.HKV, self.D)
+        first = self.client.create_session(g, make_policy("full"), request_id="py-retry-1")
+        self.addCleanup(first.close)
+        again = self.client.create_session(g, make_policy("full"), request_id="py-retry-1")
+        self.assertEqual(again.id, first.id)
+        with self.assertRaises(kvrecall.KvRecallError) as refused:
+            self.client.create_session(g, make_policy("full"), label="other",
+                                       request_id="py-retry-1")
+        self.assertEqual(refused.exception.code, grpc.StatusCode.ALREADY_EXISTS)
+        self.assertIn(f"made session {first.id}", refused.exception.message)
 
     def test_streaming_k_of_the_sinks_alone_keeps_no_recent_window(self):
         # review 24, 3: streaming:128 was refused, said to ask for the server's default window,
@@ -243,6 +263,82 @@ class ClientTest(ServerTest):
         np.testing.assert_allclose(r.output, want, rtol=1e-2, atol=1e-2)
         np.testing.assert_array_equal(r.output, as_bf16(r.output))  # travelled as bf16
 
+    def test_a_reply_past_the_clients_own_limit_is_refused_before_the_step_applies(self):
+        # probe 28, 3: gRPC refused such a reply on the client, after the server had applied the
+        # step, so a resend without a position appended the token twice. The client now tells
+        # the server its limit (DecodeRequest.max_reply_bytes).
+        with kvrecall.Client(self.address, wait_ready_s=30, max_message_bytes=3 << 10) as c:
+            g = make_geometry(1, 64, 1, 16, "bf16")
+            s = c.create_session(g, make_policy("full"))
+            rng = np.random.default_rng(90)
+            k = rng.standard_normal((8, 1, 16), dtype=np.float32)
+            s.prefill([(None, k, k)])
+            q = rng.standard_normal((64, 16), dtype=np.float32)
+            kv = rng.standard_normal((1, 16), dtype=np.float32)
+            with self.assertRaises(kvrecall.KvRecallError) as e:
+                s.attend(0, q, kv, kv, return_lse=True, diagnostics=True, compare_exact=True)
+            self.assertEqual(e.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("over the client's max_reply_bytes of 3072 bytes; nothing of it was "
+                          "applied", e.exception.message)
+            self.assertEqual(s.info().tokens, 8)
+            self.assertEqual(s.attend(0, q, kv, kv).position, 8)  # a smaller reply fits
+            s.close()
+
+    def test_outputs_are_read_only_in_every_dtype_and_f16_names_its_overflow(self):
+        # probe 28, 9 and 11: only f32's outputs were read-only; an f16 session's finite 70000
+        # was refused by the server as "a non-finite value (inf)", the client's conversion.
+        q, k, v = self.step_inputs(91)
+        for dtype in ("f32", "f16", "bf16"):
+            with self.subTest(dtype=dtype):
+                s, _ = self.new_session(dtype=dtype, seed=92)
+                r = s.attend(0, q, k, v, return_lse=True)
+                self.assertFalse(r.output.flags.writeable)
+                self.assertFalse(r.lse.flags.writeable)
+                if dtype == "f16":
+                    big = q.copy()
+                    big[2, 5] = 70000.0
+                    with self.assertRaisesRegex(ValueError, r"70000.0 is past f16's range"):
+                        s.attend(0, big, k, v)
+                    self.assertEqual(s.info().tokens, self.T + 1)
+
+    def test_threads_sharing_a_client_see_only_their_own_failures(self):
+        # probe 28, 4: one thread's failed step ended the shared stream under the steps other
+        # threads were waiting to send (FAILED_PRECONDITION "decode stream is closed", never
+        # sent), and threads racing to reopen it each opened one that nobody closed.
+        sessions = [self.new_session(seed=80 + i)[0] for i in range(3)]
+        q, k, v = self.step_inputs(83)
+        bad_q = q.copy()
+        bad_q[0, 0] = np.nan
+        errors, refused = [], []
+
+        def run(session, bad):
+            for _ in range(40):
+                try:
+                    session.attend(0, bad_q if bad else q, k, v)
+                    if bad:
+                        errors.append("a NaN step was served")
+                except kvrecall.KvRecallError as e:
+                    (refused if bad and e.code == grpc.StatusCode.INVALID_ARGUMENT
+                     else errors).append(e)
+
+        self.new_session(seed=84)[0].attend(0, q, k, v)  # the stream open, and gRPC's threads
+        threads_before = threading.active_count()
+        workers = [threading.Thread(target=run, args=(s, i == 0)) for i, s in enumerate(sessions)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(len(refused), 40)
+        for s in sessions[1:]:
+            self.assertEqual(s.info().tokens, self.T + 40)
+        self.assertEqual(sessions[0].info().tokens, self.T)
+        # One stream open (its request thread), not one per racing reopen.
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads_before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertLessEqual(threading.active_count(), threads_before)
+
     def test_errors_carry_status_code_and_message_and_the_stream_recovers(self):
         s, _ = self.new_session()
         q, k, v = self.step_inputs(4)
@@ -254,6 +350,12 @@ class ClientTest(ServerTest):
         self.assertIn("does not fit shape [4, 16]", str(e.exception))
         with self.assertRaises(ValueError):
             s.attend(0, [[1.0, 2.0], [3.0]], k, v)  # ragged
+        # The right element count in another shape: a transposed q was read as [heads, d], a
+        # silently wrong attention (probe 28, 2); so were k and v of [2, kv_heads * d / 2].
+        for args in ((q.T.copy(), k, v), (q.T, k, v), (q.reshape(2, -1), k, v),
+                     (q, k.reshape(-1, 8), v), (q, k, v.reshape(-1, 4))):
+            with self.assertRaisesRegex(ValueError, r"does not fit shape \[\d+, 16\]"):
+                s.attend(0, *args)
         bad = q.copy()
         bad[1, 3] = np.nan
         with self.assertRaises(kvrecall.KvRecallError) as e:
@@ -741,6 +843,19 @@ class SharedMemoryTest(ClientTest):
         self.assertEqual(e.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("max_request_bytes", e.exception.message)
 
+    def test_a_failure_longer_than_the_reply_area_is_told_whole(self):
+        # probe 28, 7: the message was cut to the reply area, losing "nothing of it was applied"
+        from kvrecall.shared import SharedDecodeStream
+        s, _ = self.new_session(seed=53)
+        stream = SharedDecodeStream(self.client.channel, max_reply_bytes=64)
+        self.addCleanup(stream.close)
+        with self.assertRaises(kvrecall.KvRecallError) as e:
+            stream.step(0, [(s, *self.step_inputs(54))])  # its reply could take more than 64
+        self.assertEqual(e.exception.code, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.assertIn("over the reply area of 64 bytes; nothing of it was applied",
+                      e.exception.message)
+        self.assertEqual(s.info().tokens, self.T)
+
     def test_a_runner_whose_step_failed_reopens_in_the_one_slot_at_once(self):
         # --max_shared_streams=1: a failed step ends its stream, and the client's next step opens
         # another at once, which finds the slot free (probe 8: the slot was given back only
@@ -785,6 +900,25 @@ class SharedMemoryTest(ClientTest):
                     self.assertLess(time.monotonic() - t, 10)
                     self.assertTrue(stream.broken)
                     server.process.wait(30)
+
+    def test_leaving_the_client_on_an_error_keeps_that_error_when_the_server_is_gone(self):
+        # probe 28, 6: the decode stream's UNAVAILABLE from close() replaced the runner's own
+        # exception as it left `with Client(...)`; leaving without one, it is still raised.
+        for raising in (True, False):
+            with self.subTest(raising=raising), Kvrecalld() as server:
+                with self.assertRaises(RuntimeError if raising else kvrecall.KvRecallError) as e:
+                    with kvrecall.Client(server.address, wait_ready_s=30) as c:
+                        s = c.create_session(make_geometry(1, self.HQ, self.HKV, self.D))
+                        s.prefill([tuple(x[:8] for x in self.prompt(73)[0])])
+                        s.attend(0, *self.step_inputs(74))
+                        server.process.send_signal(signal.SIGTERM)
+                        server.process.wait(30)
+                        if raising:
+                            raise RuntimeError("the runner's own error")
+                if raising:
+                    self.assertEqual(str(e.exception), "the runner's own error")
+                else:
+                    self.assertEqual(e.exception.code, grpc.StatusCode.UNAVAILABLE)
 
     def test_a_server_without_a_shared_memory_dir_refuses(self):
         from kvrecall.shared import SharedDecodeStream

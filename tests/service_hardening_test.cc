@@ -822,6 +822,97 @@ TEST_F(HardeningTest, APrefillWhoseSessionClosesDuringItsCommitStopsItsBuild) {
 // the deadline) is answered DEADLINE_EXCEEDED, and the session it made,
 // whose id no client has, is closed again with its memory. Before: it stayed, holding its
 // max_tokens' set-aside and a --max_sessions slot until its idle TTL (forever without one).
+// CreateSessionRequest.request_id makes a retry safe: the same request again answers the session
+// the first call made (whatever the limits say now), another request under the same id is
+// ALREADY_EXISTS, a malformed id INVALID_ARGUMENT, and once the session closes the id makes a
+// new one. (A runner that lost an answer had no way but ListSessions by label to find the
+// session, which otherwise stayed forever without an idle TTL: probe 27.)
+TEST(CreateSessionRequestIdTest, ARetryGetsTheSessionTheFirstCallMade) {
+  ServerOptions options;
+  options.limits.max_sessions = 1;
+  absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = SmallGeometry();
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_RETOPK);
+  request.set_max_tokens(64);
+  request.set_request_id("8d0f7c1e-retry");
+  auto create = [&](const v1::CreateSessionRequest& r, v1::CreateSessionResponse* response) {
+    grpc::ClientContext context;
+    return FromGrpc((*server)->stub().CreateSession(&context, r, response));
+  };
+  v1::CreateSessionResponse first, again;
+  ASSERT_TRUE(create(request, &first).ok());
+  const int64_t one_session = (*server)->server().budget().used();
+  ASSERT_TRUE(create(request, &again).ok());  // past --max_sessions=1: it is the same session
+  EXPECT_EQ(again.session_id(), first.session_id());
+  EXPECT_EQ(again.policy().SerializeAsString(), first.policy().SerializeAsString());
+  EXPECT_EQ(again.prompt_queries(), first.prompt_queries());
+  EXPECT_EQ((*server)->server().sessions().List().size(), 1u);
+  EXPECT_EQ((*server)->server().budget().used(), one_session);
+  v1::CreateSessionRequest other = request;
+  other.set_label("another");
+  v1::CreateSessionResponse refused;
+  EXPECT_TRUE(HasStatus(create(other, &refused), absl::StatusCode::kAlreadyExists,
+                        absl::StrCat("request_id '8d0f7c1e-retry' made session ",
+                                     first.session_id(), " from another request")));
+  for (const std::string& bad : {std::string("has space"), std::string(129, 'x'),
+                                 std::string("tab\t"), std::string("\xc3\xa9")}) {
+    other = request;
+    other.set_request_id(bad);
+    EXPECT_TRUE(HasStatus(create(other, &refused), absl::StatusCode::kInvalidArgument,
+                          "request_id must be 1 to 128 printable ASCII characters"))
+        << bad;
+  }
+  other = request;
+  other.clear_request_id();
+  EXPECT_EQ(create(other, &refused).code(), absl::StatusCode::kResourceExhausted);
+  // Closed, its id makes a new session.
+  ASSERT_TRUE(CloseSession((*server)->stub(), first.session_id()).ok());
+  ASSERT_TRUE(create(request, &again).ok());
+  EXPECT_NE(again.session_id(), first.session_id());
+  EXPECT_TRUE(GetSession((*server)->stub(), again.session_id()).ok());
+}
+
+// A retry that comes while the first call's answer is being lost (its deadline passed in its
+// handler, held there by a test hook) gets the session, and the first call's undo leaves it
+// open: the answers are counted, and only the last one lost closes it.
+TEST(CreateSessionRequestIdTest, ARetryKeepsTheSessionTheFirstCallsLostAnswerWouldClose) {
+  ServerOptions options;
+  options.worker_threads = 4;  // the retry is served while the first call's handler sleeps
+  std::atomic<int> handled{0};
+  std::atomic<bool> first_returned{false};
+  options.service_test_hooks.after_create_session = [&handled, &first_returned] {
+    if (handled.fetch_add(1) > 0) return;
+    absl::SleepFor(absl::Seconds(2));
+    first_returned = true;  // its undo follows at once, on this thread
+  };
+  absl::StatusOr<std::unique_ptr<InProcessServer>> server = InProcessServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  RunningServer& running = (*server)->server();
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = SmallGeometry();
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_request_id("lost-answer");
+  auto create = [&](absl::Duration deadline, v1::CreateSessionResponse* response) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    return FromGrpc((*server)->stub().CreateSession(&context, request, response));
+  };
+  v1::CreateSessionResponse lost, retried;
+  EXPECT_EQ(create(absl::Seconds(1), &lost).code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(create(absl::Seconds(60), &retried).ok());
+  EXPECT_EQ(handled.load(), 2) << "the first call's handler had not made the session";
+  ASSERT_TRUE(testing::Within(absl::Seconds(10), [&] { return first_returned.load(); }));
+  absl::SleepFor(absl::Milliseconds(200));  // its undo (and gRPC's OnDone) have run
+  EXPECT_EQ(running.sessions().List().size(), 1u);
+  EXPECT_TRUE(GetSession((*server)->stub(), retried.session_id()).ok())
+      << "the first call's lost answer closed the session the retry got";
+  // A last lost answer closes it: the retry's own, taken back as the registry's undo does.
+  running.sessions().UndoCreate(retried.session_id(), "");
+  EXPECT_EQ(running.sessions().List().size(), 0u);
+}
+
 TEST(CancelRaceTest, ACreateSessionCancelledWhileItsHandlerRunsLeavesNoSession) {
   ServerOptions options;
   std::atomic<int> handled{0};

@@ -14,6 +14,9 @@ ABSL_FLAG(std::string, label, "", "create: free text shown by get and list");
 ABSL_FLAG(int64_t, max_tokens, 0,
           "create: the most tokens the session will hold (prompt + decoded), set aside now so "
           "that its KV never grows (0: not announced)");
+ABSL_FLAG(std::string, request_id, "",
+          "create: makes a retry safe: run again with the same id (and flags), it prints the "
+          "session the first run made, if it made one (a UUID, say; empty: none)");
 
 namespace kvrecall::cli {
 
@@ -36,7 +39,7 @@ int RunCreate(const std::vector<char*>& args) {
   if (!client.ok()) return ReportError("create", client.status());
   absl::StatusOr<SessionHandle> session =
       (*client)->CreateSession(geometry, *policy, absl::GetFlag(FLAGS_label),
-                               absl::GetFlag(FLAGS_max_tokens));
+                               absl::GetFlag(FLAGS_max_tokens), absl::GetFlag(FLAGS_request_id));
   if (!session.ok()) return ReportError("create", session.status());
   if (absl::GetFlag(FLAGS_json)) {
     v1::CreateSessionResponse response;

@@ -53,6 +53,11 @@ class KvRecallError(Exception):
         return cls(e.code(), e.details())
 
 
+class _StreamEndedBeforeSend(KvRecallError):
+    """A step refused before anything of it was sent: its stream had ended (another thread's
+    failed step, or close())."""
+
+
 def make_geometry(layers, q_heads, kv_heads, head_dim, dtype="f32", softmax_scale=0.0):
     return pb.Geometry(layers=layers, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                        dtype=tensors.dtype_of(dtype), softmax_scale=softmax_scale)
@@ -103,7 +108,7 @@ def streaming_window(k):
 class SequenceResult:
     """One sequence's answer to one decode step of one layer."""
     session_id: str
-    output: np.ndarray        # [q_heads, head_dim], float32
+    output: np.ndarray        # [q_heads, head_dim], float32, read-only (copy it to write)
     lse: np.ndarray | None    # [q_heads], when return_lse
     heads: list               # pb.HeadDiagnostics per query head, when diagnostics/compare_exact
     position: int             # position of the token just appended in this layer
@@ -232,7 +237,7 @@ def _step_parts(step):
     return session, q, k, v, _check_position(position[0] if position else None)
 
 
-def _request_head(request_id, layer, return_lse, diagnostics, compare_exact):
+def _request_head(request_id, layer, return_lse, diagnostics, compare_exact, max_reply_bytes=0):
     """A DecodeRequest's fields but its steps, serialized by hand (no message built per step);
     protobuf parses fields in any order, so the steps may follow. ValueError for a layer
     outside [0, 2^31) (_check_layer)."""
@@ -240,6 +245,8 @@ def _request_head(request_id, layer, return_lse, diagnostics, compare_exact):
     head = b"\x08" + _varint(request_id) if request_id else b""
     if layer:
         head += b"\x10" + _varint(layer)
+    if max_reply_bytes:
+        head += b"\x38" + _varint(max_reply_bytes)  # field 7
     return head + _FLAGS[(bool(return_lse), bool(diagnostics), bool(compare_exact))]
 
 
@@ -265,9 +272,11 @@ class _LayerStepStream:
         steps = [_step_parts(step) for step in steps]
         with self._lock:
             if self.broken:
-                raise KvRecallError(grpc.StatusCode.FAILED_PRECONDITION, "decode stream is closed")
+                raise _StreamEndedBeforeSend(grpc.StatusCode.FAILED_PRECONDITION,
+                                             "decode stream is closed")
             request_id = self._next_id
-            pieces = [_request_head(request_id, layer, return_lse, diagnostics, compare_exact)]
+            pieces = [_request_head(request_id, layer, return_lse, diagnostics, compare_exact,
+                                    self._max_reply_bytes)]
             for session, q, k, v, position in steps:
                 session.step_wire().append(pieces, q, k, v, position)
             self._next_id += 1
@@ -297,7 +306,11 @@ class DecodeStream(_LayerStepStream):
 
     _METHOD = "/{}/Decode".format(pb.DESCRIPTOR.services_by_name["KvRecall"].full_name)
 
-    def __init__(self, channel):
+    def __init__(self, channel, max_reply_bytes=0):
+        """max_reply_bytes: the channel's receive limit, told to the server with every request
+        (DecodeRequest.max_reply_bytes: a step whose reply could not arrive is refused before
+        it is applied); 0: the server's limit alone."""
+        self._max_reply_bytes = max_reply_bytes
         self._requests = queue.SimpleQueue()  # C-level put and get: a cheaper wake-up
         decode = channel.stream_stream(self._METHOD, request_serializer=None,
                                        response_deserializer=pb.DecodeResponse.FromString)
@@ -690,24 +703,35 @@ def connection_from_args(args):
 class Client:
     """A channel to kvrecalld. `max_message_bytes` bounds messages both ways; a prefill chunk
     carries at most `prefill_chunk_bytes` of tensors (at least one token's), to which its framing
-    adds a few hundred bytes: the default leaves 4 KiB of a 1 MiB message, the smallest
-    --max_message_mb kvrecalld takes (64 MiB by default; a gRPC server's own default is 4 MiB).
+    adds a few hundred bytes: the default (None) leaves 4 KiB of a 1 MiB message, the smallest
+    --max_message_mb kvrecalld takes (64 MiB by default; a gRPC server's own default is 4 MiB),
+    or of max_message_bytes when that is smaller.
     `tls` and `token` secure the channel (see make_channel: a token alone goes over TLS to
     HOST:PORT, in plaintext to a unix:PATH socket; the environment is not read, see
     read_token_file). `shared_memory`: decode steps go through
     a shared-memory region (DecodeShared, kvrecall.shared.SharedDecodeStream) instead of the
-    Decode call, for a runner on the server's host (a server with --shared_memory_dir)."""
+    Decode call, for a runner on the server's host (a server with --shared_memory_dir).
 
-    def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=(1 << 20) - 4096,
+    Threads may share a Client: their decode steps go one at a time over its one decode stream
+    (a step whose stream another thread's failed step ended before it was sent goes on the
+    next stream); for steps in parallel, give each thread a Client of its own."""
+
+    def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=None,
                  wait_ready_s=10.0, tls=None, token=None, shared_memory=False):
         kind = _channel_kind(target, tls, token)
         self.channel = make_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes)], tls=tls, token=token)
         self.stub = pb_grpc.KvRecallStub(self.channel)
+        # gRPC's -1 is "no limit": then none is told to the server (review 25).
+        self.max_message_bytes = max(0, max_message_bytes)
+        if prefill_chunk_bytes is None:  # a smaller limit's chunks were refused: probe 28, 10
+            limit = 1 << 20 if max_message_bytes <= 0 else min(1 << 20, max_message_bytes)
+            prefill_chunk_bytes = max(1, limit - 4096)
         self.prefill_chunk_bytes = prefill_chunk_bytes
         self.shared_memory = shared_memory
         self._stream = None
+        self._stream_lock = threading.Lock()
         self._closed = False
         if wait_ready_s:
             try:
@@ -724,8 +748,15 @@ class Client:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        # Leaving on an exception, the decode stream's end (UNAVAILABLE from a server that went
+        # away, say) must not replace it: the runner's own error is what it needs to see (it
+        # was lost behind "kvrecalld is shutting down": probe 28, 6).
+        try:
+            self.close()
+        except KvRecallError:
+            if exc_type is None:
+                raise
 
     def check_open(self):
         """KvRecallError FAILED_PRECONDITION once close() has run (gRPC itself raises
@@ -742,16 +773,20 @@ class Client:
         except grpc.RpcError as e:
             raise KvRecallError.from_rpc_error(e) from None
 
-    def create_session(self, geometry, policy=None, label="", max_tokens=0):
+    def create_session(self, geometry, policy=None, label="", max_tokens=0, request_id=""):
         """A new session. max_tokens: the most tokens it will hold (prompt + decoded), when the
         runner knows it: their memory is set aside now (RESOURCE_EXHAUSTED when it does not
         fit), so that decoding up to it never grows a layer's KV (the server grows an array
         ahead of need, off the step, within the address space it reserved; one past it, or with
         --host_kv_growth_ahead=false, is copied and pinned again in the step, every layer at the
-        same token). 0: not announced."""
+        same token). 0: not announced. request_id: makes a retry safe
+        (CreateSessionRequest.request_id; a uuid.uuid4().hex, say): a call that failed without
+        an answer, resent with the same request_id, gets the session the first one made, if it
+        made one (ABORTED while that one is still being made: retry; ALREADY_EXISTS for another
+        request under the id). "": none."""
         resp = self.call("CreateSession", pb.CreateSessionRequest(
             geometry=geometry, policy=policy or make_policy(), label=label,
-            max_tokens=max_tokens))
+            max_tokens=max_tokens, request_id=request_id))
         return Session(self, resp.session_id, geometry, resp.policy,
                        resp.prompt_queries if resp.HasField("prompt_queries") else -1)
 
@@ -769,14 +804,15 @@ class Client:
     def decode_stream(self):
         """The client's Decode stream (a SharedDecodeStream when `shared_memory`), (re)opened
         on first use and after a failed step."""
-        self.check_open()
-        if self._stream is None or self._stream.broken:
-            if self.shared_memory:
-                from kvrecall.shared import SharedDecodeStream  # it imports this module
-                self._stream = SharedDecodeStream(self.channel)
-            else:
-                self._stream = DecodeStream(self.channel)
-        return self._stream
+        with self._stream_lock:  # threads racing to reopen it each opened one (probe 28, 4)
+            self.check_open()
+            if self._stream is None or self._stream.broken:
+                if self.shared_memory:
+                    from kvrecall.shared import SharedDecodeStream  # it imports this module
+                    self._stream = SharedDecodeStream(self.channel)
+                else:
+                    self._stream = DecodeStream(self.channel, self.max_message_bytes)
+            return self._stream
 
     def attend_batch(self, layer, steps, **options):
         """One layer of one decode step for several sessions: steps [(session, q, k, v)], each
@@ -784,15 +820,23 @@ class Client:
         (_LayerStepStream.step)."""
         _check_layer(layer)  # before decode_stream opens a stream (a shared region) for nothing
         steps = [_step_parts(step) for step in steps]
-        return self.decode_stream.step(layer, steps, **options)
+        while True:
+            try:
+                return self.decode_stream.step(layer, steps, **options)
+            except _StreamEndedBeforeSend:
+                # Another thread's failed step ended the stream while this one waited for it:
+                # nothing of this step was sent, so it goes on the next stream (it failed
+                # with that thread's stream: probe 28, 4). After close(), check_open raises.
+                continue
 
     def close(self):
-        self._closed = True
+        with self._stream_lock:  # no stream reopened on the closing channel (review 25)
+            self._closed = True
+            stream, self._stream = self._stream, None
         try:
-            if self._stream is not None:
-                self._stream.close()
+            if stream is not None:
+                stream.close()
         finally:
-            self._stream = None
             self.channel.close()
 
 

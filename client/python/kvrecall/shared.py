@@ -148,6 +148,7 @@ class SharedDecodeStream(_LayerStepStream):
 
     def __init__(self, channel, max_request_bytes=0, max_reply_bytes=0):
         _check_platform()
+        self._max_reply_bytes = 0  # the region's reply area bounds the reply (the server checks)
         open_region = channel.unary_stream(
             self._METHOD, request_serializer=pb.SharedDecodeRequest.SerializeToString,
             response_deserializer=pb.SharedDecodeRegion.FromString)
@@ -295,8 +296,15 @@ class SharedDecodeStream(_LayerStepStream):
         if code == 0:
             return
         message = bytes(self._reply_area[:size]).decode("utf-8", "replace")
+        cut = size == len(self._reply_area)  # before _break releases the area
         self._break()
         status = _STATUS_CODES.get(code if code < 1 << 31 else code - (1 << 32))
+        if cut:
+            # Cut to the reply area ("nothing of it was applied" lost from a 64-byte one: probe
+            # 28, 7): the call ends with the same status, its message whole.
+            end_code, details = self._call_end()
+            if end_code == status and details:
+                message = details
         raise KvRecallError(status or grpc.StatusCode.UNKNOWN, message)
 
     def _call_end(self):

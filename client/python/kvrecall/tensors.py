@@ -118,13 +118,21 @@ class WireBuffer:
         self._torch_wire = None
 
     def check_fits(self, x):
-        """ValueError unless x holds as many elements as this buffer's shape."""
-        n = 1
-        for d in x.shape:
-            n *= int(d)
-        if n != self.count:
-            raise ValueError(f"tensor of shape {list(x.shape)} does not fit shape "
-                             f"{list(self.shape)}")
+        """ValueError unless x holds this buffer's elements in its row-major order as far as
+        its shape tells: as many of them, and flat (one dimension of size > 1) or with this
+        shape's last dimension (head_dim) as its own last one of size > 1 ([kv_heads, group,
+        head_dim] for q is fine). (The count alone was checked: a transposed [head_dim, heads] q was read as
+        [heads, head_dim], a silently wrong attention: probe 28, 2.)"""
+        shape = tuple(int(d) for d in x.shape)
+        count = 1
+        for d in shape:
+            count *= d
+        rows = [d for d in shape if d != 1]
+        want = [d for d in self.shape if d != 1]
+        if count == self.count and (len(rows) <= 1 or rows[-1:] == want[-1:]):
+            return
+        raise ValueError(f"tensor of shape {list(x.shape)} does not fit shape "
+                         f"{list(self.shape)}")
 
     def view(self, x):
         if not _is_torch(x) and not isinstance(x, np.ndarray):
@@ -147,6 +155,11 @@ class WireBuffer:
                 self._torch_view(torch).copy_(torch.from_numpy(a.reshape(self.shape)))
                 return self._wire
             return f32_to_bf16_bits(a.reshape(self.shape), out=self._wire, scratch=self._scratch)
+        if self.dtype == pb.DTYPE_F16:
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.copyto(self._wire, a.reshape(self.shape), casting="unsafe")
+            _raise_if_f16_overflow(a.reshape(self.shape), self._wire)
+            return self._wire
         np.copyto(self._wire, a.reshape(self.shape), casting="unsafe")
         return self._wire
 
@@ -160,6 +173,8 @@ class WireBuffer:
             return t.view(torch.int16).numpy() if want == torch.bfloat16 else t.numpy()
         # One copy (from the device, converting, or gathering strides) into the buffer.
         self._torch_view(torch).copy_(t.reshape(self.shape))
+        if want == torch.float16 and np.isinf(self._wire).any():
+            _raise_if_f16_overflow(t.reshape(self.shape).float().cpu().numpy(), self._wire)
         return self._wire
 
     def _torch_view(self, torch):
@@ -187,12 +202,24 @@ def to_tensor(x, dtype, shape=None, out=None):
     return t
 
 
+def _raise_if_f16_overflow(source, f16):
+    """ValueError naming the first finite value of `source` that became inf in its f16 copy
+    `f16` (the server then refused it as a value the runner never sent: probe 28, 11)."""
+    with np.errstate(invalid="ignore"):
+        overflowed = np.isinf(f16) & np.isfinite(source)
+    if overflowed.any():
+        raise ValueError(f"value {float(source[overflowed][0])!r} is past f16's range (at most "
+                         f"65504 in magnitude)")
+
+
 def from_tensor(t):
-    """A float32 numpy array holding pb.Tensor `t` (raw data or plain values)."""
+    """A read-only float32 numpy array holding pb.Tensor `t` (raw data or plain values): f32
+    data is viewed where it arrived, and every dtype reads the same (copy it to write; only
+    f32's was read-only: probe 28, 9)."""
     shape = tuple(t.shape)
     if not t.data:
-        return np.asarray(t.values, dtype=np.float32).reshape(shape)
-    if t.dtype == pb.DTYPE_F32:
+        a = np.asarray(t.values, dtype=np.float32)
+    elif t.dtype == pb.DTYPE_F32:
         a = np.frombuffer(t.data, dtype="<f4")
     elif t.dtype == pb.DTYPE_F16:
         a = np.frombuffer(t.data, dtype="<f2").astype(np.float32)
@@ -200,4 +227,6 @@ def from_tensor(t):
         a = bf16_bits_to_f32(np.frombuffer(t.data, dtype="<u2"))
     else:
         raise ValueError(f"tensor has no known dtype ({t.dtype})")
-    return a.reshape(shape)
+    a = a.reshape(shape)
+    a.flags.writeable = False
+    return a
