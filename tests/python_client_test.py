@@ -284,6 +284,22 @@ class ClientTest(ServerTest):
             self.assertEqual(s.attend(0, q, kv, kv).position, 8)  # a smaller reply fits
             s.close()
 
+    def test_prefill_takes_nested_lists_as_decode_does(self):
+        # probe 28, 11: decode took lists, prefill raised AttributeError on them.
+        g = make_geometry(1, self.HQ, self.HKV, self.D)
+        layer = self.prompt(93)[0]
+        as_lists = self.client.create_session(g, make_policy("full"))
+        self.addCleanup(as_lists.close)
+        as_arrays = self.client.create_session(g, make_policy("full"))
+        self.addCleanup(as_arrays.close)
+        as_lists.prefill([tuple(x[:8].tolist() for x in layer)])
+        as_arrays.prefill([tuple(x[:8] for x in layer)])
+        q, k, v = self.step_inputs(94)
+        np.testing.assert_array_equal(as_lists.attend(0, q, k, v).output,
+                                      as_arrays.attend(0, q, k, v).output)
+        with self.assertRaises(ValueError):
+            as_lists.prefill([([[1.0]], [[1.0, 2.0], [3.0]], [[1.0]])])  # ragged
+
     def test_outputs_are_read_only_in_every_dtype_and_f16_names_its_overflow(self):
         # probe 28, 9 and 11: only f32's outputs were read-only; an f16 session's finite 70000
         # was refused by the server as "a non-finite value (inf)", the client's conversion.
