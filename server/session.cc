@@ -401,7 +401,8 @@ std::string SessionIdOf(uint64_t number) {
 // spaces (a UUID fits); INVALID_ARGUMENT, without echoing it, otherwise.
 constexpr size_t kMaxRequestIdBytes = 128;
 absl::Status CheckRequestId(absl::string_view request_id) {
-  const bool printable = std::ranges::all_of(request_id, [](char c) { return c > ' ' && c < 127; });
+  const bool printable =
+      std::ranges::all_of(request_id, [](char c) { return c > ' ' && c < 127; });
   if (request_id.size() <= kMaxRequestIdBytes && printable) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("request_id must be 1 to ", kMaxRequestIdBytes,
@@ -624,13 +625,10 @@ int SessionRegistry::ExpireIdle(absl::Time now) {
         continue;
       }
       const std::string id = it->first;
-      expired.push_back(std::move(it->second));
-      sessions_.erase(it++);
-      ForgetRequestOf(id);
-      auto tenant = tenants_.extract(id);
-      ReleaseTenantSlot(tenant.mapped());
+      std::string tenant = tenants_.at(id);
+      expired.push_back(UnregisterLocked(it++));  // erasing one keeps the others' iterators
       expired_order_.push_back(id);
-      expired_.emplace(id, std::move(tenant.mapped()));
+      expired_.emplace(id, std::move(tenant));
       if (expired_order_.size() > kExpiredRemembered) {
         expired_.erase(expired_order_.front());
         expired_order_.pop_front();
