@@ -311,6 +311,27 @@ TEST_F(SessionIdleTtlTest, IdleSessionsExpireAndTheirMemoryIsFreed) {
   EXPECT_FALSE(absl::StrContains(unknown.message(), "expired"));
 }
 
+// An expired session's request_id is forgotten with it: the same request makes a new session
+// (CreateSessionRequest.request_id: "while a session ... is open").
+TEST_F(SessionIdleTtlTest, AnExpiredSessionsRequestIdMakesANewSession) {
+  v1::CreateSessionRequest request;
+  *request.mutable_geometry() = SmallGeometry();
+  *request.mutable_policy() = MakePolicy(v1::SELECTOR_FULL);
+  request.set_request_id("expires");
+  auto create = [&] {
+    grpc::ClientContext context;
+    v1::CreateSessionResponse response;
+    EXPECT_TRUE(stub().CreateSession(&context, request, &response).ok());
+    return response.session_id();
+  };
+  const std::string first = create();
+  EXPECT_EQ(create(), first);
+  EXPECT_TRUE(Within(absl::Seconds(10), [&] { return running().sessions().List().empty(); }));
+  const std::string second = create();
+  EXPECT_NE(second, first);
+  EXPECT_TRUE(GetSession(stub(), second).ok());
+}
+
 TEST_F(SessionIdleTtlTest, APromptStreamedSlowlyKeepsItsSessionAlive) {
   // Every chunk counts as use: a Prefill stream longer than the TTL, whose chunks come more
   // often than it, commits.
