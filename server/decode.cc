@@ -362,6 +362,11 @@ absl::Status DecodeStream::Serve(const v1::DecodeRequest& request, v1::DecodeRes
     kv_offsets_[i + 1] = kv_offsets_[i] + specs.kv_row[0] * specs.kv_row[1];
     head_offsets_[i + 1] = head_offsets_[i] + specs.q_row[0];
   }
+  if (const uint64_t client = request.max_reply_bytes();
+      client > 0 && (max_reply_bytes == 0 || client < max_reply_bytes)) {
+    max_reply_bytes = client;
+    reply_limit = "the client's max_reply_bytes";
+  }
   if (max_reply_bytes > 0) {
     absl::InlinedVector<const v1::Geometry*, 16> geometries;
     absl::InlinedVector<int64_t, 16> tokens;

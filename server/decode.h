@@ -46,7 +46,8 @@ class DecodeStream {
   // a request are locked together, so streams sharing a session serialize. With
   // `max_reply_bytes` > 0 (a shared region's reply area, gRPC's message limit), a request whose
   // reply could take more (MaxDecodeReplyBytes) is RESOURCE_EXHAUSTED before anything is
-  // applied; the message names the limit as `reply_limit`.
+  // applied; the message names the limit as `reply_limit`. The request's own max_reply_bytes
+  // (the client's receive limit), when smaller, bounds it instead.
   absl::Status Serve(const v1::DecodeRequest& request, v1::DecodeResponse* response,
                      uint64_t max_reply_bytes = 0,
                      absl::string_view reply_limit = "the reply area");

@@ -686,15 +686,11 @@ class KvRecallService::DecodeCall final
                               request_);
     }
     response_.Clear();
-    // A reply over gRPC's message limit, the server's or the client's, would fail to arrive
-    // after the step was applied.
-    const uint64_t server_limit = service_->options_.max_message_bytes;
-    const uint64_t client_limit = request_.max_reply_bytes();
-    const bool clients = client_limit > 0 && client_limit < server_limit;
-    grpc::Status status = service_->Answer(decoder_.Serve(
-        request_, &response_, clients ? client_limit : server_limit,
-        clients ? "the client's max_reply_bytes"
-                : "the server's message limit (--max_message_mb)"));
+    // A reply over gRPC's message limit, the server's or the client's (Serve reads that one
+    // from the request), would fail to arrive after the step was applied.
+    grpc::Status status = service_->Answer(
+        decoder_.Serve(request_, &response_, service_->options_.max_message_bytes,
+                       "the server's message limit (--max_message_mb)"));
     if (status.ok()) SerializeRawMessage(response_, &out_);
     return status;
   }
@@ -1040,11 +1036,8 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
     }
     // Serve refuses a request whose reply could overflow the reply area before applying it.
     response_.Clear();
-    const uint64_t client_limit = request_.max_reply_bytes();
-    const bool clients = client_limit > 0 && client_limit < region_.reply_capacity();
-    grpc::Status status = service_->Answer(
-        clients ? decoder_.Serve(request_, &response_, client_limit, "the client's max_reply_bytes")
-                : decoder_.Serve(request_, &response_, region_.reply_capacity()));
+    grpc::Status status =
+        service_->Answer(decoder_.Serve(request_, &response_, region_.reply_capacity()));
     if (!status.ok()) return status;
     const size_t size = response_.ByteSizeLong();
     if (size > region_.reply_capacity()) {  // MaxDecodeReplyBytes fell short: a bug

@@ -178,14 +178,6 @@ class _StepWire:
             pieces.append(tail)
 
 
-def _as_array(x):
-    """x as is when it is None, a numpy array or a torch tensor; else a float32 array of it
-    (nested lists; ValueError where they are ragged)."""
-    if x is None or isinstance(x, np.ndarray) or tensors._is_torch(x):
-        return x
-    return np.asarray(x, dtype=np.float32)
-
-
 def _varint(n):
     """Protobuf's base-128 varint of a non-negative int."""
     out = bytearray()
@@ -446,7 +438,7 @@ class Session:
         """
         items = sorted(layers.items()) if isinstance(layers, dict) else list(enumerate(layers))
         # Nested lists as decode takes them (an AttributeError here before: probe 28, 11).
-        items = [(layer, tuple(_as_array(x) for x in qkv)) for layer, qkv in items]
+        items = [(layer, tuple(tensors.as_array(x) for x in qkv)) for layer, qkv in items]
         self._check_layers(items)
         if chunk_tokens is not None:
             try:

@@ -135,9 +135,7 @@ class WireBuffer:
                          f"{list(self.shape)}")
 
     def view(self, x):
-        if not _is_torch(x) and not isinstance(x, np.ndarray):
-            # A sequence of numbers (nested lists); ValueError where it is not one.
-            x = np.asarray(x, dtype=np.float32)
+        x = as_array(x)
         self.check_fits(x)
         if _is_torch(x):
             return self._view_torch(x)
@@ -200,6 +198,14 @@ def to_tensor(x, dtype, shape=None, out=None):
     if len(t.data) != int(np.prod(shape, dtype=np.int64)) * _ITEM_BYTES[dtype]:
         raise ValueError(f"tensor of shape {list(x.shape)} does not fit shape {shape}")
     return t
+
+
+def as_array(x):
+    """x as is when it is None, a numpy array or a torch tensor; else a float32 array of it (a
+    sequence of numbers, nested lists; ValueError where it is not one, ragged say)."""
+    if x is None or isinstance(x, np.ndarray) or _is_torch(x):
+        return x
+    return np.asarray(x, dtype=np.float32)
 
 
 def _raise_if_f16_overflow(source, f16):
