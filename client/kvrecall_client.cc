@@ -6,10 +6,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "absl/memory/memory.h"
@@ -18,8 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
-#include "google/protobuf/descriptor.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "google/protobuf/descriptor.h"
+#include "grpc/grpc.h"
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -61,6 +66,11 @@ absl::StatusOr<int> ParseLowerEnumName(const EnumDescriptor* descriptor, absl::s
 }
 
 // An ended stream that reported OK still failed the call that noticed it.
+// What a transport answers when it is used before its Start made it a stream (a bug).
+absl::Status NotStartedStatus() {
+  return absl::InternalError("a Decode stream used before its call was started and opened");
+}
+
 absl::Status EndedStatus(const grpc::Status& status, absl::string_view what) {
   if (!status.ok()) return FromGrpcStatus(status);
   return absl::UnavailableError(
@@ -133,8 +143,12 @@ v1::Policy CpuPolicy(v1::Selector selector, int top_k, std::optional<int> sinks,
 PrefillStream::PrefillStream(v1::KvRecall::Stub& stub, SessionHandle session,
                              PrefillOptions options)
     : session_(std::move(session)),
-      options_(std::move(options)),
-      writer_(stub.Prefill(&context_, &response_)) {}
+      options_(std::move(options)) {
+  if (options_.timeout != absl::InfiniteDuration()) {
+    context_.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  }
+  writer_ = stub.Prefill(&context_, &response_);
+}
 
 PrefillStream::~PrefillStream() {
   if (finished_) return;
@@ -237,15 +251,18 @@ namespace {
 // A bidirectional gRPC Decode stream.
 class GrpcDecodeTransport final : public DecodeTransport {
  public:
-  explicit GrpcDecodeTransport(v1::KvRecall::Stub& stub)
-      : stream_(stub.Decode(&context_)) {}
+  // Starts the call. Apart from the constructor so that Cancel can reach the call while this
+  // waits (for a connection to a server that does not answer, say).
+  void Start(v1::KvRecall::Stub& stub) { stream_ = stub.Decode(&context_); }
 
   absl::Status Exchange(const v1::DecodeRequest& request,
                         v1::DecodeResponse* response) override {
+    if (stream_ == nullptr) return NotStartedStatus();
     if (stream_->Write(request) && stream_->Read(response)) return absl::OkStatus();
     return EndedStatus(stream_->Finish(), "Decode");
   }
   absl::Status Close() override {
+    if (stream_ == nullptr) return NotStartedStatus();
     stream_->WritesDone();
     return FromGrpcStatus(stream_->Finish());
   }
@@ -263,14 +280,10 @@ namespace shared = ::kvrecall::v1::shared_decode;
 class SharedDecodeTransport final : public DecodeTransport,
                                     public grpc::ClientReadReactor<v1::SharedDecodeRegion> {
  public:
-  static absl::StatusOr<std::unique_ptr<SharedDecodeTransport>> Open(
-      v1::KvRecall::Stub& stub, const DecodeStreamOptions& options) {
-    auto transport = absl::WrapUnique(new SharedDecodeTransport(options.spin));
-    if (absl::Status s = transport->Start(stub, options); !s.ok()) return s;
-    return transport;
-  }
+  explicit SharedDecodeTransport(absl::Duration spin) : spin_(spin) {}
 
   ~SharedDecodeTransport() override {
+    if (!started_) return;  // no call
     if (!done_.HasBeenNotified()) context_.TryCancel();
     AwaitDone();  // the reactor must outlive the call
   }
@@ -278,6 +291,7 @@ class SharedDecodeTransport final : public DecodeTransport,
   absl::Status Exchange(const v1::DecodeRequest& request,
                         v1::DecodeResponse* response) override {
     shared::RegionHeader* const h = region_.header();
+    if (h == nullptr) return NotStartedStatus();
     const size_t size = request.ByteSizeLong();
     if (size > region_.request_capacity()) {
       // Nothing was sent; the stream is abandoned all the same, as a gRPC stream would be
@@ -321,6 +335,7 @@ class SharedDecodeTransport final : public DecodeTransport,
 
   absl::Status Close() override {
     shared::RegionHeader* const h = region_.header();
+    if (h == nullptr) return NotStartedStatus();
     if (!h->ended.load()) {
       h->request_bytes = 0;
       h->closing = 1;
@@ -365,16 +380,10 @@ class SharedDecodeTransport final : public DecodeTransport,
     done_.Notify();
   }
 
- private:
-  explicit SharedDecodeTransport(absl::Duration spin) : spin_(spin) {}
-
-  // Waits for OnDone (and takes what it wrote: final_status_).
-  void AwaitDone() {
-    done_.WaitForNotification();
-    TakeFromReaction(this);
-  }
-
+  // Opens the call and maps the region it answers. Apart from the constructor so that Cancel
+  // can reach the call while this waits for the region.
   absl::Status Start(v1::KvRecall::Stub& stub, const DecodeStreamOptions& options) {
+    started_ = true;
     open_request_.set_max_request_bytes(options.max_request_bytes);
     open_request_.set_max_reply_bytes(options.max_reply_bytes);
     stub.async()->DecodeShared(&context_, &open_request_, this);
@@ -408,6 +417,13 @@ class SharedDecodeTransport final : public DecodeTransport,
     return absl::OkStatus();
   }
 
+ private:
+  // Waits for OnDone (and takes what it wrote: final_status_).
+  void AwaitDone() {
+    done_.WaitForNotification();
+    TakeFromReaction(this);
+  }
+
   // Waits for the reply to request `seq`; false when the stream ended without it.
   bool AwaitReply(uint32_t seq) {
     shared::RegionHeader* const h = region_.header();
@@ -425,6 +441,7 @@ class SharedDecodeTransport final : public DecodeTransport,
   }
 
   const absl::Duration spin_;
+  bool started_ = false;  // Start ran: there is a call to wait for
   grpc::ClientContext context_;
   v1::SharedDecodeRequest open_request_;  // gRPC may read it until the call is done
   v1::SharedDecodeRegion region_message_;
@@ -441,45 +458,200 @@ class SharedDecodeTransport final : public DecodeTransport,
 
 }  // namespace
 
+// Cancels a DecodeStream's exchange that outlasts step_timeout. Its thread sleeps until the
+// armed exchange's deadline, or for one step_timeout while none is armed (an exchange armed
+// meanwhile has a later deadline than that wake-up), so that arming costs a lock and no
+// wake-up: a stream stepping without pause wakes it about once per step_timeout.
+class DecodeStream::Watchdog {
+ public:
+  Watchdog(DecodeStream* stream, absl::Duration timeout)
+      : stream_(stream),
+        timeout_(absl::ToChronoNanoseconds(timeout)),
+        thread_([this] { Run(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+  }
+
+  void Arm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    deadline_ = Clock::now() + timeout_;
+    armed_ = true;
+    fired_ = false;
+  }
+  // Ends the watch. After it no cancellation comes (one under way has finished).
+  void Disarm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = false;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      const Clock::time_point wake = armed_ && !fired_ ? deadline_ : Clock::now() + timeout_;
+      wake_.wait_until(lock, wake, [&] { return stop_; });
+      if (!stop_ && armed_ && !fired_ && Clock::now() >= deadline_) {
+        fired_ = true;
+        stream_->TimeOut();
+      }
+    }
+  }
+
+  DecodeStream* const stream_;
+  const std::chrono::nanoseconds timeout_;
+  std::mutex mu_;
+  std::condition_variable wake_;  // for stop_ alone
+  bool stop_ = false;
+  bool armed_ = false;
+  bool fired_ = false;
+  Clock::time_point deadline_;
+  std::thread thread_;  // last: Run reads the members above
+};
+
 DecodeStream::DecodeStream(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes,
                            const v1::Geometry& geometry, const DecodeStreamOptions& options)
     : stub_(v1::KvRecall::NewStub(std::move(channel))), geometry_(geometry), options_(options) {
   // A shared region's reply area is the bound there (the server checks it).
   if (!options_.shared_memory) request_.set_max_reply_bytes(max_reply_bytes);
+  if (options_.step_timeout != absl::InfiniteDuration()) {
+    watchdog_ = std::make_unique<Watchdog>(this, options_.step_timeout);
+  }
 }
 
-DecodeStream::~DecodeStream() { Close().IgnoreError(); }
+DecodeStream::~DecodeStream() {
+  Close().IgnoreError();
+  watchdog_.reset();  // its thread may call TimeOut until it is joined
+}
+
+void DecodeStream::CancelTransport() {
+  absl::MutexLock lock(&transport_mu_);
+  if (transport_ != nullptr) transport_->Cancel();
+}
+
+void DecodeStream::TimeOut() {
+  absl::MutexLock lock(&transport_mu_);
+  timed_out_ = true;  // the watchdog is armed only while an exchange is in flight
+  if (transport_ != nullptr) transport_->Cancel();
+}
+
+void DecodeStream::Cancel() {
+  absl::MutexLock lock(&transport_mu_);
+  if (in_flight_) {
+    cancelled_ = true;
+  } else {
+    abandoned_ = true;
+  }
+  if (transport_ != nullptr) transport_->Cancel();
+}
+
+void DecodeStream::SetTransport(std::unique_ptr<DecodeTransport> transport) {
+  absl::MutexLock lock(&transport_mu_);
+  transport_ = std::move(transport);
+  // A Cancel or time-out that came while there was no stream to cancel is for this one.
+  if (cancelled_ || timed_out_) transport_->Cancel();
+}
+
+void DecodeStream::DropTransport() {
+  std::unique_ptr<DecodeTransport> dropped;
+  {
+    absl::MutexLock lock(&transport_mu_);
+    dropped = std::move(transport_);
+  }
+  // Destroyed outside the lock: a shared stream's waits for its call's end.
+}
 
 absl::Status DecodeStream::Open() {
-  transport_.reset();
+  DropTransport();
   ++streams_opened_;
   status_ = absl::OkStatus();
   if (!options_.shared_memory) {
-    transport_ = std::make_unique<GrpcDecodeTransport>(*stub_);
+    auto transport = std::make_unique<GrpcDecodeTransport>();
+    GrpcDecodeTransport* const started = transport.get();
+    SetTransport(std::move(transport));
+    started->Start(*stub_);  // its failures show at the first exchange
     return absl::OkStatus();
   }
-  absl::StatusOr<std::unique_ptr<SharedDecodeTransport>> shared =
-      SharedDecodeTransport::Open(*stub_, options_);
-  if (!shared.ok()) return shared.status();
-  transport_ = *std::move(shared);
-  return absl::OkStatus();
+  auto transport = std::make_unique<SharedDecodeTransport>(options_.spin);
+  SharedDecodeTransport* const started = transport.get();
+  SetTransport(std::move(transport));
+  absl::Status status = started->Start(*stub_, options_);
+  if (!status.ok()) DropTransport();
+  return status;
+}
+
+absl::Status DecodeStream::Watched(absl::string_view what, const bool& carries_step,
+                                   const absl::FunctionRef<absl::Status()> body) {
+  bool abandoned;
+  {
+    absl::MutexLock lock(&transport_mu_);
+    in_flight_ = true;
+    abandoned = abandoned_;
+    abandoned_ = false;
+  }
+  if (abandoned) {
+    // The stream Cancel abandoned between exchanges: this one goes on a new stream.
+    DropTransport();
+    status_ = absl::CancelledError("the Decode stream was cancelled (DecodeStream::Cancel)");
+  }
+  if (watchdog_ != nullptr) watchdog_->Arm();
+  absl::Status status = body();
+  if (watchdog_ != nullptr) watchdog_->Disarm();
+  bool timed_out;
+  bool cancelled;
+  {
+    absl::MutexLock lock(&transport_mu_);
+    in_flight_ = false;
+    timed_out = timed_out_;
+    cancelled = cancelled_;
+    timed_out_ = false;
+    cancelled_ = false;
+  }
+  if (!timed_out && !cancelled) return status;
+  // The stream was cancelled under the exchange: it is no longer of use, whatever came back.
+  DropTransport();
+  // An answer that came before the cancellation is kept: the step's reply, or the server's
+  // refusal (ABORTED: a resent step was applied).
+  if (status.code() != absl::StatusCode::kCancelled) return status;
+  // What a step broken off may have done, and what to do next.
+  constexpr absl::string_view kStepAdvice =
+      " A step the server had not begun when the cancellation reached it is not applied; one it "
+      "had begun, or read before (a stalled server), may be: resend it with its positions "
+      "(ABORTED: it was applied). The next Step opens a new stream";
+  const std::string why =
+      timed_out ? absl::StrCat(": no answer within DecodeStreamOptions::step_timeout (",
+                               absl::FormatDuration(options_.step_timeout), ")")
+                : ": cancelled by DecodeStream::Cancel";
+  return absl::Status(
+      timed_out ? absl::StatusCode::kDeadlineExceeded : absl::StatusCode::kCancelled,
+      absl::StrCat(what, why, "; the stream was cancelled (", status.message(), ").",
+                   carries_step ? kStepAdvice : ""));
+}
+
+absl::Status DecodeStream::OpenWatched() {
+  return Watched("opening the Decode stream", /*carries_step=*/false, [this] { return Open(); });
 }
 
 absl::Status DecodeStream::Close() {
   closed_ = true;
-  if (transport_ != nullptr) {
-    status_ = transport_->Close();
-    transport_.reset();
-  }
+  status_ = Watched("closing the Decode stream", /*carries_step=*/false, [this] {
+    if (transport_ == nullptr) return status_;
+    absl::Status end = transport_->Close();
+    DropTransport();
+    return end;
+  });
   return status_;
 }
 
 absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
                                 const StepOptions& options, StepResult* result) {
   if (closed_) return absl::FailedPreconditionError("the Decode stream is closed");
-  if (transport_ == nullptr) {  // the server ended the last one on a failed step: continue anew
-    if (absl::Status s = Open(); !s.ok()) return s;
-  }
   const v1::Geometry& g = geometry_;
   const int64_t q_row[] = {g.q_heads(), g.head_dim()};
   const int64_t kv_row[] = {g.kv_heads(), g.head_dim()};
@@ -514,16 +686,25 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
       step.clear_position();  // the message is reused from the last Step
     }
   }
-  if (absl::Status s = transport_->Exchange(request_, &response_); !s.ok()) {
-    status_ = s;
-    transport_.reset();
+  bool sent = false;  // by then the step may have reached the server
+  absl::Status exchanged = Watched("Decode step", sent, [this, &sent] {
+    if (transport_ == nullptr) {  // the last one ended on a failed step: continue anew
+      if (absl::Status s = Open(); !s.ok()) return s;
+    }
+    sent = true;
+    absl::Status s = transport_->Exchange(request_, &response_);
+    if (!s.ok()) DropTransport();
     return s;
+  });
+  if (!exchanged.ok()) {
+    status_ = exchanged;
+    return exchanged;
   }
   if (response_.request_id() != request_id ||
       response_.results_size() != static_cast<int>(batch.size())) {
     // Replies no longer pair with requests: this stream cannot be trusted any further.
-    transport_->Cancel();
-    transport_.reset();
+    CancelTransport();
+    DropTransport();
     return absl::InternalError(absl::StrCat(
         "Decode reply mismatch: request_id ", response_.request_id(), " with ",
         response_.results_size(), " results for request ", request_id, " of ", batch.size()));
@@ -554,17 +735,21 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
 
 // ---------------------------------------------------------------------------------------------
 
-Client::Client(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes)
-    : channel_(std::move(channel)),
-      stub_(v1::KvRecall::NewStub(channel_)),
-      max_reply_bytes_(max_reply_bytes) {}
+Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
+    : channel_(std::move(channel)), stub_(v1::KvRecall::NewStub(channel_)), options_(options) {}
 
-std::unique_ptr<Client> Client::Connect(const std::string& address, int max_message_bytes) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(max_message_bytes);
+std::unique_ptr<Client> Client::Connect(const std::string& address,
+                                        const ClientOptions& options) {
+  grpc::ChannelArguments args = options.channel_arguments;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
   return std::make_unique<Client>(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args),
-      max_message_bytes);
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args), options);
+}
+
+void Client::PrepareUnary(grpc::ClientContext* context) const {
+  if (options_.call_timeout != absl::InfiniteDuration()) {
+    context->set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
+  }
 }
 
 namespace {
@@ -726,16 +911,30 @@ absl::Status CheckServerAddress(absl::string_view address) {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
                                                         const ChannelSecurity& security,
-                                                        int max_message_bytes) {
+                                                        const ClientOptions& options) {
   if (absl::Status s = CheckServerAddress(address); !s.ok()) return s;
+  if (options.call_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.call_timeout must be positive, got ",
+                     absl::FormatDuration(options.call_timeout)));
+  }
+  const grpc_channel_args given = options.channel_arguments.c_channel_args();
+  for (size_t i = 0; i < given.num_args; ++i) {
+    const absl::string_view key = given.args[i].key;
+    if (key == GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH || key == GRPC_SSL_TARGET_NAME_OVERRIDE_ARG) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ClientOptions.channel_arguments: ", key,
+          " is Connect's to set (ClientOptions.max_message_bytes, ChannelSecurity.server_name)"));
+    }
+  }
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(security, address);
   if (!credentials.ok()) return credentials.status();
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(max_message_bytes);
+  grpc::ChannelArguments args = options.channel_arguments;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
   if (!security.server_name.empty()) args.SetSslTargetNameOverride(security.server_name);
   return std::make_unique<Client>(grpc::CreateCustomChannel(address, *credentials, args),
-                                  max_message_bytes);
+                                  options);
 }
 
 absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry,
@@ -751,6 +950,7 @@ absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry
   request.set_request_id(std::string(request_id));
   v1::CreateSessionResponse response;
   grpc::ClientContext context;
+  PrepareUnary(&context);
   if (absl::Status s = FromGrpcStatus(stub_->CreateSession(&context, request, &response));
       !s.ok()) {
     return s;
@@ -765,6 +965,10 @@ absl::StatusOr<std::unique_ptr<PrefillStream>> Client::StartPrefill(const Sessio
     return absl::InvalidArgumentError(
         absl::StrCat("PrefillOptions.max_chunk_bytes must be >= 1, got ", options.max_chunk_bytes));
   }
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("PrefillOptions.timeout must be positive, got ",
+                                                   absl::FormatDuration(options.timeout)));
+  }
   return std::unique_ptr<PrefillStream>(new PrefillStream(*stub_, session, std::move(options)));
 }
 
@@ -776,9 +980,14 @@ absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream(
         absl::StrCat("OpenDecodeStream needs a geometry with heads, head_dim and a dtype; got ",
                      geometry.ShortDebugString()));
   }
+  if (options.step_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DecodeStreamOptions.step_timeout must be positive, got ",
+                     absl::FormatDuration(options.step_timeout)));
+  }
   std::unique_ptr<DecodeStream> stream(
-      new DecodeStream(channel_, max_reply_bytes_, geometry, options));
-  if (absl::Status s = stream->Open(); !s.ok()) return s;
+      new DecodeStream(channel_, options_.max_message_bytes, geometry, options));
+  if (absl::Status s = stream->OpenWatched(); !s.ok()) return s;
   return stream;
 }
 
@@ -787,6 +996,7 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(absl::string_view session_id)
   request.set_session_id(std::string(session_id));
   v1::SessionInfo info;
   grpc::ClientContext context;
+  PrepareUnary(&context);
   if (absl::Status s = FromGrpcStatus(stub_->GetSession(&context, request, &info)); !s.ok()) {
     return s;
   }
@@ -799,6 +1009,7 @@ absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
   do {
     v1::ListSessionsResponse response;
     grpc::ClientContext context;
+    PrepareUnary(&context);
     if (absl::Status s = FromGrpcStatus(stub_->ListSessions(&context, request, &response));
         !s.ok()) {
       return s;
@@ -814,6 +1025,7 @@ absl::Status Client::CloseSession(absl::string_view session_id) {
   request.set_session_id(std::string(session_id));
   v1::CloseSessionResponse response;
   grpc::ClientContext context;
+  PrepareUnary(&context);
   return FromGrpcStatus(stub_->CloseSession(&context, request, &response));
 }
 

@@ -16,13 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/sync_stream.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
 #include "kvrecall/v1/kvrecall.pb.h"
@@ -76,6 +79,10 @@ struct PrefillOptions {
   // Tensor bytes (q + k + v, or k + v where a chunk carries no q) per chunk, at least one
   // token's: the message is that and its framing (see kDefaultPrefillChunkBytes).
   int64_t max_chunk_bytes = kDefaultPrefillChunkBytes;
+  // The whole call's deadline, from StartPrefill to Finish's answer (the commit's builds
+  // included: seconds per layer for long prompts): past it the call ends with DEADLINE_EXCEEDED
+  // and the server commits nothing of it. InfiniteDuration: none.
+  absl::Duration timeout = absl::InfiniteDuration();
   // Called after every chunk is written.
   std::function<void(const PrefillProgress&)> progress;
 };
@@ -151,6 +158,11 @@ struct DecodeStreamOptions {
   uint64_t max_reply_bytes = 0;
   // How long a Step polls for its reply before it sleeps until the server's wake-up.
   absl::Duration spin = absl::Microseconds(500);
+  // The longest a Step (opening a new stream included) or Close waits for the server: past
+  // it the stream is cancelled and the Step returns DEADLINE_EXCEEDED (as DecodeStream::Cancel
+  // does, below). InfiniteDuration: none (a wedged server blocks the Step). A finite one costs
+  // the stream a thread, which wakes at most once per step_timeout, not once per step.
+  absl::Duration step_timeout = absl::InfiniteDuration();
 };
 
 // How a DecodeStream's requests travel (kvrecall_client.cc: gRPC or a shared region).
@@ -166,6 +178,12 @@ class DecodeTransport;
 // the failed step may have been committed in some layers: SequenceResult.position and
 // GetSession's layer_tokens tell a runner where each layer is.) Not thread-safe; use one stream
 // per thread. It shares its Client's channel and may outlive the Client.
+//
+// A Step that timed out (DecodeStreamOptions::step_timeout) or was cancelled (Cancel) abandons
+// its stream: a step the server had not begun to apply when it saw the cancellation is not
+// applied; one it had begun, or read before the cancellation reached it (a stalled server),
+// may be applied in its layer, so resend it with its positions (SequenceInput::position:
+// ABORTED tells it was applied). The next Step opens a new stream.
 class DecodeStream {
  public:
   ~DecodeStream();
@@ -177,22 +195,52 @@ class DecodeStream {
   // with no Step since, how that stream ended (the Step's status, once more); later Steps fail
   // with FAILED_PRECONDITION.
   absl::Status Close();
-  // Streams opened so far: 1, plus one per Step that followed a failed one.
+  // Thread-safe, the one member that may be called while another thread is in Step or Close:
+  // abandons the stream and the step in flight, which returns CANCELLED (Close too, without
+  // waiting for the server); without one in flight, the next Step opens a new stream.
+  void Cancel();
+  // Streams opened so far: 1, plus one per Step that followed a failed or cancelled one.
   int streams_opened() const { return streams_opened_; }
 
  private:
   friend class Client;
   DecodeStream(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes,
                const v1::Geometry& geometry, const DecodeStreamOptions& options);
+  class Watchdog;
   // Opens a new stream (the first, or one after a failure).
   absl::Status Open();
+  // Cancels the stream, if one is open (a reply that does not pair with its request).
+  void CancelTransport();
+  // Open under step_timeout's watch (Client::OpenDecodeStream).
+  absl::Status OpenWatched();
+  // Runs `body` (an exchange with the server: a step, opening a stream, closing it) under
+  // step_timeout's watch and Cancel's reach; `what` names it in the error of one they broke
+  // off (with what became of its step when `carries_step`, which `body` may set), after which
+  // the stream is dropped.
+  absl::Status Watched(absl::string_view what, const bool& carries_step,
+                       absl::FunctionRef<absl::Status()> body);
+  // The watchdog's Cancel: the exchange in flight outlasted step_timeout.
+  void TimeOut();
+  // Installs `transport` as the stream (cancelled at once if the exchange in flight was).
+  void SetTransport(std::unique_ptr<DecodeTransport> transport);
+  // Drops the stream, destroying it outside transport_mu_ (a shared stream waits for its
+  // call's end).
+  void DropTransport();
 
   // Its own stub on the Client's channel: a stream kept after its Client reopened itself
   // through the Client's freed stub after a failed step (probe 28, 1).
   const std::unique_ptr<v1::KvRecall::Stub> stub_;
   v1::Geometry geometry_;
   DecodeStreamOptions options_;
-  std::unique_ptr<DecodeTransport> transport_;  // null while no stream is open
+  // Null while no stream is open. Set and reset by the thread that steps, under transport_mu_
+  // (Cancel reaches the stream through it from other threads); that thread reads it freely.
+  std::unique_ptr<DecodeTransport> transport_;
+  mutable absl::Mutex transport_mu_;
+  bool in_flight_ ABSL_GUARDED_BY(transport_mu_) = false;   // an exchange is under way
+  bool cancelled_ ABSL_GUARDED_BY(transport_mu_) = false;   // by Cancel, this exchange
+  bool timed_out_ ABSL_GUARDED_BY(transport_mu_) = false;   // by the watchdog, this exchange
+  bool abandoned_ ABSL_GUARDED_BY(transport_mu_) = false;   // cancelled between exchanges
+  std::unique_ptr<Watchdog> watchdog_;  // with a finite step_timeout
   int streams_opened_ = 0;
   bool closed_ = false;  // by Close: no further stream
   v1::DecodeRequest request_;
@@ -255,25 +303,44 @@ absl::Status CheckServerAddress(absl::string_view address);
 // INVALID_ARGUMENT when it is empty or its first line blank.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
+// How a Client's channel and calls behave, beside their security.
+struct ClientOptions {
+  // The largest reply the channel accepts (Connect sets the channel's receive limit to it),
+  // which Decode requests tell the server (DecodeRequest.max_reply_bytes: a step whose reply
+  // could not arrive is refused before it is applied). For a Client made on a channel of one's
+  // own, that channel's limit; 0: none known (the server's limit alone).
+  int max_message_bytes = 64 << 20;
+  // Each unary call's deadline (CreateSession, GetSession, each page of ListSessions,
+  // CloseSession): past it the call fails with DEADLINE_EXCEEDED (a CreateSession sent again
+  // with its request_id gets the session the first one made, if it made one).
+  // InfiniteDuration: none. Streams have their own (PrefillOptions, DecodeStreamOptions).
+  absl::Duration call_timeout = absl::InfiniteDuration();
+  // gRPC's channel arguments for Connect's channel (keepalive, reconnect backoff, a user agent:
+  // grpc/grpc_types.h), to which Connect adds the receive limit above and, with TLS, the
+  // server name: those two are not to be set here (the secure Connect refuses them).
+  grpc::ChannelArguments channel_arguments;
+};
+
 // Connects to kvrecalld. Thread-safe: the channel and stub may be shared.
 class Client {
  public:
-  // max_reply_bytes: the channel's receive limit, which Decode requests tell the server
-  // (DecodeRequest.max_reply_bytes: a step whose reply could not arrive is refused before it is
-  // applied); 0: none known (the server's limit alone). Connect sets it.
-  explicit Client(std::shared_ptr<grpc::Channel> channel, int64_t max_reply_bytes = 0);
-  // An insecure channel to HOST:PORT accepting replies up to max_message_bytes. Checks nothing
-  // (gRPC wraps a port past 65535): a caller taking `address` from a user checks it first with
-  // CheckServerAddress, as the overload below and the benches do.
+  // On a channel made by the caller: its receive limit unknown unless `options` tells it.
+  explicit Client(std::shared_ptr<grpc::Channel> channel)
+      : Client(std::move(channel), ClientOptions{.max_message_bytes = 0}) {}
+  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  // An insecure channel to HOST:PORT. Checks nothing (gRPC wraps a port past 65535; a
+  // call_timeout that is not positive fails every unary call): a caller taking `address` or
+  // `options` from a user checks them first (CheckServerAddress), or uses the overload below,
+  // which does.
   static std::unique_ptr<Client> Connect(const std::string& address,
-                                         int max_message_bytes = 64 << 20);
+                                         const ClientOptions& options = {});
   // A channel secured as `security` says; fails only when `address` is malformed
   // (CheckServerAddress), its files are unusable or its token alone cannot go to `address`
   // (MakeChannelCredentials: FAILED_PRECONDITION for a Unix socket that is missing or not
   // this user's; the connection itself is made, and checked, by the first call).
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& address,
                                                          const ChannelSecurity& security,
-                                                         int max_message_bytes = 64 << 20);
+                                                         const ClientOptions& options = {});
 
   // max_tokens: the most tokens the session will hold (prompt + decoded), when the runner knows
   // it (CreateSessionRequest.max_tokens): their memory is set aside now, so that decoding up to
@@ -304,9 +371,12 @@ class Client {
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
  private:
+  // A unary call's context, with call_timeout's deadline.
+  void PrepareUnary(grpc::ClientContext* context) const;
+
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvRecall::Stub> stub_;
-  int64_t max_reply_bytes_;
+  ClientOptions options_;
 };
 
 }  // namespace kvrecall::client

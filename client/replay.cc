@@ -128,7 +128,8 @@ absl::StatusOr<ReplayReport> Replay(Client& client, const Trace& trace,
     }
   }
 
-  absl::StatusOr<std::unique_ptr<DecodeStream>> stream = client.OpenDecodeStream(geometry);
+  absl::StatusOr<std::unique_ptr<DecodeStream>> stream =
+      client.OpenDecodeStream(geometry, options.decode);
   if (!stream.ok()) return stream.status();
   const int d = g.head_dim;
   std::vector<float> q(static_cast<size_t>(g.q_heads) * d);

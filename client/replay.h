@@ -21,6 +21,7 @@ struct ReplayOptions {
   int64_t steps = -1;  // decode steps to replay; -1: all of the trace's
   std::string label = "kvrecall replay";
   PrefillOptions prefill;
+  DecodeStreamOptions decode;  // the one Decode stream's (step_timeout, say)
   // Called after every decode step (all layers) with (steps done, steps).
   std::function<void(int64_t, int64_t)> step_progress;
 };

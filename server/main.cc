@@ -54,6 +54,10 @@ ABSL_FLAG(std::string, shared_memory_dir, "",
           "emptyDir shared with the runner's container; same user); empty: off");
 ABSL_FLAG(int, max_shared_streams, 16,
           "DecodeShared streams open at once (each holds a thread); more get RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, max_shared_streams_per_tenant, 0,
+          "DecodeShared streams open at once of one tenant (--auth_token_file's; without tokens "
+          "every caller is one tenant), so that no tenant takes every --max_shared_streams "
+          "slot; more get RESOURCE_EXHAUSTED; 0: no limit but --max_shared_streams");
 ABSL_FLAG(int, shared_memory_spin_us, 100,
           "microseconds a DecodeShared stream's thread polls for the next step before it "
           "sleeps (0 to 1000000)");
@@ -334,6 +338,7 @@ int main(int argc, char** argv) {
   options.max_message_bytes = int64_t{max_message_mb} << 20;
   options.shared_memory_dir = absl::GetFlag(FLAGS_shared_memory_dir);
   options.max_shared_streams = absl::GetFlag(FLAGS_max_shared_streams);
+  options.max_shared_streams_per_tenant = absl::GetFlag(FLAGS_max_shared_streams_per_tenant);
   options.shared_memory_spin = absl::Microseconds(absl::GetFlag(FLAGS_shared_memory_spin_us));
   options.host_memory_budget_bytes = kvrecall::GibToBytes(budget_gb);
   options.limits.max_sessions = absl::GetFlag(FLAGS_max_sessions);

@@ -217,6 +217,8 @@ RunningServer::RunningServer(const ServerOptions& options,
                               .stream_call_metrics = !options.metrics_address.empty(),
                               .shared_memory_dir = options.shared_memory_dir,
                               .max_shared_streams = options.max_shared_streams,
+                              .max_shared_streams_per_tenant =
+                                  options.max_shared_streams_per_tenant,
                               .shared_memory_spin = options.shared_memory_spin,
                               .max_message_bytes = options.max_message_bytes,
                               .test_hooks = options.service_test_hooks}),
@@ -322,6 +324,11 @@ absl::Status PrepareSharedMemoryDir(const ServerOptions& options) {
   if (options.max_shared_streams < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_shared_streams must be >= 1, got ", options.max_shared_streams));
+  }
+  if (options.max_shared_streams_per_tenant < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_shared_streams_per_tenant must be >= 0 (0: no limit), got ",
+                     options.max_shared_streams_per_tenant));
   }
   if (options.shared_memory_spin < absl::ZeroDuration() ||
       options.shared_memory_spin > absl::Seconds(1)) {

@@ -48,6 +48,8 @@ struct ServerOptions {
   // thread polls for the next step before it sleeps.
   std::string shared_memory_dir;
   int max_shared_streams = 16;
+  // Of them, at most this many of one tenant (--max_shared_streams_per_tenant); 0: no limit.
+  int max_shared_streams_per_tenant = 0;
   absl::Duration shared_memory_spin = absl::Microseconds(100);
   // Host memory that sessions may hold (KV, staged prompts, selector state); 0: unlimited.
   int64_t host_memory_budget_bytes = 0;

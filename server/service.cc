@@ -685,6 +685,16 @@ class KvRecallService::DecodeCall final
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
     }
+    // A step whose client has given up (its deadline, a cancellation) is not applied: the
+    // client was told nothing of it, so it must find its sessions as they were.
+    const auto cancelled = [this] {
+      absl::MutexLock lock(&mu_);
+      return cancelled_ || context_->IsCancelled();
+    };
+    if (const ServiceTestHooks& hooks = service_->options_.test_hooks; hooks.before_decode_step) {
+      hooks.before_decode_step(cancelled);
+    }
+    if (cancelled()) return CancelledStatus();
     response_.Clear();
     // A reply over gRPC's message limit, the server's or the client's (Serve reads that one
     // from the request), would fail to arrive after the step was applied.
@@ -863,14 +873,8 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       }
     }
     if (service_->draining()) return ShuttingDownStatus();
-    if (service_->shared_streams_.fetch_add(1) >= options.max_shared_streams) {
-      service_->shared_streams_.fetch_sub(1);
-      return service_->Answer(RefusedBy(
-          absl::ResourceExhaustedError(absl::StrCat("--max_shared_streams=",
-                                                    options.max_shared_streams,
-                                                    " shared Decode streams are open; close one "
-                                                    "or use Decode")),
-          "max_shared_streams"));
+    if (absl::Status s = service_->TakeSharedSlot(identity_.tenant); !s.ok()) {
+      return service_->Answer(s);
     }
     counted_.store(true);
     const uint64_t request_capacity =
@@ -919,7 +923,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   // that a runner that reopens at once (after a failed step) finds it free.
   void ReleaseSlot() {
     if (counted_.exchange(false)) {
-      service_->shared_streams_.fetch_sub(1);
+      service_->ReturnSharedSlot(identity_.tenant);
       if (charged_bytes_ > 0) charged_budget_->Release(charged_bytes_);
     }
   }
@@ -1034,6 +1038,11 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
     }
+    const auto cancelled = [this] { return cancelled_.load(); };  // OnCancel's
+    if (const ServiceTestHooks& hooks = service_->options_.test_hooks; hooks.before_decode_step) {
+      hooks.before_decode_step(cancelled);
+    }
+    if (cancelled()) return CancelledStatus();  // not applied: its runner has given up
     // Serve refuses a request whose reply could overflow the reply area before applying it.
     response_.Clear();
     grpc::Status status =
@@ -1133,6 +1142,42 @@ bool KvRecallService::TakeInlineStep() {
 
 void KvRecallService::ReturnInlineStep() {
   inline_steps_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+absl::Status KvRecallService::TakeSharedSlot(const std::string& tenant) {
+  absl::MutexLock lock(&shared_slots_mu_);
+  int& own = shared_streams_of_[tenant];
+  // The tenant's limit first: it tells the caller what closing one of its own would do; the
+  // other tenants' streams are not counted for it.
+  if (const int limit = options_.max_shared_streams_per_tenant; limit > 0 && own >= limit) {
+    return RefusedBy(
+        absl::ResourceExhaustedError(absl::StrCat(
+            tenant.empty() ? "this server's callers (it authenticates no tenants) have "
+                           : absl::StrCat("tenant '", tenant, "' has "),
+            own, own == 1 ? " shared Decode stream" : " shared Decode streams",
+            " open, the limit per tenant (--max_shared_streams_per_tenant=", limit,
+            "): close one or use Decode")),
+        "max_shared_streams_per_tenant");
+  }
+  if (shared_streams_ >= options_.max_shared_streams) {
+    if (own == 0) shared_streams_of_.erase(tenant);
+    return RefusedBy(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "--max_shared_streams=", options_.max_shared_streams,
+            " shared Decode streams are open, ", own == 0 ? "none" : absl::StrCat(own),
+            " of them yours; close one or use Decode")),
+        "max_shared_streams");
+  }
+  ++own;
+  ++shared_streams_;
+  return absl::OkStatus();
+}
+
+void KvRecallService::ReturnSharedSlot(const std::string& tenant) {
+  absl::MutexLock lock(&shared_slots_mu_);
+  --shared_streams_;
+  auto own = shared_streams_of_.find(tenant);
+  if (own != shared_streams_of_.end() && --own->second == 0) shared_streams_of_.erase(own);
 }
 
 void KvRecallService::StartDrain() {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -49,6 +50,10 @@ struct ServiceTestHooks {
   // Run as a call is identified against the token table, after the auth processor accepted
   // its token: a test reloads the table here, the race a reload between the two meets by chance.
   std::function<void()> before_call_identified;
+  // Run before each decode step is applied (Decode and DecodeShared), given a function that
+  // tells whether the call has been cancelled: a test holds a step here to play a wedged
+  // server, until its client gives up (a deadline, a cancellation).
+  std::function<void(const std::function<bool()>& cancelled)> before_decode_step;
 };
 
 struct ServiceOptions {
@@ -74,6 +79,9 @@ struct ServiceOptions {
   std::string shared_memory_dir;
   // Shared streams open at once; each holds a thread of its own while it lives.
   int max_shared_streams = 16;
+  // Of them, at most this many of one tenant (without tokens every caller is the one tenant
+  // ""), so that no tenant takes every slot; 0: no limit but max_shared_streams.
+  int max_shared_streams_per_tenant = 0;
   // How long a shared stream's thread polls for the next request before it sleeps (a futex
   // wake-up then costs the runner a system call and the step a scheduler wake-up).
   absl::Duration shared_memory_spin = absl::Microseconds(100);
@@ -236,6 +244,10 @@ class KvRecallService final : public KvRecallRawCallbackService {
   // A slot to run a Decode step on gRPC's thread (ServiceOptions::inline_steps); false: queue it.
   bool TakeInlineStep();
   void ReturnInlineStep();
+  // A DecodeShared slot for `tenant`: RESOURCE_EXHAUSTED naming the limit when the server's
+  // (max_shared_streams) or the tenant's (max_shared_streams_per_tenant) are all taken.
+  absl::Status TakeSharedSlot(const std::string& tenant);
+  void ReturnSharedSlot(const std::string& tenant);
 
   SessionRegistry* registry_;
   std::shared_ptr<const TokenStore> tokens_;  // SetTokens'
@@ -259,7 +271,11 @@ class KvRecallService final : public KvRecallRawCallbackService {
   WorkQueue builds_;
   const int max_inline_steps_;
   std::atomic<int> inline_steps_{0};
-  std::atomic<int> shared_streams_{0};
+  // DecodeShared slots taken, in all and by tenant (max_shared_streams and
+  // max_shared_streams_per_tenant).
+  absl::Mutex shared_slots_mu_;
+  int shared_streams_ ABSL_GUARDED_BY(shared_slots_mu_) = 0;
+  absl::flat_hash_map<std::string, int> shared_streams_of_ ABSL_GUARDED_BY(shared_slots_mu_);
 };
 
 // The status of work refused because the server is draining.

@@ -165,6 +165,8 @@ class TlsTest : public ::testing::Test {
     options.host_memory_budget_bytes = host_memory_budget_bytes;
     options.service_test_hooks = hooks_;
     options.shared_memory_dir = shared_memory_dir_;
+    options.max_shared_streams = max_shared_streams_;
+    options.max_shared_streams_per_tenant = max_shared_streams_per_tenant_;
     absl::StatusOr<std::unique_ptr<testing::InProcessServer>> server =
         testing::InProcessServer::Start(options);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -195,6 +197,8 @@ class TlsTest : public ::testing::Test {
 
   ServiceTestHooks hooks_;  // the next Start's
   std::string shared_memory_dir_;  // the next Start's --shared_memory_dir
+  int max_shared_streams_ = 16;  // and its --max_shared_streams
+  int max_shared_streams_per_tenant_ = 0;  // and --max_shared_streams_per_tenant
   std::unique_ptr<testing::InProcessServer> server_;
 };
 
@@ -509,6 +513,46 @@ TEST_F(TlsTest, SessionsBelongToTheTenantThatCreatedThem) {
   EXPECT_EQ((*alices)[0].session_id(), session->id);
   EXPECT_EQ((*alices)[0].tokens(), 5);  // 4 prompt tokens and alice's step; bob's took none
   EXPECT_TRUE(alice->CloseSession(session->id).ok());
+}
+
+// --max_shared_streams_per_tenant keeps one tenant from taking every DecodeShared slot (probe
+// 26's left item); a refusal by either limit says how many of the streams are the caller's.
+TEST_F(TlsTest, OneTenantCannotTakeEverySharedStream) {
+  testing::TempDirectory regions("tls-regions");
+  shared_memory_dir_ = regions.path();
+  max_shared_streams_ = 3;
+  max_shared_streams_per_tenant_ = 2;
+  Start(WithTokens());
+  std::unique_ptr<client::Client> alice = ConnectWithToken(kAliceToken);
+  std::unique_ptr<client::Client> bob = ConnectWithToken(kBobToken);
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  const client::DecodeStreamOptions shared = {.shared_memory = true};
+  std::vector<std::unique_ptr<client::DecodeStream>> alices;
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> s = alice->OpenDecodeStream(g, shared);
+    ASSERT_TRUE(s.ok()) << s.status();
+    alices.push_back(*std::move(s));
+  }
+  EXPECT_TRUE(HasStatus(alice->OpenDecodeStream(g, shared).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "tenant 'alice' has 2 shared Decode streams open, the limit per tenant "
+                        "(--max_shared_streams_per_tenant=2): close one or use Decode"));
+  EXPECT_EQ(testing::RefusalsCounted(server_->server(), "max_shared_streams_per_tenant"), 1);
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> bobs = bob->OpenDecodeStream(g, shared);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_TRUE(HasStatus(bob->OpenDecodeStream(g, shared).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "--max_shared_streams=3 shared Decode streams are open, 1 of them yours"));
+  EXPECT_EQ(testing::RefusalsCounted(server_->server(), "max_shared_streams"), 1);
+  // A closed stream gives its tenant's slot back, and the server's.
+  EXPECT_TRUE(alices[0]->Close().ok());
+  alices.erase(alices.begin());
+  absl::StatusOr<std::unique_ptr<client::DecodeStream>> bobs_second =
+      bob->OpenDecodeStream(g, shared);
+  EXPECT_TRUE(bobs_second.ok()) << bobs_second.status();
+  EXPECT_TRUE(HasStatus(alice->OpenDecodeStream(g, shared).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "--max_shared_streams=3 shared Decode streams are open, 1 of them yours"));
 }
 
 // --max_sessions_per_tenant keeps one tenant from taking every --max_sessions slot, and a refusal

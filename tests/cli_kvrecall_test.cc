@@ -405,6 +405,10 @@ TEST_F(CliTest, LocalInputsAreRefusedByFlagName) {
       {{"synth", "--out=" + trace + ".x", "--context=4"}, 2,
        "sinks (attention-sink tokens) must be in [0, context = 4), got 4"},
       {{"replay", "--trace=" + ::testing::TempDir()}, 1, "is not a regular file"},
+      {{"replay", "--trace=" + trace, "--prefill_timeout=0"}, 2,
+       "--prefill_timeout must be positive, got 0"},
+      {{"demo", "--timeout=-1s"}, 2, "--timeout must be positive, got -1s"},
+      {{"list", "--timeout=0"}, 1, "--timeout must be positive, got 0"},
       {{"list", "--tls_ca=" + trace}, 1, "--tls_ca: " + trace + " is not a PEM file"},
   };
   for (const Case& c : cases) {

@@ -381,7 +381,7 @@ TEST_F(ClientTest, AReplyPastTheClientsLimitIsRefusedBeforeTheStepApplies) {
   const v1::Geometry g = testing::MakeGeometry(1, 32, 1, 16);
   RandomPrompt prompt(g, 6, 31);
   const SessionHandle session = Prefilled(g, prompt);
-  std::unique_ptr<Client> small = Client::Connect(server().address(), 3072);
+  std::unique_ptr<Client> small = Client::Connect(server().address(), {.max_message_bytes = 3072});
   absl::StatusOr<std::unique_ptr<DecodeStream>> decode = small->OpenDecodeStream(g);
   ASSERT_TRUE(decode.ok());
   const std::vector<float> q = testing::RandomNormal(32 * 16, 32);
@@ -396,6 +396,27 @@ TEST_F(ClientTest, AReplyPastTheClientsLimitIsRefusedBeforeTheStepApplies) {
   EXPECT_EQ(client_->GetSession(session.id)->tokens(), 6);
   ASSERT_TRUE((*decode)->Step(0, {&step, 1}, {}, &result).ok());  // a smaller reply fits
   EXPECT_EQ(result.response->results(0).position(), 6);
+}
+
+TEST_F(ClientTest, ConnectTakesTheCallersChannelArguments) {
+  // One whose effect shows: the replies' headers past a 1-byte metadata limit.
+  ClientOptions options;
+  options.channel_arguments.SetInt(GRPC_ARG_MAX_METADATA_SIZE, 1);
+  std::unique_ptr<Client> limited = Client::Connect(server().address(), options);
+  const v1::Geometry g = testing::MakeGeometry(1, 4, 2, 16);
+  EXPECT_TRUE(testing::HasStatus(
+      limited->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL)).status(),
+      absl::StatusCode::kResourceExhausted, "received initial metadata size exceeds limit"));
+  EXPECT_TRUE(
+      Client::Connect(server().address())->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL))
+          .ok());
+  // What Connect sets itself is not to be set there.
+  ClientOptions receive_limit;
+  receive_limit.channel_arguments.SetMaxReceiveMessageSize(1 << 20);
+  EXPECT_TRUE(testing::HasStatus(
+      Client::Connect(server().address(), ChannelSecurity(), receive_limit).status(),
+      absl::StatusCode::kInvalidArgument,
+      "grpc.max_receive_message_length is Connect's to set (ClientOptions.max_message_bytes"));
 }
 
 TEST_F(ClientTest, AStepThatSaysItsPositionIsNotAppendedTwice) {

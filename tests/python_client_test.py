@@ -316,6 +316,21 @@ class ClientTest(ServerTest):
                     with self.assertRaisesRegex(ValueError, r"70000.0 is past f16's range"):
                         s.attend(0, big, k, v)
                     self.assertEqual(s.info().tokens, self.T + 1)
+                    # A prompt's too, before its stream starts (it was UNKNOWN "Exception
+                    # iterating requests!"), numpy and lists alike; 65504 itself fits.
+                    fresh = self.client.create_session(
+                        make_geometry(1, self.HQ, self.HKV, self.D, "f16"), make_policy("full"))
+                    self.addCleanup(fresh.close)
+                    layer = [x[:4].copy() for x in self.prompt(93)[0]]
+                    layer[2][3, 1, 7] = -1e6
+                    with self.assertRaisesRegex(ValueError,
+                                                r"^layer 0: v: value -1000000.0 is past f16's"):
+                        fresh.prefill([layer])
+                    with self.assertRaisesRegex(ValueError, r"^layer 0: v: value -1000000.0"):
+                        fresh.prefill([[x.tolist() for x in layer]])
+                    self.assertEqual(fresh.info().tokens, 0)
+                    layer[2][3, 1, 7] = 65504.0
+                    self.assertEqual(fresh.prefill([layer]).tokens, 4)
 
     def test_threads_sharing_a_client_see_only_their_own_failures(self):
         # probe 28, 4: one thread's failed step ended the shared stream under the steps other
@@ -1042,6 +1057,23 @@ class ToolInputTest(ServerTest):
         self.addCleanup(tmp.cleanup)
         self.tmp = tmp.name
 
+    def test_hf_demo_without_torch_says_what_to_install(self):
+        # probe 28, 11: its JSON carried a traceback. torch hidden, installed or not.
+        code = ("import sys; sys.modules['torch'] = None; from kvrecall import hf_demo; "
+                "sys.exit(hf_demo.main(sys.argv[1:]))")
+        text = os.path.join(self.tmp, "prompt.txt")
+        with open(text, "w") as f:
+            f.write("def f():\n    return 1\n")
+        r = subprocess.run([sys.executable, "-c", code, "--server", self.address,
+                            "--model", "absent.npz", "--text", text],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        report = json.loads(r.stdout)
+        self.assertEqual(report["error"], "torch is not installed: the transformers backend "
+                                          "needs torch and transformers (pip install "
+                                          "'./client/python[hf]')")
+        self.assertFalse(report["ok"])
+
     def trace(self, name, needles_meta='[{"decode_step": 1, "position": 5}]', layers=1):
         rng = np.random.default_rng(3)
         arrays = {}
@@ -1430,6 +1462,272 @@ class NeedleTest(ServerTest):
         self.assertAlmostEqual(full["retained_mass_mean"], 1.0, places=5)
         self.assertEqual(topk["found"], 1.0)
         self.assertLess(window["found"], 0.5)  # needles sit in the prompt's middle, out of the window
+
+
+def stop_process(pid):
+    """SIGSTOP, then waits until every thread of `pid` is stopped (kill returns before they are:
+    a shared stream's polling thread can answer one more step)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state == "T" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"kvrecalld {pid} did not stop")
+
+
+@unittest.skipUnless(sys.platform.startswith("linux"), "stops the server through /proc")
+class DeadlineTest(unittest.TestCase):
+    """call_timeout_s, step_timeout_s, prefill's timeout_s and cancel_step against a kvrecalld
+    stopped with SIGSTOP (a wedged server), over the Decode call and a shared region."""
+
+    def setUp(self):
+        self.region_dir = tempfile.TemporaryDirectory(prefix="kvrecall-shm-")
+        self.addCleanup(self.region_dir.cleanup)
+        self.kvrecalld = Kvrecalld(f"--shared_memory_dir={self.region_dir.name}")
+        self.addCleanup(self.kvrecalld.stop)
+        self.addCleanup(os.kill, self.kvrecalld.process.pid, signal.SIGCONT)  # runs first
+
+    def transports(self):
+        shared = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+        return [False, True] if shared else [False]
+
+    def prefilled(self, client, seed):
+        rng = np.random.default_rng(seed)
+        s = client.create_session(make_geometry(1, 4, 2, 16), make_policy("full"))
+        s.prefill([(rng.standard_normal((20, 4, 16), dtype=np.float32),
+                    rng.standard_normal((20, 2, 16), dtype=np.float32),
+                    rng.standard_normal((20, 2, 16), dtype=np.float32))])
+        step = (rng.standard_normal((4, 16), dtype=np.float32),
+                rng.standard_normal((2, 16), dtype=np.float32),
+                rng.standard_normal((2, 16), dtype=np.float32))
+        return s, step
+
+    def test_a_wedged_server_fails_each_call_by_its_timeout(self):
+        pid = self.kvrecalld.process.pid
+        for shared in self.transports():
+            with self.subTest(shared_memory=shared), \
+                    kvrecall.Client(self.kvrecalld.address, shared_memory=shared,
+                                    call_timeout_s=0.5, step_timeout_s=0.5) as c:
+                s, step = self.prefilled(c, 1)
+                other = c.create_session(make_geometry(1, 4, 2, 16), make_policy("full"))
+                self.assertEqual(s.attend(0, *step, position=20).position, 20)
+                stop_process(pid)
+                start = time.monotonic()
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    s.attend(0, *step, position=21)
+                self.assertEqual(e.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                self.assertIn("no answer within step_timeout_s=0.5", e.exception.message)
+                self.assertIn("resend it with its position", e.exception.message)
+                self.assertLess(time.monotonic() - start, 5)
+                # The next step needs a new stream from a server that does not answer.
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    s.attend(0, *step, position=21)
+                self.assertEqual(e.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    s.info()
+                self.assertEqual(e.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                rng = np.random.default_rng(2)
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    other.prefill([(rng.standard_normal((20, 4, 16), dtype=np.float32),
+                                    rng.standard_normal((20, 2, 16), dtype=np.float32),
+                                    rng.standard_normal((20, 2, 16), dtype=np.float32))],
+                                  timeout_s=0.5)
+                self.assertEqual(e.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+                self.assertLess(time.monotonic() - start, 20)
+                os.kill(pid, signal.SIGCONT)
+                # Awake: the step resent with its position is applied once (ABORTED: it was).
+                try:
+                    self.assertEqual(s.attend(0, *step, position=21).position, 21)
+                except kvrecall.KvRecallError as resent:
+                    self.assertEqual(resent.code, grpc.StatusCode.ABORTED)
+                self.assertEqual(list(s.info().layer_tokens), [22])
+                # The prefill past its deadline committed nothing.
+                self.assertEqual(other.info().tokens, 0)
+
+    def test_cancel_step_ends_a_step_in_flight(self):
+        pid = self.kvrecalld.process.pid
+        for shared in self.transports():
+            with self.subTest(shared_memory=shared), \
+                    kvrecall.Client(self.kvrecalld.address, shared_memory=shared) as c:
+                s, step = self.prefilled(c, 3)
+                s.attend(0, *step, position=20)
+                stop_process(pid)
+                canceller = threading.Timer(0.3, c.cancel_step)
+                canceller.start()
+                with self.assertRaises(kvrecall.KvRecallError) as e:
+                    s.attend(0, *step, position=21)
+                canceller.join()
+                self.assertEqual(e.exception.code, grpc.StatusCode.CANCELLED)
+                self.assertIn("decode step: cancelled by cancel()", e.exception.message)
+                os.kill(pid, signal.SIGCONT)
+                try:
+                    s.attend(0, *step, position=21)
+                except kvrecall.KvRecallError as resent:
+                    self.assertEqual(resent.code, grpc.StatusCode.ABORTED)
+                self.assertEqual(list(s.info().layer_tokens), [22])
+                # Cancelled between steps: the next step goes on a new stream.
+                before = c.decode_stream
+                c.cancel_step()
+                s.attend(0, *step, position=22)
+                self.assertIsNot(c.decode_stream, before)
+
+    def test_close_on_a_wedged_server_ends_by_the_step_timeout(self):
+        # review 26, 2: close() waited for the server with no bound.
+        pid = self.kvrecalld.process.pid
+        for shared in self.transports():
+            with self.subTest(shared_memory=shared):
+                c = kvrecall.Client(self.kvrecalld.address, shared_memory=shared,
+                                    step_timeout_s=0.5)
+                s, step = self.prefilled(c, 5)
+                s.attend(0, *step, position=20)
+                stop_process(pid)
+                start = time.monotonic()
+                with self.assertRaisesRegex(kvrecall.KvRecallError,
+                                            r"DEADLINE_EXCEEDED: closing the (shared )?decode "
+                                            r"stream: no answer within step_timeout_s=0.5"):
+                    c.close()
+                self.assertLess(time.monotonic() - start, 5)
+                os.kill(pid, signal.SIGCONT)
+
+    def test_cancel_step_reaches_a_shared_stream_being_opened(self):
+        # review 26, 3: the wait for a new stream's region was out of cancel_step's reach.
+        if True not in self.transports():
+            self.skipTest("kvrecall.shared runs on Linux x86-64 only")
+        pid = self.kvrecalld.process.pid
+        with kvrecall.Client(self.kvrecalld.address, shared_memory=True) as c:
+            s, step = self.prefilled(c, 6)
+            s.attend(0, *step, position=20)
+            c.cancel_step()  # between steps: the next opens a new stream
+            stop_process(pid)
+            outcome = []
+
+            def attend():
+                try:
+                    s.attend(0, *step, position=21)
+                    outcome.append("ok")
+                except kvrecall.KvRecallError as e:
+                    outcome.append(e)
+            stepper = threading.Thread(target=attend)
+            stepper.start()
+            time.sleep(0.3)
+            c.cancel_step()
+            stepper.join(5)
+            self.assertFalse(stepper.is_alive())
+            os.kill(pid, signal.SIGCONT)
+            self.assertEqual(outcome[0].code, grpc.StatusCode.CANCELLED, outcome)
+            self.assertIn("opening the shared decode stream: cancelled by cancel()",
+                          outcome[0].message)
+            s.attend(0, *step, position=21)
+            self.assertEqual(list(s.info().layer_tokens), [22])
+
+    def test_cancelled_streams_leave_nothing_behind(self):
+        # review 26, 1: each cancel_step between steps left the stream's timer thread (and a
+        # shared region's mapping) behind for good, even after close().
+        def timers():
+            return sum(t.name == "kvrecall-step-timer" for t in threading.enumerate())
+
+        def regions():
+            with open("/proc/self/maps") as f:
+                return sum(self.region_dir.name in line for line in f)
+        for shared in self.transports():
+            with self.subTest(shared_memory=shared):
+                before = (timers(), regions())
+                with kvrecall.Client(self.kvrecalld.address, shared_memory=shared,
+                                     step_timeout_s=5) as c:
+                    s, step = self.prefilled(c, 7)
+                    for position in range(20, 40):
+                        c.cancel_step()
+                        s.attend(0, *step, position=position)
+                    self.assertLessEqual(timers(), before[0] + 2)
+                    self.assertLessEqual(regions(), before[1] + 2)
+                deadline = time.monotonic() + 10
+                while timers() > before[0] and time.monotonic() < deadline:
+                    time.sleep(0.01)  # a stopped timer thread ends within its wait
+                self.assertEqual((timers(), regions()), before)
+
+    def test_an_infinite_timeout_is_no_limit(self):
+        # review 26, 4: inf failed every call at once, and killed the timer thread.
+        with kvrecall.Client(self.kvrecalld.address, call_timeout_s=math.inf,
+                             step_timeout_s=float("inf")) as c:
+            self.assertIsNone(c.call_timeout_s)
+            s, step = self.prefilled(c, 8)
+            self.assertEqual(s.attend(0, *step, position=20).position, 20)
+        with kvrecall.Client(self.kvrecalld.address, call_timeout_s=1e9,
+                             step_timeout_s=1e9) as c:
+            s, step = self.prefilled(c, 9)
+            self.assertEqual(s.attend(0, *step, position=20).position, 20)
+        with self.assertRaisesRegex(ValueError, r"at most 1e\+09; inf: no limit\), got 10000000000.0"):
+            kvrecall.Client(self.kvrecalld.address, call_timeout_s=1e10)
+
+    def test_steps_within_their_timeout_are_served_as_without(self):
+        for shared in self.transports():
+            with self.subTest(shared_memory=shared), \
+                    kvrecall.Client(self.kvrecalld.address, shared_memory=shared,
+                                    step_timeout_s=0.05) as c:
+                s, step = self.prefilled(c, 4)
+                stream, position, end = None, 20, time.monotonic() + 0.4
+                while time.monotonic() < end:
+                    self.assertEqual(s.attend(0, *step, position=position).position, position)
+                    stream = stream or c.decode_stream
+                    position += 1
+                self.assertIs(c.decode_stream, stream)  # one stream throughout
+
+    def test_the_tools_timeout_flag(self):
+        import argparse
+        from kvrecall.client import add_connection_arguments, connection_argv, connection_from_args
+        ap = argparse.ArgumentParser()
+        add_connection_arguments(ap)
+        args = ap.parse_args(["--server", self.kvrecalld.address, "--timeout", "0.5"])
+        kwargs = connection_from_args(args)
+        self.assertEqual((kwargs["call_timeout_s"], kwargs["step_timeout_s"]), (0.5, 0.5))
+        self.assertEqual(connection_from_args(ap.parse_args(connection_argv(args))), kwargs)
+        self.assertIsNone(connection_from_args(ap.parse_args([]))["call_timeout_s"])
+        self.assertIsNone(connection_from_args(ap.parse_args(["--timeout", "inf"]))
+                          ["step_timeout_s"])
+        with self.assertRaisesRegex(ValueError, r"^--timeout must be a positive number of "
+                                                r"seconds \(at most 1e\+09; inf: no limit\), "
+                                                r"got 0.0"):
+            connection_from_args(ap.parse_args(["--timeout", "0"]))
+        with kvrecall.Client(self.kvrecalld.address, **kwargs) as c:
+            c.list_sessions()
+            stop_process(self.kvrecalld.process.pid)
+            with self.assertRaises(kvrecall.KvRecallError) as e:
+                c.list_sessions()
+            self.assertEqual(e.exception.code, grpc.StatusCode.DEADLINE_EXCEEDED)
+            os.kill(self.kvrecalld.process.pid, signal.SIGCONT)
+
+    def test_channel_options_reach_the_channel(self):
+        # One whose effect shows: replies' headers past a 1-byte metadata limit.
+        with kvrecall.Client(self.kvrecalld.address,
+                             channel_options=[("grpc.max_metadata_size", 1)]) as c:
+            with self.assertRaisesRegex(kvrecall.KvRecallError,
+                                        "RESOURCE_EXHAUSTED: received initial metadata size"):
+                c.list_sessions()
+        with kvrecall.Client(self.kvrecalld.address,
+                             channel_options=[("grpc.primary_user_agent", "runner/1")]) as c:
+            self.assertEqual(c.list_sessions(), [])
+        for key in ("grpc.max_send_message_length", "grpc.max_receive_message_length",
+                    "grpc.ssl_target_name_override"):
+            with self.assertRaisesRegex(ValueError, f"channel_options: {key} is the Client's"):
+                kvrecall.Client(self.kvrecalld.address, channel_options=[(key, 1)])
+
+    def test_timeouts_must_be_positive_numbers(self):
+        for bad in (0, -1, "1", True, float("nan")):
+            with self.assertRaisesRegex(ValueError, "call_timeout_s must be None or a positive"):
+                kvrecall.Client(self.kvrecalld.address, call_timeout_s=bad)
+            with self.assertRaisesRegex(ValueError, "step_timeout_s must be None or a positive"):
+                kvrecall.Client(self.kvrecalld.address, step_timeout_s=bad)
+        with kvrecall.Client(self.kvrecalld.address) as c:
+            s = c.create_session(make_geometry(1, 4, 2, 16), make_policy("full"))
+            with self.assertRaisesRegex(ValueError, "timeout_s must be None or a positive"):
+                s.prefill([(np.zeros((2, 4, 16), np.float32), np.zeros((2, 2, 16), np.float32),
+                            np.zeros((2, 2, 16), np.float32))], timeout_s=0)
+            self.assertEqual(s.info().tokens, 0)
 
 
 class WireTest(unittest.TestCase):

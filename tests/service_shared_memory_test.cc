@@ -537,6 +537,10 @@ TEST(SharedDecodeOptionsTest, StartServerChecksTheDirectory) {
   options.max_shared_streams = 0;
   EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
                         "max_shared_streams"));
+  options.max_shared_streams = 4;
+  options.max_shared_streams_per_tenant = -1;
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                        "--max_shared_streams_per_tenant must be >= 0 (0: no limit), got -1"));
 }
 
 TEST(SharedDecodeOptionsTest, StartServerRemovesRegionsOfServersThatAreGone) {

@@ -16,6 +16,13 @@
 
 ABSL_FLAG(std::string, server, "localhost:50051", "kvrecalld address, HOST:PORT or unix:PATH");
 ABSL_FLAG(bool, json, false, "print machine-readable JSON (one object per line)");
+ABSL_FLAG(absl::Duration, timeout, absl::InfiniteDuration(),
+          "the longest a unary call or a decode step may take (e.g. 5s; inf: no limit); past it "
+          "the command fails with DEADLINE_EXCEEDED (a Prefill has --prefill_timeout, health "
+          "--health_deadline)");
+ABSL_FLAG(absl::Duration, prefill_timeout, absl::InfiniteDuration(),
+          "replay and demo: the longest a Prefill call may take as a whole, its builds included "
+          "(inf: no limit); past it DEADLINE_EXCEEDED, and nothing of it is committed");
 
 ABSL_FLAG(bool, tls, false,
           "connect with TLS (implied by the other --tls_* flags, and by --token_file to a "
@@ -98,6 +105,20 @@ using client::ParseGraphScope;
 using client::ParsePlacement;
 using client::ParseSelector;
 
+absl::StatusOr<client::ReplayOptions> ReplayOptionsFromFlags() {
+  client::ReplayOptions options;
+  options.decode.step_timeout = absl::GetFlag(FLAGS_timeout);
+  options.prefill.timeout = absl::GetFlag(FLAGS_prefill_timeout);
+  for (const auto& [flag, value] : {std::pair{"--timeout", options.decode.step_timeout},
+                                    std::pair{"--prefill_timeout", options.prefill.timeout}}) {
+    if (value <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, " must be positive, got ", absl::FormatDuration(value)));
+    }
+  }
+  return options;
+}
+
 absl::StatusOr<std::unique_ptr<Client>> ConnectToServer() {
   client::ChannelSecurity security;
   security.tls = absl::GetFlag(FLAGS_tls);
@@ -116,15 +137,17 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectToServer() {
     }
     security.token = *std::move(token);
   }
-  absl::StatusOr<std::unique_ptr<Client>> client =
-      Client::Connect(absl::GetFlag(FLAGS_server), security);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(
+      absl::GetFlag(FLAGS_server), security,
+      client::ClientOptions{.call_timeout = absl::GetFlag(FLAGS_timeout)});
   if (!client.ok()) {
     // The client library names ClientSecurity's fields; the user wrote flags.
     return absl::Status(client.status().code(),
                         absl::StrReplaceAll(client.status().message(),
                                             {{"ca_file", "--tls_ca"},
                                              {"cert_file", "--tls_cert"},
-                                             {"key_file", "--tls_key"}}));
+                                             {"key_file", "--tls_key"},
+                                             {"ClientOptions.call_timeout", "--timeout"}}));
   }
   return client;
 }

@@ -11,25 +11,35 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "client/kvrecall_client.h"
+#include "client/replay.h"
 #include "google/protobuf/message.h"
 #include "kvrecall/v1/kvrecall.pb.h"
 
 ABSL_DECLARE_FLAG(std::string, server);
 ABSL_DECLARE_FLAG(bool, json);
+ABSL_DECLARE_FLAG(absl::Duration, timeout);
+ABSL_DECLARE_FLAG(absl::Duration, prefill_timeout);
 
 namespace kvrecall::cli {
 
 // A client of --server, secured as --tls, --tls_ca, --tls_cert, --tls_key, --tls_server_name
-// and --token_file (where not given, $KVRECALL_TOKEN_FILE) say; INVALID_ARGUMENT / NOT_FOUND
-// naming the flag (or the variable) when a file is unusable, INVALID_ARGUMENT for a token alone
-// to a unix-abstract:NAME server (client::ChannelSecurity).
+// and --token_file (where not given, $KVRECALL_TOKEN_FILE) say, its unary calls bounded by
+// --timeout; INVALID_ARGUMENT / NOT_FOUND naming the flag (or the variable) when a file is
+// unusable or --timeout is not positive, INVALID_ARGUMENT for a token alone to a
+// unix-abstract:NAME server (client::ChannelSecurity). (replay and demo bound their decode
+// steps by --timeout too, and their Prefill by --prefill_timeout: ReplayOptionsFromFlags.)
 absl::StatusOr<std::unique_ptr<client::Client>> ConnectToServer();
 
 // The policy that --placement, --policy, --k, --sinks, --recent, the ReTopK flags (--C, --R,
 // --W, --tau, --refresh, --auto_tau, --target_recall) and the index flags describe; unset knobs
 // stay zero/unset so the server fills in its defaults. INVALID_ARGUMENT for unknown names.
 absl::StatusOr<v1::Policy> PolicyFromFlags();
+
+// The Decode and Prefill options of replay and demo: step_timeout from --timeout, the
+// Prefill's timeout from --prefill_timeout; INVALID_ARGUMENT naming a flag that is not positive.
+absl::StatusOr<client::ReplayOptions> ReplayOptionsFromFlags();
 
 // Prints "kvrecall <subcommand>: <CODE>: <message>" to stderr and returns 1.
 int ReportError(absl::string_view subcommand, const absl::Status& status);

@@ -20,9 +20,12 @@ import dataclasses
 import operator
 import os
 import queue
+import math
 import stat
 import sys
 import threading
+import time
+import weakref
 
 import grpc
 import numpy as np
@@ -237,6 +240,78 @@ def _step_parts(step):
     return session, q, k, v, _check_position(position[0] if position else None)
 
 
+# The longest finite timeout: about 31 years (gRPC's deadlines fail at once past ~5e9 s).
+_MAX_TIMEOUT_S = 1e9
+
+
+def _check_timeout(name, value):
+    """None for None or inf (no limit), else `value` in seconds; ValueError unless it is a
+    positive number, finite ones at most _MAX_TIMEOUT_S."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or \
+            (value > _MAX_TIMEOUT_S and not math.isinf(value)):
+        raise ValueError(f"{name} must be None or a positive number of seconds (at most "
+                         f"{_MAX_TIMEOUT_S:g}; inf: no limit), got {value!r}")
+    return None if math.isinf(value) else float(value)
+
+
+class _StepTimer:
+    """Cancels a stream's call when an exchange outlasts `timeout_s`: a daemon thread that
+    sleeps until the armed exchange's deadline, or for one timeout while none is armed (one
+    armed meanwhile has a later deadline than that wake-up), so that arming costs a lock and
+    no wake-up: a stream stepping without pause wakes it about once per timeout. It holds the
+    stream weakly and ends with it (or at stop())."""
+
+    def __init__(self, timeout_s, stream):
+        self.timeout_s = timeout_s
+        self._stream = weakref.ref(stream)
+        self._lock = threading.Lock()
+        self._deadline = None  # the armed exchange's, time.monotonic()
+        self._fired = False
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="kvrecall-step-timer", daemon=True).start()
+
+    def arm(self):
+        with self._lock:
+            self._fired = False
+            self._deadline = time.monotonic() + self.timeout_s
+
+    def disarm(self):
+        """Ends the watch; whether it cancelled the exchange (no cancellation comes after)."""
+        with self._lock:
+            self._deadline = None
+            return self._fired
+
+    def stop(self):
+        self._stop.set()
+
+    def _run(self):
+        while True:
+            with self._lock:
+                deadline = None if self._fired else self._deadline
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    self._fired = True
+                    deadline = None
+                    stream = self._stream()
+                    if stream is not None:
+                        stream._cancel_call()  # under the lock: disarm waits for it
+                    del stream
+            if self._stream() is None:
+                return
+            wait = self.timeout_s if deadline is None else deadline - now
+            if self._stop.wait(min(wait, threading.TIMEOUT_MAX)):
+                return
+
+
+# What a step broken off by its timeout or by cancel() may have done, and what to do next.
+_ABANDONED_STEP = ("A step the server had not begun when the cancellation reached it is not "
+                   "applied; one it had begun, or read before (a stalled server), may be: "
+                   "resend it with its position (ABORTED: it was applied). The next step goes "
+                   "on a new stream")
+
+
 def _request_head(request_id, layer, return_lse, diagnostics, compare_exact, max_reply_bytes=0):
     """A DecodeRequest's fields but its steps, serialized by hand (no message built per step);
     protobuf parses fields in any order, so the steps may follow. ValueError for a layer
@@ -256,7 +331,69 @@ class _LayerStepStream:
     lock, and the reply checked and converted. A subclass sets up _lock, _next_id, broken and
     the last_* timings, and implements _exchange(pieces) -> pb.DecodeResponse (marking the
     stream broken when the server ended it) and _break(cancel) (marks it broken and lets go of
-    what it holds; `cancel` also cancels a call the server still serves)."""
+    what it holds; `cancel` also cancels a call the server still serves) and _cancel_call()
+    (cancels the call from any thread, leaving the rest to the stepping thread); it calls
+    _start_timer(step_timeout_s) once set up."""
+
+    def _start_timer(self, step_timeout_s):
+        self._cancelled = False
+        self._timer = None
+        if step_timeout_s is not None:
+            self._timer = _StepTimer(step_timeout_s, self)
+
+    def cancel(self):
+        """Abandons the stream, from any thread: a step in flight (or the stream's opening or
+        close) raises KvRecallError CANCELLED (whatever the server does with the step:
+        _ABANDONED_STEP); Client opens a new stream for the next step."""
+        self._cancelled = True
+        self.broken = True
+        self._cancel_call()
+
+    def _stop_timer(self):
+        if self._timer is not None:
+            self._timer.stop()
+
+    def _release(self):
+        """Lets go of what a broken stream holds (its timer, a region): Client replaces it."""
+        with self._lock:
+            self._break()
+
+    def __del__(self):
+        # A stream dropped unclosed (a Client dropped without close()) ends its call, so that
+        # gRPC's request-iterator thread and a region's mapping go with it.
+        try:
+            self._break(cancel=True)
+        except Exception:  # half-made (its __init__ failed), or the interpreter is exiting
+            pass
+
+    def _watched(self, what, body, carries_step=True):
+        """body() (an exchange: a step, the opening or the close) under the step timer's watch
+        and cancel()'s reach: the CANCELLED that either left is restated (DEADLINE_EXCEEDED
+        for the timer) naming `what`, with what became of the step when `carries_step`; an
+        answer that came all the same is kept, the stream broken."""
+        timer = self._timer
+        if timer is not None:
+            timer.arm()
+        try:
+            result = body()
+        except KvRecallError as e:
+            timed_out = timer is not None and timer.disarm()
+            if e.code == grpc.StatusCode.CANCELLED and (timed_out or self._cancelled):
+                why = (f"no answer within step_timeout_s={timer.timeout_s:g}" if timed_out
+                       else "cancelled by cancel()")
+                message = f"{what}: {why}; the stream was cancelled ({e.message})."
+                raise KvRecallError(grpc.StatusCode.DEADLINE_EXCEEDED if timed_out
+                                    else grpc.StatusCode.CANCELLED,
+                                    message + (" " + _ABANDONED_STEP if carries_step else "")
+                                    ) from None
+            raise
+        except BaseException:
+            if timer is not None:
+                timer.disarm()
+            raise
+        if (timer is not None and timer.disarm()) or self._cancelled:
+            self._break()  # the answer came before the cancellation; the call is over
+        return result
 
     def step(self, layer, steps, return_lse=False, diagnostics=False, compare_exact=False):
         """Sends one layer of one decode step for several sequences.
@@ -272,6 +409,7 @@ class _LayerStepStream:
         steps = [_step_parts(step) for step in steps]
         with self._lock:
             if self.broken:
+                self._break()  # cancel() from another thread leaves this to the stepper
                 raise _StreamEndedBeforeSend(grpc.StatusCode.FAILED_PRECONDITION,
                                              "decode stream is closed")
             request_id = self._next_id
@@ -280,7 +418,7 @@ class _LayerStepStream:
             for session, q, k, v, position in steps:
                 session.step_wire().append(pieces, q, k, v, position)
             self._next_id += 1
-            resp = self._exchange(pieces)
+            resp = self._watched("decode step", lambda: self._exchange(pieces))
         if resp.request_id != request_id or len(resp.results) != len(steps):
             self._break(cancel=True)  # the server still serves a call we no longer trust
             raise KvRecallError(grpc.StatusCode.INTERNAL,
@@ -306,10 +444,13 @@ class DecodeStream(_LayerStepStream):
 
     _METHOD = "/{}/Decode".format(pb.DESCRIPTOR.services_by_name["KvRecall"].full_name)
 
-    def __init__(self, channel, max_reply_bytes=0):
+    def __init__(self, channel, max_reply_bytes=0, step_timeout_s=None):
         """max_reply_bytes: the channel's receive limit, told to the server with every request
         (DecodeRequest.max_reply_bytes: a step whose reply could not arrive is refused before
-        it is applied); 0: the server's limit alone."""
+        it is applied); 0: the server's limit alone. step_timeout_s: the longest a step waits
+        for its reply, past which the stream is cancelled and the step raises
+        DEADLINE_EXCEEDED (_ABANDONED_STEP); None: no limit (costs no thread)."""
+        step_timeout_s = _check_timeout("step_timeout_s", step_timeout_s)
         self._max_reply_bytes = max_reply_bytes
         self._requests = queue.SimpleQueue()  # C-level put and get: a cheaper wake-up
         decode = channel.stream_stream(self._METHOD, request_serializer=None,
@@ -322,6 +463,7 @@ class DecodeStream(_LayerStepStream):
         # The last reply's tier_micros (static_set, bulk, link_wait) for a tiered request; None
         # for the other placements, whose replies carry none.
         self.last_tier_micros = None
+        self._start_timer(step_timeout_s)
 
     def _exchange(self, pieces):
         self._requests.put(b"".join(pieces))
@@ -345,20 +487,34 @@ class DecodeStream(_LayerStepStream):
         if cancel:
             self._responses.cancel()
         self._requests.put(None)
+        self._stop_timer()
+
+    def _cancel_call(self):
+        self._responses.cancel()
+        self._requests.put(None)  # the request iterator's thread would wait for it for good
 
     def close(self):
-        """Half-closes the call and waits for the server to end it."""
+        """Half-closes the call and waits for the server to end it, within step_timeout_s
+        (DEADLINE_EXCEEDED past it, the call cancelled)."""
         with self._lock:
-            if self.broken:  # _break has ended the request iterator
-                return
-            self.broken = True
-            self._requests.put(None)
             try:
-                for _ in self._responses:
-                    pass
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.CANCELLED:
-                    raise KvRecallError.from_rpc_error(e) from None
+                if self.broken:  # _break has ended the request iterator
+                    return
+                self.broken = True
+                self._requests.put(None)
+                self._watched("closing the decode stream", self._await_end, carries_step=False)
+            except KvRecallError as e:
+                if e.code != grpc.StatusCode.CANCELLED:  # the end of a cancelled stream
+                    raise
+            finally:
+                self._stop_timer()
+
+    def _await_end(self):
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError as e:
+            raise KvRecallError.from_rpc_error(e) from None
 
 
 class Session:
@@ -383,7 +539,8 @@ class Session:
     def _check_layers(self, layers):
         """ValueError for a layer index outside the geometry or a q, k or v whose shape is not
         the geometry's (before the stream starts: an exception inside its request iterator
-        reaches the caller as UNKNOWN "Exception iterating requests!", its message lost)."""
+        reaches the caller as UNKNOWN "Exception iterating requests!", its message lost); for
+        an f16 session, also for a finite value past f16's range (decode's check, up front)."""
         g = self.geometry
         for layer, (q, k, v) in layers:
             try:
@@ -404,6 +561,8 @@ class Session:
                     raise ValueError(f"layer {layer}: {name} has shape {list(x.shape)}, want "
                                      f"[{n}, {heads}, {g.head_dim}] ([tokens, "
                                      f"{'q_heads' if name == 'q' else 'kv_heads'}, head_dim])")
+                if x is not None and g.dtype == pb.DTYPE_F16:
+                    tensors.check_f16_range(x, f"layer {layer}: {name}")
 
     def _chunks(self, layers, per_chunk):
         """The Prefill stream's chunks; per_chunk: [tokens a chunk without q, with q]."""
@@ -428,14 +587,18 @@ class Session:
                 off = e
                 yield c
 
-    def prefill(self, layers, chunk_tokens=None):
+    def prefill(self, layers, chunk_tokens=None, timeout_s=None):
         """Streams the prompt of several layers in one Prefill call, chunked under the message
-        limit (or of `chunk_tokens` tokens). `layers`: a list of (q, k, v), one per layer from 0,
-        or a dict {layer: (q, k, v)}; q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim].
+        limit (or of `chunk_tokens` tokens), within `timeout_s` seconds as a whole (the commit's
+        builds included; None: no limit; past it DEADLINE_EXCEEDED, and nothing is committed).
+        `layers`: a list of (q, k, v), one per layer from 0, or a dict {layer: (q, k, v)};
+        q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim].
         q goes with the tokens whose queries the session needs (prompt_queries) alone; it may be
         None when it needs none. Returns pb.PrefillResponse. ValueError (nothing sent) for a
-        shape that is not the geometry's, a layer outside it, or chunk_tokens not an int >= 1.
+        shape that is not the geometry's, a layer outside it, chunk_tokens not an int >= 1 or
+        timeout_s not a positive number.
         """
+        timeout_s = _check_timeout("timeout_s", timeout_s)
         items = sorted(layers.items()) if isinstance(layers, dict) else list(enumerate(layers))
         # Nested lists as decode takes them (an AttributeError here before: probe 28, 11).
         items = [(layer, tuple(tensors.as_array(x) for x in qkv)) for layer, qkv in items]
@@ -459,7 +622,7 @@ class Session:
         else:
             per_chunk = [chunk_tokens, chunk_tokens]
         try:
-            return self.client.stub.Prefill(self._chunks(items, per_chunk))
+            return self.client.stub.Prefill(self._chunks(items, per_chunk), timeout=timeout_s)
         except grpc.RpcError as e:
             raise KvRecallError.from_rpc_error(e) from None
 
@@ -664,6 +827,9 @@ def add_connection_arguments(parser, server_required=False):
                         help="decode through shared memory (DecodeShared; a runner on kvrecalld's "
                              "host, its --shared_memory_dir readable); default: on when "
                              "KVRECALL_SHARED_MEMORY=1, as the chart's co-located runner gets")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="the longest each unary call and each decode step may take "
+                             "(past it: DEADLINE_EXCEEDED); default: no limit")
 
 
 def connection_argv(args):
@@ -678,14 +844,20 @@ def connection_argv(args):
         if value is not None:  # --token-file '' (send none) included
             argv += [flag, value]
     argv.append("--shared-memory" if args.shared_memory else "--no-shared-memory")
+    if args.timeout is not None:
+        argv += ["--timeout", repr(args.timeout)]
     return argv
 
 
 def connection_from_args(args):
-    """The tls=, token= and shared_memory= keyword arguments of Client for
-    add_connection_arguments' flags; the token from --token-file or, where that is not given,
-    from the file $KVRECALL_TOKEN_FILE names. ValueError naming the flag (or the variable) for
-    an unusable file."""
+    """The tls=, token=, shared_memory=, call_timeout_s= and step_timeout_s= keyword arguments
+    of Client for add_connection_arguments' flags; the token from --token-file or, where that
+    is not given, from the file $KVRECALL_TOKEN_FILE names. ValueError naming the flag (or the
+    variable) for an unusable file or a --timeout that is not positive."""
+    try:
+        timeout = _check_timeout("--timeout", args.timeout)
+    except ValueError as e:
+        raise ValueError(str(e).replace("None or ", "")) from None
     path, source = args.token_file, "--token-file"
     if path is None:
         path, source = os.environ.get("KVRECALL_TOKEN_FILE"), "$KVRECALL_TOKEN_FILE"
@@ -699,7 +871,8 @@ def connection_from_args(args):
     if args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name:
         tls = Tls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
                   server_name=args.tls_server_name)
-    return {"tls": tls, "token": token, "shared_memory": bool(args.shared_memory)}
+    return {"tls": tls, "token": token, "shared_memory": bool(args.shared_memory),
+            "call_timeout_s": timeout, "step_timeout_s": timeout}
 
 
 class Client:
@@ -714,16 +887,32 @@ class Client:
     a shared-memory region (DecodeShared, kvrecall.shared.SharedDecodeStream) instead of the
     Decode call, for a runner on the server's host (a server with --shared_memory_dir).
 
+    `call_timeout_s` bounds each unary call (create_session, info, list_sessions' pages,
+    close), `step_timeout_s` each decode step (past it the stream is cancelled: _ABANDONED_STEP
+    says what that leaves); past either, KvRecallError DEADLINE_EXCEEDED. None: no limit (a
+    wedged server blocks the runner). Session.prefill takes its own. `channel_options`: more
+    gRPC channel arguments ((key, value) pairs: keepalive, reconnect backoff, a user agent; not
+    the message limits or the TLS server name, which are the Client's: ValueError).
+
     Threads may share a Client: their decode steps go one at a time over its one decode stream
     (a step whose stream another thread's failed step ended before it was sent goes on the
     next stream); for steps in parallel, give each thread a Client of its own."""
 
     def __init__(self, target, max_message_bytes=64 << 20, prefill_chunk_bytes=None,
-                 wait_ready_s=10.0, tls=None, token=None, shared_memory=False):
+                 wait_ready_s=10.0, tls=None, token=None, shared_memory=False,
+                 call_timeout_s=None, step_timeout_s=None, channel_options=()):
+        self.call_timeout_s = _check_timeout("call_timeout_s", call_timeout_s)
+        self.step_timeout_s = _check_timeout("step_timeout_s", step_timeout_s)
+        own = {"grpc.max_send_message_length", "grpc.max_receive_message_length"}
+        for key, _ in channel_options:
+            if key in own or key == "grpc.ssl_target_name_override":
+                raise ValueError(f"channel_options: {key} is the Client's to set "
+                                 "(max_message_bytes, tls.server_name)")
         kind = _channel_kind(target, tls, token)
         self.channel = make_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)], tls=tls, token=token)
+            ("grpc.max_receive_message_length", max_message_bytes), *channel_options],
+            tls=tls, token=token)
         self.stub = pb_grpc.KvRecallStub(self.channel)
         # gRPC's -1 is "no limit": then none is told to the server (review 25).
         self.max_message_bytes = max(0, max_message_bytes)
@@ -771,7 +960,7 @@ class Client:
         """A unary call by name; gRPC errors become KvRecallError."""
         self.check_open()
         try:
-            return getattr(self.stub, method)(request)
+            return getattr(self.stub, method)(request, timeout=self.call_timeout_s)
         except grpc.RpcError as e:
             raise KvRecallError.from_rpc_error(e) from None
 
@@ -809,12 +998,31 @@ class Client:
         with self._stream_lock:  # threads racing to reopen it each opened one (probe 28, 4)
             self.check_open()
             if self._stream is None or self._stream.broken:
+                broken, self._stream = self._stream, None
+                if broken is not None:
+                    broken._release()  # its timer and region (a cancel_step left them)
                 if self.shared_memory:
                     from kvrecall.shared import SharedDecodeStream  # it imports this module
-                    self._stream = SharedDecodeStream(self.channel)
+
+                    def publish(stream):  # before it waits: cancel_step reaches the wait
+                        self._stream = stream
+                    try:
+                        SharedDecodeStream(self.channel, step_timeout_s=self.step_timeout_s,
+                                           on_call=publish)
+                    except BaseException:
+                        self._stream = None
+                        raise
                 else:
-                    self._stream = DecodeStream(self.channel, self.max_message_bytes)
+                    self._stream = DecodeStream(self.channel, self.max_message_bytes,
+                                                step_timeout_s=self.step_timeout_s)
             return self._stream
+
+    def cancel_step(self):
+        """Abandons the decode stream from any thread: a step in flight raises KvRecallError
+        CANCELLED (_ABANDONED_STEP); the next step goes on a new stream. Nothing without one."""
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
 
     def attend_batch(self, layer, steps, **options):
         """One layer of one decode step for several sessions: steps [(session, q, k, v)], each

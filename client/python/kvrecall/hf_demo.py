@@ -48,6 +48,12 @@ def main(argv=None):
     report = {"ok": False}
     try:
         run(a, report)
+    except ImportError as e:
+        if e.name in ("torch", "transformers"):  # what to do, not a traceback (probe 28, 11)
+            report["error"] = (f"{e.name} is not installed: the transformers backend needs torch "
+                               "and transformers (pip install './client/python[hf]')")
+        else:
+            report["error"] = traceback.format_exc()
     except Exception:  # the report says how far it got: this runs on a machine we only visit
         report["error"] = traceback.format_exc()
     text = json.dumps(report, indent=1)

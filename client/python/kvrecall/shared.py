@@ -36,7 +36,7 @@ import time
 
 import grpc
 
-from kvrecall.client import KvRecallError, _LayerStepStream
+from kvrecall.client import KvRecallError, _check_timeout, _LayerStepStream
 from kvrecall.v1 import kvrecall_pb2 as pb
 
 MAGIC = 0x5244564B  # "KVDR" in little-endian bytes
@@ -146,27 +146,39 @@ class SharedDecodeStream(_LayerStepStream):
     SPIN_NS = 200_000   # polling for the reply before sleeping on reply_signal
     SLICE_NS = 2_000_000  # the longest sleep between looks at the call (a dead server)
 
-    def __init__(self, channel, max_request_bytes=0, max_reply_bytes=0):
+    def __init__(self, channel, max_request_bytes=0, max_reply_bytes=0, step_timeout_s=None,
+                 on_call=None):
+        """step_timeout_s: as DecodeStream's (the wait for the region, each step and close()
+        count as one each). on_call(stream), if given, is called once the call is made and
+        before the wait for its region, so that the stream's cancel() reaches that wait (Client
+        publishes the stream there)."""
         _check_platform()
+        step_timeout_s = _check_timeout("step_timeout_s", step_timeout_s)
         self._max_reply_bytes = 0  # the region's reply area bounds the reply (the server checks)
         open_region = channel.unary_stream(
             self._METHOD, request_serializer=pb.SharedDecodeRequest.SerializeToString,
             response_deserializer=pb.SharedDecodeRegion.FromString)
+        self._mm = None
+        self.broken = False
+        self._lock = threading.Lock()
         self._call = open_region(pb.SharedDecodeRequest(max_request_bytes=max_request_bytes,
                                                         max_reply_bytes=max_reply_bytes))
-        self._mm = None
+        self._start_timer(step_timeout_s)
+        if on_call is not None:
+            on_call(self)
         try:
-            try:
-                self.region = next(self._call)
-            except grpc.RpcError as e:
-                raise KvRecallError.from_rpc_error(e) from None
-            except StopIteration:
-                raise KvRecallError(grpc.StatusCode.INTERNAL,
-                                    "DecodeShared ended without a region") from None
+            self.region = self._watched("opening the shared decode stream", self._await_region,
+                                        carries_step=False)
+            if self.broken:  # cancelled as the region came
+                raise KvRecallError(grpc.StatusCode.CANCELLED,
+                                    "opening the shared decode stream: cancelled as its region "
+                                    "came")
             self._mm, (self._request_offset, self._request_capacity, reply_offset,
                        reply_capacity) = _map_region(self.region)
         except BaseException:
+            self.broken = True
             self._call.cancel()
+            self._stop_timer()
             raise
         self._words = memoryview(self._mm)[:HEADER_BYTES].cast("I")
         self._reply_area = memoryview(self._mm)[reply_offset:reply_offset + reply_capacity]
@@ -176,11 +188,18 @@ class SharedDecodeStream(_LayerStepStream):
         self._reply_signal_address = ctypes.c_void_p(base + 4 * _REPLY_SIGNAL)
         self._slice = _Timespec(0, self.SLICE_NS)
         self._seq = self._words[_REQUEST_SEQ]
-        self._lock = threading.Lock()
         self._next_id = 1
-        self.broken = False
         self.last_server_micros = 0.0
         self.last_tier_micros = None  # as DecodeStream's
+
+    def _await_region(self):
+        try:
+            return next(self._call)
+        except grpc.RpcError as e:
+            raise KvRecallError.from_rpc_error(e) from None
+        except StopIteration:
+            raise KvRecallError(grpc.StatusCode.INTERNAL,
+                                "DecodeShared ended without a region") from None
 
     @property
     def ended(self):
@@ -188,24 +207,32 @@ class SharedDecodeStream(_LayerStepStream):
         return self._words is not None and bool(self._words[_ENDED])
 
     def close(self):
-        """Ends the stream through the region (closing) and waits for the call's end."""
+        """Ends the stream through the region (closing) and waits for the call's end, within
+        step_timeout_s (DEADLINE_EXCEEDED past it, the call cancelled)."""
         with self._lock:
-            if self._mm is None:
-                return
             try:
-                if not self.broken:
-                    self.broken = True
-                    words = self._words
-                    if not words[_ENDED]:
-                        words[_CLOSING] = 1
-                        seq = self._publish([])
-                        if self._wait_reply(seq) and words[_REPLY_SEQ] == seq:
-                            self._raise_on_failed_reply()
-                    code, details = self._call_end()
-                    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
-                        raise KvRecallError(code, details)
+                if self._mm is None or self.broken:
+                    return
+                self.broken = True
+                self._watched("closing the shared decode stream", self._close_through_region,
+                              carries_step=False)
+            except KvRecallError as e:
+                if e.code != grpc.StatusCode.CANCELLED:  # the end of a cancelled stream
+                    raise
             finally:
                 self._unmap()
+                self._stop_timer()
+
+    def _close_through_region(self):
+        words = self._words
+        if not words[_ENDED]:
+            words[_CLOSING] = 1
+            seq = self._publish([])
+            if self._wait_reply(seq) and words[_REPLY_SEQ] == seq:
+                self._raise_on_failed_reply()
+        code, details = self._call_end()
+        if code != grpc.StatusCode.OK:
+            raise KvRecallError(code, details)
 
     def _exchange(self, pieces):
         """Writes a request, waits for its reply; the parsed DecodeResponse, or KvRecallError
@@ -330,6 +357,10 @@ class SharedDecodeStream(_LayerStepStream):
         with the status the region carried."""
         self.broken = True
         self._unmap(cancel)
+        self._stop_timer()
+
+    def _cancel_call(self):
+        self._call.cancel()  # a step waiting in _wait_reply sees the call done within a slice
 
     def _unmap(self, cancel=True):
         if self._mm is None:

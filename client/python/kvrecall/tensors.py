@@ -208,6 +208,28 @@ def as_array(x):
     return np.asarray(x, dtype=np.float32)
 
 
+def check_f16_range(x, what):
+    """ValueError, prefixed with `what`, when a finite value of `x` (numpy array or torch
+    tensor) would become inf in f16: for a tensor that goes whole into a stream (a Prefill's),
+    where an error raised while the stream is under way reaches the caller as gRPC's UNKNOWN
+    "Exception iterating requests!" instead."""
+    if _is_torch(x):
+        import torch
+        t = x.detach()
+        overflowed = torch.isinf(t.to(torch.float16)) & torch.isfinite(t)
+        if bool(overflowed.any()):
+            raise ValueError(f"{what}: value {float(t[overflowed][0])!r} is past f16's range "
+                             "(at most 65504 in magnitude)")
+        return
+    a = np.asarray(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f16 = a.astype(np.float16)
+    try:
+        _raise_if_f16_overflow(a, f16)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
 def _raise_if_f16_overflow(source, f16):
     """ValueError naming the first finite value of `source` that became inf in its f16 copy
     `f16` (the server then refused it as a value the runner never sent: probe 28, 11)."""

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The API's compatibility, held with buf (proto/buf.yaml says which checks): the .proto files
+# lint clean, nothing in them breaks the wire or the JSON mapping against v1's baseline
+# (proto/api_baseline.binpb), and the check is not vacuous: a copy with a field taken out and
+# one with a field renumbered are refused. Skips (77) where buf is not installed
+# (scripts/install_deps.sh installs it with npm).
+#
+#   tests/proto_api_test.sh [REPOSITORY_ROOT]
+set -u
+root="${1:-$(cd "$(dirname "$0")/.." && pwd)}"
+buf="$root/.tools/node_modules/.bin/buf"
+if [[ ! -x "$buf" ]]; then
+  echo "SKIP: buf is not installed (scripts/install_deps.sh installs it)"
+  exit 77
+fi
+failed=0
+cd "$root/proto" || exit 2
+"$buf" lint || { echo "FAIL: buf lint"; failed=1; }
+"$buf" breaking --against api_baseline.binpb ||
+  { echo "FAIL: a breaking change against api_baseline.binpb"; failed=1; }
+
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+proto=kvrecall/v1/kvrecall.proto
+# Each mutation of a copy of proto/, and what buf must say of it.
+check_refused() {
+  local name="$1" edit="$2" want="$3"
+  rm -rf "${scratch:?}/$name" && mkdir -p "$scratch/$name" && cp -r . "$scratch/$name/"
+  sed -i -E "$edit" "$scratch/$name/$proto"
+  if cmp -s "$proto" "$scratch/$name/$proto"; then
+    echo "FAIL: the mutation '$name' changed nothing (was the field renamed?)"
+    failed=1
+    return
+  fi
+  local out
+  out=$(cd "$scratch/$name" && "$buf" breaking --against "$root/proto/api_baseline.binpb" 2>&1)
+  if [[ $? -eq 0 || "$out" != *"$want"* ]]; then
+    echo "FAIL: '$name' was not refused with \"$want\": $out"
+    failed=1
+  fi
+}
+check_refused deleted-field '/^  string request_id = 5;/d' \
+  'field "5" with name "request_id" on message "CreateSessionRequest" was deleted'
+check_refused renumbered-field 's/^(  uint64 max_reply_bytes = )7;/\189;/' \
+  'with name "max_reply_bytes" on message "DecodeRequest" was deleted'
+
+[[ $failed -eq 0 ]] && echo "PASS: proto lint, no breaking change, mutations refused"
+exit $failed
