@@ -616,9 +616,12 @@ absl::Status DecodeStream::Watched(absl::string_view what, const bool& carries_s
   if (!timed_out && !cancelled) return status;
   // The stream was cancelled under the exchange: it is no longer of use, whatever came back.
   DropTransport();
-  // An answer that came before the cancellation is kept: the step's reply, or the server's
-  // refusal (ABORTED: a resent step was applied).
-  if (status.code() != absl::StatusCode::kCancelled) return status;
+  // An answer to a step that came before the cancellation is kept: its reply, or the server's
+  // refusal (ABORTED: a resent step was applied). Any other failure is the cancellation's (a
+  // region whose file the cancelled call took with it, say): restated as such.
+  if (status.ok() || (carries_step && status.code() != absl::StatusCode::kCancelled)) {
+    return status;
+  }
   // What a step broken off may have done, and what to do next.
   constexpr absl::string_view kStepAdvice =
       " A step the server had not begun when the cancellation reached it is not applied; one it "

@@ -215,8 +215,9 @@ class DecodeStream {
   absl::Status OpenWatched();
   // Runs `body` (an exchange with the server: a step, opening a stream, closing it) under
   // step_timeout's watch and Cancel's reach; `what` names it in the error of one they broke
-  // off (with what became of its step when `carries_step`, which `body` may set), after which
-  // the stream is dropped.
+  // off (with what became of its step when `carries_step`, which `body` sets once the step is
+  // sent: then the server's own answer, ABORTED say, is kept), after which the stream is
+  // dropped.
   absl::Status Watched(absl::string_view what, const bool& carries_step,
                        absl::FunctionRef<absl::Status()> body);
   // The watchdog's Cancel: the exchange in flight outlasted step_timeout.

@@ -1668,9 +1668,9 @@ class DeadlineTest(unittest.TestCase):
         for shared in self.transports():
             with self.subTest(shared_memory=shared), \
                     kvrecall.Client(self.kvrecalld.address, shared_memory=shared,
-                                    step_timeout_s=0.05) as c:
+                                    step_timeout_s=0.25) as c:
                 s, step = self.prefilled(c, 4)
-                stream, position, end = None, 20, time.monotonic() + 0.4
+                stream, position, end = None, 20, time.monotonic() + 1.0
                 while time.monotonic() < end:
                     self.assertEqual(s.attend(0, *step, position=position).position, position)
                     stream = stream or c.decode_stream

@@ -368,9 +368,10 @@ class _LayerStepStream:
 
     def _watched(self, what, body, carries_step=True):
         """body() (an exchange: a step, the opening or the close) under the step timer's watch
-        and cancel()'s reach: the CANCELLED that either left is restated (DEADLINE_EXCEEDED
-        for the timer) naming `what`, with what became of the step when `carries_step`; an
-        answer that came all the same is kept, the stream broken."""
+        and cancel()'s reach: the failure either left (CANCELLED, or anything but a sent step's
+        own answer) is restated (DEADLINE_EXCEEDED for the timer) naming `what`, with what
+        became of the step when `carries_step`; an answer that came all the same is kept, the
+        stream broken."""
         timer = self._timer
         if timer is not None:
             timer.arm()
@@ -378,7 +379,10 @@ class _LayerStepStream:
             result = body()
         except KvRecallError as e:
             timed_out = timer is not None and timer.disarm()
-            if e.code == grpc.StatusCode.CANCELLED and (timed_out or self._cancelled):
+            # A step's own answer (ABORTED: a resent step was applied) is kept; any other
+            # failure is the cancellation's.
+            if (timed_out or self._cancelled) and \
+                    (e.code == grpc.StatusCode.CANCELLED or not carries_step):
                 why = (f"no answer within step_timeout_s={timer.timeout_s:g}" if timed_out
                        else "cancelled by cancel()")
                 message = f"{what}: {why}; the stream was cancelled ({e.message})."
