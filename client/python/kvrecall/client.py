@@ -543,8 +543,7 @@ class Session:
     def _check_layers(self, layers):
         """ValueError for a layer index outside the geometry or a q, k or v whose shape is not
         the geometry's (before the stream starts: an exception inside its request iterator
-        reaches the caller as UNKNOWN "Exception iterating requests!", its message lost); for
-        an f16 session, also for a finite value past f16's range (decode's check, up front)."""
+        reaches the caller as UNKNOWN "Exception iterating requests!", its message lost)."""
         g = self.geometry
         for layer, (q, k, v) in layers:
             try:
@@ -565,8 +564,6 @@ class Session:
                     raise ValueError(f"layer {layer}: {name} has shape {list(x.shape)}, want "
                                      f"[{n}, {heads}, {g.head_dim}] ([tokens, "
                                      f"{'q_heads' if name == 'q' else 'kv_heads'}, head_dim])")
-                if x is not None and g.dtype == pb.DTYPE_F16:
-                    tensors.check_f16_range(x, f"layer {layer}: {name}")
 
     def _chunks(self, layers, per_chunk):
         """The Prefill stream's chunks; per_chunk: [tokens a chunk without q, with q]."""
@@ -607,6 +604,13 @@ class Session:
         # Nested lists as decode takes them (an AttributeError here before: probe 28, 11).
         items = [(layer, tuple(tensors.as_array(x) for x in qkv)) for layer, qkv in items]
         self._check_layers(items)
+        if self.geometry.dtype == pb.DTYPE_F16:
+            # Converted once, here, where a value past f16's range can still be refused by
+            # name (decode's check); the chunks then send slices of these.
+            items = [(layer, tuple(None if x is None else
+                                   tensors.to_f16_checked(x, f"layer {layer}: {name}")
+                                   for name, x in zip("qkv", qkv)))
+                     for layer, qkv in items]
         if chunk_tokens is not None:
             try:
                 if isinstance(chunk_tokens, bool) or operator.index(chunk_tokens) < 1:

@@ -208,19 +208,20 @@ def as_array(x):
     return np.asarray(x, dtype=np.float32)
 
 
-def check_f16_range(x, what):
-    """ValueError, prefixed with `what`, when a finite value of `x` (numpy array or torch
-    tensor) would become inf in f16: for a tensor that goes whole into a stream (a Prefill's),
-    where an error raised while the stream is under way reaches the caller as gRPC's UNKNOWN
-    "Exception iterating requests!" instead."""
+def to_f16_checked(x, what):
+    """`x` (numpy array or torch tensor) in f16, of its kind; ValueError, prefixed with `what`,
+    when a finite value of it became inf there. For a tensor that goes whole into a stream (a
+    Prefill's), converted before the stream starts: an error raised while it is under way
+    reaches the caller as gRPC's UNKNOWN "Exception iterating requests!" instead."""
     if _is_torch(x):
         import torch
         t = x.detach()
-        overflowed = torch.isinf(t.to(torch.float16)) & torch.isfinite(t)
+        f16 = t.to(torch.float16)
+        overflowed = torch.isinf(f16) & torch.isfinite(t)
         if bool(overflowed.any()):
             raise ValueError(f"{what}: value {float(t[overflowed][0])!r} is past f16's range "
                              "(at most 65504 in magnitude)")
-        return
+        return f16
     a = np.asarray(x)
     with np.errstate(over="ignore", invalid="ignore"):
         f16 = a.astype(np.float16)
@@ -228,6 +229,7 @@ def check_f16_range(x, what):
         _raise_if_f16_overflow(a, f16)
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
+    return f16
 
 
 def _raise_if_f16_overflow(source, f16):
