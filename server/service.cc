@@ -685,8 +685,9 @@ class KvRecallService::DecodeCall final
       return UnparsableStatus(absl::StrCat("Decode request ", index, " of this stream"),
                               request_);
     }
-    // A step whose client has given up (its deadline, a cancellation) is not applied: the
-    // client was told nothing of it, so it must find its sessions as they were.
+    // A step whose client has given up (its deadline, a cancellation) is not applied once the
+    // cancellation has reached the server: the client was told nothing of it. (One still on
+    // its way is not seen here: the step's position settles that, kvrecall.proto's Decode.)
     const auto cancelled = [this] {
       absl::MutexLock lock(&mu_);
       return cancelled_ || context_->IsCancelled();
@@ -1164,8 +1165,9 @@ absl::Status KvRecallService::TakeSharedSlot(const std::string& tenant) {
     return RefusedBy(
         absl::ResourceExhaustedError(absl::StrCat(
             "--max_shared_streams=", options_.max_shared_streams,
-            " shared Decode streams are open, ", own == 0 ? "none" : absl::StrCat(own),
-            " of them yours; close one or use Decode")),
+            " shared Decode streams are open, ",
+            own == 0 ? "none of them yours: use Decode"
+                     : absl::StrCat(own, " of them yours: close one or use Decode"))),
         "max_shared_streams");
   }
   ++own;

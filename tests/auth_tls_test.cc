@@ -552,7 +552,26 @@ TEST_F(TlsTest, OneTenantCannotTakeEverySharedStream) {
   EXPECT_TRUE(bobs_second.ok()) << bobs_second.status();
   EXPECT_TRUE(HasStatus(alice->OpenDecodeStream(g, shared).status(),
                         absl::StatusCode::kResourceExhausted,
-                        "--max_shared_streams=3 shared Decode streams are open, 1 of them yours"));
+                        "--max_shared_streams=3 shared Decode streams are open, 1 of them yours: "
+                        "close one or use Decode"));
+  // A tenant holding none of a full server's streams is told so, not to close one.
+  for (auto& stream : alices) EXPECT_TRUE(stream->Close().ok());
+  EXPECT_TRUE((*bobs)->Close().ok());
+  EXPECT_TRUE((*bobs_second)->Close().ok());
+  alices.clear();
+  max_shared_streams_per_tenant_ = 0;
+  Start(WithTokens());
+  alice = ConnectWithToken(kAliceToken);
+  bob = ConnectWithToken(kBobToken);
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> s = alice->OpenDecodeStream(g, shared);
+    ASSERT_TRUE(s.ok()) << s.status();
+    alices.push_back(*std::move(s));
+  }
+  EXPECT_TRUE(HasStatus(bob->OpenDecodeStream(g, shared).status(),
+                        absl::StatusCode::kResourceExhausted,
+                        "--max_shared_streams=3 shared Decode streams are open, none of them "
+                        "yours: use Decode"));
 }
 
 // --max_sessions_per_tenant keeps one tenant from taking every --max_sessions slot, and a refusal
