@@ -65,12 +65,12 @@ absl::StatusOr<int> ParseLowerEnumName(const EnumDescriptor* descriptor, absl::s
       absl::StrCat("unknown ", what, " '", name, "'; want one of ", absl::StrJoin(names, ", ")));
 }
 
-// An ended stream that reported OK still failed the call that noticed it.
 // What a transport answers when it is used before its Start made it a stream (a bug).
 absl::Status NotStartedStatus() {
   return absl::InternalError("a Decode stream used before its call was started and opened");
 }
 
+// An ended stream that reported OK still failed the call that noticed it.
 absl::Status EndedStatus(const grpc::Status& status, absl::string_view what) {
   if (!status.ok()) return FromGrpcStatus(status);
   return absl::UnavailableError(
@@ -741,12 +741,23 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
 Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
     : channel_(std::move(channel)), stub_(v1::KvRecall::NewStub(channel_)), options_(options) {}
 
+namespace {
+
+// `options` with the receive limit Connect gives its channel set.
+ClientOptions WithConnectLimit(ClientOptions options) {
+  if (!options.max_message_bytes.has_value()) options.max_message_bytes = kDefaultMaxMessageBytes;
+  return options;
+}
+
+}  // namespace
+
 std::unique_ptr<Client> Client::Connect(const std::string& address,
                                         const ClientOptions& options) {
-  grpc::ChannelArguments args = options.channel_arguments;
-  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  const ClientOptions limited = WithConnectLimit(options);
+  grpc::ChannelArguments args = limited.channel_arguments;
+  args.SetMaxReceiveMessageSize(*limited.max_message_bytes);
   return std::make_unique<Client>(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args), options);
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args), limited);
 }
 
 void Client::PrepareUnary(grpc::ClientContext* context) const {
@@ -933,11 +944,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(security, address);
   if (!credentials.ok()) return credentials.status();
-  grpc::ChannelArguments args = options.channel_arguments;
-  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  const ClientOptions limited = WithConnectLimit(options);
+  grpc::ChannelArguments args = limited.channel_arguments;
+  args.SetMaxReceiveMessageSize(*limited.max_message_bytes);
   if (!security.server_name.empty()) args.SetSslTargetNameOverride(security.server_name);
   return std::make_unique<Client>(grpc::CreateCustomChannel(address, *credentials, args),
-                                  options);
+                                  limited);
 }
 
 absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry,
@@ -989,7 +1001,7 @@ absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream(
                      absl::FormatDuration(options.step_timeout)));
   }
   std::unique_ptr<DecodeStream> stream(
-      new DecodeStream(channel_, options_.max_message_bytes, geometry, options));
+      new DecodeStream(channel_, options_.max_message_bytes.value_or(0), geometry, options));
   if (absl::Status s = stream->OpenWatched(); !s.ok()) return s;
   return stream;
 }

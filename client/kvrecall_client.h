@@ -198,6 +198,8 @@ class DecodeStream {
   // Thread-safe, the one member that may be called while another thread is in Step or Close:
   // abandons the stream and the step in flight, which returns CANCELLED (Close too, without
   // waiting for the server); without one in flight, the next Step opens a new stream.
+  // (OpenDecodeStream's first opening is bounded by step_timeout alone: the stream is not the
+  // caller's before it returns.)
   void Cancel();
   // Streams opened so far: 1, plus one per Step that followed a failed or cancelled one.
   int streams_opened() const { return streams_opened_; }
@@ -304,13 +306,18 @@ absl::Status CheckServerAddress(absl::string_view address);
 // INVALID_ARGUMENT when it is empty or its first line blank.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
+// The receive limit Connect gives its channel when ClientOptions names none: kvrecalld's own
+// default (--max_message_mb=64).
+inline constexpr int kDefaultMaxMessageBytes = 64 << 20;
+
 // How a Client's channel and calls behave, beside their security.
 struct ClientOptions {
-  // The largest reply the channel accepts (Connect sets the channel's receive limit to it),
-  // which Decode requests tell the server (DecodeRequest.max_reply_bytes: a step whose reply
-  // could not arrive is refused before it is applied). For a Client made on a channel of one's
-  // own, that channel's limit; 0: none known (the server's limit alone).
-  int max_message_bytes = 64 << 20;
+  // The largest reply the channel accepts, which Decode requests tell the server
+  // (DecodeRequest.max_reply_bytes: a step whose reply could not arrive is refused before it
+  // is applied). Connect sets its channel's receive limit to it (unset:
+  // kDefaultMaxMessageBytes). For a Client made on a channel of one's own, that channel's limit
+  // (unset: none known, the server's limit alone; gRPC's own default is 4 MiB).
+  std::optional<int> max_message_bytes;
   // Each unary call's deadline (CreateSession, GetSession, each page of ListSessions,
   // CloseSession): past it the call fails with DEADLINE_EXCEEDED (a CreateSession sent again
   // with its request_id gets the session the first one made, if it made one).
@@ -326,9 +333,7 @@ struct ClientOptions {
 class Client {
  public:
   // On a channel made by the caller: its receive limit unknown unless `options` tells it.
-  explicit Client(std::shared_ptr<grpc::Channel> channel)
-      : Client(std::move(channel), ClientOptions{.max_message_bytes = 0}) {}
-  Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options);
+  explicit Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options = {});
   // An insecure channel to HOST:PORT. Checks nothing (gRPC wraps a port past 65535; a
   // call_timeout that is not positive fails every unary call): a caller taking `address` or
   // `options` from a user checks them first (CheckServerAddress), or uses the overload below,

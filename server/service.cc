@@ -774,6 +774,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
         decoder_(service->registry_, identity_.tenant) {
     grpc::Status status = Open(request, peer);
     if (!status.ok()) {
+      ReleaseSlot();  // before the status: a runner that reopens at once finds it free
       Finish(std::move(status));
     } else {
       StartWrite(&region_message_);
@@ -786,6 +787,7 @@ class KvRecallService::SharedDecodeCall final : public grpc::ServerWriteReactor<
   void OnWriteDone(bool ok) override {
     const GrpcReaction reaction(this);
     if (!ok) {  // the runner is gone before it got the region
+      ReleaseSlot();
       Finish(CancelledStatus());
       return;
     }

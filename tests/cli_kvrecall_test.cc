@@ -408,7 +408,8 @@ TEST_F(CliTest, LocalInputsAreRefusedByFlagName) {
       {{"replay", "--trace=" + trace, "--prefill_timeout=0"}, 2,
        "--prefill_timeout must be positive, got 0"},
       {{"demo", "--timeout=-1s"}, 2, "--timeout must be positive, got -1s"},
-      {{"list", "--timeout=0"}, 1, "--timeout must be positive, got 0"},
+      {{"list", "--timeout=0"}, 2, "--timeout must be positive, got 0"},
+      {{"get", "x", "--prefill_timeout=-5s"}, 2, "--prefill_timeout must be positive, got -5s"},
       {{"list", "--tls_ca=" + trace}, 1, "--tls_ca: " + trace + " is not a PEM file"},
   };
   for (const Case& c : cases) {

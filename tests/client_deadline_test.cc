@@ -216,8 +216,7 @@ class HeldCallTest : public testing::ServerTest {
 };
 
 TEST_F(HeldCallTest, AUnaryCallPastItsTimeoutFailsAndItsRetryFindsTheSession) {
-  Client client(server().channel(),
-                {.max_message_bytes = 0, .call_timeout = absl::Milliseconds(200)});
+  Client client(server().channel(), {.call_timeout = absl::Milliseconds(200)});
   hold_.store(true);
   const v1::Policy policy = testing::MakePolicy(v1::SELECTOR_FULL);
   absl::StatusOr<SessionHandle> first = client.CreateSession(g_, policy, "held", 0, "req-1");

@@ -330,6 +330,10 @@ class ClientTest(ServerTest):
                         fresh.prefill([[x.tolist() for x in layer]])
                     self.assertEqual(fresh.info().tokens, 0)
                     layer[2][3, 1, 7] = 65504.0
+                    # Only what is sent is checked: a full-attention session needs no prompt
+                    # queries, so its q goes nowhere (review 27, 3).
+                    self.assertEqual(fresh.prompt_queries, 0)
+                    layer[0][0, 0, 0] = 1e5
                     self.assertEqual(fresh.prefill([layer]).tokens, 4)
 
     def test_threads_sharing_a_client_see_only_their_own_failures(self):
@@ -1073,6 +1077,20 @@ class ToolInputTest(ServerTest):
                                           "needs torch and transformers (pip install "
                                           "'./client/python[hf]')")
         self.assertFalse(report["ok"])
+        # Installed but too old (review 27, 4: "not installed" was said of it): stand-ins for
+        # torch and a transformers without what the backend imports.
+        fakes = ("import sys, types; t = types.ModuleType('torch'); t.__version__ = '2.0.0'; "
+                 "t.float32, t.float16, t.bfloat16 = 'f32', 'f16', 'bf16'; "
+                 "t.cuda = types.SimpleNamespace(is_available=lambda: False); "
+                 "sys.modules['torch'] = t; x = types.ModuleType('transformers'); "
+                 "x.__version__ = '4.30.0'; sys.modules['transformers'] = x; ")
+        r = subprocess.run([sys.executable, "-c", fakes + code.split("; ", 2)[2],
+                            "--server", self.address, "--model", "absent.npz", "--text", text],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        report = json.loads(r.stdout)
+        self.assertRegex(report["error"], r"^transformers 4.30.0 lacks what the transformers "
+                                          r"backend uses \(cannot import name ")
 
     def trace(self, name, needles_meta='[{"decode_step": 1, "position": 5}]', layers=1):
         rng = np.random.default_rng(3)
@@ -1661,7 +1679,8 @@ class DeadlineTest(unittest.TestCase):
                              step_timeout_s=1e9) as c:
             s, step = self.prefilled(c, 9)
             self.assertEqual(s.attend(0, *step, position=20).position, 20)
-        with self.assertRaisesRegex(ValueError, r"at most 1e\+09; inf: no limit\), got 10000000000.0"):
+        with self.assertRaisesRegex(ValueError,
+                                    r"at most 1e\+09; inf: no limit\), got 10000000000.0"):
             kvrecall.Client(self.kvrecalld.address, call_timeout_s=1e10)
 
     def test_steps_within_their_timeout_are_served_as_without(self):
@@ -1718,6 +1737,9 @@ class DeadlineTest(unittest.TestCase):
                 kvrecall.Client(self.kvrecalld.address, channel_options=[(key, 1)])
 
     def test_timeouts_must_be_positive_numbers(self):
+        with kvrecall.Client(self.kvrecalld.address, call_timeout_s=np.float32(2),
+                             step_timeout_s=np.int64(3)) as c:  # numpy scalars are numbers
+            self.assertEqual((c.call_timeout_s, c.step_timeout_s), (2.0, 3.0))
         for bad in (0, -1, "1", True, float("nan")):
             with self.assertRaisesRegex(ValueError, "call_timeout_s must be None or a positive"):
                 kvrecall.Client(self.kvrecalld.address, call_timeout_s=bad)
@@ -1733,6 +1755,26 @@ class DeadlineTest(unittest.TestCase):
 
 class WireTest(unittest.TestCase):
     """The decode path's encoding (tensors.WireBuffer, client._StepWire) against protobuf's."""
+
+    def test_the_f16_range_check_agrees_with_the_conversion(self):
+        # check_f16_range looks at blocks of rows (no copy of the tensor): a value in the last
+        # block is found, and the boundary is f16's own rounding (65519.99 -> 65504, 65520 ->
+        # inf); NaN and inf were not finite values to begin with.
+        x = np.zeros((3000, 8, 64), np.float32)  # 1.5M elements: two blocks
+        tensors.check_f16_range(x, "t")
+        for value, overflows in ((65519.99, False), (-65519.99, False), (65520.0, True),
+                                 (-1e30, True), (np.nan, False), (np.inf, False)):
+            with self.subTest(value=value):
+                x[2999, 7, 63] = value
+                self.assertEqual(bool(np.isinf(np.float16(np.float32(value))) and
+                                      np.isfinite(np.float32(value))), overflows)
+                if overflows:
+                    with self.assertRaisesRegex(ValueError, r"^t: value .* is past f16's range"):
+                        tensors.check_f16_range(x, "t")
+                else:
+                    tensors.check_f16_range(x, "t")
+        tensors.check_f16_range(np.full((4, 2), 7e4, np.float32)[:0], "empty")
+        tensors.check_f16_range(np.full((4, 2), np.inf, np.float16), "already f16")
 
     def test_wire_buffers_hold_the_bytes_to_tensor_writes(self):
         rng = np.random.default_rng(5)

@@ -527,6 +527,32 @@ TEST_F(SharedDecodeOffTest, WithoutADirectoryDecodeSharedIsRefused) {
       absl::StatusCode::kFailedPrecondition, "--shared_memory_dir"));
 }
 
+// A DecodeShared open refused after it took its slot (by the memory budget, say) gives the slot
+// back before its status goes out, so that a runner's immediate reopen within a per-tenant cap
+// of 1 is served (review 27, 1: the slot stayed until the call's end, and 5 reopens in 200 were
+// refused by the cap).
+TEST(SharedDecodeOptionsTest, AnOpenRefusedAfterTakingItsSlotGivesItBackFirst) {
+  SharedDirectory dir;
+  ServerOptions options;
+  options.shared_memory_dir = dir.path();
+  options.max_shared_streams_per_tenant = 1;
+  options.host_memory_budget_bytes = 16 << 20;
+  absl::StatusOr<std::unique_ptr<testing::InProcessServer>> server =
+      testing::InProcessServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  client::Client c((*server)->channel());
+  const v1::Geometry g = testing::MakeGeometry(1, 2, 1, 8);
+  for (int i = 0; i < 100; ++i) {
+    EXPECT_TRUE(HasStatus(
+        c.OpenDecodeStream(g, {.shared_memory = true, .max_request_bytes = 32 << 20}).status(),
+        absl::StatusCode::kResourceExhausted, "a shared decode region"));
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> s =
+        c.OpenDecodeStream(g, {.shared_memory = true});
+    ASSERT_TRUE(s.ok()) << "reopen " << i << ": " << s.status();
+    EXPECT_TRUE((*s)->Close().ok());
+  }
+}
+
 TEST(SharedDecodeOptionsTest, StartServerChecksTheDirectory) {
   ServerOptions options;
   options.address = "127.0.0.1:0";

@@ -105,17 +105,22 @@ using client::ParseGraphScope;
 using client::ParsePlacement;
 using client::ParseSelector;
 
-absl::StatusOr<client::ReplayOptions> ReplayOptionsFromFlags() {
-  client::ReplayOptions options;
-  options.decode.step_timeout = absl::GetFlag(FLAGS_timeout);
-  options.prefill.timeout = absl::GetFlag(FLAGS_prefill_timeout);
-  for (const auto& [flag, value] : {std::pair{"--timeout", options.decode.step_timeout},
-                                    std::pair{"--prefill_timeout", options.prefill.timeout}}) {
+absl::Status CheckTimeoutFlags() {
+  for (const auto& [flag, value] :
+       {std::pair{"--timeout", absl::GetFlag(FLAGS_timeout)},
+        std::pair{"--prefill_timeout", absl::GetFlag(FLAGS_prefill_timeout)}}) {
     if (value <= absl::ZeroDuration()) {
       return absl::InvalidArgumentError(
           absl::StrCat(flag, " must be positive, got ", absl::FormatDuration(value)));
     }
   }
+  return absl::OkStatus();
+}
+
+client::ReplayOptions ReplayOptionsFromFlags() {
+  client::ReplayOptions options;
+  options.decode.step_timeout = absl::GetFlag(FLAGS_timeout);
+  options.prefill.timeout = absl::GetFlag(FLAGS_prefill_timeout);
   return options;
 }
 

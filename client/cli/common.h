@@ -37,9 +37,13 @@ absl::StatusOr<std::unique_ptr<client::Client>> ConnectToServer();
 // stay zero/unset so the server fills in its defaults. INVALID_ARGUMENT for unknown names.
 absl::StatusOr<v1::Policy> PolicyFromFlags();
 
+// INVALID_ARGUMENT naming --timeout or --prefill_timeout when it is not positive: main checks
+// it before any subcommand runs (a usage error, exit 2).
+absl::Status CheckTimeoutFlags();
+
 // The Decode and Prefill options of replay and demo: step_timeout from --timeout, the
-// Prefill's timeout from --prefill_timeout; INVALID_ARGUMENT naming a flag that is not positive.
-absl::StatusOr<client::ReplayOptions> ReplayOptionsFromFlags();
+// Prefill's timeout from --prefill_timeout.
+client::ReplayOptions ReplayOptionsFromFlags();
 
 // Prints "kvrecall <subcommand>: <CODE>: <message>" to stderr and returns 1.
 int ReportError(absl::string_view subcommand, const absl::Status& status);

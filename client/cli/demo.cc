@@ -62,8 +62,7 @@ int RunDemo(const std::vector<char*>& args) {
   params.mean_segment = 256;
   params.drift_period = 8;
   params.needles = std::min<int64_t>(2, params.decode_steps);
-  absl::StatusOr<ReplayOptions> flagged = ReplayOptionsFromFlags();
-  if (!flagged.ok()) return UsageError("demo", flagged.status().message());
+  const ReplayOptions flagged = ReplayOptionsFromFlags();
   absl::StatusOr<Trace> trace = MakeDemoTrace(params);
   if (!trace.ok()) return ReportError("demo", trace.status());
   const TraceGeometry& g = trace->geometry();
@@ -95,7 +94,7 @@ int RunDemo(const std::vector<char*>& args) {
   std::unique_ptr<Client> client = *std::move(connected);
   int shown = 0;
   for (const Row& row : rows) {
-    ReplayOptions options = *flagged;
+    ReplayOptions options = flagged;
     options.policy = row.policy;
     options.label = absl::StrCat("kvrecall demo: ", row.name);
     absl::StatusOr<ReplayReport> r = Replay(*client, *trace, options);

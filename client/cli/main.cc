@@ -9,9 +9,11 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/cli/common.h"
 #include "client/cli/subcommands.h"
 #include "client/trace/safetensors.h"
 
@@ -82,6 +84,9 @@ int Main(int argc, char** argv) {
   }
   for (const Subcommand& s : kSubcommands) {
     if (std::strcmp(positional[1], s.name) == 0) {
+      if (absl::Status flags = CheckTimeoutFlags(); !flags.ok()) {
+        return UsageError(s.name, flags.message());
+      }
       return s.run(std::vector<char*>(positional.begin() + 2, positional.end()));
     }
   }

@@ -29,14 +29,12 @@ int RunReplay(const std::vector<char*>& args) {
   if (path.empty()) return UsageError("replay", "--trace FILE is required");
   absl::StatusOr<v1::Policy> policy = PolicyFromFlags();
   if (!policy.ok()) return UsageError("replay", policy.status().message());
-  absl::StatusOr<ReplayOptions> flagged = ReplayOptionsFromFlags();
-  if (!flagged.ok()) return UsageError("replay", flagged.status().message());
   absl::StatusOr<Trace> trace = Trace::Open(path);
   if (!trace.ok()) return ReportError("replay", trace.status());
 
   const TraceGeometry& g = trace->geometry();
   TerminalProgress progress;
-  ReplayOptions options = *std::move(flagged);
+  ReplayOptions options = ReplayOptionsFromFlags();
   options.policy = *policy;
   options.steps = absl::GetFlag(FLAGS_steps);
   options.prefill.progress = [&](const PrefillProgress& p) {

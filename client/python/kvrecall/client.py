@@ -17,10 +17,11 @@ ValueError naming the argument before anything is sent.
 """
 import argparse
 import dataclasses
+import math
+import numbers
 import operator
 import os
 import queue
-import math
 import stat
 import sys
 import threading
@@ -249,11 +250,11 @@ def _check_timeout(name, value):
     positive number, finite ones at most _MAX_TIMEOUT_S."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or \
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0 or \
             (value > _MAX_TIMEOUT_S and not math.isinf(value)):
         raise ValueError(f"{name} must be None or a positive number of seconds (at most "
                          f"{_MAX_TIMEOUT_S:g}; inf: no limit), got {value!r}")
-    return None if math.isinf(value) else float(value)
+    return None if math.isinf(value) else float(value)  # numpy scalars too
 
 
 class _StepTimer:
@@ -565,6 +566,10 @@ class Session:
                                      f"[{n}, {heads}, {g.head_dim}] ([tokens, "
                                      f"{'q_heads' if name == 'q' else 'kv_heads'}, head_dim])")
 
+    def _queries_from(self, tokens):
+        """The first of a layer's `tokens` prompt tokens whose query the session needs."""
+        return 0 if self.prompt_queries < 0 else max(0, tokens - self.prompt_queries)
+
     def _chunks(self, layers, per_chunk):
         """The Prefill stream's chunks; per_chunk: [tokens a chunk without q, with q]."""
         g = self.geometry
@@ -573,7 +578,7 @@ class Session:
             n = k.shape[0]
             # The tokens before the first needed query go in chunks of k and v alone (as many
             # tokens as the chunk limit holds without q), those from it on with q.
-            queries_from = 0 if self.prompt_queries < 0 else max(0, n - self.prompt_queries)
+            queries_from = self._queries_from(n)
             off = 0
             while off < n:
                 with_q = off >= queries_from
@@ -605,12 +610,13 @@ class Session:
         items = [(layer, tuple(tensors.as_array(x) for x in qkv)) for layer, qkv in items]
         self._check_layers(items)
         if self.geometry.dtype == pb.DTYPE_F16:
-            # Converted once, here, where a value past f16's range can still be refused by
-            # name (decode's check); the chunks then send slices of these.
-            items = [(layer, tuple(None if x is None else
-                                   tensors.to_f16_checked(x, f"layer {layer}: {name}")
-                                   for name, x in zip("qkv", qkv)))
-                     for layer, qkv in items]
+            # Here, where a value past f16's range can still be refused by name (decode's
+            # check): what the chunks will send, q from the first needed query on.
+            for layer, (q, k, v) in items:
+                for name, x in (("q", None if q is None else q[self._queries_from(k.shape[0]):]),
+                                ("k", k), ("v", v)):
+                    if x is not None:
+                        tensors.check_f16_range(x, f"layer {layer}: {name}")
         if chunk_tokens is not None:
             try:
                 if isinstance(chunk_tokens, bool) or operator.index(chunk_tokens) < 1:

@@ -49,9 +49,16 @@ def main(argv=None):
     try:
         run(a, report)
     except ImportError as e:
-        if e.name in ("torch", "transformers"):  # what to do, not a traceback (probe 28, 11)
-            report["error"] = (f"{e.name} is not installed: the transformers backend needs torch "
-                               "and transformers (pip install './client/python[hf]')")
+        package = (e.name or "").split(".")[0]
+        if isinstance(e, ModuleNotFoundError) and package in ("torch", "transformers"):
+            # What to do, not a traceback (probe 28, 11).
+            report["error"] = (f"{package} is not installed: the transformers backend needs "
+                               "torch and transformers (pip install './client/python[hf]')")
+        elif package in ("torch", "transformers"):
+            # Installed, but without what the backend uses: too old, say (review 27, 4).
+            report["error"] = (f"{package} {report.get('versions', {}).get(package, '')} lacks "
+                               f"what the transformers backend uses ({e}): pip install "
+                               "--upgrade './client/python[hf]'")
         else:
             report["error"] = traceback.format_exc()
     except Exception:  # the report says how far it got: this runs on a machine we only visit

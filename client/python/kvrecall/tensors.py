@@ -208,28 +208,44 @@ def as_array(x):
     return np.asarray(x, dtype=np.float32)
 
 
-def to_f16_checked(x, what):
-    """`x` (numpy array or torch tensor) in f16, of its kind; ValueError, prefixed with `what`,
-    when a finite value of it became inf there. For a tensor that goes whole into a stream (a
-    Prefill's), converted before the stream starts: an error raised while it is under way
-    reaches the caller as gRPC's UNKNOWN "Exception iterating requests!" instead."""
+# The smallest magnitude that f16 rounds to inf (the midpoint of 65504 and 65536, to even).
+_F16_OVERFLOW = 65520.0
+# Elements of `x` looked at at once by check_f16_range (its temporaries' size).
+_F16_CHECK_BLOCK = 1 << 20
+
+
+def check_f16_range(x, what):
+    """ValueError, prefixed with `what`, when a finite value of `x` (numpy array or torch tensor,
+    rows along its first dimension) would become inf in f16. For a tensor that goes into a
+    stream (a Prefill's) before the stream starts: an error raised while it is under way reaches
+    the caller as gRPC's UNKNOWN "Exception iterating requests!" instead. Looks at blocks of
+    rows, so that it holds no copy of `x`; an f16 `x` has nothing to check."""
+    if x.shape[0] == 0:
+        return
+    row = max(1, int(np.prod(x.shape[1:], dtype=np.int64)))
+    step = max(1, _F16_CHECK_BLOCK // row)
     if _is_torch(x):
         import torch
         t = x.detach()
-        f16 = t.to(torch.float16)
-        overflowed = torch.isinf(f16) & torch.isfinite(t)
-        if bool(overflowed.any()):
-            raise ValueError(f"{what}: value {float(t[overflowed][0])!r} is past f16's range "
-                             "(at most 65504 in magnitude)")
-        return f16
+        if t.dtype == torch.float16:
+            return
+        for start in range(0, t.shape[0], step):
+            block = t[start:start + step]
+            overflowed = torch.isfinite(block) & (block.abs() >= _F16_OVERFLOW)
+            if bool(overflowed.any()):
+                raise ValueError(f"{what}: value {float(block[overflowed][0])!r} is past f16's "
+                                 "range (at most 65504 in magnitude)")
+        return
     a = np.asarray(x)
-    with np.errstate(over="ignore", invalid="ignore"):
-        f16 = a.astype(np.float16)
-    try:
-        _raise_if_f16_overflow(a, f16)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-    return f16
+    if a.dtype == np.float16:
+        return
+    for start in range(0, a.shape[0], step):
+        block = a[start:start + step]
+        with np.errstate(invalid="ignore"):
+            overflowed = np.isfinite(block) & (np.abs(block) >= _F16_OVERFLOW)
+        if overflowed.any():
+            raise ValueError(f"{what}: value {float(block[overflowed][0])!r} is past f16's range "
+                             "(at most 65504 in magnitude)")
 
 
 def _raise_if_f16_overflow(source, f16):
