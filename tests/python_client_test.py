@@ -1831,6 +1831,24 @@ class WireTest(unittest.TestCase):
         self.assertEqual(bytes(tensors.WireBuffer("bf16", (8, 16)).view(a)),
                          tensors.f32_to_bf16_bits(a).tobytes())
 
+    @unittest.skipUnless(importlib.util.find_spec("torch"), "torch is not installed")
+    def test_the_f16_range_check_of_torch_tensors(self):
+        # check_f16_range's torch branch (the prefill of a runner's tensors), on the GPU too.
+        import torch
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        for device in devices:
+            with self.subTest(device=device):
+                x = torch.zeros((3000, 8, 64), device=device)  # two blocks
+                tensors.check_f16_range(x, "t")
+                x[2999, 7, 63] = -65520.0
+                with self.assertRaisesRegex(ValueError, r"^t: value -65520.0 is past f16's"):
+                    tensors.check_f16_range(x, "t")
+                x[2999, 7, 63] = 65519.0
+                tensors.check_f16_range(x, "t")
+                x[0, 0, 0] = float("inf")  # not a finite value to begin with
+                tensors.check_f16_range(x, "t")
+                tensors.check_f16_range(x.to(torch.bfloat16)[:0], "empty")
+
     def test_pre_serialized_requests_parse_as_protobuf_builds_them(self):
         from kvrecall.client import Session, _StepWire
         from kvrecall.v1 import kvrecall_pb2 as pb
