@@ -96,6 +96,9 @@ std::string DTypeLowerName(v1::DType dtype) {
 std::string ExactSearchName(v1::ExactSearch search) {
   return LowerEnumName(v1::ExactSearch_descriptor(), search, "EXACT_SEARCH_");
 }
+std::string PathName(v1::Path path) {
+  return LowerEnumName(v1::Path_descriptor(), path, "PATH_");
+}
 
 absl::StatusOr<v1::Selector> ParseSelector(absl::string_view name) {
   absl::StatusOr<int> v =

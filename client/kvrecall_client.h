@@ -41,6 +41,7 @@ std::string SelectorName(v1::Selector selector);
 std::string PlacementName(v1::Placement placement);
 std::string DTypeLowerName(v1::DType dtype);
 std::string ExactSearchName(v1::ExactSearch search);  // "unspecified", "graph", "shortlist"
+std::string PathName(v1::Path path);  // "exact", "reuse", "fallback", "refresh"
 absl::StatusOr<v1::Selector> ParseSelector(absl::string_view name);
 absl::StatusOr<v1::Placement> ParsePlacement(absl::string_view name);
 absl::StatusOr<v1::DType> ParseDType(absl::string_view name);

@@ -7,6 +7,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/stats.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/fidelity.h"
@@ -25,27 +26,50 @@ Quantiles QuantilesOf(const std::vector<double>& samples) {
   return {Percentile(samples, 0.50), Percentile(samples, 0.99)};
 }
 
-// One layer's KV as the server holds it: the prompt, then one token per decode step.
-struct LayerKv {
-  std::vector<float> keys, values;  // [T + steps, kv_heads, head_dim]
-};
+}  // namespace
 
-// Streams every layer's prompt to `session` in one Prefill call, keeping each layer's keys and
-// values (the prompt part of `kv`) for the local reference.
+absl::Status CheckTraceGeometry(const Trace& trace, absl::string_view session_id,
+                                const v1::Geometry& geometry) {
+  const TraceGeometry& g = trace.geometry();
+  if (g.layers == geometry.layers() && g.q_heads == geometry.q_heads() &&
+      g.kv_heads == geometry.kv_heads() && g.head_dim == geometry.head_dim()) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s has %d layers, %d query heads, %d KV heads and head_dim %d; session %s has %d, %d, %d "
+      "and %d",
+      trace.file().label(), g.layers, g.q_heads, g.kv_heads, g.head_dim, session_id,
+      geometry.layers(), geometry.q_heads(), geometry.kv_heads(), geometry.head_dim()));
+}
+
 absl::StatusOr<v1::PrefillResponse> PrefillFromTrace(Client& client, const SessionHandle& session,
                                                      const Trace& trace,
                                                      const PrefillOptions& options,
                                                      std::vector<LayerKv>* kv) {
+  if (absl::Status s = CheckTraceGeometry(trace, session.id, session.geometry); !s.ok()) return s;
   const TraceGeometry& g = trace.geometry();
+  const size_t kv_prompt = static_cast<size_t>(g.context) * g.kv_heads * g.head_dim;
+  if (kv != nullptr) {
+    bool fits = kv->size() == static_cast<size_t>(g.layers);
+    for (const LayerKv& layer : *kv) {
+      fits = fits && layer.keys.size() >= kv_prompt && layer.values.size() >= kv_prompt;
+    }
+    if (!fits) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PrefillFromTrace: kv must hold ", g.layers, " layers of at least ",
+                       kv_prompt, " keys and values each"));
+    }
+  }
   absl::StatusOr<std::unique_ptr<PrefillStream>> stream = client.StartPrefill(session, options);
   if (!stream.ok()) return stream.status();
-  const size_t kv_prompt = static_cast<size_t>(g.context) * g.kv_heads * g.head_dim;
+  LayerKv scratch;  // each layer's prompt in turn, when the caller keeps none
   for (int l = 0; l < g.layers; ++l) {
     absl::StatusOr<std::vector<float>> q = trace.Read(l, TracePhase::kPrefill, TraceTensor::kQ);
     if (!q.ok()) return q.status();
-    LayerKv& layer = (*kv)[l];
+    LayerKv& layer = kv != nullptr ? (*kv)[l] : scratch;
     for (auto [which, dest] :
          {std::pair{TraceTensor::kK, &layer.keys}, std::pair{TraceTensor::kV, &layer.values}}) {
+      if (dest->size() < kv_prompt) dest->resize(kv_prompt);
       if (absl::Status s =
               trace.ReadRows(l, TracePhase::kPrefill, which, 0, g.context, dest->data());
           !s.ok()) {
@@ -60,8 +84,6 @@ absl::StatusOr<v1::PrefillResponse> PrefillFromTrace(Client& client, const Sessi
   }
   return (*stream)->Finish();
 }
-
-}  // namespace
 
 absl::StatusOr<ReplayReport> Replay(Client& client, const Trace& trace,
                                     const ReplayOptions& options) {

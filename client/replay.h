@@ -1,20 +1,45 @@
-// Replays a trace through a kvrecall server (prefill, then every decode step of every layer,
-// token-major) and measures fidelity against full attention computed locally from the trace,
-// the server's selection figures and per layer-step latency.
+// Sends traces to a kvrecall server: a trace's prompt into a session (PrefillFromTrace), and a
+// whole replay (prefill, then every decode step of every layer, token-major) that measures
+// fidelity against full attention computed locally from the trace, the server's selection
+// figures and per layer-step latency (Replay).
 #ifndef KVRECALL_CLIENT_REPLAY_H_
 #define KVRECALL_CLIENT_REPLAY_H_
 
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/kvrecall_client.h"
 #include "client/trace/trace.h"
 #include "kvrecall/v1/kvrecall.pb.h"
 #include "nlohmann/json.hpp"
 
 namespace kvrecall::client {
+
+// One layer's keys and values as f32, row-major [tokens, kv_heads, head_dim].
+struct LayerKv {
+  std::vector<float> keys, values;
+};
+
+// OK when a session of `geometry` can take `trace`'s tensors: the same layers, query heads, KV
+// heads and head_dim (the dtypes may differ: the client converts, as for any runner's f32);
+// INVALID_ARGUMENT naming both geometries otherwise.
+absl::Status CheckTraceGeometry(const Trace& trace, absl::string_view session_id,
+                                const v1::Geometry& geometry);
+
+// Streams every layer's prompt of `trace` to `session` in one Prefill call (chunked under the
+// message limit by PrefillStream; q for every token, whatever session.prompt_queries says) and
+// returns the server's reply. With `kv` (one LayerKv per layer, each sized for at least the
+// prompt's rows), each layer's prompt keys and values are also left in its first rows.
+// CheckTraceGeometry's error before anything is sent; then the server's.
+absl::StatusOr<v1::PrefillResponse> PrefillFromTrace(Client& client, const SessionHandle& session,
+                                                     const Trace& trace,
+                                                     const PrefillOptions& options,
+                                                     std::vector<LayerKv>* kv = nullptr);
 
 struct ReplayOptions {
   v1::Policy policy;

@@ -1,5 +1,6 @@
 // The `kvrecall` binary against the real `kvrecalld` binary on loopback: replay of a real
-// tinylm trace (generated at test time), the session subcommands, the demo, errors (non-zero
+// tinylm trace (generated at test time), its prompt and decode steps sent a command at a time
+// (prefill, decode), the session subcommands, the demo, errors (non-zero
 // exit with the server's code and message), --token_file and $KVRECALL_TOKEN_FILE, and a
 // prompt + decode step sent as plain float JSON through `buf curl` and server reflection.
 #include <fcntl.h>
@@ -19,6 +20,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/ascii.h"
+#include "client/kvrecall_client.h"
+#include "client/trace/trace.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/kv_view.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -255,12 +262,171 @@ TEST_F(CliReplayTest, ServerRejectionsExitNonZeroWithTheServersMessage) {
   EXPECT_THAT(r.err, HasSubstr("--refresh must be >= 0 (or -1: the server's default), got -7"));
 }
 
+// `create`, `prefill` and `decode` take a session through a real trace a command at a time, as
+// a runner would: each step's output is full attention over the trace's context (policy full),
+// a later `decode` goes on from where the session stands (with one layer a token ahead), and
+// what cannot be sent is refused by name.
+TEST_F(CliReplayTest, PrefillAndDecodeATraceACommandAtATime) {
+  const std::string trace_flag = "--trace=" + *trace_;
+  absl::StatusOr<Trace> trace = Trace::Open(*trace_);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  const TraceGeometry& g = trace->geometry();
+  ASSERT_EQ(g.context, 512);
+  ASSERT_EQ(g.decode_steps, 8);
+  const std::vector<std::string> geometry = {"--layers=6", "--q_heads=8", "--kv_heads=2",
+                                             "--head_dim=64", "--dtype=f32"};
+  std::vector<std::string> create = geometry;
+  create.push_back("--policy=full");
+  ProcessResult r = Kvrecall("create", create);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string id(absl::StripAsciiWhitespace(r.out));
+
+  r = Kvrecall("decode", {id, trace_flag});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("kvrecall decode: FAILED_PRECONDITION: session " + id +
+                               " has 0 of its 6 layers prefilled: send the trace's prompt first"));
+  EXPECT_EQ(r.out, "");
+  r = Kvrecall("prefill", {id, trace_flag});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr(id + ": 512 prompt tokens in 6 layers"));
+  r = Kvrecall("prefill", {id, trace_flag});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("FAILED_PRECONDITION: layer 0 of session '" + id +
+                               "' is already prefilled"));
+
+  // Full attention over the trace's prompt and decode steps up to `step`, query head h.
+  const int d = g.head_dim;
+  auto reference = [&](int layer, int64_t step, int h) {
+    const int64_t tokens = g.context + step + 1;
+    std::vector<float> keys(tokens * g.kv_heads * d), values(keys.size());
+    std::vector<float> q(static_cast<size_t>(g.q_heads) * d), o(d);
+    for (auto [which, dest] :
+         {std::pair{TraceTensor::kK, &keys}, std::pair{TraceTensor::kV, &values}}) {
+      EXPECT_TRUE(
+          trace->ReadRows(layer, TracePhase::kPrefill, which, 0, g.context, dest->data()).ok());
+      EXPECT_TRUE(trace
+                      ->ReadRows(layer, TracePhase::kDecode, which, 0, step + 1,
+                                 dest->data() + g.context * g.kv_heads * d)
+                      .ok());
+    }
+    EXPECT_TRUE(
+        trace->ReadRows(layer, TracePhase::kDecode, TraceTensor::kQ, step, 1, q.data()).ok());
+    const KvView view{keys.data(), values.data(), tokens, g.kv_heads, d};
+    float lse;
+    cpu::PartialAttentionRange(q.data() + h * d, view, KvHeadOf(h, g.q_heads, g.kv_heads), 0,
+                               tokens, 1.0f / std::sqrt(static_cast<float>(d)), o.data(), &lse);
+    return o;
+  };
+  r = Kvrecall("decode", {id, trace_flag, "--steps=2", "--json", "--outputs", "--compare_exact"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::vector<std::string> lines = absl::StrSplit(r.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 12u) << r.out;  // 2 steps of 6 layers, token-major
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const nlohmann::json j = nlohmann::json::parse(lines[i], nullptr, false);
+    ASSERT_TRUE(j.is_object()) << lines[i];
+    const int64_t step = i / 6;
+    const int layer = static_cast<int>(i % 6);
+    EXPECT_EQ(j["step"], step);
+    EXPECT_EQ(j["position"], 512 + step);
+    EXPECT_EQ(j["layer"], layer);
+    EXPECT_GT(j["server_micros"].get<double>(), 0);
+    ASSERT_EQ(j["heads"].size(), 8u);
+    ASSERT_EQ(j["output"].size(), 8u);
+    for (int h = 0; h < 8; ++h) {
+      EXPECT_EQ(j["heads"][h]["path"], "PATH_EXACT");
+      EXPECT_GT(j["heads"][h]["output_cosine"].get<double>(), 0.99999);
+      const std::vector<float> want = reference(layer, step, h);
+      const std::vector<float> got = j["output"][h].get<std::vector<float>>();
+      ASSERT_EQ(got.size(), want.size());
+      for (int i = 0; i < d; ++i) EXPECT_NEAR(got[i], want[i], 1e-4) << layer << " " << h;
+    }
+  }
+
+  // Layer 0 takes step 2 alone (a runner's step cut short after its first layer): the next
+  // `decode` gives that step to the other five layers, then goes on.
+  {
+    std::unique_ptr<client::Client> client = client::Client::Connect(server_->address());
+    absl::StatusOr<v1::SessionInfo> info = client->GetSession(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream =
+        client->OpenDecodeStream(info->geometry());
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    std::vector<float> q(8 * d), k(2 * d), v(2 * d);
+    for (auto [which, dest] : {std::pair{TraceTensor::kQ, &q}, std::pair{TraceTensor::kK, &k},
+                               std::pair{TraceTensor::kV, &v}}) {
+      ASSERT_TRUE(trace->ReadRows(0, TracePhase::kDecode, which, 2, 1, dest->data()).ok());
+    }
+    const client::SequenceInput input{id, q, k, v, 514};
+    client::StepResult result;
+    ASSERT_TRUE((*stream)->Step(0, {&input, 1}, {}, &result).ok());
+    ASSERT_TRUE((*stream)->Close().ok());
+  }
+  r = Kvrecall("decode", {id, trace_flag, "--steps=1", "--outputs"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, Not(HasSubstr("layer 0:")));
+  for (int layer = 1; layer < 6; ++layer) {
+    EXPECT_THAT(r.out, HasSubstr(absl::StrCat("step 2 (position 514) layer ", layer, ": server ")));
+  }
+  EXPECT_THAT(r.out, HasSubstr("  head 7: "));
+  EXPECT_THAT(r.out, HasSubstr(id + ": 5 layer-steps sent; its layers hold 515 tokens (3 of the 8 "
+                                    "decode steps of "));
+  r = Kvrecall("decode", {id, trace_flag, "--steps=6"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("OUT_OF_RANGE: --steps 6, but session " + id +
+                               " stands at decode step 3 of the 8 of "));
+  r = Kvrecall("decode", {id, trace_flag, "--json"});  // the rest: steps 3 to 7
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  lines = absl::StrSplit(r.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 30u) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(lines.back())["position"], 519);
+  EXPECT_FALSE(nlohmann::json::parse(lines.back()).contains("heads"));  // none asked for
+  r = Kvrecall("decode", {id, trace_flag});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("OUT_OF_RANGE: session " + id + " holds all 8 decode steps of "));
+  r = Kvrecall("get", {id, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out,
+              HasSubstr("\"layer_tokens\":[\"520\",\"520\",\"520\",\"520\",\"520\",\"520\"]"));
+
+  // Usage errors (exit 2) and what the server or the trace refuses (exit 1).
+  r = Kvrecall("decode", {id, trace_flag, "--steps=0"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.err, HasSubstr("--steps must be >= 1 (or -1: the rest of the trace's), got 0"));
+  for (const char* subcommand : {"prefill", "decode"}) {
+    r = Kvrecall(subcommand, {trace_flag});
+    EXPECT_EQ(r.exit_code, 2) << subcommand;
+    EXPECT_THAT(r.err, HasSubstr(absl::StrCat("usage: kvrecall ", subcommand, " SESSION_ID")));
+    r = Kvrecall(subcommand, {id});
+    EXPECT_EQ(r.exit_code, 2) << subcommand;
+    EXPECT_THAT(r.err, HasSubstr("--trace FILE is required"));
+    r = Kvrecall(subcommand, {"s-0123456789abcdef", trace_flag});
+    EXPECT_EQ(r.exit_code, 1) << subcommand;
+    EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
+  }
+  std::vector<std::string> other = {"--layers=6", "--q_heads=8", "--kv_heads=2", "--head_dim=32"};
+  r = Kvrecall("create", other);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string other_id(absl::StripAsciiWhitespace(r.out));
+  for (const char* subcommand : {"prefill", "decode"}) {
+    r = Kvrecall(subcommand, {other_id, trace_flag});
+    EXPECT_EQ(r.exit_code, 1) << subcommand;
+    EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT: " + *trace_ +
+                                 " has 6 layers, 8 query heads, 2 KV heads and head_dim 64; "
+                                 "session " +
+                                 other_id + " has 6, 8, 2 and 32"));
+  }
+  EXPECT_EQ(Kvrecall("close", {id, other_id}).exit_code, 0);
+}
+
 // --help names the subcommands and lists their flags (Abseil's default looked for a source
 // file named after the program and printed "No flags matched").
 TEST(CliUsageTest, HelpListsTheSubcommandsAndTheirFlags) {
   const ProcessResult r = RunProcess({KvrecallBinary(), "--help"});
   const std::string all = r.out + r.err;
-  EXPECT_THAT(all, HasSubstr("replay"));
+  for (const char* subcommand : {"demo", "create", "prefill", "decode", "get", "list", "close",
+                                 "health", "replay", "synth", "bench-index"}) {
+    EXPECT_THAT(all, HasSubstr(absl::StrCat("\n  ", subcommand, " "))) << subcommand;
+  }
   EXPECT_THAT(all, HasSubstr("Flags from"));
   EXPECT_THAT(all, HasSubstr("--server ("));
   EXPECT_THAT(all, Not(HasSubstr("No flags matched")));

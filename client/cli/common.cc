@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -21,8 +22,8 @@ ABSL_FLAG(absl::Duration, timeout, absl::InfiniteDuration(),
           "the command fails with DEADLINE_EXCEEDED (a Prefill has --prefill_timeout, health "
           "--health_deadline)");
 ABSL_FLAG(absl::Duration, prefill_timeout, absl::InfiniteDuration(),
-          "replay and demo: the longest a Prefill call may take as a whole, its builds included "
-          "(inf: no limit); past it DEADLINE_EXCEEDED, and nothing of it is committed");
+          "replay, demo and prefill: the longest a Prefill call may take as a whole, its builds "
+          "included (inf: no limit); past it DEADLINE_EXCEEDED, and nothing of it is committed");
 
 ABSL_FLAG(bool, tls, false,
           "connect with TLS (implied by the other --tls_* flags, and by --token_file to a "
@@ -263,6 +264,32 @@ void TerminalProgress::Done() {
   if (!drawn_) return;
   std::fputc('\n', stderr);
   drawn_ = false;
+}
+
+std::function<void(const client::PrefillProgress&)> PrefillProgressOn(TerminalProgress* progress,
+                                                                      int layers) {
+  return [progress, layers](const client::PrefillProgress& p) {
+    progress->Update("prefill",
+                     (p.layer + static_cast<double>(p.layer_tokens_sent) /
+                                    std::max<int64_t>(p.layer_tokens, 1)) / layers,
+                     absl::StrFormat("layer %d/%d, %.0f MiB", p.layer + 1, layers,
+                                     p.bytes_sent / double{1 << 20}));
+  };
+}
+
+absl::StatusOr<TraceSession> OpenTraceSession(const std::string& trace_path,
+                                              const std::string& session_id) {
+  absl::StatusOr<Trace> trace = Trace::Open(trace_path);
+  if (!trace.ok()) return trace.status();
+  absl::StatusOr<std::unique_ptr<Client>> client = ConnectToServer();
+  if (!client.ok()) return client.status();
+  absl::StatusOr<v1::SessionInfo> info = (*client)->GetSession(session_id);
+  if (!info.ok()) return info.status();
+  if (absl::Status s = client::CheckTraceGeometry(*trace, info->session_id(), info->geometry());
+      !s.ok()) {
+    return s;
+  }
+  return TraceSession{*std::move(trace), *std::move(client), *std::move(info)};
 }
 
 }  // namespace kvrecall::cli

@@ -4,6 +4,7 @@
 #define KVRECALL_CLIENT_CLI_COMMON_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -14,6 +15,7 @@
 #include "absl/time/time.h"
 #include "client/kvrecall_client.h"
 #include "client/replay.h"
+#include "client/trace/trace.h"
 #include "google/protobuf/message.h"
 #include "kvrecall/v1/kvrecall.pb.h"
 
@@ -69,6 +71,24 @@ class TerminalProgress {
   bool drawn_ = false;
   std::chrono::steady_clock::time_point last_;
 };
+
+// What `prefill` and `decode` work on: a trace, a client of --server and a session whose
+// geometry takes the trace's tensors.
+struct TraceSession {
+  Trace trace;
+  std::unique_ptr<client::Client> client;
+  v1::SessionInfo info;
+};
+// Opens `trace_path`, connects (ConnectToServer) and asks for `session_id`: the first error of
+// the three, or CheckTraceGeometry's when the session cannot take the trace.
+absl::StatusOr<TraceSession> OpenTraceSession(const std::string& trace_path,
+                                              const std::string& session_id);
+
+// A PrefillOptions::progress that draws `progress`'s line (which must outlive the call): the
+// share of a prompt of `layers` layers sent, by tokens, not bytes (how many of a prompt's q
+// travel depends on the policy).
+std::function<void(const client::PrefillProgress&)> PrefillProgressOn(TerminalProgress* progress,
+                                                                      int layers);
 
 }  // namespace kvrecall::cli
 

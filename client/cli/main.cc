@@ -1,4 +1,5 @@
-// kvrecall: the command-line client of kvrecalld (demo, sessions, trace replay).
+// kvrecall: the command-line client of kvrecalld (demo, sessions, a trace's prompt and decode
+// steps, trace replay).
 // `kvrecall SUBCOMMAND [--flags] [args]`; flags may be spelled with dashes or underscores.
 #include <algorithm>
 #include <cstdio>
@@ -30,6 +31,11 @@ constexpr Subcommand kSubcommands[] = {
     {"demo", "a synthetic session through several policies; prints fidelity and latency", RunDemo},
     {"create", "create a session (--layers --q_heads --kv_heads --head_dim --dtype + policy)",
      RunCreate},
+    {"prefill", "send a trace's prompt to a session: kvrecall prefill SESSION_ID --trace FILE",
+     RunPrefill},
+    {"decode",
+     "send a trace's next decode steps: kvrecall decode SESSION_ID --trace FILE [--steps N]",
+     RunDecode},
     {"get", "show a session: kvrecall get SESSION_ID", RunGet},
     {"list", "list your sessions (with tokens: your tenant's)", RunList},
     {"close", "close sessions: kvrecall close SESSION_ID...", RunClose},

@@ -12,12 +12,13 @@
 #include "proto/tensor_codec.h"
 
 ABSL_FLAG(std::string, trace, "",
-          "replay, bench-index: the trace (safetensors, DESIGN.md's format)");
-ABSL_FLAG(int64_t, steps, -1, "replay: decode steps to replay (-1: all of the trace's)");
+          "replay, prefill, decode, bench-index: the trace (safetensors, DESIGN.md's format)");
+ABSL_FLAG(int64_t, steps, -1,
+          "replay: decode steps to replay (-1: all of the trace's); decode: steps to send (-1: "
+          "the rest of the trace's)");
 
 namespace kvrecall::cli {
 
-using client::PrefillProgress;
 using client::Replay;
 using client::ReplayOptions;
 using client::ReplayReport;
@@ -32,19 +33,11 @@ int RunReplay(const std::vector<char*>& args) {
   absl::StatusOr<Trace> trace = Trace::Open(path);
   if (!trace.ok()) return ReportError("replay", trace.status());
 
-  const TraceGeometry& g = trace->geometry();
   TerminalProgress progress;
   ReplayOptions options = ReplayOptionsFromFlags();
   options.policy = *policy;
   options.steps = absl::GetFlag(FLAGS_steps);
-  options.prefill.progress = [&](const PrefillProgress& p) {
-    // By tokens, not bytes: how many of a prompt's q travel depends on the policy.
-    progress.Update("prefill",
-                    (p.layer + static_cast<double>(p.layer_tokens_sent) /
-                                   std::max<int64_t>(p.layer_tokens, 1)) / g.layers,
-                    absl::StrFormat("layer %d/%d, %.0f MiB", p.layer + 1, g.layers,
-                                    p.bytes_sent / double{1 << 20}));
-  };
+  options.prefill.progress = PrefillProgressOn(&progress, trace->geometry().layers);
   options.step_progress = [&](int64_t done, int64_t steps) {
     progress.Update("decode", static_cast<double>(done) / steps,
                     absl::StrFormat("step %d/%d", done, steps));

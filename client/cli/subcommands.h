@@ -12,6 +12,8 @@ namespace kvrecall::cli {
 
 int RunDemo(const std::vector<char*>& args);
 int RunCreate(const std::vector<char*>& args);
+int RunPrefill(const std::vector<char*>& args);
+int RunDecode(const std::vector<char*>& args);
 int RunGet(const std::vector<char*>& args);
 int RunList(const std::vector<char*>& args);
 int RunClose(const std::vector<char*>& args);
