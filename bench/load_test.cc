@@ -1,7 +1,8 @@
 // load_test: many sessions decoding at once against one kvrecalld, each on its own Decode
 // stream, with a mix of selectors; reports errors, per layer-step latency (p50 / p99 / max)
 // against the same step measured alone in the same run, health-check latency during the load,
-// and the server's resident memory before, during and after (bench/results/load_test.md).
+// and the server's resident memory before, during and after (bench/results/hardening.md, "Load
+// test", and hardening_load_test.{txt,json}).
 //
 //   load_test --server=127.0.0.1:PORT --server_pid=PID [--sessions=64] [--tokens=1000]
 //             [--json=FILE]

@@ -806,13 +806,6 @@ absl::Status CheckToken(absl::string_view token) {
   return absl::OkStatus();
 }
 
-// The file a unix: target names (unix:PATH, unix:///ABSOLUTE).
-std::string UnixTargetPath(absl::string_view target) {
-  absl::ConsumePrefix(&target, "unix:");
-  if (absl::StartsWith(target, "///")) target.remove_prefix(2);
-  return std::string(target);
-}
-
 // OK when a bearer token may go in plaintext to the Unix socket of `target`: a socket (not a
 // link) that this user owns. kvrecalld makes its socket 0600, so a runner that may connect runs
 // as its user; gRPC's local credentials authenticate no server, and without this check a token
@@ -820,7 +813,7 @@ std::string UnixTargetPath(absl::string_view target) {
 // (Not its directory: a pod's emptyDir is 0777, shared by the pod's own containers alone.)
 // FAILED_PRECONDITION otherwise.
 absl::Status CheckOwnSocket(absl::string_view target) {
-  const std::string path = UnixTargetPath(target);
+  const std::string path = UnixSocketPath(target);
   auto refuse = [&](absl::string_view why) {
     return absl::FailedPreconditionError(absl::StrCat(
         "a bearer token goes in plaintext only to a Unix socket of this user's: ", path, " ",

@@ -437,17 +437,6 @@ int64_t GraphIndex::GraphBytes(const GraphIndexParams& params, int64_t keys) {
          keys * int64_t{sizeof(uint16_t)};
 }
 
-int64_t GraphIndex::BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
-                                           int64_t queries, int dim, int threads) {
-  if (keys == 0) return 0;
-  const int k = static_cast<int>(std::min<int64_t>(params.WithDefaults().build_topk, keys));
-  // The sampled queries, their causal counts and top-k lists, CpuBatchTopK's scratch (the
-  // GPU's lives on the device) and the graph's.
-  return SampledQueryBytes(params, keys, queries, dim) + TopKListBytes(params, keys, queries) +
-         CpuBatchTopKScratchBytes(keys, k, dim, std::max(1, threads)) +
-         GraphScratchBytesBound(params, keys, queries, dim, threads);
-}
-
 int64_t GraphIndex::SampledQueryBytes(const GraphIndexParams& params, int64_t keys,
                                       int64_t queries, int dim) {
   const int64_t sampled = std::min<int64_t>(params.WithDefaults().build_queries,

@@ -104,16 +104,13 @@ class GraphIndex : public KeyIndex {
   // Room for `keys` keys' links, so that adding up to them allocates nothing more (GraphBytes).
   void ReserveCapacity(int64_t keys);
 
-  // What a graph over `keys` keys holds (the adjacency; MemoryBytes after a Build), and the most
-  // a Build from `queries` prompt queries of dimension `dim` allocates beyond that on the way
-  // (sampled queries and their top-k lists, the projection's edges and their grouping), with
-  // `threads` OpenMP threads for its batched top-k. The owner reserves their sum before building.
+  // What a graph over `keys` keys holds (the adjacency; MemoryBytes after a Build).
   static int64_t GraphBytes(const GraphIndexParams& params, int64_t keys);
-  static int64_t BuildScratchBytesBound(const GraphIndexParams& params, int64_t keys,
-                                        int64_t queries, int dim, int threads);
-  // Its parts: the sampled queries' copies and causal counts, their top-k lists, and the
-  // graph's own scratch once the lists are there (projection, pruning, reverse edges, outliers,
-  // repair) with `threads` threads merging.
+  // The most a Build from `queries` prompt queries of dimension `dim` allocates beyond that on
+  // the way, in parts that its owner sums with its batched top-k's scratch and reserves before
+  // building (IndexSelector): the sampled queries' copies and causal counts, their top-k lists,
+  // and the graph's own scratch once the lists are there (projection, pruning, reverse edges,
+  // outliers, repair) with `threads` threads merging.
   static int64_t SampledQueryBytes(const GraphIndexParams& params, int64_t keys, int64_t queries,
                                    int dim);
   static int64_t TopKListBytes(const GraphIndexParams& params, int64_t keys, int64_t queries);

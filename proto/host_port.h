@@ -1,10 +1,11 @@
-// The HOST:PORT form of gRPC addresses, read one way by kvrecalld's checks of its listening
-// addresses and by the clients' checks of a server's address.
+// The HOST:PORT and unix:PATH forms of gRPC addresses, read one way by kvrecalld's checks of its
+// listening addresses and by the clients' checks of a server's address.
 #ifndef KVRECALL_PROTO_HOST_PORT_H_
 #define KVRECALL_PROTO_HOST_PORT_H_
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -26,6 +27,14 @@ inline std::optional<int64_t> PortOfHostPort(absl::string_view address) {
   int64_t port = 0;
   if (!absl::SimpleAtoi(address.substr(colon + 1), &port)) return std::nullopt;
   return port;
+}
+
+// The socket file a unix:PATH or unix:///ABSOLUTE address names ("" for any other address,
+// unix-abstract:NAME included).
+inline std::string UnixSocketPath(absl::string_view address) {
+  if (!absl::ConsumePrefix(&address, "unix:")) return "";
+  if (absl::StartsWith(address, "///")) address.remove_prefix(2);
+  return std::string(address);
 }
 
 }  // namespace kvrecall

@@ -30,7 +30,9 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
-absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::string_view source) {
+absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::string_view source,
+                                             absl::string_view lone_token_tenant) {
+  const std::string form = lone_token_tenant.empty() ? "'TOKEN TENANT'" : "'TOKEN' or 'TOKEN NAME'";
   TokenTable table;
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
@@ -42,8 +44,9 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
     auto error = [&](absl::string_view what) {
       return absl::InvalidArgumentError(absl::StrCat(source, ":", line_number, ": ", what));
     };
+    if (fields.size() == 1 && !lone_token_tenant.empty()) fields.push_back(lone_token_tenant);
     if (fields.size() != 2) {
-      return error(absl::StrCat("expected 'TOKEN TENANT', got ", fields.size(), " fields"));
+      return error(absl::StrCat("expected ", form, ", got ", fields.size(), " fields"));
     }
     const absl::string_view token = fields[0];
     const absl::string_view tenant = fields[1];
@@ -68,15 +71,16 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
     table.entries_.push_back({std::string(token), std::string(tenant)});
   }
   if (table.entries_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": no 'TOKEN TENANT' line"));
+    return absl::InvalidArgumentError(absl::StrCat(source, ": no ", form, " line"));
   }
   return table;
 }
 
-absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path) {
+absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path,
+                                            absl::string_view lone_token_tenant) {
   absl::StatusOr<std::string> text = ReadFileToString(path);
   if (!text.ok()) return text.status();
-  return Parse(*text, path);
+  return Parse(*text, path, lone_token_tenant);
 }
 
 const std::string* TokenTable::Find(absl::string_view token) const {

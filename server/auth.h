@@ -31,11 +31,15 @@ class TokenTable {
   // and lines starting with '#' are skipped (so no token can begin with '#': its line would
   // read as a comment). A token is printable ASCII without spaces, at
   // least kMinTokenLength long, and appears once; a tenant is 1..kMaxTenantLength characters
-  // of [A-Za-z0-9._-] and may have several tokens (rotation). INVALID_ARGUMENT naming
-  // `source` and the line otherwise, and for a file without any token.
-  static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source);
+  // of [A-Za-z0-9._-] and may have several tokens (rotation). With `lone_token_tenant` not
+  // empty, a line of a token alone is that tenant's (--metrics_token_file: a Secret holding
+  // just the token that the scraper sends too). INVALID_ARGUMENT naming `source` and the line
+  // otherwise, and for a file without any token.
+  static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source,
+                                          absl::string_view lone_token_tenant = "");
   // Reads and parses a file; NOT_FOUND / PERMISSION_DENIED when it cannot be read.
-  static absl::StatusOr<TokenTable> Load(const std::string& path);
+  static absl::StatusOr<TokenTable> Load(const std::string& path,
+                                         absl::string_view lone_token_tenant = "");
 
   // The tenant of `token`, or nullptr. Compares against every token in constant time per
   // token, so that the time taken does not tell how much of a guess was right.

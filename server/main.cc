@@ -129,9 +129,15 @@ ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "process exits");
 ABSL_FLAG(std::string, metrics_address, "auto",
           "HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none. "
-          "Unauthenticated plain HTTP: auto (the default) is port 9090 on the host of "
-          "--address's first HOST:PORT entry (127.0.0.1 when there is none, only Unix sockets), "
-          "so that the metrics are no more exposed than the API");
+          "Plain HTTP, unauthenticated unless --metrics_token_file: auto (the default) is port "
+          "9090 on the host of --address's first HOST:PORT entry (127.0.0.1 when there is none, "
+          "only Unix sockets), so that the metrics are no more exposed than the API");
+ABSL_FLAG(std::string, metrics_token_file, "",
+          "file of bearer tokens, a line of 'TOKEN' (a Secret holding just the token) or 'TOKEN "
+          "NAME' each (16+ printable characters; # starts a comment): every request to "
+          "/metrics must carry 'Authorization: Bearer TOKEN' with one of them, else 401. The "
+          "token travels in plaintext HTTP: it keeps out whoever reaches the port (another "
+          "tenant's pod), not whoever can read its traffic. SIGHUP reads the file again");
 ABSL_FLAG(std::string, health_address, "",
           "HOST:PORT of a plaintext port serving grpc.health.v1 alone, for probes that cannot "
           "speak TLS (Kubernetes' gRPC probes); empty: none");
@@ -378,6 +384,7 @@ int main(int argc, char** argv) {
   if (options.metrics_address == "auto") {
     options.metrics_address = kvrecall::DefaultMetricsAddress(options.address);
   }
+  options.metrics_token_file = absl::GetFlag(FLAGS_metrics_token_file);
   options.health_address = absl::GetFlag(FLAGS_health_address);
   options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -436,14 +443,25 @@ int main(int argc, char** argv) {
       return 1;
     }
     if (signal_number != SIGHUP) break;
-    // SIGHUP: the token file again (revoking or adding a token keeps every session).
+    // SIGHUP: the token files again (revoking or adding a token keeps every session).
     absl::StatusOr<size_t> reloaded = (*server)->ReloadTokens();
     if (reloaded.ok()) {
       std::printf("kvrecalld: SIGHUP: reloaded %zu tokens from %s\n", *reloaded,
                   absl::GetFlag(FLAGS_auth_token_file).c_str());
-    } else {
+    } else if (!absl::GetFlag(FLAGS_auth_token_file).empty() ||
+               absl::GetFlag(FLAGS_metrics_token_file).empty()) {
       std::printf("kvrecalld: SIGHUP: %s; the tokens in force stay\n",
                   std::string(reloaded.status().message()).c_str());
+    }
+    if (!absl::GetFlag(FLAGS_metrics_token_file).empty()) {
+      absl::StatusOr<size_t> scrapers = (*server)->ReloadMetricsTokens();
+      if (scrapers.ok()) {
+        std::printf("kvrecalld: SIGHUP: reloaded %zu metrics tokens from %s\n", *scrapers,
+                    absl::GetFlag(FLAGS_metrics_token_file).c_str());
+      } else {
+        std::printf("kvrecalld: SIGHUP: %s; the metrics tokens in force stay\n",
+                    std::string(scrapers.status().message()).c_str());
+      }
     }
     std::fflush(stdout);
   }

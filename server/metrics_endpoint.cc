@@ -48,6 +48,23 @@ absl::string_view WithoutLeadingEmptyLines(absl::string_view request) {
   return request;
 }
 
+// The value of the first Authorization header of `request` (its request line, then its header
+// lines up to the empty one; the name in any case), "" without one.
+absl::string_view AuthorizationHeader(absl::string_view request) {
+  bool request_line = true;
+  for (absl::string_view line : absl::StrSplit(request, '\n')) {
+    line = absl::StripTrailingAsciiWhitespace(line);
+    if (std::exchange(request_line, false)) continue;
+    if (line.empty()) break;  // the end of the headers
+    const size_t colon = line.find(':');
+    if (colon != absl::string_view::npos &&
+        absl::EqualsIgnoreCase(line.substr(0, colon), "authorization")) {
+      return absl::StripAsciiWhitespace(line.substr(colon + 1));
+    }
+  }
+  return "";
+}
+
 std::string HttpResponse(absl::string_view status, absl::string_view content_type,
                          absl::string_view body, bool with_body, absl::string_view extra = "") {
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
@@ -63,10 +80,11 @@ std::string PlainResponse(absl::string_view status, bool with_body,
 
 }  // namespace
 
-MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, int listener,
+MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
+                                 std::shared_ptr<const TokenStore> scrapers, int listener,
                                  const int wake[2], std::string address, int port)
-    : metrics_(std::move(metrics)), listener_(listener), wake_{wake[0], wake[1]},
-      address_(std::move(address)), port_(port) {
+    : metrics_(std::move(metrics)), scrapers_(std::move(scrapers)), listener_(listener),
+      wake_{wake[0], wake[1]}, address_(std::move(address)), port_(port) {
   thread_ = std::thread([this] { Serve(); });
 }
 
@@ -80,7 +98,8 @@ MetricsEndpoint::~MetricsEndpoint() {
 }
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
-    const std::string& address, std::shared_ptr<ServerMetrics> metrics) {
+    const std::string& address, std::shared_ptr<ServerMetrics> metrics,
+    std::shared_ptr<const TokenStore> scrapers) {
   const size_t colon = address.rfind(':');
   int requested_port = -1;
   if (colon == std::string::npos || colon == 0 ||
@@ -139,13 +158,13 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     ::close(listener);
     return unavailable(absl::StrCat("no pipe to stop it by: ", strerror(error)));
   }
-  return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(
-      std::move(metrics), listener, wake, absl::StrCat(address.substr(0, colon), ":", port),
-      port));
+  return std::unique_ptr<MetricsEndpoint>(
+      new MetricsEndpoint(std::move(metrics), std::move(scrapers), listener, wake,
+                          absl::StrCat(address.substr(0, colon), ":", port), port));
 }
 
 std::string MetricsEndpoint::Respond(const std::string& request) const {
-  // The request line: METHOD SP TARGET SP HTTP/x.y (RFC 9112 3); headers are not needed.
+  // The request line: METHOD SP TARGET SP HTTP/x.y (RFC 9112 3), then the header lines.
   const absl::string_view start = WithoutLeadingEmptyLines(request);
   const absl::string_view line = start.substr(0, start.find('\n'));
   const std::vector<absl::string_view> parts =
@@ -154,6 +173,13 @@ std::string MetricsEndpoint::Respond(const std::string& request) const {
     return PlainResponse("400 Bad Request", true);
   }
   const bool head = parts[0] == "HEAD";
+  if (scrapers_ != nullptr) {
+    const absl::string_view token = BearerToken(AuthorizationHeader(start));
+    if (token.empty() || scrapers_->table()->Find(token) == nullptr) {
+      return PlainResponse("401 Unauthorized", !head,
+                           "WWW-Authenticate: Bearer realm=\"kvrecalld metrics\"\r\n");
+    }
+  }
   if (parts[0] != "GET" && !head) {
     return PlainResponse("405 Method Not Allowed", true, "Allow: GET, HEAD\r\n");
   }

@@ -1,8 +1,9 @@
 // The HTTP endpoint that serves ServerMetrics in the Prometheus text format at /metrics
 // (prometheus-cpp's text serializer), started by RunningServer when --metrics_address is set.
 //
-// A small HTTP/1.1 server of its own on one thread that polls every connection: the port is
-// unauthenticated, so what a peer can hold is bounded by construction. Each connection has one
+// A small HTTP/1.1 server of its own on one thread that polls every connection: whoever reaches
+// the port may connect (a scrape's token, where --metrics_token_file asks for one, is read with
+// its request), so what a peer can hold is bounded by construction. Each connection has one
 // deadline for its whole life (its request read, its response written), so a peer that trickles
 // a byte at a time is cut like an idle one and cannot hold a scrape or the process's shutdown;
 // at most kMaxConnections are open at once, and a new peer beyond them takes the place of the
@@ -22,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 
 namespace kvrecall {
@@ -30,10 +32,14 @@ class MetricsEndpoint {
  public:
   // Listens on `address` (HOST:PORT, HOST a name or an address, [::1] for IPv6; port 0 picks a
   // free one) and serves `metrics` at /metrics (GET or HEAD; other paths answer 404, other
-  // methods 405, a malformed or oversized request 400) until destroyed. INVALID_ARGUMENT for an
-  // address without a port, UNAVAILABLE when it cannot be bound.
+  // methods 405, a malformed or oversized request 400) until destroyed. With `scrapers`, every
+  // request must carry "Authorization: Bearer TOKEN" with a token of its table in force (the
+  // first such header decides; else 401 with "WWW-Authenticate: Bearer", before its method and
+  // path are looked at); without, any peer that reaches the port reads the metrics.
+  // INVALID_ARGUMENT for an address without a port, UNAVAILABLE when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
-      const std::string& address, std::shared_ptr<ServerMetrics> metrics);
+      const std::string& address, std::shared_ptr<ServerMetrics> metrics,
+      std::shared_ptr<const TokenStore> scrapers = nullptr);
   // Closes every connection at once and returns.
   ~MetricsEndpoint();
 
@@ -51,7 +57,8 @@ class MetricsEndpoint {
   int port() const { return port_; }
 
  private:
-  MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics, int listener, const int wake[2],
+  MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
+                  std::shared_ptr<const TokenStore> scrapers, int listener, const int wake[2],
                   std::string address, int port);
   // Serves connections until wake_[0] becomes readable.
   void Serve();
@@ -59,6 +66,7 @@ class MetricsEndpoint {
   std::string Respond(const std::string& request) const;
 
   const std::shared_ptr<ServerMetrics> metrics_;
+  const std::shared_ptr<const TokenStore> scrapers_;  // null: no token asked for
   const int listener_;
   const int wake_[2];  // a byte written to wake_[1] stops Serve
   const std::string address_;

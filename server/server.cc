@@ -47,16 +47,11 @@ std::string WithPort(const std::string& address, int port) {
                       port);
 }
 
+// The name of a --metrics_token_file token given alone on its line.
+constexpr absl::string_view kMetricsScraper = "scraper";
+
 // RunningServers alive in this process (their region files carry its pid).
 std::atomic<int> running_servers{0};
-
-// The file of a unix:PATH or unix:///PATH address ("" for any other).
-std::string UnixSocketPath(absl::string_view address) {
-  absl::string_view path = address;
-  if (!absl::ConsumePrefix(&path, "unix:")) return "";
-  if (absl::StartsWith(path, "///")) path.remove_prefix(2);
-  return std::string(path);
-}
 
 // True when a server accepts connections on the socket file of `address` (unix:PATH or
 // unix:///PATH). gRPC unlinks an existing socket file before it binds, so without this check a
@@ -281,12 +276,41 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
   return size;
 }
 
+absl::StatusOr<size_t> RunningServer::ReloadMetricsTokens() {
+  if (scrapers_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "no --metrics_token_file to reload: scrapes carry no tokens");
+  }
+  absl::StatusOr<TokenTable> table = TokenTable::Load(scrapers_file_, kMetricsScraper);
+  if (!table.ok()) {
+    return absl::Status(table.status().code(),
+                        absl::StrCat("--metrics_token_file: ", table.status().message()));
+  }
+  const size_t size = table->size();
+  scrapers_->Replace(std::make_shared<const TokenTable>(*std::move(table)));
+  return size;
+}
+
 absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) {
   metrics_->SetGaugeSource(
       [this] { return CollectServerGauges(registry_, budget_, *placements_); });
+  if (!options.metrics_token_file.empty()) {
+    if (options.metrics_address.empty()) {
+      return absl::InvalidArgumentError(
+          "--metrics_token_file needs a metrics endpoint (--metrics_address is empty)");
+    }
+    absl::StatusOr<TokenTable> table =
+        TokenTable::Load(options.metrics_token_file, kMetricsScraper);
+    if (!table.ok()) {
+      return absl::Status(table.status().code(),
+                          absl::StrCat("--metrics_token_file: ", table.status().message()));
+    }
+    scrapers_ = std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*std::move(table)));
+    scrapers_file_ = options.metrics_token_file;
+  }
   if (!options.metrics_address.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
-        MetricsEndpoint::Start(options.metrics_address, metrics_);
+        MetricsEndpoint::Start(options.metrics_address, metrics_, scrapers_);
     if (!endpoint.ok()) return endpoint.status();
     metrics_endpoint_ = *std::move(endpoint);
     metrics_address_ = metrics_endpoint_->address();

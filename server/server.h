@@ -65,6 +65,10 @@ struct ServerOptions {
   // HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none, and
   // calls are not counted or timed (kvrecall_rpcs_total and the latency histograms stay empty).
   std::string metrics_address;
+  // A file of bearer tokens (a line of 'TOKEN' or 'TOKEN NAME' each) one of which every request
+  // to metrics_address must carry (MetricsEndpoint); empty: none asked for. INVALID_ARGUMENT
+  // without metrics_address.
+  std::string metrics_token_file;
   // HOST:PORT of a plaintext port that serves grpc.health.v1 alone, for probes that cannot
   // speak TLS (Kubernetes' gRPC probes); empty: none.
   std::string health_address;
@@ -104,6 +108,9 @@ class RunningServer {
   // error with the old tokens kept when it cannot be read or parsed; FAILED_PRECONDITION without
   // a token file.
   absl::StatusOr<size_t> ReloadTokens();
+  // The same for metrics_token_file: its tokens are asked of every scrape that starts after.
+  // FAILED_PRECONDITION without the file.
+  absl::StatusOr<size_t> ReloadMetricsTokens();
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
@@ -128,6 +135,8 @@ class RunningServer {
   SessionRegistry registry_;
   KvRecallService service_;
   HealthService health_;
+  std::shared_ptr<TokenStore> scrapers_;  // null without metrics_token_file
+  std::string scrapers_file_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::string metrics_address_;
   HealthService probe_health_;  // the same answers as health_, on health_address

@@ -1124,7 +1124,7 @@ KvRecallService::KvRecallService(SessionRegistry* registry, const ServiceOptions
       frees_(1, "kvrecall-free"),
       steps_(ThreadsOrDefault(options.worker_threads, std::thread::hardware_concurrency()),
              "kvrecall-step"),
-      builds_(ThreadsOrDefault(options.build_threads, steps_.threads()), "kvrecall-build"),
+      builds_(steps_.threads(), "kvrecall-build"),
       max_inline_steps_(options.inline_steps >= 0
                             ? options.inline_steps
                             : std::max<int>(1, std::thread::hardware_concurrency() / 4)) {

@@ -60,9 +60,6 @@ struct ServiceOptions {
   // Threads that serve decode steps, prompt chunks and the short unary calls (FIFO, so every
   // stream gets its turn); 0: one per hardware thread.
   int worker_threads = 0;
-  // Threads that build selectors when a Prefill stream commits (seconds for long prompts; kept
-  // apart so that builds never queue decode steps behind them); 0: as many as worker_threads.
-  int build_threads = 0;
   // Decode steps that may run at once on the gRPC thread that read them, saving the hand-off
   // to worker_threads (a thread wake-up per step); further steps queue for worker_threads.
   // Bounded so that gRPC's threads stay free for I/O and health checks. -1: a quarter of the
@@ -85,7 +82,8 @@ struct ServiceOptions {
   // How long a shared stream's thread polls for the next request before it sleeps (a futex
   // wake-up then costs the runner a system call and the step a scheduler wake-up).
   absl::Duration shared_memory_spin = absl::Microseconds(100);
-  // The largest message either way (the gRPC limit), also the regions' default capacities.
+  // The largest message either way (the gRPC limit), and the most a DecodeShared region's
+  // capacities may be (4 MiB each way unless the runner asks for more).
   int64_t max_message_bytes = 64ll << 20;
   ServiceTestHooks test_hooks;
 };

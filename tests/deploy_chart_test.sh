@@ -325,7 +325,7 @@ case "$case_name" in
     tls_policy="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
       --set networkPolicy.enabled=true --set metrics.enabled=false --set metrics.serviceMonitor.enabled=false \
       --set metrics.prometheusRule.enabled=false --set metrics.grafanaDashboard.enabled=false \
-      --show-only templates/networkpolicy.yaml)"
+      --set metrics.tokenSecretName= --show-only templates/networkpolicy.yaml)"
     grep -qF -- '- port: 50052' <<<"$tls_policy" || fail "NetworkPolicy with TLS: the health port is closed"
     if grep -qF -- '- port: 9090' <<<"$tls_policy"; then
       fail "NetworkPolicy without metrics still opens the metrics port"
@@ -384,6 +384,23 @@ case "$case_name" in
       --set "server.extraArgs={--noplaintext_unix_sockets}"
     expect_render_error "at '/colocatedRunner/tokenSecretKey': 'a/b' does not match pattern" \
       --set colocatedRunner.tokenSecretKey=a/b
+    # The metrics' bearer token (the secure values set it): kvrecalld reads it from its own
+    # Secret's mount, the ServiceMonitor sends it; refused without metrics, or in extraArgs.
+    secure="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml")"
+    for line in '- --metrics_token_file=/etc/kvrecall/metrics/token' \
+        'mountPath: /etc/kvrecall/metrics' 'secretName: kvrecall-metrics-token' 'type: Bearer' \
+        'name: kvrecall-metrics-token'; do
+      grep -qF -- "$line" <<<"$secure" || fail "secure render lacks: $line"
+    done
+    monitor="$(sed -n '/^kind: ServiceMonitor$/,/^---$/p' <<<"$secure")"
+    grep -qF 'key: token' <<<"$monitor" || fail "the ServiceMonitor does not send the metrics token"
+    if "$HELM" template kvrecall "$chart_dir" | grep -qE 'metrics_token_file|metrics-token'; then
+      fail "the default render asks scrapes for a token"
+    fi
+    expect_render_error "metrics.tokenSecretName needs metrics.enabled" \
+      --set metrics.enabled=false --set metrics.tokenSecretName=t
+    expect_render_error "server.extraArgs: --metrics_token_file is set by the chart" \
+      --set "server.extraArgs={--metrics_token_file=/x}"
     # Integer flags from a values file: YAML numbers reach the templates as float64, which
     # prints 1000000 as 1e+06, a value kvrecalld's integer flags refuse.
     big_values="$(mktemp)"

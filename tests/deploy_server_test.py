@@ -25,6 +25,7 @@ import time
 import unittest
 
 import shutil
+import urllib.error
 import urllib.request
 
 import grpc
@@ -46,6 +47,7 @@ VARIANTS = {"default": [], "gpu": ["-f", os.path.join(CHART, "values-gpu.yaml")]
             "published": ["-f", os.path.join(CHART, "values-secure.yaml"),
                           "--set", "service.type=LoadBalancer"]}
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.ServingStatus
+METRICS_TOKEN = "metrics-token-0123456789abcdef"  # what the metrics Secret holds
 
 
 def render(extra_args):
@@ -165,7 +167,7 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                           if s["metadata"]["name"] == statefulset["metadata"]["name"]]
                 published = api["spec"].get("type", "ClusterIP") != "ClusterIP"
                 self.assertEqual(published, variant == "published")
-                # The metrics port (plain HTTP, no authentication) is on one ClusterIP Service
+                # The metrics port (plain HTTP; secured, a bearer token) is on one ClusterIP Service
                 # only: the API's while it is ClusterIP, else a "-metrics" Service of its own.
                 # A ServiceMonitor selecting every Service thus scrapes each pod once, and a
                 # NodePort or LoadBalancer never publishes metrics.
@@ -234,8 +236,16 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                     tls = any(a.startswith("--tls_cert=") for a in args)
                     probe_address = f"127.0.0.1:{health_port if tls else port}"
                     self.assert_probes_pass(server, probe_address, container)
-                    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}"
-                                                f"{pod['metadata']['annotations']['prometheus.io/path']}",
+                    url = (f"http://127.0.0.1:{metrics_port}"
+                           f"{pod['metadata']['annotations']['prometheus.io/path']}")
+                    headers = {}
+                    if any(a.startswith("--metrics_token_file=") for a in args):
+                        # Secured: none without the token, which the ServiceMonitor sends.
+                        with self.assertRaises(urllib.error.HTTPError) as refused:
+                            urllib.request.urlopen(url, timeout=10)
+                        self.assertEqual(refused.exception.code, 401)
+                        headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+                    with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
                                                 timeout=10) as r:
                         self.assertIn("\nkvrecall_build_info{", r.read().decode())
                     if tls:
@@ -385,6 +395,12 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                                  ("tls/ca.crt", "ca.pem"), ("auth/tokens", "tokens")):
                 os.makedirs(os.path.dirname(os.path.join(secrets_dir, name)), exist_ok=True)
                 shutil.copy(pki[source], os.path.join(secrets_dir, name))
+        for a in out:
+            if a.startswith("--metrics_token_file="):  # the Secret's key holds the token alone
+                path = a.split("=", 1)[1]
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as f:
+                    f.write(METRICS_TOKEN + "\n")
         return out
 
     def assert_tls_and_token_required(self, address, secrets_dir):

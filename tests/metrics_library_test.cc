@@ -23,6 +23,7 @@
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
 #include "tests/server_fixture.h"
@@ -272,6 +273,20 @@ std::string ScrapeStatusLine(int port) {
   return reply.substr(0, reply.find("\r\n"));
 }
 
+// `request` sent to the endpoint on `port` over a fresh connection: the whole response (read
+// until the endpoint closes; "" after 5 s of silence).
+std::string Exchange(int port, const std::string& request) {
+  const int s = Connect(port);
+  timeval timeout = {5, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  send(s, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string reply;
+  char buffer[4096];
+  for (ssize_t n; (n = read(s, buffer, sizeof buffer)) > 0;) reply.append(buffer, n);
+  close(s);
+  return reply;
+}
+
 // Idle peers by the hundred hold no more of the process's file descriptors than the endpoint's
 // connections (httplib's pool, which served it before, accepted them all, and with the
 // process's descriptors gone gRPC's listener stopped accepting for good), and scrapes are
@@ -436,15 +451,7 @@ TEST(MetricsEndpointTest, AnswersEachKindOfRequestAsHttpSays) {
       MetricsEndpoint::Start("127.0.0.1:0", metrics);
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   auto exchange = [&](const std::string& request) {
-    const int s = Connect((*endpoint)->port());
-    timeval timeout = {5, 0};
-    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-    send(s, request.data(), request.size(), MSG_NOSIGNAL);
-    std::string reply;
-    char buffer[4096];
-    for (ssize_t n; (n = read(s, buffer, sizeof buffer)) > 0;) reply.append(buffer, n);
-    close(s);
-    return reply;
+    return Exchange((*endpoint)->port(), request);
   };
   const std::string ok = exchange("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
   EXPECT_THAT(ok, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
@@ -466,6 +473,71 @@ TEST(MetricsEndpointTest, AnswersEachKindOfRequestAsHttpSays) {
   EXPECT_THAT(exchange("GET /metrics HTTP/1.1\r\nX: " +
                        std::string(MetricsEndpoint::kMaxRequestBytes, 'x')),
               ::testing::StartsWith("HTTP/1.1 400 Bad Request"));
+}
+
+// With scrapers' tokens every request needs one of them (the first Authorization header
+// decides, the scheme and the header's name in any case), before its path or method is looked
+// at; a table replaced while serving (SIGHUP) holds for the next request.
+TEST(MetricsEndpointTest, WithTokensAScrapeNeedsOne) {
+  absl::StatusOr<TokenTable> table = TokenTable::Parse(
+      "# the scrapers\nprometheus-token-0123456789\nother-token-abcdefghij ops\n", "tokens",
+      "scraper");
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(*table->Find("prometheus-token-0123456789"), "scraper");
+  EXPECT_EQ(*table->Find("other-token-abcdefghij"), "ops");
+  auto scrapers = std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*table));
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
+      MetricsEndpoint::Start("127.0.0.1:0", std::make_shared<ServerMetrics>(), scrapers);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  auto exchange = [&](const std::string& headers, const std::string& line = "GET /metrics") {
+    return Exchange((*endpoint)->port(),
+                    line + " HTTP/1.1\r\nHost: x\r\n" + headers + "\r\n");
+  };
+  const std::string refused = exchange("");
+  EXPECT_THAT(refused, ::testing::StartsWith("HTTP/1.1 401 Unauthorized\r\n"));
+  EXPECT_THAT(refused, HasSubstr("WWW-Authenticate: Bearer realm=\"kvrecalld metrics\"\r\n"));
+  EXPECT_THAT(refused, Not(HasSubstr("kvrecall_")));
+  for (const std::string& headers :
+       {std::string("Authorization: Bearer wrong-token-0123456789\r\n"),
+        std::string("Authorization: Basic cHJvbWV0aGV1czpzZWNyZXQ=\r\n"),
+        std::string("Authorization: prometheus-token-0123456789\r\n"),
+        std::string("X-Authorization: Bearer prometheus-token-0123456789\r\n"),
+        // The first header decides (as gRPC's check does).
+        std::string("Authorization: Bearer nope-nope-nope-nope\r\n"
+                    "Authorization: Bearer prometheus-token-0123456789\r\n"),
+        // A token after the headers' end is the body's, not a header.
+        std::string("\r\nAuthorization: Bearer prometheus-token-0123456789\r\n")}) {
+    EXPECT_THAT(exchange(headers), ::testing::StartsWith("HTTP/1.1 401 Unauthorized")) << headers;
+  }
+  for (const std::string& headers :
+       {std::string("Authorization: Bearer prometheus-token-0123456789\r\n"),
+        std::string("authorization:   bearer other-token-abcdefghij  \r\n"),
+        std::string("Accept: text/plain\r\nAUTHORIZATION: Bearer other-token-abcdefghij\r\n")}) {
+    const std::string ok = exchange(headers);
+    EXPECT_THAT(ok, ::testing::StartsWith("HTTP/1.1 200 OK\r\n")) << headers;
+    EXPECT_THAT(ok, HasSubstr("# TYPE kvrecall_sessions_open gauge")) << headers;
+  }
+  // Paths and methods are not told to whoever has no token.
+  EXPECT_THAT(exchange("", "GET /other"), ::testing::StartsWith("HTTP/1.1 401"));
+  EXPECT_THAT(exchange("", "POST /metrics"), ::testing::StartsWith("HTTP/1.1 401"));
+  EXPECT_THAT(exchange("Authorization: Bearer other-token-abcdefghij\r\n", "GET /other"),
+              ::testing::StartsWith("HTTP/1.1 404"));
+
+  absl::StatusOr<TokenTable> rotated =
+      TokenTable::Parse("rotated-token-0123456789\n", "tokens", "scraper");
+  ASSERT_TRUE(rotated.ok()) << rotated.status();
+  scrapers->Replace(std::make_shared<const TokenTable>(*rotated));
+  EXPECT_THAT(exchange("Authorization: Bearer prometheus-token-0123456789\r\n"),
+              ::testing::StartsWith("HTTP/1.1 401"));
+  EXPECT_THAT(exchange("Authorization: Bearer rotated-token-0123456789\r\n"),
+              ::testing::StartsWith("HTTP/1.1 200 OK"));
+
+  // Without a lone token's name a line of one token is still an error (--auth_token_file).
+  absl::StatusOr<TokenTable> tenants = TokenTable::Parse("rotated-token-0123456789\n", "tokens");
+  EXPECT_EQ(tenants.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(tenants.status().message(), HasSubstr("expected 'TOKEN TENANT', got 1 fields"));
+  absl::StatusOr<TokenTable> empty = TokenTable::Parse("# none\n", "tokens", "scraper");
+  EXPECT_THAT(empty.status().message(), HasSubstr("tokens: no 'TOKEN' or 'TOKEN NAME' line"));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -246,6 +247,20 @@ class ScrapeTest(unittest.TestCase):
             1)
 
 
+def wait_until(condition, timeout):
+    """True once condition() is (polled every half second, OSError counting as not yet: a
+    server not listening yet), False after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -375,16 +390,111 @@ class PrometheusServerTest(unittest.TestCase):
         self.assertEqual(len(shown), len(dashboard["panels"]))
 
     def wait_for(self, condition, what, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        if not wait_until(condition, timeout):
+            self.log.seek(0)
+            self.fail(f"timed out waiting for {what}; prometheus said: {self.log.read()[-3000:]}")
+
+
+@unittest.skipIf(shutil.which("prometheus") is None,
+                 "prometheus is not installed (scripts/install_deps.sh installs Debian's)")
+class PrometheusWithTokenTest(unittest.TestCase):
+    """kvrecalld --metrics_token_file scraped by a real prometheus: a job that sends the token
+    (authorization.credentials_file, as the chart's ServiceMonitor does) is up, one that sends
+    none is refused with 401; after SIGHUP a rotated token holds for the next scrape."""
+
+    def test_only_a_scrape_with_the_token_reads_the_metrics_and_sighup_rotates_it(self):
+        with tempfile.TemporaryDirectory(prefix="kvrecall-prometheus-token-") as tmp:
+            server_tokens = os.path.join(tmp, "server-tokens")
+            scraper_token = os.path.join(tmp, "scraper-token")
+            for path, text in ((server_tokens, "# the scrapers\nfirst-token-0123456789\n"),
+                               (scraper_token, "first-token-0123456789\n")):
+                with open(path, "w") as f:
+                    f.write(text)
+            server = Kvrecalld(f"--metrics_token_file={server_tokens}")
+            prometheus = None
             try:
-                if condition():
-                    return
-            except OSError:
-                pass  # not listening yet
-            time.sleep(0.5)
-        self.log.seek(0)
-        self.fail(f"timed out waiting for {what}; prometheus said: {self.log.read()[-3000:]}")
+                target = urllib.parse.urlparse(server.metrics_url).netloc
+                with self.assertRaises(urllib.error.HTTPError) as refused:
+                    scrape(server.metrics_url)
+                self.assertEqual(refused.exception.code, 401)
+                self.assertIn("Bearer", refused.exception.headers.get("WWW-Authenticate", ""))
+                request = urllib.request.Request(
+                    server.metrics_url,
+                    headers={"Authorization": "Bearer first-token-0123456789"})
+                with urllib.request.urlopen(request, timeout=10) as r:
+                    self.assertIn("# TYPE kvrecall_sessions_open gauge", r.read().decode())
+
+                config = os.path.join(tmp, "prometheus.yml")
+                with open(config, "w") as f:
+                    f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                            "scrape_configs:\n"
+                            "  - job_name: with_token\n"
+                            f"    authorization:\n      credentials_file: {scraper_token}\n"
+                            f"    static_configs:\n      - targets: ['{target}']\n"
+                            "  - job_name: without_token\n"
+                            f"    static_configs:\n      - targets: ['{target}']\n")
+                checked = subprocess.run(["promtool", "check", "config", config],
+                                         capture_output=True, text=True)
+                self.assertEqual(checked.returncode, 0, checked.stdout + checked.stderr)
+                port = free_port()
+                log = open(os.path.join(tmp, "prometheus.log"), "w+")
+                prometheus = subprocess.Popen(
+                    ["prometheus", f"--config.file={config}",
+                     f"--storage.tsdb.path={tmp}/data", f"--web.listen-address=127.0.0.1:{port}"],
+                    stdout=log, stderr=subprocess.STDOUT)
+                api = f"http://127.0.0.1:{port}"
+
+                def targets():
+                    with urllib.request.urlopen(f"{api}/api/v1/targets", timeout=5) as r:
+                        active = json.load(r)["data"]["activeTargets"]
+                    return {t["labels"]["job"]: t for t in active}
+
+                def wait_for(condition, what, timeout=60):
+                    if wait_until(condition, timeout):
+                        return
+                    log.seek(0)
+                    self.fail(f"timed out waiting for {what}; targets: "
+                              f"{targets() if prometheus.poll() is None else None}; "
+                              f"prometheus said: {log.read()[-3000:]}")
+
+                def health(job):
+                    return targets().get(job, {}).get("health")
+
+                wait_for(lambda: health("with_token") == "up"
+                         and health("without_token") == "down", "one job up, one down")
+                self.assertIn("401", targets()["without_token"]["lastError"])
+
+                # The server's token rotated, the scraper's not yet: refused after SIGHUP.
+                with open(server_tokens, "w") as f:
+                    f.write("second-token-0123456789\n")
+                server.process.send_signal(signal.SIGHUP)
+                wait_for(lambda: "reloaded 1 metrics tokens from" in server.log(),
+                         "the server's reload")
+                wait_for(lambda: health("with_token") == "down", "the old token refused")
+                self.assertIn("401", targets()["with_token"]["lastError"])
+                # prometheus reads credentials_file at every scrape.
+                with open(scraper_token, "w") as f:
+                    f.write("second-token-0123456789\n")
+                wait_for(lambda: health("with_token") == "up", "the new token accepted")
+
+                # A file the server cannot use keeps the tokens in force.
+                with open(server_tokens, "w") as f:
+                    f.write("short\n")
+                server.process.send_signal(signal.SIGHUP)
+                wait_for(lambda: "the metrics tokens in force stay" in server.log(),
+                         "the refused reload")
+                self.assertIn("token is 5 characters, at least 16 are required", server.log())
+                request = urllib.request.Request(
+                    server.metrics_url,
+                    headers={"Authorization": "Bearer second-token-0123456789"})
+                with urllib.request.urlopen(request, timeout=10) as r:
+                    self.assertEqual(r.status, 200)
+                log.close()
+            finally:
+                if prometheus is not None:
+                    prometheus.terminate()
+                    prometheus.wait(30)
+                server.stop()
 
 
 if __name__ == "__main__":

@@ -382,9 +382,14 @@ TEST(KvrecalldProcessTest, BadFlagsAndBusyPortsFailToStart) {
            {"--address=unix:", "--address entry 'unix:' names no socket"},
            {"--address=127.0.0.1:0 --health_address=unix:/",
             "--health_address entry 'unix:/': / exists and is not a socket (a directory)"},
+           {"--address=127.0.0.1:0 --metrics_token_file=/nonexistent/tokens",
+            "--metrics_token_file needs a metrics endpoint (--metrics_address is empty)"},
        }) {
     expect_exit("--metrics_address= " + flag, 2, message);
   }
+  expect_exit(
+      "--address=127.0.0.1:0 --metrics_address=127.0.0.1:0 --metrics_token_file=/nonexistent/t",
+      2, "--metrics_token_file: cannot read /nonexistent/t");
 }
 
 // Flags from a --flagfile are flags like any other: its --metrics_address was replaced by the

@@ -389,8 +389,6 @@ class IndexBench {
     return out;
   }
 
-  int layers() const { return layers_; }
-
  private:
   VectorSet KeySet(const KvView& kv, int kv_head) const {
     return VectorSet::KeysOf(kv, kv_head, key_begin_, key_end_);

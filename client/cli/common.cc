@@ -147,7 +147,7 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectToServer() {
       absl::GetFlag(FLAGS_server), security,
       client::ClientOptions{.call_timeout = absl::GetFlag(FLAGS_timeout)});
   if (!client.ok()) {
-    // The client library names ClientSecurity's fields; the user wrote flags.
+    // The client library names ChannelSecurity's fields; the user wrote flags.
     return absl::Status(client.status().code(),
                         absl::StrReplaceAll(client.status().message(),
                                             {{"ca_file", "--tls_ca"},

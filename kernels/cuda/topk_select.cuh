@@ -4,7 +4,7 @@
 // Order: a larger score first, equal scores by the lower position (RankKey in common.cuh), the
 // order of cpu::TopKPositions. A row is selected by radix select:
 //   1. a histogram of each score's top kBinBits order-key bits (built while scoring, or by
-//      HistogramKernel) locates the threshold bin holding the K-th largest score; or, for rows
+//      RowHistogramKernel) locates the threshold bin holding the K-th largest score; or, for rows
 //      whose scores lie in a range known before they are scored (linear_bins: the PQ
 //      shortlist's, bounded by its lookup tables), of kBins equal parts of that range, where the
 //      order-key bins of a narrow range would put thousands of scores in the threshold bin;

@@ -23,7 +23,6 @@ class CpuLayer final : public LayerBackend {
            std::unique_ptr<SupportSelector> selector)
       : shape_(config.shape),
         tokens_to_hold_(config.tokens_to_hold()),
-        host_(host),
         selector_charge_(host),
         kv_(std::move(kv)),
         selector_(std::move(selector)),
@@ -66,8 +65,7 @@ class CpuLayer final : public LayerBackend {
  private:
   const LayerShape shape_;
   const int64_t tokens_to_hold_;
-  MemoryAccount* const host_;
-  SelectorCharge selector_charge_;  // the selector's state, charged to host_
+  SelectorCharge selector_charge_;  // the selector's state, charged to the host's account
   LayerKvStore kv_;
   KvGrowthAhead growth_ahead_{KvGrowthQueue()};  // kv_'s, off the steps
   std::unique_ptr<SupportSelector> selector_;

@@ -109,7 +109,6 @@ class DeviceKv {
   uint16_t* key_row(int64_t t) const { return keys_.data() + t * row_elems_; }
   uint16_t* value_row(int64_t t) const { return values_.data() + t * row_elems_; }
   int64_t tokens() const { return tokens_; }
-  int64_t capacity() const { return capacity_; }
   int64_t bytes() const { return static_cast<int64_t>(keys_.bytes() + values_.bytes()); }
 
   // The committed history plus `extra` reserved tokens, as the kernels see it.

@@ -144,7 +144,6 @@ class TieredLayer final : public LayerBackend {
         balance_(device_exact_bound,
                  balance ? config.shape.q_heads / 2 : device_exact_bound),
         balanced_(balance),
-        host_(accounts.host),
         selector_charge_(accounts.host),
         kv_(std::move(kv)),
         bulk_(std::move(bulk)),
@@ -224,7 +223,6 @@ class TieredLayer final : public LayerBackend {
   const BulkCodes* bulk_codes() const override { return codes_.get(); }
 
   const LayerConfig& config() const { return config_; }
-  StaticSet* static_set() const { return static_set_.get(); }
   const LayerKvStore& kv() const { return kv_; }
 
   // The most query heads whose exact paths the tier may run in `step`: the layer's bound,
@@ -393,8 +391,7 @@ class TieredLayer final : public LayerBackend {
   int device_bound_ = 0;        // the step's bound of heads on the tier (StaticStep's)
   DeviceHeadBalance balance_;  // the count of heads the tier takes, within device_exact_bound_
   const bool balanced_;
-  MemoryAccount* const host_;
-  SelectorCharge selector_charge_;  // the selector's state and step lists, charged to host_
+  SelectorCharge selector_charge_;  // the selector's state and step lists, the host's account
   LayerKvStore kv_;
   KvGrowthAhead growth_ahead_{KvGrowthQueue()};  // kv_'s, off the steps
   BulkSelector bulk_;

@@ -139,6 +139,7 @@ Secret in the co-located runner's.
 {{- define "kvrecall.tlsDir" -}}/etc/kvrecall/tls{{- end }}
 {{- define "kvrecall.authDir" -}}/etc/kvrecall/auth{{- end }}
 {{- define "kvrecall.runnerTokenDir" -}}/etc/kvrecall/runner{{- end }}
+{{- define "kvrecall.metricsTokenDir" -}}/etc/kvrecall/metrics{{- end }}
 
 {{/* The port the probes call: the plaintext health port with TLS, else the gRPC port. */}}
 {{- define "kvrecall.probePort" -}}
@@ -201,6 +202,9 @@ tokens only when it is given one.
 {{- if and .Values.metrics.prometheusRule.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.prometheusRule.enabled needs metrics.enabled" }}
 {{- end }}
+{{- if and .Values.metrics.tokenSecretName (not .Values.metrics.enabled) }}
+{{- fail "metrics.tokenSecretName needs metrics.enabled" }}
+{{- end }}
 {{- if and .Values.metrics.grafanaDashboard.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.grafanaDashboard.enabled needs metrics.enabled" }}
 {{- end }}
@@ -260,6 +264,9 @@ tokens only when it is given one.
 {{- if .Values.auth.tokenSecretName }}
 - --auth_token_file={{ include "kvrecall.authDir" . }}/{{ .Values.auth.tokenSecretKey }}
 {{- end }}
+{{- if and .Values.metrics.enabled .Values.metrics.tokenSecretName }}
+- --metrics_token_file={{ include "kvrecall.metricsTokenDir" . }}/{{ .Values.metrics.tokenSecretKey }}
+{{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "plaintext_unix_sockets" "noplaintext_unix_sockets") }}
@@ -268,7 +275,7 @@ tokens only when it is given one.
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "flagfile" "fromenv" "tryfromenv") }}
 {{- fail (printf "server.extraArgs: %s would set flags past the chart's checks (those it sets, and --plaintext_unix_sockets); give each flag in server.extraArgs instead" $flag) }}
 {{- end }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "shared_memory_dir" "max_shared_streams") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "metrics_token_file" "shared_memory_dir" "max_shared_streams") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}
