@@ -325,8 +325,9 @@ struct ClientOptions {
   // InfiniteDuration: none. Streams have their own (PrefillOptions, DecodeStreamOptions).
   absl::Duration call_timeout = absl::InfiniteDuration();
   // gRPC's channel arguments for Connect's channel (keepalive, reconnect backoff, a user agent:
-  // the GRPC_ARG_* of grpc/impl/codegen/grpc_types.h), to which Connect adds the receive limit above and, with TLS, the
-  // server name: those two are not to be set here (the secure Connect refuses them).
+  // the GRPC_ARG_* of grpc/impl/codegen/grpc_types.h), to which Connect adds the receive limit
+  // above and, with TLS, the server name: those two are not to be set here (the secure Connect
+  // refuses them).
   grpc::ChannelArguments channel_arguments;
 };
 

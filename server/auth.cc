@@ -50,6 +50,9 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
     }
     const absl::string_view token = fields[0];
     const absl::string_view tenant = fields[1];
+    // The second field is never echoed: a line of two tokens (a rotation written on one line)
+    // would print a secret into the log.
+    const absl::string_view second = lone_token_tenant.empty() ? "tenant" : "name";
     if (token.size() < kMinTokenLength) {
       return error(absl::StrCat("token is ", token.size(), " characters, at least ",
                                 kMinTokenLength, " are required"));
@@ -58,15 +61,23 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
       if (!absl::ascii_isgraph(c)) return error("token has a character that is not printable");
     }
     if (tenant.size() > kMaxTenantLength) {
-      return error(absl::StrCat("tenant is longer than ", kMaxTenantLength, " characters"));
+      return error(absl::StrCat(second, " is longer than ", kMaxTenantLength, " characters"));
     }
-    for (char c : tenant) {
-      if (!IsTenantChar(c))
-        return error(absl::StrCat("tenant '", tenant, "' has a character not in [A-Za-z0-9._-]"));
+    if (!lone_token_tenant.empty() && tenant.size() >= kMinTokenLength) {
+      return error(absl::StrCat("the name is ", tenant.size(),
+                                " characters: a second token? Put each token on a line of its own "
+                                "(a name is at most ", kMinTokenLength - 1, " characters)"));
+    }
+    for (size_t i = 0; i < tenant.size(); ++i) {
+      if (!IsTenantChar(tenant[i])) {
+        return error(absl::StrCat(second, " has a character not in [A-Za-z0-9._-] (character ",
+                                  i + 1, " of ", tenant.size(), ")"));
+      }
     }
     for (const Entry& e : table.entries_) {
-      if (e.token == token)
-        return error("this token is already listed (each token names one tenant)");
+      if (e.token == token) {
+        return error("this token is already listed (each token is listed once)");
+      }
     }
     table.entries_.push_back({std::string(token), std::string(tenant)});
   }

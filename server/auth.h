@@ -1,7 +1,8 @@
 // Who is calling: bearer tokens mapped to tenants (--auth_token_file, "token tenant" lines),
 // checked for every call but grpc.health.v1 by a gRPC AuthMetadataProcessor on every listener
 // (TLS, and the plaintext Unix sockets of --plaintext_unix_sockets); the tenant of an
-// authenticated call is its own token's (TenantOf).
+// authenticated call is its own token's (TenantOf). The same tables hold the tokens a scrape of
+// the metrics endpoint must carry (--metrics_token_file, MetricsEndpoint).
 #ifndef KVRECALL_SERVER_AUTH_H_
 #define KVRECALL_SERVER_AUTH_H_
 
@@ -24,7 +25,7 @@ namespace kvrecall {
 inline constexpr int kMinTokenLength = 16;
 inline constexpr int kMaxTenantLength = 64;
 
-// The tokens of --auth_token_file. Immutable once parsed; thread-safe.
+// The tokens of --auth_token_file (or --metrics_token_file). Immutable once parsed; thread-safe.
 class TokenTable {
  public:
   // `text` holds one "TOKEN TENANT" pair per line, separated by spaces or tabs; blank lines
@@ -33,7 +34,9 @@ class TokenTable {
   // least kMinTokenLength long, and appears once; a tenant is 1..kMaxTenantLength characters
   // of [A-Za-z0-9._-] and may have several tokens (rotation). With `lone_token_tenant` not
   // empty, a line of a token alone is that tenant's (--metrics_token_file: a Secret holding
-  // just the token that the scraper sends too). INVALID_ARGUMENT naming `source` and the line
+  // just the token that the scraper sends too), and the second field is a name of fewer than
+  // kMinTokenLength characters (a longer one reads as a second token on the line). Messages
+  // never echo a field. INVALID_ARGUMENT naming `source` and the line
   // otherwise, and for a file without any token.
   static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source,
                                           absl::string_view lone_token_tenant = "");

@@ -238,7 +238,8 @@ void MetricsEndpoint::Serve() {
         if (n > 0 && !c.draining) {
           c.request.append(buffer, static_cast<size_t>(n));
           const absl::string_view head = WithoutLeadingEmptyLines(c.request);
-          if (head.find("\r\n\r\n") != absl::string_view::npos ||
+          // The empty line that ends the headers, after a CRLF or a bare LF (RFC 9112 2.2).
+          if (head.find("\n\r\n") != absl::string_view::npos ||
               head.find("\n\n") != absl::string_view::npos) {
             c.response = Respond(c.request);
           } else if (c.request.size() > kMaxRequestBytes) {

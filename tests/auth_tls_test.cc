@@ -1246,7 +1246,8 @@ TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
            {"aaaaaaaaaaaaaaaa\n", "f:1: expected 'TOKEN TENANT', got 1 fields"},
            {"x y z\n", "f:1: expected 'TOKEN TENANT', got 3 fields"},
            {"# only\n\naaaaaaa t\n", "f:3: token is 7 characters, at least 16 are required"},
-           {"aaaaaaaaaaaaaaaa t/x\n", "f:1: tenant 't/x' has a character not in [A-Za-z0-9._-]"},
+           {"aaaaaaaaaaaaaaaa t/x\n",
+            "f:1: tenant has a character not in [A-Za-z0-9._-] (character 2 of 3)"},
            {"aaaaaaaaaaaaaaaa t\naaaaaaaaaaaaaaaa u\n", "f:2: this token is already listed"},
            {"# nothing\n", "f: no 'TOKEN TENANT' line"},
        }) {

@@ -418,6 +418,75 @@ TEST_F(CliReplayTest, PrefillAndDecodeATraceACommandAtATime) {
   EXPECT_EQ(Kvrecall("close", {id, other_id}).exit_code, 0);
 }
 
+// What `decode` cannot send is refused by name: a session prefilled from a prompt of another
+// length, a trace with no decode steps, layers more than a token apart; and its text lines carry
+// the server's fidelity with --compare_exact.
+TEST_F(CliReplayTest, DecodeRefusesWhatItCannotSendByName) {
+  testing::TempDirectory dir("cli_decode");
+  ASSERT_NE(dir.path(), "");
+  const std::vector<std::string> geometry = {"--layers=6", "--q_heads=8", "--kv_heads=2",
+                                             "--head_dim=64"};
+  for (const auto& [name, steps] : {std::pair{"short", "2"}, std::pair{"none", "0"}}) {
+    std::vector<std::string> args = geometry;
+    for (const std::string& a :
+         {absl::StrCat("--out=", dir.Path(name)), std::string("--context=300"),
+          absl::StrCat("--decode_steps=", steps), std::string("--needles=0")}) {
+      args.push_back(a);
+    }
+    const ProcessResult made = Kvrecall("synth", args);
+    ASSERT_EQ(made.exit_code, 0) << made.err;
+  }
+  ProcessResult r = Kvrecall("create", geometry);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string id(absl::StripAsciiWhitespace(r.out));
+  r = Kvrecall("prefill", {id, "--trace=" + dir.Path("short")});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+
+  r = Kvrecall("decode", {id, "--trace=" + *trace_});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("FAILED_PRECONDITION: session " + id +
+                               "'s prompt has 300 tokens "
+                               "and " +
+                               *trace_ +
+                               "'s 512: the session was not prefilled from "
+                               "this trace"));
+  r = Kvrecall("decode", {id, "--trace=" + dir.Path("none")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("OUT_OF_RANGE: " + dir.Path("none") +
+                               " has no decode steps: nothing to send"));
+
+  r = Kvrecall("decode", {id, "--trace=" + dir.Path("short"), "--steps=1", "--compare_exact"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("step 0 (position 300) layer 5: server "));
+  EXPECT_THAT(r.out, HasSubstr("; paths exact 8; per head 301.0 candidates, 301.0 support; output "
+                               "cosine 1.00000 (min 1.00000), support recall 1.000, retained "
+                               "mass 1.000\n"));
+
+  // Layer 0 two tokens ahead of the others (its runner went on alone): no whole step mends it.
+  {
+    std::unique_ptr<client::Client> client = client::Client::Connect(server_->address());
+    absl::StatusOr<v1::SessionInfo> info = client->GetSession(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream =
+        client->OpenDecodeStream(info->geometry());
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    const std::vector<float> q(8 * 64, 0.5f), kv(2 * 64, 0.25f);
+    client::StepResult result;
+    for (int64_t position : {301, 302}) {
+      const client::SequenceInput input{id, q, kv, kv, position};
+      ASSERT_TRUE((*stream)->Step(0, {&input, 1}, {}, &result).ok());
+    }
+    ASSERT_TRUE((*stream)->Close().ok());
+  }
+  r = Kvrecall("decode", {id, "--trace=" + dir.Path("short")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("FAILED_PRECONDITION: session " + id +
+                               "'s layers hold from 301 to "
+                               "303 tokens: more than one token apart"));
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(Kvrecall("close", {id}).exit_code, 0);
+}
+
 // --help names the subcommands and lists their flags (Abseil's default looked for a source
 // file named after the program and printed "No flags matched").
 TEST(CliUsageTest, HelpListsTheSubcommandsAndTheirFlags) {

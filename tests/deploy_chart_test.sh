@@ -388,12 +388,22 @@ case "$case_name" in
     # Secret's mount, the ServiceMonitor sends it; refused without metrics, or in extraArgs.
     secure="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml")"
     for line in '- --metrics_token_file=/etc/kvrecall/metrics/token' \
-        'mountPath: /etc/kvrecall/metrics' 'secretName: kvrecall-metrics-token' 'type: Bearer' \
-        'name: kvrecall-metrics-token'; do
+        'mountPath: /etc/kvrecall/metrics' 'secretName: kvrecall-metrics-token' 'type: Bearer'; do
       grep -qF -- "$line" <<<"$secure" || fail "secure render lacks: $line"
     done
     monitor="$(sed -n '/^kind: ServiceMonitor$/,/^---$/p' <<<"$secure")"
-    grep -qF 'key: token' <<<"$monitor" || fail "the ServiceMonitor does not send the metrics token"
+    for line in 'name: kvrecall-metrics-token' 'key: token'; do
+      grep -qF -- "$line" <<<"$monitor" || fail "the ServiceMonitor does not send the token: $line"
+    done
+    # kvrecalld's own key for a rotation (tokens one a line), the ServiceMonitor's unchanged.
+    rotating="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set metrics.serverTokensKey=server-tokens)"
+    for line in '- --metrics_token_file=/etc/kvrecall/metrics/server-tokens' \
+        '- key: server-tokens'; do
+      grep -qF -- "$line" <<<"$rotating" || fail "render with metrics.serverTokensKey lacks: $line"
+    done
+    grep -qF 'key: token' <<<"$(sed -n '/^kind: ServiceMonitor$/,/^---$/p' <<<"$rotating")" \
+      || fail "with metrics.serverTokensKey the ServiceMonitor must still send tokenSecretKey"
     if "$HELM" template kvrecall "$chart_dir" | grep -qE 'metrics_token_file|metrics-token'; then
       fail "the default render asks scrapes for a token"
     fi

@@ -378,7 +378,8 @@ class ChartDrivesKvrecalld(unittest.TestCase):
     def local_args(args, port, metrics_port, health_port, secrets_dir):
         """The chart's args with loopback ports and the Secrets' mounts under `secrets_dir`,
         which then holds what the Secrets would: certificates made by openssl (auth_pki.py)
-        under tls/ (tls.crt, tls.key, ca.crt) and the token file under auth/."""
+        under tls/ (tls.crt, tls.key, ca.crt), the token file under auth/ and the metrics token
+        (METRICS_TOKEN) under metrics/."""
         moved = {"address": f"127.0.0.1:{port}", "metrics_address": f"127.0.0.1:{metrics_port}",
                  "health_address": f"127.0.0.1:{health_port}"}
         out = []

@@ -470,6 +470,11 @@ TEST(MetricsEndpointTest, AnswersEachKindOfRequestAsHttpSays) {
   EXPECT_THAT(post, ::testing::StartsWith("HTTP/1.1 405 Method Not Allowed"));
   EXPECT_THAT(post, HasSubstr("Allow: GET, HEAD"));
   EXPECT_THAT(exchange("hello\r\n\r\n"), ::testing::StartsWith("HTTP/1.1 400 Bad Request"));
+  // Lines ending in a bare LF, the last before the empty line too (it was never answered).
+  EXPECT_THAT(exchange("GET /metrics HTTP/1.1\nHost: x\n\r\n"),
+              ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(exchange("GET /metrics HTTP/1.1\nHost: x\n\n"),
+              ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
   EXPECT_THAT(exchange("GET /metrics HTTP/1.1\r\nX: " +
                        std::string(MetricsEndpoint::kMaxRequestBytes, 'x')),
               ::testing::StartsWith("HTTP/1.1 400 Bad Request"));
@@ -538,6 +543,21 @@ TEST(MetricsEndpointTest, WithTokensAScrapeNeedsOne) {
   EXPECT_THAT(tenants.status().message(), HasSubstr("expected 'TOKEN TENANT', got 1 fields"));
   absl::StatusOr<TokenTable> empty = TokenTable::Parse("# none\n", "tokens", "scraper");
   EXPECT_THAT(empty.status().message(), HasSubstr("tokens: no 'TOKEN' or 'TOKEN NAME' line"));
+  // Two tokens on a line (a rotation written on one line) are refused without a secret in the
+  // message, as is a name with a character a name may not have.
+  absl::StatusOr<TokenTable> two = TokenTable::Parse(
+      "old-token-0123456789 new-token-0123456789\n", "tokens", "scraper");
+  EXPECT_THAT(two.status().message(),
+              HasSubstr("tokens:1: the name is 20 characters: a second token? Put each token on a "
+                        "line of its own (a name is at most 15 characters)"));
+  absl::StatusOr<TokenTable> slash =
+      TokenTable::Parse("old-token-0123456789 ab/c+=\n", "tokens", "scraper");
+  EXPECT_THAT(slash.status().message(),
+              HasSubstr("tokens:1: name has a character not in [A-Za-z0-9._-] (character 3 of 6)"));
+  for (const absl::Status& s : {two.status(), slash.status()}) {
+    EXPECT_THAT(s.message(), Not(HasSubstr("new-token"))) << s;
+    EXPECT_THAT(s.message(), Not(HasSubstr("ab/c"))) << s;
+  }
 }
 
 }  // namespace

@@ -389,6 +389,35 @@ TEST(TraceTest, WriterAndReaderRoundTrip) {
             absl::StatusCode::kOutOfRange);
 }
 
+// A trace with no decode steps (a prompt to prefill alone): its decode tensors are empty, at the
+// offset where the next layer's prompt begins, which the file's tiling check took for an
+// overlap (the trace `kvrecall synth --decode_steps=0` wrote could not be read back).
+TEST(TraceTest, ATraceWithoutDecodeStepsRoundTrips) {
+  TraceGeometry g = SmallGeometry();
+  g.decode_steps = 0;
+  TempPath tmp("trace_no_steps");
+  auto writer = CreateTraceWriter(tmp.path(), g, {});
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  for (const SafetensorsTensorSpec& spec : TraceTensorSpecs(g)) {
+    ASSERT_TRUE((*writer)->Append(testing::RandomNormal(spec.shape[0] * spec.shape[1] *
+                                                        spec.shape[2], 7)).ok());
+  }
+  ASSERT_TRUE((*writer)->Finish().ok());
+  absl::StatusOr<Trace> trace = Trace::Open(tmp.path());
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  EXPECT_EQ(trace->geometry().decode_steps, 0);
+  EXPECT_EQ(trace->geometry().context, 5);
+  absl::StatusOr<std::vector<float>> q = trace->Read(1, TracePhase::kDecode, TraceTensor::kQ);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_TRUE(q->empty());
+  // An empty tensor inside another's bytes still does not tile the region.
+  const std::string inside =
+      RawFile(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+              R"("y":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+              8);
+  EXPECT_THAT(ParseStatus(inside).message(), HasSubstr("'y' overlaps the tensor before it"));
+}
+
 TEST(TraceTest, RejectsInconsistentTraces) {
   const TraceGeometry g = SmallGeometry();
   struct Case {

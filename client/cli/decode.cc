@@ -1,7 +1,8 @@
 // `kvrecall decode SESSION_ID --trace FILE [--steps N]`: sends a trace's decode steps (every
-// layer of each, token-major) to a session prefilled from that trace, from wherever the session
-// stands, and prints each layer-step's times and, when asked, the server's per-head diagnostics
-// and the attention output: a runner's decode loop, one command at a time, for debugging.
+// layer of each, token-major) to a session prefilled from that trace (its geometry and prompt
+// length are checked, not its contents), from wherever the session stands, and prints each
+// layer-step's times and, when asked, the server's per-head diagnostics and the attention
+// output: a runner's decode loop, one command at a time, for debugging.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -44,7 +45,8 @@ struct DecodePlan {
 
 // FAILED_PRECONDITION when the session is not prefilled from a prompt of the trace's length or
 // its layers are more than a token apart; OUT_OF_RANGE when the trace has fewer steps left
-// than asked for (or none).
+// than asked for (or none). The session cannot tell which prompt filled it: a trace of the same
+// geometry and prompt length is taken as its own (the tokens' positions are what is checked).
 absl::StatusOr<DecodePlan> PlanDecode(const v1::SessionInfo& info, const Trace& trace,
                                       int64_t steps) {
   const TraceGeometry& g = trace.geometry();
@@ -76,6 +78,10 @@ absl::StatusOr<DecodePlan> PlanDecode(const v1::SessionInfo& info, const Trace& 
         "session %s's layers hold from %d to %d tokens: more than one token apart, which "
         "no sequence of whole steps leaves",
         id, *shortest, *longest));
+  }
+  if (g.decode_steps == 0) {
+    return absl::OutOfRangeError(
+        absl::StrFormat("%s has no decode steps: nothing to send", trace.file().label()));
   }
   plan.first_step = *shortest - g.context;
   const int64_t left = g.decode_steps - plan.first_step;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <tuple>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -283,9 +284,12 @@ absl::Status SafetensorsFile::Parse() {
     auto [it, inserted] = tensors_.emplace(name, std::move(t));
     extents.back().name = &it->first;
   }
-  // The format requires the tensors to tile the data region exactly.
-  std::sort(extents.begin(), extents.end(),
-            [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  // The format requires the tensors to tile the data region exactly. By (begin, end), as the
+  // reference implementation orders them: an empty tensor ([x, x], a trace with no decode
+  // steps) sorts before a tensor that starts at x, and tiles nothing.
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
   uint64_t covered = 0;
   for (const Extent& e : extents) {
     if (e.begin < covered) {

@@ -140,6 +140,10 @@ Secret in the co-located runner's.
 {{- define "kvrecall.authDir" -}}/etc/kvrecall/auth{{- end }}
 {{- define "kvrecall.runnerTokenDir" -}}/etc/kvrecall/runner{{- end }}
 {{- define "kvrecall.metricsTokenDir" -}}/etc/kvrecall/metrics{{- end }}
+{{/* The key of the metrics token's Secret that kvrecalld reads. */}}
+{{- define "kvrecall.metricsServerTokensKey" -}}
+{{- default .Values.metrics.tokenSecretKey .Values.metrics.serverTokensKey }}
+{{- end }}
 
 {{/* The port the probes call: the plaintext health port with TLS, else the gRPC port. */}}
 {{- define "kvrecall.probePort" -}}
@@ -265,7 +269,7 @@ tokens only when it is given one.
 - --auth_token_file={{ include "kvrecall.authDir" . }}/{{ .Values.auth.tokenSecretKey }}
 {{- end }}
 {{- if and .Values.metrics.enabled .Values.metrics.tokenSecretName }}
-- --metrics_token_file={{ include "kvrecall.metricsTokenDir" . }}/{{ .Values.metrics.tokenSecretKey }}
+- --metrics_token_file={{ include "kvrecall.metricsTokenDir" . }}/{{ include "kvrecall.metricsServerTokensKey" . }}
 {{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
