@@ -111,6 +111,26 @@ class CliTest : public ::testing::Test {
     return RunProcess(argv);
   }
 
+  // Decode steps of one layer of session `id` at `positions`, each with the same q, k and v,
+  // through the client library (a runner that went on with one layer alone).
+  static absl::Status StepLayerAlone(const std::string& id, int layer,
+                                     const std::vector<int64_t>& positions,
+                                     const std::vector<float>& q, const std::vector<float>& k,
+                                     const std::vector<float>& v) {
+    std::unique_ptr<client::Client> client = client::Client::Connect(server_->address());
+    absl::StatusOr<v1::SessionInfo> info = client->GetSession(id);
+    if (!info.ok()) return info.status();
+    absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream =
+        client->OpenDecodeStream(info->geometry());
+    if (!stream.ok()) return stream.status();
+    client::StepResult result;
+    for (int64_t position : positions) {
+      const client::SequenceInput input{id, q, k, v, position};
+      if (absl::Status s = (*stream)->Step(layer, {&input, 1}, {}, &result); !s.ok()) return s;
+    }
+    return (*stream)->Close();
+  }
+
   static KvrecalldProcess* server_;
 };
 
@@ -345,21 +365,12 @@ TEST_F(CliReplayTest, PrefillAndDecodeATraceACommandAtATime) {
   // Layer 0 takes step 2 alone (a runner's step cut short after its first layer): the next
   // `decode` gives that step to the other five layers, then goes on.
   {
-    std::unique_ptr<client::Client> client = client::Client::Connect(server_->address());
-    absl::StatusOr<v1::SessionInfo> info = client->GetSession(id);
-    ASSERT_TRUE(info.ok()) << info.status();
-    absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream =
-        client->OpenDecodeStream(info->geometry());
-    ASSERT_TRUE(stream.ok()) << stream.status();
     std::vector<float> q(8 * d), k(2 * d), v(2 * d);
     for (auto [which, dest] : {std::pair{TraceTensor::kQ, &q}, std::pair{TraceTensor::kK, &k},
                                std::pair{TraceTensor::kV, &v}}) {
       ASSERT_TRUE(trace->ReadRows(0, TracePhase::kDecode, which, 2, 1, dest->data()).ok());
     }
-    const client::SequenceInput input{id, q, k, v, 514};
-    client::StepResult result;
-    ASSERT_TRUE((*stream)->Step(0, {&input, 1}, {}, &result).ok());
-    ASSERT_TRUE((*stream)->Close().ok());
+    EXPECT_TRUE(StepLayerAlone(id, 0, {514}, q, k, v).ok());
   }
   r = Kvrecall("decode", {id, trace_flag, "--steps=1", "--outputs"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -463,21 +474,8 @@ TEST_F(CliReplayTest, DecodeRefusesWhatItCannotSendByName) {
                                "mass 1.000\n"));
 
   // Layer 0 two tokens ahead of the others (its runner went on alone): no whole step mends it.
-  {
-    std::unique_ptr<client::Client> client = client::Client::Connect(server_->address());
-    absl::StatusOr<v1::SessionInfo> info = client->GetSession(id);
-    ASSERT_TRUE(info.ok()) << info.status();
-    absl::StatusOr<std::unique_ptr<client::DecodeStream>> stream =
-        client->OpenDecodeStream(info->geometry());
-    ASSERT_TRUE(stream.ok()) << stream.status();
-    const std::vector<float> q(8 * 64, 0.5f), kv(2 * 64, 0.25f);
-    client::StepResult result;
-    for (int64_t position : {301, 302}) {
-      const client::SequenceInput input{id, q, kv, kv, position};
-      ASSERT_TRUE((*stream)->Step(0, {&input, 1}, {}, &result).ok());
-    }
-    ASSERT_TRUE((*stream)->Close().ok());
-  }
+  const std::vector<float> q(8 * 64, 0.5f), kv(2 * 64, 0.25f);
+  EXPECT_TRUE(StepLayerAlone(id, 0, {301, 302}, q, kv, kv).ok());
   r = Kvrecall("decode", {id, "--trace=" + dir.Path("short")});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.err, HasSubstr("FAILED_PRECONDITION: session " + id +
