@@ -642,7 +642,15 @@ TEST_F(CliTest, LocalInputsAreRefusedByFlagName) {
        "--prefill_timeout must be positive, got 0"},
       {{"demo", "--timeout=-1s"}, 2, "--timeout must be positive, got -1s"},
       {{"list", "--timeout=0"}, 2, "--timeout must be positive, got 0"},
-      {{"get", "x", "--prefill_timeout=-5s"}, 2, "--prefill_timeout must be positive, got -5s"},
+      {{"prefill", "x", "--prefill_timeout=-5s"}, 2,
+       "--prefill_timeout must be positive, got -5s"},
+      // A flag the subcommand does not read is refused, not ignored: which ones do is said.
+      {{"get", "x", "--prefill_timeout=5s"}, 2,
+       "kvrecall get: --prefill_timeout is not a flag of get (read by demo, prefill, replay)"},
+      {{"list", "--policy=retopk"}, 2,
+       "kvrecall list: --policy is not a flag of list (read by create, replay)"},
+      {{"synth", "--out=" + trace + ".x", "--k=5"}, 2,
+       "kvrecall synth: --k is not a flag of synth (read by create, replay, bench-index)"},
       {{"list", "--tls_ca=" + trace}, 1, "--tls_ca: " + trace + " is not a PEM file"},
   };
   for (const Case& c : cases) {

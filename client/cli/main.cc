@@ -21,32 +21,6 @@
 namespace kvrecall::cli {
 namespace {
 
-struct Subcommand {
-  const char* name;
-  const char* summary;
-  int (*run)(const std::vector<char*>& args);
-};
-
-constexpr Subcommand kSubcommands[] = {
-    {"demo", "a synthetic session through several policies; prints fidelity and latency", RunDemo},
-    {"create", "create a session (--layers --q_heads --kv_heads --head_dim --dtype + policy)",
-     RunCreate},
-    {"prefill", "send a trace's prompt to a session: kvrecall prefill SESSION_ID --trace FILE",
-     RunPrefill},
-    {"decode",
-     "send a trace's next decode steps: kvrecall decode SESSION_ID --trace FILE [--steps N]",
-     RunDecode},
-    {"get", "show a session: kvrecall get SESSION_ID", RunGet},
-    {"list", "list your sessions (with tokens: your tenant's)", RunList},
-    {"close", "close sessions: kvrecall close SESSION_ID...", RunClose},
-    {"health", "ask grpc.health.v1 of the server (or of SERVICE): kvrecall health [SERVICE]",
-     RunHealth},
-    {"replay", "replay a trace: --trace FILE --policy P [knobs] [--steps N] [--json]", RunReplay},
-    {"synth", "write a synthetic trace: --out FILE [--context T --decode_steps N ...]", RunSynth},
-    {"bench-index", "graph vs hnsw vs flat index: --trace FILE [--k 100] [--json]",
-     RunBenchIndex},
-};
-
 // absl flags are identifiers; accept the CLI convention --auto-tau for --auto_tau.
 std::vector<std::string> UnderscoreFlagNames(int argc, char** argv) {
   std::vector<std::string> out(argv, argv + argc);
@@ -65,7 +39,7 @@ int Main(int argc, char** argv) {
   // An interrupted synth (or any trace write) removes its temporary file, gigabytes at 1M.
   RemovePartialFilesOnSignals();
   std::string usage = "kvrecall SUBCOMMAND [--flags] [args]\n\nsubcommands:\n";
-  for (const Subcommand& s : kSubcommands) {
+  for (const Subcommand& s : Subcommands()) {
     absl::StrAppend(&usage, absl::StrFormat("  %-12s %s\n", s.name, s.summary));
   }
   absl::StrAppend(&usage, "\n--helpfull lists every flag.");
@@ -88,8 +62,11 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", usage.c_str());
     return 2;
   }
-  for (const Subcommand& s : kSubcommands) {
+  for (const Subcommand& s : Subcommands()) {
     if (std::strcmp(positional[1], s.name) == 0) {
+      if (absl::Status flags = CheckFlagsRead(s, CliFlagsGiven(storage)); !flags.ok()) {
+        return UsageError(s.name, flags.message());
+      }
       if (absl::Status flags = CheckTimeoutFlags(); !flags.ok()) {
         return UsageError(s.name, flags.message());
       }
