@@ -741,8 +741,53 @@ absl::Status DecodeStream::Step(int layer, std::span<const SequenceInput> batch,
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// OK when `options` can serve a Client: a positive call_timeout and receive limit, and, for
+// Connect's own channel, channel_arguments without the two Connect sets (for a channel of the
+// caller's, none: they would be ignored).
+absl::Status CheckClientOptions(const ClientOptions& options, bool own_channel) {
+  if (options.call_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ClientOptions.call_timeout must be positive, got ",
+                     absl::FormatDuration(options.call_timeout)));
+  }
+  if (options.max_message_bytes.has_value() && *options.max_message_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ClientOptions.max_message_bytes must be positive, got ", *options.max_message_bytes));
+  }
+  const grpc_channel_args given = options.channel_arguments.c_channel_args();
+  // What a default ChannelArguments holds already (gRPC's user agent) is no argument of ours.
+  static const grpc::ChannelArguments* const defaults = new grpc::ChannelArguments();
+  const grpc_channel_args none = defaults->c_channel_args();
+  const bool arguments =
+      std::any_of(given.args, given.args + given.num_args, [&](const grpc_arg& a) {
+        return std::none_of(none.args, none.args + none.num_args,
+                            [&](const grpc_arg& d) { return std::strcmp(a.key, d.key) == 0; });
+      });
+  if (!own_channel && arguments) {
+    return absl::InvalidArgumentError(
+        "ClientOptions.channel_arguments are for Connect's channel: a Client on a channel of "
+        "the caller's takes none (set them on that channel)");
+  }
+  for (size_t i = 0; i < given.num_args; ++i) {
+    const absl::string_view key = given.args[i].key;
+    if (key == GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH || key == GRPC_SSL_TARGET_NAME_OVERRIDE_ARG) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ClientOptions.channel_arguments: ", key,
+          " is Connect's to set (ClientOptions.max_message_bytes, ChannelSecurity.server_name)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-    : channel_(std::move(channel)), stub_(v1::KvRecall::NewStub(channel_)), options_(options) {}
+    : channel_(std::move(channel)),
+      stub_(v1::KvRecall::NewStub(channel_)),
+      options_(options),
+      unusable_(CheckClientOptions(options, /*own_channel=*/false)) {}
 
 namespace {
 
@@ -758,9 +803,12 @@ std::unique_ptr<Client> Client::Connect(const std::string& address,
                                         const ClientOptions& options) {
   const ClientOptions limited = WithConnectLimit(options);
   grpc::ChannelArguments args = limited.channel_arguments;
-  args.SetMaxReceiveMessageSize(*limited.max_message_bytes);
-  return std::make_unique<Client>(
+  args.SetMaxReceiveMessageSize(std::max(*limited.max_message_bytes, 1));
+  auto client = std::make_unique<Client>(
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args), limited);
+  client->unusable_ = CheckServerAddress(address);
+  if (client->unusable_.ok()) client->unusable_ = CheckClientOptions(options, true);
+  return client;
 }
 
 void Client::PrepareUnary(grpc::ClientContext* context) const {
@@ -923,20 +971,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
                                                         const ChannelSecurity& security,
                                                         const ClientOptions& options) {
   if (absl::Status s = CheckServerAddress(address); !s.ok()) return s;
-  if (options.call_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("ClientOptions.call_timeout must be positive, got ",
-                     absl::FormatDuration(options.call_timeout)));
-  }
-  const grpc_channel_args given = options.channel_arguments.c_channel_args();
-  for (size_t i = 0; i < given.num_args; ++i) {
-    const absl::string_view key = given.args[i].key;
-    if (key == GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH || key == GRPC_SSL_TARGET_NAME_OVERRIDE_ARG) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ClientOptions.channel_arguments: ", key,
-          " is Connect's to set (ClientOptions.max_message_bytes, ChannelSecurity.server_name)"));
-    }
-  }
+  if (absl::Status s = CheckClientOptions(options, /*own_channel=*/true); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(security, address);
   if (!credentials.ok()) return credentials.status();
@@ -959,6 +994,7 @@ absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry
   request.set_label(std::string(label));
   request.set_max_tokens(max_tokens);
   request.set_request_id(std::string(request_id));
+  if (!unusable_.ok()) return unusable_;
   v1::CreateSessionResponse response;
   grpc::ClientContext context;
   PrepareUnary(&context);
@@ -972,6 +1008,7 @@ absl::StatusOr<SessionHandle> Client::CreateSession(const v1::Geometry& geometry
 
 absl::StatusOr<std::unique_ptr<PrefillStream>> Client::StartPrefill(const SessionHandle& session,
                                                                     PrefillOptions options) {
+  if (!unusable_.ok()) return unusable_;
   if (options.max_chunk_bytes < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("PrefillOptions.max_chunk_bytes must be >= 1, got ", options.max_chunk_bytes));
@@ -985,6 +1022,7 @@ absl::StatusOr<std::unique_ptr<PrefillStream>> Client::StartPrefill(const Sessio
 
 absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream(
     const v1::Geometry& geometry, const DecodeStreamOptions& options) {
+  if (!unusable_.ok()) return unusable_;
   if (geometry.q_heads() < 1 || geometry.kv_heads() < 1 || geometry.head_dim() < 1 ||
       DTypeSize(geometry.dtype()) == 0) {
     return absl::InvalidArgumentError(
@@ -1003,6 +1041,7 @@ absl::StatusOr<std::unique_ptr<DecodeStream>> Client::OpenDecodeStream(
 }
 
 absl::StatusOr<v1::SessionInfo> Client::GetSession(absl::string_view session_id) {
+  if (!unusable_.ok()) return unusable_;
   v1::GetSessionRequest request;
   request.set_session_id(std::string(session_id));
   v1::SessionInfo info;
@@ -1015,6 +1054,7 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(absl::string_view session_id)
 }
 
 absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
+  if (!unusable_.ok()) return unusable_;
   std::vector<v1::SessionInfo> sessions;
   v1::ListSessionsRequest request;
   do {
@@ -1032,6 +1072,7 @@ absl::StatusOr<std::vector<v1::SessionInfo>> Client::ListSessions() {
 }
 
 absl::Status Client::CloseSession(absl::string_view session_id) {
+  if (!unusable_.ok()) return unusable_;
   v1::CloseSessionRequest request;
   request.set_session_id(std::string(session_id));
   v1::CloseSessionResponse response;

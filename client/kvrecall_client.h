@@ -335,11 +335,13 @@ struct ClientOptions {
 class Client {
  public:
   // On a channel made by the caller: its receive limit unknown unless `options` tells it.
+  // Options that cannot serve (a call_timeout or max_message_bytes that is not positive,
+  // channel_arguments, which only Connect's own channel takes) make every call of the Client
+  // return INVALID_ARGUMENT saying so.
   explicit Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options = {});
-  // An insecure channel to HOST:PORT. Checks nothing (gRPC wraps a port past 65535; a
-  // call_timeout that is not positive fails every unary call): a caller taking `address` or
-  // `options` from a user checks them first (CheckServerAddress), or uses the overload below,
-  // which does.
+  // An insecure channel to HOST:PORT. A malformed `address` (CheckServerAddress: gRPC would
+  // wrap a port past 65535) or options the overload below refuses make every call of the
+  // Client return INVALID_ARGUMENT saying so (the overload below returns the error itself).
   static std::unique_ptr<Client> Connect(const std::string& address,
                                          const ClientOptions& options = {});
   // A channel secured as `security` says; fails only when `address` is malformed
@@ -385,6 +387,8 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvRecall::Stub> stub_;
   ClientOptions options_;
+  // Why the address or options cannot serve: every call's answer when not OK.
+  absl::Status unusable_;
 };
 
 }  // namespace kvrecall::client

@@ -274,6 +274,59 @@ TEST_F(HeldCallTest, TimeoutsMustBePositive) {
                         "ClientOptions.call_timeout must be positive, got 0"));
 }
 
+// Options or an address that cannot serve are refused by every call of the Client, with what is
+// wrong (the insecure Connect and a Client on the caller's channel return a Client all the same:
+// a non-positive call_timeout failed every unary call as DEADLINE_EXCEEDED, a port past 65535
+// reached another, channel arguments given with a channel of one's own were ignored).
+TEST_F(HeldCallTest, OptionsThatCannotServeAreEveryCallsAnswer) {
+  grpc::ChannelArguments keepalive;
+  keepalive.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 60'000);
+  grpc::ChannelArguments receive_limit;
+  receive_limit.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 1 << 20);
+  struct Case {
+    std::unique_ptr<Client> client;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  cases.push_back({std::make_unique<Client>(server().channel(),
+                                            ClientOptions{.call_timeout = absl::ZeroDuration()}),
+                   "ClientOptions.call_timeout must be positive, got 0"});
+  cases.push_back({std::make_unique<Client>(server().channel(),
+                                            ClientOptions{.max_message_bytes = 0}),
+                   "ClientOptions.max_message_bytes must be positive, got 0"});
+  cases.push_back({std::make_unique<Client>(server().channel(),
+                                            ClientOptions{.channel_arguments = keepalive}),
+                   "ClientOptions.channel_arguments are for Connect's channel"});
+  cases.push_back({Client::Connect(server().address(), {.call_timeout = absl::Seconds(-1)}),
+                   "ClientOptions.call_timeout must be positive, got -1s"});
+  cases.push_back({Client::Connect(server().address(), {.channel_arguments = receive_limit}),
+                   "grpc.max_receive_message_length is Connect's to set"});
+  cases.push_back({Client::Connect("127.0.0.1:99999"),
+                   "server address '127.0.0.1:99999' must be HOST:PORT with a port in [1, 65535]"});
+  for (const Case& c : cases) {
+    const v1::Geometry g = g_;
+    EXPECT_TRUE(HasStatus(c.client->GetSession("s-0").status(),
+                          absl::StatusCode::kInvalidArgument, c.message));
+    EXPECT_TRUE(HasStatus(c.client->ListSessions().status(), absl::StatusCode::kInvalidArgument,
+                          c.message));
+    EXPECT_TRUE(HasStatus(c.client->CloseSession("s-0"), absl::StatusCode::kInvalidArgument,
+                          c.message));
+    EXPECT_TRUE(HasStatus(
+        c.client->CreateSession(g, testing::MakePolicy(v1::SELECTOR_FULL)).status(),
+        absl::StatusCode::kInvalidArgument, c.message));
+    EXPECT_TRUE(HasStatus(c.client->OpenDecodeStream(g).status(),
+                          absl::StatusCode::kInvalidArgument, c.message));
+    EXPECT_TRUE(HasStatus(c.client->StartPrefill({"s-0", g, {}}).status(),
+                          absl::StatusCode::kInvalidArgument, c.message));
+  }
+  // The same options on a usable Client, and the caller's channel with no arguments of ours.
+  Client usable(server().channel(), {.max_message_bytes = 1 << 20});
+  EXPECT_TRUE(usable.ListSessions().ok());
+  std::unique_ptr<Client> connected =
+      Client::Connect(server().address(), {.channel_arguments = keepalive});
+  EXPECT_TRUE(connected->ListSessions().ok());
+}
+
 // ---------------------------------------------------------------------------------------------
 // A kvrecalld process stopped with SIGSTOP: no call of it answers until SIGCONT.
 
