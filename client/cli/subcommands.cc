@@ -23,19 +23,10 @@ const std::vector<std::string> kIndexKnobs = {
     "k",          "sinks",      "recent",       "build_queries",
     "build_topk", "max_degree", "search_width", "graph_scope"};
 // The rest of PolicyFromFlags'.
-const std::vector<std::string> kPolicy = {"placement",
-                                          "policy",
-                                          "search_list",
-                                          "C",
-                                          "R",
-                                          "W",
-                                          "tau",
-                                          "refresh",
-                                          "auto_tau",
-                                          "target_recall",
-                                          "exact_flat_scan",
-                                          "exact_search",
-                                          "shortlist"};
+const std::vector<std::string> kPolicy = {
+    "placement", "policy",   "search_list",   "C",               "R",            "W",
+    "tau",       "refresh",  "auto_tau",      "target_recall",   "exact_flat_scan",
+    "exact_search", "shortlist"};
 const std::vector<std::string> kGeometry = {"layers", "q_heads", "kv_heads", "head_dim", "dtype"};
 
 std::vector<std::string> Flags(std::initializer_list<std::vector<std::string>> groups) {
