@@ -791,9 +791,11 @@ Client::Client(std::shared_ptr<grpc::Channel> channel, const ClientOptions& opti
 
 namespace {
 
-// `options` with the receive limit Connect gives its channel set.
+// `options` with the receive limit Connect gives its channel set, and without the channel
+// arguments, which are the channel's now.
 ClientOptions WithConnectLimit(ClientOptions options) {
   if (!options.max_message_bytes.has_value()) options.max_message_bytes = kDefaultMaxMessageBytes;
+  options.channel_arguments = grpc::ChannelArguments();
   return options;
 }
 
@@ -802,11 +804,11 @@ ClientOptions WithConnectLimit(ClientOptions options) {
 std::unique_ptr<Client> Client::Connect(const std::string& address,
                                         const ClientOptions& options) {
   const ClientOptions limited = WithConnectLimit(options);
-  grpc::ChannelArguments args = limited.channel_arguments;
+  grpc::ChannelArguments args = options.channel_arguments;
   args.SetMaxReceiveMessageSize(std::max(*limited.max_message_bytes, 1));
   auto client = std::make_unique<Client>(
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args), limited);
-  client->unusable_ = CheckServerAddress(address);
+  if (client->unusable_.ok()) client->unusable_ = CheckServerAddress(address);
   if (client->unusable_.ok()) client->unusable_ = CheckClientOptions(options, true);
   return client;
 }
@@ -976,7 +978,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
       MakeChannelCredentials(security, address);
   if (!credentials.ok()) return credentials.status();
   const ClientOptions limited = WithConnectLimit(options);
-  grpc::ChannelArguments args = limited.channel_arguments;
+  grpc::ChannelArguments args = options.channel_arguments;
   args.SetMaxReceiveMessageSize(*limited.max_message_bytes);
   if (!security.server_name.empty()) args.SetSslTargetNameOverride(security.server_name);
   return std::make_unique<Client>(grpc::CreateCustomChannel(address, *credentials, args),

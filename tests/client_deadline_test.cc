@@ -325,6 +325,10 @@ TEST_F(HeldCallTest, OptionsThatCannotServeAreEveryCallsAnswer) {
   std::unique_ptr<Client> connected =
       Client::Connect(server().address(), {.channel_arguments = keepalive});
   EXPECT_TRUE(connected->ListSessions().ok());
+  absl::StatusOr<std::unique_ptr<Client>> secured =
+      Client::Connect(server().address(), ChannelSecurity(), {.channel_arguments = keepalive});
+  ASSERT_TRUE(secured.ok()) << secured.status();
+  EXPECT_TRUE((*secured)->ListSessions().ok());
 }
 
 // ---------------------------------------------------------------------------------------------
