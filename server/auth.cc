@@ -94,6 +94,32 @@ absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path,
   return Parse(*text, path, lone_token_tenant);
 }
 
+absl::StatusOr<std::shared_ptr<TokenStore>> TokenStore::FromFile(std::string flag,
+                                                                 std::string path,
+                                                                 std::string lone_token_tenant) {
+  absl::StatusOr<TokenTable> table = TokenTable::Load(path, lone_token_tenant);
+  if (!table.ok()) {
+    return absl::Status(table.status().code(), absl::StrCat(flag, ": ", table.status().message()));
+  }
+  auto store = std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*std::move(table)));
+  store->flag_ = std::move(flag);
+  store->path_ = std::move(path);
+  store->lone_token_tenant_ = std::move(lone_token_tenant);
+  return store;
+}
+
+absl::StatusOr<size_t> TokenStore::Reload() {
+  if (path_.empty()) return absl::FailedPreconditionError("the token store has no file to read");
+  absl::StatusOr<TokenTable> table = TokenTable::Load(path_, lone_token_tenant_);
+  if (!table.ok()) {
+    return absl::Status(table.status().code(),
+                        absl::StrCat(flag_, ": ", table.status().message()));
+  }
+  const size_t size = table->size();
+  Replace(std::make_shared<const TokenTable>(*std::move(table)));
+  return size;
+}
+
 const std::string* TokenTable::Find(absl::string_view token) const {
   const std::string* found = nullptr;
   for (const Entry& e : entries_) {

@@ -57,12 +57,20 @@ class TokenTable {
   std::vector<Entry> entries_;
 };
 
-// The token table in force. kvrecalld replaces it on SIGHUP (RunningServer::ReloadTokens), so
-// that a token is revoked or added without a restart losing every session; a call's check and
-// its tenant each read the table once. Thread-safe.
+// The token table in force. kvrecalld reads its file again on SIGHUP (Reload), so that a token
+// is revoked or added without a restart losing every session; a call's check and its tenant
+// each read the table once. Thread-safe.
 class TokenStore {
  public:
   explicit TokenStore(std::shared_ptr<const TokenTable> table) : table_(std::move(table)) {}
+  // The store of the token file `path` that the flag `flag` names (TokenTable::Load with
+  // `lone_token_tenant`), its errors prefixed with the flag ("--auth_token_file: ...").
+  static absl::StatusOr<std::shared_ptr<TokenStore>> FromFile(
+      std::string flag, std::string path, std::string lone_token_tenant = "");
+  // Reads the store's file again and puts its table in force: the number of tokens; the error,
+  // prefixed with the flag, with the table in force kept when the file cannot be read or parsed;
+  // FAILED_PRECONDITION for a store not made from a file.
+  absl::StatusOr<size_t> Reload();
   std::shared_ptr<const TokenTable> table() const {
     absl::MutexLock lock(&mu_);
     return table_;
@@ -77,6 +85,8 @@ class TokenStore {
   uint64_t epoch() const { return epoch_.load(std::memory_order_acquire); }
 
  private:
+  // Where FromFile read the table ("" for a store made from a table).
+  std::string flag_, path_, lone_token_tenant_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> epoch_{0};

@@ -183,13 +183,10 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
     security.unix_socket_credentials = grpc::experimental::LocalServerCredentials(UDS);
   }
   if (!options.auth_token_file.empty()) {
-    absl::StatusOr<TokenTable> tokens = TokenTable::Load(options.auth_token_file);
-    if (!tokens.ok()) {
-      return absl::Status(tokens.status().code(),
-                          absl::StrCat("--auth_token_file: ", tokens.status().message()));
-    }
-    security.tokens =
-        std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*std::move(tokens)));
+    absl::StatusOr<std::shared_ptr<TokenStore>> tokens =
+        TokenStore::FromFile("--auth_token_file", options.auth_token_file);
+    if (!tokens.ok()) return tokens.status();
+    security.tokens = *std::move(tokens);
     security.credentials->SetAuthMetadataProcessor(
         std::make_shared<TokenAuthProcessor>(security.tokens, metrics));
     if (security.unix_socket_credentials != nullptr) {

@@ -443,26 +443,23 @@ int main(int argc, char** argv) {
       return 1;
     }
     if (signal_number != SIGHUP) break;
-    // SIGHUP: the token files again (revoking or adding a token keeps every session).
-    absl::StatusOr<size_t> reloaded = (*server)->ReloadTokens();
-    if (reloaded.ok()) {
-      std::printf("kvrecalld: SIGHUP: reloaded %zu tokens from %s\n", *reloaded,
-                  absl::GetFlag(FLAGS_auth_token_file).c_str());
-    } else if (!absl::GetFlag(FLAGS_auth_token_file).empty() ||
-               absl::GetFlag(FLAGS_metrics_token_file).empty()) {
-      std::printf("kvrecalld: SIGHUP: %s; the tokens in force stay\n",
-                  std::string(reloaded.status().message()).c_str());
-    }
-    if (!absl::GetFlag(FLAGS_metrics_token_file).empty()) {
-      absl::StatusOr<size_t> scrapers = (*server)->ReloadMetricsTokens();
-      if (scrapers.ok()) {
-        std::printf("kvrecalld: SIGHUP: reloaded %zu metrics tokens from %s\n", *scrapers,
-                    absl::GetFlag(FLAGS_metrics_token_file).c_str());
+    // SIGHUP: the token files again (revoking or adding a token keeps every session). Without
+    // either file it says there is none to read.
+    auto report = [](const absl::StatusOr<size_t>& reloaded, const char* what,
+                     const std::string& file) {
+      if (reloaded.ok()) {
+        std::printf("kvrecalld: SIGHUP: reloaded %zu %s from %s\n", *reloaded, what, file.c_str());
       } else {
-        std::printf("kvrecalld: SIGHUP: %s; the metrics tokens in force stay\n",
-                    std::string(scrapers.status().message()).c_str());
+        std::printf("kvrecalld: SIGHUP: %s; the %s in force stay\n",
+                    std::string(reloaded.status().message()).c_str(), what);
       }
+    };
+    const std::string tenants = absl::GetFlag(FLAGS_auth_token_file);
+    const std::string scrapers = absl::GetFlag(FLAGS_metrics_token_file);
+    if (!tenants.empty() || scrapers.empty()) {
+      report((*server)->ReloadTokens(), "tokens", tenants);
     }
+    if (!scrapers.empty()) report((*server)->ReloadMetricsTokens(), "metrics tokens", scrapers);
     std::fflush(stdout);
   }
   // A second signal during the grace ends the process at once (the default action).

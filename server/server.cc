@@ -265,14 +265,8 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
   if (tokens_ == nullptr) {
     return absl::FailedPreconditionError("no --auth_token_file to reload: calls carry no tokens");
   }
-  absl::StatusOr<TokenTable> table = TokenTable::Load(token_file_);
-  if (!table.ok()) {
-    return absl::Status(table.status().code(),
-                        absl::StrCat("--auth_token_file: ", table.status().message()));
-  }
-  const size_t size = table->size();
-  tokens_->Replace(std::make_shared<const TokenTable>(*std::move(table)));
-  service_.TokensReloaded();
+  absl::StatusOr<size_t> size = tokens_->Reload();
+  if (size.ok()) service_.TokensReloaded();
   return size;
 }
 
@@ -281,14 +275,7 @@ absl::StatusOr<size_t> RunningServer::ReloadMetricsTokens() {
     return absl::FailedPreconditionError(
         "no --metrics_token_file to reload: scrapes carry no tokens");
   }
-  absl::StatusOr<TokenTable> table = TokenTable::Load(scrapers_file_, kMetricsScraper);
-  if (!table.ok()) {
-    return absl::Status(table.status().code(),
-                        absl::StrCat("--metrics_token_file: ", table.status().message()));
-  }
-  const size_t size = table->size();
-  scrapers_->Replace(std::make_shared<const TokenTable>(*std::move(table)));
-  return size;
+  return scrapers_->Reload();
 }
 
 absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) {
@@ -299,14 +286,10 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
       return absl::InvalidArgumentError(
           "--metrics_token_file needs a metrics endpoint (--metrics_address is empty)");
     }
-    absl::StatusOr<TokenTable> table =
-        TokenTable::Load(options.metrics_token_file, kMetricsScraper);
-    if (!table.ok()) {
-      return absl::Status(table.status().code(),
-                          absl::StrCat("--metrics_token_file: ", table.status().message()));
-    }
-    scrapers_ = std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*std::move(table)));
-    scrapers_file_ = options.metrics_token_file;
+    absl::StatusOr<std::shared_ptr<TokenStore>> scrapers = TokenStore::FromFile(
+        "--metrics_token_file", options.metrics_token_file, std::string(kMetricsScraper));
+    if (!scrapers.ok()) return scrapers.status();
+    scrapers_ = *std::move(scrapers);
   }
   if (!options.metrics_address.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
@@ -492,7 +475,6 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
       }
     }
   }
-  running->token_file_ = options.security.auth_token_file;
   grpc::ServerBuilder builder;
   for (size_t i = 0; i < addresses.size(); ++i) {
     if (UnixSocketInUse(addresses[i])) {

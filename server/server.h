@@ -136,7 +136,6 @@ class RunningServer {
   KvRecallService service_;
   HealthService health_;
   std::shared_ptr<TokenStore> scrapers_;  // null without metrics_token_file
-  std::string scrapers_file_;
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::string metrics_address_;
   HealthService probe_health_;  // the same answers as health_, on health_address
@@ -146,7 +145,6 @@ class RunningServer {
   std::vector<std::string> addresses_;
   int port_ = 0;
   std::shared_ptr<TokenStore> tokens_;  // null without --auth_token_file
-  std::string token_file_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

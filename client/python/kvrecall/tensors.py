@@ -220,30 +220,20 @@ def check_f16_range(x, what):
     stream (a Prefill's) before the stream starts: an error raised while it is under way reaches
     the caller as gRPC's UNKNOWN "Exception iterating requests!" instead. Looks at blocks of
     rows, so that it holds no copy of `x`; an f16 `x` has nothing to check."""
-    if x.shape[0] == 0:
+    if _is_torch(x):
+        import torch
+        x, f16, isfinite = x.detach(), torch.float16, torch.isfinite
+    else:
+        x, f16, isfinite = np.asarray(x), np.float16, np.isfinite
+    if x.dtype == f16 or x.shape[0] == 0:
         return
     row = max(1, int(np.prod(x.shape[1:], dtype=np.int64)))
     step = max(1, _F16_CHECK_BLOCK // row)
-    if _is_torch(x):
-        import torch
-        t = x.detach()
-        if t.dtype == torch.float16:
-            return
-        for start in range(0, t.shape[0], step):
-            block = t[start:start + step]
-            overflowed = torch.isfinite(block) & (block.abs() >= _F16_OVERFLOW)
-            if bool(overflowed.any()):
-                raise ValueError(f"{what}: value {float(block[overflowed][0])!r} is past f16's "
-                                 "range (at most 65504 in magnitude)")
-        return
-    a = np.asarray(x)
-    if a.dtype == np.float16:
-        return
-    for start in range(0, a.shape[0], step):
-        block = a[start:start + step]
+    for start in range(0, x.shape[0], step):
+        block = x[start:start + step]
         with np.errstate(invalid="ignore"):
-            overflowed = np.isfinite(block) & (np.abs(block) >= _F16_OVERFLOW)
-        if overflowed.any():
+            overflowed = isfinite(block) & (abs(block) >= _F16_OVERFLOW)
+        if bool(overflowed.any()):
             raise ValueError(f"{what}: value {float(block[overflowed][0])!r} is past f16's range "
                              "(at most 65504 in magnitude)")
 
