@@ -82,7 +82,10 @@ struct PrefillOptions {
   int64_t max_chunk_bytes = kDefaultPrefillChunkBytes;
   // The whole call's deadline, from StartPrefill to Finish's answer (the commit's builds
   // included: seconds per layer for long prompts): past it the call ends with DEADLINE_EXCEEDED
-  // and the server commits nothing of it. InfiniteDuration: none.
+  // and the server commits nothing of it, but for a server that stalled with the whole call read
+  // (a stopped process, which takes its deadline from when it wakes): it may commit the whole
+  // prompt, never part of it; GetSession's tokens, or a retry refused FAILED_PRECONDITION
+  // "already prefilled", tell. InfiniteDuration: none.
   absl::Duration timeout = absl::InfiniteDuration();
   // Called after every chunk is written.
   std::function<void(const PrefillProgress&)> progress;

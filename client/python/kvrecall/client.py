@@ -596,7 +596,10 @@ class Session:
     def prefill(self, layers, chunk_tokens=None, timeout_s=None):
         """Streams the prompt of several layers in one Prefill call, chunked under the message
         limit (or of `chunk_tokens` tokens), within `timeout_s` seconds as a whole (the commit's
-        builds included; None: no limit; past it DEADLINE_EXCEEDED, and nothing is committed).
+        builds included; None: no limit; past it DEADLINE_EXCEEDED, and nothing is committed,
+        but by a server that stalled with the whole call read, a stopped process that takes its
+        deadline from when it wakes: it may commit the whole prompt, never part of it, and
+        info().tokens or a retry, refused FAILED_PRECONDITION "already prefilled", tells).
         `layers`: a list of (q, k, v), one per layer from 0, or a dict {layer: (q, k, v)};
         q [T, q_heads, head_dim], k and v [T, kv_heads, head_dim].
         q goes with the tokens whose queries the session needs (prompt_queries) alone; it may be
