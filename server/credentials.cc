@@ -20,6 +20,15 @@
 #include "server/file_util.h"
 
 namespace kvrecall {
+
+std::string OpenSslReason() {
+  const unsigned long error = ERR_peek_last_error();  // NOLINT(runtime/int): OpenSSL's type
+  ERR_clear_error();
+  if (error == 0) return "";
+  const char* reason = ERR_reason_error_string(error);
+  return reason != nullptr ? reason : absl::StrCat("OpenSSL error ", error);
+}
+
 namespace {
 
 // The file's PEM text when it holds a block of `kind` ("CERTIFICATE", "PRIVATE KEY" matches
@@ -36,15 +45,6 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view k
         absl::StrCat(flag, ": ", path, " holds no PEM ", kind, " block"));
   }
   return text;
-}
-
-// OpenSSL's reason for the last error of this thread's queue, which it empties ("" if none).
-std::string OpenSslReason() {
-  const unsigned long error = ERR_peek_last_error();  // NOLINT(runtime/int): OpenSSL's type
-  ERR_clear_error();
-  if (error == 0) return "";
-  const char* reason = ERR_reason_error_string(error);
-  return reason != nullptr ? reason : absl::StrCat("OpenSSL error ", error);
 }
 
 using UniqueX509 = std::unique_ptr<X509, decltype(&X509_free)>;
@@ -83,13 +83,17 @@ absl::StatusOr<std::vector<UniqueX509>> ParseCertificates(const std::string& tex
   return certificates;
 }
 
-// Refuses key material gRPC would take and then fail to listen with: a certificate or CA block
+// Refuses key material a listener would take and then fail with: a certificate or CA block
 // that does not parse, a key that does not, or a key that is not the certificate's.
-absl::Status CheckKeyMaterial(const SecurityOptions& options, const std::string& cert,
-                              const std::string& key, const std::string* client_ca) {
+absl::Status CheckKeyMaterial(const TlsIdentity& identity, const std::string& cert_file,
+                              const std::string& key_file, const std::string& client_ca_file,
+                              absl::string_view flag_prefix) {
+  const std::string cert_flag = absl::StrCat("--", flag_prefix, "tls_cert");
+  const std::string key_flag = absl::StrCat("--", flag_prefix, "tls_key");
   absl::StatusOr<std::vector<UniqueX509>> chain =
-      ParseCertificates(cert, options.tls_cert_file, "--tls_cert");
+      ParseCertificates(identity.cert_chain, cert_file, cert_flag);
   if (!chain.ok()) return chain.status();
+  const std::string& key = identity.private_key;
   std::unique_ptr<BIO, decltype(&BIO_free)> bio(
       BIO_new_mem_buf(key.data(), static_cast<int>(key.size())), &BIO_free);
   // No passphrase callback's prompt: a key that wants one is refused (an encrypted key was
@@ -99,19 +103,19 @@ absl::Status CheckKeyMaterial(const SecurityOptions& options, const std::string&
       bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, no_passphrase, nullptr) : nullptr,
       &EVP_PKEY_free);
   if (private_key == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("--tls_key: ", options.tls_key_file,
+    return absl::InvalidArgumentError(absl::StrCat(key_flag, ": ", key_file,
                                                    ": the private key does not parse (",
                                                    OpenSslReason(), ")"));
   }
   if (X509_check_private_key(chain->front().get(), private_key.get()) != 1) {
     OpenSslReason();  // empties the queue
     return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key: ", options.tls_key_file, " is not the key of --tls_cert's certificate (",
-        options.tls_cert_file, "; its first, the server's own)"));
+        key_flag, ": ", key_file, " is not the key of ", cert_flag, "'s certificate (",
+        cert_file, "; its first, the server's own)"));
   }
-  if (client_ca != nullptr) {
-    absl::StatusOr<std::vector<UniqueX509>> roots =
-        ParseCertificates(*client_ca, options.tls_client_ca_file, "--tls_client_ca");
+  if (identity.client_ca) {
+    absl::StatusOr<std::vector<UniqueX509>> roots = ParseCertificates(
+        *identity.client_ca, client_ca_file, absl::StrCat("--", flag_prefix, "tls_client_ca"));
     if (!roots.ok()) return roots.status();
   }
   return absl::OkStatus();
@@ -119,13 +123,49 @@ absl::Status CheckKeyMaterial(const SecurityOptions& options, const std::string&
 
 }  // namespace
 
+absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
+                                            const std::string& key_file,
+                                            const std::string& client_ca_file,
+                                            absl::string_view flag_prefix) {
+  const std::string cert_flag = absl::StrCat("--", flag_prefix, "tls_cert");
+  const std::string key_flag = absl::StrCat("--", flag_prefix, "tls_key");
+  if (cert_file.empty() || key_file.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        cert_flag, " and ", key_flag, " go together: give both (TLS) or neither (plaintext)"));
+  }
+  TlsIdentity identity;
+  absl::StatusOr<std::string> cert = ReadPem(cert_file, "CERTIFICATE", cert_flag);
+  if (!cert.ok()) return cert.status();
+  identity.cert_chain = *std::move(cert);
+  absl::StatusOr<std::string> key = ReadPem(key_file, "PRIVATE KEY", key_flag);
+  // Nothing can ask for a passphrase: an encrypted key only failed later, as an address that
+  // could not be listened on.
+  if (key.ok() && (absl::StrContains(*key, "ENCRYPTED PRIVATE KEY") ||
+                   absl::StrContains(*key, "Proc-Type: 4,ENCRYPTED"))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        key_flag, ": ", key_file,
+        " is encrypted, which kvrecalld cannot use; decrypt it (openssl pkey -in KEY -out "
+        "PLAIN) and protect the file instead"));
+  }
+  if (!key.ok()) return key.status();
+  identity.private_key = *std::move(key);
+  if (!client_ca_file.empty()) {
+    absl::StatusOr<std::string> read = ReadPem(client_ca_file, "CERTIFICATE",
+                                               absl::StrCat("--", flag_prefix, "tls_client_ca"));
+    if (!read.ok()) return read.status();
+    identity.client_ca = *std::move(read);
+  }
+  if (absl::Status s =
+          CheckKeyMaterial(identity, cert_file, key_file, client_ca_file, flag_prefix);
+      !s.ok()) {
+    return s;
+  }
+  return identity;
+}
+
 absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& options,
                                                      ServerMetrics* metrics) {
-  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
-    return absl::InvalidArgumentError(
-        "--tls_cert and --tls_key go together: give both (TLS) or neither (plaintext)");
-  }
-  if (!options.tls()) {
+  if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
     if (!options.tls_client_ca_file.empty()) {
       return absl::InvalidArgumentError(
           "--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key");
@@ -143,33 +183,14 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
     }
     return ServerSecurity{grpc::InsecureServerCredentials(), nullptr};
   }
-  absl::StatusOr<std::string> cert = ReadPem(options.tls_cert_file, "CERTIFICATE", "--tls_cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem(options.tls_key_file, "PRIVATE KEY", "--tls_key");
-  // gRPC cannot ask for a passphrase: an encrypted key only failed later, as an address that
-  // could not be listened on.
-  if (key.ok() && (absl::StrContains(*key, "ENCRYPTED PRIVATE KEY") ||
-                   absl::StrContains(*key, "Proc-Type: 4,ENCRYPTED"))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key: ", options.tls_key_file,
-        " is encrypted, which kvrecalld cannot use; decrypt it (openssl pkey -in KEY -out "
-        "PLAIN) and protect the file instead"));
-  }
-  if (!key.ok()) return key.status();
-  std::optional<std::string> ca;
-  if (!options.tls_client_ca_file.empty()) {
-    absl::StatusOr<std::string> read =
-        ReadPem(options.tls_client_ca_file, "CERTIFICATE", "--tls_client_ca");
-    if (!read.ok()) return read.status();
-    ca = *std::move(read);
-  }
-  if (absl::Status s = CheckKeyMaterial(options, *cert, *key, ca ? &*ca : nullptr); !s.ok()) {
-    return s;
-  }
+  absl::StatusOr<TlsIdentity> identity = ReadTlsIdentity(
+      options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file, "");
+  if (!identity.ok()) return identity.status();
   grpc::SslServerCredentialsOptions ssl;
-  ssl.pem_key_cert_pairs.push_back({*std::move(key), *std::move(cert)});
-  if (ca) {
-    ssl.pem_root_certs = *std::move(ca);
+  ssl.pem_key_cert_pairs.push_back(
+      {std::move(identity->private_key), std::move(identity->cert_chain)});
+  if (identity->client_ca) {
+    ssl.pem_root_certs = *std::move(identity->client_ca);
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   ServerSecurity security{grpc::SslServerCredentials(ssl), nullptr};

@@ -129,15 +129,25 @@ ABSL_FLAG(double, shutdown_grace_seconds, 5,
           "process exits");
 ABSL_FLAG(std::string, metrics_address, "auto",
           "HOST:PORT serving Prometheus metrics at /metrics (port 0 picks one); empty: none. "
-          "Plain HTTP, unauthenticated unless --metrics_token_file: auto (the default) is port "
+          "Plain HTTP unless --metrics_tls_cert, unauthenticated unless --metrics_token_file: "
+          "auto (the default) is port "
           "9090 on the host of --address's first HOST:PORT entry (127.0.0.1 when there is none, "
           "only Unix sockets), so that the metrics are no more exposed than the API");
 ABSL_FLAG(std::string, metrics_token_file, "",
           "file of bearer tokens, a line of 'TOKEN' (a Secret holding just the token) or 'TOKEN "
           "NAME' each (16+ printable characters; # starts a comment): every request to "
-          "/metrics must carry 'Authorization: Bearer TOKEN' with one of them, else 401. The "
-          "token travels in plaintext HTTP: it keeps out whoever reaches the port (another "
-          "tenant's pod), not whoever can read its traffic. SIGHUP reads the file again");
+          "/metrics must carry 'Authorization: Bearer TOKEN' with one of them, else 401. "
+          "Without --metrics_tls_cert the token travels in plaintext HTTP: it keeps out whoever "
+          "reaches the port (another tenant's pod), not whoever can read its traffic. SIGHUP "
+          "reads the file again");
+ABSL_FLAG(std::string, metrics_tls_cert, "",
+          "PEM certificate chain of the metrics endpoint; with --metrics_tls_key it serves "
+          "HTTPS (TLS 1.2+), so that the metrics and their token travel encrypted (may be "
+          "--tls_cert's files; read at start)");
+ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key of --metrics_tls_cert");
+ABSL_FLAG(std::string, metrics_tls_client_ca, "",
+          "PEM roots: scrapers must present a certificate they signed (mutual TLS on the "
+          "metrics endpoint)");
 ABSL_FLAG(std::string, health_address, "",
           "HOST:PORT of a plaintext port serving grpc.health.v1 alone, for probes that cannot "
           "speak TLS (Kubernetes' gRPC probes); empty: none");
@@ -385,6 +395,9 @@ int main(int argc, char** argv) {
     options.metrics_address = kvrecall::DefaultMetricsAddress(options.address);
   }
   options.metrics_token_file = absl::GetFlag(FLAGS_metrics_token_file);
+  options.metrics_tls_cert_file = absl::GetFlag(FLAGS_metrics_tls_cert);
+  options.metrics_tls_key_file = absl::GetFlag(FLAGS_metrics_tls_key);
+  options.metrics_tls_client_ca_file = absl::GetFlag(FLAGS_metrics_tls_client_ca);
   options.health_address = absl::GetFlag(FLAGS_health_address);
   options.security.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.security.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -416,7 +429,7 @@ int main(int argc, char** argv) {
               (*server)->placements().gpu_description().c_str(),
               std::getenv("CUDA_MODULE_LOADING"));
   if (!(*server)->metrics_address().empty()) {
-    std::printf("kvrecalld metrics on http://%s/metrics\n", (*server)->metrics_address().c_str());
+    std::printf("kvrecalld metrics on %s\n", (*server)->metrics_url().c_str());
   }
   if (!(*server)->health_address().empty()) {
     std::printf("kvrecalld health on %s\n", (*server)->health_address().c_str());

@@ -3,7 +3,14 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -11,6 +18,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -26,20 +34,187 @@
 namespace kvrecall {
 namespace {
 
+std::string HttpResponse(absl::string_view status, absl::string_view content_type,
+                         absl::string_view body, bool with_body, absl::string_view extra = "") {
+  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
+                      "\r\nContent-Length: ", body.size(), "\r\n", extra,
+                      "Connection: close\r\n\r\n", with_body ? body : "");
+}
+
+std::string PlainResponse(absl::string_view status, bool with_body,
+                          absl::string_view extra = "") {
+  return HttpResponse(status, "text/plain; charset=utf-8", absl::StrCat(status, "\n"), with_body,
+                      extra);
+}
+
+using UniqueSsl = std::unique_ptr<SSL, decltype(&SSL_free)>;
+
 // One peer's connection: its request as read so far, then its response as written so far.
 struct Connection {
   int fd = -1;
   absl::Time deadline;
+  UniqueSsl ssl{nullptr, &SSL_free};  // null: plain HTTP
   std::string request;
   std::string response;  // non-empty once the request is complete
   size_t sent = 0;
   bool draining = false;  // response sent and our side shut: reading until the peer closes
+  // What the last TLS read or write waited for (POLLIN, POLLOUT; 0: none): a handshake or a
+  // renegotiation attempt may need to write while the connection reads, or the reverse.
+  short tls_waits_for = 0;
+  // TLS: the peer's first byte has been seen to open a TLS handshake (else it is plain HTTP,
+  // answered with a 400 that says so).
+  bool tls_opened = false;
 
-  short events() const { return !response.empty() && !draining ? POLLOUT : POLLIN; }
+  // Reading the request (its TLS handshake included), or draining after the response.
+  bool reading() const { return response.empty() || draining; }
+  short events() const {
+    if (tls_waits_for != 0 && !draining) return tls_waits_for;
+    return reading() ? POLLIN : POLLOUT;
+  }
   // Not being answered: its request is incomplete, or its response is sent and the peer keeps
   // the connection open. The endpoint full, a new peer takes the place of the oldest of these.
-  bool Evictable() const { return response.empty() || draining; }
+  bool Evictable() const { return reading(); }
 };
+
+// What one read or write on a connection came to.
+enum class Io { kDone, kWouldBlock, kClosed };
+
+// The outcome of a TLS read or write that returned `result`: what it waits for goes to `c`.
+Io TlsOutcome(Connection& c, int result) {
+  switch (SSL_get_error(c.ssl.get(), result)) {
+    case SSL_ERROR_WANT_READ:
+      c.tls_waits_for = POLLIN;
+      return Io::kWouldBlock;
+    case SSL_ERROR_WANT_WRITE:
+      c.tls_waits_for = POLLOUT;
+      return Io::kWouldBlock;
+    default:  // the peer closed, a failed handshake, a broken record: nothing more to do
+      ERR_clear_error();
+      return Io::kClosed;
+  }
+}
+
+// A TLS connection's first byte: a handshake record's (22) opens TLS; any other (an HTTP
+// method's letter: a scraper or curl told http://) turns the connection into a plain one
+// answered with a 400 naming the scheme, instead of a closed connection that says nothing.
+Io OpenTls(Connection& c, const std::string& https_url) {
+  unsigned char first = 0;
+  const ssize_t peeked = ::recv(c.fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
+  if (peeked == 0) return Io::kClosed;
+  if (peeked < 0) return errno == EAGAIN || errno == EINTR ? Io::kWouldBlock : Io::kClosed;
+  if (first == 22) {
+    c.tls_opened = true;
+    return Io::kDone;
+  }
+  c.ssl.reset();
+  c.response = HttpResponse(
+      "400 Bad Request", "text/plain; charset=utf-8",
+      absl::StrCat("400 Bad Request: this endpoint speaks HTTPS: ", https_url, "\n"), true);
+  return Io::kDone;
+}
+
+// Reads what the peer sent (the plaintext, with TLS) into `buffer`, `*n` bytes.
+Io ReadSome(Connection& c, char* buffer, size_t size, size_t* n) {
+  if (c.ssl != nullptr && !c.draining) {
+    const int result = SSL_read_ex(c.ssl.get(), buffer, size, n);
+    if (result == 1) {
+      c.tls_waits_for = 0;
+      return Io::kDone;
+    }
+    return TlsOutcome(c, result);
+  }
+  // Draining a TLS connection reads its records raw and drops them, as a plain one's bytes.
+  const ssize_t read = ::recv(c.fd, buffer, size, MSG_DONTWAIT);
+  if (read > 0) {
+    *n = static_cast<size_t>(read);
+    return Io::kDone;
+  }
+  return read < 0 && (errno == EAGAIN || errno == EINTR) ? Io::kWouldBlock : Io::kClosed;
+}
+
+// Writes the response's next bytes, `*n` of them.
+Io WriteSome(Connection& c, size_t* n) {
+  const char* data = c.response.data() + c.sent;
+  const size_t size = c.response.size() - c.sent;
+  if (c.ssl != nullptr) {
+    const int result = SSL_write_ex(c.ssl.get(), data, size, n);
+    if (result == 1) {
+      c.tls_waits_for = 0;
+      return Io::kDone;
+    }
+    return TlsOutcome(c, result);
+  }
+  // MSG_NOSIGNAL: a peer that reset the connection must not raise SIGPIPE.
+  const ssize_t written = ::send(c.fd, data, size, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (written > 0) {
+    *n = static_cast<size_t>(written);
+    return Io::kDone;
+  }
+  return written < 0 && (errno == EAGAIN || errno == EINTR) ? Io::kWouldBlock : Io::kClosed;
+}
+
+// A server context for `identity`: TLS 1.2 or later, its certificate chain and key, and, with
+// its client_ca, client certificates required and checked against those roots. HTTP/1.1 is
+// what it speaks: it selects no ALPN protocol, so that a client offering h2 falls back.
+absl::StatusOr<SSL_CTX*> MakeTlsContext(const TlsIdentity& identity) {
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> context(SSL_CTX_new(TLS_server_method()),
+                                                            &SSL_CTX_free);
+  auto refused = [](absl::string_view what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the metrics endpoint's TLS: OpenSSL refused ", what, " (", OpenSslReason(),
+                     ")"));
+  };
+  if (context == nullptr) return refused("no context");
+  SSL_CTX_set_min_proto_version(context.get(), TLS1_2_VERSION);
+  SSL_CTX_set_options(context.get(), SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE);
+  SSL_CTX_set_mode(context.get(),
+                   SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
+  auto bio_of = [](const std::string& pem) {
+    return std::unique_ptr<BIO, decltype(&BIO_free)>(
+        BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), &BIO_free);
+  };
+  {
+    auto bio = bio_of(identity.cert_chain);
+    X509* leaf = bio ? PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr) : nullptr;
+    const bool used = leaf != nullptr && SSL_CTX_use_certificate(context.get(), leaf) == 1;
+    X509_free(leaf);
+    if (!used) return refused("the certificate");
+    // The rest of the chain, sent after the server's own.
+    while (X509* next = PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr)) {
+      if (SSL_CTX_add0_chain_cert(context.get(), next) != 1) {
+        X509_free(next);
+        return refused("the certificate chain");
+      }
+    }
+    ERR_clear_error();  // the end of the file
+  }
+  {
+    auto bio = bio_of(identity.private_key);
+    // Never OpenSSL's default passphrase prompt on the terminal (ReadTlsIdentity refused an
+    // encrypted key already).
+    pem_password_cb* no_passphrase = [](char*, int, int, void*) { return -1; };
+    EVP_PKEY* key =
+        bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, no_passphrase, nullptr) : nullptr;
+    const bool used = key != nullptr && SSL_CTX_use_PrivateKey(context.get(), key) == 1;
+    EVP_PKEY_free(key);
+    if (!used || SSL_CTX_check_private_key(context.get()) != 1) return refused("the key");
+  }
+  if (identity.client_ca) {
+    auto bio = bio_of(*identity.client_ca);
+    X509_STORE* roots = SSL_CTX_get_cert_store(context.get());
+    STACK_OF(X509_NAME)* names = sk_X509_NAME_new_null();
+    while (X509* root = PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr)) {
+      X509_STORE_add_cert(roots, root);
+      sk_X509_NAME_push(names, X509_NAME_dup(X509_get_subject_name(root)));
+      X509_free(root);
+    }
+    ERR_clear_error();
+    SSL_CTX_set_client_CA_list(context.get(), names);  // named in the CertificateRequest
+    SSL_CTX_set_verify(context.get(), SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT,
+                       nullptr);
+  }
+  return context.release();
+}
 
 // `request` without the empty lines that may precede its request line (RFC 9112 2.2: ignored).
 absl::string_view WithoutLeadingEmptyLines(absl::string_view request) {
@@ -65,26 +240,14 @@ absl::string_view AuthorizationHeader(absl::string_view request) {
   return "";
 }
 
-std::string HttpResponse(absl::string_view status, absl::string_view content_type,
-                         absl::string_view body, bool with_body, absl::string_view extra = "") {
-  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
-                      "\r\nContent-Length: ", body.size(), "\r\n", extra,
-                      "Connection: close\r\n\r\n", with_body ? body : "");
-}
-
-std::string PlainResponse(absl::string_view status, bool with_body,
-                          absl::string_view extra = "") {
-  return HttpResponse(status, "text/plain; charset=utf-8", absl::StrCat(status, "\n"), with_body,
-                      extra);
-}
 
 }  // namespace
 
 MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
-                                 std::shared_ptr<const TokenStore> scrapers, int listener,
-                                 const int wake[2], std::string address, int port)
-    : metrics_(std::move(metrics)), scrapers_(std::move(scrapers)), listener_(listener),
-      wake_{wake[0], wake[1]}, address_(std::move(address)), port_(port) {
+                                 std::shared_ptr<const TokenStore> scrapers, SSL_CTX* tls,
+                                 int listener, const int wake[2], std::string address, int port)
+    : metrics_(std::move(metrics)), scrapers_(std::move(scrapers)), tls_(tls),
+      listener_(listener), wake_{wake[0], wake[1]}, address_(std::move(address)), port_(port) {
   thread_ = std::thread([this] { Serve(); });
 }
 
@@ -95,11 +258,12 @@ MetricsEndpoint::~MetricsEndpoint() {
   ::close(listener_);
   ::close(wake_[0]);
   ::close(wake_[1]);
+  SSL_CTX_free(tls_);
 }
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     const std::string& address, std::shared_ptr<ServerMetrics> metrics,
-    std::shared_ptr<const TokenStore> scrapers) {
+    std::shared_ptr<const TokenStore> scrapers, const TlsIdentity* tls) {
   const size_t colon = address.rfind(':');
   int requested_port = -1;
   if (colon == std::string::npos || colon == 0 ||
@@ -152,14 +316,24 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   const int port = ntohs(bound.ss_family == AF_INET6
                              ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  SSL_CTX* context = nullptr;
+  if (tls != nullptr) {
+    absl::StatusOr<SSL_CTX*> made = MakeTlsContext(*tls);
+    if (!made.ok()) {
+      ::close(listener);
+      return made.status();
+    }
+    context = *made;
+  }
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {  // without it the endpoint could not stop
     const int error = errno;
     ::close(listener);
+    SSL_CTX_free(context);
     return unavailable(absl::StrCat("no pipe to stop it by: ", strerror(error)));
   }
   return std::unique_ptr<MetricsEndpoint>(
-      new MetricsEndpoint(std::move(metrics), std::move(scrapers), listener, wake,
+      new MetricsEndpoint(std::move(metrics), std::move(scrapers), context, listener, wake,
                           absl::StrCat(address.substr(0, colon), ":", port), port));
 }
 
@@ -195,6 +369,13 @@ std::string MetricsEndpoint::Respond(const std::string& request) const {
 }
 
 void MetricsEndpoint::Serve() {
+  const std::string https_url = absl::StrCat("https://", address_, "/metrics");
+  // A TLS write to a peer that reset the connection raises SIGPIPE (OpenSSL writes with
+  // write(2)); blocked on this thread, it is dropped and the write fails with EPIPE.
+  sigset_t pipe;
+  sigemptyset(&pipe);
+  sigaddset(&pipe, SIGPIPE);
+  pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
   std::vector<Connection> connections;
   std::vector<pollfd> polled;
   absl::Time accept_paused_until = absl::InfinitePast();
@@ -233,36 +414,44 @@ void MetricsEndpoint::Serve() {
       Connection& c = connections[i];
       const short revents = polled[i + 2].revents;
       bool done = now >= c.deadline || (revents & POLLNVAL) != 0;
-      if (!done && (revents & (POLLIN | POLLHUP | POLLERR)) != 0 && c.events() == POLLIN) {
-        const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, MSG_DONTWAIT);
-        if (n > 0 && !c.draining) {
-          c.request.append(buffer, static_cast<size_t>(n));
-          const absl::string_view head = WithoutLeadingEmptyLines(c.request);
-          // The empty line that ends the headers, after a CRLF or a bare LF (RFC 9112 2.2).
-          if (head.find("\n\r\n") != absl::string_view::npos ||
-              head.find("\n\n") != absl::string_view::npos) {
-            c.response = Respond(c.request);
-          } else if (c.request.size() > kMaxRequestBytes) {
-            c.response = PlainResponse("400 Bad Request", true);
-          }
-        } else if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-          done = true;  // the peer closed (or failed): nothing more to read or send
+      // Reads until none is left: TLS holds a record's plaintext beyond what one read takes,
+      // which poll does not see. A request line and headers past kMaxRequestBytes end it.
+      if (!done && c.ssl != nullptr && !c.tls_opened && (revents & (POLLIN | POLLHUP)) != 0) {
+        done = OpenTls(c, https_url) == Io::kClosed;
+      }
+      while (!done && (revents & (POLLIN | POLLOUT | POLLHUP | POLLERR)) != 0 && c.reading() &&
+             (c.ssl == nullptr || c.tls_opened)) {
+        size_t n = 0;
+        const Io io = ReadSome(c, buffer, sizeof buffer, &n);
+        if (io == Io::kClosed) done = true;  // the peer closed (or failed): nothing more to do
+        if (io != Io::kDone) break;
+        if (c.draining) continue;  // dropped
+        c.request.append(buffer, n);
+        const absl::string_view head = WithoutLeadingEmptyLines(c.request);
+        // The empty line that ends the headers, after a CRLF or a bare LF (RFC 9112 2.2).
+        if (head.find("\n\r\n") != absl::string_view::npos ||
+            head.find("\n\n") != absl::string_view::npos) {
+          c.response = Respond(c.request);
+        } else if (c.request.size() > kMaxRequestBytes) {
+          c.response = PlainResponse("400 Bad Request", true);
         }
       }
-      if (!done && (revents & (POLLOUT | POLLERR)) != 0 && c.events() == POLLOUT) {
-        // MSG_NOSIGNAL: a peer that reset the connection must not raise SIGPIPE.
-        const ssize_t n = ::send(c.fd, c.response.data() + c.sent, c.response.size() - c.sent,
-                                 MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n > 0) {
-          c.sent += static_cast<size_t>(n);
-          if (c.sent == c.response.size()) {
-            // Our side is done; reading on until the peer closes lets the response arrive
-            // whole (a close with unread request bytes would reset the connection).
-            ::shutdown(c.fd, SHUT_WR);
-            c.draining = true;
-          }
-        } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-          done = true;
+      while (!done && (revents & (POLLIN | POLLOUT | POLLERR)) != 0 && !c.reading()) {
+        size_t n = 0;
+        const Io io = WriteSome(c, &n);
+        if (io == Io::kClosed) done = true;
+        if (io != Io::kDone) break;
+        c.sent += n;
+        if (c.sent == c.response.size()) {
+          // Our side is done (TLS: its close_notify, which a full socket may drop: the
+          // response's Content-Length has told its end); reading on until the peer closes lets
+          // the response arrive whole (a close with unread request bytes would reset the
+          // connection).
+          if (c.ssl != nullptr) SSL_shutdown(c.ssl.get());
+          ERR_clear_error();
+          ::shutdown(c.fd, SHUT_WR);
+          c.draining = true;
+          c.tls_waits_for = 0;
         }
       }
       if (done) {
@@ -294,7 +483,18 @@ void MetricsEndpoint::Serve() {
           ::close(oldest_evictable->fd);
           connections.erase(oldest_evictable);
         }
-        connections.push_back({.fd = fd, .deadline = now + kConnectionDeadline});
+        Connection& added =
+            connections.emplace_back(Connection{.fd = fd, .deadline = now + kConnectionDeadline});
+        if (tls_ != nullptr) {
+          added.ssl.reset(SSL_new(tls_));
+          if (added.ssl == nullptr || SSL_set_fd(added.ssl.get(), fd) != 1) {
+            ERR_clear_error();
+            ::close(fd);
+            connections.pop_back();  // no memory for it: as if it had not come
+            continue;
+          }
+          SSL_set_accept_state(added.ssl.get());  // the first read runs the handshake
+        }
       }
     }
   }

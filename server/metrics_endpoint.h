@@ -1,5 +1,6 @@
 // The HTTP endpoint that serves ServerMetrics in the Prometheus text format at /metrics
-// (prometheus-cpp's text serializer), started by RunningServer when --metrics_address is set.
+// (prometheus-cpp's text serializer), started by RunningServer when --metrics_address is set;
+// HTTPS with --metrics_tls_cert / --metrics_tls_key (OpenSSL, TLS 1.2 or later).
 //
 // A small HTTP/1.1 server of its own on one thread that polls every connection: whoever reaches
 // the port may connect (a scrape's token, where --metrics_token_file asks for one, is read with
@@ -9,7 +10,8 @@
 // at most kMaxConnections are open at once, and a new peer beyond them takes the place of the
 // oldest that is not being answered (its request still incomplete, or its response sent and the
 // connection still open), so idle peers by the hundred delay no scrape: only as many peers
-// connecting within a scrape's own milliseconds could push it out. Not prometheus-cpp's
+// connecting within a scrape's own milliseconds could push it out. With TLS the handshake is
+// part of the connection's life and under its deadline, like the request. Not prometheus-cpp's
 // Exposer (its civetweb workers run on a 100 KiB stack that the static TLS of OpenBLAS and CUDA
 // leaves too little of) and not cpp-httplib (its deadlines are per read: one byte a second held
 // a worker for hours, and four such peers held every scrape and the shutdown).
@@ -24,7 +26,11 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
+#include "server/credentials.h"
 #include "server/metrics.h"
+
+// OpenSSL's, named in members alone.
+typedef struct ssl_ctx_st SSL_CTX;
 
 namespace kvrecall {
 
@@ -35,19 +41,23 @@ class MetricsEndpoint {
   // methods 405, a malformed or oversized request 400) until destroyed. With `scrapers`, every
   // request must carry "Authorization: Bearer TOKEN" with a token of its table in force (the
   // first such header decides; else 401 with "WWW-Authenticate: Bearer", before its method and
-  // path are looked at); without, any peer that reaches the port reads the metrics.
-  // INVALID_ARGUMENT for an address without a port, UNAVAILABLE when it cannot be bound.
+  // path are looked at); without, any peer that reaches the port reads the metrics. With
+  // `tls` (ReadTlsIdentity's, checked), every connection is TLS with that identity (and, with
+  // its client_ca, must present a certificate those roots signed): a peer that does not
+  // complete the handshake is closed without an answer; without, plain HTTP.
+  // INVALID_ARGUMENT for an address without a port or an identity OpenSSL refuses,
+  // UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
       const std::string& address, std::shared_ptr<ServerMetrics> metrics,
-      std::shared_ptr<const TokenStore> scrapers = nullptr);
+      std::shared_ptr<const TokenStore> scrapers = nullptr, const TlsIdentity* tls = nullptr);
   // Closes every connection at once and returns.
   ~MetricsEndpoint();
 
   // Connections open at once; past that a new peer takes the place of the oldest connection
   // that is not being answered (none: it waits in the kernel's backlog until one ends).
   static constexpr int kMaxConnections = 32;
-  // A connection's whole life: from its accept to its response's last byte. A scrape of the
-  // loopback or the cluster network takes a few milliseconds.
+  // A connection's whole life: from its accept (its TLS handshake included) to its response's
+  // last byte. A scrape of the loopback or the cluster network takes a few milliseconds.
   static constexpr absl::Duration kConnectionDeadline = absl::Seconds(2);
   // The most bytes of a request (its line and headers; a GET has no body).
   static constexpr size_t kMaxRequestBytes = 8192;
@@ -55,11 +65,13 @@ class MetricsEndpoint {
   // HOST:PORT actually listened on (the requested host with the bound port).
   const std::string& address() const { return address_; }
   int port() const { return port_; }
+  // "https" with TLS, else "http".
+  const char* scheme() const { return tls_ != nullptr ? "https" : "http"; }
 
  private:
   MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
-                  std::shared_ptr<const TokenStore> scrapers, int listener, const int wake[2],
-                  std::string address, int port);
+                  std::shared_ptr<const TokenStore> scrapers, SSL_CTX* tls, int listener,
+                  const int wake[2], std::string address, int port);
   // Serves connections until wake_[0] becomes readable.
   void Serve();
   // The response to one complete request (`request` holds its line and headers).
@@ -67,6 +79,7 @@ class MetricsEndpoint {
 
   const std::shared_ptr<ServerMetrics> metrics_;
   const std::shared_ptr<const TokenStore> scrapers_;  // null: no token asked for
+  SSL_CTX* const tls_;  // owned; null: plain HTTP
   const int listener_;
   const int wake_[2];  // a byte written to wake_[1] stops Serve
   const std::string address_;

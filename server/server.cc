@@ -270,6 +270,11 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
   return size;
 }
 
+std::string RunningServer::metrics_url() const {
+  if (metrics_endpoint_ == nullptr) return "";
+  return absl::StrCat(metrics_endpoint_->scheme(), "://", metrics_address_, "/metrics");
+}
+
 absl::StatusOr<size_t> RunningServer::ReloadMetricsTokens() {
   if (scrapers_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -291,9 +296,24 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
     if (!scrapers.ok()) return scrapers.status();
     scrapers_ = *std::move(scrapers);
   }
+  std::optional<TlsIdentity> metrics_tls;
+  if (!options.metrics_tls_cert_file.empty() || !options.metrics_tls_key_file.empty()) {
+    if (options.metrics_address.empty()) {
+      return absl::InvalidArgumentError(
+          "--metrics_tls_cert needs a metrics endpoint (--metrics_address is empty)");
+    }
+    absl::StatusOr<TlsIdentity> identity =
+        ReadTlsIdentity(options.metrics_tls_cert_file, options.metrics_tls_key_file,
+                        options.metrics_tls_client_ca_file, "metrics_");
+    if (!identity.ok()) return identity.status();
+    metrics_tls = *std::move(identity);
+  } else if (!options.metrics_tls_client_ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--metrics_tls_client_ca (mutual TLS) needs --metrics_tls_cert and --metrics_tls_key");
+  }
   if (!options.metrics_address.empty()) {
-    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint =
-        MetricsEndpoint::Start(options.metrics_address, metrics_, scrapers_);
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = MetricsEndpoint::Start(
+        options.metrics_address, metrics_, scrapers_, metrics_tls ? &*metrics_tls : nullptr);
     if (!endpoint.ok()) return endpoint.status();
     metrics_endpoint_ = *std::move(endpoint);
     metrics_address_ = metrics_endpoint_->address();

@@ -69,6 +69,13 @@ struct ServerOptions {
   // to metrics_address must carry (MetricsEndpoint); empty: none asked for. INVALID_ARGUMENT
   // without metrics_address.
   std::string metrics_token_file;
+  // PEM files of the metrics endpoint's TLS (HTTPS): its certificate chain and key, and the
+  // roots a scraper's client certificate must chain to (mutual TLS; empty: none asked for).
+  // Read and checked as the gRPC port's are (ReadTlsIdentity); INVALID_ARGUMENT without
+  // metrics_address, for a client CA without a certificate, or one of the pair alone.
+  std::string metrics_tls_cert_file;
+  std::string metrics_tls_key_file;
+  std::string metrics_tls_client_ca_file;
   // HOST:PORT of a plaintext port that serves grpc.health.v1 alone, for probes that cannot
   // speak TLS (Kubernetes' gRPC probes); empty: none.
   std::string health_address;
@@ -118,6 +125,8 @@ class RunningServer {
   ServerMetrics& metrics() { return *metrics_; }
   // Where metrics and the plaintext health port are served (bound ports); empty when not.
   const std::string& metrics_address() const { return metrics_address_; }
+  // The metrics' URL (http:// or https://HOST:PORT/metrics); empty without an endpoint.
+  std::string metrics_url() const;
   const std::string& health_address() const { return health_address_; }
   Placements& placements() { return *placements_; }
   const MemoryBudget& budget() const { return budget_; }

@@ -1,11 +1,19 @@
 // TLS, mutual TLS and bearer-token tenants with real certificates that openssl makes for the
 // suite: an in-process kvrecall server reached through the C++ client, plaintext Unix sockets
-// beside a TLS port (plaintext_unix_sockets), kvrecalld's flags, and the kvrecall CLI against a
-// real kvrecalld.
+// beside a TLS port (plaintext_unix_sockets), kvrecalld's flags, the kvrecall CLI against a
+// real kvrecalld, and the metrics endpoint's HTTPS (--metrics_tls_*) reached by an OpenSSL
+// client.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509_vfy.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -29,6 +37,7 @@
 #include "gtest/gtest.h"
 #include "server/auth.h"
 #include "server/credentials.h"
+#include "server/metrics_endpoint.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -1221,6 +1230,255 @@ TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
   bad_tokens.auth_token_file = pki().Path("bad-tokens");
   EXPECT_TRUE(HasStatus(start(bad_tokens), absl::StatusCode::kInvalidArgument,
                         "--auth_token_file: " + pki().Path("bad-tokens") + ":1: token is 5"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The metrics endpoint over TLS (--metrics_tls_cert, --metrics_tls_key, --metrics_tls_client_ca).
+
+// A TCP connection to 127.0.0.1:`port` with a 5 s receive timeout, or -1.
+int ConnectLoopback(int port) {
+  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(s);
+    return -1;
+  }
+  timeval timeout = {5, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  return s;
+}
+
+// What an HTTPS exchange with the endpoint came to: whether the handshake (the server's
+// certificate checked against `ca_file` for 127.0.0.1) completed, and the response read until
+// the endpoint closed.
+struct HttpsExchange {
+  bool handshake = false;
+  std::string response;
+  std::string error;  // OpenSSL's reason where the handshake failed
+};
+HttpsExchange Https(int port, const std::string& ca_file, const std::string& request,
+                    const std::string& cert_file = "", const std::string& key_file = "") {
+  HttpsExchange result;
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> context(SSL_CTX_new(TLS_client_method()),
+                                                            &SSL_CTX_free);
+  SSL_CTX_load_verify_locations(context.get(), ca_file.c_str(), nullptr);
+  SSL_CTX_set_verify(context.get(), SSL_VERIFY_PEER, nullptr);
+  if (!cert_file.empty()) {
+    SSL_CTX_use_certificate_chain_file(context.get(), cert_file.c_str());
+    SSL_CTX_use_PrivateKey_file(context.get(), key_file.c_str(), SSL_FILETYPE_PEM);
+  }
+  const int s = ConnectLoopback(port);
+  if (s < 0) return result;
+  std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(context.get()), &SSL_free);
+  SSL_set_fd(ssl.get(), s);
+  X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl.get()), "127.0.0.1");
+  if (SSL_connect(ssl.get()) == 1) {
+    result.handshake = true;
+    SSL_write(ssl.get(), request.data(), static_cast<int>(request.size()));
+    char buffer[4096];
+    size_t n = 0;
+    while (SSL_read_ex(ssl.get(), buffer, sizeof buffer, &n) == 1) result.response.append(buffer, n);
+  } else {
+    result.error = OpenSslReason();
+  }
+  ERR_clear_error();
+  close(s);
+  return result;
+}
+
+// `request` sent in plaintext over a fresh connection: what came back until the endpoint closed.
+std::string Plaintext(int port, const std::string& request) {
+  const int s = ConnectLoopback(port);
+  if (s < 0) return "";
+  send(s, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string reply;
+  char buffer[4096];
+  for (ssize_t n; (n = read(s, buffer, sizeof buffer)) > 0;) reply.append(buffer, n);
+  close(s);
+  return reply;
+}
+
+constexpr char kScrape[] = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+
+class MetricsTlsTest : public TlsTest {
+ protected:
+  // The endpoint on a free loopback port with the suite's server certificate (and, with
+  // `client_ca`, mutual TLS) and the scraper token "scraper-token-0123456789".
+  std::unique_ptr<MetricsEndpoint> StartEndpoint(const std::string& client_ca = "") {
+    absl::StatusOr<TlsIdentity> identity = ReadTlsIdentity(
+        pki().Path("server.pem"), pki().Path("server.key"), client_ca, "metrics_");
+    EXPECT_TRUE(identity.ok()) << identity.status();
+    absl::StatusOr<TokenTable> table =
+        TokenTable::Parse("scraper-token-0123456789\n", "tokens", "scraper");
+    EXPECT_TRUE(table.ok()) << table.status();
+    if (!identity.ok() || !table.ok()) return nullptr;
+    absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = MetricsEndpoint::Start(
+        "127.0.0.1:0", std::make_shared<ServerMetrics>(),
+        std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*table)), &*identity);
+    EXPECT_TRUE(endpoint.ok()) << endpoint.status();
+    return endpoint.ok() ? *std::move(endpoint) : nullptr;
+  }
+  static std::string WithToken() {
+    return absl::StrCat(kScrape, "Authorization: Bearer scraper-token-0123456789\r\n\r\n");
+  }
+};
+
+// A scrape over TLS reads the whole text (larger than a TLS record: the endpoint's partial
+// writes) with the token, 401 without; plaintext HTTP gets a 400 naming the scheme, a client
+// that does not trust the CA nothing.
+TEST_F(MetricsTlsTest, ServesHttpsAndAnswersNothingOutsideTls) {
+  std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint();
+  ASSERT_NE(endpoint, nullptr);
+  EXPECT_STREQ(endpoint->scheme(), "https");
+  const int port = endpoint->port();
+  const std::string ca = pki().Path("ca.pem");
+  HttpsExchange ok = Https(port, ca, WithToken());
+  ASSERT_TRUE(ok.handshake) << ok.error;
+  EXPECT_THAT(ok.response, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_THAT(ok.response, HasSubstr("# TYPE kvrecall_sessions_open gauge"));
+  const size_t body = ok.response.find("\r\n\r\n") + 4;
+  EXPECT_THAT(ok.response, HasSubstr(absl::StrCat("Content-Length: ", ok.response.size() - body,
+                                                  "\r\n")));
+  EXPECT_GT(ok.response.size(), 16384u) << "one TLS record: the partial writes were not tried";
+  HttpsExchange no_token = Https(port, ca, absl::StrCat(kScrape, "\r\n"));
+  ASSERT_TRUE(no_token.handshake) << no_token.error;
+  EXPECT_THAT(no_token.response, ::testing::StartsWith("HTTP/1.1 401 Unauthorized\r\n"));
+  EXPECT_THAT(no_token.response, Not(HasSubstr("kvrecall_")));
+
+  // Plain HTTP (a scraper or curl told http://) is told the scheme, and nothing else.
+  const std::string plain = Plaintext(port, WithToken());
+  EXPECT_THAT(plain, ::testing::StartsWith("HTTP/1.1 400 Bad Request\r\n"));
+  EXPECT_THAT(plain, HasSubstr(absl::StrCat("this endpoint speaks HTTPS: https://127.0.0.1:", port,
+                                            "/metrics\n")));
+  EXPECT_THAT(plain, Not(HasSubstr("kvrecall_")));
+  HttpsExchange untrusted = Https(port, pki().Path("wrong-ca.pem"), WithToken());
+  EXPECT_FALSE(untrusted.handshake);
+  EXPECT_THAT(untrusted.error, HasSubstr("certificate verify failed"));
+  EXPECT_EQ(untrusted.response, "");
+  // The endpoint still serves after each.
+  EXPECT_THAT(Https(port, ca, WithToken()).response, ::testing::StartsWith("HTTP/1.1 200 OK"));
+}
+
+// A peer that starts a handshake and stalls is cut at the connection's deadline, and scrapes
+// are answered meanwhile; the endpoint's destruction does not wait for such peers.
+TEST_F(MetricsTlsTest, AStalledHandshakeIsCutAtTheDeadline) {
+  std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint();
+  ASSERT_NE(endpoint, nullptr);
+  const int port = endpoint->port();
+  std::vector<int> stalled;
+  // A TLS record header announcing a handshake message, then nothing.
+  const char partial_hello[] = {0x16, 0x03, 0x01, 0x02, 0x00, 0x01};
+  for (int i = 0; i < 4; ++i) {
+    stalled.push_back(ConnectLoopback(port));
+    ASSERT_GE(stalled.back(), 0);
+    ASSERT_EQ(send(stalled.back(), partial_hello, sizeof partial_hello, MSG_NOSIGNAL),
+              static_cast<ssize_t>(sizeof partial_hello));
+  }
+  const absl::Time started = absl::Now();
+  EXPECT_THAT(Https(port, pki().Path("ca.pem"), WithToken()).response,
+              ::testing::StartsWith("HTTP/1.1 200 OK"));
+  EXPECT_LT(absl::Now() - started, absl::Milliseconds(1500));
+  for (int s : stalled) {
+    char byte;
+    EXPECT_LE(read(s, &byte, 1), 0);  // closed by the endpoint (5 s timeout: -1, EAGAIN)
+  }
+  EXPECT_LT(absl::Now() - started, MetricsEndpoint::kConnectionDeadline + absl::Seconds(2));
+  for (int s : stalled) close(s);
+  stalled.clear();
+  for (int i = 0; i < 4; ++i) {
+    stalled.push_back(ConnectLoopback(port));
+    send(stalled.back(), partial_hello, 3, MSG_NOSIGNAL);
+  }
+  const absl::Time destroy = absl::Now();
+  endpoint.reset();
+  EXPECT_LT(absl::Now() - destroy, absl::Seconds(1));
+  for (int s : stalled) close(s);
+}
+
+// With a client CA, a scraper must present a certificate those roots signed.
+TEST_F(MetricsTlsTest, MutualTlsNeedsAScraperCertificateFromTheClientCa) {
+  std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint(pki().Path("ca.pem"));
+  ASSERT_NE(endpoint, nullptr);
+  const int port = endpoint->port();
+  const std::string ca = pki().Path("ca.pem");
+  HttpsExchange with_cert =
+      Https(port, ca, WithToken(), pki().Path("client.pem"), pki().Path("client.key"));
+  ASSERT_TRUE(with_cert.handshake) << with_cert.error;
+  EXPECT_THAT(with_cert.response, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
+  // TLS 1.3: the client's handshake ends before the server has checked its certificate; the
+  // refusal comes as an alert instead of the response.
+  for (const auto& [cert, key] :
+       {std::pair<std::string, std::string>{"", ""},
+        {pki().Path("stranger.pem"), pki().Path("stranger.key")}}) {
+    const HttpsExchange refused = Https(port, ca, WithToken(), cert, key);
+    EXPECT_EQ(refused.response, "") << cert;
+  }
+  EXPECT_THAT(Https(port, ca, WithToken(), pki().Path("client.pem"), pki().Path("client.key"))
+                  .response,
+              ::testing::StartsWith("HTTP/1.1 200 OK"));
+}
+
+TEST_F(MetricsTlsTest, BadMetricsTlsOptionsAreRefusedBeforeListening) {
+  auto start = [](const std::function<void(ServerOptions&)>& set) {
+    ServerOptions options;
+    options.address = "127.0.0.1:0";
+    options.metrics_address = "127.0.0.1:0";
+    set(options);
+    return StartServer(options).status();
+  };
+  const std::string cert = pki().Path("server.pem");
+  const std::string key = pki().Path("server.key");
+  EXPECT_TRUE(HasStatus(start([&](ServerOptions& o) { o.metrics_tls_cert_file = cert; }),
+                        absl::StatusCode::kInvalidArgument,
+                        "--metrics_tls_cert and --metrics_tls_key go together"));
+  EXPECT_TRUE(HasStatus(start([&](ServerOptions& o) { o.metrics_tls_key_file = key; }),
+                        absl::StatusCode::kInvalidArgument,
+                        "--metrics_tls_cert and --metrics_tls_key go together"));
+  EXPECT_TRUE(HasStatus(
+      start([&](ServerOptions& o) { o.metrics_tls_client_ca_file = pki().Path("ca.pem"); }),
+      absl::StatusCode::kInvalidArgument,
+      "--metrics_tls_client_ca (mutual TLS) needs --metrics_tls_cert and --metrics_tls_key"));
+  EXPECT_TRUE(HasStatus(start([&](ServerOptions& o) {
+                          o.metrics_address.clear();
+                          o.metrics_tls_cert_file = cert;
+                          o.metrics_tls_key_file = key;
+                        }),
+                        absl::StatusCode::kInvalidArgument,
+                        "--metrics_tls_cert needs a metrics endpoint"));
+  EXPECT_TRUE(HasStatus(start([&](ServerOptions& o) {
+                          o.metrics_tls_cert_file = pki().Path("absent.pem");
+                          o.metrics_tls_key_file = key;
+                        }),
+                        absl::StatusCode::kNotFound, "--metrics_tls_cert: cannot read"));
+  EXPECT_TRUE(HasStatus(start([&](ServerOptions& o) {
+                          o.metrics_tls_cert_file = cert;
+                          o.metrics_tls_key_file = pki().Path("client.key");
+                        }),
+                        absl::StatusCode::kInvalidArgument,
+                        "--metrics_tls_key: " + pki().Path("client.key") +
+                            " is not the key of --metrics_tls_cert's certificate"));
+  EXPECT_TRUE(HasStatus(start([&](ServerOptions& o) {
+                          o.metrics_tls_cert_file = cert;
+                          o.metrics_tls_key_file = key;
+                          o.metrics_tls_client_ca_file = pki().Path("not-pem");
+                        }),
+                        absl::StatusCode::kInvalidArgument,
+                        "--metrics_tls_client_ca: " + pki().Path("not-pem") +
+                            " holds no PEM CERTIFICATE block"));
+  // The gRPC port's TLS does not make the metrics HTTPS, nor does the metrics' need it.
+  absl::StatusOr<std::unique_ptr<RunningServer>> both = StartServer([&] {
+    ServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.metrics_address = "127.0.0.1:0";
+    o.metrics_tls_cert_file = cert;
+    o.metrics_tls_key_file = key;
+    return o;
+  }());
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_THAT((*both)->metrics_url(), ::testing::MatchesRegex("https://127\\.0\\.0\\.1:[0-9]+/metrics"));
 }
 
 TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {

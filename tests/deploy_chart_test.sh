@@ -325,7 +325,7 @@ case "$case_name" in
     tls_policy="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
       --set networkPolicy.enabled=true --set metrics.enabled=false --set metrics.serviceMonitor.enabled=false \
       --set metrics.prometheusRule.enabled=false --set metrics.grafanaDashboard.enabled=false \
-      --set metrics.tokenSecretName= --show-only templates/networkpolicy.yaml)"
+      --set metrics.tokenSecretName= --set metrics.tls.enabled=false --show-only templates/networkpolicy.yaml)"
     grep -qF -- '- port: 50052' <<<"$tls_policy" || fail "NetworkPolicy with TLS: the health port is closed"
     if grep -qF -- '- port: 9090' <<<"$tls_policy"; then
       fail "NetworkPolicy without metrics still opens the metrics port"
@@ -411,6 +411,34 @@ case "$case_name" in
       --set metrics.enabled=false --set metrics.tokenSecretName=t
     expect_render_error "server.extraArgs: --metrics_token_file is set by the chart" \
       --set "server.extraArgs={--metrics_token_file=/x}"
+    # HTTPS on the metrics port (the secure values turn it on): kvrecalld serves the gRPC port's
+    # certificate there, the ServiceMonitor scrapes https checking it against the Secret's
+    # ca.crt for the API Service's name, the pods say https; refused without TLS or metrics.
+    for line in '- --metrics_tls_cert=/etc/kvrecall/tls/tls.crt' \
+        '- --metrics_tls_key=/etc/kvrecall/tls/tls.key' 'prometheus.io/scheme: https'; do
+      grep -qF -- "$line" <<<"$secure" || fail "secure render lacks: $line"
+    done
+    for line in 'scheme: https' 'name: kvrecall-tls' 'key: ca.crt' 'serverName: kvrecall.default.svc'; do
+      grep -qF -- "$line" <<<"$monitor" || fail "the ServiceMonitor does not scrape https: $line"
+    done
+    named="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set metrics.tls.serverName=metrics.example.test --show-only templates/servicemonitor.yaml)"
+    grep -qF 'serverName: metrics.example.test' <<<"$named" || fail "metrics.tls.serverName not used: $named"
+    plain_monitor="$("$HELM" template kvrecall "$chart_dir" --set metrics.serviceMonitor.enabled=true \
+      --show-only templates/servicemonitor.yaml)"
+    grep -qF 'scheme: http' <<<"$plain_monitor" || fail "the default ServiceMonitor is not http"
+    if grep -qE 'tlsConfig|scheme: https' <<<"$plain_monitor" \
+        || "$HELM" template kvrecall "$chart_dir" | grep -qE 'metrics_tls|prometheus.io/scheme'; then
+      fail "the default render serves or scrapes the metrics over TLS"
+    fi
+    expect_render_error "metrics.tls.enabled needs tls.enabled: the metrics port serves the certificate of tls.secretName" \
+      --set metrics.tls.enabled=true
+    expect_render_error "metrics.tls.enabled needs metrics.enabled" \
+      --set metrics.enabled=false --set metrics.tls.enabled=true
+    expect_render_error "server.extraArgs: --metrics_tls_cert is set by the chart" \
+      --set "server.extraArgs={--metrics_tls_cert=/x}"
+    expect_render_error "at '/metrics/tls/serverName': 'a b' does not match pattern" \
+      --set "metrics.tls.serverName=a b"
     # Integer flags from a values file: YAML numbers reach the templates as float64, which
     # prints 1000000 as 1e+06, a value kvrecalld's integer flags refuse.
     big_values="$(mktemp)"

@@ -25,6 +25,7 @@ import time
 import unittest
 
 import shutil
+import ssl
 import urllib.error
 import urllib.request
 
@@ -199,6 +200,18 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                 for monitor in monitors:
                     (endpoint,) = monitor["spec"]["endpoints"]
                     self.assertEqual((endpoint["port"], endpoint["path"]), ("metrics", "/metrics"))
+                    # HTTPS where kvrecalld serves it, checked against the TLS Secret's CA.
+                    https = any(a.startswith("--metrics_tls_cert=") for a in args)
+                    self.assertEqual(endpoint["scheme"], "https" if https else "http")
+                    self.assertEqual(annotations.get("prometheus.io/scheme", "http"),
+                                     endpoint["scheme"])
+                    if https:
+                        self.assertEqual(flag_value(args, "metrics_tls_cert").rsplit("/", 1)[0],
+                                         flag_value(args, "tls_cert").rsplit("/", 1)[0])
+                        ca = endpoint["tlsConfig"]["ca"]["secret"]
+                        (tls_volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "tls"]
+                        self.assertEqual((ca["name"], ca["key"]),
+                                         (tls_volume["secret"]["secretName"], "ca.crt"))
                     self.assertEqual(monitor["spec"]["selector"]["matchLabels"].items()
                                      - with_metrics[0]["metadata"]["labels"].items(), set())
                 self.assertEqual(statefulset["spec"]["selector"]["matchLabels"].items()
@@ -236,17 +249,23 @@ class ChartDrivesKvrecalld(unittest.TestCase):
                     tls = any(a.startswith("--tls_cert=") for a in args)
                     probe_address = f"127.0.0.1:{health_port if tls else port}"
                     self.assert_probes_pass(server, probe_address, container)
-                    url = (f"http://127.0.0.1:{metrics_port}"
-                           f"{pod['metadata']['annotations']['prometheus.io/path']}")
+                    annotations = pod["metadata"]["annotations"]
+                    scheme = annotations.get("prometheus.io/scheme", "http")
+                    url = (f"{scheme}://127.0.0.1:{metrics_port}"
+                           f"{annotations['prometheus.io/path']}")
                     headers = {}
+                    # HTTPS: the certificate of the TLS Secret, checked against its ca.crt.
+                    context = (ssl.create_default_context(
+                        cafile=os.path.join(secrets.name, "tls", "ca.crt"))
+                        if scheme == "https" else None)
                     if any(a.startswith("--metrics_token_file=") for a in args):
                         # Secured: none without the token, which the ServiceMonitor sends.
                         with self.assertRaises(urllib.error.HTTPError) as refused:
-                            urllib.request.urlopen(url, timeout=10)
+                            urllib.request.urlopen(url, timeout=10, context=context)
                         self.assertEqual(refused.exception.code, 401)
                         headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
                     with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                                timeout=10) as r:
+                                                timeout=10, context=context) as r:
                         self.assertIn("\nkvrecall_build_info{", r.read().decode())
                     if tls:
                         self.assert_tls_and_token_required(f"127.0.0.1:{port}", secrets.name)

@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -22,7 +23,8 @@ import numpy as np
 
 import kvrecall
 from kvrecall.client import make_geometry, make_policy
-from kvrecalld_process import Kvrecalld
+from auth_pki import make_pki
+from kvrecalld_process import Kvrecalld, binary as kvrecalld_binary
 
 GEOMETRY = dict(layers=2, q_heads=4, kv_heads=2, head_dim=16)
 PROMPT_TOKENS = 64
@@ -395,106 +397,187 @@ class PrometheusServerTest(unittest.TestCase):
             self.fail(f"timed out waiting for {what}; prometheus said: {self.log.read()[-3000:]}")
 
 
+class PrometheusJobs:
+    """A real prometheus scraping the jobs of a test every second (`start_prometheus`), its
+    targets' health read from its API; stopped by the test's cleanup."""
+
+    def start_prometheus(self, tmp, jobs):
+        """`jobs`: the scrape_configs entries, as YAML lines indented under the list."""
+        config = os.path.join(tmp, "prometheus.yml")
+        with open(config, "w") as f:
+            f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                    "scrape_configs:\n" + jobs)
+        checked = subprocess.run(["promtool", "check", "config", config],
+                                 capture_output=True, text=True)
+        self.assertEqual(checked.returncode, 0, checked.stdout + checked.stderr)
+        port = free_port()
+        self.prometheus_log = open(os.path.join(tmp, "prometheus.log"), "w+")
+        self.addCleanup(self.prometheus_log.close)
+        self.prometheus = subprocess.Popen(
+            ["prometheus", f"--config.file={config}",
+             f"--storage.tsdb.path={tmp}/data", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=self.prometheus_log, stderr=subprocess.STDOUT)
+        self.addCleanup(self.prometheus.wait, 30)
+        self.addCleanup(self.prometheus.terminate)
+        self.prometheus_api = f"http://127.0.0.1:{port}"
+
+    def targets(self):
+        with urllib.request.urlopen(f"{self.prometheus_api}/api/v1/targets", timeout=5) as r:
+            active = json.load(r)["data"]["activeTargets"]
+        return {t["labels"]["job"]: t for t in active}
+
+    def health(self, job):
+        return self.targets().get(job, {}).get("health")
+
+    def wait_for(self, condition, what, timeout=60):
+        if wait_until(condition, timeout):
+            return
+        self.prometheus_log.seek(0)
+        self.fail(f"timed out waiting for {what}; targets: "
+                  f"{self.targets() if self.prometheus.poll() is None else None}; "
+                  f"prometheus said: {self.prometheus_log.read()[-3000:]}")
+
+
 @unittest.skipIf(shutil.which("prometheus") is None,
                  "prometheus is not installed (scripts/install_deps.sh installs Debian's)")
-class PrometheusWithTokenTest(unittest.TestCase):
+class PrometheusWithTokenTest(PrometheusJobs, unittest.TestCase):
     """kvrecalld --metrics_token_file scraped by a real prometheus: a job that sends the token
     (authorization.credentials_file, as the chart's ServiceMonitor does) is up, one that sends
     none is refused with 401; after SIGHUP a rotated token holds for the next scrape."""
 
     def test_only_a_scrape_with_the_token_reads_the_metrics_and_sighup_rotates_it(self):
-        with tempfile.TemporaryDirectory(prefix="kvrecall-prometheus-token-") as tmp:
-            server_tokens = os.path.join(tmp, "server-tokens")
-            scraper_token = os.path.join(tmp, "scraper-token")
-            for path, text in ((server_tokens, "# the scrapers\nfirst-token-0123456789\n"),
-                               (scraper_token, "first-token-0123456789\n")):
-                with open(path, "w") as f:
-                    f.write(text)
-            server = Kvrecalld(f"--metrics_token_file={server_tokens}")
-            prometheus = None
-            try:
-                target = urllib.parse.urlparse(server.metrics_url).netloc
-                with self.assertRaises(urllib.error.HTTPError) as refused:
-                    scrape(server.metrics_url)
-                self.assertEqual(refused.exception.code, 401)
-                self.assertIn("Bearer", refused.exception.headers.get("WWW-Authenticate", ""))
-                request = urllib.request.Request(
-                    server.metrics_url,
-                    headers={"Authorization": "Bearer first-token-0123456789"})
-                with urllib.request.urlopen(request, timeout=10) as r:
-                    self.assertIn("# TYPE kvrecall_sessions_open gauge", r.read().decode())
+        tmp = tempfile.mkdtemp(prefix="kvrecall-prometheus-token-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        server_tokens = os.path.join(tmp, "server-tokens")
+        scraper_token = os.path.join(tmp, "scraper-token")
+        for path, text in ((server_tokens, "# the scrapers\nfirst-token-0123456789\n"),
+                           (scraper_token, "first-token-0123456789\n")):
+            with open(path, "w") as f:
+                f.write(text)
+        server = Kvrecalld(f"--metrics_token_file={server_tokens}")
+        self.addCleanup(server.stop)
+        target = urllib.parse.urlparse(server.metrics_url).netloc
+        with self.assertRaises(urllib.error.HTTPError) as refused:
+            scrape(server.metrics_url)
+        self.assertEqual(refused.exception.code, 401)
+        self.assertIn("Bearer", refused.exception.headers.get("WWW-Authenticate", ""))
+        request = urllib.request.Request(
+            server.metrics_url, headers={"Authorization": "Bearer first-token-0123456789"})
+        with urllib.request.urlopen(request, timeout=10) as r:
+            self.assertIn("# TYPE kvrecall_sessions_open gauge", r.read().decode())
 
-                config = os.path.join(tmp, "prometheus.yml")
-                with open(config, "w") as f:
-                    f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                            "scrape_configs:\n"
-                            "  - job_name: with_token\n"
-                            f"    authorization:\n      credentials_file: {scraper_token}\n"
-                            f"    static_configs:\n      - targets: ['{target}']\n"
-                            "  - job_name: without_token\n"
-                            f"    static_configs:\n      - targets: ['{target}']\n")
-                checked = subprocess.run(["promtool", "check", "config", config],
-                                         capture_output=True, text=True)
-                self.assertEqual(checked.returncode, 0, checked.stdout + checked.stderr)
-                port = free_port()
-                log = open(os.path.join(tmp, "prometheus.log"), "w+")
-                prometheus = subprocess.Popen(
-                    ["prometheus", f"--config.file={config}",
-                     f"--storage.tsdb.path={tmp}/data", f"--web.listen-address=127.0.0.1:{port}"],
-                    stdout=log, stderr=subprocess.STDOUT)
-                api = f"http://127.0.0.1:{port}"
+        self.start_prometheus(tmp, "  - job_name: with_token\n"
+                              f"    authorization:\n      credentials_file: {scraper_token}\n"
+                              f"    static_configs:\n      - targets: ['{target}']\n"
+                              "  - job_name: without_token\n"
+                              f"    static_configs:\n      - targets: ['{target}']\n")
+        self.wait_for(lambda: self.health("with_token") == "up"
+                      and self.health("without_token") == "down", "one job up, one down")
+        self.assertIn("401", self.targets()["without_token"]["lastError"])
 
-                def targets():
-                    with urllib.request.urlopen(f"{api}/api/v1/targets", timeout=5) as r:
-                        active = json.load(r)["data"]["activeTargets"]
-                    return {t["labels"]["job"]: t for t in active}
+        # The server's token rotated, the scraper's not yet: refused after SIGHUP.
+        with open(server_tokens, "w") as f:
+            f.write("second-token-0123456789\n")
+        server.process.send_signal(signal.SIGHUP)
+        self.wait_for(lambda: "reloaded 1 metrics tokens from" in server.log(),
+                      "the server's reload")
+        self.wait_for(lambda: self.health("with_token") == "down", "the old token refused")
+        self.assertIn("401", self.targets()["with_token"]["lastError"])
+        # prometheus reads credentials_file at every scrape.
+        with open(scraper_token, "w") as f:
+            f.write("second-token-0123456789\n")
+        self.wait_for(lambda: self.health("with_token") == "up", "the new token accepted")
 
-                def wait_for(condition, what, timeout=60):
-                    if wait_until(condition, timeout):
-                        return
-                    log.seek(0)
-                    self.fail(f"timed out waiting for {what}; targets: "
-                              f"{targets() if prometheus.poll() is None else None}; "
-                              f"prometheus said: {log.read()[-3000:]}")
+        # A file the server cannot use keeps the tokens in force.
+        with open(server_tokens, "w") as f:
+            f.write("short\n")
+        server.process.send_signal(signal.SIGHUP)
+        self.wait_for(lambda: "the metrics tokens in force stay" in server.log(),
+                      "the refused reload")
+        self.assertIn("token is 5 characters, at least 16 are required", server.log())
+        request = urllib.request.Request(
+            server.metrics_url, headers={"Authorization": "Bearer second-token-0123456789"})
+        with urllib.request.urlopen(request, timeout=10) as r:
+            self.assertEqual(r.status, 200)
 
-                def health(job):
-                    return targets().get(job, {}).get("health")
 
-                wait_for(lambda: health("with_token") == "up"
-                         and health("without_token") == "down", "one job up, one down")
-                self.assertIn("401", targets()["without_token"]["lastError"])
+@unittest.skipIf(shutil.which("prometheus") is None,
+                 "prometheus is not installed (scripts/install_deps.sh installs Debian's)")
+class PrometheusOverTlsTest(PrometheusJobs, unittest.TestCase):
+    """kvrecalld --metrics_tls_cert/--metrics_tls_key (with a token, and with mutual TLS)
+    scraped by a real prometheus: a job that trusts the CA (tls_config.ca_file) and sends the
+    token is up; one over plain http, one trusting another CA, and, with a client CA, one without
+    a client certificate are down."""
 
-                # The server's token rotated, the scraper's not yet: refused after SIGHUP.
-                with open(server_tokens, "w") as f:
-                    f.write("second-token-0123456789\n")
-                server.process.send_signal(signal.SIGHUP)
-                wait_for(lambda: "reloaded 1 metrics tokens from" in server.log(),
-                         "the server's reload")
-                wait_for(lambda: health("with_token") == "down", "the old token refused")
-                self.assertIn("401", targets()["with_token"]["lastError"])
-                # prometheus reads credentials_file at every scrape.
-                with open(scraper_token, "w") as f:
-                    f.write("second-token-0123456789\n")
-                wait_for(lambda: health("with_token") == "up", "the new token accepted")
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="kvrecall-prometheus-tls-")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.pki = make_pki(self.tmp)
+        self.token = os.path.join(self.tmp, "scraper-token")
+        with open(self.token, "w") as f:
+            f.write("scraper-token-0123456789\n")
 
-                # A file the server cannot use keeps the tokens in force.
-                with open(server_tokens, "w") as f:
-                    f.write("short\n")
-                server.process.send_signal(signal.SIGHUP)
-                wait_for(lambda: "the metrics tokens in force stay" in server.log(),
-                         "the refused reload")
-                self.assertIn("token is 5 characters, at least 16 are required", server.log())
-                request = urllib.request.Request(
-                    server.metrics_url,
-                    headers={"Authorization": "Bearer second-token-0123456789"})
-                with urllib.request.urlopen(request, timeout=10) as r:
-                    self.assertEqual(r.status, 200)
-                log.close()
-            finally:
-                if prometheus is not None:
-                    prometheus.terminate()
-                    prometheus.wait(30)
-                server.stop()
+    def job(self, name, target, scheme="https", ca="ca.pem", cert=None):
+        tls = ""
+        if scheme == "https":
+            tls = f"    tls_config:\n      ca_file: {self.pki[ca]}\n"
+            if cert:
+                tls += (f"      cert_file: {self.pki[cert + '.pem']}\n"
+                        f"      key_file: {self.pki[cert + '.key']}\n")
+        return (f"  - job_name: {name}\n    scheme: {scheme}\n" + tls +
+                f"    authorization:\n      credentials_file: {self.token}\n"
+                f"    static_configs:\n      - targets: ['{target}']\n")
+
+    def test_prometheus_scrapes_https_with_the_ca_and_nothing_else_reads_it(self):
+        server = Kvrecalld(f"--metrics_tls_cert={self.pki['server.pem']}",
+                           f"--metrics_tls_key={self.pki['server.key']}",
+                           f"--metrics_token_file={self.token}")
+        self.addCleanup(server.stop)
+        self.assertTrue(server.metrics_url.startswith("https://127.0.0.1:"), server.metrics_url)
+        target = urllib.parse.urlparse(server.metrics_url).netloc
+        # Python's own TLS client: the CA trusted, the token sent.
+        context = ssl.create_default_context(cafile=self.pki["ca.pem"])
+        request = urllib.request.Request(
+            server.metrics_url, headers={"Authorization": "Bearer scraper-token-0123456789"})
+        with urllib.request.urlopen(request, timeout=10, context=context) as r:
+            self.assertIn("# TYPE kvrecall_sessions_open gauge", r.read().decode())
+        with self.assertRaises(urllib.error.URLError) as untrusted:
+            urllib.request.urlopen(server.metrics_url, timeout=10)  # the system's CAs
+        self.assertIn("CERTIFICATE_VERIFY_FAILED", str(untrusted.exception))
+
+        self.start_prometheus(self.tmp, self.job("https", target) +
+                              self.job("plain_http", target, scheme="http") +
+                              self.job("other_ca", target, ca="wrong-ca.pem"))
+        self.wait_for(lambda: self.health("https") == "up" and self.health("plain_http") == "down"
+                      and self.health("other_ca") == "down", "the https job alone up")
+        self.assertIn("certificate", self.targets()["other_ca"]["lastError"])
+        self.assertIn("400", self.targets()["plain_http"]["lastError"])
+
+    def test_with_a_client_ca_a_scraper_needs_its_certificate(self):
+        server = Kvrecalld(f"--metrics_tls_cert={self.pki['server.pem']}",
+                           f"--metrics_tls_key={self.pki['server.key']}",
+                           f"--metrics_tls_client_ca={self.pki['ca.pem']}",
+                           f"--metrics_token_file={self.token}")
+        self.addCleanup(server.stop)
+        target = urllib.parse.urlparse(server.metrics_url).netloc
+        self.start_prometheus(self.tmp, self.job("with_cert", target, cert="client") +
+                              self.job("without_cert", target))
+        self.wait_for(lambda: self.health("with_cert") == "up"
+                      and self.health("without_cert") == "down", "the job with a certificate up")
+
+    def test_bad_tls_flags_stop_kvrecalld_naming_the_flag(self):
+        for flags, message in (
+                ([f"--metrics_tls_cert={self.pki['server.pem']}"],
+                 "--metrics_tls_cert and --metrics_tls_key go together"),
+                ([f"--metrics_tls_cert={self.pki['server.pem']}",
+                  f"--metrics_tls_key={self.pki['client.key']}"],
+                 "is not the key of --metrics_tls_cert's certificate")):
+            with self.subTest(flags=flags):
+                run = subprocess.run([kvrecalld_binary(), "--address=127.0.0.1:0",
+                                      "--metrics_address=127.0.0.1:0", *flags],
+                                     capture_output=True, text=True, timeout=60)
+                self.assertEqual(run.returncode, 2, run.stdout + run.stderr)
+                self.assertIn(message, run.stderr)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,12 @@ tokens only when it is given one.
 {{- if and .Values.metrics.tokenSecretName (not .Values.metrics.enabled) }}
 {{- fail "metrics.tokenSecretName needs metrics.enabled" }}
 {{- end }}
+{{- if and .Values.metrics.tls.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.tls.enabled needs metrics.enabled" }}
+{{- end }}
+{{- if and .Values.metrics.tls.enabled (not .Values.tls.enabled) }}
+{{- fail "metrics.tls.enabled needs tls.enabled: the metrics port serves the certificate of tls.secretName" }}
+{{- end }}
 {{- if and .Values.metrics.grafanaDashboard.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.grafanaDashboard.enabled needs metrics.enabled" }}
 {{- end }}
@@ -268,6 +274,10 @@ tokens only when it is given one.
 {{- if .Values.auth.tokenSecretName }}
 - --auth_token_file={{ include "kvrecall.authDir" . }}/{{ .Values.auth.tokenSecretKey }}
 {{- end }}
+{{- if and .Values.metrics.enabled .Values.metrics.tls.enabled }}
+- --metrics_tls_cert={{ include "kvrecall.tlsDir" . }}/tls.crt
+- --metrics_tls_key={{ include "kvrecall.tlsDir" . }}/tls.key
+{{- end }}
 {{- if and .Values.metrics.enabled .Values.metrics.tokenSecretName }}
 - --metrics_token_file={{ include "kvrecall.metricsTokenDir" . }}/{{ include "kvrecall.metricsServerTokensKey" . }}
 {{- end }}
@@ -279,7 +289,7 @@ tokens only when it is given one.
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "flagfile" "fromenv" "tryfromenv") }}
 {{- fail (printf "server.extraArgs: %s would set flags past the chart's checks (those it sets, and --plaintext_unix_sockets); give each flag in server.extraArgs instead" $flag) }}
 {{- end }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "metrics_token_file" "shared_memory_dir" "max_shared_streams") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "metrics_token_file" "metrics_tls_cert" "metrics_tls_key" "shared_memory_dir" "max_shared_streams") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}
