@@ -4,6 +4,7 @@
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
+#include <openssl/ssl.h>
 #include <openssl/x509.h>
 
 #include <memory>
@@ -112,6 +113,22 @@ absl::Status CheckKeyMaterial(const TlsIdentity& identity, const std::string& ce
     return absl::InvalidArgumentError(absl::StrCat(
         key_flag, ": ", key_file, " is not the key of ", cert_flag, "'s certificate (",
         cert_file, "; its first, the server's own)"));
+  }
+  // What OpenSSL will not serve at its security level (a key too small, a certificate signed
+  // with a digest it no longer trusts): a listener would only fail later, blaming no file (the
+  // gRPC port said "address in use or invalid?").
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> server(SSL_CTX_new(TLS_server_method()),
+                                                           &SSL_CTX_free);
+  if (server != nullptr) {
+    if (SSL_CTX_use_certificate(server.get(), chain->front().get()) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          cert_flag, ": ", cert_file, ": OpenSSL will not serve this certificate (",
+          OpenSslReason(), ")"));
+    }
+    if (SSL_CTX_use_PrivateKey(server.get(), private_key.get()) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          key_flag, ": ", key_file, ": OpenSSL will not serve this key (", OpenSslReason(), ")"));
+    }
   }
   if (identity.client_ca) {
     absl::StatusOr<std::vector<UniqueX509>> roots = ParseCertificates(

@@ -269,6 +269,16 @@ ServerMetrics::ServerMetrics()
                               "unknown one")
                           .Register(*registry_)
                           .Add({});
+  prometheus::Family<prometheus::Counter>& scrapes_refused =
+      prometheus::BuildCounter()
+          .Name("kvrecall_metrics_scrapes_refused_total")
+          .Help("Requests and connections the metrics endpoint turned away, by reason: "
+                "unauthorized (no valid bearer token: 401), tls_handshake (a TLS handshake "
+                "that failed), plain_http (plain HTTP sent to the HTTPS endpoint: 400)")
+          .Register(*registry_);
+  scrapes_refused_ = {&scrapes_refused.Add({{"reason", "unauthorized"}}),
+                      &scrapes_refused.Add({{"reason", "tls_handshake"}}),
+                      &scrapes_refused.Add({{"reason", "plain_http"}})};
   auto gauge = [this](const char* name, const char* help) {
     return &prometheus::BuildGauge().Name(name).Help(help).Register(*registry_).Add({});
   };

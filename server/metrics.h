@@ -143,6 +143,13 @@ class ServerMetrics final : public prometheus::Collectable {
   void ObserveDecodeRequest(double seconds) { decode_request_seconds_->Observe(seconds); }
   // A call turned away by the token check before it reached a service (server/auth.h).
   void CountUnauthenticated() { unauthenticated_->Increment(); }
+  // Why the metrics endpoint turned a peer away (MetricsEndpoint): no valid bearer token
+  // (401), a TLS handshake that failed (a client certificate refused, an untrusted server
+  // certificate, another protocol), plain HTTP sent to the HTTPS endpoint (400).
+  enum class ScrapeRefusal { kUnauthorized, kTlsHandshake, kPlainHttp };
+  void CountScrapeRefused(ScrapeRefusal why) {
+    scrapes_refused_[static_cast<int>(why)]->Increment();
+  }
 
   // The series of a session's placement and selector kind, created on first use (so a scrape
   // shows the pairs that served sessions). Never null; stable for the metrics' lifetime. Call
@@ -169,6 +176,7 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Family<prometheus::Histogram>& rpc_seconds_;
   prometheus::Histogram* decode_request_seconds_;
   prometheus::Counter* unauthenticated_;
+  std::array<prometheus::Counter*, 3> scrapes_refused_;  // by ScrapeRefusal
   prometheus::Family<prometheus::Counter>& layer_steps_;
   prometheus::Family<prometheus::Counter>& head_steps_;
   prometheus::Family<prometheus::Histogram>& candidates_;

@@ -64,6 +64,8 @@ struct Connection {
   // TLS: the peer's first byte has been seen to open a TLS handshake (else it is plain HTTP,
   // answered with a 400 that says so).
   bool tls_opened = false;
+  // TLS: the handshake failed (counted as the endpoint's refusal when the connection closes).
+  bool tls_handshake_failed = false;
 
   // Reading the request (its TLS handshake included), or draining after the response.
   bool reading() const { return response.empty() || draining; }
@@ -88,7 +90,11 @@ Io TlsOutcome(Connection& c, int result) {
     case SSL_ERROR_WANT_WRITE:
       c.tls_waits_for = POLLOUT;
       return Io::kWouldBlock;
-    default:  // the peer closed, a failed handshake, a broken record: nothing more to do
+    case SSL_ERROR_SSL:  // a failed handshake or a broken record: nothing more to do
+      c.tls_handshake_failed = !SSL_is_init_finished(c.ssl.get());
+      ERR_clear_error();
+      return Io::kClosed;
+    default:  // the peer closed or reset the connection
       ERR_clear_error();
       return Io::kClosed;
   }
@@ -97,7 +103,7 @@ Io TlsOutcome(Connection& c, int result) {
 // A TLS connection's first byte: a handshake record's (22) opens TLS; any other (an HTTP
 // method's letter: a scraper or curl told http://) turns the connection into a plain one
 // answered with a 400 naming the scheme, instead of a closed connection that says nothing.
-Io OpenTls(Connection& c, const std::string& https_url) {
+Io OpenTls(Connection& c) {
   unsigned char first = 0;
   const ssize_t peeked = ::recv(c.fd, &first, 1, MSG_PEEK | MSG_DONTWAIT);
   if (peeked == 0) return Io::kClosed;
@@ -109,7 +115,7 @@ Io OpenTls(Connection& c, const std::string& https_url) {
   c.ssl.reset();
   c.response = HttpResponse(
       "400 Bad Request", "text/plain; charset=utf-8",
-      absl::StrCat("400 Bad Request: this endpoint speaks HTTPS: ", https_url, "\n"), true);
+      "400 Bad Request: this endpoint speaks HTTPS: use https:// with this host and port\n", true);
   return Io::kDone;
 }
 
@@ -166,7 +172,15 @@ absl::StatusOr<SSL_CTX*> MakeTlsContext(const TlsIdentity& identity) {
   };
   if (context == nullptr) return refused("no context");
   SSL_CTX_set_min_proto_version(context.get(), TLS1_2_VERSION);
-  SSL_CTX_set_options(context.get(), SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE);
+  // No session resumption: every response closes its connection, so a ticket would only cost a
+  // write per scrape, and with client certificates required a resumption attempt without a
+  // session id context is a fatal handshake error (review 29: curl's second URL, nginx).
+  SSL_CTX_set_options(context.get(), SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE |
+                                         SSL_OP_NO_TICKET);
+  SSL_CTX_set_num_tickets(context.get(), 0);
+  SSL_CTX_set_session_cache_mode(context.get(), SSL_SESS_CACHE_OFF);
+  static constexpr unsigned char kSessionContext[] = "kvrecalld-metrics";
+  SSL_CTX_set_session_id_context(context.get(), kSessionContext, sizeof kSessionContext - 1);
   SSL_CTX_set_mode(context.get(),
                    SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
   auto bio_of = [](const std::string& pem) {
@@ -178,12 +192,12 @@ absl::StatusOr<SSL_CTX*> MakeTlsContext(const TlsIdentity& identity) {
     X509* leaf = bio ? PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr) : nullptr;
     const bool used = leaf != nullptr && SSL_CTX_use_certificate(context.get(), leaf) == 1;
     X509_free(leaf);
-    if (!used) return refused("the certificate");
+    if (!used) return refused("--metrics_tls_cert's certificate");
     // The rest of the chain, sent after the server's own.
     while (X509* next = PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr)) {
       if (SSL_CTX_add0_chain_cert(context.get(), next) != 1) {
         X509_free(next);
-        return refused("the certificate chain");
+        return refused("--metrics_tls_cert's chain");
       }
     }
     ERR_clear_error();  // the end of the file
@@ -197,19 +211,27 @@ absl::StatusOr<SSL_CTX*> MakeTlsContext(const TlsIdentity& identity) {
         bio ? PEM_read_bio_PrivateKey(bio.get(), nullptr, no_passphrase, nullptr) : nullptr;
     const bool used = key != nullptr && SSL_CTX_use_PrivateKey(context.get(), key) == 1;
     EVP_PKEY_free(key);
-    if (!used || SSL_CTX_check_private_key(context.get()) != 1) return refused("the key");
+    if (!used || SSL_CTX_check_private_key(context.get()) != 1) {
+      return refused("--metrics_tls_key's key");
+    }
   }
   if (identity.client_ca) {
     auto bio = bio_of(*identity.client_ca);
     X509_STORE* roots = SSL_CTX_get_cert_store(context.get());
     STACK_OF(X509_NAME)* names = sk_X509_NAME_new_null();
-    while (X509* root = PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr)) {
-      X509_STORE_add_cert(roots, root);
-      sk_X509_NAME_push(names, X509_NAME_dup(X509_get_subject_name(root)));
-      X509_free(root);
-    }
-    ERR_clear_error();
+    if (names == nullptr) return refused("--metrics_tls_client_ca (no memory)");
     SSL_CTX_set_client_CA_list(context.get(), names);  // named in the CertificateRequest
+    while (X509* root = PEM_read_bio_X509_AUX(bio.get(), nullptr, nullptr, nullptr)) {
+      X509_NAME* name = X509_NAME_dup(X509_get_subject_name(root));
+      const bool added = X509_STORE_add_cert(roots, root) == 1 && name != nullptr &&
+                         sk_X509_NAME_push(names, name) > 0;
+      X509_free(root);
+      if (!added) {
+        X509_NAME_free(name);
+        return refused("--metrics_tls_client_ca's roots");
+      }
+    }
+    ERR_clear_error();  // the end of the file
     SSL_CTX_set_verify(context.get(), SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT,
                        nullptr);
   }
@@ -350,6 +372,7 @@ std::string MetricsEndpoint::Respond(const std::string& request) const {
   if (scrapers_ != nullptr) {
     const absl::string_view token = BearerToken(AuthorizationHeader(start));
     if (token.empty() || scrapers_->table()->Find(token) == nullptr) {
+      metrics_->CountScrapeRefused(ServerMetrics::ScrapeRefusal::kUnauthorized);
       return PlainResponse("401 Unauthorized", !head,
                            "WWW-Authenticate: Bearer realm=\"kvrecalld metrics\"\r\n");
     }
@@ -369,9 +392,9 @@ std::string MetricsEndpoint::Respond(const std::string& request) const {
 }
 
 void MetricsEndpoint::Serve() {
-  const std::string https_url = absl::StrCat("https://", address_, "/metrics");
   // A TLS write to a peer that reset the connection raises SIGPIPE (OpenSSL writes with
-  // write(2)); blocked on this thread, it is dropped and the write fails with EPIPE.
+  // write(2)); blocked on this thread, it stays pending here, harmless, and the write fails
+  // with EPIPE. (kvrecalld ignores SIGPIPE already; a test's process may not.)
   sigset_t pipe;
   sigemptyset(&pipe);
   sigaddset(&pipe, SIGPIPE);
@@ -416,8 +439,12 @@ void MetricsEndpoint::Serve() {
       bool done = now >= c.deadline || (revents & POLLNVAL) != 0;
       // Reads until none is left: TLS holds a record's plaintext beyond what one read takes,
       // which poll does not see. A request line and headers past kMaxRequestBytes end it.
-      if (!done && c.ssl != nullptr && !c.tls_opened && (revents & (POLLIN | POLLHUP)) != 0) {
-        done = OpenTls(c, https_url) == Io::kClosed;
+      if (!done && c.ssl != nullptr && !c.tls_opened &&
+          (revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        done = OpenTls(c) == Io::kClosed;
+        if (!done && c.ssl == nullptr) {
+          metrics_->CountScrapeRefused(ServerMetrics::ScrapeRefusal::kPlainHttp);
+        }
       }
       while (!done && (revents & (POLLIN | POLLOUT | POLLHUP | POLLERR)) != 0 && c.reading() &&
              (c.ssl == nullptr || c.tls_opened)) {
@@ -437,24 +464,31 @@ void MetricsEndpoint::Serve() {
         }
       }
       while (!done && (revents & (POLLIN | POLLOUT | POLLERR)) != 0 && !c.reading()) {
-        size_t n = 0;
-        const Io io = WriteSome(c, &n);
-        if (io == Io::kClosed) done = true;
-        if (io != Io::kDone) break;
-        c.sent += n;
-        if (c.sent == c.response.size()) {
-          // Our side is done (TLS: its close_notify, which a full socket may drop: the
-          // response's Content-Length has told its end); reading on until the peer closes lets
-          // the response arrive whole (a close with unread request bytes would reset the
-          // connection).
-          if (c.ssl != nullptr) SSL_shutdown(c.ssl.get());
-          ERR_clear_error();
-          ::shutdown(c.fd, SHUT_WR);
-          c.draining = true;
-          c.tls_waits_for = 0;
+        if (c.sent < c.response.size()) {
+          size_t n = 0;
+          const Io io = WriteSome(c, &n);
+          if (io == Io::kClosed) done = true;
+          if (io != Io::kDone) break;
+          c.sent += n;
+          continue;
         }
+        // All sent. TLS: its close_notify first, retried while the socket is full (the
+        // response's Content-Length has told its end, but a reader to EOF wants it whole).
+        if (c.ssl != nullptr) {
+          const int shut = SSL_shutdown(c.ssl.get());
+          if (shut < 0 && TlsOutcome(c, shut) == Io::kWouldBlock) break;
+          ERR_clear_error();
+        }
+        // Our side is done; reading on until the peer closes lets the response arrive whole
+        // (a close with unread request bytes would reset the connection).
+        ::shutdown(c.fd, SHUT_WR);
+        c.draining = true;
+        c.tls_waits_for = 0;
       }
       if (done) {
+        if (c.tls_handshake_failed) {
+          metrics_->CountScrapeRefused(ServerMetrics::ScrapeRefusal::kTlsHandshake);
+        }
         ::close(c.fd);
         c.fd = -1;
       }

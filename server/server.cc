@@ -300,7 +300,8 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
   if (!options.metrics_tls_cert_file.empty() || !options.metrics_tls_key_file.empty()) {
     if (options.metrics_address.empty()) {
       return absl::InvalidArgumentError(
-          "--metrics_tls_cert needs a metrics endpoint (--metrics_address is empty)");
+          "--metrics_tls_cert and --metrics_tls_key need a metrics endpoint (--metrics_address "
+          "is empty)");
     }
     absl::StatusOr<TlsIdentity> identity =
         ReadTlsIdentity(options.metrics_tls_cert_file, options.metrics_tls_key_file,

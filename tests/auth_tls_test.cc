@@ -1252,35 +1252,71 @@ int ConnectLoopback(int port) {
 }
 
 // What an HTTPS exchange with the endpoint came to: whether the handshake (the server's
-// certificate checked against `ca_file` for 127.0.0.1) completed, and the response read until
-// the endpoint closed.
+// certificate checked against the CA for 127.0.0.1) completed, the response read until the
+// endpoint closed, and OpenSSL's reason where the handshake or a read failed.
 struct HttpsExchange {
   bool handshake = false;
   std::string response;
-  std::string error;  // OpenSSL's reason where the handshake failed
+  std::string error;
+  bool resumed = false;  // the handshake resumed the session offered
 };
-HttpsExchange Https(int port, const std::string& ca_file, const std::string& request,
-                    const std::string& cert_file = "", const std::string& key_file = "") {
+// How the client side of Https behaves.
+struct HttpsClient {
+  std::string ca_file;
+  std::string cert_file;  // with key_file: the client certificate (mutual TLS)
+  std::string key_file;
+  int max_version = 0;                 // e.g. TLS1_2_VERSION; 0: the library's highest
+  SSL_SESSION** session = nullptr;     // offered to resume when set; the new one kept there
+  int receive_buffer = 0;              // SO_RCVBUF before connecting; 0: the system's
+  absl::Duration read_after = absl::ZeroDuration();  // before reading the response
+};
+HttpsExchange Https(int port, const HttpsClient& client, const std::string& request) {
   HttpsExchange result;
   std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> context(SSL_CTX_new(TLS_client_method()),
                                                             &SSL_CTX_free);
-  SSL_CTX_load_verify_locations(context.get(), ca_file.c_str(), nullptr);
+  SSL_CTX_load_verify_locations(context.get(), client.ca_file.c_str(), nullptr);
   SSL_CTX_set_verify(context.get(), SSL_VERIFY_PEER, nullptr);
-  if (!cert_file.empty()) {
-    SSL_CTX_use_certificate_chain_file(context.get(), cert_file.c_str());
-    SSL_CTX_use_PrivateKey_file(context.get(), key_file.c_str(), SSL_FILETYPE_PEM);
+  if (client.max_version != 0) SSL_CTX_set_max_proto_version(context.get(), client.max_version);
+  if (!client.cert_file.empty()) {
+    SSL_CTX_use_certificate_chain_file(context.get(), client.cert_file.c_str());
+    SSL_CTX_use_PrivateKey_file(context.get(), client.key_file.c_str(), SSL_FILETYPE_PEM);
   }
-  const int s = ConnectLoopback(port);
-  if (s < 0) return result;
+  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (client.receive_buffer > 0) {
+    setsockopt(s, SOL_SOCKET, SO_RCVBUF, &client.receive_buffer, sizeof client.receive_buffer);
+  }
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval timeout = {5, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(s);
+    return result;
+  }
   std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(context.get()), &SSL_free);
   SSL_set_fd(ssl.get(), s);
   X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl.get()), "127.0.0.1");
+  if (client.session != nullptr && *client.session != nullptr) {
+    SSL_set_session(ssl.get(), *client.session);
+  }
   if (SSL_connect(ssl.get()) == 1) {
     result.handshake = true;
+    result.resumed = SSL_session_reused(ssl.get()) == 1;
     SSL_write(ssl.get(), request.data(), static_cast<int>(request.size()));
+    absl::SleepFor(client.read_after);
     char buffer[4096];
     size_t n = 0;
-    while (SSL_read_ex(ssl.get(), buffer, sizeof buffer, &n) == 1) result.response.append(buffer, n);
+    int read;
+    while ((read = SSL_read_ex(ssl.get(), buffer, sizeof buffer, &n)) == 1) {
+      result.response.append(buffer, n);
+    }
+    if (SSL_get_error(ssl.get(), read) == SSL_ERROR_SSL) result.error = OpenSslReason();
+    if (client.session != nullptr) {
+      SSL_SESSION_free(*client.session);
+      *client.session = SSL_get1_session(ssl.get());
+    }
   } else {
     result.error = OpenSslReason();
   }
@@ -1316,7 +1352,7 @@ class MetricsTlsTest : public TlsTest {
     EXPECT_TRUE(table.ok()) << table.status();
     if (!identity.ok() || !table.ok()) return nullptr;
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = MetricsEndpoint::Start(
-        "127.0.0.1:0", std::make_shared<ServerMetrics>(),
+        "127.0.0.1:0", metrics_,
         std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*table)), &*identity);
     EXPECT_TRUE(endpoint.ok()) << endpoint.status();
     return endpoint.ok() ? *std::move(endpoint) : nullptr;
@@ -1324,18 +1360,44 @@ class MetricsTlsTest : public TlsTest {
   static std::string WithToken() {
     return absl::StrCat(kScrape, "Authorization: Bearer scraper-token-0123456789\r\n\r\n");
   }
+  HttpsClient Trusting() const { return {.ca_file = pki().Path("ca.pem")}; }
+  HttpsClient WithCertificate(const char* name) const {
+    HttpsClient c = Trusting();
+    c.cert_file = pki().Path(absl::StrCat(name, ".pem"));
+    c.key_file = pki().Path(absl::StrCat(name, ".key"));
+    return c;
+  }
+  // The endpoint's refusals for `reason` once they reach `want` (a refused handshake is counted
+  // as the endpoint closes its connection, just after its peer saw the alert), or after 2 s.
+  double RefusedReaching(const char* reason, double want) const {
+    const absl::Time deadline = absl::Now() + absl::Seconds(2);
+    double refused;
+    while ((refused = Refused(reason)) < want && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return refused;
+  }
+  // The endpoint's refusals for `reason`, as its metrics say.
+  double Refused(const char* reason) const {
+    const std::string text = metrics_->TextFormat();
+    const std::string series =
+        absl::StrCat("kvrecall_metrics_scrapes_refused_total{reason=\"", reason, "\"} ");
+    const size_t at = text.find(series);
+    return at == std::string::npos ? -1 : std::stod(text.substr(at + series.size()));
+  }
+
+  std::shared_ptr<ServerMetrics> metrics_ = std::make_shared<ServerMetrics>();
 };
 
 // A scrape over TLS reads the whole text (larger than a TLS record: the endpoint's partial
 // writes) with the token, 401 without; plaintext HTTP gets a 400 naming the scheme, a client
-// that does not trust the CA nothing.
+// that does not trust the CA nothing; each refusal is counted.
 TEST_F(MetricsTlsTest, ServesHttpsAndAnswersNothingOutsideTls) {
   std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint();
   ASSERT_NE(endpoint, nullptr);
   EXPECT_STREQ(endpoint->scheme(), "https");
   const int port = endpoint->port();
-  const std::string ca = pki().Path("ca.pem");
-  HttpsExchange ok = Https(port, ca, WithToken());
+  HttpsExchange ok = Https(port, Trusting(), WithToken());
   ASSERT_TRUE(ok.handshake) << ok.error;
   EXPECT_THAT(ok.response, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
   EXPECT_THAT(ok.response, HasSubstr("# TYPE kvrecall_sessions_open gauge"));
@@ -1343,23 +1405,47 @@ TEST_F(MetricsTlsTest, ServesHttpsAndAnswersNothingOutsideTls) {
   EXPECT_THAT(ok.response, HasSubstr(absl::StrCat("Content-Length: ", ok.response.size() - body,
                                                   "\r\n")));
   EXPECT_GT(ok.response.size(), 16384u) << "one TLS record: the partial writes were not tried";
-  HttpsExchange no_token = Https(port, ca, absl::StrCat(kScrape, "\r\n"));
+  EXPECT_EQ(ok.error, "");  // the close_notify came: no truncation
+  HttpsExchange no_token = Https(port, Trusting(), absl::StrCat(kScrape, "\r\n"));
   ASSERT_TRUE(no_token.handshake) << no_token.error;
   EXPECT_THAT(no_token.response, ::testing::StartsWith("HTTP/1.1 401 Unauthorized\r\n"));
   EXPECT_THAT(no_token.response, Not(HasSubstr("kvrecall_")));
+  EXPECT_EQ(Refused("unauthorized"), 1);
 
   // Plain HTTP (a scraper or curl told http://) is told the scheme, and nothing else.
   const std::string plain = Plaintext(port, WithToken());
   EXPECT_THAT(plain, ::testing::StartsWith("HTTP/1.1 400 Bad Request\r\n"));
-  EXPECT_THAT(plain, HasSubstr(absl::StrCat("this endpoint speaks HTTPS: https://127.0.0.1:", port,
-                                            "/metrics\n")));
+  EXPECT_THAT(plain, HasSubstr("this endpoint speaks HTTPS: use https:// with this host and port\n"));
   EXPECT_THAT(plain, Not(HasSubstr("kvrecall_")));
-  HttpsExchange untrusted = Https(port, pki().Path("wrong-ca.pem"), WithToken());
+  EXPECT_EQ(Refused("plain_http"), 1);
+  EXPECT_EQ(Refused("tls_handshake"), 0);
+  HttpsExchange untrusted = Https(port, {.ca_file = pki().Path("wrong-ca.pem")}, WithToken());
   EXPECT_FALSE(untrusted.handshake);
   EXPECT_THAT(untrusted.error, HasSubstr("certificate verify failed"));
   EXPECT_EQ(untrusted.response, "");
-  // The endpoint still serves after each.
-  EXPECT_THAT(Https(port, ca, WithToken()).response, ::testing::StartsWith("HTTP/1.1 200 OK"));
+  // The endpoint still serves after each, and counted the failed handshake once it closed it.
+  EXPECT_THAT(Https(port, Trusting(), WithToken()).response,
+              ::testing::StartsWith("HTTP/1.1 200 OK"));
+  EXPECT_EQ(RefusedReaching("tls_handshake", 1), 1);
+}
+
+// A scraper that reads slowly through a small window makes the endpoint's TLS writes wait for
+// the socket (WANT_WRITE): a response of hundreds of records still arrives whole.
+TEST_F(MetricsTlsTest, ASlowReaderGetsTheWholeResponse) {
+  for (int i = 0; i < 3000; ++i) metrics_->CountRefusal(absl::StrCat("a_limit_of_this_test_", i));
+  std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint();
+  ASSERT_NE(endpoint, nullptr);
+  HttpsClient slow = Trusting();
+  slow.receive_buffer = 4096;
+  slow.read_after = absl::Milliseconds(300);
+  HttpsExchange read = Https(endpoint->port(), slow, WithToken());
+  ASSERT_TRUE(read.handshake) << read.error;
+  EXPECT_EQ(read.error, "");
+  EXPECT_GT(read.response.size(), 200000u);
+  const size_t body = read.response.find("\r\n\r\n") + 4;
+  EXPECT_THAT(read.response, HasSubstr(absl::StrCat("Content-Length: ",
+                                                    read.response.size() - body, "\r\n")));
+  EXPECT_THAT(read.response, HasSubstr("limit=\"a_limit_of_this_test_2999\""));
 }
 
 // A peer that starts a handshake and stalls is cut at the connection's deadline, and scrapes
@@ -1378,7 +1464,7 @@ TEST_F(MetricsTlsTest, AStalledHandshakeIsCutAtTheDeadline) {
               static_cast<ssize_t>(sizeof partial_hello));
   }
   const absl::Time started = absl::Now();
-  EXPECT_THAT(Https(port, pki().Path("ca.pem"), WithToken()).response,
+  EXPECT_THAT(Https(port, Trusting(), WithToken()).response,
               ::testing::StartsWith("HTTP/1.1 200 OK"));
   EXPECT_LT(absl::Now() - started, absl::Milliseconds(1500));
   for (int s : stalled) {
@@ -1398,27 +1484,38 @@ TEST_F(MetricsTlsTest, AStalledHandshakeIsCutAtTheDeadline) {
   for (int s : stalled) close(s);
 }
 
-// With a client CA, a scraper must present a certificate those roots signed.
+// With a client CA, a scraper must present a certificate those roots signed; one that offers
+// to resume its last session (curl's second URL, a proxy's pool) is served as a new one.
 TEST_F(MetricsTlsTest, MutualTlsNeedsAScraperCertificateFromTheClientCa) {
   std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint(pki().Path("ca.pem"));
   ASSERT_NE(endpoint, nullptr);
   const int port = endpoint->port();
-  const std::string ca = pki().Path("ca.pem");
-  HttpsExchange with_cert =
-      Https(port, ca, WithToken(), pki().Path("client.pem"), pki().Path("client.key"));
+  HttpsExchange with_cert = Https(port, WithCertificate("client"), WithToken());
   ASSERT_TRUE(with_cert.handshake) << with_cert.error;
   EXPECT_THAT(with_cert.response, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
   // TLS 1.3: the client's handshake ends before the server has checked its certificate; the
   // refusal comes as an alert instead of the response.
-  for (const auto& [cert, key] :
-       {std::pair<std::string, std::string>{"", ""},
-        {pki().Path("stranger.pem"), pki().Path("stranger.key")}}) {
-    const HttpsExchange refused = Https(port, ca, WithToken(), cert, key);
-    EXPECT_EQ(refused.response, "") << cert;
+  HttpsExchange without = Https(port, Trusting(), WithToken());
+  EXPECT_EQ(without.response, "");
+  EXPECT_THAT(without.error, HasSubstr("alert certificate required"));
+  HttpsExchange stranger = Https(port, WithCertificate("stranger"), WithToken());
+  EXPECT_EQ(stranger.response, "");
+  EXPECT_THAT(stranger.error, HasSubstr("alert unknown ca"));
+  EXPECT_EQ(RefusedReaching("tls_handshake", 2), 2);
+  for (const int version : {TLS1_2_VERSION, TLS1_3_VERSION}) {
+    SSL_SESSION* session = nullptr;
+    HttpsClient resuming = WithCertificate("client");
+    resuming.max_version = version;
+    resuming.session = &session;
+    for (int i = 0; i < 3; ++i) {
+      const HttpsExchange again = Https(port, resuming, WithToken());
+      EXPECT_TRUE(again.handshake) << version << " " << again.error;
+      EXPECT_THAT(again.response, ::testing::StartsWith("HTTP/1.1 200 OK")) << version << " " << i;
+      EXPECT_FALSE(again.resumed) << version;
+    }
+    SSL_SESSION_free(session);
   }
-  EXPECT_THAT(Https(port, ca, WithToken(), pki().Path("client.pem"), pki().Path("client.key"))
-                  .response,
-              ::testing::StartsWith("HTTP/1.1 200 OK"));
+  EXPECT_EQ(Refused("tls_handshake"), 2);
 }
 
 TEST_F(MetricsTlsTest, BadMetricsTlsOptionsAreRefusedBeforeListening) {
@@ -1447,7 +1544,7 @@ TEST_F(MetricsTlsTest, BadMetricsTlsOptionsAreRefusedBeforeListening) {
                           o.metrics_tls_key_file = key;
                         }),
                         absl::StatusCode::kInvalidArgument,
-                        "--metrics_tls_cert needs a metrics endpoint"));
+                        "--metrics_tls_cert and --metrics_tls_key need a metrics endpoint"));
   EXPECT_TRUE(HasStatus(start([&](ServerOptions& o) {
                           o.metrics_tls_cert_file = pki().Path("absent.pem");
                           o.metrics_tls_key_file = key;
@@ -1478,7 +1575,48 @@ TEST_F(MetricsTlsTest, BadMetricsTlsOptionsAreRefusedBeforeListening) {
     return o;
   }());
   ASSERT_TRUE(both.ok()) << both.status();
-  EXPECT_THAT((*both)->metrics_url(), ::testing::MatchesRegex("https://127\\.0\\.0\\.1:[0-9]+/metrics"));
+  EXPECT_THAT((*both)->metrics_url(),
+              ::testing::MatchesRegex("https://127\\.0\\.0\\.1:[0-9]+/metrics"));
+  both->reset();
+  absl::StatusOr<std::unique_ptr<RunningServer>> grpc_tls_only = StartServer([&] {
+    ServerOptions o;
+    o.address = "127.0.0.1:0";
+    o.metrics_address = "127.0.0.1:0";
+    o.security = Tls();
+    return o;
+  }());
+  ASSERT_TRUE(grpc_tls_only.ok()) << grpc_tls_only.status();
+  EXPECT_THAT((*grpc_tls_only)->metrics_url(),
+              ::testing::MatchesRegex("http://127\\.0\\.0\\.1:[0-9]+/metrics"));
+}
+
+// What OpenSSL will not serve (here a 1024-bit RSA key under its security level) is refused
+// naming the flag and file, on either port (the gRPC port said "address in use or invalid?").
+TEST_F(MetricsTlsTest, AKeyOpenSslWillNotServeIsRefusedByName) {
+  {
+    std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> defaults(SSL_CTX_new(TLS_server_method()),
+                                                               &SSL_CTX_free);
+    if (SSL_CTX_get_security_level(defaults.get()) < 2) {
+      GTEST_SKIP() << "this system's OpenSSL serves 1024-bit RSA keys (security level < 2)";
+    }
+  }
+  const std::string dir = std::filesystem::path(pki().Path("ca.pem")).parent_path();
+  CommandResult made = RunCommand(absl::StrCat(
+      "cd ", dir, " && openssl req -x509 -newkey rsa:1024 -nodes -keyout weak.key -out weak.pem",
+      " -days 2 -subj /CN=weak"));
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+  absl::StatusOr<TlsIdentity> metrics =
+      ReadTlsIdentity(pki().Path("weak.pem"), pki().Path("weak.key"), "", "metrics_");
+  EXPECT_TRUE(HasStatus(metrics.status(), absl::StatusCode::kInvalidArgument,
+                        "--metrics_tls_cert: " + pki().Path("weak.pem") +
+                            ": OpenSSL will not serve this certificate (ee key too small)"));
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.security.tls_cert_file = pki().Path("weak.pem");
+  options.security.tls_key_file = pki().Path("weak.key");
+  EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
+                        "--tls_cert: " + pki().Path("weak.pem") +
+                            ": OpenSSL will not serve this certificate"));
 }
 
 TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {

@@ -424,6 +424,13 @@ case "$case_name" in
     named="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
       --set metrics.tls.serverName=metrics.example.test --show-only templates/servicemonitor.yaml)"
     grep -qF 'serverName: metrics.example.test' <<<"$named" || fail "metrics.tls.serverName not used: $named"
+    # The server's CA from a Secret of its own, where the TLS Secret's ca.crt is the clients'.
+    server_ca="$("$HELM" template kvrecall "$chart_dir" -f "$chart_dir/values-secure.yaml" \
+      --set metrics.tls.caSecretName=server-ca --set metrics.tls.caKey=issuer.pem \
+      --show-only templates/servicemonitor.yaml)"
+    for line in 'name: server-ca' 'key: issuer.pem'; do
+      grep -qF -- "$line" <<<"$server_ca" || fail "metrics.tls.caSecretName/caKey not used: $line"
+    done
     plain_monitor="$("$HELM" template kvrecall "$chart_dir" --set metrics.serviceMonitor.enabled=true \
       --show-only templates/servicemonitor.yaml)"
     grep -qF 'scheme: http' <<<"$plain_monitor" || fail "the default ServiceMonitor is not http"
