@@ -43,8 +43,9 @@ class MetricsEndpoint {
   // first such header decides; else 401 with "WWW-Authenticate: Bearer", before its method and
   // path are looked at); without, any peer that reaches the port reads the metrics. With
   // `tls` (ReadTlsIdentity's, checked), every connection is TLS with that identity (and, with
-  // its client_ca, must present a certificate those roots signed): a peer that does not
-  // complete the handshake is closed without an answer; without, plain HTTP.
+  // its client_ca, must present a certificate those roots signed): a peer whose handshake
+  // fails is closed without an answer, one that sends plain HTTP gets a 400 that says to use
+  // https://; without `tls`, plain HTTP.
   // INVALID_ARGUMENT for an address without a port or an identity OpenSSL refuses,
   // UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
