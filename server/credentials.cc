@@ -17,6 +17,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/grpc_security_constants.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "server/auth.h"
 #include "server/file_util.h"
 
@@ -203,14 +205,34 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
   absl::StatusOr<TlsIdentity> identity = ReadTlsIdentity(
       options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file, "");
   if (!identity.ok()) return identity.status();
-  grpc::SslServerCredentialsOptions ssl;
-  ssl.pem_key_cert_pairs.push_back(
-      {std::move(identity->private_key), std::move(identity->cert_chain)});
-  if (identity->client_ca) {
-    ssl.pem_root_certs = *std::move(identity->client_ca);
-    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  ServerSecurity security;
+  if (options.tls_refresh_seconds <= 0) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back(
+        {std::move(identity->private_key), std::move(identity->cert_chain)});
+    if (identity->client_ca) {
+      ssl.pem_root_certs = *std::move(identity->client_ca);
+      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+    }
+    security.credentials = grpc::SslServerCredentials(ssl);
+  } else {
+    // gRPC reads the files again every refresh (they were checked above at start). It takes a
+    // pair as it reads it, retrying while the files change under it (a Secret's update, one
+    // rename of their directory, is then read whole); a certificate replaced without its key
+    // fails new handshakes until the key follows, while connections open keep theirs.
+    auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        options.tls_key_file, options.tls_cert_file, options.tls_client_ca_file,
+        static_cast<unsigned int>(options.tls_refresh_seconds));
+    grpc::experimental::TlsServerCredentialsOptions tls(files);
+    tls.watch_identity_key_cert_pairs();
+    if (identity->client_ca) {
+      tls.watch_root_certs();
+      tls.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    } else {
+      tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    }
+    security.credentials = grpc::experimental::TlsServerCredentials(tls);
   }
-  ServerSecurity security{grpc::SslServerCredentials(ssl), nullptr};
   // gRPC's local credentials for Unix sockets: plaintext HTTP/2 on the wire (a plaintext
   // client connects as it would to InsecureServerCredentials), refusing any connection that is
   // not over a Unix socket, and, unlike InsecureServerCredentials (whose

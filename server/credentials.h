@@ -33,6 +33,14 @@ struct SecurityOptions {
   // StartServer also wants a unix:PATH address and no unix-abstract:NAME one, which has no
   // permissions.
   bool plaintext_unix_sockets = false;
+  // How often the TLS files are read again (gRPC's file watcher): a certificate, key or client
+  // CA replaced on disk (cert-manager's rotation through a mounted Secret) serves the
+  // connections made after, while the sessions and the connections open stay; 0: read at start
+  // only. Replace the certificate and its key together (a Secret's update does): a certificate
+  // read without its key fails new handshakes until the key follows (gRPC 1.51 takes the pair
+  // as it reads it). The metrics endpoint reads its files on the same period
+  // (MetricsTlsFiles), keeping the pair in force until a whole new one is there.
+  int tls_refresh_seconds = 60;
 
   bool tls() const { return !tls_cert_file.empty(); }
 };

@@ -143,8 +143,15 @@ ABSL_FLAG(std::string, metrics_token_file, "",
 ABSL_FLAG(std::string, metrics_tls_cert, "",
           "PEM certificate chain of the metrics endpoint; with --metrics_tls_key it serves "
           "HTTPS (TLS 1.2+), so that the metrics and their token travel encrypted (may be "
-          "--tls_cert's files; read at start)");
+          "--tls_cert's files; read again every --tls_refresh_seconds)");
 ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key of --metrics_tls_cert");
+ABSL_FLAG(int, tls_refresh_seconds, 60,
+          "how often the TLS files (--tls_cert, --tls_key, --tls_client_ca and the "
+          "--metrics_tls_* ones) are read again: a certificate replaced on disk (a Secret's "
+          "rotation) serves the connections made after, and the sessions stay; 0: read at start "
+          "only. Replace a certificate and its key together (a Secret's update does): on the "
+          "gRPC port a certificate read without its key fails new handshakes until the key "
+          "follows; the metrics endpoint keeps its pair until a whole new one is there");
 ABSL_FLAG(std::string, metrics_tls_client_ca, "",
           "PEM roots: scrapers must present a certificate they signed (mutual TLS on the "
           "metrics endpoint)");
@@ -404,6 +411,7 @@ int main(int argc, char** argv) {
   options.security.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.security.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   options.security.plaintext_unix_sockets = absl::GetFlag(FLAGS_plaintext_unix_sockets);
+  options.security.tls_refresh_seconds = absl::GetFlag(FLAGS_tls_refresh_seconds);
 
   // The threads started from here on block the shutdown signals (gRPC's inherit the mask), so
   // that their calls are not interrupted; main takes them again once the server listens.

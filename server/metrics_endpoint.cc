@@ -266,10 +266,13 @@ absl::string_view AuthorizationHeader(absl::string_view request) {
 }  // namespace
 
 MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
-                                 std::shared_ptr<const TokenStore> scrapers, SSL_CTX* tls,
-                                 int listener, const int wake[2], std::string address, int port)
-    : metrics_(std::move(metrics)), scrapers_(std::move(scrapers)), tls_(tls),
-      listener_(listener), wake_{wake[0], wake[1]}, address_(std::move(address)), port_(port) {
+                                 std::shared_ptr<const TokenStore> scrapers,
+                                 std::optional<MetricsTlsFiles> files, TlsIdentity identity,
+                                 SSL_CTX* tls, int listener, const int wake[2],
+                                 std::string address, int port)
+    : metrics_(std::move(metrics)), scrapers_(std::move(scrapers)), tls_files_(std::move(files)),
+      tls_identity_(std::move(identity)), tls_(tls), listener_(listener),
+      wake_{wake[0], wake[1]}, address_(std::move(address)), port_(port) {
   thread_ = std::thread([this] { Serve(); });
 }
 
@@ -285,7 +288,20 @@ MetricsEndpoint::~MetricsEndpoint() {
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     const std::string& address, std::shared_ptr<ServerMetrics> metrics,
-    std::shared_ptr<const TokenStore> scrapers, const TlsIdentity* tls) {
+    std::shared_ptr<const TokenStore> scrapers, const MetricsTlsFiles* tls) {
+  TlsIdentity identity;
+  SSL_CTX* context = nullptr;
+  if (tls != nullptr) {
+    absl::StatusOr<TlsIdentity> read =
+        ReadTlsIdentity(tls->cert_file, tls->key_file, tls->client_ca_file, "metrics_");
+    if (!read.ok()) return read.status();
+    absl::StatusOr<SSL_CTX*> made = MakeTlsContext(*read);
+    if (!made.ok()) return made.status();
+    identity = *std::move(read);
+    context = *made;
+  }
+  // Freed on every failure below.
+  std::unique_ptr<SSL_CTX, decltype(&SSL_CTX_free)> owned_context(context, &SSL_CTX_free);
   const size_t colon = address.rfind(':');
   int requested_port = -1;
   if (colon == std::string::npos || colon == 0 ||
@@ -338,25 +354,49 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   const int port = ntohs(bound.ss_family == AF_INET6
                              ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
                              : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-  SSL_CTX* context = nullptr;
-  if (tls != nullptr) {
-    absl::StatusOr<SSL_CTX*> made = MakeTlsContext(*tls);
-    if (!made.ok()) {
-      ::close(listener);
-      return made.status();
-    }
-    context = *made;
-  }
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {  // without it the endpoint could not stop
     const int error = errno;
     ::close(listener);
-    SSL_CTX_free(context);
     return unavailable(absl::StrCat("no pipe to stop it by: ", strerror(error)));
   }
-  return std::unique_ptr<MetricsEndpoint>(
-      new MetricsEndpoint(std::move(metrics), std::move(scrapers), context, listener, wake,
-                          absl::StrCat(address.substr(0, colon), ":", port), port));
+  std::optional<MetricsTlsFiles> files;
+  if (tls != nullptr) files = *tls;
+  return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(
+      std::move(metrics), std::move(scrapers), std::move(files), std::move(identity),
+      owned_context.release(), listener, wake, absl::StrCat(address.substr(0, colon), ":", port),
+      port));
+}
+
+void MetricsEndpoint::RefreshTls() {
+  const MetricsTlsFiles& files = *tls_files_;
+  absl::StatusOr<TlsIdentity> read =
+      ReadTlsIdentity(files.cert_file, files.key_file, files.client_ca_file, "metrics_");
+  absl::StatusOr<SSL_CTX*> made = absl::UnknownError("");
+  if (read.ok()) {
+    if (read->cert_chain == tls_identity_.cert_chain &&
+        read->private_key == tls_identity_.private_key &&
+        read->client_ca == tls_identity_.client_ca) {
+      tls_refresh_error_.clear();
+      return;  // unchanged
+    }
+    made = MakeTlsContext(*read);
+  }
+  const absl::Status refused = read.ok() ? made.status() : read.status();
+  if (!refused.ok()) {
+    if (std::string said(refused.message()); said != tls_refresh_error_) {
+      std::fprintf(stderr, "kvrecalld: the metrics endpoint keeps its TLS certificate: %s\n",
+                   said.c_str());
+      tls_refresh_error_ = std::move(said);
+    }
+    return;
+  }
+  // Connections accepted before keep the context they hold a reference to.
+  SSL_CTX_free(std::exchange(tls_, *made));
+  tls_identity_ = *std::move(read);
+  tls_refresh_error_.clear();
+  std::fprintf(stderr, "kvrecalld: the metrics endpoint's TLS certificate was read again from %s\n",
+               files.cert_file.c_str());
 }
 
 std::string MetricsEndpoint::Respond(const std::string& request) const {
@@ -401,6 +441,9 @@ void MetricsEndpoint::Serve() {
   pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
   std::vector<Connection> connections;
   std::vector<pollfd> polled;
+  absl::Time refresh_at = tls_files_ && tls_files_->refresh > absl::ZeroDuration()
+                              ? absl::Now() + tls_files_->refresh
+                              : absl::InfiniteFuture();
   absl::Time accept_paused_until = absl::InfinitePast();
   char buffer[4096];
   for (;;) {
@@ -417,6 +460,7 @@ void MetricsEndpoint::Serve() {
         !paused && (!full || std::ranges::any_of(connections, &Connection::Evictable));
     polled.push_back({accepting ? listener_ : -1, POLLIN, 0});
     absl::Time next = !full && paused ? accept_paused_until : absl::InfiniteFuture();
+    if (refresh_at < next) next = refresh_at;
     for (const Connection& c : connections) {
       polled.push_back({c.fd, c.events(), 0});
       next = std::min(next, c.deadline);
@@ -433,6 +477,10 @@ void MetricsEndpoint::Serve() {
     }
     if (polled[0].revents != 0) break;  // the destructor
     const absl::Time now = absl::Now();
+    if (now >= refresh_at) {
+      RefreshTls();
+      refresh_at = now + tls_files_->refresh;
+    }
     for (size_t i = 0; i < connections.size(); ++i) {
       Connection& c = connections[i];
       const short revents = polled[i + 2].revents;

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -34,6 +35,18 @@ typedef struct ssl_ctx_st SSL_CTX;
 
 namespace kvrecall {
 
+// The endpoint's TLS (HTTPS): the PEM files of --metrics_tls_cert, --metrics_tls_key and
+// --metrics_tls_client_ca, read as the gRPC port's are (ReadTlsIdentity).
+struct MetricsTlsFiles {
+  std::string cert_file;
+  std::string key_file;
+  std::string client_ca_file;  // empty: no client certificate asked for
+  // How often the files are read again (zero: at start only): a replacement that ReadTlsIdentity
+  // takes serves the connections accepted after; one it refuses (half a rotation: a key not
+  // the certificate's) keeps the identity in force, said once on stderr.
+  absl::Duration refresh = absl::ZeroDuration();
+};
+
 class MetricsEndpoint {
  public:
   // Listens on `address` (HOST:PORT, HOST a name or an address, [::1] for IPv6; port 0 picks a
@@ -42,15 +55,16 @@ class MetricsEndpoint {
   // request must carry "Authorization: Bearer TOKEN" with a token of its table in force (the
   // first such header decides; else 401 with "WWW-Authenticate: Bearer", before its method and
   // path are looked at); without, any peer that reaches the port reads the metrics. With
-  // `tls` (ReadTlsIdentity's, checked), every connection is TLS with that identity (and, with
-  // its client_ca, must present a certificate those roots signed): a peer whose handshake
-  // fails is closed without an answer, one that sends plain HTTP gets a 400 that says to use
-  // https://; without `tls`, plain HTTP.
-  // INVALID_ARGUMENT for an address without a port or an identity OpenSSL refuses,
-  // UNAVAILABLE when the address cannot be bound.
+  // `tls`, every connection is TLS with the identity of its files (and, with a client CA, must
+  // present a certificate those roots signed): a peer whose handshake fails is closed without
+  // an answer, one that sends plain HTTP gets a 400 that says to use https://; without `tls`,
+  // plain HTTP. ReadTlsIdentity's errors for files it cannot use (naming the --metrics_tls_*
+  // flag), INVALID_ARGUMENT for an address without a port, UNAVAILABLE when the address cannot
+  // be bound.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
       const std::string& address, std::shared_ptr<ServerMetrics> metrics,
-      std::shared_ptr<const TokenStore> scrapers = nullptr, const TlsIdentity* tls = nullptr);
+      std::shared_ptr<const TokenStore> scrapers = nullptr,
+      const MetricsTlsFiles* tls = nullptr);
   // Closes every connection at once and returns.
   ~MetricsEndpoint();
 
@@ -71,16 +85,23 @@ class MetricsEndpoint {
 
  private:
   MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
-                  std::shared_ptr<const TokenStore> scrapers, SSL_CTX* tls, int listener,
-                  const int wake[2], std::string address, int port);
+                  std::shared_ptr<const TokenStore> scrapers, std::optional<MetricsTlsFiles> files,
+                  TlsIdentity identity, SSL_CTX* tls, int listener, const int wake[2],
+                  std::string address, int port);
   // Serves connections until wake_[0] becomes readable.
   void Serve();
+  // Reads tls_files_ again (on Serve's thread, every refresh): a changed identity it can use
+  // replaces tls_ for the connections accepted after.
+  void RefreshTls();
   // The response to one complete request (`request` holds its line and headers).
   std::string Respond(const std::string& request) const;
 
   const std::shared_ptr<ServerMetrics> metrics_;
   const std::shared_ptr<const TokenStore> scrapers_;  // null: no token asked for
-  SSL_CTX* const tls_;  // owned; null: plain HTTP
+  const std::optional<MetricsTlsFiles> tls_files_;  // nullopt: plain HTTP
+  TlsIdentity tls_identity_;  // what tls_ was made of; Serve's thread's after the start
+  SSL_CTX* tls_;              // owned (connections hold their own references); null: plain HTTP
+  std::string tls_refresh_error_;  // the last refresh's refusal, said once
   const int listener_;
   const int wake_[2];  // a byte written to wake_[1] stops Serve
   const std::string address_;

@@ -296,18 +296,18 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
     if (!scrapers.ok()) return scrapers.status();
     scrapers_ = *std::move(scrapers);
   }
-  std::optional<TlsIdentity> metrics_tls;
+  std::optional<MetricsTlsFiles> metrics_tls;
   if (!options.metrics_tls_cert_file.empty() || !options.metrics_tls_key_file.empty()) {
     if (options.metrics_address.empty()) {
       return absl::InvalidArgumentError(
           "--metrics_tls_cert and --metrics_tls_key need a metrics endpoint (--metrics_address "
           "is empty)");
     }
-    absl::StatusOr<TlsIdentity> identity =
-        ReadTlsIdentity(options.metrics_tls_cert_file, options.metrics_tls_key_file,
-                        options.metrics_tls_client_ca_file, "metrics_");
-    if (!identity.ok()) return identity.status();
-    metrics_tls = *std::move(identity);
+    metrics_tls = MetricsTlsFiles{
+        .cert_file = options.metrics_tls_cert_file,
+        .key_file = options.metrics_tls_key_file,
+        .client_ca_file = options.metrics_tls_client_ca_file,
+        .refresh = absl::Seconds(options.security.tls_refresh_seconds)};
   } else if (!options.metrics_tls_client_ca_file.empty()) {
     return absl::InvalidArgumentError(
         "--metrics_tls_client_ca (mutual TLS) needs --metrics_tls_cert and --metrics_tls_key");
@@ -430,6 +430,11 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
     return absl::InvalidArgumentError(absl::StrCat("--worker_threads must be in [0, ",
                                                    kMaxWorkerThreads, "], got ",
                                                    options.worker_threads));
+  }
+  if (options.security.tls_refresh_seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_refresh_seconds must be 0 (the TLS files read at start only) or more, got ",
+        options.security.tls_refresh_seconds));
   }
   if (absl::Status s = options.limits.Validate(); !s.ok()) return s;
   if (absl::Status s = PrepareSharedMemoryDir(options); !s.ok()) return s;

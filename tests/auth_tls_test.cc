@@ -112,6 +112,11 @@ class Pki {
         "openssl x509 -req -in stranger.csr -CA wrong-ca.pem -CAkey wrong-ca.key -CAcreateserial"
         " -days 2 -extfile client.ext -out stranger.pem",
         "openssl x509 -in ca.pem -trustout -out ca-trusted.pem",  // TRUSTED CERTIFICATE
+        // The server's next certificate, of the other CA (a rotation to a new issuer).
+        absl::StrCat("openssl req ", key,
+                     " -keyout server-next.key -out server-next.csr -subj '/CN=kvrecalld'"),
+        "openssl x509 -req -in server-next.csr -CA wrong-ca.pem -CAkey wrong-ca.key"
+        " -CAcreateserial -days 2 -extfile server.ext -out server-next.pem",
     };
     for (const std::string& step : steps) {
       CommandResult r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", step));
@@ -1344,16 +1349,18 @@ class MetricsTlsTest : public TlsTest {
   // The endpoint on a free loopback port with the suite's server certificate (and, with
   // `client_ca`, mutual TLS) and the scraper token "scraper-token-0123456789".
   std::unique_ptr<MetricsEndpoint> StartEndpoint(const std::string& client_ca = "") {
-    absl::StatusOr<TlsIdentity> identity = ReadTlsIdentity(
-        pki().Path("server.pem"), pki().Path("server.key"), client_ca, "metrics_");
-    EXPECT_TRUE(identity.ok()) << identity.status();
+    return StartEndpoint({.cert_file = pki().Path("server.pem"),
+                          .key_file = pki().Path("server.key"),
+                          .client_ca_file = client_ca});
+  }
+  std::unique_ptr<MetricsEndpoint> StartEndpoint(const MetricsTlsFiles& files) {
     absl::StatusOr<TokenTable> table =
         TokenTable::Parse("scraper-token-0123456789\n", "tokens", "scraper");
     EXPECT_TRUE(table.ok()) << table.status();
-    if (!identity.ok() || !table.ok()) return nullptr;
+    if (!table.ok()) return nullptr;
     absl::StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = MetricsEndpoint::Start(
         "127.0.0.1:0", metrics_,
-        std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*table)), &*identity);
+        std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*table)), &files);
     EXPECT_TRUE(endpoint.ok()) << endpoint.status();
     return endpoint.ok() ? *std::move(endpoint) : nullptr;
   }
@@ -1590,6 +1597,44 @@ TEST_F(MetricsTlsTest, BadMetricsTlsOptionsAreRefusedBeforeListening) {
               ::testing::MatchesRegex("http://127\\.0\\.0\\.1:[0-9]+/metrics"));
 }
 
+// The endpoint reads its files again every refresh: a whole new pair serves the connections
+// accepted after; half a rotation (the certificate without its key), or a file that vanished,
+// keeps the pair in force.
+TEST_F(MetricsTlsTest, ARotatedCertificateServesTheNextScrapes) {
+  testing::TempDirectory dir("metrics-rotation");
+  const std::string cert = dir.Path("tls.crt");
+  const std::string key = dir.Path("tls.key");
+  auto put = [&](const std::string& from, const std::string& to) {
+    WriteFile(to + ".new", ReadFile(pki().Path(from)));
+    ASSERT_EQ(std::rename((to + ".new").c_str(), to.c_str()), 0);
+  };
+  put("server.pem", cert);
+  put("server.key", key);
+  std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint(
+      {.cert_file = cert, .key_file = key, .refresh = absl::Milliseconds(200)});
+  ASSERT_NE(endpoint, nullptr);
+  const int port = endpoint->port();
+  auto served_to = [&](const char* ca) {
+    return absl::StartsWith(Https(port, {.ca_file = pki().Path(ca)}, WithToken()).response,
+                            "HTTP/1.1 200 OK");
+  };
+  ASSERT_TRUE(served_to("ca.pem"));
+  put("server-next.pem", cert);  // the certificate without its key
+  absl::SleepFor(absl::Milliseconds(800));
+  EXPECT_TRUE(served_to("ca.pem")) << "half a rotation was taken";
+  EXPECT_FALSE(served_to("wrong-ca.pem"));
+  put("server-next.key", key);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (!served_to("wrong-ca.pem") && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_TRUE(served_to("wrong-ca.pem"));
+  EXPECT_FALSE(served_to("ca.pem"));
+  ASSERT_EQ(std::remove(key.c_str()), 0);  // a file gone keeps the pair too
+  absl::SleepFor(absl::Milliseconds(800));
+  EXPECT_TRUE(served_to("wrong-ca.pem"));
+}
+
 // What OpenSSL will not serve (here a 1024-bit RSA key under its security level) is refused
 // naming the flag and file, on either port (the gRPC port said "address in use or invalid?").
 TEST_F(MetricsTlsTest, AKeyOpenSslWillNotServeIsRefusedByName) {
@@ -1605,8 +1650,10 @@ TEST_F(MetricsTlsTest, AKeyOpenSslWillNotServeIsRefusedByName) {
       "cd ", dir, " && openssl req -x509 -newkey rsa:1024 -nodes -keyout weak.key -out weak.pem",
       " -days 2 -subj /CN=weak"));
   ASSERT_EQ(made.exit_code, 0) << made.output;
-  absl::StatusOr<TlsIdentity> metrics =
-      ReadTlsIdentity(pki().Path("weak.pem"), pki().Path("weak.key"), "", "metrics_");
+  const MetricsTlsFiles weak = {.cert_file = pki().Path("weak.pem"),
+                                .key_file = pki().Path("weak.key")};
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> metrics =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics_, nullptr, &weak);
   EXPECT_TRUE(HasStatus(metrics.status(), absl::StatusCode::kInvalidArgument,
                         "--metrics_tls_cert: " + pki().Path("weak.pem") +
                             ": OpenSSL will not serve this certificate (ee key too small)"));
@@ -1617,6 +1664,96 @@ TEST_F(MetricsTlsTest, AKeyOpenSslWillNotServeIsRefusedByName) {
   EXPECT_TRUE(HasStatus(StartServer(options).status(), absl::StatusCode::kInvalidArgument,
                         "--tls_cert: " + pki().Path("weak.pem") +
                             ": OpenSSL will not serve this certificate"));
+}
+
+// The gRPC port reads its TLS files again every --tls_refresh_seconds: a certificate replaced
+// on disk (a Secret's rotation) serves the connections made after while the sessions stay.
+TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
+  testing::TempDirectory dir("rotation");
+  const std::string cert = dir.Path("tls.crt");
+  const std::string key = dir.Path("tls.key");
+  // As the kubelet updates a Secret's files: each written whole, then renamed into place.
+  auto put = [&](const std::string& from, const std::string& to) {
+    WriteFile(to + ".new", ReadFile(pki().Path(from)));
+    ASSERT_EQ(std::rename((to + ".new").c_str(), to.c_str()), 0);
+  };
+  put("server.pem", cert);
+  put("server.key", key);
+  SecurityOptions security;
+  security.tls_cert_file = cert;
+  security.tls_key_file = key;
+  security.tls_refresh_seconds = 1;
+  Start(security);
+  // A health check over a connection of its own (no subchannel shared with an earlier channel)
+  // trusting `ca`: whether the handshake, and the call, succeeded.
+  auto serves_to = [&](const char* ca) {
+    client::ChannelSecurity trusting;
+    trusting.ca_file = pki().Path(ca);
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+        client::MakeChannelCredentials(trusting, server_->address());
+    EXPECT_TRUE(credentials.ok()) << credentials.status();
+    grpc::ChannelArguments arguments;
+    arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateCustomChannel(server_->address(), *credentials, arguments));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    return stub->Check(&context, request, &response).ok();
+  };
+  auto within = [](absl::Duration limit, const std::function<bool()>& condition) {
+    const absl::Time deadline = absl::Now() + limit;
+    while (!condition()) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return true;
+  };
+  ASSERT_TRUE(serves_to("ca.pem"));
+  absl::StatusOr<std::unique_ptr<client::Client>> before =
+      client::Client::Connect(server_->address(), TrustingCa());
+  ASSERT_TRUE(before.ok()) << before.status();
+  absl::StatusOr<client::SessionHandle> session = (*before)->CreateSession(
+      testing::MakeGeometry(1, 2, 1, 8), testing::MakePolicy(v1::SELECTOR_FULL));
+  ASSERT_TRUE(session.ok()) << session.status();
+
+  // The whole rotation, as a Secret's update makes it (both files at once: here, renamed in
+  // place one after the other within gRPC's read, or fixed at its next).
+  put("server-next.pem", cert);
+  put("server-next.key", key);
+  EXPECT_TRUE(within(absl::Seconds(10), [&] { return serves_to("wrong-ca.pem"); }));
+  EXPECT_FALSE(serves_to("ca.pem"));
+  // The session made before is there, for a client of the new CA.
+  client::ChannelSecurity next;
+  next.ca_file = pki().Path("wrong-ca.pem");
+  absl::StatusOr<std::unique_ptr<client::Client>> after =
+      client::Client::Connect(server_->address(), next);
+  ASSERT_TRUE(after.ok()) << after.status();
+  absl::StatusOr<std::vector<v1::SessionInfo>> listed = (*after)->ListSessions();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].session_id(), session->id);
+  server_.reset();
+
+  // --tls_refresh_seconds=0: the files as they were at start, whatever replaces them.
+  put("server.pem", cert);
+  put("server.key", key);
+  security.tls_refresh_seconds = 0;
+  Start(security);
+  ASSERT_TRUE(serves_to("ca.pem"));
+  put("server-next.pem", cert);
+  put("server-next.key", key);
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_TRUE(serves_to("ca.pem"));
+  EXPECT_FALSE(serves_to("wrong-ca.pem"));
+  security.tls_refresh_seconds = -1;
+  ServerOptions negative;
+  negative.address = "127.0.0.1:0";
+  negative.security = security;
+  EXPECT_TRUE(HasStatus(StartServer(negative).status(), absl::StatusCode::kInvalidArgument,
+                        "--tls_refresh_seconds must be 0 (the TLS files read at start only) or "
+                        "more, got -1"));
 }
 
 TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
