@@ -1422,7 +1422,8 @@ TEST_F(MetricsTlsTest, ServesHttpsAndAnswersNothingOutsideTls) {
   // Plain HTTP (a scraper or curl told http://) is told the scheme, and nothing else.
   const std::string plain = Plaintext(port, WithToken());
   EXPECT_THAT(plain, ::testing::StartsWith("HTTP/1.1 400 Bad Request\r\n"));
-  EXPECT_THAT(plain, HasSubstr("this endpoint speaks HTTPS: use https:// with this host and port\n"));
+  EXPECT_THAT(plain,
+              HasSubstr("this endpoint speaks HTTPS: use https:// with this host and port\n"));
   EXPECT_THAT(plain, Not(HasSubstr("kvrecall_")));
   EXPECT_EQ(Refused("plain_http"), 1);
   EXPECT_EQ(Refused("tls_handshake"), 0);

@@ -184,8 +184,11 @@ TEST(KvrecalldProcessTest, AShutdownSignalDuringStartupStopsItOnceListening) {
         dup2(out[1], STDERR_FILENO);
         signal(SIGINT, inherited_ignored ? SIG_IGN : SIG_DFL);
         signal(SIGTERM, inherited_ignored ? SIG_IGN : SIG_DFL);
+        // --tls_refresh_seconds=0: the certificate read once, from the FIFO (gRPC's file
+        // watcher would read it a second time, from a FIFO nobody writes again).
         execl(binary.c_str(), binary.c_str(), "--address=127.0.0.1:0", "--metrics_address=",
-              tls_cert.c_str(), tls_key.c_str(), static_cast<char*>(nullptr));
+              tls_cert.c_str(), tls_key.c_str(), "--tls_refresh_seconds=0",
+              static_cast<char*>(nullptr));
         _exit(127);
       }
       close(out[1]);
