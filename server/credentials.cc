@@ -6,7 +6,9 @@
 #include <openssl/pem.h>
 #include <openssl/ssl.h>
 #include <openssl/x509.h>
+#include <sys/stat.h>
 
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -182,6 +184,25 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
   return identity;
 }
 
+absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
+                                 absl::string_view flag_prefix) {
+  static constexpr const char* kFlags[] = {"tls_cert", "tls_key", "tls_client_ca"};
+  for (size_t i = 0; i < files.size() && i < std::size(kFlags); ++i) {
+    if (files[i].empty()) continue;
+    struct stat file;
+    const bool regular = ::stat(files[i].c_str(), &file) == 0 && S_ISREG(file.st_mode);
+    if (!regular || file.st_mtime == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag_prefix, kFlags[i], ": ", files[i],
+          regular ? " has a modification time of 0 (1970)" : " is not a regular file",
+          ", which --tls_refresh_seconds cannot read again (gRPC's watcher takes a time of 0 "
+          "for a failed stat, and a pipe is read once): give a file with a real modification "
+          "time (touch it), or --tls_refresh_seconds=0 to read the files at start only"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& options,
                                                      ServerMetrics* metrics) {
   if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
@@ -202,6 +223,14 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
     }
     return ServerSecurity{grpc::InsecureServerCredentials(), nullptr};
   }
+  // Before the files are read: a pipe would be read (and emptied) here first.
+  if (options.tls_refresh_seconds > 0) {
+    if (absl::Status s = RefreshableTlsFiles(
+            {options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file}, "");
+        !s.ok()) {
+      return s;
+    }
+  }
   absl::StatusOr<TlsIdentity> identity = ReadTlsIdentity(
       options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file, "");
   if (!identity.ok()) return identity.status();
@@ -216,10 +245,11 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
     }
     security.credentials = grpc::SslServerCredentials(ssl);
   } else {
-    // gRPC reads the files again every refresh (they were checked above at start). It takes a
-    // pair as it reads it, retrying while the files change under it (a Secret's update, one
-    // rename of their directory, is then read whole); a certificate replaced without its key
-    // fails new handshakes until the key follows, while connections open keep theirs.
+    // gRPC reads the files again every refresh (checked above: RefreshableTlsFiles, then
+    // ReadTlsIdentity). It takes a pair as it reads it, retrying while the files
+    // change under it (a Secret's update, one rename of their directory, is then read whole);
+    // a file it cannot use at a refresh fails new handshakes until the refresh after the files
+    // are whole again, while connections open keep theirs.
     auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
         options.tls_key_file, options.tls_cert_file, options.tls_client_ca_file,
         static_cast<unsigned int>(options.tls_refresh_seconds));

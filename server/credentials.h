@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -33,14 +34,18 @@ struct SecurityOptions {
   // StartServer also wants a unix:PATH address and no unix-abstract:NAME one, which has no
   // permissions.
   bool plaintext_unix_sockets = false;
-  // How often the TLS files are read again (gRPC's file watcher): a certificate, key or client
-  // CA replaced on disk (cert-manager's rotation through a mounted Secret) serves the
-  // connections made after, while the sessions and the connections open stay; 0: read at start
-  // only. Replace the certificate and its key together (a Secret's update does): a certificate
-  // read without its key fails new handshakes until the key follows (gRPC 1.51 takes the pair
-  // as it reads it). The metrics endpoint reads its files on the same period
-  // (MetricsTlsFiles), keeping the pair in force until a whole new one is there.
-  int tls_refresh_seconds = 60;
+  // How often the TLS files are read again (gRPC's file watcher); 0 (the default): at start
+  // only. With a period, a certificate, key or client CA replaced on disk (cert-manager's
+  // rotation through a mounted Secret, which the chart turns this on for) serves the
+  // connections made after, while the sessions and the connections open stay. The files must
+  // then be regular files with a modification time (gRPC 1.51's watcher reads them again and
+  // takes a time of 0 for a failed stat), and the certificate and its key replaced in one step
+  // (a Secret's update is): gRPC takes a pair as it reads it, and a file it cannot use at a
+  // refresh (half a rotation, a garbled key or CA) fails new handshakes until the refresh after
+  // the files are whole again, while connections open keep theirs. The metrics endpoint reads
+  // its files on the same period (MetricsTlsFiles), keeping its pair until a whole new one is
+  // there.
+  int tls_refresh_seconds = 0;
 
   bool tls() const { return !tls_cert_file.empty(); }
 };
@@ -71,6 +76,12 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
                                             const std::string& key_file,
                                             const std::string& client_ca_file,
                                             absl::string_view flag_prefix);
+
+// Whether `files` (the paths of --PREFIXtls_cert, --PREFIXtls_key, --PREFIXtls_client_ca, in
+// that order; empty ones skipped) can be read again every --tls_refresh_seconds: regular files
+// with a modification time (not 0). INVALID_ARGUMENT naming the flag otherwise.
+absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
+                                 absl::string_view flag_prefix);
 
 // OpenSSL's reason for the last error of this thread's queue, which it empties ("" if none).
 std::string OpenSslReason();

@@ -143,15 +143,17 @@ ABSL_FLAG(std::string, metrics_token_file, "",
 ABSL_FLAG(std::string, metrics_tls_cert, "",
           "PEM certificate chain of the metrics endpoint; with --metrics_tls_key it serves "
           "HTTPS (TLS 1.2+), so that the metrics and their token travel encrypted (may be "
-          "--tls_cert's files; read again every --tls_refresh_seconds)");
+          "--tls_cert's files; read again with --tls_refresh_seconds)");
 ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key of --metrics_tls_cert");
-ABSL_FLAG(int, tls_refresh_seconds, 60,
+ABSL_FLAG(int, tls_refresh_seconds, 0,
           "how often the TLS files (--tls_cert, --tls_key, --tls_client_ca and the "
-          "--metrics_tls_* ones) are read again: a certificate replaced on disk (a Secret's "
-          "rotation) serves the connections made after, and the sessions stay; 0: read at start "
-          "only. Replace a certificate and its key together (a Secret's update does): on the "
-          "gRPC port a certificate read without its key fails new handshakes until the key "
-          "follows; the metrics endpoint keeps its pair until a whole new one is there");
+          "--metrics_tls_* ones) are read again; 0: at start only. With a period, a certificate "
+          "replaced on disk (a Secret's rotation; the chart sets 60) serves the connections made "
+          "after, and the sessions stay. The files must be regular files with a modification "
+          "time, and a certificate replaced with its key in one step (a Secret's update is): on "
+          "the gRPC port a file that cannot be used at a refresh fails new handshakes until the "
+          "refresh after it is whole again (said on stderr); the metrics endpoint keeps its pair "
+          "until a whole new one is there");
 ABSL_FLAG(std::string, metrics_tls_client_ca, "",
           "PEM roots: scrapers must present a certificate they signed (mutual TLS on the "
           "metrics endpoint)");

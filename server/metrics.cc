@@ -182,6 +182,10 @@ void PolicyMetrics::ObserveIndexBuild(double seconds) {
   series_.index_build_seconds->Observe(seconds);
 }
 
+void ServerMetrics::SetTlsFilesUsable(absl::string_view port, bool usable) {
+  tls_files_usable_.Add({{"port", std::string(port)}}).Set(usable ? 1 : 0);
+}
+
 void PolicyMetrics::ObservePrefill(double seconds) { series_.prefill_seconds->Observe(seconds); }
 
 ServerMetrics::ServerMetrics()
@@ -226,6 +230,12 @@ ServerMetrics::ServerMetrics()
                     .Name("kvrecall_requests_refused_total")
                     .Help("Requests refused because they would exceed a server limit")
                     .Register(*registry_)),
+      tls_files_usable_(prometheus::BuildGauge()
+                            .Name("kvrecall_tls_files_usable")
+                            .Help("Whether a port's TLS files, as --tls_refresh_seconds last "
+                                  "read them, can be used (0: the gRPC port fails new "
+                                  "handshakes; the metrics endpoint keeps its certificate)")
+                            .Register(*registry_)),
       tenant_sessions_open_(prometheus::BuildGauge()
                                 .Name("kvrecall_tenant_sessions_open")
                                 .Help("Sessions of a tenant created and not closed")

@@ -361,7 +361,10 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     return unavailable(absl::StrCat("no pipe to stop it by: ", strerror(error)));
   }
   std::optional<MetricsTlsFiles> files;
-  if (tls != nullptr) files = *tls;
+  if (tls != nullptr) {
+    files = *tls;
+    if (tls->refresh > absl::ZeroDuration()) metrics->SetTlsFilesUsable("metrics", true);
+  }
   return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(
       std::move(metrics), std::move(scrapers), std::move(files), std::move(identity),
       owned_context.release(), listener, wake, absl::StrCat(address.substr(0, colon), ":", port),
@@ -378,11 +381,13 @@ void MetricsEndpoint::RefreshTls() {
         read->private_key == tls_identity_.private_key &&
         read->client_ca == tls_identity_.client_ca) {
       tls_refresh_error_.clear();
+      metrics_->SetTlsFilesUsable("metrics", true);
       return;  // unchanged
     }
     made = MakeTlsContext(*read);
   }
   const absl::Status refused = read.ok() ? made.status() : read.status();
+  metrics_->SetTlsFilesUsable("metrics", refused.ok());
   if (!refused.ok()) {
     if (std::string said(refused.message()); said != tls_refresh_error_) {
       std::fprintf(stderr, "kvrecalld: the metrics endpoint keeps its TLS certificate: %s\n",
@@ -395,7 +400,9 @@ void MetricsEndpoint::RefreshTls() {
   SSL_CTX_free(std::exchange(tls_, *made));
   tls_identity_ = *std::move(read);
   tls_refresh_error_.clear();
-  std::fprintf(stderr, "kvrecalld: the metrics endpoint's TLS certificate was read again from %s\n",
+  std::fprintf(stderr,
+               "kvrecalld: the metrics endpoint's TLS files changed (%s): they serve the "
+               "connections accepted from now on\n",
                files.cert_file.c_str());
 }
 

@@ -81,7 +81,7 @@ class MetricsEndpoint {
   const std::string& address() const { return address_; }
   int port() const { return port_; }
   // "https" with TLS, else "http".
-  const char* scheme() const { return tls_ != nullptr ? "https" : "http"; }
+  const char* scheme() const { return tls_files_ ? "https" : "http"; }
 
  private:
   MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
@@ -98,7 +98,7 @@ class MetricsEndpoint {
 
   const std::shared_ptr<ServerMetrics> metrics_;
   const std::shared_ptr<const TokenStore> scrapers_;  // null: no token asked for
-  const std::optional<MetricsTlsFiles> tls_files_;  // nullopt: plain HTTP
+  const std::optional<MetricsTlsFiles> tls_files_;  // nullopt: plain HTTP (never changes)
   TlsIdentity tls_identity_;  // what tls_ was made of; Serve's thread's after the start
   SSL_CTX* tls_;              // owned (connections hold their own references); null: plain HTTP
   std::string tls_refresh_error_;  // the last refresh's refusal, said once

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <optional>
@@ -223,6 +224,8 @@ RunningServer::RunningServer(const ServerOptions& options,
 }
 
 RunningServer::~RunningServer() {
+  stop_tls_watch_.Notify();
+  if (tls_watch_.joinable()) tls_watch_.join();
   Shutdown(absl::ZeroDuration());
   Wait();
   --running_servers;
@@ -270,6 +273,32 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
   return size;
 }
 
+void RunningServer::WatchTlsFiles(const SecurityOptions& security) {
+  metrics_->SetTlsFilesUsable("grpc", true);  // checked at start
+  tls_watch_ = std::thread([this, security] {
+    std::string said;  // the refusal last said; empty: usable
+    while (!stop_tls_watch_.WaitForNotificationWithTimeout(
+        absl::Seconds(security.tls_refresh_seconds))) {
+      const absl::StatusOr<TlsIdentity> read = ReadTlsIdentity(
+          security.tls_cert_file, security.tls_key_file, security.tls_client_ca_file, "");
+      const std::string now = read.ok() ? "" : std::string(read.status().message());
+      if (now == said) continue;
+      if (now.empty()) {
+        std::fprintf(stderr, "kvrecalld: the TLS files can be used again: new connections "
+                             "get them at gRPC's next read\n");
+      } else {
+        std::fprintf(stderr,
+                     "kvrecalld: %s: gRPC's TLS cannot use the files as they are now; new "
+                     "connections fail from its next read until they are whole again "
+                     "(connections open keep theirs)\n",
+                     now.c_str());
+      }
+      metrics_->SetTlsFilesUsable("grpc", now.empty());
+      said = now;
+    }
+  });
+}
+
 std::string RunningServer::metrics_url() const {
   if (metrics_endpoint_ == nullptr) return "";
   return absl::StrCat(metrics_endpoint_->scheme(), "://", metrics_address_, "/metrics");
@@ -302,6 +331,15 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
       return absl::InvalidArgumentError(
           "--metrics_tls_cert and --metrics_tls_key need a metrics endpoint (--metrics_address "
           "is empty)");
+    }
+    if (options.security.tls_refresh_seconds > 0) {
+      if (absl::Status s = RefreshableTlsFiles(
+              {options.metrics_tls_cert_file, options.metrics_tls_key_file,
+               options.metrics_tls_client_ca_file},
+              "metrics_");
+          !s.ok()) {
+        return s;
+      }
     }
     metrics_tls = MetricsTlsFiles{
         .cert_file = options.metrics_tls_cert_file,
@@ -489,6 +527,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   if (!security.ok()) return security.status();
   if (options.security.plaintext_unix_sockets) {
     if (absl::Status s = CheckPlaintextUnixSockets(addresses); !s.ok()) return s;
+  }
+  if (options.security.tls() && options.security.tls_refresh_seconds > 0) {
+    running->WatchTlsFiles(options.security);
   }
   running->service_.SetTokens(security->tokens);
   running->tokens_ = security->tokens;

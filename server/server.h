@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/health.h"
@@ -136,6 +138,11 @@ class RunningServer {
   RunningServer(const ServerOptions& options, std::unique_ptr<Placements> placements);
   // The metrics endpoint and the plaintext health port, when `options` ask for them.
   absl::Status StartMetricsAndProbes(const ServerOptions& options);
+  // With TLS and a --tls_refresh_seconds period: a thread that reads the gRPC port's TLS files
+  // on gRPC's period (ReadTlsIdentity) and says when gRPC's watcher will find them unusable
+  // (new handshakes fail) and when usable again: once on stderr, naming the flag, and in
+  // kvrecall_tls_files_usable{port="grpc"}.
+  void WatchTlsFiles(const SecurityOptions& security);
 
   MemoryBudget budget_;
   std::unique_ptr<Placements> placements_;
@@ -154,6 +161,8 @@ class RunningServer {
   std::vector<std::string> addresses_;
   int port_ = 0;
   std::shared_ptr<TokenStore> tokens_;  // null without --auth_token_file
+  absl::Notification stop_tls_watch_;
+  std::thread tls_watch_;  // WatchTlsFiles'; joined first by the destructor
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

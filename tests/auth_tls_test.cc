@@ -1620,9 +1620,15 @@ TEST_F(MetricsTlsTest, ARotatedCertificateServesTheNextScrapes) {
                             "HTTP/1.1 200 OK");
   };
   ASSERT_TRUE(served_to("ca.pem"));
+  auto usable = [&] {
+    return absl::StrContains(metrics_->TextFormat(),
+                             "kvrecall_tls_files_usable{port=\"metrics\"} 1");
+  };
+  EXPECT_TRUE(usable());
   put("server-next.pem", cert);  // the certificate without its key
   absl::SleepFor(absl::Milliseconds(800));
   EXPECT_TRUE(served_to("ca.pem")) << "half a rotation was taken";
+  EXPECT_FALSE(usable());
   EXPECT_FALSE(served_to("wrong-ca.pem"));
   put("server-next.key", key);
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
@@ -1631,6 +1637,7 @@ TEST_F(MetricsTlsTest, ARotatedCertificateServesTheNextScrapes) {
   }
   EXPECT_TRUE(served_to("wrong-ca.pem"));
   EXPECT_FALSE(served_to("ca.pem"));
+  EXPECT_TRUE(usable());
   ASSERT_EQ(std::remove(key.c_str()), 0);  // a file gone keeps the pair too
   absl::SleepFor(absl::Milliseconds(800));
   EXPECT_TRUE(served_to("wrong-ca.pem"));
@@ -1719,12 +1726,44 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
       testing::MakeGeometry(1, 2, 1, 8), testing::MakePolicy(v1::SELECTOR_FULL));
   ASSERT_TRUE(session.ok()) << session.status();
 
+  // A channel open before the rotation: its connection keeps the old certificate.
+  client::ChannelSecurity old_ca;
+  old_ca.ca_file = pki().Path("ca.pem");
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> old_credentials =
+      client::MakeChannelCredentials(old_ca, server_->address());
+  ASSERT_TRUE(old_credentials.ok()) << old_credentials.status();
+  grpc::ChannelArguments own_pool;
+  own_pool.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto open_before = grpc::health::v1::Health::NewStub(
+      grpc::CreateCustomChannel(server_->address(), *old_credentials, own_pool));
+  auto check = [](grpc::health::v1::Health::Stub& stub) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    return stub.Check(&context, request, &response).ok();
+  };
+  ASSERT_TRUE(check(*open_before));
   // The whole rotation, as a Secret's update makes it (both files at once: here, renamed in
   // place one after the other within gRPC's read, or fixed at its next).
   put("server-next.pem", cert);
   put("server-next.key", key);
   EXPECT_TRUE(within(absl::Seconds(10), [&] { return serves_to("wrong-ca.pem"); }));
   EXPECT_FALSE(serves_to("ca.pem"));
+  EXPECT_TRUE(check(*open_before)) << "the connection open before was cut";
+  // A garbled key at a refresh: said (the gauge, stderr) and new handshakes fail until the
+  // files are whole again.
+  auto usable = [&] {
+    const std::string text = server_->server().metrics().TextFormat();
+    return absl::StrContains(text, "kvrecall_tls_files_usable{port=\"grpc\"} 1");
+  };
+  EXPECT_TRUE(usable());
+  WriteFile(key + ".new", "-----BEGIN PRIVATE KEY-----\ngarbled\n-----END PRIVATE KEY-----\n");
+  ASSERT_EQ(std::rename((key + ".new").c_str(), key.c_str()), 0);
+  EXPECT_TRUE(within(absl::Seconds(5), [&] { return !usable(); }));
+  put("server-next.key", key);
+  EXPECT_TRUE(within(absl::Seconds(5), usable));
+  EXPECT_TRUE(within(absl::Seconds(10), [&] { return serves_to("wrong-ca.pem"); }));
   // The session made before is there, for a client of the new CA.
   client::ChannelSecurity next;
   next.ca_file = pki().Path("wrong-ca.pem");
@@ -1748,6 +1787,25 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   absl::SleepFor(absl::Milliseconds(1500));
   EXPECT_TRUE(serves_to("ca.pem"));
   EXPECT_FALSE(serves_to("wrong-ca.pem"));
+  // Files gRPC's watcher cannot read again are refused with a period, by flag.
+  ASSERT_EQ(mkfifo(dir.Path("fifo.key").c_str(), 0600), 0);
+  SecurityOptions pipe = security;
+  pipe.tls_key_file = dir.Path("fifo.key");
+  pipe.tls_refresh_seconds = 60;
+  ServerOptions with_pipe;
+  with_pipe.address = "127.0.0.1:0";
+  with_pipe.security = pipe;
+  // (ReadTlsIdentity would block on the FIFO: the check comes first.)
+  EXPECT_TRUE(HasStatus(StartServer(with_pipe).status(), absl::StatusCode::kInvalidArgument,
+                        "--tls_key: " + dir.Path("fifo.key") + " is not a regular file"));
+  WriteFile(dir.Path("epoch.crt"), ReadFile(pki().Path("server.pem")));
+  ASSERT_EQ(RunCommand("touch -d @0 " + dir.Path("epoch.crt")).exit_code, 0);
+  ServerOptions epoch = with_pipe;
+  epoch.security.tls_key_file = key;
+  epoch.security.tls_cert_file = dir.Path("epoch.crt");
+  EXPECT_TRUE(HasStatus(StartServer(epoch).status(), absl::StatusCode::kInvalidArgument,
+                        "--tls_cert: " + dir.Path("epoch.crt") +
+                            " has a modification time of 0 (1970)"));
   security.tls_refresh_seconds = -1;
   ServerOptions negative;
   negative.address = "127.0.0.1:0";

@@ -414,6 +414,9 @@ case "$case_name" in
     # HTTPS on the metrics port (the secure values turn it on): kvrecalld serves the gRPC port's
     # certificate there, the ServiceMonitor scrapes https checking it against the Secret's
     # ca.crt for the API Service's name, the pods say https; refused without TLS or metrics.
+    grep -qF -- '- --tls_refresh_seconds=60' <<<"$secure" || fail "secure render: the TLS files are not read again"
+    grep -qF -- '- --tls_refresh_seconds=0' <<<"$("$HELM" template kvrecall "$chart_dir" \
+      -f "$chart_dir/values-secure.yaml" --set tls.refreshSeconds=0)" || fail "tls.refreshSeconds=0 not passed"
     for line in '- --metrics_tls_cert=/etc/kvrecall/tls/tls.crt' \
         '- --metrics_tls_key=/etc/kvrecall/tls/tls.key' 'prometheus.io/scheme: https'; do
       grep -qF -- "$line" <<<"$secure" || fail "secure render lacks: $line"

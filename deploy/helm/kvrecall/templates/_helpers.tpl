@@ -267,6 +267,7 @@ tokens only when it is given one.
 - --tls_client_ca={{ include "kvrecall.tlsDir" . }}/ca.crt
 {{- end }}
 - --health_address=0.0.0.0:{{ int64 .Values.tls.probePort }}
+- --tls_refresh_seconds={{ int64 .Values.tls.refreshSeconds }}
 {{- if .Values.colocatedRunner.enabled }}
 - --plaintext_unix_sockets=true
 {{- end }}
@@ -289,7 +290,7 @@ tokens only when it is given one.
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "flagfile" "fromenv" "tryfromenv") }}
 {{- fail (printf "server.extraArgs: %s would set flags past the chart's checks (those it sets, and --plaintext_unix_sockets); give each flag in server.extraArgs instead" $flag) }}
 {{- end }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "metrics_token_file" "metrics_tls_cert" "metrics_tls_key" "shared_memory_dir" "max_shared_streams") }}
+{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "metrics_token_file" "metrics_tls_cert" "metrics_tls_key" "tls_refresh_seconds" "shared_memory_dir" "max_shared_streams") }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
 {{- end }}
 - {{ . | quote }}
