@@ -1,21 +1,19 @@
 // Transport security of kvrecalld's gRPC port: plaintext, TLS, or mutual TLS from PEM files
-// (--tls_cert, --tls_key, --tls_client_ca; their reading and checks serve the metrics
-// endpoint's --metrics_tls_* files too), with the bearer-token check of server/auth.h
-// attached when --auth_token_file is given; with --plaintext_unix_sockets, plaintext credentials
-// for the unix:PATH listeners beside the TLS ones, with the same token check.
+// (--tls_cert, --tls_key, --tls_client_ca, read by server/tls_identity.h), with the
+// bearer-token check of server/auth.h attached when --auth_token_file is given; with
+// --plaintext_unix_sockets, plaintext credentials for the unix:PATH listeners beside the TLS
+// ones, with the same token check.
 #ifndef KVRECALL_SERVER_CREDENTIALS_H_
 #define KVRECALL_SERVER_CREDENTIALS_H_
 
 #include <memory>
-#include <optional>
 #include <string>
-#include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "grpcpp/security/server_credentials.h"
 #include "server/auth.h"
 #include "server/metrics.h"
+#include "server/tls_identity.h"
 
 namespace kvrecall {
 
@@ -59,32 +57,6 @@ struct ServerSecurity {
   // which take Unix-socket connections alone) with the same token check; null otherwise.
   std::shared_ptr<grpc::ServerCredentials> unix_socket_credentials;
 };
-
-// A TLS server's identity, read from its PEM files and checked as a listener will use it.
-struct TlsIdentity {
-  std::string cert_chain;   // PEM: the server's certificate first, then its chain
-  std::string private_key;  // PEM, unencrypted: the key of cert_chain's first certificate
-  std::optional<std::string> client_ca;  // PEM roots (mutual TLS); nullopt: none asked for
-};
-
-// Reads --PREFIXtls_cert, --PREFIXtls_key and, unless `client_ca_file` is empty,
-// --PREFIXtls_client_ca (`flag_prefix` "" for the gRPC port's, "metrics_" for the metrics
-// endpoint's: errors name the flag). INVALID_ARGUMENT for a certificate without its key (or the
-// reverse), a file that is not PEM or does not parse, an encrypted key, a key that is not the
-// certificate's; NOT_FOUND / PERMISSION_DENIED for unreadable files.
-absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
-                                            const std::string& key_file,
-                                            const std::string& client_ca_file,
-                                            absl::string_view flag_prefix);
-
-// Whether `files` (the paths of --PREFIXtls_cert, --PREFIXtls_key, --PREFIXtls_client_ca, in
-// that order; empty ones skipped) can be read again every --tls_refresh_seconds: regular files
-// with a modification time (not 0). INVALID_ARGUMENT naming the flag otherwise.
-absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
-                                 absl::string_view flag_prefix);
-
-// OpenSSL's reason for the last error of this thread's queue, which it empties ("" if none).
-std::string OpenSslReason();
 
 // The credentials `options` describe, files read now. INVALID_ARGUMENT for a combination that
 // cannot work (a key without a certificate, a client CA, a token file or plaintext Unix

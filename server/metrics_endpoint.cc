@@ -292,6 +292,14 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   TlsIdentity identity;
   SSL_CTX* context = nullptr;
   if (tls != nullptr) {
+    // Before the files are read: a pipe would be read (and emptied) here first.
+    if (tls->refresh > absl::ZeroDuration()) {
+      if (absl::Status s = RefreshableTlsFiles(
+              {tls->cert_file, tls->key_file, tls->client_ca_file}, "metrics_");
+          !s.ok()) {
+        return s;
+      }
+    }
     absl::StatusOr<TlsIdentity> read =
         ReadTlsIdentity(tls->cert_file, tls->key_file, tls->client_ca_file, "metrics_");
     if (!read.ok()) return read.status();

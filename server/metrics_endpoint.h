@@ -27,7 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
-#include "server/credentials.h"
+#include "server/tls_identity.h"
 #include "server/metrics.h"
 
 // OpenSSL's, named in members alone.
@@ -59,8 +59,8 @@ class MetricsEndpoint {
   // present a certificate those roots signed): a peer whose handshake fails is closed without
   // an answer, one that sends plain HTTP gets a 400 that says to use https://; without `tls`,
   // plain HTTP. ReadTlsIdentity's errors for files it cannot use (naming the --metrics_tls_*
-  // flag), INVALID_ARGUMENT for an address without a port, UNAVAILABLE when the address cannot
-  // be bound.
+  // flag; with a refresh, RefreshableTlsFiles' first), INVALID_ARGUMENT for an address without
+  // a port, UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
       const std::string& address, std::shared_ptr<ServerMetrics> metrics,
       std::shared_ptr<const TokenStore> scrapers = nullptr,

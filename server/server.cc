@@ -332,15 +332,6 @@ absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) 
           "--metrics_tls_cert and --metrics_tls_key need a metrics endpoint (--metrics_address "
           "is empty)");
     }
-    if (options.security.tls_refresh_seconds > 0) {
-      if (absl::Status s = RefreshableTlsFiles(
-              {options.metrics_tls_cert_file, options.metrics_tls_key_file,
-               options.metrics_tls_client_ca_file},
-              "metrics_");
-          !s.ok()) {
-        return s;
-      }
-    }
     metrics_tls = MetricsTlsFiles{
         .cert_file = options.metrics_tls_cert_file,
         .key_file = options.metrics_tls_key_file,

@@ -209,6 +209,13 @@ class TlsTest : public ::testing::Test {
     return response.status();
   }
 
+  // The suite's file `name` written to `path` as the kubelet updates a Secret's files: written
+  // whole beside it, then renamed into place.
+  void PutPkiFile(const std::string& name, const std::string& path) const {
+    WriteFile(path + ".new", ReadFile(pki().Path(name)));
+    ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+  }
+
   ServiceTestHooks hooks_;  // the next Start's
   std::string shared_memory_dir_;  // the next Start's --shared_memory_dir
   int max_shared_streams_ = 16;  // and its --max_shared_streams
@@ -1240,17 +1247,11 @@ TEST_F(TlsTest, BadSecurityOptionsAreRefusedBeforeListening) {
 // ---------------------------------------------------------------------------------------------
 // The metrics endpoint over TLS (--metrics_tls_cert, --metrics_tls_key, --metrics_tls_client_ca).
 
-// A TCP connection to 127.0.0.1:`port` with a 5 s receive timeout, or -1.
-int ConnectLoopback(int port) {
-  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    close(s);
-    return -1;
-  }
+// A TCP connection to 127.0.0.1:`port` (testing::ConnectToLoopback's) with a 5 s receive
+// timeout, or -1.
+int ConnectLoopback(int port, int receive_buffer = 0) {
+  const int s = testing::ConnectToLoopback(port, receive_buffer);
+  if (s < 0) return -1;
   timeval timeout = {5, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
   return s;
@@ -1286,20 +1287,8 @@ HttpsExchange Https(int port, const HttpsClient& client, const std::string& requ
     SSL_CTX_use_certificate_chain_file(context.get(), client.cert_file.c_str());
     SSL_CTX_use_PrivateKey_file(context.get(), client.key_file.c_str(), SSL_FILETYPE_PEM);
   }
-  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (client.receive_buffer > 0) {
-    setsockopt(s, SOL_SOCKET, SO_RCVBUF, &client.receive_buffer, sizeof client.receive_buffer);
-  }
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  timeval timeout = {5, 0};
-  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    close(s);
-    return result;
-  }
+  const int s = ConnectLoopback(port, client.receive_buffer);
+  if (s < 0) return result;
   std::unique_ptr<SSL, decltype(&SSL_free)> ssl(SSL_new(context.get()), &SSL_free);
   SSL_set_fd(ssl.get(), s);
   X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl.get()), "127.0.0.1");
@@ -1377,12 +1366,8 @@ class MetricsTlsTest : public TlsTest {
   // The endpoint's refusals for `reason` once they reach `want` (a refused handshake is counted
   // as the endpoint closes its connection, just after its peer saw the alert), or after 2 s.
   double RefusedReaching(const char* reason, double want) const {
-    const absl::Time deadline = absl::Now() + absl::Seconds(2);
-    double refused;
-    while ((refused = Refused(reason)) < want && absl::Now() < deadline) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    return refused;
+    testing::Eventually([&] { return Refused(reason) >= want; }, std::chrono::seconds(2));
+    return Refused(reason);
   }
   // The endpoint's refusals for `reason`, as its metrics say.
   double Refused(const char* reason) const {
@@ -1605,12 +1590,8 @@ TEST_F(MetricsTlsTest, ARotatedCertificateServesTheNextScrapes) {
   testing::TempDirectory dir("metrics-rotation");
   const std::string cert = dir.Path("tls.crt");
   const std::string key = dir.Path("tls.key");
-  auto put = [&](const std::string& from, const std::string& to) {
-    WriteFile(to + ".new", ReadFile(pki().Path(from)));
-    ASSERT_EQ(std::rename((to + ".new").c_str(), to.c_str()), 0);
-  };
-  put("server.pem", cert);
-  put("server.key", key);
+  PutPkiFile("server.pem", cert);
+  PutPkiFile("server.key", key);
   std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint(
       {.cert_file = cert, .key_file = key, .refresh = absl::Milliseconds(200)});
   ASSERT_NE(endpoint, nullptr);
@@ -1625,16 +1606,13 @@ TEST_F(MetricsTlsTest, ARotatedCertificateServesTheNextScrapes) {
                              "kvrecall_tls_files_usable{port=\"metrics\"} 1");
   };
   EXPECT_TRUE(usable());
-  put("server-next.pem", cert);  // the certificate without its key
+  PutPkiFile("server-next.pem", cert);  // the certificate without its key
   absl::SleepFor(absl::Milliseconds(800));
   EXPECT_TRUE(served_to("ca.pem")) << "half a rotation was taken";
   EXPECT_FALSE(usable());
   EXPECT_FALSE(served_to("wrong-ca.pem"));
-  put("server-next.key", key);
-  const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (!served_to("wrong-ca.pem") && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  PutPkiFile("server-next.key", key);
+  testing::Eventually([&] { return served_to("wrong-ca.pem"); }, std::chrono::seconds(5));
   EXPECT_TRUE(served_to("wrong-ca.pem"));
   EXPECT_FALSE(served_to("ca.pem"));
   EXPECT_TRUE(usable());
@@ -1680,44 +1658,34 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   testing::TempDirectory dir("rotation");
   const std::string cert = dir.Path("tls.crt");
   const std::string key = dir.Path("tls.key");
-  // As the kubelet updates a Secret's files: each written whole, then renamed into place.
-  auto put = [&](const std::string& from, const std::string& to) {
-    WriteFile(to + ".new", ReadFile(pki().Path(from)));
-    ASSERT_EQ(std::rename((to + ".new").c_str(), to.c_str()), 0);
-  };
-  put("server.pem", cert);
-  put("server.key", key);
+  PutPkiFile("server.pem", cert);
+  PutPkiFile("server.key", key);
   SecurityOptions security;
   security.tls_cert_file = cert;
   security.tls_key_file = key;
   security.tls_refresh_seconds = 1;
   Start(security);
-  // A health check over a connection of its own (no subchannel shared with an earlier channel)
-  // trusting `ca`: whether the handshake, and the call, succeeded.
-  auto serves_to = [&](const char* ca) {
+  // A health stub on a channel of its own (no subchannel shared with an earlier channel)
+  // trusting `ca`, and whether a check over it succeeded (the handshake, and the call).
+  auto health_trusting = [&](const char* ca) {
     client::ChannelSecurity trusting;
     trusting.ca_file = pki().Path(ca);
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
         client::MakeChannelCredentials(trusting, server_->address());
     EXPECT_TRUE(credentials.ok()) << credentials.status();
-    grpc::ChannelArguments arguments;
-    arguments.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    auto stub = grpc::health::v1::Health::NewStub(
-        grpc::CreateCustomChannel(server_->address(), *credentials, arguments));
+    grpc::ChannelArguments own_pool;
+    own_pool.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    return grpc::health::v1::Health::NewStub(
+        grpc::CreateCustomChannel(server_->address(), *credentials, own_pool));
+  };
+  auto check = [](grpc::health::v1::Health::Stub& stub) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     grpc::health::v1::HealthCheckRequest request;
     grpc::health::v1::HealthCheckResponse response;
-    return stub->Check(&context, request, &response).ok();
+    return stub.Check(&context, request, &response).ok();
   };
-  auto within = [](absl::Duration limit, const std::function<bool()>& condition) {
-    const absl::Time deadline = absl::Now() + limit;
-    while (!condition()) {
-      if (absl::Now() > deadline) return false;
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    return true;
-  };
+  auto serves_to = [&](const char* ca) { return check(*health_trusting(ca)); };
   ASSERT_TRUE(serves_to("ca.pem"));
   absl::StatusOr<std::unique_ptr<client::Client>> before =
       client::Client::Connect(server_->address(), TrustingCa());
@@ -1727,28 +1695,14 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   ASSERT_TRUE(session.ok()) << session.status();
 
   // A channel open before the rotation: its connection keeps the old certificate.
-  client::ChannelSecurity old_ca;
-  old_ca.ca_file = pki().Path("ca.pem");
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> old_credentials =
-      client::MakeChannelCredentials(old_ca, server_->address());
-  ASSERT_TRUE(old_credentials.ok()) << old_credentials.status();
-  grpc::ChannelArguments own_pool;
-  own_pool.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto open_before = grpc::health::v1::Health::NewStub(
-      grpc::CreateCustomChannel(server_->address(), *old_credentials, own_pool));
-  auto check = [](grpc::health::v1::Health::Stub& stub) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    grpc::health::v1::HealthCheckRequest request;
-    grpc::health::v1::HealthCheckResponse response;
-    return stub.Check(&context, request, &response).ok();
-  };
+  auto open_before = health_trusting("ca.pem");
   ASSERT_TRUE(check(*open_before));
   // The whole rotation, as a Secret's update makes it (both files at once: here, renamed in
   // place one after the other within gRPC's read, or fixed at its next).
-  put("server-next.pem", cert);
-  put("server-next.key", key);
-  EXPECT_TRUE(within(absl::Seconds(10), [&] { return serves_to("wrong-ca.pem"); }));
+  PutPkiFile("server-next.pem", cert);
+  PutPkiFile("server-next.key", key);
+  EXPECT_TRUE(testing::Eventually([&] { return serves_to("wrong-ca.pem"); },
+                                  std::chrono::seconds(10)));
   EXPECT_FALSE(serves_to("ca.pem"));
   EXPECT_TRUE(check(*open_before)) << "the connection open before was cut";
   // A garbled key at a refresh: said (the gauge, stderr) and new handshakes fail until the
@@ -1760,10 +1714,11 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   EXPECT_TRUE(usable());
   WriteFile(key + ".new", "-----BEGIN PRIVATE KEY-----\ngarbled\n-----END PRIVATE KEY-----\n");
   ASSERT_EQ(std::rename((key + ".new").c_str(), key.c_str()), 0);
-  EXPECT_TRUE(within(absl::Seconds(5), [&] { return !usable(); }));
-  put("server-next.key", key);
-  EXPECT_TRUE(within(absl::Seconds(5), usable));
-  EXPECT_TRUE(within(absl::Seconds(10), [&] { return serves_to("wrong-ca.pem"); }));
+  EXPECT_TRUE(testing::Eventually([&] { return !usable(); }, std::chrono::seconds(5)));
+  PutPkiFile("server-next.key", key);
+  EXPECT_TRUE(testing::Eventually(usable, std::chrono::seconds(5)));
+  EXPECT_TRUE(testing::Eventually([&] { return serves_to("wrong-ca.pem"); },
+                                  std::chrono::seconds(10)));
   // The session made before is there, for a client of the new CA.
   client::ChannelSecurity next;
   next.ca_file = pki().Path("wrong-ca.pem");
@@ -1777,13 +1732,13 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   server_.reset();
 
   // --tls_refresh_seconds=0: the files as they were at start, whatever replaces them.
-  put("server.pem", cert);
-  put("server.key", key);
+  PutPkiFile("server.pem", cert);
+  PutPkiFile("server.key", key);
   security.tls_refresh_seconds = 0;
   Start(security);
   ASSERT_TRUE(serves_to("ca.pem"));
-  put("server-next.pem", cert);
-  put("server-next.key", key);
+  PutPkiFile("server-next.pem", cert);
+  PutPkiFile("server-next.key", key);
   absl::SleepFor(absl::Milliseconds(1500));
   EXPECT_TRUE(serves_to("ca.pem"));
   EXPECT_FALSE(serves_to("wrong-ca.pem"));

@@ -242,23 +242,9 @@ int OpenDescriptors() {
   return n;
 }
 
-// A socket connected to the endpoint on `port`, or -1.
-int Connect(int port) {
-  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address = {};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    close(s);
-    return -1;
-  }
-  return s;
-}
-
 // GET /metrics over a fresh connection: the response's first line ("" when none came).
 std::string ScrapeStatusLine(int port) {
-  const int s = Connect(port);
+  const int s = testing::ConnectToLoopback(port);
   if (s < 0) return "";
   timeval timeout = {10, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
@@ -276,7 +262,7 @@ std::string ScrapeStatusLine(int port) {
 // `request` sent to the endpoint on `port` over a fresh connection: the whole response (read
 // until the endpoint closes; "" after 5 s of silence).
 std::string Exchange(int port, const std::string& request) {
-  const int s = Connect(port);
+  const int s = testing::ConnectToLoopback(port);
   timeval timeout = {5, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
   send(s, request.data(), request.size(), MSG_NOSIGNAL);
@@ -343,7 +329,7 @@ TEST(MetricsEndpointTest, TricklingPeersHoldNeitherScrapesNorTheShutdown) {
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   const int port = (*endpoint)->port();
   std::vector<int> peers;
-  for (int i = 0; i < 8; ++i) peers.push_back(Connect(port));
+  for (int i = 0; i < 8; ++i) peers.push_back(testing::ConnectToLoopback(port));
   std::atomic<bool> stop = false;
   std::atomic<int> cut = 0;  // peers whose connection the endpoint ended
   const absl::Time started = absl::Now();
@@ -379,7 +365,7 @@ TEST(MetricsEndpointTest, TricklingPeersHoldNeitherScrapesNorTheShutdown) {
   for (int s : peers) close(s);
   peers.clear();
   for (int i = 0; i < 8; ++i) {
-    peers.push_back(Connect(port));
+    peers.push_back(testing::ConnectToLoopback(port));
     ASSERT_EQ(send(peers.back(), "GET /met", 8, MSG_NOSIGNAL), 8);
   }
   const absl::Time destroy_start = absl::Now();
@@ -398,7 +384,7 @@ TEST(MetricsEndpointTest, AFullEndpointWaitsWithoutSpinning) {
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   std::vector<int> peers;
   for (int i = 0; i < MetricsEndpoint::kMaxConnections + 4; ++i) {
-    peers.push_back(Connect((*endpoint)->port()));
+    peers.push_back(testing::ConnectToLoopback((*endpoint)->port()));
   }
   absl::SleepFor(absl::Milliseconds(200));  // accepted, up to the limit
   auto cpu = [] {
@@ -424,7 +410,7 @@ TEST(MetricsEndpointTest, IdlePeersBeyondTheLimitDelayNoScrape) {
   const int port = (*endpoint)->port();
   std::vector<int> peers;
   for (int i = 0; i < 3 * MetricsEndpoint::kMaxConnections; ++i) {
-    peers.push_back(Connect(port));
+    peers.push_back(testing::ConnectToLoopback(port));
     ASSERT_GE(peers.back(), 0) << i;
   }
   absl::SleepFor(absl::Milliseconds(200));  // accepted, the oldest pushed out by the newest

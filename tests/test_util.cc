@@ -1,6 +1,10 @@
 #include "tests/test_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -174,6 +178,23 @@ TempDirectory::~TempDirectory() {
 
 std::string TempDirectory::Path(std::string_view name) const {
   return path_ + "/" + std::string(name);
+}
+
+int ConnectToLoopback(int port, int receive_buffer) {
+  const int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) return -1;
+  if (receive_buffer > 0) {
+    setsockopt(s, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+  }
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    close(s);
+    return -1;
+  }
+  return s;
 }
 
 bool Eventually(const std::function<bool()>& done, std::chrono::milliseconds timeout) {

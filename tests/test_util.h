@@ -105,6 +105,10 @@ std::vector<int32_t> AllTokens(int64_t tokens);
 std::vector<int32_t> ReferenceTopK(const float* q, const KvView& kv, int kv_head, double scale,
                                    int k);
 
+// A TCP socket connected to 127.0.0.1:`port` (with `receive_buffer` > 0, its SO_RCVBUF set
+// before connecting), or -1.
+int ConnectToLoopback(int port, int receive_buffer = 0);
+
 // Polls `done` every 10 ms for up to `timeout`; whether it came true (its last answer).
 bool Eventually(const std::function<bool()>& done,
                 std::chrono::milliseconds timeout = std::chrono::seconds(10));

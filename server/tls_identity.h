@@ -1,0 +1,46 @@
+// A TLS server's identity read from its PEM files and checked as a listener will use it: one
+// code for the gRPC port's files (server/credentials.h) and the metrics endpoint's
+// (server/metrics_endpoint.h), each error naming its flag.
+#ifndef KVRECALL_SERVER_TLS_IDENTITY_H_
+#define KVRECALL_SERVER_TLS_IDENTITY_H_
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvrecall {
+
+// A TLS server's identity, read from its PEM files and checked as a listener will use it.
+struct TlsIdentity {
+  std::string cert_chain;   // PEM: the server's certificate first, then its chain
+  std::string private_key;  // PEM, unencrypted: the key of cert_chain's first certificate
+  std::optional<std::string> client_ca;  // PEM roots (mutual TLS); nullopt: none asked for
+};
+
+// Reads --PREFIXtls_cert, --PREFIXtls_key and, unless `client_ca_file` is empty,
+// --PREFIXtls_client_ca (`flag_prefix` "" for the gRPC port's, "metrics_" for the metrics
+// endpoint's: errors name the flag). INVALID_ARGUMENT for a certificate without its key (or the
+// reverse), a file that is not PEM or does not parse, an encrypted key, a key that is not the
+// certificate's, a certificate or key OpenSSL will not serve (a key too small for its security
+// level); NOT_FOUND / PERMISSION_DENIED for unreadable files.
+absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
+                                            const std::string& key_file,
+                                            const std::string& client_ca_file,
+                                            absl::string_view flag_prefix);
+
+// Whether `files` (the paths of --PREFIXtls_cert, --PREFIXtls_key, --PREFIXtls_client_ca, in
+// that order; empty ones skipped) can be read again every --tls_refresh_seconds: regular files
+// with a modification time (not 0). INVALID_ARGUMENT naming the flag otherwise.
+absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
+                                 absl::string_view flag_prefix);
+
+// OpenSSL's reason for the last error of this thread's queue, which it empties ("" if none).
+std::string OpenSslReason();
+
+}  // namespace kvrecall
+
+#endif  // KVRECALL_SERVER_TLS_IDENTITY_H_
