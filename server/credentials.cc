@@ -1,17 +1,215 @@
 #include "server/credentials.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpc/grpc_security_constants.h"
 #include "grpcpp/security/tls_certificate_provider.h"
 #include "grpcpp/security/tls_credentials_options.h"
 #include "server/auth.h"
+#include "server/file_util.h"
 
 namespace kvrecall {
+
+namespace {
+
+// Descriptor numbers that named the copies of a GrpcTlsFiles gone, each holding an empty file:
+// the next GrpcTlsFiles takes them before making new ones, so a process starting servers in
+// turn (tests) holds as many as it ever held at once.
+absl::Mutex slot_pool_mu(absl::kConstInit);
+std::vector<int>& SlotPool() ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot_pool_mu) {
+  static auto* pool = new std::vector<int>();
+  return *pool;
+}
+
+// A new in-memory file holding `text`, modified at `mtime` (seconds): its descriptor, or -1 with
+// errno set.
+int MemoryFile(absl::string_view text, int64_t mtime) {
+  const int fd = ::memfd_create("kvrecalld-tls", MFD_CLOEXEC);
+  if (fd < 0) return -1;
+  size_t written = 0;
+  while (written < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = errno;
+      ::close(fd);
+      errno = error;
+      return -1;
+    }
+    written += static_cast<size_t>(n);
+  }
+  const timespec times[2] = {{.tv_sec = 0, .tv_nsec = UTIME_OMIT},
+                             {.tv_sec = static_cast<time_t>(mtime), .tv_nsec = 0}};
+  if (::futimens(fd, times) != 0) {
+    const int error = errno;
+    ::close(fd);
+    errno = error;
+    return -1;
+  }
+  return fd;
+}
+
+std::string ProcPath(int fd) { return fd < 0 ? "" : absl::StrCat("/proc/self/fd/", fd); }
+
+// The key's PEM block(s), then the chain's: gRPC reads both the key and the chain from this one
+// file (OpenSSL's PEM readers skip the blocks of the other kind).
+std::string KeyAndChain(const TlsIdentity& identity) {
+  std::string text = identity.private_key;
+  if (!text.empty() && text.back() != '\n') text += '\n';
+  return text + identity.cert_chain;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GrpcTlsFiles>> GrpcTlsFiles::Create(const SecurityOptions& options) {
+  absl::StatusOr<TlsIdentity> identity =
+      ReadTlsIdentity(options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file, "");
+  if (!identity.ok()) return identity.status();
+  std::vector<int> slots(kCopies, -1);
+  {
+    absl::MutexLock lock(&slot_pool_mu);
+    for (int copy = 0; copy < kCopies; ++copy) {
+      if (copy == kClientCa && !identity->client_ca) continue;
+      if (!SlotPool().empty()) {
+        slots[copy] = SlotPool().back();
+        SlotPool().pop_back();
+        continue;
+      }
+      slots[copy] = MemoryFile("", 0);
+      if (slots[copy] < 0) {
+        const int error = errno;
+        for (int made : slots) {
+          if (made >= 0) SlotPool().push_back(made);
+        }
+        return absl::InternalError(absl::StrCat(
+            "cannot keep the TLS files in memory for gRPC (memfd_create: ", strerror(error), ")"));
+      }
+    }
+  }
+  std::unique_ptr<GrpcTlsFiles> files(new GrpcTlsFiles(options, *identity, std::move(slots)));
+  {
+    absl::MutexLock lock(&files->mu_);
+    if (absl::Status s = files->Publish(*identity); !s.ok()) return s;
+  }
+  // gRPC reads the copies by path: one read back says it can (a /proc is mounted).
+  absl::StatusOr<std::string> read_back = ReadFileToString(files->cert_path());
+  if (!read_back.ok() || *read_back != KeyAndChain(*identity)) {
+    return absl::InternalError(absl::StrCat(
+        "cannot hand the TLS files to gRPC through ", files->cert_path(), " (is /proc mounted?)",
+        read_back.ok() ? "" : ": ", read_back.ok() ? "" : read_back.status().message()));
+  }
+  return files;
+}
+
+GrpcTlsFiles::GrpcTlsFiles(const SecurityOptions& options, TlsIdentity identity,
+                           std::vector<int> slots)
+    : cert_file_(options.tls_cert_file),
+      key_file_(options.tls_key_file),
+      client_ca_file_(options.tls_client_ca_file),
+      rereadable_(RefreshableTlsFiles({cert_file_, key_file_, client_ca_file_}, "")),
+      slots_(std::move(slots)),
+      identity_(std::move(identity)) {}
+
+GrpcTlsFiles::~GrpcTlsFiles() {
+  absl::MutexLock lock(&slot_pool_mu);
+  for (int slot : slots_) {
+    if (slot < 0) continue;
+    // Empty, so that whatever reads it finds no key; the number stays this process's.
+    const int empty = MemoryFile("", 0);
+    if (empty >= 0) {
+      ::dup3(empty, slot, O_CLOEXEC);
+      ::close(empty);
+    }
+    SlotPool().push_back(slot);
+  }
+}
+
+absl::Status GrpcTlsFiles::Publish(const TlsIdentity& identity) {
+  // gRPC reads the pair's file twice (key, chain) between two looks at its time and reads again
+  // when the time changed: a time later than the last, so that a swap between its reads is
+  // seen.
+  const int64_t mtime = std::max<int64_t>(last_mtime_ + 1, absl::ToUnixSeconds(absl::Now()));
+  const std::string texts[kCopies] = {KeyAndChain(identity), identity.client_ca.value_or("")};
+  // Two phases: every new file made first (what can fail: memory, descriptors), then each
+  // swapped in (dup3 onto a number in use needs no new descriptor).
+  int made[kCopies] = {-1, -1};
+  for (int copy = 0; copy < kCopies; ++copy) {
+    if (slots_[copy] < 0) continue;
+    made[copy] = MemoryFile(texts[copy], mtime);
+    if (made[copy] < 0) {
+      const int error = errno;
+      for (int fd : made) {
+        if (fd >= 0) ::close(fd);
+      }
+      return absl::InternalError(
+          absl::StrCat("cannot keep the TLS files in memory for gRPC: ", strerror(error)));
+    }
+  }
+  int error = 0;
+  for (int copy = 0; copy < kCopies; ++copy) {
+    if (made[copy] < 0) continue;
+    int swapped;
+    do {
+      swapped = ::dup3(made[copy], slots_[copy], O_CLOEXEC);
+    } while (swapped < 0 && (errno == EINTR || errno == EBUSY));
+    if (swapped < 0 && error == 0) error = errno;
+    ::close(made[copy]);
+  }
+  last_mtime_ = mtime;
+  if (error != 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot swap the TLS files gRPC reads: dup3: ", strerror(error)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> GrpcTlsFiles::Refresh() {
+  if (!rereadable_.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(rereadable_.message(), ": the TLS files were read at start only"));
+  }
+  // Serialized whole: a read of the old files finishing after a read of the new ones would put
+  // the old identity back.
+  absl::MutexLock lock(&mu_);
+  // A file replaced by a pipe since the start would be read (and emptied) here.
+  if (absl::Status s = RefreshableTlsFiles({cert_file_, key_file_, client_ca_file_}, ""); !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<TlsIdentity> read = ReadTlsIdentity(cert_file_, key_file_, client_ca_file_, "");
+  if (!read.ok()) return read.status();
+  if (read->cert_chain == identity_.cert_chain && read->private_key == identity_.private_key &&
+      read->client_ca == identity_.client_ca) {
+    return false;
+  }
+  if (absl::Status s = Publish(*read); !s.ok()) return s;
+  identity_ = *std::move(read);
+  return true;
+}
+
+int64_t GrpcTlsFiles::not_after() const {
+  absl::MutexLock lock(&mu_);
+  return identity_.not_after;
+}
+
+std::string GrpcTlsFiles::key_path() const { return ProcPath(slots_[kKeyAndChain]); }
+std::string GrpcTlsFiles::cert_path() const { return ProcPath(slots_[kKeyAndChain]); }
+std::string GrpcTlsFiles::client_ca_path() const { return ProcPath(slots_[kClientCa]); }
 
 absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& options,
                                                      ServerMetrics* metrics) {
@@ -31,48 +229,37 @@ absl::StatusOr<ServerSecurity> MakeServerCredentials(const SecurityOptions& opti
           "--plaintext_unix_sockets needs --tls_cert and --tls_key: it exempts the unix:PATH "
           "sockets from TLS, and without TLS every address is plaintext already");
     }
-    return ServerSecurity{grpc::InsecureServerCredentials(), nullptr};
+    ServerSecurity plaintext;
+    plaintext.credentials = grpc::InsecureServerCredentials();
+    return plaintext;
   }
   // Before the files are read: a pipe would be read (and emptied) here first.
   if (options.tls_refresh_seconds > 0) {
-    if (absl::Status s = RefreshableTlsFiles(
+    if (absl::Status s = TlsFilesForAPeriod(
             {options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file}, "");
         !s.ok()) {
       return s;
     }
   }
-  absl::StatusOr<TlsIdentity> identity = ReadTlsIdentity(
-      options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file, "");
-  if (!identity.ok()) return identity.status();
+  absl::StatusOr<std::unique_ptr<GrpcTlsFiles>> files = GrpcTlsFiles::Create(options);
+  if (!files.ok()) return files.status();
   ServerSecurity security;
-  if (options.tls_refresh_seconds <= 0) {
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back(
-        {std::move(identity->private_key), std::move(identity->cert_chain)});
-    if (identity->client_ca) {
-      ssl.pem_root_certs = *std::move(identity->client_ca);
-      ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-    }
-    security.credentials = grpc::SslServerCredentials(ssl);
+  security.tls_files = *std::move(files);
+  // gRPC reads the copies every second (cheap: memory), so an identity Refresh took serves new
+  // connections within it; the files on disk are read on --tls_refresh_seconds' period and at
+  // SIGHUP (RunningServer).
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      security.tls_files->key_path(), security.tls_files->cert_path(),
+      security.tls_files->client_ca_path(), GrpcTlsFiles::kGrpcReadSeconds);
+  grpc::experimental::TlsServerCredentialsOptions tls(provider);
+  tls.watch_identity_key_cert_pairs();
+  if (!options.tls_client_ca_file.empty()) {
+    tls.watch_root_certs();
+    tls.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   } else {
-    // gRPC reads the files again every refresh (checked above: RefreshableTlsFiles, then
-    // ReadTlsIdentity). It takes a pair as it reads it, retrying while the files
-    // change under it (a Secret's update, one rename of their directory, is then read whole);
-    // a file it cannot use at a refresh fails new handshakes until the refresh after the files
-    // are whole again, while connections open keep theirs.
-    auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
-        options.tls_key_file, options.tls_cert_file, options.tls_client_ca_file,
-        static_cast<unsigned int>(options.tls_refresh_seconds));
-    grpc::experimental::TlsServerCredentialsOptions tls(files);
-    tls.watch_identity_key_cert_pairs();
-    if (identity->client_ca) {
-      tls.watch_root_certs();
-      tls.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-    } else {
-      tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-    }
-    security.credentials = grpc::experimental::TlsServerCredentials(tls);
+    tls.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   }
+  security.credentials = grpc::experimental::TlsServerCredentials(tls);
   // gRPC's local credentials for Unix sockets: plaintext HTTP/2 on the wire (a plaintext
   // client connects as it would to InsecureServerCredentials), refusing any connection that is
   // not over a Unix socket, and, unlike InsecureServerCredentials (whose

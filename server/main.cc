@@ -1,6 +1,6 @@
 // kvrecalld: the kvrecall server. Serves kvrecall.v1.KvRecall, grpc.health.v1.Health and
-// server reflection on --address until SIGTERM or SIGINT, then shuts down cleanly; SIGHUP reloads
-// --auth_token_file.
+// server reflection on --address until SIGTERM or SIGINT, then shuts down cleanly; SIGHUP reads
+// the token files and the TLS files again.
 #include <malloc.h>
 #include <pthread.h>
 #include <fcntl.h>
@@ -16,6 +16,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -143,17 +144,16 @@ ABSL_FLAG(std::string, metrics_token_file, "",
 ABSL_FLAG(std::string, metrics_tls_cert, "",
           "PEM certificate chain of the metrics endpoint; with --metrics_tls_key it serves "
           "HTTPS (TLS 1.2+), so that the metrics and their token travel encrypted (may be "
-          "--tls_cert's files; read again with --tls_refresh_seconds)");
+          "--tls_cert's files; read again with --tls_refresh_seconds and at SIGHUP)");
 ABSL_FLAG(std::string, metrics_tls_key, "", "PEM private key of --metrics_tls_cert");
 ABSL_FLAG(int, tls_refresh_seconds, 0,
           "how often the TLS files (--tls_cert, --tls_key, --tls_client_ca and the "
-          "--metrics_tls_* ones) are read again; 0: at start only. With a period, a certificate "
+          "--metrics_tls_* ones) are read again; 0: at start and at SIGHUP only. A certificate "
           "replaced on disk (a Secret's rotation; the chart sets 60) serves the connections made "
-          "after, and the sessions stay. The files must be regular files with a modification "
-          "time, and a certificate replaced with its key in one step (a Secret's update is): on "
-          "the gRPC port a file that cannot be used at a refresh fails new handshakes until the "
-          "refresh after it is whole again (said on stderr); the metrics endpoint keeps its pair "
-          "until a whole new one is there");
+          "after, and the sessions stay. Files that cannot be used as they are at a read (a "
+          "certificate without its new key, a garbled file) keep the certificate in force, said "
+          "once on stderr and in kvrecall_tls_files_usable. With a period the files must be "
+          "regular files (a pipe is read once)");
 ABSL_FLAG(std::string, metrics_tls_client_ca, "",
           "PEM roots: scrapers must present a certificate they signed (mutual TLS on the "
           "metrics endpoint)");
@@ -204,7 +204,7 @@ ABSL_FLAG(int, malloc_mmap_threshold_kb, 1024,
 namespace {
 
 // The signals' pipe: the handler writes a signal's number (SIGTERM, SIGINT: shut down; SIGHUP:
-// reload the tokens), main reads it.
+// read the token and TLS files again), main reads it.
 int shutdown_pipe[2] = {-1, -1};
 
 // Async-signal-safe: one write(2) of one byte to the pipe's non-blocking end.
@@ -466,8 +466,8 @@ int main(int argc, char** argv) {
       return 1;
     }
     if (signal_number != SIGHUP) break;
-    // SIGHUP: the token files again (revoking or adding a token keeps every session). Without
-    // either file it says there is none to read.
+    // SIGHUP: the token files and TLS files again (revoking or adding a token, renewing a
+    // certificate, keeps every session). Without any it says there is no token file to read.
     auto report = [](const absl::StatusOr<size_t>& reloaded, const char* what,
                      const std::string& file) {
       if (reloaded.ok()) {
@@ -479,10 +479,25 @@ int main(int argc, char** argv) {
     };
     const std::string tenants = absl::GetFlag(FLAGS_auth_token_file);
     const std::string scrapers = absl::GetFlag(FLAGS_metrics_token_file);
-    if (!tenants.empty() || scrapers.empty()) {
+    const std::vector<std::pair<std::string, absl::StatusOr<bool>>> tls = (*server)->ReadTlsFiles();
+    if (!tenants.empty() || (scrapers.empty() && tls.empty())) {
       report((*server)->ReloadTokens(), "tokens", tenants);
     }
     if (!scrapers.empty()) report((*server)->ReloadMetricsTokens(), "metrics tokens", scrapers);
+    // And the TLS files of each port with TLS.
+    for (const auto& [port, read] : tls) {
+      const char* files = port == "grpc" ? "TLS files" : "metrics endpoint's TLS files";
+      if (!read.ok()) {
+        std::printf("kvrecalld: SIGHUP: %s; the certificate in force stays\n",
+                    std::string(read.status().message()).c_str());
+      } else {
+        std::printf("kvrecalld: SIGHUP: the %s %s\n", files,
+                    !*read           ? "are unchanged"
+                    : port == "grpc" ? "changed: they serve the connections made from gRPC's "
+                                       "next read of them (within a second)"
+                                     : "changed: they serve the connections made from now on");
+      }
+    }
     std::fflush(stdout);
   }
   // A second signal during the grace ends the process at once (the default action).

@@ -186,6 +186,10 @@ void ServerMetrics::SetTlsFilesUsable(absl::string_view port, bool usable) {
   tls_files_usable_.Add({{"port", std::string(port)}}).Set(usable ? 1 : 0);
 }
 
+void ServerMetrics::SetTlsCertificateExpiry(absl::string_view port, int64_t not_after) {
+  tls_certificate_expiry_.Add({{"port", std::string(port)}}).Set(static_cast<double>(not_after));
+}
+
 void PolicyMetrics::ObservePrefill(double seconds) { series_.prefill_seconds->Observe(seconds); }
 
 ServerMetrics::ServerMetrics()
@@ -232,10 +236,15 @@ ServerMetrics::ServerMetrics()
                     .Register(*registry_)),
       tls_files_usable_(prometheus::BuildGauge()
                             .Name("kvrecall_tls_files_usable")
-                            .Help("Whether a port's TLS files, as --tls_refresh_seconds last "
-                                  "read them, can be used (0: the gRPC port fails new "
-                                  "handshakes; the metrics endpoint keeps its certificate)")
+                            .Help("Whether a port's TLS files, as last read (at start, "
+                                  "--tls_refresh_seconds, SIGHUP), can be used (0: the port "
+                                  "keeps serving the certificate in force)")
                             .Register(*registry_)),
+      tls_certificate_expiry_(prometheus::BuildGauge()
+                                  .Name("kvrecall_tls_certificate_expiration_timestamp_seconds")
+                                  .Help("When the certificate a port serves now expires (its "
+                                        "notAfter, seconds since 1970)")
+                                  .Register(*registry_)),
       tenant_sessions_open_(prometheus::BuildGauge()
                                 .Name("kvrecall_tenant_sessions_open")
                                 .Help("Sessions of a tenant created and not closed")

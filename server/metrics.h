@@ -150,10 +150,12 @@ class ServerMetrics final : public prometheus::Collectable {
   void CountScrapeRefused(ScrapeRefusal why) {
     scrapes_refused_[static_cast<int>(why)]->Increment();
   }
-  // Whether a port's TLS files, as last read (--tls_refresh_seconds), can be used: 0 while a
-  // refresh finds them unusable (the gRPC port then fails new handshakes; the metrics endpoint
-  // keeps its pair). `port`: "grpc" or "metrics"; the first call creates its series.
+  // Whether a port's TLS files, as last read (at start, every --tls_refresh_seconds, at SIGHUP),
+  // can be used: 0 while a read finds them unusable (the port keeps serving the certificate in
+  // force). `port`: "grpc" or "metrics"; the first call creates its series.
   void SetTlsFilesUsable(absl::string_view port, bool usable);
+  // When the certificate `port` serves now expires (its notAfter, seconds since 1970).
+  void SetTlsCertificateExpiry(absl::string_view port, int64_t not_after);
 
   // The series of a session's placement and selector kind, created on first use (so a scrape
   // shows the pairs that served sessions). Never null; stable for the metrics' lifetime. Call
@@ -189,6 +191,7 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Family<prometheus::Histogram>& prefill_seconds_;
   prometheus::Family<prometheus::Counter>& refusals_;
   prometheus::Family<prometheus::Gauge>& tls_files_usable_;
+  prometheus::Family<prometheus::Gauge>& tls_certificate_expiry_;
   prometheus::Gauge* sessions_open_;
   prometheus::Gauge* tokens_held_;
   prometheus::Gauge* host_bytes_held_;

@@ -268,11 +268,21 @@ absl::string_view AuthorizationHeader(absl::string_view request) {
 MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
                                  std::shared_ptr<const TokenStore> scrapers,
                                  std::optional<MetricsTlsFiles> files, TlsIdentity identity,
-                                 SSL_CTX* tls, int listener, const int wake[2],
-                                 std::string address, int port)
-    : metrics_(std::move(metrics)), scrapers_(std::move(scrapers)), tls_files_(std::move(files)),
-      tls_identity_(std::move(identity)), tls_(tls), listener_(listener),
-      wake_{wake[0], wake[1]}, address_(std::move(address)), port_(port) {
+                                 SSL_CTX* tls, int listener, const int wake[2], std::string address,
+                                 int port)
+    : metrics_(std::move(metrics)),
+      scrapers_(std::move(scrapers)),
+      tls_files_(std::move(files)),
+      rereadable_(tls_files_ ? RefreshableTlsFiles({tls_files_->cert_file, tls_files_->key_file,
+                                                    tls_files_->client_ca_file},
+                                                   "metrics_")
+                             : absl::OkStatus()),
+      tls_identity_(std::move(identity)),
+      tls_(tls),
+      listener_(listener),
+      wake_{wake[0], wake[1]},
+      address_(std::move(address)),
+      port_(port) {
   thread_ = std::thread([this] { Serve(); });
 }
 
@@ -283,6 +293,7 @@ MetricsEndpoint::~MetricsEndpoint() {
   ::close(listener_);
   ::close(wake_[0]);
   ::close(wake_[1]);
+  absl::MutexLock lock(&tls_mu_);
   SSL_CTX_free(tls_);
 }
 
@@ -294,8 +305,8 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   if (tls != nullptr) {
     // Before the files are read: a pipe would be read (and emptied) here first.
     if (tls->refresh > absl::ZeroDuration()) {
-      if (absl::Status s = RefreshableTlsFiles(
-              {tls->cert_file, tls->key_file, tls->client_ca_file}, "metrics_");
+      if (absl::Status s =
+              TlsFilesForAPeriod({tls->cert_file, tls->key_file, tls->client_ca_file}, "metrics_");
           !s.ok()) {
         return s;
       }
@@ -371,7 +382,8 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
   std::optional<MetricsTlsFiles> files;
   if (tls != nullptr) {
     files = *tls;
-    if (tls->refresh > absl::ZeroDuration()) metrics->SetTlsFilesUsable("metrics", true);
+    metrics->SetTlsFilesUsable("metrics", true);  // read now
+    metrics->SetTlsCertificateExpiry("metrics", identity.not_after);
   }
   return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(
       std::move(metrics), std::move(scrapers), std::move(files), std::move(identity),
@@ -379,39 +391,65 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
       port));
 }
 
-void MetricsEndpoint::RefreshTls() {
+absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
+  if (!tls_files_) {
+    return absl::FailedPreconditionError("the metrics endpoint serves plain HTTP: no TLS files");
+  }
   const MetricsTlsFiles& files = *tls_files_;
-  absl::StatusOr<TlsIdentity> read =
-      ReadTlsIdentity(files.cert_file, files.key_file, files.client_ca_file, "metrics_");
-  absl::StatusOr<SSL_CTX*> made = absl::UnknownError("");
-  if (read.ok()) {
+  if (!rereadable_.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(rereadable_.message(), ": the TLS files were read at start only"));
+  }
+  // Serialized whole (the period's reads and SIGHUP's): a read of the old files finishing after
+  // a read of the new ones would put the old identity back.
+  absl::MutexLock serialized(&tls_read_mu_);
+  absl::StatusOr<bool> changed = [&]() -> absl::StatusOr<bool> {
+    // A file replaced by a pipe since the start would be read (and emptied) here.
+    if (absl::Status s = RefreshableTlsFiles(
+            {files.cert_file, files.key_file, files.client_ca_file}, "metrics_");
+        !s.ok()) {
+      return s;
+    }
+    absl::StatusOr<TlsIdentity> read =
+        ReadTlsIdentity(files.cert_file, files.key_file, files.client_ca_file, "metrics_");
+    if (!read.ok()) return read.status();
+    absl::MutexLock lock(&tls_mu_);
     if (read->cert_chain == tls_identity_.cert_chain &&
         read->private_key == tls_identity_.private_key &&
         read->client_ca == tls_identity_.client_ca) {
-      tls_refresh_error_.clear();
-      metrics_->SetTlsFilesUsable("metrics", true);
-      return;  // unchanged
+      return false;
     }
-    made = MakeTlsContext(*read);
-  }
-  const absl::Status refused = read.ok() ? made.status() : read.status();
-  metrics_->SetTlsFilesUsable("metrics", refused.ok());
-  if (!refused.ok()) {
-    if (std::string said(refused.message()); said != tls_refresh_error_) {
+    absl::StatusOr<SSL_CTX*> made = MakeTlsContext(*read);
+    if (!made.ok()) return made.status();
+    // Connections accepted before keep the context they hold a reference to.
+    SSL_CTX_free(std::exchange(tls_, *made));
+    metrics_->SetTlsCertificateExpiry("metrics", read->not_after);
+    tls_identity_ = *std::move(read);
+    return true;
+  }();
+  metrics_->SetTlsFilesUsable("metrics", changed.ok());
+  return changed;
+}
+
+void MetricsEndpoint::RefreshTls() {
+  const absl::StatusOr<bool> read = ReadTlsFiles();
+  if (!read.ok()) {
+    if (std::string said(read.status().message()); said != tls_refresh_error_) {
       std::fprintf(stderr, "kvrecalld: the metrics endpoint keeps its TLS certificate: %s\n",
                    said.c_str());
       tls_refresh_error_ = std::move(said);
     }
     return;
   }
-  // Connections accepted before keep the context they hold a reference to.
-  SSL_CTX_free(std::exchange(tls_, *made));
-  tls_identity_ = *std::move(read);
+  if (*read) {
+    std::fprintf(stderr,
+                 "kvrecalld: the metrics endpoint's TLS files changed (%s): they serve the "
+                 "connections accepted from now on\n",
+                 tls_files_->cert_file.c_str());
+  } else if (!tls_refresh_error_.empty()) {
+    std::fprintf(stderr, "kvrecalld: the metrics endpoint's TLS files can be used again\n");
+  }
   tls_refresh_error_.clear();
-  std::fprintf(stderr,
-               "kvrecalld: the metrics endpoint's TLS files changed (%s): they serve the "
-               "connections accepted from now on\n",
-               files.cert_file.c_str());
 }
 
 std::string MetricsEndpoint::Respond(const std::string& request) const {
@@ -582,8 +620,11 @@ void MetricsEndpoint::Serve() {
         }
         Connection& added =
             connections.emplace_back(Connection{.fd = fd, .deadline = now + kConnectionDeadline});
-        if (tls_ != nullptr) {
-          added.ssl.reset(SSL_new(tls_));
+        if (tls_files_) {
+          {
+            absl::MutexLock lock(&tls_mu_);
+            added.ssl.reset(SSL_new(tls_));
+          }
           if (added.ssl == nullptr || SSL_set_fd(added.ssl.get(), fd) != 1) {
             ERR_clear_error();
             ::close(fd);

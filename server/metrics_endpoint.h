@@ -24,7 +24,9 @@
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
 #include "server/tls_identity.h"
@@ -82,6 +84,13 @@ class MetricsEndpoint {
   int port() const { return port_; }
   // "https" with TLS, else "http".
   const char* scheme() const { return tls_files_ ? "https" : "http"; }
+  // Reads the TLS files again now (as every MetricsTlsFiles::refresh does; kvrecalld on
+  // SIGHUP): true when a changed identity serves the connections accepted from now on, false
+  // when unchanged; why they cannot be used, the identity in force kept (ReadTlsIdentity's,
+  // OpenSSL's), setting kvrecall_tls_files_usable{port="metrics"} to 0; FAILED_PRECONDITION,
+  // reading nothing, for plain HTTP or when a file was not a regular file at start (a pipe:
+  // read once). Thread-safe.
+  absl::StatusOr<bool> ReadTlsFiles() ABSL_LOCKS_EXCLUDED(tls_mu_);
 
  private:
   MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
@@ -90,8 +99,7 @@ class MetricsEndpoint {
                   std::string address, int port);
   // Serves connections until wake_[0] becomes readable.
   void Serve();
-  // Reads tls_files_ again (on Serve's thread, every refresh): a changed identity it can use
-  // replaces tls_ for the connections accepted after.
+  // ReadTlsFiles on Serve's thread, every refresh, saying once on stderr what it found.
   void RefreshTls();
   // The response to one complete request (`request` holds its line and headers).
   std::string Respond(const std::string& request) const;
@@ -99,9 +107,14 @@ class MetricsEndpoint {
   const std::shared_ptr<ServerMetrics> metrics_;
   const std::shared_ptr<const TokenStore> scrapers_;  // null: no token asked for
   const std::optional<MetricsTlsFiles> tls_files_;  // nullopt: plain HTTP (never changes)
-  TlsIdentity tls_identity_;  // what tls_ was made of; Serve's thread's after the start
-  SSL_CTX* tls_;              // owned (connections hold their own references); null: plain HTTP
-  std::string tls_refresh_error_;  // the last refresh's refusal, said once
+  // Why the files cannot be read again (a pipe), as found at start; OK when they can.
+  const absl::Status rereadable_;
+  absl::Mutex tls_read_mu_;  // held by ReadTlsFiles throughout
+  absl::Mutex tls_mu_;
+  TlsIdentity tls_identity_ ABSL_GUARDED_BY(tls_mu_);  // what tls_ was made of
+  // Owned (connections hold their own references); null: plain HTTP.
+  SSL_CTX* tls_ ABSL_GUARDED_BY(tls_mu_);
+  std::string tls_refresh_error_;  // the last refresh's refusal, said once (Serve's thread's)
   const int listener_;
   const int wake_[2];  // a byte written to wake_[1] stops Serve
   const std::string address_;

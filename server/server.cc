@@ -273,27 +273,48 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
   return size;
 }
 
+absl::StatusOr<bool> RunningServer::ReadGrpcTlsFiles() {
+  // Serialized with the gauges' updates, so that they say what the last read found.
+  absl::MutexLock lock(&grpc_tls_read_mu_);
+  absl::StatusOr<bool> read = grpc_tls_files_->Refresh();
+  // (FAILED_PRECONDITION: files read at start only, which read nothing now.)
+  if (read.ok() || read.status().code() != absl::StatusCode::kFailedPrecondition) {
+    metrics_->SetTlsFilesUsable("grpc", read.ok());
+  }
+  if (read.ok() && *read) metrics_->SetTlsCertificateExpiry("grpc", grpc_tls_files_->not_after());
+  return read;
+}
+
+std::vector<std::pair<std::string, absl::StatusOr<bool>>> RunningServer::ReadTlsFiles() {
+  std::vector<std::pair<std::string, absl::StatusOr<bool>>> read;
+  if (grpc_tls_files_ != nullptr) read.emplace_back("grpc", ReadGrpcTlsFiles());
+  if (metrics_endpoint_ != nullptr && metrics_endpoint_->scheme() == std::string("https")) {
+    read.emplace_back("metrics", metrics_endpoint_->ReadTlsFiles());
+  }
+  return read;
+}
+
 void RunningServer::WatchTlsFiles(const SecurityOptions& security) {
-  metrics_->SetTlsFilesUsable("grpc", true);  // checked at start
   tls_watch_ = std::thread([this, security] {
     std::string said;  // the refusal last said; empty: usable
     while (!stop_tls_watch_.WaitForNotificationWithTimeout(
         absl::Seconds(security.tls_refresh_seconds))) {
-      const absl::StatusOr<TlsIdentity> read = ReadTlsIdentity(
-          security.tls_cert_file, security.tls_key_file, security.tls_client_ca_file, "");
+      const absl::StatusOr<bool> read = ReadGrpcTlsFiles();
+      if (read.ok() && *read) {
+        std::fprintf(
+            stderr,
+            "kvrecalld: the gRPC port's TLS files changed (%s): they serve the connections "
+            "made from now on\n",
+            security.tls_cert_file.c_str());
+      }
       const std::string now = read.ok() ? "" : std::string(read.status().message());
-      if (now == said) continue;
-      if (now.empty()) {
-        std::fprintf(stderr, "kvrecalld: the TLS files can be used again: new connections "
-                             "get them at gRPC's next read\n");
-      } else {
-        std::fprintf(stderr,
-                     "kvrecalld: %s: gRPC's TLS cannot use the files as they are now; new "
-                     "connections fail from its next read until they are whole again "
-                     "(connections open keep theirs)\n",
+      if (read.ok() && !*read && !said.empty()) {
+        std::fprintf(stderr, "kvrecalld: the gRPC port's TLS files can be used again\n");
+      }
+      if (now != said && !now.empty()) {
+        std::fprintf(stderr, "kvrecalld: the gRPC port keeps its TLS certificate: %s\n",
                      now.c_str());
       }
-      metrics_->SetTlsFilesUsable("grpc", now.empty());
       said = now;
     }
   });
@@ -462,7 +483,8 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   }
   if (options.security.tls_refresh_seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_refresh_seconds must be 0 (the TLS files read at start only) or more, got ",
+        "--tls_refresh_seconds must be 0 (the TLS files read at start and at SIGHUP only) or "
+        "more, got ",
         options.security.tls_refresh_seconds));
   }
   if (absl::Status s = options.limits.Validate(); !s.ok()) return s;
@@ -519,8 +541,11 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(const ServerOptions& 
   if (options.security.plaintext_unix_sockets) {
     if (absl::Status s = CheckPlaintextUnixSockets(addresses); !s.ok()) return s;
   }
-  if (options.security.tls() && options.security.tls_refresh_seconds > 0) {
-    running->WatchTlsFiles(options.security);
+  running->grpc_tls_files_ = security->tls_files;
+  if (running->grpc_tls_files_ != nullptr) {
+    running->metrics_->SetTlsFilesUsable("grpc", true);  // read at start
+    running->metrics_->SetTlsCertificateExpiry("grpc", running->grpc_tls_files_->not_after());
+    if (options.security.tls_refresh_seconds > 0) running->WatchTlsFiles(options.security);
   }
   running->service_.SetTokens(security->tokens);
   running->tokens_ = security->tokens;

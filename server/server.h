@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -120,6 +121,13 @@ class RunningServer {
   // The same for metrics_token_file: its tokens are asked of every scrape that starts after.
   // FAILED_PRECONDITION without the file.
   absl::StatusOr<size_t> ReloadMetricsTokens();
+  // Reads the TLS files of each port with TLS again now (kvrecalld does on SIGHUP), as
+  // --tls_refresh_seconds does on its period: per port ("grpc", "metrics"), true when a changed
+  // identity serves the connections made from now on (on the gRPC port from gRPC's read of it,
+  // within GrpcTlsFiles::kGrpcReadSeconds), false when unchanged, or why the files cannot be
+  // used (the identity in force stays; kvrecall_tls_files_usable{port} turns 0). Empty without
+  // TLS.
+  std::vector<std::pair<std::string, absl::StatusOr<bool>>> ReadTlsFiles();
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
@@ -139,10 +147,12 @@ class RunningServer {
   // The metrics endpoint and the plaintext health port, when `options` ask for them.
   absl::Status StartMetricsAndProbes(const ServerOptions& options);
   // With TLS and a --tls_refresh_seconds period: a thread that reads the gRPC port's TLS files
-  // on gRPC's period (ReadTlsIdentity) and says when gRPC's watcher will find them unusable
-  // (new handshakes fail) and when usable again: once on stderr, naming the flag, and in
-  // kvrecall_tls_files_usable{port="grpc"}.
+  // again on it (ReadGrpcTlsFiles) and says once on stderr, naming the flag, when they become
+  // unusable (the identity in force stays) and when a new identity is taken.
   void WatchTlsFiles(const SecurityOptions& security);
+  // grpc_tls_files_->Refresh(), its outcome in kvrecall_tls_files_usable{port="grpc"} and
+  // kvrecall_tls_certificate_expiration_timestamp_seconds{port="grpc"}.
+  absl::StatusOr<bool> ReadGrpcTlsFiles() ABSL_LOCKS_EXCLUDED(grpc_tls_read_mu_);
 
   MemoryBudget budget_;
   std::unique_ptr<Placements> placements_;
@@ -155,6 +165,9 @@ class RunningServer {
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::string metrics_address_;
   HealthService probe_health_;  // the same answers as health_, on health_address
+  // With TLS: what gRPC's watcher reads; destroyed after the servers, whose credentials use it.
+  std::shared_ptr<GrpcTlsFiles> grpc_tls_files_;
+  absl::Mutex grpc_tls_read_mu_;  // ReadGrpcTlsFiles'; its reads in turn
   std::unique_ptr<grpc::Server> probe_server_;
   std::string health_address_;
   std::unique_ptr<grpc::Server> server_;

@@ -8,6 +8,7 @@
 #include <openssl/x509.h>
 #include <sys/stat.h>
 
+#include <ctime>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -85,15 +86,23 @@ absl::StatusOr<std::vector<UniqueX509>> ParseCertificates(const std::string& tex
 }
 
 // Refuses key material a listener would take and then fail with: a certificate or CA block
-// that does not parse, a key that does not, or a key that is not the certificate's.
-absl::Status CheckKeyMaterial(const TlsIdentity& identity, const std::string& cert_file,
+// that does not parse, a key that does not, or a key that is not the certificate's. Sets
+// identity->not_after.
+absl::Status CheckKeyMaterial(TlsIdentity* identity_out, const std::string& cert_file,
                               const std::string& key_file, const std::string& client_ca_file,
                               absl::string_view flag_prefix) {
   const std::string cert_flag = absl::StrCat("--", flag_prefix, "tls_cert");
   const std::string key_flag = absl::StrCat("--", flag_prefix, "tls_key");
+  const TlsIdentity& identity = *identity_out;
   absl::StatusOr<std::vector<UniqueX509>> chain =
       ParseCertificates(identity.cert_chain, cert_file, cert_flag);
   if (!chain.ok()) return chain.status();
+  tm not_after = {};
+  if (ASN1_TIME_to_tm(X509_get0_notAfter(chain->front().get()), &not_after) != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(cert_flag, ": ", cert_file, ": the certificate's notAfter does not parse"));
+  }
+  identity_out->not_after = static_cast<int64_t>(timegm(&not_after));
   const std::string& key = identity.private_key;
   std::unique_ptr<BIO, decltype(&BIO_free)> bio(
       BIO_new_mem_buf(key.data(), static_cast<int>(key.size())), &BIO_free);
@@ -173,7 +182,7 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
     identity.client_ca = *std::move(read);
   }
   if (absl::Status s =
-          CheckKeyMaterial(identity, cert_file, key_file, client_ca_file, flag_prefix);
+          CheckKeyMaterial(&identity, cert_file, key_file, client_ca_file, flag_prefix);
       !s.ok()) {
     return s;
   }
@@ -185,18 +194,25 @@ absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
   static constexpr const char* kFlags[] = {"tls_cert", "tls_key", "tls_client_ca"};
   for (size_t i = 0; i < files.size() && i < std::size(kFlags); ++i) {
     if (files[i].empty()) continue;
+    // A file that cannot be stat'ed is left to the read, which says why it cannot be read.
     struct stat file;
-    const bool regular = ::stat(files[i].c_str(), &file) == 0 && S_ISREG(file.st_mode);
-    if (!regular || file.st_mtime == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--", flag_prefix, kFlags[i], ": ", files[i],
-          regular ? " has a modification time of 0 (1970)" : " is not a regular file",
-          ", which --tls_refresh_seconds cannot read again (gRPC's watcher takes a time of 0 "
-          "for a failed stat, and a pipe is read once): give a file with a real modification "
-          "time (touch it), or --tls_refresh_seconds=0 to read the files at start only"));
+    if (::stat(files[i].c_str(), &file) == 0 && !S_ISREG(file.st_mode)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag_prefix, kFlags[i], ": ", files[i],
+                       " is not a regular file, which cannot be read again (a pipe is read once)"));
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status TlsFilesForAPeriod(const std::vector<std::string>& files,
+                                absl::string_view flag_prefix) {
+  absl::Status s = RefreshableTlsFiles(files, flag_prefix);
+  if (s.ok()) return s;
+  return absl::InvalidArgumentError(
+      absl::StrCat(s.message(),
+                   ": give a regular file, or --tls_refresh_seconds=0 to read the files at start "
+                   "(and at SIGHUP) only"));
 }
 
 }  // namespace kvrecall

@@ -4,6 +4,7 @@
 #ifndef KVRECALL_SERVER_TLS_IDENTITY_H_
 #define KVRECALL_SERVER_TLS_IDENTITY_H_
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +20,8 @@ struct TlsIdentity {
   std::string cert_chain;   // PEM: the server's certificate first, then its chain
   std::string private_key;  // PEM, unencrypted: the key of cert_chain's first certificate
   std::optional<std::string> client_ca;  // PEM roots (mutual TLS); nullopt: none asked for
+  // The server certificate's (cert_chain's first) notAfter, in seconds since 1970.
+  int64_t not_after = 0;
 };
 
 // Reads --PREFIXtls_cert, --PREFIXtls_key and, unless `client_ca_file` is empty,
@@ -33,10 +36,14 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
                                             absl::string_view flag_prefix);
 
 // Whether `files` (the paths of --PREFIXtls_cert, --PREFIXtls_key, --PREFIXtls_client_ca, in
-// that order; empty ones skipped) can be read again every --tls_refresh_seconds: regular files
-// with a modification time (not 0). INVALID_ARGUMENT naming the flag otherwise.
+// that order; empty ones skipped) can be read again (--tls_refresh_seconds, SIGHUP): regular
+// files, not pipes, which a read empties. INVALID_ARGUMENT naming the flag otherwise.
 absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
                                  absl::string_view flag_prefix);
+// RefreshableTlsFiles at start with a --tls_refresh_seconds period, its refusal saying what to
+// do instead.
+absl::Status TlsFilesForAPeriod(const std::vector<std::string>& files,
+                                absl::string_view flag_prefix);
 
 // OpenSSL's reason for the last error of this thread's queue, which it empties ("" if none).
 std::string OpenSslReason();

@@ -24,9 +24,12 @@
 #include <functional>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "client/kvrecall_client.h"
 #include "gmock/gmock.h"
@@ -116,7 +119,7 @@ class Pki {
         absl::StrCat("openssl req ", key,
                      " -keyout server-next.key -out server-next.csr -subj '/CN=kvrecalld'"),
         "openssl x509 -req -in server-next.csr -CA wrong-ca.pem -CAkey wrong-ca.key"
-        " -CAcreateserial -days 2 -extfile server.ext -out server-next.pem",
+        " -CAcreateserial -days 3 -extfile server.ext -out server-next.pem",
     };
     for (const std::string& step : steps) {
       CommandResult r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", step));
@@ -214,6 +217,25 @@ class TlsTest : public ::testing::Test {
   void PutPkiFile(const std::string& name, const std::string& path) const {
     WriteFile(path + ".new", ReadFile(pki().Path(name)));
     ASSERT_EQ(std::rename((path + ".new").c_str(), path.c_str()), 0);
+  }
+  // The notAfter of the PKI's certificate `name` in seconds since 1970, as openssl and date
+  // read it (-1 if they cannot).
+  int64_t NotAfter(const std::string& name) const {
+    CommandResult r = RunCommand(absl::StrCat("date -u -d \"$(openssl x509 -noout -enddate -in ",
+                                              pki().Path(name), " | cut -d= -f2)\" +%s"));
+    int64_t seconds = -1;
+    return r.exit_code == 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(r.output), &seconds)
+               ? seconds
+               : -1;
+  }
+  // The value of the series `line` ("name{labels}") in a text exposition, -1 without it.
+  static double Series(const std::string& text, const std::string& line) {
+    const size_t at = text.find("\n" + line + " ");
+    double value = -1;
+    if (at == std::string::npos) return value;
+    const size_t begin = at + line.size() + 2;
+    return absl::SimpleAtod(text.substr(begin, text.find('\n', begin) - begin), &value) ? value
+                                                                                        : -1;
   }
 
   ServiceTestHooks hooks_;  // the next Start's
@@ -1621,6 +1643,55 @@ TEST_F(MetricsTlsTest, ARotatedCertificateServesTheNextScrapes) {
   EXPECT_TRUE(served_to("wrong-ca.pem"));
 }
 
+// ReadTlsFiles (kvrecalld's SIGHUP) reads the files at once, with no period: a whole new pair
+// serves the next scrapes; half a rotation is refused by flag, the pair in force kept.
+TEST_F(MetricsTlsTest, ReadingTheFilesNowTakesARotationWithoutAPeriod) {
+  testing::TempDirectory dir("metrics-read-now");
+  const std::string cert = dir.Path("tls.crt");
+  const std::string key = dir.Path("tls.key");
+  PutPkiFile("server.pem", cert);
+  PutPkiFile("server.key", key);
+  std::unique_ptr<MetricsEndpoint> endpoint = StartEndpoint({.cert_file = cert, .key_file = key});
+  ASSERT_NE(endpoint, nullptr);
+  auto served_to = [&](const char* ca) {
+    return absl::StartsWith(
+        Https(endpoint->port(), {.ca_file = pki().Path(ca)}, WithToken()).response,
+        "HTTP/1.1 200 OK");
+  };
+  ASSERT_TRUE(served_to("ca.pem"));
+  auto expires = [&] {
+    return static_cast<int64_t>(Series(
+        metrics_->TextFormat(),
+        "kvrecall_tls_certificate_expiration_timestamp_seconds{port=\"metrics\"}"));
+  };
+  EXPECT_GT(NotAfter("server.pem"), 0);
+  EXPECT_EQ(expires(), NotAfter("server.pem"));
+  absl::StatusOr<bool> read = endpoint->ReadTlsFiles();
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_FALSE(*read);
+  PutPkiFile("server-next.pem", cert);  // the certificate without its key
+  EXPECT_TRUE(HasStatus(endpoint->ReadTlsFiles().status(), absl::StatusCode::kInvalidArgument,
+                        "--metrics_tls_key: " + key));
+  EXPECT_TRUE(absl::StrContains(metrics_->TextFormat(),
+                                "kvrecall_tls_files_usable{port=\"metrics\"} 0"));
+  EXPECT_TRUE(served_to("ca.pem"));
+  PutPkiFile("server-next.key", key);
+  read = endpoint->ReadTlsFiles();
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(*read);
+  EXPECT_TRUE(served_to("wrong-ca.pem"));
+  EXPECT_FALSE(served_to("ca.pem"));
+  EXPECT_TRUE(absl::StrContains(metrics_->TextFormat(),
+                                "kvrecall_tls_files_usable{port=\"metrics\"} 1"));
+  EXPECT_EQ(expires(), NotAfter("server-next.pem"));
+  absl::StatusOr<std::unique_ptr<MetricsEndpoint>> plain =
+      MetricsEndpoint::Start("127.0.0.1:0", metrics_);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_TRUE(HasStatus((*plain)->ReadTlsFiles().status(),
+                        absl::StatusCode::kFailedPrecondition,
+                        "the metrics endpoint serves plain HTTP: no TLS files"));
+}
+
 // What OpenSSL will not serve (here a 1024-bit RSA key under its security level) is refused
 // naming the flag and file, on either port (the gRPC port said "address in use or invalid?").
 TEST_F(MetricsTlsTest, AKeyOpenSslWillNotServeIsRefusedByName) {
@@ -1652,8 +1723,11 @@ TEST_F(MetricsTlsTest, AKeyOpenSslWillNotServeIsRefusedByName) {
                             ": OpenSSL will not serve this certificate"));
 }
 
-// The gRPC port reads its TLS files again every --tls_refresh_seconds: a certificate replaced
-// on disk (a Secret's rotation) serves the connections made after while the sessions stay.
+// The gRPC port reads its TLS files again every --tls_refresh_seconds (and when asked: SIGHUP):
+// a certificate replaced on disk (a Secret's rotation) serves the connections made after while
+// the sessions stay; files that cannot be used as they are (half a rotation, a garbled or
+// missing key) keep the pair in force serving, where gRPC's own reading of them failed every
+// new handshake.
 TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   testing::TempDirectory dir("rotation");
   const std::string cert = dir.Path("tls.crt");
@@ -1697,28 +1771,45 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   // A channel open before the rotation: its connection keeps the old certificate.
   auto open_before = health_trusting("ca.pem");
   ASSERT_TRUE(check(*open_before));
-  // The whole rotation, as a Secret's update makes it (both files at once: here, renamed in
-  // place one after the other within gRPC's read, or fixed at its next).
-  PutPkiFile("server-next.pem", cert);
-  PutPkiFile("server-next.key", key);
-  EXPECT_TRUE(testing::Eventually([&] { return serves_to("wrong-ca.pem"); },
-                                  std::chrono::seconds(10)));
-  EXPECT_FALSE(serves_to("ca.pem"));
-  EXPECT_TRUE(check(*open_before)) << "the connection open before was cut";
-  // A garbled key at a refresh: said (the gauge, stderr) and new handshakes fail until the
-  // files are whole again.
   auto usable = [&] {
     const std::string text = server_->server().metrics().TextFormat();
     return absl::StrContains(text, "kvrecall_tls_files_usable{port=\"grpc\"} 1");
   };
   EXPECT_TRUE(usable());
-  WriteFile(key + ".new", "-----BEGIN PRIVATE KEY-----\ngarbled\n-----END PRIVATE KEY-----\n");
-  ASSERT_EQ(std::rename((key + ".new").c_str(), key.c_str()), 0);
-  EXPECT_TRUE(testing::Eventually([&] { return !usable(); }, std::chrono::seconds(5)));
+  auto expires = [&] {
+    return static_cast<int64_t>(
+        Series(server_->server().metrics().TextFormat(),
+               "kvrecall_tls_certificate_expiration_timestamp_seconds{port=\"grpc\"}"));
+  };
+  EXPECT_GT(NotAfter("server.pem"), 0);
+  EXPECT_EQ(expires(), NotAfter("server.pem"));
+  ASSERT_NE(NotAfter("server.pem"), NotAfter("server-next.pem"));
+  // Half a rotation (the certificate without its key): said (the gauge), and the pair in force
+  // keeps serving new connections (gRPC reads validated copies, never the files).
+  PutPkiFile("server-next.pem", cert);
+  ASSERT_TRUE(testing::Eventually([&] { return !usable(); }, std::chrono::seconds(5)));
+  absl::SleepFor(absl::Milliseconds(1500));  // a read of gRPC's since
+  EXPECT_TRUE(serves_to("ca.pem")) << "half a rotation reached gRPC";
+  EXPECT_FALSE(serves_to("wrong-ca.pem"));
+  // The whole rotation: the new pair serves the connections made after.
   PutPkiFile("server-next.key", key);
-  EXPECT_TRUE(testing::Eventually(usable, std::chrono::seconds(5)));
   EXPECT_TRUE(testing::Eventually([&] { return serves_to("wrong-ca.pem"); },
                                   std::chrono::seconds(10)));
+  EXPECT_FALSE(serves_to("ca.pem"));
+  EXPECT_TRUE(usable());
+  EXPECT_EQ(expires(), NotAfter("server-next.pem"));
+  EXPECT_TRUE(check(*open_before)) << "the connection open before was cut";
+  // A garbled key, then no key at all: the pair in force still serves new connections.
+  WriteFile(key + ".new", "-----BEGIN PRIVATE KEY-----\ngarbled\n-----END PRIVATE KEY-----\n");
+  ASSERT_EQ(std::rename((key + ".new").c_str(), key.c_str()), 0);
+  ASSERT_TRUE(testing::Eventually([&] { return !usable(); }, std::chrono::seconds(5)));
+  ASSERT_EQ(std::remove(key.c_str()), 0);
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_TRUE(serves_to("wrong-ca.pem")) << "a broken key on disk reached gRPC";
+  EXPECT_FALSE(usable());
+  PutPkiFile("server-next.key", key);
+  EXPECT_TRUE(testing::Eventually(usable, std::chrono::seconds(5)));
+  EXPECT_TRUE(serves_to("wrong-ca.pem"));
   // The session made before is there, for a client of the new CA.
   client::ChannelSecurity next;
   next.ca_file = pki().Path("wrong-ca.pem");
@@ -1731,7 +1822,8 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   EXPECT_EQ((*listed)[0].session_id(), session->id);
   server_.reset();
 
-  // --tls_refresh_seconds=0: the files as they were at start, whatever replaces them.
+  // --tls_refresh_seconds=0: the files as they were at start until asked to read them again
+  // (ReadTlsFiles: kvrecalld's SIGHUP).
   PutPkiFile("server.pem", cert);
   PutPkiFile("server.key", key);
   security.tls_refresh_seconds = 0;
@@ -1742,8 +1834,45 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   absl::SleepFor(absl::Milliseconds(1500));
   EXPECT_TRUE(serves_to("ca.pem"));
   EXPECT_FALSE(serves_to("wrong-ca.pem"));
-  // Files gRPC's watcher cannot read again are refused with a period, by flag.
+  auto read_now = [&] {
+    std::vector<std::pair<std::string, absl::StatusOr<bool>>> read =
+        server_->server().ReadTlsFiles();
+    EXPECT_EQ(read.size(), 1u);
+    EXPECT_EQ(read.empty() ? "" : read[0].first, "grpc");
+    return read.empty() ? absl::StatusOr<bool>(absl::UnknownError("none")) : read[0].second;
+  };
+  absl::StatusOr<bool> read = read_now();
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(*read);
+  EXPECT_TRUE(testing::Eventually([&] { return serves_to("wrong-ca.pem"); },
+                                  std::chrono::seconds(5)));
+  read = read_now();
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_FALSE(*read) << "unchanged files read as a change";
+  PutPkiFile("server.key", key);  // the key of another certificate
+  EXPECT_TRUE(HasStatus(read_now().status(), absl::StatusCode::kInvalidArgument,
+                        "--tls_key: " + key));
+  EXPECT_FALSE(usable());
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_TRUE(serves_to("wrong-ca.pem"));
+  // A key given as a pipe (--tls_key=<(...)) is read at start; a read asked for later reads
+  // nothing, says why, and leaves the gauge as it was.
+  server_.reset();
   ASSERT_EQ(mkfifo(dir.Path("fifo.key").c_str(), 0600), 0);
+  std::thread writer([&] { WriteFile(dir.Path("fifo.key"), ReadFile(pki().Path("server.key"))); });
+  PutPkiFile("server.pem", cert);
+  SecurityOptions piped = security;
+  piped.tls_key_file = dir.Path("fifo.key");
+  Start(piped);
+  writer.join();
+  ASSERT_TRUE(serves_to("ca.pem"));
+  EXPECT_TRUE(HasStatus(read_now().status(), absl::StatusCode::kFailedPrecondition,
+                        "--tls_key: " + dir.Path("fifo.key") +
+                            " is not a regular file, which cannot be read again (a pipe is read "
+                            "once): the TLS files were read at start only"));
+  EXPECT_TRUE(usable());
+  EXPECT_TRUE(serves_to("ca.pem"));
+  // Files that cannot be read again are refused with a period, by flag.
   SecurityOptions pipe = security;
   pipe.tls_key_file = dir.Path("fifo.key");
   pipe.tls_refresh_seconds = 60;
@@ -1752,22 +1881,31 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   with_pipe.security = pipe;
   // (ReadTlsIdentity would block on the FIFO: the check comes first.)
   EXPECT_TRUE(HasStatus(StartServer(with_pipe).status(), absl::StatusCode::kInvalidArgument,
-                        "--tls_key: " + dir.Path("fifo.key") + " is not a regular file"));
-  WriteFile(dir.Path("epoch.crt"), ReadFile(pki().Path("server.pem")));
-  ASSERT_EQ(RunCommand("touch -d @0 " + dir.Path("epoch.crt")).exit_code, 0);
-  ServerOptions epoch = with_pipe;
-  epoch.security.tls_key_file = key;
-  epoch.security.tls_cert_file = dir.Path("epoch.crt");
-  EXPECT_TRUE(HasStatus(StartServer(epoch).status(), absl::StatusCode::kInvalidArgument,
-                        "--tls_cert: " + dir.Path("epoch.crt") +
-                            " has a modification time of 0 (1970)"));
+                        "--tls_key: " + dir.Path("fifo.key") +
+                            " is not a regular file, which cannot be read again (a pipe is read "
+                            "once): give a regular file, or --tls_refresh_seconds=0 to read the "
+                            "files at start (and at SIGHUP) only"));
+  // A file dated 1970 (as some image builds leave them) is served, and read again: gRPC reads
+  // copies with times of their own (its watcher took a time of 0 for a failed stat).
+  server_.reset();
+  PutPkiFile("server.pem", cert);
+  PutPkiFile("server.key", key);
+  ASSERT_EQ(RunCommand("touch -d @0 " + cert + " " + key).exit_code, 0);
+  security.tls_refresh_seconds = 1;
+  Start(security);
+  EXPECT_TRUE(serves_to("ca.pem"));
+  PutPkiFile("server-next.pem", cert);
+  PutPkiFile("server-next.key", key);
+  ASSERT_EQ(RunCommand("touch -d @0 " + cert + " " + key).exit_code, 0);
+  EXPECT_TRUE(testing::Eventually([&] { return serves_to("wrong-ca.pem"); },
+                                  std::chrono::seconds(10)));
   security.tls_refresh_seconds = -1;
   ServerOptions negative;
   negative.address = "127.0.0.1:0";
   negative.security = security;
   EXPECT_TRUE(HasStatus(StartServer(negative).status(), absl::StatusCode::kInvalidArgument,
-                        "--tls_refresh_seconds must be 0 (the TLS files read at start only) or "
-                        "more, got -1"));
+                        "--tls_refresh_seconds must be 0 (the TLS files read at start and at "
+                        "SIGHUP only) or more, got -1"));
 }
 
 TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
@@ -1901,6 +2039,61 @@ TEST_F(TlsProcessTest, SighupReloadsTheTokensAndTheSessionsStay) {
   ASSERT_TRUE(hang_up_and_await("the tokens in force stay")) << (*server)->output();
   EXPECT_THAT((*server)->output(), HasSubstr("token is 5 characters, at least 16"));
   EXPECT_EQ(RunCommand(as_carol + " list").exit_code, 0);
+  absl::StatusOr<int> stopped = (*server)->Stop();
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
+}
+
+// SIGHUP reads the TLS files of both ports again (with no --tls_refresh_seconds period): a
+// renewed certificate serves the connections made after, and the sessions stay; half a
+// rotation keeps the certificate in force, said.
+TEST_F(TlsProcessTest, SighupReadsTheTlsFilesAgain) {
+  testing::TempDirectory dir("sighup-tls");
+  const std::string cert = dir.Path("tls.crt");
+  const std::string key = dir.Path("tls.key");
+  PutPkiFile("server.pem", cert);
+  PutPkiFile("server.key", key);
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start({"--tls_cert=" + cert, "--tls_key=" + key,
+                                        "--metrics_tls_cert=" + cert,
+                                        "--metrics_tls_key=" + key});
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto cli = [&](const char* ca, const std::string& command) {
+    return RunCommand(absl::StrCat(Cli(), " --server=", (*server)->address(),
+                                   " --tls_ca=", pki().Path(ca), " ", command));
+  };
+  CommandResult created =
+      cli("ca.pem", "create --layers=1 --q_heads=2 --kv_heads=1 --head_dim=8 --json");
+  ASSERT_EQ(created.exit_code, 0) << created.output;
+  auto hang_up_and_await = [&](const std::string& line) {
+    kill((*server)->pid(), SIGHUP);
+    return testing::Eventually([&] { return absl::StrContains((*server)->output(), line); });
+  };
+  ASSERT_TRUE(hang_up_and_await("kvrecalld: SIGHUP: the TLS files are unchanged"))
+      << (*server)->output();
+  EXPECT_THAT((*server)->output(),
+              HasSubstr("kvrecalld: SIGHUP: the metrics endpoint's TLS files are unchanged"));
+  // Half a rotation: the certificate in force stays on both ports.
+  PutPkiFile("server-next.pem", cert);
+  ASSERT_TRUE(hang_up_and_await("the certificate in force stays")) << (*server)->output();
+  EXPECT_THAT((*server)->output(),
+              HasSubstr("--tls_key: " + key + " is not the key of --tls_cert's certificate"));
+  EXPECT_THAT((*server)->output(), HasSubstr("--metrics_tls_key: " + key +
+                                             " is not the key of --metrics_tls_cert's"));
+  absl::SleepFor(absl::Milliseconds(1500));  // a read of gRPC's since
+  EXPECT_EQ(cli("ca.pem", "list").exit_code, 0);
+  // The whole rotation.
+  PutPkiFile("server-next.key", key);
+  ASSERT_TRUE(hang_up_and_await("kvrecalld: SIGHUP: the TLS files changed: they serve the "
+                                "connections made from gRPC's next read"))
+      << (*server)->output();
+  EXPECT_THAT((*server)->output(),
+              HasSubstr("kvrecalld: SIGHUP: the metrics endpoint's TLS files changed"));
+  EXPECT_TRUE(testing::Eventually([&] { return cli("wrong-ca.pem", "list").exit_code == 0; }));
+  CommandResult listed = cli("wrong-ca.pem", "list --json");
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  EXPECT_THAT(listed.output, HasSubstr("session_id"));  // the session made before
+  EXPECT_NE(cli("ca.pem", "list").exit_code, 0);
   absl::StatusOr<int> stopped = (*server)->Stop();
   ASSERT_TRUE(stopped.ok());
   EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();

@@ -156,10 +156,11 @@ class ScrapeTest(unittest.TestCase):
         self.assertEqual(exported - documented, set(), "exported, not in the README's table")
         # (A refusal's series is made at the first refusal by its limit: none in this workload;
         # the devices' at the first scrape of a server with GPUs: none here; the TLS files'
-        # by a server that reads them again, --tls_refresh_seconds: not this one.)
+        # by a server with TLS: not this one.)
         self.assertEqual(documented - exported,
                          {"kvrecall_requests_refused_total", "kvrecall_gpu_device_memory_bytes",
-                          "kvrecall_gpu_device_memory_budget_bytes", "kvrecall_tls_files_usable"},
+                          "kvrecall_gpu_device_memory_budget_bytes", "kvrecall_tls_files_usable",
+                          "kvrecall_tls_certificate_expiration_timestamp_seconds"},
                          "in the README's table, not exported")
         # The alerting rules (deploy/helm/kvrecall/files/kvrecall.rules.yaml, whose promtool
         # tests use series of their own) read only families the README documents.
@@ -367,7 +368,7 @@ class PrometheusServerTest(unittest.TestCase):
 
         self.wait_for(evaluated, "every rule evaluated")
         rules = evaluated()
-        self.assertEqual(len(rules), 11)
+        self.assertEqual(len(rules), 12)
         for rule in rules:
             self.assertEqual((rule["health"], rule.get("lastError", "")), ("ok", ""), rule["name"])
             self.assertEqual(rule["state"], "inactive", rule["name"])

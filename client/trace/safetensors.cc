@@ -423,9 +423,11 @@ absl::StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(
     // rename stays on one filesystem; O_EXCL never reuses a stranger's file.
     static std::atomic<uint64_t> writers{0};
     w->temporary_path_ = absl::StrCat(target, ".partial-", ::getpid(), "-", writers++);
+    // Tracked before it is made: a signal between the two left it behind
+    // (CliTest.AnInterruptedSynthLeavesNoPartialFile caught that window).
+    w->tracked_slot_ = TrackPartialFile(w->temporary_path_);
     fd = ::open(w->temporary_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC,
                 exists ? existing.st_mode & 07777 : 0666);
-    if (fd >= 0) w->tracked_slot_ = TrackPartialFile(w->temporary_path_);
     if (fd >= 0 && exists) ::fchmod(fd, existing.st_mode & 07777);  // beyond the umask, as before
   }
   if (fd < 0) {
