@@ -37,10 +37,12 @@ std::vector<int>& SlotPool() ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot_pool_mu) {
   return *pool;
 }
 
-// A new in-memory file holding `text`, modified at `mtime` (seconds): its descriptor, or -1 with
-// errno set.
+// A new in-memory file holding `text`, modified at `mtime` (seconds), read-only (mode 0400) and
+// sealed against writes, so that no other process of the user can change what gRPC reads through
+// /proc/PID/fd: its descriptor, or -1 with errno set. An empty one (a pooled slot's) keeps mtime
+// 0, which gRPC's watcher takes for a failed stat: it never takes an empty key from it.
 int MemoryFile(absl::string_view text, int64_t mtime) {
-  const int fd = ::memfd_create("kvrecalld-tls", MFD_CLOEXEC);
+  const int fd = ::memfd_create("kvrecalld-tls", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return -1;
   size_t written = 0;
   while (written < text.size()) {
@@ -56,7 +58,8 @@ int MemoryFile(absl::string_view text, int64_t mtime) {
   }
   const timespec times[2] = {{.tv_sec = 0, .tv_nsec = UTIME_OMIT},
                              {.tv_sec = static_cast<time_t>(mtime), .tv_nsec = 0}};
-  if (::futimens(fd, times) != 0) {
+  if (::futimens(fd, times) != 0 || ::fchmod(fd, 0400) != 0 ||
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
     const int error = errno;
     ::close(fd);
     errno = error;
@@ -67,8 +70,9 @@ int MemoryFile(absl::string_view text, int64_t mtime) {
 
 std::string ProcPath(int fd) { return fd < 0 ? "" : absl::StrCat("/proc/self/fd/", fd); }
 
-// The key's PEM block(s), then the chain's: gRPC reads both the key and the chain from this one
-// file (OpenSSL's PEM readers skip the blocks of the other kind).
+// The key's one PEM block (ReadTlsIdentity's), then the chain's file: gRPC reads both the key and
+// the chain from this one text (OpenSSL's key reader takes the first key block; its certificate
+// reader skips it, and any key block of the chain's file).
 std::string KeyAndChain(const TlsIdentity& identity) {
   std::string text = identity.private_key;
   if (!text.empty() && text.back() != '\n') text += '\n';

@@ -71,17 +71,17 @@ class GrpcTlsFiles {
   // Reads the files again: true when a changed identity replaced the copies, false when it is
   // unchanged; when they cannot be used, the refusal (ReadTlsIdentity's; INTERNAL when the
   // copies cannot be made), the copies as they were; FAILED_PRECONDITION, reading nothing,
-  // when a file was not a regular file at start (a pipe: read once). Reads are serialized, so
-  // a slow one never puts back what a later one took. Thread-safe.
+  // when a file was not a regular file at start (a pipe: read once). Thread-safe; reads are
+  // serialized, so a slow one never puts back what a later one took.
   absl::StatusOr<bool> Refresh() ABSL_LOCKS_EXCLUDED(mu_);
   // The certificate in force: its first certificate's notAfter, in seconds since 1970.
   int64_t not_after() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // What gRPC's watcher reads: /proc/self/fd/N of the copies. The key and the certificate
-  // chain are one file (the key's PEM block, then the chain's: OpenSSL's readers each skip the
-  // other's blocks), so that one dup3 swaps the pair and gRPC's check of the file's time before
-  // and after its two reads sees a swap between them. client_ca_path() is empty without
-  // --tls_client_ca.
+  // chain are one file (the key's one PEM block as ReadTlsIdentity wrote it again, then the
+  // chain's file: OpenSSL's key reader takes the first key block, its certificate reader skips
+  // it), so that one dup3 swaps the pair and gRPC's check of the file's time before and after
+  // its two reads sees a swap between them. client_ca_path() is empty without --tls_client_ca.
   std::string key_path() const;
   std::string cert_path() const;
   std::string client_ca_path() const;

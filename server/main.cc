@@ -486,8 +486,11 @@ int main(int argc, char** argv) {
     if (!scrapers.empty()) report((*server)->ReloadMetricsTokens(), "metrics tokens", scrapers);
     // And the TLS files of each port with TLS.
     for (const auto& [port, read] : tls) {
-      const char* files = port == "grpc" ? "TLS files" : "metrics endpoint's TLS files";
-      if (!read.ok()) {
+      const char* files = port == "grpc" ? "gRPC port's TLS files" : "metrics endpoint's TLS files";
+      if (absl::IsUnavailable(read.status()) || absl::IsFailedPrecondition(read.status())) {
+        // Being read already, or read at start only: nothing read now.
+        std::printf("kvrecalld: SIGHUP: %s\n", std::string(read.status().message()).c_str());
+      } else if (!read.ok()) {
         std::printf("kvrecalld: SIGHUP: %s; the certificate in force stays\n",
                     std::string(read.status().message()).c_str());
       } else {

@@ -400,9 +400,13 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
     return absl::FailedPreconditionError(
         absl::StrCat(rereadable_.message(), ": the TLS files were read at start only"));
   }
-  // Serialized whole (the period's reads and SIGHUP's): a read of the old files finishing after
-  // a read of the new ones would put the old identity back.
-  absl::MutexLock serialized(&tls_read_mu_);
+  // One read at a time (a read of the old files finishing after a read of the new ones would put
+  // the old identity back), and none waits for another: SIGHUP's runs on the thread that takes
+  // SIGTERM, the period's on the one that serves scrapes.
+  if (!tls_read_mu_.TryLock()) {
+    return absl::UnavailableError(
+        "the metrics endpoint's TLS files are being read already: that read takes them");
+  }
   absl::StatusOr<bool> changed = [&]() -> absl::StatusOr<bool> {
     // A file replaced by a pipe since the start would be read (and emptied) here.
     if (absl::Status s = RefreshableTlsFiles(
@@ -428,11 +432,13 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
     return true;
   }();
   metrics_->SetTlsFilesUsable("metrics", changed.ok());
+  tls_read_mu_.Unlock();
   return changed;
 }
 
 void MetricsEndpoint::RefreshTls() {
   const absl::StatusOr<bool> read = ReadTlsFiles();
+  if (absl::IsUnavailable(read.status())) return;  // SIGHUP's read, at this moment
   if (!read.ok()) {
     if (std::string said(read.status().message()); said != tls_refresh_error_) {
       std::fprintf(stderr, "kvrecalld: the metrics endpoint keeps its TLS certificate: %s\n",

@@ -43,9 +43,10 @@ struct MetricsTlsFiles {
   std::string cert_file;
   std::string key_file;
   std::string client_ca_file;  // empty: no client certificate asked for
-  // How often the files are read again (zero: at start only): a replacement that ReadTlsIdentity
-  // takes serves the connections accepted after; one it refuses (half a rotation: a key not
-  // the certificate's) keeps the identity in force, said once on stderr.
+  // How often the files are read again (zero: at start and at ReadTlsFiles only): a
+  // replacement that ReadTlsIdentity takes serves the connections accepted after; one it refuses
+  // (half a rotation: a key not the certificate's) keeps the identity in force, said once on
+  // stderr.
   absl::Duration refresh = absl::ZeroDuration();
 };
 
@@ -61,7 +62,7 @@ class MetricsEndpoint {
   // present a certificate those roots signed): a peer whose handshake fails is closed without
   // an answer, one that sends plain HTTP gets a 400 that says to use https://; without `tls`,
   // plain HTTP. ReadTlsIdentity's errors for files it cannot use (naming the --metrics_tls_*
-  // flag; with a refresh, RefreshableTlsFiles' first), INVALID_ARGUMENT for an address without
+  // flag; with a refresh, TlsFilesForAPeriod's first), INVALID_ARGUMENT for an address without
   // a port, UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
       const std::string& address, std::shared_ptr<ServerMetrics> metrics,
@@ -89,8 +90,8 @@ class MetricsEndpoint {
   // when unchanged; why they cannot be used, the identity in force kept (ReadTlsIdentity's,
   // OpenSSL's), setting kvrecall_tls_files_usable{port="metrics"} to 0; FAILED_PRECONDITION,
   // reading nothing, for plain HTTP or when a file was not a regular file at start (a pipe:
-  // read once). Thread-safe.
-  absl::StatusOr<bool> ReadTlsFiles() ABSL_LOCKS_EXCLUDED(tls_mu_);
+  // read once); UNAVAILABLE, reading nothing, while another read is under way. Thread-safe.
+  absl::StatusOr<bool> ReadTlsFiles() ABSL_LOCKS_EXCLUDED(tls_read_mu_, tls_mu_);
 
  private:
   MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
@@ -109,7 +110,7 @@ class MetricsEndpoint {
   const std::optional<MetricsTlsFiles> tls_files_;  // nullopt: plain HTTP (never changes)
   // Why the files cannot be read again (a pipe), as found at start; OK when they can.
   const absl::Status rereadable_;
-  absl::Mutex tls_read_mu_;  // held by ReadTlsFiles throughout
+  absl::Mutex tls_read_mu_;  // held by ReadTlsFiles throughout (taken with TryLock)
   absl::Mutex tls_mu_;
   TlsIdentity tls_identity_ ABSL_GUARDED_BY(tls_mu_);  // what tls_ was made of
   // Owned (connections hold their own references); null: plain HTTP.

@@ -274,14 +274,19 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
 }
 
 absl::StatusOr<bool> RunningServer::ReadGrpcTlsFiles() {
-  // Serialized with the gauges' updates, so that they say what the last read found.
-  absl::MutexLock lock(&grpc_tls_read_mu_);
+  // One read at a time, the gauges updated within it (so that they say what the last read
+  // found), and none waits for another: SIGHUP's runs on the thread that takes SIGTERM.
+  if (!grpc_tls_read_mu_.TryLock()) {
+    return absl::UnavailableError(
+        "the gRPC port's TLS files are being read already: that read takes them");
+  }
   absl::StatusOr<bool> read = grpc_tls_files_->Refresh();
   // (FAILED_PRECONDITION: files read at start only, which read nothing now.)
   if (read.ok() || read.status().code() != absl::StatusCode::kFailedPrecondition) {
     metrics_->SetTlsFilesUsable("grpc", read.ok());
   }
   if (read.ok() && *read) metrics_->SetTlsCertificateExpiry("grpc", grpc_tls_files_->not_after());
+  grpc_tls_read_mu_.Unlock();
   return read;
 }
 
@@ -300,6 +305,7 @@ void RunningServer::WatchTlsFiles(const SecurityOptions& security) {
     while (!stop_tls_watch_.WaitForNotificationWithTimeout(
         absl::Seconds(security.tls_refresh_seconds))) {
       const absl::StatusOr<bool> read = ReadGrpcTlsFiles();
+      if (absl::IsUnavailable(read.status())) continue;  // SIGHUP's read, at this moment
       if (read.ok() && *read) {
         std::fprintf(
             stderr,

@@ -125,8 +125,9 @@ class RunningServer {
   // --tls_refresh_seconds does on its period: per port ("grpc", "metrics"), true when a changed
   // identity serves the connections made from now on (on the gRPC port from gRPC's read of it,
   // within GrpcTlsFiles::kGrpcReadSeconds), false when unchanged, or why the files cannot be
-  // used (the identity in force stays; kvrecall_tls_files_usable{port} turns 0). Empty without
-  // TLS.
+  // used (the identity in force stays; kvrecall_tls_files_usable{port} turns 0); UNAVAILABLE
+  // while the port's files are being read already (the period's read, which takes them);
+  // FAILED_PRECONDITION for files read at start only (pipes). Empty without TLS.
   std::vector<std::pair<std::string, absl::StatusOr<bool>>> ReadTlsFiles();
 
   SessionRegistry& sessions() { return registry_; }
@@ -151,7 +152,8 @@ class RunningServer {
   // unusable (the identity in force stays) and when a new identity is taken.
   void WatchTlsFiles(const SecurityOptions& security);
   // grpc_tls_files_->Refresh(), its outcome in kvrecall_tls_files_usable{port="grpc"} and
-  // kvrecall_tls_certificate_expiration_timestamp_seconds{port="grpc"}.
+  // kvrecall_tls_certificate_expiration_timestamp_seconds{port="grpc"}; UNAVAILABLE, reading
+  // nothing, while another read is under way.
   absl::StatusOr<bool> ReadGrpcTlsFiles() ABSL_LOCKS_EXCLUDED(grpc_tls_read_mu_);
 
   MemoryBudget budget_;

@@ -1,6 +1,8 @@
 #include "server/tls_identity.h"
 
 #include <openssl/bio.h>
+#include <openssl/buffer.h>
+#include <openssl/crypto.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
 #include <openssl/pem.h>
@@ -97,12 +99,17 @@ absl::Status CheckKeyMaterial(TlsIdentity* identity_out, const std::string& cert
   absl::StatusOr<std::vector<UniqueX509>> chain =
       ParseCertificates(identity.cert_chain, cert_file, cert_flag);
   if (!chain.ok()) return chain.status();
-  tm not_after = {};
-  if (ASN1_TIME_to_tm(X509_get0_notAfter(chain->front().get()), &not_after) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(cert_flag, ": ", cert_file, ": the certificate's notAfter does not parse"));
+  // The chain ends when its first certificate to expire does (an intermediate may before the
+  // server's own).
+  for (size_t i = 0; i < chain->size(); ++i) {
+    tm not_after = {};
+    if (ASN1_TIME_to_tm(X509_get0_notAfter((*chain)[i].get()), &not_after) != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(cert_flag, ": ", cert_file, ": certificate ",
+                                                     i + 1, "'s notAfter does not parse"));
+    }
+    const int64_t seconds = static_cast<int64_t>(timegm(&not_after));
+    if (i == 0 || seconds < identity_out->not_after) identity_out->not_after = seconds;
   }
-  identity_out->not_after = static_cast<int64_t>(timegm(&not_after));
   const std::string& key = identity.private_key;
   std::unique_ptr<BIO, decltype(&BIO_free)> bio(
       BIO_new_mem_buf(key.data(), static_cast<int>(key.size())), &BIO_free);
@@ -123,6 +130,20 @@ absl::Status CheckKeyMaterial(TlsIdentity* identity_out, const std::string& cert
         key_flag, ": ", key_file, " is not the key of ", cert_flag, "'s certificate (",
         cert_file, "; its first, the server's own)"));
   }
+  // The key alone, as PKCS#8 PEM: whatever else its file holds (certificates, parameters) must
+  // not reach a listener, which would serve a certificate of the key file as the chain's first
+  // where the two are read from one text (GrpcTlsFiles).
+  std::unique_ptr<BIO, decltype(&BIO_free)> written(BIO_new(BIO_s_mem()), &BIO_free);
+  BUF_MEM* pem = nullptr;
+  if (written == nullptr ||
+      PEM_write_bio_PrivateKey(written.get(), private_key.get(), nullptr, nullptr, 0, nullptr,
+                               nullptr) != 1 ||
+      BIO_get_mem_ptr(written.get(), &pem) != 1 || pem == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        key_flag, ": ", key_file, ": the key could not be written again (", OpenSslReason(), ")"));
+  }
+  identity_out->private_key.assign(pem->data, pem->length);
+  OPENSSL_cleanse(pem->data, pem->length);
   // What OpenSSL will not serve at its security level (a key too small, a certificate signed
   // with a digest it no longer trusts): a listener would only fail later, blaming no file (the
   // gRPC port said "address in use or invalid?").
@@ -209,10 +230,8 @@ absl::Status TlsFilesForAPeriod(const std::vector<std::string>& files,
                                 absl::string_view flag_prefix) {
   absl::Status s = RefreshableTlsFiles(files, flag_prefix);
   if (s.ok()) return s;
-  return absl::InvalidArgumentError(
-      absl::StrCat(s.message(),
-                   ": give a regular file, or --tls_refresh_seconds=0 to read the files at start "
-                   "(and at SIGHUP) only"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      s.message(), ": give a regular file, or --tls_refresh_seconds=0 to read it at start only"));
 }
 
 }  // namespace kvrecall

@@ -18,9 +18,12 @@ namespace kvrecall {
 // A TLS server's identity, read from its PEM files and checked as a listener will use it.
 struct TlsIdentity {
   std::string cert_chain;   // PEM: the server's certificate first, then its chain
-  std::string private_key;  // PEM, unencrypted: the key of cert_chain's first certificate
+  // The key of cert_chain's first certificate alone, as ReadTlsIdentity writes it again (PKCS#8
+  // PEM, unencrypted): nothing else of its file.
+  std::string private_key;
   std::optional<std::string> client_ca;  // PEM roots (mutual TLS); nullopt: none asked for
-  // The server certificate's (cert_chain's first) notAfter, in seconds since 1970.
+  // When the chain served stops being valid: the earliest notAfter of cert_chain's
+  // certificates (an intermediate may end before the server's own), in seconds since 1970.
   int64_t not_after = 0;
 };
 

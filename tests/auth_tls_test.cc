@@ -1723,6 +1723,41 @@ TEST_F(MetricsTlsTest, AKeyOpenSslWillNotServeIsRefusedByName) {
                             ": OpenSSL will not serve this certificate"));
 }
 
+// What a listener is given of the TLS files is what was checked: the key alone (a key file
+// holding certificates too once had gRPC serve those as the chain's first, failing every
+// handshake or serving an old certificate), and the chain's end is its first certificate to
+// expire.
+TEST_F(TlsTest, AKeyFileHoldingCertificatesServesTheCertificateFilesChain) {
+  testing::TempDirectory dir("key-bundle");
+  const std::string key = dir.Path("bundle.key");
+  WriteFile(key, ReadFile(pki().Path("server.key")) + ReadFile(pki().Path("server-next.pem")));
+  absl::StatusOr<TlsIdentity> identity = ReadTlsIdentity(pki().Path("server.pem"), key, "", "");
+  ASSERT_TRUE(identity.ok()) << identity.status();
+  EXPECT_THAT(identity->private_key, HasSubstr("-----BEGIN PRIVATE KEY-----"));
+  EXPECT_THAT(identity->private_key, Not(HasSubstr("CERTIFICATE")));
+  EXPECT_EQ(identity->not_after, NotAfter("server.pem"));
+  SecurityOptions security = Tls();
+  security.tls_key_file = key;
+  Start(security);
+  auto serves_to = [&](const char* ca) {
+    client::ChannelSecurity trusting;
+    trusting.ca_file = pki().Path(ca);
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect(server_->address(), trusting);
+    return c.ok() && (*c)->ListSessions().ok();
+  };
+  EXPECT_TRUE(serves_to("ca.pem"));
+  EXPECT_FALSE(serves_to("wrong-ca.pem"));
+  // A chain whose second certificate (here ca.pem, valid two days) ends before the server's
+  // own (three): the chain ends with it.
+  const std::string chain = dir.Path("chain.pem");
+  WriteFile(chain, ReadFile(pki().Path("server-next.pem")) + ReadFile(pki().Path("ca.pem")));
+  identity = ReadTlsIdentity(chain, pki().Path("server-next.key"), "", "");
+  ASSERT_TRUE(identity.ok()) << identity.status();
+  ASSERT_LT(NotAfter("ca.pem"), NotAfter("server-next.pem"));
+  EXPECT_EQ(identity->not_after, NotAfter("ca.pem"));
+}
+
 // The gRPC port reads its TLS files again every --tls_refresh_seconds (and when asked: SIGHUP):
 // a certificate replaced on disk (a Secret's rotation) serves the connections made after while
 // the sessions stay; files that cannot be used as they are (half a rotation, a garbled or
@@ -1883,8 +1918,8 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   EXPECT_TRUE(HasStatus(StartServer(with_pipe).status(), absl::StatusCode::kInvalidArgument,
                         "--tls_key: " + dir.Path("fifo.key") +
                             " is not a regular file, which cannot be read again (a pipe is read "
-                            "once): give a regular file, or --tls_refresh_seconds=0 to read the "
-                            "files at start (and at SIGHUP) only"));
+                            "once): give a regular file, or --tls_refresh_seconds=0 to read it at "
+                            "start only"));
   // A file dated 1970 (as some image builds leave them) is served, and read again: gRPC reads
   // copies with times of their own (its watcher took a time of 0 for a failed stat).
   server_.reset();
@@ -2069,7 +2104,7 @@ TEST_F(TlsProcessTest, SighupReadsTheTlsFilesAgain) {
     kill((*server)->pid(), SIGHUP);
     return testing::Eventually([&] { return absl::StrContains((*server)->output(), line); });
   };
-  ASSERT_TRUE(hang_up_and_await("kvrecalld: SIGHUP: the TLS files are unchanged"))
+  ASSERT_TRUE(hang_up_and_await("kvrecalld: SIGHUP: the gRPC port's TLS files are unchanged"))
       << (*server)->output();
   EXPECT_THAT((*server)->output(),
               HasSubstr("kvrecalld: SIGHUP: the metrics endpoint's TLS files are unchanged"));
@@ -2084,8 +2119,9 @@ TEST_F(TlsProcessTest, SighupReadsTheTlsFilesAgain) {
   EXPECT_EQ(cli("ca.pem", "list").exit_code, 0);
   // The whole rotation.
   PutPkiFile("server-next.key", key);
-  ASSERT_TRUE(hang_up_and_await("kvrecalld: SIGHUP: the TLS files changed: they serve the "
-                                "connections made from gRPC's next read"))
+  ASSERT_TRUE(
+      hang_up_and_await("kvrecalld: SIGHUP: the gRPC port's TLS files changed: they "
+                        "serve the connections made from gRPC's next read"))
       << (*server)->output();
   EXPECT_THAT((*server)->output(),
               HasSubstr("kvrecalld: SIGHUP: the metrics endpoint's TLS files changed"));

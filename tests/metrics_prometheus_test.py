@@ -368,7 +368,7 @@ class PrometheusServerTest(unittest.TestCase):
 
         self.wait_for(evaluated, "every rule evaluated")
         rules = evaluated()
-        self.assertEqual(len(rules), 12)
+        self.assertEqual(len(rules), 13)
         for rule in rules:
             self.assertEqual((rule["health"], rule.get("lastError", "")), ("ok", ""), rule["name"])
             self.assertEqual(rule["state"], "inactive", rule["name"])
