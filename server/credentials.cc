@@ -184,25 +184,15 @@ absl::Status GrpcTlsFiles::Publish(const TlsIdentity& identity) {
 }
 
 absl::StatusOr<bool> GrpcTlsFiles::Refresh() {
-  if (!rereadable_.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(rereadable_.message(), ": the TLS files were read at start only"));
-  }
   // Serialized whole: a read of the old files finishing after a read of the new ones would put
   // the old identity back.
   absl::MutexLock lock(&mu_);
-  // A file replaced by a pipe since the start would be read (and emptied) here.
-  if (absl::Status s = RefreshableTlsFiles({cert_file_, key_file_, client_ca_file_}, ""); !s.ok()) {
-    return s;
-  }
-  absl::StatusOr<TlsIdentity> read = ReadTlsIdentity(cert_file_, key_file_, client_ca_file_, "");
+  absl::StatusOr<std::optional<TlsIdentity>> read =
+      ReadTlsIdentityAgain(cert_file_, key_file_, client_ca_file_, "", identity_, rereadable_);
   if (!read.ok()) return read.status();
-  if (read->cert_chain == identity_.cert_chain && read->private_key == identity_.private_key &&
-      read->client_ca == identity_.client_ca) {
-    return false;
-  }
-  if (absl::Status s = Publish(*read); !s.ok()) return s;
-  identity_ = *std::move(read);
+  if (!read->has_value()) return false;
+  if (absl::Status s = Publish(**read); !s.ok()) return s;
+  identity_ = **std::move(read);
   return true;
 }
 

@@ -395,11 +395,6 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
   if (!tls_files_) {
     return absl::FailedPreconditionError("the metrics endpoint serves plain HTTP: no TLS files");
   }
-  const MetricsTlsFiles& files = *tls_files_;
-  if (!rereadable_.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(rereadable_.message(), ": the TLS files were read at start only"));
-  }
   // One read at a time (a read of the old files finishing after a read of the new ones would put
   // the old identity back), and none waits for another: SIGHUP's runs on the thread that takes
   // SIGTERM, the period's on the one that serves scrapes.
@@ -407,31 +402,28 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
     return absl::UnavailableError(
         "the metrics endpoint's TLS files are being read already: that read takes them");
   }
-  absl::StatusOr<bool> changed = [&]() -> absl::StatusOr<bool> {
-    // A file replaced by a pipe since the start would be read (and emptied) here.
-    if (absl::Status s = RefreshableTlsFiles(
-            {files.cert_file, files.key_file, files.client_ca_file}, "metrics_");
-        !s.ok()) {
-      return s;
+  const MetricsTlsFiles& files = *tls_files_;
+  absl::StatusOr<std::optional<TlsIdentity>> read =
+      ReadTlsIdentityAgain(files.cert_file, files.key_file, files.client_ca_file, "metrics_",
+                           tls_identity_, rereadable_);
+  absl::StatusOr<bool> changed =
+      read.ok() ? read->has_value() : absl::StatusOr<bool>(read.status());
+  if (changed.ok() && *changed) {
+    absl::StatusOr<SSL_CTX*> made = MakeTlsContext(**read);
+    if (made.ok()) {
+      absl::MutexLock lock(&tls_mu_);
+      // Connections accepted before keep the context they hold a reference to.
+      SSL_CTX_free(std::exchange(tls_, *made));
+      metrics_->SetTlsCertificateExpiry("metrics", (*read)->not_after);
+      tls_identity_ = **std::move(read);
+    } else {
+      changed = made.status();
     }
-    absl::StatusOr<TlsIdentity> read =
-        ReadTlsIdentity(files.cert_file, files.key_file, files.client_ca_file, "metrics_");
-    if (!read.ok()) return read.status();
-    absl::MutexLock lock(&tls_mu_);
-    if (read->cert_chain == tls_identity_.cert_chain &&
-        read->private_key == tls_identity_.private_key &&
-        read->client_ca == tls_identity_.client_ca) {
-      return false;
-    }
-    absl::StatusOr<SSL_CTX*> made = MakeTlsContext(*read);
-    if (!made.ok()) return made.status();
-    // Connections accepted before keep the context they hold a reference to.
-    SSL_CTX_free(std::exchange(tls_, *made));
-    metrics_->SetTlsCertificateExpiry("metrics", read->not_after);
-    tls_identity_ = *std::move(read);
-    return true;
-  }();
-  metrics_->SetTlsFilesUsable("metrics", changed.ok());
+  }
+  // (FAILED_PRECONDITION: files read at start only, which read nothing now.)
+  if (!absl::IsFailedPrecondition(changed.status())) {
+    metrics_->SetTlsFilesUsable("metrics", changed.ok());
+  }
   tls_read_mu_.Unlock();
   return changed;
 }

@@ -111,8 +111,8 @@ class MetricsEndpoint {
   // Why the files cannot be read again (a pipe), as found at start; OK when they can.
   const absl::Status rereadable_;
   absl::Mutex tls_read_mu_;  // held by ReadTlsFiles throughout (taken with TryLock)
+  TlsIdentity tls_identity_ ABSL_GUARDED_BY(tls_read_mu_);  // what tls_ was made of
   absl::Mutex tls_mu_;
-  TlsIdentity tls_identity_ ABSL_GUARDED_BY(tls_mu_);  // what tls_ was made of
   // Owned (connections hold their own references); null: plain HTTP.
   SSL_CTX* tls_ ABSL_GUARDED_BY(tls_mu_);
   std::string tls_refresh_error_;  // the last refresh's refusal, said once (Serve's thread's)

@@ -226,6 +226,28 @@ absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::optional<TlsIdentity>> ReadTlsIdentityAgain(
+    const std::string& cert_file, const std::string& key_file, const std::string& client_ca_file,
+    absl::string_view flag_prefix, const TlsIdentity& in_force, const absl::Status& at_start) {
+  if (!at_start.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(at_start.message(), ": the TLS files were read at start only"));
+  }
+  // A file replaced by a pipe since the start would be read (and emptied) here.
+  if (absl::Status s = RefreshableTlsFiles({cert_file, key_file, client_ca_file}, flag_prefix);
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<TlsIdentity> read =
+      ReadTlsIdentity(cert_file, key_file, client_ca_file, flag_prefix);
+  if (!read.ok()) return read.status();
+  if (read->cert_chain == in_force.cert_chain && read->private_key == in_force.private_key &&
+      read->client_ca == in_force.client_ca) {
+    return std::nullopt;
+  }
+  return *std::move(read);
+}
+
 absl::Status TlsFilesForAPeriod(const std::vector<std::string>& files,
                                 absl::string_view flag_prefix) {
   absl::Status s = RefreshableTlsFiles(files, flag_prefix);

@@ -43,6 +43,15 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
 // files, not pipes, which a read empties. INVALID_ARGUMENT naming the flag otherwise.
 absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
                                  absl::string_view flag_prefix);
+// What reading the files of ReadTlsIdentity again (--tls_refresh_seconds, SIGHUP) finds
+// against the identity `in_force`: the new identity when they changed, nullopt when unchanged;
+// the refusal (RefreshableTlsFiles': a file replaced by a pipe; ReadTlsIdentity's) when they
+// cannot be used; FAILED_PRECONDITION, reading nothing, when `at_start` (RefreshableTlsFiles'
+// answer when they were first read) refused them: files given as pipes are read at start only.
+absl::StatusOr<std::optional<TlsIdentity>> ReadTlsIdentityAgain(
+    const std::string& cert_file, const std::string& key_file, const std::string& client_ca_file,
+    absl::string_view flag_prefix, const TlsIdentity& in_force, const absl::Status& at_start);
+
 // RefreshableTlsFiles at start with a --tls_refresh_seconds period, its refusal saying what to
 // do instead.
 absl::Status TlsFilesForAPeriod(const std::vector<std::string>& files,
