@@ -554,6 +554,19 @@ class PrometheusOverTlsTest(PrometheusJobs, unittest.TestCase):
                       and self.health("other_ca") == "down", "the https job alone up")
         self.assertIn("certificate", self.targets()["other_ca"]["lastError"])
         self.assertIn("400", self.targets()["plain_http"]["lastError"])
+        # The dashboard's TLS panel over this series: the metrics port's chain, valid two days
+        # (make_pki's -days 2).
+        with open(PrometheusServerTest.DASHBOARD) as f:
+            panel = next(p for p in json.load(f)["panels"]
+                         if p["title"] == "TLS certificate chain: days left")
+        expr = panel["targets"][0]["expr"].replace("$instance", ".+")
+        url = f"{self.prometheus_api}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": expr})
+        with urllib.request.urlopen(url, timeout=5) as r:
+            result = json.load(r)["data"]["result"]
+        self.assertEqual([(s["metric"]["port"], s["metric"]["job"]) for s in result],
+                         [("metrics", "https")])
+        self.assertTrue(1.9 < float(result[0]["value"][1]) <= 2.0, result)
 
     def test_with_a_client_ca_a_scraper_needs_its_certificate(self):
         server = Kvrecalld(f"--metrics_tls_cert={self.pki['server.pem']}",
