@@ -1,5 +1,7 @@
 #include "server/auth.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -94,6 +96,17 @@ absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path,
   return Parse(*text, path, lone_token_tenant);
 }
 
+namespace {
+
+// Whether `path` names a regular file (its links followed), or nothing that can be stat'ed (the
+// read says why it cannot be read).
+bool RegularFileOrGone(const std::string& path) {
+  struct stat file;
+  return ::stat(path.c_str(), &file) != 0 || S_ISREG(file.st_mode);
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<TokenStore>> TokenStore::FromFile(std::string flag,
                                                                  std::string path,
                                                                  std::string lone_token_tenant) {
@@ -102,6 +115,7 @@ absl::StatusOr<std::shared_ptr<TokenStore>> TokenStore::FromFile(std::string fla
     return absl::Status(table.status().code(), absl::StrCat(flag, ": ", table.status().message()));
   }
   auto store = std::make_shared<TokenStore>(std::make_shared<const TokenTable>(*std::move(table)));
+  store->read_once_ = !RegularFileOrGone(path);
   store->flag_ = std::move(flag);
   store->path_ = std::move(path);
   store->lone_token_tenant_ = std::move(lone_token_tenant);
@@ -110,6 +124,14 @@ absl::StatusOr<std::shared_ptr<TokenStore>> TokenStore::FromFile(std::string fla
 
 absl::StatusOr<size_t> TokenStore::Reload() {
   if (path_.empty()) return absl::FailedPreconditionError("the token store has no file to read");
+  // A pipe (--auth_token_file=<(...)) would block the read until a writer came, on the thread
+  // that takes SIGTERM, or read what another reader left.
+  if (read_once_ || !RegularFileOrGone(path_)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        flag_, ": ", path_,
+        " is not a regular file, which cannot be read again (a pipe is read once): the tokens "
+        "were read at start only"));
+  }
   absl::StatusOr<TokenTable> table = TokenTable::Load(path_, lone_token_tenant_);
   if (!table.ok()) {
     return absl::Status(table.status().code(),

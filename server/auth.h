@@ -69,7 +69,8 @@ class TokenStore {
       std::string flag, std::string path, std::string lone_token_tenant = "");
   // Reads the store's file again and puts its table in force: the number of tokens; the error,
   // prefixed with the flag, with the table in force kept when the file cannot be read or parsed;
-  // FAILED_PRECONDITION for a store not made from a file.
+  // FAILED_PRECONDITION, reading nothing, for a store not made from a file or from one that is
+  // not a regular file (a pipe: read once, at start).
   absl::StatusOr<size_t> Reload();
   std::shared_ptr<const TokenTable> table() const {
     absl::MutexLock lock(&mu_);
@@ -87,6 +88,7 @@ class TokenStore {
  private:
   // Where FromFile read the table ("" for a store made from a table).
   std::string flag_, path_, lone_token_tenant_;
+  bool read_once_ = false;  // the file was not a regular file (a pipe) when first read
   mutable absl::Mutex mu_;
   std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> epoch_{0};

@@ -182,7 +182,8 @@ ABSL_FLAG(std::string, auth_token_file, "",
           "created it (to others it does not exist); needs TLS, and applies to every listener, "
           "the plaintext sockets of --plaintext_unix_sockets too. SIGHUP reads the file again: a "
           "token taken out is refused, and its open streams end: an idle one at once, one at work "
-          "as its step is answered (a line starting with # is a comment)");
+          "as its step is answered; a file given as a pipe is read at start only (a line "
+          "starting with # is a comment)");
 
 ABSL_FLAG(bool, host_huge_pages, true,
           "back sessions' host KV arrays (and staged prompts) of 2 MiB or more, or smaller with "

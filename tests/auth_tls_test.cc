@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <iterator>
 #include <string>
 #include <thread>
@@ -1941,6 +1942,31 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
   EXPECT_TRUE(HasStatus(StartServer(negative).status(), absl::StatusCode::kInvalidArgument,
                         "--tls_refresh_seconds must be 0 (the TLS files read at start and at "
                         "SIGHUP only) or more, got -1"));
+}
+
+// A token file given as a pipe (--auth_token_file=<(...)) is read at start only: reading it
+// again (SIGHUP) would block the thread that takes SIGTERM until some writer came.
+TEST(TokenStoreTest, APipeIsReadAtStartOnly) {
+  testing::TempDirectory dir("token-pipe");
+  const std::string fifo = dir.Path("tokens");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  std::thread writer([&] { WriteFile(fifo, "runner-token-0123456789 team\n"); });
+  absl::StatusOr<std::shared_ptr<TokenStore>> store =
+      TokenStore::FromFile("--auth_token_file", fifo);
+  writer.join();
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_NE((*store)->table()->Find("runner-token-0123456789"), nullptr);
+  std::future<absl::StatusOr<size_t>> reload =
+      std::async(std::launch::async, [&] { return (*store)->Reload(); });
+  if (reload.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    WriteFile(fifo, "");  // a writer, so that the blocked read ends
+    FAIL() << "Reload blocked on the pipe";
+  }
+  EXPECT_TRUE(HasStatus(reload.get().status(), absl::StatusCode::kFailedPrecondition,
+                        "--auth_token_file: " + fifo +
+                            " is not a regular file, which cannot be read again (a pipe is read "
+                            "once): the tokens were read at start only"));
+  EXPECT_NE((*store)->table()->Find("runner-token-0123456789"), nullptr);  // still in force
 }
 
 TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
