@@ -19,6 +19,8 @@ apt_packages=(
   # Fuzzing and sanitizers (scripts/fuzz.sh, scripts/sanitize.sh): clang with libFuzzer and the
   # sanitizer runtimes, LLVM's OpenMP runtime with its TSan tool (libarcher).
   clang-16 libclang-rt-16-dev libomp-16-dev
+  # A test stalls a file's read under strace (a hung mount, on demand).
+  strace
 )
 
 missing=()

@@ -124,8 +124,8 @@ absl::StatusOr<std::shared_ptr<TokenStore>> TokenStore::FromFile(std::string fla
 
 absl::StatusOr<size_t> TokenStore::Reload() {
   if (path_.empty()) return absl::FailedPreconditionError("the token store has no file to read");
-  // A pipe (--auth_token_file=<(...)) would block the read until a writer came, on the thread
-  // that takes SIGTERM, or read what another reader left.
+  // A pipe (--auth_token_file=<(...)) would block the read until a writer came, or read what
+  // another reader left.
   if (read_once_ || !RegularFileOrGone(path_)) {
     return absl::FailedPreconditionError(absl::StrCat(
         flag_, ": ", path_,

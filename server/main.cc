@@ -1,21 +1,22 @@
 // kvrecalld: the kvrecall server. Serves kvrecall.v1.KvRecall, grpc.health.v1.Health and
 // server reflection on --address until SIGTERM or SIGINT, then shuts down cleanly; SIGHUP reads
 // the token files and the TLS files again.
-#include <malloc.h>
-#include <pthread.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -24,8 +25,8 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/cpu/thread_pool.h"
@@ -224,6 +225,107 @@ void SetSignalsHandler(std::initializer_list<int> signals, void (*handler)(int))
   action.sa_flags = SA_RESTART;
   for (const int signal_number : signals) sigaction(signal_number, &action, nullptr);
 }
+
+// SIGHUP's reads of the token and TLS files, on a thread of their own: a read stalled on a hung
+// filesystem (an NFS mount, a FUSE secret store) holds this thread, never main's, which must
+// stay free to take SIGTERM. SIGHUPs that come while a read runs ask for one read after it.
+class SighupReader {
+ public:
+  explicit SighupReader(kvrecall::RunningServer* server)
+      : server_(server), thread_([this] { Run(); }) {}
+  SighupReader(const SighupReader&) = delete;
+  SighupReader& operator=(const SighupReader&) = delete;
+  ~SighupReader() {
+    // Stop() was called; a thread left to a stalled read is not waited for.
+    if (thread_.joinable()) thread_.detach();
+  }
+
+  void Ask() {
+    absl::MutexLock lock(&mu_);
+    if (reading_) {
+      std::printf("kvrecalld: SIGHUP: the files are being read already; read again after\n");
+      std::fflush(stdout);
+    }
+    asked_ = true;
+  }
+
+  // Stops the thread. True when it is joined; false when a read still runs (stalled): the
+  // thread is left to it, and the server it reads must outlive the process (std::_Exit).
+  bool Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+      if (reading_) return false;
+    }
+    thread_.join();
+    return true;
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &SighupReader::AskedOrStopping));
+        if (stopping_) return;
+        asked_ = false;
+        reading_ = true;
+      }
+      ReadFiles();
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+    }
+  }
+
+  bool AskedOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return asked_ || stopping_; }
+
+  // The token files and TLS files again (revoking or adding a token, renewing a certificate,
+  // keeps every session), a line each. Without any it says there is no token file to read.
+  void ReadFiles() {
+    auto report = [](const absl::StatusOr<size_t>& reloaded, const char* what,
+                     const std::string& file) {
+      if (reloaded.ok()) {
+        std::printf("kvrecalld: SIGHUP: reloaded %zu %s from %s\n", *reloaded, what, file.c_str());
+      } else {
+        std::printf("kvrecalld: SIGHUP: %s; the %s in force stay\n",
+                    std::string(reloaded.status().message()).c_str(), what);
+      }
+      std::fflush(stdout);
+    };
+    const std::string tenants = absl::GetFlag(FLAGS_auth_token_file);
+    const std::string scrapers = absl::GetFlag(FLAGS_metrics_token_file);
+    const std::vector<std::pair<std::string, absl::StatusOr<bool>>> tls = server_->ReadTlsFiles();
+    if (!tenants.empty() || (scrapers.empty() && tls.empty())) {
+      report(server_->ReloadTokens(), "tokens", tenants);
+    }
+    if (!scrapers.empty()) report(server_->ReloadMetricsTokens(), "metrics tokens", scrapers);
+    // And the TLS files of each port with TLS.
+    for (const auto& [port, read] : tls) {
+      const char* files = port == "grpc" ? "gRPC port's TLS files" : "metrics endpoint's TLS files";
+      if (absl::IsUnavailable(read.status()) || absl::IsFailedPrecondition(read.status())) {
+        // Being read already, or read at start only: nothing read now.
+        std::printf("kvrecalld: SIGHUP: %s\n", std::string(read.status().message()).c_str());
+      } else if (!read.ok()) {
+        std::printf("kvrecalld: SIGHUP: %s; the certificate in force stays\n",
+                    std::string(read.status().message()).c_str());
+      } else {
+        std::printf("kvrecalld: SIGHUP: the %s %s\n", files,
+                    !*read           ? "are unchanged"
+                    : port == "grpc" ? "changed: they serve the connections made from gRPC's "
+                                       "next read of them (within a second)"
+                                     : "changed: they serve the connections made from now on");
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  kvrecall::RunningServer* const server_;
+  absl::Mutex mu_;
+  bool asked_ ABSL_GUARDED_BY(mu_) = false;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: started once the members above are
+};
 
 }  // namespace
 
@@ -452,6 +554,8 @@ int main(int argc, char** argv) {
   }
   std::fflush(stdout);
 
+  // Started with the signals blocked, as the threads before it.
+  SighupReader sighup_reader(server->get());
   // This thread takes the signals again (beside any thread a library started before main).
   pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
   unsigned char signal_number = 0;
@@ -464,55 +568,29 @@ int main(int argc, char** argv) {
     if (poll(&readable, 1, -1) != 1 || read(shutdown_pipe[0], &signal_number, 1) != 1) {
       if (errno == EINTR) continue;
       std::fprintf(stderr, "kvrecalld: reading the shutdown signals' pipe failed\n");
+      if (!sighup_reader.Stop()) std::_Exit(1);
       return 1;
     }
     if (signal_number != SIGHUP) break;
-    // SIGHUP: the token files and TLS files again (revoking or adding a token, renewing a
-    // certificate, keeps every session). Without any it says there is no token file to read.
-    auto report = [](const absl::StatusOr<size_t>& reloaded, const char* what,
-                     const std::string& file) {
-      if (reloaded.ok()) {
-        std::printf("kvrecalld: SIGHUP: reloaded %zu %s from %s\n", *reloaded, what, file.c_str());
-      } else {
-        std::printf("kvrecalld: SIGHUP: %s; the %s in force stay\n",
-                    std::string(reloaded.status().message()).c_str(), what);
-      }
-    };
-    const std::string tenants = absl::GetFlag(FLAGS_auth_token_file);
-    const std::string scrapers = absl::GetFlag(FLAGS_metrics_token_file);
-    const std::vector<std::pair<std::string, absl::StatusOr<bool>>> tls = (*server)->ReadTlsFiles();
-    if (!tenants.empty() || (scrapers.empty() && tls.empty())) {
-      report((*server)->ReloadTokens(), "tokens", tenants);
-    }
-    if (!scrapers.empty()) report((*server)->ReloadMetricsTokens(), "metrics tokens", scrapers);
-    // And the TLS files of each port with TLS.
-    for (const auto& [port, read] : tls) {
-      const char* files = port == "grpc" ? "gRPC port's TLS files" : "metrics endpoint's TLS files";
-      if (absl::IsUnavailable(read.status()) || absl::IsFailedPrecondition(read.status())) {
-        // Being read already, or read at start only: nothing read now.
-        std::printf("kvrecalld: SIGHUP: %s\n", std::string(read.status().message()).c_str());
-      } else if (!read.ok()) {
-        std::printf("kvrecalld: SIGHUP: %s; the certificate in force stays\n",
-                    std::string(read.status().message()).c_str());
-      } else {
-        std::printf("kvrecalld: SIGHUP: the %s %s\n", files,
-                    !*read           ? "are unchanged"
-                    : port == "grpc" ? "changed: they serve the connections made from gRPC's "
-                                       "next read of them (within a second)"
-                                     : "changed: they serve the connections made from now on");
-      }
-    }
-    std::fflush(stdout);
+    sighup_reader.Ask();
   }
   // A second signal during the grace ends the process at once (the default action).
   SetSignalsHandler({SIGTERM, SIGINT}, SIG_DFL);
   std::printf("kvrecalld: received %s, shutting down (again to stop at once)\n",
               strsignal(signal_number));
   std::fflush(stdout);
+  // No SIGHUP read after this one. One that is stalled keeps its thread; the process ends
+  // without destroying the server under it.
+  const bool sighup_reader_stopped = sighup_reader.Stop();
   (*server)->Shutdown(absl::Seconds(grace_seconds));
   (*server)->Wait();
   std::printf("kvrecalld: stopped\n");
   std::fflush(stdout);
+  if (!sighup_reader_stopped) {
+    std::printf("kvrecalld: a SIGHUP's read of the files was still running; left to it\n");
+    std::fflush(stdout);
+    std::_Exit(0);
+  }
   // Work of calls cancelled at the end of the grace (a selector build, say) stops at its next
   // check (index/build_stop.h), but nobody waits for its result: exit without waiting for it.
   if ((*server)->busy()) std::_Exit(0);

@@ -396,8 +396,8 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
     return absl::FailedPreconditionError("the metrics endpoint serves plain HTTP: no TLS files");
   }
   // One read at a time (a read of the old files finishing after a read of the new ones would put
-  // the old identity back), and none waits for another: SIGHUP's runs on the thread that takes
-  // SIGTERM, the period's on the one that serves scrapes.
+  // the old identity back), and none waits for another: the period's runs on the thread that
+  // serves scrapes.
   if (!tls_read_mu_.TryLock()) {
     return absl::UnavailableError(
         "the metrics endpoint's TLS files are being read already: that read takes them");

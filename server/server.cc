@@ -275,7 +275,7 @@ absl::StatusOr<size_t> RunningServer::ReloadTokens() {
 
 absl::StatusOr<bool> RunningServer::ReadGrpcTlsFiles() {
   // One read at a time, the gauges updated within it (so that they say what the last read
-  // found), and none waits for another: SIGHUP's runs on the thread that takes SIGTERM.
+  // found), and none waits for another (a SIGHUP's read says the period's takes the files).
   if (!grpc_tls_read_mu_.TryLock()) {
     return absl::UnavailableError(
         "the gRPC port's TLS files are being read already: that read takes them");

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -2102,6 +2103,63 @@ TEST_F(TlsProcessTest, SighupReloadsTheTokensAndTheSessionsStay) {
   EXPECT_EQ(RunCommand(as_carol + " list").exit_code, 0);
   absl::StatusOr<int> stopped = (*server)->Stop();
   ASSERT_TRUE(stopped.ok());
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
+}
+
+// SIGHUP's reads run on a thread of their own: a read stalled on its file (a hung NFS mount or
+// secret store; here strace holds the token file's open for 20 s) leaves the server
+// serving and SIGTERM heeded at once; the process ends without waiting for the read. (The reads
+// ran on the thread that takes SIGTERM: it went unheeded until the file answered.)
+TEST_F(TlsProcessTest, ASighupReadStalledOnItsFileLeavesSigtermHeeded) {
+  if (std::system("strace -o /dev/null true >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "strace cannot trace a process here (scripts/install_deps.sh installs it; "
+                    "ptrace may be forbidden)";
+  }
+  const std::string tokens = pki().Path("stalled.tokens");
+  WriteFile(tokens, absl::StrCat(kAliceToken, " alice\n"));
+  // A thread's second open of the token file and those after wait 20 s each in strace
+  // (--seccomp-bpf: no other system call stops; strace counts each thread's opens apart).
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start(
+          {"--tls_cert=" + pki().Path("server.pem"), "--tls_key=" + pki().Path("server.key"),
+           "--auth_token_file=" + tokens},
+          absl::Seconds(60), /*shutdown_signals_ignored=*/false,
+          {"strace", "-f", "--seccomp-bpf", "-o", "/dev/null", "-P", tokens, "-e", "trace=openat",
+           "-e", "inject=openat:delay_enter=20000000:when=2+", "--"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  // The reading thread's first open is served at once.
+  kill((*server)->pid(), SIGHUP);
+  ASSERT_TRUE(testing::Eventually([&] {
+    return absl::StrContains((*server)->output(), "kvrecalld: SIGHUP: reloaded 1 tokens from");
+  })) << (*server)->output();
+  // Its second stalls (20 s); a SIGHUP meanwhile is taken at once.
+  kill((*server)->pid(), SIGHUP);
+  absl::SleepFor(absl::Seconds(1));
+  kill((*server)->pid(), SIGHUP);
+  ASSERT_TRUE(testing::Eventually([&] {
+    return absl::StrContains((*server)->output(),
+                             "kvrecalld: SIGHUP: the files are being read already; read again "
+                             "after");
+  })) << (*server)->output();
+  const std::string said = (*server)->output();
+  EXPECT_EQ(said.find("reloaded"), said.rfind("reloaded"))
+      << said;  // the stalled read said nothing
+  // The tokens in force serve meanwhile.
+  CommandResult listed = RunCommand(
+      absl::StrCat(Cli(), " --server=", (*server)->address(), " --tls_ca=", pki().Path("ca.pem"),
+                   " --token_file=", pki().Path("alice.token"), " list"));
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  // SIGTERM: the server stops at once, the read still stalled, and the process ends.
+  kill((*server)->pid(), SIGTERM);
+  EXPECT_TRUE(testing::Eventually([&] {
+    return absl::StrContains((*server)->output(),
+                             "kvrecalld: a SIGHUP's read of the files was still running; left to "
+                             "it");
+  })) << (*server)->output();
+  EXPECT_THAT((*server)->output(), HasSubstr("kvrecalld: stopped"));
+  // (strace itself ends once its delay is over.)
+  absl::StatusOr<int> stopped = (*server)->Stop(SIGTERM, absl::Seconds(60));
+  ASSERT_TRUE(stopped.ok()) << stopped.status() << "\n" << (*server)->output();
   EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
 }
 

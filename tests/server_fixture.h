@@ -5,6 +5,7 @@
 #ifndef KVRECALL_TESTS_SERVER_FIXTURE_H_
 #define KVRECALL_TESTS_SERVER_FIXTURE_H_
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/types.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <span>
@@ -26,14 +28,16 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/kvrecall_client.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
-#include "client/kvrecall_client.h"
 #include "kernels/kv_view.h"
 #include "kvrecall/v1/kvrecall.grpc.pb.h"
 #include "proto/tensor_codec.h"
@@ -147,14 +151,19 @@ class KvrecalldProcess {
 
   // Starts kvrecalld --address=127.0.0.1:0 --metrics_address=127.0.0.1:0 plus `flags` and waits
   // up to `timeout` for it to listen. `shutdown_signals_ignored`: it starts with SIGINT and
-  // SIGTERM ignored, as a background job of a non-interactive shell does.
+  // SIGTERM ignored, as a background job of a non-interactive shell does. `launcher`: a command
+  // that runs kvrecalld as its child (strace ... --), whose exit status is kvrecalld's; pid()
+  // is kvrecalld's own, and Stop signals it.
   static absl::StatusOr<std::unique_ptr<KvrecalldProcess>> Start(
       std::vector<std::string> flags = {}, absl::Duration timeout = absl::Seconds(30),
-      bool shutdown_signals_ignored = false) {
+      bool shutdown_signals_ignored = false, std::vector<std::string> launcher = {}) {
     int out[2];
     if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-    std::vector<std::string> args = {BinaryPath(), "--address=127.0.0.1:0",
-                                     "--metrics_address=127.0.0.1:0"};
+    std::vector<std::string> args = launcher;
+    for (std::string a : {BinaryPath(), std::string("--address=127.0.0.1:0"),
+                          std::string("--metrics_address=127.0.0.1:0")}) {
+      args.push_back(std::move(a));
+    }
     args.insert(args.end(), flags.begin(), flags.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
@@ -168,7 +177,7 @@ class KvrecalldProcess {
         signal(SIGINT, SIG_IGN);
         signal(SIGTERM, SIG_IGN);
       }
-      execv(argv[0], argv.data());
+      execvp(argv[0], argv.data());
       _exit(127);
     }
     close(out[1]);
@@ -190,11 +199,18 @@ class KvrecalldProcess {
     }
     const size_t begin = process->output_.find(marker) + marker.size();
     process->address_ = process->output_.substr(begin, process->output_.find('\n', begin) - begin);
+    if (!launcher.empty()) {
+      process->server_pid_ = ChildOf(pid);
+      if (process->server_pid_ < 0) {
+        return absl::InternalError(absl::StrCat("no child of ", launcher[0], " (pid ", pid, ")"));
+      }
+    }
     return process;
   }
 
   ~KvrecalldProcess() {
     if (!exited_) {
+      if (server_pid_ != pid_) kill(server_pid_, SIGKILL);
       kill(pid_, SIGKILL);
       int status;
       waitpid(pid_, &status, 0);
@@ -203,7 +219,7 @@ class KvrecalldProcess {
     close(fd_);
   }
 
-  pid_t pid() const { return pid_; }
+  pid_t pid() const { return server_pid_; }
   const std::string& address() const { return address_; }
   std::string output() const {
     absl::MutexLock lock(&mu_);
@@ -213,7 +229,7 @@ class KvrecalldProcess {
   // Sends `signal` and waits up to `timeout` for the process to exit; returns its wait status
   // (check with WIFEXITED/WEXITSTATUS), or DEADLINE_EXCEEDED when it kept running.
   absl::StatusOr<int> Stop(int signal = SIGTERM, absl::Duration timeout = absl::Seconds(30)) {
-    kill(pid_, signal);
+    kill(server_pid_, signal);
     const absl::Time deadline = absl::Now() + timeout;
     while (absl::Now() < deadline) {
       int status;
@@ -223,13 +239,32 @@ class KvrecalldProcess {
       }
       absl::SleepFor(absl::Milliseconds(10));
     }
-    return absl::DeadlineExceededError(absl::StrCat("kvrecalld (pid ", pid_, ") still runs ",
+    return absl::DeadlineExceededError(absl::StrCat("kvrecalld (pid ", server_pid_, ") still runs ",
                                                     absl::FormatDuration(timeout), " after signal ",
                                                     signal));
   }
 
  private:
-  KvrecalldProcess(pid_t pid, int fd) : pid_(pid), fd_(fd), reader_([this] { Drain(); }) {}
+  KvrecalldProcess(pid_t pid, int fd)
+      : pid_(pid), server_pid_(pid), fd_(fd), reader_([this] { Drain(); }) {}
+
+  // The one process whose parent is `parent` (/proc/PID/stat's fourth field), or -1.
+  static pid_t ChildOf(pid_t parent) {
+    std::unique_ptr<DIR, int (*)(DIR*)> proc(opendir("/proc"), &closedir);
+    if (proc == nullptr) return -1;
+    while (const dirent* entry = readdir(proc.get())) {
+      pid_t pid = 0;
+      if (!absl::SimpleAtoi(entry->d_name, &pid)) continue;
+      std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+      std::string line;
+      if (!std::getline(stat, line) || line.rfind(')') == std::string::npos) continue;
+      // After "PID (COMM)": the state, then the parent's pid.
+      std::vector<std::string> fields = absl::StrSplit(line.substr(line.rfind(')') + 2), ' ');
+      pid_t ppid = 0;
+      if (fields.size() > 1 && absl::SimpleAtoi(fields[1], &ppid) && ppid == parent) return pid;
+    }
+    return -1;
+  }
 
   // Collects the child's output until it closes its end, so the child never blocks on a full
   // pipe and the output stays available to assertions.
@@ -247,7 +282,8 @@ class KvrecalldProcess {
     }
   }
 
-  const pid_t pid_;
+  const pid_t pid_;   // the process started (kvrecalld, or its launcher)
+  pid_t server_pid_;  // kvrecalld's
   const int fd_;
   bool exited_ = false;
   std::string address_;
