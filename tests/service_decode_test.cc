@@ -317,6 +317,108 @@ TEST_F(ServiceDecodeTest, ReTopKPathsFollowThePolicyAndExactStepsAttendTheTopK) 
   EXPECT_GE(info->host_bytes(), info->selector_bytes());
 }
 
+// A reuse step rescores its candidates exactly and keeps their top K: with a recent window as
+// long as the context its candidates are every token, so each reuse step must attend exactly
+// the brute-force top K, per query head through its KV head (the reuse path's plumbing, which
+// the test above checks only by its counts).
+TEST_F(ServiceDecodeTest, ReTopKReuseOverAWindowAsLongAsTheContextAttendsTheExactTopK) {
+  constexpr int kTopK = 12;
+  for (const v1::DType dtype : {v1::DTYPE_F32, v1::DTYPE_BF16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    ReferenceSession ref(MakeGeometry(1, 4, 2, 16, dtype), 150, 23);
+    v1::Policy policy = MakePolicy(v1::SELECTOR_RETOPK, kTopK);
+    policy.mutable_retopk()->set_tau(-2.0f);  // every step reuses
+    policy.mutable_retopk()->set_refresh_interval(0);
+    policy.mutable_retopk()->set_recent_window(1024);
+    const std::string id = CreateAndPrefill(ref, policy, 64);
+    ASSERT_FALSE(id.empty());
+    DecodeClient decode(stub());
+    for (int step = 1; step <= 4; ++step) {
+      std::vector<float> q;
+      absl::StatusOr<v1::SequenceResult> result =
+          DecodeOne(decode, ref, id, 0, 1700 + step, &q, /*diagnostics=*/true, /*compare=*/true);
+      ASSERT_TRUE(result.ok()) << result.status();
+      ASSERT_EQ(result->heads_size(), 4);
+      std::vector<std::vector<int32_t>> supports;
+      for (int h = 0; h < 4; ++h) {
+        const v1::HeadDiagnostics& head = result->heads(h);
+        EXPECT_EQ(head.path(), v1::PATH_REUSE) << "step " << step << ", head " << h;
+        EXPECT_EQ(head.candidates(), ref.tokens(0)) << "step " << step << ", head " << h;
+        EXPECT_EQ(head.support(), kTopK);
+        EXPECT_FLOAT_EQ(head.support_recall(), 1.0f) << "step " << step << ", head " << h;
+        supports.push_back(
+            ReferenceTopK(q.data() + h * 16, ref.view(0), KvHeadOf(h, 4, 2), ref.scale(), kTopK));
+      }
+      ExpectOutputNear(TensorValues(result->output()), ref.Attention(0, q, supports), dtype,
+                       absl::StrCat("reuse step ", step));
+    }
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->paths().reuse(), 4 * 4);
+  }
+}
+
+// compare_exact's figures are the brute-force ones: per query head, the share of the exact top K
+// (ReferenceTopK over every token) that the streaming window holds, exp(lse of the window - lse
+// of all tokens), and the cosine and relative L2 error of the window's output against full
+// attention, each worked out here in double.
+TEST_F(ServiceDecodeTest, CompareExactFiguresAreTheBruteForceOnes) {
+  constexpr int kSinks = 4;
+  constexpr int kRecent = 8;
+  constexpr int kTopK = 8;
+  constexpr int kHeads = 4;
+  constexpr int kDim = 16;
+  ReferenceSession ref(MakeGeometry(1, kHeads, 2, kDim), 40, 29);
+  const std::string id =
+      CreateAndPrefill(ref, MakePolicy(v1::SELECTOR_STREAMING, kTopK, kSinks, kRecent), 40);
+  ASSERT_FALSE(id.empty());
+  DecodeClient decode(stub());
+  int partial = 0;  // figures strictly between their extremes: the checks are not trivial
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> q;
+    absl::StatusOr<v1::SequenceResult> result =
+        DecodeOne(decode, ref, id, 0, 400 + step, &q, /*diagnostics=*/true, /*compare=*/true);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->heads_size(), kHeads);
+    const int64_t n = ref.tokens(0);
+    std::vector<int32_t> window;
+    for (int64_t t = 0; t < n; ++t) {
+      if (t < kSinks || t >= n - kRecent) window.push_back(static_cast<int32_t>(t));
+    }
+    std::vector<double> lse_window, lse_full;
+    const std::vector<double> out =
+        ref.Attention(0, q, std::vector<std::vector<int32_t>>(kHeads, window), &lse_window);
+    const std::vector<double> full = ref.FullAttention(0, q, &lse_full);
+    for (int h = 0; h < kHeads; ++h) {
+      SCOPED_TRACE(absl::StrCat("step ", step, ", head ", h));
+      const v1::HeadDiagnostics& head = result->heads(h);
+      const std::vector<int32_t> exact = ReferenceTopK(q.data() + h * kDim, ref.view(0),
+                                                       KvHeadOf(h, kHeads, 2), ref.scale(), kTopK);
+      int found = 0;
+      for (int32_t t : exact) found += t < kSinks || t >= n - kRecent;
+      const double recall = static_cast<double>(found) / kTopK;
+      const double mass = std::exp(lse_window[h] - lse_full[h]);
+      double ab = 0, aa = 0, bb = 0, diff = 0;
+      for (int i = 0; i < kDim; ++i) {
+        const double a = out[h * kDim + i], b = full[h * kDim + i];
+        ab += a * b;
+        aa += a * a;
+        bb += b * b;
+        diff += (a - b) * (a - b);
+      }
+      const double cosine = ab / std::sqrt(aa * bb);
+      const double rel_l2 = std::sqrt(diff / bb);
+      EXPECT_NEAR(head.support_recall(), recall, 1e-6);
+      EXPECT_NEAR(head.retained_mass(), mass, 1e-5);
+      EXPECT_NEAR(head.output_cosine(), cosine, 1e-5);
+      EXPECT_NEAR(head.rel_l2(), rel_l2, 1e-4);
+      partial += (recall > 0 && recall < 1) + (mass > 0.01 && mass < 0.99) +
+                 (cosine > -0.99 && cosine < 0.99);
+    }
+  }
+  EXPECT_GT(partial, 12);
+}
+
 // With tau above any cosine every step falls back to the exact path.
 TEST_F(ServiceDecodeTest, ReTopKFallsBackToExactTopKBelowTau) {
   constexpr int kTopK = 10;

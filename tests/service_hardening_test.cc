@@ -525,7 +525,8 @@ TEST_F(HardeningTest, ASessionClosedWhileItsPromptStreamsInFreesTheStagedPromptF
   ASSERT_TRUE(CloseSession(stub(), *id).ok());
   writer->WritesDone();
   const absl::Status ended = FromGrpc(writer->Finish());
-  EXPECT_FALSE(ended.ok());  // nothing to commit into
+  // Nothing to commit into.
+  EXPECT_TRUE(HasStatus(ended, absl::StatusCode::kNotFound, absl::StrCat(*id, "' was closed")));
   until = absl::Now() + absl::Seconds(10);
   while (budget.used() != 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(budget.used(), 0);
@@ -1096,7 +1097,8 @@ TEST(HardeningProcessTest, ExitsWithinTheGraceWhileWorkStillRuns) {
   EXPECT_LT(exit_time, absl::Seconds(2.5)) << server->output();
   // The client learns that its prompt was not committed.
   const absl::Status answer = prefill.Finish().status();
-  EXPECT_FALSE(answer.ok());
+  // (gRPC's words: the grace's end cancels the calls still at work.)
+  EXPECT_TRUE(HasStatus(answer, absl::StatusCode::kUnavailable, "Cancelling all calls"));
 }
 
 }  // namespace

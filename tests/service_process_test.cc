@@ -125,7 +125,9 @@ TEST(KvrecalldProcessTest, SigintWithAnOpenStreamStopsAfterTheGracePeriod) {
   EXPECT_TRUE(WIFEXITED(*status)) << "signal " << WTERMSIG(*status) << server->output();
   EXPECT_EQ(WEXITSTATUS(*status), 0) << server->output();
   // The stream was cut by the shutdown, not left hanging.
-  EXPECT_FALSE(idle.Step(empty).ok());
+  const absl::StatusOr<v1::DecodeResponse> cut = idle.Step(empty);
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kUnavailable) << cut.status();
+  EXPECT_THAT(cut.status().message(), HasSubstr("kvrecalld is shutting down"));
 }
 
 // A process that inherits SIGINT and SIGTERM ignored (a background job of a non-interactive

@@ -270,11 +270,12 @@ ReuseStatistics MeasureReuseStatistics(int64_t context) {
   return r;
 }
 
-// A longer prompt does not make decode queries less self-similar or their supports less stable
-// (the generator before its segments drew a query's top-K from every key of its topic, a pool
-// that grows with the context, and ReTopK's reuse collapsed at 128K), and the prompt's last
-// queries move as decode queries do, so that auto_tau's calibration on them holds for decode.
-TEST(SyntheticTraceTest, ReuseStatisticsDoNotDependOnTheContextLength) {
+// A longer prompt does not make decode queries less self-similar (the generator before its
+// segments drew a query's top-K from every key of its topic, a pool that grows with the
+// context, and ReTopK's reuse collapsed at 128K), and the prompt's last queries move as decode
+// queries do, so that auto_tau's calibration on them holds for decode. The supports' stability
+// does still fall with the context, by a known amount, held here.
+TEST(SyntheticTraceTest, ReuseStatisticsAcrossContextLengths) {
   const ReuseStatistics short_context = MeasureReuseStatistics(8192);
   const ReuseStatistics long_context = MeasureReuseStatistics(65536);
   for (const ReuseStatistics& r : {short_context, long_context}) {
@@ -283,10 +284,12 @@ TEST(SyntheticTraceTest, ReuseStatisticsDoNotDependOnTheContextLength) {
   }
   EXPECT_NEAR(short_context.decode_cos1, long_context.decode_cos1, 0.02);
   EXPECT_NEAR(short_context.prompt_cos1, long_context.prompt_cos1, 0.03);
-  // Not yet independent: the per-step jitter shifts every other segment's keys at random, and
-  // the luckiest of more segments enter the top-K (8K: ~0.73, 64K: ~0.53 carried). The drop
-  // scales with the jitter's norm, not its rank (bench/results/synth_calibration.md).
-  EXPECT_NEAR(short_context.carried_mass, long_context.carried_mass, 0.25);
+  // Not independent: the per-step jitter shifts every other segment's keys at random, and the
+  // luckiest of more segments enter the top-K (8K: 0.726, 64K: 0.531 carried, the generator
+  // being seeded). The drop scales with the jitter's norm, not its rank
+  // (bench/results/synth_calibration.md). A change of the generator that moves it shows here.
+  EXPECT_NEAR(short_context.carried_mass, 0.726, 0.03);
+  EXPECT_NEAR(long_context.carried_mass, 0.531, 0.03);
   std::printf("context 8192: prompt cos1 %.3f, decode cos1 %.3f, carried mass %.3f\n"
               "context 65536: prompt cos1 %.3f, decode cos1 %.3f, carried mass %.3f\n",
               short_context.prompt_cos1, short_context.decode_cos1, short_context.carried_mass,

@@ -157,7 +157,9 @@ TEST(TensorCodecTest, NonFiniteValuesAreRejected) {
   v1::Tensor t;
   EncodeTensor(data, kRow, v1::DTYPE_BF16, false, &t);
   std::vector<float> out(6);
-  EXPECT_FALSE(DecodeTensor(t, {"q", kRow, false, v1::DTYPE_BF16}, out.data()).ok());
+  const absl::Status s = DecodeTensor(t, {"q", kRow, false, v1::DTYPE_BF16}, out.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("q holds a non-finite value"), std::string::npos) << s;
 }
 
 TEST(DTypeTest, HalfConversionsMatchKnownBitPatterns) {

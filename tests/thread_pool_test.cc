@@ -6,8 +6,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -133,6 +138,36 @@ TEST(ThreadPoolTest, TheProcessPoolIsConfiguredOnlyBeforeItsFirstUse) {
   int serial = 0;
   ParallelFor(5, 1, [&](int64_t) { ++serial; });  // one thread: a plain loop
   EXPECT_EQ(serial, 5);
+}
+
+// Configure before the pool's first use sizes it: a loop asking for 8 threads runs on the
+// caller and the 2 workers asked for, named kvrecall-pool (what `top -H` shows; the README
+// names them). The check runs in a fresh process (the threadsafe death-test style re-runs this
+// test alone), where nothing has made the pool yet.
+TEST(ThreadPoolTest, AConfigureBeforeTheFirstUseSizesTheProcessPool) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        const bool configured = ThreadPool::Configure({.workers = 2});
+        std::mutex mu;
+        std::set<std::thread::id> threads;
+        ParallelFor(512, 8, [&](int64_t) {
+          // Long enough an item for every worker to take some.
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+          std::lock_guard<std::mutex> lock(mu);
+          threads.insert(std::this_thread::get_id());
+        });
+        int named = 0;
+        for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+          std::ifstream comm(task.path() / "comm");
+          std::string name;
+          named += std::getline(comm, name) && name == "kvrecall-pool";
+        }
+        std::fprintf(stderr, "configured %d, workers %d, named %d, threads %zu\n", configured,
+                     ThreadPool::Process().workers(), named, threads.size());
+        std::exit(threads.size() <= 3 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "configured 1, workers 2, named 2, threads [23]\n");
 }
 
 }  // namespace

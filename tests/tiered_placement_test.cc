@@ -270,6 +270,54 @@ TEST_F(TieredPlacementTest, ReTopKAndTheGraphIndexSelectFromTheBulkOnly) {
   EXPECT_GT(index->selector_bytes(), 0) << "the graph index lives on the host";
 }
 
+// The bulk selectors' outputs against a brute-force reference, where their search cannot miss:
+// `index` with a search list longer than the bulk (a best-first search that never drops a
+// candidate scores every key the graph reaches) and `retopk` reusing over a recent window
+// longer than the bulk (its reuse candidates are then every bulk token, rescored exactly). Both
+// must attend exactly the bulk's top K beside the static set, on every step: before and past
+// the link threshold (256 steps), where the tokens that left the ring are linked into the
+// graph after the steps (deferred), and reach the reuse window as they join the bulk.
+TEST_F(TieredPlacementTest, SearchesThatCannotMissAttendTheBulksExactTopK) {
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, Dtypes().front());
+  ReferenceSession ref(g, 600, 61);
+  const int k = 24;
+  v1::Policy index = TieredPolicy(v1::SELECTOR_INDEX, k);
+  index.mutable_index()->set_search_list_size(4096);
+  v1::Policy retopk = TieredPolicy(v1::SELECTOR_RETOPK, k);
+  retopk.mutable_retopk()->set_tau(-2.0f);  // every step reuses
+  retopk.mutable_retopk()->set_refresh_interval(0);
+  retopk.mutable_retopk()->set_recent_window(4096);
+  const std::string index_id = CreateAndPrefill(ref, index, 600);
+  const std::string retopk_id = CreateAndPrefill(ref, retopk, 600);
+  ASSERT_FALSE(index_id.empty());
+  ASSERT_FALSE(retopk_id.empty());
+  DecodeClient client(stub());
+  const std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 280, 67);
+  for (size_t step = 0; step < tokens.size(); ++step) {
+    const std::vector<float> q = ref.Record(0, tokens[step]);
+    absl::StatusOr<v1::DecodeResponse> reply =
+        StepAll(client, {index_id, retopk_id}, tokens[step], ref, /*compare=*/false);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    const std::vector<std::vector<int32_t>> supports =
+        TieredExactTopKSupports(ref, q, k, kSinks, kRecent);
+    const std::vector<double> want = ref.Attention(0, q, supports);
+    const int64_t bulk = ref.tokens(0) - kSinks - kRecent;
+    for (int i = 0; i < 2; ++i) {
+      const v1::SequenceResult& result = reply->results(i);
+      const std::string what = absl::StrCat(i == 0 ? "index" : "retopk", " step ", step);
+      for (const v1::HeadDiagnostics& head : result.heads()) {
+        ASSERT_EQ(head.support(), kSinks + kRecent + k) << what;
+        if (i == 1) {
+          ASSERT_EQ(head.path(), v1::PATH_REUSE) << what;
+          ASSERT_EQ(head.candidates(), bulk) << what;
+        }
+      }
+      ExpectOutputNear(TensorValues(result.output()), want, g.dtype(), what);
+      if (::testing::Test::HasFailure()) return;  // one step's report is enough
+    }
+  }
+}
+
 // A tiered reply says where its compute went: the static tier's own time and the bulk's, each
 // within the server's; the graph index links the tokens that joined the bulk after the steps
 // (deferred), and the steps, which wait for the previous link, still select from the whole
