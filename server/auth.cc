@@ -90,8 +90,8 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
 }
 
 absl::StatusOr<TokenTable> TokenTable::Load(const std::string& path,
-                                            absl::string_view lone_token_tenant) {
-  absl::StatusOr<std::string> text = ReadFileToString(path);
+                                            absl::string_view lone_token_tenant, FileKind kind) {
+  absl::StatusOr<std::string> text = ReadFileToString(path, kind);
   if (!text.ok()) return text.status();
   return Parse(*text, path, lone_token_tenant);
 }
@@ -132,7 +132,10 @@ absl::StatusOr<size_t> TokenStore::Reload() {
         " is not a regular file, which cannot be read again (a pipe is read once): the tokens "
         "were read at start only"));
   }
-  absl::StatusOr<TokenTable> table = TokenTable::Load(path_, lone_token_tenant_);
+  // Told by the opened file too: one swapped for a pipe after the check above is refused, not
+  // read (blocking until a writer came).
+  absl::StatusOr<TokenTable> table =
+      TokenTable::Load(path_, lone_token_tenant_, FileKind::kRegular);
   if (!table.ok()) {
     return absl::Status(table.status().code(),
                         absl::StrCat(flag_, ": ", table.status().message()));

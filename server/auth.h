@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/security/auth_metadata_processor.h"
 #include "grpcpp/server_context.h"
+#include "server/file_util.h"
 #include "server/metrics.h"
 
 namespace kvrecall {
@@ -40,9 +41,11 @@ class TokenTable {
   // otherwise, and for a file without any token.
   static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source,
                                           absl::string_view lone_token_tenant = "");
-  // Reads and parses a file; NOT_FOUND / PERMISSION_DENIED when it cannot be read.
+  // Reads and parses a file; NOT_FOUND / PERMISSION_DENIED when it cannot be read,
+  // FAILED_PRECONDITION for a file not of `kind` (ReadFileToString's).
   static absl::StatusOr<TokenTable> Load(const std::string& path,
-                                         absl::string_view lone_token_tenant = "");
+                                         absl::string_view lone_token_tenant = "",
+                                         FileKind kind = FileKind::kAny);
 
   // The tenant of `token`, or nullptr. Compares against every token in constant time per
   // token, so that the time taken does not tell how much of a guess was right.

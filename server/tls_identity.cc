@@ -38,8 +38,8 @@ namespace {
 // The file's PEM text when it holds a block of `kind` ("CERTIFICATE", "PRIVATE KEY" matches
 // "RSA PRIVATE KEY" and "EC PRIVATE KEY" too); `flag` names it in errors.
 absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view kind,
-                                    absl::string_view flag) {
-  absl::StatusOr<std::string> text = ReadFileToString(path);
+                                    absl::string_view flag, FileKind file_kind) {
+  absl::StatusOr<std::string> text = ReadFileToString(path, file_kind);
   if (!text.ok()) {
     return absl::Status(text.status().code(), absl::StrCat(flag, ": ", text.status().message()));
   }
@@ -173,7 +173,7 @@ absl::Status CheckKeyMaterial(TlsIdentity* identity_out, const std::string& cert
 absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
                                             const std::string& key_file,
                                             const std::string& client_ca_file,
-                                            absl::string_view flag_prefix) {
+                                            absl::string_view flag_prefix, FileKind files) {
   const std::string cert_flag = absl::StrCat("--", flag_prefix, "tls_cert");
   const std::string key_flag = absl::StrCat("--", flag_prefix, "tls_key");
   if (cert_file.empty() || key_file.empty()) {
@@ -181,10 +181,10 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
         cert_flag, " and ", key_flag, " go together: give both (TLS) or neither (plaintext)"));
   }
   TlsIdentity identity;
-  absl::StatusOr<std::string> cert = ReadPem(cert_file, "CERTIFICATE", cert_flag);
+  absl::StatusOr<std::string> cert = ReadPem(cert_file, "CERTIFICATE", cert_flag, files);
   if (!cert.ok()) return cert.status();
   identity.cert_chain = *std::move(cert);
-  absl::StatusOr<std::string> key = ReadPem(key_file, "PRIVATE KEY", key_flag);
+  absl::StatusOr<std::string> key = ReadPem(key_file, "PRIVATE KEY", key_flag, files);
   // Nothing can ask for a passphrase: an encrypted key only failed later, as an address that
   // could not be listened on.
   if (key.ok() && (absl::StrContains(*key, "ENCRYPTED PRIVATE KEY") ||
@@ -197,8 +197,8 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
   if (!key.ok()) return key.status();
   identity.private_key = *std::move(key);
   if (!client_ca_file.empty()) {
-    absl::StatusOr<std::string> read = ReadPem(client_ca_file, "CERTIFICATE",
-                                               absl::StrCat("--", flag_prefix, "tls_client_ca"));
+    absl::StatusOr<std::string> read = ReadPem(
+        client_ca_file, "CERTIFICATE", absl::StrCat("--", flag_prefix, "tls_client_ca"), files);
     if (!read.ok()) return read.status();
     identity.client_ca = *std::move(read);
   }
@@ -238,8 +238,10 @@ absl::StatusOr<std::optional<TlsIdentity>> ReadTlsIdentityAgain(
       !s.ok()) {
     return s;
   }
+  // Regular files alone, told by each opened file too: one swapped for a pipe after the check
+  // above would otherwise block this read until a writer came.
   absl::StatusOr<TlsIdentity> read =
-      ReadTlsIdentity(cert_file, key_file, client_ca_file, flag_prefix);
+      ReadTlsIdentity(cert_file, key_file, client_ca_file, flag_prefix, FileKind::kRegular);
   if (!read.ok()) return read.status();
   if (read->cert_chain == in_force.cert_chain && read->private_key == in_force.private_key &&
       read->client_ca == in_force.client_ca) {

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "server/file_util.h"
 
 namespace kvrecall {
 
@@ -32,11 +33,13 @@ struct TlsIdentity {
 // endpoint's: errors name the flag). INVALID_ARGUMENT for a certificate without its key (or the
 // reverse), a file that is not PEM or does not parse, an encrypted key, a key that is not the
 // certificate's, a certificate or key OpenSSL will not serve (a key too small for its security
-// level); NOT_FOUND / PERMISSION_DENIED for unreadable files.
+// level); NOT_FOUND / PERMISSION_DENIED for unreadable files; with FileKind::kRegular,
+// FAILED_PRECONDITION for a file that is not a regular one (ReadFileToString's).
 absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
                                             const std::string& key_file,
                                             const std::string& client_ca_file,
-                                            absl::string_view flag_prefix);
+                                            absl::string_view flag_prefix,
+                                            FileKind files = FileKind::kAny);
 
 // Whether `files` (the paths of --PREFIXtls_cert, --PREFIXtls_key, --PREFIXtls_client_ca, in
 // that order; empty ones skipped) can be read again (--tls_refresh_seconds, SIGHUP): regular

@@ -43,6 +43,7 @@
 #include "server/auth.h"
 #include "server/credentials.h"
 #include "server/metrics_endpoint.h"
+#include "server/tls_identity.h"
 #include "tests/server_fixture.h"
 #include "tests/test_util.h"
 
@@ -76,6 +77,12 @@ std::string ReadFile(const std::string& path) {
 }
 
 constexpr char kAliceToken[] = "alice-token-0123456789";
+// How gRPC's client says the server ended a connection mid-handshake (a TLS port given
+// plaintext, a mutual-TLS port given no or a stranger's certificate), where a port nobody
+// listens on says "Connection refused".
+constexpr char kClosedByTheServer[] = "Socket closed";
+// How it says a TLS handshake met a plaintext HTTP/2 server (whose answer is no TLS record).
+constexpr char kPlaintextPeer[] = "wrong version number";
 constexpr char kBobToken[] = "bob-token-0123456789ab";
 
 // A certificate authority, a server certificate for 127.0.0.1 / localhost / kvrecall.test and a
@@ -192,6 +199,12 @@ class TlsTest : public ::testing::Test {
     server_ = *std::move(server);
   }
 
+  // Whether `call` was refused by the connection for `reason` (gRPC's words for what ended the
+  // handshake, in the status): UNAVAILABLE alone is also what a port nobody listens on gives.
+  static ::testing::AssertionResult RefusedFor(const absl::Status& call, absl::string_view reason) {
+    return testing::HasStatus(call, absl::StatusCode::kUnavailable, reason);
+  }
+
   // ListSessions over a channel secured as `security` says; the status is the call's.
   absl::StatusOr<std::vector<v1::SessionInfo>> List(const client::ChannelSecurity& security) {
     absl::StatusOr<std::unique_ptr<client::Client>> c =
@@ -289,18 +302,18 @@ TEST_F(TlsTest, DecodesOverTlsAndRefusesPlaintextAndUntrustedServers) {
   ASSERT_TRUE(c.ok()) << c.status();
   ExpectDecodeMatchesFullAttention(**c);
 
-  // A plaintext client gets no answer from a TLS port.
-  EXPECT_EQ(List({}).status().code(), absl::StatusCode::kUnavailable);
+  // A plaintext client gets no answer from a TLS port: it closes the connection.
+  EXPECT_TRUE(RefusedFor(List({}).status(), kClosedByTheServer));
   // A client trusting another CA refuses the server's certificate.
   client::ChannelSecurity wrong_ca;
   wrong_ca.ca_file = pki().Path("wrong-ca.pem");
-  EXPECT_EQ(List(wrong_ca).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(List(wrong_ca).status(), "certificate verify failed"));
   // The certificate names kvrecall.test, not other.test.
   client::ChannelSecurity named = TrustingCa();
   named.server_name = "kvrecall.test";
   EXPECT_TRUE(List(named).ok());
   named.server_name = "other.test";
-  EXPECT_EQ(List(named).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(List(named).status(), "Peer name other.test is not in peer certificate"));
   EXPECT_TRUE(server_->server().sessions().List().empty());
 }
 
@@ -314,11 +327,12 @@ TEST_F(TlsTest, MutualTlsNeedsAClientCertificateFromTheClientCa) {
   ASSERT_TRUE(c.ok()) << c.status();
   ExpectDecodeMatchesFullAttention(**c);
 
-  EXPECT_EQ(List(TrustingCa()).status().code(), absl::StatusCode::kUnavailable);
+  // Without a certificate, or with one of another CA, the server ends the handshake.
+  EXPECT_TRUE(RefusedFor(List(TrustingCa()).status(), kClosedByTheServer));
   client::ChannelSecurity stranger = TrustingCa();
   stranger.cert_file = pki().Path("stranger.pem");
   stranger.key_file = pki().Path("stranger.key");
-  EXPECT_EQ(List(stranger).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(List(stranger).status(), kClosedByTheServer));
 }
 
 TEST_F(TlsTest, TokensGateEveryServiceButHealth) {
@@ -915,14 +929,14 @@ TEST_F(PlaintextUnixSocketTest, TheSocketSpeaksPlaintextAndTheTcpPortKeepsTls) {
   EXPECT_EQ(PlaintextHealth(Socket()).value_or(grpc::health::v1::HealthCheckResponse::UNKNOWN),
             grpc::health::v1::HealthCheckResponse::SERVING);
   // The TCP port: a plaintext client gets no answer, a TLS one does.
-  EXPECT_EQ(ListAt(Tcp(), {}).status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(PlaintextHealth(Tcp()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(ListAt(Tcp(), {}).status(), kClosedByTheServer));
+  EXPECT_TRUE(RefusedFor(PlaintextHealth(Tcp()).status(), kClosedByTheServer));
   absl::StatusOr<std::unique_ptr<client::Client>> tls =
       client::Client::Connect(Tcp(), TrustingCa());
   ASSERT_TRUE(tls.ok()) << tls.status();
   ExpectDecodeMatchesFullAttention(**tls);
   // The socket speaks no TLS: a TLS client's handshake fails there.
-  EXPECT_EQ(ListAt(Socket(), TrustingCa()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(ListAt(Socket(), TrustingCa()).status(), kPlaintextPeer));
 }
 
 // Client certificates cannot be checked without TLS: the socket asks for none, the TCP port
@@ -930,7 +944,7 @@ TEST_F(PlaintextUnixSocketTest, TheSocketSpeaksPlaintextAndTheTcpPortKeepsTls) {
 TEST_F(PlaintextUnixSocketTest, MutualTlsStaysOnTheTcpPort) {
   StartWithSocket(MutualTls());
   EXPECT_TRUE(ListAt(Socket(), {}).ok());
-  EXPECT_EQ(ListAt(Tcp(), TrustingCa()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(ListAt(Tcp(), TrustingCa()).status(), kClosedByTheServer));
   client::ChannelSecurity with_cert = TrustingCa();
   with_cert.cert_file = pki().Path("client.pem");
   with_cert.key_file = pki().Path("client.key");
@@ -985,8 +999,8 @@ TEST_F(PlaintextUnixSocketTest, TokensAreStillRequiredOnTheSocket) {
 // Without the flag, the socket is served with the TCP port's TLS credentials, as before.
 TEST_F(PlaintextUnixSocketTest, WithoutTheFlagTheSocketSpeaksTls) {
   StartWithSocket(Tls(), /*plaintext_unix_sockets=*/false);
-  EXPECT_EQ(ListAt(Socket(), {}).status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(PlaintextHealth(Socket()).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(ListAt(Socket(), {}).status(), kClosedByTheServer));
+  EXPECT_TRUE(RefusedFor(PlaintextHealth(Socket()).status(), kClosedByTheServer));
   // A unix: target's authority is "localhost", which the server's certificate names.
   EXPECT_TRUE(ListAt(Socket(), TrustingCa()).ok());
 }
@@ -1055,10 +1069,10 @@ TEST_F(PlaintextUnixSocketTest, TheClientsTokenGoesOverTheSocketWithoutTls) {
   EXPECT_TRUE(bobs->empty());
   // A token alone to the TCP port still means TLS, with the system's roots, which do not
   // trust the suite's CA: no answer. With the CA it is answered.
-  EXPECT_EQ(ListAt(Tcp(), alice).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(ListAt(Tcp(), alice).status(), "certificate verify failed"));
   EXPECT_TRUE(ListAt(Tcp(), alice_tls).ok());
   // A TLS field with the token asks for TLS on the socket too, whose handshake it fails there.
-  EXPECT_EQ(ListAt(Socket(), alice_tls).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(ListAt(Socket(), alice_tls).status(), kPlaintextPeer));
   EXPECT_THAT(running_->metrics().TextFormat(),
               HasSubstr("\nkvrecall_unauthenticated_requests_total 3\n"));
 }
@@ -1124,7 +1138,41 @@ TEST_F(TlsTest, ATokenAloneToHostPortGoesOverTls) {
   EXPECT_TRUE(List({}).ok());
   client::ChannelSecurity alice;
   alice.token = kAliceToken;
-  EXPECT_EQ(List(alice).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(RefusedFor(List(alice).status(), kPlaintextPeer));
+  // What goes on the wire: a listener of the test's own reads the client's first bytes, a TLS
+  // handshake record (0x16 0x03 ...), never HTTP/2's preface or the token.
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in address = {};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  ASSERT_EQ(listen(listener, 1), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const timeval five_seconds = {.tv_sec = 5, .tv_usec = 0};
+  setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &five_seconds, sizeof five_seconds);
+  std::thread caller([&] {
+    absl::StatusOr<std::unique_ptr<client::Client>> c =
+        client::Client::Connect(absl::StrCat("127.0.0.1:", ntohs(address.sin_port)), alice);
+    if (c.ok()) (void)(*c)->ListSessions();  // fails once the listener closes the connection
+  });
+  std::string received;
+  const int connection = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+  if (connection >= 0) {
+    setsockopt(connection, SOL_SOCKET, SO_RCVTIMEO, &five_seconds, sizeof five_seconds);
+    char buffer[4096];
+    const ssize_t n = read(connection, buffer, sizeof buffer);
+    if (n > 0) received.assign(buffer, n);
+    close(connection);
+  }
+  close(listener);
+  caller.join();
+  ASSERT_GE(received.size(), 3u) << "the client sent nothing";
+  EXPECT_EQ(received[0], '\x16') << "not a TLS handshake record";
+  EXPECT_EQ(received[1], '\x03');
+  EXPECT_EQ(received.find("PRI * HTTP/2.0"), std::string::npos);
+  EXPECT_EQ(received.find(kAliceToken), std::string::npos);
 }
 
 // A token a header cannot carry (a newline: a token file read whole; a non-ASCII character)
@@ -1946,7 +1994,7 @@ TEST_F(TlsTest, ARotatedCertificateServesNewConnectionsAndTheSessionsStay) {
 }
 
 // A token file given as a pipe (--auth_token_file=<(...)) is read at start only: reading it
-// again (SIGHUP) would block the thread that takes SIGTERM until some writer came.
+// again (SIGHUP) would block the reading thread until some writer came.
 TEST(TokenStoreTest, APipeIsReadAtStartOnly) {
   testing::TempDirectory dir("token-pipe");
   const std::string fifo = dir.Path("tokens");
@@ -1968,6 +2016,37 @@ TEST(TokenStoreTest, APipeIsReadAtStartOnly) {
                             " is not a regular file, which cannot be read again (a pipe is read "
                             "once): the tokens were read at start only"));
   EXPECT_NE((*store)->table()->Find("runner-token-0123456789"), nullptr);  // still in force
+}
+
+// A read again tells a pipe by the file it opened (opened without waiting for a writer), not
+// only by a stat before it: a token or TLS file swapped for a pipe between the two is refused,
+// not read (which blocked until a writer came).
+TEST(TokenStoreTest, AReadAgainTellsAPipeByTheFileItOpens) {
+  testing::TempDirectory dir("pipe-opened");
+  const std::string fifo = dir.Path("swapped");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  std::future<absl::Status> tokens = std::async(
+      std::launch::async, [&] { return TokenTable::Load(fifo, "", FileKind::kRegular).status(); });
+  std::future<absl::Status> tls = std::async(std::launch::async, [&] {
+    return ReadTlsIdentity(fifo, fifo, "", "", FileKind::kRegular).status();
+  });
+  for (std::future<absl::Status>* read : {&tokens, &tls}) {
+    if (read->wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+      WriteFile(fifo, "");  // writers, so that the blocked reads end
+      WriteFile(fifo, "");
+      FAIL() << "a read blocked on the pipe";
+    }
+  }
+  const std::string refusal = fifo + " is not a regular file, which cannot be read again";
+  EXPECT_TRUE(HasStatus(tokens.get(), absl::StatusCode::kFailedPrecondition, refusal));
+  EXPECT_TRUE(
+      HasStatus(tls.get(), absl::StatusCode::kFailedPrecondition, "--tls_cert: " + refusal));
+  // A regular file is read as before.
+  const std::string file = dir.Path("tokens");
+  WriteFile(file, "runner-token-0123456789 team\n");
+  absl::StatusOr<TokenTable> read = TokenTable::Load(file, "", FileKind::kRegular);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_NE(read->Find("runner-token-0123456789"), nullptr);
 }
 
 TEST(TokenTableTest, ParsesTokensAndTenantsAndRefusesMalformedLines) {
