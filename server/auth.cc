@@ -132,8 +132,8 @@ absl::StatusOr<size_t> TokenStore::Reload() {
         " is not a regular file, which cannot be read again (a pipe is read once): the tokens "
         "were read at start only"));
   }
-  // Told by the opened file too: one swapped for a pipe after the check above is refused, not
-  // read (blocking until a writer came).
+  // Checked again at the read itself: a file swapped for a pipe after the check above is
+  // refused, not read (blocking until a writer came).
   absl::StatusOr<TokenTable> table =
       TokenTable::Load(path_, lone_token_tenant_, FileKind::kRegular);
   if (!table.ok()) {

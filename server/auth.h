@@ -42,7 +42,7 @@ class TokenTable {
   static absl::StatusOr<TokenTable> Parse(absl::string_view text, absl::string_view source,
                                           absl::string_view lone_token_tenant = "");
   // Reads and parses a file; NOT_FOUND / PERMISSION_DENIED when it cannot be read,
-  // FAILED_PRECONDITION for a file not of `kind` (ReadFileToString's).
+  // INVALID_ARGUMENT for a file not of `kind` (ReadFileToString's).
   static absl::StatusOr<TokenTable> Load(const std::string& path,
                                          absl::string_view lone_token_tenant = "",
                                          FileKind kind = FileKind::kAny);

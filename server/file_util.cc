@@ -24,23 +24,45 @@ absl::Status CannotOpen(const std::string& path, int error) {
   return absl::InvalidArgumentError(message);
 }
 
-// `path` opened for reading, a regular file or nothing: O_NONBLOCK so that a pipe's open does
-// not wait for a writer (it is refused by its fstat); cleared again for the read.
+// What a file that is not a regular one is, for messages.
+const char* FileTypeName(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a pipe";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a special file";
+}
+
+// `path` opened for reading, a regular file or nothing. The path is resolved once, to an O_PATH
+// descriptor, which opens nothing (a pipe's writer is not woken, a device not touched); its
+// fstat says what it is, and only a regular file is then opened, through /proc/self/fd, the
+// very file the fstat saw.
 absl::StatusOr<FILE*> OpenRegularFile(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) return CannotOpen(path, errno);
+  const int located = open(path.c_str(), O_PATH | O_CLOEXEC);
+  if (located < 0) return CannotOpen(path, errno);
   struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    close(fd);
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, " is not a regular file, which cannot be read again (a pipe is read once)"));
+  if (fstat(located, &st) != 0) {
+    const int error = errno;
+    close(located);
+    return CannotOpen(path, error);
   }
-  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  if (!S_ISREG(st.st_mode)) {
+    close(located);
+    return absl::InvalidArgumentError(absl::StrCat(path, " is ", FileTypeName(st.st_mode),
+                                                   ", not a regular file, which cannot be read "
+                                                   "again (a pipe is read once)"));
+  }
+  const int fd =
+      open(absl::StrCat("/proc/self/fd/", located).c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
+  const int error = errno;
+  close(located);
+  if (fd < 0) return CannotOpen(path, error);
   FILE* file = fdopen(fd, "rb");
   if (file == nullptr) {
-    const int error = errno;
+    const int fdopen_error = errno;
     close(fd);
-    return CannotOpen(path, error);
+    return CannotOpen(path, fdopen_error);
   }
   return file;
 }

@@ -18,8 +18,9 @@ enum class FileKind {
 
 // The whole file. NOT_FOUND, PERMISSION_DENIED or INVALID_ARGUMENT (a directory) naming `path`
 // and the system's reason; RESOURCE_EXHAUSTED for files over 16 MiB; with FileKind::kRegular,
-// FAILED_PRECONDITION for anything else, told by the opened file itself (opened without
-// blocking), so that a file swapped for a pipe after a caller's stat never blocks the read.
+// INVALID_ARGUMENT naming what else it is (a pipe, a directory, a device), told by the file the
+// path resolves to at the read and never opened, so that a file swapped for a pipe after a
+// caller's own check neither blocks the read nor wakes the pipe's writer.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              FileKind kind = FileKind::kAny);
 

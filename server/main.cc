@@ -235,27 +235,44 @@ class SighupReader {
       : server_(server), thread_([this] { Run(); }) {}
   SighupReader(const SighupReader&) = delete;
   SighupReader& operator=(const SighupReader&) = delete;
+  // Every path out of main stops it first (Finish); one that did not must not free the mutex
+  // its thread waits on.
   ~SighupReader() {
-    // Stop() was called; a thread left to a stalled read is not waited for.
-    if (thread_.joinable()) thread_.detach();
+    if (thread_.joinable() && !Finish(absl::ZeroDuration())) std::_Exit(1);
   }
 
   void Ask() {
-    absl::MutexLock lock(&mu_);
-    if (reading_) {
-      std::printf("kvrecalld: SIGHUP: the files are being read already; read again after\n");
+    absl::Duration reading_for = absl::InfiniteDuration();
+    {
+      absl::MutexLock lock(&mu_);
+      asked_ = true;
+      if (reading_) reading_for = absl::Now() - read_start_;
+    }
+    if (reading_for != absl::InfiniteDuration()) {
+      std::printf(
+          "kvrecalld: SIGHUP: the files are being read already (for %s); they are read "
+          "again once that read ends\n",
+          absl::FormatDuration(absl::Trunc(reading_for, absl::Milliseconds(1))).c_str());
       std::fflush(stdout);
     }
-    asked_ = true;
   }
 
-  // Stops the thread. True when it is joined; false when a read still runs (stalled): the
-  // thread is left to it, and the server it reads must outlive the process (std::_Exit).
-  bool Stop() {
+  // No read starts after this (a SIGHUP asked for one during the shutdown is not served).
+  void StopReading() {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+
+  // Stops reading, waits up to `wait` for a read under way to end, and joins the thread. False
+  // when the read still runs (stalled): the thread is left to it, and the server it reads must
+  // outlive the process (std::_Exit).
+  bool Finish(absl::Duration wait) {
     {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
-      if (reading_) return false;
+      if (!mu_.AwaitWithTimeout(absl::Condition(this, &SighupReader::NotReading), wait)) {
+        return false;
+      }
     }
     thread_.join();
     return true;
@@ -270,6 +287,7 @@ class SighupReader {
         if (stopping_) return;
         asked_ = false;
         reading_ = true;
+        read_start_ = absl::Now();
       }
       ReadFiles();
       absl::MutexLock lock(&mu_);
@@ -278,6 +296,7 @@ class SighupReader {
   }
 
   bool AskedOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return asked_ || stopping_; }
+  bool NotReading() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !reading_; }
 
   // The token files and TLS files again (revoking or adding a token, renewing a certificate,
   // keeps every session), a line each. Without any it says there is no token file to read.
@@ -324,6 +343,7 @@ class SighupReader {
   bool asked_ ABSL_GUARDED_BY(mu_) = false;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time read_start_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;  // last: started once the members above are
 };
 
@@ -568,7 +588,7 @@ int main(int argc, char** argv) {
     if (poll(&readable, 1, -1) != 1 || read(shutdown_pipe[0], &signal_number, 1) != 1) {
       if (errno == EINTR) continue;
       std::fprintf(stderr, "kvrecalld: reading the shutdown signals' pipe failed\n");
-      if (!sighup_reader.Stop()) std::_Exit(1);
+      if (!sighup_reader.Finish(absl::ZeroDuration())) std::_Exit(1);
       return 1;
     }
     if (signal_number != SIGHUP) break;
@@ -579,15 +599,20 @@ int main(int argc, char** argv) {
   std::printf("kvrecalld: received %s, shutting down (again to stop at once)\n",
               strsignal(signal_number));
   std::fflush(stdout);
-  // No SIGHUP read after this one. One that is stalled keeps its thread; the process ends
-  // without destroying the server under it.
-  const bool sighup_reader_stopped = sighup_reader.Stop();
+  sighup_reader.StopReading();  // no SIGHUP read starts after this
   (*server)->Shutdown(absl::Seconds(grace_seconds));
   (*server)->Wait();
   std::printf("kvrecalld: stopped\n");
   std::fflush(stdout);
-  if (!sighup_reader_stopped) {
-    std::printf("kvrecalld: a SIGHUP's read of the files was still running; left to it\n");
+  // A read of the files still running (a SIGHUP's, a period's TLS read) after a second more is
+  // stalled (a hung mount): it keeps its thread, and the process ends without destroying the
+  // server under it, or joining that thread.
+  const bool sighup_read_ended = sighup_reader.Finish(absl::Seconds(1));
+  if (!sighup_read_ended || (*server)->ReadingTlsFiles()) {
+    std::printf(
+        "kvrecalld: a read of the %s files is still running (a stalled filesystem?); "
+        "left to it\n",
+        sighup_read_ended ? "TLS" : "token or TLS");
     std::fflush(stdout);
     std::_Exit(0);
   }

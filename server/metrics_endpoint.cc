@@ -284,9 +284,16 @@ MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
       address_(std::move(address)),
       port_(port) {
   thread_ = std::thread([this] { Serve(); });
+  if (tls_files_ && tls_files_->refresh > absl::ZeroDuration()) {
+    tls_refresh_ = std::thread([this] {
+      while (!stop_tls_refresh_.WaitForNotificationWithTimeout(tls_files_->refresh)) RefreshTls();
+    });
+  }
 }
 
 MetricsEndpoint::~MetricsEndpoint() {
+  stop_tls_refresh_.Notify();
+  if (tls_refresh_.joinable()) tls_refresh_.join();
   const char stop = 1;
   [[maybe_unused]] const ssize_t written = ::write(wake_[1], &stop, 1);
   if (thread_.joinable()) thread_.join();
@@ -402,6 +409,7 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
     return absl::UnavailableError(
         "the metrics endpoint's TLS files are being read already: that read takes them");
   }
+  tls_reading_ = true;
   const MetricsTlsFiles& files = *tls_files_;
   absl::StatusOr<std::optional<TlsIdentity>> read =
       ReadTlsIdentityAgain(files.cert_file, files.key_file, files.client_ca_file, "metrics_",
@@ -424,13 +432,22 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
   if (!absl::IsFailedPrecondition(changed.status())) {
     metrics_->SetTlsFilesUsable("metrics", changed.ok());
   }
+  tls_reading_ = false;
   tls_read_mu_.Unlock();
   return changed;
 }
 
 void MetricsEndpoint::RefreshTls() {
   const absl::StatusOr<bool> read = ReadTlsFiles();
-  if (absl::IsUnavailable(read.status())) return;  // SIGHUP's read, at this moment
+  if (absl::IsUnavailable(read.status())) {
+    // SIGHUP's read, at this moment, or stalled.
+    if (tls_stalled_read_.FoundBusy()) {
+      std::fputs(StalledTlsRead::Message("the metrics endpoint's").c_str(), stderr);
+      metrics_->SetTlsFilesUsable("metrics", false);
+    }
+    return;
+  }
+  tls_stalled_read_.FoundIdle();
   if (!read.ok()) {
     if (std::string said(read.status().message()); said != tls_refresh_error_) {
       std::fprintf(stderr, "kvrecalld: the metrics endpoint keeps its TLS certificate: %s\n",
@@ -492,9 +509,6 @@ void MetricsEndpoint::Serve() {
   pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
   std::vector<Connection> connections;
   std::vector<pollfd> polled;
-  absl::Time refresh_at = tls_files_ && tls_files_->refresh > absl::ZeroDuration()
-                              ? absl::Now() + tls_files_->refresh
-                              : absl::InfiniteFuture();
   absl::Time accept_paused_until = absl::InfinitePast();
   char buffer[4096];
   for (;;) {
@@ -511,7 +525,6 @@ void MetricsEndpoint::Serve() {
         !paused && (!full || std::ranges::any_of(connections, &Connection::Evictable));
     polled.push_back({accepting ? listener_ : -1, POLLIN, 0});
     absl::Time next = !full && paused ? accept_paused_until : absl::InfiniteFuture();
-    if (refresh_at < next) next = refresh_at;
     for (const Connection& c : connections) {
       polled.push_back({c.fd, c.events(), 0});
       next = std::min(next, c.deadline);
@@ -528,10 +541,6 @@ void MetricsEndpoint::Serve() {
     }
     if (polled[0].revents != 0) break;  // the destructor
     const absl::Time now = absl::Now();
-    if (now >= refresh_at) {
-      RefreshTls();
-      refresh_at = now + tls_files_->refresh;
-    }
     for (size_t i = 0; i < connections.size(); ++i) {
       Connection& c = connections[i];
       const short revents = polled[i + 2].revents;

@@ -18,6 +18,7 @@
 #ifndef KVRECALL_SERVER_METRICS_ENDPOINT_H_
 #define KVRECALL_SERVER_METRICS_ENDPOINT_H_
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -27,10 +28,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
-#include "server/tls_identity.h"
 #include "server/metrics.h"
+#include "server/tls_identity.h"
 
 // OpenSSL's, named in members alone.
 typedef struct ssl_ctx_st SSL_CTX;
@@ -92,6 +94,9 @@ class MetricsEndpoint {
   // reading nothing, for plain HTTP or when a file was not a regular file at start (a pipe:
   // read once); UNAVAILABLE, reading nothing, while another read is under way. Thread-safe.
   absl::StatusOr<bool> ReadTlsFiles() ABSL_LOCKS_EXCLUDED(tls_read_mu_, tls_mu_);
+  // Whether a read of the TLS files runs now (one that does at shutdown is stalled: kvrecalld
+  // ends without joining its thread).
+  bool reading_tls_files() const { return tls_reading_.load(); }
 
  private:
   MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
@@ -100,7 +105,9 @@ class MetricsEndpoint {
                   std::string address, int port);
   // Serves connections until wake_[0] becomes readable.
   void Serve();
-  // ReadTlsFiles on Serve's thread, every refresh, saying once on stderr what it found.
+  // ReadTlsFiles every refresh on a thread of its own (one stalled on a hung mount stops no
+  // scrape), saying once on stderr what it found, and a read under way (SIGHUP's) found stalled
+  // (StalledTlsRead).
   void RefreshTls();
   // The response to one complete request (`request` holds its line and headers).
   std::string Respond(const std::string& request) const;
@@ -115,7 +122,11 @@ class MetricsEndpoint {
   absl::Mutex tls_mu_;
   // Owned (connections hold their own references); null: plain HTTP.
   SSL_CTX* tls_ ABSL_GUARDED_BY(tls_mu_);
-  std::string tls_refresh_error_;  // the last refresh's refusal, said once (Serve's thread's)
+  std::string tls_refresh_error_;         // the last refresh's refusal, said once (tls_refresh_'s)
+  StalledTlsRead tls_stalled_read_;       // the same thread's
+  std::atomic<bool> tls_reading_{false};  // ReadTlsFiles runs (a read stalled keeps it true)
+  absl::Notification stop_tls_refresh_;
+  std::thread tls_refresh_;  // RefreshTls' thread, with a refresh period
   const int listener_;
   const int wake_[2];  // a byte written to wake_[1] stops Serve
   const std::string address_;

@@ -224,7 +224,7 @@ RunningServer::RunningServer(const ServerOptions& options,
 }
 
 RunningServer::~RunningServer() {
-  stop_tls_watch_.Notify();
+  if (!stop_tls_watch_.HasBeenNotified()) stop_tls_watch_.Notify();
   if (tls_watch_.joinable()) tls_watch_.join();
   Shutdown(absl::ZeroDuration());
   Wait();
@@ -237,6 +237,9 @@ void RunningServer::Shutdown(absl::Duration grace) {
     if (shut_down_) return;
     shut_down_ = true;
   }
+  // No period's read of the TLS files starts after this (ReadingTlsFiles then tells whether one
+  // still runs, stalled).
+  if (!stop_tls_watch_.HasBeenNotified()) stop_tls_watch_.Notify();
   const absl::Time deadline = absl::Now() + grace;
   // The drain first: whoever reads NOT_SERVING must find new work refused.
   service_.StartDrain();
@@ -280,7 +283,9 @@ absl::StatusOr<bool> RunningServer::ReadGrpcTlsFiles() {
     return absl::UnavailableError(
         "the gRPC port's TLS files are being read already: that read takes them");
   }
+  grpc_tls_reading_ = true;
   absl::StatusOr<bool> read = grpc_tls_files_->Refresh();
+  grpc_tls_reading_ = false;
   // (FAILED_PRECONDITION: files read at start only, which read nothing now.)
   if (read.ok() || read.status().code() != absl::StatusCode::kFailedPrecondition) {
     metrics_->SetTlsFilesUsable("grpc", read.ok());
@@ -288,6 +293,11 @@ absl::StatusOr<bool> RunningServer::ReadGrpcTlsFiles() {
   if (read.ok() && *read) metrics_->SetTlsCertificateExpiry("grpc", grpc_tls_files_->not_after());
   grpc_tls_read_mu_.Unlock();
   return read;
+}
+
+bool RunningServer::ReadingTlsFiles() const {
+  return grpc_tls_reading_.load() ||
+         (metrics_endpoint_ != nullptr && metrics_endpoint_->reading_tls_files());
 }
 
 std::vector<std::pair<std::string, absl::StatusOr<bool>>> RunningServer::ReadTlsFiles() {
@@ -302,10 +312,19 @@ std::vector<std::pair<std::string, absl::StatusOr<bool>>> RunningServer::ReadTls
 void RunningServer::WatchTlsFiles(const SecurityOptions& security) {
   tls_watch_ = std::thread([this, security] {
     std::string said;  // the refusal last said; empty: usable
+    StalledTlsRead stalled;
     while (!stop_tls_watch_.WaitForNotificationWithTimeout(
         absl::Seconds(security.tls_refresh_seconds))) {
       const absl::StatusOr<bool> read = ReadGrpcTlsFiles();
-      if (absl::IsUnavailable(read.status())) continue;  // SIGHUP's read, at this moment
+      if (absl::IsUnavailable(read.status())) {
+        // SIGHUP's read, at this moment, or stalled.
+        if (stalled.FoundBusy()) {
+          std::fputs(StalledTlsRead::Message("the gRPC port's").c_str(), stderr);
+          metrics_->SetTlsFilesUsable("grpc", false);
+        }
+        continue;
+      }
+      stalled.FoundIdle();
       if (read.ok() && *read) {
         std::fprintf(
             stderr,

@@ -4,6 +4,7 @@
 #ifndef KVRECALL_SERVER_SERVER_H_
 #define KVRECALL_SERVER_SERVER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -16,12 +17,12 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
-#include "server/health.h"
 #include "server/backends/placements.h"
 #include "server/credentials.h"
+#include "server/health.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/metrics_endpoint.h"
-#include "server/memory_budget.h"
 #include "server/service.h"
 #include "server/session.h"
 
@@ -129,6 +130,10 @@ class RunningServer {
   // while the port's files are being read already (the period's read, which takes them);
   // FAILED_PRECONDITION for files read at start only (pipes). Empty without TLS.
   std::vector<std::pair<std::string, absl::StatusOr<bool>>> ReadTlsFiles();
+  // Whether a read of either port's TLS files runs now. After Shutdown and Wait one that does
+  // is stalled (a hung mount), and destroying the server would wait for it: kvrecalld then ends
+  // without destroying it.
+  bool ReadingTlsFiles() const;
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
@@ -170,6 +175,7 @@ class RunningServer {
   // With TLS: what gRPC's watcher reads; destroyed after the servers, whose credentials use it.
   std::shared_ptr<GrpcTlsFiles> grpc_tls_files_;
   absl::Mutex grpc_tls_read_mu_;  // ReadGrpcTlsFiles'; its reads in turn
+  std::atomic<bool> grpc_tls_reading_{false};  // ReadGrpcTlsFiles reads (stalled: stays true)
   std::unique_ptr<grpc::Server> probe_server_;
   std::string health_address_;
   std::unique_ptr<grpc::Server> server_;

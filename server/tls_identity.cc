@@ -238,8 +238,8 @@ absl::StatusOr<std::optional<TlsIdentity>> ReadTlsIdentityAgain(
       !s.ok()) {
     return s;
   }
-  // Regular files alone, told by each opened file too: one swapped for a pipe after the check
-  // above would otherwise block this read until a writer came.
+  // Regular files alone, checked again at each read itself: one swapped for a pipe after the
+  // check above would otherwise block this read until a writer came.
   absl::StatusOr<TlsIdentity> read =
       ReadTlsIdentity(cert_file, key_file, client_ca_file, flag_prefix, FileKind::kRegular);
   if (!read.ok()) return read.status();
@@ -248,6 +248,13 @@ absl::StatusOr<std::optional<TlsIdentity>> ReadTlsIdentityAgain(
     return std::nullopt;
   }
   return *std::move(read);
+}
+
+std::string StalledTlsRead::Message(absl::string_view files) {
+  return absl::StrCat("kvrecalld: ", files, " TLS files have been read by one read for ",
+                      kStalledReadPeriods,
+                      " periods (a stalled filesystem?): they are not read meanwhile, and the "
+                      "certificate in force stays\n");
 }
 
 absl::Status TlsFilesForAPeriod(const std::vector<std::string>& files,

@@ -34,7 +34,7 @@ struct TlsIdentity {
 // reverse), a file that is not PEM or does not parse, an encrypted key, a key that is not the
 // certificate's, a certificate or key OpenSSL will not serve (a key too small for its security
 // level); NOT_FOUND / PERMISSION_DENIED for unreadable files; with FileKind::kRegular,
-// FAILED_PRECONDITION for a file that is not a regular one (ReadFileToString's).
+// INVALID_ARGUMENT for a file that is not a regular one (ReadFileToString's).
 absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
                                             const std::string& key_file,
                                             const std::string& client_ca_file,
@@ -46,6 +46,22 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
 // files, not pipes, which a read empties. INVALID_ARGUMENT naming the flag otherwise.
 absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
                                  absl::string_view flag_prefix);
+// A port's period reads of its TLS files that find another read under way (SIGHUP's), counted
+// in a row: at the kStalledReadPeriods-th that read is stalled (a hung mount), which the port
+// says once (Message) and shows as kvrecall_tls_files_usable 0, since nothing is read meanwhile.
+class StalledTlsRead {
+ public:
+  static constexpr int kStalledReadPeriods = 3;
+  // A period found a read under way: true when that read is now to be said stalled.
+  bool FoundBusy() { return ++busy_periods_ == kStalledReadPeriods; }
+  void FoundIdle() { busy_periods_ = 0; }
+  // What the port says on stderr; `files`: "the gRPC port's", "the metrics endpoint's".
+  static std::string Message(absl::string_view files);
+
+ private:
+  int busy_periods_ = 0;
+};
+
 // What reading the files of ReadTlsIdentity again (--tls_refresh_seconds, SIGHUP) finds
 // against the identity `in_force`: the new identity when they changed, nullopt when unchanged;
 // the refusal (RefreshableTlsFiles': a file replaced by a pipe; ReadTlsIdentity's) when they

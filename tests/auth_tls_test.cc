@@ -4,6 +4,7 @@
 // real kvrecalld, and the metrics endpoint's HTTPS (--metrics_tls_*) reached by an OpenSSL
 // client.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <openssl/err.h>
 #include <openssl/ssl.h>
@@ -2018,10 +2019,10 @@ TEST(TokenStoreTest, APipeIsReadAtStartOnly) {
   EXPECT_NE((*store)->table()->Find("runner-token-0123456789"), nullptr);  // still in force
 }
 
-// A read again tells a pipe by the file it opened (opened without waiting for a writer), not
-// only by a stat before it: a token or TLS file swapped for a pipe between the two is refused,
-// not read (which blocked until a writer came).
-TEST(TokenStoreTest, AReadAgainTellsAPipeByTheFileItOpens) {
+// A read again checks what the path is at the read itself (never opening it unless it is a
+// regular file), not only by a stat before it: a token or TLS file swapped for a pipe between
+// the two is refused, not read (which blocked until a writer came), and so is a directory.
+TEST(TokenStoreTest, AReadAgainRefusesAPipeAtTheReadItself) {
   testing::TempDirectory dir("pipe-opened");
   const std::string fifo = dir.Path("swapped");
   ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
@@ -2031,16 +2032,18 @@ TEST(TokenStoreTest, AReadAgainTellsAPipeByTheFileItOpens) {
     return ReadTlsIdentity(fifo, fifo, "", "", FileKind::kRegular).status();
   });
   for (std::future<absl::Status>* read : {&tokens, &tls}) {
-    if (read->wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
-      WriteFile(fifo, "");  // writers, so that the blocked reads end
-      WriteFile(fifo, "");
-      FAIL() << "a read blocked on the pipe";
+    while (read->wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+      // A writer that never blocks (no reader: ENXIO), so that a blocked read ends.
+      const int writer = open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+      if (writer >= 0) close(writer);
+      ADD_FAILURE() << "a read blocked on the pipe";
     }
   }
-  const std::string refusal = fifo + " is not a regular file, which cannot be read again";
-  EXPECT_TRUE(HasStatus(tokens.get(), absl::StatusCode::kFailedPrecondition, refusal));
-  EXPECT_TRUE(
-      HasStatus(tls.get(), absl::StatusCode::kFailedPrecondition, "--tls_cert: " + refusal));
+  const std::string refusal = fifo + " is a pipe, not a regular file, which cannot be read again";
+  EXPECT_TRUE(HasStatus(tokens.get(), absl::StatusCode::kInvalidArgument, refusal));
+  EXPECT_TRUE(HasStatus(tls.get(), absl::StatusCode::kInvalidArgument, "--tls_cert: " + refusal));
+  EXPECT_TRUE(HasStatus(TokenTable::Load(dir.Path(""), "", FileKind::kRegular).status(),
+                        absl::StatusCode::kInvalidArgument, "is a directory, not a regular file"));
   // A regular file is read as before.
   const std::string file = dir.Path("tokens");
   WriteFile(file, "runner-token-0123456789 team\n");
@@ -2185,58 +2188,181 @@ TEST_F(TlsProcessTest, SighupReloadsTheTokensAndTheSessionsStay) {
   EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
 }
 
+// strace, which the stalled-read tests run kvrecalld under, with what they ask of it.
+bool StraceCanDelayOpens() {
+  return std::system(
+             "strace -f --seccomp-bpf -o /dev/null -P /dev/null -e trace=openat -e "
+             "inject=openat:delay_enter=1:when=2+ true >/dev/null 2>&1") == 0;
+}
+constexpr char kNoStrace[] =
+    "strace cannot delay a process's opens here (scripts/install_deps.sh installs it; ptrace may "
+    "be forbidden)";
+
+// A launcher under which each thread's second open of `path` (absolute: strace matches the
+// path as the call names it) and those after wait `seconds` (--seccomp-bpf: no other system
+// call stops; strace counts each thread's opens apart).
+std::vector<std::string> StallingOpens(const std::string& path, int seconds = 15) {
+  return {"strace",
+          "-f",
+          "--seccomp-bpf",
+          "-o",
+          "/dev/null",
+          "-P",
+          path,
+          "-e",
+          "trace=openat",
+          "-e",
+          absl::StrCat("inject=openat:delay_enter=", seconds * 1'000'000, ":when=2+"),
+          "--"};
+}
+
+// The port of a kvrecalld process's metrics endpoint, from the line its output names it in; 0
+// when none.
+int MetricsPort(const testing::KvrecalldProcess& server) {
+  const std::string out = server.output();
+  const size_t at = out.find("kvrecalld metrics on http");
+  const size_t colon = at == std::string::npos ? at : out.find("127.0.0.1:", at);
+  int port = 0;
+  if (colon == std::string::npos) return 0;
+  const size_t begin = colon + std::string("127.0.0.1:").size();
+  return absl::SimpleAtoi(out.substr(begin, out.find('/', begin) - begin), &port) ? port : 0;
+}
+
+// A kvrecalld process's plain-HTTP metrics.
+std::string ScrapeMetrics(const testing::KvrecalldProcess& server) {
+  const int s = testing::ConnectToLoopback(MetricsPort(server));
+  if (s < 0) return "";
+  const std::string request =
+      "GET /metrics HTTP/1.1\r\nHost: kvrecalld\r\nConnection: close\r\n\r\n";
+  std::string response;
+  if (write(s, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+    char buffer[4096];
+    for (ssize_t n; (n = read(s, buffer, sizeof buffer)) > 0;) response.append(buffer, n);
+  }
+  close(s);
+  return response;
+}
+
 // SIGHUP's reads run on a thread of their own: a read stalled on its file (a hung NFS mount or
 // secret store; here strace holds the token file's open for 20 s) leaves the server
 // serving and SIGTERM heeded at once; the process ends without waiting for the read. (The reads
 // ran on the thread that takes SIGTERM: it went unheeded until the file answered.)
 TEST_F(TlsProcessTest, ASighupReadStalledOnItsFileLeavesSigtermHeeded) {
-  if (std::system("strace -o /dev/null true >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "strace cannot trace a process here (scripts/install_deps.sh installs it; "
-                    "ptrace may be forbidden)";
-  }
+  if (!StraceCanDelayOpens()) GTEST_SKIP() << kNoStrace;
   const std::string tokens = pki().Path("stalled.tokens");
   WriteFile(tokens, absl::StrCat(kAliceToken, " alice\n"));
-  // A thread's second open of the token file and those after wait 20 s each in strace
-  // (--seccomp-bpf: no other system call stops; strace counts each thread's opens apart).
   absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
       testing::KvrecalldProcess::Start(
           {"--tls_cert=" + pki().Path("server.pem"), "--tls_key=" + pki().Path("server.key"),
            "--auth_token_file=" + tokens},
-          absl::Seconds(60), /*shutdown_signals_ignored=*/false,
-          {"strace", "-f", "--seccomp-bpf", "-o", "/dev/null", "-P", tokens, "-e", "trace=openat",
-           "-e", "inject=openat:delay_enter=20000000:when=2+", "--"});
+          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens(tokens));
   ASSERT_TRUE(server.ok()) << server.status();
   // The reading thread's first open is served at once.
-  kill((*server)->pid(), SIGHUP);
+  (*server)->Signal(SIGHUP);
   ASSERT_TRUE(testing::Eventually([&] {
     return absl::StrContains((*server)->output(), "kvrecalld: SIGHUP: reloaded 1 tokens from");
   })) << (*server)->output();
   // Its second stalls (20 s); a SIGHUP meanwhile is taken at once.
-  kill((*server)->pid(), SIGHUP);
+  (*server)->Signal(SIGHUP);
   absl::SleepFor(absl::Seconds(1));
-  kill((*server)->pid(), SIGHUP);
+  (*server)->Signal(SIGHUP);
   ASSERT_TRUE(testing::Eventually([&] {
     return absl::StrContains((*server)->output(),
-                             "kvrecalld: SIGHUP: the files are being read already; read again "
-                             "after");
+                             "kvrecalld: SIGHUP: the files are being read already (for ");
   })) << (*server)->output();
   const std::string said = (*server)->output();
-  EXPECT_EQ(said.find("reloaded"), said.rfind("reloaded"))
-      << said;  // the stalled read said nothing
+  EXPECT_EQ(said.find("reloaded"), said.rfind("reloaded")) << said;  // the stalled read: nothing
+  EXPECT_THAT(said, HasSubstr("they are read again once that read ends"));
   // The tokens in force serve meanwhile.
   CommandResult listed = RunCommand(
       absl::StrCat(Cli(), " --server=", (*server)->address(), " --tls_ca=", pki().Path("ca.pem"),
                    " --token_file=", pki().Path("alice.token"), " list"));
   EXPECT_EQ(listed.exit_code, 0) << listed.output;
   // SIGTERM: the server stops at once, the read still stalled, and the process ends.
-  kill((*server)->pid(), SIGTERM);
+  (*server)->Signal(SIGTERM);
   EXPECT_TRUE(testing::Eventually([&] {
     return absl::StrContains((*server)->output(),
-                             "kvrecalld: a SIGHUP's read of the files was still running; left to "
-                             "it");
+                             "kvrecalld: a read of the token or TLS files is still running (a "
+                             "stalled filesystem?); left to it");
   })) << (*server)->output();
   EXPECT_THAT((*server)->output(), HasSubstr("kvrecalld: stopped"));
   // (strace itself ends once its delay is over.)
+  absl::StatusOr<int> stopped = (*server)->Stop(SIGTERM, absl::Seconds(60));
+  ASSERT_TRUE(stopped.ok()) << stopped.status() << "\n" << (*server)->output();
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
+}
+
+// A SIGHUP's read of the TLS files stalled on a hung mount holds the port's read: the period's
+// reads find it under way, and after StalledTlsRead::kStalledReadPeriods say so on stderr and turn
+// kvrecall_tls_files_usable to 0 (KvrecallTlsFilesUnusable fires), where they said nothing.
+TEST_F(TlsProcessTest, ASighupTlsReadStalledIsSaidByThePeriodsReads) {
+  if (!StraceCanDelayOpens()) GTEST_SKIP() << kNoStrace;
+  const std::string cert = pki().Path("held.pem");
+  WriteFile(cert, ReadFile(pki().Path("server.pem")));
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start(
+          {"--tls_cert=" + cert, "--tls_key=" + pki().Path("server.key"),
+           "--tls_refresh_seconds=2"},
+          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens(cert, 25));
+  ASSERT_TRUE(server.ok()) << server.status();
+  // The reading thread's first read is served, its second stalls; the periods' reads then open
+  // nothing (the read under way takes the files).
+  (*server)->Signal(SIGHUP);
+  ASSERT_TRUE(testing::Eventually([&] {
+    return absl::StrContains((*server)->output(), "the gRPC port's TLS files are unchanged");
+  })) << (*server)->output();
+  (*server)->Signal(SIGHUP);
+  EXPECT_TRUE(testing::Eventually(
+      [&] {
+        return absl::StrContains((*server)->output(),
+                                 "kvrecalld: the gRPC port's TLS files have been read by one "
+                                 "read for 3 periods (a stalled filesystem?)");
+      },
+      std::chrono::seconds(15)))
+      << (*server)->output();
+  EXPECT_THAT(ScrapeMetrics(**server), HasSubstr("\nkvrecall_tls_files_usable{port=\"grpc\"} 0\n"));
+  (*server)->Signal(SIGTERM);
+  EXPECT_TRUE(testing::Eventually([&] {
+    return absl::StrContains((*server)->output(),
+                             "still running (a stalled filesystem?); left to it");
+  })) << (*server)->output();
+  absl::StatusOr<int> stopped = (*server)->Stop(SIGTERM, absl::Seconds(60));
+  ASSERT_TRUE(stopped.ok()) << stopped.status() << "\n" << (*server)->output();
+  EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();
+}
+
+// A period's read of the TLS files stalled on a hung mount (--tls_refresh_seconds, as the chart
+// sets it) leaves SIGTERM heeded too: the process ends without joining the stalled thread (it
+// waited for the read before: 23 s here). The metrics endpoint's period read has a thread of its
+// own, so its scrapes go on meanwhile (they stalled with it before).
+TEST_F(TlsProcessTest, APeriodsTlsReadStalledOnItsFileLeavesSigtermHeeded) {
+  if (!StraceCanDelayOpens()) GTEST_SKIP() << kNoStrace;
+  const std::string cert = pki().Path("stalled.pem");
+  WriteFile(cert, ReadFile(pki().Path("server.pem")));
+  // The watcher's second read (at 2 s) waits 20 s in strace; so does the metrics endpoint's.
+  absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
+      testing::KvrecalldProcess::Start(
+          {"--tls_cert=" + cert, "--tls_key=" + pki().Path("server.key"),
+           "--metrics_tls_cert=" + cert, "--metrics_tls_key=" + pki().Path("server.key"),
+           "--tls_refresh_seconds=1"},
+          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens(cert));
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::SleepFor(absl::Seconds(4));  // both periods' second reads are stalled now
+  CommandResult listed = RunCommand(absl::StrCat(Cli(), " --server=", (*server)->address(),
+                                                 " --tls_ca=", pki().Path("ca.pem"), " list"));
+  EXPECT_EQ(listed.exit_code, 0) << listed.output;
+  const HttpsExchange scraped =
+      Https(MetricsPort(**server), {.ca_file = pki().Path("ca.pem")},
+            "GET /metrics HTTP/1.1\r\nHost: kvrecalld\r\nConnection: close\r\n\r\n");
+  EXPECT_TRUE(scraped.handshake) << scraped.error;
+  EXPECT_THAT(scraped.response, HasSubstr("\nkvrecall_tls_files_usable{port=\"metrics\"} 1\n"));
+  (*server)->Signal(SIGTERM);
+  EXPECT_TRUE(testing::Eventually([&] {
+    return absl::StrContains((*server)->output(),
+                             "kvrecalld: a read of the TLS files is still running (a stalled "
+                             "filesystem?); left to it");
+  })) << (*server)->output();
+  EXPECT_THAT((*server)->output(), HasSubstr("kvrecalld: stopped"));
   absl::StatusOr<int> stopped = (*server)->Stop(SIGTERM, absl::Seconds(60));
   ASSERT_TRUE(stopped.ok()) << stopped.status() << "\n" << (*server)->output();
   EXPECT_TRUE(WIFEXITED(*stopped) && WEXITSTATUS(*stopped) == 0) << (*server)->output();

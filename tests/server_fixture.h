@@ -8,6 +8,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -200,23 +201,37 @@ class KvrecalldProcess {
     const size_t begin = process->output_.find(marker) + marker.size();
     process->address_ = process->output_.substr(begin, process->output_.find('\n', begin) - begin);
     if (!launcher.empty()) {
-      process->server_pid_ = ChildOf(pid);
-      if (process->server_pid_ < 0) {
+      // (-1 must never reach kill(2): it would signal every process this user may.)
+      const pid_t server_pid = ChildOf(pid);
+      if (server_pid <= 0) {
         return absl::InternalError(absl::StrCat("no child of ", launcher[0], " (pid ", pid, ")"));
       }
+      process->server_pid_ = server_pid;
+      // Signalled through a pidfd: once the launcher reaps it, its pid may be another's.
+      process->server_pidfd_ = static_cast<int>(syscall(SYS_pidfd_open, server_pid, 0));
     }
     return process;
   }
 
   ~KvrecalldProcess() {
     if (!exited_) {
-      if (server_pid_ != pid_) kill(server_pid_, SIGKILL);
+      if (server_pid_ != pid_) Signal(SIGKILL);
       kill(pid_, SIGKILL);
       int status;
       waitpid(pid_, &status, 0);
     }
     reader_.join();
     close(fd_);
+    if (server_pidfd_ >= 0) close(server_pidfd_);
+  }
+
+  // Sends `signal` to kvrecalld (not to its launcher).
+  void Signal(int signal) const {
+    if (server_pidfd_ >= 0) {
+      syscall(SYS_pidfd_send_signal, server_pidfd_, signal, nullptr, 0);
+    } else if (server_pid_ == pid_) {
+      kill(pid_, signal);
+    }
   }
 
   pid_t pid() const { return server_pid_; }
@@ -229,7 +244,7 @@ class KvrecalldProcess {
   // Sends `signal` and waits up to `timeout` for the process to exit; returns its wait status
   // (check with WIFEXITED/WEXITSTATUS), or DEADLINE_EXCEEDED when it kept running.
   absl::StatusOr<int> Stop(int signal = SIGTERM, absl::Duration timeout = absl::Seconds(30)) {
-    kill(server_pid_, signal);
+    Signal(signal);
     const absl::Time deadline = absl::Now() + timeout;
     while (absl::Now() < deadline) {
       int status;
@@ -284,6 +299,7 @@ class KvrecalldProcess {
 
   const pid_t pid_;   // the process started (kvrecalld, or its launcher)
   pid_t server_pid_;  // kvrecalld's
+  int server_pidfd_ = -1;  // with a launcher: kvrecalld's pidfd
   const int fd_;
   bool exited_ = false;
   std::string address_;
