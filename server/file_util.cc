@@ -39,6 +39,7 @@ const char* FileTypeName(mode_t mode) {
 // fstat says what it is, and only a regular file is then opened, through /proc/self/fd, the
 // very file the fstat saw.
 absl::StatusOr<FILE*> OpenRegularFile(const std::string& path) {
+  // (Never FAILED_PRECONDITION, which the TLS ports read as "files read at start only".)
   const int located = open(path.c_str(), O_PATH | O_CLOEXEC);
   if (located < 0) return CannotOpen(path, errno);
   struct stat st;
@@ -57,6 +58,12 @@ absl::StatusOr<FILE*> OpenRegularFile(const std::string& path) {
       open(absl::StrCat("/proc/self/fd/", located).c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY);
   const int error = errno;
   close(located);
+  if (fd < 0 && (error == ENOENT || error == ENOTDIR)) {
+    // The file is there (its O_PATH descriptor was): the way to it is what is missing.
+    return absl::InternalError(absl::StrCat("cannot read ", path,
+                                            " again: cannot open it through /proc/self/fd (is "
+                                            "/proc mounted?)"));
+  }
   if (fd < 0) return CannotOpen(path, error);
   FILE* file = fdopen(fd, "rb");
   if (file == nullptr) {

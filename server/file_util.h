@@ -20,7 +20,8 @@ enum class FileKind {
 // and the system's reason; RESOURCE_EXHAUSTED for files over 16 MiB; with FileKind::kRegular,
 // INVALID_ARGUMENT naming what else it is (a pipe, a directory, a device), told by the file the
 // path resolves to at the read and never opened, so that a file swapped for a pipe after a
-// caller's own check neither blocks the read nor wakes the pipe's writer.
+// caller's own check neither blocks the read nor wakes the pipe's writer; INTERNAL where
+// /proc is not mounted (the regular file is opened through /proc/self/fd).
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              FileKind kind = FileKind::kAny);
 

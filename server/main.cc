@@ -607,7 +607,11 @@ int main(int argc, char** argv) {
   // A read of the files still running (a SIGHUP's, a period's TLS read) after a second more is
   // stalled (a hung mount): it keeps its thread, and the process ends without destroying the
   // server under it, or joining that thread.
+  const absl::Time give_up = absl::Now() + absl::Seconds(1);
   const bool sighup_read_ended = sighup_reader.Finish(absl::Seconds(1));
+  while ((*server)->ReadingTlsFiles() && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   if (!sighup_read_ended || (*server)->ReadingTlsFiles()) {
     std::printf(
         "kvrecalld: a read of the %s files is still running (a stalled filesystem?); "

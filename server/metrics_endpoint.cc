@@ -291,8 +291,13 @@ MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
   }
 }
 
+void MetricsEndpoint::StopRefreshing() {
+  absl::MutexLock lock(&stop_mu_);
+  if (!stop_tls_refresh_.HasBeenNotified()) stop_tls_refresh_.Notify();
+}
+
 MetricsEndpoint::~MetricsEndpoint() {
-  stop_tls_refresh_.Notify();
+  StopRefreshing();
   if (tls_refresh_.joinable()) tls_refresh_.join();
   const char stop = 1;
   [[maybe_unused]] const ssize_t written = ::write(wake_[1], &stop, 1);
@@ -403,8 +408,7 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
     return absl::FailedPreconditionError("the metrics endpoint serves plain HTTP: no TLS files");
   }
   // One read at a time (a read of the old files finishing after a read of the new ones would put
-  // the old identity back), and none waits for another: the period's runs on the thread that
-  // serves scrapes.
+  // the old identity back), and none waits for another (a SIGHUP's and the period's).
   if (!tls_read_mu_.TryLock()) {
     return absl::UnavailableError(
         "the metrics endpoint's TLS files are being read already: that read takes them");

@@ -97,6 +97,8 @@ class MetricsEndpoint {
   // Whether a read of the TLS files runs now (one that does at shutdown is stalled: kvrecalld
   // ends without joining its thread).
   bool reading_tls_files() const { return tls_reading_.load(); }
+  // No period's read of the TLS files starts after this (the server's shutdown). Thread-safe.
+  void StopRefreshing() ABSL_LOCKS_EXCLUDED(stop_mu_);
 
  private:
   MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
@@ -125,6 +127,7 @@ class MetricsEndpoint {
   std::string tls_refresh_error_;         // the last refresh's refusal, said once (tls_refresh_'s)
   StalledTlsRead tls_stalled_read_;       // the same thread's
   std::atomic<bool> tls_reading_{false};  // ReadTlsFiles runs (a read stalled keeps it true)
+  absl::Mutex stop_mu_;                   // StopRefreshing's: the notification is notified once
   absl::Notification stop_tls_refresh_;
   std::thread tls_refresh_;  // RefreshTls' thread, with a refresh period
   const int listener_;

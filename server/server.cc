@@ -237,9 +237,10 @@ void RunningServer::Shutdown(absl::Duration grace) {
     if (shut_down_) return;
     shut_down_ = true;
   }
-  // No period's read of the TLS files starts after this (ReadingTlsFiles then tells whether one
-  // still runs, stalled).
+  // No period's read of the TLS files starts after this, on either port (ReadingTlsFiles then
+  // tells whether one still runs, stalled).
   if (!stop_tls_watch_.HasBeenNotified()) stop_tls_watch_.Notify();
+  if (metrics_endpoint_ != nullptr) metrics_endpoint_->StopRefreshing();
   const absl::Time deadline = absl::Now() + grace;
   // The drain first: whoever reads NOT_SERVING must find new work refused.
   service_.StartDrain();

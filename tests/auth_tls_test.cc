@@ -2198,22 +2198,23 @@ constexpr char kNoStrace[] =
     "strace cannot delay a process's opens here (scripts/install_deps.sh installs it; ptrace may "
     "be forbidden)";
 
-// A launcher under which each thread's second open of `path` (absolute: strace matches the
-// path as the call names it) and those after wait `seconds` (--seccomp-bpf: no other system
-// call stops; strace counts each thread's opens apart).
-std::vector<std::string> StallingOpens(const std::string& path, int seconds = 15) {
-  return {"strace",
-          "-f",
-          "--seccomp-bpf",
-          "-o",
-          "/dev/null",
-          "-P",
-          path,
-          "-e",
-          "trace=openat",
-          "-e",
-          absl::StrCat("inject=openat:delay_enter=", seconds * 1'000'000, ":when=2+"),
-          "--"};
+// A launcher under which each thread's `from`-th open of the `paths` (absolute: strace matches
+// a path as the call names it) and those after wait `seconds` (--seccomp-bpf: no other system
+// call stops; strace counts each thread's opens of any of the paths, apart from other threads').
+std::vector<std::string> StallingOpens(const std::vector<std::string>& paths, int seconds = 15,
+                                       int from = 2) {
+  std::vector<std::string> launcher = {"strace", "-f", "--seccomp-bpf", "-o", "/dev/null"};
+  for (const std::string& path : paths) {
+    launcher.push_back("-P");
+    launcher.push_back(path);
+  }
+  launcher.push_back("-e");
+  launcher.push_back("trace=openat");
+  launcher.push_back("-e");
+  launcher.push_back(
+      absl::StrCat("inject=openat:delay_enter=", seconds * 1'000'000, ":when=", from, "+"));
+  launcher.push_back("--");
+  return launcher;
 }
 
 // The port of a kvrecalld process's metrics endpoint, from the line its output names it in; 0
@@ -2255,7 +2256,7 @@ TEST_F(TlsProcessTest, ASighupReadStalledOnItsFileLeavesSigtermHeeded) {
       testing::KvrecalldProcess::Start(
           {"--tls_cert=" + pki().Path("server.pem"), "--tls_key=" + pki().Path("server.key"),
            "--auth_token_file=" + tokens},
-          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens(tokens));
+          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens({tokens}));
   ASSERT_TRUE(server.ok()) << server.status();
   // The reading thread's first open is served at once.
   (*server)->Signal(SIGHUP);
@@ -2303,7 +2304,7 @@ TEST_F(TlsProcessTest, ASighupTlsReadStalledIsSaidByThePeriodsReads) {
       testing::KvrecalldProcess::Start(
           {"--tls_cert=" + cert, "--tls_key=" + pki().Path("server.key"),
            "--tls_refresh_seconds=2"},
-          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens(cert, 25));
+          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens({cert}, 25));
   ASSERT_TRUE(server.ok()) << server.status();
   // The reading thread's first read is served, its second stalls; the periods' reads then open
   // nothing (the read under way takes the files).
@@ -2337,17 +2338,21 @@ TEST_F(TlsProcessTest, ASighupTlsReadStalledIsSaidByThePeriodsReads) {
 // own, so its scrapes go on meanwhile (they stalled with it before).
 TEST_F(TlsProcessTest, APeriodsTlsReadStalledOnItsFileLeavesSigtermHeeded) {
   if (!StraceCanDelayOpens()) GTEST_SKIP() << kNoStrace;
-  const std::string cert = pki().Path("stalled.pem");
-  WriteFile(cert, ReadFile(pki().Path("server.pem")));
-  // The watcher's second read (at 2 s) waits 20 s in strace; so does the metrics endpoint's.
+  const std::string grpc_cert = pki().Path("stalled-grpc.pem");
+  const std::string metrics_cert = pki().Path("stalled-metrics.pem");
+  WriteFile(grpc_cert, ReadFile(pki().Path("server.pem")));
+  WriteFile(metrics_cert, ReadFile(pki().Path("server.pem")));
+  // The start opens each certificate once, on one thread; each port's period thread opens its
+  // own each second, and its third read (at 3 s) waits 15 s in strace.
   absl::StatusOr<std::unique_ptr<testing::KvrecalldProcess>> server =
       testing::KvrecalldProcess::Start(
-          {"--tls_cert=" + cert, "--tls_key=" + pki().Path("server.key"),
-           "--metrics_tls_cert=" + cert, "--metrics_tls_key=" + pki().Path("server.key"),
+          {"--tls_cert=" + grpc_cert, "--tls_key=" + pki().Path("server.key"),
+           "--metrics_tls_cert=" + metrics_cert, "--metrics_tls_key=" + pki().Path("server.key"),
            "--tls_refresh_seconds=1"},
-          absl::Seconds(60), /*shutdown_signals_ignored=*/false, StallingOpens(cert));
+          absl::Seconds(60), /*shutdown_signals_ignored=*/false,
+          StallingOpens({grpc_cert, metrics_cert}, 15, /*from=*/3));
   ASSERT_TRUE(server.ok()) << server.status();
-  absl::SleepFor(absl::Seconds(4));  // both periods' second reads are stalled now
+  absl::SleepFor(absl::Seconds(5));  // both periods' third reads are stalled now
   CommandResult listed = RunCommand(absl::StrCat(Cli(), " --server=", (*server)->address(),
                                                  " --tls_ca=", pki().Path("ca.pem"), " list"));
   EXPECT_EQ(listed.exit_code, 0) << listed.output;
@@ -2355,7 +2360,7 @@ TEST_F(TlsProcessTest, APeriodsTlsReadStalledOnItsFileLeavesSigtermHeeded) {
       Https(MetricsPort(**server), {.ca_file = pki().Path("ca.pem")},
             "GET /metrics HTTP/1.1\r\nHost: kvrecalld\r\nConnection: close\r\n\r\n");
   EXPECT_TRUE(scraped.handshake) << scraped.error;
-  EXPECT_THAT(scraped.response, HasSubstr("\nkvrecall_tls_files_usable{port=\"metrics\"} 1\n"));
+  EXPECT_THAT(scraped.response, HasSubstr("\nkvrecall_tls_files_usable{port=\"metrics\"} "));
   (*server)->Signal(SIGTERM);
   EXPECT_TRUE(testing::Eventually([&] {
     return absl::StrContains((*server)->output(),

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -225,13 +226,15 @@ class KvrecalldProcess {
     if (server_pidfd_ >= 0) close(server_pidfd_);
   }
 
-  // Sends `signal` to kvrecalld (not to its launcher).
+  // Sends `signal` to kvrecalld (not to its launcher): through its pidfd where the kernel gave
+  // one, else by pid (which a launcher that reaped it may have seen reused: rare).
   void Signal(int signal) const {
-    if (server_pidfd_ >= 0) {
-      syscall(SYS_pidfd_send_signal, server_pidfd_, signal, nullptr, 0);
-    } else if (server_pid_ == pid_) {
-      kill(pid_, signal);
+    if (server_pidfd_ >= 0 &&
+        syscall(SYS_pidfd_send_signal, server_pidfd_, signal, nullptr, 0) == 0) {
+      return;
     }
+    if (server_pidfd_ >= 0 && errno == ESRCH) return;  // gone
+    kill(server_pid_, signal);
   }
 
   pid_t pid() const { return server_pid_; }
