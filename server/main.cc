@@ -321,6 +321,7 @@ class SighupReader {
     // And the TLS files of each port with TLS.
     for (const auto& [port, read] : tls) {
       const char* files = port == "grpc" ? "gRPC port's TLS files" : "metrics endpoint's TLS files";
+      if (absl::IsUnavailable(read.status())) server_->CheckStalledTlsReads();
       if (absl::IsUnavailable(read.status()) || absl::IsFailedPrecondition(read.status())) {
         // Being read already, or read at start only: nothing read now.
         std::printf("kvrecalld: SIGHUP: %s\n", std::string(read.status().message()).c_str());

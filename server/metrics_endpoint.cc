@@ -279,6 +279,7 @@ MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
                              : absl::OkStatus()),
       tls_identity_(std::move(identity)),
       tls_(tls),
+      tls_stall_(StalledTlsRead::BoundFor(tls_files_ ? tls_files_->refresh : absl::ZeroDuration())),
       listener_(listener),
       wake_{wake[0], wake[1]},
       address_(std::move(address)),
@@ -288,6 +289,13 @@ MetricsEndpoint::MetricsEndpoint(std::shared_ptr<ServerMetrics> metrics,
     tls_refresh_ = std::thread([this] {
       while (!stop_tls_refresh_.WaitForNotificationWithTimeout(tls_files_->refresh)) RefreshTls();
     });
+  }
+}
+
+void MetricsEndpoint::CheckStalledTlsRead() {
+  if (tls_stall_.StalledNow()) {
+    std::fputs(tls_stall_.Message("the metrics endpoint's").c_str(), stderr);
+    metrics_->SetTlsFilesUsable("metrics", false);
   }
 }
 
@@ -413,7 +421,7 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
     return absl::UnavailableError(
         "the metrics endpoint's TLS files are being read already: that read takes them");
   }
-  tls_reading_ = true;
+  tls_stall_.Begin();
   const MetricsTlsFiles& files = *tls_files_;
   absl::StatusOr<std::optional<TlsIdentity>> read =
       ReadTlsIdentityAgain(files.cert_file, files.key_file, files.client_ca_file, "metrics_",
@@ -436,7 +444,7 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
   if (!absl::IsFailedPrecondition(changed.status())) {
     metrics_->SetTlsFilesUsable("metrics", changed.ok());
   }
-  tls_reading_ = false;
+  tls_stall_.End();
   tls_read_mu_.Unlock();
   return changed;
 }
@@ -444,14 +452,9 @@ absl::StatusOr<bool> MetricsEndpoint::ReadTlsFiles() {
 void MetricsEndpoint::RefreshTls() {
   const absl::StatusOr<bool> read = ReadTlsFiles();
   if (absl::IsUnavailable(read.status())) {
-    // SIGHUP's read, at this moment, or stalled.
-    if (tls_stalled_read_.FoundBusy()) {
-      std::fputs(StalledTlsRead::Message("the metrics endpoint's").c_str(), stderr);
-      metrics_->SetTlsFilesUsable("metrics", false);
-    }
+    CheckStalledTlsRead();  // SIGHUP's read, at this moment, or stalled
     return;
   }
-  tls_stalled_read_.FoundIdle();
   if (!read.ok()) {
     if (std::string said(read.status().message()); said != tls_refresh_error_) {
       std::fprintf(stderr, "kvrecalld: the metrics endpoint keeps its TLS certificate: %s\n",

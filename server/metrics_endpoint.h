@@ -96,7 +96,9 @@ class MetricsEndpoint {
   absl::StatusOr<bool> ReadTlsFiles() ABSL_LOCKS_EXCLUDED(tls_read_mu_, tls_mu_);
   // Whether a read of the TLS files runs now (one that does at shutdown is stalled: kvrecalld
   // ends without joining its thread).
-  bool reading_tls_files() const { return tls_reading_.load(); }
+  bool reading_tls_files() const { return tls_stall_.reading(); }
+  // RunningServer::CheckStalledTlsReads for this port.
+  void CheckStalledTlsRead();
   // No period's read of the TLS files starts after this (the server's shutdown). Thread-safe.
   void StopRefreshing() ABSL_LOCKS_EXCLUDED(stop_mu_);
 
@@ -108,8 +110,8 @@ class MetricsEndpoint {
   // Serves connections until wake_[0] becomes readable.
   void Serve();
   // ReadTlsFiles every refresh on a thread of its own (one stalled on a hung mount stops no
-  // scrape), saying once on stderr what it found, and a read under way (SIGHUP's) found stalled
-  // (StalledTlsRead).
+  // scrape), saying once on stderr what it found; a read found under way is checked for a
+  // stall (StalledTlsRead).
   void RefreshTls();
   // The response to one complete request (`request` holds its line and headers).
   std::string Respond(const std::string& request) const;
@@ -125,8 +127,7 @@ class MetricsEndpoint {
   // Owned (connections hold their own references); null: plain HTTP.
   SSL_CTX* tls_ ABSL_GUARDED_BY(tls_mu_);
   std::string tls_refresh_error_;         // the last refresh's refusal, said once (tls_refresh_'s)
-  StalledTlsRead tls_stalled_read_;       // the same thread's
-  std::atomic<bool> tls_reading_{false};  // ReadTlsFiles runs (a read stalled keeps it true)
+  StalledTlsRead tls_stall_;              // ReadTlsFiles' reads, timed
   absl::Mutex stop_mu_;                   // StopRefreshing's: the notification is notified once
   absl::Notification stop_tls_refresh_;
   std::thread tls_refresh_;  // RefreshTls' thread, with a refresh period

@@ -202,24 +202,24 @@ bool IsUnixSocketAddress(absl::string_view address) {
   return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
 }
 
-RunningServer::RunningServer(const ServerOptions& options,
-                             std::unique_ptr<Placements> placements)
+RunningServer::RunningServer(const ServerOptions& options, std::unique_ptr<Placements> placements)
     : budget_(options.host_memory_budget_bytes),
       placements_(std::move(placements)),
       registry_(&budget_, placements_.get(), metrics_.get(), options.limits),
-      service_(&registry_,
-               ServiceOptions{.worker_threads = options.worker_threads,
-                              .inline_steps = options.inline_decode_steps,
-                              .stream_call_metrics = !options.metrics_address.empty(),
-                              .shared_memory_dir = options.shared_memory_dir,
-                              .max_shared_streams = options.max_shared_streams,
-                              .max_shared_streams_per_tenant =
-                                  options.max_shared_streams_per_tenant,
-                              .shared_memory_spin = options.shared_memory_spin,
-                              .max_message_bytes = options.max_message_bytes,
-                              .test_hooks = options.service_test_hooks}),
+      service_(&registry_, ServiceOptions{.worker_threads = options.worker_threads,
+                                          .inline_steps = options.inline_decode_steps,
+                                          .stream_call_metrics = !options.metrics_address.empty(),
+                                          .shared_memory_dir = options.shared_memory_dir,
+                                          .max_shared_streams = options.max_shared_streams,
+                                          .max_shared_streams_per_tenant =
+                                              options.max_shared_streams_per_tenant,
+                                          .shared_memory_spin = options.shared_memory_spin,
+                                          .max_message_bytes = options.max_message_bytes,
+                                          .test_hooks = options.service_test_hooks}),
       health_({v1::KvRecall::service_full_name()}),
-      probe_health_({v1::KvRecall::service_full_name()}) {
+      probe_health_({v1::KvRecall::service_full_name()}),
+      grpc_tls_stall_(
+          StalledTlsRead::BoundFor(absl::Seconds(options.security.tls_refresh_seconds))) {
   ++running_servers;
 }
 
@@ -284,9 +284,9 @@ absl::StatusOr<bool> RunningServer::ReadGrpcTlsFiles() {
     return absl::UnavailableError(
         "the gRPC port's TLS files are being read already: that read takes them");
   }
-  grpc_tls_reading_ = true;
+  grpc_tls_stall_.Begin();
   absl::StatusOr<bool> read = grpc_tls_files_->Refresh();
-  grpc_tls_reading_ = false;
+  grpc_tls_stall_.End();
   // (FAILED_PRECONDITION: files read at start only, which read nothing now.)
   if (read.ok() || read.status().code() != absl::StatusCode::kFailedPrecondition) {
     metrics_->SetTlsFilesUsable("grpc", read.ok());
@@ -297,8 +297,16 @@ absl::StatusOr<bool> RunningServer::ReadGrpcTlsFiles() {
 }
 
 bool RunningServer::ReadingTlsFiles() const {
-  return grpc_tls_reading_.load() ||
+  return grpc_tls_stall_.reading() ||
          (metrics_endpoint_ != nullptr && metrics_endpoint_->reading_tls_files());
+}
+
+void RunningServer::CheckStalledTlsReads() {
+  if (grpc_tls_stall_.StalledNow()) {
+    std::fputs(grpc_tls_stall_.Message("the gRPC port's").c_str(), stderr);
+    metrics_->SetTlsFilesUsable("grpc", false);
+  }
+  if (metrics_endpoint_ != nullptr) metrics_endpoint_->CheckStalledTlsRead();
 }
 
 std::vector<std::pair<std::string, absl::StatusOr<bool>>> RunningServer::ReadTlsFiles() {
@@ -313,19 +321,13 @@ std::vector<std::pair<std::string, absl::StatusOr<bool>>> RunningServer::ReadTls
 void RunningServer::WatchTlsFiles(const SecurityOptions& security) {
   tls_watch_ = std::thread([this, security] {
     std::string said;  // the refusal last said; empty: usable
-    StalledTlsRead stalled;
     while (!stop_tls_watch_.WaitForNotificationWithTimeout(
         absl::Seconds(security.tls_refresh_seconds))) {
       const absl::StatusOr<bool> read = ReadGrpcTlsFiles();
       if (absl::IsUnavailable(read.status())) {
-        // SIGHUP's read, at this moment, or stalled.
-        if (stalled.FoundBusy()) {
-          std::fputs(StalledTlsRead::Message("the gRPC port's").c_str(), stderr);
-          metrics_->SetTlsFilesUsable("grpc", false);
-        }
+        CheckStalledTlsReads();  // SIGHUP's read, at this moment, or stalled
         continue;
       }
-      stalled.FoundIdle();
       if (read.ok() && *read) {
         std::fprintf(
             stderr,
@@ -360,8 +362,12 @@ absl::StatusOr<size_t> RunningServer::ReloadMetricsTokens() {
 }
 
 absl::Status RunningServer::StartMetricsAndProbes(const ServerOptions& options) {
-  metrics_->SetGaugeSource(
-      [this] { return CollectServerGauges(registry_, budget_, *placements_); });
+  metrics_->SetGaugeSource([this] {
+    // Each scrape looks for a stalled read of the TLS files (one stalled on its own period's
+    // thread can be seen from no other).
+    CheckStalledTlsReads();
+    return CollectServerGauges(registry_, budget_, *placements_);
+  });
   if (!options.metrics_token_file.empty()) {
     if (options.metrics_address.empty()) {
       return absl::InvalidArgumentError(

@@ -134,6 +134,10 @@ class RunningServer {
   // is stalled (a hung mount), and destroying the server would wait for it: kvrecalld then ends
   // without destroying it.
   bool ReadingTlsFiles() const;
+  // Says on stderr, once per read, and shows in kvrecall_tls_files_usable a port's read of its
+  // TLS files running past StalledTlsRead's bound (a hung mount): each scrape, each period that
+  // finds a read under way and each SIGHUP look.
+  void CheckStalledTlsReads();
 
   SessionRegistry& sessions() { return registry_; }
   const KvRecallService& service() const { return service_; }
@@ -175,7 +179,7 @@ class RunningServer {
   // With TLS: what gRPC's watcher reads; destroyed after the servers, whose credentials use it.
   std::shared_ptr<GrpcTlsFiles> grpc_tls_files_;
   absl::Mutex grpc_tls_read_mu_;  // ReadGrpcTlsFiles'; its reads in turn
-  std::atomic<bool> grpc_tls_reading_{false};  // ReadGrpcTlsFiles reads (stalled: stays true)
+  StalledTlsRead grpc_tls_stall_;  // ReadGrpcTlsFiles' reads, timed
   std::unique_ptr<grpc::Server> probe_server_;
   std::string health_address_;
   std::unique_ptr<grpc::Server> server_;

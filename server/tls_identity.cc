@@ -250,10 +250,10 @@ absl::StatusOr<std::optional<TlsIdentity>> ReadTlsIdentityAgain(
   return *std::move(read);
 }
 
-std::string StalledTlsRead::Message(absl::string_view files) {
-  return absl::StrCat("kvrecalld: ", files, " TLS files have been read by one read for ",
-                      kStalledReadPeriods,
-                      " periods (a stalled filesystem?): they are not read meanwhile, and the "
+std::string StalledTlsRead::Message(absl::string_view files) const {
+  return absl::StrCat("kvrecalld: ", files, " TLS files have been read by one read for over ",
+                      absl::FormatDuration(bound_),
+                      " (a stalled filesystem?): they are not read meanwhile, and the "
                       "certificate in force stays\n");
 }
 

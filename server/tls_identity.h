@@ -4,6 +4,7 @@
 #ifndef KVRECALL_SERVER_TLS_IDENTITY_H_
 #define KVRECALL_SERVER_TLS_IDENTITY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -12,6 +13,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "server/file_util.h"
 
 namespace kvrecall {
@@ -46,20 +49,38 @@ absl::StatusOr<TlsIdentity> ReadTlsIdentity(const std::string& cert_file,
 // files, not pipes, which a read empties. INVALID_ARGUMENT naming the flag otherwise.
 absl::Status RefreshableTlsFiles(const std::vector<std::string>& files,
                                  absl::string_view flag_prefix);
-// A port's period reads of its TLS files that find another read under way (SIGHUP's), counted
-// in a row: at the kStalledReadPeriods-th that read is stalled (a hung mount), which the port
-// says once (Message) and shows as kvrecall_tls_files_usable 0, since nothing is read meanwhile.
+// A port's reads of its TLS files, timed: one running past `bound` is stalled (a hung mount).
+// Whoever looks (the port's period thread finding a read under way, a scrape, a SIGHUP) learns
+// it once (StalledNow), says so on stderr and turns the port's kvrecall_tls_files_usable to 0,
+// since nothing is read meanwhile; the read's own outcome sets the gauge when it ends.
+// Thread-safe.
 class StalledTlsRead {
  public:
-  static constexpr int kStalledReadPeriods = 3;
-  // A period found a read under way: true when that read is now to be said stalled.
-  bool FoundBusy() { return ++busy_periods_ == kStalledReadPeriods; }
-  void FoundIdle() { busy_periods_ = 0; }
+  // 3 periods; 30 s for files read at SIGHUP only (no period).
+  static absl::Duration BoundFor(absl::Duration period) {
+    return period > absl::ZeroDuration() ? 3 * period : absl::Seconds(30);
+  }
+  explicit StalledTlsRead(absl::Duration bound) : bound_(bound) {}
+
+  void Begin() { started_ns_ = absl::GetCurrentTimeNanos(); }
+  void End() {
+    started_ns_ = 0;
+    said_ = false;
+  }
+  bool reading() const { return started_ns_.load() != 0; }
+  // True once per read that runs past the bound, to the first caller that finds it so.
+  bool StalledNow() {
+    const int64_t started = started_ns_.load();
+    return started != 0 && absl::Nanoseconds(absl::GetCurrentTimeNanos() - started) > bound_ &&
+           !said_.exchange(true);
+  }
   // What the port says on stderr; `files`: "the gRPC port's", "the metrics endpoint's".
-  static std::string Message(absl::string_view files);
+  std::string Message(absl::string_view files) const;
 
  private:
-  int busy_periods_ = 0;
+  const absl::Duration bound_;
+  std::atomic<int64_t> started_ns_{0};  // the read's start; 0: none
+  std::atomic<bool> said_{false};
 };
 
 // What reading the files of ReadTlsIdentity again (--tls_refresh_seconds, SIGHUP) finds

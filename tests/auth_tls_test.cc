@@ -2294,8 +2294,8 @@ TEST_F(TlsProcessTest, ASighupReadStalledOnItsFileLeavesSigtermHeeded) {
 }
 
 // A SIGHUP's read of the TLS files stalled on a hung mount holds the port's read: the period's
-// reads find it under way, and after StalledTlsRead::kStalledReadPeriods say so on stderr and turn
-// kvrecall_tls_files_usable to 0 (KvrecallTlsFilesUnusable fires), where they said nothing.
+// reads find it under way, and once it has run 3 periods (StalledTlsRead) say so on stderr and
+// turn kvrecall_tls_files_usable to 0 (KvrecallTlsFilesUnusable fires), where they said nothing.
 TEST_F(TlsProcessTest, ASighupTlsReadStalledIsSaidByThePeriodsReads) {
   if (!StraceCanDelayOpens()) GTEST_SKIP() << kNoStrace;
   const std::string cert = pki().Path("held.pem");
@@ -2317,7 +2317,7 @@ TEST_F(TlsProcessTest, ASighupTlsReadStalledIsSaidByThePeriodsReads) {
       [&] {
         return absl::StrContains((*server)->output(),
                                  "kvrecalld: the gRPC port's TLS files have been read by one "
-                                 "read for 3 periods (a stalled filesystem?)");
+                                 "read for over 6s (a stalled filesystem?)");
       },
       std::chrono::seconds(15)))
       << (*server)->output();
@@ -2335,7 +2335,8 @@ TEST_F(TlsProcessTest, ASighupTlsReadStalledIsSaidByThePeriodsReads) {
 // A period's read of the TLS files stalled on a hung mount (--tls_refresh_seconds, as the chart
 // sets it) leaves SIGTERM heeded too: the process ends without joining the stalled thread (it
 // waited for the read before: 23 s here). The metrics endpoint's period read has a thread of its
-// own, so its scrapes go on meanwhile (they stalled with it before).
+// own, so its scrapes go on meanwhile (they stalled with it before), and a scrape finds both
+// ports' reads stalled, which their own stuck threads cannot tell.
 TEST_F(TlsProcessTest, APeriodsTlsReadStalledOnItsFileLeavesSigtermHeeded) {
   if (!StraceCanDelayOpens()) GTEST_SKIP() << kNoStrace;
   const std::string grpc_cert = pki().Path("stalled-grpc.pem");
@@ -2352,7 +2353,7 @@ TEST_F(TlsProcessTest, APeriodsTlsReadStalledOnItsFileLeavesSigtermHeeded) {
           absl::Seconds(60), /*shutdown_signals_ignored=*/false,
           StallingOpens({grpc_cert, metrics_cert}, 15, /*from=*/3));
   ASSERT_TRUE(server.ok()) << server.status();
-  absl::SleepFor(absl::Seconds(5));  // both periods' third reads are stalled now
+  absl::SleepFor(absl::Seconds(7));  // both periods' third reads stalled, for over 3 periods
   CommandResult listed = RunCommand(absl::StrCat(Cli(), " --server=", (*server)->address(),
                                                  " --tls_ca=", pki().Path("ca.pem"), " list"));
   EXPECT_EQ(listed.exit_code, 0) << listed.output;
@@ -2360,7 +2361,16 @@ TEST_F(TlsProcessTest, APeriodsTlsReadStalledOnItsFileLeavesSigtermHeeded) {
       Https(MetricsPort(**server), {.ca_file = pki().Path("ca.pem")},
             "GET /metrics HTTP/1.1\r\nHost: kvrecalld\r\nConnection: close\r\n\r\n");
   EXPECT_TRUE(scraped.handshake) << scraped.error;
-  EXPECT_THAT(scraped.response, HasSubstr("\nkvrecall_tls_files_usable{port=\"metrics\"} "));
+  // The scrape finds both reads stalled (their own period threads cannot tell), says so, and
+  // shows it.
+  EXPECT_THAT(scraped.response, HasSubstr("\nkvrecall_tls_files_usable{port=\"metrics\"} 0\n"));
+  EXPECT_THAT(scraped.response, HasSubstr("\nkvrecall_tls_files_usable{port=\"grpc\"} 0\n"));
+  for (const char* files : {"the gRPC port's", "the metrics endpoint's"}) {
+    EXPECT_THAT((*server)->output(),
+                HasSubstr(absl::StrCat("kvrecalld: ", files,
+                                       " TLS files have been read by one "
+                                       "read for over 3s (a stalled filesystem?)")));
+  }
   (*server)->Signal(SIGTERM);
   EXPECT_TRUE(testing::Eventually([&] {
     return absl::StrContains((*server)->output(),
