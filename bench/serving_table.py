@@ -24,7 +24,7 @@ on its tier, the bulk's on the host, the wait for the previous step's deferred l
 may be one gpu_serving_bench run or hold several anywhere inside it (a call's `serving`, `runs`
 or `result`); the build column names the file and, for a run inside it, the keys that lead there.
 
-    serving_table.py --tiers bench/results/tiered_serving/final_default_matrix_d79.json
+    serving_table.py --tiers bench/results/tiered_serving/whole_matrix_d175_h100.json
     serving_table.py --tiers bench/results/tiered_serving/*.json
 """
 import argparse
