@@ -1,5 +1,6 @@
 // The support-selector abstraction: per layer, chooses the tokens each query head of a decode
-// step attends to. Full, exact top-K, streaming, the graph index and ReTopK implement it.
+// step attends to. Full, exact top-K, streaming, the graph index, the shortlist over
+// product-quantized keys and ReTopK implement it.
 #ifndef KVRECALL_INDEX_SUPPORT_SELECTOR_H_
 #define KVRECALL_INDEX_SUPPORT_SELECTOR_H_
 

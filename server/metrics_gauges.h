@@ -1,6 +1,6 @@
-// The scrape-time gauges of ServerMetrics (sessions open, tokens held, host and GPU bytes held
-// and budgeted), read from the session registry, the host budget and the GPU placements'
-// budgets.
+// The scrape-time gauges of ServerMetrics: sessions open, tokens held, host and GPU bytes held
+// and budgeted (server-wide, per device and per tenant), the shortlist codes' learnings, host KV
+// growths and address space, read from the session registry, the budgets and the placements.
 #ifndef KVRECALL_SERVER_METRICS_GAUGES_H_
 #define KVRECALL_SERVER_METRICS_GAUGES_H_
 

@@ -206,8 +206,32 @@ case "$case_name" in
         | grep -q -- '--session_idle_ttl_seconds'; then
       fail "sessionIdleTtlSeconds=0 from --set-string rendered a flag (0 is no TTL)"
     fi
-    expect_render_error "server.extraArgs: --max_message_mb is set by the chart; use its value under server.* instead" \
+    expect_render_error "server.extraArgs: --max_message_mb is set by the chart; use server.maxMessageMb instead" \
       --set "server.extraArgs={--max_message_mb=8}"
+    # Every flag the chart renders (every value that adds one set) is refused in extraArgs,
+    # naming the value to set instead: a flag added to kvrecall.args without an entry in
+    # kvrecall.chartFlagOwners would be taken twice, kvrecalld keeping extraArgs' (the last).
+    every_flag=(--set tls.enabled=true --set tls.secretName=s --set tls.clientAuth=true
+      --set auth.tokenSecretName=a --set metrics.tls.enabled=true --set metrics.tokenSecretName=m
+      --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1
+      --set colocatedRunner.tokenSecretName=r --set colocatedRunner.sharedMemory.enabled=true
+      --set server.workerThreads=4 --set server.maxSessions=2 --set server.maxSessionsPerTenant=1
+      --set server.maxContextTokens=1000 --set server.sessionIdleTtlSeconds=5
+      --set server.hostMemoryBudget.perTenantFraction=0.5)
+    rendered_flags="$("$HELM" template kvrecall "$chart_dir" "${every_flag[@]}" \
+      --show-only templates/statefulset.yaml \
+      | sed -nE 's/^ +- "?--([a-z_]+).*/\1/p' | sort -u)" || fail "the chart with every flag set"
+    [ "$(wc -l <<<"$rendered_flags")" -ge 23 ] || fail "only these flags rendered: $rendered_flags"
+    for flag in $rendered_flags; do
+      if [ "$flag" = plaintext_unix_sockets ]; then
+        expected="server.extraArgs: --$flag is set by the chart: with colocatedRunner.enabled"
+      else
+        expected="server.extraArgs: --$flag is set by the chart; use "
+      fi
+      expect_render_error "$expected" "${every_flag[@]}" --set "server.extraArgs={--$flag=1}"
+    done
+    expect_render_error "server.extraArgs: --tls_refresh_seconds is set by the chart; use tls.refreshSeconds instead" \
+      --set "server.extraArgs={--tls_refresh_seconds=5}"
     expect_render_error "server.shutdownGraceSeconds (30) must be below terminationGracePeriodSeconds (30)" \
       --set server.shutdownGraceSeconds=30
     # colocatedRunner: a second container beside kvrecalld sharing an emptyDir with its socket.
@@ -277,7 +301,7 @@ case "$case_name" in
       --set metrics.port=50051
     expect_render_error "server.port, metrics.port and tls.probePort must differ, got [50051 9090 9090]" \
       --set tls.enabled=true --set tls.secretName=s --set tls.probePort=9090
-    expect_render_error "server.extraArgs: --tls_cert is set by the chart; use its value under server.* instead" \
+    expect_render_error "server.extraArgs: --tls_cert is set by the chart; use tls.enabled and tls.secretName instead" \
       --set "server.extraArgs={--tls_cert=/x}"
     expect_render_error "at '/metrics/serviceMonitor/interval': '15 seconds' does not match pattern" \
       --set "metrics.serviceMonitor.interval=15 seconds"

@@ -17,7 +17,7 @@
 namespace kvrecall {
 
 // The queue that deferred OnAppends run on: one thread for the process, started on first use
-// (each OnAppend spreads its heads over an OpenMP team of its own).
+// (each OnAppend spreads its graphs over the decode compute pool, kernels/cpu/thread_pool.h).
 WorkQueue* DeferredAppendQueue();
 
 // One layer's pending OnAppend. Thread-compatible like the layer that owns it: the layer's

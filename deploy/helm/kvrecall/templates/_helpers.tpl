@@ -226,6 +226,36 @@ tokens only when it is given one.
 {{- end }}
 {{- end }}
 
+{{/*
+The flags kvrecall.args sets, each with the values that set it: server.extraArgs may not give
+them again (kvrecalld would take the last, past the chart's checks), and a render that finds one
+there names what to set instead. deploy/README.md's "Flags" lists the same.
+*/}}
+{{- define "kvrecall.chartFlagOwners" -}}
+address: server.port (and colocatedRunner.* for its Unix socket)
+worker_threads: server.workerThreads
+max_message_mb: server.maxMessageMb
+host_memory_budget_gb: server.hostMemoryBudget.fractionOfLimit or server.hostMemoryBudget.gib
+host_memory_budget_per_tenant_gb: server.hostMemoryBudget.perTenantFraction
+shutdown_grace_seconds: server.shutdownGraceSeconds
+max_sessions: server.maxSessions
+max_sessions_per_tenant: server.maxSessionsPerTenant
+max_context_tokens: server.maxContextTokens
+session_idle_ttl_seconds: server.sessionIdleTtlSeconds
+metrics_address: metrics.enabled and metrics.port
+metrics_token_file: metrics.tokenSecretName
+metrics_tls_cert: metrics.tls.enabled (the certificate is tls.secretName's)
+metrics_tls_key: metrics.tls.enabled (the key is tls.secretName's)
+tls_cert: tls.enabled and tls.secretName
+tls_key: tls.enabled and tls.secretName
+tls_client_ca: tls.clientAuth
+health_address: tls.probePort
+tls_refresh_seconds: tls.refreshSeconds
+auth_token_file: auth.tokenSecretName and auth.tokenSecretKey
+shared_memory_dir: colocatedRunner.sharedMemory.enabled (in colocatedRunner.socketDir)
+max_shared_streams: colocatedRunner.sharedMemory.maxStreams
+{{- end }}
+
 {{/* kvrecalld's command line (the container's args; the image's entrypoint is kvrecalld). */}}
 {{- define "kvrecall.args" -}}
 - --address=0.0.0.0:{{ int64 .Values.server.port }}{{ if .Values.colocatedRunner.enabled }},{{ include "kvrecall.socketAddress" . }}{{ end }}
@@ -290,8 +320,9 @@ tokens only when it is given one.
 {{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "flagfile" "fromenv" "tryfromenv") }}
 {{- fail (printf "server.extraArgs: %s would set flags past the chart's checks (those it sets, and --plaintext_unix_sockets); give each flag in server.extraArgs instead" $flag) }}
 {{- end }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "address" "worker_threads" "max_message_mb" "host_memory_budget_gb" "host_memory_budget_per_tenant_gb" "shutdown_grace_seconds" "max_sessions" "max_sessions_per_tenant" "max_context_tokens" "session_idle_ttl_seconds" "metrics_address" "tls_cert" "tls_key" "tls_client_ca" "health_address" "auth_token_file" "metrics_token_file" "metrics_tls_cert" "metrics_tls_key" "tls_refresh_seconds" "shared_memory_dir" "max_shared_streams") }}
-{{- fail (printf "server.extraArgs: %s is set by the chart; use its value under server.* instead" $flag) }}
+{{- $owner := get (include "kvrecall.chartFlagOwners" . | fromYaml) (trimPrefix "-" (trimPrefix "-" $flag)) }}
+{{- if $owner }}
+{{- fail (printf "server.extraArgs: %s is set by the chart; use %s instead" $flag $owner) }}
 {{- end }}
 - {{ . | quote }}
 {{- end }}
