@@ -1,17 +1,19 @@
 // load_test: many sessions decoding at once against one kvrecalld, each on its own Decode
-// stream, with a mix of selectors; reports errors, per layer-step latency (p50 / p99 / max)
-// against the same step measured alone in the same run, health-check latency during the load,
-// and the server's resident memory before, during and after (bench/results/hardening.md, "Load
-// test", and hardening_load_test.{txt,json}).
+// stream, with a mix of placements and selectors; reports errors, per layer-step latency (p50 /
+// p99 / max) against the same step measured alone in the same run, health-check latency during
+// the load, the server's resident memory before, during and after, and the memory the sessions
+// report by tier (bench/results/hardening.md, "Load test", and hardening_load_test.{txt,json}).
 //
 //   load_test --server=127.0.0.1:PORT --server_pid=PID [--sessions=64] [--tokens=1000]
-//             [--json=FILE]
+//             [--placements=cpu] [--json=FILE]
 //
 // Every session gets its own thread, stream and prompt (a synthetic trace's, client/trace/
-// synthetic.h, so that queries and keys have a real model's structure); selectors cycle through
-// full, exact_topk, streaming, index and retopk. Phases: baseline (one session alone), create +
-// prefill all, decode all at once (health checked every --health_interval_ms meanwhile), close
-// all. RSS is read from /proc/PID/status.
+// synthetic.h, so that queries and keys have a real model's structure); sessions cycle through
+// each of --placements with each selector it serves (full, exact_topk, streaming, index and
+// retopk; the gpu placement serves no index). Phases: baseline (one session alone, the first
+// placement's full), create + prefill all, decode all at once (health checked every
+// --health_interval_ms meanwhile), close all. RSS is read from /proc/PID/status; the sessions'
+// host and GPU bytes from GetSession, and after the close ListSessions must find none.
 #include <algorithm>
 #include <atomic>
 #include <cinttypes>
@@ -25,7 +27,11 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -48,6 +54,9 @@ ABSL_FLAG(int, top_k, 128, "K of exact_topk, index and retopk");
 ABSL_FLAG(int, baseline_tokens, 200, "tokens of the single-session baseline");
 ABSL_FLAG(int, health_interval_ms, 50, "how often health is checked during the load");
 ABSL_FLAG(std::string, json, "", "also write the figures as JSON here");
+ABSL_FLAG(std::string, placements, "cpu",
+          "placements the sessions cycle through, comma-separated (cpu, gpu, tiered), each with "
+          "every selector it serves");
 
 namespace kvrecall::bench {
 namespace {
@@ -87,17 +96,39 @@ nlohmann::json ToJson(const Percentiles& p) {
           {"mean_us", p.mean}};
 }
 
-v1::Selector SelectorOf(int session) {
+// A session's placement and selector; sessions cycle through the run's Kinds.
+struct Kind {
+  v1::Placement placement;
+  v1::Selector selector;
+  std::string Name() const {
+    return absl::StrCat(absl::AsciiStrToLower(v1::Placement_Name(placement).substr(10)), "/",
+                        absl::AsciiStrToLower(v1::Selector_Name(selector).substr(9)));
+  }
+};
+
+// Every selector each of `placements` serves, in the order given (full first in each).
+absl::StatusOr<std::vector<Kind>> KindsOf(absl::string_view placements) {
   static constexpr v1::Selector kMix[] = {v1::SELECTOR_FULL, v1::SELECTOR_EXACT_TOPK,
                                           v1::SELECTOR_STREAMING, v1::SELECTOR_INDEX,
                                           v1::SELECTOR_RETOPK};
-  return kMix[session % 5];
+  std::vector<Kind> kinds;
+  for (absl::string_view name : absl::StrSplit(placements, ',', absl::SkipEmpty())) {
+    absl::StatusOr<v1::Placement> placement = client::ParsePlacement(name);
+    if (!placement.ok()) return placement.status();
+    for (v1::Selector selector : kMix) {
+      if (*placement == v1::PLACEMENT_GPU && selector == v1::SELECTOR_INDEX) continue;
+      kinds.push_back({*placement, selector});
+    }
+  }
+  if (kinds.empty()) return absl::InvalidArgumentError("--placements names none");
+  return kinds;
 }
 
 // One session: its trace, and the latency of each of its layer-steps.
 class Session {
  public:
-  Session(int index, const SyntheticTrace& trace) : index_(index), trace_(trace) {}
+  Session(int index, Kind kind, const SyntheticTrace& trace)
+      : index_(index), kind_(kind), trace_(trace) {}
 
   absl::Status Open(Client& client) {
     const SyntheticTraceParams& p = trace_.params();
@@ -108,8 +139,10 @@ class Session {
     g.set_head_dim(p.head_dim);
     g.set_dtype(v1::DTYPE_BF16);
     const int k = absl::GetFlag(FLAGS_top_k);
-    absl::StatusOr<client::SessionHandle> handle = client.CreateSession(
-        g, client::CpuPolicy(SelectorOf(index_), k, 16, 256), absl::StrCat("load-", index_));
+    v1::Policy policy = client::CpuPolicy(kind_.selector, k, 16, 256);
+    policy.set_placement(kind_.placement);
+    absl::StatusOr<client::SessionHandle> handle =
+        client.CreateSession(g, policy, absl::StrCat("load-", index_));
     if (!handle.ok()) return handle.status();
     handle_ = *std::move(handle);
     absl::StatusOr<std::unique_ptr<client::PrefillStream>> prefill = client.StartPrefill(handle_);
@@ -160,8 +193,12 @@ class Session {
 
   absl::Status Close(Client& client) { return client.CloseSession(handle_.id); }
 
+  const std::string& id() const { return handle_.id; }
+  const Kind& kind() const { return kind_; }
+
  private:
   const int index_;
+  const Kind kind_;
   const SyntheticTrace& trace_;
   client::SessionHandle handle_;
   int64_t next_token_ = 0;
@@ -175,6 +212,12 @@ int Run() {
     return 2;
   }
   const int sessions = absl::GetFlag(FLAGS_sessions);
+  absl::StatusOr<std::vector<Kind>> kinds = KindsOf(absl::GetFlag(FLAGS_placements));
+  if (!kinds.ok()) {
+    std::fprintf(stderr, "load_test: --placements: %s\n", kinds.status().ToString().c_str());
+    return 2;
+  }
+  auto kind_of = [&](int session) { return (*kinds)[session % kinds->size()]; };
   const int64_t tokens = absl::GetFlag(FLAGS_tokens);
   SyntheticTraceParams params;
   params.layers = absl::GetFlag(FLAGS_layers);
@@ -200,14 +243,14 @@ int Run() {
                    {"prompt", params.context}, {"layers", params.layers},
                    {"q_heads", params.q_heads}, {"kv_heads", params.kv_heads},
                    {"head_dim", params.head_dim}, {"dtype", "bf16"},
-                   {"top_k", absl::GetFlag(FLAGS_top_k)},
-                   {"selectors", "full, exact_topk, streaming, index, retopk (cycled)"}};
+                   {"top_k", absl::GetFlag(FLAGS_top_k)}};
+  for (const Kind& kind : *kinds) out["config"]["kinds"].push_back(kind.Name());
   out["rss_bytes"]["before"] = ResidentBytes(pid);
 
   // Baseline: one session of the mix's costliest selector (full), alone.
   std::vector<double> alone;
   {
-    Session s(0, *trace);
+    Session s(0, kind_of(0), *trace);
     if (absl::Status st = s.Open(*client); !st.ok()) {
       std::fprintf(stderr, "load_test: baseline: %s\n", st.ToString().c_str());
       return 1;
@@ -232,11 +275,28 @@ int Run() {
   };
   const absl::Time prefill_start = absl::Now();
   for (int i = 0; i < sessions; ++i) {
-    all.push_back(std::make_unique<Session>(i, *trace));
+    all.push_back(std::make_unique<Session>(i, kind_of(i), *trace));
     if (absl::Status s = all.back()->Open(*client); !s.ok()) record_error(s);
   }
   out["prefill_seconds"] = absl::ToDoubleSeconds(absl::Now() - prefill_start);
   out["rss_bytes"]["after_prefill"] = ResidentBytes(pid);
+  // What the sessions say they hold, by tier and kind (GetSession's host_bytes, gpu_bytes).
+  auto session_bytes = [&](absl::string_view phase) {
+    nlohmann::json& by_kind = out["session_bytes"][std::string(phase)];
+    for (const auto& s : all) {
+      absl::StatusOr<v1::SessionInfo> info = client->GetSession(s->id());
+      if (!info.ok()) {
+        record_error(info.status());
+        continue;
+      }
+      nlohmann::json& k = by_kind[s->kind().Name()];
+      if (k.is_null()) k = {{"host", int64_t{0}}, {"gpu", int64_t{0}}, {"devices", {}}};
+      k["host"] = k["host"].get<int64_t>() + info->host_bytes();
+      k["gpu"] = k["gpu"].get<int64_t>() + info->gpu_bytes();
+      k["devices"][info->device()] = true;
+    }
+  };
+  session_bytes("after_prefill");
 
   // The load, with health checks and RSS samples beside it.
   std::vector<std::vector<double>> micros(sessions);
@@ -281,12 +341,23 @@ int Run() {
   out["rss_bytes"]["end_of_decode"] = ResidentBytes(pid);
   loaded.store(false);
   watcher.join();
+  session_bytes("end_of_decode");
 
   for (auto& s : all) {
     if (absl::Status st = s->Close(*client); !st.ok()) record_error(st);
   }
   absl::SleepFor(absl::Seconds(1));
   out["rss_bytes"]["after_close"] = ResidentBytes(pid);
+  // Every session closed: none may be left listed.
+  if (absl::StatusOr<std::vector<v1::SessionInfo>> left = client->ListSessions(); !left.ok()) {
+    record_error(left.status());
+  } else {
+    out["sessions_listed_after_close"] = left->size();
+    if (!left->empty()) {
+      record_error(absl::InternalError(
+          absl::StrCat(left->size(), " sessions still listed after every session was closed")));
+    }
+  }
   out["rss_bytes"]["peak_during_decode"] = rss_peak;
   out["rss_bytes"]["samples_during_decode"] = rss_samples;
 
@@ -302,21 +373,20 @@ int Run() {
   out["layer_steps_per_second"] = load.count / decode_seconds;
   out["step_alone"] = ToJson(base);
   out["step_under_load"] = ToJson(load);
-  // The steps of the sessions of `selector` under load.
-  auto of_selector = [&](v1::Selector selector) {
+  // The steps of the sessions of one kind (kinds->at(k)) under load.
+  auto of_kind = [&](size_t k) {
     std::vector<double> steps;
     for (int i = 0; i < sessions; ++i) {
-      if (SelectorOf(i) == selector) steps.insert(steps.end(), micros[i].begin(), micros[i].end());
+      if (i % kinds->size() == k) steps.insert(steps.end(), micros[i].begin(), micros[i].end());
     }
     return steps;
   };
-  for (int kind = 0; kind < 5; ++kind) {
-    out["step_under_load_by_selector"][v1::Selector_Name(SelectorOf(kind))] =
-        ToJson(Summarize(of_selector(SelectorOf(kind))));
+  for (size_t k = 0; k < kinds->size(); ++k) {
+    out["step_under_load_by_kind"][(*kinds)[k].Name()] = ToJson(Summarize(of_kind(k)));
   }
-  // The baseline is a `full` session alone: it compares with the `full` sessions under load
-  // (the mix's cheaper selectors would understate the slowdown; probe 24).
-  const Percentiles full_load = Summarize(of_selector(v1::SELECTOR_FULL));
+  // The baseline is the first kind's `full` session alone: it compares with those sessions
+  // under load (the mix's cheaper selectors would understate the slowdown; probe 24).
+  const Percentiles full_load = Summarize(of_kind(0));
   out["p50_ratio_full_under_load_vs_alone"] = base.p50 > 0 ? full_load.p50 / base.p50 : 0;
   out["health"] = ToJson(health);
   out["health"]["failures"] = health_failures;
@@ -329,8 +399,9 @@ int Run() {
   std::printf("  layer-step alone:      p50 %8.1f us  p99 %8.1f us  max %8.1f us  (%" PRId64
               " steps)\n", base.p50, base.p99, base.max, base.count);
   std::printf("  layer-step under load: p50 %8.1f us  p99 %8.1f us  max %8.1f us  (%" PRId64
-              " steps, %.0f steps/s; full's p50 x%.1f alone)\n",
+              " steps, %.0f steps/s; %s's p50 x%.1f alone)\n",
               load.p50, load.p99, load.max, load.count, load.count / decode_seconds,
+              (*kinds)[0].Name().c_str(),
               out["p50_ratio_full_under_load_vs_alone"].get<double>());
   std::printf("  health during load:    p50 %8.1f us  p99 %8.1f us  max %8.1f us  (%" PRId64
               " checks, %" PRId64 " failed)\n", health.p50, health.p99, health.max, health.count,
@@ -339,11 +410,22 @@ int Run() {
               "decode %.1f, after close %.1f\n",
               mib(rss["before"]), mib(rss["after_prefill"]), mib(rss_peak),
               mib(rss["end_of_decode"]), mib(rss["after_close"]));
-  for (const auto& item : out["step_under_load_by_selector"].items()) {
+  for (const auto& item : out["step_under_load_by_kind"].items()) {
     const nlohmann::json& p = item.value();
-    std::printf("    %-22s p50 %8.1f us  p99 %8.1f us  (%lld steps)\n", item.key().c_str(),
+    std::printf("    %-24s p50 %8.1f us  p99 %8.1f us  (%lld steps)\n", item.key().c_str(),
                 p["p50_us"].get<double>(), p["p99_us"].get<double>(),
                 static_cast<long long>(p["count"].get<int64_t>()));
+  }
+  for (const auto& phase : out["session_bytes"].items()) {
+    for (const auto& kind : phase.value().items()) {
+      std::printf("  %s %-24s host %.1f MiB, GPU %.1f MiB on", phase.key().c_str(),
+                  kind.key().c_str(), mib(kind.value()["host"].get<int64_t>()),
+                  mib(kind.value()["gpu"].get<int64_t>()));
+      for (const auto& device : kind.value()["devices"].items()) {
+        std::printf(" %s", device.key().c_str());
+      }
+      std::printf("\n");
+    }
   }
   if (!error_messages.empty()) std::printf("  first error: %s\n", error_messages[0].c_str());
   const std::string json = absl::GetFlag(FLAGS_json);
