@@ -13,7 +13,8 @@
 // retopk; the gpu placement serves no index). Phases: baseline (one session alone, the first
 // placement's full), create + prefill all, decode all at once (health checked every
 // --health_interval_ms meanwhile), close all. RSS is read from /proc/PID/status; the sessions'
-// host and GPU bytes from GetSession, and after the close ListSessions must find none.
+// host and GPU bytes from GetSession, and after the close ListSessions must list none of the
+// run's sessions. A session that failed to open counts one error and takes no further part.
 #include <algorithm>
 #include <atomic>
 #include <cinttypes>
@@ -24,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -112,9 +114,15 @@ absl::StatusOr<std::vector<Kind>> KindsOf(absl::string_view placements) {
                                           v1::SELECTOR_STREAMING, v1::SELECTOR_INDEX,
                                           v1::SELECTOR_RETOPK};
   std::vector<Kind> kinds;
-  for (absl::string_view name : absl::StrSplit(placements, ',', absl::SkipEmpty())) {
-    absl::StatusOr<v1::Placement> placement = client::ParsePlacement(name);
+  std::vector<v1::Placement> seen;
+  for (absl::string_view name : absl::StrSplit(placements, ',', absl::SkipWhitespace())) {
+    absl::StatusOr<v1::Placement> placement =
+        client::ParsePlacement(absl::StripAsciiWhitespace(name));
     if (!placement.ok()) return placement.status();
+    if (absl::c_linear_search(seen, *placement)) {
+      return absl::InvalidArgumentError(absl::StrCat("placement '", name, "' named twice"));
+    }
+    seen.push_back(*placement);
     for (v1::Selector selector : kMix) {
       if (*placement == v1::PLACEMENT_GPU && selector == v1::SELECTOR_INDEX) continue;
       kinds.push_back({*placement, selector});
@@ -156,7 +164,9 @@ class Session {
       trace_.GenerateRows(l, TracePhase::kPrefill, TraceTensor::kV, 0, t, v.data());
       if (absl::Status s = (*prefill)->SendLayer(l, q, kk, v); !s.ok()) return s;
     }
-    return (*prefill)->Finish().status();
+    if (absl::Status s = (*prefill)->Finish().status(); !s.ok()) return s;
+    open_ = true;
+    return absl::OkStatus();
   }
 
   // Decodes `tokens` tokens (every layer of each) on a stream of its own.
@@ -194,6 +204,10 @@ class Session {
   absl::Status Close(Client& client) { return client.CloseSession(handle_.id); }
 
   const std::string& id() const { return handle_.id; }
+  // Whether CreateSession succeeded (the session is the server's until closed), and whether the
+  // Prefill did too: a session that did not open steps no further.
+  bool created() const { return !handle_.id.empty(); }
+  bool open() const { return open_; }
   const Kind& kind() const { return kind_; }
 
  private:
@@ -201,6 +215,7 @@ class Session {
   const Kind kind_;
   const SyntheticTrace& trace_;
   client::SessionHandle handle_;
+  bool open_ = false;
   int64_t next_token_ = 0;
 };
 
@@ -215,6 +230,13 @@ int Run() {
   absl::StatusOr<std::vector<Kind>> kinds = KindsOf(absl::GetFlag(FLAGS_placements));
   if (!kinds.ok()) {
     std::fprintf(stderr, "load_test: --placements: %s\n", kinds.status().ToString().c_str());
+    return 2;
+  }
+  if (sessions < static_cast<int>(kinds->size())) {
+    std::fprintf(stderr,
+                 "load_test: --sessions=%d is fewer than the %zu kinds of --placements (each "
+                 "placement with every selector it serves): some would not run\n",
+                 sessions, kinds->size());
     return 2;
   }
   auto kind_of = [&](int session) { return (*kinds)[session % kinds->size()]; };
@@ -284,6 +306,7 @@ int Run() {
   auto session_bytes = [&](absl::string_view phase) {
     nlohmann::json& by_kind = out["session_bytes"][std::string(phase)];
     for (const auto& s : all) {
+      if (!s->open()) continue;
       absl::StatusOr<v1::SessionInfo> info = client->GetSession(s->id());
       if (!info.ok()) {
         record_error(info.status());
@@ -333,6 +356,7 @@ int Run() {
   std::vector<std::thread> threads;
   for (int i = 0; i < sessions; ++i) {
     threads.emplace_back([&, i] {
+      if (!all[i]->open()) return;
       if (absl::Status s = all[i]->Decode(*client, tokens, &micros[i]); !s.ok()) record_error(s);
     });
   }
@@ -344,18 +368,25 @@ int Run() {
   session_bytes("end_of_decode");
 
   for (auto& s : all) {
+    if (!s->created()) continue;
     if (absl::Status st = s->Close(*client); !st.ok()) record_error(st);
   }
   absl::SleepFor(absl::Seconds(1));
   out["rss_bytes"]["after_close"] = ResidentBytes(pid);
-  // Every session closed: none may be left listed.
-  if (absl::StatusOr<std::vector<v1::SessionInfo>> left = client->ListSessions(); !left.ok()) {
-    record_error(left.status());
+  // Every session closed: none of the run's may be left listed (other clients' may be).
+  if (absl::StatusOr<std::vector<v1::SessionInfo>> listed = client->ListSessions(); !listed.ok()) {
+    record_error(listed.status());
   } else {
-    out["sessions_listed_after_close"] = left->size();
-    if (!left->empty()) {
+    int64_t left = 0;
+    for (const v1::SessionInfo& info : *listed) {
+      left += absl::c_any_of(all, [&](const std::unique_ptr<Session>& s) {
+        return s->created() && s->id() == info.session_id();
+      });
+    }
+    out["sessions_listed_after_close"] = left;
+    if (left > 0) {
       record_error(absl::InternalError(
-          absl::StrCat(left->size(), " sessions still listed after every session was closed")));
+          absl::StrCat(left, " of the run's sessions still listed after each was closed")));
     }
   }
   out["rss_bytes"]["peak_during_decode"] = rss_peak;

@@ -208,9 +208,14 @@ case "$case_name" in
     fi
     expect_render_error "server.extraArgs: --max_message_mb is set by the chart; use server.maxMessageMb instead" \
       --set "server.extraArgs={--max_message_mb=8}"
-    # Every flag the chart renders (every value that adds one set) is refused in extraArgs,
-    # naming the value to set instead: a flag added to kvrecall.args without an entry in
-    # kvrecall.chartFlagOwners would be taken twice, kvrecalld keeping extraArgs' (the last).
+    # Every flag the chart renders is refused in extraArgs, naming the values that set it (a flag
+    # added to kvrecall.args without an entry in kvrecall.chartFlagOwners would be taken twice,
+    # kvrecalld keeping extraArgs', the last). The flags are read from kvrecall.args' source, and
+    # `every_flag` must turn each of them on, so that a new one behind a value it does not set
+    # fails here rather than going unchecked.
+    helpers="$chart_dir/templates/_helpers.tpl"
+    source_flags="$(sed -n '/define "kvrecall.args"/,/range .Values.server.extraArgs/p' "$helpers" \
+      | sed -nE 's/^- --([a-z_]+).*/\1/p' | sort -u)"
     every_flag=(--set tls.enabled=true --set tls.secretName=s --set tls.clientAuth=true
       --set auth.tokenSecretName=a --set metrics.tls.enabled=true --set metrics.tokenSecretName=m
       --set colocatedRunner.enabled=true --set colocatedRunner.image=runner:1
@@ -221,16 +226,27 @@ case "$case_name" in
     rendered_flags="$("$HELM" template kvrecall "$chart_dir" "${every_flag[@]}" \
       --show-only templates/statefulset.yaml \
       | sed -nE 's/^ +- "?--([a-z_]+).*/\1/p' | sort -u)" || fail "the chart with every flag set"
-    [ "$(wc -l <<<"$rendered_flags")" -ge 23 ] || fail "only these flags rendered: $rendered_flags"
-    for flag in $rendered_flags; do
+    [ -n "$source_flags" ] || fail "no flags read from kvrecall.args in $helpers"
+    [ "$rendered_flags" = "$source_flags" ] ||
+      fail "every_flag renders [$(echo $rendered_flags)], kvrecall.args has [$(echo $source_flags)]"
+    for flag in $source_flags; do
       if [ "$flag" = plaintext_unix_sockets ]; then
         expected="server.extraArgs: --$flag is set by the chart: with colocatedRunner.enabled"
       else
-        expected="server.extraArgs: --$flag is set by the chart; use "
+        owner="$(sed -n '/define "kvrecall.chartFlagOwners"/,/^{{- end }}/p' "$helpers" \
+          | sed -n "s/^$flag: //p")"
+        [ -n "$owner" ] || fail "--$flag has no entry in kvrecall.chartFlagOwners"
+        expected="server.extraArgs: --$flag is set by the chart; use $owner instead"
       fi
       expect_render_error "$expected" "${every_flag[@]}" --set "server.extraArgs={--$flag=1}"
     done
-    expect_render_error "server.extraArgs: --tls_refresh_seconds is set by the chart; use tls.refreshSeconds instead" \
+    # A bool's negative form names the flag too; the schema takes lowercase names alone, as
+    # kvrecalld's flags are.
+    expect_render_error "server.extraArgs: --nomax_sessions is set by the chart; use server.maxSessions instead" \
+      --set "server.extraArgs={--nomax_sessions}"
+    expect_render_error "at '/server/extraArgs/0': '--MAX_SESSIONS=5' does not match pattern" \
+      --set "server.extraArgs={--MAX_SESSIONS=5}"
+    expect_render_error "server.extraArgs: --tls_refresh_seconds is set by the chart; use tls.refreshSeconds (with tls.enabled) instead" \
       --set "server.extraArgs={--tls_refresh_seconds=5}"
     expect_render_error "server.shutdownGraceSeconds (30) must be below terminationGracePeriodSeconds (30)" \
       --set server.shutdownGraceSeconds=30

@@ -232,7 +232,7 @@ them again (kvrecalld would take the last, past the chart's checks), and a rende
 there names what to set instead. deploy/README.md's "Flags" lists the same.
 */}}
 {{- define "kvrecall.chartFlagOwners" -}}
-address: server.port (and colocatedRunner.* for its Unix socket)
+address: server.port (and colocatedRunner.enabled for its Unix socket)
 worker_threads: server.workerThreads
 max_message_mb: server.maxMessageMb
 host_memory_budget_gb: server.hostMemoryBudget.fractionOfLimit or server.hostMemoryBudget.gib
@@ -243,17 +243,17 @@ max_sessions_per_tenant: server.maxSessionsPerTenant
 max_context_tokens: server.maxContextTokens
 session_idle_ttl_seconds: server.sessionIdleTtlSeconds
 metrics_address: metrics.enabled and metrics.port
-metrics_token_file: metrics.tokenSecretName
-metrics_tls_cert: metrics.tls.enabled (the certificate is tls.secretName's)
-metrics_tls_key: metrics.tls.enabled (the key is tls.secretName's)
+metrics_token_file: metrics.tokenSecretName (with metrics.enabled)
+metrics_tls_cert: metrics.tls.enabled (with metrics.enabled and tls.enabled; the certificate is tls.secretName's)
+metrics_tls_key: metrics.tls.enabled (with metrics.enabled and tls.enabled; the key is tls.secretName's)
 tls_cert: tls.enabled and tls.secretName
 tls_key: tls.enabled and tls.secretName
-tls_client_ca: tls.clientAuth
-health_address: tls.probePort
-tls_refresh_seconds: tls.refreshSeconds
+tls_client_ca: tls.clientAuth (with tls.enabled)
+health_address: tls.probePort (with tls.enabled)
+tls_refresh_seconds: tls.refreshSeconds (with tls.enabled)
 auth_token_file: auth.tokenSecretName and auth.tokenSecretKey
-shared_memory_dir: colocatedRunner.sharedMemory.enabled (in colocatedRunner.socketDir)
-max_shared_streams: colocatedRunner.sharedMemory.maxStreams
+shared_memory_dir: colocatedRunner.enabled and colocatedRunner.sharedMemory.enabled (in colocatedRunner.socketDir)
+max_shared_streams: colocatedRunner.sharedMemory.maxStreams (with colocatedRunner.enabled and colocatedRunner.sharedMemory.enabled)
 {{- end }}
 
 {{/* kvrecalld's command line (the container's args; the image's entrypoint is kvrecalld). */}}
@@ -314,13 +314,19 @@ max_shared_streams: colocatedRunner.sharedMemory.maxStreams
 {{- end }}
 {{- range .Values.server.extraArgs }}
 {{- $flag := regexFind "^--?[A-Za-z0-9_]+" (toString .) }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "plaintext_unix_sockets" "noplaintext_unix_sockets") }}
+{{- $name := trimPrefix "-" (trimPrefix "-" $flag) }}
+{{- if has $name (list "plaintext_unix_sockets" "noplaintext_unix_sockets") }}
 {{- fail "server.extraArgs: --plaintext_unix_sockets is set by the chart: with colocatedRunner.enabled and tls.enabled the runner's Unix socket goes without TLS" }}
 {{- end }}
-{{- if has (trimPrefix "-" (trimPrefix "-" $flag)) (list "flagfile" "fromenv" "tryfromenv") }}
+{{- if has $name (list "flagfile" "fromenv" "tryfromenv") }}
 {{- fail (printf "server.extraArgs: %s would set flags past the chart's checks (those it sets, and --plaintext_unix_sockets); give each flag in server.extraArgs instead" $flag) }}
 {{- end }}
-{{- $owner := get (include "kvrecall.chartFlagOwners" . | fromYaml) (trimPrefix "-" (trimPrefix "-" $flag)) }}
+{{- /* A flag's --noNAME form names it too (kvrecalld would refuse it at start for a flag that is not a bool: a pod crashing in a loop instead of a render error). */}}
+{{- $owners := include "kvrecall.chartFlagOwners" . | fromYaml }}
+{{- $owner := get $owners $name }}
+{{- if and (not $owner) (hasPrefix "no" $name) }}
+{{- $owner = get $owners (trimPrefix "no" $name) }}
+{{- end }}
 {{- if $owner }}
 {{- fail (printf "server.extraArgs: %s is set by the chart; use %s instead" $flag $owner) }}
 {{- end }}
