@@ -8,7 +8,7 @@
 # over at 1536, under the load). Errors must be 0; after each round every session is closed and
 # the server's sessions' GPU and host bytes (kvrecall_gpu_memory_bytes, kvrecall_host_memory_bytes)
 # must read 0, and the process's device memory (nvidia-smi) is recorded before and after.
-# Bundle .device/b176 (kvrecalld, load_test); carry its ship/.
+# Bundle .device/b176 (f7bd2b8: kvrecalld, load_test); carry its ship/.
 set -u
 . bench/device_call.sh
 device_call_begin 176
