@@ -3,8 +3,9 @@
 # (bench/load_test.cc, which the hardening's CPU figures come from) on the GPU placements for
 # the first time, against one kvrecalld with the device: every session of the gpu and tiered
 # placements with each selector they serve, each on its own Decode stream, all decoding at once.
-# Two rounds on the same kvrecalld: long prompts (8192 tokens, 600 decoded), then short ones (640
-# tokens, 2000 decoded: each tiered layer learns its shortlist codes at bulk 1024 and they take
+# Two rounds on the same kvrecalld: long prompts (8192 tokens, 400 decoded), then short ones (640
+# tokens, 1800 decoded; load_test's static set is 16 sinks and a ring of 256, so each tiered
+# layer's codes, learned from its 368-row prompt bulk, are learned again at bulk 1024 and take
 # over at 1536, under the load). Errors must be 0; after each round every session is closed and
 # the server's sessions' GPU and host bytes (kvrecall_gpu_memory_bytes, kvrecall_host_memory_bytes)
 # must read 0, and the process's device memory (nvidia-smi) is recorded before and after.
@@ -30,14 +31,14 @@ state start
 round=0
 load() {  # FLAG...
   round=$((round + 1))
-  timeout 280 "$B/load_test" --server="$kvrecalld_address" --server_pid="$kvrecalld_pid" \
+  timeout 150 "$B/load_test" --server="$kvrecalld_address" --server_pid="$kvrecalld_pid" \
     --json="$R/load_$round.json" --placements=gpu,tiered --q_heads=32 --kv_heads=8 \
     --head_dim=128 --top_k=512 --layers=2 "$@" 2>&1 | tee -a "$S"
   echo "round $round rc ${PIPESTATUS[0]} t=$SECONDS" | tee -a "$S"
   state "after round $round"
 }
-load --sessions=36 --prompt=8192 --tokens=600 --baseline_tokens=200
-load --sessions=36 --prompt=640 --tokens=2000 --baseline_tokens=200
+load --sessions=18 --prompt=8192 --tokens=400 --baseline_tokens=100
+load --sessions=18 --prompt=640 --tokens=1800 --baseline_tokens=100
 kill "$kvrecalld_pid"
 wait "$kvrecalld_pid"
 echo "kvrecalld rc $? t=$SECONDS" | tee -a "$S"
