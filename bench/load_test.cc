@@ -103,8 +103,7 @@ struct Kind {
   v1::Placement placement;
   v1::Selector selector;
   std::string Name() const {
-    return absl::StrCat(absl::AsciiStrToLower(v1::Placement_Name(placement).substr(10)), "/",
-                        absl::AsciiStrToLower(v1::Selector_Name(selector).substr(9)));
+    return absl::StrCat(client::PlacementName(placement), "/", client::SelectorName(selector));
   }
 };
 

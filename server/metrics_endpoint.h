@@ -18,7 +18,6 @@
 #ifndef KVRECALL_SERVER_METRICS_ENDPOINT_H_
 #define KVRECALL_SERVER_METRICS_ENDPOINT_H_
 
-#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <optional>

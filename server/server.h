@@ -4,7 +4,6 @@
 #ifndef KVRECALL_SERVER_SERVER_H_
 #define KVRECALL_SERVER_SERVER_H_
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
