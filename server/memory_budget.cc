@@ -173,4 +173,10 @@ int64_t TenantBudgets::gpu_used() const {
   return used;
 }
 
+int64_t TenantBudgets::gpu_used_within(const MemoryBudget* device) const {
+  absl::MutexLock lock(&mu_);
+  const auto it = devices_.find(device);
+  return it == devices_.end() ? 0 : it->second->used();
+}
+
 }  // namespace kvrecall

@@ -160,6 +160,8 @@ class TenantBudgets {
   MemoryBudget* Within(MemoryBudget* device);
   // What the tenant holds of the GPUs' budgets, summed over the devices it has used.
   int64_t gpu_used() const;
+  // What it holds within `device` alone (0 where it has not used that device).
+  int64_t gpu_used_within(const MemoryBudget* device) const;
 
  private:
   const std::string who_;  // " (tenant 'name')", for the budgets' names

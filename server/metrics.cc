@@ -272,6 +272,17 @@ ServerMetrics::ServerMetrics()
               .Name("kvrecall_tenant_gpu_memory_budget_bytes")
               .Help("A tenant's GPU memory budgets (--gpu_memory_budget_per_tenant_gb) summed "
                     "over devices; +Inf: none of its own")
+              .Register(*registry_)),
+      tenant_gpu_device_bytes_held_(prometheus::BuildGauge()
+                                        .Name("kvrecall_tenant_gpu_device_memory_bytes")
+                                        .Help("GPU memory held by a tenant on one device; with "
+                                              "budgets per tenant only")
+                                        .Register(*registry_)),
+      tenant_gpu_device_bytes_budget_(
+          prometheus::BuildGauge()
+              .Name("kvrecall_tenant_gpu_device_memory_budget_bytes")
+              .Help("A tenant's share of one device (--gpu_memory_budget_per_tenant_gb), which "
+                    "refuses it when full whatever it holds elsewhere; +Inf: none of its own")
               .Register(*registry_)) {
   decode_request_seconds_ =
       &prometheus::BuildHistogram()
@@ -495,6 +506,17 @@ void ServerMetrics::SetTenantGauges(const std::vector<TenantGauges>& tenants) co
     series.host_bytes_budget->Set(tenant.host_bytes_budget);
     series.gpu_bytes_held->Set(static_cast<double>(tenant.gpu_bytes_held));
     series.gpu_bytes_budget->Set(tenant.gpu_bytes_budget);
+    for (const DeviceGauges& device : tenant.devices) {
+      auto& [held, budget] = series.devices[device.device];
+      if (held == nullptr) {
+        const prometheus::Labels device_labels = {{"tenant", tenant.tenant},
+                                                  {"device", device.device}};
+        held = &tenant_gpu_device_bytes_held_.Add(device_labels);
+        budget = &tenant_gpu_device_bytes_budget_.Add(device_labels);
+      }
+      held->Set(static_cast<double>(device.bytes_held));
+      budget->Set(device.bytes_budget);
+    }
   }
   // A tenant that holds nothing any more has no series (a revoked one included), so that the
   // labels are bounded by the tenants holding something, not by every token file since start.
@@ -507,6 +529,10 @@ void ServerMetrics::SetTenantGauges(const std::vector<TenantGauges>& tenants) co
       tenant_host_bytes_budget_.Remove(series.host_bytes_budget);
       tenant_gpu_bytes_held_.Remove(series.gpu_bytes_held);
       tenant_gpu_bytes_budget_.Remove(series.gpu_bytes_budget);
+    }
+    for (const auto& [device, gauges] : series.devices) {
+      tenant_gpu_device_bytes_held_.Remove(gauges.first);
+      tenant_gpu_device_bytes_budget_.Remove(gauges.second);
     }
     return true;
   });

@@ -35,6 +35,14 @@
 
 namespace kvrecall {
 
+// One GPU's memory: what is held of its budget (by every session, or by one tenant's within its
+// share), and the budget (+Inf: unlimited).
+struct DeviceGauges {
+  std::string device;  // "cuda:0"
+  int64_t bytes_held = 0;
+  double bytes_budget = 0;
+};
+
 // One tenant's scrape-time gauges (server/auth.h's tenants; "" for the one tenant of a server
 // without tokens). Its memory is reported only with budgets per tenant, which are what count it.
 struct TenantGauges {
@@ -45,13 +53,10 @@ struct TenantGauges {
   double host_bytes_budget = 0;  // +Inf: no host budget of its own (the server's bounds it)
   int64_t gpu_bytes_held = 0;    // summed over devices
   double gpu_bytes_budget = 0;   // summed over devices; 0 without any, +Inf: none of its own
-};
-
-// One GPU's memory: what sessions hold of its budget, and the budget (+Inf: unlimited).
-struct DeviceGauges {
-  std::string device;  // "cuda:0"
-  int64_t bytes_held = 0;
-  double bytes_budget = 0;
+  // And each device's share (with budgets per tenant, one per GPU): what the tenant holds of it
+  // and its limit there. A device refuses the tenant when that share is full, whatever it holds
+  // of the others, so a sum over devices can read half full where one refuses.
+  std::vector<DeviceGauges> devices;
 };
 
 // What the scrape-time gauges report, and the running totals that counters count up to;
@@ -219,6 +224,8 @@ class ServerMetrics final : public prometheus::Collectable {
   prometheus::Family<prometheus::Gauge>& tenant_host_bytes_budget_;
   prometheus::Family<prometheus::Gauge>& tenant_gpu_bytes_held_;
   prometheus::Family<prometheus::Gauge>& tenant_gpu_bytes_budget_;
+  prometheus::Family<prometheus::Gauge>& tenant_gpu_device_bytes_held_;
+  prometheus::Family<prometheus::Gauge>& tenant_gpu_device_bytes_budget_;
   struct TenantSeries {
     prometheus::Gauge* sessions_open = nullptr;
     // Null until a scrape sees the tenant with budgets of its own.
@@ -226,6 +233,8 @@ class ServerMetrics final : public prometheus::Collectable {
     prometheus::Gauge* host_bytes_budget = nullptr;
     prometheus::Gauge* gpu_bytes_held = nullptr;
     prometheus::Gauge* gpu_bytes_budget = nullptr;
+    // kvrecall_tenant_gpu_device_memory_bytes and _budget_bytes, by device.
+    absl::flat_hash_map<std::string, std::pair<prometheus::Gauge*, prometheus::Gauge*>> devices;
   };
   // Sets the tenants' series from `tenants`; removes those of the tenants it leaves out.
   void SetTenantGauges(const std::vector<TenantGauges>& tenants) const

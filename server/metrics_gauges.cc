@@ -19,6 +19,19 @@ std::vector<DeviceGauges> DeviceGaugesOf(
   return devices;
 }
 
+std::vector<DeviceGauges> TenantDeviceGaugesOf(
+    const std::vector<std::unique_ptr<AttentionBackend>>& gpus, const TenantBudgets* tenant,
+    int64_t limit_bytes) {
+  std::vector<DeviceGauges> devices;
+  for (const std::unique_ptr<AttentionBackend>& backend : gpus) {
+    const MemoryBudget* budget = backend->device_budget();
+    if (budget == nullptr) continue;
+    devices.push_back({backend->device(), tenant == nullptr ? 0 : tenant->gpu_used_within(budget),
+                       BudgetGaugeValue(limit_bytes)});
+  }
+  return devices;
+}
+
 ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,
                                  const Placements& placements) {
   ServerGauges gauges;
@@ -50,6 +63,8 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
     // As the server's: 0 without a device (not 0 * +Inf).
     tenant.gpu_bytes_budget =
         devices == 0 ? 0 : devices * BudgetGaugeValue(limits.gpu_bytes_per_tenant);
+    tenant.devices =
+        TenantDeviceGaugesOf(placements.gpu(), holdings.budgets.get(), limits.gpu_bytes_per_tenant);
     if (holdings.budgets == nullptr) continue;  // nothing charged to it now
     tenant.host_bytes_held = holdings.budgets->host().used();
     tenant.gpu_bytes_held = holdings.budgets->gpu_used();

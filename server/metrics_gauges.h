@@ -15,6 +15,12 @@ namespace kvrecall {
 std::vector<DeviceGauges> DeviceGaugesOf(
     const std::vector<std::unique_ptr<AttentionBackend>>& gpus);
 
+// Each of `gpus`' devices that has a budget: what `tenant` holds of it (0 where it has used none,
+// `tenant` null included) and its share there, `limit_bytes` (<= 0: +Inf, none of its own).
+std::vector<DeviceGauges> TenantDeviceGaugesOf(
+    const std::vector<std::unique_ptr<AttentionBackend>>& gpus, const TenantBudgets* tenant,
+    int64_t limit_bytes);
+
 // Sums over the open sessions of `registry` (each session's lock taken in shared mode, one at
 // a time) and over the device budgets of `placements`' GPU backends.
 ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,

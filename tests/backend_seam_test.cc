@@ -387,6 +387,69 @@ TEST(PlacementsTest, EachDevicesMemoryIsReportedApart) {
   gpus[0]->device_budget()->Release(95);
 }
 
+// And each tenant's share of each device: a tenant whose share of GPU 0 is full is refused there
+// though it holds nothing of GPU 1, where its summed gauges read half full.
+TEST(PlacementsTest, EachDevicesTenantShareIsReportedApart) {
+  std::vector<std::unique_ptr<AttentionBackend>> gpus;
+  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:0", 100));
+  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:1", 100));
+  MemoryBudget host(0);
+  TenantBudgets alice("alice", 0, 30, &host);
+  ASSERT_TRUE(alice.Within(gpus[0]->device_budget())->Reserve(29, "alice's").ok());
+  EXPECT_EQ(alice.gpu_used(), 29);
+  EXPECT_EQ(alice.gpu_used_within(gpus[0]->device_budget()), 29);
+  EXPECT_EQ(alice.gpu_used_within(gpus[1]->device_budget()), 0) << "never used";
+  std::vector<DeviceGauges> shares = TenantDeviceGaugesOf(gpus, &alice, 30);
+  ASSERT_EQ(shares.size(), 2u);
+  EXPECT_EQ(shares[0].device, "cuda:0");
+  EXPECT_EQ(shares[0].bytes_held, 29);
+  EXPECT_EQ(shares[0].bytes_budget, 30);
+  EXPECT_EQ(shares[1].device, "cuda:1");
+  EXPECT_EQ(shares[1].bytes_held, 0);
+  EXPECT_EQ(shares[1].bytes_budget, 30);
+  // A tenant holding nothing now has no budgets to read; a limit <= 0 is none of its own.
+  const std::vector<DeviceGauges> unlimited = TenantDeviceGaugesOf(gpus, nullptr, 0);
+  ASSERT_EQ(unlimited.size(), 2u);
+  EXPECT_EQ(unlimited[1].bytes_held, 0);
+  EXPECT_TRUE(std::isinf(unlimited[1].bytes_budget));
+
+  ServerMetrics metrics;
+  bool alice_holds = true;
+  metrics.SetGaugeSource([&] {
+    ServerGauges gauges;
+    if (!alice_holds) return gauges;
+    TenantGauges& tenant = gauges.tenants.emplace_back();
+    tenant.tenant = "alice";
+    tenant.sessions_open = 1;
+    tenant.has_budgets = true;
+    tenant.gpu_bytes_held = alice.gpu_used();
+    tenant.gpu_bytes_budget = 60;
+    tenant.devices = shares;
+    return gauges;
+  });
+  std::string text = metrics.TextFormat();
+  EXPECT_EQ(testing::SeriesValue(text, R"(kvrecall_tenant_gpu_memory_bytes{tenant="alice"})"), 29);
+  EXPECT_EQ(
+      testing::SeriesValue(text, R"(kvrecall_tenant_gpu_memory_budget_bytes{tenant="alice"})"), 60);
+  EXPECT_EQ(testing::SeriesValue(
+                text, R"(kvrecall_tenant_gpu_device_memory_bytes{device="cuda:0",tenant="alice"})"),
+            29);
+  EXPECT_EQ(
+      testing::SeriesValue(
+          text,
+          R"(kvrecall_tenant_gpu_device_memory_budget_bytes{device="cuda:0",tenant="alice"})"),
+      30);
+  // (SeriesValue reads an absent series as 0: the idle device's series is there, at 0.)
+  EXPECT_THAT(text,
+              ::testing::HasSubstr("\nkvrecall_tenant_gpu_device_memory_bytes{device=\"cuda:1\","
+                                   "tenant=\"alice\"} 0\n"));
+  // A scrape that sees the tenant holding nothing removes its series, the devices' too.
+  alice_holds = false;
+  text = metrics.TextFormat();
+  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("tenant=\"alice\"")));
+  alice.Within(gpus[0]->device_budget())->Release(29);
+}
+
 TEST(PlacementsTest, FlagsParse) {
   absl::StatusOr<PlacementOptions> all = PlacementOptionsFromFlags("all", -1, 2);
   ASSERT_TRUE(all.ok());

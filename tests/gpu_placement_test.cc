@@ -622,6 +622,15 @@ TEST_P(GpuTenantBudgetTest, ATenantsSessionsHoldAtMostItsShareOfTheGpu) {
                                                           .front()->device(),
                                                       "\"}")),
             device->used());
+  // And the tenant's share of that device apart (the alert reads these).
+  const std::string on_device = absl::StrCat(
+      "{device=\"", server().server().placements().gpu().front()->device(), "\",tenant=\"\"}");
+  EXPECT_EQ(testing::SeriesValue(
+                scrape, absl::StrCat("kvrecall_tenant_gpu_device_memory_bytes", on_device)),
+            device->used() - before);
+  EXPECT_EQ(testing::SeriesValue(
+                scrape, absl::StrCat("kvrecall_tenant_gpu_device_memory_budget_bytes", on_device)),
+            128 << 20);
   ASSERT_TRUE(testing::CloseSession(stub(), *first).ok());
   EXPECT_TRUE(create(20000).ok()) << "the closed session's share is back";
 }

@@ -155,11 +155,14 @@ class ScrapeTest(unittest.TestCase):
         documented = set(re.findall(r"`(kvrecall_\w+)", section))
         self.assertEqual(exported - documented, set(), "exported, not in the README's table")
         # (A refusal's series is made at the first refusal by its limit: none in this workload;
-        # the devices' at the first scrape of a server with GPUs: none here; the TLS files'
-        # by a server with TLS: not this one.)
+        # the devices' (and the tenants' shares of them) at the first scrape of a server with
+        # GPUs: none here; the TLS files' by a server with TLS: not this one.)
         self.assertEqual(documented - exported,
                          {"kvrecall_requests_refused_total", "kvrecall_gpu_device_memory_bytes",
-                          "kvrecall_gpu_device_memory_budget_bytes", "kvrecall_tls_files_usable",
+                          "kvrecall_gpu_device_memory_budget_bytes",
+                          "kvrecall_tenant_gpu_device_memory_bytes",
+                          "kvrecall_tenant_gpu_device_memory_budget_bytes",
+                          "kvrecall_tls_files_usable",
                           "kvrecall_tls_certificate_expiration_timestamp_seconds"},
                          "in the README's table, not exported")
         # The alerting rules (deploy/helm/kvrecall/files/kvrecall.rules.yaml, whose promtool
