@@ -11,7 +11,8 @@
 # are recorded (0 expected), and so is the process's device memory (nvidia-smi), before and after.
 # Bundle .device/b176 (f7bd2b8: kvrecalld, load_test); carry its ship/.
 # Not run yet: no GPU machine could be started in the rest of the twenty-ninth session (ten
-# tries from 16:40 to 18:35 UTC); bench/results has no figure from it.
+# tries from 16:40 to 18:35 UTC), nor in the thirtieth (five tries from 19:48 to 20:31 UTC, then
+# no machine lent); bench/results has no figure from it.
 set -u
 . bench/device_call.sh
 device_call_begin 176
