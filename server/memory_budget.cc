@@ -166,13 +166,6 @@ MemoryBudget* TenantBudgets::Within(MemoryBudget* device) {
   return budget.get();
 }
 
-int64_t TenantBudgets::gpu_used() const {
-  absl::MutexLock lock(&mu_);
-  int64_t used = 0;
-  for (const auto& [device, budget] : devices_) used += budget->used();
-  return used;
-}
-
 int64_t TenantBudgets::gpu_used_within(const MemoryBudget* device) const {
   absl::MutexLock lock(&mu_);
   const auto it = devices_.find(device);

@@ -158,9 +158,7 @@ class TenantBudgets {
   const MemoryBudget& host() const { return host_; }
   // The tenant's budget within `device` (a GPU's server-wide budget, which outlives this).
   MemoryBudget* Within(MemoryBudget* device);
-  // What the tenant holds of the GPUs' budgets, summed over the devices it has used.
-  int64_t gpu_used() const;
-  // What it holds within `device` alone (0 where it has not used that device).
+  // What the tenant holds within `device`'s budget (0 where it has not used that device).
   int64_t gpu_used_within(const MemoryBudget* device) const;
 
  private:

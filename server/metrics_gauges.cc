@@ -1,5 +1,6 @@
 #include "server/metrics_gauges.h"
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -19,17 +20,39 @@ std::vector<DeviceGauges> DeviceGaugesOf(
   return devices;
 }
 
-std::vector<DeviceGauges> TenantDeviceGaugesOf(
-    const std::vector<std::unique_ptr<AttentionBackend>>& gpus, const TenantBudgets* tenant,
-    int64_t limit_bytes) {
-  std::vector<DeviceGauges> devices;
-  for (const std::unique_ptr<AttentionBackend>& backend : gpus) {
-    const MemoryBudget* budget = backend->device_budget();
-    if (budget == nullptr) continue;
-    devices.push_back({backend->device(), tenant == nullptr ? 0 : tenant->gpu_used_within(budget),
-                       BudgetGaugeValue(limit_bytes)});
+std::vector<TenantGauges> TenantGaugesOf(
+    const std::vector<SessionRegistry::TenantHoldings>& tenants, const SessionLimits& limits,
+    const std::vector<std::unique_ptr<AttentionBackend>>& gpus) {
+  const bool tenants_have_budgets =
+      limits.host_bytes_per_tenant > 0 || limits.gpu_bytes_per_tenant > 0;
+  std::vector<TenantGauges> gauges;
+  for (const SessionRegistry::TenantHoldings& holdings : tenants) {
+    TenantGauges& tenant = gauges.emplace_back();
+    tenant.tenant = holdings.tenant;
+    tenant.sessions_open = holdings.sessions_open;
+    tenant.has_budgets = tenants_have_budgets;
+    if (!tenants_have_budgets) continue;
+    tenant.host_bytes_budget = BudgetGaugeValue(limits.host_bytes_per_tenant);
+    if (holdings.budgets != nullptr) tenant.host_bytes_held = holdings.budgets->host().used();
+    for (const std::unique_ptr<AttentionBackend>& backend : gpus) {
+      const MemoryBudget* device = backend->device_budget();
+      if (device == nullptr) continue;
+      // A share of its own is bounded by the device's budget as well (a budget within it
+      // refuses when either is spent): a share above it could never fill. None of its own
+      // (+Inf) stays so: the device's gauges say when the device is full.
+      const double share = limits.gpu_bytes_per_tenant <= 0
+                               ? BudgetGaugeValue(limits.gpu_bytes_per_tenant)
+                               : std::min(BudgetGaugeValue(limits.gpu_bytes_per_tenant),
+                                          BudgetGaugeValue(device->limit()));
+      const int64_t held =
+          holdings.budgets == nullptr ? 0 : holdings.budgets->gpu_used_within(device);
+      tenant.devices.push_back({backend->device(), held, share});
+      // The sums from the same reads (0 without a device, +Inf where a share is).
+      tenant.gpu_bytes_held += held;
+      tenant.gpu_bytes_budget += share;
+    }
   }
-  return devices;
+  return gauges;
 }
 
 ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,
@@ -45,30 +68,11 @@ ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBu
   gauges.host_bytes_held = host_budget.used();
   gauges.host_bytes_budget = BudgetGaugeValue(host_budget.limit());
   gauges.devices = DeviceGaugesOf(placements.gpu());
-  const int devices = static_cast<int>(gauges.devices.size());
   for (const DeviceGauges& device : gauges.devices) {
     gauges.gpu_bytes_held += device.bytes_held;
     gauges.gpu_bytes_budget += device.bytes_budget;
   }
-  const SessionLimits& limits = registry.limits();
-  const bool tenants_have_budgets =
-      limits.host_bytes_per_tenant > 0 || limits.gpu_bytes_per_tenant > 0;
-  for (const SessionRegistry::TenantHoldings& holdings : registry.Tenants()) {
-    TenantGauges& tenant = gauges.tenants.emplace_back();
-    tenant.tenant = holdings.tenant;
-    tenant.sessions_open = holdings.sessions_open;
-    tenant.has_budgets = tenants_have_budgets;
-    if (!tenants_have_budgets) continue;
-    tenant.host_bytes_budget = BudgetGaugeValue(limits.host_bytes_per_tenant);
-    // As the server's: 0 without a device (not 0 * +Inf).
-    tenant.gpu_bytes_budget =
-        devices == 0 ? 0 : devices * BudgetGaugeValue(limits.gpu_bytes_per_tenant);
-    tenant.devices =
-        TenantDeviceGaugesOf(placements.gpu(), holdings.budgets.get(), limits.gpu_bytes_per_tenant);
-    if (holdings.budgets == nullptr) continue;  // nothing charged to it now
-    tenant.host_bytes_held = holdings.budgets->host().used();
-    tenant.gpu_bytes_held = holdings.budgets->gpu_used();
-  }
+  gauges.tenants = TenantGaugesOf(registry.Tenants(), registry.limits(), placements.gpu());
   gauges.codes_learnings = placements.CodesLearnings();
   gauges.host_kv_growths = HostKvGrowthCounts();
   gauges.host_address_space_held = static_cast<int64_t>(HostAddressSpaceHeld());

@@ -15,14 +15,17 @@ namespace kvrecall {
 std::vector<DeviceGauges> DeviceGaugesOf(
     const std::vector<std::unique_ptr<AttentionBackend>>& gpus);
 
-// Each of `gpus`' devices that has a budget: what `tenant` holds of it (0 where it has used none,
-// `tenant` null included) and its share there, `limit_bytes` (<= 0: +Inf, none of its own).
-std::vector<DeviceGauges> TenantDeviceGaugesOf(
-    const std::vector<std::unique_ptr<AttentionBackend>>& gpus, const TenantBudgets* tenant,
-    int64_t limit_bytes);
+// Each tenant of `tenants` (SessionRegistry::Tenants()) as its gauges read under `limits`: its
+// open sessions and, with budgets per tenant, its host memory and, on each of `gpus`' devices
+// that has a budget, what it holds of that device and its share there (its limit, or the
+// device's budget where that is lower; +Inf without a limit of its own), and their sums.
+std::vector<TenantGauges> TenantGaugesOf(
+    const std::vector<SessionRegistry::TenantHoldings>& tenants, const SessionLimits& limits,
+    const std::vector<std::unique_ptr<AttentionBackend>>& gpus);
 
 // Sums over the open sessions of `registry` (each session's lock taken in shared mode, one at
-// a time) and over the device budgets of `placements`' GPU backends.
+// a time) and over the device budgets of `placements`' GPU backends; its tenants' gauges as
+// TenantGaugesOf reads them.
 ServerGauges CollectServerGauges(const SessionRegistry& registry, const MemoryBudget& host_budget,
                                  const Placements& placements);
 

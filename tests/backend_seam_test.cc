@@ -387,50 +387,72 @@ TEST(PlacementsTest, EachDevicesMemoryIsReportedApart) {
   gpus[0]->device_budget()->Release(95);
 }
 
-// And each tenant's share of each device: a tenant whose share of GPU 0 is full is refused there
-// though it holds nothing of GPU 1, where its summed gauges read half full.
+// And each tenant's share of each device: a tenant whose share of GPU 0 is nearly full is refused
+// there though it holds nothing of GPU 1, where its summed gauges read half full. Read as a
+// scrape reads them (TenantGaugesOf over the registry's tenants), then exported.
 TEST(PlacementsTest, EachDevicesTenantShareIsReportedApart) {
   std::vector<std::unique_ptr<AttentionBackend>> gpus;
   gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:0", 100));
-  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:1", 100));
+  gpus.push_back(std::make_unique<DeviceBudgetOnlyBackend>("cuda:1", 20));  // below a share
   MemoryBudget host(0);
-  TenantBudgets alice("alice", 0, 30, &host);
-  ASSERT_TRUE(alice.Within(gpus[0]->device_budget())->Reserve(29, "alice's").ok());
-  EXPECT_EQ(alice.gpu_used(), 29);
-  EXPECT_EQ(alice.gpu_used_within(gpus[0]->device_budget()), 29);
-  EXPECT_EQ(alice.gpu_used_within(gpus[1]->device_budget()), 0) << "never used";
-  std::vector<DeviceGauges> shares = TenantDeviceGaugesOf(gpus, &alice, 30);
-  ASSERT_EQ(shares.size(), 2u);
-  EXPECT_EQ(shares[0].device, "cuda:0");
-  EXPECT_EQ(shares[0].bytes_held, 29);
-  EXPECT_EQ(shares[0].bytes_budget, 30);
-  EXPECT_EQ(shares[1].device, "cuda:1");
-  EXPECT_EQ(shares[1].bytes_held, 0);
-  EXPECT_EQ(shares[1].bytes_budget, 30);
-  // A tenant holding nothing now has no budgets to read; a limit <= 0 is none of its own.
-  const std::vector<DeviceGauges> unlimited = TenantDeviceGaugesOf(gpus, nullptr, 0);
-  ASSERT_EQ(unlimited.size(), 2u);
-  EXPECT_EQ(unlimited[1].bytes_held, 0);
-  EXPECT_TRUE(std::isinf(unlimited[1].bytes_budget));
+  auto alice = std::make_shared<TenantBudgets>("alice", 0, 30, &host);
+  ASSERT_TRUE(alice->Within(gpus[0]->device_budget())->Reserve(29, "alice's").ok());
+  ASSERT_TRUE(alice->host()->Reserve(7, "alice's").ok());
+  EXPECT_EQ(alice->gpu_used_within(gpus[0]->device_budget()), 29);
+  EXPECT_EQ(alice->gpu_used_within(gpus[1]->device_budget()), 0) << "never used";
+  // bob holds a session and no memory now.
+  const std::vector<SessionRegistry::TenantHoldings> tenants = {{"alice", 1, alice},
+                                                                {"bob", 1, nullptr}};
+  SessionLimits gpu_shares;
+  gpu_shares.gpu_bytes_per_tenant = 30;
+  std::vector<TenantGauges> read = TenantGaugesOf(tenants, gpu_shares, gpus);
+  ASSERT_EQ(read.size(), 2u);
+  ASSERT_TRUE(read[0].has_budgets);
+  ASSERT_EQ(read[0].devices.size(), 2u);
+  EXPECT_EQ(read[0].devices[0].device, "cuda:0");
+  EXPECT_EQ(read[0].devices[0].bytes_held, 29);
+  EXPECT_EQ(read[0].devices[0].bytes_budget, 30);
+  EXPECT_EQ(read[0].devices[1].device, "cuda:1");
+  EXPECT_EQ(read[0].devices[1].bytes_held, 0);
+  EXPECT_EQ(read[0].devices[1].bytes_budget, 20) << "the device's budget bounds the share";
+  EXPECT_EQ(read[0].gpu_bytes_held, 29);
+  EXPECT_EQ(read[0].gpu_bytes_budget, 50);
+  EXPECT_EQ(read[0].host_bytes_held, 7);
+  EXPECT_TRUE(std::isinf(read[0].host_bytes_budget)) << "no host share of its own";
+  ASSERT_EQ(read[1].devices.size(), 2u);
+  EXPECT_EQ(read[1].devices[0].bytes_held, 0);
+  EXPECT_EQ(read[1].devices[0].bytes_budget, 30);
+  EXPECT_EQ(read[1].gpu_bytes_budget, 50);
+  // Host shares only: the GPU's are none of the tenant's own (+Inf), what it holds counted.
+  SessionLimits host_shares;
+  host_shares.host_bytes_per_tenant = 1000;
+  const std::vector<TenantGauges> host_only = TenantGaugesOf(tenants, host_shares, gpus);
+  ASSERT_EQ(host_only[0].devices.size(), 2u);
+  EXPECT_EQ(host_only[0].devices[0].bytes_held, 29);
+  EXPECT_TRUE(std::isinf(host_only[0].devices[0].bytes_budget));
+  EXPECT_TRUE(std::isinf(host_only[0].devices[1].bytes_budget));
+  EXPECT_TRUE(std::isinf(host_only[0].gpu_bytes_budget));
+  EXPECT_EQ(host_only[0].host_bytes_budget, 1000);
+  // No shares: sessions only.
+  const std::vector<TenantGauges> none = TenantGaugesOf(tenants, SessionLimits(), gpus);
+  EXPECT_FALSE(none[0].has_budgets);
+  EXPECT_TRUE(none[0].devices.empty());
+  EXPECT_EQ(none[0].gpu_bytes_held, 0);
+  // No GPU: no device series, sums 0.
+  const std::vector<TenantGauges> cpu_only = TenantGaugesOf(tenants, gpu_shares, {});
+  EXPECT_TRUE(cpu_only[0].devices.empty());
+  EXPECT_EQ(cpu_only[0].gpu_bytes_budget, 0);
 
   ServerMetrics metrics;
-  bool alice_holds = true;
   metrics.SetGaugeSource([&] {
     ServerGauges gauges;
-    if (!alice_holds) return gauges;
-    TenantGauges& tenant = gauges.tenants.emplace_back();
-    tenant.tenant = "alice";
-    tenant.sessions_open = 1;
-    tenant.has_budgets = true;
-    tenant.gpu_bytes_held = alice.gpu_used();
-    tenant.gpu_bytes_budget = 60;
-    tenant.devices = shares;
+    gauges.tenants = read;
     return gauges;
   });
   std::string text = metrics.TextFormat();
   EXPECT_EQ(testing::SeriesValue(text, R"(kvrecall_tenant_gpu_memory_bytes{tenant="alice"})"), 29);
   EXPECT_EQ(
-      testing::SeriesValue(text, R"(kvrecall_tenant_gpu_memory_budget_bytes{tenant="alice"})"), 60);
+      testing::SeriesValue(text, R"(kvrecall_tenant_gpu_memory_budget_bytes{tenant="alice"})"), 50);
   EXPECT_EQ(testing::SeriesValue(
                 text, R"(kvrecall_tenant_gpu_device_memory_bytes{device="cuda:0",tenant="alice"})"),
             29);
@@ -439,15 +461,21 @@ TEST(PlacementsTest, EachDevicesTenantShareIsReportedApart) {
           text,
           R"(kvrecall_tenant_gpu_device_memory_budget_bytes{device="cuda:0",tenant="alice"})"),
       30);
+  EXPECT_EQ(
+      testing::SeriesValue(
+          text, R"(kvrecall_tenant_gpu_device_memory_budget_bytes{device="cuda:1",tenant="bob"})"),
+      20);
   // (SeriesValue reads an absent series as 0: the idle device's series is there, at 0.)
   EXPECT_THAT(text,
               ::testing::HasSubstr("\nkvrecall_tenant_gpu_device_memory_bytes{device=\"cuda:1\","
                                    "tenant=\"alice\"} 0\n"));
-  // A scrape that sees the tenant holding nothing removes its series, the devices' too.
-  alice_holds = false;
+  // A scrape that sees a tenant holding nothing removes its series, the devices' too.
+  read.erase(read.begin());
   text = metrics.TextFormat();
   EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("tenant=\"alice\"")));
-  alice.Within(gpus[0]->device_budget())->Release(29);
+  EXPECT_THAT(text, ::testing::HasSubstr("tenant=\"bob\""));
+  alice->Within(gpus[0]->device_budget())->Release(29);
+  alice->host()->Release(7);
 }
 
 TEST(PlacementsTest, FlagsParse) {
