@@ -2,8 +2,9 @@
 # Written 2026-12-07 (thirtieth session). Hundred-and-seventy-eighth call: gpu_placement_test on
 # the device, for the tenants' per-device GPU gauges (kvrecall_tenant_gpu_device_memory_bytes and
 # _budget_bytes {tenant, device}: GpuTenantBudgetTest reads them from a real device's budget) and
-# the rest of that binary with them. Bundle .device/b178 (the thirtieth session's tree:
-# gpu_placement_test, kvrecalld); carry its ship/. Run in the same call as d176.
+# the rest of that binary with them. Bundle .device/b178 (dad975a: gpu_placement_test,
+# kvrecalld; rebuild it with the usual recipe where .device is missing); carry its ship/. Run in
+# the same call as d176.
 # Not run yet: no GPU machine came in the thirtieth session (see d176.sh).
 set -u
 . bench/device_call.sh
