@@ -270,8 +270,8 @@ ServerMetrics::ServerMetrics()
       tenant_gpu_bytes_budget_(
           prometheus::BuildGauge()
               .Name("kvrecall_tenant_gpu_memory_budget_bytes")
-              .Help("A tenant's GPU memory budgets (--gpu_memory_budget_per_tenant_gb) summed "
-                    "over devices; +Inf: none of its own")
+              .Help("A tenant's shares of the GPUs (--gpu_memory_budget_per_tenant_gb, each "
+                    "at most its device's budget) summed over devices; +Inf: none of its own")
               .Register(*registry_)),
       tenant_gpu_device_bytes_held_(prometheus::BuildGauge()
                                         .Name("kvrecall_tenant_gpu_device_memory_bytes")
