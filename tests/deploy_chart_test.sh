@@ -194,6 +194,29 @@ case "$case_name" in
       --set server.hostMemoryBudget.perTenantFraction=1.5
     expect_render_error "server.extraArgs: --host_memory_budget_per_tenant_gb is set by the chart" \
       --set "server.extraArgs={--host_memory_budget_per_tenant_gb=1}"
+    # Each GPU's budget and a tenant's share of it (GiB per device), with gpu.enabled only; a
+    # budget of 0 is kvrecalld's "unlimited", a share of 0 would be "none" (left unset instead).
+    gpu_flags="$("$HELM" template kvrecall "$chart_dir" --set gpu.enabled=true \
+      --set gpu.memoryBudget.gib=70 --set-string gpu.memoryBudget.perTenantGib=12.5 \
+      --show-only templates/statefulset.yaml | sed -nE 's/^ *- --(gpu_memory_budget[a-z_]*=.*)/\1/p')"
+    [ "$gpu_flags" = $'gpu_memory_budget_gb=70\ngpu_memory_budget_per_tenant_gb=12.5' ] ||
+      fail "gpu.memoryBudget 70 and 12.5: got '$gpu_flags'"
+    grep -qx -- ' *- --gpu_memory_budget_gb=0' <<<"$("$HELM" template kvrecall "$chart_dir" \
+      --set gpu.enabled=true --set gpu.memoryBudget.gib=0 --show-only templates/statefulset.yaml)" ||
+      fail "gpu.memoryBudget.gib=0 (unlimited) rendered no flag"
+    if "$HELM" template kvrecall "$chart_dir" --set gpu.enabled=true | grep -q -- '--gpu_memory'; then
+      fail "the GPU render without gpu.memoryBudget sets a GPU budget"
+    fi
+    expect_render_error "gpu.memoryBudget.perTenantGib is set but gpu.enabled is false" \
+      --set gpu.memoryBudget.perTenantGib=4
+    expect_render_error "gpu.memoryBudget.gib must be 0 (unlimited) or from 0.01 to below 2^33 GiB, got 0.001" \
+      --set gpu.enabled=true --set gpu.memoryBudget.gib=0.001
+    expect_render_error "gpu.memoryBudget.perTenantGib must be from 0.01 to below 2^33 GiB, got 9999999999" \
+      --set gpu.enabled=true --set-string gpu.memoryBudget.perTenantGib=9999999999
+    expect_render_error "at '/gpu/memoryBudget/perTenantGib': exclusiveMinimum: got 0, want 0" \
+      --set gpu.enabled=true --set gpu.memoryBudget.perTenantGib=0
+    expect_render_error "server.extraArgs: --gpu_memory_budget_per_tenant_gb is set by the chart; use gpu.memoryBudget.perTenantGib (with gpu.enabled) instead" \
+      --set "server.extraArgs={--gpu_memory_budget_per_tenant_gb=1}"
     # --flagfile (and Abseil's --fromenv, --tryfromenv) would set the flags the chart checks.
     expect_render_error "server.extraArgs: --flagfile would set flags past the chart's checks" \
       --set "server.extraArgs={--flagfile=/etc/kvrecalld.flags}"
@@ -222,7 +245,8 @@ case "$case_name" in
       --set colocatedRunner.tokenSecretName=r --set colocatedRunner.sharedMemory.enabled=true
       --set server.workerThreads=4 --set server.maxSessions=2 --set server.maxSessionsPerTenant=1
       --set server.maxContextTokens=1000 --set server.sessionIdleTtlSeconds=5
-      --set server.hostMemoryBudget.perTenantFraction=0.5)
+      --set server.hostMemoryBudget.perTenantFraction=0.5 --set gpu.enabled=true
+      --set gpu.memoryBudget.gib=70 --set gpu.memoryBudget.perTenantGib=8)
     rendered_flags="$("$HELM" template kvrecall "$chart_dir" "${every_flag[@]}" \
       --show-only templates/statefulset.yaml \
       | sed -nE 's/^ +- "?--([a-z_]+).*/\1/p' | sort -u)" || fail "the chart with every flag set"

@@ -42,6 +42,11 @@ KVRECALLD = None  # set from argv
 KVRECALL = None  # the CLI, when given: the NOTES' health check with TLS
 
 VARIANTS = {"default": [], "gpu": ["-f", os.path.join(CHART, "values-gpu.yaml")],
+            # Each device's budget and a tenant's share of it set (kvrecalld takes both without
+            # a device, as this machine runs it).
+            "gpu_budgets": ["-f", os.path.join(CHART, "values-gpu.yaml"),
+                            "--set", "gpu.memoryBudget.gib=70",
+                            "--set", "gpu.memoryBudget.perTenantGib=8"],
             "secure": ["-f", os.path.join(CHART, "values-secure.yaml")],
             # The API published through a LoadBalancer (allowed with TLS and tokens only): the
             # metrics port moves to a ClusterIP Service of its own.

@@ -127,6 +127,28 @@ server.hostMemoryBudget.perTenantFraction of the host memory budget (empty when 
 {{- end }}
 {{- end }}
 
+{{/*
+--gpu_memory_budget_gb or --gpu_memory_budget_per_tenant_gb in GiB per device (empty when
+unset), given (list $ "gib") or (list $ "perTenantGib"): gpu.memoryBudget's value, with
+gpu.enabled only.
+*/}}
+{{- define "kvrecall.gpuMemoryBudgetGiB" -}}
+{{- $root := index . 0 }}
+{{- $key := index . 1 }}
+{{- $gib := get $root.Values.gpu.memoryBudget $key }}
+{{- if not (kindIs "invalid" $gib) }}
+{{- if not $root.Values.gpu.enabled }}
+{{- fail (printf "gpu.memoryBudget.%s is set but gpu.enabled is false: the pod has no GPU to budget" $key) }}
+{{- end }}
+{{- /* kvrecalld reads 0 as unlimited (the budget) or none (the share), and refuses a budget below a byte or from 2^33 GiB: 0 where that is meant, else 0.01 up to that. */}}
+{{- $in_range := and (ge (float64 $gib) 0.01) (lt (float64 $gib) 8589934592.0) }}
+{{- if not (or $in_range (and (eq (float64 $gib) 0.0) (eq $key "gib"))) }}
+{{- fail (printf "gpu.memoryBudget.%s must be %sfrom 0.01 to below 2^33 GiB, got %v" $key (ternary "0 (unlimited) or " "" (eq $key "gib")) $gib) }}
+{{- end }}
+{{- include "kvrecall.number" $gib }}
+{{- end }}
+{{- end }}
+
 {{/* The Unix socket a co-located runner reaches kvrecalld on (colocatedRunner). */}}
 {{- define "kvrecall.socketAddress" -}}
 unix:{{ .Values.colocatedRunner.socketDir }}/kvrecall.sock
@@ -237,6 +259,8 @@ worker_threads: server.workerThreads
 max_message_mb: server.maxMessageMb
 host_memory_budget_gb: server.hostMemoryBudget.fractionOfLimit or server.hostMemoryBudget.gib
 host_memory_budget_per_tenant_gb: server.hostMemoryBudget.perTenantFraction
+gpu_memory_budget_gb: gpu.memoryBudget.gib (with gpu.enabled)
+gpu_memory_budget_per_tenant_gb: gpu.memoryBudget.perTenantGib (with gpu.enabled)
 shutdown_grace_seconds: server.shutdownGraceSeconds
 max_sessions: server.maxSessions
 max_sessions_per_tenant: server.maxSessionsPerTenant
@@ -270,6 +294,12 @@ max_shared_streams: colocatedRunner.sharedMemory.maxStreams (with colocatedRunne
 - --host_memory_budget_gb={{ include "kvrecall.hostMemoryBudgetGiB" . }}
 {{- with include "kvrecall.hostMemoryBudgetPerTenantGiB" . }}
 - --host_memory_budget_per_tenant_gb={{ . }}
+{{- end }}
+{{- with include "kvrecall.gpuMemoryBudgetGiB" (list . "gib") }}
+- --gpu_memory_budget_gb={{ . }}
+{{- end }}
+{{- with include "kvrecall.gpuMemoryBudgetGiB" (list . "perTenantGib") }}
+- --gpu_memory_budget_per_tenant_gb={{ . }}
 {{- end }}
 {{- if ge (float64 .Values.server.shutdownGraceSeconds) (float64 .Values.terminationGracePeriodSeconds) }}
 {{- fail (printf "server.shutdownGraceSeconds (%v) must be below terminationGracePeriodSeconds (%v): the kubelet kills the container then" .Values.server.shutdownGraceSeconds .Values.terminationGracePeriodSeconds) }}
