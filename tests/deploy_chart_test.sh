@@ -207,8 +207,22 @@ case "$case_name" in
     if "$HELM" template kvrecall "$chart_dir" --set gpu.enabled=true | grep -q -- '--gpu_memory'; then
       fail "the GPU render without gpu.memoryBudget sets a GPU budget"
     fi
+    grep -qx -- ' *- --gpu_memory_budget_gb=1.0000005e+06' <<<"$("$HELM" template kvrecall \
+      "$chart_dir" --set gpu.enabled=true --set gpu.memoryBudget.gib=1000000.5 \
+      --show-only templates/statefulset.yaml)" || fail "gpu.memoryBudget.gib=1000000.5 as kvrecalld reads it"
+    # A release's values from before gpu.memoryBudget (helm upgrade --reuse-values) render.
+    "$HELM" template kvrecall "$chart_dir" --set gpu.memoryBudget=null >/dev/null ||
+      fail "values without gpu.memoryBudget do not render"
     expect_render_error "gpu.memoryBudget.perTenantGib is set but gpu.enabled is false" \
       --set gpu.memoryBudget.perTenantGib=4
+    expect_render_error "gpu.memoryBudget.gib is set but gpu.enabled is false" \
+      --set gpu.memoryBudget.gib=0
+    expect_render_error "gpu.memoryBudget.gib must be 0 (unlimited) or from 0.01 to below 2^33 GiB, got 8589934592" \
+      --set gpu.enabled=true --set-string gpu.memoryBudget.gib=8589934592
+    expect_render_error "gpu.memoryBudget.perTenantGib must be from 0.01 to below 2^33 GiB, got 0" \
+      --set gpu.enabled=true --set-string gpu.memoryBudget.perTenantGib=0
+    expect_render_error "gpu.memoryBudget.perTenantGib (50) must not exceed gpu.memoryBudget.gib (0.1)" \
+      --set gpu.enabled=true --set gpu.memoryBudget.gib=0.1 --set gpu.memoryBudget.perTenantGib=50
     expect_render_error "gpu.memoryBudget.gib must be 0 (unlimited) or from 0.01 to below 2^33 GiB, got 0.001" \
       --set gpu.enabled=true --set gpu.memoryBudget.gib=0.001
     expect_render_error "gpu.memoryBudget.perTenantGib must be from 0.01 to below 2^33 GiB, got 9999999999" \

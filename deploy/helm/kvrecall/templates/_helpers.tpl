@@ -135,7 +135,8 @@ gpu.enabled only.
 {{- define "kvrecall.gpuMemoryBudgetGiB" -}}
 {{- $root := index . 0 }}
 {{- $key := index . 1 }}
-{{- $gib := get $root.Values.gpu.memoryBudget $key }}
+{{- /* dig: a release's old values (helm upgrade --reuse-values) have no gpu.memoryBudget. */}}
+{{- $gib := dig "memoryBudget" $key nil $root.Values.gpu }}
 {{- if not (kindIs "invalid" $gib) }}
 {{- if not $root.Values.gpu.enabled }}
 {{- fail (printf "gpu.memoryBudget.%s is set but gpu.enabled is false: the pod has no GPU to budget" $key) }}
@@ -144,6 +145,12 @@ gpu.enabled only.
 {{- $in_range := and (ge (float64 $gib) 0.01) (lt (float64 $gib) 8589934592.0) }}
 {{- if not (or $in_range (and (eq (float64 $gib) 0.0) (eq $key "gib"))) }}
 {{- fail (printf "gpu.memoryBudget.%s must be %sfrom 0.01 to below 2^33 GiB, got %v" $key (ternary "0 (unlimited) or " "" (eq $key "gib")) $gib) }}
+{{- end }}
+{{- $budget := dig "memoryBudget" "gib" nil $root.Values.gpu }}
+{{- if and (eq $key "perTenantGib") (not (kindIs "invalid" $budget)) }}
+{{- if and (gt (float64 $budget) 0.0) (gt (float64 $gib) (float64 $budget)) }}
+{{- fail (printf "gpu.memoryBudget.perTenantGib (%v) must not exceed gpu.memoryBudget.gib (%v): a share is within the device's budget" $gib $budget) }}
+{{- end }}
 {{- end }}
 {{- include "kvrecall.number" $gib }}
 {{- end }}
