@@ -10,9 +10,8 @@
 # the server's sessions' GPU and host bytes (kvrecall_gpu_memory_bytes, kvrecall_host_memory_bytes)
 # are recorded (0 expected), and so is the process's device memory (nvidia-smi), before and after.
 # Bundle .device/b176 (f7bd2b8: kvrecalld, load_test); carry its ship/.
-# Not run yet: no GPU machine could be started in the rest of the twenty-ninth session (ten
-# tries from 16:40 to 18:35 UTC), nor in the thirtieth (five tries from 19:48 to 20:31 UTC, then
-# no machine lent); bench/results has no figure from it.
+# Run 2026-12-07 21:48 UTC (thirtieth session, after eight tries that got no machine) on an H100,
+# with d178 after it in the same call: hardening.md, "Load test", "On the GPU placements".
 set -u
 . bench/device_call.sh
 device_call_begin 176

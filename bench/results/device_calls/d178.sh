@@ -5,7 +5,7 @@
 # the rest of that binary with them. Bundle .device/b178 (dad975a: gpu_placement_test,
 # kvrecalld; rebuild it with the usual recipe where .device is missing); carry its ship/. Run in
 # the same call as d176.
-# Not run yet: no GPU machine came in the thirtieth session (see d176.sh).
+# Run 2026-12-07 on an H100, after d176 in the same call: device_tests.md, d178.
 set -u
 . bench/device_call.sh
 device_call_begin 178
