@@ -28,6 +28,8 @@
 #   kv_growth_run BIN           # BIN/kv_growth_bench with the device, into $R/kv_growth.json
 #   host_stalls_run NAME [F..]  # bench/host_stalls (flags F) on the idle host, into
 #                               # $OUT/NAME.json, its rates to $S (d151 on)
+#   load_test_server, load_test_state PHASE, load_test_round F.., load_test_server_stop
+#                               # the load test on the GPU placements (d176 on)
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -134,6 +136,44 @@ for t in d["per_thread"]:
           round(t["not_preempted_ms"], 1), "steal/irq/softirq ms", t.get("steal_ms"),
           t.get("irq_ms"), t.get("softirq_ms"))
 PY
+}
+
+# The load test against the GPU placements (d176 on): load_test_server starts kvrecalld (its
+# metrics URL in $metrics_url); load_test_state PHASE writes the server's session gauges, the
+# process's device memory and its RSS to $S; load_test_round FLAG... runs one bench/load_test
+# round over the gpu and tiered placements (Llama-3-8B's layer geometry, K = 512, 2 layers) into
+# $R/load_N.json, then load_test_state; load_test_server_stop stops kvrecalld and logs its tail.
+load_test_server() {
+  start_kvrecalld "$B/kvrecalld" "$L/kvrecalld.log" --address=127.0.0.1:0 || return 1
+  metrics_url=$(sed -n 's/^kvrecalld metrics on //p' "$L/kvrecalld.log")
+  load_test_rounds=0
+}
+load_test_state() {
+  python3 - "$metrics_url" "$1" <<'PY' 2>&1 | tee -a "$S"
+import sys, urllib.request
+text = urllib.request.urlopen(sys.argv[1], timeout=5).read().decode()
+keep = ("kvrecall_sessions_open", "kvrecall_gpu_memory_bytes", "kvrecall_host_memory_bytes",
+        "kvrecall_tokens_held", "kvrecall_codes_learnings_total")
+print(sys.argv[2], " ".join(l for l in text.splitlines()
+                            if l.startswith(keep) and not l.startswith("#")))
+PY
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tee -a "$S"
+  grep -E "VmRSS" "/proc/$kvrecalld_pid/status" | tee -a "$S"
+}
+load_test_round() {
+  load_test_rounds=$((load_test_rounds + 1))
+  local round=$load_test_rounds
+  timeout 150 "$B/load_test" --server="$kvrecalld_address" --server_pid="$kvrecalld_pid" \
+    --json="$R/load_$round.json" --placements=gpu,tiered --q_heads=32 --kv_heads=8 \
+    --head_dim=128 --top_k=512 --layers=2 "$@" 2>&1 | tee -a "$S"
+  echo "round $round rc ${PIPESTATUS[0]} t=$SECONDS" | tee -a "$S"
+  load_test_state "after round $round"
+}
+load_test_server_stop() {
+  kill "$kvrecalld_pid"
+  wait "$kvrecalld_pid"
+  echo "kvrecalld rc $? t=$SECONDS" | tee -a "$S"
+  grep -v "^kvrecalld listening\|^kvrecalld metrics" "$L/kvrecalld.log" | tail -20 | tee -a "$S"
 }
 
 device_call_end() {
