@@ -68,7 +68,7 @@ std::span<const int32_t> QuerySupportCache::support(int age) const {
   return supports_[Slot(age)];
 }
 
-void QuerySupportCache::Push(const float* unit_query, std::span<const int32_t> support) {
+int QuerySupportCache::ClaimNewest(const float* unit_query) {
   int slot;
   if (size_ < capacity_) {
     slot = Slot(size_);
@@ -79,10 +79,24 @@ void QuerySupportCache::Push(const float* unit_query, std::span<const int32_t> s
   }
   std::copy(unit_query, unit_query + head_dim_,
             queries_.begin() + static_cast<size_t>(slot) * head_dim_);
+  return slot;
+}
+
+void QuerySupportCache::Push(const float* unit_query, std::span<const int32_t> support) {
+  const int slot = ClaimNewest(unit_query);
   const size_t before = supports_[slot].capacity();
   supports_[slot].assign(support.begin(), support.end());
   support_bytes_ += static_cast<int64_t>(supports_[slot].capacity() - before) *
                     static_cast<int64_t>(sizeof(int32_t));
+}
+
+void QuerySupportCache::PushTaking(const float* unit_query, std::vector<int32_t>* support) {
+  const int slot = ClaimNewest(unit_query);
+  const size_t before = supports_[slot].capacity();
+  supports_[slot].swap(*support);
+  support_bytes_ +=
+      (static_cast<int64_t>(supports_[slot].capacity()) - static_cast<int64_t>(before)) *
+      static_cast<int64_t>(sizeof(int32_t));
 }
 
 void QuerySupportCache::Cosines(const float* unit_query, float* cosines) const {
@@ -136,6 +150,7 @@ void UnionReuseCandidates(const QuerySupportCache& cache, std::span<const int32_
 }
 
 SelectionPath ReTopKHead::Decide(const float* q, int64_t decode_step, float* best_cosine) {
+  pending_ = false;  // a step that failed after its selection
   cpu::Normalize(q, cache_.head_dim(), unit_query_.data());
   const int entries = cache_.size();
   cache_.Cosines(unit_query_.data(), cosines_.data());
@@ -188,11 +203,28 @@ void ReTopKHead::StepDecided(const float* q, const KvView& kv, int kv_head, Head
     out->support_scores.clear();
     out->candidates = static_cast<int32_t>(kv.tokens);
   }
-  cache_.Push(unit_query_.data(), out->support);
+  if (defer_push_) {
+    pending_support_.assign(out->support.begin(), out->support.end());
+    pending_ = true;
+  } else {
+    cache_.Push(unit_query_.data(), out->support);
+  }
 }
 
 void ReTopKHead::CompleteDecided(std::span<const int32_t> support) {
   cache_.Push(unit_query_.data(), support);
+}
+
+void ReTopKHead::set_defer_push(bool defer) {
+  defer_push_ = defer;
+  pending_ = false;
+  if (defer) pending_support_.reserve(static_cast<size_t>(params_.top_k));
+}
+
+void ReTopKHead::PushPending() {
+  if (!pending_) return;
+  cache_.PushTaking(unit_query_.data(), &pending_support_);
+  pending_ = false;
 }
 
 int64_t ReTopKHead::MemoryBytes() const {
@@ -200,7 +232,7 @@ int64_t ReTopKHead::MemoryBytes() const {
     return static_cast<int64_t>(v.capacity() * sizeof(v[0]));
   };
   return cache_.MemoryBytes() + bytes(unit_query_) + bytes(cosines_) + bytes(neighbors_) +
-         bytes(candidates_) + bytes(scores_) + bytes(positions_);
+         bytes(candidates_) + bytes(scores_) + bytes(positions_) + bytes(pending_support_);
 }
 
 float CalibrateTau(std::span<const ReuseSample> samples, float target_recall,
@@ -410,6 +442,10 @@ void ReTopKSelector::SelectDecided(int q_head, const float* q, const KvView& kv,
 
 void ReTopKSelector::CompleteDecided(int q_head, std::span<const int32_t> support) {
   heads_[q_head].CompleteDecided(support);
+}
+
+void ReTopKSelector::set_defer_pushes(bool defer) {
+  for (ReTopKHead& head : heads_) head.set_defer_push(defer);
 }
 
 int64_t ReTopKSelector::MemoryBytes() const {

@@ -57,6 +57,9 @@ class QuerySupportCache {
 
   // Appends an entry as the newest, evicting the oldest when full.
   void Push(const float* unit_query, std::span<const int32_t> support);
+  // The same, taking *support's ids without a copy: *support gets the evicted slot's vector in
+  // exchange (its content unspecified; its capacity is for the caller to reuse).
+  void PushTaking(const float* unit_query, std::vector<int32_t>* support);
 
   // cosines[age] = <unit_query, query(age)> for age in [0, size()).
   void Cosines(const float* unit_query, float* cosines) const;
@@ -72,6 +75,9 @@ class QuerySupportCache {
 
  private:
   int Slot(int age) const { return (oldest_ + age) % capacity_; }
+  // The slot of a new newest entry (the oldest's when full, evicting it), its query set to
+  // unit_query; Push's and PushTaking's.
+  int ClaimNewest(const float* unit_query);
 
   int capacity_;
   int head_dim_;
@@ -132,6 +138,14 @@ class ReTopKHead {
   void StepDecided(const float* q, const KvView& kv, int kv_head, HeadSelection* out,
                    SupportSelector* exact_search = nullptr, int q_head = 0);
   void CompleteDecided(std::span<const int32_t> support);
+
+  // With deferred pushes, Step and StepDecided keep the step's (q̄, support) aside instead of
+  // pushing it: PushPending pushes it once the caller's step has succeeded, and the next Decide
+  // or Step drops it. For a caller whose step may still fail after its heads selected (the
+  // tiered placement, whose device half ends after the host's heads): a failed step, resent,
+  // must not find its own query in the cache. Reserves room for one support of top_k.
+  void set_defer_push(bool defer);
+  void PushPending();
   std::span<const int32_t> neighbors() const { return neighbors_; }
   std::span<const int32_t> candidates() const { return candidates_; }
 
@@ -154,6 +168,9 @@ class ReTopKHead {
   std::vector<int32_t> positions_;
   SelectionPath decided_path_ = SelectionPath::kFallback;
   float decided_best_ = 0.0f;
+  bool defer_push_ = false;
+  bool pending_ = false;  // pending_support_ (with unit_query_) awaits PushPending
+  std::vector<int32_t> pending_support_;
 };
 
 // One prompt query replayed through the reuse path during calibration.
@@ -268,6 +285,10 @@ class ReTopKSelector : public SupportSelector {
   SelectionPath Decide(int q_head, const float* q, int64_t kv_tokens, float* best_cosine);
   void SelectDecided(int q_head, const float* q, const KvView& kv, HeadSelection* out);
   void CompleteDecided(int q_head, std::span<const int32_t> support);
+  // ReTopKHead::set_defer_push for every head, after Build (which makes the heads anew);
+  // PushPending for query head q_head's step.
+  void set_defer_pushes(bool defer);
+  void PushPending(int q_head) { heads_[q_head].PushPending(); }
 
   // The exact and refresh paths select with `search` (built, fed appends and counted with this
   // selector) instead of a flat scan: the graph index in the tiered placement. Before Build.

@@ -297,7 +297,13 @@ StepContext* DecodeStream::ContextFor(AttentionBackend* backend) {
   for (auto& [b, context] : contexts_) {
     if (b == backend) return context.get();
   }
-  contexts_.emplace_back(backend, backend->NewStepContext());
+  // Only a device's contexts keep host memory (pinned staging): a stream of the CPU placement
+  // holds no tenant's budgets, so that its tenant's series go with its sessions.
+  if (budgets_ == nullptr && backend->device_budget() != nullptr) {
+    budgets_ = registry_->BudgetsOf(tenant_);
+  }
+  MemoryAccount* host = budgets_ != nullptr ? budgets_->host() : registry_->budget();
+  contexts_.emplace_back(backend, backend->NewStepContext(host));
   return contexts_.back().second.get();
 }
 

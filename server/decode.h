@@ -32,8 +32,10 @@ uint64_t MaxDecodeReplyBytes(const v1::DecodeRequest& request,
 
 class DecodeStream {
  public:
-  // Steps only sessions of `tenant` (SessionRegistry::Find).
-  explicit DecodeStream(const SessionRegistry* registry, std::string tenant = "")
+  // Steps only sessions of `tenant` (SessionRegistry::Find). What the stream keeps in host
+  // memory per backend (a device's pinned staging, StepContext) is charged to the tenant's host
+  // budget when tenants have their own, else to the server's.
+  explicit DecodeStream(SessionRegistry* registry, std::string tenant = "")
       : registry_(registry), tenant_(std::move(tenant)) {}
 
   // Serves one request into `response` (which the caller cleared). A request with no steps
@@ -53,7 +55,7 @@ class DecodeStream {
                      absl::string_view reply_limit = "the reply area");
 
  private:
-  // The backend's per-stream context, made on first use.
+  // The backend's per-stream context, made on first use (charging the host account).
   StepContext* ContextFor(AttentionBackend* backend);
   // Fills the fidelity fields of each result's heads against the shadow (full attention).
   absl::Status CompareExact(const v1::DecodeRequest& request, v1::DecodeResponse* response);
@@ -64,8 +66,11 @@ class DecodeStream {
   // appended before it (the steps whose layer holds more than tokens_before_ says), or none.
   absl::Status WithStepsApplied(const absl::Status& failure, int layer) const;
 
-  const SessionRegistry* registry_;
+  SessionRegistry* const registry_;
   const std::string tenant_;
+  // The tenant's budgets the contexts charge (BudgetsOf, taken with the first device's context;
+  // null without per-tenant budgets): declared before contexts_, which release into them.
+  std::shared_ptr<TenantBudgets> budgets_;
   absl::InlinedVector<std::pair<AttentionBackend*, std::unique_ptr<StepContext>>, 2> contexts_;
   // Scratch reused across requests so that steady-state decoding allocates little; per step i
   // of the request: queries_[q_offsets_[i]..], keys_/values_[kv_offsets_[i]..], output_

@@ -262,7 +262,8 @@ class SessionRegistry {
     int64_t sessions_open = 0;
     std::shared_ptr<const TenantBudgets> budgets;  // null: none held, or no per-tenant budgets
   };
-  // Every tenant that holds a session or tenant memory (a shared decode region's), by name.
+  // Every tenant that holds a session or tenant memory (a shared decode region's, a GPU stream's
+  // pinned buffers), by name.
   std::vector<TenantHoldings> Tenants() const;
   // Closes the sessions idle for longer than the TTL at `now` (the registry's thread calls it;
   // tests may too) and returns how many it closed.

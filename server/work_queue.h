@@ -31,9 +31,9 @@ class WorkItem {
 
 class WorkQueue {
  public:
-  // Starts `threads` (>= 1) threads named `name` (at most 15 characters show in ps/top). When
-  // the system refuses a thread (a thread or pid limit), it keeps those it started and
-  // status() says so.
+  // Starts `threads` (>= 1; 0 in tests: a queue as one none of whose threads started) threads
+  // named `name` (at most 15 characters show in ps/top). When the system refuses a thread (a
+  // thread or pid limit), it keeps those it started and status() says so.
   WorkQueue(int threads, std::string name);
   // Runs what is queued, then joins the threads. (A queue none of whose threads started runs
   // nothing: a server refuses to start then, ThreadsStarted.)

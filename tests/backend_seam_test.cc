@@ -115,7 +115,7 @@ TEST_F(CpuBackendSeamTest, StepsOfABatchMatchBruteForceAndReportTheirPaths) {
                               lse.data() + b * kQHeads, heads.data() + b * kQHeads,
                               supports.data() + b * kQHeads});
   }
-  std::unique_ptr<StepContext> context = backend_.NewStepContext();
+  std::unique_ptr<StepContext> context = backend_.NewStepContext(nullptr);
   ASSERT_TRUE(backend_.Step(steps, context.get()).ok());
 
   const double scale = full.shape.scale;
@@ -322,7 +322,7 @@ class DeviceBudgetOnlyBackend final : public AttentionBackend {
                                                            const BuildStop&) override {
     return absl::UnimplementedError("a budget only");
   }
-  std::unique_ptr<StepContext> NewStepContext() override { return nullptr; }
+  std::unique_ptr<StepContext> NewStepContext(MemoryAccount*) override { return nullptr; }
   absl::Status Step(std::span<LayerStep>, StepContext*) override {
     return absl::UnimplementedError("a budget only");
   }

@@ -77,5 +77,29 @@ TEST(DeferredAppendTest, WithoutAQueueItRunsInline) {
   EXPECT_EQ(appended.waited_seconds(), 0.0);
 }
 
+// A queue none of whose threads started (the system refused them: a thread or pid limit when
+// the process first linked a token) runs nothing: its OnAppends run inline instead. Before, the
+// item waited there for good, and the layer's next Wait (its next step, its close) with it.
+TEST(DeferredAppendTest, AQueueWithoutThreadsRunsItInline) {
+  WorkQueue no_threads(0, "test-link");
+  ASSERT_EQ(no_threads.threads(), 0);
+  RecordingSelector selector;
+  DeferredAppend appended(&selector, &no_threads);
+  std::atomic<bool> done{false};
+  std::thread step([&] {
+    appended.Queue(ViewOf(5));
+    appended.Queue(ViewOf(6));  // waits for the first
+    appended.Wait();
+    done.store(true);
+  });
+  for (int i = 0; i < 500 && !done.load(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(done.load()) << "Wait blocked on an OnAppend no thread runs";
+  step.join();
+  EXPECT_EQ(selector.calls.load(), 2);
+  EXPECT_EQ(selector.last_tokens.load(), 6);
+}
+
 }  // namespace
 }  // namespace kvrecall

@@ -69,7 +69,7 @@ class GpuExactHeadsTest : public ::testing::Test {
                           BuildStop());
     ASSERT_TRUE(codes.ok()) << codes.status();
     codes_ = *std::move(codes);
-    context_ = tier_->NewStepContext();
+    context_ = tier_->NewStepContext(nullptr);
   }
   void TearDown() override {
     context_.reset();  // drains a step left in flight, before the KV is unpinned

@@ -2,8 +2,9 @@
 // device): outputs against brute force (full, streaming, exact top-K) and against the CPU
 // placement fed the same tokens (ReTopK: path per head, path mix, output cosine); a batch of 8
 // sessions in one request equal to each stepped alone; the bad inputs of the CPU suite answered
-// with the same codes; what the GPU placement refuses at CreateSession; and the GPU memory budget
-// enforced at admission and at growth, a refused step leaving the session as it was.
+// with the same codes; what the GPU placement refuses at CreateSession; the GPU memory budget
+// enforced at admission and at growth, a refused step leaving the session as it was; and a
+// stream's pinned host buffers charged to the host budget.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -571,6 +572,53 @@ TEST_P(GpuBudgetTest, ARequestTheGpuRefusesInItsStepAppendsNoToken) {
   }
 }
 
+// A server whose host memory budget is 64 MiB.
+class GpuHostBudgetTest : public GpuPlacementTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = GpuPlacementTest::Options();
+    options.host_memory_budget_bytes = 64 << 20;
+    return options;
+  }
+};
+
+// A Decode stream's pinned host buffers (what its GPU steps are copied through) are host memory
+// no other use can take back: they are charged to the host budget while the stream lives, and
+// hold only what comes down. An exact_topk session of K = 2^20 over 32 query heads downloads
+// 128 MiB of supports only when compare_exact asks for them; before, every step kept that much
+// pinned, uncharged, on every stream.
+TEST_P(GpuHostBudgetTest, AStreamsPinnedBuffersAreChargedToTheHostBudget) {
+  const v1::Geometry g = MakeGeometry(1, 32, 8, 128, v1::DTYPE_BF16);
+  ReferenceSession ref(g, 64, 97);
+  const std::string id = CreateAndPrefill(ref, GpuPolicy(v1::SELECTOR_EXACT_TOPK, 1 << 20), 64);
+  ASSERT_FALSE(id.empty());
+  MemoryBudget& budget = const_cast<MemoryBudget&>(server().server().budget());
+  Within(absl::Seconds(5), [&] { return server().server().service().open_streams() == 0; });
+  const int64_t base = budget.used();
+  {
+    DecodeClient client(stub());
+    const ReferenceSession::Token token = ref.MakeToken(901);
+    absl::StatusOr<v1::DecodeResponse> reply = StepAll(client, {id}, {token}, ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ref.Record(0, token);
+    const int64_t held = budget.used() - base;
+    EXPECT_GT(held, 0) << "the stream's pinned buffers are charged";
+    EXPECT_LT(held, 1 << 20) << "without the supports, which do not come down";
+    // The supports would come down: 128 MiB of pinned memory, past the budget.
+    const ReferenceSession::Token next = ref.MakeToken(902);
+    EXPECT_TRUE(HasStatus(StepAll(client, {id}, {next}, ref, /*compare=*/true).status(),
+                          absl::StatusCode::kResourceExhausted, "a decode step's pinned output"));
+    absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->tokens(), 65) << "the refused step appended nothing";
+    reply = StepAll(client, {id}, {next}, ref);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+  }
+  // Given back with the stream's context, once gRPC is done with its call.
+  EXPECT_TRUE(Within(absl::Seconds(5), [&] { return budget.used() == base; }))
+      << budget.used() << " used, " << base << " before";
+}
+
 // --gpu_memory_budget_per_tenant_gb: a tenant's sessions hold at most its share of each GPU's
 // budget (here the one tenant of a server without tokens), refused naming the tenant's budget,
 // charged within the device's, and given back when a session closes.
@@ -640,6 +688,7 @@ std::string LaunchName(const ::testing::TestParamInfo<bool>& info) {
 }
 INSTANTIATE_TEST_SUITE_P(Launches, GpuPlacementTest, ::testing::Bool(), LaunchName);
 INSTANTIATE_TEST_SUITE_P(Launches, GpuBudgetTest, ::testing::Bool(), LaunchName);
+INSTANTIATE_TEST_SUITE_P(Launches, GpuHostBudgetTest, ::testing::Bool(), LaunchName);
 INSTANTIATE_TEST_SUITE_P(Launches, GpuTenantBudgetTest, ::testing::Bool(), LaunchName);
 
 }  // namespace

@@ -69,7 +69,7 @@ class HostExactHeadsTest : public ::testing::Test {
         BuildStop());
     ASSERT_TRUE(codes.ok()) << codes.status();
     codes_ = *std::move(codes);
-    context_ = tier.NewStepContext();
+    context_ = tier.NewStepContext(nullptr);
   }
   KvView bulk() const {
     return kv_.view().Tokens(kSinks, BulkTokens(kTokens, kSinks, kRecent));

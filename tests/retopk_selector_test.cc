@@ -218,6 +218,38 @@ TEST(ReTopKHeadTest, ReuseReturnsTheExactSupportWhenTheCandidatesContainIt) {
   }
 }
 
+// With deferred pushes a step's (q̄, support) enters the cache only at PushPending, as the
+// newest entry, exactly what the step returned; the next step drops one never pushed (its step
+// failed), and a PushPending with nothing pending changes nothing.
+TEST(ReTopKHeadTest, DeferredPushesEnterAtPushPendingAndAreDroppedByTheNextStep) {
+  const int d = 16, tokens = 300, top_k = 8;
+  RandomKv kv(tokens, 1, d, 11);
+  ReTopKHeadParams params{top_k, /*reuse_neighbors=*/1, /*recent_window=*/4, 0, 0.5f, 1.0f};
+  ReTopKHead head(params, /*cache_capacity=*/4, d);
+  head.set_defer_push(true);
+  const std::vector<float> q1 = RandomNormal(d, 12), q2 = RandomNormal(d, 13),
+                           q3 = RandomNormal(d, 14);
+  HeadSelection out;
+  head.Step(q1.data(), kv.view(), 0, 1, &out);
+  EXPECT_EQ(head.cache().size(), 0) << "pending until PushPending";
+  head.PushPending();
+  ASSERT_EQ(head.cache().size(), 1);
+  EXPECT_THAT(head.cache().support(0), ElementsAreArray(out.support));
+  const std::vector<float> u1 = Unit(q1.data(), d);
+  for (int j = 0; j < d; ++j) EXPECT_FLOAT_EQ(head.cache().query(0)[j], u1[j]);
+  head.PushPending();
+  EXPECT_EQ(head.cache().size(), 1) << "nothing pending";
+
+  head.Step(q2.data(), kv.view(), 0, 2, &out);  // its step fails: never pushed
+  head.Step(q3.data(), kv.view(), 0, 3, &out);
+  head.PushPending();
+  ASSERT_EQ(head.cache().size(), 2) << "q2's entry dropped by q3's step";
+  EXPECT_THAT(head.cache().support(1), ElementsAreArray(out.support));
+  const std::vector<float> u3 = Unit(q3.data(), d);
+  for (int j = 0; j < d; ++j) EXPECT_FLOAT_EQ(head.cache().query(1)[j], u3[j]);
+  EXPECT_GE(head.MemoryBytes(), top_k * static_cast<int64_t>(sizeof(int32_t)));
+}
+
 TEST(ReTopKHeadTest, ReuseRanksOnlyTheCandidatesWithTheCurrentQuery) {
   const int d = 16, tokens = 400, top_k = 20;
   RandomKv kv(tokens, 1, d, 5);

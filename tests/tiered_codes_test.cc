@@ -154,7 +154,7 @@ void CheckCodes(AttentionBackend& backend) {
       PrefilledLayer(backend, accounts, config, kPrompt, /*seed=*/21, &keys);
   ASSERT_TRUE(layer.ok()) << layer.status();
 
-  std::unique_ptr<StepContext> context = backend.NewStepContext();
+  std::unique_ptr<StepContext> context = backend.NewStepContext(nullptr);
   std::vector<HeadReport> heads;
   for (int step = 0; step < kSteps; ++step) {
     DecodeStep(backend, context.get(), layer->get(), step, kPlanted.count(step) > 0, &keys,
@@ -225,7 +225,7 @@ void CheckCodesLearnedAgain(AttentionBackend& backend, int64_t prompt, int32_t m
   const int64_t take_over = CodesLearning::TakeOverAt(learn_at, model_layer);
   ASSERT_EQ(take_over, CodesLearning::TakeOverAt(learn_at) + model_layer);
   ASSERT_EQ(CodesLearning::NextLearnAt(prompt_bulk, kDim), learn_at);
-  std::unique_ptr<StepContext> context = backend.NewStepContext();
+  std::unique_ptr<StepContext> context = backend.NewStepContext(nullptr);
   std::vector<HeadReport> heads;
   // Keys planted beyond the rows the codes learn from (the learning sees a planted key among
   // its rows, and gives it a centroid of its own): outliers of the learned codes.
@@ -380,7 +380,7 @@ TEST(TieredCodesTest, ALayerClosedWhileItsCodesAreLearnedGivesItsMemoryBack) {
     absl::StatusOr<std::unique_ptr<LayerBackend>> layer =
         PrefilledLayer(backend, accounts, config, /*prompt=*/12, /*seed=*/41, &keys);
     ASSERT_TRUE(layer.ok()) << layer.status();
-    std::unique_ptr<StepContext> context = backend.NewStepContext();
+    std::unique_ptr<StepContext> context = backend.NewStepContext(nullptr);
     std::vector<HeadReport> heads;
     // Up to the step that starts the learning, and `extra` more.
     const int64_t steps = CodesLearning::kFirstLearnRows + kSinks + kRecent - 12 + extra;

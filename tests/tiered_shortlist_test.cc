@@ -10,8 +10,10 @@
 // holds them; the exact search a session gets unasked (the shortlist on a GPU, the graph on the
 // host tier); what is refused, by name.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -37,6 +39,7 @@ using ::kvrecall::testing::DecodeClient;
 using ::kvrecall::testing::DriftingQueryTokens;
 using ::kvrecall::testing::ExpectOutputNear;
 using ::kvrecall::testing::GetSession;
+using ::kvrecall::testing::HasStatus;
 using ::kvrecall::testing::InProcessServer;
 using ::kvrecall::testing::MakeGeometry;
 using ::kvrecall::testing::MakePolicy;
@@ -752,6 +755,89 @@ TEST_F(TieredShortlistTest, ReTopKsExactPathsRunOnTheDeviceAndFeedItsCaches) {
   EXPECT_GT(mixed_steps, 4);
   EXPECT_GT(reuse_heads, 48);
   EXPECT_GT(device_heads, 48);
+}
+
+// A step that fails after its heads selected (on a GPU: a fault, or a host too late naming the
+// exact heads, reported with the step's download; here the host tier's test check at the end of
+// Finish) leaves ReTopK's caches as they were. Resent, it and every later step take the paths,
+// best cosines, candidates and outputs of a twin session that never failed, whether ReTopK runs
+// on the host alone (the graph's exact path) or hands exact paths to the tier (the shortlist,
+// its paths decided before the launch). Before, the host heads' supports entered the cache with
+// the failed step: the resent step found its own query there (cosine 1) and reused it.
+class TieredFailedStepTest : public TieredShortlistTest {
+ protected:
+  ServerOptions Options() const override {
+    ServerOptions options = TieredShortlistTest::Options();
+    options.placements.tiered_host_finish_check = [fail = fail_]() -> absl::Status {
+      if (fail->load() > 0 && fail->fetch_sub(1) == 1) {
+        return absl::UnavailableError("test: the device's step failed after its heads ran");
+      }
+      return absl::OkStatus();
+    };
+    return options;
+  }
+  // Fails the run whose Finish is the n-th from now (1: the next), once.
+  std::shared_ptr<std::atomic<int>> fail_ = std::make_shared<std::atomic<int>>(0);
+};
+
+TEST_F(TieredFailedStepTest, AFailedStepLeavesReTopKsCachesAsTheyWere) {
+  if (gpu_tier()) GTEST_SKIP() << "the failure is the host tier's test check";
+  const v1::Geometry g = MakeGeometry(1, 8, 2, 64, dtype());
+  const int k = 32;
+  v1::Policy graph = MixedPathsReTopKPolicy(k, 0);
+  graph.mutable_index()->set_exact_search(v1::EXACT_SEARCH_GRAPH);
+  for (const v1::Policy& policy : {graph, MixedPathsReTopKPolicy(k, 96)}) {
+    SCOPED_TRACE(policy.index().shortlist() > 0 ? "shortlist" : "graph");
+    ReferenceSession ref(g, 3000, 71);
+    const std::string id = CreateAndPrefill(ref, policy, 1000);
+    const std::string twin = CreateAndPrefill(ref, policy, 1000);
+    DecodeClient client(stub());
+    std::vector<ReferenceSession::Token> tokens = DriftingQueryTokens(ref, 30, 73);
+    for (size_t s = 0; s < tokens.size(); s += 3) {
+      const std::vector<float> fresh = testing::RandomNormal(3 * g.head_dim(), 800 + s, 1.5f);
+      std::copy(fresh.begin(), fresh.end(), tokens[s].q.begin() + (s % 2) * 3 * g.head_dim());
+    }
+    int failed = 0, reused = 0, device_heads = 0;
+    for (size_t step = 0; step < tokens.size(); ++step) {
+      SCOPED_TRACE(absl::StrCat("step ", step));
+      ref.Record(0, tokens[step]);
+      if (step % 4 == 2) {  // on every path mix: fails once, then resent
+        fail_->store(1);
+        DecodeClient failing(stub());  // (a failed step ends its stream)
+        EXPECT_TRUE(HasStatus(Step(failing, {id}, tokens[step], ref).status(),
+                              absl::StatusCode::kUnavailable,
+                              "test: the device's step failed after its heads ran; no token of "
+                              "this request was appended"));
+        ++failed;
+      }
+      absl::StatusOr<v1::DecodeResponse> got = Step(client, {id}, tokens[step], ref);
+      absl::StatusOr<v1::DecodeResponse> want = Step(client, {twin}, tokens[step], ref);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(want.ok()) << want.status();
+      ExpectSameOutputs(TensorValues(got->results(0).output()),
+                        TensorValues(want->results(0).output()), dtype(), "output",
+                        /*exact=*/true);
+      for (int h = 0; h < g.q_heads(); ++h) {
+        const v1::HeadDiagnostics& head = got->results(0).heads(h);
+        const v1::HeadDiagnostics& twin_head = want->results(0).heads(h);
+        EXPECT_EQ(head.path(), twin_head.path()) << "head " << h;
+        EXPECT_EQ(head.best_cosine(), twin_head.best_cosine()) << "head " << h;
+        EXPECT_EQ(head.candidates(), twin_head.candidates()) << "head " << h;
+        EXPECT_EQ(head.support(), twin_head.support()) << "head " << h;
+        reused += head.path() == v1::PATH_REUSE;
+        device_heads += head.bulk_micros() == 0.0f;
+      }
+    }
+    EXPECT_EQ(failed, 7);
+    EXPECT_GT(reused, 30) << "the steps reused";
+    if (policy.index().shortlist() > 0) EXPECT_GT(device_heads, 30) << "the tier took heads";
+    for (const std::string& session : {id, twin}) {
+      absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), session);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->tokens(), 3000 + static_cast<int64_t>(tokens.size()));
+      EXPECT_EQ(info->decode_steps(), static_cast<int64_t>(tokens.size())) << "failures uncounted";
+    }
+  }
 }
 
 TEST_F(TieredShortlistTest, GetSessionCountsTheCodesWhereTheyLive) {

@@ -39,6 +39,13 @@ absl::Status KernelErrors::CheckAndClear(cudaStream_t stream) const {
   if (bits == 0) return absl::OkStatus();
   KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(word_.data(), 0, sizeof bits, stream),
                                            "clearing the kernel error word"));
+  // A wait past its timeout alone is no input's fault but the host's lateness (an overloaded
+  // host): UNAVAILABLE, which a caller may retry.
+  if (bits == kErrorHostWordsLate) {
+    return absl::UnavailableError(
+        "host words a step waited for past its timeout (a tiered step's exact heads not named "
+        "by the host in time; those elements were skipped)");
+  }
   std::vector<std::string> what;
   if (bits & kErrorIndexOutOfRange) what.push_back("an index outside its sequence");
   if (bits & kErrorCountOutOfRange) what.push_back("a count above its stated maximum");

@@ -22,7 +22,8 @@ inline constexpr unsigned kErrorHostWordsLate = 8u;    // AwaitHostWords timed o
 
 // Kernels skip the offending element (it is neither read nor attended) and set a bit here;
 // the owner checks the word where a synchronization is acceptable (tests, the end of a request)
-// and turns it into INVALID_ARGUMENT. A step never synchronizes on it.
+// and turns it into INVALID_ARGUMENT (UNAVAILABLE for a late host alone). A step never
+// synchronizes on it.
 class KernelErrors {
  public:
   static absl::StatusOr<KernelErrors> Create();
@@ -31,7 +32,8 @@ class KernelErrors {
   static constexpr int64_t kDeviceBytes = sizeof(unsigned);  // what Create allocates
 
   // Synchronizes `stream`, then reads and clears the word: OK, or INVALID_ARGUMENT naming every
-  // violated precondition seen since the last check.
+  // violated precondition seen since the last check, or UNAVAILABLE when the only bit is
+  // kErrorHostWordsLate (the host's lateness, not an input's fault: retryable).
   absl::Status CheckAndClear(cudaStream_t stream) const;
 
  private:

@@ -256,7 +256,10 @@ class AttentionBackend {
       const LayerConfig& config, const SessionAccounts& accounts,
       std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) = 0;
 
-  virtual std::unique_ptr<StepContext> NewStepContext() = 0;
+  // A Decode stream's context for this backend's steps; what it keeps in host memory (a
+  // device's pinned staging) is charged to `host` (the stream's tenant's host budget or the
+  // server's; null: nowhere, for tests) while it lives.
+  virtual std::unique_ptr<StepContext> NewStepContext(MemoryAccount* host) = 0;
   // One decode step of `steps` (layers this backend built, of sessions the caller has locked,
   // each with a token reserved): appends each step's token, selects, attends and reports.
   // Every input was validated before; what may still fail is the device's: a workspace its

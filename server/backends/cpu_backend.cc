@@ -211,7 +211,9 @@ absl::StatusOr<std::unique_ptr<LayerBackend>> CpuBackend::BuildLayer(
   // The staged queries are freed with `prompt`: selectors that need them kept what they need.
 }
 
-std::unique_ptr<StepContext> CpuBackend::NewStepContext() { return std::make_unique<StepContext>(); }
+std::unique_ptr<StepContext> CpuBackend::NewStepContext(MemoryAccount*) {
+  return std::make_unique<StepContext>();
+}
 
 absl::Status CpuBackend::Step(std::span<LayerStep> steps, StepContext* context) {
   double link_wait = 0;

@@ -86,7 +86,7 @@ class CpuBackend final : public AttentionBackend {
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
       const LayerConfig& config, const SessionAccounts& accounts,
       std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) override;
-  std::unique_ptr<StepContext> NewStepContext() override;
+  std::unique_ptr<StepContext> NewStepContext(MemoryAccount* host) override;
   absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
   absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
 

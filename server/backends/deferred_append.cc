@@ -7,7 +7,9 @@ namespace kvrecall {
 
 void DeferredAppend::Queue(const KvView& kv) {
   Wait();
-  if (queue_ == nullptr) {
+  // A queue none of whose threads started (a thread or pid limit when it was first used) would
+  // never run it, and the next Wait would block the session for good: inline then.
+  if (queue_ == nullptr || queue_->threads() == 0) {
     selector_->OnAppend(kv);
     return;
   }

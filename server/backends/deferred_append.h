@@ -26,7 +26,8 @@ WorkQueue* DeferredAppendQueue();
 // rows of the view it was given) may change.
 class DeferredAppend final : private WorkItem {
  public:
-  // queue: where OnAppend runs (null: inline, in Queue itself).
+  // queue: where OnAppend runs (null, or a queue none of whose threads started: inline, in
+  // Queue itself).
   DeferredAppend(SupportSelector* selector, WorkQueue* queue)
       : selector_(selector), queue_(queue) {}
   // On DeferredAppendQueue() when the selector's OnAppend is costly, inline otherwise (a queue

@@ -355,8 +355,8 @@ class GpuBackend final : public AttentionBackend {
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
       const LayerConfig& config, const SessionAccounts& accounts,
       std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) override;
-  std::unique_ptr<StepContext> NewStepContext() override {
-    return std::make_unique<GpuStepContext>(ordinal_, &budget_);
+  std::unique_ptr<StepContext> NewStepContext(MemoryAccount* host) override {
+    return std::make_unique<GpuStepContext>(ordinal_, &budget_, host);
   }
   absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
   absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
@@ -551,7 +551,9 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
   const size_t out_best = out.Take<float>(retopk ? rows : 0);
   const size_t out_support =
       out.Take<int32_t>(topk || retopk ? static_cast<size_t>(rows) * p.top_k : 0);
-  if (absl::Status s = ctx.EnsureIo(in.size(), out.size()); !s.ok()) return s;
+  // Supports cross PCIe only when compare_exact asked for them.
+  const size_t download = want_supports ? out.size() : out_support;
+  if (absl::Status s = ctx.EnsureIo(in.size(), out.size(), download); !s.ok()) return s;
   std::byte* host_in = ctx.pinned_in();
   std::byte* dev_in = ctx.device_in();
   std::byte* host_out = ctx.pinned_out();
@@ -622,24 +624,28 @@ absl::Status GpuBackend::StepBatch(std::span<LayerStep> steps, GpuStepContext& c
                    static_cast<size_t>(rows) * p.top_k * sizeof(int32_t)));
       }
     }
-    // Supports cross PCIe only when compare_exact asked for them.
-    const size_t out_bytes = want_supports ? out.size() : out_support;
-    return CudaStatus(
-        cudaMemcpyAsync(host_out, dev_out, out_bytes, cudaMemcpyDeviceToHost, stream),
-        "downloading a decode step");
+    return CudaStatus(cudaMemcpyAsync(host_out, dev_out, download, cudaMemcpyDeviceToHost, stream),
+                      "downloading a decode step");
+  };
+  // A step whose queuing failed part-way may have left copies that still read pinned_in and
+  // kernels that read its descriptors: the stream is drained before the failure is answered,
+  // so that the next request's upload, written into the same pinned buffer, cannot race them.
+  auto drained = [stream](absl::Status failure) {
+    cudaStreamSynchronize(stream);  // its own error, if any, is the failure's
+    return failure;
   };
   if (!cuda_graphs_) {
-    if (absl::Status s = enqueue(); !s.ok()) return s;
+    if (absl::Status s = enqueue(); !s.ok()) return drained(s);
   } else {
     const GpuStepContext::StepGraphKey key{config, batch, max_tokens, want_supports};
     const cudaGraphExec_t exec = ctx.CapturedFor(key, enqueue);
     if (exec == nullptr) {
-      if (absl::Status s = enqueue(); !s.ok()) return s;
+      if (absl::Status s = enqueue(); !s.ok()) return drained(s);
     } else if (absl::Status s =
                    CudaStatus(cudaGraphLaunch(exec, stream), "launching a captured decode step");
                !s.ok()) {
       ctx.DropGraph(key);  // captured anew by the next step that needs it
-      return s;
+      return drained(s);
     }
   }
   KVRECALL_CUDA_RETURN_IF_ERROR(
@@ -735,7 +741,7 @@ absl::Status GpuBackend::Shadow(std::span<ShadowStep> steps, StepContext* contex
     const size_t out_support = out.Take<int32_t>(static_cast<size_t>(q_heads) * step.top_k);
     const size_t out_topk_o = out.Take<float>(static_cast<size_t>(q_heads) * d);
     const size_t out_topk_lse = out.Take<float>(q_heads);
-    if (absl::Status s = ctx.EnsureIo(in.size(), out.size()); !s.ok()) return s;
+    if (absl::Status s = ctx.EnsureIo(in.size(), out.size(), out_topk_o); !s.ok()) return s;
     std::memcpy(in.At<float>(ctx.pinned_in(), in_q), step.q,
                 static_cast<size_t>(q_heads) * d * sizeof(float));
     in.At<DeviceSeq>(ctx.pinned_in(), in_seq)[0] = layer.kv().Seq();

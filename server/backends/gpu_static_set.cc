@@ -145,8 +145,12 @@ cuda::CandidateLists ExactHeadBounds(const LayerConfig& config, int64_t outlier_
 
 class GpuStaticSet final : public StaticSet {
  public:
-  GpuStaticSet(ChargedBuffer<uint16_t> keys, ChargedBuffer<uint16_t> values)
-      : keys_(std::move(keys)), values_(std::move(values)) {}
+  GpuStaticSet(int ordinal, ChargedBuffer<uint16_t> keys, ChargedBuffer<uint16_t> values)
+      : ordinal_(ordinal), keys_(std::move(keys)), values_(std::move(values)) {}
+  // The last holder of a session may drop it on any thread, whose current device may be another
+  // (--gpus without 0): the buffers are freed on their own device (DeviceScope stays set for
+  // the members' destructors, which run after this body).
+  ~GpuStaticSet() override { DeviceScope scope(ordinal_); }
   int64_t device_bytes() const override {
     return static_cast<int64_t>(keys_.bytes() + values_.bytes());
   }
@@ -175,6 +179,7 @@ class GpuStaticSet final : public StaticSet {
   }
 
  private:
+  const int ordinal_;
   ChargedBuffer<uint16_t> keys_;
   ChargedBuffer<uint16_t> values_;
 };
@@ -185,6 +190,9 @@ class GpuStaticSet final : public StaticSet {
 // device (kernels/cuda/pq_encode.h), the latter inside the step's launches.
 class GpuBulkCodes final : public BulkCodes {
  public:
+  // Freed on its own device, whichever thread drops it (as ~GpuStaticSet).
+  ~GpuBulkCodes() override { DeviceScope scope(ordinal_); }
+
   // On device `ordinal`, which the calling thread has made current.
   static absl::StatusOr<std::unique_ptr<GpuBulkCodes>> Create(
       int ordinal, const KvView& bulk, const SessionAccounts& accounts, int64_t capacity,
@@ -413,6 +421,9 @@ class GpuBulkCodes final : public BulkCodes {
                                 staged.data(), rows * subspaces_, rows * subspaces_, kv_heads(),
                                 cudaMemcpyHostToDevice),
                    "uploading the shortlist's codes"));
+    // From pageable memory the copy may return before its DMA lands, and the next step's
+    // shortlist runs on a non-blocking stream that does not wait for the legacy one.
+    KVRECALL_CUDA_RETURN_IF_ERROR(cuda::WaitForLegacyStream("uploading the shortlist's codes"));
     coded_ = bulk.tokens;
     return absl::OkStatus();
   }
@@ -422,6 +433,7 @@ class GpuBulkCodes final : public BulkCodes {
       : BulkCodes(std::move(quantizers), accounts.host),
         ordinal_(ordinal),
         device_(accounts.device) {}
+
   // Synchronizes the device first: a failed step's coding may still run until the layer's
   // next step drains it, and its row already counts as coded.
   absl::Status CopyCodes(int kv_head, int64_t begin, int64_t end,
@@ -474,8 +486,8 @@ class GpuStaticSetTier final : public StaticSetTier {
     if (!codes.ok()) return codes.status();
     return std::unique_ptr<BulkCodes>(*std::move(codes));
   }
-  std::unique_ptr<StepContext> NewStepContext() override {
-    return std::make_unique<StaticStepContext>(ordinal_, budget_);
+  std::unique_ptr<StepContext> NewStepContext(MemoryAccount* host) override {
+    return std::make_unique<StaticStepContext>(ordinal_, budget_, host);
   }
   absl::Status Prepare(std::span<const StaticSetStep> steps, StepContext* context) override;
   absl::Status Start(std::span<const StaticSetStep> steps, StepContext* context) override;
@@ -501,7 +513,8 @@ class GpuStaticSetTier final : public StaticSetTier {
  private:
   // The Decode stream's CUDA resources, and where Start left the step's outputs.
   struct StaticStepContext final : StepContext {
-    StaticStepContext(int ordinal, MemoryBudget* budget) : ordinal(ordinal), gpu(ordinal, budget) {}
+    StaticStepContext(int ordinal, MemoryBudget* budget, MemoryAccount* host)
+        : ordinal(ordinal), gpu(ordinal, budget, host) {}
     ~StaticStepContext() override {
       DeviceScope scope(ordinal);
       if (in_flight) DrainFailedStep(*this);
@@ -633,6 +646,26 @@ class GpuStaticSetTier final : public StaticSetTier {
     ClearErrorWords(state);
     state.in_flight = false;
   }
+  // After a step that failed in Start was drained: the new rows it coded count as coded
+  // (MarkNewRowsCoded), so their outliers are added here from the device's copy of their coding
+  // errors, which no download brought (Finish adds them otherwise). A device that cannot copy
+  // them (a fault) has them dropped: its next step fails as well.
+  static void AddDrainedRowsOutliers(std::span<const StaticSetStep> steps,
+                                     StaticStepContext& state) {
+    if (!state.new_rows_queued) return;
+    const int kv_heads = steps.front().config->shape.kv_heads;
+    std::vector<float> errors(steps.size() * kv_heads);
+    if (cudaMemcpy(errors.data(), state.gpu.device_out() + state.out_row_errors,
+                   errors.size() * sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return;
+    }
+    for (size_t b = 0; b < steps.size(); ++b) {
+      if (state.new_row[b] >= 0) {
+        static_cast<GpuBulkCodes*>(steps[b].codes)
+            ->AddRowOutliers(state.new_row[b], errors.data() + b * kv_heads);
+      }
+    }
+  }
   // After a failed step was drained: what its kernels reported is its own, not the next step's
   // (its exact heads' wait may have timed out, if nobody named them for that long).
   static void ClearErrorWords(StaticStepContext& state) {
@@ -717,7 +750,7 @@ absl::Status GpuStaticSetTier::PrepareShortlists(std::span<const StaticSetStep> 
     ++state.generation;
   }
   if (state.ids_down.bytes() < words * sizeof(int32_t)) {
-    if (absl::Status s = state.ids_down.Ensure(words * sizeof(int32_t), nullptr,
+    if (absl::Status s = state.ids_down.Ensure(words * sizeof(int32_t), state.gpu.host_account(),
                                                "the shortlists' ids");
         !s.ok()) {
       return s;
@@ -851,7 +884,7 @@ absl::StatusOr<std::unique_ptr<StaticSet>> GpuStaticSetTier::Build(const LayerCo
       cuda::ConvertToKv(staged.data() + slots * row, slots * row, dtype, values.data(), 0));
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaStreamSynchronize(0), "converting the static set to the KV dtype"));
-  return std::make_unique<GpuStaticSet>(std::move(keys), std::move(values));
+  return std::make_unique<GpuStaticSet>(ordinal_, std::move(keys), std::move(values));
 }
 
 absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
@@ -959,7 +992,9 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
   state.out_bulk_support = out.Take<int32_t>(support_elems * config.selector.top_k);
   state.out_bulk_support_sizes = out.Take<int32_t>(support_elems);
   state.out_size = out.size();
-  if (absl::Status s = ctx.EnsureIo(state.upload, state.out_size); !s.ok()) return s;
+  if (absl::Status s = ctx.EnsureIo(state.upload, state.out_size, state.out_size); !s.ok()) {
+    return s;
+  }
   if (state.shortlist > 0) {
     if (absl::Status s = PrepareShortlists(steps, state); !s.ok()) return s;
   }
@@ -997,7 +1032,8 @@ absl::Status GpuStaticSetTier::PrepareExactHeads(const LayerConfig& config, int 
   }
   const size_t heads_bytes = StaticStepContext::kHeadRowsAt + exact_rows * sizeof(int32_t);
   if (state.heads_in.bytes() < heads_bytes) {
-    if (absl::Status s = state.heads_in.Ensure(heads_bytes, nullptr, "the exact heads' rows");
+    if (absl::Status s =
+            state.heads_in.Ensure(heads_bytes, state.gpu.host_account(), "the exact heads' rows");
         !s.ok()) {
       return s;
     }
@@ -1255,6 +1291,7 @@ absl::Status GpuStaticSetTier::Start(std::span<const StaticSetStep> steps, StepC
     // What was queued before the failure may read the layers' host KV (the exact heads): it
     // ends here, not in the next Prepare, since the session may free or move that memory first.
     DrainFailedStep(state);
+    AddDrainedRowsOutliers(steps, state);
   }
   return queued;
 }

@@ -335,10 +335,14 @@ struct KeptStep {
 };
 
 // A Decode stream's resources on one device. Buffers grow to the largest batch and history the
-// stream has seen and are charged to the device's budget while the stream lives.
+// stream has seen and are charged while the stream lives: the device's to the device's budget,
+// the pinned host buffers the steps are copied through to `host` (the stream's tenant's host
+// budget or the server's; null: nowhere, for tests), since page-locked memory is host memory
+// no other use can take back.
 class GpuStepContext final : public StepContext {
  public:
-  GpuStepContext(int ordinal, MemoryBudget* budget) : ordinal_(ordinal), budget_(budget) {}
+  GpuStepContext(int ordinal, MemoryBudget* budget, MemoryAccount* host)
+      : ordinal_(ordinal), budget_(budget), host_(host) {}
   ~GpuStepContext() override {
     DeviceScope scope(ordinal_);
     DropGraphs();
@@ -360,31 +364,46 @@ class GpuStepContext final : public StepContext {
   cudaStream_t stream() const { return stream_; }
   StepRuns runs;  // the backend's scratch for splitting a request into launches
 
-  // Room for `bytes` of step input and output on both sides.
-  absl::Status EnsureIo(size_t in_bytes, size_t out_bytes) {
+  // Room for `in_bytes` of step input on both sides, `out_bytes` of output on the device and the
+  // first `download_bytes` of it (at most out_bytes) in pinned host memory: what the kernels
+  // write but the host never reads (supports, unless compare_exact asks for them) takes no
+  // page-locked memory.
+  absl::Status EnsureIo(size_t in_bytes, size_t out_bytes, size_t download_bytes) {
     // Growing a buffer reallocates it, so it drops the graphs first, as the workspaces do.
     // (Addresses would not tell: a new allocation often gets the freed one's address, and a
     // graph's copy nodes still name the freed allocation; cuGraphLaunch then crashed.)
-    if (pinned_in_.bytes() < in_bytes || pinned_out_.bytes() < out_bytes ||
+    if (pinned_in_.bytes() < in_bytes || pinned_out_.bytes() < download_bytes ||
         device_in_.bytes() < in_bytes || device_out_.bytes() < out_bytes) {
       DropGraphs();
     }
-    if (absl::Status s = pinned_in_.Ensure(in_bytes, nullptr, "step input"); !s.ok()) return s;
-    if (absl::Status s = pinned_out_.Ensure(out_bytes, nullptr, "step output"); !s.ok()) return s;
+    if (absl::Status s = pinned_in_.Ensure(in_bytes, host_, "a decode step's pinned input");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = pinned_out_.Ensure(download_bytes, host_, "a decode step's pinned output");
+        !s.ok()) {
+      return s;
+    }
+    // The device's buffers grow with the same slack as the pinned ones (PinnedBuffer::Ensure).
+    auto grown = [](size_t held, size_t bytes) { return std::max(bytes, held + held / 2); };
     if (device_in_.bytes() < in_bytes) {
-      if (absl::Status s = device_in_.Allocate(pinned_in_.bytes(), budget_, "a step's input");
+      if (absl::Status s =
+              device_in_.Allocate(grown(device_in_.bytes(), in_bytes), budget_, "a step's input");
           !s.ok()) {
         return s;
       }
     }
     if (device_out_.bytes() < out_bytes) {
-      if (absl::Status s = device_out_.Allocate(pinned_out_.bytes(), budget_, "a step's output");
+      if (absl::Status s = device_out_.Allocate(grown(device_out_.bytes(), out_bytes), budget_,
+                                                "a step's output");
           !s.ok()) {
         return s;
       }
     }
     return absl::OkStatus();
   }
+  // Where the stream's host-side buffers are charged (the constructor's `host`; may be null).
+  MemoryAccount* host_account() const { return host_; }
   // Changes whenever a buffer or workspace of this context is reallocated: what a graph captured
   // elsewhere (the tiered placement's static sets) keys on, since a new allocation may reuse a
   // freed one's address.
@@ -397,13 +416,9 @@ class GpuStepContext final : public StepContext {
   absl::StatusOr<cuda::AttentionWorkspace*> AttentionWs(int rows) {
     if (attention_ws_ == nullptr || attention_ws_->max_rows() < rows) {
       const int64_t bytes = cuda::AttentionWorkspace::DeviceBytesFor(rows, kMaxSplits);
-      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&attention_bytes_, bytes, "a decode workspace"));
-      DropGraphs();
-      attention_ws_.reset();
-      absl::StatusOr<std::unique_ptr<cuda::AttentionWorkspace>> ws =
-          cuda::AttentionWorkspace::Create(rows, kMaxSplits);
-      if (!ws.ok()) return ws.status();
-      attention_ws_ = *std::move(ws);
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          Remake(&attention_ws_, &attention_bytes_, bytes, "a decode workspace",
+                 [&] { return cuda::AttentionWorkspace::Create(rows, kMaxSplits); }));
     }
     return attention_ws_.get();
   }
@@ -415,13 +430,9 @@ class GpuStepContext final : public StepContext {
       const int want_rows = std::max(rows, topk_ws_ != nullptr ? topk_ws_->max_rows() : 0);
       const int64_t bytes =
           cuda::TopKWorkspace::DeviceBytesFor(want_rows, static_cast<int>(want_tokens));
-      DropGraphs();
-      topk_ws_.reset();
-      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&topk_bytes_, bytes, "a top-K workspace"));
-      absl::StatusOr<std::unique_ptr<cuda::TopKWorkspace>> ws =
-          cuda::TopKWorkspace::Create(want_rows, static_cast<int>(want_tokens));
-      if (!ws.ok()) return ws.status();
-      topk_ws_ = *std::move(ws);
+      KVRECALL_CUDA_RETURN_IF_ERROR(Remake(
+          &topk_ws_, &topk_bytes_, bytes, "a top-K workspace",
+          [&] { return cuda::TopKWorkspace::Create(want_rows, static_cast<int>(want_tokens)); }));
     }
     return topk_ws_.get();
   }
@@ -437,15 +448,13 @@ class GpuStepContext final : public StepContext {
                               ? retopk_ws_->max_batch()
                               : 0);
       const DecodeShape shape = ShapeOf(config, want_batch);
-      DropGraphs();
-      retopk_ws_.reset();
       const int64_t bytes = cuda::ReTopKWorkspace::DeviceBytesFor(shape, p.top_k, p.retopk,
                                                                   static_cast<int>(want_tokens));
-      KVRECALL_CUDA_RETURN_IF_ERROR(Recharge(&retopk_bytes_, bytes, "a ReTopK workspace"));
-      absl::StatusOr<std::unique_ptr<cuda::ReTopKWorkspace>> ws = cuda::ReTopKWorkspace::Create(
-          shape, p.top_k, p.retopk, static_cast<int>(want_tokens));
-      if (!ws.ok()) return ws.status();
-      retopk_ws_ = *std::move(ws);
+      KVRECALL_CUDA_RETURN_IF_ERROR(
+          Remake(&retopk_ws_, &retopk_bytes_, bytes, "a ReTopK workspace", [&] {
+            return cuda::ReTopKWorkspace::Create(shape, p.top_k, p.retopk,
+                                                 static_cast<int>(want_tokens));
+          }));
       retopk_config_ = config;
     }
     return retopk_ws_.get();
@@ -506,6 +515,26 @@ class GpuStepContext final : public StepContext {
     ++generation_;
   }
 
+  // Replaces *ws by create()'s workspace of `bytes` device bytes, charged in *held. The old one
+  // is freed first (its bytes may be what the new one needs: a growing session's workspace
+  // holds most of them), so the charge follows what is allocated whatever fails: 0 after the
+  // budget's refusal or a failed allocation, `bytes` after success.
+  template <typename Workspace, typename Create>
+  absl::Status Remake(std::unique_ptr<Workspace>* ws, int64_t* held, int64_t bytes,
+                      absl::string_view what, Create create) {
+    DropGraphs();
+    ws->reset();
+    (void)Recharge(held, 0, what);  // a release, which cannot fail
+    if (absl::Status s = Recharge(held, bytes, what); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<Workspace>> made = create();
+    if (!made.ok()) {
+      (void)Recharge(held, 0, what);
+      return made.status();
+    }
+    *ws = *std::move(made);
+    return absl::OkStatus();
+  }
+
   // Moves the charge *held from its old value to `bytes` (RESOURCE_EXHAUSTED: nothing changed).
   absl::Status Recharge(int64_t* held, int64_t bytes, absl::string_view what) {
     if (bytes > *held) {
@@ -520,6 +549,7 @@ class GpuStepContext final : public StepContext {
 
   const int ordinal_;
   MemoryBudget* const budget_;
+  MemoryAccount* const host_;
   cudaStream_t stream_ = nullptr;
   PinnedBuffer pinned_in_;
   PinnedBuffer pinned_out_;
@@ -590,6 +620,12 @@ inline absl::Status ReportedErrors(const cuda::KernelErrors& errors, cudaStream_
                                    absl::string_view who) {
   absl::Status s = errors.CheckAndClear(stream);
   if (s.ok()) s.Update(absl::InternalError("the kernels' error word was set, then read as clear"));
+  // A late host (UNAVAILABLE) failed the step without any fault of its inputs or this code's:
+  // the runner may resend it. Anything else the kernels report is this code's bug.
+  if (absl::IsUnavailable(s)) {
+    return absl::UnavailableError(
+        absl::StrCat(who, " reported: ", s.message(), "; the step may be resent"));
+  }
   return absl::InternalError(absl::StrCat(who, " reported: ", s.message()));
 }
 

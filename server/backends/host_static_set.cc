@@ -147,8 +147,13 @@ class HostStepContext final : public StepContext, private WorkItem {
 
   ~HostStepContext() override { Join(); }
 
-  // Queues the step's exact heads (`exact`, non-empty) on `worker`.
+  // Queues the step's exact heads (`exact`, non-empty) on `worker`; runs them here when none of
+  // its threads started (nothing would run them, and Join would wait for good).
   void Queue(WorkQueue* worker) {
+    if (worker->threads() == 0) {
+      Run();
+      return;
+    }
     {
       absl::MutexLock lock(&mu_);
       running_ = true;
@@ -254,9 +259,9 @@ void HostStepContext::Run() {
 class HostStaticSetTier final : public StaticSetTier {
  public:
   explicit HostStaticSetTier(const HostStaticSetTierOptions& options)
-      : worker_(options.exact_heads ? std::make_unique<WorkQueue>(1, "kvrecall-exact")
-                                    : nullptr),
-        prepare_check_(options.prepare_check) {}
+      : worker_(options.exact_heads ? std::make_unique<WorkQueue>(1, "kvrecall-exact") : nullptr),
+        prepare_check_(options.prepare_check),
+        finish_check_(options.finish_check) {}
 
   const std::string& device() const override { return device_; }
   MemoryBudget* device_budget() const override { return nullptr; }
@@ -274,7 +279,7 @@ class HostStaticSetTier final : public StaticSetTier {
     if (!codes.ok()) return codes.status();
     return std::unique_ptr<BulkCodes>(*std::move(codes));
   }
-  std::unique_ptr<StepContext> NewStepContext() override {
+  std::unique_ptr<StepContext> NewStepContext(MemoryAccount*) override {
     return std::make_unique<HostStepContext>();
   }
   // Ends the exact heads of a step that failed before its Finish; then the test's check.
@@ -322,6 +327,7 @@ class HostStaticSetTier final : public StaticSetTier {
   std::unique_ptr<WorkQueue> worker_;
   NoPinning no_pinning_;
   const std::function<absl::Status()> prepare_check_;  // HostStaticSetTierOptions'
+  const std::function<absl::Status()> finish_check_;   // HostStaticSetTierOptions'
 };
 
 absl::Status HostStaticSetTier::SetExactHeads(std::span<const StaticSetStep> steps,
@@ -407,7 +413,7 @@ absl::Status HostStaticSetTier::Finish(std::span<const StaticSetStep> steps,
   seconds.device_step = ran ? ctx.worker_step : 0.0;
   ctx.exact.clear();
   ctx.on_worker.clear();
-  return absl::OkStatus();
+  return finish_check_ ? finish_check_() : absl::OkStatus();
 }
 
 }  // namespace

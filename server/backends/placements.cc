@@ -71,6 +71,7 @@ absl::StatusOr<std::unique_ptr<Placements>> Placements::Create(const PlacementOp
     HostStaticSetTierOptions tier;
     tier.exact_heads = options.tiered_host_exact_heads;
     tier.prepare_check = options.tiered_host_prepare_check;
+    tier.finish_check = options.tiered_host_finish_check;
     placements->tiered_.push_back(std::make_unique<TieredBackend>(
         MakeHostStaticSetTier(tier), options.tiered_device_exact_share,
         options.tiered_device_exact_balance));

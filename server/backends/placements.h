@@ -53,6 +53,12 @@ struct PlacementOptions {
   // step's failure after its request was validated is reached without a device. Unset in
   // kvrecalld.
   std::function<absl::Status()> tiered_host_prepare_check;
+  // For tests: likewise asked by the host tier at the end of each run's Finish, once the bulk's
+  // heads have run (HostStaticSetTierOptions::finish_check): a status that is not OK fails the
+  // run there, as a device's fault or a late host reported with the step's download does, so
+  // that a step failing after its heads selected is reached without a device. Unset in
+  // kvrecalld.
+  std::function<absl::Status()> tiered_host_finish_check;
 };
 
 // The options of kvrecalld's --gpus ("all", "none" or ordinals "0,2"), --gpu_memory_budget_gb

@@ -178,6 +178,9 @@ class TieredLayer final : public LayerBackend {
         device_support_sizes_.resize(heads);
       }
     }
+    // A step may fail after its host heads selected (the tier's Finish): their cache entries
+    // wait for EndBulk, so that a failed step, resent, does not find its own query cached.
+    if (retopk_ != nullptr) retopk_->set_defer_pushes(true);
     selector_charge_.Set(SelectorBytes());  // built: reserved by the Prefill
   }
   ~TieredLayer() override {
@@ -368,8 +371,9 @@ class TieredLayer final : public LayerBackend {
   // The bulk's part of a step, in three calls so that a batch's heads share one parallel loop:
   // BeginBulk waits for the previous step's deferred OnAppend (the seconds go to *waited) and
   // returns the multiply-adds the heads are expected to take; AttendBulkHead selects query head
-  // h's bulk support and attends it ((o, lse) over the bulk; heads in parallel); EndBulk writes
-  // the step's reports (support sizes and supports include the static set).
+  // h's bulk support and attends it ((o, lse) over the bulk; heads in parallel); EndBulk, once
+  // the step can no longer fail, writes the step's reports (support sizes and supports include
+  // the static set) and gives ReTopK's caches the step's supports.
   int64_t BeginBulk(const KvView& all, double* waited);
   // `bulk_start`: when the step's bulk began (each head reports its start from it).
   void AttendBulkHead(const LayerStep& step, const KvView& all, int h,
@@ -518,6 +522,7 @@ void TieredLayer::EndBulk(const LayerStep& step, const KvView& all) {
                                  selection.best_cosine, 0.0f, 0.0f};
       continue;
     }
+    if (retopk_ != nullptr) retopk_->PushPending(h);  // the step succeeded
     last_scored_tokens_ += selection.candidates;
     step.heads[h] = HeadReport{selection.path, selection.candidates,
                                static_cast<int32_t>(selection.support.size() + static_size),
@@ -759,8 +764,8 @@ int TieredBackend::DeviceExactHeads(const LayerConfig& config) const {
                     config.shape.q_heads);
 }
 
-std::unique_ptr<StepContext> TieredBackend::NewStepContext() {
-  return std::make_unique<TieredStepContext>(tier_->NewStepContext());
+std::unique_ptr<StepContext> TieredBackend::NewStepContext(MemoryAccount* host) {
+  return std::make_unique<TieredStepContext>(tier_->NewStepContext(host));
 }
 
 absl::Status TieredBackend::Step(std::span<LayerStep> steps, StepContext* context) {

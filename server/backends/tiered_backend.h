@@ -121,7 +121,8 @@ class StaticSetTier {
   virtual absl::StatusOr<std::unique_ptr<BulkCodes>> BuildCodes(
       const LayerConfig& config, const SessionAccounts& accounts, const KvView& bulk,
       int64_t capacity, const BuildStop& stop) = 0;
-  virtual std::unique_ptr<StepContext> NewStepContext() = 0;
+  // As AttentionBackend::NewStepContext: host-side buffers charged to `host` (may be null).
+  virtual std::unique_ptr<StepContext> NewStepContext(MemoryAccount* host) = 0;
   // A step of `steps` (every step shares SameStaticSet) in five calls. Prepare reserves what the
   // step needs on the tier (workspaces, staging): its resource errors surface there, before the
   // bulk is touched. Start appends each step's token to its static set and starts attending
@@ -172,6 +173,10 @@ struct HostStaticSetTierOptions {
   // For tests: asked by Prepare; a status that is not OK is Prepare's, as a device tier's
   // refusal of a workspace would be (PlacementOptions::tiered_host_prepare_check).
   std::function<absl::Status()> prepare_check;
+  // For tests: asked at the end of Finish, after the static sets' states and the exact heads
+  // are in; a status that is not OK is Finish's, as a device's fault reported by the step's
+  // download would be (PlacementOptions::tiered_host_finish_check).
+  std::function<absl::Status()> finish_check;
 };
 std::unique_ptr<StaticSetTier> MakeHostStaticSetTier(const HostStaticSetTierOptions& options = {});
 // The tier of CUDA device `ordinal`, charging `budget` (the device's, shared with its GPU
@@ -255,7 +260,7 @@ class TieredBackend final : public AttentionBackend {
   absl::StatusOr<std::unique_ptr<LayerBackend>> BuildLayer(
       const LayerConfig& config, const SessionAccounts& accounts,
       std::unique_ptr<PromptStaging> prompt, const BuildStop& stop) override;
-  std::unique_ptr<StepContext> NewStepContext() override;
+  std::unique_ptr<StepContext> NewStepContext(MemoryAccount* host) override;
   absl::Status Step(std::span<LayerStep> steps, StepContext* context) override;
   absl::Status Shadow(std::span<ShadowStep> steps, StepContext* context) override;
 
