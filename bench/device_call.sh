@@ -30,6 +30,7 @@
 #                               # $OUT/NAME.json, its rates to $S (d151 on)
 #   load_test_server, load_test_state PHASE, load_test_round F.., load_test_server_stop
 #                               # the load test on the GPU placements (d176 on)
+#   test_binaries               # every *_test of the bundle, four at a time (d181 on)
 #   device_call_end             # the logs to $OUT/dNN_logs.tgz
 #
 # Run from the repository root on the device machine, where the device tool sets $OUT.
@@ -174,6 +175,18 @@ load_test_server_stop() {
   wait "$kvrecalld_pid"
   echo "kvrecalld rc $? t=$SECONDS" | tee -a "$S"
   grep -v "^kvrecalld listening\|^kvrecalld metrics" "$L/kvrecalld.log" | tail -20 | tee -a "$S"
+}
+
+# Every *_test binary of the bundle, four at a time (KVRECALLD: the bundle's), each logged in
+# $L: their exit codes and what each says passed or failed to $S (d181 on).
+test_binaries() {
+  ls "$B"/*_test | xargs -P4 -I{} sh -c \
+    't=$(basename {}); KVRECALLD='"$B"'/kvrecalld KVRECALL_SOURCE_DIR='"$PWD"' timeout 200 {} \
+     --gtest_brief=1 > '"$L"'/$t.log 2>&1; echo "$t rc $?"' | sort | tee -a "$S"
+  for log in "$L"/*_test.log; do
+    grep -H -E "^\[  (PASSED|FAILED)  \]|tests ran" "$log" | grep -v "listed below" | head -8
+  done | tee -a "$S"
+  echo "t=$SECONDS tests done" | tee -a "$S"
 }
 
 device_call_end() {

@@ -65,10 +65,11 @@ int64_t SelectorStateBytesBound(const SelectorParams& params, const LayerShape& 
   const ReTopKParams& r = params.retopk;
   const int64_t c = r.cache_capacity;
   const int64_t k = params.top_k;
-  // The cache (queries and supports), cosines, and the candidates of a reuse step (R supports
-  // and the recent window) with their scores and positions.
+  // The cache (queries and supports), cosines, the candidates of a reuse step (R supports and
+  // the recent window) with their scores and positions, and a step's support awaiting its push
+  // (ReTopKHead::set_defer_push, the tiered placement's).
   const int64_t candidates = int64_t{r.reuse_neighbors} * k + r.recent_window;
-  const int64_t per_head = 4 * (c * (head_dim + k) + c + head_dim + 3 * candidates);
+  const int64_t per_head = 4 * (c * (head_dim + k) + c + head_dim + 3 * candidates + k);
   return per_head * q_heads;
 }
 

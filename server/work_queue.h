@@ -36,7 +36,8 @@ class WorkQueue {
   // thread or pid limit), it keeps those it started and status() says so.
   WorkQueue(int threads, std::string name);
   // Runs what is queued, then joins the threads. (A queue none of whose threads started runs
-  // nothing: a server refuses to start then, ThreadsStarted.)
+  // nothing: a server refuses to start when its own queues have none, ThreadsStarted; the
+  // queues started at first use, the deferred linking's say, have their users run inline.)
   ~WorkQueue();
   WorkQueue(const WorkQueue&) = delete;
   WorkQueue& operator=(const WorkQueue&) = delete;

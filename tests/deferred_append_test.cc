@@ -81,24 +81,33 @@ TEST(DeferredAppendTest, WithoutAQueueItRunsInline) {
 // the process first linked a token) runs nothing: its OnAppends run inline instead. Before, the
 // item waited there for good, and the layer's next Wait (its next step, its close) with it.
 TEST(DeferredAppendTest, AQueueWithoutThreadsRunsItInline) {
-  WorkQueue no_threads(0, "test-link");
-  ASSERT_EQ(no_threads.threads(), 0);
-  RecordingSelector selector;
-  DeferredAppend appended(&selector, &no_threads);
-  std::atomic<bool> done{false};
-  std::thread step([&] {
-    appended.Queue(ViewOf(5));
-    appended.Queue(ViewOf(6));  // waits for the first
-    appended.Wait();
-    done.store(true);
+  // On the heap: a thread blocked for good (the defect) is left behind with them, and the test
+  // fails instead of aborting the binary.
+  auto* no_threads = new WorkQueue(0, "test-link");
+  ASSERT_EQ(no_threads->threads(), 0);
+  auto* selector = new RecordingSelector;
+  auto* appended = new DeferredAppend(selector, no_threads);
+  auto* done = new std::atomic<bool>(false);
+  std::thread step([=] {
+    appended->Queue(ViewOf(5));
+    appended->Queue(ViewOf(6));  // waits for the first
+    appended->Wait();
+    done->store(true);
   });
-  for (int i = 0; i < 500 && !done.load(); ++i) {
+  for (int i = 0; i < 500 && !done->load(); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  ASSERT_TRUE(done.load()) << "Wait blocked on an OnAppend no thread runs";
+  if (!done->load()) {
+    step.detach();
+    FAIL() << "Wait blocked on an OnAppend no thread runs";
+  }
   step.join();
-  EXPECT_EQ(selector.calls.load(), 2);
-  EXPECT_EQ(selector.last_tokens.load(), 6);
+  EXPECT_EQ(selector->calls.load(), 2);
+  EXPECT_EQ(selector->last_tokens.load(), 6);
+  delete appended;
+  delete selector;
+  delete no_threads;
+  delete done;
 }
 
 }  // namespace

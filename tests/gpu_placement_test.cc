@@ -343,6 +343,11 @@ TEST_P(GpuPlacementTest, WhatTheGpuDoesNotServeIsRefusedAtCreateSession) {
       {MakeGeometry(1, 8, 2, 64, v1::DTYPE_BF16), GpuPolicy(v1::SELECTOR_INDEX),
        "policy.selector SELECTOR_INDEX"},
       {MakeGeometry(1, 8, 2, 64, v1::DTYPE_BF16), big_cache, "policy.retopk"},
+      // The selection holds a row's K positions in shared memory (d180: K = 2^20 was admitted,
+      // then its first step failed with INTERNAL).
+      {MakeGeometry(1, 8, 2, 64, v1::DTYPE_BF16), GpuPolicy(v1::SELECTOR_EXACT_TOPK, 1 << 20),
+       "policy.top_k 1048576 is not served by PLACEMENT_GPU on cuda:0: a top-K selection of "
+       "1048576 a row holds 8 bytes a position in shared memory"},
   };
   for (const Case& c : cases) {
     EXPECT_TRUE(HasStatus(CreateSession(stub(), c.geometry, c.policy).status(),
@@ -572,25 +577,25 @@ TEST_P(GpuBudgetTest, ARequestTheGpuRefusesInItsStepAppendsNoToken) {
   }
 }
 
-// A server whose host memory budget is 64 MiB.
+// A server whose host memory budget is 1 MiB.
 class GpuHostBudgetTest : public GpuPlacementTest {
  protected:
   ServerOptions Options() const override {
     ServerOptions options = GpuPlacementTest::Options();
-    options.host_memory_budget_bytes = 64 << 20;
+    options.host_memory_budget_bytes = 1 << 20;
     return options;
   }
 };
 
 // A Decode stream's pinned host buffers (what its GPU steps are copied through) are host memory
 // no other use can take back: they are charged to the host budget while the stream lives, and
-// hold only what comes down. An exact_topk session of K = 2^20 over 32 query heads downloads
-// 128 MiB of supports only when compare_exact asks for them; before, every step kept that much
-// pinned, uncharged, on every stream.
+// hold only what comes down. An exact_topk session of K = 16384 over 32 query heads downloads
+// 2 MiB of supports only when compare_exact asks for them; before, every step kept that much
+// pinned, uncharged, on every stream (with K = 2^20, which the GPU then admitted, 128 MiB).
 TEST_P(GpuHostBudgetTest, AStreamsPinnedBuffersAreChargedToTheHostBudget) {
-  const v1::Geometry g = MakeGeometry(1, 32, 8, 128, v1::DTYPE_BF16);
+  const v1::Geometry g = MakeGeometry(1, 32, 1, 64, v1::DTYPE_BF16);
   ReferenceSession ref(g, 64, 97);
-  const std::string id = CreateAndPrefill(ref, GpuPolicy(v1::SELECTOR_EXACT_TOPK, 1 << 20), 64);
+  const std::string id = CreateAndPrefill(ref, GpuPolicy(v1::SELECTOR_EXACT_TOPK, 16384), 64);
   ASSERT_FALSE(id.empty());
   MemoryBudget& budget = const_cast<MemoryBudget&>(server().server().budget());
   Within(absl::Seconds(5), [&] { return server().server().service().open_streams() == 0; });
@@ -603,11 +608,14 @@ TEST_P(GpuHostBudgetTest, AStreamsPinnedBuffersAreChargedToTheHostBudget) {
     ref.Record(0, token);
     const int64_t held = budget.used() - base;
     EXPECT_GT(held, 0) << "the stream's pinned buffers are charged";
-    EXPECT_LT(held, 1 << 20) << "without the supports, which do not come down";
-    // The supports would come down: 128 MiB of pinned memory, past the budget.
+    EXPECT_LT(held, 256 << 10) << "without the supports, which do not come down";
+    // The supports would come down: 2 MiB of pinned memory, past the budget.
     const ReferenceSession::Token next = ref.MakeToken(902);
-    EXPECT_TRUE(HasStatus(StepAll(client, {id}, {next}, ref, /*compare=*/true).status(),
-                          absl::StatusCode::kResourceExhausted, "a decode step's pinned output"));
+    {
+      DecodeClient refused(stub());  // (a failed step ends its stream)
+      EXPECT_TRUE(HasStatus(StepAll(refused, {id}, {next}, ref, /*compare=*/true).status(),
+                            absl::StatusCode::kResourceExhausted, "a decode step's pinned output"));
+    }
     absl::StatusOr<v1::SessionInfo> info = GetSession(stub(), id);
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->tokens(), 65) << "the refused step appended nothing";

@@ -1113,6 +1113,18 @@ TEST_F(TieredShortlistTest, WhatCannotBeServedIsRefusedByName) {
     EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << c.message;
     EXPECT_THAT(id.status().message(), HasSubstr(c.message));
   }
+  // A GPU selects the shortlist with a row's N positions in its shared memory: a longer one than
+  // it holds is refused by name (it was admitted, then failed its first step with INTERNAL).
+  // The host tier scans the codes on the CPU, with no such bound.
+  const v1::Policy longest = ShortlistPolicy(v1::SELECTOR_INDEX, 32, 1 << 20);
+  absl::StatusOr<std::string> id = CreateSession(stub(), g, longest);
+  if (gpu_tier()) {
+    EXPECT_TRUE(HasStatus(id.status(), absl::StatusCode::kInvalidArgument,
+                          "policy.index.shortlist 1048576 is not served by PLACEMENT_TIERED on "
+                          "cuda:0: a top-K selection of 1048576 a row holds 8 bytes a position"));
+  } else {
+    EXPECT_TRUE(id.ok()) << id.status();
+  }
 }
 
 // An effective policy, sent back as a new session's policy, is accepted and gives the same

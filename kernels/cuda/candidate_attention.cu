@@ -262,14 +262,7 @@ absl::Status CheckCandidateAttention(const DecodeShape& shape, int top_k,
                                      const CandidateLists& lists) {
   if (absl::Status s = CheckArgs(shape, top_k, lists); !s.ok()) return s;
   // The device's opt-in limit, read once per device (a served step checks its bounds).
-  static PerDevice<int> limit;
-  const absl::StatusOr<int> most = limit.Get([](int device) -> absl::StatusOr<int> {
-    int bytes = 0;
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-        "reading the shared-memory limit"));
-    return bytes;
-  });
+  const absl::StatusOr<int> most = MaxSharedMemoryPerBlock();
   if (!most.ok()) return most.status();
   // The kernel's static shared memory (the radix select's) beside the dynamic part.
   const int64_t needed = CandidateAttentionSmemBytes(shape, top_k, lists) +

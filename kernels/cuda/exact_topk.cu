@@ -28,4 +28,13 @@ absl::Status ExactTopKAttention(const DecodeShape& shape, const DeviceSeq* seqs,
       stream);
 }
 
+absl::Status CheckExactTopK(const DecodeShape& shape, int k) {
+  KVRECALL_CUDA_RETURN_IF_ERROR(shape.Validate());
+  return KVRECALL_DISPATCH_KV_DTYPE(shape.dtype, KvT, [&] {
+    return KVRECALL_DISPATCH_HEAD_DIM(shape.head_dim, kDim, [&] {
+      return CheckRowCollectFits<AttendFinish<KvT, kDim, kRowPassThreads>>(k);
+    });
+  });
+}
+
 }  // namespace kvrecall::cuda

@@ -30,6 +30,11 @@ absl::Status ExactTopKAttention(const DecodeShape& shape, const DeviceSeq* seqs,
                                 TopKWorkspace* ws, int32_t* support, int32_t* support_size,
                                 float* o, float* lse, cudaStream_t stream);
 
+// INVALID_ARGUMENT unless the current device can run ExactTopKAttention (and ReTopK's exact
+// path, whose selection is the same) for `shape` with this k: a row's k positions and scores
+// are gathered in shared memory (CheckRowTopK), which bounds k far below kMaxTopK.
+absl::Status CheckExactTopK(const DecodeShape& shape, int k);
+
 }  // namespace kvrecall::cuda
 
 #endif  // KVRECALL_KERNELS_CUDA_EXACT_TOPK_H_

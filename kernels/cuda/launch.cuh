@@ -67,6 +67,19 @@ inline absl::StatusOr<int> MultiprocessorCount() {
   });
 }
 
+// The current device's shared memory per block when a kernel opts in (its static and dynamic
+// parts together), read once per device.
+inline absl::StatusOr<int> MaxSharedMemoryPerBlock() {
+  static PerDevice<int> bytes;
+  return bytes.Get([](int device) -> absl::StatusOr<int> {
+    int value = 0;
+    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
+        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+        "reading the shared memory per block"));
+    return value;
+  });
+}
+
 // Prepares kKernel for `smem_bytes` of dynamic shared memory and returns how many of its blocks
 // of `threads` fit on one multiprocessor. Done once per kernel and device (each kernel launches
 // with one fixed shared-memory size), before any graph capture that launches it.

@@ -140,18 +140,6 @@ __global__ void __launch_bounds__(kThreads)
                            supports + static_cast<int64_t>(row) * top_k, size);
 }
 
-// The device's shared memory per block when opted in.
-absl::StatusOr<int> MaxSharedMemoryPerBlock() {
-  static PerDevice<int> bytes;
-  return bytes.Get([](int device) -> absl::StatusOr<int> {
-    int value = 0;
-    KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
-        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-        "reading the shared memory per block"));
-    return value;
-  });
-}
-
 }  // namespace
 
 // The workspace's private parts, for the functions below.

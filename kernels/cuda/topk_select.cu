@@ -90,6 +90,8 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
   return LaunchRowSelection(*p, rows, stream);
 }
 
+absl::Status CheckRowTopK(int k) { return CheckRowCollectFits<NoFinish>(k); }
+
 absl::StatusOr<RowTopKParams> PlanRowSelection(const float* scores, int64_t stride, int rows,
                                                int length, const int32_t* lengths, int k,
                                                TopKWorkspace* ws, int32_t* support,

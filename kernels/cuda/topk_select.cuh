@@ -558,6 +558,32 @@ inline void PlanRowPasses(int rows, int length, int slots, RowTopKParams* p) {
   p->splits = std::max(1, CeilDiv(length, p->chunk));
 }
 
+// INVALID_ARGUMENT unless Finish's collect pass can hold a row's k positions and scores
+// (RowCollectSmemBytes: 8 bytes a position) beside its static shared memory within the current
+// device's opt-in limit per block: k is bounded there, far below kMaxTopK (about 28,000 on an
+// H100 or H200), and a larger one would fail at launch. Cached per device after the first call.
+template <typename Finish>
+absl::Status CheckRowCollectFits(int k) {
+  constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
+  static PerDevice<int> static_bytes;
+  const absl::StatusOr<int> fixed = static_bytes.Get([](int) -> absl::StatusOr<int> {
+    cudaFuncAttributes attrs{};
+    KVRECALL_CUDA_RETURN_IF_ERROR(
+        CudaStatus(cudaFuncGetAttributes(&attrs, kCollect), "reading kernel attributes"));
+    return static_cast<int>(attrs.sharedSizeBytes);
+  });
+  if (!fixed.ok()) return fixed.status();
+  const absl::StatusOr<int> most = MaxSharedMemoryPerBlock();
+  if (!most.ok()) return most.status();
+  const int64_t room = int64_t{*most} - *fixed;
+  if (k < 0 || static_cast<int64_t>(RowCollectSmemBytes(k)) > room) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a top-K selection of ", k, " a row holds 8 bytes a position in shared memory, ",
+        RowCollectSmemBytes(k), " bytes, where this GPU leaves ", room, ": at most ", room / 8));
+  }
+  return absl::OkStatus();
+}
+
 // The collect pass of `rows` rows of up to `length` scores (RowCollectKernel ending each row
 // with a Finish): PlanRowCollect sets p->splits / p->chunk and prepares the kernel, and runs
 // before pass 1 is launched, so that a failure leaves the workspace as it was (zero);
@@ -569,6 +595,7 @@ inline void PlanRowPasses(int rows, int length, int slots, RowTopKParams* p) {
 template <typename Finish>
 absl::Status PlanRowCollect(int rows, int length, RowTopKParams* p) {
   constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
+  if (absl::Status s = CheckRowCollectFits<Finish>(p->k); !s.ok()) return s;
   // Registers, not shared memory, bound how many collect blocks a multiprocessor holds.
   const absl::StatusOr<int> slots = DeviceBlockSlots<kCollect>(kRowPassThreads, 0);
   if (!slots.ok()) return slots.status();

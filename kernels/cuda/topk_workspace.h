@@ -71,6 +71,12 @@ absl::Status SelectRowTopK(const float* scores, int64_t stride, int rows, int le
                            int support_stride, int32_t* support_size, float* support_scores,
                            cudaStream_t stream);
 
+// INVALID_ARGUMENT unless the current device can select k a row (SelectRowTopK, the PQ
+// shortlist's selection): a row's k positions and scores are gathered in shared memory, 8 bytes
+// each, which bounds k (about 28,000 on an H100 or H200) far below index/selector_params.h's
+// kMaxTopK. What a server checks a policy's top-K lengths against before it admits a session.
+absl::Status CheckRowTopK(int k);
+
 }  // namespace kvrecall::cuda
 
 #endif  // KVRECALL_KERNELS_CUDA_TOPK_WORKSPACE_H_

@@ -845,7 +845,21 @@ absl::Status GpuStaticSetTier::CheckConfig(const LayerConfig& config) const {
       !s.ok()) {
     return s;
   }
-  return ShapeOf(config, 1).Validate();
+  if (absl::Status s = ShapeOf(config, 1).Validate(); !s.ok()) return s;
+  const int shortlist = config.selector.shortlist;
+  if (shortlist > 0) {
+    // The shortlist is the GPU's top-K selection of the codes' scores, bounded by its shared
+    // memory (a longer one failed its first step with INTERNAL): refused here, naming it.
+    DeviceScope scope(ordinal_);
+    if (!scope.status().ok()) return scope.status();
+    if (absl::Status s = cuda::CheckRowTopK(shortlist); !s.ok()) {
+      if (!absl::IsInvalidArgument(s)) return s;
+      return absl::InvalidArgumentError(absl::StrCat("policy.index.shortlist ", shortlist,
+                                                     " is not served by PLACEMENT_TIERED on ",
+                                                     device_, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<StaticSet>> GpuStaticSetTier::Build(const LayerConfig& config,
@@ -906,6 +920,10 @@ absl::Status GpuStaticSetTier::Prepare(std::span<const StaticSetStep> steps,
     state.in_flight = false;
   }
   if (absl::Status s = ctx.Start(); !s.ok()) return s;
+  // This step's workspaces, set below: one a refusal freed (GpuStepContext::Remake) must not be
+  // read after (ClearErrorWords of a step that fails without a shortlist, say).
+  state.ws = nullptr;
+  state.topk_ws = nullptr;
   const LayerConfig& config = *steps.front().config;
   const int batch = static_cast<int>(steps.size());
   const int q_heads = config.shape.q_heads;

@@ -517,15 +517,18 @@ class GpuStepContext final : public StepContext {
 
   // Replaces *ws by create()'s workspace of `bytes` device bytes, charged in *held. The old one
   // is freed first (its bytes may be what the new one needs: a growing session's workspace
-  // holds most of them), so the charge follows what is allocated whatever fails: 0 after the
-  // budget's refusal or a failed allocation, `bytes` after success.
+  // holds most of them), and its charge moves to the new one's in one step (no other stream
+  // can take the bytes between), so that the charge follows what is allocated whatever fails:
+  // 0 after the budget's refusal or a failed allocation, `bytes` after success.
   template <typename Workspace, typename Create>
   absl::Status Remake(std::unique_ptr<Workspace>* ws, int64_t* held, int64_t bytes,
                       absl::string_view what, Create create) {
     DropGraphs();
     ws->reset();
-    (void)Recharge(held, 0, what);  // a release, which cannot fail
-    if (absl::Status s = Recharge(held, bytes, what); !s.ok()) return s;
+    if (absl::Status s = Recharge(held, bytes, what); !s.ok()) {
+      (void)Recharge(held, 0, what);  // a release, which cannot fail
+      return s;
+    }
     absl::StatusOr<std::unique_ptr<Workspace>> made = create();
     if (!made.ok()) {
       (void)Recharge(held, 0, what);

@@ -4,7 +4,8 @@
 # times on one kvrecalld, to tell whether what the process kept after d176's two rounds (146 MiB
 # of RSS, 36 MiB of device memory, the sessions' gauges at 0) levels off or grows round after
 # round. Bundle .device/b179: a copy of .device/b176's ship/ (f7bd2b8: kvrecalld, load_test).
-# Not run yet: five tries from 21:53 to 22:25 UTC got no machine.
+# Not run in the thirtieth session (five tries got no machine); run 2026-12-08 on an H100 by
+# d181.sh, after its tests: hardening.md, "Load test" (d176's section).
 set -u
 . bench/device_call.sh
 device_call_begin 179

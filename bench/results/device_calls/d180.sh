@@ -8,6 +8,7 @@
 # (1) The whole suite; (2) issue 15's rows at 128K and 512K, 100 steps (ReTopK's pushes moved
 # to EndBulk: the step's time against d175 / d170); (3) the transformers backend end to end.
 # Bundle .device/b180; carry its ship/, client/python/kvrecall/_gen and .device/model.
+# Run 2026-12-08 00:28 UTC on an H100 (a4ff962's tree): device_tests.md, d180.
 set -u
 . bench/device_call.sh
 device_call_begin 180
