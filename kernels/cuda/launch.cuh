@@ -108,7 +108,8 @@ absl::StatusOr<int> PrepareKernel(int threads, size_t smem_bytes) {
 // Makes sure kKernel may launch with `bytes` of dynamic shared memory on the current device,
 // raising its limit when needed and never lowering it, so that callers with different sizes
 // coexist. Raises are serialized: two threads raising to different sizes at once could
-// otherwise leave the smaller limit set while recording the larger.
+// otherwise leave the smaller limit set while recording the larger. INVALID_ARGUMENT when
+// `bytes` and the kernel's static shared memory exceed what the device gives a block.
 template <auto kKernel>
 absl::Status AllowDynamicSharedMemory(size_t bytes) {
   static std::atomic<size_t> allowed[kMaxCachedDevices];
@@ -122,6 +123,15 @@ absl::Status AllowDynamicSharedMemory(size_t bytes) {
   cudaFuncAttributes attrs{};
   KVRECALL_CUDA_RETURN_IF_ERROR(
       CudaStatus(cudaFuncGetAttributes(&attrs, kKernel), "reading kernel attributes"));
+  // Beyond what the device gives a block, beside the kernel's static part, the raise (or the
+  // launch) would fail as the device's error: it is the caller's size, said as such.
+  const absl::StatusOr<int> most = MaxSharedMemoryPerBlock();
+  if (!most.ok()) return most.status();
+  if (bytes + attrs.sharedSizeBytes > static_cast<size_t>(*most)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a launch asks ", bytes, " bytes of dynamic shared memory beside the kernel's ",
+        attrs.sharedSizeBytes, " static; this GPU gives a block ", *most));
+  }
   if (static_cast<size_t>(attrs.maxDynamicSharedSizeBytes) < bytes) {
     KVRECALL_CUDA_RETURN_IF_ERROR(CudaStatus(
         cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -561,7 +561,9 @@ inline void PlanRowPasses(int rows, int length, int slots, RowTopKParams* p) {
 // INVALID_ARGUMENT unless Finish's collect pass can hold a row's k positions and scores
 // (RowCollectSmemBytes: 8 bytes a position) beside its static shared memory within the current
 // device's opt-in limit per block: k is bounded there, far below kMaxTopK (about 28,000 on an
-// H100 or H200), and a larger one would fail at launch. Cached per device after the first call.
+// H100 or H200). For checks before a step (a server's admission): at a step, PlanRowCollect's
+// AllowDynamicSharedMemory refuses a k past the bound on its first raise, and costs nothing
+// once the size is allowed. Cached per device after the first call.
 template <typename Finish>
 absl::Status CheckRowCollectFits(int k) {
   constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
@@ -595,7 +597,6 @@ absl::Status CheckRowCollectFits(int k) {
 template <typename Finish>
 absl::Status PlanRowCollect(int rows, int length, RowTopKParams* p) {
   constexpr auto kCollect = &RowCollectKernel<kRowPassThreads, Finish>;
-  if (absl::Status s = CheckRowCollectFits<Finish>(p->k); !s.ok()) return s;
   // Registers, not shared memory, bound how many collect blocks a multiprocessor holds.
   const absl::StatusOr<int> slots = DeviceBlockSlots<kCollect>(kRowPassThreads, 0);
   if (!slots.ok()) return slots.status();

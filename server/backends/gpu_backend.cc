@@ -390,14 +390,10 @@ absl::Status GpuBackend::CheckConfig(const LayerConfig& config) const {
   if (p.kind == SelectorKind::kExactTopK || p.kind == SelectorKind::kReTopK) {
     // The selection's bound is the device's shared memory (a K it cannot hold failed its first
     // step with INTERNAL): refused here, naming it.
-    DeviceScope scope(ordinal_);
-    if (!scope.status().ok()) return scope.status();
-    if (absl::Status s = cuda::CheckExactTopK(ShapeOf(config, 1), p.top_k); !s.ok()) {
-      if (!absl::IsInvalidArgument(s)) return s;
-      return absl::InvalidArgumentError(absl::StrCat("policy.top_k ", p.top_k,
-                                                     " is not served by PLACEMENT_GPU on ", device_,
-                                                     ": ", s.message()));
-    }
+    return gpu::CheckOnDevice(
+        ordinal_,
+        absl::StrCat("policy.top_k ", p.top_k, " is not served by PLACEMENT_GPU on ", device_),
+        [&] { return cuda::CheckExactTopK(ShapeOf(config, 1), p.top_k); });
   }
   return absl::OkStatus();
 }

@@ -659,10 +659,17 @@ class GpuStaticSetTier final : public StaticSetTier {
                    errors.size() * sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) {
       return;
     }
+    AddNewRowsOutliers(steps, state, errors.data());
+  }
+  // Each step's new bulk row's outliers, from `row_errors` ([steps, kv_heads] host floats, the
+  // step's coding errors).
+  static void AddNewRowsOutliers(std::span<const StaticSetStep> steps,
+                                 const StaticStepContext& state, const float* row_errors) {
+    const int kv_heads = steps.front().config->shape.kv_heads;
     for (size_t b = 0; b < steps.size(); ++b) {
       if (state.new_row[b] >= 0) {
         static_cast<GpuBulkCodes*>(steps[b].codes)
-            ->AddRowOutliers(state.new_row[b], errors.data() + b * kv_heads);
+            ->AddRowOutliers(state.new_row[b], row_errors + b * kv_heads);
       }
     }
   }
@@ -850,14 +857,10 @@ absl::Status GpuStaticSetTier::CheckConfig(const LayerConfig& config) const {
   if (shortlist > 0) {
     // The shortlist is the GPU's top-K selection of the codes' scores, bounded by its shared
     // memory (a longer one failed its first step with INTERNAL): refused here, naming it.
-    DeviceScope scope(ordinal_);
-    if (!scope.status().ok()) return scope.status();
-    if (absl::Status s = cuda::CheckRowTopK(shortlist); !s.ok()) {
-      if (!absl::IsInvalidArgument(s)) return s;
-      return absl::InvalidArgumentError(absl::StrCat("policy.index.shortlist ", shortlist,
-                                                     " is not served by PLACEMENT_TIERED on ",
-                                                     device_, ": ", s.message()));
-    }
+    return gpu::CheckOnDevice(ordinal_,
+                              absl::StrCat("policy.index.shortlist ", shortlist,
+                                           " is not served by PLACEMENT_TIERED on ", device_),
+                              [&] { return cuda::CheckRowTopK(shortlist); });
   }
   return absl::OkStatus();
 }
@@ -1359,14 +1362,7 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   state.in_flight = false;
   // The new rows' outliers first, whatever the error words say (their coding has none, and a
   // failed step's rows stay coded): the heads are done with the outliers.
-  const LayerConfig& config = *steps.front().config;
-  const float* row_errors = At<float>(ctx.pinned_out(), state.out_row_errors);
-  for (size_t b = 0; b < steps.size(); ++b) {
-    if (state.new_row[b] >= 0) {
-      static_cast<GpuBulkCodes*>(steps[b].codes)
-          ->AddRowOutliers(state.new_row[b], row_errors + b * config.shape.kv_heads);
-    }
-  }
+  AddNewRowsOutliers(steps, state, At<float>(ctx.pinned_out(), state.out_row_errors));
   // Device-side precondition violations would be this code's bug: every input was validated.
   // The word came down with the outputs; only when it is set does CheckAndClear say what it
   // holds.
@@ -1397,6 +1393,7 @@ absl::Status GpuStaticSetTier::Finish(std::span<const StaticSetStep> steps, Step
   state.tier_seconds.device_exact_wait =
       state.exact_heads > 0 ? static_cast<double>(stamps[4] - stamps[2]) * 1e-9 : 0.0;
   state.tier_seconds.device_step = static_cast<double>(stamps[1] - stamps[0]) * 1e-9;
+  const LayerConfig& config = *steps.front().config;
   const int q_heads = config.shape.q_heads;
   const int d = config.shape.head_dim;
   const float* o = reinterpret_cast<const float*>(ctx.pinned_out() + state.out_o);

@@ -58,6 +58,18 @@ class DeviceScope {
   absl::Status status_;
 };
 
+// `check` (a cuda:: bound of the device's, say its shared memory) run with device `ordinal`
+// current: its INVALID_ARGUMENT prefixed with `what` (the policy's value and where it is not
+// served), for CheckConfig; any other failure as it is.
+template <typename Check>
+absl::Status CheckOnDevice(int ordinal, absl::string_view what, const Check& check) {
+  DeviceScope scope(ordinal);
+  if (!scope.status().ok()) return scope.status();
+  absl::Status s = check();
+  if (!absl::IsInvalidArgument(s)) return s;
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ", s.message()));
+}
+
 inline KvDtype KvDtypeOf(v1::DType dtype) {
   return dtype == v1::DTYPE_F16 ? KvDtype::kF16 : KvDtype::kBf16;
 }
@@ -84,6 +96,10 @@ inline int64_t KvBytes(const LayerConfig& config, int64_t tokens) {
   return 2 * tokens * RowElems(config) * 2;
 }
 
+// The size a buffer of `held` bytes grows to when `bytes` are needed: by half at least, so that
+// a growing batch or history reallocates it rarely.
+inline size_t GrownBytes(size_t held, size_t bytes) { return std::max(bytes, held + held / 2); }
+
 // Pinned host memory, for the asynchronous copies of prompts and steps.
 class PinnedBuffer {
  public:
@@ -96,7 +112,7 @@ class PinnedBuffer {
   absl::Status Ensure(size_t bytes, MemoryAccount* account, absl::string_view what) {
     if (bytes <= bytes_) return absl::OkStatus();
     Free();
-    const size_t grown = std::max(bytes, bytes_ + bytes_ / 2);
+    const size_t grown = GrownBytes(bytes_, bytes);
     if (account != nullptr) {
       if (absl::Status s = account->Reserve(static_cast<int64_t>(grown), what); !s.ok()) return s;
     }
@@ -384,17 +400,15 @@ class GpuStepContext final : public StepContext {
         !s.ok()) {
       return s;
     }
-    // The device's buffers grow with the same slack as the pinned ones (PinnedBuffer::Ensure).
-    auto grown = [](size_t held, size_t bytes) { return std::max(bytes, held + held / 2); };
     if (device_in_.bytes() < in_bytes) {
-      if (absl::Status s =
-              device_in_.Allocate(grown(device_in_.bytes(), in_bytes), budget_, "a step's input");
+      if (absl::Status s = device_in_.Allocate(GrownBytes(device_in_.bytes(), in_bytes), budget_,
+                                               "a step's input");
           !s.ok()) {
         return s;
       }
     }
     if (device_out_.bytes() < out_bytes) {
-      if (absl::Status s = device_out_.Allocate(grown(device_out_.bytes(), out_bytes), budget_,
+      if (absl::Status s = device_out_.Allocate(GrownBytes(device_out_.bytes(), out_bytes), budget_,
                                                 "a step's output");
           !s.ok()) {
         return s;
