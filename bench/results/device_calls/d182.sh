@@ -4,7 +4,9 @@
 # workspace pointers reset in Prepare), through the binaries that step the gpu and tiered
 # placements there, four at a time. Bundle .device/b182 (gpu_placement_test,
 # tiered_shortlist_test, tiered_placement_test, gpu_support_test, kvrecalld); carry its ship/.
-# Not run yet: the session's device time ran out (d180-d181 spent it).
+# Not run yet: the session's device time ran out (d180-d181 spent it). Its bundle holds
+# b2728f0's binaries: rebuild it (the usual recipe) at 5c1ac83 or later, whose read-through moved
+# the shared-memory refusal into AllowDynamicSharedMemory, so that the call covers that too.
 set -u
 . bench/device_call.sh
 device_call_begin 182
